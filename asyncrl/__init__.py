@@ -1,0 +1,41 @@
+"""asyncrl: fully-asynchronous RL for language models on a small asyncio actor runtime."""
+
+from .errors import (
+    ActorDiedError,
+    ActorError,
+    ActorStartError,
+    AsyncrlError,
+    CallTimeoutError,
+    InvalidArgumentsError,
+    MessageTooLargeError,
+    NoFreeDevicesError,
+    ProtocolError,
+    RemoteError,
+    SupervisorClosedError,
+    UnknownMethodError,
+)
+from .runtime import Actor, ActorHandle, ActorState, ActorStatus, Supervisor, SupervisorConfig, endpoint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Actor",
+    "ActorDiedError",
+    "ActorError",
+    "ActorHandle",
+    "ActorStartError",
+    "ActorState",
+    "ActorStatus",
+    "AsyncrlError",
+    "CallTimeoutError",
+    "InvalidArgumentsError",
+    "MessageTooLargeError",
+    "NoFreeDevicesError",
+    "ProtocolError",
+    "RemoteError",
+    "Supervisor",
+    "SupervisorClosedError",
+    "SupervisorConfig",
+    "UnknownMethodError",
+    "endpoint",
+]

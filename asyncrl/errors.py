@@ -1,0 +1,114 @@
+"""Typed errors of the runtime. Each one says who was involved and what was awaited or refused."""
+
+from __future__ import annotations
+
+import builtins
+
+
+class AsyncrlError(Exception):
+    """Base class of every error asyncrl raises on purpose."""
+
+
+class ActorError(AsyncrlError):
+    """An error that concerns one actor, named in ``actor``."""
+
+    def __init__(self, actor: str, message: str):
+        super().__init__(f"actor {actor!r}: {message}")
+        self.actor = actor
+
+
+class ActorDiedError(ActorError):
+    """The actor's process exited or stopped answering while a call was pending, or before it."""
+
+    def __init__(self, actor: str, reason: str):
+        super().__init__(actor, f"died ({reason})")
+        self.reason = reason
+
+
+class ActorStartError(ActorError):
+    """The actor's process could not be started, or its constructor raised (traceback attached)."""
+
+    def __init__(self, actor: str, message: str, remote_traceback: str = ""):
+        text = message if not remote_traceback else f"{message}\n--- remote traceback ---\n{remote_traceback}"
+        super().__init__(actor, text)
+        self.remote_traceback = remote_traceback
+
+
+class CallTimeoutError(ActorError, TimeoutError):
+    """A call got no reply within its deadline; the call was cancelled on the actor."""
+
+    def __init__(self, actor: str, method: str, timeout_s: float):
+        super().__init__(actor, f"{method}() got no reply within {timeout_s:g} s")
+        self.method = method
+        self.timeout_s = timeout_s
+
+
+class RemoteError(ActorError):
+    """An endpoint raised. ``remote_type`` is the remote exception's type name and
+    ``remote_traceback`` its formatted traceback. When the remote type is a builtin exception
+    (``ValueError``, ``KeyError``, ...), the raised object is also an instance of that type, so
+    ``except ValueError`` works across the process boundary."""
+
+    def __init__(self, actor: str, method: str, remote_type: str, message: str, remote_traceback: str = ""):
+        text = f"{method}() raised {remote_type}: {message}"
+        if remote_traceback:
+            text += f"\n--- remote traceback ---\n{remote_traceback}"
+        ActorError.__init__(self, actor, text)
+        self.method = method
+        self.remote_type = remote_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+
+
+class InvalidArgumentsError(RemoteError, TypeError):
+    """The actor refused a call whose arguments do not match the endpoint's annotations."""
+
+
+class UnknownMethodError(RemoteError, AttributeError):
+    """The actor has no endpoint of that name."""
+
+
+class MessageTooLargeError(AsyncrlError, ValueError):
+    """A message is larger than the configured ``max_message_bytes``."""
+
+
+class ProtocolError(AsyncrlError):
+    """A frame could not be decoded (garbage, truncated, or of the wrong type)."""
+
+
+class NoFreeDevicesError(AsyncrlError):
+    """A spawn asked for more accelerator devices than are free."""
+
+
+class SupervisorClosedError(AsyncrlError):
+    """The supervisor is not running (not entered yet, or already closed)."""
+
+
+_BY_NAME: dict[str, type[RemoteError]] = {
+    "InvalidArgumentsError": InvalidArgumentsError,
+    "UnknownMethodError": UnknownMethodError,
+}
+_BUILTIN_MIXINS: dict[str, type[RemoteError]] = {}
+
+
+def remote_error_class(type_name: str) -> type[RemoteError]:
+    """The local class that re-raises a remote exception of ``type_name``.
+
+    Only our own remote error types and exception classes of ``builtins`` are mapped; nothing is
+    ever imported by a name that came over the wire."""
+    if type_name in _BY_NAME:
+        return _BY_NAME[type_name]
+    cls = _BUILTIN_MIXINS.get(type_name)
+    if cls is None:
+        base = getattr(builtins, type_name, None)
+        if not (isinstance(base, type) and issubclass(base, Exception)) or base in (
+            Exception,
+            BaseException,
+        ):
+            return RemoteError
+        try:
+            cls = type(f"Remote{type_name}", (RemoteError, base), {"__init__": RemoteError.__init__, "__str__": BaseException.__str__})
+        except TypeError:  # layout conflict (e.g. OSError subclasses): plain RemoteError
+            return RemoteError
+        _BUILTIN_MIXINS[type_name] = cls
+    return cls

@@ -1,0 +1,70 @@
+"""Supervisor configuration: one frozen dataclass, defaults that work on a laptop, and the
+``ASYNCRL_*`` environment variables through which ``asyncrl launch`` passes its flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+ENV_PREFIX = "ASYNCRL_SUP_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorConfig:
+    transport: str = "ipc"
+    """'ipc' (Unix sockets in a private run directory) or 'tcp' (``host``, a free port per actor)."""
+    host: str = "127.0.0.1"
+    """Interface that actor sockets bind to when ``transport='tcp'``; never a wildcard by default."""
+    call_timeout_s: float = 600.0
+    """Default deadline of one call (per item for streams); override per handle or per call."""
+    start_timeout_s: float = 120.0
+    """Deadline for a new actor process to import its class and finish ``__init__``/``on_start``."""
+    stop_timeout_s: float = 10.0
+    """Graceful stop (``on_stop``) deadline before the process group gets SIGTERM."""
+    term_timeout_s: float = 3.0
+    """Deadline after SIGTERM before the process group gets SIGKILL."""
+    heartbeat_interval_s: float = 0.5
+    """How often each actor process reports that it is alive (from a thread of its own)."""
+    heartbeat_timeout_s: float = 15.0
+    """An actor silent this long (frozen, SIGSTOPped, swapped out) is killed and counted dead."""
+    max_message_bytes: int = 1 << 31
+    """Largest message (body plus tensor frames) a call or reply may be; larger ones are refused."""
+    device_kind: str = "auto"
+    """'auto', 'cuda' or 'npu': which visibility variable ``gpus=`` fills."""
+    handle_signals: bool = True
+    """Turn SIGTERM into a clean shutdown while the supervisor is open (main thread only)."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', not {self.transport!r}")
+        if self.device_kind not in ("auto", "cuda", "npu"):
+            raise ValueError(f"device_kind must be 'auto', 'cuda' or 'npu', not {self.device_kind!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s") and not value > 0:
+                raise ValueError(f"{f.name} must be > 0, not {value!r}")
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed twice heartbeat_interval_s")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, not {self.max_message_bytes}")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "SupervisorConfig":
+        """Defaults, then ``ASYNCRL_SUP_<FIELD>`` variables (set by ``asyncrl launch``), then
+        ``overrides``."""
+        values: dict = {}
+        for f in dataclasses.fields(cls):
+            text = os.environ.get(ENV_PREFIX + f.name.upper())
+            if text is None:
+                continue
+            kind = type(f.default)
+            try:
+                values[f.name] = (text.lower() in ("1", "true", "yes")) if kind is bool else kind(text)
+            except ValueError:
+                raise ValueError(f"{ENV_PREFIX + f.name.upper()}={text!r} is not a valid {kind.__name__}") from None
+        values.update(overrides)
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -1,0 +1,81 @@
+"""``ActorHandle``: the caller's view of an actor. ``await h.method(...)`` is an RPC;
+``async for x in h.stream(...)`` consumes a streaming endpoint. A handle stays valid across
+restarts: calls made while the actor restarts wait (within their timeout) for the new incarnation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from .actor import EndpointSpec
+from .state import ActorState
+
+if TYPE_CHECKING:
+    from .supervisor import ActorRecord, ActorStatus
+
+
+class RemoteMethod:
+    __slots__ = ("_record", "_spec", "_timeout_s")
+
+    def __init__(self, record: "ActorRecord", spec: EndpointSpec, timeout_s: float):
+        self._record = record
+        self._spec = spec
+        self._timeout_s = timeout_s
+
+    def with_timeout(self, timeout_s: float) -> "RemoteMethod":
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
+        return RemoteMethod(self._record, self._spec, timeout_s)
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        if self._spec.is_stream:
+            return self._stream(args, kwargs)
+        return self._call(args, kwargs)
+
+    async def _call(self, args: tuple, kwargs: dict) -> Any:
+        record = self._record
+        client = record.client if record.state is ActorState.RUNNING else await record.client_within(self._timeout_s)
+        return await client.call(self._spec, args, kwargs, self._timeout_s)
+
+    async def _stream(self, args: tuple, kwargs: dict) -> AsyncIterator[Any]:
+        client = await self._record.client_within(self._timeout_s)
+        async for item in client.stream(self._spec, args, kwargs, self._timeout_s):
+            yield item
+
+    def __repr__(self) -> str:
+        return f"<remote {self._record.name}.{self._spec.name}>"
+
+
+class ActorHandle:
+    """Returned by ``Supervisor.spawn``; valid in the supervisor's process."""
+
+    __slots__ = ("_record", "_specs", "_timeout_s")
+
+    def __init__(self, record: "ActorRecord", specs: dict[str, EndpointSpec], timeout_s: float | None = None):
+        self._record = record
+        self._specs = specs
+        self._timeout_s = timeout_s or record.call_timeout_s
+
+    @property
+    def name(self) -> str:
+        return self._record.name
+
+    def info(self) -> "ActorStatus":
+        """State, pid, restarts and heartbeat age of the actor, as the supervisor sees it now."""
+        return self._record.status()
+
+    def with_timeout(self, timeout_s: float) -> "ActorHandle":
+        """The same actor, with ``timeout_s`` as the default deadline of its calls."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
+        return ActorHandle(self._record, self._specs, timeout_s)
+
+    def __getattr__(self, attr: str) -> RemoteMethod:
+        spec = self._specs.get(attr)
+        if spec is None:
+            known = ", ".join(sorted(self._specs)) or "none"
+            raise AttributeError(f"actor {self._record.name!r} ({self._record.cls.__qualname__}) has no endpoint {attr!r}; endpoints: {known}")
+        return RemoteMethod(self._record, spec, self._timeout_s)
+
+    def __repr__(self) -> str:
+        return f"<ActorHandle {self._record.name} {self._record.state.value}>"

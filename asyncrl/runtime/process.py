@@ -1,0 +1,129 @@
+"""One child process: its own session and process group, an exit we can wait on, prefixed logs.
+
+Exit is observed through a pidfd registered with the event loop, so a crash is seen the moment it
+happens, not at the next poll. The child's stdout and stderr are pumped line by line to ours with
+a ``[name]:`` prefix (as torchrun does with ``[rank0]:``). Stopping escalates: the caller's graceful
+step, then SIGTERM to the whole process group, then SIGKILL to it, each with a bounded wait, so
+grandchildren (a vLLM engine, a data loader) go too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from typing import Sequence
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class ChildProcess:
+    def __init__(self, argv: Sequence[str], env: dict[str, str], log_prefix: str, pass_fds: Sequence[int] = ()):
+        self.log_prefix = log_prefix
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # own process group: one killpg reaches every descendant
+            pass_fds=tuple(pass_fds),
+        )
+        self.pid = self.proc.pid
+        loop = asyncio.get_running_loop()
+        self.exited: asyncio.Future[int] = loop.create_future()
+        self._pidfd = os.pidfd_open(self.pid)
+        loop.add_reader(self._pidfd, self._on_exit)
+        self._pumps = [
+            asyncio.ensure_future(_pump(loop, self.proc.stdout, sys.stdout, log_prefix)),
+            asyncio.ensure_future(_pump(loop, self.proc.stderr, sys.stderr, log_prefix)),
+        ]
+
+    def _on_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = -1
+        returncode = self.proc.wait()
+        if not self.exited.done():
+            self.exited.set_result(returncode)
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited.done()
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the child's process group (it leads one: pgid == pid). Once the leader is reaped
+        its pid cannot be reused while any member of the group is alive, so this never hits a
+        stranger; an empty group is simply gone."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for exit; True if it exited."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.exited), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def terminate(self, term_timeout_s: float, kill_timeout_s: float) -> int | None:
+        """SIGTERM the group, wait, SIGKILL the group, wait. Also sweeps grandchildren left
+        behind by a leader that exited on its own."""
+        if self.alive:
+            self.signal_group(signal.SIGTERM)
+            if not await self.wait(term_timeout_s):
+                self.signal_group(signal.SIGKILL)
+                await self.wait(kill_timeout_s)
+        self.signal_group(signal.SIGKILL)
+        await self.close_logs()
+        return self.exited.result() if self.exited.done() else None
+
+    async def close_logs(self, timeout_s: float = 1.0) -> None:
+        """Let the log pumps drain what the child wrote, then stop them."""
+        _, pending = await asyncio.wait(self._pumps, timeout=timeout_s)
+        for p in pending:
+            p.cancel()
+
+    def kill_now(self) -> None:
+        """Synchronous last resort (finalizers, a second Ctrl-C): SIGKILL the group."""
+        self.signal_group(signal.SIGKILL)
+
+
+async def _pump(loop: asyncio.AbstractEventLoop, pipe, out, prefix: str) -> None:
+    reader = asyncio.StreamReader(limit=1 << 20)
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    pending = b""
+    try:
+        while True:
+            chunk = await reader.read(1 << 16)
+            if not chunk:
+                break
+            lines = (pending + chunk).split(b"\n")
+            pending = lines.pop()
+            if lines:
+                _write(out, prefix, lines)
+        if pending:
+            _write(out, prefix, [pending])
+    finally:
+        transport.close()
+
+
+def _write(out, prefix: str, lines: list[bytes]) -> None:
+    text = "".join(f"{prefix}{line.decode('utf-8', 'replace')}\n" for line in lines)
+    try:
+        out.write(text)
+        out.flush()
+    except (OSError, ValueError):
+        pass  # our own stdout is gone; the child's output has nowhere to go

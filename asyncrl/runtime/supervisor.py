@@ -1,0 +1,464 @@
+"""The supervisor: spawns actor processes, watches them, restarts them, and shuts them all down.
+
+Per actor it keeps one ``ActorRecord`` whose state moves
+``STARTING -> RUNNING -> (RESTARTING -> RUNNING)* -> DEAD | STOPPED``. Death is observed by waiting
+on the process's exit (pidfd) together with heartbeats (a frozen process is killed once silent for
+``heartbeat_timeout_s``): the moment either fires, every call pending on that actor fails with
+``ActorDiedError``.
+
+Every process this supervisor starts leads its own process group and is tracked in ``_groups``
+until that group is known empty; a ``weakref.finalize`` SIGKILLs whatever is left if the
+supervisor is dropped or the interpreter exits without ``close()``. If this process is SIGKILLed,
+the children notice on their own (see ``worker.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import weakref
+from typing import Any
+
+import msgspec
+import zmq
+
+from . import signals, wire
+from .actor import endpoints_of, init_spec
+from .client import ActorClient
+from .codec import PayloadEncoder
+from .config import SupervisorConfig
+from .devices import DevicePool, detect
+from .handle import ActorHandle
+from .process import ChildProcess, describe_exit
+from .state import ActorState
+from .transport import LoopSocket, bind_router, make_run_dir, remove_run_dir
+from . import worker as worker_env
+from ..errors import ActorDiedError, ActorStartError, SupervisorClosedError
+
+log = logging.getLogger("asyncrl.supervisor")
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class ActorStatus(msgspec.Struct, frozen=True):
+    name: str
+    state: str
+    pid: int | None
+    incarnation: int
+    restarts: int
+    max_restarts: int
+    devices: list[str]
+    last_heartbeat_age_s: float | None
+    error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class ActorRecord:
+    name: str
+    cls: type
+    class_ref: tuple[str, str, str]
+    init_payload: tuple[msgspec.Raw, list]
+    devices: list[str]
+    env: dict[str, str]
+    max_restarts: int
+    call_timeout_s: float
+    state: ActorState = ActorState.STARTING
+    incarnation: int = 0
+    restarts: int = 0
+    proc: ChildProcess | None = None
+    client: ActorClient | None = None
+    routing_id: bytes | None = None
+    ready: asyncio.Future | None = None
+    last_heartbeat: float = 0.0
+    last_words: str = ""
+    kill_reason: str = ""
+    error: BaseException | None = None
+    stopping: bool = False
+    devices_released: bool = False
+    _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def set_state(self, state: ActorState) -> None:
+        self.state = state
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def status(self) -> ActorStatus:
+        running = self.state is ActorState.RUNNING
+        return ActorStatus(
+            name=self.name,
+            state=self.state.value,
+            pid=self.proc.pid if self.proc is not None and self.proc.alive else None,
+            incarnation=self.incarnation,
+            restarts=self.restarts,
+            max_restarts=self.max_restarts,
+            devices=list(self.devices),
+            last_heartbeat_age_s=round(time.monotonic() - self.last_heartbeat, 3) if running else None,
+            error=str(self.error) if self.error is not None else None,
+        )
+
+    async def client_within(self, timeout_s: float) -> ActorClient:
+        """The client of the running incarnation, waiting (bounded) through a start or restart."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.state is ActorState.RUNNING:
+                return self.client
+            if self.state in (ActorState.DEAD, ActorState.STOPPED):
+                raise self.error or ActorDiedError(self.name, self.state.value)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ActorDiedError(self.name, f"still {self.state.value} after {timeout_s:g} s")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+
+
+def _class_ref(cls: type) -> tuple[str, str, str]:
+    if "<locals>" in cls.__qualname__:
+        raise TypeError(f"actor class {cls.__qualname__} must be defined at module level to be importable")
+    module = cls.__module__
+    if module in ("__main__", worker_env.SCRIPT_MODULE):
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if not path:
+            raise TypeError(f"actor class {cls.__qualname__} is defined interactively; put it in a file")
+        return worker_env.SCRIPT_MODULE, cls.__qualname__, os.path.abspath(path)
+    return module, cls.__qualname__, ""
+
+
+def _kill_groups(groups: set[int]) -> None:
+    for pgid in list(groups):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    groups.clear()
+
+
+def _emergency_cleanup(groups: set[int], run_dir: str, fds: list[int]) -> None:
+    _kill_groups(groups)
+    remove_run_dir(run_dir)
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class Supervisor:
+    """Spawns and supervises actors. Use as ``async with Supervisor() as sup:``.
+
+    Configuration comes from ``config`` or, by default, from ``SupervisorConfig.from_env`` (which
+    ``asyncrl launch`` fills from its flags), with keyword ``overrides`` applied last."""
+
+    def __init__(self, config: SupervisorConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = SupervisorConfig.from_env(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self._records: dict[str, ActorRecord] = {}
+        self._groups: set[int] = set()
+        self._names = itertools.count()
+        self._state = "new"
+        self._exit = contextlib.ExitStack()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "Supervisor":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._state != "new":
+            raise SupervisorClosedError(f"supervisor already {self._state}")
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        self._run_dir = make_run_dir()
+        bind = f"ipc://{self._run_dir}/supervisor.sock" if cfg.transport == "ipc" else f"tcp://{cfg.host}:*"
+        sock, self.address = bind_router(self._ctx, bind)
+        self._control = LoopSocket(sock, self._on_control, "supervisor control")
+        self._control_decoder = msgspec.msgpack.Decoder(wire.ToSupervisor)
+        # Children inherit the read end; only we hold the write end. Its EOF tells them we died.
+        self._death_r, self._death_w = os.pipe()
+        self._devices = DevicePool(*detect(cfg.device_kind))
+        self._payload = PayloadEncoder()
+        self._body = msgspec.msgpack.Encoder()
+        self._finalizer = weakref.finalize(
+            self, _emergency_cleanup, self._groups, self._run_dir, [self._death_r, self._death_w]
+        )
+        self._tasks = [asyncio.ensure_future(self._watch_heartbeats())]
+        if cfg.handle_signals:
+            self._exit.enter_context(signals.cancel_on_signals(asyncio.current_task()))
+        self._state = "running"
+
+    async def close(self) -> None:
+        """Stop every actor (graceful, then SIGTERM, then SIGKILL to its process group), close
+        sockets, remove the run directory. Idempotent. A second cancellation (a second Ctrl-C)
+        while closing skips the graceful steps."""
+        if self._state != "running":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            await asyncio.gather(*(self._stop(rec, "the supervisor is shutting down") for rec in self._records.values()))
+        except asyncio.CancelledError:
+            _kill_groups(self._groups)
+            raise
+        finally:
+            self._state = "closed"
+            for rec in self._records.values():
+                if rec.proc is not None and rec.proc.alive:
+                    rec.proc.kill_now()
+            for t in self._tasks:
+                t.cancel()
+            self._control.close()
+            self._ctx.destroy(0)
+            self._finalizer()  # kills any group still tracked, removes the run dir, closes the pipe
+            self._exit.close()
+
+    def _require_running(self) -> None:
+        if self._state != "running":
+            raise SupervisorClosedError(f"supervisor is {self._state}; use it inside `async with Supervisor()`")
+
+    # --- spawning ----------------------------------------------------------------------------
+
+    async def spawn(
+        self,
+        cls: type,
+        *args: Any,
+        name: str | None = None,
+        gpus: int = 0,
+        env: dict[str, str] | None = None,
+        max_restarts: int = 0,
+        call_timeout_s: float | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> ActorHandle:
+        """Start ``cls(*args, **kwargs)`` in a new process and return its handle once ``__init__``
+        and ``on_start`` have returned there. Raises ``ActorStartError`` (with the remote
+        traceback) if they raise, ``NoFreeDevicesError`` if ``gpus`` cannot be met."""
+        self._require_running()
+        endpoints_of(cls)  # validates the class and its endpoint annotations here, not remotely
+        name = name or f"{cls.__name__.lower()}-{next(self._names)}"
+        if not _NAME.match(name):
+            raise ValueError(f"actor name {name!r}: use 1-64 of A-Z a-z 0-9 _ . -")
+        if name in self._records:
+            raise ValueError(f"an actor named {name!r} already exists")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, not {max_restarts}")
+        bufs: list = []
+        payload = self._payload.encode(init_spec(cls).bind(args, kwargs or {}), bufs, first_index=1)
+        devices = self._devices.take(gpus, name)
+        rec = ActorRecord(
+            name=name,
+            cls=cls,
+            class_ref=_class_ref(cls),
+            init_payload=(payload, bufs),
+            devices=devices,
+            env={k: str(v) for k, v in (env or {}).items()},
+            max_restarts=max_restarts,
+            call_timeout_s=call_timeout_s or self.config.call_timeout_s,
+        )
+        self._records[name] = rec
+        try:
+            await self._start_incarnation(rec)
+        except BaseException as e:
+            rec.set_state(ActorState.DEAD)
+            rec.error = e if isinstance(e, ActorStartError) else ActorDiedError(name, "start interrupted")
+            self._release_devices(rec)
+            del self._records[name]
+            raise
+        return ActorHandle(rec, endpoints_of(cls))
+
+    async def spawn_group(self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any) -> list[ActorHandle]:
+        """Start ``n`` alike actors concurrently, named ``<name>-0 .. <name>-(n-1)``. If any fails
+        to start, the others are stopped and the first error is raised."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, not {n}")
+        base = name or cls.__name__.lower()
+        results = await asyncio.gather(
+            *(self.spawn(cls, *args, name=f"{base}-{i}", **options) for i in range(n)), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(self.stop(h) for h in results if isinstance(h, ActorHandle)))
+            raise errors[0]
+        return results
+
+    async def stop(self, handle: ActorHandle) -> None:
+        """Stop one actor for good (no restart); its pending calls fail with ``ActorDiedError``."""
+        rec = self._records.get(handle.name)
+        if rec is not None and rec is handle._record:
+            await self._stop(rec, "stopped by the supervisor")
+
+    def status(self) -> list[ActorStatus]:
+        """One ``ActorStatus`` per actor, in spawn order."""
+        return [r.status() for r in self._records.values()]
+
+    # --- one incarnation ---------------------------------------------------------------------
+
+    async def _start_incarnation(self, rec: ActorRecord) -> None:
+        cfg = self.config
+        if rec.stopping or self._state != "running":
+            raise ActorStartError(rec.name, "the supervisor is shutting down")
+        rec.incarnation += 1
+        rec.routing_id = None
+        rec.last_words = rec.kill_reason = ""
+        rec.ready = self._loop.create_future()
+        env = {
+            **os.environ,
+            **self._devices.env_for(rec.devices),
+            **rec.env,
+            "PYTHONUNBUFFERED": "1",
+            worker_env.ENV_NAME: rec.name,
+            worker_env.ENV_INCARNATION: str(rec.incarnation),
+            worker_env.ENV_SUPERVISOR: self.address,
+            worker_env.ENV_PARENT_PID: str(os.getpid()),
+            worker_env.ENV_DEATH_FD: str(self._death_r),
+            worker_env.ENV_INIT_TIMEOUT: str(cfg.start_timeout_s),
+        }
+        try:
+            proc = ChildProcess(
+                [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"], env, f"[{rec.name}]: ", pass_fds=[self._death_r]
+            )
+        except OSError as e:
+            raise ActorStartError(rec.name, f"cannot start a process: {e}") from e
+        rec.proc = proc
+        self._groups.add(proc.pid)
+        await asyncio.wait({rec.ready, proc.exited}, timeout=cfg.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if rec.ready.done() and rec.ready.exception() is None and proc.alive:
+            rec.client = ActorClient(self._ctx, rec.name, rec.ready.result(), cfg.max_message_bytes)
+            rec.last_heartbeat = time.monotonic()
+            rec.set_state(ActorState.RUNNING)
+            asyncio.ensure_future(self._watch(rec, proc, rec.incarnation))
+            return
+        if rec.ready.done() and rec.ready.exception() is not None:
+            error = rec.ready.exception()
+        elif not proc.alive:
+            error = ActorStartError(rec.name, f"process {describe_exit(proc.exited.result())} during start{_words(rec)}")
+        else:
+            error = ActorStartError(rec.name, f"not ready within start_timeout_s={cfg.start_timeout_s:g}")
+        await self._reap(proc)
+        raise error
+
+    async def _watch(self, rec: ActorRecord, proc: ChildProcess, incarnation: int) -> None:
+        returncode = await proc.exited
+        if rec.incarnation != incarnation:
+            return
+        reason = "stopped by the supervisor" if rec.stopping else rec.kill_reason or describe_exit(returncode)
+        error: BaseException = ActorDiedError(rec.name, reason + _words(rec))
+        if not rec.stopping:
+            # Before anything is awaited: calls made from now on wait for the restart or fail.
+            rec.set_state(ActorState.RESTARTING if rec.restarts < rec.max_restarts else ActorState.DEAD)
+            rec.error = error
+        rec.client.fail_all(error)
+        await self._reap(proc)
+        if rec.stopping:
+            return
+        while rec.restarts < rec.max_restarts and not rec.stopping:
+            rec.restarts += 1
+            log.warning("actor %s died (%s); restart %d of %d", rec.name, reason, rec.restarts, rec.max_restarts)
+            try:
+                await self._start_incarnation(rec)
+                rec.error = None
+                return
+            except ActorStartError as e:
+                error = e
+        log.error("actor %s is dead: %s", rec.name, error)
+        rec.error = error
+        if rec.state is not ActorState.STOPPED:
+            rec.set_state(ActorState.DEAD)
+        self._release_devices(rec)
+
+    def _release_devices(self, rec: ActorRecord) -> None:
+        if not rec.devices_released:
+            rec.devices_released = True
+            self._devices.give_back(rec.devices)
+
+    async def _reap(self, proc: ChildProcess) -> None:
+        """Make sure the process and everything in its group are gone."""
+        await proc.terminate(self.config.term_timeout_s, kill_timeout_s=5.0)
+        if not proc.alive:
+            self._groups.discard(proc.pid)
+
+    async def _stop(self, rec: ActorRecord, reason: str) -> None:
+        if rec.stopping:
+            return
+        rec.stopping = True
+        proc = rec.proc
+        if rec.client is not None:
+            rec.client.fail_all(ActorDiedError(rec.name, reason))
+        if proc is not None and proc.alive and rec.routing_id is not None:
+            self._control.send([rec.routing_id, self._body.encode(wire.Shutdown(reason))], copy=True)
+            await proc.wait(self.config.stop_timeout_s)
+        if proc is not None:
+            await self._reap(proc)
+        self._release_devices(rec)
+        rec.error = rec.error or ActorDiedError(rec.name, reason)
+        rec.set_state(ActorState.STOPPED)
+
+    # --- control socket ----------------------------------------------------------------------
+
+    def _on_control(self, frames: list) -> None:
+        if len(frames) != 2:
+            return  # not one of our workers: ignore
+        try:
+            msg = self._control_decoder.decode(frames[1].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("supervisor: dropped an undecodable control message")
+            return
+        rec = self._records.get(msg.actor)
+        if rec is None or rec.incarnation != msg.incarnation:
+            return  # from a previous incarnation, already handled
+        kind = type(msg)
+        if kind is wire.Heartbeat:
+            rec.last_heartbeat = time.monotonic()
+        elif kind is wire.Hello:
+            rec.routing_id = frames[0].bytes
+            self._send_init(rec)
+        elif kind is wire.Ready:
+            if not rec.ready.done():
+                rec.ready.set_result(msg.address)
+        elif kind is wire.StartFailed:
+            if not rec.ready.done():
+                rec.ready.set_exception(ActorStartError(rec.name, f"{msg.type_name}: {msg.message}", msg.traceback))
+        else:  # Dead
+            rec.last_words = msg.reason
+
+    def _send_init(self, rec: ActorRecord) -> None:
+        cfg = self.config
+        module, qualname, script = rec.class_ref
+        payload, bufs = rec.init_payload
+        bind = f"ipc://{self._run_dir}/a{rec.name}-{rec.incarnation}.sock" if cfg.transport == "ipc" else f"tcp://{cfg.host}:*"
+        init = wire.Init(module, qualname, script, payload, list(sys.path), bind, cfg.max_message_bytes, cfg.heartbeat_interval_s)
+        self._control.send([rec.routing_id, self._body.encode(init), *bufs], copy=False)
+
+    async def _watch_heartbeats(self) -> None:
+        cfg = self.config
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            now = time.monotonic()
+            if now - last_tick > cfg.heartbeat_timeout_s / 2:
+                # Our own loop was blocked: beats are queued unread, not missing. Start afresh.
+                for rec in self._records.values():
+                    rec.last_heartbeat = now
+            last_tick = now
+            for rec in self._records.values():
+                silent = now - rec.last_heartbeat
+                if rec.state is ActorState.RUNNING and silent > cfg.heartbeat_timeout_s and rec.proc.alive and not rec.kill_reason:
+                    rec.kill_reason = f"no heartbeat for {silent:.1f} s (frozen or stopped?); killed"
+                    log.error("actor %s: %s", rec.name, rec.kill_reason)
+                    rec.proc.kill_now()
+
+
+def _words(rec: ActorRecord) -> str:
+    if not rec.last_words:
+        return ""
+    last = rec.last_words.strip().splitlines()[-1]
+    return f"; its last words: {last}"

@@ -1,0 +1,149 @@
+"""The control-plane wire schema: every message any asyncrl socket carries, as msgspec Structs.
+
+A message travels as ZeroMQ frames ``[body, buffer_1, buffer_2, ...]``: ``body`` is one of the
+Structs below encoded as msgpack; large tensors and arrays inside a payload travel as the extra
+frames, referenced by index (see ``codec.py``). Payload fields are ``msgspec.Raw``: they are
+encoded and decoded a second time against the endpoint's own annotations, so the envelope is
+decoded by one fixed, typed decoder per socket and nothing is ever unpickled.
+
+Two conversations use these messages:
+
+* caller <-> actor (DEALER -> the actor's ROUTER): ``ToActor`` requests, ``FromActor`` replies;
+* worker <-> supervisor (the worker's DEALERs -> the supervisor's ROUTER): ``ToSupervisor`` up,
+  ``ToWorker`` down.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+from msgspec import Raw
+
+_OPTS = dict(array_like=True, omit_defaults=True, gc=False, frozen=True)
+
+
+class _Msg(msgspec.Struct, tag_field="t", **_OPTS):
+    pass
+
+
+# --- caller -> actor -------------------------------------------------------------------------
+
+
+class Call(_Msg, tag=1):
+    """Run endpoint ``method`` with positional ``args`` (a msgpack array). ``id`` is unique per
+    caller connection; the actor answers with ``Reply``/``Failure`` (or ``StreamItem``s and a
+    ``StreamEnd`` for a streaming endpoint) carrying the same ``id``."""
+
+    id: int
+    method: str
+    args: Raw
+
+
+class Cancel(_Msg, tag=2):
+    """The caller gave up on call ``id`` (timeout, cancellation, or a stream it stopped reading)."""
+
+    id: int
+
+
+class StreamCredit(_Msg, tag=3):
+    """The caller consumed ``n`` more items of stream ``id``: the actor may send ``n`` more.
+    This credit window is what bounds a stream's buffering on both sides."""
+
+    id: int
+    n: int
+
+
+# --- actor -> caller -------------------------------------------------------------------------
+
+
+class Reply(_Msg, tag=4):
+    id: int
+    value: Raw
+
+
+class StreamItem(_Msg, tag=5):
+    id: int
+    value: Raw
+
+
+class StreamEnd(_Msg, tag=6):
+    id: int
+
+
+class Failure(_Msg, tag=7):
+    """Call ``id`` failed. ``id`` is 0 when the request could not even be decoded."""
+
+    id: int
+    type_name: str
+    message: str
+    traceback: str = ""
+
+
+# --- worker -> supervisor --------------------------------------------------------------------
+
+
+class Hello(_Msg, tag=10):
+    """First message of a new worker process: it asks for its ``Init``."""
+
+    actor: str
+    incarnation: int
+    pid: int
+
+
+class Ready(_Msg, tag=11):
+    """The constructor returned; calls are accepted at ``address``."""
+
+    actor: str
+    incarnation: int
+    address: str
+
+
+class StartFailed(_Msg, tag=12):
+    actor: str
+    incarnation: int
+    type_name: str
+    message: str
+    traceback: str = ""
+
+
+class Heartbeat(_Msg, tag=13):
+    actor: str
+    incarnation: int
+
+
+class Dead(_Msg, tag=14):
+    """Last words of a worker that is exiting (sent with linger), so the supervisor can say why."""
+
+    actor: str
+    incarnation: int
+    reason: str
+
+
+# --- supervisor -> worker --------------------------------------------------------------------
+
+
+class Init(_Msg, tag=20):
+    """Which class to build and with what. ``module`` is imported by name, or, when ``script`` is
+    set, the file at that path is loaded (classes defined in a launched script)."""
+
+    module: str
+    qualname: str
+    script: str
+    args: Raw
+    sys_path: list[str]
+    bind_address: str
+    max_message_bytes: int
+    heartbeat_interval_s: float
+
+
+class Shutdown(_Msg, tag=21):
+    """Stop serving, run ``on_stop``, and exit."""
+
+    reason: str
+
+
+ToActor = Union[Call, Cancel, StreamCredit]
+FromActor = Union[Reply, StreamItem, StreamEnd, Failure]
+ToSupervisor = Union[Hello, Ready, StartFailed, Heartbeat, Dead]
+ToWorker = Union[Init, Shutdown]

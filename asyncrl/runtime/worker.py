@@ -1,0 +1,192 @@
+"""Entry point of an actor process, started by the supervisor (``worker.main``).
+
+Life of a worker: arm parent-death handling, say ``Hello`` to the supervisor, receive ``Init``,
+build the actor, bind its ROUTER, say ``Ready``, serve until ``Shutdown`` (graceful: ``on_stop``,
+exit 0) or a fatal error (``Dead`` with the reason, exit 1).
+
+Parent death: ``PR_SET_PDEATHSIG`` delivers SIGTERM when the supervisor dies, even by SIGKILL; a
+thread blocked on the read end of a pipe whose write end only the supervisor holds is the
+fallback (it sees EOF when the supervisor is gone for any reason). Either one kills this
+process's whole group with SIGKILL, so grandchildren go too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib
+import importlib.util
+import os
+import signal
+import sys
+import threading
+import traceback
+
+import msgspec
+import zmq
+
+from . import wire
+from .actor import init_spec
+from .server import ActorServer
+from .transport import LoopSocket, bind_router, connect_dealer
+
+ENV_NAME = "ASYNCRL_ACTOR"
+ENV_INCARNATION = "ASYNCRL_INCARNATION"
+ENV_SUPERVISOR = "ASYNCRL_SUPERVISOR_ADDR"
+ENV_PARENT_PID = "ASYNCRL_PARENT_PID"
+ENV_DEATH_FD = "ASYNCRL_DEATH_FD"
+ENV_INIT_TIMEOUT = "ASYNCRL_INIT_TIMEOUT_S"
+SCRIPT_MODULE = "__asyncrl_script__"
+"""Module name under which a launched script (or a ``__main__`` file) is loaded."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _kill_my_group(*_args) -> None:
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _arm_parent_death(parent_pid: int, death_fd: int) -> None:
+    signal.signal(signal.SIGTERM, _kill_my_group)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the death pipe below still works
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        _kill_my_group()
+
+    def watch() -> None:
+        try:
+            while os.read(death_fd, 1):
+                pass
+        except OSError:
+            pass
+        _kill_my_group()
+
+    threading.Thread(target=watch, name="asyncrl-death-pipe", daemon=True).start()
+
+
+class _Heartbeat(threading.Thread):
+    """Beats from a thread with its own socket, so a long blocking endpoint (a training step
+    holding the loop) does not look like death; a frozen or stopped process does."""
+
+    def __init__(self, address: str, actor: str, incarnation: int, interval_s: float):
+        super().__init__(name="asyncrl-heartbeat", daemon=True)
+        self.address, self.interval_s = address, interval_s
+        self.body = msgspec.msgpack.encode(wire.Heartbeat(actor, incarnation))
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        sock = connect_dealer(ctx, self.address, hwm=4)
+        try:
+            while not self.stopped.wait(self.interval_s):
+                try:
+                    sock.send(self.body, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # supervisor busy; the next beat will do
+        finally:
+            sock.close(0)
+            ctx.term()
+
+
+def load_class(init: wire.Init) -> type:
+    if init.script:
+        module = sys.modules.get(SCRIPT_MODULE)
+        if module is None:
+            sys.path.insert(0, os.path.dirname(init.script))
+            spec = importlib.util.spec_from_file_location(SCRIPT_MODULE, init.script)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[SCRIPT_MODULE] = module
+            spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(init.module)
+    obj = module
+    for part in init.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Control:
+    """The worker's end of its supervisor connection: ``Init`` once, then ``Shutdown``."""
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        loop = asyncio.get_running_loop()
+        self.init: asyncio.Future = loop.create_future()
+        self.shutdown: asyncio.Future = loop.create_future()
+        self._decoder = msgspec.msgpack.Decoder(wire.ToWorker)
+        # linger: last words (StartFailed, Dead) must get out before the process exits
+        self.sock = LoopSocket(connect_dealer(ctx, address, linger_ms=2000), self._on_message, "worker control")
+
+    def _on_message(self, frames: list) -> None:
+        msg = self._decoder.decode(frames[0].buffer)
+        target = self.init if type(msg) is wire.Init else self.shutdown
+        if not target.done():
+            target.set_result((msg, frames))
+
+    def say(self, msg) -> None:
+        self.sock.send([msgspec.msgpack.encode(msg)], copy=True)
+
+
+async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: float) -> int:
+    ctx = zmq.Context()
+    control = _Control(ctx, sup_address)
+    heartbeat = None
+    server = None
+    try:
+        control.say(wire.Hello(name, incarnation, os.getpid()))
+        try:
+            init, frames = await asyncio.wait_for(control.init, init_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no Init for actor {name!r} from the supervisor within {init_timeout_s:g} s") from None
+        sys.path[:0] = [p for p in init.sys_path if p not in sys.path]
+        heartbeat = _Heartbeat(sup_address, name, incarnation, init.heartbeat_interval_s)
+        heartbeat.start()
+        try:
+            cls = load_class(init)
+            spec = init_spec(cls)
+            args = spec.arg_decoder.decode(init.args, frames)
+            actor = spec.invoke(cls, args)
+            await actor.on_start()
+            sock, address = bind_router(ctx, init.bind_address)
+            server = ActorServer(actor, name, sock, init.max_message_bytes)
+        except BaseException as e:
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            control.say(wire.StartFailed(name, incarnation, type(e).__name__, str(e), tb))
+            return 1
+        control.say(wire.Ready(name, incarnation, address))
+        await control.shutdown  # the supervisor's word, or our death by signal, ends this
+        await server.close()
+        await actor.on_stop()
+        return 0
+    except Exception as e:
+        reason = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        control.say(wire.Dead(name, incarnation, reason))
+        print(f"actor {name!r} failed:\n{reason}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if heartbeat is not None:
+            heartbeat.stopped.set()
+        if server is not None:
+            server.sock.close()
+        control.sock.close()  # lingers up to 2 s for queued last words
+        ctx.term()
+
+
+def run_loop(coro):
+    """Run ``coro`` on uvloop when it is importable, else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main() -> None:
+    env = os.environ
+    name = env[ENV_NAME]
+    _arm_parent_death(int(env[ENV_PARENT_PID]), int(env[ENV_DEATH_FD]))
+    code = run_loop(_serve(name, int(env[ENV_INCARNATION]), env[ENV_SUPERVISOR], float(env[ENV_INIT_TIMEOUT])))
+    sys.exit(code)
+
