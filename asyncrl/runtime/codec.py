@@ -82,7 +82,7 @@ class PayloadEncoder:
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
                 raise TypeError("cannot send a numpy array of Python objects")
-            a = np.ascontiguousarray(obj)
+            a = obj if obj.flags.c_contiguous else obj.copy(order="C")  # keeps 0-d arrays 0-d
             data = a.reshape(-1).view(np.uint8)
             header = (a.dtype.str, list(a.shape), self._add(data))
             return msgspec.msgpack.Ext(NDARRAY_EXT, _header_encoder.encode(header))

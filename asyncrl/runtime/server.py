@@ -174,13 +174,11 @@ class ActorServer:
 
     def _send(self, ident: bytes, msg: Any, bufs: list = ()) -> None:
         body = self._body.encode(msg)
-        if bufs:
-            size = len(body) + frames_nbytes(bufs)
-            if size > self.max_message_bytes:
-                msg = wire.Failure(msg.id, "MessageTooLargeError", f"reply of {size} bytes exceeds max_message_bytes={self.max_message_bytes}")
-                return self.sock.send([ident, self._body.encode(msg)], copy=True)
-            return self.sock.send([ident, body, *bufs], copy=False)
-        self.sock.send([ident, body], copy=True)
+        size = len(body) + frames_nbytes(bufs) if bufs else len(body)
+        if size > self.max_message_bytes:
+            msg = wire.Failure(msg.id, "MessageTooLargeError", f"reply of {size} bytes exceeds max_message_bytes={self.max_message_bytes}")
+            body, bufs = self._body.encode(msg), ()
+        self.sock.send([ident, body, *bufs], copy=not bufs)
 
     async def close(self) -> None:
         """Cancel calls in flight, wait for them to unwind, close the socket."""

@@ -1,0 +1,132 @@
+"""Actor classes used by the tests (a module of their own, so actor processes can import them)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from typing import AsyncIterator
+
+import msgspec
+
+from asyncrl import Actor, endpoint
+
+
+class Point(msgspec.Struct):
+    x: int
+    y: int
+
+
+class Echo(Actor):
+    def __init__(self, offset: int = 0, label: str = "echo"):
+        self.offset = offset
+        self.label = label
+        self.cancelled = 0
+        self.produced = 0
+
+    @endpoint
+    async def add(self, x: int, y: int = 1) -> int:
+        return x + y + self.offset
+
+    @endpoint
+    async def scale(self, p: Point, *, factor: int = 2) -> Point:
+        return Point(p.x * factor, p.y * factor)
+
+    @endpoint
+    async def anything(self, value):
+        return value
+
+    @endpoint
+    def sync_add(self, x: int) -> int:
+        return x + self.offset
+
+    @endpoint
+    async def get_label(self) -> str:
+        return self.label
+
+    @endpoint
+    async def getpid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    @endpoint
+    async def fail_custom(self) -> None:
+        raise _Custom("custom failure")
+
+    @endpoint
+    async def sleep(self, seconds: float) -> float:
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return seconds
+
+    @endpoint
+    async def cancelled_count(self) -> int:
+        return self.cancelled
+
+    @endpoint
+    async def count(self, n: int, delay_s: float = 0.0) -> AsyncIterator[int]:
+        for i in range(n):
+            self.produced = i + 1
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            yield i
+
+    @endpoint
+    async def produced_count(self) -> int:
+        return self.produced
+
+    @endpoint
+    async def stream_then_fail(self, n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+        raise RuntimeError("stream broke")
+
+    @endpoint
+    async def big(self, n: int) -> bytes:
+        return b"x" * n
+
+    @endpoint
+    async def unsendable(self) -> object:
+        return object()
+
+    @endpoint
+    async def env(self, key: str) -> str:
+        return os.environ.get(key, "<unset>")
+
+    @endpoint
+    async def spawn_grandchild(self) -> int:
+        return subprocess.Popen(["sleep", "300"]).pid
+
+    @endpoint
+    def block(self, seconds: float) -> None:
+        time.sleep(seconds)  # holds the actor's loop; heartbeats come from a thread
+
+    @endpoint
+    async def say(self, text: str) -> None:
+        print(text, flush=True)
+
+
+class _Custom(Exception):
+    pass
+
+
+class FailsInInit(Actor):
+    def __init__(self, why: str):
+        raise RuntimeError(f"constructor refuses: {why}")
+
+
+class ExitsInInit(Actor):
+    def __init__(self):
+        os._exit(7)
+
+
+class SlowStart(Actor):
+    async def on_start(self) -> None:
+        await asyncio.sleep(30)

@@ -1,0 +1,66 @@
+"""Shared helpers: real processes, found and checked through /proc (no mocks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def descendants(pid: int) -> set[int]:
+    """Every living process below ``pid`` (children, grandchildren, ...)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    parents[int(entry)] = int(fields[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout_s`` passes (tests only: observing other processes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def kill_all(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """Every test must leave no process of ours behind."""
+    before = descendants(os.getpid())
+    yield
+    wait_until(lambda: not descendants(os.getpid()) - before, 5.0)
+    left = descendants(os.getpid()) - before
+    kill_all(left)
+    assert not left, f"processes left behind: {sorted(left)}"

@@ -1,0 +1,9 @@
+from asyncrl import Supervisor
+
+from actors import Echo
+
+
+async def main():
+    async with Supervisor() as sup:
+        echo = await sup.spawn(Echo, 1)
+        print("async main got", await echo.add(1), flush=True)

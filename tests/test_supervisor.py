@@ -1,0 +1,234 @@
+"""Supervision with real processes: death, restarts, start failures, devices, logs, groups."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from asyncrl import (
+    ActorDiedError,
+    ActorStartError,
+    NoFreeDevicesError,
+    Supervisor,
+    SupervisorClosedError,
+)
+from asyncrl.runtime.config import SupervisorConfig
+
+from actors import Echo, ExitsInInit, FailsInInit, SlowStart
+from conftest import descendants, process_alive, wait_until
+
+
+async def test_sigkill_mid_call_fails_fast_then_restart_serves():
+    async with Supervisor() as sup:
+        echo = await sup.spawn(Echo, max_restarts=1)
+        pid = await echo.getpid()
+        pending = asyncio.ensure_future(echo.sleep(60))
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ActorDiedError, match="killed by SIGKILL"):
+            await pending
+        assert time.monotonic() - start < 2.0
+        assert await echo.add(1) == 2  # waits for the restart, then runs on the new process
+        assert await echo.getpid() != pid
+        info = echo.info()
+        assert (info.state, info.restarts, info.incarnation) == ("running", 1, 2)
+
+
+async def test_without_restarts_a_dead_actor_fails_every_call_at_once():
+    async with Supervisor() as sup:
+        echo = await sup.spawn(Echo)
+        os.kill(await echo.getpid(), signal.SIGKILL)
+        assert await asyncio.to_thread(wait_until, lambda: echo.info().state == "dead", 2.0)
+        start = time.monotonic()
+        with pytest.raises(ActorDiedError, match="killed by SIGKILL"):
+            await echo.add(1)
+        assert time.monotonic() - start < 0.1
+        assert sup.status()[0].error is not None
+
+
+async def test_restart_budget_is_spent_then_dead():
+    async with Supervisor() as sup:
+        echo = await sup.spawn(Echo, max_restarts=2)
+        for expected in (1, 2):
+            os.kill(await echo.getpid(), signal.SIGKILL)
+            # a call sent before the death is seen fails (it may have reached the dying process);
+            # once the supervisor has seen it, calls wait for the restart
+            assert await asyncio.to_thread(wait_until, lambda: echo.info().incarnation == expected + 1, 2.0)
+            assert await echo.add(0) == 1
+            assert echo.info().restarts == expected
+        os.kill(await echo.getpid(), signal.SIGKILL)
+        with pytest.raises(ActorDiedError):
+            while True:  # calls fail once the death is seen; bounded by the call timeout
+                await echo.with_timeout(5).add(0)
+                await asyncio.sleep(0.01)
+        assert echo.info().state == "dead"
+
+
+async def test_constructor_failure_raises_with_remote_traceback_and_leaves_nothing():
+    async with Supervisor() as sup:
+        with pytest.raises(ActorStartError, match="constructor refuses: nope") as info:
+            await sup.spawn(FailsInInit, "nope", name="broken")
+        assert "actors.py" in info.value.remote_traceback and "RuntimeError" in info.value.remote_traceback
+        assert not descendants(os.getpid())
+        assert sup.status() == []
+        with pytest.raises(ActorStartError, match="exited with code 7 during start"):
+            await sup.spawn(ExitsInInit)
+        with pytest.raises(TypeError, match="missing a required argument"):
+            await sup.spawn(FailsInInit)  # wrong arity is refused before any process starts
+        echo = await sup.spawn(Echo, name="broken")  # the name is free again
+        assert await echo.add(1) == 2
+
+
+async def test_start_timeout_kills_the_slow_actor():
+    async with Supervisor(start_timeout_s=1.0) as sup:
+        start = time.monotonic()
+        with pytest.raises(ActorStartError, match="not ready within start_timeout_s=1"):
+            await sup.spawn(SlowStart)
+        assert time.monotonic() - start < 5.0
+        assert not descendants(os.getpid())
+
+
+async def test_frozen_actor_is_detected_by_heartbeat_and_restarted():
+    async with Supervisor(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0) as sup:
+        echo = await sup.spawn(Echo, max_restarts=1)
+        pid = await echo.getpid()
+        pending = asyncio.ensure_future(echo.add(1))
+        await asyncio.sleep(0)
+        os.kill(pid, signal.SIGSTOP)
+        # the reply to `pending` may or may not have been sent before the freeze
+        call = asyncio.ensure_future(echo.with_timeout(10).sleep(0.01))
+        start = time.monotonic()
+        try:
+            await call
+        except ActorDiedError as e:
+            assert "no heartbeat" in str(e)
+        assert time.monotonic() - start < 5.0
+        await asyncio.gather(pending, return_exceptions=True)
+        assert wait_until(lambda: not process_alive(pid), 1.0)
+        assert await echo.getpid() != pid
+
+
+async def test_a_blocking_endpoint_is_not_mistaken_for_death():
+    async with Supervisor(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5) as sup:
+        echo = await sup.spawn(Echo)
+        await echo.block(1.5)  # holds the actor's loop three times the heartbeat timeout
+        assert await echo.add(1) == 2
+        assert echo.info().restarts == 0
+
+
+async def test_stop_kills_grandchildren_and_frees_the_name():
+    async with Supervisor() as sup:
+        echo = await sup.spawn(Echo, name="parent")
+        grandchild = await echo.spawn_grandchild()
+        assert process_alive(grandchild)
+        await sup.stop(echo)
+        assert wait_until(lambda: not process_alive(grandchild), 1.0)  # SIGKILL lands asynchronously
+        with pytest.raises(ActorDiedError, match="stopped"):
+            await echo.add(1)
+        assert echo.info().state == "stopped"
+
+
+async def test_close_stops_everything_and_calls_fail():
+    sup = Supervisor()
+    await sup.start()
+    group = await sup.spawn_group(Echo, 3, name="worker")
+    assert [h.name for h in group] == ["worker-0", "worker-1", "worker-2"]
+    grandchild = await group[0].spawn_grandchild()
+    pending = asyncio.ensure_future(group[1].sleep(60))
+    await asyncio.sleep(0.1)
+    run_dir = sup._run_dir
+    assert os.path.isdir(run_dir)
+    await sup.close()
+    with pytest.raises(ActorDiedError):
+        await pending
+    assert wait_until(lambda: not descendants(os.getpid()) and not process_alive(grandchild), 1.0)
+    assert not os.path.exists(run_dir)
+    with pytest.raises(SupervisorClosedError):
+        await sup.spawn(Echo)
+    await sup.close()  # idempotent
+
+
+async def test_spawn_group_failure_stops_the_started_ones():
+    async with Supervisor() as sup:
+        with pytest.raises(ActorStartError):
+            await sup.spawn_group(FailsInInit, 2, "x")
+        assert not descendants(os.getpid())
+
+
+async def test_devices_are_assigned_and_hidden(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    async with Supervisor(device_kind="cuda") as sup:
+        a = await sup.spawn(Echo, gpus=2)
+        assert await a.env("CUDA_VISIBLE_DEVICES") == "3,5"
+        cpu = await sup.spawn(Echo)
+        assert await cpu.env("CUDA_VISIBLE_DEVICES") == ""
+        with pytest.raises(NoFreeDevicesError, match="asks for 2 device.*1 of 3"):
+            await sup.spawn(Echo, gpus=2)
+        await sup.stop(a)
+        b = await sup.spawn(Echo, gpus=3)
+        assert sorted((await b.env("CUDA_VISIBLE_DEVICES")).split(",")) == ["3", "5", "7"]
+
+
+async def test_env_and_logs_reach_the_actor_and_back(capfd):
+    async with Supervisor() as sup:
+        echo = await sup.spawn(Echo, name="talker", env={"MY_SETTING": 42})
+        assert await echo.env("MY_SETTING") == "42"
+        await echo.say("hello from the actor\nsecond line")
+    # closing drains the log pumps, so everything the actor printed has arrived by now
+    out = capfd.readouterr().out
+    assert "[talker]: hello from the actor\n[talker]: second line\n" in out
+
+
+async def test_spawn_validates_its_arguments():
+    async with Supervisor() as sup:
+        with pytest.raises(ValueError, match="actor name"):
+            await sup.spawn(Echo, name="bad name with spaces")
+        with pytest.raises(TypeError, match="not a subclass of asyncrl.Actor"):
+            await sup.spawn(dict)
+        with pytest.raises(TypeError, match="cannot send"):
+            await sup.spawn(Echo, object())
+        with pytest.raises(ValueError, match="max_restarts"):
+            await sup.spawn(Echo, max_restarts=-1)
+        await sup.spawn(Echo, name="one")
+        with pytest.raises(ValueError, match="already exists"):
+            await sup.spawn(Echo, name="one")
+    with pytest.raises(SupervisorClosedError):
+        await Supervisor().spawn(Echo)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"transport": "udp"}, "transport"),
+        ({"call_timeout_s": 0}, "call_timeout_s"),
+        ({"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 1.5}, "heartbeat_timeout_s"),
+        ({"max_message_bytes": 10}, "max_message_bytes"),
+        ({"device_kind": "tpu"}, "device_kind"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SupervisorConfig(**kwargs)
+
+
+def test_config_from_env(monkeypatch):
+    monkeypatch.setenv("ASYNCRL_SUP_CALL_TIMEOUT_S", "12.5")
+    monkeypatch.setenv("ASYNCRL_SUP_TRANSPORT", "tcp")
+    monkeypatch.setenv("ASYNCRL_SUP_HANDLE_SIGNALS", "false")
+    cfg = SupervisorConfig.from_env(stop_timeout_s=3.0)
+    assert (cfg.call_timeout_s, cfg.transport, cfg.handle_signals, cfg.stop_timeout_s) == (12.5, "tcp", False, 3.0)
+    monkeypatch.setenv("ASYNCRL_SUP_CALL_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="ASYNCRL_SUP_CALL_TIMEOUT_S='soon'"):
+        SupervisorConfig.from_env()
+
+
+async def test_tcp_transport_works():
+    async with Supervisor(transport="tcp") as sup:
+        echo = await sup.spawn(Echo)
+        assert echo._record.client.address.startswith("tcp://127.0.0.1:")
+        assert await echo.add(2) == 3
