@@ -32,3 +32,17 @@ class Tensors(Actor):
     @endpoint
     async def make(self, n: int) -> torch.Tensor:
         return torch.arange(n, dtype=torch.float32)
+
+
+class CudaUser(Actor):
+    """Sees only the devices the supervisor gave it."""
+
+    @endpoint
+    async def visible(self) -> tuple[int, str]:
+        import os
+
+        return torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+
+    @endpoint
+    async def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return (t.cuda() * 2).contiguous()  # a CUDA result is copied to host by the codec

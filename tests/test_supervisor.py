@@ -232,3 +232,28 @@ async def test_tcp_transport_works():
         echo = await sup.spawn(Echo)
         assert echo._record.client.address.startswith("tcp://127.0.0.1:")
         assert await echo.add(2) == 3
+
+
+async def test_cancelled_spawn_leaves_no_process():
+    async with Supervisor() as sup:
+        task = asyncio.ensure_future(sup.spawn(SlowStart))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.to_thread(wait_until, lambda: not descendants(os.getpid()), 2.0)
+        assert sup.status() == []
+
+
+async def test_supervisor_that_cannot_bind_tears_down_what_it_built():
+    import tempfile
+
+    mine = f"asyncrl-{os.getpid()}-"
+    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(mine)}
+    sup = Supervisor(transport="tcp", host="192.0.2.1")  # TEST-NET-1: never an address of this host
+    with pytest.raises(OSError, match="cannot bind"):
+        await sup.start()
+    after = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(mine)}
+    assert after <= before
+    with pytest.raises(SupervisorClosedError):
+        await sup.spawn(Echo)

@@ -180,19 +180,26 @@ class Supervisor:
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.Context()
         self._run_dir = make_run_dir()
-        bind = f"ipc://{self._run_dir}/supervisor.sock" if cfg.transport == "ipc" else f"tcp://{cfg.host}:*"
-        sock, self.address = bind_router(self._ctx, bind)
-        self._control = LoopSocket(sock, self._on_control, "supervisor control")
-        self._control_decoder = msgspec.msgpack.Decoder(wire.ToSupervisor)
         # Children inherit the read end; only we hold the write end. Its EOF tells them we died.
         self._death_r, self._death_w = os.pipe()
-        self._devices = DevicePool(*detect(cfg.device_kind))
-        self._payload = PayloadEncoder()
-        self._body = msgspec.msgpack.Encoder()
+        # Armed before anything else can fail, so a half-built supervisor is torn down too.
         self._finalizer = weakref.finalize(
             self, _emergency_cleanup, self._groups, self._run_dir, [self._death_r, self._death_w]
         )
-        self._tasks = [asyncio.ensure_future(self._watch_heartbeats())]
+        try:
+            bind = f"ipc://{self._run_dir}/supervisor.sock" if cfg.transport == "ipc" else f"tcp://{cfg.host}:*"
+            sock, self.address = bind_router(self._ctx, bind)
+            self._control = LoopSocket(sock, self._on_control, "supervisor control")
+            self._devices = DevicePool(*detect(cfg.device_kind))
+        except BaseException:
+            self._ctx.destroy(0)
+            self._finalizer()
+            self._state = "closed"
+            raise
+        self._control_decoder = msgspec.msgpack.Decoder(wire.ToSupervisor)
+        self._payload = PayloadEncoder()
+        self._body = msgspec.msgpack.Encoder()
+        self._tasks: set[asyncio.Task] = {asyncio.ensure_future(self._watch_heartbeats())}
         if cfg.handle_signals:
             self._exit.enter_context(signals.cancel_on_signals(asyncio.current_task()))
         self._state = "running"
@@ -212,11 +219,13 @@ class Supervisor:
             raise
         finally:
             self._state = "closed"
+            for t in self._tasks:
+                t.cancel()
             for rec in self._records.values():
                 if rec.proc is not None and rec.proc.alive:
                     rec.proc.kill_now()
-            for t in self._tasks:
-                t.cancel()
+                if rec.client is not None:
+                    rec.client.close()
             self._control.close()
             self._ctx.destroy(0)
             self._finalizer()  # kills any group still tracked, removes the run dir, closes the pipe
@@ -330,12 +339,18 @@ class Supervisor:
             raise ActorStartError(rec.name, f"cannot start a process: {e}") from e
         rec.proc = proc
         self._groups.add(proc.pid)
-        await asyncio.wait({rec.ready, proc.exited}, timeout=cfg.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({rec.ready, proc.exited}, timeout=cfg.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            proc.kill_now()  # its group stays tracked until close() or the finalizer sweeps it
+            raise
         if rec.ready.done() and rec.ready.exception() is None and proc.alive:
             rec.client = ActorClient(self._ctx, rec.name, rec.ready.result(), cfg.max_message_bytes)
             rec.last_heartbeat = time.monotonic()
             rec.set_state(ActorState.RUNNING)
-            asyncio.ensure_future(self._watch(rec, proc, rec.incarnation))
+            watcher = asyncio.ensure_future(self._watch(rec, proc, rec.incarnation))
+            self._tasks.add(watcher)
+            watcher.add_done_callback(self._tasks.discard)
             return
         if rec.ready.done() and rec.ready.exception() is not None:
             error = rec.ready.exception()
