@@ -21,10 +21,10 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
         ),
     )
     nodes = p.add_argument_group("nodes (torchrun's names; one node for now)")
-    nodes.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", 1)))
-    nodes.add_argument("--node-rank", "--node_rank", type=int, default=int(os.environ.get("NODE_RANK", 0)))
+    nodes.add_argument("--nnodes", type=int, default=os.environ.get("NNODES", "1"))
+    nodes.add_argument("--node-rank", "--node_rank", type=int, default=os.environ.get("NODE_RANK", "0"))
     nodes.add_argument("--master-addr", "--master_addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    nodes.add_argument("--master-port", "--master_port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)))
+    nodes.add_argument("--master-port", "--master_port", type=int, default=os.environ.get("MASTER_PORT", "29500"))
     sup = p.add_argument_group("supervisor")
     sup.add_argument("--transport", choices=["ipc", "tcp"], help="control-plane transport (default ipc)")
     sup.add_argument("--call-timeout-s", type=float, help="default deadline of one call")
@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None:
             os.environ[ENV_PREFIX + flag.upper()] = str(value)
+    from .runtime.config import SupervisorConfig
+
+    try:
+        SupervisorConfig.from_env()  # a bad flag value is a usage error, reported before anything starts
+    except ValueError as e:
+        print(f"asyncrl launch: {e}", file=sys.stderr)
+        return EXIT_USAGE
     from .launch import run_script
 
     return run_script(args.script, args.script_args)

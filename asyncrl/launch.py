@@ -45,6 +45,12 @@ def _exit_code(result: object) -> int:
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
+def _stopped_by_signal() -> int:
+    sig = signals.received[0] if signals.received else signal.SIGINT
+    print(f"asyncrl launch: stopped by {signal.Signals(sig).name}", file=sys.stderr)
+    return 128 + sig
+
+
 def run_script(path: str, script_args: list[str]) -> int:
     path = os.path.abspath(path)
     sys.argv = [path, *script_args]
@@ -62,10 +68,10 @@ def run_script(path: str, script_args: list[str]) -> int:
             result = run_loop(_run_main(lambda: result))
         return _exit_code(result)
     except (KeyboardInterrupt, asyncio.CancelledError):
-        sig = signals.received[0] if signals.received else signal.SIGINT
-        print(f"asyncrl launch: stopped by {signal.Signals(sig).name}", file=sys.stderr)
-        return 128 + sig
+        return _stopped_by_signal()
     except SystemExit as e:
+        if signals.received:  # the supervisor turned SIGTERM into SystemExit(128 + signal)
+            return _stopped_by_signal()
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except SyntaxError:
         traceback.print_exc()

@@ -93,6 +93,10 @@ class Echo(Actor):
         return b"x" * n
 
     @endpoint
+    async def wrong_return(self) -> int:
+        return "not an int"  # type: ignore[return-value]
+
+    @endpoint
     async def unsendable(self) -> object:
         return object()
 

@@ -138,3 +138,14 @@ def test_envelope_decoder_refuses_garbage_and_wrong_types():
                  msgspec.msgpack.encode([1, "id-not-int", "m", [1]]), bytes(range(256))]:
         with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
             decoder.decode(junk)
+
+
+def test_small_received_tensors_own_their_memory():
+    # Inline data arrives as a bytes object, which CPython may share (one-byte bytes are cached):
+    # writing into a received tensor must never change any other object.
+    out, _ = roundtrip(torch.tensor([5], dtype=torch.uint8))
+    out += 1
+    assert bytes([5]) == b"\x05" and out.item() == 6
+    arr, _ = roundtrip(np.array([5], dtype=np.uint8))
+    arr += 1  # writable, like large arrays
+    assert arr[0] == 6

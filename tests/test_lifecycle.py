@@ -87,6 +87,19 @@ def test_signal_to_launch_stops_cleanly(sig, code):
     assert _shm() <= shm_before
 
 
+def test_sigterm_to_a_plain_python_script_exits_cleanly():
+    proc = _start([sys.executable, os.path.join(SCRIPTS, "hold_actors.py")])
+    try:
+        info = _first_json_line(proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert not any(process_alive(p) for p in info["pids"])
+    assert not os.path.exists(info["run_dir"])
+
+
 def test_launch_runs_async_main_and_script_defined_actors():
     out = subprocess.run(_launch(os.path.join(SCRIPTS, "async_main.py")), env=_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -123,6 +136,7 @@ def test_launch_flags_configure_the_supervisor():
     [
         (["--nnodes", "2", "x.py"], "only --nnodes 1"),
         (["does/not/exist.py"], "no such script"),
+        (["--heartbeat-timeout-s", "-1", os.path.join(SCRIPTS, "modes.py")], "heartbeat_timeout_s must be > 0"),
     ],
 )
 def test_launch_usage_errors(args, text):
@@ -136,3 +150,9 @@ def test_help_is_fast_and_does_not_import_torch():
     assert out.stdout.strip() == "False"
     out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "launch" in out.stdout
+
+
+def test_bad_node_variables_are_usage_errors():
+    env = {**_env(), "NNODES": "many"}
+    out = subprocess.run(_launch(os.path.join(SCRIPTS, "modes.py")), env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--nnodes" in out.stderr

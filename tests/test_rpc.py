@@ -13,6 +13,7 @@ from asyncrl import (
     CallTimeoutError,
     InvalidArgumentsError,
     MessageTooLargeError,
+    ProtocolError,
     RemoteError,
     Supervisor,
     UnknownMethodError,
@@ -68,6 +69,11 @@ async def test_remote_exceptions_keep_type_message_and_traceback(echo):
     with pytest.raises(RemoteError, match="cannot send the result"):
         await echo.unsendable()
     assert await echo.add(0) == 11
+
+
+async def test_a_result_that_breaks_its_annotation_is_a_protocol_error(echo):
+    with pytest.raises(ProtocolError, match=r"wrong_return\(\) returned a value that does not match its annotation"):
+        await echo.wrong_return()
 
 
 async def test_async_endpoints_run_concurrently(echo):

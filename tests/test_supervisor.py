@@ -12,6 +12,7 @@ import pytest
 from asyncrl import (
     ActorDiedError,
     ActorStartError,
+    InvalidArgumentsError,
     NoFreeDevicesError,
     Supervisor,
     SupervisorClosedError,
@@ -169,9 +170,18 @@ async def test_devices_are_assigned_and_hidden(monkeypatch):
         assert await cpu.env("CUDA_VISIBLE_DEVICES") == ""
         with pytest.raises(NoFreeDevicesError, match="asks for 2 device.*1 of 3"):
             await sup.spawn(Echo, gpus=2)
+        with pytest.raises(TypeError, match="module level"):
+            await sup.spawn(_local_actor_class(), gpus=1)  # refused before any device is taken
         await sup.stop(a)
         b = await sup.spawn(Echo, gpus=3)
         assert sorted((await b.env("CUDA_VISIBLE_DEVICES")).split(",")) == ["3", "5", "7"]
+
+
+def _local_actor_class():
+    class Local(Echo):
+        pass
+
+    return Local
 
 
 async def test_env_and_logs_reach_the_actor_and_back(capfd):
@@ -194,9 +204,15 @@ async def test_spawn_validates_its_arguments():
             await sup.spawn(Echo, object())
         with pytest.raises(ValueError, match="max_restarts"):
             await sup.spawn(Echo, max_restarts=-1)
-        await sup.spawn(Echo, name="one")
+        one = await sup.spawn(Echo, name="one")
         with pytest.raises(ValueError, match="already exists"):
             await sup.spawn(Echo, name="one")
+        await sup.stop(one)
+        assert await (await sup.spawn(Echo, 1, name="one")).add(1) == 3  # a stopped actor's name is free
+        with pytest.raises(ValueError, match="call_timeout_s"):
+            await sup.spawn(Echo, call_timeout_s=0)
+        with pytest.raises(InvalidArgumentsError, match=r"Echo.__init__\(\): Expected `int`, got `str` - at `offset`"):
+            await sup.spawn(Echo, "ten")  # checked before a process is started
     with pytest.raises(SupervisorClosedError):
         await Supervisor().spawn(Echo)
 

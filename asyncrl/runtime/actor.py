@@ -134,6 +134,8 @@ def build_spec(fn: Callable) -> EndpointSpec:
             n_positional += 1
         params.append(pname)
         types.append(hints.get(pname, Any))
+    if inspect.isgeneratorfunction(fn):
+        raise TypeError(f"endpoint {fn.__qualname__}: a stream must be an `async def` generator")
     is_stream = inspect.isasyncgenfunction(fn)
     ret = hints.get("return", Any)
     return EndpointSpec(

@@ -85,7 +85,15 @@ class ActorClient:
         finally:
             timer.cancel()
             self._pending.pop(call_id, None)
-        return spec.return_decoder.decode(value, frames)
+        return self._decode_result(spec, value, frames)
+
+    def _decode_result(self, spec: EndpointSpec, value, frames: list) -> Any:
+        try:
+            return spec.return_decoder.decode(value, frames)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as e:
+            raise ProtocolError(
+                f"actor {self.actor!r}: {spec.name}() returned a value that does not match its annotation: {e}"
+            ) from None
 
     async def stream(self, spec: EndpointSpec, args: tuple, kwargs: dict, timeout_s: float) -> AsyncIterator[Any]:
         """Items of a streaming endpoint; ``timeout_s`` bounds the wait for each item."""
@@ -98,7 +106,7 @@ class ActorClient:
                 try:
                     item = await asyncio.wait_for(queue.get(), timeout_s)
                 except asyncio.TimeoutError:
-                    raise CallTimeoutError(self.actor, f"{spec.name}() stream item", timeout_s) from None
+                    raise CallTimeoutError(self.actor, f"{spec.name}() (next stream item)", timeout_s) from None
                 if item is _END:
                     finished = True
                     return
@@ -106,7 +114,7 @@ class ActorClient:
                     finished = True
                     raise item
                 value, frames = item
-                yield spec.return_decoder.decode(value, frames)
+                yield self._decode_result(spec, value, frames)
                 consumed += 1
                 if consumed >= STREAM_WINDOW // 2 and self._failed is None:
                     self._sock.send([self._body.encode(wire.StreamCredit(call_id, consumed))], copy=True)

@@ -120,7 +120,9 @@ class PayloadDecoder:
 
     def _buffer(self, where: int | bytes, nbytes: int) -> memoryview:
         if isinstance(where, bytes):
-            buf = memoryview(where)
+            # A private, writable copy: the decoded bytes object may be shared (CPython caches
+            # one-byte bytes), and a tensor over it must never write into a shared object.
+            buf = memoryview(bytearray(where))
         else:
             if not 0 < where < len(self._frames):
                 raise ValueError(f"payload refers to frame {where}, the message has {len(self._frames)}")

@@ -33,7 +33,9 @@ class SupervisorConfig:
     device_kind: str = "auto"
     """'auto', 'cuda' or 'npu': which visibility variable ``gpus=`` fills."""
     handle_signals: bool = True
-    """Turn SIGTERM into a clean shutdown while the supervisor is open (main thread only)."""
+    """Turn SIGINT and SIGTERM into a clean shutdown while the supervisor is open (main thread
+    only): the task that entered it is cancelled, every actor is stopped, then KeyboardInterrupt
+    (SIGINT) or SystemExit(128 + signal) (SIGTERM) is raised."""
 
     def __post_init__(self) -> None:
         if self.transport not in ("ipc", "tcp"):

@@ -5,6 +5,7 @@ restarts: calls made while the actor restarts wait (within their timeout) for th
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .actor import EndpointSpec
@@ -33,12 +34,16 @@ class RemoteMethod:
         return self._call(args, kwargs)
 
     async def _call(self, args: tuple, kwargs: dict) -> Any:
-        record = self._record
-        client = record.client if record.state is ActorState.RUNNING else await record.client_within(self._timeout_s)
-        return await client.call(self._spec, args, kwargs, self._timeout_s)
+        record, timeout_s = self._record, self._timeout_s
+        if record.state is ActorState.RUNNING:
+            return await record.client.call(self._spec, args, kwargs, timeout_s)
+        # Starting or restarting: one deadline covers the wait and the call.
+        deadline = time.monotonic() + timeout_s
+        client = await record.client_within(timeout_s, self._spec.name)
+        return await client.call(self._spec, args, kwargs, max(deadline - time.monotonic(), 1e-3))
 
     async def _stream(self, args: tuple, kwargs: dict) -> AsyncIterator[Any]:
-        client = await self._record.client_within(self._timeout_s)
+        client = await self._record.client_within(self._timeout_s, self._spec.name)
         async for item in client.stream(self._spec, args, kwargs, self._timeout_s):
             yield item
 

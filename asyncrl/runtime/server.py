@@ -72,13 +72,12 @@ class ActorServer:
             msg = self._decoder.decode(parts[0].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return self._bad(ident, 0, "ProtocolError", f"undecodable request: {e}")
-        if len(parts) > 1:
-            size = frames_nbytes(parts)
-            if size > self.max_message_bytes:
-                return self._bad(
-                    ident, msg.id, "MessageTooLargeError",
-                    f"request of {size} bytes exceeds max_message_bytes={self.max_message_bytes}",
-                )
+        size = len(parts[0]) if len(parts) == 1 else frames_nbytes(parts)
+        if size > self.max_message_bytes:
+            return self._bad(
+                ident, msg.id, "MessageTooLargeError",
+                f"request of {size} bytes exceeds max_message_bytes={self.max_message_bytes}",
+            )
         kind = type(msg)
         if kind is wire.Call:
             self._start_call(ident, msg, parts)

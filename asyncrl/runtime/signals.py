@@ -15,12 +15,20 @@ received: list[int] = []
 into its exit code (128 + signal number)."""
 
 _stack: list[asyncio.Task] = []
+_cancelled: dict[asyncio.Task, int] = {}
 
 
 def _on_signal(signum: int) -> None:
     received.append(signum)
     if _stack:
-        _stack[-1].cancel(f"received {signal.Signals(signum).name}")
+        task = _stack[-1]
+        _cancelled.setdefault(task, signum)
+        task.cancel(f"received {signal.Signals(signum).name}")
+
+
+def cancelled_by_signal(task: asyncio.Task | None) -> int | None:
+    """The signal that cancelled ``task``, if one did."""
+    return _cancelled.get(task)
 
 
 @contextlib.contextmanager
@@ -38,6 +46,8 @@ def cancel_on_signals(task: asyncio.Task | None):
         yield
     finally:
         _stack.remove(task)
+        if task not in _stack:
+            _cancelled.pop(task, None)
         if not _stack:
             for s in SIGNALS:
                 loop.remove_signal_handler(s)

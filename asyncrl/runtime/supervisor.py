@@ -41,7 +41,13 @@ from .process import ChildProcess, describe_exit
 from .state import ActorState
 from .transport import LoopSocket, bind_router, make_run_dir, remove_run_dir
 from . import worker as worker_env
-from ..errors import ActorDiedError, ActorStartError, SupervisorClosedError
+from ..errors import (
+    ActorDiedError,
+    ActorStartError,
+    CallTimeoutError,
+    InvalidArgumentsError,
+    SupervisorClosedError,
+)
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -63,6 +69,7 @@ class ActorStatus(msgspec.Struct, frozen=True):
 @dataclasses.dataclass(eq=False)
 class ActorRecord:
     name: str
+    index: int
     cls: type
     class_ref: tuple[str, str, str]
     init_payload: tuple[msgspec.Raw, list]
@@ -104,7 +111,7 @@ class ActorRecord:
             error=str(self.error) if self.error is not None else None,
         )
 
-    async def client_within(self, timeout_s: float) -> ActorClient:
+    async def client_within(self, timeout_s: float, method: str) -> ActorClient:
         """The client of the running incarnation, waiting (bounded) through a start or restart."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -114,7 +121,7 @@ class ActorRecord:
                 raise self.error or ActorDiedError(self.name, self.state.value)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ActorDiedError(self.name, f"still {self.state.value} after {timeout_s:g} s")
+                raise CallTimeoutError(self.name, f"{method}() (the actor is still {self.state.value})", timeout_s)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
 
@@ -161,6 +168,7 @@ class Supervisor:
         self._records: dict[str, ActorRecord] = {}
         self._groups: set[int] = set()
         self._names = itertools.count()
+        self._indices = itertools.count()
         self._state = "new"
         self._exit = contextlib.ExitStack()
 
@@ -170,8 +178,13 @@ class Supervisor:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        signum = signals.cancelled_by_signal(asyncio.current_task()) if exc_type is asyncio.CancelledError else None
         await self.close()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        if signum is not None:
+            raise SystemExit(128 + signum) from None
 
     async def start(self) -> None:
         if self._state != "new":
@@ -253,20 +266,30 @@ class Supervisor:
         traceback) if they raise, ``NoFreeDevicesError`` if ``gpus`` cannot be met."""
         self._require_running()
         endpoints_of(cls)  # validates the class and its endpoint annotations here, not remotely
+        class_ref = _class_ref(cls)
         name = name or f"{cls.__name__.lower()}-{next(self._names)}"
         if not _NAME.match(name):
             raise ValueError(f"actor name {name!r}: use 1-64 of A-Z a-z 0-9 _ . -")
-        if name in self._records:
-            raise ValueError(f"an actor named {name!r} already exists")
+        previous = self._records.get(name)
+        if previous is not None and previous.state not in (ActorState.DEAD, ActorState.STOPPED):
+            raise ValueError(f"an actor named {name!r} already exists ({previous.state.value})")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, not {max_restarts}")
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ValueError(f"call_timeout_s must be > 0, not {call_timeout_s!r}")
+        spec = init_spec(cls)
         bufs: list = []
-        payload = self._payload.encode(init_spec(cls).bind(args, kwargs or {}), bufs, first_index=1)
+        payload = self._payload.encode(spec.bind(args, kwargs or {}), bufs, first_index=1)
+        try:  # the actor decodes these against __init__'s annotations; refuse a mismatch here
+            spec.arg_decoder.decode(payload, [b"", *bufs])
+        except msgspec.ValidationError as e:
+            raise InvalidArgumentsError(name, "__init__", "InvalidArgumentsError", spec.explain(e)) from None
         devices = self._devices.take(gpus, name)
         rec = ActorRecord(
             name=name,
+            index=next(self._indices),
             cls=cls,
-            class_ref=_class_ref(cls),
+            class_ref=class_ref,
             init_payload=(payload, bufs),
             devices=devices,
             env={k: str(v) for k, v in (env or {}).items()},
@@ -280,7 +303,8 @@ class Supervisor:
             rec.set_state(ActorState.DEAD)
             rec.error = e if isinstance(e, ActorStartError) else ActorDiedError(name, "start interrupted")
             self._release_devices(rec)
-            del self._records[name]
+            if self._records.get(name) is rec:
+                del self._records[name]
             raise
         return ActorHandle(rec, endpoints_of(cls))
 
@@ -449,7 +473,7 @@ class Supervisor:
         cfg = self.config
         module, qualname, script = rec.class_ref
         payload, bufs = rec.init_payload
-        bind = f"ipc://{self._run_dir}/a{rec.name}-{rec.incarnation}.sock" if cfg.transport == "ipc" else f"tcp://{cfg.host}:*"
+        bind = f"ipc://{self._run_dir}/{rec.index}-{rec.incarnation}.sock" if cfg.transport == "ipc" else f"tcp://{cfg.host}:*"
         init = wire.Init(module, qualname, script, payload, list(sys.path), bind, cfg.max_message_bytes, cfg.heartbeat_interval_s)
         self._control.send([rec.routing_id, self._body.encode(init), *bufs], copy=False)
 
