@@ -10,11 +10,15 @@ one actor each, the driver on uvloop when importable):
     one after the other), default 20000 calls;
   * tensor payload: ``await h.nbytes(t)`` for a float32 tensor of 1..256 MiB (the endpoint
     returns an int), and ``await h.echo(t)`` (the tensor comes back); GB/s = tensor bytes /
-    median round-trip time over a few reps (1 GB = 1e9 bytes). For echo the payload crosses
+    median round-trip time of 5 calls after 1 warm-up (1 GB = 1e9 bytes). For echo the payload crosses
     twice, so the bytes moved are twice what the figure counts.
 
-The floor (``floor_rpc.measure_floor``) is measured in the same run, and the goals are checked:
-p50 <= 1.4x floor, calls/s >= 0.75x floor, 64 MiB over ipc >= 2 GB/s, and >= 5x Ray.
+The floor (``floor_rpc.measure_floor``: the same call on bare pyzmq + msgspec) is measured in the
+same run. Small calls run in rounds (default 5), floor then asyncrl back to back per transport,
+each asyncrl round in a fresh Supervisor; the table shows medians over rounds, and the ratios are
+medians of the per-round (paired) ratios, with their min-max. Goals checked: p50 <= 1.4x floor,
+calls/s >= 0.75x floor, 64 MiB over ipc >= 2 GB/s, and >= 5x Ray (``--ray-python``: runs
+``ray_rpc.py --json`` in that interpreter once, same call counts).
 
     python benchmarks/rpc.py                                      # full run, table
     python benchmarks/rpc.py --quick                              # smoke run
@@ -114,16 +118,25 @@ async def _tensor(h, sizes_mib, reps: int, echo: bool) -> dict:
     return out
 
 
-async def measure_asyncrl(transport: str, n_latency: int, n_throughput: int, sizes_mib, reps: int, echo: bool) -> dict:
+async def measure_small(transport: str, n_latency: int, n_throughput: int) -> dict:
     async with Supervisor(transport=transport, call_timeout_s=CALL_TIMEOUT_S) as sup:
         h = await sup.spawn(Bench, name=f"bench-{transport}")
         r = await _latency(h, n_latency)
         r["calls_per_s"] = await _throughput(h, n_throughput)
-        big = h.with_timeout(TENSOR_TIMEOUT_S)
-        r["tensor_gbps"] = await _tensor(big, sizes_mib, reps, echo=False)
-        if echo:
-            r["echo_gbps"] = await _tensor(big, sizes_mib, reps, echo=True)
     return r
+
+
+async def measure_tensors(transport: str, sizes_mib, reps: int, echo: bool) -> dict:
+    async with Supervisor(transport=transport, call_timeout_s=TENSOR_TIMEOUT_S) as sup:
+        h = await sup.spawn(Bench, name=f"bench-{transport}")
+        r = {"tensor_gbps": await _tensor(h, sizes_mib, reps, echo=False)}
+        if echo:
+            r["echo_gbps"] = await _tensor(h, sizes_mib, reps, echo=True)
+    return r
+
+
+def _median_of(rounds: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
 
 def measure_ray(ray_python: str, n_latency: int, n_throughput: int) -> dict:
@@ -136,27 +149,36 @@ def measure_ray(ray_python: str, n_latency: int, n_throughput: int) -> dict:
     return json.loads(lines[-1])
 
 
-def _ratios(results: dict) -> list[tuple[str, float, str, float]]:
-    """(what, value, comparison, goal) rows."""
+def _paired(results: dict, tr: str, key: str) -> list[float]:
+    """Per-round ratio asyncrl / floor: each pair ran back to back, so they share the noise."""
+    return [a[key] / f[key] for a, f in zip(results["rounds"]["asyncrl"][tr], results["rounds"]["floor"][tr])]
+
+
+def _goals(results: dict) -> list[tuple[str, float, str, str, float]]:
+    """(what, value, spread over rounds, comparison, goal) rows."""
     rows = []
     for tr in ("ipc", "tcp"):
-        ours, floor = results["asyncrl"][tr], results["floor"][tr]
-        rows.append((f"{tr} p50 / floor p50", ours["p50_us"] / floor["p50_us"], "<=", GOALS["p50_ratio"]))
-        rows.append((f"{tr} calls/s / floor calls/s", ours["calls_per_s"] / floor["calls_per_s"], ">=", GOALS["calls_ratio"]))
-    if 64 in results["asyncrl"]["ipc"]["tensor_gbps"]:
-        rows.append(("ipc 64 MiB GB/s", results["asyncrl"]["ipc"]["tensor_gbps"][64], ">=", GOALS["ipc_64mib_gbps"]))
+        for what, key, cmp, goal in (("p50 / floor p50", "p50_us", "<=", "p50_ratio"),
+                                     ("calls/s / floor calls/s", "calls_per_s", ">=", "calls_ratio")):
+            ratios = _paired(results, tr, key)
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
+            rows.append((f"{tr} {what}", statistics.median(ratios), spread, cmp, GOALS[goal]))
+    gbps = results["asyncrl"]["ipc"]["tensor_gbps"]
+    if 64 in gbps:
+        rows.append(("ipc 64 MiB GB/s", gbps[64], "", ">=", GOALS["ipc_64mib_gbps"]))
     ray = results.get("ray")
     if ray:
         for tr in ("ipc", "tcp"):
             ours = results["asyncrl"][tr]
-            rows.append((f"ray p50 / {tr} p50", ray["p50_us"] / ours["p50_us"], ">=", GOALS["ray_speedup"]))
-            rows.append((f"{tr} calls/s / ray calls/s", ours["calls_per_s"] / ray["calls_per_s"], ">=", GOALS["ray_speedup"]))
+            rows.append((f"ray p50 / {tr} p50", ray["p50_us"] / ours["p50_us"], "", ">=", GOALS["ray_speedup"]))
+            rows.append((f"{tr} calls/s / ray calls/s", ours["calls_per_s"] / ray["calls_per_s"], "", ">=", GOALS["ray_speedup"]))
     return rows
 
 
 def print_table(results: dict) -> None:
     print(" ".join(f"{k}={v}" for k, v in results["meta"].items()))
-    print(f"\n{'small call (add)':<18}{'p50 us':>10}{'p99 us':>10}{'calls/s':>12}")
+    n = len(results["rounds"]["floor"]["ipc"])
+    print(f"\n{'small call (add)':<18}{'p50 us':>10}{'p99 us':>10}{'calls/s':>12}   (median of {n} rounds)")
     rows = [(f"{who} {tr}", results[who][tr]) for tr in ("ipc", "tcp") for who in ("floor", "asyncrl")]
     if results.get("ray"):
         rows.append((f"ray {results['ray']['ray_version']}", results["ray"]))
@@ -169,10 +191,10 @@ def print_table(results: dict) -> None:
     for mib in results["asyncrl"]["ipc"]["tensor_gbps"]:
         print(f"{mib:<18}" + "".join(f"{v[mib]:>12.2f}" for _, v in cols))
 
-    print(f"\n{'goal':<32}{'value':>8}   target")
-    for what, value, cmp, goal in results["goals"]:
+    print(f"\n{'goal':<30}{'value':>7}{'rounds':>12}   target")
+    for what, value, spread, cmp, goal in results["goals"]:
         ok = value <= goal if cmp == "<=" else value >= goal
-        print(f"{what:<32}{value:>8.2f}   {cmp} {goal:<5} {'ok' if ok else 'MISSED'}")
+        print(f"{what:<30}{value:>7.2f}{spread:>12}   {cmp} {goal:<5} {'ok' if ok else 'MISSED'}")
 
 
 def main() -> None:
@@ -180,9 +202,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations: a smoke run")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ap.add_argument("--ray-python", metavar="PATH", help="interpreter with ray installed; runs ray_rpc.py with it")
+    ap.add_argument("--rounds", type=int, help="floor/asyncrl small-call rounds, interleaved (default 5, quick 1)")
     ap.add_argument("--no-echo", action="store_true", help="skip the echo (tensor returned) measurements")
     args = ap.parse_args()
-    n_lat, n_thr, reps = (500, 2000, 2) if args.quick else (5000, 20000, 5)
+    n_lat, n_thr, reps, rounds = (500, 2000, 2, 1) if args.quick else (5000, 20000, 5, 5)
+    rounds = args.rounds or rounds
 
     sys.path.insert(0, HERE)
     from floor_rpc import measure_floor
@@ -191,13 +215,18 @@ def main() -> None:
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "loop": "uvloop" if _has_uvloop() else "asyncio", "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(), "msgspec": msgspec.__version__, "torch": torch.__version__,
-    }, "floor": {}, "asyncrl": {}}
+    }, "rounds": {"floor": {"ipc": [], "tcp": []}, "asyncrl": {"ipc": [], "tcp": []}}}
+    for _ in range(rounds):  # floor and asyncrl back to back, so both see the same machine state
+        for tr in ("ipc", "tcp"):
+            results["rounds"]["floor"][tr].append(measure_floor(tr, n_lat, n_thr))
+            results["rounds"]["asyncrl"][tr].append(run_loop(measure_small(tr, n_lat, n_thr)))
+    for who in ("floor", "asyncrl"):
+        results[who] = {tr: _median_of(results["rounds"][who][tr]) for tr in ("ipc", "tcp")}
     for tr in ("ipc", "tcp"):
-        results["floor"][tr] = measure_floor(tr, n_lat, n_thr)
-        results["asyncrl"][tr] = run_loop(measure_asyncrl(tr, n_lat, n_thr, SIZES_MIB, reps, echo=not args.no_echo))
+        results["asyncrl"][tr].update(run_loop(measure_tensors(tr, SIZES_MIB, reps, echo=not args.no_echo)))
     if args.ray_python:
         results["ray"] = measure_ray(args.ray_python, n_lat, n_thr)
-    results["goals"] = _ratios(results)
+    results["goals"] = _goals(results)
 
     if args.json:
         print(json.dumps(results))
