@@ -135,6 +135,14 @@ async def measure_tensors(transport: str, sizes_mib, reps: int, echo: bool) -> d
     return r
 
 
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _median_of(rounds: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
@@ -233,13 +241,6 @@ def main() -> None:
     else:
         print_table(results)
 
-
-def _has_uvloop() -> bool:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 if __name__ == "__main__":
