@@ -35,8 +35,10 @@ _header_decoder = msgspec.msgpack.Decoder(tuple[str, list[int], int | bytes])
 
 
 def _torch():
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        raise ValueError("the payload holds a tensor, but torch is not installed here") from None
     return torch
 
 
