@@ -15,6 +15,7 @@ from .errors import (
     UnknownMethodError,
 )
 from .runtime import Actor, ActorHandle, ActorState, ActorStatus, Supervisor, SupervisorConfig, endpoint
+from .runtime.loop import run
 
 __version__ = "0.1.0"
 
@@ -38,4 +39,5 @@ __all__ = [
     "SupervisorConfig",
     "UnknownMethodError",
     "endpoint",
+    "run",
 ]

@@ -16,7 +16,8 @@ import sys
 import traceback
 
 from .runtime import signals
-from .runtime.worker import SCRIPT_MODULE, run_loop
+from .runtime.loop import run as run_loop
+from .runtime.worker import SCRIPT_MODULE
 
 
 def _defines_main(path: str) -> bool:

@@ -42,7 +42,7 @@ import torch
 import zmq
 
 from asyncrl import Actor, Supervisor, endpoint
-from asyncrl.runtime.worker import run_loop  # uvloop when importable
+from asyncrl import run as run_loop  # uvloop when importable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMUP = 500

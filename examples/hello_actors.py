@@ -45,6 +45,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    from asyncrl.runtime.worker import run_loop
+    import asyncrl
 
-    run_loop(main())
+    asyncrl.run(main())

@@ -27,6 +27,7 @@ import zmq
 
 from . import wire
 from .actor import init_spec
+from .loop import run
 from .server import ActorServer
 from .transport import LoopSocket, bind_router, connect_dealer
 
@@ -174,19 +175,10 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
         ctx.term()
 
 
-def run_loop(coro):
-    """Run ``coro`` on uvloop when it is importable, else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main() -> None:
     env = os.environ
     name = env[ENV_NAME]
     _arm_parent_death(int(env[ENV_PARENT_PID]), int(env[ENV_DEATH_FD]))
-    code = run_loop(_serve(name, int(env[ENV_INCARNATION]), env[ENV_SUPERVISOR], float(env[ENV_INIT_TIMEOUT])))
+    code = run(_serve(name, int(env[ENV_INCARNATION]), env[ENV_SUPERVISOR], float(env[ENV_INIT_TIMEOUT])))
     sys.exit(code)
 
