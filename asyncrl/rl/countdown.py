@@ -1,0 +1,309 @@
+"""The Countdown task: given a few numbers and a target, write an expression with + - * / and
+parentheses that uses each number exactly once (all of them) and equals the target. Intermediate
+values may be fractions; only the final value must equal the target.
+
+Pure and deterministic: problems come from a seeded ``random.Random``, every emitted problem carries
+a reference solution checked by :mod:`asyncrl.rl.arith`, and the reward reads model output with that
+same parser, never with ``eval``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import msgspec
+
+from asyncrl.rl.arith import MAX_CHARS, ArithError, BinOp, Expr, Num, evaluate, format_expr, numbers_used, parse
+
+CORRECT_REWARD = 1.0
+"""An answer that uses each number exactly once and equals the target."""
+FORMAT_REWARD = 0.1
+"""An answer that parses and evaluates but is wrong (wrong value, or numbers missing, reused or
+extra): a small signal that the format was right, well below a correct answer."""
+MAX_SOLVE_NUMBERS = 6
+"""Most numbers ``solve`` accepts; its exhaustive search grows factorially with the count."""
+
+_OPEN, _CLOSE = "<answer>", "</answer>"
+Key = tuple[tuple[int, ...], int]
+_Tree = Union[int, tuple]  # a leaf number, or (op, left, right); turned into an arith.Expr at the end
+
+
+class CountdownProblem(msgspec.Struct, frozen=True):
+    """One problem. ``solution`` is a reference expression using ``numbers`` exactly once each
+    that evaluates to ``target``."""
+
+    numbers: list[int]
+    target: int
+    solution: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CountdownConfig:
+    """What problems the generator draws. Every problem is solvable by construction."""
+
+    min_count: int = 3
+    """Fewest numbers in a problem."""
+    max_count: int = 4
+    """Most numbers in a problem (at most MAX_SOLVE_NUMBERS)."""
+    max_number: int = 99
+    """Numbers are drawn uniformly from 1..max_number, repeats allowed."""
+    min_target: int = 1
+    """Smallest target."""
+    max_target: int = 100
+    """Largest target."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_count <= self.max_count <= MAX_SOLVE_NUMBERS:
+            raise ValueError(f"need 2 <= min_count <= max_count <= {MAX_SOLVE_NUMBERS}, "
+                             f"not {self.min_count}..{self.max_count}")
+        if not 1 <= self.max_number < 10**6:
+            raise ValueError(f"max_number must be in 1..999999, not {self.max_number}")
+        if not 1 <= self.min_target <= self.max_target:
+            raise ValueError(f"need 1 <= min_target <= max_target, not {self.min_target}..{self.max_target}")
+
+
+def problem_key(problem: CountdownProblem) -> Key:
+    """Identity of a problem for deduplication: the numbers as a sorted multiset, and the target."""
+    return tuple(sorted(problem.numbers)), problem.target
+
+
+# --- solver -------------------------------------------------------------------------------------
+
+
+def solve(numbers: Sequence[int], target: int) -> str | None:
+    """An expression that uses every number in ``numbers`` exactly once and equals ``target``, or
+    None if there is none. Exhaustive over the classic pairwise combine, so None is a proof.
+
+    Deterministic: the first solution in a fixed order (+, *, -, / over pairs in index order).
+    Subtraction is tried only as larger minus smaller: taking absolute values shows this reaches
+    every non-negative value the full search reaches, with fewer branches.
+    """
+    if not 1 <= len(numbers) <= MAX_SOLVE_NUMBERS:
+        raise ValueError(f"solve() takes 1..{MAX_SOLVE_NUMBERS} numbers, not {len(numbers)}")
+    # Non-negative throughout is what makes larger-minus-smaller complete (see above).
+    if any(type(n) is not int or n < 0 for n in (*numbers, target)):
+        raise ValueError(f"numbers and target must be non-negative ints, not {list(numbers)!r}, {target!r}")
+    tree = _search([(n, 1, n) for n in numbers], target, set())
+    return None if tree is None else format_expr(_to_expr(tree))
+
+
+def _search(items: list[tuple[int, int, _Tree]], target: int, dead: set) -> _Tree | None:
+    """Items are (numerator, denominator, tree) with the fraction in lowest terms, denominator > 0:
+    plain int arithmetic, several times faster than ``Fraction``, and canonical for the memo."""
+    if len(items) == 1:
+        p, q, tree = items[0]
+        return tree if p == target * q else None
+    if len(items) == 2:  # the leaves of the search, where nearly all its time goes
+        return _last_step(*items[0], *items[1], target)
+    # Whether the target is reachable depends only on the multiset of values left: remember failures.
+    key = tuple(sorted((p, q) for p, q, _ in items))
+    if key in dead:
+        return None
+    for i in range(len(items)):
+        for j in range(i + 1, len(items)):
+            a, b = items[i], items[j]
+            if a[0] * b[1] < b[0] * a[1]:
+                a, b = b, a
+            rest = items[:i] + items[i + 1:j] + items[j + 1:]
+            for item in _combine(*a, *b):
+                found = _search(rest + [item], target, dead)
+                if found is not None:
+                    return found
+    dead.add(key)
+    return None
+
+
+def _combine(p1: int, q1: int, t1: _Tree, p2: int, q2: int, t2: _Tree) -> Iterator[tuple[int, int, _Tree]]:
+    """Every value one operator makes of ``p1/q1 >= p2/q2 >= 0``, with its tree."""
+    yield _reduced(p1 * q2 + p2 * q1, q1 * q2, ("+", t1, t2))
+    yield _reduced(p1 * p2, q1 * q2, ("*", t1, t2))
+    yield _reduced(p1 * q2 - p2 * q1, q1 * q2, ("-", t1, t2))
+    if p2 != 0:
+        yield _reduced(p1 * q2, q1 * p2, ("/", t1, t2))
+    if p1 != 0 and p1 * q2 != p2 * q1:
+        yield _reduced(p2 * q1, q2 * p1, ("/", t2, t1))
+
+
+def _reduced(p: int, q: int, tree: _Tree) -> tuple[int, int, _Tree]:
+    g = math.gcd(p, q)
+    return p // g, q // g, tree
+
+
+def _last_step(p1: int, q1: int, t1: _Tree, p2: int, q2: int, t2: _Tree, target: int) -> _Tree | None:
+    """The tree making ``target`` of the last two values, or None. Cross-multiplied: nothing is
+    divided or reduced here."""
+    a, b = p1 * q2, p2 * q1  # both values over the common denominator q1 * q2
+    if a < b:
+        a, b, t1, t2 = b, a, t2, t1
+    scaled = target * q1 * q2
+    if a + b == scaled:
+        return ("+", t1, t2)
+    if a * b == scaled * q1 * q2:
+        return ("*", t1, t2)
+    if a - b == scaled:
+        return ("-", t1, t2)
+    if b != 0 and a == target * b:
+        return ("/", t1, t2)
+    if a != 0 and b == target * a:
+        return ("/", t2, t1)
+    return None
+
+
+def _to_expr(tree: _Tree) -> Expr:
+    if isinstance(tree, int):
+        return Num(tree)
+    op, left, right = tree
+    return BinOp(op, _to_expr(left), _to_expr(right))
+
+
+# --- generator and splits -----------------------------------------------------------------------
+
+
+def generate(seed: int | str, n: int, config: CountdownConfig = CountdownConfig(),
+             *, exclude: Iterable[Key] = ()) -> list[CountdownProblem]:
+    """``n`` distinct problems (by :func:`problem_key`), none of whose keys is in ``exclude``.
+
+    Deterministic for a seed, and a stream: ``generate(s, k)`` is a prefix of ``generate(s, n)`` for
+    k <= n. Each problem is a random expression tree over random numbers, with integer, non-negative
+    intermediates so the reference solutions read naturally (models may still answer with
+    fractions); its value is the target if in range. Each is checked with the evaluator before it is
+    emitted. Raises ValueError if ``config`` cannot yield ``n`` distinct problems in bounded tries.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, not {n}")
+    rng = random.Random(seed)
+    seen = set(exclude)
+    problems: list[CountdownProblem] = []
+    tries = 0
+    while len(problems) < n:
+        tries += 1
+        if tries > 1000 + 200 * n:
+            raise ValueError(f"only {len(problems)} of {n} distinct problems after {tries - 1} tries; "
+                             f"widen the ranges of {config}")
+        problem = _draw(rng, config)
+        if problem is not None and problem_key(problem) not in seen:
+            seen.add(problem_key(problem))
+            problems.append(problem)
+    return problems
+
+
+def train_and_heldout(seed: int | str, n_train: int, n_heldout: int,
+                      config: CountdownConfig = CountdownConfig()) -> tuple[list[CountdownProblem], list[CountdownProblem]]:
+    """Disjoint train and held-out sets, deterministic for ``seed``.
+
+    They never share a key: the held-out set is drawn first from a stream of its own, and the train
+    stream skips its keys. So the held-out set depends only on ``(seed, n_heldout, config)``, not on
+    ``n_train``, and solve rates stay comparable between runs of different lengths.
+    """
+    heldout = generate(f"countdown/{seed}/heldout", n_heldout, config)
+    train = generate(f"countdown/{seed}/train", n_train, config, exclude=map(problem_key, heldout))
+    return train, heldout
+
+
+def _draw(rng: random.Random, config: CountdownConfig) -> CountdownProblem | None:
+    numbers = [rng.randint(1, config.max_number) for _ in range(rng.randint(config.min_count, config.max_count))]
+    items: list[tuple[int, _Tree]] = [(x, x) for x in numbers]
+    while len(items) > 1:
+        a, ta = items.pop(rng.randrange(len(items)))
+        b, tb = items.pop(rng.randrange(len(items)))
+        if a < b:
+            (a, ta), (b, tb) = (b, tb), (a, ta)
+        op = rng.choice("+-*/")
+        if op == "/" and a % b != 0:
+            op = rng.choice("+-*")  # keep intermediates whole: such solutions read naturally
+        if op == "-" and a == b:
+            op = "+"  # a zero intermediate makes a needlessly odd solution
+        value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
+        items.append((value, (op, ta, tb)))
+    target, tree = items[0]
+    if not config.min_target <= target <= config.max_target:
+        return None
+    solution = format_expr(_to_expr(tree))
+    expr = parse(solution)
+    if evaluate(expr) != target or sorted(numbers_used(expr)) != sorted(numbers):
+        raise RuntimeError(f"bug: generated solution {solution!r} does not make {target} from {numbers}")
+    return CountdownProblem(numbers=numbers, target=target, solution=solution)
+
+
+# --- prompt and reward --------------------------------------------------------------------------
+
+
+def format_prompt(problem: CountdownProblem) -> str:
+    """The instruction a model sees for ``problem``."""
+    return (f"Using the numbers {list(problem.numbers)}, make {problem.target}. "
+            "Use each number exactly once, with + - * / and parentheses. "
+            "Write only the expression inside <answer></answer>, for example <answer>(1 + 2) * 3</answer>.")
+
+
+def format_reference(problem: CountdownProblem) -> str:
+    """The completion a perfect model writes for ``problem`` (supervised warm-start target)."""
+    return f"{_OPEN}{problem.solution}{_CLOSE}"
+
+
+class RewardBreakdown(msgspec.Struct, frozen=True):
+    """How a completion was scored, for metrics. ``error`` says why it is not well formed."""
+
+    reward: float
+    """CORRECT_REWARD, FORMAT_REWARD (well formed but not correct) or 0.0."""
+    has_answer: bool
+    """A complete <answer>...</answer> pair was found."""
+    well_formed: bool
+    """Its content parsed and evaluated."""
+    uses_numbers: bool
+    """The numbers written are exactly the problem's, as a multiset."""
+    hits_target: bool
+    """The value equals the target (and a stated '= N' agrees)."""
+    correct: bool
+    """uses_numbers and hits_target: the reward is CORRECT_REWARD."""
+    error: str = ""
+
+
+def extract_answer(completion: str) -> str | None:
+    """The text of the last ``<answer>`` that is closed, up to its first ``</answer>``; None if no
+    tag is closed. So a later complete answer wins over an earlier one, an unclosed trailing tag is
+    ignored, and nested tags yield the innermost text. Three ``str`` searches: linear, in C,
+    whatever the size of the completion."""
+    last_close = completion.rfind(_CLOSE)
+    if last_close < 0:
+        return None
+    start = completion.rfind(_OPEN, 0, last_close)
+    if start < 0:
+        return None
+    start += len(_OPEN)
+    return completion[start:completion.find(_CLOSE, start)]
+
+
+def score(problem: CountdownProblem, completion: str) -> RewardBreakdown:
+    """Score ``completion`` against ``problem``. Never raises for any ``str``: all reading of model
+    text goes through :func:`arith.parse`, whose only error is ArithError, caught here.
+
+    The answer is an expression, optionally followed by ``= N`` with N a plain number; if given, N
+    must equal the target for the answer to count as correct.
+    """
+    answer = extract_answer(completion)
+    if answer is None:
+        return RewardBreakdown(0.0, False, False, False, False, False, "no <answer>...</answer>")
+    try:
+        if len(answer) > MAX_CHARS:  # before partition(), which would copy a huge answer again
+            raise ArithError(f"answer is {len(answer)} characters long; at most {MAX_CHARS} are allowed")
+        lhs, eq, rhs = answer.partition("=")
+        expr = parse(lhs)
+        value = evaluate(expr)
+        stated = parse(rhs) if eq else None
+        if stated is not None and not isinstance(stated, Num):
+            raise ArithError(f"after '=' must come a single number, not {rhs.strip()!r}")
+    except ArithError as e:
+        return RewardBreakdown(0.0, True, False, False, False, False, str(e))
+    uses = sorted(numbers_used(expr)) == sorted(problem.numbers)
+    hits = value == problem.target and (stated is None or stated.value == problem.target)
+    correct = uses and hits
+    return RewardBreakdown(CORRECT_REWARD if correct else FORMAT_REWARD, True, True, uses, hits, correct)
+
+
+def reward(problem: CountdownProblem, completion: str) -> float:
+    """CORRECT_REWARD, FORMAT_REWARD or 0.0 for ``completion``: see :func:`score`."""
+    return score(problem, completion).reward

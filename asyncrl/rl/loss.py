@@ -1,0 +1,215 @@
+"""GRPO's loss as pure functions: group advantages, per-token log-probs, the clipped surrogate.
+
+Shapes: ``B`` sequences, ``T`` tokens per packed sequence (prompt + completion), ``L`` completion
+positions scored by the loss, ``V`` vocabulary entries. Padding is described by a mask, never by a
+sentinel value: masked positions may hold anything (NaN included) and contribute nothing to the
+loss, its gradient, or any metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import AsyncrlError
+
+# exp() of a log-ratio above ~88 overflows float32 to inf, and inf * 0 in the backward of the
+# clipped branch would turn a zero gradient into NaN. Ratios beyond e**20 are clipped anyway.
+_MAX_LOG_RATIO = 20.0
+
+
+class LossInputError(AsyncrlError, ValueError):
+    """A loss input has the wrong shape, dtype or range; the message names the argument."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOLossConfig:
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped at ``1 - eps_low`` (matters for negative advantages)."""
+    eps_high: float = 0.28
+    """Upper clip: the ratio is clipped at ``1 + eps_high`` (matters for positive advantages).
+    Above ``eps_low`` it is DAPO's "clip-higher", which keeps low-probability tokens exploring."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: when set, each token's clipped-surrogate term is multiplied
+    by the detached factor ``min(1, tis_cap / ratio)``, so an unclipped token's gradient is
+    ``min(ratio, tis_cap) * A * grad(log pi)`` instead of ``ratio * A * grad(log pi)``. This bounds
+    the one case the PPO clip leaves open: a negative advantage with a huge ratio. ``None``: off."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference policy (needs ``ref_logprobs``); 0: no KL."""
+    aggregation: str = "token_mean"
+    """'token_mean': sum over every valid token / number of valid tokens in the batch (long
+    completions weigh more). 'seq_mean': mean over each sequence's valid tokens, then mean over
+    the sequences that have at least one valid token (each completion weighs the same)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"eps_low must be in [0, 1), not {self.eps_low!r}")
+        if not self.eps_high >= 0:
+            raise ValueError(f"eps_high must be >= 0, not {self.eps_high!r}")
+        if self.tis_cap is not None and not self.tis_cap >= 1:
+            raise ValueError(f"tis_cap must be >= 1 or None, not {self.tis_cap!r}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0, not {self.kl_coef!r}")
+        if self.aggregation not in ("token_mean", "seq_mean"):
+            raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', not {self.aggregation!r}")
+
+
+def group_advantages(rewards: torch.Tensor | list[list[float]], normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Advantage of each completion: its reward minus its group's mean, divided by
+    ``(group std + eps)`` when ``normalize_std``.
+
+    ``rewards`` is a ``[G, n]`` tensor (G groups of n) and gives ``[G, n]``, or a list of per-group
+    reward lists (sizes may differ) and gives one flat ``[sum of sizes]`` tensor, groups in order:
+    the ``[B]`` layout ``grpo_loss`` takes. The std is the POPULATION std (``unbiased=False``):
+    rewards {0, 1} give advantages exactly -1, +1 (TRL uses the unbiased std, which is larger by
+    sqrt(n / (n - 1))). A group whose rewards are all equal (a group of one included) has no
+    learning signal and gets advantages of exactly 0 -- forced, because ``r - mean`` need not be
+    exactly 0 in floating point (0.1 + 0.1 + 0.1 != 0.3) and ``/ (0 + eps)`` would amplify it.
+    """
+    if isinstance(rewards, torch.Tensor):
+        if rewards.dim() != 2 or rewards.shape[1] == 0:
+            raise LossInputError(f"rewards must be [groups, group_size >= 1], not {list(rewards.shape)}")
+        return _advantages_2d(rewards, normalize_std, eps)
+    if any(len(g) == 0 for g in rewards):
+        raise LossInputError("every reward group needs at least one reward")
+    if not rewards:
+        return torch.zeros(0)
+    return torch.cat([_advantages_2d(torch.tensor([g], dtype=torch.float64), normalize_std, eps)[0] for g in rewards]).float()
+
+
+def _advantages_2d(rewards: torch.Tensor, normalize_std: bool, eps: float) -> torch.Tensor:
+    r = rewards if rewards.dtype == torch.float64 else rewards.float()
+    adv = r - r.mean(dim=1, keepdim=True)
+    if normalize_std:
+        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    flat = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)).expand_as(adv)
+    return adv.masked_fill(flat, 0.0)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: int = 1) -> torch.Tensor:
+    """``[B, T-1]`` log-probabilities of the tokens that are actually in ``input_ids``.
+
+    CAUSAL SHIFT: ``logits[:, t]`` is the model's prediction for token ``t + 1``, so
+    ``out[:, t] = log_softmax(logits[:, t])[input_ids[:, t + 1]]``. Token 0 is never scored and the
+    last logit position predicts past the end and is unused. For a sequence of prompt length
+    ``P`` followed by ``C`` completion tokens, the completion's log-probs are
+    ``out[:, P - 1 : P - 1 + C]``. (Gathering ``logits[:, t]`` at ``input_ids[:, t]`` -- no shift --
+    scores each token by a prediction that had already seen it: a silent, plausible-looking bug.)
+
+    Computed by ``log_softmax`` in float32 whatever the logits' dtype. Memory: rows are processed
+    ``chunk_rows`` at a time, so the float32 temporaries are ``[chunk_rows, T, V]``, not
+    ``[B, T, V]``; under autograd, ``log_softmax`` keeps its float32 output for the backward, which
+    adds up to one ``[B, T-1, V]`` float32 copy in all -- never more.
+    """
+    if logits.dim() != 3:
+        raise LossInputError(f"logits must be [B, T, V], not {list(logits.shape)}")
+    if input_ids.shape != logits.shape[:2]:
+        raise LossInputError(f"input_ids {list(input_ids.shape)} must match logits' [B, T] = {list(logits.shape[:2])}")
+    if logits.shape[1] < 2:
+        raise LossInputError("need T >= 2 tokens: the first token is never scored")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise LossInputError(f"input_ids must be an integer tensor, not {input_ids.dtype}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, not {chunk_rows}")
+    vocab = logits.shape[2]
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        # An out-of-range id would be a device-side assert on CUDA, which kills the context.
+        raise LossInputError(f"input_ids must lie in [0, {vocab}); got [{int(input_ids.min())}, {int(input_ids.max())}]")
+    targets = input_ids[:, 1:].long().unsqueeze(-1)  # token t+1 ...
+    out = []
+    for start in range(0, logits.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        lp = torch.log_softmax(logits[rows, :-1].float(), dim=-1)  # ... scored by logits at t
+        out.append(lp.gather(-1, targets[rows]).squeeze(-1))
+    return torch.cat(out)
+
+
+def grpo_loss(
+    new_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: GRPOLossConfig,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO's token-level clipped surrogate (to minimise) and detached 0-dim metric tensors.
+
+    ``mask``: nonzero marks a valid (scored) token. Per valid token, with ``r = exp(new - behaviour)`` (the importance ratio against the sampler's
+    behaviour policy: the off-policy correction for stale groups) and ``A`` its sequence's
+    advantage: ``term = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (times the TIS factor
+    when ``tis_cap`` is set, see ``GRPOLossConfig``); ``loss = -aggregate(term) + kl_coef *
+    aggregate(k3)`` with ``k3 = exp(ref - new) - (ref - new) - 1``. Gradient flows only into
+    ``new_logprobs``; every other input is detached.
+
+    ``normalizer`` replaces the divisor of the aggregation (valid tokens for 'token_mean',
+    non-empty sequences for 'seq_mean'): pass the whole batch's count when a batch is split into
+    micro-batches whose gradients are accumulated, so the sum equals the loss of the whole batch.
+
+    Metrics (over valid tokens, whatever the aggregation): ``loss``, ``pg_loss``, ``ratio_mean``,
+    ``ratio_max``, ``clip_frac_low`` (A < 0 and r < 1 - eps_low: clipped, no gradient),
+    ``clip_frac_high`` (A > 0 and r > 1 + eps_high), ``tokens``; ``kl`` with ``ref_logprobs``;
+    ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
+    so that logging them costs no device sync until the caller asks.
+    """
+    _check_same_shape(new_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask, ref_logprobs=ref_logprobs, entropy=entropy)
+    if new_logprobs.dim() != 2 or advantages.shape != new_logprobs.shape[:1]:
+        raise LossInputError(f"need new_logprobs [B, L] and advantages [B]; got {list(new_logprobs.shape)} and {list(advantages.shape)}")
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise LossInputError("kl_coef > 0 needs ref_logprobs")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, not {normalizer!r}")
+    valid = mask.bool()
+    # Mask BEFORE exp(): padding may hold NaN/inf, and where() routes a zero gradient to it.
+    log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach().to(ratio.dtype).unsqueeze(1)
+    term = torch.minimum(ratio * adv, ratio.clamp(1 - config.eps_low, 1 + config.eps_high) * adv)
+    if config.tis_cap is not None:
+        term = term * (config.tis_cap / ratio.detach()).clamp(max=1.0)
+    n_tokens = valid.sum()
+    metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
+    pg_loss = -_aggregate(term, valid, config.aggregation, normalizer)
+    loss = pg_loss
+    if ref_logprobs is not None:
+        delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        k3 = torch.exp(delta) - delta - 1  # Schulman's k3: >= 0 per token, low variance
+        if config.kl_coef > 0:
+            loss = loss + config.kl_coef * _aggregate(k3, valid, config.aggregation, normalizer)
+        metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
+    with torch.no_grad():
+        metrics["loss"] = loss.detach()
+        metrics["pg_loss"] = pg_loss.detach()
+        metrics["ratio_mean"] = _token_mean(ratio, valid, n_tokens)
+        metrics["ratio_max"] = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
+        metrics["clip_frac_low"] = _token_mean(((adv < 0) & (ratio < 1 - config.eps_low)).to(ratio.dtype), valid, n_tokens)
+        metrics["clip_frac_high"] = _token_mean(((adv > 0) & (ratio > 1 + config.eps_high)).to(ratio.dtype), valid, n_tokens)
+        if config.tis_cap is not None:
+            metrics["tis_frac"] = _token_mean((ratio > config.tis_cap).to(ratio.dtype), valid, n_tokens)
+        if entropy is not None:
+            metrics["entropy"] = _token_mean(entropy.detach().to(ratio.dtype), valid, n_tokens)
+    return loss, metrics
+
+
+def _aggregate(x: torch.Tensor, valid: torch.Tensor, how: str, normalizer: float | None) -> torch.Tensor:
+    """Masked mean of ``x`` per ``how``; 0 (with a graph) when nothing is valid, never NaN."""
+    x = torch.where(valid, x, 0.0)  # not x * mask: NaN * 0 is NaN
+    if how == "token_mean":
+        return x.sum() / (normalizer if normalizer is not None else valid.sum().clamp(min=1))
+    per_seq_tokens = valid.sum(dim=1)
+    per_seq = x.sum(dim=1) / per_seq_tokens.clamp(min=1)
+    # Sequences with no valid token contribute 0 to the sum and are left out of the count.
+    n_seqs = normalizer if normalizer is not None else (per_seq_tokens > 0).sum().clamp(min=1)
+    return per_seq.sum() / n_seqs
+
+
+def _token_mean(x: torch.Tensor, valid: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, x, 0.0).sum() / n_tokens.clamp(min=1)
+
+
+def _check_same_shape(ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.shape != ref.shape:
+            raise LossInputError(f"{name} has shape {list(t.shape)}, new_logprobs has {list(ref.shape)}")

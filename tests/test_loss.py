@@ -1,0 +1,256 @@
+"""GRPO loss formulas against hand computations (expected numbers are written out, not recomputed
+with the code under test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.rl.loss import GRPOLossConfig, LossInputError, group_advantages, grpo_loss, token_logprobs
+
+F64 = torch.float64
+
+
+def t(x, **kw) -> torch.Tensor:
+    return torch.tensor(x, dtype=F64, **kw)
+
+
+def close(actual: torch.Tensor, expected, tol: float = 1e-9) -> None:
+    torch.testing.assert_close(actual.to(F64), t(expected), atol=tol, rtol=0)
+
+
+# --- group advantages --------------------------------------------------------------------------
+
+
+def test_advantages_centred_without_std():
+    adv = group_advantages(t([[1, 2, 3, 6], [0, 0, 1, 1]]), normalize_std=False)
+    close(adv, [[-2, -1, 0, 3], [-0.5, -0.5, 0.5, 0.5]])
+
+
+def test_advantages_divided_by_population_std():
+    # [1, 2, 3, 6]: mean 3, population variance (4 + 1 + 0 + 9) / 4 = 3.5, std 1.8708286933869707
+    adv = group_advantages(t([[1, 2, 3, 6], [0, 1, 0, 1]]), eps=0.0)
+    close(adv, [[-1.0690449676496976, -0.5345224838248488, 0.0, 1.6035674514745464], [-1, 1, -1, 1]])
+    # the default eps only nudges the divisor: 2 / (1.8708286933869707 + 1e-6)
+    close(group_advantages(t([[1, 2, 3, 6]]))[0, 0:1], [-1.0690443962216838], tol=1e-12)
+
+
+def test_equal_rewards_give_exact_zeros_and_no_nan():
+    for normalize in (True, False):
+        adv = group_advantages(t([[0.1, 0.1, 0.1], [5, 5, 5]]), normalize_std=normalize)
+        assert torch.equal(adv, torch.zeros(2, 3, dtype=F64))  # exactly, though 0.1*3/3 != 0.1
+        assert torch.equal(group_advantages([[0.7], [2.0, 2.0]], normalize_std=normalize), torch.zeros(3))
+    assert torch.equal(group_advantages(torch.full((1, 4), 0.1, dtype=torch.float32), eps=0.0), torch.zeros(1, 4))
+
+
+def test_advantages_of_ragged_groups_come_out_flat_in_order():
+    rewards = [[1.0, 3.0], [2.0, 2.0, 2.0], [0.0, 0.0, 3.0]]
+    close(group_advantages(rewards, normalize_std=False), [-1, 1, 0, 0, 0, -1, -1, 2], tol=1e-6)
+    # group 3: mean 1, centred [-1, -1, 2], population variance 6 / 3 = 2
+    expected = [-1, 1, 0, 0, 0, -0.7071067811865475, -0.7071067811865475, 1.414213562373095]
+    close(group_advantages(rewards, eps=0.0), expected, tol=1e-6)
+    with pytest.raises(LossInputError):
+        group_advantages([[1.0], []])
+
+
+# --- token log-probs ---------------------------------------------------------------------------
+
+LOGITS = [
+    [[0.1, 1.2, -0.3, 0.5], [2.0, -1.0, 0.0, 0.3], [0.7, 0.7, -2.0, 1.5]],
+    [[-0.5, 0.0, 0.5, 1.0], [1.0, 1.0, 1.0, 1.0], [3.0, -3.0, 0.2, 0.1]],
+]
+IDS = [[1, 0, 3], [2, 3, 0]]
+
+
+def manual_logprob(row: list[float], token: int) -> float:
+    return row[token] - math.log(sum(math.exp(x) for x in row))
+
+
+def test_token_logprobs_scores_the_next_token():
+    out = token_logprobs(t(LOGITS), torch.tensor(IDS))
+    assert out.shape == (2, 2) and out.dtype == torch.float32
+    shifted = [[manual_logprob(LOGITS[b][i], IDS[b][i + 1]) for i in range(2)] for b in range(2)]
+    close(out, shifted, tol=1e-6)
+    # logits at [1, 1] are uniform over 4 tokens: whatever comes next has log(1/4)
+    assert out[1, 1].item() == pytest.approx(-1.3862943611198906, abs=1e-6)
+    # the unshifted (wrong) reading scores each token by a prediction that already saw it
+    unshifted = [[manual_logprob(LOGITS[b][i], IDS[b][i]) for i in range(2)] for b in range(2)]
+    assert not torch.allclose(out.to(F64), t(unshifted), atol=1e-3)
+
+
+def test_token_logprobs_float32_from_bf16_and_chunking_changes_nothing():
+    logits = t(LOGITS).to(torch.bfloat16)
+    ids = torch.tensor(IDS)
+    rounded = logits.to(F64).tolist()  # what bf16 actually holds
+    expected = [[manual_logprob(rounded[b][i], IDS[b][i + 1]) for i in range(2)] for b in range(2)]
+    for chunk_rows in (1, 2, 5):
+        out = token_logprobs(logits, ids, chunk_rows=chunk_rows)
+        assert out.dtype == torch.float32
+        close(out, expected, tol=1e-6)
+
+
+def test_token_logprobs_gradient_reaches_logits_but_not_the_last_position():
+    logits = t(LOGITS).requires_grad_()
+    token_logprobs(logits, torch.tensor(IDS)).sum().backward()
+    assert torch.equal(logits.grad[:, -1], torch.zeros(2, 4, dtype=F64))  # predicts past the end
+    # d/dlogits of log_softmax[token]: one-hot(token) - softmax. The uniform row [1, 1] scores
+    # the NEXT token, IDS[1][2] = 0 (not IDS[1][1] = 3, the unshifted reading).
+    close(logits.grad[1, 1], [0.75, -0.25, -0.25, -0.25], tol=1e-6)
+
+
+def test_token_logprobs_refuses_bad_input():
+    logits = t(LOGITS)
+    for bad_ids in (torch.tensor([[1, 0, 4], [2, 3, 0]]), torch.tensor([[1, 0, -1], [2, 3, 0]]), torch.tensor([[1, 0], [2, 3]]), t(IDS)):
+        with pytest.raises(LossInputError):
+            token_logprobs(logits, bad_ids)
+    with pytest.raises(LossInputError, match="T >= 2"):
+        token_logprobs(logits[:, :1], torch.tensor([[1], [2]]))
+
+
+# --- clipped surrogate -------------------------------------------------------------------------
+
+CFG = GRPOLossConfig()  # eps_low 0.2, eps_high 0.28
+
+
+def one_token(ratio: float, adv: float, cfg: GRPOLossConfig = CFG):
+    """Loss and d loss / d new for a single token with the given ratio and advantage."""
+    beh = t([[-1.0]])
+    new = (beh + math.log(ratio)).requires_grad_()
+    loss, metrics = grpo_loss(new, beh, t([adv]), torch.ones(1, 1, dtype=torch.bool), cfg)
+    loss.backward()
+    return loss.item(), new.grad.item(), metrics
+
+
+def test_ratio_inside_the_clip_range():
+    loss, grad, m = one_token(1.1, 2.0)
+    assert loss == pytest.approx(-2.2) and grad == pytest.approx(-2.2)  # -(r A), d/dnew = -A r
+    assert m["ratio_mean"].item() == pytest.approx(1.1)
+    assert m["clip_frac_low"].item() == 0 and m["clip_frac_high"].item() == 0
+
+
+def test_ratio_above_one_plus_eps_high_with_positive_advantage_is_clipped():
+    loss, grad, m = one_token(1.5, 1.0)
+    assert loss == pytest.approx(-1.28) and grad == 0.0
+    assert m["clip_frac_high"].item() == 1 and m["clip_frac_low"].item() == 0
+
+
+def test_ratio_below_one_minus_eps_low_with_negative_advantage_is_clipped():
+    loss, grad, m = one_token(0.5, -1.0)
+    assert loss == pytest.approx(0.8) and grad == 0.0  # min(-0.5, -0.8) = -0.8
+    assert m["clip_frac_low"].item() == 1 and m["clip_frac_high"].item() == 0
+
+
+def test_the_other_sides_are_not_clipped():
+    loss, grad, _ = one_token(1.5, -1.0)  # min(-1.5, -1.28): the PPO clip leaves this open
+    assert loss == pytest.approx(1.5) and grad == pytest.approx(1.5)
+    loss, grad, _ = one_token(0.5, 1.0)  # min(0.5, 0.8)
+    assert loss == pytest.approx(-0.5) and grad == pytest.approx(-0.5)
+
+
+def padded_batch():
+    """Row 0: A=+1, ratios 1.0, 1.1, 1.5 (last clipped). Row 1: A=-2, ratios 0.5 (clipped), 1.2,
+    then padding. Row 2: fully masked. Padding holds NaN/inf: it must not matter."""
+    nan, inf = math.nan, math.inf
+    beh = t([[-1.0, -2.0, -0.5], [-0.3, -1.2, nan], [nan, 0.0, inf]])
+    ratios = [[1.0, 1.1, 1.5], [0.5, 1.2, 1.0], [1.0, 1.0, 1.0]]
+    new = (beh + t(ratios).log()).nan_to_num(nan=nan, posinf=nan).requires_grad_()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    return new, beh, t([1.0, -2.0, 5.0]), mask
+
+
+def test_token_mean_on_a_padded_batch():
+    new, beh, adv, mask = padded_batch()
+    loss, m = grpo_loss(new, beh, adv, mask, CFG)
+    # terms: -(1.0, 1.1, 1.28) and +(1.6, 2.4); (-3.38 + 4.0) / 5 tokens
+    assert loss.item() == pytest.approx(0.124)
+    loss.backward()
+    close(new.grad, [[-0.2, -0.22, 0.0], [0.0, 0.48, 0.0], [0.0, 0.0, 0.0]])
+    assert m["tokens"].item() == 5
+    assert m["ratio_mean"].item() == pytest.approx(1.06) and m["ratio_max"].item() == pytest.approx(1.5)
+    assert m["clip_frac_low"].item() == pytest.approx(0.2) and m["clip_frac_high"].item() == pytest.approx(0.2)
+
+
+def test_seq_mean_on_a_padded_batch():
+    new, beh, adv, mask = padded_batch()
+    loss, _ = grpo_loss(new, beh, adv, mask, GRPOLossConfig(aggregation="seq_mean"))
+    # rows: -3.38 / 3 and 4.0 / 2; the fully-masked row is left out of the mean
+    assert loss.item() == pytest.approx(0.43666666666666665)
+    loss.backward()
+    close(new.grad, [[-1 / 6, -1.1 / 6, 0.0], [0.0, 0.6, 0.0], [0.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("aggregation, normalizer", [("token_mean", 5), ("seq_mean", 2)])
+def test_normalizer_makes_micro_batches_add_up(aggregation, normalizer):
+    new, beh, adv, mask = padded_batch()
+    cfg = GRPOLossConfig(aggregation=aggregation)
+    whole, _ = grpo_loss(new, beh, adv, mask, cfg)
+    parts = [grpo_loss(new[s], beh[s], adv[s], mask[s], cfg, normalizer=normalizer)[0] for s in (slice(0, 1), slice(1, 3))]
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item())
+
+
+def test_fully_masked_batch_gives_zero_loss_and_no_nan():
+    for aggregation in ("token_mean", "seq_mean"):
+        new = t([[math.nan, 1.0]]).requires_grad_()
+        loss, m = grpo_loss(new, t([[math.inf, 0.0]]), t([3.0]), torch.zeros(1, 2), GRPOLossConfig(aggregation=aggregation), ref_logprobs=t([[math.nan, 0.0]]))
+        loss.backward()
+        assert loss.item() == 0.0 and torch.equal(new.grad, torch.zeros(1, 2, dtype=F64))
+        assert all(not torch.isnan(v).any() for v in m.values()), m
+
+
+def test_kl_term_k3():
+    new = t([[-1.0, -2.0, 0.0]]).requires_grad_()
+    ref = t([[-1.5, -1.0, math.nan]])  # third token is padding
+    mask = torch.tensor([[1, 1, 0]])
+    loss, m = grpo_loss(new, new.detach(), t([0.0]), mask, GRPOLossConfig(kl_coef=0.1), ref_logprobs=ref)
+    # ref - new = -0.5, 1.0: k3 = exp(d) - d - 1 = 0.10653065971263342, 0.7182818284590451
+    assert m["kl"].item() == pytest.approx(0.41240624408583926)
+    assert loss.item() == pytest.approx(0.041240624408583926)  # A = 0: the surrogate adds nothing
+    loss.backward()
+    # d k3 / d new = 1 - exp(ref - new), times kl_coef / 2 tokens
+    close(new.grad, [[0.01967346701436833, -0.08591409142295225, 0.0]])
+    loss0, m0 = grpo_loss(new, new.detach(), t([0.0]), mask, CFG, ref_logprobs=ref)
+    assert loss0.item() == 0.0 and m0["kl"].item() == pytest.approx(0.41240624408583926)  # metric only
+
+
+def test_truncated_importance_weight():
+    beh = t([[-1.0], [-1.0], [-1.0]])
+    new = (beh + t([[5.0], [1.1], [5.0]]).log()).requires_grad_()
+    adv, mask = t([-1.0, -1.0, 1.0]), torch.ones(3, 1)
+    loss, m = grpo_loss(new, beh, adv, mask, GRPOLossConfig(tis_cap=2.0))
+    # factor min(1, 2 / r) = 0.4, 1, 0.4; terms 0.4 * -5, -1.1, 0.4 * 1.28 (clipped)
+    assert loss.item() == pytest.approx((2.0 + 1.1 - 0.512) / 3)
+    loss.backward()
+    close(new.grad, [[2 / 3], [1.1 / 3], [0.0]])  # min(r, cap) * -A / 3 tokens; clipped: 0
+    assert m["tis_frac"].item() == pytest.approx(2 / 3)
+    new.grad = None
+    plain, _ = grpo_loss(new, beh, adv, mask, CFG)
+    assert plain.item() == pytest.approx((5.0 + 1.1 - 1.28) / 3)
+    plain.backward()
+    close(new.grad, [[5 / 3], [1.1 / 3], [0.0]])
+
+
+def test_gradient_flows_only_into_new_logprobs():
+    new, beh, adv, mask = padded_batch()
+    beh, adv = beh.clone().requires_grad_(), adv.clone().requires_grad_()
+    ref = t([[-1.0] * 3] * 3, requires_grad=True)
+    entropy = t([[0.5, 1.0, 1.5], [2.0, 3.0, 9.0], [9.0, 9.0, 9.0]])
+    loss, m = grpo_loss(new, beh, adv, mask, GRPOLossConfig(kl_coef=0.1), ref_logprobs=ref, entropy=entropy)
+    loss.backward()
+    assert new.grad is not None and beh.grad is None and adv.grad is None and ref.grad is None
+    assert m["entropy"].item() == pytest.approx(8.0 / 5)
+    assert all(not v.requires_grad for v in m.values())
+
+
+def test_bad_inputs_and_config_are_refused():
+    x, m = t([[0.0, 0.0]]), torch.ones(1, 2)
+    with pytest.raises(LossInputError, match="behaviour_logprobs"):
+        grpo_loss(x, t([[0.0]]), t([1.0]), m, CFG)
+    with pytest.raises(LossInputError, match="advantages"):
+        grpo_loss(x, x, t([1.0, 2.0]), m, CFG)
+    with pytest.raises(LossInputError, match="ref_logprobs"):
+        grpo_loss(x, x, t([1.0]), m, GRPOLossConfig(kl_coef=0.1))
+    for bad in (dict(eps_low=1.0), dict(eps_low=-0.1), dict(eps_high=-0.1), dict(tis_cap=0.5), dict(kl_coef=-1.0), dict(aggregation="sum")):
+        with pytest.raises(ValueError):
+            GRPOLossConfig(**bad)
