@@ -30,7 +30,7 @@ async def test_tensors_of_every_kind_roundtrip(actor):
         torch.randn(200).to(torch.float8_e4m3fn),
     ]
     out = await actor.echo_many(cases)
-    for sent, got in zip(cases, out):
+    for sent, got in zip(cases, out, strict=True):
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got.reshape(-1).view(torch.uint8), sent.contiguous().reshape(-1).view(torch.uint8))
 

@@ -156,9 +156,5 @@ class PayloadDecoder:
         raise ValueError(f"unknown msgpack extension code {code}")
 
 
-def message_frames(body: bytes, bufs: list) -> list:
-    return [body, *bufs]
-
-
 def frames_nbytes(frames: list) -> int:
     return sum(memoryview(f).nbytes for f in frames)
