@@ -295,6 +295,8 @@ class Supervisor:
             env={k: str(v) for k, v in (env or {}).items()},
             max_restarts=max_restarts,
             call_timeout_s=call_timeout_s or self.config.call_timeout_s,
+            # a reused name continues its numbering, so (name, incarnation) never repeats
+            incarnation=previous.incarnation if previous is not None else 0,
         )
         self._records[name] = rec
         try:
