@@ -115,9 +115,9 @@ async def test_frozen_actor_is_detected_by_heartbeat_and_restarted():
 
 
 async def test_a_blocking_endpoint_is_not_mistaken_for_death():
-    async with Supervisor(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5) as sup:
+    async with Supervisor(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0) as sup:
         echo = await sup.spawn(Echo)
-        await echo.block(1.5)  # holds the actor's loop three times the heartbeat timeout
+        await echo.block(2.5)  # holds the actor's loop 2.5 times the heartbeat timeout
         assert await echo.add(1) == 2
         assert echo.info().restarts == 0
 
