@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import AsyncIterator
 
@@ -30,15 +31,22 @@ class Squarer(Actor):
     async def pid(self) -> int:
         return os.getpid()
 
+    @endpoint
+    async def nap(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
 
 async def main() -> None:
     async with Supervisor() as sup:
         a, b = await sup.spawn_group(Squarer, 2, 0.5, name="squarer", max_restarts=1)
         print("square:", (await a.square(torch.arange(4.0))).tolist())
         print("countdown:", [i async for i in b.countdown(5)])
-        os.kill(await b.pid(), 9)
+        pid = await b.pid()
+        napping = asyncio.ensure_future(b.nap(60))
+        await asyncio.sleep(0.2)
+        os.kill(pid, 9)  # a crash while a call is pending: the call fails at once
         try:
-            await b.square(torch.ones(2))
+            await napping
         except ActorDiedError as e:
             print("as expected:", e)
         print("after restart:", (await b.square(torch.ones(2))).tolist(), b.info().restarts, "restart(s)")

@@ -17,4 +17,5 @@ def test_hello_actors_example_runs_under_launch():
     assert out.returncode == 0, out.stderr
     assert "square: [0.0, 0.5, 2.0, 4.5]" in out.stdout
     assert "countdown: [5, 4, 3, 2, 1]" in out.stdout
+    assert "as expected: actor 'squarer-1': died (killed by SIGKILL)" in out.stdout
     assert "after restart: [0.5, 0.5] 1 restart(s)" in out.stdout
