@@ -97,6 +97,8 @@ class ActorClient:
 
     async def stream(self, spec: EndpointSpec, args: tuple, kwargs: dict, timeout_s: float) -> AsyncIterator[Any]:
         """Items of a streaming endpoint; ``timeout_s`` bounds the wait for each item."""
+        # Unbounded type, bounded content: the actor sends at most STREAM_WINDOW items beyond the
+        # credit we have granted, and we grant credit only for items already taken off this queue.
         queue: asyncio.Queue = asyncio.Queue()
         call_id = self._send_call(spec, args, kwargs, _Pending(None, spec.name, queue))
         consumed = 0
