@@ -1,6 +1,7 @@
 """``asyncrl`` command line. Parses its flags before importing anything heavy, so ``--help`` is
 instant; ``launch`` then runs a user script's ``main`` under uvloop with signal handling that
-turns SIGINT/SIGTERM into an orderly shutdown of every actor."""
+turns SIGINT/SIGTERM into an orderly shutdown of every actor. With ``--nnodes N``, node 0 runs the
+script (its supervisor is node 0 of the cluster) and every other node runs a node agent."""
 
 from __future__ import annotations
 
@@ -20,11 +21,18 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
             "takes its defaults from these flags. SIGINT/SIGTERM stop every actor and exit with 128+signal."
         ),
     )
-    nodes = p.add_argument_group("nodes (torchrun's names; one node for now)")
-    nodes.add_argument("--nnodes", type=int, default=os.environ.get("NNODES", "1"))
-    nodes.add_argument("--node-rank", "--node_rank", type=int, default=os.environ.get("NODE_RANK", "0"))
-    nodes.add_argument("--master-addr", "--master_addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    nodes.add_argument("--master-port", "--master_port", type=int, default=os.environ.get("MASTER_PORT", "29500"))
+    nodes = p.add_argument_group(
+        "nodes (torchrun's flags; defaults from PET_<NAME> or <NAME> variables, then Slurm's, e.g. NNODES, MASTER_ADDR)"
+    )
+    nodes.add_argument("--nnodes", help="number of nodes (default 1)")
+    nodes.add_argument("--node-rank", "--node_rank", help="this node's rank; 0 runs the script, others run a node agent")
+    nodes.add_argument("--master-addr", "--master_addr", help="node 0's address as the other nodes reach it (default 127.0.0.1)")
+    nodes.add_argument("--master-port", "--master_port", help="node 0's cluster port (default 29500)")
+    nodes.add_argument("--nproc-per-node", "--nproc_per_node", help="accelerator devices this node offers (default: all found)")
+    nodes.add_argument("--node-addr", help="address the other nodes reach this one at (default: the interface that routes to the master)")
+    nodes.add_argument("--secret-file", help="file holding the cluster secret (else $ASYNCRL_CLUSTER_SECRET[_FILE]); see `asyncrl secret`")
+    nodes.add_argument("--join-timeout-s", type=float, help="deadline for every node to join (default 300)")
+    nodes.add_argument("--node-timeout-s", type=float, help="a node silent this long is lost (default 5)")
     sup = p.add_argument_group("supervisor")
     sup.add_argument("--transport", choices=["ipc", "tcp"], help="control-plane transport (default ipc)")
     sup.add_argument("--call-timeout-s", type=float, help="default deadline of one call")
@@ -41,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
     _launch_parser(sub)
+    secret = sub.add_parser("secret", help="write a new cluster secret to a file (mode 0600) for multi-node runs")
+    secret.add_argument("path", help="where to write it; an existing file is not overwritten")
     return parser
 
 
@@ -52,31 +62,69 @@ def main(argv: list[str] | None = None) -> int:
 
         print(__version__)
         return 0
+    if args.command == "secret":
+        return _write_secret(args.path)
     if args.command != "launch":
         parser.print_help()
         return EXIT_USAGE
-    if args.nnodes != 1 or args.node_rank != 0:
-        print("asyncrl launch: only --nnodes 1 is supported so far (multi-node is planned)", file=sys.stderr)
-        return EXIT_USAGE
-    if not os.path.isfile(args.script):
-        print(f"asyncrl launch: no such script: {args.script}", file=sys.stderr)
-        return EXIT_USAGE
-    from .runtime.config import ENV_PREFIX
-
-    for flag in ("transport", "call_timeout_s", "start_timeout_s", "stop_timeout_s", "heartbeat_timeout_s"):
-        value = getattr(args, flag)
-        if value is not None:
-            os.environ[ENV_PREFIX + flag.upper()] = str(value)
-    from .runtime.config import SupervisorConfig
-
     try:
-        SupervisorConfig.from_env()  # a bad flag value is a usage error, reported before anything starts
-    except ValueError as e:
+        config, node = _configure(args)
+    except ValueError as e:  # a bad flag or variable is a usage error, reported before anything starts
         print(f"asyncrl launch: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if node.node_rank > 0:
+        from .runtime.agent import run_agent
+
+        return run_agent(node.node_rank, args.node_addr, config)
     from .launch import run_script
 
     return run_script(args.script, args.script_args)
+
+
+def _configure(args):
+    """Export the flags as the ``ASYNCRL_*`` variables that ``Supervisor()`` (and the node agent)
+    read, and check them all."""
+    from .nodes import resolve
+
+    node = resolve(os.environ, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.nproc_per_node)
+    if not os.path.isfile(args.script):
+        raise ValueError(f"no such script: {args.script}")
+    from .runtime import auth, net
+    from .runtime.config import ENV_PREFIX, SupervisorConfig
+
+    for flag in ("transport", "call_timeout_s", "start_timeout_s", "stop_timeout_s", "heartbeat_timeout_s",
+                 "join_timeout_s", "node_timeout_s"):
+        value = getattr(args, flag)
+        if value is not None:
+            os.environ[ENV_PREFIX + flag.upper()] = str(value)
+    if node.nnodes > 1:
+        for field in ("nnodes", "master_addr", "master_port", "nproc_per_node"):
+            os.environ[ENV_PREFIX + field.upper()] = str(getattr(node, field))
+    elif node.nproc_per_node:
+        os.environ[ENV_PREFIX + "NPROC_PER_NODE"] = str(node.nproc_per_node)
+    if args.secret_file:
+        os.environ[auth.ENV_SECRET_FILE] = os.path.abspath(args.secret_file)
+    if args.node_addr:
+        os.environ[net.ENV_NODE_ADDR] = args.node_addr
+    config = SupervisorConfig.from_env()
+    if node.nnodes > 1 and auth.load_secret() is None:
+        raise ValueError(
+            f"--nnodes {node.nnodes} needs a cluster secret, the same on every node: make one with "
+            f"`asyncrl secret PATH` and pass --secret-file PATH (or set {auth.ENV_SECRET_FILE} or {auth.ENV_SECRET})"
+        )
+    return config, node
+
+
+def _write_secret(path: str) -> int:
+    from .runtime.auth import write_secret
+
+    try:
+        write_secret(path)
+    except OSError as e:
+        print(f"asyncrl secret: cannot create {path}: {e}", file=sys.stderr)
+        return 1
+    print(f"asyncrl secret: wrote a new cluster secret to {path} (mode 0600); copy it to every node")
+    return 0
 
 
 if __name__ == "__main__":

@@ -80,6 +80,15 @@ class NoFreeDevicesError(AsyncrlError):
     """A spawn asked for more accelerator devices than are free."""
 
 
+class ClusterStartError(AsyncrlError):
+    """Not every node agent joined the cluster within ``join_timeout_s``; ``missing`` lists
+    the node ranks that did not."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
 class SupervisorClosedError(AsyncrlError):
     """The supervisor is not running (not entered yet, or already closed)."""
 

@@ -134,7 +134,7 @@ def test_launch_flags_configure_the_supervisor():
 @pytest.mark.parametrize(
     "args, text",
     [
-        (["--nnodes", "2", "x.py"], "only --nnodes 1"),
+        (["--nnodes", "2", "--node-rank", "2", "x.py"], "--node-rank must be in 0..1"),
         (["does/not/exist.py"], "no such script"),
         (["--heartbeat-timeout-s", "-1", os.path.join(SCRIPTS, "modes.py")], "heartbeat_timeout_s must be > 0"),
     ],

@@ -17,6 +17,7 @@ import zmq
 
 from . import wire
 from .actor import EndpointSpec
+from .auth import ClusterKeys
 from .codec import PayloadEncoder, frames_nbytes
 from .server import STREAM_WINDOW
 from .transport import LoopSocket, connect_dealer
@@ -37,7 +38,7 @@ class _Pending:
 
 
 class ActorClient:
-    def __init__(self, ctx: zmq.Context, actor: str, address: str, max_message_bytes: int) -> None:
+    def __init__(self, ctx: zmq.Context, actor: str, address: str, max_message_bytes: int, keys: "ClusterKeys | None" = None) -> None:
         self.actor = actor
         self.address = address
         self.max_message_bytes = max_message_bytes
@@ -47,7 +48,7 @@ class ActorClient:
         self._decoder = msgspec.msgpack.Decoder(wire.FromActor)
         self._body = msgspec.msgpack.Encoder()
         self._payload = PayloadEncoder()
-        self._sock = LoopSocket(connect_dealer(ctx, address), self._on_message, f"client of {actor}")
+        self._sock = LoopSocket(connect_dealer(ctx, address, keys=keys), self._on_message, f"client of {actor}")
 
     # --- sending -----------------------------------------------------------------------------
 

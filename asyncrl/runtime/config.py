@@ -32,6 +32,21 @@ class SupervisorConfig:
     """Largest message (body plus tensor frames) a call or reply may be; larger ones are refused."""
     device_kind: str = "auto"
     """'auto', 'cuda' or 'npu': which visibility variable ``gpus=`` fills."""
+    nnodes: int = 1
+    """Nodes in the cluster. Above 1, this supervisor is node 0 and waits in ``start()`` for a node
+    agent of every other rank to join (``asyncrl launch --node-rank R`` on each node)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0 as the other nodes reach it; with ``nnodes > 1`` the cluster socket binds
+    here (never a wildcard)."""
+    master_port: int = 29500
+    """TCP port of the cluster socket on ``master_addr`` (torchrun's default)."""
+    join_timeout_s: float = 300.0
+    """Deadline for every node agent to join; the error names the missing nodes."""
+    node_timeout_s: float = 5.0
+    """A node agent silent this long is lost: its actors count as dead. An agent whose supervisor
+    connection stays down this long stops its actors and exits."""
+    nproc_per_node: int = 0
+    """Accelerator devices this node offers to placement (the first N found); 0 means all."""
     handle_signals: bool = True
     """Turn SIGINT and SIGTERM into a clean shutdown while the supervisor is open (main thread
     only): the task that entered it is cancelled, every actor is stopped, then KeyboardInterrupt
@@ -48,6 +63,14 @@ class SupervisorConfig:
                 raise ValueError(f"{f.name} must be > 0, not {value!r}")
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed twice heartbeat_interval_s")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, not {self.nnodes}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, not {self.master_port}")
+        if self.nproc_per_node < 0:
+            raise ValueError(f"nproc_per_node must be >= 0, not {self.nproc_per_node}")
+        if self.node_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError("node_timeout_s must exceed twice heartbeat_interval_s")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, not {self.max_message_bytes}")
 

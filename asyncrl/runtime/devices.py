@@ -34,11 +34,21 @@ def detect(kind: str = "auto") -> tuple[str | None, list[str]]:
     return None, []
 
 
+def offered(ids: list[str], nproc_per_node: int) -> list[str]:
+    """The devices a node offers to placement: the first ``nproc_per_node`` (0: all)."""
+    if nproc_per_node == 0:
+        return list(ids)
+    if nproc_per_node > len(ids):
+        raise ValueError(f"nproc_per_node={nproc_per_node}, but this host has {len(ids)} device(s)")
+    return list(ids[:nproc_per_node])
+
+
 class DevicePool:
-    def __init__(self, kind: str | None, ids: list[str]):
+    def __init__(self, kind: str | None, ids: list[str], where: str = "this host"):
         self.kind = kind
         self.free = list(ids)
         self.total = len(ids)
+        self.where = where
 
     def take(self, n: int, who: str) -> list[str]:
         if n < 0:
@@ -46,7 +56,7 @@ class DevicePool:
         if n > len(self.free):
             raise NoFreeDevicesError(
                 f"actor {who!r} asks for {n} device(s); {len(self.free)} of {self.total} "
-                f"{self.kind or 'accelerator'} device(s) on this host are free"
+                f"{self.kind or 'accelerator'} device(s) on {self.where} are free"
             )
         taken, self.free = self.free[:n], self.free[n:]
         return taken

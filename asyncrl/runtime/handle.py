@@ -12,7 +12,7 @@ from .actor import EndpointSpec
 from .state import ActorState
 
 if TYPE_CHECKING:
-    from .supervisor import ActorRecord, ActorStatus
+    from .record import ActorRecord, ActorStatus
 
 
 class RemoteMethod:

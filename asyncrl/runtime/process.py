@@ -2,7 +2,8 @@
 
 Exit is observed through a pidfd registered with the event loop, so a crash is seen the moment it
 happens, not at the next poll. The child's stdout and stderr are pumped line by line to ours with
-a ``[name]:`` prefix (as torchrun does with ``[rank0]:``). Stopping escalates: the caller's graceful
+a ``[name]:`` prefix (as torchrun does with ``[rank0]:``), or handed to a ``sink`` (a node agent
+forwards them to the supervisor). Stopping escalates: the caller's graceful
 step, then SIGTERM to the whole process group, then SIGKILL to it, each with a bounded wait, so
 grandchildren (a vLLM engine, a data loader) go too.
 """
@@ -10,11 +11,17 @@ grandchildren (a vLLM engine, a data loader) go too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
+
+LogSink = Callable[[int, list[bytes]], None]
+"""``sink(stream, lines)``: ``stream`` is 1 for stdout, 2 for stderr; lines without their newline."""
+MAX_LINE_BYTES = 1 << 20
+"""A longer run of output without a newline is passed on as one line, so buffering stays bounded."""
 
 
 def describe_exit(returncode: int) -> str:
@@ -27,7 +34,9 @@ def describe_exit(returncode: int) -> str:
 
 
 class ChildProcess:
-    def __init__(self, argv: Sequence[str], env: dict[str, str], log_prefix: str, pass_fds: Sequence[int] = ()):
+    def __init__(
+        self, argv: Sequence[str], env: dict[str, str], log_prefix: str, pass_fds: Sequence[int] = (), sink: LogSink | None = None
+    ):
         self.log_prefix = log_prefix
         self.proc = subprocess.Popen(
             list(argv),
@@ -43,9 +52,13 @@ class ChildProcess:
         self.exited: asyncio.Future[int] = loop.create_future()
         self._pidfd = os.pidfd_open(self.pid)
         loop.add_reader(self._pidfd, self._on_exit)
+        if sink is None:
+            emit = [functools.partial(write_lines, sys.stdout, log_prefix), functools.partial(write_lines, sys.stderr, log_prefix)]
+        else:
+            emit = [functools.partial(sink, 1), functools.partial(sink, 2)]
         self._pumps = [
-            asyncio.ensure_future(_pump(loop, self.proc.stdout, sys.stdout, log_prefix)),
-            asyncio.ensure_future(_pump(loop, self.proc.stderr, sys.stderr, log_prefix)),
+            asyncio.ensure_future(_pump(loop, self.proc.stdout, emit[0])),
+            asyncio.ensure_future(_pump(loop, self.proc.stderr, emit[1])),
         ]
 
     def _on_exit(self) -> None:
@@ -56,6 +69,9 @@ class ChildProcess:
         returncode = self.proc.wait()
         if not self.exited.done():
             self.exited.set_result(returncode)
+
+    def exit_description(self) -> str:
+        return describe_exit(self.exited.result())
 
     @property
     def alive(self) -> bool:
@@ -101,7 +117,7 @@ class ChildProcess:
         self.signal_group(signal.SIGKILL)
 
 
-async def _pump(loop: asyncio.AbstractEventLoop, pipe, out, prefix: str) -> None:
+async def _pump(loop: asyncio.AbstractEventLoop, pipe, emit: Callable[[list[bytes]], None]) -> None:
     reader = asyncio.StreamReader(limit=1 << 20)
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
     pending = b""
@@ -112,16 +128,19 @@ async def _pump(loop: asyncio.AbstractEventLoop, pipe, out, prefix: str) -> None
                 break
             lines = (pending + chunk).split(b"\n")
             pending = lines.pop()
+            if len(pending) > MAX_LINE_BYTES:
+                lines.append(pending)
+                pending = b""
             if lines:
-                _write(out, prefix, lines)
+                emit(lines)
         if pending:
-            _write(out, prefix, [pending])
+            emit([pending])
     finally:
         transport.close()
 
 
-def _write(out, prefix: str, lines: list[bytes]) -> None:
-    text = "".join(f"{prefix}{line.decode('utf-8', 'replace')}\n" for line in lines)
+def write_lines(out, prefix: str, lines: list[bytes] | list[str]) -> None:
+    text = "".join(f"{prefix}{line if isinstance(line, str) else line.decode('utf-8', 'replace')}\n" for line in lines)
     try:
         out.write(text)
         out.flush()

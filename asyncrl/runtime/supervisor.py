@@ -10,6 +10,10 @@ Every process this supervisor starts leads its own process group and is tracked 
 until that group is known empty; a ``weakref.finalize`` SIGKILLs whatever is left if the
 supervisor is dropped or the interpreter exits without ``close()``. If this process is SIGKILLed,
 the children notice on their own (see ``worker.py``).
+
+With ``nnodes > 1`` this supervisor is node 0 of a cluster (see ``cluster.py``): actors placed on
+another node are started by that node's agent and appear here as ``RemoteProcess``es, which the
+code below treats like local processes. Over TCP every socket is CURVE-authenticated (``auth.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import weakref
@@ -30,100 +35,30 @@ from typing import Any
 import msgspec
 import zmq
 
-from . import signals, wire
+from . import auth, net, signals, wire
 from .actor import endpoints_of, init_spec
 from .client import ActorClient
+from .cluster import Cluster, NodeStatus
 from .codec import PayloadEncoder
 from .config import SupervisorConfig
-from .devices import DevicePool, detect
+from .devices import DevicePool, detect, offered
 from .handle import ActorHandle
-from .process import ChildProcess, describe_exit
+from .process import ChildProcess, write_lines
+from .record import ActorRecord, ActorStatus
 from .state import ActorState
 from .transport import LoopSocket, bind_router, make_run_dir, remove_run_dir
 from . import worker as worker_env
 from ..errors import (
     ActorDiedError,
     ActorStartError,
-    CallTimeoutError,
     InvalidArgumentsError,
+    NoFreeDevicesError,
     SupervisorClosedError,
 )
 
 log = logging.getLogger("asyncrl.supervisor")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-
-
-class ActorStatus(msgspec.Struct, frozen=True):
-    name: str
-    state: str
-    pid: int | None
-    incarnation: int
-    restarts: int
-    max_restarts: int
-    devices: list[str]
-    last_heartbeat_age_s: float | None
-    error: str | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class ActorRecord:
-    name: str
-    index: int
-    cls: type
-    class_ref: tuple[str, str, str]
-    init_payload: tuple[msgspec.Raw, list]
-    devices: list[str]
-    env: dict[str, str]
-    max_restarts: int
-    call_timeout_s: float
-    state: ActorState = ActorState.STARTING
-    incarnation: int = 0
-    restarts: int = 0
-    proc: ChildProcess | None = None
-    client: ActorClient | None = None
-    routing_id: bytes | None = None
-    ready: asyncio.Future | None = None
-    last_heartbeat: float = 0.0
-    last_words: str = ""
-    kill_reason: str = ""
-    error: BaseException | None = None
-    stopping: bool = False
-    devices_released: bool = False
-    _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-
-    def set_state(self, state: ActorState) -> None:
-        self.state = state
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    def status(self) -> ActorStatus:
-        running = self.state is ActorState.RUNNING
-        return ActorStatus(
-            name=self.name,
-            state=self.state.value,
-            pid=self.proc.pid if self.proc is not None and self.proc.alive else None,
-            incarnation=self.incarnation,
-            restarts=self.restarts,
-            max_restarts=self.max_restarts,
-            devices=list(self.devices),
-            last_heartbeat_age_s=round(time.monotonic() - self.last_heartbeat, 3) if running else None,
-            error=str(self.error) if self.error is not None else None,
-        )
-
-    async def client_within(self, timeout_s: float, method: str) -> ActorClient:
-        """The client of the running incarnation, waiting (bounded) through a start or restart."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.state is ActorState.RUNNING:
-                return self.client
-            if self.state in (ActorState.DEAD, ActorState.STOPPED):
-                raise self.error or ActorDiedError(self.name, self.state.value)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CallTimeoutError(self.name, f"{method}() (the actor is still {self.state.value})", timeout_s)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
 
 
 def _class_ref(cls: type) -> tuple[str, str, str]:
@@ -191,6 +126,9 @@ class Supervisor:
             raise SupervisorClosedError(f"supervisor already {self._state}")
         cfg = self.config
         self._loop = asyncio.get_running_loop()
+        self._keys = _cluster_keys(cfg)
+        self._gate: auth.Gatekeeper | None = None
+        self._cluster: Cluster | None = None
         self._ctx = zmq.Context()
         self._run_dir = make_run_dir()
         # Children inherit the read end; only we hold the write end. Its EOF tells them we died.
@@ -200,12 +138,18 @@ class Supervisor:
             self, _emergency_cleanup, self._groups, self._run_dir, [self._death_r, self._death_w]
         )
         try:
+            if self._keys is not None:  # before any bind: without it no TCP peer is admitted
+                self._gate = auth.Gatekeeper(self._ctx, self._keys, "supervisor")
             bind = f"ipc://{self._run_dir}/supervisor.sock" if cfg.transport == "ipc" else f"tcp://{cfg.host}:*"
-            sock, self.address = bind_router(self._ctx, bind)
+            sock, self.address = bind_router(self._ctx, bind, gate=self._gate)
             self._control = LoopSocket(sock, self._on_control, "supervisor control")
-            self._devices = DevicePool(*detect(cfg.device_kind))
+            kind, ids = detect(cfg.device_kind)
+            self._devices = DevicePool(kind, offered(ids, cfg.nproc_per_node), where="node 0" if cfg.nnodes > 1 else "this host")
+            if cfg.nnodes > 1:
+                self._cluster = Cluster(self._ctx, cfg, self._gate, self._on_worker, self._on_remote_log)
+            self._node_env = _node_env(cfg, self._cluster)
         except BaseException:
-            self._ctx.destroy(0)
+            self._close_sockets()
             self._finalizer()
             self._state = "closed"
             raise
@@ -216,17 +160,34 @@ class Supervisor:
         if cfg.handle_signals:
             self._exit.enter_context(signals.cancel_on_signals(asyncio.current_task()))
         self._state = "running"
+        if self._cluster is not None:
+            try:
+                await self._cluster.wait_for_nodes(cfg.join_timeout_s)
+            except BaseException:
+                await self.close()
+                raise
+
+    def _close_sockets(self) -> None:
+        if self._cluster is not None:
+            self._cluster.sock.close()
+        if getattr(self, "_control", None) is not None:
+            self._control.close()
+        if self._gate is not None:
+            self._gate.close()  # its thread owns sockets of this context: stop it before destroy
+        self._ctx.destroy(0)
 
     async def close(self) -> None:
-        """Stop every actor (graceful, then SIGTERM, then SIGKILL to its process group), close
-        sockets, remove the run directory. Idempotent. A second cancellation (a second Ctrl-C)
-        while closing skips the graceful steps."""
+        """Stop every actor (graceful, then SIGTERM, then SIGKILL to its process group), tell
+        every node agent to exit, close sockets, remove the run directory. Idempotent. A second
+        cancellation (a second Ctrl-C) while closing skips the graceful steps."""
         if self._state != "running":
             self._state = "closed"
             return
         self._state = "closing"
         try:
             await asyncio.gather(*(self._stop(rec, "the supervisor is shutting down") for rec in self._records.values()))
+            if self._cluster is not None:
+                await self._cluster.close("the supervisor is shutting down", self.config.term_timeout_s + 5.0)
         except asyncio.CancelledError:
             _kill_groups(self._groups)
             raise
@@ -239,10 +200,20 @@ class Supervisor:
                     rec.proc.kill_now()
                 if rec.client is not None:
                     rec.client.close()
-            self._control.close()
-            self._ctx.destroy(0)
+            self._close_sockets()
             self._finalizer()  # kills any group still tracked, removes the run dir, closes the pipe
             self._exit.close()
+
+    @property
+    def auth_rejections(self) -> int:
+        """Connections refused by authentication so far (0 when nothing listens on TCP)."""
+        return self._gate.rejected if getattr(self, "_gate", None) is not None else 0
+
+    def nodes(self) -> list[NodeStatus]:
+        """One ``NodeStatus`` per node, node 0 (this one) first."""
+        self._require_running()
+        me = NodeStatus(0, socket.gethostname(), self._node_env[net.ENV_NODE_ADDR], len(self._devices.free), self._devices.total, "joined")
+        return [me, *(self._cluster.status() if self._cluster is not None else [])]
 
     def _require_running(self) -> None:
         if self._state != "running":
@@ -260,10 +231,15 @@ class Supervisor:
         max_restarts: int = 0,
         call_timeout_s: float | None = None,
         kwargs: dict[str, Any] | None = None,
+        node: int | None = None,
     ) -> ActorHandle:
         """Start ``cls(*args, **kwargs)`` in a new process and return its handle once ``__init__``
         and ``on_start`` have returned there. Raises ``ActorStartError`` (with the remote
-        traceback) if they raise, ``NoFreeDevicesError`` if ``gpus`` cannot be met."""
+        traceback) if they raise, ``NoFreeDevicesError`` if ``gpus`` cannot be met.
+
+        ``node`` picks the node (0 is this one); by default an actor with ``gpus=0`` runs on node
+        0 and one with devices on the lowest-ranked node that has ``gpus`` free (first fit, so a
+        multi-device actor keeps its devices on one node)."""
         self._require_running()
         endpoints_of(cls)  # validates the class and its endpoint annotations here, not remotely
         class_ref = _class_ref(cls)
@@ -284,7 +260,7 @@ class Supervisor:
             spec.arg_decoder.decode(payload, [b"", *bufs])
         except msgspec.ValidationError as e:
             raise InvalidArgumentsError(name, "__init__", "InvalidArgumentsError", spec.explain(e)) from None
-        devices = self._devices.take(gpus, name)
+        rank, devices = self._place(name, gpus, node)
         rec = ActorRecord(
             name=name,
             index=next(self._indices),
@@ -295,6 +271,7 @@ class Supervisor:
             env={k: str(v) for k, v in (env or {}).items()},
             max_restarts=max_restarts,
             call_timeout_s=call_timeout_s or self.config.call_timeout_s,
+            node=rank,
             # a reused name continues its numbering, so (name, incarnation) never repeats
             incarnation=previous.incarnation if previous is not None else 0,
         )
@@ -309,6 +286,30 @@ class Supervisor:
                 del self._records[name]
             raise
         return ActorHandle(rec, endpoints_of(cls))
+
+    def _place(self, name: str, gpus: int, node: int | None) -> tuple[int, list[str]]:
+        if not isinstance(gpus, int) or gpus < 0:
+            raise ValueError(f"gpus must be an int >= 0, not {gpus!r}")
+        n = self.config.nnodes
+        pools = {0: self._devices, **{r: nd.pool for r, nd in (self._cluster.live() if self._cluster else {}).items()}}
+        if node is not None:
+            if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < n:
+                raise ValueError(f"node must be an int in 0..{n - 1}, not {node!r}")
+            if node not in pools:
+                raise ActorStartError(name, f"node {node} is lost ({self._cluster.nodes[node].lost})")
+            return node, pools[node].take(gpus, name)
+        if gpus == 0:
+            return 0, []
+        for rank in sorted(pools):
+            if len(pools[rank].free) >= gpus:
+                return rank, pools[rank].take(gpus, name)
+        if len(pools) == 1:
+            return 0, self._devices.take(gpus, name)  # raises, with the single-host wording
+        free = ", ".join(f"node {r}: {len(p.free)} of {p.total}" for r, p in sorted(pools.items()))
+        raise NoFreeDevicesError(f"actor {name!r} asks for {gpus} device(s); no node has that many free ({free})")
+
+    def _pool(self, rec: ActorRecord) -> DevicePool:
+        return self._devices if rec.node == 0 else self._cluster.nodes[rec.node].pool
 
     async def spawn_group(self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any) -> list[ActorHandle]:
         """Start ``n`` alike actors concurrently, named ``<name>-0 .. <name>-(n-1)``. If any fails
@@ -345,33 +346,19 @@ class Supervisor:
         rec.routing_id = None
         rec.last_words = rec.kill_reason = ""
         rec.ready = self._loop.create_future()
-        env = {
-            **os.environ,
-            **self._devices.env_for(rec.devices),
-            **rec.env,
-            "PYTHONUNBUFFERED": "1",
-            worker_env.ENV_NAME: rec.name,
-            worker_env.ENV_INCARNATION: str(rec.incarnation),
-            worker_env.ENV_SUPERVISOR: self.address,
-            worker_env.ENV_PARENT_PID: str(os.getpid()),
-            worker_env.ENV_DEATH_FD: str(self._death_r),
-            worker_env.ENV_INIT_TIMEOUT: str(cfg.start_timeout_s),
-        }
         try:
-            proc = ChildProcess(
-                [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"], env, f"[{rec.name}]: ", pass_fds=[self._death_r]
-            )
+            proc = self._start_process(rec) if rec.node == 0 else self._cluster.spawn(rec.node, wire.SpawnActor(
+                rec.name, rec.incarnation, rec.devices, rec.env, self._cluster.address, cfg.start_timeout_s))
         except OSError as e:
             raise ActorStartError(rec.name, f"cannot start a process: {e}") from e
         rec.proc = proc
-        self._groups.add(proc.pid)
         try:
             await asyncio.wait({rec.ready, proc.exited}, timeout=cfg.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             proc.kill_now()  # its group stays tracked until close() or the finalizer sweeps it
             raise
         if rec.ready.done() and rec.ready.exception() is None and proc.alive:
-            rec.client = ActorClient(self._ctx, rec.name, rec.ready.result(), cfg.max_message_bytes)
+            rec.client = ActorClient(self._ctx, rec.name, rec.ready.result(), cfg.max_message_bytes, keys=self._keys)
             rec.last_heartbeat = time.monotonic()
             rec.set_state(ActorState.RUNNING)
             watcher = asyncio.ensure_future(self._watch(rec, proc, rec.incarnation))
@@ -381,17 +368,39 @@ class Supervisor:
         if rec.ready.done() and rec.ready.exception() is not None:
             error = rec.ready.exception()
         elif not proc.alive:
-            error = ActorStartError(rec.name, f"process {describe_exit(proc.exited.result())} during start{_words(rec)}")
+            error = ActorStartError(rec.name, f"process {proc.exit_description()} during start{_words(rec)}")
         else:
             error = ActorStartError(rec.name, f"not ready within start_timeout_s={cfg.start_timeout_s:g}")
         await self._reap(proc)
         raise error
 
+    def _start_process(self, rec: ActorRecord) -> ChildProcess:
+        env = {
+            **os.environ,
+            **self._node_env,
+            **self._devices.env_for(rec.devices),
+            **rec.env,
+            "PYTHONUNBUFFERED": "1",
+            worker_env.ENV_NAME: rec.name,
+            worker_env.ENV_INCARNATION: str(rec.incarnation),
+            worker_env.ENV_SUPERVISOR: self.address,
+            worker_env.ENV_PARENT_PID: str(os.getpid()),
+            worker_env.ENV_DEATH_FD: str(self._death_r),
+            worker_env.ENV_INIT_TIMEOUT: str(self.config.start_timeout_s),
+        }
+        if self._keys is not None:  # the only way the secret leaves us: to our own children
+            env[auth.ENV_SECRET] = self._keys.secret
+        proc = ChildProcess(
+            [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"], env, f"[{rec.name}]: ", pass_fds=[self._death_r]
+        )
+        self._groups.add(proc.pid)
+        return proc
+
     async def _watch(self, rec: ActorRecord, proc: ChildProcess, incarnation: int) -> None:
-        returncode = await proc.exited
+        await proc.exited
         if rec.incarnation != incarnation:
             return
-        reason = "stopped by the supervisor" if rec.stopping else rec.kill_reason or describe_exit(returncode)
+        reason = "stopped by the supervisor" if rec.stopping else rec.kill_reason or proc.exit_description()
         error: BaseException = ActorDiedError(rec.name, reason + _words(rec))
         if not rec.stopping:
             # Before anything is awaited: calls made from now on wait for the restart or fail.
@@ -419,12 +428,12 @@ class Supervisor:
     def _release_devices(self, rec: ActorRecord) -> None:
         if not rec.devices_released:
             rec.devices_released = True
-            self._devices.give_back(rec.devices)
+            self._pool(rec).give_back(rec.devices)
 
     async def _reap(self, proc: ChildProcess) -> None:
         """Make sure the process and everything in its group are gone."""
         await proc.terminate(self.config.term_timeout_s, kill_timeout_s=5.0)
-        if not proc.alive:
+        if not proc.alive and isinstance(proc, ChildProcess):  # a remote pid is no group of ours
             self._groups.discard(proc.pid)
 
     async def _stop(self, rec: ActorRecord, reason: str) -> None:
@@ -435,7 +444,7 @@ class Supervisor:
         if rec.client is not None:
             rec.client.fail_all(ActorDiedError(rec.name, reason))
         if proc is not None and proc.alive and rec.routing_id is not None:
-            self._control.send([rec.routing_id, self._body.encode(wire.Shutdown(reason))], copy=True)
+            rec.channel.send([rec.routing_id, self._body.encode(wire.Shutdown(reason))], copy=True)
             await proc.wait(self.config.stop_timeout_s)
         if proc is not None:
             await self._reap(proc)
@@ -453,14 +462,24 @@ class Supervisor:
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("supervisor: dropped an undecodable control message")
             return
+        self._on_worker(msg, frames[0].bytes, self._control)
+
+    def _on_worker(self, msg, route: bytes, channel: LoopSocket) -> None:
+        """A worker's message, from the local control socket or (workers of other nodes) the
+        cluster socket; ``channel`` is where its answers go."""
         rec = self._records.get(msg.actor)
         if rec is None or rec.incarnation != msg.incarnation:
             return  # from a previous incarnation, already handled
+        if (channel is self._control) != (rec.node == 0):
+            return  # a worker speaks to us through its own node's socket only
         kind = type(msg)
         if kind is wire.Heartbeat:
             rec.last_heartbeat = time.monotonic()
         elif kind is wire.Hello:
-            rec.routing_id = frames[0].bytes
+            if rec.routing_id is not None:
+                return  # the first hello of an incarnation wins; a repeat must not redirect it
+            rec.routing_id = route
+            rec.channel = channel
             self._send_init(rec)
         elif kind is wire.Ready:
             if not rec.ready.done():
@@ -475,9 +494,19 @@ class Supervisor:
         cfg = self.config
         module, qualname, script = rec.class_ref
         payload, bufs = rec.init_payload
-        bind = f"ipc://{self._run_dir}/{rec.index}-{rec.incarnation}.sock" if cfg.transport == "ipc" else f"tcp://{cfg.host}:*"
+        if rec.node != 0:
+            bind = net.tcp_endpoint(self._cluster.nodes[rec.node].address, "*")
+        elif cfg.transport == "ipc":
+            bind = f"ipc://{self._run_dir}/{rec.index}-{rec.incarnation}.sock"
+        else:
+            bind = f"tcp://{cfg.host}:*"
         init = wire.Init(module, qualname, script, payload, list(sys.path), bind, cfg.max_message_bytes, cfg.heartbeat_interval_s)
-        self._control.send([rec.routing_id, self._body.encode(init), *bufs], copy=False)
+        rec.channel.send([rec.routing_id, self._body.encode(init), *bufs], copy=False)
+
+    def _on_remote_log(self, msg: wire.ActorLog) -> None:
+        rec = self._records.get(msg.actor)
+        if rec is not None and rec.node != 0:
+            write_lines(sys.stdout if msg.stream == 1 else sys.stderr, f"[{msg.actor}]: ", msg.lines)
 
     async def _watch_heartbeats(self) -> None:
         cfg = self.config
@@ -496,6 +525,29 @@ class Supervisor:
                     rec.kill_reason = f"no heartbeat for {silent:.1f} s (frozen or stopped?); killed"
                     log.error("actor %s: %s", rec.name, rec.kill_reason)
                     rec.proc.kill_now()
+
+
+def _cluster_keys(cfg: SupervisorConfig) -> auth.ClusterKeys | None:
+    """Keys for TCP sockets: the configured cluster secret; on one host, a fresh one if none is
+    set (our children get it from us). None when nothing of ours speaks TCP."""
+    if cfg.transport != "tcp" and cfg.nnodes == 1:
+        return None
+    secret = auth.load_secret()
+    if secret is None:
+        if cfg.nnodes > 1:
+            raise ValueError(
+                f"a cluster of {cfg.nnodes} nodes needs a cluster secret: set {auth.ENV_SECRET_FILE} "
+                f"(or {auth.ENV_SECRET}) to the same secret on every node; `asyncrl secret PATH` makes one"
+            )
+        secret = auth.new_secret()
+    return auth.ClusterKeys.from_secret(secret)
+
+
+def _node_env(cfg: SupervisorConfig, cluster: Cluster | None) -> dict[str, str]:
+    """What every local actor learns about its node; ``ASYNCRL_NODE_ADDR`` is where actors on
+    other nodes reach this one (a user's own setting wins)."""
+    address = os.environ.get(net.ENV_NODE_ADDR) or (cluster.host if cluster is not None else cfg.host)
+    return {net.ENV_NODE_ADDR: address, net.ENV_NODE_RANK: "0", net.ENV_NNODES: str(cfg.nnodes)}
 
 
 def _words(rec: ActorRecord) -> str:

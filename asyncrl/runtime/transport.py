@@ -1,7 +1,8 @@
 """ZeroMQ sockets as the runtime uses them: bounded, explicit addresses, no lingering, one loop.
 
 Addresses: ``ipc://`` inside a host (files in a private 0700 run directory), ``tcp://host:port``
-across hosts. Every socket has bounded high-water marks and every send queue is bounded.
+across hosts, always authenticated (CURVE, see ``auth.py``): the helpers below refuse a ``tcp://``
+endpoint without keys. Every socket has bounded high-water marks and every send queue is bounded.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
+
+if TYPE_CHECKING:
+    from .auth import ClusterKeys, Gatekeeper
 
 DEFAULT_HWM = 1000
 MAX_QUEUED_SENDS = 100_000
@@ -30,21 +34,37 @@ def configure(sock: zmq.Socket, hwm: int = DEFAULT_HWM, linger_ms: int = 0) -> z
     return sock
 
 
-def bind_router(ctx: zmq.Context, bind: str, hwm: int = DEFAULT_HWM) -> tuple[zmq.Socket, str]:
-    """A ROUTER bound to ``bind`` (``tcp://host:*`` picks a free port); returns it and its address."""
+def bind_router(ctx: zmq.Context, bind: str, hwm: int = DEFAULT_HWM, gate: "Gatekeeper | None" = None) -> tuple[zmq.Socket, str]:
+    """A ROUTER bound to ``bind`` (``tcp://host:*`` picks a free port); returns it and its address.
+    A ``tcp://`` socket must be guarded: ``gate`` admits only holders of the cluster secret."""
+    if bind.startswith("tcp://") and gate is None:
+        raise ValueError(f"refusing to bind {bind} without authentication (no cluster keys)")
     sock = configure(zmq.Socket(ctx, zmq.ROUTER), hwm)
     # A reply to a caller that disconnected raises instead of vanishing silently; we count it.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     try:
+        if "[" in bind:
+            sock.setsockopt(zmq.IPV6, 1)
+        if gate is not None and bind.startswith("tcp://"):
+            gate.secure_server(sock)
         sock.bind(bind)
-    except zmq.ZMQError as e:
+    except (zmq.ZMQError, OSError) as e:
         sock.close(0)
         raise OSError(f"cannot bind {bind}: {e}") from e
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def connect_dealer(ctx: zmq.Context, connect: str, hwm: int = DEFAULT_HWM, linger_ms: int = 0) -> zmq.Socket:
+def connect_dealer(
+    ctx: zmq.Context, connect: str, hwm: int = DEFAULT_HWM, linger_ms: int = 0, keys: "ClusterKeys | None" = None
+) -> zmq.Socket:
+    """A DEALER connected to ``connect``; over ``tcp://`` it authenticates with ``keys``."""
+    if connect.startswith("tcp://") and keys is None:
+        raise ValueError(f"refusing to connect to {connect} without authentication (no cluster keys)")
     sock = configure(zmq.Socket(ctx, zmq.DEALER), hwm, linger_ms)
+    if "[" in connect:
+        sock.setsockopt(zmq.IPV6, 1)
+    if keys is not None and connect.startswith("tcp://"):
+        keys.secure_client(sock)
     sock.connect(connect)
     return sock
 
@@ -117,6 +137,25 @@ class LoopSocket:
             log.debug("%s: message dropped: %s", self.name, e)
         if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._schedule_drain()
+
+    @property
+    def backlog(self) -> int:
+        """Messages waiting in our queue because libzmq's is full (a slow or absent peer)."""
+        return len(self._queued)
+
+    def try_send(self, frames: list) -> bool:
+        """Send now or not at all (no queueing): for messages that are repeated anyway, such as
+        a hello retried until answered, where a backlog would only be stale copies."""
+        if self._closed or self._queued:
+            return False
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=True)
+            sent = True
+        except zmq.ZMQError:
+            sent = False
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._schedule_drain()
+        return sent
 
     def _enqueue(self, frames: list, copy: bool) -> None:
         if len(self._queued) >= MAX_QUEUED_SENDS:

@@ -6,11 +6,14 @@ frames, referenced by index (see ``codec.py``). Payload fields are ``msgspec.Raw
 encoded and decoded a second time against the endpoint's own annotations, so the envelope is
 decoded by one fixed, typed decoder per socket and nothing is ever unpickled.
 
-Two conversations use these messages:
+Three conversations use these messages:
 
 * caller <-> actor (DEALER -> the actor's ROUTER): ``ToActor`` requests, ``FromActor`` replies;
 * worker <-> supervisor (the worker's DEALERs -> the supervisor's ROUTER): ``ToSupervisor`` up,
-  ``ToWorker`` down.
+  ``ToWorker`` down;
+* node agent <-> supervisor (the agent's DEALER -> the supervisor's cluster ROUTER, which also
+  carries the ``ToSupervisor`` messages of workers on other nodes): ``FromNode`` up, ``ToAgent``
+  down. See ``cluster.py`` and ``agent.py``.
 """
 
 from __future__ import annotations
@@ -143,7 +146,109 @@ class Shutdown(_Msg, tag=21):
     reason: str
 
 
+# --- node agent -> supervisor ----------------------------------------------------------------
+
+NODE_PROTOCOL = 1
+"""Bumped whenever a node message changes; an agent of another version is refused at join."""
+
+
+class NodeHello(_Msg, tag=30):
+    """An agent asks to join as node ``rank``. ``agent_id`` is random per agent process, so a
+    retried hello is recognised and a second agent claiming the same rank is not."""
+
+    protocol: int
+    rank: int
+    nnodes: int
+    agent_id: str
+    hostname: str
+    address: str
+    pid: int
+    device_kind: str
+    devices: list[str]
+
+
+class NodeHeartbeat(_Msg, tag=31):
+    rank: int
+    agent_id: str
+
+
+class ActorStarted(_Msg, tag=32):
+    actor: str
+    incarnation: int
+    pid: int
+
+
+class ActorExited(_Msg, tag=33):
+    """The actor's process on this node is gone (or never started); ``reason`` says how."""
+
+    actor: str
+    incarnation: int
+    reason: str
+
+
+class ActorLog(_Msg, tag=34):
+    """Lines an actor wrote, without their newlines; ``stream`` is 1 (stdout) or 2 (stderr)."""
+
+    actor: str
+    incarnation: int
+    stream: int
+    lines: list[str]
+
+
+class NodeLeaving(_Msg, tag=35):
+    """Last words of an agent that is stopping (its actors are already stopped)."""
+
+    rank: int
+    agent_id: str
+    reason: str
+
+
+# --- supervisor -> node agent ----------------------------------------------------------------
+
+
+class NodeWelcome(_Msg, tag=40):
+    heartbeat_interval_s: float
+    node_timeout_s: float
+
+
+class NodeRejected(_Msg, tag=41):
+    reason: str
+
+
+class SpawnActor(_Msg, tag=42):
+    """Start a worker process for ``actor``. ``env`` is the user's (it overrides the agent's
+    environment, device visibility included); the agent adds the runtime's own variables."""
+
+    actor: str
+    incarnation: int
+    devices: list[str]
+    env: dict[str, str]
+    supervisor_address: str
+    init_timeout_s: float
+
+
+class StopActor(_Msg, tag=43):
+    """SIGTERM the actor's process group, then SIGKILL after ``term_timeout_s``."""
+
+    actor: str
+    incarnation: int
+    term_timeout_s: float
+
+
+class KillActor(_Msg, tag=44):
+    actor: str
+    incarnation: int
+
+
+class NodeShutdown(_Msg, tag=45):
+    """Stop every actor of this node and exit."""
+
+    reason: str
+
+
 ToActor = Union[Call, Cancel, StreamCredit]
 FromActor = Union[Reply, StreamItem, StreamEnd, Failure]
 ToSupervisor = Union[Hello, Ready, StartFailed, Heartbeat, Dead]
 ToWorker = Union[Init, Shutdown]
+FromNode = Union[Hello, Ready, StartFailed, Heartbeat, Dead, NodeHello, NodeHeartbeat, ActorStarted, ActorExited, ActorLog, NodeLeaving]
+ToAgent = Union[NodeWelcome, NodeRejected, SpawnActor, StopActor, KillActor, NodeShutdown]

@@ -7,7 +7,11 @@ exit 0) or a fatal error (``Dead`` with the reason, exit 1).
 Parent death: ``PR_SET_PDEATHSIG`` delivers SIGTERM when the supervisor dies, even by SIGKILL; a
 thread blocked on the read end of a pipe whose write end only the supervisor holds is the
 fallback (it sees EOF when the supervisor is gone for any reason). Either one kills this
-process's whole group with SIGKILL, so grandchildren go too.
+process's whole group with SIGKILL, so grandchildren go too. On another node the parent is the
+node agent, which plays the supervisor's part in this.
+
+Over TCP (another node, or ``transport='tcp'``) every socket authenticates with the cluster secret
+that the parent put in ``ASYNCRL_CLUSTER_SECRET``, and the actor's ROUTER admits only its holders.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import zmq
 
 from . import wire
 from .actor import init_spec
+from .auth import ClusterKeys, Gatekeeper, keys_from_env
 from .loop import run
 from .server import ActorServer
 from .transport import LoopSocket, bind_router, connect_dealer
@@ -72,15 +77,15 @@ class _Heartbeat(threading.Thread):
     """Beats from a thread with its own socket, so a long blocking endpoint (a training step
     holding the loop) does not look like death; a frozen or stopped process does."""
 
-    def __init__(self, address: str, actor: str, incarnation: int, interval_s: float):
+    def __init__(self, address: str, actor: str, incarnation: int, interval_s: float, keys: ClusterKeys | None):
         super().__init__(name="asyncrl-heartbeat", daemon=True)
-        self.address, self.interval_s = address, interval_s
+        self.address, self.interval_s, self.keys = address, interval_s, keys
         self.body = msgspec.msgpack.encode(wire.Heartbeat(actor, incarnation))
         self.stopped = threading.Event()
 
     def run(self) -> None:
         ctx = zmq.Context()
-        sock = connect_dealer(ctx, self.address, hwm=4)
+        sock = connect_dealer(ctx, self.address, hwm=4, keys=self.keys)
         try:
             while not self.stopped.wait(self.interval_s):
                 try:
@@ -112,16 +117,19 @@ def load_class(init: wire.Init) -> type:
 class _Control:
     """The worker's end of its supervisor connection: ``Init`` once, then ``Shutdown``."""
 
-    def __init__(self, ctx: zmq.Context, address: str):
+    def __init__(self, ctx: zmq.Context, address: str, keys: ClusterKeys | None):
         loop = asyncio.get_running_loop()
         self.init: asyncio.Future = loop.create_future()
         self.shutdown: asyncio.Future = loop.create_future()
         self._decoder = msgspec.msgpack.Decoder(wire.ToWorker)
         # linger: last words (StartFailed, Dead) must get out before the process exits
-        self.sock = LoopSocket(connect_dealer(ctx, address, linger_ms=2000), self._on_message, "worker control")
+        self.sock = LoopSocket(connect_dealer(ctx, address, linger_ms=2000, keys=keys), self._on_message, "worker control")
 
     def _on_message(self, frames: list) -> None:
-        msg = self._decoder.decode(frames[0].buffer)
+        try:
+            msg = self._decoder.decode(frames[0].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # only our supervisor can reach this socket; a garbled message is dropped
         target = self.init if type(msg) is wire.Init else self.shutdown
         if not target.done():
             target.set_result((msg, frames))
@@ -131,10 +139,12 @@ class _Control:
 
 
 async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: float) -> int:
+    keys = keys_from_env()
     ctx = zmq.Context()
-    control = _Control(ctx, sup_address)
+    control = _Control(ctx, sup_address, keys)
     heartbeat = None
     server = None
+    gate = None
     try:
         control.say(wire.Hello(name, incarnation, os.getpid()))
         try:
@@ -142,7 +152,7 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
         except asyncio.TimeoutError:
             raise TimeoutError(f"no Init for actor {name!r} from the supervisor within {init_timeout_s:g} s") from None
         sys.path[:0] = [p for p in init.sys_path if p not in sys.path]
-        heartbeat = _Heartbeat(sup_address, name, incarnation, init.heartbeat_interval_s)
+        heartbeat = _Heartbeat(sup_address, name, incarnation, init.heartbeat_interval_s, keys)
         heartbeat.start()
         try:
             cls = load_class(init)
@@ -150,7 +160,11 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
             args = spec.arg_decoder.decode(init.args, frames)
             actor = spec.invoke(cls, args)
             await actor.on_start()
-            sock, address = bind_router(ctx, init.bind_address)
+            if init.bind_address.startswith("tcp://"):
+                if keys is None:
+                    raise RuntimeError("asked to listen on TCP, but no cluster secret is in the environment")
+                gate = Gatekeeper(ctx, keys, f"actor {name}")
+            sock, address = bind_router(ctx, init.bind_address, gate=gate)
             server = ActorServer(actor, name, sock, init.max_message_bytes)
         except BaseException as e:
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
@@ -172,6 +186,8 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
         if server is not None:
             server.sock.close()
         control.sock.close()  # lingers up to 2 s for queued last words
+        if gate is not None:
+            gate.close()
         ctx.term()
 
 

@@ -1,0 +1,292 @@
+"""The supervisor's side of a multi-node cluster: the cluster socket, node agents, remote processes.
+
+Node 0's supervisor binds one CURVE-guarded ROUTER at ``master_addr:master_port``. Each node agent
+connects to it, says ``NodeHello`` (its rank, host, address, devices) and gets ``NodeWelcome`` or
+``NodeRejected``. Workers that agents start connect to the same socket for their ``Hello``/``Init``
+conversation, which the supervisor handles exactly as for local workers. An actor process on
+another node is represented here by a ``RemoteProcess``, which offers the supervisor what a local
+``ChildProcess`` does (an ``exited`` future, ``terminate``, ``kill_now``), backed by messages to
+and from the agent.
+
+A node is lost when its agent says it is leaving or has been silent for ``node_timeout_s``
+(agents beat every ``heartbeat_interval_s``). Every actor process of a lost node then counts as
+exited, which fails its pending calls with ``ActorDiedError``. A lost node never rejoins: an agent
+that reappears is told to shut down, so no actor outlives the supervisor's view of it. The agent,
+for its part, stops its actors once its connection to us has been down for ``node_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import msgspec
+import zmq
+
+from . import wire
+from .auth import Gatekeeper
+from .config import SupervisorConfig
+from .devices import DevicePool
+from .net import is_wildcard, resolve, tcp_endpoint
+from .transport import LoopSocket, bind_router
+from ..errors import ClusterStartError
+
+log = logging.getLogger("asyncrl.cluster")
+
+_WORKER_MESSAGES = (wire.Hello, wire.Ready, wire.StartFailed, wire.Heartbeat, wire.Dead)
+_LOGGED_BAD_MESSAGES = 5
+
+
+class NodeStatus(msgspec.Struct, frozen=True):
+    rank: int
+    hostname: str
+    address: str
+    devices_free: int
+    devices_total: int
+    state: str
+    """'joined', or 'lost: <reason>'."""
+
+
+class RemoteProcess:
+    """An actor's process on another node, as its agent reports it."""
+
+    def __init__(self, node: "Node", actor: str, incarnation: int):
+        self.node = node
+        self.actor = actor
+        self.incarnation = incarnation
+        self.pid = 0  # the remote pid, once the agent has reported it
+        self.exited: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._reason = ""
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited.done()
+
+    def exit_description(self) -> str:
+        return self._reason
+
+    def set_exited(self, reason: str) -> None:
+        if not self.exited.done():
+            self._reason = reason
+            self.exited.set_result(None)
+
+    async def wait(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.shield(self.exited), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def terminate(self, term_timeout_s: float, kill_timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL, to the process group, by the agent. Returns once the agent
+        reports the exit, the node is lost, or the escalation's time is up."""
+        if self.alive:
+            self.node.send(wire.StopActor(self.actor, self.incarnation, term_timeout_s))
+            await self.wait(term_timeout_s + kill_timeout_s)
+
+    def kill_now(self) -> None:
+        if self.alive:
+            self.node.send(wire.KillActor(self.actor, self.incarnation))
+
+
+class Node:
+    def __init__(self, cluster: "Cluster", hello: wire.NodeHello, route: bytes):
+        self.cluster = cluster
+        self.rank = hello.rank
+        self.hostname = hello.hostname
+        self.address = hello.address
+        self.pid = hello.pid
+        self.agent_id = hello.agent_id
+        self.route = route
+        self.pool = DevicePool(hello.device_kind or None, hello.devices, where=f"node {hello.rank} ({hello.hostname})")
+        self.last_seen = time.monotonic()
+        self.procs: dict[tuple[str, int], RemoteProcess] = {}
+        self.lost: str | None = None
+        self.gone = asyncio.get_running_loop().create_future()
+
+    def send(self, msg) -> None:
+        if self.lost is None:
+            self.cluster.send(self.route, msg)
+
+    def status(self) -> NodeStatus:
+        state = "joined" if self.lost is None else f"lost: {self.lost}"
+        return NodeStatus(self.rank, self.hostname, self.address, len(self.pool.free), self.pool.total, state)
+
+
+class Cluster:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        config: SupervisorConfig,
+        gate: Gatekeeper,
+        on_worker: Callable[[object, bytes, LoopSocket], None],
+        on_log: Callable[[wire.ActorLog], None],
+    ):
+        self.config = config
+        host = resolve(config.master_addr)
+        if is_wildcard(host):
+            raise ValueError(f"master_addr {config.master_addr!r} is a wildcard; give the address the other nodes reach")
+        sock, self.address = bind_router(ctx, tcp_endpoint(host, config.master_port), gate=gate)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an agent that reconnects keeps its routing id
+        self.host = host
+        self.nodes: dict[int, Node] = {}
+        self._by_route: dict[bytes, Node] = {}
+        self._on_worker = on_worker
+        self._on_log = on_log
+        self._closing = False
+        self._bad_messages = 0
+        self._all_joined = asyncio.Event()
+        self._decoder = msgspec.msgpack.Decoder(wire.FromNode)
+        self._body = msgspec.msgpack.Encoder()
+        self.sock = LoopSocket(sock, self._on_message, "supervisor cluster socket")
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    # --- membership --------------------------------------------------------------------------
+
+    async def wait_for_nodes(self, timeout_s: float) -> None:
+        """Return once every rank 1..nnodes-1 has joined; ``ClusterStartError`` naming the missing
+        ones after ``timeout_s``."""
+        n = self.config.nnodes
+        try:
+            await asyncio.wait_for(self._all_joined.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            missing = [r for r in range(1, n) if r not in self.nodes]
+            joined = ", ".join(str(r) for r in [0, *sorted(self.nodes)])
+            raise ClusterStartError(
+                f"node(s) {', '.join(map(str, missing))} of {n} did not join the cluster at {self.address} within "
+                f"{timeout_s:g} s (joined: {joined}); run `asyncrl launch --nnodes {n} --node-rank R "
+                f"--master-addr {self.config.master_addr} --master-port {self.config.master_port} ...` "
+                "on each missing node, with the same cluster secret",
+                missing,
+            ) from None
+
+    def live(self) -> dict[int, Node]:
+        return {r: node for r, node in self.nodes.items() if node.lost is None}
+
+    def spawn(self, rank: int, msg: wire.SpawnActor) -> RemoteProcess:
+        node = self.nodes.get(rank)
+        if node is None or node.lost is not None:
+            raise OSError(f"node {rank} is lost ({node.lost if node else 'never joined'})")
+        proc = RemoteProcess(node, msg.actor, msg.incarnation)
+        node.procs[(msg.actor, msg.incarnation)] = proc
+        node.send(msg)
+        return proc
+
+    def _lose(self, node: Node, reason: str) -> None:
+        if node.lost is not None:
+            return
+        node.lost = reason
+        if self._closing:
+            log.info("node %d (%s) left: %s", node.rank, node.hostname, reason)
+        else:
+            log.error("node %d (%s, %s) lost: %s; its %d actor process(es) count as dead",
+                      node.rank, node.hostname, node.address, reason, len(node.procs))
+        for proc in node.procs.values():
+            proc.set_exited(f"node {node.rank} ({node.hostname}) lost: {reason}")
+        node.procs.clear()
+        if not node.gone.done():
+            node.gone.set_result(None)
+
+    async def _watch(self) -> None:
+        cfg = self.config
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            now = time.monotonic()
+            if now - last_tick > cfg.node_timeout_s / 2:
+                # Our own loop was blocked: beats are queued unread, not missing. Start afresh.
+                for node in self.nodes.values():
+                    node.last_seen = now
+            last_tick = now
+            for node in list(self.nodes.values()):
+                silent = now - node.last_seen
+                if node.lost is None and silent > cfg.node_timeout_s:
+                    self._lose(node, f"no heartbeat from its agent for {silent:.1f} s (agent dead or network down)")
+
+    async def close(self, reason: str, timeout_s: float) -> None:
+        """Tell every agent to stop its actors and exit; wait (bounded) for each to say it left."""
+        self._closing = True
+        live = list(self.live().values())
+        for node in live:
+            node.send(wire.NodeShutdown(reason))
+        if live:
+            await asyncio.wait([n.gone for n in live], timeout=timeout_s)
+            for node in live:
+                if not node.gone.done():
+                    log.warning("node %d (%s) did not confirm its shutdown within %g s", node.rank, node.hostname, timeout_s)
+        self._watcher.cancel()
+        self.sock.close()
+
+    def status(self) -> list[NodeStatus]:
+        return [self.nodes[r].status() for r in sorted(self.nodes)]
+
+    # --- the socket --------------------------------------------------------------------------
+
+    def send(self, route: bytes, msg) -> None:
+        self.sock.send([route, self._body.encode(msg)], copy=True)
+
+    def _on_message(self, frames: list) -> None:
+        if len(frames) != 2:
+            return self._bad(f"{len(frames)} frames")
+        try:
+            msg = self._decoder.decode(frames[1].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return self._bad(str(e))
+        route = frames[0].bytes
+        kind = type(msg)
+        if kind in _WORKER_MESSAGES:
+            return self._on_worker(msg, route, self.sock)
+        if kind is wire.NodeHello:
+            return self._hello(msg, route)
+        node = self._by_route.get(route)
+        if node is None or node.lost is not None:
+            if kind is not wire.NodeLeaving:  # a lost node's agent came back: it must not serve
+                self.send(route, wire.NodeShutdown("this node is not (or no longer) part of the cluster"))
+            return
+        node.last_seen = time.monotonic()
+        if kind is wire.ActorStarted:
+            proc = node.procs.get((msg.actor, msg.incarnation))
+            if proc is not None:
+                proc.pid = msg.pid
+        elif kind is wire.ActorExited:
+            proc = node.procs.pop((msg.actor, msg.incarnation), None)
+            if proc is not None:
+                proc.set_exited(f"{msg.reason} on node {node.rank}")
+        elif kind is wire.ActorLog:
+            self._on_log(msg)
+        elif kind is wire.NodeLeaving:
+            self._lose(node, f"its agent left ({msg.reason})")
+
+    def _bad(self, what: str) -> None:
+        self._bad_messages += 1
+        if self._bad_messages <= _LOGGED_BAD_MESSAGES:
+            log.warning("cluster socket: dropped an undecodable message (%s)", what)
+
+    def _hello(self, hello: wire.NodeHello, route: bytes) -> None:
+        n = self.config.nnodes
+        node = self.nodes.get(hello.rank)
+        reason = None
+        if hello.protocol != wire.NODE_PROTOCOL:
+            reason = f"node protocol {hello.protocol}; this supervisor speaks {wire.NODE_PROTOCOL} (same asyncrl everywhere?)"
+        elif hello.nnodes != n:
+            reason = f"the agent says --nnodes {hello.nnodes}; the supervisor runs {n} nodes"
+        elif not 1 <= hello.rank < n:
+            reason = f"node rank {hello.rank} is not in 1..{n - 1}"
+        elif node is not None and node.agent_id != hello.agent_id:
+            reason = f"node rank {hello.rank} is already taken by {node.hostname} (pid {node.pid})"
+        elif node is not None and node.lost is not None:
+            reason = f"node {hello.rank} was lost earlier in this run ({node.lost})"
+        if reason is not None:
+            log.warning("refused a node agent on %s (pid %d) as node %d: %s", hello.hostname, hello.pid, hello.rank, reason)
+            self.send(route, wire.NodeRejected(reason))
+            return
+        if node is None:  # not a retried hello
+            node = self.nodes[hello.rank] = Node(self, hello, route)
+            log.info("node %d joined from %s (%s) with %d device(s)", node.rank, node.hostname, node.address, node.pool.total)
+        self._by_route[route] = node
+        node.route = route
+        self.send(route, wire.NodeWelcome(self.config.heartbeat_interval_s, self.config.node_timeout_s))
+        if len(self.nodes) == n - 1:
+            self._all_joined.set()

@@ -1,0 +1,99 @@
+"""What the supervisor knows of one actor: ``ActorRecord`` (mutable, internal) and the
+``ActorStatus`` snapshot it hands out. A record's state moves
+``STARTING -> RUNNING -> (RESTARTING -> RUNNING)* -> DEAD | STOPPED``; ``set_state`` wakes every
+call waiting through a start or restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .state import ActorState
+from ..errors import ActorDiedError, CallTimeoutError
+
+if TYPE_CHECKING:
+    from .client import ActorClient
+    from .cluster import RemoteProcess
+    from .process import ChildProcess
+    from .transport import LoopSocket
+
+
+class ActorStatus(msgspec.Struct, frozen=True):
+    name: str
+    state: str
+    pid: int | None
+    incarnation: int
+    restarts: int
+    max_restarts: int
+    devices: list[str]
+    last_heartbeat_age_s: float | None
+    error: str | None = None
+    node: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class ActorRecord:
+    name: str
+    index: int
+    cls: type
+    class_ref: tuple[str, str, str]
+    init_payload: tuple[msgspec.Raw, list]
+    devices: list[str]
+    env: dict[str, str]
+    max_restarts: int
+    call_timeout_s: float
+    node: int = 0
+    state: ActorState = ActorState.STARTING
+    incarnation: int = 0
+    restarts: int = 0
+    proc: ChildProcess | RemoteProcess | None = None
+    client: ActorClient | None = None
+    routing_id: bytes | None = None
+    channel: LoopSocket | None = None
+    ready: asyncio.Future | None = None
+    last_heartbeat: float = 0.0
+    last_words: str = ""
+    kill_reason: str = ""
+    error: BaseException | None = None
+    stopping: bool = False
+    devices_released: bool = False
+    _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def set_state(self, state: ActorState) -> None:
+        self.state = state
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def status(self) -> ActorStatus:
+        running = self.state is ActorState.RUNNING
+        return ActorStatus(
+            name=self.name,
+            state=self.state.value,
+            pid=self.proc.pid if self.proc is not None and self.proc.alive else None,
+            incarnation=self.incarnation,
+            restarts=self.restarts,
+            max_restarts=self.max_restarts,
+            devices=list(self.devices),
+            last_heartbeat_age_s=round(time.monotonic() - self.last_heartbeat, 3) if running else None,
+            error=str(self.error) if self.error is not None else None,
+            node=self.node,
+        )
+
+    async def client_within(self, timeout_s: float, method: str) -> ActorClient:
+        """The client of the running incarnation, waiting (bounded) through a start or restart."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.state is ActorState.RUNNING:
+                return self.client
+            if self.state in (ActorState.DEAD, ActorState.STOPPED):
+                raise self.error or ActorDiedError(self.name, self.state.value)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CallTimeoutError(self.name, f"{method}() (the actor is still {self.state.value})", timeout_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)

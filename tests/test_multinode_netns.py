@@ -1,0 +1,141 @@
+"""The cluster across network namespaces joined by veth pairs, so every node has an address of its
+own, as distinct hosts would. The namespaces are made here and removed afterwards; where that is
+not permitted (not root, no `ip`, no CAP_NET_ADMIN) the test is skipped and says why."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from asyncrl import ActorDiedError, Supervisor
+from asyncrl.runtime import auth
+
+from actors import Echo
+from conftest import kill_all, process_alive, wait_until
+from multinode_support import NODE_TIMEOUT_S, agent_log, free_port, make_secret_file, start_agent
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
+
+
+@pytest.fixture
+def namespaces():
+    """Two namespaces, each linked to this one by a veth pair on its own /24. Yields
+    ``[(namespace, host-side address, namespace-side address), ...]``."""
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` tool (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CAP_NET_ADMIN)")
+    tag = str(os.getpid() % 100000)
+    octet = os.getpid() % 200 + 20
+    made, links = [], []
+    try:
+        for i, subnet in enumerate((f"10.231.{octet}", f"10.232.{octet}"), 1):
+            ns, host_if, ns_if = f"asyncrl-{tag}-{i}", f"ar{tag}h{i}", f"ar{tag}n{i}"
+            out = _ip("netns", "add", ns)
+            if out.returncode != 0:
+                pytest.skip(f"cannot create a network namespace here: {out.stderr.strip()}")
+            made.append(ns)
+            steps = [
+                ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
+                ("link", "set", ns_if, "netns", ns),
+                ("addr", "add", f"{subnet}.1/24", "dev", host_if),
+                ("link", "set", host_if, "up"),
+                ("netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", ns_if),
+                ("netns", "exec", ns, "ip", "link", "set", ns_if, "up"),
+                ("netns", "exec", ns, "ip", "link", "set", "lo", "up"),
+                ("netns", "exec", ns, "ip", "route", "add", "default", "via", f"{subnet}.1"),
+            ]
+            for step in steps:
+                out = _ip(*step)
+                if out.returncode != 0:
+                    pytest.skip(f"cannot set up veth networking (`ip {' '.join(step)}`): {out.stderr.strip()}")
+                if step[0] == "link" and step[1] == "add":
+                    links.append(host_if)
+        yield [(made[0], f"10.231.{octet}.1", f"10.231.{octet}.2"), (made[1], f"10.232.{octet}.1", f"10.232.{octet}.2")]
+    finally:
+        for ns in made:
+            _ip("netns", "del", ns)  # takes its end of the veth pair, and so the pair, with it
+        for link in links:
+            _ip("link", "del", link)
+
+
+async def test_three_hosts_over_veth(namespaces, tmp_path, monkeypatch):
+    (ns1, master, addr1), (ns2, _, addr2) = namespaces
+    secret = make_secret_file(str(tmp_path))
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, secret)
+    port = free_port(master)
+    agents = [start_agent(r, 3, port, secret, str(tmp_path), master=master, netns=ns) for r, ns in ((1, ns1), (2, ns2))]
+    try:
+        async with Supervisor(nnodes=3, master_addr=master, master_port=port, node_timeout_s=NODE_TIMEOUT_S,
+                              join_timeout_s=60, call_timeout_s=30) as sup:
+            assert [n.address for n in sup.nodes()] == [master, addr1, addr2]
+            # the cluster socket listens on the master address only, not on every interface
+            with pytest.raises(OSError):
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            a0, a1, a2 = await asyncio.gather(*(sup.spawn(Echo, name=f"a{r}", node=r) for r in range(3)))
+            assert a1._record.client.address.startswith(f"tcp://{addr1}:")
+            assert a2._record.client.address.startswith(f"tcp://{addr2}:")
+            # each actor learns the address its peers reach its node at (for a TCPStore, say)
+            assert [await a.env("ASYNCRL_NODE_ADDR") for a in (a0, a1, a2)] == [master, addr1, addr2]
+            assert [await a.add(r) for r, a in enumerate((a0, a1, a2))] == [1, 2, 3]
+
+            pending = asyncio.ensure_future(a1.sleep(60))
+            await asyncio.sleep(0.2)
+            os.kill(await a1.with_timeout(10).getpid(), signal.SIGKILL)  # pids are shared: one kernel
+            with pytest.raises(ActorDiedError, match="killed by SIGKILL on node 1"):
+                await pending
+
+            pid2 = await a2.getpid()
+            pending = asyncio.ensure_future(a2.sleep(60))
+            await asyncio.sleep(0.2)
+            start = time.monotonic()
+            agents[1].send_signal(signal.SIGKILL)
+            with pytest.raises(ActorDiedError, match="node 2 .* lost"):
+                await pending
+            assert time.monotonic() - start < NODE_TIMEOUT_S + 4.0
+            assert await asyncio.to_thread(wait_until, lambda: not process_alive(pid2), 5.0)
+            assert await a0.add(1) == 2
+        assert agents[0].wait(15) == 0, agent_log(str(tmp_path), 1)
+    finally:
+        kill_all([a.pid for a in agents])
+        for a in agents:
+            a.wait()
+
+
+async def test_a_partitioned_node_is_lost_and_its_agent_stops_by_itself(namespaces, tmp_path, monkeypatch):
+    """No FIN, no RST: the link just goes dark. Node 0 must call the node lost on silence, and the
+    agent must notice the silence too (ZeroMQ heartbeats) and stop its actors."""
+    (ns1, master, _), _ = namespaces
+    secret = make_secret_file(str(tmp_path))
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, secret)
+    port = free_port(master)
+    agent = start_agent(1, 2, port, secret, str(tmp_path), master=master, netns=ns1)
+    try:
+        async with Supervisor(nnodes=2, master_addr=master, master_port=port, node_timeout_s=NODE_TIMEOUT_S,
+                              join_timeout_s=60, call_timeout_s=30) as sup:
+            echo = await sup.spawn(Echo, node=1)
+            pid = await echo.getpid()
+            pending = asyncio.ensure_future(echo.sleep(60))
+            await asyncio.sleep(0.2)
+            host_if = f"ar{os.getpid() % 100000}h1"
+            assert _ip("link", "set", host_if, "down").returncode == 0
+            start = time.monotonic()
+            with pytest.raises(ActorDiedError, match="node 1 .* lost: no heartbeat"):
+                await pending
+            assert time.monotonic() - start < NODE_TIMEOUT_S + 4.0
+            # the agent, cut off, gives up on its own and takes its actor with it
+            assert await asyncio.to_thread(agent.wait, 2 * NODE_TIMEOUT_S + 15) == 1, agent_log(str(tmp_path), 1)
+            assert "unreachable" in agent_log(str(tmp_path), 1)
+            assert not process_alive(pid)
+    finally:
+        kill_all([agent.pid])
+        agent.wait()
