@@ -1,0 +1,145 @@
+"""CPU collectives: torch's `ProcessGroupGloo`, built directly on a `StoreGroup`'s store.
+
+No `init_process_group`, no global state: the process group is an object this communicator owns.
+Gloo runs each operation on its own threads, so an enqueued broadcast proceeds while the caller
+packs the next bucket; that is what makes the double buffering in `weights.py` pay off on CPU too.
+A peer that dies closes its TCP pairs and every member's pending work fails within milliseconds; a
+frozen peer trips the deadline, after which gloo closes the pairs itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroupGloo
+
+from asyncrl.comm.communicator import Communicator, ReduceOp, Work
+from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError
+from asyncrl.comm.rendezvous import StoreGroup, local_address_towards
+
+_REDUCE_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+}
+
+
+class GlooWork(Work):
+    def __init__(self, comm: GlooCommunicator, work: dist.Work, what: str):
+        self._comm = comm
+        self._work = work
+        self._what = what
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self, timeout_s: float) -> None:
+        comm = self._comm
+        try:
+            self._work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            timed_out = "timed out" in str(exc) or "timeout" in str(exc).lower()
+            reason = f"{'timed out' if timed_out else 'failed'} during {self._what}"
+            comm.abort(reason)
+            where = f"group {comm.group!r} rank {comm.rank}/{comm.world_size} (gloo)"
+            if timed_out:
+                raise CollectiveTimeoutError(
+                    f"{where}: {self._what} did not complete within {timeout_s:g} s "
+                    f"(a peer is frozen, gone, or never joined); communicator aborted") from exc
+            raise CollectiveError(f"{where}: {self._what} failed, a peer died or closed its connection: "
+                                  f"{_first_line(exc)}; communicator aborted") from exc
+
+
+class GlooCommunicator(Communicator):
+    backend = "gloo"
+
+    def __init__(self, pg: ProcessGroupGloo, group: StoreGroup, timeout_s: float):
+        self._pg = pg
+        self._timeout_s = timeout_s
+        super().__init__(group=group.label, rank=group.rank, world_size=group.world_size,
+                         device=torch.device("cpu"))
+
+    @classmethod
+    def create(cls, group: StoreGroup, timeout_s: float = 60.0) -> GlooCommunicator:
+        """Connect every member's gloo pairs (all members call this together). ``timeout_s`` bounds
+        the connection and is gloo's own per-operation limit; `Work.wait` deadlines come on top."""
+        options = ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        # Bind on the interface that reaches the store host, never a wildcard address.
+        options._devices = [ProcessGroupGloo.create_device(hostname=local_address_towards(group.host))]
+        store = dist.PrefixStore("gloo/", group.store)
+        start = time.monotonic()
+        try:
+            pg = ProcessGroupGloo(store, group.rank, group.world_size, options)
+        except RuntimeError as exc:
+            raise CollectiveTimeoutError(
+                f"group {group.label!r} rank {group.rank}: gloo could not connect to every peer within "
+                f"{timeout_s:g} s ({time.monotonic() - start:.1f} s spent): {_first_line(exc)}") from exc
+        return cls(pg, group, timeout_s)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
+                  timeout_s: float | None = None) -> Work:
+        self._check_op(tensor, "broadcast")
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        self._set_timeout(options, timeout_s)
+        return GlooWork(self, self._pg.broadcast([tensor], options), f"broadcast from rank {src}")
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None,
+                  timeout_s: float | None = None) -> Work:
+        self._check_op(tensor, "all_reduce")
+        options = dist.AllreduceOptions()
+        options.reduceOp = _REDUCE_OPS[ReduceOp(op)]
+        self._set_timeout(options, timeout_s)
+        return GlooWork(self, self._pg.allreduce([tensor], options), f"all_reduce({ReduceOp(op).name})")
+
+    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None,
+                  timeout_s: float | None = None) -> Work:
+        self._check_op(tensor, "send")
+        return GlooWork(self, self._pg.send([tensor], dst, 0), f"send to rank {dst}")
+
+    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
+                  timeout_s: float | None = None) -> Work:
+        self._check_op(tensor, "recv")
+        return GlooWork(self, self._pg.recv([tensor], src, 0), f"recv from rank {src}")
+
+    @staticmethod
+    def _set_timeout(options: Any, timeout_s: float | None) -> None:
+        if timeout_s is not None:
+            options.timeout = datetime.timedelta(seconds=max(timeout_s, 0.001))
+
+    def _check_op(self, tensor: torch.Tensor, what: str) -> None:
+        self._check_open(what)
+        self._check_tensor(tensor, what)
+
+    def _abort(self) -> None:
+        # Closing the pairs wakes gloo's threads blocked on a frozen peer; peers see the
+        # connection close and fail their own pending work at once instead of at their deadline.
+        holder, self._pg = [self._pg], None
+        try:
+            holder[0].abort()
+        except RuntimeError:
+            pass
+        # gloo's destructor joins its worker threads, which can sit in an operation on a frozen
+        # peer until gloo's own timeout; the last reference is dropped on a daemon thread so
+        # that wait never lands on the caller (often an event loop).
+        threading.Thread(target=holder.clear, name="asyncrl-gloo-release", daemon=True).start()
+
+    def _destroy(self) -> None:
+        # No operation is in flight on a healthy group, so the destructor returns at once.
+        pg, self._pg = self._pg, None
+        pg.shutdown()
+        del pg
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+

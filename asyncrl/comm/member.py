@@ -1,0 +1,112 @@
+"""Joining a weight-sync group from inside an actor, and forming one from the driver.
+
+`SyncMember` is a mixin of endpoints for an `Actor` that takes part in a group (the trainer as
+rank 0, samplers after it). `form_group` is the driver's side: it asks rank 0 for a store address,
+then starts every member's join at once and waits for all under one deadline, which is the
+rendezvous contract (see `rendezvous.py`). Rebuilding after a member was lost is the same call
+with the next generation: each member drops its old communicator and joins the new group.
+
+The blocking parts (store waits, communicator creation, syncs) run on a worker thread, so the
+actor keeps answering calls and the supervisor's heartbeats while they last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from asyncrl.comm.communicator import Communicator
+from asyncrl.comm.rendezvous import StoreGroup, join_all, reserve_listener
+from asyncrl.runtime.actor import Actor, endpoint
+
+
+def make_communicator(group: StoreGroup, backend: str = "auto", timeout_s: float = 60.0) -> Communicator:
+    """The communicator for this process: ``nccl`` on a CUDA device, ``hccl`` on an Ascend NPU,
+    ``gloo`` on CPU; ``auto`` picks by what the process can see."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        from asyncrl.comm.gloo import GlooCommunicator
+
+        return GlooCommunicator.create(group, timeout_s)
+    if backend == "nccl":
+        from asyncrl.comm.pynccl import NcclCommunicator
+
+        return NcclCommunicator.create(group, timeout_s=timeout_s)
+    if backend == "hccl":
+        from asyncrl.comm.pyhccl import HcclCommunicator
+
+        return HcclCommunicator.create(group, torch.device("npu", 0), timeout_s)
+    raise ValueError(f"unknown communicator backend {backend!r} (auto, nccl, hccl, gloo)")
+
+
+class SyncMember(Actor):
+    """Endpoints that let the driver put this actor in a weight-sync group."""
+
+    sync_group: StoreGroup | None = None
+    sync_comm: Communicator | None = None
+    _sync_listener: socket.socket | None = None
+
+    @endpoint
+    async def sync_listen(self, host: str, port: int = 0) -> int:
+        """Rank 0 only: bind the store's listening socket now, so its port is known (and a port
+        in use is reported) before any member is told to join. Returns the port."""
+        if self._sync_listener is not None:
+            self._sync_listener.close()
+        self._sync_listener = reserve_listener(host, port)
+        return self._sync_listener.getsockname()[1]
+
+    @endpoint
+    async def sync_join(self, host: str, port: int, rank: int, world_size: int, generation: int = 0,
+                        backend: str = "auto", timeout_s: float = 60.0, name: str = "weights") -> str:
+        """Leave any previous group, join this one and create its communicator. Returns the
+        communicator's backend."""
+        await self.sync_leave()
+        listener, self._sync_listener = (self._sync_listener, None) if rank == 0 else (None, None)
+
+        def join() -> tuple[StoreGroup, Communicator]:
+            group = StoreGroup.create(host, port, rank, world_size, timeout_s, name=name,
+                                      generation=generation, listener=listener)
+            try:
+                return group, make_communicator(group, backend, timeout_s)
+            except BaseException:
+                group.close()
+                raise
+
+        self.sync_group, self.sync_comm = await asyncio.to_thread(join)
+        return self.sync_comm.backend
+
+    @endpoint
+    async def sync_leave(self) -> None:
+        """Drop the communicator and the store handle (an aborted one included). Idempotent."""
+        comm, group = self.sync_comm, self.sync_group
+        self.sync_comm = self.sync_group = None
+        if comm is not None:
+            comm.close()
+        if group is not None:
+            group.close()
+
+    @endpoint
+    async def sync_created(self) -> dict[str, int]:
+        """Communicators this process has created, per backend (proves reuse across syncs)."""
+        return dict(Communicator.created)
+
+    async def on_stop(self) -> None:
+        await self.sync_leave()
+
+
+async def form_group(members: Sequence[Any], host: str, *, generation: int = 0, backend: str = "auto",
+                     timeout_s: float = 60.0, port: int = 0, name: str = "weights") -> int:
+    """Put ``members`` (handles of `SyncMember` actors; the first is rank 0 and hosts the store on
+    ``host``) in one group and return the store's port. Every join starts at once; any failure
+    (a member that dies, refuses or never answers) raises `RendezvousError` naming it."""
+    port = await members[0].sync_listen(host, port)
+    world = len(members)
+    joins = [m.with_timeout(timeout_s + 10).sync_join(host, port, rank, world, generation, backend, timeout_s, name)
+             for rank, m in enumerate(members)]
+    await join_all(joins, timeout_s + 15, what=f"join weight-sync group {name}/g{generation}")
+    return port

@@ -1,0 +1,244 @@
+"""Rendezvous plane: a small fixed group of processes that meet on a torch `TCPStore`.
+
+In the spirit of vLLM's StatelessProcessGroup: the group owns its store and never touches
+`torch.distributed`'s global default group, so a process can hold several groups, and a group can
+be dropped and rebuilt (new generation) without restarting anyone.
+
+Contract, which keeps every wait bounded:
+
+* Rank 0 hosts the store on an explicit address. It binds the listening socket itself
+  (`reserve_listener`), so a port in use fails at once, port 0 picks a free one, and the address
+  is known before anyone is told to join.
+* All members are asked to join *concurrently* (`join_all` in the driver starts every join and
+  waits for all under one deadline). A member that is never started therefore shows up as a
+  `RendezvousTimeoutError` naming its rank on every other member, never as a hang.
+* Every key lives under ``asyncrl/<name>/g<generation>/``, so a rebuilt group (next generation)
+  can never read a key a previous one left behind, even on the same store address.
+* Objects are msgspec-encoded (never pickled) and decoded to the type the caller names.
+* Calls are collective: every member makes the same sequence of `barrier` / `broadcast_obj` /
+  `all_gather_obj` calls; each call gets its own sequence number, hence its own keys. The store is
+  for set-up metadata (a few small objects per membership), not for per-step traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import errno
+import os
+import socket
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import torch.distributed as dist
+
+from asyncrl.comm.errors import RendezvousError, RendezvousTimeoutError
+from asyncrl.runtime.net import reachable_address
+
+T = TypeVar("T")
+
+
+class _Hello(msgspec.Struct, array_like=True, frozen=True):
+    """What each member announces on joining; checked by every other member."""
+
+    rank: int
+    world_size: int
+    pid: int
+    host: str
+
+
+def reserve_listener(host: str, port: int = 0) -> socket.socket:
+    """Bind and listen on ``(host, port)`` for rank 0's store. Port 0 lets the OS pick one; read it
+    back with ``sock.getsockname()[1]``. A port in use raises `RendezvousError` at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RendezvousError(f"cannot host the rendezvous store on {host}:{port}: port in use") from exc
+        raise RendezvousError(f"cannot host the rendezvous store on {host}:{port}: {exc}") from exc
+    return sock
+
+
+def local_address_towards(host: str) -> str:
+    """The local address that reaches ``host``; members announce it and bind data sockets there."""
+    try:
+        return reachable_address(host)
+    except OSError as exc:
+        raise RendezvousError(f"no route to the rendezvous host: {exc}") from exc
+
+
+class StoreGroup:
+    """A member of a rendezvous group. Build with `StoreGroup.create`; close with `close()`."""
+
+    def __init__(self, *, store: dist.Store, name: str, generation: int, rank: int, world_size: int,
+                 host: str, port: int, timeout_s: float, hosts: list[str]):
+        self.store = store  # a PrefixStore: keys below are relative to this group and generation
+        self.name = name
+        self.generation = generation
+        self.rank = rank
+        self.world_size = world_size
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self.member_hosts = hosts  # member r's own reachable address, as announced on joining
+        self._seq = 0
+        self._closed = False
+
+    @property
+    def label(self) -> str:
+        """``name/g<generation>``: unique per membership; communicators are named after it."""
+        return f"{self.name}/g{self.generation}"
+
+    # -- joining -----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0, *,
+               name: str = "weights", generation: int = 0, listener: socket.socket | None = None) -> StoreGroup:
+        """Join the group whose store rank 0 hosts at ``host:port``; return once all
+        ``world_size`` members have joined and agree on the world size.
+
+        Rank 0 hosts the store, on ``listener`` if given (see `reserve_listener`), else on a socket
+        it binds to ``host:port`` itself. Blocks for at most about ``timeout_s``; raises
+        `RendezvousTimeoutError` naming the ranks that never arrived."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if "/" in name or not name:
+            raise ValueError(f"group name must be non-empty and contain no '/': {name!r}")
+        deadline = time.monotonic() + timeout_s
+        raw, port = _open_store(host, port, rank, timeout_s, listener)
+        store = dist.PrefixStore(f"asyncrl/{name}/g{generation}/", raw)
+        my_host = local_address_towards(host)
+        label = f"{name}/g{generation}"
+        claims = store.add(f"claim/{rank}", 1)
+        if claims != 1:
+            raise RendezvousError(f"group {label!r}: rank {rank} was claimed by another member too")
+        store.set(f"hello/{rank}", msgspec.msgpack.encode(_Hello(rank, world_size, os.getpid(), my_host)))
+        keys = [f"hello/{r}" for r in range(world_size)]
+        _wait_keys(store, keys, deadline, label, "joining", timeout_s)
+        hellos = [msgspec.msgpack.decode(store.get(k), type=_Hello) for k in keys]
+        for hello in hellos:
+            if hello.world_size != world_size:
+                raise RendezvousError(
+                    f"group {label!r}: rank {hello.rank} (pid {hello.pid} on {hello.host}) joined with "
+                    f"world size {hello.world_size}, rank {rank} with {world_size}")
+        return cls(store=store, name=name, generation=generation, rank=rank, world_size=world_size,
+                   host=host, port=port, timeout_s=timeout_s, hosts=[h.host for h in hellos])
+
+    # -- collective helpers on the store -----------------------------------------------------
+    def barrier(self, timeout_s: float | None = None, what: str = "barrier") -> None:
+        """Return once every member reached the same barrier; name the ranks that did not."""
+        key = self._next_key("barrier")
+        self.store.set(f"{key}/{self.rank}", b"")
+        self._wait([f"{key}/{r}" for r in range(self.world_size)], what, timeout_s)
+
+    def broadcast_obj(self, obj: Any = None, src: int = 0, type: type[T] = Any, timeout_s: float | None = None,
+                      what: str = "broadcast_obj") -> T:
+        """Rank ``src`` passes ``obj``; every member returns it, decoded as ``type``."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src {src} is not a rank of a world of size {self.world_size}")
+        key = self._next_key("bcast")
+        if self.rank == src:
+            self.store.set(key, msgspec.msgpack.encode(obj))
+        self._wait([key], f"{what} from rank {src}", timeout_s, ranks=[src])
+        return msgspec.msgpack.decode(self.store.get(key), type=type)
+
+    def all_gather_obj(self, obj: Any, type: type[T] = Any, timeout_s: float | None = None,
+                       what: str = "all_gather_obj") -> list[T]:
+        """Every member passes one object; every member returns the list, indexed by rank."""
+        key = self._next_key("gather")
+        self.store.set(f"{key}/{self.rank}", msgspec.msgpack.encode(obj))
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        self._wait(keys, what, timeout_s)
+        return [msgspec.msgpack.decode(self.store.get(k), type=type) for k in keys]
+
+    def close(self) -> None:
+        """Drop this member's store handle (rank 0's also stops the store server). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.store = None  # type: ignore[assignment]  # the last reference closes the socket
+
+    def __enter__(self) -> StoreGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<StoreGroup {self.label} rank={self.rank}/{self.world_size} store={self.host}:{self.port}>"
+
+    # -- internals ----------------------------------------------------------------------------
+    def _next_key(self, kind: str) -> str:
+        if self._closed:
+            raise RendezvousError(f"group {self.label!r}: rank {self.rank} already closed its store")
+        self._seq += 1
+        return f"{kind}/{self._seq}"
+
+    def _wait(self, keys: list[str], what: str, timeout_s: float | None, ranks: list[int] | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        _wait_keys(self.store, keys, time.monotonic() + timeout_s, self.label, what, timeout_s, ranks)
+
+
+async def join_all(joins: Sequence[Awaitable[T]], timeout_s: float, what: str = "join the group") -> list[T]:
+    """Run every member's join concurrently and wait for all, under one deadline.
+
+    This is the driver's half of the rendezvous contract: members must be started together, so
+    that none waits on a peer nobody started. Raises `RendezvousError` listing every member that
+    failed (by position in ``joins``) if any did; a member still pending at the deadline counts as
+    failed with a timeout."""
+    tasks = [asyncio.ensure_future(j) for j in joins]
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    failures = []
+    for index, task in enumerate(tasks):
+        if task in pending:
+            failures.append(f"member {index}: no answer within {timeout_s:g} s")
+        elif task.exception() is not None:
+            failures.append(f"member {index}: {task.exception()}")
+    if failures:
+        raise RendezvousError(f"{len(failures)} of {len(tasks)} members failed to {what}:\n  " + "\n  ".join(failures))
+    return [task.result() for task in tasks]
+
+
+def _open_store(host: str, port: int, rank: int, timeout_s: float,
+                listener: socket.socket | None) -> tuple[dist.Store, int]:
+    """Rank 0 hosts the store (returning the port it really listens on); others connect."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        listener = listener if listener is not None else reserve_listener(host, port)
+        port = listener.getsockname()[1]
+        # TCPStore takes the listening socket over (and closes it with the store).
+        store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False,
+                              master_listen_fd=listener.detach())
+        return store, port
+    try:
+        return dist.TCPStore(host, port, None, False, timeout), port
+    except dist.DistError as exc:
+        raise RendezvousTimeoutError(f"{host}:{port}", "the store that rank 0 hosts", [0], timeout_s) from exc
+
+
+def _wait_keys(store: dist.Store, keys: list[str], deadline: float, label: str, what: str, timeout_s: float,
+               ranks: list[int] | None = None) -> None:
+    """Wait until every key exists; on timeout name the ranks whose key is missing."""
+    remaining = max(deadline - time.monotonic(), 0.001)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=remaining))
+    except dist.DistError as exc:
+        if isinstance(exc, dist.DistNetworkError):
+            raise RendezvousError(f"group {label!r}: lost the store while waiting for {what}: {exc}") from exc
+        ranks = ranks if ranks is not None else list(range(len(keys)))
+        try:
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        except dist.DistError:
+            missing = ranks
+        raise RendezvousTimeoutError(label, what, missing, timeout_s) from exc

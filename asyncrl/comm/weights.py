@@ -1,0 +1,400 @@
+"""Weight transfer: `WeightSender` on the trainer, `WeightReceiver` on each sampler.
+
+One sync, on every member, in the same order on the communicator:
+
+1. **Vote** (one small all_reduce): every member contributes its ``(version, layout hash)`` and
+   whether it refuses (a version not newer than its last, tensors that do not match the layout).
+   All members learn the same result, so a refusal fails the sync on every member before any
+   weight moves.
+2. **Buckets**: bucket k is packed into one of two staging buffers while bucket k-1 is on the wire
+   (GPU: a copy stream and the communicator's stream ordered by events; CPU: gloo's threads), then
+   broadcast from the sender; receivers unpack bucket k while bucket k+1 arrives.
+3. **Commit vote**: each member reports whether it applied every bucket. It completes only after
+   every receiver unpacked everything, so a sender that returns knows every receiver holds the
+   same bytes, and a failure anywhere fails the sync everywhere.
+
+Extra memory on either side is the two staging buffers (at most two buckets), whatever the model
+size. A receiver whose consumer wants whole tensors (not in-place copies) also needs one
+temporary per tensor that is larger than a bucket, while it is assembled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Union
+
+import msgspec
+import torch
+
+from asyncrl.comm.communicator import Communicator, ReduceOp, Work
+from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
+from asyncrl.comm.layout import Segment, WeightLayout, build_layout, spec_of
+from asyncrl.comm.rendezvous import StoreGroup
+
+DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 256 MiB, ~233 at 16 MiB
+DEFAULT_CPU_BUCKET_BYTES = 32 << 20  # gloo gains nothing past a few MiB; keep the staging small
+
+Consumer = Callable[[str, torch.Tensor], None]
+Destination = Union[Mapping[str, torch.Tensor], Consumer]
+
+
+class SyncStats(msgspec.Struct, frozen=True):
+    version: int
+    bytes: int
+    buckets: int
+    seconds: float
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / (1 << 30)
+
+
+class _SetupResult(msgspec.Struct, array_like=True, frozen=True):
+    rank: int
+    error: str  # empty when this member accepts the layout
+
+
+def default_bucket_bytes(device: torch.device) -> int:
+    return DEFAULT_CPU_BUCKET_BYTES if device.type == "cpu" else DEFAULT_GPU_BUCKET_BYTES
+
+
+class _Staging:
+    """The two staging buffers and the ordering between the side that copies into or out of them
+    and the communicator. ``copy(k)`` is entered before touching bucket ``k``'s buffer (``k % 2``);
+    ``transfer(k)`` puts it on the wire. On GPU nothing here blocks the CPU; on CPU ``copy`` waits
+    for the buffer's previous transfer, which is where the overlap with gloo's threads comes from.
+
+    Every view of the buffers a sync needs is made once here: building hundreds of tensor views
+    per sync would cost milliseconds of CPU, more than the GPU needs to move a 0.5B model."""
+
+    def __init__(self, comm: Communicator, layout: WeightLayout, deadline: Callable[[], float]):
+        self.comm = comm
+        self.deadline = deadline
+        self.buffers = [torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=comm.device) for _ in range(2)]
+        self.wire = [self.buffers[k % 2][:size] for k, size in enumerate(layout.bucket_sizes)]
+        self.views = [[_bucket_view(self.buffers[k % 2], seg, layout) for seg in bucket]
+                      for k, bucket in enumerate(layout.buckets)]
+        self.cuda = comm.device.type == "cuda"
+        self.works: list[Work | None] = [None, None]
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(comm.device)
+            self.comm_stream = torch.cuda.Stream(comm.device)
+            self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+            self.transferred = [torch.cuda.Event(), torch.cuda.Event()]
+
+    @property
+    def stream(self):
+        return self.comm_stream if self.cuda else None
+
+    def begin(self) -> None:
+        """Order this sync after whatever the caller's stream did to the weights."""
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.comm.device))
+
+    @contextlib.contextmanager
+    def copy(self, k: int) -> Iterator[None]:
+        slot = k % 2
+        if self.cuda:
+            self.copy_stream.wait_event(self.transferred[slot])
+            with torch.cuda.stream(self.copy_stream):
+                yield
+            self.copied[slot].record(self.copy_stream)
+        else:
+            work, self.works[slot] = self.works[slot], None
+            if work is not None:
+                work.wait(self.deadline())
+            yield
+
+    def transfer(self, k: int, src: int) -> None:
+        slot = k % 2
+        if self.cuda:
+            self.comm_stream.wait_event(self.copied[slot])
+        self.works[slot] = self.comm.broadcast(self.wire[k], src, stream=self.stream, timeout_s=self.deadline())
+        if self.cuda:
+            self.transferred[slot].record(self.comm_stream)
+
+    def vote(self, values: list[int]) -> list[int]:
+        """All-reduce MAX over int64 values and return them; completes every transfer before it."""
+        if self.cuda:
+            self.comm_stream.wait_stream(self.copy_stream)
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.comm.device)
+        if self.cuda:
+            self.comm_stream.wait_stream(torch.cuda.current_stream(self.comm.device))
+        self.comm.all_reduce(tensor, ReduceOp.MAX, stream=self.stream, timeout_s=self.deadline()).wait(self.deadline())
+        for slot in range(2):
+            self.works[slot] = None
+        return tensor.tolist()
+
+    def end(self) -> None:
+        """Order the caller's later work on the weights after this sync."""
+        if self.cuda:
+            torch.cuda.current_stream(self.comm.device).wait_stream(self.copy_stream)
+
+
+class _CopyPlan:
+    """The copies of one bucket, between the staging views and the caller's tensors, made once
+    and reused while the caller's tensors are the same objects."""
+
+    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+        self.fused_dsts, self.fused_srcs, self.pairs = [], [], []
+        for dst, src in zip(dsts, srcs):
+            if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype:
+                self.fused_dsts.append(dst)
+                self.fused_srcs.append(src)
+            else:
+                self.pairs.append((dst, src))
+
+    def run(self) -> None:
+        if self.fused_dsts:  # one multi-tensor launch instead of one kernel per tensor on GPU
+            torch._foreach_copy_(self.fused_dsts, self.fused_srcs)
+        for dst, src in self.pairs:
+            dst.copy_(src)
+
+
+class _WeightSync:
+    """What sender and receiver share: the layout, the staging buffers and the two votes."""
+
+    def __init__(self, comm: Communicator, layout: WeightLayout, src: int, timeout_s: float):
+        self.comm = comm
+        self.layout = layout
+        self.layout_hash = layout.digest()
+        self.src = src
+        self.timeout_s = timeout_s
+        self.last_version = -1
+        self._deadline = 0.0
+        self.staging = _Staging(comm, layout, self._remaining)
+        self._expected = [(spec.name, torch.Size(spec.shape), spec.torch_dtype) for spec in layout.tensors]
+        self._chunked = [spec.name for spec in layout.tensors if spec.nbytes > layout.bucket_bytes]
+        self._total_bytes = layout.total_bytes
+        self._plan_key: tuple[int, ...] = ()
+        self._plan: list[_CopyPlan] = []
+
+    def _remaining(self) -> float:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            remaining = 1e-3  # the wait itself raises the timeout, naming the operation
+        return remaining
+
+    @property
+    def _who(self) -> str:
+        return f"group {self.comm.group!r} rank {self.comm.rank}"
+
+    def _agree(self, version: int, refusal: str) -> None:
+        """First vote: same version, same layout, nobody refusing; else fail everywhere."""
+        h = self.layout_hash
+        code = self.comm.rank + 1 if refusal else 0
+        vmax, vneg, hmax, hneg, refuser = self.staging.vote([version, -version, h, -h, code])
+        if refusal:
+            raise WeightSyncError(f"{self._who} refused weight sync v{version}: {refusal}")
+        if hmax != -hneg:
+            raise LayoutMismatchError(f"{self._who}: members disagree on the weight layout in sync v{version}")
+        if vmax != -vneg:
+            raise WeightSyncError(f"{self._who}: members disagree on the version of this sync "
+                                  f"(from v{-vneg} to v{vmax})")
+        if refuser:
+            raise WeightSyncError(f"{self._who}: rank {refuser - 1} refused weight sync v{version} (see its error)")
+
+    def _commit(self, version: int, failure: str) -> None:
+        """Second vote: succeeds only if every member applied every bucket."""
+        (failed,) = self.staging.vote([self.comm.rank + 1 if failure else 0])
+        if failure:
+            raise WeightSyncError(f"{self._who}: weight sync v{version} failed here: {failure}")
+        if failed:
+            raise WeightSyncError(f"{self._who}: weight sync v{version} failed on rank {failed - 1}")
+
+    def _run(self, version: int, refusal: str, move: Callable[[], str]) -> SyncStats:
+        """Vote, move the buckets, commit. ``move`` returns "" or why this member could not apply
+        what it received; it must keep taking part in every transfer either way, so that the
+        members' sequences of collectives stay identical and the commit vote can report it."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if not refusal and version <= self.last_version:
+            refusal = f"version {version} is not newer than the last synced v{self.last_version}"
+        start = time.monotonic()
+        self._deadline = start + self.timeout_s
+        self.staging.begin()
+        try:
+            self._agree(version, refusal)
+            self._commit(version, move())
+            self.last_version = version
+        except BaseException:
+            self.last_version = max(self.last_version, version)  # a failed version is never reused
+            raise
+        finally:
+            self.staging.end()
+        return SyncStats(version, self._total_bytes, len(self.layout.buckets), time.monotonic() - start)
+
+    def _refusal(self, tensors: Mapping[str, torch.Tensor], who: str) -> str:
+        """Everything that could stop this member half-way is checked before the first vote."""
+        if not self._matches(tensors):
+            try:
+                self.layout.check(tensors, who)
+            except LayoutMismatchError as exc:
+                return str(exc)
+        for name in self._chunked:
+            if not tensors[name].is_contiguous():
+                return f"{name} is larger than a bucket and must be contiguous to be synced in chunks"
+        return ""
+
+    def _matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """The fast path of `WeightLayout.check`, which only runs to explain a mismatch."""
+        if len(tensors) != len(self._expected):
+            return False
+        for name, shape, dtype in self._expected:
+            t = tensors.get(name)
+            if t is None or t.shape != shape or t.dtype != dtype:
+                return False
+        return True
+
+    def _plan_for(self, tensors: Mapping[str, torch.Tensor], staging_is_dst: bool) -> list[_CopyPlan]:
+        """The copy plan for these tensors, rebuilt only when they are not the same objects as
+        last time (a model's parameters are; a fresh ``state_dict()`` each step is not)."""
+        ordered = [tensors[spec.name] for spec in self.layout.tensors]
+        key = tuple(id(t) for t in ordered)
+        if key != self._plan_key:
+            plans = []
+            for k, bucket in enumerate(self.layout.buckets):
+                parts = [_tensor_part(ordered[seg.tensor], seg) for seg in bucket]
+                views = self.staging.views[k]
+                plans.append(_CopyPlan(views, parts) if staging_is_dst else _CopyPlan(parts, views))
+            self._plan_key, self._plan = key, plans
+            self._plan_tensors = ordered  # keeps the ids in the key from being reused
+        return self._plan
+
+
+class WeightSender(_WeightSync):
+    """The trainer's side. Holds references to the tensors (normally a model's parameters, updated
+    in place by the optimizer), never a copy of them."""
+
+    def __init__(self, comm: Communicator, layout: WeightLayout, tensors: Mapping[str, torch.Tensor], timeout_s: float):
+        super().__init__(comm, layout, comm.rank, timeout_s)
+        self.tensors = dict(tensors)
+
+    @classmethod
+    def create(cls, comm: Communicator, group: StoreGroup, tensors: Mapping[str, torch.Tensor], *,
+               bucket_bytes: int | None = None, timeout_s: float = 60.0) -> WeightSender:
+        """Agree on the layout with every receiver (they call `WeightReceiver.create` together)."""
+        bucket_bytes = bucket_bytes or default_bucket_bytes(comm.device)
+        layout = build_layout((spec_of(n, t) for n, t in tensors.items()), bucket_bytes)
+        group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, what="the weight layout")
+        _agree_on_setup(group, "")
+        return cls(comm, layout, tensors, timeout_s)
+
+    def send(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
+        """Broadcast the tensors (those given at set-up unless others are given) as ``version``."""
+        tensors = self.tensors if tensors is None else tensors
+        refusal = self._refusal(tensors, f"sender rank {self.comm.rank}")
+        return self._run(version, refusal, lambda: self._move(self._plan_for(tensors, staging_is_dst=True)))
+
+    def _move(self, plan: list[_CopyPlan]) -> str:
+        for k in range(len(self.layout.buckets)):
+            with self.staging.copy(k):
+                plan[k].run()
+            self.staging.transfer(k, self.src)
+        return ""
+
+
+class WeightReceiver(_WeightSync):
+    """A sampler's side. ``receive`` copies into a mapping of tensors in place, or hands each whole
+    tensor to a consumer callable (e.g. a vLLM ``load_weights``) as a view that is valid only
+    during the call."""
+
+    @classmethod
+    def create(cls, comm: Communicator, group: StoreGroup, *, src: int = 0,
+               expect: Mapping[str, torch.Tensor] | None = None, timeout_s: float = 60.0) -> WeightReceiver:
+        """Receive the sender's layout; if ``expect`` is given, check it holds exactly those names,
+        shapes and dtypes. A mismatch on any member fails set-up on every member."""
+        layout = group.broadcast_obj(None, src=src, type=WeightLayout, what="the weight layout")
+        error = ""
+        if expect is not None:
+            try:
+                layout.check(expect, f"receiver rank {comm.rank}")
+            except LayoutMismatchError as exc:
+                error = str(exc)
+        _agree_on_setup(group, error)
+        return cls(comm, layout, src, timeout_s)
+
+    def receive(self, version: int, into: Destination) -> SyncStats:
+        if isinstance(into, Mapping):
+            refusal = self._refusal(into, f"receiver rank {self.comm.rank}")
+        elif callable(into):
+            refusal = ""
+        else:
+            raise TypeError("into must be a mapping of tensors or a callable(name, tensor)")
+        return self._run(version, refusal, lambda: self._move(into))
+
+    def _move(self, into: Destination) -> str:
+        layout = self.layout
+        consumer = _ConsumerGuard(into) if not isinstance(into, Mapping) else None
+        plan = self._plan_for(into, staging_is_dst=False) if consumer is None else None
+        if consumer is not None:
+            for spec in layout.tensors:  # empty tensors carry no bytes but are still delivered
+                if spec.nbytes == 0:
+                    consumer(spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.comm.device))
+        partial: dict[int, torch.Tensor] = {}  # tensors larger than a bucket, being assembled
+        if layout.buckets:
+            self.staging.transfer(0, self.src)
+        for k in range(len(layout.buckets)):
+            if k + 1 < len(layout.buckets):  # bucket k+1 arrives while bucket k is unpacked
+                self.staging.transfer(k + 1, self.src)
+            with self.staging.copy(k):
+                if plan is not None:
+                    plan[k].run()
+                else:
+                    self._deliver(consumer, k, partial)
+        return consumer.failure if consumer is not None else ""
+
+    def _deliver(self, consumer: _ConsumerGuard, k: int, partial: dict[int, torch.Tensor]) -> None:
+        for seg, view in zip(self.layout.buckets[k], self.staging.views[k]):
+            spec = self.layout.tensors[seg.tensor]
+            if seg.length == spec.nbytes:
+                consumer(spec.name, view)
+                continue
+            whole = partial.get(seg.tensor)
+            if whole is None:
+                whole = partial[seg.tensor] = torch.empty(spec.shape, dtype=spec.torch_dtype, device=view.device)
+            _tensor_part(whole, seg).copy_(view)
+            if seg.start + seg.length == spec.nbytes:
+                consumer(spec.name, partial.pop(seg.tensor))
+
+
+class _ConsumerGuard:
+    """Calls the consumer until it first raises, then only records why: the receiver must go on
+    taking every bucket off the wire so the sync can fail on every member instead of hanging."""
+
+    def __init__(self, consumer: Consumer):
+        self.consumer = consumer
+        self.failure = ""
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        if self.failure:
+            return
+        try:
+            self.consumer(name, tensor)
+        except Exception as exc:
+            self.failure = f"consumer raised on {name}: {type(exc).__name__}: {exc}"
+
+
+def _agree_on_setup(group: StoreGroup, error: str) -> None:
+    results = group.all_gather_obj(_SetupResult(group.rank, error), type=_SetupResult, what="layout check")
+    refusals = [r for r in results if r.error]
+    if refusals:
+        raise LayoutMismatchError("weight layout refused: " + " | ".join(f"rank {r.rank}: {r.error}" for r in refusals))
+
+
+def _bucket_view(buffer: torch.Tensor, seg: Segment, layout: WeightLayout) -> torch.Tensor:
+    """The segment's bytes in the bucket: typed and shaped when it is a whole tensor."""
+    raw = buffer[seg.offset:seg.offset + seg.length]
+    spec = layout.tensors[seg.tensor]
+    if seg.length == spec.nbytes:
+        return raw.view(spec.torch_dtype).view(spec.shape)
+    return raw
+
+
+def _tensor_part(tensor: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """The tensor itself for a whole-tensor segment, else the segment's byte range of it."""
+    if seg.start == 0 and seg.length == tensor.nbytes:
+        return tensor
+    return tensor.reshape(-1).view(torch.uint8)[seg.start:seg.start + seg.length]

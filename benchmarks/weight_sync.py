@@ -1,0 +1,182 @@
+"""Weight-sync throughput: our bucketed sync next to a raw torch.distributed broadcast of the same bytes.
+
+    python benchmarks/weight_sync.py --shape 0.5b --receivers 1            # GPUs: one sender, one receiver
+    python benchmarks/weight_sync.py --shape tiny --backend gloo --receivers 3   # CPU
+
+Each member is an actor on its own GPU (or CPU process). A "sync" is the whole of
+`WeightSender.send` / `WeightReceiver.receive`: vote, pack into buckets, broadcast, unpack into the
+receiver's parameters, commit. "raw" is `torch.distributed.broadcast` of one flat buffer holding
+the same bytes, in the same processes, followed by a device synchronize. Times per iteration are
+the slowest member's; the table shows medians. The first sync is reported apart, together with the
+time to form the group (rendezvous and communicator creation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from asyncrl import Supervisor, endpoint
+from asyncrl.comm.member import SyncMember, form_group
+from asyncrl.comm.weights import WeightReceiver, WeightSender
+
+# name: (vocab, hidden, intermediate, layers, heads, kv_heads), untied lm_head as in a state dict
+SHAPES = {
+    "tiny": (1000, 64, 256, 2, 4, 2),
+    "0.5b": (151936, 896, 4864, 24, 14, 2),  # Qwen2-0.5B: 1.17 GiB in bf16
+    "7b": (152064, 3584, 18944, 28, 28, 4),  # Qwen2-7B: 14.2 GiB in bf16
+}
+
+
+def qwen2_state_shapes(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> dict[str, tuple[int, ...]]:
+    kv = hidden // heads * kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
+            p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+class Member(SyncMember):
+    def __init__(self, shape: str, device: str, sender: bool):
+        self.device = torch.device(device)
+        if self.device.type == "cuda":  # each member sees only its own GPU
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        self.state = {name: torch.empty(s, dtype=torch.bfloat16, device=self.device)
+                      for name, s in qwen2_state_shapes(*SHAPES[shape]).items()}
+        for t in self.state.values():
+            t.normal_() if sender else t.zero_()
+        self.is_sender = sender
+        self.sync: WeightSender | WeightReceiver | None = None
+        self.version = -1
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @endpoint
+    async def setup(self, bucket_bytes: int) -> int:
+        def build():
+            if self.is_sender:
+                return WeightSender.create(self.sync_comm, self.sync_group, self.state, bucket_bytes=bucket_bytes)
+            return WeightReceiver.create(self.sync_comm, self.sync_group, expect=self.state)
+
+        self.sync = await asyncio.to_thread(build)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        return len(self.sync.layout.buckets)
+
+    @endpoint
+    async def syncs(self, iters: int) -> list[float]:
+        def run():
+            times = []
+            for _ in range(iters):
+                self.version += 1
+                self._synchronize()
+                start = time.perf_counter()
+                if self.is_sender:
+                    self.sync.send(self.version)
+                else:
+                    self.sync.receive(self.version, self.state)
+                self._synchronize()
+                times.append(time.perf_counter() - start)
+            return times
+
+        return await asyncio.to_thread(run)
+
+    @endpoint
+    async def raw_broadcasts(self, iters: int) -> list[float]:
+        def run():
+            if not dist.is_initialized():
+                store = dist.PrefixStore("raw/", self.sync_group.store)
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                kwargs = {"device_id": self.device} if backend == "nccl" else {}
+                dist.init_process_group(backend, store=store, rank=self.sync_group.rank,
+                                        world_size=self.sync_group.world_size, **kwargs)
+            total = sum(t.numel() for t in self.state.values())
+            flat = torch.empty(total, dtype=torch.bfloat16, device=self.device)
+            dist.broadcast(flat, src=0)  # warm-up: connects NCCL's channels for this size
+            times = []
+            for _ in range(iters):
+                self._synchronize()
+                start = time.perf_counter()
+                dist.broadcast(flat, src=0)
+                self._synchronize()
+                times.append(time.perf_counter() - start)
+            del flat
+            return times
+
+        return await asyncio.to_thread(run)
+
+    @endpoint
+    async def extra_peak_bytes(self) -> int:
+        """Peak device memory beyond the parameters since set-up (the staging buffers)."""
+        if self.device.type != "cuda":
+            return -1
+        return torch.cuda.max_memory_allocated() - sum(t.nbytes for t in self.state.values())
+
+
+def slowest(per_member: list[list[float]]) -> list[float]:
+    return [max(times) for times in zip(*per_member)]
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--receivers", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--bucket-mib", type=int, default=256)
+    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
+    args = parser.parse_args()
+    cuda = args.backend != "gloo" and torch.cuda.is_available()
+    device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
+    nbytes = sum(torch.Size(s).numel() * 2 for s in qwen2_state_shapes(*SHAPES[args.shape]).values())
+
+    async with Supervisor(device_kind="cuda" if cuda else "auto") as sup:
+        members = [await sup.spawn(Member, args.shape, device, True, name="sender", gpus=gpus)]
+        for i in range(args.receivers):
+            members.append(await sup.spawn(Member, args.shape, device, False, name=f"receiver{i}", gpus=gpus))
+        start = time.perf_counter()
+        await form_group(members, "127.0.0.1", backend=args.backend if args.backend != "auto" else
+                         ("nccl" if cuda else "gloo"), timeout_s=120)
+        buckets = await asyncio.gather(*(m.setup(args.bucket_mib << 20) for m in members))
+        first = slowest(await asyncio.gather(*(m.syncs(1) for m in members)))[0]
+        first_total = time.perf_counter() - start
+        ours = slowest(await asyncio.gather(*(m.syncs(args.iters) for m in members)))
+        extra = await asyncio.gather(*(m.extra_peak_bytes() for m in members))  # before raw's flat buffer
+        raw = slowest(await asyncio.gather(*(m.raw_broadcasts(args.iters) for m in members)))
+        created = await asyncio.gather(*(m.sync_created() for m in members))
+
+    gib = nbytes / (1 << 30)
+    ours_s, raw_s = statistics.median(ours), statistics.median(raw)
+    print(f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets[0]} buckets of {args.bucket_mib} MiB; "
+          f"1 sender + {args.receivers} receiver(s) on {device}; {args.iters} syncs")
+    print("| what | median | effective GiB/s |")
+    print("| --- | --- | --- |")
+    print(f"| form group + set-up + first sync | {first_total * 1e3:.1f} ms (first sync alone {first * 1e3:.1f} ms) | |")
+    print(f"| sync (pack, broadcast, unpack, commit) | {ours_s * 1e3:.2f} ms | {gib / ours_s:.1f} |")
+    print(f"| raw torch.distributed.broadcast | {raw_s * 1e3:.2f} ms | {gib / raw_s:.1f} |")
+    print(f"| ours / raw | {raw_s / ours_s * 100:.0f}% | |")
+    print(f"communicators created per member over {args.iters + 1} syncs: {[c for c in created]}")
+    if cuda:
+        print(f"peak device memory beyond the parameters (MiB): {[round(e / (1 << 20)) for e in extra]}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

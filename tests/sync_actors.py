@@ -1,0 +1,124 @@
+"""Actors for the weight-sync tests: a sender and a receiver of a deterministic, mixed-dtype
+state dict, each a `SyncMember` so the driver can put them in a group."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import torch
+
+from asyncrl import endpoint
+from asyncrl.comm.member import SyncMember
+from asyncrl.comm.weights import WeightReceiver, WeightSender
+
+
+def make_state(seed: int, *, big: int = 70_000, tiny: int = 40,
+               shape_of_w: tuple[int, int] = (33, 7)) -> dict[str, torch.Tensor]:
+    """fp32, bf16, fp16 and int64 tensors; one larger than a 64 KiB bucket; many tiny; one empty."""
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "embed.weight": torch.randn(big, generator=g),  # 280 kB: chunked across buckets
+        "w.bf16": torch.randn(shape_of_w, generator=g).bfloat16(),
+        "w.fp16": torch.randn(17, 3, generator=g).half(),
+        "steps.int64": torch.randint(-(2**40), 2**40, (9,), generator=g),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(float(seed)),
+    }
+    for i in range(tiny):
+        state[f"tiny.{i}"] = torch.randn(i % 5 + 1, generator=g)
+    return state
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class Sender(SyncMember):
+    def __init__(self, seed: int = 0, *, device: str = "cpu"):
+        self.state = {k: v.to(device) for k, v in make_state(seed).items()}
+        self.sender: WeightSender | None = None
+
+    @endpoint
+    async def setup(self, bucket_bytes: int = 64 << 10, timeout_s: float = 20.0) -> int:
+        self.sender = await asyncio.to_thread(
+            WeightSender.create, self.sync_comm, self.sync_group, self.state,
+            bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        return len(self.sender.layout.buckets)
+
+    @endpoint
+    async def step_and_send(self, version: int) -> str:
+        """Change every tensor (as an optimizer step would, in place), then sync it as ``version``."""
+        for t in self.state.values():
+            t.add_(1) if t.dtype != torch.bool else None
+        await asyncio.to_thread(self.sender.send, version)
+        return digest(self.state)
+
+
+class Receiver(SyncMember):
+    def __init__(self, seed: int = 99, *, whole: bool = False, slow_s: float = 0.0,
+                 shape_of_w: tuple[int, int] = (33, 7), device: str = "cpu"):
+        # different values, same layout
+        self.state = {k: v.to(device) for k, v in make_state(seed, shape_of_w=shape_of_w).items()}
+        self.whole = whole  # hand whole tensors to a callable instead of copying in place
+        self.slow_s = slow_s  # per-tensor delay in the consumer, so a test can kill us mid-sync
+        self.receiver: WeightReceiver | None = None
+
+    @endpoint
+    async def setup(self, timeout_s: float = 20.0) -> int:
+        self.receiver = await asyncio.to_thread(
+            WeightReceiver.create, self.sync_comm, self.sync_group, expect=self.state, timeout_s=timeout_s)
+        return len(self.receiver.layout.buckets)
+
+    @endpoint
+    async def receive(self, version: int) -> str:
+        into = self._consume if (self.whole or self.slow_s) else self.state
+        await asyncio.to_thread(self.receiver.receive, version, into)
+        return digest(self.state)
+
+    def _consume(self, name: str, tensor: torch.Tensor) -> None:
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        self.state[name].copy_(tensor)
+
+
+class NcclProbe(SyncMember):
+    """Raw collectives on the group's communicator next to torch.distributed's, for the GPU tests."""
+
+    @endpoint
+    async def broadcast_random(self, seed: int, numel: int, dtype: str, use_torch: bool = False,
+                               timeout_s: float = 30.0) -> str:
+        """Rank 0 broadcasts seeded random data; every rank returns the digest of what it holds."""
+        dtype_ = getattr(torch, dtype)
+        g = torch.Generator().manual_seed(seed)
+        data = torch.randint(0, 256, (numel * dtype_.itemsize,), dtype=torch.uint8, generator=g).view(dtype_)
+        t = (data if self.sync_group.rank == 0 else torch.zeros_like(data)).cuda()
+
+        def run() -> None:
+            if use_torch:
+                self._torch_group()
+                torch.distributed.broadcast(t, src=0)
+                torch.cuda.synchronize()
+            else:
+                self.sync_comm.broadcast(t, 0, timeout_s=timeout_s).wait(timeout_s)
+
+        await asyncio.to_thread(run)
+        return digest({"t": t})
+
+    @endpoint
+    async def cuda_still_works(self) -> float:
+        return float(torch.ones(4, device="cuda").sum().item())
+
+    def _torch_group(self) -> None:
+        if not torch.distributed.is_initialized():
+            store = torch.distributed.PrefixStore("torch-dist/", self.sync_group.store)
+            torch.distributed.init_process_group("nccl", store=store, rank=self.sync_group.rank,
+                                                 world_size=self.sync_group.world_size,
+                                                 device_id=torch.device("cuda", 0))

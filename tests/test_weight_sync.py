@@ -1,0 +1,152 @@
+"""Weight sync over gloo between real actor processes: bit-exact syncs, one communicator per
+membership, typed failures in bounded time, and a rebuild after a member was SIGKILLed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from asyncrl import RemoteError, Supervisor
+from asyncrl.comm.member import form_group
+from asyncrl.comm.rendezvous import RendezvousError, join_all
+from sync_actors import Receiver, Sender
+
+HOST = "127.0.0.1"
+
+
+async def sync(sender, receivers, version):
+    results = await asyncio.gather(sender.step_and_send(version), *(r.receive(version) for r in receivers),
+                                   return_exceptions=True)
+    return results
+
+
+@pytest.mark.parametrize("n_receivers", [1, 2, 3])
+async def test_ten_syncs_are_bit_exact_on_one_communicator(n_receivers):
+    async with Supervisor() as sup:
+        sender = await sup.spawn(Sender, 1, name="sender")
+        receivers = [await sup.spawn(Receiver, 100 + i, kwargs={"whole": i == 1}, name=f"recv{i}") for i in range(n_receivers)]
+        await form_group([sender, *receivers], HOST, timeout_s=30)
+        buckets = await asyncio.gather(sender.setup(), *(r.setup() for r in receivers))
+        assert len(set(buckets)) == 1 and buckets[0] >= 5  # the 280 kB tensor spans several 64 KiB buckets
+        for version in range(10):
+            sent, *got = await sync(sender, receivers, version)
+            assert got == [sent] * n_receivers, f"v{version}: receivers differ from the sender"
+        for member in [sender, *receivers]:
+            assert (await member.sync_created()) == {"gloo": 1}
+
+
+async def test_refusals_fail_every_member_and_the_group_keeps_working():
+    async with Supervisor() as sup:
+        sender = await sup.spawn(Sender, 2, name="sender")
+        receivers = [await sup.spawn(Receiver, 7, name=f"recv{i}") for i in range(2)]
+        await form_group([sender, *receivers], HOST, timeout_s=30)
+        await asyncio.gather(sender.setup(), *(r.setup() for r in receivers))
+        sent, *got = await sync(sender, receivers, 5)
+        assert got == [sent, sent]
+
+        # Wrong version order: one receiver is asked for an older version than it holds.
+        start = time.monotonic()
+        results = await asyncio.gather(sender.step_and_send(6), receivers[0].receive(6), receivers[1].receive(4),
+                                       return_exceptions=True)
+        assert all(isinstance(r, RemoteError) and r.remote_type == "WeightSyncError" for r in results), results
+        assert "not newer than the last synced v5" in str(results[2])
+        assert "disagree on the version" in str(results[0]) or "refused" in str(results[0])
+        assert time.monotonic() - start < 10
+
+        # The refusal happened before any byte moved: the same communicator syncs on.
+        sent, *got = await sync(sender, receivers, 7)
+        assert got == [sent, sent]
+        assert (await sender.sync_created()) == {"gloo": 1}
+
+
+async def test_layout_mismatch_fails_set_up_on_every_member():
+    async with Supervisor() as sup:
+        sender = await sup.spawn(Sender, 1, name="sender")
+        good = await sup.spawn(Receiver, 3, name="good")
+        bad = await sup.spawn(Receiver, 3, kwargs={"shape_of_w": (7, 33)}, name="bad")
+        await form_group([sender, good, bad], HOST, timeout_s=30)
+        results = await asyncio.gather(sender.setup(), good.setup(), bad.setup(), return_exceptions=True)
+        for r in results:
+            assert isinstance(r, RemoteError) and r.remote_type == "LayoutMismatchError", r
+            assert "rank 2" in str(r) and "w.bf16" in str(r) and "[33, 7]" in str(r)
+
+
+async def test_missing_member_is_named_within_the_timeout():
+    async with Supervisor() as sup:
+        sender = await sup.spawn(Sender, name="sender")
+        receiver = await sup.spawn(Receiver, name="recv")
+        port = await sender.sync_listen(HOST)
+        start = time.monotonic()
+        # world size 3, but rank 2 is never started
+        results = await asyncio.gather(sender.sync_join(HOST, port, 0, 3, timeout_s=2.0),
+                                       receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0), return_exceptions=True)
+        assert time.monotonic() - start < 8
+        for r in results:
+            assert isinstance(r, RemoteError) and r.remote_type == "RendezvousTimeoutError", r
+            assert "rank(s) [2] did not arrive" in str(r)
+
+        # Members that disagree on the world size: the driver's join_all names each one.
+        port = await sender.sync_listen(HOST)
+        with pytest.raises(RendezvousError) as info:
+            await join_all([sender.sync_join(HOST, port, 0, 2, timeout_s=2.0),
+                            receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0)], timeout_s=10)
+        assert "member 0" in str(info.value) and "joined with world size 3" in str(info.value)
+        # rank 0 fails first and its store goes with it, so rank 1 stops waiting at once
+        assert "member 1" in str(info.value) and "lost the store while waiting for joining" in str(info.value)
+
+
+async def test_sigkill_mid_sync_fails_survivors_in_bounded_time_then_rebuild():
+    async with Supervisor() as sup:
+        sender = await sup.spawn(Sender, 4, name="sender")
+        steady = await sup.spawn(Receiver, 5, name="steady")
+        victim = await sup.spawn(Receiver, 6, kwargs={"slow_s": 0.02}, name="victim")  # ~1 s per sync
+        await form_group([sender, steady, victim], HOST, timeout_s=30)
+        await asyncio.gather(sender.setup(timeout_s=15), steady.setup(timeout_s=15), victim.setup(timeout_s=15))
+        sent, *got = await sync(sender, [steady, victim], 0)
+        assert got == [sent, sent]
+
+        pending = asyncio.ensure_future(sync(sender, [steady, victim], 1))
+        await asyncio.sleep(0.4)
+        start = time.monotonic()
+        os.kill(victim.info().pid, signal.SIGKILL)
+        sent, got_steady, got_victim = await pending
+        took = time.monotonic() - start
+        assert took < 10, f"survivors took {took:.1f} s to fail"
+        for r in (sent, got_steady):
+            assert isinstance(r, RemoteError) and r.remote_type in ("CollectiveError", "CollectiveTimeoutError"), r
+            assert "communicator aborted" in str(r)
+
+        # Rebuild: survivors plus a replacement, next generation; each survivor creates exactly
+        # one more communicator, and syncs are bit-exact again.
+        replacement = await sup.spawn(Receiver, 8, name="replacement")
+        await form_group([sender, steady, replacement], HOST, generation=1, timeout_s=30)
+        await asyncio.gather(sender.setup(), steady.setup(), replacement.setup())
+        for version in (2, 3):
+            sent, *got = await sync(sender, [steady, replacement], version)
+            assert got == [sent, sent]
+        assert (await sender.sync_created()) == {"gloo": 2}
+        assert (await steady.sync_created()) == {"gloo": 2}
+        assert (await replacement.sync_created()) == {"gloo": 1}
+
+
+async def test_frozen_member_fails_the_sync_within_its_deadline():
+    async with Supervisor() as sup:
+        sender = await sup.spawn(Sender, 4, name="sender")
+        frozen = await sup.spawn(Receiver, 5, name="frozen")
+        await form_group([sender, frozen], HOST, timeout_s=30)
+        await asyncio.gather(sender.setup(timeout_s=3), frozen.setup(timeout_s=3))
+        pid = frozen.info().pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(RemoteError) as info:
+                await sender.step_and_send(1)
+            took = time.monotonic() - start
+            assert info.value.remote_type == "CollectiveTimeoutError", info.value
+            assert 2.5 < took < 10, took
+        finally:
+            os.kill(pid, signal.SIGCONT)
