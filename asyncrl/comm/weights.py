@@ -30,7 +30,7 @@ import torch
 
 from asyncrl.comm.communicator import Communicator, ReduceOp, Work
 from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
-from asyncrl.comm.layout import Segment, WeightLayout, build_layout, spec_of
+from asyncrl.comm.layout import Segment, TensorSpec, WeightLayout, build_layout, dtype_name, spec_of
 from asyncrl.comm.rendezvous import StoreGroup
 
 DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 256 MiB, ~233 at 16 MiB
@@ -140,7 +140,7 @@ class _CopyPlan:
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
         self.fused_dsts, self.fused_srcs, self.pairs = [], [], []
         for dst, src in zip(dsts, srcs):
-            if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype:
+            if dst.is_contiguous() and src.is_contiguous():  # a dtype cast (wire_dtype) fuses too
                 self.fused_dsts.append(dst)
                 self.fused_srcs.append(src)
             else:
@@ -229,10 +229,7 @@ class _WeightSync:
     def _refusal(self, tensors: Mapping[str, torch.Tensor], who: str) -> str:
         """Everything that could stop this member half-way is checked before the first vote."""
         if not self._matches(tensors):
-            try:
-                self.layout.check(tensors, who)
-            except LayoutMismatchError as exc:
-                return str(exc)
+            return _mismatch(self._expected, tensors, who)
         for name in self._chunked:
             if not tensors[name].is_contiguous():
                 return f"{name} is larger than a bucket and must be contiguous to be synced in chunks"
@@ -256,7 +253,7 @@ class _WeightSync:
         if key != self._plan_key:
             plans = []
             for k, bucket in enumerate(self.layout.buckets):
-                parts = [_tensor_part(ordered[seg.tensor], seg) for seg in bucket]
+                parts = [_tensor_part(ordered[seg.tensor], seg, self.layout.tensors[seg.tensor]) for seg in bucket]
                 views = self.staging.views[k]
                 plans.append(_CopyPlan(views, parts) if staging_is_dst else _CopyPlan(parts, views))
             self._plan_key, self._plan = key, plans
@@ -274,13 +271,20 @@ class WeightSender(_WeightSync):
 
     @classmethod
     def create(cls, comm: Communicator, group: StoreGroup, tensors: Mapping[str, torch.Tensor], *,
-               bucket_bytes: int | None = None, timeout_s: float = 60.0) -> WeightSender:
-        """Agree on the layout with every receiver (they call `WeightReceiver.create` together)."""
+               bucket_bytes: int | None = None, timeout_s: float = 60.0,
+               wire_dtype: torch.dtype | None = None) -> WeightSender:
+        """Agree on the layout with every receiver (they call `WeightReceiver.create` together).
+        ``wire_dtype``: send floating-point tensors in this dtype (e.g. fp32 master weights to
+        bf16 samplers); the cast happens while packing, so it costs no extra memory."""
         bucket_bytes = bucket_bytes or default_bucket_bytes(comm.device)
-        layout = build_layout((spec_of(n, t) for n, t in tensors.items()), bucket_bytes)
+        specs = [spec_of(n, t) if wire_dtype is None or not t.is_floating_point()
+                 else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype)) for n, t in tensors.items()]
+        layout = build_layout(specs, bucket_bytes)
         group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, what="the weight layout")
         _agree_on_setup(group, "")
-        return cls(comm, layout, tensors, timeout_s)
+        sender = cls(comm, layout, tensors, timeout_s)
+        sender._expected = [(n, t.shape, t.dtype) for n, t in tensors.items()]  # local dtypes, not the wire's
+        return sender
 
     def send(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
         """Broadcast the tensors (those given at set-up unless others are given) as ``version``."""
@@ -355,7 +359,7 @@ class WeightReceiver(_WeightSync):
             whole = partial.get(seg.tensor)
             if whole is None:
                 whole = partial[seg.tensor] = torch.empty(spec.shape, dtype=spec.torch_dtype, device=view.device)
-            _tensor_part(whole, seg).copy_(view)
+            _tensor_part(whole, seg, spec).copy_(view)
             if seg.start + seg.length == spec.nbytes:
                 consumer(spec.name, partial.pop(seg.tensor))
 
@@ -377,6 +381,21 @@ class _ConsumerGuard:
             self.failure = f"consumer raised on {name}: {type(exc).__name__}: {exc}"
 
 
+def _mismatch(expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapping[str, torch.Tensor], who: str) -> str:
+    """Why ``tensors`` do not fit what this member agreed to at set-up (names, shapes, dtypes)."""
+    problems = []
+    for name, shape, dtype in expected:
+        t = tensors.get(name)
+        if t is None:
+            problems.append(f"{name}: {who} has no such tensor")
+        elif t.shape != shape or t.dtype != dtype:
+            problems.append(f"{name}: agreed {list(shape)} {dtype}, now {list(t.shape)} {t.dtype}")
+    known = {name for name, _, _ in expected}
+    problems += [f"{name}: not in the layout" for name in tensors if name not in known]
+    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    return f"{who} disagrees with the weight layout: {shown}"
+
+
 def _agree_on_setup(group: StoreGroup, error: str) -> None:
     results = group.all_gather_obj(_SetupResult(group.rank, error), type=_SetupResult, what="layout check")
     refusals = [r for r in results if r.error]
@@ -385,16 +404,20 @@ def _agree_on_setup(group: StoreGroup, error: str) -> None:
 
 
 def _bucket_view(buffer: torch.Tensor, seg: Segment, layout: WeightLayout) -> torch.Tensor:
-    """The segment's bytes in the bucket: typed and shaped when it is a whole tensor."""
+    """The segment in the bucket, typed as on the wire: shaped when it is a whole tensor, flat
+    when it is a chunk of a larger one."""
     raw = buffer[seg.offset:seg.offset + seg.length]
     spec = layout.tensors[seg.tensor]
     if seg.length == spec.nbytes:
         return raw.view(spec.torch_dtype).view(spec.shape)
-    return raw
+    return raw.view(spec.torch_dtype)
 
 
-def _tensor_part(tensor: torch.Tensor, seg: Segment) -> torch.Tensor:
-    """The tensor itself for a whole-tensor segment, else the segment's byte range of it."""
-    if seg.start == 0 and seg.length == tensor.nbytes:
+def _tensor_part(tensor: torch.Tensor, seg: Segment, spec: TensorSpec) -> torch.Tensor:
+    """The tensor itself for a whole-tensor segment, else the segment's elements of it, flat.
+    Chunk boundaries fall on whole elements (`build_layout` cuts at aligned offsets), which is
+    what lets a chunk be cast between the tensor's dtype and the wire's."""
+    if seg.start == 0 and seg.length == spec.nbytes:
         return tensor
-    return tensor.reshape(-1).view(torch.uint8)[seg.start:seg.start + seg.length]
+    size = spec.torch_dtype.itemsize
+    return tensor.reshape(-1)[seg.start // size:(seg.start + seg.length) // size]
