@@ -239,6 +239,14 @@ def format_prompt(problem: CountdownProblem) -> str:
             "Write only the expression inside <answer></answer>, for example <answer>(1 + 2) * 3</answer>.")
 
 
+def format_prompt_compact(problem: CountdownProblem) -> str:
+    """A terse prompt for small character-level models, e.g. ``"3 7 25 50 -> 178:"``: the numbers,
+    the target, and the colon after which the completion (:func:`format_reference`) starts. Every
+    character is a token for such a model, so the instruction in :func:`format_prompt` would cost
+    more than the whole answer."""
+    return f"{' '.join(map(str, problem.numbers))} -> {problem.target}:"
+
+
 def format_reference(problem: CountdownProblem) -> str:
     """The completion a perfect model writes for ``problem`` (supervised warm-start target)."""
     return f"{_OPEN}{problem.solution}{_CLOSE}"

@@ -1,0 +1,214 @@
+"""The embedded default policy: its tokenizer, the on-disk cache (reuse, atomicity, crash leftovers),
+plain-transformers loading offline, prompt formats, and load_policy on other checkpoints. A tiny
+model and a few warm-start steps keep the whole file to seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.rl import model as M
+from asyncrl.rl.countdown import CountdownProblem, format_prompt, format_prompt_compact, format_reference, generate
+from asyncrl.rl.model import (
+    ModelConfig,
+    PolicyLoadError,
+    PromptFormat,
+    WarmStartConfig,
+    build_tokenizer,
+    cache_key,
+    default_model,
+    load_policy,
+    solve_rate,
+)
+
+TINY = ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=64)
+FEW = WarmStartConfig(steps=4, batch_size=8, warmup_steps=1, n_examples=64, heldout_reserve=16, eval_problems=4)
+P = CountdownProblem(numbers=[3, 7, 25, 50], target=178, solution="(50 - 25) * 7 + 3")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> str:
+    """One tiny default model, built once for the module."""
+    return default_model(TINY, FEW, cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda _: None)
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+# --- tokenizer ------------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trips_every_character():
+    tok = build_tokenizer()
+    ascii_text = "\n\t\r" + "".join(chr(c) for c in range(32, 127))
+    for text in (ascii_text, format_prompt(P), format_prompt_compact(P) + format_reference(P),
+                 "  two  spaces\n\nand unicode: é 中文 ✓", "<answer><answer>1 / 3</answer>"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+    # One token per ASCII character, one per answer tag: lengths the warm start budgets on.
+    assert len(tok(ascii_text, add_special_tokens=False)["input_ids"]) == len(ascii_text)
+    assert tok.convert_ids_to_tokens(tok("<answer>7</answer>", add_special_tokens=False)["input_ids"]) == \
+        ["<answer>", "7", "</answer>"]
+    assert tok.pad_token_id is not None and tok.eos_token_id is not None and tok.pad_token_id != tok.eos_token_id
+
+
+def test_chat_template():
+    tok = build_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n2 + 2?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.decode(ids) == text
+    assert not tok.apply_chat_template(messages, tokenize=False).endswith("assistant\n")
+
+
+# --- the cache ------------------------------------------------------------------------------------
+
+
+def test_default_model_is_cached(built):
+    root = os.path.dirname(os.path.dirname(built))
+    lines: list[str] = []
+    start = time.monotonic()
+    again = default_model(TINY, FEW, cache_dir=root, log=lines.append)
+    assert again == built and time.monotonic() - start < 1.0
+    assert lines and "cached" in lines[0]
+    assert os.path.basename(built) == cache_key(TINY, FEW, M.CountdownConfig())
+    assert cache_key(TINY, WarmStartConfig(steps=5), M.CountdownConfig()) != cache_key(TINY, FEW, M.CountdownConfig())
+    assert not [n for n in os.listdir(os.path.dirname(built)) if n.startswith(".tmp-")]
+
+
+def test_partial_builds_are_never_reused(tmp_path):
+    models = tmp_path / "models"
+    key = cache_key(TINY, FEW, M.CountdownConfig())
+    orphan = models / f".tmp-{key}-{dead_pid()}-abc"  # a builder that crashed mid-write
+    orphan.mkdir(parents=True)
+    (orphan / "config.json").write_text("{}")
+    incomplete = models / key  # a final name without the marker: not written by us, never trusted
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text("{not json")
+    path = default_model(TINY, FEW, cache_dir=str(tmp_path), threads=1, log=lambda _: None)
+    assert path == str(incomplete) and os.path.isfile(os.path.join(path, M.MARKER_FILE))
+    assert not orphan.exists()
+    load_policy(path)
+
+
+def test_crash_mid_build_leaves_nothing(tmp_path, monkeypatch):
+    def crash(out, *args):
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write("{}")
+        raise RuntimeError("killed mid-write")
+
+    monkeypatch.setattr(M, "_build", crash)
+    with pytest.raises(RuntimeError, match="mid-write"):
+        default_model(TINY, FEW, cache_dir=str(tmp_path), log=lambda _: None)
+    assert os.listdir(tmp_path / "models") == []
+
+
+def test_saved_dir_loads_with_plain_transformers_offline(built, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoModelForCausalLM.from_pretrained(built, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(built, local_files_only=True)
+    assert model.config.model_type == "qwen2"
+    assert model.config.hidden_size // model.config.num_attention_heads in (32, 64)
+    assert model.config.vocab_size == len(tok)
+    text = format_prompt_compact(P) + format_reference(P)
+    assert tok(text, add_special_tokens=False)["input_ids"] == build_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    with open(os.path.join(built, M.MARKER_FILE)) as f:
+        marker = json.load(f)
+    assert marker["prompt_style"] == "compact" and marker["max_new_tokens_hint"] > 0
+
+
+# --- prompts and loading --------------------------------------------------------------------------
+
+
+def test_prompt_ids_end_where_the_completion_starts(built):
+    _, tok, fmt = load_policy(built)
+    assert fmt.style == "compact" and fmt.stop_token_ids == [tok.eos_token_id]
+    for problem in [P, *generate(1, 20)]:
+        prompt = fmt.prompt_ids(problem)
+        completion = tok(format_reference(problem), add_special_tokens=False)["input_ids"]
+        whole = tok(format_prompt_compact(problem) + format_reference(problem), add_special_tokens=False)["input_ids"]
+        assert prompt + completion == whole
+        assert len(completion) + 1 <= fmt.max_new_tokens_hint  # the answer and its eos fit the hint
+
+
+def other_checkpoint(path, chat_template: bool) -> str:
+    """A Qwen2 checkpoint that default_model did not build: no marker file, random weights."""
+    tok = build_tokenizer()
+    if not chat_template:
+        tok.chat_template = None
+    M._new_model(TINY, tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    if os.path.exists(os.path.join(path, "chat_template.jinja")) and not chat_template:
+        os.remove(os.path.join(path, "chat_template.jinja"))
+    return str(path)
+
+
+def test_load_policy_accepts_another_checkpoint(tmp_path):
+    model, tok, fmt = load_policy(other_checkpoint(tmp_path / "chat", chat_template=True))
+    assert fmt.style == "chat" and tok.eos_token_id in fmt.stop_token_ids
+    text = tok.decode(fmt.prompt_ids(P))
+    assert text == f"<|im_start|>user\n{format_prompt(P)}<|im_end|>\n<|im_start|>assistant\n"
+    rate = solve_rate(model, tok, fmt, generate(2, 3), greedy=False, n=2, max_new_tokens=4, batch_size=4)
+    assert 0.0 <= rate <= 1.0
+
+    _, tok, fmt = load_policy(other_checkpoint(tmp_path / "plain", chat_template=False))
+    assert fmt.style == "plain" and tok.decode(fmt.prompt_ids(P)) == format_prompt(P) + "\n"
+
+
+def test_batched_left_padded_generation_matches_one_at_a_time(built):
+    model, tok, fmt = load_policy(built)
+    problems = [CountdownProblem(numbers=[1, 2, 3], target=6, solution="1 + 2 + 3"), P,
+                CountdownProblem(numbers=[99, 98, 97, 96], target=4, solution="99 - 98 + 97 - 96")]
+    batched = M._generate(model, tok, fmt, problems, True, 12, 1.0)
+    alone = [M._generate(model, tok, fmt, [p], True, 12, 1.0)[0] for p in problems]
+    assert batched == alone
+
+
+def test_load_policy_errors(tmp_path, built):
+    with pytest.raises(PolicyLoadError, match="no config.json"):
+        load_policy(str(tmp_path))
+    bad = tmp_path / "bad"
+    os.makedirs(bad)
+    for name in os.listdir(built):
+        with open(os.path.join(built, name), "rb") as src, open(bad / name, "wb") as dst:
+            dst.write(src.read())
+    (bad / M.MARKER_FILE).write_text(json.dumps({"prompt_style": "poetry"}))
+    with pytest.raises(PolicyLoadError, match="poetry"):
+        load_policy(str(bad))
+    (bad / M.MARKER_FILE).write_text("[1, 2")
+    with pytest.raises(PolicyLoadError, match="unreadable"):
+        load_policy(str(bad))
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: ModelConfig(hidden_size=96, num_heads=2),   # head_dim 48
+    lambda: ModelConfig(num_heads=4, num_kv_heads=3),
+    lambda: ModelConfig(num_layers=0),
+    lambda: WarmStartConfig(steps=0),
+    lambda: WarmStartConfig(lr=0.0),
+    lambda: WarmStartConfig(lr=float("nan")),
+    lambda: WarmStartConfig(eval_problems=10, heldout_reserve=5),
+    lambda: PromptFormat("poetry", None, [0], 8),
+])
+def test_bad_configs_raise_value_error(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+def test_solve_rate_arguments(built):
+    model, tok, fmt = load_policy(built, dtype=torch.float32)
+    with pytest.raises(ValueError, match="greedy"):
+        solve_rate(model, tok, fmt, [P], n=2)
+    assert solve_rate(model, tok, fmt, []) == 0.0
