@@ -1,0 +1,277 @@
+"""`HFBackend`: the `SamplerBackend` on Hugging Face transformers, for CPU or one GPU.
+
+Its own decoding loop rather than ``model.generate``: one prefill over LEFT-padded prompts (with an
+attention mask and position ids counted from each row's first real token), then one token per step
+from the KV cache. Owning the loop is what makes the returned log-probs exact: each is read from
+the very distribution the token was drawn from (see `Completion.logprobs`), with no warper of
+``generate`` in between whose order or renormalisation we would have to trust.
+
+The blocking loop runs on a single worker thread, so the actor's event loop keeps serving calls
+and one model never runs two batches at once (on 2 CPU cores two would only slow each other).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from asyncrl.rl.sampler import (
+    Completion,
+    SamplerBackend,
+    SamplerClosedError,
+    SamplerTimeoutError,
+    SamplingParams,
+)
+
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd constants: distinct (seed, prompt, sample) -> distinct streams
+
+
+def row_seed(seed: int, prompt: int, sample: int) -> int:
+    """Seed of completion ``sample`` of prompt ``prompt`` in a call made with ``seed``: a call's
+    output depends only on its own arguments, never on what else ran before it."""
+    return (seed * _MIX[0] + prompt * _MIX[1] + sample) % (1 << 63)
+
+
+def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, L]`` token ids and attention mask, each row right-aligned (left padding), so every
+    row's next token comes out of the same last column."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probs ``[B, V]`` of the distribution tokens are drawn from: ``log_softmax(logits / T)``,
+    restricted to the nucleus (smallest set of most likely tokens with mass >= top_p) and
+    renormalised when ``top_p < 1``. At ``temperature == 0`` (greedy) it is ``log_softmax(logits)``:
+    the degenerate greedy distribution would give 0 for every token and tell nothing."""
+    logp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+    if top_p >= 1.0 or temperature == 0:
+        return logp
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    mass_before = sorted_logp.exp().cumsum(dim=-1) - sorted_logp.exp()
+    drop_sorted = mass_before >= top_p  # the most likely token always has mass_before 0: never dropped
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    logp = logp.masked_fill(drop, -math.inf)
+    return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+
+
+class HFBackend(SamplerBackend):
+    """Batched sampling with a transformers causal LM (``model`` in eval mode on its device).
+
+    Concurrency contract (the sampler actor's version tagging relies on it): when not paused,
+    `generate` registers itself as in flight before its first ``await``, so a `pause` that starts
+    after the call began waits for it.
+    """
+
+    def __init__(self, model: Any, *, tokenizer: Any = None, seed: int = 0, pad_token_id: int | None = None,
+                 resume_timeout_s: float = 600.0):
+        self.model = model.eval().requires_grad_(False)  # in-place weight copies need no autograd
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.pad_token_id = pad_token_id if pad_token_id is not None else _pad_id(tokenizer)
+        self.resume_timeout_s = resume_timeout_s
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self._generator = torch.Generator(self.device).manual_seed(seed)  # requests without a seed
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
+        self._closed = False
+        self._paused = False
+        self._inflight = 0
+        self._resumed: asyncio.Event | None = None  # made on first use, on the actor's loop
+        self._idle: asyncio.Event | None = None
+        self.tokens_generated = 0  # over every call; written by the worker thread only
+        self.generate_s = 0.0
+
+    # --- SamplerBackend -------------------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        _check_request(prompts, n, self.vocab_size)
+        self._events()
+        if self._closed:
+            raise SamplerClosedError("HFBackend is closed")
+        if self._paused:  # no await before this point when not paused: see the class docstring
+            await self._wait_resumed()
+        self._inflight += 1
+        self._idle.clear()
+        loop = asyncio.get_running_loop()
+        try:
+            work = self._pool.submit(self._generate_blocking, prompts, n, params)
+        except RuntimeError as exc:  # the pool was shut down by close()
+            self._finished()
+            raise SamplerClosedError("HFBackend is closed") from exc
+        # Count the call as in flight until the THREAD is done, not until our await ends: a
+        # cancelled caller leaves the thread running, and weights must not change under it.
+        work.add_done_callback(lambda _: _call_soon(loop, self._finished))
+        return await asyncio.wrap_future(work)
+
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        # named_parameters deduplicates tied weights, as the trainer's side does.
+        return dict(self.model.named_parameters())
+
+    async def pause(self, timeout_s: float = 600.0) -> None:
+        """Stop new generates from starting and wait for the one in flight. On timeout the pause
+        is undone (it either holds with nothing in flight, or has no effect) and this raises."""
+        self._events()
+        self._paused = True
+        self._resumed.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            await self.resume()
+            raise SamplerTimeoutError(f"pause: the generate in flight did not finish within {timeout_s:g} s") from None
+        except BaseException:
+            await self.resume()
+            raise
+
+    async def resume(self) -> None:
+        self._events()
+        self._paused = False
+        self._resumed.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._resumed is not None:
+            self._resumed.set()  # wake generates held by a pause: they raise SamplerClosedError
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # --- waiting --------------------------------------------------------------------------------
+
+    def _events(self) -> None:
+        if self._resumed is None:
+            self._resumed, self._idle = asyncio.Event(), asyncio.Event()
+            self._resumed.set()
+            self._idle.set()
+
+    async def _wait_resumed(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.resume_timeout_s
+        while self._paused:  # re-checked after each wake-up: a new pause may have begun since
+            remaining = deadline - loop.time()
+            try:
+                await asyncio.wait_for(self._resumed.wait(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise SamplerTimeoutError(f"generate: backend still paused after {self.resume_timeout_s:g} s") from None
+            if self._closed:
+                raise SamplerClosedError("HFBackend was closed while paused")
+
+    def _finished(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    # --- the blocking part (worker thread) ------------------------------------------------------
+
+    def _generate_blocking(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        import time
+
+        start = time.perf_counter()
+        rows = [p for p in prompts for _ in range(n)]  # prompt-major: row i*n + j is sample j of prompt i
+        generators = None
+        if params.seed is not None:
+            generators = [torch.Generator(self.device).manual_seed(row_seed(params.seed, i, j))
+                          for i in range(len(prompts)) for j in range(n)]
+        tokens, logprobs, stops_at = self._decode(rows, params, generators)
+        completions = self._completions(tokens, logprobs, stops_at, params.max_new_tokens)
+        self.tokens_generated += sum(len(c.token_ids) for c in completions)
+        self.generate_s += time.perf_counter() - start
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    @torch.inference_mode()
+    def _decode(self, rows: list[list[int]], params: SamplingParams,
+                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids and log-probs ``[B, T]`` and, per row, the step of its first stop token
+        (``T`` if none). Rows that stopped keep decoding (their tokens are cut off later) until
+        every row stopped: a row's result never depends on the others."""
+        ids, mask = (t.to(self.device) for t in pad_left(rows, self.pad_token_id))
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # left padding: count from the first real token
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        next_position = positions[:, -1:] + 1
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        never = params.max_new_tokens
+        stops_at = torch.full((len(rows),), never, dtype=torch.long, device=self.device)
+        tokens, logprobs = [], []
+        for step in range(params.max_new_tokens):
+            token, logprob = self._choose(out.logits[:, -1, :], params, generators)
+            tokens.append(token)
+            logprobs.append(logprob)
+            hit = torch.isin(token, stop_ids) & (stops_at == never)
+            stops_at = torch.where(hit, step, stops_at)
+            if step + 1 == params.max_new_tokens or bool((stops_at < never).all()):
+                break
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
+                             past_key_values=out.past_key_values, use_cache=True)
+            next_position = next_position + 1
+        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), stops_at.cpu()
+
+    def _choose(self, logits: torch.Tensor, params: SamplingParams,
+                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = sampling_logprobs(logits, params.temperature, params.top_p)
+        if params.temperature == 0:
+            token = logp.argmax(dim=-1)
+        elif generators is None:
+            token = torch.multinomial(logp.exp(), 1, generator=self._generator).squeeze(1)
+        else:  # one draw per row from its own stream: reproducible whatever else is in the batch
+            probs = logp.exp()
+            token = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+        return token, logp.gather(1, token[:, None]).squeeze(1)
+
+    def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor, stops_at: torch.Tensor,
+                     max_new_tokens: int) -> list[Completion]:
+        ids_rows, lp_rows, reasons = [], [], []
+        for row, lps, stop in zip(tokens.tolist(), logprobs.tolist(), stops_at.tolist()):
+            end = stop + 1 if stop < max_new_tokens else len(row)  # the stop token is kept, with its log-prob
+            ids_rows.append(row[:end])
+            lp_rows.append(lps[:end])
+            reasons.append("stop" if stop < max_new_tokens else "length")
+        texts = self._decode_text([ids[:-1] if r == "stop" else ids for ids, r in zip(ids_rows, reasons)])
+        return [Completion(ids, lps, text, reason) for ids, lps, text, reason in zip(ids_rows, lp_rows, texts, reasons)]
+
+    def _decode_text(self, rows: list[list[int]]) -> list[str]:
+        # As the evaluation (model.solve_rate) reads a completion: without its stop token, special
+        # tokens skipped, so a group's rewards and the held-out solve rate score text alike.
+        if self.tokenizer is None:
+            return [""] * len(rows)
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _check_request(prompts: list[list[int]], n: int, vocab_size: int) -> None:
+    """Refuse what would otherwise fail deep inside the model, or on the worker thread."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, not {n}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} has no tokens")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
+
+
+def _pad_id(tokenizer: Any) -> int:
+    """Any id works as padding (it is masked out); prefer the tokenizer's own."""
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the loop is closed: nobody is left to wait for the count
+        pass

@@ -1,0 +1,344 @@
+"""Samplers: the backend interface, its request/result types, and the sampler actor.
+
+A `SamplerBackend` turns token-id prompts into completions with per-token log-probs and can be
+paused while its weights are replaced in place. `HFBackend` (in ``hf_backend.py``, importable from
+here) runs transformers on CPU or GPU; a vLLM ``AsyncLLM`` backend can implement the same four
+methods. `SamplerActor` walks the Countdown train split, generates ``group_size`` completions per
+prompt continuously, scores them and streams one `RolloutGroup` per prompt, each tagged with the
+weight version it was generated under; the trainer's weights arrive through `receive_weights`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import math
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+
+import msgspec
+import torch
+
+from asyncrl.comm.member import SyncMember
+from asyncrl.errors import AsyncrlError
+from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.runtime.actor import endpoint
+
+
+class SamplerError(AsyncrlError):
+    """Base class of the sampler's own errors."""
+
+
+class SamplerClosedError(SamplerError):
+    """``generate`` on a backend that was closed."""
+
+
+class SamplerTimeoutError(SamplerError, TimeoutError):
+    """A pause, a resume or a weight sync did not happen within its deadline; the message says which."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How to sample. ``temperature == 0`` is greedy; ``seed`` makes a call reproducible (each
+    completion gets its own generator seeded from ``(seed, prompt index, sample index)``)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, not {self.max_new_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0 (0: greedy), not {self.temperature!r}")
+        if not 0 < self.top_p <= 1:  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, not {self.stop_token_ids!r}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0 or None, not {self.seed!r}")
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """One sampled continuation of a prompt (prompt tokens not included).
+
+    ``logprobs[t]`` is the log-probability of ``token_ids[t]`` under the distribution it was
+    actually drawn from: ``log_softmax(logits / temperature)``, restricted to the top-p nucleus and
+    renormalised when ``top_p < 1``. The trainer recomputes log-probs with the same temperature;
+    with ``top_p < 1`` the two differ by the log of the nucleus mass (the behaviour policy really
+    is the truncated one). For greedy (``temperature == 0``) they are ``log_softmax(logits)``.
+    A stop token ends the completion, is included in ``token_ids`` and has its log-prob;
+    ``finish_reason`` is ``"stop"`` then, ``"length"`` when ``max_new_tokens`` ran out. ``text`` is
+    the decoding of ``token_ids`` without the stop token, special tokens skipped (as the held-out
+    evaluation reads completions, so rewards and solve rates score the same text).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+class SamplerBackend(abc.ABC):
+    """What a sampler actor needs from an inference engine."""
+
+    @abc.abstractmethod
+    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """``n`` completions for each prompt, in prompt order. While paused, waits for `resume`."""
+
+    @abc.abstractmethod
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        """The tensors a `WeightReceiver` copies into in place (named like the trainer's
+        ``dict(model.named_parameters())``). Only to be written while paused."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """From now on no generate starts; returns once the ones in flight have finished."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Let generates start again."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine; later generates raise `SamplerClosedError`."""
+
+
+def __getattr__(name: str) -> Any:
+    # HFBackend lives in hf_backend.py, which imports this module: load it on first use.
+    if name == "HFBackend":
+        from asyncrl.rl.hf_backend import HFBackend
+
+        return HFBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class SamplerActor(SyncMember):
+    """Generates Countdown rollouts continuously and takes weights from the trainer (rank 0).
+
+    ``name`` tags the groups; empty means the actor's own name in the runtime. ``sampling`` None
+    means ``fmt.max_new_tokens_hint`` tokens at temperature 1; empty ``stop_token_ids`` are filled
+    with the model format's. ``n_heldout_problems`` must match the driver's held-out size: the
+    train split excludes the held-out keys, so it depends on it. ``cpu_threads`` > 0 sets torch's
+    intra-op threads (0: torch's default); on CPU, give each process no more threads than cores
+    it has to itself: oversubscribed OpenMP threads spin and slow a small model tenfold or more.
+    """
+
+    def __init__(self, model_path: str, *, name: str = "", device: str = "cpu", seed: int = 0,
+                 countdown: dict = {}, n_train_problems: int = 2000, n_heldout_problems: int = 100,
+                 split_seed: int = 0, group_size: int = 8, prompts_per_batch: int = 8,
+                 sampling: SamplingParams | None = None, sync_timeout_s: float = 120.0, cpu_threads: int = 0):
+        from asyncrl.rl.countdown import CountdownConfig, train_and_heldout
+
+        for what, value in (("group_size", group_size), ("prompts_per_batch", prompts_per_batch),
+                            ("n_train_problems", n_train_problems)):
+            if value < 1:
+                raise ValueError(f"{what} must be >= 1, not {value}")
+        if not sync_timeout_s > 0:
+            raise ValueError(f"sync_timeout_s must be > 0, not {sync_timeout_s!r}")
+        self.name = name or os.environ.get("ASYNCRL_ACTOR", "") or "sampler"
+        self.group_size, self.prompts_per_batch = group_size, prompts_per_batch
+        self.sync_timeout_s = sync_timeout_s
+        self.device = _actor_device(device)
+        if cpu_threads > 0:
+            torch.set_num_threads(cpu_threads)
+        model, tokenizer, self.fmt = self._load_policy(model_path, self.device)
+        self.backend: SamplerBackend = self._make_backend(model, tokenizer, seed)
+        self.sampling = _resolve_sampling(sampling, self.fmt)
+        self.problems, _ = train_and_heldout(split_seed, n_train_problems, n_heldout_problems,
+                                             CountdownConfig(**countdown))
+        self._order = _walk(len(self.problems), random.Random(f"sampler/{seed}"))
+        self._prompt_ids: dict[int, list[int]] = {}
+        self.version = 0
+        self.receiver = None
+        self._ready = asyncio.Event()  # clear during a weight sync, and after a failed one until one succeeds
+        self._ready.set()
+        self._sync_lock = asyncio.Lock()
+        self._stats = {"tokens": 0, "groups": 0, "completions": 0, "batches": 0, "generate_s": 0.0,
+                       "weight_sync_s": 0.0, "pause_s": 0.0, "syncs": 0, "failed_syncs": 0,
+                       "syncs_waited_for_generate": 0}
+        self._generating = 0  # backend.generate calls in flight (rollouts and the generate endpoint)
+
+    # --- construction hooks (a test or another engine overrides these) --------------------------
+
+    def _load_policy(self, model_path: str, device: torch.device) -> tuple[Any, Any, Any]:
+        from asyncrl.rl.model import load_policy  # transformers is heavy: import in the actor only
+
+        return load_policy(model_path, device, torch.float32)
+
+    def _make_backend(self, model: Any, tokenizer: Any, seed: int) -> SamplerBackend:
+        from asyncrl.rl.hf_backend import HFBackend
+
+        return HFBackend(model, tokenizer=tokenizer, seed=seed, resume_timeout_s=3 * self.sync_timeout_s)
+
+    # --- endpoints ------------------------------------------------------------------------------
+
+    @endpoint
+    async def rollouts(self, max_groups: int = 0) -> AsyncIterator[RolloutGroup]:
+        """One scored group per prompt, ``max_groups`` of them (0: until the caller stops). A
+        consumer that stops reading pauses generation (the stream's credit window). Prompts are
+        generated ``prompts_per_batch`` at a time; ``generate_s`` is the wall time of the group's
+        batch, ``version`` the weight version the whole batch was sampled under."""
+        from asyncrl.rl.countdown import reward
+
+        produced = 0
+        while max_groups <= 0 or produced < max_groups:
+            count = self.prompts_per_batch if max_groups <= 0 else min(self.prompts_per_batch, max_groups - produced)
+            indices = [next(self._order) for _ in range(count)]
+            prompts = [self._prompt(i) for i in indices]
+            version, groups, seconds = await self._generate(prompts)
+            finished = time.time()
+            for index, prompt, completions in zip(indices, prompts, groups):
+                problem = self.problems[index]
+                yield RolloutGroup(
+                    prompt_id=index, prompt_ids=prompt,
+                    completion_ids=[c.token_ids for c in completions],
+                    behaviour_logprobs=[c.logprobs for c in completions],
+                    rewards=[reward(problem, c.text) for c in completions],
+                    version=version, sampler=self.name, generate_s=seconds, finished_at=finished)
+                self._stats["groups"] += 1
+                produced += 1
+
+    @endpoint
+    async def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None) -> list[list[Completion]]:
+        """Raw completions from the backend, for evaluation and tests (not counted in stats)."""
+        self._generating += 1
+        try:
+            return await self.backend.generate(prompts, n, params or self.sampling)
+        finally:
+            self._generating -= 1
+
+    @endpoint
+    async def setup_receiver(self, timeout_s: float = 60.0) -> int:
+        """After `form_group`: agree on the weight layout with the trainer. Returns the bucket count."""
+        from asyncrl.comm.weights import WeightReceiver
+
+        if self.sync_comm is None:
+            raise SamplerError(f"sampler {self.name}: setup_receiver before joining a weight-sync group")
+        self.receiver = await asyncio.to_thread(WeightReceiver.create, self.sync_comm, self.sync_group, src=0,
+                                                expect=self.backend.weight_tensors(), timeout_s=timeout_s)
+        return len(self.receiver.layout.buckets)
+
+    @endpoint
+    async def receive_weights(self, version: int) -> float:
+        """Pause (the batch in flight finishes under the old weights), take ``version`` in place,
+        resume. Returns the seconds it took. If the sync fails, the weights may be half-written:
+        rollouts then wait for the next successful sync instead of sampling from them."""
+        if self.receiver is None:
+            raise SamplerError(f"sampler {self.name}: receive_weights before setup_receiver")
+        async with self._sync_lock:
+            start = time.perf_counter()
+            self._ready.clear()  # before pausing: no rollout batch may start from here on
+            if self._generating:
+                self._stats["syncs_waited_for_generate"] += 1
+            await self._pause()
+            self._stats["pause_s"] += time.perf_counter() - start
+            try:
+                await asyncio.to_thread(self.receiver.receive, version, self.backend.weight_tensors())
+            except BaseException:
+                self._stats["failed_syncs"] += 1
+                raise
+            finally:
+                await self.backend.resume()
+            self.version = version
+            self._ready.set()
+            seconds = time.perf_counter() - start
+            self._stats["weight_sync_s"] += seconds
+            self._stats["syncs"] += 1
+            return seconds
+
+    async def _pause(self) -> None:
+        """Pause the backend within ``sync_timeout_s``; if that fails nothing was written, so
+        generation may go on under the current weights."""
+        try:
+            await asyncio.wait_for(self.backend.pause(), self.sync_timeout_s)
+        except BaseException as exc:
+            await self.backend.resume()
+            self._ready.set()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise SamplerTimeoutError(f"sampler {self.name}: the batch in flight did not finish within "
+                                          f"{self.sync_timeout_s:g} s, so the weights could not be taken") from None
+            raise
+
+    @endpoint
+    async def stats(self) -> dict:
+        """Counters since start: ``tokens``, ``completions``, ``groups`` (yielded), ``batches``,
+        ``generate_s`` (wall time in rollout generation) and ``tokens_per_s`` over it; weight syncs:
+        ``syncs``, ``failed_syncs``, ``weight_sync_s`` (pause + transfer), ``pause_s`` (waiting for
+        the batch in flight), ``syncs_waited_for_generate``; ``version`` now; ``name``."""
+        s = dict(self._stats)
+        s.update(version=self.version, name=self.name,
+                 tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
+        return s
+
+    async def on_stop(self) -> None:
+        self.backend.close()
+        await super().on_stop()
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _prompt(self, index: int) -> list[int]:
+        ids = self._prompt_ids.get(index)
+        if ids is None:
+            ids = self._prompt_ids[index] = list(self.fmt.prompt_ids(self.problems[index]))
+        return ids
+
+    async def _generate(self, prompts: list[list[int]]) -> tuple[int, list[list[Completion]], float]:
+        """Generate for ``prompts`` and return the weight version it ran under. The version is
+        read right before calling the backend, with no ``await`` in between: a `receive_weights`
+        that begins later waits for this batch (the backend registers it before its first await),
+        and one under way has cleared ``_ready``, so we wait for it first."""
+        await self._wait_ready()
+        version = self.version
+        start = time.perf_counter()
+        self._generating += 1
+        try:
+            groups = await self.backend.generate(prompts, self.group_size, self.sampling)
+        finally:
+            self._generating -= 1
+        seconds = time.perf_counter() - start
+        self._stats["generate_s"] += seconds
+        self._stats["batches"] += 1
+        self._stats["completions"] += sum(len(g) for g in groups)
+        self._stats["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
+        return version, groups, seconds
+
+    async def _wait_ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        bound = 2 * self.sync_timeout_s + 5  # a sync's pause plus its transfer, each bounded by sync_timeout_s
+        deadline = loop.time() + bound
+        while not self._ready.is_set():  # re-checked after waking: another sync may have begun
+            try:
+                await asyncio.wait_for(self._ready.wait(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise SamplerTimeoutError(
+                    f"sampler {self.name}: no successful weight sync within {bound:g} s (the last one failed "
+                    "or is still under way); not sampling from weights that may be half-written") from None
+
+
+def _walk(n: int, rng: random.Random) -> Iterator[int]:
+    """Indices 0..n-1 in a fresh shuffled order per epoch, forever."""
+    order = list(range(n))
+    while True:
+        rng.shuffle(order)
+        yield from order
+
+
+def _resolve_sampling(sampling: SamplingParams | None, fmt: Any) -> SamplingParams:
+    if sampling is None:
+        sampling = SamplingParams(max_new_tokens=int(fmt.max_new_tokens_hint))
+    if not sampling.stop_token_ids:
+        sampling = msgspec.structs.replace(sampling, stop_token_ids=list(fmt.stop_token_ids))
+    return sampling
+
+
+def _actor_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":  # the actor sees only its own GPU (CUDA_VISIBLE_DEVICES)
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+    return dev

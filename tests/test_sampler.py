@@ -1,0 +1,352 @@
+"""The sampler: HFBackend's exact log-probs, stops, seeds and pausing (in process), then the
+SamplerActor in a real actor process: its rollout stream and a weight update over a gloo group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import msgspec
+import pytest
+import torch
+
+from asyncrl import RemoteError, Supervisor, endpoint
+from asyncrl.comm.member import SyncMember, form_group
+from asyncrl.comm.weights import WeightSender
+from asyncrl.rl.rollout import validate_group
+from asyncrl.rl.sampler import SamplerActor, SamplerClosedError, SamplingParams
+
+HOST = "127.0.0.1"
+# A tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine three
+# processes spinning two OpenMP threads each run several times slower.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+N_TRAIN, N_HELDOUT = 50, 10
+
+
+class WeightPusher(SyncMember):
+    """Test-only trainer stand-in: holds weights read from a safetensors file and sends them.
+    Needs no transformers, so it starts in a fraction of the sampler's time."""
+
+    def __init__(self, weights_file: str):
+        from safetensors.torch import load_file
+
+        self.state = load_file(weights_file)
+        self.sender: WeightSender | None = None
+
+    @endpoint
+    async def setup(self, timeout_s: float = 20.0) -> int:
+        self.sender = await asyncio.to_thread(WeightSender.create, self.sync_comm, self.sync_group, self.state,
+                                              timeout_s=timeout_s)
+        return len(self.sender.layout.buckets)
+
+    @endpoint
+    async def send(self, version: int) -> float:
+        return (await asyncio.to_thread(self.sender.send, version)).seconds
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    """A random tiny Qwen2 checkpoint with the project's tokenizer, loadable by load_policy."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.rl.model import MARKER_FILE, build_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny"))
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=128, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    with open(os.path.join(path, MARKER_FILE), "w") as f:
+        json.dump({"prompt_style": "compact", "max_new_tokens_hint": 24}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_path):
+    from asyncrl.rl.model import load_policy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see ONE_THREAD
+    yield load_policy(tiny_path)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(policy) -> list[list[int]]:
+    from asyncrl.rl.countdown import train_and_heldout
+
+    _, _, fmt = policy
+    train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
+    ids = [fmt.prompt_ids(p) for p in train[:12]]
+    ids.sort(key=len)
+    assert len(ids[0]) < len(ids[-1])  # different lengths: left padding is exercised
+    return [ids[0], ids[-1], ids[5]]
+
+
+@pytest.fixture
+def backend(policy):
+    from asyncrl.rl.sampler import HFBackend
+
+    model, tok, _ = policy
+    b = HFBackend(model, tokenizer=tok, seed=0)
+    yield b
+    b.close()
+
+
+def recomputed(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits[t-1] / T)[token_t] of one unpadded forward over prompt + completion."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    scored = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)] / temperature  # causal shift
+    return torch.log_softmax(scored, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+# --- SamplingParams -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"temperature": float("nan")},
+                                 {"top_p": 0.0}, {"top_p": 1.5}, {"stop_token_ids": [-1]}, {"seed": -3}])
+def test_sampling_params_are_validated(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_cross_the_wire():
+    p = SamplingParams(max_new_tokens=5, temperature=0.5, top_p=0.9, stop_token_ids=[1, 2], seed=7)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
+
+
+# --- HFBackend in process -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_logprobs_match_recomputation(backend, policy, prompts, temperature):
+    model = policy[0]
+    out = await backend.generate(prompts, 3, SamplingParams(max_new_tokens=20, temperature=temperature))
+    assert [len(g) for g in out] == [3, 3, 3]
+    for prompt, group in zip(prompts, out):
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) == 20 and c.finish_reason == "length"
+            ref = recomputed(model, prompt, c.token_ids, temperature)
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0), (c.logprobs, ref.tolist())
+
+
+async def test_top_p_logprobs_are_of_the_renormalised_nucleus(backend, policy, prompts):
+    model, top_p, temperature = policy[0], 0.5, 0.8
+    out = await backend.generate(prompts[:2], 2, SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p))
+    for prompt, group in zip(prompts, out):
+        for c in group:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + c.token_ids])).logits[0]
+            for t, (token, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+                probs = torch.softmax(logits[len(prompt) - 1 + t] / temperature, -1)
+                sorted_p, order = probs.sort(descending=True)
+                keep = int((sorted_p.cumsum(0) < top_p).sum()) + 1  # smallest set with mass >= top_p
+                nucleus = order[:keep].tolist()
+                assert token in nucleus
+                assert abs(lp - float(torch.log(probs[token] / sorted_p[:keep].sum()))) < 1e-4
+
+
+async def test_stop_tokens_and_max_new_tokens(backend, prompts):
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    [[free]] = await backend.generate(prompts[:1], 1, greedy)
+    assert len(free.token_ids) == 16 and free.finish_reason == "length"
+    # The first token that has not appeared before it becomes a stop token: generation must end
+    # right there, that token included with its log-prob, nothing after it.
+    cut = max(i for i in range(16) if free.token_ids[i] not in free.token_ids[:i])
+    stop = free.token_ids[cut]
+    [[stopped]] = await backend.generate(prompts[:1], 1, msgspec.structs.replace(greedy, stop_token_ids=[stop]))
+    assert stopped.token_ids == free.token_ids[:cut + 1] and stopped.finish_reason == "stop"
+    assert stopped.logprobs == pytest.approx(free.logprobs[:cut + 1], abs=1e-5)
+    [[short]] = await backend.generate(prompts[:1], 1, msgspec.structs.replace(greedy, max_new_tokens=3))
+    assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
+
+
+async def test_rows_stop_independently_in_a_batch(backend, prompts):
+    """A row that stopped must not end, or change, the others."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
+    free = await backend.generate(prompts, 2, params)
+    stop = free[1][0].token_ids[4]
+    got = await backend.generate(prompts, 2, msgspec.structs.replace(params, stop_token_ids=[stop]))
+    for g_free, g_got in zip(free, got):
+        for a, b in zip(g_free, g_got):
+            if stop in a.token_ids:
+                end = a.token_ids.index(stop) + 1
+                assert b.token_ids == a.token_ids[:end] and b.finish_reason == "stop"
+            else:
+                assert b.token_ids == a.token_ids and b.finish_reason == "length"
+
+
+async def test_seeded_calls_are_reproducible(backend, prompts):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=42)
+    a = await backend.generate(prompts, 4, params)
+    b = await backend.generate(prompts, 4, params)
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+    assert len({tuple(c.token_ids) for c in a[0]}) > 1  # the n samples of one prompt differ
+    other = await backend.generate(prompts, 4, msgspec.structs.replace(params, seed=43))
+    assert [[c.token_ids for c in g] for g in a] != [[c.token_ids for c in g] for g in other]
+    unseeded = msgspec.structs.replace(params, seed=None)  # the backend's own stream moves on
+    assert (await backend.generate(prompts, 1, unseeded)) != (await backend.generate(prompts, 1, unseeded))
+
+
+async def test_bad_requests_are_refused(backend, prompts):
+    with pytest.raises(ValueError):
+        await backend.generate(prompts, 0, SamplingParams())
+    with pytest.raises(ValueError):
+        await backend.generate([[]], 1, SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await backend.generate([[1, backend.vocab_size]], 1, SamplingParams())
+
+
+async def test_close_releases_generates_held_by_a_pause(backend, prompts):
+    await backend.pause(timeout_s=5)
+    held = asyncio.ensure_future(backend.generate(prompts, 1, SamplingParams(max_new_tokens=2)))
+    await asyncio.sleep(0.05)
+    backend.close()
+    with pytest.raises(SamplerClosedError):
+        await asyncio.wait_for(held, 5)
+    with pytest.raises(SamplerClosedError):
+        await backend.generate(prompts, 1, SamplingParams(max_new_tokens=2))
+
+
+async def test_pause_waits_for_the_generate_in_flight_and_holds_new_ones(backend, prompts):
+    long = SamplingParams(max_new_tokens=200, temperature=1.0)  # ~0.5 s on 2 cores
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    tick_task = asyncio.ensure_future(ticker())
+    first = asyncio.ensure_future(backend.generate(prompts * 4, 4, long))
+    await asyncio.sleep(0.05)
+    assert not first.done()
+    await backend.pause(timeout_s=30)
+    # pause returned only after the worker thread finished: the result is there for the taking
+    assert backend._inflight == 0
+    assert len(await asyncio.wait_for(first, 0.5)) == 12
+    assert ticks >= 5  # the event loop kept running during generation (worker thread)
+
+    held = asyncio.ensure_future(backend.generate(prompts, 1, SamplingParams(max_new_tokens=4)))
+    await asyncio.sleep(0.3)
+    assert not held.done() and backend._inflight == 0  # not started while paused
+    await backend.resume()
+    assert len(await asyncio.wait_for(held, 30)) == 3
+    tick_task.cancel()
+
+
+async def test_pause_counts_a_cancelled_callers_thread_as_in_flight(backend, prompts):
+    """A caller that gives up leaves the worker thread running; weights must not change under it."""
+    call = asyncio.ensure_future(backend.generate(prompts * 4, 4, SamplingParams(max_new_tokens=200)))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    await asyncio.sleep(0)
+    assert backend._inflight == 1
+    start = time.monotonic()
+    await backend.pause(timeout_s=30)
+    assert backend._inflight == 0 and time.monotonic() - start > 0.05
+    await backend.resume()
+
+
+# --- the actor ----------------------------------------------------------------------------------
+
+
+def _modified_weights(policy, path: str) -> str:
+    """The sampler's parameters (named_parameters: tied embeddings once), changed, as a file."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    state = {name: (p.detach() + 0.5 * torch.randn(p.shape, generator=g)).contiguous()
+             for name, p in policy[0].named_parameters()}
+    file = os.path.join(path, "modified.safetensors")
+    save_file(state, file)
+    return file
+
+
+async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, policy, tmp_path):
+    from asyncrl.rl.countdown import train_and_heldout
+
+    _, _, fmt = policy
+    train, _ = train_and_heldout(5, N_TRAIN, N_HELDOUT)
+    weights_file = _modified_weights(policy, str(tmp_path))
+    probe = [fmt.prompt_ids(train[0])]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    async with Supervisor(call_timeout_s=60) as sup:
+        sampler, pusher = await asyncio.gather(
+            sup.spawn(SamplerActor, tiny_path, name="smp", kwargs=dict(
+                n_train_problems=N_TRAIN, n_heldout_problems=N_HELDOUT, split_seed=5, group_size=3,
+                prompts_per_batch=2, sampling=SamplingParams(max_new_tokens=24, temperature=1.0), seed=1),
+                env=ONE_THREAD),
+            sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD))
+        await form_group([pusher, sampler], HOST, timeout_s=30)
+        assert (await asyncio.gather(pusher.setup(), sampler.setup_receiver(20)))[0] >= 1
+        before = await sampler.generate(probe, 1, greedy)
+
+        # A bounded stream: exactly max_groups valid groups of version 0.
+        first = [g async for g in sampler.rollouts(3)]
+        assert len(first) == 3
+        for g in first:
+            validate_group(g)
+            assert g.version == 0 and g.sampler == "smp" and g.group_size == 3 and g.generate_s > 0
+            assert g.prompt_ids == fmt.prompt_ids(train[g.prompt_id])  # prompt_id indexes the train split
+            assert all(len(c) >= 1 for c in g.completion_ids) and g.finished_at <= time.time()
+
+        # A generate in flight when the sync begins finishes under the old weights, then the
+        # sync goes ahead (the call arrives first on the same connection, so it is in flight).
+        inflight = asyncio.ensure_future(sampler.generate(probe * 8, 4, msgspec.structs.replace(greedy, max_new_tokens=400)))
+        await asyncio.sleep(0.1)
+        _, sync_s = await asyncio.gather(pusher.send(1), sampler.receive_weights(1))
+        assert inflight.done() and sync_s > 0
+        stats = await sampler.stats()
+        assert stats["syncs_waited_for_generate"] == 1 and stats["pause_s"] > 0.02, stats
+        assert all(c.token_ids[:16] == before[0][0].token_ids for g in inflight.result() for c in g)
+        after = await sampler.generate(probe, 1, greedy)
+        assert after[0][0].token_ids != before[0][0].token_ids  # greedy output changed with the weights
+
+        # A continuous stream; the weights change again while it runs.
+        stream = sampler.rollouts()
+        versions = []
+        synced = None
+        async for g in stream:
+            validate_group(g)
+            versions.append(g.version)
+            if len(versions) == 2:
+                synced = asyncio.ensure_future(asyncio.gather(pusher.send(2), sampler.receive_weights(2)))
+            if synced is not None and synced.done() and versions.count(2) >= 4:
+                break
+            assert len(versions) < 200, f"no group of the new version arrived: {versions}"
+        await stream.aclose()
+        await synced
+        assert versions[0] == 1 and versions[-1] == 2
+        assert versions == sorted(versions)  # nothing generated before the sync comes after one from after it
+
+        # A failed sync (the two sides disagree on the version) may leave half-written weights:
+        # no rollout starts until a sync succeeds.
+        failed = await asyncio.gather(pusher.send(3), sampler.receive_weights(4), return_exceptions=True)
+        assert all(isinstance(r, RemoteError) and r.remote_type == "WeightSyncError" for r in failed), failed
+        waiting = asyncio.ensure_future(_collect(sampler.rollouts(1)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await asyncio.gather(pusher.send(5), sampler.receive_weights(5))
+        [late] = await asyncio.wait_for(waiting, 20)
+        assert late.version == 5
+
+        stats = await sampler.stats()
+        assert stats["version"] == 5 and stats["syncs"] == 3 and stats["failed_syncs"] == 1 and stats["tokens"] > 0
+        assert stats["groups"] >= 4 + len(versions) and stats["tokens_per_s"] > 0
+        assert (await sampler.sync_created()) == {"gloo": 1}
+
+
+async def _collect(stream) -> list:
+    return [g async for g in stream]
