@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import AsyncrlError
+from ..runtime.transport import pid_alive
 from .countdown import (
     CountdownConfig,
     CountdownProblem,
@@ -368,19 +369,9 @@ def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> 
     prefix = f".tmp-{key}-"
     for name in os.listdir(models_dir):
         pid = name[len(prefix):].split("-")[0] if name.startswith(prefix) else ""
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             log(f"[model] removing partial build {name}")
             shutil.rmtree(os.path.join(models_dir, name), ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, countdown: CountdownConfig,

@@ -199,7 +199,8 @@ def remove_run_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -224,5 +225,5 @@ def remove_stale_run_dirs() -> None:
             owned = os.stat(path).st_uid == os.getuid()
         except OSError:
             continue
-        if pid_text.isdigit() and owned and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and owned and not pid_alive(int(pid_text)):
             remove_run_dir(path)
