@@ -47,11 +47,12 @@ class Sender(SyncMember):
         self.sender: WeightSender | None = None
 
     @endpoint
-    async def setup(self, bucket_bytes: int = 64 << 10, timeout_s: float = 20.0) -> int:
+    async def setup(self, bucket_bytes: int = 64 << 10, timeout_s: float = 20.0) -> tuple[int, int]:
+        """Returns (buckets, tensors sent directly)."""
         self.sender = await asyncio.to_thread(
             WeightSender.create, self.sync_comm, self.sync_group, self.state,
             bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-        return len(self.sender.layout.buckets)
+        return len(self.sender.layout.buckets), len(self.sender.layout.direct)
 
     @endpoint
     async def step_and_send(self, version: int) -> str:
@@ -72,10 +73,10 @@ class Receiver(SyncMember):
         self.receiver: WeightReceiver | None = None
 
     @endpoint
-    async def setup(self, timeout_s: float = 20.0) -> int:
+    async def setup(self, timeout_s: float = 20.0) -> tuple[int, int]:
         self.receiver = await asyncio.to_thread(
             WeightReceiver.create, self.sync_comm, self.sync_group, expect=self.state, timeout_s=timeout_s)
-        return len(self.receiver.layout.buckets)
+        return len(self.receiver.layout.buckets), len(self.receiver.layout.direct)
 
     @endpoint
     async def receive(self, version: int) -> str:

@@ -86,3 +86,16 @@ def test_bad_arguments_are_refused():
         with pytest.raises(msgspec.ValidationError):
             msgspec.msgpack.decode(msgspec.msgpack.encode([1024, 256, [bad], [], []]), type=WeightLayout)
     assert "bfloat16" in DTYPES and "float32" in DTYPES
+
+
+def test_tensors_sent_directly_leave_the_buckets():
+    layout = build_layout(specs(("small", (10,), "float32"), ("huge", (700,), "float32"), ("tail", (5,), "int64")),
+                          bucket_bytes=1024, direct=["huge"])
+    assert layout.direct == [1]
+    assert all(seg.tensor != 1 for bucket in layout.buckets for seg in bucket)
+    assert sorted(seg.tensor for bucket in layout.buckets for seg in bucket) == [0, 2]
+    assert build_layout(layout.tensors, 1024).digest() != layout.digest()  # part of what members agree on
+    with pytest.raises(ValueError, match="larger than a bucket"):
+        build_layout(specs(("small", (10,), "float32")), 1024, direct=["small"])
+    with pytest.raises(ValueError, match="larger than a bucket"):
+        build_layout(specs(("small", (10,), "float32")), 1024, direct=["nope"])

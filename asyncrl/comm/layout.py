@@ -66,6 +66,9 @@ class WeightLayout(msgspec.Struct, array_like=True, frozen=True):
     tensors: list[TensorSpec]
     buckets: list[list[Segment]]
     bucket_sizes: list[int]
+    direct: list[int] = []
+    """Tensors (by index) that go on the wire whole, straight from the sender's tensor into the
+    receiver's, before the buckets: no staging copy on either side (see `build_layout`)."""
 
     @property
     def total_bytes(self) -> int:
@@ -110,8 +113,10 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, tuple(tensor.shape), dtype_name(tensor.dtype))
 
 
-def build_layout(specs: Iterable[TensorSpec], bucket_bytes: int, alignment: int = DEFAULT_ALIGNMENT) -> WeightLayout:
-    """Pack tensors in the given order into buckets of at most ``bucket_bytes``."""
+def build_layout(specs: Iterable[TensorSpec], bucket_bytes: int, alignment: int = DEFAULT_ALIGNMENT,
+                 direct: Iterable[str] = ()) -> WeightLayout:
+    """Pack tensors in the given order into buckets of at most ``bucket_bytes``; the tensors named
+    in ``direct`` (each larger than a bucket) are not packed but sent whole."""
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     if bucket_bytes < alignment or bucket_bytes % alignment:
@@ -120,6 +125,10 @@ def build_layout(specs: Iterable[TensorSpec], bucket_bytes: int, alignment: int 
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError("tensor names must be unique")
+    direct_set = set(direct)
+    direct_index = [i for i, spec in enumerate(specs) if spec.name in direct_set]
+    if any(specs[i].nbytes <= bucket_bytes for i in direct_index) or len(direct_index) != len(direct_set):
+        raise ValueError("only tensors of the layout that are larger than a bucket can be sent directly")
     buckets: list[list[Segment]] = [[]]
     used = 0  # bytes used in the last bucket, aligned
 
@@ -130,8 +139,8 @@ def build_layout(specs: Iterable[TensorSpec], bucket_bytes: int, alignment: int 
 
     for index, spec in enumerate(specs):
         nbytes = spec.nbytes
-        if nbytes == 0:
-            continue  # in the layout (so it is checked) but nothing travels
+        if nbytes == 0 or spec.name in direct_set:
+            continue  # empty: checked but nothing travels; direct: travels whole, unstaged
         if nbytes <= bucket_bytes:
             if used + nbytes > bucket_bytes:
                 start_bucket()
@@ -149,7 +158,7 @@ def build_layout(specs: Iterable[TensorSpec], bucket_bytes: int, alignment: int 
     if not buckets[-1]:
         buckets.pop()
     sizes = [_align(seg[-1].offset + seg[-1].length, alignment) for seg in buckets]
-    return WeightLayout(bucket_bytes, alignment, specs, buckets, [min(s, bucket_bytes) for s in sizes])
+    return WeightLayout(bucket_bytes, alignment, specs, buckets, [min(s, bucket_bytes) for s in sizes], direct_index)
 
 
 def _align(value: int, alignment: int) -> int:

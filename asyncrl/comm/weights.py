@@ -78,6 +78,7 @@ class _Staging:
                       for k, bucket in enumerate(layout.buckets)]
         self.cuda = comm.device.type == "cuda"
         self.works: list[Work | None] = [None, None]
+        self.direct_works: list[Work] = []
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(comm.device)
             self.comm_stream = torch.cuda.Stream(comm.device)
@@ -89,9 +90,28 @@ class _Staging:
         return self.comm_stream if self.cuda else None
 
     def begin(self) -> None:
-        """Order this sync after whatever the caller's stream did to the weights."""
+        """Order this sync after whatever the caller's stream did to the weights (the comm stream
+        reads and writes tensors sent directly)."""
         if self.cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.comm.device))
+            current = torch.cuda.current_stream(self.comm.device)
+            self.copy_stream.wait_stream(current)
+            self.comm_stream.wait_stream(current)
+
+    def transfer_direct(self, tensor: torch.Tensor, src: int) -> None:
+        """Put a whole tensor on the wire with no staging copy (the tensor is the buffer)."""
+        self.direct_works.append(self.comm.broadcast(tensor, src, stream=self.stream, timeout_s=self.deadline()))
+
+    def direct_done(self) -> None:
+        """Let the copy side read what the direct transfers received."""
+        if self.cuda:
+            self.copy_stream.wait_stream(self.comm_stream)
+        else:
+            self._wait_direct()
+
+    def _wait_direct(self) -> None:
+        works, self.direct_works = self.direct_works, []
+        for work in works:
+            work.wait(self.deadline())
 
     @contextlib.contextmanager
     def copy(self, k: int) -> Iterator[None]:
@@ -119,6 +139,8 @@ class _Staging:
         """All-reduce MAX over int64 values and return them; completes every transfer before it."""
         if self.cuda:
             self.comm_stream.wait_stream(self.copy_stream)
+        else:
+            self._wait_direct()
         tensor = torch.tensor(values, dtype=torch.int64, device=self.comm.device)
         if self.cuda:
             self.comm_stream.wait_stream(torch.cuda.current_stream(self.comm.device))
@@ -129,8 +151,11 @@ class _Staging:
 
     def end(self) -> None:
         """Order the caller's later work on the weights after this sync."""
+        self.direct_works = []
         if self.cuda:
-            torch.cuda.current_stream(self.comm.device).wait_stream(self.copy_stream)
+            current = torch.cuda.current_stream(self.comm.device)
+            current.wait_stream(self.copy_stream)
+            current.wait_stream(self.comm_stream)
 
 
 class _CopyPlan:
@@ -279,7 +304,11 @@ class WeightSender(_WeightSync):
         bucket_bytes = bucket_bytes or default_bucket_bytes(comm.device)
         specs = [spec_of(n, t) if wire_dtype is None or not t.is_floating_point()
                  else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype)) for n, t in tensors.items()]
-        layout = build_layout(specs, bucket_bytes)
+        # A tensor larger than a bucket goes straight from the parameter when nothing has to change
+        # on the way (contiguous, no cast): no staging copy, and no pipeline fill before it.
+        direct = [n for n, t in tensors.items() if t.nbytes > bucket_bytes and t.is_contiguous()
+                  and (wire_dtype is None or not t.is_floating_point() or t.dtype == wire_dtype)]
+        layout = build_layout(specs, bucket_bytes, direct=direct)
         group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, what="the weight layout")
         _agree_on_setup(group, "")
         sender = cls(comm, layout, tensors, timeout_s)
@@ -293,6 +322,8 @@ class WeightSender(_WeightSync):
         return self._run(version, refusal, lambda: self._move(self._plan_for(tensors, staging_is_dst=True)))
 
     def _move(self, plan: list[_CopyPlan]) -> str:
+        for i in self.layout.direct:  # first: they need no packing, which meanwhile fills bucket 0
+            self.staging.transfer_direct(self._plan_tensors[i], self.src)
         for k in range(len(self.layout.buckets)):
             with self.staging.copy(k):
                 plan[k].run()
@@ -337,6 +368,7 @@ class WeightReceiver(_WeightSync):
             for spec in layout.tensors:  # empty tensors carry no bytes but are still delivered
                 if spec.nbytes == 0:
                     consumer(spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.comm.device))
+        self._move_direct(into, consumer)
         partial: dict[int, torch.Tensor] = {}  # tensors larger than a bucket, being assembled
         if layout.buckets:
             self.staging.transfer(0, self.src)
@@ -349,6 +381,24 @@ class WeightReceiver(_WeightSync):
                 else:
                     self._deliver(consumer, k, partial)
         return consumer.failure if consumer is not None else ""
+
+    def _move_direct(self, into: Destination, consumer: _ConsumerGuard | None) -> None:
+        """Tensors sent whole: received in place, or into temporaries handed to the consumer."""
+        received = []
+        for i in self.layout.direct:
+            spec = self.layout.tensors[i]
+            if consumer is None:
+                self.staging.transfer_direct(into[spec.name], self.src)
+                continue
+            with torch.cuda.stream(self.staging.comm_stream) if self.staging.cuda else contextlib.nullcontext():
+                whole = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.comm.device)
+            self.staging.transfer_direct(whole, self.src)
+            received.append((spec.name, whole))
+        if received:
+            self.staging.direct_done()
+            with torch.cuda.stream(self.staging.copy_stream) if self.staging.cuda else contextlib.nullcontext():
+                for name, whole in received:
+                    consumer(name, whole)
 
     def _deliver(self, consumer: _ConsumerGuard, k: int, partial: dict[int, torch.Tensor]) -> None:
         for seg, view in zip(self.layout.buckets[k], self.staging.views[k]):
