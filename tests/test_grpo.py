@@ -16,7 +16,7 @@ TINY = ["--run.steps", "3", "--run.groups_per_step", "2", "--sampler.group_size"
         "--run.n_heldout", "8", "--run.n_train", "40", "--model.hidden_size", "32", "--model.num_layers", "1",
         "--model.num_heads", "1", "--model.num_kv_heads", "1", "--model.intermediate_size", "64",
         "--warm_start.steps", "3", "--warm_start.n_examples", "100", "--warm_start.eval_problems", "8",
-        "--warm_start.heldout_reserve", "10", "--sampler.max_new_tokens", "12"]
+        "--warm_start.heldout_reserve", "10", "--sampler.max_new_tokens", "12", "--run.eval_samples", "1"]
 
 
 def launch(tmp_path, *args):
@@ -38,9 +38,10 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode):
             assert key in r, key
         if mode == "sync":
             assert r["staleness_hist"] == {"0": 2}
-    assert "heldout_solve_rate" in records[1] and "heldout_solve_rate" in records[2]
+    assert "heldout_solve_rate" in records[1] and "heldout_sampled_solve_rate" in records[2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mode"] == mode and summary["steps"] == 3
+    assert set(summary["heldout_before"]) == set(summary["heldout_after"]) == {"greedy", "sampled"}
     assert json.loads((run_dir / "config.json").read_text())["run"]["mode"] == mode
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -53,7 +54,7 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode):
 def test_help_lists_every_key_and_a_bad_key_is_a_clear_error(tmp_path):
     done = launch(tmp_path, "--help")
     assert done.returncode == 0
-    assert "--trainer.lr 0.0003" in done.stdout and "AdamW learning rate" in done.stdout
+    assert "--trainer.lr 0.0001" in done.stdout and "AdamW learning rate" in done.stdout
     assert "--run.max_staleness 1" in done.stdout and "--trainer.loss.eps_high 0.28" in done.stdout
     done = launch(tmp_path, "--trainer.lrr", "1")
     assert done.returncode != 0 and "unknown config key --trainer.lrr" in done.stderr

@@ -32,9 +32,9 @@ from asyncrl.rl.trainer import TrainerConfig
 
 @dataclass(frozen=True)
 class RunSection:
-    steps: int = 60
+    steps: int = 500
     """Optimiser steps to take."""
-    groups_per_step: int = 8
+    groups_per_step: int = 16
     """Prompts (groups of ``sampler.group_size`` completions) in one training batch."""
     mode: str = "async"
     """'async': samplers generate continuously; 'sync': generate, then train, then sync (baseline)."""
@@ -44,11 +44,13 @@ class RunSection:
     """Rollout queue bound in groups (0: two batches). Samplers wait when it is full."""
     sync_every: int = 1
     """Send the weights to the samplers after every this many steps."""
-    eval_every: int = 20
-    """Held-out greedy solve rate every this many steps (and before the first and after the last)."""
+    eval_every: int = 100
+    """Held-out solve rates every this many steps (and before the first and after the last)."""
+    eval_samples: int = 4
+    """Sampled completions per held-out problem for the sampled solve rate (0: greedy only)."""
     n_train: int = 2000
     """Problems in the train split."""
-    n_heldout: int = 100
+    n_heldout: int = 200
     """Problems in the held-out split (never trained on)."""
     seed: int = 0
     """Seed of the splits, the samplers and the trainer."""
@@ -64,6 +66,8 @@ class RunSection:
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
             raise ValueError(f"mode must be 'async' or 'sync', not {self.mode!r}")
+        if self.eval_samples < 0:
+            raise ValueError(f"eval_samples must be >= 0, not {self.eval_samples!r}")
         for name in ("steps", "groups_per_step", "sync_every", "eval_every", "n_train", "n_heldout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)!r}")
@@ -135,9 +139,13 @@ class Metrics:
         line = (f"step {record['step']:>4}/{self.steps}  reward {record['reward_mean']:.3f}  "
                 f"solve {record['train_solve_rate']:.2f}  stale {record['staleness_mean']:.2f}  "
                 f"samples/s {record['samples_per_s']:.1f}  "
-                + (f"held-out {heldout:.2f}  " if heldout is not None else "")
+                + (f"held-out {heldout:.2f} greedy {record.get('heldout_sampled_solve_rate', float('nan')):.2f} "
+                   "sampled  " if heldout is not None else "")
                 + f"{time.monotonic() - self.start:.0f}s")
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+        if self.tty:
+            print("\r" + line, end="\n" if heldout is not None else "", flush=True)  # evals stay visible
+        elif heldout is not None or record["step"] % max(1, self.steps // 50) == 0:  # a log, not a bar
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.tty:
@@ -200,8 +208,8 @@ class _Loop:
         self.version = 0
         self.samples = 0
 
-    async def evaluate(self) -> float:
-        return await self.trainer.with_timeout(self.run.step_timeout_s).evaluate(self.heldout)
+    async def evaluate(self) -> dict[str, float]:
+        return await self.trainer.with_timeout(self.run.step_timeout_s).evaluate(self.heldout, self.run.eval_samples)
 
     async def pump(self, sampler, max_groups: int = 0) -> None:
         """Feed one sampler's stream into the queue (its put waits when the queue is full)."""
@@ -212,7 +220,7 @@ class _Loop:
         run = self.run
         metrics = Metrics(self.run_dir, run.steps)
         initial = await self.evaluate()
-        self.log(f"held-out solve rate before GRPO: {initial:.3f}")
+        self.log("held-out solve rate before GRPO: " + _rates(initial))
         pumps = [asyncio.ensure_future(self.pump(s)) for s in self.samplers] if run.mode == "async" else []
         start = time.monotonic()
         heldout = initial
@@ -220,7 +228,10 @@ class _Loop:
             for step in range(1, run.steps + 1):
                 record = await self.step(step, start)
                 if step % run.eval_every == 0 or step == run.steps:
-                    heldout = record["heldout_solve_rate"] = await self.evaluate()
+                    heldout = await self.evaluate()
+                    record["heldout_solve_rate"] = heldout["greedy"]
+                    if "sampled" in heldout:
+                        record["heldout_sampled_solve_rate"] = heldout["sampled"]
                 if run.save_every and step % run.save_every == 0:
                     await self.trainer.save(os.path.join(self.run_dir, f"checkpoint-{step}"))
                 metrics.write(record)
@@ -277,6 +288,10 @@ class _Loop:
                 **{k: v for k, v in train.items() if k not in ("train_s",)}}
 
 
+def _rates(rates: dict[str, float]) -> str:
+    return ", ".join(f"{rate:.3f} {kind}" for kind, rate in rates.items())
+
+
 def _completion_limit(model_path: str) -> int:
     """The model's own hint for a complete answer's length (kept next to a checkpoint we built)."""
     from asyncrl.rl.model import CHAT_MAX_NEW_TOKENS, MARKER_FILE
@@ -290,8 +305,8 @@ def _completion_limit(model_path: str) -> int:
 
 def _summary_table(summary: dict[str, Any]) -> str:
     rows = [("mode", summary["mode"]), ("steps", summary["steps"]),
-            ("held-out solve rate before", f"{summary['heldout_before']:.3f}"),
-            ("held-out solve rate after", f"{summary['heldout_after']:.3f}"),
+            ("held-out solve rate before", _rates(summary["heldout_before"])),
+            ("held-out solve rate after", _rates(summary["heldout_after"])),
             ("samples/s", f"{summary['samples_per_s']:.1f}"), ("dropped stale groups", summary["dropped_stale"]),
             ("wall time", f"{summary['wall_s']:.0f} s"), ("checkpoint", summary["checkpoint"])]
     width = max(len(k) for k, _ in rows)
