@@ -65,8 +65,10 @@ class SyncMember(Actor):
                         backend: str = "auto", timeout_s: float = 60.0, name: str = "weights") -> str:
         """Leave any previous group, join this one and create its communicator. Returns the
         communicator's backend."""
-        await self.sync_leave()
-        listener, self._sync_listener = (self._sync_listener, None) if rank == 0 else (None, None)
+        listener = None
+        if rank == 0:
+            listener, self._sync_listener = self._sync_listener, None
+        await self.sync_leave()  # the previous membership, not the listener just reserved for this one
 
         def join() -> tuple[StoreGroup, Communicator]:
             group = StoreGroup.create(host, port, rank, world_size, timeout_s, name=name,
@@ -82,9 +84,12 @@ class SyncMember(Actor):
 
     @endpoint
     async def sync_leave(self) -> None:
-        """Drop the communicator and the store handle (an aborted one included). Idempotent."""
-        comm, group = self.sync_comm, self.sync_group
-        self.sync_comm = self.sync_group = None
+        """Drop the communicator, the store handle (an aborted one included) and a listening
+        socket reserved for a join that never came. Idempotent."""
+        comm, group, listener = self.sync_comm, self.sync_group, self._sync_listener
+        self.sync_comm = self.sync_group = self._sync_listener = None
+        if listener is not None:
+            listener.close()
         if comm is not None:
             comm.close()
         if group is not None:
