@@ -58,3 +58,16 @@ def test_help_lists_every_key_and_a_bad_key_is_a_clear_error(tmp_path):
     assert "--run.max_staleness 1" in done.stdout and "--trainer.loss.eps_high 0.28" in done.stdout
     done = launch(tmp_path, "--trainer.lrr", "1")
     assert done.returncode != 0 and "unknown config key --trainer.lrr" in done.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--run.data_seed", "3"], "could be among the warm start's training problems"),
+    (["--run.n_heldout", "1001"], "beyond it were trained on in the warm start"),
+])
+def test_a_heldout_set_the_warm_start_may_have_seen_is_refused(overrides, message):
+    from asyncrl.rl.config import ConfigError, parse_overrides
+    from asyncrl.rl.grpo import GRPOConfig, _check_heldout_unseen
+
+    _check_heldout_unseen(GRPOConfig())  # the defaults are fine
+    with pytest.raises(ConfigError, match=message):
+        _check_heldout_unseen(parse_overrides(GRPOConfig(), overrides))

@@ -16,7 +16,7 @@ from asyncrl import RemoteError, Supervisor, endpoint
 from asyncrl.comm.member import SyncMember, form_group
 from asyncrl.comm.weights import WeightSender
 from asyncrl.rl.rollout import validate_group
-from asyncrl.rl.sampler import SamplerActor, SamplerClosedError, SamplingParams
+from asyncrl.rl.sampler import SamplerActor, SamplerClosedError, SamplerTimeoutError, SamplingParams
 
 HOST = "127.0.0.1"
 # A tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine three
@@ -259,6 +259,58 @@ async def test_pause_counts_a_cancelled_callers_thread_as_in_flight(backend, pro
     await backend.resume()
 
 
+async def test_in_flight_load_goes_in_between_decoding_steps(backend, policy, prompts):
+    """The batch in flight is not waited for: it starts on the old weights and ends on the new."""
+    greedy = SamplingParams(max_new_tokens=200, temperature=0.0, stop_token_ids=[])  # ~0.5 s on 2 cores
+    params = backend.weight_tensors()
+    original = {k: v.clone() for k, v in params.items()}
+    g = torch.Generator().manual_seed(3)
+    changed = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+
+    def put(state):
+        def load(tensors):
+            seen.append(backend._inflight)
+            for k, v in tensors.items():
+                v.copy_(state[k])
+        return load
+
+    seen: list[int] = []
+    try:
+        old = await backend.generate(prompts, 1, greedy)
+        put(changed)(params)
+        new = await backend.generate(prompts, 1, greedy)
+        put(original)(params)
+        seen.clear()
+        call = asyncio.ensure_future(backend.generate(prompts, 1, greedy))
+        await asyncio.sleep(0.1)
+        await backend.load_weights(put(changed), in_flight=True, timeout_s=10)
+        assert seen == [1] and not call.done()  # loaded while the batch was still being decoded
+        mixed = await asyncio.wait_for(call, 30)
+        for o, n, m in zip(old, new, mixed):
+            o, n, m = o[0].token_ids, n[0].token_ids, m[0].token_ids
+            assert m[0] == o[0] and m != o and m != n  # began on the old weights, went on with the new
+
+        put(original)(params)
+        seen.clear()
+        call = asyncio.ensure_future(backend.generate(prompts, 1, greedy))
+        await asyncio.sleep(0.1)
+        await backend.load_weights(put(changed), in_flight=False, timeout_s=30)
+        assert seen == [0] and call.done()  # pause mode: loaded after the batch finished
+        assert [c[0].token_ids for c in call.result()] == [c[0].token_ids for c in old]
+    finally:
+        put(original)(params)  # the model is shared by the module's tests
+
+
+async def test_in_flight_load_times_out_without_touching_the_weights(backend, prompts):
+    backend._stepping = True  # a decoding step that never ends
+    touched = []
+    with pytest.raises(SamplerTimeoutError, match="decoding step did not end within 0.2 s"):
+        await backend.load_weights(touched.append, in_flight=True, timeout_s=0.2)
+    assert not touched and backend._loads == 0
+    backend._stepping = False
+    assert len(await backend.generate(prompts, 1, SamplingParams(max_new_tokens=2))) == 3  # not left blocked
+
+
 # --- the actor ----------------------------------------------------------------------------------
 
 
@@ -350,3 +402,39 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
 
 async def _collect(stream) -> list:
     return [g async for g in stream]
+
+
+async def test_sampler_actor_takes_weights_in_flight(tiny_path, policy, tmp_path):
+    """weight_update="in_flight": a sync does not wait for the batch being generated, which is
+    tagged with the version it began under; a batch in flight during a failed sync is discarded."""
+    weights_file = _modified_weights(policy, str(tmp_path))
+    long = SamplingParams(max_new_tokens=300, temperature=1.0)  # random weights rarely stop early: ~1 s
+    async with Supervisor(call_timeout_s=60) as sup:
+        sampler, pusher = await asyncio.gather(
+            sup.spawn(SamplerActor, tiny_path, name="smp", kwargs=dict(
+                n_train_problems=N_TRAIN, n_heldout_problems=N_HELDOUT, group_size=3, prompts_per_batch=2,
+                sampling=long, seed=1, weight_update="in_flight"), env=ONE_THREAD),
+            sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD))
+        await form_group([pusher, sampler], HOST, timeout_s=30)
+        await asyncio.gather(pusher.setup(), sampler.setup_receiver(20))
+
+        batch = asyncio.ensure_future(_collect(sampler.rollouts(2)))
+        await asyncio.sleep(0.3)
+        await asyncio.gather(pusher.send(1), sampler.receive_weights(1))
+        assert not batch.done()  # the sync went in while the batch was being decoded
+        groups = await asyncio.wait_for(batch, 30)
+        assert [g.version for g in groups] == [0, 0]  # the version the batch began under
+        stats = await sampler.stats()
+        assert stats["syncs"] == 1 and stats["syncs_waited_for_generate"] == 0 and stats["pause_s"] < 0.2, stats
+
+        batch = asyncio.ensure_future(_collect(sampler.rollouts(1)))
+        await asyncio.sleep(0.3)
+        failed = await asyncio.gather(pusher.send(2), sampler.receive_weights(3), return_exceptions=True)
+        assert all(isinstance(r, RemoteError) for r in failed), failed
+        await asyncio.sleep(0.3)
+        assert not batch.done()  # its batch was discarded; the next waits for a good sync
+        await asyncio.gather(pusher.send(4), sampler.receive_weights(4))
+        [late] = await asyncio.wait_for(batch, 30)
+        assert late.version == 4
+        stats = await sampler.stats()
+        assert stats["discarded_batches"] == 1 and stats["failed_syncs"] == 1, stats

@@ -4,11 +4,12 @@
     pump per sampler  <------------------------------------------ rollouts() stream
       -> RolloutQueue (bounded, staleness filter)
     step: get_batch -> train_step --------------> GRPO step
-          send/receive weights  ----------------> WeightSender ===> WeightReceiver (pause, load, resume)
+          send/receive weights  ----------------> WeightSender ===> WeightReceiver (between decoding steps)
 
 In ``async`` mode the samplers never stop: while the trainer takes step k they generate for step
 k+1 with weights at most ``max_staleness`` versions old, and the queue drops (and counts) older
-groups. In ``sync`` mode each step's groups are generated after the previous sync and nothing is
+groups. New weights go into a sampler between two decoding steps (``sampler.weight_update``), so
+a sync never waits for a batch to finish; a group is tagged with the version it began under. In ``sync`` mode each step's groups are generated after the previous sync and nothing is
 generated during training: the synchronous baseline, same code, staleness always 0.
 """
 
@@ -48,12 +49,16 @@ class RunSection:
     """Held-out solve rates every this many steps (and before the first and after the last)."""
     eval_samples: int = 4
     """Sampled completions per held-out problem for the sampled solve rate (0: greedy only)."""
-    n_train: int = 2000
-    """Problems in the train split."""
-    n_heldout: int = 200
-    """Problems in the held-out split (never trained on)."""
+    n_train: int = 50000
+    """Problems in the train split (a run of the default length sees most of them once, so the
+    train solve rate is measured on problems new to the policy)."""
+    n_heldout: int = 500
+    """Problems in the held-out split (never trained on; at most the warm start's heldout_reserve)."""
     seed: int = 0
-    """Seed of the splits, the samplers and the trainer."""
+    """Seed of the samplers and the trainer (runs that differ only in it share the problems)."""
+    data_seed: int = 0
+    """Seed of the train and held-out splits. With the embedded model it must be the warm start's
+    ``data_seed``: that is the split whose held-out problems the warm start never saw."""
     run_dir: str = ""
     """Where config.json, metrics.jsonl and checkpoints go (default: runs/grpo-<time>)."""
     save_every: int = 0
@@ -91,8 +96,13 @@ class SamplerSection:
     """Sampling temperature (the trainer scores with the same one)."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
+    weight_update: str = "in_flight"
+    """How new weights enter a sampler: 'in_flight' (between two decoding steps of the batch being
+    generated, which finishes on them) or 'pause' (after that batch finishes)."""
 
     def __post_init__(self) -> None:
+        if self.weight_update not in ("in_flight", "pause"):
+            raise ValueError(f"weight_update must be 'in_flight' or 'pause', not {self.weight_update!r}")
         if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 1:
             raise ValueError("need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 1")
 
@@ -166,12 +176,14 @@ async def train(config: GRPOConfig, sup, *, log=print) -> dict[str, Any]:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config_to_dict(config), f, indent=2, default=str)
+    if not config.model_path:
+        _check_heldout_unseen(config)
     model_path = config.model_path or await asyncio.to_thread(
         default_model, config.model, config.warm_start, config.countdown, log=log)
     kind, ids = detect("auto")
     cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= 1 + config.sampler.count)
     device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
-    train_split, heldout = train_and_heldout(run.seed, run.n_train, run.n_heldout, config.countdown)
+    train_split, heldout = train_and_heldout(run.data_seed, run.n_train, run.n_heldout, config.countdown)
     log(f"run dir {run_dir}; model {model_path}; {device}; {config.sampler.count} sampler(s); mode {run.mode}")
 
     trainer_fields = config_to_dict(config.trainer) | {"temperature": config.sampler.temperature}
@@ -184,10 +196,10 @@ async def train(config: GRPOConfig, sup, *, log=print) -> dict[str, Any]:
                               temperature=config.sampler.temperature, top_p=config.sampler.top_p)
     samplers = [await sup.spawn(SamplerActor, model_path, name=f"sampler{i}", gpus=gpus, env=env, kwargs={
                     "device": device, "seed": run.seed * 1000 + i, "countdown": config_to_dict(config.countdown),
-                    "n_train_problems": run.n_train, "n_heldout_problems": run.n_heldout, "split_seed": run.seed,
+                    "n_train_problems": run.n_train, "n_heldout_problems": run.n_heldout, "split_seed": run.data_seed,
                     "group_size": config.sampler.group_size, "prompts_per_batch": config.sampler.prompts_per_batch,
                     "sampling": sampling,
-                    "sync_timeout_s": run.step_timeout_s})
+                    "sync_timeout_s": run.step_timeout_s, "weight_update": config.sampler.weight_update})
                 for i in range(config.sampler.count)]
     host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
     await form_group([trainer, *samplers], host, timeout_s=120, backend="nccl" if cuda else "gloo")
@@ -248,6 +260,7 @@ class _Loop:
         summary = {"steps": run.steps, "mode": run.mode, "heldout_before": initial, "heldout_after": heldout,
                    "wall_s": time.monotonic() - start, "samples": self.samples,
                    "samples_per_s": self.samples / max(time.monotonic() - start, 1e-9),
+                "time_s": time.monotonic() - start,
                    "dropped_stale": self.queue.stats().dropped_stale, "checkpoint": final_dir}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -283,9 +296,23 @@ class _Loop:
                 "dropped_stale": stats.dropped_stale, "queue_depth": len(self.queue),
                 "completion_tokens": sum(len(c) for g in batch for c in g.completion_ids),
                 "samples_per_s": self.samples / max(time.monotonic() - start, 1e-9),
+                "time_s": time.monotonic() - start,
                 "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": sync_s,
                 "generate_s": sum(g.generate_s for g in batch) / len(batch),
                 **{k: v for k, v in train.items() if k not in ("train_s",)}}
+
+
+def _check_heldout_unseen(config: GRPOConfig) -> None:
+    """The embedded model is warm-started on one train split; refuse a held-out set it may have seen."""
+    from asyncrl.rl.config import ConfigError
+
+    warm, run = config.warm_start, config.run
+    if str(run.data_seed) != str(warm.data_seed):
+        raise ConfigError(f"--run.data_seed {run.data_seed} differs from --warm_start.data_seed {warm.data_seed}: "
+                          "the held-out problems could be among the warm start's training problems")
+    if run.n_heldout > warm.heldout_reserve:
+        raise ConfigError(f"--run.n_heldout {run.n_heldout} is more than --warm_start.heldout_reserve "
+                          f"{warm.heldout_reserve}: the held-out problems beyond it were trained on in the warm start")
 
 
 def _rates(rates: dict[str, float]) -> str:

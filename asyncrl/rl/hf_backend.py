@@ -8,14 +8,19 @@ the very distribution the token was drawn from (see `Completion.logprobs`), with
 
 The blocking loop runs on a single worker thread, so the actor's event loop keeps serving calls
 and one model never runs two batches at once (on 2 CPU cores two would only slow each other).
+Each decoding step holds a gate that `load_weights(in_flight=True)` takes between two steps, so
+new weights can go in while a batch is being decoded (the batch goes on with them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import math
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -88,6 +93,9 @@ class HFBackend(SamplerBackend):
         self._inflight = 0
         self._resumed: asyncio.Event | None = None  # made on first use, on the actor's loop
         self._idle: asyncio.Event | None = None
+        self._gate = threading.Condition()  # between decoding steps: see load_weights
+        self._stepping = False  # the worker thread is inside a decoding step
+        self._loads = 0  # in-flight weight loads waiting for, or holding, the gate
         self.tokens_generated = 0  # over every call; written by the worker thread only
         self.generate_s = 0.0
 
@@ -116,6 +124,24 @@ class HFBackend(SamplerBackend):
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
         # named_parameters deduplicates tied weights, as the trainer's side does.
         return dict(self.model.named_parameters())
+
+    async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,
+                           timeout_s: float = 600.0) -> None:
+        """Run ``load(self.weight_tensors())`` on a worker thread at a moment no decoding step
+        reads the weights. ``in_flight=False``: pause, wait for the generates in flight to finish,
+        load, resume. ``in_flight=True``: load between two decoding steps of the generates in
+        flight, which then go on with the new weights (their KV cache and their first tokens are
+        from the old ones; the log-probs returned are still those each token was drawn with).
+        Raises `SamplerTimeoutError` if that moment does not come within ``timeout_s``; the
+        weights are untouched then. What ``load`` raises propagates (weights may be half-written)."""
+        if in_flight:
+            await asyncio.to_thread(self._load_between_steps, load, timeout_s)
+            return
+        await self.pause(timeout_s)
+        try:
+            await asyncio.to_thread(load, self.weight_tensors())
+        finally:
+            await self.resume()
 
     async def pause(self, timeout_s: float = 600.0) -> None:
         """Stop new generates from starting and wait for the one in flight. On timeout the pause
@@ -167,6 +193,34 @@ class HFBackend(SamplerBackend):
             if self._closed:
                 raise SamplerClosedError("HFBackend was closed while paused")
 
+    def _load_between_steps(self, load: Callable[[Mapping[str, torch.Tensor]], object], timeout_s: float) -> None:
+        with self._gate:
+            self._loads += 1  # from here on no decoding step starts
+            if not self._gate.wait_for(lambda: not self._stepping, timeout_s):
+                self._loads -= 1
+                self._gate.notify_all()
+                raise SamplerTimeoutError(f"load_weights: a decoding step did not end within {timeout_s:g} s")
+        try:
+            load(self.weight_tensors())
+        finally:
+            with self._gate:
+                self._loads -= 1
+                self._gate.notify_all()
+
+    @contextlib.contextmanager
+    def _decoding_step(self) -> Iterator[None]:
+        """Held by the worker thread around one step; waits while a weight load holds the gate."""
+        with self._gate:
+            if not self._gate.wait_for(lambda: not self._loads, self.resume_timeout_s):
+                raise SamplerTimeoutError(f"generate: a weight load held the model for over {self.resume_timeout_s:g} s")
+            self._stepping = True
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._stepping = False
+                self._gate.notify_all()
+
     def _finished(self) -> None:
         self._inflight -= 1
         if self._inflight == 0:
@@ -175,8 +229,6 @@ class HFBackend(SamplerBackend):
     # --- the blocking part (worker thread) ------------------------------------------------------
 
     def _generate_blocking(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
-        import time
-
         start = time.perf_counter()
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: row i*n + j is sample j of prompt i
         generators = None
@@ -197,24 +249,31 @@ class HFBackend(SamplerBackend):
         every row stopped: a row's result never depends on the others."""
         ids, mask = (t.to(self.device) for t in pad_left(rows, self.pad_token_id))
         positions = (mask.cumsum(-1) - 1).clamp_min(0)  # left padding: count from the first real token
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         next_position = positions[:, -1:] + 1
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         never = params.max_new_tokens
         stops_at = torch.full((len(rows),), never, dtype=torch.long, device=self.device)
         tokens, logprobs = [], []
+        out = token = None
         for step in range(params.max_new_tokens):
-            token, logprob = self._choose(out.logits[:, -1, :], params, generators)
+            with self._decoding_step():
+                if out is None:
+                    out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                     logits_to_keep=1)
+                else:
+                    mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+                    out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
+                                     past_key_values=out.past_key_values, use_cache=True)
+                    next_position = next_position + 1
+                token, logprob = self._choose(out.logits[:, -1, :], params, generators)
+                hit = torch.isin(token, stop_ids) & (stops_at == never)
+                stops_at = torch.where(hit, step, stops_at)
+                # bool() waits for the device: this step's kernels are done before the gate opens
+                all_stopped = bool((stops_at < never).all())
             tokens.append(token)
             logprobs.append(logprob)
-            hit = torch.isin(token, stop_ids) & (stops_at == never)
-            stops_at = torch.where(hit, step, stops_at)
-            if step + 1 == params.max_new_tokens or bool((stops_at < never).all()):
+            if all_stopped:
                 break
-            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                             past_key_values=out.past_key_values, use_cache=True)
-            next_position = next_position + 1
         return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), stops_at.cpu()
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams,

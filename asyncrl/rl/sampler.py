@@ -5,7 +5,8 @@ paused while its weights are replaced in place. `HFBackend` (in ``hf_backend.py`
 here) runs transformers on CPU or GPU; a vLLM ``AsyncLLM`` backend can implement the same four
 methods. `SamplerActor` walks the Countdown train split, generates ``group_size`` completions per
 prompt continuously, scores them and streams one `RolloutGroup` per prompt, each tagged with the
-weight version it was generated under; the trainer's weights arrive through `receive_weights`.
+weight version it was generated under (the oldest one, when weights changed in flight); the
+trainer's weights arrive through `receive_weights`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -96,6 +97,15 @@ class SamplerBackend(abc.ABC):
         ``dict(model.named_parameters())``). Only to be written while paused."""
 
     @abc.abstractmethod
+    async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,
+                           timeout_s: float = 600.0) -> None:
+        """Run ``load(weight_tensors())`` (blocking; on a worker thread) when no generation reads
+        the weights: after the generates in flight finished (``in_flight=False``; none starts
+        meanwhile), or between two decoding steps of them (``in_flight=True``: they go on with
+        the new weights). `SamplerTimeoutError` if that moment does not come within ``timeout_s``
+        (weights untouched); what ``load`` raises propagates."""
+
+    @abc.abstractmethod
     async def pause(self) -> None:
         """From now on no generate starts; returns once the ones in flight have finished."""
 
@@ -126,23 +136,30 @@ class SamplerActor(SyncMember):
     train split excludes the held-out keys, so it depends on it. ``cpu_threads`` > 0 sets torch's
     intra-op threads (0: torch's default); on CPU, give each process no more threads than cores
     it has to itself: oversubscribed OpenMP threads spin and slow a small model tenfold or more.
+    ``weight_update``: "pause" (a sync waits for the batch in flight, so every group is sampled
+    under one version) or "in_flight" (a sync goes in between two decoding steps; the batch in
+    flight finishes on the new weights and is tagged with the version it began under).
     """
 
     def __init__(self, model_path: str, *, name: str = "", device: str = "cpu", seed: int = 0,
                  countdown: dict = {}, n_train_problems: int = 2000, n_heldout_problems: int = 100,
                  split_seed: int = 0, group_size: int = 8, prompts_per_batch: int = 8,
-                 sampling: SamplingParams | None = None, sync_timeout_s: float = 120.0, cpu_threads: int = 0):
+                 sampling: SamplingParams | None = None, sync_timeout_s: float = 120.0, cpu_threads: int = 0,
+                 weight_update: str = "pause"):
         from asyncrl.rl.countdown import CountdownConfig, train_and_heldout
 
         for what, value in (("group_size", group_size), ("prompts_per_batch", prompts_per_batch),
                             ("n_train_problems", n_train_problems)):
             if value < 1:
                 raise ValueError(f"{what} must be >= 1, not {value}")
+        if weight_update not in ("pause", "in_flight"):
+            raise ValueError(f"weight_update must be 'pause' or 'in_flight', not {weight_update!r}")
         if not sync_timeout_s > 0:
             raise ValueError(f"sync_timeout_s must be > 0, not {sync_timeout_s!r}")
         self.name = name or os.environ.get("ASYNCRL_ACTOR", "") or "sampler"
         self.group_size, self.prompts_per_batch = group_size, prompts_per_batch
         self.sync_timeout_s = sync_timeout_s
+        self.in_flight = weight_update == "in_flight"
         self.device = _actor_device(device)
         if cpu_threads > 0:
             torch.set_num_threads(cpu_threads)
@@ -160,7 +177,8 @@ class SamplerActor(SyncMember):
         self._sync_lock = asyncio.Lock()
         self._stats = {"tokens": 0, "groups": 0, "completions": 0, "batches": 0, "generate_s": 0.0,
                        "weight_sync_s": 0.0, "pause_s": 0.0, "syncs": 0, "failed_syncs": 0,
-                       "syncs_waited_for_generate": 0}
+                       "syncs_waited_for_generate": 0, "discarded_batches": 0}
+        self._failures = 0  # failed syncs so far: a batch that saw one in flight is discarded
         self._generating = 0  # backend.generate calls in flight (rollouts and the generate endpoint)
 
     # --- construction hooks (a test or another engine overrides these) --------------------------
@@ -225,25 +243,40 @@ class SamplerActor(SyncMember):
 
     @endpoint
     async def receive_weights(self, version: int) -> float:
-        """Pause (the batch in flight finishes under the old weights), take ``version`` in place,
-        resume. Returns the seconds it took. If the sync fails, the weights may be half-written:
-        rollouts then wait for the next successful sync instead of sampling from them."""
+        """Take ``version`` in place: after the batch in flight (``weight_update="pause"``) or
+        between two of its decoding steps ("in_flight"); no new batch starts until it is done.
+        Returns the seconds it took. If the transfer fails the weights may be half-written:
+        rollouts then wait for the next successful sync instead of sampling from them, and a
+        batch that was in flight is discarded."""
         if self.receiver is None:
             raise SamplerError(f"sampler {self.name}: receive_weights before setup_receiver")
         async with self._sync_lock:
             start = time.perf_counter()
-            self._ready.clear()  # before pausing: no rollout batch may start from here on
-            if self._generating:
+            self._ready.clear()  # no rollout batch may start from here on
+            if self._generating and not self.in_flight:
                 self._stats["syncs_waited_for_generate"] += 1
-            await self._pause()
-            self._stats["pause_s"] += time.perf_counter() - start
+            waited = 0.0
+
+            def load(tensors: Mapping[str, torch.Tensor]) -> None:
+                nonlocal waited
+                waited = time.perf_counter() - start
+                self.receiver.receive(version, tensors)
+
             try:
-                await asyncio.to_thread(self.receiver.receive, version, self.backend.weight_tensors())
+                await self.backend.load_weights(load, in_flight=self.in_flight, timeout_s=self.sync_timeout_s)
+            except SamplerTimeoutError:  # the weights were not touched: sampling may go on
+                self._ready.set()
+                self._stats["failed_syncs"] += 1
+                raise SamplerTimeoutError(
+                    f"sampler {self.name}: no moment free of generation came within {self.sync_timeout_s:g} s "
+                    f"({'a decoding step did not end' if self.in_flight else 'the batch in flight did not finish'}), "
+                    "so the weights could not be taken") from None
             except BaseException:
                 self._stats["failed_syncs"] += 1
+                self._failures += 1
                 raise
             finally:
-                await self.backend.resume()
+                self._stats["pause_s"] += waited
             self.version = version
             self._ready.set()
             seconds = time.perf_counter() - start
@@ -251,25 +284,13 @@ class SamplerActor(SyncMember):
             self._stats["syncs"] += 1
             return seconds
 
-    async def _pause(self) -> None:
-        """Pause the backend within ``sync_timeout_s``; if that fails nothing was written, so
-        generation may go on under the current weights."""
-        try:
-            await asyncio.wait_for(self.backend.pause(), self.sync_timeout_s)
-        except BaseException as exc:
-            await self.backend.resume()
-            self._ready.set()
-            if isinstance(exc, asyncio.TimeoutError):
-                raise SamplerTimeoutError(f"sampler {self.name}: the batch in flight did not finish within "
-                                          f"{self.sync_timeout_s:g} s, so the weights could not be taken") from None
-            raise
-
     @endpoint
     async def stats(self) -> dict:
         """Counters since start: ``tokens``, ``completions``, ``groups`` (yielded), ``batches``,
         ``generate_s`` (wall time in rollout generation) and ``tokens_per_s`` over it; weight syncs:
-        ``syncs``, ``failed_syncs``, ``weight_sync_s`` (pause + transfer), ``pause_s`` (waiting for
-        the batch in flight), ``syncs_waited_for_generate``; ``version`` now; ``name``."""
+        ``syncs``, ``failed_syncs``, ``weight_sync_s`` (wait + transfer), ``pause_s`` (waiting for
+        the batch in flight, or for the end of a decoding step), ``syncs_waited_for_generate``,
+        ``discarded_batches`` (in flight during a failed sync); ``version`` now; ``name``."""
         s = dict(self._stats)
         s.update(version=self.version, name=self.name,
                  tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
@@ -288,24 +309,30 @@ class SamplerActor(SyncMember):
         return ids
 
     async def _generate(self, prompts: list[list[int]]) -> tuple[int, list[list[Completion]], float]:
-        """Generate for ``prompts`` and return the weight version it ran under. The version is
-        read right before calling the backend, with no ``await`` in between: a `receive_weights`
-        that begins later waits for this batch (the backend registers it before its first await),
-        and one under way has cleared ``_ready``, so we wait for it first."""
-        await self._wait_ready()
-        version = self.version
-        start = time.perf_counter()
-        self._generating += 1
-        try:
-            groups = await self.backend.generate(prompts, self.group_size, self.sampling)
-        finally:
-            self._generating -= 1
-        seconds = time.perf_counter() - start
-        self._stats["generate_s"] += seconds
-        self._stats["batches"] += 1
-        self._stats["completions"] += sum(len(g) for g in groups)
-        self._stats["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
-        return version, groups, seconds
+        """Generate for ``prompts`` and return the weight version it began under (the oldest of
+        its tokens). The version is read right before calling the backend, with no ``await`` in
+        between: a `receive_weights` that begins later either waits for this batch (the backend
+        registers it before its first await) or loads between its steps, and one under way has
+        cleared ``_ready``, so we wait for it first. A batch in flight during a failed sync may
+        have read half-written weights: it is discarded and generated again."""
+        while True:
+            await self._wait_ready()
+            version, failures = self.version, self._failures
+            start = time.perf_counter()
+            self._generating += 1
+            try:
+                groups = await self.backend.generate(prompts, self.group_size, self.sampling)
+            finally:
+                self._generating -= 1
+            seconds = time.perf_counter() - start
+            self._stats["generate_s"] += seconds
+            self._stats["batches"] += 1
+            if self._failures != failures:
+                self._stats["discarded_batches"] += 1
+                continue
+            self._stats["completions"] += sum(len(g) for g in groups)
+            self._stats["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
+            return version, groups, seconds
 
     async def _wait_ready(self) -> None:
         loop = asyncio.get_running_loop()

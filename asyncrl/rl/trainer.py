@@ -44,8 +44,10 @@ class TrainerConfig:
     """Token budget of one forward/backward (padded length x sequences)."""
     temperature: float = 1.0
     """Log-probs are taken of logits / temperature: must equal the samplers' temperature."""
-    normalize_std: bool = True
-    """Divide each group's advantages by its reward std (GRPO); False: mean-centred only (Dr. GRPO)."""
+    normalize_std: bool = False
+    """Divide each group's advantages by its reward std (GRPO); False: mean-centred only (Dr. GRPO).
+    Off by default: the std division gives a group that differs only in the 0.1 format reward as
+    much weight as one that differs in correctness; on the embedded model it measured better off."""
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """Clipping, truncated importance weight, KL and aggregation of the GRPO loss."""
     bf16: bool = True
