@@ -148,7 +148,7 @@ class Metrics:
         heldout = record.get("heldout_solve_rate")
         line = (f"step {record['step']:>4}/{self.steps}  reward {record['reward_mean']:.3f}  "
                 f"solve {record['train_solve_rate']:.2f}  stale {record['staleness_mean']:.2f}  "
-                f"samples/s {record['samples_per_s']:.1f}  "
+                f"samples/s {record['samples_per_s']:.1f}  tok/s {record['tokens_per_s']:.0f}  "
                 + (f"held-out {heldout:.2f} greedy {record.get('heldout_sampled_solve_rate', float('nan')):.2f} "
                    "sampled  " if heldout is not None else "")
                 + f"{time.monotonic() - self.start:.0f}s")
@@ -219,6 +219,7 @@ class _Loop:
         self.queue = RolloutQueue(capacity, staleness)
         self.version = 0
         self.samples = 0
+        self.tokens = 0  # completion tokens trained on
 
     async def evaluate(self) -> dict[str, float]:
         return await self.trainer.with_timeout(self.run.step_timeout_s).evaluate(self.heldout, self.run.eval_samples)
@@ -260,7 +261,7 @@ class _Loop:
         summary = {"steps": run.steps, "mode": run.mode, "heldout_before": initial, "heldout_after": heldout,
                    "wall_s": time.monotonic() - start, "samples": self.samples,
                    "samples_per_s": self.samples / max(time.monotonic() - start, 1e-9),
-                "time_s": time.monotonic() - start,
+                   "tokens_per_s": self.tokens / max(time.monotonic() - start, 1e-9),
                    "dropped_stale": self.queue.stats().dropped_stale, "checkpoint": final_dir}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -288,14 +289,17 @@ class _Loop:
         rewards = [r for g in batch for r in g.rewards]
         staleness = [self.version - 1 - g.version for g in batch]
         self.samples += len(rewards)
+        tokens = sum(len(c) for g in batch for c in g.completion_ids)
+        self.tokens += tokens
         stats = self.queue.stats()
         return {"step": step, "version": self.version, "reward_mean": sum(rewards) / len(rewards),
                 "train_solve_rate": sum(r >= CORRECT_REWARD for r in rewards) / len(rewards),
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
                 "dropped_stale": stats.dropped_stale, "queue_depth": len(self.queue),
-                "completion_tokens": sum(len(c) for g in batch for c in g.completion_ids),
+                "completion_tokens": tokens,
                 "samples_per_s": self.samples / max(time.monotonic() - start, 1e-9),
+                "tokens_per_s": self.tokens / max(time.monotonic() - start, 1e-9),
                 "time_s": time.monotonic() - start,
                 "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": sync_s,
                 "generate_s": sum(g.generate_s for g in batch) / len(batch),
