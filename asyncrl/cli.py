@@ -51,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_parser(sub)
     secret = sub.add_parser("secret", help="write a new cluster secret to a file (mode 0600) for multi-node runs")
     secret.add_argument("path", help="where to write it; an existing file is not overwritten")
+    status = sub.add_parser(
+        "status",
+        help="show a live run's actors (state, restarts, last heartbeat) and progress, asked of its supervisor",
+        description=(
+            "Ask the supervisor serving RUN_DIR (found through RUN_DIR/supervisor.json) for each actor's state, "
+            "pid, restarts and last heartbeat, and the run's progress. Exit codes: 0 answered, 1 no live "
+            "supervisor (not started, finished, or gone), 2 no such directory, 3 no valid answer in time."
+        ),
+    )
+    status.add_argument("run_dir", help="the run directory (e.g. runs/grpo-20261122-063000)")
+    status.add_argument("--json", action="store_true", help="print the whole reply as JSON")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the answer (default 5)")
     return parser
 
 
@@ -64,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "secret":
         return _write_secret(args.path)
+    if args.command == "status":
+        return _status(args.run_dir, args.json, args.timeout)
     if args.command != "launch":
         parser.print_help()
         return EXIT_USAGE
@@ -124,6 +138,21 @@ def _write_secret(path: str) -> int:
         print(f"asyncrl secret: cannot create {path}: {e}", file=sys.stderr)
         return 1
     print(f"asyncrl secret: wrote a new cluster secret to {path} (mode 0600); copy it to every node")
+    return 0
+
+
+def _status(run_dir: str, as_json: bool, timeout_s: float) -> int:
+    from .runtime.status import StatusUnavailableError, format_status, query_status, reply_json
+
+    if not timeout_s > 0:
+        print(f"asyncrl status: --timeout must be > 0, not {timeout_s:g}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        reply = query_status(run_dir, timeout_s)
+    except StatusUnavailableError as e:
+        print(f"asyncrl status: {e}", file=sys.stderr)
+        return e.exit_code
+    print(reply_json(reply) if as_json else format_status(reply))
     return 0
 
 

@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -46,6 +46,7 @@ from .handle import ActorHandle
 from .process import ChildProcess, write_lines
 from .record import ActorRecord, ActorStatus
 from .state import ActorState
+from .status import StatusServer
 from .transport import LoopSocket, bind_router, make_run_dir, remove_run_dir
 from . import worker as worker_env
 from ..errors import (
@@ -106,6 +107,7 @@ class Supervisor:
         self._indices = itertools.count()
         self._state = "new"
         self._exit = contextlib.ExitStack()
+        self._status_servers: list = []
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -193,6 +195,8 @@ class Supervisor:
             raise
         finally:
             self._state = "closed"
+            for server in self._status_servers:  # answered while the actors stopped; not after
+                server.close()
             for t in self._tasks:
                 t.cancel()
             for rec in self._records.values():
@@ -214,6 +218,17 @@ class Supervisor:
         self._require_running()
         me = NodeStatus(0, socket.gethostname(), self._node_env[net.ENV_NODE_ADDR], len(self._devices.free), self._devices.total, "joined")
         return [me, *(self._cluster.status() if self._cluster is not None else [])]
+
+    async def serve_status(self, run_dir: str, progress: Callable[[], dict[str, Any]] | None = None) -> StatusServer:
+        """Answer ``asyncrl status RUN_DIR`` while this supervisor runs: the actors' states, the
+        nodes, and what ``progress()`` returns (a JSON-able dict; called on this loop per request).
+        Publishes ``RUN_DIR/supervisor.json``; the server is closed with the supervisor, or before
+        by its own ``close()``. See ``status.py``."""
+        self._require_running()
+        server = StatusServer(run_dir, self.status, self.nodes, progress)
+        server.start()
+        self._status_servers.append(server)
+        return server
 
     def _require_running(self) -> None:
         if self._state != "running":
