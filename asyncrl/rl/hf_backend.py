@@ -103,6 +103,8 @@ class HFBackend(SamplerBackend):
 
     async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         _check_request(prompts, n, self.vocab_size)
+        if params.stop:
+            raise ValueError("HFBackend has no stop strings (SamplingParams.stop): use stop_token_ids, or the vLLM backend")
         self._events()
         if self._closed:
             raise SamplerClosedError("HFBackend is closed")

@@ -2,11 +2,12 @@
 
 A `SamplerBackend` turns token-id prompts into completions with per-token log-probs and can be
 paused while its weights are replaced in place. `HFBackend` (in ``hf_backend.py``, importable from
-here) runs transformers on CPU or GPU; a vLLM ``AsyncLLM`` backend can implement the same four
-methods. `SamplerActor` walks the Countdown train split, generates ``group_size`` completions per
-prompt continuously, scores them and streams one `RolloutGroup` per prompt, each tagged with the
-weight version it was generated under (the oldest one, when weights changed in flight); the
-trainer's weights arrive through `receive_weights`.
+here) runs transformers on CPU or GPU; `VLLMBackend` (``vllm_backend.py``) drives vLLM's
+``AsyncLLM``, whose own worker process receives the weights (`SamplerBackend.receives_in_engine`).
+`choose_backend` resolves ``"auto"``. `SamplerActor` walks the Countdown train split, generates
+``group_size`` completions per prompt continuously, scores them and streams one `RolloutGroup` per
+prompt, each tagged with the weight version it was generated under (the oldest one, when weights
+changed in flight); the trainer's weights arrive through `receive_weights`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from asyncrl.comm.member import SyncMember
 from asyncrl.errors import AsyncrlError
+from asyncrl.rl.checkpoint import CountedWalk, SamplerDataState, tensor_digest
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.runtime.actor import endpoint
 
@@ -50,6 +52,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_p: float = 1.0
     stop_token_ids: list[int] = []
     seed: int | None = None
+    stop: list[str] = []
+    """Stop strings (vLLM backend only: the HF backend refuses them). The completion ends once its
+    text contains one; ``text`` then ends before it, ``token_ids`` keep every token sampled."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -62,6 +67,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(f"stop_token_ids must be >= 0, not {self.stop_token_ids!r}")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0 or None, not {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -85,7 +92,17 @@ class Completion(msgspec.Struct, frozen=True):
 
 
 class SamplerBackend(abc.ABC):
-    """What a sampler actor needs from an inference engine."""
+    """What a sampler actor needs from an inference engine.
+
+    Weights reach a backend in one of two ways. By default (``receives_in_engine`` False) the
+    sampler actor's own process joins the weight-sync group and copies each sync into
+    `weight_tensors` through `load_weights`. An engine that keeps the model in a process of its
+    own (vLLM's worker) sets ``receives_in_engine`` and implements the ``*_weight_sync`` hooks
+    below: that process joins the group and takes the buckets straight off the communicator, and
+    the actor only forwards small control values (addresses, ranks, versions) to it.
+    """
+
+    receives_in_engine: bool = False
 
     @abc.abstractmethod
     async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
@@ -117,6 +134,54 @@ class SamplerBackend(abc.ABC):
     def close(self) -> None:
         """Release the engine; later generates raise `SamplerClosedError`."""
 
+    # --- weight sync inside the engine (only where ``receives_in_engine``) -----------------------
+
+    async def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, *, generation: int,
+                               backend: str, timeout_s: float, name: str) -> str:
+        """Have the engine join the group whose store rank 0 hosts at ``host:port`` (see
+        `SyncMember.sync_join`), leaving any previous one. Returns the communicator's backend."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights in the sampler actor")
+
+    async def setup_weight_receiver(self, timeout_s: float) -> int:
+        """Agree on the weight layout with the sender (`WeightReceiver.create` in the engine).
+        Returns the bucket count."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights in the sampler actor")
+
+    async def receive_weights(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
+        """Take sync ``version`` in the engine, with `load_weights`'s contract for ``in_flight``
+        and ``timeout_s`` (`SamplerTimeoutError`: weights untouched). Returns the seconds spent
+        waiting for the moment to load (the pause)."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights in the sampler actor")
+
+    async def leave_weight_sync(self) -> None:
+        """Drop the engine's communicator and store handle. Idempotent; a no-op once closed."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights in the sampler actor")
+
+    async def communicators_created(self) -> dict[str, int]:
+        """Communicators the engine's process created, per backend."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights in the sampler actor")
+
+
+BACKENDS = ("auto", "vllm", "hf")
+
+
+def choose_backend(name: str, device: torch.device) -> str:
+    """``"vllm"`` or ``"hf"``. ``"auto"`` is vLLM when it imports and supports ``device``'s kind
+    (a CPU build for CPU, a CUDA build for a GPU), else Hugging Face; an explicit ``"vllm"`` that
+    is not usable raises `SamplerError` saying why."""
+    if name not in BACKENDS:
+        raise ValueError(f"sampler backend must be one of {BACKENDS}, not {name!r}")
+    if name == "hf":
+        return "hf"
+    from asyncrl.rl.vllm_backend import vllm_unusable
+
+    why = vllm_unusable(device)
+    if not why:
+        return "vllm"
+    if name == "vllm":
+        raise SamplerError(f"sampler backend vllm was asked for, but {why}")
+    return "hf"
+
 
 def __getattr__(name: str) -> Any:
     # HFBackend lives in hf_backend.py, which imports this module: load it on first use.
@@ -124,6 +189,10 @@ def __getattr__(name: str) -> Any:
         from asyncrl.rl.hf_backend import HFBackend
 
         return HFBackend
+    if name == "VLLMBackend":
+        from asyncrl.rl.vllm_backend import VLLMBackend
+
+        return VLLMBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -139,13 +208,15 @@ class SamplerActor(SyncMember):
     ``weight_update``: "pause" (a sync waits for the batch in flight, so every group is sampled
     under one version) or "in_flight" (a sync goes in between two decoding steps; the batch in
     flight finishes on the new weights and is tagged with the version it began under).
+    ``backend``: "hf", "vllm", or "auto" (vLLM when it is usable here, see `choose_backend`);
+    ``vllm`` holds extra keyword arguments of `VLLMBackend` (e.g. ``gpu_memory_utilization``).
     """
 
     def __init__(self, model_path: str, *, name: str = "", device: str = "cpu", seed: int = 0,
                  countdown: dict = {}, n_train_problems: int = 2000, n_heldout_problems: int = 100,
                  split_seed: int = 0, group_size: int = 8, prompts_per_batch: int = 8,
                  sampling: SamplingParams | None = None, sync_timeout_s: float = 120.0, cpu_threads: int = 0,
-                 weight_update: str = "pause"):
+                 weight_update: str = "pause", backend: str = "hf", vllm: dict = {}):
         from asyncrl.rl.countdown import CountdownConfig, train_and_heldout
 
         for what, value in (("group_size", group_size), ("prompts_per_batch", prompts_per_batch),
@@ -163,6 +234,9 @@ class SamplerActor(SyncMember):
         self.device = _actor_device(device)
         if cpu_threads > 0:
             torch.set_num_threads(cpu_threads)
+        self.model_path, self.vllm_options = model_path, dict(vllm)
+        self.backend_name = choose_backend(backend, self.device)
+        print(f"sampler {self.name}: {self.backend_name} backend (asked for {backend!r})", flush=True)
         model, tokenizer, self.fmt = self._load_policy(model_path, self.device)
         self.backend: SamplerBackend = self._make_backend(model, tokenizer, seed)
         self.sampling = _resolve_sampling(sampling, self.fmt)
@@ -184,11 +258,22 @@ class SamplerActor(SyncMember):
     # --- construction hooks (a test or another engine overrides these) --------------------------
 
     def _load_policy(self, model_path: str, device: torch.device) -> tuple[Any, Any, Any]:
+        if self.backend_name == "vllm":  # the engine loads the model itself: only the tokenizer here
+            from asyncrl.rl.vllm_backend import load_prompt_format
+
+            tokenizer, fmt = load_prompt_format(model_path)
+            return None, tokenizer, fmt
         from asyncrl.rl.model import load_policy  # transformers is heavy: import in the actor only
 
         return load_policy(model_path, device, torch.float32)
 
     def _make_backend(self, model: Any, tokenizer: Any, seed: int) -> SamplerBackend:
+        if self.backend_name == "vllm":
+            from asyncrl.rl.vllm_backend import VLLMBackend
+
+            options = {"prefix_caching": not self.in_flight} | self.vllm_options
+            return VLLMBackend(self.model_path, tokenizer=tokenizer, seed=seed, device=self.device,
+                               resume_timeout_s=3 * self.sync_timeout_s, **options)
         from asyncrl.rl.hf_backend import HFBackend
 
         return HFBackend(model, tokenizer=tokenizer, seed=seed, resume_timeout_s=3 * self.sync_timeout_s)
@@ -230,11 +315,43 @@ class SamplerActor(SyncMember):
         finally:
             self._generating -= 1
 
+    # SyncMember's endpoints, routed to the engine when it receives the weights itself: `form_group`
+    # then puts the engine's process in the group, and this process never holds a communicator.
+
+    @endpoint
+    async def sync_join(self, host: str, port: int, rank: int, world_size: int, generation: int = 0,
+                        backend: str = "auto", timeout_s: float = 60.0, name: str = "weights") -> str:
+        """Join the trainer's weight-sync group (in the engine's process when it receives there)."""
+        if not self.backend.receives_in_engine:
+            return await super().sync_join(host, port, rank, world_size, generation, backend, timeout_s, name)
+        self.receiver = None
+        return await self.backend.join_weight_sync(host, port, rank, world_size, generation=generation,
+                                                   backend=backend, timeout_s=timeout_s, name=name)
+
+    @endpoint
+    async def sync_leave(self) -> None:
+        """Leave the weight-sync group. Idempotent."""
+        self.receiver = None
+        if self.backend.receives_in_engine:
+            await self.backend.leave_weight_sync()
+        await super().sync_leave()
+
+    @endpoint
+    async def sync_created(self) -> dict[str, int]:
+        """Communicators created for weight sync, per backend (in the engine's process if it receives)."""
+        if self.backend.receives_in_engine:
+            return await self.backend.communicators_created()
+        return await super().sync_created()
+
     @endpoint
     async def setup_receiver(self, timeout_s: float = 60.0) -> int:
         """After `form_group`: agree on the weight layout with the trainer. Returns the bucket count."""
         from asyncrl.comm.weights import WeightReceiver
 
+        if self.backend.receives_in_engine:
+            buckets = await self.backend.setup_weight_receiver(timeout_s)
+            self.receiver = "engine"  # receive_weights may go ahead
+            return buckets
         if self.sync_comm is None:
             raise SamplerError(f"sampler {self.name}: setup_receiver before joining a weight-sync group")
         self.receiver = await asyncio.to_thread(WeightReceiver.create, self.sync_comm, self.sync_group, src=0,
@@ -263,7 +380,11 @@ class SamplerActor(SyncMember):
                 self.receiver.receive(version, tensors)
 
             try:
-                await self.backend.load_weights(load, in_flight=self.in_flight, timeout_s=self.sync_timeout_s)
+                if self.backend.receives_in_engine:
+                    waited = await self.backend.receive_weights(version, in_flight=self.in_flight,
+                                                                timeout_s=self.sync_timeout_s)
+                else:
+                    await self.backend.load_weights(load, in_flight=self.in_flight, timeout_s=self.sync_timeout_s)
             except SamplerTimeoutError:  # the weights were not touched: sampling may go on
                 self._ready.set()
                 self._stats["failed_syncs"] += 1
@@ -296,7 +417,41 @@ class SamplerActor(SyncMember):
                  tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
         return s
 
+    # --- resume and fault-tolerance hooks (asyncrl/rl/checkpoint.py, recovery.py) ---------------
+
+    @endpoint
+    async def data_state(self) -> SamplerDataState:
+        """Prompts drawn from the data walk so far and the sampling RNG, for a checkpoint
+        (the walk is counted once `restore_data_state` has installed it; -1 before)."""
+        generator = getattr(self.backend, "_generator", None)  # backends without one resume with a fresh RNG
+        return SamplerDataState(seed=getattr(self._order, "seed", -1), drawn=getattr(self._order, "drawn", -1),
+                                generator=bytes(generator.get_state().numpy()) if generator is not None else b"")
+
+    @endpoint
+    async def restore_data_state(self, state: SamplerDataState) -> None:
+        """Continue the walk of ``state.seed`` after ``state.drawn`` prompts, and set (or reseed)
+        the sampling RNG. Before the first rollout only: a walk half-consumed by a stream would
+        be skipped ahead under it."""
+        self._order = CountedWalk(_walk(len(self.problems), random.Random(f"sampler/{state.seed}")), state.drawn)
+        self._order.seed = state.seed
+        generator = getattr(self.backend, "_generator", None)
+        if generator is not None and state.generator:
+            generator.set_state(torch.frombuffer(bytearray(state.generator), dtype=torch.uint8))
+        elif generator is not None and state.generator_seed >= 0:
+            generator.manual_seed(state.generator_seed)
+
+    @endpoint
+    async def weights_digest(self) -> str:
+        """SHA-256 of the weights this sampler generates with (`checkpoint.tensor_digest`)."""
+        if self.backend.receives_in_engine:
+            raise SamplerError(f"sampler {self.name}: the weights live in the engine's process; no digest here")
+        return await asyncio.to_thread(tensor_digest, self.backend.weight_tensors())
+
     async def on_stop(self) -> None:
+        try:  # an engine that receives weights drops its communicator while it still can
+            await asyncio.wait_for(self.sync_leave(), 10.0)
+        except Exception as exc:  # a dead or stuck engine: close() below ends it all the same
+            print(f"sampler {self.name}: leaving the weight-sync group on stop failed: {exc!r}", flush=True)
         self.backend.close()
         await super().on_stop()
 

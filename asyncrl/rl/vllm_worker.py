@@ -1,0 +1,302 @@
+"""The vLLM worker's side of weight sync: a worker extension that joins the trainer's group.
+
+`VLLMBackend` names `WeightSyncExtension` as vLLM's ``worker_extension_cls``, so its methods are
+mixed into the worker class in the process that holds the model (vLLM's engine-core process, a
+grandchild of the supervisor). The sampler actor calls them through ``AsyncLLM.collective_rpc``
+with small plain values only (host, port, ranks, names, a version, a timeout) and gets plain
+values back: no tensor and no object of ours crosses that channel, whatever vLLM uses to carry
+it. The buckets themselves come straight off the communicator into this process
+(`asyncrl.comm`: a `StoreGroup` and gloo on CPU, PyNccl on CUDA) and are applied as they arrive.
+
+How a received tensor gets into the model:
+
+* CUDA: ``model.load_weights([(name, tensor)])`` per tensor, on the receiver's copy stream: the
+  model's own loaders fuse q/k/v and gate/up as they would from a checkpoint.
+* CPU: vLLM repacks linear weights for its CPU kernels after loading, so ``load_weights`` on the
+  live model fails; the model runner's ``reload_weights(weights_iterator=...)`` restores the
+  checkpoint layout, loads, and repacks. It pulls from an iterator while the receiver pushes, so
+  it runs on a helper thread fed through a bounded queue (`_PulledLoad`), and the last tensor's
+  delivery waits for it to finish: the receiver's commit vote then means "applied" on this member.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from asyncrl.comm.errors import LayoutMismatchError
+
+_DONE = object()
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is not a checkpoint we trust
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-sync control call reached the worker in a state or with values it cannot take."""
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (``self.model_runner``, ``self.device`` come from it). One
+    membership at a time; `asyncrl_join` leaves the previous one first."""
+
+    def asyncrl_join(self, host: str, port: int, rank: int, world_size: int, generation: int, backend: str,
+                     timeout_s: float, name: str) -> str:
+        """Join the group whose store rank 0 hosts at ``host:port`` (the store is reached from here,
+        the engine's process, which runs on the sampler actor's host). Returns the communicator's
+        backend."""
+        from asyncrl.comm.member import make_communicator
+        from asyncrl.comm.rendezvous import StoreGroup
+
+        _check_join(host, port, rank, world_size, generation, backend, timeout_s, name)
+        self.asyncrl_leave()
+        if backend == "auto":
+            backend = "nccl" if self._asyncrl_device().type == "cuda" else "gloo"
+        group = StoreGroup.create(host, port, rank, world_size, timeout_s, name=name, generation=generation)
+        try:
+            comm = make_communicator(group, backend, timeout_s)
+        except BaseException:
+            group.close()
+            raise
+        self._asyncrl = _Membership(group, comm)
+        return comm.backend
+
+    def asyncrl_setup_receiver(self, timeout_s: float) -> int:
+        """Receive the sender's layout; refuse one whose names or shapes are not the checkpoint's.
+        Returns the bucket count."""
+        from asyncrl.comm.weights import WeightReceiver
+
+        _check_timeout(timeout_s)
+        member = self._asyncrl_member("setup_receiver")
+        receiver = WeightReceiver.create(member.comm, member.group, src=0, timeout_s=timeout_s)
+        _check_against_checkpoint(receiver.layout, self._asyncrl_model_path())
+        member.receiver, member.timeout_s = receiver, timeout_s
+        return len(receiver.layout.buckets)
+
+    def asyncrl_receive_weights(self, version: int) -> list[float]:
+        """Take sync ``version`` into the model, bucket by bucket. Returns ``[seconds, bytes]``."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, not {version!r}")
+        member = self._asyncrl_member("receive_weights")
+        if member.receiver is None:
+            raise WeightSyncError("receive_weights before setup_receiver")
+        if self._asyncrl_loads_in_place():
+            model = self.model_runner.model
+            stats = member.receiver.receive(version, lambda name, t: model.load_weights([(name, t)]))
+        else:
+            load = _PulledLoad(lambda weights: self.model_runner.reload_weights(weights_iterator=weights),
+                               total=len(member.receiver.layout.tensors), timeout_s=member.timeout_s)
+            try:
+                stats = member.receiver.receive(version, load)
+            finally:
+                load.close()
+        return [stats.seconds, float(stats.bytes)]
+
+    def asyncrl_leave(self) -> None:
+        """Drop the communicator and the store handle. Idempotent."""
+        member = getattr(self, "_asyncrl", None)
+        self._asyncrl = None
+        if member is not None:
+            member.close()
+
+    def asyncrl_created(self) -> dict[str, int]:
+        from asyncrl.comm.communicator import Communicator
+
+        return dict(Communicator.created)
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _asyncrl_member(self, what: str) -> _Membership:
+        member = getattr(self, "_asyncrl", None)
+        if member is None:
+            raise WeightSyncError(f"{what} before joining a weight-sync group")
+        return member
+
+    def _asyncrl_loads_in_place(self) -> bool:
+        """CUDA: the live model's ``load_weights`` takes each tensor; CPU: ``reload_weights``."""
+        return self._asyncrl_device().type == "cuda"
+
+    def _asyncrl_device(self) -> torch.device:
+        device = getattr(self, "device", None)
+        return torch.device(device) if device is not None else torch.device("cpu")
+
+    def _asyncrl_model_path(self) -> str:
+        return str(self.model_runner.model_config.model)
+
+
+class _Membership:
+    def __init__(self, group: Any, comm: Any):
+        self.group, self.comm = group, comm
+        self.receiver = None
+        self.timeout_s = 60.0
+
+    def close(self) -> None:
+        self.receiver = None
+        try:
+            self.comm.close()
+        finally:
+            self.group.close()
+
+
+class _PulledLoad:
+    """A consumer for `WeightReceiver.receive` that feeds a loader which pulls from an iterator.
+
+    The loader runs on its own thread and is started on the first tensor. Each tensor is cloned
+    before it is queued (the receiver's view is only valid during the call, and a loader may hold
+    a tensor until the rest of its layer arrives); the queue is bounded, so at most ``depth``
+    clones wait. Delivering the ``total``-th tensor waits for the loader to return, and raises
+    what it raised, so a failure is the receiver's (and hence every member's) failure. Every wait
+    is bounded by ``timeout_s``."""
+
+    def __init__(self, loader: Callable[[Iterator[tuple[str, torch.Tensor]]], object], *, total: int,
+                 timeout_s: float, depth: int = 8):
+        self.loader, self.total, self.timeout_s = loader, total, timeout_s
+        self.queue: queue.Queue = queue.Queue(depth)
+        self.delivered = 0
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()  # the receiver gave up: the iterator ends early
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="asyncrl-vllm-reload", daemon=True)
+            self.thread.start()
+        self._put((name, tensor.clone()))
+        self.delivered += 1
+        if self.delivered == self.total:
+            self._finish()
+
+    def close(self) -> None:
+        """After the receive, successful or not: end the loader if it still runs. Idempotent."""
+        if self.thread is not None and self.thread.is_alive():
+            self.stop.set()
+            self.thread.join(self.timeout_s)
+
+    def _put(self, item: object) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.error is not None:
+                raise WeightSyncError(f"the vLLM weight loader failed: {self.error!r}") from self.error
+            try:
+                self.queue.put(item, timeout=min(0.5, max(deadline - time.monotonic(), 0.001)))
+                return
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the vLLM weight loader took no tensor within {self.timeout_s:g} s") from None
+
+    def _finish(self) -> None:
+        self._put(_DONE)
+        self.thread.join(self.timeout_s)
+        if self.thread.is_alive():
+            self.stop.set()
+            raise TimeoutError(f"the vLLM weight loader did not finish within {self.timeout_s:g} s of the last tensor")
+        if self.error is not None:
+            raise WeightSyncError(f"the vLLM weight loader failed: {self.error!r}") from self.error
+
+    def _run(self) -> None:
+        try:
+            self.loader(self._items())
+        except BaseException as exc:
+            self.error = exc
+
+    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            try:
+                item = self.queue.get(timeout=0.5)
+            except queue.Empty:
+                if self.stop.is_set():
+                    raise WeightSyncError("the weight sync ended before every tensor arrived") from None
+                continue
+            if item is _DONE:
+                return
+            yield item
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+
+def _check_join(host: Any, port: Any, rank: Any, world_size: Any, generation: Any, backend: Any,
+                timeout_s: Any, name: Any) -> None:
+    """The control values come from another process: refuse wrong types with a clear error."""
+    for what, value in (("port", port), ("rank", rank), ("world_size", world_size), ("generation", generation)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{what} must be a non-negative int, not {value!r}")
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, not {port}")
+    if rank == 0:
+        raise ValueError("a vLLM worker receives weights; rank 0 is the sender's")
+    for what, value in (("host", host), ("backend", backend), ("name", name)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{what} must be a non-empty string, not {value!r}")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be auto, gloo or nccl in a vLLM worker, not {backend!r}")
+    _check_timeout(timeout_s)
+
+
+def _check_timeout(timeout_s: Any) -> None:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number, not {timeout_s!r}")
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]] | None:
+    """Tensor names and shapes of a local safetensors checkpoint, read from the files' JSON
+    headers only; None when ``path`` is not a local directory of safetensors files."""
+    if not os.path.isdir(path):
+        return None
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with open(os.path.join(path, file), "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise LayoutMismatchError(f"{file}: not a safetensors file (no header length)")
+            (size,) = struct.unpack("<Q", raw)
+            if size > MAX_HEADER_BYTES:
+                raise LayoutMismatchError(f"{file}: safetensors header of {size} bytes is implausible")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise LayoutMismatchError(f"{file}: safetensors header is not a JSON object")
+        for name, entry in header.items():
+            if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("shape"), list):
+                shapes[name] = tuple(int(d) for d in entry["shape"])
+    return shapes
+
+
+def _check_against_checkpoint(layout: Any, path: str) -> None:
+    """The sender's names and shapes must be the checkpoint's that vLLM loaded, so that every
+    sync replaces every weight: a name vLLM does not know would fail each sync, and one the
+    sender never sends would leave a stale weight behind. A tied ``lm_head.weight`` may be
+    absent from the sender (``named_parameters`` lists a tied tensor once)."""
+    shapes = checkpoint_shapes(path)
+    if shapes is None:
+        return  # not a local safetensors directory: vLLM's loaders are the only check
+    problems = []
+    sent = {spec.name: tuple(spec.shape) for spec in layout.tensors}
+    for name, shape in sent.items():
+        if name not in shapes:
+            problems.append(f"{name}: not in the checkpoint at {path}")
+        elif shapes[name] != shape:
+            problems.append(f"{name}: sender has {list(shape)}, the checkpoint {list(shapes[name])}")
+    tied = "lm_head.weight" in shapes and "model.embed_tokens.weight" in sent and _tied(path)
+    problems += [f"{name}: in the checkpoint, never sent" for name in shapes
+                 if name not in sent and not (tied and name == "lm_head.weight")]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise LayoutMismatchError(f"the vLLM worker refuses the sender's weight layout: {shown}")
+
+
+def _tied(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return bool(isinstance(config, dict) and config.get("tie_word_embeddings", False))
