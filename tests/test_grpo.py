@@ -16,7 +16,8 @@ TINY = ["--run.steps", "3", "--run.groups_per_step", "2", "--sampler.group_size"
         "--run.n_heldout", "8", "--run.n_train", "40", "--model.hidden_size", "32", "--model.num_layers", "1",
         "--model.num_heads", "1", "--model.num_kv_heads", "1", "--model.intermediate_size", "64",
         "--warm_start.steps", "3", "--warm_start.n_examples", "100", "--warm_start.eval_problems", "8",
-        "--warm_start.heldout_reserve", "10", "--sampler.max_new_tokens", "12", "--run.eval_samples", "1"]
+        "--warm_start.heldout_reserve", "10", "--sampler.max_new_tokens", "12", "--run.eval_samples", "1",
+        "--sampler.backend", "hf"]  # the HF backend end to end everywhere; test_vllm.py runs vLLM's
 
 
 def launch(tmp_path, *args):

@@ -24,9 +24,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.comm.member import form_group
-from asyncrl.rl.config import config_to_dict
+import msgspec
+
+from asyncrl.rl.checkpoint import (
+    Checkpoint, RunState, latest_checkpoint, list_checkpoints, truncate_metrics, write_json_atomic)
+from asyncrl.rl.config import ConfigError, config_to_dict
 from asyncrl.rl.countdown import CORRECT_REWARD, CountdownConfig, train_and_heldout
+from asyncrl.rl.recovery import RunStoppedError, SamplerPool, append_event, trainer_phase
 from asyncrl.rl.rollout import RolloutGroup, RolloutQueue
 from asyncrl.rl.trainer import TrainerConfig
 
@@ -61,12 +65,38 @@ class RunSection:
     ``data_seed``: that is the split whose held-out problems the warm start never saw."""
     run_dir: str = ""
     """Where config.json, metrics.jsonl and checkpoints go (default: runs/grpo-<time>)."""
-    save_every: int = 0
-    """Also save a checkpoint every this many steps (0: only the final one)."""
+    checkpoint_every: int = 50
+    """Write a resumable checkpoint (policy, optimiser, RNGs, step, weight version, data position)
+    to run_dir/checkpoints every this many steps (0: none). Resume with ``--resume RUN_DIR``."""
+    keep_checkpoints: int = 2
+    """Resumable checkpoints kept, the newest; older ones are deleted after each write."""
+    sampler_max_restarts: int = 3
+    """Times the supervisor restarts a lost sampler; each replacement rejoins the weight-sync group
+    and takes the current weights before it generates."""
     device: str = "auto"
     """'auto' (one GPU each for trainer and samplers when there are enough, else CPU), 'cpu' or 'cuda'."""
-    step_timeout_s: float = 900.0
-    """Deadline of each phase of a step (waiting for a batch, the train step, the weight sync)."""
+    generate_timeout_s: float = 600.0
+    """Deadline of a sampler's next rollout group while the driver waits for it; a sampler that
+    overruns it is lost (killed, restarted, rejoined) and the run goes on."""
+    queue_timeout_s: float = 1800.0
+    """Deadline of a step's batch from all samplers together (longer than generate_timeout_s, so a
+    stuck sampler is replaced first); overrun: the run stops, naming each sampler's state."""
+    train_timeout_s: float = 900.0
+    """Deadline of one train step on the trainer; overrun: the run stops."""
+    sync_timeout_s: float = 300.0
+    """Deadline of a weight sync (and of agreeing on the layout) on every member; a sampler that
+    does not finish it in time is lost, a trainer that does not stops the run."""
+    eval_timeout_s: float = 3600.0
+    """Deadline of one held-out evaluation on the trainer; overrun: the run stops."""
+    checkpoint_timeout_s: float = 600.0
+    """Deadline of writing a checkpoint (or the final policy); overrun: the run stops."""
+    rendezvous_timeout_s: float = 120.0
+    """Deadline of forming, or rebuilding, the weight-sync group."""
+    restart_timeout_s: float = 300.0
+    """How long a lost sampler's restart is awaited before it counts as gone for good."""
+    check_weights: bool = False
+    """After every sync, compare a digest of the weights on the trainer and on every sampler; a
+    mismatch stops the run (tests and debugging: one pass over the weights per member and sync)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -76,8 +106,18 @@ class RunSection:
         for name in ("steps", "groups_per_step", "sync_every", "eval_every", "n_train", "n_heldout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)!r}")
-        if self.max_staleness < 0 or self.queue_capacity < 0 or self.save_every < 0:
-            raise ValueError("max_staleness, queue_capacity and save_every must be >= 0")
+        for name in ("max_staleness", "queue_capacity", "checkpoint_every", "sampler_max_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, not {self.keep_checkpoints!r}")
+        for name in ("generate_timeout_s", "queue_timeout_s", "train_timeout_s", "sync_timeout_s", "eval_timeout_s",
+                     "checkpoint_timeout_s", "rendezvous_timeout_s", "restart_timeout_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a finite number > 0, not {getattr(self, name)!r}")
+        if self.generate_timeout_s >= self.queue_timeout_s:
+            raise ValueError(f"generate_timeout_s ({self.generate_timeout_s:g}) must be shorter than queue_timeout_s "
+                             f"({self.queue_timeout_s:g}): a stuck sampler is replaced before the run gives up")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
 
@@ -99,10 +139,15 @@ class SamplerSection:
     weight_update: str = "in_flight"
     """How new weights enter a sampler: 'in_flight' (between two decoding steps of the batch being
     generated, which finishes on them) or 'pause' (after that batch finishes)."""
+    backend: str = "auto"
+    """Inference engine: 'vllm', 'hf' (transformers), or 'auto' (vLLM where it is installed and
+    supports the sampler's device, else hf; each sampler logs which it picked). See docs/vllm.md."""
 
     def __post_init__(self) -> None:
         if self.weight_update not in ("in_flight", "pause"):
             raise ValueError(f"weight_update must be 'in_flight' or 'pause', not {self.weight_update!r}")
+        if self.backend not in ("auto", "vllm", "hf"):
+            raise ValueError(f"backend must be 'auto', 'vllm' or 'hf', not {self.backend!r}")
         if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 1:
             raise ValueError("need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 1")
 
@@ -163,8 +208,10 @@ class Metrics:
         self.file.close()
 
 
-async def train(config: GRPOConfig, sup, *, log=print) -> dict[str, Any]:
-    """Run GRPO with ``config`` on the actors of ``sup``; returns the summary (also in the run dir)."""
+async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> dict[str, Any]:
+    """Run GRPO with ``config`` on the actors of ``sup``; returns the summary (also in the run dir).
+    ``resume``: continue the run in ``config.run.run_dir`` from its latest checkpoint. Raises a
+    `RunStoppedError` (its message names the cause and the checkpoint) if the run cannot go on."""
     from asyncrl.rl.model import default_model
     from asyncrl.rl.sampler import SamplerActor, SamplingParams
     from asyncrl.rl.trainer import TrainerActor
@@ -174,136 +221,231 @@ async def train(config: GRPOConfig, sup, *, log=print) -> dict[str, Any]:
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars would bury the progress line
     run_dir = os.path.abspath(run.run_dir or os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S")))
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(config_to_dict(config), f, indent=2, default=str)
-    if not config.model_path:
-        _check_heldout_unseen(config)
-    model_path = config.model_path or await asyncio.to_thread(
-        default_model, config.model, config.warm_start, config.countdown, log=log)
-    kind, ids = detect("auto")
-    cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= 1 + config.sampler.count)
-    device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
-    train_split, heldout = train_and_heldout(run.data_seed, run.n_train, run.n_heldout, config.countdown)
-    log(f"run dir {run_dir}; model {model_path}; {device}; {config.sampler.count} sampler(s); mode {run.mode}")
+    loop: _Loop | None = None
 
-    trainer_fields = config_to_dict(config.trainer) | {"temperature": config.sampler.temperature}
-    # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
-    # actors of one host fight over the same cores, and throughput collapses.
-    env = {"TQDM_DISABLE": "1"} | ({} if cuda else {"OMP_NUM_THREADS": "1"})
-    trainer = await sup.spawn(TrainerActor, model_path, trainer_fields, name="trainer", gpus=gpus, env=env,
-                              kwargs={"device": device, "seed": run.seed})
-    sampling = SamplingParams(max_new_tokens=config.sampler.max_new_tokens or _completion_limit(model_path),
-                              temperature=config.sampler.temperature, top_p=config.sampler.top_p)
-    samplers = [await sup.spawn(SamplerActor, model_path, name=f"sampler{i}", gpus=gpus, env=env, kwargs={
-                    "device": device, "seed": run.seed * 1000 + i, "countdown": config_to_dict(config.countdown),
-                    "n_train_problems": run.n_train, "n_heldout_problems": run.n_heldout, "split_seed": run.data_seed,
-                    "group_size": config.sampler.group_size, "prompts_per_batch": config.sampler.prompts_per_batch,
-                    "sampling": sampling,
-                    "sync_timeout_s": run.step_timeout_s, "weight_update": config.sampler.weight_update})
-                for i in range(config.sampler.count)]
-    host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
-    await form_group([trainer, *samplers], host, timeout_s=120, backend="nccl" if cuda else "gloo")
-    await asyncio.gather(trainer.setup_sender(run.step_timeout_s),
-                         *(s.setup_receiver(run.step_timeout_s) for s in samplers))
-    loop = _Loop(config, trainer, samplers, heldout, run_dir, log)
-    return await loop.execute()
+    def progress() -> dict[str, Any]:  # for `asyncrl status`, called on this event loop per request
+        if loop is None:
+            return {"phase": "starting", "steps": run.steps}
+        if hasattr(loop, "progress"):
+            return loop.progress()
+        return {"phase": "training", "steps": run.steps, "version": loop.version, "samples": loop.samples,
+                "queue_depth": len(loop.queue), "dropped_stale": loop.queue.stats().dropped_stale}
+
+    status = await sup.serve_status(run_dir, progress=progress)
+    try:
+        checkpoint = latest_checkpoint(run_dir) if resume else None
+        if checkpoint is None and list_checkpoints(run_dir):
+            raise ConfigError(f"{run_dir} holds checkpoints of an earlier run: continue it with --resume {run_dir}, "
+                              "or choose another --run.run_dir")
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config_to_dict(config), f, indent=2, default=str)
+        if not config.model_path:
+            _check_heldout_unseen(config)
+        model_path = config.model_path or await asyncio.to_thread(
+            default_model, config.model, config.warm_start, config.countdown, log=log)
+        kind, ids = detect("auto")
+        cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= 1 + config.sampler.count)
+        device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
+        train_split, heldout = train_and_heldout(run.data_seed, run.n_train, run.n_heldout, config.countdown)
+        log(f"run dir {run_dir}; model {model_path}; {device}; {config.sampler.count} sampler(s); mode {run.mode}")
+
+        trainer_fields = config_to_dict(config.trainer) | {"temperature": config.sampler.temperature}
+        # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
+        # actors of one host fight over the same cores, and throughput collapses.
+        env = {"TQDM_DISABLE": "1"} | ({} if cuda else {"OMP_NUM_THREADS": "1"})
+        # No restarts for the trainer: a new one would start from the initial weights. Losing it
+        # stops the run, which resumes from its last checkpoint instead.
+        trainer = await sup.spawn(TrainerActor, model_path, trainer_fields, name="trainer", gpus=gpus, env=env,
+                                  kwargs={"device": device, "seed": run.seed})
+        if checkpoint is not None:
+            await trainer_phase("loading the checkpoint", "checkpoint_timeout_s", run.checkpoint_timeout_s,
+                                trainer.with_timeout(run.checkpoint_timeout_s).load_checkpoint(checkpoint.path))
+        sampling = SamplingParams(max_new_tokens=config.sampler.max_new_tokens or _completion_limit(model_path),
+                                  temperature=config.sampler.temperature, top_p=config.sampler.top_p)
+        samplers = [await sup.spawn(SamplerActor, model_path, name=f"sampler{i}", gpus=gpus, env=env,
+                                    max_restarts=run.sampler_max_restarts, kwargs={
+                        "device": device, "seed": run.seed * 1000 + i, "countdown": config_to_dict(config.countdown),
+                        "n_train_problems": run.n_train, "n_heldout_problems": run.n_heldout, "split_seed": run.data_seed,
+                        "group_size": config.sampler.group_size, "prompts_per_batch": config.sampler.prompts_per_batch,
+                        "sampling": sampling,
+                        "sync_timeout_s": run.sync_timeout_s, "weight_update": config.sampler.weight_update,
+                        "backend": config.sampler.backend})
+                    for i in range(config.sampler.count)]
+        host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
+        loop = _Loop(config, trainer, samplers, heldout, run_dir, log, host=host, backend="nccl" if cuda else "gloo",
+                     seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint)
+        return await loop.execute()
+    finally:
+        status.close()
 
 
 class _Loop:
-    def __init__(self, config: GRPOConfig, trainer, samplers, heldout, run_dir: str, log):
+    """The driver's steps. Sampler faults are the `SamplerPool`'s to recover from; a fault on the
+    trainer's side stops the run with a `RunStoppedError` (resume it from the last checkpoint)."""
+
+    def __init__(self, config: GRPOConfig, trainer, samplers, heldout, run_dir: str, log, *, host: str,
+                 backend: str, seeds: list[int], resume: Checkpoint | None = None):
         self.config, self.run = config, config.run
-        self.trainer, self.samplers, self.heldout = trainer, samplers, heldout
+        self.trainer, self.heldout = trainer, heldout
         self.run_dir, self.log = run_dir, log
         capacity = self.run.queue_capacity or 2 * self.run.groups_per_step
         staleness = self.run.max_staleness if self.run.mode == "async" else 0
         self.queue = RolloutQueue(capacity, staleness)
-        self.version = 0
-        self.samples = 0
-        self.tokens = 0  # completion tokens trained on
+        self.events_path = os.path.join(run_dir, "faults.jsonl")
+        self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
+                                backend=backend, log=log, events_path=self.events_path)
+        self.resume = resume
+        self.state = resume.run_state() if resume is not None else RunState(step=0, version=0)
+        self.step_done, self.version = self.state.step, self.state.version
+        self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
+        self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
+        self.phase = "starting"
+        self.last_step_s, self.last_step_at = 0.0, 0.0
+        self.checkpoint_path = resume.path if resume is not None else ""
+        self.segment_start = time.monotonic()
+
+    def elapsed_s(self) -> float:
+        """Training wall time over every segment of the run (a resumed one continues the count)."""
+        return self.state.train_s + time.monotonic() - self.segment_start
+
+    def dropped_stale(self) -> int:
+        return self.state.dropped_stale + self.queue.stats().dropped_stale
+
+    def fault_counts(self) -> dict[str, int]:
+        carried = self.state.faults
+        return {k: carried.get(k, 0) + v for k, v in self.pool.counters.items()}
+
+    def progress(self) -> dict[str, Any]:
+        """The run's progress as plain JSON values: written to RUN_DIR/progress.json after every
+        step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
+        return {"phase": self.phase, "step": self.step_done, "steps": self.run.steps, "version": self.version,
+                "samples": self.samples, "queue_depth": len(self.queue), "dropped_stale": self.dropped_stale(),
+                "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
+                "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
+                **self.pool.progress(), **self.fault_counts(), "updated_at": time.time()}
+
+    def write_progress(self) -> None:
+        write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
 
     async def evaluate(self) -> dict[str, float]:
-        return await self.trainer.with_timeout(self.run.step_timeout_s).evaluate(self.heldout, self.run.eval_samples)
-
-    async def pump(self, sampler, max_groups: int = 0) -> None:
-        """Feed one sampler's stream into the queue (its put waits when the queue is full)."""
-        async for group in sampler.rollouts(max_groups):
-            await self.queue.put(group, timeout_s=self.run.step_timeout_s)
+        t = self.run.eval_timeout_s
+        return await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
+                                   self.trainer.with_timeout(t).evaluate(self.heldout, self.run.eval_samples))
 
     async def execute(self) -> dict[str, Any]:
         run = self.run
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        if self.resume is not None:
+            kept = truncate_metrics(metrics_path, self.step_done)
+            self.log(f"resuming from {self.resume.path}: step {self.step_done}, v{self.version}; "
+                     f"metrics.jsonl keeps its {kept} records up to that step")
+            append_event(self.events_path, {"event": "resumed", "step": self.step_done, "at": time.time(),
+                                            "detail": self.resume.path})
         metrics = Metrics(self.run_dir, run.steps)
-        initial = await self.evaluate()
-        self.log("held-out solve rate before GRPO: " + _rates(initial))
-        pumps = [asyncio.ensure_future(self.pump(s)) for s in self.samplers] if run.mode == "async" else []
-        start = time.monotonic()
-        heldout = initial
+        completed = False
         try:
-            for step in range(1, run.steps + 1):
-                record = await self.step(step, start)
+            await self.pool.start(self.version, list(self.state.samplers))
+            if self.resume is None:
+                self.heldout_before = self.heldout_last = await self.evaluate()
+                self.log("held-out solve rate before GRPO: " + _rates(self.heldout_before))
+            self.phase = "training"
+            self.write_progress()
+            for step in range(self.step_done + 1, run.steps + 1):
+                started = time.monotonic()
+                record = await self.step(step)
                 if step % run.eval_every == 0 or step == run.steps:
-                    heldout = await self.evaluate()
-                    record["heldout_solve_rate"] = heldout["greedy"]
-                    if "sampled" in heldout:
-                        record["heldout_sampled_solve_rate"] = heldout["sampled"]
-                if run.save_every and step % run.save_every == 0:
-                    await self.trainer.save(os.path.join(self.run_dir, f"checkpoint-{step}"))
-                metrics.write(record)
-                for pump in pumps:
-                    if pump.done():
-                        pump.result()  # a sampler's failure surfaces here, with its cause
+                    self.heldout_last = await self.evaluate()
+                    record["heldout_solve_rate"] = self.heldout_last["greedy"]
+                    if "sampled" in self.heldout_last:
+                        record["heldout_sampled_solve_rate"] = self.heldout_last["sampled"]
+                metrics.write(record)  # before the checkpoint: a resume from it keeps this record
+                self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
+                if run.checkpoint_every and step % run.checkpoint_every == 0:
+                    await self.checkpoint(step)
+                self.write_progress()
+            completed = True
+        except RunStoppedError as exc:
+            self.phase = "stopped"
+            written = list_checkpoints(self.run_dir)  # on disk: the trainer may have died right after a rename
+            hint = (f"resume with --resume {self.run_dir} (checkpoint {written[-1].path})" if written
+                    else "no checkpoint was written yet (--run.checkpoint_every)")
+            append_event(self.events_path, {"event": "stopped", "step": self.step_done + 1, "at": time.time(),
+                                            "detail": str(exc)})
+            raise type(exc)(f"run stopped at step {self.step_done + 1}: {exc}; {hint}") from exc
         finally:
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+            if not completed:
+                self.phase = "stopped"
+            await self.pool.close()
             self.queue.close()
             metrics.close()
-        final_dir = await self.trainer.save(os.path.join(self.run_dir, "final"))
-        summary = {"steps": run.steps, "mode": run.mode, "heldout_before": initial, "heldout_after": heldout,
-                   "wall_s": time.monotonic() - start, "samples": self.samples,
-                   "samples_per_s": self.samples / max(time.monotonic() - start, 1e-9),
-                   "tokens_per_s": self.tokens / max(time.monotonic() - start, 1e-9),
-                   "dropped_stale": self.queue.stats().dropped_stale, "checkpoint": final_dir}
+            self.write_progress()
+        t = run.checkpoint_timeout_s
+        final_dir = await trainer_phase("saving the final policy", "checkpoint_timeout_s", t,
+                                        self.trainer.with_timeout(t).save(os.path.join(self.run_dir, "final")))
+        self.phase = "finished"
+        self.write_progress()
+        wall = self.elapsed_s()
+        summary = {"steps": run.steps, "mode": run.mode, "heldout_before": self.heldout_before,
+                   "heldout_after": self.heldout_last, "wall_s": wall, "samples": self.samples,
+                   "samples_per_s": self.samples / max(wall, 1e-9), "tokens_per_s": self.tokens / max(wall, 1e-9),
+                   "dropped_stale": self.dropped_stale(), "checkpoint": final_dir,
+                   "resumed_from": self.resume.path if self.resume is not None else None,
+                   "faults": self.fault_counts(), "fault_log": [f.to_dict() for f in self.pool.faults]}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         self.log(_summary_table(summary))
         return summary
 
-    async def step(self, step: int, start: float) -> dict[str, Any]:
+    async def step(self, step: int) -> dict[str, Any]:
         run, n = self.run, self.run.groups_per_step
+        self.pool.step = step
         t0 = time.monotonic()
         if run.mode == "sync":  # generate exactly this step's groups, with the current weights
-            per = math.ceil(n / len(self.samplers))
-            await asyncio.gather(*(self.pump(s, per) for s in self.samplers))
-        batch: list[RolloutGroup] = await self.queue.get_batch(n, current_version=self.version,
-                                                               timeout_s=run.step_timeout_s)
+            await self.pool.generate(n, self.version)
+        batch: list[RolloutGroup] = await self.pool.next_batch(n, self.version)
         t1 = time.monotonic()
-        train = await self.trainer.with_timeout(run.step_timeout_s).train_step(batch)
+        train = await trainer_phase(f"train step {step}", "train_timeout_s", run.train_timeout_s,
+                                    self.trainer.with_timeout(run.train_timeout_s).train_step(batch))
         t2 = time.monotonic()
         self.version += 1
-        sync_s = 0.0
+        sync_s, digests = 0.0, {}
         if self.version % run.sync_every == 0:
-            await asyncio.gather(self.trainer.with_timeout(run.step_timeout_s).send_weights(self.version),
-                                 *(s.with_timeout(run.step_timeout_s).receive_weights(self.version)
-                                   for s in self.samplers))
-            sync_s = time.monotonic() - t2
+            sync_s = await self.pool.sync(self.version)
+            if run.check_weights:
+                digests = await self.pool.verify_weights()
         rewards = [r for g in batch for r in g.rewards]
         staleness = [self.version - 1 - g.version for g in batch]
         self.samples += len(rewards)
         tokens = sum(len(c) for g in batch for c in g.completion_ids)
         self.tokens += tokens
-        stats = self.queue.stats()
+        elapsed = self.elapsed_s()
         return {"step": step, "version": self.version, "reward_mean": sum(rewards) / len(rewards),
                 "train_solve_rate": sum(r >= CORRECT_REWARD for r in rewards) / len(rewards),
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
-                "dropped_stale": stats.dropped_stale, "queue_depth": len(self.queue),
+                "dropped_stale": self.dropped_stale(), "queue_depth": len(self.queue),
                 "completion_tokens": tokens,
-                "samples_per_s": self.samples / max(time.monotonic() - start, 1e-9),
-                "tokens_per_s": self.tokens / max(time.monotonic() - start, 1e-9),
-                "time_s": time.monotonic() - start,
+                "samples_per_s": self.samples / max(elapsed, 1e-9),
+                "tokens_per_s": self.tokens / max(elapsed, 1e-9),
+                "time_s": elapsed,
                 "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": sync_s,
                 "generate_s": sum(g.generate_s for g in batch) / len(batch),
-                **{k: v for k, v in train.items() if k not in ("train_s",)}}
+                **{k: v for k, v in train.items() if k not in ("train_s",)},
+                **self.pool.take_events(),
+                "group_ids": [g.uid for g in batch],
+                **({"weights_digests": digests} if digests else {})}
+
+    async def checkpoint(self, step: int) -> None:
+        run = self.run
+        state = RunState(step=step, version=self.version, samples=self.samples, tokens=self.tokens,
+                         dropped_stale=self.dropped_stale(), train_s=self.elapsed_s(),
+                         heldout_before=self.heldout_before, heldout_last=self.heldout_last,
+                         samplers=await self.pool.data_states(), faults=self.fault_counts())
+        t = run.checkpoint_timeout_s
+        self.checkpoint_path = await trainer_phase(
+            f"writing the checkpoint of step {step}", "checkpoint_timeout_s", t,
+            self.trainer.with_timeout(t).save_checkpoint(self.run_dir, step, run.keep_checkpoints,
+                                                         msgspec.json.encode(state)))
 
 
 def _check_heldout_unseen(config: GRPOConfig) -> None:
@@ -339,6 +481,8 @@ def _summary_table(summary: dict[str, Any]) -> str:
             ("held-out solve rate before", _rates(summary["heldout_before"])),
             ("held-out solve rate after", _rates(summary["heldout_after"])),
             ("samples/s", f"{summary['samples_per_s']:.1f}"), ("dropped stale groups", summary["dropped_stale"]),
+            ("sampler losses / rejoins", f"{summary['faults'].get('sampler_losses', 0)} / "
+                                         f"{summary['faults'].get('sampler_rejoins', 0)}"),
             ("wall time", f"{summary['wall_s']:.0f} s"), ("checkpoint", summary["checkpoint"])]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -50,6 +50,9 @@ class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Wall seconds the sampler spent generating the group (metrics only)."""
     finished_at: float = 0.0
     """``time.time()`` on the sampler when the group was finished (metrics only)."""
+    uid: str = ""
+    """Identity given by the driver on receipt, ``sampler/incarnation/sequence``: unique in a run,
+    so a test (or a metrics reader) can check that no group is ever trained twice."""
 
     @property
     def group_size(self) -> int:

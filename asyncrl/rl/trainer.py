@@ -252,6 +252,45 @@ class TrainerActor(SyncMember):
         return await asyncio.to_thread(run)
 
     @endpoint
+    async def save_checkpoint(self, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
+        """Write the resumable checkpoint of ``step`` under ``run_dir`` (policy, optimiser, RNGs
+        and the driver's ``run_state`` JSON), atomically, keeping the newest ``keep``; returns
+        its path. See `checkpoint.py`."""
+        from asyncrl.rl.checkpoint import write_checkpoint
+
+        extra = os.path.join(self.model_path, "asyncrl_model.json")
+        return await asyncio.to_thread(write_checkpoint, run_dir, step, keep, self.model, self.tokenizer,
+                                       self.optimizer, self.steps, run_state,
+                                       [extra] if os.path.exists(extra) else [])
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> int:
+        """Take the policy, optimiser state and RNG states of the checkpoint at ``path`` (before
+        the weight-sync group is formed); returns the trainer's step count there."""
+        from asyncrl.rl.checkpoint import Checkpoint, load_trainer_state
+        from asyncrl.rl.model import load_policy
+
+        def load() -> int:
+            checkpoint = Checkpoint(-1, path)
+            model, _, _ = load_policy(checkpoint.model_dir, self.device, torch.float32)
+            self.model = model.train()
+            cfg = self.config
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                               weight_decay=cfg.weight_decay)
+            self.steps = load_trainer_state(checkpoint, self.optimizer)
+            self.sender = None  # it held the old parameters: set up again with the group
+            return self.steps
+
+        return await asyncio.to_thread(load)
+
+    @endpoint
+    async def weights_digest(self) -> str:
+        """SHA-256 of the policy's parameters as the samplers hold them (`checkpoint.tensor_digest`)."""
+        from asyncrl.rl.checkpoint import tensor_digest
+
+        return await asyncio.to_thread(tensor_digest, self.weight_tensors())
+
+    @endpoint
     async def save(self, path: str) -> str:
         """Write the policy as a Hugging Face checkpoint directory (atomically: temp dir + rename)."""
 

@@ -1,0 +1,330 @@
+"""Resumable checkpoints of a GRPO run: what is saved, how it is written, and how it is found.
+
+A checkpoint is one directory ``RUN_DIR/checkpoints/step-NNNNNNNN/``:
+
+    model/            the policy as a Hugging Face checkpoint (transformers loads it as is)
+    trainer.pt        optimiser state_dict and torch RNG states: tensors and plain Python values
+                      only, so ``torch.load(..., weights_only=True)`` reads it (no pickled objects)
+    trainer.json      the trainer's step count and Python RNG state
+    run_state.json    the driver's `RunState`: step, weight version, counters, each sampler's
+                      data walk position and sampling RNG, held-out rates so far
+
+Atomicity: everything is written into a temporary sibling directory, flushed to disk, and then
+renamed into place in one ``os.replace``; a directory named ``step-*`` is therefore always whole,
+and a process killed mid-write leaves only a ``.tmp-*`` directory that the next write or resume
+removes. Old checkpoints beyond ``keep`` are first renamed aside, then deleted, so a kill during
+pruning never leaves a half-deleted ``step-*`` directory either.
+
+The writer runs in the trainer's process (it holds the model and the optimiser); the run
+directory must be reachable from there under the same path (one host, or a shared filesystem),
+as for the final policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import msgspec
+
+from asyncrl.errors import AsyncrlError
+
+CHECKPOINTS = "checkpoints"
+PREFIX = "step-"
+RUN_STATE = "run_state.json"
+TRAINER_TENSORS = "trainer.pt"
+TRAINER_JSON = "trainer.json"
+MODEL_DIR = "model"
+
+STALL_ENV = "ASYNCRL_TEST_STALL_CHECKPOINT_STEP"
+"""Test-only: the trainer stalls (60 s) while writing the checkpoint of this step, after the model
+files and before the rest, so a test can kill it mid-write. Never set it in a real run."""
+
+
+class CheckpointError(AsyncrlError):
+    """No usable checkpoint, or one that does not fit the run it is resumed into."""
+
+
+class SamplerDataState(msgspec.Struct, frozen=True):
+    """Where one sampler's data stands: ``drawn`` prompts taken from its walk over the train split
+    (seeded by ``seed``), and its sampling RNG (``generator``: a torch generator state; empty
+    means keep the sampler's own). ``generator_seed`` >= 0 reseeds the RNG instead: a restarted
+    sampler gets a fresh stream, not a replay of its previous incarnation's."""
+
+    seed: int
+    drawn: int
+    generator: bytes = b""
+    generator_seed: int = -1
+
+
+class RunState(msgspec.Struct):
+    """The driver's side of a checkpoint (``run_state.json``)."""
+
+    step: int
+    version: int
+    samples: int = 0
+    tokens: int = 0
+    dropped_stale: int = 0
+    train_s: float = 0.0
+    """Wall seconds of training up to this checkpoint, over every resumed segment."""
+    heldout_before: dict[str, float] = {}
+    heldout_last: dict[str, float] = {}
+    samplers: list[SamplerDataState] = []
+    faults: dict[str, int] = {}
+    """Fault counters so far (sampler losses, rejoins, ...), carried into the resumed run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str
+
+    @property
+    def model_dir(self) -> str:
+        return os.path.join(self.path, MODEL_DIR)
+
+    def run_state(self) -> RunState:
+        with open(os.path.join(self.path, RUN_STATE), "rb") as f:
+            try:
+                return msgspec.json.decode(f.read(), type=RunState)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise CheckpointError(f"{self.path}/{RUN_STATE} is not a valid run state: {exc}") from None
+
+
+# --- finding ------------------------------------------------------------------------------------
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, CHECKPOINTS)
+
+
+def list_checkpoints(run_dir: str) -> list[Checkpoint]:
+    """Complete checkpoints of ``run_dir``, oldest first (a ``step-*`` name is only ever given to a
+    whole directory, by the rename that ends a write)."""
+    root = checkpoints_dir(run_dir)
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+            found.append(Checkpoint(int(name[len(PREFIX):]), os.path.join(root, name)))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(run_dir: str) -> Checkpoint:
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"no checkpoint to resume from in {checkpoints_dir(run_dir)} "
+                              "(a run writes them every --run.checkpoint_every steps)")
+    return found[-1]
+
+
+# --- writing (in the trainer's process) ----------------------------------------------------------
+
+
+def write_checkpoint(run_dir: str, step: int, keep: int, model: Any, tokenizer: Any, optimizer: Any,
+                     trainer_steps: int, run_state: bytes, extra_files: list[str] = ()) -> str:
+    """Write the checkpoint of ``step`` atomically and prune to the newest ``keep``; returns its path."""
+    import torch
+
+    root = checkpoints_dir(run_dir)
+    os.makedirs(root, exist_ok=True)
+    _remove_debris(root)
+    final = os.path.join(root, f"{PREFIX}{step:08d}")
+    tmp = os.path.join(root, f".tmp-{PREFIX}{step:08d}-{os.getpid()}")
+    os.makedirs(tmp)
+    model.save_pretrained(os.path.join(tmp, MODEL_DIR), safe_serialization=True)
+    tokenizer.save_pretrained(os.path.join(tmp, MODEL_DIR))
+    for extra in extra_files:
+        shutil.copy(extra, os.path.join(tmp, MODEL_DIR))
+    _test_stall(step)
+    tensors = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda_rng"] = torch.cuda.get_rng_state()
+    torch.save(tensors, os.path.join(tmp, TRAINER_TENSORS))
+    _write_bytes(os.path.join(tmp, TRAINER_JSON),
+                 json.dumps({"steps": trainer_steps, "python_rng": _python_rng_state()}).encode())
+    _write_bytes(os.path.join(tmp, RUN_STATE), run_state)
+    _fsync_tree(tmp)
+    if os.path.exists(final):  # the same step written again (a resumed run): replace it whole
+        _discard(root, final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    prune(run_dir, keep)
+    return final
+
+
+def prune(run_dir: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints (renamed aside first: see the module doc)."""
+    if keep < 1:
+        return
+    for old in list_checkpoints(run_dir)[:-keep]:
+        _discard(checkpoints_dir(run_dir), old.path)
+
+
+def load_trainer_state(checkpoint: Checkpoint, optimizer: Any) -> int:
+    """Restore the optimiser and the RNGs saved with ``checkpoint``; returns the trainer's steps."""
+    import torch
+
+    tensors = torch.load(os.path.join(checkpoint.path, TRAINER_TENSORS), map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(tensors["optimizer"])
+    torch.set_rng_state(tensors["torch_rng"])
+    if "cuda_rng" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda_rng"])
+    with open(os.path.join(checkpoint.path, TRAINER_JSON)) as f:
+        saved = json.load(f)
+    version, internal, gauss = saved["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    return int(saved["steps"])
+
+
+def _python_rng_state() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _test_stall(step: int) -> None:
+    if os.environ.get(STALL_ENV) == str(step):
+        time.sleep(60.0)  # test-only (see STALL_ENV): a test SIGKILLs the trainer meanwhile
+
+
+def _remove_debris(root: str) -> None:
+    """Temporary directories of writes or prunes that a kill interrupted."""
+    for name in os.listdir(root):
+        if name.startswith((".tmp-", ".old-")):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _discard(root: str, path: str) -> None:
+    aside = os.path.join(root, f".old-{os.path.basename(path)}-{os.getpid()}")
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _fsync_tree(path: str) -> None:
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- the driver's side --------------------------------------------------------------------------
+
+
+def write_json_atomic(path: str, value: Any) -> None:
+    """``value`` as JSON at ``path``, replacing the old file in one rename (a reader never sees half)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)
+
+
+def truncate_metrics(path: str, step: int) -> int:
+    """Keep the records of steps <= ``step`` in metrics.jsonl (atomically); returns how many."""
+    if not os.path.exists(path):
+        return 0
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut short by the crash: nothing after it was written whole
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return len(kept)
+
+
+def config_from_dict(default: Any, values: Mapping[str, Any], where: str = "config") -> Any:
+    """The config tree ``default`` with the values of ``values`` (as `config_to_dict` wrote them
+    into config.json). A key the tree does not have is a `CheckpointError` naming it."""
+    changes = {}
+    fields = {f.name: f for f in dataclasses.fields(default)}
+    for key, value in values.items():
+        if key not in fields:
+            raise CheckpointError(f"{where}: unknown key {key!r} (the run was written by another version?)")
+        current = getattr(default, key)
+        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+            changes[key] = config_from_dict(current, value, f"{where}.{key}")
+        elif isinstance(current, tuple) and isinstance(value, list):
+            changes[key] = tuple(value)
+        else:
+            changes[key] = value
+    try:
+        return dataclasses.replace(default, **changes)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
+def load_run_config(default: Any, run_dir: str) -> Any:
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"--resume {run_dir}: no config.json there (not a run directory?)") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    return config_from_dict(default, values)
+
+
+# --- sampler state and weight digests (used in the actors) ---------------------------------------
+
+
+class CountedWalk:
+    """A sampler's walk over the train split that counts the prompts it handed out, so that a
+    resumed run continues the walk where the checkpoint left it (``drawn`` skipped at start)."""
+
+    def __init__(self, walk: Iterator[int], drawn: int = 0):
+        self._walk = walk
+        for _ in range(drawn):
+            next(self._walk)
+        self.drawn = drawn
+
+    def __iter__(self) -> "CountedWalk":
+        return self
+
+    def __next__(self) -> int:
+        index = next(self._walk)
+        self.drawn += 1
+        return index
+
+
+def tensor_digest(tensors: Mapping[str, Any]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order: two holders of
+    the same weights get the same digest whatever device or process they live in."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
