@@ -62,7 +62,9 @@ def tiny(model_path: str, run_dir, *overrides: str) -> GRPOConfig:
         "--run.n_heldout", "8", "--run.eval_every", "1000", "--run.eval_samples", "0", "--run.checkpoint_every", "0",
         "--run.generate_timeout_s", "30", "--run.queue_timeout_s", "90", "--run.train_timeout_s", "60",
         "--run.sync_timeout_s", "10", "--run.rendezvous_timeout_s", "20", "--run.restart_timeout_s", "60",
-        "--run.eval_timeout_s", "60", "--run.checkpoint_timeout_s", "60", *overrides])
+        "--run.eval_timeout_s", "60", "--run.checkpoint_timeout_s", "60",
+        "--sampler.backend", "hf",  # weight digests and the sampling RNG live in the actor with HF only
+        *overrides])
 
 
 def records(run_dir) -> list[dict]:
