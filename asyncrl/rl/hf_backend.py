@@ -27,7 +27,7 @@ import torch
 
 from asyncrl.rl.sampler import (
     Completion,
-    SamplerBackend,
+    PausableBackend,
     SamplerClosedError,
     SamplerTimeoutError,
     SamplingParams,
@@ -70,7 +70,7 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
 
 
-class HFBackend(SamplerBackend):
+class HFBackend(PausableBackend):
     """Batched sampling with a transformers causal LM (``model`` in eval mode on its device).
 
     Concurrency contract (the sampler actor's version tagging relies on it): when not paused,
@@ -145,55 +145,13 @@ class HFBackend(SamplerBackend):
         finally:
             await self.resume()
 
-    async def pause(self, timeout_s: float = 600.0) -> None:
-        """Stop new generates from starting and wait for the one in flight. On timeout the pause
-        is undone (it either holds with nothing in flight, or has no effect) and this raises."""
-        self._events()
-        self._paused = True
-        self._resumed.clear()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            await self.resume()
-            raise SamplerTimeoutError(f"pause: the generate in flight did not finish within {timeout_s:g} s") from None
-        except BaseException:
-            await self.resume()
-            raise
-
-    async def resume(self) -> None:
-        self._events()
-        self._paused = False
-        self._resumed.set()
-
     def close(self) -> None:
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._resumed is not None:
             self._resumed.set()  # wake generates held by a pause: they raise SamplerClosedError
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     # --- waiting --------------------------------------------------------------------------------
-
-    def _events(self) -> None:
-        if self._resumed is None:
-            self._resumed, self._idle = asyncio.Event(), asyncio.Event()
-            self._resumed.set()
-            self._idle.set()
-
-    async def _wait_resumed(self) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.resume_timeout_s
-        while self._paused:  # re-checked after each wake-up: a new pause may have begun since
-            remaining = deadline - loop.time()
-            try:
-                await asyncio.wait_for(self._resumed.wait(), max(remaining, 0.0))
-            except asyncio.TimeoutError:
-                raise SamplerTimeoutError(f"generate: backend still paused after {self.resume_timeout_s:g} s") from None
-            if self._closed:
-                raise SamplerClosedError("HFBackend was closed while paused")
 
     def _load_between_steps(self, load: Callable[[Mapping[str, torch.Tensor]], object], timeout_s: float) -> None:
         with self._gate:
@@ -222,11 +180,6 @@ class HFBackend(SamplerBackend):
             with self._gate:
                 self._stepping = False
                 self._gate.notify_all()
-
-    def _finished(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0:
-            self._idle.set()
 
     # --- the blocking part (worker thread) ------------------------------------------------------
 

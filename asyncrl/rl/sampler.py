@@ -183,6 +183,60 @@ def choose_backend(name: str, device: torch.device) -> str:
     return "hf"
 
 
+class PausableBackend(SamplerBackend):
+    """The pause/resume bookkeeping every backend shares. A subclass sets ``_paused = False``,
+    ``_inflight = 0``, ``_resumed = _idle = None``, ``_closed = False`` and ``resume_timeout_s`` in
+    its ``__init__``; its ``generate`` calls ``_events()``, waits with ``_wait_resumed()`` when
+    ``_paused`` (with no ``await`` before that check when not paused), counts itself in
+    ``_inflight`` (clearing ``_idle``) and calls ``_finished()`` when its work is really done."""
+
+    async def pause(self, timeout_s: float = 600.0) -> None:
+        """Stop new generates from starting and wait for those in flight. On timeout the pause is
+        undone (it either holds with nothing in flight, or has no effect) and this raises."""
+        self._events()
+        self._paused = True
+        self._resumed.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            await self.resume()
+            raise SamplerTimeoutError(f"pause: the generates in flight did not finish within {timeout_s:g} s") from None
+        except BaseException:
+            await self.resume()
+            raise
+
+    async def resume(self) -> None:
+        self._events()
+        self._paused = False
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _events(self) -> None:
+        if self._resumed is None:  # made on first use, on the actor's loop
+            self._resumed, self._idle = asyncio.Event(), asyncio.Event()
+            self._resumed.set()
+            self._idle.set()
+
+    async def _wait_resumed(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.resume_timeout_s
+        while self._paused:  # re-checked after each wake-up: a new pause may have begun since
+            try:
+                await asyncio.wait_for(self._resumed.wait(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise SamplerTimeoutError(f"generate: backend still paused after {self.resume_timeout_s:g} s") from None
+            if self._closed:
+                raise SamplerClosedError(f"{type(self).__name__} was closed while paused")
+
+    def _finished(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+
 def __getattr__(name: str) -> Any:
     # HFBackend lives in hf_backend.py, which imports this module: load it on first use.
     if name == "HFBackend":

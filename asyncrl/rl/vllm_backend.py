@@ -39,10 +39,9 @@ from asyncrl.comm.errors import WeightSyncError
 from asyncrl.rl.hf_backend import _check_request, row_seed
 from asyncrl.rl.sampler import (
     Completion,
-    SamplerBackend,
+    PausableBackend,
     SamplerClosedError,
     SamplerError,
-    SamplerTimeoutError,
     SamplingParams,
 )
 
@@ -198,7 +197,7 @@ def load_prompt_format(path: str) -> tuple[Any, Any]:
     return tokenizer, PromptFormat(style, tokenizer, stops, int(hint))
 
 
-class VLLMBackend(SamplerBackend):
+class VLLMBackend(PausableBackend):
     """Sampling with vLLM's ``AsyncLLM`` on ``device`` (``cpu`` with a CPU build of vLLM, or the
     actor's one GPU). ``dtype`` is the engine's ("float32" by default on CPU, so log-probs match
     an fp32 trainer; "auto": the checkpoint's). ``prefix_caching``: off for in-flight weight
@@ -303,26 +302,6 @@ class VLLMBackend(SamplerBackend):
                            timeout_s: float = 600.0) -> None:
         self.weight_tensors()  # raises: see there
 
-    async def pause(self, timeout_s: float = 600.0) -> None:
-        """Stop new generates from starting and wait for those in flight (their requests end or
-        are aborted). On timeout the pause is undone and this raises `SamplerTimeoutError`."""
-        self._events()
-        self._paused = True
-        self._resumed.clear()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            await self.resume()
-            raise SamplerTimeoutError(f"pause: the generates in flight did not finish within {timeout_s:g} s") from None
-        except BaseException:
-            await self.resume()
-            raise
-
-    async def resume(self) -> None:
-        self._events()
-        self._paused = False
-        self._resumed.set()
-
     def close(self) -> None:
         """Shut the engine down (its process ends with it). Idempotent."""
         if self._closed:
@@ -338,10 +317,6 @@ class VLLMBackend(SamplerBackend):
             del engine
         finally:
             self._janitor.finish()
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
 
     # --- weight sync in the engine ----------------------------------------------------------------
 
@@ -470,28 +445,3 @@ class VLLMBackend(SamplerBackend):
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    # --- waiting ----------------------------------------------------------------------------------
-
-    def _events(self) -> None:
-        if self._resumed is None:
-            self._resumed, self._idle = asyncio.Event(), asyncio.Event()
-            self._resumed.set()
-            self._idle.set()
-
-    async def _wait_resumed(self) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.resume_timeout_s
-        while self._paused:  # re-checked after each wake-up: a new pause may have begun since
-            try:
-                await asyncio.wait_for(self._resumed.wait(), max(deadline - loop.time(), 0.0))
-            except asyncio.TimeoutError:
-                raise SamplerTimeoutError(f"generate: backend still paused after {self.resume_timeout_s:g} s") from None
-            if self._closed:
-                raise SamplerClosedError("VLLMBackend was closed while paused")
-
-    def _finished(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0:
-            self._idle.set()
-
