@@ -22,11 +22,13 @@ def run_members(n, fn, *, timeout_s=10.0, world_size=None, generation_of=lambda 
     listener = reserve_listener(HOST)
     port = listener.getsockname()[1]
     results = {}
+    groups = []
 
     def member(rank):
         try:
             group = StoreGroup.create(HOST, port, rank, world_size or n, timeout_s,
                                       generation=generation_of(rank), listener=listener if rank == 0 else None)
+            groups.append(group)
             results[rank] = fn(group)
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             results[rank] = exc
@@ -37,6 +39,10 @@ def run_members(n, fn, *, timeout_s=10.0, world_size=None, generation_of=lambda 
     for t in threads:
         t.join(timeout=timeout_s + 10)
     assert not any(t.is_alive() for t in threads), "a member hung"
+    # Close only now: rank 0's store server goes with its group, and a member that has passed the
+    # last barrier may not have read the server's answer yet (CI saw "lost the store" that way).
+    for group in groups:
+        group.close()
     return results
 
 
