@@ -11,7 +11,9 @@ solver-written solutions (cached on disk, so only the first run pays for it). Th
 gets config.json, metrics.jsonl, progress.json, summary.json, resumable checkpoints and the final
 policy as a Hugging Face checkpoint. ``--resume RUN_DIR`` takes that run's config.json (overrides
 given with it apply on top, e.g. ``--run.steps`` to go further) and its latest checkpoint. A run
-that cannot go on (its trainer died or hung) exits with status 1 and one line saying why.
+that cannot go on (its trainer died or hung) exits with status 1 and one line saying why; a
+setting the run refuses (a held-out set the warm start saw, --run.check_weights with vLLM
+samplers, a run directory holding another run's checkpoints) exits with status 2.
 Copy this file and change what you like: everything below is the public API.
 """
 
@@ -21,7 +23,7 @@ import sys
 
 from asyncrl import Supervisor
 from asyncrl.rl.checkpoint import load_run_config
-from asyncrl.rl.config import help_text, parse_overrides
+from asyncrl.rl.config import ConfigError, help_text, parse_overrides
 from asyncrl.rl.grpo import GRPOConfig, train
 from asyncrl.rl.recovery import RunStoppedError
 
@@ -49,4 +51,7 @@ async def main() -> int:
     except RunStoppedError as exc:  # every actor is gone by now (the supervisor stopped them)
         print(f"grpo_countdown: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # a setting the run refuses, found before training began
+        print(f"grpo_countdown: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from typing import AsyncIterator
 
@@ -103,6 +104,10 @@ class Echo(Actor):
     @endpoint
     async def env(self, key: str) -> str:
         return os.environ.get(key, "<unset>")
+
+    @endpoint
+    async def sys_path(self) -> list[str]:
+        return list(sys.path)
 
     @endpoint
     async def spawn_grandchild(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -273,3 +274,14 @@ async def test_supervisor_that_cannot_bind_tears_down_what_it_built():
     assert after <= before
     with pytest.raises(SupervisorClosedError):
         await sup.spawn(Echo)
+
+
+async def test_an_actor_imports_with_the_drivers_path_in_the_drivers_order(tmp_path, monkeypatch):
+    # setuptools appends its vendored packages last in a driver that imports it; an actor that put
+    # such entries first let an old typing_extensions shadow the installed one.
+    first, last = str(tmp_path / "first"), str(tmp_path / "last")
+    monkeypatch.setattr("sys.path", [first, *sys.path, last])
+    async with Supervisor() as sup:
+        path = await (await sup.spawn(Echo, name="e")).sys_path()
+    site = next(i for i, p in enumerate(path) if p.endswith("site-packages"))
+    assert path.index(first) < site < path.index(last), path

@@ -33,6 +33,7 @@ from asyncrl import RemoteError, Supervisor, endpoint
 from asyncrl.comm.member import SyncMember, form_group
 from asyncrl.comm.rendezvous import join_all
 from asyncrl.comm.weights import WeightSender
+from asyncrl.rl.recovery import _suffered
 from asyncrl.rl.sampler import SamplerActor, SamplingParams
 from conftest import descendants, kill_all, process_alive, wait_until
 from test_sampler import N_HELDOUT, N_TRAIN, policy, prompts, recomputed, tiny_path  # noqa: F401 (fixtures)
@@ -267,7 +268,8 @@ def _spawn_sampler(sup, tiny_path, **kwargs):
 async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny_path, policy, tmp_path):
     """Pause mode: new weights change the greedy output; the original ones restore it exactly;
     a sync during a generate waits for it; a failed sync fails on both sides and holds rollouts
-    until a good one. Then SIGKILL the actor: vLLM's engine process must go with it."""
+    until a good one; the sender's death mid-sync is a peer's failure, and the engine rejoins a
+    rebuilt group. Then SIGKILL the actor: vLLM's engine process must go with it."""
     from asyncrl.rl.countdown import train_and_heldout
 
     model, _, fmt = policy
@@ -306,6 +308,7 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
 
         failed = await asyncio.gather(pusher.send(3, "changed"), sampler.receive_weights(4), return_exceptions=True)
         assert all(isinstance(r, RemoteError) for r in failed), failed
+        assert failed[1].remote_type == "WeightSyncError", failed[1]  # the worker's error type came through
         waiting = asyncio.ensure_future(_collect(sampler.rollouts(1)))
         await asyncio.sleep(0.3)
         assert not waiting.done()  # no rollout from weights that may be half-written
@@ -315,6 +318,20 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         stats = await sampler.stats()
         assert stats["syncs"] == 3 and stats["failed_syncs"] == 1 and stats["syncs_waited_for_generate"] >= 1
         assert await sampler.sync_created() == {"gloo": 1}  # one communicator, in the engine's process
+
+        # The sender dies in the middle of a sync: the engine's failure says it suffered a peer's
+        # (so the driver keeps this sampler), and the engine joins the rebuilt group and takes weights.
+        receiving = asyncio.ensure_future(sampler.receive_weights(6))
+        await asyncio.sleep(1.0)
+        os.kill(sup._records["pusher"].proc.pid, signal.SIGKILL)
+        [suffered] = await asyncio.gather(receiving, return_exceptions=True)
+        assert isinstance(suffered, RemoteError) and _suffered(suffered), suffered
+        pusher = await sup.spawn(StatePusher, files, name="pusher2", env={"OMP_NUM_THREADS": "1"})
+        assert await form_group([pusher, sampler], HOST, generation=1, timeout_s=60) > 0
+        await asyncio.gather(pusher.setup(), sampler.setup_receiver(60))
+        await asyncio.gather(pusher.send(7, "original"), sampler.receive_weights(7))
+        assert [g[0].token_ids for g in await sampler.generate(probe, 1, greedy)] == [g[0].token_ids for g in before]
+        assert await sampler.sync_created() == {"gloo": 2}
 
         # SIGKILL of the actor: its group (vLLM's engine core, its worker, multiprocessing's
         # resource tracker) goes with it.
@@ -439,6 +456,20 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path):
     assert summary["steps"] == 3 and json.loads((run_dir / "config.json").read_text())["sampler"]["backend"] == "vllm"
 
 
+async def test_check_weights_is_refused_before_a_run_with_vllm_samplers(vllm_required, tiny_path, tmp_path):
+    """A vLLM sampler's weights live in its engine (repacked on CPU): no digest to compare, so
+    ``--run.check_weights`` is a config error at the start, not a sampler lost after every sync."""
+    from asyncrl.rl.config import ConfigError, parse_overrides
+    from asyncrl.rl.grpo import GRPOConfig, train
+
+    config = parse_overrides(GRPOConfig(model_path=tiny_path), [
+        "--run.run_dir", str(tmp_path / "run"), "--run.n_train", "40", "--run.n_heldout", "8",
+        "--sampler.backend", "auto", "--run.check_weights", "true"])
+    async with Supervisor(start_timeout_s=240) as sup:
+        with pytest.raises(ConfigError, match="sampler0 uses the vLLM backend; add --sampler.backend hf"):
+            await train(config, sup)
+
+
 # --- the worker extension without vLLM (its GPU path included, on a stand-in model) ----------------
 
 
@@ -545,7 +576,7 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
 
 
 def test_the_worker_extension_refuses_bad_control_values():
-    from asyncrl.rl.vllm_worker import WeightSyncError
+    from asyncrl.rl.vllm_worker import WorkerSyncError
 
     worker = _worker({}, "/nonexistent", True)
     good = dict(host=HOST, port=1234, rank=1, world_size=2, generation=0, backend="gloo", timeout_s=5.0, name="w")
@@ -553,7 +584,7 @@ def test_the_worker_extension_refuses_bad_control_values():
                 {"host": ""}, {"name": 3}):
         with pytest.raises(ValueError):
             worker.asyncrl_join(**(good | bad))
-    with pytest.raises(WeightSyncError, match="before joining"):
+    with pytest.raises(WorkerSyncError, match="before joining"):
         worker.asyncrl_setup_receiver(5.0)
     with pytest.raises(ValueError, match="version"):
         worker.asyncrl_receive_weights(-1)
@@ -581,7 +612,7 @@ def test_a_layout_that_is_not_the_checkpoints_is_refused(tmp_path):
 
 
 def test_the_pulled_loader_reports_a_failure_and_never_hangs():
-    from asyncrl.rl.vllm_worker import WeightSyncError, _PulledLoad
+    from asyncrl.rl.vllm_worker import WorkerSyncError, _PulledLoad
 
     def failing(weights):
         next(iter(weights))
@@ -589,7 +620,7 @@ def test_the_pulled_loader_reports_a_failure_and_never_hangs():
 
     load = _PulledLoad(failing, total=3, timeout_s=5.0, depth=1)
     load("a", torch.zeros(2))
-    with pytest.raises(WeightSyncError, match="bad weight"):
+    with pytest.raises(WorkerSyncError, match="bad weight"):
         for name in ("b", "c"):
             load(name, torch.zeros(2))
             time.sleep(0.2)
@@ -607,4 +638,39 @@ def test_the_pulled_loader_reports_a_failure_and_never_hangs():
     partial = _PulledLoad(lambda weights: seen.extend(weights), total=3, timeout_s=5.0)
     partial("a", torch.zeros(1))  # the receiver gives up after one tensor: the loader ends, raising
     partial.close()
-    assert isinstance(partial.error, WeightSyncError) and [n for n, _ in seen] == ["a"]
+    assert isinstance(partial.error, WorkerSyncError) and [n for n, _ in seen] == ["a"]
+
+
+def test_the_worker_answers_data_plane_errors_by_type_and_raises_the_rest():
+    from asyncrl.comm.rendezvous import reserve_listener
+    from asyncrl.rl.vllm_worker import WorkerSyncError
+
+    worker = _worker({}, "/nonexistent", True)
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    listener.close()  # nobody hosts the store there: the join times out, a data-plane error
+    answer = worker.asyncrl_call("join", HOST, port, 1, 2, 0, "gloo", 1.0, "weights")
+    assert answer["error"] == "RendezvousTimeoutError" and "rank(s) [0]" in answer["message"], answer
+    assert worker.asyncrl_call("created") == {"ok": worker.asyncrl_created()}
+    with pytest.raises(WorkerSyncError, match="before joining"):  # this worker's own state: raised as it is
+        worker.asyncrl_call("setup_receiver", 5.0)
+    with pytest.raises(WorkerSyncError, match="no weight-sync call"):
+        worker.asyncrl_call("__init__")
+
+
+def test_the_janitor_cleans_up_after_an_actor_that_died_before_its_engine_was_up(tmp_path):
+    from asyncrl.rl.vllm_backend import _Janitor
+
+    early = tmp_path / "early"
+    early.mkdir()
+    janitor = _Janitor(str(early))
+    janitor.proc.stdin.close()  # what the actor's death does to the pipe
+    assert janitor.proc.wait(10) == 0 and not early.exists()
+
+    late, segment = tmp_path / "late", f"asyncrl-test-{os.getpid()}"
+    late.mkdir()
+    open(os.path.join("/dev/shm", segment), "wb").close()
+    janitor = _Janitor(str(late))
+    janitor.watch([segment])
+    janitor.finish()
+    assert janitor.proc.returncode == 0 and not late.exists() and not os.path.exists(os.path.join("/dev/shm", segment))

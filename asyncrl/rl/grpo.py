@@ -96,7 +96,8 @@ class RunSection:
     """How long a lost sampler's restart is awaited before it counts as gone for good."""
     check_weights: bool = False
     """After every sync, compare a digest of the weights on the trainer and on every sampler; a
-    mismatch stops the run (tests and debugging: one pass over the weights per member and sync)."""
+    mismatch stops the run (tests and debugging: one pass over the weights per member and sync).
+    HF samplers only: a run with a vLLM sampler is refused at the start."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -271,12 +272,23 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                         "sync_timeout_s": run.sync_timeout_s, "weight_update": config.sampler.weight_update,
                         "backend": config.sampler.backend})
                     for i in range(config.sampler.count)]
+        if run.check_weights:
+            await _check_digestible(samplers)
         host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
         loop = _Loop(config, trainer, samplers, heldout, run_dir, log, host=host, backend="nccl" if cuda else "gloo",
                      seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint)
         return await loop.execute()
     finally:
         status.close()
+
+
+async def _check_digestible(samplers: list[Any]) -> None:
+    """``--run.check_weights`` reads each sampler's weights in the actor; a vLLM sampler keeps
+    them in its engine's process (repacked for its kernels on CPU), so refuse before the run."""
+    for sampler, stats in zip(samplers, await asyncio.gather(*(s.stats() for s in samplers))):
+        if stats["backend"] == "vllm":
+            raise ConfigError(f"--run.check_weights needs samplers that hold their weights in the actor, but "
+                              f"{stats['name']} uses the vLLM backend; add --sampler.backend hf, or drop check_weights")
 
 
 class _Loop:

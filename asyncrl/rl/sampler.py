@@ -465,9 +465,10 @@ class SamplerActor(SyncMember):
         ``generate_s`` (wall time in rollout generation) and ``tokens_per_s`` over it; weight syncs:
         ``syncs``, ``failed_syncs``, ``weight_sync_s`` (wait + transfer), ``pause_s`` (waiting for
         the batch in flight, or for the end of a decoding step), ``syncs_waited_for_generate``,
-        ``discarded_batches`` (in flight during a failed sync); ``version`` now; ``name``."""
+        ``discarded_batches`` (in flight during a failed sync); ``version`` now; ``name``;
+        ``backend`` (``"hf"`` or ``"vllm"``)."""
         s = dict(self._stats)
-        s.update(version=self.version, name=self.name,
+        s.update(version=self.version, name=self.name, backend=self.backend_name,
                  tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
         return s
 

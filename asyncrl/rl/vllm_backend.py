@@ -35,7 +35,15 @@ from typing import Any
 
 import torch
 
-from asyncrl.comm.errors import WeightSyncError
+from asyncrl.comm.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommLibraryError,
+    CommunicatorClosedError,
+    LayoutMismatchError,
+    RendezvousError,
+    WeightSyncError,
+)
 from asyncrl.rl.hf_backend import _check_request, row_seed
 from asyncrl.rl.sampler import (
     Completion,
@@ -53,11 +61,17 @@ class EngineWeightSyncError(WeightSyncError):
     """The vLLM worker failed a weight-sync control call (join, set-up, receive); says which and why."""
 
 
+# The worker's data-plane errors, raised again here under their own type (all take one message;
+# a RendezvousTimeoutError comes back as its base class, RendezvousError).
+_COMM_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
+    RendezvousError, CollectiveError, CollectiveTimeoutError, CommunicatorClosedError, CommLibraryError,
+    WeightSyncError, LayoutMismatchError)} | {"RendezvousTimeoutError": RendezvousError}
+
+
 @functools.lru_cache(maxsize=None)
 def _unusable(kind: str) -> str:
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not installed"
-    _unshadow_vendored_paths()
     try:
         from vllm.platforms import current_platform
     except Exception as exc:  # a broken install (e.g. a torchvision built for another torch)
@@ -71,27 +85,16 @@ def _unusable(kind: str) -> str:
     return ""
 
 
-def _unshadow_vendored_paths() -> None:
-    """vLLM spawns its engine processes with this process's ``sys.path``. setuptools appends its
-    vendored packages (an old ``typing_extensions`` among them) to ``sys.path``, and an actor
-    started by a driver that imported setuptools gets the driver's path entries put first, where
-    they shadow the installed packages and vLLM's children fail to import pydantic. Move them last."""
-    vendored = [p for p in sys.path if p.rstrip(os.sep).endswith(os.path.join("setuptools", "_vendor"))]
-    for path in vendored:
-        sys.path.remove(path)
-        sys.path.append(path)
-
-
 _JANITOR = """
 import os, shutil, sys
-names = sys.stdin.readline().split()
+names = sys.stdin.readline().split()  # empty if the actor died before the engine was up
 sys.stdin.read()  # returns at EOF: the sampler actor closed the pipe, or died, whichever way
-for name in names[1:]:
+for name in names:
     try:
         os.unlink(os.path.join("/dev/shm", name))
     except OSError:
         pass
-shutil.rmtree(names[0], ignore_errors=True)
+shutil.rmtree(sys.argv[1], ignore_errors=True)
 """
 
 
@@ -106,22 +109,17 @@ class _Janitor:
         import subprocess
 
         self.scratch = scratch
-        self.proc = subprocess.Popen([sys.executable, "-c", _JANITOR], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", _JANITOR, scratch], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, start_new_session=True, text=True)
 
     def watch(self, shm_names: list[str]) -> None:
-        self.proc.stdin.write(" ".join([self.scratch, *shm_names]) + "\n")
+        self.proc.stdin.write(" ".join(shm_names) + "\n")
         self.proc.stdin.flush()
 
     def finish(self) -> None:
         """Clean up now (after the engine shut down); waits for the janitor, briefly."""
         if self.proc.stdin.closed:
             return
-        try:
-            if self.proc.poll() is None:
-                self.proc.stdin.write(self.scratch + "\n")  # if watch never came: the directory only
-        except OSError:
-            pass
         try:
             self.proc.stdin.close()
         except OSError:
@@ -248,7 +246,6 @@ class VLLMBackend(PausableBackend):
         if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
             raise ValueError("VLLMBackend runs one worker (tensor and pipeline parallel size 1): each worker "
                              "would need a rank of its own in the weight-sync group")
-        _unshadow_vendored_paths()
         # vLLM leaves its ZeroMQ socket files (and, for a multi-process executor, a file store)
         # in the temporary directory, and its shared-memory queues when it is killed: give it a
         # directory of its own, and a janitor that removes both whenever this process ends.
@@ -322,11 +319,11 @@ class VLLMBackend(PausableBackend):
 
     async def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, *, generation: int,
                                backend: str, timeout_s: float, name: str) -> str:
-        return await self._rpc("asyncrl_join", timeout_s, host, port, rank, world_size, generation, backend,
+        return await self._rpc("join", timeout_s, host, port, rank, world_size, generation, backend,
                                float(timeout_s), name)
 
     async def setup_weight_receiver(self, timeout_s: float) -> int:
-        return await self._rpc("asyncrl_setup_receiver", timeout_s, float(timeout_s))
+        return await self._rpc("setup_receiver", timeout_s, float(timeout_s))
 
     async def receive_weights(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
         """Pause mode: no new request, wait for those running (`SamplerTimeoutError` if they do
@@ -337,7 +334,7 @@ class VLLMBackend(PausableBackend):
             await self.pause(timeout_s)
         try:
             waited = time.perf_counter() - start
-            await self._rpc("asyncrl_receive_weights", timeout_s, version)
+            await self._rpc("receive_weights", timeout_s, version)
             if self.prefix_caching:  # cached prefixes were computed with the old weights
                 reset = await self.engine.reset_prefix_cache()
                 if reset is False:
@@ -349,26 +346,34 @@ class VLLMBackend(PausableBackend):
 
     async def leave_weight_sync(self) -> None:
         if not self._closed:
-            await self._rpc("asyncrl_leave", 30.0)
+            await self._rpc("leave", 30.0)
 
     async def communicators_created(self) -> dict[str, int]:
-        return await self._rpc("asyncrl_created", 30.0)
+        return await self._rpc("created", 30.0)
 
-    async def _rpc(self, method: str, timeout_s: float, *args: Any) -> Any:
-        """One control call to the worker; only plain values go in and come back."""
+    async def _rpc(self, call: str, timeout_s: float, *args: Any) -> Any:
+        """One control call to the worker (`WeightSyncExtension.asyncrl_call`); only plain values
+        go in and come back. A data-plane error in the worker is raised here as the same
+        `asyncrl.comm.errors` type, so the driver can tell a peer's failure from this engine's."""
         if self._closed:
-            raise SamplerClosedError(f"VLLMBackend is closed: cannot {method}")
+            raise SamplerClosedError(f"VLLMBackend is closed: cannot {call}")
         bound = timeout_s + 10  # the worker's own waits are bounded by timeout_s: leave it room to say why
         try:
             results = await asyncio.wait_for(
-                self.engine.collective_rpc(method, timeout=bound, args=tuple(args)), bound + 5)
+                self.engine.collective_rpc("asyncrl_call", timeout=bound, args=(call, *args)), bound + 5)
         except asyncio.TimeoutError:
-            raise EngineWeightSyncError(f"the vLLM worker did not answer {method} within {bound + 5:g} s") from None
+            raise EngineWeightSyncError(f"the vLLM worker did not answer {call} within {bound + 5:g} s") from None
         except Exception as exc:
-            raise EngineWeightSyncError(f"the vLLM worker failed {method}: {type(exc).__name__}: {exc}") from exc
+            raise EngineWeightSyncError(f"the vLLM worker failed {call}: {type(exc).__name__}: {exc}") from exc
         if len(results) != 1:
-            raise EngineWeightSyncError(f"{method}: expected one vLLM worker's answer, got {len(results)}")
-        return results[0]
+            raise EngineWeightSyncError(f"{call}: expected one vLLM worker's answer, got {len(results)}")
+        answer = results[0]
+        if not isinstance(answer, dict) or not ("ok" in answer or "error" in answer):
+            raise EngineWeightSyncError(f"{call}: the vLLM worker answered {answer!r:.200}")
+        if "error" in answer:
+            error = _COMM_ERRORS.get(answer["error"], EngineWeightSyncError)
+            raise error(f"the vLLM worker failed {call}: {answer['error']}: {answer.get('message', '')}")
+        return answer["ok"]
 
     # --- generation -------------------------------------------------------------------------------
 

@@ -38,13 +38,33 @@ _DONE = object()
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is not a checkpoint we trust
 
 
-class WeightSyncError(RuntimeError):
+class WorkerSyncError(RuntimeError):
     """A weight-sync control call reached the worker in a state or with values it cannot take."""
+
+
+CALLS = ("join", "setup_receiver", "receive_weights", "leave", "created")
+"""The control calls `asyncrl_call` dispatches (each is the ``asyncrl_<name>`` method)."""
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's worker (``self.model_runner``, ``self.device`` come from it). One
     membership at a time; `asyncrl_join` leaves the previous one first."""
+
+    def asyncrl_call(self, call: str, *args: Any) -> dict[str, Any]:
+        """The one entry point `VLLMBackend` calls through ``collective_rpc``: run ``asyncrl_<call>``
+        and answer ``{"ok": result}``, or ``{"error": type name, "message": text}`` when the data
+        plane raised (an `asyncrl.comm.errors.CommError`). vLLM passes an exception raised here on
+        as text only; the type must survive, because it tells a member that suffered a peer's
+        failure (it stays in the run) from one that failed by itself (it is replaced). Anything
+        else raises as it is."""
+        from asyncrl.comm.errors import CommError
+
+        if call not in CALLS:
+            raise WorkerSyncError(f"no weight-sync call {call!r} (known: {', '.join(CALLS)})")
+        try:
+            return {"ok": getattr(self, f"asyncrl_{call}")(*args)}
+        except CommError as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
 
     def asyncrl_join(self, host: str, port: int, rank: int, world_size: int, generation: int, backend: str,
                      timeout_s: float, name: str) -> str:
@@ -85,7 +105,7 @@ class WeightSyncExtension:
             raise ValueError(f"version must be a non-negative int, not {version!r}")
         member = self._asyncrl_member("receive_weights")
         if member.receiver is None:
-            raise WeightSyncError("receive_weights before setup_receiver")
+            raise WorkerSyncError("receive_weights before setup_receiver")
         if self._asyncrl_loads_in_place():
             model = self.model_runner.model
             stats = member.receiver.receive(version, lambda name, t: model.load_weights([(name, t)]))
@@ -115,7 +135,7 @@ class WeightSyncExtension:
     def _asyncrl_member(self, what: str) -> _Membership:
         member = getattr(self, "_asyncrl", None)
         if member is None:
-            raise WeightSyncError(f"{what} before joining a weight-sync group")
+            raise WorkerSyncError(f"{what} before joining a weight-sync group")
         return member
 
     def _asyncrl_loads_in_place(self) -> bool:
@@ -182,7 +202,7 @@ class _PulledLoad:
         deadline = time.monotonic() + self.timeout_s
         while True:
             if self.error is not None:
-                raise WeightSyncError(f"the vLLM weight loader failed: {self.error!r}") from self.error
+                raise WorkerSyncError(f"the vLLM weight loader failed: {self.error!r}") from self.error
             try:
                 self.queue.put(item, timeout=min(0.5, max(deadline - time.monotonic(), 0.001)))
                 return
@@ -197,7 +217,7 @@ class _PulledLoad:
             self.stop.set()
             raise TimeoutError(f"the vLLM weight loader did not finish within {self.timeout_s:g} s of the last tensor")
         if self.error is not None:
-            raise WeightSyncError(f"the vLLM weight loader failed: {self.error!r}") from self.error
+            raise WorkerSyncError(f"the vLLM weight loader failed: {self.error!r}") from self.error
 
     def _run(self) -> None:
         try:
@@ -211,7 +231,7 @@ class _PulledLoad:
                 item = self.queue.get(timeout=0.5)
             except queue.Empty:
                 if self.stop.is_set():
-                    raise WeightSyncError("the weight sync ended before every tensor arrived") from None
+                    raise WorkerSyncError("the weight sync ended before every tensor arrived") from None
                 continue
             if item is _DONE:
                 return

@@ -151,7 +151,10 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
             init, frames = await asyncio.wait_for(control.init, init_timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no Init for actor {name!r} from the supervisor within {init_timeout_s:g} s") from None
-        sys.path[:0] = [p for p in init.sys_path if p not in sys.path]
+        # The driver's import path, in the driver's order, then whatever only this process has.
+        # (Putting the driver's extra entries first instead let setuptools' vendored packages,
+        # which it appends last, shadow installed ones in the actor and its children.)
+        sys.path[:] = [*init.sys_path, *(p for p in sys.path if p not in init.sys_path)]
         heartbeat = _Heartbeat(sup_address, name, incarnation, init.heartbeat_interval_s, keys)
         heartbeat.start()
         try:
