@@ -167,6 +167,19 @@ def test_load_policy_accepts_another_checkpoint(tmp_path):
     assert fmt.style == "plain" and tok.decode(fmt.prompt_ids(P)) == format_prompt(P) + "\n"
 
 
+def test_the_prompt_format_alone_is_load_policys(tmp_path, built):
+    """What a vLLM sampler uses (no model loaded) must be what an HF sampler and the trainer use."""
+    for path in (built, other_checkpoint(tmp_path / "chat", chat_template=True),
+                 other_checkpoint(tmp_path / "plain", chat_template=False)):
+        _, _, full = load_policy(path)
+        _, alone = M.load_prompt_format(path)
+        assert (alone.style, alone.stop_token_ids, alone.max_new_tokens_hint) == \
+            (full.style, full.stop_token_ids, full.max_new_tokens_hint), path
+        assert alone.prompt_ids(P) == full.prompt_ids(P)
+    with pytest.raises(PolicyLoadError, match="no config.json"):
+        M.load_prompt_format(str(tmp_path))
+
+
 def test_batched_left_padded_generation_matches_one_at_a_time(built):
     model, tok, fmt = load_policy(built)
     problems = [CountdownProblem(numbers=[1, 2, 3], target=6, solution="1 + 2 + 3"), P,
@@ -185,11 +198,13 @@ def test_load_policy_errors(tmp_path, built):
         with open(os.path.join(built, name), "rb") as src, open(bad / name, "wb") as dst:
             dst.write(src.read())
     (bad / M.MARKER_FILE).write_text(json.dumps({"prompt_style": "poetry"}))
-    with pytest.raises(PolicyLoadError, match="poetry"):
-        load_policy(str(bad))
-    (bad / M.MARKER_FILE).write_text("[1, 2")
-    with pytest.raises(PolicyLoadError, match="unreadable"):
-        load_policy(str(bad))
+    for load in (load_policy, M.load_prompt_format):
+        (bad / M.MARKER_FILE).write_text(json.dumps({"prompt_style": "poetry"}))
+        with pytest.raises(PolicyLoadError, match="poetry"):
+            load(str(bad))
+        (bad / M.MARKER_FILE).write_text("[1, 2")
+        with pytest.raises(PolicyLoadError, match="unreadable"):
+            load(str(bad))
 
 
 @pytest.mark.parametrize("bad", [

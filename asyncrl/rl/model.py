@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -243,13 +243,41 @@ class PromptFormat:
         return list(self.tokenizer(self.prompt_text(problem), add_special_tokens=specials)["input_ids"])
 
 
-def _stop_token_ids(model, tokenizer) -> list[int]:
+def _stop_token_ids(generation_eos: Any, tokenizer) -> list[int]:
+    """The generation config's end-of-sequence id(s) (an id, a list, or None), then the tokenizer's."""
     ids: list[int] = []
-    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for value in (generation_eos, tokenizer.eos_token_id):
         for i in (value if isinstance(value, (list, tuple)) else [value]):
-            if i is not None and i not in ids:
+            if i is not None and int(i) not in ids:
                 ids.append(int(i))
     return ids
+
+
+def _prompt_style(path: str, tokenizer) -> tuple[str, int]:
+    """``(style, max_new_tokens hint)``: from our marker file, else the chat template if any."""
+    marker = _read_marker(path)
+    if marker is None:
+        return ("chat" if tokenizer.chat_template else "plain"), CHAT_MAX_NEW_TOKENS
+    style, hint = marker.get("prompt_style"), marker.get("max_new_tokens_hint", CHAT_MAX_NEW_TOKENS)
+    if style not in PROMPT_STYLES:
+        raise PolicyLoadError(path, f"{MARKER_FILE} names prompt style {style!r}, not one of {PROMPT_STYLES}")
+    return style, int(hint)
+
+
+def load_prompt_format(path: str) -> tuple[PreTrainedTokenizerBase, PromptFormat]:
+    """``(tokenizer, PromptFormat)`` of a local checkpoint, as `load_policy` makes them, without
+    loading the model (for a backend whose engine loads it in a process of its own)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise PolicyLoadError(path, "no config.json: not a HF checkpoint directory")
+    _read_marker(path)  # an unreadable marker fails before the tokenizer loads
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    style, hint = _prompt_style(path, tokenizer)
+    eos = None
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    return tokenizer, PromptFormat(style, tokenizer, _stop_token_ids(eos, tokenizer), hint)
 
 
 def load_policy(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -264,17 +292,13 @@ def load_policy(path: str, device: str | torch.device = "cpu", dtype: torch.dtyp
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise PolicyLoadError(path, "no config.json: not a HF checkpoint directory")
-    marker = _read_marker(path)
+    _read_marker(path)  # an unreadable marker fails before anything loads
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    style, hint = _prompt_style(path, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
     model.to(device).eval()
-    if marker is not None:
-        style, hint = marker.get("prompt_style"), marker.get("max_new_tokens_hint", CHAT_MAX_NEW_TOKENS)
-        if style not in PROMPT_STYLES:
-            raise PolicyLoadError(path, f"{MARKER_FILE} names prompt style {style!r}, not one of {PROMPT_STYLES}")
-    else:
-        style, hint = ("chat" if tokenizer.chat_template else "plain"), CHAT_MAX_NEW_TOKENS
-    return model, tokenizer, PromptFormat(style, tokenizer, _stop_token_ids(model, tokenizer), int(hint))
+    stops = _stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer)
+    return model, tokenizer, PromptFormat(style, tokenizer, stops, hint)
 
 
 def _read_marker(path: str) -> dict | None:
@@ -389,7 +413,7 @@ def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, countdown: C
         loss = _train(model, ids, labels, lengths, warm, log)
         wall_s = time.monotonic() - start
         hint = longest_completion + 8  # slack: a sampled answer may be a little longer than any reference
-        fmt = PromptFormat("compact", tokenizer, _stop_token_ids(model, tokenizer), hint)
+        fmt = PromptFormat("compact", tokenizer, _stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer), hint)
         greedy = solve_rate(model, tokenizer, fmt, heldout[:warm.eval_problems]) if warm.eval_problems else None
     log(f"[model] warm start done in {wall_s:.0f} s, final loss {loss:.3f}"
         + (f", held-out greedy solve rate {greedy:.1%}" if greedy is not None else ""))

@@ -313,7 +313,7 @@ class SamplerActor(SyncMember):
 
     def _load_policy(self, model_path: str, device: torch.device) -> tuple[Any, Any, Any]:
         if self.backend_name == "vllm":  # the engine loads the model itself: only the tokenizer here
-            from asyncrl.rl.vllm_backend import load_prompt_format
+            from asyncrl.rl.model import load_prompt_format
 
             tokenizer, fmt = load_prompt_format(model_path)
             return None, tokenizer, fmt

@@ -167,34 +167,6 @@ def vllm_unusable(device: torch.device) -> str:
     return _unusable(torch.device(device).type)
 
 
-def load_prompt_format(path: str) -> tuple[Any, Any]:
-    """``(tokenizer, PromptFormat)`` of a local checkpoint, as `load_policy` makes them, without
-    loading the model (vLLM loads it in its own process)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from asyncrl.rl.model import CHAT_MAX_NEW_TOKENS, PROMPT_STYLES, PolicyLoadError, PromptFormat, _read_marker
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise PolicyLoadError(path, "no config.json: not a HF checkpoint directory")
-    marker = _read_marker(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if marker is not None:
-        style, hint = marker.get("prompt_style"), marker.get("max_new_tokens_hint", CHAT_MAX_NEW_TOKENS)
-        if style not in PROMPT_STYLES:
-            raise PolicyLoadError(path, f"prompt style {style!r} is not one of {PROMPT_STYLES}")
-    else:
-        style, hint = ("chat" if tokenizer.chat_template else "plain"), CHAT_MAX_NEW_TOKENS
-    eos: Any = None
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-    stops: list[int] = []
-    for value in (eos, tokenizer.eos_token_id):  # the order load_policy uses
-        for i in (value if isinstance(value, (list, tuple)) else [value]):
-            if i is not None and int(i) not in stops:
-                stops.append(int(i))
-    return tokenizer, PromptFormat(style, tokenizer, stops, int(hint))
-
-
 class VLLMBackend(PausableBackend):
     """Sampling with vLLM's ``AsyncLLM`` on ``device`` (``cpu`` with a CPU build of vLLM, or the
     actor's one GPU). ``dtype`` is the engine's ("float32" by default on CPU, so log-probs match
