@@ -667,6 +667,31 @@ def test_the_janitor_cleans_up_after_an_actor_that_died_before_its_engine_was_up
     janitor.proc.stdin.close()  # what the actor's death does to the pipe
     assert janitor.proc.wait(10) == 0 and not early.exists()
 
+    # An engine killed while it starts: the janitor has been told of the segments its processes
+    # mapped so far (a child of ours stands in for vLLM's engine core here).
+    from asyncrl.rl.vllm_backend import shm_names
+
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    janitor = _Janitor(str(starting))
+    followed = janitor.follow(shm_names(), poll_s=0.05)
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from multiprocessing import shared_memory, resource_tracker
+        shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+        resource_tracker.unregister(shm._name, "shared_memory")  # as if killed: nobody cleans up
+        print(shm.name, flush=True)
+        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    name = child.stdout.readline().strip().lstrip("/")
+    time.sleep(0.5)  # several polls
+    child.kill()
+    child.wait()
+    assert os.path.exists(os.path.join("/dev/shm", name))
+    janitor.proc.stdin.close()  # the actor dies before followed() is ever called
+    assert janitor.proc.wait(10) == 0 and not starting.exists()
+    assert not os.path.exists(os.path.join("/dev/shm", name)), "the segment of an engine killed while starting was left"
+    followed()  # stops the polling thread (in real life it died with the actor)
+
     late, segment = tmp_path / "late", f"asyncrl-test-{os.getpid()}"
     late.mkdir()
     open(os.path.join("/dev/shm", segment), "wb").close()

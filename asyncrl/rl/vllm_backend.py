@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -87,9 +88,10 @@ def _unusable(kind: str) -> str:
 
 _JANITOR = """
 import os, shutil, sys
-names = sys.stdin.readline().split()  # empty if the actor died before the engine was up
-sys.stdin.read()  # returns at EOF: the sampler actor closed the pipe, or died, whichever way
-for name in names:
+names = set()
+for line in sys.stdin:  # ends at EOF: the sampler actor closed the pipe, or died, whichever way
+    names.update(line.split())
+for name in sorted(names):
     try:
         os.unlink(os.path.join("/dev/shm", name))
     except OSError:
@@ -113,8 +115,37 @@ class _Janitor:
                                      stdout=subprocess.DEVNULL, start_new_session=True, text=True)
 
     def watch(self, shm_names: list[str]) -> None:
-        self.proc.stdin.write(" ".join(shm_names) + "\n")
-        self.proc.stdin.flush()
+        """Add segments to remove (any number of calls; the janitor keeps them all)."""
+        try:
+            self.proc.stdin.write(" ".join(shm_names) + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # finished already: too late to add any
+            pass
+
+    def follow(self, before: set[str], poll_s: float = 0.2) -> Callable[[], None]:
+        """Watch the segments this process and its children create from now on (`engine_segments`),
+        every ``poll_s`` until the returned function is called (which watches once more), so that
+        an actor killed while its engine starts (a start deadline, a fault) leaves none behind."""
+        stop, sent = threading.Event(), set()
+
+        def scan() -> None:
+            new = set(engine_segments(before)) - sent
+            if new:
+                self.watch(sorted(new))
+                sent.update(new)
+
+        def run() -> None:
+            while not stop.wait(poll_s):
+                scan()
+
+        thread = threading.Thread(target=run, name="asyncrl-vllm-shm", daemon=True)
+        thread.start()
+
+        def done() -> None:
+            stop.set()
+            thread.join()
+            scan()
+        return done
 
     def finish(self) -> None:
         """Clean up now (after the engine shut down); waits for the janitor, briefly."""
@@ -145,6 +176,18 @@ def _descendants(pid: int) -> list[int]:
         frontier = {p for p, pp in parents.items() if pp in frontier} - set(found)
         found += sorted(frontier)
     return found
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def engine_segments(before: set[str]) -> list[str]:
+    """Shared memory that is ours: new since ``before`` and mapped by this process or one below
+    it; or a new multiprocessing semaphore (those are mapped by nobody: removing the name later
+    cannot hurt a process that opened it)."""
+    mapped = set(_shm_mapped_by([os.getpid(), *_descendants(os.getpid())]))
+    return sorted(n for n in shm_names() - before if n in mapped or n.startswith("sem.mp-"))
 
 
 def _shm_mapped_by(pids: list[int]) -> list[str]:
@@ -224,18 +267,14 @@ class VLLMBackend(PausableBackend):
         self._scratch = tempfile.mkdtemp(prefix=f"asyncrl-vllm-{os.getpid()}-")
         os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = self._scratch
         self._janitor = _Janitor(self._scratch)
-        before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        followed = self._janitor.follow(shm_names())
         try:
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         except BaseException:
+            followed()
             self._janitor.finish()
             raise
-        # Ours: new since the engine started, and mapped here or by the engine's processes; or a
-        # multiprocessing semaphore that appeared meanwhile (kept by name for spawned children,
-        # mapped by nobody: removing its name later cannot hurt a process that opened it).
-        after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-        mapped = set(_shm_mapped_by([os.getpid(), *_descendants(os.getpid())]))
-        self._janitor.watch(sorted(n for n in after - before if n in mapped or n.startswith("sem.mp-")))
+        followed()
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
