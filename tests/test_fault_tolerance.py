@@ -93,16 +93,16 @@ def pid_of(sup, name: str) -> int:
     return status.pid
 
 
-def check_whole(run_dir, steps: int, groups: int) -> list[dict]:
+def check_whole(run_dir, steps: int, groups: int, digests: bool = True) -> list[dict]:
     """Every step exactly once; every group trained at most once; after each sync every member of
-    the group held the trainer's weights bit for bit (`--run.check_weights`)."""
+    the group held the trainer's weights bit for bit (with ``digests``: `--run.check_weights`)."""
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
     uids = [uid for r in recs for uid in r["group_ids"]]
     assert len(uids) == steps * groups and len(set(uids)) == len(uids), "a group was trained twice"
-    for r in recs:  # the trainer and every sampler in the group (none, while all were restarting)
-        digests = r["weights_digests"]
-        assert len(digests) == 1 + r["samplers_in_group"] and len(set(digests.values())) == 1, (r["step"], digests)
+    for r in recs if digests else []:  # the trainer and every sampler in the group (none, while all were restarting)
+        held = r["weights_digests"]
+        assert len(held) == 1 + r["samplers_in_group"] and len(set(held.values())) == 1, (r["step"], held)
     return recs
 
 
@@ -148,8 +148,10 @@ async def test_sampler_sigkills_at_random_moments(model_path, tmp_path):
 
 async def test_a_frozen_sampler_fails_the_sync_within_its_deadline_and_is_replaced(model_path, tmp_path):
     run_dir = tmp_path / "run"
-    config = tiny(model_path, run_dir, "--run.steps", "10", "--sampler.count", "2", "--run.check_weights", "true",
-                  "--run.sync_timeout_s", "3")
+    # No --run.check_weights here: a step takes tens of milliseconds, so the freeze may land just
+    # after a sync, and the weight check would then be the call that finds the frozen sampler
+    # (CI saw that once). Without it the next sync always does.
+    config = tiny(model_path, run_dir, "--run.steps", "10", "--sampler.count", "2", "--run.sync_timeout_s", "3")
     logs: list[str] = []
 
     async def freeze(sup):
@@ -162,7 +164,7 @@ async def test_a_frozen_sampler_fails_the_sync_within_its_deadline_and_is_replac
         await injector
         restarts = {s.name: s.restarts for s in sup.status()}
     print("\n".join(logs))
-    recs = check_whole(run_dir, 10, 4)
+    recs = check_whole(run_dir, 10, 4, digests=False)
     (fault,) = summary["fault_log"]
     assert fault["sampler"] == "sampler1" and "no answer during the weight sync" in fault["cause"], fault
     assert restarts == {"trainer": 0, "sampler0": 0, "sampler1": 1}  # killed by the driver, restarted
