@@ -409,10 +409,21 @@ class SamplerPool:
             return False
         world = 1 + len(group)
         members = [self.trainer, *(m.handle for m in group)]
-        results = await asyncio.gather(*(h.with_timeout(t + 10).sync_join(self.host, port, rank, world, self.generation,
-                                                                          self.backend, t, "weights")
-                                         for rank, h in enumerate(members)), return_exceptions=True)
+        joins = [asyncio.ensure_future(h.with_timeout(t + 10).sync_join(self.host, port, rank, world, self.generation,
+                                                                        self.backend, t, "weights"))
+                 for rank, h in enumerate(members)]
+        self._notice_deaths(group, joins[1:], "joining the weight-sync group")
+        results = await asyncio.gather(*joins, return_exceptions=True)
         return self._judge("joining the weight-sync group", "rendezvous_timeout_s", t, group, results)
+
+    def _notice_deaths(self, group: list[_Member], calls: list[asyncio.Future], what: str) -> None:
+        """Record a member's death the moment its call fails with it, not when the group-wide
+        call ends: the others (the trainer) may wait out their deadline for the dead one first."""
+        for m, call in zip(group, calls):
+            def died(call: asyncio.Future, m: _Member = m) -> None:
+                if not call.cancelled() and isinstance(call.exception(), ActorDiedError):
+                    self._lose(m, f"died during {what} ({call.exception().reason})", kill=False)
+            call.add_done_callback(died)
 
     async def _setup(self, group: list[_Member]) -> bool:
         t = self.run.sync_timeout_s
@@ -433,6 +444,7 @@ class SamplerPool:
         sender = asyncio.ensure_future(self.trainer.with_timeout(t + SYNC_GRACE_S).send_weights(version))
         receivers = [asyncio.ensure_future(m.handle.with_timeout(t + SYNC_GRACE_S).receive_weights(version))
                      for m in group]
+        self._notice_deaths(group, receivers, f"the weight sync of v{version}")
         await asyncio.wait({sender})
         await asyncio.wait(receivers, timeout=SYNC_GRACE_S)
         results: list[Any] = []
