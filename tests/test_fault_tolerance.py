@@ -83,7 +83,7 @@ async def at_step(run_dir, step: int, timeout_s: float = 120.0) -> None:
                     return
         except (FileNotFoundError, json.JSONDecodeError, KeyError):
             pass
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
     raise TimeoutError(f"step {step} not reached within {timeout_s} s")
 
 
@@ -116,11 +116,16 @@ async def test_sampler_sigkills_at_random_moments(model_path, tmp_path):
     async def inject(sup):
         # A step takes tens of milliseconds here, so any moment of one is as likely: generation,
         # a sync, a rebuild, another sampler's restart. Steps only advance while a sampler is up.
-        for step in (rng.randint(3, 10), rng.randint(13, 20), rng.randint(23, 30)):
+        # The last kill comes 15 steps before the end at the latest: on a loaded machine a kill
+        # lands up to ~10 steps after the step it was aimed at (this watches from outside), and a
+        # kill in the last steps, or after them, leaves nothing to recover in the run (a third
+        # kill aimed at step 29 was seen to land in step 36, as the run ended).
+        for step in (rng.randint(3, 7), rng.randint(10, 14), rng.randint(17, 21)):
             await at_step(run_dir, step)
             await asyncio.sleep(rng.uniform(0, 0.2))
-            running = []
+            running, deadline = [], time.monotonic() + 120
             while not running:
+                assert time.monotonic() < deadline, f"no sampler running to kill: {sup.status()}"
                 running = [s.name for s in sup.status() if s.name.startswith("sampler") and s.state == "running"]
                 await asyncio.sleep(0.05)
             name = rng.choice(running)
@@ -139,8 +144,15 @@ async def test_sampler_sigkills_at_random_moments(model_path, tmp_path):
     for (name, killed_at), event in zip(kills, lost):
         assert event["sampler"] == name and "died" in event["detail"], event
         assert event["at"] - killed_at < 5.0, "a sampler's death was noticed late"
+    # Recovery waits for nothing but a restart: the group is whole again within 30 s of a loss
+    # (survivors rebuilt at once), or, when no sampler was left to rebuild with (a second kill
+    # while the first one restarted), the moment a replacement rejoined. A restart's own length
+    # is the machine's (30-40 s was seen on a loaded 2-core machine), not a property to assert.
+    rejoins = [f["detected_at"] + f["rejoined_s"] for f in summary["fault_log"] if f["rejoined_s"] is not None]
     for fault in summary["fault_log"]:
-        assert fault["recovered_s"] is not None and fault["recovered_s"] < 30, fault
+        assert fault["recovered_s"] is not None, fault
+        recovered_at = fault["detected_at"] + fault["recovered_s"]
+        assert fault["recovered_s"] < 30 or any(abs(recovered_at - at) < 1.0 for at in rejoins), (fault, rejoins)
     assert summary["faults"]["sampler_rejoins"] >= 1 and recs[-1]["generation"] >= 3
     progress = json.loads((run_dir / "progress.json").read_text())
     assert progress["phase"] == "finished" and progress["step"] == 36 and progress["sampler_losses"] == 3
@@ -148,21 +160,25 @@ async def test_sampler_sigkills_at_random_moments(model_path, tmp_path):
 
 async def test_a_frozen_sampler_fails_the_sync_within_its_deadline_and_is_replaced(model_path, tmp_path):
     run_dir = tmp_path / "run"
-    # No --run.check_weights here: a step takes tens of milliseconds, so the freeze may land just
-    # after a sync, and the weight check would then be the call that finds the frozen sampler
-    # (CI saw that once). Without it the next sync always does.
     config = tiny(model_path, run_dir, "--run.steps", "10", "--sampler.count", "2", "--run.sync_timeout_s", "3")
     logs: list[str] = []
-
-    async def freeze(sup):
-        await at_step(run_dir, 3)
-        os.kill(pid_of(sup, "sampler1"), signal.SIGSTOP)  # the supervisor's heartbeat check needs 15 s
+    frozen: list[float] = []
 
     async with Supervisor() as sup:
-        injector = asyncio.ensure_future(freeze(sup))
-        summary = await train(config, sup, log=lambda line: logs.append(f"{time.monotonic():.1f} {line}"))
-        await injector
+        def log(line: str) -> None:
+            logs.append(f"{time.monotonic():.1f} {line}")
+            # Frozen from inside the driver, after the start's sync and before the first step's,
+            # so outside any sync: the next sync is the one that finds it. (Frozen from outside,
+            # at some step, it could stop in a sync after its collectives had ended and before it
+            # answered: that sync succeeded on the trainer and the survivor, and there was no
+            # collective error to see. Nor could a weight check come first here.)
+            if line.startswith("held-out solve rate before GRPO") and not frozen:
+                os.kill(pid_of(sup, "sampler1"), signal.SIGSTOP)  # the supervisor's heartbeat check needs 15 s
+                frozen.append(time.monotonic())
+
+        summary = await train(config, sup, log=log)
         restarts = {s.name: s.restarts for s in sup.status()}
+    assert frozen, "the run never logged its held-out rate before GRPO: sampler1 was not frozen"
     print("\n".join(logs))
     recs = check_whole(run_dir, 10, 4, digests=False)
     (fault,) = summary["fault_log"]

@@ -153,3 +153,77 @@ async def test_join_all_names_each_failed_member_and_cancels_the_slow_ones():
     assert time.monotonic() - start < 2
     text = str(info.value)
     assert "2 of 3 members" in text and "member 1: no such device" in text and "member 2: no answer within 0.5 s" in text
+
+
+def test_one_verdict_names_the_missing_member_whatever_each_members_deadline():
+    """Members start their clocks at different moments (a loaded machine adds seconds). Rank 0,
+    the store's host, gives up first here and drops its store the moment it has failed; rank 1,
+    whose own deadline is far away, must still learn from it who was missing (not that the store
+    vanished), at once; and rank 2, arriving after the verdict, is told at once that it is late."""
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    outcome: dict[int, tuple[str, list[int], float]] = {}
+    start = time.monotonic()
+
+    def member(rank: int, timeout_s: float) -> None:
+        try:
+            StoreGroup.create(HOST, port, rank, 3, timeout_s, listener=listener if rank == 0 else None)
+            outcome[rank] = ("joined", [], time.monotonic() - start)
+        except RendezvousError as exc:
+            outcome[rank] = (type(exc).__name__, getattr(exc, "missing", []), time.monotonic() - start)
+            del exc  # with its traceback goes rank 0's store: its server stops here
+
+    host = threading.Thread(target=member, args=(0, 1.0))
+    other = threading.Thread(target=member, args=(1, 30.0))
+    host.start()
+    other.start()
+    host.join(15)
+    other.join(15)
+    assert not host.is_alive() and not other.is_alive()
+    for rank in (0, 1):
+        kind, missing, took = outcome[rank]
+        assert kind == "RendezvousTimeoutError" and missing == [2], outcome
+        assert took < 10, outcome  # rank 1 learnt it from rank 0's verdict, not its own 30 s
+
+
+def test_a_member_that_arrives_after_the_verdict_is_told_at_once():
+    results = {}
+    holders = []  # keeps the failed members' stores (and rank 0's server) up for the late one
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+
+    def member(rank: int, timeout_s: float) -> None:
+        try:
+            StoreGroup.create(HOST, port, rank, 3, timeout_s, listener=listener if rank == 0 else None)
+        except RendezvousError as exc:
+            holders.append(exc)
+            results[rank] = exc
+
+    early = [threading.Thread(target=member, args=(r, 1.0)) for r in (0, 1)]
+    for t in early:
+        t.start()
+    for t in early:
+        t.join(15)
+    assert all(isinstance(results[r], RendezvousTimeoutError) and results[r].missing == [2] for r in (0, 1)), results
+    start = time.monotonic()
+    member(2, 30.0)
+    assert isinstance(results[2], RendezvousTimeoutError) and results[2].missing == [2], results[2]
+    assert time.monotonic() - start < 5
+
+
+def test_a_barrier_verdict_is_the_same_on_every_member():
+    # rank 1's deadline passes long before rank 0's: rank 0 hears the verdict from rank 1's
+    def body(group):
+        if group.rank == 2:
+            return "skipped"
+        start = time.monotonic()
+        try:
+            group.barrier(timeout_s=1.0 if group.rank == 1 else 30.0)
+        except RendezvousTimeoutError as exc:
+            return exc.missing, time.monotonic() - start
+        return "passed"
+
+    results = run_members(3, body, timeout_s=10.0)
+    for rank in (0, 1):
+        missing, took = results[rank]
+        assert missing == [2] and took < 8, results

@@ -197,3 +197,48 @@ def test_wire_dtype_casts_fp32_master_weights_for_bf16_receivers_while_packing()
     assert layouts[0].direct == [] and sum(seg.tensor == 0 for b in layouts[0].buckets for seg in b) == 2  # 4200 wire bytes
     assert torch.equal(replica["w"], master["w"].bfloat16()) and torch.equal(replica["b"], master["b"].bfloat16())
     assert torch.equal(replica["steps"], master["steps"])
+
+
+def test_gloos_own_operation_limit_is_reported_as_a_timeout():
+    """gloo's per-operation limit (the communicator's timeout) can fire before the wait's deadline,
+    as on a loaded machine: its "Timed out waiting ...ms" is a CollectiveTimeoutError (a peer is
+    frozen or absent), not a CollectiveError (a peer failed), so the driver judges the members alike."""
+    import threading
+
+    import torch
+
+    from asyncrl.comm.errors import CollectiveTimeoutError
+    from asyncrl.comm.gloo import GlooCommunicator
+    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    outcome, peer_done, groups = [], threading.Event(), []
+
+    def member(rank):
+        group = StoreGroup.create(HOST, port, rank, 2, 10, listener=listener if rank == 0 else None)
+        groups.append(group)
+        comm = GlooCommunicator.create(group, 1.0)  # gloo's own limit: 1 s
+        try:
+            if rank == 0:  # rank 1 never takes part: gloo's limit fires long before the 20 s wait's
+                start = time.monotonic()
+                try:
+                    comm.broadcast(torch.zeros(4), 0).wait(20.0)
+                except Exception as exc:  # noqa: BLE001 - inspected below
+                    outcome.append((exc, time.monotonic() - start))
+                peer_done.set()
+            else:
+                peer_done.wait(30)
+        finally:
+            comm.close()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    for group in groups:  # only now: rank 0's store server goes with its group
+        group.close()
+    (exc, took), = outcome
+    assert isinstance(exc, CollectiveTimeoutError), repr(exc)
+    assert took < 15, took

@@ -44,7 +44,10 @@ class GlooWork(Work):
         try:
             self._work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
-            timed_out = "timed out" in str(exc) or "timeout" in str(exc).lower()
+            # gloo says "Timed out waiting 2999ms for recv" when its own per-operation limit fires
+            # first (a loaded machine): that is a timeout too, not a peer's failure.
+            text = str(exc).lower()
+            timed_out = "timed out" in text or "timeout" in text
             reason = f"{'timed out' if timed_out else 'failed'} during {self._what}"
             comm.abort(reason)
             where = f"group {comm.group!r} rank {comm.rank}/{comm.world_size} (gloo)"
@@ -75,12 +78,18 @@ class GlooCommunicator(Communicator):
         options._devices = [ProcessGroupGloo.create_device(hostname=local_address_towards(group.host))]
         store = dist.PrefixStore("gloo/", group.store)
         start = time.monotonic()
+        # gloo waits for its peers' addresses with the store's own timeout (the one the group was
+        # made with), not with _timeout: bound that wait by ours too, for this call only.
+        previous = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
         try:
             pg = ProcessGroupGloo(store, group.rank, group.world_size, options)
         except RuntimeError as exc:
             raise CollectiveTimeoutError(
                 f"group {group.label!r} rank {group.rank}: gloo could not connect to every peer within "
                 f"{timeout_s:g} s ({time.monotonic() - start:.1f} s spent): {_first_line(exc)}") from exc
+        finally:
+            store.set_timeout(previous)
         return cls(pg, group, timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,10 +72,14 @@ class SyncMember(Actor):
         await self.sync_leave()  # the previous membership, not the listener just reserved for this one
 
         def join() -> tuple[StoreGroup, Communicator]:
+            # One deadline for both steps: the driver waits for this call only a margin beyond
+            # timeout_s, and a communicator given a whole timeout_s of its own after a slow
+            # rendezvous (a peer lost in between) would answer after the driver gave up on us.
+            deadline = time.monotonic() + timeout_s
             group = StoreGroup.create(host, port, rank, world_size, timeout_s, name=name,
                                       generation=generation, listener=listener)
             try:
-                return group, make_communicator(group, backend, timeout_s)
+                return group, make_communicator(group, backend, max(deadline - time.monotonic(), 1e-3))
             except BaseException:
                 group.close()
                 raise

@@ -202,7 +202,7 @@ class NcclCommunicator(Communicator):
         if group.rank == 0:
             lib.check(lib.ncclGetUniqueId(ctypes.byref(unique)), "ncclGetUniqueId")
         raw = group.broadcast_obj(bytes(unique.internal) if group.rank == 0 else None, src=0, type=bytes,
-                                  what="the NCCL unique id")
+                                  timeout_s=timeout_s, what="the NCCL unique id")
         if len(raw) != UNIQUE_ID_BYTES:
             raise RendezvousError(f"group {group.label!r}: NCCL unique id has {len(raw)} bytes, not {UNIQUE_ID_BYTES}")
         ctypes.memmove(unique.internal, raw, UNIQUE_ID_BYTES)

@@ -18,6 +18,14 @@ Contract, which keeps every wait bounded:
 * Calls are collective: every member makes the same sequence of `barrier` / `broadcast_obj` /
   `all_gather_obj` calls; each call gets its own sequence number, hence its own keys. The store is
   for set-up metadata (a few small objects per membership), not for per-step traffic.
+* One verdict per call. The first member whose deadline passes writes a tombstone into the key of
+  every member still missing (`compare_set`: a member that arrived meanwhile keeps its key). That
+  wakes every other waiter at once, and all of them, the late member included when it finally
+  comes, read the same keys and so name the same missing ranks. Members' deadlines differ (each
+  starts its own clock; a loaded machine adds seconds), so without this the first to give up
+  could be rank 0, whose store goes with it, and the others would see the store vanish instead
+  of learning who was missing. For the same reason rank 0, after a verdict, waits (at most
+  `VERDICT_GRACE_S`) until every member that arrived has read it before its store can go.
 """
 
 from __future__ import annotations
@@ -38,6 +46,13 @@ from asyncrl.comm.errors import RendezvousError, RendezvousTimeoutError
 from asyncrl.runtime.net import reachable_address
 
 T = TypeVar("T")
+
+VERDICT_GRACE_S = 5.0
+"""After a verdict, how long rank 0 keeps its store up for the members that arrived to read it."""
+_ABSENT = b"\x00asyncrl:absent"
+"""The tombstone of a member declared missing. Never a member's value: b"\x00" alone is a whole
+msgpack object, so no msgpack encoding of one object has more bytes after it (and a barrier's
+marker is b"\x01"). Values are never empty either: `compare_set` takes "" to mean "no key yet"."""
 
 
 class _Hello(msgspec.Struct, array_like=True, frozen=True):
@@ -112,7 +127,7 @@ class StoreGroup:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if "/" in name or not name:
             raise ValueError(f"group name must be non-empty and contain no '/': {name!r}")
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s  # one deadline for connecting and for meeting
         raw, port = _open_store(host, port, rank, timeout_s, listener)
         store = dist.PrefixStore(f"asyncrl/{name}/g{generation}/", raw)
         my_host = local_address_towards(host)
@@ -120,10 +135,10 @@ class StoreGroup:
         claims = store.add(f"claim/{rank}", 1)
         if claims != 1:
             raise RendezvousError(f"group {label!r}: rank {rank} was claimed by another member too")
-        store.set(f"hello/{rank}", msgspec.msgpack.encode(_Hello(rank, world_size, os.getpid(), my_host)))
-        keys = [f"hello/{r}" for r in range(world_size)]
-        _wait_keys(store, keys, deadline, label, "joining", timeout_s)
-        hellos = [msgspec.msgpack.decode(store.get(k), type=_Hello) for k in keys]
+        meeting = _Meeting(store, label, rank, world_size)
+        hello = msgspec.msgpack.encode(_Hello(rank, world_size, os.getpid(), my_host))
+        values = meeting.gather("hello", hello, deadline, timeout_s, "joining")
+        hellos = [msgspec.msgpack.decode(v, type=_Hello) for v in values]
         for hello in hellos:
             if hello.world_size != world_size:
                 raise RendezvousError(
@@ -135,29 +150,24 @@ class StoreGroup:
     # -- collective helpers on the store -----------------------------------------------------
     def barrier(self, timeout_s: float | None = None, what: str = "barrier") -> None:
         """Return once every member reached the same barrier; name the ranks that did not."""
-        key = self._next_key("barrier")
-        self.store.set(f"{key}/{self.rank}", b"")
-        self._wait([f"{key}/{r}" for r in range(self.world_size)], what, timeout_s)
+        self._meeting().gather(self._next_key("barrier"), b"\x01", *self._deadline(timeout_s), what)
 
     def broadcast_obj(self, obj: Any = None, src: int = 0, type: type[T] = Any, timeout_s: float | None = None,
                       what: str = "broadcast_obj") -> T:
         """Rank ``src`` passes ``obj``; every member returns it, decoded as ``type``."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"src {src} is not a rank of a world of size {self.world_size}")
-        key = self._next_key("bcast")
-        if self.rank == src:
-            self.store.set(key, msgspec.msgpack.encode(obj))
-        self._wait([key], f"{what} from rank {src}", timeout_s, ranks=[src])
-        return msgspec.msgpack.decode(self.store.get(key), type=type)
+        value = msgspec.msgpack.encode(obj) if self.rank == src else None
+        value = self._meeting().broadcast(self._next_key("bcast"), value, src, *self._deadline(timeout_s),
+                                          f"{what} from rank {src}")
+        return msgspec.msgpack.decode(value, type=type)
 
     def all_gather_obj(self, obj: Any, type: type[T] = Any, timeout_s: float | None = None,
                        what: str = "all_gather_obj") -> list[T]:
         """Every member passes one object; every member returns the list, indexed by rank."""
-        key = self._next_key("gather")
-        self.store.set(f"{key}/{self.rank}", msgspec.msgpack.encode(obj))
-        keys = [f"{key}/{r}" for r in range(self.world_size)]
-        self._wait(keys, what, timeout_s)
-        return [msgspec.msgpack.decode(self.store.get(k), type=type) for k in keys]
+        values = self._meeting().gather(self._next_key("gather"), msgspec.msgpack.encode(obj),
+                                        *self._deadline(timeout_s), what)
+        return [msgspec.msgpack.decode(v, type=type) for v in values]
 
     def close(self) -> None:
         """Drop this member's store handle (rank 0's also stops the store server). Idempotent."""
@@ -181,9 +191,83 @@ class StoreGroup:
         self._seq += 1
         return f"{kind}/{self._seq}"
 
-    def _wait(self, keys: list[str], what: str, timeout_s: float | None, ranks: list[int] | None = None) -> None:
+    def _deadline(self, timeout_s: float | None) -> tuple[float, float]:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        _wait_keys(self.store, keys, time.monotonic() + timeout_s, self.label, what, timeout_s, ranks)
+        return time.monotonic() + timeout_s, timeout_s
+
+    def _meeting(self) -> _Meeting:
+        return _Meeting(self.store, self.label, self.rank, self.world_size)
+
+
+class _Meeting:
+    """One member's side of the store-side calls of one group: each call is a set of keys, one per
+    member who must arrive (``<tag>/<rank>``, or the source's key of a broadcast), waited for
+    under a deadline, with one verdict for everyone if the deadline passes (see the module doc)."""
+
+    def __init__(self, store: dist.Store, label: str, rank: int, world_size: int):
+        self.store, self.label, self.rank, self.world_size = store, label, rank, world_size
+
+    def gather(self, tag: str, value: bytes, end: float, timeout_s: float, what: str) -> list[bytes]:
+        """Put this member's ``value`` under ``tag`` and return every member's, by rank, once all
+        are there (``end``: the deadline, on `time.monotonic`; ``timeout_s``: for the message)."""
+        keys = [f"{tag}/{r}" for r in range(self.world_size)]
+        self._arrive(keys[self.rank], value, timeout_s, what)
+        return self._wait(tag, keys, list(range(self.world_size)), end, timeout_s, what)
+
+    def broadcast(self, tag: str, value: bytes | None, src: int, end: float, timeout_s: float, what: str) -> bytes:
+        """``value`` from rank ``src`` (which passes it; the others pass None)."""
+        if value is not None:
+            self._arrive(tag, value, timeout_s, what)
+        return self._wait(tag, [tag], [src], end, timeout_s, what)[0]
+
+    def _arrive(self, key: str, value: bytes, timeout_s: float, what: str) -> None:
+        """Set our key unless a verdict already declared us missing: then we are too late, and
+        say so at once (everyone else has given up on us) instead of waiting out our deadline."""
+        try:
+            current = self.store.compare_set(key, "", value)
+        except dist.DistError as exc:
+            raise self._lost(what, exc) from exc
+        if current == _ABSENT:
+            raise RendezvousTimeoutError(self.label, what, [self.rank], timeout_s)
+
+    def _wait(self, tag: str, keys: list[str], ranks: list[int], end: float, timeout_s: float,
+              what: str) -> list[bytes]:
+        """Every key's value once all exist; else `RendezvousTimeoutError` naming the ranks the
+        verdict declared missing, the same ranks on every member."""
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
+        except dist.DistNetworkError as exc:
+            raise self._lost(what, exc) from exc
+        except dist.DistError:  # our deadline passed first: declare whoever is still missing
+            try:
+                for key in keys:
+                    self.store.compare_set(key, "", _ABSENT)  # one that arrived meanwhile keeps its key
+            except dist.DistError as exc:
+                raise self._lost(what, exc) from exc
+        try:
+            values = self.store.multi_get(keys)
+        except dist.DistError as exc:
+            raise self._lost(what, exc) from exc
+        missing = [r for r, v in zip(ranks, values) if v == _ABSENT]
+        if missing:
+            self._settle(tag, missing, timeout_s)
+            raise RendezvousTimeoutError(self.label, what, missing, timeout_s)
+        return values
+
+    def _settle(self, tag: str, missing: list[int], timeout_s: float) -> None:
+        """After a verdict: say we read it; rank 0 (the store's host, whose store ends with it)
+        waits, bounded, until everyone expected here has read it too."""
+        try:
+            self.store.set(f"{tag}/read/{self.rank}", b"")
+            if self.rank == 0:
+                readers = [f"{tag}/read/{r}" for r in range(1, self.world_size) if r not in missing]
+                if readers:
+                    self.store.wait(readers, datetime.timedelta(seconds=min(VERDICT_GRACE_S, timeout_s)))
+        except dist.DistError:
+            pass  # a reader that never comes (gone, or not in this call) only costs the grace
+
+    def _lost(self, what: str, exc: BaseException) -> RendezvousError:
+        return RendezvousError(f"group {self.label!r}: lost the store while waiting for {what}: {exc}")
 
 
 async def join_all(joins: Sequence[Awaitable[T]], timeout_s: float, what: str = "join the group") -> list[T]:
@@ -225,20 +309,3 @@ def _open_store(host: str, port: int, rank: int, timeout_s: float,
         return dist.TCPStore(host, port, None, False, timeout), port
     except dist.DistError as exc:
         raise RendezvousTimeoutError(f"{host}:{port}", "the store that rank 0 hosts", [0], timeout_s) from exc
-
-
-def _wait_keys(store: dist.Store, keys: list[str], deadline: float, label: str, what: str, timeout_s: float,
-               ranks: list[int] | None = None) -> None:
-    """Wait until every key exists; on timeout name the ranks whose key is missing."""
-    remaining = max(deadline - time.monotonic(), 0.001)
-    try:
-        store.wait(keys, datetime.timedelta(seconds=remaining))
-    except dist.DistError as exc:
-        if isinstance(exc, dist.DistNetworkError):
-            raise RendezvousError(f"group {label!r}: lost the store while waiting for {what}: {exc}") from exc
-        ranks = ranks if ranks is not None else list(range(len(keys)))
-        try:
-            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        except dist.DistError:
-            missing = ranks
-        raise RendezvousTimeoutError(label, what, missing, timeout_s) from exc

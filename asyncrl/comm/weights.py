@@ -229,16 +229,17 @@ class _WeightSync:
         if failed:
             raise WeightSyncError(f"{self._who}: weight sync v{version} failed on rank {failed - 1}")
 
-    def _run(self, version: int, refusal: str, move: Callable[[], str]) -> SyncStats:
-        """Vote, move the buckets, commit. ``move`` returns "" or why this member could not apply
-        what it received; it must keep taking part in every transfer either way, so that the
-        members' sequences of collectives stay identical and the commit vote can report it."""
+    def _run(self, version: int, refusal: str, move: Callable[[], str], timeout_s: float | None) -> SyncStats:
+        """Vote, move the buckets, commit, within ``timeout_s`` (default: the one given at set-up).
+        ``move`` returns "" or why this member could not apply what it received; it must keep
+        taking part in every transfer either way, so that the members' sequences of collectives
+        stay identical and the commit vote can report it."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if not refusal and version <= self.last_version:
             refusal = f"version {version} is not newer than the last synced v{self.last_version}"
         start = time.monotonic()
-        self._deadline = start + self.timeout_s
+        self._deadline = start + (self.timeout_s if timeout_s is None else timeout_s)
         self.staging.begin()
         try:
             self._agree(version, refusal)
@@ -309,8 +310,9 @@ class WeightSender(_WeightSync):
         direct = [n for n, t in tensors.items() if t.nbytes > bucket_bytes and t.is_contiguous()
                   and (wire_dtype is None or not t.is_floating_point() or t.dtype == wire_dtype)]
         layout = build_layout(specs, bucket_bytes, direct=direct)
-        group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, what="the weight layout")
-        _agree_on_setup(group, "")
+        deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
+        group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
+        _agree_on_setup(group, "", deadline)
         sender = cls(comm, layout, tensors, timeout_s)
         sender._expected = [(n, t.shape, t.dtype) for n, t in tensors.items()]  # local dtypes, not the wire's
         return sender
@@ -319,7 +321,7 @@ class WeightSender(_WeightSync):
         """Broadcast the tensors (those given at set-up unless others are given) as ``version``."""
         tensors = self.tensors if tensors is None else tensors
         refusal = self._refusal(tensors, f"sender rank {self.comm.rank}")
-        return self._run(version, refusal, lambda: self._move(self._plan_for(tensors, staging_is_dst=True)))
+        return self._run(version, refusal, lambda: self._move(self._plan_for(tensors, staging_is_dst=True)), None)
 
     def _move(self, plan: list[_CopyPlan]) -> str:
         for i in self.layout.direct:  # first: they need no packing, which meanwhile fills bucket 0
@@ -341,24 +343,28 @@ class WeightReceiver(_WeightSync):
                expect: Mapping[str, torch.Tensor] | None = None, timeout_s: float = 60.0) -> WeightReceiver:
         """Receive the sender's layout; if ``expect`` is given, check it holds exactly those names,
         shapes and dtypes. A mismatch on any member fails set-up on every member."""
-        layout = group.broadcast_obj(None, src=src, type=WeightLayout, what="the weight layout")
+        deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
+        layout = group.broadcast_obj(None, src=src, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
         error = ""
         if expect is not None:
             try:
                 layout.check(expect, f"receiver rank {comm.rank}")
             except LayoutMismatchError as exc:
                 error = str(exc)
-        _agree_on_setup(group, error)
+        _agree_on_setup(group, error, deadline)
         return cls(comm, layout, src, timeout_s)
 
-    def receive(self, version: int, into: Destination) -> SyncStats:
+    def receive(self, version: int, into: Destination, *, timeout_s: float | None = None) -> SyncStats:
+        """Take ``version`` into ``into`` within ``timeout_s`` (default: the one given at set-up;
+        a caller that already spent part of its own deadline, say waiting for a pause, passes
+        what is left, so that its error comes before its caller stops waiting for it)."""
         if isinstance(into, Mapping):
             refusal = self._refusal(into, f"receiver rank {self.comm.rank}")
         elif callable(into):
             refusal = ""
         else:
             raise TypeError("into must be a mapping of tensors or a callable(name, tensor)")
-        return self._run(version, refusal, lambda: self._move(into))
+        return self._run(version, refusal, lambda: self._move(into), timeout_s)
 
     def _move(self, into: Destination) -> str:
         layout = self.layout
@@ -446,8 +452,9 @@ def _mismatch(expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapp
     return f"{who} disagrees with the weight layout: {shown}"
 
 
-def _agree_on_setup(group: StoreGroup, error: str) -> None:
-    results = group.all_gather_obj(_SetupResult(group.rank, error), type=_SetupResult, what="layout check")
+def _agree_on_setup(group: StoreGroup, error: str, deadline: float) -> None:
+    results = group.all_gather_obj(_SetupResult(group.rank, error), type=_SetupResult,
+                                   timeout_s=max(deadline - time.monotonic(), 1e-3), what="layout check")
     refusals = [r for r in results if r.error]
     if refusals:
         raise LayoutMismatchError("weight layout refused: " + " | ".join(f"rank {r.rank}: {r.error}" for r in refusals))

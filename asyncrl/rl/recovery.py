@@ -53,7 +53,12 @@ _COMM_ERRORS = {"CollectiveError", "CollectiveTimeoutError", "CommunicatorClosed
                 "LayoutMismatchError", "RendezvousError", "RendezvousTimeoutError"}
 """Remote errors that a member suffers from a peer's failure: it is a victim, not the cause."""
 SYNC_GRACE_S = 5.0
-"""After the trainer's side of a sync has ended, how long the samplers' answers may lag behind it."""
+"""How long past its own deadline a member's answer to a group-wide call may come (a loaded
+machine delays a reply by seconds). Each member bounds its side of a sync by ``sync_timeout_s``,
+the wait for a pause included, and fails it with a typed error, a peer's failure included; only a
+member that has not answered this much later is judged frozen."""
+CLOSE_S = 10.0
+"""How long `SamplerPool.close` waits for its cancelled tasks to end (they end at once)."""
 PUMP_RETRIES = 3
 """Consecutive stream failures of a live sampler (waiting for weights) before it counts as lost."""
 PROBE_S = 5.0
@@ -136,6 +141,10 @@ class _Member:
 class SamplerPool:
     """The samplers of a run: membership, pumps and recovery (see the module docstring)."""
 
+    uid_prefix = ""
+    """Put before every group id; the driver sets it to the run segment ("resume1/", ...), since
+    a resumed run's samplers number their groups from incarnation 1, sequence 1 again."""
+
     def __init__(self, trainer: Any, samplers: list[Any], queue: RolloutQueue, *, run: Any, seeds: list[int],
                  host: str, backend: str, log=print, events_path: str = ""):
         self.trainer, self.queue, self.run, self.host, self.backend, self.log = trainer, queue, run, host, backend, log
@@ -148,6 +157,7 @@ class SamplerPool:
         self.step = 0
         self.counters = {"sampler_losses": 0, "sampler_rejoins": 0, "rebuilds": 0}
         self._dirty = True
+        self._tasks: set[asyncio.Task] = set()  # every task the pool started and that has not ended
         self._events: list[dict[str, Any]] = []
         self._recover_s = 0.0  # time in rebuilds since the last take_events()
 
@@ -203,7 +213,7 @@ class SamplerPool:
                 await _wait_event(self.changed, remaining)
                 continue
             per = math.ceil((n - fresh[0]) / len(live))
-            pumps = {m: asyncio.ensure_future(self._pump(m, per, fresh)) for m in live}
+            pumps = {m: self._spawn(self._pump(m, per, fresh)) for m in live}
             await asyncio.wait(pumps.values())
             for m, task in pumps.items():
                 if task.exception() is not None:
@@ -229,13 +239,14 @@ class SamplerPool:
                                       self.trainer.with_timeout(t).weights_digest())
         self._pinned([m for m in self.members if m.joined])
         joined = [m for m in self.members if m.joined]
+        pinned = [m.incarnation for m in joined]
         results = await asyncio.gather(*(m.handle.with_timeout(t).weights_digest() for m in joined),
                                        return_exceptions=True)
         digests = {"trainer": trainer}
-        for m, result in zip(joined, results):
+        for m, incarnation, result in zip(joined, pinned, results):
             if isinstance(result, BaseException):
                 self._lose(m, f"weight check failed: {_first_line(result)}",
-                           kill=not isinstance(result, ActorDiedError))
+                           kill=not isinstance(result, ActorDiedError), incarnation=incarnation)
             elif result != trainer:
                 raise WeightsDivergedError(f"sampler {m.name} holds weights {result[:12]} after the sync of "
                                            f"generation {self.generation}; the trainer holds {trainer[:12]}")
@@ -249,10 +260,12 @@ class SamplerPool:
         for m in self.members:
             state = None
             if m.joined and self._pinned([m]):
+                incarnation = m.incarnation
                 try:
                     state = await m.handle.with_timeout(self.run.rendezvous_timeout_s).data_state()
                 except (ActorDiedError, CallTimeoutError, RemoteError) as exc:
-                    self._lose(m, f"data_state failed: {_first_line(exc)}", kill=not isinstance(exc, ActorDiedError))
+                    self._lose(m, f"data_state failed: {_first_line(exc)}", kill=not isinstance(exc, ActorDiedError),
+                               incarnation=incarnation)
             if state is None or state.drawn < 0:  # not up: after the prompts it delivered
                 state = SamplerDataState(m.seed, m.walk_base + m.delivered)
             states.append(state)
@@ -273,10 +286,34 @@ class SamplerPool:
                              for m in self.members}}
 
     async def close(self) -> None:
-        tasks = [t for m in self.members for t in (m.pump, m.waiter) if t is not None]
+        """Stop every task of the pool (pumps, waits for a restart), whatever the samplers are
+        doing, and wait for them to end (bounded: a cancelled task ends at once)."""
+        for m in self.members:
+            m.pump = m.waiter = None
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=CLOSE_S)
+            if pending:
+                self.log(f"sampler pool: {len(pending)} task(s) still running {CLOSE_S:g} s after being cancelled: "
+                         + ", ".join(t.get_name() for t in pending))
+
+    def _spawn(self, coro: Awaitable[Any], name: str = "") -> asyncio.Task:
+        """Start a task of the pool: `close` cancels it, and its exception is always retrieved,
+        by whoever judges it or here, never reported by the loop as "never retrieved" (a pump
+        that failed just before its sampler was lost is dropped unread, for one)."""
+        task = asyncio.ensure_future(coro)
+        if name:
+            task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
 
     # --- pumps ----------------------------------------------------------------------------------
 
@@ -296,12 +333,12 @@ class SamplerPool:
             m.seq += 1
             m.delivered += 1
             m.pump_failures = 0
-            group = msgspec.structs.replace(group, uid=f"{m.name}/{m.incarnation}/{m.seq}")
+            group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{m.seq}")
             if await self.queue.put(group, timeout_s=put_s) and accepted is not None:
                 accepted[0] += 1
 
     def _start_pump(self, m: _Member) -> None:
-        m.pump = asyncio.ensure_future(self._pump(m, 0))
+        m.pump = self._spawn(self._pump(m, 0), f"pump of {m.name}")
         m.pump.add_done_callback(lambda _: self.changed.set())
 
     def _reap_pumps(self) -> None:
@@ -382,22 +419,24 @@ class SamplerPool:
         if not self._pinned([m]):
             return
         state = SamplerDataState(m.seed, m.walk_base + m.delivered, generator_seed=(m.seed << 16) + m.incarnation)
+        incarnation = m.incarnation
         try:
             await m.handle.with_timeout(self.run.rendezvous_timeout_s).restore_data_state(state)
         except (ActorDiedError, CallTimeoutError, RemoteError) as exc:
             self._lose(m, f"failed to prepare for rejoining: {_first_line(exc)}",
-                       kill=not isinstance(exc, ActorDiedError))
+                       kill=not isinstance(exc, ActorDiedError), incarnation=incarnation)
 
     async def _probe(self, group: list[_Member]) -> bool:
         """A frozen member would hold every other one in the rendezvous until its deadline, so
         each must show a sign of life first; one that does not is lost (and killed)."""
         if not self._pinned(group):
             return False
+        pinned = [m.incarnation for m in group]
         results = await asyncio.gather(*(m.handle.with_timeout(PROBE_S).stats() for m in group), return_exceptions=True)
-        for m, result in zip(group, results):
+        for m, incarnation, result in zip(group, pinned, results):
             if isinstance(result, BaseException):
                 self._lose(m, f"no sign of life before the rebuild of the group: {_first_line(result)}",
-                           kill=not isinstance(result, ActorDiedError))
+                           kill=not isinstance(result, ActorDiedError), incarnation=incarnation)
         return not any(isinstance(r, BaseException) for r in results)
 
     async def _form(self, group: list[_Member]) -> bool:
@@ -407,6 +446,7 @@ class SamplerPool:
                                    self.trainer.with_timeout(t).sync_listen(self.host))
         if not self._pinned(group):
             return False
+        pinned = [m.incarnation for m in group]
         world = 1 + len(group)
         members = [self.trainer, *(m.handle for m in group)]
         joins = [asyncio.ensure_future(h.with_timeout(t + 10).sync_join(self.host, port, rank, world, self.generation,
@@ -414,55 +454,51 @@ class SamplerPool:
                  for rank, h in enumerate(members)]
         self._notice_deaths(group, joins[1:], "joining the weight-sync group")
         results = await asyncio.gather(*joins, return_exceptions=True)
-        return self._judge("joining the weight-sync group", "rendezvous_timeout_s", t, group, results)
+        return self._judge("joining the weight-sync group", "rendezvous_timeout_s", t, group, pinned, results)
 
     def _notice_deaths(self, group: list[_Member], calls: list[asyncio.Future], what: str) -> None:
         """Record a member's death the moment its call fails with it, not when the group-wide
         call ends: the others (the trainer) may wait out their deadline for the dead one first."""
         for m, call in zip(group, calls):
-            def died(call: asyncio.Future, m: _Member = m) -> None:
+            def died(call: asyncio.Future, m: _Member = m, incarnation: int = m.incarnation) -> None:
                 if not call.cancelled() and isinstance(call.exception(), ActorDiedError):
-                    self._lose(m, f"died during {what} ({call.exception().reason})", kill=False)
+                    self._lose(m, f"died during {what} ({call.exception().reason})", kill=False,
+                               incarnation=incarnation)
             call.add_done_callback(died)
 
     async def _setup(self, group: list[_Member]) -> bool:
         t = self.run.sync_timeout_s
         if not self._pinned(group):
             return False
+        pinned = [m.incarnation for m in group]
         results = await asyncio.gather(self.trainer.with_timeout(t + 10).setup_sender(t),
                                        *(m.handle.with_timeout(t + 10).setup_receiver(t) for m in group),
                                        return_exceptions=True)
-        return self._judge("agreeing on the weight layout", "sync_timeout_s", t, group, results)
+        return self._judge("agreeing on the weight layout", "sync_timeout_s", t, group, pinned, results)
 
     async def _send(self, version: int, group: list[_Member]) -> bool:
-        """One sync. A sampler that has not answered ``SYNC_GRACE_S`` after the trainer's side
-        ended (frozen, or stuck in generation) is lost; the sync itself failed on every other
-        member within ``sync_timeout_s``."""
+        """One sync. Every member ends its side within ``sync_timeout_s`` (a sampler's wait for a
+        pause included), with success or a typed error, so each is waited for until then plus
+        ``SYNC_GRACE_S``: one that has not answered by that time (frozen) is lost; one that answers
+        late with a collective error, after a peer died (the trainer may have failed at once),
+        is a survivor, not a suspect."""
         t = self.run.sync_timeout_s
         if not self._pinned(group):
             return False
+        pinned = [m.incarnation for m in group]
         sender = asyncio.ensure_future(self.trainer.with_timeout(t + SYNC_GRACE_S).send_weights(version))
         receivers = [asyncio.ensure_future(m.handle.with_timeout(t + SYNC_GRACE_S).receive_weights(version))
                      for m in group]
         self._notice_deaths(group, receivers, f"the weight sync of v{version}")
-        await asyncio.wait({sender})
-        await asyncio.wait(receivers, timeout=SYNC_GRACE_S)
-        results: list[Any] = []
-        for m, task in zip(group, receivers):
-            if not task.done():
-                task.cancel()
-                results.append(CallTimeoutError(m.name, f"receive_weights(v{version}) (frozen during the sync?)",
-                                                t + SYNC_GRACE_S))
-            else:
-                results.append(task.exception() or task.result())
-        await asyncio.gather(*receivers, return_exceptions=True)
-        return self._judge(f"the weight sync of v{version}", "sync_timeout_s", t, group,
-                           [sender.exception() or sender.result(), *results])
+        results = await asyncio.gather(sender, *receivers, return_exceptions=True)
+        return self._judge(f"the weight sync of v{version}", "sync_timeout_s", t, group, pinned, results)
 
-    def _judge(self, what: str, knob: str, timeout_s: float, group: list[_Member], results: list[Any]) -> bool:
-        """Sort the members' outcomes of one group-wide call: the trainer's death or silence
-        stops the run; a sampler's loses it; errors a member suffered from a peer only mean that
-        the group must be rebuilt. True if every member succeeded."""
+    def _judge(self, what: str, knob: str, timeout_s: float, group: list[_Member], pinned: list[int],
+               results: list[Any]) -> bool:
+        """Sort the members' outcomes of one group-wide call (made to the incarnations ``pinned``):
+        the trainer's death or silence stops the run; a sampler's loses it; errors a member
+        suffered from a peer only mean that the group must be rebuilt. True if every member
+        succeeded."""
         trainer, samplers = results[0], results[1:]
         if isinstance(trainer, ActorDiedError):
             raise TrainerLostError(f"the trainer died during {what} ({trainer.reason})")
@@ -471,16 +507,17 @@ class SamplerPool:
         if isinstance(trainer, BaseException) and not _suffered(trainer):
             raise RunStoppedError(f"the trainer failed during {what}: {_first_line(trainer)}") from trainer
         ok = not isinstance(trainer, BaseException)
-        for m, result in zip(group, samplers):
+        for m, incarnation, result in zip(group, pinned, samplers):
             if not isinstance(result, BaseException):
                 continue
             ok = False
             if isinstance(result, ActorDiedError):
-                self._lose(m, f"died during {what} ({result.reason})", kill=False)
+                self._lose(m, f"died during {what} ({result.reason})", kill=False, incarnation=incarnation)
             elif isinstance(result, CallTimeoutError):
-                self._lose(m, f"no answer during {what} within {result.timeout_s:g} s", kill=True)
+                self._lose(m, f"no answer during {what} within {result.timeout_s:g} s", kill=True,
+                           incarnation=incarnation)
             elif not _suffered(result):
-                self._lose(m, f"failed during {what}: {_first_line(result)}", kill=True)
+                self._lose(m, f"failed during {what}: {_first_line(result)}", kill=True, incarnation=incarnation)
         if not ok:
             self._dirty = True
             self.log(f"{what} failed (generation {self.generation}): " + "; ".join(
@@ -515,9 +552,15 @@ class SamplerPool:
             self.log(f"weight-sync group generation {self.generation}: trainer + "
                      f"{', '.join(m.name for m in group)} with v{version} ({seconds:.1f} s)")
 
-    def _lose(self, m: _Member, cause: str, *, kill: bool) -> None:
+    def _lose(self, m: _Member, cause: str, *, kill: bool, incarnation: int | None = None) -> None:
         """Take ``m`` out of the group (its pump stops), SIGKILL it if it is still alive, and
-        wait for the supervisor's replacement."""
+        wait for the supervisor's replacement. ``incarnation``: the one the failed call went to
+        (default: the one we know now)."""
+        if incarnation is not None and incarnation != m.incarnation:
+            # A verdict on an incarnation that is already replaced (its death was recorded when
+            # it was seen; a long group-wide call can outlast the restart): the new one is not
+            # judged by what the old one did.
+            return
         info = m.handle.info()
         incarnation = m.incarnation
         already = m.fault is not None and m.fault.incarnation == incarnation
@@ -538,31 +581,25 @@ class SamplerPool:
         self.log(f"{m.name} (incarnation {incarnation}) lost at step {self.step}: {cause}")
         if m.waiter is not None:
             m.waiter.cancel()
-        m.waiter = asyncio.ensure_future(self._await_return(m, incarnation))
+        m.waiter = self._spawn(self._await_return(m, incarnation), f"return of {m.name}")
         self.changed.set()
 
     async def _await_return(self, m: _Member, lost: int) -> None:
-        """Wait (bounded by ``restart_timeout_s``) for the supervisor to restart ``m``: a call
-        made while an actor restarts waits for the new incarnation."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.run.restart_timeout_s
-        for _ in range(100):  # each turn waits for a state change of the actor; bounded all the same
-            info = m.handle.info()
-            if info.state == "running" and info.incarnation > lost:
-                m.candidate, m.incarnation = True, info.incarnation
-                self.changed.set()
-                return
-            if info.state in ("dead", "stopped") or loop.time() >= deadline:
-                break
-            try:  # answered by the next incarnation: a call waits through a restart
-                await m.handle.with_timeout(max(deadline - loop.time(), 0.1)).stats()
-            except ActorDiedError:
-                continue  # sent to the old incarnation before its death was seen; the state has moved on
-            except (CallTimeoutError, RemoteError):
-                break
+        """Wait (bounded by ``restart_timeout_s``) for the supervisor to run an incarnation of
+        ``m`` newer than ``lost``. Judged by the actor's state alone, not by a call: a call can
+        fail for reasons that say nothing of the restart (its deadline cut short on a loaded
+        machine), which would declare gone a sampler that is back."""
+        t = self.run.restart_timeout_s
+        info = await m.handle.wait_for_incarnation(lost, t)
+        if info.state == "running" and info.incarnation > lost:
+            m.candidate, m.incarnation = True, info.incarnation
+            self.changed.set()
+            return
         m.gone = True
-        self.log(f"{m.name} will not come back ({m.handle.info().state}; restarts "
-                 f"{m.handle.info().restarts}/{m.handle.info().max_restarts})")
+        why = {"dead": "its restarts are used up or its restart failed", "stopped": "it was stopped"}.get(
+            info.state, f"no new incarnation was running within --run.restart_timeout_s {t:g} s")
+        self.log(f"{m.name} will not come back: {why} ({info.state}, incarnation {info.incarnation}, "
+                 f"restarts {info.restarts}/{info.max_restarts})")
         self.changed.set()
 
     def _event(self, kind: str, sampler: str, detail: str, **extra: Any) -> None:
@@ -603,8 +640,9 @@ def _kill(handle: Any, info: Any) -> None:
 
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
     try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+            await event.wait()
+    except TimeoutError:
         pass
 
 

@@ -197,8 +197,9 @@ class PausableBackend(SamplerBackend):
         self._paused = True
         self._resumed.clear()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+                await self._idle.wait()
+        except TimeoutError:
             await self.resume()
             raise SamplerTimeoutError(f"pause: the generates in flight did not finish within {timeout_s:g} s") from None
         except BaseException:
@@ -225,8 +226,9 @@ class PausableBackend(SamplerBackend):
         deadline = loop.time() + self.resume_timeout_s
         while self._paused:  # re-checked after each wake-up: a new pause may have begun since
             try:
-                await asyncio.wait_for(self._resumed.wait(), max(deadline - loop.time(), 0.0))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
+                    await self._resumed.wait()
+            except TimeoutError:
                 raise SamplerTimeoutError(f"generate: backend still paused after {self.resume_timeout_s:g} s") from None
             if self._closed:
                 raise SamplerClosedError(f"{type(self).__name__} was closed while paused")
@@ -421,6 +423,11 @@ class SamplerActor(SyncMember):
         batch that was in flight is discarded."""
         if self.receiver is None:
             raise SamplerError(f"sampler {self.name}: receive_weights before setup_receiver")
+        # One deadline for the wait to load and the transfer, as on the trainer, whose side of
+        # the sync starts at once: the driver waits for our answer only a grace beyond it, so a
+        # transfer that got a whole sync_timeout_s of its own after a long pause would answer
+        # (a peer's failure, as a collective error) after the driver had judged us frozen.
+        deadline = time.monotonic() + self.sync_timeout_s
         async with self._sync_lock:
             start = time.perf_counter()
             self._ready.clear()  # no rollout batch may start from here on
@@ -431,14 +438,15 @@ class SamplerActor(SyncMember):
             def load(tensors: Mapping[str, torch.Tensor]) -> None:
                 nonlocal waited
                 waited = time.perf_counter() - start
-                self.receiver.receive(version, tensors)
+                self.receiver.receive(version, tensors, timeout_s=max(deadline - time.monotonic(), 1e-3))
 
             try:
                 if self.backend.receives_in_engine:
                     waited = await self.backend.receive_weights(version, in_flight=self.in_flight,
                                                                 timeout_s=self.sync_timeout_s)
                 else:
-                    await self.backend.load_weights(load, in_flight=self.in_flight, timeout_s=self.sync_timeout_s)
+                    await self.backend.load_weights(load, in_flight=self.in_flight,
+                                                    timeout_s=max(deadline - time.monotonic(), 1e-3))
             except SamplerTimeoutError:  # the weights were not touched: sampling may go on
                 self._ready.set()
                 self._stats["failed_syncs"] += 1
@@ -546,12 +554,13 @@ class SamplerActor(SyncMember):
 
     async def _wait_ready(self) -> None:
         loop = asyncio.get_running_loop()
-        bound = 2 * self.sync_timeout_s + 5  # a sync's pause plus its transfer, each bounded by sync_timeout_s
+        bound = 2 * self.sync_timeout_s + 5  # a sync and most of the next, each within sync_timeout_s
         deadline = loop.time() + bound
         while not self._ready.is_set():  # re-checked after waking: another sync may have begun
             try:
-                await asyncio.wait_for(self._ready.wait(), max(deadline - loop.time(), 0.0))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
+                    await self._ready.wait()
+            except TimeoutError:
                 raise SamplerTimeoutError(
                     f"sampler {self.name}: no successful weight sync within {bound:g} s (the last one failed "
                     "or is still under way); not sampling from weights that may be half-written") from None

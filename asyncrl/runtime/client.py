@@ -107,8 +107,11 @@ class ActorClient:
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), timeout_s)
-                except asyncio.TimeoutError:
+                    # Not wait_for: on Python 3.11 it swallows a cancel that comes as the item does,
+                    # and a consumer told to stop (a pump at the end of a run) would go on reading.
+                    async with asyncio.timeout(timeout_s):
+                        item = await queue.get()
+                except TimeoutError:
                     raise CallTimeoutError(self.actor, f"{spec.name}() (next stream item)", timeout_s) from None
                 if item is _END:
                     finished = True

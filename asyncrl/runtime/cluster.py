@@ -74,9 +74,10 @@ class RemoteProcess:
 
     async def wait(self, timeout_s: float) -> bool:
         try:
-            await asyncio.wait_for(asyncio.shield(self.exited), timeout_s)
+            async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+                await asyncio.shield(self.exited)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def terminate(self, term_timeout_s: float, kill_timeout_s: float) -> None:
@@ -150,8 +151,9 @@ class Cluster:
         ones after ``timeout_s``."""
         n = self.config.nnodes
         try:
-            await asyncio.wait_for(self._all_joined.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+                await self._all_joined.wait()
+        except TimeoutError:
             missing = [r for r in range(1, n) if r not in self.nodes]
             joined = ", ".join(str(r) for r in [0, *sorted(self.nodes)])
             raise ClusterStartError(

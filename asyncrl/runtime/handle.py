@@ -5,6 +5,8 @@ restarts: calls made while the actor restarts wait (within their timeout) for th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -68,6 +70,26 @@ class ActorHandle:
     def info(self) -> "ActorStatus":
         """State, pid, restarts and heartbeat age of the actor, as the supervisor sees it now."""
         return self._record.status()
+
+    async def wait_for_incarnation(self, after: int, timeout_s: float) -> "ActorStatus":
+        """Wait until an incarnation newer than ``after`` runs, the actor is dead or stopped for
+        good, or ``timeout_s`` passes, whichever comes first, and return its status then (its
+        ``state`` and ``incarnation`` say which). Sends nothing to the actor: a restart that
+        takes long is waited for by its state, not misread as a call that timed out."""
+        record = self._record
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            changed = record._changed  # replaced at every change of state: taken before looking
+            if ((record.state is ActorState.RUNNING and record.incarnation > after)
+                    or record.state in (ActorState.DEAD, ActorState.STOPPED)):
+                return record.status()
+            left = deadline - loop.time()
+            if left <= 0:
+                return record.status()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):  # unlike wait_for on 3.11, never swallows a cancel
+                    await changed.wait()
 
     def with_timeout(self, timeout_s: float) -> "ActorHandle":
         """The same actor, with ``timeout_s`` as the default deadline of its calls."""

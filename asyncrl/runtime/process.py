@@ -89,9 +89,10 @@ class ChildProcess:
     async def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for exit; True if it exited."""
         try:
-            await asyncio.wait_for(asyncio.shield(self.exited), timeout_s)
+            async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+                await asyncio.shield(self.exited)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def terminate(self, term_timeout_s: float, kill_timeout_s: float) -> int | None:

@@ -95,5 +95,6 @@ class ActorRecord:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CallTimeoutError(self.name, f"{method}() (the actor is still {self.state.value})", timeout_s)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):  # wait_for on 3.11 can swallow a cancel, and this loops
+                    await self._changed.wait()
