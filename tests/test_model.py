@@ -62,15 +62,22 @@ def test_tokenizer_round_trips_every_character():
     assert tok.pad_token_id is not None and tok.eos_token_id is not None and tok.pad_token_id != tok.eos_token_id
 
 
-def test_chat_template():
+def test_chat_template_renders_the_trained_prompt():
+    """The user message is the numbers and the target; the template writes the compact prompt."""
     tok = build_tokenizer()
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2?"}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n2 + 2?<|im_end|>\n"
-                    "<|im_start|>assistant\n")
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.decode(ids) == text
-    assert not tok.apply_chat_template(messages, tokenize=False).endswith("assistant\n")
+    compact = format_prompt_compact(P)  # "3 7 25 50 -> 178:"
+    for content in (compact[:-1], compact, f"  {compact[:-1]}\n"):
+        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+        assert text == compact
+    # A conversation with the answer renders as the very sequence the warm start trains on.
+    answer = [{"role": "user", "content": compact[:-1]}, {"role": "assistant", "content": format_reference(P)}]
+    whole = tok.apply_chat_template(answer, tokenize=False)
+    assert whole == compact + format_reference(P) + tok.eos_token
+    assert tok(whole, add_special_tokens=False)["input_ids"] == M._encode(tok, [P], 64)[0][0].tolist()
+    with pytest.raises(Exception, match="trained on one prompt form"):
+        tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}],
+                                tokenize=False)
 
 
 # --- the cache ------------------------------------------------------------------------------------
@@ -129,6 +136,23 @@ def test_saved_dir_loads_with_plain_transformers_offline(built, monkeypatch):
     assert marker["prompt_style"] == "compact" and marker["max_new_tokens_hint"] > 0
 
 
+def test_saved_chat_template_prompts_as_trained(built):
+    """transformers' (and so vLLM's) chat prompt of a saved checkpoint is the driver's own prompt."""
+    model, tok, fmt = load_policy(built)
+    plain = AutoTokenizer.from_pretrained(built, local_files_only=True)
+    for problem in [P, *generate(3, 5)]:
+        messages = [{"role": "user", "content": " ".join(map(str, problem.numbers)) + f" -> {problem.target}"}]
+        text = plain.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text == fmt.prompt_text(problem)
+        ids = plain.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert list(ids) == fmt.prompt_ids(problem)
+    ids = torch.tensor([fmt.prompt_ids(P)])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                         pad_token_id=tok.pad_token_id)
+    driver = M._generate(model, tok, fmt, [P], True, 8, 1.0)[0]  # how the run's own evaluation prompts
+    assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == driver
+
+
 # --- prompts and loading --------------------------------------------------------------------------
 
 
@@ -143,11 +167,19 @@ def test_prompt_ids_end_where_the_completion_starts(built):
         assert len(completion) + 1 <= fmt.max_new_tokens_hint  # the answer and its eos fit the hint
 
 
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def other_checkpoint(path, chat_template: bool) -> str:
-    """A Qwen2 checkpoint that default_model did not build: no marker file, random weights."""
+    """A Qwen2 checkpoint that default_model did not build: no marker file, random weights, and a
+    Qwen-style chat template (or none)."""
     tok = build_tokenizer()
-    if not chat_template:
-        tok.chat_template = None
+    tok.chat_template = QWEN_CHAT_TEMPLATE if chat_template else None
     M._new_model(TINY, tok).save_pretrained(path)
     tok.save_pretrained(path)
     if os.path.exists(os.path.join(path, "chat_template.jinja")) and not chat_template:

@@ -8,7 +8,6 @@ loss, its gradient, or any metric.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -23,37 +22,7 @@ class LossInputError(AsyncrlError, ValueError):
     """A loss input has the wrong shape, dtype or range; the message names the argument."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class GRPOLossConfig:
-    eps_low: float = 0.2
-    """Lower clip: the ratio is clipped at ``1 - eps_low`` (matters for negative advantages)."""
-    eps_high: float = 0.28
-    """Upper clip: the ratio is clipped at ``1 + eps_high`` (matters for positive advantages).
-    Above ``eps_low`` it is DAPO's "clip-higher", which keeps low-probability tokens exploring."""
-    tis_cap: float | None = None
-    """Truncated importance sampling: when set, each token's clipped-surrogate term is multiplied
-    by the detached factor ``min(1, tis_cap / ratio)``, so an unclipped token's gradient is
-    ``min(ratio, tis_cap) * A * grad(log pi)`` instead of ``ratio * A * grad(log pi)``. This bounds
-    the one case the PPO clip leaves open: a negative advantage with a huge ratio. ``None``: off."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL estimate to the reference policy (needs ``ref_logprobs``); 0: no KL."""
-    aggregation: str = "token_mean"
-    """'token_mean': sum over every valid token / number of valid tokens in the batch (long
-    completions weigh more). 'seq_mean': mean over each sequence's valid tokens, then mean over
-    the sequences that have at least one valid token (each completion weighs the same)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.eps_low < 1:
-            raise ValueError(f"eps_low must be in [0, 1), not {self.eps_low!r}")
-        if not self.eps_high >= 0:
-            raise ValueError(f"eps_high must be >= 0, not {self.eps_high!r}")
-        if self.tis_cap is not None and not self.tis_cap >= 1:
-            raise ValueError(f"tis_cap must be >= 1 or None, not {self.tis_cap!r}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"kl_coef must be >= 0, not {self.kl_coef!r}")
-        if self.aggregation not in ("token_mean", "seq_mean"):
-            raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', not {self.aggregation!r}")
-
+from .sections import GRPOLossConfig  # noqa: E402  (torch-free: CLI --help and flag errors)
 
 def group_advantages(rewards: torch.Tensor | list[list[float]], normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Advantage of each completion: its reward minus its group's mean, divided by

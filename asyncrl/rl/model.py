@@ -3,9 +3,11 @@ tokenizer (one token per ASCII character), warm-started by supervised training o
 from a policy that solves some held-out problems but far from all.
 
 No hub and no internet: the tokenizer is Qwen2's byte-level BPE pipeline with the 256 byte symbols
-and no merges, built with ``tokenizers``; the model comes from a ``Qwen2Config``. The result is an ordinary HF checkpoint directory (safetensors weights,
-tokenizer files, chat template) plus ``asyncrl_model.json``, which records the prompt style the
-model was trained on. It is cached under a hash of everything that determines it, and written to a
+and no merges, built with ``tokenizers``; the model comes from a ``Qwen2Config``. The result is an
+ordinary HF checkpoint directory (safetensors weights, tokenizer files, and a chat template that
+renders the very prompt the model was trained on: a user message ``"3 7 25 50 -> 178"`` becomes
+``"3 7 25 50 -> 178:"``) plus ``asyncrl_model.json``, which records the prompt style the model was
+trained on. It is cached under a hash of everything that determines it, and written to a
 temporary directory that is renamed into place only when complete: a crash mid-write leaves a
 ``.tmp-*`` directory that is never read, and is removed by a later build once its writer is gone.
 
@@ -22,6 +24,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -56,96 +59,19 @@ for checkpoints without a chat template."""
 CHAT_MAX_NEW_TOKENS = 256
 """Generation budget hinted for checkpoints we did not train: they may write more than the answer."""
 
+_TRAIN_THREADS = 1
+"""Intra-op threads of the warm start's training: fixed, so the weights do not depend on the machine."""
+
 # Bump when the tokenizer, data or training code changes what a cached checkpoint would contain.
 _FORMAT_VERSION = 1
 
 # --- configuration --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of the embedded Qwen2 model. The defaults (1.02M parameters) warm-start in about two
-    minutes on one CPU core (122 s measured, 400 steps) and sample fast enough for GRPO there."""
+from .sections import ModelConfig, WarmStartConfig  # noqa: E402  (torch-free: CLI --help and flag errors)
 
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    num_layers: int = 4
-    """Transformer blocks."""
-    num_heads: int = 4
-    """Query heads; ``hidden_size / num_heads`` (head_dim) must be 32 or 64, which vLLM's CPU
-    attention supports."""
-    num_kv_heads: int = 2
-    """Key/value heads (grouped-query attention); must divide ``num_heads``."""
-    intermediate_size: int = 512
-    """Width of the SwiGLU MLP."""
-    max_positions: int = 128
-    """Longest prompt + completion, in tokens (characters, for the embedded tokenizer)."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base."""
-    tie_embeddings: bool = True
-    """Share input embedding and output head (saves vocab_size * hidden_size parameters)."""
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, not {getattr(self, name)}")
-        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads not in (32, 64):
-            raise ValueError(f"hidden_size / num_heads (head_dim) must be 32 or 64, not "
-                             f"{self.hidden_size} / {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, not {self.rope_theta}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-@dataclass(frozen=True, kw_only=True)
-class WarmStartConfig:
-    """Supervised warm start on reference solutions of the Countdown train split. The defaults aim
-    at a held-out solve rate well inside (0, 1) so that GRPO has room to improve it."""
-
-    steps: int = 400
-    """Optimizer steps."""
-    batch_size: int = 64
-    """Sequences per step."""
-    lr: float = 2e-3
-    """Peak learning rate (AdamW), reached after ``warmup_steps``, then cosine decay to lr / 10.
-    Training escapes a loss plateau (~0.9, format learnt, arithmetic not) around step 150; at 3e-3
-    and above, some seeds stay on it."""
-    warmup_steps: int = 50
-    """Linear warm-up steps."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    n_examples: int = 20000
-    """Distinct training problems (each seen ``steps * batch_size / n_examples`` times on average)."""
-    seed: int = 0
-    """Seed of the weight initialisation and the batch order."""
-    data_seed: int | str = 0
-    """Seed of :func:`countdown.train_and_heldout` whose train split is trained on. Use the same
-    seed for GRPO's split: its first ``heldout_reserve`` held-out problems are never trained on."""
-    heldout_reserve: int = 1000
-    """Held-out problems excluded from training (the held-out stream is prefix-stable, so any
-    held-out set of this size or smaller, from the same ``data_seed``, is unseen)."""
-    eval_problems: int = 200
-    """Held-out problems solved greedily after training, for the log and the marker file; 0 skips."""
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "n_examples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"WarmStartConfig.{name} must be >= 1, not {getattr(self, name)}")
-        for name in ("warmup_steps", "heldout_reserve", "eval_problems"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"WarmStartConfig.{name} must be >= 0, not {getattr(self, name)}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, not {self.lr}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, not {self.weight_decay}")
-        if self.eval_problems > self.heldout_reserve:
-            raise ValueError(f"eval_problems ({self.eval_problems}) must be <= heldout_reserve "
-                             f"({self.heldout_reserve}): only reserved problems are unseen")
+class WarmStartStopped(AsyncrlError):
+    """The warm start was stopped (its ``stop`` event set) before it finished; nothing was cached."""
 
 
 class PolicyLoadError(AsyncrlError):
@@ -162,11 +88,25 @@ PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
 # Whole-token tags: the answer markers are 17 characters of every completion, so as single
 # tokens they shorten sequences by a third. Ordinary (not special) tokens: decode keeps them.
 _TAGS = ["<answer>", "</answer>"]
+# The chat template renders exactly what the warm start trains on (the "compact" prompt style), so
+# that transformers' apply_chat_template and vLLM's chat prompt the model as it was trained: a
+# Qwen-style "<|im_start|>user..." prompt is text it has never seen, and it answers it with junk.
+# The user message is the numbers and the target, "3 7 25 50 -> 178" (a trailing ":" and outer
+# whitespace are tolerated); the generation prompt is the ":" after which the answer starts; an
+# assistant message after it renders as the completion the model learnt, answer then eos.
 _CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' and loop.first -%}"
+    "{%- set content = message['content'] | trim -%}"
+    "{{- content[:-1] if content.endswith(':') else content -}}"
+    "{%- elif message['role'] == 'assistant' and loop.index == 2 -%}"
+    "{{- ':' + message['content'] + eos_token -}}"
+    "{%- else -%}"
+    "{{- raise_exception('this model was trained on one prompt form: a single user message with the "
+    "numbers and the target, e.g. \\'3 7 25 50 -> 178\\', optionally followed by its assistant answer') -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- ':' -}}{%- endif -%}"
 )
 # Qwen2's pre-tokenizer split; with no merges every byte is a token whatever the split, but keeping
 # Qwen2's exact pipeline means transformers' Qwen2Tokenizer, which AutoTokenizer rebuilds from
@@ -187,8 +127,9 @@ def _byte_symbols() -> list[str]:
 def build_tokenizer():
     """A byte-level tokenizer without merges, so one token per byte (per character, for ASCII):
     Qwen2's tokenizer pipeline with a 256-symbol vocabulary, plus the chat specials, the answer
-    tags and a Qwen-style chat template. Every string round-trips; saves and loads like any HF
-    tokenizer, and loads back identically through ``AutoTokenizer``."""
+    tags and a chat template that renders the compact prompt the model is trained on. Every
+    string round-trips; saves and loads like any HF tokenizer, and loads back identically through
+    ``AutoTokenizer``."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -340,17 +281,27 @@ def cache_key(model: ModelConfig, warm: WarmStartConfig, countdown: CountdownCon
 
 def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
                   countdown: CountdownConfig = CountdownConfig(), *, cache_dir: str | None = None,
-                  threads: int | None = None, log: Callable[[str], object] = print) -> str:
+                  threads: int | None = None, log: Callable[[str], object] = print,
+                  stop: threading.Event | None = None) -> str:
     """Path of the embedded policy's checkpoint directory, built and warm-started on first use.
 
     Cached at ``<cache_root>/models/<cache_key>``. Only a complete directory ever has that name: it
     is written under a temporary name and renamed, so a second call (even after a crash of the
     first) either finds a whole checkpoint or builds one afresh.
 
-    ``threads``: torch intra-op threads while building; None picks the cores not already busy
-    (cores minus the 1-minute load average), 1 to 4. Measured on 2 shared cores: 1 thread took 113 s
-    where 2 took 292 s, as OpenMP threads waiting at each barrier for a descheduled sibling cost more
-    than they bring; and a 1M-parameter model gains little beyond 4.
+    The training itself always runs on one torch thread, so the weights cached under a key are the
+    same on any machine (of one CPU kind) whatever its core count; see ``_build``.
+
+    ``threads``: torch intra-op threads of the greedy evaluation after training (it changes no
+    weights); None: the cores this process may run on (its CPU affinity), at most 4. Not a load
+    reading: one taken just after a burst (pip) picked 1 thread on an idle machine. On cores that
+    other busy processes share, pass 1: OpenMP threads waiting at each barrier for a descheduled
+    sibling cost more than they bring (2 threads ran 1.7x to 6x slower than 1 on 2 loaded cores).
+
+    ``stop``: once set, the build stops within a training step (or a data / evaluation chunk) and
+    raises WarmStartStopped, leaving nothing in the cache. For a caller that runs this in a worker
+    thread (``asyncio.to_thread``) and is cancelled: a thread cannot be killed, and asyncio's
+    shutdown waits for it.
     """
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1 or None, not {threads}")
@@ -364,7 +315,7 @@ def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = Wa
     _remove_orphans(models_dir, key, log)
     tmp = tempfile.mkdtemp(dir=models_dir, prefix=f".tmp-{key}-{os.getpid()}-")
     try:
-        _build(tmp, model, warm, countdown, threads, log)
+        _build(tmp, model, warm, countdown, threads, log, stop)
         _publish(tmp, final, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a no-op after a successful rename
@@ -398,25 +349,44 @@ def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> 
             shutil.rmtree(os.path.join(models_dir, name), ignore_errors=True)
 
 
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise WarmStartStopped("the warm start of the default model was stopped before it finished")
+
+
 def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, countdown: CountdownConfig,
-           threads: int | None, log: Callable[[str], object]) -> None:
+           threads: int | None, log: Callable[[str], object], stop: threading.Event | None = None) -> None:
     tokenizer = build_tokenizer()
+    _check_stop(stop)
     train, heldout = train_and_heldout(warm.data_seed, warm.n_examples, warm.heldout_reserve, countdown)
-    ids, labels, lengths, longest_completion = _encode(tokenizer, train, model_cfg.max_positions)
-    with _torch_threads(threads):
+    _check_stop(stop)
+    ids, labels, lengths, longest_completion = _encode(tokenizer, train, model_cfg.max_positions, stop)
+    # Training runs on one intra-op thread whatever ``threads`` says, so that the weights cached
+    # under a key do not depend on the machine's core count (the key does not name it). With more
+    # threads, torch splits elementwise kernels (SiLU) into per-thread chunks whose ends need not
+    # fall on the vector width, and the tail is computed differently: on 3 threads one SiLU output
+    # was 4e-9 off at the third step, and 48 of 50 tensors differed after 30 (2 threads happened to
+    # agree with 1 bit for bit over all 400 steps, 4 over 30: sizes that split evenly). Cost, 2 cores, default
+    # config: ~275 ms a step on one thread against ~150 ms on two when idle (400 steps: ~110 s
+    # against ~60 s, once per cache key); under load two threads were slower (545 against 930 ms).
+    with _torch_threads(_TRAIN_THREADS):
         torch.manual_seed(warm.seed)
         model = _new_model(model_cfg, tokenizer)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"[model] warm-starting {n_params / 1e6:.2f}M-parameter Qwen2 on {len(train)} problems, "
-            f"{warm.steps} steps of {warm.batch_size}, {torch.get_num_threads()} threads")
+            f"{warm.steps} steps of {warm.batch_size}, on one thread (the same weights on any machine)")
         start = time.monotonic()
-        loss = _train(model, ids, labels, lengths, warm, log)
+        loss = _train(model, ids, labels, lengths, warm, log, stop)
         wall_s = time.monotonic() - start
+    with _torch_threads(threads or _usable_cores()):  # the evaluation changes no weights
         hint = longest_completion + 8  # slack: a sampled answer may be a little longer than any reference
         fmt = PromptFormat("compact", tokenizer, _stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer), hint)
-        greedy = solve_rate(model, tokenizer, fmt, heldout[:warm.eval_problems]) if warm.eval_problems else None
-    log(f"[model] warm start done in {wall_s:.0f} s, final loss {loss:.3f}"
-        + (f", held-out greedy solve rate {greedy:.1%}" if greedy is not None else ""))
+        greedy = (solve_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], stop=stop)
+                  if warm.eval_problems else None)
+    # The solve rate goes to the marker file only: a GRPO run prints its own held-out number before
+    # training (on its n_heldout problems), and two different "held-out" figures read as a conflict.
+    log(f"[model] warm start done in {wall_s:.0f} s, final loss {loss:.3f}")
+    _check_stop(stop)
     _save(out, model, tokenizer, {
         "prompt_style": "compact", "max_new_tokens_hint": hint, "format_version": _FORMAT_VERSION,
         "parameters": n_params, "warm_start_wall_s": round(wall_s, 1), "final_loss": round(loss, 4),
@@ -449,30 +419,33 @@ def _new_model(cfg: ModelConfig, tokenizer):
 
 
 @contextlib.contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
-    """Intra-op threads for the warm start (see default_model), restored afterwards."""
+def _torch_threads(threads: int) -> Iterator[None]:
+    """``threads`` intra-op threads inside the block, restored afterwards."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads or _idle_cores())
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
         torch.set_num_threads(before)
 
 
-def _idle_cores(most: int = 4) -> int:
+def _usable_cores(most: int = 4) -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's), at most ``most``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-    return max(1, min(most, cores - busy))
+    return max(1, min(most, cores))
 
 
 # --- warm start -----------------------------------------------------------------------------------
 
 
-def _encode(tokenizer, problems: Sequence[CountdownProblem], max_positions: int):
+def _encode(tokenizer, problems: Sequence[CountdownProblem], max_positions: int,
+            stop: threading.Event | None = None):
     """Right-padded ``ids``, ``labels`` (-100 on prompt and padding) and lengths of
     compact prompt + reference completion + eos for every problem, and the longest completion."""
     rows = []
-    for p in problems:
+    for i, p in enumerate(problems):
+        if i % 1000 == 0:  # 20 000 problems take seconds
+            _check_stop(stop)
         prompt = tokenizer(format_prompt_compact(p), add_special_tokens=False)["input_ids"]
         completion = tokenizer(format_reference(p), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append((prompt, completion))
@@ -498,7 +471,8 @@ def _lr_factor(step: int, warm: WarmStartConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _train(model, ids, labels, lengths, warm: WarmStartConfig, log: Callable[[str], object]) -> float:
+def _train(model, ids, labels, lengths, warm: WarmStartConfig, log: Callable[[str], object],
+           stop: threading.Event | None = None) -> float:
     """Next-token cross-entropy on the completions; returns the mean loss of the last 20 steps."""
     model.train()
     device = next(model.parameters()).device
@@ -511,6 +485,7 @@ def _train(model, ids, labels, lengths, warm: WarmStartConfig, log: Callable[[st
     order, cursor, recent = torch.randperm(len(ids), generator=gen), 0, []
     start = time.monotonic()
     for step in range(warm.steps):
+        _check_stop(stop)
         if cursor + warm.batch_size > len(order):  # a fresh permutation per epoch
             order, cursor = torch.randperm(len(ids), generator=gen), 0
         batch = order[cursor:cursor + warm.batch_size]
@@ -537,11 +512,13 @@ def _train(model, ids, labels, lengths, warm: WarmStartConfig, log: Callable[[st
 
 @torch.no_grad()
 def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[CountdownProblem], *, greedy: bool = True,
-               n: int = 1, max_new_tokens: int | None = None, batch_size: int = 64, temperature: float = 1.0) -> float:
+               n: int = 1, max_new_tokens: int | None = None, batch_size: int = 64, temperature: float = 1.0,
+               stop: threading.Event | None = None) -> float:
     """Fraction of ``n`` completions per problem that :func:`countdown.score` finds correct.
 
     Batched, left-padded ``model.generate``; greedy decoding, or pure sampling at ``temperature``
-    (no top-k / top-p: the distribution GRPO samples from).
+    (no top-k / top-p: the distribution GRPO samples from). ``stop``: checked before each batch;
+    once set, raises WarmStartStopped.
     """
     if n < 1 or batch_size < 1:
         raise ValueError(f"n and batch_size must be >= 1, not {n} and {batch_size}")
@@ -552,6 +529,7 @@ def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Countdown
     jobs = [p for p in problems for _ in range(n)]
     correct = 0
     for i in range(0, len(jobs), batch_size):
+        _check_stop(stop)
         chunk = jobs[i:i + batch_size]
         texts = _generate(model, tokenizer, fmt, chunk, greedy, max_new_tokens or fmt.max_new_tokens_hint, temperature)
         correct += sum(score(p, t).correct for p, t in zip(chunk, texts))
