@@ -9,6 +9,12 @@ class AsyncrlError(Exception):
     """Base class of every error asyncrl raises on purpose."""
 
 
+class UsageError(AsyncrlError):
+    """What the user asked for (a flag, a path, a setting) cannot be done; the message says what
+    would be accepted. ``asyncrl launch`` prints it as one line and exits with status 2, no
+    traceback: the fix is in the command line, not in the code."""
+
+
 class ActorError(AsyncrlError):
     """An error that concerns one actor, named in ``actor``."""
 
@@ -121,3 +127,10 @@ def remote_error_class(type_name: str) -> type[RemoteError]:
             return RemoteError
         _BUILTIN_MIXINS[type_name] = cls
     return cls
+
+
+def first_line(exc: BaseException | str) -> str:
+    """The first line of an error's message (at most 300 characters), or its type's name when it
+    has none: what a one-line report of it shows."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else "" if isinstance(exc, str) else type(exc).__name__

@@ -1,7 +1,13 @@
 """Run a user script the way ``asyncrl launch`` promises: its ``main()`` (sync or async) under
 uvloop when available, with SIGINT/SIGTERM turned into cancellation so ``async with Supervisor()``
 stops every actor before we exit with ``128 + signal``. A script without a ``main`` function runs
-as ``__main__``, exactly as ``python script.py`` would."""
+as ``__main__``, exactly as ``python script.py`` would.
+
+What reaches the user: a `UsageError` (a bad flag or path, e.g. a `ConfigError`) escaping the
+script is its message on one line and exit status 2; ``sys.exit("message")`` prints the message
+and exits 1, as Python does; a traceback means a bug. After a first SIGINT/SIGTERM the shutdown is
+orderly; a second one during it kills the actors' process groups and exits at once
+(`signals.force_exit`)."""
 
 from __future__ import annotations
 
@@ -13,11 +19,15 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import traceback
 
+from .errors import UsageError
 from .runtime import signals
 from .runtime.loop import run as run_loop
 from .runtime.worker import SCRIPT_MODULE
+
+EXIT_USAGE = 2
 
 
 def _defines_main(path: str) -> bool:
@@ -38,8 +48,27 @@ def _load(path: str):
 
 async def _run_main(main) -> object:
     task = asyncio.ensure_future(main())
-    with signals.cancel_on_signals(task):
-        return await task
+    try:
+        with signals.cancel_on_signals(task):
+            return await task
+    finally:
+        # main() is over but the loop still closes (remaining tasks, executor threads: a warm start
+        # in asyncio.to_thread runs to its end): a signal from now on is a request to exit now.
+        signals.force_exit_on_signals()
+        if signals.received:
+            _hint_if_still_running()
+
+
+def _hint_if_still_running(after_s: float = 2.0) -> None:
+    """After a Ctrl-C, say why the process has not exited yet, if it has not within ``after_s``:
+    a thread nothing can interrupt is finishing (daemon timer: it dies with the process)."""
+    def hint() -> None:
+        print("asyncrl launch: waiting for a background thread to finish (e.g. the warm start); "
+              "Ctrl-C again to exit now", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(after_s, hint)
+    timer.daemon = True
+    timer.start()
 
 
 def _exit_code(result: object) -> int:
@@ -57,6 +86,7 @@ def run_script(path: str, script_args: list[str]) -> int:
     sys.argv = [path, *script_args]
     sys.path.insert(0, os.path.dirname(path))
     signals.received.clear()
+    name = os.path.basename(path)
     try:
         if not _defines_main(path):
             runpy.run_path(path, run_name="__main__")
@@ -73,10 +103,15 @@ def run_script(path: str, script_args: list[str]) -> int:
     except SystemExit as e:
         if signals.received:  # the supervisor turned SIGTERM into SystemExit(128 + signal)
             return _stopped_by_signal()
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except SyntaxError:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
+        return 1
+    except UsageError as e:  # the command line is wrong, not the code: no traceback
+        print(f"{name}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception:  # a bug (SyntaxError included): its traceback is what helps
         traceback.print_exc()
         return 1
-    except Exception:
-        traceback.print_exc()
-        return 1
+    finally:
+        signals.restore_signals()

@@ -10,10 +10,17 @@ With no --model_path, a small Qwen2-shaped model and tokenizer are made locally 
 solver-written solutions (cached on disk, so only the first run pays for it). The run directory
 gets config.json, metrics.jsonl, progress.json, summary.json, resumable checkpoints and the final
 policy as a Hugging Face checkpoint. ``--resume RUN_DIR`` takes that run's config.json (overrides
-given with it apply on top, e.g. ``--run.steps`` to go further) and its latest checkpoint. A run
-that cannot go on (its trainer died or hung) exits with status 1 and one line saying why; a
-setting the run refuses (a held-out set the warm start saw, --run.check_weights with vLLM
-samplers, a run directory holding another run's checkpoints) exits with status 2.
+given with it apply on top, e.g. ``--run.steps`` to go further) and its latest checkpoint.
+
+Exit status: 0 done; 1 the run could not go on (its trainer died or hung: one line says why and
+which checkpoint to resume from); 2 a usage error, one line naming the flag and what would be
+accepted, found before anything is spawned or written: an unknown key (with the closest existing
+ones), a value of the wrong type or out of range, a --model_path that is not a checkpoint
+directory, a run directory that cannot be written or already holds a run, a --resume directory
+that is not a run, a completion longer than the model's positions, a held-out set the warm start
+saw (--run.check_weights with samplers that picked vLLM is found once they start); 130 stopped
+by Ctrl-C (a second Ctrl-C during the shutdown kills the actors at once).
+
 Copy this file and change what you like: everything below is the public API.
 """
 
@@ -22,9 +29,9 @@ from __future__ import annotations
 import sys
 
 from asyncrl import Supervisor
-from asyncrl.rl.checkpoint import load_run_config
-from asyncrl.rl.config import ConfigError, help_text, parse_overrides
+from asyncrl.rl.config import help_text, parse_overrides, take_option
 from asyncrl.rl.grpo import GRPOConfig, train
+from asyncrl.rl.preflight import check_run, resumed_config
 from asyncrl.rl.recovery import RunStoppedError
 
 
@@ -35,23 +42,17 @@ async def main() -> int:
         print(__doc__)
         print(help_text(config))
         return 0
-    resume = ""
-    if "--resume" in argv:
-        at = argv.index("--resume")
-        if at + 1 >= len(argv):
-            sys.exit("--resume needs a run directory")
-        resume = argv[at + 1]
-        argv = argv[:at] + argv[at + 2:]
-        config = load_run_config(config, resume)
+    # Every flag and path is checked here, before a process is spawned or a file written: a
+    # mistake is a one-line ConfigError that `asyncrl launch` prints, exiting with status 2.
+    resume, argv = take_option(argv, "--resume", "RUN_DIR")
+    if resume:
+        config = resumed_config(config, resume)
         argv += ["--run.run_dir", resume]
-    config = parse_overrides(config, argv)
+    config = check_run(parse_overrides(config, argv), resume=bool(resume))
     try:
         async with Supervisor() as sup:
             await train(config, sup, resume=bool(resume))
     except RunStoppedError as exc:  # every actor is gone by now (the supervisor stopped them)
         print(f"grpo_countdown: {exc}", file=sys.stderr)
         return 1
-    except ConfigError as exc:  # a setting the run refuses, found before training began
-        print(f"grpo_countdown: {exc}", file=sys.stderr)
-        return 2
     return 0

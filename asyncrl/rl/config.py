@@ -3,22 +3,38 @@
 Each section is a small frozen dataclass with a default and a docstring per field (validated in
 its own ``__post_init__``); a run's config is a tree of them. `parse_overrides` turns
 ``["--trainer.lr", "1e-5", "--run.mode=sync"]`` into a new tree, casting each value to the field's
-annotated type; an unknown key or a value of the wrong type is a `ConfigError` naming it, with the
-keys that do exist. `config_to_dict` gives the plain tree that is written into the run directory.
+annotated type. Every mistake is a one-line `ConfigError` that names the flag and its value and
+says what would be accepted: an unknown key (with the closest keys that exist), a value of the
+wrong type (with an example of the right one), a value the section's validation refuses (naming
+the override that broke it), a stray word. `config_to_dict` gives the plain tree that is written
+into the run directory.
+
+Why a hand-written parser and not tyro, jsonargparse or pydantic-settings (all of which parse
+nested ``--section.key`` flags from type hints): their errors are multi-line usage blocks (tyro's a
+rich-formatted box), a section's ``__post_init__`` ValueError would surface as theirs, not as one
+line naming the override; a resumed run's config.json must be merged under the flags; and each
+adds a dependency tree to a command whose flag errors must answer in well under a second. What
+is needed here (cast, validate per section, suggest close keys) is about 200 lines.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import re
+import shlex
 import types
 import typing
 from typing import Any
 
-from asyncrl.errors import AsyncrlError
+from asyncrl.errors import UsageError
 
 
-class ConfigError(AsyncrlError, ValueError):
-    """A command-line override names no field, or its value does not fit the field's type."""
+class ConfigError(UsageError, ValueError):
+    """A command-line override names no field, its value does not fit the field's type or its
+    section's validation, or the run refuses a setting. The message is one line that names the
+    flag; ``asyncrl launch`` prints it and exits with status 2."""
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -28,17 +44,34 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 def parse_overrides(config: Any, argv: list[str]) -> Any:
     """Apply ``--a.b.c value`` / ``--a.b.c=value`` pairs to the dataclass tree ``config``. Each
     section is rebuilt once with all of its overrides, so fields that are validated together
-    (say, a hidden size and a head count) can change together."""
+    (say, a hidden size and a head count) can change together. Dashes in keys count as
+    underscores (``--run.max-staleness``)."""
     tree: dict[str, Any] = {}
-    for dotted, raw in _pairs(argv):
+    for dotted, raw in _pairs(config, argv):
+        path, current = _resolve(config, dotted, raw)
+        if raw is None:
+            raise ConfigError(f"--{dotted} needs a value" + _example(dotted, current, ", e.g. "))
         node = tree
-        *sections, leaf = dotted.split(".")
-        for name in sections:
+        for name in path[:-1]:
             node = node.setdefault(name, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--{dotted}: {name} is set as a value and as a section")
-        node[leaf] = (raw, dotted)
+        node[path[-1]] = (raw, dotted)
     return _apply(config, tree)
+
+
+def take_option(argv: list[str], flag: str, metavar: str = "VALUE") -> tuple[str, list[str]]:
+    """Remove ``flag value`` (or ``flag=value``) from ``argv``: (value, the rest); ("", argv)
+    when ``flag`` is absent. A flag without a value is a `ConfigError`."""
+    for i, arg in enumerate(argv):
+        if arg == flag or arg.startswith(flag + "="):
+            if arg == flag:
+                value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+                rest = argv[:i] + argv[i + 2:]
+            else:
+                value, rest = arg[len(flag) + 1:], argv[:i] + argv[i + 1:]
+            if not value:
+                raise ConfigError(f"{flag} needs a value: {flag} {metavar}")
+            return value, rest
+    return "", list(argv)
 
 
 def help_text(config: Any, prefix: str = "") -> str:
@@ -54,82 +87,224 @@ def help_text(config: Any, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def _pairs(argv: list[str]) -> list[tuple[str, str]]:
+# --- parsing --------------------------------------------------------------------------------------
+
+
+def _pairs(config: Any, argv: list[str]) -> list[tuple[str, str | None]]:
+    """(key, raw value) per override; the value is None when the flag has none (reported once
+    the key is known to exist, so a misspelt flag is named as such first)."""
     pairs, i = [], 0
     while i < len(argv):
         arg = argv[i]
-        if not arg.startswith("--") or len(arg) < 3:
-            raise ConfigError(f"expected --section.key value, got {arg!r}")
+        if not arg.startswith("--") or len(arg) < 3 or arg[2] == "-":
+            raise ConfigError(_stray(config, arg))
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
             i += 1
-        elif i + 1 < len(argv):
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             key, raw = arg[2:], argv[i + 1]
             i += 2
-        else:
-            raise ConfigError(f"{arg} needs a value")
+        else:  # the last word, or followed by the next flag: nothing was given for it
+            key, raw = arg[2:], None
+            i += 1
         pairs.append((key, raw))
     return pairs
+
+
+def _resolve(config: Any, dotted: str, raw: str | None) -> tuple[list[str], Any]:
+    """The field names along ``dotted`` and the current value there; an unknown key, or a
+    section given a value, is a `ConfigError`."""
+    node, path = config, []
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(node):
+            raise ConfigError(f"unknown config key --{dotted}: --{'.'.join(path)} is a value, not a section")
+        name = part.replace("-", "_")
+        if name not in {f.name for f in dataclasses.fields(node)}:
+            raise ConfigError(_unknown(config, dotted, node))
+        parent, node = node, getattr(node, name)
+        path.append(name)
+    if dataclasses.is_dataclass(node):
+        raise ConfigError(_section_given_a_value(parent, path, raw))
+    return path, node
+
+
+def _unknown(config: Any, dotted: str, parent: Any) -> str:
+    guesses = _guesses(config, dotted.replace("-", "_"))
+    if guesses:
+        return f"unknown config key --{dotted}; did you mean {' or '.join('--' + g for g in guesses)}?"
+    names = ", ".join(sorted(f.name for f in dataclasses.fields(parent)))
+    return f"unknown config key --{dotted}; {type(parent).__name__} has: {names}"
+
+
+def _guesses(config: Any, key: str) -> list[str]:
+    """Keys that exist and look like ``key``: the same last name in any section (``--lr`` ->
+    ``--trainer.lr``), else the closest spellings (``--trainer.lrr`` -> ``--trainer.lr``)."""
+    keys = _leaf_keys(config)
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != key]
+    return same_leaf[:3] or difflib.get_close_matches(key, keys, n=2, cutoff=0.75)
+
+
+def _leaf_keys(config: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f, value in _fields(config):
+        if dataclasses.is_dataclass(value):
+            keys += _leaf_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _section_given_a_value(parent: Any, path: list[str], raw: str | None) -> str:
+    """``--model /some/dir``: say what the section is, how its keys are set and, where the parent
+    has a ``<name>_path`` field, that the value probably belongs there."""
+    name, section = path[-1], getattr(parent, path[-1])
+    dotted = ".".join(path)
+    docs = _docstrings(type(parent))
+    what = _sentence(docs.get(name, ""))
+    first = _fields(section)[0]
+    example = _example(f"{dotted}.{first[0].name}", first[1], "")
+    message = f"--{dotted} is a section{f' ({what})' if what else ''}, not a value: set its keys, e.g. {example}"
+    sibling = f"{name}_path"
+    if raw is not None and sibling in {f.name for f in dataclasses.fields(parent)}:
+        given = ".".join([*path[:-1], sibling])
+        what = _sentence(docs.get(sibling, "").split(";")[0]) or "a path"
+        message += f"; {what} is given with --{given} {shlex.quote(raw)}"
+    return message
+
+
+def _stray(config: Any, arg: str) -> str:
+    """A word where a ``--section.key`` flag belongs (``steps=3``, ``-lr``)."""
+    key, sep, value = arg.lstrip("-").partition("=")
+    key = key.replace("-", "_")
+    guesses = ([key] if key in _leaf_keys(config) else _guesses(config, key)) if key else []
+    if guesses:
+        shown = " or ".join(f"--{g}" + (f" {shlex.quote(value)}" if sep else "") for g in guesses)
+        return f"unexpected argument {arg!r}; did you mean {shown}?"
+    return f"unexpected argument {arg!r}: overrides are --section.key value (see --help for the keys)"
+
+
+def _sentence(doc: str) -> str:
+    """A field's docstring as a clause: first sentence, no final period, lower-case start."""
+    text = doc.split(". ")[0].strip().rstrip(".")
+    return text[:1].lower() + text[1:]
 
 
 def _fields(config: Any) -> list[tuple[dataclasses.Field, Any]]:
     return [(f, getattr(config, f.name)) for f in dataclasses.fields(config)]
 
 
+# --- building -------------------------------------------------------------------------------------
+
+
 def _apply(node: Any, overrides: dict[str, Any]) -> Any:
-    names = {f.name: f for f in dataclasses.fields(node)}
     hints = typing.get_type_hints(type(node))
-    values, last = {}, ""
-    for key, override in overrides.items():
-        field = names.get(key.replace("-", "_"))
-        if field is None:
-            shown = override[1] if isinstance(override, tuple) else key
-            raise ConfigError(f"unknown config key --{shown}; {type(node).__name__} has: {', '.join(sorted(names))}")
-        current = getattr(node, field.name)
+    values: dict[str, Any] = {}
+    flags: dict[str, str] = {}  # field -> "--section.key value", to name the one a validation refuses
+    for name, override in overrides.items():
+        current = getattr(node, name)
         if isinstance(override, dict):
-            if not dataclasses.is_dataclass(current):
-                raise ConfigError(f"{field.name} is a value, not a section")
-            values[field.name] = _apply(current, override)
+            values[name] = _apply(current, override)
         else:
             raw, dotted = override
-            if dataclasses.is_dataclass(current):
-                raise ConfigError(f"--{dotted} is a section; set one of its keys")
-            values[field.name] = _cast(raw, hints[field.name], dotted)
-            last = f"--{dotted} {raw}"
+            values[name] = _cast_flag(raw, hints[name], dotted, current)
+            flags[name] = f"--{dotted} {shlex.quote(raw)}"
     try:
         return dataclasses.replace(node, **values)
     except ValueError as exc:  # the section's own validation
-        raise ConfigError(f"{type(node).__name__} ({last or 'overrides'}): {exc}") from exc
+        raise ConfigError(f"{_culprits(str(exc), flags, node)}: {exc}") from None
 
 
-def _cast(raw: str, annotation: Any, dotted: str) -> Any:
+def _culprits(message: str, flags: dict[str, str], section: Any) -> str:
+    """The overrides a section's validation message is about: those whose field it names (the
+    section validates all its fields at once, so the last override is not necessarily the bad
+    one). When it names only fields that were not overridden (values from a resumed config.json),
+    the section; when it names no field, every override of the section."""
+    def names(field: str) -> bool:
+        return re.search(rf"(?<!\w){re.escape(field)}(?!\w)", message) is not None
+
+    named = [flag for field, flag in flags.items() if names(field)]
+    if named:
+        return ", ".join(named)
+    if any(names(f.name) for f in dataclasses.fields(section)) or not flags:
+        return type(section).__name__
+    return ", ".join(flags.values())
+
+
+class _Mismatch(Exception):
+    """A raw value that does not fit the annotation being tried."""
+
+
+def _cast_flag(raw: str, annotation: Any, dotted: str, current: Any) -> Any:
+    try:
+        return _cast(raw, annotation)
+    except _Mismatch:
+        raise ConfigError(f"--{dotted} {shlex.quote(raw)}: expected {_describe(annotation)}"
+                          + _example(dotted, current, ", e.g. ")) from None
+
+
+def _cast(raw: str, annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         if raw.lower() in ("none", "null") and type(None) in args:
             return None
-        for arg in args:
+        for arg in args:  # in the order written: `int | str` takes 3 as an int
             if arg is not type(None):
-                return _cast(raw, arg, dotted)
+                try:
+                    return _cast(raw, arg)
+                except _Mismatch:
+                    continue
+        raise _Mismatch
     if annotation is bool:
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
         if raw.lower() in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"--{dotted}: expected true or false, got {raw!r}")
+        raise _Mismatch
     if origin is tuple:
-        parts = [p for p in raw.replace("(", "").replace(")", "").split(",") if p.strip()]
-        return tuple(_cast(p.strip(), args[min(i, len(args) - 1)], dotted) for i, p in enumerate(parts))
+        parts = [p.strip() for p in raw.replace("(", "").replace(")", "").split(",") if p.strip()]
+        fixed = not (len(args) == 2 and args[1] is Ellipsis)
+        if not parts or (fixed and len(parts) != len(args)):
+            raise _Mismatch
+        return tuple(_cast(p, args[i] if fixed else args[0]) for i, p in enumerate(parts))
     if annotation in (int, float, str):
         try:
             return annotation(raw)
         except ValueError:
-            raise ConfigError(f"--{dotted}: expected {annotation.__name__}, got {raw!r}") from None
-    raise ConfigError(f"--{dotted}: cannot set a field of type {annotation} from the command line")
+            raise _Mismatch from None
+    raise ConfigError(f"a field of type {annotation} cannot be set from the command line")
 
 
+def _describe(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) if a is not type(None) else "none" for a in args)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"comma-separated values, each {_describe(args[0])}"
+        return f"{len(args)} comma-separated values, each {_describe(args[0])}"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(annotation, str(annotation))
+
+
+def _example(dotted: str, current: Any, lead: str) -> str:
+    """``lead`` + ``--dotted <current value as typed on a command line>``, or "" for no value."""
+    if isinstance(current, bool):
+        shown = "true" if current else "false"
+    elif isinstance(current, tuple):
+        shown = ",".join(str(v) for v in current)
+    elif current is None:
+        shown = "none"
+    else:
+        shown = str(current)
+    return f"{lead}--{dotted} {shlex.quote(shown)}" if shown else ""
+
+
+@functools.lru_cache(maxsize=None)
 def _docstrings(cls: type) -> dict[str, str]:
-    """Field docstrings (the string literal right after a field) read from the class source."""
+    """Field docstrings (the string literal right after a field) read from the class source
+    (cached: inspect parses the class's whole module for it, and --help asks once per field)."""
     import ast
     import inspect
     import textwrap

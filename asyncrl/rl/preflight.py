@@ -1,0 +1,175 @@
+"""Checks of a GRPO run's paths and limits, made before anything is spawned or written.
+
+A missing checkpoint, an unwritable run directory or a completion longer than the model's
+positions would otherwise surface seconds later as a remote traceback from the trainer, after the
+run directory was made. `check_run` finds them first, from the file system and a few small JSON
+files only (no torch, no transformers: it runs in milliseconds), and raises a one-line
+`ConfigError` naming the flag and its value; it creates nothing. `resumed_config` reads the
+config of a run to continue, after checking that the directory is one. ``examples/grpo_countdown.py``
+calls both before it starts the supervisor; `asyncrl.rl.grpo.train` calls `check_run` again at its
+top, for callers that build their config in code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import tempfile
+import time
+from typing import Any
+
+from asyncrl.rl.config import ConfigError
+
+RUN_MARKERS = ("config.json", "metrics.jsonl", "progress.json", "summary.json", "checkpoints")
+"""What a run writes into its directory: any of them there means the directory holds a run."""
+PSEUDO_FILESYSTEMS = ("/proc", "/sys")
+"""Kernel views, not storage: a run directory there would fail on its first write (or worse)."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_run(config: Any, *, resume: bool = False) -> Any:
+    """``config`` (a `GRPOConfig`) with its paths made absolute and its default run directory
+    named, once the model, the run directory and the limits are found usable. ``resume``: the
+    run directory must hold the run to continue; otherwise it must not hold one."""
+    run_dir = os.path.abspath(os.path.expanduser(config.run.run_dir or default_run_dir()))
+    model_path = os.path.abspath(os.path.expanduser(config.model_path)) if config.model_path else ""
+    positions = _checkpoint_positions(model_path, config.model_path) if model_path else config.model.max_positions
+    _check_max_new_tokens(config.sampler.max_new_tokens, positions, config.model_path)
+    if not model_path:
+        check_heldout_unseen(config)
+    if config.run.check_weights and config.sampler.backend == "vllm":
+        raise ConfigError("--run.check_weights true needs samplers that hold their weights in the actor, and "
+                          "--sampler.backend vllm keeps them in the engine: use --sampler.backend hf, "
+                          "or drop check_weights")
+    _check_run_dir(run_dir, config.run.run_dir, resume)
+    return dataclasses.replace(config, model_path=model_path, run=dataclasses.replace(config.run, run_dir=run_dir))
+
+
+def resumed_config(default: Any, run_dir: str) -> Any:
+    """The config of the run in ``run_dir`` (its config.json over ``default``'s tree), once
+    ``run_dir`` is found to be a run's directory."""
+    from asyncrl.rl.checkpoint import load_run_config
+
+    _check_is_run(run_dir)
+    return load_run_config(default, run_dir)
+
+
+def default_run_dir() -> str:
+    return os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))
+
+
+def check_heldout_unseen(config: Any) -> None:
+    """The embedded model is warm-started on one train split; refuse a held-out set it may have seen."""
+    warm, run = config.warm_start, config.run
+    if str(run.data_seed) != str(warm.data_seed):
+        raise ConfigError(f"--run.data_seed {run.data_seed} differs from --warm_start.data_seed {warm.data_seed}: "
+                          "the held-out problems could be among the warm start's training problems")
+    if run.n_heldout > warm.heldout_reserve:
+        raise ConfigError(f"--run.n_heldout {run.n_heldout} is more than --warm_start.heldout_reserve "
+                          f"{warm.heldout_reserve}: the held-out problems beyond it were trained on in the warm start")
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+
+def _checkpoint_positions(path: str, given: str) -> int | None:
+    """Check that ``path`` (``given`` on the command line) looks like a checkpoint transformers
+    can load (a directory with a config.json naming its model_type, weights and a tokenizer) and
+    return its ``max_position_embeddings`` (None when its config does not say)."""
+    flag = f"--model_path {shlex.quote(given)}"
+    if not os.path.exists(path):
+        raise ConfigError(f"{flag}: no such directory; give a local Hugging Face checkpoint directory "
+                          "(or no --model_path for the embedded model)")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{flag}: not a directory; give the checkpoint's directory, the one holding config.json")
+    config = os.path.join(path, "config.json")
+    try:
+        with open(config) as f:
+            values = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{flag}: no config.json there, so not a Hugging Face checkpoint directory") from None
+    except (OSError, ValueError) as exc:  # unreadable, or not JSON (json.JSONDecodeError, UnicodeDecodeError)
+        raise ConfigError(f"{flag}: cannot read its config.json ({_reason(exc)})") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise ConfigError(f"{flag}: its config.json names no model_type, so transformers cannot load it")
+    names = os.listdir(path)
+    if not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
+        raise ConfigError(f"{flag}: no weights there (no *.safetensors or *.bin file)")
+    if not any(n in TOKENIZER_FILES for n in names):
+        raise ConfigError(f"{flag}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)})")
+    positions = values.get("max_position_embeddings")
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
+
+
+def _check_max_new_tokens(max_new_tokens: int, positions: int | None, model_path: str) -> None:
+    if max_new_tokens < 0:
+        raise ConfigError(f"--sampler.max_new_tokens {max_new_tokens}: must be >= 0 (0: the model's own limit)")
+    if positions is not None and max_new_tokens >= positions:
+        model = f"the checkpoint {model_path}" if model_path else "the embedded model (--model.max_positions)"
+        raise ConfigError(f"--sampler.max_new_tokens {max_new_tokens}: {model} has {positions} positions for prompt "
+                          f"and completion together; give fewer than {positions} (0: the model's own limit)")
+
+
+# --- the run directory ----------------------------------------------------------------------------
+
+
+def _check_run_dir(run_dir: str, given: str, resume: bool) -> None:
+    """A new run needs a directory it can create (or an empty one) that holds no other run; a
+    resumed one needs its run there. Either must be writable: probed by creating and removing a
+    temporary entry, which also answers for read-only mounts and for root. Messages name the path
+    as typed (``given``; empty: the default), since that is what the user will correct."""
+    typed = shlex.quote(given) if given else shlex.quote(run_dir)
+    shown = f"--run.run_dir {typed}" if given else f"the default run directory {typed}"
+    real = os.path.realpath(run_dir)
+    for pseudo in PSEUDO_FILESYSTEMS:
+        if real == pseudo or real.startswith(pseudo + os.sep):
+            raise ConfigError(f"{shown}: {pseudo} is a kernel pseudo-filesystem, not storage; "
+                              "choose another --run.run_dir")
+    if resume:
+        _check_is_run(run_dir, shown)
+    elif os.path.isdir(run_dir):
+        found = [name for name in RUN_MARKERS if os.path.exists(os.path.join(run_dir, name))]
+        if found:
+            what = ("checkpoints of an earlier run" if "checkpoints" in found
+                    else f"an earlier run ({', '.join(found)})")
+            raise ConfigError(f"{shown} holds {what}: continue it with --resume {typed}, "
+                              "or choose another --run.run_dir")
+    existing = real
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == real else f"cannot be made: {existing} is a file"
+        raise ConfigError(f"{shown} {where}, not a directory; choose another --run.run_dir")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".asyncrl-write-check-", dir=existing))
+    except OSError as exc:
+        verb = "cannot write in it" if existing == real else f"cannot create it in {existing}"
+        raise ConfigError(f"{shown}: {verb} ({_reason(exc)}); choose another --run.run_dir") from None
+
+
+def _check_is_run(run_dir: str, shown: str = "") -> None:
+    shown = shown or f"--resume {shlex.quote(run_dir)}"
+    if not os.path.exists(run_dir):
+        raise ConfigError(f"{shown}: no such directory; give the directory of the run to continue")
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"{shown}: not a directory; give the directory of the run to continue")
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{shown}: no config.json there, so not a run directory "
+                          "(a run writes config.json, metrics.jsonl and checkpoints/)") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{shown}: cannot read its config.json ({_reason(exc)})") from None
+    if not isinstance(values, dict) or not isinstance(values.get("run"), dict):
+        raise ConfigError(f"{shown}: its config.json is not a run's config (no run section)")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
