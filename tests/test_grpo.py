@@ -1,6 +1,6 @@
 """End-to-end smoke runs of examples/grpo_countdown.py through `asyncrl launch` (tiny model, CPU):
-the run directory holds the config, one metrics record per step, the summary, and a final policy
-that plain `transformers` loads."""
+the run directory holds the config, one metrics record per step, the summary, the console's log,
+and a final policy that plain `transformers` loads (and best/ when an evaluation beat the start)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,23 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode):
     assert set(summary["heldout_before"]) == set(summary["heldout_after"]) == {"greedy", "sampled"}
     assert json.loads((run_dir / "config.json").read_text())["run"]["mode"] == mode
 
+    # The summary: a heading, before -> after with the change, and where the results are.
+    assert "GRPO finished: 3 steps in " in done.stdout
+    assert done.stdout.count("held-out solve rate before GRPO (8 problems): ") == 1  # one number, one problem set
+    for kind in ("greedy", "sampled"):
+        before, after = summary["heldout_before"][kind], summary["heldout_after"][kind]
+        change = f"{before:.3f} -> {after:.3f}  ({100 * (after - before):+.1f} points)"
+        assert any(line.split()[:2] == ["held-out", kind] and line.endswith(change) for line in done.stdout.splitlines())
+    assert summary["final"] == str(run_dir / "final") and summary["metrics"] == str(run_dir / "metrics.jsonl")
+    evals = [r["heldout_solve_rate"] for r in records if "heldout_solve_rate" in r]
+    if max(evals) > summary["heldout_before"]["greedy"]:  # best/: the first evaluation that beat all before it
+        best = json.loads((run_dir / "best" / "best.json").read_text())
+        assert summary["best"]["step"] == best["step"] and best["heldout"]["greedy"] == max(evals)
+    else:
+        assert summary["best"] is None and not (run_dir / "best").exists() and "the starting one" in done.stdout
+    log_txt = (run_dir / "log.txt").read_text()  # the console, kept: the driver's lines, the actors', the summary
+    assert "held-out solve rate before GRPO" in log_txt and "[sampler0]: " in log_txt and "GRPO finished" in log_txt
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(summary["checkpoint"], local_files_only=True)
@@ -67,8 +84,9 @@ def test_help_lists_every_key_and_a_bad_key_is_a_clear_error(tmp_path):
 ])
 def test_a_heldout_set_the_warm_start_may_have_seen_is_refused(overrides, message):
     from asyncrl.rl.config import ConfigError, parse_overrides
-    from asyncrl.rl.grpo import GRPOConfig, _check_heldout_unseen
+    from asyncrl.rl.grpo import GRPOConfig
+    from asyncrl.rl.preflight import check_heldout_unseen
 
-    _check_heldout_unseen(GRPOConfig())  # the defaults are fine
+    check_heldout_unseen(GRPOConfig())  # the defaults are fine
     with pytest.raises(ConfigError, match=message):
-        _check_heldout_unseen(parse_overrides(GRPOConfig(), overrides))
+        check_heldout_unseen(parse_overrides(GRPOConfig(), overrides))

@@ -16,23 +16,38 @@ generated during training: the synchronous baseline, same code, staleness always
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from asyncrl.rl.checkpoint import (
-    Checkpoint, RunState, latest_checkpoint, list_checkpoints, truncate_metrics, write_json_atomic)
+from asyncrl.errors import RemoteError, first_line
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, RunState, list_checkpoints, truncate_metrics, write_json_atomic
 from asyncrl.rl.config import ConfigError, config_to_dict
 from asyncrl.rl.countdown import CORRECT_REWARD, CountdownConfig, train_and_heldout
 from asyncrl.rl.recovery import RunStoppedError, SamplerPool, append_event, trainer_phase
+from asyncrl.rl.report import rates_text, shown_path, summary_text
+from asyncrl.rl.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.rollout import RolloutGroup, RolloutQueue
-from asyncrl.rl.trainer import TrainerConfig
+from asyncrl.rl.runlog import LOG_FILE, RunLog
+from asyncrl.rl.sections import ModelConfig, TrainerConfig, WarmStartConfig
+from asyncrl.runtime import signals
+
+BEST_DIR, BEST_JSON = "best", "best.json"
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+class RunDirError(RunStoppedError):
+    """The run directory cannot be written (a full disk, a read-only or failing filesystem); the
+    message names what could not be written, where, and the system's reason."""
 
 
 @dataclass(frozen=True)
@@ -153,26 +168,14 @@ class SamplerSection:
             raise ValueError("need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 1")
 
 
-def _default_model_section():
-    from asyncrl.rl.model import ModelConfig
-
-    return ModelConfig()
-
-
-def _default_warm_start():
-    from asyncrl.rl.model import WarmStartConfig
-
-    return WarmStartConfig()
-
-
 @dataclass(frozen=True)
 class GRPOConfig:
     run: RunSection = field(default_factory=RunSection)
     model_path: str = ""
     """A local Hugging Face checkpoint directory; empty: the embedded default model."""
-    model: Any = field(default_factory=_default_model_section)
+    model: ModelConfig = field(default_factory=ModelConfig)
     """Shape of the embedded default model."""
-    warm_start: Any = field(default_factory=_default_warm_start)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start of the embedded default model (cached on disk)."""
     countdown: CountdownConfig = field(default_factory=CountdownConfig)
     sampler: SamplerSection = field(default_factory=SamplerSection)
@@ -211,18 +214,27 @@ class Metrics:
 
 async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> dict[str, Any]:
     """Run GRPO with ``config`` on the actors of ``sup``; returns the summary (also in the run dir).
-    ``resume``: continue the run in ``config.run.run_dir`` from its latest checkpoint. Raises a
-    `RunStoppedError` (its message names the cause and the checkpoint) if the run cannot go on."""
+    ``resume``: continue the run in ``config.run.run_dir`` from its newest good checkpoint (checked
+    against its manifest; a damaged one is skipped, and said so). Raises a `RunStoppedError` (its
+    message names the cause and ends with how to resume) if the run cannot go on, a
+    `CheckpointError` (one line) if there is nothing good to resume from. On every stop, a
+    signal included, one line says what can be resumed and faults.jsonl gets a ``stopped``
+    event. What the console shows is kept in RUN_DIR/log.txt (`RunLog`)."""
     from asyncrl.rl.model import default_model
     from asyncrl.rl.sampler import SamplerActor, SamplingParams
     from asyncrl.rl.trainer import TrainerActor
     from asyncrl.runtime.devices import detect
+    from asyncrl.rl.preflight import check_run
 
+    config = check_run(config, resume=resume)  # paths and limits, before anything is spawned or written
     run = config.run
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars would bury the progress line
     run_dir = os.path.abspath(run.run_dir or os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S")))
     os.makedirs(run_dir, exist_ok=True)
+    console = RunLog(os.path.join(run_dir, LOG_FILE), log)
+    log = console.log
     loop: _Loop | None = None
+    committed = False  # config.json written: from here on a stop is recorded in the run directory
 
     def progress() -> dict[str, Any]:  # for `asyncrl status`, called on this event loop per request
         if loop is None:
@@ -232,18 +244,48 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         return {"phase": "training", "steps": run.steps, "version": loop.version, "samples": loop.samples,
                 "queue_depth": len(loop.queue), "dropped_stale": loop.queue.stats().dropped_stale}
 
-    status = await sup.serve_status(run_dir, progress=progress)
-    try:
-        checkpoint = latest_checkpoint(run_dir) if resume else None
-        if checkpoint is None and list_checkpoints(run_dir):
-            raise ConfigError(f"{run_dir} holds checkpoints of an earlier run: continue it with --resume {run_dir}, "
-                              "or choose another --run.run_dir")
+    def commit(checkpoint: Checkpoint | None) -> None:
+        """The run is known to start (fresh) or to resume (the trainer loaded the checkpoint):
+        only now is the run directory changed (a refused or failed resume leaves it as it was)."""
+        nonlocal committed
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config_to_dict(config), f, indent=2, default=str)
-        if not config.model_path:
-            _check_heldout_unseen(config)
-        model_path = config.model_path or await asyncio.to_thread(
-            default_model, config.model, config.warm_start, config.countdown, log=log)
+        committed = True
+        console.open(f"resumed from {checkpoint.name}" if checkpoint is not None else "new run")
+
+    def stopped(cause: str, detail: str) -> tuple[str, str]:
+        """Record a stop (faults.jsonl, once the run directory is ours); returns where the run
+        stopped ("at step 137") and the line that says what resumes it."""
+        where = loop.where() if loop is not None else "while starting"
+        if committed:
+            try:
+                append_event(os.path.join(run_dir, "faults.jsonl"), {
+                    "event": "stopped", "cause": cause, "step": loop.step_done + 1 if loop is not None else 0,
+                    "at": time.time(), "detail": detail or f"stopped {where} by {cause}"})
+            except OSError:
+                pass  # a full disk: the stop itself is what the user needs to hear about
+        return where, resume_hint(run_dir)
+
+    status = await sup.serve_status(run_dir, progress=progress)
+    console.__enter__()
+    try:
+        candidates = list_checkpoints(run_dir)
+        if resume and not candidates:
+            first = (f"the first is written at step {run.checkpoint_every}" if run.checkpoint_every
+                     else "the run writes none")
+            raise CheckpointError(f"--resume {run_dir}: no checkpoint was written yet ({first}, "
+                                  f"--run.checkpoint_every {run.checkpoint_every}); nothing to resume")
+        damaged: list[Checkpoint] = []
+        checkpoint = await choose_checkpoint(run_dir, candidates, damaged, log) if resume else None
+        if checkpoint is None:
+            commit(None)
+        stop_warm_start = threading.Event()  # a cancel (Ctrl-C) must stop the warm start's thread too:
+        try:  # asyncio's shutdown waits for the thread, which would otherwise finish the warm start first
+            model_path = config.model_path or await asyncio.to_thread(
+                default_model, config.model, config.warm_start, config.countdown, log=log, stop=stop_warm_start)
+        except asyncio.CancelledError:
+            stop_warm_start.set()
+            raise
         kind, ids = detect("auto")
         cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= 1 + config.sampler.count)
         device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
@@ -259,8 +301,9 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         trainer = await sup.spawn(TrainerActor, model_path, trainer_fields, name="trainer", gpus=gpus, env=env,
                                   kwargs={"device": device, "seed": run.seed})
         if checkpoint is not None:
-            await trainer_phase("loading the checkpoint", "checkpoint_timeout_s", run.checkpoint_timeout_s,
-                                trainer.with_timeout(run.checkpoint_timeout_s).load_checkpoint(checkpoint.path))
+            checkpoint = await load_checkpoint(trainer, run, run_dir, checkpoint, candidates, damaged, log)
+            commit(checkpoint)
+            move_damaged_aside(damaged, log)
         sampling = SamplingParams(max_new_tokens=config.sampler.max_new_tokens or _completion_limit(model_path),
                                   temperature=config.sampler.temperature, top_p=config.sampler.top_p)
         samplers = [await sup.spawn(SamplerActor, model_path, name=f"sampler{i}", gpus=gpus, env=env,
@@ -275,11 +318,41 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         if run.check_weights:
             await _check_digestible(samplers)
         host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
-        loop = _Loop(config, trainer, samplers, heldout, run_dir, log, host=host, backend="nccl" if cuda else "gloo",
-                     seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint)
+        loop = _Loop(config, trainer, samplers, heldout, run_dir, log, host=host,
+                     backend="nccl" if cuda else "gloo",
+                     seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
+                     model_path=model_path, log_path=console.path)
         return await loop.execute()
+    except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
+        signum = signals.cancelled_by_signal(asyncio.current_task())
+        cause = signal.Signals(signum).name if signum else "cancellation"
+        where, hint = stopped(cause, "")
+        log(f"run stopped {where} by {cause}; {hint}")
+        raise
+    except ConfigError:
+        raise  # refused before the run began (a CheckpointError too): nothing to record or resume
+    except Exception as exc:
+        stop = _run_dir_error(exc, run_dir) or exc
+        if not isinstance(stop, RunStoppedError):  # a bug: its traceback follows
+            where, hint = stopped(type(exc).__name__, first_line(exc))
+            log(f"run stopped {where} by an error ({type(exc).__name__}); {hint}")
+            raise
+        where, hint = stopped(type(stop).__name__, str(stop))
+        message = f"run stopped {where}: {stop}; {hint}"
+        console.record(message)  # the caller prints the error; the log keeps it too
+        raise type(stop)(message) from exc
     finally:
+        console.__exit__()
         status.close()
+
+
+def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
+    """A full disk or a failing filesystem under the run directory, as one line; None for others."""
+    if isinstance(exc, RunDirError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        return RunDirError(f"cannot write {exc.filename or run_dir}: {exc.strerror}")
+    return None
 
 
 async def _check_digestible(samplers: list[Any]) -> None:
@@ -296,7 +369,8 @@ class _Loop:
     trainer's side stops the run with a `RunStoppedError` (resume it from the last checkpoint)."""
 
     def __init__(self, config: GRPOConfig, trainer, samplers, heldout, run_dir: str, log, *, host: str,
-                 backend: str, seeds: list[int], resume: Checkpoint | None = None):
+                 backend: str, seeds: list[int], resume: Checkpoint | None = None, model_path: str = "",
+                 log_path: str = ""):
         self.config, self.run = config, config.run
         self.trainer, self.heldout = trainer, heldout
         self.run_dir, self.log = run_dir, log
@@ -315,6 +389,22 @@ class _Loop:
         self.last_step_s, self.last_step_at = 0.0, 0.0
         self.checkpoint_path = resume.path if resume is not None else ""
         self.segment_start = time.monotonic()
+        # Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
+        # them unique along the run's history (the one metrics.jsonl records).
+        self.segment = self.state.segment + 1 if resume is not None else 0
+        self.pool.uid_prefix = f"resume{self.segment}/" if self.segment else ""
+        self.model_path, self.log_path = model_path, log_path
+        self.began = False  # training began (the held-out rates before it are known)
+        self.after_step = ""  # what the driver does after a step's training, while it does it
+        self.best = _read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
+
+    def where(self) -> str:
+        """Where a stop leaves the run, in words ("at step 137")."""
+        if not self.began:
+            return "while starting"
+        if self.after_step:
+            return f"after step {self.step_done} ({self.after_step})"
+        return f"at step {self.step_done + 1}"
 
     def elapsed_s(self) -> float:
         """Training wall time over every segment of the run (a resumed one continues the count)."""
@@ -352,61 +442,89 @@ class _Loop:
             self.log(f"resuming from {self.resume.path}: step {self.step_done}, v{self.version}; "
                      f"metrics.jsonl keeps its {kept} records up to that step")
             append_event(self.events_path, {"event": "resumed", "step": self.step_done, "at": time.time(),
-                                            "detail": self.resume.path})
+                                            "detail": self.resume.path, "segment": self.segment})
         metrics = Metrics(self.run_dir, run.steps)
         completed = False
         try:
             await self.pool.start(self.version, list(self.state.samplers))
             if self.resume is None:
                 self.heldout_before = self.heldout_last = await self.evaluate()
-                self.log("held-out solve rate before GRPO: " + _rates(self.heldout_before))
-            self.phase = "training"
+                self.log(f"held-out solve rate before GRPO ({len(self.heldout)} problems): "
+                         + rates_text(self.heldout_before))
+            self.phase, self.began = "training", True
             self.write_progress()
             for step in range(self.step_done + 1, run.steps + 1):
                 started = time.monotonic()
                 record = await self.step(step)
-                if step % run.eval_every == 0 or step == run.steps:
+                evaluated = step % run.eval_every == 0 or step == run.steps
+                if evaluated:
                     self.heldout_last = await self.evaluate()
                     record["heldout_solve_rate"] = self.heldout_last["greedy"]
                     if "sampled" in self.heldout_last:
                         record["heldout_sampled_solve_rate"] = self.heldout_last["sampled"]
                 metrics.write(record)  # before the checkpoint: a resume from it keeps this record
                 self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
+                if evaluated and self.heldout_last["greedy"] > self.best_greedy():
+                    self.after_step = "saving the best policy"
+                    await self.save_best(step)  # before the checkpoint: a resume from it knows this best
                 if run.checkpoint_every and step % run.checkpoint_every == 0:
+                    self.after_step = "writing its checkpoint"
                     await self.checkpoint(step)
+                self.after_step = ""
                 self.write_progress()
             completed = True
-        except RunStoppedError as exc:
-            self.phase = "stopped"
-            written = list_checkpoints(self.run_dir)  # on disk: the trainer may have died right after a rename
-            hint = (f"resume with --resume {self.run_dir} (checkpoint {written[-1].path})" if written
-                    else "no checkpoint was written yet (--run.checkpoint_every)")
-            append_event(self.events_path, {"event": "stopped", "step": self.step_done + 1, "at": time.time(),
-                                            "detail": str(exc)})
-            raise type(exc)(f"run stopped at step {self.step_done + 1}: {exc}; {hint}") from exc
         finally:
             if not completed:
                 self.phase = "stopped"
             await self.pool.close()
             self.queue.close()
-            metrics.close()
-            self.write_progress()
-        t = run.checkpoint_timeout_s
-        final_dir = await trainer_phase("saving the final policy", "checkpoint_timeout_s", t,
-                                        self.trainer.with_timeout(t).save(os.path.join(self.run_dir, "final")))
+            # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
+            _quietly(metrics.close)
+            _quietly(self.write_progress)
+        self.after_step = "saving the final policy"
+        final_dir = await self.save_policy(os.path.join(self.run_dir, "final"), "saving the final policy")
+        self.after_step = ""
         self.phase = "finished"
         self.write_progress()
         wall = self.elapsed_s()
         summary = {"steps": run.steps, "mode": run.mode, "heldout_before": self.heldout_before,
-                   "heldout_after": self.heldout_last, "wall_s": wall, "samples": self.samples,
-                   "samples_per_s": self.samples / max(wall, 1e-9), "tokens_per_s": self.tokens / max(wall, 1e-9),
-                   "dropped_stale": self.dropped_stale(), "checkpoint": final_dir,
+                   "heldout_after": self.heldout_last, "heldout_problems": len(self.heldout), "wall_s": wall,
+                   "samples": self.samples, "samples_per_s": self.samples / max(wall, 1e-9),
+                   "tokens_per_s": self.tokens / max(wall, 1e-9), "dropped_stale": self.dropped_stale(),
+                   "checkpoint": final_dir, "final": final_dir,
+                   "best": ({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
+                   "initial_policy": self.model_path, "metrics": metrics_path, "log": self.log_path,
                    "resumed_from": self.resume.path if self.resume is not None else None,
                    "faults": self.fault_counts(), "fault_log": [f.to_dict() for f in self.pool.faults]}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        self.log(_summary_table(summary))
+        self.log(summary_text(summary))
         return summary
+
+    def best_greedy(self) -> float:
+        """The held-out greedy solve rate to beat: the best saved, else the policy's before GRPO."""
+        if self.best is not None:
+            return self.best["heldout"]["greedy"]
+        return self.heldout_before.get("greedy", -1.0)
+
+    async def save_best(self, step: int) -> None:
+        """RUN_DIR/best/: the policy of the best held-out greedy solve rate so far, with best.json
+        (its step and rates) inside, written with it in one rename."""
+        best = {"step": step, "heldout": dict(self.heldout_last), "heldout_before": dict(self.heldout_before),
+                "heldout_problems": len(self.heldout), "saved_at": time.time()}
+        await self.save_policy(os.path.join(self.run_dir, BEST_DIR), f"saving the best policy (step {step})",
+                               {BEST_JSON: json.dumps(best, indent=2)})
+        self.best = best
+        self.log(f"best held-out greedy so far at step {step} ({self.heldout_last['greedy']:.3f}): "
+                 f"saved to {shown_path(os.path.join(self.run_dir, BEST_DIR))}")
+
+    async def save_policy(self, path: str, phase: str, extra_files: dict[str, str] | None = None) -> str:
+        t = self.run.checkpoint_timeout_s
+        try:
+            return await trainer_phase(phase, "checkpoint_timeout_s", t,
+                                       self.trainer.with_timeout(t).save(path, extra_files or {}))
+        except RemoteError as exc:
+            raise _write_error(exc) from None
 
     async def step(self, step: int) -> dict[str, Any]:
         run, n = self.run, self.run.groups_per_step
@@ -452,29 +570,54 @@ class _Loop:
         state = RunState(step=step, version=self.version, samples=self.samples, tokens=self.tokens,
                          dropped_stale=self.dropped_stale(), train_s=self.elapsed_s(),
                          heldout_before=self.heldout_before, heldout_last=self.heldout_last,
-                         samplers=await self.pool.data_states(), faults=self.fault_counts())
+                         samplers=await self.pool.data_states(), faults=self.fault_counts(), segment=self.segment)
         t = run.checkpoint_timeout_s
-        self.checkpoint_path = await trainer_phase(
+        call = asyncio.ensure_future(trainer_phase(
             f"writing the checkpoint of step {step}", "checkpoint_timeout_s", t,
             self.trainer.with_timeout(t).save_checkpoint(self.run_dir, step, run.keep_checkpoints,
-                                                         msgspec.json.encode(state)))
+                                                         msgspec.json.encode(state))))
+        try:
+            self.checkpoint_path = await asyncio.shield(call)
+        except RemoteError as exc:
+            raise _write_error(exc) from None
+        except asyncio.CancelledError:
+            # A stop (Ctrl-C) during the write: let it finish (bounded by its deadline), so the
+            # resume hint names the checkpoint that will really be resumed. A second signal
+            # cancels this wait too and stops at once (the write is atomic either way).
+            if not call.done():
+                self.log(f"stopping: finishing the checkpoint of step {step} first")
+                await asyncio.wait({call})
+            if not call.cancelled() and call.exception() is None:
+                self.checkpoint_path, self.after_step = call.result(), "its checkpoint written"
+            raise
 
 
-def _check_heldout_unseen(config: GRPOConfig) -> None:
-    """The embedded model is warm-started on one train split; refuse a held-out set it may have seen."""
-    from asyncrl.rl.config import ConfigError
-
-    warm, run = config.warm_start, config.run
-    if str(run.data_seed) != str(warm.data_seed):
-        raise ConfigError(f"--run.data_seed {run.data_seed} differs from --warm_start.data_seed {warm.data_seed}: "
-                          "the held-out problems could be among the warm start's training problems")
-    if run.n_heldout > warm.heldout_reserve:
-        raise ConfigError(f"--run.n_heldout {run.n_heldout} is more than --warm_start.heldout_reserve "
-                          f"{warm.heldout_reserve}: the held-out problems beyond it were trained on in the warm start")
+def _write_error(exc: RemoteError) -> BaseException:
+    """The trainer's one-line `CheckpointWriteError` (a full disk) as the run's `RunDirError`;
+    any other remote error as it is (a bug: its traceback tells more than a line could)."""
+    if exc.remote_type == "CheckpointWriteError":
+        return RunDirError(exc.remote_message)
+    return exc
 
 
-def _rates(rates: dict[str, float]) -> str:
-    return ", ".join(f"{rate:.3f} {kind}" for kind, rate in rates.items())
+def _quietly(fn) -> None:
+    """Clean-up writes while the run stops: a full disk fails them too, and the error that stopped
+    the run (raised on) already says so; a second one would only bury it."""
+    try:
+        fn()
+    except OSError:
+        pass
+
+
+def _read_best(run_dir: str) -> dict[str, Any] | None:
+    """best/best.json of an earlier segment (None if there is none, or none readable)."""
+    try:
+        with open(os.path.join(run_dir, BEST_DIR, BEST_JSON)) as f:
+            best = json.load(f)
+        float(best["heldout"]["greedy"]), int(best["step"])
+        return best
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _completion_limit(model_path: str) -> int:
@@ -487,14 +630,3 @@ def _completion_limit(model_path: str) -> int:
     except FileNotFoundError:
         return CHAT_MAX_NEW_TOKENS
 
-
-def _summary_table(summary: dict[str, Any]) -> str:
-    rows = [("mode", summary["mode"]), ("steps", summary["steps"]),
-            ("held-out solve rate before", _rates(summary["heldout_before"])),
-            ("held-out solve rate after", _rates(summary["heldout_after"])),
-            ("samples/s", f"{summary['samples_per_s']:.1f}"), ("dropped stale groups", summary["dropped_stale"]),
-            ("sampler losses / rejoins", f"{summary['faults'].get('sampler_losses', 0)} / "
-                                         f"{summary['faults'].get('sampler_rejoins', 0)}"),
-            ("wall time", f"{summary['wall_s']:.0f} s"), ("checkpoint", summary["checkpoint"])]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,40 +29,7 @@ from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.runtime.actor import endpoint
 
 
-@dataclass(frozen=True)
-class TrainerConfig:
-    lr: float = 1e-4
-    """AdamW learning rate (the default suits the small embedded model; use ~1e-6 for real LLMs;
-    on the embedded model 1e-3 collapsed the policy within 25 steps)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas."""
-    grad_clip: float = 1.0
-    """Clip the gradient's global norm to this (0: no clipping)."""
-    micro_batch_tokens: int = 16384
-    """Token budget of one forward/backward (padded length x sequences)."""
-    temperature: float = 1.0
-    """Log-probs are taken of logits / temperature: must equal the samplers' temperature."""
-    normalize_std: bool = False
-    """Divide each group's advantages by its reward std (GRPO); False: mean-centred only (Dr. GRPO).
-    Off by default: the std division gives a group that differs only in the 0.1 format reward as
-    much weight as one that differs in correctness; on the embedded model it measured better off."""
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    """Clipping, truncated importance weight, KL and aggregation of the GRPO loss."""
-    bf16: bool = True
-    """bf16 autocast for the forward pass on GPU (parameters and optimiser stay fp32)."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, not {self.lr!r}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1, not {self.micro_batch_tokens!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, not {self.temperature!r}")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0, not {self.grad_clip!r}")
-
+from asyncrl.rl.sections import TrainerConfig  # noqa: E402  (torch-free: CLI --help and flag errors)
 
 def trainer_config_from(fields: dict[str, Any]) -> TrainerConfig:
     """A `TrainerConfig` from plain values (as they cross the wire), the loss config nested."""
@@ -291,23 +258,38 @@ class TrainerActor(SyncMember):
         return await asyncio.to_thread(tensor_digest, self.weight_tensors())
 
     @endpoint
-    async def save(self, path: str) -> str:
-        """Write the policy as a Hugging Face checkpoint directory (atomically: temp dir + rename)."""
+    async def save(self, path: str, extra_files: dict[str, str] = {}) -> str:
+        """Write the policy as a Hugging Face checkpoint directory (atomically: temp dir + rename),
+        with ``extra_files`` (name -> text, e.g. best.json) inside it, written with the rest so
+        they never describe another policy. A failed write (a full disk) leaves nothing behind
+        and raises a one-line `CheckpointWriteError`."""
+        from asyncrl.rl.checkpoint import write_failure
 
         def write() -> str:
             final = os.path.abspath(path)
-            tmp = f"{final}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.model.save_pretrained(tmp, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            extra = os.path.join(self.model_path, "asyncrl_model.json")
-            if os.path.exists(extra):
-                shutil.copy(extra, tmp)
-            with open(os.path.join(tmp, "asyncrl_trainer.json"), "w") as f:
-                json.dump({"steps": self.steps, "config": dataclasses.asdict(self.config)}, f, indent=2)
+            tmp, aside = f"{final}.tmp-{os.getpid()}", f"{final}.old-{os.getpid()}"
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.model.save_pretrained(tmp, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+                extra = os.path.join(self.model_path, "asyncrl_model.json")
+                if os.path.exists(extra):
+                    shutil.copy(extra, tmp)
+                with open(os.path.join(tmp, "asyncrl_trainer.json"), "w") as f:
+                    json.dump({"steps": self.steps, "config": dataclasses.asdict(self.config)}, f, indent=2)
+                for name, text in extra_files.items():
+                    with open(os.path.join(tmp, os.path.basename(name)), "w") as f:
+                        f.write(text)
+            except Exception as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise write_failure("the policy", final, exc) from exc
+            # The old one is renamed aside before the new one takes its name, so a kill in between
+            # leaves a whole policy under one of the two names, never a half-deleted one.
             if os.path.exists(final):
-                shutil.rmtree(final)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
             os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
             return final
 
         return await asyncio.to_thread(write)

@@ -1,0 +1,337 @@
+"""A run that stops, resumes and ends well (CPU, gloo, real processes where they are involved):
+
+* checkpoints carry a manifest; a damaged newest one is skipped (one line says so) and the resume
+  falls back to the newest good one; with none good, one `CheckpointError` line, and nothing in the
+  run directory changed;
+* group ids stay unique across a resume (the run segment is part of them);
+* a full disk at a checkpoint is one line naming the disk problem and the path, with no debris;
+* the best held-out policy is kept in best/ with best.json; the summary names final/ and best/;
+* SIGINT through ``asyncrl launch``: the resume line, a ``stopped`` event in faults.jsonl, the
+  console kept in log.txt; ``--resume`` with no checkpoint: one line, exit status 2.
+
+The runs use the 64-wide one-layer model of tests/test_fault_tolerance.py (warm-started once per
+module, about 10 s)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import torch
+
+from asyncrl import Supervisor
+from asyncrl.rl import checkpoint as ckpt
+from asyncrl.rl import grpo, report, runlog
+from asyncrl.rl.checkpoint import (
+    FAIL_ENV, CheckpointError, CheckpointWriteError, DamagedCheckpointError, RunState, list_checkpoints,
+    verify_checkpoint, write_checkpoint, write_json_atomic)
+from asyncrl.rl.config import parse_overrides
+from asyncrl.rl.grpo import GRPOConfig, RunDirError, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.timeout(240)
+
+
+# --- without processes ----------------------------------------------------------------------------
+
+
+class _Saves:
+    """Stands in for a model or a tokenizer: ``save_pretrained`` writes one file."""
+
+    def __init__(self, name: str, data: bytes):
+        self.name, self.data = name, data
+
+    def save_pretrained(self, folder: str, **_) -> None:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, self.name), "wb") as f:
+            f.write(self.data)
+
+
+def _write(run_dir, step: int) -> str:
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param])
+    param.grad = torch.ones(3)
+    optimizer.step()
+    return write_checkpoint(str(run_dir), step, 5, _Saves("model.safetensors", b"w" * 1000),
+                            _Saves("tokenizer.json", b"{}"), optimizer, step,
+                            msgspec.json.encode(RunState(step=step, version=step, segment=1)))
+
+
+def test_the_manifest_tells_a_whole_checkpoint_from_a_damaged_one(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        _write(tmp_path, step)
+    c1, c2, c3, c4, c5 = list_checkpoints(str(tmp_path))
+    manifest = json.loads((tmp_path / "checkpoints" / "step-00000005" / "MANIFEST.json").read_text())
+    assert set(manifest["files"]) == {"model/model.safetensors", "model/tokenizer.json", "trainer.pt", "trainer.json",
+                                      "run_state.json"}
+    assert verify_checkpoint(c5) is True and c5.run_state().segment == 1
+
+    size = os.path.getsize(os.path.join(c5.path, "trainer.pt"))
+    open(os.path.join(c5.path, "trainer.pt"), "w").close()  # zeroed
+    with pytest.raises(DamagedCheckpointError, match=rf"^checkpoint step-5 is damaged \(trainer.pt: size 0, "
+                                                     rf"expected {size}\)$"):
+        verify_checkpoint(c5)
+    path = os.path.join(c4.path, "model", "model.safetensors")
+    with open(path, "r+b") as f:  # same size, other bytes
+        f.write(b"x")
+    with pytest.raises(DamagedCheckpointError, match=r"model/model.safetensors: contents differ from the manifest"):
+        verify_checkpoint(c4)
+    (tmp_path / "checkpoints" / "step-00000003" / "MANIFEST.json").write_text('{"files": {"trainer.pt": ')
+    with pytest.raises(DamagedCheckpointError, match=r"step-3 is damaged \(MANIFEST.json: unreadable"):
+        verify_checkpoint(c3)
+    os.unlink(os.path.join(c2.path, "MANIFEST.json"))  # as an older version wrote them: accepted unverified
+    assert verify_checkpoint(c2) is False
+    with open(os.path.join(c1.path, "run_state.json"), "w") as f:
+        f.write("{garbled")
+    os.unlink(os.path.join(c1.path, "MANIFEST.json"))
+    with pytest.raises(DamagedCheckpointError, match=r"step-1 is damaged \(run_state.json: not a valid run state"):
+        verify_checkpoint(c1)
+
+
+def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_debris(tmp_path, monkeypatch):
+    _write(tmp_path, 1)
+    monkeypatch.setenv(FAIL_ENV, "2")  # ENOSPC after the model files, as a full disk would
+    with pytest.raises(CheckpointWriteError) as info:
+        _write(tmp_path, 2)
+    assert str(info.value) == (f"cannot write the checkpoint of step 2 to {tmp_path}/checkpoints: "
+                               "No space left on device")
+    assert os.listdir(tmp_path / "checkpoints") == ["step-00000001"]
+
+    # torch.save reports a full disk as "file write failed": the disk is looked at then.
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 100, 0))
+    assert ckpt._write_reason(RuntimeError("[enforce fail] file write failed"), str(tmp_path)) == \
+        "No space left on device"
+    assert ckpt._write_reason(RuntimeError("Error: IoError(StorageFull)"), str(tmp_path)) == "No space left on device"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt.json, "dump", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_json_atomic(str(tmp_path / "progress.json"), {"step": 1})
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("progress.json")]
+
+
+def test_the_summary_states_the_gain_and_where_things_are(tmp_path):
+    summary = {"steps": 500, "mode": "async", "wall_s": 434.4, "resumed_from": None, "heldout_problems": 500,
+               "heldout_before": {"greedy": 0.256, "sampled": 0.128},
+               "heldout_after": {"greedy": 0.284, "sampled": 0.245},
+               "samples_per_s": 147.0, "dropped_stale": 3, "faults": {}, "final": str(tmp_path / "final"),
+               "best": {"path": str(tmp_path / "best"), "step": 400, "heldout": {"greedy": 0.37}},
+               "initial_policy": "/m", "metrics": str(tmp_path / "metrics.jsonl"), "log": str(tmp_path / "log.txt")}
+    text = report.summary_text(summary)
+    lines = text.splitlines()
+    assert lines[0] == "GRPO finished: 500 steps in 7 min 14 s (async mode)"
+    assert any(line.split() == ["held-out", "greedy", "0.256", "->", "0.284", "(+2.8", "points)"] for line in lines)
+    assert any(line.split() == ["held-out", "sampled", "0.128", "->", "0.245", "(+11.7", "points)"] for line in lines)
+    assert f"{tmp_path}/best  (step 400: held-out greedy 0.370)" in text and f"{tmp_path}/final" in text
+    assert f"{tmp_path}/metrics.jsonl" in text
+    text = report.summary_text(summary | {"best": None})
+    assert "the starting one, /m  (no evaluation beat its held-out greedy 0.256)" in text
+
+
+def test_the_run_log_keeps_what_the_terminal_shows(tmp_path):
+    lines: list[str] = []
+    log = runlog.RunLog(str(tmp_path / "log.txt"), lines.append)
+    with log:
+        log.log("held back until the run directory is ours")
+        print("\rstep 1/9", end="")
+        print("\rstep 2/9", end="")
+        print("\rstep 3/9 held-out 0.25")
+        print("to stderr", file=sys.stderr)
+        log.open("new run")
+        print("partial", end="")
+    print("after: not kept")
+    kept = (tmp_path / "log.txt").read_text().splitlines()
+    assert kept[1:] == ["held back until the run directory is ours", "step 3/9 held-out 0.25", "to stderr", "partial"]
+    assert kept[0].startswith("--- ") and kept[0].endswith(" new run ---") and lines == [kept[1]]
+
+    dropped = runlog.RunLog(str(tmp_path / "never.txt"), print)
+    with dropped:
+        print("a resume that was refused")
+    assert not (tmp_path / "never.txt").exists()
+
+
+# --- with processes -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    from asyncrl.rl.countdown import CountdownConfig
+    from asyncrl.rl.model import ModelConfig, WarmStartConfig, default_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: see tests/test_sampler.py
+    try:
+        return default_model(
+            ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
+            WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0,
+                            heldout_reserve=20),
+            CountdownConfig(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+TINY = ("--run.groups_per_step", "4", "--sampler.group_size", "4", "--sampler.prompts_per_batch", "4",
+        "--sampler.max_new_tokens", "24", "--run.n_train", "400", "--run.n_heldout", "8", "--run.eval_every", "1000",
+        "--run.eval_samples", "0", "--run.checkpoint_every", "0", "--run.mode", "sync",
+        "--run.generate_timeout_s", "30", "--run.queue_timeout_s", "90", "--run.train_timeout_s", "60",
+        "--run.sync_timeout_s", "10", "--run.rendezvous_timeout_s", "20", "--run.restart_timeout_s", "60",
+        "--run.eval_timeout_s", "60", "--run.checkpoint_timeout_s", "60", "--sampler.backend", "hf")
+
+
+def tiny(model_path: str, run_dir, *overrides: str) -> GRPOConfig:
+    return parse_overrides(GRPOConfig(model_path=model_path), ["--run.run_dir", str(run_dir), *TINY, *overrides])
+
+
+def records(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def events(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "faults.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def snapshot(run_dir) -> dict[str, bytes]:
+    """Every file of the run directory but the supervisor's (a status endpoint, removed at its close)."""
+    out = {}
+    for parent, _, names in os.walk(run_dir):
+        for name in names:
+            if name != "supervisor.json":
+                path = os.path.join(parent, name)
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, run_dir)] = f.read()
+    return out
+
+
+async def test_a_damaged_checkpoint_is_skipped_and_group_ids_stay_unique_across_the_resume(model_path, tmp_path,
+                                                                                           monkeypatch):
+    run_dir = tmp_path / "run"
+    # Every evaluation of the first segment counts as a new best until one does not beat the last:
+    # with the real rule (beat the policy before GRPO) a 4-step run of a tiny model might save none.
+    monkeypatch.setattr(grpo._Loop, "best_greedy", lambda self: self.best["heldout"]["greedy"] if self.best else -1.0)
+    async with Supervisor() as sup:
+        first = await train(tiny(model_path, run_dir, "--run.steps", "4", "--run.checkpoint_every", "2",
+                                 "--run.eval_every", "1"), sup, log=lambda *a: None)
+    monkeypatch.undo()
+    evaluated = [(r["heldout_solve_rate"], r["step"]) for r in records(run_dir)]
+    best_rate = max(rate for rate, _ in evaluated)
+    best_step = min(step for rate, step in evaluated if rate == best_rate)
+    best = json.loads((run_dir / "best" / "best.json").read_text())
+    assert (best["step"], best["heldout"]["greedy"]) == (best_step, best_rate) == (first["best"]["step"], best_rate)
+    assert first["best"]["path"] == str(run_dir / "best") and first["final"] == str(run_dir / "final")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(run_dir / "best"), local_files_only=True)
+
+    # Both checkpoints damaged: one line, no actor started, not a byte of the run directory changed.
+    latest = run_dir / "checkpoints" / "step-00000004" / "trainer.pt"
+    size = latest.stat().st_size
+    latest.write_bytes(b"")
+    state = run_dir / "checkpoints" / "step-00000002" / "run_state.json"
+    good_state = state.read_bytes()
+    state.write_bytes(b"{" + good_state[1:-1].replace(b'"', b"'") + b"}")  # garbled JSON, same size
+    before = snapshot(run_dir)
+    async with Supervisor() as sup:
+        with pytest.raises(CheckpointError) as info:
+            await train(tiny(model_path, run_dir, "--run.steps", "6"), sup, resume=True, log=lambda *a: None)
+        assert sup.status() == []
+    assert "\n" not in str(info.value) and str(info.value) == (
+        f"--resume {run_dir}: no usable checkpoint: checkpoint step-4 is damaged (trainer.pt: size 0, expected {size}); "
+        "checkpoint step-2 is damaged (run_state.json: contents differ from the manifest (SHA-256 "
+        + str(info.value).split("SHA-256 ", 1)[1])
+    assert snapshot(run_dir) == before
+
+    # step-2 good again: the resume says what it skipped and continues from step 2.
+    state.write_bytes(good_state)
+    logs: list[str] = []
+    async with Supervisor() as sup:
+        summary = await train(tiny(model_path, run_dir, "--run.steps", "6"), sup, resume=True, log=logs.append)
+    assert f"checkpoint step-4 is damaged (trainer.pt: size 0, expected {size}); resuming from step-2" in logs
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    uids = [uid for r in recs for uid in r["group_ids"]]
+    assert len(uids) == 6 * 4 and len(set(uids)) == len(uids), "a group id was reused after the resume"
+    assert all(uid.startswith("resume1/") for r in recs[2:] for uid in r["group_ids"])
+    assert [c.step for c in list_checkpoints(str(run_dir))] == [2]  # no checkpoint_every on the resumed run
+    assert (run_dir / "checkpoints" / "damaged-step-00000004" / "trainer.pt").stat().st_size == 0
+    resumed = [e for e in events(run_dir) if e["event"] == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["step"] == 2 and resumed[0]["segment"] == 1
+    assert summary["best"]["step"] == best["step"] or summary["best"]["step"] > 2  # carried from best.json
+    log_txt = (run_dir / "log.txt").read_text()
+    assert "resuming from step-2" in log_txt and "GRPO finished: 6 steps in" in log_txt
+    assert log_txt.count(" new run ---") == 1 and log_txt.count(" resumed from step-2 ---") == 1
+
+
+async def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_debris(model_path, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAIL_ENV, "2")  # the trainer inherits it: its write of step 2 fails with ENOSPC
+    async with Supervisor() as sup:
+        with pytest.raises(RunDirError) as info:
+            await train(tiny(model_path, run_dir, "--run.steps", "4", "--run.checkpoint_every", "2"), sup,
+                        log=lambda *a: None)
+    assert str(info.value) == (f"run stopped after step 2 (writing its checkpoint): cannot write the checkpoint of "
+                               f"step 2 to {run_dir}/checkpoints: No space left on device; no checkpoint was written "
+                               "yet; nothing to resume")
+    assert os.listdir(run_dir / "checkpoints") == []
+    assert not [n for n in os.listdir(run_dir) if ".tmp-" in n]
+    (stop,) = [e for e in events(run_dir) if e["event"] == "stopped"]
+    assert stop["cause"] == "RunDirError" and "No space left on device" in stop["detail"]
+    assert json.loads((run_dir / "progress.json").read_text())["phase"] == "stopped"
+
+
+def launch(tmp_path, *args, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    script = os.path.join(ROOT, "examples", "grpo_countdown.py")
+    return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "launch", script, *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_sigint_says_how_to_resume_and_records_the_stop(model_path, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(tmp_path, "--model_path", model_path, "--run.run_dir", str(run_dir), *TINY, "--run.steps", "200",
+                  "--run.checkpoint_every", "2")
+    try:
+        deadline = time.monotonic() + 150
+        while not (run_dir / "checkpoints" / "step-00000002").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:] + err[-3000:]
+    assert "asyncrl launch: stopped by SIGINT" in err
+    (line,) = [line for line in out.splitlines() if "resume with:" in line]
+    step = list_checkpoints(str(run_dir))[-1].step
+    assert line.startswith("run stopped ") and " by SIGINT; resume with: asyncrl launch " in line
+    # Paths as the user would type them in the directory the run was started from.
+    assert line.endswith(f"{ROOT}/examples/grpo_countdown.py --resume run (checkpoint step {step})"), line
+    stops = [e for e in events(run_dir) if e["event"] == "stopped"]
+    assert len(stops) == 1 and stops[0]["cause"] == "SIGINT", stops
+    log_txt = (run_dir / "log.txt").read_text()
+    assert line in log_txt and f"run dir {run_dir}" in log_txt
+    assert "held-out solve rate before GRPO (8 problems)" in log_txt and "[sampler0]: " in log_txt  # actors' output too
+
+    # --resume of a run directory with no checkpoint: one line, exit status 2, nothing changed.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(run_dir / "config.json", bare / "config.json")
+    proc = launch(tmp_path, "--resume", str(bare))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out[-3000:] + err[-3000:]
+    (line,) = err.strip().splitlines()  # the example's one line: its own prefix, then the error
+    assert line.endswith(f": --resume {bare}: no checkpoint was written yet (the first is written at step 2, "
+                         "--run.checkpoint_every 2); nothing to resume"), err
+    assert sorted(os.listdir(bare)) == ["config.json"]
