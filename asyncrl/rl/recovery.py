@@ -46,6 +46,7 @@ import msgspec
 from asyncrl.errors import ActorDiedError, AsyncrlError, CallTimeoutError, RemoteError
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.rollout import QueueClosedError, QueueTimeoutError, RolloutGroup, RolloutQueue
+from asyncrl.runtime.timeouts import timeout
 
 T = TypeVar("T")
 
@@ -640,7 +641,7 @@ def _kill(handle: Any, info: Any) -> None:
 
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
     try:
-        async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+        async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
             await event.wait()
     except TimeoutError:
         pass

@@ -29,6 +29,7 @@ from asyncrl.errors import AsyncrlError
 from asyncrl.rl.checkpoint import CountedWalk, SamplerDataState, tensor_digest
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.runtime.actor import endpoint
+from asyncrl.runtime.timeouts import timeout
 
 
 class SamplerError(AsyncrlError):
@@ -197,7 +198,7 @@ class PausableBackend(SamplerBackend):
         self._paused = True
         self._resumed.clear()
         try:
-            async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+            async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
                 await self._idle.wait()
         except TimeoutError:
             await self.resume()
@@ -226,7 +227,7 @@ class PausableBackend(SamplerBackend):
         deadline = loop.time() + self.resume_timeout_s
         while self._paused:  # re-checked after each wake-up: a new pause may have begun since
             try:
-                async with asyncio.timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
+                async with timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
                     await self._resumed.wait()
             except TimeoutError:
                 raise SamplerTimeoutError(f"generate: backend still paused after {self.resume_timeout_s:g} s") from None
@@ -512,7 +513,8 @@ class SamplerActor(SyncMember):
 
     async def on_stop(self) -> None:
         try:  # an engine that receives weights drops its communicator while it still can
-            await asyncio.wait_for(self.sync_leave(), 10.0)
+            async with timeout(10.0):
+                await self.sync_leave()
         except Exception as exc:  # a dead or stuck engine: close() below ends it all the same
             print(f"sampler {self.name}: leaving the weight-sync group on stop failed: {exc!r}", flush=True)
         self.backend.close()
@@ -558,7 +560,7 @@ class SamplerActor(SyncMember):
         deadline = loop.time() + bound
         while not self._ready.is_set():  # re-checked after waking: another sync may have begun
             try:
-                async with asyncio.timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
+                async with timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
                     await self._ready.wait()
             except TimeoutError:
                 raise SamplerTimeoutError(

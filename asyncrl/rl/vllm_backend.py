@@ -53,6 +53,7 @@ from asyncrl.rl.sampler import (
     SamplerError,
     SamplingParams,
 )
+from asyncrl.runtime.timeouts import timeout
 
 EXTENSION = "asyncrl.rl.vllm_worker.WeightSyncExtension"
 DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
@@ -370,8 +371,8 @@ class VLLMBackend(PausableBackend):
             raise SamplerClosedError(f"VLLMBackend is closed: cannot {call}")
         bound = timeout_s + 10  # the worker's own waits are bounded by timeout_s: leave it room to say why
         try:
-            results = await asyncio.wait_for(
-                self.engine.collective_rpc("asyncrl_call", timeout=bound, args=(call, *args)), bound + 5)
+            async with timeout(bound + 5):
+                results = await self.engine.collective_rpc("asyncrl_call", timeout=bound, args=(call, *args))
         except asyncio.TimeoutError:
             raise EngineWeightSyncError(f"the vLLM worker did not answer {call} within {bound + 5:g} s") from None
         except Exception as exc:

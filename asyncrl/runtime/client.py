@@ -22,6 +22,7 @@ from .codec import PayloadEncoder, frames_nbytes
 from .server import STREAM_WINDOW
 from .transport import LoopSocket, connect_dealer
 from ..errors import CallTimeoutError, MessageTooLargeError, ProtocolError, remote_error_class
+from .timeouts import timeout
 
 log = logging.getLogger("asyncrl.client")
 
@@ -109,7 +110,7 @@ class ActorClient:
                 try:
                     # Not wait_for: on Python 3.11 it swallows a cancel that comes as the item does,
                     # and a consumer told to stop (a pump at the end of a run) would go on reading.
-                    async with asyncio.timeout(timeout_s):
+                    async with timeout(timeout_s):
                         item = await queue.get()
                 except TimeoutError:
                     raise CallTimeoutError(self.actor, f"{spec.name}() (next stream item)", timeout_s) from None

@@ -32,6 +32,7 @@ from .devices import DevicePool
 from .net import is_wildcard, resolve, tcp_endpoint
 from .transport import LoopSocket, bind_router
 from ..errors import ClusterStartError
+from .timeouts import timeout
 
 log = logging.getLogger("asyncrl.cluster")
 
@@ -74,7 +75,7 @@ class RemoteProcess:
 
     async def wait(self, timeout_s: float) -> bool:
         try:
-            async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+            async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
                 await asyncio.shield(self.exited)
             return True
         except TimeoutError:
@@ -151,7 +152,7 @@ class Cluster:
         ones after ``timeout_s``."""
         n = self.config.nnodes
         try:
-            async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+            async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
                 await self._all_joined.wait()
         except TimeoutError:
             missing = [r for r in range(1, n) if r not in self.nodes]

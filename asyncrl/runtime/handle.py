@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .actor import EndpointSpec
 from .state import ActorState
+from .timeouts import timeout
 
 if TYPE_CHECKING:
     from .record import ActorRecord, ActorStatus
@@ -88,7 +89,7 @@ class ActorHandle:
             if left <= 0:
                 return record.status()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):  # unlike wait_for on 3.11, never swallows a cancel
+                async with timeout(left):  # unlike wait_for on 3.11, never swallows a cancel
                     await changed.wait()
 
     def with_timeout(self, timeout_s: float) -> "ActorHandle":

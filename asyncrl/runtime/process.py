@@ -18,6 +18,8 @@ import subprocess
 import sys
 from typing import Callable, Sequence
 
+from .timeouts import timeout
+
 LogSink = Callable[[int, list[bytes]], None]
 """``sink(stream, lines)``: ``stream`` is 1 for stdout, 2 for stderr; lines without their newline."""
 MAX_LINE_BYTES = 1 << 20
@@ -89,7 +91,7 @@ class ChildProcess:
     async def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for exit; True if it exited."""
         try:
-            async with asyncio.timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+            async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
                 await asyncio.shield(self.exited)
             return True
         except TimeoutError:

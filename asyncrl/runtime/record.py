@@ -15,6 +15,7 @@ import msgspec
 
 from .state import ActorState
 from ..errors import ActorDiedError, CallTimeoutError
+from .timeouts import timeout
 
 if TYPE_CHECKING:
     from .client import ActorClient
@@ -96,5 +97,5 @@ class ActorRecord:
             if left <= 0:
                 raise CallTimeoutError(self.name, f"{method}() (the actor is still {self.state.value})", timeout_s)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):  # wait_for on 3.11 can swallow a cancel, and this loops
+                async with timeout(left):  # wait_for on 3.11 can swallow a cancel, and this loops
                     await self._changed.wait()

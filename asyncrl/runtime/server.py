@@ -20,6 +20,7 @@ import zmq
 from . import wire
 from .actor import EndpointSpec, endpoints_of
 from .codec import PayloadEncoder, frames_nbytes
+from .timeouts import timeout
 from .transport import LoopSocket
 
 log = logging.getLogger("asyncrl.server")
@@ -154,7 +155,8 @@ class ActorServer:
                 while stream.credit <= 0:
                     stream.wake.clear()
                     try:
-                        await asyncio.wait_for(stream.wake.wait(), self.stream_idle_timeout_s)
+                        async with timeout(self.stream_idle_timeout_s):
+                            await stream.wake.wait()
                     except asyncio.TimeoutError:
                         log.warning("actor %s: stream %s() abandoned: no credit from its caller in %gs",
                                     self.name, spec.name, self.stream_idle_timeout_s)

@@ -34,6 +34,7 @@ from .actor import init_spec
 from .auth import ClusterKeys, Gatekeeper, keys_from_env
 from .loop import run
 from .server import ActorServer
+from .timeouts import timeout
 from .transport import LoopSocket, bind_router, connect_dealer
 
 ENV_NAME = "ASYNCRL_ACTOR"
@@ -148,7 +149,8 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
     try:
         control.say(wire.Hello(name, incarnation, os.getpid()))
         try:
-            init, frames = await asyncio.wait_for(control.init, init_timeout_s)
+            async with timeout(init_timeout_s):
+                init, frames = await control.init
         except asyncio.TimeoutError:
             raise TimeoutError(f"no Init for actor {name!r} from the supervisor within {init_timeout_s:g} s") from None
         # The driver's import path, in the driver's order, then whatever only this process has.
