@@ -64,3 +64,25 @@ def no_leftover_processes():
     left = descendants(os.getpid()) - before
     kill_all(left)
     assert not left, f"processes left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory) -> str:
+    """A 64-wide one-layer Qwen2 warm-started for 400 steps (about 10 s, once per test session): it
+    writes well-formed answers often enough that rewards differ within groups, so gradients and the
+    optimiser state are not zero. For the GRPO runs of test_fault_tolerance and test_run_lifecycle."""
+    import torch
+
+    from asyncrl.rl.countdown import CountdownConfig
+    from asyncrl.rl.model import ModelConfig, WarmStartConfig, default_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: see tests/test_sampler.py
+    try:
+        return default_model(
+            ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
+            WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0,
+                            heldout_reserve=20),
+            CountdownConfig(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
+    finally:
+        torch.set_num_threads(threads)

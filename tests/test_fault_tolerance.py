@@ -8,9 +8,9 @@
   an uninterrupted one step for step, exactly.
 * SIGKILL the trainer while it writes a checkpoint: the previous one still loads.
 
-The runs use a 64-wide one-layer Qwen2 warm-started for 400 steps (about 10 s, once per module):
-it writes well-formed answers often enough that rewards differ within groups, so gradients and
-the optimiser state are not zero (a random model's would be, and would prove nothing)."""
+The runs use tests/conftest.py's `model_path`, a 64-wide one-layer Qwen2 warm-started once per
+session: it writes well-formed answers often enough that rewards differ within groups, so
+gradients and the optimiser state are not zero (a random model's would be, and would prove nothing)."""
 
 from __future__ import annotations
 
@@ -36,23 +36,6 @@ from asyncrl.rl.recovery import TrainerLostError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    from asyncrl.rl.countdown import CountdownConfig
-    from asyncrl.rl.model import ModelConfig, WarmStartConfig, default_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core machine: see tests/test_sampler.py
-    try:
-        return default_model(
-            ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
-            WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0,
-                            heldout_reserve=20),
-            CountdownConfig(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def tiny(model_path: str, run_dir, *overrides: str) -> GRPOConfig:

@@ -163,23 +163,6 @@ def test_the_run_log_keeps_what_the_terminal_shows(tmp_path):
 # --- with processes -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    from asyncrl.rl.countdown import CountdownConfig
-    from asyncrl.rl.model import ModelConfig, WarmStartConfig, default_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core machine: see tests/test_sampler.py
-    try:
-        return default_model(
-            ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
-            WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0,
-                            heldout_reserve=20),
-            CountdownConfig(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
-    finally:
-        torch.set_num_threads(threads)
-
-
 TINY = ("--run.groups_per_step", "4", "--sampler.group_size", "4", "--sampler.prompts_per_batch", "4",
         "--sampler.max_new_tokens", "24", "--run.n_train", "400", "--run.n_heldout", "8", "--run.eval_every", "1000",
         "--run.eval_samples", "0", "--run.checkpoint_every", "0", "--run.mode", "sync",

@@ -67,7 +67,8 @@ CASES = [
     (["--run.run_dir", "/proc/asyncrl-run"], "--run.run_dir /proc/asyncrl-run: /proc is a kernel pseudo-filesystem"),
     (["--run.run_dir", "{tmp}/a-file"], "is a file, not a directory"),
     (["--run.run_dir", "{tmp}/a-file/run"], "cannot be made: {tmp}/a-file is a file"),
-    (["--run.run_dir", "{tmp}/old"], "holds an earlier run (config.json, metrics.jsonl): continue it with --resume"),
+    (["--run.run_dir", "{tmp}/old"], "holds an earlier run that wrote no checkpoint (config.json, metrics.jsonl), so "
+                                      "nothing to resume: remove that directory, or choose another --run.run_dir"),
     (["--run.data_seed", "3"], "could be among the warm start's training problems"),
     (["--run.check_weights", "true", "--sampler.backend", "vllm"], "--run.check_weights true needs samplers"),
 ]
@@ -139,7 +140,7 @@ def test_a_read_only_directory_is_refused(tmp_path):
 def test_resume_needs_a_run_and_a_new_run_an_unused_directory(tmp_path):
     run = a_run(tmp_path / "run")
     assert preflight.check_run(_config(run_dir=run), resume=True).run.run_dir == str(run)
-    with pytest.raises(ConfigError, match="--resume"):
+    with pytest.raises(ConfigError, match="wrote no checkpoint .*nothing to resume"):  # stopped before one
         preflight.check_run(_config(run_dir=run))
     (tmp_path / "ckpts" / "checkpoints" / "step-00000002").mkdir(parents=True)
     with pytest.raises(ConfigError, match="holds checkpoints of an earlier run: continue it with --resume"):

@@ -132,11 +132,12 @@ def _check_run_dir(run_dir: str, given: str, resume: bool) -> None:
         _check_is_run(run_dir, shown)
     elif os.path.isdir(run_dir):
         found = [name for name in RUN_MARKERS if os.path.exists(os.path.join(run_dir, name))]
-        if found:
-            what = ("checkpoints of an earlier run" if "checkpoints" in found
-                    else f"an earlier run ({', '.join(found)})")
-            raise ConfigError(f"{shown} holds {what}: continue it with --resume {typed}, "
+        if found and _has_checkpoint(run_dir):
+            raise ConfigError(f"{shown} holds checkpoints of an earlier run: continue it with --resume {typed}, "
                               "or choose another --run.run_dir")
+        if found:  # stopped before its first checkpoint: there is nothing to continue
+            raise ConfigError(f"{shown} holds an earlier run that wrote no checkpoint ({', '.join(found)}), so "
+                              "nothing to resume: remove that directory, or choose another --run.run_dir")
     existing = real
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
@@ -148,6 +149,13 @@ def _check_run_dir(run_dir: str, given: str, resume: bool) -> None:
     except OSError as exc:
         verb = "cannot write in it" if existing == real else f"cannot create it in {existing}"
         raise ConfigError(f"{shown}: {verb} ({_reason(exc)}); choose another --run.run_dir") from None
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+    """A whole checkpoint there (``checkpoints/step-N``: the name only a finished write gives)."""
+    from asyncrl.rl.checkpoint import list_checkpoints
+
+    return bool(list_checkpoints(run_dir))
 
 
 def _check_is_run(run_dir: str, shown: str = "") -> None:
