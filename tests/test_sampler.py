@@ -425,7 +425,8 @@ async def test_sampler_actor_takes_weights_in_flight(tiny_path, policy, tmp_path
         batch = asyncio.ensure_future(_collect(sampler.rollouts(8)))
         await asyncio.sleep(0.3)
         await asyncio.gather(pusher.send(1), sampler.receive_weights(1))
-        assert not batch.done()  # the sync went in while the batch was being decoded
+        # The sync went in while the batch was being decoded: it waited for no generate (the stats
+        # below). Not `not batch.done()`: on a loaded machine the batch can end before this line.
         groups = await asyncio.wait_for(batch, 30)
         assert [g.version for g in groups] == [0] * 8  # the version the batch began under
         stats = await sampler.stats()
