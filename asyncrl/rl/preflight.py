@@ -80,19 +80,11 @@ def _checkpoint_positions(path: str, given: str) -> int | None:
     can load (a directory with a config.json naming its model_type, weights and a tokenizer) and
     return its ``max_position_embeddings`` (None when its config does not say)."""
     flag = f"--model_path {shlex.quote(given)}"
-    if not os.path.exists(path):
-        raise ConfigError(f"{flag}: no such directory; give a local Hugging Face checkpoint directory "
-                          "(or no --model_path for the embedded model)")
-    if not os.path.isdir(path):
-        raise ConfigError(f"{flag}: not a directory; give the checkpoint's directory, the one holding config.json")
-    config = os.path.join(path, "config.json")
-    try:
-        with open(config) as f:
-            values = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{flag}: no config.json there, so not a Hugging Face checkpoint directory") from None
-    except (OSError, ValueError) as exc:  # unreadable, or not JSON (json.JSONDecodeError, UnicodeDecodeError)
-        raise ConfigError(f"{flag}: cannot read its config.json ({_reason(exc)})") from None
+    values = _config_json(path, flag,
+                          missing="give a local Hugging Face checkpoint directory (or no --model_path for the embedded "
+                                  "model)",
+                          not_dir="give the checkpoint's directory, the one holding config.json",
+                          no_config="so not a Hugging Face checkpoint directory")
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise ConfigError(f"{flag}: its config.json names no model_type, so transformers cannot load it")
     names = os.listdir(path)
@@ -160,21 +152,27 @@ def _has_checkpoint(run_dir: str) -> bool:
 
 def _check_is_run(run_dir: str, shown: str = "") -> None:
     shown = shown or f"--resume {shlex.quote(run_dir)}"
-    if not os.path.exists(run_dir):
-        raise ConfigError(f"{shown}: no such directory; give the directory of the run to continue")
-    if not os.path.isdir(run_dir):
-        raise ConfigError(f"{shown}: not a directory; give the directory of the run to continue")
-    path = os.path.join(run_dir, "config.json")
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{shown}: no config.json there, so not a run directory "
-                          "(a run writes config.json, metrics.jsonl and checkpoints/)") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{shown}: cannot read its config.json ({_reason(exc)})") from None
+    values = _config_json(run_dir, shown, missing="give the directory of the run to continue",
+                          not_dir="give the directory of the run to continue",
+                          no_config="so not a run directory (a run writes config.json, metrics.jsonl and checkpoints/)")
     if not isinstance(values, dict) or not isinstance(values.get("run"), dict):
         raise ConfigError(f"{shown}: its config.json is not a run's config (no run section)")
+
+
+def _config_json(directory: str, shown: str, *, missing: str, not_dir: str, no_config: str) -> Any:
+    """The parsed config.json of ``directory`` (a checkpoint's or a run's), or a one-line
+    `ConfigError` naming ``shown`` (the flag as typed) and what to give instead."""
+    if not os.path.exists(directory):
+        raise ConfigError(f"{shown}: no such directory; {missing}")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{shown}: not a directory; {not_dir}")
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{shown}: no config.json there, {no_config}") from None
+    except (OSError, ValueError) as exc:  # unreadable, or not JSON (json.JSONDecodeError, UnicodeDecodeError)
+        raise ConfigError(f"{shown}: cannot read its config.json ({_reason(exc)})") from None
 
 
 def _reason(exc: BaseException) -> str:
