@@ -121,6 +121,11 @@ class Echo(Actor):
     async def say(self, text: str) -> None:
         print(text, flush=True)
 
+    @endpoint
+    def say_then_block(self, text: str, seconds: float) -> None:
+        print(text, flush=True)  # tells a test watching the output that the loop is now held
+        time.sleep(seconds)
+
 
 class _Custom(Exception):
     pass

@@ -63,7 +63,7 @@ async def test_intruders_get_nothing_through_a_cluster_and_it_keeps_serving(tmp_
         with caplog.at_level(logging.WARNING, logger="asyncrl.auth"):
             async with Supervisor(nnodes=2, master_port=port, node_timeout_s=NODE_TIMEOUT_S, join_timeout_s=60) as sup:
                 counter = await sup.spawn(Counter, name="counter", node=1)
-                keys = sup._keys
+                keys = sup._resources.keys
                 targets = [sup._cluster.address, counter._record.client.address]
                 assert await asyncio.to_thread(_try_all, targets, keys.public_key) == 0
                 assert sup.auth_rejections >= len(HOWS)  # at the cluster socket, counted here
@@ -85,7 +85,7 @@ async def test_single_host_tcp_generates_a_secret_and_refuses_outsiders(monkeypa
     async with Supervisor(transport="tcp") as sup:
         counter = await sup.spawn(Counter)
         targets = [sup.address, counter._record.client.address]
-        assert await asyncio.to_thread(_try_all, targets, sup._keys.public_key) == 0
+        assert await asyncio.to_thread(_try_all, targets, sup._resources.keys.public_key) == 0
         assert sup.auth_rejections >= len(HOWS)
         assert await counter.count() == 0
         assert await counter.bump(2) == 2

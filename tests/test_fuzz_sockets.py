@@ -137,7 +137,7 @@ async def test_fuzz_every_listening_socket(tmp_path, monkeypatch):
             local = await sup.spawn(Counter, name="counter-local")
             remote = await sup.spawn(Counter, name="counter-remote", node=1)
             pids = [s.pid for s in sup.status()]  # the remote one is a pid of this host too (loopback nodes)
-            keys = sup._keys
+            keys = sup._resources.keys
             targets = [  # every socket that listens: ipc ones rely on the 0700 run directory
                 (sup._cluster.address, keys),
                 (remote._record.client.address, keys),

@@ -87,6 +87,45 @@ def test_signal_to_launch_stops_cleanly(sig, code):
     assert _shm() <= shm_before
 
 
+def test_a_second_sigint_while_closing_forces_exit_and_still_removes_the_socket_dirs(tmp_path):
+    proc = _start([sys.executable, os.path.join(SCRIPTS, "slow_shutdown.py"), str(tmp_path)])
+    info: dict = {"pids": []}
+    try:
+        info = _first_json_line(proc)
+        status_dir = os.path.dirname(info["status_address"][len("ipc://"):])
+        assert os.path.isdir(info["run_dir"]) and os.path.isdir(status_dir)
+        assert (tmp_path / "supervisor.json").exists()
+        assert _line(proc, "[held-1]: blocked"), "the actor did not block"
+        proc.send_signal(signal.SIGINT)
+        assert _line(proc, "closing"), "the first SIGINT did not start the shutdown"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # the graceful stop waits for a blocked actor: stop waiting
+        _, err = proc.communicate(timeout=20)
+        assert time.monotonic() - start < 10.0  # not the 60 s stop_timeout_s of the blocked actor
+    finally:
+        kill_all([proc.pid, *info["pids"]])
+        proc.communicate(timeout=5)
+    assert proc.returncode == 130, err
+    assert "SIGINT while shutting down: killing the actors and exiting now" in err
+    assert wait_until(lambda: not any(process_alive(p) for p in info["pids"]), 5.0), "actors survived the forced exit"
+    assert not os.path.exists(info["run_dir"])  # the supervisor's socket directory
+    assert not os.path.exists(status_dir)  # the status server's
+    assert not (tmp_path / "supervisor.json").exists()
+
+
+def _line(proc: subprocess.Popen, wanted: str, timeout_s: float = 30.0) -> bool:
+    """Read ``proc``'s stdout up to a line equal to ``wanted``; False at EOF or past ``timeout_s``
+    (checked between lines: the script prints at once, or dies and closes its stdout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            return False
+        if line.strip() == wanted:
+            return True
+    return False
+
+
 def test_sigterm_to_a_plain_python_script_exits_cleanly():
     proc = _start([sys.executable, os.path.join(SCRIPTS, "hold_actors.py")])
     try:

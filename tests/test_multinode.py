@@ -86,6 +86,31 @@ async def test_two_nodes_placement_calls_logs_and_clean_stop(secret, tmp_path, c
     assert "[remote]: hello from node 1" in out  # forwarded by the agent, printed by node 0
 
 
+async def test_kill_of_an_actor_on_another_node_goes_through_its_agent_and_restarts_it_there(secret, tmp_path):
+    port = free_port()
+    agent = start_agent(1, 2, port, secret, str(tmp_path))
+    try:
+        async with _cluster_supervisor(2, port) as sup:
+            remote = await sup.spawn(Echo, name="remote", node=1, max_restarts=1)
+            pid, grandchild = await remote.getpid(), await remote.spawn_grandchild()
+            pending = asyncio.ensure_future(remote.sleep(60))
+            await asyncio.sleep(0)  # one turn of the loop: the task sends the call, then waits for its reply
+            start = time.monotonic()
+            assert remote.kill("judged lost by its owner", incarnation=1) is True
+            with pytest.raises(ActorDiedError, match="killed on request: judged lost by its owner"):
+                await pending
+            assert time.monotonic() - start < 3.0
+            back = await remote.wait_for_incarnation(1, timeout_s=30.0)
+            assert (back.state, back.incarnation, back.node) == ("running", 2, 1)
+            assert remote.kill("a late verdict", incarnation=1) is False
+            assert await remote.getpid() != pid
+            assert await asyncio.to_thread(wait_until, lambda: not process_alive(pid) and not process_alive(grandchild), 5.0)
+        assert await _wait_exit(agent, 15.0) == 0, agent_log(str(tmp_path), 1)
+    finally:
+        kill_all([agent.pid])
+        agent.wait()
+
+
 async def test_three_nodes_actor_death_agent_death_and_survivors(secret, tmp_path):
     port = free_port()
     agents = [start_agent(r, 3, port, secret, str(tmp_path)) for r in (1, 2)]

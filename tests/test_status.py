@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import zmq
 
-from asyncrl import Supervisor
+from asyncrl import ActorState, Supervisor
 from asyncrl.cli import main as cli_main
 from asyncrl.runtime.status import (
     MAX_REQUEST_BYTES,
@@ -89,6 +89,8 @@ async def test_status_shows_every_actor_with_its_restart_and_the_progress(tmp_pa
         code, out, err = await status_cli(str(tmp_path), "--json")
         assert code == 0, err
         reply = msgspec.json.decode(out, type=StatusReply)  # the JSON is the typed reply, whole
+        assert [a["state"] for a in json.loads(out)["actors"]] == ["running", "running"]  # an enum prints as its value
+        assert [a.state for a in reply.actors] == [ActorState.RUNNING, ActorState.RUNNING]
         assert reply.pid == os.getpid() and reply.run_dir == str(tmp_path)
         assert [(a.name, a.restarts, a.max_restarts, a.incarnation) for a in reply.actors] == [("steady", 0, 0, 1), ("flaky", 1, 2, 2)]
         assert all(a.last_heartbeat_age_s is not None and a.last_heartbeat_age_s < 5 for a in reply.actors)
@@ -215,7 +217,7 @@ def test_no_dir_no_run_and_a_finished_run_are_told_apart(tmp_path, capsys):
 
 
 def test_a_listener_that_never_answers_times_out_naming_the_address_and_the_wait(tmp_path, capsys):
-    from asyncrl.runtime.status import SupervisorFile, _proc_stat
+    from asyncrl.runtime.status.schema import SupervisorFile, proc_stat
 
     ctx = zmq.Context()
     try:
@@ -223,7 +225,7 @@ def test_a_listener_that_never_answers_times_out_naming_the_address_and_the_wait
         mute.setsockopt(zmq.LINGER, 0)
         mute.bind(f"ipc://{tmp_path}/mute.sock")
         address = mute.getsockopt_string(zmq.LAST_ENDPOINT)
-        record = SupervisorFile(os.getpid(), _proc_stat(os.getpid())[1], socket.gethostname(), address, time.time())
+        record = SupervisorFile(os.getpid(), proc_stat(os.getpid())[1], socket.gethostname(), address, time.time())
         (tmp_path / "supervisor.json").write_bytes(msgspec.json.encode(record))
         start = time.monotonic()
         expected = f"no answer from the supervisor (pid {os.getpid()}) at {address} within 0.3 s"

@@ -143,7 +143,7 @@ async def test_close_stops_everything_and_calls_fail():
     grandchild = await group[0].spawn_grandchild()
     pending = asyncio.ensure_future(group[1].sleep(60))
     await asyncio.sleep(0.1)
-    run_dir = sup._run_dir
+    run_dir = sup._resources.run_dir
     assert os.path.isdir(run_dir)
     await sup.close()
     with pytest.raises(ActorDiedError):

@@ -1,9 +1,15 @@
 """The generic actor runtime: knows nothing of RL. See docs/runtime.md."""
 
-from .actor import Actor, endpoint
-from .config import SupervisorConfig
-from .handle import ActorHandle
-from .state import ActorState
-from .supervisor import ActorStatus, Supervisor
+from asyncrl.runtime.actor import Actor, endpoint
+from asyncrl.runtime.config import SupervisorConfig
+from asyncrl.runtime.devices import detect as detect_devices
+from asyncrl.runtime.handle import ActorHandle
+from asyncrl.runtime.record import ActorStatus
+from asyncrl.runtime.state import ActorState
+from asyncrl.runtime.supervisor import Supervisor
+from asyncrl.runtime.transport import pid_alive
 
-__all__ = ["Actor", "ActorHandle", "ActorState", "ActorStatus", "Supervisor", "SupervisorConfig", "endpoint"]
+__all__ = [
+    "Actor", "ActorHandle", "ActorState", "ActorStatus", "Supervisor", "SupervisorConfig", "detect_devices", "endpoint",
+    "pid_alive",
+]

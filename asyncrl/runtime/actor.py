@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from .codec import PayloadDecoder
+from asyncrl.runtime.codec import PayloadDecoder
 
 _ENDPOINT_ATTR = "__asyncrl_endpoint__"
 RESERVED_NAMES = frozenset({"name", "info", "with_timeout"})

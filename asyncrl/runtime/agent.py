@@ -32,14 +32,14 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import net, wire
-from . import worker as worker_env
-from .auth import ENV_SECRET, ClusterKeys, keys_from_env
-from .config import SupervisorConfig
-from .devices import VISIBILITY_VARIABLE, detect, offered
-from .loop import run as run_loop
-from .process import ChildProcess
-from .transport import LoopSocket, configure
+from asyncrl.runtime import net, wire
+from asyncrl.runtime import worker as worker_env
+from asyncrl.runtime.auth import ENV_SECRET, ClusterKeys, keys_from_env
+from asyncrl.runtime.config import SupervisorConfig
+from asyncrl.runtime.devices import VISIBILITY_VARIABLE, detect, offered
+from asyncrl.runtime.loop import run as run_loop
+from asyncrl.runtime.process import ChildProcess
+from asyncrl.runtime.transport import LoopSocket, configure
 
 _LOG_LINES_PER_MESSAGE = 256
 _LOG_BACKLOG_MAX = 64

@@ -15,14 +15,14 @@ from typing import Any, AsyncIterator
 import msgspec
 import zmq
 
-from . import wire
-from .actor import EndpointSpec
-from .auth import ClusterKeys
-from .codec import PayloadEncoder, frames_nbytes
-from .server import STREAM_WINDOW
-from .transport import LoopSocket, connect_dealer
-from ..errors import CallTimeoutError, MessageTooLargeError, ProtocolError, remote_error_class
-from .timeouts import timeout
+from asyncrl.runtime import wire
+from asyncrl.runtime.actor import EndpointSpec
+from asyncrl.runtime.auth import ClusterKeys
+from asyncrl.runtime.codec import PayloadEncoder, frames_nbytes
+from asyncrl.runtime.server import STREAM_WINDOW
+from asyncrl.runtime.transport import LoopSocket, connect_dealer
+from asyncrl.errors import CallTimeoutError, MessageTooLargeError, ProtocolError, remote_error_class
+from asyncrl.runtime.timeouts import timeout
 
 log = logging.getLogger("asyncrl.client")
 

@@ -25,14 +25,16 @@ from typing import Callable
 import msgspec
 import zmq
 
-from . import wire
-from .auth import Gatekeeper
-from .config import SupervisorConfig
-from .devices import DevicePool
-from .net import is_wildcard, resolve, tcp_endpoint
-from .transport import LoopSocket, bind_router
-from ..errors import ClusterStartError
-from .timeouts import timeout
+from asyncrl.runtime import wire
+from asyncrl.runtime.auth import Gatekeeper
+from asyncrl.runtime.config import SupervisorConfig
+from asyncrl.runtime.devices import DevicePool
+from asyncrl.runtime.net import is_wildcard, resolve, tcp_endpoint
+from asyncrl.runtime.process import ActorProcess
+from asyncrl.runtime.transport import LoopSocket, bind_router
+from asyncrl.runtime.watchdog import SilenceWatchdog
+from asyncrl.errors import ClusterStartError
+from asyncrl.runtime.timeouts import timeout
 
 log = logging.getLogger("asyncrl.cluster")
 
@@ -50,7 +52,7 @@ class NodeStatus(msgspec.Struct, frozen=True):
     """'joined', or 'lost: <reason>'."""
 
 
-class RemoteProcess:
+class RemoteProcess(ActorProcess):
     """An actor's process on another node, as its agent reports it."""
 
     def __init__(self, node: "Node", actor: str, incarnation: int):
@@ -61,10 +63,6 @@ class RemoteProcess:
         self.exited: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reason = ""
 
-    @property
-    def alive(self) -> bool:
-        return not self.exited.done()
-
     def exit_description(self) -> str:
         return self._reason
 
@@ -72,14 +70,6 @@ class RemoteProcess:
         if not self.exited.done():
             self._reason = reason
             self.exited.set_result(None)
-
-    async def wait(self, timeout_s: float) -> bool:
-        try:
-            async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
-                await asyncio.shield(self.exited)
-            return True
-        except TimeoutError:
-            return False
 
     async def terminate(self, term_timeout_s: float, kill_timeout_s: float) -> None:
         """SIGTERM, then SIGKILL, to the process group, by the agent. Returns once the agent
@@ -89,6 +79,7 @@ class RemoteProcess:
             await self.wait(term_timeout_s + kill_timeout_s)
 
     def kill_now(self) -> None:
+        """SIGKILL to the process group, by the agent (asynchronously: the exit is reported)."""
         if self.alive:
             self.node.send(wire.KillActor(self.actor, self.incarnation))
 
@@ -143,7 +134,10 @@ class Cluster:
         self._decoder = msgspec.msgpack.Decoder(wire.FromNode)
         self._body = msgspec.msgpack.Encoder()
         self.sock = LoopSocket(sock, self._on_message, "supervisor cluster socket")
-        self._watcher = asyncio.ensure_future(self._watch())
+        self._watchdog = SilenceWatchdog(
+            "cluster", config.heartbeat_interval_s, config.node_timeout_s,
+            lambda: [(node, node.last_seen) for node in self.nodes.values() if node.lost is None], self._silent,
+        ).start()
 
     # --- membership --------------------------------------------------------------------------
 
@@ -192,21 +186,8 @@ class Cluster:
         if not node.gone.done():
             node.gone.set_result(None)
 
-    async def _watch(self) -> None:
-        cfg = self.config
-        last_tick = time.monotonic()
-        while True:
-            await asyncio.sleep(cfg.heartbeat_interval_s)
-            now = time.monotonic()
-            if now - last_tick > cfg.node_timeout_s / 2:
-                # Our own loop was blocked: beats are queued unread, not missing. Start afresh.
-                for node in self.nodes.values():
-                    node.last_seen = now
-            last_tick = now
-            for node in list(self.nodes.values()):
-                silent = now - node.last_seen
-                if node.lost is None and silent > cfg.node_timeout_s:
-                    self._lose(node, f"no heartbeat from its agent for {silent:.1f} s (agent dead or network down)")
+    def _silent(self, node: Node, silent_s: float) -> None:
+        self._lose(node, f"no heartbeat from its agent for {silent_s:.1f} s (agent dead or network down)")
 
     async def close(self, reason: str, timeout_s: float) -> None:
         """Tell every agent to stop its actors and exit; wait (bounded) for each to say it left."""
@@ -219,7 +200,12 @@ class Cluster:
             for node in live:
                 if not node.gone.done():
                     log.warning("node %d (%s) did not confirm its shutdown within %g s", node.rank, node.hostname, timeout_s)
-        self._watcher.cancel()
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Stop watching the nodes and close the socket, telling no agent (they stop on their
+        own once we are unreachable for ``node_timeout_s``). Idempotent."""
+        self._watchdog.close()
         self.sock.close()
 
     def status(self) -> list[NodeStatus]:

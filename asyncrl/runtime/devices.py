@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import os
 
-from ..errors import NoFreeDevicesError
+from asyncrl.errors import NoFreeDevicesError
 
 VISIBILITY_VARIABLE = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 

@@ -5,17 +5,17 @@ restarts: calls made while the actor restarts wait (within their timeout) for th
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
-from .actor import EndpointSpec
-from .state import ActorState
-from .timeouts import timeout
+from asyncrl.runtime.actor import EndpointSpec
+from asyncrl.runtime.state import ActorState
 
 if TYPE_CHECKING:
-    from .record import ActorRecord, ActorStatus
+    from asyncrl.runtime.record import ActorRecord, ActorStatus
+
+log = logging.getLogger("asyncrl.supervisor")
 
 
 class RemoteMethod:
@@ -72,25 +72,37 @@ class ActorHandle:
         """State, pid, restarts and heartbeat age of the actor, as the supervisor sees it now."""
         return self._record.status()
 
+    def kill(self, reason: str, incarnation: int | None = None) -> bool:
+        """SIGKILL the actor's running incarnation with its whole process group (children too),
+        at once (no graceful stop), recording ``reason``; for an actor on another node its agent
+        does it. What follows is what follows any crash: its pending calls fail with
+        ``ActorDiedError`` naming ``reason`` and it restarts within ``max_restarts``, else it is
+        DEAD. ``incarnation``: kill only that incarnation (the one the caller judged), never a
+        replacement. Returns True if a kill was sent; False (and does nothing) if the actor is
+        not RUNNING that incarnation: starting, restarting, stopping, dead, stopped, or already
+        exiting."""
+        record = self._record
+        killed = record.kill(f"killed on request: {reason}", incarnation)
+        if killed:
+            log.warning("actor %s (incarnation %d): killed on request: %s", record.name, record.incarnation, reason)
+        return killed
+
     async def wait_for_incarnation(self, after: int, timeout_s: float) -> "ActorStatus":
         """Wait until an incarnation newer than ``after`` runs, the actor is dead or stopped for
         good, or ``timeout_s`` passes, whichever comes first, and return its status then (its
         ``state`` and ``incarnation`` say which). Sends nothing to the actor: a restart that
         takes long is waited for by its state, not misread as a call that timed out."""
-        record = self._record
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            changed = record._changed  # replaced at every change of state: taken before looking
-            if ((record.state is ActorState.RUNNING and record.incarnation > after)
-                    or record.state in (ActorState.DEAD, ActorState.STOPPED)):
-                return record.status()
-            left = deadline - loop.time()
-            if left <= 0:
-                return record.status()
-            with contextlib.suppress(TimeoutError):
-                async with timeout(left):  # unlike wait_for on 3.11, never swallows a cancel
-                    await changed.wait()
+        return await self._record.wait_until(
+            lambda r: r.state is ActorState.RUNNING and r.incarnation > after, timeout_s)
+
+    async def wait_for_state(self, states: "Iterable[ActorState]", timeout_s: float) -> "ActorStatus":
+        """Wait until the actor's state is one of ``states``, it is dead or stopped for good (a
+        final state it never leaves), or ``timeout_s`` passes, whichever comes first, and return
+        its status then. Woken by each change of state; sends nothing to the actor."""
+        wanted = frozenset(ActorState(s) for s in states)
+        if not wanted:
+            raise ValueError("states must name at least one ActorState")
+        return await self._record.wait_until(lambda r: r.state in wanted, timeout_s)
 
     def with_timeout(self, timeout_s: float) -> "ActorHandle":
         """The same actor, with ``timeout_s`` as the default deadline of its calls."""

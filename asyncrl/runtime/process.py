@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Callable, Sequence
 
-from .timeouts import timeout
+from asyncrl.runtime.timeouts import timeout
 
 LogSink = Callable[[int, list[bytes]], None]
 """``sink(stream, lines)``: ``stream`` is 1 for stdout, 2 for stderr; lines without their newline."""
@@ -35,7 +35,45 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-class ChildProcess:
+class ActorProcess:
+    """An actor's process as its supervisor sees it, wherever it runs: an ``exited`` future that
+    is done once the process is gone, a bounded wait on it, and the ways to end it. A local
+    ``ChildProcess`` below; one on another node is a ``cluster.RemoteProcess``."""
+
+    pid: int
+    exited: asyncio.Future
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited.done()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the exit; True if it exited. A cancel of the caller leaves
+        ``exited`` untouched (shielded), for the next waiter."""
+        try:
+            async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+                await asyncio.shield(self.exited)
+            return True
+        except TimeoutError:
+            return False
+
+    def exit_description(self) -> str:
+        """How it ended ("killed by SIGKILL", "exited with code 1", "node 1 lost: ..."); only
+        once ``exited`` is done."""
+        raise NotImplementedError
+
+    async def terminate(self, term_timeout_s: float, kill_timeout_s: float) -> int | None:
+        """SIGTERM the process group, wait up to ``term_timeout_s``, then SIGKILL it and wait up
+        to ``kill_timeout_s``; the exit code where one is known."""
+        raise NotImplementedError
+
+    def kill_now(self) -> None:
+        """SIGKILL the process group now, without waiting (finalizers, a second Ctrl-C, a kill
+        on request)."""
+        raise NotImplementedError
+
+
+class ChildProcess(ActorProcess):
     def __init__(
         self, argv: Sequence[str], env: dict[str, str], log_prefix: str, pass_fds: Sequence[int] = (), sink: LogSink | None = None
     ):
@@ -75,10 +113,6 @@ class ChildProcess:
     def exit_description(self) -> str:
         return describe_exit(self.exited.result())
 
-    @property
-    def alive(self) -> bool:
-        return not self.exited.done()
-
     def signal_group(self, sig: int) -> None:
         """Signal the child's process group (it leads one: pgid == pid). Once the leader is reaped
         its pid cannot be reused while any member of the group is alive, so this never hits a
@@ -87,15 +121,6 @@ class ChildProcess:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-    async def wait(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for exit; True if it exited."""
-        try:
-            async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
-                await asyncio.shield(self.exited)
-            return True
-        except TimeoutError:
-            return False
 
     async def terminate(self, term_timeout_s: float, kill_timeout_s: float) -> int | None:
         """SIGTERM the group, wait, SIGKILL the group, wait. Also sweeps grandchildren left

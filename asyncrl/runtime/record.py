@@ -9,24 +9,24 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
-from .state import ActorState
-from ..errors import ActorDiedError, CallTimeoutError
-from .timeouts import timeout
+from asyncrl.runtime.state import ActorState
+from asyncrl.errors import ActorDiedError, CallTimeoutError
+from asyncrl.runtime.timeouts import timeout
 
 if TYPE_CHECKING:
-    from .client import ActorClient
-    from .cluster import RemoteProcess
-    from .process import ChildProcess
-    from .transport import LoopSocket
+    from asyncrl.runtime.client import ActorClient
+    from asyncrl.runtime.process import ActorProcess
+    from asyncrl.runtime.transport import LoopSocket
 
 
 class ActorStatus(msgspec.Struct, frozen=True):
     name: str
-    state: str
+    state: ActorState
+    """A string enum: encodes as, prints as and compares equal to its value (``"running"``)."""
     pid: int | None
     incarnation: int
     restarts: int
@@ -52,7 +52,7 @@ class ActorRecord:
     state: ActorState = ActorState.STARTING
     incarnation: int = 0
     restarts: int = 0
-    proc: ChildProcess | RemoteProcess | None = None
+    proc: ActorProcess | None = None
     client: ActorClient | None = None
     routing_id: bytes | None = None
     channel: LoopSocket | None = None
@@ -74,7 +74,7 @@ class ActorRecord:
         running = self.state is ActorState.RUNNING
         return ActorStatus(
             name=self.name,
-            state=self.state.value,
+            state=self.state,
             pid=self.proc.pid if self.proc is not None and self.proc.alive else None,
             incarnation=self.incarnation,
             restarts=self.restarts,
@@ -85,13 +85,46 @@ class ActorRecord:
             node=self.node,
         )
 
+    def kill(self, cause: str, incarnation: int | None = None) -> bool:
+        """SIGKILL the running incarnation's process group (for an actor on another node, its
+        agent does) with ``cause`` recorded as why it died; its exit is then handled as any crash
+        is (pending calls fail with ``ActorDiedError`` naming ``cause``; a restart within
+        ``max_restarts``, else DEAD). ``incarnation``: kill only that one.
+
+        Returns False and does nothing unless the actor is RUNNING that incarnation, its process
+        is alive, and no kill of it is already under way (which keeps its own cause)."""
+        proc = self.proc
+        if (self.state is not ActorState.RUNNING or self.stopping or proc is None or not proc.alive
+                or self.kill_reason or (incarnation is not None and incarnation != self.incarnation)):
+            return False
+        self.kill_reason = cause
+        proc.kill_now()
+        return True
+
+    async def wait_until(self, done: Callable[["ActorRecord"], bool], timeout_s: float) -> ActorStatus:
+        """The status once ``done(self)`` holds, the actor is in a final state (DEAD, STOPPED), or
+        ``timeout_s`` has passed, whichever comes first. Woken by each change of state, never by
+        polling; sends nothing to the actor."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            changed = self._changed  # replaced at every change of state: taken before looking
+            if done(self) or self.state.final:
+                return self.status()
+            left = deadline - loop.time()
+            if left <= 0:
+                return self.status()
+            with contextlib.suppress(TimeoutError):
+                async with timeout(left):  # unlike wait_for on 3.11, never swallows a cancel
+                    await changed.wait()
+
     async def client_within(self, timeout_s: float, method: str) -> ActorClient:
         """The client of the running incarnation, waiting (bounded) through a start or restart."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.state is ActorState.RUNNING:
                 return self.client
-            if self.state in (ActorState.DEAD, ActorState.STOPPED):
+            if self.state.final:
                 raise self.error or ActorDiedError(self.name, self.state.value)
             left = deadline - time.monotonic()
             if left <= 0:

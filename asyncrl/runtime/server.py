@@ -17,11 +17,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from . import wire
-from .actor import EndpointSpec, endpoints_of
-from .codec import PayloadEncoder, frames_nbytes
-from .timeouts import timeout
-from .transport import LoopSocket
+from asyncrl.runtime import wire
+from asyncrl.runtime.actor import EndpointSpec, endpoints_of
+from asyncrl.runtime.codec import PayloadEncoder, frames_nbytes
+from asyncrl.runtime.timeouts import timeout
+from asyncrl.runtime.transport import LoopSocket
 
 log = logging.getLogger("asyncrl.server")
 

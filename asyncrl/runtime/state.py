@@ -3,9 +3,25 @@
 import enum
 
 
-class ActorState(enum.Enum):
+class ActorState(str, enum.Enum):
+    """A string enum (``enum.StrEnum`` is 3.11+): a state compares equal to, prints, formats and
+    JSON-encodes as its value (``"running"``), so ``asyncrl status`` output and messages read the
+    same as when states were plain strings."""
+
     STARTING = "starting"
     RUNNING = "running"
     RESTARTING = "restarting"
     DEAD = "dead"
     STOPPED = "stopped"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def final(self) -> bool:
+        """DEAD or STOPPED: an actor in a final state never runs again (its name may be reused
+        by a new actor, with a new handle)."""
+        return self in (ActorState.DEAD, ActorState.STOPPED)

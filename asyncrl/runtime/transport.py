@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import zmq
 
 if TYPE_CHECKING:
-    from .auth import ClusterKeys, Gatekeeper
+    from asyncrl.runtime.auth import ClusterKeys, Gatekeeper
 
 DEFAULT_HWM = 1000
 MAX_QUEUED_SENDS = 100_000

@@ -29,13 +29,13 @@ import traceback
 import msgspec
 import zmq
 
-from . import wire
-from .actor import init_spec
-from .auth import ClusterKeys, Gatekeeper, keys_from_env
-from .loop import run
-from .server import ActorServer
-from .timeouts import timeout
-from .transport import LoopSocket, bind_router, connect_dealer
+from asyncrl.runtime import wire
+from asyncrl.runtime.actor import init_spec
+from asyncrl.runtime.auth import ClusterKeys, Gatekeeper, keys_from_env
+from asyncrl.runtime.loop import run
+from asyncrl.runtime.server import ActorServer
+from asyncrl.runtime.timeouts import timeout
+from asyncrl.runtime.transport import LoopSocket, bind_router, connect_dealer
 
 ENV_NAME = "ASYNCRL_ACTOR"
 ENV_INCARNATION = "ASYNCRL_INCARNATION"

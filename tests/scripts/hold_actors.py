@@ -16,7 +16,7 @@ async def main():
         a, b = await sup.spawn_group(Echo, 2, name="held")
         grandchild = await a.spawn_grandchild()
         pids = [await a.getpid(), await b.getpid(), grandchild]
-        print(json.dumps({"driver": os.getpid(), "pids": pids, "run_dir": sup._run_dir}), flush=True)
+        print(json.dumps({"driver": os.getpid(), "pids": pids, "run_dir": sup._resources.run_dir}), flush=True)
         await asyncio.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 60)
 
 
