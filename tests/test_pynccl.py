@@ -11,9 +11,10 @@ import subprocess
 import pytest
 import torch
 
-from asyncrl.comm import pynccl
+from asyncrl.comm import nccl_library, pynccl
 from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError, CommLibraryError, CommunicatorClosedError
-from asyncrl.comm.pynccl import Config, NcclCommunicator, NcclLibrary, UniqueId
+from asyncrl.comm.nccl_library import Config, NcclLibrary, UniqueId
+from asyncrl.comm.pynccl import NcclCommunicator
 
 STUB_C = r"""
 #include <stddef.h>
@@ -90,25 +91,44 @@ def test_config_is_a_prefix_of_ncclconfig_t_with_blocking_off():
 
 
 def test_dtype_and_reduce_codes_are_nccl_h():
-    assert pynccl.DTYPES[torch.int8] == 0 and pynccl.DTYPES[torch.uint8] == 1 and pynccl.DTYPES[torch.int32] == 2
-    assert pynccl.DTYPES[torch.int64] == 4 and pynccl.DTYPES[torch.float16] == 6 and pynccl.DTYPES[torch.float32] == 7
-    assert pynccl.DTYPES[torch.float64] == 8 and pynccl.DTYPES[torch.bfloat16] == 9
-    assert [pynccl.REDUCE_OPS[op] for op in sorted(pynccl.REDUCE_OPS)] == [0, 1, 2, 3]
+    dtypes = nccl_library.DTYPES
+    assert dtypes[torch.int8] == 0 and dtypes[torch.uint8] == 1 and dtypes[torch.int32] == 2
+    assert dtypes[torch.int64] == 4 and dtypes[torch.float16] == 6 and dtypes[torch.float32] == 7
+    assert dtypes[torch.float64] == 8 and dtypes[torch.bfloat16] == 9
+    assert [nccl_library.REDUCE_OPS[op] for op in sorted(nccl_library.REDUCE_OPS)] == [0, 1, 2, 3]
     with pytest.raises(TypeError, match="cannot carry torch.complex64"):
         pynccl._dtype_code(torch.zeros(1, dtype=torch.complex64))
 
 
+def test_function_table_has_the_nccl_h_prototypes():
+    P, i, vp, size = ctypes.POINTER, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+    expected = {
+        "ncclGetVersion": (i, (P(i),)),
+        "ncclGetUniqueId": (i, (P(UniqueId),)),
+        "ncclCommInitRankConfig": (i, (P(vp), i, UniqueId, i, P(Config))),  # the id goes by value
+        "ncclCommGetAsyncError": (i, (vp, P(i))),
+        "ncclCommAbort": (i, (vp,)),
+        "ncclGetErrorString": (ctypes.c_char_p, (i,)),
+        "ncclBroadcast": (i, (vp, vp, size, i, i, vp, vp)),
+        "ncclAllReduce": (i, (vp, vp, size, i, i, vp, vp)),
+        "ncclSend": (i, (vp, size, i, i, vp, vp)),
+        "ncclRecv": (i, (vp, size, i, i, vp, vp)),
+    }
+    assert {f.name: (f.restype, f.argtypes) for f in nccl_library.NCCL_FUNCTIONS} == expected
+    assert all(f.required for f in nccl_library.NCCL_FUNCTIONS)
+
+
 def test_the_override_is_the_only_candidate(monkeypatch):
-    monkeypatch.setenv(pynccl.ENV_LIBRARY, "/opt/custom/libnccl.so.2")
-    assert pynccl.library_candidates() == ["/opt/custom/libnccl.so.2"]
-    monkeypatch.delenv(pynccl.ENV_LIBRARY)
-    assert pynccl.library_candidates()[-1] == "libnccl.so.2"
+    monkeypatch.setenv(nccl_library.ENV_LIBRARY, "/opt/custom/libnccl.so.2")
+    assert nccl_library.library_candidates() == ["/opt/custom/libnccl.so.2"]
+    monkeypatch.delenv(nccl_library.ENV_LIBRARY)
+    assert nccl_library.library_candidates()[-1] == "libnccl.so.2"
 
 
 def test_a_missing_or_foreign_library_is_a_clear_error(tmp_path):
     with pytest.raises(CommLibraryError, match="cannot load libnccl"):
         NcclLibrary(str(tmp_path / "nope.so"))
-    with pytest.raises(CommLibraryError, match="has no symbol ncclGetVersion"):
+    with pytest.raises(CommLibraryError, match="libc.so.6 lacks the required symbol ncclGetVersion: NCCL >= 2.14"):
         NcclLibrary("libc.so.6")
 
 

@@ -54,3 +54,14 @@ class WeightSyncError(CommError):
 
 class LayoutMismatchError(WeightSyncError):
     """Members disagree on the weight layout (names, shapes, dtypes or bucket offsets)."""
+
+
+PEER_FAILURE_ERRORS: tuple[type[CommError], ...] = (
+    RendezvousError, RendezvousTimeoutError, CollectiveError, CollectiveTimeoutError, CommunicatorClosedError,
+    WeightSyncError, LayoutMismatchError)
+"""The data-plane errors a member raises when a peer fails (or cannot be reached): one that ends
+a group-wide call with one of these is a victim of the failure, not its cause."""
+
+COMM_ERRORS_BY_NAME: dict[str, type[CommError]] = {cls.__name__: cls for cls in (*PEER_FAILURE_ERRORS, CommLibraryError)}
+"""The same errors by class name: how another process reports them (a `RemoteError`'s
+``remote_type``, a vLLM worker's answer) is turned back into the type."""

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroupGloo
 
 from asyncrl.comm.communicator import Communicator, ReduceOp, Work
 from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError
+from asyncrl.errors import first_line
 from asyncrl.comm.rendezvous import StoreGroup, local_address_towards
 
 _REDUCE_OPS = {
@@ -56,7 +57,7 @@ class GlooWork(Work):
                     f"{where}: {self._what} did not complete within {timeout_s:g} s "
                     f"(a peer is frozen, gone, or never joined); communicator aborted") from exc
             raise CollectiveError(f"{where}: {self._what} failed, a peer died or closed its connection: "
-                                  f"{_first_line(exc)}; communicator aborted") from exc
+                                  f"{first_line(exc)}; communicator aborted") from exc
 
 
 class GlooCommunicator(Communicator):
@@ -87,7 +88,7 @@ class GlooCommunicator(Communicator):
         except RuntimeError as exc:
             raise CollectiveTimeoutError(
                 f"group {group.label!r} rank {group.rank}: gloo could not connect to every peer within "
-                f"{timeout_s:g} s ({time.monotonic() - start:.1f} s spent): {_first_line(exc)}") from exc
+                f"{timeout_s:g} s ({time.monotonic() - start:.1f} s spent): {first_line(exc)}") from exc
         finally:
             store.set_timeout(previous)
         return cls(pg, group, timeout_s)
@@ -146,9 +147,3 @@ class GlooCommunicator(Communicator):
         pg, self._pg = self._pg, None
         pg.shutdown()
         del pg
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-

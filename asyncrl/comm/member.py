@@ -5,6 +5,7 @@ rank 0, samplers after it). `form_group` is the driver's side: it asks rank 0 fo
 then starts every member's join at once and waits for all under one deadline, which is the
 rendezvous contract (see `rendezvous.py`). Rebuilding after a member was lost is the same call
 with the next generation: each member drops its old communicator and joins the new group.
+A member's own join is `asyncrl.comm.join.join_sync_group`, the same call vLLM's worker makes.
 
 The blocking parts (store waits, communicator creation, syncs) run on a worker thread, so the
 actor keeps answering calls and the supervisor's heartbeats while they last.
@@ -14,35 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from asyncrl.comm.communicator import Communicator
+from asyncrl.comm.join import join_sync_group, make_communicator
 from asyncrl.comm.rendezvous import StoreGroup, join_all, reserve_listener
 from asyncrl.runtime.actor import Actor, endpoint
 
-
-def make_communicator(group: StoreGroup, backend: str = "auto", timeout_s: float = 60.0) -> Communicator:
-    """The communicator for this process: ``nccl`` on a CUDA device, ``hccl`` on an Ascend NPU,
-    ``gloo`` on CPU; ``auto`` picks by what the process can see."""
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "gloo":
-        from asyncrl.comm.gloo import GlooCommunicator
-
-        return GlooCommunicator.create(group, timeout_s)
-    if backend == "nccl":
-        from asyncrl.comm.pynccl import NcclCommunicator
-
-        return NcclCommunicator.create(group, timeout_s=timeout_s)
-    if backend == "hccl":
-        from asyncrl.comm.pyhccl import HcclCommunicator
-
-        return HcclCommunicator.create(group, torch.device("npu", 0), timeout_s)
-    raise ValueError(f"unknown communicator backend {backend!r} (auto, nccl, hccl, gloo)")
+# make_communicator lives in `asyncrl.comm.join`; re-exported for callers that import it from here.
+__all__ = ["SyncMember", "form_group", "make_communicator"]
 
 
 class SyncMember(Actor):
@@ -71,20 +53,12 @@ class SyncMember(Actor):
             listener, self._sync_listener = self._sync_listener, None
         await self.sync_leave()  # the previous membership, not the listener just reserved for this one
 
-        def join() -> tuple[StoreGroup, Communicator]:
-            # One deadline for both steps: the driver waits for this call only a margin beyond
-            # timeout_s, and a communicator given a whole timeout_s of its own after a slow
-            # rendezvous (a peer lost in between) would answer after the driver gave up on us.
-            deadline = time.monotonic() + timeout_s
-            group = StoreGroup.create(host, port, rank, world_size, timeout_s, name=name,
-                                      generation=generation, listener=listener)
-            try:
-                return group, make_communicator(group, backend, max(deadline - time.monotonic(), 1e-3))
-            except BaseException:
-                group.close()
-                raise
-
-        self.sync_group, self.sync_comm = await asyncio.to_thread(join)
+        # One deadline for rendezvous and communicator (see join_sync_group): the driver waits
+        # for this call only a margin beyond timeout_s.
+        membership = await asyncio.to_thread(
+            join_sync_group, host, port, rank, world_size, generation=generation, backend=backend,
+            timeout_s=timeout_s, name=name, listener=listener)
+        self.sync_group, self.sync_comm = membership.group, membership.comm
         return self.sync_comm.backend
 
     @endpoint

@@ -1,4 +1,4 @@
-"""CUDA collectives: a ctypes binding of libnccl with non-blocking communicators.
+"""NCCL backend: `NcclCommunicator`, a fixed group of CUDA devices with a non-blocking libnccl communicator.
 
 Why not `torch.distributed`'s NCCL backend: it wants the global default group or a store-backed
 group per membership, and its watchdog takes the whole process down (or hangs for minutes) when a
@@ -9,154 +9,30 @@ failure the communicator is aborted with ``ncclCommAbort``, which also makes any
 the dead peer return. NCCL offers no waitable handle for either condition, so polling with a short,
 growing sleep is the documented way.
 
-The idea of a thin ctypes wrapper over libnccl comes from vLLM's ``pynccl``; the code is ours.
+The library itself (its search, types, codes and function table) is `asyncrl.comm.nccl_library`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.comm.communicator import Communicator, ReduceOp, Work
-from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError, CommLibraryError, RendezvousError
-
-ENV_LIBRARY = "ASYNCRL_NCCL_LIBRARY"
-
-SUCCESS, IN_PROGRESS = 0, 7
-_RESULTS = {0: "ncclSuccess", 1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
-            4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress",
-            8: "ncclTimeout"}
-
-# ncclDataType_t. bool travels as its bytes.
-DTYPES: dict[torch.dtype, int] = {
-    torch.int8: 0, torch.uint8: 1, torch.bool: 1, torch.int32: 2, torch.int64: 4,
-    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
-}
-if hasattr(torch, "uint32"):
-    DTYPES.update({torch.uint32: 3, torch.uint64: 5})
-if hasattr(torch, "float8_e4m3fn"):  # NCCL >= 2.19
-    DTYPES.update({torch.float8_e4m3fn: 10, torch.float8_e5m2: 11})
-
-REDUCE_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
-
-UNIQUE_ID_BYTES = 128
-_CONFIG_MAGIC = 0xCAFEBEEF
-_CONFIG_UNDEF_INT = -(2**31)
-
-
-def _nccl_version_code(major: int, minor: int, patch: int) -> int:
-    return major * 1000 + minor * 100 + patch if (major, minor) <= (2, 8) else major * 10000 + minor * 100 + patch
-
-
-class UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
-
-
-class Config(ctypes.Structure):
-    """The leading fields of ``ncclConfig_t`` as of NCCL 2.17. The struct is versioned and
-    append-only: NCCL reads ``size`` bytes and defaults every later field, so a prefix is valid."""
-
-    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
-                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int),
-                ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p), ("splitShare", ctypes.c_int)]
-
-    @classmethod
-    def non_blocking(cls) -> Config:
-        undef = _CONFIG_UNDEF_INT
-        return cls(ctypes.sizeof(cls), _CONFIG_MAGIC, _nccl_version_code(2, 17, 0), 0, undef, undef, undef, None, undef)
-
-
-_comm_t, _stream_t, _ptr = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
-_int, _size = ctypes.c_int, ctypes.c_size_t
-# name -> (argtypes, restype); every NCCL call returns ncclResult_t unless said otherwise.
-SYMBOLS: dict[str, tuple[list[Any], Any]] = {
-    "ncclGetVersion": ([ctypes.POINTER(_int)], _int),
-    "ncclGetUniqueId": ([ctypes.POINTER(UniqueId)], _int),
-    "ncclCommInitRankConfig": ([ctypes.POINTER(_comm_t), _int, UniqueId, _int, ctypes.POINTER(Config)], _int),
-    "ncclCommGetAsyncError": ([_comm_t, ctypes.POINTER(_int)], _int),
-    "ncclCommAbort": ([_comm_t], _int),
-    "ncclGetErrorString": ([_int], ctypes.c_char_p),
-    "ncclBroadcast": ([_ptr, _ptr, _size, _int, _int, _comm_t, _stream_t], _int),
-    "ncclAllReduce": ([_ptr, _ptr, _size, _int, _int, _comm_t, _stream_t], _int),
-    "ncclSend": ([_ptr, _size, _int, _int, _comm_t, _stream_t], _int),
-    "ncclRecv": ([_ptr, _size, _int, _int, _comm_t, _stream_t], _int),
-}
-
-
-def library_candidates() -> list[str]:
-    """Where libnccl is looked for, in order. The override, when set, is the only candidate: a
-    misconfigured path should fail loudly, not fall back to another NCCL."""
-    override = os.environ.get(ENV_LIBRARY)
-    if override:
-        return [override]
-    found = []
-    site = Path(torch.__file__).resolve().parent.parent  # the nvidia-nccl-cu* wheel sits beside torch
-    for wheel_lib in sorted(site.glob("nvidia/nccl*/lib/libnccl.so*")):
-        found.append(str(wheel_lib))
-    found.append("libnccl.so.2")  # the system loader path
-    return found
-
-
-class NcclLibrary:
-    """The loaded library with typed entry points. Load once per process with `load_library()`."""
-
-    def __init__(self, path: str):
-        try:
-            self._lib = ctypes.CDLL(path)
-        except OSError as exc:
-            raise CommLibraryError(f"cannot load libnccl from {path!r}: {exc}") from exc
-        self.path = path
-        for name, (argtypes, restype) in SYMBOLS.items():
-            try:
-                fn = getattr(self._lib, name)
-            except AttributeError as exc:
-                raise CommLibraryError(f"{path} has no symbol {name}; NCCL >= 2.14 is required") from exc
-            fn.argtypes, fn.restype = argtypes, restype
-            setattr(self, name, fn)
-        code = _int()
-        self.check(self.ncclGetVersion(ctypes.byref(code)), "ncclGetVersion")
-        self.version_code = code.value
-        if self.version_code < _nccl_version_code(2, 14, 0):
-            raise CommLibraryError(f"{path} is NCCL {self.version}; non-blocking communicators need >= 2.14")
-
-    @property
-    def version(self) -> str:
-        code = self.version_code
-        major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
-        minor, patch = divmod(rest, 100)
-        return f"{major}.{minor}.{patch}"
-
-    def error_string(self, result: int) -> str:
-        raw = self.ncclGetErrorString(result)
-        return f"{_RESULTS.get(result, result)} ({raw.decode(errors='replace') if raw else '?'})"
-
-    def check(self, result: int, what: str) -> int:
-        if result not in (SUCCESS, IN_PROGRESS):
-            raise CollectiveError(f"{what} failed: {self.error_string(result)}")
-        return result
-
-
-_LIBRARY: NcclLibrary | None = None
-
-
-def load_library() -> NcclLibrary:
-    global _LIBRARY
-    if _LIBRARY is None:
-        errors = []
-        for candidate in library_candidates():
-            try:
-                _LIBRARY = NcclLibrary(candidate)
-                break
-            except CommLibraryError as exc:
-                errors.append(str(exc))
-        else:
-            raise CommLibraryError("libnccl not found; set ASYNCRL_NCCL_LIBRARY. Tried:\n  " + "\n  ".join(errors))
-    return _LIBRARY
+from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError, RendezvousError
+from asyncrl.comm.nccl_library import (
+    DTYPES,
+    IN_PROGRESS,
+    REDUCE_OPS,
+    SUCCESS,
+    UNIQUE_ID_BYTES,
+    Config,
+    NcclLibrary,
+    UniqueId,
+    load_library,
+)
 
 
 class NcclWork(Work):
