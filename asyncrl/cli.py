@@ -7,62 +7,109 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 EXIT_USAGE = 2
 
 
+class FlagHelp(argparse.HelpFormatter):
+    """The one layout of every ``--help`` of asyncrl, a script's keys included (its twin is
+    `asyncrl.rl.config.helptext`, which this module may not import): each flag on a line of its
+    own, ``--flag METAVAR``, its description on the lines below, indented by six and wrapped to the
+    terminal. A flag's words are joined by _ (as a script's keys are, and config.json's); the
+    spelling with - is accepted too but not shown."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=6)  # never beside the flag: always below it
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        short = [s for s in action.option_strings if not s.startswith("--")]
+        flags = ", ".join(short + [s for s in action.option_strings if s.startswith("--")][:1])
+        if action.nargs == 0:
+            return flags
+        return f"{flags} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser laid out by `FlagHelp`, whose errors are one line naming the flag in
+    the spelling help shows, as a script's flag errors are."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, formatter_class=FlagHelp, add_help=False, **kwargs)
+        self.add_argument("-h", "--help", action="help", help="Show this help and exit.")
+
+    def error(self, message: str):
+        message = re.sub(r"argument (--\w+)(/--[\w-]+)*", r"\1", message)  # argparse names every spelling
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _flag(group, name: str, **kwargs) -> argparse.Action:
+    """``--name`` (words joined by _) and ``--na-me`` (torchrun's spelling): both parse to ``name``."""
+    names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    return group.add_argument(*names, dest=name, **kwargs)
+
+
 def _launch_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "launch",
-        help="run a script's main() with a supervisor configured from these flags",
+        help="Run a script's main() with a supervisor configured from these flags.",
         description=(
             "Run SCRIPT's main() (sync or async) on this host. Supervisor() created inside the script "
-            "takes its defaults from these flags. SIGINT/SIGTERM stop every actor and exit with 128+signal."
+            "takes its defaults from these flags. SIGINT/SIGTERM stop every actor and exit with 128+signal. "
+            "Each flag is given as --flag VALUE or --flag=VALUE; its words are joined by _ (- is read the same). "
+            "SCRIPT --help lists the script's own flags."
         ),
     )
     nodes = p.add_argument_group(
-        "nodes (torchrun's flags; defaults from PET_<NAME> or <NAME> variables, then Slurm's, e.g. NNODES, MASTER_ADDR)"
+        "nodes",
+        "torchrun's flags; defaults from PET_<NAME> or <NAME> variables, then Slurm's (e.g. NNODES, MASTER_ADDR).",
     )
-    nodes.add_argument("--nnodes", help="number of nodes (default 1)")
-    nodes.add_argument("--node-rank", "--node_rank", help="this node's rank; 0 runs the script, others run a node agent")
-    nodes.add_argument("--master-addr", "--master_addr", help="node 0's address as the other nodes reach it (default 127.0.0.1)")
-    nodes.add_argument("--master-port", "--master_port", help="node 0's cluster port (default 29500)")
-    nodes.add_argument("--nproc-per-node", "--nproc_per_node", help="accelerator devices this node offers (default: all found)")
-    nodes.add_argument("--node-addr", help="address the other nodes reach this one at (default: the interface that routes to the master)")
-    nodes.add_argument("--secret-file", help="file holding the cluster secret (else $ASYNCRL_CLUSTER_SECRET[_FILE]); see `asyncrl secret`")
-    nodes.add_argument("--join-timeout-s", type=float, help="deadline for every node to join (default 300)")
-    nodes.add_argument("--node-timeout-s", type=float, help="a node silent this long is lost (default 5)")
-    sup = p.add_argument_group("supervisor")
-    sup.add_argument("--transport", choices=["ipc", "tcp"], help="control-plane transport (default ipc)")
-    sup.add_argument("--call-timeout-s", type=float, help="default deadline of one call")
-    sup.add_argument("--start-timeout-s", type=float, help="deadline for an actor to start")
-    sup.add_argument("--stop-timeout-s", type=float, help="graceful stop deadline before SIGTERM")
-    sup.add_argument("--heartbeat-timeout-s", type=float, help="silence after which an actor counts dead")
-    p.add_argument("script", help="path of a Python file defining main()")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script as sys.argv[1:]")
+    _flag(nodes, "nnodes", metavar="N", help="Number of nodes (default 1).")
+    _flag(nodes, "node_rank", metavar="RANK", help="This node's rank; 0 runs the script, the others run a node agent.")
+    _flag(nodes, "master_addr", metavar="ADDR",
+          help="Node 0's address as the other nodes reach it (default 127.0.0.1).")
+    _flag(nodes, "master_port", metavar="PORT", help="Node 0's cluster port (default 29500).")
+    _flag(nodes, "nproc_per_node", metavar="N", help="Accelerator devices this node offers (default: all found).")
+    _flag(nodes, "node_addr", metavar="ADDR",
+          help="Address the other nodes reach this one at (default: that of the interface that routes to the master).")
+    _flag(nodes, "secret_file", metavar="PATH",
+          help="File holding the cluster secret (else $ASYNCRL_CLUSTER_SECRET[_FILE]); see `asyncrl secret`.")
+    _flag(nodes, "join_timeout_s", type=float, metavar="S", help="Deadline for every node to join (default 300).")
+    _flag(nodes, "node_timeout_s", type=float, metavar="S", help="A node silent this long is lost (default 5).")
+    sup = p.add_argument_group("supervisor", "Defaults of Supervisor() in the script.")
+    _flag(sup, "transport", choices=["ipc", "tcp"], help="Control-plane transport (default ipc).")
+    _flag(sup, "call_timeout_s", type=float, metavar="S", help="Default deadline of one call.")
+    _flag(sup, "start_timeout_s", type=float, metavar="S", help="Deadline for an actor to start.")
+    _flag(sup, "stop_timeout_s", type=float, metavar="S", help="Graceful stop deadline before SIGTERM.")
+    _flag(sup, "heartbeat_timeout_s", type=float, metavar="S", help="Silence after which an actor counts as dead.")
+    p.add_argument("script", help="Path of a Python file defining main().")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments passed to the script as sys.argv[1:].")
     return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncrl", description="Fully-asynchronous RL runtime.")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser = _Parser(prog="asyncrl", description="Fully-asynchronous RL runtime.")
+    parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     sub = parser.add_subparsers(dest="command")
     _launch_parser(sub)
-    secret = sub.add_parser("secret", help="write a new cluster secret to a file (mode 0600) for multi-node runs")
-    secret.add_argument("path", help="where to write it; an existing file is not overwritten")
+    secret = sub.add_parser("secret", help="Write a new cluster secret to a file (mode 0600) for multi-node runs.")
+    secret.add_argument("path", help="Where to write it; an existing file is not overwritten.")
     status = sub.add_parser(
         "status",
-        help="show a live run's actors (state, restarts, last heartbeat) and progress, asked of its supervisor",
+        help="Show a live run's actors (state, restarts, last heartbeat) and progress, asked of its supervisor.",
         description=(
             "Ask the supervisor serving RUN_DIR (found through RUN_DIR/supervisor.json) for each actor's state, "
             "pid, restarts and last heartbeat, and the run's progress. Exit codes: 0 answered, 1 no live "
             "supervisor (not started, finished, or gone), 2 no such directory, 3 no valid answer in time."
         ),
     )
-    status.add_argument("run_dir", help="the run directory (e.g. runs/grpo-20261122-063000)")
-    status.add_argument("--json", action="store_true", help="print the whole reply as JSON")
-    status.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the answer (default 5)")
+    status.add_argument("run_dir", help="The run directory (e.g. runs/grpo-20261122-063000).")
+    status.add_argument("--json", action="store_true", help="Print the whole reply as JSON.")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                        help="Seconds to wait for the answer (default 5).")
     return parser
 
 
@@ -70,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from . import __version__
+        from asyncrl import __version__
 
         print(__version__)
         return 0
@@ -87,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl launch: {e}", file=sys.stderr)
         return EXIT_USAGE
     if node.node_rank > 0:
-        from .runtime.agent import run_agent
+        from asyncrl.runtime.agent import run_agent
 
         return run_agent(node.node_rank, args.node_addr, config)
-    from .launch import run_script
+    from asyncrl.launch import run_script
 
     return run_script(args.script, args.script_args)
 
@@ -98,13 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 def _configure(args):
     """Export the flags as the ``ASYNCRL_*`` variables that ``Supervisor()`` (and the node agent)
     read, and check them all."""
-    from .nodes import resolve
+    from asyncrl.nodes import resolve
 
     node = resolve(os.environ, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.nproc_per_node)
     if not os.path.isfile(args.script):
         raise ValueError(f"no such script: {args.script}")
-    from .runtime import auth, net
-    from .runtime.config import ENV_PREFIX, SupervisorConfig
+    from asyncrl.runtime import auth, net
+    from asyncrl.runtime.config import ENV_PREFIX, SupervisorConfig
 
     for flag in ("transport", "call_timeout_s", "start_timeout_s", "stop_timeout_s", "heartbeat_timeout_s",
                  "join_timeout_s", "node_timeout_s"):
@@ -124,13 +171,13 @@ def _configure(args):
     if node.nnodes > 1 and auth.load_secret() is None:
         raise ValueError(
             f"--nnodes {node.nnodes} needs a cluster secret, the same on every node: make one with "
-            f"`asyncrl secret PATH` and pass --secret-file PATH (or set {auth.ENV_SECRET_FILE} or {auth.ENV_SECRET})"
+            f"`asyncrl secret PATH` and pass --secret_file PATH (or set {auth.ENV_SECRET_FILE} or {auth.ENV_SECRET})"
         )
     return config, node
 
 
 def _write_secret(path: str) -> int:
-    from .runtime.auth import write_secret
+    from asyncrl.runtime.auth import write_secret
 
     try:
         write_secret(path)
@@ -142,7 +189,7 @@ def _write_secret(path: str) -> int:
 
 
 def _status(run_dir: str, as_json: bool, timeout_s: float) -> int:
-    from .runtime.status import StatusUnavailableError, format_status, query_status, reply_json
+    from asyncrl.runtime.status import StatusUnavailableError, format_status, query_status, reply_json
 
     if not timeout_s > 0:
         print(f"asyncrl status: --timeout must be > 0, not {timeout_s:g}", file=sys.stderr)

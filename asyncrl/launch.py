@@ -4,8 +4,9 @@ stops every actor before we exit with ``128 + signal``. A script without a ``mai
 as ``__main__``, exactly as ``python script.py`` would.
 
 What reaches the user: a `UsageError` (a bad flag or path, e.g. a `ConfigError`) escaping the
-script is its message on one line and exit status 2; ``sys.exit("message")`` prints the message
-and exits 1, as Python does; a traceback means a bug. After a first SIGINT/SIGTERM the shutdown is
+script is its message on one line and exit status 2; ``sys.exit("message")`` prints the message and
+exits 1, as Python does; stdout closed by its reader (``--help | head``) ends quietly with 128 +
+SIGPIPE, as a filter does; a traceback means a bug. After a first SIGINT/SIGTERM the shutdown is
 orderly; a second one during it kills the actors' process groups and exits at once
 (`signals.force_exit`)."""
 
@@ -22,10 +23,10 @@ import sys
 import threading
 import traceback
 
-from .errors import UsageError
-from .runtime import signals
-from .runtime.loop import run as run_loop
-from .runtime.worker import SCRIPT_MODULE
+from asyncrl.errors import UsageError
+from asyncrl.runtime import signals
+from asyncrl.runtime.loop import run as run_loop
+from asyncrl.runtime.worker import SCRIPT_MODULE
 
 EXIT_USAGE = 2
 
@@ -107,6 +108,9 @@ def run_script(path: str, script_args: list[str]) -> int:
             return e.code or 0
         print(e.code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
         return 1
+    except BrokenPipeError:  # stdout's reader left (`--help | head`): stop as a filter does, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail too
+        return 128 + signal.SIGPIPE
     except UsageError as e:  # the command line is wrong, not the code: no traceback
         print(f"{name}: {e}", file=sys.stderr)
         return EXIT_USAGE

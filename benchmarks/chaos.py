@@ -39,6 +39,8 @@ KINDS = ("sampler_kill", "sampler_freeze", "trainer_kill")
 SHORT = ["--run.groups_per_step", "8", "--sampler.count", "2", "--run.eval_every", "100000", "--run.n_heldout", "200",
          "--run.eval_samples", "2", "--run.checkpoint_every", "10", "--run.sync_timeout_s", "5",
          "--run.restart_timeout_s", "120"]
+WATCH_S = 600.0
+"""How long the injector waits for a target (a running sampler, a new checkpoint) before it gives up."""
 
 
 def parse() -> argparse.Namespace:
@@ -78,13 +80,18 @@ async def inject(sup, run_dir: str, plan: list[dict], rng: random.Random, resume
         if fault.get("at"):
             continue
         await wait_step(run_dir, fault["step"])
+        deadline = time.monotonic() + WATCH_S
         if fault["kind"] == "trainer_kill":
             while newest_checkpoint(run_dir) <= resumed_at:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no checkpoint after step {resumed_at} within {WATCH_S:g} s")
                 await asyncio.sleep(0.05)
             target = "trainer"
         else:
             running = []
             while not running:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no sampler running within {WATCH_S:g} s: {sup.status()}")
                 running = [s.name for s in sup.status() if s.name.startswith("sampler") and s.state == "running"]
                 await asyncio.sleep(0.05)
             target = rng.choice(running)
@@ -97,8 +104,8 @@ async def inject(sup, run_dir: str, plan: list[dict], rng: random.Random, resume
 async def run(config, run_dir: str, plan: list[dict] | None, rng: random.Random) -> tuple[dict, float]:
     """One run to its end (resumed after every trainer loss); returns its summary and wall time."""
     from asyncrl import Supervisor
-    from asyncrl.rl.grpo import train
-    from asyncrl.rl.recovery import TrainerLostError
+    from asyncrl.rl.driver.run import train
+    from asyncrl.rl.driver.faults import TrainerLostError
 
     start, resume, resumed_at = time.monotonic(), False, 0
     while True:
@@ -186,8 +193,8 @@ async def main() -> None:
     args = parse()
     if args.report:
         return show(args.report)
-    from asyncrl.rl.config import parse_overrides
-    from asyncrl.rl.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+    from asyncrl.rl.config.grpo import GRPOConfig
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = args.out or tempfile.mkdtemp(prefix="chaos-")

@@ -64,7 +64,8 @@ def make_model(path: str, hidden: int, layers: int, heads: int) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from asyncrl.rl.model import MARKER_FILE, build_tokenizer
+    from asyncrl.rl.model.policy import MARKER_FILE
+    from asyncrl.rl.model.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     torch.manual_seed(0)
@@ -79,9 +80,12 @@ def make_model(path: str, hidden: int, layers: int, heads: int) -> None:
 
 
 async def measure(backend: str, model_path: str, args: argparse.Namespace) -> dict:
-    from asyncrl.rl.countdown import train_and_heldout
-    from asyncrl.rl.sampler import SamplerActor, SamplingParams
-    from asyncrl.rl.vllm_backend import load_prompt_format
+    from asyncrl.rl.config.run import DataConfig
+    from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.model.policy import load_prompt_format
+    from asyncrl.rl.sampler.actor import SamplerActor
+    from asyncrl.rl.sampler.backend import SamplingParams
+    from asyncrl.rl.tasks.countdown import train_and_heldout
 
     env = {"OMP_NUM_THREADS": str(args.threads), "TQDM_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -91,9 +95,9 @@ async def measure(backend: str, model_path: str, args: argparse.Namespace) -> di
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop_token_ids=[], seed=0)
     async with Supervisor(call_timeout_s=600, start_timeout_s=300) as sup:
         start = time.perf_counter()
-        sampler = await sup.spawn(SamplerActor, model_path, name=f"sampler-{backend}", env=env, kwargs=dict(
-            n_train_problems=200, n_heldout_problems=10, backend=backend, weight_update="pause",
-            vllm={"engine": {"max_model_len": 1024}}))
+        config = SamplerConfig(backend=backend, weight_update="pause")
+        sampler = await sup.spawn(SamplerActor, model_path, config, name=f"sampler-{backend}", env=env, kwargs=dict(
+            data=DataConfig(n_train=200, n_heldout=10), vllm={"engine": {"max_model_len": 1024}}))
         started = time.perf_counter() - start
         sender = await sup.spawn(Sender, model_path, name="sender", env=env)
         await form_group([sender, sampler], HOST, timeout_s=120)

@@ -34,8 +34,12 @@ def main() -> None:
 
     import torch  # after argparse, so --help is instant
 
-    from asyncrl.rl.countdown import CountdownConfig, train_and_heldout
-    from asyncrl.rl.model import ModelConfig, WarmStartConfig, default_model, load_policy, solve_rate
+    from asyncrl.rl.config.task import CountdownConfig
+    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
+    from asyncrl.rl.model.warm_start import default_model
+    from asyncrl.rl.model.policy import load_policy
+    from asyncrl.rl.model.evaluation import solve_rate
 
     overrides = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("lr", args.lr)) if v}
     warm = dataclasses.replace(WarmStartConfig(), **overrides)

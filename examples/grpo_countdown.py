@@ -20,35 +20,40 @@ directory, a run directory that cannot be written or already holds a run, a --re
 that is not a run, a completion longer than the model's positions, a held-out set the warm start
 saw (--run.check_weights with samplers that picked vLLM is found once they start); 130 stopped
 by Ctrl-C (a second Ctrl-C during the shutdown kills the actors at once).
-
-Copy this file and change what you like: everything below is the public API.
 """
+# Copy this file and change what you like: everything below is the public API.
 
 from __future__ import annotations
 
 import sys
 
 from asyncrl import Supervisor
-from asyncrl.rl.config import help_text, parse_overrides, take_option
-from asyncrl.rl.grpo import GRPOConfig, train
-from asyncrl.rl.preflight import check_run, resumed_config
-from asyncrl.rl.recovery import RunStoppedError
+from asyncrl.rl.config import GRPOConfig, help_text, parse_overrides, take_option
+
+USAGE = "usage: asyncrl launch [LAUNCH FLAGS] grpo_countdown.py [--resume RUN_DIR] [--section.key VALUE ...]"
+OPTIONS = [
+    ("--help", "Show this help and exit."),
+    ("--resume RUN_DIR", "Continue the run in RUN_DIR from its newest checkpoint, with its config.json; keys "
+                         "given with it apply on top (e.g. --run.steps to go further)."),
+]
 
 
 async def main() -> int:
     argv = sys.argv[1:]
     config = GRPOConfig()
     if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        print(help_text(config))
+        print(f"{USAGE}\n\n{__doc__.strip()}\n\n{help_text(config, OPTIONS)}")
         return 0
     # Every flag and path is checked here, before a process is spawned or a file written: a
     # mistake is a one-line ConfigError that `asyncrl launch` prints, exiting with status 2.
     resume, argv = take_option(argv, "--resume", "RUN_DIR")
-    if resume:
-        config = resumed_config(config, resume)
-        argv += ["--run.run_dir", resume]
-    config = check_run(parse_overrides(config, argv), resume=bool(resume))
+    if not resume:  # the flags are parsed before the driver (torch and all) is imported: a typo answers at once
+        config = parse_overrides(config, argv)
+    from asyncrl.rl.driver import RunStoppedError, check_run, resumed_config, train
+
+    if resume:  # the flags apply over the resumed run's config.json
+        config = parse_overrides(resumed_config(config, resume), [*argv, "--run.run_dir", resume])
+    config = check_run(config, resume=bool(resume))
     try:
         async with Supervisor() as sup:
             await train(config, sup, resume=bool(resume))

@@ -73,8 +73,9 @@ def model_path(tmp_path_factory) -> str:
     optimiser state are not zero. For the GRPO runs of test_fault_tolerance and test_run_lifecycle."""
     import torch
 
-    from asyncrl.rl.countdown import CountdownConfig
-    from asyncrl.rl.model import ModelConfig, WarmStartConfig, default_model
+    from asyncrl.rl.config.task import CountdownConfig
+    from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
+    from asyncrl.rl.model.warm_start import default_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared 2-core machine: see tests/test_sampler.py

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from asyncrl.rl.config import ConfigError, help_text, parse_overrides, take_option
+from asyncrl.rl.config.parse import ConfigError, help_text, parse_overrides, take_option
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def test_take_option():
 
 
 def test_messages_are_one_line_for_every_key_of_the_real_config():
-    from asyncrl.rl.config import _leaf_keys
-    from asyncrl.rl.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import _leaf_keys
+    from asyncrl.rl.config.grpo import GRPOConfig
 
     for key in _leaf_keys(GRPOConfig()):
         for value in ("-1", "x", ""):
@@ -124,4 +124,117 @@ def test_messages_are_one_line_for_every_key_of_the_real_config():
 
 def test_help_lists_every_key_with_its_default_and_docstring():
     text = help_text(Outer())
-    assert "--inner.width 64\n      Width." in text and "--name 'x'" in text and "--inner.pair (0.9, 0.99)" in text
+    assert "--inner.width 64\n      Width." in text and "\n  --name x\n" in text and "\n  --inner.pair 0.9,0.99" in text
+
+
+# --- the real config: sections, flat sub-sections, rules across sections ------------------------------
+
+
+def _sections(config, key="grpo"):
+    """(key, section) of every section of the tree, the root and flat sub-sections included."""
+    import dataclasses
+
+    yield key, config
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _sections(value, f"{key}.{f.name}")
+
+
+def test_every_section_is_frozen_keyword_only_and_documented_field_by_field():
+    import dataclasses
+
+    from asyncrl.rl.config import GRPOConfig
+    from asyncrl.rl.config.tree import docstrings
+
+    for key, section in _sections(GRPOConfig()):
+        cls = type(section)
+        assert cls.__dataclass_params__.frozen, key
+        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), f"{key}: no class docstring"
+        for f in dataclasses.fields(cls):
+            assert f.kw_only, f"{key}.{f.name} is not keyword-only"
+            assert docstrings(cls).get(f.name), f"{key}.{f.name} has no docstring"
+
+
+def test_a_flat_sub_section_is_set_through_its_parents_key():
+    from asyncrl.rl.config import GRPOConfig
+
+    c = parse_overrides(GRPOConfig(), ["--run.n_train", "123", "--run.sync-timeout-s=30", "--run.keep_checkpoints", "4",
+                                       "--run.sampler_max_restarts", "0", "--run.steps", "9"])
+    assert (c.run.data.n_train, c.run.deadlines.sync_timeout_s, c.run.checkpoints.keep_checkpoints,
+            c.run.recovery.sampler_max_restarts, c.run.steps) == (123, 30.0, 4, 0, 9)
+    with pytest.raises(ConfigError, match=r"^unknown config key --run\.data\.n_train; did you mean --run\.n_train\?$"):
+        parse_overrides(GRPOConfig(), ["--run.data.n_train", "5"])  # the sub-section's name is no key
+    with pytest.raises(ConfigError, match=r"^--run\.n_train 0: n_train must be >= 1, not 0$"):
+        parse_overrides(GRPOConfig(), ["--run.n_train", "0"])  # its own validation names the parent's flag
+
+
+def test_help_lists_a_flat_sub_sections_keys_in_its_parents_group():
+    from asyncrl.rl.config import GRPOConfig
+
+    text = help_text(GRPOConfig())
+    run = text[text.index("\nrun:\n"):text.index("\nmodel:\n")]
+    for key in ("steps 500", "n_train 50000", "checkpoint_every 50", "sync_timeout_s 300.0", "sampler_max_restarts 3"):
+        assert f"\n  --run.{key}\n      " in run, key
+    assert "--run.data." not in text and "--run.deadlines." not in text and "\nrun.data:" not in text
+
+
+def test_config_json_is_flat_and_reads_back_as_an_old_run_s_did():
+    import json
+
+    from asyncrl.rl.checkpoint import config_from_dict
+    from asyncrl.rl.config import GRPOConfig, config_to_dict
+
+    config = parse_overrides(GRPOConfig(), ["--run.n_train", "400", "--run.sync_timeout_s", "30", "--run.steps", "7",
+                                            "--run.checkpoint_every", "5", "--sampler.temperature", "0.7"])
+    written = json.loads(json.dumps(config_to_dict(config)))
+    assert written["run"]["n_train"] == 400 and written["run"]["sync_timeout_s"] == 30.0
+    assert not {"data", "checkpoints", "deadlines", "recovery"} & set(written["run"])
+    # config.json as a run written before the sub-sections existed has it (every run key in "run",
+    # the trainer's temperature a number), abridged: it reads into the same tree.
+    old = {"run": {"steps": 7, "mode": "async", "n_train": 400, "n_heldout": 500, "checkpoint_every": 5,
+                   "keep_checkpoints": 2, "sync_timeout_s": 30.0, "sampler_max_restarts": 3},
+           "sampler": {"temperature": 0.7}, "trainer": {"lr": 0.0001, "temperature": 0.7}}
+    assert config_from_dict(GRPOConfig(), written) == config
+    assert config_from_dict(GRPOConfig(), old).run == config.run
+    assert config_from_dict(GRPOConfig(), old).trainer_config() == config.trainer_config()
+
+
+def test_the_trainer_takes_the_samplers_temperature():
+    from asyncrl.rl.config import GRPOConfig, TrainerConfig
+
+    c = parse_overrides(GRPOConfig(), ["--sampler.temperature", "0.7"])
+    assert c.trainer.temperature is None and c.trainer_config().temperature == 0.7
+    c = parse_overrides(GRPOConfig(), ["--sampler.temperature", "0.7", "--trainer.temperature", "0.7"])
+    assert c.trainer_config().temperature == 0.7
+    assert GRPOConfig().trainer_config().temperature == 1.0
+    message = (r"^--trainer\.temperature 0\.5 differs from --sampler\.temperature 1: the trainer must score "
+               r"completions at the temperature they were sampled at; [^\n]*--sampler\.temperature[^\n]*$")
+    with pytest.raises(ConfigError, match=message):
+        parse_overrides(GRPOConfig(), ["--trainer.temperature", "0.5"])
+    with pytest.raises(ConfigError, match=message):  # built in code: the same rule, the same words
+        GRPOConfig(trainer=TrainerConfig(temperature=0.5))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--run.data_seed", "3"], r"^--run\.data_seed 3 differs from --warm_start\.data_seed 0: "),
+    (["--run.n_heldout", "1001"], r"^--run\.n_heldout 1001 is more than --warm_start\.heldout_reserve 1000: "),
+    (["--sampler.max_new_tokens", "128"], r"^--sampler\.max_new_tokens 128: the embedded model "
+                                          r"\(--model\.max_positions\) has 128 positions"),
+    (["--run.check_weights", "true", "--sampler.backend", "vllm"], r"^--run\.check_weights true needs samplers .*"
+                                                                   r"--sampler\.backend vllm"),
+])
+def test_a_rule_across_sections_names_both_flags(overrides, message):
+    from asyncrl.rl.config import GRPOConfig
+
+    with pytest.raises(ConfigError, match=message) as caught:
+        parse_overrides(GRPOConfig(), overrides)
+    assert "\n" not in str(caught.value)
+
+
+def test_rules_about_the_embedded_model_leave_a_checkpoint_alone():
+    from asyncrl.rl.config import GRPOConfig
+
+    c = parse_overrides(GRPOConfig(), ["--model_path", "/ckpt", "--run.data_seed", "3",
+                                       "--sampler.max_new_tokens", "512"])
+    assert (c.run.data.data_seed, c.sampler.max_new_tokens) == (3, 512)  # the checkpoint's limit: preflight's

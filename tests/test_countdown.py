@@ -1,6 +1,6 @@
 """The Countdown task: the solver (against a brute force), the generator's solvability and
-determinism, disjoint splits, prompts, and a reward that never raises and never dawdles on
-adversarial or random text."""
+determinism, disjoint splits, prompts, a reward that never raises and never dawdles on
+adversarial or random text, and Countdown as the `Task` the rest of asyncrl sees."""
 
 from __future__ import annotations
 
@@ -11,22 +11,10 @@ from fractions import Fraction
 import msgspec
 import pytest
 
-from asyncrl.rl.arith import evaluate, numbers_used, parse
-from asyncrl.rl.countdown import (
-    CORRECT_REWARD,
-    FORMAT_REWARD,
-    CountdownConfig,
-    CountdownProblem,
-    extract_answer,
-    format_prompt,
-    format_reference,
-    generate,
-    problem_key,
-    reward,
-    score,
-    solve,
-    train_and_heldout,
-)
+from asyncrl.rl.tasks.arith import evaluate, numbers_used, parse
+from asyncrl.rl.tasks.base import Message, Prompt, Scored, Splits, Task, TaskInputError
+from asyncrl.rl.tasks.countdown import CORRECT_REWARD, FORMAT_REWARD, CountdownProblem, CountdownTask, extract_answer, format_prompt, format_prompt_compact, format_reference, generate, problem_key, reward, score, solve, train_and_heldout
+from asyncrl.rl.config.task import CountdownConfig
 
 P = CountdownProblem(numbers=[3, 7, 25], target=46, solution="25 + 7 * 3")
 
@@ -269,3 +257,74 @@ def test_reward_fuzz_never_raises():
             seen.add(got)
     assert time.perf_counter() - start < 2.0
     assert seen == {0.0, FORMAT_REWARD}  # the fuzz does reach the parser's success path
+
+
+# --- the task protocol --------------------------------------------------------------------------
+
+
+def test_countdown_is_a_task_whose_splits_are_train_and_heldout():
+    task = CountdownTask(CountdownConfig(max_count=3))
+    assert isinstance(task, Task)
+    assert (task.name, task.correct_reward, task.problem_type) == ("countdown", CORRECT_REWARD, CountdownProblem)
+    splits = task.splits(5, 300, 40)
+    assert isinstance(splits, Splits) and tuple(splits) == train_and_heldout(5, 300, 40, task.config)
+    train, heldout = splits
+    assert (len(train), len(heldout)) == (300, 40)
+    assert not {problem_key(p) for p in train} & {problem_key(p) for p in heldout}
+    assert task.splits(5, 20, 40).heldout == heldout  # the held-out split does not depend on n_train
+    assert all(len(p.numbers) == 3 for p in train)  # the config is the task's
+
+
+def test_a_problem_crosses_a_process_boundary_as_the_tasks_problem_type():
+    task = CountdownTask()
+    wire = msgspec.msgpack.encode(list(task.splits(0, 3, 2).heldout))
+    assert msgspec.msgpack.decode(wire, type=list[task.problem_type]) == task.splits(0, 3, 2).heldout
+
+
+def test_the_prompt_is_one_user_turn_with_a_compact_form():
+    prompt = CountdownTask().prompt(P)
+    assert prompt == Prompt([Message("user", format_prompt(P))], compact=format_prompt_compact(P))
+    assert prompt.text == format_prompt(P) and prompt.compact == "3 7 25 -> 46:"
+    two_turns = Prompt([Message("system", "Be brief."), Message("user", "3 7 25 -> 46")])
+    assert two_turns.text == "Be brief.\n3 7 25 -> 46" and two_turns.compact == ""
+
+
+def test_the_tasks_score_is_the_breakdown_and_correct_means_at_least_correct_reward():
+    task = CountdownTask()
+    for completion in ("<answer>25 + 7 * 3</answer>", "<answer>25 + 7 + 3</answer>", "no answer", ""):
+        got = task.score(P, completion)
+        assert isinstance(got, Scored) and got == score(P, completion)
+        assert got.correct == (got.reward >= task.correct_reward)
+    assert task.score(P, format_reference(P)).correct
+
+
+@pytest.mark.parametrize("completion", [b"<answer>25 + 7 * 3</answer>", None, 46, ["<answer>46</answer>"]])
+def test_a_completion_that_is_not_text_is_a_typed_error(completion):
+    with pytest.raises(TaskInputError, match="countdown: a completion must be a str, not "):
+        CountdownTask().score(P, completion)
+    with pytest.raises(TypeError):  # TaskInputError is a TypeError too
+        reward(P, completion)
+
+
+@pytest.mark.parametrize("problem", [None, {"numbers": [3, 7, 25], "target": 46, "solution": ""}, (3, 7, 25)])
+def test_a_problem_of_another_kind_is_a_typed_error(problem):
+    with pytest.raises(TaskInputError, match="countdown: a problem must be a CountdownProblem"):
+        CountdownTask().score(problem, "<answer>25 + 7 * 3</answer>")
+    with pytest.raises(TaskInputError, match="countdown: a problem must be a CountdownProblem"):
+        CountdownTask().prompt(problem)
+
+
+def test_a_huge_completion_scores_zero_quickly():
+    task = CountdownTask()
+    huge = [
+        "x" * 50_000_000,
+        "<answer>" + "1 + " * 5_000_000 + "1</answer>",
+        "<answer>" + "9" * 20_000_000 + "</answer>",
+        "<answer>" * 2_000_000 + "</answer>" * 2_000_000,
+        "\U0001f600" * 5_000_000 + "<answer>" + "(" * 5_000_000,
+    ]
+    start = time.perf_counter()
+    scores = [task.score(P, text) for text in huge]
+    assert time.perf_counter() - start < 2.0
+    assert [s.reward for s in scores] == [0.0] * len(huge) and all(s.error for s in scores)
+    assert "characters long" in scores[1].error

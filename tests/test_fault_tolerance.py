@@ -28,11 +28,14 @@ import pytest
 import torch
 
 from asyncrl import Supervisor
-from asyncrl.rl.checkpoint import (
-    STALL_ENV, CheckpointError, RunState, config_from_dict, latest_checkpoint, list_checkpoints, truncate_metrics)
-from asyncrl.rl.config import ConfigError, config_to_dict, parse_overrides
-from asyncrl.rl.grpo import GRPOConfig, train
-from asyncrl.rl.recovery import TrainerLostError
+from asyncrl.rl.trainer.checkpoint import STALL_ENV
+from asyncrl.rl.checkpoint import CheckpointError, RunState, latest_checkpoint, list_checkpoints
+from asyncrl.rl.checkpoint import config_from_dict
+from asyncrl.rl.driver.metrics import truncate_metrics
+from asyncrl.rl.config.parse import ConfigError, config_to_dict, parse_overrides
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.driver.run import train
+from asyncrl.rl.driver.faults import TrainerLostError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(240)
@@ -219,7 +222,7 @@ async def test_trainer_sigkill_then_resume_matches_an_uninterrupted_run(model_pa
 
 
 async def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(model_path, tmp_path):
-    from asyncrl.rl.trainer import TrainerActor
+    from asyncrl.rl.trainer.actor import TrainerActor
 
     run_dir = str(tmp_path)
 

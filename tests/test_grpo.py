@@ -17,7 +17,7 @@ TINY = ["--run.steps", "3", "--run.groups_per_step", "2", "--sampler.group_size"
         "--model.num_heads", "1", "--model.num_kv_heads", "1", "--model.intermediate_size", "64",
         "--warm_start.steps", "3", "--warm_start.n_examples", "100", "--warm_start.eval_problems", "8",
         "--warm_start.heldout_reserve", "10", "--sampler.max_new_tokens", "12", "--run.eval_samples", "1",
-        "--sampler.backend", "hf"]  # the HF backend end to end everywhere; test_vllm.py runs vLLM's
+        "--sampler.backend", "hf"]  # the HF backend end to end everywhere; test_vllm_actor.py runs vLLM's
 
 
 def launch(tmp_path, *args):
@@ -83,10 +83,34 @@ def test_help_lists_every_key_and_a_bad_key_is_a_clear_error(tmp_path):
     (["--run.n_heldout", "1001"], "beyond it were trained on in the warm start"),
 ])
 def test_a_heldout_set_the_warm_start_may_have_seen_is_refused(overrides, message):
-    from asyncrl.rl.config import ConfigError, parse_overrides
-    from asyncrl.rl.grpo import GRPOConfig
-    from asyncrl.rl.preflight import check_heldout_unseen
+    from asyncrl.rl.config.parse import ConfigError, parse_overrides
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.driver.preflight import check_heldout_unseen
 
     check_heldout_unseen(GRPOConfig())  # the defaults are fine
     with pytest.raises(ConfigError, match=message):
         check_heldout_unseen(parse_overrides(GRPOConfig(), overrides))
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_driver_s_heldout_split_is_train_and_heldout_s_whatever_n_train(seed):
+    """The driver draws only the held-out split (`heldout_split`); the samplers draw the train split
+    with `train_and_heldout`. Both must see the same held-out problems, or the train split could
+    hold a problem the run is scored on."""
+    from asyncrl.rl.config.task import CountdownConfig
+    from asyncrl.rl.tasks.countdown import heldout_split, train_and_heldout
+
+    for config in (CountdownConfig(), CountdownConfig(min_count=3, max_count=3, max_number=20)):
+        heldout = heldout_split(seed, 60, config)
+        assert len(heldout) == 60
+        for n_train in (1, 40, 500):
+            assert train_and_heldout(seed, n_train, 60, config)[1] == heldout, n_train
+
+
+def test_the_default_run_s_heldout_split_is_the_one_it_had():
+    from asyncrl.rl.config.run import DataConfig
+    from asyncrl.rl.tasks.countdown import heldout_split, train_and_heldout
+
+    data = DataConfig()
+    heldout = heldout_split(data.data_seed, data.n_heldout)
+    assert heldout == train_and_heldout(data.data_seed, data.n_train, data.n_heldout)[1]

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from asyncrl.rl.loss import GRPOLossConfig, LossInputError, group_advantages, grpo_loss, token_logprobs
+from asyncrl.rl.config.trainer import GRPOLossConfig
+from asyncrl.rl.trainer.loss import LossInputError, group_advantages, grpo_loss, token_logprobs
 
 F64 = torch.float64
 

@@ -1,5 +1,6 @@
 """The embedded default policy: its tokenizer, the on-disk cache (reuse, atomicity, crash leftovers),
-plain-transformers loading offline, prompt formats, and load_policy on other checkpoints. A tiny
+plain-transformers loading offline, prompt formats (any task's prompt in each style), and
+load_policy on other checkpoints. A tiny
 model and a few warm-start steps keep the whole file to seconds."""
 
 from __future__ import annotations
@@ -10,23 +11,20 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.rl import model as M
-from asyncrl.rl.countdown import CountdownProblem, format_prompt, format_prompt_compact, format_reference, generate
-from asyncrl.rl.model import (
-    ModelConfig,
-    PolicyLoadError,
-    PromptFormat,
-    WarmStartConfig,
-    build_tokenizer,
-    cache_key,
-    default_model,
-    load_policy,
-    solve_rate,
-)
+from asyncrl.rl.config.task import CountdownConfig
+from asyncrl.rl.model import evaluation, warm_start
+from asyncrl.rl.tasks.countdown import CountdownProblem, CountdownTask, format_prompt, format_prompt_compact, format_reference, generate
+from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
+from asyncrl.rl.model.policy import MARKER_FILE, PolicyLoadError, PromptFormat, PromptStyleError, load_policy, load_prompt_format
+from asyncrl.rl.tasks.base import Message, Prompt, Splits, Task
+from asyncrl.rl.model.tokenizer import build_tokenizer
+from asyncrl.rl.model.warm_start import cache_key, default_model
+from asyncrl.rl.model.evaluation import solve_rate
 
 TINY = ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=64)
 FEW = WarmStartConfig(steps=4, batch_size=8, warmup_steps=1, n_examples=64, heldout_reserve=16, eval_problems=4)
@@ -74,7 +72,7 @@ def test_chat_template_renders_the_trained_prompt():
     answer = [{"role": "user", "content": compact[:-1]}, {"role": "assistant", "content": format_reference(P)}]
     whole = tok.apply_chat_template(answer, tokenize=False)
     assert whole == compact + format_reference(P) + tok.eos_token
-    assert tok(whole, add_special_tokens=False)["input_ids"] == M._encode(tok, [P], 64)[0][0].tolist()
+    assert tok(whole, add_special_tokens=False)["input_ids"] == warm_start._encode(tok, [P], 64)[0][0].tolist()
     with pytest.raises(Exception, match="trained on one prompt form"):
         tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}],
                                 tokenize=False)
@@ -90,14 +88,14 @@ def test_default_model_is_cached(built):
     again = default_model(TINY, FEW, cache_dir=root, log=lines.append)
     assert again == built and time.monotonic() - start < 1.0
     assert lines and "cached" in lines[0]
-    assert os.path.basename(built) == cache_key(TINY, FEW, M.CountdownConfig())
-    assert cache_key(TINY, WarmStartConfig(steps=5), M.CountdownConfig()) != cache_key(TINY, FEW, M.CountdownConfig())
+    assert os.path.basename(built) == cache_key(TINY, FEW, CountdownConfig())
+    assert cache_key(TINY, WarmStartConfig(steps=5), CountdownConfig()) != cache_key(TINY, FEW, CountdownConfig())
     assert not [n for n in os.listdir(os.path.dirname(built)) if n.startswith(".tmp-")]
 
 
 def test_partial_builds_are_never_reused(tmp_path):
     models = tmp_path / "models"
-    key = cache_key(TINY, FEW, M.CountdownConfig())
+    key = cache_key(TINY, FEW, CountdownConfig())
     orphan = models / f".tmp-{key}-{dead_pid()}-abc"  # a builder that crashed mid-write
     orphan.mkdir(parents=True)
     (orphan / "config.json").write_text("{}")
@@ -105,7 +103,7 @@ def test_partial_builds_are_never_reused(tmp_path):
     incomplete.mkdir()
     (incomplete / "config.json").write_text("{not json")
     path = default_model(TINY, FEW, cache_dir=str(tmp_path), threads=1, log=lambda _: None)
-    assert path == str(incomplete) and os.path.isfile(os.path.join(path, M.MARKER_FILE))
+    assert path == str(incomplete) and os.path.isfile(os.path.join(path, MARKER_FILE))
     assert not orphan.exists()
     load_policy(path)
 
@@ -116,7 +114,7 @@ def test_crash_mid_build_leaves_nothing(tmp_path, monkeypatch):
             f.write("{}")
         raise RuntimeError("killed mid-write")
 
-    monkeypatch.setattr(M, "_build", crash)
+    monkeypatch.setattr(warm_start, "_build", crash)
     with pytest.raises(RuntimeError, match="mid-write"):
         default_model(TINY, FEW, cache_dir=str(tmp_path), log=lambda _: None)
     assert os.listdir(tmp_path / "models") == []
@@ -131,7 +129,7 @@ def test_saved_dir_loads_with_plain_transformers_offline(built, monkeypatch):
     assert model.config.vocab_size == len(tok)
     text = format_prompt_compact(P) + format_reference(P)
     assert tok(text, add_special_tokens=False)["input_ids"] == build_tokenizer()(text, add_special_tokens=False)["input_ids"]
-    with open(os.path.join(built, M.MARKER_FILE)) as f:
+    with open(os.path.join(built, MARKER_FILE)) as f:
         marker = json.load(f)
     assert marker["prompt_style"] == "compact" and marker["max_new_tokens_hint"] > 0
 
@@ -149,7 +147,7 @@ def test_saved_chat_template_prompts_as_trained(built):
     ids = torch.tensor([fmt.prompt_ids(P)])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
                          pad_token_id=tok.pad_token_id)
-    driver = M._generate(model, tok, fmt, [P], True, 8, 1.0)[0]  # how the run's own evaluation prompts
+    driver = evaluation._generate(model, tok, fmt, [P], True, 8, 1.0)[0]  # how the run's own evaluation prompts
     assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == driver
 
 
@@ -180,7 +178,7 @@ def other_checkpoint(path, chat_template: bool) -> str:
     Qwen-style chat template (or none)."""
     tok = build_tokenizer()
     tok.chat_template = QWEN_CHAT_TEMPLATE if chat_template else None
-    M._new_model(TINY, tok).save_pretrained(path)
+    warm_start._new_model(TINY, tok).save_pretrained(path)
     tok.save_pretrained(path)
     if os.path.exists(os.path.join(path, "chat_template.jinja")) and not chat_template:
         os.remove(os.path.join(path, "chat_template.jinja"))
@@ -204,20 +202,62 @@ def test_the_prompt_format_alone_is_load_policys(tmp_path, built):
     for path in (built, other_checkpoint(tmp_path / "chat", chat_template=True),
                  other_checkpoint(tmp_path / "plain", chat_template=False)):
         _, _, full = load_policy(path)
-        _, alone = M.load_prompt_format(path)
+        _, alone = load_prompt_format(path)
         assert (alone.style, alone.stop_token_ids, alone.max_new_tokens_hint) == \
             (full.style, full.stop_token_ids, full.max_new_tokens_hint), path
         assert alone.prompt_ids(P) == full.prompt_ids(P)
     with pytest.raises(PolicyLoadError, match="no config.json"):
-        M.load_prompt_format(str(tmp_path))
+        load_prompt_format(str(tmp_path))
+
+
+class Repeat(msgspec.Struct, frozen=True):
+    word: str
+
+
+class RepeatTask:
+    """A task of another kind than Countdown: two turns, no compact form, solved by the word."""
+
+    name, correct_reward, problem_type = "repeat", 1.0, Repeat
+
+    def splits(self, seed, n_train, n_heldout):
+        return Splits([Repeat(f"w{i}") for i in range(n_train)], [Repeat(f"h{i}") for i in range(n_heldout)])
+
+    def prompt(self, problem):
+        return Prompt([Message("system", "Answer with the word."), Message("user", problem.word)])
+
+    def score(self, problem, completion):
+        return _Scored(float(completion.strip() == problem.word), completion.strip() == problem.word, "")
+
+
+class _Scored(msgspec.Struct, frozen=True):
+    reward: float
+    correct: bool
+    error: str
+
+
+def test_a_policy_renders_any_tasks_prompt_in_its_style(tmp_path, built):
+    task = RepeatTask()
+    assert isinstance(task, Task)
+    prompt = task.prompt(Repeat("seven"))
+    model, tok, fmt = load_policy(other_checkpoint(tmp_path / "chat", chat_template=True))
+    assert fmt.render_text(prompt) == ("<|im_start|>system\nAnswer with the word.<|im_end|>\n"
+                                       "<|im_start|>user\nseven<|im_end|>\n<|im_start|>assistant\n")
+    rate = solve_rate(model, tok, fmt, task.splits(0, 0, 3).heldout, max_new_tokens=2, task=task)
+    assert 0.0 <= rate <= 1.0
+    _, _, fmt = load_policy(other_checkpoint(tmp_path / "plain", chat_template=False))
+    assert fmt.render_text(prompt) == "Answer with the word.\nseven\n"
+    _, fmt = load_prompt_format(built)  # the embedded model reads Countdown's compact form only
+    assert fmt.render_text(CountdownTask().prompt(P)) == format_prompt_compact(P) == fmt.prompt_text(P)
+    with pytest.raises(PromptStyleError, match="no compact form"):
+        fmt.render_text(prompt)
 
 
 def test_batched_left_padded_generation_matches_one_at_a_time(built):
     model, tok, fmt = load_policy(built)
     problems = [CountdownProblem(numbers=[1, 2, 3], target=6, solution="1 + 2 + 3"), P,
                 CountdownProblem(numbers=[99, 98, 97, 96], target=4, solution="99 - 98 + 97 - 96")]
-    batched = M._generate(model, tok, fmt, problems, True, 12, 1.0)
-    alone = [M._generate(model, tok, fmt, [p], True, 12, 1.0)[0] for p in problems]
+    batched = evaluation._generate(model, tok, fmt, problems, True, 12, 1.0)
+    alone = [evaluation._generate(model, tok, fmt, [p], True, 12, 1.0)[0] for p in problems]
     assert batched == alone
 
 
@@ -229,12 +269,12 @@ def test_load_policy_errors(tmp_path, built):
     for name in os.listdir(built):
         with open(os.path.join(built, name), "rb") as src, open(bad / name, "wb") as dst:
             dst.write(src.read())
-    (bad / M.MARKER_FILE).write_text(json.dumps({"prompt_style": "poetry"}))
-    for load in (load_policy, M.load_prompt_format):
-        (bad / M.MARKER_FILE).write_text(json.dumps({"prompt_style": "poetry"}))
+    (bad / MARKER_FILE).write_text(json.dumps({"prompt_style": "poetry"}))
+    for load in (load_policy, load_prompt_format):
+        (bad / MARKER_FILE).write_text(json.dumps({"prompt_style": "poetry"}))
         with pytest.raises(PolicyLoadError, match="poetry"):
             load(str(bad))
-        (bad / M.MARKER_FILE).write_text("[1, 2")
+        (bad / MARKER_FILE).write_text("[1, 2")
         with pytest.raises(PolicyLoadError, match="unreadable"):
             load(str(bad))
 

@@ -23,9 +23,11 @@ import pytest
 
 from asyncrl import Supervisor
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError
-from asyncrl.rl import recovery
-from asyncrl.rl.recovery import SamplerPool
-from asyncrl.rl.rollout import RolloutQueue
+from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
+from asyncrl.rl.driver import sync_group
+from asyncrl.rl.driver.membership import MemberState
+from asyncrl.rl.driver.pool import SamplerPool
+from asyncrl.rl.driver.queue import RolloutQueue
 
 from actors import Echo
 
@@ -35,20 +37,25 @@ pytestmark = pytest.mark.timeout(60)
 class Scripted:
     """Stands in for an `ActorHandle`: each method answers with the next entry of its script,
     ``(delay_s, value or exception)`` (the last entry repeats), after that delay, within the
-    call's deadline (else `CallTimeoutError`, as a real call). ``node=1`` and no pid: the pool
-    never signals it."""
+    call's deadline (else `CallTimeoutError`, as a real call). A `kill` is recorded in ``kills``
+    and changes nothing (the process it would kill is not there)."""
 
     def __init__(self, name: str, **script: list[tuple[float, object]]):
         self.name = name
         self.script = {k: list(v) for k, v in script.items()}
         self.state, self.incarnation, self.restarts, self.max_restarts = "running", 1, 0, 3
         self.calls: list[str] = []
+        self.kills: list[tuple[str, int | None]] = []  # (reason, incarnation) of each kill asked for
         self.items: asyncio.Queue = asyncio.Queue()  # what a rollouts stream yields next
         self._changed = asyncio.Event()
 
     def info(self) -> SimpleNamespace:
-        return SimpleNamespace(state=self.state, incarnation=self.incarnation, pid=None, node=1,
+        return SimpleNamespace(state=self.state, incarnation=self.incarnation,
                                restarts=self.restarts, max_restarts=self.max_restarts)
+
+    def kill(self, reason: str, incarnation: int | None = None) -> bool:
+        self.kills.append((reason, incarnation))
+        return False
 
     def set_state(self, state: str, incarnation: int | None = None) -> None:
         self.state = state
@@ -103,19 +110,19 @@ def collective_error(actor: str, method: str) -> RemoteError:
                        "group 'weights/g0' rank 1/3 (gloo): broadcast from rank 0 failed, a peer died")
 
 
-def run_config(**overrides) -> SimpleNamespace:
-    values = dict(mode="async", sync_timeout_s=2.0, rendezvous_timeout_s=2.0, restart_timeout_s=30.0,
-                  generate_timeout_s=5.0, queue_timeout_s=10.0, train_timeout_s=5.0, checkpoint_timeout_s=5.0,
-                  eval_timeout_s=5.0, sampler_max_restarts=3)
-    return SimpleNamespace(**{**values, **overrides})
+def run_config(restart_timeout_s: float = 30.0) -> RunConfig:
+    deadlines = DeadlineConfig(sync_timeout_s=2.0, rendezvous_timeout_s=2.0, generate_timeout_s=5.0,
+                               queue_timeout_s=10.0, train_timeout_s=5.0, checkpoint_timeout_s=5.0, eval_timeout_s=5.0)
+    return RunConfig(mode="async", deadlines=deadlines,
+                     recovery=RecoveryConfig(restart_timeout_s=restart_timeout_s, sampler_max_restarts=3))
 
 
 def make_pool(trainer, samplers, logs: list[str], **run) -> SamplerPool:
     pool = SamplerPool(trainer, samplers, RolloutQueue(8, 4), run=run_config(**run), seeds=[0] * len(samplers),
                        host="127.0.0.1", backend="gloo", log=logs.append)
     for m in pool.members:  # as after a successful start: in the group, incarnation 1
-        m.joined, m.candidate, m.incarnation = True, False, 1
-    pool.generation, pool._dirty = 0, False
+        m.state, m.incarnation = MemberState.JOINED, 1
+    pool.sync_group.generation, pool.membership.dirty = 0, False
     return pool
 
 
@@ -127,7 +134,7 @@ def trainer_script(first_send: object) -> Scripted:
 async def test_a_survivor_whose_collective_error_comes_late_is_not_judged_frozen(monkeypatch):
     # The grace is short here so that the survivor's answer (1 s) comes well after it ended, as on
     # a loaded machine, yet well within the survivor's own deadline (sync_timeout_s 2 s + grace).
-    monkeypatch.setattr(recovery, "SYNC_GRACE_S", 0.5)
+    monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(collective_error("trainer", "send_weights"))  # a peer died: the trainer fails at once
     dead = Scripted("sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL"))])
     slow = Scripted("sampler1", receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, 0.01)],
@@ -140,14 +147,14 @@ async def test_a_survivor_whose_collective_error_comes_late_is_not_judged_frozen
         await pool.close()
     assert [f.sampler for f in pool.faults] == ["sampler0"], logs
     assert pool.counters["sampler_losses"] == 1 and "died" in pool.faults[0].cause
-    assert [m.joined for m in pool.members] == [False, True], logs
+    assert [m.in_group for m in pool.members] == [False, True], logs
     assert pool.generation == 1 and slow.calls.count("receive_weights") == 2, logs  # failed; the rebuilt group's
 
 
 async def test_a_death_is_one_loss_even_when_the_restart_ends_before_the_sync(monkeypatch):
     # sampler0 dies during a sync and is back (incarnation 2) before the survivor's answer ends
     # the sync: the sync's verdict on incarnation 1 must not count as a loss of incarnation 2.
-    monkeypatch.setattr(recovery, "SYNC_GRACE_S", 0.5)
+    monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(collective_error("trainer", "send_weights"))
     ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], restore_data_state=[(0.0, None)])
     dies = Scripted("sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL")), (0.0, 0.01)], **ok)
@@ -168,11 +175,11 @@ async def test_a_death_is_one_loss_even_when_the_restart_ends_before_the_sync(mo
         await pool.close()
         await restarter
     assert pool.counters == {"sampler_losses": 1, "sampler_rejoins": 1, "rebuilds": 1}, logs
-    assert [m.joined for m in pool.members] == [True, True] and pool.members[0].incarnation == 2, logs
+    assert [m.in_group for m in pool.members] == [True, True] and pool.members[0].incarnation == 2, logs
 
 
 async def test_a_frozen_sampler_is_judged_by_its_own_deadline(monkeypatch):
-    monkeypatch.setattr(recovery, "SYNC_GRACE_S", 0.5)
+    monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(RemoteError("trainer", "send_weights", "CollectiveTimeoutError", "all_reduce timed out"))
     frozen = Scripted("sampler0", receive_weights=[(60.0, 0.0)])
     steady = Scripted("sampler1", receive_weights=[(0.1, collective_error("sampler1", "receive_weights")), (0.0, 0.01)],
@@ -187,7 +194,8 @@ async def test_a_frozen_sampler_is_judged_by_its_own_deadline(monkeypatch):
     assert time.monotonic() - start < 2.0 + 0.5 + 2.0
     (fault,) = pool.faults
     assert fault.sampler == "sampler0" and fault.cause == "no answer during the weight sync of v1 within 2.5 s", fault
-    assert [m.joined for m in pool.members] == [False, True], logs
+    assert frozen.kills == [(fault.cause, 1)] and not steady.kills  # the incarnation judged, only it
+    assert [m.in_group for m in pool.members] == [False, True], logs
 
 
 async def test_a_sampler_back_after_a_slow_restart_is_taken_back_and_a_dead_one_is_gone():
@@ -197,18 +205,18 @@ async def test_a_sampler_back_after_a_slow_restart_is_taken_back_and_a_dead_one_
     pool = make_pool(Scripted("trainer"), [sampler, other], logs, restart_timeout_s=5.0)
     try:
         sampler.set_state("restarting")
-        pool._lose(pool.members[0], "died (killed by SIGKILL)", kill=False)
+        pool.membership.lose(pool.members[0], "died (killed by SIGKILL)", kill=False)
         await asyncio.sleep(1.0)  # a restart that takes a while
         sampler.set_state("running", incarnation=2)
         await asyncio.wait_for(pool.members[0].waiter, 5)
-        assert pool.members[0].candidate and pool.members[0].incarnation == 2 and not pool.members[0].gone, logs
+        assert pool.members[0].state is MemberState.CANDIDATE and pool.members[0].incarnation == 2, logs
 
         other.restarts = other.max_restarts
         other.set_state("dead")
         start = time.monotonic()
-        pool._lose(pool.members[1], "died (killed by SIGKILL)", kill=False)
+        pool.membership.lose(pool.members[1], "died (killed by SIGKILL)", kill=False)
         await asyncio.wait_for(pool.members[1].waiter, 5)
-        assert pool.members[1].gone and time.monotonic() - start < 1
+        assert pool.members[1].state is MemberState.GONE and time.monotonic() - start < 1
         assert "sampler1 will not come back: its restarts are used up" in logs[-1], logs
     finally:
         await pool.close()
@@ -233,10 +241,10 @@ async def test_close_ends_every_task_and_no_exception_is_left_unretrieved():
         # stream's wait_for already has its item) and the pump ends with the error, unread.
         streams.items.put_nowait(ActorDiedError("sampler0", "killed by SIGKILL"))
         streams.set_state("restarting")
-        pool._lose(m, "died (killed by SIGKILL)", kill=False)
+        pool.membership.lose(m, "died (killed by SIGKILL)", kill=False)
         await asyncio.sleep(0.1)
         waits.set_state("restarting")  # and a restart that never comes: close must not wait for it
-        pool._lose(pool.members[1], "died (killed by SIGKILL)", kill=False)
+        pool.membership.lose(pool.members[1], "died (killed by SIGKILL)", kill=False)
         start = time.monotonic()
         await pool.close()
         assert time.monotonic() - start < 1

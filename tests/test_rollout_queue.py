@@ -9,15 +9,8 @@ import time
 import msgspec
 import pytest
 
-from asyncrl.rl.rollout import (
-    FutureGroupError,
-    InvalidGroupError,
-    QueueClosedError,
-    QueueTimeoutError,
-    RolloutGroup,
-    RolloutQueue,
-    validate_group,
-)
+from asyncrl.rl.driver.queue import FutureGroupError, QueueClosedError, QueueTimeoutError, RolloutQueue
+from asyncrl.rl.rollout import InvalidGroupError, RolloutGroup, validate_group
 
 LONG_S = 10.0  # a deadline no passing test gets near: waits here end by events, not by time
 

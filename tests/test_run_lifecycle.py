@@ -29,12 +29,15 @@ import torch
 
 from asyncrl import Supervisor
 from asyncrl.rl import checkpoint as ckpt
-from asyncrl.rl import grpo, report, runlog
-from asyncrl.rl.checkpoint import (
-    FAIL_ENV, CheckpointError, CheckpointWriteError, DamagedCheckpointError, RunState, list_checkpoints,
-    verify_checkpoint, write_checkpoint, write_json_atomic)
-from asyncrl.rl.config import parse_overrides
-from asyncrl.rl.grpo import GRPOConfig, RunDirError, train
+from asyncrl.rl.trainer import checkpoint as trainer_ckpt
+from asyncrl.rl.driver import report, runlog
+from asyncrl.rl.driver.grpo import GRPODriver
+from asyncrl.rl.trainer.checkpoint import FAIL_ENV, write_checkpoint
+from asyncrl.rl.checkpoint import CheckpointError, CheckpointWriteError, DamagedCheckpointError, RunState, list_checkpoints, verify_checkpoint, write_json_atomic
+from asyncrl.rl.config.parse import parse_overrides
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.driver.grpo import RunDirError
+from asyncrl.rl.driver.run import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(240)
@@ -106,10 +109,10 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_debris(tmp_path, mo
     assert os.listdir(tmp_path / "checkpoints") == ["step-00000001"]
 
     # torch.save reports a full disk as "file write failed": the disk is looked at then.
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 100, 0))
-    assert ckpt._write_reason(RuntimeError("[enforce fail] file write failed"), str(tmp_path)) == \
+    monkeypatch.setattr(trainer_ckpt.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 100, 0))
+    assert trainer_ckpt._write_reason(RuntimeError("[enforce fail] file write failed"), str(tmp_path)) == \
         "No space left on device"
-    assert ckpt._write_reason(RuntimeError("Error: IoError(StorageFull)"), str(tmp_path)) == "No space left on device"
+    assert trainer_ckpt._write_reason(RuntimeError("Error: IoError(StorageFull)"), str(tmp_path)) == "No space left on device"
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -202,7 +205,7 @@ async def test_a_damaged_checkpoint_is_skipped_and_group_ids_stay_unique_across_
     run_dir = tmp_path / "run"
     # Every evaluation of the first segment counts as a new best until one does not beat the last:
     # with the real rule (beat the policy before GRPO) a 4-step run of a tiny model might save none.
-    monkeypatch.setattr(grpo._Loop, "best_greedy", lambda self: self.best["heldout"]["greedy"] if self.best else -1.0)
+    monkeypatch.setattr(GRPODriver, "best_greedy", lambda self: self.best["heldout"]["greedy"] if self.best else -1.0)
     async with Supervisor() as sup:
         first = await train(tiny(model_path, run_dir, "--run.steps", "4", "--run.checkpoint_every", "2",
                                  "--run.eval_every", "1"), sup, log=lambda *a: None)

@@ -4,7 +4,6 @@ SamplerActor in a real actor process: its rollout stream and a weight update ove
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 
@@ -16,13 +15,16 @@ from asyncrl import RemoteError, Supervisor, endpoint
 from asyncrl.comm.member import SyncMember, form_group
 from asyncrl.comm.weights import WeightSender
 from asyncrl.rl.rollout import validate_group
-from asyncrl.rl.sampler import SamplerActor, SamplerClosedError, SamplerTimeoutError, SamplingParams
+from asyncrl.rl.config.run import DataConfig
+from asyncrl.rl.config.sampler import SamplerConfig
+from asyncrl.rl.sampler.actor import SamplerActor
+from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerTimeoutError, SamplingParams
 
-HOST = "127.0.0.1"
-# A tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine three
-# processes spinning two OpenMP threads each run several times slower.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-N_TRAIN, N_HELDOUT = 50, 10
+pytest.register_assert_rewrite("sampler_support")  # before its import: its fixtures assert
+
+from sampler_support import HOST, N_HELDOUT, N_TRAIN, ONE_THREAD, recomputed
+
+pytest_plugins = ["sampler_support"]  # its fixtures: tiny_path, policy, prompts
 
 
 class WeightPusher(SyncMember):
@@ -46,68 +48,17 @@ class WeightPusher(SyncMember):
         return (await asyncio.to_thread(self.sender.send, version)).seconds
 
 
-# --- fixtures -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    """A random tiny Qwen2 checkpoint with the project's tokenizer, loadable by load_policy."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from asyncrl.rl.model import MARKER_FILE, build_tokenizer
-
-    path = str(tmp_path_factory.mktemp("tiny"))
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=128, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    with open(os.path.join(path, MARKER_FILE), "w") as f:
-        json.dump({"prompt_style": "compact", "max_new_tokens_hint": 24}, f)
-    return path
-
-
-@pytest.fixture(scope="module")
-def policy(tiny_path):
-    from asyncrl.rl.model import load_policy
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see ONE_THREAD
-    yield load_policy(tiny_path)
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def prompts(policy) -> list[list[int]]:
-    from asyncrl.rl.countdown import train_and_heldout
-
-    _, _, fmt = policy
-    train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
-    ids = [fmt.prompt_ids(p) for p in train[:12]]
-    ids.sort(key=len)
-    assert len(ids[0]) < len(ids[-1])  # different lengths: left padding is exercised
-    return [ids[0], ids[-1], ids[5]]
+# --- fixtures (and sampler_support's: tiny_path, policy, prompts) ---------------------------------
 
 
 @pytest.fixture
 def backend(policy):
-    from asyncrl.rl.sampler import HFBackend
+    from asyncrl.rl.sampler.hf import HFBackend
 
     model, tok, _ = policy
     b = HFBackend(model, tokenizer=tok, seed=0)
     yield b
     b.close()
-
-
-def recomputed(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits[t-1] / T)[token_t] of one unpadded forward over prompt + completion."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0]
-    scored = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)] / temperature  # causal shift
-    return torch.log_softmax(scored, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
 # --- SamplingParams -----------------------------------------------------------------------------
@@ -329,7 +280,7 @@ def _modified_weights(policy, path: str) -> str:
 
 
 async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, policy, tmp_path):
-    from asyncrl.rl.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import train_and_heldout
 
     _, _, fmt = policy
     train, _ = train_and_heldout(5, N_TRAIN, N_HELDOUT)
@@ -338,10 +289,11 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     async with Supervisor(call_timeout_s=60) as sup:
         sampler, pusher = await asyncio.gather(
-            sup.spawn(SamplerActor, tiny_path, name="smp", kwargs=dict(
-                n_train_problems=N_TRAIN, n_heldout_problems=N_HELDOUT, split_seed=5, group_size=3,
-                prompts_per_batch=2, sampling=SamplingParams(max_new_tokens=24, temperature=1.0), seed=1),
-                env=ONE_THREAD),
+            # The HF backend, weights taken after the batch in flight (the actor's defaults once).
+            sup.spawn(SamplerActor, tiny_path, SamplerConfig(
+                group_size=3, prompts_per_batch=2, max_new_tokens=24, temperature=1.0, weight_update="pause",
+                backend="hf"), name="smp", kwargs=dict(
+                data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT, data_seed=5), seed=1), env=ONE_THREAD),
             sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD))
         await form_group([pusher, sampler], HOST, timeout_s=30)
         assert (await asyncio.gather(pusher.setup(), sampler.setup_receiver(20)))[0] >= 1
@@ -412,12 +364,12 @@ async def test_sampler_actor_takes_weights_in_flight(tiny_path, policy, tmp_path
     weights_file = _modified_weights(policy, str(tmp_path))
     # A batch of 32 sampled rows: random weights stop a row within 300 tokens ~2/3 of the time, so
     # some row runs on (all 32 stopping early: ~1e-5) and the syncs below land mid-batch (~1 s).
-    long = SamplingParams(max_new_tokens=300, temperature=1.0)
+    long = SamplerConfig(group_size=4, prompts_per_batch=8, max_new_tokens=300, temperature=1.0,
+                         weight_update="in_flight", backend="hf")
     async with Supervisor(call_timeout_s=60) as sup:
         sampler, pusher = await asyncio.gather(
-            sup.spawn(SamplerActor, tiny_path, name="smp", kwargs=dict(
-                n_train_problems=N_TRAIN, n_heldout_problems=N_HELDOUT, group_size=4, prompts_per_batch=8,
-                sampling=long, seed=1, weight_update="in_flight"), env=ONE_THREAD),
+            sup.spawn(SamplerActor, tiny_path, long, name="smp", kwargs=dict(
+                data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT), seed=1), env=ONE_THREAD),
             sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD))
         await form_group([pusher, sampler], HOST, timeout_s=30)
         await asyncio.gather(pusher.setup(), sampler.setup_receiver(20))

@@ -1,13 +1,29 @@
 """The trainer's batching: micro-batches by token budget, and completion scores read at the right
-(causally shifted) positions of sequences with different prompt lengths."""
+(causally shifted) positions of sequences with different prompt lengths. Its writes: a directory
+(checkpoint, final or best policy) appears whole or not at all, a kill included."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
-from asyncrl.rl.loss import group_advantages, token_logprobs
+from asyncrl.rl.checkpoint import CheckpointWriteError, remove_debris, remove_dir, staged_dir
+from asyncrl.rl.model.policy import MARKER_FILE, load_policy
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.trainer import micro_batches
+from asyncrl.rl.trainer.batching import micro_batches
+from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def group(prompt_id, prompt, completions, rewards):
@@ -55,3 +71,126 @@ def test_micro_batches_respect_the_token_budget_and_keep_every_sequence_once():
         for row in range(b.mask.shape[0]):
             n = int(b.mask[row].sum())
             assert torch.allclose(b.behaviour[row, :n], torch.tensor([-1.0 - 0.1 * j for j in range(n)]))
+
+
+# --- writing a directory whole (checkpoints, the final and best policies) -------------------------
+
+
+def test_staged_dir_replaces_a_directory_whole(tmp_path):
+    final = tmp_path / "policy"
+    with staged_dir(str(final)) as tmp:
+        (Path(tmp) / "a").write_text("old")
+    with staged_dir(str(final), fsync=True) as tmp:
+        assert os.listdir(tmp) == []
+        (Path(tmp) / "b").write_text("new")
+        assert os.listdir(final) == ["a"]  # readers see the old one until the rename
+    assert os.listdir(final) == ["b"] and os.listdir(tmp_path) == ["policy"]
+
+
+def test_a_failed_staged_write_keeps_the_old_directory_and_leaves_no_debris(tmp_path, monkeypatch):
+    final = tmp_path / "policy"
+    with staged_dir(str(final)) as tmp:
+        (Path(tmp) / "a").write_text("old")
+    with pytest.raises(RuntimeError, match="disk"):
+        with staged_dir(str(final)) as tmp:
+            (Path(tmp) / "b").write_text("half")
+            raise RuntimeError("disk full")
+    assert os.listdir(tmp_path) == ["policy"] and os.listdir(final) == ["a"]
+    real = os.replace
+
+    def refuse_the_new_name(src, dst):
+        if dst == str(final) and ".tmp-" in src:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), dst)
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", refuse_the_new_name)
+    with pytest.raises(OSError, match="Input/output error"):
+        with staged_dir(str(final)) as tmp:
+            (Path(tmp) / "b").write_text("new")
+    assert os.listdir(tmp_path) == ["policy"] and os.listdir(final) == ["a"]  # the old one put back
+
+
+def test_a_kill_between_the_renames_leaves_each_directory_whole_under_a_name_of_its_own(tmp_path):
+    """SIGKILL right after the old directory is renamed aside: nothing is half-written or
+    half-deleted, and the writer's next pass (`remove_debris`) clears what the kill left."""
+    final = tmp_path / "policy"
+    script = f"""
+import os, signal
+from pathlib import Path
+from asyncrl.rl.checkpoint import staged_dir
+final = {str(final)!r}
+with staged_dir(final) as tmp:
+    (Path(tmp) / "a").write_text("old")
+real = os.replace
+def replace_then_die(src, dst):
+    real(src, dst)
+    if src == final:
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace_then_die
+with staged_dir(final) as tmp:
+    (Path(tmp) / "b").write_text("new")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    names = sorted(os.listdir(tmp_path))
+    pid = names[0].rsplit("-", 1)[-1]
+    assert names == [f".old-policy-{pid}", f".tmp-policy-{pid}"]
+    assert os.listdir(tmp_path / names[0]) == ["a"] and (tmp_path / names[0] / "a").read_text() == "old"
+    assert os.listdir(tmp_path / names[1]) == ["b"] and (tmp_path / names[1] / "b").read_text() == "new"
+    remove_debris(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_remove_dir_renames_aside_before_deleting(tmp_path, monkeypatch):
+    victim = tmp_path / "step-00000001"
+    (victim / "model").mkdir(parents=True)
+    (victim / "model" / "w").write_bytes(b"w" * 100)
+    seen = []
+    monkeypatch.setattr(shutil, "rmtree", lambda path, **kw: seen.append(os.path.basename(path)))
+    remove_dir(str(victim))
+    assert seen == [f".old-step-00000001-{os.getpid()}"] and not victim.exists()  # gone from its name first
+
+
+# --- the trainer actor's policy writes ------------------------------------------------------------
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    from asyncrl.rl.config.model import ModelConfig
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+    from asyncrl.rl.model.warm_start import _new_model
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    path = tmp_path / "start"
+    tok = build_tokenizer()
+    _new_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=32,
+                           max_positions=64), tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / MARKER_FILE).write_text(json.dumps({"prompt_style": "compact", "max_new_tokens_hint": 20}))
+    return TrainerActor(str(path))
+
+
+def test_save_writes_a_loadable_policy_with_its_files_in_one_rename(trainer, tmp_path):
+    out = tmp_path / "run" / "best"
+    out.parent.mkdir()
+    assert asyncio.run(trainer.save(str(out), {"best.json": '{"step": 1}'})) == str(out)
+    _, _, fmt = load_policy(str(out))
+    assert fmt.style == "compact" and fmt.max_new_tokens_hint == 20  # the marker travelled with it
+    assert json.loads((out / "best.json").read_text()) == {"step": 1}
+    assert json.loads((out / "asyncrl_trainer.json").read_text())["steps"] == 0
+    asyncio.run(trainer.save(str(out), {}))  # replaced whole: best.json described the old policy
+    assert not (out / "best.json").exists() and os.listdir(out.parent) == ["best"]
+
+
+def test_a_failed_save_is_one_line_and_keeps_the_old_policy(trainer, tmp_path, monkeypatch):
+    out = tmp_path / "final"
+    asyncio.run(trainer.save(str(out), {"best.json": "old"}))
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "model.safetensors")
+
+    monkeypatch.setattr(trainer.model, "save_pretrained", full_disk)
+    with pytest.raises(CheckpointWriteError) as info:
+        asyncio.run(trainer.save(str(out), {"best.json": "new"}))
+    assert str(info.value) == f"cannot write the policy to {out}: No space left on device"
+    assert os.listdir(tmp_path) == ["final", "start"] and (out / "best.json").read_text() == "old"

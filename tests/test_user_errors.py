@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from asyncrl.rl import preflight
-from asyncrl.rl.config import ConfigError
+from asyncrl.rl.driver import preflight
+from asyncrl.rl.config.parse import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "grpo_countdown.py")
@@ -71,6 +72,8 @@ CASES = [
                                       "nothing to resume: remove that directory, or choose another --run.run_dir"),
     (["--run.data_seed", "3"], "could be among the warm start's training problems"),
     (["--run.check_weights", "true", "--sampler.backend", "vllm"], "--run.check_weights true needs samplers"),
+    (["--trainer.temperature", "0.5"], "--trainer.temperature 0.5 differs from --sampler.temperature 1: "),
+    (["--run.n-train", "0"], "--run.n-train 0: n_train must be >= 1, not 0"),
 ]
 
 
@@ -96,12 +99,73 @@ def test_help_lists_the_keys_and_exits_0(tmp_path):
     assert tree(tmp_path) == set()
 
 
+# --- one flag grammar: `asyncrl launch --help` and the script's --help read the same way -------------
+
+COLUMNS = 72
+FLAG_LINE = re.compile(r"^  (-h, )?--[a-z0-9_.]+( \S+)?$")
+"""A flag's line: two spaces, the flag (its words joined by _), its metavar or default; nothing else."""
+
+
+def help_entries(text: str) -> list[tuple[str, list[str]]]:
+    """(flag line, its description lines) of every flag that a --help lists."""
+    entries, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("  -"):
+            below = []
+            for after in lines[i + 1:]:
+                if not after.startswith(" " * 6):
+                    break
+                below.append(after)
+            entries.append((line, below))
+    return entries
+
+
+@pytest.mark.parametrize("command", [["launch", "--help"], ["launch", EXAMPLE, "--help"], ["status", "--help"]],
+                         ids=["launcher", "script", "status"])
+def test_every_help_lays_out_its_flags_one_way(tmp_path, command):
+    env = dict(os.environ, COLUMNS=str(COLUMNS))
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", *command], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    entries = help_entries(done.stdout)
+    assert len(entries) >= 3
+    for flag, below in entries:
+        assert FLAG_LINE.match(flag), flag  # one spelling, no ", --other-spelling"
+        assert below, f"{flag}: no description below it"
+        assert all(len(line) <= COLUMNS - 2 and not line.startswith(" " * 7) for line in below), below
+    titles = [line for line in done.stdout.splitlines() if re.fullmatch(r"[a-z][a-z_. ]*:", line)]
+    assert "options:" in titles  # groups are titled as argparse titles them
+
+
+def test_every_flag_the_launcher_shows_takes_both_spellings():
+    from asyncrl.cli import build_parser
+
+    launch_help = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--help"], capture_output=True,
+                                 text=True, timeout=60).stdout
+    flags = [line.split()[0] for line, _ in help_entries(launch_help) if not line.startswith("  -h")]
+    assert "--node_rank" in flags and "--call_timeout_s" in flags and "--nproc_per_node" in flags
+    parser = build_parser()
+    for flag in flags:
+        value = "tcp" if flag == "--transport" else "3"
+        for spelling in {flag, flag.replace("_", "-")}:
+            args = parser.parse_args(["launch", spelling, value, "x.py"])
+            assert str(getattr(args, flag[2:])) in (value, value + ".0"), spelling
+
+
+def test_a_launcher_flag_error_is_one_line_in_the_shown_spelling(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--call-timeout-s", "soon", "x.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["asyncrl launch: --call_timeout_s: invalid float value: 'soon' "
+                                        "(see asyncrl launch --help)"]
+
+
 # --- the checks themselves, without a process ------------------------------------------------------
 
 
 def _config(**run):
-    from asyncrl.rl.config import parse_overrides
-    from asyncrl.rl.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+    from asyncrl.rl.config.grpo import GRPOConfig
 
     return parse_overrides(GRPOConfig(), [x for k, v in run.items() for x in (f"--run.{k}", str(v))])
 
@@ -109,7 +173,7 @@ def _config(**run):
 def test_check_run_names_the_default_run_dir_and_makes_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ckpt = fake_checkpoint(tmp_path / "ckpt", max_positions=4096)
-    from asyncrl.rl.config import parse_overrides
+    from asyncrl.rl.config.parse import parse_overrides
 
     checked = preflight.check_run(parse_overrides(_config(), ["--model_path", "ckpt"]))
     assert checked.model_path == str(ckpt) and checked.run.run_dir.startswith(str(tmp_path / "runs" / "grpo-"))
@@ -162,7 +226,7 @@ def test_a_model_path_that_is_not_a_checkpoint_is_refused(tmp_path, files, messa
     (tmp_path / "m").mkdir()
     for name, text in files.items():
         (tmp_path / "m" / name).write_text(text)
-    from asyncrl.rl.config import parse_overrides
+    from asyncrl.rl.config.parse import parse_overrides
 
     with pytest.raises(ConfigError, match=message):
         preflight.check_run(parse_overrides(_config(run_dir=tmp_path / "run"), ["--model_path", str(tmp_path / "m")]))

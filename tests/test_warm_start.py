@@ -11,8 +11,10 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from asyncrl.rl import model as M
-from asyncrl.rl.model import ModelConfig, WarmStartConfig, WarmStartStopped, default_model
+from asyncrl.rl.model import evaluation, warm_start
+from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
+from asyncrl.rl.model.evaluation import StoppedError
+from asyncrl.rl.model.warm_start import default_model
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=64)
 SHORT = WarmStartConfig(steps=12, batch_size=64, warmup_steps=2, n_examples=256, heldout_reserve=16, eval_problems=0)
@@ -36,9 +38,9 @@ def test_warm_start_is_the_same_on_any_thread_count(tmp_path):
 def test_threads_come_from_the_cpu_affinity_not_the_load(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 7.0, 7.0), raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    assert M._usable_cores() == 3
+    assert warm_start._usable_cores() == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    assert M._usable_cores() == 4  # capped: a 1M-parameter model gains little beyond
+    assert warm_start._usable_cores() == 4  # capped: a 1M-parameter model gains little beyond
 
 
 def build_in_thread(cache: str, stop: threading.Event, warm: WarmStartConfig, started: threading.Event):
@@ -71,7 +73,7 @@ def test_stop_ends_a_warm_start_within_seconds_and_caches_nothing(tmp_path):
     asked = time.monotonic()
     thread.join(10)
     assert not thread.is_alive()
-    assert isinstance(result.get("error"), WarmStartStopped), result
+    assert isinstance(result.get("error"), StoppedError), result
     assert result["ended"] - asked < 2.0
     assert os.listdir(tmp_path / "models") == []  # no partial entry, no leftover .tmp-* directory
 
@@ -79,7 +81,7 @@ def test_stop_ends_a_warm_start_within_seconds_and_caches_nothing(tmp_path):
 def test_stop_before_training_raises_too(tmp_path):
     stop = threading.Event()
     stop.set()
-    with pytest.raises(WarmStartStopped):
+    with pytest.raises(StoppedError):
         default_model(SMALL, SHORT, cache_dir=str(tmp_path), threads=1, log=lambda _: None, stop=stop)
     assert os.listdir(tmp_path / "models") == []
 
@@ -87,14 +89,14 @@ def test_stop_before_training_raises_too(tmp_path):
 def test_stop_during_the_evaluation(tmp_path, monkeypatch):
     """The last long loop, the greedy evaluation, stops too (between its batches, and before saving)."""
     stop = threading.Event()
-    real = M._generate
+    real = evaluation._generate
 
     def generate_then_stop(*args, **kwargs):
         stop.set()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(M, "_generate", generate_then_stop)
+    monkeypatch.setattr(evaluation, "_generate", generate_then_stop)
     warm = WarmStartConfig(steps=1, batch_size=8, warmup_steps=1, n_examples=64, heldout_reserve=16, eval_problems=4)
-    with pytest.raises(WarmStartStopped):
+    with pytest.raises(StoppedError):
         default_model(SMALL, warm, cache_dir=str(tmp_path), threads=1, log=lambda _: None, stop=stop)
     assert os.listdir(tmp_path / "models") == []

@@ -1,2 +1,3 @@
-"""Reinforcement learning on top of the runtime: the Countdown task and its reward, GRPO's loss and
-the rollout queue. Nothing in ``asyncrl.runtime`` imports from here."""
+"""Fully-async GRPO on top of the runtime and the weight-sync plane, one package per role: config,
+tasks, model, trainer, sampler, driver (docs/architecture.md draws the map and what may import
+what). Nothing in ``asyncrl.runtime`` or ``asyncrl.comm`` imports from here."""

@@ -10,41 +10,43 @@ A checkpoint is one directory ``RUN_DIR/checkpoints/step-NNNNNNNN/``:
                       data walk position and sampling RNG, held-out rates so far
     MANIFEST.json     every other file's size and SHA-256, written last
 
-Atomicity: everything is written into a temporary sibling directory, flushed to disk, and then
-renamed into place in one ``os.replace``; a directory named ``step-*`` is therefore always whole,
-and a process killed mid-write leaves only a ``.tmp-*`` directory that the next write or resume
-removes. Old checkpoints beyond ``keep`` are first renamed aside, then deleted, so a kill during
-pruning never leaves a half-deleted ``step-*`` directory either. A write that fails (a full
-disk) removes its temporary directory and raises a one-line `CheckpointWriteError`.
+Atomicity (`staged_dir`): everything is written into a temporary sibling directory, flushed to
+disk, and then renamed into place in one ``os.replace``; a directory named ``step-*`` is therefore
+always whole, and a process killed mid-write leaves only a ``.tmp-*`` directory that the next
+write or resume removes. Old checkpoints beyond ``keep`` are first renamed aside, then deleted
+(`remove_dir`), so a kill during pruning never leaves a half-deleted ``step-*`` directory either.
+A write that fails (a full disk) removes its temporary directory and raises a one-line
+`CheckpointWriteError`.
 
 Integrity: a whole directory can still be damaged later (a disk error, a copy cut short, a
 hand edit). ``--resume`` checks the newest checkpoint against its manifest before trusting it
 (`verify_checkpoint`) and falls back to the newest one that passes; a checkpoint written before
 manifests existed is accepted unverified.
 
-The writer runs in the trainer's process (it holds the model and the optimiser); the run
-directory must be reachable from there under the same path (one host, or a shared filesystem),
-as for the final policy.
+The writer (``trainer/checkpoint.py``) runs in the trainer's process (it holds the model and the
+optimiser); the run directory must be reachable from there under the same path (one host, or a
+shared filesystem), as for the final policy. This module also reads a run's ``config.json`` back
+into its config tree (`load_run_config`), for a resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import errno
 import hashlib
+import io
 import json
 import os
-import random
 import shutil
-import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
-from asyncrl.errors import AsyncrlError
-from asyncrl.rl.config import ConfigError
+from asyncrl.errors import AsyncrlError, first_line
+from asyncrl.rl.config.parse import ConfigError, field_path, is_flat
+from asyncrl.runtime.files import write_atomic
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step-"
@@ -55,13 +57,6 @@ MODEL_DIR = "model"
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1
 HASH_CHUNK = 8 << 20
-
-STALL_ENV = "ASYNCRL_TEST_STALL_CHECKPOINT_STEP"
-"""Test-only: the trainer stalls (60 s) while writing the checkpoint of this step, after the model
-files and before the rest, so a test can kill it mid-write. Never set it in a real run."""
-FAIL_ENV = "ASYNCRL_TEST_FAIL_CHECKPOINT_STEP"
-"""Test-only: writing the checkpoint of this step fails with ENOSPC after the model files (as a
-full disk would), so a test can check the error and the clean-up without filling a disk."""
 
 
 class CheckpointError(ConfigError):
@@ -183,7 +178,7 @@ def verify_checkpoint(checkpoint: Checkpoint) -> bool:
             manifest = json.loads(f.read())
         files = {str(k): (int(v["size"]), str(v["sha256"])) for k, v in manifest["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DamagedCheckpointError(checkpoint, f"{MANIFEST}: unreadable ({_first_line(exc)})") from None
+        raise DamagedCheckpointError(checkpoint, f"{MANIFEST}: unreadable ({first_line(exc)})") from None
     for name in (RUN_STATE, TRAINER_TENSORS, TRAINER_JSON):
         if name not in files:
             raise DamagedCheckpointError(checkpoint, f"{MANIFEST}: does not list {name}")
@@ -211,7 +206,7 @@ def _check_run_state(checkpoint: Checkpoint) -> None:
         with open(os.path.join(checkpoint.path, RUN_STATE), "rb") as f:
             msgspec.json.decode(f.read(), type=RunState)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise DamagedCheckpointError(checkpoint, f"{RUN_STATE}: not a valid run state ({_first_line(exc)})") from None
+        raise DamagedCheckpointError(checkpoint, f"{RUN_STATE}: not a valid run state ({first_line(exc)})") from None
     except OSError as exc:
         raise DamagedCheckpointError(checkpoint, f"{RUN_STATE}: unreadable ({exc.strerror or exc})") from None
 
@@ -238,47 +233,6 @@ def _sha256_all(paths: list[str]) -> dict[str, str | OSError]:
         return dict(zip(paths, pool.map(one, paths)))
 
 
-# --- writing (in the trainer's process) ----------------------------------------------------------
-
-
-def write_checkpoint(run_dir: str, step: int, keep: int, model: Any, tokenizer: Any, optimizer: Any,
-                     trainer_steps: int, run_state: bytes, extra_files: list[str] = ()) -> str:
-    """Write the checkpoint of ``step`` atomically and prune to the newest ``keep``; returns its path."""
-    import torch
-
-    root = checkpoints_dir(run_dir)
-    final = os.path.join(root, f"{PREFIX}{step:08d}")
-    tmp = os.path.join(root, f".tmp-{PREFIX}{step:08d}-{os.getpid()}")
-    try:
-        os.makedirs(root, exist_ok=True)
-        _remove_debris(root)
-        os.makedirs(tmp)
-        model.save_pretrained(os.path.join(tmp, MODEL_DIR), safe_serialization=True)
-        tokenizer.save_pretrained(os.path.join(tmp, MODEL_DIR))
-        for extra in extra_files:
-            shutil.copy(extra, os.path.join(tmp, MODEL_DIR))
-        _test_stall(step)
-        _test_fail(step, os.path.join(tmp, TRAINER_TENSORS))
-        tensors = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            tensors["cuda_rng"] = torch.cuda.get_rng_state()
-        torch.save(tensors, os.path.join(tmp, TRAINER_TENSORS))
-        _write_bytes(os.path.join(tmp, TRAINER_JSON),
-                     json.dumps({"steps": trainer_steps, "python_rng": _python_rng_state()}).encode())
-        _write_bytes(os.path.join(tmp, RUN_STATE), run_state)
-        write_manifest(tmp)  # last: it vouches for everything above as written
-        _fsync_tree(tmp)
-        if os.path.exists(final):  # the same step written again (a resumed run): replace it whole
-            _discard(root, final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written checkpoint behind
-        raise write_failure(f"the checkpoint of step {step}", root, exc) from exc
-    prune(run_dir, keep)
-    return final
-
-
 def write_manifest(folder: str) -> None:
     """``folder``/MANIFEST.json: the size and SHA-256 of every file under ``folder`` (paths
     relative to it, with ``/``), so a reader can tell a whole checkpoint from a damaged one."""
@@ -296,107 +250,88 @@ def write_manifest(folder: str) -> None:
         if isinstance(digests[full], OSError):
             raise digests[full]
         files[rel] = {"size": os.path.getsize(full), "sha256": digests[full]}
-    _write_bytes(os.path.join(folder, MANIFEST),
+    write_bytes(os.path.join(folder, MANIFEST),
                  json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1).encode())
 
 
-def write_failure(what: str, where: str, exc: BaseException) -> CheckpointWriteError:
-    """The one-line error for a failed write of ``what`` into ``where``. A full disk does not
-    always arrive as an OSError: safetensors and torch.save wrap it in their own errors (torch's
-    says only "file write failed"), so the disk is looked at when the error does not say."""
-    return CheckpointWriteError(f"cannot write {what} to {where}: {_write_reason(exc, where)}")
-
-
-def _write_reason(exc: BaseException, where: str) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = str(exc)
-    for needle, reason in (("No space left", os.strerror(errno.ENOSPC)), ("StorageFull", os.strerror(errno.ENOSPC)),
-                           ("Disk quota", os.strerror(errno.EDQUOT)), ("Read-only file", os.strerror(errno.EROFS))):
-        if needle in text:
-            return reason
-    try:
-        if shutil.disk_usage(where if os.path.exists(where) else os.path.dirname(where)).free < (1 << 20):
-            return os.strerror(errno.ENOSPC)
-    except OSError:
-        pass
-    return f"{type(exc).__name__}: {_first_line(exc)}"
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else type(exc).__name__
-
-
-def prune(run_dir: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints (renamed aside first: see the module doc)."""
-    if keep < 1:
-        return
-    for old in list_checkpoints(run_dir)[:-keep]:
-        _discard(checkpoints_dir(run_dir), old.path)
-
-
-def load_trainer_state(checkpoint: Checkpoint, optimizer: Any) -> int:
-    """Restore the optimiser and the RNGs saved with ``checkpoint``; returns the trainer's steps."""
-    import torch
-
-    tensors = torch.load(os.path.join(checkpoint.path, TRAINER_TENSORS), map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(tensors["optimizer"])
-    torch.set_rng_state(tensors["torch_rng"])
-    if "cuda_rng" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["cuda_rng"])
-    with open(os.path.join(checkpoint.path, TRAINER_JSON)) as f:
-        saved = json.load(f)
-    version, internal, gauss = saved["python_rng"]
-    random.setstate((version, tuple(internal), gauss))
-    return int(saved["steps"])
-
-
-def _python_rng_state() -> list:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-def _test_stall(step: int) -> None:
-    if os.environ.get(STALL_ENV) == str(step):
-        time.sleep(60.0)  # test-only (see STALL_ENV): a test SIGKILLs the trainer meanwhile
-
-
-def _test_fail(step: int, path: str) -> None:
-    if os.environ.get(FAIL_ENV) == str(step):  # test-only (see FAIL_ENV)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-
-
-def _remove_debris(root: str) -> None:
-    """Temporary directories of writes or prunes that a kill interrupted."""
-    for name in os.listdir(root):
-        if name.startswith((".tmp-", ".old-")):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _discard(root: str, path: str) -> None:
-    aside = os.path.join(root, f".old-{os.path.basename(path)}-{os.getpid()}")
-    os.replace(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _write_bytes(path: str, data: bytes) -> None:
+def write_bytes(path: str, data: bytes) -> None:
+    """A file inside a `staged_dir`: the directory's rename makes it appear whole, not its own."""
     with open(path, "wb") as f:
         f.write(data)
 
 
-def _fsync_tree(path: str) -> None:
-    for folder, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(folder)
+def write_json_atomic(path: str, value: Any) -> None:
+    """``value`` as JSON at ``path``, replacing the old file in one rename (a reader never sees
+    half). On failure (a full disk) the temporary file is removed and the error raised."""
+    text = io.StringIO()
+    json.dump(value, text, indent=1)
+    write_atomic(path, text.getvalue())
 
 
-def _fsync_dir(path: str) -> None:
+# --- writing a directory whole ------------------------------------------------------------------
+
+
+TMP_PREFIX, ASIDE_PREFIX = ".tmp-", ".old-"
+"""Names of `staged_dir`'s and `remove_dir`'s transient siblings: a reader never takes them for a
+directory it looks for, and a writer that owns the parent removes them (a kill left them)."""
+
+
+@contextlib.contextmanager
+def staged_dir(final: str, *, fsync: bool = False) -> Iterator[str]:
+    """A fresh, empty sibling of ``final`` (``.tmp-<name>-<pid>``) for the block to write into,
+    renamed to ``final`` when the block ends. Readers see the old directory whole or the new one
+    whole: an old ``final`` is renamed aside (``.old-<name>-<pid>``) before the new one takes its
+    name and deleted only after, so a kill at any point leaves each whole under a name of its own.
+    If the block or a rename fails, the temporary directory is removed, an old ``final`` renamed
+    aside is put back, and the error propagates. ``fsync``: the new tree is flushed to disk before
+    the rename and the parent after it (what must survive a power loss, not only a kill)."""
+    parent, name = os.path.split(os.path.abspath(final))
+    tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{os.getpid()}")
+    aside = os.path.join(parent, f"{ASIDE_PREFIX}{name}-{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # this pid's own leftover
+        os.makedirs(tmp)
+        yield tmp
+        if fsync:
+            _fsync_tree(tmp)
+        replaced = os.path.exists(final)
+        if replaced:
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            if replaced:
+                os.replace(aside, final)
+            raise
+        if fsync:
+            fsync_path(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if replaced:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_dir(path: str) -> None:
+    """Delete the directory ``path``: renamed aside (``.old-<name>-<pid>``) first, then deleted, so
+    a kill meanwhile never leaves a half-deleted directory under its name."""
+    parent, name = os.path.split(os.path.abspath(path))
+    aside = os.path.join(parent, f"{ASIDE_PREFIX}{name}-{os.getpid()}")
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_debris(folder: str) -> None:
+    """The transient directories in ``folder`` of writes or removals that a kill interrupted. Only
+    for a folder whose one writer is the caller (another writer's staging would go too)."""
+    for name in os.listdir(folder):
+        if name.startswith((TMP_PREFIX, ASIDE_PREFIX)):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -404,56 +339,40 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-# --- the driver's side --------------------------------------------------------------------------
+def _fsync_tree(path: str) -> None:
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
 
 
-def write_json_atomic(path: str, value: Any) -> None:
-    """``value`` as JSON at ``path``, replacing the old file in one rename (a reader never sees
-    half). On failure (a full disk) the temporary file is removed and the error raised."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(value, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def truncate_metrics(path: str, step: int) -> int:
-    """Keep the records of steps <= ``step`` in metrics.jsonl (atomically); returns how many."""
-    if not os.path.exists(path):
-        return 0
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                break  # a line cut short by the crash: nothing after it was written whole
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-    return len(kept)
+# --- the run's config.json ----------------------------------------------------------------------
 
 
 def config_from_dict(default: Any, values: Mapping[str, Any], where: str = "config") -> Any:
     """The config tree ``default`` with the values of ``values`` (as `config_to_dict` wrote them
-    into config.json). A key the tree does not have is a `CheckpointError` naming it."""
+    into config.json: a flat section's keys in its parent's dict). A key the tree does not have
+    is a `CheckpointError` naming it."""
+    grouped: dict[str, Any] = {}
+    for key, value in values.items():
+        path = field_path(default, key)
+        if path is None:
+            raise CheckpointError(f"{where}: unknown key {key!r} (the run was written by another version?)")
+        node = grouped
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = value
+    return _rebuilt(default, grouped, where)
+
+
+def _rebuilt(default: Any, grouped: Mapping[str, Any], where: str) -> Any:
     changes = {}
     fields = {f.name: f for f in dataclasses.fields(default)}
-    for key, value in values.items():
-        if key not in fields:
-            raise CheckpointError(f"{where}: unknown key {key!r} (the run was written by another version?)")
+    for key, value in grouped.items():
         current = getattr(default, key)
         if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
-            changes[key] = config_from_dict(current, value, f"{where}.{key}")
+            changes[key] = (_rebuilt(current, value, where) if is_flat(fields[key])
+                            else config_from_dict(current, value, f"{where}.{key}"))
         elif isinstance(current, tuple) and isinstance(value, list):
             changes[key] = tuple(value)
         else:
@@ -474,39 +393,3 @@ def load_run_config(default: Any, run_dir: str) -> Any:
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
     return config_from_dict(default, values)
-
-
-# --- sampler state and weight digests (used in the actors) ---------------------------------------
-
-
-class CountedWalk:
-    """A sampler's walk over the train split that counts the prompts it handed out, so that a
-    resumed run continues the walk where the checkpoint left it (``drawn`` skipped at start)."""
-
-    def __init__(self, walk: Iterator[int], drawn: int = 0):
-        self._walk = walk
-        for _ in range(drawn):
-            next(self._walk)
-        self.drawn = drawn
-
-    def __iter__(self) -> "CountedWalk":
-        return self
-
-    def __next__(self) -> int:
-        index = next(self._walk)
-        self.drawn += 1
-        return index
-
-
-def tensor_digest(tensors: Mapping[str, Any]) -> str:
-    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order: two holders of
-    the same weights get the same digest whatever device or process they live in."""
-    import torch
-
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()

@@ -9,19 +9,35 @@ wrong type (with an example of the right one), a value the section's validation 
 the override that broke it), a stray word. `config_to_dict` gives the plain tree that is written
 into the run directory.
 
-Why a hand-written parser and not tyro, jsonargparse or pydantic-settings (all of which parse
-nested ``--section.key`` flags from type hints): their errors are multi-line usage blocks (tyro's a
-rich-formatted box), a section's ``__post_init__`` ValueError would surface as theirs, not as one
-line naming the override; a resumed run's config.json must be merged under the flags; and each
-adds a dependency tree to a command whose flag errors must answer in well under a second. What
-is needed here (cast, validate per section, suggest close keys) is about 200 lines.
+The keys, docstrings and config.json form live in `asyncrl.rl.config.tree`, ``--help`` in
+`asyncrl.rl.config.helptext`.
+
+Why our own parser. Tried (scratch venv, this tree, 2026): tyro 1.0.17, jsonargparse 4.53,
+pydantic-settings 2.16 and draccus 0.11. Only tyro does most of it: both ``--run.steps 7`` and
+``=7``, both spellings (``use_underscores=True``), docstrings, ``default=`` an instance (a resumed
+config.json), close-key suggestions, a flat sub-section as ``Annotated[DataConfig,
+tyro.conf.arg(name="run", prefix_name=False)]`` (so ``--run.n_train``), import 0.06 s. But every
+error is a 5-13 line box ("Unrecognized options: --trainer.lrr, 5 / Perhaps you meant: /
+--trainer.lr FLOAT / <docstring> / For full helptext..."); a section's check names the section, not
+the flag ("Error parsing run.deadlines: generate_timeout_s (5000) must be shorter..."), a rule
+across sections names the class ("Error parsing Top: ..."); ``steps=3`` gets no suggestion; with
+``console_outputs=False`` an unknown key is a bare ``SystemExit(2)`` with no message to reword, and
+a value error still prints its box; ``--help`` is boxed and keeps docstrings' hard line breaks
+mid-sentence. jsonargparse: no flat sub-section (``--run.n_train`` "unrecognized arguments"), no
+dash spelling, no suggestion, a ``__post_init__`` error escapes ``instantiate_classes`` as a
+traceback, each error after a full usage block. pydantic-settings: sections must become pydantic
+models (stdlib dataclasses are one JSON-valued ``--run RunConfig`` flag), no flat sub-section, one
+spelling only (``cli_kebab_case=True`` refuses ``--run.generate_timeout_s``), no suggestion, a
+``ValidationError`` traceback for a bad value, 0.28 s to import. draccus: no flat sub-section, no
+dash spelling, no suggestion, tracebacks (``DecodingError: `trainer.lr`: Couldn't parse 'abc' into
+a float``; ``ParsingError: Couldn't instantiate class GRPOConfig``). Ours does all of it, in one
+line each, in about 250 lines and no dependency.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import re
 import shlex
 import types
@@ -29,16 +45,18 @@ import typing
 from typing import Any
 
 from asyncrl.errors import UsageError
+from asyncrl.rl.config.helptext import help_text
+from asyncrl.rl.config.tree import (config_to_dict, docstrings, field_path, fields_of, flat_section, is_flat,
+                                    sentence, typed)
+
+__all__ = ["ConfigError", "config_to_dict", "field_path", "flat_section", "help_text", "is_flat", "parse_overrides",
+           "take_option"]
 
 
 class ConfigError(UsageError, ValueError):
     """A command-line override names no field, its value does not fit the field's type or its
     section's validation, or the run refuses a setting. The message is one line that names the
     flag; ``asyncrl launch`` prints it and exits with status 2."""
-
-
-def config_to_dict(config: Any) -> dict[str, Any]:
-    return dataclasses.asdict(config)
 
 
 def parse_overrides(config: Any, argv: list[str]) -> Any:
@@ -74,19 +92,6 @@ def take_option(argv: list[str], flag: str, metavar: str = "VALUE") -> tuple[str
     return "", list(argv)
 
 
-def help_text(config: Any, prefix: str = "") -> str:
-    """Every overridable key with its default and docstring, one per line."""
-    lines = []
-    for f, value in _fields(config):
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            lines.append(help_text(value, key + "."))
-        else:
-            doc = _docstrings(type(config)).get(f.name, "")
-            lines.append(f"  --{key} {value!r}" + (f"\n      {doc}" if doc else ""))
-    return "\n".join(lines)
-
-
 # --- parsing --------------------------------------------------------------------------------------
 
 
@@ -114,17 +119,20 @@ def _pairs(config: Any, argv: list[str]) -> list[tuple[str, str | None]]:
 def _resolve(config: Any, dotted: str, raw: str | None) -> tuple[list[str], Any]:
     """The field names along ``dotted`` and the current value there; an unknown key, or a
     section given a value, is a `ConfigError`."""
-    node, path = config, []
+    node, path, shown = config, [], []
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(node):
-            raise ConfigError(f"unknown config key --{dotted}: --{'.'.join(path)} is a value, not a section")
+            raise ConfigError(f"unknown config key --{dotted}: --{'.'.join(shown)} is a value, not a section")
         name = part.replace("-", "_")
-        if name not in {f.name for f in dataclasses.fields(node)}:
+        steps = field_path(node, name)
+        if steps is None:
             raise ConfigError(_unknown(config, dotted, node))
-        parent, node = node, getattr(node, name)
-        path.append(name)
+        for step in steps:
+            parent, node = node, getattr(node, step)
+        path += steps
+        shown.append(name)
     if dataclasses.is_dataclass(node):
-        raise ConfigError(_section_given_a_value(parent, path, raw))
+        raise ConfigError(_section_given_a_value(parent, path, raw, shown))
     return path, node
 
 
@@ -132,7 +140,7 @@ def _unknown(config: Any, dotted: str, parent: Any) -> str:
     guesses = _guesses(config, dotted.replace("-", "_"))
     if guesses:
         return f"unknown config key --{dotted}; did you mean {' or '.join('--' + g for g in guesses)}?"
-    names = ", ".join(sorted(f.name for f in dataclasses.fields(parent)))
+    names = ", ".join(sorted(f.name for f, _ in fields_of(parent)))
     return f"unknown config key --{dotted}; {type(parent).__name__} has: {names}"
 
 
@@ -147,7 +155,7 @@ def _guesses(config: Any, key: str) -> list[str]:
 
 def _leaf_keys(config: Any, prefix: str = "") -> list[str]:
     keys = []
-    for f, value in _fields(config):
+    for f, value in fields_of(config):
         if dataclasses.is_dataclass(value):
             keys += _leaf_keys(value, f"{prefix}{f.name}.")
         else:
@@ -155,20 +163,20 @@ def _leaf_keys(config: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _section_given_a_value(parent: Any, path: list[str], raw: str | None) -> str:
+def _section_given_a_value(parent: Any, path: list[str], raw: str | None, shown: list[str]) -> str:
     """``--model /some/dir``: say what the section is, how its keys are set and, where the parent
     has a ``<name>_path`` field, that the value probably belongs there."""
     name, section = path[-1], getattr(parent, path[-1])
-    dotted = ".".join(path)
-    docs = _docstrings(type(parent))
-    what = _sentence(docs.get(name, ""))
-    first = _fields(section)[0]
+    dotted = ".".join(shown)
+    docs = docstrings(type(parent))
+    what = sentence(docs.get(name, ""))
+    first = fields_of(section)[0]
     example = _example(f"{dotted}.{first[0].name}", first[1], "")
     message = f"--{dotted} is a section{f' ({what})' if what else ''}, not a value: set its keys, e.g. {example}"
     sibling = f"{name}_path"
     if raw is not None and sibling in {f.name for f in dataclasses.fields(parent)}:
-        given = ".".join([*path[:-1], sibling])
-        what = _sentence(docs.get(sibling, "").split(";")[0]) or "a path"
+        given = ".".join([*shown[:-1], sibling])
+        what = sentence(docs.get(sibling, "").split(";")[0]) or "a path"
         message += f"; {what} is given with --{given} {shlex.quote(raw)}"
     return message
 
@@ -182,16 +190,6 @@ def _stray(config: Any, arg: str) -> str:
         shown = " or ".join(f"--{g}" + (f" {shlex.quote(value)}" if sep else "") for g in guesses)
         return f"unexpected argument {arg!r}; did you mean {shown}?"
     return f"unexpected argument {arg!r}: overrides are --section.key value (see --help for the keys)"
-
-
-def _sentence(doc: str) -> str:
-    """A field's docstring as a clause: first sentence, no final period, lower-case start."""
-    text = doc.split(". ")[0].strip().rstrip(".")
-    return text[:1].lower() + text[1:]
-
-
-def _fields(config: Any) -> list[tuple[dataclasses.Field, Any]]:
-    return [(f, getattr(config, f.name)) for f in dataclasses.fields(config)]
 
 
 # --- building -------------------------------------------------------------------------------------
@@ -212,6 +210,8 @@ def _apply(node: Any, overrides: dict[str, Any]) -> Any:
     try:
         return dataclasses.replace(node, **values)
     except ValueError as exc:  # the section's own validation
+        if str(exc).startswith("--"):  # it names the flags itself (a rule across sections)
+            raise ConfigError(str(exc)) from None
         raise ConfigError(f"{_culprits(str(exc), flags, node)}: {exc}") from None
 
 
@@ -289,33 +289,5 @@ def _describe(annotation: Any) -> str:
 
 
 def _example(dotted: str, current: Any, lead: str) -> str:
-    """``lead`` + ``--dotted <current value as typed on a command line>``, or "" for no value."""
-    if isinstance(current, bool):
-        shown = "true" if current else "false"
-    elif isinstance(current, tuple):
-        shown = ",".join(str(v) for v in current)
-    elif current is None:
-        shown = "none"
-    else:
-        shown = str(current)
-    return f"{lead}--{dotted} {shlex.quote(shown)}" if shown else ""
-
-
-@functools.lru_cache(maxsize=None)
-def _docstrings(cls: type) -> dict[str, str]:
-    """Field docstrings (the string literal right after a field) read from the class source
-    (cached: inspect parses the class's whole module for it, and --help asks once per field)."""
-    import ast
-    import inspect
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    docs, body = {}, tree.body[0].body if tree.body else []
-    for prev, node in zip(body, body[1:]):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and isinstance(node, ast.Expr)
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
-            docs[prev.target.id] = " ".join(node.value.value.split())
-    return docs
+    """``lead`` + ``--dotted <current value as typed on a command line>``; "" for an empty string."""
+    return f"{lead}--{dotted} {typed(current)}" if current != "" else ""

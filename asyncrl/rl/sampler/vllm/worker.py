@@ -22,6 +22,7 @@ How a received tensor gets into the model:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import struct
@@ -71,21 +72,14 @@ class WeightSyncExtension:
         """Join the group whose store rank 0 hosts at ``host:port`` (the store is reached from here,
         the engine's process, which runs on the sampler actor's host). Returns the communicator's
         backend."""
-        from asyncrl.comm.member import make_communicator
-        from asyncrl.comm.rendezvous import StoreGroup
+        from asyncrl.comm.join import join_sync_group
 
         _check_join(host, port, rank, world_size, generation, backend, timeout_s, name)
         self.asyncrl_leave()
-        if backend == "auto":
-            backend = "nccl" if self._asyncrl_device().type == "cuda" else "gloo"
-        group = StoreGroup.create(host, port, rank, world_size, timeout_s, name=name, generation=generation)
-        try:
-            comm = make_communicator(group, backend, timeout_s)
-        except BaseException:
-            group.close()
-            raise
-        self._asyncrl = _Membership(group, comm)
-        return comm.backend
+        membership = join_sync_group(host, port, rank, world_size, generation=generation, backend=backend,
+                                     device=self._asyncrl_device(), timeout_s=timeout_s, name=name)
+        self._asyncrl = _Membership(membership)
+        return membership.backend
 
     def asyncrl_setup_receiver(self, timeout_s: float) -> int:
         """Receive the sender's layout; refuse one whose names or shapes are not the checkpoint's.
@@ -96,24 +90,30 @@ class WeightSyncExtension:
         member = self._asyncrl_member("setup_receiver")
         receiver = WeightReceiver.create(member.comm, member.group, src=0, timeout_s=timeout_s)
         _check_against_checkpoint(receiver.layout, self._asyncrl_model_path())
+        if not self._asyncrl_loads_in_place():
+            _quiet_reload_warnings(self.model_runner.model, {spec.name for spec in receiver.layout.tensors})
         member.receiver, member.timeout_s = receiver, timeout_s
         return len(receiver.layout.buckets)
 
-    def asyncrl_receive_weights(self, version: int) -> list[float]:
-        """Take sync ``version`` into the model, bucket by bucket. Returns ``[seconds, bytes]``."""
+    def asyncrl_receive_weights(self, version: int, timeout_s: float | None = None) -> list[float]:
+        """Take sync ``version`` into the model, bucket by bucket, within ``timeout_s`` (None: the
+        set-up's; the sampler passes what its own deadline has left after a pause). Returns
+        ``[seconds, bytes]``."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, not {version!r}")
+        if timeout_s is not None:
+            _check_timeout(timeout_s)
         member = self._asyncrl_member("receive_weights")
         if member.receiver is None:
             raise WorkerSyncError("receive_weights before setup_receiver")
+        limit = member.timeout_s if timeout_s is None else timeout_s
         if self._asyncrl_loads_in_place():
             model = self.model_runner.model
-            stats = member.receiver.receive(version, lambda name, t: model.load_weights([(name, t)]))
+            stats = member.receiver.receive(version, lambda name, t: model.load_weights([(name, t)]), timeout_s=limit)
         else:
-            load = _PulledLoad(lambda weights: self.model_runner.reload_weights(weights_iterator=weights),
-                               total=len(member.receiver.layout.tensors), timeout_s=member.timeout_s)
+            load = _PulledLoad(self._asyncrl_reload, total=len(member.receiver.layout.tensors), timeout_s=limit)
             try:
-                stats = member.receiver.receive(version, load)
+                stats = member.receiver.receive(version, load, timeout_s=limit)
             finally:
                 load.close()
         return [stats.seconds, float(stats.bytes)]
@@ -138,6 +138,10 @@ class WeightSyncExtension:
             raise WorkerSyncError(f"{what} before joining a weight-sync group")
         return member
 
+    def _asyncrl_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """The CPU path: vLLM restores the checkpoint layout, loads from ``weights``, repacks."""
+        self.model_runner.reload_weights(weights_iterator=weights)
+
     def _asyncrl_loads_in_place(self) -> bool:
         """CUDA: the live model's ``load_weights`` takes each tensor; CPU: ``reload_weights``."""
         return self._asyncrl_device().type == "cuda"
@@ -151,17 +155,17 @@ class WeightSyncExtension:
 
 
 class _Membership:
-    def __init__(self, group: Any, comm: Any):
-        self.group, self.comm = group, comm
+    """The worker's place in one group (a `SyncMembership`) and the receiver set up in it."""
+
+    def __init__(self, membership: Any):
+        self.membership = membership
+        self.group, self.comm = membership.group, membership.comm
         self.receiver = None
         self.timeout_s = 60.0
 
     def close(self) -> None:
         self.receiver = None
-        try:
-            self.comm.close()
-        finally:
-            self.group.close()
+        self.membership.close()
 
 
 class _PulledLoad:
@@ -236,6 +240,56 @@ class _PulledLoad:
             if item is _DONE:
                 return
             yield item
+
+
+# --- vLLM's reload warnings -------------------------------------------------------------------------
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_WARNING = "%s: Failed to load weights"
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's "<layer class>: Failed to load weights" for the layer classes in ``quiet``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == RELOAD_WARNING and bool(record.args) and record.args[0] in self.quiet)
+
+
+def _quiet_reload_warnings(model: torch.nn.Module, sent: set[str]) -> None:
+    """Silence, for this model, the warnings vLLM's in-place reload gives on every sync for layers
+    that no checkpoint can load. Its layerwise reload counts every tensor of a layer, buffers
+    included, and warns for each layer none of whose tensors came in, then puts back the tensors
+    it had, which is right for these: a layer whose tensors are all non-persistent buffers
+    (computed at start, never saved: rotary's cos/sin cache, `RotaryEmbedding`) or parameters of
+    another layer that was sent (tied: ``lm_head.weight`` is ``model.embed_tokens.weight``, and
+    Qwen2's loader skips ``lm_head.*`` when tied, so sending it would not help). vLLM's own reload
+    from the checkpoint warns the same. A class is silenced only if every layer of it is such a
+    layer; any other failure to load still warns."""
+    holders: dict[int, set[str]] = {}  # parameter -> every name it has in the model
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(f"{prefix}.{name}" if prefix else name)
+    expected: dict[str, bool] = {}
+    for prefix, module in model.named_modules():
+        params = {f"{prefix}.{n}" if prefix else n: p for n, p in module._parameters.items() if p is not None}
+        buffers = {n for n, b in module._buffers.items() if b is not None}
+        if not params and not buffers:
+            continue  # nothing to load: vLLM does not warn
+        saved = buffers - module._non_persistent_buffers_set
+        tied = all((holders[id(p)] - {name}) & sent for name, p in params.items())
+        kind = type(module).__name__
+        expected[kind] = expected.get(kind, True) and not saved and tied
+    logger = logging.getLogger(RELOAD_LOGGER)
+    quiet = next((f for f in logger.filters if isinstance(f, _ExpectedReloadWarnings)), None)
+    if quiet is None:
+        quiet = _ExpectedReloadWarnings()
+        logger.addFilter(quiet)
+    quiet.quiet = {kind for kind, ok in expected.items() if ok}
 
 
 # --- validation -----------------------------------------------------------------------------------

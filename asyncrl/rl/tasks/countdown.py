@@ -3,8 +3,9 @@ parentheses that uses each number exactly once (all of them) and equals the targ
 values may be fractions; only the final value must equal the target.
 
 Pure and deterministic: problems come from a seeded ``random.Random``, every emitted problem carries
-a reference solution checked by :mod:`asyncrl.rl.arith`, and the reward reads model output with that
-same parser, never with ``eval``.
+a reference solution checked by :mod:`asyncrl.rl.tasks.arith`, and the reward reads model output
+with that same parser, never with ``eval``. `CountdownTask` is the task as the rest of asyncrl sees
+it (the `Task` protocol of ``tasks/base.py``); the functions below are its parts.
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ from typing import Union
 
 import msgspec
 
-from asyncrl.rl.arith import MAX_CHARS, ArithError, BinOp, Expr, Num, evaluate, format_expr, numbers_used, parse
+from asyncrl.rl.config.task import MAX_SOLVE_NUMBERS, CountdownConfig
+from asyncrl.rl.tasks.arith import MAX_CHARS, ArithError, BinOp, Expr, Num, evaluate, format_expr, numbers_used, parse
+from asyncrl.rl.tasks.base import Message, Prompt, Splits, TaskInputError
 
 CORRECT_REWARD = 1.0
 """An answer that uses each number exactly once and equals the target."""
 FORMAT_REWARD = 0.1
 """An answer that parses and evaluates but is wrong (wrong value, or numbers missing, reused or
 extra): a small signal that the format was right, well below a correct answer."""
-MAX_SOLVE_NUMBERS = 6
-"""Most numbers ``solve`` accepts; its exhaustive search grows factorially with the count."""
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
-Key = tuple[tuple[int, ...], int]
+ProblemKey = tuple[tuple[int, ...], int]
+"""A problem's identity for deduplication (`problem_key`)."""
 _Tree = Union[int, tuple]  # a leaf number, or (op, left, right); turned into an arith.Expr at the end
 
 
@@ -41,32 +43,7 @@ class CountdownProblem(msgspec.Struct, frozen=True):
     solution: str
 
 
-@dataclass(frozen=True, kw_only=True)
-class CountdownConfig:
-    """What problems the generator draws. Every problem is solvable by construction."""
-
-    min_count: int = 3
-    """Fewest numbers in a problem."""
-    max_count: int = 4
-    """Most numbers in a problem (at most MAX_SOLVE_NUMBERS)."""
-    max_number: int = 99
-    """Numbers are drawn uniformly from 1..max_number, repeats allowed."""
-    min_target: int = 1
-    """Smallest target."""
-    max_target: int = 100
-    """Largest target."""
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.min_count <= self.max_count <= MAX_SOLVE_NUMBERS:
-            raise ValueError(f"need 2 <= min_count <= max_count <= {MAX_SOLVE_NUMBERS}, "
-                             f"not {self.min_count}..{self.max_count}")
-        if not 1 <= self.max_number < 10**6:
-            raise ValueError(f"max_number must be in 1..999999, not {self.max_number}")
-        if not 1 <= self.min_target <= self.max_target:
-            raise ValueError(f"need 1 <= min_target <= max_target, not {self.min_target}..{self.max_target}")
-
-
-def problem_key(problem: CountdownProblem) -> Key:
+def problem_key(problem: CountdownProblem) -> ProblemKey:
     """Identity of a problem for deduplication: the numbers as a sorted multiset, and the target."""
     return tuple(sorted(problem.numbers)), problem.target
 
@@ -164,7 +141,7 @@ def _to_expr(tree: _Tree) -> Expr:
 
 
 def generate(seed: int | str, n: int, config: CountdownConfig = CountdownConfig(),
-             *, exclude: Iterable[Key] = ()) -> list[CountdownProblem]:
+             *, exclude: Iterable[ProblemKey] = ()) -> list[CountdownProblem]:
     """``n`` distinct problems (by :func:`problem_key`), none of whose keys is in ``exclude``.
 
     Deterministic for a seed, and a stream: ``generate(s, k)`` is a prefix of ``generate(s, n)`` for
@@ -202,6 +179,14 @@ def train_and_heldout(seed: int | str, n_train: int, n_heldout: int,
     heldout = generate(f"countdown/{seed}/heldout", n_heldout, config)
     train = generate(f"countdown/{seed}/train", n_train, config, exclude=map(problem_key, heldout))
     return train, heldout
+
+
+def heldout_split(seed: int | str, n_heldout: int,
+                  config: CountdownConfig = CountdownConfig()) -> list[CountdownProblem]:
+    """The held-out set of :func:`train_and_heldout` (the same problems, in the same order), without
+    drawing the train split: ``train_and_heldout(seed, n_train, n_heldout, config)[1]`` for any
+    ``n_train``, since the held-out stream is drawn first and on its own."""
+    return generate(f"countdown/{seed}/heldout", n_heldout, config)
 
 
 def _draw(rng: random.Random, config: CountdownConfig) -> CountdownProblem | None:
@@ -287,11 +272,16 @@ def extract_answer(completion: str) -> str | None:
 
 def score(problem: CountdownProblem, completion: str) -> RewardBreakdown:
     """Score ``completion`` against ``problem``. Never raises for any ``str``: all reading of model
-    text goes through :func:`arith.parse`, whose only error is ArithError, caught here.
+    text goes through :func:`arith.parse`, whose only error is ArithError, caught here. A
+    completion that is not a ``str``, or a problem that is not a `CountdownProblem`, is a caller's
+    bug: `TaskInputError`.
 
     The answer is an expression, optionally followed by ``= N`` with N a plain number; if given, N
     must equal the target for the answer to count as correct.
     """
+    if not isinstance(completion, str):
+        raise TaskInputError(f"countdown: a completion must be a str, not {type(completion).__name__}")
+    _check_problem(problem)
     answer = extract_answer(completion)
     if answer is None:
         return RewardBreakdown(0.0, False, False, False, False, False, "no <answer>...</answer>")
@@ -315,3 +305,44 @@ def score(problem: CountdownProblem, completion: str) -> RewardBreakdown:
 def reward(problem: CountdownProblem, completion: str) -> float:
     """CORRECT_REWARD, FORMAT_REWARD or 0.0 for ``completion``: see :func:`score`."""
     return score(problem, completion).reward
+
+
+def _check_problem(problem: object) -> None:
+    if not isinstance(problem, CountdownProblem):
+        raise TaskInputError(f"countdown: a problem must be a CountdownProblem, not {type(problem).__name__}")
+
+
+# --- the task -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CountdownTask:
+    """Countdown as a `Task` (``tasks/base.py``): ``config`` says what problems the splits draw;
+    prompts and scores do not depend on it."""
+
+    config: CountdownConfig = CountdownConfig()
+
+    @property
+    def name(self) -> str:
+        return "countdown"
+
+    @property
+    def correct_reward(self) -> float:
+        return CORRECT_REWARD
+
+    @property
+    def problem_type(self) -> type[CountdownProblem]:
+        return CountdownProblem
+
+    def splits(self, seed: int | str, n_train: int, n_heldout: int) -> Splits[CountdownProblem]:
+        """`train_and_heldout` of ``config``."""
+        return Splits(*train_and_heldout(seed, n_train, n_heldout, self.config))
+
+    def prompt(self, problem: CountdownProblem) -> Prompt:
+        """One user turn, :func:`format_prompt`; the compact form is :func:`format_prompt_compact`."""
+        _check_problem(problem)
+        return Prompt([Message("user", format_prompt(problem))], compact=format_prompt_compact(problem))
+
+    def score(self, problem: CountdownProblem, completion: str) -> RewardBreakdown:
+        """:func:`score`."""
+        return score(problem, completion)

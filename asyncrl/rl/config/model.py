@@ -1,79 +1,9 @@
-"""The config sections of a GRPO run that are defined next to torch code (the embedded model's
-shape and warm start, the trainer, the loss), kept here so that reading, parsing and checking a
-config (``--help``, a flag error) loads in milliseconds, without torch. Their modules re-export
-them."""
+"""The embedded model's shape (``--model.*``) and its supervised warm start (``--warm_start.*``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True, kw_only=True)
-class GRPOLossConfig:
-    eps_low: float = 0.2
-    """Lower clip: the ratio is clipped at ``1 - eps_low`` (matters for negative advantages)."""
-    eps_high: float = 0.28
-    """Upper clip: the ratio is clipped at ``1 + eps_high`` (matters for positive advantages).
-    Above ``eps_low`` it is DAPO's "clip-higher", which keeps low-probability tokens exploring."""
-    tis_cap: float | None = None
-    """Truncated importance sampling: when set, each token's clipped-surrogate term is multiplied
-    by the detached factor ``min(1, tis_cap / ratio)``, so an unclipped token's gradient is
-    ``min(ratio, tis_cap) * A * grad(log pi)`` instead of ``ratio * A * grad(log pi)``. This bounds
-    the one case the PPO clip leaves open: a negative advantage with a huge ratio. ``None``: off."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL estimate to the reference policy (needs ``ref_logprobs``); 0: no KL."""
-    aggregation: str = "token_mean"
-    """'token_mean': sum over every valid token / number of valid tokens in the batch (long
-    completions weigh more). 'seq_mean': mean over each sequence's valid tokens, then mean over
-    the sequences that have at least one valid token (each completion weighs the same)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.eps_low < 1:
-            raise ValueError(f"eps_low must be in [0, 1), not {self.eps_low!r}")
-        if not self.eps_high >= 0:
-            raise ValueError(f"eps_high must be >= 0, not {self.eps_high!r}")
-        if self.tis_cap is not None and not self.tis_cap >= 1:
-            raise ValueError(f"tis_cap must be >= 1 or None, not {self.tis_cap!r}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"kl_coef must be >= 0, not {self.kl_coef!r}")
-        if self.aggregation not in ("token_mean", "seq_mean"):
-            raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', not {self.aggregation!r}")
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    lr: float = 1e-4
-    """AdamW learning rate (the default suits the small embedded model; use ~1e-6 for real LLMs;
-    on the embedded model 1e-3 collapsed the policy within 25 steps)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas."""
-    grad_clip: float = 1.0
-    """Clip the gradient's global norm to this (0: no clipping)."""
-    micro_batch_tokens: int = 16384
-    """Token budget of one forward/backward (padded length x sequences)."""
-    temperature: float = 1.0
-    """Log-probs are taken of logits / temperature: must equal the samplers' temperature."""
-    normalize_std: bool = False
-    """Divide each group's advantages by its reward std (GRPO); False: mean-centred only (Dr. GRPO).
-    Off by default: the std division gives a group that differs only in the 0.1 format reward as
-    much weight as one that differs in correctness; on the embedded model it measured better off."""
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    """Clipping, truncated importance weight, KL and aggregation of the GRPO loss."""
-    bf16: bool = True
-    """bf16 autocast for the forward pass on GPU (parameters and optimiser stay fp32)."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, not {self.lr!r}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1, not {self.micro_batch_tokens!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, not {self.temperature!r}")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0, not {self.grad_clip!r}")
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, kw_only=True)

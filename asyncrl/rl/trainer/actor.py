@@ -3,8 +3,9 @@
 It is rank 0 of the weight-sync group (`SyncMember` gives it the rendezvous endpoints) and the
 only holder of an optimiser. A batch arrives as `RolloutGroup`s; each completion becomes one
 sequence ``prompt + completion`` whose completion tokens are scored. Micro-batches are cut by a
-token budget (padded tokens counted), and the loss is normalised by the whole batch's count, so
-the accumulated gradient equals that of the full batch whatever the cut.
+token budget, padded tokens counted (``trainer/batching.py``), and the loss (``trainer/loss.py``)
+is normalised by the whole batch's count, so the accumulated gradient equals that of the full
+batch whatever the cut. Checkpoints are written and loaded by ``trainer/checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -15,96 +16,31 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import WeightSender
-from asyncrl.rl.countdown import CountdownProblem
-from asyncrl.rl.loss import GRPOLossConfig, group_advantages, grpo_loss, token_logprobs
+from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
+from asyncrl.rl.tasks.countdown import CountdownProblem
+from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
+from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_logprobs
 from asyncrl.runtime.actor import endpoint
-
-
-from asyncrl.rl.sections import TrainerConfig  # noqa: E402  (torch-free: CLI --help and flag errors)
-
-def trainer_config_from(fields: dict[str, Any]) -> TrainerConfig:
-    """A `TrainerConfig` from plain values (as they cross the wire), the loss config nested."""
-    values = dict(fields)
-    if isinstance(values.get("loss"), dict):
-        values["loss"] = GRPOLossConfig(**values["loss"])
-    if "betas" in values:
-        values["betas"] = tuple(values["betas"])
-    return TrainerConfig(**values)
-
-
-@dataclass
-class _Sequences:
-    """One micro-batch: right-padded ``prompt + completion`` rows and, per row, where the
-    completion's scores sit in ``token_logprobs``' output (index ``prompt_len - 1 + j``)."""
-
-    input_ids: torch.Tensor  # [B, L]
-    attention: torch.Tensor  # [B, L]
-    score_index: torch.Tensor  # [B, C] positions in the [B, L-1] log-prob matrix
-    mask: torch.Tensor  # [B, C] completion token j exists
-    behaviour: torch.Tensor  # [B, C]
-    advantages: torch.Tensor  # [B]
-
-
-def micro_batches(groups: list[RolloutGroup], advantages: torch.Tensor, budget: int, device: torch.device) -> list[_Sequences]:
-    """Cut the batch's sequences into micro-batches of at most ``budget`` padded tokens (a single
-    sequence longer than the budget goes alone)."""
-    rows = []
-    a = 0
-    for g in groups:
-        for ids, lps in zip(g.completion_ids, g.behaviour_logprobs):
-            rows.append((g.prompt_ids, ids, lps, float(advantages[a])))
-            a += 1
-    rows.sort(key=lambda r: len(r[0]) + len(r[1]))  # similar lengths together: less padding
-    out, chunk, longest = [], [], 0
-    for row in rows:
-        length = len(row[0]) + len(row[1])
-        if chunk and max(longest, length) * (len(chunk) + 1) > budget:
-            out.append(_pack(chunk, device))
-            chunk, longest = [], 0
-        chunk.append(row)
-        longest = max(longest, length)
-    if chunk:
-        out.append(_pack(chunk, device))
-    return out
-
-
-def _pack(rows: list, device: torch.device) -> _Sequences:
-    length = max(len(p) + len(c) for p, c, _, _ in rows)
-    width = max(max(len(c) for _, c, _, _ in rows), 1)
-    ids = torch.zeros(len(rows), length, dtype=torch.long)
-    attention = torch.zeros(len(rows), length, dtype=torch.long)
-    score_index = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    behaviour = torch.zeros(len(rows), width)
-    for i, (prompt, completion, lps, _) in enumerate(rows):
-        n = len(prompt) + len(completion)
-        ids[i, :n] = torch.tensor(prompt + completion)
-        attention[i, :n] = 1
-        c = len(completion)
-        score_index[i, :c] = torch.arange(len(prompt) - 1, len(prompt) - 1 + c)
-        mask[i, :c] = True
-        behaviour[i, :c] = torch.tensor(lps)
-    advantages = torch.tensor([r[3] for r in rows])
-    return _Sequences(*(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages)))
 
 
 class TrainerActor(SyncMember):
     """Holds the policy and its optimiser; rank 0 of the weight-sync group."""
 
-    def __init__(self, model_path: str, config: dict = {}, *, device: str = "cpu", seed: int = 0):
-        from asyncrl.rl.model import load_policy  # transformers is heavy: import in the actor only
+    def __init__(self, model_path: str, config: TrainerConfig = TrainerConfig(), *, device: str = "cpu", seed: int = 0):
+        from asyncrl.rl.model.policy import load_policy  # transformers is heavy: import in the actor only
 
         torch.manual_seed(seed)
-        self.config = trainer_config_from(config)
+        self.config = config
+        # None is "the samplers' temperature"; a GRPO run resolves it (GRPOConfig.trainer_config),
+        # a trainer used on its own scores at 1, sampling's default.
+        self.temperature = 1.0 if config.temperature is None else config.temperature
         self.device = torch.device(device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", 0)  # the actor sees only its own GPU
@@ -173,18 +109,18 @@ class TrainerActor(SyncMember):
                     train_s=time.perf_counter() - start)
         return sums
 
-    def _accumulate(self, batch: _Sequences, normalizer: float) -> dict[str, torch.Tensor]:
+    def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:
         cfg = self.config
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda" and cfg.bf16)
         with autocast:
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits
-        logits = logits.float() / cfg.temperature
+        logits = logits.float() / self.temperature
         new = token_logprobs(logits, batch.input_ids).gather(1, batch.score_index)
         ref = None
         if self.ref is not None:
             with torch.no_grad(), autocast:
                 ref_logits = self.ref(input_ids=batch.input_ids, attention_mask=batch.attention).logits
-            ref = token_logprobs(ref_logits.float() / cfg.temperature, batch.input_ids).gather(1, batch.score_index)
+            ref = token_logprobs(ref_logits.float() / self.temperature, batch.input_ids).gather(1, batch.score_index)
         with torch.no_grad():  # entropy of the policy at the scored positions (a metric only)
             scored = logits[:, :-1].gather(1, batch.score_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
             logp = torch.log_softmax(scored, dim=-1)
@@ -199,7 +135,7 @@ class TrainerActor(SyncMember):
                        batch_size: int = 64) -> dict[str, float]:
         """Solve rate on ``problems``: greedy, and sampled at the training temperature
         (``samples`` completions per problem; 0 skips it)."""
-        from asyncrl.rl.model import solve_rate
+        from asyncrl.rl.model.evaluation import solve_rate
 
         limit = max_new_tokens or self.fmt.max_new_tokens_hint
 
@@ -211,7 +147,7 @@ class TrainerActor(SyncMember):
                 if samples:
                     out["sampled"] = solve_rate(self.model, self.tokenizer, self.fmt, problems, greedy=False,
                                                 n=samples, max_new_tokens=limit, batch_size=batch_size,
-                                                temperature=self.config.temperature)
+                                                temperature=self.temperature)
                 return out
             finally:
                 self.model.train()
@@ -222,20 +158,19 @@ class TrainerActor(SyncMember):
     async def save_checkpoint(self, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
         """Write the resumable checkpoint of ``step`` under ``run_dir`` (policy, optimiser, RNGs
         and the driver's ``run_state`` JSON), atomically, keeping the newest ``keep``; returns
-        its path. See `checkpoint.py`."""
-        from asyncrl.rl.checkpoint import write_checkpoint
+        its path. See ``trainer/checkpoint.py``."""
+        from asyncrl.rl.trainer.checkpoint import write_checkpoint
 
-        extra = os.path.join(self.model_path, "asyncrl_model.json")
         return await asyncio.to_thread(write_checkpoint, run_dir, step, keep, self.model, self.tokenizer,
-                                       self.optimizer, self.steps, run_state,
-                                       [extra] if os.path.exists(extra) else [])
+                                       self.optimizer, self.steps, run_state, self._marker_files())
 
     @endpoint
     async def load_checkpoint(self, path: str) -> int:
         """Take the policy, optimiser state and RNG states of the checkpoint at ``path`` (before
         the weight-sync group is formed); returns the trainer's step count there."""
-        from asyncrl.rl.checkpoint import Checkpoint, load_trainer_state
-        from asyncrl.rl.model import load_policy
+        from asyncrl.rl.checkpoint import Checkpoint
+        from asyncrl.rl.model.policy import load_policy
+        from asyncrl.rl.trainer.checkpoint import load_trainer_state
 
         def load() -> int:
             checkpoint = Checkpoint(-1, path)
@@ -252,44 +187,44 @@ class TrainerActor(SyncMember):
 
     @endpoint
     async def weights_digest(self) -> str:
-        """SHA-256 of the policy's parameters as the samplers hold them (`checkpoint.tensor_digest`)."""
-        from asyncrl.rl.checkpoint import tensor_digest
+        """SHA-256 of the policy's parameters as the samplers hold them (``rl/digest.py``)."""
+        from asyncrl.rl.digest import tensor_digest
 
         return await asyncio.to_thread(tensor_digest, self.weight_tensors())
 
     @endpoint
     async def save(self, path: str, extra_files: dict[str, str] = {}) -> str:
-        """Write the policy as a Hugging Face checkpoint directory (atomically: temp dir + rename),
-        with ``extra_files`` (name -> text, e.g. best.json) inside it, written with the rest so
-        they never describe another policy. A failed write (a full disk) leaves nothing behind
-        and raises a one-line `CheckpointWriteError`."""
-        from asyncrl.rl.checkpoint import write_failure
+        """Write the policy as a Hugging Face checkpoint directory, whole (`staged_dir`: a kill
+        at any point leaves a whole policy, the old or the new, never a half-written or
+        half-deleted one), with ``extra_files`` (name -> text, e.g. best.json) inside it, written
+        with the rest so they never describe another policy. A failed write (a full disk) leaves
+        nothing behind and raises a one-line `CheckpointWriteError`."""
+        return await asyncio.to_thread(self._save, os.path.abspath(path), dict(extra_files))
 
-        def write() -> str:
-            final = os.path.abspath(path)
-            tmp, aside = f"{final}.tmp-{os.getpid()}", f"{final}.old-{os.getpid()}"
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
+    def _save(self, final: str, extra_files: dict[str, str]) -> str:
+        from asyncrl.rl.checkpoint import staged_dir
+        from asyncrl.rl.trainer.checkpoint import write_failure
+
+        try:
+            with staged_dir(final) as tmp:
                 self.model.save_pretrained(tmp, safe_serialization=True)
                 self.tokenizer.save_pretrained(tmp)
-                extra = os.path.join(self.model_path, "asyncrl_model.json")
-                if os.path.exists(extra):
-                    shutil.copy(extra, tmp)
-                with open(os.path.join(tmp, "asyncrl_trainer.json"), "w") as f:
-                    json.dump({"steps": self.steps, "config": dataclasses.asdict(self.config)}, f, indent=2)
-                for name, text in extra_files.items():
-                    with open(os.path.join(tmp, os.path.basename(name)), "w") as f:
+                for marker in self._marker_files():
+                    shutil.copy(marker, tmp)
+                files = {"asyncrl_trainer.json": json.dumps(
+                    {"steps": self.steps, "config": dataclasses.asdict(self.config)}, indent=2)}
+                files.update((os.path.basename(name), text) for name, text in extra_files.items())
+                for name, text in files.items():
+                    with open(os.path.join(tmp, name), "w") as f:
                         f.write(text)
-            except Exception as exc:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise write_failure("the policy", final, exc) from exc
-            # The old one is renamed aside before the new one takes its name, so a kill in between
-            # leaves a whole policy under one of the two names, never a half-deleted one.
-            if os.path.exists(final):
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(final, aside)
-            os.replace(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-            return final
+        except Exception as exc:
+            raise write_failure("the policy", final, exc) from exc
+        return final
 
-        return await asyncio.to_thread(write)
+    def _marker_files(self) -> list[str]:
+        """The warm start's marker file of the policy's directory, if it has one: copied into every
+        policy and checkpoint written, so they load with the same prompt style."""
+        from asyncrl.rl.model.policy import MARKER_FILE
+
+        marker = os.path.join(self.model_path, MARKER_FILE)
+        return [marker] if os.path.exists(marker) else []

@@ -21,25 +21,23 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrl.rl.sampler import (
+from asyncrl.rl.sampler.backend import (
     Completion,
     PausableBackend,
     SamplerClosedError,
     SamplerTimeoutError,
     SamplingParams,
+    WeightSink,
+    row_seed,
 )
+from asyncrl.rl.sampler.sink import ActorSink
 
-_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd constants: distinct (seed, prompt, sample) -> distinct streams
-
-
-def row_seed(seed: int, prompt: int, sample: int) -> int:
-    """Seed of completion ``sample`` of prompt ``prompt`` in a call made with ``seed``: a call's
-    output depends only on its own arguments, never on what else ran before it."""
-    return (seed * _MIX[0] + prompt * _MIX[1] + sample) % (1 << 63)
+if TYPE_CHECKING:
+    from asyncrl.comm.member import SyncMember
 
 
 def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,28 +69,22 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 
 class HFBackend(PausableBackend):
-    """Batched sampling with a transformers causal LM (``model`` in eval mode on its device).
+    """Batched sampling with a transformers causal LM (``model`` in eval mode on its device). Its
+    weights are the model's own tensors, so they are received in the sampler actor's process
+    (`ActorSink`); `load_weights` picks the moment."""
 
-    Concurrency contract (the sampler actor's version tagging relies on it): when not paused,
-    `generate` registers itself as in flight before its first ``await``, so a `pause` that starts
-    after the call began waits for it.
-    """
+    name = "hf"
 
     def __init__(self, model: Any, *, tokenizer: Any = None, seed: int = 0, pad_token_id: int | None = None,
                  resume_timeout_s: float = 600.0):
+        super().__init__(resume_timeout_s=resume_timeout_s)
         self.model = model.eval().requires_grad_(False)  # in-place weight copies need no autograd
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id if pad_token_id is not None else _pad_id(tokenizer)
-        self.resume_timeout_s = resume_timeout_s
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._generator = torch.Generator(self.device).manual_seed(seed)  # requests without a seed
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
-        self._closed = False
-        self._paused = False
-        self._inflight = 0
-        self._resumed: asyncio.Event | None = None  # made on first use, on the actor's loop
-        self._idle: asyncio.Event | None = None
         self._gate = threading.Condition()  # between decoding steps: see load_weights
         self._stepping = False  # the worker thread is inside a decoding step
         self._loads = 0  # in-flight weight loads waiting for, or holding, the gate
@@ -101,30 +93,30 @@ class HFBackend(PausableBackend):
 
     # --- SamplerBackend -------------------------------------------------------------------------
 
-    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
-        _check_request(prompts, n, self.vocab_size)
+    def _check(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        super()._check(prompts, n, params)
         if params.stop:
             raise ValueError("HFBackend has no stop strings (SamplingParams.stop): use stop_token_ids, or the vLLM backend")
-        self._events()
-        if self._closed:
-            raise SamplerClosedError("HFBackend is closed")
-        if self._paused:  # no await before this point when not paused: see the class docstring
-            await self._wait_resumed()
-        self._inflight += 1
-        self._idle.clear()
-        loop = asyncio.get_running_loop()
+
+    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> concurrent.futures.Future:
+        """The batch on the worker thread. Its future, not our await, ends the count in flight: a
+        cancelled caller drops a batch not started yet, but one running goes on to its end."""
         try:
-            work = self._pool.submit(self._generate_blocking, prompts, n, params)
+            return self._pool.submit(self._generate_blocking, prompts, n, params)
         except RuntimeError as exc:  # the pool was shut down by close()
-            self._finished()
             raise SamplerClosedError("HFBackend is closed") from exc
-        # Count the call as in flight until the THREAD is done, not until our await ends: a
-        # cancelled caller leaves the thread running, and weights must not change under it.
-        work.add_done_callback(lambda _: _call_soon(loop, self._finished))
-        return await asyncio.wrap_future(work)
+
+    def weight_sink(self, member: SyncMember) -> WeightSink:
+        return ActorSink(member, self)
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self._generator
 
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
-        # named_parameters deduplicates tied weights, as the trainer's side does.
+        """The tensors a sync is copied into in place, named like the trainer's
+        ``dict(model.named_parameters())`` (which lists tied weights once, as here). Written only
+        through `load_weights`."""
         return dict(self.model.named_parameters())
 
     async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,
@@ -146,10 +138,8 @@ class HFBackend(PausableBackend):
             await self.resume()
 
     def close(self) -> None:
-        self._closed = True
+        self._mark_closed()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._resumed is not None:
-            self._resumed.set()  # wake generates held by a pause: they raise SamplerClosedError
 
     # --- waiting --------------------------------------------------------------------------------
 
@@ -255,24 +245,11 @@ class HFBackend(PausableBackend):
         return [Completion(ids, lps, text, reason) for ids, lps, text, reason in zip(ids_rows, lp_rows, texts, reasons)]
 
     def _decode_text(self, rows: list[list[int]]) -> list[str]:
-        # As the evaluation (model.solve_rate) reads a completion: without its stop token, special
+        # As the evaluation (asyncrl.rl.model.evaluation.solve_rate) reads a completion: without its stop token, special
         # tokens skipped, so a group's rewards and the held-out solve rate score text alike.
         if self.tokenizer is None:
             return [""] * len(rows)
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
-def _check_request(prompts: list[list[int]], n: int, vocab_size: int) -> None:
-    """Refuse what would otherwise fail deep inside the model, or on the worker thread."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, not {n}")
-    if not prompts:
-        raise ValueError("prompts is empty")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} has no tokens")
-        if min(p) < 0 or max(p) >= vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -283,9 +260,3 @@ def _pad_id(tokenizer: Any) -> int:
             return value
     return 0
 
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:
-    try:
-        loop.call_soon_threadsafe(fn)
-    except RuntimeError:  # the loop is closed: nobody is left to wait for the count
-        pass

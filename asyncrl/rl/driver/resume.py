@@ -12,9 +12,14 @@ from typing import Any
 
 from asyncrl.errors import RemoteError, first_line
 from asyncrl.rl.checkpoint import (
-    Checkpoint, CheckpointError, DamagedCheckpointError, list_checkpoints, verify_checkpoint)
-from asyncrl.rl.recovery import trainer_phase
-from asyncrl.rl.report import shown_path
+    Checkpoint,
+    CheckpointError,
+    DamagedCheckpointError,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from asyncrl.rl.driver.faults import trainer_phase
+from asyncrl.rl.driver.report import shown_path
 
 DEFAULT_SCRIPT = "examples/grpo_countdown.py"
 """How the resume hint names the script when the run was not started by ``asyncrl launch``."""
@@ -48,7 +53,7 @@ async def load_checkpoint(trainer, run: Any, run_dir: str, checkpoint: Checkpoin
                            candidates: list[Checkpoint], damaged: list[Checkpoint], log) -> Checkpoint:
     """Load ``checkpoint`` into the trainer; one it cannot load (an unverified one, most likely)
     counts as damaged, and the next good one is tried. Returns the one loaded."""
-    t = run.checkpoint_timeout_s
+    t = run.deadlines.checkpoint_timeout_s
     while True:
         try:
             await trainer_phase("loading the checkpoint", "checkpoint_timeout_s", t,

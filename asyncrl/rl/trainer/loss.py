@@ -8,10 +8,10 @@ loss, its gradient, or any metric.
 
 from __future__ import annotations
 
-
 import torch
 
-from ..errors import AsyncrlError
+from asyncrl.errors import AsyncrlError
+from asyncrl.rl.config.trainer import GRPOLossConfig
 
 # exp() of a log-ratio above ~88 overflows float32 to inf, and inf * 0 in the backward of the
 # clipped branch would turn a zero gradient into NaN. Ratios beyond e**20 are clipped anyway.
@@ -21,8 +21,6 @@ _MAX_LOG_RATIO = 20.0
 class LossInputError(AsyncrlError, ValueError):
     """A loss input has the wrong shape, dtype or range; the message names the argument."""
 
-
-from .sections import GRPOLossConfig  # noqa: E402  (torch-free: CLI --help and flag errors)
 
 def group_advantages(rewards: torch.Tensor | list[list[float]], normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Advantage of each completion: its reward minus its group's mean, divided by

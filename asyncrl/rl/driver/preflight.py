@@ -1,13 +1,14 @@
 """Checks of a GRPO run's paths and limits, made before anything is spawned or written.
 
-A missing checkpoint, an unwritable run directory or a completion longer than the model's
+A missing checkpoint, an unwritable run directory or a completion longer than the checkpoint's
 positions would otherwise surface seconds later as a remote traceback from the trainer, after the
 run directory was made. `check_run` finds them first, from the file system and a few small JSON
 files only (no torch, no transformers: it runs in milliseconds), and raises a one-line
-`ConfigError` naming the flag and its value; it creates nothing. `resumed_config` reads the
-config of a run to continue, after checking that the directory is one. ``examples/grpo_countdown.py``
-calls both before it starts the supervisor; `asyncrl.rl.grpo.train` calls `check_run` again at its
-top, for callers that build their config in code.
+`ConfigError` naming the flag and its value; it creates nothing. What the config alone decides (a
+rule across two sections included) is not checked here: `GRPOConfig` refuses it when it is built.
+`resumed_config` reads the config of a run to continue, after checking that the directory is one.
+``examples/grpo_countdown.py`` calls both before it starts the supervisor; `asyncrl.rl.driver.train`
+calls `check_run` again at its top, for callers that build their config in code.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import tempfile
 import time
 from typing import Any
 
-from asyncrl.rl.config import ConfigError
+from asyncrl.rl.config.grpo import check_heldout_unseen  # noqa: F401 (callers' name for GRPOConfig's rule)
+from asyncrl.rl.config.parse import ConfigError
 
 RUN_MARKERS = ("config.json", "metrics.jsonl", "progress.json", "summary.json", "checkpoints")
 """What a run writes into its directory: any of them there means the directory holds a run."""
@@ -36,14 +38,9 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
     run directory must hold the run to continue; otherwise it must not hold one."""
     run_dir = os.path.abspath(os.path.expanduser(config.run.run_dir or default_run_dir()))
     model_path = os.path.abspath(os.path.expanduser(config.model_path)) if config.model_path else ""
-    positions = _checkpoint_positions(model_path, config.model_path) if model_path else config.model.max_positions
-    _check_max_new_tokens(config.sampler.max_new_tokens, positions, config.model_path)
-    if not model_path:
-        check_heldout_unseen(config)
-    if config.run.check_weights and config.sampler.backend == "vllm":
-        raise ConfigError("--run.check_weights true needs samplers that hold their weights in the actor, and "
-                          "--sampler.backend vllm keeps them in the engine: use --sampler.backend hf, "
-                          "or drop check_weights")
+    if model_path:  # the embedded model's limits are GRPOConfig's own rules
+        _check_max_new_tokens(config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path),
+                              config.model_path)
     _check_run_dir(run_dir, config.run.run_dir, resume)
     return dataclasses.replace(config, model_path=model_path, run=dataclasses.replace(config.run, run_dir=run_dir))
 
@@ -59,17 +56,6 @@ def resumed_config(default: Any, run_dir: str) -> Any:
 
 def default_run_dir() -> str:
     return os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))
-
-
-def check_heldout_unseen(config: Any) -> None:
-    """The embedded model is warm-started on one train split; refuse a held-out set it may have seen."""
-    warm, run = config.warm_start, config.run
-    if str(run.data_seed) != str(warm.data_seed):
-        raise ConfigError(f"--run.data_seed {run.data_seed} differs from --warm_start.data_seed {warm.data_seed}: "
-                          "the held-out problems could be among the warm start's training problems")
-    if run.n_heldout > warm.heldout_reserve:
-        raise ConfigError(f"--run.n_heldout {run.n_heldout} is more than --warm_start.heldout_reserve "
-                          f"{warm.heldout_reserve}: the held-out problems beyond it were trained on in the warm start")
 
 
 # --- the model ------------------------------------------------------------------------------------
@@ -97,12 +83,10 @@ def _checkpoint_positions(path: str, given: str) -> int | None:
 
 
 def _check_max_new_tokens(max_new_tokens: int, positions: int | None, model_path: str) -> None:
-    if max_new_tokens < 0:
-        raise ConfigError(f"--sampler.max_new_tokens {max_new_tokens}: must be >= 0 (0: the model's own limit)")
     if positions is not None and max_new_tokens >= positions:
-        model = f"the checkpoint {model_path}" if model_path else "the embedded model (--model.max_positions)"
-        raise ConfigError(f"--sampler.max_new_tokens {max_new_tokens}: {model} has {positions} positions for prompt "
-                          f"and completion together; give fewer than {positions} (0: the model's own limit)")
+        raise ConfigError(f"--sampler.max_new_tokens {max_new_tokens}: the checkpoint {model_path} has {positions} "
+                          f"positions for prompt and completion together; give fewer than {positions} (0: the "
+                          "model's own limit)")
 
 
 # --- the run directory ----------------------------------------------------------------------------

@@ -1,0 +1,156 @@
+"""The run section (``--run.*``): the schedule of the loop, and four sub-sections grouped by what
+they are about: the data split, checkpoints, deadlines and sampler recovery.
+
+The sub-sections are *flat* (``flat_section``): on the command line, in ``--help`` and in
+config.json their keys sit directly under ``run`` (``--run.sync_timeout_s``, as always), while
+code reads ``config.run.deadlines.sync_timeout_s`` and hands a component only the section it
+needs (the pool its deadlines, a sampler its data split).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from asyncrl.rl.config.tree import flat_section
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The train and held-out splits of the task's problems."""
+
+    n_train: int = 50000
+    """Problems in the train split (a run of the default length sees most of them once, so the
+    train solve rate is measured on problems new to the policy)."""
+    n_heldout: int = 500
+    """Problems in the held-out split (never trained on; at most the warm start's heldout_reserve)."""
+    data_seed: int = 0
+    """Seed of the train and held-out splits. With the embedded model it must be the warm start's
+    ``data_seed``: that is the split whose held-out problems the warm start never saw."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_train", "n_heldout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Resumable checkpoints in the run directory."""
+
+    checkpoint_every: int = 50
+    """Write a resumable checkpoint (policy, optimiser, RNGs, step, weight version, data position)
+    to run_dir/checkpoints every this many steps (0: none). Resume with ``--resume RUN_DIR``."""
+    keep_checkpoints: int = 2
+    """Resumable checkpoints kept, the newest; older ones are deleted after each write."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, not {self.checkpoint_every!r}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, not {self.keep_checkpoints!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadlineConfig:
+    """How long the driver waits for each kind of work, and who is blamed when it overruns."""
+
+    generate_timeout_s: float = 600.0
+    """Deadline of a sampler's next rollout group while the driver waits for it; a sampler that
+    overruns it is lost (killed, restarted, rejoined) and the run goes on."""
+    queue_timeout_s: float = 1800.0
+    """Deadline of a step's batch from all samplers together (longer than generate_timeout_s, so a
+    stuck sampler is replaced first); overrun: the run stops, naming each sampler's state."""
+    train_timeout_s: float = 900.0
+    """Deadline of one train step on the trainer; overrun: the run stops."""
+    sync_timeout_s: float = 300.0
+    """Deadline of a weight sync (and of agreeing on the layout) on every member; a sampler that
+    does not finish it in time is lost, a trainer that does not stops the run."""
+    eval_timeout_s: float = 3600.0
+    """Deadline of one held-out evaluation on the trainer; overrun: the run stops."""
+    checkpoint_timeout_s: float = 600.0
+    """Deadline of writing a checkpoint (or the final policy); overrun: the run stops."""
+    rendezvous_timeout_s: float = 120.0
+    """Deadline of forming, or rebuilding, the weight-sync group."""
+
+    def __post_init__(self) -> None:
+        for name in ("generate_timeout_s", "queue_timeout_s", "train_timeout_s", "sync_timeout_s", "eval_timeout_s",
+                     "checkpoint_timeout_s", "rendezvous_timeout_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a finite number > 0, not {getattr(self, name)!r}")
+        if self.generate_timeout_s >= self.queue_timeout_s:
+            raise ValueError(f"generate_timeout_s ({self.generate_timeout_s:g}) must be shorter than queue_timeout_s "
+                             f"({self.queue_timeout_s:g}): a stuck sampler is replaced before the run gives up")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryConfig:
+    """What happens to a lost sampler."""
+
+    sampler_max_restarts: int = 3
+    """Times the supervisor restarts a lost sampler; each replacement rejoins the weight-sync group
+    and takes the current weights before it generates."""
+    restart_timeout_s: float = 300.0
+    """How long a lost sampler's restart is awaited before it counts as gone for good."""
+
+    def __post_init__(self) -> None:
+        if self.sampler_max_restarts < 0:
+            raise ValueError(f"sampler_max_restarts must be >= 0, not {self.sampler_max_restarts!r}")
+        if not (math.isfinite(self.restart_timeout_s) and self.restart_timeout_s > 0):
+            raise ValueError(f"restart_timeout_s must be a finite number > 0, not {self.restart_timeout_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The loop: how long it runs, how batches are made and weights synced, when it evaluates,
+    where it writes; its data split, checkpoints, deadlines and sampler recovery are flat
+    sub-sections (their keys are ``--run.*`` too)."""
+
+    steps: int = 500
+    """Optimiser steps to take."""
+    groups_per_step: int = 16
+    """Prompts (groups of ``sampler.group_size`` completions) in one training batch."""
+    mode: str = "async"
+    """'async': samplers generate continuously; 'sync': generate, then train, then sync (baseline)."""
+    max_staleness: int = 1
+    """Async mode: train on groups at most this many weight versions old; older ones are dropped."""
+    queue_capacity: int = 0
+    """Rollout queue bound in groups (0: two batches). Samplers wait when it is full."""
+    sync_every: int = 1
+    """Send the weights to the samplers after every this many steps."""
+    eval_every: int = 100
+    """Held-out solve rates every this many steps (and before the first and after the last)."""
+    eval_samples: int = 4
+    """Sampled completions per held-out problem for the sampled solve rate (0: greedy only)."""
+    seed: int = 0
+    """Seed of the samplers and the trainer (runs that differ only in it share the problems)."""
+    run_dir: str = ""
+    """Where config.json, metrics.jsonl and checkpoints go (default: runs/grpo-<time>)."""
+    device: str = "auto"
+    """'auto' (one GPU each for trainer and samplers when there are enough, else CPU), 'cpu' or 'cuda'."""
+    check_weights: bool = False
+    """After every sync, compare a digest of the weights on the trainer and on every sampler; a
+    mismatch stops the run (tests and debugging: one pass over the weights per member and sync).
+    HF samplers only: a run with a vLLM sampler is refused at the start."""
+    data: DataConfig = flat_section(DataConfig)
+    """The train and held-out splits."""
+    checkpoints: CheckpointConfig = flat_section(CheckpointConfig)
+    """Resumable checkpoints."""
+    deadlines: DeadlineConfig = flat_section(DeadlineConfig)
+    """Deadlines of every kind of work the driver waits for."""
+    recovery: RecoveryConfig = flat_section(RecoveryConfig)
+    """Restarts of lost samplers."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"mode must be 'async' or 'sync', not {self.mode!r}")
+        if self.eval_samples < 0:
+            raise ValueError(f"eval_samples must be >= 0, not {self.eval_samples!r}")
+        for name in ("steps", "groups_per_step", "sync_every", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)!r}")
+        for name in ("max_staleness", "queue_capacity"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")

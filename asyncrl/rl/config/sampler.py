@@ -1,0 +1,40 @@
+"""The sampler section (``--sampler.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+    """The sampler actors: how many there are, what each generates at once, how, and how new weights
+    reach it."""
+
+    count: int = 1
+    """Number of sampler actors."""
+    group_size: int = 8
+    """Completions per prompt."""
+    prompts_per_batch: int = 8
+    """Prompts a sampler generates for at once."""
+    max_new_tokens: int = 0
+    """Completion length limit (0: what the model suggests)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer scores with the same one)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    weight_update: str = "in_flight"
+    """How new weights enter a sampler: 'in_flight' (between two decoding steps of the batch being
+    generated, which finishes on them) or 'pause' (after that batch finishes)."""
+    backend: str = "auto"
+    """Inference engine: 'vllm', 'hf' (transformers), or 'auto' (vLLM where it is installed and
+    supports the sampler's device, else hf; each sampler logs which it picked). See docs/vllm.md."""
+
+    def __post_init__(self) -> None:
+        if self.weight_update not in ("in_flight", "pause"):
+            raise ValueError(f"weight_update must be 'in_flight' or 'pause', not {self.weight_update!r}")
+        if self.backend not in ("auto", "vllm", "hf"):
+            raise ValueError(f"backend must be 'auto', 'vllm' or 'hf', not {self.backend!r}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (0: the model's own limit), not {self.max_new_tokens!r}")
+        if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 1:
+            raise ValueError("need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 1")

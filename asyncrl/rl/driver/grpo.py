@@ -1,0 +1,304 @@
+"""`GRPODriver`: the steps of a GRPO run on Countdown: samplers stream groups, the trainer steps,
+weights sync.
+
+    driver (GRPODriver, SamplerPool)  trainer actor (rank 0)        sampler actors (ranks 1..)
+    pump per sampler  <------------------------------------------ rollouts() stream
+      -> RolloutQueue (bounded, staleness filter)
+    step: get_batch -> train_step --------------> GRPO step
+          send/receive weights  ----------------> WeightSender ===> WeightReceiver (between decoding steps)
+
+In ``async`` mode the samplers never stop: while the trainer takes step k they generate for step
+k+1 with weights at most ``max_staleness`` versions old, and the queue drops (and counts) older
+groups. New weights go into a sampler between two decoding steps (``sampler.weight_update``), so
+a sync never waits for a batch to finish; a group is tagged with the version it began under. In
+``sync`` mode each step's groups are generated after the previous sync and nothing is generated
+during training: the synchronous baseline, same code, staleness always 0.
+
+`train()` (run.py) spawns the actors and builds the driver; the samplers, their faults and the
+weight-sync group are the `SamplerPool`'s (pool.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from asyncrl.errors import RemoteError
+from asyncrl.rl.checkpoint import Checkpoint, RunState, write_json_atomic
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
+from asyncrl.rl.driver.metrics import Metrics, truncate_metrics
+from asyncrl.rl.driver.pool import SamplerPool
+from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
+from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.tasks.countdown import CORRECT_REWARD
+
+BEST_DIR, BEST_JSON = "best", "best.json"
+
+
+class RunDirError(RunStoppedError):
+    """The run directory cannot be written (a full disk, a read-only or failing filesystem); the
+    message names what could not be written, where, and the system's reason."""
+
+
+class GRPODriver:
+    """The driver's steps. Sampler faults are the `SamplerPool`'s to recover from; a fault on the
+    trainer's side stops the run with a `RunStoppedError` (resume it from the last checkpoint)."""
+
+    def __init__(self, config: GRPOConfig, trainer, samplers, heldout, run_dir: str, log, *, host: str,
+                 backend: str, seeds: list[int], resume: Checkpoint | None = None, model_path: str = "",
+                 log_path: str = ""):
+        self.config, self.run = config, config.run
+        self.trainer, self.heldout = trainer, heldout
+        self.run_dir, self.log = run_dir, log
+        capacity = self.run.queue_capacity or 2 * self.run.groups_per_step
+        staleness = self.run.max_staleness if self.run.mode == "async" else 0
+        self.queue = RolloutQueue(capacity, staleness)
+        self.events_path = os.path.join(run_dir, "faults.jsonl")
+        self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
+                                backend=backend, log=log, events_path=self.events_path)
+        self.resume = resume
+        self.state = resume.run_state() if resume is not None else RunState(step=0, version=0)
+        self.step_done = self.state.step  # the last step whose record is written
+        self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
+        self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
+        self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
+        self.phase = "starting"
+        self.last_step_s, self.last_step_at = 0.0, 0.0
+        self.checkpoint_path = resume.path if resume is not None else ""
+        self.segment_start = time.monotonic()
+        # Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
+        # them unique along the run's history (the one metrics.jsonl records).
+        self.segment = self.state.segment + 1 if resume is not None else 0
+        self.pool.uid_prefix = f"resume{self.segment}/" if self.segment else ""
+        self.model_path, self.log_path = model_path, log_path
+        self.began = False  # training began (the held-out rates before it are known)
+        self.after_step = ""  # what the driver does after a step's training, while it does it
+        self.best = _read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
+
+    def where(self) -> str:
+        """Where a stop leaves the run, in words ("at step 137")."""
+        if not self.began:
+            return "while starting"
+        if self.after_step:
+            return f"after step {self.step_done} ({self.after_step})"
+        return f"at step {self.step_done + 1}"
+
+    def elapsed_s(self) -> float:
+        """Training wall time over every segment of the run (a resumed one continues the count)."""
+        return self.state.train_s + time.monotonic() - self.segment_start
+
+    def dropped_stale(self) -> int:
+        return self.state.dropped_stale + self.queue.stats().dropped_stale
+
+    def fault_counts(self) -> dict[str, int]:
+        carried = self.state.faults
+        return {k: carried.get(k, 0) + v for k, v in self.pool.counters.items()}
+
+    def progress(self) -> dict[str, Any]:
+        """The run's progress as plain JSON values: written to RUN_DIR/progress.json after every
+        step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
+        return {"phase": self.phase, "step": self.step_done, "steps": self.run.steps, "version": self.version,
+                "samples": self.samples, "queue_depth": len(self.queue), "dropped_stale": self.dropped_stale(),
+                "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
+                "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
+                **self.pool.progress(), **self.fault_counts(), "updated_at": time.time()}
+
+    def write_progress(self) -> None:
+        write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
+
+    async def evaluate(self) -> dict[str, float]:
+        t = self.run.deadlines.eval_timeout_s
+        return await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
+                                   self.trainer.with_timeout(t).evaluate(self.heldout, self.run.eval_samples))
+
+    async def execute(self) -> dict[str, Any]:
+        run = self.run
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        if self.resume is not None:
+            kept = truncate_metrics(metrics_path, self.step_done)
+            self.log(f"resuming from {self.resume.path}: step {self.step_done}, v{self.version}; "
+                     f"metrics.jsonl keeps its {kept} records up to that step")
+            append_event(self.events_path, {"event": "resumed", "step": self.step_done, "at": time.time(),
+                                            "detail": self.resume.path, "segment": self.segment})
+        metrics = Metrics(self.run_dir, run.steps)
+        completed = False
+        try:
+            await self.pool.start(self.version, list(self.state.samplers))
+            if self.resume is None:
+                self.heldout_before = self.heldout_last = await self.evaluate()
+                self.log(f"held-out solve rate before GRPO ({len(self.heldout)} problems): "
+                         + rates_text(self.heldout_before))
+            self.phase, self.began = "training", True
+            self.write_progress()
+            for step in range(self.step_done + 1, run.steps + 1):
+                started = time.monotonic()
+                record = await self.step(step)
+                evaluated = step % run.eval_every == 0 or step == run.steps
+                if evaluated:
+                    self.heldout_last = await self.evaluate()
+                    record["heldout_solve_rate"] = self.heldout_last["greedy"]
+                    if "sampled" in self.heldout_last:
+                        record["heldout_sampled_solve_rate"] = self.heldout_last["sampled"]
+                metrics.write(record)  # before the checkpoint: a resume from it keeps this record
+                self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
+                if evaluated and self.heldout_last["greedy"] > self.best_greedy():
+                    self.after_step = "saving the best policy"
+                    await self.save_best(step)  # before the checkpoint: a resume from it knows this best
+                if run.checkpoints.checkpoint_every and step % run.checkpoints.checkpoint_every == 0:
+                    self.after_step = "writing its checkpoint"
+                    await self.checkpoint(step)
+                self.after_step = ""
+                self.write_progress()
+            completed = True
+        finally:
+            if not completed:
+                self.phase = "stopped"
+            await self.pool.close()
+            self.queue.close()
+            # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
+            _quietly(metrics.close)
+            _quietly(self.write_progress)
+        self.after_step = "saving the final policy"
+        final_dir = await self.save_policy(os.path.join(self.run_dir, "final"), "saving the final policy")
+        self.after_step = ""
+        self.phase = "finished"
+        self.write_progress()
+        wall = self.elapsed_s()
+        summary = {"steps": run.steps, "mode": run.mode, "heldout_before": self.heldout_before,
+                   "heldout_after": self.heldout_last, "heldout_problems": len(self.heldout), "wall_s": wall,
+                   "samples": self.samples, "samples_per_s": self.samples / max(wall, 1e-9),
+                   "tokens_per_s": self.tokens / max(wall, 1e-9), "dropped_stale": self.dropped_stale(),
+                   "checkpoint": final_dir, "final": final_dir,
+                   "best": ({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
+                   "initial_policy": self.model_path, "metrics": metrics_path, "log": self.log_path,
+                   "resumed_from": self.resume.path if self.resume is not None else None,
+                   "faults": self.fault_counts(), "fault_log": [f.to_dict() for f in self.pool.faults]}
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.log(summary_text(summary))
+        return summary
+
+    def best_greedy(self) -> float:
+        """The held-out greedy solve rate to beat: the best saved, else the policy's before GRPO."""
+        if self.best is not None:
+            return self.best["heldout"]["greedy"]
+        return self.heldout_before.get("greedy", -1.0)
+
+    async def save_best(self, step: int) -> None:
+        """RUN_DIR/best/: the policy of the best held-out greedy solve rate so far, with best.json
+        (its step and rates) inside, written with it in one rename."""
+        best = {"step": step, "heldout": dict(self.heldout_last), "heldout_before": dict(self.heldout_before),
+                "heldout_problems": len(self.heldout), "saved_at": time.time()}
+        await self.save_policy(os.path.join(self.run_dir, BEST_DIR), f"saving the best policy (step {step})",
+                               {BEST_JSON: json.dumps(best, indent=2)})
+        self.best = best
+        self.log(f"best held-out greedy so far at step {step} ({self.heldout_last['greedy']:.3f}): "
+                 f"saved to {shown_path(os.path.join(self.run_dir, BEST_DIR))}")
+
+    async def save_policy(self, path: str, phase: str, extra_files: dict[str, str] | None = None) -> str:
+        t = self.run.deadlines.checkpoint_timeout_s
+        try:
+            return await trainer_phase(phase, "checkpoint_timeout_s", t,
+                                       self.trainer.with_timeout(t).save(path, extra_files or {}))
+        except RemoteError as exc:
+            raise _write_error(exc) from None
+
+    async def step(self, step: int) -> dict[str, Any]:
+        run, n = self.run, self.run.groups_per_step
+        self.pool.begin_step(step)
+        t0 = time.monotonic()
+        if run.mode == "sync":  # generate exactly this step's groups, with the current weights
+            await self.pool.generate(n, self.version)
+        batch: list[RolloutGroup] = await self.pool.next_batch(n, self.version)
+        t1 = time.monotonic()
+        trained = await trainer_phase(f"train step {step}", "train_timeout_s", run.deadlines.train_timeout_s,
+                                      self.trainer.with_timeout(run.deadlines.train_timeout_s).train_step(batch))
+        t2 = time.monotonic()
+        self.version = step  # the weights after step k are version k: the step is the one count of both
+        sync_s, digests = 0.0, {}
+        if self.version % run.sync_every == 0:
+            sync_s = await self.pool.sync(self.version)
+            if run.check_weights:
+                digests = await self.pool.verify_weights()
+        rewards = [r for g in batch for r in g.rewards]
+        staleness = [self.version - 1 - g.version for g in batch]
+        self.samples += len(rewards)
+        tokens = sum(len(c) for g in batch for c in g.completion_ids)
+        self.tokens += tokens
+        elapsed = self.elapsed_s()
+        return {"step": step, "version": self.version, "reward_mean": sum(rewards) / len(rewards),
+                "train_solve_rate": sum(r >= CORRECT_REWARD for r in rewards) / len(rewards),
+                "staleness_mean": sum(staleness) / len(staleness),
+                "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
+                "dropped_stale": self.dropped_stale(), "queue_depth": len(self.queue),
+                "completion_tokens": tokens,
+                "samples_per_s": self.samples / max(elapsed, 1e-9),
+                "tokens_per_s": self.tokens / max(elapsed, 1e-9),
+                "time_s": elapsed,
+                "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": sync_s,
+                "generate_s": sum(g.generate_s for g in batch) / len(batch),
+                **{k: v for k, v in trained.items() if k not in ("train_s",)},
+                **self.pool.take_events(),
+                "group_ids": [g.uid for g in batch],
+                **({"weights_digests": digests} if digests else {})}
+
+    async def checkpoint(self, step: int) -> None:
+        run = self.run
+        state = RunState(step=step, version=self.version, samples=self.samples, tokens=self.tokens,
+                         dropped_stale=self.dropped_stale(), train_s=self.elapsed_s(),
+                         heldout_before=self.heldout_before, heldout_last=self.heldout_last,
+                         samplers=await self.pool.data_states(), faults=self.fault_counts(), segment=self.segment)
+        t = run.deadlines.checkpoint_timeout_s
+        call = asyncio.ensure_future(trainer_phase(
+            f"writing the checkpoint of step {step}", "checkpoint_timeout_s", t,
+            self.trainer.with_timeout(t).save_checkpoint(self.run_dir, step, run.checkpoints.keep_checkpoints,
+                                                         msgspec.json.encode(state))))
+        try:
+            self.checkpoint_path = await asyncio.shield(call)
+        except RemoteError as exc:
+            raise _write_error(exc) from None
+        except asyncio.CancelledError:
+            # A stop (Ctrl-C) during the write: let it finish (bounded by its deadline), so the
+            # resume hint names the checkpoint that will really be resumed. A second signal
+            # cancels this wait too and stops at once (the write is atomic either way).
+            if not call.done():
+                self.log(f"stopping: finishing the checkpoint of step {step} first")
+                await asyncio.wait({call})
+            if not call.cancelled() and call.exception() is None:
+                self.checkpoint_path, self.after_step = call.result(), "its checkpoint written"
+            raise
+
+
+def _write_error(exc: RemoteError) -> BaseException:
+    """The trainer's one-line `CheckpointWriteError` (a full disk) as the run's `RunDirError`;
+    any other remote error as it is (a bug: its traceback tells more than a line could)."""
+    if exc.remote_type == "CheckpointWriteError":
+        return RunDirError(exc.remote_message)
+    return exc
+
+
+def _quietly(fn) -> None:
+    """Clean-up writes while the run stops: a full disk fails them too, and the error that stopped
+    the run (raised on) already says so; a second one would only bury it."""
+    try:
+        fn()
+    except OSError:
+        pass
+
+
+def _read_best(run_dir: str) -> dict[str, Any] | None:
+    """best/best.json of an earlier segment (None if there is none, or none readable)."""
+    try:
+        with open(os.path.join(run_dir, BEST_DIR, BEST_JSON)) as f:
+            best = json.load(f)
+        float(best["heldout"]["greedy"]), int(best["step"])
+        return best
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

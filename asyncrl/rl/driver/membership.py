@@ -1,0 +1,227 @@
+"""Who is in the driver's weight-sync group, and what became of the samplers that left it.
+
+`Membership` is the `SamplerPool`'s ledger: each sampler's `MemberState`, its losses (`Fault`s,
+and the events of metrics.jsonl and faults.jsonl), the kill of a lost sampler that is still alive,
+the wait for its replacement, and every task the pool started. The group-wide calls that form the
+group are `SyncGroup`'s (sync_group.py); the rollout streams are the pool's (pool.py).
+
+A verdict concerns one incarnation: `lose` is given the incarnation the failed call went to, and
+one that is already replaced is not judged by what its predecessor did. A lost sampler that is
+still alive is killed (`ActorHandle.kill`, that incarnation only), so it never comes back
+half-alive; the supervisor restarts it within its ``max_restarts``, and its return is judged by
+the actor's state alone (`ActorHandle.wait_for_incarnation`), never by a call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.rl.config.run import RecoveryConfig
+from asyncrl.rl.driver.faults import Fault, append_event
+
+CLOSE_S = 10.0
+"""How long `Membership.close` waits for its cancelled tasks to end (they end at once)."""
+
+
+class MemberState(enum.Enum):
+    """Where a sampler stands. CANDIDATE -> JOINED at a successful rebuild; JOINED or CANDIDATE ->
+    LOST (`Membership.lose`); LOST -> CANDIDATE when a newer incarnation runs, else -> GONE."""
+
+    CANDIDATE = "candidate"
+    """Up and not in the group: joins at the next rebuild (every sampler before the start)."""
+    JOINED = "in group"
+    """In the group, holding its weights; in async mode its rollouts are pumped."""
+    LOST = "lost"
+    """Out of the group; the supervisor's restart of it is awaited."""
+    GONE = "gone"
+    """Lost for good: its restarts used up, stopped, or not back within restart_timeout_s."""
+
+    @property
+    def shown(self) -> str:
+        """As progress.json and the driver's errors name it: a candidate is not in the group yet."""
+        return MemberState.LOST.value if self is MemberState.CANDIDATE else self.value
+
+
+@dataclass(eq=False)
+class Member:
+    """One sampler of the pool, across its incarnations."""
+
+    handle: Any
+    index: int
+    seed: int
+    state: MemberState = MemberState.CANDIDATE
+    incarnation: int = 0  # of the process that is (or was last) in the group
+    min_version: int = 0  # the version that incarnation took when it joined
+    pump: asyncio.Task | None = None
+    pump_failures: int = 0
+    seq: int = 0  # groups delivered by this incarnation
+    delivered: int = 0  # over every incarnation
+    walk_base: int = 0  # prompts drawn from its walk before this run segment began
+    fault: Fault | None = None  # open until a replacement rejoins
+    waiter: asyncio.Task | None = None  # the wait for its replacement
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def in_group(self) -> bool:
+        return self.state is MemberState.JOINED
+
+
+class Membership:
+    """The samplers' states, losses and returns (see the module docstring)."""
+
+    def __init__(self, samplers: list[Any], seeds: list[int], *, recovery: RecoveryConfig, log=print,
+                 events_path: str = ""):
+        self.members = [Member(h, i, seed) for i, (h, seed) in enumerate(zip(samplers, seeds))]
+        self.recovery, self.log = recovery, log
+        self.events_path = events_path  # faults.jsonl: append-only, kept whole across resumes
+        self.changed = asyncio.Event()  # set by every loss, return and ended pump: the driver's waits wake
+        self.faults: list[Fault] = []
+        self.counters = {"sampler_losses": 0, "sampler_rejoins": 0, "rebuilds": 0}
+        self.step = 0  # the driver's step, for the records of a loss
+        self.dirty = True  # the group must be formed again before the next sync
+        self.recover_s = 0.0  # time in rebuilds since the last take_events()
+        self._tasks: set[asyncio.Task] = set()  # every task the pool started and that has not ended
+        self._events: list[dict[str, Any]] = []
+
+    def with_state(self, *states: MemberState) -> list[Member]:
+        return [m for m in self.members if m.state in states]
+
+    def lose_replaced(self, group: list[Member]) -> list[Member]:
+        """Lose every member of ``group`` that no longer runs the incarnation we know, and return
+        them (none: every call made now goes to the incarnation that joined). Checked right before
+        a call is sent, with no await in between: a handle sends a call to whatever incarnation
+        runs, and one made during a restart waits for the next, which never joined this group."""
+        replaced = []
+        for m in group:
+            info = m.handle.info()
+            if info.state != "running" or info.incarnation != m.incarnation:
+                self.lose(m, f"died (incarnation {m.incarnation} is gone; the actor is {info.state})", kill=False)
+                replaced.append(m)
+        return replaced
+
+    def lose(self, m: Member, cause: str, *, kill: bool, incarnation: int | None = None) -> None:
+        """Take ``m`` out of the group (its pump stops), kill it if ``kill`` and it still runs that
+        incarnation, and wait for the supervisor's replacement. ``incarnation``: the one the failed
+        call went to (default: the one we know now)."""
+        if incarnation is not None and incarnation != m.incarnation:
+            # A verdict on an incarnation that is already replaced (its death was recorded when
+            # it was seen; a long group-wide call can outlast the restart): the new one is not
+            # judged by what the old one did.
+            return
+        incarnation = m.incarnation
+        already = m.fault is not None and m.fault.incarnation == incarnation
+        if m.state is not MemberState.GONE:
+            m.state = MemberState.LOST
+        self.dirty = True
+        if m.pump is not None:
+            m.pump.cancel()
+            m.pump = None
+        if kill:
+            m.handle.kill(cause, incarnation)  # a no-op if that incarnation is already gone
+        if already:
+            return
+        fault = Fault(m.name, incarnation, cause, self.step, time.time(), time.monotonic())
+        self.faults.append(fault)
+        m.fault = fault
+        self.counters["sampler_losses"] += 1
+        self.event("lost", m.name, cause, incarnation=incarnation)
+        self.log(f"{m.name} (incarnation {incarnation}) lost at step {self.step}: {cause}")
+        if m.waiter is not None:
+            m.waiter.cancel()
+        m.waiter = self.spawn(self._await_return(m, incarnation), f"return of {m.name}")
+        self.changed.set()
+
+    async def _await_return(self, m: Member, lost: int) -> None:
+        """Wait (bounded by ``restart_timeout_s``) for the supervisor to run an incarnation of
+        ``m`` newer than ``lost``. Judged by the actor's state alone, not by a call: a call can
+        fail for reasons that say nothing of the restart (its deadline cut short on a loaded
+        machine), which would declare gone a sampler that is back."""
+        t = self.recovery.restart_timeout_s
+        info = await m.handle.wait_for_incarnation(lost, t)
+        if info.state == "running" and info.incarnation > lost:
+            m.state, m.incarnation = MemberState.CANDIDATE, info.incarnation
+            self.changed.set()
+            return
+        m.state = MemberState.GONE
+        why = {"dead": "its restarts are used up or its restart failed", "stopped": "it was stopped"}.get(
+            info.state, f"no new incarnation was running within --run.restart_timeout_s {t:g} s")
+        self.log(f"{m.name} will not come back: {why} ({info.state}, incarnation {info.incarnation}, "
+                 f"restarts {info.restarts}/{info.max_restarts})")
+        self.changed.set()
+
+    def joined(self, group: list[Member], version: int, seconds: float, generation: int) -> None:
+        """``group`` formed ``generation`` and took ``version``: its candidates are members now,
+        and every open fault is recovered (a replacement's, rejoined too)."""
+        self.dirty = False
+        self.counters["rebuilds"] += 1
+        self.recover_s += seconds
+        now = time.monotonic()
+        for m in group:
+            if m.state is MemberState.CANDIDATE:
+                m.min_version, m.seq = version, 0
+                if m.fault is not None:
+                    m.fault.rejoined_s = now - m.fault.detected_mono
+                    self.counters["sampler_rejoins"] += 1
+                    self.event("rejoined", m.name, f"incarnation {m.incarnation} took v{version}",
+                               incarnation=m.incarnation, rejoined_s=m.fault.rejoined_s)
+                    self.log(f"{m.name} is back (incarnation {m.incarnation}) with v{version}, "
+                             f"{m.fault.rejoined_s:.1f} s after it was lost")
+                    m.fault = None
+            m.state = MemberState.JOINED
+        for fault in self.faults:
+            if fault.recovered_s is None:
+                fault.recovered_s = now - fault.detected_mono
+                self.event("recovered", fault.sampler, f"group whole again at generation {generation}",
+                           incarnation=fault.incarnation, recovered_s=fault.recovered_s)
+        if generation > 0:
+            self.log(f"weight-sync group generation {generation}: trainer + "
+                     f"{', '.join(m.name for m in group)} with v{version} ({seconds:.1f} s)")
+
+    def event(self, kind: str, sampler: str, detail: str, **extra: Any) -> None:
+        event = {"event": kind, "sampler": sampler, "step": self.step, "detail": detail, "at": time.time(), **extra}
+        self._events.append(event)
+        append_event(self.events_path, event)
+
+    def take_events(self) -> tuple[list[dict[str, Any]], float]:
+        """The events since the last call, and the seconds spent rebuilding the group since then."""
+        events, self._events = self._events, []
+        recover, self.recover_s = self.recover_s, 0.0
+        return events, recover
+
+    def spawn(self, coro: Awaitable[Any], name: str = "") -> asyncio.Task:
+        """Start a task of the pool: `close` cancels it, and its exception is always retrieved,
+        by whoever judges it or here, never reported by the loop as "never retrieved" (a pump
+        that failed just before its sampler was lost is dropped unread, for one)."""
+        task = asyncio.ensure_future(coro)
+        if name:
+            task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    async def close(self) -> None:
+        """Stop every task of the pool (pumps, waits for a restart), whatever the samplers are
+        doing, and wait for them to end (bounded: a cancelled task ends at once)."""
+        for m in self.members:
+            m.pump = m.waiter = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=CLOSE_S)
+            if pending:
+                self.log(f"sampler pool: {len(pending)} task(s) still running {CLOSE_S:g} s after being cancelled: "
+                         + ", ".join(t.get_name() for t in pending))

@@ -1,0 +1,301 @@
+"""Sampler loss and return: the driver's weight-sync group, kept whole while samplers come and go.
+
+`SamplerPool` is the GRPO driver's view of its samplers: the driver's calls (a batch, a sync, a
+weight check, the data positions for a checkpoint) and the tasks that stream each member's
+rollouts into the `RolloutQueue`. It is built of two parts: `Membership` (membership.py: each
+sampler's state, its losses and returns, the pool's tasks) and `SyncGroup` (sync_group.py: the
+group-wide calls that form the group and send it weights, and the verdicts on them).
+
+A sampler is *lost* when its process dies, when it stops answering (no group within
+``generate_timeout_s``, no answer to a sync), or when it fails a call in a way that leaves its
+state unknown; a lost sampler that is still alive is killed, so it never comes back half-alive,
+and the supervisor restarts it within its ``max_restarts``. Recovery happens at the next point
+where the driver waits (for a batch, or before a sync): the group is formed again at the next
+rendezvous generation from the trainer, the members still up and the replacements that are up,
+and the current weights are sent to every member of the new group.
+
+Invariants:
+
+* A sampler's rollouts are pumped only while it is in the group, and only after it took part in
+  a successful sync of that group: a replacement (a fresh process whose own weights are the
+  initial ones) never delivers a group generated before it holds the run's current weights. Its
+  groups are checked to come from the incarnation that joined, no older than the version it took.
+* Every delivered group gets ``uid = sampler/incarnation/sequence``, unique in the run: a stream
+  never repeats an item, a lost sampler's stream is never read again, and each incarnation
+  numbers afresh. Groups arrive whole (one message per group), so a group in the queue is never
+  half from a lost sampler; the ones it delivered before it was lost stay (tagged, valid).
+* A sync completes on every member or fails on every member (the vote in `comm/weights.py`), so
+  when `sync` returns, every sampler in the group holds the same version as the trainer.
+* Every call to a sampler goes to the incarnation that joined (`Membership.lose_replaced` right
+  before it, no await in between), and its verdict falls on that incarnation only.
+* Every wait is bounded by one of the run's phase deadlines; a trainer that dies or overruns
+  stops the run with a `RunStoppedError` naming the phase, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import msgspec
+
+from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
+from asyncrl.rl.checkpoint import SamplerDataState
+from asyncrl.rl.config.run import RunConfig
+from asyncrl.rl.driver.faults import (Fault, NoSamplersError, PhaseTimeoutError, RunStoppedError, WeightsDivergedError,
+                                      trainer_phase)
+from asyncrl.rl.driver.membership import Member, MemberState, Membership
+from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
+from asyncrl.rl.driver.sync_group import SyncGroup
+from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.runtime.timeouts import timeout
+
+PUMP_RETRIES = 3
+"""Consecutive stream failures of a live sampler (waiting for weights) before it counts as lost."""
+
+
+class SamplerPool:
+    """The samplers of a run: membership, pumps and recovery (see the module docstring)."""
+
+    uid_prefix = ""
+    """Put before every group id; the driver sets it to the run segment ("resume1/", ...), since
+    a resumed run's samplers number their groups from incarnation 1, sequence 1 again."""
+
+    def __init__(self, trainer: Any, samplers: list[Any], queue: RolloutQueue, *, run: RunConfig, seeds: list[int],
+                 host: str, backend: str, log=print, events_path: str = ""):
+        self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
+        self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
+        self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, host=host, backend=backend, log=log)
+        self.async_mode = run.mode == "async"
+
+    @property
+    def members(self) -> list[Member]:
+        return self.membership.members
+
+    @property
+    def faults(self) -> list[Fault]:
+        """Every sampler loss of this run segment, in order."""
+        return self.membership.faults
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """``sampler_losses``, ``sampler_rejoins`` and ``rebuilds`` of this run segment."""
+        return self.membership.counters
+
+    @property
+    def generation(self) -> int:
+        """The weight-sync group's rendezvous generation (0 after the start)."""
+        return self.sync_group.generation
+
+    def begin_step(self, step: int) -> None:
+        """What happens to the samplers from now on is recorded as happening at ``step``."""
+        self.membership.step = step
+
+    # --- the driver's calls ---------------------------------------------------------------------
+
+    async def start(self, version: int, data: list[SamplerDataState | None]) -> None:
+        """Set each sampler's data walk, form the group and send ``version``; start the pumps."""
+        for m in self.members:
+            state = data[m.index] if m.index < len(data) and data[m.index] is not None else SamplerDataState(m.seed, 0)
+            m.walk_base, m.incarnation = state.drawn, m.handle.info().incarnation
+            await m.handle.with_timeout(self.run.deadlines.rendezvous_timeout_s).restore_data_state(state)
+        await self.sync_group.rebuild(version)
+        if not self.membership.with_state(MemberState.JOINED):
+            raise NoSamplersError("no sampler could join the weight-sync group at the start")
+
+    async def next_batch(self, n: int, version: int) -> list[RolloutGroup]:
+        """The step's batch from the queue; recovers from sampler losses while it waits."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.run.deadlines.queue_timeout_s
+        while True:
+            await self._reconcile(version)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._stalled(n, version)
+            get = asyncio.ensure_future(self.queue.get_batch(n, current_version=version, timeout_s=remaining))
+            wake = asyncio.ensure_future(self.membership.changed.wait())
+            try:
+                await asyncio.wait({get, wake}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wake.cancel()
+                if not get.done():
+                    get.cancel()  # takes nothing from the queue (RolloutQueue's invariant)
+                await asyncio.wait({get})
+            if not get.cancelled():
+                try:
+                    return get.result()
+                except QueueTimeoutError:
+                    raise self._stalled(n, version) from None
+
+    async def generate(self, n: int, version: int) -> None:
+        """Sync mode: have the samplers in the group generate ``n`` fresh groups with the current
+        weights (a sampler lost half-way is made up for by the others or its replacement)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.run.deadlines.queue_timeout_s
+        fresh = [0]
+        while fresh[0] < n:
+            await self._reconcile(version)
+            live = self.membership.with_state(MemberState.JOINED)
+            if not live:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise self._stalled(n, version)
+                await _wait_event(self.membership.changed, remaining)
+                continue
+            per = math.ceil((n - fresh[0]) / len(live))
+            pumps = {m: self.membership.spawn(self._pump(m, per, fresh)) for m in live}
+            await asyncio.wait(pumps.values())
+            for m, task in pumps.items():
+                if task.exception() is not None:
+                    self._pump_failed(m, task.exception())
+
+    async def sync(self, version: int) -> float:
+        """Send ``version`` to every sampler in the group, rebuilding it first or after a
+        failure as needed; returns the seconds it took."""
+        start = time.monotonic()
+        self._reap_pumps()
+        joined = self.membership.with_state(MemberState.JOINED)
+        candidates = self.membership.with_state(MemberState.CANDIDATE)
+        if not joined and not candidates:
+            return 0.0  # the trainer alone: a replacement takes the current weights when it joins
+        if self.membership.dirty or candidates or not await self.sync_group.send(version, joined):
+            await self.sync_group.rebuild(version)
+        return time.monotonic() - start
+
+    async def verify_weights(self) -> dict[str, str]:
+        """Digest of the weights on the trainer and on every sampler in the group; raises
+        `WeightsDivergedError` unless they are all the same."""
+        t = self.run.deadlines.sync_timeout_s
+        trainer = await trainer_phase("the weight check", "sync_timeout_s", t,
+                                      self.trainer.with_timeout(t).weights_digest())
+        self.membership.lose_replaced(self.membership.with_state(MemberState.JOINED))
+        joined = self.membership.with_state(MemberState.JOINED)
+        pinned = [m.incarnation for m in joined]
+        results = await asyncio.gather(*(m.handle.with_timeout(t).weights_digest() for m in joined),
+                                       return_exceptions=True)
+        digests = {"trainer": trainer}
+        for m, incarnation, result in zip(joined, pinned, results):
+            if isinstance(result, BaseException):
+                self.membership.lose(m, f"weight check failed: {first_line(result)}",
+                                     kill=not isinstance(result, ActorDiedError), incarnation=incarnation)
+            elif result != trainer:
+                raise WeightsDivergedError(f"sampler {m.name} holds weights {result[:12]} after the sync of "
+                                           f"generation {self.generation}; the trainer holds {trainer[:12]}")
+            else:
+                digests[m.name] = result
+        return digests
+
+    async def data_states(self) -> list[SamplerDataState]:
+        """Each sampler's data position for a checkpoint (computed for one that is not up)."""
+        states = []
+        for m in self.members:
+            state = None
+            if m.in_group and not self.membership.lose_replaced([m]):
+                incarnation = m.incarnation
+                try:
+                    state = await m.handle.with_timeout(self.run.deadlines.rendezvous_timeout_s).data_state()
+                except (ActorDiedError, CallTimeoutError, RemoteError) as exc:
+                    self.membership.lose(m, f"data_state failed: {first_line(exc)}",
+                                         kill=not isinstance(exc, ActorDiedError), incarnation=incarnation)
+            if state is None or state.drawn < 0:  # not up: after the prompts it delivered
+                state = SamplerDataState(m.seed, m.walk_base + m.delivered)
+            states.append(state)
+        return states
+
+    def take_events(self) -> dict[str, Any]:
+        """What happened to the samplers since the last call, for the step's metrics record."""
+        events, recover = self.membership.take_events()
+        return {"generation": self.generation, "samplers_in_group": len(self.membership.with_state(MemberState.JOINED)),
+                "sampler_losses": sum(e["event"] == "lost" for e in events),
+                "sampler_rejoins": sum(e["event"] == "rejoined" for e in events),
+                "recover_s": recover, **({"events": events} if events else {})}
+
+    def progress(self) -> dict[str, Any]:
+        return {"generation": self.generation, **self.counters,
+                "samplers": {m.name: m.state.shown for m in self.members}}
+
+    async def close(self) -> None:
+        """Stop every task of the pool (pumps, waits for a restart) and wait for them to end."""
+        await self.membership.close()
+
+    # --- pumps ----------------------------------------------------------------------------------
+
+    async def _pump(self, m: Member, max_groups: int, accepted: list[int] | None = None) -> None:
+        """Stream one sampler's groups into the queue (a put waits while the queue is full)."""
+        deadlines = self.run.deadlines
+        # The longest a live driver leaves the queue full: a train step, a sync, a checkpoint, an eval.
+        put_s = (deadlines.queue_timeout_s + deadlines.train_timeout_s + deadlines.sync_timeout_s
+                 + deadlines.checkpoint_timeout_s + deadlines.eval_timeout_s)
+        if self.membership.lose_replaced([m]):
+            return
+        async for group in m.handle.with_timeout(deadlines.generate_timeout_s).rollouts(max_groups):
+            incarnation = m.handle.info().incarnation
+            if incarnation != m.incarnation or group.version < m.min_version:
+                raise ActorDiedError(m.name, f"incarnation {m.incarnation} was replaced by {incarnation} "
+                                     "outside the group")  # its groups were never synced: drop them
+            m.seq += 1
+            m.delivered += 1
+            m.pump_failures = 0
+            group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{m.seq}")
+            if await self.queue.put(group, timeout_s=put_s) and accepted is not None:
+                accepted[0] += 1
+
+    def _start_pump(self, m: Member) -> None:
+        m.pump = self.membership.spawn(self._pump(m, 0), f"pump of {m.name}")
+        m.pump.add_done_callback(lambda _: self.membership.changed.set())
+
+    def _reap_pumps(self) -> None:
+        for m in self.members:
+            if m.in_group and m.pump is not None and m.pump.done():
+                task, m.pump = m.pump, None
+                if not task.cancelled() and task.exception() is not None:
+                    self._pump_failed(m, task.exception())
+
+    def _pump_failed(self, m: Member, exc: BaseException) -> None:
+        if isinstance(exc, (QueueTimeoutError, QueueClosedError)):
+            raise RunStoppedError(f"the driver stopped taking rollouts from {m.name}: {exc}") from exc
+        lose = self.membership.lose
+        if isinstance(exc, ActorDiedError):
+            lose(m, f"died ({exc.reason})", kill=False)
+        elif isinstance(exc, CallTimeoutError):
+            lose(m, f"no rollout group within --run.generate_timeout_s {self.run.deadlines.generate_timeout_s:g} s",
+                 kill=True)
+        elif (isinstance(exc, RemoteError) and exc.remote_type == "SamplerTimeoutError"
+              and m.pump_failures < PUMP_RETRIES):
+            m.pump_failures += 1  # it waited too long for good weights: pumped again after the next sync
+            self.membership.dirty = True
+        else:
+            lose(m, f"its rollout stream failed: {first_line(exc)}", kill=True)
+
+    async def _reconcile(self, version: int) -> None:
+        """Bring the group up to date: reap failed pumps, rebuild if anyone left or came back,
+        and pump every member that has no pump."""
+        self.membership.changed.clear()  # before looking: whatever happens from here on wakes the next wait
+        self._reap_pumps()
+        if all(m.state is MemberState.GONE for m in self.members):
+            raise NoSamplersError("every sampler is lost and has used up its restarts (--run.sampler_max_restarts "
+                                  f"{self.run.recovery.sampler_max_restarts}): "
+                                  + "; ".join(f.cause for f in self.faults[-3:]))
+        if self.membership.dirty or self.membership.with_state(MemberState.CANDIDATE):
+            await self.sync_group.rebuild(version)
+        if self.async_mode:
+            for m in self.members:
+                if m.in_group and m.pump is None:
+                    self._start_pump(m)
+
+    def _stalled(self, n: int, version: int) -> PhaseTimeoutError:
+        states = ", ".join(f"{m.name}: {m.state.shown} ({m.handle.info().state}, {m.delivered} groups delivered)"
+                           for m in self.members)
+        return PhaseTimeoutError(f"waiting for a batch of {n} groups at v{version}: not there within "
+                                 f"--run.queue_timeout_s {self.run.deadlines.queue_timeout_s:g} s "
+                                 f"({len(self.queue)} queued; {states})")
+
+
+async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    try:
+        async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+            await event.wait()
+    except TimeoutError:
+        pass

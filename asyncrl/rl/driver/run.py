@@ -1,0 +1,174 @@
+"""`train()`: one GRPO run from its config to its summary, or to a stop that says how to resume.
+
+It checks the config (`preflight.check_run`), makes the run directory, spawns the trainer and the
+samplers on the caller's supervisor, loads a checkpoint to resume from (`resume.py`), and hands
+the steps to `GRPODriver` (grpo.py). Every way a run can end passes through here once: a signal
+(SIGINT, SIGTERM) or any error is recorded as a ``stopped`` event in faults.jsonl and told in one
+line that names what resumes the run; a full disk under the run directory becomes `RunDirError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from asyncrl.errors import first_line
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.config.parse import ConfigError, config_to_dict
+from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
+from asyncrl.rl.driver.faults import RunStoppedError, append_event
+from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
+from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
+from asyncrl.rl.tasks.countdown import heldout_split
+from asyncrl.runtime import signals
+
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> dict[str, Any]:
+    """Run GRPO with ``config`` on the actors of ``sup``; returns the summary (also in the run dir).
+    ``resume``: continue the run in ``config.run.run_dir`` from its newest good checkpoint (checked
+    against its manifest; a damaged one is skipped, and said so). Raises a `RunStoppedError` (its
+    message names the cause and ends with how to resume) if the run cannot go on, a
+    `CheckpointError` (one line) if there is nothing good to resume from. On every stop, a
+    signal included, one line says what can be resumed and faults.jsonl gets a ``stopped``
+    event. What the console shows is kept in RUN_DIR/log.txt (`RunLog`)."""
+    from asyncrl.rl.driver.preflight import check_run
+    from asyncrl.rl.model.warm_start import default_model
+    from asyncrl.rl.sampler.actor import SamplerActor
+    from asyncrl.rl.trainer.actor import TrainerActor
+    from asyncrl.runtime.devices import detect
+
+    config = check_run(config, resume=resume)  # paths and limits, before anything is spawned or written
+    run = config.run
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars would bury the progress line
+    run_dir = os.path.abspath(run.run_dir or os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S")))
+    os.makedirs(run_dir, exist_ok=True)
+    console = RunLog(os.path.join(run_dir, LOG_FILE), log)
+    log = console.log
+    driver: GRPODriver | None = None
+    committed = False  # config.json written: from here on a stop is recorded in the run directory
+
+    def progress() -> dict[str, Any]:  # for `asyncrl status`, called on this event loop per request
+        if driver is None:
+            return {"phase": "starting", "steps": run.steps}
+        return driver.progress()
+
+    def commit(checkpoint: Checkpoint | None) -> None:
+        """The run is known to start (fresh) or to resume (the trainer loaded the checkpoint):
+        only now is the run directory changed (a refused or failed resume leaves it as it was)."""
+        nonlocal committed
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config_to_dict(config), f, indent=2, default=str)
+        committed = True
+        console.open(f"resumed from {checkpoint.name}" if checkpoint is not None else "new run")
+
+    def stopped(cause: str, detail: str) -> tuple[str, str]:
+        """Record a stop (faults.jsonl, once the run directory is ours); returns where the run
+        stopped ("at step 137") and the line that says what resumes it."""
+        where = driver.where() if driver is not None else "while starting"
+        if committed:
+            try:
+                append_event(os.path.join(run_dir, "faults.jsonl"), {
+                    "event": "stopped", "cause": cause, "step": driver.step_done + 1 if driver is not None else 0,
+                    "at": time.time(), "detail": detail or f"stopped {where} by {cause}"})
+            except OSError:
+                pass  # a full disk: the stop itself is what the user needs to hear about
+        return where, resume_hint(run_dir)
+
+    status = await sup.serve_status(run_dir, progress=progress)
+    console.__enter__()
+    try:
+        candidates = list_checkpoints(run_dir)
+        if resume and not candidates:
+            first = (f"the first is written at step {run.checkpoints.checkpoint_every}" if run.checkpoints.checkpoint_every
+                     else "the run writes none")
+            raise CheckpointError(f"--resume {run_dir}: no checkpoint was written yet ({first}, "
+                                  f"--run.checkpoint_every {run.checkpoints.checkpoint_every}); nothing to resume")
+        damaged: list[Checkpoint] = []
+        checkpoint = await choose_checkpoint(run_dir, candidates, damaged, log) if resume else None
+        if checkpoint is None:
+            commit(None)
+        stop_warm_start = threading.Event()  # a cancel (Ctrl-C) must stop the warm start's thread too:
+        try:  # asyncio's shutdown waits for the thread, which would otherwise finish the warm start first
+            model_path = config.model_path or await asyncio.to_thread(
+                default_model, config.model, config.warm_start, config.countdown, log=log, stop=stop_warm_start)
+        except asyncio.CancelledError:
+            stop_warm_start.set()
+            raise
+        kind, ids = detect("auto")
+        cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= 1 + config.sampler.count)
+        device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
+        heldout = heldout_split(run.data.data_seed, run.data.n_heldout, config.countdown)  # the train split: the samplers'
+        log(f"run dir {run_dir}; model {model_path}; {device}; {config.sampler.count} sampler(s); mode {run.mode}")
+
+        # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
+        # actors of one host fight over the same cores, and throughput collapses.
+        env = {"TQDM_DISABLE": "1"} | ({} if cuda else {"OMP_NUM_THREADS": "1"})
+        # No restarts for the trainer: a new one would start from the initial weights. Losing it
+        # stops the run, which resumes from its last checkpoint instead.
+        trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer", gpus=gpus, env=env,
+                                  kwargs={"device": device, "seed": run.seed})
+        if checkpoint is not None:
+            checkpoint = await load_checkpoint(trainer, run, run_dir, checkpoint, candidates, damaged, log)
+            commit(checkpoint)
+            move_damaged_aside(damaged, log)
+        samplers = [await sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=gpus, env=env,
+                                    max_restarts=run.recovery.sampler_max_restarts, kwargs={
+                        "task": config.countdown, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
+                        "sync_timeout_s": run.deadlines.sync_timeout_s})
+                    for i in range(config.sampler.count)]
+        if run.check_weights:
+            await _check_digestible(samplers)
+        host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
+        driver = GRPODriver(config, trainer, samplers, heldout, run_dir, log, host=host,
+                            backend="nccl" if cuda else "gloo",
+                            seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
+                            model_path=model_path, log_path=console.path)
+        return await driver.execute()
+    except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
+        signum = signals.cancelled_by_signal(asyncio.current_task())
+        cause = signal.Signals(signum).name if signum else "cancellation"
+        where, hint = stopped(cause, "")
+        log(f"run stopped {where} by {cause}; {hint}")
+        raise
+    except ConfigError:
+        raise  # refused before the run began (a CheckpointError too): nothing to record or resume
+    except Exception as exc:
+        stop = _run_dir_error(exc, run_dir) or exc
+        if not isinstance(stop, RunStoppedError):  # a bug: its traceback follows
+            where, hint = stopped(type(exc).__name__, first_line(exc))
+            log(f"run stopped {where} by an error ({type(exc).__name__}); {hint}")
+            raise
+        where, hint = stopped(type(stop).__name__, str(stop))
+        message = f"run stopped {where}: {stop}; {hint}"
+        console.record(message)  # the caller prints the error; the log keeps it too
+        raise type(stop)(message) from exc
+    finally:
+        console.__exit__()
+        status.close()
+
+
+def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
+    """A full disk or a failing filesystem under the run directory, as one line; None for others."""
+    if isinstance(exc, RunDirError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        return RunDirError(f"cannot write {exc.filename or run_dir}: {exc.strerror}")
+    return None
+
+
+async def _check_digestible(samplers: list[Any]) -> None:
+    """``--run.check_weights`` reads each sampler's weights in the actor; a vLLM sampler keeps
+    them in its engine's process (repacked for its kernels on CPU), so refuse before the run."""
+    for sampler, stats in zip(samplers, await asyncio.gather(*(s.stats() for s in samplers))):
+        if stats["backend"] == "vllm":
+            raise ConfigError(f"--run.check_weights needs samplers that hold their weights in the actor, but "
+                              f"{stats['name']} uses the vLLM backend; add --sampler.backend hf, or drop check_weights")

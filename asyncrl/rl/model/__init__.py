@@ -1,0 +1,2 @@
+"""Policies: loading one and its prompt format (``policy.py``), solve rates (``evaluation.py``), and
+the embedded default model (``tokenizer.py``, ``warm_start.py``)."""

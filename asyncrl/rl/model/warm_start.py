@@ -1,0 +1,295 @@
+"""The default policy, made locally: a small Qwen2-architecture model with a byte-level
+tokenizer (one token per ASCII character), warm-started by supervised training on Countdown
+reference solutions so that GRPO starts from a policy that solves some held-out problems but far
+from all.
+
+No hub and no internet: the tokenizer (``model/tokenizer.py``) is Qwen2's byte-level BPE pipeline
+with the 256 byte symbols and no merges, built with ``tokenizers``; the model comes from a
+``Qwen2Config``. The result is an ordinary HF checkpoint directory (safetensors weights, tokenizer
+files, and a chat template that renders the very prompt the model was trained on: a user message
+``"3 7 25 50 -> 178"`` becomes ``"3 7 25 50 -> 178:"``) plus ``asyncrl_model.json``, which records
+the prompt style the model was trained on. It is cached under a hash of everything that determines
+it, and written to a temporary directory that is renamed into place only when complete: a crash
+mid-write leaves a ``.tmp-*`` directory that is never read, and is removed by a later build once
+its writer is gone.
+
+Any other local HF checkpoint directory can be named instead: ``model/policy.py``'s `load_policy`
+then uses the checkpoint's own tokenizer and chat template around the task's prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+
+import torch
+
+from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
+from asyncrl.rl.config.task import CountdownConfig
+from asyncrl.rl.model.evaluation import check_stop, solve_rate
+from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
+from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer
+from asyncrl.rl.tasks.countdown import CountdownProblem, format_prompt_compact, format_reference, train_and_heldout
+from asyncrl.runtime.files import write_atomic
+from asyncrl.runtime.transport import pid_alive
+
+_TRAIN_THREADS = 1
+"""Intra-op threads of the warm start's training: fixed, so the weights do not depend on the machine."""
+
+# Bump when the tokenizer, data or training code changes what a cached checkpoint would contain.
+_FORMAT_VERSION = 1
+
+# --- the cached default ---------------------------------------------------------------------------
+
+
+def cache_root(cache_dir: str | None = None) -> str:
+    """``cache_dir``, else ``$ASYNCRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncrl`` (``~/.cache``)."""
+    if cache_dir:
+        return cache_dir
+    if os.environ.get("ASYNCRL_CACHE_DIR"):
+        return os.environ["ASYNCRL_CACHE_DIR"]
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "asyncrl")
+
+
+def cache_key(model: ModelConfig, warm: WarmStartConfig, countdown: CountdownConfig) -> str:
+    """Hash of everything that determines the default checkpoint. A probe prompt and reference are
+    hashed too, so a change to their formats invalidates the cache without a version bump."""
+    probe = CountdownProblem(numbers=[3, 7, 25], target=46, solution="25 + 7 * 3")
+    spec = {"version": _FORMAT_VERSION, "model": asdict(model), "warm": asdict(warm),
+            "countdown": asdict(countdown), "tokenizer": TOKENIZER_SPEC,
+            "probe": [format_prompt_compact(probe), format_reference(probe)]}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
+                  countdown: CountdownConfig = CountdownConfig(), *, cache_dir: str | None = None,
+                  threads: int | None = None, log: Callable[[str], object] = print,
+                  stop: threading.Event | None = None) -> str:
+    """Path of the embedded policy's checkpoint directory, built and warm-started on first use.
+
+    Cached at ``<cache_root>/models/<cache_key>``. Only a complete directory ever has that name: it
+    is written under a temporary name and renamed, so a second call (even after a crash of the
+    first) either finds a whole checkpoint or builds one afresh.
+
+    The training itself always runs on one torch thread, so the weights cached under a key are the
+    same on any machine (of one CPU kind) whatever its core count; see ``_build``.
+
+    ``threads``: torch intra-op threads of the greedy evaluation after training (it changes no
+    weights); None: the cores this process may run on (its CPU affinity), at most 4. Not a load
+    reading: one taken just after a burst (pip) picked 1 thread on an idle machine. On cores that
+    other busy processes share, pass 1: OpenMP threads waiting at each barrier for a descheduled
+    sibling cost more than they bring (2 threads ran 1.7x to 6x slower than 1 on 2 loaded cores).
+
+    ``stop``: once set, the build stops within a training step (or a data / evaluation chunk) and
+    raises `StoppedError`, leaving nothing in the cache. For a caller that runs this in a worker
+    thread (``asyncio.to_thread``) and is cancelled: a thread cannot be killed, and asyncio's
+    shutdown waits for it.
+    """
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1 or None, not {threads}")
+    models_dir = os.path.join(cache_root(cache_dir), "models")
+    key = cache_key(model, warm, countdown)
+    final = os.path.join(models_dir, key)
+    if _is_complete(final):
+        log(f"[model] cached default policy {final}")
+        return final
+    os.makedirs(models_dir, exist_ok=True)
+    _remove_orphans(models_dir, key, log)
+    tmp = tempfile.mkdtemp(dir=models_dir, prefix=f".tmp-{key}-{os.getpid()}-")
+    try:
+        _build(tmp, model, warm, countdown, threads, log, stop)
+        _publish(tmp, final, log)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a no-op after a successful rename
+    return final
+
+
+def _is_complete(path: str) -> bool:
+    # The marker is written last, and the directory renamed after it: its presence means complete.
+    return os.path.isfile(os.path.join(path, MARKER_FILE))
+
+
+def _publish(tmp: str, final: str, log: Callable[[str], object]) -> None:
+    """``tmp`` renamed to ``final`` unless another builder got there first. Not the replacing
+    rename of a checkpoint (``rl/checkpoint.py``'s `staged_dir`): the first complete build of a
+    key wins and is never moved or replaced, because other processes may be loading from it."""
+    if os.path.isdir(final) and not _is_complete(final):
+        log(f"[model] replacing incomplete {final}")  # not ours (we rename whole dirs); never reuse it
+        shutil.rmtree(final)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not _is_complete(final):  # not a concurrent builder winning the race: a real failure
+            raise
+        log(f"[model] another process built {final} first; using it")
+
+
+def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> None:
+    """Temporary directories of crashed builders of ``key`` (their pid is gone)."""
+    prefix = f".tmp-{key}-"
+    for name in os.listdir(models_dir):
+        pid = name[len(prefix):].split("-")[0] if name.startswith(prefix) else ""
+        if pid.isdigit() and not pid_alive(int(pid)):
+            log(f"[model] removing partial build {name}")
+            shutil.rmtree(os.path.join(models_dir, name), ignore_errors=True)
+
+
+def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, countdown: CountdownConfig,
+           threads: int | None, log: Callable[[str], object], stop: threading.Event | None = None) -> None:
+    tokenizer = build_tokenizer()
+    check_stop(stop)
+    train, heldout = train_and_heldout(warm.data_seed, warm.n_examples, warm.heldout_reserve, countdown)
+    check_stop(stop)
+    ids, labels, lengths, longest_completion = _encode(tokenizer, train, model_cfg.max_positions, stop)
+    # Training runs on one intra-op thread whatever ``threads`` says, so that the weights cached
+    # under a key do not depend on the machine's core count (the key does not name it). With more
+    # threads, torch splits elementwise kernels (SiLU) into per-thread chunks whose ends need not
+    # fall on the vector width, and the tail is computed differently: on 3 threads one SiLU output
+    # was 4e-9 off at the third step, and 48 of 50 tensors differed after 30 (2 threads happened to
+    # agree with 1 bit for bit over all 400 steps, 4 over 30: sizes that split evenly). Cost, 2 cores, default
+    # config: ~275 ms a step on one thread against ~150 ms on two when idle (400 steps: ~110 s
+    # against ~60 s, once per cache key); under load two threads were slower (545 against 930 ms).
+    with _torch_threads(_TRAIN_THREADS):
+        torch.manual_seed(warm.seed)
+        model = _new_model(model_cfg, tokenizer)
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"[model] warm-starting {n_params / 1e6:.2f}M-parameter Qwen2 on {len(train)} problems, "
+            f"{warm.steps} steps of {warm.batch_size}, on one thread (the same weights on any machine)")
+        start = time.monotonic()
+        loss = _train(model, ids, labels, lengths, warm, log, stop)
+        wall_s = time.monotonic() - start
+    with _torch_threads(threads or _usable_cores()):  # the evaluation changes no weights
+        hint = longest_completion + 8  # slack: a sampled answer may be a little longer than any reference
+        fmt = PromptFormat("compact", tokenizer, stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer), hint)
+        greedy = (solve_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], stop=stop)
+                  if warm.eval_problems else None)
+    # The solve rate goes to the marker file only: a GRPO run prints its own held-out number before
+    # training (on its n_heldout problems), and two different "held-out" figures read as a conflict.
+    log(f"[model] warm start done in {wall_s:.0f} s, final loss {loss:.3f}")
+    check_stop(stop)
+    _save(out, model, tokenizer, {
+        "prompt_style": "compact", "max_new_tokens_hint": hint, "format_version": _FORMAT_VERSION,
+        "parameters": n_params, "warm_start_wall_s": round(wall_s, 1), "final_loss": round(loss, 4),
+        "heldout_greedy_solve_rate": greedy, "model": asdict(model_cfg), "warm": asdict(warm),
+        "countdown": asdict(countdown)})
+
+
+def _save(out: str, model, tokenizer, marker: dict) -> None:
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # last, and flushed to disk: its presence marks a whole checkpoint
+    write_atomic(os.path.join(out, MARKER_FILE), json.dumps(marker, indent=2), fsync=True)
+
+
+def _new_model(cfg: ModelConfig, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_positions,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, use_sliding_window=False,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """``threads`` intra-op threads inside the block, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _usable_cores(most: int = 4) -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's), at most ``most``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(most, cores))
+
+
+# --- warm start -----------------------------------------------------------------------------------
+
+
+def _encode(tokenizer, problems: Sequence[CountdownProblem], max_positions: int,
+            stop: threading.Event | None = None):
+    """Right-padded ``ids``, ``labels`` (-100 on prompt and padding) and lengths of
+    compact prompt + reference completion + eos for every problem, and the longest completion."""
+    rows = []
+    for i, p in enumerate(problems):
+        if i % 1000 == 0:  # 20 000 problems take seconds
+            check_stop(stop)
+        prompt = tokenizer(format_prompt_compact(p), add_special_tokens=False)["input_ids"]
+        completion = tokenizer(format_reference(p), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt, completion))
+    longest = max(len(a) + len(b) for a, b in rows)
+    if longest > max_positions:
+        raise ValueError(f"a training sequence has {longest} tokens, more than max_positions={max_positions}; "
+                         "raise ModelConfig.max_positions or narrow the CountdownConfig")
+    ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    lengths = torch.empty(len(rows), dtype=torch.long)
+    for i, (prompt, completion) in enumerate(rows):
+        n = len(prompt) + len(completion)
+        ids[i, :n] = torch.tensor(prompt + completion)
+        labels[i, len(prompt):n] = torch.tensor(completion)
+        lengths[i] = n
+    return ids, labels, lengths, max(len(completion) for _, completion in rows)
+
+
+def _lr_factor(step: int, warm: WarmStartConfig) -> float:
+    if step < warm.warmup_steps:
+        return (step + 1) / warm.warmup_steps
+    progress = (step - warm.warmup_steps) / max(1, warm.steps - warm.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _train(model, ids, labels, lengths, warm: WarmStartConfig, log: Callable[[str], object],
+           stop: threading.Event | None = None) -> float:
+    """Next-token cross-entropy on the completions; returns the mean loss of the last 20 steps."""
+    model.train()
+    device = next(model.parameters()).device
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": warm.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=warm.lr, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, warm))
+    gen = torch.Generator().manual_seed(warm.seed)
+    order, cursor, recent = torch.randperm(len(ids), generator=gen), 0, []
+    start = time.monotonic()
+    for step in range(warm.steps):
+        check_stop(stop)
+        if cursor + warm.batch_size > len(order):  # a fresh permutation per epoch
+            order, cursor = torch.randperm(len(ids), generator=gen), 0
+        batch = order[cursor:cursor + warm.batch_size]
+        cursor += warm.batch_size
+        width = int(lengths[batch].max())
+        # Right padding needs no attention mask: causal attention never lets a real token see a
+        # later pad, and pads carry no label. Without a mask, SDPA takes its fast causal path.
+        out = model(input_ids=ids[batch, :width].to(device), labels=labels[batch, :width].to(device))
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        recent = (recent + [out.loss.item()])[-20:]
+        if (step + 1) % max(1, warm.steps // 10) == 0 or step + 1 == warm.steps:
+            log(f"[model] step {step + 1}/{warm.steps} loss {sum(recent) / len(recent):.3f} "
+                f"({time.monotonic() - start:.0f} s)")
+    model.eval()
+    return sum(recent) / len(recent)

@@ -1,0 +1,299 @@
+"""`SamplerActor`: walks the Countdown train split, generates ``group_size`` completions per prompt
+continuously, scores them and streams one `RolloutGroup` per prompt, each tagged with the weight
+version it was generated under (the oldest one, when weights changed in flight).
+
+It generates with a `SamplerBackend` (``backend.py``) that `make_backend` (``factory.py``) picks
+and builds: `HFBackend` (``hf.py``) or `VLLMBackend` (``vllm/backend.py``). The trainer's weights
+reach the backend through its `WeightSink`: the actor's weight-sync endpoints forward to it
+without asking where the weights live (this process, or vLLM's engine process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from asyncrl.comm.member import SyncMember
+from asyncrl.rl.checkpoint import SamplerDataState
+from asyncrl.rl.config.run import DataConfig
+from asyncrl.rl.config.sampler import SamplerConfig
+from asyncrl.rl.config.task import CountdownConfig
+from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerTimeoutError, SamplingParams
+from asyncrl.rl.sampler.factory import choose_backend, make_backend
+from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
+from asyncrl.runtime.actor import endpoint
+from asyncrl.runtime.timeouts import timeout
+
+
+class SamplerActor(SyncMember):
+    """Generates Countdown rollouts continuously and takes weights from the trainer (rank 0).
+
+    ``config`` is the run's sampler section whole: group size, prompts per batch, sampling
+    (``max_new_tokens`` 0: the model format's hint; stop tokens: the format's), how weights enter
+    (``weight_update``) and the backend ("hf", "vllm", or "auto": vLLM where it is usable here,
+    see `choose_backend`). ``task`` and ``data`` give the train split the sampler walks; ``data``
+    must be the driver's, since the train split excludes the held-out problems. ``name`` tags the
+    groups; empty means the actor's own name in the runtime. ``cpu_threads`` > 0 sets torch's
+    intra-op threads (0: torch's default); on CPU, give each process no more threads than cores
+    it has to itself: oversubscribed OpenMP threads spin and slow a small model tenfold or more.
+    ``vllm`` holds extra keyword arguments of `VLLMBackend` (e.g. ``gpu_memory_utilization``).
+    """
+
+    def __init__(self, model_path: str, config: SamplerConfig = SamplerConfig(), *,
+                 task: CountdownConfig = CountdownConfig(), data: DataConfig = DataConfig(), seed: int = 0,
+                 device: str = "cpu", sync_timeout_s: float = 120.0, cpu_threads: int = 0, name: str = "",
+                 vllm: dict = {}):
+        from asyncrl.rl.tasks.countdown import train_and_heldout
+
+        if not sync_timeout_s > 0:
+            raise ValueError(f"sync_timeout_s must be > 0, not {sync_timeout_s!r}")
+        self.config = config
+        self.name = name or os.environ.get("ASYNCRL_ACTOR", "") or "sampler"
+        self.group_size, self.prompts_per_batch = config.group_size, config.prompts_per_batch
+        self.sync_timeout_s = sync_timeout_s
+        self.in_flight = config.weight_update == "in_flight"
+        self.device = _actor_device(device)
+        if cpu_threads > 0:
+            torch.set_num_threads(cpu_threads)
+        self.backend_name = choose_backend(config.backend, self.device)  # said before the (long) load
+        print(f"sampler {self.name}: {self.backend_name} backend (asked for {config.backend!r})", flush=True)
+        # A pause for a sync lasts at most sync_timeout_s: a generate held by one gives up only well after.
+        self.backend, self.fmt = make_backend(self.backend_name, model_path, device=self.device, seed=seed,
+                                              in_flight=self.in_flight, resume_timeout_s=3 * sync_timeout_s,
+                                              vllm=vllm)
+        self.sink = self.backend.weight_sink(self)
+        self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
+                                       temperature=config.temperature, top_p=config.top_p,
+                                       stop_token_ids=list(self.fmt.stop_token_ids))
+        self.problems, _ = train_and_heldout(data.data_seed, data.n_train, data.n_heldout, task)
+        self._order = shuffled_walk(len(self.problems), seed)  # counted once restore_data_state installs one
+        self._prompt_ids: dict[int, list[int]] = {}
+        self.version = 0
+        self._ready = asyncio.Event()  # clear during a weight sync, and after a failed one until one succeeds
+        self._ready.set()
+        self._sync_lock = asyncio.Lock()
+        self._stats = {"tokens": 0, "groups": 0, "completions": 0, "batches": 0, "generate_s": 0.0,
+                       "weight_sync_s": 0.0, "pause_s": 0.0, "syncs": 0, "failed_syncs": 0,
+                       "syncs_waited_for_generate": 0, "discarded_batches": 0}
+        self._failures = 0  # failed syncs so far: a batch that saw one in flight is discarded
+        self._generating = 0  # backend.generate calls in flight (rollouts and the generate endpoint)
+
+    # --- endpoints ------------------------------------------------------------------------------
+
+    @endpoint
+    async def rollouts(self, max_groups: int = 0) -> AsyncIterator[RolloutGroup]:
+        """One scored group per prompt, ``max_groups`` of them (0: until the caller stops). A
+        consumer that stops reading pauses generation (the stream's credit window). Prompts are
+        generated ``prompts_per_batch`` at a time; ``generate_s`` is the wall time of the group's
+        batch, ``version`` the weight version the whole batch was sampled under."""
+        from asyncrl.rl.tasks.countdown import reward
+
+        produced = 0
+        while max_groups <= 0 or produced < max_groups:
+            count = self.prompts_per_batch if max_groups <= 0 else min(self.prompts_per_batch, max_groups - produced)
+            indices = [next(self._order) for _ in range(count)]
+            prompts = [self._prompt(i) for i in indices]
+            version, groups, seconds = await self._generate(prompts)
+            finished = time.time()
+            for index, prompt, completions in zip(indices, prompts, groups):
+                problem = self.problems[index]
+                yield RolloutGroup(
+                    prompt_id=index, prompt_ids=prompt,
+                    completion_ids=[c.token_ids for c in completions],
+                    behaviour_logprobs=[c.logprobs for c in completions],
+                    rewards=[reward(problem, c.text) for c in completions],
+                    version=version, sampler=self.name, generate_s=seconds, finished_at=finished)
+                self._stats["groups"] += 1
+                produced += 1
+
+    @endpoint
+    async def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None) -> list[list[Completion]]:
+        """Raw completions from the backend, for evaluation and tests (not counted in stats)."""
+        self._generating += 1
+        try:
+            return await self.backend.generate(prompts, n, params or self.sampling)
+        finally:
+            self._generating -= 1
+
+    # SyncMember's endpoints and the receiver's, forwarded to the backend's weight sink: for vLLM
+    # `form_group` then puts the engine's process in the group, and this one holds no communicator.
+
+    @endpoint
+    async def sync_join(self, host: str, port: int, rank: int, world_size: int, generation: int = 0,
+                        backend: str = "auto", timeout_s: float = 60.0, name: str = "weights") -> str:
+        """Join the trainer's weight-sync group (where the backend receives: here, or its engine)."""
+        return await self.sink.join(host, port, rank, world_size, generation=generation, backend=backend,
+                                    timeout_s=timeout_s, name=name)
+
+    @endpoint
+    async def sync_leave(self) -> None:
+        """Leave the weight-sync group. Idempotent."""
+        await self.sink.leave()
+        await super().sync_leave()  # what this process holds itself (a reserved listener)
+
+    @endpoint
+    async def sync_created(self) -> dict[str, int]:
+        """Communicators created for weight sync, per backend (in the process that receives)."""
+        return await self.sink.created()
+
+    @endpoint
+    async def setup_receiver(self, timeout_s: float = 60.0) -> int:
+        """After `form_group`: agree on the weight layout with the trainer. Returns the bucket count."""
+        try:
+            return await self.sink.setup(timeout_s)
+        except SamplerError as exc:
+            raise SamplerError(f"sampler {self.name}: {exc}") from None
+
+    @endpoint
+    async def receive_weights(self, version: int) -> float:
+        """Take ``version`` in place: after the batch in flight (``weight_update="pause"``) or
+        between two of its decoding steps ("in_flight"); no new batch starts until it is done.
+        Returns the seconds it took. If the transfer fails the weights may be half-written:
+        rollouts then wait for the next successful sync instead of sampling from them, and a
+        batch that was in flight is discarded."""
+        if not self.sink.ready:
+            raise SamplerError(f"sampler {self.name}: receive_weights before setup_receiver")
+        # One deadline for the wait to load and the transfer (the sink keeps it), as on the
+        # trainer, whose side of the sync starts at once: the driver waits for our answer only a
+        # grace beyond it, so a transfer that got a whole sync_timeout_s of its own after a long
+        # pause would answer (a peer's failure, as a collective error) after the driver had
+        # judged us frozen.
+        deadline = time.monotonic() + self.sync_timeout_s
+        async with self._sync_lock:
+            start = time.perf_counter()
+            self._ready.clear()  # no rollout batch may start from here on
+            if self._generating and not self.in_flight:
+                self._stats["syncs_waited_for_generate"] += 1
+            try:
+                waited = await self.sink.receive(version, in_flight=self.in_flight,
+                                                 timeout_s=max(deadline - time.monotonic(), 1e-3))
+            except SamplerTimeoutError:  # the weights were not touched: sampling may go on
+                self._ready.set()
+                self._stats["failed_syncs"] += 1
+                raise SamplerTimeoutError(
+                    f"sampler {self.name}: no moment free of generation came within {self.sync_timeout_s:g} s "
+                    f"({'a decoding step did not end' if self.in_flight else 'the batch in flight did not finish'}), "
+                    "so the weights could not be taken") from None
+            except BaseException:
+                self._stats["failed_syncs"] += 1
+                self._failures += 1
+                raise
+            self.version = version
+            self._ready.set()
+            seconds = time.perf_counter() - start
+            self._stats["pause_s"] += waited
+            self._stats["weight_sync_s"] += seconds
+            self._stats["syncs"] += 1
+            return seconds
+
+    @endpoint
+    async def stats(self) -> dict:
+        """Counters since start: ``tokens``, ``completions``, ``groups`` (yielded), ``batches``,
+        ``generate_s`` (wall time in rollout generation) and ``tokens_per_s`` over it; weight syncs:
+        ``syncs``, ``failed_syncs``, ``weight_sync_s`` (wait + transfer), ``pause_s`` (of the syncs
+        that succeeded: waiting for the batch in flight, or for the end of a decoding step),
+        ``syncs_waited_for_generate``, ``discarded_batches`` (in flight during a failed sync);
+        ``version`` now; ``name``; ``backend`` (``"hf"`` or ``"vllm"``)."""
+        s = dict(self._stats)
+        s.update(version=self.version, name=self.name, backend=self.backend_name,
+                 tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
+        return s
+
+    # --- resume and fault-tolerance hooks (asyncrl/rl/checkpoint.py, driver/pool.py) ------------
+
+    @endpoint
+    async def data_state(self) -> SamplerDataState:
+        """Prompts drawn from the data walk so far and the sampling RNG, for a checkpoint
+        (the walk is counted once `restore_data_state` has installed it; -1 before)."""
+        generator = self.backend.generator  # None: the engine's own RNG, reseeded on a restart only
+        return SamplerDataState(seed=getattr(self._order, "seed", -1), drawn=getattr(self._order, "drawn", -1),
+                                generator=bytes(generator.get_state().numpy()) if generator is not None else b"")
+
+    @endpoint
+    async def restore_data_state(self, state: SamplerDataState) -> None:
+        """Continue the walk of ``state.seed`` after ``state.drawn`` prompts, and set (or reseed)
+        the sampling RNG. Before the first rollout only: a walk half-consumed by a stream would
+        be skipped ahead under it."""
+        self._order = CountedWalk(shuffled_walk(len(self.problems), state.seed), state.drawn, state.seed)
+        generator = self.backend.generator
+        if generator is not None and state.generator:
+            generator.set_state(torch.frombuffer(bytearray(state.generator), dtype=torch.uint8))
+        elif generator is not None and state.generator_seed >= 0:
+            generator.manual_seed(state.generator_seed)
+
+    @endpoint
+    async def weights_digest(self) -> str:
+        """SHA-256 of the weights this sampler generates with (`asyncrl.rl.digest.tensor_digest`)."""
+        try:
+            return await self.sink.digest()
+        except SamplerError as exc:
+            raise SamplerError(f"sampler {self.name}: {exc}") from None
+
+    async def on_stop(self) -> None:
+        try:  # an engine that receives weights drops its communicator while it still can
+            async with timeout(10.0):
+                await self.sync_leave()
+        except Exception as exc:  # a dead or stuck engine: close() below ends it all the same
+            print(f"sampler {self.name}: leaving the weight-sync group on stop failed: {exc!r}", flush=True)
+        self.backend.close()
+        await super().on_stop()
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _prompt(self, index: int) -> list[int]:
+        ids = self._prompt_ids.get(index)
+        if ids is None:
+            ids = self._prompt_ids[index] = list(self.fmt.prompt_ids(self.problems[index]))
+        return ids
+
+    async def _generate(self, prompts: list[list[int]]) -> tuple[int, list[list[Completion]], float]:
+        """Generate for ``prompts`` and return the weight version it began under (the oldest of
+        its tokens). The version is read right before calling the backend, with no ``await`` in
+        between: a `receive_weights` that begins later either waits for this batch (the backend
+        registers it before its first await) or loads between its steps, and one under way has
+        cleared ``_ready``, so we wait for it first. A batch in flight during a failed sync may
+        have read half-written weights: it is discarded and generated again."""
+        while True:
+            await self._wait_ready()
+            version, failures = self.version, self._failures
+            start = time.perf_counter()
+            self._generating += 1
+            try:
+                groups = await self.backend.generate(prompts, self.group_size, self.sampling)
+            finally:
+                self._generating -= 1
+            seconds = time.perf_counter() - start
+            self._stats["generate_s"] += seconds
+            self._stats["batches"] += 1
+            if self._failures != failures:
+                self._stats["discarded_batches"] += 1
+                continue
+            self._stats["completions"] += sum(len(g) for g in groups)
+            self._stats["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
+            return version, groups, seconds
+
+    async def _wait_ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        bound = 2 * self.sync_timeout_s + 5  # a sync and most of the next, each within sync_timeout_s
+        deadline = loop.time() + bound
+        while not self._ready.is_set():  # re-checked after waking: another sync may have begun
+            try:
+                async with timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
+                    await self._ready.wait()
+            except TimeoutError:
+                raise SamplerTimeoutError(
+                    f"sampler {self.name}: no successful weight sync within {bound:g} s (the last one failed "
+                    "or is still under way); not sampling from weights that may be half-written") from None
+
+
+def _actor_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":  # the actor sees only its own GPU (CUDA_VISIBLE_DEVICES)
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+    return dev

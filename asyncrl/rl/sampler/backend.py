@@ -1,0 +1,310 @@
+"""The sampler backend interface and its request/result types.
+
+A `SamplerBackend` turns token-id prompts into completions with per-token log-probs and can be
+paused; its `WeightSink` takes the trainer's weights in place, wherever the backend keeps them.
+`PausableBackend` is the pause/resume bookkeeping both implementations share (``hf.py``,
+``vllm/backend.py``); `asyncrl.rl.sampler.factory.make_backend` picks and builds one. Nothing here
+imports an implementation.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+from asyncrl.errors import AsyncrlError
+from asyncrl.runtime.timeouts import timeout
+
+if TYPE_CHECKING:
+    from asyncrl.comm.member import SyncMember
+
+
+class SamplerError(AsyncrlError):
+    """Base class of the sampler's own errors."""
+
+
+class SamplerClosedError(SamplerError):
+    """``generate`` on a backend that was closed."""
+
+
+class SamplerTimeoutError(SamplerError, TimeoutError):
+    """A pause, a resume or a weight sync did not happen within its deadline; the message says which."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How to sample. ``temperature == 0`` is greedy; ``seed`` makes a call reproducible (each
+    completion gets its own generator seeded from ``(seed, prompt index, sample index)``)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+    stop: list[str] = []
+    """Stop strings (vLLM backend only: the HF backend refuses them). The completion ends once its
+    text contains one; ``text`` then ends before it, ``token_ids`` keep every token sampled."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, not {self.max_new_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0 (0: greedy), not {self.temperature!r}")
+        if not 0 < self.top_p <= 1:  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, not {self.stop_token_ids!r}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0 or None, not {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """One sampled continuation of a prompt (prompt tokens not included).
+
+    ``logprobs[t]`` is the log-probability of ``token_ids[t]`` under the distribution it was
+    actually drawn from: ``log_softmax(logits / temperature)``, restricted to the top-p nucleus and
+    renormalised when ``top_p < 1``. The trainer recomputes log-probs with the same temperature;
+    with ``top_p < 1`` the two differ by the log of the nucleus mass (the behaviour policy really
+    is the truncated one). For greedy (``temperature == 0``) they are ``log_softmax(logits)``.
+    A stop token ends the completion, is included in ``token_ids`` and has its log-prob;
+    ``finish_reason`` is ``"stop"`` then, ``"length"`` when ``max_new_tokens`` ran out. ``text`` is
+    the decoding of ``token_ids`` without the stop token, special tokens skipped (as the held-out
+    evaluation reads completions, so rewards and solve rates score the same text).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+class WeightSink(abc.ABC):
+    """Where a sampler's weight syncs land: its side of the weight-sync group. The backend owns
+    it (`SamplerBackend.weight_sink`); the sampler actor forwards its endpoints to it and never
+    asks where the weights live. `asyncrl.rl.sampler.sink.ActorSink` receives in the actor's own
+    process (its `SyncMember` communicator, copied into the backend's tensors); vLLM's receives in
+    the engine's process, which joins the group itself. A sink holds one membership at a time."""
+
+    @abc.abstractmethod
+    async def join(self, host: str, port: int, rank: int, world_size: int, *, generation: int, backend: str,
+                   timeout_s: float, name: str) -> str:
+        """Leave any previous group and join the one whose store rank 0 hosts at ``host:port``
+        (see `SyncMember.sync_join`). Returns the communicator's backend."""
+
+    @abc.abstractmethod
+    async def setup(self, timeout_s: float) -> int:
+        """Agree on the weight layout with the sender (`WeightReceiver.create`). Returns the
+        bucket count."""
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """`setup` succeeded since the last `join`: `receive` may go ahead."""
+
+    @abc.abstractmethod
+    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
+        """Take sync ``version`` into the weights the backend generates with, at a moment no
+        generation reads them: once the generates in flight have finished, none starting
+        meanwhile (``in_flight=False``), or between two decoding steps of them, which go on with
+        the new weights (``in_flight=True``). The wait for that moment and the transfer share
+        one deadline, ``timeout_s``: the trainer's side starts at once and the driver waits for
+        ours only a grace beyond it. `SamplerTimeoutError` when the moment does not come in time
+        (weights untouched); what the transfer raises propagates (weights may be half-written).
+        Returns the seconds spent waiting for the moment."""
+
+    @abc.abstractmethod
+    async def leave(self) -> None:
+        """Drop the communicator and the store handle. Idempotent; a no-op once closed."""
+
+    @abc.abstractmethod
+    async def created(self) -> dict[str, int]:
+        """Communicators created for weight sync by the process that receives, per backend."""
+
+    @abc.abstractmethod
+    async def digest(self) -> str:
+        """`asyncrl.rl.digest.tensor_digest` of the weights generated with; `SamplerError` where
+        they cannot be read (a vLLM engine's, repacked for its kernels)."""
+
+
+class SamplerBackend(abc.ABC):
+    """What a sampler actor needs from an inference engine: generation that can be paused, and a
+    `WeightSink` that takes the trainer's weights in place."""
+
+    name: str = ""
+    """The backend's kind as `choose_backend` names it (``"hf"``, ``"vllm"``)."""
+
+    @abc.abstractmethod
+    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """``n`` completions for each prompt, in prompt order. While paused, waits for `resume`."""
+
+    @abc.abstractmethod
+    def weight_sink(self, member: SyncMember) -> WeightSink:
+        """This backend's side of weight sync, for the sampler actor ``member`` (whose own
+        communicator an in-process sink uses; a sink in another process ignores it)."""
+
+    @abc.abstractmethod
+    async def pause(self, timeout_s: float = 600.0) -> None:
+        """From now on no generate starts; returns once the ones in flight have finished."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Let generates start again."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine; later generates raise `SamplerClosedError`."""
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The RNG of unseeded requests, saved in checkpoints; None where the engine keeps its own."""
+        return None
+
+
+Work = asyncio.Future | concurrent.futures.Future
+"""What `PausableBackend._submit` returns: a task or future on the loop, or a worker thread's future."""
+
+
+class PausableBackend(SamplerBackend):
+    """The pause/resume bookkeeping every backend shares, and `generate` as a template around it:
+    validate (`_check`), wait while paused, count the call in flight, start the generation itself
+    (`_submit`, the subclass's part) and count it out when that work has really ended.
+
+    Concurrency contract (the sampler actor's version tagging relies on it): when not paused,
+    `generate` counts itself in flight before its first ``await``, so a `pause` that starts after
+    the call began waits for it."""
+
+    vocab_size: int
+    """Set by the subclass: `_check` refuses token ids outside ``[0, vocab_size)``."""
+
+    def __init__(self, *, resume_timeout_s: float):
+        self.resume_timeout_s = resume_timeout_s
+        self._closed = False
+        self._paused = False
+        self._inflight = 0
+        self._resumed: asyncio.Event | None = None  # made on first use, on the actor's loop
+        self._idle: asyncio.Event | None = None
+
+    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        self._check(prompts, n, params)
+        self._events()
+        if self._closed:
+            raise SamplerClosedError(f"{type(self).__name__} is closed")
+        if self._paused:  # no await before this point when not paused: see the class docstring
+            await self._wait_resumed()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            work = self._submit(prompts, n, params)
+        except BaseException:
+            self._finished()
+            raise
+        # Counted in flight until the work itself ends, not until our await does: a cancelled
+        # caller may leave a thread running (HF), and weights must not change under it.
+        if isinstance(work, concurrent.futures.Future):  # done on the worker thread: back to our loop
+            loop = asyncio.get_running_loop()
+            work.add_done_callback(lambda _: _call_soon(loop, self._finished))
+        else:
+            work.add_done_callback(lambda _: self._finished())
+        return await asyncio.wrap_future(work)
+
+    def _check(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        """Refuse a bad request before it is counted; `check_request` against ``vocab_size``."""
+        check_request(prompts, n, self.vocab_size)
+
+    @abc.abstractmethod
+    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Work:
+        """Start generating (no ``await``: the call is counted in flight already) and return the
+        work: a future done when it has ended, with the completions as its result. Cancelling it
+        (a caller that went away) stops what can be stopped; its end is still awaited for the count."""
+
+    async def pause(self, timeout_s: float = 600.0) -> None:
+        """Stop new generates from starting and wait for those in flight. On timeout the pause is
+        undone (it either holds with nothing in flight, or has no effect) and this raises."""
+        self._events()
+        self._paused = True
+        self._resumed.clear()
+        try:
+            async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
+                await self._idle.wait()
+        except TimeoutError:
+            await self.resume()
+            raise SamplerTimeoutError(f"pause: the generates in flight did not finish within {timeout_s:g} s") from None
+        except BaseException:
+            await self.resume()
+            raise
+
+    async def resume(self) -> None:
+        self._events()
+        self._paused = False
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _mark_closed(self) -> None:
+        """For ``close``: refuse new generates, and wake those held by a pause (they raise
+        `SamplerClosedError`)."""
+        self._closed = True
+        if self._resumed is not None:
+            self._resumed.set()
+
+    def _events(self) -> None:
+        if self._resumed is None:  # made on first use, on the actor's loop
+            self._resumed, self._idle = asyncio.Event(), asyncio.Event()
+            self._resumed.set()
+            self._idle.set()
+
+    async def _wait_resumed(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.resume_timeout_s
+        while self._paused:  # re-checked after each wake-up: a new pause may have begun since
+            try:
+                async with timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
+                    await self._resumed.wait()
+            except TimeoutError:
+                raise SamplerTimeoutError(f"generate: backend still paused after {self.resume_timeout_s:g} s") from None
+            if self._closed:
+                raise SamplerClosedError(f"{type(self).__name__} was closed while paused")
+
+    def _finished(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the loop is closed: nobody is left to wait for the count
+        pass
+
+
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd constants: distinct (seed, prompt, sample) -> distinct streams
+
+
+def row_seed(seed: int, prompt: int, sample: int) -> int:
+    """Seed of completion ``sample`` of prompt ``prompt`` in a call made with ``seed``: a call's
+    output depends only on its own arguments, never on what else ran before it."""
+    return (seed * _MIX[0] + prompt * _MIX[1] + sample) % (1 << 63)
+
+
+def check_request(prompts: list[list[int]], n: int, vocab_size: int) -> None:
+    """Refuse what would otherwise fail deep inside the model, or on the worker thread."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, not {n}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} has no tokens")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")

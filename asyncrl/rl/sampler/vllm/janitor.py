@@ -1,0 +1,134 @@
+"""The janitor of a vLLM engine: what vLLM leaves outside its processes is removed, however the
+sampler actor ends.
+
+vLLM leaves ZeroMQ socket files (and, for a multi-process executor, a file store) in its temporary
+directory even after a clean shutdown, and its shared-memory queues and multiprocessing semaphores
+in ``/dev/shm`` when it is killed. `VLLMBackend` gives the engine a scratch directory of its own
+and a `Janitor`, a small process outside the actor's process group, that removes both once the
+actor is gone: a clean stop, a crash, or a SIGKILL of the actor or of the supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+_JANITOR = """
+import os, shutil, sys
+names = set()
+for line in sys.stdin:  # ends at EOF: the sampler actor closed the pipe, or died, whichever way
+    names.update(line.split())
+for name in sorted(names):
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except OSError:
+        pass
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+
+
+class Janitor:
+    """A small process in a session of its own (so the kill of the actor's process group spares
+    it) that waits for the end of its stdin pipe, which only the actor holds, and then removes the
+    engine's scratch directory and the shared-memory segments its processes had mapped. It covers
+    every way the actor ends, SIGKILL included; after a clean shutdown there is nothing left for
+    it but the directory."""
+
+    def __init__(self, scratch: str):
+        self.scratch = scratch
+        self.proc = subprocess.Popen([sys.executable, "-c", _JANITOR, scratch], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+
+    def watch(self, shm_names: list[str]) -> None:
+        """Add segments to remove (any number of calls; the janitor keeps them all)."""
+        try:
+            self.proc.stdin.write(" ".join(shm_names) + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # finished already: too late to add any
+            pass
+
+    def follow(self, before: set[str], poll_s: float = 0.2) -> Callable[[], None]:
+        """Watch the segments this process and its children create from now on (`engine_segments`),
+        every ``poll_s`` until the returned function is called (which watches once more), so that
+        an actor killed while its engine starts (a start deadline, a fault) leaves none behind."""
+        stop, sent = threading.Event(), set()
+
+        def scan() -> None:
+            new = set(engine_segments(before)) - sent
+            if new:
+                self.watch(sorted(new))
+                sent.update(new)
+
+        def run() -> None:
+            while not stop.wait(poll_s):
+                scan()
+
+        thread = threading.Thread(target=run, name="asyncrl-vllm-shm", daemon=True)
+        thread.start()
+
+        def done() -> None:
+            stop.set()
+            thread.join()
+            scan()
+        return done
+
+    def finish(self) -> None:
+        """Clean up now (after the engine shut down); waits for the janitor, briefly."""
+        if self.proc.stdin.closed:
+            return
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - set(found)
+        found += sorted(frontier)
+    return found
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def engine_segments(before: set[str]) -> list[str]:
+    """Shared memory that is ours: new since ``before`` and mapped by this process or one below
+    it; or a new multiprocessing semaphore (those are mapped by nobody: removing the name later
+    cannot hurt a process that opened it)."""
+    mapped = set(_shm_mapped_by([os.getpid(), *_descendants(os.getpid())]))
+    return sorted(n for n in shm_names() - before if n in mapped or n.startswith("sem.mp-"))
+
+
+def _shm_mapped_by(pids: list[int]) -> list[str]:
+    """Names of the /dev/shm segments that ``pids`` have mapped (vLLM's shared-memory queues)."""
+    names: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(maxsplit=5)[5:] or [""]
+                    if path[0].startswith("/dev/shm/"):
+                        names.add(os.path.basename(path[0].removesuffix(" (deleted)")))
+        except OSError:
+            continue
+    return sorted(n for n in names if n and "/" not in n)

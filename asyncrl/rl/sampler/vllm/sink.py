@@ -1,0 +1,136 @@
+"""`EngineSink`: weight sync received by vLLM's worker process, driven from the sampler actor.
+
+The worker (`asyncrl.rl.sampler.vllm.worker.WeightSyncExtension`) joins the trainer's group and
+takes every bucket off the communicator itself; the sink only sends it small control values
+through ``AsyncLLM.collective_rpc`` (`engine_call`) and turns its answers back into values, or into
+the `asyncrl.comm.errors` type the worker's data plane raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError, WeightSyncError
+from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerError, WeightSink
+from asyncrl.runtime.timeouts import timeout
+
+ANSWER_GRACE_S = 10.0
+"""Beyond a call's own timeout, how long the worker may take to answer (its waits are bounded by
+that timeout: this is room to say why, not to work)."""
+
+
+class EngineBackend(Protocol):
+    """What the sink needs of `VLLMBackend` (named by shape, not imported: the backend imports us)."""
+
+    engine: Any  # vLLM's AsyncLLM; None once closed
+    prefix_caching: bool
+
+    async def pause(self, timeout_s: float = 600.0) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+class EngineWeightSyncError(WeightSyncError):
+    """The vLLM worker failed a weight-sync control call (join, set-up, receive); says which and why."""
+
+
+def comm_error(name: str) -> type[Exception]:
+    """The class to raise again for a data-plane error the worker reported by ``name``: the
+    `asyncrl.comm.errors` class of that name, built from one message. A `RendezvousTimeoutError`
+    (whose constructor takes group, what, missing, timeout) comes back as its base class,
+    `RendezvousError`; an unknown name as `EngineWeightSyncError`."""
+    cls: type[CommError] | None = COMM_ERRORS_BY_NAME.get(name)
+    if cls is None:
+        return EngineWeightSyncError
+    return RendezvousError if issubclass(cls, RendezvousTimeoutError) else cls
+
+
+async def engine_call(backend: EngineBackend, call: str, timeout_s: float, *args: Any) -> Any:
+    """One control call to the worker (`WeightSyncExtension.asyncrl_call`); only plain values go
+    in and come back. A data-plane error in the worker is raised here as the same
+    `asyncrl.comm.errors` type, so the driver can tell a peer's failure from this engine's."""
+    if backend.engine is None:
+        raise SamplerClosedError(f"VLLMBackend is closed: cannot {call}")
+    bound = timeout_s + ANSWER_GRACE_S
+    try:
+        async with timeout(bound + 5):  # collective_rpc's own timeout first, if it keeps it
+            results = await backend.engine.collective_rpc("asyncrl_call", timeout=bound, args=(call, *args))
+    except asyncio.TimeoutError:
+        raise EngineWeightSyncError(f"the vLLM worker did not answer {call} within {bound + 5:g} s") from None
+    except Exception as exc:
+        raise EngineWeightSyncError(f"the vLLM worker failed {call}: {type(exc).__name__}: {exc}") from exc
+    if len(results) != 1:
+        raise EngineWeightSyncError(f"{call}: expected one vLLM worker's answer, got {len(results)}")
+    answer = results[0]
+    if not isinstance(answer, dict) or not ("ok" in answer or "error" in answer):
+        raise EngineWeightSyncError(f"{call}: the vLLM worker answered {answer!r:.200}")
+    if "error" in answer:
+        name = answer["error"]
+        raise comm_error(name)(f"the vLLM worker failed {call}: {name}: {answer.get('message', '')}")
+    return answer["ok"]
+
+
+class EngineSink(WeightSink):
+    """``backend``'s weight sync, in its engine's worker. Pause mode: no new request, wait for
+    those running, load, reset the prefix cache, resume. In-flight mode: the engine loads between
+    two of its steps while requests keep running."""
+
+    def __init__(self, backend: EngineBackend):
+        self.backend = backend
+        self._ready = False
+
+    async def join(self, host: str, port: int, rank: int, world_size: int, *, generation: int, backend: str,
+                   timeout_s: float, name: str) -> str:
+        self._ready = False  # the worker drops its receiver with the old membership
+        return await engine_call(self.backend, "join", timeout_s, host, port, rank, world_size, generation, backend,
+                                 float(timeout_s), name)
+
+    async def setup(self, timeout_s: float) -> int:
+        buckets = await engine_call(self.backend, "setup_receiver", timeout_s, float(timeout_s))
+        self._ready = True
+        return buckets
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
+        # One deadline for the pause and the transfer: each with a whole timeout_s of its own
+        # would let this side take twice as long as the trainer's, which started at once.
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 1e-3)
+
+        start = time.perf_counter()
+        if not in_flight:
+            await self.backend.pause(timeout_s)  # SamplerTimeoutError: weights untouched
+        try:
+            waited = time.perf_counter() - start
+            await engine_call(self.backend, "receive_weights", left(), version, left())
+            if self.backend.prefix_caching:  # cached prefixes were computed with the old weights
+                try:
+                    async with timeout(left() + ANSWER_GRACE_S):
+                        reset = await self.backend.engine.reset_prefix_cache()
+                except asyncio.TimeoutError:
+                    raise EngineWeightSyncError("vLLM did not reset its prefix cache in time") from None
+                if reset is False:
+                    print("VLLMBackend: vLLM did not reset its prefix cache (requests still running)", flush=True)
+        finally:
+            if not in_flight:
+                await self.backend.resume()
+        return waited
+
+    async def leave(self) -> None:
+        self._ready = False
+        if self.backend.engine is not None:
+            await engine_call(self.backend, "leave", 30.0)
+
+    async def created(self) -> dict[str, int]:
+        return await engine_call(self.backend, "created", 30.0)
+
+    async def digest(self) -> str:
+        raise SamplerError("the weights live in the vLLM engine's process (repacked for its kernels on CPU): "
+                           "no digest here")

@@ -1,0 +1,2 @@
+"""The trainer: its actor (``actor.py``), micro-batches (``batching.py``), GRPO's loss
+(``loss.py``), and checkpoints written and loaded in its process (``checkpoint.py``)."""

@@ -1,0 +1,73 @@
+"""What the sampler tests share (tests/test_sampler.py, tests/test_vllm_*.py): a tiny random Qwen2
+checkpoint with the project's tokenizer, the HF policy loaded from it, a few Countdown prompts of
+different lengths, and the log-prob recomputation both backends are checked against.
+
+Test modules load this one as a plugin (``pytest_plugins = ["sampler_support"]``) for its
+fixtures; they are module-scoped, so each test module builds its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+HOST = "127.0.0.1"
+# A tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine three
+# processes spinning two OpenMP threads each run several times slower.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+N_TRAIN, N_HELDOUT = 50, 10
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    """A random tiny Qwen2 checkpoint with the project's tokenizer, loadable by load_policy."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.rl.model.policy import MARKER_FILE
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny"))
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=128, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    with open(os.path.join(path, MARKER_FILE), "w") as f:
+        json.dump({"prompt_style": "compact", "max_new_tokens_hint": 24}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_path):
+    from asyncrl.rl.model.policy import load_policy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see ONE_THREAD
+    yield load_policy(tiny_path)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(policy) -> list[list[int]]:
+    from asyncrl.rl.tasks.countdown import train_and_heldout
+
+    _, _, fmt = policy
+    train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
+    ids = [fmt.prompt_ids(p) for p in train[:12]]
+    ids.sort(key=len)
+    assert len(ids[0]) < len(ids[-1])  # different lengths: left padding is exercised
+    return [ids[0], ids[-1], ids[5]]
+
+
+def recomputed(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits[t-1] / T)[token_t] of one unpadded forward over prompt + completion."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    scored = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)] / temperature  # causal shift
+    return torch.log_softmax(scored, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)

@@ -1,0 +1,113 @@
+"""The package map of docs/architecture.md, checked: which part of asyncrl may import which, and no
+import circle between modules. Every import counts, the lazy ones inside functions too: a lazy
+import hides a dependency from a reader, it does not remove it."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import asyncrl
+
+ROOT = os.path.dirname(asyncrl.__file__)
+
+SHARED_RL = {"asyncrl.rl.config", "asyncrl.rl.tasks", "asyncrl.rl.model", "asyncrl.rl.rollout",
+             "asyncrl.rl.checkpoint", "asyncrl.rl.digest"}
+MAY_IMPORT = {
+    # the generic layers know nothing of RL
+    "asyncrl.errors": set(),
+    "asyncrl.runtime": {"asyncrl.errors"},
+    "asyncrl.comm": {"asyncrl.errors", "asyncrl.runtime"},
+    # rl/: the config at the bottom, then the task, the model, the shared wire/disk formats
+    "asyncrl.rl.config": {"asyncrl.errors"},
+    "asyncrl.rl.tasks": {"asyncrl.errors", "asyncrl.rl.config"},
+    "asyncrl.rl.rollout": {"asyncrl.errors"},
+    "asyncrl.rl.digest": set(),
+    "asyncrl.rl.checkpoint": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config"},
+    "asyncrl.rl.model": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.tasks"},
+    # the two actors never import each other, nor the driver
+    "asyncrl.rl.trainer": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
+    "asyncrl.rl.sampler": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
+    # the driver spawns the actors (their classes only) and talks to them through the runtime
+    "asyncrl.rl.driver": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL,
+                          "asyncrl.rl.trainer", "asyncrl.rl.sampler"},
+    "asyncrl.rl": set(),
+    # the command line and the package's front door
+    "asyncrl": {"asyncrl.errors", "asyncrl.runtime"},
+    "asyncrl.cli": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.launch", "asyncrl.nodes"},
+    "asyncrl.launch": {"asyncrl.errors", "asyncrl.runtime"},
+    "asyncrl.nodes": {"asyncrl.errors", "asyncrl.runtime"},
+}
+
+
+def _modules() -> dict[str, str]:
+    modules = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                modules[rel.removesuffix(".__init__")] = path
+    return modules
+
+
+def _imports(module: str, path: str) -> set[str]:
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {name for name in found if name == "asyncrl" or name.startswith("asyncrl.")}
+
+
+def _part(module: str) -> str:
+    """The unit of the map a module belongs to: the longest MAY_IMPORT key that is it or contains it."""
+    return max((key for key in MAY_IMPORT if module == key or module.startswith(key + ".")), key=len)
+
+
+def test_every_part_imports_only_what_the_map_allows():
+    modules = _modules()
+    wrong = []
+    for module, path in sorted(modules.items()):
+        part = _part(module)
+        for name in sorted(_imports(module, path)):
+            if name not in modules:  # `from pkg import name` also yields pkg.name, which may be a value
+                continue
+            target = _part(name)
+            if target != part and target not in MAY_IMPORT[part]:
+                wrong.append(f"{module} imports {name} ({part} -> {target})")
+    assert not wrong, "imports the map in docs/architecture.md does not allow:\n" + "\n".join(wrong)
+
+
+def test_no_import_circle_between_modules():
+    modules = _modules()
+    graph = {m: {t for t in _imports(m, p) if t in modules and t != m and not m.startswith(t + ".")}
+             for m, p in modules.items()}
+    circles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_map_knows_every_part():
+    parts = {_part(m) for m in _modules()}
+    assert "asyncrl.rl.driver" in parts and "asyncrl.rl.sampler" in parts  # the walk found the packages
+    assert parts <= set(MAY_IMPORT)

@@ -1,0 +1,260 @@
+"""The sampler actor on the vLLM backend, for real, in actor processes: its weight syncs received by
+vLLM's worker process (changed, restored exactly, a failed one, a sender killed mid-sync),
+vLLM's processes ending with the actor (SIGKILL of the actor, SIGKILL of the supervisor), and a
+GRPO smoke run with ``--sampler.backend vllm``.
+
+Where vLLM is not installed these tests skip, unless ``ASYNCRL_REQUIRE_VLLM=1`` (see vllm_support).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgspec
+import pytest
+
+from asyncrl import RemoteError, Supervisor
+from asyncrl.comm.member import form_group
+from asyncrl.rl.config.run import DataConfig
+from asyncrl.rl.config.sampler import SamplerConfig
+from asyncrl.rl.driver.sync_group import suffered_from_peer
+from asyncrl.rl.sampler.actor import SamplerActor
+from asyncrl.rl.sampler.backend import SamplingParams
+from conftest import descendants, kill_all, process_alive, wait_until
+
+pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
+
+from sampler_support import HOST, N_HELDOUT, N_TRAIN
+from vllm_support import ENGINE, VLLM_ENV, StatePusher, state_files
+
+pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy; vllm_required
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --- the sampler actor: weights received by vLLM's worker process ---------------------------------
+
+
+def _spawn_sampler(sup, tiny_path, **sampler):
+    """A vLLM sampler taking weights after the batch in flight (``weight_update="pause"``)."""
+    config = SamplerConfig(group_size=3, prompts_per_batch=2, weight_update="pause", backend="vllm", **sampler)
+    return sup.spawn(SamplerActor, tiny_path, config, name="smp", env=VLLM_ENV, kwargs=dict(
+        data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT), seed=1, vllm={"engine": ENGINE}, sync_timeout_s=60.0))
+
+
+async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny_path, policy, tmp_path):
+    """Pause mode: new weights change the greedy output; the original ones restore it exactly;
+    a sync during a generate waits for it; a failed sync fails on both sides and holds rollouts
+    until a good one; the sender's death mid-sync is a peer's failure, and the engine rejoins a
+    rebuilt group. Then SIGKILL the actor: vLLM's engine process must go with it."""
+    from asyncrl.rl.tasks.countdown import train_and_heldout
+
+    model, _, fmt = policy
+    files = state_files(model, str(tmp_path))
+    train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
+    probe = [fmt.prompt_ids(p) for p in train[:2]]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    shm_before = _shm()
+    async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
+        sampler, pusher = await asyncio.gather(
+            _spawn_sampler(sup, tiny_path, max_new_tokens=24, temperature=1.0),
+            sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"}))
+        assert await form_group([pusher, sampler], HOST, timeout_s=60) > 0
+        buckets, _ = await asyncio.gather(pusher.setup(), sampler.setup_receiver(60))
+        assert buckets > 1  # a 64 KiB bucket: the tiny model takes several
+        before = await sampler.generate(probe, 1, greedy)
+
+        groups = [g async for g in sampler.rollouts(2)]
+        assert [g.version for g in groups] == [0, 0] and all(len(g.completion_ids) == 3 for g in groups)
+
+        inflight = asyncio.ensure_future(sampler.generate(probe * 4, 4, msgspec.structs.replace(greedy, max_new_tokens=300)))
+        await asyncio.sleep(0.3)
+        _, seconds = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
+        assert inflight.done() and seconds > 0  # pause mode: the sync waited for the generate in flight
+        assert all(c.token_ids[:16] == before[0][0].token_ids for c in inflight.result()[0])
+        changed = await sampler.generate(probe, 1, greedy)
+        assert [g[0].token_ids for g in changed] != [g[0].token_ids for g in before]
+
+        await asyncio.gather(pusher.send(2, "original"), sampler.receive_weights(2))
+        restored = await sampler.generate(probe, 1, greedy)
+        assert [g[0].token_ids for g in restored] == [g[0].token_ids for g in before]
+        assert [lp for g in restored for lp in g[0].logprobs] == pytest.approx(
+            [lp for g in before for lp in g[0].logprobs], abs=1e-5)
+        [late] = [g async for g in sampler.rollouts(1)]
+        assert late.version == 2
+
+        failed = await asyncio.gather(pusher.send(3, "changed"), sampler.receive_weights(4), return_exceptions=True)
+        assert all(isinstance(r, RemoteError) for r in failed), failed
+        assert failed[1].remote_type == "WeightSyncError", failed[1]  # the worker's error type came through
+        waiting = asyncio.ensure_future(_collect(sampler.rollouts(1)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # no rollout from weights that may be half-written
+        await asyncio.gather(pusher.send(5, "changed"), sampler.receive_weights(5))
+        [late] = await asyncio.wait_for(waiting, 60)
+        assert late.version == 5
+        stats = await sampler.stats()
+        assert stats["syncs"] == 3 and stats["failed_syncs"] == 1 and stats["syncs_waited_for_generate"] >= 1
+        assert await sampler.sync_created() == {"gloo": 1}  # one communicator, in the engine's process
+
+        # The sender dies in the middle of a sync: the engine's failure says it suffered a peer's
+        # (so the driver keeps this sampler), and the engine joins the rebuilt group and takes weights.
+        receiving = asyncio.ensure_future(sampler.receive_weights(6))
+        await asyncio.sleep(1.0)
+        os.kill(sup._records["pusher"].proc.pid, signal.SIGKILL)
+        [suffered] = await asyncio.gather(receiving, return_exceptions=True)
+        assert isinstance(suffered, RemoteError) and suffered_from_peer(suffered), suffered
+        pusher = await sup.spawn(StatePusher, files, name="pusher2", env={"OMP_NUM_THREADS": "1"})
+        assert await form_group([pusher, sampler], HOST, generation=1, timeout_s=60) > 0
+        await asyncio.gather(pusher.setup(), sampler.setup_receiver(60))
+        await asyncio.gather(pusher.send(7, "original"), sampler.receive_weights(7))
+        assert [g[0].token_ids for g in await sampler.generate(probe, 1, greedy)] == [g[0].token_ids for g in before]
+        assert await sampler.sync_created() == {"gloo": 2}
+
+        # SIGKILL of the actor: its group (vLLM's engine core, its worker, multiprocessing's
+        # resource tracker) goes with it.
+        actor_pid = sup._records["smp"].proc.pid
+        engine_pids = descendants(actor_pid)
+        assert len(engine_pids) >= 2, "vLLM's engine core and worker should run below the actor"
+        os.kill(actor_pid, signal.SIGKILL)
+        assert await _all_gone(engine_pids, 10.0), "vLLM's engine outlived its actor"
+        # ... and what vLLM leaves behind when killed: its shared memory, its socket files.
+        assert await _until(lambda: not _shm() - shm_before and not _scratch(actor_pid), 10.0), \
+            (_shm() - shm_before, _scratch(actor_pid))
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _scratch(actor_pid: int) -> list[str]:
+    import glob
+    import tempfile
+
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"asyncrl-vllm-{actor_pid}-*"))
+
+
+async def _until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def _all_gone(pids, timeout_s: float) -> bool:
+    """Wait (without blocking the supervisor's loop) until none of ``pids`` is alive."""
+    deadline = time.monotonic() + timeout_s
+    while any(process_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def _collect(stream) -> list:
+    return [g async for g in stream]
+
+
+_DRIVER = textwrap.dedent("""
+    import asyncio, json, os, sys
+    from asyncrl import Supervisor
+    from asyncrl.rl.config.run import DataConfig
+    from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.sampler.actor import SamplerActor
+    from conftest import descendants
+
+    async def main():
+        async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
+            config = SamplerConfig(weight_update="pause", backend="vllm")
+            s = await sup.spawn(SamplerActor, sys.argv[1], config, name="smp", env=json.loads(sys.argv[2]), kwargs=dict(
+                data=DataConfig(n_train=20, n_heldout=5), vllm={"engine": json.loads(sys.argv[3])}))
+            await s.stats()
+            pid = sup._records["smp"].proc.pid
+            print(json.dumps({"pids": [pid, *descendants(pid)]}), flush=True)
+            await asyncio.sleep(120)
+
+    asyncio.run(main())
+""")
+
+
+def test_sigkill_of_the_supervisor_takes_vllms_engine_down(vllm_required, tiny_path, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen([sys.executable, str(script), tiny_path, json.dumps(VLLM_ENV), json.dumps(ENGINE)],
+                                  env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    pids: list[int] = []
+    shm_before = _shm()
+    try:
+        info = _json_line(driver, 180.0)
+        assert info, (tmp_path / "driver.err").read_text()[-3000:]
+        pids = info["pids"]
+        assert len(pids) >= 3 and all(process_alive(p) for p in pids)  # the actor, vLLM's engine core and worker
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(5)
+        assert wait_until(lambda: not any(process_alive(p) for p in pids), 10.0), "orphans survived"
+        assert wait_until(lambda: not _shm() - shm_before and not _scratch(pids[0]), 10.0), \
+            (_shm() - shm_before, _scratch(pids[0]))
+    finally:
+        kill_all([driver.pid, *pids])
+        driver.communicate(timeout=10)
+
+
+def _json_line(proc: subprocess.Popen, timeout_s: float) -> dict | None:
+    """The first line of ``proc``'s stdout that is a JSON object, waiting at most ``timeout_s``."""
+    import selectors
+
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(max(deadline - time.monotonic(), 0.0)):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("{"):
+                return json.loads(line)
+    return None
+
+
+def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path):
+    from test_grpo import TINY
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), **VLLM_ENV)
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
+                           *TINY, "--sampler.backend", "vllm", "--run.run_dir", str(run_dir)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "vllm backend" in done.stdout + done.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["sync_s"] > 0 for r in records)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and json.loads((run_dir / "config.json").read_text())["sampler"]["backend"] == "vllm"
+
+
+async def test_check_weights_is_refused_before_a_run_with_vllm_samplers(vllm_required, tiny_path, tmp_path):
+    """A vLLM sampler's weights live in its engine (repacked on CPU): no digest to compare, so
+    ``--run.check_weights`` is a config error at the start, not a sampler lost after every sync."""
+    from asyncrl.rl.config.parse import ConfigError, parse_overrides
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.driver.run import train
+
+    config = parse_overrides(GRPOConfig(model_path=tiny_path), [
+        "--run.run_dir", str(tmp_path / "run"), "--run.n_train", "40", "--run.n_heldout", "8",
+        "--sampler.backend", "auto", "--run.check_weights", "true"])
+    async with Supervisor(start_timeout_s=240) as sup:
+        with pytest.raises(ConfigError, match="sampler0 uses the vLLM backend; add --sampler.backend hf"):
+            await train(config, sup)

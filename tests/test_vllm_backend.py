@@ -1,0 +1,182 @@
+"""The vLLM backend in this process, for real: a vLLM engine (CPU build) on a tiny random Qwen2
+(head_dim 32). Log-probs against a recomputation by the HF model on the same weights, stops,
+seeds, abort, pause/resume, and weights sent over gloo into vLLM's own worker process (pause and
+in-flight) through the backend's weight sink.
+
+Where vLLM is not installed these tests skip, unless ``ASYNCRL_REQUIRE_VLLM=1`` (see vllm_support).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+import pytest_asyncio
+import torch
+
+from asyncrl import Supervisor
+from asyncrl.comm.rendezvous import join_all
+from asyncrl.rl.sampler.backend import SamplingParams
+from conftest import wait_until
+
+pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
+
+from sampler_support import HOST, recomputed
+from vllm_support import ENGINE, StatePusher, state_files
+
+pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy, prompts; vllm_required
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --- the backend in this process ------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_path, policy, vllm_required):
+    from asyncrl.rl.sampler.vllm.backend import VLLMBackend
+
+    b = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, engine=ENGINE)
+    yield b
+    b.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.0, 1.0)])
+async def test_logprobs_match_the_hf_model(engine, policy, prompts, temperature, top_p):
+    model = policy[0]
+    n = 2 if temperature == 0 else 3  # greedy n > 1: one vLLM request, its sample repeated
+    out = await engine.generate(prompts, n, SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p))
+    assert [len(g) for g in out] == [n] * len(prompts)
+    for prompt, group in zip(prompts, out):
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) == 20 and c.finish_reason == "length"
+            ref = recomputed(model, prompt, c.token_ids, temperature or 1.0)
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=2e-3, rtol=0), (c.logprobs, ref.tolist())
+            if temperature == 0:  # greedy: each token is the HF model's argmax too
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+                assert logits.argmax(-1).tolist() == c.token_ids
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine, policy, prompts):
+    out = await engine.generate(prompts[:1], 2, SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.5))
+    model = policy[0]
+    for c in out[0]:
+        full = recomputed(model, prompts[0], c.token_ids, 1.0)
+        assert all(lp >= f - 1e-3 for lp, f in zip(c.logprobs, full))  # the nucleus mass is <= 1
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_stops_max_tokens_and_stop_strings(engine, prompts, policy):
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    [[free]] = await engine.generate(prompts[:1], 1, greedy)
+    assert len(free.token_ids) == 16 and free.finish_reason == "length"
+    cut = max(i for i in range(16) if free.token_ids[i] not in free.token_ids[:i])
+    stop = free.token_ids[cut]
+    [[stopped]] = await engine.generate(prompts[:1], 1, msgspec.structs.replace(greedy, stop_token_ids=[stop]))
+    assert stopped.token_ids == free.token_ids[:cut + 1] and stopped.finish_reason == "stop"
+    assert stopped.logprobs == pytest.approx(free.logprobs[:cut + 1], abs=1e-4)
+    [[short]] = await engine.generate(prompts[:1], 1, msgspec.structs.replace(greedy, max_new_tokens=3))
+    assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
+    # A stop string: the text ends before it.
+    tok = policy[1]
+    text = free.text
+    needle = text[len(text) // 2:len(text) // 2 + 2]
+    if needle.strip():
+        [[by_string]] = await engine.generate(prompts[:1], 1, msgspec.structs.replace(greedy, stop=[needle]))
+        assert by_string.finish_reason == "stop" and needle not in by_string.text
+        assert text.startswith(by_string.text)
+        assert by_string.token_ids == free.token_ids[:len(by_string.token_ids)]
+    assert tok.decode(free.token_ids, skip_special_tokens=True) == free.text
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_seeded_calls_are_reproducible(engine, prompts):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=42)
+    a = await engine.generate(prompts, 4, params)
+    b = await engine.generate(prompts, 4, params)
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+    assert len({tuple(c.token_ids) for c in a[0]}) > 1  # the n samples of one prompt differ
+    other = await engine.generate(prompts, 4, msgspec.structs.replace(params, seed=43))
+    assert [[c.token_ids for c in g] for g in a] != [[c.token_ids for c in g] for g in other]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_bad_requests_are_refused(engine, prompts):
+    with pytest.raises(ValueError):
+        await engine.generate(prompts, 0, SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await engine.generate([[1, engine.vocab_size]], 1, SamplingParams())
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_cancelled_generate_aborts_its_requests(engine, prompts):
+    long = SamplingParams(max_new_tokens=400, temperature=1.0)
+    call = asyncio.ensure_future(engine.generate(prompts, 4, long))
+    await asyncio.sleep(0.5)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert engine._inflight == 0
+    assert wait_until(lambda: engine.engine.output_processor.get_num_unfinished_requests() == 0, 5.0)
+    start = time.monotonic()
+    await engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=4))
+    assert time.monotonic() - start < 5.0  # not queued behind the aborted requests
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_pause_waits_for_requests_in_flight_and_holds_new_ones(engine, prompts):
+    long = SamplingParams(max_new_tokens=200, temperature=1.0)
+    first = asyncio.ensure_future(engine.generate(prompts, 4, long))
+    await asyncio.sleep(0.2)
+    assert not first.done()
+    await engine.pause(timeout_s=60)
+    assert first.done() and len(first.result()) == 3  # pause returned only once they had finished
+    held = asyncio.ensure_future(engine.generate(prompts, 1, SamplingParams(max_new_tokens=4)))
+    await asyncio.sleep(0.3)
+    assert not held.done() and engine._inflight == 0  # not started while paused
+    await engine.resume()
+    assert len(await asyncio.wait_for(held, 30)) == 3
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prompts, tmp_path):
+    """The engine's worker joins a gloo group with a sender and takes weights: after the running
+    requests (pause mode), or between two steps of them (in-flight mode: they go on with the new
+    weights). Runs last among the tests sharing ``engine``, and restores its weights."""
+    files = state_files(policy[0], str(tmp_path))
+    greedy = SamplingParams(max_new_tokens=400, temperature=0.0, stop_token_ids=[])
+    sink = engine.weight_sink(None)  # the engine's process receives: no actor's communicator needed
+    async with Supervisor(call_timeout_s=60) as sup:
+        pusher = await sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"})
+        port = await pusher.sync_listen(HOST)
+        backends = await join_all([pusher.sync_join(HOST, port, 0, 2, 0, "gloo", 30.0),
+                                   sink.join(HOST, port, 1, 2, generation=0, backend="gloo", timeout_s=30.0,
+                                             name="weights")], 45.0)
+        assert backends == ["gloo", "gloo"]
+        await asyncio.gather(pusher.setup(), sink.setup(30.0))
+        try:
+            old = await engine.generate(prompts, 1, greedy)
+            await asyncio.gather(pusher.send(1, "changed"), sink.receive(1, in_flight=False, timeout_s=30.0))
+            new = await engine.generate(prompts, 1, greedy)
+            assert [g[0].token_ids for g in new] != [g[0].token_ids for g in old]
+            await asyncio.gather(pusher.send(2, "original"), sink.receive(2, in_flight=False, timeout_s=30.0))
+            assert [g[0].token_ids for g in await engine.generate(prompts, 1, greedy)] == [g[0].token_ids for g in old]
+
+            call = asyncio.ensure_future(engine.generate(prompts, 1, greedy))
+            await asyncio.sleep(0.3)
+            _, waited = await asyncio.gather(pusher.send(3, "changed"),
+                                             sink.receive(3, in_flight=True, timeout_s=30.0))
+            assert not call.done() and waited < 0.1  # went in while the requests were running
+            mixed = await asyncio.wait_for(call, 60)
+            for o, n, m in zip(old, new, mixed):
+                o, n, m = o[0].token_ids, n[0].token_ids, m[0].token_ids
+                assert m[0] == o[0] and m != o and m != n  # began on the old weights, went on with the new
+            assert await sink.created() == {"gloo": 1}
+        finally:
+            await asyncio.gather(pusher.send(4, "original"), sink.receive(4, in_flight=False, timeout_s=30.0))
+            await sink.leave()

@@ -1,0 +1,347 @@
+"""vLLM's side of weight sync without vLLM: the worker extension driven on a stand-in worker (the
+control-value checks, the checkpoint check, both ways of loading, the GPU path included, a sync
+over gloo between threads, errors answered by type), and the janitor that cleans up after an
+engine. These run everywhere, vLLM installed or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from asyncrl.comm.weights import WeightSender
+
+HOST = "127.0.0.1"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --- the worker extension without vLLM (its GPU path included, on a stand-in model) ----------------
+
+
+class _Model(torch.nn.Module):
+    """Stands in for a vLLM model: takes checkpoint-named tensors through load_weights."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        super().__init__()
+        self.state = {k: torch.zeros_like(v) for k, v in state.items()}
+        self.calls: list[list[str]] = []
+
+    def load_weights(self, weights):
+        names = []
+        for name, tensor in weights:
+            self.state[name].copy_(tensor)
+            names.append(name)
+        self.calls.append(names)
+        return set(names)
+
+
+class _Runner:
+    def __init__(self, model: _Model, path: str):
+        self.model = model
+        self.model_config = type("ModelConfig", (), {"model": path})()
+
+    def reload_weights(self, weights_iterator):  # as vLLM's: pulls every tensor, then returns
+        self.model.load_weights(weights_iterator)
+
+
+def _worker(state, path: str, in_place: bool):
+    from asyncrl.rl.sampler.vllm.worker import WeightSyncExtension
+
+    class StandIn(WeightSyncExtension):
+        device = torch.device("cpu")
+
+        def _asyncrl_loads_in_place(self) -> bool:
+            return in_place
+
+    w = StandIn()
+    w.model_runner = _Runner(_Model(state), path)
+    return w
+
+
+def _checkpoint(path, state) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"tie_word_embeddings": True}, f)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["load_weights (GPU path)", "reload_weights (CPU path)"])
+def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
+    import threading
+
+    from asyncrl.comm.member import make_communicator
+    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+
+    g = torch.Generator().manual_seed(0)
+    state = {"model.embed_tokens.weight": torch.randn(300, 64, generator=g),  # larger than a 64 KiB bucket
+             "model.norm.weight": torch.randn(64, generator=g), "lm_head.weight": torch.randn(300, 64, generator=g)}
+    _checkpoint(tmp_path / "ckpt", state)
+    sent = {k: v.clone() for k, v in state.items() if k != "lm_head.weight"}  # tied: sent once
+    worker = _worker(sent, str(tmp_path / "ckpt"), in_place)
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    results: dict = {}
+
+    def sender() -> None:
+        group = StoreGroup.create(HOST, port, 0, 2, 30.0, listener=listener)
+        comm = make_communicator(group, "gloo", 30.0)
+        try:
+            s = WeightSender.create(comm, group, sent, bucket_bytes=64 << 10, timeout_s=30.0)
+            for version in (1, 2):
+                for t in sent.values():
+                    t.add_(1.0)
+                s.send(version)
+            results["sent"] = {k: v.clone() for k, v in sent.items()}
+        finally:
+            comm.close()
+            group.close()
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    assert worker.asyncrl_join(HOST, port, 1, 2, 0, "gloo", 30.0, "weights") == "gloo"
+    assert worker.asyncrl_setup_receiver(30.0) >= 1
+    for version in (1, 2):
+        seconds, nbytes = worker.asyncrl_receive_weights(version)
+        assert seconds > 0 and nbytes == sum(t.nbytes for t in sent.values())
+    thread.join(30)
+    model = worker.model_runner.model
+    for name, t in results["sent"].items():
+        assert torch.equal(model.state[name], t), name
+    if in_place:
+        assert all(len(c) == 1 for c in model.calls)  # one tensor at a time, as they arrive
+    else:
+        assert [len(c) for c in model.calls] == [2, 2]  # one reload per sync, pulling every tensor
+    assert worker.asyncrl_created().get("gloo", 0) >= 2
+    worker.asyncrl_leave()
+    worker.asyncrl_leave()  # idempotent
+    with pytest.raises(Exception, match="before joining"):
+        worker.asyncrl_receive_weights(3)
+
+
+def test_the_worker_extension_refuses_bad_control_values():
+    from asyncrl.rl.sampler.vllm.worker import WorkerSyncError
+
+    worker = _worker({}, "/nonexistent", True)
+    good = dict(host=HOST, port=1234, rank=1, world_size=2, generation=0, backend="gloo", timeout_s=5.0, name="w")
+    for bad in ({"port": "1234"}, {"port": 0}, {"rank": 0}, {"rank": True}, {"backend": "mpi"}, {"timeout_s": 0},
+                {"host": ""}, {"name": 3}):
+        with pytest.raises(ValueError):
+            worker.asyncrl_join(**(good | bad))
+    with pytest.raises(WorkerSyncError, match="before joining"):
+        worker.asyncrl_setup_receiver(5.0)
+    with pytest.raises(ValueError, match="version"):
+        worker.asyncrl_receive_weights(-1)
+
+
+def test_a_layout_that_is_not_the_checkpoints_is_refused(tmp_path):
+    from asyncrl.comm.errors import LayoutMismatchError
+    from asyncrl.comm.layout import build_layout, spec_of
+    from asyncrl.rl.sampler.vllm.worker import _check_against_checkpoint
+
+    state = {"a.weight": torch.zeros(4, 3), "b.weight": torch.zeros(5), "lm_head.weight": torch.zeros(7, 3)}
+    _checkpoint(tmp_path, {**state, "model.embed_tokens.weight": torch.zeros(7, 3)})
+
+    def layout(tensors):
+        return build_layout([spec_of(n, t) for n, t in tensors.items()], 1 << 20)
+
+    tied_ok = {"a.weight": state["a.weight"], "b.weight": state["b.weight"], "model.embed_tokens.weight": torch.zeros(7, 3)}
+    _check_against_checkpoint(layout(tied_ok), str(tmp_path))  # lm_head tied to the embedding: not sent
+    with pytest.raises(LayoutMismatchError, match="b.weight: in the checkpoint, never sent"):
+        _check_against_checkpoint(layout({k: v for k, v in tied_ok.items() if k != "b.weight"}), str(tmp_path))
+    with pytest.raises(LayoutMismatchError, match=r"a.weight: sender has \[3, 4\]"):
+        _check_against_checkpoint(layout(tied_ok | {"a.weight": torch.zeros(3, 4)}), str(tmp_path))
+    with pytest.raises(LayoutMismatchError, match="c.weight: not in the checkpoint"):
+        _check_against_checkpoint(layout(tied_ok | {"c.weight": torch.zeros(1)}), str(tmp_path))
+
+
+def test_the_pulled_loader_reports_a_failure_and_never_hangs():
+    from asyncrl.rl.sampler.vllm.worker import WorkerSyncError, _PulledLoad
+
+    def failing(weights):
+        next(iter(weights))
+        raise RuntimeError("bad weight")
+
+    load = _PulledLoad(failing, total=3, timeout_s=5.0, depth=1)
+    load("a", torch.zeros(2))
+    with pytest.raises(WorkerSyncError, match="bad weight"):
+        for name in ("b", "c"):
+            load(name, torch.zeros(2))
+            time.sleep(0.2)
+    load.close()
+
+    stuck = _PulledLoad(lambda weights: time.sleep(3), total=2, timeout_s=0.5, depth=1)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        for name in ("a", "b"):
+            stuck(name, torch.zeros(2))
+    assert time.monotonic() - start < 3.0
+    stuck.close()
+
+    seen = []
+    partial = _PulledLoad(lambda weights: seen.extend(weights), total=3, timeout_s=5.0)
+    partial("a", torch.zeros(1))  # the receiver gives up after one tensor: the loader ends, raising
+    partial.close()
+    assert isinstance(partial.error, WorkerSyncError) and [n for n, _ in seen] == ["a"]
+
+
+def test_the_worker_answers_data_plane_errors_by_type_and_raises_the_rest():
+    from asyncrl.comm.rendezvous import reserve_listener
+    from asyncrl.rl.sampler.vllm.worker import WorkerSyncError
+
+    worker = _worker({}, "/nonexistent", True)
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    listener.close()  # nobody hosts the store there: the join times out, a data-plane error
+    answer = worker.asyncrl_call("join", HOST, port, 1, 2, 0, "gloo", 1.0, "weights")
+    assert answer["error"] == "RendezvousTimeoutError" and "rank(s) [0]" in answer["message"], answer
+    assert worker.asyncrl_call("created") == {"ok": worker.asyncrl_created()}
+    with pytest.raises(WorkerSyncError, match="before joining"):  # this worker's own state: raised as it is
+        worker.asyncrl_call("setup_receiver", 5.0)
+    with pytest.raises(WorkerSyncError, match="no weight-sync call"):
+        worker.asyncrl_call("__init__")
+
+
+def test_the_janitor_cleans_up_after_an_actor_that_died_before_its_engine_was_up(tmp_path):
+    from asyncrl.rl.sampler.vllm.janitor import Janitor
+
+    early = tmp_path / "early"
+    early.mkdir()
+    janitor = Janitor(str(early))
+    janitor.proc.stdin.close()  # what the actor's death does to the pipe
+    assert janitor.proc.wait(10) == 0 and not early.exists()
+
+    # An engine killed while it starts: the janitor has been told of the segments its processes
+    # mapped so far (a child of ours stands in for vLLM's engine core here).
+    from asyncrl.rl.sampler.vllm.janitor import shm_names
+
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    janitor = Janitor(str(starting))
+    followed = janitor.follow(shm_names(), poll_s=0.05)
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from multiprocessing import shared_memory, resource_tracker
+        shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+        resource_tracker.unregister(shm._name, "shared_memory")  # as if killed: nobody cleans up
+        print(shm.name, flush=True)
+        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    name = child.stdout.readline().strip().lstrip("/")
+    time.sleep(0.5)  # several polls
+    child.kill()
+    child.wait()
+    assert os.path.exists(os.path.join("/dev/shm", name))
+    janitor.proc.stdin.close()  # the actor dies before followed() is ever called
+    assert janitor.proc.wait(10) == 0 and not starting.exists()
+    assert not os.path.exists(os.path.join("/dev/shm", name)), "the segment of an engine killed while starting was left"
+    followed()  # stops the polling thread (in real life it died with the actor)
+
+    late, segment = tmp_path / "late", f"asyncrl-test-{os.getpid()}"
+    late.mkdir()
+    open(os.path.join("/dev/shm", segment), "wb").close()
+    janitor = Janitor(str(late))
+    janitor.watch([segment])
+    janitor.finish()
+    assert janitor.proc.returncode == 0 and not late.exists() and not os.path.exists(os.path.join("/dev/shm", segment))
+
+
+def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
+    """vLLM's in-place reload warns "<layer>: Failed to load weights" on every sync for a rotary
+    embedding (a computed, non-persistent buffer) and a head tied to the embedding (never sent):
+    those two are silenced, a layer that really was not loaded still warns."""
+    import logging
+
+    from asyncrl.rl.sampler.vllm.worker import RELOAD_LOGGER, RELOAD_WARNING, _quiet_reload_warnings
+
+    class RotaryEmbedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.zeros(4), persistent=False)
+
+    class Norm(torch.nn.Module):  # its buffer is saved in a checkpoint: a missing one must warn
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("running_mean", torch.zeros(4))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(8, 4)
+            self.rotary = RotaryEmbedding()
+            self.norm = Norm()
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight  # tied
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger(RELOAD_LOGGER)
+    handler, filters = Keep(), list(logger.filters)
+    logger.addHandler(handler)
+    try:
+        _quiet_reload_warnings(Model(), {"embed_tokens.weight"})
+        for layer in ("RotaryEmbedding", "Linear", "Norm", "Embedding"):
+            logger.warning(RELOAD_WARNING, layer)
+        assert records == ["Norm: Failed to load weights", "Embedding: Failed to load weights"]
+
+        records.clear()  # the head itself was sent: it was not tied to anything sent, so it warns
+        _quiet_reload_warnings(Model(), {"lm_head.weight"})
+        logger.warning(RELOAD_WARNING, "Linear")
+        logger.warning(RELOAD_WARNING, "RotaryEmbedding")
+        assert records == ["Linear: Failed to load weights"]
+    finally:
+        logger.removeHandler(handler)
+        logger.filters[:] = filters  # this process hosts no engine: leave its logger as it was
+
+
+def test_the_workers_data_plane_errors_come_back_under_their_own_type():
+    from asyncrl.comm.errors import CollectiveError, LayoutMismatchError, RendezvousError
+    from asyncrl.rl.sampler.vllm.sink import EngineWeightSyncError, comm_error
+
+    assert comm_error("CollectiveError") is CollectiveError
+    assert comm_error("LayoutMismatchError") is LayoutMismatchError
+    # Its constructor takes (group, what, missing, timeout_s), not a message: its base class does.
+    assert comm_error("RendezvousTimeoutError") is RendezvousError
+    assert comm_error("NoSuchError") is EngineWeightSyncError
+
+
+async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():
+    """The worker's transfer gets what the pause left of the sync's deadline, not a whole one."""
+    import asyncio
+
+    from asyncrl.rl.sampler.vllm.sink import EngineSink
+
+    calls = []
+
+    class Engine:  # stands in for vLLM's AsyncLLM
+        async def collective_rpc(self, method, timeout, args):
+            calls.append(args)
+            return [{"ok": [0.01, 100.0]}]
+
+    class Backend:
+        engine, prefix_caching, paused = Engine(), False, []
+
+        async def pause(self, timeout_s):
+            self.paused.append(timeout_s)
+            await asyncio.sleep(0.3)  # the batch in flight takes this long to finish
+
+        async def resume(self):
+            self.paused.append("resumed")
+
+    backend = Backend()
+    waited = await EngineSink(backend).receive(7, in_flight=False, timeout_s=1.0)
+    [(call, version, timeout_s)] = calls
+    assert (call, version) == ("receive_weights", 7) and backend.paused == [1.0, "resumed"]
+    assert waited >= 0.3 and 0 < timeout_s <= 0.7 + 1e-3
