@@ -1,7 +1,8 @@
 """The sampler actor on the vLLM backend, for real, in actor processes: its weight syncs received by
 vLLM's worker process (changed, restored exactly, a failed one, a sender killed mid-sync),
 vLLM's processes ending with the actor (SIGKILL of the actor, SIGKILL of the supervisor), and a
-GRPO smoke run with ``--sampler.backend vllm``.
+GRPO smoke run with ``--sampler.backend vllm``. On vLLM's CUDA build the sampler runs on the first
+GPU; the whole-run tests need a second GPU for the trainer (until samplers can share its GPU).
 
 Where vLLM is not installed these tests skip, unless ``ASYNCRL_REQUIRE_VLLM=1`` (see vllm_support).
 """
@@ -32,7 +33,8 @@ from conftest import descendants, kill_all, process_alive, wait_until
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
 from sampler_support import HOST, N_HELDOUT, N_TRAIN
-from vllm_support import ENGINE, VLLM_ENV, StatePusher, state_files
+from vllm_support import (SYNC_BACKEND, VLLM_ENV, StatePusher, engine_options, needs_two_devices, repeat_abs,
+                          running_s, state_files)
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy; vllm_required
 
@@ -44,11 +46,12 @@ pytestmark = pytest.mark.timeout(300)
 # --- the sampler actor: weights received by vLLM's worker process ---------------------------------
 
 
-def _spawn_sampler(sup, tiny_path, **sampler):
-    """A vLLM sampler taking weights after the batch in flight (``weight_update="pause"``)."""
+def _spawn_sampler(sup, tiny_path, device, **sampler):
+    """A vLLM sampler on ``device`` taking weights after the batch in flight (``weight_update="pause"``)."""
     config = SamplerConfig(group_size=3, prompts_per_batch=2, weight_update="pause", backend="vllm", **sampler)
-    return sup.spawn(SamplerActor, tiny_path, config, name="smp", env=VLLM_ENV, kwargs=dict(
-        data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT), seed=1, vllm={"engine": ENGINE}, sync_timeout_s=60.0))
+    return sup.spawn(SamplerActor, tiny_path, config, name="smp", env=VLLM_ENV, gpus=int(device.type == "cuda"),
+                     kwargs=dict(data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT), seed=1, device=device.type,
+                                 vllm={"engine": engine_options(device)}, sync_timeout_s=60.0))
 
 
 async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny_path, policy, tmp_path):
@@ -66,9 +69,9 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
     shm_before = _shm()
     async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
         sampler, pusher = await asyncio.gather(
-            _spawn_sampler(sup, tiny_path, max_new_tokens=24, temperature=1.0),
+            _spawn_sampler(sup, tiny_path, vllm_required, max_new_tokens=24, temperature=1.0),
             sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"}))
-        assert await form_group([pusher, sampler], HOST, timeout_s=60) > 0
+        assert await form_group([pusher, sampler], HOST, backend=SYNC_BACKEND, timeout_s=60) > 0
         buckets, _ = await asyncio.gather(pusher.setup(), sampler.setup_receiver(60))
         assert buckets > 1  # a 64 KiB bucket: the tiny model takes several
         before = await sampler.generate(probe, 1, greedy)
@@ -77,7 +80,7 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         assert [g.version for g in groups] == [0, 0] and all(len(g.completion_ids) == 3 for g in groups)
 
         inflight = asyncio.ensure_future(sampler.generate(probe * 4, 4, msgspec.structs.replace(greedy, max_new_tokens=300)))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(running_s(vllm_required))
         _, seconds = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
         assert inflight.done() and seconds > 0  # pause mode: the sync waited for the generate in flight
         assert all(c.token_ids[:16] == before[0][0].token_ids for c in inflight.result()[0])
@@ -88,7 +91,7 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         restored = await sampler.generate(probe, 1, greedy)
         assert [g[0].token_ids for g in restored] == [g[0].token_ids for g in before]
         assert [lp for g in restored for lp in g[0].logprobs] == pytest.approx(
-            [lp for g in before for lp in g[0].logprobs], abs=1e-5)
+            [lp for g in before for lp in g[0].logprobs], abs=1e-5 if vllm_required.type == "cpu" else repeat_abs(vllm_required))
         [late] = [g async for g in sampler.rollouts(1)]
         assert late.version == 2
 
@@ -113,7 +116,7 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         [suffered] = await asyncio.gather(receiving, return_exceptions=True)
         assert isinstance(suffered, RemoteError) and suffered_from_peer(suffered), suffered
         pusher = await sup.spawn(StatePusher, files, name="pusher2", env={"OMP_NUM_THREADS": "1"})
-        assert await form_group([pusher, sampler], HOST, generation=1, timeout_s=60) > 0
+        assert await form_group([pusher, sampler], HOST, generation=1, backend=SYNC_BACKEND, timeout_s=60) > 0
         await asyncio.gather(pusher.setup(), sampler.setup_receiver(60))
         await asyncio.gather(pusher.send(7, "original"), sampler.receive_weights(7))
         assert [g[0].token_ids for g in await sampler.generate(probe, 1, greedy)] == [g[0].token_ids for g in before]
@@ -176,8 +179,11 @@ _DRIVER = textwrap.dedent("""
     async def main():
         async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
             config = SamplerConfig(weight_update="pause", backend="vllm")
-            s = await sup.spawn(SamplerActor, sys.argv[1], config, name="smp", env=json.loads(sys.argv[2]), kwargs=dict(
-                data=DataConfig(n_train=20, n_heldout=5), vllm={"engine": json.loads(sys.argv[3])}))
+            device = sys.argv[4]
+            s = await sup.spawn(SamplerActor, sys.argv[1], config, name="smp", env=json.loads(sys.argv[2]),
+                                gpus=int(device == "cuda"), kwargs=dict(data=DataConfig(n_train=20, n_heldout=5),
+                                                                        device=device,
+                                                                        vllm={"engine": json.loads(sys.argv[3])}))
             await s.stats()
             pid = sup._records["smp"].proc.pid
             print(json.dumps({"pids": [pid, *descendants(pid)]}), flush=True)
@@ -192,7 +198,8 @@ def test_sigkill_of_the_supervisor_takes_vllms_engine_down(vllm_required, tiny_p
     script.write_text(_DRIVER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     with open(tmp_path / "driver.err", "w") as err:
-        driver = subprocess.Popen([sys.executable, str(script), tiny_path, json.dumps(VLLM_ENV), json.dumps(ENGINE)],
+        driver = subprocess.Popen([sys.executable, str(script), tiny_path, json.dumps(VLLM_ENV),
+                                   json.dumps(engine_options(vllm_required)), vllm_required.type],
                                   env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     pids: list[int] = []
     shm_before = _shm()
@@ -232,10 +239,15 @@ def _json_line(proc: subprocess.Popen, timeout_s: float) -> dict | None:
 def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path):
     from test_grpo import TINY
 
+    why = needs_two_devices(vllm_required)
+    if why:
+        pytest.skip(why)
+    device = ["--run.device", "cuda"] if vllm_required.type == "cuda" else []
+
     run_dir = tmp_path / "run"
     env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), **VLLM_ENV)
     done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
-                           *TINY, "--sampler.backend", "vllm", "--run.run_dir", str(run_dir)],
+                           *TINY, *device, "--sampler.backend", "vllm", "--run.run_dir", str(run_dir)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "vllm backend" in done.stdout + done.stderr
@@ -252,7 +264,11 @@ async def test_check_weights_is_refused_before_a_run_with_vllm_samplers(vllm_req
     from asyncrl.rl.config.grpo import GRPOConfig
     from asyncrl.rl.driver.run import train
 
-    config = parse_overrides(GRPOConfig(model_path=tiny_path), [
+    why = needs_two_devices(vllm_required)
+    if why:
+        pytest.skip(why)
+    device = ["--run.device", "cuda"] if vllm_required.type == "cuda" else []
+    config = parse_overrides(GRPOConfig(model_path=tiny_path), [*device,
         "--run.run_dir", str(tmp_path / "run"), "--run.n_train", "40", "--run.n_heldout", "8",
         "--sampler.backend", "auto", "--run.check_weights", "true"])
     async with Supervisor(start_timeout_s=240) as sup:

@@ -1,7 +1,8 @@
-"""The vLLM backend in this process, for real: a vLLM engine (CPU build) on a tiny random Qwen2
-(head_dim 32). Log-probs against a recomputation by the HF model on the same weights, stops,
-seeds, abort, pause/resume, and weights sent over gloo into vLLM's own worker process (pause and
-in-flight) through the backend's weight sink.
+"""The vLLM backend in this process, for real: a vLLM engine (the CPU build on CPU, the CUDA build
+on the first GPU) on a tiny random Qwen2 (head_dim 32). Log-probs against a recomputation by the
+HF model on the same weights in the same dtype (fp32; on a GPU also bf16), stops, seeds, abort,
+pause/resume, and weights sent over gloo into vLLM's own worker process (pause and in-flight)
+through the backend's weight sink.
 
 Where vLLM is not installed these tests skip, unless ``ASYNCRL_REQUIRE_VLLM=1`` (see vllm_support).
 """
@@ -23,8 +24,8 @@ from conftest import wait_until
 
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
-from sampler_support import HOST, recomputed
-from vllm_support import ENGINE, StatePusher, state_files
+from sampler_support import HOST
+from vllm_support import SYNC_BACKEND, StatePusher, engine_options, reference_logprobs, repeat_abs, running_s, state_files
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy, prompts; vllm_required
 
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.timeout(300)
 async def engine(tiny_path, policy, vllm_required):
     from asyncrl.rl.sampler.vllm.backend import VLLMBackend
 
-    b = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, engine=ENGINE)
+    b = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, device=vllm_required, engine=engine_options(vllm_required))
     yield b
     b.close()
 
@@ -53,7 +54,7 @@ async def test_logprobs_match_the_hf_model(engine, policy, prompts, temperature,
     for prompt, group in zip(prompts, out):
         for c in group:
             assert len(c.token_ids) == len(c.logprobs) == 20 and c.finish_reason == "length"
-            ref = recomputed(model, prompt, c.token_ids, temperature or 1.0)
+            ref = reference_logprobs(model, prompt, c.token_ids, temperature or 1.0)
             assert torch.allclose(torch.tensor(c.logprobs), ref, atol=2e-3, rtol=0), (c.logprobs, ref.tolist())
             if temperature == 0:  # greedy: each token is the HF model's argmax too
                 with torch.no_grad():
@@ -66,12 +67,12 @@ async def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine, policy, 
     out = await engine.generate(prompts[:1], 2, SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.5))
     model = policy[0]
     for c in out[0]:
-        full = recomputed(model, prompts[0], c.token_ids, 1.0)
+        full = reference_logprobs(model, prompts[0], c.token_ids, 1.0)
         assert all(lp >= f - 1e-3 for lp, f in zip(c.logprobs, full))  # the nucleus mass is <= 1
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_stops_max_tokens_and_stop_strings(engine, prompts, policy):
+async def test_stops_max_tokens_and_stop_strings(engine, prompts, policy, vllm_required):
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     [[free]] = await engine.generate(prompts[:1], 1, greedy)
     assert len(free.token_ids) == 16 and free.finish_reason == "length"
@@ -79,7 +80,7 @@ async def test_stops_max_tokens_and_stop_strings(engine, prompts, policy):
     stop = free.token_ids[cut]
     [[stopped]] = await engine.generate(prompts[:1], 1, msgspec.structs.replace(greedy, stop_token_ids=[stop]))
     assert stopped.token_ids == free.token_ids[:cut + 1] and stopped.finish_reason == "stop"
-    assert stopped.logprobs == pytest.approx(free.logprobs[:cut + 1], abs=1e-4)
+    assert stopped.logprobs == pytest.approx(free.logprobs[:cut + 1], abs=repeat_abs(vllm_required))
     [[short]] = await engine.generate(prompts[:1], 1, msgspec.structs.replace(greedy, max_new_tokens=3))
     assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
     # A stop string: the text ends before it.
@@ -114,25 +115,27 @@ async def test_bad_requests_are_refused(engine, prompts):
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_cancelled_generate_aborts_its_requests(engine, prompts):
+async def test_a_cancelled_generate_aborts_its_requests(engine, prompts, vllm_required):
+    from asyncrl.rl.sampler.vllm.compat import unfinished_requests
+
     long = SamplingParams(max_new_tokens=400, temperature=1.0)
     call = asyncio.ensure_future(engine.generate(prompts, 4, long))
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(running_s(vllm_required))
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     assert engine._inflight == 0
-    assert wait_until(lambda: engine.engine.output_processor.get_num_unfinished_requests() == 0, 5.0)
+    assert wait_until(lambda: unfinished_requests(engine.engine) == 0, 5.0)
     start = time.monotonic()
     await engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=4))
     assert time.monotonic() - start < 5.0  # not queued behind the aborted requests
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_pause_waits_for_requests_in_flight_and_holds_new_ones(engine, prompts):
-    long = SamplingParams(max_new_tokens=200, temperature=1.0)
+async def test_pause_waits_for_requests_in_flight_and_holds_new_ones(engine, prompts, vllm_required):
+    long = SamplingParams(max_new_tokens=400, temperature=1.0)
     first = asyncio.ensure_future(engine.generate(prompts, 4, long))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(running_s(vllm_required))
     assert not first.done()
     await engine.pause(timeout_s=60)
     assert first.done() and len(first.result()) == 3  # pause returned only once they had finished
@@ -144,7 +147,7 @@ async def test_pause_waits_for_requests_in_flight_and_holds_new_ones(engine, pro
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prompts, tmp_path):
+async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prompts, tmp_path, vllm_required):
     """The engine's worker joins a gloo group with a sender and takes weights: after the running
     requests (pause mode), or between two steps of them (in-flight mode: they go on with the new
     weights). Runs last among the tests sharing ``engine``, and restores its weights."""
@@ -154,8 +157,8 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
     async with Supervisor(call_timeout_s=60) as sup:
         pusher = await sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"})
         port = await pusher.sync_listen(HOST)
-        backends = await join_all([pusher.sync_join(HOST, port, 0, 2, 0, "gloo", 30.0),
-                                   sink.join(HOST, port, 1, 2, generation=0, backend="gloo", timeout_s=30.0,
+        backends = await join_all([pusher.sync_join(HOST, port, 0, 2, 0, SYNC_BACKEND, 30.0),
+                                   sink.join(HOST, port, 1, 2, generation=0, backend=SYNC_BACKEND, timeout_s=30.0,
                                              name="weights")], 45.0)
         assert backends == ["gloo", "gloo"]
         await asyncio.gather(pusher.setup(), sink.setup(30.0))
@@ -168,7 +171,7 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
             assert [g[0].token_ids for g in await engine.generate(prompts, 1, greedy)] == [g[0].token_ids for g in old]
 
             call = asyncio.ensure_future(engine.generate(prompts, 1, greedy))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(running_s(vllm_required))
             _, waited = await asyncio.gather(pusher.send(3, "changed"),
                                              sink.receive(3, in_flight=True, timeout_s=30.0))
             assert not call.done() and waited < 0.1  # went in while the requests were running
@@ -180,3 +183,39 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
         finally:
             await asyncio.gather(pusher.send(4, "original"), sink.receive(4, in_flight=False, timeout_s=30.0))
             await sink.leave()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_bf16_logprobs_match_a_bf16_reference(tiny_path, policy, prompts, vllm_required):
+    """The GPU's own path (bf16 weights, FlashAttention, CUDA graphs) against the HF model in bf16:
+    like with like, to bf16's precision. On the tiny model, bf16 moves a log-prob by at most 4e-3
+    from fp32's (measured), so two bf16 computations by different kernels stay within 2e-2; a
+    temperature wrongly applied moves them by about 6e-2 on average. Greedy tokens: the reference's
+    argmax, up to that precision (a near-tie may fall either way in bf16)."""
+    import copy
+
+    from asyncrl.rl.sampler.vllm.backend import VLLMBackend
+
+    if vllm_required.type != "cuda":
+        pytest.skip("bf16 is the GPU's path; the CPU build runs the tests in fp32")
+    tol = 2e-2
+    b16 = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, device=vllm_required,
+                      engine=engine_options(vllm_required) | {"dtype": "bfloat16"})
+    try:
+        assert b16.dtype == torch.bfloat16
+        ref_model = copy.deepcopy(policy[0]).to(torch.bfloat16)
+        for temperature in (1.0, 0.7, 0.0):
+            out = await b16.generate(prompts, 2, SamplingParams(max_new_tokens=20, temperature=temperature))
+            for prompt, group in zip(prompts, out):
+                for c in group:
+                    assert len(c.token_ids) == len(c.logprobs) == 20
+                    ref = reference_logprobs(ref_model, prompt, c.token_ids, temperature or 1.0)
+                    assert torch.allclose(torch.tensor(c.logprobs), ref, atol=tol, rtol=0), (c.logprobs, ref.tolist())
+                    if temperature == 0:
+                        with torch.no_grad():
+                            logits = ref_model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+                        best = torch.log_softmax(logits.float(), -1)
+                        chosen = best.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+                        assert (best.max(-1).values - chosen).max() <= tol
+    finally:
+        b16.close()

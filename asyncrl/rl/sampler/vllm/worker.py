@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from asyncrl.comm.errors import LayoutMismatchError
+from asyncrl.rl.sampler.vllm import compat
 
 _DONE = object()
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is not a checkpoint we trust
@@ -91,7 +92,7 @@ class WeightSyncExtension:
         receiver = WeightReceiver.create(member.comm, member.group, src=0, timeout_s=timeout_s)
         _check_against_checkpoint(receiver.layout, self._asyncrl_model_path())
         if not self._asyncrl_loads_in_place():
-            _quiet_reload_warnings(self.model_runner.model, {spec.name for spec in receiver.layout.tensors})
+            _quiet_reload_warnings(compat.live_model(self.model_runner), {spec.name for spec in receiver.layout.tensors})
         member.receiver, member.timeout_s = receiver, timeout_s
         return len(receiver.layout.buckets)
 
@@ -108,7 +109,7 @@ class WeightSyncExtension:
             raise WorkerSyncError("receive_weights before setup_receiver")
         limit = member.timeout_s if timeout_s is None else timeout_s
         if self._asyncrl_loads_in_place():
-            model = self.model_runner.model
+            model = compat.live_model(self.model_runner)
             stats = member.receiver.receive(version, lambda name, t: model.load_weights([(name, t)]), timeout_s=limit)
         else:
             load = _PulledLoad(self._asyncrl_reload, total=len(member.receiver.layout.tensors), timeout_s=limit)
@@ -140,7 +141,7 @@ class WeightSyncExtension:
 
     def _asyncrl_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """The CPU path: vLLM restores the checkpoint layout, loads from ``weights``, repacks."""
-        self.model_runner.reload_weights(weights_iterator=weights)
+        compat.reload_weights(self.model_runner, weights)
 
     def _asyncrl_loads_in_place(self) -> bool:
         """CUDA: the live model's ``load_weights`` takes each tensor; CPU: ``reload_weights``."""
@@ -151,7 +152,7 @@ class WeightSyncExtension:
         return torch.device(device) if device is not None else torch.device("cpu")
 
     def _asyncrl_model_path(self) -> str:
-        return str(self.model_runner.model_config.model)
+        return compat.model_path(self.model_runner)
 
 
 class _Membership:
@@ -244,7 +245,7 @@ class _PulledLoad:
 
 # --- vLLM's reload warnings -------------------------------------------------------------------------
 
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_LOGGER = compat.RELOAD_LOGGER
 RELOAD_WARNING = "%s: Failed to load weights"
 
 

