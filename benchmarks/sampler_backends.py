@@ -118,6 +118,13 @@ def prompt_ids(model_path: str, count: int) -> list[list[int]]:
     return [fmt.prompt_ids(p) for p in train[:count]]
 
 
+def process_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment every measured process gets (bare vLLM's too): ``--threads`` OpenMP threads;
+    on CPU vLLM's KV cache and unpinned threads as in the tests."""
+    return {"OMP_NUM_THREADS": str(args.threads), "TQDM_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
 def vllm_options(args: argparse.Namespace) -> dict:
     """`VLLMBackend` keyword arguments, the same for our actor and for bare vLLM."""
     return {"engine": {"max_model_len": 1024}, "gpu_memory_utilization": args.gpu_memory_utilization}
@@ -129,8 +136,7 @@ async def measure_actor(backend: str, model_path: str, args: argparse.Namespace)
     from asyncrl.rl.sampler.actor import SamplerActor
     from asyncrl.rl.sampler.backend import SamplingParams
 
-    env = {"OMP_NUM_THREADS": str(args.threads), "TQDM_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = process_env(args)
     cuda = args.device == "cuda"
     rows = []
     async with Supervisor(call_timeout_s=900, start_timeout_s=600) as sup:
@@ -175,7 +181,8 @@ async def timed(generate, model_path: str, prompts: int, tokens: int, args: argp
 def measure_bare(model_path: str, args: argparse.Namespace) -> list[dict]:
     """Bare vLLM in a child process (its engine and GPU memory go with it); rows on its stdout."""
     cmd = [sys.executable, os.path.abspath(__file__), "--bare-child", model_path, *sys.argv[1:]]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.bare_timeout_s)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.bare_timeout_s,
+                          env=os.environ | process_env(args))
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         raise RuntimeError(f"bare vLLM exited with {done.returncode} (its log is on stderr above)")
@@ -187,8 +194,10 @@ def bare_child(model_path: str, args: argparse.Namespace) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
+    from asyncrl.rl.sampler.vllm import compat
     from asyncrl.rl.sampler.vllm.backend import engine_args
 
+    compat.environ_defaults(compat.engine_environment(args.device))  # as VLLMBackend does
     options = vllm_options(args)
     engine = engine_args(model_path, device=torch.device(args.device), seed=0, max_model_len=0,
                          gpu_memory_utilization=options["gpu_memory_utilization"], engine=options["engine"])
@@ -214,7 +223,8 @@ def bare_child(model_path: str, args: argparse.Namespace) -> None:
 
 
 def table(rows: list[dict], args: argparse.Namespace, about: str) -> str:
-    bare = {(r["prompts"], r["max_new_tokens"]): r["tokens_per_s"] for r in rows if r["backend"] == "vllm-bare"}
+    bare = {(r["prompts"], r["max_new_tokens"]): r["tokens_per_s"] for r in rows if r.get("backend") == "vllm-bare"
+            and "error" not in r}
     lines = [f"{about}; n={args.n}, temperature 1, {args.reps} timed call(s) after a warm-up", "",
              "| backend | batch (prompts x tokens) | start s | tokens/s | vs bare vLLM | s per generate | "
              "weight update, median (min) | sent |", "|---|---|---|---|---|---|---|---|"]

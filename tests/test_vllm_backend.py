@@ -120,7 +120,7 @@ async def test_a_cancelled_generate_aborts_its_requests(engine, prompts, vllm_re
 
     long = SamplingParams(max_new_tokens=400, temperature=1.0)
     call = asyncio.ensure_future(engine.generate(prompts, 4, long))
-    await asyncio.sleep(running_s(vllm_required))
+    await asyncio.sleep(running_s(vllm_required, 0.5))
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
@@ -133,9 +133,9 @@ async def test_a_cancelled_generate_aborts_its_requests(engine, prompts, vllm_re
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_pause_waits_for_requests_in_flight_and_holds_new_ones(engine, prompts, vllm_required):
-    long = SamplingParams(max_new_tokens=400, temperature=1.0)
+    long = SamplingParams(max_new_tokens=200, temperature=1.0)
     first = asyncio.ensure_future(engine.generate(prompts, 4, long))
-    await asyncio.sleep(running_s(vllm_required))
+    await asyncio.sleep(running_s(vllm_required, 0.2))
     assert not first.done()
     await engine.pause(timeout_s=60)
     assert first.done() and len(first.result()) == 3  # pause returned only once they had finished
@@ -171,7 +171,7 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
             assert [g[0].token_ids for g in await engine.generate(prompts, 1, greedy)] == [g[0].token_ids for g in old]
 
             call = asyncio.ensure_future(engine.generate(prompts, 1, greedy))
-            await asyncio.sleep(running_s(vllm_required))
+            await asyncio.sleep(running_s(vllm_required, 0.3))
             _, waited = await asyncio.gather(pusher.send(3, "changed"),
                                              sink.receive(3, in_flight=True, timeout_s=30.0))
             assert not call.done() and waited < 0.1  # went in while the requests were running

@@ -55,10 +55,10 @@ def engine_options(device: torch.device) -> dict:
     return options
 
 
-def running_s(device: torch.device) -> float:
-    """After this long, a request for a few hundred tokens has surely begun and not yet finished (a
-    GPU decodes the tiny model's 400 tokens in about a second, the 2-core CPU in many)."""
-    return 0.05 if device.type == "cuda" else 0.5
+def running_s(device: torch.device, cpu_s: float) -> float:
+    """How long to wait for a request for a few hundred tokens to have surely begun and not yet
+    finished: ``cpu_s`` on the CPU; a GPU decodes the tiny model's 400 tokens in about a second."""
+    return 0.05 if device.type == "cuda" else cpu_s
 
 
 def repeat_abs(device: torch.device) -> float:
