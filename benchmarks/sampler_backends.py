@@ -11,8 +11,9 @@ does alone. Measured per backend and batch, in one run:
 * tokens/s: completion tokens over wall time of ``--reps`` timed ``generate`` calls of
   PROMPTS Countdown prompts x ``--n`` samples x TOKENS (``--batches PROMPTSxTOKENS,...``; no stop
   token, so every completion has that length), after one warm-up call. Sampling: temperature 1,
-  top-p 1, the sampled token's log-prob returned (bare vLLM: also without), no seed (a seed per
-  request is a slower sampler path in vLLM, and GRPO's sampler sets none);
+  top-p 1, the sampled token's log-prob returned (bare vLLM: kept flat as our backend asks, in
+  vLLM's default per-token dicts, and none), no seed (a seed per request is a slower sampler path
+  in vLLM, and GRPO's sampler sets none);
 * weight update: median and min seconds of ``--syncs`` ``receive_weights`` calls (pause mode,
   nothing in flight), from the sampler's side: the transfer and the load into the model (for
   vLLM: into its worker process, prefix-cache reset included). The sender sends in the sampler's
@@ -152,17 +153,26 @@ async def measure_actor(backend: str, model_path: str, args: argparse.Namespace)
                                        args, SamplingParams)})
             print(json.dumps(rows[-1]), flush=True)
         if args.syncs:
-            dtype = "float32" if backend == "hf" else args.dtype  # the sampler's own: HF loads fp32
-            sender = await sup.spawn(Sender, model_path, dtype, name="sender", env=env)
-            await form_group([sender, sampler], HOST, backend="gloo", timeout_s=300)
-            (params, nbytes), _ = await asyncio.gather(sender.setup(300.0), sampler.setup_receiver(300))
-            syncs = []
-            for version in range(1, args.syncs + 1):
-                _, took = await asyncio.gather(sender.send(version), sampler.receive_weights(version))
-                syncs.append(took)
+            try:
+                sync = await measure_syncs(sup, sampler, backend, model_path, env, args)
+            except Exception as exc:  # keep the generation numbers
+                traceback.print_exc()
+                sync = {"sync_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
             for row in rows:
-                row.update(sync_s=statistics.median(syncs), sync_min_s=min(syncs), sync_bytes=nbytes, params=params)
+                row.update(sync)
     return rows
+
+
+async def measure_syncs(sup, sampler, backend: str, model_path: str, env: dict, args: argparse.Namespace) -> dict:
+    dtype = "float32" if backend == "hf" else args.dtype  # the sampler's own: HF loads fp32
+    sender = await sup.spawn(Sender, model_path, dtype, name="sender", env=env)
+    await form_group([sender, sampler], HOST, backend="gloo", timeout_s=300)
+    (params, nbytes), _ = await asyncio.gather(sender.setup(300.0), sampler.setup_receiver(300))
+    syncs = []
+    for version in range(1, args.syncs + 1):
+        _, took = await asyncio.gather(sender.send(version), sampler.receive_weights(version))
+        syncs.append(took)
+    return {"sync_s": statistics.median(syncs), "sync_min_s": min(syncs), "sync_bytes": nbytes, "params": params}
 
 
 async def timed(generate, model_path: str, prompts: int, tokens: int, args: argparse.Namespace, params_type) -> dict:
@@ -207,9 +217,10 @@ def bare_child(model_path: str, args: argparse.Namespace) -> None:
     started = time.perf_counter() - start
     for prompts, tokens in args.batches:
         ids = [{"prompt_token_ids": p} for p in prompt_ids(model_path, prompts)]
-        for label, logprobs in (("vllm-bare", 0), ("vllm-bare, no log-probs", None)):
+        for label, logprobs, flat in (("vllm-bare", 0, True), ("vllm-bare, per-token log-prob dicts", 0, False),
+                                      ("vllm-bare, no log-probs", None, False)):
             params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=tokens, ignore_eos=True,
-                                    stop_token_ids=[], logprobs=logprobs, detokenize=False)
+                                    stop_token_ids=[], logprobs=logprobs, flat_logprobs=flat, detokenize=False)
             llm.generate(ids, params, use_tqdm=False)  # warm-up
             count, seconds = 0, 0.0
             for _ in range(args.reps):
@@ -234,7 +245,8 @@ def table(rows: list[dict], args: argparse.Namespace, about: str) -> str:
             continue
         ref = bare.get((r["prompts"], r["max_new_tokens"]))
         ratio = f"{r['tokens_per_s'] / ref:.0%}" if ref else ""
-        sync = (f"{r['sync_s'] * 1000:.1f} ms ({r['sync_min_s'] * 1000:.1f})" if "sync_s" in r else "")
+        sync = (f"{r['sync_s'] * 1000:.1f} ms ({r['sync_min_s'] * 1000:.1f})" if "sync_s" in r
+                else f"failed: {r['sync_error']}" if "sync_error" in r else "")
         sent = f"{r['sync_bytes'] / 2**20:.0f} MiB" if "sync_bytes" in r else ""
         lines.append(f"| {r['backend']} | {r['prompts']} x {r['max_new_tokens']} | {r['start_s']:.1f} | "
                      f"{r['tokens_per_s']:.0f} | {ratio} | {r['generate_s']:.2f} | {sync} | {sent} |")

@@ -84,3 +84,29 @@ def test_the_engine_is_sized_for_batch_generation(monkeypatch):
                         classmethod(lambda cls, args, **kw: seen.update(model=args.model, **kw)))
     compat.make_engine({"model": "/nonexistent", "seed": 3})
     assert seen == {"model": "/nonexistent", "usage_context": UsageContext.LLM_CLASS}
+
+
+def test_the_sampled_tokens_logprobs_from_flat_or_per_position_logprobs():
+    class Logprob:
+        def __init__(self, logprob):
+            self.logprob = logprob
+
+    class Flat(list):  # as vLLM's FlatLogprobs: a sequence of positions, plus the flat lists
+        def __init__(self, token_ids, logprobs):
+            super().__init__({t: Logprob(v)} for t, v in zip(token_ids, logprobs))
+            self.token_ids, self.logprobs = token_ids, logprobs
+
+    ids = [5, 7, 5]
+    assert compat.sampled_logprobs(Flat(ids, [-1.0, -2.0, -0.5]), ids) == [-1.0, -2.0, -0.5]
+    assert compat.sampled_logprobs([{5: Logprob(-1.0)}, {7: Logprob(-2.0), 1: Logprob(-0.1)}, {5: Logprob(-0.5)}],
+                                   ids) == [-1.0, -2.0, -0.5]
+    assert compat.sampled_logprobs([{5: Logprob(-1.0)}, {8: Logprob(-2.0)}, {5: Logprob(-0.5)}], ids) is None
+    assert compat.sampled_logprobs(Flat(ids[:2], [-1.0, -2.0]), ids) is None
+    assert compat.sampled_logprobs(None, ids) is None
+    if importlib.util.find_spec("vllm") is not None:  # the real container, as the output processor fills it
+        from vllm.logprobs import FlatLogprobs, Logprob as VLogprob
+
+        flat = FlatLogprobs()
+        for t, v in zip(ids, [-1.0, -2.0, -0.5]):
+            flat.append({t: VLogprob(v, rank=1)})
+        assert compat.sampled_logprobs(flat, ids) == [-1.0, -2.0, -0.5]

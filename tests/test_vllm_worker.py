@@ -257,6 +257,29 @@ def test_the_janitor_cleans_up_after_an_actor_that_died_before_its_engine_was_up
     assert janitor.proc.returncode == 0 and not late.exists() and not os.path.exists(os.path.join("/dev/shm", segment))
 
 
+def test_the_janitor_removes_the_loky_semaphores_of_the_engines_processes_only(tmp_path):
+    """torch.compile's process pool (loky) names its semaphores after the process that made them,
+    at any time after the engine started: the janitor removes those of the processes it was told
+    of, and no other's."""
+    from asyncrl.rl.sampler.vllm.janitor import Janitor
+
+    ours, theirs = f"sem.loky-{os.getpid() + 4_000_000}-abc", f"sem.loky-{os.getpid() + 4_000_001}-abc"
+    for name in (ours, theirs):
+        open(os.path.join("/dev/shm", name), "wb").close()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    janitor = Janitor(str(scratch))
+    janitor.watch([f"pid:{os.getpid() + 4_000_000}"])
+    try:
+        janitor.finish()
+        assert not os.path.exists(os.path.join("/dev/shm", ours))
+        assert os.path.exists(os.path.join("/dev/shm", theirs))
+    finally:
+        for name in (ours, theirs):
+            if os.path.exists(os.path.join("/dev/shm", name)):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
 def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
     """vLLM's in-place reload warns "<layer>: Failed to load weights" on every sync for a rotary
     embedding (a computed, non-persistent buffer) and a head tied to the embedding (never sent):

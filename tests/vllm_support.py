@@ -83,8 +83,13 @@ def vllm_required() -> torch.device:
         if os.environ.get("ASYNCRL_REQUIRE_VLLM") == "1":
             pytest.fail(f"ASYNCRL_REQUIRE_VLLM=1 but {why}")
         pytest.skip(why)
-    saved = {k: os.environ.get(k) for k in VLLM_ENV}
-    os.environ.update(VLLM_ENV)  # the in-process engine's core process inherits these
+    env = dict(VLLM_ENV)
+    if device.type == "cuda":
+        # Engines started in this process must be spawned: one forked after this process touched
+        # the GPU (a second engine here did) cannot initialise CUDA.
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the in-process engine's core process inherits these
     yield device
     for k, v in saved.items():
         if v is None:

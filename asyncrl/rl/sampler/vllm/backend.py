@@ -235,9 +235,9 @@ class VLLMBackend(PausableBackend):
         completions = []
         for c in samples:
             ids = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(ids):
+            logprobs = compat.sampled_logprobs(c.logprobs, ids)
+            if logprobs is None:
                 raise SamplerError(f"vLLM request {out.request_id}: log-probs missing for some sampled tokens")
-            logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, ids)]
             if c.finish_reason not in ("stop", "length"):
                 raise SamplerError(f"vLLM request {out.request_id} finished with {c.finish_reason!r}")
             by_string = isinstance(c.stop_reason, str)

@@ -125,11 +125,29 @@ def make_engine(args: dict[str, Any]) -> Any:
 
 
 def sampling_params(**fields: Any) -> Any:
-    """vLLM's ``SamplingParams`` with ``fields`` (names common to 0.24..0.33), final output only."""
+    """vLLM's ``SamplingParams`` with ``fields`` (names common to 0.24..0.33), final output only, and
+    log-probs kept flat (``flat_logprobs``): a few lists per sample instead of a dict and an object
+    per token, which vLLM's output processing builds in Python for every token of every sequence
+    (at 512 sequences that took bare vLLM from 27.5k to 19.3k tokens/s on an H100)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **fields)
+    return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, flat_logprobs=True, **fields)
+
+
+def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float] | None:
+    """The log-prob of each sampled token from a sample's ``logprobs`` (asked with ``logprobs=0``:
+    the sampled token's only), flat (`sampling_params`) or a list of ``{token: Logprob}`` per
+    position; None when some position lacks its token."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        return None
+    flat = getattr(logprobs, "logprobs", None)
+    if isinstance(flat, list) and getattr(logprobs, "token_ids", None) == token_ids:
+        return [float(v) for v in flat]  # one entry per position, the sampled token's
+    try:
+        return [float(position[token].logprob) for position, token in zip(logprobs, token_ids)]
+    except (KeyError, TypeError):
+        return None
 
 
 def unfinished_requests(engine: Any) -> int:

@@ -19,9 +19,15 @@ from collections.abc import Callable
 
 _JANITOR = """
 import os, shutil, sys
-names = set()
+names, pids = set(), set()
 for line in sys.stdin:  # ends at EOF: the sampler actor closed the pipe, or died, whichever way
-    names.update(line.split())
+    for word in line.split():
+        (pids.add(word[4:]) if word.startswith("pid:") else names.add(word))
+# loky's semaphores (torch.compile's process pool) are named after the process that made them,
+# which may do so at any time: those of the engine's processes, whenever they were made.
+for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+    if name.startswith("sem.loky-") and name.split("-")[1] in pids:
+        names.add(name)
 for name in sorted(names):
     try:
         os.unlink(os.path.join("/dev/shm", name))
@@ -44,7 +50,8 @@ class Janitor:
                                      stdout=subprocess.DEVNULL, start_new_session=True, text=True)
 
     def watch(self, shm_names: list[str]) -> None:
-        """Add segments to remove (any number of calls; the janitor keeps them all)."""
+        """Add segments to remove, or ``pid:N`` for a process whose loky semaphores to remove (any
+        number of calls; the janitor keeps them all)."""
         try:
             self.proc.stdin.write(" ".join(shm_names) + "\n")
             self.proc.stdin.flush()
@@ -53,12 +60,15 @@ class Janitor:
 
     def follow(self, before: set[str], poll_s: float = 0.2) -> Callable[[], None]:
         """Watch the segments this process and its children create from now on (`engine_segments`),
-        every ``poll_s`` until the returned function is called (which watches once more), so that
-        an actor killed while its engine starts (a start deadline, a fault) leaves none behind."""
+        and the processes below this one (whose loky semaphores it removes however late they were
+        made), every ``poll_s`` until the returned function is called (which watches once more),
+        so that an actor killed while its engine starts (a start deadline, a fault) leaves none
+        behind."""
         stop, sent = threading.Event(), set()
 
         def scan() -> None:
-            new = set(engine_segments(before)) - sent
+            new = set(engine_segments(before)) | {f"pid:{pid}" for pid in _descendants(os.getpid())}
+            new -= sent
             if new:
                 self.watch(sorted(new))
                 sent.update(new)
