@@ -2,29 +2,27 @@
 the same model, prompts and sampling.
 
 `hf` and `vllm` run in a real `SamplerActor` (as in GRPO), next to a trainer stand-in that sends
-it the model's weights over the weight-sync plane (gloo from the CPU: on one GPU NCCL cannot
-give two ranks the same device). `vllm-bare` is vLLM's own ``LLM`` class in a child process, with
-the engine arguments our backend uses (`engine_args`, less the worker extension): what vLLM
-does alone. Measured per backend and batch, in one run:
+it the model's weights over gloo from the CPU (on one GPU NCCL cannot give two ranks one device).
+`CHILD_BACKENDS` run in a child process each, with the engine arguments our backend uses
+(`engine_args`, less the worker extension): `vllm-bare` is vLLM's own ``LLM`` class, what vLLM
+does alone; the others split our actor's cost into its parts. Measured per backend and batch:
 
-* start: seconds from spawn to a ready actor (the vLLM engine included), or to a ready ``LLM``;
+* start: seconds from spawn to a ready actor (the vLLM engine included), or to a ready engine;
 * tokens/s: completion tokens over wall time of ``--reps`` timed ``generate`` calls of
   PROMPTS Countdown prompts x ``--n`` samples x TOKENS (``--batches PROMPTSxTOKENS,...``; no stop
-  token, so every completion has that length), after one warm-up call. Sampling: temperature 1,
-  top-p 1, the sampled token's log-prob returned (bare vLLM: kept flat as our backend asks, in
-  vLLM's default per-token dicts, and none), no seed (a seed per request is a slower sampler path
-  in vLLM, and GRPO's sampler sets none);
+  token, so every completion has that length), after one warm-up call. Temperature 1, top-p 1,
+  the sampled token's log-prob returned (bare vLLM: flat as our backend asks, vLLM's default
+  per-token dicts, or none: ``--bare-logprobs``), no seed (GRPO's sampler sets none);
 * weight update: median and min seconds of ``--syncs`` ``receive_weights`` calls (pause mode,
-  nothing in flight), from the sampler's side: the transfer and the load into the model (for
-  vLLM: into its worker process, prefix-cache reset included). The sender sends in the sampler's
-  dtype (HF: fp32; vLLM: the checkpoint's).
+  nothing in flight), from the sampler's side: transfer and load (for vLLM into its worker
+  process, prefix-cache reset included), sent in the sampler's dtype (HF: fp32).
 
     python benchmarks/sampler_backends.py                      # CPU, the embedded model's shape
-    python benchmarks/sampler_backends.py --backends hf        # one backend only
     python benchmarks/sampler_backends.py --model-path DIR     # any local checkpoint
-    python benchmarks/sampler_backends.py --device cuda --shape 0.5b --dtype bfloat16 \\
+    python benchmarks/sampler_backends.py --device cuda --shape 0.5b --dtype bfloat16 \
         --backends vllm,vllm-bare,hf --batches 512x256,64x256 --n 1       # one GPU
 
+``--profile DIR`` records each backend's first batch with py-spy (collapsed stacks, all processes).
 Every process gets ``--threads`` OpenMP threads (1 by default, as GRPO's actors on CPU).
 """
 
@@ -32,8 +30,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -131,6 +132,58 @@ def vllm_options(args: argparse.Namespace) -> dict:
     return {"engine": {"max_model_len": 1024}, "gpu_memory_utilization": args.gpu_memory_utilization}
 
 
+class Profile:
+    """``py-spy record`` of process ``pid`` and of vLLM's processes below it (engine core, workers)
+    while in the ``with`` block: collapsed stacks in ``folder``/``name``-PID.txt, for a flame graph
+    or a grep. Nothing when ``folder`` is ""."""
+
+    def __init__(self, folder: str, pid: int, name: str):
+        self.folder, self.pid, self.name = folder, pid, name
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Profile:
+        if self.folder:
+            os.makedirs(self.folder, exist_ok=True)
+            for pid in [self.pid, *vllm_processes_below(self.pid)]:
+                self.procs.append(subprocess.Popen(
+                    [shutil.which("py-spy") or "py-spy", "record", "--pid", str(pid), "--nonblocking", "--rate", "200",
+                     "--format", "raw", "--output", os.path.join(self.folder, f"{self.name}-{pid}.txt")],
+                    stdout=subprocess.DEVNULL))
+            time.sleep(1.0)  # py-spy attaches
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
+        for proc in self.procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def vllm_processes_below(pid: int) -> list[int]:
+    """vLLM's processes below ``pid`` (their command lines read "VLLM::EngineCore", "VLLM::Worker"...)."""
+    parents, found = {}, []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier}
+        for p in frontier:
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if f.read().startswith(b"VLLM::"):
+                        found.append(p)
+            except OSError:
+                continue
+    return sorted(found)
+
+
 async def measure_actor(backend: str, model_path: str, args: argparse.Namespace) -> list[dict]:
     from asyncrl.rl.config.run import DataConfig
     from asyncrl.rl.config.sampler import SamplerConfig
@@ -143,14 +196,19 @@ async def measure_actor(backend: str, model_path: str, args: argparse.Namespace)
     async with Supervisor(call_timeout_s=900, start_timeout_s=600) as sup:
         start = time.perf_counter()
         config = SamplerConfig(backend=backend, weight_update="pause")
-        sampler = await sup.spawn(SamplerActor, model_path, config, name=f"sampler-{backend}", env=env,
-                                  gpus=int(cuda), kwargs=dict(data=DataConfig(n_train=N_TRAIN, n_heldout=10),
-                                                              device=args.device, vllm=vllm_options(args)))
+        name = f"sampler-{backend}"
+        sampler = await sup.spawn(SamplerActor, model_path, config, name=name, env=env, gpus=int(cuda),
+                                  kwargs=dict(data=DataConfig(n_train=N_TRAIN, n_heldout=10), device=args.device,
+                                              vllm=vllm_options(args)))
         started = time.perf_counter() - start
-        for prompts, tokens in args.batches:
-            rows.append({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
-                         **await timed(lambda p, sp: sampler.generate(p, args.n, sp), model_path, prompts, tokens,
-                                       args, SamplingParams)})
+        pid = next(s.pid for s in sup.status() if s.name == name)
+        for i, (prompts, tokens) in enumerate(args.batches):
+            ids = prompt_ids(model_path, prompts)
+            params = SamplingParams(max_new_tokens=tokens, temperature=1.0, top_p=1.0, stop_token_ids=[])
+            await sampler.generate(ids, args.n, params)  # warm-up
+            with Profile(args.profile if i == 0 else "", pid, f"{backend}-{prompts}x{tokens}"):
+                timing = await timed(lambda: sampler.generate(ids, args.n, params), args.reps)
+            rows.append({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens, **timing})
             print(json.dumps(rows[-1]), flush=True)
         if args.syncs:
             try:
@@ -175,62 +233,125 @@ async def measure_syncs(sup, sampler, backend: str, model_path: str, env: dict, 
     return {"sync_s": statistics.median(syncs), "sync_min_s": min(syncs), "sync_bytes": nbytes, "params": params}
 
 
-async def timed(generate, model_path: str, prompts: int, tokens: int, args: argparse.Namespace, params_type) -> dict:
-    ids = prompt_ids(model_path, prompts)
-    params = params_type(max_new_tokens=tokens, temperature=1.0, top_p=1.0, stop_token_ids=[])
-    await generate(ids, params)  # warm-up
+async def timed(generate, reps: int) -> dict:
+    """``reps`` calls of ``generate()`` (a coroutine function returning groups of completions)."""
     count, seconds = 0, 0.0
-    for _ in range(args.reps):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        out = await generate(ids, params)
+        out = await generate()
         seconds += time.perf_counter() - t0
         count += sum(len(c.token_ids) for g in out for c in g)
-    return {"tokens": count, "tokens_per_s": count / seconds, "generate_s": seconds / args.reps}
+    return {"tokens": count, "tokens_per_s": count / seconds, "generate_s": seconds / reps}
 
 
-def measure_bare(model_path: str, args: argparse.Namespace) -> list[dict]:
-    """Bare vLLM in a child process (its engine and GPU memory go with it); rows on its stdout."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--bare-child", model_path, *sys.argv[1:]]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.bare_timeout_s,
+CHILD_BACKENDS = ("vllm-bare", "vllm-async-bare", "vllm-backend", "vllm-backend-gc-frozen")
+"""Run in a child process of their own (their engine and GPU memory go with it): bare vLLM's
+``LLM``; its ``AsyncLLM`` driven as our backend drives it (a request per prompt, final output
+only, flat log-probs), without our code; our `VLLMBackend` without the actor around it; the same
+after ``gc.freeze()`` of the heap, as vLLM's server does once started."""
+
+
+def measure_child(backend: str, model_path: str, args: argparse.Namespace) -> list[dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", backend, model_path, *sys.argv[1:]]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.child_timeout_s,
                           env=os.environ | process_env(args))
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
-        raise RuntimeError(f"bare vLLM exited with {done.returncode} (its log is on stderr above)")
+        raise RuntimeError(f"{backend} exited with {done.returncode} (its log is on stderr above)")
     return rows
 
 
-def bare_child(model_path: str, args: argparse.Namespace) -> None:
-    """``vllm.LLM`` with `engine_args` (less the worker extension), the same prompts and sampling."""
+def child(backend: str, model_path: str, args: argparse.Namespace) -> None:
+    """One of `CHILD_BACKENDS` on ``model_path``; a JSON row per batch (and log-prob mode) on stdout."""
     import torch
-    from vllm import LLM, SamplingParams
 
     from asyncrl.rl.sampler.vllm import compat
     from asyncrl.rl.sampler.vllm.backend import engine_args
 
     compat.environ_defaults(compat.engine_environment(args.device))  # as VLLMBackend does
     options = vllm_options(args)
-    engine = engine_args(model_path, device=torch.device(args.device), seed=0, max_model_len=0,
+    engine = engine_args(model_path, device=torch.device(args.device), seed=0,
                          gpu_memory_utilization=options["gpu_memory_utilization"], engine=options["engine"])
     engine.pop("worker_extension_cls")
+    if backend == "vllm-bare":
+        bare_llm(engine, model_path, args)
+    else:
+        from asyncrl.runtime.loop import run
+
+        run(async_child(backend, engine, model_path, args))
+
+
+def bare_llm(engine: dict, model_path: str, args: argparse.Namespace) -> None:
+    from vllm import LLM, SamplingParams
+
     start = time.perf_counter()
     llm = LLM(**engine)
     started = time.perf_counter() - start
-    for prompts, tokens in args.batches:
+    modes = {"flat": ("vllm-bare", True), "dicts": ("vllm-bare, per-token log-prob dicts", False),
+             "none": ("vllm-bare, no log-probs", False)}
+    for i, (prompts, tokens) in enumerate(args.batches):
         ids = [{"prompt_token_ids": p} for p in prompt_ids(model_path, prompts)]
-        for label, logprobs, flat in (("vllm-bare", 0, True), ("vllm-bare, per-token log-prob dicts", 0, False),
-                                      ("vllm-bare, no log-probs", None, False)):
+        for mode in args.bare_logprobs.split(","):
+            label, flat = modes[mode]
             params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=tokens, ignore_eos=True,
-                                    stop_token_ids=[], logprobs=logprobs, flat_logprobs=flat, detokenize=False)
+                                    stop_token_ids=[], logprobs=None if mode == "none" else 0, flat_logprobs=flat,
+                                    detokenize=False)
             llm.generate(ids, params, use_tqdm=False)  # warm-up
             count, seconds = 0, 0.0
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                out = llm.generate(ids, params, use_tqdm=False)
-                seconds += time.perf_counter() - t0
-                count += sum(len(c.token_ids) for o in out for c in o.outputs)
+            with Profile(args.profile if i == 0 and mode == "flat" else "", os.getpid(), f"{label}-{prompts}x{tokens}"):
+                for _ in range(args.reps):
+                    t0 = time.perf_counter()
+                    out = llm.generate(ids, params, use_tqdm=False)
+                    seconds += time.perf_counter() - t0
+                    count += sum(len(c.token_ids) for o in out for c in o.outputs)
             print(json.dumps({"backend": label, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
                               "tokens": count, "tokens_per_s": count / seconds, "generate_s": seconds / args.reps}),
                   flush=True)
+
+
+async def async_child(backend: str, engine: dict, model_path: str, args: argparse.Namespace) -> None:
+    import gc
+
+    from asyncrl.rl.model.policy import load_prompt_format
+    from asyncrl.rl.sampler.backend import SamplingParams
+    from asyncrl.rl.sampler.vllm import compat
+    from asyncrl.rl.sampler.vllm.backend import VLLMBackend
+
+    start = time.perf_counter()
+    if backend == "vllm-async-bare":
+        llm = compat.make_engine(engine)
+
+        async def one(request_id: str, prompt: list[int], params) -> list:
+            async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id):
+                final = out
+            return final.outputs
+
+        def generate(ids: list[list[int]], tokens: int):
+            params = compat.sampling_params(n=args.n, temperature=1.0, top_p=1.0, max_tokens=tokens, ignore_eos=True,
+                                            stop_token_ids=[], logprobs=0, detokenize=False)
+            return asyncio.gather(*(one(f"r{next(counter)}", p, params) for p in ids))
+    else:
+        tokenizer, _ = load_prompt_format(model_path)
+        llm = VLLMBackend(model_path, tokenizer=tokenizer, device=args.device, **vllm_options(args))
+
+        def generate(ids: list[list[int]], tokens: int):
+            return llm.generate(ids, args.n, SamplingParams(max_new_tokens=tokens, temperature=1.0, top_p=1.0,
+                                                            stop_token_ids=[]))
+    counter = itertools.count()
+    started = time.perf_counter() - start
+    if backend == "vllm-backend-gc-frozen":
+        gc.collect()
+        gc.freeze()
+    try:
+        for i, (prompts, tokens) in enumerate(args.batches):
+            ids = prompt_ids(model_path, prompts)
+            await generate(ids, tokens)  # warm-up
+            with Profile(args.profile if i == 0 else "", os.getpid(), f"{backend}-{prompts}x{tokens}"):
+                timing = await timed(lambda: generate(ids, tokens), args.reps)
+            print(json.dumps({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
+                              **timing}), flush=True)
+    finally:
+        (llm.shutdown if backend == "vllm-async-bare" else llm.close)()
 
 
 def table(rows: list[dict], args: argparse.Namespace, about: str) -> str:
@@ -255,7 +376,7 @@ def table(rows: list[dict], args: argparse.Namespace, about: str) -> str:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backends", default="hf,vllm", help="of hf, vllm (our actor), vllm-bare")
+    parser.add_argument("--backends", default="hf,vllm", help=f"of hf, vllm (our actors), {', '.join(CHILD_BACKENDS)}")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--model-path", default="")
     parser.add_argument("--shape", default="embedded", choices=sorted(SHAPES))
@@ -266,7 +387,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--syncs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    parser.add_argument("--bare-timeout-s", type=float, default=900.0)
+    parser.add_argument("--child-timeout-s", type=float, default=900.0)
+    parser.add_argument("--bare-logprobs", default="flat,dicts,none", help="vllm-bare's log-prob modes")
+    parser.add_argument("--profile", default="", help="py-spy profiles of the first batch into this folder")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     return parser.parse_args(argv)
 
@@ -280,7 +403,8 @@ async def main(args: argparse.Namespace) -> None:
             make_model(path, SHAPES[args.shape], args.dtype)
         for backend in args.backends.split(","):
             try:
-                rows += measure_bare(path, args) if backend == "vllm-bare" else await measure_actor(backend, path, args)
+                rows += (measure_child(backend, path, args) if backend in CHILD_BACKENDS
+                         else await measure_actor(backend, path, args))
             except Exception as exc:  # one backend's failure must not lose the others' numbers
                 traceback.print_exc()
                 rows.append({"backend": backend, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
@@ -292,7 +416,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn once CUDA is up: the guard is needed
-    if len(sys.argv) > 2 and sys.argv[1] == "--bare-child":
-        bare_child(sys.argv[2], parse(sys.argv[3:]))
+    if len(sys.argv) > 3 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], parse(sys.argv[4:]))
     else:
         sys.exit(asyncio.run(main(parse(sys.argv[1:]))))

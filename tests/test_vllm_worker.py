@@ -280,6 +280,37 @@ def test_the_janitor_removes_the_loky_semaphores_of_the_engines_processes_only(t
                 os.unlink(os.path.join("/dev/shm", name))
 
 
+def test_the_janitor_leaves_a_segment_another_living_process_maps(tmp_path):
+    """On a shared host a multiprocessing semaphore that appeared while our engine started may be
+    another engine's, still in use: removing it broke that engine's start (its worker could not
+    open the semaphore). The janitor removes only what no living process but ours maps."""
+    from asyncrl.rl.sampler.vllm.janitor import Janitor
+
+    name = f"sem.mp-asyncrl-test-{os.getpid()}"
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import mmap, sys, time
+        with open({path!r}, "r+b") as f:
+            m = mmap.mmap(f.fileno(), 4096)
+        print("mapped", flush=True)
+        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "mapped"
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        janitor = Janitor(str(scratch))
+        janitor.watch([name])
+        janitor.finish()
+        assert os.path.exists(path) and not scratch.exists()
+    finally:
+        other.kill()
+        other.wait()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
     """vLLM's in-place reload warns "<layer>: Failed to load weights" on every sync for a rotary
     embedding (a computed, non-persistent buffer) and a head tied to the embedding (never sent):

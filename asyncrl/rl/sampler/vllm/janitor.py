@@ -28,6 +28,19 @@ for line in sys.stdin:  # ends at EOF: the sampler actor closed the pipe, or die
 for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
     if name.startswith("sem.loky-") and name.split("-")[1] in pids:
         names.add(name)
+# A multiprocessing semaphore's name says nothing of its maker: one that appeared while our engine
+# started may be another engine's on a shared host, which still maps it. Leave what a living
+# process other than ours maps (ours are dying with the actor, or dead).
+for entry in os.listdir("/proc"):
+    if entry.isdigit() and entry not in pids and entry != str(os.getpid()):
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    at = line.find("/dev/shm/")
+                    if at >= 0:
+                        names.discard(line[at + 9:].rstrip("\\n").removesuffix(" (deleted)"))
+        except OSError:
+            pass
 for name in sorted(names):
     try:
         os.unlink(os.path.join("/dev/shm", name))
