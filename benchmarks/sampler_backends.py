@@ -208,7 +208,8 @@ async def measure_actor(backend: str, model_path: str, args: argparse.Namespace)
             await sampler.generate(ids, args.n, params)  # warm-up
             with Profile(args.profile if i == 0 else "", pid, f"{backend}-{prompts}x{tokens}"):
                 timing = await timed(lambda: sampler.generate(ids, args.n, params), args.reps)
-            rows.append({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens, **timing})
+            rows.append({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
+                         **timing})
             print(json.dumps(rows[-1]), flush=True)
         if args.syncs:
             try:
@@ -244,11 +245,10 @@ async def timed(generate, reps: int) -> dict:
     return {"tokens": count, "tokens_per_s": count / seconds, "generate_s": seconds / reps}
 
 
-CHILD_BACKENDS = ("vllm-bare", "vllm-async-bare", "vllm-backend", "vllm-backend-gc-frozen")
+CHILD_BACKENDS = ("vllm-bare", "vllm-async-bare", "vllm-backend")
 """Run in a child process of their own (their engine and GPU memory go with it): bare vLLM's
 ``LLM``; its ``AsyncLLM`` driven as our backend drives it (a request per prompt, final output
-only, flat log-probs), without our code; our `VLLMBackend` without the actor around it; the same
-after ``gc.freeze()`` of the heap, as vLLM's server does once started."""
+only, flat log-probs), without our code; our `VLLMBackend` without the actor around it."""
 
 
 def measure_child(backend: str, model_path: str, args: argparse.Namespace) -> list[dict]:
@@ -298,7 +298,8 @@ def bare_llm(engine: dict, model_path: str, args: argparse.Namespace) -> None:
                                     detokenize=False)
             llm.generate(ids, params, use_tqdm=False)  # warm-up
             count, seconds = 0, 0.0
-            with Profile(args.profile if i == 0 and mode == "flat" else "", os.getpid(), f"{label}-{prompts}x{tokens}"):
+            profile = args.profile if i == 0 and mode == "flat" else ""
+            with Profile(profile, os.getpid(), f"{label}-{prompts}x{tokens}"):
                 for _ in range(args.reps):
                     t0 = time.perf_counter()
                     out = llm.generate(ids, params, use_tqdm=False)
@@ -310,8 +311,6 @@ def bare_llm(engine: dict, model_path: str, args: argparse.Namespace) -> None:
 
 
 async def async_child(backend: str, engine: dict, model_path: str, args: argparse.Namespace) -> None:
-    import gc
-
     from asyncrl.rl.model.policy import load_prompt_format
     from asyncrl.rl.sampler.backend import SamplingParams
     from asyncrl.rl.sampler.vllm import compat
@@ -339,9 +338,6 @@ async def async_child(backend: str, engine: dict, model_path: str, args: argpars
                                                             stop_token_ids=[]))
     counter = itertools.count()
     started = time.perf_counter() - start
-    if backend == "vllm-backend-gc-frozen":
-        gc.collect()
-        gc.freeze()
     try:
         for i, (prompts, tokens) in enumerate(args.batches):
             ids = prompt_ids(model_path, prompts)
@@ -355,8 +351,11 @@ async def async_child(backend: str, engine: dict, model_path: str, args: argpars
 
 
 def table(rows: list[dict], args: argparse.Namespace, about: str) -> str:
-    bare = {(r["prompts"], r["max_new_tokens"]): r["tokens_per_s"] for r in rows if r.get("backend") == "vllm-bare"
-            and "error" not in r}
+    runs: dict[tuple[int, int], list[float]] = {}  # bare vLLM's runs per batch: the mean is the reference
+    for r in rows:
+        if r.get("backend") == "vllm-bare" and "error" not in r:
+            runs.setdefault((r["prompts"], r["max_new_tokens"]), []).append(r["tokens_per_s"])
+    bare = {batch: statistics.mean(values) for batch, values in runs.items()}
     lines = [f"{about}; n={args.n}, temperature 1, {args.reps} timed call(s) after a warm-up", "",
              "| backend | batch (prompts x tokens) | start s | tokens/s | vs bare vLLM | s per generate | "
              "weight update, median (min) | sent |", "|---|---|---|---|---|---|---|---|"]

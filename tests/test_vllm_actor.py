@@ -91,7 +91,8 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         restored = await sampler.generate(probe, 1, greedy)
         assert [g[0].token_ids for g in restored] == [g[0].token_ids for g in before]
         assert [lp for g in restored for lp in g[0].logprobs] == pytest.approx(
-            [lp for g in before for lp in g[0].logprobs], abs=1e-5 if vllm_required.type == "cpu" else repeat_abs(vllm_required))
+            [lp for g in before for lp in g[0].logprobs],
+            abs=1e-5 if vllm_required.type == "cpu" else repeat_abs(vllm_required))
         [late] = [g async for g in sampler.rollouts(1)]
         assert late.version == 2
 

@@ -25,7 +25,8 @@ from conftest import wait_until
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
 from sampler_support import HOST
-from vllm_support import SYNC_BACKEND, StatePusher, engine_options, reference_logprobs, repeat_abs, running_s, state_files
+from vllm_support import (SYNC_BACKEND, StatePusher, engine_options, reference_logprobs, repeat_abs, running_s,
+                          state_files)
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy, prompts; vllm_required
 

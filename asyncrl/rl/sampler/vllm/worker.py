@@ -92,7 +92,8 @@ class WeightSyncExtension:
         receiver = WeightReceiver.create(member.comm, member.group, src=0, timeout_s=timeout_s)
         _check_against_checkpoint(receiver.layout, self._asyncrl_model_path())
         if not self._asyncrl_loads_in_place():
-            _quiet_reload_warnings(compat.live_model(self.model_runner), {spec.name for spec in receiver.layout.tensors})
+            sent = {spec.name for spec in receiver.layout.tensors}
+            _quiet_reload_warnings(compat.live_model(self.model_runner), sent)
         member.receiver, member.timeout_s = receiver, timeout_s
         return len(receiver.layout.buckets)
 
