@@ -389,7 +389,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--child-timeout-s", type=float, default=900.0)
     parser.add_argument("--bare-logprobs", default="flat,dicts,none", help="vllm-bare's log-prob modes")
     parser.add_argument("--profile", default="", help="py-spy profiles of the first batch into this folder")
-    parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--json", nargs="?", const="-", default="", metavar="FILE",
+                        help="print one JSON list instead of the table; with FILE, write it there (as it grows)")
     return parser.parse_args(argv)
 
 
@@ -407,11 +408,11 @@ async def main(args: argparse.Namespace) -> None:
             except Exception as exc:  # one backend's failure must not lose the others' numbers
                 traceback.print_exc()
                 rows.append({"backend": backend, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-            if args.json:
+            if args.json not in ("", "-"):
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1)
     about = f"{args.model_path or args.shape + ' shape, random ' + args.dtype} on {args.device}"
-    print(table(rows, args, about))
+    print(json.dumps(rows) if args.json == "-" else table(rows, args, about))
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn once CUDA is up: the guard is needed

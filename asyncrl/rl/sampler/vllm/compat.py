@@ -18,12 +18,16 @@ What differs between those releases, for what asyncrl calls (docs/vllm.md, "Vers
 * the count of unfinished requests: ``AsyncLLM.get_num_unfinished_requests()`` from 0.32 on, only
   its output processor's in 0.24 (`unfinished_requests`).
 
-And what does not depend on the release but on how the engine is made (`make_engine`): vLLM sizes
-its batch by a "usage context", and ``AsyncLLM.from_engine_args``'s default (an engine behind a
-server) gets the scheduler's test defaults, 128 sequences and 2048 tokens a step, in every release
-here; a sampler generates a whole batch at once, as vLLM's ``LLM`` class does, so it gets that
-class's defaults (1024 sequences and 16384 tokens on a GPU of 70 GB or more, 256 and 8192 on a
-smaller one, 256 and 4096 on CPU). Without it, 512 sequences ran 128 at a time.
+And what does not depend on the release but on how vLLM is used, the same in all of them:
+
+* the batch size (`make_engine`): vLLM sizes its batch by a "usage context", and
+  ``AsyncLLM.from_engine_args``'s default (an engine behind a server) gets the scheduler's test
+  defaults, 128 sequences and 2048 tokens a step; a sampler generates a whole batch at once, as
+  vLLM's ``LLM`` class does, so it gets that class's (1024 sequences and 16384 tokens on a GPU of
+  70 GB or more, 256 and 8192 on a smaller one, 256 and 4096 on CPU). Without it, 512 sequences
+  would run 128 at a time (read in vLLM's source: the GPU path was first measured with this);
+* log-probs kept flat (`sampling_params`, `sampled_logprobs`);
+* FlashInfer, optional in vLLM's CUDA build (`engine_environment`).
 """
 
 from __future__ import annotations
@@ -42,8 +46,6 @@ MIN_VERSION = (0, 24)
 """The oldest vLLM release asyncrl runs on (the CUDA build made for torch 2.11 / CUDA 13)."""
 NEWEST_CHECKED = (0, 33)
 """The newest release whose calls were checked against this module (0.33.0, by reading its source)."""
-RUN = {"0.24.0": "CUDA build, H100 (tests and benchmarks/sampler_backends.py)", "0.32.0": "CPU build (CI)"}
-"""Releases whose tests ran, and where."""
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 """The logger of vLLM's in-place reload (0.24 through 0.33): "<layer>: Failed to load weights"."""
