@@ -85,13 +85,13 @@ async def measure(backend: str, model_path: str, args: argparse.Namespace) -> di
     from asyncrl.rl.model.policy import load_prompt_format
     from asyncrl.rl.sampler.actor import SamplerActor
     from asyncrl.rl.sampler.backend import SamplingParams
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     env = {"OMP_NUM_THREADS": str(args.threads), "TQDM_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     _, fmt = load_prompt_format(model_path)
     train, _ = train_and_heldout(0, 200, 10)
-    prompts = [fmt.prompt_ids(p) for p in train[:args.prompts]]
+    prompts = [fmt.render_ids(Countdown().prompt(p)) for p in train[:args.prompts]]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop_token_ids=[], seed=0)
     async with Supervisor(call_timeout_s=600, start_timeout_s=300) as sup:
         start = time.perf_counter()

@@ -73,7 +73,7 @@ def model_path(tmp_path_factory) -> str:
     optimiser state are not zero. For the GRPO runs of test_fault_tolerance and test_run_lifecycle."""
     import torch
 
-    from asyncrl.rl.config.task import CountdownConfig
+    from asyncrl.rl.tasks.countdown import Countdown
     from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
     from asyncrl.rl.model.warm_start import default_model
 
@@ -84,6 +84,6 @@ def model_path(tmp_path_factory) -> str:
             ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
             WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0,
                             heldout_reserve=20),
-            CountdownConfig(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
+            Countdown(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
     finally:
         torch.set_num_threads(threads)

@@ -55,11 +55,11 @@ def policy(tiny_path):
 
 @pytest.fixture(scope="module")
 def prompts(policy) -> list[list[int]]:
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     _, _, fmt = policy
     train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
-    ids = [fmt.prompt_ids(p) for p in train[:12]]
+    ids = [fmt.render_ids(Countdown().prompt(p)) for p in train[:12]]
     ids.sort(key=len)
     assert len(ids[0]) < len(ids[-1])  # different lengths: left padding is exercised
     return [ids[0], ids[-1], ids[5]]

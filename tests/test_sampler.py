@@ -149,6 +149,82 @@ async def test_seeded_calls_are_reproducible(backend, prompts):
     assert (await backend.generate(prompts, 1, unseeded)) != (await backend.generate(prompts, 1, unseeded))
 
 
+
+# --- HFBackend: stop strings ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def text_prompts(policy) -> list[list[int]]:
+    """Prompts rendered from plain text (independent of any task's prompt helpers)."""
+    from asyncrl.rl.tasks.base import as_prompt
+
+    fmt = policy[2]
+    return [fmt.render_ids(as_prompt(t)) for t in ("3 7 25 50 -> 178", "1 2 -> 3", "10 20 30 40 5 -> 999")]
+
+
+def _first_holding(tok, ids: list[int], stop: str) -> int:
+    """The fewest leading tokens whose text holds ``stop``."""
+    return next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k], skip_special_tokens=True))
+
+
+async def test_a_stop_string_ends_a_row_at_the_token_that_completes_it(backend, policy, text_prompts):
+    tok = policy[1]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    [[free]] = await backend.generate(text_prompts[:1], 1, greedy)
+    needle = free.text[8:10]
+    assert needle.strip(), free.text
+    [[got]] = await backend.generate(text_prompts[:1], 1, msgspec.structs.replace(greedy, stop=[needle]))
+    end = _first_holding(tok, free.token_ids, needle)
+    # Every token up to the completing one, with its log-prob; the text ends before the string
+    # (vLLM's default: include_stop_str_in_output=False).
+    assert got.token_ids == free.token_ids[:end] and got.finish_reason == "stop"
+    assert got.logprobs == pytest.approx(free.logprobs[:end], abs=1e-5)
+    assert got.text == free.text[:free.text.index(needle)]
+    # Of several strings the one completed first ends it; one never written changes nothing.
+    later = free.text[14:17]
+    [[both]] = await backend.generate(text_prompts[:1], 1, msgspec.structs.replace(greedy, stop=[later, needle]))
+    assert both == got
+    [[none]] = await backend.generate(text_prompts[:1], 1, msgspec.structs.replace(greedy, stop=["\x01never"]))
+    assert none == free
+
+
+async def test_stop_strings_stop_rows_independently_and_a_stop_token_wins(backend, policy, text_prompts):
+    tok = policy[1]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=11)
+    free = await backend.generate(text_prompts, 3, params)
+    needle = free[1][0].text[5:7]
+    got = await backend.generate(text_prompts, 3, msgspec.structs.replace(params, stop=[needle]))
+    for g_free, g_got in zip(free, got):
+        for a, b in zip(g_free, g_got):
+            if needle in a.text:
+                end = _first_holding(tok, a.token_ids, needle)
+                assert b.token_ids == a.token_ids[:end] and b.finish_reason == "stop"
+                assert b.text == a.text[:a.text.index(needle)]
+            else:
+                assert b == a
+    # A stop token before the string ends the row there, its text without the token as ever.
+    first = free[1][0]
+    token = first.token_ids[1]
+    both = msgspec.structs.replace(params, stop=[needle], stop_token_ids=[token])
+    c = (await backend.generate(text_prompts, 3, both))[1][0]  # the same seeds: the same prompt index
+    cut = first.token_ids.index(token)
+    assert c.token_ids == first.token_ids[:cut + 1] and c.finish_reason == "stop"
+    assert c.text == tok.decode(first.token_ids[:cut], skip_special_tokens=True)
+
+
+def test_stop_strings_see_characters_split_over_byte_tokens(policy):
+    from asyncrl.rl.sampler.hf import StopStrings, text_before_stop
+
+    tok = policy[1]
+    ids = tok("ab\u00e9</calc>cd", add_special_tokens=False)["input_ids"]  # é is two byte tokens
+    strings = StopStrings(tok, ["\u00e9<", "</calc>"], 2)
+    hits = [strings.completed([t, t], [True, i != 1]) for i, t in enumerate(ids)]
+    # "é<" is complete at "<" (index 4), not at either byte of é; row 1 was closed at step 1 only.
+    assert hits[:4] == [[], [], [], []] and hits[4] == [0, 1]
+    assert text_before_stop("ab\u00e9</calc>cd", ["</calc>", "\u00e9<"]) == "ab"
+    assert text_before_stop("x</calc>", ["y"]) == "x</calc>"
+
+
 async def test_bad_requests_are_refused(backend, prompts):
     with pytest.raises(ValueError):
         await backend.generate(prompts, 0, SamplingParams())
@@ -280,12 +356,12 @@ def _modified_weights(policy, path: str) -> str:
 
 
 async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, policy, tmp_path):
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     _, _, fmt = policy
     train, _ = train_and_heldout(5, N_TRAIN, N_HELDOUT)
     weights_file = _modified_weights(policy, str(tmp_path))
-    probe = [fmt.prompt_ids(train[0])]
+    probe = [fmt.render_ids(Countdown().prompt(train[0]))]
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     async with Supervisor(call_timeout_s=60) as sup:
         sampler, pusher = await asyncio.gather(
@@ -305,7 +381,7 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
         for g in first:
             validate_group(g)
             assert g.version == 0 and g.sampler == "smp" and g.group_size == 3 and g.generate_s > 0
-            assert g.prompt_ids == fmt.prompt_ids(train[g.prompt_id])  # prompt_id indexes the train split
+            assert g.prompt_ids == fmt.render_ids(Countdown().prompt(train[g.prompt_id]))  # prompt_id indexes the train split
             assert all(len(c) >= 1 for c in g.completion_ids) and g.finished_at <= time.time()
 
         # A generate in flight when the sync begins finishes under the old weights, then the

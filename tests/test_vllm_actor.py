@@ -56,12 +56,12 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
     a sync during a generate waits for it; a failed sync fails on both sides and holds rollouts
     until a good one; the sender's death mid-sync is a peer's failure, and the engine rejoins a
     rebuilt group. Then SIGKILL the actor: vLLM's engine process must go with it."""
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     model, _, fmt = policy
     files = state_files(model, str(tmp_path))
     train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
-    probe = [fmt.prompt_ids(p) for p in train[:2]]
+    probe = [fmt.render_ids(Countdown().prompt(p)) for p in train[:2]]
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     shm_before = _shm()
     async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
