@@ -89,13 +89,13 @@ def test_stop_before_training_raises_too(tmp_path):
 def test_stop_during_the_evaluation(tmp_path, monkeypatch):
     """The last long loop, the greedy evaluation, stops too (between its batches, and before saving)."""
     stop = threading.Event()
-    real = evaluation._generate
+    real = evaluation._generate_rows
 
     def generate_then_stop(*args, **kwargs):
         stop.set()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluation, "_generate", generate_then_stop)
+    monkeypatch.setattr(evaluation, "_generate_rows", generate_then_stop)
     warm = WarmStartConfig(steps=1, batch_size=8, warmup_steps=1, n_examples=64, heldout_reserve=16, eval_problems=4)
     with pytest.raises(StoppedError):
         default_model(SMALL, warm, cache_dir=str(tmp_path), threads=1, log=lambda _: None, stop=stop)
