@@ -1,12 +1,16 @@
 """A multi-turn tool-use environment: arithmetic the model may hand to a calculator.
 
-    asyncrl launch examples/grpo.py --task.name examples/calculator.py:Calculator
+    asyncrl launch examples/grpo.py --task.name examples/calculator.py:Calculator --run.steps 200
 
-A problem is one sum of multi-digit numbers (``What is 347 * 58?``), more than a small model
-computes in its head. In its first turn the model may call the calculator, ``<calc>347*58</calc>``:
-the turn ends at ``</calc>`` (the environment's stop string) and the environment replies
-``<result>20126</result>``; the model then answers ``<answer>20126</answer>``. Or it answers at once,
-and is usually wrong. Reward 1 for the exact answer, else 0; the metrics (``task/<name>`` in
+(200 steps: 12 minutes on two CPU cores, warm start included, where the default 500 would take
+about 25, an episode being up to three turns; the greedy held-out rate had risen from 0.32 to
+0.99 by step 100. benchmarks/README.md has the run.)
+
+A problem is one sum, difference or product of multi-digit numbers (``47 * 38 = ?``), more than a
+small model computes in its head. In its first turn the model may call the calculator,
+``<calc>47 * 38</calc>``: the turn ends at ``</calc>`` (the environment's stop string) and the
+environment replies ``<result>1786</result>``; the model then answers ``<answer>1786</answer>``. Or
+it answers at once, and is usually wrong. Reward 1 for the exact answer, else 0; the metrics (``task/<name>`` in
 metrics.jsonl) say how often episodes used the tool (``tool_used``), and used it correctly
 (``tool_used_correctly``: a call whose result is the answer); the runner adds ``turns``.
 
@@ -17,7 +21,8 @@ The warm start (the embedded model) trains on demonstrations that use the tool f
 only: always the same ones, picked by a hash of the problem, more often for a product than for a
 difference or a sum (`TOOL_RATE`). The model cannot tell from a problem which ones those are, so it
 learns a per-operator chance of calling the tool and answers the rest itself, mostly wrongly:
-GRPO has both the solve rate and the share of episodes that use the tool to raise.
+GRPO has both the solve rate and the share of episodes that use the tool to raise. (Greedily, the
+warm-started model calls it for products only: 0.32 of the held-out problems solved.)
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from asyncrl.rl.tasks.tools import CALC, calculator, parse_tool_call, tool_resul
 TOOL_RATE = {"+": 0.25, "-": 0.4, "*": 0.7}
 """Share of each operator's demonstrations that call the calculator (the rest answer directly)."""
 N_PROBLEMS = 12000
-_WIDTH = {"+": 4, "-": 3, "*": 4}
+"""Problems in all (held-out ones included): 4000 of each operator."""
+_WIDTH = {"+": 4, "-": 3, "*": 4}  # digits of each operator's answers: see make_problems
 _ANSWER = re.compile(r"<answer>\s*(\d{1,12})\s*</answer>")
 
 
@@ -113,6 +119,11 @@ class Calculator(Environment[Arithmetic]):
             return Reply(tool_result(value), metrics=metrics)
         correct = answer_value(completion) == problem.answer
         return Reply(done=True, reward=1.0 if correct else 0.0, correct=correct, metrics=metrics)
+
+    def fingerprint(self) -> dict:
+        """The default (name, a few prompts and demonstrations) and the generator's settings: the
+        warm start is cached under it, and a change to the tool rates alone would not show in those."""
+        return {**super().fingerprint(), "tool_rate": TOOL_RATE, "problems": N_PROBLEMS, "width": _WIDTH}
 
     def demonstration(self, problem: Arithmetic) -> list[str]:
         """A solver's trace: ``[call, result, answer]`` for the problems picked to use the tool,

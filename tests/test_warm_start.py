@@ -117,7 +117,7 @@ def test_countdown_keeps_its_cache_key():
     from asyncrl.rl.config.task import CountdownConfig
     from asyncrl.rl.tasks.countdown import Countdown
 
-    for task in (Countdown(), Countdown(CountdownConfig()), CountdownConfig(), None):
+    for task in (Countdown(), Countdown(CountdownConfig()), None):
         assert warm_start.cache_key(ModelConfig(), WarmStartConfig(), task) == COUNTDOWN_DEFAULT_KEY
     assert warm_start.cache_key(ModelConfig(), WarmStartConfig(), Countdown(CountdownConfig(max_count=5))) != \
         COUNTDOWN_DEFAULT_KEY

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
-from asyncrl.rl.config.task import CountdownConfig
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
 from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer
@@ -67,17 +66,16 @@ def cache_root(cache_dir: str | None = None) -> str:
     return os.path.join(xdg, "asyncrl")
 
 
-def as_task(task: Task | CountdownConfig | None) -> Task:
-    """``task`` itself; Countdown for None; Countdown of a `CountdownConfig` (the argument's type
-    before tasks were public, still taken from callers that pass one)."""
-    if task is None or isinstance(task, CountdownConfig):
+def as_task(task: Task | None) -> Task:
+    """``task`` itself; for None, Countdown with its default options (the embedded default)."""
+    if task is None:
         from asyncrl.rl.tasks.countdown import Countdown
 
-        return Countdown(task or CountdownConfig())
+        return Countdown()
     return task
 
 
-def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | CountdownConfig | None = None) -> str:
+def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = None) -> str:
     """Hash of everything that determines the default checkpoint: the model, the warm start, the
     tokenizer and the task's `Task.fingerprint` (for Countdown, its options and a probe problem's
     prompt and reference, so a change to their formats invalidates the cache without a version
@@ -97,7 +95,7 @@ def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | CountdownC
 
 
 def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
-                  task: Task | CountdownConfig | None = None, *, cache_dir: str | None = None,
+                  task: Task | None = None, *, cache_dir: str | None = None,
                   threads: int | None = None, log: Callable[[str], object] = print,
                   stop: threading.Event | None = None) -> str:
     """Path of the embedded policy's checkpoint directory for ``task`` (Countdown if None), built
