@@ -14,6 +14,7 @@ import textwrap
 from dataclasses import dataclass
 
 import pytest
+from launch_support import launch_example, tree
 
 from asyncrl.rl.config import ConfigError, GRPOConfig, config_to_dict, grpo_config_type, help_text
 from asyncrl.rl.config import parse_overrides
@@ -377,14 +378,8 @@ def test_config_json_round_trips_with_the_tasks_section(tmp_path):
 # --- through `asyncrl launch examples/grpo.py` ------------------------------------------------------
 
 
-def launch(cwd, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(cwd / "cache"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", EXAMPLE, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
-
-
-def tree(path) -> set[str]:
-    return {os.path.relpath(os.path.join(d, n), path) for d, dirs, files in os.walk(path) for n in dirs + files}
+def launch(cwd, *args: str):
+    return launch_example("grpo.py", cwd, *args)
 
 
 CASES = [
