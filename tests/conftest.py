@@ -55,10 +55,21 @@ def kill_all(pids) -> None:
             pass
 
 
+_at_test_start: set[int] = set()
+
+
+def new_descendants() -> set[int]:
+    """The living processes below this one that the running test started (not, say, the
+    multiprocessing resource tracker an in-process vLLM engine of an earlier module left running
+    for the rest of the session, as it is meant to)."""
+    return descendants(os.getpid()) - _at_test_start
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
     """Every test must leave no process of ours behind."""
-    before = descendants(os.getpid())
+    global _at_test_start
+    before = _at_test_start = descendants(os.getpid())
     yield
     wait_until(lambda: not descendants(os.getpid()) - before, 5.0)
     left = descendants(os.getpid()) - before

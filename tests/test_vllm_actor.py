@@ -31,7 +31,7 @@ from conftest import descendants, kill_all, process_alive, wait_until
 
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
-from sampler_support import HOST, N_HELDOUT, N_TRAIN
+from sampler_support import HOST, N_HELDOUT, N_TRAIN, until_generating
 from vllm_support import ENGINE, VLLM_ENV, StatePusher, state_files
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy; vllm_required
@@ -77,7 +77,7 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         assert [g.version for g in groups] == [0, 0] and all(len(g.completion_ids) == 3 for g in groups)
 
         inflight = asyncio.ensure_future(sampler.generate(probe * 4, 4, msgspec.structs.replace(greedy, max_new_tokens=300)))
-        await asyncio.sleep(0.3)
+        await until_generating(sampler)
         _, seconds = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
         assert inflight.done() and seconds > 0  # pause mode: the sync waited for the generate in flight
         assert all(c.token_ids[:16] == before[0][0].token_ids for c in inflight.result()[0])

@@ -214,9 +214,10 @@ class SamplerActor(SyncMember):
         ``syncs``, ``failed_syncs``, ``weight_sync_s`` (wait + transfer), ``pause_s`` (of the syncs
         that succeeded: waiting for the batch in flight, or for the end of a decoding step),
         ``syncs_waited_for_generate``, ``discarded_batches`` (in flight during a failed sync);
-        ``version`` now; ``name``; ``backend`` (``"hf"`` or ``"vllm"``)."""
+        ``version`` now; ``generating``: generate calls in flight now; ``name``; ``backend``
+        (``"hf"`` or ``"vllm"``)."""
         s = dict(self._stats)
-        s.update(version=self.version, name=self.name, backend=self.backend_name,
+        s.update(version=self.version, generating=self._generating, name=self.name, backend=self.backend_name,
                  tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
         return s
 
