@@ -113,11 +113,12 @@ def batches(text: str) -> list[tuple[int, int]]:
 
 def prompt_ids(model_path: str, count: int) -> list[list[int]]:
     from asyncrl.rl.model.policy import load_prompt_format
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     _, fmt = load_prompt_format(model_path)
     train, _ = train_and_heldout(0, N_TRAIN, 10)
-    return [fmt.prompt_ids(p) for p in train[:count]]
+    task = Countdown()
+    return [fmt.render_ids(task.prompt(p)) for p in train[:count]]
 
 
 def process_env(args: argparse.Namespace) -> dict[str, str]:

@@ -34,8 +34,7 @@ def main() -> None:
 
     import torch  # after argparse, so --help is instant
 
-    from asyncrl.rl.config.task import CountdownConfig
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
     from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
     from asyncrl.rl.model.warm_start import default_model
     from asyncrl.rl.model.policy import load_policy
@@ -46,7 +45,7 @@ def main() -> None:
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print
     with tempfile.TemporaryDirectory() as scratch:
         start = time.monotonic()
-        path = default_model(ModelConfig(), warm, CountdownConfig(), cache_dir=args.cache_dir or scratch,
+        path = default_model(ModelConfig(), warm, Countdown(), cache_dir=args.cache_dir or scratch,
                              threads=args.threads, log=log)
         build_s = time.monotonic() - start
         model, tokenizer, fmt = load_policy(path)
@@ -55,8 +54,8 @@ def main() -> None:
     _, heldout = train_and_heldout(warm.data_seed, 0, args.eval)
     torch.manual_seed(0)
     start = time.monotonic()
-    greedy = solve_rate(model, tokenizer, fmt, heldout)
-    sampled = solve_rate(model, tokenizer, fmt, heldout, greedy=False, n=args.samples)
+    greedy = solve_rate(model, tokenizer, fmt, heldout, task=Countdown())
+    sampled = solve_rate(model, tokenizer, fmt, heldout, greedy=False, n=args.samples, task=Countdown())
     result = {"parameters": sum(p.numel() for p in model.parameters()), "build_s": round(build_s, 1),
               "warm_start_s": marker["warm_start_wall_s"], "final_loss": marker["final_loss"],
               "heldout": len(heldout), "greedy_solve_rate": greedy, "sampled_t1_solve_rate": sampled,

@@ -21,43 +21,16 @@ that is not a run, a completion longer than the model's positions, a held-out se
 saw (--run.check_weights with samplers that picked vLLM is found once they start); 130 stopped
 by Ctrl-C (a second Ctrl-C during the shutdown kills the actors at once).
 """
-# Copy this file and change what you like: everything below is the public API.
+# Copy this file and change what you like: everything below is the public API. The main flow
+# (parse, check, train, exit status) is asyncrl.rl.launch.grpo_main; examples/grpo.py is the same
+# script for any task (--task.name, or --task.data with --task.reward).
 
 from __future__ import annotations
 
 import sys
 
-from asyncrl import Supervisor
-from asyncrl.rl.config import GRPOConfig, help_text, parse_overrides, take_option
-
-USAGE = "usage: asyncrl launch [LAUNCH FLAGS] grpo_countdown.py [--resume RUN_DIR] [--section.key VALUE ...]"
-OPTIONS = [
-    ("--help", "Show this help and exit."),
-    ("--resume RUN_DIR", "Continue the run in RUN_DIR from its newest checkpoint, with its config.json; keys "
-                         "given with it apply on top (e.g. --run.steps to go further)."),
-]
+from asyncrl.rl.launch import grpo_main
 
 
 async def main() -> int:
-    argv = sys.argv[1:]
-    config = GRPOConfig()
-    if "--help" in argv or "-h" in argv:
-        print(f"{USAGE}\n\n{__doc__.strip()}\n\n{help_text(config, OPTIONS)}")
-        return 0
-    # Every flag and path is checked here, before a process is spawned or a file written: a
-    # mistake is a one-line ConfigError that `asyncrl launch` prints, exiting with status 2.
-    resume, argv = take_option(argv, "--resume", "RUN_DIR")
-    if not resume:  # the flags are parsed before the driver (torch and all) is imported: a typo answers at once
-        config = parse_overrides(config, argv)
-    from asyncrl.rl.driver import RunStoppedError, check_run, resumed_config, train
-
-    if resume:  # the flags apply over the resumed run's config.json
-        config = parse_overrides(resumed_config(config, resume), [*argv, "--run.run_dir", resume])
-    config = check_run(config, resume=bool(resume))
-    try:
-        async with Supervisor() as sup:
-            await train(config, sup, resume=bool(resume))
-    except RunStoppedError as exc:  # every actor is gone by now (the supervisor stopped them)
-        print(f"grpo_countdown: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return await grpo_main(sys.argv[1:], __doc__, default_task="countdown")

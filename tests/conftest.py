@@ -55,10 +55,21 @@ def kill_all(pids) -> None:
             pass
 
 
+_at_test_start: set[int] = set()
+
+
+def new_descendants() -> set[int]:
+    """The living processes below this one that the running test started (not, say, the
+    multiprocessing resource tracker an in-process vLLM engine of an earlier module left running
+    for the rest of the session, as it is meant to)."""
+    return descendants(os.getpid()) - _at_test_start
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
     """Every test must leave no process of ours behind."""
-    before = descendants(os.getpid())
+    global _at_test_start
+    before = _at_test_start = descendants(os.getpid())
     yield
     wait_until(lambda: not descendants(os.getpid()) - before, 5.0)
     left = descendants(os.getpid()) - before
@@ -73,7 +84,7 @@ def model_path(tmp_path_factory) -> str:
     optimiser state are not zero. For the GRPO runs of test_fault_tolerance and test_run_lifecycle."""
     import torch
 
-    from asyncrl.rl.config.task import CountdownConfig
+    from asyncrl.rl.tasks.countdown import Countdown
     from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
     from asyncrl.rl.model.warm_start import default_model
 
@@ -84,6 +95,6 @@ def model_path(tmp_path_factory) -> str:
             ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
             WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0,
                             heldout_reserve=20),
-            CountdownConfig(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
+            Countdown(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
     finally:
         torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ fixtures; they are module-scoped, so each test module builds its own checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -21,19 +22,18 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 N_TRAIN, N_HELDOUT = 50, 10
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    """A random tiny Qwen2 checkpoint with the project's tokenizer, loadable by load_policy."""
+def write_tiny(path: str, hidden_size: int = 64) -> str:
+    """A random Qwen2 checkpoint (2 layers, ``hidden_size`` wide) with the project's tokenizer,
+    loadable by load_policy, written to ``path``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from asyncrl.rl.model.policy import MARKER_FILE
     from asyncrl.rl.model.tokenizer import build_tokenizer
 
-    path = str(tmp_path_factory.mktemp("tiny"))
     tok = build_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=128, max_position_embeddings=512,
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=2 * hidden_size, max_position_embeddings=512,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id)
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -41,6 +41,12 @@ def tiny_path(tmp_path_factory) -> str:
     with open(os.path.join(path, MARKER_FILE), "w") as f:
         json.dump({"prompt_style": "compact", "max_new_tokens_hint": 24}, f)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    """The 64-wide `write_tiny` checkpoint."""
+    return write_tiny(str(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +61,11 @@ def policy(tiny_path):
 
 @pytest.fixture(scope="module")
 def prompts(policy) -> list[list[int]]:
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     _, _, fmt = policy
     train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
-    ids = [fmt.prompt_ids(p) for p in train[:12]]
+    ids = [fmt.render_ids(Countdown().prompt(p)) for p in train[:12]]
     ids.sort(key=len)
     assert len(ids[0]) < len(ids[-1])  # different lengths: left padding is exercised
     return [ids[0], ids[-1], ids[5]]
@@ -71,3 +77,13 @@ def recomputed(model, prompt: list[int], tokens: list[int], temperature: float) 
         logits = model(torch.tensor([prompt + tokens])).logits[0]
     scored = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)] / temperature  # causal shift
     return torch.log_softmax(scored, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+async def until_generating(sampler, timeout_s: float = 60.0) -> None:
+    """Wait until the sampler actor has a generate call in flight (its ``stats()["generating"]``),
+    so that what the test does next lands during a batch however fast or loaded the machine is."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not (await sampler.stats())["generating"]:
+        assert loop.time() < deadline, f"sampler {sampler.name}: no generate in flight within {timeout_s:g} s"
+        await asyncio.sleep(0.005)

@@ -1,6 +1,6 @@
 """The Countdown task: the solver (against a brute force), the generator's solvability and
 determinism, disjoint splits, prompts, a reward that never raises and never dawdles on
-adversarial or random text, and Countdown as the `Task` the rest of asyncrl sees."""
+adversarial or random text, and Countdown as a `Task` of the public API."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from asyncrl.rl.tasks.arith import evaluate, numbers_used, parse
-from asyncrl.rl.tasks.base import Message, Prompt, Scored, Splits, Task, TaskInputError
-from asyncrl.rl.tasks.countdown import CORRECT_REWARD, FORMAT_REWARD, CountdownProblem, CountdownTask, extract_answer, format_prompt, format_prompt_compact, format_reference, generate, problem_key, reward, score, solve, train_and_heldout
+from asyncrl.rl.tasks.base import Message, Prompt, Score, Splits, Task, TaskInputError, as_prompt
+from asyncrl.rl.tasks.countdown import CORRECT_REWARD, FORMAT_REWARD, Countdown, CountdownProblem, extract_answer, format_prompt, format_prompt_compact, format_reference, generate, problem_key, reward, score, solve, train_and_heldout
 from asyncrl.rl.config.task import CountdownConfig
 
 P = CountdownProblem(numbers=[3, 7, 25], target=46, solution="25 + 7 * 3")
@@ -259,13 +259,14 @@ def test_reward_fuzz_never_raises():
     assert seen == {0.0, FORMAT_REWARD}  # the fuzz does reach the parser's success path
 
 
-# --- the task protocol --------------------------------------------------------------------------
+# --- the task on the public API -------------------------------------------------------------------
 
 
 def test_countdown_is_a_task_whose_splits_are_train_and_heldout():
-    task = CountdownTask(CountdownConfig(max_count=3))
+    task = Countdown(CountdownConfig(max_count=3))
     assert isinstance(task, Task)
-    assert (task.name, task.correct_reward, task.problem_type) == ("countdown", CORRECT_REWARD, CountdownProblem)
+    assert (task.task_name(), task.correct_reward, task.Config) == ("countdown", CORRECT_REWARD, CountdownConfig)
+    assert Countdown().config == CountdownConfig()
     splits = task.splits(5, 300, 40)
     assert isinstance(splits, Splits) and tuple(splits) == train_and_heldout(5, 300, 40, task.config)
     train, heldout = splits
@@ -275,33 +276,53 @@ def test_countdown_is_a_task_whose_splits_are_train_and_heldout():
     assert all(len(p.numbers) == 3 for p in train)  # the config is the task's
 
 
-def test_a_problem_crosses_a_process_boundary_as_the_tasks_problem_type():
-    task = CountdownTask()
-    wire = msgspec.msgpack.encode(list(task.splits(0, 3, 2).heldout))
-    assert msgspec.msgpack.decode(wire, type=list[task.problem_type]) == task.splits(0, 3, 2).heldout
-
-
 def test_the_prompt_is_one_user_turn_with_a_compact_form():
-    prompt = CountdownTask().prompt(P)
+    prompt = Countdown().prompt(P)
     assert prompt == Prompt([Message("user", format_prompt(P))], compact=format_prompt_compact(P))
+    assert as_prompt(prompt) is prompt
     assert prompt.text == format_prompt(P) and prompt.compact == "3 7 25 -> 46:"
     two_turns = Prompt([Message("system", "Be brief."), Message("user", "3 7 25 -> 46")])
     assert two_turns.text == "Be brief.\n3 7 25 -> 46" and two_turns.compact == ""
 
 
-def test_the_tasks_score_is_the_breakdown_and_correct_means_at_least_correct_reward():
-    task = CountdownTask()
-    for completion in ("<answer>25 + 7 * 3</answer>", "<answer>25 + 7 + 3</answer>", "no answer", ""):
-        got = task.score(P, completion)
-        assert isinstance(got, Scored) and got == score(P, completion)
+def test_the_tasks_score_is_the_reward_with_its_parts_as_metrics():
+    task = Countdown()
+    for completion in ("<answer>25 + 7 * 3</answer>", "<answer>25 + 7 + 3</answer>", "<answer>3 +</answer>",
+                       "no answer", ""):
+        got, parts = task.score(P, completion), score(P, completion)
+        assert isinstance(got, Score) and (got.reward, got.correct) == (parts.reward, parts.correct)
+        assert got.metrics == {"has_answer": float(parts.has_answer), "well_formed": float(parts.well_formed),
+                               "uses_numbers": float(parts.uses_numbers), "hits_target": float(parts.hits_target)}
         assert got.correct == (got.reward >= task.correct_reward)
     assert task.score(P, format_reference(P)).correct
+
+
+def test_the_demonstration_is_the_reference_and_scores_correct():
+    task = Countdown()
+    for problem in task.splits(0, 20, 5).train:
+        assert task.demonstration(problem) == format_reference(problem)
+        assert task.score(problem, task.demonstration(problem)).correct
+
+
+def test_the_fingerprint_keeps_the_warm_start_cache_key_of_before():
+    """The cache key of the embedded model's warm start is made of the task's fingerprint: for
+    Countdown it must stay the key computed before tasks were public (pinned here, from the old
+    ``cache_key(ModelConfig(), WarmStartConfig(), CountdownConfig())``), so the cached default
+    model is reused."""
+    from asyncrl.rl.config import ModelConfig, WarmStartConfig
+    from asyncrl.rl.model.warm_start import cache_key
+
+    assert Countdown().fingerprint() == {
+        "countdown": {"min_count": 3, "max_count": 4, "max_number": 99, "min_target": 1, "max_target": 100},
+        "probe": ["3 7 25 -> 46:", "<answer>25 + 7 * 3</answer>"]}
+    assert cache_key(ModelConfig(), WarmStartConfig(), Countdown()) == "1cfa1c5b452e000bbf3c"
+    assert cache_key(ModelConfig(), WarmStartConfig(), Countdown(CountdownConfig(max_count=5))) == "ce90a6495700317cea5e"
 
 
 @pytest.mark.parametrize("completion", [b"<answer>25 + 7 * 3</answer>", None, 46, ["<answer>46</answer>"]])
 def test_a_completion_that_is_not_text_is_a_typed_error(completion):
     with pytest.raises(TaskInputError, match="countdown: a completion must be a str, not "):
-        CountdownTask().score(P, completion)
+        Countdown().score(P, completion)
     with pytest.raises(TypeError):  # TaskInputError is a TypeError too
         reward(P, completion)
 
@@ -309,13 +330,12 @@ def test_a_completion_that_is_not_text_is_a_typed_error(completion):
 @pytest.mark.parametrize("problem", [None, {"numbers": [3, 7, 25], "target": 46, "solution": ""}, (3, 7, 25)])
 def test_a_problem_of_another_kind_is_a_typed_error(problem):
     with pytest.raises(TaskInputError, match="countdown: a problem must be a CountdownProblem"):
-        CountdownTask().score(problem, "<answer>25 + 7 * 3</answer>")
+        Countdown().score(problem, "<answer>25 + 7 * 3</answer>")
     with pytest.raises(TaskInputError, match="countdown: a problem must be a CountdownProblem"):
-        CountdownTask().prompt(problem)
+        Countdown().prompt(problem)
 
 
 def test_a_huge_completion_scores_zero_quickly():
-    task = CountdownTask()
     huge = [
         "x" * 50_000_000,
         "<answer>" + "1 + " * 5_000_000 + "1</answer>",
@@ -324,7 +344,7 @@ def test_a_huge_completion_scores_zero_quickly():
         "\U0001f600" * 5_000_000 + "<answer>" + "(" * 5_000_000,
     ]
     start = time.perf_counter()
-    scores = [task.score(P, text) for text in huge]
+    scores = [score(P, text) for text in huge]
     assert time.perf_counter() - start < 2.0
     assert [s.reward for s in scores] == [0.0] * len(huge) and all(s.error for s in scores)
     assert "characters long" in scores[1].error

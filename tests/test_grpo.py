@@ -114,3 +114,15 @@ def test_the_default_run_s_heldout_split_is_the_one_it_had():
     data = DataConfig()
     heldout = heldout_split(data.data_seed, data.n_heldout)
     assert heldout == train_and_heldout(data.data_seed, data.n_train, data.n_heldout)[1]
+
+
+def test_a_batchs_task_metrics_are_means_per_completion_and_errors_are_counts():
+    from asyncrl.rl.driver.grpo import task_metrics
+    from asyncrl.rl.rollout import RolloutGroup
+
+    def g(metrics, n=2):
+        return RolloutGroup(0, [1], [[2]] * n, [[-0.1]] * n, [0.0] * n, version=0, metrics=metrics)
+
+    batch = [g({"task/hits": 2.0, "task_errors/timeout": 1.0}), g({"task/hits": 1.0}, n=4)]
+    assert task_metrics(batch) == {"task/hits": 0.5, "task_errors/timeout": 1.0}
+    assert task_metrics([g({})]) == {}

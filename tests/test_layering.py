@@ -11,8 +11,8 @@ import asyncrl
 
 ROOT = os.path.dirname(asyncrl.__file__)
 
-SHARED_RL = {"asyncrl.rl.config", "asyncrl.rl.tasks", "asyncrl.rl.model", "asyncrl.rl.rollout",
-             "asyncrl.rl.checkpoint", "asyncrl.rl.digest"}
+SHARED_RL = {"asyncrl.rl.config", "asyncrl.rl.generation", "asyncrl.rl.tasks", "asyncrl.rl.model",
+             "asyncrl.rl.rollout", "asyncrl.rl.checkpoint", "asyncrl.rl.digest"}
 MAY_IMPORT = {
     # the generic layers know nothing of RL
     "asyncrl.errors": set(),
@@ -20,17 +20,22 @@ MAY_IMPORT = {
     "asyncrl.comm": {"asyncrl.errors", "asyncrl.runtime"},
     # rl/: the config at the bottom, then the task, the model, the shared wire/disk formats
     "asyncrl.rl.config": {"asyncrl.errors"},
-    "asyncrl.rl.tasks": {"asyncrl.errors", "asyncrl.rl.config"},
+    "asyncrl.rl.generation": set(),
+    "asyncrl.rl.tasks": {"asyncrl.errors", "asyncrl.rl.config", "asyncrl.rl.generation"},
     "asyncrl.rl.rollout": {"asyncrl.errors"},
     "asyncrl.rl.digest": set(),
     "asyncrl.rl.checkpoint": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config"},
-    "asyncrl.rl.model": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.tasks"},
+    "asyncrl.rl.model": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.generation",
+                         "asyncrl.rl.tasks"},
     # the two actors never import each other, nor the driver
     "asyncrl.rl.trainer": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
     "asyncrl.rl.sampler": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
     # the driver spawns the actors (their classes only) and talks to them through the runtime
     "asyncrl.rl.driver": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL,
                           "asyncrl.rl.trainer", "asyncrl.rl.sampler"},
+    # the command line of a GRPO run (the example scripts' main): parse, check, then drive
+    "asyncrl.rl.launch": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.tasks",
+                          "asyncrl.rl.driver"},
     "asyncrl.rl": set(),
     # the command line and the package's front door
     "asyncrl": {"asyncrl.errors", "asyncrl.runtime"},

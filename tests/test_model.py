@@ -16,12 +16,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.rl.config.task import CountdownConfig
 from asyncrl.rl.model import evaluation, warm_start
-from asyncrl.rl.tasks.countdown import CountdownProblem, CountdownTask, format_prompt, format_prompt_compact, format_reference, generate
+from asyncrl.rl.tasks.countdown import CountdownProblem, Countdown, format_prompt, format_prompt_compact, format_reference, generate
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.model.policy import MARKER_FILE, PolicyLoadError, PromptFormat, PromptStyleError, load_policy, load_prompt_format
-from asyncrl.rl.tasks.base import Message, Prompt, Splits, Task
+from asyncrl.rl.generation import SamplingParams
+from asyncrl.rl.tasks.base import Message, Prompt, Score, Splits, Task
 from asyncrl.rl.model.tokenizer import build_tokenizer
 from asyncrl.rl.model.warm_start import cache_key, default_model
 from asyncrl.rl.model.evaluation import solve_rate
@@ -88,14 +88,14 @@ def test_default_model_is_cached(built):
     again = default_model(TINY, FEW, cache_dir=root, log=lines.append)
     assert again == built and time.monotonic() - start < 1.0
     assert lines and "cached" in lines[0]
-    assert os.path.basename(built) == cache_key(TINY, FEW, CountdownConfig())
-    assert cache_key(TINY, WarmStartConfig(steps=5), CountdownConfig()) != cache_key(TINY, FEW, CountdownConfig())
+    assert os.path.basename(built) == cache_key(TINY, FEW, Countdown())
+    assert cache_key(TINY, WarmStartConfig(steps=5), Countdown()) != cache_key(TINY, FEW, Countdown())
     assert not [n for n in os.listdir(os.path.dirname(built)) if n.startswith(".tmp-")]
 
 
 def test_partial_builds_are_never_reused(tmp_path):
     models = tmp_path / "models"
-    key = cache_key(TINY, FEW, CountdownConfig())
+    key = cache_key(TINY, FEW, Countdown())
     orphan = models / f".tmp-{key}-{dead_pid()}-abc"  # a builder that crashed mid-write
     orphan.mkdir(parents=True)
     (orphan / "config.json").write_text("{}")
@@ -141,14 +141,15 @@ def test_saved_chat_template_prompts_as_trained(built):
     for problem in [P, *generate(3, 5)]:
         messages = [{"role": "user", "content": " ".join(map(str, problem.numbers)) + f" -> {problem.target}"}]
         text = plain.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert text == fmt.prompt_text(problem)
+        assert text == fmt.render_text(Countdown().prompt(problem))
         ids = plain.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-        assert list(ids) == fmt.prompt_ids(problem)
-    ids = torch.tensor([fmt.prompt_ids(P)])
+        assert list(ids) == fmt.render_ids(Countdown().prompt(problem))
+    ids = torch.tensor([fmt.render_ids(Countdown().prompt(P))])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
                          pad_token_id=tok.pad_token_id)
-    driver = evaluation._generate(model, tok, fmt, [P], True, 8, 1.0)[0]  # how the run's own evaluation prompts
-    assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == driver
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=fmt.stop_token_ids)
+    (driver,) = evaluation._generate_rows(model, tok, fmt, [ids[0].tolist()], params)  # the run's own evaluation
+    assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == driver.text
 
 
 # --- prompts and loading --------------------------------------------------------------------------
@@ -158,7 +159,7 @@ def test_prompt_ids_end_where_the_completion_starts(built):
     _, tok, fmt = load_policy(built)
     assert fmt.style == "compact" and fmt.stop_token_ids == [tok.eos_token_id]
     for problem in [P, *generate(1, 20)]:
-        prompt = fmt.prompt_ids(problem)
+        prompt = fmt.render_ids(Countdown().prompt(problem))
         completion = tok(format_reference(problem), add_special_tokens=False)["input_ids"]
         whole = tok(format_prompt_compact(problem) + format_reference(problem), add_special_tokens=False)["input_ids"]
         assert prompt + completion == whole
@@ -188,13 +189,14 @@ def other_checkpoint(path, chat_template: bool) -> str:
 def test_load_policy_accepts_another_checkpoint(tmp_path):
     model, tok, fmt = load_policy(other_checkpoint(tmp_path / "chat", chat_template=True))
     assert fmt.style == "chat" and tok.eos_token_id in fmt.stop_token_ids
-    text = tok.decode(fmt.prompt_ids(P))
+    text = tok.decode(fmt.render_ids(Countdown().prompt(P)))
     assert text == f"<|im_start|>user\n{format_prompt(P)}<|im_end|>\n<|im_start|>assistant\n"
-    rate = solve_rate(model, tok, fmt, generate(2, 3), greedy=False, n=2, max_new_tokens=4, batch_size=4)
+    rate = solve_rate(model, tok, fmt, generate(2, 3), greedy=False, n=2, max_new_tokens=4, batch_size=4,
+                      task=Countdown())
     assert 0.0 <= rate <= 1.0
 
     _, tok, fmt = load_policy(other_checkpoint(tmp_path / "plain", chat_template=False))
-    assert fmt.style == "plain" and tok.decode(fmt.prompt_ids(P)) == format_prompt(P) + "\n"
+    assert fmt.style == "plain" and tok.decode(fmt.render_ids(Countdown().prompt(P))) == format_prompt(P) + "\n"
 
 
 def test_the_prompt_format_alone_is_load_policys(tmp_path, built):
@@ -205,7 +207,7 @@ def test_the_prompt_format_alone_is_load_policys(tmp_path, built):
         _, alone = load_prompt_format(path)
         assert (alone.style, alone.stop_token_ids, alone.max_new_tokens_hint) == \
             (full.style, full.stop_token_ids, full.max_new_tokens_hint), path
-        assert alone.prompt_ids(P) == full.prompt_ids(P)
+        assert alone.render_ids(Countdown().prompt(P)) == full.render_ids(Countdown().prompt(P))
     with pytest.raises(PolicyLoadError, match="no config.json"):
         load_prompt_format(str(tmp_path))
 
@@ -214,10 +216,10 @@ class Repeat(msgspec.Struct, frozen=True):
     word: str
 
 
-class RepeatTask:
+class RepeatTask(Task):
     """A task of another kind than Countdown: two turns, no compact form, solved by the word."""
 
-    name, correct_reward, problem_type = "repeat", 1.0, Repeat
+    name = "repeat"
 
     def splits(self, seed, n_train, n_heldout):
         return Splits([Repeat(f"w{i}") for i in range(n_train)], [Repeat(f"h{i}") for i in range(n_heldout)])
@@ -226,13 +228,7 @@ class RepeatTask:
         return Prompt([Message("system", "Answer with the word."), Message("user", problem.word)])
 
     def score(self, problem, completion):
-        return _Scored(float(completion.strip() == problem.word), completion.strip() == problem.word, "")
-
-
-class _Scored(msgspec.Struct, frozen=True):
-    reward: float
-    correct: bool
-    error: str
+        return Score(float(completion.strip() == problem.word))
 
 
 def test_a_policy_renders_any_tasks_prompt_in_its_style(tmp_path, built):
@@ -247,7 +243,7 @@ def test_a_policy_renders_any_tasks_prompt_in_its_style(tmp_path, built):
     _, _, fmt = load_policy(other_checkpoint(tmp_path / "plain", chat_template=False))
     assert fmt.render_text(prompt) == "Answer with the word.\nseven\n"
     _, fmt = load_prompt_format(built)  # the embedded model reads Countdown's compact form only
-    assert fmt.render_text(CountdownTask().prompt(P)) == format_prompt_compact(P) == fmt.prompt_text(P)
+    assert fmt.render_text(Countdown().prompt(P)) == format_prompt_compact(P)
     with pytest.raises(PromptStyleError, match="no compact form"):
         fmt.render_text(prompt)
 
@@ -256,8 +252,10 @@ def test_batched_left_padded_generation_matches_one_at_a_time(built):
     model, tok, fmt = load_policy(built)
     problems = [CountdownProblem(numbers=[1, 2, 3], target=6, solution="1 + 2 + 3"), P,
                 CountdownProblem(numbers=[99, 98, 97, 96], target=4, solution="99 - 98 + 97 - 96")]
-    batched = evaluation._generate(model, tok, fmt, problems, True, 12, 1.0)
-    alone = [evaluation._generate(model, tok, fmt, [p], True, 12, 1.0)[0] for p in problems]
+    prompts = [fmt.render_ids(Countdown().prompt(p)) for p in problems]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=fmt.stop_token_ids)
+    batched = evaluation._generate_rows(model, tok, fmt, prompts, params)
+    alone = [evaluation._generate_rows(model, tok, fmt, [p], params)[0] for p in prompts]
     assert batched == alone
 
 
@@ -297,5 +295,5 @@ def test_bad_configs_raise_value_error(bad):
 def test_solve_rate_arguments(built):
     model, tok, fmt = load_policy(built, dtype=torch.float32)
     with pytest.raises(ValueError, match="greedy"):
-        solve_rate(model, tok, fmt, [P], n=2)
-    assert solve_rate(model, tok, fmt, []) == 0.0
+        solve_rate(model, tok, fmt, [P], n=2, task=Countdown())
+    assert solve_rate(model, tok, fmt, [], task=Countdown()) == 0.0

@@ -40,7 +40,7 @@ def test_group_roundtrips_msgpack_as_array():
     data = msgspec.msgpack.encode(g)
     # array_like: fields by position (msgspec writes trailing defaults too: omit_defaults does not
     # apply to array-like structs), and a shorter array from an older sender takes the defaults.
-    assert msgspec.msgpack.decode(data) == [7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4, "s0", 0.5, 0.0, ""]
+    assert msgspec.msgpack.decode(data) == [7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4, "s0", 0.5, 0.0, "", [], [], {}]
     assert msgspec.msgpack.decode(data, type=RolloutGroup) == g
     short = msgspec.msgpack.encode([7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4])
     assert msgspec.msgpack.decode(short, type=RolloutGroup) == msgspec.structs.replace(g, sampler="", generate_s=0.0)
@@ -63,6 +63,10 @@ def _with(**changes) -> RolloutGroup:
         (_with(behaviour_logprobs=[[-0.5, -1.0], [-0.5]]), "completion 1 has 2 token ids but 1 behaviour log-probs"),
         (_with(rewards=[0.0, math.nan]), "reward 1 is nan"),
         (_with(rewards=[math.inf, 0.0]), "reward 0 is inf"),
+        (_with(action_mask=[[1, 1]]), "1 action masks for 2 completions"),
+        (_with(action_mask=[[1, 0], [1]]), "completion 1 has 2 token ids but an action mask of 1"),
+        (_with(action_mask=[[1, 0], [2, 1]]), "values other than 0 and 1"),
+        (_with(correct=[True]), "1 correct flags for 2 completions"),
     ],
 )
 def test_validate_group_refuses_each_bad_shape(bad, words):

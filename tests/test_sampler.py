@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import msgspec
@@ -22,7 +23,8 @@ from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerTimeoutError, 
 
 pytest.register_assert_rewrite("sampler_support")  # before its import: its fixtures assert
 
-from sampler_support import HOST, N_HELDOUT, N_TRAIN, ONE_THREAD, recomputed
+from conftest import wait_until
+from sampler_support import HOST, N_HELDOUT, N_TRAIN, ONE_THREAD, recomputed, until_generating, write_tiny
 
 pytest_plugins = ["sampler_support"]  # its fixtures: tiny_path, policy, prompts
 
@@ -149,6 +151,82 @@ async def test_seeded_calls_are_reproducible(backend, prompts):
     assert (await backend.generate(prompts, 1, unseeded)) != (await backend.generate(prompts, 1, unseeded))
 
 
+
+# --- HFBackend: stop strings ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def text_prompts(policy) -> list[list[int]]:
+    """Prompts rendered from plain text (independent of any task's prompt helpers)."""
+    from asyncrl.rl.tasks.base import as_prompt
+
+    fmt = policy[2]
+    return [fmt.render_ids(as_prompt(t)) for t in ("3 7 25 50 -> 178", "1 2 -> 3", "10 20 30 40 5 -> 999")]
+
+
+def _first_holding(tok, ids: list[int], stop: str) -> int:
+    """The fewest leading tokens whose text holds ``stop``."""
+    return next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k], skip_special_tokens=True))
+
+
+async def test_a_stop_string_ends_a_row_at_the_token_that_completes_it(backend, policy, text_prompts):
+    tok = policy[1]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    [[free]] = await backend.generate(text_prompts[:1], 1, greedy)
+    needle = free.text[8:10]
+    assert needle.strip(), free.text
+    [[got]] = await backend.generate(text_prompts[:1], 1, msgspec.structs.replace(greedy, stop=[needle]))
+    end = _first_holding(tok, free.token_ids, needle)
+    # Every token up to the completing one, with its log-prob; the text ends before the string
+    # (vLLM's default: include_stop_str_in_output=False).
+    assert got.token_ids == free.token_ids[:end] and got.finish_reason == "stop"
+    assert got.logprobs == pytest.approx(free.logprobs[:end], abs=1e-5)
+    assert got.text == free.text[:free.text.index(needle)]
+    # Of several strings the one completed first ends it; one never written changes nothing.
+    later = free.text[14:17]
+    [[both]] = await backend.generate(text_prompts[:1], 1, msgspec.structs.replace(greedy, stop=[later, needle]))
+    assert both == got
+    [[none]] = await backend.generate(text_prompts[:1], 1, msgspec.structs.replace(greedy, stop=["\x01never"]))
+    assert none == free
+
+
+async def test_stop_strings_stop_rows_independently_and_a_stop_token_wins(backend, policy, text_prompts):
+    tok = policy[1]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=11)
+    free = await backend.generate(text_prompts, 3, params)
+    needle = free[1][0].text[5:7]
+    got = await backend.generate(text_prompts, 3, msgspec.structs.replace(params, stop=[needle]))
+    for g_free, g_got in zip(free, got):
+        for a, b in zip(g_free, g_got):
+            if needle in a.text:
+                end = _first_holding(tok, a.token_ids, needle)
+                assert b.token_ids == a.token_ids[:end] and b.finish_reason == "stop"
+                assert b.text == a.text[:a.text.index(needle)]
+            else:
+                assert b == a
+    # A stop token before the string ends the row there, its text without the token as ever.
+    first = free[1][0]
+    token = first.token_ids[1]
+    both = msgspec.structs.replace(params, stop=[needle], stop_token_ids=[token])
+    c = (await backend.generate(text_prompts, 3, both))[1][0]  # the same seeds: the same prompt index
+    cut = first.token_ids.index(token)
+    assert c.token_ids == first.token_ids[:cut + 1] and c.finish_reason == "stop"
+    assert c.text == tok.decode(first.token_ids[:cut], skip_special_tokens=True)
+
+
+def test_stop_strings_see_characters_split_over_byte_tokens(policy):
+    from asyncrl.rl.sampler.hf import StopStrings, text_before_stop
+
+    tok = policy[1]
+    ids = tok("ab\u00e9</calc>cd", add_special_tokens=False)["input_ids"]  # é is two byte tokens
+    strings = StopStrings(tok, ["\u00e9<", "</calc>"], 2)
+    hits = [strings.completed([t, t], [True, i != 1]) for i, t in enumerate(ids)]
+    # "é<" is complete at "<" (index 4), not at either byte of é; row 1 was closed at step 1 only.
+    assert hits[:4] == [[], [], [], []] and hits[4] == [0, 1]
+    assert text_before_stop("ab\u00e9</calc>cd", ["</calc>", "\u00e9<"]) == "ab"
+    assert text_before_stop("x</calc>", ["y"]) == "x</calc>"
+
+
 async def test_bad_requests_are_refused(backend, prompts):
     with pytest.raises(ValueError):
         await backend.generate(prompts, 0, SamplingParams())
@@ -212,7 +290,7 @@ async def test_pause_counts_a_cancelled_callers_thread_as_in_flight(backend, pro
 
 async def test_in_flight_load_goes_in_between_decoding_steps(backend, policy, prompts):
     """The batch in flight is not waited for: it starts on the old weights and ends on the new."""
-    greedy = SamplingParams(max_new_tokens=200, temperature=0.0, stop_token_ids=[])  # ~0.5 s on 2 cores
+    greedy = SamplingParams(max_new_tokens=200, temperature=0.0, stop_token_ids=[])
     params = backend.weight_tensors()
     original = {k: v.clone() for k, v in params.items()}
     g = torch.Generator().manual_seed(3)
@@ -232,12 +310,30 @@ async def test_in_flight_load_goes_in_between_decoding_steps(backend, policy, pr
         new = await backend.generate(prompts, 1, greedy)
         put(original)(params)
         seen.clear()
-        call = asyncio.ensure_future(backend.generate(prompts, 1, greedy))
-        await asyncio.sleep(0.1)
-        await backend.load_weights(put(changed), in_flight=True, timeout_s=10)
-        # Loaded while the batch was being decoded: it counted one batch in flight at that moment.
-        # (Not `not call.done()`: on a loaded machine the batch can end before this line runs.)
-        assert seen == [1]
+        # The fifth forward pass (a decoding step) waits until the load below is waiting for it:
+        # the load then goes in right after that step, however fast or loaded the machine is.
+        reached, release = threading.Event(), threading.Event()
+        forwards = [0]
+
+        def hold_fifth_step(module, args):
+            forwards[0] += 1
+            if forwards[0] == 5:
+                reached.set()
+                assert release.wait(30), "the test never released the fifth decoding step"
+
+        hook = backend.model.register_forward_pre_hook(hold_fifth_step)
+        try:
+            call = asyncio.ensure_future(backend.generate(prompts, 1, greedy))
+            assert await asyncio.to_thread(reached.wait, 30), "the batch never reached its fifth decoding step"
+            load = asyncio.ensure_future(backend.load_weights(put(changed), in_flight=True, timeout_s=10))
+            assert await asyncio.to_thread(wait_until, lambda: backend._loads == 1, 10.0)
+            assert not call.done()
+            release.set()
+            await load
+        finally:
+            release.set()
+            hook.remove()
+        assert seen == [1]  # loaded while the batch was being decoded: one batch in flight
         mixed = await asyncio.wait_for(call, 30)
         for o, n, m in zip(old, new, mixed):
             o, n, m = o[0].token_ids, n[0].token_ids, m[0].token_ids
@@ -267,25 +363,25 @@ async def test_in_flight_load_times_out_without_touching_the_weights(backend, pr
 # --- the actor ----------------------------------------------------------------------------------
 
 
-def _modified_weights(policy, path: str) -> str:
+def _modified_weights(model, path: str) -> str:
     """The sampler's parameters (named_parameters: tied embeddings once), changed, as a file."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(1)
     state = {name: (p.detach() + 0.5 * torch.randn(p.shape, generator=g)).contiguous()
-             for name, p in policy[0].named_parameters()}
+             for name, p in model.named_parameters()}
     file = os.path.join(path, "modified.safetensors")
     save_file(state, file)
     return file
 
 
 async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, policy, tmp_path):
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     _, _, fmt = policy
     train, _ = train_and_heldout(5, N_TRAIN, N_HELDOUT)
-    weights_file = _modified_weights(policy, str(tmp_path))
-    probe = [fmt.prompt_ids(train[0])]
+    weights_file = _modified_weights(policy[0], str(tmp_path))
+    probe = [fmt.render_ids(Countdown().prompt(train[0]))]
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     async with Supervisor(call_timeout_s=60) as sup:
         sampler, pusher = await asyncio.gather(
@@ -305,7 +401,7 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
         for g in first:
             validate_group(g)
             assert g.version == 0 and g.sampler == "smp" and g.group_size == 3 and g.generate_s > 0
-            assert g.prompt_ids == fmt.prompt_ids(train[g.prompt_id])  # prompt_id indexes the train split
+            assert g.prompt_ids == fmt.render_ids(Countdown().prompt(train[g.prompt_id]))  # prompt_id indexes the train split
             assert all(len(c) >= 1 for c in g.completion_ids) and g.finished_at <= time.time()
 
         # A generate in flight when the sync begins finishes under the old weights, then the
@@ -358,24 +454,28 @@ async def _collect(stream) -> list:
     return [g async for g in stream]
 
 
-async def test_sampler_actor_takes_weights_in_flight(tiny_path, policy, tmp_path):
+async def test_sampler_actor_takes_weights_in_flight(tmp_path):
     """weight_update="in_flight": a sync does not wait for the batch being generated, which is
     tagged with the version it began under; a batch in flight during a failed sync is discarded."""
-    weights_file = _modified_weights(policy, str(tmp_path))
-    # A batch of 32 sampled rows: random weights stop a row within 300 tokens ~2/3 of the time, so
-    # some row runs on (all 32 stopping early: ~1e-5) and the syncs below land mid-batch (~1 s).
+    from asyncrl.rl.model.policy import load_policy
+
+    # The syncs below must land mid-batch: they start once a batch is in flight, and a batch of 32
+    # sampled rows on a 256-wide model takes ~1 s on this 2-core machine (the 64-wide one: 0.3 s).
+    # Random weights stop a row within 300 tokens ~2/3 of the time; all 32 stopping early: ~4e-6.
+    wide = write_tiny(str(tmp_path / "wide"), hidden_size=256)
+    weights_file = _modified_weights(load_policy(wide)[0], str(tmp_path))
     long = SamplerConfig(group_size=4, prompts_per_batch=8, max_new_tokens=300, temperature=1.0,
                          weight_update="in_flight", backend="hf")
     async with Supervisor(call_timeout_s=60) as sup:
         sampler, pusher = await asyncio.gather(
-            sup.spawn(SamplerActor, tiny_path, long, name="smp", kwargs=dict(
+            sup.spawn(SamplerActor, wide, long, name="smp", kwargs=dict(
                 data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT), seed=1), env=ONE_THREAD),
             sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD))
         await form_group([pusher, sampler], HOST, timeout_s=30)
         await asyncio.gather(pusher.setup(), sampler.setup_receiver(20))
 
         batch = asyncio.ensure_future(_collect(sampler.rollouts(8)))
-        await asyncio.sleep(0.3)
+        await until_generating(sampler)
         await asyncio.gather(pusher.send(1), sampler.receive_weights(1))
         # The sync went in while the batch was being decoded: it waited for no generate (the stats
         # below). Not `not batch.done()`: on a loaded machine the batch can end before this line.
@@ -385,7 +485,7 @@ async def test_sampler_actor_takes_weights_in_flight(tiny_path, policy, tmp_path
         assert stats["syncs"] == 1 and stats["syncs_waited_for_generate"] == 0 and stats["pause_s"] < 0.2, stats
 
         batch = asyncio.ensure_future(_collect(sampler.rollouts(8)))
-        await asyncio.sleep(0.3)
+        await until_generating(sampler)
         failed = await asyncio.gather(pusher.send(2), sampler.receive_weights(3), return_exceptions=True)
         assert all(isinstance(r, RemoteError) for r in failed), failed
         await asyncio.sleep(0.3)

@@ -21,7 +21,7 @@ from asyncrl import (
 from asyncrl.runtime.config import SupervisorConfig
 
 from actors import Echo, ExitsInInit, FailsInInit, SlowStart
-from conftest import descendants, process_alive, wait_until
+from conftest import new_descendants, process_alive, wait_until
 
 
 async def test_sigkill_mid_call_fails_fast_then_restart_serves():
@@ -76,7 +76,7 @@ async def test_constructor_failure_raises_with_remote_traceback_and_leaves_nothi
         with pytest.raises(ActorStartError, match="constructor refuses: nope") as info:
             await sup.spawn(FailsInInit, "nope", name="broken")
         assert "actors.py" in info.value.remote_traceback and "RuntimeError" in info.value.remote_traceback
-        assert not descendants(os.getpid())
+        assert not new_descendants()
         assert sup.status() == []
         with pytest.raises(ActorStartError, match="exited with code 7 during start"):
             await sup.spawn(ExitsInInit)
@@ -92,7 +92,7 @@ async def test_start_timeout_kills_the_slow_actor():
         with pytest.raises(ActorStartError, match="not ready within start_timeout_s=1"):
             await sup.spawn(SlowStart)
         assert time.monotonic() - start < 5.0
-        assert not descendants(os.getpid())
+        assert not new_descendants()
 
 
 async def test_frozen_actor_is_detected_by_heartbeat_and_restarted():
@@ -148,7 +148,7 @@ async def test_close_stops_everything_and_calls_fail():
     await sup.close()
     with pytest.raises(ActorDiedError):
         await pending
-    assert wait_until(lambda: not descendants(os.getpid()) and not process_alive(grandchild), 1.0)
+    assert wait_until(lambda: not new_descendants() and not process_alive(grandchild), 1.0)
     assert not os.path.exists(run_dir)
     with pytest.raises(SupervisorClosedError):
         await sup.spawn(Echo)
@@ -159,7 +159,7 @@ async def test_spawn_group_failure_stops_the_started_ones():
     async with Supervisor() as sup:
         with pytest.raises(ActorStartError):
             await sup.spawn_group(FailsInInit, 2, "x")
-        assert not descendants(os.getpid())
+        assert not new_descendants()
 
 
 async def test_devices_are_assigned_and_hidden(monkeypatch):
@@ -258,7 +258,7 @@ async def test_cancelled_spawn_leaves_no_process():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await asyncio.to_thread(wait_until, lambda: not descendants(os.getpid()), 2.0)
+        assert await asyncio.to_thread(wait_until, lambda: not new_descendants(), 2.0)
         assert sup.status() == []
 
 

@@ -73,6 +73,39 @@ def test_micro_batches_respect_the_token_budget_and_keep_every_sequence_once():
             assert torch.allclose(b.behaviour[row, :n], torch.tensor([-1.0 - 0.1 * j for j in range(n)]))
 
 
+def test_environment_tokens_are_context_not_actions():
+    """A multi-turn completion: the environment's tokens (action mask 0) stay in the input, but
+    are outside the loss mask, so neither their (placeholder) behaviour log-probs nor their count
+    touch the loss or its normaliser."""
+    env = RolloutGroup(0, [5, 6], [[1, 2, 9, 9, 3], [4]], [[-1.0, -1.1, 0.0, 0.0, -1.2], [-0.5]], [1.0, 0.0],
+                       version=0, action_mask=[[1, 1, 0, 0, 1], [1]])
+    adv = group_advantages([list(env.rewards)])
+    (batch,) = micro_batches([env], adv, budget=10_000, device=torch.device("cpu"))
+    row = next(r for r in range(2) if batch.attention[r].sum() == 7)
+    assert batch.input_ids[row, :7].tolist() == [5, 6, 1, 2, 9, 9, 3]  # the reply is context
+    assert batch.mask[row, :5].tolist() == [True, True, False, False, True]
+    assert int(batch.mask.sum()) == 4
+
+
+def test_a_trainer_step_neither_trains_on_nor_counts_environment_tokens(trainer):
+    def step(env_logprob: float) -> tuple[dict, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        g = RolloutGroup(0, [5, 6], [[1, 2, 9, 9, 3], [4, 7]], [[-1.0, -1.1, env_logprob, env_logprob, -1.2], [-0.5, -0.4]],
+                         [1.0, 0.0], version=0, action_mask=[[1, 1, 0, 0, 1], [1, 1]])
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        metrics = trainer._train_step([g])
+        grads = [p.grad.detach().clone() for p in trainer.model.parameters() if p.grad is not None]
+        with torch.no_grad():  # undo the step: the same start for the second call
+            for p, b in zip(trainer.model.parameters(), before):
+                p.copy_(b)
+        return metrics, grads
+
+    first, grads_a = step(0.0)
+    _, grads_b = step(-50.0)  # what sits at environment positions must not matter
+    assert first["tokens"] == 5.0
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
 # --- writing a directory whole (checkpoints, the final and best policies) -------------------------
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from launch_support import launch_example, tree
 
 from asyncrl.rl.driver import preflight
 from asyncrl.rl.config.parse import ConfigError
@@ -20,14 +21,8 @@ EXAMPLE = os.path.join(ROOT, "examples", "grpo_countdown.py")
 pytestmark = pytest.mark.timeout(120)
 
 
-def launch(cwd, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(cwd / "cache"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", EXAMPLE, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
-
-
-def tree(path) -> set[str]:
-    return {os.path.relpath(os.path.join(d, n), path) for d, dirs, files in os.walk(path) for n in dirs + files}
+def launch(cwd, *args: str):
+    return launch_example("grpo_countdown.py", cwd, *args)
 
 
 def fake_checkpoint(path, max_positions: int = 64):

@@ -32,9 +32,9 @@ from conftest import descendants, kill_all, process_alive, wait_until
 
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
-from sampler_support import HOST, N_HELDOUT, N_TRAIN
+from sampler_support import HOST, N_HELDOUT, N_TRAIN, until_generating
 from vllm_support import (SYNC_BACKEND, VLLM_ENV, StatePusher, engine_options, needs_two_devices, repeat_abs,
-                          running_s, state_files)
+                          state_files)
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy; vllm_required
 
@@ -59,12 +59,12 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
     a sync during a generate waits for it; a failed sync fails on both sides and holds rollouts
     until a good one; the sender's death mid-sync is a peer's failure, and the engine rejoins a
     rebuilt group. Then SIGKILL the actor: vLLM's engine process must go with it."""
-    from asyncrl.rl.tasks.countdown import train_and_heldout
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     model, _, fmt = policy
     files = state_files(model, str(tmp_path))
     train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
-    probe = [fmt.prompt_ids(p) for p in train[:2]]
+    probe = [fmt.render_ids(Countdown().prompt(p)) for p in train[:2]]
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     shm_before = _shm()
     async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
@@ -80,7 +80,7 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         assert [g.version for g in groups] == [0, 0] and all(len(g.completion_ids) == 3 for g in groups)
 
         inflight = asyncio.ensure_future(sampler.generate(probe * 4, 4, msgspec.structs.replace(greedy, max_new_tokens=300)))
-        await asyncio.sleep(running_s(vllm_required, 0.3))
+        await until_generating(sampler)
         _, seconds = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
         assert inflight.done() and seconds > 0  # pause mode: the sync waited for the generate in flight
         assert all(c.token_ids[:16] == before[0][0].token_ids for c in inflight.result()[0])

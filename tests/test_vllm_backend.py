@@ -14,7 +14,6 @@ import time
 
 import msgspec
 import pytest
-import pytest_asyncio
 import torch
 
 from asyncrl import Supervisor
@@ -28,21 +27,12 @@ from sampler_support import HOST
 from vllm_support import (SYNC_BACKEND, StatePusher, engine_options, reference_logprobs, repeat_abs, running_s,
                           state_files)
 
-pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy, prompts; vllm_required
+pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy, prompts; vllm_required, engine
 
 pytestmark = pytest.mark.timeout(300)
 
 
 # --- the backend in this process ------------------------------------------------------------------
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_path, policy, vllm_required):
-    from asyncrl.rl.sampler.vllm.backend import VLLMBackend
-
-    b = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, device=vllm_required, engine=engine_options(vllm_required))
-    yield b
-    b.close()
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -1,9 +1,11 @@
 """The embedded model's warm start: the same weights whatever the thread count, threads from the
-cores the process may use, and a stop that ends a build within seconds and caches nothing.
-Small configurations keep the file to seconds."""
+cores the process may use, a stop that ends a build within seconds and caches nothing; on any task
+with demonstrations (Countdown keeps its cache key and training rows; an environment's replies are
+context, not targets). Small configurations keep the file to seconds."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -15,6 +17,7 @@ from asyncrl.rl.model import evaluation, warm_start
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.model.evaluation import StoppedError
 from asyncrl.rl.model.warm_start import default_model
+from asyncrl.rl.tasks.base import Environment, Task, TaskError
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=64)
 SHORT = WarmStartConfig(steps=12, batch_size=64, warmup_steps=2, n_examples=256, heldout_reserve=16, eval_problems=0)
@@ -89,14 +92,141 @@ def test_stop_before_training_raises_too(tmp_path):
 def test_stop_during_the_evaluation(tmp_path, monkeypatch):
     """The last long loop, the greedy evaluation, stops too (between its batches, and before saving)."""
     stop = threading.Event()
-    real = evaluation._generate
+    real = evaluation._generate_rows
 
     def generate_then_stop(*args, **kwargs):
         stop.set()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluation, "_generate", generate_then_stop)
+    monkeypatch.setattr(evaluation, "_generate_rows", generate_then_stop)
     warm = WarmStartConfig(steps=1, batch_size=8, warmup_steps=1, n_examples=64, heldout_reserve=16, eval_problems=4)
     with pytest.raises(StoppedError):
         default_model(SMALL, warm, cache_dir=str(tmp_path), threads=1, log=lambda _: None, stop=stop)
     assert os.listdir(tmp_path / "models") == []
+
+
+# --- any task -------------------------------------------------------------------------------------
+
+COUNTDOWN_DEFAULT_KEY = "1cfa1c5b452e000bbf3c"
+"""cache_key(ModelConfig(), WarmStartConfig(), countdown) as computed before tasks were public
+(from {"version", "model", "warm", "countdown", "tokenizer", "probe"}): the user's cached default
+model stays valid, and so do the default run's first-step metrics."""
+
+
+def test_countdown_keeps_its_cache_key():
+    from asyncrl.rl.config.task import CountdownConfig
+    from asyncrl.rl.tasks.countdown import Countdown
+
+    for task in (Countdown(), Countdown(CountdownConfig()), None):
+        assert warm_start.cache_key(ModelConfig(), WarmStartConfig(), task) == COUNTDOWN_DEFAULT_KEY
+    assert warm_start.cache_key(ModelConfig(), WarmStartConfig(), Countdown(CountdownConfig(max_count=5))) != \
+        COUNTDOWN_DEFAULT_KEY
+
+
+def test_countdown_trains_on_prompt_reference_and_eos():
+    """The training rows are the ones Countdown trained on before tasks were public, token for token."""
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+    from asyncrl.rl.tasks.countdown import Countdown, format_prompt_compact, format_reference
+
+    tok, task = build_tokenizer(), Countdown()
+    problems = list(task.splits(0, 8, 4).train)
+    ids, labels, lengths, longest_turn = warm_start._encode(tok, problems, 64, task=task)
+    for i, p in enumerate(problems):
+        prompt = tok(format_prompt_compact(p), add_special_tokens=False)["input_ids"]
+        completion = tok(format_reference(p), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert ids[i, :lengths[i]].tolist() == prompt + completion
+        assert labels[i, :lengths[i]].tolist() == [-100] * len(prompt) + completion
+    assert longest_turn == max(int(lengths[i]) - len(format_prompt_compact(p)) for i, p in enumerate(problems))
+
+
+class Reverse(Task):
+    """Write the three digits backwards; every fourth problem has no demonstration (skipped)."""
+
+    name = "reverse"
+
+    def problems(self):
+        return [f"{i:03d}" for i in range(200)]
+
+    def prompt(self, problem):
+        return f"{problem}>"
+
+    def score(self, problem, completion):
+        return float(completion == problem[::-1])
+
+    def demonstration(self, problem):
+        return None if int(problem) % 4 == 0 else problem[::-1]
+
+
+class NoDemonstrations(Reverse):
+    name = "no_demonstrations"
+
+    def demonstration(self, problem):
+        return None
+
+
+def test_a_task_with_demonstrations_warm_starts(tmp_path):
+    warm = WarmStartConfig(steps=3, batch_size=16, warmup_steps=1, n_examples=100, heldout_reserve=8, eval_problems=4)
+    path = default_model(SMALL, warm, Reverse(), cache_dir=str(tmp_path), threads=1, log=lambda _: None)
+    with open(os.path.join(path, "asyncrl_model.json")) as f:
+        marker = json.load(f)
+    train = Reverse().splits(warm.data_seed, warm.n_examples, warm.heldout_reserve).train
+    assert len(train) == 100 and marker["task"] == "reverse"
+    assert marker["train_examples"] == sum(int(p) % 4 != 0 for p in train)  # those without one are skipped
+    assert marker["max_new_tokens_hint"] == 3 + 1 + 8  # the longest turn, its eos, the slack
+    assert 0.0 <= marker["heldout_greedy_solve_rate"] <= 1.0
+    assert os.path.basename(path) == warm_start.cache_key(SMALL, warm, Reverse())
+    assert warm_start.cache_key(SMALL, warm, Reverse()) != warm_start.cache_key(SMALL, warm, None)
+
+
+def test_a_task_without_demonstrations_needs_a_checkpoint(tmp_path):
+    with pytest.raises(TaskError, match="no demonstrations.*--model_path"):
+        default_model(SMALL, SHORT, NoDemonstrations(), cache_dir=str(tmp_path), threads=1, log=lambda _: None)
+    assert os.listdir(tmp_path / "models") == []
+
+
+class Tool(Environment):
+    """A call, the environment's result, the answer."""
+
+    name = "tool"
+    stop = ["</calc>"]
+
+    def problems(self):
+        return ["2+3"]
+
+    def prompt(self, problem):
+        return f"{problem}?"
+
+    def demonstration(self, problem):
+        return [f"<calc>{problem}</calc>", "<result>5</result>", "<answer>5</answer>"]
+
+
+def test_an_environments_replies_carry_no_labels():
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    ids, labels, lengths, longest_turn = warm_start._encode(tok, ["2+3"], 64, task=Tool())
+    pieces = [tok(t, add_special_tokens=False)["input_ids"] for t in ("2+3?", "<calc>2+3</calc>", "<result>5</result>",
+                                                                     "<answer>5</answer>")]
+    prompt, call, result, answer = pieces
+    eos = tok.eos_token_id
+    assert ids[0, :lengths[0]].tolist() == prompt + call + result + answer + [eos]  # eos after the last turn only
+    assert labels[0, :lengths[0]].tolist() == [-100] * len(prompt) + call + [-100] * len(result) + answer + [eos]
+    assert longest_turn == len(call)
+
+
+@pytest.mark.parametrize("demonstration, error", [
+    (["<calc>1</calc>", "<result>1</result>"], "odd length"),  # ends on the environment's turn
+    ([1], "odd length"),
+])
+def test_a_malformed_demonstration_is_one_line(demonstration, error):
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+
+    class Bad(Tool):
+        def demonstration(self, problem):
+            return demonstration
+
+    with pytest.raises(TaskError, match=error):
+        warm_start._encode(build_tokenizer(), ["2+3"], 64, task=Bad())
+    with pytest.raises(TaskError, match="must return a str or None"):
+        warm_start._encode(build_tokenizer(), ["001"], 64, task=type("ListDemo", (Reverse,), {
+            "demonstration": lambda self, p: [p]})())

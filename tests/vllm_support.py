@@ -1,12 +1,13 @@
-"""What the vLLM tests share (tests/test_vllm_backend.py, test_vllm_actor.py): the device the
-installed vLLM build runs on and how an engine there is configured, the ``vllm_required`` fixture,
+"""What the vLLM tests share (tests/test_vllm_backend.py, test_vllm_actor.py, test_multiturn_vllm.py):
+the device the installed vLLM build runs on and how an engine there is configured, the
+``vllm_required`` fixture, an in-process ``engine`` on the tiny checkpoint,
 a log-prob reference in a chosen dtype, and a trainer stand-in that sends the sampler's own
 weights, or changed ones.
 
 The tests run on either build: vLLM's CPU build on CPU, its CUDA build on the first GPU. Where vLLM
 is not installed they skip, unless ``ASYNCRL_REQUIRE_VLLM=1`` (set by .ci/run): then they fail, so
 CI can never pass by skipping them. Test modules load this one as a plugin
-(``pytest_plugins = ["vllm_support"]``) for that fixture.
+(``pytest_plugins = ["vllm_support"]``) for those fixtures.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import os
 
 import pytest
+import pytest_asyncio
 import torch
 
 from asyncrl import endpoint
@@ -42,6 +44,17 @@ def vllm_device() -> tuple[torch.device | None, str]:
     if torch.cuda.is_available() and not vllm_unusable(torch.device("cuda")):
         return torch.device("cuda", 0), ""
     return None, why_cpu
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_path, policy, vllm_required):
+    """A `VLLMBackend` in this process on the tiny checkpoint (modules that use it also load the
+    ``sampler_support`` plugin for tiny_path and policy), shared by a module's tests."""
+    from asyncrl.rl.sampler.vllm.backend import VLLMBackend
+
+    b = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, device=vllm_required, engine=engine_options(vllm_required))
+    yield b
+    b.close()
 
 
 def engine_options(device: torch.device) -> dict:

@@ -51,6 +51,15 @@ class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     uid: str = ""
     """Identity given by the driver on receipt, ``sampler/incarnation/sequence``: unique in a run,
     so a test (or a metrics reader) can check that no group is ever trained twice."""
+    action_mask: list[list[int]] = []
+    """Per completion, 1 for each token the policy sampled and 0 for each token an environment
+    wrote (a tool result between two turns: context, with no log-prob and no loss); same shape as
+    ``completion_ids``. Empty: every token is the policy's (a single-turn task)."""
+    correct: list[bool] = []
+    """Per completion, whether it solves its problem (the task's verdict; the train solve rate)."""
+    metrics: dict[str, float] = {}
+    """Sums over the group's completions of the task's named metrics (``task/<name>``), of failed
+    user calls by kind (``task_errors/<kind>``) and of environment counts (``turns``...)."""
 
     @property
     def group_size(self) -> int:
@@ -82,6 +91,17 @@ def validate_group(group: RolloutGroup) -> None:
     for i, (ids, lps) in enumerate(zip(group.completion_ids, group.behaviour_logprobs)):
         if len(ids) != len(lps):
             raise InvalidGroupError(group.prompt_id, f"completion {i} has {len(ids)} token ids but {len(lps)} behaviour log-probs")
+    if group.action_mask:
+        if len(group.action_mask) != n:
+            raise InvalidGroupError(group.prompt_id, f"{len(group.action_mask)} action masks for {n} completions")
+        for i, (ids, mask) in enumerate(zip(group.completion_ids, group.action_mask)):
+            if len(mask) != len(ids):
+                raise InvalidGroupError(group.prompt_id, f"completion {i} has {len(ids)} token ids but an action "
+                                                         f"mask of {len(mask)}")
+            if any(m not in (0, 1) for m in mask):
+                raise InvalidGroupError(group.prompt_id, f"completion {i}'s action mask holds values other than 0 and 1")
+    if group.correct and len(group.correct) != n:
+        raise InvalidGroupError(group.prompt_id, f"{len(group.correct)} correct flags for {n} completions")
     for i, r in enumerate(group.rewards):
         if not math.isfinite(r):  # NaN/inf would poison the whole group's advantages
             raise InvalidGroupError(group.prompt_id, f"reward {i} is {r!r}, not finite")

@@ -4,24 +4,34 @@ Each section validates its own fields; a rule that reads two sections (the train
 against the samplers', the held-out split against the warm start's) lives here, in
 `GRPOConfig.__post_init__`, so no tree that breaks one can be built: not from flags, not from a
 resumed config.json, not in code. Its error is a `ConfigError` that names both flags.
+
+The task's own options are a section named after the task (``--countdown.max_count 5``): a task's
+``Config`` is known only once its class is, so `grpo_config_type` makes the config type of a run on
+that task, GRPOConfig with that one section more.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import keyword
+import threading
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgspec
 
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.config.sampler import SamplerConfig
-from asyncrl.rl.config.task import CountdownConfig
+from asyncrl.rl.config.task import DEFAULT_TASK, TaskConfig, TaskSpec
 from asyncrl.rl.config.trainer import TrainerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
-    """A GRPO run on Countdown: one section per part of the run."""
+    """A GRPO run: one section per part of the run (and, in the type `grpo_config_type` makes for
+    a task with options, the task's own section)."""
 
     run: RunConfig = field(default_factory=RunConfig)
     """The loop: its schedule, the data split, checkpoints, deadlines and sampler restarts."""
@@ -31,8 +41,8 @@ class GRPOConfig:
     """Shape of the embedded default model."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start of the embedded default model (cached on disk)."""
-    countdown: CountdownConfig = field(default_factory=CountdownConfig)
-    """The Countdown problems: how many numbers, how large, which targets."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """What the run trains on: a task class, or a data file and a reward function (default: countdown)."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     """The sampler actors: how many, and how they generate."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -45,9 +55,65 @@ class GRPOConfig:
             check_heldout_unseen(self)
             check_completion_fits(self)
 
+    task_section: ClassVar[str] = ""
+    """The field holding the task's own options ("" when the task has none): set by `grpo_config_type`."""
+
+    def task_options(self) -> Any:
+        """The task's own options (its ``Config``), or None when it has none."""
+        return getattr(self, self.task_section) if self.task_section else None
+
+    def task_spec(self) -> TaskSpec:
+        """What every process builds the task from: the task section with its paths absolute, and
+        the task's options as plain values."""
+        task = self.task.resolved()
+        options = self.task_options()
+        return TaskSpec(task.name or ("" if task.reward else DEFAULT_TASK),
+                        options=msgspec.to_builtins(options) if options is not None else {},
+                        data=task.data, heldout_data=task.heldout_data, reward=task.reward,
+                        prompt_key=task.prompt_key, score_timeout_s=task.score_timeout_s,
+                        max_failure_rate=task.max_failure_rate, max_turns=task.max_turns)
+
     def trainer_config(self) -> TrainerConfig:
         """The trainer's section with the samplers' temperature: the one the actor is given."""
         return dataclasses.replace(self.trainer, temperature=self.sampler.temperature)
+
+
+_TYPES: dict[type, type] = {}
+_TYPES_LOCK = threading.Lock()
+
+
+def grpo_config_type(task_cls: type) -> type[GRPOConfig]:
+    """The config type of a run on the task class ``task_cls``: `GRPOConfig` with one more section,
+    the task's ``Config`` under its name (``--countdown.*``: on the command line, in ``--help``, in
+    config.json); GRPOConfig itself for a task without options. One type per class (cached), so
+    configs of one task compare equal. A name that cannot be a section, or a ``Config`` that is not
+    a frozen dataclass, is a `ConfigError`."""
+    options = getattr(task_cls, "Config", None)
+    if options is None:
+        return GRPOConfig
+    with _TYPES_LOCK:
+        if task_cls not in _TYPES:
+            _TYPES[task_cls] = _with_section(task_cls, options)
+        return _TYPES[task_cls]
+
+
+def _with_section(task_cls: type, options: type) -> type[GRPOConfig]:
+    name = task_cls.task_name()
+    where = f"task {task_cls.__module__}.{task_cls.__qualname__}"
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ConfigError(f"{where}: its name {name!r} cannot name its options' section (--{name}.*): set the "
+                          "class's name to an identifier, e.g. name = 'my_task'")
+    if name in {f.name for f in dataclasses.fields(GRPOConfig)}:
+        raise ConfigError(f"{where}: its name {name!r} is the run's own section --{name}.*, so its options "
+                          "cannot have it: set the class's name to another, e.g. name = 'my_task'")
+    params = getattr(options, "__dataclass_params__", None)
+    if not (isinstance(options, type) and params is not None and params.frozen):
+        raise ConfigError(f"{where}: its Config must be a frozen dataclass (@dataclass(frozen=True, kw_only=True)), "
+                          f"not {options!r}")
+    doc = f"{GRPOConfig.__doc__.strip()}\n\nThis type: a run on task {name}, whose options are ``--{name}.*``."
+    return dataclasses.make_dataclass(
+        "GRPOConfig", [(name, options, field(default_factory=options))], bases=(GRPOConfig,), frozen=True,
+        kw_only=True, namespace={"task_section": name, "__doc__": doc, "__module__": __name__})
 
 
 def check_temperature(config: GRPOConfig) -> None:

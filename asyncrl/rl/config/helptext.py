@@ -53,12 +53,17 @@ def _groups(section: Any, key: str, doc: str, width: int, first: Iterable[str] =
 
 def _fields(section: Any) -> list[tuple[dataclasses.Field, Any, type]]:
     """(field, value, the class that declares it) of a section's keys and sub-sections, a flat
-    sub-section's in its place: the declaring class's source holds the field's docstring."""
+    sub-section's in its place: the declaring class's source holds the field's docstring (a base
+    class's, for a field a subclass inherits: `grpo_config_type` adds a section to GRPOConfig)."""
     out = []
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
-        out += _fields(value) if is_flat(f) else [(f, value, type(section))]
+        out += _fields(value) if is_flat(f) else [(f, value, _declaring(type(section), f.name))]
     return out
+
+
+def _declaring(cls: type, name: str) -> type:
+    return next((c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {})), cls)
 
 
 def _class_doc(cls: type) -> str:

@@ -34,6 +34,12 @@ class WeightsDivergedError(RunStoppedError):
     """``--run.check_weights``: a member's weights differ from the trainer's after a sync."""
 
 
+class TaskFailedError(RunStoppedError):
+    """The task's own code failed too often in a sampler (its score or step raised, hung, or
+    returned no number for more than ``--task.max_failure_rate`` of the calls); the message names
+    the task, the sampler and the first traceback. Fix the task; resume from the checkpoint."""
+
+
 async def trainer_phase(phase: str, knob: str, timeout_s: float, call: Awaitable[T]) -> T:
     """Await a trainer call, turning its death or its silence into a `RunStoppedError`."""
     try:

@@ -1,4 +1,4 @@
-"""`GRPODriver`: the steps of a GRPO run on Countdown: samplers stream groups, the trainer steps,
+"""`GRPODriver`: the steps of a GRPO run on any task: samplers stream groups, the trainer steps,
 weights sync.
 
     driver (GRPODriver, SamplerPool)  trainer actor (rank 0)        sampler actors (ranks 1..)
@@ -37,7 +37,6 @@ from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.tasks.countdown import CORRECT_REWARD
 
 BEST_DIR, BEST_JSON = "best", "best.json"
 
@@ -51,11 +50,12 @@ class GRPODriver:
     """The driver's steps. Sampler faults are the `SamplerPool`'s to recover from; a fault on the
     trainer's side stops the run with a `RunStoppedError` (resume it from the last checkpoint)."""
 
-    def __init__(self, config: GRPOConfig, trainer, samplers, heldout, run_dir: str, log, *, host: str,
+    def __init__(self, config: GRPOConfig, trainer, samplers, run_dir: str, log, *, host: str,
                  backend: str, seeds: list[int], resume: Checkpoint | None = None, model_path: str = "",
-                 log_path: str = ""):
+                 log_path: str = "", correct_reward: float = 1.0):
         self.config, self.run = config, config.run
-        self.trainer, self.heldout = trainer, heldout
+        self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
+        self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
         self.run_dir, self.log = run_dir, log
         capacity = self.run.queue_capacity or 2 * self.run.groups_per_step
         staleness = self.run.max_staleness if self.run.mode == "async" else 0
@@ -116,7 +116,7 @@ class GRPODriver:
     async def evaluate(self) -> dict[str, float]:
         t = self.run.deadlines.eval_timeout_s
         return await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
-                                   self.trainer.with_timeout(t).evaluate(self.heldout, self.run.eval_samples))
+                                   self.trainer.with_timeout(t).evaluate(self.run.eval_samples))
 
     async def execute(self) -> dict[str, Any]:
         run = self.run
@@ -133,7 +133,7 @@ class GRPODriver:
             await self.pool.start(self.version, list(self.state.samplers))
             if self.resume is None:
                 self.heldout_before = self.heldout_last = await self.evaluate()
-                self.log(f"held-out solve rate before GRPO ({len(self.heldout)} problems): "
+                self.log(f"held-out solve rate before GRPO ({self.n_heldout} problems): "
                          + rates_text(self.heldout_before))
             self.phase, self.began = "training", True
             self.write_progress()
@@ -172,7 +172,7 @@ class GRPODriver:
         self.write_progress()
         wall = self.elapsed_s()
         summary = {"steps": run.steps, "mode": run.mode, "heldout_before": self.heldout_before,
-                   "heldout_after": self.heldout_last, "heldout_problems": len(self.heldout), "wall_s": wall,
+                   "heldout_after": self.heldout_last, "heldout_problems": self.n_heldout, "wall_s": wall,
                    "samples": self.samples, "samples_per_s": self.samples / max(wall, 1e-9),
                    "tokens_per_s": self.tokens / max(wall, 1e-9), "dropped_stale": self.dropped_stale(),
                    "checkpoint": final_dir, "final": final_dir,
@@ -195,7 +195,7 @@ class GRPODriver:
         """RUN_DIR/best/: the policy of the best held-out greedy solve rate so far, with best.json
         (its step and rates) inside, written with it in one rename."""
         best = {"step": step, "heldout": dict(self.heldout_last), "heldout_before": dict(self.heldout_before),
-                "heldout_problems": len(self.heldout), "saved_at": time.time()}
+                "heldout_problems": self.n_heldout, "saved_at": time.time()}
         await self.save_policy(os.path.join(self.run_dir, BEST_DIR), f"saving the best policy (step {step})",
                                {BEST_JSON: json.dumps(best, indent=2)})
         self.best = best
@@ -228,13 +228,14 @@ class GRPODriver:
             if run.check_weights:
                 digests = await self.pool.verify_weights()
         rewards = [r for g in batch for r in g.rewards]
+        correct = [c for g in batch for c in (g.correct or [r >= self.correct_reward for r in g.rewards])]
         staleness = [self.version - 1 - g.version for g in batch]
         self.samples += len(rewards)
         tokens = sum(len(c) for g in batch for c in g.completion_ids)
         self.tokens += tokens
         elapsed = self.elapsed_s()
         return {"step": step, "version": self.version, "reward_mean": sum(rewards) / len(rewards),
-                "train_solve_rate": sum(r >= CORRECT_REWARD for r in rewards) / len(rewards),
+                "train_solve_rate": sum(correct) / len(correct),
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
                 "dropped_stale": self.dropped_stale(), "queue_depth": len(self.queue),
@@ -245,6 +246,7 @@ class GRPODriver:
                 "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": sync_s,
                 "generate_s": sum(g.generate_s for g in batch) / len(batch),
                 **{k: v for k, v in trained.items() if k not in ("train_s",)},
+                **task_metrics(batch),
                 **self.pool.take_events(),
                 "group_ids": [g.uid for g in batch],
                 **({"weights_digests": digests} if digests else {})}
@@ -274,6 +276,17 @@ class GRPODriver:
             if not call.cancelled() and call.exception() is None:
                 self.checkpoint_path, self.after_step = call.result(), "its checkpoint written"
             raise
+
+
+def task_metrics(batch: list[RolloutGroup]) -> dict[str, float]:
+    """The task's metrics of a batch: its named ones and the environment's counts as means over
+    the completions, failed user calls (``task_errors/<kind>``) as counts."""
+    completions = sum(g.group_size for g in batch)
+    sums: dict[str, float] = {}
+    for g in batch:
+        for key, value in g.metrics.items():
+            sums[key] = sums.get(key, 0.0) + value
+    return {k: (v if k.startswith("task_errors/") else v / completions) for k, v in sorted(sums.items())}
 
 
 def _write_error(exc: RemoteError) -> BaseException:

@@ -44,8 +44,8 @@ import msgspec
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import RunConfig
-from asyncrl.rl.driver.faults import (Fault, NoSamplersError, PhaseTimeoutError, RunStoppedError, WeightsDivergedError,
-                                      trainer_phase)
+from asyncrl.rl.driver.faults import (Fault, NoSamplersError, PhaseTimeoutError, RunStoppedError, TaskFailedError,
+                                      WeightsDivergedError, trainer_phase)
 from asyncrl.rl.driver.membership import Member, MemberState, Membership
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.sync_group import SyncGroup
@@ -256,6 +256,10 @@ class SamplerPool:
     def _pump_failed(self, m: Member, exc: BaseException) -> None:
         if isinstance(exc, (QueueTimeoutError, QueueClosedError)):
             raise RunStoppedError(f"the driver stopped taking rollouts from {m.name}: {exc}") from exc
+        if isinstance(exc, RemoteError) and exc.remote_type == "TaskFailureError":
+            # The task's own code fails (too many scores raise, say): a restarted sampler would
+            # run the same code on the same data, so the run stops, naming the task's error.
+            raise TaskFailedError(f"{m.name}: {exc.remote_message}") from exc
         lose = self.membership.lose
         if isinstance(exc, ActorDiedError):
             lose(m, f"died ({exc.reason})", kill=False)

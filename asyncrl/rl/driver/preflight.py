@@ -4,11 +4,15 @@ A missing checkpoint, an unwritable run directory or a completion longer than th
 positions would otherwise surface seconds later as a remote traceback from the trainer, after the
 run directory was made. `check_run` finds them first, from the file system and a few small JSON
 files only (no torch, no transformers: it runs in milliseconds), and raises a one-line
-`ConfigError` naming the flag and its value; it creates nothing. What the config alone decides (a
+`ConfigError` naming the flag and its value; it creates nothing. It also builds the run's task
+and its splits, as every sampler will (`load_task`), so a task file that fails to import, a class
+that is not a task, a data file that is missing, empty or has a malformed line, or too few problems
+for the splits is a one-line error here, not a sampler's traceback. What the config alone decides (a
 rule across two sections included) is not checked here: `GRPOConfig` refuses it when it is built.
 `resumed_config` reads the config of a run to continue, after checking that the directory is one.
-``examples/grpo_countdown.py`` calls both before it starts the supervisor; `asyncrl.rl.driver.train`
-calls `check_run` again at its top, for callers that build their config in code.
+`asyncrl.rl.launch.grpo_main` (the examples' main) calls both before it starts the supervisor;
+`asyncrl.rl.driver.train` calls `check_run` again at its top, for callers that build their config
+in code.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from asyncrl.rl.config.grpo import check_heldout_unseen  # noqa: F401 (callers' name for GRPOConfig's rule)
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.tasks.base import Task, TaskError
 
 RUN_MARKERS = ("config.json", "metrics.jsonl", "progress.json", "summary.json", "checkpoints")
 """What a run writes into its directory: any of them there means the directory holds a run."""
@@ -42,7 +47,10 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
         _check_max_new_tokens(config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path),
                               config.model_path)
     _check_run_dir(run_dir, config.run.run_dir, resume)
-    return dataclasses.replace(config, model_path=model_path, run=dataclasses.replace(config.run, run_dir=run_dir))
+    config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(),
+                                 run=dataclasses.replace(config.run, run_dir=run_dir))
+    check_task(config)
+    return config
 
 
 def resumed_config(default: Any, run_dir: str) -> Any:
@@ -87,6 +95,46 @@ def _check_max_new_tokens(max_new_tokens: int, positions: int | None, model_path
         raise ConfigError(f"--sampler.max_new_tokens {max_new_tokens}: the checkpoint {model_path} has {positions} "
                           f"positions for prompt and completion together; give fewer than {positions} (0: the "
                           "model's own limit)")
+
+
+# --- the task -------------------------------------------------------------------------------------
+
+
+def check_task(config: Any) -> None:
+    """Build the run's task (cached: the driver reuses it) and its held-out split, and for a task
+    whose problems are a list its train split too; the embedded model also needs the task's
+    demonstrations to be warm-started on. Anything wrong is a one-line `ConfigError`.
+
+    A task that makes its own splits (Countdown's generator) is asked for one train problem only:
+    the 50000 of Countdown's default take about 2 s to draw, which every sampler does anyway."""
+    from asyncrl.rl.tasks.loading import describe_error, load_task
+
+    spec = config.task_spec()
+    data = config.run.data
+    try:
+        task = load_task(spec)
+        n_train = 1 if type(task).splits is not Task.splits else data.n_train
+        splits = task.splits(data.data_seed, n_train, data.n_heldout)
+        if not config.model_path:
+            _check_demonstrations(task, [*splits.train[:1], *splits.heldout[:1]])
+    except ConfigError:
+        raise
+    except TaskError as exc:
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:  # the user's problems(), splits() or demonstration() raised: where, in one line
+        raise ConfigError(f"task {spec.name or spec.reward}: building its problems raised "
+                          f"{describe_error(exc)}") from None
+    if not splits.train or not splits.heldout:
+        raise ConfigError(f"task {task.task_name()}: splits({data.data_seed}, {n_train}, {data.n_heldout}) gave "
+                          f"{len(splits.train)} train and {len(splits.heldout)} held-out problems: a run needs both")
+
+
+def _check_demonstrations(task: Task, problems: list) -> None:
+    """The embedded model is warm-started on demonstrations: a task with none needs a checkpoint."""
+    if problems and all(task.demonstration(p) is None for p in problems):
+        raise ConfigError(f"task {task.task_name()} gives no demonstration for its problems, and the embedded model "
+                          "(no --model_path) is warm-started on them: give --model_path a checkpoint, or define "
+                          "demonstration() (with --task.reward: a \"demonstration\" string in each row)")
 
 
 # --- the run directory ----------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
-from asyncrl.rl.tasks.countdown import heldout_split
 from asyncrl.runtime import signals
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
@@ -43,11 +42,14 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     from asyncrl.rl.driver.preflight import check_run
     from asyncrl.rl.model.warm_start import default_model
     from asyncrl.rl.sampler.actor import SamplerActor
+    from asyncrl.rl.tasks.loading import load_task
     from asyncrl.rl.trainer.actor import TrainerActor
     from asyncrl.runtime.devices import detect
 
     config = check_run(config, resume=resume)  # paths and limits, before anything is spawned or written
     run = config.run
+    spec = config.task_spec()
+    task = load_task(spec)  # loaded (and its data read) by check_run already: cached
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars would bury the progress line
     run_dir = os.path.abspath(run.run_dir or os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S")))
     os.makedirs(run_dir, exist_ok=True)
@@ -99,15 +101,15 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         stop_warm_start = threading.Event()  # a cancel (Ctrl-C) must stop the warm start's thread too:
         try:  # asyncio's shutdown waits for the thread, which would otherwise finish the warm start first
             model_path = config.model_path or await asyncio.to_thread(
-                default_model, config.model, config.warm_start, config.countdown, log=log, stop=stop_warm_start)
+                default_model, config.model, config.warm_start, task, log=log, stop=stop_warm_start)
         except asyncio.CancelledError:
             stop_warm_start.set()
             raise
         kind, ids = detect("auto")
         cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= 1 + config.sampler.count)
         device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
-        heldout = heldout_split(run.data.data_seed, run.data.n_heldout, config.countdown)  # the train split: the samplers'
-        log(f"run dir {run_dir}; model {model_path}; {device}; {config.sampler.count} sampler(s); mode {run.mode}")
+        log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {device}; "
+            f"{config.sampler.count} sampler(s); mode {run.mode}")
 
         # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
         # actors of one host fight over the same cores, and throughput collapses.
@@ -115,20 +117,20 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         # No restarts for the trainer: a new one would start from the initial weights. Losing it
         # stops the run, which resumes from its last checkpoint instead.
         trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer", gpus=gpus, env=env,
-                                  kwargs={"device": device, "seed": run.seed})
+                                  kwargs={"device": device, "seed": run.seed, "task": spec, "data": run.data})
         if checkpoint is not None:
             checkpoint = await load_checkpoint(trainer, run, run_dir, checkpoint, candidates, damaged, log)
             commit(checkpoint)
             move_damaged_aside(damaged, log)
         samplers = [await sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=gpus, env=env,
                                     max_restarts=run.recovery.sampler_max_restarts, kwargs={
-                        "task": config.countdown, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
+                        "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
                         "sync_timeout_s": run.deadlines.sync_timeout_s})
                     for i in range(config.sampler.count)]
         if run.check_weights:
             await _check_digestible(samplers)
         host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
-        driver = GRPODriver(config, trainer, samplers, heldout, run_dir, log, host=host,
+        driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
                             backend="nccl" if cuda else "gloo",
                             seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
                             model_path=model_path, log_path=console.path)

@@ -1,9 +1,15 @@
 """Solve rates of a policy on a task's problems, sampled or greedy, with transformers' ``generate``
 (the warm start's check and the trainer's held-out evaluation).
+
+Episodes run through the same `EpisodeRunner` the samplers use (``tasks/episodes.py``), so a
+multi-turn environment is evaluated turn by turn exactly as it is trained, and a task's score
+runs under the same deadlines; only the generation differs: `hf_generate`, batched and
+left-padded ``model.generate`` (no log-probs: an evaluation needs none).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -12,10 +18,8 @@ import torch
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.model.policy import PromptFormat
+from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.tasks.base import Task
-from asyncrl.rl.tasks.countdown import CountdownTask
-
-_COUNTDOWN = CountdownTask()
 
 
 class StoppedError(AsyncrlError):
@@ -27,38 +31,56 @@ def check_stop(stop: threading.Event | None, what: str = "the warm start of the 
         raise StoppedError(f"{what} was stopped before it finished")
 
 
-@torch.no_grad()
-def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, greedy: bool = True,
+def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, task: Task, greedy: bool = True,
                n: int = 1, max_new_tokens: int | None = None, batch_size: int = 64, temperature: float = 1.0,
-               stop: threading.Event | None = None, task: Task = _COUNTDOWN) -> float:
-    """Fraction of ``n`` completions per problem of ``task`` (Countdown unless named) that its
-    ``score`` finds correct.
+               stop: threading.Event | None = None, score_timeout_s: float = 10.0,
+               max_context: int = 0) -> float:
+    """Fraction of ``n`` episodes per problem of ``task`` that it finds correct.
 
-    Batched, left-padded ``model.generate``; greedy decoding, or pure sampling at ``temperature``
-    (no top-k / top-p: the distribution GRPO samples from). ``stop``: checked before each batch;
-    once set, raises `StoppedError`.
+    Greedy decoding, or pure sampling at ``temperature`` (no top-k / top-p: the distribution GRPO
+    samples from), ``batch_size`` sequences per ``generate`` call. ``stop``: checked before each
+    call; once set, raises `StoppedError`. Blocking: call it from a thread, not an event loop.
     """
+    from asyncrl.rl.tasks.episodes import EpisodeRunner
+    from asyncrl.rl.tasks.scoring import UserCalls
+
     if n < 1 or batch_size < 1:
         raise ValueError(f"n and batch_size must be >= 1, not {n} and {batch_size}")
     if greedy and n > 1:
         raise ValueError("greedy decoding gives the same completion n times; use n=1 or greedy=False")
     if not problems:
         return 0.0
-    jobs = [p for p in problems for _ in range(n)]
-    correct = 0
-    for i in range(0, len(jobs), batch_size):
-        check_stop(stop)
-        chunk = jobs[i:i + batch_size]
-        texts = _generate(model, tokenizer, fmt, chunk, greedy, max_new_tokens or fmt.max_new_tokens_hint, temperature,
-                          task)
-        correct += sum(task.score(p, t).correct for p, t in zip(chunk, texts))
-    return correct / len(jobs)
+    params = SamplingParams(max_new_tokens=max_new_tokens or fmt.max_new_tokens_hint,
+                            temperature=0.0 if greedy else temperature, stop_token_ids=list(fmt.stop_token_ids))
+    # An evaluation never stops a run over a failing score: failures score 0, as in training.
+    calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0)
+    runner = EpisodeRunner(task, fmt, calls, max_context=max_context)
+    try:
+        groups = asyncio.run(runner.run(list(problems), n, params, hf_generate(model, tokenizer, fmt, batch_size, stop)))
+    finally:
+        calls.close()
+    return sum(s.correct for g in groups for s in g) / (len(problems) * n)
 
 
-def _generate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], greedy: bool, max_new_tokens: int,
-              temperature: float, task: Task = _COUNTDOWN) -> list[str]:
+def hf_generate(model, tokenizer, fmt: PromptFormat, batch_size: int, stop: threading.Event | None = None):
+    """A `Generate` (tasks/episodes.py) over ``model.generate``: rows prompt-major (sample j of
+    prompt i is row ``i * n + j``), ``batch_size`` rows per call, in order; log-probs are 0."""
+
+    async def generate(prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        rows = [p for p in prompts for _ in range(n)]
+        done: list[Completion] = []
+        for i in range(0, len(rows), batch_size):
+            check_stop(stop)
+            done += _generate_rows(model, tokenizer, fmt, rows[i:i + batch_size], params)
+        return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    return generate
+
+
+@torch.no_grad()
+def _generate_rows(model, tokenizer, fmt: PromptFormat, prompts: list[list[int]],
+                   params: SamplingParams) -> list[Completion]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
-    prompts = [fmt.render_ids(task.prompt(p)) for p in problems]
     width = max(map(len, prompts))
     device = next(model.parameters()).device
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -66,12 +88,49 @@ def _generate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], gree
     for row, prompt in enumerate(prompts):  # left padding: every completion starts at column `width`
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
-    sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+    greedy = params.temperature == 0
+    sampling = {} if greedy else {"temperature": params.temperature, "top_k": 0, "top_p": params.top_p}
+    if params.stop:  # transformers' own stop strings: a row that wrote one stops there
+        sampling.update(stop_strings=list(params.stop), tokenizer=tokenizer)
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=not greedy,
-                         max_new_tokens=max_new_tokens, eos_token_id=fmt.stop_token_ids, pad_token_id=pad,
+                         max_new_tokens=params.max_new_tokens, eos_token_id=params.stop_token_ids, pad_token_id=pad,
                          **sampling)
-    texts = []
-    for row in out[:, width:].tolist():
-        cut = next((j for j, t in enumerate(row) if t in fmt.stop_token_ids), len(row))
-        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-    return texts
+    return [_completion(tokenizer, row, params, pad) for row in out[:, width:].tolist()]
+
+
+def _completion(tokenizer, row: list[int], params: SamplingParams, pad: int) -> Completion:
+    """One generated row as a `Completion`: cut after its first stop token, else after the token
+    that completed a stop string, else with the padding of an early finish removed."""
+    cut = next((j for j, t in enumerate(row) if t in params.stop_token_ids), None)
+    if cut is not None:
+        ids, reason = row[:cut + 1], "stop"
+        text = tokenizer.decode(row[:cut], skip_special_tokens=True)
+    else:
+        ids, reason = row, "length"
+        if params.stop:
+            end = _stop_string_end(tokenizer, row, params.stop)
+            if end is not None:
+                ids, reason = row[:end], "stop"
+        while len(ids) > 1 and ids[-1] == pad and reason == "length":
+            ids = ids[:-1]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if reason == "stop":  # as the backends give it: the text ends before the stop string
+            hit = min((text.find(s) for s in params.stop if s in text), default=len(text))
+            text = text[:hit]
+    return Completion(ids, [0.0] * len(ids), text, reason)
+
+
+def _stop_string_end(tokenizer, row: list[int], stops: list[str]) -> int | None:
+    """The fewest leading tokens of ``row`` whose text holds a stop string (a prefix's text only
+    grows, so the search halves), or None."""
+    def holds(k: int) -> bool:
+        text = tokenizer.decode(row[:k], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    if not holds(len(row)):
+        return None
+    lo, hi = 1, len(row)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+    return lo

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncrl.errors import AsyncrlError
-from asyncrl.rl.tasks.base import Prompt
-from asyncrl.rl.tasks.countdown import CountdownProblem, CountdownTask
+from asyncrl.rl.tasks.base import Message, Prompt, Reply
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -47,10 +46,6 @@ class PromptStyleError(AsyncrlError, ValueError):
 
 
 # --- prompt format --------------------------------------------------------------------------------
-
-_COUNTDOWN = CountdownTask()
-"""The embedded task: `PromptFormat.prompt_text` and `prompt_ids` take its problems."""
-
 
 @dataclass(frozen=True, eq=False)
 class PromptFormat:
@@ -89,13 +84,47 @@ class PromptFormat:
         specials = self.style == "plain"
         return list(self.tokenizer(self.render_text(prompt), add_special_tokens=specials)["input_ids"])
 
-    def prompt_text(self, problem: CountdownProblem) -> str:
-        """`render_text` of a Countdown problem's prompt."""
-        return self.render_text(_COUNTDOWN.prompt(problem))
+    def reply_ids(self, prompt: Prompt, turns: list[Message], reply: Reply, model_stopped_on_token: bool) -> list[int]:
+        """The tokens that follow a model turn so that the next one starts right: an environment's
+        ``reply`` to the last of ``turns`` (the model's, ``assistant``) in the conversation that
+        began with ``prompt``. compact and plain: ``reply.text`` as is. chat: what the chat template
+        writes from the end of the model's turn to the start of the next one: the rest of the
+        turn's closing (after the stop token the model ended on, e.g. Qwen's "\n" after
+        <|im_end|>; all of it when the turn was cut by a stop string or by length), the reply as a
+        ``reply.role`` message, and the generation prompt."""
+        if self.style != "chat":
+            return self._ids(reply.text)
+        history = [*prompt.messages, *turns]
+        if not history or history[-1].role != "assistant":
+            raise PromptStyleError("reply_ids: the last turn must be the model's (assistant)")
+        base = self._chat(history, generation_prompt=False)
+        full = self._chat([*history, Message(reply.role, reply.text)], generation_prompt=True)
+        if not full.startswith(base):
+            raise PromptStyleError("this chat template renders the conversation differently once a reply follows "
+                                   "it, so a reply cannot be appended to the tokens the model wrote: multi-turn "
+                                   "episodes need a template whose renderings extend each other")
+        return self._ids(self._closing(history, model_stopped_on_token) + full[len(base):])
 
-    def prompt_ids(self, problem: CountdownProblem) -> list[int]:
-        """`render_ids` of a Countdown problem's prompt."""
-        return self.render_ids(_COUNTDOWN.prompt(problem))
+    def _closing(self, history: list[Message], model_stopped_on_token: bool) -> str:
+        """What the template writes after an assistant turn's content (found with a marker as the
+        content, as templates may rewrite the content itself); without the stop token the model
+        already wrote, when its turn ended on one."""
+        marker = "\x00asyncrl-end-of-content\x00"
+        rendered = self._chat([*history[:-1], Message("assistant", marker)], generation_prompt=False)
+        closing = rendered[rendered.rfind(marker) + len(marker):] if marker in rendered else ""
+        if model_stopped_on_token:
+            for token in self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids)):
+                if token and closing.startswith(token):
+                    return closing[len(token):]
+        return closing
+
+    def _chat(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                  tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _ids(self, text: str) -> list[int]:
+        # Without the tokenizer's specials: a BOS in the middle of the context would be wrong.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
 def stop_token_ids(generation_eos: Any, tokenizer) -> list[int]:

@@ -1,17 +1,19 @@
 """The default policy, made locally: a small Qwen2-architecture model with a byte-level
-tokenizer (one token per ASCII character), warm-started by supervised training on Countdown
-reference solutions so that GRPO starts from a policy that solves some held-out problems but far
-from all.
+tokenizer (one token per ASCII character), warm-started by supervised training on the task's
+demonstrations (`Task.demonstration`: for Countdown, solver-written solutions; for an environment,
+its model turns with the environment's replies between them) so that GRPO starts from a policy that
+solves some held-out problems but far from all.
 
 No hub and no internet: the tokenizer (``model/tokenizer.py``) is Qwen2's byte-level BPE pipeline
 with the 256 byte symbols and no merges, built with ``tokenizers``; the model comes from a
 ``Qwen2Config``. The result is an ordinary HF checkpoint directory (safetensors weights, tokenizer
-files, and a chat template that renders the very prompt the model was trained on: a user message
-``"3 7 25 50 -> 178"`` becomes ``"3 7 25 50 -> 178:"``) plus ``asyncrl_model.json``, which records
-the prompt style the model was trained on. It is cached under a hash of everything that determines
-it, and written to a temporary directory that is renamed into place only when complete: a crash
-mid-write leaves a ``.tmp-*`` directory that is never read, and is removed by a later build once
-its writer is gone.
+files, and a chat template that renders the very prompt the model was trained on for Countdown: a
+user message ``"3 7 25 50 -> 178"`` becomes ``"3 7 25 50 -> 178:"``) plus ``asyncrl_model.json``,
+which records the prompt style the model was trained on ("compact": `Prompt.compact`, or a ``str``
+prompt as is). It is cached under a hash of everything that determines it (the task's part is
+`Task.fingerprint`), and written to a temporary directory that is renamed into place only when
+complete: a crash mid-write leaves a ``.tmp-*`` directory that is never read, and is removed by a
+later build once its writer is gone.
 
 Any other local HF checkpoint directory can be named instead: ``model/policy.py``'s `load_policy`
 then uses the checkpoint's own tokenizer and chat template around the task's prompt.
@@ -30,15 +32,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
-from asyncrl.rl.config.task import CountdownConfig
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
 from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer
-from asyncrl.rl.tasks.countdown import CountdownProblem, format_prompt_compact, format_reference, train_and_heldout
+from asyncrl.rl.tasks.base import Environment, Task, TaskError, as_prompt
 from asyncrl.runtime.files import write_atomic
 from asyncrl.runtime.transport import pid_alive
 
@@ -46,7 +48,10 @@ _TRAIN_THREADS = 1
 """Intra-op threads of the warm start's training: fixed, so the weights do not depend on the machine."""
 
 # Bump when the tokenizer, data or training code changes what a cached checkpoint would contain.
+# (A bump changes every key, Countdown's included: its cached default model would be rebuilt.)
 _FORMAT_VERSION = 1
+_KEY_FIELDS = ("version", "model", "warm", "tokenizer")
+"""The cache key's own fields; a task's fingerprint may not use these names."""
 
 # --- the cached default ---------------------------------------------------------------------------
 
@@ -61,21 +66,47 @@ def cache_root(cache_dir: str | None = None) -> str:
     return os.path.join(xdg, "asyncrl")
 
 
-def cache_key(model: ModelConfig, warm: WarmStartConfig, countdown: CountdownConfig) -> str:
-    """Hash of everything that determines the default checkpoint. A probe prompt and reference are
-    hashed too, so a change to their formats invalidates the cache without a version bump."""
-    probe = CountdownProblem(numbers=[3, 7, 25], target=46, solution="25 + 7 * 3")
-    spec = {"version": _FORMAT_VERSION, "model": asdict(model), "warm": asdict(warm),
-            "countdown": asdict(countdown), "tokenizer": TOKENIZER_SPEC,
-            "probe": [format_prompt_compact(probe), format_reference(probe)]}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+def as_task(task: Task | None) -> Task:
+    """``task`` itself; for None, Countdown with its default options (the embedded default)."""
+    if task is None:
+        from asyncrl.rl.tasks.countdown import Countdown
+
+        return Countdown()
+    return task
+
+
+def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = None) -> str:
+    """Hash of everything that determines the default checkpoint: the model, the warm start, the
+    tokenizer and the task's `Task.fingerprint` (for Countdown, its options and a probe problem's
+    prompt and reference, so a change to their formats invalidates the cache without a version
+    bump; the key is the one Countdown had before tasks were public, so cached models are reused)."""
+    task = as_task(task)
+    fingerprint = task.fingerprint()
+    if not isinstance(fingerprint, dict) or any(not isinstance(k, str) or k in _KEY_FIELDS for k in fingerprint):
+        raise TaskError(f"task {task.task_name()}: fingerprint() must return a dict with string keys other "
+                        f"than {', '.join(_KEY_FIELDS)}, not {fingerprint!r:.120}")
+    spec = {"version": _FORMAT_VERSION, "model": asdict(model), "warm": asdict(warm), "tokenizer": TOKENIZER_SPEC,
+            **fingerprint}
+    try:
+        text = json.dumps(spec, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TaskError(f"task {task.task_name()}: fingerprint() must hold JSON values only: {e}") from e
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
-                  countdown: CountdownConfig = CountdownConfig(), *, cache_dir: str | None = None,
+                  task: Task | None = None, *, cache_dir: str | None = None,
                   threads: int | None = None, log: Callable[[str], object] = print,
                   stop: threading.Event | None = None) -> str:
-    """Path of the embedded policy's checkpoint directory, built and warm-started on first use.
+    """Path of the embedded policy's checkpoint directory for ``task`` (Countdown if None), built
+    and warm-started on the task's demonstrations on first use.
+
+    The training data: the compact prompt of each problem of ``task.splits(warm.data_seed,
+    warm.n_examples, warm.heldout_reserve).train`` followed by its `Task.demonstration` (a problem
+    without one is skipped; a task with none at all is a `TaskError`: the embedded model needs
+    demonstrations, or give ``--model_path``). Labels cover the model's text only: an environment's
+    replies between the model's turns are context, as in its episodes. After training, the greedy
+    solve rate on the first ``warm.eval_problems`` held-out problems goes into the marker file.
 
     Cached at ``<cache_root>/models/<cache_key>``. Only a complete directory ever has that name: it
     is written under a temporary name and renamed, so a second call (even after a crash of the
@@ -97,8 +128,9 @@ def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = Wa
     """
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1 or None, not {threads}")
+    task = as_task(task)
     models_dir = os.path.join(cache_root(cache_dir), "models")
-    key = cache_key(model, warm, countdown)
+    key = cache_key(model, warm, task)
     final = os.path.join(models_dir, key)
     if _is_complete(final):
         log(f"[model] cached default policy {final}")
@@ -107,7 +139,7 @@ def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = Wa
     _remove_orphans(models_dir, key, log)
     tmp = tempfile.mkdtemp(dir=models_dir, prefix=f".tmp-{key}-{os.getpid()}-")
     try:
-        _build(tmp, model, warm, countdown, threads, log, stop)
+        _build(tmp, model, warm, task, threads, log, stop)
         _publish(tmp, final, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a no-op after a successful rename
@@ -144,13 +176,13 @@ def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> 
             shutil.rmtree(os.path.join(models_dir, name), ignore_errors=True)
 
 
-def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, countdown: CountdownConfig,
-           threads: int | None, log: Callable[[str], object], stop: threading.Event | None = None) -> None:
+def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, threads: int | None,
+           log: Callable[[str], object], stop: threading.Event | None = None) -> None:
     tokenizer = build_tokenizer()
     check_stop(stop)
-    train, heldout = train_and_heldout(warm.data_seed, warm.n_examples, warm.heldout_reserve, countdown)
+    train, heldout = task.splits(warm.data_seed, warm.n_examples, warm.heldout_reserve)
     check_stop(stop)
-    ids, labels, lengths, longest_completion = _encode(tokenizer, train, model_cfg.max_positions, stop)
+    ids, labels, lengths, longest_turn = _encode(tokenizer, train, model_cfg.max_positions, stop, task=task)
     # Training runs on one intra-op thread whatever ``threads`` says, so that the weights cached
     # under a key do not depend on the machine's core count (the key does not name it). With more
     # threads, torch splits elementwise kernels (SiLU) into per-thread chunks whose ends need not
@@ -163,16 +195,16 @@ def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, countdown: C
         torch.manual_seed(warm.seed)
         model = _new_model(model_cfg, tokenizer)
         n_params = sum(p.numel() for p in model.parameters())
-        log(f"[model] warm-starting {n_params / 1e6:.2f}M-parameter Qwen2 on {len(train)} problems, "
-            f"{warm.steps} steps of {warm.batch_size}, on one thread (the same weights on any machine)")
+        log(f"[model] warm-starting {n_params / 1e6:.2f}M-parameter Qwen2 on {len(ids)} {task.task_name()} "
+            f"problems, {warm.steps} steps of {warm.batch_size}, on one thread (the same weights on any machine)")
         start = time.monotonic()
         loss = _train(model, ids, labels, lengths, warm, log, stop)
         wall_s = time.monotonic() - start
     with _torch_threads(threads or _usable_cores()):  # the evaluation changes no weights
-        hint = longest_completion + 8  # slack: a sampled answer may be a little longer than any reference
+        hint = longest_turn + 8  # slack: a sampled turn may be a little longer than any demonstrated one
         fmt = PromptFormat("compact", tokenizer, stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer), hint)
-        greedy = (solve_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], stop=stop)
-                  if warm.eval_problems else None)
+        greedy = (solve_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], task=task, stop=stop,
+                             max_context=model_cfg.max_positions) if warm.eval_problems else None)
     # The solve rate goes to the marker file only: a GRPO run prints its own held-out number before
     # training (on its n_heldout problems), and two different "held-out" figures read as a conflict.
     log(f"[model] warm start done in {wall_s:.0f} s, final loss {loss:.3f}")
@@ -181,7 +213,7 @@ def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, countdown: C
         "prompt_style": "compact", "max_new_tokens_hint": hint, "format_version": _FORMAT_VERSION,
         "parameters": n_params, "warm_start_wall_s": round(wall_s, 1), "final_loss": round(loss, 4),
         "heldout_greedy_solve_rate": greedy, "model": asdict(model_cfg), "warm": asdict(warm),
-        "countdown": asdict(countdown)})
+        "task": task.task_name(), "train_examples": len(ids), "fingerprint": task.fingerprint()})
 
 
 def _save(out: str, model, tokenizer, marker: dict) -> None:
@@ -226,30 +258,77 @@ def _usable_cores(most: int = 4) -> int:
 # --- warm start -----------------------------------------------------------------------------------
 
 
-def _encode(tokenizer, problems: Sequence[CountdownProblem], max_positions: int,
-            stop: threading.Event | None = None):
-    """Right-padded ``ids``, ``labels`` (-100 on prompt and padding) and lengths of
-    compact prompt + reference completion + eos for every problem, and the longest completion."""
-    rows = []
-    for i, p in enumerate(problems):
+def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: threading.Event | None = None,
+            *, task: Task | None = None):
+    """Right-padded ``ids``, ``labels`` (-100 on the prompt, an environment's replies and padding)
+    and lengths of each problem's compact prompt + demonstration (its turns; eos after the last),
+    for the problems of ``task`` (Countdown if None) that have a demonstration; and the longest
+    model turn in tokens (the eos counted). Each piece is tokenized on its own, as an episode's
+    prompt, model turns and replies are."""
+    task = as_task(task)
+    fmt = PromptFormat("compact", tokenizer, [tokenizer.eos_token_id], 1)
+    rows, longest_turn = [], 0
+    for i, problem in enumerate(problems):
         if i % 1000 == 0:  # 20 000 problems take seconds
             check_stop(stop)
-        prompt = tokenizer(format_prompt_compact(p), add_special_tokens=False)["input_ids"]
-        completion = tokenizer(format_reference(p), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((prompt, completion))
-    longest = max(len(a) + len(b) for a, b in rows)
+        demonstration = task.demonstration(problem)
+        if demonstration is None:
+            continue
+        ids = tokenizer(_compact_prompt(task, fmt, problem), add_special_tokens=False)["input_ids"]
+        labels = [-100] * len(ids)
+        turns = _turns(task, demonstration)
+        for j, text in enumerate(turns):
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if j % 2:  # the environment's reply: context, never a target
+                labels += [-100] * len(tokens)
+            else:
+                tokens = tokens + [tokenizer.eos_token_id] * (j == len(turns) - 1)
+                labels += tokens
+                longest_turn = max(longest_turn, len(tokens))
+            ids += tokens
+        rows.append((ids, labels))
+    if not rows:
+        raise TaskError(f"task {task.task_name()}: no demonstrations (demonstration() returned None for all "
+                        f"{len(problems)} training problems): the embedded model is warm-started on them; "
+                        "define demonstration() or give a checkpoint with --model_path")
+    longest = max(len(ids) for ids, _ in rows)
     if longest > max_positions:
-        raise ValueError(f"a training sequence has {longest} tokens, more than max_positions={max_positions}; "
-                         "raise ModelConfig.max_positions or narrow the CountdownConfig")
+        raise ValueError(f"a training sequence of task {task.task_name()} has {longest} tokens, more than "
+                         f"max_positions={max_positions}; raise --model.max_positions or shorten the prompts "
+                         "and demonstrations")
     ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), longest), -100, dtype=torch.long)
     lengths = torch.empty(len(rows), dtype=torch.long)
-    for i, (prompt, completion) in enumerate(rows):
-        n = len(prompt) + len(completion)
-        ids[i, :n] = torch.tensor(prompt + completion)
-        labels[i, len(prompt):n] = torch.tensor(completion)
-        lengths[i] = n
-    return ids, labels, lengths, max(len(completion) for _, completion in rows)
+    for i, (row_ids, row_labels) in enumerate(rows):
+        ids[i, :len(row_ids)] = torch.tensor(row_ids)
+        labels[i, :len(row_labels)] = torch.tensor(row_labels)
+        lengths[i] = len(row_ids)
+    return ids, labels, lengths, longest_turn
+
+
+def _compact_prompt(task: Task, fmt: PromptFormat, problem: Any) -> str:
+    """The problem's prompt as the embedded model reads it: `Prompt.compact` (a ``str`` prompt as is)."""
+    prompt = as_prompt(task.prompt(problem))
+    if not prompt.compact:
+        raise TaskError(f"task {task.task_name()}: the embedded model reads one line of text, and prompt() "
+                        "returned messages without a compact form: return a str, or a Prompt with compact=..., "
+                        "or give a checkpoint with a chat template with --model_path")
+    return fmt.render_text(prompt)
+
+
+def _turns(task: Task, demonstration: Any) -> list[str]:
+    """A demonstration as its turns, the model's first and last: a ``str`` is one model turn; an
+    environment may give a list alternating model and environment turns."""
+    if isinstance(demonstration, str):
+        return [demonstration]
+    if not isinstance(task, Environment):
+        raise TaskError(f"task {task.task_name()}: demonstration() must return a str or None (a list of turns "
+                        f"is for an Environment), not {type(demonstration).__name__}")
+    if (not isinstance(demonstration, list) or len(demonstration) % 2 == 0
+            or not all(isinstance(t, str) for t in demonstration)):
+        raise TaskError(f"environment {task.task_name()}: demonstration() must return a str or a list of str of "
+                        f"odd length (model, environment, ..., model), not {demonstration!r:.120}")
+    return demonstration
 
 
 def _lr_factor(step: int, warm: WarmStartConfig) -> float:

@@ -1,6 +1,12 @@
-"""`SamplerActor`: walks the Countdown train split, generates ``group_size`` completions per prompt
-continuously, scores them and streams one `RolloutGroup` per prompt, each tagged with the weight
-version it was generated under (the oldest one, when weights changed in flight).
+"""`SamplerActor`: walks its task's train split, runs ``group_size`` episodes per problem
+continuously (one completion each for a single-turn task, several turns with an environment),
+scores them and streams one `RolloutGroup` per problem, each tagged with the weight version it was
+generated under (the oldest one, when weights changed in flight or between turns).
+
+The task is the user's code, built here from its spec (`load_task`); its episodes run through
+the `EpisodeRunner` (``tasks/episodes.py``), its score and step calls under deadlines
+(`UserCalls`): a failing call scores 0 and is counted, and too many failures end the stream with
+a `TaskFailureError`, which stops the run instead of restarting the sampler.
 
 It generates with a `SamplerBackend` (``backend.py``) that `make_backend` (``factory.py``) picks
 and builds: `HFBackend` (``hf.py``) or `VLLMBackend` (``vllm/backend.py``). The trainer's weights
@@ -11,6 +17,7 @@ without asking where the weights live (this process, or vLLM's engine process).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -21,23 +28,27 @@ from asyncrl.comm.member import SyncMember
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
-from asyncrl.rl.config.task import CountdownConfig
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerTimeoutError, SamplingParams
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
+from asyncrl.rl.tasks.base import as_prompt
+from asyncrl.rl.tasks.episodes import EpisodeRunner, Sample
+from asyncrl.rl.tasks.loading import TaskSpec, load_task
+from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.runtime.actor import endpoint
 from asyncrl.runtime.timeouts import timeout
 
 
 class SamplerActor(SyncMember):
-    """Generates Countdown rollouts continuously and takes weights from the trainer (rank 0).
+    """Generates a task's rollouts continuously and takes weights from the trainer (rank 0).
 
     ``config`` is the run's sampler section whole: group size, prompts per batch, sampling
     (``max_new_tokens`` 0: the model format's hint; stop tokens: the format's), how weights enter
     (``weight_update``) and the backend ("hf", "vllm", or "auto": vLLM where it is usable here,
-    see `choose_backend`). ``task`` and ``data`` give the train split the sampler walks; ``data``
-    must be the driver's, since the train split excludes the held-out problems. ``name`` tags the
+    see `choose_backend`). ``task`` (the spec every process builds the task from) and ``data``
+    give the train split the sampler walks; ``data`` must be the driver's, since the train split
+    excludes the held-out problems. ``name`` tags the
     groups; empty means the actor's own name in the runtime. ``cpu_threads`` > 0 sets torch's
     intra-op threads (0: torch's default); on CPU, give each process no more threads than cores
     it has to itself: oversubscribed OpenMP threads spin and slow a small model tenfold or more.
@@ -45,11 +56,9 @@ class SamplerActor(SyncMember):
     """
 
     def __init__(self, model_path: str, config: SamplerConfig = SamplerConfig(), *,
-                 task: CountdownConfig = CountdownConfig(), data: DataConfig = DataConfig(), seed: int = 0,
+                 task: TaskSpec = TaskSpec("countdown"), data: DataConfig = DataConfig(), seed: int = 0,
                  device: str = "cpu", sync_timeout_s: float = 120.0, cpu_threads: int = 0, name: str = "",
                  vllm: dict = {}):
-        from asyncrl.rl.tasks.countdown import train_and_heldout
-
         if not sync_timeout_s > 0:
             raise ValueError(f"sync_timeout_s must be > 0, not {sync_timeout_s!r}")
         self.config = config
@@ -70,7 +79,11 @@ class SamplerActor(SyncMember):
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
                                        temperature=config.temperature, top_p=config.top_p,
                                        stop_token_ids=list(self.fmt.stop_token_ids))
-        self.problems, _ = train_and_heldout(data.data_seed, data.n_train, data.n_heldout, task)
+        self.task = load_task(task)
+        self.problems = self.task.splits(data.data_seed, data.n_train, data.n_heldout).train
+        self.calls = UserCalls(self.task.task_name(), task.score_timeout_s, task.max_failure_rate)
+        self.runner = EpisodeRunner(self.task, self.fmt, self.calls, max_turns=task.max_turns,
+                                    max_context=_positions(model_path))
         self._order = shuffled_walk(len(self.problems), seed)  # counted once restore_data_state installs one
         self._prompt_ids: dict[int, list[int]] = {}
         self.version = 0
@@ -87,27 +100,30 @@ class SamplerActor(SyncMember):
 
     @endpoint
     async def rollouts(self, max_groups: int = 0) -> AsyncIterator[RolloutGroup]:
-        """One scored group per prompt, ``max_groups`` of them (0: until the caller stops). A
-        consumer that stops reading pauses generation (the stream's credit window). Prompts are
-        generated ``prompts_per_batch`` at a time; ``generate_s`` is the wall time of the group's
-        batch, ``version`` the weight version the whole batch was sampled under."""
-        from asyncrl.rl.tasks.countdown import reward
-
+        """One scored group per problem, ``max_groups`` of them (0: until the caller stops). A
+        consumer that stops reading pauses generation (the stream's credit window). Problems are
+        run ``prompts_per_batch`` at a time; ``generate_s`` is the wall time of the group's batch
+        (every turn of it), ``version`` the oldest weight version any of its turns began under."""
         produced = 0
         while max_groups <= 0 or produced < max_groups:
             count = self.prompts_per_batch if max_groups <= 0 else min(self.prompts_per_batch, max_groups - produced)
             indices = [next(self._order) for _ in range(count)]
             prompts = [self._prompt(i) for i in indices]
-            version, groups, seconds = await self._generate(prompts)
+            versions: list[int] = []
+            spent = [0.0]
+
+            async def generate(prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+                version, groups, seconds = await self._generate(prompt_ids, n, params)
+                versions.append(version)
+                spent[0] += seconds
+                return groups
+
+            groups = await self.runner.run([self.problems[i] for i in indices], self.group_size, self.sampling,
+                                           generate, prompt_ids=prompts)
+            self.calls.check()  # too many failed score/step calls: TaskFailureError ends the stream
             finished = time.time()
-            for index, prompt, completions in zip(indices, prompts, groups):
-                problem = self.problems[index]
-                yield RolloutGroup(
-                    prompt_id=index, prompt_ids=prompt,
-                    completion_ids=[c.token_ids for c in completions],
-                    behaviour_logprobs=[c.logprobs for c in completions],
-                    rewards=[reward(problem, c.text) for c in completions],
-                    version=version, sampler=self.name, generate_s=seconds, finished_at=finished)
+            for index, prompt, samples in zip(indices, prompts, groups):
+                yield self._group(index, prompt, samples, min(versions), spent[0], finished)
                 self._stats["groups"] += 1
                 produced += 1
 
@@ -198,9 +214,10 @@ class SamplerActor(SyncMember):
         ``syncs``, ``failed_syncs``, ``weight_sync_s`` (wait + transfer), ``pause_s`` (of the syncs
         that succeeded: waiting for the batch in flight, or for the end of a decoding step),
         ``syncs_waited_for_generate``, ``discarded_batches`` (in flight during a failed sync);
-        ``version`` now; ``name``; ``backend`` (``"hf"`` or ``"vllm"``)."""
+        ``version`` now; ``generating``: generate calls in flight now; ``name``; ``backend``
+        (``"hf"`` or ``"vllm"``)."""
         s = dict(self._stats)
-        s.update(version=self.version, name=self.name, backend=self.backend_name,
+        s.update(version=self.version, generating=self._generating, name=self.name, backend=self.backend_name,
                  tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
         return s
 
@@ -241,6 +258,7 @@ class SamplerActor(SyncMember):
         except Exception as exc:  # a dead or stuck engine: close() below ends it all the same
             print(f"sampler {self.name}: leaving the weight-sync group on stop failed: {exc!r}", flush=True)
         self.backend.close()
+        self.calls.close()
         await super().on_stop()
 
     # --- helpers --------------------------------------------------------------------------------
@@ -248,10 +266,36 @@ class SamplerActor(SyncMember):
     def _prompt(self, index: int) -> list[int]:
         ids = self._prompt_ids.get(index)
         if ids is None:
-            ids = self._prompt_ids[index] = list(self.fmt.prompt_ids(self.problems[index]))
+            try:
+                prompt = as_prompt(self.task.prompt(self.problems[index]))
+                ids = list(self.fmt.render_ids(prompt))
+            except Exception as exc:  # the task's own code, on its own data: a bug to fix, not to count
+                raise TaskFailureError(f"task {self.task.task_name()}: prompt() of train problem {index} failed: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+            if not ids:
+                raise TaskFailureError(f"task {self.task.task_name()}: train problem {index} renders as an empty prompt")
+            self._prompt_ids[index] = ids
         return ids
 
-    async def _generate(self, prompts: list[list[int]]) -> tuple[int, list[list[Completion]], float]:
+    def _group(self, index: int, prompt: list[int], samples: list[Sample], version: int, seconds: float,
+               finished: float) -> RolloutGroup:
+        """The wire form of one problem's samples; ``metrics`` sums what the driver averages."""
+        metrics: dict[str, float] = {}
+        for s in samples:
+            for key, value in s.metrics.items():
+                metrics[f"task/{key}"] = metrics.get(f"task/{key}", 0.0) + value
+            if s.error:
+                metrics[f"task_errors/{s.error}"] = metrics.get(f"task_errors/{s.error}", 0.0) + 1
+        masked = any(s.action_mask for s in samples)
+        return RolloutGroup(
+            prompt_id=index, prompt_ids=prompt, completion_ids=[s.token_ids for s in samples],
+            behaviour_logprobs=[s.logprobs for s in samples], rewards=[s.reward for s in samples],
+            version=version, sampler=self.name, generate_s=seconds, finished_at=finished,
+            action_mask=[s.action_mask or [1] * len(s.token_ids) for s in samples] if masked else [],
+            correct=[s.correct for s in samples], metrics=metrics)
+
+    async def _generate(self, prompts: list[list[int]], n: int,
+                        params: SamplingParams) -> tuple[int, list[list[Completion]], float]:
         """Generate for ``prompts`` and return the weight version it began under (the oldest of
         its tokens). The version is read right before calling the backend, with no ``await`` in
         between: a `receive_weights` that begins later either waits for this batch (the backend
@@ -264,7 +308,7 @@ class SamplerActor(SyncMember):
             start = time.perf_counter()
             self._generating += 1
             try:
-                groups = await self.backend.generate(prompts, self.group_size, self.sampling)
+                groups = await self.backend.generate(prompts, n, params)
             finally:
                 self._generating -= 1
             seconds = time.perf_counter() - start
@@ -289,6 +333,16 @@ class SamplerActor(SyncMember):
                 raise SamplerTimeoutError(
                     f"sampler {self.name}: no successful weight sync within {bound:g} s (the last one failed "
                     "or is still under way); not sampling from weights that may be half-written") from None
+
+
+def _positions(model_path: str) -> int:
+    """The checkpoint's positions (``max_position_embeddings`` of its config.json; 0: unknown),
+    which an episode's whole context must fit in."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return int(json.load(f).get("max_position_embeddings") or 0)
+    except (OSError, ValueError, TypeError):
+        return 0
 
 
 def _actor_device(device: str) -> torch.device:

@@ -1,4 +1,4 @@
-"""The sampler backend interface and its request/result types.
+"""The sampler backend interface (its request and result types are ``rl/generation.py``'s).
 
 A `SamplerBackend` turns token-id prompts into completions with per-token log-probs and can be
 paused; its `WeightSink` takes the trainer's weights in place, wherever the backend keeps them.
@@ -12,14 +12,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
 from asyncrl.errors import AsyncrlError
+from asyncrl.rl.generation import Completion, SamplingParams, row_seed  # noqa: F401 (re-exported: the backends and callers import them from here)
 from asyncrl.runtime.timeouts import timeout
 
 if TYPE_CHECKING:
@@ -36,54 +35,6 @@ class SamplerClosedError(SamplerError):
 
 class SamplerTimeoutError(SamplerError, TimeoutError):
     """A pause, a resume or a weight sync did not happen within its deadline; the message says which."""
-
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    """How to sample. ``temperature == 0`` is greedy; ``seed`` makes a call reproducible (each
-    completion gets its own generator seeded from ``(seed, prompt index, sample index)``)."""
-
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop_token_ids: list[int] = []
-    seed: int | None = None
-    stop: list[str] = []
-    """Stop strings (vLLM backend only: the HF backend refuses them). The completion ends once its
-    text contains one; ``text`` then ends before it, ``token_ids`` keep every token sampled."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, not {self.max_new_tokens!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0 (0: greedy), not {self.temperature!r}")
-        if not 0 < self.top_p <= 1:  # NaN fails too
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, not {self.stop_token_ids!r}")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed must be >= 0 or None, not {self.seed!r}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-
-
-class Completion(msgspec.Struct, frozen=True):
-    """One sampled continuation of a prompt (prompt tokens not included).
-
-    ``logprobs[t]`` is the log-probability of ``token_ids[t]`` under the distribution it was
-    actually drawn from: ``log_softmax(logits / temperature)``, restricted to the top-p nucleus and
-    renormalised when ``top_p < 1``. The trainer recomputes log-probs with the same temperature;
-    with ``top_p < 1`` the two differ by the log of the nucleus mass (the behaviour policy really
-    is the truncated one). For greedy (``temperature == 0``) they are ``log_softmax(logits)``.
-    A stop token ends the completion, is included in ``token_ids`` and has its log-prob;
-    ``finish_reason`` is ``"stop"`` then, ``"length"`` when ``max_new_tokens`` ran out. ``text`` is
-    the decoding of ``token_ids`` without the stop token, special tokens skipped (as the held-out
-    evaluation reads completions, so rewards and solve rates score the same text).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
 
 
 class WeightSink(abc.ABC):
@@ -286,15 +237,6 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> Non
         loop.call_soon_threadsafe(fn)
     except RuntimeError:  # the loop is closed: nobody is left to wait for the count
         pass
-
-
-_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd constants: distinct (seed, prompt, sample) -> distinct streams
-
-
-def row_seed(seed: int, prompt: int, sample: int) -> int:
-    """Seed of completion ``sample`` of prompt ``prompt`` in a call made with ``seed``: a call's
-    output depends only on its own arguments, never on what else ran before it."""
-    return (seed * _MIX[0] + prompt * _MIX[1] + sample) % (1 << 63)
 
 
 def check_request(prompts: list[list[int]], n: int, vocab_size: int) -> None:

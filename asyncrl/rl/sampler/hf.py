@@ -4,7 +4,9 @@ Its own decoding loop rather than ``model.generate``: one prefill over LEFT-padd
 attention mask and position ids counted from each row's first real token), then one token per step
 from the KV cache. Owning the loop is what makes the returned log-probs exact: each is read from
 the very distribution the token was drawn from (see `Completion.logprobs`), with no warper of
-``generate`` in between whose order or renormalisation we would have to trust.
+``generate`` in between whose order or renormalisation we would have to trust. Stop strings
+(`SamplingParams.stop`) are matched after each step on the decoded tail of each open row
+(`StopStrings`), with vLLM's semantics; a call without them runs the loop as before.
 
 The blocking loop runs on a single worker thread, so the actor's event loop keeps serving calls
 and one model never runs two batches at once (on 2 CPU cores two would only slow each other).
@@ -95,8 +97,8 @@ class HFBackend(PausableBackend):
 
     def _check(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         super()._check(prompts, n, params)
-        if params.stop:
-            raise ValueError("HFBackend has no stop strings (SamplingParams.stop): use stop_token_ids, or the vLLM backend")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("HFBackend without a tokenizer cannot match stop strings (SamplingParams.stop)")
 
     def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> concurrent.futures.Future:
         """The batch on the worker thread. Its future, not our await, ends the count in flight: a
@@ -180,18 +182,20 @@ class HFBackend(PausableBackend):
         if params.seed is not None:
             generators = [torch.Generator(self.device).manual_seed(row_seed(params.seed, i, j))
                           for i in range(len(prompts)) for j in range(n)]
-        tokens, logprobs, stops_at = self._decode(rows, params, generators)
-        completions = self._completions(tokens, logprobs, stops_at, params.max_new_tokens)
+        strings = StopStrings(self.tokenizer, params.stop, len(rows)) if params.stop else None
+        tokens, logprobs, stops_at = self._decode(rows, params, generators, strings)
+        completions = self._completions(tokens, logprobs, stops_at, params, strings)
         self.tokens_generated += sum(len(c.token_ids) for c in completions)
         self.generate_s += time.perf_counter() - start
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def _decode(self, rows: list[list[int]], params: SamplingParams,
-                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token ids and log-probs ``[B, T]`` and, per row, the step of its first stop token
-        (``T`` if none). Rows that stopped keep decoding (their tokens are cut off later) until
-        every row stopped: a row's result never depends on the others."""
+    def _decode(self, rows: list[list[int]], params: SamplingParams, generators: list[torch.Generator] | None,
+                strings: StopStrings | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids and log-probs ``[B, T]`` and, per row, the step of its first stop token or
+        of the token that completed a stop string (``T`` if none). Rows that stopped keep
+        decoding (their tokens are cut off later) until every row stopped: a row's result never
+        depends on the others."""
         ids, mask = (t.to(self.device) for t in pad_left(rows, self.pad_token_id))
         positions = (mask.cumsum(-1) - 1).clamp_min(0)  # left padding: count from the first real token
         next_position = positions[:, -1:] + 1
@@ -215,6 +219,11 @@ class HFBackend(PausableBackend):
                 stops_at = torch.where(hit, step, stops_at)
                 # bool() waits for the device: this step's kernels are done before the gate opens
                 all_stopped = bool((stops_at < never).all())
+            if strings is not None and not all_stopped:  # a stop token wins over a string in the same step
+                open_rows = (stops_at == never).tolist()
+                for row in strings.completed(token.tolist(), open_rows):
+                    stops_at[row] = step
+                all_stopped = bool((stops_at < never).all())
             tokens.append(token)
             logprobs.append(logprob)
             if all_stopped:
@@ -234,14 +243,19 @@ class HFBackend(PausableBackend):
         return token, logp.gather(1, token[:, None]).squeeze(1)
 
     def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor, stops_at: torch.Tensor,
-                     max_new_tokens: int) -> list[Completion]:
-        ids_rows, lp_rows, reasons = [], [], []
-        for row, lps, stop in zip(tokens.tolist(), logprobs.tolist(), stops_at.tolist()):
-            end = stop + 1 if stop < max_new_tokens else len(row)  # the stop token is kept, with its log-prob
+                     params: SamplingParams, strings: StopStrings | None) -> list[Completion]:
+        ids_rows, lp_rows, reasons, by_string = [], [], [], []
+        for i, (row, lps, stop) in enumerate(zip(tokens.tolist(), logprobs.tolist(), stops_at.tolist())):
+            end = stop + 1 if stop < params.max_new_tokens else len(row)  # the stop token is kept, with its log-prob
             ids_rows.append(row[:end])
             lp_rows.append(lps[:end])
-            reasons.append("stop" if stop < max_new_tokens else "length")
-        texts = self._decode_text([ids[:-1] if r == "stop" else ids for ids, r in zip(ids_rows, reasons)])
+            reasons.append("stop" if stop < params.max_new_tokens else "length")
+            by_string.append(strings is not None and i in strings.stopped)
+        # Without the stop token; a row stopped by a string keeps every token (as vLLM's do) and
+        # its text ends before the string (vLLM's default, include_stop_str_in_output=False).
+        texts = self._decode_text([ids[:-1] if r == "stop" and not s else ids
+                                   for ids, r, s in zip(ids_rows, reasons, by_string)])
+        texts = [text_before_stop(t, params.stop) if s else t for t, s in zip(texts, by_string)]
         return [Completion(ids, lps, text, reason) for ids, lps, text, reason in zip(ids_rows, lp_rows, texts, reasons)]
 
     def _decode_text(self, rows: list[list[int]]) -> list[str]:
@@ -250,6 +264,43 @@ class HFBackend(PausableBackend):
         if self.tokenizer is None:
             return [""] * len(rows)
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+class StopStrings:
+    """Which rows' text, decoded as `Completion.text` is (special tokens skipped), has just
+    completed one of ``stops``. Each step decodes only a row's last ``window`` tokens: enough
+    for the longest stop string even at one byte per token (a byte-level token may hold part of a
+    character; the partial bytes at the window's start decode to U+FFFD, which no check needs).
+    An occurrence is looked for only where this step's token could have completed it."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], rows: int):
+        self.tokenizer, self.stops = tokenizer, list(stops)
+        self.window = 4 * max(len(s) for s in stops) + 4  # UTF-8: at most 4 bytes a character
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.stopped: set[int] = set()
+
+    def completed(self, tokens: list[int], open_rows: list[bool]) -> list[int]:
+        """Append this step's ``tokens`` (one per row); the open rows whose text now holds a stop
+        string that it did not hold before."""
+        rows = [i for i, is_open in enumerate(open_rows) if is_open]
+        for i in rows:
+            self.ids[i].append(tokens[i])
+        tails = self.tokenizer.batch_decode([self.ids[i][-self.window:] for i in rows], skip_special_tokens=True,
+                                            clean_up_tokenization_spaces=False)
+        hits = [i for i, tail in zip(rows, tails) if any(s in tail for s in self.stops)]
+        self.stopped.update(hits)
+        return hits
+
+
+def text_before_stop(text: str, stops: list[str]) -> str:
+    """``text`` up to the stop string that completes first in it (vLLM's choice when several do;
+    ties: the first listed), that string excluded; all of it when none occurs."""
+    best, cut = len(text) + 1, len(text)
+    for s in stops:
+        at = text.find(s)
+        if at >= 0 and at + len(s) < best:
+            best, cut = at + len(s), at
+    return text[:cut]
 
 
 def _pad_id(tokenizer: Any) -> int:

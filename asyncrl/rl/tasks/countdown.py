@@ -4,8 +4,8 @@ values may be fractions; only the final value must equal the target.
 
 Pure and deterministic: problems come from a seeded ``random.Random``, every emitted problem carries
 a reference solution checked by :mod:`asyncrl.rl.tasks.arith`, and the reward reads model output
-with that same parser, never with ``eval``. `CountdownTask` is the task as the rest of asyncrl sees
-it (the `Task` protocol of ``tasks/base.py``); the functions below are its parts.
+with that same parser, never with ``eval``. `Countdown` is the task as the rest of asyncrl sees it,
+written on the public task API (``tasks/base.py``) alone; the functions below are its parts.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import asdict
+from typing import Any, Union
 
 import msgspec
 
 from asyncrl.rl.config.task import MAX_SOLVE_NUMBERS, CountdownConfig
 from asyncrl.rl.tasks.arith import MAX_CHARS, ArithError, BinOp, Expr, Num, evaluate, format_expr, numbers_used, parse
-from asyncrl.rl.tasks.base import Message, Prompt, Splits, TaskInputError
+from asyncrl.rl.tasks.base import Message, Prompt, Score, Splits, Task, TaskInputError
 
 CORRECT_REWARD = 1.0
 """An answer that uses each number exactly once and equals the target."""
@@ -315,24 +315,18 @@ def _check_problem(problem: object) -> None:
 # --- the task -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CountdownTask:
-    """Countdown as a `Task` (``tasks/base.py``): ``config`` says what problems the splits draw;
-    prompts and scores do not depend on it."""
+class Countdown(Task[CountdownProblem]):
+    """Countdown on the public task API (``tasks/base.py``), nothing more: problems from the seeded
+    generator (``config`` says what it draws), the prompt of :func:`format_prompt` with
+    :func:`format_prompt_compact` as its compact form, the score of :func:`score` with its parts
+    as metrics, and the solver's solution as the demonstration."""
 
-    config: CountdownConfig = CountdownConfig()
+    name = "countdown"
+    correct_reward = CORRECT_REWARD
+    Config = CountdownConfig
 
-    @property
-    def name(self) -> str:
-        return "countdown"
-
-    @property
-    def correct_reward(self) -> float:
-        return CORRECT_REWARD
-
-    @property
-    def problem_type(self) -> type[CountdownProblem]:
-        return CountdownProblem
+    def __init__(self, config: CountdownConfig | None = None):
+        super().__init__(CountdownConfig() if config is None else config)
 
     def splits(self, seed: int | str, n_train: int, n_heldout: int) -> Splits[CountdownProblem]:
         """`train_and_heldout` of ``config``."""
@@ -343,6 +337,27 @@ class CountdownTask:
         _check_problem(problem)
         return Prompt([Message("user", format_prompt(problem))], compact=format_prompt_compact(problem))
 
-    def score(self, problem: CountdownProblem, completion: str) -> RewardBreakdown:
-        """:func:`score`."""
-        return score(problem, completion)
+    def score(self, problem: CountdownProblem, completion: str) -> Score:
+        """:func:`score`: its reward, whether correct, and its parts (0 or 1 each) as metrics."""
+        b = score(problem, completion)
+        parts = {"has_answer": b.has_answer, "well_formed": b.well_formed, "uses_numbers": b.uses_numbers,
+                 "hits_target": b.hits_target}
+        return Score(b.reward, b.correct, metrics={k: float(v) for k, v in parts.items()})
+
+    def demonstration(self, problem: CountdownProblem) -> str:
+        """:func:`format_reference`: the solver's solution in answer tags."""
+        _check_problem(problem)
+        return format_reference(problem)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The options and a probe problem's compact prompt and reference: exactly what Countdown's
+        warm-start cache key held before tasks were public, so cached default models stay valid."""
+        return {"countdown": asdict(self.config),
+                "probe": [format_prompt_compact(_PROBE), format_reference(_PROBE)]}
+
+
+_PROBE = CountdownProblem(numbers=[3, 7, 25], target=46, solution="25 + 7 * 3")
+
+
+CountdownTask = Countdown
+"""The name `Countdown` had before the task API was public (remove once nothing uses it)."""

@@ -22,22 +22,27 @@ import torch
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import WeightSender
+from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
-from asyncrl.rl.tasks.countdown import CountdownProblem
+from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_logprobs
 from asyncrl.runtime.actor import endpoint
 
 
 class TrainerActor(SyncMember):
-    """Holds the policy and its optimiser; rank 0 of the weight-sync group."""
+    """Holds the policy and its optimiser; rank 0 of the weight-sync group. ``task`` and ``data``
+    give the held-out problems `evaluate` solves (the task is built here, from its spec)."""
 
-    def __init__(self, model_path: str, config: TrainerConfig = TrainerConfig(), *, device: str = "cpu", seed: int = 0):
+    def __init__(self, model_path: str, config: TrainerConfig = TrainerConfig(), *, device: str = "cpu", seed: int = 0,
+                 task: TaskSpec = TaskSpec("countdown"), data: DataConfig = DataConfig()):
         from asyncrl.rl.model.policy import load_policy  # transformers is heavy: import in the actor only
 
         torch.manual_seed(seed)
         self.config = config
+        self.task_spec, self.data = task, data
+        self._task = None  # built on the first evaluation
         # None is "the samplers' temperature"; a GRPO run resolves it (GRPOConfig.trainer_config),
         # a trainer used on its own scores at 1, sampling's default.
         self.temperature = 1.0 if config.temperature is None else config.temperature
@@ -131,23 +136,27 @@ class TrainerActor(SyncMember):
         return metrics
 
     @endpoint
-    async def evaluate(self, problems: list[CountdownProblem], samples: int = 4, max_new_tokens: int = 0,
-                       batch_size: int = 64) -> dict[str, float]:
-        """Solve rate on ``problems``: greedy, and sampled at the training temperature
-        (``samples`` completions per problem; 0 skips it)."""
+    async def evaluate(self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64) -> dict[str, float]:
+        """Solve rate on the task's held-out split (``data.n_heldout`` problems): greedy, and
+        sampled at the training temperature (``samples`` completions per problem; 0 skips it)."""
         from asyncrl.rl.model.evaluation import solve_rate
+        from asyncrl.rl.tasks.loading import load_task
 
         limit = max_new_tokens or self.fmt.max_new_tokens_hint
 
         def run() -> dict[str, float]:
+            if self._task is None:  # the held-out split alone: it does not depend on n_train
+                self._task = load_task(self.task_spec)
+                self._heldout = list(self._task.splits(self.data.data_seed, 1, self.data.n_heldout).heldout)
+            common = dict(task=self._task, max_new_tokens=limit, batch_size=batch_size,
+                          score_timeout_s=self.task_spec.score_timeout_s,
+                          max_context=getattr(self.model.config, "max_position_embeddings", 0) or 0)
             self.model.eval()
             try:
-                out = {"greedy": solve_rate(self.model, self.tokenizer, self.fmt, problems, greedy=True,
-                                            max_new_tokens=limit, batch_size=batch_size)}
+                out = {"greedy": solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=True, **common)}
                 if samples:
-                    out["sampled"] = solve_rate(self.model, self.tokenizer, self.fmt, problems, greedy=False,
-                                                n=samples, max_new_tokens=limit, batch_size=batch_size,
-                                                temperature=self.temperature)
+                    out["sampled"] = solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=False,
+                                                n=samples, temperature=self.temperature, **common)
                 return out
             finally:
                 self.model.train()

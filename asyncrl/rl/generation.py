@@ -1,0 +1,69 @@
+"""What a generation is asked and what it gives back, shared by the sampler backends, the episode
+runner (``tasks/episodes.py``) and the evaluation (``model/evaluation.py``): `SamplingParams`,
+`Completion` and `row_seed`. Plain msgspec types, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How to sample. ``temperature == 0`` is greedy; ``seed`` makes a call reproducible (each
+    completion gets its own generator seeded from ``(seed, prompt index, sample index)``)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+    stop: list[str] = []
+    """Stop strings (both backends). A completion ends at the token whose text (decoded as ``text``
+    is, special tokens skipped) completes one; ``token_ids`` keep every token, the completing one
+    included, ``finish_reason`` is "stop", and ``text`` ends before the string (vLLM's
+    ``include_stop_str_in_output=False``). Of several, the one completed first wins."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, not {self.max_new_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0 (0: greedy), not {self.temperature!r}")
+        if not 0 < self.top_p <= 1:  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, not {self.stop_token_ids!r}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0 or None, not {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """One sampled continuation of a prompt (prompt tokens not included).
+
+    ``logprobs[t]`` is the log-probability of ``token_ids[t]`` under the distribution it was
+    actually drawn from: ``log_softmax(logits / temperature)``, restricted to the top-p nucleus and
+    renormalised when ``top_p < 1``. The trainer recomputes log-probs with the same temperature;
+    with ``top_p < 1`` the two differ by the log of the nucleus mass (the behaviour policy really
+    is the truncated one). For greedy (``temperature == 0``) they are ``log_softmax(logits)``.
+    A stop token ends the completion, is included in ``token_ids`` and has its log-prob;
+    ``finish_reason`` is ``"stop"`` then, ``"length"`` when ``max_new_tokens`` ran out. ``text`` is
+    the decoding of ``token_ids`` without the stop token, special tokens skipped (as the held-out
+    evaluation reads completions, so rewards and solve rates score the same text).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd constants: distinct (seed, prompt, sample) -> distinct streams
+
+
+def row_seed(seed: int, prompt: int, sample: int) -> int:
+    """Seed of completion ``sample`` of prompt ``prompt`` in a call made with ``seed``: a call's
+    output depends only on its own arguments, never on what else ran before it."""
+    return (seed * _MIX[0] + prompt * _MIX[1] + sample) % (1 << 63)

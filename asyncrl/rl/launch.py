@@ -1,0 +1,105 @@
+"""The main of a GRPO script, shared by ``examples/grpo.py`` (any task) and
+``examples/grpo_countdown.py`` (the README's command): read the command line, check everything,
+train, and turn the outcome into an exit status.
+
+The config is parsed in two phases, both before torch is imported (``--help`` and a typo answer at
+once): first the task (``--task.name``/``--task.reward`` from the command line, or from the run's
+config.json on ``--resume``) is looked up, since its class decides the config's shape (its options
+are a section of their own, ``--countdown.*``); then every flag is parsed against that shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from asyncrl import Supervisor
+from asyncrl.rl.config import GRPOConfig, TaskConfig, grpo_config_type, help_text, parse_overrides, take_option
+from asyncrl.rl.config.task import DEFAULT_TASK, split_ref
+from asyncrl.rl.tasks.loading import reward_function, task_class
+
+OPTIONS = [
+    ("--help", "Show this help and exit."),
+    ("--resume RUN_DIR", "Continue the run in RUN_DIR from its newest checkpoint, with its config.json; keys "
+                         "given with it apply on top (e.g. --run.steps to go further)."),
+]
+"""The flags a GRPO script takes besides its config keys."""
+
+
+async def grpo_main(argv: list[str] | None = None, doc: str = "", default_task: str = DEFAULT_TASK) -> int:
+    """Run GRPO as the command line ``argv`` (default: ``sys.argv[1:]``) says; returns the exit
+    status: 0 done, 1 the run could not go on (one line on stderr says why and how to resume).
+    ``doc``: the script's description for ``--help``. ``default_task``: the task when the command
+    line names none (a built-in name, FILE.py:CLASS or MODULE:CLASS, as ``--task.name`` takes; a
+    relative FILE.py is in the script's directory, so a copied script finds the task beside it).
+
+    Every mistake in a flag, a path or the task is a `ConfigError` raised before anything is
+    spawned or written: ``asyncrl launch`` prints its one line and exits with status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "grpo.py"
+    target, attr, is_file = split_ref(default_task)
+    if is_file and not os.path.isabs(os.path.expanduser(target)) and sys.argv and sys.argv[0]:
+        default_task = f"{os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), target)}:{attr}"
+    if "--help" in argv or "-h" in argv:
+        default = default_config(argv, _flag_value(argv, "--resume"), default_task)
+        usage = f"usage: asyncrl launch [LAUNCH FLAGS] {script} [--resume RUN_DIR] [--section.key VALUE ...]"
+        print("\n\n".join(part for part in (usage, doc.strip(), help_text(default, OPTIONS)) if part))
+        return 0
+    resume, argv = take_option(argv, "--resume", "RUN_DIR")
+    default = default_config(argv, resume, default_task)
+    if not resume:  # the flags are parsed before the driver (torch and all) is imported: a typo answers at once
+        config = parse_overrides(default, argv)
+    from asyncrl.rl.driver import RunStoppedError, check_run, resumed_config, train
+
+    if resume:  # the flags apply over the resumed run's config.json
+        config = parse_overrides(resumed_config(default, resume), [*argv, "--run.run_dir", resume])
+    config = check_run(config, resume=bool(resume))
+    try:
+        async with Supervisor() as sup:
+            await train(config, sup, resume=bool(resume))
+    except RunStoppedError as exc:  # every actor is gone by now (the supervisor stopped them)
+        print(f"{os.path.splitext(script)[0]}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def default_config(argv: list[str], resume: str, default_task: str = DEFAULT_TASK) -> GRPOConfig:
+    """The default config of the run ``argv`` asks for: of the type of its task (the one
+    ``--task.name`` names, that of the resumed run's config.json, else ``default_task``; none
+    with ``--task.reward``), whose options are a section of it. A task that cannot be loaded is
+    a one-line `ConfigError`."""
+    saved = _saved_task(resume) if resume else {}
+    name = _flag_value(argv, "--task.name") or (None if _flag_value(argv, "--task.reward") else saved.get("name"))
+    reward = _flag_value(argv, "--task.reward") or (None if name else saved.get("reward"))
+    if reward:
+        reward_function(reward)  # its mistakes named as typed, before the rest is parsed
+        return GRPOConfig()
+    config_type = grpo_config_type(task_class(name or default_task))
+    if name or default_task == DEFAULT_TASK:
+        return config_type()
+    return config_type(task=TaskConfig(name=default_task))  # a script's own default task, kept in config.json
+
+
+def _flag_value(argv: list[str], flag: str) -> str:
+    """The value of the last ``flag value`` or ``flag=value`` in ``argv`` ("" if none), read
+    without judging the rest: the full parse names any mistake."""
+    value = ""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def _saved_task(run_dir: str) -> dict[str, Any]:
+    """The task section of the config.json of the run in ``run_dir``; {} when there is none to
+    read (`resumed_config` then says what is wrong with the directory)."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            task = json.load(f).get("task")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {k: v for k, v in task.items() if isinstance(v, str)} if isinstance(task, dict) else {}

@@ -1,0 +1,122 @@
+"""A user's own task, defined in this file, trained end to end through ``asyncrl launch
+examples/grpo.py --task.name tests/test_user_task.py:Class``: every process (the driver's checks,
+the samplers, the trainer's evaluation) imports it from here. And the user's code failing in each
+way it can: the run goes on, counting the failures, until too many fail; then it stops naming the
+task and the first traceback."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+from asyncrl.rl.tasks.base import Score, Task
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.abspath(__file__)
+TINY = ["--model.hidden_size", "32", "--model.num_layers", "1", "--model.num_heads", "1", "--model.num_kv_heads", "1",
+        "--model.intermediate_size", "64", "--model.max_positions", "32", "--warm_start.n_examples", "200",
+        "--warm_start.heldout_reserve", "16", "--warm_start.eval_problems", "0", "--run.n_heldout", "16",
+        "--run.n_train", "150", "--sampler.max_new_tokens", "4", "--sampler.backend", "hf", "--run.mode", "sync",
+        "--run.eval_samples", "0", "--run.checkpoint_every", "0"]
+
+
+class YesNo(Task):
+    """Answer a question with "yes" or "no"; the reward wants "yes". The warm start teaches both
+    answers, half and half, so GRPO starts from a coin and has one thing to learn."""
+
+    name = "yesno"
+
+    def problems(self):
+        return [{"q": f"q{i}"} for i in range(200)]
+
+    def prompt(self, problem):
+        return f"{problem['q']}?"
+
+    def score(self, problem, completion):
+        return Score(1.0 if completion.startswith("yes") else 0.0, metrics={"said_no": completion.startswith("no")})
+
+    def demonstration(self, problem):  # a coin per problem that the prompt does not give away
+        return "yes" if zlib.crc32(problem["q"].encode()) % 2 else "no"
+
+
+class Flaky(YesNo):
+    """Scores every way a user's code can fail, in turn: raises, hangs past the deadline, returns
+    NaN, returns a string; and scores right in between."""
+
+    name = "flaky"
+
+    def score(self, problem, completion):
+        kind = int(problem["q"][1:]) % 5
+        if kind == 0:
+            raise ZeroDivisionError("the user's bug")
+        if kind == 1:
+            time.sleep(1.5)  # blocks its thread, past --task.score_timeout_s
+        if kind == 2:
+            return math.nan
+        if kind == 3:
+            return "1.0"
+        return 1.0
+
+
+class Broken(YesNo):
+    """A score that always raises: the run must stop, naming the task and the traceback."""
+
+    name = "broken"
+
+    def score(self, problem, completion):
+        return {"reward": 1.0}["rewrd"]
+
+
+def launch(tmp_path, *args, timeout=300):
+    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo.py"),
+                           *TINY, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_task_defined_in_a_test_file_learns(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch(tmp_path, "--task.name", f"{HERE}:YesNo", "--run.steps", "12", "--run.groups_per_step", "4",
+                  "--sampler.group_size", "4", "--trainer.lr", "3e-3", "--warm_start.steps", "80", "--warm_start.lr", "1e-2",
+                  "--warm_start.warmup_steps", "5", "--warm_start.batch_size", "32",
+                  "--run.eval_every", "12", "--run.run_dir", str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rewards = [r["reward_mean"] for r in records(run_dir)]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    first = records(run_dir)[0]
+    assert "task/said_no" in first and 0.0 <= first["task/said_no"] <= 1.0
+    assert json.loads((run_dir / "config.json").read_text())["task"]["name"] == f"{HERE}:YesNo"
+    assert "task yesno" in done.stdout
+
+
+def test_failing_user_code_scores_zero_is_counted_and_the_run_goes_on(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch(tmp_path, "--task.name", f"{HERE}:Flaky", "--task.score_timeout_s", "0.3",
+                  "--task.max_failure_rate", "0.95", "--run.steps", "3", "--run.groups_per_step", "5",
+                  "--sampler.group_size", "2", "--warm_start.steps", "3", "--run.eval_every", "3",
+                  "--run.run_dir", str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    counted: dict[str, float] = {}
+    for r in records(run_dir):
+        for key, value in r.items():
+            if key.startswith("task_errors/"):
+                counted[key] = counted.get(key, 0) + value
+    assert {"task_errors/raised", "task_errors/timeout", "task_errors/bad_value"} <= set(counted), counted
+    assert all(r["reward_mean"] <= 0.2 + 1e-9 for r in records(run_dir))  # only 1 problem in 5 can score
+
+
+def test_a_task_that_always_fails_stops_the_run_naming_it_and_its_traceback(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch(tmp_path, "--task.name", f"{HERE}:Broken", "--run.steps", "20", "--run.groups_per_step", "8",
+                  "--sampler.group_size", "4", "--warm_start.steps", "3", "--run.run_dir", str(run_dir))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "broken" in done.stderr and "KeyError" in done.stderr and "rewrd" in done.stderr, done.stderr[-3000:]
+    assert "--task.max_failure_rate" in done.stderr
