@@ -84,6 +84,10 @@ class Receiver(SyncMember):
         await asyncio.to_thread(self.receiver.receive, version, into)
         return digest(self.state)
 
+    @endpoint
+    async def mapped(self) -> int:
+        return mapped_allocations(self)
+
     def _consume(self, name: str, tensor: torch.Tensor) -> None:
         if self.slow_s:
             time.sleep(self.slow_s)
@@ -123,3 +127,8 @@ class NcclProbe(SyncMember):
             torch.distributed.init_process_group("nccl", store=store, rank=self.sync_group.rank,
                                                  world_size=self.sync_group.world_size,
                                                  device_id=torch.device("cuda", 0))
+
+
+def mapped_allocations(member: SyncMember) -> int:
+    """Allocations a CUDA IPC communicator has mapped (-1 for another backend)."""
+    return getattr(member.sync_comm, "mapped", -1)

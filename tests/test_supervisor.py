@@ -178,6 +178,28 @@ async def test_devices_are_assigned_and_hidden(monkeypatch):
         assert sorted((await b.env("CUDA_VISIBLE_DEVICES")).split(",")) == ["3", "5", "7"]
 
 
+async def test_colocated_actors_share_the_owners_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    async with Supervisor(device_kind="cuda") as sup:
+        owner = await sup.spawn(Echo, name="owner", gpus=1)
+        guest = await sup.spawn(Echo, name="guest", share_devices_with="owner", max_restarts=1)
+        assert await guest.env("CUDA_VISIBLE_DEVICES") == "3" == await owner.env("CUDA_VISIBLE_DEVICES")
+        with pytest.raises(NoFreeDevicesError, match="0 of 1"):
+            await sup.spawn(Echo, gpus=1)  # shared, not a second device
+        with pytest.raises(ValueError, match="neither gpus= nor another node"):
+            await sup.spawn(Echo, gpus=1, share_devices_with="owner")
+        with pytest.raises(ValueError, match="'nobody', which is not running"):
+            await sup.spawn(Echo, share_devices_with="nobody")
+        cpu = await sup.spawn(Echo, name="cpu")
+        with pytest.raises(ValueError, match="'cpu', which has none"):
+            await sup.spawn(Echo, share_devices_with="cpu")
+        await sup.stop(guest)  # a guest gives nothing back: the owner still holds the device
+        with pytest.raises(NoFreeDevicesError):
+            await sup.spawn(Echo, gpus=1)
+        await sup.stop(owner)
+        assert await (await sup.spawn(Echo, gpus=1)).env("CUDA_VISIBLE_DEVICES") == "3"
+
+
 def _local_actor_class():
     class Local(Echo):
         pass

@@ -19,7 +19,8 @@ import torch
 from asyncrl.comm.communicator import Communicator
 from asyncrl.comm.rendezvous import StoreGroup
 
-BACKENDS = ("auto", "nccl", "hccl", "gloo")
+BACKENDS = ("auto", "nccl", "hccl", "gloo", "ipc")
+"""``ipc``: CUDA IPC between processes on one GPU (`cuda_ipc.py`); never what ``auto`` picks."""
 
 _BACKEND_OF_DEVICE = {"cuda": "nccl", "npu": "hccl"}
 
@@ -47,13 +48,17 @@ def _device_type(device: torch.device | str | int) -> str:
 def make_communicator(group: StoreGroup, backend: str = "auto", timeout_s: float = 60.0, *,
                       device: torch.device | str | int | None = None) -> Communicator:
     """The communicator of ``group`` for this process: ``nccl`` on a CUDA device, ``hccl`` on an
-    Ascend NPU, ``gloo`` on CPU; ``auto`` picks by `resolve_backend`. ``device`` is the accelerator
+    Ascend NPU, ``gloo`` on CPU, ``ipc`` for members sharing one GPU; ``auto`` picks by `resolve_backend`. ``device`` is the accelerator
     (None: the current CUDA device for nccl, NPU 0 for hccl); gloo always works on CPU tensors."""
     backend = resolve_backend(backend, device)
     if backend == "gloo":
         from asyncrl.comm.gloo import GlooCommunicator
 
         return GlooCommunicator.create(group, timeout_s)
+    if backend == "ipc":
+        from asyncrl.comm.cuda_ipc import CudaIpcCommunicator
+
+        return CudaIpcCommunicator.create(group, device, timeout_s)
     if backend == "nccl":
         from asyncrl.comm.pynccl import NcclCommunicator
 

@@ -307,7 +307,9 @@ class WeightSender(_WeightSync):
                  else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype)) for n, t in tensors.items()]
         # A tensor larger than a bucket goes straight from the parameter when nothing has to change
         # on the way (contiguous, no cast): no staging copy, and no pipeline fill before it.
+        # (Not across devices: a CUDA model's weights on a CPU communicator are staged.)
         direct = [n for n, t in tensors.items() if t.nbytes > bucket_bytes and t.is_contiguous()
+                  and t.device == comm.device
                   and (wire_dtype is None or not t.is_floating_point() or t.dtype == wire_dtype)]
         layout = build_layout(specs, bucket_bytes, direct=direct)
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
@@ -393,9 +395,11 @@ class WeightReceiver(_WeightSync):
         received = []
         for i in self.layout.direct:
             spec = self.layout.tensors[i]
-            if consumer is None:
+            if consumer is None and into[spec.name].device == self.comm.device:
                 self.staging.transfer_direct(into[spec.name], self.src)
                 continue
+            # A temporary on the communicator's device: for the consumer, or for a destination on
+            # another device (a CUDA model taking weights over gloo), copied there once received.
             with torch.cuda.stream(self.staging.comm_stream) if self.staging.cuda else contextlib.nullcontext():
                 whole = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.comm.device)
             self.staging.transfer_direct(whole, self.src)
@@ -404,7 +408,10 @@ class WeightReceiver(_WeightSync):
             self.staging.direct_done()
             with torch.cuda.stream(self.staging.copy_stream) if self.staging.cuda else contextlib.nullcontext():
                 for name, whole in received:
-                    consumer(name, whole)
+                    if consumer is None:
+                        into[name].copy_(whole)
+                    else:
+                        consumer(name, whole)
 
     def _deliver(self, consumer: _ConsumerGuard, k: int, partial: dict[int, torch.Tensor]) -> None:
         for seg, view in zip(self.layout.buckets[k], self.staging.views[k]):

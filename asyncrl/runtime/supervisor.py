@@ -190,6 +190,7 @@ class Supervisor:
         call_timeout_s: float | None = None,
         kwargs: dict[str, Any] | None = None,
         node: int | None = None,
+        share_devices_with: str | None = None,
     ) -> ActorHandle:
         """Start ``cls(*args, **kwargs)`` in a new process and return its handle once ``__init__``
         and ``on_start`` have returned there. Raises ``ActorStartError`` (with the remote
@@ -197,7 +198,9 @@ class Supervisor:
 
         ``node`` picks the node (0 is this one); by default an actor with ``gpus=0`` runs on node
         0 and one with devices on the lowest-ranked node that has ``gpus`` free (first fit, so a
-        multi-device actor keeps its devices on one node)."""
+        multi-device actor keeps its devices on one node). ``share_devices_with`` names a living
+        actor whose devices (and node) this one uses too, colocated: they stay that actor's, given
+        back when it ends, never by this one."""
         self._require_running()
         endpoints_of(cls)  # validates the class and its endpoint annotations here, not remotely
         ref = class_ref(cls)
@@ -216,7 +219,10 @@ class Supervisor:
             spec.arg_decoder.decode(payload, [b"", *bufs])
         except msgspec.ValidationError as e:
             raise InvalidArgumentsError(name, "__init__", "InvalidArgumentsError", spec.explain(e)) from None
-        rank, devices = place(name, gpus, node, self.config.nnodes, self._devices, self._cluster)
+        if share_devices_with is None:
+            rank, devices = place(name, gpus, node, self.config.nnodes, self._devices, self._cluster)
+        else:
+            rank, devices = self._shared_devices(name, share_devices_with, gpus, node)
         rec = ActorRecord(
             name=name,
             index=next(self._indices),
@@ -231,6 +237,7 @@ class Supervisor:
             # a reused name continues its numbering, so (name, incarnation) never repeats
             incarnation=previous.incarnation if previous is not None else 0,
         )
+        rec.devices_released = share_devices_with is not None  # the owner's to give back
         self._records[name] = rec
         try:
             await self._incarnations.start(rec)
@@ -242,6 +249,16 @@ class Supervisor:
                 del self._records[name]
             raise
         return ActorHandle(rec, endpoints_of(cls))
+
+    def _shared_devices(self, name: str, owner: str, gpus: int, node: int | None) -> tuple[int, list[str]]:
+        record = self._records.get(owner)
+        if record is None or record.state.final:
+            raise ValueError(f"actor {name!r} is to share the devices of {owner!r}, which is not running")
+        if gpus or (node is not None and node != record.node):
+            raise ValueError(f"actor {name!r} shares {owner!r}'s devices: it takes neither gpus= nor another node")
+        if not record.devices:
+            raise ValueError(f"actor {name!r} is to share the devices of {owner!r}, which has none")
+        return record.node, list(record.devices)
 
     async def spawn_group(self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any) -> list[ActorHandle]:
         """Start ``n`` alike actors concurrently, named ``<name>-0 .. <name>-(n-1)``. If any fails

@@ -127,7 +127,8 @@ class RunConfig:
     run_dir: str = ""
     """Where config.json, metrics.jsonl and checkpoints go (default: runs/grpo-<time>)."""
     device: str = "auto"
-    """'auto' (one GPU each for trainer and samplers when there are enough, else CPU), 'cpu' or 'cuda'."""
+    """'auto' (GPUs when there are any: one each for trainer and samplers when there are enough,
+    else the samplers share the trainer's; the CPU when there are none), 'cpu' or 'cuda' (docs/gpu.md)."""
     check_weights: bool = False
     """After every sync, compare a digest of the weights on the trainer and on every sampler; a
     mismatch stops the run (tests and debugging: one pass over the weights per member and sync).

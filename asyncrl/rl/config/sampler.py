@@ -28,6 +28,9 @@ class SamplerConfig:
     backend: str = "auto"
     """Inference engine: 'vllm', 'hf' (transformers), or 'auto' (vLLM where it is installed and
     supports the sampler's device, else hf; each sampler logs which it picked). See docs/vllm.md."""
+    gpu_memory_utilization: float = 0.0
+    """vLLM on a GPU: the share of the GPU's memory each engine reserves (0: vLLM's default alone on
+    a GPU; 0.3 split among the samplers when they share the trainer's GPU). See docs/gpu.md."""
 
     def __post_init__(self) -> None:
         if self.weight_update not in ("in_flight", "pause"):
@@ -36,5 +39,7 @@ class SamplerConfig:
             raise ValueError(f"backend must be 'auto', 'vllm' or 'hf', not {self.backend!r}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (0: the model's own limit), not {self.max_new_tokens!r}")
+        if not 0 <= self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in [0, 1) (0: the default), not {self.gpu_memory_utilization!r}")
         if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 1:
             raise ValueError("need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 1")

@@ -22,6 +22,7 @@ from asyncrl.errors import first_line
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, config_to_dict
+from asyncrl.rl.driver.devices import plan_devices
 from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
@@ -105,10 +106,9 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         except asyncio.CancelledError:
             stop_warm_start.set()
             raise
-        kind, ids = detect("auto")
-        cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= 1 + config.sampler.count)
-        device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
-        log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {device}; "
+        plan = plan_devices(run.device, *detect("auto"), config.sampler.count)
+        cuda, device = plan.device == "cuda", plan.device
+        log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
             f"{config.sampler.count} sampler(s); mode {run.mode}")
 
         # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
@@ -116,22 +116,24 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         env = {"TQDM_DISABLE": "1"} | ({} if cuda else {"OMP_NUM_THREADS": "1"})
         # No restarts for the trainer: a new one would start from the initial weights. Losing it
         # stops the run, which resumes from its last checkpoint instead.
-        trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer", gpus=gpus, env=env,
-                                  kwargs={"device": device, "seed": run.seed, "task": spec, "data": run.data})
+        trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer",
+                                  gpus=plan.trainer_gpus, env=env, kwargs={"device": device, "seed": run.seed, "task": spec, "data": run.data})
         if checkpoint is not None:
             checkpoint = await load_checkpoint(trainer, run, run_dir, checkpoint, candidates, damaged, log)
             commit(checkpoint)
             move_damaged_aside(damaged, log)
-        samplers = [await sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=gpus, env=env,
+        vllm = plan.vllm_options(config.sampler.gpu_memory_utilization, config.sampler.count)
+        samplers = [await sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
+                                    share_devices_with="trainer" if plan.colocated else None, env=env,
                                     max_restarts=run.recovery.sampler_max_restarts, kwargs={
                         "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
-                        "sync_timeout_s": run.deadlines.sync_timeout_s})
+                        "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm})
                     for i in range(config.sampler.count)]
         if run.check_weights:
             await _check_digestible(samplers)
         host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
-                            backend="nccl" if cuda else "gloo",
+                            backend=plan.sync_backend,
                             seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
                             model_path=model_path, log_path=console.path)
         return await driver.execute()

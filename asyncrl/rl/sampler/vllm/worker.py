@@ -310,8 +310,8 @@ def _check_join(host: Any, port: Any, rank: Any, world_size: Any, generation: An
     for what, value in (("host", host), ("backend", backend), ("name", name)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{what} must be a non-empty string, not {value!r}")
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend must be auto, gloo or nccl in a vLLM worker, not {backend!r}")
+    if backend not in ("auto", "gloo", "nccl", "ipc"):
+        raise ValueError(f"backend must be auto, gloo, nccl or ipc in a vLLM worker, not {backend!r}")
     _check_timeout(timeout_s)
 
 

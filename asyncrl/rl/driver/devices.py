@@ -1,0 +1,69 @@
+"""Where a GRPO run's actors go on this host: CPU, a GPU each, or colocated on one GPU.
+
+`plan_devices` decides from ``--run.device`` and the devices the supervisor sees, and says what it
+decided in one line, so a run never falls back to the CPU (or squeezes onto one GPU) silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncrl.rl.config.parse import ConfigError
+
+COLOCATED_VLLM_SHARE = 0.3
+"""The share of a colocated GPU's memory the vLLM samplers get together, by default: vLLM reserves
+its share up front, and the rest must hold the trainer (a 0.5B model with AdamW in fp32: ~8 GB plus
+activations; see docs/gpu.md)."""
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: str
+    """"cpu" or "cuda": what the trainer and samplers compute on."""
+    colocated: bool
+    """The samplers share the trainer's GPU (fewer GPUs than actors)."""
+    sync_backend: str
+    """The weight-sync communicator: gloo on CPU, nccl between GPUs, ipc on one GPU."""
+    line: str
+    """What was decided, for the run's log."""
+
+    @property
+    def trainer_gpus(self) -> int:
+        return int(self.device == "cuda")
+
+    @property
+    def sampler_gpus(self) -> int:
+        """GPUs each sampler asks for itself (a colocated one takes the trainer's)."""
+        return int(self.device == "cuda" and not self.colocated)
+
+    def vllm_options(self, share: float, samplers: int) -> dict:
+        """`VLLMBackend` options for each sampler: its share of GPU memory (``share``: the config's,
+        0 for the default: the engine's own alone on a GPU, `COLOCATED_VLLM_SHARE` split when colocated)."""
+        if self.device != "cuda":
+            return {}
+        if share:
+            return {"gpu_memory_utilization": share}
+        return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)} if self.colocated else {}
+
+
+def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int) -> DevicePlan:
+    """``asked``: --run.device ("auto", "cpu", "cuda"); ``kind``/``ids``: the host's accelerators
+    (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has."""
+    gpus = len(ids) if kind == "cuda" else 0
+    wanted = 1 + samplers
+    if asked == "cpu":
+        also = f" ({gpus} CUDA device(s) left unused: --run.device auto uses them)" if gpus else ""
+        return DevicePlan("cpu", False, "gloo", f"cpu, as asked{also}")
+    if gpus == 0:
+        if asked == "cuda":
+            seen = f"{kind} devices {','.join(ids)}" if kind else "no accelerator"
+            raise ConfigError(f"--run.device cuda, but this host shows no CUDA device ({seen}; CUDA_VISIBLE_DEVICES "
+                              "or the driver may hide them); drop --run.device for the CPU")
+        why = ("Ascend NPUs are not yet placed by GRPO runs" if kind == "npu" else "no CUDA device found")
+        return DevicePlan("cpu", False, "gloo", f"cpu ({why})")
+    if gpus >= wanted:
+        return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for the trainer and {samplers} sampler(s)")
+    unused = f"; {gpus - 1} other GPU(s) unused" if gpus > 1 else ""
+    return DevicePlan("cuda", True, "ipc",
+                      f"cuda, colocated: {gpus} GPU(s) for a trainer and {samplers} sampler(s), so the samplers share "
+                      f"the trainer's GPU and take weights over CUDA IPC{unused}")

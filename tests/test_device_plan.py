@@ -1,0 +1,55 @@
+"""Where a GRPO run's actors go (rl/driver/devices.py): every case says what it decided, none
+falls back to the CPU silently; and the ipc communicator refuses anything but CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.driver.devices import plan_devices
+
+
+def test_enough_gpus_give_each_actor_its_own():
+    plan = plan_devices("auto", "cuda", ["0", "1", "2"], 2)
+    assert (plan.device, plan.colocated, plan.sync_backend) == ("cuda", False, "nccl")
+    assert (plan.trainer_gpus, plan.sampler_gpus) == (1, 1)
+    assert plan.vllm_options(0.0, 2) == {} and plan.vllm_options(0.5, 2) == {"gpu_memory_utilization": 0.5}
+
+
+@pytest.mark.parametrize("asked", ["auto", "cuda"])
+def test_fewer_gpus_than_actors_colocate_on_the_trainers(asked):
+    plan = plan_devices(asked, "cuda", ["0"], 1)
+    assert (plan.device, plan.colocated, plan.sync_backend) == ("cuda", True, "ipc")
+    assert (plan.trainer_gpus, plan.sampler_gpus) == (1, 0)
+    assert "colocated" in plan.line and "CUDA IPC" in plan.line
+    assert plan.vllm_options(0.0, 2) == {"gpu_memory_utilization": 0.15}  # 0.3 split among the samplers
+    assert "1 other GPU(s) unused" in plan_devices(asked, "cuda", ["0", "1"], 2).line
+
+
+def test_no_gpu_is_the_cpu_and_says_why():
+    plan = plan_devices("auto", None, [], 1)
+    assert (plan.device, plan.sync_backend) == ("cpu", "gloo") and "no CUDA device found" in plan.line
+    assert "Ascend NPUs" in plan_devices("auto", "npu", ["0"], 1).line
+    assert plan.vllm_options(0.3, 1) == {}
+
+
+def test_cpu_asked_for_names_the_gpus_it_leaves():
+    plan = plan_devices("cpu", "cuda", ["0", "1"], 1)
+    assert plan.device == "cpu" and "2 CUDA device(s) left unused" in plan.line
+
+
+def test_cuda_asked_for_without_one_is_a_config_error():
+    with pytest.raises(ConfigError, match="--run.device cuda, but this host shows no CUDA device"):
+        plan_devices("cuda", None, [], 1)
+
+
+def test_ipc_communicator_needs_a_cuda_device():
+    from asyncrl.comm.join import make_communicator
+    from asyncrl.comm.rendezvous import StoreGroup
+
+    group = StoreGroup.create("127.0.0.1", 0, 0, 1, 10.0, name="ipc-test")
+    try:
+        with pytest.raises(ValueError, match="ipc communicator needs a CUDA device, not cpu"):
+            make_communicator(group, "ipc", device="cpu")
+    finally:
+        group.close()
