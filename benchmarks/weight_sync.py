@@ -2,11 +2,14 @@
 
     python benchmarks/weight_sync.py --shape 0.5b --receivers 1            # GPUs: one sender, one receiver
     python benchmarks/weight_sync.py --shape tiny --backend gloo --receivers 3   # CPU
+    python benchmarks/weight_sync.py --shape 0.5b --backend ipc                  # one GPU, colocated
 
 Each member is an actor on its own GPU (or CPU process). A "sync" is the whole of
 `WeightSender.send` / `WeightReceiver.receive`: vote, pack into buckets, broadcast, unpack into the
 receiver's parameters, commit. "raw" is `torch.distributed.broadcast` of one flat buffer holding
-the same bytes, in the same processes, followed by a device synchronize. Times per iteration are
+the same bytes, in the same processes, followed by a device synchronize (with ``--backend ipc``,
+where every member shares one GPU and NCCL cannot run, "raw" is one device-to-device copy of those
+bytes inside the sender: the floor of any transfer on that GPU). Times per iteration are
 the slowest member's; the table shows medians. The first sync is reported apart, together with the
 time to form the group (rendezvous and communicator creation).
 """
@@ -125,6 +128,24 @@ class Member(SyncMember):
         return await asyncio.to_thread(run)
 
     @endpoint
+    async def raw_copies(self, iters: int) -> list[float]:
+        """One device-to-device copy of the state's bytes per iteration (the colocated floor)."""
+        def run():
+            total = sum(t.numel() for t in self.state.values())
+            src, dst = (torch.empty(total, dtype=torch.bfloat16, device=self.device) for _ in range(2))
+            times = []
+            for _ in range(iters):
+                self._synchronize()
+                start = time.perf_counter()
+                dst.copy_(src)
+                self._synchronize()
+                times.append(time.perf_counter() - start)
+            del src, dst
+            return times
+
+        return await asyncio.to_thread(run)
+
+    @endpoint
     async def extra_peak_bytes(self) -> int:
         """Peak device memory beyond the parameters since set-up (the staging buffers)."""
         if self.device.type != "cuda":
@@ -142,7 +163,7 @@ async def main() -> None:
     parser.add_argument("--receivers", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--bucket-mib", type=int, default=256)
-    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
+    parser.add_argument("--backend", choices=["auto", "nccl", "gloo", "ipc"], default="auto")
     args = parser.parse_args()
     cuda = args.backend != "gloo" and torch.cuda.is_available()
     device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
@@ -150,8 +171,11 @@ async def main() -> None:
 
     async with Supervisor(device_kind="cuda" if cuda else "auto") as sup:
         members = [await sup.spawn(Member, args.shape, device, True, name="sender", gpus=gpus)]
+        colocated = args.backend == "ipc"
         for i in range(args.receivers):
-            members.append(await sup.spawn(Member, args.shape, device, False, name=f"receiver{i}", gpus=gpus))
+            members.append(await sup.spawn(Member, args.shape, device, False, name=f"receiver{i}",
+                                           gpus=0 if colocated else gpus,
+                                           share_devices_with="sender" if colocated else None))
         start = time.perf_counter()
         await form_group(members, "127.0.0.1", backend=args.backend if args.backend != "auto" else
                          ("nccl" if cuda else "gloo"), timeout_s=120)
@@ -160,7 +184,8 @@ async def main() -> None:
         first_total = time.perf_counter() - start
         ours = slowest(await asyncio.gather(*(m.syncs(args.iters) for m in members)))
         extra = await asyncio.gather(*(m.extra_peak_bytes() for m in members))  # before raw's flat buffer
-        raw = slowest(await asyncio.gather(*(m.raw_broadcasts(args.iters) for m in members)))
+        raw = (await members[0].raw_copies(args.iters) if colocated else
+               slowest(await asyncio.gather(*(m.raw_broadcasts(args.iters) for m in members))))
         created = await asyncio.gather(*(m.sync_created() for m in members))
 
     gib = nbytes / (1 << 30)
@@ -171,7 +196,8 @@ async def main() -> None:
     print("| --- | --- | --- |")
     print(f"| form group + set-up + first sync | {first_total * 1e3:.1f} ms (first sync alone {first * 1e3:.1f} ms) | |")
     print(f"| sync (pack, broadcast, unpack, commit) | {ours_s * 1e3:.2f} ms | {gib / ours_s:.1f} |")
-    print(f"| raw torch.distributed.broadcast | {raw_s * 1e3:.2f} ms | {gib / raw_s:.1f} |")
+    raw_what = "one device-to-device copy (floor)" if colocated else "raw torch.distributed.broadcast"
+    print(f"| {raw_what} | {raw_s * 1e3:.2f} ms | {gib / raw_s:.1f} |")
     print(f"| ours / raw | {raw_s / ours_s * 100:.0f}% | |")
     print(f"communicators created per member over {args.iters + 1} syncs: {[c for c in created]}")
     if cuda:
