@@ -62,7 +62,7 @@ def test_auto_without_a_device_picks_nccl_only_where_cuda_is_available(monkeypat
 
 
 def test_an_unknown_backend_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"unknown communicator backend 'mpi' \(auto, nccl, hccl, gloo\)"):
+    with pytest.raises(ValueError, match=r"unknown communicator backend 'mpi' \(auto, nccl, hccl, gloo, ipc\)"):
         resolve_backend("mpi")
 
 
