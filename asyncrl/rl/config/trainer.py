@@ -68,6 +68,15 @@ class TrainerConfig:
     """Clipping, truncated importance weight, KL and aggregation of the GRPO loss."""
     bf16: bool = True
     """bf16 autocast for the forward pass on GPU (parameters and optimiser stay fp32)."""
+    pack_tokens: int = 0
+    """Pack several prompt + completion sequences into rows of up to this many tokens, attention
+    kept within each (``trainer/packing.py``); at most ``micro_batch_tokens``. 0: one padded
+    sequence per row. Same loss and gradients either way; packing saves the padding's compute."""
+    attn_implementation: str = ""
+    """The trainer model's attention implementation as transformers names it ("sdpa", "eager",
+    "flash_attention_2", which needs the flash-attn package and a GPU); empty: the checkpoint's
+    default (sdpa). Packed rows get a block-diagonal mask under sdpa/eager and flash attention's
+    varlen path (sequence boundaries from the position ids) under flash_attention_*."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -78,3 +87,6 @@ class TrainerConfig:
             raise ValueError(f"temperature must be > 0, not {self.temperature!r}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0, not {self.grad_clip!r}")
+        if not 0 <= self.pack_tokens <= self.micro_batch_tokens:
+            raise ValueError(f"pack_tokens must be in [0, micro_batch_tokens = {self.micro_batch_tokens}] "
+                             f"(a packed row is one forward at most), not {self.pack_tokens!r}")

@@ -3,7 +3,8 @@
 It is rank 0 of the weight-sync group (`SyncMember` gives it the rendezvous endpoints) and the
 only holder of an optimiser. A batch arrives as `RolloutGroup`s; each completion becomes one
 sequence ``prompt + completion`` whose completion tokens are scored. Micro-batches are cut by a
-token budget, padded tokens counted (``trainer/batching.py``), and the loss (``trainer/loss.py``)
+token budget, padded tokens counted (``trainer/batching.py``; several sequences per row with
+``pack_tokens``, ``trainer/packing.py``), and the loss (``trainer/loss.py``)
 is normalised by the whole batch's count, so the accumulated gradient equals that of the full
 batch whatever the cut. Checkpoints are written and loaded by ``trainer/checkpoint.py``.
 """
@@ -28,6 +29,7 @@ from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_logprobs
+from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
 from asyncrl.runtime.actor import endpoint
 
 
@@ -37,8 +39,6 @@ class TrainerActor(SyncMember):
 
     def __init__(self, model_path: str, config: TrainerConfig = TrainerConfig(), *, device: str = "cpu", seed: int = 0,
                  task: TaskSpec = TaskSpec("countdown"), data: DataConfig = DataConfig()):
-        from asyncrl.rl.model.policy import load_policy  # transformers is heavy: import in the actor only
-
         torch.manual_seed(seed)
         self.config = config
         self.task_spec, self.data = task, data
@@ -51,16 +51,24 @@ class TrainerActor(SyncMember):
             self.device = torch.device("cuda", 0)  # the actor sees only its own GPU
             torch.cuda.set_device(self.device)
         self.model_path = model_path
-        self.model, self.tokenizer, self.fmt = load_policy(model_path, self.device, torch.float32)
+        self.model, self.tokenizer, self.fmt = self._load_policy(model_path)
         self.model.train()
         self.ref = None
         if self.config.loss.kl_coef > 0:
-            self.ref, _, _ = load_policy(model_path, self.device, torch.float32)
+            self.ref, _, _ = self._load_policy(model_path)
             self.ref.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
                                            weight_decay=self.config.weight_decay)
         self.sender: WeightSender | None = None
         self.steps = 0
+
+    def _load_policy(self, path: str):
+        from asyncrl.rl.model.policy import load_policy
+
+        model, tokenizer, fmt = load_policy(path, self.device, torch.float32)
+        if self.config.attn_implementation:
+            model.set_attn_implementation(self.config.attn_implementation)
+        return model, tokenizer, fmt
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
@@ -93,7 +101,10 @@ class TrainerActor(SyncMember):
         start = time.perf_counter()
         cfg = self.config
         advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
-        batches = micro_batches(groups, advantages, cfg.micro_batch_tokens, self.device)
+        if cfg.pack_tokens:
+            batches = packed_micro_batches(groups, advantages, cfg.micro_batch_tokens, self.device, cfg.pack_tokens)
+        else:
+            batches = micro_batches(groups, advantages, cfg.micro_batch_tokens, self.device)
         n_tokens = float(sum(int(b.mask.sum()) for b in batches))
         n_seqs = float(sum(int(b.mask.any(dim=1).sum()) for b in batches))
         normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
@@ -118,16 +129,16 @@ class TrainerActor(SyncMember):
         cfg = self.config
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda" and cfg.bf16)
         with autocast:
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits
+            logits = policy_logits(self.model, batch)
         logits = logits.float() / self.temperature
-        new = token_logprobs(logits, batch.input_ids).gather(1, batch.score_index)
+        new = batch.scored(token_logprobs(logits, batch.input_ids))
         ref = None
         if self.ref is not None:
             with torch.no_grad(), autocast:
-                ref_logits = self.ref(input_ids=batch.input_ids, attention_mask=batch.attention).logits
-            ref = token_logprobs(ref_logits.float() / self.temperature, batch.input_ids).gather(1, batch.score_index)
+                ref_logits = policy_logits(self.ref, batch)
+            ref = batch.scored(token_logprobs(ref_logits.float() / self.temperature, batch.input_ids))
         with torch.no_grad():  # entropy of the policy at the scored positions (a metric only)
-            scored = logits[:, :-1].gather(1, batch.score_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            scored = batch.scored(logits[:, :-1])
             logp = torch.log_softmax(scored, dim=-1)
             entropy = -(logp.exp() * logp).sum(-1)
         loss, metrics = grpo_loss(new, batch.behaviour, batch.advantages, batch.mask, cfg.loss,
@@ -178,12 +189,11 @@ class TrainerActor(SyncMember):
         """Take the policy, optimiser state and RNG states of the checkpoint at ``path`` (before
         the weight-sync group is formed); returns the trainer's step count there."""
         from asyncrl.rl.checkpoint import Checkpoint
-        from asyncrl.rl.model.policy import load_policy
         from asyncrl.rl.trainer.checkpoint import load_trainer_state
 
         def load() -> int:
             checkpoint = Checkpoint(-1, path)
-            model, _, _ = load_policy(checkpoint.model_dir, self.device, torch.float32)
+            model, _, _ = self._load_policy(checkpoint.model_dir)
             self.model = model.train()
             cfg = self.config
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
