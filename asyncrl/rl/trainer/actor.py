@@ -33,6 +33,11 @@ from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
 from asyncrl.runtime.actor import endpoint
 
 
+ADAPTER_DIR = "adapter"
+"""With LoRA, a saved policy (final, best) holds the adapter in peft's format in this subdirectory,
+beside the merged checkpoint."""
+
+
 class TrainerActor(SyncMember):
     """Holds the policy and its optimiser; rank 0 of the weight-sync group. ``task`` and ``data``
     give the held-out problems `evaluate` solves (the task is built here, from its spec)."""
@@ -51,14 +56,12 @@ class TrainerActor(SyncMember):
             self.device = torch.device("cuda", 0)  # the actor sees only its own GPU
             torch.cuda.set_device(self.device)
         self.model_path = model_path
-        self.model, self.tokenizer, self.fmt = self._load_policy(model_path)
-        self.model.train()
+        self.model, self.tokenizer, self.fmt = self._policy()
         self.ref = None
         if self.config.loss.kl_coef > 0:
             self.ref, _, _ = self._load_policy(model_path)
             self.ref.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
-                                           weight_decay=self.config.weight_decay)
+        self.optimizer = self._new_optimizer()
         self.sender: WeightSender | None = None
         self.steps = 0
 
@@ -70,8 +73,34 @@ class TrainerActor(SyncMember):
             model.set_attn_implementation(self.config.attn_implementation)
         return model, tokenizer, fmt
 
+    def _policy(self, checkpoint_dir: str | None = None):
+        """The model to train, in train mode: the checkpoint's (or the start's) whole, or with LoRA
+        the start's frozen base with fresh adapters (or the checkpoint's, which hold no base)."""
+        lora = self.config.lora
+        if not lora.rank:
+            model, tokenizer, fmt = self._load_policy(checkpoint_dir or self.model_path)
+            self._merged = None
+            return model.train(), tokenizer, fmt
+        from asyncrl.rl.trainer.lora import MergedWeights, lora_policy
+
+        base, tokenizer, fmt = self._load_policy(self.model_path)
+        model = lora_policy(base, lora, self.device, checkpoint_dir)
+        self._merged = MergedWeights(model) if lora.sync == "merged" else None
+        return model.train(), tokenizer, fmt
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        return torch.optim.AdamW(trainable, lr=self.config.lr, betas=self.config.betas,
+                                 weight_decay=self.config.weight_decay)
+
     def weight_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.named_parameters())
+        """What a weight sync sends: every parameter; with LoRA, the merged weights under the base
+        model's names, or the adapters alone (``--trainer.lora.sync``, ``trainer/lora.py``)."""
+        if not self.config.lora.rank:
+            return dict(self.model.named_parameters())
+        from asyncrl.rl.trainer.lora import sync_tensors
+
+        return sync_tensors(self.model, self.config.lora.sync, self._merged)
 
     @endpoint
     async def setup_sender(self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "") -> int:
@@ -87,7 +116,7 @@ class TrainerActor(SyncMember):
     @endpoint
     async def send_weights(self, version: int) -> float:
         """Broadcast the current weights as ``version``; returns the seconds the sync took."""
-        stats = await asyncio.to_thread(self.sender.send, version)
+        stats = await asyncio.to_thread(lambda: self.sender.send(version, self.weight_tensors()))
         return stats.seconds
 
     @endpoint
@@ -193,11 +222,8 @@ class TrainerActor(SyncMember):
 
         def load() -> int:
             checkpoint = Checkpoint(-1, path)
-            model, _, _ = self._load_policy(checkpoint.model_dir)
-            self.model = model.train()
-            cfg = self.config
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                               weight_decay=cfg.weight_decay)
+            self.model, _, _ = self._policy(checkpoint.model_dir)
+            self.optimizer = self._new_optimizer()
             self.steps = load_trainer_state(checkpoint, self.optimizer)
             self.sender = None  # it held the old parameters: set up again with the group
             return self.steps
@@ -226,7 +252,13 @@ class TrainerActor(SyncMember):
 
         try:
             with staged_dir(final) as tmp:
-                self.model.save_pretrained(tmp, safe_serialization=True)
+                if self.config.lora.rank:  # a merged checkpoint for transformers and vLLM, and the adapter
+                    from asyncrl.rl.trainer.lora import merged_copy
+
+                    merged_copy(self.model).save_pretrained(tmp, safe_serialization=True)
+                    self.model.save_pretrained(os.path.join(tmp, ADAPTER_DIR), safe_serialization=True)
+                else:
+                    self.model.save_pretrained(tmp, safe_serialization=True)
                 self.tokenizer.save_pretrained(tmp)
                 for marker in self._marker_files():
                     shutil.copy(marker, tmp)
