@@ -51,6 +51,7 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         check_temperature(self)
         check_weights_readable(self)
+        check_adapter_sync(self)
         if not self.model_path:
             check_heldout_unseen(self)
             check_completion_fits(self)
@@ -133,6 +134,15 @@ def check_weights_readable(config: GRPOConfig) -> None:
         raise ConfigError("--run.check_weights true needs samplers that hold their weights in the actor, and "
                           "--sampler.backend vllm keeps them in the engine: use --sampler.backend hf, "
                           "or drop check_weights")
+
+
+def check_adapter_sync(config: GRPOConfig) -> None:
+    """Adapter-only LoRA sync is applied by peft in an HF sampler; vLLM's own LoRA path is not
+    wired (docs/lora.md), and 'auto' would pick vLLM where it is installed."""
+    lora = config.trainer.lora
+    if lora.rank and lora.sync == "adapter" and config.sampler.backend != "hf":
+        raise ConfigError(f"--trainer.lora.sync adapter needs --sampler.backend hf (not {config.sampler.backend!r}): "
+                          "only the HF sampler applies adapters; use --trainer.lora.sync merged for vLLM")
 
 
 def check_heldout_unseen(config: GRPOConfig) -> None:

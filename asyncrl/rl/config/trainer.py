@@ -40,6 +40,42 @@ class GRPOLossConfig:
             raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', not {self.aggregation!r}")
 
 
+LORA_SYNC_MODES = ("merged", "adapter")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters trained with peft on a frozen base model (docs/lora.md); rank 0: full
+    fine-tuning."""
+
+    rank: int = 0
+    """Rank of each adapter (peft's ``r``); 0: no LoRA, every parameter trains."""
+    alpha: float = 16.0
+    """peft's ``lora_alpha``: an adapter's output is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training (peft's ``lora_dropout``)."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Names of the linear modules that get an adapter (peft's ``target_modules``)."""
+    sync: str = "merged"
+    """How samplers get the weights: 'merged' (base + B·A·alpha/rank under the base model's names,
+    through the usual bucketed sync: every sampler backend) or 'adapter' (only the A and B
+    matrices travel; the samplers apply them with peft: needs --sampler.backend hf)."""
+    bf16_base: bool = False
+    """On GPU, keep the frozen base in bf16 (the adapters and their optimiser state stay fp32)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, not {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be > 0, not {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), not {self.dropout!r}")
+        if not self.target_modules:
+            raise ValueError("target_modules must name at least one module")
+        if self.sync not in LORA_SYNC_MODES:
+            raise ValueError(f"sync must be one of {LORA_SYNC_MODES}, not {self.sync!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """The trainer actor: its AdamW optimiser, micro-batches, the temperature it scores at and the
@@ -66,8 +102,19 @@ class TrainerConfig:
     much weight as one that differs in correctness; on the embedded model it measured better off."""
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """Clipping, truncated importance weight, KL and aggregation of the GRPO loss."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning, and how their weights reach the samplers."""
     bf16: bool = True
     """bf16 autocast for the forward pass on GPU (parameters and optimiser stay fp32)."""
+    pack_tokens: int = 0
+    """Pack several prompt + completion sequences into rows of up to this many tokens, attention
+    kept within each (``trainer/packing.py``); at most ``micro_batch_tokens``. 0: one padded
+    sequence per row. Same loss and gradients either way; packing saves the padding's compute."""
+    attn_implementation: str = ""
+    """The trainer model's attention implementation as transformers names it ("sdpa", "eager",
+    "flash_attention_2", which needs the flash-attn package and a GPU); empty: the checkpoint's
+    default (sdpa). Packed rows get a block-diagonal mask under sdpa/eager and flash attention's
+    varlen path (sequence boundaries from the position ids) under flash_attention_*."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -78,3 +125,6 @@ class TrainerConfig:
             raise ValueError(f"temperature must be > 0, not {self.temperature!r}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0, not {self.grad_clip!r}")
+        if not 0 <= self.pack_tokens <= self.micro_batch_tokens:
+            raise ValueError(f"pack_tokens must be in [0, micro_batch_tokens = {self.micro_batch_tokens}] "
+                             f"(a packed row is one forward at most), not {self.pack_tokens!r}")

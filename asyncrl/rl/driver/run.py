@@ -22,6 +22,7 @@ from asyncrl.errors import first_line
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, config_to_dict
+from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import plan_devices
 from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
@@ -127,7 +128,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                                     share_devices_with="trainer" if plan.colocated else None, env=env,
                                     max_restarts=run.recovery.sampler_max_restarts, kwargs={
                         "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
-                        "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm})
+                        "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
+                        "adapter": _synced_adapter(config)})
                     for i in range(config.sampler.count)]
         if run.check_weights:
             await _check_digestible(samplers)
@@ -176,3 +178,10 @@ async def _check_digestible(samplers: list[Any]) -> None:
         if stats["backend"] == "vllm":
             raise ConfigError(f"--run.check_weights needs samplers that hold their weights in the actor, but "
                               f"{stats['name']} uses the vLLM backend; add --sampler.backend hf, or drop check_weights")
+
+
+def _synced_adapter(config) -> LoRAConfig | None:
+    """The LoRA adapters the samplers carry when only adapters are synced (else they hold merged
+    weights, or the fully fine-tuned ones, under the base model's names)."""
+    lora = config.trainer.lora
+    return lora if lora.rank and lora.sync == "adapter" else None

@@ -28,6 +28,7 @@ from asyncrl.comm.member import SyncMember
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
+from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerTimeoutError, SamplingParams
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
@@ -53,12 +54,13 @@ class SamplerActor(SyncMember):
     intra-op threads (0: torch's default); on CPU, give each process no more threads than cores
     it has to itself: oversubscribed OpenMP threads spin and slow a small model tenfold or more.
     ``vllm`` holds extra keyword arguments of `VLLMBackend` (e.g. ``gpu_memory_utilization``).
+    ``adapter``: the trainer trains these LoRA adapters and syncs only them (`make_backend`).
     """
 
     def __init__(self, model_path: str, config: SamplerConfig = SamplerConfig(), *,
                  task: TaskSpec = TaskSpec("countdown"), data: DataConfig = DataConfig(), seed: int = 0,
                  device: str = "cpu", sync_timeout_s: float = 120.0, cpu_threads: int = 0, name: str = "",
-                 vllm: dict = {}):
+                 vllm: dict = {}, adapter: LoRAConfig | None = None):
         if not sync_timeout_s > 0:
             raise ValueError(f"sync_timeout_s must be > 0, not {sync_timeout_s!r}")
         self.config = config
@@ -74,7 +76,7 @@ class SamplerActor(SyncMember):
         # A pause for a sync lasts at most sync_timeout_s: a generate held by one gives up only well after.
         self.backend, self.fmt = make_backend(self.backend_name, model_path, device=self.device, seed=seed,
                                               in_flight=self.in_flight, resume_timeout_s=3 * sync_timeout_s,
-                                              vllm=vllm)
+                                              vllm=vllm, adapter=adapter)
         self.sink = self.backend.weight_sink(self)
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
                                        temperature=config.temperature, top_p=config.top_p,

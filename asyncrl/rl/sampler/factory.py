@@ -14,6 +14,7 @@ import torch
 from asyncrl.rl.sampler.backend import SamplerBackend, SamplerError
 
 if TYPE_CHECKING:
+    from asyncrl.rl.config.trainer import LoRAConfig
     from asyncrl.rl.model.policy import PromptFormat
 
 BACKENDS = ("auto", "vllm", "hf")
@@ -38,12 +39,18 @@ def choose_backend(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, model_path: str, *, device: torch.device, seed: int = 0, in_flight: bool = False,
-                 resume_timeout_s: float = 600.0, vllm: Mapping[str, Any] = {}) -> tuple[SamplerBackend, PromptFormat]:
+                 resume_timeout_s: float = 600.0, vllm: Mapping[str, Any] = {},
+                 adapter: LoRAConfig | None = None) -> tuple[SamplerBackend, PromptFormat]:
     """The backend ``name`` stands for (`choose_backend`) on the checkpoint at ``model_path``, and
     the checkpoint's prompt format. ``in_flight``: weights will be taken between decoding steps
     (vLLM then keeps no prefix cache, unless ``vllm`` says otherwise). ``resume_timeout_s``: how
-    long a generate waits out a pause. ``vllm``: extra keyword arguments of `VLLMBackend`."""
+    long a generate waits out a pause. ``vllm``: extra keyword arguments of `VLLMBackend`.
+    ``adapter``: the policy carries these LoRA adapters (peft), and weight syncs bring only them
+    (HF only: vLLM's LoRA path is not wired, and a `SamplerError` says so)."""
     kind = choose_backend(name, device)
+    if adapter is not None and kind != "hf":
+        raise SamplerError(f"adapter-only LoRA weight sync needs the hf sampler backend, not {kind}: use "
+                           "--sampler.backend hf, or --trainer.lora.sync merged")
     if kind == "vllm":  # the engine loads the model itself: only the tokenizer here
         from asyncrl.rl.model.policy import load_prompt_format
         from asyncrl.rl.sampler.vllm.backend import VLLMBackend
@@ -56,4 +63,9 @@ def make_backend(name: str, model_path: str, *, device: torch.device, seed: int 
     from asyncrl.rl.sampler.hf import HFBackend
 
     model, tokenizer, fmt = load_policy(model_path, device, torch.float32)
-    return HFBackend(model, tokenizer=tokenizer, seed=seed, resume_timeout_s=resume_timeout_s), fmt
+    if adapter is not None:
+        from asyncrl.rl.model.lora import attach_adapter
+
+        model = attach_adapter(model, adapter)
+    return HFBackend(model, tokenizer=tokenizer, seed=seed, resume_timeout_s=resume_timeout_s,
+                     adapter_only=adapter is not None), fmt

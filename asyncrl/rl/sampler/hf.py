@@ -78,9 +78,10 @@ class HFBackend(PausableBackend):
     name = "hf"
 
     def __init__(self, model: Any, *, tokenizer: Any = None, seed: int = 0, pad_token_id: int | None = None,
-                 resume_timeout_s: float = 600.0):
+                 resume_timeout_s: float = 600.0, adapter_only: bool = False):
         super().__init__(resume_timeout_s=resume_timeout_s)
         self.model = model.eval().requires_grad_(False)  # in-place weight copies need no autograd
+        self.adapter_only = adapter_only  # a peft model whose syncs bring its LoRA adapters only
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id if pad_token_id is not None else _pad_id(tokenizer)
@@ -117,8 +118,13 @@ class HFBackend(PausableBackend):
 
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
         """The tensors a sync is copied into in place, named like the trainer's
-        ``dict(model.named_parameters())`` (which lists tied weights once, as here). Written only
+        ``dict(model.named_parameters())`` (which lists tied weights once, as here); with
+        ``adapter_only``, the LoRA A and B matrices alone (`adapter_tensors`). Written only
         through `load_weights`."""
+        if self.adapter_only:
+            from asyncrl.rl.model.lora import adapter_tensors
+
+            return adapter_tensors(self.model)
         return dict(self.model.named_parameters())
 
     async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,

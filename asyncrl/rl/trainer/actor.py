@@ -3,7 +3,8 @@
 It is rank 0 of the weight-sync group (`SyncMember` gives it the rendezvous endpoints) and the
 only holder of an optimiser. A batch arrives as `RolloutGroup`s; each completion becomes one
 sequence ``prompt + completion`` whose completion tokens are scored. Micro-batches are cut by a
-token budget, padded tokens counted (``trainer/batching.py``), and the loss (``trainer/loss.py``)
+token budget, padded tokens counted (``trainer/batching.py``; several sequences per row with
+``pack_tokens``, ``trainer/packing.py``), and the loss (``trainer/loss.py``)
 is normalised by the whole batch's count, so the accumulated gradient equals that of the full
 batch whatever the cut. Checkpoints are written and loaded by ``trainer/checkpoint.py``.
 """
@@ -28,7 +29,13 @@ from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_logprobs
+from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
 from asyncrl.runtime.actor import endpoint
+
+
+ADAPTER_DIR = "adapter"
+"""With LoRA, a saved policy (final, best) holds the adapter in peft's format in this subdirectory,
+beside the merged checkpoint."""
 
 
 class TrainerActor(SyncMember):
@@ -37,8 +44,6 @@ class TrainerActor(SyncMember):
 
     def __init__(self, model_path: str, config: TrainerConfig = TrainerConfig(), *, device: str = "cpu", seed: int = 0,
                  task: TaskSpec = TaskSpec("countdown"), data: DataConfig = DataConfig()):
-        from asyncrl.rl.model.policy import load_policy  # transformers is heavy: import in the actor only
-
         torch.manual_seed(seed)
         self.config = config
         self.task_spec, self.data = task, data
@@ -51,19 +56,51 @@ class TrainerActor(SyncMember):
             self.device = torch.device("cuda", 0)  # the actor sees only its own GPU
             torch.cuda.set_device(self.device)
         self.model_path = model_path
-        self.model, self.tokenizer, self.fmt = load_policy(model_path, self.device, torch.float32)
-        self.model.train()
+        self.model, self.tokenizer, self.fmt = self._policy()
         self.ref = None
         if self.config.loss.kl_coef > 0:
-            self.ref, _, _ = load_policy(model_path, self.device, torch.float32)
+            self.ref, _, _ = self._load_policy(model_path)
             self.ref.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
-                                           weight_decay=self.config.weight_decay)
+        self.optimizer = self._new_optimizer()
         self.sender: WeightSender | None = None
         self.steps = 0
 
+    def _load_policy(self, path: str):
+        from asyncrl.rl.model.policy import load_policy
+
+        model, tokenizer, fmt = load_policy(path, self.device, torch.float32)
+        if self.config.attn_implementation:
+            model.set_attn_implementation(self.config.attn_implementation)
+        return model, tokenizer, fmt
+
+    def _policy(self, checkpoint_dir: str | None = None):
+        """The model to train, in train mode: the checkpoint's (or the start's) whole, or with LoRA
+        the start's frozen base with fresh adapters (or the checkpoint's, which hold no base)."""
+        lora = self.config.lora
+        if not lora.rank:
+            model, tokenizer, fmt = self._load_policy(checkpoint_dir or self.model_path)
+            self._merged = None
+            return model.train(), tokenizer, fmt
+        from asyncrl.rl.trainer.lora import MergedWeights, lora_policy
+
+        base, tokenizer, fmt = self._load_policy(self.model_path)
+        model = lora_policy(base, lora, self.device, checkpoint_dir)
+        self._merged = MergedWeights(model) if lora.sync == "merged" else None
+        return model.train(), tokenizer, fmt
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        return torch.optim.AdamW(trainable, lr=self.config.lr, betas=self.config.betas,
+                                 weight_decay=self.config.weight_decay)
+
     def weight_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.named_parameters())
+        """What a weight sync sends: every parameter; with LoRA, the merged weights under the base
+        model's names, or the adapters alone (``--trainer.lora.sync``, ``trainer/lora.py``)."""
+        if not self.config.lora.rank:
+            return dict(self.model.named_parameters())
+        from asyncrl.rl.trainer.lora import sync_tensors
+
+        return sync_tensors(self.model, self.config.lora.sync, self._merged)
 
     @endpoint
     async def setup_sender(self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "") -> int:
@@ -79,7 +116,7 @@ class TrainerActor(SyncMember):
     @endpoint
     async def send_weights(self, version: int) -> float:
         """Broadcast the current weights as ``version``; returns the seconds the sync took."""
-        stats = await asyncio.to_thread(self.sender.send, version)
+        stats = await asyncio.to_thread(lambda: self.sender.send(version, self.weight_tensors()))
         return stats.seconds
 
     @endpoint
@@ -93,7 +130,10 @@ class TrainerActor(SyncMember):
         start = time.perf_counter()
         cfg = self.config
         advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
-        batches = micro_batches(groups, advantages, cfg.micro_batch_tokens, self.device)
+        if cfg.pack_tokens:
+            batches = packed_micro_batches(groups, advantages, cfg.micro_batch_tokens, self.device, cfg.pack_tokens)
+        else:
+            batches = micro_batches(groups, advantages, cfg.micro_batch_tokens, self.device)
         n_tokens = float(sum(int(b.mask.sum()) for b in batches))
         n_seqs = float(sum(int(b.mask.any(dim=1).sum()) for b in batches))
         normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
@@ -118,16 +158,16 @@ class TrainerActor(SyncMember):
         cfg = self.config
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda" and cfg.bf16)
         with autocast:
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention).logits
+            logits = policy_logits(self.model, batch)
         logits = logits.float() / self.temperature
-        new = token_logprobs(logits, batch.input_ids).gather(1, batch.score_index)
+        new = batch.scored(token_logprobs(logits, batch.input_ids))
         ref = None
         if self.ref is not None:
             with torch.no_grad(), autocast:
-                ref_logits = self.ref(input_ids=batch.input_ids, attention_mask=batch.attention).logits
-            ref = token_logprobs(ref_logits.float() / self.temperature, batch.input_ids).gather(1, batch.score_index)
+                ref_logits = policy_logits(self.ref, batch)
+            ref = batch.scored(token_logprobs(ref_logits.float() / self.temperature, batch.input_ids))
         with torch.no_grad():  # entropy of the policy at the scored positions (a metric only)
-            scored = logits[:, :-1].gather(1, batch.score_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            scored = batch.scored(logits[:, :-1])
             logp = torch.log_softmax(scored, dim=-1)
             entropy = -(logp.exp() * logp).sum(-1)
         loss, metrics = grpo_loss(new, batch.behaviour, batch.advantages, batch.mask, cfg.loss,
@@ -178,16 +218,12 @@ class TrainerActor(SyncMember):
         """Take the policy, optimiser state and RNG states of the checkpoint at ``path`` (before
         the weight-sync group is formed); returns the trainer's step count there."""
         from asyncrl.rl.checkpoint import Checkpoint
-        from asyncrl.rl.model.policy import load_policy
         from asyncrl.rl.trainer.checkpoint import load_trainer_state
 
         def load() -> int:
             checkpoint = Checkpoint(-1, path)
-            model, _, _ = load_policy(checkpoint.model_dir, self.device, torch.float32)
-            self.model = model.train()
-            cfg = self.config
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                               weight_decay=cfg.weight_decay)
+            self.model, _, _ = self._policy(checkpoint.model_dir)
+            self.optimizer = self._new_optimizer()
             self.steps = load_trainer_state(checkpoint, self.optimizer)
             self.sender = None  # it held the old parameters: set up again with the group
             return self.steps
@@ -216,7 +252,13 @@ class TrainerActor(SyncMember):
 
         try:
             with staged_dir(final) as tmp:
-                self.model.save_pretrained(tmp, safe_serialization=True)
+                if self.config.lora.rank:  # a merged checkpoint for transformers and vLLM, and the adapter
+                    from asyncrl.rl.trainer.lora import merged_copy
+
+                    merged_copy(self.model).save_pretrained(tmp, safe_serialization=True)
+                    self.model.save_pretrained(os.path.join(tmp, ADAPTER_DIR), safe_serialization=True)
+                else:
+                    self.model.save_pretrained(tmp, safe_serialization=True)
                 self.tokenizer.save_pretrained(tmp)
                 for marker in self._marker_files():
                     shutil.copy(marker, tmp)

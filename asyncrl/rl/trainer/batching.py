@@ -1,55 +1,89 @@
-"""A batch of rollout groups as padded micro-batches within a token budget (the trainer's input).
+"""A batch of rollout groups as micro-batches within a token budget (the trainer's input): padded
+rows of one sequence each here, or rows packing several sequences (``trainer/packing.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 
 from asyncrl.rl.rollout import RolloutGroup
 
+T = TypeVar("T")
+
 
 @dataclass
 class MicroBatch:
-    """One micro-batch of sequences: right-padded ``prompt + completion`` rows and, per row, where
-    the completion's scores sit in ``token_logprobs``' output (index ``prompt_len - 1 + j``)."""
+    """One micro-batch: ``R`` rows of ``L`` tokens holding ``S`` sequences ``prompt + completion``
+    and, per sequence, where its completion's scores sit in ``token_logprobs``' ``[R, L-1]`` output
+    (row ``row[s]``, index ``offset + prompt_len - 1 + j``). Padded: one sequence per row
+    (``row[s] == s``, offset 0). Packed: several per row, ``position_ids`` restarting at 0 at each
+    sequence (and at the row's trailing padding), so that attention can be kept within them."""
 
-    input_ids: torch.Tensor  # [B, L]
-    attention: torch.Tensor  # [B, L]
-    score_index: torch.Tensor  # [B, C] positions in the [B, L-1] log-prob matrix
-    mask: torch.Tensor  # [B, C] completion token j exists and is the policy's (not an environment's)
-    behaviour: torch.Tensor  # [B, C]
-    advantages: torch.Tensor  # [B]
+    input_ids: torch.Tensor  # [R, L]
+    attention: torch.Tensor  # [R, L] 1 where a sequence's token is, 0 on padding
+    score_index: torch.Tensor  # [S, C] positions in the [R, L-1] log-prob matrix
+    mask: torch.Tensor  # [S, C] completion token j exists and is the policy's (not an environment's)
+    behaviour: torch.Tensor  # [S, C]
+    advantages: torch.Tensor  # [S]
+    row: torch.Tensor  # [S] the row of input_ids sequence s lies in
+    position_ids: torch.Tensor | None = None  # [R, L] packed rows only; None: one sequence per row
+
+    def scored(self, per_position: torch.Tensor) -> torch.Tensor:
+        """``[S, C, ...]``: the entries of a ``[R, L-1, ...]`` tensor (log-probs, logits) at each
+        sequence's completion positions."""
+        return per_position[self.row.unsqueeze(1), self.score_index]
 
 
-def micro_batches(groups: list[RolloutGroup], advantages: torch.Tensor, budget: int, device: torch.device) -> list[MicroBatch]:
-    """Cut the batch's sequences into micro-batches of at most ``budget`` padded tokens (a single
-    sequence longer than the budget goes alone). Tokens an environment wrote (``action_mask`` 0)
-    are context only: outside ``mask``, so they carry no loss and count in no normaliser."""
-    rows = []
+Sequence = tuple  # (prompt_ids, completion_ids, behaviour log-probs, advantage, action mask or None)
+
+
+def sequences(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sequence]:
+    """Each completion of the batch as one ``Sequence``, in batch order."""
+    out = []
     a = 0
     for g in groups:
         masks = g.action_mask or [None] * len(g.completion_ids)
         for ids, lps, actions in zip(g.completion_ids, g.behaviour_logprobs, masks):
-            rows.append((g.prompt_ids, ids, lps, float(advantages[a]), actions))
+            out.append((g.prompt_ids, ids, lps, float(advantages[a]), actions))
             a += 1
-    rows.sort(key=lambda r: len(r[0]) + len(r[1]))  # similar lengths together: less padding
-    out, chunk, longest = [], [], 0
-    for row in rows:
-        length = len(row[0]) + len(row[1])
-        if chunk and max(longest, length) * (len(chunk) + 1) > budget:
-            out.append(_pack(chunk, device))
-            chunk, longest = [], 0
-        chunk.append(row)
-        longest = max(longest, length)
-    if chunk:
-        out.append(_pack(chunk, device))
     return out
 
 
-def _pack(rows: list, device: torch.device) -> MicroBatch:
-    length = max(len(r[0]) + len(r[1]) for r in rows)
+def cut_by_budget(items: list[T], length: Callable[[T], int], budget: int) -> list[list[T]]:
+    """Consecutive chunks of ``items`` of at most ``budget`` padded tokens (longest x count); an
+    item longer than the budget goes alone. Sort ``items`` by length first: less padding."""
+    out, chunk, longest = [], [], 0
+    for item in items:
+        n = length(item)
+        if chunk and max(longest, n) * (len(chunk) + 1) > budget:
+            out.append(chunk)
+            chunk, longest = [], 0
+        chunk.append(item)
+        longest = max(longest, n)
+    if chunk:
+        out.append(chunk)
+    return out
+
+
+def micro_batches(groups: list[RolloutGroup], advantages: torch.Tensor, budget: int, device: torch.device) -> list[MicroBatch]:
+    """Cut the batch's sequences into micro-batches of at most ``budget`` padded tokens (a single
+    sequence longer than the budget goes alone), one sequence per row (several: ``packing.py``).
+    Tokens an environment wrote (``action_mask`` 0) are context only: outside ``mask``, so they
+    carry no loss and count in no normaliser."""
+    seqs = sequences(groups, advantages)
+    seqs.sort(key=_length)  # similar lengths together: less padding
+    return [_pad(chunk, device) for chunk in cut_by_budget(seqs, _length, budget)]
+
+
+def _length(seq: Sequence) -> int:
+    return len(seq[0]) + len(seq[1])
+
+
+def _pad(rows: list[Sequence], device: torch.device) -> MicroBatch:
+    length = max(_length(r) for r in rows)
     width = max(max(len(r[1]) for r in rows), 1)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
     attention = torch.zeros(len(rows), length, dtype=torch.long)
@@ -65,4 +99,5 @@ def _pack(rows: list, device: torch.device) -> MicroBatch:
         mask[i, :c] = True if actions is None else torch.tensor(actions, dtype=torch.bool)
         behaviour[i, :c] = torch.tensor(lps)
     advantages = torch.tensor([r[3] for r in rows])
-    return MicroBatch(*(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages)))
+    row = torch.arange(len(rows))
+    return MicroBatch(*(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages, row)))

@@ -1,0 +1,71 @@
+"""The trainer's side of LoRA (the model side, shared with samplers, is ``rl/model/lora.py``):
+the tensors a weight sync sends, and the merged Hugging Face export.
+
+Merged sync: the samplers hold the base model's parameters, under its names; each adapted weight
+is sent as ``W + B·A·alpha/rank`` (peft's ``get_delta_weight``), written into a buffer of the base
+weight's dtype that is made once and refreshed before each sync. Those buffers cost one copy of
+the adapted weights (in the base's dtype: with --trainer.lora.bf16_base, 2 bytes a parameter),
+the price of syncing to a sampler that knows nothing of LoRA. Adapter-only sync needs none.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from asyncrl.rl.model.lora import ADAPTER, adapter_tensors
+
+
+class MergedWeights:
+    """The base model's parameters by their base names, the adapted ones merged. ``tensors()``
+    refreshes the merged buffers and returns the same tensor objects every time (so the weight
+    sender's copy plan is reused)."""
+
+    def __init__(self, model: Any):
+        from peft.tuners.lora import LoraLayer
+
+        self.layers: list[tuple[Any, torch.Tensor]] = []
+        self._tensors: dict[str, torch.Tensor] = {}
+        adapted = {f"{name}.base_layer.weight": module for name, module in model.get_base_model().named_modules()
+                   if isinstance(module, LoraLayer)}
+        for name, p in model.get_base_model().named_parameters():
+            if ".lora_" in name:
+                continue
+            layer = adapted.get(name)
+            if layer is not None:
+                merged = torch.empty_like(p, requires_grad=False)
+                self.layers.append((layer, merged))
+                p = merged
+            self._tensors[name.replace(".base_layer.", ".")] = p
+
+    @torch.no_grad()
+    def tensors(self) -> dict[str, torch.Tensor]:
+        for layer, merged in self.layers:
+            base = layer.get_base_layer().weight
+            merged.copy_(base.float() + layer.get_delta_weight(ADAPTER).float())
+        return self._tensors
+
+
+def sync_tensors(model: Any, mode: str, merged: MergedWeights | None) -> dict[str, torch.Tensor]:
+    """What a sync sends: the adapters (``adapter``) or the merged weights (``merged``)."""
+    return adapter_tensors(model) if mode == "adapter" else merged.tensors()
+
+
+def merged_copy(model: Any) -> Any:
+    """A plain transformers model with the adapters merged in (the trained model itself is left
+    as it is): what a final export writes for transformers and vLLM."""
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def lora_policy(model: Any, lora: Any, device: torch.device, adapter_dir: str | None = None) -> Any:
+    """The policy to train: ``model`` as a frozen base (bf16 on GPU with ``lora.bf16_base``) with
+    fresh adapters, or with those saved in ``adapter_dir`` (a checkpoint's, to resume)."""
+    from asyncrl.rl.model.lora import attach_adapter, load_adapter
+
+    if lora.bf16_base and device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    if adapter_dir is None:
+        return attach_adapter(model, lora)
+    return load_adapter(model, adapter_dir, trainable=True)

@@ -1,0 +1,157 @@
+"""Packed sequences in the trainer (``trainer/packing.py``): several sequences per row, position ids
+restarting per sequence, attention kept within each; the same loss and gradients as padded rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from asyncrl.rl.config.trainer import GRPOLossConfig, TrainerConfig
+from asyncrl.rl.model.policy import MARKER_FILE
+from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.trainer.batching import micro_batches
+from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
+from asyncrl.rl.trainer.packing import block_causal_mask, flat_logits, masked_logits, packed_micro_batches, policy_logits
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def embedded_path(tmp_path_factory) -> str:
+    """The embedded Qwen2 (2 layers, 64 wide, GQA) with random weights and the project's tokenizer."""
+    from asyncrl.rl.config.model import ModelConfig
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+    from asyncrl.rl.model.warm_start import _new_model
+
+    path = tmp_path_factory.mktemp("embedded")
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    _new_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                           max_positions=128), tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / MARKER_FILE).write_text(json.dumps({"prompt_style": "compact", "max_new_tokens_hint": 20}))
+    return str(path)
+
+
+def random_groups(seed: int, n_groups: int = 5, group_size: int = 4, multi_turn: bool = True) -> list[RolloutGroup]:
+    """Groups with prompts and completions of varied lengths; with ``multi_turn``, some completions
+    carry environment tokens (action mask 0) between two model turns."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(3, 40) for _ in range(rng.randrange(2, 12))]
+        completions, lps, masks = [], [], []
+        for _ in range(group_size):
+            n = rng.randrange(1, 24)
+            completions.append([rng.randrange(3, 40) for _ in range(n)])
+            lps.append([-rng.uniform(0.5, 4.0) for _ in range(n)])
+            mask = [1] * n
+            if multi_turn and n > 6 and rng.random() < 0.5:
+                start = rng.randrange(1, n - 3)
+                mask[start:start + 3] = [0, 0, 0]
+            masks.append(mask)
+        groups.append(RolloutGroup(g, prompt, completions, lps, [rng.choice([0.0, 0.1, 1.0]) for _ in completions],
+                                   version=0, action_mask=masks))
+    return groups
+
+
+def gradients_of_a_step(path: str, config: TrainerConfig, groups) -> tuple[dict, list[torch.Tensor]]:
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    trainer = TrainerActor(path, config)
+    metrics = trainer._train_step(groups)
+    return metrics, [p.grad.detach().clone() for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("loss", [GRPOLossConfig(), GRPOLossConfig(aggregation="seq_mean", kl_coef=0.05)],
+                         ids=["token_mean", "seq_mean_kl"])
+def test_packed_rows_give_the_padded_loss_and_gradients(embedded_path, attention, loss):
+    """fp32 on the embedded model, multi-turn action masks included, micro-batches cut differently
+    in the two layouts: loss, metrics and every parameter's gradient agree to 1e-5."""
+    torch.set_num_threads(1)
+    groups = random_groups(seed=1)
+    base = TrainerConfig(micro_batch_tokens=200, loss=loss, attn_implementation=attention)
+    padded, grads_padded = gradients_of_a_step(embedded_path, base, groups)
+    packed, grads_packed = gradients_of_a_step(embedded_path, dataclasses.replace(base, pack_tokens=96), groups)
+    assert packed["micro_batches"] < padded["micro_batches"]  # the packing did pack
+    for key in ("loss", "pg_loss", "tokens", "sequences", "ratio_mean", "entropy") + (("kl",) if loss.kl_coef else ()):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
+    assert any(g.abs().max() > 1e-4 for g in grads_padded)  # a gradient worth comparing
+    for a, b in zip(grads_padded, grads_packed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_the_flattened_varlen_layout_scores_what_the_masked_rows_and_padding_score(embedded_path):
+    """The layout flash attention gets (one row, boundaries from position ids; on this CPU build
+    transformers turns it into its own block mask for sdpa) gives the padded log-probs too."""
+    from asyncrl.rl.model.policy import load_policy
+
+    torch.set_num_threads(1)
+    model, _, _ = load_policy(embedded_path)
+    groups = random_groups(seed=2)
+    adv = group_advantages([list(g.rewards) for g in groups])
+    (padded,) = micro_batches(groups, adv, 10_000, CPU)
+    (packed,) = packed_micro_batches(groups, adv, 10_000, CPU, pack_tokens=80)
+    assert packed.input_ids.shape[0] < padded.input_ids.shape[0]
+    with torch.no_grad():
+        want = _by_content(padded, padded.scored(token_logprobs(policy_logits(model, padded), padded.input_ids)))
+        for forward in (masked_logits, flat_logits):
+            got = _by_content(packed, packed.scored(token_logprobs(forward(model, packed), packed.input_ids)))
+            assert got.keys() == want.keys()
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+def _by_content(batch, scores):
+    """Each sequence's scored log-probs keyed by its behaviour log-probs (unique per sequence here)."""
+    return {tuple(batch.behaviour[s][batch.mask[s]].tolist()): scores[s][batch.mask[s]] for s in range(len(batch.row))}
+
+
+def test_rows_pack_within_the_budget_with_positions_restarting_per_sequence():
+    groups = random_groups(seed=3, n_groups=8)
+    adv = group_advantages([list(g.rewards) for g in groups])
+    lengths = sorted(len(g.prompt_ids) + len(c) for g in groups for c in g.completion_ids)
+    batches = packed_micro_batches(groups, adv, budget=200, device=CPU, pack_tokens=64)
+    seen = []
+    for b in batches:
+        assert b.input_ids.numel() <= 200 or b.input_ids.shape[0] == 1
+        assert b.input_ids.shape[1] <= 64
+        for r in range(b.input_ids.shape[0]):
+            pos = b.position_ids[r].tolist()
+            starts = [i for i, p in enumerate(pos) if p == 0]
+            for s, e in zip(starts, starts[1:] + [len(pos)]):
+                assert pos[s:e] == list(range(e - s))  # restart at each sequence, count up within it
+                if b.attention[r, s:e].all():
+                    seen.append(e - s)
+                else:
+                    assert not b.attention[r, s:e].any()  # the trailing padding, a block of its own
+        for s in range(len(b.row)):  # each completion's first scored position is its prompt's last token
+            assert b.position_ids[b.row[s], b.score_index[s, 0] + 1] > 0
+    assert sorted(seen) == lengths  # every sequence once
+
+
+def test_a_sequence_longer_than_a_row_gets_a_row_of_its_own():
+    long = RolloutGroup(0, [5, 6, 7], [[1] * 40, [2, 3]], [[-1.0] * 40, [-1.0, -1.0]], [1.0, 0.0], version=0)
+    (batch,) = packed_micro_batches([long], group_advantages([[1.0, 0.0]]), budget=10_000, device=CPU, pack_tokens=16)
+    assert batch.input_ids.shape == (2, 43) and batch.attention.sum(1).tolist() == [5, 43]
+
+
+def test_the_block_mask_never_crosses_a_sequence_boundary():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    allowed = block_causal_mask(positions)[0, 0].int().tolist()
+    assert allowed == [[1, 0, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0, 0],
+                       [1, 1, 1, 0, 0, 0],
+                       [0, 0, 0, 1, 0, 0],
+                       [0, 0, 0, 1, 1, 0],
+                       [0, 0, 0, 0, 0, 1]]
+
+
+def test_a_row_longer_than_a_forward_is_refused():
+    with pytest.raises(ValueError, match="pack_tokens must be in"):
+        TrainerConfig(micro_batch_tokens=100, pack_tokens=200)
