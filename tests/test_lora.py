@@ -120,13 +120,13 @@ def test_the_final_export_is_a_merged_checkpoint_and_the_adapter(embedded_path, 
         assert torch.equal(adapted(input_ids=ids).logits, want)
 
 
-def test_adapter_only_sync_needs_the_hf_sampler():
-    adapter = TrainerConfig(lora=LoRAConfig(rank=8, sync="adapter"))
-    for backend in ("auto", "vllm"):
-        with pytest.raises(ConfigError, match="needs --sampler.backend hf"):
-            GRPOConfig(trainer=adapter, sampler=SamplerConfig(backend=backend))
-    GRPOConfig(trainer=adapter, sampler=SamplerConfig(backend="hf"))
-    GRPOConfig(trainer=TrainerConfig(lora=LoRAConfig(rank=8)), sampler=SamplerConfig(backend="vllm"))  # merged: any
+def test_adapter_only_sync_into_vllm_is_refused_only_past_vllms_ranks():
+    for backend in ("auto", "vllm", "hf"):
+        GRPOConfig(trainer=TrainerConfig(lora=LoRAConfig(rank=8, sync="adapter")), sampler=SamplerConfig(backend=backend))
+    wide = TrainerConfig(lora=LoRAConfig(rank=1024, sync="adapter"))
+    with pytest.raises(ConfigError, match="vLLM serves LoRA ranks up to 512"):
+        GRPOConfig(trainer=wide, sampler=SamplerConfig(backend="auto"))
+    GRPOConfig(trainer=wide, sampler=SamplerConfig(backend="hf"))
 
 
 def test_bad_lora_settings_are_refused():

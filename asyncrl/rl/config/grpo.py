@@ -137,12 +137,12 @@ def check_weights_readable(config: GRPOConfig) -> None:
 
 
 def check_adapter_sync(config: GRPOConfig) -> None:
-    """Adapter-only LoRA sync is applied by peft in an HF sampler; vLLM's own LoRA path is not
-    wired (docs/lora.md), and 'auto' would pick vLLM where it is installed."""
+    """Adapter-only LoRA sync into vLLM goes through vLLM's LoRA path, which serves ranks up to 512
+    ('auto' picks vLLM where it is installed)."""
     lora = config.trainer.lora
-    if lora.rank and lora.sync == "adapter" and config.sampler.backend != "hf":
-        raise ConfigError(f"--trainer.lora.sync adapter needs --sampler.backend hf (not {config.sampler.backend!r}): "
-                          "only the HF sampler applies adapters; use --trainer.lora.sync merged for vLLM")
+    if lora.rank > 512 and lora.sync == "adapter" and config.sampler.backend != "hf":
+        raise ConfigError(f"--trainer.lora.rank {lora.rank} with --trainer.lora.sync adapter: vLLM serves LoRA ranks "
+                          "up to 512; use --sampler.backend hf, or --trainer.lora.sync merged")
 
 
 def check_heldout_unseen(config: GRPOConfig) -> None:

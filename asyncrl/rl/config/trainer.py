@@ -59,7 +59,7 @@ class LoRAConfig:
     sync: str = "merged"
     """How samplers get the weights: 'merged' (base + B·A·alpha/rank under the base model's names,
     through the usual bucketed sync: every sampler backend) or 'adapter' (only the A and B
-    matrices travel; the samplers apply them with peft: needs --sampler.backend hf)."""
+    matrices travel; the HF sampler applies them with peft, vLLM through its own LoRA path)."""
     bf16_base: bool = False
     """On GPU, keep the frozen base in bf16 (the adapters and their optimiser state stay fp32)."""
 

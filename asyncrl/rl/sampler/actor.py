@@ -217,8 +217,11 @@ class SamplerActor(SyncMember):
         that succeeded: waiting for the batch in flight, or for the end of a decoding step),
         ``syncs_waited_for_generate``, ``discarded_batches`` (in flight during a failed sync);
         ``version`` now; ``generating``: generate calls in flight now; ``name``; ``backend``
-        (``"hf"`` or ``"vllm"``)."""
+        (``"hf"`` or ``"vllm"``); ``loaded_adapters`` (vLLM with adapter-only LoRA syncs)."""
         s = dict(self._stats)
+        adapters = getattr(self.backend, "adapters", None)  # vLLM serving LoRA adapters: how many it holds
+        if adapters is not None:
+            s["loaded_adapters"] = len(adapters.loaded)
         s.update(version=self.version, generating=self._generating, name=self.name, backend=self.backend_name,
                  tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
         return s

@@ -45,20 +45,18 @@ def make_backend(name: str, model_path: str, *, device: torch.device, seed: int 
     the checkpoint's prompt format. ``in_flight``: weights will be taken between decoding steps
     (vLLM then keeps no prefix cache, unless ``vllm`` says otherwise). ``resume_timeout_s``: how
     long a generate waits out a pause. ``vllm``: extra keyword arguments of `VLLMBackend`.
-    ``adapter``: the policy carries these LoRA adapters (peft), and weight syncs bring only them
-    (HF only: vLLM's LoRA path is not wired, and a `SamplerError` says so)."""
+    ``adapter``: the policy carries these LoRA adapters (peft; vLLM: its own LoRA path), and weight
+    syncs bring only them."""
     kind = choose_backend(name, device)
-    if adapter is not None and kind != "hf":
-        raise SamplerError(f"adapter-only LoRA weight sync needs the hf sampler backend, not {kind}: use "
-                           "--sampler.backend hf, or --trainer.lora.sync merged")
     if kind == "vllm":  # the engine loads the model itself: only the tokenizer here
         from asyncrl.rl.model.policy import load_prompt_format
         from asyncrl.rl.sampler.vllm.backend import VLLMBackend
 
         tokenizer, fmt = load_prompt_format(model_path)
-        options = {"prefix_caching": not in_flight} | dict(vllm)
+        # An adapter sync changes no weight under a running batch: the prefix cache stays valid.
+        options = {"prefix_caching": not in_flight or adapter is not None} | dict(vllm)
         return VLLMBackend(model_path, tokenizer=tokenizer, seed=seed, device=device, resume_timeout_s=resume_timeout_s,
-                           **options), fmt
+                           adapter=adapter, **options), fmt
     from asyncrl.rl.model.policy import load_policy
     from asyncrl.rl.sampler.hf import HFBackend
 

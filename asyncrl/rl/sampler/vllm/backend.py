@@ -42,6 +42,7 @@ from asyncrl.rl.sampler.backend import (
     row_seed,
 )
 from asyncrl.rl.sampler.vllm import compat
+from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options
 from asyncrl.rl.sampler.vllm.janitor import Janitor, shm_names
 from asyncrl.rl.sampler.vllm.sink import EngineSink
 
@@ -108,7 +109,9 @@ class VLLMBackend(PausableBackend):
     where it is not set; ``gpu_memory_utilization`` is vLLM's on GPU. ``engine`` holds any other
     ``AsyncEngineArgs`` fields. Must be constructed with the actor's event loop running.
 
-    The weights live in the engine's process, which receives them itself (`weight_sink`).
+    The weights live in the engine's process, which receives them itself (`weight_sink`). With
+    ``adapter`` (a `LoRAConfig`), syncs bring LoRA adapters only: this process receives them and the
+    engine serves them through vLLM's LoRA path (`adapter.py`).
     """
 
     name = "vllm"
@@ -116,7 +119,7 @@ class VLLMBackend(PausableBackend):
     def __init__(self, model_path: str, *, tokenizer: Any = None, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: str = "", max_model_len: int = 0, prefix_caching: bool = True, kv_cache_gib: int = 0,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool | None = None,
-                 resume_timeout_s: float = 600.0, engine: dict | None = None):
+                 resume_timeout_s: float = 600.0, engine: dict | None = None, adapter: Any = None):
         super().__init__(resume_timeout_s=resume_timeout_s)
         self.device = torch.device(device)
         if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 0:
@@ -136,6 +139,8 @@ class VLLMBackend(PausableBackend):
         self.tokenizer = tokenizer
         self.seed = seed
         self.prefix_caching = prefix_caching
+        if adapter is not None:
+            engine = engine_lora_options(adapter) | dict(engine or {})
         args = engine_args(model_path, device=self.device, seed=seed, dtype=dtype, max_model_len=max_model_len,
                            prefix_caching=prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=enforce_eager, engine=engine)
@@ -153,6 +158,7 @@ class VLLMBackend(PausableBackend):
             self._janitor.finish()
             raise
         followed()
+        self.adapters = EngineAdapters(self.engine, model_path, adapter, self._scratch) if adapter is not None else None
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.dtype = compat.engine_dtype(self.engine)
         self._ids = itertools.count()
@@ -167,6 +173,10 @@ class VLLMBackend(PausableBackend):
         return asyncio.ensure_future(self._generate(prompts, n, params))
 
     def weight_sink(self, member: SyncMember) -> WeightSink:
+        if self.adapters is not None:  # adapters only: received here, in the actor
+            from asyncrl.rl.sampler.sink import ActorSink
+
+            return ActorSink(member, self.adapters)
         return EngineSink(self)
 
     def close(self) -> None:
@@ -190,7 +200,8 @@ class VLLMBackend(PausableBackend):
         # vLLM refuses n > 1 when greedy; the n greedy samples are one sample n times anyway.
         per_request = 1 if params.temperature == 0 else n
         request_ids = [f"asyncrl-{self._prefix}-{next(self._ids)}" for _ in prompts]
-        requests = [asyncio.ensure_future(self._request(rid, prompt, self._params(params, per_request, i)))
+        lora = self.adapters.acquire() if self.adapters is not None else None  # one adapter for the batch
+        requests = [asyncio.ensure_future(self._request(rid, prompt, self._params(params, per_request, i), lora))
                     for i, (rid, prompt) in enumerate(zip(request_ids, prompts))]
         try:
             outputs = await asyncio.gather(*requests)
@@ -201,14 +212,17 @@ class VLLMBackend(PausableBackend):
             await asyncio.gather(*requests, return_exceptions=True)
             await asyncio.shield(self._abort(request_ids))
             raise
+        finally:
+            if lora is not None:
+                await asyncio.shield(self.adapters.release(lora))
         groups = [self._completions(out, params, per_request) * (n // per_request) for out in outputs]
         self.tokens_generated += sum(len(c.token_ids) for g in groups for c in g)
         self.generate_s += time.perf_counter() - start
         return groups
 
-    async def _request(self, request_id: str, prompt: list[int], params: Any) -> Any:
+    async def _request(self, request_id: str, prompt: list[int], params: Any, lora: Any = None) -> Any:
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id):
+        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id, lora_request=lora):
             final = out
         if final is None or not final.finished:
             raise SamplerError(f"vLLM request {request_id} ended without a final output")
