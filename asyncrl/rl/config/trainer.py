@@ -67,7 +67,17 @@ class TrainerConfig:
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """Clipping, truncated importance weight, KL and aggregation of the GRPO loss."""
     bf16: bool = True
-    """bf16 autocast for the forward pass on GPU (parameters and optimiser stay fp32)."""
+    """bf16 autocast for the forward pass on GPU (parameters and optimiser stay fp32). With
+    world_size > 1: parameters gathered in bf16 for the forward and backward, gradients reduced
+    in fp32 (FSDP2's MixedPrecisionPolicy)."""
+    world_size: int = 1
+    """Trainer processes (one GPU each) that train as one group: the policy and the optimiser are
+    sharded over them (FSDP2), each takes a share of the batch balanced by tokens, and the loss is
+    normalised by the whole batch's count, so they compute what one process would (docs/trainer.md).
+    1: a single trainer process, unsharded."""
+    activation_checkpointing: bool = False
+    """With world_size > 1: recompute each decoder layer's activations in the backward pass (less
+    memory for longer sequences, about a third more compute)."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -76,5 +86,7 @@ class TrainerConfig:
             raise ValueError(f"micro_batch_tokens must be >= 1, not {self.micro_batch_tokens!r}")
         if self.temperature is not None and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, not {self.temperature!r}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, not {self.world_size!r}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0, not {self.grad_clip!r}")
