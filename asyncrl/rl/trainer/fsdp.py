@@ -27,7 +27,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks: modules of the classes transformers names as never to be split
     across devices (``_no_split_modules``: ``Qwen2DecoderLayer`` and the like)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if original_class(m).__name__ in names]
     if not layers:
         raise ShardingError(f"{type(model).__name__} names no decoder layer class (_no_split_modules "
                             f"{sorted(names)}): cannot shard it layer by layer")

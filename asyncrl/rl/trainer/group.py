@@ -9,24 +9,26 @@ holds nothing else. On CPU the group is gloo bound to the address that reaches t
 (registered as the ``asyncrl_gloo`` backend: torch's plain "gloo" binds to whatever the host name
 resolves to, which on a multi-homed node may not reach the peers); on CUDA it is NCCL.
 
-NCCL-safe steps (`RankGroup.guarded`). Every call that runs collectives on the group (a train
-step, a weight gather, a checkpoint) runs inside the guard, and every rank makes the same
-sequence of guarded calls, so call ``k`` on one rank is call ``k`` on every other. Invariants:
+NCCL-safe calls (`RankGroup.run`). Every call that runs collectives on the group (a train step,
+a weight gather, a checkpoint) runs inside the guard, and every rank makes the same sequence of
+guarded calls, so call ``k`` on one rank is call ``k`` on every other. Invariants:
 
-* A rank whose guarded call raises writes one `RankFailure` into every peer's key for call ``k``
-  (``compare_set``: the first verdict stays) and aborts its process group before re-raising.
+* A rank whose call raises writes one `RankFailure` into every peer's key for call ``k``
+  (``compare_set``: the first verdict stays) and aborts its process group.
 * Every rank runs a watcher for the call, blocked on its own key on a second store connection
-  (the first one may be busy). A failure record there, or the call's deadline, aborts the
-  process group, which makes the collective the rank is blocked in return with an error; the
-  call then raises `PeerRankFailedError` (naming the rank that failed, and why) or
-  `StepDeadlineError`. A rank that finishes writes ``done`` into its own key to free its watcher.
+  (the first one may be busy). A failure record there, the driver's word that a peer died
+  (`abort_call`), or the call's deadline aborts the process group and answers the call at once,
+  with `PeerRankFailedError` (naming the rank that failed, and why) or `StepDeadlineError`. The
+  answer does not wait for the collective to return: gloo's abort does not wake a blocked
+  operation (measured: it waits out its own timeout), NCCL's does. A rank that finishes writes
+  ``done`` into its own key to free its watcher.
 * A peer that is SIGKILLed writes nothing: gloo sees its connections close at once; NCCL does
-  not, so the driver, which sees the death, tells the survivors (`RankGroup.abort_call`) and the
-  deadline is the last resort. The store itself lives in rank 0: when rank 0 dies, the others'
-  watchers lose it and abort at once.
+  not, so the driver, which sees the death, tells the survivors (`abort_call`) and the deadline
+  is the last resort. The store itself lives in rank 0: when rank 0 dies, the others' watchers
+  lose it and abort at once.
 * After any failure the group is dead (a collective can never be re-matched across ranks):
-  every later guarded call raises `RankGroupClosedError` at once. The run stops and resumes from
-  its last checkpoint.
+  every later call raises `RankGroupClosedError` at once. The run stops and resumes from its
+  last checkpoint.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -44,6 +47,7 @@ import torch.distributed as dist
 from asyncrl.comm.rendezvous import StoreGroup, local_address_towards
 from asyncrl.errors import AsyncrlError, first_line
 
+T = TypeVar("T")
 GROUP_NAME = "trainer"
 GLOO_BACKEND = "asyncrl_gloo"
 _DONE = b"\x01done"
@@ -104,9 +108,11 @@ class RankGroup:
         self.group, self.backend = group, backend
         self.rank, self.world_size = group.rank, group.world_size
         self._watch_store = watch_store
+        self._guard_store = dist.PrefixStore("guard/", group.store)  # the same keys as watch_store's
         self._timeout_s = timeout_s
         self._calls = 0
         self._failure: RankFailure | None = None  # a peer's record, or our own deadline, once aborted
+        self._current: tuple[str, float, Future] | None = None  # the call running now
         self._closed = ""  # why the group can no longer be used
 
     @classmethod
@@ -132,7 +138,8 @@ class RankGroup:
             # A second connection for the watchers: a TCPStore client serialises its calls, and a
             # watcher blocked in wait() must not hold up this rank's own writes.
             raw = dist.TCPStore(group.host, group.port, None, False, datetime.timedelta(seconds=timeout_s))
-            watch = dist.PrefixStore(f"asyncrl/{GROUP_NAME}/g{group.generation}/guard/", raw)
+            # The same nesting of prefixes as the group's own store (PrefixStore joins with "/").
+            watch = dist.PrefixStore("guard/", dist.PrefixStore(f"asyncrl/{GROUP_NAME}/g{group.generation}/", raw))
         except BaseException:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -145,49 +152,56 @@ class RankGroup:
         """Why the group can no longer run collectives ("" while it can)."""
         return self._closed
 
-    @contextlib.contextmanager
-    def guarded(self, what: str, timeout_s: float) -> Iterator[None]:
-        """Run a block of collectives as call ``k`` of the group (see the module docstring): on a
-        failure here every peer is told and leaves its collective; a peer's failure or the
-        deadline makes this rank leave its own with a typed error."""
+    def run(self, what: str, timeout_s: float, fn: Callable[..., T], *args: Any) -> Future:
+        """Run ``fn(*args)`` as call ``k`` of the group on a thread of its own, inside the guard
+        (see the module docstring), and return a future of its result. The future is settled by
+        ``fn``'s end or, sooner, by the guard's verdict: a peer's failure, the driver's word that
+        a peer died, or the deadline. A collective blocked in the library may not return when its
+        group is aborted (gloo waits out its own timeout), so the answer does not wait for it:
+        the thread is a daemon, left to end with its collective or with the process, and the
+        group refuses every later call."""
         if self._closed:
             raise RankGroupClosedError(f"trainer rank {self.rank}: cannot run {what}: the rank group {self._closed}")
         self._calls += 1
         key = f"{self._calls}/"
+        future: Future = Future()
+        self._current = (what, timeout_s, future)
         done = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(key, what, max(timeout_s - WATCH_MARGIN_S, 0.5), done),
                                    name=f"asyncrl-rank-guard-{self._calls}", daemon=True)
+
+        def call() -> None:
+            try:
+                value = fn(*args)
+            except BaseException as exc:
+                _settle(future, error=self._own_failure(key, what, exc))
+            else:
+                _settle(future, value=value)
+            finally:
+                self._release(key, done)
+
         watcher.start()
-        try:
-            yield
-        except BaseException as exc:
-            failure = self._failure
-            if failure is None:  # ours, or a dead peer's: tell every peer, then free our collectives
-                self._tell_peers(key, RankFailure(self.rank, what, f"{type(exc).__name__}: {first_line(exc)}"))
-                self._abort(f"failed during {what}")
-                if _peer_went_away(exc):
-                    raise RankCollectiveError(f"trainer rank {self.rank}: a collective failed during {what} "
-                                              f"(a peer died or closed its connection): {first_line(exc)}") from exc
-                raise
-            if failure.rank == self.rank:  # our own deadline passed
-                raise StepDeadlineError(f"trainer rank {self.rank}: {what} did not finish within "
-                                        f"{timeout_s:g} s; left its collectives") from exc
-            raise PeerRankFailedError(self.rank, failure.rank, failure.what, failure.error) from exc
-        finally:
-            self._release(key, done)
-            watcher.join(timeout=5.0)
-        failure = self._failure
-        if failure is not None:  # our part finished, but the deadline passed or a peer failed meanwhile
-            if failure.rank == self.rank:
-                raise StepDeadlineError(f"trainer rank {self.rank}: {what} did not finish within {timeout_s:g} s")
-            raise PeerRankFailedError(self.rank, failure.rank, failure.what, failure.error)
+        threading.Thread(target=call, name=f"asyncrl-rank-call-{self._calls}", daemon=True).start()
+        return future
+
+    def _own_failure(self, key: str, what: str, exc: BaseException) -> BaseException:
+        """The error ``fn`` raised, as this call's answer: every peer is told (the first verdict
+        stays), the group aborted, and a collective's failure caused by a peer's death typed so."""
+        if self._failure is not None:  # the guard's verdict came first (the future holds it)
+            return exc
+        self._tell_peers(key, RankFailure(self.rank, what, f"{type(exc).__name__}: {first_line(exc)}"))
+        self._abort(f"failed during {what}")
+        if _peer_went_away(exc):
+            error = RankCollectiveError(f"trainer rank {self.rank}: a collective failed during {what} "
+                                        f"(a peer died or closed its connection): {first_line(exc)}")
+            error.__cause__ = exc
+            return error
+        return exc
 
     def abort_call(self, failed_rank: int, reason: str) -> None:
         """The driver saw rank ``failed_rank`` die (it left no record): leave whatever collective
         runs now, naming it."""
-        if not self._closed:
-            self._failure = self._failure or RankFailure(failed_rank, "the current call", reason)
-            self._abort(f"trainer rank {failed_rank} {reason}")
+        self._fail(RankFailure(failed_rank, "the current call", reason))
 
     def barrier(self, what: str, timeout_s: float | None = None) -> None:
         """A store-side barrier (no collective): every rank reached ``what``."""
@@ -214,31 +228,42 @@ class RankGroup:
             value = store.get(own)
         except dist.DistNetworkError:  # the store is rank 0's: it is gone
             if not done.is_set():
-                self._failure = RankFailure(0, what, "the trainer group's store (rank 0) went away")
-                self._abort("lost rank 0")
+                self._fail(RankFailure(0, what, "the trainer group's store (rank 0) went away"))
             return
         except dist.DistError:  # our deadline passed with no verdict
             if not done.is_set():
-                self._failure = RankFailure(self.rank, what, f"deadline of {timeout_s:g} s passed")
-                self._abort(f"deadline of {what} passed")
+                self._fail(RankFailure(self.rank, what, f"deadline of {timeout_s:g} s passed"))
             return
         if value != _DONE:  # a peer failed: even if our part is done, the ranks no longer agree
-            self._failure = msgspec.msgpack.decode(value, type=RankFailure)
-            self._abort(f"trainer rank {self._failure.rank} failed")
+            self._fail(msgspec.msgpack.decode(value, type=RankFailure))
+
+    def _fail(self, failure: RankFailure) -> None:
+        """The guard's verdict on the current call: abort the group, answer the call at once."""
+        if self._failure is not None or self._closed == "closed":
+            return
+        self._failure = failure
+        self._abort(f"trainer rank {failure.rank} failed" if failure.rank != self.rank else "deadline passed")
+        if self._current is not None:
+            what, timeout_s, future = self._current
+            if failure.rank == self.rank:
+                _settle(future, error=StepDeadlineError(f"trainer rank {self.rank}: {what} did not finish within "
+                                                        f"{timeout_s:g} s; left its collectives"))
+            else:
+                _settle(future, error=PeerRankFailedError(self.rank, failure.rank, failure.what, failure.error))
 
     def _tell_peers(self, key: str, failure: RankFailure) -> None:
         value = msgspec.msgpack.encode(failure)
         try:
             for r in range(self.world_size):
                 if r != self.rank:
-                    self.group.store.compare_set(key + str(r), "", value)
+                    self._guard_store.compare_set(key + str(r), "", value)
         except dist.DistError:
             pass  # the store (rank 0) is gone: the peers lose it too and abort by themselves
 
     def _release(self, key: str, done: threading.Event) -> None:
         done.set()
         with contextlib.suppress(dist.DistError, AttributeError):
-            self.group.store.compare_set(key + str(self.rank), "", _DONE)
+            self._guard_store.compare_set(key + str(self.rank), "", _DONE)
 
     def _abort(self, reason: str) -> None:
         if not self._closed:
@@ -252,6 +277,15 @@ class RankGroup:
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 dist.distributed_c10d._get_default_group().abort()
+
+
+def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
+    """The first of the call's end and the guard's verdict answers; the other is dropped."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
 
 
 def _peer_went_away(exc: BaseException) -> bool:

@@ -110,14 +110,8 @@ class RankMember(Actor):
         return self.ranks.rank if self.ranks is not None else 0
 
     async def run_guarded(self, what: str, deadline_s: float, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` on a worker thread as one guarded call of the rank group."""
-        timeout_s = deadline_s or self.config_deadline_s
-
-        def run() -> T:
-            with self.ranks.guarded(what, timeout_s):
-                return fn(*args)
-
-        return await asyncio.to_thread(run)
+        """Run ``fn`` as one guarded call of the rank group (`RankGroup.run`)."""
+        return await asyncio.wrap_future(self.ranks.run(what, deadline_s or self.config_deadline_s, fn, *args))
 
     config_deadline_s = 900.0
     """A guarded call's deadline when the driver names none (the default train step deadline)."""
