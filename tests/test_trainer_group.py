@@ -6,6 +6,7 @@ sharded checkpoint restores a 2-rank trainer exactly."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -220,3 +221,34 @@ def test_the_final_policy_of_two_ranks_is_one_hugging_face_directory(tiny_path, 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "Qwen2ForCausalLM" and os.path.exists(os.path.join(out, "note.json"))
     assert tensor_digest(dict(model.named_parameters())) == digest
+
+
+def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_rank_and_resume(tmp_path):
+    """The example end to end with ``--trainer.world_size 2``: rank 1 raises mid-backward at step
+    3, the run stops naming it and saying how to resume; the resumed run ends well, with a final
+    policy that transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.rl.trainer.rank_member import FAULT_ENV
+    from tests.launch_support import launch_example
+    from tests.test_grpo import TINY
+
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--trainer.world_size", "2", "--run.steps", "4", "--run.checkpoint_every", "2",
+            "--run.eval_every", "1000", "--run.run_dir", str(run_dir)]
+    os.environ[FAULT_ENV] = "1:3:raise"  # the launched processes inherit it
+    try:
+        stopped = launch_example("grpo_countdown.py", tmp_path, *args, timeout=400)
+    finally:
+        del os.environ[FAULT_ENV]
+    out = stopped.stdout + stopped.stderr
+    assert stopped.returncode != 0, out[-3000:]
+    assert "trainer rank 1 (trainer-1) failed during train_step: InjectedFault" in out, out[-3000:]
+    assert "rank(s) 0 left their collectives" in out and "--resume" in out, out[-3000:]
+    resumed = launch_example("grpo_countdown.py", tmp_path, *args, "--resume", str(run_dir), timeout=400)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert (run_dir / "checkpoints" / "step-00000004" / "dcp").is_dir()
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert type(model).__name__ == "Qwen2ForCausalLM"

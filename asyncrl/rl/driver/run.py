@@ -106,7 +106,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             stop_warm_start.set()
             raise
         kind, ids = detect("auto")
-        cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= 1 + config.sampler.count)
+        ranks = config.trainer.world_size
+        cuda = run.device == "cuda" or (run.device == "auto" and kind == "cuda" and len(ids) >= ranks + config.sampler.count)
         device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
         log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {device}; "
             f"{config.sampler.count} sampler(s); mode {run.mode}")
@@ -116,8 +117,18 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         env = {"TQDM_DISABLE": "1"} | ({} if cuda else {"OMP_NUM_THREADS": "1"})
         # No restarts for the trainer: a new one would start from the initial weights. Losing it
         # stops the run, which resumes from its last checkpoint instead.
-        trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer", gpus=gpus, env=env,
-                                  kwargs={"device": device, "seed": run.seed, "task": spec, "data": run.data})
+        host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
+        trainer_kwargs = {"device": device, "seed": run.seed, "task": spec, "data": run.data}
+        if ranks == 1:
+            trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer", gpus=gpus,
+                                      env=env, kwargs=trainer_kwargs)
+        else:  # N ranks, one group (docs/trainer.md); the driver uses them as it uses one trainer
+            from asyncrl.rl.driver.trainer_ranks import spawn_trainer_ranks
+
+            trainer = await spawn_trainer_ranks(sup, TrainerActor, (model_path, config.trainer_config()), world_size=ranks,
+                                                host=host, timeout_s=run.deadlines.rendezvous_timeout_s, gpus=gpus,
+                                                env=env, kwargs=trainer_kwargs)
+            log(f"trainer: {ranks} ranks, sharded (FSDP2, {'nccl' if cuda else 'gloo'})")
         if checkpoint is not None:
             checkpoint = await load_checkpoint(trainer, run, run_dir, checkpoint, candidates, damaged, log)
             commit(checkpoint)
@@ -129,7 +140,6 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                     for i in range(config.sampler.count)]
         if run.check_weights:
             await _check_digestible(samplers)
-        host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
                             backend="nccl" if cuda else "gloo",
                             seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,

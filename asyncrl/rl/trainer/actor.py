@@ -204,6 +204,9 @@ class TrainerActor(RankMember, SyncMember):
             return await self.run_guarded("loading the checkpoint", deadline_s, self._sharded_load_checkpoint, path)
 
         def load() -> int:
+            from asyncrl.rl.trainer.sharded_checkpoint import refuse_sharded
+
+            refuse_sharded(path)
             checkpoint = Checkpoint(-1, path)
             model, _, _ = load_policy(checkpoint.model_dir, self.device, torch.float32)
             self.model = model.train()

@@ -48,6 +48,15 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isdir(os.path.join(path, DCP_DIR))
 
 
+def refuse_sharded(path: str) -> None:
+    """A single-process trainer cannot load a sharded checkpoint: say which world size can."""
+    if is_sharded_checkpoint(path):
+        with open(os.path.join(path, TRAINER_JSON)) as f:
+            world_size = json.load(f).get("world_size", "N")
+        raise CheckpointFormatError(f"checkpoint {os.path.basename(path)} was written by a {world_size}-rank trainer: "
+                                    f"resume it with --trainer.world_size {world_size}")
+
+
 def _state(model: Any, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
