@@ -38,6 +38,15 @@ def test_cpu_asked_for_names_the_gpus_it_leaves():
     assert plan.device == "cpu" and "2 CUDA device(s) left unused" in plan.line
 
 
+def test_trainer_ranks_take_a_gpu_each_and_samplers_share_rank_0s():
+    plan = plan_devices("auto", "cuda", ["0", "1"], 1, trainer_ranks=2)
+    assert (plan.colocated, plan.trainer_gpus, plan.sampler_gpus) == (True, 1, 0)
+    assert "2 trainer ranks" in plan.line and "trainer rank 0's GPU" in plan.line
+    assert not plan_devices("auto", "cuda", ["0", "1", "2"], 1, trainer_ranks=2).colocated
+    with pytest.raises(ConfigError, match="--trainer.world_size 4 needs a GPU per rank, but this host shows 2"):
+        plan_devices("auto", "cuda", ["0", "1"], 1, trainer_ranks=4)
+
+
 def test_cuda_asked_for_without_one_is_a_config_error():
     with pytest.raises(ConfigError, match="--run.device cuda, but this host shows no CUDA device"):
         plan_devices("cuda", None, [], 1)

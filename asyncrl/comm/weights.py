@@ -38,6 +38,10 @@ DEFAULT_CPU_BUCKET_BYTES = 32 << 20  # gloo gains nothing past a few MiB; keep t
 
 Consumer = Callable[[str, torch.Tensor], None]
 Destination = Union[Mapping[str, torch.Tensor], Consumer]
+BucketSource = Callable[[int], list[torch.Tensor]]
+"""A sender's tensors produced a bucket at a time: called with bucket ``k`` (in order, once per
+sync), it returns the parts of bucket k's segments, in order, each shaped as its staging view
+(a sharded model gathers each bucket's parameters here: never the whole model at once)."""
 
 
 class SyncStats(msgspec.Struct, frozen=True):
@@ -298,20 +302,14 @@ class WeightSender(_WeightSync):
     @classmethod
     def create(cls, comm: Communicator, group: StoreGroup, tensors: Mapping[str, torch.Tensor], *,
                bucket_bytes: int | None = None, timeout_s: float = 60.0,
-               wire_dtype: torch.dtype | None = None) -> WeightSender:
+               wire_dtype: torch.dtype | None = None, allow_direct: bool = True) -> WeightSender:
         """Agree on the layout with every receiver (they call `WeightReceiver.create` together).
         ``wire_dtype``: send floating-point tensors in this dtype (e.g. fp32 master weights to
-        bf16 samplers); the cast happens while packing, so it costs no extra memory."""
-        bucket_bytes = bucket_bytes or default_bucket_bytes(comm.device)
-        specs = [spec_of(n, t) if wire_dtype is None or not t.is_floating_point()
-                 else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype)) for n, t in tensors.items()]
-        # A tensor larger than a bucket goes straight from the parameter when nothing has to change
-        # on the way (contiguous, no cast): no staging copy, and no pipeline fill before it.
-        # (Not across devices: a CUDA model's weights on a CPU communicator are staged.)
-        direct = [n for n, t in tensors.items() if t.nbytes > bucket_bytes and t.is_contiguous()
-                  and t.device == comm.device
-                  and (wire_dtype is None or not t.is_floating_point() or t.dtype == wire_dtype)]
-        layout = build_layout(specs, bucket_bytes, direct=direct)
+        bf16 samplers); the cast happens while packing, so it costs no extra memory.
+        ``allow_direct=False``: every tensor goes through the buckets (a sender whose tensors
+        come from a `BucketSource`, a sharded model's, has no whole tensor to send from)."""
+        layout = sender_layout(tensors, bucket_bytes or default_bucket_bytes(comm.device), wire_dtype, allow_direct,
+                               device=comm.device)
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
         group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
         _agree_on_setup(group, "", deadline)
@@ -319,11 +317,32 @@ class WeightSender(_WeightSync):
         sender._expected = [(n, t.shape, t.dtype) for n, t in tensors.items()]  # local dtypes, not the wire's
         return sender
 
-    def send(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> SyncStats:
-        """Broadcast the tensors (those given at set-up unless others are given) as ``version``."""
+    def send(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None, *,
+             source: BucketSource | None = None) -> SyncStats:
+        """Broadcast the tensors (those given at set-up unless others are given) as ``version``;
+        with ``source``, each bucket's contents come from it (the tensors are only checked
+        against the layout, by name, shape and dtype)."""
         tensors = self.tensors if tensors is None else tensors
         refusal = self._refusal(tensors, f"sender rank {self.comm.rank}")
+        if source is not None:
+            if self.layout.direct:
+                raise WeightSyncError("a bucket source needs a layout without direct tensors (allow_direct=False)")
+            return self._run(version, refusal, lambda: self._move_from(source), None)
         return self._run(version, refusal, lambda: self._move(self._plan_for(tensors, staging_is_dst=True)), None)
+
+    def _move_from(self, source: BucketSource) -> str:
+        staging = self.staging
+        for k in range(len(self.layout.buckets)):
+            parts = source(k)  # on the caller's stream: on GPU the copy stream must wait for it
+            producer = torch.cuda.current_stream(self.comm.device) if staging.cuda else None
+            with staging.copy(k):
+                if producer is not None:
+                    torch.cuda.current_stream(self.comm.device).wait_stream(producer)
+                    for part in parts:  # freed after this loop: not reused until the copy is done
+                        part.record_stream(staging.copy_stream)
+                torch._foreach_copy_(staging.views[k], parts)
+            staging.transfer(k, self.src)
+        return ""
 
     def _move(self, plan: list[_CopyPlan]) -> str:
         for i in self.layout.direct:  # first: they need no packing, which meanwhile fills bucket 0
@@ -457,6 +476,22 @@ def _mismatch(expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapp
     problems += [f"{name}: not in the layout" for name in tensors if name not in known]
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
     return f"{who} disagrees with the weight layout: {shown}"
+
+
+def sender_layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, wire_dtype: torch.dtype | None = None,
+                  allow_direct: bool = True, *, device: torch.device | None = None) -> WeightLayout:
+    """The layout a sender of ``tensors`` proposes: a pure function of the tensors' names, shapes
+    and dtypes (and the communicator's ``device``), so every rank of a sharded trainer computes the
+    same one."""
+    specs = [spec_of(n, t) if wire_dtype is None or not t.is_floating_point()
+             else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype)) for n, t in tensors.items()]
+    # A tensor larger than a bucket goes straight from the parameter when nothing has to change
+    # on the way (contiguous, no cast): no staging copy, and no pipeline fill before it. Not
+    # across devices: a CUDA model's weights on a CPU communicator (gloo) are staged.
+    direct = [n for n, t in tensors.items() if allow_direct and t.nbytes > bucket_bytes and t.is_contiguous()
+              and (device is None or t.device == device)
+              and (wire_dtype is None or not t.is_floating_point() or t.dtype == wire_dtype)]
+    return build_layout(specs, bucket_bytes, direct=direct)
 
 
 def _agree_on_setup(group: StoreGroup, error: str, deadline: float) -> None:

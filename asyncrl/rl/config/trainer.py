@@ -105,7 +105,17 @@ class TrainerConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters instead of full fine-tuning, and how their weights reach the samplers."""
     bf16: bool = True
-    """bf16 autocast for the forward pass on GPU (parameters and optimiser stay fp32)."""
+    """bf16 autocast for the forward pass on GPU (parameters and optimiser stay fp32). With
+    world_size > 1: parameters gathered in bf16 for the forward and backward, gradients reduced
+    in fp32 (FSDP2's MixedPrecisionPolicy)."""
+    world_size: int = 1
+    """Trainer processes (one GPU each) that train as one group: the policy and the optimiser are
+    sharded over them (FSDP2), each takes a share of the batch balanced by tokens, and the loss is
+    normalised by the whole batch's count, so they compute what one process would (docs/trainer.md).
+    1: a single trainer process, unsharded."""
+    activation_checkpointing: bool = False
+    """With world_size > 1: recompute each decoder layer's activations in the backward pass (less
+    memory for longer sequences, about a third more compute)."""
     pack_tokens: int = 0
     """Pack several prompt + completion sequences into rows of up to this many tokens, attention
     kept within each (``trainer/packing.py``); at most ``micro_batch_tokens``. 0: one padded
@@ -123,8 +133,13 @@ class TrainerConfig:
             raise ValueError(f"micro_batch_tokens must be >= 1, not {self.micro_batch_tokens!r}")
         if self.temperature is not None and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, not {self.temperature!r}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, not {self.world_size!r}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0, not {self.grad_clip!r}")
+        if self.world_size > 1 and (self.lora.rank or self.pack_tokens):
+            raise ValueError("world_size > 1 trains the whole model unpacked for now: lora.rank and pack_tokens "
+                             "need world_size 1")
         if not 0 <= self.pack_tokens <= self.micro_batch_tokens:
             raise ValueError(f"pack_tokens must be in [0, micro_batch_tokens = {self.micro_batch_tokens}] "
                              f"(a packed row is one forward at most), not {self.pack_tokens!r}")

@@ -46,11 +46,13 @@ class DevicePlan:
         return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)} if self.colocated else {}
 
 
-def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int) -> DevicePlan:
+def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int, *, trainer_ranks: int = 1) -> DevicePlan:
     """``asked``: --run.device ("auto", "cpu", "cuda"); ``kind``/``ids``: the host's accelerators
-    (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has."""
+    (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has;
+    ``trainer_ranks``: the trainer's processes (--trainer.world_size), a GPU each on CUDA."""
     gpus = len(ids) if kind == "cuda" else 0
-    wanted = 1 + samplers
+    wanted = trainer_ranks + samplers
+    trainer = f"{trainer_ranks} trainer ranks" if trainer_ranks > 1 else "the trainer"
     if asked == "cpu":
         also = f" ({gpus} CUDA device(s) left unused: --run.device auto uses them)" if gpus else ""
         return DevicePlan("cpu", False, "gloo", f"cpu, as asked{also}")
@@ -61,9 +63,13 @@ def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int) ->
                               "or the driver may hide them); drop --run.device for the CPU")
         why = ("Ascend NPUs are not yet placed by GRPO runs" if kind == "npu" else "no CUDA device found")
         return DevicePlan("cpu", False, "gloo", f"cpu ({why})")
+    if gpus < trainer_ranks:
+        raise ConfigError(f"--trainer.world_size {trainer_ranks} needs a GPU per rank, but this host shows {gpus}; "
+                          "lower it, or add --run.device cpu")
     if gpus >= wanted:
-        return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for the trainer and {samplers} sampler(s)")
-    unused = f"; {gpus - 1} other GPU(s) unused" if gpus > 1 else ""
+        return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for {trainer} and {samplers} sampler(s)")
+    unused = f"; {gpus - trainer_ranks} other GPU(s) unused" if gpus > trainer_ranks else ""
+    host = "trainer rank 0's GPU" if trainer_ranks > 1 else "trainer's GPU"
     return DevicePlan("cuda", True, "ipc",
-                      f"cuda, colocated: {gpus} GPU(s) for a trainer and {samplers} sampler(s), so the samplers share "
-                      f"the trainer's GPU and take weights over CUDA IPC{unused}")
+                      f"cuda, colocated: {gpus} GPU(s) for {trainer} and {samplers} sampler(s), so the samplers share "
+                      f"the {host} and take weights over CUDA IPC{unused}")

@@ -107,7 +107,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         except asyncio.CancelledError:
             stop_warm_start.set()
             raise
-        plan = plan_devices(run.device, *detect("auto"), config.sampler.count)
+        ranks = config.trainer.world_size
+        plan = plan_devices(run.device, *detect("auto"), config.sampler.count, trainer_ranks=ranks)
         cuda, device = plan.device == "cuda", plan.device
         log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
             f"{config.sampler.count} sampler(s); mode {run.mode}")
@@ -117,8 +118,18 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         env = {"TQDM_DISABLE": "1"} | ({} if cuda else {"OMP_NUM_THREADS": "1"})
         # No restarts for the trainer: a new one would start from the initial weights. Losing it
         # stops the run, which resumes from its last checkpoint instead.
-        trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer",
-                                  gpus=plan.trainer_gpus, env=env, kwargs={"device": device, "seed": run.seed, "task": spec, "data": run.data})
+        host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
+        trainer_kwargs = {"device": device, "seed": run.seed, "task": spec, "data": run.data}
+        if ranks == 1:
+            trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer",
+                                      gpus=plan.trainer_gpus, env=env, kwargs=trainer_kwargs)
+        else:  # N ranks, one group (docs/trainer.md); the driver uses them as it uses one trainer
+            from asyncrl.rl.driver.trainer_ranks import spawn_trainer_ranks
+
+            trainer = await spawn_trainer_ranks(sup, TrainerActor, (model_path, config.trainer_config()), world_size=ranks,
+                                                host=host, timeout_s=run.deadlines.rendezvous_timeout_s,
+                                                gpus=plan.trainer_gpus, env=env, kwargs=trainer_kwargs)
+            log(f"trainer: {ranks} ranks, sharded (FSDP2, {'nccl' if cuda else 'gloo'})")
         if checkpoint is not None:
             checkpoint = await load_checkpoint(trainer, run, run_dir, checkpoint, candidates, damaged, log)
             commit(checkpoint)
@@ -133,7 +144,6 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                     for i in range(config.sampler.count)]
         if run.check_weights:
             await _check_digestible(samplers)
-        host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
                             backend=plan.sync_backend,
                             seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,

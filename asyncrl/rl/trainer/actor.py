@@ -30,6 +30,7 @@ from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_logprobs
 from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
+from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.runtime.actor import endpoint
 
 
@@ -38,13 +39,14 @@ ADAPTER_DIR = "adapter"
 beside the merged checkpoint."""
 
 
-class TrainerActor(SyncMember):
+class TrainerActor(RankMember, SyncMember):
     """Holds the policy and its optimiser; rank 0 of the weight-sync group. ``task`` and ``data``
     give the held-out problems `evaluate` solves (the task is built here, from its spec)."""
 
     def __init__(self, model_path: str, config: TrainerConfig = TrainerConfig(), *, device: str = "cpu", seed: int = 0,
                  task: TaskSpec = TaskSpec("countdown"), data: DataConfig = DataConfig()):
         torch.manual_seed(seed)
+        self.seed = seed
         self.config = config
         self.task_spec, self.data = task, data
         self._task = None  # built on the first evaluation
@@ -106,8 +108,12 @@ class TrainerActor(SyncMember):
     async def setup_sender(self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "") -> int:
         """After `form_group`: agree on the layout with every sampler. ``wire_dtype`` (e.g.
         "bfloat16") is the samplers' parameter dtype when it differs from the trainer's fp32.
-        Returns the bucket count."""
+        Returns the bucket count. With a rank group, every rank computes the layout (rank 0
+        alone agrees on it with the samplers) and the buckets are gathered by all of them."""
         cast = DTYPES[wire_dtype] if wire_dtype else None
+        if self.ranks is not None:
+            return await self.run_guarded("agreeing on the weight layout", timeout_s, self._sharded_setup_sender,
+                                          timeout_s, bucket_bytes, cast)
         self.sender = await asyncio.to_thread(WeightSender.create, self.sync_comm, self.sync_group,
                                               self.weight_tensors(), bucket_bytes=bucket_bytes or None,
                                               timeout_s=timeout_s, wire_dtype=cast)
@@ -116,14 +122,19 @@ class TrainerActor(SyncMember):
     @endpoint
     async def send_weights(self, version: int) -> float:
         """Broadcast the current weights as ``version``; returns the seconds the sync took."""
+        if self.ranks is not None:
+            return await self._sharded_send_weights(version)
         stats = await asyncio.to_thread(lambda: self.sender.send(version, self.weight_tensors()))
         return stats.seconds
 
     @endpoint
-    async def train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
-        """One optimiser step on ``groups``; returns the step's metrics."""
+    async def train_step(self, groups: list[RolloutGroup], deadline_s: float = 0.0) -> dict[str, float]:
+        """One optimiser step on ``groups``; returns the step's metrics. With a rank group every
+        rank gets the whole batch and trains on its share; ``deadline_s`` bounds the step there."""
         for g in groups:
             validate_group(g)
+        if self.ranks is not None:
+            return await self.run_guarded(f"train step {self.steps + 1}", deadline_s, self._sharded_train_step, groups)
         return await asyncio.to_thread(self._train_step, groups)
 
     def _train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
@@ -176,9 +187,12 @@ class TrainerActor(SyncMember):
         return metrics
 
     @endpoint
-    async def evaluate(self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64) -> dict[str, float]:
+    async def evaluate(self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64,
+                       deadline_s: float = 0.0) -> dict[str, float]:
         """Solve rate on the task's held-out split (``data.n_heldout`` problems): greedy, and
-        sampled at the training temperature (``samples`` completions per problem; 0 skips it)."""
+        sampled at the training temperature (``samples`` completions per problem; 0 skips it).
+        With a rank group every rank evaluates the same problems in step (a sharded forward
+        gathers from every rank), sampling from the same seed."""
         from asyncrl.rl.model.evaluation import solve_rate
         from asyncrl.rl.tasks.loading import load_task
 
@@ -201,26 +215,37 @@ class TrainerActor(SyncMember):
             finally:
                 self.model.train()
 
+        if self.ranks is not None:
+            return await self.run_guarded("the held-out evaluation", deadline_s, self._in_step_rng, run)
         return await asyncio.to_thread(run)
 
     @endpoint
-    async def save_checkpoint(self, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
+    async def save_checkpoint(self, run_dir: str, step: int, keep: int, run_state: bytes, deadline_s: float = 0.0) -> str:
         """Write the resumable checkpoint of ``step`` under ``run_dir`` (policy, optimiser, RNGs
         and the driver's ``run_state`` JSON), atomically, keeping the newest ``keep``; returns
         its path. See ``trainer/checkpoint.py``."""
         from asyncrl.rl.trainer.checkpoint import write_checkpoint
 
+        if self.ranks is not None:
+            return await self.run_guarded(f"writing the checkpoint of step {step}", deadline_s,
+                                          self._sharded_save_checkpoint, run_dir, step, keep, run_state)
         return await asyncio.to_thread(write_checkpoint, run_dir, step, keep, self.model, self.tokenizer,
                                        self.optimizer, self.steps, run_state, self._marker_files())
 
     @endpoint
-    async def load_checkpoint(self, path: str) -> int:
+    async def load_checkpoint(self, path: str, deadline_s: float = 0.0) -> int:
         """Take the policy, optimiser state and RNG states of the checkpoint at ``path`` (before
         the weight-sync group is formed); returns the trainer's step count there."""
         from asyncrl.rl.checkpoint import Checkpoint
         from asyncrl.rl.trainer.checkpoint import load_trainer_state
 
+        if self.ranks is not None:
+            return await self.run_guarded("loading the checkpoint", deadline_s, self._sharded_load_checkpoint, path)
+
         def load() -> int:
+            from asyncrl.rl.trainer.sharded_checkpoint import refuse_sharded
+
+            refuse_sharded(path)
             checkpoint = Checkpoint(-1, path)
             self.model, _, _ = self._policy(checkpoint.model_dir)
             self.optimizer = self._new_optimizer()
@@ -231,35 +256,46 @@ class TrainerActor(SyncMember):
         return await asyncio.to_thread(load)
 
     @endpoint
-    async def weights_digest(self) -> str:
+    async def weights_digest(self, deadline_s: float = 0.0) -> str:
         """SHA-256 of the policy's parameters as the samplers hold them (``rl/digest.py``)."""
         from asyncrl.rl.digest import tensor_digest
 
+        if self.ranks is not None:
+            return await self.run_guarded("the weight digest", deadline_s, self._sharded_digest)
         return await asyncio.to_thread(tensor_digest, self.weight_tensors())
 
     @endpoint
-    async def save(self, path: str, extra_files: dict[str, str] = {}) -> str:
+    async def save(self, path: str, extra_files: dict[str, str] = {}, deadline_s: float = 0.0) -> str:
         """Write the policy as a Hugging Face checkpoint directory, whole (`staged_dir`: a kill
         at any point leaves a whole policy, the old or the new, never a half-written or
         half-deleted one), with ``extra_files`` (name -> text, e.g. best.json) inside it, written
         with the rest so they never describe another policy. A failed write (a full disk) leaves
-        nothing behind and raises a one-line `CheckpointWriteError`."""
+        nothing behind and raises a one-line `CheckpointWriteError`. With a rank group, every
+        rank gathers the policy (a tensor at a time, to rank 0's memory) and rank 0 writes it."""
+        if self.ranks is not None:
+            return await self.run_guarded("saving the policy", deadline_s, self._sharded_save,
+                                          os.path.abspath(path), dict(extra_files))
         return await asyncio.to_thread(self._save, os.path.abspath(path), dict(extra_files))
 
-    def _save(self, final: str, extra_files: dict[str, str]) -> str:
+    def _save(self, final: str, extra_files: dict[str, str], state_dict: dict[str, torch.Tensor] | None = None) -> str:
         from asyncrl.rl.checkpoint import staged_dir
         from asyncrl.rl.trainer.checkpoint import write_failure
 
         try:
             with staged_dir(final) as tmp:
-                if self.config.lora.rank:  # a merged checkpoint for transformers and vLLM, and the adapter
+                if state_dict is not None:  # gathered from the shards (trainer/fsdp.py)
+                    from asyncrl.rl.trainer.fsdp import save_pretrained
+
+                    save_pretrained(self.model, self.tokenizer, tmp, state_dict)
+                elif self.config.lora.rank:  # a merged checkpoint for transformers and vLLM, and the adapter
                     from asyncrl.rl.trainer.lora import merged_copy
 
                     merged_copy(self.model).save_pretrained(tmp, safe_serialization=True)
                     self.model.save_pretrained(os.path.join(tmp, ADAPTER_DIR), safe_serialization=True)
+                    self.tokenizer.save_pretrained(tmp)
                 else:
                     self.model.save_pretrained(tmp, safe_serialization=True)
-                self.tokenizer.save_pretrained(tmp)
+                    self.tokenizer.save_pretrained(tmp)
                 for marker in self._marker_files():
                     shutil.copy(marker, tmp)
                 files = {"asyncrl_trainer.json": json.dumps(

@@ -1,0 +1,151 @@
+"""The driver's side of an N-rank trainer (``--trainer.world_size N``): spawning the ranks,
+forming their group, and `TrainerRanks`, which the driver uses wherever it used the trainer's
+handle.
+
+`TrainerRanks` makes the same calls as a trainer handle. A call that runs collectives on the
+trainer group (`ALL_RANKS`) goes to every rank at once with the call's deadline, and the answer is
+rank 0's; anything else (joining the weight-sync group, of which rank 0 alone is a member) goes to
+rank 0. One verdict per call, naming the rank that caused a failure:
+
+* a rank that died: its death (`ActorDiedError`, naming the rank), at once; the survivors are told
+  (`abort_call`), so they leave their collectives even where the backend (NCCL) would not notice;
+* a rank whose call raised by itself: a `TrainerRankFailedError` naming the rank and its error
+  (for train steps and evaluations; for the calls whose callers read the remote error, such as a
+  full disk in a checkpoint write, that rank's `RemoteError` as it is);
+* a rank that did not answer within the call's deadline: its `CallTimeoutError`;
+* ranks that only left their collectives because of a peer (`VICTIM_ERRORS`) are never the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
+from asyncrl.rl.driver.faults import RunStoppedError
+
+ALL_RANKS = frozenset({"train_step", "evaluate", "setup_sender", "send_weights", "save", "save_checkpoint",
+                       "load_checkpoint", "weights_digest", "gradients"})
+"""Calls that run collectives on the trainer group: made on every rank together."""
+_DEADLINE_ARG = frozenset({"train_step", "evaluate", "save", "save_checkpoint", "load_checkpoint",
+                           "weights_digest", "gradients"})
+"""Of those, the ones whose deadline the ranks are told (``deadline_s``); the weight sync's
+calls carry their own (``sync_timeout_s``)."""
+_STOPS_THE_RUN = frozenset({"train_step", "evaluate"})
+VICTIM_ERRORS = frozenset({"PeerRankFailedError", "RankCollectiveError", "RankGroupClosedError", "StepDeadlineError"})
+"""The errors of a rank that left its collectives because of a peer (``trainer/group.py``; by
+name: the driver does not import torch to read them)."""
+ABORT_CALL_S = 10.0
+
+
+class TrainerRankFailedError(RunStoppedError):
+    """One trainer rank failed during a call; the message names it, its error, and the ranks that
+    left their collectives because of it."""
+
+
+class TrainerRanks:
+    """The trainer's N ranks as one trainer (see the module docstring)."""
+
+    def __init__(self, handles: list[Any], timeout_s: float | None = None):
+        self.handles = list(handles)
+        self._timeout_s = timeout_s
+        self._aborts: set[asyncio.Task] = set()
+
+    @property
+    def name(self) -> str:
+        return self.handles[0].name
+
+    @property
+    def world_size(self) -> int:
+        return len(self.handles)
+
+    def with_timeout(self, timeout_s: float) -> TrainerRanks:
+        ranks = TrainerRanks(self.handles, timeout_s)
+        ranks._aborts = self._aborts
+        return ranks
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        if method in ALL_RANKS:
+            return lambda *args, **kwargs: self._all(method, args, kwargs)
+        return getattr(self._rank(0), method)
+
+    def _rank(self, r: int) -> Any:
+        handle = self.handles[r]
+        return handle.with_timeout(self._timeout_s) if self._timeout_s is not None else handle
+
+    async def _all(self, method: str, args: tuple, kwargs: dict) -> Any:
+        if self._timeout_s is not None and method in _DEADLINE_ARG:
+            kwargs = {**kwargs, "deadline_s": self._timeout_s}
+        calls = [asyncio.ensure_future(getattr(self._rank(r), method)(*args, **kwargs))
+                 for r in range(self.world_size)]
+        for r, call in enumerate(calls):
+            call.add_done_callback(lambda call, r=r: self._on_done(r, call))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        if not any(isinstance(x, BaseException) for x in results):
+            return results[0]
+        raise self._verdict(method, results)
+
+    def _on_done(self, rank: int, call: asyncio.Future) -> None:
+        """A rank that died leaves no record for its peers: tell them, so they leave at once."""
+        if call.cancelled() or not isinstance(call.exception(), ActorDiedError):
+            return
+        reason = f"died ({call.exception().reason})"
+        for r, handle in enumerate(self.handles):
+            if r != rank:
+                task = asyncio.ensure_future(handle.with_timeout(ABORT_CALL_S).abort_call(rank, reason))
+                self._aborts.add(task)
+                task.add_done_callback(_forget(self._aborts))
+
+    def _verdict(self, method: str, results: list[Any]) -> BaseException:
+        errors = {r: x for r, x in enumerate(results) if isinstance(x, BaseException)}
+        victims = {r: x for r, x in errors.items() if isinstance(x, RemoteError) and x.remote_type in VICTIM_ERRORS}
+        left = sorted(victims)
+        also = f"; rank(s) {', '.join(map(str, left))} left their collectives" if left else ""
+        for r, x in errors.items():
+            if isinstance(x, ActorDiedError):
+                return ActorDiedError(self.handles[r].name, f"trainer rank {r}: {x.reason}{also}")
+        for r, x in errors.items():
+            if r in victims or isinstance(x, CallTimeoutError):
+                continue
+            if isinstance(x, RemoteError) and method not in _STOPS_THE_RUN:
+                return x
+            what = f"{x.remote_type}: {first_line(x.remote_message)}" if isinstance(x, RemoteError) else \
+                f"{type(x).__name__}: {first_line(x)}"
+            error = TrainerRankFailedError(f"trainer rank {r} ({self.handles[r].name}) failed during {method}: "
+                                           f"{what}{also}")
+            error.__cause__ = x
+            return error
+        for x in errors.values():
+            if isinstance(x, CallTimeoutError):
+                return x
+        r, x = next(iter(victims.items()))
+        return TrainerRankFailedError(f"trainer rank {r} failed during {method}: {x.remote_type}: "
+                                      f"{first_line(x.remote_message)}")
+
+
+def _forget(tasks: set) -> Any:
+    return lambda task: tasks.discard(task)
+
+
+async def spawn_trainer_ranks(sup: Any, cls: type, args: tuple, *, world_size: int, host: str, timeout_s: float,
+                              gpus: int, env: dict[str, str], kwargs: dict[str, Any]) -> TrainerRanks:
+    """Spawn ``world_size`` trainer ranks (rank 0 named ``trainer``, the others ``trainer-<r>``),
+    concurrently, and form their group: every join at once, under one deadline (the rendezvous
+    contract); a rank that fails to start or to join fails the whole call, naming it."""
+    from asyncrl.comm.rendezvous import join_all
+
+    names = ["trainer"] + [f"trainer-{r}" for r in range(1, world_size)]
+    spawned = await asyncio.gather(*(sup.spawn(cls, *args, name=name, gpus=gpus, env=env, kwargs=kwargs)
+                                     for name in names), return_exceptions=True)
+    failed = [x for x in spawned if isinstance(x, BaseException)]
+    if failed:
+        await asyncio.gather(*(sup.stop(h) for h in spawned if not isinstance(h, BaseException)),
+                             return_exceptions=True)
+        raise failed[0]
+    port = await spawned[0].with_timeout(timeout_s).rank_listen(host)
+    joins = [h.with_timeout(timeout_s + 10).rank_join(host, port, r, world_size, timeout_s)
+             for r, h in enumerate(spawned)]
+    await join_all(joins, timeout_s + 15, what="form the trainer group")
+    return TrainerRanks(spawned)

@@ -1,0 +1,254 @@
+"""An N-rank trainer (``--trainer.world_size``) on CPU with gloo: N ranks compute what one rank
+would on the same batch (the global-count normalisation), the weights they send are the model's,
+a failure on one rank ends the step on every rank within its deadline naming the rank, and a
+sharded checkpoint restores a 2-rank trainer exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from asyncrl.rl.config.trainer import GRPOLossConfig, TrainerConfig
+from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.runtime.supervisor import Supervisor
+from tests.sampler_support import ONE_THREAD, write_tiny
+
+HOST = "127.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    return write_tiny(str(tmp_path_factory.mktemp("tiny")))
+
+
+def batch(seed: int, groups: int = 4, size: int = 3) -> list[RolloutGroup]:
+    """Groups of uneven lengths (prompts 2-9 tokens, completions 1-14), rewards that differ within
+    each group (else the advantages, and the gradient, would be zero)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, 250) for _ in range(rng.randint(2, 9))]
+        completions = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 14))] for _ in range(size)]
+        out.append(RolloutGroup(g, prompt, completions, [[-rng.uniform(0.5, 3.0) for _ in c] for c in completions],
+                                [float(j == g % size) + 0.1 * j for j in range(size)], version=0))
+    return out
+
+
+async def spawn_plain(sup, path, config):
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    return await sup.spawn(TrainerActor, path, config, name="plain", env=ONE_THREAD)
+
+
+async def spawn_ranks(sup, path, config, world_size=2, env=None):
+    from asyncrl.rl.driver.trainer_ranks import spawn_trainer_ranks
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    return await spawn_trainer_ranks(sup, TrainerActor, (path, config), world_size=world_size, host=HOST,
+                                     timeout_s=60.0, gpus=0, env={**ONE_THREAD, **(env or {})}, kwargs={})
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny_path, aggregation):
+    # A micro-batch budget that cuts each rank's share differently: the ranks take different
+    # numbers of micro-batches, padded to match, and the counts must still be the global ones.
+    config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=GRPOLossConfig(aggregation=aggregation))
+    data = batch(1)
+
+    async def main():
+        async with Supervisor(call_timeout_s=120) as sup:
+            plain, ranks = await asyncio.gather(spawn_plain(sup, tiny_path, config), spawn_ranks(sup, tiny_path, config))
+            one = await plain.train_step(data)
+            two = await ranks.with_timeout(120).train_step(data)
+            return one, two, await plain.gradients(), await ranks.with_timeout(60).gradients()
+
+    one, two, g1, g2 = asyncio.run(main())
+    assert set(g1) == set(g2) and len(g1) > 5
+    for name in g1:
+        assert torch.allclose(g1[name], g2[name], atol=1e-5, rtol=1e-4), (name, (g1[name] - g2[name]).abs().max())
+    assert max(float(g.abs().max()) for g in g1.values()) > 1e-3  # not trivially equal (all zero)
+    for key in ("loss", "pg_loss", "grad_norm", "tokens", "sequences", "entropy", "ratio_mean"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_per_rank_mean_would_differ_so_the_equality_above_is_not_trivial():
+    """The split of test batch 1 gives the ranks different token counts: normalising each rank by
+    its own count (the classic bug) would weigh their gradients differently."""
+    from asyncrl.rl.trainer.loss import group_advantages
+    from asyncrl.rl.trainer.split import batch_counts, rank_share
+
+    data = batch(1)
+    adv = group_advantages([list(g.rewards) for g in data])
+    counts = [batch_counts(rank_share(data, adv, r, 2)[0])[0] for r in range(2)]
+    assert sum(counts) == batch_counts(data)[0] and counts[0] != counts[1]
+    lengths = [sum(len(g.prompt_ids) + len(c) for g in rank_share(data, adv, r, 2)[0] for c in g.completion_ids)
+               for r in range(2)]
+    assert abs(lengths[0] - lengths[1]) <= 14 + 9  # balanced to within one sequence
+
+
+def test_two_ranks_send_the_weights_they_hold_a_bucket_at_a_time(tiny_path):
+    """A weight sync from a 2-rank trainer to a sampler (the real `SamplerActor`, HF backend):
+    the sampler's digest equals the trainer's after a step, with buckets far smaller than the
+    model, so every bucket is gathered and sent in turn."""
+    from asyncrl.comm.member import form_group
+    from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.sampler.actor import SamplerActor
+
+    async def main():
+        async with Supervisor(call_timeout_s=120) as sup:
+            ranks = await spawn_ranks(sup, tiny_path, TrainerConfig())
+            sampler = await sup.spawn(SamplerActor, tiny_path, SamplerConfig(backend="hf"), name="sampler", env=ONE_THREAD)
+            await ranks.with_timeout(120).train_step(batch(2))
+            await form_group([ranks, sampler], HOST, timeout_s=30)
+            buckets = await asyncio.gather(ranks.setup_sender(30.0, 16 << 10), sampler.setup_receiver(30.0))
+            await asyncio.gather(ranks.send_weights(1), sampler.receive_weights(1))
+            return buckets[0], await ranks.with_timeout(60).weights_digest(), await sampler.weights_digest()
+
+    buckets, trainer_digest, sampler_digest = asyncio.run(main())
+    assert buckets > 10 and trainer_digest == sampler_digest
+
+
+@pytest.mark.parametrize("fault", ["raise", "sigkill"])
+def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_path, fault):
+    """Rank 1 raises in the middle of the backward of step 2 (or is SIGKILLed there): rank 0,
+    blocked in a collective, leaves it at once with a typed error; the verdict names rank 1."""
+    from asyncrl.errors import ActorDiedError
+    from asyncrl.rl.driver.trainer_ranks import TrainerRankFailedError
+    from asyncrl.rl.trainer.rank_member import FAULT_ENV
+
+    kind = "raise" if fault == "raise" else "hang"
+
+    async def main():
+        async with Supervisor(call_timeout_s=120) as sup:
+            ranks = await spawn_ranks(sup, tiny_path, TrainerConfig(micro_batch_tokens=40), env={FAULT_ENV: f"1:2:{kind}"})
+            await ranks.with_timeout(60).train_step(batch(3))
+            step = asyncio.ensure_future(ranks.with_timeout(60).train_step(batch(4)))
+            if fault == "sigkill":  # rank 1 is frozen mid-backward: kill it there
+                await asyncio.sleep(3.0)
+                assert not step.done()
+                ranks.handles[1].kill("test: SIGKILL mid-step")
+            start = time.monotonic()
+            with pytest.raises(BaseException) as info:
+                await step
+            left = time.monotonic() - start
+            # Rank 0 is dead to the group now: a later call fails at once, typed.
+            with pytest.raises(Exception) as after:
+                await ranks.handles[0].with_timeout(10).train_step(batch(5))
+            return info.value, left, after.value
+
+    error, left, after = asyncio.run(main())
+    if fault == "raise":
+        assert isinstance(error, TrainerRankFailedError)
+        assert "trainer rank 1 (trainer-1) failed during train_step: InjectedFault" in str(error)
+        assert "rank(s) 0 left their collectives" in str(error)
+        assert left < 15.0
+    else:
+        assert isinstance(error, ActorDiedError) and "trainer rank 1" in str(error), error
+        assert left < 15.0
+    assert "RankGroupClosedError" in str(after)
+
+
+def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
+    from asyncrl.rl.trainer.rank_member import FAULT_ENV
+
+    async def main():
+        async with Supervisor(call_timeout_s=120) as sup:
+            ranks = await spawn_ranks(sup, tiny_path, TrainerConfig(), env={FAULT_ENV: "1:1:hang"})
+            start = time.monotonic()
+            with pytest.raises(BaseException) as info:
+                await ranks.with_timeout(8).train_step(batch(3))
+            return info.value, time.monotonic() - start
+
+    error, took = asyncio.run(main())
+    assert took < 12.0, took
+    assert "StepDeadlineError" in repr(error) or "did not finish" in str(error) or "no reply" in str(error), error
+
+
+def test_a_sharded_checkpoint_restores_two_ranks_exactly(tiny_path, tmp_path):
+    """Steps 1-2, checkpoint, step 3 (A); a new 2-rank trainer loads the checkpoint and takes
+    step 3 (B): the same loss and the same weights, bit for bit."""
+    from asyncrl.rl.checkpoint import RunState, list_checkpoints, verify_checkpoint
+    import msgspec
+
+    config = TrainerConfig(micro_batch_tokens=40)
+    state = msgspec.json.encode(RunState(step=2, version=2))
+
+    async def main():
+        async with Supervisor(call_timeout_s=120) as sup:
+            first = await spawn_ranks(sup, tiny_path, config)
+            t = first.with_timeout(120)
+            await t.train_step(batch(1))
+            await t.train_step(batch(2))
+            path = await t.save_checkpoint(str(tmp_path), 2, 2, state)
+            a = await t.train_step(batch(3))
+            digest_a = await t.weights_digest()
+            for h in first.handles:
+                await sup.stop(h)
+            second = await spawn_ranks(sup, tiny_path, config)
+            t = second.with_timeout(120)
+            assert await t.load_checkpoint(path) == 2
+            b = await t.train_step(batch(3))
+            return path, a, b, digest_a, await t.weights_digest()
+
+    path, a, b, digest_a, digest_b = asyncio.run(main())
+    (checkpoint,) = list_checkpoints(str(tmp_path))
+    assert checkpoint.path == path and verify_checkpoint(checkpoint)
+    assert sorted(os.listdir(path)) == ["MANIFEST.json", "dcp", "rng", "run_state.json", "trainer.json", "trainer.pt"]
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert digest_a == digest_b
+
+
+def test_the_final_policy_of_two_ranks_is_one_hugging_face_directory(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    async def main():
+        async with Supervisor(call_timeout_s=120) as sup:
+            ranks = await spawn_ranks(sup, tiny_path, TrainerConfig())
+            t = ranks.with_timeout(120)
+            await t.train_step(batch(1))
+            out = await t.save(str(tmp_path / "final"), {"note.json": "{}"})
+            return out, await t.weights_digest()
+
+    out, digest = asyncio.run(main())
+    from asyncrl.rl.digest import tensor_digest
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and os.path.exists(os.path.join(out, "note.json"))
+    assert tensor_digest(dict(model.named_parameters())) == digest
+
+
+def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_rank_and_resume(tmp_path):
+    """The example end to end with ``--trainer.world_size 2``: rank 1 raises mid-backward at step
+    3, the run stops naming it and saying how to resume; the resumed run ends well, with a final
+    policy that transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.rl.trainer.rank_member import FAULT_ENV
+    from tests.launch_support import launch_example
+    from tests.test_grpo import TINY
+
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--trainer.world_size", "2", "--run.steps", "4", "--run.checkpoint_every", "2",
+            "--run.eval_every", "1000", "--run.run_dir", str(run_dir)]
+    os.environ[FAULT_ENV] = "1:3:raise"  # the launched processes inherit it
+    try:
+        stopped = launch_example("grpo_countdown.py", tmp_path, *args, timeout=400)
+    finally:
+        del os.environ[FAULT_ENV]
+    out = stopped.stdout + stopped.stderr
+    assert stopped.returncode != 0, out[-3000:]
+    assert "trainer rank 1 (trainer-1) failed during train_step: InjectedFault" in out, out[-3000:]
+    assert "rank(s) 0 left their collectives" in out and "--resume" in out, out[-3000:]
+    resumed = launch_example("grpo_countdown.py", tmp_path, *args, "--resume", str(run_dir), timeout=400)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert (run_dir / "checkpoints" / "step-00000004" / "dcp").is_dir()
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
