@@ -42,7 +42,7 @@ def a_run(path):
 
 
 CASES = [
-    (["--trainer.lrr", "1e-4"], "unknown config key --trainer.lrr; did you mean --trainer.lr?"),
+    (["--trainer.lrr", "1e-4"], "unknown config key --trainer.lrr; did you mean --trainer.lr or --trainer.lora.rank?"),
     (["--trainer.lr", "abc"], "--trainer.lr abc: expected a number, e.g. --trainer.lr 0.0001"),
     (["--run.steps", "-5"], "--run.steps -5: steps must be >= 1, not -5"),
     (["--run.mode", "foo"], "--run.mode foo: mode must be 'async' or 'sync', not 'foo'"),
