@@ -33,6 +33,7 @@ from asyncrl.rl.checkpoint import Checkpoint, RunState, write_json_atomic
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
 from asyncrl.rl.driver.metrics import Metrics, truncate_metrics
+from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
@@ -61,10 +62,14 @@ class GRPODriver:
         staleness = self.run.max_staleness if self.run.mode == "async" else 0
         self.queue = RolloutQueue(capacity, staleness)
         self.events_path = os.path.join(run_dir, "faults.jsonl")
-        self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
-                                backend=backend, log=log, events_path=self.events_path)
         self.resume = resume
         self.state = resume.run_state() if resume is not None else RunState(step=0, version=0)
+        # Async mode: samplers begin only groups that will be trained in time (pacing.py).
+        self.pacer = (Pacer(self.queue, self.run.groups_per_step, staleness, version=self.state.version,
+                            next_step=self.state.step + 1) if self.run.mode == "async" else None)
+        self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
+                                backend=backend, log=log, events_path=self.events_path, pacer=self.pacer,
+                                batch_groups=config.sampler.prompts_per_batch)
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
@@ -108,7 +113,8 @@ class GRPODriver:
                 "samples": self.samples, "queue_depth": len(self.queue), "dropped_stale": self.dropped_stale(),
                 "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
                 "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
-                **self.pool.progress(), **self.fault_counts(), "updated_at": time.time()}
+                **self.pool.progress(), **self.fault_counts(), **(self.pacer.stats() if self.pacer else {}),
+                "updated_at": time.time()}
 
     def write_progress(self) -> None:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
@@ -239,6 +245,7 @@ class GRPODriver:
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
                 "dropped_stale": self.dropped_stale(), "queue_depth": len(self.queue),
+                **({"paced_wait_s": self.pacer.waited_s} if self.pacer else {}),
                 "completion_tokens": tokens,
                 "samples_per_s": self.samples / max(elapsed, 1e-9),
                 "tokens_per_s": self.tokens / max(elapsed, 1e-9),
