@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from asyncrl.rl.config.observe import ObserveConfig
 from asyncrl.rl.config.tree import flat_section
 
 
@@ -140,6 +141,8 @@ class RunConfig:
     """Deadlines of every kind of work the driver waits for."""
     recovery: RecoveryConfig = flat_section(RecoveryConfig)
     """Restarts of lost samplers."""
+    observe: ObserveConfig = flat_section(ObserveConfig)
+    """TensorBoard, W&B, curves.png, the progress bar, the Prometheus endpoint."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
