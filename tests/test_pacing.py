@@ -94,3 +94,11 @@ async def test_a_pump_without_credit_times_out_naming_who_waited():
     with pytest.raises(PacingTimeoutError, match="sampler3: no credit for 4 groups within 0.05 s"):
         await pacer.acquire(8, 0.05, "sampler3")
     assert pacer.in_flight == 0
+
+
+def test_a_sync_interval_no_group_could_survive_is_refused():
+    from asyncrl.rl.config.run import RunConfig
+
+    with pytest.raises(ValueError, match="sync_every 3 needs max_staleness >= 2 in async mode"):
+        RunConfig(sync_every=3, max_staleness=1)
+    RunConfig(sync_every=2, max_staleness=1)
