@@ -178,3 +178,48 @@ def test_wandb_asked_for_but_not_installed_is_a_usage_error(tmp_path):
     assert done.returncode == 2
     assert "--run.wandb my-project needs the wandb package, which is not installed: pip install wandb" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_run_s_endpoint_answers_while_it_trains_and_names_a_killed_sampler(model_path, tmp_path):
+    import signal
+    import socket
+
+    from asyncrl.rl.driver.run import train
+    from test_fault_tolerance import at_step, pid_of, tiny
+
+    with socket.socket() as s:  # a free port (the endpoint binds an explicit one, as a user would)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    config = tiny(model_path, run_dir, "--run.steps", "40", "--sampler.count", "2", "--run.metrics_port", str(port),
+                  "--run.sampler_max_restarts", "0", "--run.health_timeout_s", "5")
+    base = f"http://127.0.0.1:{port}"
+    seen = {}
+
+    async def watch(sup):
+        await at_step(run_dir, 2)
+        seen["healthy"] = await asyncio.to_thread(get, base + "/healthz")
+        seen["metrics"] = await asyncio.to_thread(get, base + "/metrics")
+        os.kill(pid_of(sup, "sampler1"), signal.SIGKILL)  # no restarts: it stays dead
+        while True:
+            code, _, body = await asyncio.to_thread(get, base + "/healthz")
+            if code == 503:
+                seen["dead"] = json.loads(body)
+                return
+            await asyncio.sleep(0.1)
+
+    async with Supervisor() as sup:
+        watcher = asyncio.ensure_future(watch(sup))
+        summary = await train(config, sup, log=lambda *a: None)
+        await watcher
+    code, _, body = seen["healthy"]
+    assert code == 200 and json.loads(body)["actors"] == {"trainer": "running", "sampler0": "running",
+                                                          "sampler1": "running"}
+    code, _, text = seen["metrics"]
+    assert code == 200 and "asyncrl_reward_mean " in text and "asyncrl_progress_step " in text
+    assert seen["dead"]["unhealthy"]["sampler1"] == "dead" and "sampler0" not in seen["dead"]["unhealthy"]
+    assert summary["faults"]["sampler_losses"] == 1
+    with pytest.raises(urllib.error.URLError):  # the run is over: the port is closed
+        urllib.request.urlopen(base + "/healthz", timeout=5)

@@ -79,7 +79,7 @@ def _draw_run(axes: Any, label: str, records: list[dict[str, Any]], before: dict
             at, rates = [0.0, *at], [before[kind], *rates]
         if rates:
             ax.plot(at, rates, style, color=c, markersize=4, label=f"{tag}held-out {kind}")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(bottom=0)
 
     ax = axes[2]
     steps, stale = series(records, "staleness_mean")
@@ -105,7 +105,7 @@ def _draw_run(axes: Any, label: str, records: list[dict[str, Any]], before: dict
             minutes, rates = [0.0, *minutes], [before[kind], *rates]
         if rates:
             axes[5].plot(minutes, rates, style, color=c, markersize=4, label=f"{tag}held-out {kind}")
-    axes[5].set_ylim(0, 1)
+    axes[5].set_ylim(bottom=0)
 
 
 def _thin(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
