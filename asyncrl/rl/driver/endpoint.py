@@ -26,7 +26,7 @@ from collections.abc import Awaitable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from asyncrl.errors import first_line
+from asyncrl.errors import ActorDiedError, first_line
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.runtime.timeouts import timeout
 
@@ -61,17 +61,25 @@ class MetricsEndpoint:
             self.thread = None
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
-        """(healthy, report): every actor's state, and the answer of each running one's probe."""
-        states = {s.name: str(s.state) for s in self.statuses()}
-        probes = {name: probe for name, probe in self.probes().items() if states.get(name, "running") == "running"}
+        """(healthy, report): every actor's state, and the answer of each running one's probe.
+        A dead actor reads ``"dead: <why>"`` whether the supervisor or the probe found it first."""
+        running = {s.name for s in self.statuses() if str(s.state) == "running"}
+        probes = {name: probe for name, probe in self.probes().items() if name in running}
         results = await asyncio.gather(*(self._bounded(p) for p in probes.values()), return_exceptions=True)
-        unhealthy: dict[str, str] = {name: state for name, state in states.items() if state not in OK_STATES}
+        statuses = self.statuses()  # again: an actor may have died while it was probed
+        unhealthy = {s.name: f"{s.state}: {s.error}" if s.error else str(s.state)
+                     for s in statuses if str(s.state) not in OK_STATES}
         for name, result in zip(probes, results):
-            if isinstance(result, (asyncio.TimeoutError, TimeoutError)):  # CallTimeoutError too
+            if name in unhealthy or not isinstance(result, BaseException):
+                continue
+            if isinstance(result, ActorDiedError):
+                unhealthy[name] = f"dead: {result.reason}"
+            elif isinstance(result, (asyncio.TimeoutError, TimeoutError)):  # CallTimeoutError too
                 unhealthy[name] = f"silent: no answer within {self.timeout_s:g} s"
-            elif isinstance(result, BaseException):
+            else:
                 unhealthy[name] = f"{type(result).__name__}: {first_line(result)}"
-        return not unhealthy, {"healthy": not unhealthy, "unhealthy": unhealthy, "actors": states}
+        return not unhealthy, {"healthy": not unhealthy, "unhealthy": unhealthy,
+                               "actors": {s.name: str(s.state) for s in statuses}}
 
     async def _bounded(self, probe: Probe) -> Any:
         async with timeout(self.timeout_s):

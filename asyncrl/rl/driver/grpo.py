@@ -109,7 +109,7 @@ class GRPODriver:
     def snapshot(self) -> dict[str, float]:
         """The numbers of the last step's record and of the progress, for Prometheus."""
         progress = {f"progress_{k}": v for k, v in scalars_of(self.progress()).items()}
-        return {**scalars_of(self.latest), **progress}
+        return {**scalars_of(self.latest), **progress, "progress_step": float(self.step_done)}
 
     def where(self) -> str:
         """Where a stop leaves the run, in words ("at step 137")."""
