@@ -151,6 +151,8 @@ def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothi
     assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([r["reward_mean"] for r in records])
 
     assert summary["curves"] == str(run_dir / "curves.png") and "curves.png" in done.stdout
+    assert summary["tensorboard"] == str(run_dir)
+    assert any(line.split()[:2] == ["tensorboard", "tensorboard"] for line in done.stdout.splitlines())  # the summary's row
     assert (run_dir / "curves.png").read_bytes()[:8] == PNG_MAGIC
 
     # asyncrl plot: two runs (here the same one twice) into one picture

@@ -162,6 +162,7 @@ class GRPODriver:
         self.display = make_progress(run.steps, self.step_done + 1, observe.progress_bar)
         writers = MetricWriters.open(self.run_dir, observe, config_to_dict(self.config), first_step=self.step_done + 1,
                                      log=self.log)
+        tensorboard = self.run_dir if writers.tensorboard else ""  # for the summary (writers close before it)
         metrics = Metrics(self.run_dir, self.display, writers)
         painter = CurvesPainter(self.run_dir, self.log, enabled=observe.curves)
         completed = False
@@ -219,7 +220,7 @@ class GRPODriver:
                    "checkpoint": final_dir, "final": final_dir,
                    "best": ({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
                    "initial_policy": self.model_path, "metrics": metrics_path, "log": self.log_path,
-                   "curves": curves, "tensorboard": self.run_dir if writers.tensorboard else "",
+                   "curves": curves, "tensorboard": tensorboard,
                    "resumed_from": self.resume.path if self.resume is not None else None,
                    "faults": self.fault_counts(), "fault_log": [f.to_dict() for f in self.pool.faults]}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
