@@ -110,6 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="Print the whole reply as JSON.")
     status.add_argument("--timeout", type=float, default=5.0, metavar="S",
                         help="Seconds to wait for the answer (default 5).")
+    plot = sub.add_parser(
+        "plot",
+        help="Draw the learning curves of one or several runs (from their metrics.jsonl) into a PNG.",
+        description=(
+            "Draw reward, train and held-out solve rates, staleness and dropped groups, tokens/s and the time "
+            "split of each step for every RUN_DIR, one colour per run (compare seeds, or async against sync). "
+            "Needs matplotlib. Exit codes: 0 drawn, 1 a run has no metrics yet or matplotlib is missing, "
+            "2 a usage error."
+        ),
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Run directories (each holds metrics.jsonl).")
+    plot.add_argument("-o", "--output", default="", metavar="PNG",
+                      help="Where to write the picture (default: RUN_DIR/curves.png for one run, curves.png here "
+                           "for several).")
     return parser
 
 
@@ -125,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return _write_secret(args.path)
     if args.command == "status":
         return _status(args.run_dir, args.json, args.timeout)
+    if args.command == "plot":
+        return _plot(args.run_dirs, args.output)
     if args.command != "launch":
         parser.print_help()
         return EXIT_USAGE
@@ -197,9 +213,46 @@ def _status(run_dir: str, as_json: bool, timeout_s: float) -> int:
     try:
         reply = query_status(run_dir, timeout_s)
     except StatusUnavailableError as e:
+        if not as_json:  # a finished or stopped run still has its history to show
+            _print_history(run_dir)
         print(f"asyncrl status: {e}", file=sys.stderr)
         return e.exit_code
     print(reply_json(reply) if as_json else format_status(reply))
+    if not as_json:
+        print()
+        _print_history(run_dir)
+    return 0
+
+
+def _print_history(run_dir: str) -> None:
+    """The latest metrics and the sparklines of metrics.jsonl, when the directory has one."""
+    from asyncrl.rl.view.history import RunHistoryError
+    from asyncrl.rl.view.sparkline import status_lines
+
+    try:
+        print("\n".join(status_lines(run_dir)))
+    except (RunHistoryError, OSError):
+        pass  # not a run directory, or no step yet: the status line says what there is
+
+
+def _plot(run_dirs: list[str], output: str) -> int:
+    from asyncrl.rl.view.curves import CurvesUnavailableError, draw_curves
+    from asyncrl.rl.view.history import RunHistoryError
+
+    for run_dir in run_dirs:
+        if not os.path.isdir(run_dir):
+            print(f"asyncrl plot: no such run directory: {run_dir}", file=sys.stderr)
+            return EXIT_USAGE
+    output = output or (os.path.join(run_dirs[0], "curves.png") if len(run_dirs) == 1 else "curves.png")
+    try:
+        path = draw_curves(run_dirs, output)
+    except (CurvesUnavailableError, RunHistoryError) as e:
+        print(f"asyncrl plot: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"asyncrl plot: cannot write {output}: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"asyncrl plot: wrote {path}")
     return 0
 
 

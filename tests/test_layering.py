@@ -24,6 +24,8 @@ MAY_IMPORT = {
     "asyncrl.rl.tasks": {"asyncrl.errors", "asyncrl.rl.config", "asyncrl.rl.generation"},
     "asyncrl.rl.rollout": {"asyncrl.errors"},
     "asyncrl.rl.digest": set(),
+    # views drawn from a run directory alone (curves.png, sparklines): the driver's and the CLI's
+    "asyncrl.rl.view": {"asyncrl.errors"},
     "asyncrl.rl.checkpoint": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config"},
     "asyncrl.rl.model": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.generation",
                          "asyncrl.rl.tasks"},
@@ -32,14 +34,14 @@ MAY_IMPORT = {
     "asyncrl.rl.sampler": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
     # the driver spawns the actors (their classes only) and talks to them through the runtime
     "asyncrl.rl.driver": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL,
-                          "asyncrl.rl.trainer", "asyncrl.rl.sampler"},
+                          "asyncrl.rl.trainer", "asyncrl.rl.sampler", "asyncrl.rl.view"},
     # the command line of a GRPO run (the example scripts' main): parse, check, then drive
     "asyncrl.rl.launch": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.tasks",
                           "asyncrl.rl.driver"},
     "asyncrl.rl": set(),
     # the command line and the package's front door
     "asyncrl": {"asyncrl.errors", "asyncrl.runtime"},
-    "asyncrl.cli": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.launch", "asyncrl.nodes"},
+    "asyncrl.cli": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.launch", "asyncrl.nodes", "asyncrl.rl.view"},
     "asyncrl.launch": {"asyncrl.errors", "asyncrl.runtime"},
     "asyncrl.nodes": {"asyncrl.errors", "asyncrl.runtime"},
 }

@@ -255,3 +255,74 @@ def test_bad_inputs_and_config_are_refused():
     for bad in (dict(eps_low=1.0), dict(eps_low=-0.1), dict(eps_high=-0.1), dict(tis_cap=0.5), dict(kl_coef=-1.0), dict(aggregation="sum")):
         with pytest.raises(ValueError):
             GRPOLossConfig(**bad)
+
+
+# --- far off-policy tokens: |log-ratio| beyond any clamp -------------------------------------
+
+
+def float64_reference(log_ratio, adv, cfg: GRPOLossConfig, ref_minus_new=None):
+    """The papers' formulas written naively in float64 (e**25 is nothing to it): token-mean loss
+    and its gradient with respect to the new log-probs."""
+    lr = t(log_ratio).requires_grad_()
+    r = lr.exp()
+    a = t(adv).unsqueeze(1)
+    term = torch.minimum(r * a, r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a)
+    if cfg.tis_cap is not None:
+        term = term * (cfg.tis_cap / r.detach()).clamp(max=1.0)
+    loss = -term.mean()
+    if ref_minus_new is not None:
+        delta = t(ref_minus_new) - (lr - lr.detach())  # d delta / d new = -1
+        loss = loss + cfg.kl_coef * (delta.exp() - delta - 1).mean()
+    loss.backward()
+    return loss.item(), lr.grad
+
+
+@pytest.mark.parametrize("tis_cap", [None, 2.0])
+def test_log_ratio_25_keeps_its_value_and_gradient(tis_cap):
+    # rows: A<0 at +25 (the case the truncated weight exists for), A>0 at +25 (clipped), A>0 and
+    # A<0 at -25; every term against a float64 reference, in float32 as the trainer computes.
+    cfg = GRPOLossConfig(tis_cap=tis_cap)
+    log_ratio, adv = [[25.0], [25.0], [-25.0], [-25.0]], [-1.0, 1.0, 1.0, -1.0]
+    beh = torch.full((4, 1), -30.0)
+    new = (beh + torch.tensor(log_ratio)).requires_grad_()
+    loss, m = grpo_loss(new, beh, torch.tensor(adv), torch.ones(4, 1), cfg)
+    loss.backward()
+    ref_loss, ref_grad = float64_reference(log_ratio, adv, cfg)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    torch.testing.assert_close(new.grad.to(F64), ref_grad, rtol=1e-5, atol=1e-12)
+    if tis_cap is not None:
+        # min(r, cap) * -A / 4 tokens: the negative-advantage token still pushes down, bounded
+        assert new.grad[0, 0].item() == pytest.approx(2.0 / 4)
+        assert m["tis_frac"].item() == pytest.approx(0.5)
+    else:
+        assert new.grad[0, 0].item() == pytest.approx(math.exp(25) / 4, rel=1e-5)
+    assert new.grad[1, 0].item() == 0.0  # clipped: no gradient, as the formula says
+
+
+def test_k3_gradient_survives_25_nats_on_either_side_of_the_reference():
+    cfg = GRPOLossConfig(kl_coef=0.1)
+    ref_minus_new = [[-25.0, 25.0]]
+    new = torch.tensor([[-1.0, -26.0]], requires_grad=True)
+    ref = new.detach() + torch.tensor(ref_minus_new)
+    loss, m = grpo_loss(new, new.detach(), torch.zeros(1), torch.ones(1, 2), cfg, ref_logprobs=ref)
+    loss.backward()
+    ref_loss, ref_grad = float64_reference([[0.0, 0.0]], [0.0], cfg, ref_minus_new=ref_minus_new)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    torch.testing.assert_close(new.grad.to(F64), ref_grad, rtol=1e-5, atol=1e-12)
+    # 25 nats above the reference: d k3 / d new = 1 - e**-25, times 0.1 / 2 tokens (the clamp gave 0)
+    assert new.grad[0, 0].item() == pytest.approx(0.05)
+
+
+def test_log_ratios_past_float32_exp_range_stay_finite_and_keep_their_sign():
+    for cfg in (CFG, GRPOLossConfig(tis_cap=2.0), GRPOLossConfig(kl_coef=0.1)):
+        beh = torch.tensor([[-300.0, 0.0]])
+        new = torch.tensor([[-100.0, -200.0]], requires_grad=True)  # log-ratio +200, ref 200 nats above
+        loss, m = grpo_loss(new, beh, torch.tensor([-1.0]), torch.ones(1, 2), cfg, ref_logprobs=torch.zeros(1, 2))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(new.grad).all(), cfg
+        assert all(torch.isfinite(v) for v in m.values()), m
+        assert new.grad[0, 0].item() > 0  # A < 0: lower the token's probability, never silently 0
+        if cfg.tis_cap is not None:
+            assert new.grad[0, 0].item() == pytest.approx(2.0 / 2)
+        if cfg.kl_coef:
+            assert new.grad[0, 1].item() < 0  # 200 nats below the reference: pulled back up

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from asyncrl.rl.config.observe import ObserveConfig
 from asyncrl.rl.config.tree import flat_section
 
 
@@ -141,6 +142,8 @@ class RunConfig:
     """Deadlines of every kind of work the driver waits for."""
     recovery: RecoveryConfig = flat_section(RecoveryConfig)
     """Restarts of lost samplers."""
+    observe: ObserveConfig = flat_section(ObserveConfig)
+    """TensorBoard, W&B, curves.png, the progress bar, the Prometheus endpoint."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -153,5 +156,10 @@ class RunConfig:
         for name in ("max_staleness", "queue_capacity"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
+        if self.mode == "async" and self.sync_every > self.max_staleness + 1:
+            # The freshest group a step could get is sync_every - 1 versions old: every one would be dropped.
+            raise ValueError(f"sync_every {self.sync_every} needs max_staleness >= {self.sync_every - 1} in async mode "
+                             f"(not {self.max_staleness}): between syncs the samplers' weights fall up to "
+                             f"{self.sync_every - 1} versions behind, and every group they made would be dropped as stale")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")

@@ -7,9 +7,10 @@ weights sync.
     step: get_batch -> train_step --------------> GRPO step
           send/receive weights  ----------------> WeightSender ===> WeightReceiver (between decoding steps)
 
-In ``async`` mode the samplers never stop: while the trainer takes step k they generate for step
-k+1 with weights at most ``max_staleness`` versions old, and the queue drops (and counts) older
-groups. New weights go into a sampler between two decoding steps (``sampler.weight_update``), so
+In ``async`` mode the samplers generate while the trainer trains: while it takes step k they
+generate for the steps after it, paced by the `Pacer` (pacing.py) so that they begin only groups
+that will be trained at most ``max_staleness`` versions after their weights; the queue still
+drops (and counts) any older group. New weights go into a sampler between two decoding steps (``sampler.weight_update``), so
 a sync never waits for a batch to finish; a group is tagged with the version it began under. In
 ``sync`` mode each step's groups are generated after the previous sync and nothing is generated
 during training: the synchronous baseline, same code, staleness always 0.
@@ -32,7 +33,12 @@ from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import Checkpoint, RunState, write_json_atomic
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
+from asyncrl.rl.config.parse import config_to_dict
 from asyncrl.rl.driver.metrics import Metrics, truncate_metrics
+from asyncrl.rl.driver.pacing import Pacer
+from asyncrl.rl.driver.painter import CurvesPainter
+from asyncrl.rl.driver.progress import Progress, make_progress
+from asyncrl.rl.driver.writers import MetricWriters, scalars_of
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
@@ -56,15 +62,21 @@ class GRPODriver:
         self.config, self.run = config, config.run
         self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
         self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
-        self.run_dir, self.log = run_dir, log
+        self.run_dir, self.console = run_dir, log
+        self.display: Progress | None = None  # while steps run: the bar (or lines) the console shares
+        self.latest: dict[str, Any] = {}  # the last step's record, for the metrics endpoint
         capacity = self.run.queue_capacity or 2 * self.run.groups_per_step
         staleness = self.run.max_staleness if self.run.mode == "async" else 0
         self.queue = RolloutQueue(capacity, staleness)
         self.events_path = os.path.join(run_dir, "faults.jsonl")
-        self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
-                                backend=backend, log=log, events_path=self.events_path)
         self.resume = resume
         self.state = resume.run_state() if resume is not None else RunState(step=0, version=0)
+        # Async mode: samplers begin only groups that will be trained in time (pacing.py).
+        self.pacer = (Pacer(self.queue, self.run.groups_per_step, staleness, version=self.state.version,
+                            next_step=self.state.step + 1) if self.run.mode == "async" else None)
+        self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
+                                backend=backend, log=self.log, events_path=self.events_path, pacer=self.pacer,
+                                batch_groups=config.sampler.prompts_per_batch)
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
@@ -81,6 +93,23 @@ class GRPODriver:
         self.began = False  # training began (the held-out rates before it are known)
         self.after_step = ""  # what the driver does after a step's training, while it does it
         self.best = _read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
+
+    def log(self, line: str) -> None:
+        """A line on the console (above the progress bar while there is one) and in log.txt."""
+        (self.display.guard(self.console) if self.display is not None else self.console)(line)
+
+    def probes(self, timeout_s: float) -> dict[str, Any]:
+        """A trivial call per actor, for the deep /healthz: the trainer's communicator count and
+        each sampler's counters, both answered from the actor's own memory."""
+        probes = {self.trainer.name: lambda: self.trainer.with_timeout(timeout_s).sync_created()}
+        for m in self.pool.members:
+            probes[m.name] = (lambda h: lambda: h.with_timeout(timeout_s).stats())(m.handle)
+        return probes
+
+    def snapshot(self) -> dict[str, float]:
+        """The numbers of the last step's record and of the progress, for Prometheus."""
+        progress = {f"progress_{k}": v for k, v in scalars_of(self.progress()).items()}
+        return {**scalars_of(self.latest), **progress, "progress_step": float(self.step_done)}
 
     def where(self) -> str:
         """Where a stop leaves the run, in words ("at step 137")."""
@@ -106,9 +135,11 @@ class GRPODriver:
         step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
         return {"phase": self.phase, "step": self.step_done, "steps": self.run.steps, "version": self.version,
                 "samples": self.samples, "queue_depth": len(self.queue), "dropped_stale": self.dropped_stale(),
+                "heldout_before": self.heldout_before,
                 "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
                 "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
-                **self.pool.progress(), **self.fault_counts(), "updated_at": time.time()}
+                **self.pool.progress(), **self.fault_counts(), **(self.pacer.stats() if self.pacer else {}),
+                "updated_at": time.time()}
 
     def write_progress(self) -> None:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
@@ -127,7 +158,13 @@ class GRPODriver:
                      f"metrics.jsonl keeps its {kept} records up to that step")
             append_event(self.events_path, {"event": "resumed", "step": self.step_done, "at": time.time(),
                                             "detail": self.resume.path, "segment": self.segment})
-        metrics = Metrics(self.run_dir, run.steps)
+        observe = run.observe
+        self.display = make_progress(run.steps, self.step_done + 1, observe.progress_bar)
+        writers = MetricWriters.open(self.run_dir, observe, config_to_dict(self.config), first_step=self.step_done + 1,
+                                     log=self.log)
+        tensorboard = self.run_dir if writers.tensorboard else ""  # for the summary (writers close before it)
+        metrics = Metrics(self.run_dir, self.display, writers)
+        painter = CurvesPainter(self.run_dir, self.log, enabled=observe.curves)
         completed = False
         try:
             await self.pool.start(self.version, list(self.state.samplers))
@@ -147,6 +184,7 @@ class GRPODriver:
                     if "sampled" in self.heldout_last:
                         record["heldout_sampled_solve_rate"] = self.heldout_last["sampled"]
                 metrics.write(record)  # before the checkpoint: a resume from it keeps this record
+                self.latest = record
                 self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
                 if evaluated and self.heldout_last["greedy"] > self.best_greedy():
                     self.after_step = "saving the best policy"
@@ -156,6 +194,8 @@ class GRPODriver:
                     await self.checkpoint(step)
                 self.after_step = ""
                 self.write_progress()
+                if evaluated:
+                    painter.refresh()  # in its thread: the next step starts at once
             completed = True
         finally:
             if not completed:
@@ -164,7 +204,9 @@ class GRPODriver:
             self.queue.close()
             # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
             _quietly(metrics.close)
+            self.display = None
             _quietly(self.write_progress)
+        curves = painter.close()  # the last drawing, with every step in it
         self.after_step = "saving the final policy"
         final_dir = await self.save_policy(os.path.join(self.run_dir, "final"), "saving the final policy")
         self.after_step = ""
@@ -178,6 +220,7 @@ class GRPODriver:
                    "checkpoint": final_dir, "final": final_dir,
                    "best": ({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
                    "initial_policy": self.model_path, "metrics": metrics_path, "log": self.log_path,
+                   "curves": curves, "tensorboard": tensorboard,
                    "resumed_from": self.resume.path if self.resume is not None else None,
                    "faults": self.fault_counts(), "fault_log": [f.to_dict() for f in self.pool.faults]}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
@@ -239,6 +282,7 @@ class GRPODriver:
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
                 "dropped_stale": self.dropped_stale(), "queue_depth": len(self.queue),
+                **({"paced_wait_s": self.pacer.waited_s} if self.pacer else {}),
                 "completion_tokens": tokens,
                 "samples_per_s": self.samples / max(elapsed, 1e-9),
                 "tokens_per_s": self.tokens / max(elapsed, 1e-9),

@@ -1,45 +1,37 @@
-"""metrics.jsonl in the run directory, and what the progress line shows.
+"""metrics.jsonl in the run directory (the record of a run), and who else sees each record.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from typing import Any
 
+from asyncrl.rl.driver.progress import Progress
+from asyncrl.rl.driver.writers import MetricWriters
 from asyncrl.runtime.files import write_atomic
 
 
 class Metrics:
-    """metrics.jsonl in the run directory, and what the progress line shows."""
+    """metrics.jsonl in the run directory, one record per step; each record also goes to the
+    viewers (`MetricWriters`: TensorBoard, W&B) and to the console (`Progress`)."""
 
-    def __init__(self, run_dir: str, steps: int):
+    def __init__(self, run_dir: str, progress: Progress, writers: MetricWriters | None = None):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a", buffering=1)
-        self.steps = steps
-        self.tty = sys.stdout.isatty()
-        self.start = time.monotonic()
+        self.progress, self.writers = progress, writers if writers is not None else MetricWriters([])
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
-        heldout = record.get("heldout_solve_rate")
-        line = (f"step {record['step']:>4}/{self.steps}  reward {record['reward_mean']:.3f}  "
-                f"solve {record['train_solve_rate']:.2f}  stale {record['staleness_mean']:.2f}  "
-                f"samples/s {record['samples_per_s']:.1f}  tok/s {record['tokens_per_s']:.0f}  "
-                + (f"held-out {heldout:.2f} greedy {record.get('heldout_sampled_solve_rate', float('nan')):.2f} "
-                   "sampled  " if heldout is not None else "")
-                + f"{time.monotonic() - self.start:.0f}s")
-        if self.tty:
-            print("\r" + line, end="\n" if heldout is not None else "", flush=True)  # evals stay visible
-        elif heldout is not None or record["step"] % max(1, self.steps // 50) == 0:  # a log, not a bar
-            print(line, flush=True)
+        self.writers.write(record)
+        self.progress.update(record)
 
     def close(self) -> None:
-        if self.tty:
-            print()
-        self.file.close()
+        try:
+            self.progress.close()
+            self.writers.close()
+        finally:
+            self.file.close()
 
 
 def truncate_metrics(path: str, step: int) -> int:

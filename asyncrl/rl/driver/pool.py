@@ -47,6 +47,7 @@ from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.driver.faults import (Fault, NoSamplersError, PhaseTimeoutError, RunStoppedError, TaskFailedError,
                                       WeightsDivergedError, trainer_phase)
 from asyncrl.rl.driver.membership import Member, MemberState, Membership
+from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.sync_group import SyncGroup
 from asyncrl.rl.rollout import RolloutGroup
@@ -64,8 +65,12 @@ class SamplerPool:
     a resumed run's samplers number their groups from incarnation 1, sequence 1 again."""
 
     def __init__(self, trainer: Any, samplers: list[Any], queue: RolloutQueue, *, run: RunConfig, seeds: list[int],
-                 host: str, backend: str, log=print, events_path: str = ""):
+                 host: str, backend: str, log=print, events_path: str = "", pacer: Pacer | None = None,
+                 batch_groups: int = 0):
         self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
+        # Async mode with a pacer: each pump asks it for credit, then streams one batch of
+        # ``batch_groups`` prompts (the sampler's prompts_per_batch); without: one endless stream.
+        self.pacer, self.batch_groups = pacer, batch_groups
         self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
         self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, host=host, backend=backend, log=log)
         self.async_mode = run.mode == "async"
@@ -125,9 +130,12 @@ class SamplerPool:
                 await asyncio.wait({get})
             if not get.cancelled():
                 try:
-                    return get.result()
+                    batch = get.result()
                 except QueueTimeoutError:
                     raise self._stalled(n, version) from None
+                if self.pacer is not None:
+                    self.pacer.batch_taken(version)
+                return batch
 
     async def generate(self, n: int, version: int) -> None:
         """Sync mode: have the samplers in the group generate ``n`` fresh groups with the current
@@ -162,6 +170,8 @@ class SamplerPool:
             return 0.0  # the trainer alone: a replacement takes the current weights when it joins
         if self.membership.dirty or candidates or not await self.sync_group.send(version, joined):
             await self.sync_group.rebuild(version)
+        if self.pacer is not None:  # whoever is in the group now holds it (a rebuild sends it too)
+            self.pacer.synced(version)
         return time.monotonic() - start
 
     async def verify_weights(self) -> dict[str, str]:
@@ -223,14 +233,26 @@ class SamplerPool:
     # --- pumps ----------------------------------------------------------------------------------
 
     async def _pump(self, m: Member, max_groups: int, accepted: list[int] | None = None) -> None:
-        """Stream one sampler's groups into the queue (a put waits while the queue is full)."""
-        deadlines = self.run.deadlines
-        # The longest a live driver leaves the queue full: a train step, a sync, a checkpoint, an eval.
-        put_s = (deadlines.queue_timeout_s + deadlines.train_timeout_s + deadlines.sync_timeout_s
-                 + deadlines.checkpoint_timeout_s + deadlines.eval_timeout_s)
+        """Stream one sampler's groups into the queue (a put waits while the queue is full):
+        ``max_groups`` of them, or with ``max_groups`` 0 until stopped, paced when there is a pacer."""
         if self.membership.lose_replaced([m]):
             return
-        async for group in m.handle.with_timeout(deadlines.generate_timeout_s).rollouts(max_groups):
+        if max_groups or self.pacer is None:
+            await self._stream(m, max_groups, accepted)
+            return
+        while True:
+            credit = [await self.pacer.acquire(self.batch_groups, self._put_timeout_s(), m.name)]
+            try:
+                await self._stream(m, credit[0], accepted, credit)
+            finally:
+                self.pacer.give_back(credit[0])  # what the stream did not deliver (it failed, or was cut)
+
+    async def _stream(self, m: Member, max_groups: int, accepted: list[int] | None,
+                      credit: list[int] | None = None) -> None:
+        """One ``rollouts(max_groups)`` stream into the queue; each group delivered uses one of
+        ``credit`` (the pacer's grant)."""
+        put_s = self._put_timeout_s()
+        async for group in m.handle.with_timeout(self.run.deadlines.generate_timeout_s).rollouts(max_groups):
             incarnation = m.handle.info().incarnation
             if incarnation != m.incarnation or group.version < m.min_version:
                 raise ActorDiedError(m.name, f"incarnation {m.incarnation} was replaced by {incarnation} "
@@ -239,8 +261,19 @@ class SamplerPool:
             m.delivered += 1
             m.pump_failures = 0
             group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{m.seq}")
-            if await self.queue.put(group, timeout_s=put_s) and accepted is not None:
-                accepted[0] += 1
+            try:
+                if await self.queue.put(group, timeout_s=put_s) and accepted is not None:
+                    accepted[0] += 1
+            finally:
+                if credit is not None:
+                    credit[0] -= 1
+                    self.pacer.delivered()
+
+    def _put_timeout_s(self) -> float:
+        """The longest a live driver leaves the queue full, or its pumps without credit: a train
+        step, a sync, a checkpoint, an evaluation."""
+        d = self.run.deadlines
+        return d.queue_timeout_s + d.train_timeout_s + d.sync_timeout_s + d.checkpoint_timeout_s + d.eval_timeout_s
 
     def _start_pump(self, m: Member) -> None:
         m.pump = self.membership.spawn(self._pump(m, 0), f"pump of {m.name}")
@@ -254,7 +287,7 @@ class SamplerPool:
                     self._pump_failed(m, task.exception())
 
     def _pump_failed(self, m: Member, exc: BaseException) -> None:
-        if isinstance(exc, (QueueTimeoutError, QueueClosedError)):
+        if isinstance(exc, (QueueTimeoutError, QueueClosedError, PacingTimeoutError)):
             raise RunStoppedError(f"the driver stopped taking rollouts from {m.name}: {exc}") from exc
         if isinstance(exc, RemoteError) and exc.remote_type == "TaskFailureError":
             # The task's own code fails (too many scores raise, say): a restarted sampler would

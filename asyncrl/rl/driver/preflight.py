@@ -50,7 +50,20 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
     config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(),
                                  run=dataclasses.replace(config.run, run_dir=run_dir))
     check_task(config)
+    _check_viewers(config.run.observe)
     return config
+
+
+def _check_viewers(observe: Any) -> None:
+    """A viewer the user asked for by name must be installed (the default ones are optional)."""
+    import importlib.util
+
+    if observe.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--run.wandb {shlex.quote(observe.wandb)} needs the wandb package, which is not installed: "
+                          "pip install wandb (or leave out --run.wandb)")
+    if observe.metrics_port and importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError(f"--run.metrics_port {observe.metrics_port} needs the prometheus-client package, which is not "
+                          "installed: pip install prometheus-client (or leave out --run.metrics_port)")
 
 
 def resumed_config(default: Any, run_dir: str) -> Any:

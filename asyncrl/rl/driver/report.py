@@ -30,6 +30,10 @@ def summary_text(summary: dict[str, Any]) -> str:
         rows.append(("best policy", f"the starting one, {shown_path(summary['initial_policy'])}  (no evaluation beat "
                                     f"its held-out greedy {before.get('greedy', float('nan')):.3f})"))
     rows += [("metrics", shown_path(summary["metrics"]))] + ([("log", shown_path(summary["log"]))] if summary["log"] else [])
+    if summary.get("curves"):
+        rows.append(("curves", shown_path(summary["curves"])))
+    if summary.get("tensorboard"):
+        rows.append(("tensorboard", f"tensorboard --logdir {shown_path(summary['tensorboard'])}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(lines + [f"  {k:<{width}}  {v}" for k, v in rows])
 

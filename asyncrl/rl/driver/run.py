@@ -24,6 +24,7 @@ from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, config_to_dict
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import plan_devices
+from asyncrl.rl.driver.endpoint import open_endpoint
 from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
@@ -88,8 +89,10 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         return where, resume_hint(run_dir)
 
     status = await sup.serve_status(run_dir, progress=progress)
+    endpoint = None
     console.__enter__()
     try:
+        endpoint = open_endpoint(run.observe, sup, lambda: driver, log)  # --run.metrics_port: /metrics, /healthz
         candidates = list_checkpoints(run_dir)
         if resume and not candidates:
             first = (f"the first is written at step {run.checkpoints.checkpoint_every}" if run.checkpoints.checkpoint_every
@@ -168,6 +171,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         console.record(message)  # the caller prints the error; the log keeps it too
         raise type(stop)(message) from exc
     finally:
+        if endpoint is not None:
+            endpoint.close()
         console.__exit__()
         status.close()
 

@@ -8,14 +8,19 @@ loss, its gradient, or any metric.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.config.trainer import GRPOLossConfig
 
-# exp() of a log-ratio above ~88 overflows float32 to inf, and inf * 0 in the backward of the
-# clipped branch would turn a zero gradient into NaN. Ratios beyond e**20 are clipped anyway.
-_MAX_LOG_RATIO = 20.0
+# exp() overflows float32 to inf above ~88.7 nats, and inf * 0 in a backward is NaN. Instead of
+# clamping the log-ratio (a clamp has zero gradient beyond its bound, so it silently DROPPED the
+# very tokens the truncated importance weight exists for, and the k3 KL's pull back towards the
+# reference), exp() is exact up to this many nats and continues linearly above, value and slope
+# continuous: e**50 ~ 5e21, so even a million such terms sum far below float32's 3.4e38.
+_EXP_EXACT_UP_TO = 50.0
 
 
 class LossInputError(AsyncrlError, ValueError):
@@ -109,7 +114,8 @@ def grpo_loss(
     advantage: ``term = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (times the TIS factor
     when ``tis_cap`` is set, see ``GRPOLossConfig``); ``loss = -aggregate(term) + kl_coef *
     aggregate(k3)`` with ``k3 = exp(ref - new) - (ref - new) - 1``. Gradient flows only into
-    ``new_logprobs``; every other input is detached.
+    ``new_logprobs``; every other input is detached. These are exact (to float32) for any
+    log-ratio up to 50 nats either way, and finite with the right sign beyond (see ``_safe_exp``).
 
     ``normalizer`` replaces the divisor of the aggregation (valid tokens for 'token_mean',
     non-empty sequences for 'seq_mean'): pass the whole batch's count when a batch is split into
@@ -130,19 +136,20 @@ def grpo_loss(
         raise ValueError(f"normalizer must be > 0, not {normalizer!r}")
     valid = mask.bool()
     # Mask BEFORE exp(): padding may hold NaN/inf, and where() routes a zero gradient to it.
-    log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    adv = advantages.detach().to(ratio.dtype).unsqueeze(1)
-    term = torch.minimum(ratio * adv, ratio.clamp(1 - config.eps_low, 1 + config.eps_high) * adv)
-    if config.tis_cap is not None:
-        term = term * (config.tis_cap / ratio.detach()).clamp(max=1.0)
+    # The floor only drops gradients smaller than e**-50 (a -inf log-prob would otherwise give NaN).
+    log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0).clamp(min=-_EXP_EXACT_UP_TO)
+    adv = advantages.detach().to(log_ratio.dtype).unsqueeze(1)
+    term = _clipped_surrogate(log_ratio, adv, config)
+    ratio = _safe_exp(log_ratio.detach())  # for the metrics only
     n_tokens = valid.sum()
     metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
     pg_loss = -_aggregate(term, valid, config.aggregation, normalizer)
     loss = pg_loss
     if ref_logprobs is not None:
-        delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        k3 = torch.exp(delta) - delta - 1  # Schulman's k3: >= 0 per token, low variance
+        delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0)
+        # Schulman's k3: >= 0 per token, low variance. No floor on delta: exp() of a very negative
+        # number is 0, and the gradient far above the reference (1 - e**delta ~ 1) must survive.
+        k3 = _safe_exp(delta) - delta - 1
         if config.kl_coef > 0:
             loss = loss + config.kl_coef * _aggregate(k3, valid, config.aggregation, normalizer)
         metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
@@ -158,6 +165,33 @@ def grpo_loss(
         if entropy is not None:
             metrics["entropy"] = _token_mean(entropy.detach().to(ratio.dtype), valid, n_tokens)
     return loss, metrics
+
+
+def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, config: GRPOLossConfig) -> torch.Tensor:
+    """Per token ``min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``, times ``w = min(1,
+    tis_cap / r)`` (detached) when ``tis_cap`` is set, computed without forming a huge ``r``.
+
+    The clipped branch clips in log space, so ``exp()`` never sees more than ``log(1 + eps_high)``.
+    With the TIS weight the unclipped branch is ``r * w * A = e**(lr - sg(lr)) * min(sg(r), cap) * A``
+    (``sg``: stop-gradient): its value is ``min(r, cap) * A`` and its gradient ``min(r, cap) * A``
+    for ANY log-ratio, the docstring's promise, with nothing to overflow. ``w > 0``, so scaling
+    both branches by it before ``minimum`` picks the same branch as the formula.
+    """
+    clipped_r = torch.exp(log_ratio.clamp(math.log1p(-config.eps_low), math.log1p(config.eps_high)))
+    if config.tis_cap is None:
+        return torch.minimum(_safe_exp(log_ratio) * adv, clipped_r * adv)
+    sg = log_ratio.detach()
+    log_cap = math.log(config.tis_cap)
+    weight = torch.exp((log_cap - sg).clamp(max=0.0))  # min(1, cap / r)
+    unclipped = torch.exp(log_ratio - sg) * torch.exp(sg.clamp(max=log_cap)) * adv
+    return torch.minimum(unclipped, clipped_r * weight * adv)
+
+
+def _safe_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` up to ``_EXP_EXACT_UP_TO``, then its tangent line there: finite for every finite
+    ``x``, with a nonzero gradient everywhere (a clamp would have none above its bound)."""
+    e = torch.exp(x.clamp(max=_EXP_EXACT_UP_TO))
+    return torch.where(x > _EXP_EXACT_UP_TO, e * (1 + x - _EXP_EXACT_UP_TO), e)
 
 
 def _aggregate(x: torch.Tensor, valid: torch.Tensor, how: str, normalizer: float | None) -> torch.Tensor:

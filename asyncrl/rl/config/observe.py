@@ -1,0 +1,38 @@
+"""What a run shows of itself besides metrics.jsonl (flat in ``--run.*``): TensorBoard, Weights &
+Biases, the curves picture, the progress bar, and the HTTP endpoint for Prometheus and probes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObserveConfig:
+    """Views of a run. metrics.jsonl stays the record; each of these is drawn from its records."""
+
+    tensorboard: bool = True
+    """TensorBoard event files in the run directory, one scalar per metric of metrics.jsonl, when
+    the tensorboard package is installed (else one line says so); false: none."""
+    wandb: str = ""
+    """Weights & Biases project to log every metric to (needs the wandb package; WANDB_MODE=offline
+    and wandb's other variables apply as usual); empty: off."""
+    curves: bool = True
+    """RUN_DIR/curves.png, redrawn at every evaluation and at the end (needs matplotlib, else one
+    line says so); false: none."""
+    progress_bar: bool = True
+    """A progress bar when stdout is a terminal; plain lines otherwise, or with false."""
+    metrics_port: int = 0
+    """Serve Prometheus /metrics and a deep /healthz (every actor probed) on this port of
+    ``metrics_host`` (needs prometheus-client); 0: off."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds to (0.0.0.0: every interface, for a scraper elsewhere)."""
+    health_timeout_s: float = 2.0
+    """How long /healthz waits for each actor's answer before it names the actor silent."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: off), not {self.metrics_port!r}")
+        if not self.health_timeout_s > 0:
+            raise ValueError(f"health_timeout_s must be > 0, not {self.health_timeout_s!r}")
+        if not self.metrics_host:
+            raise ValueError("metrics_host must be an address to bind to, e.g. 127.0.0.1")

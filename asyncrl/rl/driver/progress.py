@@ -1,0 +1,97 @@
+"""What the console shows while a run trains: a progress bar on a terminal, plain lines elsewhere.
+
+On a terminal, a tqdm bar (tqdm: maintained, and already installed with transformers) with the
+step, its ETA, the reward, the train and held-out solve rates and tokens/s; each evaluation and
+every line the driver logs is printed above the bar, which is redrawn below it. When stdout is
+not a terminal (CI, a file, ``| tee``), or with ``--run.progress_bar false``, plain lines as a log
+wants them: about fifty over the run, and one at every evaluation.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+from asyncrl.rl.driver.report import duration_text
+
+
+def progress_line(record: dict[str, Any], steps: int, eta_s: float | None, elapsed_s: float) -> str:
+    """One step's record as the plain progress line."""
+    heldout = record.get("heldout_solve_rate")
+    return (f"step {record['step']:>4}/{steps}  reward {record['reward_mean']:.3f}  "
+            f"solve {record['train_solve_rate']:.2f}  stale {record['staleness_mean']:.2f}  "
+            f"samples/s {record['samples_per_s']:.1f}  tok/s {record['tokens_per_s']:.0f}  "
+            + (f"held-out {heldout:.2f} greedy {record.get('heldout_sampled_solve_rate', float('nan')):.2f} "
+               "sampled  " if heldout is not None else "")
+            + f"{elapsed_s:.0f}s" + (f"  eta {duration_text(eta_s)}" if eta_s is not None else ""))
+
+
+class Progress:
+    """Plain lines (the base) or a bar (`ProgressBar`); `make_progress` picks."""
+
+    def __init__(self, steps: int, first_step: int):
+        self.steps, self.first_step = steps, first_step
+        self.start = time.monotonic()
+
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left at the pace of this run segment so far (evaluations included)."""
+        done = step - self.first_step + 1
+        if done < 1:
+            return None
+        return (time.monotonic() - self.start) / done * (self.steps - step)
+
+    def update(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if "heldout_solve_rate" in record or step % max(1, self.steps // 50) == 0:  # a log, not a bar
+            print(progress_line(record, self.steps, self.eta_s(step), time.monotonic() - self.start), flush=True)
+
+    def guard(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """``log``, made safe to call while the display is up."""
+        return log
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressBar(Progress):
+    """A tqdm bar on the terminal (see the module docstring)."""
+
+    def __init__(self, steps: int, first_step: int, stream: Any):
+        super().__init__(steps, first_step)
+        from tqdm import tqdm
+
+        self._tqdm, self.stream = tqdm, stream
+        # disable=False: train() sets TQDM_DISABLE to silence the loading bars of transformers.
+        self.bar = tqdm(total=steps, initial=first_step - 1, desc="GRPO", unit="step", file=stream,
+                        dynamic_ncols=True, mininterval=0.5, disable=False, leave=True)
+        self.heldout = ""
+
+    def update(self, record: dict[str, Any]) -> None:
+        if "heldout_solve_rate" in record:
+            self.heldout = f"held-out {record['heldout_solve_rate']:.2f}"
+            self._tqdm.write(progress_line(record, self.steps, None, time.monotonic() - self.start), file=self.stream)
+        self.bar.set_postfix_str(f"reward {record['reward_mean']:.3f}  solve {record['train_solve_rate']:.2f}  "
+                                 f"{self.heldout + '  ' if self.heldout else ''}tok/s {record['tokens_per_s']:.0f}",
+                                 refresh=False)
+        self.bar.update(record["step"] - self.bar.n)
+
+    def guard(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        def guarded(line: str) -> None:
+            if self.bar.disable:  # closed
+                return log(line)
+            with self._tqdm.external_write_mode(file=self.stream):  # clear the bar, print, redraw it
+                log(line)
+        return guarded
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def make_progress(steps: int, first_step: int, enabled: bool, stream: Any = None) -> Progress:
+    """A bar when ``enabled`` and ``stream`` (stdout) is a terminal; plain lines otherwise."""
+    stream = stream if stream is not None else sys.stdout
+    isatty = getattr(stream, "isatty", None)
+    if enabled and isatty is not None and isatty():
+        return ProgressBar(steps, first_step, stream)
+    return Progress(steps, first_step)

@@ -1,0 +1,74 @@
+"""A run's history as its directory holds it: the records of metrics.jsonl, and the held-out
+solve rates before training (in progress.json while it runs, summary.json once it is done)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from asyncrl.errors import AsyncrlError
+
+
+class RunHistoryError(AsyncrlError, ValueError):
+    """A directory holds no run history to show; the message names it and what is missing."""
+
+
+def read_records(run_dir: str) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/metrics.jsonl in order. A line that does not parse (the last one,
+    while the run is writing it) is skipped. Raises `RunHistoryError` if there is no file."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        raise RunHistoryError(f"{run_dir}: no metrics.jsonl (not a run directory, or no step finished yet)") from None
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def heldout_before(run_dir: str) -> dict[str, float]:
+    """The held-out solve rates before GRPO ({} when the run does not say yet)."""
+    for name in ("summary.json", "progress.json"):
+        try:
+            with open(os.path.join(run_dir, name)) as f:
+                rates = json.load(f).get("heldout_before")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(rates, dict) and rates:
+            return {k: float(v) for k, v in rates.items() if isinstance(v, (int, float))}
+    return {}
+
+
+def series(records: list[dict[str, Any]], key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """(x, value) of the records that have a finite number under ``key`` (and under ``x``)."""
+    xs, ys = [], []
+    for r in records:
+        value, at = r.get(key), r.get(x)
+        if _number(value) and _number(at):
+            xs.append(float(at))
+            ys.append(float(value))
+    return xs, ys
+
+
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and up to ``window - 1`` before it."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,230 @@
+"""What a run shows of itself: TensorBoard event files, curves.png, the progress display, the
+sparklines of `asyncrl status`, `asyncrl plot`, and the driver's HTTP endpoint (Prometheus
+/metrics, a deep /healthz) against real actors."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from asyncrl import Supervisor
+from asyncrl.rl.driver.endpoint import MetricsEndpoint, metric_name
+from asyncrl.rl.driver.progress import Progress, ProgressBar, make_progress
+from asyncrl.rl.driver.writers import scalars_of
+from asyncrl.rl.view.sparkline import sparkline
+
+from actors import Echo
+from test_grpo import ROOT, TINY, launch
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def record(step: int, **extra) -> dict:
+    return {"step": step, "reward_mean": 0.25, "train_solve_rate": 0.5, "staleness_mean": 1.0, "samples_per_s": 3.0,
+            "tokens_per_s": 120.0, **extra}
+
+
+# --- pieces ------------------------------------------------------------------------------------
+
+
+def test_every_number_of_a_record_is_a_scalar_and_nothing_else_is():
+    rec = record(7, staleness_hist={"0": 3, "1": 13}, group_ids=["s/1/1"], weights_digests={"trainer": "ab"},
+                 loss=float("nan"), **{"task/solved": 0.5})
+    got = scalars_of(rec)
+    assert got["staleness_hist/1"] == 13.0 and got["task/solved"] == 0.5 and got["reward_mean"] == 0.25
+    assert not any(k.startswith(("group_ids", "weights_digests", "step", "loss")) for k in got)
+    assert metric_name("task/solved") == "asyncrl_task_solved"
+
+
+def test_sparkline_scales_and_buckets():
+    assert sparkline([0.0, 0.5, 1.0], low=0.0, high=1.0) == "▁▅█"
+    assert sparkline([2.0, 2.0]) == "▁▁"
+    assert len(sparkline(list(range(100)), width=10)) == 10 and sparkline(list(range(100)), width=10)[-1] == "█"
+
+
+def test_progress_is_plain_lines_when_not_a_terminal(capsys):
+    display = make_progress(100, 1, True, stream=io.StringIO())  # a file, not a terminal
+    assert type(display) is Progress
+    display.update(record(3))  # between the ~50 lines a run prints (every 2nd step of 100): nothing
+    display.update(record(4, heldout_solve_rate=0.4, heldout_sampled_solve_rate=0.3))
+    out = capsys.readouterr().out
+    assert "\r" not in out and out.count("\n") == 1
+    assert out.startswith("step    4/100  reward 0.250") and "held-out 0.40 greedy 0.30 sampled" in out and "eta " in out
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_go_above_it():
+    term = FakeTerminal()
+    display = make_progress(10, 1, True, stream=term)
+    assert isinstance(display, ProgressBar)
+    display.update(record(1))
+    display.update(record(2, heldout_solve_rate=0.4))
+    display.guard(lambda line: term.write(line + "\n"))("best held-out greedy so far")
+    display.close()
+    out = term.getvalue()
+    assert "\r" in out and "2/10" in out and "reward 0.250" in out and "tok/s 120" in out
+    assert "best held-out greedy so far\n" in out and "held-out 0.40" in out
+    assert type(make_progress(10, 1, False, stream=FakeTerminal())) is Progress  # --run.progress_bar false
+
+
+# --- the endpoint, with real actors ----------------------------------------------------------
+
+
+def get(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=20) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus():
+    async with Supervisor() as sup:
+        actors = {name: await sup.spawn(Echo, name=name, max_restarts=0) for name in ("trainer", "sampler0", "sampler1")}
+        probes = {name: (lambda h: lambda: h.with_timeout(0.5).get_label())(h) for name, h in actors.items()}
+        endpoint = MetricsEndpoint("127.0.0.1", 0, statuses=sup.status, probes=lambda: probes,
+                                   snapshot=lambda: {"reward_mean": 0.25, "progress_step": 3.0}, timeout_s=0.5,
+                                   loop=asyncio.get_running_loop())
+        base = f"http://127.0.0.1:{endpoint.port}"
+        try:
+            code, _, body = await asyncio.to_thread(get, base + "/healthz")
+            assert code == 200 and json.loads(body)["healthy"] is True
+
+            code, content_type, text = await asyncio.to_thread(get, base + "/metrics")
+            assert code == 200 and content_type.startswith("text/plain")
+            assert "asyncrl_reward_mean 0.25" in text and "# TYPE asyncrl_reward_mean gauge" in text
+            assert 'asyncrl_actor_up{actor="sampler1",state="running"} 1.0' in text
+
+            blocked = asyncio.ensure_future(actors["sampler0"].with_timeout(10).block(3.0))  # holds its loop
+            actors["sampler1"].kill("test: a dead sampler")
+            await actors["sampler1"].wait_for_state({"dead"}, 10.0)
+            code, content_type, body = await asyncio.to_thread(get, base + "/healthz")
+            report = json.loads(body)
+            assert code == 503 and content_type == "application/json"
+            assert report["unhealthy"]["sampler0"] == "silent: no answer within 0.5 s"
+            assert report["unhealthy"]["sampler1"].startswith("dead: ") and "a dead sampler" in report["unhealthy"]["sampler1"]
+            assert set(report["unhealthy"]) == {"sampler0", "sampler1"}
+            assert report["actors"]["trainer"] == "running"
+            assert (await asyncio.to_thread(get, base + "/nothing"))[0] == 404
+            await blocked
+        finally:
+            endpoint.close()
+        with pytest.raises(urllib.error.URLError):  # closed: the port is free again
+            urllib.request.urlopen(base + "/healthz", timeout=5)
+
+
+# --- a tiny real run ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch(tmp_path, *TINY, "--run.steps", "4", "--run.max_staleness", "0", "--run.run_dir", str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # not a terminal: plain lines, no bar
+    assert "\r" not in done.stdout and "step    4/4  reward" in done.stdout
+    assert f"TensorBoard: event files in {run_dir}" in done.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # paced: every group begun was trained, none dropped, and the queue never held more than a step's worth
+    assert summary["dropped_stale"] == 0 and all(r["queue_depth"] <= 2 for r in records)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"reward_mean", "train_solve_rate", "loss", "staleness_hist/0", "heldout_solve_rate"} <= tags
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([r["reward_mean"] for r in records])
+
+    assert summary["curves"] == str(run_dir / "curves.png") and "curves.png" in done.stdout
+    assert summary["tensorboard"] == str(run_dir)
+    assert any(line.split()[:2] == ["tensorboard", "tensorboard"] for line in done.stdout.splitlines())  # the summary's row
+    assert (run_dir / "curves.png").read_bytes()[:8] == PNG_MAGIC
+
+    # asyncrl plot: two runs (here the same one twice) into one picture
+    out = tmp_path / "both.png"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    plotted = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plot", str(run_dir), str(run_dir), "-o", str(out)],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    missing = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path)], capture_output=True,
+                             text=True, env=env, timeout=120)
+    assert missing.returncode == 1 and "no metrics.jsonl" in missing.stderr
+
+    # asyncrl status of a finished run: its history, then why no supervisor answers
+    status = subprocess.run([sys.executable, "-m", "asyncrl.cli", "status", str(run_dir)], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert status.returncode == 1 and "has finished" in status.stderr
+    assert "metrics     step 4" in status.stdout and "  reward            " in status.stdout
+    assert "  held-out greedy   " in status.stdout and "(3 evaluations)" in status.stdout  # before, at 2, at 4
+
+
+def test_wandb_asked_for_but_not_installed_is_a_usage_error(tmp_path):
+    pytest.importorskip("prometheus_client")
+    if __import__("importlib").util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    done = launch(tmp_path, *TINY, "--run.wandb", "my-project", "--run.run_dir", str(tmp_path / "run"))
+    assert done.returncode == 2
+    assert "--run.wandb my-project needs the wandb package, which is not installed: pip install wandb" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_run_s_endpoint_answers_while_it_trains_and_names_a_killed_sampler(model_path, tmp_path):
+    import signal
+    import socket
+
+    from asyncrl.rl.driver.run import train
+    from test_fault_tolerance import at_step, pid_of, tiny
+
+    with socket.socket() as s:  # a free port (the endpoint binds an explicit one, as a user would)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    config = tiny(model_path, run_dir, "--run.steps", "40", "--sampler.count", "2", "--run.metrics_port", str(port),
+                  "--run.sampler_max_restarts", "0", "--run.health_timeout_s", "5")
+    base = f"http://127.0.0.1:{port}"
+    seen = {}
+
+    async def watch(sup):
+        await at_step(run_dir, 2)
+        seen["healthy"] = await asyncio.to_thread(get, base + "/healthz")
+        seen["metrics"] = await asyncio.to_thread(get, base + "/metrics")
+        os.kill(pid_of(sup, "sampler1"), signal.SIGKILL)  # no restarts: it stays dead
+        while True:
+            code, _, body = await asyncio.to_thread(get, base + "/healthz")
+            if code == 503:
+                seen["dead"] = json.loads(body)
+                return
+            await asyncio.sleep(0.1)
+
+    async with Supervisor() as sup:
+        watcher = asyncio.ensure_future(watch(sup))
+        summary = await train(config, sup, log=lambda *a: None)
+        await watcher
+    code, _, body = seen["healthy"]
+    assert code == 200 and json.loads(body)["actors"] == {"trainer": "running", "sampler0": "running",
+                                                          "sampler1": "running"}
+    code, _, text = seen["metrics"]
+    assert code == 200 and "asyncrl_reward_mean " in text and "asyncrl_progress_step " in text
+    assert seen["dead"]["unhealthy"]["sampler1"].startswith("dead: ") and "sampler0" not in seen["dead"]["unhealthy"]
+    assert "killed by SIGKILL" in seen["dead"]["unhealthy"]["sampler1"]
+    assert summary["faults"]["sampler_losses"] == 1
+    with pytest.raises(urllib.error.URLError):  # the run is over: the port is closed
+        urllib.request.urlopen(base + "/healthz", timeout=5)

@@ -1,0 +1,104 @@
+"""Pacing (rl/driver/pacing.py) with the real RolloutQueue: producers that ask the `Pacer` for
+credit before each batch never make a group the trainer drops, and the queue stays bounded; the
+same producers unpaced lose groups to staleness (so the test can tell the difference)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
+from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.rollout import RolloutGroup
+
+
+def group(version: int, i: int) -> RolloutGroup:
+    return RolloutGroup(prompt_id=i, prompt_ids=[1, 2], completion_ids=[[3], [4]], behaviour_logprobs=[[-0.5], [-0.7]],
+                        rewards=[0.0, 1.0], version=version, sampler="s")
+
+
+async def simulate(*, paced: bool, max_staleness: int, steps: int = 30, n: int = 8, batch: int = 4,
+                   producers: int = 1, make_s: float = 0.002, train_s: float = 0.02) -> tuple[RolloutQueue, int]:
+    """A driver loop (take a batch, train, sync) and producers that make ``batch`` groups at a
+    time, much faster than the trainer: the case where unpaced sampling is thrown away."""
+    queue = RolloutQueue(2 * n, max_staleness)
+    pacer = Pacer(queue, n, max_staleness, version=0, next_step=1)
+    sampler_version = [0]
+    deepest = [0]
+
+    async def produce(p: int) -> None:
+        i = 0
+        while True:
+            credit = await pacer.acquire(batch, 10.0, f"producer{p}") if paced else batch
+            version = sampler_version[0]  # read when the batch begins, as the sampler does
+            await asyncio.sleep(make_s * credit)
+            for _ in range(credit):
+                await queue.put(group(version, i), timeout_s=10.0)
+                i += 1
+                deepest[0] = max(deepest[0], len(queue))
+                if paced:
+                    pacer.delivered()
+
+    tasks = [asyncio.ensure_future(produce(p)) for p in range(producers)]
+    try:
+        for step in range(1, steps + 1):
+            batch_groups = await queue.get_batch(n, current_version=step - 1, timeout_s=10.0)
+            assert all(step - 1 - g.version <= max_staleness for g in batch_groups)
+            pacer.batch_taken(step - 1)
+            await asyncio.sleep(train_s)
+            sampler_version[0] = step  # the sync: every sampler holds the new weights
+            pacer.synced(step)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return queue, deepest[0]
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+async def test_paced_producers_make_nothing_that_is_dropped_and_the_queue_stays_bounded(max_staleness):
+    queue, deepest = await simulate(paced=True, max_staleness=max_staleness)
+    stats = queue.stats()
+    assert stats.dropped_stale == 0 and stats.batches == 30
+    assert deepest <= 8 * (max_staleness + 1)  # never more than the steps that can still train them
+
+
+async def test_unpaced_producers_lose_groups_to_staleness():
+    queue, _ = await simulate(paced=False, max_staleness=1)
+    assert queue.stats().dropped_stale > 30  # the waste pacing removes
+
+
+async def test_two_paced_producers_drop_almost_nothing():
+    queue, _ = await simulate(paced=True, max_staleness=1, producers=2)
+    stats = queue.stats()
+    assert stats.dropped_stale <= stats.gets // 20, stats  # under 5% of what was trained
+
+
+async def test_room_follows_versions_steps_and_what_is_queued():
+    queue = RolloutQueue(32, 1)
+    pacer = Pacer(queue, 16, 1, version=0, next_step=1)
+    assert pacer.room() == 32  # steps 1 and 2 can train a group begun at version 0
+    assert await pacer.acquire(8, 1.0, "s") == 8 and pacer.room() == 24
+    pacer.batch_taken(0)  # step 1 took its batch; the sampler still holds version 0
+    assert pacer.room() == 16 - 8
+    pacer.synced(1)
+    assert pacer.room() == 32 - 8
+    pacer.give_back(8)
+    assert pacer.room() == 32
+
+
+async def test_a_pump_without_credit_times_out_naming_who_waited():
+    queue = RolloutQueue(4, 0)
+    pacer = Pacer(queue, 4, 0, version=0, next_step=2)  # the batch of step 1 is taken, no sync yet
+    with pytest.raises(PacingTimeoutError, match="sampler3: no credit for 4 groups within 0.05 s"):
+        await pacer.acquire(8, 0.05, "sampler3")
+    assert pacer.in_flight == 0
+
+
+def test_a_sync_interval_no_group_could_survive_is_refused():
+    from asyncrl.rl.config.run import RunConfig
+
+    with pytest.raises(ValueError, match="sync_every 3 needs max_staleness >= 2 in async mode"):
+        RunConfig(sync_every=3, max_staleness=1)
+    RunConfig(sync_every=2, max_staleness=1)
