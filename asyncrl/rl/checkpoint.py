@@ -276,6 +276,21 @@ TMP_PREFIX, ASIDE_PREFIX = ".tmp-", ".old-"
 directory it looks for, and a writer that owns the parent removes them (a kill left them)."""
 
 
+def replace_dir(tmp: str, final: str, aside: str) -> None:
+    """Rename the whole directory ``tmp`` to ``final``. An old ``final`` is renamed to ``aside``
+    first and put back if the rename fails; the caller deletes ``aside`` once it is done with it."""
+    replaced = os.path.exists(final)
+    if replaced:
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if replaced:
+            os.replace(aside, final)
+        raise
+
+
 @contextlib.contextmanager
 def staged_dir(final: str, *, fsync: bool = False) -> Iterator[str]:
     """A fresh, empty sibling of ``final`` (``.tmp-<name>-<pid>``) for the block to write into,
@@ -294,23 +309,13 @@ def staged_dir(final: str, *, fsync: bool = False) -> Iterator[str]:
         yield tmp
         if fsync:
             _fsync_tree(tmp)
-        replaced = os.path.exists(final)
-        if replaced:
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            if replaced:
-                os.replace(aside, final)
-            raise
+        replace_dir(tmp, final, aside)
         if fsync:
             fsync_path(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if replaced:
-        shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)  # the old final, if there was one
 
 
 def remove_dir(path: str) -> None:

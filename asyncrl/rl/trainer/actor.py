@@ -149,12 +149,7 @@ class TrainerActor(RankMember, SyncMember):
         n_seqs = float(sum(int(b.mask.any(dim=1).sum()) for b in batches))
         normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for batch in batches:
-            metrics = self._accumulate(batch, normalizer)
-            weight = float(batch.mask.sum()) / max(n_tokens, 1.0)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + (float(v) if k in ("loss", "pg_loss") else float(v) * weight)
+        sums = self._accumulate_all(batches, normalizer, n_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()
@@ -163,6 +158,17 @@ class TrainerActor(RankMember, SyncMember):
         sums.pop("ratio_max", None)
         sums.update(grad_norm=float(grad_norm), tokens=n_tokens, sequences=n_seqs, micro_batches=len(batches),
                     train_s=time.perf_counter() - start)
+        return sums
+
+    def _accumulate_all(self, batches: list[MicroBatch], normalizer: float, n_tokens: float) -> dict[str, float]:
+        """Gradients of every micro-batch into the parameters; the step's metrics: loss terms
+        summed (each is already a share of the whole batch's), the others weighted by tokens."""
+        sums: dict[str, float] = {}
+        for batch in batches:
+            metrics = self._accumulate(batch, normalizer)
+            weight = float(batch.mask.sum()) / max(n_tokens, 1.0)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + (float(v) if k in ("loss", "pg_loss") else float(v) * weight)
         return sums
 
     def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:

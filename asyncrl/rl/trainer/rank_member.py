@@ -155,13 +155,8 @@ class RankMember(Actor):
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         batches += [_empty_micro_batch(self.device) for _ in range(int(count) - len(batches))]
         self.optimizer.zero_grad(set_to_none=True)
-        fault = _arm_fault(self.model, ranks.rank, self.steps + 1)
-        sums: dict[str, float] = {}
-        for batch in batches:
-            metrics = self._accumulate(batch, normalizer)
-            weight = float(batch.mask.sum()) / max(n_tokens, 1.0)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + (float(v) if k in ("loss", "pg_loss") else float(v) * weight)
+        _arm_fault(self.model, ranks.rank, self.steps + 1)
+        sums = self._accumulate_all(batches, normalizer, n_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()

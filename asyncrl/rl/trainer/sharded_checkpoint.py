@@ -32,7 +32,7 @@ import torch.distributed as dist
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.checkpoint import (ASIDE_PREFIX, PREFIX, RUN_STATE, TRAINER_JSON, TRAINER_TENSORS, Checkpoint, checkpoints_dir,
                                    fsync_path, remove_debris, write_bytes, write_manifest)
-from asyncrl.rl.checkpoint import _fsync_tree  # the same flush as a single-rank checkpoint's
+from asyncrl.rl.checkpoint import _fsync_tree, replace_dir  # the same flush and rename as a single-rank checkpoint's
 from asyncrl.rl.trainer.checkpoint import prune, write_failure
 
 DCP_DIR, RNG_DIR = "dcp", "rng"
@@ -96,7 +96,9 @@ def write_sharded_checkpoint(rank: int, world_size: int, run_dir: str, step: int
             return ""
         write_manifest(tmp)
         _fsync_tree(tmp)
-        replace_dir(tmp, final)
+        aside = os.path.join(os.path.dirname(final), ASIDE_PREFIX + os.path.basename(final))
+        replace_dir(tmp, final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
         fsync_path(root)
     except Exception as exc:
         if rank == 0:
@@ -104,24 +106,6 @@ def write_sharded_checkpoint(rank: int, world_size: int, run_dir: str, step: int
         raise write_failure(f"the checkpoint of step {step}", root, exc) from exc
     prune(run_dir, keep)
     return final
-
-
-def replace_dir(tmp: str, final: str) -> None:
-    """Rename ``tmp`` to ``final``; an old ``final`` is renamed aside first and deleted after,
-    so a kill at any point leaves one whole directory under each name."""
-    aside = os.path.join(os.path.dirname(final), ASIDE_PREFIX + os.path.basename(final))
-    replaced = os.path.exists(final)
-    if replaced:
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        if replaced:
-            os.replace(aside, final)
-        raise
-    if replaced:
-        shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_sharded_checkpoint(rank: int, checkpoint: Checkpoint, model: Any, optimizer: Any) -> int:
