@@ -11,6 +11,7 @@ second host has; CURVE with a cluster secret, gloo, ``--run.placement`` (docs/mu
   resumed across the two nodes again, it reaches its last step and the held-out evaluation.
 
 Every process of node 1 is gone after its agent's death, and nothing is left in its namespace.
+Two fast tests check the option itself: its forms, and a node the run lacks refused up front.
 The runs use tests/conftest.py's `model_path` (a 64-wide one-layer Qwen2, warm-started once)."""
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ import subprocess
 import time
 
 import pytest
+
+from asyncrl import Supervisor
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.config.parse import ConfigError, parse_overrides
+from asyncrl.rl.config.run import Placement
+from asyncrl.rl.driver.devices import plan_devices
+from asyncrl.rl.driver.run import _placement, train
 
 from conftest import descendants, kill_all, process_alive, wait_until
 from multinode_support import (NODE_TIMEOUT_S, agent_log, env, free_port, launch_argv, make_secret_file, netns_pids,
@@ -126,13 +134,7 @@ def assert_node1_clean(run: TwoNodes, pids: list[int]) -> None:
     assert wait_until(lambda: not netns_pids(run.namespace), 10.0), netns_pids(run.namespace)
 
 
-def test_placement_names_a_node_per_actor_and_refuses_what_the_cluster_cannot_hold(tmp_path):
-    from asyncrl.rl.config.grpo import GRPOConfig
-    from asyncrl.rl.config.parse import ConfigError, parse_overrides
-    from asyncrl.rl.config.run import Placement
-    from asyncrl.rl.driver.devices import plan_devices
-    from asyncrl.rl.driver.run import _placement
-
+def test_placement_names_a_node_per_actor_and_refuses_what_the_cluster_cannot_hold():
     assert Placement.parse("node0").nodes("sampler", 2, 3) == [None, None]  # today's: the supervisor decides
     assert Placement.parse("spread").nodes("trainer", 2, 3) == [0, 0]
     assert Placement.parse("spread").nodes("sampler", 3, 3) == [1, 2, 1]
@@ -153,11 +155,6 @@ def test_placement_names_a_node_per_actor_and_refuses_what_the_cluster_cannot_ho
 
 
 async def test_a_placement_on_a_node_the_run_lacks_is_refused_before_anything_is_written(tmp_path):
-    from asyncrl import Supervisor
-    from asyncrl.rl.config.grpo import GRPOConfig
-    from asyncrl.rl.config.parse import ConfigError, parse_overrides
-    from asyncrl.rl.driver.run import train
-
     config = parse_overrides(GRPOConfig(), ["--run.run_dir", str(tmp_path / "run"),
                                             "--run.placement", "trainer=1"])
     async with Supervisor() as sup:

@@ -149,7 +149,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                         "adapter": _synced_adapter(config)})
                     for i in range(config.sampler.count)]
         if sup.config.nnodes > 1:
-            log(_where_line(sup, [first_rank, *(trainer.handles[1:] if ranks > 1 else [])], samplers, host))
+            log(_where_line([first_rank, *(trainer.handles[1:] if ranks > 1 else [])], samplers, host))
         if run.check_weights:
             await _check_digestible(samplers)
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
@@ -220,11 +220,9 @@ def _placement(text: str, ranks: int, samplers: int, nnodes: int, plan) -> tuple
     return trainer, sampler
 
 
-def _where_line(sup, trainer_ranks: list[Any], samplers: list[Any], host: str) -> str:
+def _where_line(trainer_ranks: list[Any], samplers: list[Any], host: str) -> str:
     """Which node each actor runs on, and where the weight-sync group meets (runs over several nodes)."""
-    def node(h) -> str:
-        return str(h.info().node)
-
-    ranks = ",".join(node(h) for h in trainer_ranks)
-    return (f"placement: trainer rank(s) on node(s) {ranks}, " + ", ".join(f"{s.name} on node {node(s)}" for s in samplers)
-            + f"; the weight-sync group meets at {host} (trainer rank 0's node)")
+    ranks = ",".join(str(h.info().node) for h in trainer_ranks)
+    where = ", ".join(f"{s.name} on node {s.info().node}" for s in samplers)
+    return (f"placement: trainer rank(s) on node(s) {ranks}, {where}; "
+            f"the weight-sync group meets at {host} (trainer rank 0's node)")
