@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import time
 
 import pytest
@@ -19,53 +17,15 @@ from asyncrl.runtime import auth
 
 from actors import Echo
 from conftest import kill_all, process_alive, wait_until
-from multinode_support import NODE_TIMEOUT_S, agent_log, free_port, make_secret_file, start_agent
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
+from multinode_support import NODE_TIMEOUT_S, agent_log, free_port, ip, make_secret_file, start_agent, veth_namespaces
 
 
 @pytest.fixture
 def namespaces():
     """Two namespaces, each linked to this one by a veth pair on its own /24. Yields
     ``[(namespace, host-side address, namespace-side address), ...]``."""
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` tool (iproute2) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CAP_NET_ADMIN)")
-    tag = str(os.getpid() % 100000)
-    octet = os.getpid() % 200 + 20
-    made, links = [], []
-    try:
-        for i, subnet in enumerate((f"10.231.{octet}", f"10.232.{octet}"), 1):
-            ns, host_if, ns_if = f"asyncrl-{tag}-{i}", f"ar{tag}h{i}", f"ar{tag}n{i}"
-            out = _ip("netns", "add", ns)
-            if out.returncode != 0:
-                pytest.skip(f"cannot create a network namespace here: {out.stderr.strip()}")
-            made.append(ns)
-            steps = [
-                ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
-                ("link", "set", ns_if, "netns", ns),
-                ("addr", "add", f"{subnet}.1/24", "dev", host_if),
-                ("link", "set", host_if, "up"),
-                ("netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", ns_if),
-                ("netns", "exec", ns, "ip", "link", "set", ns_if, "up"),
-                ("netns", "exec", ns, "ip", "link", "set", "lo", "up"),
-                ("netns", "exec", ns, "ip", "route", "add", "default", "via", f"{subnet}.1"),
-            ]
-            for step in steps:
-                out = _ip(*step)
-                if out.returncode != 0:
-                    pytest.skip(f"cannot set up veth networking (`ip {' '.join(step)}`): {out.stderr.strip()}")
-                if step[0] == "link" and step[1] == "add":
-                    links.append(host_if)
-        yield [(made[0], f"10.231.{octet}.1", f"10.231.{octet}.2"), (made[1], f"10.232.{octet}.1", f"10.232.{octet}.2")]
-    finally:
-        for ns in made:
-            _ip("netns", "del", ns)  # takes its end of the veth pair, and so the pair, with it
-        for link in links:
-            _ip("link", "del", link)
+    with veth_namespaces(2) as made:
+        yield made
 
 
 async def test_three_hosts_over_veth(namespaces, tmp_path, monkeypatch):
@@ -127,7 +87,7 @@ async def test_a_partitioned_node_is_lost_and_its_agent_stops_by_itself(namespac
             pending = asyncio.ensure_future(echo.sleep(60))
             await asyncio.sleep(0.2)
             host_if = f"ar{os.getpid() % 100000}h1"
-            assert _ip("link", "set", host_if, "down").returncode == 0
+            assert ip("link", "set", host_if, "down").returncode == 0
             start = time.monotonic()
             with pytest.raises(ActorDiedError, match="node 1 .* lost: no heartbeat"):
                 await pending

@@ -130,6 +130,12 @@ class RunConfig:
     device: str = "auto"
     """'auto' (GPUs when there are any: one each for trainer and samplers when there are enough,
     else the samplers share the trainer's; the CPU when there are none), 'cpu' or 'cuda' (docs/gpu.md)."""
+    placement: str = "node0"
+    """Which node each actor runs on when the run spans nodes (``asyncrl launch --nnodes N``;
+    docs/multinode.md): 'node0' (the driver's node; an actor with GPUs on the first node with one
+    free), 'spread' (trainer ranks on node 0, samplers round robin over the other nodes), or node
+    ranks per role, e.g. 'trainer=1 sampler=0,1' (a role's actors take its listed nodes in turn;
+    a role left out goes where 'node0' puts it)."""
     check_weights: bool = False
     """After every sync, compare a digest of the weights on the trainer and on every sampler; a
     mismatch stops the run (tests and debugging: one pass over the weights per member and sync).
@@ -163,3 +169,51 @@ class RunConfig:
                              f"{self.sync_every - 1} versions behind, and every group they made would be dropped as stale")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        Placement.parse(self.placement)
+
+
+PLACEMENT_ROLES = ("trainer", "sampler")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``--run.placement``, read: the node ranks each role's actors take in turn (None: where the
+    supervisor puts an actor by default, node 0 for one without devices)."""
+
+    trainer: tuple[int, ...] = ()
+    sampler: tuple[int, ...] = ()
+    spread: bool = False
+    """Samplers round robin over nodes 1..N-1 (node 0 when it is alone); trainer ranks on node 0."""
+
+    @classmethod
+    def parse(cls, text: str) -> Placement:
+        """'node0', 'spread' or 'trainer=0,0 sampler=1'; a ValueError says what is accepted."""
+        words = text.split()
+        if words == ["node0"]:
+            return cls()
+        if words == ["spread"]:
+            return cls(trainer=(0,), spread=True)
+        lists: dict[str, tuple[int, ...]] = {}
+        for word in words:
+            role, _, nodes = word.partition("=")
+            ranks = [n.strip() for n in nodes.split(",")]
+            if role not in PLACEMENT_ROLES or role in lists or not all(n.isdigit() for n in ranks):
+                raise ValueError(f"placement must be 'node0', 'spread' or node ranks per role such as "
+                                 f"'trainer=0 sampler=1,0' (roles: {', '.join(PLACEMENT_ROLES)}), not {text!r}")
+            lists[role] = tuple(int(n) for n in ranks)
+        if not lists:
+            raise ValueError(f"placement must be 'node0', 'spread' or node ranks per role, not {text!r}")
+        return cls(**lists)
+
+    def nodes(self, role: str, count: int, nnodes: int) -> list[int | None]:
+        """The node of each of ``count`` actors of ``role`` in a cluster of ``nnodes``; a ValueError
+        names a node rank the cluster does not have."""
+        if role == "sampler" and self.spread:
+            others = list(range(1, nnodes)) or [0]
+            return [others[i % len(others)] for i in range(count)]
+        listed: tuple[int, ...] = getattr(self, role)
+        for rank in listed:
+            if rank >= nnodes:
+                raise ValueError(f"--run.placement puts a {role} on node {rank}, but the run has {nnodes} node(s) "
+                                 f"(0..{nnodes - 1}); launch with --nnodes {rank + 1} or more, or change the placement")
+        return [listed[i % len(listed)] if listed else None for i in range(count)]

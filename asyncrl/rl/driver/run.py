@@ -22,6 +22,7 @@ from asyncrl.errors import first_line
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, config_to_dict
+from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import plan_devices
 from asyncrl.rl.driver.endpoint import open_endpoint
@@ -29,6 +30,7 @@ from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
+from asyncrl.rl.driver.trainer_ranks import node_address, spawn_trainer_ranks
 from asyncrl.runtime import signals
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
@@ -51,6 +53,9 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
 
     config = check_run(config, resume=resume)  # paths and limits, before anything is spawned or written
     run = config.run
+    ranks = config.trainer.world_size
+    plan = plan_devices(run.device, *detect("auto"), config.sampler.count, trainer_ranks=ranks)
+    trainer_nodes, sampler_nodes = _placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
     spec = config.task_spec()
     task = load_task(spec)  # loaded (and its data read) by check_run already: cached
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars would bury the progress line
@@ -110,8 +115,6 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         except asyncio.CancelledError:
             stop_warm_start.set()
             raise
-        ranks = config.trainer.world_size
-        plan = plan_devices(run.device, *detect("auto"), config.sampler.count, trainer_ranks=ranks)
         cuda, device = plan.device == "cuda", plan.device
         log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
             f"{config.sampler.count} sampler(s); mode {run.mode}")
@@ -121,18 +124,20 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         env = {"TQDM_DISABLE": "1"} | ({} if cuda else {"OMP_NUM_THREADS": "1"})
         # No restarts for the trainer: a new one would start from the initial weights. Losing it
         # stops the run, which resumes from its last checkpoint instead.
-        host = os.environ.get("ASYNCRL_NODE_ADDR", "127.0.0.1")
         trainer_kwargs = {"device": device, "seed": run.seed, "task": spec, "data": run.data}
         if ranks == 1:
             trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer",
-                                      gpus=plan.trainer_gpus, env=env, kwargs=trainer_kwargs)
+                                      gpus=plan.trainer_gpus, env=env, kwargs=trainer_kwargs, node=trainer_nodes[0])
         else:  # N ranks, one group (docs/trainer.md); the driver uses them as it uses one trainer
-            from asyncrl.rl.driver.trainer_ranks import spawn_trainer_ranks
-
             trainer = await spawn_trainer_ranks(sup, TrainerActor, (model_path, config.trainer_config()), world_size=ranks,
-                                                host=host, timeout_s=run.deadlines.rendezvous_timeout_s,
-                                                gpus=plan.trainer_gpus, env=env, kwargs=trainer_kwargs)
+                                                host=None, timeout_s=run.deadlines.rendezvous_timeout_s,
+                                                gpus=plan.trainer_gpus, env=env, kwargs=trainer_kwargs,
+                                                nodes=trainer_nodes)
             log(f"trainer: {ranks} ranks, sharded (FSDP2, {'nccl' if cuda else 'gloo'})")
+        # Trainer rank 0 hosts the weight-sync group's store: on its own node's address, which
+        # every sampler reaches (the driver's node is another when the trainer was placed elsewhere).
+        first_rank = trainer.handles[0] if ranks > 1 else trainer
+        host = node_address(sup, first_rank)
         if checkpoint is not None:
             checkpoint = await load_checkpoint(trainer, run, run_dir, checkpoint, candidates, damaged, log)
             commit(checkpoint)
@@ -140,11 +145,14 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         vllm = plan.vllm_options(config.sampler.gpu_memory_utilization, config.sampler.count)
         samplers = [await sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
                                     share_devices_with="trainer" if plan.colocated else None, env=env,
+                                    node=None if plan.colocated else sampler_nodes[i],
                                     max_restarts=run.recovery.sampler_max_restarts, kwargs={
                         "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
                         "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
                         "adapter": _synced_adapter(config)})
                     for i in range(config.sampler.count)]
+        if sup.config.nnodes > 1:
+            log(_where_line([first_rank, *(trainer.handles[1:] if ranks > 1 else [])], samplers, host))
         if run.check_weights:
             await _check_digestible(samplers)
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
@@ -200,3 +208,26 @@ def _synced_adapter(config) -> LoRAConfig | None:
     weights, or the fully fine-tuned ones, under the base model's names)."""
     lora = config.trainer.lora
     return lora if lora.rank and lora.sync == "adapter" else None
+
+
+def _placement(text: str, ranks: int, samplers: int, nnodes: int, plan) -> tuple[list[int | None], list[int | None]]:
+    """The node of each trainer rank and each sampler (None: the supervisor's default), from
+    ``--run.placement``; a `ConfigError` for a node the cluster lacks, or for colocated samplers
+    (they share trainer rank 0's GPU) placed on another node than it."""
+    placement = Placement.parse(text)
+    try:
+        trainer, sampler = placement.nodes("trainer", ranks, nnodes), placement.nodes("sampler", samplers, nnodes)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if plan.colocated and any(n is not None and n != trainer[0] for n in sampler):
+        raise ConfigError(f"--run.placement {text!r} puts samplers on another node than trainer rank 0, but they "
+                          f"share its GPU ({plan.line}); place them with it, or give the run a GPU per actor")
+    return trainer, sampler
+
+
+def _where_line(trainer_ranks: list[Any], samplers: list[Any], host: str) -> str:
+    """Which node each actor runs on, and where the weight-sync group meets (runs over several nodes)."""
+    ranks = ",".join(str(h.info().node) for h in trainer_ranks)
+    where = ", ".join(f"{s.name} on node {s.info().node}" for s in samplers)
+    return (f"placement: trainer rank(s) on node(s) {ranks}, {where}; "
+            f"the weight-sync group meets at {host} (trainer rank 0's node)")

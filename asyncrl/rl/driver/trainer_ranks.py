@@ -126,24 +126,42 @@ class TrainerRanks:
 
 
 def _forget(tasks: set) -> Any:
-    return lambda task: tasks.discard(task)
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # an abort sent to a rank that died too (its node lost, say) fails: expected
+    return done
 
 
-async def spawn_trainer_ranks(sup: Any, cls: type, args: tuple, *, world_size: int, host: str, timeout_s: float,
-                              gpus: int, env: dict[str, str], kwargs: dict[str, Any]) -> TrainerRanks:
+def node_address(sup: Any, handle: Any) -> str:
+    """The address at which actors on other nodes reach the node that ``handle``'s actor runs on:
+    where a store hosted by that actor must listen (the driver's own ``ASYNCRL_NODE_ADDR`` names
+    node 0, which is wrong for an actor placed on another node)."""
+    node = handle.info().node
+    (status,) = [n for n in sup.nodes() if n.rank == node]
+    return status.address
+
+
+async def spawn_trainer_ranks(sup: Any, cls: type, args: tuple, *, world_size: int, host: str | None, timeout_s: float,
+                              gpus: int, env: dict[str, str], kwargs: dict[str, Any],
+                              nodes: list[int | None] | None = None) -> TrainerRanks:
     """Spawn ``world_size`` trainer ranks (rank 0 named ``trainer``, the others ``trainer-<r>``),
-    concurrently, and form their group: every join at once, under one deadline (the rendezvous
-    contract); a rank that fails to start or to join fails the whole call, naming it."""
+    concurrently, on ``nodes`` (one per rank; None: where the supervisor puts them), and form
+    their group: every join at once, under one deadline (the rendezvous contract); a rank that
+    fails to start or to join fails the whole call, naming it. The group's store is hosted by rank
+    0 on ``host``, by default the address of rank 0's node (`node_address`)."""
     from asyncrl.comm.rendezvous import join_all
 
     names = ["trainer"] + [f"trainer-{r}" for r in range(1, world_size)]
-    spawned = await asyncio.gather(*(sup.spawn(cls, *args, name=name, gpus=gpus, env=env, kwargs=kwargs)
-                                     for name in names), return_exceptions=True)
+    nodes = nodes or [None] * world_size
+    spawned = await asyncio.gather(*(sup.spawn(cls, *args, name=name, gpus=gpus, env=env, kwargs=kwargs, node=node)
+                                     for name, node in zip(names, nodes)), return_exceptions=True)
     failed = [x for x in spawned if isinstance(x, BaseException)]
     if failed:
         await asyncio.gather(*(sup.stop(h) for h in spawned if not isinstance(h, BaseException)),
                              return_exceptions=True)
         raise failed[0]
+    host = host or node_address(sup, spawned[0])
     port = await spawned[0].with_timeout(timeout_s).rank_listen(host)
     joins = [h.with_timeout(timeout_s + 10).rank_join(host, port, r, world_size, timeout_s)
              for r, h in enumerate(spawned)]

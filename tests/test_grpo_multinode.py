@@ -1,0 +1,261 @@
+"""The GRPO example across two nodes: node 0 (the driver) in this network namespace, node 1 (an
+agent, ``asyncrl launch --node-rank 1``) in a namespace of its own with an address of its own, as a
+second host has; CURVE with a cluster secret, gloo, ``--run.placement`` (docs/multinode.md).
+
+* 2 trainer ranks on node 0, a sampler on node 1: the run reaches its last step and the held-out
+  evaluation after it.
+* The same with a second sampler on node 0, and node 1's agent SIGKILLed mid-run: the run says
+  that node 1 was lost, goes on with the sampler left and reaches its last step.
+* The reverse (2 trainer ranks on node 1, the sampler on node 0), node 1's agent SIGKILLed after
+  the first checkpoint: the run stops within its deadline naming the lost node and how to resume;
+  resumed across the two nodes again, it reaches its last step and the held-out evaluation.
+
+Every process of node 1 is gone after its agent's death, and nothing is left in its namespace.
+Two fast tests check the option itself: its forms, and a node the run lacks refused up front.
+The runs use tests/conftest.py's `model_path` (a 64-wide one-layer Qwen2, warm-started once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from asyncrl import Supervisor
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.config.parse import ConfigError, parse_overrides
+from asyncrl.rl.config.run import Placement
+from asyncrl.rl.driver.devices import plan_devices
+from asyncrl.rl.driver.run import _placement, train
+
+from conftest import descendants, kill_all, process_alive, wait_until
+from multinode_support import (NODE_TIMEOUT_S, agent_log, env, free_port, launch_argv, make_secret_file, netns_pids,
+                               start_agent, veth_namespaces)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "grpo_countdown.py")
+pytestmark = pytest.mark.timeout(300)
+RUN_S = 120.0
+"""A whole run's limit (each takes about 15 s alone on this 2-core machine)."""
+STOP_S = 2 * NODE_TIMEOUT_S + 30.0
+"""How soon after node 1's loss a run that cannot go on must have stopped: the loss is known within
+the node timeout, then the trainer ranks' calls fail at once and the actors are stopped."""
+
+
+def small(run_dir, *overrides: str) -> list[str]:
+    return ["--run.run_dir", str(run_dir), "--trainer.world_size", "2", "--run.groups_per_step", "2",
+            "--sampler.group_size", "4", "--sampler.prompts_per_batch", "2", "--sampler.max_new_tokens", "24",
+            "--run.n_train", "400", "--run.n_heldout", "8", "--run.eval_every", "1000", "--run.eval_samples", "0",
+            "--run.checkpoint_every", "0", "--sampler.backend", "hf", "--run.generate_timeout_s", "30",
+            "--run.queue_timeout_s", "90", "--run.sync_timeout_s", "20", "--run.rendezvous_timeout_s", "30",
+            "--run.restart_timeout_s", "20", *overrides]
+
+
+class TwoNodes:
+    """One run of the example over node 0 (here) and node 1 (an agent in ``namespace``)."""
+
+    def __init__(self, tmp_path, namespace: str, master: str, args: list[str], name: str):
+        self.log_dir = tmp_path / name
+        self.log_dir.mkdir()
+        self.namespace = namespace
+        secret = make_secret_file(str(self.log_dir))
+        port = free_port(master)
+        self.agent = start_agent(1, 2, port, secret, str(self.log_dir), master=master, netns=namespace,
+                                 OMP_NUM_THREADS="1")
+        self.driver_log = open(self.log_dir / "driver.log", "wb")
+        self.driver = subprocess.Popen(launch_argv(0, 2, port, secret, master, EXAMPLE, *args), cwd=tmp_path,
+                                       env=env(ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1"),
+                                       stdin=subprocess.DEVNULL, stdout=self.driver_log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return (self.log_dir / "driver.log").read_text(errors="replace")
+
+    def node1_actors(self) -> dict[int, str]:
+        """The actor processes node 1's agent runs: pid -> actor name."""
+        found = {}
+        for pid in descendants(self.agent.pid):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    names = [v for v in f.read().split(b"\0") if v.startswith(b"ASYNCRL_ACTOR=")]
+            except OSError:
+                continue
+            if names:
+                found[pid] = names[0].split(b"=", 1)[1].decode()
+        return found
+
+    def kill_node1(self) -> list[int]:
+        """SIGKILL node 1's agent (its actors die with it); returns their pids, for the check."""
+        pids = list(self.node1_actors())
+        self.agent.send_signal(signal.SIGKILL)
+        self.agent.wait(10)
+        return pids
+
+    def finish(self, timeout_s: float = RUN_S) -> int:
+        try:
+            return self.driver.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not end within {timeout_s:g} s:\n{self.output()[-3000:]}")
+
+    def close(self) -> None:
+        kill_all([self.driver.pid, self.agent.pid])
+        self.driver.wait()
+        self.agent.wait()
+        self.driver_log.close()
+
+
+@pytest.fixture
+def node1():
+    """One network namespace for node 1: ``(namespace, node 0's address, node 1's address)``."""
+    with veth_namespaces(1) as (made,):
+        yield made
+
+
+def wait_for(predicate, what: str, run: TwoNodes, timeout_s: float = RUN_S) -> None:
+    if not wait_until(predicate, timeout_s, 0.05):
+        pytest.fail(f"{what} not within {timeout_s:g} s (driver exit {run.driver.poll()}):\n{run.output()[-3000:]}")
+
+
+def step_done(run_dir) -> int:
+    try:
+        return json.loads((run_dir / "progress.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_node1_clean(run: TwoNodes, pids: list[int]) -> None:
+    assert wait_until(lambda: not any(process_alive(p) for p in pids), 10.0), [p for p in pids if process_alive(p)]
+    assert wait_until(lambda: not netns_pids(run.namespace), 10.0), netns_pids(run.namespace)
+
+
+def test_placement_names_a_node_per_actor_and_refuses_what_the_cluster_cannot_hold():
+    assert Placement.parse("node0").nodes("sampler", 2, 3) == [None, None]  # today's: the supervisor decides
+    assert Placement.parse("spread").nodes("trainer", 2, 3) == [0, 0]
+    assert Placement.parse("spread").nodes("sampler", 3, 3) == [1, 2, 1]
+    assert Placement.parse("spread").nodes("sampler", 2, 1) == [0, 0]  # one node: nowhere else to go
+    explicit = Placement.parse("trainer=1  sampler=0,1")
+    assert explicit.nodes("trainer", 2, 2) == [1, 1] and explicit.nodes("sampler", 3, 2) == [0, 1, 0]
+    assert Placement.parse("sampler=1").nodes("trainer", 2, 2) == [None, None]
+    for bad in ("nodes", "trainer=", "trainer=a", "trainer=0 trainer=1", "learner=0", "trainer:0", ""):
+        with pytest.raises(ConfigError, match="^--run.placement .*placement must be 'node0', 'spread' or node ranks"):
+            parse_overrides(GRPOConfig(), ["--run.placement", bad])
+    with pytest.raises(ConfigError, match=r"puts a sampler on node 2, but the run has 2 node\(s\) \(0..1\); launch "
+                                          "with --nnodes 3 or more"):
+        _placement("sampler=0,2", 1, 2, 2, plan_devices("cpu", None, [], 2))
+    colocated = plan_devices("auto", "cuda", ["0"], 1)
+    assert _placement("trainer=1 sampler=1", 1, 1, 2, colocated) == ([1], [1])
+    with pytest.raises(ConfigError, match="puts samplers on another node than trainer rank 0, but they share its GPU"):
+        _placement("spread", 1, 1, 2, colocated)
+
+
+async def test_a_placement_on_a_node_the_run_lacks_is_refused_before_anything_is_written(tmp_path):
+    config = parse_overrides(GRPOConfig(), ["--run.run_dir", str(tmp_path / "run"),
+                                            "--run.placement", "trainer=1"])
+    async with Supervisor() as sup:
+        with pytest.raises(ConfigError, match="puts a trainer on node 1, but the run has 1 node"):
+            await train(config, sup, log=lambda *a: None)
+        assert not sup.status()  # nothing spawned
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_trainer_ranks_on_node0_and_a_sampler_on_node1_run_the_example(model_path, node1, tmp_path):
+    namespace, master, addr1 = node1
+    run_dir = tmp_path / "run"
+    run = TwoNodes(tmp_path, namespace, master, ["--model_path", model_path, "--run.placement", "spread",
+                                                 "--run.steps", "3", "--run.check_weights", "true", *small(run_dir)],
+                   "spread")
+    try:
+        wait_for(lambda: "sampler0" in run.node1_actors().values() or run.driver.poll() is not None,
+                 "sampler0 running on node 1", run)
+        assert sorted(run.node1_actors().values()) == ["sampler0"], run.output()[-3000:]
+        assert run.finish() == 0, run.output()[-3000:] + agent_log(str(run.log_dir), 1)[-2000:]
+        assert run.agent.wait(15) == 0, agent_log(str(run.log_dir), 1)
+    finally:
+        run.close()
+    out = run.output()
+    assert (f"placement: trainer rank(s) on node(s) 0,0, sampler0 on node 1; the weight-sync group meets at {master}"
+            in out), out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["heldout_problems"] == 8 and "greedy" in summary["heldout_after"]
+    # every group trained on came from the sampler on node 1, which generates only after a sync;
+    # after each sync it held the trainer's exact weights (--run.check_weights)
+    rs = records(run_dir)
+    assert {gid.split("/")[0] for r in rs for gid in r["group_ids"]} == {"sampler0"}
+    assert all(r["weights_digests"]["sampler0"] == r["weights_digests"]["trainer"] for r in rs)
+    assert wait_until(lambda: not netns_pids(namespace), 10.0), netns_pids(namespace)
+
+
+def test_losing_the_samplers_node_leaves_the_run_to_the_sampler_on_node0(model_path, node1, tmp_path):
+    namespace, master, _ = node1
+    run_dir = tmp_path / "run"
+    steps = 12
+    run = TwoNodes(tmp_path, namespace, master, [
+        "--model_path", model_path, "--run.placement", "trainer=0 sampler=1,0", "--sampler.count", "2",
+        "--run.steps", str(steps), "--run.check_weights", "true", *small(run_dir)], "lose-sampler")
+    try:
+        wait_for(lambda: step_done(run_dir) >= 2 or run.driver.poll() is not None, "step 2", run)
+        assert run.driver.poll() is None, run.output()[-3000:]
+        assert sorted(run.node1_actors().values()) == ["sampler0"]
+        pids = run.kill_node1()
+        assert run.finish() == 0, run.output()[-3000:]
+        assert_node1_clean(run, pids)
+    finally:
+        run.close()
+    out = run.output()
+    assert "node 1" in out and "lost" in out, out[-3000:]
+    faults = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+    lost = [f for f in faults if f["event"] == "lost" and f["sampler"] == "sampler0"]
+    assert lost and "node 1" in lost[0]["detail"], faults
+    rs = records(run_dir)
+    assert [r["step"] for r in rs] == list(range(1, steps + 1))
+    assert sum(r["sampler_losses"] for r in rs) >= 1 and rs[-1]["samplers_in_group"] == 1
+    # before the loss, the sampler on node 1 was in the group and took the weights of every sync, exactly
+    assert all(r["weights_digests"].get("sampler0") == r["weights_digests"]["trainer"] for r in rs[:2])
+    assert all("sampler0" not in r["weights_digests"] for r in rs[-2:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and "greedy" in summary["heldout_after"]
+
+
+def test_losing_the_trainers_node_stops_the_run_resumably_and_it_resumes_across_nodes(model_path, node1, tmp_path):
+    namespace, master, addr1 = node1
+    run_dir = tmp_path / "run"
+    args = ["--model_path", model_path, "--run.placement", "trainer=1 sampler=0", "--run.steps", "6",
+            *small(run_dir, "--run.checkpoint_every", "2")]
+    run = TwoNodes(tmp_path, namespace, master, args, "lose-trainer")
+    try:
+        first = run_dir / "checkpoints" / "step-00000002"
+        wait_for(lambda: first.exists() or run.driver.poll() is not None, "the first checkpoint", run)
+        assert run.driver.poll() is None, run.output()[-3000:]
+        assert sorted(run.node1_actors().values()) == ["trainer", "trainer-1"]
+        pids = run.kill_node1()
+        lost_at = time.monotonic()
+        code = run.finish(STOP_S)
+        stopped_s = time.monotonic() - lost_at
+        assert_node1_clean(run, pids)
+    finally:
+        run.close()
+    out = run.output()
+    print(f"the run stopped {stopped_s:.1f} s after node 1's agent was killed")  # shown with -rP
+    assert code == 1 and stopped_s < STOP_S, out[-3000:]
+    assert (f"placement: trainer rank(s) on node(s) 1,1, sampler0 on node 0; the weight-sync group meets at {addr1}"
+            in out), out[-3000:]
+    assert "trainer rank 0: node 1 (" in out and ") lost: " in out, out[-3000:]
+    assert "--resume run (checkpoint step 2)" in out, out[-3000:]  # the hint names it relative to the cwd
+
+    resumed = TwoNodes(tmp_path, namespace, master, ["--resume", str(run_dir)], "resume")
+    try:
+        assert resumed.finish() == 0, resumed.output()[-3000:]
+        assert resumed.agent.wait(15) == 0
+    finally:
+        resumed.close()
+    assert "resuming from" in resumed.output()
+    assert [r["step"] for r in records(run_dir)] == list(range(1, 7))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["resumed_from"] and "greedy" in summary["heldout_after"]
+    assert wait_until(lambda: not netns_pids(namespace), 10.0), netns_pids(namespace)
