@@ -65,6 +65,15 @@ class FakeTerminal(io.StringIO):
         return True
 
 
+def test_a_progress_line_without_sampled_evaluation_says_greedy_only():
+    from asyncrl.rl.driver.progress import progress_line
+
+    record = dict(step=3, reward_mean=0.1, train_solve_rate=0.2, staleness_mean=1.0, samples_per_s=3.0,
+                  tokens_per_s=100.0, heldout_solve_rate=0.3)
+    assert "held-out 0.30 greedy  5s" in progress_line(dict(record, heldout_sampled_solve_rate=float("nan")), 9, None, 5.0)
+    assert "held-out 0.30 greedy 0.25 sampled" in progress_line(dict(record, heldout_sampled_solve_rate=0.25), 9, None, 5.0)
+
+
 def test_progress_is_a_bar_on_a_terminal_and_lines_go_above_it():
     term = FakeTerminal()
     display = make_progress(10, 1, True, stream=term)

@@ -9,6 +9,7 @@ wants them: about fifty over the run, and one at every evaluation.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Callable
@@ -19,11 +20,16 @@ from asyncrl.rl.driver.report import duration_text
 def progress_line(record: dict[str, Any], steps: int, eta_s: float | None, elapsed_s: float) -> str:
     """One step's record as the plain progress line."""
     heldout = record.get("heldout_solve_rate")
+    sampled = record.get("heldout_sampled_solve_rate")
+    if heldout is None:
+        evaluation = ""
+    elif sampled is None or math.isnan(sampled):  # --run.eval_samples 0: greedy only
+        evaluation = f"held-out {heldout:.2f} greedy  "
+    else:
+        evaluation = f"held-out {heldout:.2f} greedy {sampled:.2f} sampled  "
     return (f"step {record['step']:>4}/{steps}  reward {record['reward_mean']:.3f}  "
             f"solve {record['train_solve_rate']:.2f}  stale {record['staleness_mean']:.2f}  "
-            f"samples/s {record['samples_per_s']:.1f}  tok/s {record['tokens_per_s']:.0f}  "
-            + (f"held-out {heldout:.2f} greedy {record.get('heldout_sampled_solve_rate', float('nan')):.2f} "
-               "sampled  " if heldout is not None else "")
+            f"samples/s {record['samples_per_s']:.1f}  tok/s {record['tokens_per_s']:.0f}  " + evaluation
             + f"{elapsed_s:.0f}s" + (f"  eta {duration_text(eta_s)}" if eta_s is not None else ""))
 
 
