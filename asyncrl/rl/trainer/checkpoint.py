@@ -113,9 +113,17 @@ def load_trainer_state(checkpoint: Checkpoint, optimizer: Any) -> int:
 
     tensors = torch.load(os.path.join(checkpoint.path, TRAINER_TENSORS), map_location="cpu", weights_only=True)
     optimizer.load_state_dict(tensors["optimizer"])
-    torch.set_rng_state(tensors["torch_rng"])
-    if "cuda_rng" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["cuda_rng"])
+    return restore_rngs_and_steps(checkpoint, tensors)
+
+
+def restore_rngs_and_steps(checkpoint: Checkpoint, rng: dict) -> int:
+    """Set torch's (and CUDA's, where saved and present) RNG from ``rng`` and Python's from the
+    checkpoint's trainer JSON; returns the trainer's steps saved there."""
+    import torch
+
+    torch.set_rng_state(rng["torch_rng"])
+    if "cuda_rng" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda_rng"])
     with open(os.path.join(checkpoint.path, TRAINER_JSON)) as f:
         saved = json.load(f)
     version, internal, gauss = saved["python_rng"]

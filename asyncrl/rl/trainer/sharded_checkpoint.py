@@ -33,7 +33,7 @@ from asyncrl.errors import AsyncrlError
 from asyncrl.rl.checkpoint import (ASIDE_PREFIX, PREFIX, RUN_STATE, TRAINER_JSON, TRAINER_TENSORS, Checkpoint, checkpoints_dir,
                                    fsync_path, remove_debris, write_bytes, write_manifest)
 from asyncrl.rl.checkpoint import _fsync_tree, replace_dir  # the same flush and rename as a single-rank checkpoint's
-from asyncrl.rl.trainer.checkpoint import prune, write_failure
+from asyncrl.rl.trainer.checkpoint import prune, restore_rngs_and_steps, write_failure
 
 DCP_DIR, RNG_DIR = "dcp", "rng"
 FORMAT = "dcp"
@@ -123,12 +123,4 @@ def load_sharded_checkpoint(rank: int, checkpoint: Checkpoint, model: Any, optim
     rng_path = os.path.join(checkpoint.path, RNG_DIR, f"rank{rank}.pt")
     if not os.path.exists(rng_path):  # written at a smaller world size: this rank starts from rank 0's
         rng_path = os.path.join(checkpoint.path, RNG_DIR, "rank0.pt")
-    rng = torch.load(rng_path, map_location="cpu", weights_only=True)
-    torch.set_rng_state(rng["torch_rng"])
-    if "cuda_rng" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda_rng"])
-    with open(os.path.join(checkpoint.path, TRAINER_JSON)) as f:
-        saved = json.load(f)
-    version, internal, gauss = saved["python_rng"]
-    random.setstate((version, tuple(internal), gauss))
-    return int(saved["steps"])
+    return restore_rngs_and_steps(checkpoint, torch.load(rng_path, map_location="cpu", weights_only=True))
