@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig
-from asyncrl.rl.trainer.loss import LossInputError, group_advantages, grpo_loss, token_logprobs
+from asyncrl.rl.trainer.loss import LossInputError, group_advantages, grpo_loss, token_entropy, token_logprobs
 
 F64 = torch.float64
 
@@ -90,6 +90,16 @@ def test_token_logprobs_float32_from_bf16_and_chunking_changes_nothing():
         out = token_logprobs(logits, ids, chunk_rows=chunk_rows)
         assert out.dtype == torch.float32
         close(out, expected, tol=1e-6)
+
+
+def test_token_entropy_in_chunks_equals_the_whole_and_takes_no_gradient():
+    logits = torch.randn(2, 7, 11, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    p = torch.softmax(logits.detach(), dim=-1)
+    whole = -(p * p.log()).sum(-1)
+    for chunk in (1, 3, 7, 100):  # across and beyond row ends
+        out = token_entropy(logits, chunk_tokens=chunk)
+        assert out.shape == (2, 7) and not out.requires_grad
+        close(out, whole.tolist(), tol=1e-6)
 
 
 def test_token_logprobs_gradient_reaches_logits_but_not_the_last_position():

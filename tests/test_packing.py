@@ -59,12 +59,15 @@ def random_groups(seed: int, n_groups: int = 5, group_size: int = 4, multi_turn:
     return groups
 
 
-def gradients_of_a_step(path: str, config: TrainerConfig, groups) -> tuple[dict, list[torch.Tensor]]:
+def gradients_of_a_step(path: str, config: TrainerConfig, groups,
+                        expect_checkpointing: bool = False) -> tuple[dict, list[torch.Tensor]]:
     from asyncrl.rl.trainer.actor import TrainerActor
 
     trainer = TrainerActor(path, config)
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
+    assert checkpointing == expect_checkpointing
     metrics = trainer._train_step(groups)
-    return metrics, [p.grad.detach().clone() for p in trainer.model.parameters()]
+    return metrics, [p.grad.detach().clone() for p in trainer.model.parameters() if p.grad is not None]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -83,6 +86,24 @@ def test_packed_rows_give_the_padded_loss_and_gradients(embedded_path, attention
         assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
     assert any(g.abs().max() > 1e-4 for g in grads_padded)  # a gradient worth comparing
     for a, b in zip(grads_padded, grads_packed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(embedded_path, lora):
+    """Recomputing the layers' activations in the backward changes memory, not the step: fp32,
+    packed multi-turn rows, full fine-tuning and a LoRA adapter on a frozen base."""
+    from asyncrl.rl.config.trainer import LoRAConfig
+
+    torch.set_num_threads(1)
+    groups = random_groups(seed=4)
+    base = TrainerConfig(micro_batch_tokens=200, pack_tokens=96, lora=LoRAConfig(rank=lora))
+    plain, grads_plain = gradients_of_a_step(embedded_path, base, groups)
+    ckpt, grads_ckpt = gradients_of_a_step(embedded_path, dataclasses.replace(base, activation_checkpointing=True),
+                                           groups, expect_checkpointing=True)
+    assert ckpt["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=1e-7)
+    assert len(grads_plain) == len(grads_ckpt) and any(g.abs().max() > 1e-4 for g in grads_plain)
+    for a, b in zip(grads_plain, grads_ckpt):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 

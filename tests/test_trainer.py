@@ -106,6 +106,38 @@ def test_a_trainer_step_neither_trains_on_nor_counts_environment_tokens(trainer)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
+def test_a_micro_batch_that_runs_out_of_memory_is_one_clear_error_and_the_trainer_goes_on(trainer, monkeypatch):
+    """The device's own out-of-memory error is injected on the second micro-batch (no CPU can run
+    out on demand); what is tested is ours: the message names the settings that help, the partial
+    gradients are dropped, no optimiser step is taken, and the next step trains."""
+    import dataclasses
+
+    from asyncrl.rl.trainer.actor import TrainerMemoryError
+
+    trainer.config = dataclasses.replace(trainer.config, micro_batch_tokens=8)  # one sequence a micro-batch
+    g = RolloutGroup(0, [5, 6], [[1, 2, 3], [4, 7, 8]], [[-1.0, -1.1, -1.2], [-0.5, -0.4, -0.3]], [1.0, 0.0], version=0)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    real, calls = trainer._accumulate, []
+
+    def second_runs_out(batch, normalizer):
+        calls.append(batch.input_ids.shape)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB.")
+        return real(batch, normalizer)
+
+    monkeypatch.setattr(trainer, "_accumulate", second_runs_out)
+    with pytest.raises(TrainerMemoryError) as err:
+        trainer._train_step([g])
+    message = str(err.value)
+    assert message.startswith("train step 1 ran out of cpu memory on a micro-batch of 1 x 5 tokens")
+    assert "--trainer.micro_batch_tokens 8" in message and "--trainer.activation_checkpointing" in message
+    assert message.endswith("torch: CUDA out of memory. Tried to allocate 9.27 GiB.")
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before)) and trainer.steps == 0
+    monkeypatch.setattr(trainer, "_accumulate", real)
+    assert trainer._train_step([g])["micro_batches"] == 2 and trainer.steps == 1
+
+
 # --- writing a directory whole (checkpoints, the final and best policies) -------------------------
 
 

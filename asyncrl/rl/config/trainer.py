@@ -114,8 +114,9 @@ class TrainerConfig:
     normalised by the whole batch's count, so they compute what one process would (docs/trainer.md).
     1: a single trainer process, unsharded."""
     activation_checkpointing: bool = False
-    """With world_size > 1: recompute each decoder layer's activations in the backward pass (less
-    memory for longer sequences, about a third more compute)."""
+    """Recompute each decoder layer's activations in the backward pass: less memory for long
+    micro-batches (what a large ``micro_batch_tokens`` on one GPU needs), about a third more
+    compute."""
     pack_tokens: int = 0
     """Pack several prompt + completion sequences into rows of up to this many tokens, attention
     kept within each (``trainer/packing.py``); at most ``micro_batch_tokens``. 0: one padded

@@ -23,12 +23,13 @@ import torch
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import WeightSender
+from asyncrl.errors import AsyncrlError
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
-from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_logprobs
+from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_entropy, token_logprobs
 from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.runtime.actor import endpoint
@@ -37,6 +38,10 @@ from asyncrl.runtime.actor import endpoint
 ADAPTER_DIR = "adapter"
 """With LoRA, a saved policy (final, best) holds the adapter in peft's format in this subdirectory,
 beside the merged checkpoint."""
+
+
+class TrainerMemoryError(AsyncrlError):
+    """A micro-batch did not fit in the trainer's device memory."""
 
 
 class TrainerActor(RankMember, SyncMember):
@@ -82,13 +87,21 @@ class TrainerActor(RankMember, SyncMember):
         if not lora.rank:
             model, tokenizer, fmt = self._load_policy(checkpoint_dir or self.model_path)
             self._merged = None
-            return model.train(), tokenizer, fmt
+            return self._checkpointed(model).train(), tokenizer, fmt
         from asyncrl.rl.trainer.lora import MergedWeights, lora_policy
 
         base, tokenizer, fmt = self._load_policy(self.model_path)
-        model = lora_policy(base, lora, self.device, checkpoint_dir)
+        model = lora_policy(self._checkpointed(base), lora, self.device, checkpoint_dir)
         self._merged = MergedWeights(model) if lora.sync == "merged" else None
         return model.train(), tokenizer, fmt
+
+    def _checkpointed(self, model):
+        """``--trainer.activation_checkpointing``: each decoder layer recomputes its activations in
+        the backward (transformers' non-reentrant checkpointing, which needs no input that requires
+        grad, so a frozen LoRA base works too). A sharded trainer turns it on as it shards."""
+        if self.config.activation_checkpointing and self.config.world_size == 1:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
@@ -165,11 +178,28 @@ class TrainerActor(RankMember, SyncMember):
         summed (each is already a share of the whole batch's), the others weighted by tokens."""
         sums: dict[str, float] = {}
         for batch in batches:
-            metrics = self._accumulate(batch, normalizer)
+            try:
+                metrics = self._accumulate(batch, normalizer)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(batch, exc) from None
             weight = float(batch.mask.sum()) / max(n_tokens, 1.0)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + (float(v) if k in ("loss", "pg_loss") else float(v) * weight)
         return sums
+
+    def _out_of_memory(self, batch: MicroBatch, exc: torch.OutOfMemoryError) -> TrainerMemoryError:
+        """Drop the step's partial gradients and cached blocks (the actor goes on serving) and say
+        which settings make a micro-batch smaller or cheaper."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows, length = batch.input_ids.shape
+        cfg = self.config
+        return TrainerMemoryError(
+            f"train step {self.steps + 1} ran out of {self.device.type} memory on a micro-batch of {rows} x {length} "
+            f"tokens (--trainer.micro_batch_tokens {cfg.micro_batch_tokens}): lower that, or set "
+            f"--trainer.activation_checkpointing, --trainer.pack_tokens or --trainer.lora.rank (docs/trainer.md). "
+            f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
     def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:
         cfg = self.config
@@ -183,10 +213,7 @@ class TrainerActor(RankMember, SyncMember):
             with torch.no_grad(), autocast:
                 ref_logits = policy_logits(self.ref, batch)
             ref = batch.scored(token_logprobs(ref_logits.float() / self.temperature, batch.input_ids))
-        with torch.no_grad():  # entropy of the policy at the scored positions (a metric only)
-            scored = batch.scored(logits[:, :-1])
-            logp = torch.log_softmax(scored, dim=-1)
-            entropy = -(logp.exp() * logp).sum(-1)
+        entropy = batch.scored(token_entropy(logits[:, :-1]))  # of the policy where it is scored (a metric)
         loss, metrics = grpo_loss(new, batch.behaviour, batch.advantages, batch.mask, cfg.loss,
                                   ref_logprobs=ref, entropy=entropy, normalizer=normalizer)
         loss.backward()

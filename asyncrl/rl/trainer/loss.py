@@ -69,10 +69,11 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: in
     ``out[:, P - 1 : P - 1 + C]``. (Gathering ``logits[:, t]`` at ``input_ids[:, t]`` -- no shift --
     scores each token by a prediction that had already seen it: a silent, plausible-looking bug.)
 
-    Computed by ``log_softmax`` in float32 whatever the logits' dtype. Memory: rows are processed
-    ``chunk_rows`` at a time, so the float32 temporaries are ``[chunk_rows, T, V]``, not
-    ``[B, T, V]``; under autograd, ``log_softmax`` keeps its float32 output for the backward, which
-    adds up to one ``[B, T-1, V]`` float32 copy in all -- never more.
+    Computed in float32 whatever the logits' dtype, as ``logit - logsumexp(logits)`` rather than by
+    indexing a ``log_softmax``: for the backward ``log_softmax`` keeps a ``[B, T-1, V]`` float32
+    output of its own, while ``logsumexp`` keeps its input, the float32 logits its caller holds
+    anyway. With a 150k-token vocabulary each such tensor is 10 GiB per 16k tokens.
+    ``chunk_rows`` bounds the forward's float32 temporaries to ``[chunk_rows, T, V]``.
     """
     if logits.dim() != 3:
         raise LossInputError(f"logits must be [B, T, V], not {list(logits.shape)}")
@@ -92,9 +93,22 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: in
     out = []
     for start in range(0, logits.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
-        lp = torch.log_softmax(logits[rows, :-1].float(), dim=-1)  # ... scored by logits at t
-        out.append(lp.gather(-1, targets[rows]).squeeze(-1))
+        scores = logits[rows, :-1].float()  # ... scored by logits at t
+        out.append((scores.gather(-1, targets[rows]) - torch.logsumexp(scores, dim=-1, keepdim=True)).squeeze(-1))
     return torch.cat(out)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, chunk_tokens: int = 2048) -> torch.Tensor:
+    """``[B, T]`` entropy of each position's distribution (a metric: no gradient), computed
+    ``chunk_tokens`` positions at a time so its float32 temporaries stay ``[chunk_tokens, V]``
+    however long the rows are."""
+    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for row in range(logits.shape[0]):
+        for start in range(0, logits.shape[1], chunk_tokens):
+            logp = torch.log_softmax(logits[row, start:start + chunk_tokens].float(), dim=-1)
+            out[row, start:start + chunk_tokens] = -(logp.exp() * logp).sum(-1)
+    return out
 
 
 def grpo_loss(
