@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
@@ -31,7 +32,19 @@ pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, pol
 pytestmark = pytest.mark.timeout(600)
 
 
+def test_an_fp32_engine_on_a_gpu_is_refused_adapters_before_it_starts():
+    from asyncrl.rl.sampler.vllm.adapter import lora_dtype_refusal
+
+    assert "fp16 or bf16 only" in lora_dtype_refusal("float32", "cuda")
+    assert "fp16 or bf16 only" in lora_dtype_refusal(torch.float32, "cuda")
+    assert lora_dtype_refusal("auto", "cuda") == lora_dtype_refusal("bfloat16", "cuda") == ""
+    assert lora_dtype_refusal("float32", "cpu") == ""  # the CPU build's LoRA path takes fp32
+
+
 async def test_adapters_reach_vllm_bit_for_bit_and_it_samples_as_peft_does(tiny_path, policy, vllm_required):
+    if vllm_required.type == "cuda":
+        pytest.skip("compares vLLM with fp32 peft, and vLLM's GPU LoRA kernels take bf16/fp16 only: the CPU "
+                    "build's test; on a GPU the adapter path ran in a GRPO run (docs/lora.md)")
     from asyncrl.rl.sampler.actor import SamplerActor
     from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
     from asyncrl.rl.trainer.actor import TrainerActor
@@ -48,7 +61,7 @@ async def test_adapters_reach_vllm_bit_for_bit_and_it_samples_as_peft_does(tiny_
             sup.spawn(TrainerActor, tiny_path, TrainerConfig(lr=5e-2, lora=lora), name="trainer",
                       env={"OMP_NUM_THREADS": "1"}),
             sup.spawn(SamplerActor, tiny_path, SamplerConfig(backend="vllm", **config), name="vllm", env=VLLM_ENV,
-                      kwargs=dict(adapter=lora, data=data, device=str(vllm_required),
+                      gpus=int(vllm_required.type == "cuda"), kwargs=dict(adapter=lora, data=data, device=str(vllm_required),
                                   vllm={"engine": engine_options(vllm_required)})),
             sup.spawn(SamplerActor, tiny_path, SamplerConfig(backend="hf", **config), name="hf",
                       env={"OMP_NUM_THREADS": "1"}, kwargs=dict(adapter=lora, data=data)))

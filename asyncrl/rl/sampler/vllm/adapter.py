@@ -37,6 +37,16 @@ def engine_lora_options(lora: LoRAConfig) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": bound, "max_loras": 2}
 
 
+def lora_dtype_refusal(dtype: Any, device_type: str) -> str:
+    """Why an engine of ``dtype`` cannot serve adapters on ``device_type``, or "": on a GPU vLLM's
+    LoRA kernels (Triton) take fp16 and bf16 only, and an fp32 engine dies at its first adapted
+    batch. "auto" is fine: vLLM runs an fp32 checkpoint in bf16 there."""
+    if device_type != "cpu" and str(dtype).removeprefix("torch.") in ("float32", "float"):
+        return ("vLLM serves LoRA adapters on a GPU in fp16 or bf16 only; this engine was asked for float32: "
+                "leave its dtype to vLLM, or sync merged weights (--trainer.lora.sync merged)")
+    return ""
+
+
 def adapter_skeleton(model_path: str, lora: LoRAConfig) -> dict[str, torch.Tensor]:
     """Zeroed fp32 tensors named and shaped as the adapters peft attaches with ``lora`` to the
     checkpoint at ``model_path`` (what `asyncrl.rl.model.lora.adapter_tensors` gives the trainer)."""

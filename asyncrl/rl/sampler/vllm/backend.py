@@ -42,7 +42,7 @@ from asyncrl.rl.sampler.backend import (
     row_seed,
 )
 from asyncrl.rl.sampler.vllm import compat
-from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options
+from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options, lora_dtype_refusal
 from asyncrl.rl.sampler.vllm.janitor import Janitor, shm_names
 from asyncrl.rl.sampler.vllm.sink import EngineSink
 
@@ -144,6 +144,9 @@ class VLLMBackend(PausableBackend):
         args = engine_args(model_path, device=self.device, seed=seed, dtype=dtype, max_model_len=max_model_len,
                            prefix_caching=prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=enforce_eager, engine=engine)
+        refusal = lora_dtype_refusal(args["dtype"], self.device.type) if adapter is not None else ""
+        if refusal:
+            raise SamplerError(refusal)
         # vLLM leaves its ZeroMQ socket files (and, for a multi-process executor, a file store)
         # in the temporary directory, and its shared-memory queues when it is killed: give it a
         # directory of its own, and a janitor that removes both whenever this process ends.
