@@ -4,6 +4,7 @@ model's names, to any sampler backend) against adapter-only (the A and B matrice
     python benchmarks/lora_sync.py --shape tiny --ranks 16,64          # CPU, gloo (this machine)
     python benchmarks/lora_sync.py --shape 0.5b --ranks 16,64          # CPU, gloo, Qwen2-0.5B's shape
     python benchmarks/lora_sync.py --shape 0.5b --ranks 16,64 --device cuda   # two GPUs, NCCL
+    python benchmarks/lora_sync.py --shape 0.5b --ranks 16,64 --device cuda --colocate   # one GPU, CUDA IPC
 
 A real trainer actor (LoRA on every linear module of every layer) and a real HF sampler actor,
 in processes of their own, in one weight-sync group. A "sync" is the trainer's ``send_weights``
@@ -40,7 +41,7 @@ def sync_bytes(path: str, lora) -> int:
     return sum(t.nbytes for t in sync_tensors(model, lora.sync, merged).values())
 
 
-async def measure(path: str, mode: str, rank: int, device: str, iters: int) -> dict:
+async def measure(path: str, mode: str, rank: int, device: str, iters: int, colocate: bool) -> dict:
     from asyncrl.comm.member import form_group
     from asyncrl.rl.config.run import DataConfig
     from asyncrl.rl.config.sampler import SamplerConfig
@@ -51,14 +52,15 @@ async def measure(path: str, mode: str, rank: int, device: str, iters: int) -> d
     lora = LoRAConfig(rank=rank, alpha=2 * rank, sync=mode) if mode != "full" else LoRAConfig()
     env = {"OMP_NUM_THREADS": "1"} if device == "cpu" else {}
     gpus = 1 if device == "cuda" else 0
+    # colocated: the sampler on the trainer's GPU, weights as CUDA IPC handles (how one GPU runs)
+    placement = {"share_devices_with": "trainer"} if colocate else {"gpus": gpus}
     async with Supervisor(call_timeout_s=600) as sup:
-        trainer, sampler = await asyncio.gather(
-            sup.spawn(TrainerActor, path, TrainerConfig(lora=lora), name="trainer", env=env, gpus=gpus,
-                      kwargs={"device": device}),
-            sup.spawn(SamplerActor, path, SamplerConfig(backend="hf"), name="sampler", env=env, gpus=gpus,
-                      kwargs={"device": device, "data": DataConfig(n_train=10, n_heldout=8),
-                              "adapter": lora if mode == "adapter" else None}))
-        await form_group([trainer, sampler], "127.0.0.1", timeout_s=120)
+        trainer = await sup.spawn(TrainerActor, path, TrainerConfig(lora=lora), name="trainer", env=env, gpus=gpus,
+                                  kwargs={"device": device})
+        sampler = await sup.spawn(SamplerActor, path, SamplerConfig(backend="hf"), name="sampler", env=env,
+                                  **placement, kwargs={"device": device, "data": DataConfig(n_train=10, n_heldout=8),
+                                                       "adapter": lora if mode == "adapter" else None})
+        await form_group([trainer, sampler], "127.0.0.1", timeout_s=120, backend="ipc" if colocate else "auto")
         await asyncio.gather(trainer.setup_sender(120), sampler.setup_receiver(120))
         times = []
         for version in range(1, iters + 2):
@@ -75,6 +77,7 @@ def main() -> None:
     parser.add_argument("--shape", default="tiny", choices=["tiny", "0.5b"])
     parser.add_argument("--ranks", default="16,64")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--colocate", action="store_true", help="cuda: both on one GPU, weights over CUDA IPC")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -85,14 +88,15 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-lora-sync-") as path:
         write_model(path, args.shape)
-        rows.append(asyncio.run(measure(path, "full", 0, args.device, args.iters)))
+        rows.append(asyncio.run(measure(path, "full", 0, args.device, args.iters, args.colocate)))
         for rank in [int(r) for r in args.ranks.split(",")]:
             for mode in ("merged", "adapter"):
-                rows.append(asyncio.run(measure(path, mode, rank, args.device, args.iters)))
+                rows.append(asyncio.run(measure(path, mode, rank, args.device, args.iters, args.colocate)))
     if args.json:
         print(json.dumps({"args": vars(args), "rows": rows}))
         return
-    print(f"# {args.shape} on {args.device}, median of {args.iters} syncs (trainer send + sampler receive)")
+    where = f"{args.device}, colocated over CUDA IPC" if args.colocate else args.device
+    print(f"# {args.shape} on {where}, median of {args.iters} syncs (trainer send + sampler receive)")
     print("| sync | rank | bytes | MiB | sync s | bit-exact |")
     print("|---|---|---|---|---|---|")
     for r in rows:

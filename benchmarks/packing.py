@@ -16,13 +16,19 @@ completions. tokens/s counts real tokens (prompt + completion), never padding. T
 
 Models: ``tiny`` is the embedded default (1.02M parameters), ``0.5b`` Qwen2-0.5B's shape (random
 weights, fp32 parameters, bf16 autocast on GPU as the trainer runs). Each configuration runs
-``--warmup`` steps, then ``--steps`` timed ones; the table shows the median.
+``--warmup`` steps, then ``--steps`` timed ones; the table shows the median, and on a GPU the peak
+memory a step allocated (parameters, gradients, AdamW state and activations together).
+
+``--lora-rank R`` trains LoRA adapters instead of every parameter (``--trainer.lora.rank``, alpha
+2R), ``--bf16-base`` keeps the frozen base in bf16: the figures behind docs/lora.md's memory table
+
+    python benchmarks/packing.py --device cuda --shape 0.5b --pack-tokens "" --lora-rank 16 --bf16-base
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 import json
 import random
 import statistics
@@ -42,13 +48,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1, as the trainer actor runs)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every parameter)")
+    parser.add_argument("--bf16-base", action="store_true", help="with --lora-rank: the frozen base in bf16 (GPU)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="--trainer.activation_checkpointing: layers recompute their activations in the backward")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args()
 
     import torch  # after argparse: --help is instant
 
-    from asyncrl.rl.config.trainer import TrainerConfig
+    from asyncrl.rl.config.trainer import LoRAConfig, TrainerConfig
     from asyncrl.rl.trainer.actor import TrainerActor
+
+    lora = LoRAConfig(rank=args.lora_rank, alpha=2 * max(args.lora_rank, 1), bf16_base=args.bf16_base)
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -59,7 +71,10 @@ def main() -> None:
         rows = []
         for pack in [0] + [int(x) for x in args.pack_tokens.split(",") if x]:
             config = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, pack_tokens=pack,
-                                   attn_implementation=args.attn, temperature=1.0)
+                                   attn_implementation=args.attn, temperature=1.0, lora=lora,
+                                   activation_checkpointing=args.activation_checkpointing)
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             trainer = TrainerActor(path, config, device=args.device)
             times, metrics = [], {}
             for i in range(args.warmup + args.steps):
@@ -70,9 +85,11 @@ def main() -> None:
             padded_tokens = padded_size(trainer, batch, config)
             rows.append({"layout": f"packed {pack}" if pack else "padded", "micro_batches": int(metrics["micro_batches"]),
                          "tokens_in_forward": padded_tokens, "real_tokens": real, "step_s": round(seconds, 4),
-                         "tokens_per_s": round(real / seconds, 1), "loss": metrics["loss"]})
+                         "tokens_per_s": round(real / seconds, 1), "loss": metrics["loss"],
+                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None})
             del trainer
             if args.device == "cuda":
+                gc.collect()  # the next row's peak must not include this trainer
                 torch.cuda.empty_cache()
     base = rows[0]["tokens_per_s"]
     for row in rows:
@@ -80,13 +97,16 @@ def main() -> None:
     if args.json:
         print(json.dumps({"args": vars(args), "rows": rows}))
         return
+    trained = f"LoRA rank {lora.rank}{', bf16 base' if lora.bf16_base else ''}" if lora.rank else "every parameter"
+    trained += ", activation checkpointing" if args.activation_checkpointing else ""
     print(f"# {args.shape} on {args.device} ({args.attn}), {args.lengths} lengths, {args.prompts}x{args.group_size} "
-          f"sequences, {real} real tokens per batch, median of {args.steps} steps")
-    print("| layout | micro-batches | tokens in forward (padding incl.) | step s | real tokens/s | vs padded |")
-    print("|---|---|---|---|---|---|")
+          f"sequences, {real} real tokens per batch, median of {args.steps} steps, {trained} trained")
+    print("| layout | micro-batches | tokens in forward (padding incl.) | step s | real tokens/s | vs padded | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         print(f"| {r['layout']} | {r['micro_batches']} | {r['tokens_in_forward']} | {r['step_s']:.4f} | "
-              f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x |")
+              f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {peak} |")
     print("loss of the last step per layout (the same steps from the same weights: equal up to rounding): "
           + ", ".join(f"{r['loss']:.6f}" for r in rows))
 

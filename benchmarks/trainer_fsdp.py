@@ -152,7 +152,7 @@ def main() -> None:
         results = []
         for mode in ("plain", "fsdp"):
             cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--model", model]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+            done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))))
             if done.returncode != 0:
                 sys.exit(f"{mode} failed:\n{done.stderr[-4000:]}")
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
