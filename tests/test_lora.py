@@ -187,3 +187,23 @@ def test_a_tiny_lora_run_of_the_example_syncs_and_exports(tmp_path, sync):
     final = run_dir / "final"
     assert (final / "adapter" / "adapter_config.json").exists()
     assert AutoModelForCausalLM.from_pretrained(str(final), local_files_only=True).config.hidden_size == 32
+
+
+def test_a_lora_run_of_the_example_raises_the_reward(tmp_path):
+    """The example with LoRA adapters (adapter-only sync into the HF sampler) on a task GRPO can
+    learn in a few steps on the tiny model: the reward rises, as it does with full fine-tuning
+    (test_user_task.py)."""
+    import json
+
+    from test_user_task import HERE, launch
+
+    run_dir = tmp_path / "run"
+    done = launch(tmp_path, "--task.name", f"{HERE}:YesNo", "--run.steps", "12", "--run.groups_per_step", "8",
+                  "--sampler.group_size", "8", "--trainer.lora.rank", "4", "--trainer.lora.sync", "adapter",
+                  "--trainer.lr", "5e-3", "--warm_start.steps", "80", "--warm_start.lr", "1e-2",
+                  "--warm_start.warmup_steps", "5", "--warm_start.batch_size", "32",
+                  "--run.eval_every", "12", "--run.run_dir", str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # measured: 0.64 over the first three steps, 0.81 over the last three; 1e-2 collapses (full FT too)
+    assert len(rewards) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
