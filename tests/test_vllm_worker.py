@@ -317,7 +317,8 @@ def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
     those two are silenced, a layer that really was not loaded still warns."""
     import logging
 
-    from asyncrl.rl.sampler.vllm.worker import RELOAD_LOGGER, RELOAD_WARNING, _quiet_reload_warnings
+    from asyncrl.rl.sampler.vllm.compat import RELOAD_TIMING_LOGGER
+    from asyncrl.rl.sampler.vllm.worker import RELOAD_LOGGER, RELOAD_TIMING, RELOAD_WARNING, _quiet_reload_warnings
 
     class RotaryEmbedding(torch.nn.Module):
         def __init__(self):
@@ -344,9 +345,10 @@ def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
         def emit(self, record):
             records.append(record.getMessage())
 
-    logger = logging.getLogger(RELOAD_LOGGER)
-    handler, filters = Keep(), list(logger.filters)
+    logger, timing = logging.getLogger(RELOAD_LOGGER), logging.getLogger(RELOAD_TIMING_LOGGER)
+    handler, filters, timing_filters = Keep(), list(logger.filters), list(timing.filters)
     logger.addHandler(handler)
+    timing.addHandler(handler)
     try:
         _quiet_reload_warnings(Model(), {"embed_tokens.weight"})
         for layer in ("RotaryEmbedding", "Linear", "Norm", "Embedding"):
@@ -358,9 +360,16 @@ def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
         logger.warning(RELOAD_WARNING, "Linear")
         logger.warning(RELOAD_WARNING, "RotaryEmbedding")
         assert records == ["Linear: Failed to load weights"]
+
+        records.clear()  # the per-sync timing line goes too; the module's other lines stay
+        timing.warning(RELOAD_TIMING, 0.02)
+        timing.warning("Reloading with `is_checkpoint_format=True` requires ...")
+        assert records == ["Reloading with `is_checkpoint_format=True` requires ..."]
     finally:
         logger.removeHandler(handler)
-        logger.filters[:] = filters  # this process hosts no engine: leave its logger as it was
+        timing.removeHandler(handler)
+        logger.filters[:] = filters  # this process hosts no engine: leave its loggers as they were
+        timing.filters[:] = timing_filters
 
 
 def test_the_workers_data_plane_errors_come_back_under_their_own_type():

