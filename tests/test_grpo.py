@@ -74,6 +74,7 @@ def test_help_lists_every_key_and_a_bad_key_is_a_clear_error(tmp_path):
     assert done.returncode == 0
     assert "--trainer.lr 0.0001" in done.stdout and "AdamW learning rate" in done.stdout
     assert "--run.max_staleness 1" in done.stdout and "--trainer.loss.eps_high 0.28" in done.stdout
+    assert "--sampler.temperature 0.7" in done.stdout  # the example's own default (DEFAULTS), not the config's 1.0
     done = launch(tmp_path, "--trainer.lrr", "1")
     assert done.returncode != 0 and "unknown config key --trainer.lrr" in done.stderr
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from asyncrl import Supervisor
@@ -28,12 +29,15 @@ OPTIONS = [
 """The flags a GRPO script takes besides its config keys."""
 
 
-async def grpo_main(argv: list[str] | None = None, doc: str = "", default_task: str = DEFAULT_TASK) -> int:
+async def grpo_main(argv: list[str] | None = None, doc: str = "", default_task: str = DEFAULT_TASK,
+                    defaults: Sequence[str] = ()) -> int:
     """Run GRPO as the command line ``argv`` (default: ``sys.argv[1:]``) says; returns the exit
     status: 0 done, 1 the run could not go on (one line on stderr says why and how to resume).
     ``doc``: the script's description for ``--help``. ``default_task``: the task when the command
     line names none (a built-in name, FILE.py:CLASS or MODULE:CLASS, as ``--task.name`` takes; a
     relative FILE.py is in the script's directory, so a copied script finds the task beside it).
+    ``defaults``: flags that set this script's own defaults (``["--run.steps", "800"]``): ``--help``
+    shows them, the command line overrides them.
 
     Every mistake in a flag, a path or the task is a `ConfigError` raised before anything is
     spawned or written: ``asyncrl launch`` prints its one line and exits with status 2."""
@@ -43,12 +47,12 @@ async def grpo_main(argv: list[str] | None = None, doc: str = "", default_task: 
     if is_file and not os.path.isabs(os.path.expanduser(target)) and sys.argv and sys.argv[0]:
         default_task = f"{os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), target)}:{attr}"
     if "--help" in argv or "-h" in argv:
-        default = default_config(argv, _flag_value(argv, "--resume"), default_task)
+        default = parse_overrides(default_config(argv, _flag_value(argv, "--resume"), default_task), list(defaults))
         usage = f"usage: asyncrl launch [LAUNCH FLAGS] {script} [--resume RUN_DIR] [--section.key VALUE ...]"
         print("\n\n".join(part for part in (usage, doc.strip(), help_text(default, OPTIONS)) if part))
         return 0
     resume, argv = take_option(argv, "--resume", "RUN_DIR")
-    default = default_config(argv, resume, default_task)
+    default = parse_overrides(default_config(argv, resume, default_task), list(defaults))
     if not resume:  # the flags are parsed before the driver (torch and all) is imported: a typo answers at once
         config = parse_overrides(default, argv)
     from asyncrl.rl.driver import RunStoppedError, check_run, resumed_config, train
