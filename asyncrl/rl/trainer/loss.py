@@ -104,10 +104,12 @@ def token_entropy(logits: torch.Tensor, chunk_tokens: int = 2048) -> torch.Tenso
     ``chunk_tokens`` positions at a time so its float32 temporaries stay ``[chunk_tokens, V]``
     however long the rows are."""
     out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
-    for row in range(logits.shape[0]):
+    rows_per_chunk = max(1, chunk_tokens // max(logits.shape[1], 1))  # short rows: several per chunk
+    for row in range(0, logits.shape[0], rows_per_chunk):
         for start in range(0, logits.shape[1], chunk_tokens):
-            logp = torch.log_softmax(logits[row, start:start + chunk_tokens].float(), dim=-1)
-            out[row, start:start + chunk_tokens] = -(logp.exp() * logp).sum(-1)
+            block = (slice(row, row + rows_per_chunk), slice(start, start + chunk_tokens))
+            logp = torch.log_softmax(logits[block].float(), dim=-1)
+            out[block] = -(logp.exp() * logp).sum(-1)
     return out
 
 
