@@ -35,13 +35,17 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode):
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         for key in ("reward_mean", "train_solve_rate", "staleness_hist", "dropped_stale", "loss", "grad_norm",
-                    "wait_s", "train_s", "sync_s", "samples_per_s", "queue_depth", "entropy"):
+                    "wait_s", "train_s", "sync_s", "samples_per_s", "queue_depth", "entropy", "lr", "uniform_skipped"):
             assert key in r, key
         if mode == "sync":
             assert r["staleness_hist"] == {"0": 2}
     assert "heldout_solve_rate" in records[1] and "heldout_sampled_solve_rate" in records[2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mode"] == mode and summary["steps"] == 3
+    # Groups of 2 from a barely trained model: many score the same and are left out, each counted
+    # once (async samplers may leave out more after the last step's record).
+    skipped = sum(r["uniform_skipped"] for r in records)
+    assert 0 < skipped <= summary["uniform_skipped"] and (mode == "async" or skipped == summary["uniform_skipped"])
     assert set(summary["heldout_before"]) == set(summary["heldout_after"]) == {"greedy", "sampled"}
     assert json.loads((run_dir / "config.json").read_text())["run"]["mode"] == mode
 

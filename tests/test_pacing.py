@@ -102,3 +102,23 @@ def test_a_sync_interval_no_group_could_survive_is_refused():
     with pytest.raises(ValueError, match="sync_every 3 needs max_staleness >= 2 in async mode"):
         RunConfig(sync_every=3, max_staleness=1)
     RunConfig(sync_every=2, max_staleness=1)
+
+
+def scored(*rewards: float) -> RolloutGroup:
+    n = len(rewards)
+    return RolloutGroup(prompt_id=0, prompt_ids=[1], completion_ids=[[2]] * n, behaviour_logprobs=[[-0.5]] * n,
+                        rewards=list(rewards), version=0, sampler="s")
+
+
+def test_uniform_groups_are_left_out_up_to_a_batch_s_worth_between_batches():
+    from asyncrl.rl.driver.uniform import UniformGroups
+
+    uniform = UniformGroups(per_batch=2)
+    assert not uniform.leave_out(scored(0.0, 1.0)) and not uniform.leave_out(scored(0.1, 0.0))  # a signal: trained
+    assert uniform.leave_out(scored(0.0, 0.0)) and uniform.leave_out(scored(1.0, 1.0))
+    assert not uniform.leave_out(scored(0.0, 0.0))  # the budget is spent: a task without signal still trains
+    assert [g.rewards for g in uniform.take()] == [[0.0, 0.0], [1.0, 1.0]] and uniform.take() == []
+    uniform.batch_taken()
+    assert uniform.leave_out(scored(0.1, 0.1, 0.1)) and uniform.total == 3
+    off = UniformGroups(per_batch=0)  # --run.skip_uniform_groups false
+    assert not off.leave_out(scored(0.0, 0.0)) and off.total == 0

@@ -259,3 +259,50 @@ def test_a_failed_save_is_one_line_and_keeps_the_old_policy(trainer, tmp_path, m
         asyncio.run(trainer.save(str(out), {"best.json": "new"}))
     assert str(info.value) == f"cannot write the policy to {out}: No space left on device"
     assert os.listdir(tmp_path) == ["final", "start"] and (out / "best.json").read_text() == "old"
+
+
+def test_the_learning_rate_warms_up_then_decays_along_its_schedule_to_the_floor():
+    from asyncrl.rl.config.trainer import TrainerConfig
+    from asyncrl.rl.trainer.schedule import learning_rate
+
+    flat = TrainerConfig(lr=1e-3, lr_warmup_steps=4, lr_decay_steps=100)
+    assert [learning_rate(flat, s) for s in (0, 1, 3, 4, 99, 500)] == pytest.approx([2.5e-4, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3])
+    cosine = TrainerConfig(lr=1e-3, lr_schedule="cosine", lr_decay_steps=100, lr_min_ratio=0.1)
+    assert learning_rate(cosine, 0) == pytest.approx(1e-3)
+    assert learning_rate(cosine, 50) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))  # half way down the half cosine
+    assert learning_rate(cosine, 100) == learning_rate(cosine, 400) == pytest.approx(1e-4)  # the floor, and it stays
+    rates = [learning_rate(cosine, s) for s in range(101)]
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+    linear = TrainerConfig(lr=1e-3, lr_schedule="linear", lr_warmup_steps=10, lr_decay_steps=110, lr_min_ratio=0.0)
+    assert learning_rate(linear, 9) == pytest.approx(1e-3) and learning_rate(linear, 60) == pytest.approx(5e-4)
+    assert learning_rate(linear, 110) == 0.0
+    for bad, match in [({"lr_schedule": "step"}, "lr_schedule must be one of constant, cosine, linear"),
+                       ({"lr_min_ratio": 1.5}, "lr_min_ratio must be in"), ({"lr_warmup_steps": -1}, "lr_warmup_steps")]:
+        with pytest.raises(ValueError, match=match):
+            TrainerConfig(**bad)
+
+
+def test_a_decaying_schedule_ends_at_the_run_s_last_step_unless_it_names_its_own():
+    from asyncrl.rl.config import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+
+    run = parse_overrides(GRPOConfig(), ["--run.steps", "321", "--trainer.lr_schedule", "cosine"])
+    assert run.trainer.lr_decay_steps == 0 and run.trainer_config().lr_decay_steps == 321
+    own = parse_overrides(GRPOConfig(), ["--run.steps", "321", "--trainer.lr_decay_steps", "200"])
+    assert own.trainer_config().lr_decay_steps == 200
+
+
+def test_each_optimiser_step_takes_the_scheduled_rate_and_reports_it(trainer):
+    import dataclasses
+
+    trainer.config = dataclasses.replace(trainer.config, lr=1e-2, lr_schedule="linear", lr_decay_steps=3,
+                                         lr_min_ratio=0.0)
+    rates = []
+    for _ in range(4):
+        metrics = trainer._train_step(GROUPS)
+        rates.append(metrics["lr"])
+        assert trainer.optimizer.param_groups[0]["lr"] == metrics["lr"]
+    assert rates == pytest.approx([1e-2, 1e-2 * 2 / 3, 1e-2 / 3, 0.0])
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer._train_step(GROUPS)  # at the floor of 0 nothing moves (AdamW's decay is 0 here too)
+    assert all(torch.equal(a, b) for a, b in zip(weights, trainer.model.parameters()))

@@ -98,6 +98,8 @@ class RunState(msgspec.Struct):
     samples: int = 0
     tokens: int = 0
     dropped_stale: int = 0
+    uniform_skipped: int = 0
+    """Groups left out for having one reward for every completion (``run.skip_uniform_groups``)."""
     train_s: float = 0.0
     """Wall seconds of training up to this checkpoint, over every resumed segment."""
     heldout_before: dict[str, float] = {}

@@ -75,8 +75,10 @@ class GRPOConfig:
                         max_failure_rate=task.max_failure_rate, max_turns=task.max_turns)
 
     def trainer_config(self) -> TrainerConfig:
-        """The trainer's section with the samplers' temperature: the one the actor is given."""
-        return dataclasses.replace(self.trainer, temperature=self.sampler.temperature)
+        """The trainer's section with the samplers' temperature, and the run's length as the end of
+        a decaying learning rate unless it names its own: the one the actor is given."""
+        return dataclasses.replace(self.trainer, temperature=self.sampler.temperature,
+                                   lr_decay_steps=self.trainer.lr_decay_steps or self.run.steps)
 
 
 _TYPES: dict[type, type] = {}

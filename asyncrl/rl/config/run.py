@@ -117,6 +117,11 @@ class RunConfig:
     """Async mode: train on groups at most this many weight versions old; older ones are dropped."""
     queue_capacity: int = 0
     """Rollout queue bound in groups (0: two batches). Samplers wait when it is full."""
+    skip_uniform_groups: bool = True
+    """Leave out a group whose completions all scored the same (its advantages are all zero, so it
+    moves the policy by nothing but the KL term) and let the samplers make another in its place
+    (DAPO's dynamic sampling); at most groups_per_step are left out per batch, so a task that gives
+    no signal still trains. Counted as uniform_skipped."""
     sync_every: int = 1
     """Send the weights to the samplers after every this many steps."""
     eval_every: int = 100

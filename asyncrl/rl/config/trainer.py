@@ -41,6 +41,7 @@ class GRPOLossConfig:
 
 
 LORA_SYNC_MODES = ("merged", "adapter")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +85,15 @@ class TrainerConfig:
     lr: float = 1e-4
     """AdamW learning rate (the default suits the small embedded model; use ~1e-6 for real LLMs;
     on the embedded model 1e-3 collapsed the policy within 25 steps)."""
+    lr_schedule: str = "constant"
+    """'constant', 'cosine' or 'linear': after the warm-up, keep ``lr``, or decay it to
+    ``lr * lr_min_ratio`` by step ``lr_decay_steps`` along half a cosine or a line."""
+    lr_warmup_steps: int = 0
+    """Steps of a linear warm-up from ``lr / lr_warmup_steps`` to ``lr`` (0: none)."""
+    lr_decay_steps: int = 0
+    """The step at which a decaying schedule reaches its floor (0: the run's last, ``--run.steps``)."""
+    lr_min_ratio: float = 0.1
+    """A decaying schedule's floor, as a share of ``lr``."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
@@ -130,6 +140,13 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, not {self.lr!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, not {self.lr_schedule!r}")
+        for name in ("lr_warmup_steps", "lr_decay_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise ValueError(f"lr_min_ratio must be in [0, 1], not {self.lr_min_ratio!r}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, not {self.micro_batch_tokens!r}")
         if self.temperature is not None and not self.temperature > 0:

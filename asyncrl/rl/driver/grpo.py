@@ -126,6 +126,9 @@ class GRPODriver:
     def dropped_stale(self) -> int:
         return self.state.dropped_stale + self.queue.stats().dropped_stale
 
+    def uniform_skipped(self) -> int:
+        return self.state.uniform_skipped + self.pool.uniform.total
+
     def fault_counts(self) -> dict[str, int]:
         carried = self.state.faults
         return {k: carried.get(k, 0) + v for k, v in self.pool.counters.items()}
@@ -135,7 +138,7 @@ class GRPODriver:
         step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
         return {"phase": self.phase, "step": self.step_done, "steps": self.run.steps, "version": self.version,
                 "samples": self.samples, "queue_depth": len(self.queue), "dropped_stale": self.dropped_stale(),
-                "heldout_before": self.heldout_before,
+                "uniform_skipped": self.uniform_skipped(), "heldout_before": self.heldout_before,
                 "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
                 "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
                 **self.pool.progress(), **self.fault_counts(), **(self.pacer.stats() if self.pacer else {}),
@@ -217,6 +220,7 @@ class GRPODriver:
                    "heldout_after": self.heldout_last, "heldout_problems": self.n_heldout, "wall_s": wall,
                    "samples": self.samples, "samples_per_s": self.samples / max(wall, 1e-9),
                    "tokens_per_s": self.tokens / max(wall, 1e-9), "dropped_stale": self.dropped_stale(),
+                   "uniform_skipped": self.uniform_skipped(),
                    "checkpoint": final_dir, "final": final_dir,
                    "best": ({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
                    "initial_policy": self.model_path, "metrics": metrics_path, "log": self.log_path,
@@ -270,10 +274,13 @@ class GRPODriver:
             sync_s = await self.pool.sync(self.version)
             if run.check_weights:
                 digests = await self.pool.verify_weights()
-        rewards = [r for g in batch for r in g.rewards]
-        correct = [c for g in batch for c in (g.correct or [r >= self.correct_reward for r in g.rewards])]
+        # Rates over everything sampled for the step, the groups left out as uniform included: the
+        # batch holds only groups with a signal, which would bias them towards 50%.
+        skipped = self.pool.uniform.take()
+        rewards = [r for g in batch + skipped for r in g.rewards]
+        correct = [c for g in batch + skipped for c in (g.correct or [r >= self.correct_reward for r in g.rewards])]
         staleness = [self.version - 1 - g.version for g in batch]
-        self.samples += len(rewards)
+        self.samples += sum(len(g.rewards) for g in batch)
         tokens = sum(len(c) for g in batch for c in g.completion_ids)
         self.tokens += tokens
         elapsed = self.elapsed_s()
@@ -281,7 +288,8 @@ class GRPODriver:
                 "train_solve_rate": sum(correct) / len(correct),
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
-                "dropped_stale": self.dropped_stale(), "queue_depth": len(self.queue),
+                "dropped_stale": self.dropped_stale(), "uniform_skipped": len(skipped),
+                "queue_depth": len(self.queue),
                 **({"paced_wait_s": self.pacer.waited_s} if self.pacer else {}),
                 "completion_tokens": tokens,
                 "samples_per_s": self.samples / max(elapsed, 1e-9),
@@ -298,7 +306,8 @@ class GRPODriver:
     async def checkpoint(self, step: int) -> None:
         run = self.run
         state = RunState(step=step, version=self.version, samples=self.samples, tokens=self.tokens,
-                         dropped_stale=self.dropped_stale(), train_s=self.elapsed_s(),
+                         dropped_stale=self.dropped_stale(), uniform_skipped=self.uniform_skipped(),
+                         train_s=self.elapsed_s(),
                          heldout_before=self.heldout_before, heldout_last=self.heldout_last,
                          samplers=await self.pool.data_states(), faults=self.fault_counts(), segment=self.segment)
         t = run.deadlines.checkpoint_timeout_s

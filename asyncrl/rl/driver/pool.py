@@ -50,6 +50,7 @@ from asyncrl.rl.driver.membership import Member, MemberState, Membership
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.sync_group import SyncGroup
+from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.runtime.timeouts import timeout
 
@@ -74,6 +75,7 @@ class SamplerPool:
         self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
         self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, host=host, backend=backend, log=log)
         self.async_mode = run.mode == "async"
+        self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups else 0)
 
     @property
     def members(self) -> list[Member]:
@@ -135,6 +137,7 @@ class SamplerPool:
                     raise self._stalled(n, version) from None
                 if self.pacer is not None:
                     self.pacer.batch_taken(version)
+                self.uniform.batch_taken()
                 return batch
 
     async def generate(self, n: int, version: int) -> None:
@@ -262,7 +265,9 @@ class SamplerPool:
             m.pump_failures = 0
             group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{m.seq}")
             try:
-                if await self.queue.put(group, timeout_s=put_s) and accepted is not None:
+                if self.uniform.leave_out(group):
+                    pass  # no learning signal: the sampler makes another in its place
+                elif await self.queue.put(group, timeout_s=put_s) and accepted is not None:
                     accepted[0] += 1
             finally:
                 if credit is not None:

@@ -20,6 +20,7 @@ def summary_text(summary: dict[str, Any]) -> str:
     rows[0:0] = [("held-out problems", str(summary["heldout_problems"]))] if rows else []
     faults = summary["faults"]
     rows += [("samples/s", f"{summary['samples_per_s']:.1f}"), ("dropped stale groups", str(summary["dropped_stale"])),
+             ("groups left out (one reward)", str(summary.get("uniform_skipped", 0))),
              ("sampler losses / rejoins", f"{faults.get('sampler_losses', 0)} / {faults.get('sampler_rejoins', 0)}"),
              ("final policy", shown_path(summary["final"]))]
     best = summary["best"]

@@ -32,6 +32,7 @@ from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_entropy, token_logprobs
 from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
 from asyncrl.rl.trainer.rank_member import RankMember
+from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.runtime.actor import endpoint
 
 
@@ -165,11 +166,13 @@ class TrainerActor(RankMember, SyncMember):
         sums = self._accumulate_all(batches, normalizer, n_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        lr = learning_rate(cfg, self.steps)
+        set_learning_rate(self.optimizer, lr)
         self.optimizer.step()
         self.steps += 1
         sums.pop("tokens", None)
         sums.pop("ratio_max", None)
-        sums.update(grad_norm=float(grad_norm), tokens=n_tokens, sequences=n_seqs, micro_batches=len(batches),
+        sums.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=len(batches),
                     train_s=time.perf_counter() - start)
         return sums
 

@@ -26,6 +26,7 @@ from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.group import RankGroup
 from asyncrl.rl.trainer.loss import group_advantages
+from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.rl.trainer.split import batch_counts, rank_share
 from asyncrl.runtime.actor import Actor, endpoint
 
@@ -159,6 +160,8 @@ class RankMember(Actor):
         sums = self._accumulate_all(batches, normalizer, n_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        lr = learning_rate(cfg, self.steps)
+        set_learning_rate(self.optimizer, lr)
         self.optimizer.step()
         self.steps += 1
         sums.pop("tokens", None)
@@ -167,7 +170,7 @@ class RankMember(Actor):
         total = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)  # every rank's share of each (globally normalised) sum
         out = dict(zip(keys, total.tolist()))
-        out.update(grad_norm=float(grad_norm), tokens=n_tokens, sequences=n_seqs, micro_batches=int(count),
+        out.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=int(count),
                    train_s=time.perf_counter() - start)
         return out
 

@@ -1,9 +1,10 @@
 """curves.png: the learning curves of one run, or of several side by side (one colour each).
 
 Six panels, drawn from metrics.jsonl: the reward; the train and held-out solve rates (greedy and
-sampled, from the rates before GRPO on); staleness and the share of groups dropped as stale; tokens/s;
-where each step's time went (waiting for rollouts, training, the weight sync); and the held-out
-solve rates against wall-clock minutes (what a change of pacing or schedule buys per minute).
+sampled, from the rates before GRPO on); staleness and the shares of groups dropped as stale and
+left out for one reward; tokens/s; where each step's time went (waiting for rollouts, training,
+the weight sync); and the held-out solve rates against wall-clock minutes (what a change of pacing
+or schedule buys per minute).
 matplotlib is imported only here and only when a picture is drawn, through its object API and
 the Agg canvas (no pyplot state), so a driver can draw from a thread.
 """
@@ -46,7 +47,7 @@ def draw_curves(run_dirs: list[str], out_path: str) -> str:
     colours = [f"C{i % 10}" for i in range(len(runs))]
     for (label, records, before), colour in zip(runs, colours):
         _draw_run(axes, label, _thin(records), before, colour)
-    titles = ["reward (mean per step, and rolling)", "solve rate", "staleness and dropped groups",
+    titles = ["reward (mean per step, and rolling)", "solve rate", "staleness, dropped and left-out groups",
               "throughput", "seconds per step (rolling)", "held-out solve rate per wall-clock minute"]
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10)
@@ -84,11 +85,15 @@ def _draw_run(axes: Any, label: str, records: list[dict[str, Any]], before: dict
     ax = axes[2]
     steps, stale = series(records, "staleness_mean")
     ax.plot(steps, rolling_mean(stale, window), color=c, label=f"{tag}staleness (rolling)")
-    trained, shares = 0, []
+    trained, left_out, shares, left_shares = 0, 0, [], []
     for r in records:  # dropped so far / trained so far: the share of sampling thrown away
         trained += len(r.get("group_ids", ())) or 1
+        left_out += r.get("uniform_skipped", 0)
         shares.append(r.get("dropped_stale", 0) / trained)
+        left_shares.append(left_out / trained)
     ax.plot([r["step"] for r in records], shares, "--", color=c, label=f"{tag}dropped / trained groups")
+    if left_out:  # uniform groups left out for want of a signal (not wasted, but sampled for nothing)
+        ax.plot([r["step"] for r in records], left_shares, ":", color=c, label=f"{tag}left out (one reward) / trained")
 
     steps, tokens = series(records, "tokens_per_s")
     axes[3].plot(steps, tokens, color=c, label=f"{tag}completion tokens/s")
