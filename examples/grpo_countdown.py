@@ -32,9 +32,11 @@ import sys
 from asyncrl.rl.launch import grpo_main
 
 
-# Sampling at 0.7 rather than 1: on the embedded model the held-out greedy solve rate rose about
-# twice as far in the same steps (benchmarks/README.md, "Learning: temperature").
-DEFAULTS = ["--sampler.temperature", "0.7"]
+# Measured on the embedded model (benchmarks/README.md, "Learning"): sampling at 0.7 rather than 1
+# about doubled the held-out greedy gain of 500 steps (+3.4 -> +7.3 points, three seeds), and a
+# learning rate decaying along a cosine to a tenth by the last step, with the uniform groups left
+# out (the config's default), took it to +11.1.
+DEFAULTS = ["--sampler.temperature", "0.7", "--trainer.lr_schedule", "cosine"]
 
 
 async def main() -> int:
