@@ -51,24 +51,35 @@ def main() -> None:
     for seed, proc in procs.items():
         if proc.returncode != 0:
             sys.exit(f"seed {seed} failed (exit {proc.returncode}); see {out}/seed{seed}.log")
+    report(out, args.seeds, walls)
 
+
+def report(out: str, seeds: list[int], walls: dict[int, float]) -> None:
+    """The table of the runs in ``out``: per seed and as a mean."""
     rows = []
-    for seed in args.seeds:
+    for seed in seeds:
         with open(os.path.join(out, f"seed{seed}", "summary.json")) as f:
             summary = json.load(f)
         before, after = summary["heldout_before"], summary["heldout_after"]
+        with open(os.path.join(out, f"seed{seed}", "config.json")) as f:
+            trained = summary["steps"] * json.load(f)["run"]["groups_per_step"]
         rows.append((seed, before["greedy"], after["greedy"], before.get("sampled", float("nan")),
-                     after.get("sampled", float("nan")), walls[seed]))
+                     after.get("sampled", float("nan")), walls[seed], summary["dropped_stale"] / trained,
+                     summary.get("uniform_skipped", 0) / trained))
     print(f"\nruns in {out}\n")
-    print("| seed | greedy before | greedy after | gain | sampled before | sampled after | gain | wall |")
-    print("|---|---|---|---|---|---|---|---|")
-    for seed, gb, ga, sb, sa, wall in rows:
+    print("| seed | greedy before | greedy after | gain | sampled before | sampled after | gain | wall | dropped "
+          "| left out |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for seed, gb, ga, sb, sa, wall, dropped, left in rows:
         print(f"| {seed} | {gb:.3f} | {ga:.3f} | {100 * (ga - gb):+.1f} | {sb:.3f} | {sa:.3f} | "
-              f"{100 * (sa - sb):+.1f} | {wall:.0f} s |")
+              f"{100 * (sa - sb):+.1f} | {wall:.0f} s | {100 * dropped:.1f}% | {100 * left:.0f}% |")
     mean = lambda i: statistics.mean(r[i] for r in rows)  # noqa: E731
     print(f"| mean | {mean(1):.3f} | {mean(2):.3f} | {100 * (mean(2) - mean(1)):+.1f} | {mean(3):.3f} | "
-          f"{mean(4):.3f} | {100 * (mean(4) - mean(3)):+.1f} | {mean(5):.0f} s |")
-    print("(gains in points; sampled: completions drawn at the training temperature, as GRPO samples them)")
+          f"{mean(4):.3f} | {100 * (mean(4) - mean(3)):+.1f} | {mean(5):.0f} s | {100 * mean(6):.1f}% | "
+          f"{100 * mean(7):.0f}% |")
+    print("(gains in points; sampled: completions drawn at the training temperature, as GRPO samples them; "
+          "dropped: groups dropped as stale, left out: groups with one reward for every completion, both "
+          "as a share of the groups trained)")
 
 
 if __name__ == "__main__":
