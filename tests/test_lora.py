@@ -207,3 +207,30 @@ def test_a_lora_run_of_the_example_raises_the_reward(tmp_path):
     rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # measured: 0.64 over the first three steps, 0.81 over the last three; 1e-2 collapses (full FT too)
     assert len(rewards) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+
+
+def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off_not_a_copy(embedded_path):
+    from asyncrl.rl.config.trainer import GRPOLossConfig
+    from asyncrl.rl.model.policy import load_policy
+    from asyncrl.rl.trainer.actor import TrainerActor
+    from asyncrl.rl.trainer.batching import micro_batches
+    from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
+    from asyncrl.rl.trainer.packing import policy_logits
+
+    torch.set_num_threads(1)
+    t = TrainerActor(embedded_path, TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4), loss=GRPOLossConfig(kl_coef=0.1)))
+    assert t.ref is None  # no second copy of the model
+    groups = random_groups(seed=2, multi_turn=False)
+    assert t._train_step(groups)["kl"] == pytest.approx(0.0, abs=1e-9)  # fresh adapters: the policy is the base
+    t._train_step(groups)
+    batch = micro_batches(groups, group_advantages([list(g.rewards) for g in groups], False), 1 << 20, t.device)[0]
+    with torch.no_grad():
+        with t._reference() as reference:
+            ref = token_logprobs(policy_logits(reference, batch), batch.input_ids)
+        policy = token_logprobs(policy_logits(t.model, batch), batch.input_ids)  # the adapters are back on
+    base = load_policy(embedded_path)[0].eval()
+    with torch.no_grad():
+        expected = token_logprobs(policy_logits(base, batch), batch.input_ids)
+    assert torch.allclose(ref, expected, atol=1e-5)
+    assert (policy - expected).abs().max() > 1e-3  # the trained adapters move the policy away from it
+    assert t._train_step(groups)["kl"] > 0

@@ -12,6 +12,7 @@ batch whatever the cut. Checkpoints are written and loaded by ``trainer/checkpoi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -65,8 +66,10 @@ class TrainerActor(RankMember, SyncMember):
             torch.cuda.set_device(self.device)
         self.model_path = model_path
         self.model, self.tokenizer, self.fmt = self._policy()
+        # The KL term's reference: the starting policy. With LoRA that is the frozen base already
+        # in memory (the adapters switched off, `_reference`), so no copy is loaded.
         self.ref = None
-        if self.config.loss.kl_coef > 0:
+        if self.config.loss.kl_coef > 0 and not self.config.lora.rank:
             self.ref, _, _ = self._load_policy(model_path)
             self.ref.eval().requires_grad_(False)
         self.optimizer = self._new_optimizer()
@@ -212,15 +215,25 @@ class TrainerActor(RankMember, SyncMember):
         logits = logits.float() / self.temperature
         new = batch.scored(token_logprobs(logits, batch.input_ids))
         ref = None
-        if self.ref is not None:
-            with torch.no_grad(), autocast:
-                ref_logits = policy_logits(self.ref, batch)
+        if cfg.loss.kl_coef > 0:
+            with torch.no_grad(), autocast, self._reference() as reference:
+                ref_logits = policy_logits(reference, batch)
             ref = batch.scored(token_logprobs(ref_logits.float() / self.temperature, batch.input_ids))
         entropy = batch.scored(token_entropy(logits[:, :-1]))  # of the policy where it is scored (a metric)
         loss, metrics = grpo_loss(new, batch.behaviour, batch.advantages, batch.mask, cfg.loss,
                                   ref_logprobs=ref, entropy=entropy, normalizer=normalizer)
         loss.backward()
         return metrics
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The KL reference to score with: the loaded copy, or with LoRA the policy itself with its
+        adapters disabled for the duration (peft's ``disable_adapter``: the frozen base)."""
+        if self.ref is not None:
+            yield self.ref
+        else:
+            with self.model.disable_adapter():
+                yield self.model
 
     @endpoint
     async def evaluate(self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64,
