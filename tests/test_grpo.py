@@ -43,9 +43,12 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mode"] == mode and summary["steps"] == 3
     # Groups of 2 from a barely trained model: many score the same and are left out, each counted
-    # once (async samplers may leave out more after the last step's record).
+    # once (async samplers may leave out more after the last step's record). A sync run is
+    # repeatable, and its left-out groups are a fixed, non-zero count.
     skipped = sum(r["uniform_skipped"] for r in records)
-    assert 0 < skipped <= summary["uniform_skipped"] and (mode == "async" or skipped == summary["uniform_skipped"])
+    assert skipped <= summary["uniform_skipped"]
+    if mode == "sync":
+        assert 0 < skipped == summary["uniform_skipped"]
     assert set(summary["heldout_before"]) == set(summary["heldout_after"]) == {"greedy", "sampled"}
     assert json.loads((run_dir / "config.json").read_text())["run"]["mode"] == mode
 
