@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Union
 
 import msgspec
 import torch
 
-from asyncrl.comm.communicator import Communicator, ReduceOp, Work
+from asyncrl.comm.communicator import Communicator
 from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
-from asyncrl.comm.layout import Segment, TensorSpec, WeightLayout, build_layout, dtype_name, spec_of
+from asyncrl.comm.layout import TensorSpec, WeightLayout, build_layout, dtype_name, spec_of
 from asyncrl.comm.rendezvous import StoreGroup
+from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
 
 DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 256 MiB, ~233 at 16 MiB
 DEFAULT_CPU_BUCKET_BYTES = 32 << 20  # gloo gains nothing past a few MiB; keep the staging small
@@ -64,124 +65,6 @@ def default_bucket_bytes(device: torch.device) -> int:
     return DEFAULT_CPU_BUCKET_BYTES if device.type == "cpu" else DEFAULT_GPU_BUCKET_BYTES
 
 
-class _Staging:
-    """The two staging buffers and the ordering between the side that copies into or out of them
-    and the communicator. ``copy(k)`` is entered before touching bucket ``k``'s buffer (``k % 2``);
-    ``transfer(k)`` puts it on the wire. On GPU nothing here blocks the CPU; on CPU ``copy`` waits
-    for the buffer's previous transfer, which is where the overlap with gloo's threads comes from.
-
-    Every view of the buffers a sync needs is made once here: building hundreds of tensor views
-    per sync would cost milliseconds of CPU, more than the GPU needs to move a 0.5B model."""
-
-    def __init__(self, comm: Communicator, layout: WeightLayout, deadline: Callable[[], float]):
-        self.comm = comm
-        self.deadline = deadline
-        self.buffers = [torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=comm.device) for _ in range(2)]
-        self.wire = [self.buffers[k % 2][:size] for k, size in enumerate(layout.bucket_sizes)]
-        self.views = [[_bucket_view(self.buffers[k % 2], seg, layout) for seg in bucket]
-                      for k, bucket in enumerate(layout.buckets)]
-        self.cuda = comm.device.type == "cuda"
-        self.works: list[Work | None] = [None, None]
-        self.direct_works: list[Work] = []
-        if self.cuda:
-            self.copy_stream = torch.cuda.Stream(comm.device)
-            self.comm_stream = torch.cuda.Stream(comm.device)
-            self.copied = [torch.cuda.Event(), torch.cuda.Event()]
-            self.transferred = [torch.cuda.Event(), torch.cuda.Event()]
-
-    @property
-    def stream(self):
-        return self.comm_stream if self.cuda else None
-
-    def begin(self) -> None:
-        """Order this sync after whatever the caller's stream did to the weights (the comm stream
-        reads and writes tensors sent directly)."""
-        if self.cuda:
-            current = torch.cuda.current_stream(self.comm.device)
-            self.copy_stream.wait_stream(current)
-            self.comm_stream.wait_stream(current)
-
-    def transfer_direct(self, tensor: torch.Tensor, src: int) -> None:
-        """Put a whole tensor on the wire with no staging copy (the tensor is the buffer)."""
-        self.direct_works.append(self.comm.broadcast(tensor, src, stream=self.stream, timeout_s=self.deadline()))
-
-    def direct_done(self) -> None:
-        """Let the copy side read what the direct transfers received."""
-        if self.cuda:
-            self.copy_stream.wait_stream(self.comm_stream)
-        else:
-            self._wait_direct()
-
-    def _wait_direct(self) -> None:
-        works, self.direct_works = self.direct_works, []
-        for work in works:
-            work.wait(self.deadline())
-
-    @contextlib.contextmanager
-    def copy(self, k: int) -> Iterator[None]:
-        slot = k % 2
-        if self.cuda:
-            self.copy_stream.wait_event(self.transferred[slot])
-            with torch.cuda.stream(self.copy_stream):
-                yield
-            self.copied[slot].record(self.copy_stream)
-        else:
-            work, self.works[slot] = self.works[slot], None
-            if work is not None:
-                work.wait(self.deadline())
-            yield
-
-    def transfer(self, k: int, src: int) -> None:
-        slot = k % 2
-        if self.cuda:
-            self.comm_stream.wait_event(self.copied[slot])
-        self.works[slot] = self.comm.broadcast(self.wire[k], src, stream=self.stream, timeout_s=self.deadline())
-        if self.cuda:
-            self.transferred[slot].record(self.comm_stream)
-
-    def vote(self, values: list[int]) -> list[int]:
-        """All-reduce MAX over int64 values and return them; completes every transfer before it."""
-        if self.cuda:
-            self.comm_stream.wait_stream(self.copy_stream)
-        else:
-            self._wait_direct()
-        tensor = torch.tensor(values, dtype=torch.int64, device=self.comm.device)
-        if self.cuda:
-            self.comm_stream.wait_stream(torch.cuda.current_stream(self.comm.device))
-        self.comm.all_reduce(tensor, ReduceOp.MAX, stream=self.stream, timeout_s=self.deadline()).wait(self.deadline())
-        for slot in range(2):
-            self.works[slot] = None
-        return tensor.tolist()
-
-    def end(self) -> None:
-        """Order the caller's later work on the weights after this sync."""
-        self.direct_works = []
-        if self.cuda:
-            current = torch.cuda.current_stream(self.comm.device)
-            current.wait_stream(self.copy_stream)
-            current.wait_stream(self.comm_stream)
-
-
-class _CopyPlan:
-    """The copies of one bucket, between the staging views and the caller's tensors, made once
-    and reused while the caller's tensors are the same objects."""
-
-    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
-        self.fused_dsts, self.fused_srcs, self.pairs = [], [], []
-        for dst, src in zip(dsts, srcs):
-            if dst.is_contiguous() and src.is_contiguous():  # a dtype cast (wire_dtype) fuses too
-                self.fused_dsts.append(dst)
-                self.fused_srcs.append(src)
-            else:
-                self.pairs.append((dst, src))
-
-    def run(self) -> None:
-        if self.fused_dsts:  # one multi-tensor launch instead of one kernel per tensor on GPU
-            torch._foreach_copy_(self.fused_dsts, self.fused_srcs)
-        for dst, src in self.pairs:
-            dst.copy_(src)
-
-
 class _WeightSync:
     """What sender and receiver share: the layout, the staging buffers and the two votes."""
 
@@ -193,12 +76,12 @@ class _WeightSync:
         self.timeout_s = timeout_s
         self.last_version = -1
         self._deadline = 0.0
-        self.staging = _Staging(comm, layout, self._remaining)
+        self.staging = Staging(comm, layout, self._remaining)
         self._expected = [(spec.name, torch.Size(spec.shape), spec.torch_dtype) for spec in layout.tensors]
         self._chunked = [spec.name for spec in layout.tensors if spec.nbytes > layout.bucket_bytes]
         self._total_bytes = layout.total_bytes
         self._plan_key: tuple[int, ...] = ()
-        self._plan: list[_CopyPlan] = []
+        self._plan: list[CopyPlan] = []
 
     def _remaining(self) -> float:
         remaining = self._deadline - time.monotonic()
@@ -275,7 +158,7 @@ class _WeightSync:
                 return False
         return True
 
-    def _plan_for(self, tensors: Mapping[str, torch.Tensor], staging_is_dst: bool) -> list[_CopyPlan]:
+    def _plan_for(self, tensors: Mapping[str, torch.Tensor], staging_is_dst: bool) -> list[CopyPlan]:
         """The copy plan for these tensors, rebuilt only when they are not the same objects as
         last time (a model's parameters are; a fresh ``state_dict()`` each step is not)."""
         ordered = [tensors[spec.name] for spec in self.layout.tensors]
@@ -283,9 +166,9 @@ class _WeightSync:
         if key != self._plan_key:
             plans = []
             for k, bucket in enumerate(self.layout.buckets):
-                parts = [_tensor_part(ordered[seg.tensor], seg, self.layout.tensors[seg.tensor]) for seg in bucket]
+                parts = [tensor_part(ordered[seg.tensor], seg, self.layout.tensors[seg.tensor]) for seg in bucket]
                 views = self.staging.views[k]
-                plans.append(_CopyPlan(views, parts) if staging_is_dst else _CopyPlan(parts, views))
+                plans.append(CopyPlan(views, parts) if staging_is_dst else CopyPlan(parts, views))
             self._plan_key, self._plan = key, plans
             self._plan_tensors = ordered  # keeps the ids in the key from being reused
         return self._plan
@@ -344,7 +227,7 @@ class WeightSender(_WeightSync):
             staging.transfer(k, self.src)
         return ""
 
-    def _move(self, plan: list[_CopyPlan]) -> str:
+    def _move(self, plan: list[CopyPlan]) -> str:
         for i in self.layout.direct:  # first: they need no packing, which meanwhile fills bucket 0
             self.staging.transfer_direct(self._plan_tensors[i], self.src)
         for k in range(len(self.layout.buckets)):
@@ -441,7 +324,7 @@ class WeightReceiver(_WeightSync):
             whole = partial.get(seg.tensor)
             if whole is None:
                 whole = partial[seg.tensor] = torch.empty(spec.shape, dtype=spec.torch_dtype, device=view.device)
-            _tensor_part(whole, seg, spec).copy_(view)
+            tensor_part(whole, seg, spec).copy_(view)
             if seg.start + seg.length == spec.nbytes:
                 consumer(spec.name, partial.pop(seg.tensor))
 
@@ -500,23 +383,3 @@ def _agree_on_setup(group: StoreGroup, error: str, deadline: float) -> None:
     refusals = [r for r in results if r.error]
     if refusals:
         raise LayoutMismatchError("weight layout refused: " + " | ".join(f"rank {r.rank}: {r.error}" for r in refusals))
-
-
-def _bucket_view(buffer: torch.Tensor, seg: Segment, layout: WeightLayout) -> torch.Tensor:
-    """The segment in the bucket, typed as on the wire: shaped when it is a whole tensor, flat
-    when it is a chunk of a larger one."""
-    raw = buffer[seg.offset:seg.offset + seg.length]
-    spec = layout.tensors[seg.tensor]
-    if seg.length == spec.nbytes:
-        return raw.view(spec.torch_dtype).view(spec.shape)
-    return raw.view(spec.torch_dtype)
-
-
-def _tensor_part(tensor: torch.Tensor, seg: Segment, spec: TensorSpec) -> torch.Tensor:
-    """The tensor itself for a whole-tensor segment, else the segment's elements of it, flat.
-    Chunk boundaries fall on whole elements (`build_layout` cuts at aligned offsets), which is
-    what lets a chunk be cast between the tensor's dtype and the wire's."""
-    if seg.start == 0 and seg.length == spec.nbytes:
-        return tensor
-    size = spec.torch_dtype.itemsize
-    return tensor.reshape(-1)[seg.start // size:(seg.start + seg.length) // size]

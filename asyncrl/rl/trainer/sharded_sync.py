@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from asyncrl.comm.layout import WeightLayout
-from asyncrl.comm.weights import _tensor_part
+from asyncrl.comm.staging import tensor_part
 from asyncrl.rl.trainer.fsdp import full_tensor
 
 
@@ -52,7 +52,7 @@ class GatheredBuckets:
                 whole = full_tensor(self.params[seg.tensor].detach())
                 if seg.length != spec.nbytes:
                     self._whole[seg.tensor] = whole
-            parts.append(_tensor_part(whole, seg, spec))
+            parts.append(tensor_part(whole, seg, spec))
             if seg.start + seg.length == spec.nbytes:
                 self._whole.pop(seg.tensor, None)
             held += seg.length
