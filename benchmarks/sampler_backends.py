@@ -49,7 +49,10 @@ HOST = "127.0.0.1"
 SHAPES = {  # hidden, layers, attention heads, kv heads, intermediate, vocab (0: the tokenizer's)
     "embedded": (128, 4, 4, 2, 512, 0),
     "0.5b": (896, 24, 14, 2, 4864, 151936),  # Qwen2-0.5B; tied embeddings: 494M parameters, 942 MiB in bf16
+    "1.5b": (1536, 28, 12, 2, 8960, 151936),  # Qwen2-1.5B; tied embeddings: 1.54B parameters
+    "7b": (3584, 28, 28, 4, 18944, 152064),  # Qwen2-7B; its own output layer: 7.6B parameters
 }
+UNTIED = {(3584, 28, 28, 4, 18944, 152064)}  # shapes whose output layer is not the embedding (as the real models)
 N_TRAIN = 2000  # Countdown problems to draw prompts from (the largest batch must fit)
 
 
@@ -92,9 +95,19 @@ def make_model(path: str, shape: tuple[int, ...], dtype: str) -> None:
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=vocab or len(tok), hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
-                         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=None,
+                         max_position_embeddings=1024, tie_word_embeddings=shape not in UNTIED, bos_token_id=None,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
+    # Built on the GPU where there is one, in the target dtype: a 7B model's random init in fp32 on
+    # the CPU takes minutes and 30 GB.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     with open(os.path.join(path, MARKER_FILE), "w") as f:
         json.dump({"prompt_style": "compact", "max_new_tokens_hint": 64}, f)

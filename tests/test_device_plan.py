@@ -62,3 +62,17 @@ def test_ipc_communicator_needs_a_cuda_device():
             make_communicator(group, "ipc", device="cpu")
     finally:
         group.close()
+
+
+def test_prompts_per_batch_auto_is_8_on_the_cpu_and_a_steps_share_on_a_gpu():
+    from asyncrl.rl.config.sampler import SamplerConfig
+
+    auto = SamplerConfig()
+    assert auto.prompts_per_batch == 0
+    assert auto.batch_prompts("cpu", groups_per_step=64) == 8  # the CPU default run is unchanged
+    assert auto.batch_prompts("cuda", groups_per_step=16) == 16  # one sampler: the whole step at once
+    assert SamplerConfig(count=3).batch_prompts("cuda", groups_per_step=16) == 8  # ceil(16 / 3) = 6, at least 8
+    assert SamplerConfig(count=3).batch_prompts("cuda", groups_per_step=64) == 22  # ceil(64 / 3)
+    assert SamplerConfig(prompts_per_batch=5).batch_prompts("cuda", groups_per_step=64) == 5  # asked for: kept
+    with pytest.raises(ValueError, match="prompts_per_batch >= 0"):
+        SamplerConfig(prompts_per_batch=-1)

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+CPU_PROMPTS_PER_BATCH = 8
+"""What ``prompts_per_batch`` 0 means on the CPU (and the least it means on a GPU)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplerConfig:
     """The sampler actors: how many there are, what each generates at once, how, and how new weights
@@ -14,8 +18,11 @@ class SamplerConfig:
     """Number of sampler actors."""
     group_size: int = 8
     """Completions per prompt."""
-    prompts_per_batch: int = 8
-    """Prompts a sampler generates for at once."""
+    prompts_per_batch: int = 0
+    """Prompts a sampler generates for at once (each ``group_size`` completions). 0: auto, 8 on the
+    CPU (small batches keep a loaded CPU's weight syncs prompt) and on a GPU the sampler's share of
+    a step, ``ceil(run.groups_per_step / count)``, at least 8: an engine fed a whole step's requests
+    at once generates it in about the time of one batch (docs/gpu.md)."""
     max_new_tokens: int = 0
     """Completion length limit (0: what the model suggests)."""
     temperature: float = 1.0
@@ -41,5 +48,14 @@ class SamplerConfig:
             raise ValueError(f"max_new_tokens must be >= 0 (0: the model's own limit), not {self.max_new_tokens!r}")
         if not 0 <= self.gpu_memory_utilization < 1:
             raise ValueError(f"gpu_memory_utilization must be in [0, 1) (0: the default), not {self.gpu_memory_utilization!r}")
-        if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 1:
-            raise ValueError("need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 1")
+        if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 0:
+            raise ValueError("need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 0 "
+                             "(0: auto)")
+
+    def batch_prompts(self, device: str, groups_per_step: int) -> int:
+        """``prompts_per_batch``, with 0 (auto) resolved for samplers computing on ``device``."""
+        if self.prompts_per_batch:
+            return self.prompts_per_batch
+        if device != "cuda":
+            return CPU_PROMPTS_PER_BATCH
+        return max(CPU_PROMPTS_PER_BATCH, -(-groups_per_step // self.count))

@@ -10,6 +10,7 @@ line that names what resumes the run; a full disk under the run directory become
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import os
@@ -143,6 +144,12 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             commit(checkpoint)
             move_damaged_aside(damaged, log)
         vllm = plan.vllm_options(config.sampler.gpu_memory_utilization, config.sampler.count)
+        # Resolved here, after config.json is written: it keeps 'auto' (0), so a run resumed on
+        # another host resolves it for that host's devices.
+        prompts, auto = config.sampler.batch_prompts(device, run.groups_per_step), not config.sampler.prompts_per_batch
+        config = dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, prompts_per_batch=prompts))
+        log(f"samplers: {prompts} prompts x {config.sampler.group_size} completions at once"
+            + (" (--sampler.prompts_per_batch auto)" if auto else ""))
         samplers = [await sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
                                     share_devices_with="trainer" if plan.colocated else None, env=env,
                                     node=None if plan.colocated else sampler_nodes[i],

@@ -27,7 +27,7 @@ import torch
 from asyncrl.comm.member import SyncMember
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DataConfig
-from asyncrl.rl.config.sampler import SamplerConfig
+from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerTimeoutError, SamplingParams
@@ -65,7 +65,7 @@ class SamplerActor(SyncMember):
             raise ValueError(f"sync_timeout_s must be > 0, not {sync_timeout_s!r}")
         self.config = config
         self.name = name or os.environ.get("ASYNCRL_ACTOR", "") or "sampler"
-        self.group_size, self.prompts_per_batch = config.group_size, config.prompts_per_batch
+        self.group_size, self.prompts_per_batch = config.group_size, config.prompts_per_batch or CPU_PROMPTS_PER_BATCH
         self.sync_timeout_s = sync_timeout_s
         self.in_flight = config.weight_update == "in_flight"
         self.device = _actor_device(device)

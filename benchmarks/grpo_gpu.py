@@ -1,0 +1,209 @@
+"""End-to-end GRPO on a real model shape, on this host's GPUs: asyncrl sync and async, and TRL's
+GRPOTrainer on the same model, step and machine when TRL is installed.
+
+    python benchmarks/grpo_gpu.py --shape 0.5b                           # asyncrl sync + async, TRL if installed
+    python benchmarks/grpo_gpu.py --shape 1.5b --runs async
+    python benchmarks/grpo_gpu.py --shape 7b --lora-rank 16 --runs async,trl
+    python benchmarks/grpo_gpu.py --shape 0.5b -- --trainer.micro_batch_tokens 4096   # our flags after --
+
+The model is a random Qwen2 of the shape in bf16 with the embedded byte-level tokenizer
+(`sampler_backends.make_model`): random weights never emit the stop token, so every completion has
+``--max-new-tokens`` tokens and both systems do the same work. A step is ``--prompts`` Countdown
+prompts x ``--group-size`` completions, temperature 0.7, learning rate 1e-6, no KL term; uniform
+groups are not left out (TRL trains on them too). asyncrl runs as a user would run it:
+``asyncrl launch examples/grpo_countdown.py --model_path CKPT --sampler.backend vllm`` plus the
+step's shape, with the device plan's defaults (one GPU: the vLLM sampler colocated, CUDA IPC).
+TRL: ``use_vllm=True, vllm_mode="colocate"``, fp32 weights with bf16 autocast, micro-batches of
+``--prompts`` sequences, the same vLLM memory share (0.3).
+
+Figures are steady state: the first ``--skip`` steps (start-up, compilation) are left out.
+samples/s = completions trained / wall time; tokens/s = completion tokens / wall time. asyncrl's
+phases per step (from metrics.jsonl): generate = the wait for the step's groups, train, sync, and
+idle = the rest of the step's wall time (evaluation and checkpoints are outside the window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sampler_backends import SHAPES, make_model, prompt_ids  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_SHARE = 0.3  # the share of GPU memory a colocated vLLM takes (asyncrl's COLOCATED_VLLM_SHARE)
+
+
+def asyncrl_run(mode: str, args, model: str, run_dir: str) -> dict:
+    steps = args.steps
+    cmd = [sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
+           "--model_path", model, "--sampler.backend", "vllm", "--run.mode", mode, "--run.steps", str(steps),
+           "--run.groups_per_step", str(args.prompts), "--sampler.group_size", str(args.group_size),
+           "--sampler.max_new_tokens", str(args.max_new_tokens), "--trainer.lr", "1e-6",
+           "--run.skip_uniform_groups", "false", "--run.eval_every", str(steps), "--run.n_heldout", "16",
+           "--run.eval_samples", "0", "--run.checkpoint_every", "0", "--run.run_dir", run_dir]
+    if args.lora_rank:
+        cmd += ["--trainer.lora.rank", str(args.lora_rank), "--trainer.lora.bf16_base", "true"]
+    cmd += args.extra
+    print("$", " ".join(cmd[2:]), flush=True)
+    start = time.monotonic()
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.monotonic() - start
+    if done.returncode != 0:
+        tail = "\n".join(done.stdout.splitlines()[-15:])
+        return {"error": f"exit {done.returncode}: {tail}", "wall_s": wall}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    window = records[args.skip:-1]  # the last step holds the final evaluation
+    first, last = records[args.skip - 1], records[-2]
+    span = last["time_s"] - first["time_s"]
+    step_s = span / len(window)
+    mean = lambda key: statistics.mean(r.get(key, 0.0) for r in window)  # noqa: E731
+    gen, train, sync = mean("wait_s"), mean("train_s"), mean("sync_s")
+    return {"samples_per_s": sum(r["sequences"] for r in window) / span,
+            "tokens_per_s": sum(r["completion_tokens"] for r in window) / span,
+            "step_s": step_s, "generate_s": gen, "train_s": train, "sync_s": sync,
+            "idle_s": max(step_s - gen - train - sync, 0.0), "micro_batches": mean("micro_batches"),
+            "mfu": mean("mfu") if "mfu" in window[0] else None, "wall_s": wall, "steps": len(window),
+            "first_step_s": records[0]["time_s"]}
+
+
+def trl_run(args, model: str, out_dir: str) -> dict:
+    """TRL in a child process of its own (its vLLM engine and CUDA context go with it)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--trl-child", model, "--shape", args.shape,
+           "--steps", str(args.steps), "--skip", str(args.skip), "--prompts", str(args.prompts),
+           "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens),
+           "--lora-rank", str(args.lora_rank), "--out", out_dir]
+    start = time.monotonic()
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    wall = time.monotonic() - start
+    result = [line for line in done.stdout.splitlines() if line.startswith("TRL_RESULT ")]
+    if done.returncode != 0 or not result:
+        tail = "\n".join(done.stdout.splitlines()[-25:])
+        return {"error": f"exit {done.returncode}: {tail}", "wall_s": wall}
+    return {**json.loads(result[-1][len("TRL_RESULT "):]), "wall_s": wall}
+
+
+def trl_child(args) -> None:
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    # datasets' fingerprinting (dill) cannot hash a pyarrow type in this image; a counter will do.
+    counter = iter(range(1 << 30))
+    datasets.fingerprint.Hasher.hash = classmethod(lambda cls, value: f"h{next(counter)}")
+    tok = AutoTokenizer.from_pretrained(args.trl_child)
+    prompts = [tok.decode(ids) for ids in prompt_ids(args.trl_child, args.prompts * (args.steps + 2))]
+    data = datasets.Dataset.from_list([{"prompt": p} for p in prompts])
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_a, **_k):
+            torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
+    def reward(completions, **_kw):  # any cheap, non-uniform reward: the work is the same
+        return [float(len(c) % 2) for c in completions]
+
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=16, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM")
+    config = GRPOConfig(
+        output_dir=os.path.join(args.out, "trl"), per_device_train_batch_size=args.prompts,
+        gradient_accumulation_steps=args.group_size, num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens, temperature=0.7, learning_rate=1e-6, beta=0.0,
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=VLLM_SHARE, bf16=True,
+        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no",
+        model_init_kwargs={"dtype": torch.bfloat16 if args.lora_rank else torch.float32})
+    trainer = GRPOTrainer(model=args.trl_child, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tok, callbacks=[Clock()], peft_config=peft_config)
+    start = time.perf_counter()
+    trainer.train()
+    per_step = args.prompts * args.group_size
+    span = times[-1] - times[args.skip - 1]
+    steps = len(times) - args.skip
+    print("TRL_RESULT " + json.dumps({
+        "samples_per_s": per_step * steps / span, "tokens_per_s": per_step * steps * args.max_new_tokens / span,
+        "step_s": span / steps, "first_step_s": times[0] - start, "steps": steps,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30}), flush=True)
+
+
+def make_shape(shape: str, path: str) -> None:
+    if not os.path.exists(os.path.join(path, "config.json")):
+        t = time.monotonic()
+        make_model(path, SHAPES[shape], "bfloat16")
+        print(f"made a random {shape} Qwen2 in {path} ({time.monotonic() - t:.0f} s)", flush=True)
+
+
+def table(shape: str, results: dict[str, dict]) -> str:
+    rows = ["| run | samples/s | tokens/s | step s | generate s | train s | sync s | idle s | wall s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:90]} | | | | | | | {r['wall_s']:.0f} |")
+            continue
+        cell = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else ""  # noqa: E731
+        rows.append(f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {cell('step_s')} | "
+                    f"{cell('generate_s')} | {cell('train_s')} | {cell('sync_s')} | {cell('idle_s')} | {r['wall_s']:.0f} |")
+    trl = results.get("trl", {}).get("samples_per_s")
+    if trl:
+        rows += [f"{name}: {r['samples_per_s'] / trl:.2f}x TRL" for name, r in results.items()
+                 if name != "trl" and "samples_per_s" in r]
+    return f"{shape}\n" + "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(s for s in SHAPES if s != "embedded"), default="0.5b")
+    parser.add_argument("--runs", default="sync,async,trl", help="any of sync, async, trl (trl: if installed)")
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--skip", type=int, default=5, help="start-up steps left out of the figures")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts a step")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA on a bf16 base (both systems)")
+    parser.add_argument("--out", default="", help="model and run directories (default: a temporary one)")
+    parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--trl-child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("extra", nargs="*", help="asyncrl flags, after --")
+    args = parser.parse_args()
+    if args.trl_child:
+        return trl_child(args)
+    if args.skip < 1 or args.steps < args.skip + 3:
+        parser.error("need --skip >= 1 and --steps >= --skip + 3")
+    out = args.out or tempfile.mkdtemp(prefix="grpo-gpu-")
+    model = os.path.join(out, f"model-{args.shape}")
+    make_shape(args.shape, model)
+    results: dict[str, dict] = {}
+    for name in args.runs.split(","):
+        if name == "trl":
+            try:
+                import trl  # noqa: F401
+            except ImportError:
+                print("TRL is not installed: its row is left out", flush=True)
+                continue
+            results["trl"] = trl_run(args, model, out)
+        else:
+            results[f"asyncrl {name}"] = asyncrl_run(name, args, model, os.path.join(out, f"run-{args.shape}-{name}"))
+        print(json.dumps({name: results[list(results)[-1]]}), flush=True)
+    print(table(f"{args.shape}{f' LoRA r{args.lora_rank}' if args.lora_rank else ''}, {args.prompts} x "
+                f"{args.group_size} x {args.max_new_tokens} a step", results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "lora_rank": args.lora_rank, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
