@@ -35,6 +35,7 @@ from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.runtime.actor import endpoint
+from asyncrl.runtime.startup import start_phase
 
 
 ADAPTER_DIR = "adapter"
@@ -65,11 +66,13 @@ class TrainerActor(RankMember, SyncMember):
             self.device = torch.device("cuda", 0)  # the actor sees only its own GPU
             torch.cuda.set_device(self.device)
         self.model_path = model_path
+        start_phase(f"loading the policy {model_path}")
         self.model, self.tokenizer, self.fmt = self._policy()
         # The KL term's reference: the starting policy. With LoRA that is the frozen base already
         # in memory (the adapters switched off, `_reference`), so no copy is loaded.
         self.ref = None
         if self.config.loss.kl_coef > 0 and not self.config.lora.rank:
+            start_phase("loading the KL reference (a second copy of the policy)")
             self.ref, _, _ = self._load_policy(model_path)
             self.ref.eval().requires_grad_(False)
         self.optimizer = self._new_optimizer()
