@@ -32,7 +32,7 @@ from asyncrl.runtime.resources import SupervisorResources
 from asyncrl.runtime.start_watch import StartWatch
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.watchdog import SilenceWatchdog
-from asyncrl.errors import ActorDiedError, ActorStartError
+from asyncrl.errors import ActorDiedError, ActorNotReadyError, ActorStartError
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -108,9 +108,9 @@ class Incarnations:
         if rec.ready.done() and rec.ready.exception() is not None:
             error = rec.ready.exception()
         elif not proc.alive:
-            error = ActorStartError(rec.name, f"process {proc.exit_description()} during start{_words(rec)}")
+            error = ActorNotReadyError(rec.name, f"process {proc.exit_description()} during start{_words(rec)}")
         else:
-            error = ActorStartError(rec.name, verdict)
+            error = ActorNotReadyError(rec.name, verdict)
         await self._reap(proc)
         raise error
 
