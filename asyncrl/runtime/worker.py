@@ -94,7 +94,8 @@ class _Heartbeat(threading.Thread):
 
     def report_phase(self, phase: str, budget_s: float, knob: str) -> None:
         """Queue a start phase for the supervisor (any thread)."""
-        self._phases.append(msgspec.msgpack.encode(wire.StartPhase(self.actor, self.incarnation, phase, budget_s, knob)))
+        msg = wire.StartPhase(self.actor, self.incarnation, phase, budget_s, knob)
+        self._phases.append(msgspec.msgpack.encode(msg))
         self._wake.set()
 
     def stop(self) -> None:
