@@ -15,7 +15,7 @@ from .errors import (
     SupervisorClosedError,
     UnknownMethodError,
 )
-from .runtime import Actor, ActorHandle, ActorState, ActorStatus, Supervisor, SupervisorConfig, endpoint
+from .runtime import Actor, ActorHandle, ActorState, ActorStatus, Supervisor, SupervisorConfig, endpoint, start_phase
 from .runtime.loop import run
 
 __version__ = "0.1.0"
@@ -42,4 +42,5 @@ __all__ = [
     "UnknownMethodError",
     "endpoint",
     "run",
+    "start_phase",
 ]

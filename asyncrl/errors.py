@@ -15,6 +15,17 @@ class UsageError(AsyncrlError):
     traceback: the fix is in the command line, not in the code."""
 
 
+class ActionableError(AsyncrlError):
+    """An error the user fixes with a setting or the machine, not in the code: its first line says
+    what happened and what to change (a start that overran its deadline, memory that ran out, a
+    checkpoint that does not fit). ``asyncrl launch`` prints that line on stderr and exits with
+    status 1, no traceback; a GRPO run keeps the traceback in RUN_DIR/log.txt. Other errors keep
+    their traceback: they are bugs.
+
+    A subclass raised in an actor's endpoint reaches the caller as itself (also a `RemoteError`)
+    once it is registered with `crosses_processes`."""
+
+
 class ActorError(AsyncrlError):
     """An error that concerns one actor, named in ``actor``."""
 
@@ -38,6 +49,12 @@ class ActorStartError(ActorError):
         text = message if not remote_traceback else f"{message}\n--- remote traceback ---\n{remote_traceback}"
         super().__init__(actor, text)
         self.remote_traceback = remote_traceback
+
+
+class ActorNotReadyError(ActorStartError, ActionableError):
+    """The actor's process did not become ready: it overran its start deadline (``start_timeout_s``
+    or the budget of the start phase it reported), its heartbeats stopped, or it exited during its
+    start. One line that names the phase and the setting to raise."""
 
 
 class CallTimeoutError(ActorError, TimeoutError):
@@ -106,13 +123,34 @@ _BY_NAME: dict[str, type[RemoteError]] = {
 _BUILTIN_MIXINS: dict[str, type[RemoteError]] = {}
 
 
+_CROSSING: dict[str, type[RemoteError]] = {}
+
+
+def crosses_processes(cls: type[AsyncrlError]) -> type[AsyncrlError]:
+    """Class decorator: an endpoint that raises ``cls`` fails its caller with an error that is an
+    instance of ``cls`` too (and of `RemoteError`), so the caller catches it by its type, never by
+    its name as a string. The class must be imported in the caller's process (the module that
+    defines it registers it); a name that is not registered stays a plain `RemoteError`."""
+    if not (isinstance(cls, type) and issubclass(cls, AsyncrlError)) or issubclass(cls, RemoteError):
+        raise TypeError(f"crosses_processes takes an AsyncrlError subclass that is not a RemoteError, not {cls!r}")
+    name = cls.__name__
+    known = _CROSSING.get(name)
+    if known is not None and cls not in known.__mro__:
+        raise TypeError(f"two error classes named {name!r} cross processes: {known.__mro__[2]!r} and {cls!r}")
+    _CROSSING[name] = type(f"Remote{name}", (RemoteError, cls), {
+        "__init__": RemoteError.__init__, "__str__": BaseException.__str__, "__module__": cls.__module__})
+    return cls
+
+
 def remote_error_class(type_name: str) -> type[RemoteError]:
     """The local class that re-raises a remote exception of ``type_name``.
 
-    Only our own remote error types and exception classes of ``builtins`` are mapped; nothing is
-    ever imported by a name that came over the wire."""
+    Only our own remote error types, those registered with `crosses_processes`, and exception
+    classes of ``builtins`` are mapped; nothing is ever imported by a name that came over the wire."""
     if type_name in _BY_NAME:
         return _BY_NAME[type_name]
+    if type_name in _CROSSING:
+        return _CROSSING[type_name]
     cls = _BUILTIN_MIXINS.get(type_name)
     if cls is None:
         base = getattr(builtins, type_name, None)
@@ -134,3 +172,10 @@ def first_line(exc: BaseException | str) -> str:
     has none: what a one-line report of it shows."""
     lines = str(exc).strip().splitlines()
     return lines[0][:300] if lines else "" if isinstance(exc, str) else type(exc).__name__
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as `asyncrl launch` reports one the user fixes: its whole first line (a remote
+    traceback, which follows it, is left out), or its type's name when it has no message."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

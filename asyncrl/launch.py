@@ -4,9 +4,10 @@ stops every actor before we exit with ``128 + signal``. A script without a ``mai
 as ``__main__``, exactly as ``python script.py`` would.
 
 What reaches the user: a `UsageError` (a bad flag or path, e.g. a `ConfigError`) escaping the
-script is its message on one line and exit status 2; ``sys.exit("message")`` prints the message and
-exits 1, as Python does; stdout closed by its reader (``--help | head``) ends quietly with 128 +
-SIGPIPE, as a filter does; a traceback means a bug. After a first SIGINT/SIGTERM the shutdown is
+script is its message on one line and exit status 2; an `ActionableError` (an actor not ready in
+time, memory that ran out: a setting or the machine to change) its first line and exit status 1;
+``sys.exit("message")`` prints the message and exits 1, as Python does; stdout closed by its
+reader (``--help | head``) ends quietly with 128 + SIGPIPE, as a filter does; a traceback means a bug. After a first SIGINT/SIGTERM the shutdown is
 orderly; a second one during it kills the actors' process groups and exits at once
 (`signals.force_exit`)."""
 
@@ -23,7 +24,7 @@ import sys
 import threading
 import traceback
 
-from asyncrl.errors import UsageError
+from asyncrl.errors import ActionableError, UsageError, one_line
 from asyncrl.runtime import signals
 from asyncrl.runtime.loop import run as run_loop
 from asyncrl.runtime.worker import SCRIPT_MODULE
@@ -114,6 +115,9 @@ def run_script(path: str, script_args: list[str]) -> int:
     except UsageError as e:  # the command line is wrong, not the code: no traceback
         print(f"{name}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except ActionableError as e:  # a setting or the machine, not the code: its line says what to change
+        print(f"{name}: {one_line(e)}", file=sys.stderr)
+        return 1
     except Exception:  # a bug (SyntaxError included): its traceback is what helps
         traceback.print_exc()
         return 1

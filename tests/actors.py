@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import AsyncIterator
 
 import msgspec
 
-from asyncrl import Actor, endpoint
+from asyncrl import Actor, endpoint, start_phase
 
 
 class Point(msgspec.Struct):
@@ -144,3 +147,33 @@ class ExitsInInit(Actor):
 class SlowStart(Actor):
     async def on_start(self) -> None:
         await asyncio.sleep(30)
+
+
+class PhasedStart(Actor):
+    """Takes ``seconds`` to build, holding its loop as a synchronous model load does, after
+    reporting (when ``budget_s`` is set) a start phase with that budget, from its own thread or
+    from another (``from_thread``), as an engine built in a thread would."""
+
+    def __init__(self, seconds: float, budget_s: float = 0.0, from_thread: bool = False):
+        if budget_s:
+            report = functools.partial(start_phase, "loading the model", budget_s, "--test.load_timeout_s")
+            if from_thread:
+                thread = threading.Thread(target=report)
+                thread.start()
+                thread.join()
+            else:
+                report()
+        time.sleep(seconds)
+
+    @endpoint
+    async def getpid(self) -> int:
+        return os.getpid()
+
+
+class FreezesInStart(Actor):
+    """Stops itself (SIGSTOP) in its constructor: its heartbeats stop with it."""
+
+    def __init__(self):
+        start_phase("about to freeze", budget_s=60)
+        time.sleep(0.5)  # the report goes out first
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -121,3 +121,48 @@ def test_help_and_a_flag_error_do_not_import_torch(tmp_path):
     bad = probe.replace("'--help'", "'--trainer.lrr', '1'")
     done = subprocess.run([sys.executable, "-c", bad], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout.splitlines()[-1] == "False", done.stderr
+
+
+NOT_READY = """
+    import asyncio
+    from asyncrl import Actor, Supervisor
+
+    class NeverReady(Actor):
+        async def on_start(self):
+            await asyncio.sleep(60)
+
+    async def main():
+        async with Supervisor() as sup:
+            await sup.spawn(NeverReady, name="sampler0")
+    """
+
+OUT_OF_MEMORY = """
+    import sys
+    from asyncrl import RemoteError, Supervisor
+    from asyncrl.rl.trainer.actor import TrainerMemoryError
+    from memory_actors import RunsOutOfMemory
+
+    async def main():
+        async with Supervisor() as sup:
+            trainer = await sup.spawn(RunsOutOfMemory, name="trainer")
+            try:
+                await trainer.train_step()
+            except TrainerMemoryError as exc:  # its own type across the process boundary, not a name
+                assert isinstance(exc, RemoteError) and exc.remote_type == "TrainerMemoryError"
+                raise
+    """
+
+
+@pytest.mark.parametrize("body, flags, line", [
+    (NOT_READY, ["--start_timeout_s", "1"],
+     "script.py: actor 'sampler0': not ready within start_timeout_s=1 (no start phase reported); raise it with "
+     "asyncrl launch --start_timeout_s (or Supervisor(start_timeout_s=...))\n"),
+    (OUT_OF_MEMORY, [],
+     "script.py: actor 'trainer': train_step() raised TrainerMemoryError: train step 1 ran out of cuda memory on a "
+     "micro-batch of 8 x 512 tokens (--trainer.micro_batch_tokens 4096): lower that\n"),
+], ids=["actor-not-ready", "trainer-out-of-memory"])
+def test_an_error_the_user_fixes_is_one_line_and_exit_1(tmp_path, body, flags, line):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    done = subprocess.run(launch(*flags, script(tmp_path, body)), cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=90)
+    assert (done.returncode, done.stderr) == (1, line)

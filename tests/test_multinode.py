@@ -18,7 +18,7 @@ from asyncrl import ActorDiedError, ActorStartError, ClusterStartError, NoFreeDe
 from asyncrl.runtime import auth
 from asyncrl.runtime.net import reachable_address
 
-from actors import Echo
+from actors import Echo, PhasedStart
 from conftest import kill_all, process_alive, wait_until
 from multinode_support import NODE_TIMEOUT_S, agent_log, env, free_port, launch_argv, make_secret_file, start_agent
 
@@ -105,6 +105,21 @@ async def test_kill_of_an_actor_on_another_node_goes_through_its_agent_and_resta
             assert remote.kill("a late verdict", incarnation=1) is False
             assert await remote.getpid() != pid
             assert await asyncio.to_thread(wait_until, lambda: not process_alive(pid) and not process_alive(grandchild), 5.0)
+        assert await _wait_exit(agent, 15.0) == 0, agent_log(str(tmp_path), 1)
+    finally:
+        kill_all([agent.pid])
+        agent.wait()
+
+
+async def test_a_start_phase_on_another_node_moves_the_deadline_through_its_agent(secret, tmp_path):
+    port = free_port()
+    agent = start_agent(1, 2, port, secret, str(tmp_path))
+    try:
+        async with _cluster_supervisor(2, port, start_timeout_s=1.5) as sup:
+            slow = await sup.spawn(PhasedStart, 3.0, 10.0, name="slow", node=1)
+            assert (slow.info().node, await slow.getpid() > 0) == (1, True)
+            with pytest.raises(ActorStartError, match=r"^actor 'unsaid': not ready within start_timeout_s=1\.5"):
+                await sup.spawn(PhasedStart, 3.0, name="unsaid", node=1)
         assert await _wait_exit(agent, 15.0) == 0, agent_log(str(tmp_path), 1)
     finally:
         kill_all([agent.pid])

@@ -225,3 +225,20 @@ def test_a_model_path_that_is_not_a_checkpoint_is_refused(tmp_path, files, messa
 
     with pytest.raises(ConfigError, match=message):
         preflight.check_run(parse_overrides(_config(run_dir=tmp_path / "run"), ["--model_path", str(tmp_path / "m")]))
+
+
+def test_a_trainer_not_ready_in_time_stops_the_run_in_one_line_and_exit_1(tmp_path):
+    """The real command with a start deadline no trainer can meet (torch alone takes longer to
+    import): one line on stderr, exit 1; log.txt keeps the traceback."""
+    ckpt = fake_checkpoint(tmp_path / "ckpt")
+    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--start_timeout_s", "0.5", EXAMPLE,
+                           "--model_path", str(ckpt), "--sampler.max_new_tokens", "16", "--run.run_dir",
+                           str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("grpo_countdown: run stopped while starting: actor 'trainer': not ready within "
+                                  "start_timeout_s=0.5 (no start phase reported); raise it with asyncrl launch "
+                                  "--start_timeout_s")
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "Traceback" in log and "ActorNotReadyError" in log

@@ -38,7 +38,7 @@ from asyncrl.runtime.timeouts import timeout
 
 log = logging.getLogger("asyncrl.cluster")
 
-_WORKER_MESSAGES = (wire.Hello, wire.Ready, wire.StartFailed, wire.Heartbeat, wire.Dead)
+_WORKER_MESSAGES = (wire.Hello, wire.Ready, wire.StartFailed, wire.Heartbeat, wire.StartPhase, wire.Dead)
 _LOGGED_BAD_MESSAGES = 5
 
 

@@ -1,8 +1,10 @@
 """The supervisor's half of the conversation with its workers, over the control socket.
 
 A worker (one actor incarnation) says ``Hello``; we answer ``Init`` (its class, its constructor's
-arguments, where to bind); it says ``Ready`` with its address, or ``StartFailed``. While it runs it
-sends ``Heartbeat``s, and ``Dead`` with its last words if it can. ``Shutdown`` asks it to stop.
+arguments, where to bind); it says ``Ready`` with its address, or ``StartFailed``; while it starts
+it may name the phase it is in (``StartPhase``, which moves its start deadline). From its ``Init``
+on it sends ``Heartbeat``s, and ``Dead`` with its last words if it can. ``Shutdown`` asks it to
+stop.
 
 Workers on node 0 speak through the local control socket; workers on other nodes through the
 cluster socket (``cluster.py``), which hands their messages to ``on_worker`` with itself as the
@@ -75,11 +77,20 @@ class ControlChannel:
         kind = type(msg)
         if kind is wire.Heartbeat:
             rec.last_heartbeat = time.monotonic()
+            if rec.starting is not None:
+                rec.starting.on_beat()
+        elif kind is wire.StartPhase:
+            if rec.starting is not None:  # a report that crossed its Ready is of no more use
+                rec.starting.on_phase(msg)
+                budget = f" (budget {msg.budget_s:g} s)" if msg.budget_s else ""
+                log.info("actor %s: starting: %s%s", rec.name, msg.phase, budget)
         elif kind is wire.Hello:
             if rec.routing_id is not None:
                 return  # the first hello of an incarnation wins; a repeat must not redirect it
             rec.routing_id = route
             rec.channel = channel
+            if rec.starting is not None:  # its heartbeats begin with the Init we send now
+                rec.starting.on_beat()
             self._send_init(rec)
         elif kind is wire.Ready:
             if not rec.ready.done():

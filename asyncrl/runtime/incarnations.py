@@ -1,7 +1,9 @@
 """Every actor's life, one incarnation after another: start it, watch it, restart it, stop it.
 
 An incarnation is one process of an actor. ``start`` launches it (here, or through the agent of
-its node) and waits for ``Ready`` or its exit, whichever comes first, within ``start_timeout_s``.
+its node) and waits for ``Ready`` or its exit, whichever comes first, within ``start_timeout_s`` of
+the last start phase it reported (a phase may ask for more; see ``start_watch.py``), and while its
+heartbeats, once begun, do not stop.
 Once it runs, a watcher task waits on its exit; the silence watchdog kills it if its heartbeats
 stop; its owner may kill it (``ActorHandle.kill``). However it ends, the watcher handles the exit
 in one way: the record leaves RUNNING before anything is awaited (so no new call goes to the dead
@@ -27,9 +29,10 @@ from asyncrl.runtime.devices import DevicePool
 from asyncrl.runtime.process import ActorProcess, ChildProcess
 from asyncrl.runtime.record import ActorRecord
 from asyncrl.runtime.resources import SupervisorResources
+from asyncrl.runtime.start_watch import StartWatch
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.watchdog import SilenceWatchdog
-from asyncrl.errors import ActorDiedError, ActorStartError
+from asyncrl.errors import ActorDiedError, ActorNotReadyError, ActorStartError
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -80,6 +83,7 @@ class Incarnations:
         rec.routing_id = None
         rec.last_words = rec.kill_reason = ""
         rec.ready = self._loop.create_future()
+        rec.starting = StartWatch(rec.name, cfg.start_timeout_s, cfg.heartbeat_timeout_s)
         try:
             proc = self._start_process(rec) if rec.node == 0 else self._cluster.spawn(rec.node, wire.SpawnActor(
                 rec.name, rec.incarnation, rec.devices, rec.env, self._cluster.address, cfg.start_timeout_s))
@@ -87,10 +91,12 @@ class Incarnations:
             raise ActorStartError(rec.name, f"cannot start a process: {e}") from e
         rec.proc = proc
         try:
-            await asyncio.wait({rec.ready, proc.exited}, timeout=cfg.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            verdict = await self._await_start(rec, proc)
         except asyncio.CancelledError:
             proc.kill_now()  # its group stays tracked until close() or the finalizer sweeps it
             raise
+        finally:
+            rec.starting = None
         if rec.ready.done() and rec.ready.exception() is None and proc.alive:
             rec.client = ActorClient(self._resources.ctx, rec.name, rec.ready.result(), cfg.max_message_bytes, keys=self._resources.keys)
             rec.last_heartbeat = time.monotonic()
@@ -102,11 +108,29 @@ class Incarnations:
         if rec.ready.done() and rec.ready.exception() is not None:
             error = rec.ready.exception()
         elif not proc.alive:
-            error = ActorStartError(rec.name, f"process {proc.exit_description()} during start{_words(rec)}")
+            error = ActorNotReadyError(rec.name, f"process {proc.exit_description()} during start{_words(rec)}")
         else:
-            error = ActorStartError(rec.name, f"not ready within start_timeout_s={cfg.start_timeout_s:g}")
+            error = ActorNotReadyError(rec.name, verdict)
         await self._reap(proc)
         raise error
+
+    async def _await_start(self, rec: ActorRecord, proc: ActorProcess) -> str:
+        """Wait for ``Ready``, the process's exit, or a verdict of ``rec.starting`` (a deadline
+        that each reported phase moves, or the heartbeats' silence); the verdict, or "" when the
+        wait ended otherwise."""
+        watch = rec.starting
+        while not (rec.ready.done() or proc.exited.done()):
+            verdict = watch.verdict()
+            if verdict is not None:
+                return verdict
+            progress = asyncio.ensure_future(watch.changed.wait())
+            try:
+                await asyncio.wait({rec.ready, proc.exited, progress}, timeout=watch.seconds_left(),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                progress.cancel()
+            watch.changed.clear()
+        return ""
 
     def _start_process(self, rec: ActorRecord) -> ChildProcess:
         res = self._resources

@@ -20,6 +20,7 @@ from asyncrl.runtime.timeouts import timeout
 if TYPE_CHECKING:
     from asyncrl.runtime.client import ActorClient
     from asyncrl.runtime.process import ActorProcess
+    from asyncrl.runtime.start_watch import StartWatch
     from asyncrl.runtime.transport import LoopSocket
 
 
@@ -57,6 +58,8 @@ class ActorRecord:
     routing_id: bytes | None = None
     channel: LoopSocket | None = None
     ready: asyncio.Future | None = None
+    starting: StartWatch | None = None
+    """While an incarnation starts: its phases, deadline and heartbeats (`Incarnations.start`)."""
     last_heartbeat: float = 0.0
     last_words: str = ""
     kill_reason: str = ""

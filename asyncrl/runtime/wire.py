@@ -115,6 +115,19 @@ class Heartbeat(_Msg, tag=13):
     incarnation: int
 
 
+class StartPhase(_Msg, tag=15):
+    """A starting actor names what it is doing (``asyncrl.runtime.start_phase``): the supervisor's
+    start deadline becomes now + max(start_timeout_s, ``budget_s``). ``knob`` is the setting that
+    raises ``budget_s`` (named when the phase overruns it); "" when there is none. Sent from the
+    heartbeat thread, so a constructor that holds the event loop still gets it out."""
+
+    actor: str
+    incarnation: int
+    phase: str
+    budget_s: float = 0.0
+    knob: str = ""
+
+
 class Dead(_Msg, tag=14):
     """Last words of a worker that is exiting (sent with linger), so the supervisor can say why."""
 
@@ -148,7 +161,7 @@ class Shutdown(_Msg, tag=21):
 
 # --- node agent -> supervisor ----------------------------------------------------------------
 
-NODE_PROTOCOL = 1
+NODE_PROTOCOL = 2
 """Bumped whenever a node message changes; an agent of another version is refused at join."""
 
 
@@ -248,7 +261,10 @@ class NodeShutdown(_Msg, tag=45):
 
 ToActor = Union[Call, Cancel, StreamCredit]
 FromActor = Union[Reply, StreamItem, StreamEnd, Failure]
-ToSupervisor = Union[Hello, Ready, StartFailed, Heartbeat, Dead]
+ToSupervisor = Union[Hello, Ready, StartFailed, Heartbeat, StartPhase, Dead]
 ToWorker = Union[Init, Shutdown]
-FromNode = Union[Hello, Ready, StartFailed, Heartbeat, Dead, NodeHello, NodeHeartbeat, ActorStarted, ActorExited, ActorLog, NodeLeaving]
+FromNode = Union[
+    Hello, Ready, StartFailed, Heartbeat, StartPhase, Dead,
+    NodeHello, NodeHeartbeat, ActorStarted, ActorExited, ActorLog, NodeLeaving,
+]
 ToAgent = Union[NodeWelcome, NodeRejected, SpawnActor, StopActor, KillActor, NodeShutdown]

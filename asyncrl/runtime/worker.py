@@ -17,6 +17,7 @@ that the parent put in ``ASYNCRL_CLUSTER_SECRET``, and the actor's ROUTER admits
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import importlib
 import importlib.util
@@ -29,7 +30,7 @@ import traceback
 import msgspec
 import zmq
 
-from asyncrl.runtime import wire
+from asyncrl.runtime import startup, wire
 from asyncrl.runtime.actor import init_spec
 from asyncrl.runtime.auth import ClusterKeys, Gatekeeper, keys_from_env
 from asyncrl.runtime.loop import run
@@ -76,20 +77,48 @@ def _arm_parent_death(parent_pid: int, death_fd: int) -> None:
 
 class _Heartbeat(threading.Thread):
     """Beats from a thread with its own socket, so a long blocking endpoint (a training step
-    holding the loop) does not look like death; a frozen or stopped process does."""
+    holding the loop) does not look like death; a frozen or stopped process does.
+
+    It also carries the actor's start phases (`startup.start_phase`), from whichever thread
+    reports them: they are queued and the thread woken, so one goes out at once, before the next
+    beat, even while the constructor holds the event loop."""
 
     def __init__(self, address: str, actor: str, incarnation: int, interval_s: float, keys: ClusterKeys | None):
         super().__init__(name="asyncrl-heartbeat", daemon=True)
         self.address, self.interval_s, self.keys = address, interval_s, keys
+        self.actor, self.incarnation = actor, incarnation
         self.body = msgspec.msgpack.encode(wire.Heartbeat(actor, incarnation))
         self.stopped = threading.Event()
+        self._wake = threading.Event()
+        self._phases: collections.deque[bytes] = collections.deque(maxlen=16)  # only the latest matter
+
+    def report_phase(self, phase: str, budget_s: float, knob: str) -> None:
+        """Queue a start phase for the supervisor (any thread)."""
+        msg = wire.StartPhase(self.actor, self.incarnation, phase, budget_s, knob)
+        self._phases.append(msgspec.msgpack.encode(msg))
+        self._wake.set()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self._wake.set()
 
     def run(self) -> None:
         ctx = zmq.Context()
         sock = connect_dealer(ctx, self.address, hwm=4, keys=self.keys)
         try:
-            while not self.stopped.wait(self.interval_s):
+            while True:
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                if self.stopped.is_set():
+                    break
                 try:
+                    while self._phases:
+                        phase = self._phases.popleft()
+                        try:
+                            sock.send(phase, zmq.NOBLOCK)
+                        except zmq.Again:
+                            self._phases.appendleft(phase)  # sent with the next beat
+                            raise
                     sock.send(self.body, zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # supervisor busy; the next beat will do
@@ -159,6 +188,7 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
         sys.path[:] = [*init.sys_path, *(p for p in sys.path if p not in init.sys_path)]
         heartbeat = _Heartbeat(sup_address, name, incarnation, init.heartbeat_interval_s, keys)
         heartbeat.start()
+        startup.install(heartbeat.report_phase)
         try:
             cls = load_class(init)
             spec = init_spec(cls)
@@ -175,6 +205,8 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
             control.say(wire.StartFailed(name, incarnation, type(e).__name__, str(e), tb))
             return 1
+        finally:
+            startup.install(None)  # ready (or failed): a phase reported from now on means nothing
         control.say(wire.Ready(name, incarnation, address))
         await control.shutdown  # the supervisor's word, or our death by signal, ends this
         await server.close()
@@ -187,7 +219,7 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
         return 1
     finally:
         if heartbeat is not None:
-            heartbeat.stopped.set()
+            heartbeat.stop()
         if server is not None:
             server.sock.close()
         control.sock.close()  # lingers up to 2 s for queued last words

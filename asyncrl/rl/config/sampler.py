@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -38,8 +39,15 @@ class SamplerConfig:
     gpu_memory_utilization: float = 0.0
     """vLLM on a GPU: the share of the GPU's memory each engine reserves (0: vLLM's default alone on
     a GPU; 0.3 split among the samplers when they share the trainer's GPU). See docs/gpu.md."""
+    engine_start_timeout_s: float = 900.0
+    """vLLM: how long a sampler's start may spend loading the model and building its engine before
+    it counts as hung. A first start on a fresh GPU machine compiles the model (torch.compile) and
+    captures CUDA graphs, minutes for a small model, more for a large one; later starts reuse
+    vLLM's compile cache. The rest of a start still has ``asyncrl launch --start_timeout_s``."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.engine_start_timeout_s) and self.engine_start_timeout_s > 0):
+            raise ValueError(f"engine_start_timeout_s must be a finite number > 0, not {self.engine_start_timeout_s!r}")
         if self.weight_update not in ("in_flight", "pause"):
             raise ValueError(f"weight_update must be 'in_flight' or 'pause', not {self.weight_update!r}")
         if self.backend not in ("auto", "vllm", "hf"):

@@ -17,9 +17,10 @@ import os
 import signal
 import threading
 import time
+import traceback
 from typing import Any
 
-from asyncrl.errors import first_line
+from asyncrl.errors import ActionableError, first_line, one_line
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, config_to_dict
@@ -177,14 +178,20 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         raise  # refused before the run began (a CheckpointError too): nothing to record or resume
     except Exception as exc:
         stop = _run_dir_error(exc, run_dir) or exc
-        if not isinstance(stop, RunStoppedError):  # a bug: its traceback follows
+        if not isinstance(stop, (RunStoppedError, ActionableError)):  # a bug: its traceback follows
             where, hint = stopped(type(exc).__name__, first_line(exc))
             log(f"run stopped {where} by an error ({type(exc).__name__}); {hint}")
             raise
-        where, hint = stopped(type(stop).__name__, str(stop))
-        message = f"run stopped {where}: {stop}; {hint}"
-        console.record(message)  # the caller prints the error; the log keeps it too
-        raise type(stop)(message) from exc
+        # The user's to fix (a start that overran, memory that ran out: `ActionableError`, its
+        # own type even from an actor) or a stop the driver already put in words: one line.
+        text = str(stop) if isinstance(stop, RunStoppedError) else one_line(stop)
+        where, hint = stopped(type(stop).__name__, text)
+        message = f"run stopped {where}: {text}; {hint}"
+        console.record(message)  # the caller prints the error; the log keeps it too, with the traceback
+        console.record("".join(traceback.format_exception(exc)).rstrip("\n"))
+        if isinstance(stop, RunStoppedError):
+            raise type(stop)(message) from exc
+        raise RunStoppedError(message) from exc  # ``from``: the caller still finds exc by its type
     finally:
         if endpoint is not None:
             endpoint.close()

@@ -38,6 +38,7 @@ from asyncrl.rl.tasks.episodes import EpisodeRunner, Sample
 from asyncrl.rl.tasks.loading import TaskSpec, load_task
 from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.runtime.actor import endpoint
+from asyncrl.runtime.startup import start_phase
 from asyncrl.runtime.timeouts import timeout
 
 
@@ -73,6 +74,11 @@ class SamplerActor(SyncMember):
             torch.set_num_threads(cpu_threads)
         self.backend_name = choose_backend(config.backend, self.device)  # said before the (long) load
         print(f"sampler {self.name}: {self.backend_name} backend (asked for {config.backend!r})", flush=True)
+        if self.backend_name == "vllm":  # the engine loads the model itself, and on a fresh GPU machine compiles it
+            start_phase(f"loading {model_path} and building the vLLM engine (compile, CUDA graphs)",
+                        budget_s=config.engine_start_timeout_s, knob="--sampler.engine_start_timeout_s")
+        else:
+            start_phase(f"loading {model_path}")
         # A pause for a sync lasts at most sync_timeout_s: a generate held by one gives up only well after.
         self.backend, self.fmt = make_backend(self.backend_name, model_path, device=self.device, seed=seed,
                                               in_flight=self.in_flight, resume_timeout_s=3 * sync_timeout_s,
@@ -81,6 +87,7 @@ class SamplerActor(SyncMember):
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
                                        temperature=config.temperature, top_p=config.top_p,
                                        stop_token_ids=list(self.fmt.stop_token_ids))
+        start_phase(f"loading the task {task.name or task.reward}")
         self.task = load_task(task)
         self.problems = self.task.splits(data.data_seed, data.n_train, data.n_heldout).train
         self.calls = UserCalls(self.task.task_name(), task.score_timeout_s, task.max_failure_rate)

@@ -24,7 +24,7 @@ import torch
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import WeightSender
-from asyncrl.errors import AsyncrlError
+from asyncrl.errors import ActionableError, crosses_processes
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
@@ -35,6 +35,7 @@ from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.runtime.actor import endpoint
+from asyncrl.runtime.startup import start_phase
 
 
 ADAPTER_DIR = "adapter"
@@ -42,8 +43,10 @@ ADAPTER_DIR = "adapter"
 beside the merged checkpoint."""
 
 
-class TrainerMemoryError(AsyncrlError):
-    """A micro-batch did not fit in the trainer's device memory."""
+@crosses_processes
+class TrainerMemoryError(ActionableError):
+    """A micro-batch did not fit in the trainer's device memory; the message names the settings
+    that make it fit. It reaches the driver as itself (`crosses_processes`)."""
 
 
 class TrainerActor(RankMember, SyncMember):
@@ -65,11 +68,13 @@ class TrainerActor(RankMember, SyncMember):
             self.device = torch.device("cuda", 0)  # the actor sees only its own GPU
             torch.cuda.set_device(self.device)
         self.model_path = model_path
+        start_phase(f"loading the policy {model_path}")
         self.model, self.tokenizer, self.fmt = self._policy()
         # The KL term's reference: the starting policy. With LoRA that is the frozen base already
         # in memory (the adapters switched off, `_reference`), so no copy is loaded.
         self.ref = None
         if self.config.loss.kl_coef > 0 and not self.config.lora.rank:
+            start_phase("loading the KL reference (a second copy of the policy)")
             self.ref, _, _ = self._load_policy(model_path)
             self.ref.eval().requires_grad_(False)
         self.optimizer = self._new_optimizer()

@@ -1,0 +1,14 @@
+"""An actor whose endpoint raises the trainer's `TrainerMemoryError` (a module of its own: it
+imports the trainer, torch and all, which the other test actors need not)."""
+
+from __future__ import annotations
+
+from asyncrl import Actor, endpoint
+from asyncrl.rl.trainer.actor import TrainerMemoryError
+
+
+class RunsOutOfMemory(Actor):
+    @endpoint
+    async def train_step(self) -> None:
+        raise TrainerMemoryError("train step 1 ran out of cuda memory on a micro-batch of 8 x 512 tokens "
+                                 "(--trainer.micro_batch_tokens 4096): lower that")
