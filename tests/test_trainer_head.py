@@ -1,7 +1,10 @@
 """The fused output layer (``trainer/chunked_head.py``, ``trainer/scoring.py``): the same log-probs,
-entropy, loss and gradients as the full-logits path, without ``[tokens, vocab]`` logits."""
+entropy, loss and gradients as the full-logits path, without ``[tokens, vocab]`` logits; and
+``--trainer.micro_batch_tokens 0`` (auto, ``trainer/memory_budget.py``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,8 +12,11 @@ import torch
 from asyncrl.rl.config.trainer import GRPOLossConfig, LoRAConfig, TrainerConfig
 from asyncrl.rl.trainer.chunked_head import head_logprobs
 from asyncrl.rl.trainer.loss import token_entropy, token_logprobs
+from asyncrl.rl.trainer.memory_budget import auto_micro_batch_tokens, resolve_micro_batch_tokens
 from asyncrl.rl.trainer.scoring import fused_head_fallback
 from tests.test_packing import embedded_path, random_groups  # noqa: F401 (a fixture)
+
+QWEN_05B = dict(hidden_size=896, num_layers=24, intermediate_size=4864, num_heads=14, vocab_size=151936)
 
 
 def full_path(hidden, weight, bias, targets, temperature):
@@ -157,3 +163,56 @@ def test_the_fallback_is_taken_for_a_soft_capped_head_and_a_sharded_trainer(embe
     monkeypatch.setattr(actor_module, "scored_logprobs", spy)
     trainer._train_step(random_groups(seed=3, n_groups=2))
     assert seen and not any(seen)
+
+
+# --- micro_batch_tokens 0: auto ------------------------------------------------------------------
+
+
+def test_auto_micro_batch_tokens_grows_with_free_memory_and_with_checkpointing():
+    gib = 1 << 30
+    plain = [auto_micro_batch_tokens(f * gib, **QWEN_05B, checkpointing=False) for f in (8, 20, 40, 60)]
+    assert plain == sorted(plain) and plain[0] < plain[-1]
+    for free in (20, 40):
+        assert (auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=True)
+                > auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=False))
+    # full logits (the fallback) cost ~6 B a vocabulary entry a token: far fewer tokens
+    assert (auto_micro_batch_tokens(40 * gib, **QWEN_05B, checkpointing=False, full_logits=True)
+            < auto_micro_batch_tokens(40 * gib, **QWEN_05B, checkpointing=False))
+
+
+def test_auto_micro_batch_tokens_clamps_and_rounds_down_to_1024():
+    gib = 1 << 30
+    assert auto_micro_batch_tokens(0, **QWEN_05B, checkpointing=False) == 1024
+    assert auto_micro_batch_tokens(2 * gib, **QWEN_05B, checkpointing=False) == 1024  # less than fits: the floor
+    assert auto_micro_batch_tokens(10_000 * gib, **QWEN_05B, checkpointing=True) == 65536
+    for free in (9, 13, 27, 41):
+        tokens = auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=False)
+        assert tokens % 1024 == 0 and 1024 <= tokens <= 65536
+    # 20 GiB for a 0.5B shape: (0.85 x 20 GiB - 2.76 GiB fixed) / 2,043,200 B a token = 7482 -> 7168
+    assert auto_micro_batch_tokens(20 * gib, **QWEN_05B, checkpointing=False) == 7168
+
+
+def test_auto_on_cpu_is_the_old_default_and_an_explicit_value_is_kept(embedded_path):  # noqa: F811
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    assert TrainerConfig().micro_batch_tokens == 0
+    trainer = TrainerActor(embedded_path, TrainerConfig())
+    assert trainer.micro_batch_tokens() == 16384
+    metrics = trainer._train_step(random_groups(seed=5, n_groups=2))
+    assert metrics["micro_batch_tokens"] == 16384
+    cpu = torch.device("cpu")
+    assert resolve_micro_batch_tokens(0, trainer.model, trainer.optimizer, cpu, checkpointing=False,
+                                      full_logits=False, pack_tokens=20000) == (20000, 0)
+    assert resolve_micro_batch_tokens(512, trainer.model, trainer.optimizer, cpu, checkpointing=False,
+                                      full_logits=False) == (512, 0)
+
+
+def test_pack_tokens_is_checked_against_the_explicit_budget_or_auto_s_most():
+    TrainerConfig(pack_tokens=65536)  # auto picks at least pack_tokens
+    with pytest.raises(ValueError, match="pack_tokens"):
+        TrainerConfig(pack_tokens=65537)
+    with pytest.raises(ValueError, match="pack_tokens"):
+        TrainerConfig(micro_batch_tokens=100, pack_tokens=200)
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        TrainerConfig(micro_batch_tokens=-1)
+    assert dataclasses.replace(TrainerConfig(), micro_batch_tokens=4096).micro_batch_tokens == 4096

@@ -76,6 +76,7 @@ class TrainerActor(RankMember, SyncMember):
         self.optimizer = self._new_optimizer()
         self.sender: WeightSender | None = None
         self.steps = 0
+        self._auto_tokens = 0  # --trainer.micro_batch_tokens 0 once resolved (`micro_batch_tokens`)
 
     def _load_policy(self, path: str):
         from asyncrl.rl.model.policy import load_policy
@@ -159,7 +160,7 @@ class TrainerActor(RankMember, SyncMember):
         start = time.perf_counter()
         cfg = self.config
         advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
-        budget = cfg.micro_batch_tokens
+        budget = self.micro_batch_tokens()
         if cfg.pack_tokens:
             batches = packed_micro_batches(groups, advantages, budget, self.device, cfg.pack_tokens)
         else:
@@ -178,8 +179,25 @@ class TrainerActor(RankMember, SyncMember):
         sums.pop("tokens", None)
         sums.pop("ratio_max", None)
         sums.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=len(batches),
-                    train_s=time.perf_counter() - start)
+                    micro_batch_tokens=budget, train_s=time.perf_counter() - start)
         return sums
+
+    def micro_batch_tokens(self) -> int:
+        """``--trainer.micro_batch_tokens``, or auto's choice (``trainer/memory_budget.py``), made
+        at the first step that needs it: the policy is on its device then, a colocated vLLM
+        engine has taken its share, and the optimiser state yet to come is counted."""
+        if self.config.micro_batch_tokens:
+            return self.config.micro_batch_tokens
+        if not self._auto_tokens:
+            from asyncrl.rl.trainer.memory_budget import resolve_micro_batch_tokens
+
+            cfg = self.config
+            self._auto_tokens, free = resolve_micro_batch_tokens(
+                0, self.model, self.optimizer, self.device, checkpointing=cfg.activation_checkpointing,
+                full_logits=bool(self._fallback_reason()), pack_tokens=cfg.pack_tokens)
+            where = f"{free / 2**30:.1f} GiB free" if free else f"{self.device.type}: the fixed default"
+            print(f"trainer: micro_batch_tokens auto -> {self._auto_tokens} ({where})", flush=True)
+        return self._auto_tokens
 
     def _fallback_reason(self) -> str:
         """Why this trainer scores through full logits ("" when it does not: ``trainer/scoring.py``)."""
@@ -207,9 +225,10 @@ class TrainerActor(RankMember, SyncMember):
             torch.cuda.empty_cache()
         rows, length = batch.input_ids.shape
         cfg = self.config
+        budget = f"{cfg.micro_batch_tokens}" if cfg.micro_batch_tokens else f"0, auto -> {self._auto_tokens}"
         return TrainerMemoryError(
             f"train step {self.steps + 1} ran out of {self.device.type} memory on a micro-batch of {rows} x {length} "
-            f"tokens (--trainer.micro_batch_tokens {cfg.micro_batch_tokens}): lower that, or set "
+            f"tokens (--trainer.micro_batch_tokens {budget}): set it lower, or set "
             f"--trainer.activation_checkpointing, --trainer.pack_tokens or --trainer.lora.rank (docs/trainer.md). "
             f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
