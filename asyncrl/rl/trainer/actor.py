@@ -201,7 +201,8 @@ class TrainerActor(RankMember, SyncMember):
 
     def _fallback_reason(self) -> str:
         """Why this trainer scores through full logits ("" when it does not: ``trainer/scoring.py``)."""
-        return fused_head_fallback(self.model, self.config.world_size)
+        # the rank group, not the config: a rank joins a group whatever its config's world_size says
+        return fused_head_fallback(self.model, self.ranks.world_size if self.ranks is not None else 1)
 
     def _accumulate_all(self, batches: list[MicroBatch], normalizer: float, n_tokens: float) -> dict[str, float]:
         """Gradients of every micro-batch into the parameters; the step's metrics: loss terms
