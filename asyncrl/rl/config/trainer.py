@@ -41,6 +41,10 @@ class GRPOLossConfig:
 
 
 LORA_SYNC_MODES = ("merged", "adapter")
+AUTO_CPU_MICRO_BATCH_TOKENS = 16384
+"""``micro_batch_tokens`` 0 (auto) on CPU: the fixed default it always was."""
+AUTO_MICRO_BATCH_TOKENS_MAX = 65536
+"""The most ``micro_batch_tokens`` 0 (auto) picks on a GPU, however much memory is free."""
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -100,8 +104,12 @@ class TrainerConfig:
     """AdamW betas."""
     grad_clip: float = 1.0
     """Clip the gradient's global norm to this (0: no clipping)."""
-    micro_batch_tokens: int = 16384
-    """Token budget of one forward/backward (padded length x sequences)."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward (padded length x sequences). 0: auto, chosen by the
+    trainer at its first step: 16384 on CPU; on a GPU from the memory free once the policy, its
+    optimiser state (counted before it exists) and a colocated vLLM engine hold theirs, the model's
+    shape and ``activation_checkpointing``, with a safety margin, in [1024, 65536] by steps of 1024
+    (``trainer/memory_budget.py``; logged once, and each step's metrics report it)."""
     temperature: float | None = None
     """Log-probs are taken of logits / temperature. None: the samplers' ``--sampler.temperature``
     (1 for a trainer used on its own), the one value that gives the sampled tokens' true
@@ -129,7 +137,8 @@ class TrainerConfig:
     compute."""
     pack_tokens: int = 0
     """Pack several prompt + completion sequences into rows of up to this many tokens, attention
-    kept within each (``trainer/packing.py``); at most ``micro_batch_tokens``. 0: one padded
+    kept within each (``trainer/packing.py``); at most ``micro_batch_tokens`` (with auto, at most
+    65536, and auto picks no less than it). 0: one padded
     sequence per row. Same loss and gradients either way; packing saves the padding's compute."""
     attn_implementation: str = ""
     """The trainer model's attention implementation as transformers names it ("sdpa", "eager",
@@ -147,8 +156,8 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
         if not 0 <= self.lr_min_ratio <= 1:
             raise ValueError(f"lr_min_ratio must be in [0, 1], not {self.lr_min_ratio!r}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1, not {self.micro_batch_tokens!r}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens must be >= 1, or 0 for auto, not {self.micro_batch_tokens!r}")
         if self.temperature is not None and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, not {self.temperature!r}")
         if self.world_size < 1:
@@ -158,6 +167,9 @@ class TrainerConfig:
         if self.world_size > 1 and (self.lora.rank or self.pack_tokens):
             raise ValueError("world_size > 1 trains the whole model unpacked for now: lora.rank and pack_tokens "
                              "need world_size 1")
-        if not 0 <= self.pack_tokens <= self.micro_batch_tokens:
-            raise ValueError(f"pack_tokens must be in [0, micro_batch_tokens = {self.micro_batch_tokens}] "
+        # auto (0) resolves to at least pack_tokens, so a packed row is still one forward at most
+        most = self.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS_MAX
+        if not 0 <= self.pack_tokens <= most:
+            raise ValueError(f"pack_tokens must be in [0, micro_batch_tokens = {most}"
+                             f"{' (auto: its most)' if not self.micro_batch_tokens else ''}] "
                              f"(a packed row is one forward at most), not {self.pack_tokens!r}")

@@ -30,10 +30,11 @@ from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
-from asyncrl.rl.trainer.loss import group_advantages, grpo_loss, token_entropy, token_logprobs
-from asyncrl.rl.trainer.packing import packed_micro_batches, policy_logits
+from asyncrl.rl.trainer.loss import group_advantages, grpo_loss
+from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
+from asyncrl.rl.trainer.scoring import fused_head_fallback, scored_logprobs
 from asyncrl.runtime.actor import endpoint
 from asyncrl.runtime.startup import start_phase
 
@@ -80,6 +81,7 @@ class TrainerActor(RankMember, SyncMember):
         self.optimizer = self._new_optimizer()
         self.sender: WeightSender | None = None
         self.steps = 0
+        self._auto_tokens = 0  # --trainer.micro_batch_tokens 0 once resolved (`micro_batch_tokens`)
 
     def _load_policy(self, path: str):
         from asyncrl.rl.model.policy import load_policy
@@ -163,10 +165,11 @@ class TrainerActor(RankMember, SyncMember):
         start = time.perf_counter()
         cfg = self.config
         advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
+        budget = self.micro_batch_tokens()
         if cfg.pack_tokens:
-            batches = packed_micro_batches(groups, advantages, cfg.micro_batch_tokens, self.device, cfg.pack_tokens)
+            batches = packed_micro_batches(groups, advantages, budget, self.device, cfg.pack_tokens)
         else:
-            batches = micro_batches(groups, advantages, cfg.micro_batch_tokens, self.device)
+            batches = micro_batches(groups, advantages, budget, self.device)
         n_tokens = float(sum(int(b.mask.sum()) for b in batches))
         n_seqs = float(sum(int(b.mask.any(dim=1).sum()) for b in batches))
         normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
@@ -181,8 +184,30 @@ class TrainerActor(RankMember, SyncMember):
         sums.pop("tokens", None)
         sums.pop("ratio_max", None)
         sums.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=len(batches),
-                    train_s=time.perf_counter() - start)
+                    micro_batch_tokens=budget, train_s=time.perf_counter() - start)
         return sums
+
+    def micro_batch_tokens(self) -> int:
+        """``--trainer.micro_batch_tokens``, or auto's choice (``trainer/memory_budget.py``), made
+        at the first step that needs it: the policy is on its device then, a colocated vLLM
+        engine has taken its share, and the optimiser state yet to come is counted."""
+        if self.config.micro_batch_tokens:
+            return self.config.micro_batch_tokens
+        if not self._auto_tokens:
+            from asyncrl.rl.trainer.memory_budget import resolve_micro_batch_tokens
+
+            cfg = self.config
+            self._auto_tokens, free = resolve_micro_batch_tokens(
+                0, self.model, self.optimizer, self.device, checkpointing=cfg.activation_checkpointing,
+                full_logits=bool(self._fallback_reason()), pack_tokens=cfg.pack_tokens)
+            where = f"{free / 2**30:.1f} GiB free" if free else f"{self.device.type}: the fixed default"
+            print(f"trainer: micro_batch_tokens auto -> {self._auto_tokens} ({where})", flush=True)
+        return self._auto_tokens
+
+    def _fallback_reason(self) -> str:
+        """Why this trainer scores through full logits ("" when it does not: ``trainer/scoring.py``)."""
+        # the rank group, not the config: a rank joins a group whatever its config's world_size says
+        return fused_head_fallback(self.model, self.ranks.world_size if self.ranks is not None else 1)
 
     def _accumulate_all(self, batches: list[MicroBatch], normalizer: float, n_tokens: float) -> dict[str, float]:
         """Gradients of every micro-batch into the parameters; the step's metrics: loss terms
@@ -206,25 +231,25 @@ class TrainerActor(RankMember, SyncMember):
             torch.cuda.empty_cache()
         rows, length = batch.input_ids.shape
         cfg = self.config
+        budget = f"{cfg.micro_batch_tokens}" if cfg.micro_batch_tokens else f"0, auto -> {self._auto_tokens}"
         return TrainerMemoryError(
             f"train step {self.steps + 1} ran out of {self.device.type} memory on a micro-batch of {rows} x {length} "
-            f"tokens (--trainer.micro_batch_tokens {cfg.micro_batch_tokens}): lower that, or set "
+            f"tokens (--trainer.micro_batch_tokens {budget}): set it lower, or set "
             f"--trainer.activation_checkpointing, --trainer.pack_tokens or --trainer.lora.rank (docs/trainer.md). "
             f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
     def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:
+        """One micro-batch's loss, its gradient added to the parameters; its metrics. Log-probs by
+        the fused head where it applies, else through full logits (``trainer/scoring.py``)."""
         cfg = self.config
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda" and cfg.bf16)
-        with autocast:
-            logits = policy_logits(self.model, batch)
-        logits = logits.float() / self.temperature
-        new = batch.scored(token_logprobs(logits, batch.input_ids))
+        score = dict(fused=not self._fallback_reason(), autocast_dtype=(
+            torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else None))
+        # the entropy: of the policy where it is scored (a metric)
+        new, entropy = scored_logprobs(self.model, batch, self.temperature, entropy=True, **score)
         ref = None
         if cfg.loss.kl_coef > 0:
-            with torch.no_grad(), autocast, self._reference() as reference:
-                ref_logits = policy_logits(reference, batch)
-            ref = batch.scored(token_logprobs(ref_logits.float() / self.temperature, batch.input_ids))
-        entropy = batch.scored(token_entropy(logits[:, :-1]))  # of the policy where it is scored (a metric)
+            with torch.no_grad(), self._reference() as reference:
+                ref, _ = scored_logprobs(reference, batch, self.temperature, **score)
         loss, metrics = grpo_loss(new, batch.behaviour, batch.advantages, batch.mask, cfg.loss,
                                   ref_logprobs=ref, entropy=entropy, normalizer=normalizer)
         loss.backward()

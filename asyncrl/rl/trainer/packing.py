@@ -54,30 +54,57 @@ def packed_micro_batches(groups: list[RolloutGroup], advantages: torch.Tensor, b
 def policy_logits(model, batch: MicroBatch) -> torch.Tensor:
     """``[R, L, V]`` logits of ``model`` on ``batch``, each sequence seeing only its own tokens (and
     no KV cache built: a training forward never decodes)."""
+    inputs, flat = layout_inputs(model, batch)
+    return _unflatten(model(**inputs).logits, batch, flat)
+
+
+def policy_hidden(model, batch: MicroBatch) -> torch.Tensor:
+    """``[R, L, H]`` final hidden states (after the final norm: what the output layer reads) of
+    ``model``'s decoder on ``batch``: `policy_logits`' forward without the output layer, the same
+    inputs in the same layout. ``model.get_decoder()`` reaches through a peft wrapper."""
+    inputs, flat = layout_inputs(model, batch)
+    return _unflatten(model.get_decoder()(**inputs).last_hidden_state, batch, flat)
+
+
+def layout_inputs(model, batch: MicroBatch) -> tuple[dict, bool]:
+    """The forward's keyword arguments for ``batch``'s layout (padded, packed under a 4-D mask, or
+    packed flat; see the module docstring), and whether the output is one flat row to split back
+    into ``batch``'s rows. Written once for every forward that scores a batch."""
     if batch.position_ids is None:
-        return model(input_ids=batch.input_ids, attention_mask=batch.attention, use_cache=False).logits
+        return dict(input_ids=batch.input_ids, attention_mask=batch.attention, use_cache=False), False
     if model.config._attn_implementation in MASKED_IMPLEMENTATIONS:
-        return masked_logits(model, batch)
-    return flat_logits(model, batch)
+        return masked_inputs(model, batch), False
+    return flat_inputs(batch), True
 
 
-def masked_logits(model, batch: MicroBatch) -> torch.Tensor:
+def masked_inputs(model, batch: MicroBatch) -> dict:
     """Packed rows through an explicit 4-D block-diagonal causal mask (sdpa, eager)."""
     blocks = block_causal_mask(batch.position_ids)
     if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
         blocks = torch.zeros(blocks.shape, device=blocks.device).masked_fill(~blocks, torch.finfo(torch.float32).min)
-    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=blocks,
-                 use_cache=False).logits
+    return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=blocks, use_cache=False)
+
+
+def flat_inputs(batch: MicroBatch) -> dict:
+    """Packed rows as one row with position ids and no mask: transformers finds the sequences from
+    the restarts (flash attention's varlen path on GPU; a mask it builds itself for sdpa/eager)."""
+    # use_cache=False: with a KV cache transformers skips looking for packed sequences
+    return dict(input_ids=batch.input_ids.reshape(1, -1), position_ids=batch.position_ids.reshape(1, -1),
+                use_cache=False)
+
+
+def masked_logits(model, batch: MicroBatch) -> torch.Tensor:
+    """`policy_logits` of packed rows under the 4-D mask, whatever the attention implementation."""
+    return model(**masked_inputs(model, batch)).logits
 
 
 def flat_logits(model, batch: MicroBatch) -> torch.Tensor:
-    """Packed rows as one row with position ids and no mask: transformers finds the sequences from
-    the restarts (flash attention's varlen path on GPU; a mask it builds itself for sdpa/eager)."""
-    rows, length = batch.input_ids.shape
-    # use_cache=False: with a KV cache transformers skips looking for packed sequences
-    logits = model(input_ids=batch.input_ids.reshape(1, -1), position_ids=batch.position_ids.reshape(1, -1),
-                   use_cache=False).logits
-    return logits.view(rows, length, -1)
+    """`policy_logits` of packed rows flattened, whatever the attention implementation."""
+    return _unflatten(model(**flat_inputs(batch)).logits, batch, True)
+
+
+def _unflatten(out: torch.Tensor, batch: MicroBatch, flat: bool) -> torch.Tensor:
+    return out.view(*batch.input_ids.shape, -1) if flat else out
 
 
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ class InjectedFault(RuntimeError):
 
 class RankMember(Actor):
     """Endpoints of one trainer rank. The actor provides ``model``, ``ref``, ``optimizer``,
-    ``device``, ``config`` and ``_accumulate``."""
+    ``device``, ``config``, ``micro_batch_tokens`` and ``_accumulate``."""
 
     ranks: RankGroup | None = None
     _rank_listener: socket.socket | None = None
@@ -149,7 +149,8 @@ class RankMember(Actor):
         n_tokens, n_seqs = (float(n) for n in batch_counts(groups))
         normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
         share, share_advantages = rank_share(groups, advantages, ranks.rank, ranks.world_size)
-        batches = micro_batches(share, share_advantages, cfg.micro_batch_tokens, self.device) if share else []
+        budget = self.micro_batch_tokens()
+        batches = micro_batches(share, share_advantages, budget, self.device) if share else []
         # Each forward and backward runs collectives: every rank takes as many micro-batches as
         # the one with the most, the others padded with batches that score nothing.
         count = torch.tensor([len(batches)], device=self.device)
@@ -171,7 +172,7 @@ class RankMember(Actor):
         dist.all_reduce(total)  # every rank's share of each (globally normalised) sum
         out = dict(zip(keys, total.tolist()))
         out.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=int(count),
-                   train_s=time.perf_counter() - start)
+                   micro_batch_tokens=budget, train_s=time.perf_counter() - start)
         return out
 
 

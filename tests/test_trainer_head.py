@@ -1,0 +1,218 @@
+"""The fused output layer (``trainer/chunked_head.py``, ``trainer/scoring.py``): the same log-probs,
+entropy, loss and gradients as the full-logits path, without ``[tokens, vocab]`` logits; and
+``--trainer.micro_batch_tokens 0`` (auto, ``trainer/memory_budget.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from asyncrl.rl.config.trainer import GRPOLossConfig, LoRAConfig, TrainerConfig
+from asyncrl.rl.trainer.chunked_head import head_logprobs
+from asyncrl.rl.trainer.loss import token_entropy, token_logprobs
+from asyncrl.rl.trainer.memory_budget import auto_micro_batch_tokens, resolve_micro_batch_tokens
+from asyncrl.rl.trainer.scoring import fused_head_fallback
+from tests.test_packing import embedded_path, random_groups  # noqa: F401 (a fixture)
+
+QWEN_05B = dict(hidden_size=896, num_layers=24, intermediate_size=4864, num_heads=14, vocab_size=151936)
+
+
+def full_path(hidden, weight, bias, targets, temperature):
+    """``token_logprobs`` on ``(h @ W.T + b) / T`` laid out as one row: position t predicts t + 1."""
+    logits = hidden @ weight.t() + (0 if bias is None else bias)
+    logits = torch.cat([logits, logits.new_zeros(1, logits.shape[1])]) / temperature
+    ids = torch.cat([targets.new_zeros(1), targets])
+    return token_logprobs(logits[None], ids[None])[0], logits[:-1]
+
+
+@pytest.mark.parametrize("n, chunk", [(13, 5), (3, 8), (16, 4), (7, 1)], ids=["ragged", "one-short", "even", "one"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_logprobs_and_gradients_equal_the_full_logits_path(n, chunk, bias, temperature):
+    torch.manual_seed(n * 10 + chunk)
+    vocab, width = 37, 8
+    hidden = torch.randn(n, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    b = torch.randn(vocab, requires_grad=True) if bias else None
+    targets = torch.randint(0, vocab, (n,))
+    upstream = torch.randn(n)  # a gradient that weighs every token differently
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+
+    got, _ = head_logprobs(hidden, weight, b, targets, temperature, chunk=chunk)
+    got_grads = torch.autograd.grad((got * upstream).sum(), inputs)
+    want, _ = full_path(hidden, weight, b, targets, temperature)
+    want_grads = torch.autograd.grad((want * upstream).sum(), inputs)
+
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        assert w.abs().max() > 1e-3
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_still_do():
+    torch.manual_seed(1)
+    hidden = torch.randn(9, 6, requires_grad=True)
+    weight = torch.randn(20, 6)  # LoRA: the head is frozen
+    targets = torch.randint(0, 20, (9,))
+    got, _ = head_logprobs(hidden, weight, None, targets, 1.3, chunk=4)
+    got.sum().backward()
+    ref = hidden.detach().requires_grad_()
+    full, _ = full_path(ref, weight, None, targets, 1.3)
+    full.sum().backward()
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden.grad, ref.grad, rtol=1e-5, atol=1e-5)
+    assert weight.grad is None
+
+
+def test_tied_embeddings_get_the_gradient_of_both_uses():
+    """The head's weight is the input embedding: its gradient sums the head's and the lookup's."""
+    torch.manual_seed(2)
+    vocab, width = 30, 8
+    embedding = torch.nn.Embedding(vocab, width)
+    mix = torch.randn(width, width)
+    ids = torch.randint(0, vocab, (11,))
+    targets = torch.randint(0, vocab, (11,))
+
+    def grads(fused: bool) -> torch.Tensor:
+        embedding.weight.grad = None
+        hidden = torch.tanh(embedding(ids) @ mix)
+        if fused:
+            lp, _ = head_logprobs(hidden, embedding.weight, None, targets, 0.8, chunk=3)
+        else:
+            lp, _ = full_path(hidden, embedding.weight, None, targets, 0.8)
+        (lp * torch.linspace(-1, 2, 11)).sum().backward()
+        return embedding.weight.grad.clone()
+
+    torch.testing.assert_close(grads(True), grads(False), rtol=1e-5, atol=1e-5)
+
+
+def test_the_entropy_of_the_fused_pass_is_token_entropy_s_and_the_no_grad_pass_gives_the_same_logprobs():
+    torch.manual_seed(3)
+    hidden, weight, b = torch.randn(10, 8), torch.randn(25, 8), torch.randn(25)
+    targets = torch.randint(0, 25, (10,))
+    lp, entropy = head_logprobs(hidden.requires_grad_(), weight, b, targets, 0.6, chunk=3, entropy=True)
+    want_lp, logits = full_path(hidden, weight, b, targets, 0.6)
+    torch.testing.assert_close(entropy, token_entropy(logits[None].detach())[0], rtol=1e-5, atol=1e-5)
+    assert not entropy.requires_grad and lp.requires_grad
+    with torch.no_grad():
+        lp_ng, none = head_logprobs(hidden, weight, b, targets, 0.6, chunk=4)
+    assert none is None and not lp_ng.requires_grad
+    torch.testing.assert_close(lp_ng, want_lp.detach(), rtol=1e-5, atol=1e-5)
+
+
+# --- a whole train step: the fused path against the full-logits one --------------------------------
+
+
+def step(path: str, config: TrainerConfig, groups, fused: bool):
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    trainer = TrainerActor(path, config)
+    assert trainer._fallback_reason() == ""  # the embedded Qwen2 takes the fused path by default
+    if not fused:
+        trainer._fallback_reason = lambda: "forced by the test"
+    metrics = trainer._train_step(groups)
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return metrics, grads
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed-sdpa", "packed-eager", "packed-flat"])
+@pytest.mark.parametrize("lora, kl", [(0, 0.0), (0, 0.05), (4, 0.05)], ids=["full", "full-kl", "lora-kl"])
+def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, monkeypatch,  # noqa: F811
+                                                                layout, lora, kl):
+    """fp32, multi-turn action masks, temperature 0.8: loss, metrics and every gradient to 1e-5.
+    The embedded model ties its embeddings, so the head's gradient meets the lookup's."""
+    torch.set_num_threads(1)
+    if layout == "packed-flat":  # the layout flash attention gets, taken under sdpa
+        monkeypatch.setattr("asyncrl.rl.trainer.packing.MASKED_IMPLEMENTATIONS", ())
+    config = TrainerConfig(micro_batch_tokens=200, pack_tokens=0 if layout == "padded" else 96, temperature=0.8,
+                           attn_implementation="eager" if layout == "packed-eager" else "",
+                           loss=GRPOLossConfig(kl_coef=kl), lora=LoRAConfig(rank=lora))
+    groups = random_groups(seed=7)
+    fused, grads_fused = step(embedded_path, config, groups, fused=True)
+    full, grads_full = step(embedded_path, config, groups, fused=False)
+    for key in ("loss", "pg_loss", "ratio_mean", "entropy", "tokens") + (("kl",) if kl else ()):
+        assert fused[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+    if kl and lora:
+        assert full["kl"] == 0.0  # a fresh adapter is the base: nothing yet to pull back from
+    assert grads_fused.keys() == grads_full.keys() and any(g.abs().max() > 1e-4 for g in grads_full.values())
+    if not lora:
+        assert "lm_head.weight" in grads_full or "model.embed_tokens.weight" in grads_full
+    for name, g in grads_full.items():
+        torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_fallback_is_taken_for_a_soft_capped_head_and_a_sharded_trainer(embedded_path, monkeypatch):  # noqa: F811
+    from asyncrl.rl.trainer import actor as actor_module
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    torch.set_num_threads(1)
+    trainer = TrainerActor(embedded_path, TrainerConfig(micro_batch_tokens=200))
+    assert "world_size 2" in fused_head_fallback(trainer.model, world_size=2)
+    trainer.model.config.final_logit_softcapping = 30.0
+    assert "final_logit_softcapping" in trainer._fallback_reason()
+    seen = []
+    real = actor_module.scored_logprobs
+
+    def spy(*args, fused, **kwargs):
+        seen.append(fused)
+        return real(*args, fused=fused, **kwargs)
+
+    monkeypatch.setattr(actor_module, "scored_logprobs", spy)
+    trainer._train_step(random_groups(seed=3, n_groups=2))
+    assert seen and not any(seen)
+
+
+# --- micro_batch_tokens 0: auto ------------------------------------------------------------------
+
+
+def test_auto_micro_batch_tokens_grows_with_free_memory_and_with_checkpointing():
+    gib = 1 << 30
+    plain = [auto_micro_batch_tokens(f * gib, **QWEN_05B, checkpointing=False) for f in (8, 20, 40, 60)]
+    assert plain == sorted(plain) and plain[0] < plain[-1]
+    for free in (20, 40):
+        assert (auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=True)
+                > auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=False))
+    # full logits (the fallback) cost ~6 B a vocabulary entry a token: far fewer tokens
+    assert (auto_micro_batch_tokens(40 * gib, **QWEN_05B, checkpointing=False, full_logits=True)
+            < auto_micro_batch_tokens(40 * gib, **QWEN_05B, checkpointing=False))
+
+
+def test_auto_micro_batch_tokens_clamps_and_rounds_down_to_1024():
+    gib = 1 << 30
+    assert auto_micro_batch_tokens(0, **QWEN_05B, checkpointing=False) == 1024
+    assert auto_micro_batch_tokens(2 * gib, **QWEN_05B, checkpointing=False) == 1024  # less than fits: the floor
+    assert auto_micro_batch_tokens(10_000 * gib, **QWEN_05B, checkpointing=True) == 65536
+    for free in (9, 13, 27, 41):
+        tokens = auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=False)
+        assert tokens % 1024 == 0 and 1024 <= tokens <= 65536
+    # 20 GiB for a 0.5B shape: (0.85 x 20 GiB - 2.76 GiB fixed) / 2,043,200 B a token = 7482 -> 7168
+    assert auto_micro_batch_tokens(20 * gib, **QWEN_05B, checkpointing=False) == 7168
+
+
+def test_auto_on_cpu_is_the_old_default_and_an_explicit_value_is_kept(embedded_path):  # noqa: F811
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    assert TrainerConfig().micro_batch_tokens == 0
+    trainer = TrainerActor(embedded_path, TrainerConfig())
+    assert trainer.micro_batch_tokens() == 16384
+    metrics = trainer._train_step(random_groups(seed=5, n_groups=2))
+    assert metrics["micro_batch_tokens"] == 16384
+    cpu = torch.device("cpu")
+    assert resolve_micro_batch_tokens(0, trainer.model, trainer.optimizer, cpu, checkpointing=False,
+                                      full_logits=False, pack_tokens=20000) == (20000, 0)
+    assert resolve_micro_batch_tokens(512, trainer.model, trainer.optimizer, cpu, checkpointing=False,
+                                      full_logits=False) == (512, 0)
+
+
+def test_pack_tokens_is_checked_against_the_explicit_budget_or_auto_s_most():
+    TrainerConfig(pack_tokens=65536)  # auto picks at least pack_tokens
+    with pytest.raises(ValueError, match="pack_tokens"):
+        TrainerConfig(pack_tokens=65537)
+    with pytest.raises(ValueError, match="pack_tokens"):
+        TrainerConfig(micro_batch_tokens=100, pack_tokens=200)
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        TrainerConfig(micro_batch_tokens=-1)
+    assert dataclasses.replace(TrainerConfig(), micro_batch_tokens=4096).micro_batch_tokens == 4096
