@@ -72,6 +72,8 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str) -> dict:
             "step_s": step_s, "generate_s": gen, "train_s": train, "sync_s": sync,
             "idle_s": max(step_s - gen - train - sync, 0.0), "micro_batches": mean("micro_batches"),
             "mfu": mean("mfu") if "mfu" in window[0] else None, "wall_s": wall, "steps": len(window),
+            "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in records) or None,
+            "micro_batch_tokens": window[0].get("micro_batch_tokens"),
             "first_step_s": records[0]["time_s"]}
 
 
@@ -148,15 +150,17 @@ def make_shape(shape: str, path: str) -> None:
 
 
 def table(shape: str, results: dict[str, dict]) -> str:
-    rows = ["| run | samples/s | tokens/s | step s | generate s | train s | sync s | idle s | wall s |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | samples/s | tokens/s | step s | generate s | train s | sync s | idle s | trainer MFU | "
+            "trainer peak GiB | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:90]} | | | | | | | {r['wall_s']:.0f} |")
+            rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:90]} | | | | | | | | | {r['wall_s']:.0f} |")
             continue
         cell = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else ""  # noqa: E731
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
         rows.append(f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {cell('step_s')} | "
-                    f"{cell('generate_s')} | {cell('train_s')} | {cell('sync_s')} | {cell('idle_s')} | {r['wall_s']:.0f} |")
+                    f"{cell('generate_s')} | {cell('train_s')} | {cell('sync_s')} | {cell('idle_s')} | {mfu} | "
+                    f"{cell('peak_gib')} | {r['wall_s']:.0f} |")
     trl = results.get("trl", {}).get("samples_per_s")
     if trl:
         rows += [f"{name}: {r['samples_per_s'] / trl:.2f}x TRL" for name, r in results.items()

@@ -82,6 +82,7 @@ class TrainerActor(RankMember, SyncMember):
         self.sender: WeightSender | None = None
         self.steps = 0
         self._auto_tokens = 0  # --trainer.micro_batch_tokens 0 once resolved (`micro_batch_tokens`)
+        self._flops: tuple[int, float] | None = None  # decoder parameters and the device's peak (`_utilisation`)
 
     def _load_policy(self, path: str):
         from asyncrl.rl.model.policy import load_policy
@@ -164,6 +165,8 @@ class TrainerActor(RankMember, SyncMember):
     def _train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
         start = time.perf_counter()
         cfg = self.config
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
         budget = self.micro_batch_tokens()
         if cfg.pack_tokens:
@@ -185,7 +188,24 @@ class TrainerActor(RankMember, SyncMember):
         sums.pop("ratio_max", None)
         sums.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=len(batches),
                     micro_batch_tokens=budget, train_s=time.perf_counter() - start)
+        sums.update(self._utilisation(groups, sums["train_s"]))
         return sums
+
+    def _utilisation(self, groups: list[RolloutGroup], seconds: float) -> dict[str, float]:
+        """The step's model FLOPs utilisation and peak device memory (``trainer/flops.py``), on a
+        GPU whose peak is known; nothing elsewhere."""
+        from asyncrl.rl.trainer.flops import decoder_parameters, peak_flops, step_flops
+
+        if self.device.type != "cuda":
+            return {}
+        if self._flops is None:
+            self._flops = (decoder_parameters(self.model), peak_flops(self.device))
+        body, peak = self._flops
+        out = {"peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+        if peak:
+            flops = step_flops(self.model.config, body, groups, weights_train=not self.config.lora.rank)
+            out["mfu"] = flops / max(seconds, 1e-9) / peak / (self.ranks.world_size if self.ranks is not None else 1)
+        return out
 
     def micro_batch_tokens(self) -> int:
         """``--trainer.micro_batch_tokens``, or auto's choice (``trainer/memory_budget.py``), made

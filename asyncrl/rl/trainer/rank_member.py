@@ -44,7 +44,7 @@ class InjectedFault(RuntimeError):
 
 class RankMember(Actor):
     """Endpoints of one trainer rank. The actor provides ``model``, ``ref``, ``optimizer``,
-    ``device``, ``config``, ``micro_batch_tokens`` and ``_accumulate``."""
+    ``device``, ``config``, ``micro_batch_tokens``, ``_utilisation`` and ``_accumulate``."""
 
     ranks: RankGroup | None = None
     _rank_listener: socket.socket | None = None
@@ -145,6 +145,8 @@ class RankMember(Actor):
 
         start = time.perf_counter()
         cfg, ranks = self.config, self.ranks
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
         n_tokens, n_seqs = (float(n) for n in batch_counts(groups))
         normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
@@ -173,6 +175,7 @@ class RankMember(Actor):
         out = dict(zip(keys, total.tolist()))
         out.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=int(count),
                    micro_batch_tokens=budget, train_s=time.perf_counter() - start)
+        out.update(self._utilisation(groups, out["train_s"]))  # this rank's memory, the group's MFU
         return out
 
 
