@@ -54,7 +54,8 @@ class ActorStartError(ActorError):
 class ActorNotReadyError(ActorStartError, ActionableError):
     """The actor's process did not become ready: it overran its start deadline (``start_timeout_s``
     or the budget of the start phase it reported), its heartbeats stopped, or it exited during its
-    start. One line that names the phase and the setting to raise."""
+    start; or its constructor raised an `ActionableError` registered with `crosses_processes` (a
+    policy too large for its GPU). One line that names what to change."""
 
 
 class CallTimeoutError(ActorError, TimeoutError):

@@ -153,6 +153,16 @@ OUT_OF_MEMORY = """
     """
 
 
+TOO_BIG = """
+    from asyncrl import Supervisor
+    from memory_actors import PolicyTooBig
+
+    async def main():
+        async with Supervisor() as sup:
+            await sup.spawn(PolicyTooBig, name="trainer")
+    """
+
+
 @pytest.mark.parametrize("body, flags, line", [
     (NOT_READY, ["--start_timeout_s", "1"],
      "script.py: actor 'sampler0': not ready within start_timeout_s=1 (no start phase reported); raise it with "
@@ -160,7 +170,10 @@ OUT_OF_MEMORY = """
     (OUT_OF_MEMORY, [],
      "script.py: actor 'trainer': train_step() raised TrainerMemoryError: train step 1 ran out of cuda memory on a "
      "micro-batch of 8 x 512 tokens (--trainer.micro_batch_tokens 4096): lower that\n"),
-], ids=["actor-not-ready", "trainer-out-of-memory"])
+    (TOO_BIG, [],
+     "script.py: actor 'trainer': the policy of /ckpt does not fit in the trainer's GPU's 79 GiB: train LoRA "
+     "adapters (--trainer.lora.rank 16)\n"),
+], ids=["actor-not-ready", "trainer-out-of-memory", "policy-does-not-fit"])
 def test_an_error_the_user_fixes_is_one_line_and_exit_1(tmp_path, body, flags, line):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     done = subprocess.run(launch(*flags, script(tmp_path, body)), cwd=tmp_path, env=env, capture_output=True,

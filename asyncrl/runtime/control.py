@@ -29,7 +29,7 @@ from asyncrl.runtime.process import write_lines
 from asyncrl.runtime.record import ActorRecord
 from asyncrl.runtime.resources import SupervisorResources
 from asyncrl.runtime.transport import LoopSocket, bind_router
-from asyncrl.errors import ActorStartError
+from asyncrl.errors import ActionableError, ActorNotReadyError, ActorStartError, remote_error_class
 
 if TYPE_CHECKING:
     from asyncrl.runtime.cluster import Cluster
@@ -97,7 +97,7 @@ class ControlChannel:
                 rec.ready.set_result(msg.address)
         elif kind is wire.StartFailed:
             if not rec.ready.done():
-                rec.ready.set_exception(ActorStartError(rec.name, f"{msg.type_name}: {msg.message}", msg.traceback))
+                rec.ready.set_exception(_start_failure(rec.name, msg))
         else:  # Dead
             rec.last_words = msg.reason
 
@@ -123,3 +123,12 @@ class ControlChannel:
         rec = self.records.get(msg.actor)
         if rec is not None and rec.node != 0:
             write_lines(sys.stdout if msg.stream == 1 else sys.stderr, f"[{msg.actor}]: ", msg.lines)
+
+
+def _start_failure(actor: str, msg: wire.StartFailed) -> ActorStartError:
+    """What a constructor's exception becomes: an error the user fixes (an `ActionableError`
+    registered with `crosses_processes`, e.g. a policy too large for its GPU) is one line, its
+    own; anything else keeps its type's name and the actor's traceback (a bug)."""
+    if issubclass(remote_error_class(msg.type_name), ActionableError):
+        return ActorNotReadyError(actor, (msg.message.strip().splitlines() or [msg.type_name])[0])
+    return ActorStartError(actor, f"{msg.type_name}: {msg.message}", msg.traceback)

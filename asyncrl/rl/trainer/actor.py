@@ -70,14 +70,18 @@ class TrainerActor(RankMember, SyncMember):
             torch.cuda.set_device(self.device)
         self.model_path = model_path
         start_phase(f"loading the policy {model_path}")
-        self.model, self.tokenizer, self.fmt = self._policy()
-        # The KL term's reference: the starting policy. With LoRA that is the frozen base already
-        # in memory (the adapters switched off, `_reference`), so no copy is loaded.
-        self.ref = None
-        if self.config.loss.kl_coef > 0 and not self.config.lora.rank:
-            start_phase("loading the KL reference (a second copy of the policy)")
-            self.ref, _, _ = self._load_policy(model_path)
-            self.ref.eval().requires_grad_(False)
+        try:
+            self.model, self.tokenizer, self.fmt = self._policy()
+            # The KL term's reference: the starting policy. With LoRA that is the frozen base already
+            # in memory (the adapters switched off, `_reference`), so no copy is loaded.
+            self.ref = None
+            if self.config.loss.kl_coef > 0 and not self.config.lora.rank:
+                start_phase("loading the KL reference (a second copy of the policy)")
+                self.ref, _, _ = self._load_policy(model_path)
+                self.ref.eval().requires_grad_(False)
+        except torch.OutOfMemoryError as exc:
+            raise self._does_not_fit("the policy" + (" and its KL reference" if config.loss.kl_coef else ""),
+                                     exc) from None
         self.optimizer = self._new_optimizer()
         self.sender: WeightSender | None = None
         self.steps = 0
@@ -182,7 +186,12 @@ class TrainerActor(RankMember, SyncMember):
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         lr = learning_rate(cfg, self.steps)
         set_learning_rate(self.optimizer, lr)
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except torch.OutOfMemoryError as exc:  # AdamW's two moments are made at the first step
+            self.optimizer.zero_grad(set_to_none=True)
+            raise self._does_not_fit("the optimiser's state (AdamW: two fp32 copies of the trained weights)",
+                                     exc) from None
         self.steps += 1
         sums.pop("tokens", None)
         sums.pop("ratio_max", None)
@@ -256,6 +265,18 @@ class TrainerActor(RankMember, SyncMember):
             f"train step {self.steps + 1} ran out of {self.device.type} memory on a micro-batch of {rows} x {length} "
             f"tokens (--trainer.micro_batch_tokens {budget}): set it lower, or set "
             f"--trainer.activation_checkpointing, --trainer.pack_tokens or --trainer.lora.rank (docs/trainer.md). "
+            f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+
+    def _does_not_fit(self, what: str, exc: torch.OutOfMemoryError) -> TrainerMemoryError:
+        """``what`` is too large for the trainer's device at any micro-batch: say what trains less."""
+        where = self.device.type
+        if where == "cuda":
+            torch.cuda.empty_cache()
+            where = f"GPU's {torch.cuda.get_device_properties(self.device).total_memory / 2**30:.0f} GiB"
+        return TrainerMemoryError(
+            f"{what} of {self.model_path} does not fit in the trainer's {where} (full fine-tuning holds 16 bytes a "
+            "parameter: fp32 weights, gradients and AdamW's two moments): train LoRA adapters (--trainer.lora.rank 16 "
+            "--trainer.lora.bf16_base true), or shard the trainer over GPUs (--trainer.world_size N; docs/trainer.md). "
             f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
     def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:
