@@ -73,6 +73,8 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str) -> dict:
             "idle_s": max(step_s - gen - train - sync, 0.0), "micro_batches": mean("micro_batches"),
             "mfu": mean("mfu") if "mfu" in window[0] else None, "wall_s": wall, "steps": len(window),
             "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in records) or None,
+            "sync_phases": {k: mean(k) for k in sorted(window[0]) if k.startswith("sync_") and k != "sync_s"
+                            and isinstance(window[0][k], (int, float))},
             "micro_batch_tokens": window[0].get("micro_batch_tokens"),
             "first_step_s": records[0]["time_s"]}
 
