@@ -5,8 +5,9 @@ enqueue kernels: timing them on the host would make them look free and put their
 the host next waits (the commit vote). So on CUDA each span records a pair of timing events on
 the stream it runs on, and the elapsed times are read only once the sync has ended: the commit
 vote has waited for both streams by then, so reading them blocks on nothing and the sync's own
-path gains two event records per span, no synchronisation. On the CPU (and on other devices) a
-span is the host time spent in it.
+path gains two event records per span, no synchronisation. On the CPU a span is the host time
+spent in it; so it is on other devices (an NPU's), where work enqueued on a stream then shows in
+the commit vote, which waits for it, rather than in the span.
 
 Spans of one phase on one stream never overlap, so each phase's total is at most the sync's;
 spans of different phases on a GPU do overlap (bucket k+1 is packed while bucket k is on the
