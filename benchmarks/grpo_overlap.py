@@ -10,6 +10,8 @@ a step is generate, then train, then sync, so the sync run measures each phase a
 overlaps generation with training, so its ideal speed-up over sync is
 ``(gen + train) / max(gen, train)``; the table shows how much of that async got. Steady state
 only: the first ``--skip`` steps (start-up, first compilations) and the evaluations are left out.
+A second table splits each mode's ``sync`` into its phases (the ``sync_*`` metrics, in ms per step;
+docs/observability.md says what each one is).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import subprocess
 import sys
 import tempfile
 
+PHASES = (("trainer", "sync_trainer_s"), ("pack", "sync_trainer_pack_s"), ("transfer", "sync_trainer_transfer_s"),
+          ("votes", "sync_trainer_vote_s"), ("sampler", "sync_sampler_s"), ("pause", "sync_sampler_pause_s"),
+          ("load", "sync_sampler_load_s"), ("resume", "sync_sampler_resume_s"), ("rpc", "sync_rpc_s"))
 
 def run(mode: str, steps: int, extra: list[str], run_dir: str) -> list[dict]:
     cmd = [sys.executable, "-m", "asyncrl.cli", "launch", "examples/grpo_countdown.py", "--run.mode", mode,
@@ -40,7 +45,8 @@ def steady(records: list[dict], skip: int) -> dict[str, float]:
     mean = lambda key: statistics.mean(r[key] for r in window)  # noqa: E731
     return {"samples_per_s": samples / (last["time_s"] - first["time_s"]), "gen_s": mean("wait_s"),
             "train_s": mean("train_s"), "sync_s": mean("sync_s"), "staleness": mean("staleness_mean"),
-            "dropped": last["dropped_stale"] - first["dropped_stale"], "steps": len(window)}
+            "dropped": last["dropped_stale"] - first["dropped_stale"], "steps": len(window),
+            **{key: statistics.mean(r.get(key, 0.0) for r in window) for _, key in PHASES}}
 
 
 def main() -> None:
@@ -64,6 +70,11 @@ def main() -> None:
     for mode, r in results.items():
         print(f"| {mode} | {r['samples_per_s']:.1f} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.4f} "
               f"| {r['staleness']:.2f} | {r['dropped']} |")
+    print("\nwhere a sync went, ms per step (trainer: its send; sampler: the slowest's receive)\n")
+    print("| mode | sync | " + " | ".join(name for name, _ in PHASES) + " |")
+    print("|---|---|" + "---|" * len(PHASES))
+    for mode, r in results.items():
+        print(f"| {mode} | {1e3 * r['sync_s']:.1f} | " + " | ".join(f"{1e3 * r[key]:.1f}" for _, key in PHASES) + " |")
     print(f"\nideal speed-up (gen + train) / max(gen, train) = {ideal_speedup:.2f} -> ideal async "
           f"{ideal:.1f} samples/s; async got {a['samples_per_s']:.1f} = {100 * a['samples_per_s'] / ideal:.0f}% "
           f"of ideal ({a['samples_per_s'] / s['samples_per_s']:.2f}x sync)")

@@ -244,7 +244,7 @@ async def measure_syncs(sup, sampler, backend: str, model_path: str, env: dict, 
     syncs = []
     for version in range(1, args.syncs + 1):
         _, took = await asyncio.gather(sender.send(version), sampler.receive_weights(version))
-        syncs.append(took)
+        syncs.append(took.seconds)
     return {"sync_s": statistics.median(syncs), "sync_min_s": min(syncs), "sync_bytes": nbytes, "params": params}
 
 

@@ -20,6 +20,21 @@ TINY = ["--run.steps", "3", "--run.groups_per_step", "2", "--sampler.group_size"
         "--sampler.backend", "hf"]  # the HF backend end to end everywhere; test_vllm_actor.py runs vLLM's
 
 
+def check_sync_phases(r: dict) -> None:
+    """A step's weight sync, split by phase (docs/observability.md): every key there, none
+    negative, each side's phases within its own total, each side's total within the driver's."""
+    from asyncrl.rl.driver.sync_metrics import SYNC_METRICS
+
+    assert all(r[k] >= 0 for k in SYNC_METRICS), {k: r.get(k) for k in SYNC_METRICS}
+    eps = 1e-6
+    assert r["sync_trainer_pack_s"] + r["sync_trainer_transfer_s"] <= r["sync_trainer_s"] + eps, r
+    assert r["sync_trainer_vote_s"] <= r["sync_trainer_s"] + eps, r
+    for k in ("sync_sampler_pause_s", "sync_sampler_transfer_s", "sync_sampler_load_s", "sync_sampler_resume_s"):
+        assert r[k] <= r["sync_sampler_s"] + eps, (k, r)
+    assert max(r["sync_trainer_s"], r["sync_sampler_s"]) + r["sync_rpc_s"] <= r["sync_s"] + eps, r
+    assert r["sync_trainer_s"] > 0 and r["sync_sampler_s"] > 0 and r["sync_bytes"] > 0, r
+
+
 def launch(tmp_path, *args):
     env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
@@ -39,6 +54,7 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode):
             assert key in r, key
         if mode == "sync":
             assert r["staleness_hist"] == {"0": 2}
+        check_sync_phases(r)
     assert "heldout_solve_rate" in records[1] and "heldout_sampled_solve_rate" in records[2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mode"] == mode and summary["steps"] == 3

@@ -22,16 +22,20 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl import Supervisor
+from asyncrl.comm.weights import SyncStats
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError
 from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
 from asyncrl.rl.driver import sync_group
 from asyncrl.rl.driver.membership import MemberState
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.sampler.backend import SamplerSyncStats
 
 from actors import Echo
 
 pytestmark = pytest.mark.timeout(60)
+SENT = SyncStats(1, 100, 1, 0.01)  # a successful sync's answers
+GOT = SamplerSyncStats(seconds=0.01, receive=SENT)
 
 
 class Scripted:
@@ -127,7 +131,7 @@ def make_pool(trainer, samplers, logs: list[str], **run) -> SamplerPool:
 
 
 def trainer_script(first_send: object) -> Scripted:
-    return Scripted("trainer", send_weights=[(0.0, first_send), (0.0, 0.01)], sync_listen=[(0.0, 1234)],
+    return Scripted("trainer", send_weights=[(0.0, first_send), (0.0, SENT)], sync_listen=[(0.0, 1234)],
                     sync_join=[(0.0, "gloo")], setup_sender=[(0.0, 1)])
 
 
@@ -137,7 +141,7 @@ async def test_a_survivor_whose_collective_error_comes_late_is_not_judged_frozen
     monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(collective_error("trainer", "send_weights"))  # a peer died: the trainer fails at once
     dead = Scripted("sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL"))])
-    slow = Scripted("sampler1", receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, 0.01)],
+    slow = Scripted("sampler1", receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
                     stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)])
     logs: list[str] = []
     pool = make_pool(trainer, [dead, slow], logs)
@@ -157,8 +161,8 @@ async def test_a_death_is_one_loss_even_when_the_restart_ends_before_the_sync(mo
     monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(collective_error("trainer", "send_weights"))
     ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], restore_data_state=[(0.0, None)])
-    dies = Scripted("sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL")), (0.0, 0.01)], **ok)
-    slow = Scripted("sampler1", receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, 0.01)], **ok)
+    dies = Scripted("sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL")), (0.0, GOT)], **ok)
+    slow = Scripted("sampler1", receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, GOT)], **ok)
     logs: list[str] = []
     pool = make_pool(trainer, [dies, slow], logs)
 
@@ -181,8 +185,8 @@ async def test_a_death_is_one_loss_even_when_the_restart_ends_before_the_sync(mo
 async def test_a_frozen_sampler_is_judged_by_its_own_deadline(monkeypatch):
     monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(RemoteError("trainer", "send_weights", "CollectiveTimeoutError", "all_reduce timed out"))
-    frozen = Scripted("sampler0", receive_weights=[(60.0, 0.0)])
-    steady = Scripted("sampler1", receive_weights=[(0.1, collective_error("sampler1", "receive_weights")), (0.0, 0.01)],
+    frozen = Scripted("sampler0", receive_weights=[(60.0, GOT)])
+    steady = Scripted("sampler1", receive_weights=[(0.1, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
                       stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)])
     logs: list[str] = []
     pool = make_pool(trainer, [frozen, steady], logs)

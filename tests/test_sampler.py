@@ -408,8 +408,11 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
         # sync goes ahead (the call arrives first on the same connection, so it is in flight).
         inflight = asyncio.ensure_future(sampler.generate(probe * 8, 4, msgspec.structs.replace(greedy, max_new_tokens=400)))
         await asyncio.sleep(0.1)
-        _, sync_s = await asyncio.gather(pusher.send(1), sampler.receive_weights(1))
-        assert inflight.done() and sync_s > 0
+        _, synced = await asyncio.gather(pusher.send(1), sampler.receive_weights(1))
+        assert inflight.done() and synced.seconds > 0
+        # The wait for the generate in flight is the pause; the rest, the receive and the resume.
+        assert synced.pause_s > 0.02 and synced.receive.version == 1 and synced.resume_s >= 0
+        assert synced.pause_s + synced.receive.seconds + synced.resume_s <= synced.seconds + 1e-6
         stats = await sampler.stats()
         assert stats["syncs_waited_for_generate"] == 1 and stats["pause_s"] > 0.02, stats
         assert all(c.token_ids[:16] == before[0][0].token_ids for g in inflight.result() for c in g)

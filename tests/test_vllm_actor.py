@@ -81,8 +81,9 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
 
         inflight = asyncio.ensure_future(sampler.generate(probe * 4, 4, msgspec.structs.replace(greedy, max_new_tokens=300)))
         await until_generating(sampler)
-        _, seconds = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
-        assert inflight.done() and seconds > 0  # pause mode: the sync waited for the generate in flight
+        _, synced = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
+        assert inflight.done() and synced.pause_s > 0  # pause mode: the sync waited for the generate in flight
+        assert 0 < synced.receive.copy_s <= synced.receive.seconds <= synced.seconds  # the worker's load, in it
         assert all(c.token_ids[:16] == before[0][0].token_ids for c in inflight.result()[0])
         changed = await sampler.generate(probe, 1, greedy)
         assert [g[0].token_ids for g in changed] != [g[0].token_ids for g in before]

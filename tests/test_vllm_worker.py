@@ -13,10 +13,11 @@ import sys
 import textwrap
 import time
 
+import msgspec
 import pytest
 import torch
 
-from asyncrl.comm.weights import WeightSender
+from asyncrl.comm.weights import SyncStats, WeightSender
 
 HOST = "127.0.0.1"
 
@@ -114,8 +115,9 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
     assert worker.asyncrl_join(HOST, port, 1, 2, 0, "gloo", 30.0, "weights") == "gloo"
     assert worker.asyncrl_setup_receiver(30.0) >= 1
     for version in (1, 2):
-        seconds, nbytes = worker.asyncrl_receive_weights(version)
-        assert seconds > 0 and nbytes == sum(t.nbytes for t in sent.values())
+        stats = msgspec.convert(worker.asyncrl_receive_weights(version), SyncStats)  # plain values cross vLLM
+        assert stats.seconds > 0 and stats.bytes == sum(t.nbytes for t in sent.values())
+        assert 0 < stats.copy_s <= stats.seconds and stats.version == version  # the model's load, in the copies
     thread.join(30)
     model = worker.model_runner.model
     for name, t in results["sent"].items():
@@ -394,7 +396,7 @@ async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():
     class Engine:  # stands in for vLLM's AsyncLLM
         async def collective_rpc(self, method, timeout, args):
             calls.append(args)
-            return [{"ok": [0.01, 100.0]}]
+            return [{"ok": {"version": 7, "bytes": 100, "buckets": 1, "seconds": 0.01}}]
 
     class Backend:
         engine, prefix_caching, paused = Engine(), False, []
@@ -407,7 +409,45 @@ async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():
             self.paused.append("resumed")
 
     backend = Backend()
-    waited = await EngineSink(backend).receive(7, in_flight=False, timeout_s=1.0)
+    stats = await EngineSink(backend).receive(7, in_flight=False, timeout_s=1.0)
     [(call, version, timeout_s)] = calls
     assert (call, version) == ("receive_weights", 7) and backend.paused == [1.0, "resumed"]
-    assert waited >= 0.3 and 0 < timeout_s <= 0.7 + 1e-3
+    assert stats.pause_s >= 0.3 and 0 < timeout_s <= 0.7 + 1e-3
+    assert stats.receive.seconds == 0.01 and stats.receive.bytes == 100 and stats.reset_s == 0.0
+
+
+async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume():
+    """Each phase of a vLLM sampler's sync lands in its own field: the worker's own receive, the
+    control call around it, the prefix-cache reset and the resume."""
+    import asyncio
+
+    from asyncrl.rl.sampler.vllm.sink import EngineSink, EngineWeightSyncError
+
+    class Engine:
+        answer: object = {"version": 3, "bytes": 64, "buckets": 1, "seconds": 0.05, "copy_s": 0.04}
+
+        async def collective_rpc(self, method, timeout, args):
+            await asyncio.sleep(0.15)  # the worker's 0.05 s, and a slow round trip
+            return [{"ok": self.answer}]
+
+        async def reset_prefix_cache(self):
+            await asyncio.sleep(0.1)
+            return True
+
+    class Backend:
+        engine, prefix_caching = Engine(), True
+
+        async def pause(self, timeout_s):
+            await asyncio.sleep(0.2)
+
+        async def resume(self):
+            await asyncio.sleep(0.05)
+
+    backend = Backend()
+    stats = await EngineSink(backend).receive(3, in_flight=False, timeout_s=5.0)
+    assert stats.pause_s >= 0.2 and stats.reset_s >= 0.1 and stats.resume_s >= 0.05
+    assert stats.call_s >= 0.09 and stats.receive.copy_s == 0.04
+    assert abs(stats.load_s - (0.04 + stats.reset_s)) < 1e-9
+    backend.engine.answer = [0.05, 64.0]  # an older worker's answer: a typed error, not a crash later
+    with pytest.raises(EngineWeightSyncError, match="answered"):
+        await EngineSink(backend).receive(4, in_flight=False, timeout_s=5.0)

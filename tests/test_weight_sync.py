@@ -199,6 +199,62 @@ def test_wire_dtype_casts_fp32_master_weights_for_bf16_receivers_while_packing()
     assert torch.equal(replica["steps"], master["steps"])
 
 
+def test_sync_stats_split_each_side_into_phases_that_add_up():
+    """In-process (two threads, real store and gloo), with a receiver whose consumer is slow: each
+    side's phases are present and non-negative, the votes and the move make up its total, copies
+    and transfers fit in it (host time on CPU), and the slow consumer shows as the receiver's copy
+    time and, on the sender, as the commit vote waiting for it."""
+    import threading
+
+    import torch
+
+    from asyncrl.comm.gloo import GlooCommunicator
+    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+    from asyncrl.comm.weights import SyncStats, WeightReceiver, WeightSender
+
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    master = {"w": torch.randn(300, 7), "b": torch.randn(5), "big": torch.randn(4000)}
+    stats: dict[int, list[SyncStats]] = {0: [], 1: []}
+    errors = []
+
+    def slow(name, tensor):
+        time.sleep(0.05)
+
+    def member(rank):
+        try:
+            group = StoreGroup.create(HOST, port, rank, 2, 10, listener=listener if rank == 0 else None)
+            comm = GlooCommunicator.create(group, 10)
+            if rank == 0:
+                sender = WeightSender.create(comm, group, master, bucket_bytes=4096, wire_dtype=torch.bfloat16)
+                stats[0] += [sender.send(v) for v in range(2)]
+            else:
+                receiver = WeightReceiver.create(comm, group)
+                stats[1] += [receiver.receive(v, slow) for v in range(2)]
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for rank in (0, 1):
+        for s in stats[rank]:
+            phases = [s.vote_s, s.move_s, s.commit_s, s.copy_s, s.transfer_s]
+            assert all(p >= 0 for p in phases), s
+            assert s.vote_s + s.move_s + s.commit_s <= s.seconds + 1e-6, s
+            assert s.vote_s + s.move_s + s.commit_s >= 0.9 * s.seconds, s
+            assert s.copy_s + s.transfer_s <= s.move_s + s.commit_s + 1e-6, s
+            assert s.bytes == 2 * (300 * 7 + 5 + 4000) and s.buckets >= 2, s
+    for got in stats[1]:  # three tensors, each 50 ms in the consumer
+        assert got.copy_s >= 0.15 and got.copy_s <= got.seconds, got
+    for sent in stats[0]:  # the sender waits for the consumer in the commit vote
+        assert sent.commit_s >= 0.1 and sent.copy_s > 0 and sent.transfer_s > 0, sent
+
+
 def test_gloos_own_operation_limit_is_reported_as_a_timeout():
     """gloo's per-operation limit (the communicator's timeout) can fire before the wait's deadline,
     as on a loaded machine: its "Timed out waiting ...ms" is a CollectiveTimeoutError (a peer is

@@ -12,6 +12,7 @@ import torch
 
 from asyncrl.comm.communicator import Communicator, ReduceOp, Work
 from asyncrl.comm.layout import Segment, TensorSpec, WeightLayout
+from asyncrl.comm.phase_clock import COPY, TRANSFER, PhaseClock
 
 
 class Staging:
@@ -21,7 +22,10 @@ class Staging:
     for the buffer's previous transfer, which is where the overlap with gloo's threads comes from.
 
     Every view of the buffers a sync needs is made once here: building hundreds of tensor views
-    per sync would cost milliseconds of CPU, more than the GPU needs to move a 0.5B model."""
+    per sync would cost milliseconds of CPU, more than the GPU needs to move a 0.5B model.
+
+    ``clock`` times the copies and the transfers of the current sync (`PhaseClock`: events on
+    the two streams on GPU, host time on CPU, where a wait for a transfer counts as transfer)."""
 
     def __init__(self, comm: Communicator, layout: WeightLayout, deadline: Callable[[], float]):
         self.comm = comm
@@ -33,6 +37,7 @@ class Staging:
         self.cuda = comm.device.type == "cuda"
         self.works: list[Work | None] = [None, None]
         self.direct_works: list[Work] = []
+        self.clock = PhaseClock()
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(comm.device)
             self.comm_stream = torch.cuda.Stream(comm.device)
@@ -46,6 +51,7 @@ class Staging:
     def begin(self) -> None:
         """Order this sync after whatever the caller's stream did to the weights (the comm stream
         reads and writes tensors sent directly)."""
+        self.clock.begin()
         if self.cuda:
             current = torch.cuda.current_stream(self.comm.device)
             self.copy_stream.wait_stream(current)
@@ -53,7 +59,8 @@ class Staging:
 
     def transfer_direct(self, tensor: torch.Tensor, src: int) -> None:
         """Put a whole tensor on the wire with no staging copy (the tensor is the buffer)."""
-        self.direct_works.append(self.comm.broadcast(tensor, src, stream=self.stream, timeout_s=self.deadline()))
+        with self.clock.span(TRANSFER, self.stream):
+            self.direct_works.append(self.comm.broadcast(tensor, src, stream=self.stream, timeout_s=self.deadline()))
 
     def direct_done(self) -> None:
         """Let the copy side read what the direct transfers received."""
@@ -64,28 +71,32 @@ class Staging:
 
     def _wait_direct(self) -> None:
         works, self.direct_works = self.direct_works, []
-        for work in works:
-            work.wait(self.deadline())
+        with self.clock.span(TRANSFER):
+            for work in works:
+                work.wait(self.deadline())
 
     @contextlib.contextmanager
     def copy(self, k: int) -> Iterator[None]:
         slot = k % 2
         if self.cuda:
             self.copy_stream.wait_event(self.transferred[slot])
-            with torch.cuda.stream(self.copy_stream):
+            with torch.cuda.stream(self.copy_stream), self.clock.span(COPY, self.copy_stream):
                 yield
             self.copied[slot].record(self.copy_stream)
         else:
             work, self.works[slot] = self.works[slot], None
             if work is not None:
-                work.wait(self.deadline())
-            yield
+                with self.clock.span(TRANSFER):  # the buffer's previous transfer (a receiver: bucket k's)
+                    work.wait(self.deadline())
+            with self.clock.span(COPY):
+                yield
 
     def transfer(self, k: int, src: int) -> None:
         slot = k % 2
         if self.cuda:
             self.comm_stream.wait_event(self.copied[slot])
-        self.works[slot] = self.comm.broadcast(self.wire[k], src, stream=self.stream, timeout_s=self.deadline())
+        with self.clock.span(TRANSFER, self.stream):
+            self.works[slot] = self.comm.broadcast(self.wire[k], src, stream=self.stream, timeout_s=self.deadline())
         if self.cuda:
             self.transferred[slot].record(self.comm_stream)
 

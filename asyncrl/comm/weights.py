@@ -32,6 +32,7 @@ from asyncrl.comm.communicator import Communicator
 from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
 from asyncrl.comm.layout import TensorSpec, WeightLayout, build_layout, dtype_name, spec_of
 from asyncrl.comm.rendezvous import StoreGroup
+from asyncrl.comm.phase_clock import COPY, TRANSFER
 from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
 
 DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 256 MiB, ~233 at 16 MiB
@@ -46,10 +47,33 @@ sync), it returns the parts of bucket k's segments, in order, each shaped as its
 
 
 class SyncStats(msgspec.Struct, frozen=True):
+    """One member's side of one sync. ``seconds``: the whole of it, from the first vote to the
+    commit. Its phases (seconds; fields appended at the end, with defaults, so an older peer's
+    stats still decode):
+
+    * ``vote_s``: the first vote, which ends only when every member has arrived (a sender's
+      includes the receivers' wait for a moment free of generation);
+    * ``move_s``: the host's time between the votes (on GPU mostly enqueuing: see below);
+    * ``commit_s``: the commit vote, which waits for what is still on the wire and for every
+      receiver to apply its last bucket;
+    * ``copy_s``: in the staging copies: packing and casting to the wire's dtype on a sender,
+      unpacking on a receiver, a consumer's load (vLLM ``load_weights``) included;
+    * ``transfer_s``: on the wire.
+
+    ``vote_s + move_s + commit_s`` is ``seconds`` up to a few checks. ``copy_s`` and ``transfer_s``
+    are measured where the work runs (`PhaseClock`): host time on CPU, each within ``move_s`` and
+    the tail of ``commit_s`` and together at most ``seconds``; CUDA events on GPU, where the two
+    overlap (double buffering), so their sum may exceed ``seconds`` while each stays below it."""
+
     version: int
     bytes: int
     buckets: int
     seconds: float
+    vote_s: float = 0.0
+    move_s: float = 0.0
+    commit_s: float = 0.0
+    copy_s: float = 0.0
+    transfer_s: float = 0.0
 
     @property
     def gib_per_s(self) -> float:
@@ -125,19 +149,26 @@ class _WeightSync:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if not refusal and version <= self.last_version:
             refusal = f"version {version} is not newer than the last synced v{self.last_version}"
-        start = time.monotonic()
-        self._deadline = start + (self.timeout_s if timeout_s is None else timeout_s)
+        start = time.perf_counter()
+        self._deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         self.staging.begin()
         try:
             self._agree(version, refusal)
-            self._commit(version, move())
+            voted = time.perf_counter()
+            failure = move()
+            moved = time.perf_counter()
+            self._commit(version, failure)
             self.last_version = version
         except BaseException:
             self.last_version = max(self.last_version, version)  # a failed version is never reused
             raise
         finally:
             self.staging.end()
-        return SyncStats(version, self._total_bytes, len(self.layout.buckets), time.monotonic() - start)
+        end = time.perf_counter()
+        phases = self.staging.clock.totals()  # after the commit: every span's work has completed
+        return SyncStats(version, self._total_bytes, len(self.layout.buckets), end - start,
+                         vote_s=voted - start, move_s=moved - voted, commit_s=end - moved,
+                         copy_s=phases[COPY], transfer_s=phases[TRANSFER])
 
     def _refusal(self, tensors: Mapping[str, torch.Tensor], who: str) -> str:
         """Everything that could stop this member half-way is checked before the first vote."""
@@ -308,7 +339,9 @@ class WeightReceiver(_WeightSync):
             received.append((spec.name, whole))
         if received:
             self.staging.direct_done()
-            with torch.cuda.stream(self.staging.copy_stream) if self.staging.cuda else contextlib.nullcontext():
+            copy_stream = self.staging.copy_stream if self.staging.cuda else None
+            with (torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext(),
+                  self.staging.clock.span(COPY, copy_stream)):
                 for name, whole in received:
                     if consumer is None:
                         into[name].copy_(whole)

@@ -40,6 +40,7 @@ from asyncrl.rl.driver.painter import CurvesPainter
 from asyncrl.rl.driver.progress import Progress, make_progress
 from asyncrl.rl.driver.writers import MetricWriters, scalars_of
 from asyncrl.rl.driver.pool import SamplerPool
+from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
 from asyncrl.rl.rollout import RolloutGroup
@@ -269,9 +270,9 @@ class GRPODriver:
                                       self.trainer.with_timeout(run.deadlines.train_timeout_s).train_step(batch))
         t2 = time.monotonic()
         self.version = step  # the weights after step k are version k: the step is the one count of both
-        sync_s, digests = 0.0, {}
+        synced, digests = sync_record(0.0, None, []), {}
         if self.version % run.sync_every == 0:
-            sync_s = await self.pool.sync(self.version)
+            synced = await self.pool.sync(self.version)
             if run.check_weights:
                 digests = await self.pool.verify_weights()
         # Rates over everything sampled for the step, the groups left out as uniform included: the
@@ -295,7 +296,7 @@ class GRPODriver:
                 "samples_per_s": self.samples / max(elapsed, 1e-9),
                 "tokens_per_s": self.tokens / max(elapsed, 1e-9),
                 "time_s": elapsed,
-                "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": sync_s,
+                "wait_s": t1 - t0, "train_s": t2 - t1, **synced,
                 "generate_s": sum(g.generate_s for g in batch) / len(batch),
                 **{k: v for k, v in trained.items() if k not in ("train_s",)},
                 **task_metrics(batch),

@@ -50,6 +50,7 @@ from asyncrl.rl.driver.membership import Member, MemberState, Membership
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.sync_group import SyncGroup
+from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.runtime.timeouts import timeout
@@ -162,20 +163,23 @@ class SamplerPool:
                 if task.exception() is not None:
                     self._pump_failed(m, task.exception())
 
-    async def sync(self, version: int) -> float:
+    async def sync(self, version: int) -> dict[str, float]:
         """Send ``version`` to every sampler in the group, rebuilding it first or after a
-        failure as needed; returns the seconds it took."""
+        failure as needed; returns the step's ``sync_*`` metrics (``sync_s``: the seconds it
+        took here; the phases of the sync that succeeded: `sync_record`)."""
         start = time.monotonic()
         self._reap_pumps()
+        self.sync_group.last = None
         joined = self.membership.with_state(MemberState.JOINED)
         candidates = self.membership.with_state(MemberState.CANDIDATE)
         if not joined and not candidates:
-            return 0.0  # the trainer alone: a replacement takes the current weights when it joins
+            return sync_record(0.0, None, [])  # the trainer alone: a replacement takes the weights when it joins
         if self.membership.dirty or candidates or not await self.sync_group.send(version, joined):
             await self.sync_group.rebuild(version)
         if self.pacer is not None:  # whoever is in the group now holds it (a rebuild sends it too)
             self.pacer.synced(version)
-        return time.monotonic() - start
+        trainer, samplers = self.sync_group.last or (None, [])
+        return sync_record(time.monotonic() - start, trainer, samplers)
 
     async def verify_weights(self) -> dict[str, str]:
         """Digest of the weights on the trainer and on every sampler in the group; raises

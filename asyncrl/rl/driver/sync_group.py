@@ -52,6 +52,9 @@ class SyncGroup:
         self.trainer, self.membership, self.deadlines = trainer, membership, deadlines
         self.host, self.backend, self.log = host, backend, log
         self.generation = -1
+        self.last: tuple[Any, list[Any]] | None = None
+        """The last successful sync's answers: the trainer's `SyncStats` and each member's
+        `SamplerSyncStats` (``driver/sync_metrics.py`` puts them in the step's record)."""
 
     async def rebuild(self, version: int) -> None:
         """Form the next generation from the trainer, the members still in the group and the
@@ -92,7 +95,10 @@ class SyncGroup:
                      for m in group]
         self._notice_deaths(group, receivers, f"the weight sync of v{version}")
         results = await asyncio.gather(sender, *receivers, return_exceptions=True)
-        return self._judge(f"the weight sync of v{version}", "sync_timeout_s", t, group, pinned, results)
+        ok = self._judge(f"the weight sync of v{version}", "sync_timeout_s", t, group, pinned, results)
+        if ok:
+            self.last = (results[0], list(results[1:]))
+        return ok
 
     async def _prepare_replacement(self, m: Member) -> None:
         """A restarted sampler continues its predecessor's data walk, with a fresh sampling RNG."""

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import torch
 
 from asyncrl.comm.member import SyncMember
@@ -30,7 +31,7 @@ from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerTimeoutError, SamplingParams
+from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerSyncStats, SamplerTimeoutError, SamplingParams
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
 from asyncrl.rl.tasks.base import as_prompt
@@ -175,12 +176,12 @@ class SamplerActor(SyncMember):
             raise SamplerError(f"sampler {self.name}: {exc}") from None
 
     @endpoint
-    async def receive_weights(self, version: int) -> float:
+    async def receive_weights(self, version: int) -> SamplerSyncStats:
         """Take ``version`` in place: after the batch in flight (``weight_update="pause"``) or
         between two of its decoding steps ("in_flight"); no new batch starts until it is done.
-        Returns the seconds it took. If the transfer fails the weights may be half-written:
-        rollouts then wait for the next successful sync instead of sampling from them, and a
-        batch that was in flight is discarded."""
+        Returns where its time went (`SamplerSyncStats`). If the transfer fails the weights may be
+        half-written: rollouts then wait for the next successful sync instead of sampling from
+        them, and a batch that was in flight is discarded."""
         if not self.sink.ready:
             raise SamplerError(f"sampler {self.name}: receive_weights before setup_receiver")
         # One deadline for the wait to load and the transfer (the sink keeps it), as on the
@@ -195,7 +196,7 @@ class SamplerActor(SyncMember):
             if self._generating and not self.in_flight:
                 self._stats["syncs_waited_for_generate"] += 1
             try:
-                waited = await self.sink.receive(version, in_flight=self.in_flight,
+                phases = await self.sink.receive(version, in_flight=self.in_flight,
                                                  timeout_s=max(deadline - time.monotonic(), 1e-3))
             except SamplerTimeoutError:  # the weights were not touched: sampling may go on
                 self._ready.set()
@@ -211,10 +212,10 @@ class SamplerActor(SyncMember):
             self.version = version
             self._ready.set()
             seconds = time.perf_counter() - start
-            self._stats["pause_s"] += waited
+            self._stats["pause_s"] += phases.pause_s
             self._stats["weight_sync_s"] += seconds
             self._stats["syncs"] += 1
-            return seconds
+            return msgspec.structs.replace(phases, seconds=seconds)
 
     @endpoint
     async def stats(self) -> dict:

@@ -15,8 +15,10 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
+from asyncrl.comm.weights import SyncStats
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.generation import Completion, SamplingParams, row_seed  # noqa: F401 (re-exported: the backends and callers import them from here)
 from asyncrl.runtime.timeouts import timeout
@@ -35,6 +37,34 @@ class SamplerClosedError(SamplerError):
 
 class SamplerTimeoutError(SamplerError, TimeoutError):
     """A pause, a resume or a weight sync did not happen within its deadline; the message says which."""
+
+
+class SamplerSyncStats(msgspec.Struct, frozen=True):
+    """Where one sampler's side of a weight sync went, in seconds (`WeightSink.receive`; the driver
+    puts them in each step's record, ``rl/driver/sync_metrics.py``). Append new fields, with
+    defaults, at the end only."""
+
+    seconds: float = 0.0
+    """The whole `SamplerActor.receive_weights`, from taking its sync lock to returning."""
+    pause_s: float = 0.0
+    """Waiting for a moment free of generation: the batch in flight to finish (pause mode), or
+    the decoding step under way (in-flight mode)."""
+    receive: SyncStats | None = None
+    """The receiver's own side (in the process that receives: vLLM's engine worker for vLLM):
+    its votes, ``transfer_s``, and ``copy_s``, the unpacking into the model (the engine's
+    ``load_weights``, or vLLM's CPU reload, included)."""
+    reset_s: float = 0.0
+    """vLLM: resetting the prefix cache (prefixes cached under the old weights)."""
+    resume_s: float = 0.0
+    """Letting generation go on after the load."""
+    call_s: float = 0.0
+    """vLLM: the control call to the engine's worker beyond the worker's own receive
+    (``collective_rpc``'s round trip and the engine's scheduling of it)."""
+
+    @property
+    def load_s(self) -> float:
+        """The engine's load into its model: the receiver's copies and the prefix-cache reset."""
+        return (self.receive.copy_s if self.receive is not None else 0.0) + self.reset_s
 
 
 class WeightSink(abc.ABC):
@@ -61,7 +91,7 @@ class WeightSink(abc.ABC):
         """`setup` succeeded since the last `join`: `receive` may go ahead."""
 
     @abc.abstractmethod
-    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
+    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> SamplerSyncStats:
         """Take sync ``version`` into the weights the backend generates with, at a moment no
         generation reads them: once the generates in flight have finished, none starting
         meanwhile (``in_flight=False``), or between two decoding steps of them, which go on with
@@ -69,7 +99,7 @@ class WeightSink(abc.ABC):
         one deadline, ``timeout_s``: the trainer's side starts at once and the driver waits for
         ours only a grace beyond it. `SamplerTimeoutError` when the moment does not come in time
         (weights untouched); what the transfer raises propagates (weights may be half-written).
-        Returns the seconds spent waiting for the moment."""
+        Returns its phases (``seconds`` left to the caller, which times the whole)."""
 
     @abc.abstractmethod
     async def leave(self) -> None:

@@ -16,10 +16,10 @@ import torch
 
 from asyncrl.comm.member import SyncMember
 from asyncrl.rl.digest import tensor_digest
-from asyncrl.rl.sampler.backend import SamplerError, WeightSink
+from asyncrl.rl.sampler.backend import SamplerError, SamplerSyncStats, WeightSink
 
 if TYPE_CHECKING:
-    from asyncrl.comm.weights import WeightReceiver
+    from asyncrl.comm.weights import SyncStats, WeightReceiver
 
 
 class InPlaceBackend(Protocol):
@@ -59,17 +59,21 @@ class ActorSink(WeightSink):
     def ready(self) -> bool:
         return self.receiver is not None
 
-    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
+    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> SamplerSyncStats:
         deadline = time.monotonic() + timeout_s
-        receiver, start, waited = self.receiver, time.perf_counter(), 0.0
+        receiver, start = self.receiver, time.perf_counter()
+        marks: dict[str, float] = {}
+        stats: list[SyncStats] = []
 
         def load(tensors: Mapping[str, torch.Tensor]) -> None:  # on a worker thread, once no generation reads them
-            nonlocal waited
-            waited = time.perf_counter() - start
-            receiver.receive(version, tensors, timeout_s=max(deadline - time.monotonic(), 1e-3))
+            marks["loading"] = time.perf_counter()
+            stats.append(receiver.receive(version, tensors, timeout_s=max(deadline - time.monotonic(), 1e-3)))
+            marks["loaded"] = time.perf_counter()
 
         await self.backend.load_weights(load, in_flight=in_flight, timeout_s=timeout_s)
-        return waited
+        # The resume: from the load's end to the backend's return (its thread's hop back included).
+        return SamplerSyncStats(pause_s=marks["loading"] - start, receive=stats[0],
+                                resume_s=time.perf_counter() - marks["loaded"])
 
     async def leave(self) -> None:
         self.receiver = None

@@ -23,7 +23,7 @@ import torch
 
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
-from asyncrl.comm.weights import WeightSender
+from asyncrl.comm.weights import SyncStats, WeightSender
 from asyncrl.errors import ActionableError, crosses_processes
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
@@ -149,12 +149,11 @@ class TrainerActor(RankMember, SyncMember):
         return len(self.sender.layout.buckets)
 
     @endpoint
-    async def send_weights(self, version: int) -> float:
-        """Broadcast the current weights as ``version``; returns the seconds the sync took."""
+    async def send_weights(self, version: int) -> SyncStats:
+        """Broadcast the current weights as ``version``; returns the sync's phases (`SyncStats`)."""
         if self.ranks is not None:
             return await self._sharded_send_weights(version)
-        stats = await asyncio.to_thread(lambda: self.sender.send(version, self.weight_tensors()))
-        return stats.seconds
+        return await asyncio.to_thread(lambda: self.sender.send(version, self.weight_tensors()))
 
     @endpoint
     async def train_step(self, groups: list[RolloutGroup], deadline_s: float = 0.0) -> dict[str, float]:

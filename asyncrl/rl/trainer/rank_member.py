@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.rendezvous import reserve_listener
+from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.group import RankGroup
@@ -200,7 +201,7 @@ class RankMember(Actor):
         self._layout, self._sync_timeout_s = layout, timeout_s
         return len(layout.buckets)
 
-    async def _sharded_send_weights(self, version: int) -> float:
+    async def _sharded_send_weights(self, version: int) -> SyncStats:
         """Rank 0 sends; every rank gathers each bucket in turn (``trainer/sharded_sync.py``). A
         failure on the weight-sync side (a sampler's) is raised after the guard, which only sees
         the trainer group's collectives, all matched: the trainer group survives it."""
@@ -210,23 +211,24 @@ class RankMember(Actor):
         layout = self._layout
         params = self.weight_tensors()
 
-        def send() -> tuple[float, BaseException | None]:
+        def send() -> tuple[SyncStats, BaseException | None]:
             source = GatheredBuckets(layout, [params[spec.name] for spec in layout.tensors])
+            none = SyncStats(version, 0, 0, 0.0)  # the ranks > 0 gather only; the driver reads rank 0's
             try:
                 if self.rank == 0:
-                    return self.sender.send(version, source=source).seconds, None
+                    return self.sender.send(version, source=source), None
                 source.drain()
-                return 0.0, None
+                return none, None
             except CommError as exc:  # the weight-sync group's, not ours
-                return 0.0, exc
+                return none, exc
             finally:
                 source.drain()  # every bucket gathered on every rank, whatever happened
                 self.last_gathered_bytes = source.peak_gathered_bytes
 
-        seconds, error = await self.run_guarded(f"the weight sync of v{version}", self._sync_timeout_s, send)
+        stats, error = await self.run_guarded(f"the weight sync of v{version}", self._sync_timeout_s, send)
         if error is not None:
             raise error
-        return seconds
+        return stats
 
     def _in_step_rng(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` with the same RNG state on every rank (a sharded forward runs in step on all

@@ -12,8 +12,11 @@ import asyncio
 import time
 from typing import Any, Protocol
 
+import msgspec
+
 from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError, WeightSyncError
-from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerError, WeightSink
+from asyncrl.comm.weights import SyncStats
+from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerError, SamplerSyncStats, WeightSink
 from asyncrl.runtime.timeouts import timeout
 
 ANSWER_GRACE_S = 10.0
@@ -96,7 +99,7 @@ class EngineSink(WeightSink):
     def ready(self) -> bool:
         return self._ready
 
-    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> float:
+    async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> SamplerSyncStats:
         # One deadline for the pause and the transfer: each with a whole timeout_s of its own
         # would let this side take twice as long as the trainer's, which started at once.
         deadline = time.monotonic() + timeout_s
@@ -109,7 +112,14 @@ class EngineSink(WeightSink):
             await self.backend.pause(timeout_s)  # SamplerTimeoutError: weights untouched
         try:
             waited = time.perf_counter() - start
-            await engine_call(self.backend, "receive_weights", left(), version, left())
+            answer = await engine_call(self.backend, "receive_weights", left(), version, left())
+            called = time.perf_counter()
+            try:
+                stats = msgspec.convert(answer, SyncStats)
+            except msgspec.ValidationError as exc:
+                raise EngineWeightSyncError(f"receive_weights: the vLLM worker answered {answer!r:.200}: "
+                                            f"{exc}") from None
+            reset_s = 0.0
             if self.backend.prefix_caching:  # cached prefixes were computed with the old weights
                 try:
                     async with timeout(left() + ANSWER_GRACE_S):
@@ -118,10 +128,14 @@ class EngineSink(WeightSink):
                     raise EngineWeightSyncError("vLLM did not reset its prefix cache in time") from None
                 if reset is False:
                     print("VLLMBackend: vLLM did not reset its prefix cache (requests still running)", flush=True)
+                reset_s = time.perf_counter() - called
         finally:
+            resuming = time.perf_counter()
             if not in_flight:
                 await self.backend.resume()
-        return waited
+        return SamplerSyncStats(pause_s=waited, receive=stats, reset_s=reset_s,
+                                resume_s=time.perf_counter() - resuming,
+                                call_s=max(called - start - waited - stats.seconds, 0.0))
 
     async def leave(self) -> None:
         self._ready = False

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import torch
 
 from asyncrl.comm.errors import LayoutMismatchError
@@ -97,10 +98,11 @@ class WeightSyncExtension:
         member.receiver, member.timeout_s = receiver, timeout_s
         return len(receiver.layout.buckets)
 
-    def asyncrl_receive_weights(self, version: int, timeout_s: float | None = None) -> list[float]:
+    def asyncrl_receive_weights(self, version: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Take sync ``version`` into the model, bucket by bucket, within ``timeout_s`` (None: the
-        set-up's; the sampler passes what its own deadline has left after a pause). Returns
-        ``[seconds, bytes]``."""
+        set-up's; the sampler passes what its own deadline has left after a pause). Returns the
+        receiver's `SyncStats` as plain values (``msgspec.to_builtins``): its ``copy_s`` is the
+        model's load (``load_weights``, or the CPU reload)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, not {version!r}")
         if timeout_s is not None:
@@ -118,7 +120,7 @@ class WeightSyncExtension:
                 stats = member.receiver.receive(version, load, timeout_s=limit)
             finally:
                 load.close()
-        return [stats.seconds, float(stats.bytes)]
+        return msgspec.to_builtins(stats)
 
     def asyncrl_leave(self) -> None:
         """Drop the communicator and the store handle. Idempotent."""

@@ -1,0 +1,58 @@
+"""A weight sync's phases in a step's record: where ``sync_s`` went, without a profiler.
+
+The trainer's `send_weights` answers its `SyncStats` and each sampler's `receive_weights` its
+`SamplerSyncStats`, each measured where the phase runs (``comm/phase_clock.py``: CUDA events on a
+GPU, host time on CPU). `sync_record` turns the last successful sync's answers and the wall time
+the driver saw into the step's ``sync_*`` metrics (docs/observability.md has the table):
+
+* the trainer's side: ``sync_trainer_s`` (its whole send), ``sync_trainer_pack_s`` (packing and
+  casting into the staging buffers), ``sync_trainer_transfer_s`` (on the wire) and
+  ``sync_trainer_vote_s`` (the two votes: the first waits for every sampler to arrive, so a
+  sampler's pause shows here too; the commit waits for what is still on the wire and for every
+  sampler to apply its last bucket);
+* the samplers' sides, each the largest over the samplers: ``sync_sampler_s`` (the whole
+  receive), ``sync_sampler_pause_s`` (waiting for a moment free of generation),
+  ``sync_sampler_transfer_s``, ``sync_sampler_load_s`` (unpacking into the model, the engine's
+  ``load_weights`` and vLLM's prefix-cache reset included) and ``sync_sampler_resume_s``;
+* ``sync_rpc_s``: the driver's wall time less the slowest member's own total (the calls' round
+  trips and scheduling; a rebuild of the group, when the sync needed one, lands here too);
+* ``sync_bytes``: what one sync moves to each sampler (in the wire's dtype).
+
+This module reads the answers' fields only; it imports neither torch nor the actors' packages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from asyncrl.comm.weights import SyncStats
+    from asyncrl.rl.sampler.backend import SamplerSyncStats
+
+SYNC_METRICS = ("sync_trainer_s", "sync_trainer_pack_s", "sync_trainer_transfer_s", "sync_trainer_vote_s",
+                "sync_sampler_s", "sync_sampler_pause_s", "sync_sampler_transfer_s", "sync_sampler_load_s",
+                "sync_sampler_resume_s", "sync_rpc_s", "sync_bytes")
+"""Every key `sync_record` writes besides ``sync_s`` (a step without a sync has them all 0)."""
+
+
+def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[SamplerSyncStats]) -> dict[str, float]:
+    """The step's ``sync_*`` metrics from the driver's ``wall_s`` and the last successful sync's
+    answers (``trainer`` None: no sync happened, everything but ``sync_s`` is 0)."""
+    record = {"sync_s": wall_s, **dict.fromkeys(SYNC_METRICS, 0.0)}
+    if trainer is None:
+        return record
+
+    def most(values: list[float]) -> float:
+        return max(values, default=0.0)
+
+    received = [s.receive for s in samplers if s.receive is not None]
+    slowest = max(trainer.seconds, most([s.seconds for s in samplers]))
+    record.update(
+        sync_trainer_s=trainer.seconds, sync_trainer_pack_s=trainer.copy_s,
+        sync_trainer_transfer_s=trainer.transfer_s, sync_trainer_vote_s=trainer.vote_s + trainer.commit_s,
+        sync_sampler_s=most([s.seconds for s in samplers]), sync_sampler_pause_s=most([s.pause_s for s in samplers]),
+        sync_sampler_transfer_s=most([r.transfer_s for r in received]),
+        sync_sampler_load_s=most([s.load_s for s in samplers]),
+        sync_sampler_resume_s=most([s.resume_s for s in samplers]),
+        sync_rpc_s=max(wall_s - slowest, 0.0), sync_bytes=float(trainer.bytes))
+    return record
