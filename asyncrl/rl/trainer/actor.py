@@ -228,6 +228,8 @@ class TrainerActor(RankMember, SyncMember):
             self._auto_tokens, free = resolve_micro_batch_tokens(
                 0, self.model, self.optimizer, self.device, checkpointing=cfg.activation_checkpointing,
                 full_logits=bool(self._fallback_reason()), pack_tokens=cfg.pack_tokens)
+            if self.device.type == "cuda" and not free:  # the gradients and AdamW's state alone overflow it
+                raise self._does_not_fit("the policy with its gradients and AdamW's state")
             where = f"{free / 2**30:.1f} GiB free" if free else f"{self.device.type}: the fixed default"
             print(f"trainer: micro_batch_tokens auto -> {self._auto_tokens} ({where})", flush=True)
         return self._auto_tokens
@@ -266,7 +268,7 @@ class TrainerActor(RankMember, SyncMember):
             f"--trainer.activation_checkpointing, --trainer.pack_tokens or --trainer.lora.rank (docs/trainer.md). "
             f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
-    def _does_not_fit(self, what: str, exc: torch.OutOfMemoryError) -> TrainerMemoryError:
+    def _does_not_fit(self, what: str, exc: torch.OutOfMemoryError | None = None) -> TrainerMemoryError:
         """``what`` is too large for the trainer's device at any micro-batch: say what trains less."""
         where = self.device.type
         if where == "cuda":
@@ -275,8 +277,8 @@ class TrainerActor(RankMember, SyncMember):
         return TrainerMemoryError(
             f"{what} of {self.model_path} does not fit in the trainer's {where} (full fine-tuning holds 16 bytes a "
             "parameter: fp32 weights, gradients and AdamW's two moments): train LoRA adapters (--trainer.lora.rank 16 "
-            "--trainer.lora.bf16_base true), or shard the trainer over GPUs (--trainer.world_size N; docs/trainer.md). "
-            f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            "--trainer.lora.bf16_base true), or shard the trainer over GPUs (--trainer.world_size N; docs/trainer.md)."
+            + (f" torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}" if exc is not None else ""))
 
     def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:
         """One micro-batch's loss, its gradient added to the parameters; its metrics. Log-probs by

@@ -46,12 +46,14 @@ def auto_micro_batch_tokens(free_bytes: int, *, hidden_size: int, num_layers: in
     Per token: ``num_layers`` x `layer_bytes_per_token`, or with ``checkpointing`` each layer's
     fp32 input (4H) plus one layer's activations (the one recomputed in the backward); then 16H
     for the embeddings' output, the final norm and the gathered hidden states; and with
-    ``full_logits`` (the fallback path, ``trainer/scoring.py``) 6 B a vocabulary entry (the fp32
-    logits kept for the backward, their bf16 original in flight). Fixed: the chunked head's
+    ``full_logits`` (the fallback path, ``trainer/scoring.py``) 12 B a vocabulary entry: the fp32
+    logits kept for the backward and their bf16 original, then in the backward their fp32 and bf16
+    gradients (on an H100 the 0.5B shape's full-logits step took 10.5 B a vocabulary entry a token
+    more than the fused one, and 6 B, the first estimate, ran out of memory). Fixed: the chunked head's
     temporaries (4 chunks) and its bf16 weight copy and fp32 gradient sum (6 B x V x H)."""
     layer = layer_bytes_per_token(hidden_size, intermediate_size, num_heads)
     per_token = (num_layers * 4 * hidden_size + layer) if checkpointing else num_layers * layer
-    per_token += 16 * hidden_size + (6 * vocab_size if full_logits else 0)
+    per_token += 16 * hidden_size + (12 * vocab_size if full_logits else 0)
     fixed = 4 * DEFAULT_CHUNK_BYTES + 6 * vocab_size * hidden_size + RESERVE_BYTES
     usable = int(free_bytes * USABLE_SHARE) - fixed
     tokens = max(usable, 0) // per_token
