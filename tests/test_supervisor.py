@@ -18,9 +18,10 @@ from asyncrl import (
     Supervisor,
     SupervisorClosedError,
 )
+from asyncrl.errors import ActorNotReadyError
 from asyncrl.runtime.config import SupervisorConfig
 
-from actors import Echo, ExitsInInit, FailsInInit, SlowStart
+from actors import Echo, ExitsInInit, FailsInInit, PhasedStart, SlowStart
 from conftest import new_descendants, process_alive, wait_until
 
 
@@ -307,3 +308,61 @@ async def test_an_actor_imports_with_the_drivers_path_in_the_drivers_order(tmp_p
         path = await (await sup.spawn(Echo, name="e")).sys_path()
     site = next(i for i, p in enumerate(path) if p.endswith("site-packages"))
     assert path.index(first) < site < path.index(last), path
+
+
+async def kill_while_starting(sup, name: str, incarnations: set[int], timeout_s: float = 60.0) -> list[int]:
+    """SIGKILL the process of each of ``name``'s ``incarnations`` as soon as it exists, while it is
+    still starting (tests only: watching the supervisor's status from the spawn's own loop)."""
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while set(killed) != incarnations:
+        assert time.monotonic() < deadline, f"not all of {incarnations} of {name} seen starting: {sup.status()}"
+        for s in sup.status():
+            if s.name == name and s.state == "starting" and s.pid and s.incarnation in incarnations - set(killed):
+                os.kill(s.pid, signal.SIGKILL)
+                killed.append(s.incarnation)
+        await asyncio.sleep(0.005)
+    return killed
+
+
+async def test_a_start_killed_is_retried_within_max_restarts_which_later_restarts_share():
+    async with Supervisor() as sup:
+        killer = asyncio.ensure_future(kill_while_starting(sup, "slow", {1, 2}))
+        slow = await sup.spawn(PhasedStart, 2.0, name="slow", max_restarts=2)  # 2 s in its constructor
+        assert await killer == [1, 2]
+        info = slow.info()
+        assert (info.state, info.incarnation, info.restarts, info.error) == ("running", 3, 2, None)
+        pid = await slow.getpid()
+        os.kill(pid, signal.SIGKILL)  # the budget is spent: a death now is the end of it
+        assert await asyncio.to_thread(wait_until, lambda: slow.info().state == "dead", 5.0)
+
+
+async def test_a_start_lost_for_good_raises_or_with_keep_if_lost_leaves_a_dead_actor():
+    async with Supervisor() as sup:
+        killer = asyncio.ensure_future(kill_while_starting(sup, "lost", {1, 2}))
+        with pytest.raises(ActorNotReadyError, match=r"^actor 'lost': process killed by SIGKILL during start$"):
+            await sup.spawn(PhasedStart, 2.0, name="lost", max_restarts=1)
+        await killer
+        assert sup.status() == [] and not new_descendants()
+
+        killer = asyncio.ensure_future(kill_while_starting(sup, "kept", {1}))
+        kept = await sup.spawn(PhasedStart, 2.0, name="kept", keep_if_lost=True)
+        await killer
+        (status,) = sup.status()
+        assert (status.name, status.state, status.restarts, status.pid) == ("kept", "dead", 0, None)
+        assert "killed by SIGKILL during start" in status.error
+        start = time.monotonic()
+        with pytest.raises(ActorNotReadyError, match="killed by SIGKILL during start"):
+            await kept.getpid()  # fails at once, with the start's error
+        assert time.monotonic() - start < 0.5 and not new_descendants()
+        again = await sup.spawn(Echo, name="kept")  # a dead actor's name is free again
+        assert await again.add(1) == 2
+
+
+async def test_a_start_its_constructor_refused_is_not_retried_nor_kept(caplog):
+    async with Supervisor() as sup:
+        with caplog.at_level("WARNING", logger="asyncrl.supervisor"):
+            with pytest.raises(ActorStartError, match="constructor refuses: nope"):
+                await sup.spawn(FailsInInit, "nope", name="broken", max_restarts=3, keep_if_lost=True)
+        assert sup.status() == [] and not new_descendants()
+        assert not [r for r in caplog.records if "lost during its start" in r.getMessage()]

@@ -9,6 +9,7 @@ stop; its owner may kill it (``ActorHandle.kill``). However it ends, the watcher
 in one way: the record leaves RUNNING before anything is awaited (so no new call goes to the dead
 process), pending calls fail with ``ActorDiedError`` naming the cause, and a new incarnation is
 started while restarts are left, else the actor is DEAD and its devices go back to their pool.
+A first incarnation lost while it starts is retried from the same budget (``first_start``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from asyncrl.runtime.resources import SupervisorResources
 from asyncrl.runtime.start_watch import StartWatch
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.watchdog import SilenceWatchdog
-from asyncrl.errors import ActorDiedError, ActorNotReadyError, ActorStartError
+from asyncrl.errors import ActorDiedError, ActorNotReadyError, ActorStartError, first_line
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -72,6 +73,36 @@ class Incarnations:
                 rec.proc.kill_now()
             if rec.client is not None:
                 rec.client.close()
+
+    async def first_start(self, rec: ActorRecord) -> None:
+        """Start ``rec``'s first incarnation, and start it again while it is lost during its start
+        and restarts are left. Why here, for every actor: a process killed while it starts (an OOM
+        kill, a preempted node, a SIGKILL), gone silent or past its start deadline is the same loss
+        as one that dies once it runs, and a start under load takes long enough (minutes for a
+        model) for that to happen; so it spends the same ``max_restarts`` (``rec.restarts``, which
+        `_watch` goes on counting from). A start refused by the actor's own code (its constructor
+        or ``on_start`` raised: `refused`) is not retried: its arguments are still unproven, the
+        same ones fail the same way, and the caller should hear it at once. Each try is bounded by
+        the start's own deadlines, so this ends. Raises the last try's ``ActorStartError``."""
+        while True:
+            try:
+                await self.start(rec)
+                rec.error = None
+                return
+            except ActorStartError as e:
+                if self.refused(rec) or rec.stopping or self.closing or rec.restarts >= rec.max_restarts:
+                    raise
+                rec.error = e  # what `status()` says while it starts again
+                rec.restarts += 1
+                log.warning("actor %s lost during its start (%s); restart %d of %d",
+                            rec.name, first_line(e), rec.restarts, rec.max_restarts)
+
+    @staticmethod
+    def refused(rec: ActorRecord) -> bool:
+        """True if ``rec``'s last start failed because its own code raised (``StartFailed``: the
+        constructor, ``on_start``, its arguments), not because its process was lost."""
+        ready = rec.ready
+        return ready is not None and ready.done() and not ready.cancelled() and ready.exception() is not None
 
     async def start(self, rec: ActorRecord) -> None:
         """Start ``rec``'s next incarnation; return once it is RUNNING and watched. Raises

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import signal
 import socket
@@ -46,6 +47,8 @@ from asyncrl.runtime.resources import SupervisorResources, cluster_keys
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.status import StatusServer
 from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError
+
+log = logging.getLogger("asyncrl.supervisor")
 
 __all__ = ["ActorStatus", "Supervisor"]  # ActorStatus: still importable from here, as it always was
 
@@ -191,10 +194,19 @@ class Supervisor:
         kwargs: dict[str, Any] | None = None,
         node: int | None = None,
         share_devices_with: str | None = None,
+        keep_if_lost: bool = False,
     ) -> ActorHandle:
         """Start ``cls(*args, **kwargs)`` in a new process and return its handle once ``__init__``
         and ``on_start`` have returned there. Raises ``ActorStartError`` (with the remote
         traceback) if they raise, ``NoFreeDevicesError`` if ``gpus`` cannot be met.
+
+        A start whose process is lost (killed, silent, past its deadline) is tried again while
+        ``max_restarts`` allows (the restarts once it runs share that budget; see
+        ``Incarnations.first_start``). After the last try ``ActorNotReadyError`` is raised; or,
+        with ``keep_if_lost``, the handle of the DEAD actor is returned, as if it had died once it
+        ran (``status()`` lists it; every call fails at once with the start's error): for a member
+        of a pool that can go on without it. A start its own code refused (the constructor
+        raised) is neither tried again nor kept.
 
         ``node`` picks the node (0 is this one); by default an actor with ``gpus=0`` runs on node
         0 and one with devices on the lowest-ranked node that has ``gpus`` free (first fit, so a
@@ -240,15 +252,28 @@ class Supervisor:
         rec.devices_released = share_devices_with is not None  # the owner's to give back
         self._records[name] = rec
         try:
-            await self._incarnations.start(rec)
-        except BaseException as e:
+            await self._incarnations.first_start(rec)
+        except ActorStartError as e:
+            lost = self._state == "running" and not rec.stopping and not self._incarnations.refused(rec)
+            if not (keep_if_lost and lost):
+                self._forget(rec, e)
+                raise
+            log.error("actor %s is dead: it never started: %s", name, e)
+            rec.error = e
             rec.set_state(ActorState.DEAD)
-            rec.error = e if isinstance(e, ActorStartError) else ActorDiedError(name, "start interrupted")
             self._incarnations.release_devices(rec)
-            if self._records.get(name) is rec:
-                del self._records[name]
+        except BaseException as e:
+            self._forget(rec, e)
             raise
         return ActorHandle(rec, endpoints_of(cls))
+
+    def _forget(self, rec: ActorRecord, e: BaseException) -> None:
+        """A spawn that raises leaves nothing behind: the record is dropped, its devices go back."""
+        rec.set_state(ActorState.DEAD)
+        rec.error = e if isinstance(e, ActorStartError) else ActorDiedError(rec.name, "start interrupted")
+        self._incarnations.release_devices(rec)
+        if self._records.get(rec.name) is rec:
+            del self._records[rec.name]
 
     def _shared_devices(self, name: str, owner: str, gpus: int, node: int | None) -> tuple[int, list[str]]:
         record = self._records.get(owner)
