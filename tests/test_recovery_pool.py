@@ -26,6 +26,7 @@ from asyncrl.comm.weights import SyncStats
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError
 from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
 from asyncrl.rl.driver import sync_group
+from asyncrl.rl.driver.faults import NoSamplersError
 from asyncrl.rl.driver.membership import MemberState
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.queue import RolloutQueue
@@ -315,3 +316,35 @@ async def test_a_stream_cancelled_as_its_next_item_arrives_stops(tmp_path):
     finally:
         client.close()
         ctx.destroy(0)
+
+
+async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_before_it_joined():
+    ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], receive_weights=[(0.0, GOT)])
+    never = Scripted("sampler0", **ok)
+    never.set_state("dead")  # its start was lost, its restarts with it (sampler_start.py)
+    died = Scripted("sampler1", restore_data_state=[(0.0, ActorDiedError("sampler1", "killed by SIGKILL"))], **ok)
+    up = Scripted("sampler2", restore_data_state=[(0.0, None)], **ok)
+    logs: list[str] = []
+    pool = SamplerPool(trainer_script(SENT), [never, died, up], RolloutQueue(8, 4), run=run_config(), seeds=[0, 1, 2],
+                       host="127.0.0.1", backend="gloo", log=logs.append)
+    try:
+        await pool.start(0, [])
+    finally:
+        await pool.close()
+    assert [m.state for m in pool.members] == [MemberState.GONE, MemberState.LOST, MemberState.JOINED], logs
+    assert never.calls == [] and pool.progress()["samplers"]["sampler0"] == "gone"
+    (fault,) = pool.faults
+    assert fault.sampler == "sampler1" and "failed to take its data position" in fault.cause, fault
+    assert pool.generation == 0 and up.calls.count("receive_weights") == 1, logs
+
+
+async def test_the_start_stops_when_every_sampler_is_gone():
+    never = Scripted("sampler0")
+    never.set_state("dead")
+    pool = SamplerPool(trainer_script(SENT), [never], RolloutQueue(8, 4), run=run_config(), seeds=[0],
+                       host="127.0.0.1", backend="gloo")
+    try:
+        with pytest.raises(NoSamplersError, match="no sampler could join the weight-sync group at the start"):
+            await pool.start(0, [])
+    finally:
+        await pool.close()

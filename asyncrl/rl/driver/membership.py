@@ -39,7 +39,8 @@ class MemberState(enum.Enum):
     LOST = "lost"
     """Out of the group; the supervisor's restart of it is awaited."""
     GONE = "gone"
-    """Lost for good: its restarts used up, stopped, or not back within restart_timeout_s."""
+    """Lost for good: its restarts used up, stopped, or not back within restart_timeout_s; or it
+    never came up (dead before the pool was built)."""
 
     @property
     def shown(self) -> str:
@@ -79,7 +80,11 @@ class Membership:
 
     def __init__(self, samplers: list[Any], seeds: list[int], *, recovery: RecoveryConfig, log=print,
                  events_path: str = ""):
-        self.members = [Member(h, i, seed) for i, (h, seed) in enumerate(zip(samplers, seeds))]
+        # A sampler already dead or stopped never came up (its start was lost, its restarts with
+        # it: sampler_start.py): GONE from the start, as if lost for good later. It keeps its
+        # place (its index, its seed, its data position), which checkpoints and resumes rely on.
+        self.members = [Member(h, i, seed, state=MemberState.GONE if h.info().state in ("dead", "stopped")
+                               else MemberState.CANDIDATE) for i, (h, seed) in enumerate(zip(samplers, seeds))]
         self.recovery, self.log = recovery, log
         self.events_path = events_path  # faults.jsonl: append-only, kept whole across resumes
         self.changed = asyncio.Event()  # set by every loss, return and ended pump: the driver's waits wake

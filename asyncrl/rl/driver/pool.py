@@ -104,14 +104,26 @@ class SamplerPool:
     # --- the driver's calls ---------------------------------------------------------------------
 
     async def start(self, version: int, data: list[SamplerDataState | None]) -> None:
-        """Set each sampler's data walk, form the group and send ``version``; start the pumps."""
+        """Set each sampler's data walk, form the group and send ``version``. A sampler lost
+        before it joined (it died since its start, it failed to take its data position) is lost as
+        any other: the run goes on without it while it restarts (`next_batch` takes it back).
+        Raises `NoSamplersError` only when every sampler is gone for good."""
         for m in self.members:
             state = data[m.index] if m.index < len(data) and data[m.index] is not None else SamplerDataState(m.seed, 0)
-            m.walk_base, m.incarnation = state.drawn, m.handle.info().incarnation
-            await m.handle.with_timeout(self.run.deadlines.rendezvous_timeout_s).restore_data_state(state)
+            m.walk_base = state.drawn
+            if m.state is MemberState.GONE:
+                continue  # never came up: its data position stays where the run left it
+            m.incarnation = incarnation = m.handle.info().incarnation
+            try:
+                await m.handle.with_timeout(self.run.deadlines.rendezvous_timeout_s).restore_data_state(state)
+            except (ActorDiedError, CallTimeoutError, RemoteError) as exc:
+                self.membership.lose(m, f"failed to take its data position: {first_line(exc)}",
+                                     kill=not isinstance(exc, ActorDiedError), incarnation=incarnation)
         await self.sync_group.rebuild(version)
-        if not self.membership.with_state(MemberState.JOINED):
-            raise NoSamplersError("no sampler could join the weight-sync group at the start")
+        if all(m.state is MemberState.GONE for m in self.members):
+            causes = "; ".join(f"{f.sampler}: {f.cause}" for f in self.faults[-3:])
+            raise NoSamplersError("no sampler could join the weight-sync group at the start"
+                                  + (f" ({causes})" if causes else ""))
 
     async def next_batch(self, n: int, version: int) -> list[RolloutGroup]:
         """The step's batch from the queue; recovers from sampler losses while it waits."""

@@ -1,10 +1,11 @@
 """`train()`: one GRPO run from its config to its summary, or to a stop that says how to resume.
 
 It checks the config (`preflight.check_run`), makes the run directory, spawns the trainer and the
-samplers on the caller's supervisor, loads a checkpoint to resume from (`resume.py`), and hands
-the steps to `GRPODriver` (grpo.py). Every way a run can end passes through here once: a signal
-(SIGINT, SIGTERM) or any error is recorded as a ``stopped`` event in faults.jsonl and told in one
-line that names what resumes the run; a full disk under the run directory becomes `RunDirError`.
+samplers on the caller's supervisor (a sampler that never comes up is left out: `sampler_start.py`),
+loads a checkpoint to resume from (`resume.py`), and hands the steps to `GRPODriver` (grpo.py).
+Every way a run can end passes through here once: a signal (SIGINT, SIGTERM) or any error is
+recorded as a ``stopped`` event in faults.jsonl and told in one line that names what resumes the
+run; a full disk under the run directory becomes `RunDirError`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
+from asyncrl.rl.driver.sampler_start import start_samplers
 from asyncrl.rl.driver.trainer_ranks import node_address, spawn_trainer_ranks
 from asyncrl.runtime import signals
 
@@ -151,18 +153,22 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         config = dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, prompts_per_batch=prompts))
         log(f"samplers: {prompts} prompts x {config.sampler.group_size} completions at once"
             + (" (--sampler.prompts_per_batch auto)" if auto else ""))
-        samplers = [await sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
-                                    share_devices_with="trainer" if plan.colocated else None, env=env,
-                                    node=None if plan.colocated else sampler_nodes[i],
-                                    max_restarts=run.recovery.sampler_max_restarts, kwargs={
-                        "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
-                        "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
-                        "adapter": _synced_adapter(config)})
-                    for i in range(config.sampler.count)]
+
+        def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: sampler_start.py
+            return sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
+                             share_devices_with="trainer" if plan.colocated else None, env=env,
+                             node=None if plan.colocated else sampler_nodes[i], keep_if_lost=True,
+                             max_restarts=run.recovery.sampler_max_restarts, kwargs={
+                                 "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
+                                 "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
+                                 "adapter": _synced_adapter(config)})
+
+        samplers = await start_samplers(spawn_sampler, config.sampler.count, one_at_a_time=plan.colocated, log=log,
+                                        events_path=os.path.join(run_dir, "faults.jsonl"))
         if sup.config.nnodes > 1:
             log(_where_line([first_rank, *(trainer.handles[1:] if ranks > 1 else [])], samplers, host))
         if run.check_weights:
-            await _check_digestible(samplers)
+            await _check_digestible([s for s in samplers if not s.info().state.final])
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
                             backend=plan.sync_backend,
                             seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
