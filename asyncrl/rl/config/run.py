@@ -90,7 +90,8 @@ class RecoveryConfig:
 
     sampler_max_restarts: int = 3
     """Times the supervisor restarts a lost sampler; each replacement rejoins the weight-sync group
-    and takes the current weights before it generates."""
+    and takes the current weights before it generates. A sampler lost while it first starts is
+    started again from the same budget; one that never comes up is left out of the run."""
     restart_timeout_s: float = 300.0
     """How long a lost sampler's restart is awaited before it counts as gone for good."""
 
