@@ -46,7 +46,7 @@ from asyncrl.runtime.record import ActorRecord, ActorStatus
 from asyncrl.runtime.resources import SupervisorResources, cluster_keys
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.status import StatusServer
-from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError
+from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError, first_line
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -258,7 +258,8 @@ class Supervisor:
             if not (keep_if_lost and lost):
                 self._forget(rec, e)
                 raise
-            log.error("actor %s is dead: it never started: %s", name, e)
+            log.error("actor %s is dead: its start was lost, %d restart(s) spent (%s)",
+                      name, rec.restarts, first_line(e))
             rec.error = e
             rec.set_state(ActorState.DEAD)
             self._incarnations.release_devices(rec)
