@@ -16,6 +16,7 @@ import zmq
 
 from asyncrl import Supervisor
 from asyncrl.runtime import auth, wire
+from asyncrl.runtime.actor import endpoints_of
 
 from conftest import kill_all, process_alive
 from multinode_support import NODE_TIMEOUT_S, Counter, free_port, intruder, make_secret_file, start_agent
@@ -26,6 +27,26 @@ SEED = int(os.environ.get("ASYNCRL_FUZZ_SEED", "0")) or random.randrange(1 << 30
 
 def _text(rng: random.Random) -> str:
     return "".join(rng.choice("abcxyz-_.0é\x00") for _ in range(rng.randrange(0, 12)))
+
+
+_COUNTER_ENDPOINTS = endpoints_of(Counter)
+_TO_ACTOR = msgspec.msgpack.Decoder(wire.ToActor)
+
+
+def _runs_a_call(frames: list[bytes]) -> bool:
+    """Whether an actor that admits the sender would run these frames as a call of Counter: what
+    the actor's server checks, the same decoders. A flipped bit can make a valid call out of a
+    refused one (``bump(["not an int"])`` became ``bump(-22)``); a peer the socket admits (any
+    process of ours on an ipc socket, an insider on TCP) is then rightly obeyed, so such frames
+    are not fuzz and are not sent: "no fuzzed call was executed" holds for every seed."""
+    try:
+        msg = _TO_ACTOR.decode(frames[0])
+        if type(msg) is not wire.Call or msg.method not in _COUNTER_ENDPOINTS:
+            return False
+        _COUNTER_ENDPOINTS[msg.method].arg_decoder.decode(msg.args, frames)
+    except Exception:  # refused by the actor, whatever the reason
+        return False
+    return True
 
 
 def _message(rng: random.Random, bump_allowed: bool) -> bytes:
@@ -102,6 +123,8 @@ def _fuzz(endpoint: str, public_key: bytes | None, insider_keys: auth.ClusterKey
                 continue
             bump_allowed = endpoint.startswith("tcp://")  # outsiders over TCP are refused anyway
             frames = [_message(rng, bump_allowed) if rng.random() < 0.7 else os.urandom(rng.randrange(64)) for _ in range(rng.randrange(1, 4))]
+            if not bump_allowed and _runs_a_call(frames):
+                continue  # an ipc socket admits us: a valid call would run (see _runs_a_call)
             for sock in outsiders:
                 try:
                     sock.send_multipart(frames, zmq.NOBLOCK)
@@ -110,7 +133,8 @@ def _fuzz(endpoint: str, public_key: bytes | None, insider_keys: auth.ClusterKey
             if insider is not None:  # an authenticated peer sending junk: decoders must hold
                 frames = [_message(rng, False) if rng.random() < 0.7 else os.urandom(rng.randrange(64)) for _ in range(rng.randrange(1, 4))]
                 try:
-                    insider.send_multipart(frames, zmq.NOBLOCK)
+                    if not _runs_a_call(frames):  # an insider's valid call would run, rightly
+                        insider.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:
                     pass
                 while insider.poll(0):
@@ -159,3 +183,17 @@ async def test_fuzz_every_listening_socket(tmp_path, monkeypatch):
     finally:
         kill_all([agent.pid])
         agent.wait()
+
+
+def test_a_flipped_bit_that_makes_a_valid_call_is_recognised():
+    """Seed 512056390 cut ``bump(["not an int"])`` after the string's header and flipped a bit of
+    it (0xaa, a 10-byte string, became 0xea, the integer -22): a valid ``bump(-22)``, which an ipc
+    socket rightly ran. `_runs_a_call` must see it, and only such calls, as a call to run."""
+    body = msgspec.msgpack.encode(wire.Call(7, "bump", msgspec.Raw(msgspec.msgpack.encode(["not an int"]))))
+    assert not _runs_a_call([body])
+    mangled = [cut[:i] + bytes([cut[i] ^ (1 << bit)]) + cut[i + 1:]
+               for cut in (body[:k] for k in range(1, len(body) + 1)) for i in range(len(cut)) for bit in range(8)]
+    runnable = [m for m in mangled if _runs_a_call([m])]
+    assert body[:body.index(b"\xaa")] + b"\xea" in runnable  # bump(-22)
+    assert all(_TO_ACTOR.decode(m).method == "bump" for m in runnable)
+    assert _runs_a_call([msgspec.msgpack.encode(wire.Call(8, "count", msgspec.Raw(msgspec.msgpack.encode([]))))])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import msgspec
@@ -174,6 +175,7 @@ async def test_garbage_and_malformed_requests_get_typed_failures(echo):
         ([enc(wire.Call(3, "nope", msgspec.Raw(enc([]))))], 3, "UnknownMethodError"),
         ([enc(wire.Call(4, "add", msgspec.Raw(enc(["1", 2]))))], 4, "InvalidArgumentsError"),
         ([enc(wire.Call(5, "add", msgspec.Raw(b"\xc1")))], 0, "ProtocolError"),  # not even msgpack
+        ([b"\x94\x01\x07\xa4\xff\xfe\xfd\xfc\x90"], 0, "ProtocolError"),  # a method name that is not UTF-8
         # a tensor header that points at a frame the message does not have (truncated message)
         ([enc(wire.Call(6, "anything", msgspec.Raw(enc([msgspec.msgpack.Ext(1, enc(("float32", [1024], 1)))]))))], 6, "ProtocolError"),
     ]
@@ -221,3 +223,48 @@ async def test_fuzzed_frames_never_stop_the_actor(echo):
         sock.close()
         ctx.term()
     assert await echo.add(1) == 12
+
+
+async def test_a_flood_of_junk_is_logged_in_a_few_lines_and_the_actor_keeps_serving(capfd):
+    """Each refused request used to be a line of its own: a peer sending junk in a loop flooded
+    the console. Now: the first in full, then one summary per few seconds with the count."""
+    sent = 2000
+
+    def flood(address: str) -> int:
+        """Send the junk, then a valid call on the same connection: the actor handles a connection's
+        requests in order, so its answer comes after every refusal. Returns the refusals received."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        try:
+            for i in range(sent):
+                sock.send_multipart([b"\xff\x00garbage %d" % i])
+            sock.send(msgspec.msgpack.encode(wire.Call(99, "add", msgspec.Raw(msgspec.msgpack.encode([1, 2])))))
+            refusals = 0
+            while sock.poll(20_000):
+                reply = msgspec.msgpack.decode(sock.recv_multipart()[0], type=wire.FromActor)
+                if reply.id == 99:
+                    assert isinstance(reply, wire.Reply), reply
+                    return refusals
+                refusals += isinstance(reply, wire.Failure) and reply.id == 0
+            raise TimeoutError("no answer from the actor")
+        finally:
+            sock.close()
+            ctx.term()
+
+    async with Supervisor() as sup:  # made here, after capfd: the actor's output goes to the stderr it finds
+        echo = await sup.spawn(Echo, 10)
+        assert await asyncio.to_thread(flood, echo._record.client.address) == sent  # each answered
+        assert await echo.add(1) == 12  # still serving
+        err, deadline = "", time.monotonic() + 20
+        while "in all" not in err and time.monotonic() < deadline:  # the summary ends the first window (5 s)
+            await asyncio.sleep(0.5)
+            err += capfd.readouterr().err
+    refused = [line for line in err.splitlines() if "refused" in line]
+    assert 2 <= len(refused) <= 4, refused
+    assert "refused a request: undecodable request" in refused[0]
+    summary = r"refused (\d+) more requests in the last [\d.]+ s \(last: undecodable request: .*\); (\d+) in all"
+    summed = [re.search(summary, line) for line in refused[1:]]
+    assert all(summed), refused
+    assert 1 + sum(int(m.group(1)) for m in summed) == int(summed[-1].group(2)) == sent

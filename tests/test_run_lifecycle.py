@@ -29,15 +29,15 @@ import torch
 
 from asyncrl import Supervisor
 from asyncrl.runtime import files
-from asyncrl.rl.trainer import checkpoint as trainer_ckpt
 from asyncrl.rl.driver import report, runlog
 from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.trainer.checkpoint import FAIL_ENV, write_checkpoint
 from asyncrl.rl.checkpoint import CheckpointError, CheckpointWriteError, DamagedCheckpointError, RunState, list_checkpoints, verify_checkpoint, write_json_atomic
+from asyncrl.rl.checkpoint import write_reason
 from asyncrl.rl.config.parse import parse_overrides
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.grpo import RunDirError
-from asyncrl.rl.driver.run import train
+from asyncrl.rl.driver.run import _run_dir_error, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(240)
@@ -108,11 +108,17 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_debris(tmp_path, mo
                                "No space left on device")
     assert os.listdir(tmp_path / "checkpoints") == ["step-00000001"]
 
-    # torch.save reports a full disk as "file write failed": the disk is looked at then.
-    monkeypatch.setattr(trainer_ckpt.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 100, 0))
-    assert trainer_ckpt._write_reason(RuntimeError("[enforce fail] file write failed"), str(tmp_path)) == \
-        "No space left on device"
-    assert trainer_ckpt._write_reason(RuntimeError("Error: IoError(StorageFull)"), str(tmp_path)) == "No space left on device"
+    # torch.save reports a full disk as "file write failed": the disk is looked at then, and named.
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(30 << 20, 30 << 20, 4096))
+    monkeypatch.setattr(files, "_device_of", lambda mount: "tmpfs")
+    named = (f"No space left on device (tmpfs at {files.disk_space(str(tmp_path)).mount} has 4 KiB free of 30 MiB: "
+             "free space there before resuming)")
+    assert write_reason(RuntimeError("[enforce fail] file write failed"), str(tmp_path)) == named
+    assert write_reason(RuntimeError("Error: IoError(StorageFull)"), str(tmp_path)) == named
+    assert write_reason(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), str(tmp_path / "no" / "such")) == named
+    assert write_reason(OSError(errno.EIO, os.strerror(errno.EIO)), str(tmp_path)) == "Input/output error"
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(30 << 20, 0, 30 << 20))
+    assert write_reason(RuntimeError("unexpected pos 2 vs 1"), str(tmp_path)) == "RuntimeError: unexpected pos 2 vs 1"
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -122,6 +128,41 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_debris(tmp_path, mo
     with pytest.raises(OSError, match="No space left"):
         write_json_atomic(str(tmp_path / "progress.json"), {"step": 1})
     assert not [n for n in os.listdir(tmp_path) if "progress.json" in n]
+
+
+def test_a_disk_that_fills_up_is_named_though_torch_save_says_unexpected_pos(tmp_path, monkeypatch):
+    """A 30 MB tmpfs as the run directory: torch.save's short write reads "unexpected pos", and
+    once the partial checkpoint is removed the disk has room again. The error is worded before
+    that, so it names the disk and the free space, and says what to do (no root, no mount: the
+    filesystem is full while a .tmp-* directory is there, as it was)."""
+    _write(tmp_path, 1)
+    checkpoints = tmp_path / "checkpoints"
+
+    def usage(path):  # 4 KiB free while the partial write is there, 20 MiB once it is gone
+        writing = any(name.startswith(".tmp-") for name in os.listdir(checkpoints))
+        return shutil._ntuple_diskusage(30 << 20, 10 << 20, 4096 if writing else 20 << 20)
+
+    def short_write(obj, path):
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2586048 vs 2585936")
+
+    monkeypatch.setattr(files.shutil, "disk_usage", usage)
+    monkeypatch.setattr(files, "_device_of", lambda mount: "tmpfs")
+    monkeypatch.setattr(torch, "save", short_write)
+    with pytest.raises(CheckpointWriteError) as info:
+        _write(tmp_path, 2)
+    mount = files.disk_space(str(tmp_path)).mount
+    assert str(info.value) == (f"cannot write the checkpoint of step 2 to {checkpoints}: No space left on device "
+                               f"(tmpfs at {mount} has 4 KiB free of 30 MiB: free space there before resuming)")
+    assert os.listdir(checkpoints) == ["step-00000001"]  # and no debris
+
+    # The driver's own writes (progress.json, metrics.jsonl) fail as an OSError: worded the same way.
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(30 << 20, 30 << 20, 0))
+    metrics = str(tmp_path / "metrics.jsonl")
+    assert str(_run_dir_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), metrics), str(tmp_path))) == (
+        f"cannot write {metrics}: No space left on device (tmpfs at {mount} has 0 B free of 30 MiB: free space "
+        "there before resuming)")
 
 
 def test_the_summary_states_the_gain_and_where_things_are(tmp_path):

@@ -63,6 +63,8 @@ CASES = [
     (["--run.run_dir", "/proc/asyncrl-run"], "--run.run_dir /proc/asyncrl-run: /proc is a kernel pseudo-filesystem"),
     (["--run.run_dir", "{tmp}/a-file"], "is a file, not a directory"),
     (["--run.run_dir", "{tmp}/a-file/run"], "cannot be made: {tmp}/a-file is a file"),
+    (["--run.run_dir", "{tmp}/ckpt/.."], "is not empty (a-file, ckpt, empty and 1 more) and holds no run; a new "
+                                          "run takes a new or empty directory: choose another --run.run_dir"),
     (["--run.run_dir", "{tmp}/old"], "holds an earlier run that wrote no checkpoint (config.json, metrics.jsonl), so "
                                       "nothing to resume: remove that directory, or choose another --run.run_dir"),
     (["--run.data_seed", "3"], "could be among the warm start's training problems"),
@@ -209,6 +211,27 @@ def test_resume_needs_a_run_and_a_new_run_an_unused_directory(tmp_path):
     with pytest.raises(ConfigError, match="not a run's config"):
         preflight.check_run(_config(run_dir=tmp_path / "other"), resume=True)
     assert preflight.check_run(_config(run_dir=tmp_path / "empty-to-be")).run.run_dir == str(tmp_path / "empty-to-be")
+
+
+def test_a_new_run_refuses_a_directory_that_holds_other_files(tmp_path):
+    """``--run.run_dir /run`` once wrote config.json, log.txt and faults.jsonl among system files."""
+    system = tmp_path / "system"
+    system.mkdir()
+    for name in ("lock", "user", "utmp", "systemd"):
+        (system / name).write_text("")
+    with pytest.raises(ConfigError) as info:
+        preflight.check_run(_config(run_dir=system))
+    assert str(info.value) == (f"--run.run_dir {system} is not empty (lock, systemd, user and 1 more) and holds no "
+                               "run; a new run takes a new or empty directory: choose another --run.run_dir")
+    assert sorted(os.listdir(system)) == ["lock", "systemd", "user", "utmp"]  # nothing written there
+    (tmp_path / "empty").mkdir()
+    assert preflight.check_run(_config(run_dir=tmp_path / "empty")).run.run_dir == str(tmp_path / "empty")
+    started = tmp_path / "started"  # a run SIGKILLed while starting leaves its status file, no config.json
+    started.mkdir()
+    (started / "supervisor.json").write_text("{}")
+    assert preflight.check_run(_config(run_dir=started)).run.run_dir == str(started)
+    run = a_run(tmp_path / "run")  # --resume of a real run is not a new run: it is accepted
+    assert preflight.check_run(_config(run_dir=run), resume=True).run.run_dir == str(run)
 
 
 @pytest.mark.parametrize("files, message", [

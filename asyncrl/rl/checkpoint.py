@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -46,7 +47,7 @@ import msgspec
 
 from asyncrl.errors import AsyncrlError, first_line
 from asyncrl.rl.config.parse import ConfigError, field_path, is_flat
-from asyncrl.runtime.files import write_atomic
+from asyncrl.runtime.files import disk_space, write_atomic
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step-"
@@ -76,6 +77,29 @@ class DamagedCheckpointError(CheckpointError):
 class CheckpointWriteError(AsyncrlError):
     """A checkpoint or a policy could not be written (a full disk, a read-only filesystem); the
     message is one line naming what, where and the system's reason. Nothing half-written stays."""
+
+
+_NO_SPACE, _QUOTA = os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)
+_REASONS_IN_WORDS = (("No space left", _NO_SPACE), ("StorageFull", _NO_SPACE), ("Disk quota", _QUOTA),
+                     ("Read-only file", os.strerror(errno.EROFS)))
+"""A full disk does not always arrive as an OSError: safetensors and torch.save wrap it in errors
+of their own, some naming it in words of their own (``IoError(StorageFull)``)."""
+
+
+def write_reason(exc: BaseException, where: str) -> str:
+    """Why a write under the run directory (into ``where``) failed, for a one-line error: the
+    system's reason; on a (nearly) full filesystem, also which one, what is left, and what to do,
+    ``No space left on device (tmpfs at /mnt/run has 4 KiB free of 30 MiB: free space there before
+    resuming)``. The disk is looked at because the writer's error may not say: torch.save's short
+    write reads ``unexpected pos 2586048 vs 2585936``. Word it while the partial write still holds
+    its space (`write_failure`'s callers do): once removed, the disk no longer looks full."""
+    stated = exc.strerror if isinstance(exc, OSError) and exc.strerror else None
+    if stated is None:
+        stated = next((reason for needle, reason in _REASONS_IN_WORDS if needle in str(exc)), None)
+    space = disk_space(where)
+    if space is not None and space.nearly_full and stated in (None, _NO_SPACE):  # a quota is not in disk_usage
+        return f"{_NO_SPACE} ({space}: free space there before resuming)"
+    return stated or f"{type(exc).__name__}: {first_line(exc)}"
 
 
 class SamplerDataState(msgspec.Struct, frozen=True):

@@ -28,6 +28,7 @@ from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.process import write_lines
 from asyncrl.runtime.record import ActorRecord
 from asyncrl.runtime.resources import SupervisorResources
+from asyncrl.runtime.throttled_log import ThrottledLog
 from asyncrl.runtime.transport import LoopSocket, bind_router
 from asyncrl.errors import ActionableError, ActorNotReadyError, ActorStartError, remote_error_class
 
@@ -52,8 +53,11 @@ class ControlChannel:
         self.local = LoopSocket(sock, self._on_local, "supervisor control")
         self._decoder = msgspec.msgpack.Decoder(wire.ToSupervisor)
         self._body = msgspec.msgpack.Encoder()
+        self.dropped = ThrottledLog(log, "supervisor: dropped", "an undecodable control message",
+                                    "undecodable control messages")  # any process of this user may write junk
 
     def close(self) -> None:
+        self.dropped.close()
         self.local.close()
 
     def _on_local(self, frames: list) -> None:
@@ -61,8 +65,8 @@ class ControlChannel:
             return  # not one of our workers: ignore
         try:
             msg = self._decoder.decode(frames[1].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            log.warning("supervisor: dropped an undecodable control message")
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:  # UTF-8: not a DecodeError
+            self.dropped.note(str(e))
             return
         self.on_worker(msg, frames[0].bytes, self.local)
 

@@ -2,9 +2,11 @@
 
 Invariant: a request that can be attributed to a call (it decoded far enough to have an ``id``)
 always gets exactly one terminal answer (``Reply``, ``StreamEnd`` or ``Failure``) unless the caller
-cancelled it; a request that cannot is answered with ``Failure(id=0)`` and counted in
-``bad_requests``. Requests are decoded and validated in the socket's readiness callback; each
-``async`` endpoint call then runs as its own task. Nothing a caller sends can stop the actor.
+cancelled it; a request that cannot is answered with ``Failure(id=0)``. Every refusal is counted in
+``bad_requests``; the first is logged in full, those that follow are summed up every few seconds
+(`ThrottledLog`: a peer sending junk in a loop must not flood the console). Requests are decoded and
+validated in the socket's readiness callback; each ``async`` endpoint call then runs as its own task.
+Nothing a caller sends can stop the actor.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import zmq
 from asyncrl.runtime import wire
 from asyncrl.runtime.actor import EndpointSpec, endpoints_of
 from asyncrl.runtime.codec import PayloadEncoder, frames_nbytes
+from asyncrl.runtime.throttled_log import ThrottledLog
 from asyncrl.runtime.timeouts import timeout
 from asyncrl.runtime.transport import LoopSocket
 
@@ -52,6 +55,7 @@ class ActorServer:
         self.stream_idle_timeout_s = stream_idle_timeout_s
         self.specs = endpoints_of(type(actor))
         self.bad_requests = 0
+        self.refusals = ThrottledLog(log, f"actor {name}: refused", "a request", "requests")
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
         self._streams: dict[tuple[bytes, int], _Stream] = {}
         self._decoder = msgspec.msgpack.Decoder(wire.ToActor)
@@ -71,7 +75,7 @@ class ActorServer:
             return self._bad(ident, 0, "ProtocolError", "empty message")
         try:
             msg = self._decoder.decode(parts[0].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:  # bad UTF-8: not a DecodeError
             return self._bad(ident, 0, "ProtocolError", f"undecodable request: {e}")
         size = len(parts[0]) if len(parts) == 1 else frames_nbytes(parts)
         if size > self.max_message_bytes:
@@ -94,7 +98,7 @@ class ActorServer:
 
     def _bad(self, ident: bytes, call_id: int, type_name: str, message: str) -> None:
         self.bad_requests += 1
-        log.warning("actor %s: refused a request: %s", self.name, message)
+        self.refusals.note(message)
         self._send(ident, wire.Failure(call_id, type_name, message))
 
     def _start_call(self, ident: bytes, msg: wire.Call, parts: list) -> None:
@@ -188,6 +192,7 @@ class ActorServer:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self.refusals.close()
         self.sock.close()
 
 

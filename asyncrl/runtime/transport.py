@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
+from asyncrl.runtime.throttled_log import ThrottledLog
+
 if TYPE_CHECKING:
     from asyncrl.runtime.auth import ClusterKeys, Gatekeeper
 
@@ -82,12 +84,14 @@ class LoopSocket:
 
     When libzmq refuses a send (high-water mark reached), frames wait in an ordered queue that is
     flushed when the socket becomes writable again; the queue is bounded by ``MAX_QUEUED_SENDS``
-    and what overflows it is dropped and counted in ``dropped_sends``."""
+    and what overflows it is dropped, counted in ``dropped_sends`` and logged (`ThrottledLog`: a peer
+    that sends and never reads overflows it once per message)."""
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], name: str):
         self.sock = sock
         self.name = name
         self.dropped_sends = 0
+        self._drops = ThrottledLog(log, f"{name}: dropped", "a message", "messages")
         self._on_message = on_message
         self._queued: collections.deque = collections.deque()
         self._loop = asyncio.get_running_loop()
@@ -160,7 +164,7 @@ class LoopSocket:
     def _enqueue(self, frames: list, copy: bool) -> None:
         if len(self._queued) >= MAX_QUEUED_SENDS:
             self.dropped_sends += 1
-            log.warning("%s: %d messages wait for a slow peer; one more was dropped", self.name, len(self._queued))
+            self._drops.note(f"{len(self._queued)} messages wait for a slow peer")
             return
         self._queued.append((frames, copy))
 
@@ -181,6 +185,7 @@ class LoopSocket:
             return
         self._closed = True
         self._queued.clear()
+        self._drops.close()
         try:
             self._loop.remove_reader(self._fd)
         except (RuntimeError, ValueError):

@@ -31,6 +31,9 @@ from asyncrl.rl.tasks.base import Task, TaskError
 
 RUN_MARKERS = ("config.json", "metrics.jsonl", "progress.json", "summary.json", "checkpoints")
 """What a run writes into its directory: any of them there means the directory holds a run."""
+LEFT_BY_A_START = ("supervisor.json", ".asyncrl-write-check-")
+"""What a run killed while starting (before config.json) can leave in its directory, and this
+check's own probe: a directory that holds only these is as good as empty for a new run."""
 PSEUDO_FILESYSTEMS = ("/proc", "/sys")
 """Kernel views, not storage: a run directory there would fail on its first write (or worse)."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -154,10 +157,11 @@ def _check_demonstrations(task: Task, problems: list) -> None:
 
 
 def _check_run_dir(run_dir: str, given: str, resume: bool) -> None:
-    """A new run needs a directory it can create (or an empty one) that holds no other run; a
-    resumed one needs its run there. Either must be writable: probed by creating and removing a
-    temporary entry, which also answers for read-only mounts and for root. Messages name the path
-    as typed (``given``; empty: the default), since that is what the user will correct."""
+    """A new run needs a directory it can create, or an empty one (`_check_empty`), and never one
+    that holds another run; a resumed one needs its run there. Either must be writable: probed by
+    creating and removing a temporary entry, which also answers for read-only mounts and for root.
+    Messages name the path as typed (``given``; empty: the default), since that is what the user
+    will correct."""
     typed = shlex.quote(given) if given else shlex.quote(run_dir)
     shown = f"--run.run_dir {typed}" if given else f"the default run directory {typed}"
     real = os.path.realpath(run_dir)
@@ -175,6 +179,7 @@ def _check_run_dir(run_dir: str, given: str, resume: bool) -> None:
         if found:  # stopped before its first checkpoint: there is nothing to continue
             raise ConfigError(f"{shown} holds an earlier run that wrote no checkpoint ({', '.join(found)}), so "
                               "nothing to resume: remove that directory, or choose another --run.run_dir")
+        _check_empty(run_dir, shown)
     existing = real
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
@@ -186,6 +191,20 @@ def _check_run_dir(run_dir: str, given: str, resume: bool) -> None:
     except OSError as exc:
         verb = "cannot write in it" if existing == real else f"cannot create it in {existing}"
         raise ConfigError(f"{shown}: {verb} ({_reason(exc)}); choose another --run.run_dir") from None
+
+
+def _check_empty(run_dir: str, shown: str) -> None:
+    """A new run's directory, when it exists, is empty: a run writes config.json, log.txt,
+    faults.jsonl and more, and among another program's files (``--run.run_dir /run``) they would
+    be lost, or overwrite that program's."""
+    try:
+        names = sorted(n for n in os.listdir(run_dir) if not n.startswith(LEFT_BY_A_START))
+    except OSError as exc:
+        raise ConfigError(f"{shown}: cannot list it ({_reason(exc)}); choose another --run.run_dir") from None
+    if names:
+        listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(f"{shown} is not empty ({listed}) and holds no run; a new run takes a new or empty "
+                          "directory: choose another --run.run_dir")
 
 
 def _has_checkpoint(run_dir: str) -> bool:

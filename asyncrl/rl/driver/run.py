@@ -22,7 +22,7 @@ import traceback
 from typing import Any
 
 from asyncrl.errors import ActionableError, first_line, one_line
-from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints, write_reason
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, config_to_dict
 from asyncrl.rl.config.run import Placement
@@ -206,11 +206,13 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
 
 
 def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
-    """A full disk or a failing filesystem under the run directory, as one line; None for others."""
+    """A full disk or a failing filesystem under the run directory, as one line (a full one
+    named, with what is left: `write_reason`); None for others."""
     if isinstance(exc, RunDirError):
         return exc
     if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        return RunDirError(f"cannot write {exc.filename or run_dir}: {exc.strerror}")
+        path = exc.filename or run_dir
+        return RunDirError(f"cannot write {path}: {write_reason(exc, path)}")
     return None
 
 

@@ -400,10 +400,10 @@ class TrainerActor(RankMember, SyncMember):
 
     def _save(self, final: str, extra_files: dict[str, str], state_dict: dict[str, torch.Tensor] | None = None) -> str:
         from asyncrl.rl.checkpoint import staged_dir
-        from asyncrl.rl.trainer.checkpoint import write_failure
+        from asyncrl.rl.trainer.checkpoint import write_errors
 
-        try:
-            with staged_dir(final) as tmp:
+        with write_errors("the policy", final):
+            with staged_dir(final) as tmp, write_errors("the policy", final):  # worded before the clean-up
                 if state_dict is not None:  # gathered from the shards (trainer/fsdp.py)
                     from asyncrl.rl.trainer.fsdp import save_pretrained
 
@@ -425,8 +425,6 @@ class TrainerActor(RankMember, SyncMember):
                 for name, text in files.items():
                     with open(os.path.join(tmp, name), "w") as f:
                         f.write(text)
-        except Exception as exc:
-            raise write_failure("the policy", final, exc) from exc
         return final
 
     def _marker_files(self) -> list[str]:

@@ -6,15 +6,16 @@ format, its manifest, how a directory is written whole and how checkpoints are f
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from asyncrl.errors import first_line
 from asyncrl.rl.checkpoint import (
     MODEL_DIR,
     PREFIX,
@@ -30,6 +31,7 @@ from asyncrl.rl.checkpoint import (
     staged_dir,
     write_bytes,
     write_manifest,
+    write_reason,
 )
 
 STALL_ENV = "ASYNCRL_TEST_STALL_CHECKPOINT_STEP"
@@ -52,10 +54,11 @@ def write_checkpoint(run_dir: str, step: int, keep: int, model: Any, tokenizer: 
 
     root = checkpoints_dir(run_dir)
     final = os.path.join(root, f"{PREFIX}{step:08d}")
-    try:
+    what = f"the checkpoint of step {step}"
+    with write_errors(what, root):
         os.makedirs(root, exist_ok=True)
         remove_debris(root)  # the trainer is the one writer of checkpoints/
-        with staged_dir(final, fsync=True) as tmp:
+        with staged_dir(final, fsync=True) as tmp, write_errors(what, root):
             model.save_pretrained(os.path.join(tmp, MODEL_DIR), safe_serialization=True)
             tokenizer.save_pretrained(os.path.join(tmp, MODEL_DIR))
             for extra in extra_files:
@@ -70,33 +73,28 @@ def write_checkpoint(run_dir: str, step: int, keep: int, model: Any, tokenizer: 
                         json.dumps({"steps": trainer_steps, "python_rng": _python_rng_state()}).encode())
             write_bytes(os.path.join(tmp, RUN_STATE), run_state)
             write_manifest(tmp)  # last: it vouches for everything above as written
-    except Exception as exc:
-        raise write_failure(f"the checkpoint of step {step}", root, exc) from exc
     prune(run_dir, keep)
     return final
 
 
 def write_failure(what: str, where: str, exc: BaseException) -> CheckpointWriteError:
-    """The one-line error for a failed write of ``what`` into ``where``. A full disk does not
-    always arrive as an OSError: safetensors and torch.save wrap it in their own errors (torch's
-    says only "file write failed"), so the disk is looked at when the error does not say."""
-    return CheckpointWriteError(f"cannot write {what} to {where}: {_write_reason(exc, where)}")
+    """The one-line error for a failed write of ``what`` into ``where`` (`write_reason`: the
+    system's reason, and the disk when it is full)."""
+    return CheckpointWriteError(f"cannot write {what} to {where}: {write_reason(exc, where)}")
 
 
-def _write_reason(exc: BaseException, where: str) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = str(exc)
-    for needle, reason in (("No space left", os.strerror(errno.ENOSPC)), ("StorageFull", os.strerror(errno.ENOSPC)),
-                           ("Disk quota", os.strerror(errno.EDQUOT)), ("Read-only file", os.strerror(errno.EROFS))):
-        if needle in text:
-            return reason
+@contextlib.contextmanager
+def write_errors(what: str, where: str) -> Iterator[None]:
+    """Any error of the block as `write_failure`'s one line (a `CheckpointWriteError` passes as
+    it is). Put one inside a `staged_dir` too, as the innermost: the error is then worded while
+    the partial write still holds its space; once `staged_dir` removes it, a full disk has room
+    again and would not be named (the message was torch.save's ``unexpected pos ...``)."""
     try:
-        if shutil.disk_usage(where if os.path.exists(where) else os.path.dirname(where)).free < (1 << 20):
-            return os.strerror(errno.ENOSPC)
-    except OSError:
-        pass
-    return f"{type(exc).__name__}: {first_line(exc)}"
+        yield
+    except CheckpointWriteError:
+        raise
+    except Exception as exc:
+        raise write_failure(what, where, exc) from exc
 
 
 def prune(run_dir: str, keep: int) -> None:

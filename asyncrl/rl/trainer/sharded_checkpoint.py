@@ -101,9 +101,10 @@ def write_sharded_checkpoint(rank: int, world_size: int, run_dir: str, step: int
         shutil.rmtree(aside, ignore_errors=True)
         fsync_path(root)
     except Exception as exc:
+        error = write_failure(f"the checkpoint of step {step}", root, exc)  # while tmp holds the space that ran out
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failure(f"the checkpoint of step {step}", root, exc) from exc
+        raise error from exc
     prune(run_dir, keep)
     return final
 
