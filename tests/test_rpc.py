@@ -268,3 +268,25 @@ async def test_a_flood_of_junk_is_logged_in_a_few_lines_and_the_actor_keeps_serv
     summed = [re.search(summary, line) for line in refused[1:]]
     assert all(summed), refused
     assert 1 + sum(int(m.group(1)) for m in summed) == int(summed[-1].group(2)) == sent
+
+
+async def test_a_peer_that_floods_and_never_reads_holds_up_no_other_caller(echo):
+    """Thousands of refused requests from a peer that never reads its answers fill that peer's
+    pipe; the actor's answers to everyone else must not wait behind them (one send queue for all
+    peers once stalled every caller for 10-30 s: tests/test_fuzz_sockets.py timed out so)."""
+    address = echo._record.client.address
+    ctx = zmq.Context()
+    flood = ctx.socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.setsockopt(zmq.SNDHWM, 0)  # no limit on our side: everything reaches the actor
+    flood.connect(address)
+    try:
+        for _ in range(5000):
+            flood.send(b"\xff\x00garbage")
+        for i in range(20):  # the refusals queue up behind the flooder's full pipe meanwhile
+            start = time.monotonic()
+            assert await asyncio.wait_for(echo.add(i, 1), 5.0) == 10 + i + 1
+            assert time.monotonic() - start < 5.0
+    finally:
+        flood.close(0)
+        ctx.term()

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 DEFAULT_HWM = 1000
 MAX_QUEUED_SENDS = 100_000
+RETRY_S = 0.05
+"""How often a send queue is retried while a message waits for its peer's pipe (see `LoopSocket`)."""
 RUN_DIR_PREFIX = "asyncrl-"
 
 log = logging.getLogger("asyncrl.transport")
@@ -82,10 +84,14 @@ class LoopSocket:
     wake-up drains until ``ZMQ_EVENTS`` says no message is left, and every send re-checks the
     events and schedules a drain if a message became readable meanwhile.
 
-    When libzmq refuses a send (high-water mark reached), frames wait in an ordered queue that is
-    flushed when the socket becomes writable again; the queue is bounded by ``MAX_QUEUED_SENDS``
-    and what overflows it is dropped, counted in ``dropped_sends`` and logged (`ThrottledLog`: a peer
-    that sends and never reads overflows it once per message)."""
+    When libzmq refuses a send (high-water mark reached), frames wait in an ordered queue of their
+    peer's (a ROUTER's routing id; a DEALER has one), so a peer that sends and never reads holds up
+    its own replies only, never another caller's (one queue for all once stalled an actor's every
+    caller behind one flooding peer). libzmq tells when the socket can send, not when one peer's
+    pipe has room, so while anything waits it is retried every ``RETRY_S`` as well. The queues
+    are bounded by ``MAX_QUEUED_SENDS`` together, and what overflows them is dropped, counted in
+    ``dropped_sends`` and logged (`ThrottledLog`: a peer that never reads overflows them once per
+    message)."""
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], name: str):
         self.sock = sock
@@ -93,7 +99,10 @@ class LoopSocket:
         self.dropped_sends = 0
         self._drops = ThrottledLog(log, f"{name}: dropped", "a message", "messages")
         self._on_message = on_message
-        self._queued: collections.deque = collections.deque()
+        self._routed = sock.getsockopt(zmq.TYPE) == zmq.ROUTER
+        self._queues: dict[bytes | None, collections.deque] = {}  # per peer, in the order sent
+        self._waiting = 0  # messages in all the queues
+        self._retry: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._drain_scheduled = False
@@ -112,7 +121,7 @@ class LoopSocket:
         try:
             while not self._closed:
                 events = sock.getsockopt(zmq.EVENTS)
-                if self._queued and events & zmq.POLLOUT:
+                if self._queues and events & zmq.POLLOUT:
                     self._flush()
                 if not events & zmq.POLLIN:
                     return
@@ -129,28 +138,32 @@ class LoopSocket:
         """Queue ``frames`` as one message. Never blocks; see the class docstring for overflow."""
         if self._closed:
             return
-        if self._queued:
-            self._enqueue(frames, copy)
-            return
-        try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
-        except zmq.Again:
-            self._enqueue(frames, copy)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer of a ROUTER is gone
-            self.dropped_sends += 1
-            log.debug("%s: message dropped: %s", self.name, e)
+        peer = self._peer(frames)
+        if peer in self._queues:  # behind what already waits for this peer: its order is kept
+            self._enqueue(peer, frames, copy)
+        else:
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                self._enqueue(peer, frames, copy)
+            except zmq.ZMQError as e:  # EHOSTUNREACH: the peer of a ROUTER is gone
+                self.dropped_sends += 1
+                log.debug("%s: message dropped: %s", self.name, e)
         if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._schedule_drain()
 
     @property
     def backlog(self) -> int:
-        """Messages waiting in our queue because libzmq's is full (a slow or absent peer)."""
-        return len(self._queued)
+        """Messages waiting in our queues because libzmq's are full (slow or absent peers)."""
+        return self._waiting
+
+    def _peer(self, frames: list) -> bytes | None:
+        return bytes(frames[0]) if self._routed else None
 
     def try_send(self, frames: list) -> bool:
         """Send now or not at all (no queueing): for messages that are repeated anyway, such as
         a hello retried until answered, where a backlog would only be stale copies."""
-        if self._closed or self._queued:
+        if self._closed or self._peer(frames) in self._queues:
             return False
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=True)
@@ -161,30 +174,54 @@ class LoopSocket:
             self._schedule_drain()
         return sent
 
-    def _enqueue(self, frames: list, copy: bool) -> None:
-        if len(self._queued) >= MAX_QUEUED_SENDS:
+    def _enqueue(self, peer: bytes | None, frames: list, copy: bool) -> None:
+        if self._waiting >= MAX_QUEUED_SENDS:
             self.dropped_sends += 1
-            self._drops.note(f"{len(self._queued)} messages wait for a slow peer")
+            self._drops.note(f"{self._waiting} messages wait for slow peers")
             return
-        self._queued.append((frames, copy))
+        self._queues.setdefault(peer, collections.deque()).append((frames, copy))
+        self._waiting += 1
+        self._arm_retry()
 
     def _flush(self) -> None:
-        while self._queued:
-            frames, copy = self._queued[0]
-            try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as e:
-                self.dropped_sends += 1
-                log.debug("%s: message dropped: %s", self.name, e)
-            self._queued.popleft()
+        """Send what waits, each peer's queue in order until its pipe is full again."""
+        for peer in list(self._queues):
+            queue = self._queues[peer]
+            while queue:
+                frames, copy = queue[0]
+                try:
+                    self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as e:  # the peer is gone: what waits for it goes too, one by one
+                    self.dropped_sends += 1
+                    log.debug("%s: message dropped: %s", self.name, e)
+                queue.popleft()
+                self._waiting -= 1
+            if not queue:
+                del self._queues[peer]
+        if self._queues:
+            self._arm_retry()
+
+    def _arm_retry(self) -> None:
+        if self._retry is None and not self._closed:
+            self._retry = self._loop.call_later(RETRY_S, self._on_retry)
+
+    def _on_retry(self) -> None:
+        self._retry = None
+        if not self._closed:
+            self._flush()
+            self._schedule_drain()  # a send re-checks for input; so does this
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._queued.clear()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self._queues.clear()
+        self._waiting = 0
         self._drops.close()
         try:
             self._loop.remove_reader(self._fd)
