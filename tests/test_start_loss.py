@@ -47,16 +47,24 @@ def events(run_dir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-async def test_a_sampler_killed_while_it_starts_is_started_again_and_the_run_trains_with_it(model_path, tmp_path):
-    run_dir = tmp_path / "run"
-    config = tiny(model_path, run_dir, "--run.steps", "6", "--sampler.count", "2", "--run.sampler_max_restarts", "2")
+async def run_with_sampler0_killed(model_path: str, run_dir, restarts: int) -> tuple[dict, list[str], dict]:
+    """A 6-step run of two samplers whose sampler0 is SIGKILLed while it starts; its summary, its
+    log lines and each actor's (state, restarts) at the end."""
+    config = tiny(model_path, run_dir, "--run.steps", "6", "--sampler.count", "2",
+                  "--run.sampler_max_restarts", str(restarts))
     logs: list[str] = []
     async with Supervisor() as sup:
         killer = asyncio.ensure_future(kill_while_starting(sup, "sampler0"))
         summary = await train(config, sup, log=logs.append)
         await killer
-        restarts = {s.name: (s.state, s.restarts) for s in sup.status()}
+        states = {s.name: (s.state, s.restarts) for s in sup.status()}
     print("\n".join(logs))
+    return summary, logs, states
+
+
+async def test_a_sampler_killed_while_it_starts_is_started_again_and_the_run_trains_with_it(model_path, tmp_path):
+    run_dir = tmp_path / "run"
+    summary, logs, restarts = await run_with_sampler0_killed(model_path, run_dir, 2)
     assert restarts["sampler0"] == ("running", 1) and restarts["sampler1"] == ("running", 0), restarts
     recs = check_whole(run_dir, 6, 4, digests=False)
     assert summary["steps"] == 6 and all(r["samplers_in_group"] == 2 for r in recs)
@@ -68,13 +76,7 @@ async def test_a_sampler_killed_while_it_starts_is_started_again_and_the_run_tra
 
 async def test_with_no_restarts_the_run_trains_with_the_sampler_that_came_up(model_path, tmp_path):
     run_dir = tmp_path / "run"
-    config = tiny(model_path, run_dir, "--run.steps", "6", "--sampler.count", "2", "--run.sampler_max_restarts", "0")
-    logs: list[str] = []
-    async with Supervisor() as sup:
-        killer = asyncio.ensure_future(kill_while_starting(sup, "sampler0"))
-        summary = await train(config, sup, log=logs.append)
-        await killer
-    print("\n".join(logs))
+    summary, logs, _ = await run_with_sampler0_killed(model_path, run_dir, 0)
     recs = check_whole(run_dir, 6, 4, digests=False)
     assert all(r["samplers_in_group"] == 1 for r in recs)
     assert all(uid.startswith("sampler1/") for r in recs for uid in r["group_ids"])
