@@ -223,6 +223,12 @@ def test_the_trainer_takes_the_samplers_temperature():
                                           r"\(--model\.max_positions\) has 128 positions"),
     (["--run.check_weights", "true", "--sampler.backend", "vllm"], r"^--run\.check_weights true needs samplers .*"
                                                                    r"--sampler\.backend vllm"),
+    (["--trainer.loss.aggregation", "fixed_tokens"], r"^--trainer\.loss\.aggregation fixed_tokens divides by a token "
+                                                     r"budget: set --trainer\.loss\.token_budget N or --sampler\.max_new_tokens N$"),
+    (["--trainer.loss.overlong_buffer", "16"], r"^--trainer\.loss\.overlong_buffer needs a length limit: set "
+                                               r"--trainer\.loss\.overlong_max_tokens N or --sampler\.max_new_tokens N$"),
+    (["--trainer.loss.overlong_buffer", "64", "--sampler.max_new_tokens", "32"],
+     r"^--trainer\.loss\.overlong_buffer 64 is more than the length limit 32 "),
 ])
 def test_a_rule_across_sections_names_both_flags(overrides, message):
     from asyncrl.rl.config import GRPOConfig
@@ -230,6 +236,19 @@ def test_a_rule_across_sections_names_both_flags(overrides, message):
     with pytest.raises(ConfigError, match=message) as caught:
         parse_overrides(GRPOConfig(), overrides)
     assert "\n" not in str(caught.value)
+
+
+def test_length_budgets_default_to_the_samplers_max_new_tokens():
+    from asyncrl.rl.config import GRPOConfig
+
+    c = parse_overrides(GRPOConfig(), ["--sampler.max_new_tokens", "48", "--trainer.loss.aggregation", "fixed_tokens",
+                                       "--trainer.loss.overlong_buffer", "8"])
+    assert (c.trainer.loss.token_budget, c.trainer.loss.overlong_max_tokens) == (0, 0)  # config.json keeps the 0s
+    loss = c.trainer_config().loss
+    assert (loss.token_budget, loss.overlong_max_tokens) == (48, 48)
+    c = parse_overrides(GRPOConfig(), ["--trainer.loss.token_budget", "100", "--trainer.loss.aggregation", "fixed_tokens",
+                                       "--trainer.loss.overlong_buffer", "8", "--trainer.loss.overlong_max_tokens", "40"])
+    assert (c.trainer_config().loss.token_budget, c.trainer_config().loss.overlong_max_tokens) == (100, 40)
 
 
 def test_rules_about_the_embedded_model_leave_a_checkpoint_alone():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -136,6 +137,40 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_clear_error_and_the_traine
     assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before)) and trainer.steps == 0
     monkeypatch.setattr(trainer, "_accumulate", real)
     assert trainer._train_step([g])["micro_batches"] == 2 and trainer.steps == 1
+
+
+def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):
+    """The call site, not the formulas (tests/test_loss.py): one step's loss under Dr. GRPO's
+    constant normaliser is the token mean's x tokens / (sequences x budget), over micro-batches
+    of one sequence too; DAPO's shaping gives equal rewards a signal; GSPO and CISPO train."""
+    import dataclasses
+
+    from asyncrl.rl.config.trainer import GRPOLossConfig
+
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+
+    def step(micro_batch_tokens=0, **loss) -> dict:
+        trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig(**loss), micro_batch_tokens=micro_batch_tokens)
+        metrics = trainer._train_step(GROUPS)
+        with torch.no_grad():  # the same weights for every call
+            for p, b in zip(trainer.model.parameters(), before):
+                p.copy_(b)
+        return metrics
+
+    mean = step()
+    fixed = step(aggregation="fixed_tokens", token_budget=16)
+    assert (mean["tokens"], mean["sequences"]) == (11.0, 5.0)
+    assert fixed["pg_loss"] == pytest.approx(mean["pg_loss"] * 11 / (5 * 16), rel=1e-5)
+    split = step(micro_batch_tokens=8, aggregation="fixed_tokens", token_budget=16)
+    assert split["micro_batches"] > 1 and split["pg_loss"] == pytest.approx(fixed["pg_loss"], rel=1e-5)
+    for policy_loss in ("gspo", "cispo"):
+        m = step(policy_loss=policy_loss)
+        assert math.isfinite(m["loss"]) and m["grad_norm"] > 0, (policy_loss, m)
+    even = [group(0, [5, 6], [[1, 2], [3, 3, 3, 3, 3, 3]], [1.0, 1.0])]
+    trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig())
+    assert trainer._train_step(even)["grad_norm"] == 0.0  # equal rewards: no signal
+    trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig(overlong_buffer=4, overlong_max_tokens=6))
+    assert trainer._train_step(even)["grad_norm"] > 0  # the 6-token completion is the worse one now
 
 
 # --- writing a directory whole (checkpoints, the final and best policies) -------------------------

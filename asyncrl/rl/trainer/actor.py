@@ -30,7 +30,7 @@ from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
-from asyncrl.rl.trainer.loss import group_advantages, grpo_loss
+from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
 from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
@@ -170,7 +170,7 @@ class TrainerActor(RankMember, SyncMember):
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
+        advantages = step_advantages(groups, cfg.loss, cfg.normalize_std)
         budget = self.micro_batch_tokens()
         if cfg.pack_tokens:
             batches = packed_micro_batches(groups, advantages, budget, self.device, cfg.pack_tokens)
@@ -178,7 +178,7 @@ class TrainerActor(RankMember, SyncMember):
             batches = micro_batches(groups, advantages, budget, self.device)
         n_tokens = float(sum(int(b.mask.sum()) for b in batches))
         n_seqs = float(sum(int(b.mask.any(dim=1).sum()) for b in batches))
-        normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
+        normalizer = loss_normalizer(cfg.loss, n_tokens, n_seqs)
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate_all(batches, normalizer, n_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -26,7 +26,7 @@ from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.group import RankGroup
-from asyncrl.rl.trainer.loss import group_advantages
+from asyncrl.rl.trainer.loss import loss_normalizer, step_advantages
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.rl.trainer.split import batch_counts, rank_share
 from asyncrl.runtime.actor import Actor, endpoint
@@ -148,9 +148,9 @@ class RankMember(Actor):
         cfg, ranks = self.config, self.ranks
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
+        advantages = step_advantages(groups, cfg.loss, cfg.normalize_std)
         n_tokens, n_seqs = (float(n) for n in batch_counts(groups))
-        normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
+        normalizer = loss_normalizer(cfg.loss, n_tokens, n_seqs)
         share, share_advantages = rank_share(groups, advantages, ranks.rank, ranks.world_size)
         budget = self.micro_batch_tokens()
         batches = micro_batches(share, share_advantages, budget, self.device) if share else []
