@@ -10,7 +10,7 @@ import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.trainer.loss import (LossInputError, group_advantages, grpo_loss, loss_normalizer, overlong_penalties,
+from asyncrl.rl.trainer.loss import (LossInputError, distill_advantages, group_advantages, grpo_loss, loss_normalizer, overlong_penalties,
                                      step_advantages, token_entropy, token_logprobs)
 
 F64 = torch.float64
@@ -516,3 +516,45 @@ def test_variant_configs_refuse_bad_values():
                 dict(overlong_buffer=8, overlong_max_tokens=4), dict(overlong_penalty=-1.0)):
         with pytest.raises(ValueError):
             GRPOLossConfig(**bad)
+
+
+# --- on-policy distillation: the teacher's reverse KL as a per-token advantage ---------------
+
+
+def test_distillation_advantage_against_its_formula():
+    # A_it = A_i - c * (log mu - log p_T), the PPO surrogate on it, token mean; by hand and in float64
+    log_ratio, mask, beh, adv = variant_batch()
+    teacher = beh.nan_to_num() + t([[0.5, -1.0, 0.0], [0.2, 0.0, 0.0], [-2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    teacher = torch.where(mask.bool(), teacher, math.nan)
+    cfg = GRPOLossConfig(distill_coef=0.5)
+    new = new_from(log_ratio, beh, mask)
+    loss, m = grpo_loss(new, beh, adv, mask, cfg, teacher_logprobs=teacher)
+    loss.backward()
+    per_token = distill_advantages(adv, beh, teacher, 0.5)
+    close(torch.where(mask.bool(), per_token, 0.0),
+          [[1.25, 0.5, 1.0], [1.1, 1.0, 0.0], [-3.0, -1.5, 0.0], [-1.0, 0.0, 0.0]])
+    lr = t(log_ratio).nan_to_num().requires_grad_()
+    r = lr.exp()
+    a = per_token.nan_to_num()
+    ref = -torch.where(mask.bool(), torch.minimum(r * a, r.clamp(0.8, 1.28) * a), 0.0).sum() / 8
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
+    torch.testing.assert_close(torch.where(mask.bool(), new.grad, 0.0), torch.where(mask.bool(), lr.grad, 0.0),
+                               rtol=0, atol=1e-12)
+    # the teacher likes row 0's first token more than the sampler did: a larger advantage there
+    assert new.grad[0, 0].item() == pytest.approx(-1.25 * math.exp(0.05) / 8)
+    # distill_kl: mean over valid tokens of log mu - log p_T = (-0.5 + 1 - 0.2 + 2 - 1) / 8
+    assert m["distill_kl"].item() == pytest.approx(1.3 / 8)
+    with pytest.raises(LossInputError, match="teacher_logprobs"):
+        grpo_loss(new, beh, adv, mask, cfg)
+
+
+def test_distillation_without_a_task_reward_pulls_towards_the_teacher():
+    # zero task advantage: the only signal is the teacher's; a token the teacher rates higher than
+    # the sampler did is pushed up (negative d loss / d new), one it rates lower is pushed down
+    beh = t([[-1.0, -1.0]])
+    new = beh.clone().requires_grad_()
+    loss, _ = grpo_loss(new, beh, t([0.0]), torch.ones(1, 2), GRPOLossConfig(distill_coef=1.0),
+                        teacher_logprobs=t([[-0.2, -3.0]]))
+    loss.backward()
+    close(new.grad, [[-0.8 / 2, 2.0 / 2]])

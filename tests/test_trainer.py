@@ -74,6 +74,40 @@ def test_micro_batches_respect_the_token_budget_and_keep_every_sequence_once():
             assert torch.allclose(b.behaviour[row, :n], torch.tensor([-1.0 - 0.1 * j for j in range(n)]))
 
 
+def test_teacher_logprobs_travel_with_their_tokens_padded_packed_and_split():
+    import msgspec
+
+    from asyncrl.rl.trainer.packing import packed_micro_batches
+    from asyncrl.rl.trainer.split import rank_share
+
+    # each teacher log-prob encodes its token: 10 * token + position, so a misplaced one shows
+    taught = [msgspec.structs.replace(g, teacher_logprobs=[[10.0 * tok + j for j, tok in enumerate(c)] for c in g.completion_ids])
+              for g in GROUPS]
+    adv = group_advantages([list(g.rewards) for g in taught])
+    cpu = torch.device("cpu")
+    for batches in (micro_batches(taught, adv, 8, cpu), packed_micro_batches(taught, adv, 16, cpu, 16)):
+        seen = 0
+        for b in batches:
+            ids = b.input_ids[b.row.unsqueeze(1), b.score_index + 1]  # the token each score is of
+            n = b.mask.sum(1)
+            for s in range(b.mask.shape[0]):
+                expected = [10.0 * tok + j for j, tok in enumerate(ids[s, :n[s]].tolist())]
+                assert b.teacher[s, :n[s]].tolist() == expected
+                seen += 1
+        assert seen == 5
+    share, _ = rank_share(taught, adv, 1, 2)
+    assert all(len(g.teacher_logprobs) == len(g.completion_ids) for g in share)
+    assert micro_batches(GROUPS, adv, 8, cpu)[0].teacher is None  # no teacher: nothing built
+    from asyncrl.rl.rollout import InvalidGroupError, validate_group
+
+    validate_group(taught[0])
+    with pytest.raises(InvalidGroupError, match="completion 1 has 1 token ids but 2 teacher log-probs"):
+        validate_group(msgspec.structs.replace(taught[0], teacher_logprobs=[[0.0, 0.0], [0.0, 0.0], [0.0] * 4]))
+    half = [taught[0], GROUPS[1]]
+    with pytest.raises(ValueError, match="no teacher log-probs"):
+        micro_batches(half, adv, 10_000, cpu)
+
+
 def test_environment_tokens_are_context_not_actions():
     """A multi-turn completion: the environment's tokens (action mask 0) stay in the input, but
     are outside the loss mask, so neither their (placeholder) behaviour log-probs nor their count

@@ -61,6 +61,11 @@ class GRPOLossConfig:
     """DAPO's L_max, the length at which the whole penalty applies; 0: ``--sampler.max_new_tokens``."""
     overlong_penalty: float = 1.0
     """The reward taken from a completion of ``overlong_max_tokens`` tokens or more (DAPO: 1)."""
+    distill_coef: float = 0.0
+    """On-policy distillation (needs ``--teacher.model_path``): each completion token's advantage
+    gets ``- distill_coef * (log p_sampler(token) - log p_teacher(token))``, the per-token
+    reverse KL to the teacher on the sampled token (Thinking Machines' on-policy distillation;
+    docs/algorithms.md). 0: no teacher term."""
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
@@ -80,6 +85,8 @@ class GRPOLossConfig:
         if self.overlong_max_tokens and self.overlong_buffer > self.overlong_max_tokens:
             raise ValueError(f"overlong_buffer {self.overlong_buffer} must be at most overlong_max_tokens "
                              f"{self.overlong_max_tokens}")
+        if not self.distill_coef >= 0:
+            raise ValueError(f"distill_coef must be >= 0, not {self.distill_coef!r}")
         if not self.overlong_penalty >= 0:
             raise ValueError(f"overlong_penalty must be >= 0, not {self.overlong_penalty!r}")
         if not 0 <= self.eps_low < 1:

@@ -293,7 +293,7 @@ class TrainerActor(RankMember, SyncMember):
             with torch.no_grad(), self._reference() as reference:
                 ref, _ = scored_logprobs(reference, batch, self.temperature, **score)
         loss, metrics = grpo_loss(new, batch.behaviour, batch.advantages, batch.mask, cfg.loss,
-                                  ref_logprobs=ref, entropy=entropy, normalizer=normalizer)
+                                  ref_logprobs=ref, entropy=entropy, normalizer=normalizer, teacher_logprobs=batch.teacher)
         loss.backward()
         return metrics
 

@@ -149,6 +149,29 @@ def step_advantages(groups: list, config: GRPOLossConfig, normalize_std: bool) -
     return group_advantages(rewards, normalize_std)
 
 
+def distill_advantages(advantages: torch.Tensor, behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                       coef: float) -> torch.Tensor:
+    """On-policy distillation's per-token advantage, ``[B, L]``: the task's advantage ``A_i``
+    (``[B]`` per sequence or ``[B, L]``; zero without a task reward) minus ``coef`` times the reverse KL to the
+    teacher estimated on the sampled token::
+
+        A_it = A_i - coef * (log mu(y_it) - log p_T(y_it))
+
+    with ``mu`` the sampler (the student that generated ``y``). This is Thinking Machines'
+    on-policy distillation (Lu et al. 2025, "On-Policy Distillation"; Tinker's cookbook): the
+    negative reverse KL as a per-token advantage with no discounting, trained by the same
+    importance-weighted policy loss as the task reward. Minimising it over the student's own
+    samples minimises ``KL(student || teacher)`` (Agarwal et al. 2024, GKD, with lambda = 1 and
+    the reverse KL; GKD back-propagates the divergence over the whole vocabulary instead, which
+    needs the teacher's full distribution at every position). Readings taken: the student's
+    log-prob is the sampler's, as Tinker's, so a token costs no second student forward; the
+    term enters the advantage, not the loss, so it is clipped and importance-weighted with the
+    rest and adds nothing to ``kl_coef``'s reference penalty. Every input is taken detached."""
+    adv = advantages.detach()
+    adv = adv if adv.dim() == 2 else adv.unsqueeze(1)
+    return adv - coef * (behaviour_logprobs.detach() - teacher_logprobs.detach()).to(adv.dtype)
+
+
 def loss_normalizer(config: GRPOLossConfig, n_tokens: float, n_seqs: float) -> float:
     """The divisor of a whole batch's loss (``grpo_loss``'s ``normalizer``) from its valid tokens
     and its sequences with at least one valid token, per ``config.aggregation``."""
@@ -175,6 +198,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     normalizer: float | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's policy-gradient loss (to minimise) and detached 0-dim metric tensors.
 
@@ -188,6 +212,9 @@ def grpo_loss(
     ``new_logprobs``; every other input is detached. These are exact (to float32) for any
     log-ratio up to 50 nats either way, and finite with the right sign beyond (see ``_safe_exp``).
 
+    With ``distill_coef`` > 0, ``teacher_logprobs`` are a teacher's log-probs of the same tokens,
+    and every token's advantage becomes `distill_advantages`' (on-policy distillation).
+
     ``normalizer`` replaces the divisor of the aggregation (valid tokens for 'token_mean',
     non-empty sequences for 'seq_mean', those times ``token_budget`` for 'fixed_tokens'): pass the
     whole batch's (`loss_normalizer`) when a batch is split into micro-batches whose gradients are
@@ -200,12 +227,15 @@ def grpo_loss(
     ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
     so that logging them costs no device sync until the caller asks.
     """
-    _check_same_shape(new_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask, ref_logprobs=ref_logprobs, entropy=entropy)
+    _check_same_shape(new_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask, ref_logprobs=ref_logprobs, entropy=entropy,
+                      teacher_logprobs=teacher_logprobs)
     if new_logprobs.dim() != 2 or advantages.shape not in (new_logprobs.shape[:1], new_logprobs.shape):
         raise LossInputError(f"need new_logprobs [B, L] and advantages [B] or [B, L]; got {list(new_logprobs.shape)} "
                              f"and {list(advantages.shape)}")
     if config.kl_coef > 0 and ref_logprobs is None:
         raise LossInputError("kl_coef > 0 needs ref_logprobs")
+    if config.distill_coef > 0 and teacher_logprobs is None:
+        raise LossInputError("distill_coef > 0 needs teacher_logprobs (the scorer's, --teacher.model_path)")
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, not {normalizer!r}")
     valid = mask.bool()
@@ -214,9 +244,12 @@ def grpo_loss(
     log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0).clamp(min=-_EXP_EXACT_UP_TO)
     adv = advantages.detach().to(log_ratio.dtype)
     adv = torch.where(valid, adv if adv.dim() == 2 else adv.unsqueeze(1), 0.0)  # per-token padding may be NaN
-    term, ratio, low, high = _POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
     n_tokens = valid.sum()
     metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
+    if config.distill_coef > 0:
+        adv = torch.where(valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0)
+        metrics["distill_kl"] = _token_mean((behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens)
+    term, ratio, low, high = _POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
     pg_loss = -_aggregate(term, valid, config, normalizer)
     loss = pg_loss
     if ref_logprobs is not None:
