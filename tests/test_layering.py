@@ -32,9 +32,11 @@ MAY_IMPORT = {
     # the two actors never import each other, nor the driver
     "asyncrl.rl.trainer": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
     "asyncrl.rl.sampler": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
+    # the scorer scores as the trainer does (its micro-batches and scoring, no optimiser)
+    "asyncrl.rl.scorer": {"asyncrl.errors", "asyncrl.runtime", *SHARED_RL, "asyncrl.rl.trainer"},
     # the driver spawns the actors (their classes only) and talks to them through the runtime
     "asyncrl.rl.driver": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL,
-                          "asyncrl.rl.trainer", "asyncrl.rl.sampler", "asyncrl.rl.view"},
+                          "asyncrl.rl.trainer", "asyncrl.rl.sampler", "asyncrl.rl.scorer", "asyncrl.rl.view"},
     # the command line of a GRPO run (the example scripts' main): parse, check, then drive
     "asyncrl.rl.launch": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.tasks",
                           "asyncrl.rl.driver"},
