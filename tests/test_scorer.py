@@ -1,5 +1,6 @@
 """The scorer actor: a teacher's log-probs of completion tokens, equal to one plain forward's;
-requests waiting together scored in one pass; bad requests refused by type, the actor serving on."""
+requests waiting together scored in one pass; bad requests refused by type, the actor serving on;
+the driver's `Teacher` retries a killed scorer on its restart and stops the run once it is gone."""
 
 from __future__ import annotations
 
@@ -46,16 +47,35 @@ async def test_waiting_requests_share_one_pass_and_match_a_plain_forward(tiny_pa
         await scorer.on_stop()
 
 
-async def test_the_actor_refuses_foreign_token_ids_by_type_and_serves_on(tiny_path, policy, prompts):
+async def test_the_actor_refuses_bad_requests_and_the_driver_retries_it_on_its_restart_until_gone(tiny_path, policy, prompts):
+    from asyncrl.rl.driver.faults import RunStoppedError
+    from asyncrl.rl.driver.teacher import ScorerLostError, Teacher
+    from asyncrl.rl.rollout import RolloutGroup
+
+    group = RolloutGroup(7, prompts[0], COMPLETIONS, [[0.0] * len(c) for c in COMPLETIONS], [0.0] * 3, version=0)
+    lines = []
     async with Supervisor(call_timeout_s=60) as sup:
-        scorer = await sup.spawn(ScorerActor, tiny_path, name="scorer", env=ONE_THREAD, kwargs={"temperature": 1.0})
+        handle = await sup.spawn(ScorerActor, tiny_path, name="scorer", env=ONE_THREAD, max_restarts=1)
+        # bad requests: refused by type across the process boundary, and the actor serves on
         vocab = policy[0].get_output_embeddings().weight.shape[0]
         with pytest.raises(ScorerError, match=f"token id {vocab} is outside the teacher's vocabulary of {vocab}"):
-            await scorer.teacher_logprobs(prompts[0], [[1, vocab]])
+            await handle.teacher_logprobs(prompts[0], [[1, vocab]])
         with pytest.raises(ScorerError, match="empty prompt"):
-            await scorer.teacher_logprobs([], [[1]])
-        (lps,) = await scorer.teacher_logprobs(prompts[1], [COMPLETIONS[2]])
+            await handle.teacher_logprobs([], [[1]])
+        (lps,) = await handle.teacher_logprobs(prompts[1], [COMPLETIONS[2]])
         torch.testing.assert_close(torch.tensor(lps), recomputed(policy[0], prompts[1], COMPLETIONS[2], 1.0),
                                    atol=1e-5, rtol=0)
-        stats = await scorer.stats()
+        stats = await handle.stats()
         assert stats["requests"] == 1 and stats["tokens"] == len(prompts[1]) + 6 and stats["score_s"] > 0
+
+        teacher = Teacher(handle, timeout_s=60, restart_timeout_s=120, log=lines.append)
+        assert handle.kill("test: lost mid-run")
+        scored = await teacher.annotate(group)  # waits for the restart, then scores
+        assert handle.info().incarnation == 2 and lines and "scorer (incarnation 1) lost" in lines[0]
+        for lps, tokens in zip(scored.teacher_logprobs, COMPLETIONS):
+            torch.testing.assert_close(torch.tensor(lps), recomputed(policy[0], prompts[0], tokens, 1.0), atol=1e-5, rtol=0)
+        with pytest.raises(RunStoppedError, match="the scorer failed on the group of prompt 7: ScorerError: .*vocabulary"):
+            await teacher.annotate(RolloutGroup(7, prompts[0], [[vocab]], [[0.0]], [0.0], version=0))
+        assert handle.kill("test: lost again, no restart left")
+        with pytest.raises(ScorerLostError, match=r"the scorer (did not come back after incarnation 2|is not running) "):
+            await teacher.annotate(group)

@@ -25,6 +25,7 @@ from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.task import DEFAULT_TASK, TaskConfig, TaskSpec
+from asyncrl.rl.config.teacher import TeacherConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 
 
@@ -47,12 +48,15 @@ class GRPOConfig:
     """The sampler actors: how many, and how they generate."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The trainer actor: its optimiser, micro-batches and GRPO loss."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation's teacher, served by a scorer actor (docs/algorithms.md)."""
 
     def __post_init__(self) -> None:
         check_temperature(self)
         check_weights_readable(self)
         check_adapter_sync(self)
         check_length_budgets(self)
+        check_teacher(self)
         if not self.model_path:
             check_heldout_unseen(self)
             check_completion_fits(self)
@@ -131,6 +135,16 @@ def check_temperature(config: GRPOConfig) -> None:
         raise ConfigError(f"--trainer.temperature {trainer:g} differs from --sampler.temperature {sampler:g}: the "
                           "trainer must score completions at the temperature they were sampled at; set "
                           "--sampler.temperature alone (the trainer takes it), or --trainer.temperature none")
+
+
+def check_teacher(config: GRPOConfig) -> None:
+    """A teacher and its weight come together: one without the other does nothing, or cannot run."""
+    coef, path = config.trainer.loss.distill_coef, config.teacher.model_path
+    if coef > 0 and not path:
+        raise ConfigError(f"--trainer.loss.distill_coef {coef:g} needs a teacher: set --teacher.model_path DIR")
+    if path and not coef > 0:
+        raise ConfigError(f"--teacher.model_path {path} has no effect with --trainer.loss.distill_coef 0: set it "
+                          "(1 weighs the teacher's reverse KL as one reward unit a token; docs/algorithms.md)")
 
 
 def check_length_budgets(config: GRPOConfig) -> None:

@@ -51,6 +51,7 @@ from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.sync_group import SyncGroup
 from asyncrl.rl.driver.sync_metrics import sync_record
+from asyncrl.rl.driver.teacher import Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.runtime.timeouts import timeout
@@ -68,7 +69,7 @@ class SamplerPool:
 
     def __init__(self, trainer: Any, samplers: list[Any], queue: RolloutQueue, *, run: RunConfig, seeds: list[int],
                  host: str, backend: str, log=print, events_path: str = "", pacer: Pacer | None = None,
-                 batch_groups: int = 0):
+                 batch_groups: int = 0, teacher: Teacher | None = None):
         self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
         # Async mode with a pacer: each pump asks it for credit, then streams one batch of
         # ``batch_groups`` prompts (the sampler's prompts_per_batch); without: one endless stream.
@@ -76,7 +77,10 @@ class SamplerPool:
         self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
         self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, host=host, backend=backend, log=log)
         self.async_mode = run.mode == "async"
-        self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups else 0)
+        # A teacher scores every group before it is queued (driver/teacher.py); a group of equal
+        # rewards still teaches then (the teacher's per-token term), so none is left out.
+        self.teacher = teacher
+        self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups and teacher is None else 0)
 
     @property
     def members(self) -> list[Member]:
@@ -281,6 +285,8 @@ class SamplerPool:
             m.pump_failures = 0
             group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{m.seq}")
             try:
+                if self.teacher is not None:
+                    group = await self.teacher.annotate(group)
                 if self.uniform.leave_out(group):
                     pass  # no learning signal: the sampler makes another in its place
                 elif await self.queue.put(group, timeout_s=put_s) and accepted is not None:
@@ -310,6 +316,8 @@ class SamplerPool:
     def _pump_failed(self, m: Member, exc: BaseException) -> None:
         if isinstance(exc, (QueueTimeoutError, QueueClosedError, PacingTimeoutError)):
             raise RunStoppedError(f"the driver stopped taking rollouts from {m.name}: {exc}") from exc
+        if isinstance(exc, RunStoppedError):  # the scorer's (driver/teacher.py), not the sampler's
+            raise exc
         if isinstance(exc, RemoteError) and exc.remote_type == "TaskFailureError":
             # The task's own code fails (too many scores raise, say): a restarted sampler would
             # run the same code on the same data, so the run stops, naming the task's error.

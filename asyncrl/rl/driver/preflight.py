@@ -50,7 +50,12 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
         _check_max_new_tokens(config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path),
                               config.model_path)
     _check_run_dir(run_dir, config.run.run_dir, resume)
-    config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(),
+    teacher = config.teacher
+    if teacher.model_path:  # its tokenizer is compared with the student's once the student exists (run.py)
+        path = os.path.abspath(os.path.expanduser(teacher.model_path))
+        _checkpoint_positions(path, teacher.model_path, "--teacher.model_path")
+        teacher = dataclasses.replace(teacher, model_path=path)
+    config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(), teacher=teacher,
                                  run=dataclasses.replace(config.run, run_dir=run_dir))
     check_task(config)
     _check_viewers(config.run.observe)
@@ -85,14 +90,14 @@ def default_run_dir() -> str:
 # --- the model ------------------------------------------------------------------------------------
 
 
-def _checkpoint_positions(path: str, given: str) -> int | None:
-    """Check that ``path`` (``given`` on the command line) looks like a checkpoint transformers
-    can load (a directory with a config.json naming its model_type, weights and a tokenizer) and
-    return its ``max_position_embeddings`` (None when its config does not say)."""
-    flag = f"--model_path {shlex.quote(given)}"
+def _checkpoint_positions(path: str, given: str, key: str = "--model_path") -> int | None:
+    """Check that ``path`` (``given`` on the command line, after ``key``) looks like a checkpoint
+    transformers can load (a directory with a config.json naming its model_type, weights and a
+    tokenizer) and return its ``max_position_embeddings`` (None when its config does not say)."""
+    flag = f"{key} {shlex.quote(given)}"
     values = _config_json(path, flag,
-                          missing="give a local Hugging Face checkpoint directory (or no --model_path for the embedded "
-                                  "model)",
+                          missing="give a local Hugging Face checkpoint directory" + (
+                              " (or no --model_path for the embedded model)" if key == "--model_path" else ""),
                           not_dir="give the checkpoint's directory, the one holding config.json",
                           no_config="so not a Hugging Face checkpoint directory")
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
