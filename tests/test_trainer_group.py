@@ -11,6 +11,7 @@ import os
 import random
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -54,12 +55,18 @@ async def spawn_ranks(sup, path, config, world_size=2, env=None):
                                      timeout_s=60.0, gpus=0, env={**ONE_THREAD, **(env or {})}, kwargs={})
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "fixed_tokens"])
 def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny_path, aggregation):
     # A micro-batch budget that cuts each rank's share differently: the ranks take different
     # numbers of micro-batches, padded to match, and the counts must still be the global ones.
-    config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=GRPOLossConfig(aggregation=aggregation))
+    # fixed_tokens (Dr. GRPO's constant) also distils: teacher log-probs split with their rows.
+    distill = aggregation == "fixed_tokens"
+    loss = GRPOLossConfig(aggregation=aggregation, token_budget=2 if distill else 0, distill_coef=0.5 if distill else 0.0)
+    config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=loss)
     data = batch(1)
+    if distill:
+        data = [msgspec.structs.replace(g, teacher_logprobs=[[lp - 0.3 * (j % 3) for j, lp in enumerate(lps)]
+                                                             for lps in g.behaviour_logprobs]) for g in data]
 
     async def main():
         async with Supervisor(call_timeout_s=120) as sup:
