@@ -25,7 +25,7 @@ from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.task import DEFAULT_TASK, TaskConfig, TaskSpec
-from asyncrl.rl.config.teacher import TeacherConfig
+from asyncrl.rl.config.teacher import RewardModelConfig, TeacherConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 
 
@@ -50,6 +50,8 @@ class GRPOConfig:
     """The trainer actor: its optimiser, micro-batches and GRPO loss."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """On-policy distillation's teacher, served by a scorer actor (docs/algorithms.md)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model whose score joins the task's reward, served by a scorer actor."""
 
     def __post_init__(self) -> None:
         check_temperature(self)

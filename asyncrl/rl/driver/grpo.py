@@ -59,7 +59,7 @@ class GRPODriver:
 
     def __init__(self, config: GRPOConfig, trainer, samplers, run_dir: str, log, *, host: str,
                  backend: str, seeds: list[int], resume: Checkpoint | None = None, model_path: str = "",
-                 log_path: str = "", correct_reward: float = 1.0, teacher=None):
+                 log_path: str = "", correct_reward: float = 1.0, teacher=None, reward_model=None):
         self.config, self.run = config, config.run
         self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
         self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
@@ -77,7 +77,8 @@ class GRPODriver:
                             next_step=self.state.step + 1) if self.run.mode == "async" else None)
         self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
                                 backend=backend, log=self.log, events_path=self.events_path, pacer=self.pacer,
-                                batch_groups=config.sampler.prompts_per_batch, teacher=teacher)
+                                batch_groups=config.sampler.prompts_per_batch, teacher=teacher,
+                                reward_model=reward_model)
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on

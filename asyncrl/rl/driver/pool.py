@@ -51,7 +51,7 @@ from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.sync_group import SyncGroup
 from asyncrl.rl.driver.sync_metrics import sync_record
-from asyncrl.rl.driver.teacher import Teacher
+from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.runtime.timeouts import timeout
@@ -69,7 +69,7 @@ class SamplerPool:
 
     def __init__(self, trainer: Any, samplers: list[Any], queue: RolloutQueue, *, run: RunConfig, seeds: list[int],
                  host: str, backend: str, log=print, events_path: str = "", pacer: Pacer | None = None,
-                 batch_groups: int = 0, teacher: Teacher | None = None):
+                 batch_groups: int = 0, teacher: Teacher | None = None, reward_model: RewardModel | None = None):
         self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
         # Async mode with a pacer: each pump asks it for credit, then streams one batch of
         # ``batch_groups`` prompts (the sampler's prompts_per_batch); without: one endless stream.
@@ -79,7 +79,7 @@ class SamplerPool:
         self.async_mode = run.mode == "async"
         # A teacher scores every group before it is queued (driver/teacher.py); a group of equal
         # rewards still teaches then (the teacher's per-token term), so none is left out.
-        self.teacher = teacher
+        self.teacher, self.reward_model = teacher, reward_model  # the reward model's score is in the reward
         self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups and teacher is None else 0)
 
     @property
@@ -287,6 +287,8 @@ class SamplerPool:
             try:
                 if self.teacher is not None:
                     group = await self.teacher.annotate(group)
+                if self.reward_model is not None:
+                    group = await self.reward_model.annotate(group)
                 if self.uniform.leave_out(group):
                     pass  # no learning signal: the sampler makes another in its place
                 elif await self.queue.put(group, timeout_s=put_s) and accepted is not None:

@@ -50,12 +50,14 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
         _check_max_new_tokens(config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path),
                               config.model_path)
     _check_run_dir(run_dir, config.run.run_dir, resume)
-    teacher = config.teacher
-    if teacher.model_path:  # its tokenizer is compared with the student's once the student exists (run.py)
-        path = os.path.abspath(os.path.expanduser(teacher.model_path))
-        _checkpoint_positions(path, teacher.model_path, "--teacher.model_path")
-        teacher = dataclasses.replace(teacher, model_path=path)
-    config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(), teacher=teacher,
+    scorers = {}
+    for key in ("teacher", "reward_model"):  # tokenizers compared with the student's once it exists (run.py)
+        section = getattr(config, key)
+        if section.model_path:
+            path = os.path.abspath(os.path.expanduser(section.model_path))
+            _checkpoint_positions(path, section.model_path, f"--{key}.model_path")
+            scorers[key] = dataclasses.replace(section, model_path=path)
+    config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(), **scorers,
                                  run=dataclasses.replace(config.run, run_dir=run_dir))
     check_task(config)
     _check_viewers(config.run.observe)

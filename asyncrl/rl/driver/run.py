@@ -34,7 +34,7 @@ from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.sampler_start import start_samplers
-from asyncrl.rl.driver.teacher import Teacher, check_tokenizers
+from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers
 from asyncrl.rl.driver.trainer_ranks import node_address, spawn_trainer_ranks
 from asyncrl.runtime import signals
 
@@ -60,8 +60,10 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     run = config.run
     ranks = config.trainer.world_size
     # The scorer is placed as one more sampler: a GPU of its own when there is one, else colocated.
-    scorers = int(bool(config.teacher.model_path))
-    plan = plan_devices(run.device, *detect("auto"), config.sampler.count + scorers, trainer_ranks=ranks)
+    # Each scorer (teacher, reward model) is placed as one more sampler: a GPU of its own when
+    # there is one, else colocated.
+    scorer_keys = [key for key in ("teacher", "reward_model") if getattr(config, key).model_path]
+    plan = plan_devices(run.device, *detect("auto"), config.sampler.count + len(scorer_keys), trainer_ranks=ranks)
     trainer_nodes, sampler_nodes = _placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
     spec = config.task_spec()
     task = load_task(spec)  # loaded (and its data read) by check_run already: cached
@@ -123,11 +125,11 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             stop_warm_start.set()
             raise
         cuda, device = plan.device == "cuda", plan.device
-        if scorers:  # before anything is spawned: a teacher that reads ids otherwise is refused in one line
-            check_tokenizers(model_path, config.teacher.model_path)
+        for key in scorer_keys:  # before anything is spawned: one that reads ids otherwise is refused in one line
+            check_tokenizers(model_path, getattr(config, key).model_path, f"--{key}.model_path")
         log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
             f"{config.sampler.count} sampler(s); mode {run.mode}"
-            + (f"; teacher {config.teacher.model_path}" if scorers else ""))
+            + "".join(f"; {key.replace('_', ' ')} {getattr(config, key).model_path}" for key in scorer_keys))
 
         # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
         # actors of one host fight over the same cores, and throughput collapses.
@@ -169,18 +171,26 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                                  "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
                                  "adapter": _synced_adapter(config)})
 
-        teacher = None
-        if scorers:  # placed and restarted as a sampler is (driver/teacher.py: its calls and losses)
+        def spawn_scorer(key: str, name: str, kind: str):  # placed and restarted as a sampler is (driver/teacher.py)
             from asyncrl.rl.scorer.actor import ScorerActor
 
-            scorer = await sup.spawn(ScorerActor, config.teacher.model_path, name="scorer", gpus=plan.sampler_gpus,
-                                     share_devices_with="trainer" if plan.colocated else None, env=env,
-                                     node=None if plan.colocated else sampler_nodes[0],
-                                     max_restarts=run.recovery.sampler_max_restarts, kwargs={
-                                         "device": device, "temperature": config.sampler.temperature,
-                                         "batch_tokens": config.teacher.batch_tokens})
-            teacher = Teacher(scorer, timeout_s=config.teacher.timeout_s,
-                              restart_timeout_s=run.recovery.restart_timeout_s, log=log)
+            section = getattr(config, key)
+            return sup.spawn(ScorerActor, section.model_path, name=name, gpus=plan.sampler_gpus,
+                             share_devices_with="trainer" if plan.colocated else None, env=env,
+                             node=None if plan.colocated else sampler_nodes[0],
+                             max_restarts=run.recovery.sampler_max_restarts, kwargs={
+                                 "device": device, "temperature": config.sampler.temperature,
+                                 "batch_tokens": section.batch_tokens, "kind": kind})
+
+        teacher = reward_model = None
+        calls = {"restart_timeout_s": run.recovery.restart_timeout_s, "log": log}
+        if "teacher" in scorer_keys:
+            teacher = Teacher(await spawn_scorer("teacher", "scorer", "teacher"), timeout_s=config.teacher.timeout_s,
+                              **calls)
+        if "reward_model" in scorer_keys:
+            rm = config.reward_model
+            reward_model = RewardModel(await spawn_scorer("reward_model", "reward_model", "reward"), weight=rm.weight,
+                                       rule_weight=rm.rule_weight, timeout_s=rm.timeout_s, **calls)
         samplers = await start_samplers(spawn_sampler, config.sampler.count, one_at_a_time=plan.colocated, log=log,
                                         events_path=os.path.join(run_dir, "faults.jsonl"))
         if sup.config.nnodes > 1:
@@ -190,7 +200,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
                             backend=plan.sync_backend,
                             seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
-                            model_path=model_path, log_path=console.path, teacher=teacher)
+                            model_path=model_path, log_path=console.path, teacher=teacher,
+                            reward_model=reward_model)
         return await driver.execute()
     except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
         signum = signals.cancelled_by_signal(asyncio.current_task())

@@ -1,4 +1,6 @@
-"""`ScorerActor`: a local Hugging Face checkpoint that scores completions, prefill only.
+"""`ScorerActor`: a local Hugging Face checkpoint that scores completions, prefill only: a
+teacher's per-token log-probs (kind "teacher") or a reward model's scalar per completion (kind
+"reward", ``reward.py``).
 
 Each `teacher_logprobs` call (one group: a prompt and its completions) waits in a queue; one
 worker task takes every request waiting when it is free, up to ``batch_tokens`` of them, and
@@ -23,6 +25,7 @@ import torch
 from asyncrl.errors import ActionableError, crosses_processes
 from asyncrl.rl.model.policy import load_policy
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.scorer.reward import RewardModelError, load_reward_model, sequence_rewards
 from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.scoring import fused_head_fallback, scored_logprobs
 from asyncrl.runtime.actor import Actor, endpoint
@@ -36,12 +39,15 @@ class ScorerError(ActionableError):
 
 
 class ScorerActor(Actor):
-    """Serves ``model_path``'s log-probs of completion tokens at ``temperature`` on ``device``,
-    batching waiting requests up to ``batch_tokens`` tokens a pass (see the module docstring).
+    """Serves ``model_path``'s log-probs of completion tokens at ``temperature`` (``kind``
+    "teacher") or its scalar reward per completion (``kind`` "reward") on ``device``, batching
+    waiting requests up to ``batch_tokens`` tokens a pass (see the module docstring).
     ``cpu_threads`` > 0 sets torch's intra-op threads."""
 
     def __init__(self, model_path: str, *, device: str = "cpu", temperature: float = 1.0, batch_tokens: int = 16384,
-                 cpu_threads: int = 0):
+                 cpu_threads: int = 0, kind: str = "teacher"):
+        if kind not in ("teacher", "reward"):
+            raise ValueError(f"kind must be 'teacher' or 'reward', not {kind!r}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, not {temperature!r}")
         if batch_tokens < 1:
@@ -53,11 +59,19 @@ class ScorerActor(Actor):
         if self.device.type == "cuda":  # the actor sees only its own GPU (CUDA_VISIBLE_DEVICES)
             self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
-        start_phase(f"loading the teacher {model_path}")
-        self.model, _, _ = load_policy(model_path, self.device,
-                                       dtype=torch.bfloat16 if self.device.type == "cuda" else None)
-        self.model.requires_grad_(False)
-        self.vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        self.kind = kind
+        start_phase(f"loading the {'teacher' if kind == 'teacher' else 'reward model'} {model_path}")
+        if kind == "reward":
+            try:
+                self.model = load_reward_model(model_path, self.device)
+            except RewardModelError as exc:
+                raise ScorerError(str(exc)) from None
+            self.vocab = int(self.model.get_input_embeddings().weight.shape[0])
+        else:
+            self.model, _, _ = load_policy(model_path, self.device,
+                                           dtype=torch.bfloat16 if self.device.type == "cuda" else None)
+            self.model.requires_grad_(False)
+            self.vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self.temperature, self.batch_tokens = temperature, batch_tokens
         self.fused = not fused_head_fallback(self.model)
         self._pending: list[tuple[list[int], list[list[int]], asyncio.Future]] = []
@@ -77,6 +91,16 @@ class ScorerActor(Actor):
     async def teacher_logprobs(self, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[list[float]]:
         """The teacher's log-prob of each completion token given the prompt and the completion's
         tokens before it, one list per completion (each as long as its completion)."""
+        return await self._request("teacher", prompt_ids, completion_ids)
+
+    @endpoint
+    async def rewards(self, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[float]:
+        """The reward model's scalar for each completion after the prompt (kind "reward")."""
+        return await self._request("reward", prompt_ids, completion_ids)
+
+    async def _request(self, kind: str, prompt_ids: list[int], completion_ids: list[list[int]]):
+        if kind != self.kind:
+            raise ScorerError(f"{self.name} serves a {self.kind}, not a {kind}")
         if not prompt_ids:
             raise ScorerError(f"{self.name}: a request with an empty prompt (the first token is never scored)")
         for ids in (prompt_ids, *completion_ids):
@@ -125,7 +149,9 @@ class ScorerActor(Actor):
                         future.set_result(result)
 
     @torch.no_grad()
-    def _score(self, requests: list[tuple[list[int], list[list[int]]]]) -> tuple[list[list[list[float]]], int]:
+    def _score(self, requests: list[tuple[list[int], list[list[int]]]]) -> tuple[list, int]:
+        if self.kind == "reward":
+            return sequence_rewards(self.model, requests, self.batch_tokens, self.device)
         groups = [RolloutGroup(i, prompt, completions, [[0.0] * len(c) for c in completions], [0.0] * len(completions),
                                version=0) for i, (prompt, completions) in enumerate(requests)]
         flat = [(g, j) for g in groups for j in range(len(g.completion_ids))]
