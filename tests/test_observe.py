@@ -91,9 +91,10 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_go_above_it():
 # --- the endpoint, with real actors ----------------------------------------------------------
 
 
-def get(url: str) -> tuple[int, str, str]:
+def get(url: str, method: str = "GET") -> tuple[int, str, str]:
     try:
-        with urllib.request.urlopen(url, timeout=20) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"" if method == "POST" else None),
+                                    timeout=20) as r:
             return r.status, r.headers["Content-Type"], r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers["Content-Type"], e.read().decode()
@@ -127,6 +128,9 @@ async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus()
             assert set(report["unhealthy"]) == {"sampler0", "sampler1"}
             assert report["actors"]["trainer"] == "running"
             assert (await asyncio.to_thread(get, base + "/nothing"))[0] == 404
+            # Unauthenticated, so it changes nothing: a scale is refused, naming what to use.
+            code, _, text = await asyncio.to_thread(get, base + "/scale?samplers=3", "POST")
+            assert code == 403 and "asyncrl scale RUN_DIR --samplers N" in text
             await blocked
         finally:
             endpoint.close()
