@@ -44,7 +44,7 @@ def events(run_dir) -> list[dict]:
 
 async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
     run_dir = tmp_path / "run"
-    steps = 400  # the run is stopped by the test once both changes are seen (a step takes ~0.1 s)
+    steps = 3000  # never reached: the test stops the run once both changes are seen (a step takes ~0.1 s)
     config = tiny(model_path, run_dir, "--run.steps", str(steps), "--sampler.count", "1",
                   "--run.check_weights", "true")
     seen: dict[str, object] = {}

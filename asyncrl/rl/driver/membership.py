@@ -111,7 +111,7 @@ class Membership:
         """A sampler started by a scale-up: a candidate, which joins at the next rebuild."""
         m = Member(handle, len(self.members), seed, incarnation=handle.info().incarnation)
         self.members.append(m)
-        self.event("added", m.name, f"started by a scale-up; joins the group at the next sync",
+        self.event("added", m.name, "started by a scale-up; joins the group at the next sync",
                    incarnation=m.incarnation)
         self.changed.set()
         return m
