@@ -1,6 +1,7 @@
 """Elastic samplers (``asyncrl scale``, driver/scaling.py) in a real run on the CPU: 1 -> 3 -> 1
 samplers while it trains, asked once through the CLI and once through the Python API, with the
-weights of every member checked after every sync; a refusal in one line. The pool's side of it
+weights of every member checked after every sync; the only sampler SIGKILLed while the new ones
+start (a scale during a crash-restart); a refusal in one line. The pool's side of it
 (a drain while a sync is in flight, a scale during a restart, the device check) is in
 test_scaling_pool.py."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +64,9 @@ async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
         up = await asyncio.to_thread(asyncrl_cli, "scale", str(run_dir), "--samplers", "3")
         seen["up"] = up
         assert up.returncode == 0, up.stderr
+        # The only sampler crashes while the new ones start: its restart and their starts overlap.
+        actors = (await asyncio.to_thread(query_status, str(run_dir), 10.0)).actors
+        os.kill(next(a.pid for a in actors if a.name == "sampler0"), signal.SIGKILL)
         await until("3 samplers in the group", lambda: len(in_group()) == 3)
         seen["status_up"] = await asyncio.to_thread(progress)
         await until("a few steps with 3", lambda: progress()["step"] >= seen["status_up"]["step"] + 3)
@@ -98,16 +103,16 @@ async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
     check_whole(run_dir, len(recs), 4)  # every member's weights == the trainer's after every sync
     sizes = [r["samplers_in_group"] for r in recs]
     assert sizes[0] == 1 and 3 in sizes and sizes[-1] == 1, sizes
-    # Each change of the fleet was one re-formation of the group, none while it stayed the same:
-    # 1 -> 3 is one when both new samplers are up by the same sync, else 1 -> 2 -> 3, one each.
+    # Scaling down by two was one re-formation of the group (the scale-up overlapped sampler0's
+    # crash and restart: its re-formations depend on which came back first).
     changes = [(a, b) for a, b in zip(recs, recs[1:]) if a["samplers_in_group"] != b["samplers_in_group"]]
-    for a, b in changes:
-        assert b["generation"] - a["generation"] == 1, (a["step"], a["generation"], b["generation"])
-    assert recs[-1]["generation"] == len(changes), [r["generation"] for r in recs]
+    (down,) = [(a, b) for a, b in changes if a["samplers_in_group"] == 3 and b["samplers_in_group"] == 1]
+    assert down[1]["generation"] - down[0]["generation"] == 1, [(r["step"], r["generation"]) for r in recs]
     for a, b in changes:
         print(f"scale {a['samplers_in_group']} -> {b['samplers_in_group']} at step {b['step']}: recover_s "
               f"{b['recover_s']:.3f}, sync_s {b['sync_s']:.3f} (a plain sync before it: {a['sync_s']:.3f})")
     kinds = [(e["event"], e.get("sampler")) for e in events(run_dir)]
     assert kinds.count(("scale_requested", "")) == 2
     assert {("added", "sampler1"), ("added", "sampler2"), ("drained", "sampler1"), ("drained", "sampler2")} <= set(kinds)
-    assert not any(k == "lost" for k, _ in kinds), kinds
+    assert kinds.count(("lost", "sampler0")) == 1 and kinds.count(("rejoined", "sampler0")) == 1, kinds
+    assert [k for k in kinds if k[0] == "lost"] == [("lost", "sampler0")], kinds

@@ -18,6 +18,7 @@ import pytest
 
 from asyncrl.rl.driver.membership import MemberState
 from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler, check_target
+from asyncrl.rl.rollout import RolloutGroup
 
 from test_recovery_pool import GOT, SENT, Scripted, make_pool
 
@@ -88,6 +89,7 @@ async def test_a_scale_during_a_restart_counts_it_and_joins_everyone_at_one_refo
         samplers[1].set_state("restarting")
         pool.membership.lose(pool.members[1], "died (killed by SIGKILL)", kill=False)
         assert scaler.request({"samplers": 3}) == {"samplers": 2, "target": 3, "step": 0}  # the restarting one counts
+        assert list(scaler.starting) == [2]  # started at once; joins at a sync
         await scaler.at_sync()
         assert list(scaler.starting) == [2]
         samplers[1].set_state("running", incarnation=2)  # back from its restart
@@ -113,6 +115,31 @@ async def test_a_scale_during_a_restart_counts_it_and_joins_everyone_at_one_refo
     assert [m.state for m in pool.members] == [MemberState.DRAINED, MemberState.JOINED, MemberState.JOINED], logs
     assert pool.generation == 2 and pool.counters["rebuilds"] == 2 and stopped == ["sampler0"], logs
     assert samplers[0].calls.count("sync_join") == 1  # joined generation 1 only
+
+
+async def test_with_every_sampler_lost_a_new_one_joins_without_waiting_for_a_sync():
+    # The only sampler is lost and not back (its restart may never come): no step, and so no
+    # sync, can come while the driver waits for a batch. A sampler started by a scale-up is added as soon as it is up, and that wait
+    # re-forms the group with it and pumps its groups.
+    gone, new = sampler("sampler0"), sampler("sampler1")
+    new.script["rollouts"] = []
+    logs, stopped = [], []
+    pool = make_pool(trainer(), [gone], logs)
+    scaler = scaler_of(pool, logs, stopped, {1: new})
+    try:
+        gone.set_state("restarting")
+        pool.membership.lose(pool.members[0], "died (killed by SIGKILL)", kill=False)
+        scaler.request({"samplers": 2})  # the lost one counts: it may come back
+        assert list(scaler.starting) == [1]
+        for i in range(2):
+            new.items.put_nowait(RolloutGroup(i, [1], [[2], [3]], [[-0.1], [-0.2]], [0.0, 1.0], version=0))
+        batch = await asyncio.wait_for(pool.next_batch(2, 0), 10)
+        await scaler.close()
+    finally:
+        await pool.close()
+    assert [g.uid for g in batch] == ["sampler1/1/1", "sampler1/1/2"], logs
+    assert pool.members[0].state is MemberState.LOST and pool.members[1].state is MemberState.JOINED, logs
+    assert pool.generation == 1 and new.calls.count("receive_weights") == 1, logs
 
 
 def test_a_size_beyond_the_devices_is_refused_in_one_line():

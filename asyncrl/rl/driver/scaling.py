@@ -6,12 +6,14 @@ run's device plan and refused in one line if it cannot be met; an accepted one o
 target. The driver applies it at its next weight sync (`Scaler.at_sync`, called right before
 `SamplerPool.sync`, so never while a sync, a rebuild or a batch's training is in flight):
 
-* Up: the missing samplers are spawned in the background, placed as the run's first ones were
+* Up: the missing samplers are spawned at once, in the background, placed as the run's first ones were
   (a free GPU each, the trainer's GPU when colocated, the CPU), each a new actor ``samplerK``
   with its own seed and data walk. A sampler whose process is up is added to the pool as a
   candidate at the next sync, and that sync re-forms the group with it: it takes the current
   weights in the rebuild, and its rollouts are pumped only after that (the pool's invariant), so
-  it never generates with other weights than the run's.
+  it never generates with other weights than the run's. (When no sampler is in the group, every
+  other one lost, no sync comes until one joins: a sampler that comes up then is added at once,
+  and the pool's wait for a batch re-forms the group with it.)
 * Down: the samplers to drain are picked so that the fewest groups are lost: those still starting
   (their start is cancelled), then those waiting for a restart, then the newest in the group.
   Each leaves the group at once (`Membership.drain`): its stream is cut, the groups it was making
@@ -100,21 +102,23 @@ class Scaler:
         self.membership.event("scale_requested", "", f"{active} -> {n} sampler(s), applied at the next sync",
                               samplers=active, target=n)
         self.log(f"scale: {active} -> {n} sampler(s) asked; applied at the next weight sync")
+        self._start_missing()  # now: a start takes long, and the driver may wait for a batch meanwhile
         return {"samplers": active, "target": n, "step": self.membership.step}
 
     async def at_sync(self) -> None:
         """Apply the target before a sync (nothing group-wide is in flight): add the samplers
-        started since, start the ones missing, drain the ones too many."""
+        started since, start the ones missing (a sampler lost for good), drain the ones too many."""
         self._admit()
         if self.target is None:
             return
-        missing = self.target - self.active()
-        if missing > 0:
-            for _ in range(missing):
-                self._start(self.next_index)
-                self.next_index += 1
-        elif missing < 0:
-            self._drain(-missing)
+        self._start_missing()
+        if self.target < self.active():
+            self._drain(self.active() - self.target)
+
+    def _start_missing(self) -> None:
+        for _ in range(self.target - self.active()):
+            self._start(self.next_index)
+            self.next_index += 1
 
     def progress(self) -> dict[str, Any]:
         """For progress.json and ``asyncrl status``."""
@@ -145,6 +149,10 @@ class Scaler:
             if not task.cancelled() and task.exception() is None:
                 self.log(f"scale: sampler{index} is up ({time.monotonic() - started:.1f} s); "
                          "it joins the group at the next sync")
+            if not self.membership.with_state(MemberState.JOINED):
+                # No sampler in the group: the driver waits for a batch, and no sync comes until
+                # one joins, so this one joins now (the pool rebuilds for a candidate at once).
+                self._admit()
             self.membership.changed.set()
         task.add_done_callback(done)
 
