@@ -44,6 +44,22 @@ def test_every_number_of_a_record_is_a_scalar_and_nothing_else_is():
     assert metric_name("task/solved") == "asyncrl_task_solved"
 
 
+def test_curves_draw_the_samplers_in_the_group_only_where_that_number_changed():
+    from matplotlib.figure import Figure
+
+    from asyncrl.rl.view.curves import _draw_fleet
+
+    ax = Figure().subplots()
+    sizes = [1] * 5 + [3] * 4 + [1] * 6  # scaled 1 -> 3 -> 1
+    _draw_fleet(ax, "", [{"step": i + 1, "samplers_in_group": n} for i, n in enumerate(sizes)], "C0")
+    (line,) = ax.lines
+    assert list(line.get_xdata()) == [1, 6, 10, 15] and list(line.get_ydata()) == [1, 3, 1, 1]
+    assert line.get_label() == "samplers in group"
+    steady = Figure().subplots()
+    _draw_fleet(steady, "", [{"step": i + 1, "samplers_in_group": 2} for i in range(5)], "C0")
+    assert not steady.lines  # nothing changed: nothing drawn
+
+
 def test_sparkline_scales_and_buckets():
     assert sparkline([0.0, 0.5, 1.0], low=0.0, high=1.0) == "▁▅█"
     assert sparkline([2.0, 2.0]) == "▁▁"
