@@ -81,8 +81,11 @@ class Scaler:
         self.target: int | None = None  # None: never asked; the fleet is the run's as started
         self.starting: dict[int, asyncio.Task] = {}  # index -> its spawn
         self.next_index = len(pool.members)
-        self.scale_events = 0
+        self.closed = False
         self._tasks: set[asyncio.Task] = set()
+        # Colocated samplers start one at a time, as at the run's start (sampler_start.py): vLLM
+        # measures the GPU's free memory as it starts, and two at once would count each other's.
+        self._one_at_a_time = asyncio.Lock() if colocated else None
 
     def active(self) -> int:
         """Samplers in the group, coming to it (candidates, restarts awaited) or starting."""
@@ -92,6 +95,8 @@ class Scaler:
     def request(self, args: dict[str, Any]) -> dict[str, Any]:
         """The status socket's ``scale`` command: ``{"samplers": N}``. Called on the driver's loop;
         sets the target (applied at the next sync) and answers at once."""
+        if self.closed:
+            raise ScaleRefusedError("the run is ending; its samplers are no longer scaled")
         unknown = sorted(set(args) - {"samplers"})
         if unknown or "samplers" not in args:
             raise ScaleRefusedError(f"scale takes samplers=N only (got {', '.join(sorted(args)) or 'nothing'})")
@@ -128,6 +133,7 @@ class Scaler:
 
     async def close(self) -> None:
         """Cancel the starts under way and wait (bounded) for them and the stops of drained ones."""
+        self.closed = True
         for task in self.starting.values():
             task.cancel()
         self.starting.clear()
@@ -141,7 +147,7 @@ class Scaler:
 
     def _start(self, index: int) -> None:
         started = time.monotonic()
-        task = self._track(self._spawn(index))
+        task = self._track(self._spawn_one(index))
         self.starting[index] = task
         self.membership.event("scale_starting", f"sampler{index}", "spawned by a scale-up")
 
@@ -184,6 +190,12 @@ class Scaler:
         for m in live[:count]:
             self.membership.drain(m, f"scaled down to {self.target} sampler(s)")
             self._track(self._stop_drained(m))
+
+    async def _spawn_one(self, index: int) -> Any:
+        if self._one_at_a_time is None:
+            return await self._spawn(index)
+        async with self._one_at_a_time:
+            return await self._spawn(index)
 
     async def _stop_drained(self, m: Member) -> None:
         await self._stop(m.handle)
