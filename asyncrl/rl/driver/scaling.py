@@ -6,9 +6,9 @@ run's device plan and refused in one line if it cannot be met; an accepted one o
 target. The driver applies it at its next weight sync (`Scaler.at_sync`, called right before
 `SamplerPool.sync`, so never while a sync, a rebuild or a batch's training is in flight):
 
-* Up: the missing samplers are spawned at once, in the background, placed as the run's first ones were
-  (a free GPU each on the first node with one, the trainer's GPU when colocated, the CPU), each a new actor ``samplerK``
-  with its own seed and data walk. A sampler whose process is up is added to the pool as a
+* Up: the missing samplers are spawned at once, in the background, placed as the run's first
+  ones were (a free GPU each on the first node with one, the trainer's GPU when colocated, the
+  CPU), each a new actor ``samplerK`` with its own seed and data walk. A sampler whose process is up is added to the pool as a
   candidate at the next sync, and that sync re-forms the group with it: it takes the current
   weights in the rebuild, and its rollouts are pumped only after that (the pool's invariant), so
   it never generates with other weights than the run's. (When no sampler is in the group, every
