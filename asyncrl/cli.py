@@ -67,7 +67,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
         "nodes",
         "torchrun's flags; defaults from PET_<NAME> or <NAME> variables, then Slurm's (e.g. NNODES, MASTER_ADDR).",
     )
-    _flag(nodes, "nnodes", metavar="N", help="Number of nodes (default 1).")
+    _flag(nodes, "nnodes", metavar="N", help="Number of nodes (default 1), or MIN:MAX for an elastic cluster: node 0 "
+                                            "starts once MIN have joined, the others may join while it runs.")
     _flag(nodes, "node_rank", metavar="RANK", help="This node's rank; 0 runs the script, the others run a node agent.")
     _flag(nodes, "master_addr", metavar="ADDR",
           help="Node 0's address as the other nodes reach it (default 127.0.0.1).")
@@ -191,7 +192,7 @@ def _configure(args):
         if value is not None:
             os.environ[ENV_PREFIX + flag.upper()] = str(value)
     if node.nnodes > 1:
-        for field in ("nnodes", "master_addr", "master_port", "nproc_per_node"):
+        for field in ("nnodes", "min_nnodes", "master_addr", "master_port", "nproc_per_node"):
             os.environ[ENV_PREFIX + field.upper()] = str(getattr(node, field))
     elif node.nproc_per_node:
         os.environ[ENV_PREFIX + "NPROC_PER_NODE"] = str(node.nproc_per_node)

@@ -156,3 +156,16 @@ def test_a_size_beyond_the_devices_is_refused_in_one_line():
             check_target(bad, active=2, **plan)
         assert "\n" not in str(e.value)
     assert check_target(40, active=1, device="cpu", colocated=False, started=1, free_gpus=0) == 40
+
+
+def test_a_cpu_sampler_started_by_a_scale_up_goes_to_the_node_with_the_fewest():
+    from types import SimpleNamespace as S
+
+    from asyncrl.rl.driver.scaling import least_loaded_node
+
+    nodes = [S(rank=0, state="joined"), S(rank=1, state="joined"), S(rank=2, state="lost: silent")]
+    actors = [S(name="trainer", state="running", node=1), S(name="sampler0", state="running", node=0),
+              S(name="sampler1", state="stopped", node=1), S(name="sampler2", state="running", node=2)]
+    assert least_loaded_node(nodes, actors) == 1  # a node that joined late, with no sampler yet
+    actors.append(S(name="sampler3", state="starting", node=1))
+    assert least_loaded_node(nodes, actors) == 0  # a tie: the lowest rank; a lost node never

@@ -34,7 +34,7 @@ from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.sampler_start import start_samplers
-from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler
+from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler, least_loaded_node
 from asyncrl.rl.driver.trainer_ranks import node_address, spawn_trainer_ranks
 from asyncrl.runtime import signals
 
@@ -159,8 +159,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: sampler_start.py
             return sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
                              share_devices_with="trainer" if plan.colocated else None, env=env,
-                             # one started by a scale-up goes where the supervisor finds room
-                             node=None if plan.colocated or i >= len(sampler_nodes) else sampler_nodes[i],
+                             node=None if plan.colocated else sampler_nodes[i] if i < len(sampler_nodes)
+                             else _scaled_node(sup, cuda),
                              keep_if_lost=True,
                              max_restarts=run.recovery.sampler_max_restarts, kwargs={
                                  "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
@@ -210,6 +210,15 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             endpoint.close()
         console.__exit__()
         status.close()
+
+
+def _scaled_node(sup, cuda: bool) -> int | None:
+    """Where a sampler started by a scale-up goes: on GPUs, where the supervisor finds a free one
+    (None); on the CPU, the node with the fewest samplers, so a node that joined an elastic
+    cluster (--nnodes MIN:MAX) mid-run takes new ones."""
+    if cuda or sup.config.nnodes == 1:
+        return None
+    return least_loaded_node(sup.nodes(), sup.status())
 
 
 def _scaler_of(driver: GRPODriver | None) -> Scaler:

@@ -68,6 +68,17 @@ def check_target(n: Any, *, active: int, device: str, colocated: bool, started: 
     return n
 
 
+def least_loaded_node(nodes: list[Any], actors: list[Any], prefix: str = "sampler") -> int:
+    """The joined node (a `NodeStatus`) running the fewest live actors named ``prefix...``, the
+    lowest rank on a tie: where a CPU sampler started by a scale-up goes, so that a node that
+    joined an elastic cluster mid-run takes the new samplers."""
+    load = {n.rank: 0 for n in nodes if n.state == "joined"}
+    for a in actors:
+        if a.name.startswith(prefix) and str(a.state) not in ("dead", "stopped") and a.node in load:
+            load[a.node] += 1
+    return min(load, key=lambda rank: (load[rank], rank)) if load else 0
+
+
 class Scaler:
     """The fleet's target and the changes that reach it (see the module docstring)."""
 
