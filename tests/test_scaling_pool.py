@@ -8,6 +8,8 @@ test_recovery_pool.py's scripted stand-ins (the real run, 1 -> 3 -> 1, is test_e
   one back from its restart join at one re-formation. A scale-down during a restart drains the
   restarting sampler first, and it stays out when its restart ends.
 * A size beyond the devices, or no size at all, is refused in one line naming what to ask.
+* With every sampler lost, a new one joins without waiting for a sync; one gone for good is
+  replaced to keep the target; a CPU scale-up goes to the node with the fewest samplers.
 """
 
 from __future__ import annotations
@@ -169,3 +171,29 @@ def test_a_cpu_sampler_started_by_a_scale_up_goes_to_the_node_with_the_fewest():
     assert least_loaded_node(nodes, actors) == 1  # a node that joined late, with no sampler yet
     actors.append(S(name="sampler3", state="starting", node=1))
     assert least_loaded_node(nodes, actors) == 0  # a tie: the lowest rank; a lost node never
+
+
+async def test_a_sampler_gone_for_good_is_replaced_to_keep_the_target():
+    # Its restarts used up (or its node lost): with a target set, the next sync starts another.
+    samplers = [sampler("sampler0"), sampler("sampler1")]
+    logs, stopped = [], []
+    pool = make_pool(trainer(), samplers, logs)
+    scaler = scaler_of(pool, logs, stopped, {2: sampler("sampler2")})
+    try:
+        scaler.request({"samplers": 2})
+        await scaler.at_sync()
+        assert not scaler.starting  # the target is met
+        samplers[1].restarts = samplers[1].max_restarts
+        samplers[1].set_state("dead")
+        pool.membership.lose(pool.members[1], "died (node 1 lost)", kill=False)
+        await asyncio.wait_for(pool.members[1].waiter, 5)
+        assert pool.members[1].state is MemberState.GONE
+        await scaler.at_sync()
+        assert list(scaler.starting) == [2]
+        await asyncio.wait_for(scaler.starting[2], 5)
+        await scaler.at_sync()
+        await pool.sync(1)
+        await scaler.close()
+    finally:
+        await pool.close()
+    assert [m.state for m in pool.members] == [MemberState.JOINED, MemberState.GONE, MemberState.JOINED], logs
