@@ -91,7 +91,7 @@ class Scripted:
                     yield item
             return stream
 
-        async def call(*args):
+        async def call(*args, **kwargs):
             self.calls.append(method)
             delay, outcome = self._next(method)
             if delay > timeout_s:

@@ -145,6 +145,7 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
     files = state_files(policy[0], str(tmp_path))
     greedy = SamplingParams(max_new_tokens=400, temperature=0.0, stop_token_ids=[])
     sink = engine.weight_sink(None)  # the engine's process receives: no actor's communicator needed
+    assert sink.weight_dtype == "float32"  # the CPU engine's dtype: what the trainer sends in
     async with Supervisor(call_timeout_s=60) as sup:
         pusher = await sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"})
         port = await pusher.sync_listen(HOST)

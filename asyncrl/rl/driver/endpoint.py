@@ -13,7 +13,9 @@ or silent actor. Each request is answered on the driver's event loop, so a drive
 stuck is found too (its answer does not come within the deadline: 503).
 
 The HTTP server is the standard library's, in daemon threads; it binds ``--run.metrics_host``
-(127.0.0.1 by default). `close()` shuts it down and frees the port.
+(127.0.0.1 by default). `close()` shuts it down and frees the port. It has no authentication, so
+it changes nothing: ``POST /scale`` is refused with 403 and a line naming ``asyncrl scale``, which
+asks over the run's owner-only status socket (docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -146,6 +148,15 @@ def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
             except RuntimeError as exc:  # the loop is closed: the run is ending
                 self._send(503, json.dumps({"healthy": False, "unhealthy": {"driver": first_line(exc)}}).encode(),
                            "application/json")
+
+        def do_POST(self) -> None:  # noqa: N802
+            # This endpoint has no authentication (a scraper reads it), so it changes nothing:
+            # scaling is asked over the run's owner-only status socket instead.
+            if self.path.split("?", 1)[0] == "/scale":
+                self._send(403, b"refused: this endpoint is unauthenticated and read-only; scale the run with "
+                                b"`asyncrl scale RUN_DIR --samplers N` on the driver's host\n", "text/plain")
+            else:
+                self._send(404, b"not found: this endpoint serves GET /metrics and /healthz\n", "text/plain")
 
         def _send(self, code: int, body: bytes, content_type: str) -> None:
             self.send_response(code)

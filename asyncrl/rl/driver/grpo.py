@@ -40,6 +40,7 @@ from asyncrl.rl.driver.painter import CurvesPainter
 from asyncrl.rl.driver.progress import Progress, make_progress
 from asyncrl.rl.driver.writers import MetricWriters, scalars_of
 from asyncrl.rl.driver.pool import SamplerPool
+from asyncrl.rl.driver.scaling import Scaler
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
@@ -79,6 +80,7 @@ class GRPODriver:
                                 backend=backend, log=self.log, events_path=self.events_path, pacer=self.pacer,
                                 batch_groups=config.sampler.prompts_per_batch, teacher=teacher,
                                 reward_model=reward_model)
+        self.scaler: Scaler | None = None  # ``asyncrl scale``: train() sets it (scaling.py)
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
@@ -143,7 +145,7 @@ class GRPODriver:
                 "uniform_skipped": self.uniform_skipped(), "heldout_before": self.heldout_before,
                 "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
                 "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
-                **self.pool.progress(), **self.fault_counts(), **(self.pacer.stats() if self.pacer else {}),
+                **self.pool.progress(), **(self.scaler.progress() if self.scaler else {}), **self.fault_counts(), **(self.pacer.stats() if self.pacer else {}),
                 "updated_at": time.time()}
 
     def write_progress(self) -> None:
@@ -205,6 +207,8 @@ class GRPODriver:
         finally:
             if not completed:
                 self.phase = "stopped"
+            if self.scaler is not None:
+                await self.scaler.close()
             await self.pool.close()
             self.queue.close()
             # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
@@ -273,6 +277,8 @@ class GRPODriver:
         self.version = step  # the weights after step k are version k: the step is the one count of both
         synced, digests = sync_record(0.0, None, []), {}
         if self.version % run.sync_every == 0:
+            if self.scaler is not None:  # a scale request changes the group here, with the sync
+                await self.scaler.at_sync()
             synced = await self.pool.sync(self.version)
             if run.check_weights:
                 digests = await self.pool.verify_weights()

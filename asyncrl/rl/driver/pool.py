@@ -124,7 +124,7 @@ class SamplerPool:
                 self.membership.lose(m, f"failed to take its data position: {first_line(exc)}",
                                      kill=not isinstance(exc, ActorDiedError), incarnation=incarnation)
         await self.sync_group.rebuild(version)
-        if all(m.state is MemberState.GONE for m in self.members):
+        if self.membership.none_left():
             causes = "; ".join(f"{f.sampler}: {f.cause}" for f in self.faults[-3:])
             raise NoSamplersError("no sampler could join the weight-sync group at the start"
                                   + (f" ({causes})" if causes else ""))
@@ -342,7 +342,7 @@ class SamplerPool:
         and pump every member that has no pump."""
         self.membership.changed.clear()  # before looking: whatever happens from here on wakes the next wait
         self._reap_pumps()
-        if all(m.state is MemberState.GONE for m in self.members):
+        if self.membership.none_left():
             raise NoSamplersError("every sampler is lost and has used up its restarts (--run.sampler_max_restarts "
                                   f"{self.run.recovery.sampler_max_restarts}): "
                                   + "; ".join(f.cause for f in self.faults[-3:]))

@@ -34,6 +34,7 @@ from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.sampler_start import start_samplers
+from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler, least_loaded_node
 from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers
 from asyncrl.rl.driver.trainer_ranks import node_address, spawn_trainer_ranks
 from asyncrl.runtime import signals
@@ -103,6 +104,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         return where, resume_hint(run_dir)
 
     status = await sup.serve_status(run_dir, progress=progress)
+    status.add_command("scale", lambda args: _scaler_of(driver).request(args))  # asyncrl scale (scaling.py)
     endpoint = None
     console.__enter__()
     try:
@@ -165,7 +167,9 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: sampler_start.py
             return sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
                              share_devices_with="trainer" if plan.colocated else None, env=env,
-                             node=None if plan.colocated else sampler_nodes[i], keep_if_lost=True,
+                             node=None if plan.colocated else sampler_nodes[i] if i < len(sampler_nodes)
+                             else _scaled_node(sup, cuda),
+                             keep_if_lost=True,
                              max_restarts=run.recovery.sampler_max_restarts, kwargs={
                                  "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
                                  "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
@@ -202,6 +206,9 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                             seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
                             model_path=model_path, log_path=console.path, teacher=teacher,
                             reward_model=reward_model)
+        driver.scaler = Scaler(driver.pool, spawn_sampler, sup.stop, seed_of=lambda i: run.seed * 1000 + i,
+                               device=plan.device, colocated=plan.colocated, log=log,
+                               free_gpus=lambda: sum(n.devices_free for n in sup.nodes()) if cuda else 0)
         return await driver.execute()
     except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
         signum = signals.cancelled_by_signal(asyncio.current_task())
@@ -232,6 +239,24 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             endpoint.close()
         console.__exit__()
         status.close()
+
+
+def _scaled_node(sup, cuda: bool) -> int | None:
+    """Where a sampler started by a scale-up goes: on GPUs, where the supervisor finds a free one
+    (None); on the CPU, the node with the fewest samplers, so a node that joined an elastic
+    cluster (--nnodes MIN:MAX) mid-run takes new ones."""
+    if cuda or sup.config.nnodes == 1:
+        return None
+    return least_loaded_node(sup.nodes(), sup.status())
+
+
+def _scaler_of(driver: GRPODriver | None) -> Scaler:
+    """The run's `Scaler`, or a refusal while the run is not training yet."""
+    phase = driver.phase if driver is not None else "starting"
+    if driver is None or driver.scaler is None or phase != "training":
+        raise ScaleRefusedError(f"the run is {phase}, not training: its samplers can be scaled while it trains "
+                                "(asyncrl status shows the phase)")
+    return driver.scaler
 
 
 def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:

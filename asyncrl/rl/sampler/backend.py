@@ -101,6 +101,13 @@ class WeightSink(abc.ABC):
         (weights untouched); what the transfer raises propagates (weights may be half-written).
         Returns its phases (``seconds`` left to the caller, which times the whole)."""
 
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype its floating-point weights are held in ("bfloat16", "float32"), "" when they
+        are of several or it cannot say: the trainer sends in this dtype (`SyncGroup`), so a sync
+        moves what the sampler keeps, not the trainer's fp32 master copy."""
+        return ""
+
     @abc.abstractmethod
     async def leave(self) -> None:
         """Drop the communicator and the store handle. Idempotent; a no-op once closed."""

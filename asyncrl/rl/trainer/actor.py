@@ -30,6 +30,7 @@ from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
+from asyncrl.rl.trainer.compile import compile_layers, compiled, eager
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
 from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.rank_member import RankMember
@@ -94,6 +95,8 @@ class TrainerActor(RankMember, SyncMember):
         model, tokenizer, fmt = load_policy(path, self.device, torch.float32)
         if self.config.attn_implementation:
             model.set_attn_implementation(self.config.attn_implementation)
+        if compiled(self.config, self.device):
+            compile_layers(model)
         return model, tokenizer, fmt
 
     def _policy(self, checkpoint_dir: str | None = None):
@@ -121,8 +124,9 @@ class TrainerActor(RankMember, SyncMember):
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        # fused: one kernel for every parameter's update on a GPU (torch's own); elsewhere its default
         return torch.optim.AdamW(trainable, lr=self.config.lr, betas=self.config.betas,
-                                 weight_decay=self.config.weight_decay)
+                                 weight_decay=self.config.weight_decay, fused=self.device.type == "cuda" or None)
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """What a weight sync sends: every parameter; with LoRA, the merged weights under the base
@@ -328,10 +332,12 @@ class TrainerActor(RankMember, SyncMember):
                           max_context=getattr(self.model.config, "max_position_embeddings", 0) or 0)
             self.model.eval()
             try:
-                out = {"greedy": solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=True, **common)}
-                if samples:
-                    out["sampled"] = solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=False,
-                                                n=samples, temperature=self.temperature, **common)
+                with eager(compiled(self.config, self.device)):  # generation: a KV cache (trainer/compile.py)
+                    out = {"greedy": solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=True,
+                                                **common)}
+                    if samples:
+                        out["sampled"] = solve_rate(self.model, self.tokenizer, self.fmt, self._heldout,
+                                                    greedy=False, n=samples, temperature=self.temperature, **common)
                 return out
             finally:
                 self.model.train()

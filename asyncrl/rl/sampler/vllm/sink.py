@@ -13,6 +13,7 @@ import time
 from typing import Any, Protocol
 
 import msgspec
+import torch
 
 from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError, WeightSyncError
 from asyncrl.comm.weights import SyncStats
@@ -98,6 +99,11 @@ class EngineSink(WeightSink):
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def weight_dtype(self) -> str:
+        dtype = getattr(self.backend, "dtype", None)  # the engine's, once it is built
+        return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else ""
 
     async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> SamplerSyncStats:
         # One deadline for the pause and the transfer: each with a whole timeout_s of its own
