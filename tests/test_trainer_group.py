@@ -55,13 +55,13 @@ async def spawn_ranks(sup, path, config, world_size=2, env=None):
                                      timeout_s=60.0, gpus=0, env={**ONE_THREAD, **(env or {})}, kwargs={})
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "fixed_tokens"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
 def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny_path, aggregation):
     # A micro-batch budget that cuts each rank's share differently: the ranks take different
     # numbers of micro-batches, padded to match, and the counts must still be the global ones.
-    # fixed_tokens (Dr. GRPO's constant) also distils: teacher log-probs split with their rows.
-    distill = aggregation == "fixed_tokens"
-    loss = GRPOLossConfig(aggregation=aggregation, token_budget=2 if distill else 0, distill_coef=0.5 if distill else 0.0)
+    # token_mean also distils: the teacher's log-probs split with their rows (docs/algorithms.md).
+    distill = aggregation == "token_mean"
+    loss = GRPOLossConfig(aggregation=aggregation, distill_coef=0.5 if distill else 0.0)
     config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=loss)
     data = batch(1)
     if distill:
