@@ -122,11 +122,12 @@ def overlong_penalties(lengths: list[int], config: GRPOLossConfig) -> list[float
                c * ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
                -c                                    L_max < |y|
 
-    Zero for every length when ``overlong_buffer`` is 0. Where the paper leaves it open: its
-    L_max is above the generation limit (it samples up to 20480 tokens, L_max - L_cache = 16384),
-    ours defaults to the limit itself, so a completion cut off by ``max_new_tokens`` gets the
-    whole ``-c``; and ``|y|`` counts every completion token, an environment's tokens in a
-    multi-turn episode included (they too fill the context).
+    Zero for every length when ``overlong_buffer`` is 0. L_max defaults to the generation limit,
+    as in the paper (it generates at most 20480 tokens = L_max, with L_cache 4096), so a
+    completion cut off by ``max_new_tokens`` gets the whole ``-c``; the third case arises only
+    for an ``overlong_max_tokens`` set below the limit. Where the paper leaves it open: ``|y|``
+    counts every completion token, an environment's tokens in a multi-turn episode included
+    (they too fill the context).
     """
     buffer, limit = config.overlong_buffer, config.overlong_max_tokens
     if not buffer:
