@@ -360,7 +360,7 @@ def new_from(log_ratio, beh, mask):
 
 
 def gspo_reference(log_ratio, mask, adv, lo, hi, per_token_weight: bool):
-    """GSPO's objective (Zheng et al. 2025, eq. 5-7) on the sequence ratio itself, no token trick:
+    """GSPO's objective (Zheng et al. 2025) on the sequence ratio itself, no token trick:
     J = -mean_i min(s_i A_i, clip(s_i, 1 - lo, 1 + hi) A_i), s_i = exp(mean of valid log r).
     ``per_token_weight``: each sequence's term counted once per valid token, / all tokens."""
     lr = t(log_ratio).nan_to_num().requires_grad_()
@@ -400,7 +400,7 @@ def test_gspo_matches_the_sequence_level_objective(aggregation):
 
 def test_gspo_token_form_takes_per_token_advantages():
     # with A_it = A_i broadcast the token form is GSPO itself; with A varying inside a sequence,
-    # each token's gradient is s_i * A_it / |y_i| (GSPO-token, eq. 14 with s_i unclipped)
+    # each token's gradient is s_i * A_it / |y_i| (GSPO-token, s_i unclipped)
     log_ratio, mask, beh, _ = variant_batch()
     cfg = GRPOLossConfig(policy_loss="gspo", gspo_eps_low=0.7, gspo_eps_high=0.7, aggregation="seq_mean")
     per_token = t([[1.0, -1.0, 2.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0], [3.0, 0.0, 0.0]])
@@ -414,7 +414,7 @@ def test_gspo_token_form_takes_per_token_advantages():
 
 
 def cispo_reference(log_ratio, mask, beh, adv, lo, hi):
-    """CISPO (MiniMax-M1, eq. 4): J = -(1 / tokens) sum sg(clip(r, 1 - lo, 1 + hi)) A log pi,
+    """CISPO (MiniMax-M1): J = -(1 / tokens) sum sg(clip(r, 1 - lo, 1 + hi)) A log pi,
     written on log pi itself: its gradient is the paper's; its value is not ours (see _cispo)."""
     valid = mask.bool()
     logp = (beh.nan_to_num() + t(log_ratio).nan_to_num()).requires_grad_()
@@ -448,7 +448,7 @@ def test_cispo_weights_every_token_by_the_clipped_detached_ratio(eps_low):
 
 
 def dr_grpo_reference(log_ratio, mask, adv, budget):
-    """Dr. GRPO (Liu et al. 2025, eq. 3 / their code's constant normaliser): the PPO surrogate
+    """Dr. GRPO (Liu et al. 2025; their code's constant normaliser): the PPO surrogate
     summed over each sequence's tokens, / MAX_TOKENS, then averaged over the sequences."""
     lr = t(log_ratio).nan_to_num().requires_grad_()
     r = lr.exp()

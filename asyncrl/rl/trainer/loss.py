@@ -114,7 +114,7 @@ def token_entropy(logits: torch.Tensor, chunk_tokens: int = 2048) -> torch.Tenso
 
 
 def overlong_penalties(lengths: list[int], config: GRPOLossConfig) -> list[float]:
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) of completions of ``lengths``
+    """DAPO's soft overlong punishment (Yu et al. 2025, "overlong reward shaping") of completions of ``lengths``
     tokens, to ADD to their rewards. With ``L_max = overlong_max_tokens``, ``L_cache =
     overlong_buffer`` and ``c = overlong_penalty`` (the paper's c is 1)::
 
@@ -284,9 +284,9 @@ def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, c
 
 
 def _gspo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
-    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in its GSPO-token form
-    (their eq. 13-14): with the sequence ratio ``s_i = exp(mean_t log r_it)`` over the valid tokens
-    (the length-normalised geometric mean of the token ratios) and ``sg`` a stop-gradient::
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in the paper's GSPO-token
+    form: with the sequence ratio ``s_i = exp(mean_t log r_it)`` over the valid tokens (the
+    length-normalised geometric mean of the token ratios) and ``sg`` a stop-gradient::
 
         s_it = sg(s_i) * exp(log r_it - sg(log r_it))       (value s_i, d s_it / d new_it = s_i)
         term_it = min(s_it * A_it, clip(s_it, 1 - gspo_eps_low, 1 + gspo_eps_high) * A_it)
@@ -309,7 +309,7 @@ def _gspo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, confi
 
 
 def _cispo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
-    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4-5): REINFORCE on every token, weighted by the
+    """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE on every token, weighted by the
     clipped and detached importance ratio ``w = sg(clip(r, 1 - cispo_eps_low, 1 + cispo_eps_high))``::
 
         objective_it = w_it * A_it * log pi(y_it)    ->   gradient w_it * A_it * grad log pi(y_it)
