@@ -159,8 +159,9 @@ def distill_advantages(advantages: torch.Tensor, behaviour_logprobs: torch.Tenso
         A_it = A_i - coef * (log mu(y_it) - log p_T(y_it))
 
     with ``mu`` the sampler (the student that generated ``y``). This is Thinking Machines Lab's
-    "On-Policy Distillation" (2025; Tinker's cookbook): the negative reverse KL as a per-token advantage with no discounting, trained by the same
-    importance-weighted policy loss as the task reward. Minimising it over the student's own
+    "On-Policy Distillation" (2025; Tinker's cookbook): the negative reverse KL as a per-token
+    advantage with no discounting, trained by the same importance-weighted policy loss as the
+    task reward. Minimising it over the student's own
     samples minimises ``KL(student || teacher)`` (Agarwal et al. 2024, GKD, with lambda = 1 and
     the reverse KL; GKD back-propagates the divergence over the whole vocabulary instead, which
     needs the teacher's full distribution at every position). Readings taken: the student's
