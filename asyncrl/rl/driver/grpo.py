@@ -29,8 +29,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.errors import RemoteError
-from asyncrl.rl.checkpoint import Checkpoint, RunState, write_json_atomic
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError, RunState, write_json_atomic
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
@@ -259,8 +258,8 @@ class GRPODriver:
         try:
             return await trainer_phase(phase, "checkpoint_timeout_s", t,
                                        self.trainer.with_timeout(t).save(path, extra_files or {}))
-        except RemoteError as exc:
-            raise _write_error(exc) from None
+        except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
+            raise RunDirError(exc.remote_message) from None
 
     async def step(self, step: int) -> dict[str, Any]:
         run, n = self.run, self.run.groups_per_step
@@ -324,8 +323,8 @@ class GRPODriver:
                                                          msgspec.json.encode(state))))
         try:
             self.checkpoint_path = await asyncio.shield(call)
-        except RemoteError as exc:
-            raise _write_error(exc) from None
+        except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
+            raise RunDirError(exc.remote_message) from None
         except asyncio.CancelledError:
             # A stop (Ctrl-C) during the write: let it finish (bounded by its deadline), so the
             # resume hint names the checkpoint that will really be resumed. A second signal
@@ -347,14 +346,6 @@ def task_metrics(batch: list[RolloutGroup]) -> dict[str, float]:
         for key, value in g.metrics.items():
             sums[key] = sums.get(key, 0.0) + value
     return {k: (v if k.startswith("task_errors/") else v / completions) for k, v in sorted(sums.items())}
-
-
-def _write_error(exc: RemoteError) -> BaseException:
-    """The trainer's one-line `CheckpointWriteError` (a full disk) as the run's `RunDirError`;
-    any other remote error as it is (a bug: its traceback tells more than a line could)."""
-    if exc.remote_type == "CheckpointWriteError":
-        return RunDirError(exc.remote_message)
-    return exc
 
 
 def _quietly(fn) -> None:

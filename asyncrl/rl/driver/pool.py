@@ -53,6 +53,8 @@ from asyncrl.rl.driver.sync_group import SyncGroup
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.sampler.errors import SamplerTimeoutError
+from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.timeouts import timeout
 
 PUMP_RETRIES = 3
@@ -310,7 +312,7 @@ class SamplerPool:
     def _pump_failed(self, m: Member, exc: BaseException) -> None:
         if isinstance(exc, (QueueTimeoutError, QueueClosedError, PacingTimeoutError)):
             raise RunStoppedError(f"the driver stopped taking rollouts from {m.name}: {exc}") from exc
-        if isinstance(exc, RemoteError) and exc.remote_type == "TaskFailureError":
+        if isinstance(exc, RemoteError) and isinstance(exc, TaskFailureError):
             # The task's own code fails (too many scores raise, say): a restarted sampler would
             # run the same code on the same data, so the run stops, naming the task's error.
             raise TaskFailedError(f"{m.name}: {exc.remote_message}") from exc
@@ -320,8 +322,7 @@ class SamplerPool:
         elif isinstance(exc, CallTimeoutError):
             lose(m, f"no rollout group within --run.generate_timeout_s {self.run.deadlines.generate_timeout_s:g} s",
                  kill=True)
-        elif (isinstance(exc, RemoteError) and exc.remote_type == "SamplerTimeoutError"
-              and m.pump_failures < PUMP_RETRIES):
+        elif isinstance(exc, RemoteError) and isinstance(exc, SamplerTimeoutError) and m.pump_failures < PUMP_RETRIES:
             m.pump_failures += 1  # it waited too long for good weights: pumped again after the next sync
             self.membership.dirty = True
         else:

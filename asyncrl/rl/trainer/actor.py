@@ -24,7 +24,7 @@ import torch
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import SyncStats, WeightSender
-from asyncrl.errors import ActionableError, crosses_processes
+from asyncrl.errors import ActionableError
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
@@ -45,10 +45,9 @@ ADAPTER_DIR = "adapter"
 beside the merged checkpoint."""
 
 
-@crosses_processes
 class TrainerMemoryError(ActionableError):
     """A micro-batch did not fit in the trainer's device memory; the message names the settings
-    that make it fit. It reaches the driver as itself (`crosses_processes`)."""
+    that make it fit. It reaches the driver as itself (`AsyncrlError`)."""
 
 
 class TrainerActor(RankMember, SyncMember):
