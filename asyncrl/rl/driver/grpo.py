@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError, RunState, write_json_atomic
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
@@ -43,7 +43,9 @@ from asyncrl.rl.driver.scaling import Scaler
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
+from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.runtime.files import write_json_atomic
 
 BEST_DIR, BEST_JSON = "best", "best.json"
 
@@ -71,7 +73,7 @@ class GRPODriver:
         self.queue = RolloutQueue(capacity, staleness)
         self.events_path = os.path.join(run_dir, "faults.jsonl")
         self.resume = resume
-        self.state = resume.run_state() if resume is not None else RunState(step=0, version=0)
+        self.state = read_run_state(resume) if resume is not None else RunState(step=0, version=0)
         # Async mode: samplers begin only groups that will be trained in time (pacing.py).
         self.pacer = (Pacer(self.queue, self.run.groups_per_step, staleness, version=self.state.version,
                             next_step=self.state.step + 1) if self.run.mode == "async" else None)

@@ -404,7 +404,7 @@ class TrainerActor(RankMember, SyncMember):
         return await asyncio.to_thread(self._save, os.path.abspath(path), dict(extra_files))
 
     def _save(self, final: str, extra_files: dict[str, str], state_dict: dict[str, torch.Tensor] | None = None) -> str:
-        from asyncrl.rl.checkpoint import staged_dir
+        from asyncrl.runtime.files import staged_dir
         from asyncrl.rl.trainer.checkpoint import write_errors
 
         with write_errors("the policy", final):
