@@ -182,8 +182,8 @@ def test_help_lists_a_flat_sub_sections_keys_in_its_parents_group():
 def test_config_json_is_flat_and_reads_back_as_an_old_run_s_did():
     import json
 
-    from asyncrl.rl.checkpoint import config_from_dict
     from asyncrl.rl.config import GRPOConfig, config_to_dict
+    from asyncrl.rl.config.stored import config_from_dict
 
     config = parse_overrides(GRPOConfig(), ["--run.n_train", "400", "--run.sync_timeout_s", "30", "--run.steps", "7",
                                             "--run.checkpoint_every", "5", "--sampler.temperature", "0.7"])
@@ -198,6 +198,26 @@ def test_config_json_is_flat_and_reads_back_as_an_old_run_s_did():
     assert config_from_dict(GRPOConfig(), written) == config
     assert config_from_dict(GRPOConfig(), old).run == config.run
     assert config_from_dict(GRPOConfig(), old).trainer_config() == config.trainer_config()
+
+
+def test_config_json_written_reads_back_typed_and_what_does_not_fit_is_a_config_error(tmp_path):
+    from asyncrl.rl.checkpoint import CheckpointError
+    from asyncrl.rl.config import GRPOConfig
+    from asyncrl.rl.config.stored import load_run_config, write_run_config
+
+    config = parse_overrides(GRPOConfig(), ["--trainer.betas", "0.8,0.9", "--run.steps", "7", "--sampler.temperature",
+                                            "0.7"])
+    write_run_config(config, str(tmp_path))
+    assert load_run_config(GRPOConfig(), str(tmp_path)) == config
+    (tmp_path / "config.json").write_text('{"run": {"steps": "seven"}}')
+    with pytest.raises(ConfigError, match="steps") as info:
+        load_run_config(GRPOConfig(), str(tmp_path))
+    assert not isinstance(info.value, CheckpointError)  # the config's own error, not the checkpoints'
+    (tmp_path / "config.json").write_text('{"run": ')
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        load_run_config(GRPOConfig(), str(tmp_path))
+    with pytest.raises(ConfigError, match="no config.json there"):
+        load_run_config(GRPOConfig(), str(tmp_path / "elsewhere"))
 
 
 def test_the_trainer_takes_the_samplers_temperature():

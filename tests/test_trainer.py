@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.rl.checkpoint import CheckpointWriteError, remove_debris, remove_dir, staged_dir
+from asyncrl.rl.checkpoint import CheckpointWriteError
+from asyncrl.runtime.files import remove_debris, remove_dir, staged_dir
 from asyncrl.rl.model.policy import MARKER_FILE, load_policy
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.trainer.batching import micro_batches
@@ -251,7 +252,7 @@ def test_a_kill_between_the_renames_leaves_each_directory_whole_under_a_name_of_
     script = f"""
 import os, signal
 from pathlib import Path
-from asyncrl.rl.checkpoint import staged_dir
+from asyncrl.runtime.files import staged_dir
 final = {str(final)!r}
 with staged_dir(final) as tmp:
     (Path(tmp) / "a").write_text("old")

@@ -180,7 +180,8 @@ def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
 def test_a_sharded_checkpoint_restores_two_ranks_exactly(tiny_path, tmp_path):
     """Steps 1-2, checkpoint, step 3 (A); a new 2-rank trainer loads the checkpoint and takes
     step 3 (B): the same loss and the same weights, bit for bit."""
-    from asyncrl.rl.checkpoint import RunState, list_checkpoints, verify_checkpoint
+    from asyncrl.rl.checkpoint import list_checkpoints, verify_checkpoint
+    from asyncrl.rl.driver.run_state import RunState
     import msgspec
 
     config = TrainerConfig(micro_batch_tokens=40)

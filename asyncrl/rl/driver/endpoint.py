@@ -30,10 +30,11 @@ from typing import Any, Callable
 
 from asyncrl.errors import ActorDiedError, first_line
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.timeouts import timeout
 
 Probe = Callable[[], Awaitable[Any]]
-OK_STATES = ("running", "starting")
+OK_STATES = (ActorState.RUNNING, ActorState.STARTING)
 """Actor states that are healthy so far: a starting actor is given its start deadline."""
 
 
@@ -65,12 +66,12 @@ class MetricsEndpoint:
     async def health(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, report): every actor's state, and the answer of each running one's probe.
         A dead actor reads ``"dead: <why>"`` whether the supervisor or the probe found it first."""
-        running = {s.name for s in self.statuses() if str(s.state) == "running"}
+        running = {s.name for s in self.statuses() if s.state is ActorState.RUNNING}
         probes = {name: probe for name, probe in self.probes().items() if name in running}
         results = await asyncio.gather(*(self._bounded(p) for p in probes.values()), return_exceptions=True)
         statuses = self.statuses()  # again: an actor may have died while it was probed
         unhealthy = {s.name: f"{s.state}: {s.error}" if s.error else str(s.state)
-                     for s in statuses if str(s.state) not in OK_STATES}
+                     for s in statuses if s.state not in OK_STATES}
         for name, result in zip(probes, results):
             if name in unhealthy or not isinstance(result, BaseException):
                 continue
@@ -111,7 +112,7 @@ def exposition(snapshot: dict[str, float], actors: list[Any], accept: str) -> tu
                 yield family
             up = GaugeMetricFamily("asyncrl_actor_up", "1 if the actor is running", labels=["actor", "state"])
             for s in actors:
-                up.add_metric([s.name, str(s.state)], 1.0 if str(s.state) == "running" else 0.0)
+                up.add_metric([s.name, str(s.state)], 1.0 if s.state is ActorState.RUNNING else 0.0)
             yield up
 
     registry = CollectorRegistry()

@@ -29,8 +29,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.errors import RemoteError
-from asyncrl.rl.checkpoint import Checkpoint, RunState, write_json_atomic
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
@@ -44,7 +43,9 @@ from asyncrl.rl.driver.scaling import Scaler
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
+from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.runtime.files import write_json_atomic
 
 BEST_DIR, BEST_JSON = "best", "best.json"
 
@@ -72,7 +73,7 @@ class GRPODriver:
         self.queue = RolloutQueue(capacity, staleness)
         self.events_path = os.path.join(run_dir, "faults.jsonl")
         self.resume = resume
-        self.state = resume.run_state() if resume is not None else RunState(step=0, version=0)
+        self.state = read_run_state(resume) if resume is not None else RunState(step=0, version=0)
         # Async mode: samplers begin only groups that will be trained in time (pacing.py).
         self.pacer = (Pacer(self.queue, self.run.groups_per_step, staleness, version=self.state.version,
                             next_step=self.state.step + 1) if self.run.mode == "async" else None)
@@ -260,8 +261,8 @@ class GRPODriver:
         try:
             return await trainer_phase(phase, "checkpoint_timeout_s", t,
                                        self.trainer.with_timeout(t).save(path, extra_files or {}))
-        except RemoteError as exc:
-            raise _write_error(exc) from None
+        except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
+            raise RunDirError(exc.remote_message) from None
 
     async def step(self, step: int) -> dict[str, Any]:
         run, n = self.run, self.run.groups_per_step
@@ -325,8 +326,8 @@ class GRPODriver:
                                                          msgspec.json.encode(state))))
         try:
             self.checkpoint_path = await asyncio.shield(call)
-        except RemoteError as exc:
-            raise _write_error(exc) from None
+        except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
+            raise RunDirError(exc.remote_message) from None
         except asyncio.CancelledError:
             # A stop (Ctrl-C) during the write: let it finish (bounded by its deadline), so the
             # resume hint names the checkpoint that will really be resumed. A second signal
@@ -348,14 +349,6 @@ def task_metrics(batch: list[RolloutGroup]) -> dict[str, float]:
         for key, value in g.metrics.items():
             sums[key] = sums.get(key, 0.0) + value
     return {k: (v if k.startswith("task_errors/") else v / completions) for k, v in sorted(sums.items())}
-
-
-def _write_error(exc: RemoteError) -> BaseException:
-    """The trainer's one-line `CheckpointWriteError` (a full disk) as the run's `RunDirError`;
-    any other remote error as it is (a bug: its traceback tells more than a line could)."""
-    if exc.remote_type == "CheckpointWriteError":
-        return RunDirError(exc.remote_message)
-    return exc
 
 
 def _quietly(fn) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncrl.rl.config.run import RecoveryConfig
 from asyncrl.rl.driver.faults import Fault, append_event
+from asyncrl.runtime.state import ActorState
 
 CLOSE_S = 10.0
 """How long `Membership.close` waits for its cancelled tasks to end (they end at once)."""
@@ -87,7 +88,7 @@ class Membership:
         # A sampler already dead or stopped never came up (its start was lost, its restarts with
         # it: sampler_start.py): GONE from the start, as if lost for good later. It keeps its
         # place (its index, its seed, its data position), which checkpoints and resumes rely on.
-        self.members = [Member(h, i, seed, state=MemberState.GONE if h.info().state in ("dead", "stopped")
+        self.members = [Member(h, i, seed, state=MemberState.GONE if h.info().state.final
                                else MemberState.CANDIDATE) for i, (h, seed) in enumerate(zip(samplers, seeds))]
         self.recovery, self.log = recovery, log
         self.events_path = events_path  # faults.jsonl: append-only, kept whole across resumes
@@ -140,7 +141,7 @@ class Membership:
         replaced = []
         for m in group:
             info = m.handle.info()
-            if info.state != "running" or info.incarnation != m.incarnation:
+            if info.state is not ActorState.RUNNING or info.incarnation != m.incarnation:
                 self.lose(m, f"died (incarnation {m.incarnation} is gone; the actor is {info.state})", kill=False)
                 replaced.append(m)
         return replaced
@@ -188,12 +189,13 @@ class Membership:
         info = await m.handle.wait_for_incarnation(lost, t)
         if m.state is MemberState.DRAINED:
             return
-        if info.state == "running" and info.incarnation > lost:
+        if info.state is ActorState.RUNNING and info.incarnation > lost:
             m.state, m.incarnation = MemberState.CANDIDATE, info.incarnation
             self.changed.set()
             return
         m.state = MemberState.GONE
-        why = {"dead": "its restarts are used up or its restart failed", "stopped": "it was stopped"}.get(
+        why = {ActorState.DEAD: "its restarts are used up or its restart failed",
+               ActorState.STOPPED: "it was stopped"}.get(
             info.state, f"no new incarnation was running within --run.restart_timeout_s {t:g} s")
         self.log(f"{m.name} will not come back: {why} ({info.state}, incarnation {info.incarnation}, "
                  f"restarts {info.restarts}/{info.max_restarts})")

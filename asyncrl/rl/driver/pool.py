@@ -54,6 +54,8 @@ from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.sampler.errors import SamplerTimeoutError
+from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.timeouts import timeout
 
 PUMP_RETRIES = 3
@@ -320,7 +322,7 @@ class SamplerPool:
             raise RunStoppedError(f"the driver stopped taking rollouts from {m.name}: {exc}") from exc
         if isinstance(exc, RunStoppedError):  # the scorer's (driver/teacher.py), not the sampler's
             raise exc
-        if isinstance(exc, RemoteError) and exc.remote_type == "TaskFailureError":
+        if isinstance(exc, RemoteError) and isinstance(exc, TaskFailureError):
             # The task's own code fails (too many scores raise, say): a restarted sampler would
             # run the same code on the same data, so the run stops, naming the task's error.
             raise TaskFailedError(f"{m.name}: {exc.remote_message}") from exc
@@ -330,8 +332,7 @@ class SamplerPool:
         elif isinstance(exc, CallTimeoutError):
             lose(m, f"no rollout group within --run.generate_timeout_s {self.run.deadlines.generate_timeout_s:g} s",
                  kill=True)
-        elif (isinstance(exc, RemoteError) and exc.remote_type == "SamplerTimeoutError"
-              and m.pump_failures < PUMP_RETRIES):
+        elif isinstance(exc, RemoteError) and isinstance(exc, SamplerTimeoutError) and m.pump_failures < PUMP_RETRIES:
             m.pump_failures += 1  # it waited too long for good weights: pumped again after the next sync
             self.membership.dirty = True
         else:

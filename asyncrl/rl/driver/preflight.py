@@ -79,7 +79,7 @@ def _check_viewers(observe: Any) -> None:
 def resumed_config(default: Any, run_dir: str) -> Any:
     """The config of the run in ``run_dir`` (its config.json over ``default``'s tree), once
     ``run_dir`` is found to be a run's directory."""
-    from asyncrl.rl.checkpoint import load_run_config
+    from asyncrl.rl.config.stored import load_run_config
 
     _check_is_run(run_dir)
     return load_run_config(default, run_dir)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import json
 import os
 import signal
 import threading
@@ -24,7 +23,8 @@ from typing import Any
 from asyncrl.errors import ActionableError, first_line, one_line
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints, write_reason
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.config.parse import ConfigError, config_to_dict
+from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.config.stored import write_run_config
 from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import plan_devices
@@ -85,8 +85,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         """The run is known to start (fresh) or to resume (the trainer loaded the checkpoint):
         only now is the run directory changed (a refused or failed resume leaves it as it was)."""
         nonlocal committed
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(config_to_dict(config), f, indent=2, default=str)
+        write_run_config(config, run_dir)
         committed = True
         console.open(f"resumed from {checkpoint.name}" if checkpoint is not None else "new run")
 

@@ -37,6 +37,7 @@ from typing import Any
 from asyncrl.errors import ActionableError, first_line
 from asyncrl.rl.driver.membership import Member, MemberState
 from asyncrl.rl.driver.pool import SamplerPool
+from asyncrl.runtime.state import ActorState
 
 STOP_S = 60.0
 """How long `Scaler.close` waits for the stops of drained samplers and the starts it cancelled."""
@@ -74,7 +75,7 @@ def least_loaded_node(nodes: list[Any], actors: list[Any], prefix: str = "sample
     joined an elastic cluster mid-run takes the new samplers."""
     load = {n.rank: 0 for n in nodes if n.state == "joined"}
     for a in actors:
-        if a.name.startswith(prefix) and str(a.state) not in ("dead", "stopped") and a.node in load:
+        if a.name.startswith(prefix) and not ActorState(a.state).final and a.node in load:
             load[a.node] += 1
     return min(load, key=lambda rank: (load[rank], rank)) if load else 0
 
@@ -181,7 +182,7 @@ class Scaler:
                 continue
             del self.starting[index]
             handle = None if task.cancelled() or task.exception() is not None else task.result()
-            if handle is not None and handle.info().state not in ("dead", "stopped"):
+            if handle is not None and not handle.info().state.final:
                 self.pool.membership.add(handle, self.seed_of(index))
                 continue
             why = (first_line(task.exception()) if not task.cancelled() and task.exception() is not None

@@ -37,13 +37,12 @@ PROBE_S = 5.0
 in milliseconds: its event loop is free while it generates on a worker thread)."""
 WIRE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 """The dtypes a sync may be sent in, by name (a sampler reports its own)."""
-_PEER_FAILURES = frozenset(cls.__name__ for cls in PEER_FAILURE_ERRORS)
 
 
 def suffered_from_peer(exc: BaseException) -> bool:
     """True if ``exc`` is a remote data-plane error that a member raises when a peer fails: the
     member is a victim of the failure, not its cause."""
-    return isinstance(exc, RemoteError) and exc.remote_type in _PEER_FAILURES
+    return isinstance(exc, RemoteError) and isinstance(exc, PEER_FAILURE_ERRORS)
 
 
 def wire_dtype(sampler_dtypes: list[str]) -> str:

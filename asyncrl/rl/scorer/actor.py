@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from asyncrl.errors import ActionableError, crosses_processes
+from asyncrl.errors import ActionableError
 from asyncrl.rl.model.policy import load_policy
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.scorer.reward import RewardModelError, load_reward_model, sequence_rewards
@@ -32,7 +32,6 @@ from asyncrl.runtime.actor import Actor, endpoint
 from asyncrl.runtime.startup import start_phase
 
 
-@crosses_processes
 class ScorerError(ActionableError):
     """A request the scorer refuses (token ids outside the teacher's vocabulary) or a pass that
     failed; the message names which."""

@@ -24,7 +24,7 @@ import torch
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import SyncStats, WeightSender
-from asyncrl.errors import ActionableError, crosses_processes
+from asyncrl.errors import ActionableError
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
@@ -45,10 +45,9 @@ ADAPTER_DIR = "adapter"
 beside the merged checkpoint."""
 
 
-@crosses_processes
 class TrainerMemoryError(ActionableError):
     """A micro-batch did not fit in the trainer's device memory; the message names the settings
-    that make it fit. It reaches the driver as itself (`crosses_processes`)."""
+    that make it fit. It reaches the driver as itself (`AsyncrlError`)."""
 
 
 class TrainerActor(RankMember, SyncMember):
@@ -405,7 +404,7 @@ class TrainerActor(RankMember, SyncMember):
         return await asyncio.to_thread(self._save, os.path.abspath(path), dict(extra_files))
 
     def _save(self, final: str, extra_files: dict[str, str], state_dict: dict[str, torch.Tensor] | None = None) -> str:
-        from asyncrl.rl.checkpoint import staged_dir
+        from asyncrl.runtime.files import staged_dir
         from asyncrl.rl.trainer.checkpoint import write_errors
 
         with write_errors("the policy", final):

@@ -26,13 +26,10 @@ from asyncrl.rl.checkpoint import (
     CheckpointWriteError,
     checkpoints_dir,
     list_checkpoints,
-    remove_debris,
-    remove_dir,
-    staged_dir,
-    write_bytes,
     write_manifest,
     write_reason,
 )
+from asyncrl.runtime.files import remove_debris, remove_dir, staged_dir, write_bytes
 
 STALL_ENV = "ASYNCRL_TEST_STALL_CHECKPOINT_STEP"
 """Test-only: the trainer stalls (60 s) while writing the checkpoint of this step, after the model

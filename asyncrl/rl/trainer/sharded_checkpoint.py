@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.errors import AsyncrlError
-from asyncrl.rl.checkpoint import (ASIDE_PREFIX, PREFIX, RUN_STATE, TRAINER_JSON, TRAINER_TENSORS, Checkpoint, checkpoints_dir,
-                                   fsync_path, remove_debris, write_bytes, write_manifest)
-from asyncrl.rl.checkpoint import _fsync_tree, replace_dir  # the same flush and rename as a single-rank checkpoint's
+from asyncrl.rl.checkpoint import (PREFIX, RUN_STATE, TRAINER_JSON, TRAINER_TENSORS, Checkpoint, checkpoints_dir,
+                                   write_manifest)
+from asyncrl.runtime.files import (  # the same flush and rename as a single-rank checkpoint's
+    ASIDE_PREFIX, fsync_path, fsync_tree, remove_debris, replace_dir, write_bytes)
 from asyncrl.rl.trainer.checkpoint import prune, restore_rngs_and_steps, write_failure
 
 DCP_DIR, RNG_DIR = "dcp", "rng"
@@ -95,7 +96,7 @@ def write_sharded_checkpoint(rank: int, world_size: int, run_dir: str, step: int
         if rank != 0:
             return ""
         write_manifest(tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         aside = os.path.join(os.path.dirname(final), ASIDE_PREFIX + os.path.basename(final))
         replace_dir(tmp, final, aside)
         shutil.rmtree(aside, ignore_errors=True)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError, WeightSyncError
+from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError
 from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerError, SamplerSyncStats, WeightSink
 from asyncrl.runtime.timeouts import timeout
@@ -36,8 +36,11 @@ class EngineBackend(Protocol):
     async def resume(self) -> None: ...
 
 
-class EngineWeightSyncError(WeightSyncError):
-    """The vLLM worker failed a weight-sync control call (join, set-up, receive); says which and why."""
+class EngineWeightSyncError(SamplerError):
+    """The vLLM worker failed a weight-sync control call (join, set-up, receive) by itself (no
+    data-plane error of a peer's making): says which and why. A `SamplerError`, not a
+    `WeightSyncError`: the driver, which catches the data plane's errors by type, loses this
+    sampler rather than counting it a victim of a peer (`driver/sync_group.suffered_from_peer`)."""
 
 
 def comm_error(name: str) -> type[Exception]:
