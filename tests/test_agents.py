@@ -264,3 +264,60 @@ def test_an_async_function_is_an_agent_task_and_a_sync_one_is_refused(tmp_path):
     assert issubclass(cls, FunctionAgent) and cls.task_name() == "my_agent"
     with pytest.raises(TaskLoadError, match="nor an agent"):
         task_class(f"{path}:not_async")
+
+
+AGENT_FILE = '''
+async def agent(problem, client):
+    """Two turns in its own message list; the reward: letters in the second answer."""
+    messages = [{"role": "user", "content": problem["question"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "again"}]
+    second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return float(second.choices[0].message.content.count("a"))
+'''
+
+
+async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(letters, tmp_path):
+    """The sampler actor in its own process: an agent named FILE.py:function, problems from a data
+    file, groups of its two-turn episodes as the trainer gets them; its root endpoint for others."""
+    from asyncrl import Supervisor
+    from asyncrl.rl.config.run import DataConfig
+    from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.rollout import validate_group
+    from asyncrl.rl.sampler.actor import SamplerActor
+    from asyncrl.rl.tasks.loading import TaskSpec
+
+    from sampler_support import ONE_THREAD
+
+    (tmp_path / "my_agent.py").write_text(AGENT_FILE)
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"question": f"question {i}"}) + "\n")
+    path = letters[0].name_or_path
+    spec = TaskSpec(f"{tmp_path}/my_agent.py:agent", data=str(tmp_path / "rows.jsonl"), score_timeout_s=60.0)
+    async with Supervisor(call_timeout_s=60) as sup:
+        sampler = await sup.spawn(SamplerActor, path, SamplerConfig(group_size=2, prompts_per_batch=2,
+                                                                    max_new_tokens=MAX_NEW, backend="hf"),
+                                  name="smp", kwargs=dict(task=spec, data=DataConfig(n_train=8, n_heldout=2)),
+                                  env=ONE_THREAD)
+        groups = [g async for g in sampler.rollouts(2)]
+        served = await sampler.openai_endpoint()
+        async with openai.AsyncOpenAI(base_url=served["base_url"], api_key=served["token"], max_retries=0) as client:
+            answer = await client.chat.completions.create(model="policy", max_tokens=2,
+                                                          messages=[{"role": "user", "content": "hi"}])
+        stats = await sampler.stats()
+    assert served["base_url"].startswith("http://127.0.0.1:") and len(answer.choices[0].message.content) == 2
+    assert len(groups) == 2 and stats["completions"] == 2 * 2 * 2 + 1  # 2 problems x 2 episodes x 2 calls, + 1
+    tok = letters[1]
+    for group in groups:
+        validate_group(group)
+        assert group.group_size == 2 and group.version == 0
+        assert tok.decode(group.prompt_ids).startswith("<|im_start|>user\nquestion ")
+        for ids, mask, lps, reward in zip(group.completion_ids, group.action_mask, group.behaviour_logprobs,
+                                          group.rewards):
+            assert sum(mask) == 3 + 4  # both turns' tokens are actions: the second extended the first
+            second = tok.decode([t for t, m in zip(ids, mask) if m][3:])
+            assert reward == second.count("a")
+            assert all((lp < 0) == bool(m) for lp, m in zip(lps, mask))
+            assert tok.decode(group.prompt_ids + ids).count("<|im_start|>assistant\n") == 2
