@@ -321,3 +321,24 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
             assert reward == second.count("a")
             assert all((lp < 0) == bool(m) for lp, m in zip(lps, mask))
             assert tok.decode(group.prompt_ids + ids).count("<|im_start|>assistant\n") == 2
+
+
+def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
+    """The trainer's solve rate of an agent: its episodes against an endpoint over the model's own
+    ``generate``, greedy (the same question answered twice alike), failures scoring 0."""
+    from asyncrl.rl.model.evaluation import solve_rate
+    from asyncrl.rl.tasks.base import Score
+
+    async def agent(problem, client):
+        texts = []
+        for _ in range(2):
+            answer = await client.chat.completions.create(model="policy", max_tokens=5,
+                                                          messages=[{"role": "user", "content": problem}])
+            texts.append(answer.choices[0].message.content)
+        if problem == "raise":
+            raise ValueError("no")
+        return Score(1.0, correct=texts[0] == texts[1] and texts[0].isalpha())
+
+    model, tok, fmt = letters
+    task = FunctionAgent.of(agent)()
+    assert solve_rate(model, tok, fmt, ["one", "two", "raise"], task=task, greedy=True, max_new_tokens=8) == 2 / 3

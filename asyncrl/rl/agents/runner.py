@@ -46,13 +46,19 @@ class AgentRunner:
 
     async def run(self, problems: list[Any], n: int) -> list[AgentGroup | None]:
         """``n`` episodes per problem, all at once; per problem its group (None: no model call)."""
+        episodes = await self.episodes(problems, n)
+        return [_group([(s, o) for samples, o in episodes[i * n:(i + 1) * n] for s in samples])
+                for i in range(len(problems))]
+
+    async def episodes(self, problems: list[Any], n: int) -> list[tuple[list[AgentSample], Outcome]]:
+        """``n`` episodes per problem, all at once, problem-major: each one's samples and outcome
+        (its `Score` as ``value`` unless ``error``)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, not {n}")
-        episodes = await asyncio.gather(*(self.episode(p) for p in problems for _ in range(n)))
-        return [_group([s for e in episodes[i * n:(i + 1) * n] for s in e]) for i in range(len(problems))]
+        return list(await asyncio.gather(*(self.episode(p) for p in problems for _ in range(n))))
 
-    async def episode(self, problem: Any) -> list[tuple[AgentSample, Outcome]]:
-        """One episode: its samples, each with the episode's outcome."""
+    async def episode(self, problem: Any) -> tuple[list[AgentSample], Outcome]:
+        """One episode: its samples and its outcome."""
         import openai  # the agents extra; imported where an agent runs, not where a sampler starts
 
         session = self.server.open_session()
@@ -64,7 +70,7 @@ class AgentRunner:
         finally:
             self.server.close_session(session.key)
             await client.close()
-        return [(sample, outcome) for sample in assemble(session.calls)]
+        return assemble(session.calls), outcome
 
 
 def _group(episodes: list[tuple[AgentSample, Outcome]]) -> AgentGroup | None:
