@@ -342,3 +342,27 @@ def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
     model, tok, fmt = letters
     task = FunctionAgent.of(agent)()
     assert solve_rate(model, tok, fmt, ["one", "two", "raise"], task=task, greedy=True, max_new_tokens=8) == 2 / 3
+
+
+async def test_the_example_agents_run_against_the_endpoint(endpoint):
+    """examples/agent_calculator.py (tools) and examples/agent_guess.py (its own message list), as
+    a run loads them; the letters model never calls a tool nor names a number, so both score 0
+    after using every turn they allow."""
+    from asyncrl.rl.tasks.loading import TaskSpec, load_task
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    calc = load_task(TaskSpec(f"{examples}/agent_calculator.py:CalculatorAgent"))
+    guess = load_task(TaskSpec(f"{examples}/agent_guess.py:guess_number",
+                               data=f"{examples}/data/guess_numbers.jsonl"))
+    calls = UserCalls("examples", timeout_s=60.0, max_failure_rate=0.0)
+    [calc_group] = await AgentRunner(calc, endpoint.server, calls).run(calc.problems()[:1], 1)
+    [guess_group] = await AgentRunner(guess, endpoint.server, calls).run(guess.data[:1], 1)
+    assert calls.failures == 0
+    [sample] = calc_group.samples
+    assert (sample.reward, sample.metrics) == (0.0, {"calls": 1.0, "tool_used": 0.0, "tool_used_correctly": 0.0})
+    assert "calculator" in endpoint.tokenizer.decode(calc_group.prompt_ids)  # the tool, as the template lists it
+    [sample] = guess_group.samples  # five guesses, one conversation: one sample
+    assert (sample.reward, sample.metrics["calls"], sample.metrics["guesses"]) == (0.0, 5.0, 5.0)
+    assert "Give a number." in endpoint.tokenizer.decode([t for t, m in zip(sample.token_ids, sample.action_mask)
+                                                          if not m])
+    calls.close()
