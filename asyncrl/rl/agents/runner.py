@@ -59,11 +59,8 @@ class AgentRunner:
 
     async def episode(self, problem: Any) -> tuple[list[AgentSample], Outcome]:
         """One episode: its samples and its outcome."""
-        import openai  # the agents extra; imported where an agent runs, not where a sampler starts
-
         session = self.server.open_session()
-        client = openai.AsyncOpenAI(base_url=self.server.base_url(session.key), api_key=self.server.token,
-                                    max_retries=0, timeout=self.server.request_timeout_s + 10)
+        client = self.server.client(session.key)
         try:
             convert = partial(as_score, correct_reward=self.agent.correct_reward)
             outcome = await self.calls.call(self.agent.run, problem, client, what="agent", convert=convert)

@@ -151,6 +151,17 @@ class OpenAIServer:
         """The ``base_url`` to give an OpenAI client: the root, or a session's."""
         return f"http://{self.host}:{self.port}" + (f"/s/{session}" if session else "") + "/v1"
 
+    def client(self, session: str = "") -> Any:
+        """An ``openai.AsyncOpenAI`` for a session (or the root), with this endpoint's token and no
+        retries (a failed call is the agent's to handle). Its own HTTP client, made without loading
+        the system's CA certificates (``verify=False``): the endpoint is plain HTTP on a local
+        address, so there is nothing to verify, and loading them costs ~60 ms a client."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url(session), api_key=self.token, max_retries=0,
+                                  timeout=self.request_timeout_s + 10,
+                                  http_client=openai.DefaultAsyncHttpxClient(verify=False))
+
     # --- sessions ---------------------------------------------------------------------------------
 
     def open_session(self) -> Session:
@@ -345,6 +356,11 @@ class _Batcher:
     sampling. A seeded request goes alone: a backend seeds each row by its place in the call, so
     its tokens then depend on its own seed only."""
 
+    GATHER_S = 0.005
+    """How long the first request of an idle batcher waits for the others of its round: the
+    episodes of a batch send their requests within a few milliseconds of each other, and a call
+    started on the first alone would leave the rest waiting a whole generation for the next one."""
+
     def __init__(self, generate: Generate, batch: bool):
         self._generate, self._batch = generate, batch
         self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
@@ -364,6 +380,7 @@ class _Batcher:
         return await future
 
     async def _work(self) -> None:
+        await asyncio.sleep(self.GATHER_S)
         while self._pending:
             head = self._pending[0][1]
             same = [p for p in self._pending if p[1] == head and head.seed is None] or [self._pending[0]]
