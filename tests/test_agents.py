@@ -366,3 +366,16 @@ async def test_the_example_agents_run_against_the_endpoint(endpoint):
     assert "Give a number." in endpoint.tokenizer.decode([t for t, m in zip(sample.token_ids, sample.action_mask)
                                                           if not m])
     calls.close()
+
+
+async def test_the_agent_in_docs_agents_md_runs(endpoint, tmp_path):
+    """The ~30-line agent of docs/agents.md, as written there, loaded by its --task.name spelling."""
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "agents.md")
+    code = open(docs).read().split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_agent.py").write_text(code)
+    agent = task_class(f"{tmp_path}/my_agent.py:my_agent")()
+    calls = UserCalls("docs", timeout_s=60.0, max_failure_rate=0.0)
+    [group] = await AgentRunner(agent, endpoint.server, calls).run([{"question": "2 + 3?", "answer": 5}], 2)
+    assert calls.failures == 0 and [s.reward for s in group.samples] == [0.0, 0.0]  # letters are no answer
+    assert "calculator" in endpoint.tokenizer.decode(group.prompt_ids)
+    calls.close()

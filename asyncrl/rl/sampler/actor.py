@@ -8,6 +8,11 @@ the `EpisodeRunner` (``tasks/episodes.py``), its score and step calls under dead
 (`UserCalls`): a failing call scores 0 and is counted, and too many failures end the stream with
 a `TaskFailureError`, which stops the run instead of restarting the sampler.
 
+An `Agent` task (the user's code talking to the policy through the OpenAI API, docs/agents.md)
+runs through an `AgentRunner` instead: the actor serves an `OpenAIServer` (``rl/agents/``) over
+its own generation, each episode in a session of its own, and its groups are assembled from the
+token ids the sessions recorded. `openai_endpoint` serves the same endpoint to anyone with its token.
+
 It generates with a `SamplerBackend` (``backend.py``) that `make_backend` (``factory.py``) picks
 and builds: `HFBackend` (``hf.py``) or `VLLMBackend` (``vllm/backend.py``). The trainer's weights
 reach the backend through its `WeightSink`: the actor's weight-sync endpoints forward to it
