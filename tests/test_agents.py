@@ -379,3 +379,27 @@ async def test_the_agent_in_docs_agents_md_runs(endpoint, tmp_path):
     assert calls.failures == 0 and [s.reward for s in group.samples] == [0.0, 0.0]  # letters are no answer
     assert "calculator" in endpoint.tokenizer.decode(group.prompt_ids)
     calls.close()
+
+
+async def test_a_session_answers_429_past_its_model_calls(letters):
+    e = Endpoint(letters, max_calls=2)
+    await e.server.start()
+    session = e.server.open_session()
+    try:
+        async with e.client(session.key) as client:
+            for _ in range(2):
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=1)
+            with pytest.raises(openai.RateLimitError, match="its 2 model calls"):
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        await e.server.close()
+        e.backend.close()
+    assert len(session.calls) == 2
+
+
+def test_an_agent_run_needs_the_agents_extra():
+    from asyncrl.rl.driver.preflight import AGENT_MODULES, missing_modules
+
+    assert missing_modules(AGENT_MODULES) == []  # installed here
+    assert missing_modules(("aiohttp", "no_such_module_xyz")) == ["no_such_module_xyz"]
