@@ -74,7 +74,6 @@ def write_letters_tiny(path: str) -> str:
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     model.config.tie_word_embeddings = False
-    hidden = model.config.hidden_size
     letters = tok.convert_tokens_to_ids(list("abcdefghijklmnopqrstuvwxyz"))
     with torch.no_grad():
         embed = model.get_input_embeddings().weight

@@ -16,7 +16,8 @@ import torch
 
 from asyncrl.rl.agents.chat import parse_tool_calls, render_chat
 from asyncrl.rl.agents.runner import AgentRunner
-from asyncrl.rl.agents.server import OpenAIServer, chat_answer
+from asyncrl.rl.agents.server import OpenAIServer
+from asyncrl.rl.agents.wire import chat_answer
 from asyncrl.rl.agents.session import SessionCall, assemble
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.sampler.hf import HFBackend

@@ -23,33 +23,27 @@ loop or thread to hand requests across, as uvicorn would want) and starts and st
 ``AppRunner`` we own; FastAPI would add starlette, pydantic and uvicorn for a handful of routes.
 It ships in the ``agents`` extra (``pip install 'asyncrl[agents]'``), with ``openai`` for agents.
 
-Batching: the HF backend runs one batch at a time, so concurrent requests (the episodes of a
-batch) are gathered into one ``generate`` call (`_Batcher`): whatever arrived while the previous
-call ran goes into the next. vLLM batches concurrent calls itself and gets each at once.
+Requests reach the sampler's ``generate`` through a `RequestBatcher` (``batcher.py``); the request
+bodies and the answer are ``wire.py``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from asyncrl.errors import AsyncrlError
-from asyncrl.rl.generation import Completion, SamplingParams
-from asyncrl.rl.agents.chat import ChatRequestError, parse_tool_calls, render_chat
+from asyncrl.rl.agents.batcher import EndpointClosedError, Generate, RequestBatcher
+from asyncrl.rl.agents.chat import ChatRequestError, render_chat
 from asyncrl.rl.agents.session import Session, SessionCall
+from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, chat_answer, usage
+from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.runtime.timeouts import timeout
 
-MODEL_NAME = "policy"
-"""The name ``/v1/models`` gives the sampler's policy."""
-
-Generate = Callable[[list[list[int]], int, SamplingParams], Awaitable[tuple[int, list[list[Completion]]]]]
-"""``generate(prompts, n, params) -> (weight version, completions per prompt)``: the sampler's."""
 
 
 class EndpointError(AsyncrlError):
@@ -62,35 +56,6 @@ class _Refused(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.kind = status, kind
-
-
-class ChatRequest(msgspec.Struct, kw_only=True):
-    messages: list[dict[str, Any]]
-    model: str = ""
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: bool | None = None
-    stream: bool = False
-
-
-class CompletionRequest(msgspec.Struct, kw_only=True):
-    prompt: str | list[int]
-    model: str = ""
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: int | None = None
-    stream: bool = False
 
 
 class OpenAIServer:
@@ -110,10 +75,8 @@ class OpenAIServer:
         self.host, self.port = host, port
         self.request_timeout_s, self.max_calls, self.max_body_bytes = request_timeout_s, max_calls, max_body_bytes
         self.sessions: dict[str, Session] = {}
-        self._batcher = _Batcher(generate, batch)
+        self._batcher = RequestBatcher(generate, batch)
         self._runner = None
-        self.requests = 0
-        """Requests answered with a completion, since start."""
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -137,7 +100,7 @@ class OpenAIServer:
             await runner.cleanup()
             raise EndpointError(f"the OpenAI endpoint cannot listen on {self.host}:{self.port}: {exc}") from None
         self._runner = runner
-        self.port = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS picked
+        self.port = runner.addresses[0][1]  # port 0: the one the OS picked
         return self.base_url()
 
     async def close(self) -> None:
@@ -232,7 +195,7 @@ class OpenAIServer:
             choice["logprobs"] = {"tokens": pieces, "token_logprobs": list(completion.logprobs),
                                   "top_logprobs": None, "text_offset": offsets}
         answer = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                  "model": body.model or MODEL_NAME, "choices": [choice], "usage": _usage(len(prompt), completion)}
+                  "model": body.model or MODEL_NAME, "choices": [choice], "usage": usage(len(prompt), completion)}
         if body.stream:
             from aiohttp import web
 
@@ -315,8 +278,8 @@ class OpenAIServer:
         except TimeoutError:
             raise _Refused(504, f"the sampler generated nothing for this request within {self.request_timeout_s:g} s",
                            "timeout") from None
-        except _Refused:
-            raise
+        except EndpointClosedError as exc:
+            raise _Refused(503, str(exc), "server_error") from None
         except Exception as exc:  # the backend closed or failed: the agent sees it as a server error
             raise _Refused(503, f"the sampler cannot generate now: {type(exc).__name__}: {exc}", "server_error") from None
         finally:
@@ -325,89 +288,10 @@ class OpenAIServer:
         if session is not None:
             session.record(SessionCall(prompt, list(completion.token_ids), list(completion.logprobs), version,
                                        completion.finish_reason))
-        self.requests += 1
         return completion
 
     def _pieces(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
-
-
-def chat_answer(completion: Completion, prompt_tokens: int, *, tools: bool, model: str = "",
-                pieces: list[str] | None = None) -> dict[str, Any]:
-    """The ``chat.completion`` object of ``completion``: its text as content, or where the request
-    offered ``tools``, the ``<tool_call>`` blocks in it as ``tool_calls`` (finish reason
-    "tool_calls") and the rest as content; ``pieces``: each token's text, to answer ``logprobs``."""
-    content, calls = parse_tool_calls(completion.text) if tools else (completion.text, [])
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-    if calls:
-        message["tool_calls"] = calls
-    choice: dict[str, Any] = {"index": 0, "message": message,
-                              "finish_reason": "tool_calls" if calls else completion.finish_reason}
-    if pieces is not None:
-        choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                          for t, lp in zip(pieces, completion.logprobs)]}
-    return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-            "model": model or MODEL_NAME, "choices": [choice], "usage": _usage(prompt_tokens, completion)}
-
-
-class _Batcher:
-    """Hands requests to ``generate``: each at once (``batch`` False), or gathered: one call at a
-    time, with every request that arrived while the previous one ran and asks for the same
-    sampling. A seeded request goes alone: a backend seeds each row by its place in the call, so
-    its tokens then depend on its own seed only."""
-
-    GATHER_S = 0.005
-    """How long the first request of an idle batcher waits for the others of its round: the
-    episodes of a batch send their requests within a few milliseconds of each other, and a call
-    started on the first alone would leave the rest waiting a whole generation for the next one."""
-
-    def __init__(self, generate: Generate, batch: bool):
-        self._generate, self._batch = generate, batch
-        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-        self._closed = False
-
-    async def submit(self, prompt: list[int], params: SamplingParams) -> tuple[int, Completion]:
-        if self._closed:
-            raise _Refused(503, "the endpoint is closing", "server_error")
-        if not self._batch:
-            version, groups = await self._generate([prompt], 1, params)
-            return version, groups[0][0]
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((prompt, params, future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.ensure_future(self._work())
-        return await future
-
-    async def _work(self) -> None:
-        await asyncio.sleep(self.GATHER_S)
-        while self._pending:
-            head = self._pending[0][1]
-            same = [p for p in self._pending if p[1] == head and head.seed is None] or [self._pending[0]]
-            taken = {id(p) for p in same}
-            self._pending = [p for p in self._pending if id(p) not in taken]
-            live = [p for p in same if not p[2].done()]  # a request whose caller went away is not generated
-            if not live:
-                continue
-            try:
-                version, groups = await self._generate([p[0] for p in live], 1, head)
-            except Exception as exc:
-                for _, _, future in live:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            for (_, _, future), group in zip(live, groups):
-                if not future.done():
-                    future.set_result((version, group[0]))
-
-    def close(self) -> None:
-        self._closed = True
-        if self._worker is not None:
-            self._worker.cancel()
-        for _, _, future in self._pending:
-            if not future.done():
-                future.set_exception(_Refused(503, "the endpoint closed", "server_error"))
-        self._pending = []
 
 
 async def _decode(request, kind: type) -> Any:
@@ -416,11 +300,6 @@ async def _decode(request, kind: type) -> Any:
         return msgspec.json.decode(raw, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise _Refused(400, f"bad request body: {exc}") from None
-
-
-def _usage(prompt_tokens: int, completion: Completion) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(completion.token_ids),
-            "total_tokens": prompt_tokens + len(completion.token_ids)}
 
 
 def _json(value: dict, status: int = 200):
