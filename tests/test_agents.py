@@ -404,3 +404,27 @@ def test_an_agent_run_needs_the_agents_extra():
 
     assert missing_modules(AGENT_MODULES) == []  # installed here
     assert missing_modules(("aiohttp", "no_such_module_xyz")) == ["no_such_module_xyz"]
+
+
+@pytest.mark.parametrize("batch", [True, False])
+async def test_closing_answers_a_request_in_flight_at_once(letters, batch):
+    """A sampler that stops while an agent's request waits for generation (here: the backend
+    paused, as for a weight sync): the request is answered 503 and the close returns, both at once."""
+    e = Endpoint(letters, batch=batch)
+    await e.server.start()
+    await e.backend.pause()
+    try:
+        async with e.client() as client:
+            asking = asyncio.ensure_future(client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+            await asyncio.sleep(0.5)
+            assert not asking.done()
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await asyncio.wait_for(e.server.close(), 10)
+            with pytest.raises((openai.InternalServerError, openai.APIConnectionError)):
+                await asyncio.wait_for(asking, 10)
+            assert loop.time() - start < 5
+    finally:
+        await e.server.close()
+        e.backend.close()

@@ -36,20 +36,56 @@ class RequestBatcher:
     def __init__(self, generate: Generate, batch: bool):
         self._generate, self._batch = generate, batch
         self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._waiting: set[asyncio.Future] = set()  # every request not answered yet: close() answers them
+        self._tasks: set[asyncio.Task] = set()  # the worker and the direct calls: close() cancels them
         self._worker: asyncio.Task | None = None
         self._closed = False
 
     async def submit(self, prompt: list[int], params: SamplingParams) -> tuple[int, Completion]:
+        """The weight version and completion of ``prompt``; `EndpointClosedError` once closed,
+        what ``generate`` raises otherwise. A caller that goes away stops its direct call (vLLM
+        aborts its request); a gathered call goes on for the others in it."""
         if self._closed:
             raise EndpointClosedError("the endpoint is closing")
-        if not self._batch:
-            version, groups = await self._generate([prompt], 1, params)
-            return version, groups[0][0]
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((prompt, params, future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.ensure_future(self._work())
-        return await future
+        self._waiting.add(future)
+        direct = None
+        try:
+            if not self._batch:
+                direct = self._start(self._direct(prompt, params, future))
+            else:
+                self._pending.append((prompt, params, future))
+                if self._worker is None or self._worker.done():
+                    self._worker = self._start(self._work())
+            return await future
+        finally:
+            self._waiting.discard(future)
+            if direct is not None and not future.done():
+                direct.cancel()
+
+    def close(self) -> None:
+        """Answer every request waiting with `EndpointClosedError` and stop the calls under way. Idempotent."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for future in list(self._waiting):
+            if not future.done():
+                future.set_exception(EndpointClosedError("the endpoint closed before this request was generated"))
+        self._pending = []
+
+    def _start(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _direct(self, prompt: list[int], params: SamplingParams, future: asyncio.Future) -> None:
+        try:
+            version, groups = await self._generate([prompt], 1, params)
+        except Exception as exc:
+            _settle(future, exc=exc)
+        else:
+            _settle(future, (version, groups[0][0]))
 
     async def _work(self) -> None:
         await asyncio.sleep(self.GATHER_S)
@@ -65,18 +101,16 @@ class RequestBatcher:
                 version, groups = await self._generate([p[0] for p in live], 1, head)
             except Exception as exc:
                 for _, _, future in live:
-                    if not future.done():
-                        future.set_exception(exc)
+                    _settle(future, exc=exc)
                 continue
             for (_, _, future), group in zip(live, groups):
-                if not future.done():
-                    future.set_result((version, group[0]))
+                _settle(future, (version, group[0]))
 
-    def close(self) -> None:
-        self._closed = True
-        if self._worker is not None:
-            self._worker.cancel()
-        for _, _, future in self._pending:
-            if not future.done():
-                future.set_exception(EndpointClosedError("the endpoint closed"))
-        self._pending = []
+
+def _settle(future: asyncio.Future, value: object = None, exc: BaseException | None = None) -> None:
+    if future.done():  # its caller went away, or close() answered it
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)

@@ -46,6 +46,10 @@ from asyncrl.runtime.timeouts import timeout
 
 
 
+SHUTDOWN_S = 5.0
+"""How long `OpenAIServer.close` lets requests still being answered finish (aiohttp's default: 60 s)."""
+
+
 class EndpointError(AsyncrlError):
     """The endpoint cannot start (aiohttp missing, the address taken); the message says how to fix it."""
 
@@ -91,7 +95,7 @@ class OpenAIServer:
             app.router.add_get(prefix + "/v1/models", self._models)
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completions)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_S)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, reuse_address=False)
         try:
@@ -104,11 +108,12 @@ class OpenAIServer:
         return self.base_url()
 
     async def close(self) -> None:
-        """Stop serving; requests under way are answered 503 or dropped. Idempotent."""
+        """Stop serving: requests waiting for generation are answered 503 at once, then the
+        listener closes (its handlers given `SHUTDOWN_S` to finish). Idempotent."""
+        self._batcher.close()
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-        self._batcher.close()
 
     def base_url(self, session: str = "") -> str:
         """The ``base_url`` to give an OpenAI client: the root, or a session's."""
