@@ -75,7 +75,9 @@ async def _agent_solve_rate(task: Agent, problems: list, n: int, params: Samplin
     from asyncrl.rl.agents.server import OpenAIServer
 
     async def versioned(prompts, k, p):
-        return 0, await generate(prompts, k, p)
+        # model.generate blocks: on a thread of its own (one at a time: the endpoint gathers
+        # requests into one call), so the loop keeps accepting and answering the agents.
+        return 0, await asyncio.to_thread(lambda: asyncio.run(generate(prompts, k, p)))
 
     server = OpenAIServer(versioned, tokenizer, params, max_context=max_context, max_calls=task.max_calls)
     await server.start()
