@@ -12,7 +12,7 @@ import asyncrl
 ROOT = os.path.dirname(asyncrl.__file__)
 
 SHARED_RL = {"asyncrl.rl.config", "asyncrl.rl.generation", "asyncrl.rl.tasks", "asyncrl.rl.model",
-             "asyncrl.rl.rollout", "asyncrl.rl.checkpoint", "asyncrl.rl.digest"}
+             "asyncrl.rl.rollout", "asyncrl.rl.checkpoint", "asyncrl.rl.digest", "asyncrl.rl.agents"}
 MAY_IMPORT = {
     # the generic layers know nothing of RL
     "asyncrl.errors": set(),
@@ -23,12 +23,14 @@ MAY_IMPORT = {
     "asyncrl.rl.generation": set(),
     "asyncrl.rl.tasks": {"asyncrl.errors", "asyncrl.rl.config", "asyncrl.rl.generation"},
     "asyncrl.rl.rollout": {"asyncrl.errors"},
+    # the OpenAI endpoint agents talk to, over any generation function (a sampler's, the evaluation's)
+    "asyncrl.rl.agents": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.generation", "asyncrl.rl.tasks"},
     "asyncrl.rl.digest": set(),
     # views drawn from a run directory alone (curves.png, sparklines): the driver's and the CLI's
     "asyncrl.rl.view": {"asyncrl.errors"},
     "asyncrl.rl.checkpoint": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config"},
     "asyncrl.rl.model": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.generation",
-                         "asyncrl.rl.tasks"},
+                         "asyncrl.rl.tasks", "asyncrl.rl.agents"},
     # the two actors never import each other, nor the driver
     "asyncrl.rl.trainer": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
     "asyncrl.rl.sampler": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},

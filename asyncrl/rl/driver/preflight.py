@@ -18,6 +18,7 @@ in code.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shlex
@@ -27,6 +28,7 @@ from typing import Any
 
 from asyncrl.rl.config.grpo import check_heldout_unseen  # noqa: F401 (callers' name for GRPOConfig's rule)
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task, TaskError
 
 RUN_MARKERS = ("config.json", "metrics.jsonl", "progress.json", "summary.json", "checkpoints")
@@ -147,9 +149,24 @@ def check_task(config: Any) -> None:
     except Exception as exc:  # the user's problems(), splits() or demonstration() raised: where, in one line
         raise ConfigError(f"task {spec.name or spec.reward}: building its problems raised "
                           f"{describe_error(exc)}") from None
+    if isinstance(task, Agent):
+        missing = missing_modules(AGENT_MODULES)
+        if missing:
+            raise ConfigError(f"task {task.task_name()} is an agent, which talks to the samplers through the OpenAI "
+                              f"API, and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+                              "pip install 'asyncrl[agents]'")
     if not splits.train or not splits.heldout:
         raise ConfigError(f"task {task.task_name()}: splits({data.data_seed}, {n_train}, {data.n_heldout}) gave "
                           f"{len(splits.train)} train and {len(splits.heldout)} held-out problems: a run needs both")
+
+
+AGENT_MODULES = ("aiohttp", "openai")
+"""What an agent run needs beyond asyncrl's own dependencies (the ``agents`` extra)."""
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that cannot be imported here (looked up, not imported)."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
 
 
 def _check_demonstrations(task: Task, problems: list) -> None:
