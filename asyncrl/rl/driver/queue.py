@@ -71,6 +71,19 @@ class _Wakeup:
             self._futures.discard(future)
         return bool(done)
 
+    async def wait_any(self, others: "tuple[_Wakeup, ...]", timeout_s: float) -> bool:
+        """As `wait`, woken by a notification of this one or of any of ``others``."""
+        future = asyncio.get_running_loop().create_future()
+        wakeups = (self, *others)
+        for w in wakeups:
+            w._futures.add(future)
+        try:
+            done, _ = await asyncio.wait((future,), timeout=timeout_s)
+        finally:
+            for w in wakeups:
+                w._futures.discard(future)
+        return bool(done)
+
     def notify_all(self) -> None:
         for future in self._futures:
             if not future.done():
@@ -124,6 +137,11 @@ class RolloutQueue:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def shrank(self) -> _Wakeup:
+        """Notified whenever groups leave the queue (a batch taken, stale groups dropped)."""
+        return self._not_full
 
     def stats(self) -> RolloutQueueStats:
         return RolloutQueueStats(
