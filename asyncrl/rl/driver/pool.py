@@ -244,6 +244,28 @@ class SamplerPool:
                 "sampler_rejoins": sum(e["event"] == "rejoined" for e in events),
                 "recover_s": recover, **({"events": events} if events else {})}
 
+    def settled_at(self) -> float | None:
+        """When (``time.monotonic``) the group last became settled: formed again, or a lost
+        sampler declared gone; None while a lost sampler's restart is awaited."""
+        return None if self.membership.with_state(MemberState.LOST) else self.membership.settled_at
+
+    async def describe(self, timeout_s: float) -> str:
+        """Each sampler's state in words, with what a sampler in the group is generating now
+        (its own counters, each asked within ``timeout_s``): for the line of a stalled run."""
+        joined = self.membership.with_state(MemberState.JOINED)
+        stats = await asyncio.gather(*(m.handle.with_timeout(timeout_s).stats() for m in joined),
+                                     return_exceptions=True)
+        answers = dict(zip(joined, stats))
+        parts = []
+        for m in self.members:
+            part = f"{m.name} {m.state.shown}"
+            if m in answers:
+                got = answers[m]
+                part += (f", generating {got.get('generating', '?')}" if isinstance(got, dict)
+                         else f", no answer to stats within {timeout_s:g} s ({first_line(got)})")
+            parts.append(part)
+        return "; ".join(parts)
+
     def progress(self) -> dict[str, Any]:
         return {"generation": self.generation, **self.counters,
                 "samplers": {m.name: m.state.shown for m in self.members}}
