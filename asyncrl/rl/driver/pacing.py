@@ -84,7 +84,7 @@ class Pacer:
             while not (granted := self.grant(want)):
                 remaining = deadline - loop.time()
                 # The queue shrinks without a call here when get_batch drops stale groups.
-                if remaining <= 0 or not await self._changed.wait_any((self.queue.shrank,), remaining):
+                if remaining <= 0 or not await self._changed.wait(remaining, self.queue.shrank):
                     raise PacingTimeoutError(
                         f"{who}: no credit for {want} groups within {timeout_s:g} s (version {self.version}, next "
                         f"step {self.next_step}, {len(self.queue)} queued, {self.in_flight} being made)")

@@ -61,18 +61,8 @@ class _Wakeup:
     def __init__(self) -> None:
         self._futures: set[asyncio.Future] = set()
 
-    async def wait(self, timeout_s: float) -> bool:
-        """True if notified, False if ``timeout_s`` passed first."""
-        future = asyncio.get_running_loop().create_future()
-        self._futures.add(future)
-        try:
-            done, _ = await asyncio.wait((future,), timeout=timeout_s)
-        finally:
-            self._futures.discard(future)
-        return bool(done)
-
-    async def wait_any(self, others: "tuple[_Wakeup, ...]", timeout_s: float) -> bool:
-        """As `wait`, woken by a notification of this one or of any of ``others``."""
+    async def wait(self, timeout_s: float, *others: _Wakeup) -> bool:
+        """True if notified (this one, or any of ``others``), False if ``timeout_s`` passed first."""
         future = asyncio.get_running_loop().create_future()
         wakeups = (self, *others)
         for w in wakeups:
