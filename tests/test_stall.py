@@ -78,7 +78,7 @@ async def test_a_stall_is_said_as_the_wait_doubles_and_cleared_when_the_step_end
         await steps(watch, 3, 0.02)
         watch.step_began()  # and this one never ends
         await until(lambda: watch.reason, what="the first report")
-        assert logs == [f"stalled: {watch.reason}"] and 0.3 <= described.calls[0] < 1.0, (logs, described.calls)
+        assert logs == [f"stalled: {watch.reason}"] and 0.3 <= described.calls[0] < 3.0, (logs, described.calls)
         await until(lambda: len(logs) == 3, what="two more reports, at twice and four times the wait")
         first, second, third = described.calls
         assert second >= 2 * first and third >= 2 * second, described.calls
@@ -154,15 +154,15 @@ async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_5
     task = asyncio.ensure_future(driver.stall.run())
     try:
         await steps(driver.stall, 3, 0.05)
+        code, _, body = await asyncio.to_thread(get, base + "/healthz")
+        assert code == 200 and "stalled" not in json.loads(body)  # steps come
         driver.stall.step_began()
         driver.waiting = "batch"
-        code, _, body = await asyncio.to_thread(get, base + "/healthz")
-        assert code == 200 and "stalled" not in json.loads(body)  # not yet: within the limit
         await until(lambda: driver.stall.reason, what="the stall")
         reason = driver.stall.reason
         line = (r"no step for (\d+) s \(recent steps took 0\.\d s; a stall after 1 s\): step 40 waits for "
                 r"2 of 16 groups \(14 queued\); sampler0 in group, generating 0; paced in flight 0")
-        assert re.fullmatch(line, reason) and reason.startswith("no step for 1 s"), reason
+        assert re.fullmatch(line, reason), reason
         assert f"stalled: {reason}" in logs
 
         code, out, err = await status_cli(str(tmp_path))  # the line is said again as the wait doubles
