@@ -65,7 +65,9 @@ async def test_paced_producers_make_nothing_that_is_dropped_and_the_queue_stays_
 
 
 async def test_unpaced_producers_lose_groups_to_staleness():
-    queue, _ = await simulate(paced=False, max_staleness=1)
+    # Producers that take no time at all: with make_s 0.002 a loaded machine's late timers made
+    # them no faster than the trainer, and nothing expired (8 or 24 drops, not > 30, on main).
+    queue, _ = await simulate(paced=False, max_staleness=1, make_s=0.0)
     assert queue.stats().dropped_stale > 30  # the waste pacing removes
 
 
@@ -94,6 +96,38 @@ async def test_a_pump_without_credit_times_out_naming_who_waited():
     with pytest.raises(PacingTimeoutError, match="sampler3: no credit for 4 groups within 0.05 s"):
         await pacer.acquire(8, 0.05, "sampler3")
     assert pacer.in_flight == 0
+
+
+async def test_a_queue_short_of_a_whole_batch_is_given_the_groups_it_lacks():
+    # A lost sampler's half-made batch, or groups left out as uniform, leave 14 of 16 queued with
+    # nothing being made: a pump holding out for a whole batch of 8 (room 2) would wait forever,
+    # and no batch would ever be taken to make room.
+    queue = RolloutQueue(32, 0)
+    pacer = Pacer(queue, 16, 0, version=4, next_step=5)  # the driver waits for step 5's batch
+    for i in range(14):
+        await queue.put(group(4, i), timeout_s=1.0)
+    assert pacer.room() == 2
+    assert await pacer.acquire(8, 1.0, "sampler0") == 2 and pacer.in_flight == 2
+    assert pacer.grant(8) == 0  # the batch is whole once those arrive: the next pump waits for room
+
+
+async def test_a_pump_waiting_for_credit_wakes_when_stale_groups_are_dropped():
+    # get_batch drops stale groups without a word to the pacer: the room they leave must still
+    # wake a pump that waits for credit.
+    queue = RolloutQueue(8, 0)
+    pacer = Pacer(queue, 4, 0, version=1, next_step=2)
+    for i in range(4):
+        await queue.put(group(0, i), timeout_s=1.0)  # made at v0: too stale for step 2 (trains at v1)
+    pump = asyncio.ensure_future(pacer.acquire(4, 5.0, "sampler0"))
+    await asyncio.sleep(0.05)
+    assert not pump.done()  # no room: the queue looks full
+    batch = asyncio.ensure_future(queue.get_batch(4, current_version=1, timeout_s=5.0))  # drops all 4
+    try:
+        assert await asyncio.wait_for(pump, 2.0) == 4
+    finally:
+        batch.cancel()
+        await asyncio.gather(batch, return_exceptions=True)
+    assert queue.stats().dropped_stale == 4
 
 
 def test_a_sync_interval_no_group_could_survive_is_refused():

@@ -13,6 +13,7 @@ processes and signals, are in test_fault_tolerance.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import signal
@@ -29,11 +30,14 @@ from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
 from asyncrl.rl.driver import sync_group
 from asyncrl.rl.driver.faults import NoSamplersError, TaskFailedError
 from asyncrl.rl.driver.membership import MemberState
+from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 from asyncrl.rl.sampler.errors import SamplerTimeoutError
 from asyncrl.rl.tasks.scoring import TaskFailureError
+from asyncrl.runtime.timeouts import timeout
 
 from actors import Echo
 
@@ -55,6 +59,7 @@ class Scripted:
         self.calls: list[str] = []
         self.kills: list[tuple[str, int | None]] = []  # (reason, incarnation) of each kill asked for
         self.items: asyncio.Queue = asyncio.Queue()  # what a rollouts stream yields next
+        self.streams: list[int] = []  # the max_groups of each rollouts stream asked for
         self._changed = asyncio.Event()
 
     def info(self) -> SimpleNamespace:
@@ -85,10 +90,12 @@ class Scripted:
 
     def _method(self, method: str, timeout_s: float):
         if method == "rollouts":
-            async def stream(*args):  # as `ActorClient.stream`: the next item, or the error of a death
+            async def stream(max_groups: int = 0):  # as `ActorClient.stream`: the next item, or the error of a death
                 self.calls.append(method)
-                while True:
-                    item = await asyncio.wait_for(self.items.get(), timeout_s)
+                self.streams.append(max_groups)
+                for _ in iter(int, 1) if not max_groups else range(max_groups):  # as the sampler: 0 is endless
+                    async with timeout(timeout_s):  # not wait_for, which on 3.11 can swallow the pump's cancel
+                        item = await self.items.get()
                     if isinstance(item, BaseException):
                         raise item
                     yield item
@@ -373,3 +380,46 @@ async def test_the_start_stops_when_every_sampler_is_gone():
             await pool.start(0, [])
     finally:
         await pool.close()
+
+
+def rollout(version: int, i: int) -> RolloutGroup:
+    return RolloutGroup(prompt_id=i, prompt_ids=[1, 2], completion_ids=[[3], [4]], behaviour_logprobs=[[-0.5], [-0.7]],
+                        rewards=[0.0, 1.0], version=version, sampler="sampler0")
+
+
+async def test_a_sampler_back_after_a_sync_without_it_is_given_credit_for_the_next_batch():
+    """Issue 30's 12-minute stall, step by step with the real pool, pacer and queue: one sampler
+    (16 groups a step, batches of 8, max_staleness 1) is lost after step 39 took its batch, with
+    6 groups of its next batch delivered; the sync of v39 finds the group empty; the sampler is
+    back and rejoins with v39 while the driver waits for step 40's batch. The pacer was left at
+    v38, so after one batch of 8 (14 queued) it had room for 2 groups only, asked for 8, and
+    nothing moved again: paced_in_flight 0, queue_depth 14, the sampler in the group, idle."""
+    ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)],
+              restore_data_state=[(0.0, None)], receive_weights=[(0.0, GOT)], rollouts=[])
+    sampler = Scripted("sampler0", **ok)
+    config = dataclasses.replace(run_config(), groups_per_step=16, max_staleness=1)
+    queue = RolloutQueue(32, 1)
+    pacer = Pacer(queue, 16, 1, version=38, next_step=40)  # step 39 took its batch (trained at v38)
+    logs: list[str] = []
+    pool = SamplerPool(trainer_script(SENT), [sampler], queue, run=config, seeds=[0], host="127.0.0.1",
+                       backend="gloo", log=logs.append, pacer=pacer, batch_groups=8)
+    m = pool.members[0]
+    m.state, m.incarnation, m.min_version = MemberState.JOINED, 1, 38
+    pool.sync_group.generation, pool.membership.dirty = 0, False
+    try:
+        for i in range(6):  # what incarnation 1 delivered of its last batch before it was killed
+            assert await queue.put(rollout(38, i), timeout_s=1.0)
+        sampler.set_state("restarting")
+        pool.membership.lose(m, "died (killed by SIGKILL)", kill=False)
+        await pool.sync(39)  # the trainer alone
+        sampler.set_state("running", incarnation=2)
+        await asyncio.wait_for(m.waiter, 5)
+        for i in range(40):
+            sampler.items.put_nowait(rollout(39, 100 + i))
+        batch = await asyncio.wait_for(pool.next_batch(16, 39), 5.0)
+    finally:
+        await pool.close()
+    assert not [line for line in logs if "still running" in line], logs
+    assert len(batch) == 16 and m.in_group and m.incarnation == 2, logs
+    assert pacer.version == 39, pacer.version  # the rejoined sampler holds v39: groups begun now train at step 41
+    assert sampler.streams[:2] == [8, 8], sampler.streams  # whole batches: the room was counted from v39

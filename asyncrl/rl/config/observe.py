@@ -28,11 +28,20 @@ class ObserveConfig:
     """Address the metrics endpoint binds to (0.0.0.0: every interface, for a scraper elsewhere)."""
     health_timeout_s: float = 2.0
     """How long /healthz waits for each actor's answer before it names the actor silent."""
+    stall_factor: float = 10.0
+    """A step that runs longer than this many times the median of the recent steps (and than
+    ``stall_floor_s``) is a stall: one line says what it waits for, `asyncrl status` shows
+    ``stalled`` and /healthz answers 503 until a step ends (driver/stall.py); 0: off."""
+    stall_floor_s: float = 120.0
+    """The least a step may take before it counts as a stall, however fast the recent steps were."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535] (0: off), not {self.metrics_port!r}")
         if not self.health_timeout_s > 0:
             raise ValueError(f"health_timeout_s must be > 0, not {self.health_timeout_s!r}")
+        if not (0 <= self.stall_factor < float("inf")) or not (0 <= self.stall_floor_s < float("inf")):
+            raise ValueError(f"stall_factor and stall_floor_s must be finite numbers >= 0 (stall_factor 0: off), "
+                             f"not {self.stall_factor!r} and {self.stall_floor_s!r}")
         if not self.metrics_host:
             raise ValueError("metrics_host must be an address to bind to, e.g. 127.0.0.1")

@@ -9,7 +9,8 @@ maintained library; its encoder also answers OpenMetrics to a scraper that asks 
 ``/healthz``: what an orchestrator's liveness probe needs. It asks the supervisor for every
 actor's state and calls a trivial endpoint of every running actor (the driver names which)
 under ``--run.health_timeout_s``; 200 with a JSON body when all answer, else 503 naming each dead
-or silent actor. Each request is answered on the driver's event loop, so a driver whose loop is
+or silent actor, or the driver as ``stalled`` with the reason while the run makes no step
+(driver/stall.py). Each request is answered on the driver's event loop, so a driver whose loop is
 stuck is found too (its answer does not come within the deadline: 503).
 
 The HTTP server is the standard library's, in daemon threads; it binds ``--run.metrics_host``
@@ -43,8 +44,8 @@ class MetricsEndpoint:
 
     def __init__(self, host: str, port: int, *, statuses: Callable[[], list[Any]],
                  probes: Callable[[], dict[str, Probe]], snapshot: Callable[[], dict[str, float]],
-                 timeout_s: float, loop: asyncio.AbstractEventLoop):
-        self.statuses, self.probes, self.snapshot = statuses, probes, snapshot
+                 timeout_s: float, loop: asyncio.AbstractEventLoop, stalled: Callable[[], str] = lambda: ""):
+        self.statuses, self.probes, self.snapshot, self.stalled = statuses, probes, snapshot, stalled
         self.timeout_s, self.loop = timeout_s, loop
         try:
             self.server = ThreadingHTTPServer((host, port), _handler(self))
@@ -81,8 +82,12 @@ class MetricsEndpoint:
                 unhealthy[name] = f"silent: no answer within {self.timeout_s:g} s"
             else:
                 unhealthy[name] = f"{type(result).__name__}: {first_line(result)}"
+        stalled = self.stalled()  # every actor may answer while the run makes no step (driver/stall.py)
+        if stalled:
+            unhealthy["driver"] = f"stalled: {stalled}"
         return not unhealthy, {"healthy": not unhealthy, "unhealthy": unhealthy,
-                               "actors": {s.name: str(s.state) for s in statuses}}
+                               "actors": {s.name: str(s.state) for s in statuses},
+                               **({"stalled": stalled} if stalled else {})}
 
     async def _bounded(self, probe: Probe) -> Any:
         async with timeout(self.timeout_s):
@@ -186,8 +191,12 @@ def open_endpoint(observe: Any, sup: Any, driver: Callable[[], Any], log=print) 
         d = driver()
         return d.snapshot() if d is not None else {}
 
+    def stalled() -> str:
+        d = driver()
+        return d.stall.reason if d is not None else ""
+
     endpoint = MetricsEndpoint(observe.metrics_host, observe.metrics_port, statuses=sup.status, probes=probes,
                                snapshot=snapshot, timeout_s=observe.health_timeout_s,
-                               loop=asyncio.get_running_loop())
+                               loop=asyncio.get_running_loop(), stalled=stalled)
     log(f"metrics endpoint: http://{observe.metrics_host}:{endpoint.port}/metrics and /healthz")
     return endpoint

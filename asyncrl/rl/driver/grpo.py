@@ -40,6 +40,7 @@ from asyncrl.rl.driver.progress import Progress, make_progress
 from asyncrl.rl.driver.writers import MetricWriters, scalars_of
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.scaling import Scaler
+from asyncrl.rl.driver.stall import StallWatch
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
@@ -98,6 +99,9 @@ class GRPODriver:
         self.began = False  # training began (the held-out rates before it are known)
         self.after_step = ""  # what the driver does after a step's training, while it does it
         self.best = _read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
+        self.waiting = ""  # what the step under way waits for: "batch", "train", "sync" or "check"
+        self.stall = StallWatch(self.run.observe.stall_factor, self.run.observe.stall_floor_s,
+                                describe=self.describe_stall, settled_at=self.pool.settled_at, log=self.log)
 
     def log(self, line: str) -> None:
         """A line on the console (above the progress bar while there is one) and in log.txt."""
@@ -114,7 +118,8 @@ class GRPODriver:
     def snapshot(self) -> dict[str, float]:
         """The numbers of the last step's record and of the progress, for Prometheus."""
         progress = {f"progress_{k}": v for k, v in scalars_of(self.progress()).items()}
-        return {**scalars_of(self.latest), **progress, "progress_step": float(self.step_done)}
+        return {**scalars_of(self.latest), **progress, "progress_step": float(self.step_done),
+                "progress_stalled": float(bool(self.stall.reason))}
 
     def where(self) -> str:
         """Where a stop leaves the run, in words ("at step 137")."""
@@ -146,8 +151,23 @@ class GRPODriver:
                 "uniform_skipped": self.uniform_skipped(), "heldout_before": self.heldout_before,
                 "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
                 "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
-                **self.pool.progress(), **(self.scaler.progress() if self.scaler else {}), **self.fault_counts(), **(self.pacer.stats() if self.pacer else {}),
+                **({"stalled": self.stall.reason} if self.stall.reason else {}),
+                **self.pool.progress(), **(self.scaler.progress() if self.scaler else {}), **self.fault_counts(),
+                **(self.pacer.stats() if self.pacer else {}),
                 "updated_at": time.time()}
+
+    async def describe_stall(self, waited_s: float, limit_s: float) -> str:
+        """What the step under way waits for, and from whom (`StallWatch`'s line)."""
+        n, queued = self.run.groups_per_step, len(self.queue)
+        t = self.run.deadlines
+        what = {"batch": f"waits for {max(n - queued, 0)} of {n} groups ({queued} queued)",
+                "train": f"waits for the trainer's train step (--run.train_timeout_s {t.train_timeout_s:g})",
+                "sync": f"waits for the weight sync of v{self.version} (--run.sync_timeout_s {t.sync_timeout_s:g})",
+                "check": "waits for the weight check"}.get(self.waiting, "has not begun")
+        samplers = await self.pool.describe(self.run.observe.health_timeout_s)
+        paced = f"; paced in flight {self.pacer.in_flight}" if self.pacer is not None else ""
+        return (f"no step for {waited_s:.0f} s (recent steps took {self.stall.typical_s():.1f} s; a stall after "
+                f"{limit_s:.0f} s): step {self.step_done + 1} {what}; {samplers}{paced}")
 
     def write_progress(self) -> None:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
@@ -174,6 +194,7 @@ class GRPODriver:
         metrics = Metrics(self.run_dir, self.display, writers)
         painter = CurvesPainter(self.run_dir, self.log, enabled=observe.curves)
         completed = False
+        watcher: asyncio.Future | None = None  # the stall watch, while the steps run
         try:
             await self.pool.start(self.version, list(self.state.samplers))
             if self.resume is None:
@@ -182,9 +203,12 @@ class GRPODriver:
                          + rates_text(self.heldout_before))
             self.phase, self.began = "training", True
             self.write_progress()
+            watcher = asyncio.ensure_future(self.stall.run())
             for step in range(self.step_done + 1, run.steps + 1):
                 started = time.monotonic()
+                self.stall.step_began()
                 record = await self.step(step)
+                self.stall.step_ended(time.monotonic() - started)
                 evaluated = step % run.eval_every == 0 or step == run.steps
                 if evaluated:
                     self.heldout_last = await self.evaluate()
@@ -208,6 +232,9 @@ class GRPODriver:
         finally:
             if not completed:
                 self.phase = "stopped"
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.wait({watcher})
             if self.scaler is not None:
                 await self.scaler.close()
             await self.pool.close()
@@ -268,21 +295,26 @@ class GRPODriver:
         run, n = self.run, self.run.groups_per_step
         self.pool.begin_step(step)
         t0 = time.monotonic()
+        self.waiting = "batch"
         if run.mode == "sync":  # generate exactly this step's groups, with the current weights
             await self.pool.generate(n, self.version)
         batch: list[RolloutGroup] = await self.pool.next_batch(n, self.version)
         t1 = time.monotonic()
+        self.waiting = "train"
         trained = await trainer_phase(f"train step {step}", "train_timeout_s", run.deadlines.train_timeout_s,
                                       self.trainer.with_timeout(run.deadlines.train_timeout_s).train_step(batch))
         t2 = time.monotonic()
         self.version = step  # the weights after step k are version k: the step is the one count of both
         synced, digests = sync_record(0.0, None, []), {}
         if self.version % run.sync_every == 0:
+            self.waiting = "sync"
             if self.scaler is not None:  # a scale request changes the group here, with the sync
                 await self.scaler.at_sync()
             synced = await self.pool.sync(self.version)
             if run.check_weights:
+                self.waiting = "check"
                 digests = await self.pool.verify_weights()
+        self.waiting = ""
         # Rates over everything sampled for the step, the groups left out as uniform included: the
         # batch holds only groups with a signal, which would bias them towards 50%.
         skipped = self.pool.uniform.take()

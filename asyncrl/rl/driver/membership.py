@@ -98,6 +98,7 @@ class Membership:
         self.step = 0  # the driver's step, for the records of a loss
         self.dirty = True  # the group must be formed again before the next sync
         self.recover_s = 0.0  # time in rebuilds since the last take_events()
+        self.settled_at = 0.0  # monotonic time of the last rebuild, or of a loss judged for good
         self._tasks: set[asyncio.Task] = set()  # every task the pool started and that has not ended
         self._events: list[dict[str, Any]] = []
 
@@ -194,6 +195,7 @@ class Membership:
             self.changed.set()
             return
         m.state = MemberState.GONE
+        self.settled_at = time.monotonic()
         why = {ActorState.DEAD: "its restarts are used up or its restart failed",
                ActorState.STOPPED: "it was stopped"}.get(
             info.state, f"no new incarnation was running within --run.restart_timeout_s {t:g} s")
@@ -207,7 +209,7 @@ class Membership:
         self.dirty = False
         self.counters["rebuilds"] += 1
         self.recover_s += seconds
-        now = time.monotonic()
+        now = self.settled_at = time.monotonic()
         for m in group:
             if m.state is MemberState.CANDIDATE:
                 m.min_version, m.seq = version, 0

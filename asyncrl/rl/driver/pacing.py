@@ -22,6 +22,11 @@ Invariants:
   a pump returns what it did not deliver in a ``finally`` (a lost sampler's grant included).
 * With one sampler and no losses, every group is trained, none dropped (the test of this module
   runs that). Several samplers can deliver out of grant order, so a few may still expire.
+* While the driver waits for a batch, a pump gets credit: ``version`` is the one the whole group
+  holds (the pool tells it after every sync and rebuild, an empty group's included), so the room
+  is at least what the next batch lacks, and `grant` gives that much when a whole batch does not
+  fit. A pacer left one version behind once held a rejoined sampler idle with 14 of 16 groups
+  queued until the run's queue deadline (issue 30).
 """
 
 from __future__ import annotations
@@ -52,22 +57,39 @@ class Pacer:
         steps_left = self.version + self.max_staleness + 2 - self.next_step
         return self.n * steps_left - len(self.queue) - self.in_flight
 
+    def short(self) -> int:
+        """Groups the next batch lacks even once every group being made has arrived."""
+        return self.n - len(self.queue) - self.in_flight
+
+    def grant(self, want: int) -> int:
+        """The credit a pump asking for ``want`` groups gets now (0: none yet). Less than
+        ``want`` only when the next batch cannot fill otherwise: nobody makes its missing groups,
+        so no batch would be taken and the room would never grow (a lost sampler's half-made
+        batch, groups left out as uniform or dropped on arrival leave the queue short of a
+        whole number of batches)."""
+        room = self.room()
+        if room >= want:
+            return want
+        return max(0, min(room, self.short()))
+
     async def acquire(self, most: int, timeout_s: float, who: str) -> int:
-        """Wait until ``min(most, n)`` groups may begin, take that credit and return it. Raises
-        `PacingTimeoutError` (naming ``who``) after ``timeout_s``."""
+        """Wait until ``min(most, n)`` groups may begin (or fewer, when that is all the next batch
+        lacks: `grant`), take that credit and return it. Raises `PacingTimeoutError` (naming
+        ``who``) after ``timeout_s``."""
         want = max(1, min(most, self.n))
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + timeout_s
         try:
-            while self.room() < want:
+            while not (granted := self.grant(want)):
                 remaining = deadline - loop.time()
-                if remaining <= 0 or not await self._changed.wait(remaining):
+                # The queue shrinks without a call here when get_batch drops stale groups.
+                if remaining <= 0 or not await self._changed.wait(remaining, self.queue.shrank):
                     raise PacingTimeoutError(
                         f"{who}: no credit for {want} groups within {timeout_s:g} s (version {self.version}, next "
                         f"step {self.next_step}, {len(self.queue)} queued, {self.in_flight} being made)")
-            self.in_flight += want
-            return want
+            self.in_flight += granted
+            return granted
         finally:
             self.waited_s += loop.time() - start
 

@@ -191,11 +191,14 @@ class SamplerPool:
         joined = self.membership.with_state(MemberState.JOINED)
         candidates = self.membership.with_state(MemberState.CANDIDATE)
         if not joined and not candidates:
-            return sync_record(0.0, None, [])  # the trainer alone: a replacement takes the weights when it joins
+            # The trainer alone: a replacement takes the weights when it joins. The pacer is told
+            # all the same: left at the older version, it would hold back every group the
+            # rejoined sampler could make for the next step (the 12-minute stall of issue 30).
+            self._synced(version)
+            return sync_record(0.0, None, [])
         if self.membership.dirty or candidates or not await self.sync_group.send(version, joined):
             await self.sync_group.rebuild(version)
-        if self.pacer is not None:  # whoever is in the group now holds it (a rebuild sends it too)
-            self.pacer.synced(version)
+        self._synced(version)
         trainer, samplers = self.sync_group.last or (None, [])
         return sync_record(time.monotonic() - start, trainer, samplers)
 
@@ -246,6 +249,28 @@ class SamplerPool:
                 "sampler_losses": sum(e["event"] == "lost" for e in events),
                 "sampler_rejoins": sum(e["event"] == "rejoined" for e in events),
                 "recover_s": recover, **({"events": events} if events else {})}
+
+    def settled_at(self) -> float | None:
+        """When (``time.monotonic``) the group last became settled: formed again, or a lost
+        sampler declared gone; None while a lost sampler's restart is awaited."""
+        return None if self.membership.with_state(MemberState.LOST) else self.membership.settled_at
+
+    async def describe(self, timeout_s: float) -> str:
+        """Each sampler's state in words, with what a sampler in the group is generating now
+        (its own counters, each asked within ``timeout_s``): for the line of a stalled run."""
+        joined = self.membership.with_state(MemberState.JOINED)
+        stats = await asyncio.gather(*(m.handle.with_timeout(timeout_s).stats() for m in joined),
+                                     return_exceptions=True)
+        answers = dict(zip(joined, stats))
+        parts = []
+        for m in self.members:
+            part = f"{m.name} {m.state.shown}"
+            if m in answers:
+                got = answers[m]
+                part += (f", generating {got.get('generating', '?')}" if isinstance(got, dict)
+                         else f", no answer to stats within {timeout_s:g} s ({first_line(got)})")
+            parts.append(part)
+        return "; ".join(parts)
 
     def progress(self) -> dict[str, Any]:
         return {"generation": self.generation, **self.counters,
@@ -349,10 +374,17 @@ class SamplerPool:
                                   + "; ".join(f.cause for f in self.faults[-3:]))
         if self.membership.dirty or self.membership.with_state(MemberState.CANDIDATE):
             await self.sync_group.rebuild(version)
+            self._synced(version)
         if self.async_mode:
             for m in self.members:
                 if m.in_group and m.pump is None:
                     self._start_pump(m)
+
+    def _synced(self, version: int) -> None:
+        """Whoever is in the group now holds ``version`` (a rebuild sends it too), and whoever
+        joins later takes the version current then: the pacer may count on it."""
+        if self.pacer is not None:
+            self.pacer.synced(version)
 
     def _stalled(self, n: int, version: int) -> PhaseTimeoutError:
         states = ", ".join(f"{m.name}: {m.state.shown} ({m.handle.info().state}, {m.delivered} groups delivered)"

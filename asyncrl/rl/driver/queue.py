@@ -61,14 +61,17 @@ class _Wakeup:
     def __init__(self) -> None:
         self._futures: set[asyncio.Future] = set()
 
-    async def wait(self, timeout_s: float) -> bool:
-        """True if notified, False if ``timeout_s`` passed first."""
+    async def wait(self, timeout_s: float, *others: _Wakeup) -> bool:
+        """True if notified (this one, or any of ``others``), False if ``timeout_s`` passed first."""
         future = asyncio.get_running_loop().create_future()
-        self._futures.add(future)
+        wakeups = (self, *others)
+        for w in wakeups:
+            w._futures.add(future)
         try:
             done, _ = await asyncio.wait((future,), timeout=timeout_s)
         finally:
-            self._futures.discard(future)
+            for w in wakeups:
+                w._futures.discard(future)
         return bool(done)
 
     def notify_all(self) -> None:
@@ -124,6 +127,11 @@ class RolloutQueue:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def shrank(self) -> _Wakeup:
+        """Notified whenever groups leave the queue (a batch taken, stale groups dropped)."""
+        return self._not_full
 
     def stats(self) -> RolloutQueueStats:
         return RolloutQueueStats(
