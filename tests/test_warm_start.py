@@ -176,6 +176,14 @@ def test_a_task_with_demonstrations_warm_starts(tmp_path):
     assert 0.0 <= marker["heldout_greedy_solve_rate"] <= 1.0
     assert os.path.basename(path) == warm_start.cache_key(SMALL, warm, Reverse())
     assert warm_start.cache_key(SMALL, warm, Reverse()) != warm_start.cache_key(SMALL, warm, None)
+    # Its template (which final/ and best/ copy) renders the task's prompt and answer as trained,
+    # not Countdown's "numbers -> target" form.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    chat = [{"role": "user", "content": "123>"}, {"role": "assistant", "content": "321"}]
+    assert tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True) == "123>"
+    assert tok.apply_chat_template(chat, tokenize=False) == "123>321<|im_end|>"
 
 
 def test_a_task_without_demonstrations_needs_a_checkpoint(tmp_path):
@@ -209,9 +217,100 @@ def test_an_environments_replies_carry_no_labels():
                                                                      "<answer>5</answer>")]
     prompt, call, result, answer = pieces
     eos = tok.eos_token_id
-    assert ids[0, :lengths[0]].tolist() == prompt + call + result + answer + [eos]  # eos after the last turn only
+    # A turn ended by a stop string has no eos (generation stops there); the answer's has one.
+    assert ids[0, :lengths[0]].tolist() == prompt + call + result + answer + [eos]
     assert labels[0, :lengths[0]].tolist() == [-100] * len(prompt) + call + [-100] * len(result) + answer + [eos]
     assert longest_turn == len(call)
+
+
+class Replay:
+    """A fake `Generate`: a model that has learnt the warm start's rows by heart. Each context must
+    be the start of one of them; the model writes that row's next tokens and stops where a backend
+    would: after a stop token, at a stop string (its text cut before it), or at ``max_new_tokens``."""
+
+    def __init__(self, tok, rows: list[list[int]]):
+        self.tok, self.rows = tok, rows
+
+    async def __call__(self, prompts, n, params):
+        from asyncrl.rl.generation import Completion
+
+        out = []
+        for context in prompts:
+            row = next((r for r in self.rows if r[:len(context)] == context), None)
+            assert row is not None, f"a context the warm start never trained on: {self.tok.decode(context)!r}"
+            got = []
+            for token in row[len(context):len(context) + params.max_new_tokens]:
+                got.append(token)
+                text = self.tok.decode(got, skip_special_tokens=True)
+                if token in params.stop_token_ids or any(s in text for s in params.stop):
+                    break
+            hits = [text.find(s) for s in params.stop if s in text]
+            finish = "stop" if got[-1] in params.stop_token_ids or hits else "length"
+            out.append([Completion(got, [0.0] * len(got), text[:min(hits)] if hits else text, finish)] * n)
+        return out
+
+
+def environments(tmp_path) -> list:
+    """docs/tasks.md's Guess (turns end on eos) and examples/calculator.py (a tool call ends on its
+    stop string, the answer on eos)."""
+    from test_examples import calculator_module, doc_files
+
+    from asyncrl.rl.tasks import TaskSpec, load_task
+
+    return [load_task(TaskSpec(name=f"{doc_files(tmp_path)['guess.py']}:Guess")), calculator_module().Calculator()]
+
+
+def test_an_environments_warm_start_rows_are_its_episodes_token_for_token(tmp_path):
+    """For the same demonstration, the warm start trains on exactly the tokens (and the mask) an
+    episode produces: a model that learnt the rows by heart plays each problem's episode through the
+    runner as demonstrated, and the saved chat template renders the same conversation to the same
+    tokens. (Before: the warm start wrote eos after the last turn only, so every episode's turns,
+    which keep their eos before the reply, were sequences it had never seen.)"""
+    import asyncio
+
+    from asyncrl.rl.generation import SamplingParams
+    from asyncrl.rl.model.policy import PromptFormat
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+    from asyncrl.rl.tasks.episodes import EpisodeRunner
+    from asyncrl.rl.tasks.scoring import UserCalls
+
+    tok = build_tokenizer()
+    eos = tok.eos_token_id
+    for task in environments(tmp_path):
+        problems = [p for p in task.problems()[:40] if len(task.demonstration(p)) > 1]
+        ids, labels, lengths, _ = warm_start._encode(tok, problems, 128, task=task)
+        rows = [ids[i, :lengths[i]].tolist() for i in range(len(problems))]
+        fmt = PromptFormat("compact", tok, [eos], 40)
+        calls = UserCalls(task.task_name(), 5.0, 1.0)
+        try:
+            params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=[eos])
+            groups = asyncio.run(EpisodeRunner(task, fmt, calls, max_context=128).run(problems, 1, params,
+                                                                                       Replay(tok, rows)))
+        finally:
+            calls.close()
+        tok.chat_template = warm_start.chat_template(task)
+        for i, ((sample,), problem) in enumerate(zip(groups, problems)):
+            prompt = fmt.render_ids(warm_start.as_prompt(task.prompt(problem)))
+            assert prompt + sample.token_ids == rows[i], task.task_name()
+            assert sample.action_mask == [int(x != -100) for x in labels[i, len(prompt):lengths[i]].tolist()]
+            assert sample.correct and not sample.error and sample.metrics["turns"] == (len(task.demonstration(problem)) + 1) // 2
+            turns = task.demonstration(problem)
+            messages = [{"role": "user", "content": task.prompt(problem)}] + [
+                {"role": "user" if j % 2 else "assistant", "content": t} for j, t in enumerate(turns)]
+            assert tok.apply_chat_template(messages, tokenize=True, return_dict=False) == rows[i]
+            assert tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) == \
+                task.prompt(problem)
+
+
+def test_a_stop_string_inside_a_demonstrated_turn_is_one_line():
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+
+    class Early(Tool):
+        def demonstration(self, problem):
+            return ["<calc>2+3</calc> and more", "<result>5</result>", "<answer>5</answer>"]
+
+    with pytest.raises(TaskError, match="stop string '</calc>' before its end.*split it into two turns"):
+        warm_start._encode(build_tokenizer(), ["2+3"], 64, task=Early())
 
 
 @pytest.mark.parametrize("demonstration, error", [

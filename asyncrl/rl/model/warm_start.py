@@ -7,10 +7,11 @@ solves some held-out problems but far from all.
 No hub and no internet: the tokenizer (``model/tokenizer.py``) is Qwen2's byte-level BPE pipeline
 with the 256 byte symbols and no merges, built with ``tokenizers``; the model comes from a
 ``Qwen2Config``. The result is an ordinary HF checkpoint directory (safetensors weights, tokenizer
-files, and a chat template that renders the very prompt the model was trained on for Countdown: a
-user message ``"3 7 25 50 -> 178"`` becomes ``"3 7 25 50 -> 178:"``) plus ``asyncrl_model.json``,
-which records the prompt style the model was trained on ("compact": `Prompt.compact`, or a ``str``
-prompt as is). It is cached under a hash of everything that determines it (the task's part is
+files, and a chat template that renders the very text the model was trained on: for Countdown a
+user message ``"3 7 25 50 -> 178"`` becomes ``"3 7 25 50 -> 178:"``; for any other task each
+message is rendered verbatim, a model turn followed by its eos, as `chat_template` says) plus
+``asyncrl_model.json``, which records the prompt style the model was trained on ("compact":
+`Prompt.compact`, or a ``str`` prompt as is). It is cached under a hash of everything that determines it (the task's part is
 `Task.fingerprint`), and written to a temporary directory that is renamed into place only when
 complete: a crash mid-write leaves a ``.tmp-*`` directory that is never read, and is removed by a
 later build once its writer is gone.
@@ -39,7 +40,7 @@ import torch
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
-from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer
+from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer, compact_chat_template
 from asyncrl.rl.tasks.base import Environment, Task, TaskError, as_prompt
 from asyncrl.runtime.files import write_atomic
 from asyncrl.runtime.transport import pid_alive
@@ -50,7 +51,7 @@ _TRAIN_THREADS = 1
 # Bump when the tokenizer, data or training code changes what a cached checkpoint would contain.
 # (A bump changes every key, Countdown's included: its cached default model would be rebuilt.)
 _FORMAT_VERSION = 1
-_KEY_FIELDS = ("version", "model", "warm", "tokenizer")
+_KEY_FIELDS = ("version", "model", "warm", "tokenizer", "chat_template", "turn_end")
 """The cache key's own fields; a task's fingerprint may not use these names."""
 
 # --- the cached default ---------------------------------------------------------------------------
@@ -86,12 +87,37 @@ def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = Non
         raise TaskError(f"task {task.task_name()}: fingerprint() must return a dict with string keys other "
                         f"than {', '.join(_KEY_FIELDS)}, not {fingerprint!r:.120}")
     spec = {"version": _FORMAT_VERSION, "model": asdict(model), "warm": asdict(warm), "tokenizer": TOKENIZER_SPEC,
-            **fingerprint}
+            **_task_format(task), **fingerprint}
     try:
         text = json.dumps(spec, sort_keys=True)
     except (TypeError, ValueError) as e:
         raise TaskError(f"task {task.task_name()}: fingerprint() must hold JSON values only: {e}") from e
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _is_countdown(task: Task) -> bool:
+    from asyncrl.rl.tasks.countdown import Countdown
+
+    return type(task) is Countdown
+
+
+def chat_template(task: Task) -> str:
+    """The chat template saved with a model warm-started on ``task`` (and so with the run's
+    ``final/`` and ``best/``, which copy its tokenizer): Countdown's own; for any other task one
+    that renders the task's prompt and turns as they were trained (`compact_chat_template`)."""
+    if _is_countdown(task):
+        return TOKENIZER_SPEC["chat_template"]
+    return compact_chat_template(list(task.stop) if isinstance(task, Environment) else [])
+
+
+def _task_format(task: Task) -> dict[str, Any]:
+    """The cache key's part for a task other than Countdown: its chat template and where its model
+    turns end (eos after each, unless on a stop string; models cached before had it after the last
+    turn only, and Countdown's template), so such a model is not reused. Countdown's key (and
+    its rows and template) is unchanged."""
+    if _is_countdown(task):
+        return {}
+    return {"chat_template": chat_template(task), "turn_end": "eos unless on a stop string"}
 
 
 def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
@@ -179,6 +205,7 @@ def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> 
 def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, threads: int | None,
            log: Callable[[str], object], stop: threading.Event | None = None) -> None:
     tokenizer = build_tokenizer()
+    tokenizer.chat_template = chat_template(task)
     check_stop(stop)
     train, heldout = task.splits(warm.data_seed, warm.n_examples, warm.heldout_reserve)
     check_stop(stop)
@@ -261,7 +288,8 @@ def _usable_cores(most: int = 4) -> int:
 def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: threading.Event | None = None,
             *, task: Task | None = None):
     """Right-padded ``ids``, ``labels`` (-100 on the prompt, an environment's replies and padding)
-    and lengths of each problem's compact prompt + demonstration (its turns; eos after the last),
+    and lengths of each problem's compact prompt + demonstration (its turns, each model turn
+    ending as in an episode: eos, unless it ends on one of the environment's stop strings),
     for the problems of ``task`` (Countdown if None) that have a demonstration; and the longest
     model turn in tokens (the eos counted). Each piece is tokenized on its own, as an episode's
     prompt, model turns and replies are."""
@@ -276,13 +304,15 @@ def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: thread
             continue
         ids = tokenizer(_compact_prompt(task, fmt, problem), add_special_tokens=False)["input_ids"]
         labels = [-100] * len(ids)
-        turns = _turns(task, demonstration)
-        for j, text in enumerate(turns):
+        for j, text in enumerate(_turns(task, demonstration)):
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
             if j % 2:  # the environment's reply: context, never a target
                 labels += [-100] * len(tokens)
             else:
-                tokens = tokens + [tokenizer.eos_token_id] * (j == len(turns) - 1)
+                # Each model turn ends as an episode's does (tasks/episodes.py keeps the turn's
+                # tokens, the stop token included, before the reply): eos, unless the turn ends on
+                # one of the environment's stop strings, where generation stops without one.
+                tokens = tokens + [tokenizer.eos_token_id] * (not _ends_on_stop_string(task, text))
                 labels += tokens
                 longest_turn = max(longest_turn, len(tokens))
             ids += tokens
@@ -329,6 +359,18 @@ def _turns(task: Task, demonstration: Any) -> list[str]:
         raise TaskError(f"environment {task.task_name()}: demonstration() must return a str or a list of str of "
                         f"odd length (model, environment, ..., model), not {demonstration!r:.120}")
     return demonstration
+
+
+def _ends_on_stop_string(task: Task, turn: str) -> bool:
+    """Whether a demonstrated model turn ends on one of the environment's stop strings; a
+    `TaskError` if one occurs earlier in it, since generation would have ended the turn there."""
+    stops = [s for s in getattr(task, "stop", ()) if s] if isinstance(task, Environment) else []
+    for s in stops:
+        at = turn.find(s)
+        if 0 <= at < len(turn) - len(s):
+            raise TaskError(f"environment {task.task_name()}: a demonstrated turn holds the stop string {s!r} before "
+                            f"its end, where an episode's turn would end: {turn!r:.120}; split it into two turns")
+    return any(turn.endswith(s) for s in stops)
 
 
 def _lr_factor(step: int, warm: WarmStartConfig) -> float:
