@@ -329,3 +329,65 @@ def test_a_malformed_demonstration_is_one_line(demonstration, error):
     with pytest.raises(TaskError, match="must return a str or None"):
         warm_start._encode(build_tokenizer(), ["001"], 64, task=type("ListDemo", (Reverse,), {
             "demonstration": lambda self, p: [p]})())
+
+
+# --- the reserve: a held-out file, a small task (model/reserve.py) --------------------------------
+
+
+def rows_task(tmp_path, n_rows: int, n_heldout_rows: int):
+    """A data file and a reward function, as a user gives them, with a held-out file."""
+    from asyncrl.rl.tasks import TaskSpec, load_task
+
+    def rows(n, start):
+        return "".join(json.dumps({"prompt": f"{i:03d}>", "answer": f"{i:03d}"[::-1],
+                                   "demonstration": f"{i:03d}"[::-1]}) + "\n" for i in range(start, start + n))
+
+    (tmp_path / "rows.jsonl").write_text(rows(n_rows, 0))
+    (tmp_path / "heldout.jsonl").write_text(rows(n_heldout_rows, 500))
+    (tmp_path / "reward.py").write_text("def reward(row, completion):\n    return float(completion == row['answer'])\n")
+    return load_task(TaskSpec(name="", data=str(tmp_path / "rows.jsonl"), heldout_data=str(tmp_path / "heldout.jsonl"),
+                              reward=f"{tmp_path / 'reward.py'}:reward"))
+
+
+def test_a_heldout_file_is_the_warm_starts_reserve(tmp_path):
+    """A held-out file of exactly --run.n_heldout rows (fewer than the reserve) warm-starts: the
+    reserve is the file's rows, said in one line. (Before: a traceback blaming --run.n_heldout.)"""
+    task = rows_task(tmp_path, 60, 8)
+    warm = WarmStartConfig(steps=2, batch_size=8, warmup_steps=1, n_examples=60, heldout_reserve=16, eval_problems=16)
+    lines = []
+    path = default_model(SMALL, warm, task, cache_dir=str(tmp_path / "cache"), threads=1, log=lines.append)
+    with open(os.path.join(path, "asyncrl_model.json")) as f:
+        marker = json.load(f)
+    assert marker["warm"]["heldout_reserve"] == marker["warm"]["eval_problems"] == 8
+    assert marker["train_examples"] == 60  # the file's rows: none is held out of them
+    assert "[model] the warm start of task reward_fn:reward reserves the 8 rows of --task.heldout_data (not " \
+           "--warm_start.heldout_reserve 16): it never trains on that file" in lines
+
+
+def test_a_heldout_file_lets_n_heldout_exceed_the_reserve():
+    from asyncrl.rl.config.grpo import GRPOConfig, check_heldout_unseen
+    from asyncrl.rl.config.parse import ConfigError, parse_overrides
+
+    with pytest.raises(ConfigError, match="--run.n_heldout 1500 is more than --warm_start.heldout_reserve 1000"):
+        check_heldout_unseen(parse_overrides(GRPOConfig(), ["--run.n_heldout", "1500"]))
+    check_heldout_unseen(parse_overrides(GRPOConfig(), ["--run.n_heldout", "1500", "--task.heldout_data", "h.jsonl"]))
+
+
+def test_a_small_task_keeps_most_of_its_problems_for_the_warm_start():
+    """Reverse has 200 problems: a reserve of 150 would leave the warm start 50; it holds out the
+    run's 20 held-out problems instead, and says how many problems the full reserve needs."""
+    from asyncrl.rl.model.reserve import fitted_warm_start
+    from asyncrl.rl.tasks.countdown import Countdown
+
+    warm = WarmStartConfig(heldout_reserve=150, eval_problems=40)
+    fitted, line = fitted_warm_start(warm, Reverse(), 20)
+    assert (fitted.heldout_reserve, fitted.eval_problems) == (20, 20)
+    assert line == ("task reverse has 200 problems: the warm start holds out --run.n_heldout 20 of them, not "
+                    "--warm_start.heldout_reserve 150, and trains on the other 180; a task needs 300 problems or "
+                    "more for the full reserve (or give --task.heldout_data)")
+    train, heldout = Reverse().splits(0, 1000, fitted.heldout_reserve)
+    assert heldout == Reverse().splits(0, 1000, 20).heldout and len(train) == 180  # the run's held-out set: unseen
+    enough = WarmStartConfig(heldout_reserve=100, eval_problems=20)  # 200 problems: twice the reserve
+    assert fitted_warm_start(enough, Reverse(), 20) == (enough, "")
+    assert fitted_warm_start(warm, Reverse(), None) == (warm, "")  # no run: as configured
+    assert fitted_warm_start(WarmStartConfig(), Countdown(), 500) == (WarmStartConfig(), "")  # its own splits

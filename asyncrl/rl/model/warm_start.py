@@ -40,6 +40,7 @@ import torch
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
+from asyncrl.rl.model.reserve import fitted_warm_start
 from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer, compact_chat_template
 from asyncrl.rl.tasks.base import Environment, Task, TaskError, as_prompt
 from asyncrl.runtime.files import write_atomic
@@ -123,7 +124,7 @@ def _task_format(task: Task) -> dict[str, Any]:
 def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
                   task: Task | None = None, *, cache_dir: str | None = None,
                   threads: int | None = None, log: Callable[[str], object] = print,
-                  stop: threading.Event | None = None) -> str:
+                  stop: threading.Event | None = None, n_heldout: int | None = None) -> str:
     """Path of the embedded policy's checkpoint directory for ``task`` (Countdown if None), built
     and warm-started on the task's demonstrations on first use.
 
@@ -151,10 +152,17 @@ def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = Wa
     raises `StoppedError`, leaving nothing in the cache. For a caller that runs this in a worker
     thread (``asyncio.to_thread``) and is cancelled: a thread cannot be killed, and asyncio's
     shutdown waits for it.
+
+    ``n_heldout``: the run's held-out problems (``--run.n_heldout``); with it, the reserve of a
+    task with few problems shrinks to it, and that of a task with ``--task.heldout_data`` is the
+    file's rows (``model/reserve.py``), said in one line.
     """
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1 or None, not {threads}")
     task = as_task(task)
+    warm, fitted = fitted_warm_start(warm, task, n_heldout)
+    if fitted:
+        log(f"[model] {fitted}")
     models_dir = os.path.join(cache_root(cache_dir), "models")
     key = cache_key(model, warm, task)
     final = os.path.join(models_dir, key)
