@@ -280,6 +280,9 @@ async def test_too_many_failures_stop_the_run_with_the_first_traceback():
     message = str(err.value)
     assert "task scored" in message and "4 of 6" in message and "--task.max_failure_rate 0.5" in message
     assert "ValueError: no reward for '<answer>41</answer>'" in message and "Traceback" in message
+    # the traceback starts at the user's frame: none of the frames that ran the call
+    assert "scoring.py" not in message and message.split("Traceback (most recent call last):\n")[1].startswith(
+        f'  File "{__file__}"'), message
     assert type(err.value).__name__ == "TaskFailureError"  # what the driver recognises across processes
 
 

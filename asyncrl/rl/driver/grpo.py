@@ -32,7 +32,7 @@ import msgspec
 from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import Checkpoint, RunState, write_json_atomic
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
+from asyncrl.rl.driver.faults import RunStoppedError, TaskFailedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
 from asyncrl.rl.driver.metrics import Metrics, truncate_metrics
 from asyncrl.rl.driver.pacing import Pacer
@@ -42,7 +42,7 @@ from asyncrl.rl.driver.writers import MetricWriters, scalars_of
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
-from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
+from asyncrl.rl.driver.report import heldout_extra_text, rates_text, shown_path, summary_text
 from asyncrl.rl.rollout import RolloutGroup
 
 BEST_DIR, BEST_JSON = "best", "best.json"
@@ -83,6 +83,7 @@ class GRPODriver:
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
         self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
         self.phase = "starting"
+        self.heldout_extra: dict[str, float] = {}  # of the latest evaluation: see evaluate
         self.last_step_s, self.last_step_at = 0.0, 0.0
         self.checkpoint_path = resume.path if resume is not None else ""
         self.segment_start = time.monotonic()
@@ -149,9 +150,19 @@ class GRPODriver:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
 
     async def evaluate(self) -> dict[str, float]:
+        """The held-out solve rates (``greedy``, ``sampled``); the evaluation's task metrics and
+        failed calls go to ``heldout_extra`` (``heldout/task/<name>``, ``heldout/task_errors/<kind>``:
+        the step record's). The task's code failing past its budget stops the run, as in a sampler."""
         t = self.run.deadlines.eval_timeout_s
-        return await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
-                                   self.trainer.with_timeout(t).evaluate(self.run.eval_samples))
+        try:
+            out = await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
+                                      self.trainer.with_timeout(t).evaluate(self.run.eval_samples))
+        except RemoteError as exc:
+            if exc.remote_type == "TaskFailureError":  # as pool.py recognises a sampler's
+                raise TaskFailedError(f"the held-out evaluation: {exc.remote_message}") from exc
+            raise
+        self.heldout_extra = {f"heldout/{k}": v for k, v in out.items() if "/" in k}
+        return {k: v for k, v in out.items() if "/" not in k}
 
     async def execute(self) -> dict[str, Any]:
         run = self.run
@@ -173,9 +184,10 @@ class GRPODriver:
         try:
             await self.pool.start(self.version, list(self.state.samplers))
             if self.resume is None:
+                self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
                 self.heldout_before = self.heldout_last = await self.evaluate()
                 self.log(f"held-out solve rate before GRPO ({self.n_heldout} problems): "
-                         + rates_text(self.heldout_before))
+                         + rates_text(self.heldout_before) + heldout_extra_text(self.heldout_extra))
             self.phase, self.began = "training", True
             self.write_progress()
             for step in range(self.step_done + 1, run.steps + 1):
@@ -187,6 +199,7 @@ class GRPODriver:
                     record["heldout_solve_rate"] = self.heldout_last["greedy"]
                     if "sampled" in self.heldout_last:
                         record["heldout_sampled_solve_rate"] = self.heldout_last["sampled"]
+                    record.update(self.heldout_extra)
                 metrics.write(record)  # before the checkpoint: a resume from it keeps this record
                 self.latest = record
                 self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
