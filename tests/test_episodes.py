@@ -469,3 +469,30 @@ def _wait(predicate, timeout_s: float) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+async def test_episodes_jsonl_shows_an_episodes_tokens_by_mask(tmp_path):
+    """RUN_DIR/episodes.jsonl (driver/episodes_log.py): an episode the runner made, as the driver
+    records it, reads back as the model's turns (mask 1, their stop tokens shown) and the
+    environment's replies (mask 0), with the counts metrics.jsonl's tokens and completion_tokens sum."""
+    import json
+
+    from asyncrl.rl.driver.episodes_log import EpisodeLog
+    from asyncrl.rl.rollout import RolloutGroup
+
+    [[a]] = await runner(CalcEnv()).run([P1], 1, GREEDY, Script(SCRIPT))
+    group = RolloutGroup(prompt_id=0, prompt_ids=ids("2+3="), completion_ids=[a.token_ids],
+                         behaviour_logprobs=[a.logprobs], rewards=[a.reward], version=3, sampler="sampler0",
+                         uid="sampler0/1/7", action_mask=[a.action_mask], correct=[a.correct])
+    log = EpisodeLog(str(tmp_path), "", print)
+    log._tokenizer = TOK  # as load() leaves it for the run's policy
+    log.write(5, [group])
+    [record] = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert [(p["mask"], p["text"]) for p in record["pieces"]] == [
+        (1, "<calc>2+3</calc>"), (0, "<result>5</result>"), (1, "so <calc>5*2</calc>"), (0, "<result>10</result>"),
+        (1, "<answer>5</answer><|im_end|>")]
+    assert record["tokens"] == sum(a.action_mask) and record["completion_tokens"] == len(a.token_ids)
+    assert sum(p["tokens"] for p in record["pieces"]) == len(a.token_ids)
+    assert record | {"pieces": None} == {"step": 5, "group": "sampler0/1/7", "sampler": "sampler0", "version": 3,
+                                         "reward": 1.0, "correct": True, "prompt": "2+3=", "pieces": None,
+                                         "tokens": record["tokens"], "completion_tokens": len(a.token_ids)}

@@ -105,6 +105,10 @@ def test_a_task_defined_in_a_test_file_learns(tmp_path):
     assert "task/said_no" in first and 0.0 <= first["task/said_no"] <= 1.0
     assert json.loads((run_dir / "config.json").read_text())["task"]["name"] == f"{HERE}:YesNo"
     assert "task yesno" in done.stdout
+    episodes = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in episodes] == list(range(1, 13))  # one trained episode per step, decoded
+    assert all(e["prompt"].endswith("?") and [p["mask"] for p in e["pieces"]] == [1] for e in episodes)
+    assert all(e["tokens"] == e["completion_tokens"] for e in episodes)  # single-turn: every token trained
 
 
 def test_failing_user_code_scores_zero_is_counted_and_the_run_goes_on(tmp_path):

@@ -32,6 +32,7 @@ import msgspec
 from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import Checkpoint, RunState, write_json_atomic
 from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.driver.episodes_log import EPISODES_FILE, EpisodeLog
 from asyncrl.rl.driver.faults import RunStoppedError, TaskFailedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
 from asyncrl.rl.driver.metrics import Metrics, truncate_metrics
@@ -84,6 +85,7 @@ class GRPODriver:
         self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
         self.phase = "starting"
         self.heldout_extra: dict[str, float] = {}  # of the latest evaluation: see evaluate
+        self.episodes, self.trained_head = EpisodeLog(run_dir, model_path, log), []
         self.last_step_s, self.last_step_at = 0.0, 0.0
         self.checkpoint_path = resume.path if resume is not None else ""
         self.segment_start = time.monotonic()
@@ -169,6 +171,7 @@ class GRPODriver:
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.resume is not None:
             kept = truncate_metrics(metrics_path, self.step_done)
+            truncate_metrics(os.path.join(self.run_dir, EPISODES_FILE), self.step_done)  # per step too
             self.log(f"resuming from {self.resume.path}: step {self.step_done}, v{self.version}; "
                      f"metrics.jsonl keeps its {kept} records up to that step")
             append_event(self.events_path, {"event": "resumed", "step": self.step_done, "at": time.time(),
@@ -183,6 +186,7 @@ class GRPODriver:
         completed = False
         try:
             await self.pool.start(self.version, list(self.state.samplers))
+            await asyncio.to_thread(self.episodes.load)
             if self.resume is None:
                 self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
                 self.heldout_before = self.heldout_last = await self.evaluate()
@@ -201,6 +205,7 @@ class GRPODriver:
                         record["heldout_sampled_solve_rate"] = self.heldout_last["sampled"]
                     record.update(self.heldout_extra)
                 metrics.write(record)  # before the checkpoint: a resume from it keeps this record
+                self.episodes.write(step, self.trained_head)
                 self.latest = record
                 self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
                 if evaluated and self.heldout_last["greedy"] > self.best_greedy():
@@ -278,6 +283,7 @@ class GRPODriver:
         if run.mode == "sync":  # generate exactly this step's groups, with the current weights
             await self.pool.generate(n, self.version)
         batch: list[RolloutGroup] = await self.pool.next_batch(n, self.version)
+        self.trained_head = batch[:1]  # its first episode goes to episodes.jsonl with the record
         t1 = time.monotonic()
         trained = await trainer_phase(f"train step {step}", "train_timeout_s", run.deadlines.train_timeout_s,
                                       self.trainer.with_timeout(run.deadlines.train_timeout_s).train_step(batch))
