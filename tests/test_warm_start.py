@@ -360,7 +360,7 @@ def test_a_heldout_file_is_the_warm_starts_reserve(tmp_path):
         marker = json.load(f)
     assert marker["warm"]["heldout_reserve"] == marker["warm"]["eval_problems"] == 8
     assert marker["train_examples"] == 60  # the file's rows: none is held out of them
-    assert "[model] the warm start of task reward_fn:reward reserves the 8 rows of --task.heldout_data (not " \
+    assert "[model] the warm start of task reward.py:reward reserves the 8 rows of --task.heldout_data (not " \
            "--warm_start.heldout_reserve 16): it never trains on that file" in lines
 
 
