@@ -86,6 +86,7 @@ class GRPODriver:
         self.phase = "starting"
         self.heldout_extra: dict[str, float] = {}  # of the latest evaluation: see evaluate
         self.episodes, self.trained_head = EpisodeLog(run_dir, model_path, log), []
+        self.task_keys: set[str] = set()  # task/* and task_errors/* keys of the steps so far (task_metrics)
         self.last_step_s, self.last_step_at = 0.0, 0.0
         self.checkpoint_path = resume.path if resume is not None else ""
         self.segment_start = time.monotonic()
@@ -318,7 +319,7 @@ class GRPODriver:
                 "wait_s": t1 - t0, "train_s": t2 - t1, **synced,
                 "generate_s": sum(g.generate_s for g in batch) / len(batch),
                 **{k: v for k, v in trained.items() if k not in ("train_s",)},
-                **task_metrics(batch),
+                **task_metrics(batch, self.task_keys),
                 **self.pool.take_events(),
                 "group_ids": [g.uid for g in batch],
                 **({"weights_digests": digests} if digests else {})}
@@ -351,14 +352,18 @@ class GRPODriver:
             raise
 
 
-def task_metrics(batch: list[RolloutGroup]) -> dict[str, float]:
+def task_metrics(batch: list[RolloutGroup], seen: set[str] | None = None) -> dict[str, float]:
     """The task's metrics of a batch: its named ones and the environment's counts as means over
-    the completions, failed user calls (``task_errors/<kind>``) as counts."""
+    the completions, failed user calls (``task_errors/<kind>``) as counts. ``seen``: the keys of
+    the run's earlier steps, updated here; one no completion of this batch reported is 0, not
+    missing (a task that reports ``no_guess`` only when it happens: a step without one is 0)."""
     completions = sum(g.group_size for g in batch)
-    sums: dict[str, float] = {}
+    sums: dict[str, float] = dict.fromkeys(seen or (), 0.0)
     for g in batch:
         for key, value in g.metrics.items():
             sums[key] = sums.get(key, 0.0) + value
+    if seen is not None:
+        seen.update(sums)
     return {k: (v if k.startswith("task_errors/") else v / completions) for k, v in sorted(sums.items())}
 
 
