@@ -226,17 +226,21 @@ def test_an_environments_replies_carry_no_labels():
 class Replay:
     """A fake `Generate`: a model that has learnt the warm start's rows by heart. Each context must
     be the start of one of them; the model writes that row's next tokens and stops where a backend
-    would: after a stop token, at a stop string (its text cut before it), or at ``max_new_tokens``."""
+    would: after a stop token, at a stop string (its text cut before it), or at ``max_new_tokens``.
+    The first call is the problems' prompts, in order: problem i's row continues it (prompts may
+    be alike, as Guess's are, when only the problem knows the first move)."""
 
     def __init__(self, tok, rows: list[list[int]]):
-        self.tok, self.rows = tok, rows
+        self.tok, self.rows, self.first = tok, rows, True
 
     async def __call__(self, prompts, n, params):
         from asyncrl.rl.generation import Completion
 
         out = []
-        for context in prompts:
-            row = next((r for r in self.rows if r[:len(context)] == context), None)
+        first, self.first = self.first, False
+        for i, context in enumerate(prompts):
+            rows = [self.rows[i]] if first else self.rows
+            row = next((r for r in rows if r[:len(context)] == context), None)
             assert row is not None, f"a context the warm start never trained on: {self.tok.decode(context)!r}"
             got = []
             for token in row[len(context):len(context) + params.max_new_tokens]:
@@ -251,13 +255,14 @@ class Replay:
 
 
 def environments(tmp_path) -> list:
-    """docs/tasks.md's Guess (turns end on eos) and examples/calculator.py (a tool call ends on its
-    stop string, the answer on eos)."""
-    from test_examples import calculator_module, doc_files
+    """docs/tasks.md's Guess and examples/guess.py (turns end on eos), examples/calculator.py (a
+    tool call ends on its stop string, the answer on eos)."""
+    from test_examples import EXAMPLES, calculator_module, doc_files
 
     from asyncrl.rl.tasks import TaskSpec, load_task
 
-    return [load_task(TaskSpec(name=f"{doc_files(tmp_path)['guess.py']}:Guess")), calculator_module().Calculator()]
+    return [load_task(TaskSpec(name=f"{doc_files(tmp_path)['guess.py']}:Guess")),
+            load_task(TaskSpec(name=f"{EXAMPLES}/guess.py:Guess")), calculator_module().Calculator()]
 
 
 def test_an_environments_warm_start_rows_are_its_episodes_token_for_token(tmp_path):
@@ -277,7 +282,7 @@ def test_an_environments_warm_start_rows_are_its_episodes_token_for_token(tmp_pa
     tok = build_tokenizer()
     eos = tok.eos_token_id
     for task in environments(tmp_path):
-        problems = [p for p in task.problems()[:40] if len(task.demonstration(p)) > 1]
+        problems = [p for p in task.problems()[:20] if len(task.demonstration(p)) > 1]
         ids, labels, lengths, _ = warm_start._encode(tok, problems, 128, task=task)
         rows = [ids[i, :lengths[i]].tolist() for i in range(len(problems))]
         fmt = PromptFormat("compact", tok, [eos], 40)
