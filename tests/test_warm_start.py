@@ -186,6 +186,35 @@ def test_a_task_with_demonstrations_warm_starts(tmp_path):
     assert tok.apply_chat_template(chat, tokenize=False) == "123>321<|im_end|>"
 
 
+class SlowReverse(Reverse):
+    name = "slow_reverse"
+
+    def score(self, problem, completion):
+        time.sleep(5)  # a reward waiting on a service that is down
+        return 0.0
+
+
+def test_a_reward_that_hangs_ends_the_warm_starts_check_at_its_budget(tmp_path):
+    """The solve rate after the warm start runs the reward under the run's deadline and budget: a
+    reward that hangs gives no rate (one line) within seconds, not one deadline per hung worker
+    and problem (200 problems of a reward sleeping 60 s: 13 minutes)."""
+    warm = WarmStartConfig(steps=1, batch_size=8, warmup_steps=1, n_examples=64, heldout_reserve=60, eval_problems=60)
+    lines: list[str] = []
+    trained: list[float] = []  # when training began (transformers' first import comes before)
+
+    def log(line: str) -> None:
+        lines.append(line)
+        trained.extend([time.monotonic()] * ("warm-starting" in line))
+
+    path = default_model(SMALL, warm, SlowReverse(), cache_dir=str(tmp_path), threads=1, log=log,
+                         score_calls=(0.2, 0.2))
+    assert time.monotonic() - trained[0] < 10  # 1.4 s on the loaded 2-core machine
+    with open(os.path.join(path, "asyncrl_model.json")) as f:
+        assert json.load(f)["heldout_greedy_solve_rate"] is None
+    assert ("[model] no solve rate after the warm start: task slow_reverse: 50 of 50 score/step calls failed "
+            "(100%, more than --task.max_failure_rate 0.2); the first failure:") in lines
+
+
 def test_a_task_without_demonstrations_needs_a_checkpoint(tmp_path):
     with pytest.raises(TaskError, match="no demonstrations.*--model_path"):
         default_model(SMALL, SHORT, NoDemonstrations(), cache_dir=str(tmp_path), threads=1, log=lambda _: None)

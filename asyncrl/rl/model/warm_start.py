@@ -43,6 +43,7 @@ from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
 from asyncrl.rl.model.reserve import fitted_warm_start
 from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer, compact_chat_template
 from asyncrl.rl.tasks.base import Environment, Task, TaskError, as_prompt
+from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.runtime.files import write_atomic
 from asyncrl.runtime.transport import pid_alive
 
@@ -124,7 +125,8 @@ def _task_format(task: Task) -> dict[str, Any]:
 def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
                   task: Task | None = None, *, cache_dir: str | None = None,
                   threads: int | None = None, log: Callable[[str], object] = print,
-                  stop: threading.Event | None = None, n_heldout: int | None = None) -> str:
+                  stop: threading.Event | None = None, n_heldout: int | None = None,
+                  score_calls: tuple[float, float] = (10.0, 0.2)) -> str:
     """Path of the embedded policy's checkpoint directory for ``task`` (Countdown if None), built
     and warm-started on the task's demonstrations on first use.
 
@@ -156,6 +158,9 @@ def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = Wa
     ``n_heldout``: the run's held-out problems (``--run.n_heldout``); with it, the reserve of a
     task with few problems shrinks to it, and that of a task with ``--task.heldout_data`` is the
     file's rows (``model/reserve.py``), said in one line.
+
+    ``score_calls``: the deadline (s) and failure budget (share) of the task's calls in the solve
+    rate after training (``--task.score_timeout_s``, ``--task.max_failure_rate``).
     """
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1 or None, not {threads}")
@@ -173,7 +178,7 @@ def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = Wa
     _remove_orphans(models_dir, key, log)
     tmp = tempfile.mkdtemp(dir=models_dir, prefix=f".tmp-{key}-{os.getpid()}-")
     try:
-        _build(tmp, model, warm, task, threads, log, stop)
+        _build(tmp, model, warm, task, threads, log, stop, score_calls)
         _publish(tmp, final, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a no-op after a successful rename
@@ -211,7 +216,8 @@ def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> 
 
 
 def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, threads: int | None,
-           log: Callable[[str], object], stop: threading.Event | None = None) -> None:
+           log: Callable[[str], object], stop: threading.Event | None = None,
+           calls: tuple[float, float] = (10.0, 0.2)) -> None:
     tokenizer = build_tokenizer()
     tokenizer.chat_template = chat_template(task)
     check_stop(stop)
@@ -238,8 +244,8 @@ def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, 
     with _torch_threads(threads or _usable_cores()):  # the evaluation changes no weights
         hint = longest_turn + 8  # slack: a sampled turn may be a little longer than any demonstrated one
         fmt = PromptFormat("compact", tokenizer, stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer), hint)
-        greedy = (solve_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], task=task, stop=stop,
-                             max_context=model_cfg.max_positions) if warm.eval_problems else None)
+        greedy = (_checked_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], task, stop, model_cfg, calls, log)
+                  if warm.eval_problems else None)
     # The solve rate goes to the marker file only: a GRPO run prints its own held-out number before
     # training (on its n_heldout problems), and two different "held-out" figures read as a conflict.
     log(f"[model] warm start done in {wall_s:.0f} s, final loss {loss:.3f}")
@@ -249,6 +255,23 @@ def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, 
         "parameters": n_params, "warm_start_wall_s": round(wall_s, 1), "final_loss": round(loss, 4),
         "heldout_greedy_solve_rate": greedy, "model": asdict(model_cfg), "warm": asdict(warm),
         "task": task.task_name(), "train_examples": len(ids), "fingerprint": task.fingerprint()})
+
+
+def _checked_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], task: Task,
+                  stop: threading.Event | None, model_cfg: ModelConfig, calls: tuple[float, float],
+                  log: Callable[[str], object]) -> float | None:
+    """The greedy solve rate of the warm-started model, the task's code under the run's deadline
+    and failure budget (``calls``: seconds, share); None, said in one line, when that code fails
+    past its budget: the run's held-out evaluation then stops the run with the whole error."""
+    user_calls = UserCalls(task.task_name(), calls[0], calls[1], stop_early=True)
+    try:
+        return solve_rate(model, tokenizer, fmt, problems, task=task, stop=stop, calls=user_calls,
+                          max_context=model_cfg.max_positions)
+    except TaskFailureError as exc:
+        log(f"[model] no solve rate after the warm start: {str(exc).splitlines()[0]}")
+        return None
+    finally:
+        user_calls.close()
 
 
 def _save(out: str, model, tokenizer, marker: dict) -> None:
