@@ -496,3 +496,25 @@ async def test_episodes_jsonl_shows_an_episodes_tokens_by_mask(tmp_path):
     assert record | {"pieces": None} == {"step": 5, "group": "sampler0/1/7", "sampler": "sampler0", "version": 3,
                                          "reward": 1.0, "correct": True, "prompt": "2+3=", "pieces": None,
                                          "tokens": record["tokens"], "completion_tokens": len(a.token_ids)}
+
+
+def test_asyncrl_show_prints_a_recorded_episode_by_mask(tmp_path, capsys):
+    import json
+
+    from asyncrl.cli import main
+
+    pieces = [{"mask": 1, "text": " 10<|im_end|>", "tokens": 4}, {"mask": 0, "text": " higher:", "tokens": 8},
+              {"mask": 1, "text": " 15<|im_end|>", "tokens": 4}]
+    record = {"step": 7, "group": "sampler0/1/3", "sampler": "sampler0", "version": 6, "reward": 0.9, "correct": True,
+              "prompt": "Guess my number (1-20):", "completion_tokens": 16, "tokens": 8, "pieces": pieces}
+    (tmp_path / "episodes.jsonl").write_text(json.dumps(record) + "\n" + '{"step": 8, "pie')  # cut short: skipped
+    assert main(["show", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "step 7: group sampler0/1/3 from sampler0 (weights v6), reward 0.900, correct; 8 of its 16 tokens in the loss",
+        '  prompt  "Guess my number (1-20):"',
+        '  model   " 10<|im_end|>"  (4 tokens)',
+        '  env     " higher:"  (8 tokens)',
+        '  model   " 15<|im_end|>"  (4 tokens)']
+    assert main(["show", str(tmp_path), "--step", "3"]) == 1
+    assert capsys.readouterr().err.strip().endswith("no episode of step 3; episodes.jsonl has steps 7 to 7")
+    assert main(["show", str(tmp_path / "nope")]) == 2

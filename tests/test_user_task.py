@@ -109,6 +109,13 @@ def test_a_task_defined_in_a_test_file_learns(tmp_path):
     assert [e["step"] for e in episodes] == list(range(1, 13))  # one trained episode per step, decoded
     assert all(e["prompt"].endswith("?") and [p["mask"] for p in e["pieces"]] == [1] for e in episodes)
     assert all(e["tokens"] == e["completion_tokens"] for e in episodes)  # single-turn: every token trained
+    # final/ is prompted as the task trained: its template renders the task's prompt, not Countdown's
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(run_dir / "final"), local_files_only=True)
+    chat = [{"role": "user", "content": "q7?"}, {"role": "assistant", "content": "yes"}]
+    assert tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True) == "q7?"
+    assert tok.apply_chat_template(chat, tokenize=False) == "q7?yes" + tok.eos_token
 
 
 def test_failing_user_code_scores_zero_is_counted_and_the_run_goes_on(tmp_path):

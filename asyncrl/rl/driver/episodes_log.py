@@ -5,7 +5,8 @@ Masks are otherwise invisible: metrics.jsonl's ``tokens`` (in the loss) against
 out. Each step's record here is the first completion of the first group trained, its tokens
 decoded in runs of one mask value: ``pieces`` alternate the model's text (``"mask": 1``, trained
 on) and the environment's (``"mask": 0``, context), special tokens (a turn's eos) shown. The
-record is written with the step's metrics, and cut back with them on a resume.
+record is written with the step's metrics, and cut back with them on a resume; ``asyncrl show
+RUN_DIR [--step N]`` prints one (``rl/view/episodes.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import os
 from typing import Any
 
 from asyncrl.rl.rollout import RolloutGroup
-
-EPISODES_FILE = "episodes.jsonl"
+from asyncrl.rl.view.episodes import EPISODES_FILE
 
 
 def episode_record(step: int, group: RolloutGroup, tokenizer: Any, index: int = 0) -> dict[str, Any]:
