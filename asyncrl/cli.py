@@ -125,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--samplers", type=int, required=True, metavar="N", help="How many samplers to run.")
     scale.add_argument("--timeout", type=float, default=5.0, metavar="S",
                        help="Seconds to wait for the run's answer (default 5).")
+    show = sub.add_parser(
+        "show",
+        help="Print one trained episode of a run (RUN_DIR/episodes.jsonl): the model's tokens and an environment's.",
+        description=(
+            "Print the episode a run recorded for a step (the first one trained at that step): its prompt, then "
+            "each piece as 'model' (in the loss: the tokens the policy wrote) or 'env' (context: an environment's "
+            "reply, with no loss), quoted. Exit codes: 0 printed, 1 no such episode, 2 no such directory."
+        ),
+    )
+    show.add_argument("run_dir", help="The run directory.")
+    show.add_argument("--step", type=int, default=None, metavar="N", help="The step (default: the last recorded).")
     plot = sub.add_parser(
         "plot",
         help="Draw the learning curves of one or several runs (from their metrics.jsonl) into a PNG.",
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return _scale(args.run_dir, args.samplers, args.timeout)
     if args.command == "plot":
         return _plot(args.run_dirs, args.output)
+    if args.command == "show":
+        return _show(args.run_dir, args.step)
     if args.command != "launch":
         parser.print_help()
         return EXIT_USAGE
@@ -269,6 +282,21 @@ def _print_history(run_dir: str) -> None:
         print("\n".join(status_lines(run_dir)))
     except (RunHistoryError, OSError):
         pass  # not a run directory, or no step yet: the status line says what there is
+
+
+def _show(run_dir: str, step: int | None) -> int:
+    from asyncrl.rl.view.episodes import episode_text
+    from asyncrl.rl.view.history import RunHistoryError
+
+    if not os.path.isdir(run_dir):
+        print(f"asyncrl show: no such run directory: {run_dir}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        print(episode_text(run_dir, step))
+    except RunHistoryError as e:
+        print(f"asyncrl show: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _plot(run_dirs: list[str], output: str) -> int:

@@ -280,6 +280,9 @@ async def test_too_many_failures_stop_the_run_with_the_first_traceback():
     message = str(err.value)
     assert "task scored" in message and "4 of 6" in message and "--task.max_failure_rate 0.5" in message
     assert "ValueError: no reward for '<answer>41</answer>'" in message and "Traceback" in message
+    # the traceback starts at the user's frame: none of the frames that ran the call
+    assert "scoring.py" not in message and message.split("Traceback (most recent call last):\n")[1].startswith(
+        f'  File "{__file__}"'), message
     assert type(err.value) is TaskFailureError  # what the driver catches (test_remote_errors.py: across processes)
 
 
@@ -466,3 +469,52 @@ def _wait(predicate, timeout_s: float) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+async def test_episodes_jsonl_shows_an_episodes_tokens_by_mask(tmp_path):
+    """RUN_DIR/episodes.jsonl (driver/episodes_log.py): an episode the runner made, as the driver
+    records it, reads back as the model's turns (mask 1, their stop tokens shown) and the
+    environment's replies (mask 0), with the counts metrics.jsonl's tokens and completion_tokens sum."""
+    import json
+
+    from asyncrl.rl.driver.episodes_log import EpisodeLog
+    from asyncrl.rl.rollout import RolloutGroup
+
+    [[a]] = await runner(CalcEnv()).run([P1], 1, GREEDY, Script(SCRIPT))
+    group = RolloutGroup(prompt_id=0, prompt_ids=ids("2+3="), completion_ids=[a.token_ids],
+                         behaviour_logprobs=[a.logprobs], rewards=[a.reward], version=3, sampler="sampler0",
+                         uid="sampler0/1/7", action_mask=[a.action_mask], correct=[a.correct])
+    log = EpisodeLog(str(tmp_path), "", print)
+    log._tokenizer = TOK  # as load() leaves it for the run's policy
+    log.write(5, [group])
+    [record] = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert [(p["mask"], p["text"]) for p in record["pieces"]] == [
+        (1, "<calc>2+3</calc>"), (0, "<result>5</result>"), (1, "so <calc>5*2</calc>"), (0, "<result>10</result>"),
+        (1, "<answer>5</answer><|im_end|>")]
+    assert record["tokens"] == sum(a.action_mask) and record["completion_tokens"] == len(a.token_ids)
+    assert sum(p["tokens"] for p in record["pieces"]) == len(a.token_ids)
+    assert record | {"pieces": None} == {"step": 5, "group": "sampler0/1/7", "sampler": "sampler0", "version": 3,
+                                         "reward": 1.0, "correct": True, "prompt": "2+3=", "pieces": None,
+                                         "tokens": record["tokens"], "completion_tokens": len(a.token_ids)}
+
+
+def test_asyncrl_show_prints_a_recorded_episode_by_mask(tmp_path, capsys):
+    import json
+
+    from asyncrl.cli import main
+
+    pieces = [{"mask": 1, "text": " 10<|im_end|>", "tokens": 4}, {"mask": 0, "text": " higher:", "tokens": 8},
+              {"mask": 1, "text": " 15<|im_end|>", "tokens": 4}]
+    record = {"step": 7, "group": "sampler0/1/3", "sampler": "sampler0", "version": 6, "reward": 0.9, "correct": True,
+              "prompt": "Guess my number (1-20):", "completion_tokens": 16, "tokens": 8, "pieces": pieces}
+    (tmp_path / "episodes.jsonl").write_text(json.dumps(record) + "\n" + '{"step": 8, "pie')  # cut short: skipped
+    assert main(["show", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "step 7: group sampler0/1/3 from sampler0 (weights v6), reward 0.900, correct; 8 of its 16 tokens in the loss",
+        '  prompt  "Guess my number (1-20):"',
+        '  model   " 10<|im_end|>"  (4 tokens)',
+        '  env     " higher:"  (8 tokens)',
+        '  model   " 15<|im_end|>"  (4 tokens)']
+    assert main(["show", str(tmp_path), "--step", "3"]) == 1
+    assert capsys.readouterr().err.strip().endswith("no episode of step 3; episodes.jsonl has steps 7 to 7")
+    assert main(["show", str(tmp_path / "nope")]) == 2

@@ -161,3 +161,7 @@ def test_a_batchs_task_metrics_are_means_per_completion_and_errors_are_counts():
     batch = [g({"task/hits": 2.0, "task_errors/timeout": 1.0}), g({"task/hits": 1.0}, n=4)]
     assert task_metrics(batch) == {"task/hits": 0.5, "task_errors/timeout": 1.0}
     assert task_metrics([g({})]) == {}
+    seen: set[str] = set()  # a run's: a key of an earlier step is 0 in a step without it, not missing
+    assert task_metrics(batch, seen) == {"task/hits": 0.5, "task_errors/timeout": 1.0}
+    assert task_metrics([g({"task/other": 1.0})], seen) == {"task/hits": 0.0, "task/other": 0.5,
+                                                            "task_errors/timeout": 0.0}

@@ -297,3 +297,61 @@ def test_solve_rate_arguments(built):
     with pytest.raises(ValueError, match="greedy"):
         solve_rate(model, tok, fmt, [P], n=2, task=Countdown())
     assert solve_rate(model, tok, fmt, [], task=Countdown()) == 0.0
+
+
+# --- the held-out evaluation: the task's metrics, its code under the run's budget ----------------
+
+
+class Scored(Countdown):
+    """Countdown whose score does what the test says: metrics of its own, raising on some problems,
+    or sleeping past the deadline."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def score(self, problem, completion):
+        if self.how == "sleep":
+            time.sleep(5)
+        if self.how == "raise" and problem.target % 4 == 0:
+            raise ZeroDivisionError("a bug in the reward")
+        return Score(0.0, False, {"length": len(completion), "even_target": problem.target % 2 == 0})
+
+
+def test_an_evaluation_reports_the_tasks_metrics_and_its_failed_calls(built):
+    from asyncrl.rl.tasks.scoring import UserCalls
+
+    model, tok, fmt = load_policy(built)
+    problems = list(generate(0, 12))
+    calls = UserCalls("countdown", 5.0, 0.5, min_calls=4, stop_early=True)
+    try:
+        found = evaluation.evaluate(model, tok, fmt, problems, task=Scored("raise"), max_new_tokens=4, calls=calls)
+    finally:
+        calls.close()
+    raising = sum(p.target % 4 == 0 for p in problems)
+    assert 0 < raising <= 6 and found.errors == {"raised": raising}
+    scored = [p for p in problems if p.target % 4]
+    # means over every episode: a failed call's episode has no metric, and counts 0
+    assert found.metrics["even_target"] == pytest.approx(sum(p.target % 2 == 0 for p in scored) / len(problems))
+    assert 0 < found.metrics["length"] <= 4 * len(scored) / len(problems)
+
+
+def test_a_reward_that_sleeps_stops_the_evaluation_at_its_budget_naming_it(built):
+    """(Before: failures scored 0 without a word, and a reward sleeping 60 s held the evaluation of
+    500 problems for over 14 minutes, one deadline per hung worker.)"""
+    from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
+
+    model, tok, fmt = load_policy(built)
+    calls = UserCalls("countdown", 0.3, 0.2, min_calls=4, workers=2, stop_early=True)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TaskFailureError, match=r"(?s)task countdown: 4 of 4 score/step calls failed \(100%, more "
+                                                   r"than --task.max_failure_rate 0.2\); the first failure:\nscore.*"
+                                                   r"ran past its 0.3 s deadline.*time.sleep\(5\)") as excinfo:
+            evaluation.evaluate(model, tok, fmt, list(generate(0, 40)), task=Scored("sleep"), max_new_tokens=4,
+                                calls=calls)
+        message = str(excinfo.value)
+        assert message.split("it was at:\n")[1].startswith(f'  File "{__file__}"'), message  # the user's frame first
+    finally:
+        calls.close()
+    assert time.monotonic() - started < 4.0  # not 40 problems x 0.3 s, nor a 5 s sleep per worker

@@ -172,7 +172,7 @@ def test_a_reward_function_task_prompts_with_the_row_and_scores_with_the_functio
             return 1.0
         """)
     task = load_task(TaskSpec("", data=data, reward=f"{reward}:exact", prompt_key="question"))
-    assert isinstance(task, RewardFunctionTask) and task.task_name() == "reward_fn:exact"
+    assert isinstance(task, RewardFunctionTask) and task.task_name() == "my_reward.py:exact"  # the user's file
     rows = task.data
     assert task.prompt(rows[0]) == "2+2" and task.prompt(rows[1]) == [{"role": "user", "content": "3+3"}]
     assert task.score(rows[0], " 4") == Score(1.0, metrics={"length": 2})

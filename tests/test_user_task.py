@@ -72,6 +72,16 @@ class Broken(YesNo):
         return {"reward": 1.0}["rewrd"]
 
 
+class Sleepy(YesNo):
+    """A score that sleeps far past any deadline (a user's reward waiting on a dead service)."""
+
+    name = "sleepy"
+
+    def score(self, problem, completion):
+        time.sleep(60)
+        return 1.0
+
+
 def launch(tmp_path, *args, timeout=300):
     env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo.py"),
@@ -95,6 +105,17 @@ def test_a_task_defined_in_a_test_file_learns(tmp_path):
     assert "task/said_no" in first and 0.0 <= first["task/said_no"] <= 1.0
     assert json.loads((run_dir / "config.json").read_text())["task"]["name"] == f"{HERE}:YesNo"
     assert "task yesno" in done.stdout
+    episodes = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in episodes] == list(range(1, 13))  # one trained episode per step, decoded
+    assert all(e["prompt"].endswith("?") and [p["mask"] for p in e["pieces"]] == [1] for e in episodes)
+    assert all(e["tokens"] == e["completion_tokens"] for e in episodes)  # single-turn: every token trained
+    # final/ is prompted as the task trained: its template renders the task's prompt, not Countdown's
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(run_dir / "final"), local_files_only=True)
+    chat = [{"role": "user", "content": "q7?"}, {"role": "assistant", "content": "yes"}]
+    assert tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True) == "q7?"
+    assert tok.apply_chat_template(chat, tokenize=False) == "q7?yes" + tok.eos_token
 
 
 def test_failing_user_code_scores_zero_is_counted_and_the_run_goes_on(tmp_path):
@@ -111,6 +132,12 @@ def test_failing_user_code_scores_zero_is_counted_and_the_run_goes_on(tmp_path):
                 counted[key] = counted.get(key, 0) + value
     assert {"task_errors/raised", "task_errors/timeout", "task_errors/bad_value"} <= set(counted), counted
     assert all(r["reward_mean"] <= 0.2 + 1e-9 for r in records(run_dir))  # only 1 problem in 5 can score
+    # The held-out evaluation runs the same code under the same deadline, and says what failed.
+    before = next(line for line in done.stdout.splitlines() if "held-out solve rate before GRPO" in line)
+    assert "; failed score/step calls, scored 0: " in before and all(k in before for k in ("raised", "timeout",
+                                                                                         "bad_value")), before
+    last = records(run_dir)[-1]
+    assert {"heldout/task_errors/raised", "heldout/task_errors/timeout", "heldout/task_errors/bad_value"} <= set(last)
 
 
 def test_a_task_that_always_fails_stops_the_run_naming_it_and_its_traceback(tmp_path):
@@ -120,3 +147,23 @@ def test_a_task_that_always_fails_stops_the_run_naming_it_and_its_traceback(tmp_
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "broken" in done.stderr and "KeyError" in done.stderr and "rewrd" in done.stderr, done.stderr[-3000:]
     assert "--task.max_failure_rate" in done.stderr
+
+
+def test_a_reward_that_hangs_stops_the_heldout_evaluation_at_its_budget(tmp_path):
+    """The held-out evaluation before GRPO runs the reward under --task.score_timeout_s and
+    --task.max_failure_rate, as the samplers do: a reward that sleeps 60 s stops the run there in
+    one error naming the task, the deadline and where it hung. (Before: each failure scored 0
+    without a word, and such a reward held the evaluation for 14 minutes while status said
+    "starting".)"""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    done = launch(tmp_path, "--task.name", f"{HERE}:Sleepy", "--task.score_timeout_s", "0.5", "--run.n_heldout", "60",
+                  "--warm_start.heldout_reserve", "60", "--warm_start.steps", "3", "--run.steps", "5",
+                  "--run.run_dir", str(run_dir))
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert ("the held-out evaluation: task sleepy: 50 of 50 score/step calls failed (100%, more than "
+            "--task.max_failure_rate 0.2); the first failure:") in done.stderr, done.stderr[-3000:]
+    assert "ran past its 0.5 s deadline" in done.stderr and "time.sleep(60)" in done.stderr
+    assert "before GRPO" not in done.stdout and not (run_dir / "metrics.jsonl").read_text().strip()
+    assert took < 150, took

@@ -176,6 +176,43 @@ def test_a_task_with_demonstrations_warm_starts(tmp_path):
     assert 0.0 <= marker["heldout_greedy_solve_rate"] <= 1.0
     assert os.path.basename(path) == warm_start.cache_key(SMALL, warm, Reverse())
     assert warm_start.cache_key(SMALL, warm, Reverse()) != warm_start.cache_key(SMALL, warm, None)
+    # Its template (which final/ and best/ copy) renders the task's prompt and answer as trained,
+    # not Countdown's "numbers -> target" form.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    chat = [{"role": "user", "content": "123>"}, {"role": "assistant", "content": "321"}]
+    assert tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True) == "123>"
+    assert tok.apply_chat_template(chat, tokenize=False) == "123>321<|im_end|>"
+
+
+class SlowReverse(Reverse):
+    name = "slow_reverse"
+
+    def score(self, problem, completion):
+        time.sleep(5)  # a reward waiting on a service that is down
+        return 0.0
+
+
+def test_a_reward_that_hangs_ends_the_warm_starts_check_at_its_budget(tmp_path):
+    """The solve rate after the warm start runs the reward under the run's deadline and budget: a
+    reward that hangs gives no rate (one line) within seconds, not one deadline per hung worker
+    and problem (200 problems of a reward sleeping 60 s: 13 minutes)."""
+    warm = WarmStartConfig(steps=1, batch_size=8, warmup_steps=1, n_examples=64, heldout_reserve=60, eval_problems=60)
+    lines: list[str] = []
+    trained: list[float] = []  # when training began (transformers' first import comes before)
+
+    def log(line: str) -> None:
+        lines.append(line)
+        trained.extend([time.monotonic()] * ("warm-starting" in line))
+
+    path = default_model(SMALL, warm, SlowReverse(), cache_dir=str(tmp_path), threads=1, log=log,
+                         score_calls=(0.2, 0.2))
+    assert time.monotonic() - trained[0] < 10  # 1.4 s on the loaded 2-core machine
+    with open(os.path.join(path, "asyncrl_model.json")) as f:
+        assert json.load(f)["heldout_greedy_solve_rate"] is None
+    assert ("[model] no solve rate after the warm start: task slow_reverse: 50 of 50 score/step calls failed "
+            "(100%, more than --task.max_failure_rate 0.2); the first failure:") in lines
 
 
 def test_a_task_without_demonstrations_needs_a_checkpoint(tmp_path):
@@ -209,9 +246,105 @@ def test_an_environments_replies_carry_no_labels():
                                                                      "<answer>5</answer>")]
     prompt, call, result, answer = pieces
     eos = tok.eos_token_id
-    assert ids[0, :lengths[0]].tolist() == prompt + call + result + answer + [eos]  # eos after the last turn only
+    # A turn ended by a stop string has no eos (generation stops there); the answer's has one.
+    assert ids[0, :lengths[0]].tolist() == prompt + call + result + answer + [eos]
     assert labels[0, :lengths[0]].tolist() == [-100] * len(prompt) + call + [-100] * len(result) + answer + [eos]
     assert longest_turn == len(call)
+
+
+class Replay:
+    """A fake `Generate`: a model that has learnt the warm start's rows by heart. Each context must
+    be the start of one of them; the model writes that row's next tokens and stops where a backend
+    would: after a stop token, at a stop string (its text cut before it), or at ``max_new_tokens``.
+    The first call is the problems' prompts, in order: problem i's row continues it (prompts may
+    be alike, as Guess's are, when only the problem knows the first move)."""
+
+    def __init__(self, tok, rows: list[list[int]]):
+        self.tok, self.rows, self.first = tok, rows, True
+
+    async def __call__(self, prompts, n, params):
+        from asyncrl.rl.generation import Completion
+
+        out = []
+        first, self.first = self.first, False
+        for i, context in enumerate(prompts):
+            rows = [self.rows[i]] if first else self.rows
+            row = next((r for r in rows if r[:len(context)] == context), None)
+            assert row is not None, f"a context the warm start never trained on: {self.tok.decode(context)!r}"
+            got = []
+            for token in row[len(context):len(context) + params.max_new_tokens]:
+                got.append(token)
+                text = self.tok.decode(got, skip_special_tokens=True)
+                if token in params.stop_token_ids or any(s in text for s in params.stop):
+                    break
+            hits = [text.find(s) for s in params.stop if s in text]
+            finish = "stop" if got[-1] in params.stop_token_ids or hits else "length"
+            out.append([Completion(got, [0.0] * len(got), text[:min(hits)] if hits else text, finish)] * n)
+        return out
+
+
+def environments(tmp_path) -> list:
+    """docs/tasks.md's Guess and examples/guess.py (turns end on eos), examples/calculator.py (a
+    tool call ends on its stop string, the answer on eos)."""
+    from test_examples import EXAMPLES, calculator_module, doc_files
+
+    from asyncrl.rl.tasks import TaskSpec, load_task
+
+    return [load_task(TaskSpec(name=f"{doc_files(tmp_path)['guess.py']}:Guess")),
+            load_task(TaskSpec(name=f"{EXAMPLES}/guess.py:Guess")), calculator_module().Calculator()]
+
+
+def test_an_environments_warm_start_rows_are_its_episodes_token_for_token(tmp_path):
+    """For the same demonstration, the warm start trains on exactly the tokens (and the mask) an
+    episode produces: a model that learnt the rows by heart plays each problem's episode through the
+    runner as demonstrated, and the saved chat template renders the same conversation to the same
+    tokens. (Before: the warm start wrote eos after the last turn only, so every episode's turns,
+    which keep their eos before the reply, were sequences it had never seen.)"""
+    import asyncio
+
+    from asyncrl.rl.generation import SamplingParams
+    from asyncrl.rl.model.policy import PromptFormat
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+    from asyncrl.rl.tasks.episodes import EpisodeRunner
+    from asyncrl.rl.tasks.scoring import UserCalls
+
+    tok = build_tokenizer()
+    eos = tok.eos_token_id
+    for task in environments(tmp_path):
+        problems = [p for p in task.problems()[:20] if len(task.demonstration(p)) > 1]
+        ids, labels, lengths, _ = warm_start._encode(tok, problems, 128, task=task)
+        rows = [ids[i, :lengths[i]].tolist() for i in range(len(problems))]
+        fmt = PromptFormat("compact", tok, [eos], 40)
+        calls = UserCalls(task.task_name(), 5.0, 1.0)
+        try:
+            params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=[eos])
+            groups = asyncio.run(EpisodeRunner(task, fmt, calls, max_context=128).run(problems, 1, params,
+                                                                                       Replay(tok, rows)))
+        finally:
+            calls.close()
+        tok.chat_template = warm_start.chat_template(task)
+        for i, ((sample,), problem) in enumerate(zip(groups, problems)):
+            prompt = fmt.render_ids(warm_start.as_prompt(task.prompt(problem)))
+            assert prompt + sample.token_ids == rows[i], task.task_name()
+            assert sample.action_mask == [int(x != -100) for x in labels[i, len(prompt):lengths[i]].tolist()]
+            assert sample.correct and not sample.error and sample.metrics["turns"] == (len(task.demonstration(problem)) + 1) // 2
+            turns = task.demonstration(problem)
+            messages = [{"role": "user", "content": task.prompt(problem)}] + [
+                {"role": "user" if j % 2 else "assistant", "content": t} for j, t in enumerate(turns)]
+            assert tok.apply_chat_template(messages, tokenize=True, return_dict=False) == rows[i]
+            assert tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) == \
+                task.prompt(problem)
+
+
+def test_a_stop_string_inside_a_demonstrated_turn_is_one_line():
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+
+    class Early(Tool):
+        def demonstration(self, problem):
+            return ["<calc>2+3</calc> and more", "<result>5</result>", "<answer>5</answer>"]
+
+    with pytest.raises(TaskError, match="stop string '</calc>' before its end.*split it into two turns"):
+        warm_start._encode(build_tokenizer(), ["2+3"], 64, task=Early())
 
 
 @pytest.mark.parametrize("demonstration, error", [
@@ -230,3 +363,65 @@ def test_a_malformed_demonstration_is_one_line(demonstration, error):
     with pytest.raises(TaskError, match="must return a str or None"):
         warm_start._encode(build_tokenizer(), ["001"], 64, task=type("ListDemo", (Reverse,), {
             "demonstration": lambda self, p: [p]})())
+
+
+# --- the reserve: a held-out file, a small task (model/reserve.py) --------------------------------
+
+
+def rows_task(tmp_path, n_rows: int, n_heldout_rows: int):
+    """A data file and a reward function, as a user gives them, with a held-out file."""
+    from asyncrl.rl.tasks import TaskSpec, load_task
+
+    def rows(n, start):
+        return "".join(json.dumps({"prompt": f"{i:03d}>", "answer": f"{i:03d}"[::-1],
+                                   "demonstration": f"{i:03d}"[::-1]}) + "\n" for i in range(start, start + n))
+
+    (tmp_path / "rows.jsonl").write_text(rows(n_rows, 0))
+    (tmp_path / "heldout.jsonl").write_text(rows(n_heldout_rows, 500))
+    (tmp_path / "reward.py").write_text("def reward(row, completion):\n    return float(completion == row['answer'])\n")
+    return load_task(TaskSpec(name="", data=str(tmp_path / "rows.jsonl"), heldout_data=str(tmp_path / "heldout.jsonl"),
+                              reward=f"{tmp_path / 'reward.py'}:reward"))
+
+
+def test_a_heldout_file_is_the_warm_starts_reserve(tmp_path):
+    """A held-out file of exactly --run.n_heldout rows (fewer than the reserve) warm-starts: the
+    reserve is the file's rows, said in one line. (Before: a traceback blaming --run.n_heldout.)"""
+    task = rows_task(tmp_path, 60, 8)
+    warm = WarmStartConfig(steps=2, batch_size=8, warmup_steps=1, n_examples=60, heldout_reserve=16, eval_problems=16)
+    lines = []
+    path = default_model(SMALL, warm, task, cache_dir=str(tmp_path / "cache"), threads=1, log=lines.append)
+    with open(os.path.join(path, "asyncrl_model.json")) as f:
+        marker = json.load(f)
+    assert marker["warm"]["heldout_reserve"] == marker["warm"]["eval_problems"] == 8
+    assert marker["train_examples"] == 60  # the file's rows: none is held out of them
+    assert "[model] the warm start of task reward.py:reward reserves the 8 rows of --task.heldout_data (not " \
+           "--warm_start.heldout_reserve 16): it never trains on that file" in lines
+
+
+def test_a_heldout_file_lets_n_heldout_exceed_the_reserve():
+    from asyncrl.rl.config.grpo import GRPOConfig, check_heldout_unseen
+    from asyncrl.rl.config.parse import ConfigError, parse_overrides
+
+    with pytest.raises(ConfigError, match="--run.n_heldout 1500 is more than --warm_start.heldout_reserve 1000"):
+        check_heldout_unseen(parse_overrides(GRPOConfig(), ["--run.n_heldout", "1500"]))
+    check_heldout_unseen(parse_overrides(GRPOConfig(), ["--run.n_heldout", "1500", "--task.heldout_data", "h.jsonl"]))
+
+
+def test_a_small_task_keeps_most_of_its_problems_for_the_warm_start():
+    """Reverse has 200 problems: a reserve of 150 would leave the warm start 50; it holds out the
+    run's 20 held-out problems instead, and says how many problems the full reserve needs."""
+    from asyncrl.rl.model.reserve import fitted_warm_start
+    from asyncrl.rl.tasks.countdown import Countdown
+
+    warm = WarmStartConfig(heldout_reserve=150, eval_problems=40)
+    fitted, line = fitted_warm_start(warm, Reverse(), 20)
+    assert (fitted.heldout_reserve, fitted.eval_problems) == (20, 20)
+    assert line == ("task reverse has 200 problems: the warm start holds out --run.n_heldout 20 of them, not "
+                    "--warm_start.heldout_reserve 150, and trains on the other 180; a task needs 300 problems or "
+                    "more for the full reserve (or give --task.heldout_data)")
+    train, heldout = Reverse().splits(0, 1000, fitted.heldout_reserve)
+    assert heldout == Reverse().splits(0, 1000, 20).heldout and len(train) == 180  # the run's held-out set: unseen
+    enough = WarmStartConfig(heldout_reserve=100, eval_problems=20)  # 200 problems: twice the reserve
+    assert fitted_warm_start(enough, Reverse(), 20) == (enough, "")
+    assert fitted_warm_start(warm, Reverse(), None) == (warm, "")  # no run: as configured
+    assert fitted_warm_start(WarmStartConfig(), Countdown(), 500) == (WarmStartConfig(), "")  # its own splits

@@ -190,7 +190,7 @@ def check_heldout_unseen(config: GRPOConfig) -> None:
     if str(data.data_seed) != str(warm.data_seed):
         raise ConfigError(f"--run.data_seed {data.data_seed} differs from --warm_start.data_seed {warm.data_seed}: "
                           "the held-out problems could be among the warm start's training problems")
-    if data.n_heldout > warm.heldout_reserve:
+    if data.n_heldout > warm.heldout_reserve and not config.task.heldout_data:  # a file is never warm-started on
         raise ConfigError(f"--run.n_heldout {data.n_heldout} is more than --warm_start.heldout_reserve "
                           f"{warm.heldout_reserve}: the held-out problems beyond it were trained on in the warm start")
 

@@ -77,7 +77,9 @@ class WarmStartConfig:
     trained on."""
     heldout_reserve: int = 1000
     """Held-out problems excluded from training (the held-out stream is prefix-stable, so any
-    held-out set of this size or smaller, from the same ``data_seed``, is unseen)."""
+    held-out set of this size or smaller, from the same ``data_seed``, is unseen). A run fits it to
+    its task (``model/reserve.py``): the rows of ``--task.heldout_data``; ``--run.n_heldout`` for a
+    task with fewer than twice this many problems."""
     eval_problems: int = 200
     """Held-out problems solved greedily after training, recorded in the marker file (not logged: the
     GRPO run reports the held-out solve rate before training itself, on its own held-out set, and

@@ -24,7 +24,8 @@ class DataConfig:
     """Problems in the train split (a run of the default length sees most of them once, so the
     train solve rate is measured on problems new to the policy)."""
     n_heldout: int = 500
-    """Problems in the held-out split (never trained on; at most the warm start's heldout_reserve)."""
+    """Problems in the held-out split (never trained on; at most the warm start's heldout_reserve,
+    unless they come from --task.heldout_data)."""
     data_seed: int = 0
     """Seed of the train and held-out splits. With the embedded model it must be the warm start's
     ``data_seed``: that is the split whose held-out problems the warm start never saw."""

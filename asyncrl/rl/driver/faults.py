@@ -35,9 +35,10 @@ class WeightsDivergedError(RunStoppedError):
 
 
 class TaskFailedError(RunStoppedError):
-    """The task's own code failed too often in a sampler (its score or step raised, hung, or
-    returned no number for more than ``--task.max_failure_rate`` of the calls); the message names
-    the task, the sampler and the first traceback. Fix the task; resume from the checkpoint."""
+    """The task's own code failed too often in a sampler or in the held-out evaluation (its score
+    or step raised, hung, or returned no number for more than ``--task.max_failure_rate`` of the
+    calls); the message names the task, where, and the first traceback. Fix the task; resume from
+    the checkpoint."""
 
 
 async def trainer_phase(phase: str, knob: str, timeout_s: float, call: Awaitable[T]) -> T:

@@ -31,7 +31,8 @@ import msgspec
 
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
+from asyncrl.rl.driver.episodes_log import EPISODES_FILE, EpisodeLog
+from asyncrl.rl.driver.faults import RunStoppedError, TaskFailedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
 from asyncrl.rl.driver.metrics import Metrics, truncate_metrics
 from asyncrl.rl.driver.pacing import Pacer
@@ -43,9 +44,10 @@ from asyncrl.rl.driver.scaling import Scaler
 from asyncrl.rl.driver.stall import StallWatch
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
-from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
+from asyncrl.rl.driver.report import heldout_extra_text, rates_text, shown_path, summary_text
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.files import write_json_atomic
 
 BEST_DIR, BEST_JSON = "best", "best.json"
@@ -88,6 +90,9 @@ class GRPODriver:
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
         self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
         self.phase = "starting"
+        self.heldout_extra: dict[str, float] = {}  # of the latest evaluation: see evaluate
+        self.episodes, self.trained_head = EpisodeLog(run_dir, model_path, log), []
+        self.task_keys: set[str] = set()  # task/* and task_errors/* keys of the steps so far (task_metrics)
         self.last_step_s, self.last_step_at = 0.0, 0.0
         self.checkpoint_path = resume.path if resume is not None else ""
         self.segment_start = time.monotonic()
@@ -173,15 +178,26 @@ class GRPODriver:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
 
     async def evaluate(self) -> dict[str, float]:
+        """The held-out solve rates (``greedy``, ``sampled``); the evaluation's task metrics and
+        failed calls go to ``heldout_extra`` (``heldout/task/<name>``, ``heldout/task_errors/<kind>``:
+        the step record's). The task's code failing past its budget stops the run, as in a sampler."""
         t = self.run.deadlines.eval_timeout_s
-        return await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
-                                   self.trainer.with_timeout(t).evaluate(self.run.eval_samples))
+        try:
+            out = await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
+                                      self.trainer.with_timeout(t).evaluate(self.run.eval_samples))
+        except RemoteError as exc:
+            if isinstance(exc, TaskFailureError):  # the task's code past its budget (as pool.py: a sampler's)
+                raise TaskFailedError(f"the held-out evaluation: {exc.remote_message}") from exc
+            raise
+        self.heldout_extra = {f"heldout/{k}": v for k, v in out.items() if "/" in k}
+        return {k: v for k, v in out.items() if "/" not in k}
 
     async def execute(self) -> dict[str, Any]:
         run = self.run
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.resume is not None:
             kept = truncate_metrics(metrics_path, self.step_done)
+            truncate_metrics(os.path.join(self.run_dir, EPISODES_FILE), self.step_done)  # per step too
             self.log(f"resuming from {self.resume.path}: step {self.step_done}, v{self.version}; "
                      f"metrics.jsonl keeps its {kept} records up to that step")
             append_event(self.events_path, {"event": "resumed", "step": self.step_done, "at": time.time(),
@@ -197,10 +213,12 @@ class GRPODriver:
         watcher: asyncio.Future | None = None  # the stall watch, while the steps run
         try:
             await self.pool.start(self.version, list(self.state.samplers))
+            await asyncio.to_thread(self.episodes.load)
             if self.resume is None:
+                self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
                 self.heldout_before = self.heldout_last = await self.evaluate()
                 self.log(f"held-out solve rate before GRPO ({self.n_heldout} problems): "
-                         + rates_text(self.heldout_before))
+                         + rates_text(self.heldout_before) + heldout_extra_text(self.heldout_extra))
             self.phase, self.began = "training", True
             self.write_progress()
             watcher = asyncio.ensure_future(self.stall.run())
@@ -215,7 +233,9 @@ class GRPODriver:
                     record["heldout_solve_rate"] = self.heldout_last["greedy"]
                     if "sampled" in self.heldout_last:
                         record["heldout_sampled_solve_rate"] = self.heldout_last["sampled"]
+                    record.update(self.heldout_extra)
                 metrics.write(record)  # before the checkpoint: a resume from it keeps this record
+                self.episodes.write(step, self.trained_head)
                 self.latest = record
                 self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
                 if evaluated and self.heldout_last["greedy"] > self.best_greedy():
@@ -299,6 +319,7 @@ class GRPODriver:
         if run.mode == "sync":  # generate exactly this step's groups, with the current weights
             await self.pool.generate(n, self.version)
         batch: list[RolloutGroup] = await self.pool.next_batch(n, self.version)
+        self.trained_head = batch[:1]  # its first episode goes to episodes.jsonl with the record
         t1 = time.monotonic()
         self.waiting = "train"
         trained = await trainer_phase(f"train step {step}", "train_timeout_s", run.deadlines.train_timeout_s,
@@ -339,7 +360,7 @@ class GRPODriver:
                 "wait_s": t1 - t0, "train_s": t2 - t1, **synced,
                 "generate_s": sum(g.generate_s for g in batch) / len(batch),
                 **{k: v for k, v in trained.items() if k not in ("train_s",)},
-                **task_metrics(batch),
+                **task_metrics(batch, self.task_keys),
                 **self.pool.take_events(),
                 "group_ids": [g.uid for g in batch],
                 **({"weights_digests": digests} if digests else {})}
@@ -372,14 +393,18 @@ class GRPODriver:
             raise
 
 
-def task_metrics(batch: list[RolloutGroup]) -> dict[str, float]:
+def task_metrics(batch: list[RolloutGroup], seen: set[str] | None = None) -> dict[str, float]:
     """The task's metrics of a batch: its named ones and the environment's counts as means over
-    the completions, failed user calls (``task_errors/<kind>``) as counts."""
+    the completions, failed user calls (``task_errors/<kind>``) as counts. ``seen``: the keys of
+    the run's earlier steps, updated here; one no completion of this batch reported is 0, not
+    missing (a task that reports ``no_guess`` only when it happens: a step without one is 0)."""
     completions = sum(g.group_size for g in batch)
-    sums: dict[str, float] = {}
+    sums: dict[str, float] = dict.fromkeys(seen or (), 0.0)
     for g in batch:
         for key, value in g.metrics.items():
             sums[key] = sums.get(key, 0.0) + value
+    if seen is not None:
+        seen.update(sums)
     return {k: (v if k.startswith("task_errors/") else v / completions) for k, v in sorted(sums.items())}
 
 

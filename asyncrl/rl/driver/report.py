@@ -52,6 +52,19 @@ def rates_text(rates: dict[str, float]) -> str:
     return ", ".join(f"{rate:.3f} {kind}" for kind, rate in rates.items())
 
 
+def heldout_extra_text(extra: dict[str, float]) -> str:
+    """What a held-out evaluation found besides its rates (`GRPODriver.evaluate`'s ``heldout_extra``):
+    the task's metrics on the greedy episodes, and the calls of its code that failed (they scored
+    0, so a rate of 0.000 says why); "" when there is neither."""
+    metrics = [f"{k.removeprefix('heldout/task/')} {v:.3g}" for k, v in extra.items() if k.startswith("heldout/task/")]
+    errors = [f"{int(v)} {k.removeprefix('heldout/task_errors/')}" for k, v in extra.items()
+              if k.startswith("heldout/task_errors/")]
+    text = f"; task metrics (greedy): {', '.join(metrics)}" if metrics else ""
+    if errors:
+        text += f"; failed score/step calls, scored 0: {', '.join(errors)}"
+    return text
+
+
 def shown_path(path: str) -> str:
     """``path`` relative to the working directory when it is under it (shorter), else absolute."""
     try:

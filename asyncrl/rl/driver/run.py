@@ -121,7 +121,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         stop_warm_start = threading.Event()  # a cancel (Ctrl-C) must stop the warm start's thread too:
         try:  # asyncio's shutdown waits for the thread, which would otherwise finish the warm start first
             model_path = config.model_path or await asyncio.to_thread(
-                default_model, config.model, config.warm_start, task, log=log, stop=stop_warm_start)
+                default_model, config.model, config.warm_start, task, log=log, stop=stop_warm_start,
+                n_heldout=run.data.n_heldout, score_calls=(spec.score_timeout_s, spec.max_failure_rate))
         except asyncio.CancelledError:
             stop_warm_start.set()
             raise

@@ -1,5 +1,5 @@
-"""Solve rates of a policy on a task's problems, sampled or greedy, with transformers' ``generate``
-(the warm start's check and the trainer's held-out evaluation).
+"""Solve rates (and the task's metrics) of a policy on a task's problems, sampled or greedy, with
+transformers' ``generate`` (the warm start's check and the trainer's held-out evaluation).
 
 Episodes run through the same `EpisodeRunner` the samplers use (``tasks/episodes.py``), so a
 multi-turn environment is evaluated turn by turn exactly as it is trained, and a task's score
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,6 +21,7 @@ from asyncrl.rl.model.policy import PromptFormat
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task
+from asyncrl.rl.tasks.scoring import UserCalls
 
 
 class StoppedError(AsyncrlError):
@@ -32,39 +33,72 @@ def check_stop(stop: threading.Event | None, what: str = "the warm start of the 
         raise StoppedError(f"{what} was stopped before it finished")
 
 
-def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, task: Task, greedy: bool = True,
-               n: int = 1, max_new_tokens: int | None = None, batch_size: int = 64, temperature: float = 1.0,
-               stop: threading.Event | None = None, score_timeout_s: float = 10.0,
-               max_context: int = 0) -> float:
-    """Fraction of ``n`` episodes per problem of ``task`` that it finds correct.
+class Evaluation(NamedTuple):
+    """What an evaluation found."""
+
+    solve_rate: float
+    """Fraction of the episodes the task found correct."""
+    metrics: dict[str, float]
+    """The task's metrics (an environment's ``turns`` and ``episodes_truncated`` too), each a mean
+    over the episodes (an episode without one counts 0), as the training steps report them."""
+    errors: dict[str, int]
+    """Failed user calls (score, step) by error kind; {} when none failed."""
+
+
+def evaluate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, task: Task, greedy: bool = True,
+             n: int = 1, max_new_tokens: int | None = None, batch_size: int = 64, temperature: float = 1.0,
+             stop: threading.Event | None = None, calls: UserCalls | None = None, score_timeout_s: float = 10.0,
+             max_context: int = 0) -> Evaluation:
+    """``n`` episodes per problem of ``task``: the share it finds correct, its metrics, the failures.
 
     Greedy decoding, or pure sampling at ``temperature`` (no top-k / top-p: the distribution GRPO
     samples from), ``batch_size`` sequences per ``generate`` call. ``stop``: checked before each
     call; once set, raises `StoppedError`. Blocking: call it from a thread, not an event loop.
+
+    ``calls``: the task's calls under the run's deadline and failure budget, as in the samplers
+    (`UserCalls` with ``stop_early``: past the budget it raises `TaskFailureError` at once, naming
+    the task and the first failure, instead of scoring every remaining problem 0, one deadline per
+    hung worker at a time). None: calls of its own under ``score_timeout_s`` with no budget,
+    failures scoring 0 (the warm start's check).
     """
     from asyncrl.rl.tasks.episodes import EpisodeRunner
-    from asyncrl.rl.tasks.scoring import UserCalls
 
     if n < 1 or batch_size < 1:
         raise ValueError(f"n and batch_size must be >= 1, not {n} and {batch_size}")
     if greedy and n > 1:
         raise ValueError("greedy decoding gives the same completion n times; use n=1 or greedy=False")
     if not problems:
-        return 0.0
+        return Evaluation(0.0, {}, {})
     params = SamplingParams(max_new_tokens=max_new_tokens or fmt.max_new_tokens_hint,
                             temperature=0.0 if greedy else temperature, stop_token_ids=list(fmt.stop_token_ids))
-    # An evaluation never stops a run over a failing score: failures score 0, as in training.
-    calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0, workers=max(16, len(problems) * n))
+    own = calls is None
+    if own:  # failures score 0 here, as in training; an agent's whole episode is one call
+        calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0, workers=max(16, len(problems) * n))
     generate = hf_generate(model, tokenizer, fmt, batch_size, stop)
     try:
-        if isinstance(task, Agent):
-            return asyncio.run(_agent_solve_rate(task, list(problems), n, params, generate, tokenizer, calls,
-                                                 max_context))
+        if isinstance(task, Agent):  # its metrics are not gathered here yet: the solve rate alone
+            return Evaluation(asyncio.run(_agent_solve_rate(task, list(problems), n, params, generate, tokenizer,
+                                                            calls, max_context)), {}, {})
         runner = EpisodeRunner(task, fmt, calls, max_context=max_context)
         groups = asyncio.run(runner.run(list(problems), n, params, generate))
     finally:
-        calls.close()
-    return sum(s.correct for g in groups for s in g) / (len(problems) * n)
+        if own:
+            calls.close()
+    samples = [s for g in groups for s in g]
+    sums: dict[str, float] = {}
+    errors: dict[str, int] = {}
+    for s in samples:
+        for key, value in s.metrics.items():
+            sums[key] = sums.get(key, 0.0) + value
+        if s.error:
+            errors[s.error] = errors.get(s.error, 0) + 1
+    return Evaluation(sum(s.correct for s in samples) / len(samples),
+                      {k: v / len(samples) for k, v in sorted(sums.items())}, errors)
+
+
+def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], **kwargs: Any) -> float:
+    """`evaluate`'s solve rate alone."""
+    return evaluate(model, tokenizer, fmt, problems, **kwargs).solve_rate
 
 
 async def _agent_solve_rate(task: Agent, problems: list, n: int, params: SamplingParams, generate, tokenizer,

@@ -5,6 +5,9 @@ template that renders the compact prompt the model is trained on. No hub, no int
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+
 PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
 # Whole-token tags: the answer markers are 17 characters of every completion, so as single
 # tokens they shorten sequences by a third. Ordinary (not special) tokens: decode keeps them.
@@ -29,6 +32,23 @@ _CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- ':' -}}{%- endif -%}"
 )
+
+
+def compact_chat_template(stops: Sequence[str] = ()) -> str:
+    """The chat template of a model warm-started on a task other than Countdown: it renders a
+    conversation exactly as the warm start and the episodes lay it out in the compact style, every
+    message's content verbatim (the first user message is the task's prompt as a string, or its
+    `Prompt.compact`), each assistant message followed by eos unless it ends on one of ``stops``
+    (the environment's stop strings, where a turn ends without one). The generation prompt adds
+    nothing: the model's text follows the prompt's last character."""
+    ends = ", ".join(json.dumps(s) for s in stops)  # a JSON string is a valid Jinja string literal
+    no_eos = f"message['content'].endswith(({ends},))" if stops else "false"
+    return ("{%- for message in messages -%}"
+            "{{- message['content'] -}}"
+            f"{{%- if message['role'] == 'assistant' and not {no_eos} -%}}{{{{- eos_token -}}}}{{%- endif -%}}"
+            "{%- endfor -%}")
+
+
 # Qwen2's pre-tokenizer split; with no merges every byte is a token whatever the split, but keeping
 # Qwen2's exact pipeline means transformers' Qwen2Tokenizer, which AutoTokenizer rebuilds from
 # vocab + merges for any model_type "qwen2" checkpoint, is the very same tokenizer.

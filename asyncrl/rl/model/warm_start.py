@@ -7,10 +7,11 @@ solves some held-out problems but far from all.
 No hub and no internet: the tokenizer (``model/tokenizer.py``) is Qwen2's byte-level BPE pipeline
 with the 256 byte symbols and no merges, built with ``tokenizers``; the model comes from a
 ``Qwen2Config``. The result is an ordinary HF checkpoint directory (safetensors weights, tokenizer
-files, and a chat template that renders the very prompt the model was trained on for Countdown: a
-user message ``"3 7 25 50 -> 178"`` becomes ``"3 7 25 50 -> 178:"``) plus ``asyncrl_model.json``,
-which records the prompt style the model was trained on ("compact": `Prompt.compact`, or a ``str``
-prompt as is). It is cached under a hash of everything that determines it (the task's part is
+files, and a chat template that renders the very text the model was trained on: for Countdown a
+user message ``"3 7 25 50 -> 178"`` becomes ``"3 7 25 50 -> 178:"``; for any other task each
+message is rendered verbatim, a model turn followed by its eos, as `chat_template` says) plus
+``asyncrl_model.json``, which records the prompt style the model was trained on ("compact":
+`Prompt.compact`, or a ``str`` prompt as is). It is cached under a hash of everything that determines it (the task's part is
 `Task.fingerprint`), and written to a temporary directory that is renamed into place only when
 complete: a crash mid-write leaves a ``.tmp-*`` directory that is never read, and is removed by a
 later build once its writer is gone.
@@ -39,8 +40,10 @@ import torch
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
-from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer
+from asyncrl.rl.model.reserve import fitted_warm_start
+from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer, compact_chat_template
 from asyncrl.rl.tasks.base import Environment, Task, TaskError, as_prompt
+from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.runtime.files import write_atomic
 from asyncrl.runtime.transport import pid_alive
 
@@ -50,7 +53,7 @@ _TRAIN_THREADS = 1
 # Bump when the tokenizer, data or training code changes what a cached checkpoint would contain.
 # (A bump changes every key, Countdown's included: its cached default model would be rebuilt.)
 _FORMAT_VERSION = 1
-_KEY_FIELDS = ("version", "model", "warm", "tokenizer")
+_KEY_FIELDS = ("version", "model", "warm", "tokenizer", "chat_template", "turn_end")
 """The cache key's own fields; a task's fingerprint may not use these names."""
 
 # --- the cached default ---------------------------------------------------------------------------
@@ -86,7 +89,7 @@ def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = Non
         raise TaskError(f"task {task.task_name()}: fingerprint() must return a dict with string keys other "
                         f"than {', '.join(_KEY_FIELDS)}, not {fingerprint!r:.120}")
     spec = {"version": _FORMAT_VERSION, "model": asdict(model), "warm": asdict(warm), "tokenizer": TOKENIZER_SPEC,
-            **fingerprint}
+            **_task_format(task), **fingerprint}
     try:
         text = json.dumps(spec, sort_keys=True)
     except (TypeError, ValueError) as e:
@@ -94,10 +97,36 @@ def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = Non
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def _is_countdown(task: Task) -> bool:
+    from asyncrl.rl.tasks.countdown import Countdown
+
+    return type(task) is Countdown
+
+
+def chat_template(task: Task) -> str:
+    """The chat template saved with a model warm-started on ``task`` (and so with the run's
+    ``final/`` and ``best/``, which copy its tokenizer): Countdown's own; for any other task one
+    that renders the task's prompt and turns as they were trained (`compact_chat_template`)."""
+    if _is_countdown(task):
+        return TOKENIZER_SPEC["chat_template"]
+    return compact_chat_template(list(task.stop) if isinstance(task, Environment) else [])
+
+
+def _task_format(task: Task) -> dict[str, Any]:
+    """The cache key's part for a task other than Countdown: its chat template and where its model
+    turns end (eos after each, unless on a stop string; models cached before had it after the last
+    turn only, and Countdown's template), so such a model is not reused. Countdown's key (and
+    its rows and template) is unchanged."""
+    if _is_countdown(task):
+        return {}
+    return {"chat_template": chat_template(task), "turn_end": "eos unless on a stop string"}
+
+
 def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
                   task: Task | None = None, *, cache_dir: str | None = None,
                   threads: int | None = None, log: Callable[[str], object] = print,
-                  stop: threading.Event | None = None) -> str:
+                  stop: threading.Event | None = None, n_heldout: int | None = None,
+                  score_calls: tuple[float, float] = (10.0, 0.2)) -> str:
     """Path of the embedded policy's checkpoint directory for ``task`` (Countdown if None), built
     and warm-started on the task's demonstrations on first use.
 
@@ -125,10 +154,20 @@ def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = Wa
     raises `StoppedError`, leaving nothing in the cache. For a caller that runs this in a worker
     thread (``asyncio.to_thread``) and is cancelled: a thread cannot be killed, and asyncio's
     shutdown waits for it.
+
+    ``n_heldout``: the run's held-out problems (``--run.n_heldout``); with it, the reserve of a
+    task with few problems shrinks to it, and that of a task with ``--task.heldout_data`` is the
+    file's rows (``model/reserve.py``), said in one line.
+
+    ``score_calls``: the deadline (s) and failure budget (share) of the task's calls in the solve
+    rate after training (``--task.score_timeout_s``, ``--task.max_failure_rate``).
     """
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1 or None, not {threads}")
     task = as_task(task)
+    warm, fitted = fitted_warm_start(warm, task, n_heldout)
+    if fitted:
+        log(f"[model] {fitted}")
     models_dir = os.path.join(cache_root(cache_dir), "models")
     key = cache_key(model, warm, task)
     final = os.path.join(models_dir, key)
@@ -139,7 +178,7 @@ def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = Wa
     _remove_orphans(models_dir, key, log)
     tmp = tempfile.mkdtemp(dir=models_dir, prefix=f".tmp-{key}-{os.getpid()}-")
     try:
-        _build(tmp, model, warm, task, threads, log, stop)
+        _build(tmp, model, warm, task, threads, log, stop, score_calls)
         _publish(tmp, final, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a no-op after a successful rename
@@ -177,8 +216,10 @@ def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> 
 
 
 def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, threads: int | None,
-           log: Callable[[str], object], stop: threading.Event | None = None) -> None:
+           log: Callable[[str], object], stop: threading.Event | None = None,
+           calls: tuple[float, float] = (10.0, 0.2)) -> None:
     tokenizer = build_tokenizer()
+    tokenizer.chat_template = chat_template(task)
     check_stop(stop)
     train, heldout = task.splits(warm.data_seed, warm.n_examples, warm.heldout_reserve)
     check_stop(stop)
@@ -203,8 +244,8 @@ def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, 
     with _torch_threads(threads or _usable_cores()):  # the evaluation changes no weights
         hint = longest_turn + 8  # slack: a sampled turn may be a little longer than any demonstrated one
         fmt = PromptFormat("compact", tokenizer, stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer), hint)
-        greedy = (solve_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], task=task, stop=stop,
-                             max_context=model_cfg.max_positions) if warm.eval_problems else None)
+        greedy = (_checked_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], task, stop, model_cfg, calls, log)
+                  if warm.eval_problems else None)
     # The solve rate goes to the marker file only: a GRPO run prints its own held-out number before
     # training (on its n_heldout problems), and two different "held-out" figures read as a conflict.
     log(f"[model] warm start done in {wall_s:.0f} s, final loss {loss:.3f}")
@@ -214,6 +255,23 @@ def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, 
         "parameters": n_params, "warm_start_wall_s": round(wall_s, 1), "final_loss": round(loss, 4),
         "heldout_greedy_solve_rate": greedy, "model": asdict(model_cfg), "warm": asdict(warm),
         "task": task.task_name(), "train_examples": len(ids), "fingerprint": task.fingerprint()})
+
+
+def _checked_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], task: Task,
+                  stop: threading.Event | None, model_cfg: ModelConfig, calls: tuple[float, float],
+                  log: Callable[[str], object]) -> float | None:
+    """The greedy solve rate of the warm-started model, the task's code under the run's deadline
+    and failure budget (``calls``: seconds, share); None, said in one line, when that code fails
+    past its budget: the run's held-out evaluation then stops the run with the whole error."""
+    user_calls = UserCalls(task.task_name(), calls[0], calls[1], stop_early=True)
+    try:
+        return solve_rate(model, tokenizer, fmt, problems, task=task, stop=stop, calls=user_calls,
+                          max_context=model_cfg.max_positions)
+    except TaskFailureError as exc:
+        log(f"[model] no solve rate after the warm start: {str(exc).splitlines()[0]}")
+        return None
+    finally:
+        user_calls.close()
 
 
 def _save(out: str, model, tokenizer, marker: dict) -> None:
@@ -261,7 +319,8 @@ def _usable_cores(most: int = 4) -> int:
 def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: threading.Event | None = None,
             *, task: Task | None = None):
     """Right-padded ``ids``, ``labels`` (-100 on the prompt, an environment's replies and padding)
-    and lengths of each problem's compact prompt + demonstration (its turns; eos after the last),
+    and lengths of each problem's compact prompt + demonstration (its turns, each model turn
+    ending as in an episode: eos, unless it ends on one of the environment's stop strings),
     for the problems of ``task`` (Countdown if None) that have a demonstration; and the longest
     model turn in tokens (the eos counted). Each piece is tokenized on its own, as an episode's
     prompt, model turns and replies are."""
@@ -276,13 +335,15 @@ def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: thread
             continue
         ids = tokenizer(_compact_prompt(task, fmt, problem), add_special_tokens=False)["input_ids"]
         labels = [-100] * len(ids)
-        turns = _turns(task, demonstration)
-        for j, text in enumerate(turns):
+        for j, text in enumerate(_turns(task, demonstration)):
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
             if j % 2:  # the environment's reply: context, never a target
                 labels += [-100] * len(tokens)
             else:
-                tokens = tokens + [tokenizer.eos_token_id] * (j == len(turns) - 1)
+                # Each model turn ends as an episode's does (tasks/episodes.py keeps the turn's
+                # tokens, the stop token included, before the reply): eos, unless the turn ends on
+                # one of the environment's stop strings, where generation stops without one.
+                tokens = tokens + [tokenizer.eos_token_id] * (not _ends_on_stop_string(task, text))
                 labels += tokens
                 longest_turn = max(longest_turn, len(tokens))
             ids += tokens
@@ -329,6 +390,18 @@ def _turns(task: Task, demonstration: Any) -> list[str]:
         raise TaskError(f"environment {task.task_name()}: demonstration() must return a str or a list of str of "
                         f"odd length (model, environment, ..., model), not {demonstration!r:.120}")
     return demonstration
+
+
+def _ends_on_stop_string(task: Task, turn: str) -> bool:
+    """Whether a demonstrated model turn ends on one of the environment's stop strings; a
+    `TaskError` if one occurs earlier in it, since generation would have ended the turn there."""
+    stops = [s for s in getattr(task, "stop", ()) if s] if isinstance(task, Environment) else []
+    for s in stops:
+        at = turn.find(s)
+        if 0 <= at < len(turn) - len(s):
+            raise TaskError(f"environment {task.task_name()}: a demonstrated turn holds the stop string {s!r} before "
+                            f"its end, where an episode's turn would end: {turn!r:.120}; split it into two turns")
+    return any(turn.endswith(s) for s in stops)
 
 
 def _lr_factor(step: int, warm: WarmStartConfig) -> float:

@@ -106,7 +106,7 @@ class RewardFunctionTask(Task[dict]):
     `Score`). A row may carry ``"demonstration"``: the text a perfect model writes, which the
     embedded model is warm-started on (without it, give ``--model_path``). Other keys (an
     ``"answer"``, say) are the reward function's to read. Built by `asyncrl.rl.tasks.loading.load_task`,
-    which names the class ``reward_fn:<fn>`` after the function."""
+    which names the class after the user's function as given (``my_reward.py:reward``)."""
 
     name = "reward_fn"
     fn: RewardFunction
@@ -117,10 +117,14 @@ class RewardFunctionTask(Task[dict]):
         self.prompt_key = prompt_key
 
     @classmethod
-    def of(cls, fn: RewardFunction) -> type[RewardFunctionTask]:
-        """A subclass named after ``fn`` (``reward_fn:<name>``: metrics and logs say which function)."""
+    def of(cls, fn: RewardFunction, ref: str = "") -> type[RewardFunctionTask]:
+        """A subclass named after ``fn``, as ``ref`` (``--task.reward``) gives it: ``my_reward.py:reward``
+        for a file (its name, not its path), ``package.module:reward`` for a module; logs and errors
+        then say whose function it is. Without ``ref``, ``reward_fn:<name>``."""
         name = getattr(fn, "__name__", type(fn).__name__)
-        return type(f"RewardFunctionTask[{name}]", (cls,), {"name": f"reward_fn:{name}", "__module__": __name__})
+        target, _, attr = ref.rpartition(":")
+        shown = f"{os.path.basename(target)}:{attr}" if target else f"reward_fn:{name}"
+        return type(f"RewardFunctionTask[{name}]", (cls,), {"name": shown, "__module__": __name__})
 
     def check_rows(self, rows: Sequence[dict[str, Any]], where: Sequence[str], path: str) -> None:
         """Every row has a prompt under ``prompt_key``: a `DatasetError` naming the first that

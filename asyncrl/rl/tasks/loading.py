@@ -96,7 +96,7 @@ def _build(spec: TaskSpec) -> Task:
             raise TaskLoadError(f"--task.reward {spec.reward}: a reward function takes no options, given "
                                 f"{', '.join(spec.options)}")
         fn = reward_function(spec.reward)
-        task: Task = RewardFunctionTask.of(fn)(fn, spec.prompt_key)
+        task: Task = RewardFunctionTask.of(fn, spec.reward)(fn, spec.prompt_key)
         if not spec.data:
             raise TaskLoadError(f"--task.reward {spec.reward} needs --task.data, the rows it scores")
     else:

@@ -67,7 +67,7 @@ class UserCalls:
     counted per loop (the trainer's evaluation runs a loop per call)."""
 
     def __init__(self, task_name: str, timeout_s: float, max_failure_rate: float, min_calls: int = 50,
-                 workers: int = 16):
+                 workers: int = 16, *, stop_early: bool = False):
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"task {task_name}: the score deadline must be a finite number of seconds > 0, "
                              f"not {timeout_s!r}")
@@ -78,6 +78,11 @@ class UserCalls:
                              f"not {min_calls} and {workers}")
         self.task_name, self.timeout_s, self.max_failure_rate = task_name, float(timeout_s), float(max_failure_rate)
         self.min_calls, self.workers = min_calls, workers
+        self.stop_early = stop_early
+        """`check` after every call: `call` raises `TaskFailureError` as soon as the budget is spent.
+        For a caller that scores a fixed set (the held-out evaluation): what is left of it would
+        only add failures, at a deadline per hung worker (a reward that sleeps 60 s held 500
+        problems for over 14 minutes). A sampler checks between its groups instead."""
         self.calls = 0
         """Calls made (finished, failed or timed out) since construction."""
         self.failures = 0
@@ -100,7 +105,8 @@ class UserCalls:
                    convert: Callable[[Any], Any] | None = None) -> Outcome:
         """``fn(*args)`` under the deadline; ``convert(value)`` (e.g. `as_score`) turns the value
         into what the caller uses, and what it raises counts as ``"bad_value"``. ``what`` names the
-        call in messages ("score", "step"). Raises only `TaskFailureError` (called after `close`)."""
+        call in messages ("score", "step"). Raises only `TaskFailureError` (called after `close`,
+        or with ``stop_early`` once the failure budget is spent)."""
         loop = asyncio.get_running_loop()
         gate = self._gates.get(loop)
         if gate is None:
@@ -184,7 +190,7 @@ class UserCalls:
             future.add_done_callback(self._unhang)  # at once if it finished meanwhile
             waited.add_done_callback(_retrieve)
             frame = sys._current_frames().get(where[0]) if where else None
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+            stack = "".join(traceback.format_list(_users(traceback.extract_stack(frame)))) if frame is not None else ""
             return Outcome(None, "timeout", f"{what} ran past its {self.timeout_s:g} s deadline; it was at:\n{stack}")
         if waited.cancelled():  # close() dropped it before a worker took it
             raise TaskFailureError(f"task {self.task_name}: {what} was dropped by close()")
@@ -218,8 +224,8 @@ class UserCalls:
             raise
         if not done:
             task.cancel()  # it may ignore the cancel; nobody waits for it
-            frames = "".join(traceback.format_list(traceback.StackSummary.extract(
-                (f, f.f_lineno) for f in task.get_stack())))
+            frames = "".join(traceback.format_list(_users(traceback.StackSummary.extract(
+                (f, f.f_lineno) for f in task.get_stack()))))
             return Outcome(None, "timeout", f"{what} ran past its {timeout_s:g} s deadline; it was at:\n{frames}")
         return task.result()
 
@@ -236,6 +242,8 @@ class UserCalls:
                 self._counts[outcome.error] += 1
                 if not self.first_traceback:
                     self.first_traceback = f"{what}: {outcome.detail}"
+        if self.stop_early:
+            self.check()
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -259,7 +267,19 @@ async def _guarded(awaitable) -> Outcome:
 
 
 def _format(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc)).rstrip()
+    """``exc``'s traceback from the user's first frame: the frames of this module that ran the
+    call are ours, not something the user can act on."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
+
+
+def _users(stack: traceback.StackSummary) -> list[traceback.FrameSummary]:
+    """A hung call's stack from the frame after this module's last one (the thread's start and
+    the worker loop above it are ours)."""
+    ours = [i for i, frame in enumerate(stack) if frame.filename == __file__]
+    return list(stack[ours[-1] + 1:] if ours and ours[-1] + 1 < len(stack) else stack)
 
 
 def _retrieve(future: asyncio.Future) -> None:

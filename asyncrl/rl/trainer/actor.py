@@ -61,6 +61,7 @@ class TrainerActor(RankMember, SyncMember):
         self.config = config
         self.task_spec, self.data = task, data
         self._task = None  # built on the first evaluation
+        self._eval_calls = None  # its score/step calls: one budget for every evaluation of the run
         # None is "the samplers' temperature"; a GRPO run resolves it (GRPOConfig.trainer_config),
         # a trainer used on its own scores at 1, sampling's default.
         self.temperature = 1.0 if config.temperature is None else config.temperature
@@ -313,12 +314,18 @@ class TrainerActor(RankMember, SyncMember):
     @endpoint
     async def evaluate(self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64,
                        deadline_s: float = 0.0) -> dict[str, float]:
-        """Solve rate on the task's held-out split (``data.n_heldout`` problems): greedy, and
-        sampled at the training temperature (``samples`` completions per problem; 0 skips it).
+        """Solve rate on the task's held-out split (``data.n_heldout`` problems): ``greedy``, and
+        ``sampled`` at the training temperature (``samples`` completions per problem; 0 skips it);
+        the task's metrics of the greedy episodes as ``task/<name>`` (means over the problems);
+        failed score/step calls of both as ``task_errors/<kind>`` (counts; absent when none).
+        The task's calls run under the samplers' deadline and failure budget
+        (``--task.score_timeout_s``, ``--task.max_failure_rate``, counted over every evaluation of
+        the run): past the budget a `TaskFailureError` naming the first failure ends the call.
         With a rank group every rank evaluates the same problems in step (a sharded forward
         gathers from every rank), sampling from the same seed."""
-        from asyncrl.rl.model.evaluation import solve_rate
+        from asyncrl.rl.model.evaluation import evaluate
         from asyncrl.rl.tasks.loading import load_task
+        from asyncrl.rl.tasks.scoring import UserCalls
 
         limit = max_new_tokens or self.fmt.max_new_tokens_hint
 
@@ -326,18 +333,22 @@ class TrainerActor(RankMember, SyncMember):
             if self._task is None:  # the held-out split alone: it does not depend on n_train
                 self._task = load_task(self.task_spec)
                 self._heldout = list(self._task.splits(self.data.data_seed, 1, self.data.n_heldout).heldout)
-            common = dict(task=self._task, max_new_tokens=limit, batch_size=batch_size,
-                          score_timeout_s=self.task_spec.score_timeout_s,
+                self._eval_calls = UserCalls(self._task.task_name(), self.task_spec.score_timeout_s,
+                                             self.task_spec.max_failure_rate, stop_early=True)
+            common = dict(task=self._task, max_new_tokens=limit, batch_size=batch_size, calls=self._eval_calls,
                           max_context=getattr(self.model.config, "max_position_embeddings", 0) or 0)
             self.model.eval()
             try:
                 with eager(compiled(self.config, self.device)):  # generation: a KV cache (trainer/compile.py)
-                    out = {"greedy": solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=True,
-                                                **common)}
+                    greedy = evaluate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=True, **common)
+                    out = {"greedy": greedy.solve_rate, **{f"task/{k}": v for k, v in greedy.metrics.items()}}
+                    errors = dict(greedy.errors)
                     if samples:
-                        out["sampled"] = solve_rate(self.model, self.tokenizer, self.fmt, self._heldout,
-                                                    greedy=False, n=samples, temperature=self.temperature, **common)
-                return out
+                        sampled = evaluate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=False, n=samples,
+                                           temperature=self.temperature, **common)
+                        out["sampled"] = sampled.solve_rate
+                        errors = {k: errors.get(k, 0) + sampled.errors.get(k, 0) for k in {*errors, *sampled.errors}}
+                return out | {f"task_errors/{k}": float(v) for k, v in sorted(errors.items())}
             finally:
                 self.model.train()
 

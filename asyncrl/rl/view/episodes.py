@@ -1,0 +1,56 @@
+"""One trained episode of a run, as ``asyncrl show RUN_DIR`` prints it from ``RUN_DIR/episodes.jsonl``
+(written by the driver, ``rl/driver/episodes_log.py``): the prompt, then each piece of the
+episode on a line of its own, ``model`` for the tokens in the loss (mask 1) and ``env`` for an
+environment's (mask 0, context), the text quoted so that spaces and newlines show."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from asyncrl.rl.view.history import RunHistoryError
+
+EPISODES_FILE = "episodes.jsonl"
+
+
+def read_episodes(run_dir: str) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/episodes.jsonl in order (a line cut short while written is skipped);
+    `RunHistoryError` when there is no such file."""
+    try:
+        with open(os.path.join(run_dir, EPISODES_FILE), encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        raise RunHistoryError(f"{run_dir}: no {EPISODES_FILE} (not a run directory, or no step finished yet)") from None
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("pieces"), list):
+            records.append(record)
+    return records
+
+
+def episode_text(run_dir: str, step: int | None = None) -> str:
+    """The episode recorded at ``step`` (None: the last one), as lines to print."""
+    records = read_episodes(run_dir)
+    if not records:
+        raise RunHistoryError(f"{run_dir}: {EPISODES_FILE} holds no episode yet")
+    if step is None:
+        record = records[-1]
+    else:
+        record = next((r for r in reversed(records) if r["step"] == step), None)
+        if record is None:
+            raise RunHistoryError(f"{run_dir}: no episode of step {step}; {EPISODES_FILE} has steps "
+                                  f"{records[0]['step']} to {records[-1]['step']}")
+    verdict = {True: ", correct", False: ", not correct"}.get(record.get("correct"), "")
+    lines = [f"step {record['step']}: group {record.get('group', '?')} from {record.get('sampler', '?')} "
+             f"(weights v{record.get('version', '?')}), reward {record.get('reward', float('nan')):.3f}{verdict}; "
+             f"{record.get('tokens', '?')} of its {record.get('completion_tokens', '?')} tokens in the loss",
+             f"  prompt  {json.dumps(record.get('prompt', ''), ensure_ascii=False)}"]
+    for piece in record["pieces"]:
+        who = "model " if piece.get("mask") else "env   "
+        lines.append(f"  {who}  {json.dumps(piece.get('text', ''), ensure_ascii=False)}  ({piece.get('tokens', '?')} tokens)")
+    return "\n".join(lines)
