@@ -100,7 +100,7 @@ class Local:
         adapters), a new optimiser with the saved state; returns the trainer's steps."""
         from asyncrl.rl.checkpoint import Checkpoint
         from asyncrl.rl.trainer.checkpoint import load_trainer_state
-        from asyncrl.rl.trainer.sharded_checkpoint import refuse_sharded
+        from asyncrl.rl.trainer.checkpoint import refuse_sharded
 
         refuse_sharded(path)
         checkpoint = Checkpoint(-1, path)
@@ -200,9 +200,9 @@ class Sharded:
         return full_state_dict(model)
 
     def write_checkpoint(self, trainer: Any, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
-        """Every rank writes its shards (DCP, ``trainer/sharded_checkpoint.py``); rank 0 returns the
+        """Every rank writes its shards (DCP, ``trainer/checkpoint.py``); rank 0 returns the
         path, the others ""."""
-        from asyncrl.rl.trainer.sharded_checkpoint import write_sharded_checkpoint
+        from asyncrl.rl.trainer.checkpoint import write_sharded_checkpoint
 
         return write_sharded_checkpoint(self.rank, self.world_size, run_dir, step, keep, trainer.model,
                                         trainer.optimizer, trainer.steps, run_state)
@@ -211,7 +211,7 @@ class Sharded:
         """The shards loaded into the sharded policy and optimiser in place (resharded by DCP to
         this world size); returns the trainer's steps."""
         from asyncrl.rl.checkpoint import Checkpoint
-        from asyncrl.rl.trainer.sharded_checkpoint import load_sharded_checkpoint
+        from asyncrl.rl.trainer.checkpoint import load_sharded_checkpoint
 
         return load_sharded_checkpoint(self.rank, Checkpoint(-1, path), trainer.model, trainer.optimizer)
 
