@@ -37,7 +37,7 @@ from asyncrl.rl.trainer.parallel import Local
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.split import batch_counts
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
-from asyncrl.rl.trainer.scoring import fused_head_fallback, scored_logprobs
+from asyncrl.rl.trainer.scoring import scored_logprobs
 from asyncrl.runtime.actor import endpoint
 from asyncrl.runtime.startup import start_phase
 
@@ -311,8 +311,8 @@ class TrainerActor(RankMember, SyncMember):
 
     def _fallback_reason(self) -> str:
         """Why this trainer scores through full logits ("" when it does not: ``trainer/scoring.py``)."""
-        # the rank group, not the config: a rank joins a group whatever its config's world_size says
-        return fused_head_fallback(self.model, self.parallel.world_size)
+        # the strategy, not the config: a rank joins a group whatever its config's world_size says
+        return self.parallel.head_fallback(self.model)
 
     def _accumulate_all(self, batches: list[MicroBatch], normalizer: float, n_tokens: float) -> dict[str, float]:
         """Gradients of every micro-batch into the parameters; the step's metrics: loss terms
