@@ -67,7 +67,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
         "nodes",
         "torchrun's flags; defaults from PET_<NAME> or <NAME> variables, then Slurm's (e.g. NNODES, MASTER_ADDR).",
     )
-    _flag(nodes, "nnodes", metavar="N", help="Number of nodes (default 1).")
+    _flag(nodes, "nnodes", metavar="N", help="Number of nodes (default 1), or MIN:MAX for an elastic cluster: node 0 "
+                                            "starts once MIN have joined, the others may join while it runs.")
     _flag(nodes, "node_rank", metavar="RANK", help="This node's rank; 0 runs the script, the others run a node agent.")
     _flag(nodes, "master_addr", metavar="ADDR",
           help="Node 0's address as the other nodes reach it (default 127.0.0.1).")
@@ -110,6 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="Print the whole reply as JSON.")
     status.add_argument("--timeout", type=float, default=5.0, metavar="S",
                         help="Seconds to wait for the answer (default 5).")
+    scale = sub.add_parser(
+        "scale",
+        help="Grow or shrink a live GRPO run's samplers (applied at its next weight sync).",
+        description=(
+            "Ask the run serving RUN_DIR to run N samplers: new ones are started and join the weight-sync group "
+            "at the next sync with the current weights; drained ones leave it and exit (docs/elastic.md). "
+            "Exit codes: 0 accepted, 1 no live run, 2 refused (the line says why) or a usage error, "
+            "3 no valid answer in time."
+        ),
+    )
+    scale.add_argument("run_dir", help="The run directory of a live run.")
+    scale.add_argument("--samplers", type=int, required=True, metavar="N", help="How many samplers to run.")
+    scale.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                       help="Seconds to wait for the run's answer (default 5).")
     plot = sub.add_parser(
         "plot",
         help="Draw the learning curves of one or several runs (from their metrics.jsonl) into a PNG.",
@@ -139,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return _write_secret(args.path)
     if args.command == "status":
         return _status(args.run_dir, args.json, args.timeout)
+    if args.command == "scale":
+        return _scale(args.run_dir, args.samplers, args.timeout)
     if args.command == "plot":
         return _plot(args.run_dirs, args.output)
     if args.command != "launch":
@@ -175,7 +192,7 @@ def _configure(args):
         if value is not None:
             os.environ[ENV_PREFIX + flag.upper()] = str(value)
     if node.nnodes > 1:
-        for field in ("nnodes", "master_addr", "master_port", "nproc_per_node"):
+        for field in ("nnodes", "min_nnodes", "master_addr", "master_port", "nproc_per_node"):
             os.environ[ENV_PREFIX + field.upper()] = str(getattr(node, field))
     elif node.nproc_per_node:
         os.environ[ENV_PREFIX + "NPROC_PER_NODE"] = str(node.nproc_per_node)
@@ -221,6 +238,25 @@ def _status(run_dir: str, as_json: bool, timeout_s: float) -> int:
     if not as_json:
         print()
         _print_history(run_dir)
+    return 0
+
+
+def _scale(run_dir: str, samplers: int, timeout_s: float) -> int:
+    from asyncrl.runtime.status import CommandRefusedError, StatusUnavailableError, send_command
+
+    if not timeout_s > 0:
+        print(f"asyncrl scale: --timeout must be > 0, not {timeout_s:g}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        answer = send_command(run_dir, "scale", {"samplers": samplers}, timeout_s)  # as rl.driver.scaling.scale
+    except CommandRefusedError as e:
+        print(f"asyncrl scale: refused: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except StatusUnavailableError as e:
+        print(f"asyncrl scale: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"asyncrl scale: {answer['samplers']} -> {answer['target']} sampler(s) accepted at step "
+          f"{answer['step']}; applied at the next weight sync (asyncrl status shows samplers_target)")
     return 0
 
 

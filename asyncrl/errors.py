@@ -4,9 +4,28 @@ from __future__ import annotations
 
 import builtins
 
+_KNOWN: dict[str, type] = {}
+"""Every `AsyncrlError` subclass defined in this process, by `type_path` (filled by
+`AsyncrlError.__init_subclass__`)."""
+_REMOTE: dict[str, type[RemoteError]] = {}
+
+
+def type_path(cls: type) -> str:
+    """``module.QualName``: how an exception's type is named on the wire (`wire.Failure.type_path`).
+    Two classes of one name in different modules stay apart."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
 
 class AsyncrlError(Exception):
-    """Base class of every error asyncrl raises on purpose."""
+    """Base class of every error asyncrl raises on purpose.
+
+    Every subclass registers itself when it is defined (`__init_subclass__`): raised in an actor's
+    endpoint or constructor, it reaches the caller as itself, also a `RemoteError` (see
+    `remote_error_class`), so the caller catches it by its type, never by its name as a string."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _KNOWN[type_path(cls)] = cls
 
 
 class UsageError(AsyncrlError):
@@ -22,12 +41,15 @@ class ActionableError(AsyncrlError):
     status 1, no traceback; a GRPO run keeps the traceback in RUN_DIR/log.txt. Other errors keep
     their traceback: they are bugs.
 
-    A subclass raised in an actor's endpoint reaches the caller as itself (also a `RemoteError`)
-    once it is registered with `crosses_processes`."""
+    Raised in an actor's endpoint or constructor, it reaches the caller as itself (also a
+    `RemoteError`)."""
 
 
 class ActorError(AsyncrlError):
-    """An error that concerns one actor, named in ``actor``."""
+    """An error that concerns one actor, named in ``actor``. It says how the raising process's call
+    to that actor went, so it does not cross processes as itself: an `ActorDiedError` raised in an
+    endpoint (a peer the endpoint called died) reaches the caller as a plain `RemoteError`, never
+    as the death of the actor it called."""
 
     def __init__(self, actor: str, message: str):
         super().__init__(f"actor {actor!r}: {message}")
@@ -54,8 +76,8 @@ class ActorStartError(ActorError):
 class ActorNotReadyError(ActorStartError, ActionableError):
     """The actor's process did not become ready: it overran its start deadline (``start_timeout_s``
     or the budget of the start phase it reported), its heartbeats stopped, or it exited during its
-    start; or its constructor raised an `ActionableError` registered with `crosses_processes` (a
-    policy too large for its GPU). One line that names what to change."""
+    start; or its constructor raised an `ActionableError` (a policy too large for its GPU). One
+    line that names what to change."""
 
 
 class CallTimeoutError(ActorError, TimeoutError):
@@ -68,16 +90,20 @@ class CallTimeoutError(ActorError, TimeoutError):
 
 
 class RemoteError(ActorError):
-    """An endpoint raised. ``remote_type`` is the remote exception's type name and
-    ``remote_traceback`` its formatted traceback. When the remote type is a builtin exception
-    (``ValueError``, ``KeyError``, ...), the raised object is also an instance of that type, so
-    ``except ValueError`` works across the process boundary."""
+    """An endpoint raised. ``remote_type`` is the remote exception's type name (for messages; never
+    match on it) and ``remote_traceback`` its formatted traceback. When the remote type is a
+    builtin exception (``ValueError``, ``KeyError``, ...) or one of asyncrl's own errors, the raised
+    object is also an instance of that type, so ``except ValueError`` or ``except
+    CheckpointWriteError`` works across the process boundary (`remote_error_class`)."""
 
     def __init__(self, actor: str, method: str, remote_type: str, message: str, remote_traceback: str = ""):
         text = f"{method}() raised {remote_type}: {message}"
         if remote_traceback:
             text += f"\n--- remote traceback ---\n{remote_traceback}"
-        ActorError.__init__(self, actor, text)
+        # Not `super().__init__`: in a `Remote<Type>` class the next one in line is the remote
+        # type's own, whose arguments (a `RendezvousTimeoutError`'s ``missing``...) never came.
+        Exception.__init__(self, f"actor {actor!r}: {text}")
+        self.actor = actor
         self.method = method
         self.remote_type = remote_type
         self.remote_message = message
@@ -117,54 +143,35 @@ class SupervisorClosedError(AsyncrlError):
     """The supervisor is not running (not entered yet, or already closed)."""
 
 
-_BY_NAME: dict[str, type[RemoteError]] = {
-    "InvalidArgumentsError": InvalidArgumentsError,
-    "UnknownMethodError": UnknownMethodError,
-}
-_BUILTIN_MIXINS: dict[str, type[RemoteError]] = {}
+def remote_error_class(type_name: str, path: str = "") -> type[RemoteError]:
+    """The local class that re-raises a remote exception of type ``path`` (``type_name`` alone
+    when the sender gave no path).
 
-
-_CROSSING: dict[str, type[RemoteError]] = {}
-
-
-def crosses_processes(cls: type[AsyncrlError]) -> type[AsyncrlError]:
-    """Class decorator: an endpoint that raises ``cls`` fails its caller with an error that is an
-    instance of ``cls`` too (and of `RemoteError`), so the caller catches it by its type, never by
-    its name as a string. The class must be imported in the caller's process (the module that
-    defines it registers it); a name that is not registered stays a plain `RemoteError`."""
-    if not (isinstance(cls, type) and issubclass(cls, AsyncrlError)) or issubclass(cls, RemoteError):
-        raise TypeError(f"crosses_processes takes an AsyncrlError subclass that is not a RemoteError, not {cls!r}")
-    name = cls.__name__
-    known = _CROSSING.get(name)
-    if known is not None and cls not in known.__mro__:
-        raise TypeError(f"two error classes named {name!r} cross processes: {known.__mro__[2]!r} and {cls!r}")
-    _CROSSING[name] = type(f"Remote{name}", (RemoteError, cls), {
-        "__init__": RemoteError.__init__, "__str__": BaseException.__str__, "__module__": cls.__module__})
-    return cls
-
-
-def remote_error_class(type_name: str) -> type[RemoteError]:
-    """The local class that re-raises a remote exception of ``type_name``.
-
-    Only our own remote error types, those registered with `crosses_processes`, and exception
-    classes of ``builtins`` are mapped; nothing is ever imported by a name that came over the wire."""
-    if type_name in _BY_NAME:
-        return _BY_NAME[type_name]
-    if type_name in _CROSSING:
-        return _CROSSING[type_name]
-    cls = _BUILTIN_MIXINS.get(type_name)
-    if cls is None:
-        base = getattr(builtins, type_name, None)
-        if not (isinstance(base, type) and issubclass(base, Exception)) or base in (
-            Exception,
-            BaseException,
-        ):
-            return RemoteError
+    A builtin exception class or an `AsyncrlError` subclass defined in this process (its module
+    imported) is re-raised as a class that is both `RemoteError` and that type; any other name
+    stays a plain `RemoteError`. Nothing is imported, unpickled or evaluated by a name that came
+    over the wire: the name is only looked up among the classes already known here. `ActorError`s
+    describe the remote process's own call to some actor and stay plain (see `ActorError`); our
+    `RemoteError` subclasses (the server's refusals) are themselves."""
+    path = path or f"builtins.{type_name}"
+    cls = _REMOTE.get(path)
+    if cls is not None:
+        return cls
+    module, _, name = path.rpartition(".")
+    base = _KNOWN.get(path) or (getattr(builtins, name, None) if module == "builtins" else None)
+    if not (isinstance(base, type) and issubclass(base, Exception)) or base in (Exception, BaseException):
+        return RemoteError
+    if issubclass(base, RemoteError):
+        cls = base
+    elif issubclass(base, ActorError):
+        return RemoteError
+    else:
         try:
-            cls = type(f"Remote{type_name}", (RemoteError, base), {"__init__": RemoteError.__init__, "__str__": BaseException.__str__})
-        except TypeError:  # layout conflict (e.g. OSError subclasses): plain RemoteError
+            cls = type(f"Remote{base.__name__}", (RemoteError, base), {
+                "__init__": RemoteError.__init__, "__str__": BaseException.__str__, "__module__": base.__module__})
+        except TypeError:  # a layout the mix cannot take (a builtin with its own C fields): plain
             return RemoteError
-        _BUILTIN_MIXINS[type_name] = cls
+    _REMOTE[path] = cls
     return cls
 
 

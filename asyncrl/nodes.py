@@ -23,6 +23,9 @@ class NodeSettings:
     master_port: int
     nproc_per_node: int
     """Devices this node offers (0: all found)."""
+    min_nnodes: int = 0
+    """With ``--nnodes MIN:MAX`` (an elastic cluster, as torchrun's): MIN, the nodes node 0 waits
+    for at the start; ``nnodes`` is MAX. 0: a fixed size."""
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -72,6 +75,19 @@ def _int(text, origin: str, flag: str) -> int:
         raise UsageError(f"{flag}: {origin}={text!r} is not an integer") from None
 
 
+def _nnodes(text, origin: str) -> tuple[int, int]:
+    """``N`` -> (0, N); ``MIN:MAX`` -> (MIN, MAX): an elastic range, as torchrun's."""
+    if isinstance(text, str) and ":" in text:
+        try:
+            low, high = (int(part) for part in text.split(":"))
+        except ValueError:
+            raise UsageError(f"--nnodes: {origin}={text!r} is neither an integer nor a range MIN:MAX") from None
+        if not 1 <= low <= high:
+            raise UsageError(f"--nnodes {text}: an elastic range MIN:MAX needs 1 <= MIN <= MAX")
+        return (0 if low == high else low), high
+    return 0, _int(text, origin, "--nnodes")
+
+
 def resolve(
     environ: Mapping[str, str],
     nnodes=None,
@@ -81,7 +97,7 @@ def resolve(
     nproc_per_node=None,
 ) -> NodeSettings:
     slurm = _slurm(environ)
-    n = _int(*_value("--nnodes", nnodes, environ, ["PET_NNODES", "NNODES"], slurm, "nnodes", 1), "--nnodes")
+    low, n = _nnodes(*_value("--nnodes", nnodes, environ, ["PET_NNODES", "NNODES"], slurm, "nnodes", 1))
     rank = _int(*_value("--node-rank", node_rank, environ, ["PET_NODE_RANK", "NODE_RANK"], slurm, "node_rank", 0), "--node-rank")
     addr, _ = _value("--master-addr", master_addr, environ, ["PET_MASTER_ADDR", "MASTER_ADDR"], slurm, "master_addr", "127.0.0.1")
     port = _int(*_value("--master-port", master_port, environ, ["PET_MASTER_PORT", "MASTER_PORT"], {}, "", 29500), "--master-port")
@@ -98,7 +114,7 @@ def resolve(
     nproc = 0 if str(procs) in ("auto", "gpu") else _int(procs, origin, "--nproc-per-node")
     if nproc < 0:
         raise UsageError(f"--nproc-per-node must be >= 0, 'auto' or 'gpu', not {procs!r}")
-    return NodeSettings(n, rank, addr, port, nproc)
+    return NodeSettings(n, rank, addr, port, nproc, low)
 
 
 def _is_wildcard(host: str) -> bool:

@@ -4,8 +4,8 @@
     python benchmarks/packing.py --device cuda --shape 0.5b --attn sdpa      # one GPU
     python benchmarks/packing.py --device cuda --shape 0.5b --attn flash_attention_2   # needs flash-attn
 
-A "step" is the whole of the trainer's ``_train_step`` (micro-batching, forward, backward, AdamW),
-timed by the trainer itself (``train_s``), on a batch of ``--prompts`` groups of ``--group-size``
+A "step" is one call of the trainer's ``train_step`` endpoint, made in this process (micro-batching,
+forward, backward, AdamW), timed by the trainer itself (``train_s``), on a batch of ``--prompts`` groups of ``--group-size``
 completions. tokens/s counts real tokens (prompt + completion), never padding. The lengths:
 
 - ``countdown`` (the default example): the compact Countdown prompts and the solver's answers in
@@ -28,6 +28,7 @@ memory a step allocated (parameters, gradients, AdamW state and activations toge
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import random
@@ -76,13 +77,10 @@ def main() -> None:
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             trainer = TrainerActor(path, config, device=args.device)
-            times, metrics = [], {}
-            for i in range(args.warmup + args.steps):
-                metrics = trainer._train_step(batch)
-                if i >= args.warmup:
-                    times.append(metrics["train_s"])
-            seconds = statistics.median(times)
-            padded_tokens = padded_size(trainer, batch, config)
+            steps = asyncio.run(train_steps(trainer, batch, args.warmup + args.steps))
+            metrics = steps[-1]
+            seconds = statistics.median(m["train_s"] for m in steps[args.warmup:])
+            padded_tokens = padded_size(torch.device(args.device), batch, config)
             rows.append({"layout": f"packed {pack}" if pack else "padded", "micro_batches": int(metrics["micro_batches"]),
                          "tokens_in_forward": padded_tokens, "real_tokens": real, "step_s": round(seconds, 4),
                          "tokens_per_s": round(real / seconds, 1), "loss": metrics["loss"],
@@ -164,7 +162,12 @@ def make_batch(lengths: str, prompts: int, group_size: int, hint: int, seed: int
     return groups
 
 
-def padded_size(trainer, batch, config) -> int:
+async def train_steps(trainer, batch, n: int) -> list[dict[str, float]]:
+    """``n`` steps on ``batch`` through the trainer's public endpoint; each one's metrics."""
+    return [await trainer.train_step(batch) for _ in range(n)]
+
+
+def padded_size(device, batch, config) -> int:
     """Tokens the forward passes process, padding included."""
     from asyncrl.rl.trainer.batching import micro_batches
     from asyncrl.rl.trainer.loss import group_advantages
@@ -172,9 +175,9 @@ def padded_size(trainer, batch, config) -> int:
 
     adv = group_advantages([list(g.rewards) for g in batch])
     if config.pack_tokens:
-        cut = packed_micro_batches(batch, adv, config.micro_batch_tokens, trainer.device, config.pack_tokens)
+        cut = packed_micro_batches(batch, adv, config.micro_batch_tokens, device, config.pack_tokens)
     else:
-        cut = micro_batches(batch, adv, config.micro_batch_tokens, trainer.device)
+        cut = micro_batches(batch, adv, config.micro_batch_tokens, device)
     return sum(b.input_ids.numel() for b in cut)
 
 

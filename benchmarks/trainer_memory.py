@@ -1,9 +1,10 @@
 """The trainer's step on a real model shape: peak memory, time and MFU with the fused output layer
-(the default) against full logits, at a given or the automatic micro-batch.
+(the default) against full logits, at a given or the automatic micro-batch, compiled or not.
 
     python benchmarks/trainer_memory.py --shape 0.5b                          # one GPU, trainer alone
     python benchmarks/trainer_memory.py --shape 1.5b --micro-batch-tokens 0,16384
     python benchmarks/trainer_memory.py --shape 7b --lora-rank 16 --paths fused
+    python benchmarks/trainer_memory.py --shape 0.5b --micro-batch-tokens 0 --paths fused --compile both --profile
 
 A step is the trainer's whole ``_train_step`` (micro-batching, forward, backward, AdamW) on
 ``--prompts`` groups of ``--group-size`` completions of ``--completion`` tokens after a Countdown
@@ -45,14 +46,15 @@ def make_batch(prompts: int, group_size: int, completion: int, vocab: int):
 
 
 def run(path: str, batch, *, device: str, path_kind: str, tokens: int, lora_rank: int, steps: int,
-        warmup: int) -> dict:
+        warmup: int, compile_layers: bool = False, pack_tokens: int = 0, profile: bool = False) -> dict:
     import torch
 
     from asyncrl.rl.config.trainer import LoRAConfig, TrainerConfig
     from asyncrl.rl.trainer.actor import TrainerActor
 
     lora = LoRAConfig(rank=lora_rank, alpha=2 * max(lora_rank, 1), bf16_base=bool(lora_rank))
-    config = TrainerConfig(micro_batch_tokens=tokens, temperature=1.0, lr=1e-6, lora=lora)
+    config = TrainerConfig(micro_batch_tokens=tokens, temperature=1.0, lr=1e-6, lora=lora, compile=compile_layers,
+                           pack_tokens=pack_tokens)
     cuda = device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -65,6 +67,8 @@ def run(path: str, batch, *, device: str, path_kind: str, tokens: int, lora_rank
             metrics = trainer._train_step(batch)
             if i >= warmup:
                 times.append(metrics["train_s"])
+        if profile and times:
+            print_profile(lambda: trainer._train_step(batch), cuda)
     except Exception as exc:  # a configuration that does not fit is a row, not the end of the table
         error = str(exc).splitlines()[0][:100]
     row = {"path": path_kind, "micro_batch_tokens": int(metrics.get("micro_batch_tokens", tokens)),
@@ -77,6 +81,26 @@ def run(path: str, batch, *, device: str, path_kind: str, tokens: int, lora_rank
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def print_profile(step, cuda: bool, rows: int = 25) -> None:
+    """One more step under torch's profiler: the ops that took the device's time (the table's
+    footer: the device's total, against the step's wall time printed first)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"# profile: step {wall:.3f} s under the profiler")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
 def main() -> None:
@@ -92,24 +116,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--model-dir", default="", help="where the random model is (made if missing)")
+    parser.add_argument("--compile", default="off", help="--trainer.compile: off, on or both")
+    parser.add_argument("--pack-tokens", type=int, default=0, help="--trainer.pack_tokens")
+    parser.add_argument("--profile", action="store_true", help="one more step under torch's profiler, per row")
     args = parser.parse_args()
 
     path = args.model_dir or tempfile.mkdtemp(prefix=f"asyncrl-{args.shape}-")
     if not os.path.exists(os.path.join(path, "config.json")):
         make_model(path, SHAPES[args.shape], "bfloat16")
     batch = make_batch(args.prompts, args.group_size, args.completion, SHAPES[args.shape][5] or 100)
-    rows = [run(path, batch, device=args.device, path_kind=kind, tokens=int(t), lora_rank=args.lora_rank, steps=args.steps,
-                warmup=args.warmup)
-            for t in args.micro_batch_tokens.split(",") for kind in args.paths.split(",")]
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    rows = [dict(run(path, batch, device=args.device, path_kind=kind, tokens=int(t), lora_rank=args.lora_rank,
+                     steps=args.steps, warmup=args.warmup, compile_layers=c, pack_tokens=args.pack_tokens,
+                     profile=args.profile), compile=c)
+            for t in args.micro_batch_tokens.split(",") for kind in args.paths.split(",") for c in compiles]
     trained = f"LoRA r{args.lora_rank}, bf16 base" if args.lora_rank else "every parameter (fp32 + AdamW)"
     print(f"# {args.shape}, {trained}; {args.prompts} x {args.group_size} x {args.completion} a step")
-    print("| path | micro_batch_tokens | micro-batches | step s | MFU | peak GiB | loss |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"# pack_tokens {args.pack_tokens}")
+    print("| path | compile | micro_batch_tokens | micro-batches | step s | MFU | peak GiB | loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        head = f"| {r['path']} | {'on' if r['compile'] else 'off'} | {r['micro_batch_tokens']} |"
         if "step_s" not in r:
-            print(f"| {r['path']} | {r['micro_batch_tokens']} | failed: {r['error']} | | | {r['peak_gib']:.1f} | |")
+            print(f"{head} failed: {r['error']} | | | {r['peak_gib']:.1f} | |")
             continue
-        print(f"| {r['path']} | {r['micro_batch_tokens']} | {r['micro_batches']} | {r['step_s']:.3f} | "
+        print(f"{head} {r['micro_batches']} | {r['step_s']:.3f} | "
               f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['loss']:.6f} |")
 
 

@@ -177,3 +177,40 @@ class FreezesInStart(Actor):
         start_phase("about to freeze", budget_s=60)
         time.sleep(0.5)  # the report goes out first
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class RaisesOurs(Actor):
+    """Raises one of asyncrl's own errors, picked by ``kind`` from a fixed table: from
+    ``raise_error``, or from ``train_step`` when built with a ``kind`` (a trainer rank that fails)."""
+
+    def __init__(self, kind: str = ""):
+        self.kind = kind
+
+    @staticmethod
+    def _error(kind: str) -> Exception:
+        from asyncrl.comm.errors import RendezvousTimeoutError
+        from asyncrl.errors import ActorDiedError
+        from asyncrl.rl.checkpoint import CheckpointWriteError
+        from asyncrl.rl.sampler.errors import SamplerTimeoutError
+        from asyncrl.rl.tasks.scoring import TaskFailureError
+        from asyncrl.rl.trainer.errors import PeerRankFailedError
+
+        return {
+            "checkpoint_write": CheckpointWriteError("cannot write /run/checkpoints/step-2: No space left on device"),
+            "task_failure": TaskFailureError("task 'countdown': 9 of 10 score calls raised"),
+            "sampler_timeout": SamplerTimeoutError("no moment free of generation came within 1 s"),
+            "rendezvous_timeout": RendezvousTimeoutError("weights/g0", "the layout", [2], 1.0),
+            "peer_rank": PeerRankFailedError(0, 1, "train step 3", "RuntimeError: boom"),
+            "actor_died": ActorDiedError("sampler3", "killed by SIGKILL"),
+            "runtime": RuntimeError("a bug of this rank"),
+        }[kind]
+
+    @endpoint
+    async def raise_error(self, kind: str) -> None:
+        raise self._error(kind)
+
+    @endpoint
+    async def train_step(self, deadline_s: float = 0.0) -> str:
+        if self.kind:
+            raise self._error(self.kind)
+        return "trained"

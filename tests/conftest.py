@@ -1,4 +1,5 @@
-"""Shared helpers: real processes, found and checked through /proc (no mocks)."""
+"""Shared helpers: real processes, found and checked through /proc (no mocks); and the tier of
+every test file (`TIERS`), given to its tests as a marker."""
 
 from __future__ import annotations
 
@@ -7,6 +8,58 @@ import signal
 import time
 
 import pytest
+
+
+TIERS = {
+    # in one process, no model to train, seconds in all: `python -m pytest -m unit`, the fast tier
+    # (no transformers import: the two in-process files that need it, episodes and flops, are rl's)
+    "unit": ("actor_spec", "arith", "codec", "config", "countdown", "ctypes_table", "device_plan", "layering",
+             "layout", "loss", "pacing", "pyhccl_communicator", "pyhccl_library", "rollout_queue", "throttled_log",
+             "tiers"),
+    # the actor runtime with real processes and sockets: supervisors, calls, kills, nodes, status
+    "runtime": ("auth", "fuzz_sockets", "kill", "lifecycle", "multinode", "remote_errors", "rpc", "rpc_tensors",
+                "start_phases", "status", "supervisor"),
+    # the weight-sync data plane: rendezvous, communicators, the sync itself
+    "comm": ("comm_join", "pynccl", "pyhccl_tables", "rendezvous", "weight_sync"),
+    # the RL components on real models and actors: sampler, trainer, tasks, the driver's pool
+    "rl": ("agents", "distill", "episodes", "flops", "lora", "model", "packing", "recovery_pool", "reward_model", "sampler",
+           "scaling_pool", "scorer", "sync_phases", "tasks", "trainer", "trainer_compile", "trainer_group",
+           "trainer_head", "user_task", "vllm_actor", "vllm_backend", "vllm_compat", "vllm_worker", "warm_start"),
+    # whole runs and scripts: GRPO runs, `asyncrl launch`, the examples, resumes, faults on a run
+    "e2e": ("elastic", "examples", "fault_tolerance", "grpo", "grpo_multinode", "launch_errors", "lora_vllm",
+            "multinode_netns", "multiturn_vllm", "observe", "run_lifecycle", "start_loss", "user_errors"),
+    # an accelerator (CUDA, Ascend): skipped where there is none
+    "gpu": ("colocated_gpu", "gpu", "gpu_comm", "pyhccl_npu"),
+}
+"""The tier of each ``tests/test_<name>.py``, by its name: each of its tests gets that marker unless
+it carries a tier of its own (``@pytest.mark.e2e`` on one slow test of a unit file). A new file
+gets a line here (`test_tiers.py` fails until it has one). CI runs every tier; see the README."""
+_TIER_OF = {f"test_{name}.py": tier for tier, names in TIERS.items() for name in names}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", action="append", default=[], choices=sorted(TIERS),
+                     help="run only the tests of this tier (repeat for several); the files of the other tiers are "
+                          "not even imported, which `-m unit` would do (about 25 s of torch and vLLM imports)")
+
+
+def pytest_ignore_collect(collection_path, config):
+    tiers = config.getoption("--tier")
+    if tiers and collection_path.name in _TIER_OF and _TIER_OF[collection_path.name] not in tiers:
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = _TIER_OF.get(os.path.basename(str(item.fspath)))
+        if tier is not None and not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(tier)
+    tiers = config.getoption("--tier")
+    if tiers:  # a test whose own marker puts it in another tier than its file's
+        chosen = [item for item in items if any(item.get_closest_marker(t) for t in tiers)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+        items[:] = chosen
 
 
 def process_alive(pid: int) -> bool:
@@ -71,8 +124,10 @@ def no_leftover_processes():
     global _at_test_start
     before = _at_test_start = descendants(os.getpid())
     yield
-    wait_until(lambda: not descendants(os.getpid()) - before, 5.0)
     left = descendants(os.getpid()) - before
+    if left:  # a process that is ending may take a moment (each look reads all of /proc: not when none is left)
+        wait_until(lambda: not descendants(os.getpid()) - before, 5.0)
+        left = descendants(os.getpid()) - before
     kill_all(left)
     assert not left, f"processes left behind: {sorted(left)}"
 

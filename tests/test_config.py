@@ -182,8 +182,8 @@ def test_help_lists_a_flat_sub_sections_keys_in_its_parents_group():
 def test_config_json_is_flat_and_reads_back_as_an_old_run_s_did():
     import json
 
-    from asyncrl.rl.checkpoint import config_from_dict
     from asyncrl.rl.config import GRPOConfig, config_to_dict
+    from asyncrl.rl.config.stored import config_from_dict
 
     config = parse_overrides(GRPOConfig(), ["--run.n_train", "400", "--run.sync_timeout_s", "30", "--run.steps", "7",
                                             "--run.checkpoint_every", "5", "--sampler.temperature", "0.7"])
@@ -198,6 +198,26 @@ def test_config_json_is_flat_and_reads_back_as_an_old_run_s_did():
     assert config_from_dict(GRPOConfig(), written) == config
     assert config_from_dict(GRPOConfig(), old).run == config.run
     assert config_from_dict(GRPOConfig(), old).trainer_config() == config.trainer_config()
+
+
+def test_config_json_written_reads_back_typed_and_what_does_not_fit_is_a_config_error(tmp_path):
+    from asyncrl.rl.checkpoint import CheckpointError
+    from asyncrl.rl.config import GRPOConfig
+    from asyncrl.rl.config.stored import load_run_config, write_run_config
+
+    config = parse_overrides(GRPOConfig(), ["--trainer.betas", "0.8,0.9", "--run.steps", "7", "--sampler.temperature",
+                                            "0.7"])
+    write_run_config(config, str(tmp_path))
+    assert load_run_config(GRPOConfig(), str(tmp_path)) == config
+    (tmp_path / "config.json").write_text('{"run": {"steps": "seven"}}')
+    with pytest.raises(ConfigError, match="steps") as info:
+        load_run_config(GRPOConfig(), str(tmp_path))
+    assert not isinstance(info.value, CheckpointError)  # the config's own error, not the checkpoints'
+    (tmp_path / "config.json").write_text('{"run": ')
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        load_run_config(GRPOConfig(), str(tmp_path))
+    with pytest.raises(ConfigError, match="no config.json there"):
+        load_run_config(GRPOConfig(), str(tmp_path / "elsewhere"))
 
 
 def test_the_trainer_takes_the_samplers_temperature():
@@ -223,6 +243,12 @@ def test_the_trainer_takes_the_samplers_temperature():
                                           r"\(--model\.max_positions\) has 128 positions"),
     (["--run.check_weights", "true", "--sampler.backend", "vllm"], r"^--run\.check_weights true needs samplers .*"
                                                                    r"--sampler\.backend vllm"),
+    (["--trainer.loss.aggregation", "fixed_tokens"], r"^--trainer\.loss\.aggregation fixed_tokens divides by a token "
+                                                     r"budget: set --trainer\.loss\.token_budget N or --sampler\.max_new_tokens N$"),
+    (["--trainer.loss.overlong_buffer", "16"], r"^--trainer\.loss\.overlong_buffer needs a length limit: set "
+                                               r"--trainer\.loss\.overlong_max_tokens N or --sampler\.max_new_tokens N$"),
+    (["--trainer.loss.overlong_buffer", "64", "--sampler.max_new_tokens", "32"],
+     r"^--trainer\.loss\.overlong_buffer 64 is more than the length limit 32 "),
 ])
 def test_a_rule_across_sections_names_both_flags(overrides, message):
     from asyncrl.rl.config import GRPOConfig
@@ -230,6 +256,19 @@ def test_a_rule_across_sections_names_both_flags(overrides, message):
     with pytest.raises(ConfigError, match=message) as caught:
         parse_overrides(GRPOConfig(), overrides)
     assert "\n" not in str(caught.value)
+
+
+def test_length_budgets_default_to_the_samplers_max_new_tokens():
+    from asyncrl.rl.config import GRPOConfig
+
+    c = parse_overrides(GRPOConfig(), ["--sampler.max_new_tokens", "48", "--trainer.loss.aggregation", "fixed_tokens",
+                                       "--trainer.loss.overlong_buffer", "8"])
+    assert (c.trainer.loss.token_budget, c.trainer.loss.overlong_max_tokens) == (0, 0)  # config.json keeps the 0s
+    loss = c.trainer_config().loss
+    assert (loss.token_budget, loss.overlong_max_tokens) == (48, 48)
+    c = parse_overrides(GRPOConfig(), ["--trainer.loss.token_budget", "100", "--trainer.loss.aggregation", "fixed_tokens",
+                                       "--trainer.loss.overlong_buffer", "8", "--trainer.loss.overlong_max_tokens", "40"])
+    assert (c.trainer_config().loss.token_budget, c.trainer_config().loss.overlong_max_tokens) == (100, 40)
 
 
 def test_rules_about_the_embedded_model_leave_a_checkpoint_alone():

@@ -280,7 +280,7 @@ async def test_too_many_failures_stop_the_run_with_the_first_traceback():
     message = str(err.value)
     assert "task scored" in message and "4 of 6" in message and "--task.max_failure_rate 0.5" in message
     assert "ValueError: no reward for '<answer>41</answer>'" in message and "Traceback" in message
-    assert type(err.value).__name__ == "TaskFailureError"  # what the driver recognises across processes
+    assert type(err.value) is TaskFailureError  # what the driver catches (test_remote_errors.py: across processes)
 
 
 async def test_hung_threads_shrink_the_pool_and_calls_that_find_none_count_as_timeouts():

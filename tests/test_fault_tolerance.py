@@ -29,8 +29,9 @@ import torch
 
 from asyncrl import Supervisor
 from asyncrl.rl.trainer.checkpoint import STALL_ENV
-from asyncrl.rl.checkpoint import CheckpointError, RunState, latest_checkpoint, list_checkpoints
-from asyncrl.rl.checkpoint import config_from_dict
+from asyncrl.rl.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
+from asyncrl.rl.config.stored import config_from_dict
+from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.driver.metrics import truncate_metrics
 from asyncrl.rl.config.parse import ConfigError, config_to_dict, parse_overrides
 from asyncrl.rl.config.grpo import GRPOConfig
@@ -240,7 +241,7 @@ async def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable
             await writing
 
         (latest,) = list_checkpoints(run_dir)
-        assert latest.step == 1 and latest.run_state().version == 1
+        assert latest.step == 1 and read_run_state(latest).version == 1
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(latest.model_dir, local_files_only=True)
@@ -262,7 +263,7 @@ def test_config_checks_and_resume_helpers(tmp_path):
         parse_overrides(GRPOConfig(), ["--run.sync_timeout_s", "0"])
     config = parse_overrides(GRPOConfig(), ["--trainer.betas", "0.8,0.9", "--run.steps", "7"])
     assert config_from_dict(GRPOConfig(), json.loads(json.dumps(config_to_dict(config)))) == config
-    with pytest.raises(CheckpointError, match="unknown key 'nope'"):
+    with pytest.raises(ConfigError, match="unknown key 'nope'"):
         config_from_dict(GRPOConfig(), {"run": {"nope": 1}})
 
     metrics = tmp_path / "metrics.jsonl"

@@ -12,7 +12,7 @@ import asyncrl
 ROOT = os.path.dirname(asyncrl.__file__)
 
 SHARED_RL = {"asyncrl.rl.config", "asyncrl.rl.generation", "asyncrl.rl.tasks", "asyncrl.rl.model",
-             "asyncrl.rl.rollout", "asyncrl.rl.checkpoint", "asyncrl.rl.digest"}
+             "asyncrl.rl.rollout", "asyncrl.rl.checkpoint", "asyncrl.rl.digest", "asyncrl.rl.agents"}
 MAY_IMPORT = {
     # the generic layers know nothing of RL
     "asyncrl.errors": set(),
@@ -23,18 +23,22 @@ MAY_IMPORT = {
     "asyncrl.rl.generation": set(),
     "asyncrl.rl.tasks": {"asyncrl.errors", "asyncrl.rl.config", "asyncrl.rl.generation"},
     "asyncrl.rl.rollout": {"asyncrl.errors"},
+    # the OpenAI endpoint agents talk to, over any generation function (a sampler's, the evaluation's)
+    "asyncrl.rl.agents": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.generation", "asyncrl.rl.tasks"},
     "asyncrl.rl.digest": set(),
     # views drawn from a run directory alone (curves.png, sparklines): the driver's and the CLI's
     "asyncrl.rl.view": {"asyncrl.errors"},
     "asyncrl.rl.checkpoint": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config"},
     "asyncrl.rl.model": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.generation",
-                         "asyncrl.rl.tasks"},
+                         "asyncrl.rl.tasks", "asyncrl.rl.agents"},
     # the two actors never import each other, nor the driver
     "asyncrl.rl.trainer": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
     "asyncrl.rl.sampler": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
+    # the scorer scores as the trainer does (its micro-batches and scoring, no optimiser)
+    "asyncrl.rl.scorer": {"asyncrl.errors", "asyncrl.runtime", *SHARED_RL, "asyncrl.rl.trainer"},
     # the driver spawns the actors (their classes only) and talks to them through the runtime
     "asyncrl.rl.driver": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL,
-                          "asyncrl.rl.trainer", "asyncrl.rl.sampler", "asyncrl.rl.view"},
+                          "asyncrl.rl.trainer", "asyncrl.rl.sampler", "asyncrl.rl.scorer", "asyncrl.rl.view"},
     # the command line of a GRPO run (the example scripts' main): parse, check, then drive
     "asyncrl.rl.launch": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.tasks",
                           "asyncrl.rl.driver"},

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig
-from asyncrl.rl.trainer.loss import LossInputError, group_advantages, grpo_loss, token_entropy, token_logprobs
+from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.trainer.loss import (LossInputError, distill_advantages, group_advantages, grpo_loss, loss_normalizer, overlong_penalties,
+                                     step_advantages, token_entropy, token_logprobs)
 
 F64 = torch.float64
 
@@ -336,3 +338,223 @@ def test_log_ratios_past_float32_exp_range_stay_finite_and_keep_their_sign():
             assert new.grad[0, 0].item() == pytest.approx(2.0 / 2)
         if cfg.kl_coef:
             assert new.grad[0, 1].item() < 0  # 200 nats below the reference: pulled back up
+
+
+# --- loss variants: each against its paper's formula, written naively in float64 --------------
+
+
+def variant_batch():
+    """Four sequences, log-ratios chosen around GSPO's clip at 0.1 either way: row 0 inside
+    (s = e**(0.25 / 3) = 1.087), row 1 above with A > 0 (1.221: clipped), row 2 below with A < 0
+    (e**-0.15 = 0.861: clipped), row 3 above with A < 0 (1.649: the side a clip leaves open).
+    Padding holds NaN."""
+    nan = math.nan
+    log_ratio = [[0.05, 0.3, -0.1], [0.2, 0.2, nan], [-0.3, 0.0, nan], [0.5, nan, nan]]
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]])
+    beh = t([[-1.0, -2.0, -0.5], [-0.3, -1.2, nan], [-0.7, -0.1, nan], [-2.0, nan, nan]])
+    return log_ratio, mask, beh, t([1.0, 1.0, -2.0, -1.0])
+
+
+def new_from(log_ratio, beh, mask):
+    return torch.where(mask.bool(), beh.nan_to_num() + t(log_ratio).nan_to_num(), math.nan).requires_grad_()
+
+
+def gspo_reference(log_ratio, mask, adv, lo, hi, per_token_weight: bool):
+    """GSPO's objective (Zheng et al. 2025) on the sequence ratio itself, no token trick:
+    J = -mean_i min(s_i A_i, clip(s_i, 1 - lo, 1 + hi) A_i), s_i = exp(mean of valid log r).
+    ``per_token_weight``: each sequence's term counted once per valid token, / all tokens."""
+    lr = t(log_ratio).nan_to_num().requires_grad_()
+    valid = mask.bool()
+    n = valid.sum(1)
+    s = (torch.where(valid, lr, 0.0).sum(1) / n).exp()
+    a = adv.to(F64)
+    j = torch.minimum(s * a, s.clamp(1 - lo, 1 + hi) * a)
+    loss = -(j * n).sum() / n.sum() if per_token_weight else -j.mean()
+    loss.backward()
+    return loss.item(), torch.where(valid, lr.grad, 0.0)
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean", "token_mean"])
+def test_gspo_matches_the_sequence_level_objective(aggregation):
+    log_ratio, mask, beh, adv = variant_batch()
+    cfg = GRPOLossConfig(policy_loss="gspo", gspo_eps_low=0.1, gspo_eps_high=0.1, aggregation=aggregation)
+    new = new_from(log_ratio, beh, mask)
+    loss, m = grpo_loss(new, beh, adv, mask, cfg)
+    loss.backward()
+    ref_loss, ref_grad = gspo_reference(log_ratio, mask, adv, 0.1, 0.1, aggregation == "token_mean")
+    assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
+    torch.testing.assert_close(torch.where(mask.bool(), new.grad, 0.0), ref_grad, rtol=0, atol=1e-12)
+    if aggregation == "seq_mean":
+        # by hand: row 0 unclipped, d/dnew_t = -s A / 3 tokens / 4 sequences; rows 1, 2 clipped
+        # whole (no token keeps a gradient, though row 1's ratios lie inside the token clip of
+        # ppo_clip); row 3: -(e**0.5 * -1) / 1 token / 4
+        s0 = math.exp(0.25 / 3)
+        close(new.grad[0], [-s0 / 12] * 3)
+        assert torch.equal(new.grad[1:3], torch.zeros(2, 3, dtype=F64))
+        assert new.grad[3, 0].item() == pytest.approx(math.exp(0.5) / 4)
+        assert loss.item() == pytest.approx(-(s0 + 1.1 - 1.8 - math.exp(0.5)) / 4)
+    # metrics: the sequence ratio; clipped tokens are those of rows 1 and 2 (2 + 2 of 8)
+    assert m["ratio_max"].item() == pytest.approx(math.exp(0.5))
+    assert m["clip_frac_high"].item() == pytest.approx(2 / 8) and m["clip_frac_low"].item() == pytest.approx(2 / 8)
+
+
+def test_gspo_token_form_takes_per_token_advantages():
+    # with A_it = A_i broadcast the token form is GSPO itself; with A varying inside a sequence,
+    # each token's gradient is s_i * A_it / |y_i| (GSPO-token, s_i unclipped)
+    log_ratio, mask, beh, _ = variant_batch()
+    cfg = GRPOLossConfig(policy_loss="gspo", gspo_eps_low=0.7, gspo_eps_high=0.7, aggregation="seq_mean")
+    per_token = t([[1.0, -1.0, 2.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0], [3.0, 0.0, 0.0]])
+    new = new_from(log_ratio, beh, mask)
+    loss, _ = grpo_loss(new, beh, per_token, mask, cfg)
+    loss.backward()
+    s = [math.exp(0.25 / 3), math.exp(0.2), 1.0, math.exp(0.5)]
+    expected = [[-s[0] * a / 3 / 4 for a in (1.0, -1.0, 2.0)], [-s[1] * 0.5 / 2 / 4] * 2 + [0.0], [0.0] * 3,
+                [-s[3] * 3.0 / 4, 0.0, 0.0]]
+    close(torch.where(mask.bool(), new.grad, 0.0), expected, tol=1e-12)
+
+
+def cispo_reference(log_ratio, mask, beh, adv, lo, hi):
+    """CISPO (MiniMax-M1): J = -(1 / tokens) sum sg(clip(r, 1 - lo, 1 + hi)) A log pi,
+    written on log pi itself: its gradient is the paper's; its value is not ours (see _cispo)."""
+    valid = mask.bool()
+    logp = (beh.nan_to_num() + t(log_ratio).nan_to_num()).requires_grad_()
+    r = (logp - beh.nan_to_num()).exp()
+    w = r.clamp(1 - lo, 1 + hi).detach()
+    loss = -torch.where(valid, w * adv.unsqueeze(1) * logp, 0.0).sum() / valid.sum()
+    loss.backward()
+    value = -torch.where(valid, w * adv.unsqueeze(1), 0.0).sum() / valid.sum()
+    return value.item(), torch.where(valid, logp.grad, 0.0)
+
+
+@pytest.mark.parametrize("eps_low", [1.0, 0.2])
+def test_cispo_weights_every_token_by_the_clipped_detached_ratio(eps_low):
+    log_ratio, mask, beh, adv = variant_batch()
+    cfg = GRPOLossConfig(policy_loss="cispo", cispo_eps_low=eps_low, cispo_eps_high=0.28)
+    new = new_from(log_ratio, beh, mask)
+    loss, m = grpo_loss(new, beh, adv, mask, cfg)
+    loss.backward()
+    ref_value, ref_grad = cispo_reference(log_ratio, mask, beh, adv, eps_low, 0.28)
+    assert loss.item() == pytest.approx(ref_value, abs=1e-12)
+    torch.testing.assert_close(torch.where(mask.bool(), new.grad, 0.0), ref_grad, rtol=0, atol=1e-12)
+    # by hand, 8 tokens: row 3's e**0.5 = 1.65 is truncated to 1.28 and keeps its gradient (PPO's
+    # clip leaves that side open, but row 0's token at e**0.3 = 1.35, A > 0, PPO would drop)
+    assert new.grad[3, 0].item() == pytest.approx(1.28 / 8)
+    assert new.grad[0, 1].item() == pytest.approx(-1.28 / 8)
+    # row 2's e**-0.3 = 0.741: below 0.8 only when there is a lower bound
+    low_w = 0.8 if eps_low == 0.2 else math.exp(-0.3)
+    assert new.grad[2, 0].item() == pytest.approx(2 * low_w / 8)
+    assert m["clip_frac_high"].item() == pytest.approx(2 / 8)  # e**0.3, e**0.5
+    assert m["clip_frac_low"].item() == pytest.approx(1 / 8 if eps_low == 0.2 else 0.0)
+
+
+def dr_grpo_reference(log_ratio, mask, adv, budget):
+    """Dr. GRPO (Liu et al. 2025; their code's constant normaliser): the PPO surrogate
+    summed over each sequence's tokens, / MAX_TOKENS, then averaged over the sequences."""
+    lr = t(log_ratio).nan_to_num().requires_grad_()
+    r = lr.exp()
+    a = adv.unsqueeze(1)
+    term = torch.minimum(r * a, r.clamp(0.8, 1.28) * a)
+    loss = -(torch.where(mask.bool(), term, 0.0).sum(1) / budget).mean()
+    loss.backward()
+    return loss.item(), torch.where(mask.bool(), lr.grad, 0.0)
+
+
+def test_dr_grpo_divides_by_a_constant_token_budget():
+    log_ratio, mask, beh, adv = variant_batch()
+    cfg = GRPOLossConfig(aggregation="fixed_tokens", token_budget=16)
+    new = new_from(log_ratio, beh, mask)
+    loss, _ = grpo_loss(new, beh, adv, mask, cfg)
+    loss.backward()
+    ref_loss, ref_grad = dr_grpo_reference(log_ratio, mask, adv, 16)
+    assert loss.item() == pytest.approx(ref_loss, abs=1e-12)
+    torch.testing.assert_close(torch.where(mask.bool(), new.grad, 0.0), ref_grad, rtol=0, atol=1e-12)
+    # a token's weight is 1 / (4 sequences x 16), whatever its sequence's length: row 0 (3 tokens)
+    # and row 3 (1 token) alike
+    assert new.grad[0, 0].item() == pytest.approx(-math.exp(0.05) / 64)
+    assert new.grad[3, 0].item() == pytest.approx(math.exp(0.5) / 64)
+    assert loss_normalizer(cfg, n_tokens=8, n_seqs=4) == 64
+    with pytest.raises(ValueError, match="token_budget"):
+        grpo_loss(new, beh, adv, mask, GRPOLossConfig(aggregation="fixed_tokens"))
+
+
+@pytest.mark.parametrize("cfg", [GRPOLossConfig(aggregation="fixed_tokens", token_budget=16),
+                                 GRPOLossConfig(policy_loss="gspo", aggregation="seq_mean"),
+                                 GRPOLossConfig(policy_loss="cispo")])
+def test_variants_add_up_over_micro_batches(cfg):
+    log_ratio, mask, beh, adv = variant_batch()
+    new = new_from(log_ratio, beh, mask)
+    whole, _ = grpo_loss(new, beh, adv, mask, cfg)
+    norm = loss_normalizer(cfg, n_tokens=float(mask.sum()), n_seqs=4.0)
+    parts = [grpo_loss(new[s], beh[s], adv[s], mask[s], cfg, normalizer=norm)[0] for s in (slice(0, 1), slice(1, 4))]
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), abs=1e-12)
+
+
+def test_dapo_overlong_penalty_by_hand():
+    # L_max 10, L_cache 4: no penalty up to 6 tokens, then -1/4 a token, -1 from 10 on
+    cfg = GRPOLossConfig(overlong_buffer=4, overlong_max_tokens=10)
+    assert overlong_penalties([0, 6, 7, 9, 10, 12], cfg) == [0.0, 0.0, -0.25, -0.75, -1.0, -1.0]
+    half = GRPOLossConfig(overlong_buffer=4, overlong_max_tokens=10, overlong_penalty=0.5)
+    assert overlong_penalties([8], half) == [-0.25]
+    assert overlong_penalties([50], GRPOLossConfig()) == [0.0]  # off by default
+    with pytest.raises(ValueError, match="overlong_max_tokens"):
+        overlong_penalties([3], GRPOLossConfig(overlong_buffer=4))  # L_max unresolved
+
+
+def test_overlong_penalty_enters_the_advantages():
+    # equal task rewards: without shaping no signal; with it the 10-token completion is pushed
+    # down against the 4-token one (rewards 1 + 0 and 1 - 1, mean-centred: +0.5, -0.5)
+    group = RolloutGroup(prompt_id=0, prompt_ids=[1], completion_ids=[[2] * 4, [2] * 10], behaviour_logprobs=[[0.0] * 4, [0.0] * 10],
+                         rewards=[1.0, 1.0], version=0)
+    assert step_advantages([group], GRPOLossConfig(), normalize_std=False).tolist() == [0.0, 0.0]
+    shaped = step_advantages([group], GRPOLossConfig(overlong_buffer=4, overlong_max_tokens=10), normalize_std=False)
+    assert shaped.tolist() == [0.5, -0.5]
+
+
+def test_variant_configs_refuse_bad_values():
+    for bad in (dict(policy_loss="grpo"), dict(policy_loss="gspo", tis_cap=2.0), dict(policy_loss="cispo", tis_cap=2.0),
+                dict(gspo_eps_low=1.5), dict(cispo_eps_high=-1.0), dict(token_budget=-1), dict(aggregation="token_sum"),
+                dict(overlong_buffer=8, overlong_max_tokens=4), dict(overlong_penalty=-1.0)):
+        with pytest.raises(ValueError):
+            GRPOLossConfig(**bad)
+
+
+# --- on-policy distillation: the teacher's reverse KL as a per-token advantage ---------------
+
+
+def test_distillation_advantage_against_its_formula():
+    # A_it = A_i - c * (log mu - log p_T), the PPO surrogate on it, token mean; by hand and in float64
+    log_ratio, mask, beh, adv = variant_batch()
+    teacher = beh.nan_to_num() + t([[0.5, -1.0, 0.0], [0.2, 0.0, 0.0], [-2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    teacher = torch.where(mask.bool(), teacher, math.nan)
+    cfg = GRPOLossConfig(distill_coef=0.5)
+    new = new_from(log_ratio, beh, mask)
+    loss, m = grpo_loss(new, beh, adv, mask, cfg, teacher_logprobs=teacher)
+    loss.backward()
+    per_token = distill_advantages(adv, beh, teacher, 0.5)
+    close(torch.where(mask.bool(), per_token, 0.0),
+          [[1.25, 0.5, 1.0], [1.1, 1.0, 0.0], [-3.0, -1.5, 0.0], [-1.0, 0.0, 0.0]])
+    lr = t(log_ratio).nan_to_num().requires_grad_()
+    r = lr.exp()
+    a = per_token.nan_to_num()
+    ref = -torch.where(mask.bool(), torch.minimum(r * a, r.clamp(0.8, 1.28) * a), 0.0).sum() / 8
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
+    torch.testing.assert_close(torch.where(mask.bool(), new.grad, 0.0), torch.where(mask.bool(), lr.grad, 0.0),
+                               rtol=0, atol=1e-12)
+    # the teacher likes row 0's first token more than the sampler did: a larger advantage there
+    assert new.grad[0, 0].item() == pytest.approx(-1.25 * math.exp(0.05) / 8)
+    # distill_kl: mean over valid tokens of log mu - log p_T = (-0.5 + 1 - 0.2 + 2 - 1) / 8
+    assert m["distill_kl"].item() == pytest.approx(1.3 / 8)
+    with pytest.raises(LossInputError, match="teacher_logprobs"):
+        grpo_loss(new, beh, adv, mask, cfg)
+
+
+def test_distillation_without_a_task_reward_pulls_towards_the_teacher():
+    # zero task advantage: the only signal is the teacher's; a token the teacher rates higher than
+    # the sampler did is pushed up (negative d loss / d new), one it rates lower is pushed down
+    beh = t([[-1.0, -1.0]])
+    new = beh.clone().requires_grad_()
+    loss, _ = grpo_loss(new, beh, t([0.0]), torch.ones(1, 2), GRPOLossConfig(distill_coef=1.0),
+                        teacher_logprobs=t([[-0.2, -3.0]]))
+    loss.backward()
+    close(new.grad, [[-0.8 / 2, 2.0 / 2]])

@@ -234,6 +234,34 @@ async def test_start_up_names_the_missing_node_and_releases_the_others(secret, t
         agent.wait()
 
 
+async def test_an_elastic_cluster_starts_with_min_nodes_and_takes_a_node_that_joins_later(secret, tmp_path):
+    port = free_port()
+    agents = [start_agent(1, 3, port, secret, str(tmp_path))]
+    try:
+        async with _cluster_supervisor(3, port, min_nnodes=2) as sup:  # --nnodes 2:3
+            assert [(n.rank, n.state) for n in sup.nodes()] == [(0, "joined"), (1, "joined")]
+            with pytest.raises(ActorStartError, match="node 2 has not joined the cluster"):
+                await sup.spawn(Echo, node=2)
+            agents.append(start_agent(2, 3, port, secret, str(tmp_path)))
+            assert await asyncio.to_thread(wait_until, lambda: len(sup.nodes()) == 3, 30.0), agent_log(str(tmp_path), 2)
+            late = await sup.spawn(Echo, name="late", node=2)
+            assert await late.env("ASYNCRL_NODE_RANK") == "2" and await late.add(1) == 2
+        for agent in agents:
+            assert await _wait_exit(agent, 15.0) == 0, agent_log(str(tmp_path), agents.index(agent) + 1)
+    finally:
+        kill_all([a.pid for a in agents])
+        for a in agents:
+            a.wait()
+
+
+async def test_an_elastic_cluster_names_how_many_nodes_it_still_needs(secret, tmp_path):
+    port = free_port()
+    with pytest.raises(ClusterStartError, match=r"1 of the 2 nodes needed \(--nnodes 2:3\) joined .* within 2 s "
+                                                r"\(joined: 0\); .* with R in 1, 2 on 1 more node\(s\)$"):
+        async with _cluster_supervisor(3, port, min_nnodes=2, join_timeout_s=2.0):
+            pass
+
+
 def test_an_agent_without_a_supervisor_gives_up_in_time(secret, tmp_path):
     agent = start_agent(1, 2, free_port(), secret, str(tmp_path), join_timeout_s=1.5)
     try:
@@ -270,6 +298,8 @@ async def test_a_second_agent_for_a_taken_rank_is_refused(secret, tmp_path):
         (["--nnodes", "2", "--master-addr", "0.0.0.0"], "not an address the nodes can reach"),
         (["--master-port", "70000"], "--master-port must be in 1..65535"),
         (["--nproc-per-node", "many"], "--nproc-per-node"),
+        (["--nnodes", "3:2"], "an elastic range MIN:MAX needs 1 <= MIN <= MAX"),
+        (["--nnodes", "1:x"], "--nnodes: --nnodes='1:x' is neither an integer nor a range MIN:MAX"),
     ],
 )
 def test_launch_node_usage_errors(args, text):
@@ -291,6 +321,9 @@ def test_node_settings_precedence_torchrun_and_slurm():
     assert (s.nnodes, s.node_rank, s.master_addr, s.master_port) == (4, 3, "10.0.0.1", 1234)
     assert resolve({}, node_rank="0", nproc_per_node="gpu").nproc_per_node == 0
     assert resolve({"PET_NPROC_PER_NODE": "2"}).nproc_per_node == 2
+    s = resolve({"PET_NNODES": "2:4"})  # torchrun's elastic range
+    assert (s.min_nnodes, s.nnodes) == (2, 4)
+    assert (resolve({}, nnodes="3").min_nnodes, resolve({}, nnodes="3:3").min_nnodes) == (0, 0)
 
 
 def test_reachable_address():

@@ -44,6 +44,22 @@ def test_every_number_of_a_record_is_a_scalar_and_nothing_else_is():
     assert metric_name("task/solved") == "asyncrl_task_solved"
 
 
+def test_curves_draw_the_samplers_in_the_group_only_where_that_number_changed():
+    from matplotlib.figure import Figure
+
+    from asyncrl.rl.view.curves import _draw_fleet
+
+    ax = Figure().subplots()
+    sizes = [1] * 5 + [3] * 4 + [1] * 6  # scaled 1 -> 3 -> 1
+    _draw_fleet(ax, "", [{"step": i + 1, "samplers_in_group": n} for i, n in enumerate(sizes)], "C0")
+    (line,) = ax.lines
+    assert list(line.get_xdata()) == [1, 6, 10, 15] and list(line.get_ydata()) == [1, 3, 1, 1]
+    assert line.get_label() == "samplers in group"
+    steady = Figure().subplots()
+    _draw_fleet(steady, "", [{"step": i + 1, "samplers_in_group": 2} for i in range(5)], "C0")
+    assert not steady.lines  # nothing changed: nothing drawn
+
+
 def test_sparkline_scales_and_buckets():
     assert sparkline([0.0, 0.5, 1.0], low=0.0, high=1.0) == "▁▅█"
     assert sparkline([2.0, 2.0]) == "▁▁"
@@ -91,9 +107,10 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_go_above_it():
 # --- the endpoint, with real actors ----------------------------------------------------------
 
 
-def get(url: str) -> tuple[int, str, str]:
+def get(url: str, method: str = "GET") -> tuple[int, str, str]:
     try:
-        with urllib.request.urlopen(url, timeout=20) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"" if method == "POST" else None),
+                                    timeout=20) as r:
             return r.status, r.headers["Content-Type"], r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers["Content-Type"], e.read().decode()
@@ -127,6 +144,9 @@ async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus()
             assert set(report["unhealthy"]) == {"sampler0", "sampler1"}
             assert report["actors"]["trainer"] == "running"
             assert (await asyncio.to_thread(get, base + "/nothing"))[0] == 404
+            # Unauthenticated, so it changes nothing: a scale is refused, naming what to use.
+            code, _, text = await asyncio.to_thread(get, base + "/scale?samplers=3", "POST")
+            assert code == 403 and "asyncrl scale RUN_DIR --samplers N" in text
             await blocked
         finally:
             endpoint.close()

@@ -21,16 +21,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl import Supervisor
+from asyncrl import ActorState, Supervisor
+from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError
 from asyncrl.comm.weights import SyncStats
-from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError
+from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, remote_error_class, type_path
 from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
 from asyncrl.rl.driver import sync_group
-from asyncrl.rl.driver.faults import NoSamplersError
+from asyncrl.rl.driver.faults import NoSamplersError, TaskFailedError
 from asyncrl.rl.driver.membership import MemberState
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.sampler.backend import SamplerSyncStats
+from asyncrl.rl.sampler.errors import SamplerTimeoutError
+from asyncrl.rl.tasks.scoring import TaskFailureError
 
 from actors import Echo
 
@@ -55,7 +58,7 @@ class Scripted:
         self._changed = asyncio.Event()
 
     def info(self) -> SimpleNamespace:
-        return SimpleNamespace(state=self.state, incarnation=self.incarnation,
+        return SimpleNamespace(state=ActorState(self.state), incarnation=self.incarnation,
                                restarts=self.restarts, max_restarts=self.max_restarts)
 
     def kill(self, reason: str, incarnation: int | None = None) -> bool:
@@ -91,7 +94,7 @@ class Scripted:
                     yield item
             return stream
 
-        async def call(*args):
+        async def call(*args, **kwargs):
             self.calls.append(method)
             delay, outcome = self._next(method)
             if delay > timeout_s:
@@ -110,9 +113,14 @@ class Scripted:
         return script.pop(0) if len(script) > 1 else script[0]
 
 
+def remote(actor: str, method: str, cls: type, message: str) -> RemoteError:
+    """What a call whose endpoint raised ``cls`` raises in the caller (as `ActorClient` builds it)."""
+    return remote_error_class(cls.__name__, type_path(cls))(actor, method, cls.__name__, message)
+
+
 def collective_error(actor: str, method: str) -> RemoteError:
-    return RemoteError(actor, method, "CollectiveError",
-                       "group 'weights/g0' rank 1/3 (gloo): broadcast from rank 0 failed, a peer died")
+    return remote(actor, method, CollectiveError,
+                  "group 'weights/g0' rank 1/3 (gloo): broadcast from rank 0 failed, a peer died")
 
 
 def run_config(restart_timeout_s: float = 30.0) -> RunConfig:
@@ -185,7 +193,7 @@ async def test_a_death_is_one_loss_even_when_the_restart_ends_before_the_sync(mo
 
 async def test_a_frozen_sampler_is_judged_by_its_own_deadline(monkeypatch):
     monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
-    trainer = trainer_script(RemoteError("trainer", "send_weights", "CollectiveTimeoutError", "all_reduce timed out"))
+    trainer = trainer_script(remote("trainer", "send_weights", CollectiveTimeoutError, "all_reduce timed out"))
     frozen = Scripted("sampler0", receive_weights=[(60.0, GOT)])
     steady = Scripted("sampler1", receive_weights=[(0.1, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
                       stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)])
@@ -259,6 +267,23 @@ async def test_close_ends_every_task_and_no_exception_is_left_unretrieved():
     finally:
         loop.set_exception_handler(previous)
     assert not reported, [c.get("message") for c in reported]
+
+
+async def test_a_failed_rollout_stream_is_judged_by_the_remote_error_type():
+    samplers = [Scripted(f"sampler{i}") for i in range(3)]
+    logs: list[str] = []
+    pool = make_pool(Scripted("trainer"), samplers, logs)
+    task_fails, waited, named = pool.members
+    try:
+        with pytest.raises(TaskFailedError, match="sampler0: 9 of 10 score calls raised"):  # the task's code: stop
+            pool._pump_failed(task_fails, remote("sampler0", "rollouts", TaskFailureError, "9 of 10 score calls raised"))
+        pool._pump_failed(waited, remote("sampler1", "rollouts", SamplerTimeoutError, "no good weights within 1 s"))
+        assert waited.pump_failures == 1 and waited.in_group and pool.membership.dirty  # pumped after the next sync
+        # a user's own class of the same name is not ours: the sampler's stream failed, it is lost
+        pool._pump_failed(named, RemoteError("sampler2", "rollouts", "TaskFailureError", "a user's class"))
+        assert not named.in_group and [f.sampler for f in pool.faults] == ["sampler2"], logs
+    finally:
+        await pool.close()
 
 
 async def test_wait_for_incarnation_follows_a_real_restart():

@@ -40,7 +40,7 @@ def test_group_roundtrips_msgpack_as_array():
     data = msgspec.msgpack.encode(g)
     # array_like: fields by position (msgspec writes trailing defaults too: omit_defaults does not
     # apply to array-like structs), and a shorter array from an older sender takes the defaults.
-    assert msgspec.msgpack.decode(data) == [7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4, "s0", 0.5, 0.0, "", [], [], {}]
+    assert msgspec.msgpack.decode(data) == [7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4, "s0", 0.5, 0.0, "", [], [], {}, []]
     assert msgspec.msgpack.decode(data, type=RolloutGroup) == g
     short = msgspec.msgpack.encode([7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4])
     assert msgspec.msgpack.decode(short, type=RolloutGroup) == msgspec.structs.replace(g, sampler="", generate_s=0.0)

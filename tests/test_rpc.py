@@ -147,8 +147,11 @@ async def test_oversized_call_is_refused_locally_and_remotely():
         assert await echo.add(1) == 2
 
 
-async def _raw_request(address: str, frames: list, timeout_s: float = 5.0):
-    """Send frames from a bare DEALER (no client-side checks) and decode the one answer."""
+async def _raw_request(address: str, frames: list, timeout_s: float = 60.0):
+    """Send frames from a bare DEALER (no client-side checks) and decode the one answer. The
+    deadline only guards against a hang: the first request that carries a tensor header makes the
+    actor import torch (`codec.py`), 2.5-5 s on a loaded 2-core machine (seen: a 5 s deadline
+    failed 3 runs in 12 there)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -32,7 +32,9 @@ from asyncrl.runtime import files
 from asyncrl.rl.driver import report, runlog
 from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.trainer.checkpoint import FAIL_ENV, write_checkpoint
-from asyncrl.rl.checkpoint import CheckpointError, CheckpointWriteError, DamagedCheckpointError, RunState, list_checkpoints, verify_checkpoint, write_json_atomic
+from asyncrl.rl.checkpoint import CheckpointError, CheckpointWriteError, DamagedCheckpointError, list_checkpoints, verify_checkpoint
+from asyncrl.rl.driver.run_state import RunState, read_run_state
+from asyncrl.runtime.files import write_json_atomic
 from asyncrl.rl.checkpoint import write_reason
 from asyncrl.rl.config.parse import parse_overrides
 from asyncrl.rl.config.grpo import GRPOConfig
@@ -75,7 +77,7 @@ def test_the_manifest_tells_a_whole_checkpoint_from_a_damaged_one(tmp_path):
     manifest = json.loads((tmp_path / "checkpoints" / "step-00000005" / "MANIFEST.json").read_text())
     assert set(manifest["files"]) == {"model/model.safetensors", "model/tokenizer.json", "trainer.pt", "trainer.json",
                                       "run_state.json"}
-    assert verify_checkpoint(c5) is True and c5.run_state().segment == 1
+    assert verify_checkpoint(c5) is True and read_run_state(c5).segment == 1
 
     size = os.path.getsize(os.path.join(c5.path, "trainer.pt"))
     open(os.path.join(c5.path, "trainer.pt"), "w").close()  # zeroed
@@ -95,8 +97,9 @@ def test_the_manifest_tells_a_whole_checkpoint_from_a_damaged_one(tmp_path):
     with open(os.path.join(c1.path, "run_state.json"), "w") as f:
         f.write("{garbled")
     os.unlink(os.path.join(c1.path, "MANIFEST.json"))
+    assert verify_checkpoint(c1) is False  # its files are there; the run state is the driver's to read
     with pytest.raises(DamagedCheckpointError, match=r"step-1 is damaged \(run_state.json: not a valid run state"):
-        verify_checkpoint(c1)
+        read_run_state(c1)
 
 
 def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_debris(tmp_path, monkeypatch):

@@ -124,6 +124,35 @@ async def test_stop_tokens_and_max_new_tokens(backend, prompts):
     assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
 
 
+async def test_decoding_passes_transformers_nothing_it_deprecates(backend, prompts):
+    """The decoding loop's forward arguments (``past_key_values`` the cache, ``logits_to_keep``...)
+    are current on the transformers installed: a deprecation of any of them (issue 34 expected one
+    for ``past_key_values``; 5.19 here has none) fails here, by its warning, before it breaks us."""
+    import logging
+    import warnings
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    seen = Records()
+    library = logging.getLogger("transformers")  # it logs there without propagating to the root
+    library.addHandler(seen)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            await backend.generate(prompts[:2], 2, SamplingParams(max_new_tokens=4))
+    finally:
+        library.removeHandler(seen)
+    said = [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+    said += [line for line in seen.lines if "deprecat" in line.lower() or "will be removed" in line.lower()]
+    assert not said, said
+
+
 async def test_rows_stop_independently_in_a_batch(backend, prompts):
     """A row that stopped must not end, or change, the others."""
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)

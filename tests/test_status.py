@@ -287,3 +287,27 @@ async def _serve(run_dir: str) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
     asyncio.run(_serve(sys.argv[2]))
+
+
+async def test_a_registered_command_is_answered_and_refusals_are_one_typed_line(tmp_path):
+    from asyncrl.runtime.status import CommandRefusedError, send_command
+
+    asked: list[dict] = []
+
+    def double(args: dict) -> dict:
+        if args.get("n", 0) < 0:
+            raise ValueError(f"n must be >= 0, not {args['n']}")
+        asked.append(args)
+        return {"twice": 2 * args["n"]}
+
+    async with Supervisor() as sup:
+        server = await sup.serve_status(tmp_path, progress=lambda: {"step": 1})
+        server.add_command("double", double)
+        assert await asyncio.to_thread(send_command, str(tmp_path), "double", {"n": 21}) == {"twice": 42}
+        with pytest.raises(CommandRefusedError, match=r"^n must be >= 0, not -1$") as e:
+            await asyncio.to_thread(send_command, str(tmp_path), "double", {"n": -1})
+        assert e.value.type_name == "ValueError"
+        with pytest.raises(CommandRefusedError, match=r"no command 'scale' \(it has: double\)"):
+            await asyncio.to_thread(send_command, str(tmp_path), "scale", {"samplers": 2})
+        reply = await asyncio.to_thread(query_status, str(tmp_path), 5.0)  # status is still served
+        assert reply.progress == {"step": 1} and asked == [{"n": 21}]

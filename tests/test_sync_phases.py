@@ -48,6 +48,7 @@ async def test_a_real_sync_between_the_trainer_and_an_hf_sampler_is_split_into_p
             sup.spawn(TrainerActor, embedded_path, TrainerConfig(lr=1e-2), name="trainer", env=ONE_THREAD),
             sup.spawn(SamplerActor, embedded_path, SamplerConfig(backend="hf", group_size=2, max_new_tokens=8),
                       name="sampler", env=ONE_THREAD, kwargs=dict(data=DataConfig(n_train=20, n_heldout=8))))
+        assert (await s.stats())["weight_dtype"] == "float32"  # the embedded model's: the wire's dtype
         await form_group([t, s], HOST, timeout_s=60)
         await asyncio.gather(t.setup_sender(30, 64 << 10), s.setup_receiver(30))
         for version in (1, 2):
@@ -77,3 +78,14 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
         "sync_rpc_s": 0.3, "sync_bytes": 1000.0})
     # No sync this step (sync_every > 1, or the trainer alone): every phase is there, at 0.
     assert sync_record(0.0, None, []) == {"sync_s": 0.0, **dict.fromkeys(SYNC_METRICS, 0.0)}
+
+
+def test_the_wire_dtype_is_the_samplers_own_when_they_agree():
+    from asyncrl.rl.driver.sync_group import wire_dtype
+
+    assert wire_dtype(["bfloat16", "bfloat16"]) == "bfloat16"  # fp32 master weights go out as bf16
+    assert wire_dtype(["float32"]) == "float32"
+    assert wire_dtype(["bfloat16", "float32"]) == ""  # they differ: the trainer's own dtypes
+    assert wire_dtype(["bfloat16", ""]) == ""  # one cannot say
+    assert wire_dtype(["int8"]) == ""  # not a dtype weights are synced in: refused, not sent
+    assert wire_dtype([]) == ""

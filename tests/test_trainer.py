@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.rl.checkpoint import CheckpointWriteError, remove_debris, remove_dir, staged_dir
+from asyncrl.rl.checkpoint import CheckpointWriteError
+from asyncrl.runtime.files import remove_debris, remove_dir, staged_dir
 from asyncrl.rl.model.policy import MARKER_FILE, load_policy
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.trainer.batching import micro_batches
@@ -71,6 +73,40 @@ def test_micro_batches_respect_the_token_budget_and_keep_every_sequence_once():
         for row in range(b.mask.shape[0]):
             n = int(b.mask[row].sum())
             assert torch.allclose(b.behaviour[row, :n], torch.tensor([-1.0 - 0.1 * j for j in range(n)]))
+
+
+def test_teacher_logprobs_travel_with_their_tokens_padded_packed_and_split():
+    import msgspec
+
+    from asyncrl.rl.trainer.packing import packed_micro_batches
+    from asyncrl.rl.trainer.split import rank_share
+
+    # each teacher log-prob encodes its token: 10 * token + position, so a misplaced one shows
+    taught = [msgspec.structs.replace(g, teacher_logprobs=[[10.0 * tok + j for j, tok in enumerate(c)] for c in g.completion_ids])
+              for g in GROUPS]
+    adv = group_advantages([list(g.rewards) for g in taught])
+    cpu = torch.device("cpu")
+    for batches in (micro_batches(taught, adv, 8, cpu), packed_micro_batches(taught, adv, 16, cpu, 16)):
+        seen = 0
+        for b in batches:
+            ids = b.input_ids[b.row.unsqueeze(1), b.score_index + 1]  # the token each score is of
+            n = b.mask.sum(1)
+            for s in range(b.mask.shape[0]):
+                expected = [10.0 * tok + j for j, tok in enumerate(ids[s, :n[s]].tolist())]
+                assert b.teacher[s, :n[s]].tolist() == expected
+                seen += 1
+        assert seen == 5
+    share, _ = rank_share(taught, adv, 1, 2)
+    assert all(len(g.teacher_logprobs) == len(g.completion_ids) for g in share)
+    assert micro_batches(GROUPS, adv, 8, cpu)[0].teacher is None  # no teacher: nothing built
+    from asyncrl.rl.rollout import InvalidGroupError, validate_group
+
+    validate_group(taught[0])
+    with pytest.raises(InvalidGroupError, match="completion 1 has 1 token ids but 2 teacher log-probs"):
+        validate_group(msgspec.structs.replace(taught[0], teacher_logprobs=[[0.0, 0.0], [0.0, 0.0], [0.0] * 4]))
+    half = [taught[0], GROUPS[1]]
+    with pytest.raises(ValueError, match="no teacher log-probs"):
+        micro_batches(half, adv, 10_000, cpu)
 
 
 def test_environment_tokens_are_context_not_actions():
@@ -138,6 +174,40 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_clear_error_and_the_traine
     assert trainer._train_step([g])["micro_batches"] == 2 and trainer.steps == 1
 
 
+def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):
+    """The call site, not the formulas (tests/test_loss.py): one step's loss under Dr. GRPO's
+    constant normaliser is the token mean's x tokens / (sequences x budget), over micro-batches
+    of one sequence too; DAPO's shaping gives equal rewards a signal; GSPO and CISPO train."""
+    import dataclasses
+
+    from asyncrl.rl.config.trainer import GRPOLossConfig
+
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+
+    def step(micro_batch_tokens=0, **loss) -> dict:
+        trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig(**loss), micro_batch_tokens=micro_batch_tokens)
+        metrics = trainer._train_step(GROUPS)
+        with torch.no_grad():  # the same weights for every call
+            for p, b in zip(trainer.model.parameters(), before):
+                p.copy_(b)
+        return metrics
+
+    mean = step()
+    fixed = step(aggregation="fixed_tokens", token_budget=16)
+    assert (mean["tokens"], mean["sequences"]) == (11.0, 5.0)
+    assert fixed["pg_loss"] == pytest.approx(mean["pg_loss"] * 11 / (5 * 16), rel=1e-5)
+    split = step(micro_batch_tokens=8, aggregation="fixed_tokens", token_budget=16)
+    assert split["micro_batches"] > 1 and split["pg_loss"] == pytest.approx(fixed["pg_loss"], rel=1e-5)
+    for policy_loss in ("gspo", "cispo"):
+        m = step(policy_loss=policy_loss)
+        assert math.isfinite(m["loss"]) and m["grad_norm"] > 0, (policy_loss, m)
+    even = [group(0, [5, 6], [[1, 2], [3, 3, 3, 3, 3, 3]], [1.0, 1.0])]
+    trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig())
+    assert trainer._train_step(even)["grad_norm"] == 0.0  # equal rewards: no signal
+    trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig(overlong_buffer=4, overlong_max_tokens=6))
+    assert trainer._train_step(even)["grad_norm"] > 0  # the 6-token completion is the worse one now
+
+
 # --- writing a directory whole (checkpoints, the final and best policies) -------------------------
 
 
@@ -182,7 +252,7 @@ def test_a_kill_between_the_renames_leaves_each_directory_whole_under_a_name_of_
     script = f"""
 import os, signal
 from pathlib import Path
-from asyncrl.rl.checkpoint import staged_dir
+from asyncrl.runtime.files import staged_dir
 final = {str(final)!r}
 with staged_dir(final) as tmp:
     (Path(tmp) / "a").write_text("old")

@@ -11,6 +11,7 @@ import os
 import random
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -61,10 +62,15 @@ def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny
     # A micro-batch budget that cuts each rank's share differently: the ranks take different
     # numbers of micro-batches, padded to match, and the counts must still be the global ones.
     # LoRA (the adapters' gradients, the frozen base sharded with them) and packing (several
-    # sequences a row) take the same path at any world size.
-    config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=GRPOLossConfig(aggregation=aggregation),
-                           **features)
+    # sequences a row) take the same path at any world size. The plain token_mean case also
+    # distils: the teacher's log-probs split with their rows (docs/algorithms.md).
+    distill = aggregation == "token_mean" and not features
+    loss = GRPOLossConfig(aggregation=aggregation, distill_coef=0.5 if distill else 0.0)
+    config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=loss, **features)
     data = batch(1)
+    if distill:
+        data = [msgspec.structs.replace(g, teacher_logprobs=[[lp - 0.3 * (j % 3) for j, lp in enumerate(lps)]
+                                                             for lps in g.behaviour_logprobs]) for g in data]
 
     async def main():
         async with Supervisor(call_timeout_s=120) as sup:
@@ -178,7 +184,8 @@ def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
 def test_a_sharded_checkpoint_restores_two_ranks_exactly(tiny_path, tmp_path):
     """Steps 1-2, checkpoint, step 3 (A); a new 2-rank trainer loads the checkpoint and takes
     step 3 (B): the same loss and the same weights, bit for bit."""
-    from asyncrl.rl.checkpoint import RunState, list_checkpoints, verify_checkpoint
+    from asyncrl.rl.checkpoint import list_checkpoints, verify_checkpoint
+    from asyncrl.rl.driver.run_state import RunState
     import msgspec
 
     config = TrainerConfig(micro_batch_tokens=40)

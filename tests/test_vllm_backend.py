@@ -98,6 +98,46 @@ async def test_seeded_calls_are_reproducible(engine, prompts):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_the_openai_endpoint_records_what_the_engine_generated(engine, policy, vllm_required):
+    """Agents over vLLM (docs/agents.md): two concurrent sessions through the real openai client,
+    each request handed to the engine at once (it batches them itself); what each session
+    recorded is the template's prompt and the engine's own tokens and log-probs for that seeded
+    request, and the version the generation began under."""
+    from asyncrl.rl.agents.server import OpenAIServer
+
+    _, tok, fmt = policy
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=fmt.stop_token_ids)
+
+    async def generate(prompts, n, params):
+        return 7, await engine.generate(prompts, n, params)
+
+    server = OpenAIServer(generate, tok, sampling, max_context=512, batch=False)
+    await server.start()
+    questions = ["3 7 25 50 -> 178", "1 2 3 4 -> 24"]
+    sessions = [server.open_session() for _ in questions]
+
+    async def ask(session, question):
+        async with server.client(session.key) as client:
+            return await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": question}], seed=5, logprobs=True)
+
+    try:
+        answers = await asyncio.gather(*(ask(s, q) for s, q in zip(sessions, questions)))
+    finally:
+        await server.close()
+    for session, question, answer in zip(sessions, questions, answers):
+        [call] = session.calls
+        text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                       add_generation_prompt=True)
+        assert call.prompt_ids == tok(text, add_special_tokens=False)["input_ids"] and call.version == 7
+        [[direct]] = await engine.generate([call.prompt_ids], 1, msgspec.structs.replace(sampling, seed=5))
+        assert call.token_ids == direct.token_ids
+        assert call.logprobs == pytest.approx(direct.logprobs, abs=repeat_abs(vllm_required))
+        assert [t.logprob for t in answer.choices[0].logprobs.content] == call.logprobs
+        assert answer.choices[0].message.content == direct.text
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_bad_requests_are_refused(engine, prompts):
     with pytest.raises(ValueError):
         await engine.generate(prompts, 0, SamplingParams())
@@ -145,6 +185,7 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
     files = state_files(policy[0], str(tmp_path))
     greedy = SamplingParams(max_new_tokens=400, temperature=0.0, stop_token_ids=[])
     sink = engine.weight_sink(None)  # the engine's process receives: no actor's communicator needed
+    assert sink.weight_dtype == "float32"  # the CPU engine's dtype: what the trainer sends in
     async with Supervisor(call_timeout_s=60) as sup:
         pusher = await sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"})
         port = await pusher.sync_listen(HOST)

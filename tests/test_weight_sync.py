@@ -199,6 +199,69 @@ def test_wire_dtype_casts_fp32_master_weights_for_bf16_receivers_while_packing()
     assert torch.equal(replica["steps"], master["steps"])
 
 
+def test_a_batched_consumer_takes_each_bucket_s_whole_tensors_at_once():
+    """In-process (two threads, real store and gloo): ``batched=True`` hands the consumer one list
+    a bucket (what vLLM's ``load_weights`` takes), each tensor whole and once, a tensor larger than
+    a bucket after its last chunk, an empty one too; a consumer that raises fails the sync on both
+    sides, and the next one goes through."""
+    import threading
+
+    import torch
+
+    from asyncrl.comm.errors import WeightSyncError
+    from asyncrl.comm.gloo import GlooCommunicator
+    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+    from asyncrl.comm.weights import WeightReceiver, WeightSender
+
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    master = {"a": torch.randn(10, 7), "big": torch.randn(3000), "b": torch.randn(5), "none": torch.randn(0),
+              "c": torch.randn(20, 3)}
+    calls: list[list[tuple[str, torch.Tensor]]] = []
+    outcomes: dict[int, list] = {0: [], 1: []}
+    buckets = []
+
+    def load(items):
+        calls.append([(name, t.clone()) for name, t in items])
+        if len(outcomes[1]) == 0 and len(calls) == 2:
+            raise RuntimeError("the loader broke")
+
+    def member(rank):
+        group = StoreGroup.create(HOST, port, rank, 2, 10, listener=listener if rank == 0 else None)
+        comm = GlooCommunicator.create(group, 10)
+        try:
+            if rank == 0:
+                sender = WeightSender.create(comm, group, master, bucket_bytes=4096, wire_dtype=torch.bfloat16)
+                buckets.append(len(sender.layout.buckets))
+            else:
+                receiver = WeightReceiver.create(comm, group)
+            for version in (1, 2):
+                try:
+                    outcomes[rank].append(sender.send(version) if rank == 0
+                                          else receiver.receive(version, load, batched=True))
+                except WeightSyncError as exc:
+                    outcomes[rank].append(exc)
+        finally:
+            comm.close()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(o[0], WeightSyncError) for o in outcomes.values()), outcomes  # v1: the loader broke
+    assert "the loader broke" in str(outcomes[1][0]) and "rank 1" in str(outcomes[0][0])
+    assert not any(isinstance(o[1], Exception) for o in outcomes.values()), outcomes  # v2 went through
+    first_sync = 2  # v1's consumer was called up to its failure and not after it
+    second = calls[first_sync:]
+    assert 1 < len(second) <= buckets[0] + 1  # one call a bucket (and one for the empty tensor)
+    names = [name for batch in second for name, _ in batch]
+    assert sorted(names) == sorted(master)
+    for batch in second:
+        for name, t in batch:
+            assert torch.equal(t, master[name].bfloat16()), name
+
+
 def test_sync_stats_split_each_side_into_phases_that_add_up():
     """In-process (two threads, real store and gloo), with a receiver whose consumer is slow: each
     side's phases are present and non-negative, the votes and the move make up its total, copies

@@ -39,6 +39,9 @@ DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 25
 DEFAULT_CPU_BUCKET_BYTES = 32 << 20  # gloo gains nothing past a few MiB; keep the staging small
 
 Consumer = Callable[[str, torch.Tensor], None]
+BatchConsumer = Callable[[list[tuple[str, torch.Tensor]]], object]
+"""Takes the whole tensors a bucket completed, at once (e.g. a vLLM model's ``load_weights``, whose
+every call walks the model's parameters: once a bucket, not once a tensor)."""
 Destination = Union[Mapping[str, torch.Tensor], Consumer]
 BucketSource = Callable[[int], list[torch.Tensor]]
 """A sender's tensors produced a bucket at a time: called with bucket ``k`` (in order, once per
@@ -270,8 +273,8 @@ class WeightSender(_WeightSync):
 
 class WeightReceiver(_WeightSync):
     """A sampler's side. ``receive`` copies into a mapping of tensors in place, or hands each whole
-    tensor to a consumer callable (e.g. a vLLM ``load_weights``) as a view that is valid only
-    during the call."""
+    tensor to a consumer callable as a view that is valid only during the call; with
+    ``batched=True`` the consumer takes a list, once a bucket: every tensor the bucket completed."""
 
     @classmethod
     def create(cls, comm: Communicator, group: StoreGroup, *, src: int = 0,
@@ -289,26 +292,31 @@ class WeightReceiver(_WeightSync):
         _agree_on_setup(group, error, deadline)
         return cls(comm, layout, src, timeout_s)
 
-    def receive(self, version: int, into: Destination, *, timeout_s: float | None = None) -> SyncStats:
+    def receive(self, version: int, into: Destination | BatchConsumer, *, timeout_s: float | None = None,
+                batched: bool = False) -> SyncStats:
         """Take ``version`` into ``into`` within ``timeout_s`` (default: the one given at set-up;
         a caller that already spent part of its own deadline, say waiting for a pause, passes
-        what is left, so that its error comes before its caller stops waiting for it)."""
+        what is left, so that its error comes before its caller stops waiting for it).
+        ``batched``: ``into`` is a `BatchConsumer`."""
         if isinstance(into, Mapping):
+            if batched:
+                raise TypeError("batched applies to a consumer, not to a mapping of tensors")
             refusal = self._refusal(into, f"receiver rank {self.comm.rank}")
         elif callable(into):
             refusal = ""
         else:
             raise TypeError("into must be a mapping of tensors or a callable(name, tensor)")
-        return self._run(version, refusal, lambda: self._move(into), timeout_s)
+        return self._run(version, refusal, lambda: self._move(into, batched), timeout_s)
 
-    def _move(self, into: Destination) -> str:
+    def _move(self, into: Destination | BatchConsumer, batched: bool) -> str:
         layout = self.layout
-        consumer = _ConsumerGuard(into) if not isinstance(into, Mapping) else None
+        consumer = None if isinstance(into, Mapping) else _ConsumerGuard(into, batched)
         plan = self._plan_for(into, staging_is_dst=False) if consumer is None else None
         if consumer is not None:
             for spec in layout.tensors:  # empty tensors carry no bytes but are still delivered
                 if spec.nbytes == 0:
                     consumer(spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.comm.device))
+            consumer.flush()
         self._move_direct(into, consumer)
         partial: dict[int, torch.Tensor] = {}  # tensors larger than a bucket, being assembled
         if layout.buckets:
@@ -321,6 +329,7 @@ class WeightReceiver(_WeightSync):
                     plan[k].run()
                 else:
                     self._deliver(consumer, k, partial)
+                    consumer.flush()  # while bucket k's views are valid: k+2 reuses its buffer
         return consumer.failure if consumer is not None else ""
 
     def _move_direct(self, into: Destination, consumer: _ConsumerGuard | None) -> None:
@@ -347,6 +356,8 @@ class WeightReceiver(_WeightSync):
                         into[name].copy_(whole)
                     else:
                         consumer(name, whole)
+                if consumer is not None:
+                    consumer.flush()
 
     def _deliver(self, consumer: _ConsumerGuard, k: int, partial: dict[int, torch.Tensor]) -> None:
         for seg, view in zip(self.layout.buckets[k], self.staging.views[k]):
@@ -364,19 +375,32 @@ class WeightReceiver(_WeightSync):
 
 class _ConsumerGuard:
     """Calls the consumer until it first raises, then only records why: the receiver must go on
-    taking every bucket off the wire so the sync can fail on every member instead of hanging."""
+    taking every bucket off the wire so the sync can fail on every member instead of hanging.
+    ``batched``: tensors are held until `flush`, which hands them over as one list."""
 
-    def __init__(self, consumer: Consumer):
-        self.consumer = consumer
+    def __init__(self, consumer: Consumer | BatchConsumer, batched: bool = False):
+        self.consumer, self.batched = consumer, batched
+        self.pending: list[tuple[str, torch.Tensor]] = []
         self.failure = ""
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        if self.batched:
+            self.pending.append((name, tensor))
+            return
+        self._call(name, lambda: self.consumer(name, tensor))
+
+    def flush(self) -> None:
+        if self.pending:
+            items, self.pending = self.pending, []
+            self._call(f"{items[0][0]} .. {items[-1][0]} ({len(items)} tensors)", lambda: self.consumer(items))
+
+    def _call(self, what: str, call: Callable[[], object]) -> None:
         if self.failure:
             return
         try:
-            self.consumer(name, tensor)
+            call()
         except Exception as exc:
-            self.failure = f"consumer raised on {name}: {type(exc).__name__}: {exc}"
+            self.failure = f"consumer raised on {what}: {type(exc).__name__}: {exc}"
 
 
 def _mismatch(expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapping[str, torch.Tensor], who: str) -> str:

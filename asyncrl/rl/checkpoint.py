@@ -6,11 +6,12 @@ A checkpoint is one directory ``RUN_DIR/checkpoints/step-NNNNNNNN/``:
     trainer.pt        optimiser state_dict and torch RNG states: tensors and plain Python values
                       only, so ``torch.load(..., weights_only=True)`` reads it (no pickled objects)
     trainer.json      the trainer's step count and Python RNG state
-    run_state.json    the driver's `RunState`: step, weight version, counters, each sampler's
-                      data walk position and sampling RNG, held-out rates so far
+    run_state.json    the driver's `RunState` (``driver/run_state.py``): step, weight version,
+                      counters, each sampler's data walk position and sampling RNG, held-out
+                      rates so far
     MANIFEST.json     every other file's size and SHA-256, written last
 
-Atomicity (`staged_dir`): everything is written into a temporary sibling directory, flushed to
+Atomicity (``runtime/files.py``'s `staged_dir`): everything is written into a temporary sibling directory, flushed to
 disk, and then renamed into place in one ``os.replace``; a directory named ``step-*`` is therefore
 always whole, and a process killed mid-write leaves only a ``.tmp-*`` directory that the next
 write or resume removes. Old checkpoints beyond ``keep`` are first renamed aside, then deleted
@@ -25,29 +26,23 @@ manifests existed is accepted unverified.
 
 The writer (``trainer/checkpoint.py``) runs in the trainer's process (it holds the model and the
 optimiser); the run directory must be reachable from there under the same path (one host, or a
-shared filesystem), as for the final policy. This module also reads a run's ``config.json`` back
-into its config tree (`load_run_config`), for a resume.
+shared filesystem), as for the final policy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import hashlib
-import io
 import json
 import os
-import shutil
-from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import msgspec
 
 from asyncrl.errors import AsyncrlError, first_line
-from asyncrl.rl.config.parse import ConfigError, field_path, is_flat
-from asyncrl.runtime.files import disk_space, write_atomic
+from asyncrl.rl.config.parse import ConfigError
+from asyncrl.runtime.files import disk_space, write_bytes
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step-"
@@ -114,29 +109,6 @@ class SamplerDataState(msgspec.Struct, frozen=True):
     generator_seed: int = -1
 
 
-class RunState(msgspec.Struct):
-    """The driver's side of a checkpoint (``run_state.json``)."""
-
-    step: int
-    version: int
-    samples: int = 0
-    tokens: int = 0
-    dropped_stale: int = 0
-    uniform_skipped: int = 0
-    """Groups left out for having one reward for every completion (``run.skip_uniform_groups``)."""
-    train_s: float = 0.0
-    """Wall seconds of training up to this checkpoint, over every resumed segment."""
-    heldout_before: dict[str, float] = {}
-    heldout_last: dict[str, float] = {}
-    samplers: list[SamplerDataState] = []
-    faults: dict[str, int] = {}
-    """Fault counters so far (sampler losses, rejoins, ...), carried into the resumed run."""
-    segment: int = 0
-    """How many resumes led to this checkpoint (0: written by the run's first process tree). The
-    group ids of a segment carry it, so that a resumed run (whose samplers number their groups
-    from 1 again) never reuses an id of the steps it continues from."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     step: int
@@ -151,12 +123,6 @@ class Checkpoint:
         """``step-40``: how messages name it (the directory is ``step-00000040``)."""
         return f"{PREFIX}{self.step}"
 
-    def run_state(self) -> RunState:
-        with open(os.path.join(self.path, RUN_STATE), "rb") as f:
-            try:
-                return msgspec.json.decode(f.read(), type=RunState)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise CheckpointError(f"{self.path}/{RUN_STATE} is not a valid run state: {exc}") from None
 
 
 # --- finding ------------------------------------------------------------------------------------
@@ -187,17 +153,17 @@ def latest_checkpoint(run_dir: str) -> Checkpoint:
 
 def verify_checkpoint(checkpoint: Checkpoint) -> bool:
     """Check ``checkpoint`` before a resume trusts it: every file of its manifest there, with the
-    recorded size (all first: cheap) and SHA-256, and a run state that decodes. Returns True if
-    it was verified, False if it has no manifest (written by an older version: only the files'
-    presence and the run state are checked); raises `DamagedCheckpointError` naming the first
-    problem. Reads every byte: seconds for a model of a few GB, once per resume."""
+    recorded size (all first: cheap) and SHA-256. Returns True if it was verified, False if it has
+    no manifest (written by an older version: only the files' presence is checked); raises
+    `DamagedCheckpointError` naming the first problem. Reads every byte: seconds for a model of a
+    few GB, once per resume. (Whether the run state decodes is the driver's to check:
+    ``driver/run_state.py``.)"""
     path = checkpoint.path
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest_path):
         for name in (RUN_STATE, TRAINER_TENSORS, TRAINER_JSON, MODEL_DIR):
             if not os.path.exists(os.path.join(path, name)):
                 raise DamagedCheckpointError(checkpoint, f"{name}: missing")
-        _check_run_state(checkpoint)
         return False
     try:
         with open(manifest_path, "rb") as f:
@@ -223,18 +189,7 @@ def verify_checkpoint(checkpoint: Checkpoint) -> bool:
         if actual != digest:
             raise DamagedCheckpointError(checkpoint, f"{name}: contents differ from the manifest (SHA-256 "
                                                      f"{actual[:12]}, expected {digest[:12]})")
-    _check_run_state(checkpoint)
     return True
-
-
-def _check_run_state(checkpoint: Checkpoint) -> None:
-    try:
-        with open(os.path.join(checkpoint.path, RUN_STATE), "rb") as f:
-            msgspec.json.decode(f.read(), type=RunState)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise DamagedCheckpointError(checkpoint, f"{RUN_STATE}: not a valid run state ({first_line(exc)})") from None
-    except OSError as exc:
-        raise DamagedCheckpointError(checkpoint, f"{RUN_STATE}: unreadable ({exc.strerror or exc})") from None
 
 
 def file_sha256(path: str) -> str:
@@ -280,147 +235,3 @@ def write_manifest(folder: str) -> None:
                  json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1).encode())
 
 
-def write_bytes(path: str, data: bytes) -> None:
-    """A file inside a `staged_dir`: the directory's rename makes it appear whole, not its own."""
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def write_json_atomic(path: str, value: Any) -> None:
-    """``value`` as JSON at ``path``, replacing the old file in one rename (a reader never sees
-    half). On failure (a full disk) the temporary file is removed and the error raised."""
-    text = io.StringIO()
-    json.dump(value, text, indent=1)
-    write_atomic(path, text.getvalue())
-
-
-# --- writing a directory whole ------------------------------------------------------------------
-
-
-TMP_PREFIX, ASIDE_PREFIX = ".tmp-", ".old-"
-"""Names of `staged_dir`'s and `remove_dir`'s transient siblings: a reader never takes them for a
-directory it looks for, and a writer that owns the parent removes them (a kill left them)."""
-
-
-def replace_dir(tmp: str, final: str, aside: str) -> None:
-    """Rename the whole directory ``tmp`` to ``final``. An old ``final`` is renamed to ``aside``
-    first and put back if the rename fails; the caller deletes ``aside`` once it is done with it."""
-    replaced = os.path.exists(final)
-    if replaced:
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        if replaced:
-            os.replace(aside, final)
-        raise
-
-
-@contextlib.contextmanager
-def staged_dir(final: str, *, fsync: bool = False) -> Iterator[str]:
-    """A fresh, empty sibling of ``final`` (``.tmp-<name>-<pid>``) for the block to write into,
-    renamed to ``final`` when the block ends. Readers see the old directory whole or the new one
-    whole: an old ``final`` is renamed aside (``.old-<name>-<pid>``) before the new one takes its
-    name and deleted only after, so a kill at any point leaves each whole under a name of its own.
-    If the block or a rename fails, the temporary directory is removed, an old ``final`` renamed
-    aside is put back, and the error propagates. ``fsync``: the new tree is flushed to disk before
-    the rename and the parent after it (what must survive a power loss, not only a kill)."""
-    parent, name = os.path.split(os.path.abspath(final))
-    tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{os.getpid()}")
-    aside = os.path.join(parent, f"{ASIDE_PREFIX}{name}-{os.getpid()}")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)  # this pid's own leftover
-        os.makedirs(tmp)
-        yield tmp
-        if fsync:
-            _fsync_tree(tmp)
-        replace_dir(tmp, final, aside)
-        if fsync:
-            fsync_path(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)  # the old final, if there was one
-
-
-def remove_dir(path: str) -> None:
-    """Delete the directory ``path``: renamed aside (``.old-<name>-<pid>``) first, then deleted, so
-    a kill meanwhile never leaves a half-deleted directory under its name."""
-    parent, name = os.path.split(os.path.abspath(path))
-    aside = os.path.join(parent, f"{ASIDE_PREFIX}{name}-{os.getpid()}")
-    os.replace(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def remove_debris(folder: str) -> None:
-    """The transient directories in ``folder`` of writes or removals that a kill interrupted. Only
-    for a folder whose one writer is the caller (another writer's staging would go too)."""
-    for name in os.listdir(folder):
-        if name.startswith((TMP_PREFIX, ASIDE_PREFIX)):
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-
-
-def fsync_path(path: str) -> None:
-    """Flush a file, or a directory's entries, to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: str) -> None:
-    for folder, _, files in os.walk(path):
-        for name in files:
-            fsync_path(os.path.join(folder, name))
-        fsync_path(folder)
-
-
-# --- the run's config.json ----------------------------------------------------------------------
-
-
-def config_from_dict(default: Any, values: Mapping[str, Any], where: str = "config") -> Any:
-    """The config tree ``default`` with the values of ``values`` (as `config_to_dict` wrote them
-    into config.json: a flat section's keys in its parent's dict). A key the tree does not have
-    is a `CheckpointError` naming it."""
-    grouped: dict[str, Any] = {}
-    for key, value in values.items():
-        path = field_path(default, key)
-        if path is None:
-            raise CheckpointError(f"{where}: unknown key {key!r} (the run was written by another version?)")
-        node = grouped
-        for name in path[:-1]:
-            node = node.setdefault(name, {})
-        node[path[-1]] = value
-    return _rebuilt(default, grouped, where)
-
-
-def _rebuilt(default: Any, grouped: Mapping[str, Any], where: str) -> Any:
-    changes = {}
-    fields = {f.name: f for f in dataclasses.fields(default)}
-    for key, value in grouped.items():
-        current = getattr(default, key)
-        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
-            changes[key] = (_rebuilt(current, value, where) if is_flat(fields[key])
-                            else config_from_dict(current, value, f"{where}.{key}"))
-        elif isinstance(current, tuple) and isinstance(value, list):
-            changes[key] = tuple(value)
-        else:
-            changes[key] = value
-    try:
-        return dataclasses.replace(default, **changes)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{where}: {exc}") from None
-
-
-def load_run_config(default: Any, run_dir: str) -> Any:
-    path = os.path.join(run_dir, "config.json")
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"--resume {run_dir}: no config.json there (not a run directory?)") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
-    return config_from_dict(default, values)

@@ -60,6 +60,10 @@ class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     metrics: dict[str, float] = {}
     """Sums over the group's completions of the task's named metrics (``task/<name>``), of failed
     user calls by kind (``task_errors/<kind>``) and of environment counts (``turns``...)."""
+    teacher_logprobs: list[list[float]] = []
+    """Per completion token, a teacher's log-probability of that token (same shape as
+    ``completion_ids``), set by the driver from the scorer for on-policy distillation; empty:
+    no teacher."""
 
     @property
     def group_size(self) -> int:
@@ -100,6 +104,12 @@ def validate_group(group: RolloutGroup) -> None:
                                                          f"mask of {len(mask)}")
             if any(m not in (0, 1) for m in mask):
                 raise InvalidGroupError(group.prompt_id, f"completion {i}'s action mask holds values other than 0 and 1")
+    if group.teacher_logprobs:
+        if len(group.teacher_logprobs) != n:
+            raise InvalidGroupError(group.prompt_id, f"{len(group.teacher_logprobs)} teacher_logprobs lists for {n} completions")
+        for i, (ids, lps) in enumerate(zip(group.completion_ids, group.teacher_logprobs)):
+            if len(ids) != len(lps):
+                raise InvalidGroupError(group.prompt_id, f"completion {i} has {len(ids)} token ids but {len(lps)} teacher log-probs")
     if group.correct and len(group.correct) != n:
         raise InvalidGroupError(group.prompt_id, f"{len(group.correct)} correct flags for {n} completions")
     for i, r in enumerate(group.rewards):

@@ -189,7 +189,4 @@ def _expire(future: asyncio.Future, actor: str, method: str, timeout_s: float) -
 
 
 def _remote_error(actor: str, method: str, msg: wire.Failure) -> Exception:
-    if msg.type_name in ("ProtocolError", "MessageTooLargeError"):
-        error_cls = ProtocolError if msg.type_name == "ProtocolError" else MessageTooLargeError
-        return error_cls(f"actor {actor!r} refused {method}(): {msg.message}")
-    return remote_error_class(msg.type_name)(actor, method, msg.type_name, msg.message, msg.traceback)
+    return remote_error_class(msg.type_name, msg.type_path)(actor, method, msg.type_name, msg.message, msg.traceback)

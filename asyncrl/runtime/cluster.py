@@ -142,8 +142,9 @@ class Cluster:
     # --- membership --------------------------------------------------------------------------
 
     async def wait_for_nodes(self, timeout_s: float) -> None:
-        """Return once every rank 1..nnodes-1 has joined; ``ClusterStartError`` naming the missing
-        ones after ``timeout_s``."""
+        """Return once every rank 1..nnodes-1 has joined (or, in an elastic cluster, ``min_nnodes``
+        nodes in all, whichever ranks: the others may join later); ``ClusterStartError`` naming the
+        missing ones after ``timeout_s``."""
         n = self.config.nnodes
         try:
             async with timeout(timeout_s):  # wait_for on 3.11 can swallow a cancel
@@ -151,6 +152,14 @@ class Cluster:
         except TimeoutError:
             missing = [r for r in range(1, n) if r not in self.nodes]
             joined = ", ".join(str(r) for r in [0, *sorted(self.nodes)])
+            if self._needed() < n:  # elastic: any of the missing ranks would do
+                raise ClusterStartError(
+                    f"{len(self.nodes) + 1} of the {self._needed()} nodes needed (--nnodes {self._needed()}:{n}) joined "
+                    f"the cluster at {self.address} within {timeout_s:g} s (joined: {joined}); start "
+                    f"`asyncrl launch --nnodes {self._needed()}:{n} --node-rank R ...` with R in "
+                    f"{', '.join(map(str, missing))} on {self._needed() - 1 - len(self.nodes)} more node(s)",
+                    missing,
+                ) from None
             raise ClusterStartError(
                 f"node(s) {', '.join(map(str, missing))} of {n} did not join the cluster at {self.address} within "
                 f"{timeout_s:g} s (joined: {joined}); run `asyncrl launch --nnodes {n} --node-rank R "
@@ -277,5 +286,9 @@ class Cluster:
         self._by_route[route] = node
         node.route = route
         self.send(route, wire.NodeWelcome(self.config.heartbeat_interval_s, self.config.node_timeout_s))
-        if len(self.nodes) == n - 1:
+        if len(self.nodes) >= self._needed() - 1:
             self._all_joined.set()
+
+    def _needed(self) -> int:
+        """The nodes (node 0 included) that ``start()`` waits for."""
+        return self.config.min_nnodes or self.config.nnodes

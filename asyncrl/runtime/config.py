@@ -35,6 +35,10 @@ class SupervisorConfig:
     nnodes: int = 1
     """Nodes in the cluster. Above 1, this supervisor is node 0 and waits in ``start()`` for a node
     agent of every other rank to join (``asyncrl launch --node-rank R`` on each node)."""
+    min_nnodes: int = 0
+    """An elastic cluster (``asyncrl launch --nnodes MIN:MAX``, as torchrun's): ``start()`` waits for
+    this many nodes (node 0 included); the others, up to ``nnodes``, may join while it runs and
+    then take actors. 0: every one of ``nnodes`` is waited for."""
     master_addr: str = "127.0.0.1"
     """Address of node 0 as the other nodes reach it; with ``nnodes > 1`` the cluster socket binds
     here (never a wildcard)."""
@@ -65,6 +69,8 @@ class SupervisorConfig:
             raise ValueError("heartbeat_timeout_s must exceed twice heartbeat_interval_s")
         if self.nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, not {self.nnodes}")
+        if not 0 <= self.min_nnodes <= self.nnodes:
+            raise ValueError(f"min_nnodes must be in 0..nnodes ({self.nnodes}), not {self.min_nnodes}")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, not {self.master_port}")
         if self.nproc_per_node < 0:

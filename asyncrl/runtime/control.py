@@ -130,9 +130,9 @@ class ControlChannel:
 
 
 def _start_failure(actor: str, msg: wire.StartFailed) -> ActorStartError:
-    """What a constructor's exception becomes: an error the user fixes (an `ActionableError`
-    registered with `crosses_processes`, e.g. a policy too large for its GPU) is one line, its
-    own; anything else keeps its type's name and the actor's traceback (a bug)."""
-    if issubclass(remote_error_class(msg.type_name), ActionableError):
+    """What a constructor's exception becomes: an error the user fixes (an `ActionableError`, e.g.
+    a policy too large for its GPU) is one line, its own; anything else keeps its type's name and
+    the actor's traceback (a bug)."""
+    if issubclass(remote_error_class(msg.type_name, msg.type_path), ActionableError):
         return ActorNotReadyError(actor, (msg.message.strip().splitlines() or [msg.type_name])[0])
     return ActorStartError(actor, f"{msg.type_name}: {msg.message}", msg.traceback)

@@ -53,8 +53,9 @@ def place(name: str, gpus: int, node: int | None, nnodes: int, local: DevicePool
     if node is not None:
         if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < nnodes:
             raise ValueError(f"node must be an int in 0..{nnodes - 1}, not {node!r}")
-        if node not in pools:
-            raise ActorStartError(name, f"node {node} is lost ({cluster.nodes[node].lost})")
+        if node not in pools:  # lost, or (an elastic cluster) not joined yet
+            why = f"is lost ({cluster.nodes[node].lost})" if node in cluster.nodes else "has not joined the cluster"
+            raise ActorStartError(name, f"node {node} {why}")
         return node, pools[node].take(gpus, name)
     if gpus == 0:
         return 0, []

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from asyncrl.errors import InvalidArgumentsError, MessageTooLargeError, ProtocolError, UnknownMethodError, type_path
 from asyncrl.runtime import wire
 from asyncrl.runtime.actor import EndpointSpec, endpoints_of
 from asyncrl.runtime.codec import PayloadEncoder, frames_nbytes
@@ -72,15 +73,15 @@ class ActorServer:
     def _dispatch(self, frames: list) -> None:
         ident, parts = frames[0].bytes, frames[1:]
         if not parts:
-            return self._bad(ident, 0, "ProtocolError", "empty message")
+            return self._bad(ident, 0, ProtocolError, "empty message")
         try:
             msg = self._decoder.decode(parts[0].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:  # bad UTF-8: not a DecodeError
-            return self._bad(ident, 0, "ProtocolError", f"undecodable request: {e}")
+            return self._bad(ident, 0, ProtocolError, f"undecodable request: {e}")
         size = len(parts[0]) if len(parts) == 1 else frames_nbytes(parts)
         if size > self.max_message_bytes:
             return self._bad(
-                ident, msg.id, "MessageTooLargeError",
+                ident, msg.id, MessageTooLargeError,
                 f"request of {size} bytes exceeds max_message_bytes={self.max_message_bytes}",
             )
         kind = type(msg)
@@ -96,25 +97,25 @@ class ActorServer:
                 stream.credit += msg.n
                 stream.wake.set()
 
-    def _bad(self, ident: bytes, call_id: int, type_name: str, message: str) -> None:
+    def _bad(self, ident: bytes, call_id: int, error: type[Exception], message: str) -> None:
         self.bad_requests += 1
         self.refusals.note(message)
-        self._send(ident, wire.Failure(call_id, type_name, message))
+        self._send(ident, wire.Failure(call_id, error.__name__, message, type_path=type_path(error)))
 
     def _start_call(self, ident: bytes, msg: wire.Call, parts: list) -> None:
         spec = self.specs.get(msg.method)
         if spec is None:
             known = ", ".join(sorted(self.specs)) or "none"
-            return self._bad(ident, msg.id, "UnknownMethodError", f"no endpoint {msg.method!r} (endpoints: {known})")
+            return self._bad(ident, msg.id, UnknownMethodError, f"no endpoint {msg.method!r} (endpoints: {known})")
         try:
             args = spec.arg_decoder.decode(msg.args, parts)
         except msgspec.ValidationError as e:
-            return self._bad(ident, msg.id, "InvalidArgumentsError", spec.explain(e))
+            return self._bad(ident, msg.id, InvalidArgumentsError, spec.explain(e))
         except (msgspec.DecodeError, ValueError, TypeError) as e:
-            return self._bad(ident, msg.id, "ProtocolError", f"{spec.name}(): malformed arguments: {e}")
+            return self._bad(ident, msg.id, ProtocolError, f"{spec.name}(): malformed arguments: {e}")
         key = (ident, msg.id)
         if key in self._tasks:
-            return self._bad(ident, msg.id, "ProtocolError", f"call id {msg.id} is already in flight")
+            return self._bad(ident, msg.id, ProtocolError, f"call id {msg.id} is already in flight")
         method = getattr(self.actor, spec.name)
         if not spec.is_async:
             try:
@@ -181,7 +182,9 @@ class ActorServer:
         body = self._body.encode(msg)
         size = len(body) + frames_nbytes(bufs) if bufs else len(body)
         if size > self.max_message_bytes:
-            msg = wire.Failure(msg.id, "MessageTooLargeError", f"reply of {size} bytes exceeds max_message_bytes={self.max_message_bytes}")
+            msg = wire.Failure(msg.id, MessageTooLargeError.__name__,
+                               f"reply of {size} bytes exceeds max_message_bytes={self.max_message_bytes}",
+                               type_path=type_path(MessageTooLargeError))
             body, bufs = self._body.encode(msg), ()
         self.sock.send([ident, body, *bufs], copy=not bufs)
 
@@ -198,4 +201,4 @@ class ActorServer:
 
 def _failure(call_id: int, e: BaseException, prefix: str = "") -> wire.Failure:
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    return wire.Failure(call_id, type(e).__name__, prefix + str(e), tb)
+    return wire.Failure(call_id, type(e).__name__, prefix + str(e), tb, type_path(type(e)))

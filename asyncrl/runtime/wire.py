@@ -81,6 +81,9 @@ class Failure(_Msg, tag=7):
     type_name: str
     message: str
     traceback: str = ""
+    type_path: str = ""
+    """``module.QualName`` of the exception (`asyncrl.errors.type_path`): the caller re-raises it as
+    that type when it knows the class (`remote_error_class`); never imported by it."""
 
 
 # --- worker -> supervisor --------------------------------------------------------------------
@@ -108,6 +111,7 @@ class StartFailed(_Msg, tag=12):
     type_name: str
     message: str
     traceback: str = ""
+    type_path: str = ""  # as in `Failure`
 
 
 class Heartbeat(_Msg, tag=13):

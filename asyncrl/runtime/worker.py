@@ -30,6 +30,7 @@ import traceback
 import msgspec
 import zmq
 
+from asyncrl.errors import type_path
 from asyncrl.runtime import startup, wire
 from asyncrl.runtime.actor import init_spec
 from asyncrl.runtime.auth import ClusterKeys, Gatekeeper, keys_from_env
@@ -203,7 +204,7 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
             server = ActorServer(actor, name, sock, init.max_message_bytes)
         except BaseException as e:
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            control.say(wire.StartFailed(name, incarnation, type(e).__name__, str(e), tb))
+            control.say(wire.StartFailed(name, incarnation, type(e).__name__, str(e), tb, type_path(type(e))))
             return 1
         finally:
             startup.install(None)  # ready (or failed): a phase reported from now on means nothing

@@ -7,9 +7,10 @@ from asyncrl.rl.config.parse import ConfigError, config_to_dict, help_text, pars
 from asyncrl.rl.config.run import CheckpointConfig, DataConfig, DeadlineConfig, RecoveryConfig, RunConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.task import CountdownConfig, TaskConfig, TaskSpec
+from asyncrl.rl.config.teacher import RewardModelConfig, TeacherConfig
 from asyncrl.rl.config.trainer import GRPOLossConfig, TrainerConfig
 
 __all__ = ["CheckpointConfig", "ConfigError", "CountdownConfig", "DataConfig", "DeadlineConfig", "GRPOConfig",
-           "GRPOLossConfig", "ModelConfig", "RecoveryConfig", "RunConfig", "SamplerConfig", "TaskConfig", "TaskSpec",
-           "TrainerConfig", "WarmStartConfig", "config_to_dict", "grpo_config_type", "help_text", "parse_overrides",
+           "GRPOLossConfig", "ModelConfig", "RecoveryConfig", "RewardModelConfig", "RunConfig", "SamplerConfig", "TaskConfig", "TaskSpec",
+           "TeacherConfig", "TrainerConfig", "WarmStartConfig", "config_to_dict", "grpo_config_type", "help_text", "parse_overrides",
            "take_option"]

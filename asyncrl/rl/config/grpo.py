@@ -25,6 +25,7 @@ from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.task import DEFAULT_TASK, TaskConfig, TaskSpec
+from asyncrl.rl.config.teacher import RewardModelConfig, TeacherConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 
 
@@ -47,11 +48,17 @@ class GRPOConfig:
     """The sampler actors: how many, and how they generate."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The trainer actor: its optimiser, micro-batches and GRPO loss."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation's teacher, served by a scorer actor (docs/algorithms.md)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model whose score joins the task's reward, served by a scorer actor."""
 
     def __post_init__(self) -> None:
         check_temperature(self)
         check_weights_readable(self)
         check_adapter_sync(self)
+        check_length_budgets(self)
+        check_teacher(self)
         if not self.model_path:
             check_heldout_unseen(self)
             check_completion_fits(self)
@@ -77,8 +84,11 @@ class GRPOConfig:
     def trainer_config(self) -> TrainerConfig:
         """The trainer's section with the samplers' temperature, and the run's length as the end of
         a decaying learning rate unless it names its own: the one the actor is given."""
+        loss, most = self.trainer.loss, self.sampler.max_new_tokens
+        loss = dataclasses.replace(loss, token_budget=loss.token_budget or most,
+                                   overlong_max_tokens=loss.overlong_max_tokens or most)
         return dataclasses.replace(self.trainer, temperature=self.sampler.temperature,
-                                   lr_decay_steps=self.trainer.lr_decay_steps or self.run.steps)
+                                   lr_decay_steps=self.trainer.lr_decay_steps or self.run.steps, loss=loss)
 
 
 _TYPES: dict[type, type] = {}
@@ -127,6 +137,33 @@ def check_temperature(config: GRPOConfig) -> None:
         raise ConfigError(f"--trainer.temperature {trainer:g} differs from --sampler.temperature {sampler:g}: the "
                           "trainer must score completions at the temperature they were sampled at; set "
                           "--sampler.temperature alone (the trainer takes it), or --trainer.temperature none")
+
+
+def check_teacher(config: GRPOConfig) -> None:
+    """A teacher and its weight come together: one without the other does nothing, or cannot run."""
+    coef, path = config.trainer.loss.distill_coef, config.teacher.model_path
+    if coef > 0 and not path:
+        raise ConfigError(f"--trainer.loss.distill_coef {coef:g} needs a teacher: set --teacher.model_path DIR")
+    if path and not coef > 0:
+        raise ConfigError(f"--teacher.model_path {path} has no effect with --trainer.loss.distill_coef 0: set it "
+                          "(1 weighs the teacher's reverse KL as one reward unit a token; docs/algorithms.md)")
+
+
+def check_length_budgets(config: GRPOConfig) -> None:
+    """Dr. GRPO's constant normaliser and DAPO's overlong shaping need a length in tokens: their
+    own key, else the samplers' ``max_new_tokens`` (whose 0, the model's own limit, is not one)."""
+    loss, most = config.trainer.loss, config.sampler.max_new_tokens
+    if loss.aggregation == "fixed_tokens" and not (loss.token_budget or most):
+        raise ConfigError("--trainer.loss.aggregation fixed_tokens divides by a token budget: set "
+                          "--trainer.loss.token_budget N or --sampler.max_new_tokens N")
+    if loss.overlong_buffer:
+        limit = loss.overlong_max_tokens or most
+        if not limit:
+            raise ConfigError("--trainer.loss.overlong_buffer needs a length limit: set "
+                              "--trainer.loss.overlong_max_tokens N or --sampler.max_new_tokens N")
+        if loss.overlong_buffer > limit:
+            raise ConfigError(f"--trainer.loss.overlong_buffer {loss.overlong_buffer} is more than the length limit "
+                              f"{limit} (--trainer.loss.overlong_max_tokens, else --sampler.max_new_tokens)")
 
 
 def check_weights_readable(config: GRPOConfig) -> None:

@@ -42,12 +42,14 @@ class TaskConfig:
     {"role", "content"} messages)."""
     score_timeout_s: float = 10.0
     """Deadline of one score (or environment step) call; one that overruns it scores 0 and
-    counts as failed."""
+    counts as failed. For an agent, of its whole episode (every model call included): give it
+    room, e.g. 120."""
     max_failure_rate: float = 0.2
     """Share of a sampler's score and step calls that may fail (raise, overrun, return no finite
     number) before the run stops with the first traceback."""
     max_turns: int = 0
-    """Model turns per episode of an environment (0: the environment's own max_turns)."""
+    """Model turns per episode of an environment (0: the environment's own max_turns); for an
+    agent, its model calls per episode (0: the agent's own max_calls)."""
 
     def __post_init__(self) -> None:
         if self.name and self.reward:

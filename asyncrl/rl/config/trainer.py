@@ -5,10 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+AGGREGATIONS = ("token_mean", "seq_mean", "fixed_tokens")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GRPOLossConfig:
-    """The GRPO loss: a clipped surrogate over token log-prob ratios, with optional truncated
-    importance weights and KL penalty, averaged over tokens or over sequences."""
+    """The GRPO loss: a policy-gradient term (PPO's clipped surrogate, GSPO or CISPO), with
+    optional truncated importance weights, KL penalty and DAPO's overlong reward shaping,
+    aggregated over tokens, sequences or a fixed token budget (docs/algorithms.md)."""
+
+    policy_loss: str = "ppo_clip"
+    """'ppo_clip': the token-level clipped surrogate (``eps_low``, ``eps_high``). 'gspo': GSPO's
+    sequence-level ratio, the geometric mean of the token ratios, clipped per sequence
+    (``gspo_eps_low``, ``gspo_eps_high``; Zheng et al. 2025). 'cispo': REINFORCE on every token
+    weighted by the clipped, detached importance ratio (``cispo_eps_low``, ``cispo_eps_high``;
+    MiniMax-M1, 2025). Formulas and when to use which: docs/algorithms.md."""
 
     eps_low: float = 0.2
     """Lower clip: the ratio is clipped at ``1 - eps_low`` (matters for negative advantages)."""
@@ -25,9 +37,58 @@ class GRPOLossConfig:
     aggregation: str = "token_mean"
     """'token_mean': sum over every valid token / number of valid tokens in the batch (long
     completions weigh more). 'seq_mean': mean over each sequence's valid tokens, then mean over
-    the sequences that have at least one valid token (each completion weighs the same)."""
+    the sequences that have at least one valid token (each completion weighs the same; GSPO's
+    own objective). 'fixed_tokens': sum over every valid token / (sequences x ``token_budget``),
+    Dr. GRPO's constant normaliser: a token's weight depends neither on its completion's length
+    nor on the batch's."""
+    token_budget: int = 0
+    """The constant of 'fixed_tokens' (Dr. GRPO's MAX_TOKENS); 0: ``--sampler.max_new_tokens``."""
+    gspo_eps_low: float = 3e-4
+    """GSPO: the sequence ratio is clipped below at ``1 - gspo_eps_low`` (the paper's 3e-4)."""
+    gspo_eps_high: float = 4e-4
+    """GSPO: the sequence ratio is clipped above at ``1 + gspo_eps_high`` (the paper's 4e-4)."""
+    cispo_eps_low: float = 1.0
+    """CISPO: the importance weight is clipped below at ``1 - cispo_eps_low``; 1: no lower bound
+    (MiniMax-M1's choice)."""
+    cispo_eps_high: float = 0.28
+    """CISPO: the importance weight is clipped above at ``1 + cispo_eps_high`` (MiniMax-M1 tuned
+    this bound alone; 0.28 is clip-higher's value, our choice)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a completion longer than ``overlong_max_tokens -
+    overlong_buffer`` tokens loses reward linearly, ``overlong_penalty`` at ``overlong_max_tokens``
+    (and beyond); added to the task's reward before the advantages. 0: off."""
+    overlong_max_tokens: int = 0
+    """DAPO's L_max, the length at which the whole penalty applies; 0: ``--sampler.max_new_tokens``."""
+    overlong_penalty: float = 1.0
+    """The reward taken from a completion of ``overlong_max_tokens`` tokens or more (DAPO: 1)."""
+    distill_coef: float = 0.0
+    """On-policy distillation (needs ``--teacher.model_path``): each completion token's advantage
+    gets ``- distill_coef * (log p_sampler(token) - log p_teacher(token))``, the per-token
+    reverse KL to the teacher on the sampled token (Thinking Machines' on-policy distillation;
+    docs/algorithms.md). 0: no teacher term."""
 
     def __post_init__(self) -> None:
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss must be one of {', '.join(POLICY_LOSSES)}, not {self.policy_loss!r}")
+        if self.tis_cap is not None and self.policy_loss != "ppo_clip":
+            raise ValueError(f"tis_cap applies to policy_loss ppo_clip only ({self.policy_loss} bounds its own "
+                             "importance weight): set --trainer.loss.tis_cap none")
+        for name in ("gspo_eps_low", "cispo_eps_low"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], not {getattr(self, name)!r}")
+        for name in ("gspo_eps_high", "cispo_eps_high"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
+        for name in ("token_budget", "overlong_buffer", "overlong_max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
+        if self.overlong_max_tokens and self.overlong_buffer > self.overlong_max_tokens:
+            raise ValueError(f"overlong_buffer {self.overlong_buffer} must be at most overlong_max_tokens "
+                             f"{self.overlong_max_tokens}")
+        if not self.distill_coef >= 0:
+            raise ValueError(f"distill_coef must be >= 0, not {self.distill_coef!r}")
+        if not self.overlong_penalty >= 0:
+            raise ValueError(f"overlong_penalty must be >= 0, not {self.overlong_penalty!r}")
         if not 0 <= self.eps_low < 1:
             raise ValueError(f"eps_low must be in [0, 1), not {self.eps_low!r}")
         if not self.eps_high >= 0:
@@ -36,8 +97,8 @@ class GRPOLossConfig:
             raise ValueError(f"tis_cap must be >= 1 or None, not {self.tis_cap!r}")
         if not self.kl_coef >= 0:
             raise ValueError(f"kl_coef must be >= 0, not {self.kl_coef!r}")
-        if self.aggregation not in ("token_mean", "seq_mean"):
-            raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', not {self.aggregation!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, not {self.aggregation!r}")
 
 
 LORA_SYNC_MODES = ("merged", "adapter")
@@ -140,6 +201,13 @@ class TrainerConfig:
     kept within each (``trainer/packing.py``); at most ``micro_batch_tokens`` (with auto, at most
     65536, and auto picks no less than it). 0: one padded
     sequence per row. Same loss and gradients either way; packing saves the padding's compute."""
+    compile: bool | None = None
+    """torch.compile each decoder layer for training (``trainer/compile.py``): the norms, rotary
+    embedding, activation, casts and residual adds between the matmuls fused into a few kernels.
+    The first step compiles (15-30 s on a GPU; once for dynamic shapes). None (auto): on with one
+    CUDA trainer process (0.5B on an H100: step 0.842 -> 0.649 s, peak 54.6 -> 38.8 GiB; 1.5B:
+    1.634 -> 1.237 s, docs/trainer.md), off on the CPU (a minute or more of compiling for a model
+    this small) and with world_size > 1 (not measured there)."""
     attn_implementation: str = ""
     """The trainer model's attention implementation as transformers names it ("sdpa", "eager",
     "flash_attention_2", which needs the flash-attn package and a GPU); empty: the checkpoint's

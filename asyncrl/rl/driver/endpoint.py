@@ -13,7 +13,9 @@ or silent actor. Each request is answered on the driver's event loop, so a drive
 stuck is found too (its answer does not come within the deadline: 503).
 
 The HTTP server is the standard library's, in daemon threads; it binds ``--run.metrics_host``
-(127.0.0.1 by default). `close()` shuts it down and frees the port.
+(127.0.0.1 by default). `close()` shuts it down and frees the port. It has no authentication, so
+it changes nothing: ``POST /scale`` is refused with 403 and a line naming ``asyncrl scale``, which
+asks over the run's owner-only status socket (docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from typing import Any, Callable
 
 from asyncrl.errors import ActorDiedError, first_line
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.timeouts import timeout
 
 Probe = Callable[[], Awaitable[Any]]
-OK_STATES = ("running", "starting")
+OK_STATES = (ActorState.RUNNING, ActorState.STARTING)
 """Actor states that are healthy so far: a starting actor is given its start deadline."""
 
 
@@ -63,12 +66,12 @@ class MetricsEndpoint:
     async def health(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, report): every actor's state, and the answer of each running one's probe.
         A dead actor reads ``"dead: <why>"`` whether the supervisor or the probe found it first."""
-        running = {s.name for s in self.statuses() if str(s.state) == "running"}
+        running = {s.name for s in self.statuses() if s.state is ActorState.RUNNING}
         probes = {name: probe for name, probe in self.probes().items() if name in running}
         results = await asyncio.gather(*(self._bounded(p) for p in probes.values()), return_exceptions=True)
         statuses = self.statuses()  # again: an actor may have died while it was probed
         unhealthy = {s.name: f"{s.state}: {s.error}" if s.error else str(s.state)
-                     for s in statuses if str(s.state) not in OK_STATES}
+                     for s in statuses if s.state not in OK_STATES}
         for name, result in zip(probes, results):
             if name in unhealthy or not isinstance(result, BaseException):
                 continue
@@ -109,7 +112,7 @@ def exposition(snapshot: dict[str, float], actors: list[Any], accept: str) -> tu
                 yield family
             up = GaugeMetricFamily("asyncrl_actor_up", "1 if the actor is running", labels=["actor", "state"])
             for s in actors:
-                up.add_metric([s.name, str(s.state)], 1.0 if str(s.state) == "running" else 0.0)
+                up.add_metric([s.name, str(s.state)], 1.0 if s.state is ActorState.RUNNING else 0.0)
             yield up
 
     registry = CollectorRegistry()
@@ -146,6 +149,15 @@ def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
             except RuntimeError as exc:  # the loop is closed: the run is ending
                 self._send(503, json.dumps({"healthy": False, "unhealthy": {"driver": first_line(exc)}}).encode(),
                            "application/json")
+
+        def do_POST(self) -> None:  # noqa: N802
+            # This endpoint has no authentication (a scraper reads it), so it changes nothing:
+            # scaling is asked over the run's owner-only status socket instead.
+            if self.path.split("?", 1)[0] == "/scale":
+                self._send(403, b"refused: this endpoint is unauthenticated and read-only; scale the run with "
+                                b"`asyncrl scale RUN_DIR --samplers N` on the driver's host\n", "text/plain")
+            else:
+                self._send(404, b"not found: this endpoint serves GET /metrics and /healthz\n", "text/plain")
 
         def _send(self, code: int, body: bytes, content_type: str) -> None:
             self.send_response(code)

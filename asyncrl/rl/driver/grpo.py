@@ -29,8 +29,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.errors import RemoteError
-from asyncrl.rl.checkpoint import Checkpoint, RunState, write_json_atomic
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.faults import RunStoppedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
@@ -40,10 +39,13 @@ from asyncrl.rl.driver.painter import CurvesPainter
 from asyncrl.rl.driver.progress import Progress, make_progress
 from asyncrl.rl.driver.writers import MetricWriters, scalars_of
 from asyncrl.rl.driver.pool import SamplerPool
+from asyncrl.rl.driver.scaling import Scaler
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.report import rates_text, shown_path, summary_text
+from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.runtime.files import write_json_atomic
 
 BEST_DIR, BEST_JSON = "best", "best.json"
 
@@ -59,7 +61,7 @@ class GRPODriver:
 
     def __init__(self, config: GRPOConfig, trainer, samplers, run_dir: str, log, *, host: str,
                  backend: str, seeds: list[int], resume: Checkpoint | None = None, model_path: str = "",
-                 log_path: str = "", correct_reward: float = 1.0):
+                 log_path: str = "", correct_reward: float = 1.0, teacher=None, reward_model=None):
         self.config, self.run = config, config.run
         self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
         self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
@@ -71,13 +73,15 @@ class GRPODriver:
         self.queue = RolloutQueue(capacity, staleness)
         self.events_path = os.path.join(run_dir, "faults.jsonl")
         self.resume = resume
-        self.state = resume.run_state() if resume is not None else RunState(step=0, version=0)
+        self.state = read_run_state(resume) if resume is not None else RunState(step=0, version=0)
         # Async mode: samplers begin only groups that will be trained in time (pacing.py).
         self.pacer = (Pacer(self.queue, self.run.groups_per_step, staleness, version=self.state.version,
                             next_step=self.state.step + 1) if self.run.mode == "async" else None)
         self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
                                 backend=backend, log=self.log, events_path=self.events_path, pacer=self.pacer,
-                                batch_groups=config.sampler.prompts_per_batch)
+                                batch_groups=config.sampler.prompts_per_batch, teacher=teacher,
+                                reward_model=reward_model)
+        self.scaler: Scaler | None = None  # ``asyncrl scale``: train() sets it (scaling.py)
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
@@ -142,7 +146,7 @@ class GRPODriver:
                 "uniform_skipped": self.uniform_skipped(), "heldout_before": self.heldout_before,
                 "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
                 "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
-                **self.pool.progress(), **self.fault_counts(), **(self.pacer.stats() if self.pacer else {}),
+                **self.pool.progress(), **(self.scaler.progress() if self.scaler else {}), **self.fault_counts(), **(self.pacer.stats() if self.pacer else {}),
                 "updated_at": time.time()}
 
     def write_progress(self) -> None:
@@ -204,6 +208,8 @@ class GRPODriver:
         finally:
             if not completed:
                 self.phase = "stopped"
+            if self.scaler is not None:
+                await self.scaler.close()
             await self.pool.close()
             self.queue.close()
             # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
@@ -255,8 +261,8 @@ class GRPODriver:
         try:
             return await trainer_phase(phase, "checkpoint_timeout_s", t,
                                        self.trainer.with_timeout(t).save(path, extra_files or {}))
-        except RemoteError as exc:
-            raise _write_error(exc) from None
+        except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
+            raise RunDirError(exc.remote_message) from None
 
     async def step(self, step: int) -> dict[str, Any]:
         run, n = self.run, self.run.groups_per_step
@@ -272,6 +278,8 @@ class GRPODriver:
         self.version = step  # the weights after step k are version k: the step is the one count of both
         synced, digests = sync_record(0.0, None, []), {}
         if self.version % run.sync_every == 0:
+            if self.scaler is not None:  # a scale request changes the group here, with the sync
+                await self.scaler.at_sync()
             synced = await self.pool.sync(self.version)
             if run.check_weights:
                 digests = await self.pool.verify_weights()
@@ -318,8 +326,8 @@ class GRPODriver:
                                                          msgspec.json.encode(state))))
         try:
             self.checkpoint_path = await asyncio.shield(call)
-        except RemoteError as exc:
-            raise _write_error(exc) from None
+        except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
+            raise RunDirError(exc.remote_message) from None
         except asyncio.CancelledError:
             # A stop (Ctrl-C) during the write: let it finish (bounded by its deadline), so the
             # resume hint names the checkpoint that will really be resumed. A second signal
@@ -341,14 +349,6 @@ def task_metrics(batch: list[RolloutGroup]) -> dict[str, float]:
         for key, value in g.metrics.items():
             sums[key] = sums.get(key, 0.0) + value
     return {k: (v if k.startswith("task_errors/") else v / completions) for k, v in sorted(sums.items())}
-
-
-def _write_error(exc: RemoteError) -> BaseException:
-    """The trainer's one-line `CheckpointWriteError` (a full disk) as the run's `RunDirError`;
-    any other remote error as it is (a bug: its traceback tells more than a line could)."""
-    if exc.remote_type == "CheckpointWriteError":
-        return RunDirError(exc.remote_message)
-    return exc
 
 
 def _quietly(fn) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncrl.rl.config.run import RecoveryConfig
 from asyncrl.rl.driver.faults import Fault, append_event
+from asyncrl.runtime.state import ActorState
 
 CLOSE_S = 10.0
 """How long `Membership.close` waits for its cancelled tasks to end (they end at once)."""
@@ -30,7 +31,8 @@ CLOSE_S = 10.0
 
 class MemberState(enum.Enum):
     """Where a sampler stands. CANDIDATE -> JOINED at a successful rebuild; JOINED or CANDIDATE ->
-    LOST (`Membership.lose`); LOST -> CANDIDATE when a newer incarnation runs, else -> GONE."""
+    LOST (`Membership.lose`); LOST -> CANDIDATE when a newer incarnation runs, else -> GONE; any
+    but GONE -> DRAINED when the run is scaled down (`Membership.drain`)."""
 
     CANDIDATE = "candidate"
     """Up and not in the group: joins at the next rebuild (every sampler before the start)."""
@@ -41,6 +43,9 @@ class MemberState(enum.Enum):
     GONE = "gone"
     """Lost for good: its restarts used up, stopped, or not back within restart_timeout_s; or it
     never came up (dead before the pool was built)."""
+    DRAINED = "drained"
+    """Left on request (``asyncrl scale``, scaling.py): out of the group, its process stopped;
+    never comes back (a later scale-up starts a new sampler)."""
 
     @property
     def shown(self) -> str:
@@ -83,7 +88,7 @@ class Membership:
         # A sampler already dead or stopped never came up (its start was lost, its restarts with
         # it: sampler_start.py): GONE from the start, as if lost for good later. It keeps its
         # place (its index, its seed, its data position), which checkpoints and resumes rely on.
-        self.members = [Member(h, i, seed, state=MemberState.GONE if h.info().state in ("dead", "stopped")
+        self.members = [Member(h, i, seed, state=MemberState.GONE if h.info().state.final
                                else MemberState.CANDIDATE) for i, (h, seed) in enumerate(zip(samplers, seeds))]
         self.recovery, self.log = recovery, log
         self.events_path = events_path  # faults.jsonl: append-only, kept whole across resumes
@@ -99,6 +104,35 @@ class Membership:
     def with_state(self, *states: MemberState) -> list[Member]:
         return [m for m in self.members if m.state in states]
 
+    def none_left(self) -> bool:
+        """No sampler is in the group or can come back to it."""
+        return all(m.state in (MemberState.GONE, MemberState.DRAINED) for m in self.members)
+
+    def add(self, handle: Any, seed: int) -> Member:
+        """A sampler started by a scale-up: a candidate, which joins at the next rebuild."""
+        m = Member(handle, len(self.members), seed, incarnation=handle.info().incarnation)
+        self.members.append(m)
+        self.event("added", m.name, "started by a scale-up; joins the group at the next sync",
+                   incarnation=m.incarnation)
+        self.changed.set()
+        return m
+
+    def drain(self, m: Member, why: str) -> None:
+        """Take ``m`` out of the group for good, on request: its rollout stream is cut (the groups
+        it was making are not accepted, and its pacing credit goes back to the others), a wait for
+        its restart ends, and the next sync re-forms the group without it. Stopping its process is
+        the caller's."""
+        for task in (m.pump, m.waiter):
+            if task is not None:
+                task.cancel()
+        m.pump = m.waiter = None
+        m.fault = None  # a restart no longer awaited: its fault is closed at the next rebuild
+        m.state = MemberState.DRAINED
+        self.dirty = True
+        self.event("drained", m.name, why, incarnation=m.incarnation)
+        self.log(f"{m.name} drained at step {self.step}: {why}")
+        self.changed.set()
+
     def lose_replaced(self, group: list[Member]) -> list[Member]:
         """Lose every member of ``group`` that no longer runs the incarnation we know, and return
         them (none: every call made now goes to the incarnation that joined). Checked right before
@@ -107,7 +141,7 @@ class Membership:
         replaced = []
         for m in group:
             info = m.handle.info()
-            if info.state != "running" or info.incarnation != m.incarnation:
+            if info.state is not ActorState.RUNNING or info.incarnation != m.incarnation:
                 self.lose(m, f"died (incarnation {m.incarnation} is gone; the actor is {info.state})", kill=False)
                 replaced.append(m)
         return replaced
@@ -122,6 +156,8 @@ class Membership:
             # judged by what the old one did.
             return
         incarnation = m.incarnation
+        if m.state is MemberState.DRAINED:
+            return  # a late verdict on a sampler that already left on request
         already = m.fault is not None and m.fault.incarnation == incarnation
         if m.state is not MemberState.GONE:
             m.state = MemberState.LOST
@@ -151,12 +187,15 @@ class Membership:
         machine), which would declare gone a sampler that is back."""
         t = self.recovery.restart_timeout_s
         info = await m.handle.wait_for_incarnation(lost, t)
-        if info.state == "running" and info.incarnation > lost:
+        if m.state is MemberState.DRAINED:
+            return
+        if info.state is ActorState.RUNNING and info.incarnation > lost:
             m.state, m.incarnation = MemberState.CANDIDATE, info.incarnation
             self.changed.set()
             return
         m.state = MemberState.GONE
-        why = {"dead": "its restarts are used up or its restart failed", "stopped": "it was stopped"}.get(
+        why = {ActorState.DEAD: "its restarts are used up or its restart failed",
+               ActorState.STOPPED: "it was stopped"}.get(
             info.state, f"no new incarnation was running within --run.restart_timeout_s {t:g} s")
         self.log(f"{m.name} will not come back: {why} ({info.state}, incarnation {info.incarnation}, "
                  f"restarts {info.restarts}/{info.max_restarts})")

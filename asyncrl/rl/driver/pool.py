@@ -51,8 +51,11 @@ from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.sync_group import SyncGroup
 from asyncrl.rl.driver.sync_metrics import sync_record
+from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.sampler.errors import SamplerTimeoutError
+from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.timeouts import timeout
 
 PUMP_RETRIES = 3
@@ -68,7 +71,7 @@ class SamplerPool:
 
     def __init__(self, trainer: Any, samplers: list[Any], queue: RolloutQueue, *, run: RunConfig, seeds: list[int],
                  host: str, backend: str, log=print, events_path: str = "", pacer: Pacer | None = None,
-                 batch_groups: int = 0):
+                 batch_groups: int = 0, teacher: Teacher | None = None, reward_model: RewardModel | None = None):
         self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
         # Async mode with a pacer: each pump asks it for credit, then streams one batch of
         # ``batch_groups`` prompts (the sampler's prompts_per_batch); without: one endless stream.
@@ -76,7 +79,10 @@ class SamplerPool:
         self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
         self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, host=host, backend=backend, log=log)
         self.async_mode = run.mode == "async"
-        self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups else 0)
+        # A teacher scores every group before it is queued (driver/teacher.py); a group of equal
+        # rewards still teaches then (the teacher's per-token term), so none is left out.
+        self.teacher, self.reward_model = teacher, reward_model  # the reward model's score is in the reward
+        self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups and teacher is None else 0)
 
     @property
     def members(self) -> list[Member]:
@@ -120,7 +126,7 @@ class SamplerPool:
                 self.membership.lose(m, f"failed to take its data position: {first_line(exc)}",
                                      kill=not isinstance(exc, ActorDiedError), incarnation=incarnation)
         await self.sync_group.rebuild(version)
-        if all(m.state is MemberState.GONE for m in self.members):
+        if self.membership.none_left():
             causes = "; ".join(f"{f.sampler}: {f.cause}" for f in self.faults[-3:])
             raise NoSamplersError("no sampler could join the weight-sync group at the start"
                                   + (f" ({causes})" if causes else ""))
@@ -281,6 +287,10 @@ class SamplerPool:
             m.pump_failures = 0
             group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{m.seq}")
             try:
+                if self.teacher is not None:
+                    group = await self.teacher.annotate(group)
+                if self.reward_model is not None:
+                    group = await self.reward_model.annotate(group)
                 if self.uniform.leave_out(group):
                     pass  # no learning signal: the sampler makes another in its place
                 elif await self.queue.put(group, timeout_s=put_s) and accepted is not None:
@@ -310,7 +320,9 @@ class SamplerPool:
     def _pump_failed(self, m: Member, exc: BaseException) -> None:
         if isinstance(exc, (QueueTimeoutError, QueueClosedError, PacingTimeoutError)):
             raise RunStoppedError(f"the driver stopped taking rollouts from {m.name}: {exc}") from exc
-        if isinstance(exc, RemoteError) and exc.remote_type == "TaskFailureError":
+        if isinstance(exc, RunStoppedError):  # the scorer's (driver/teacher.py), not the sampler's
+            raise exc
+        if isinstance(exc, RemoteError) and isinstance(exc, TaskFailureError):
             # The task's own code fails (too many scores raise, say): a restarted sampler would
             # run the same code on the same data, so the run stops, naming the task's error.
             raise TaskFailedError(f"{m.name}: {exc.remote_message}") from exc
@@ -320,8 +332,7 @@ class SamplerPool:
         elif isinstance(exc, CallTimeoutError):
             lose(m, f"no rollout group within --run.generate_timeout_s {self.run.deadlines.generate_timeout_s:g} s",
                  kill=True)
-        elif (isinstance(exc, RemoteError) and exc.remote_type == "SamplerTimeoutError"
-              and m.pump_failures < PUMP_RETRIES):
+        elif isinstance(exc, RemoteError) and isinstance(exc, SamplerTimeoutError) and m.pump_failures < PUMP_RETRIES:
             m.pump_failures += 1  # it waited too long for good weights: pumped again after the next sync
             self.membership.dirty = True
         else:
@@ -332,7 +343,7 @@ class SamplerPool:
         and pump every member that has no pump."""
         self.membership.changed.clear()  # before looking: whatever happens from here on wakes the next wait
         self._reap_pumps()
-        if all(m.state is MemberState.GONE for m in self.members):
+        if self.membership.none_left():
             raise NoSamplersError("every sampler is lost and has used up its restarts (--run.sampler_max_restarts "
                                   f"{self.run.recovery.sampler_max_restarts}): "
                                   + "; ".join(f.cause for f in self.faults[-3:]))

@@ -18,6 +18,7 @@ in code.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shlex
@@ -27,6 +28,7 @@ from typing import Any
 
 from asyncrl.rl.config.grpo import check_heldout_unseen  # noqa: F401 (callers' name for GRPOConfig's rule)
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task, TaskError
 
 RUN_MARKERS = ("config.json", "metrics.jsonl", "progress.json", "summary.json", "checkpoints")
@@ -50,7 +52,14 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
         _check_max_new_tokens(config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path),
                               config.model_path)
     _check_run_dir(run_dir, config.run.run_dir, resume)
-    config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(),
+    scorers = {}
+    for key in ("teacher", "reward_model"):  # tokenizers compared with the student's once it exists (run.py)
+        section = getattr(config, key)
+        if section.model_path:
+            path = os.path.abspath(os.path.expanduser(section.model_path))
+            _checkpoint_positions(path, section.model_path, f"--{key}.model_path")
+            scorers[key] = dataclasses.replace(section, model_path=path)
+    config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(), **scorers,
                                  run=dataclasses.replace(config.run, run_dir=run_dir))
     check_task(config)
     _check_viewers(config.run.observe)
@@ -72,7 +81,7 @@ def _check_viewers(observe: Any) -> None:
 def resumed_config(default: Any, run_dir: str) -> Any:
     """The config of the run in ``run_dir`` (its config.json over ``default``'s tree), once
     ``run_dir`` is found to be a run's directory."""
-    from asyncrl.rl.checkpoint import load_run_config
+    from asyncrl.rl.config.stored import load_run_config
 
     _check_is_run(run_dir)
     return load_run_config(default, run_dir)
@@ -85,14 +94,14 @@ def default_run_dir() -> str:
 # --- the model ------------------------------------------------------------------------------------
 
 
-def _checkpoint_positions(path: str, given: str) -> int | None:
-    """Check that ``path`` (``given`` on the command line) looks like a checkpoint transformers
-    can load (a directory with a config.json naming its model_type, weights and a tokenizer) and
-    return its ``max_position_embeddings`` (None when its config does not say)."""
-    flag = f"--model_path {shlex.quote(given)}"
+def _checkpoint_positions(path: str, given: str, key: str = "--model_path") -> int | None:
+    """Check that ``path`` (``given`` on the command line, after ``key``) looks like a checkpoint
+    transformers can load (a directory with a config.json naming its model_type, weights and a
+    tokenizer) and return its ``max_position_embeddings`` (None when its config does not say)."""
+    flag = f"{key} {shlex.quote(given)}"
     values = _config_json(path, flag,
-                          missing="give a local Hugging Face checkpoint directory (or no --model_path for the embedded "
-                                  "model)",
+                          missing="give a local Hugging Face checkpoint directory" + (
+                              " (or no --model_path for the embedded model)" if key == "--model_path" else ""),
                           not_dir="give the checkpoint's directory, the one holding config.json",
                           no_config="so not a Hugging Face checkpoint directory")
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
@@ -140,9 +149,24 @@ def check_task(config: Any) -> None:
     except Exception as exc:  # the user's problems(), splits() or demonstration() raised: where, in one line
         raise ConfigError(f"task {spec.name or spec.reward}: building its problems raised "
                           f"{describe_error(exc)}") from None
+    if isinstance(task, Agent):
+        missing = missing_modules(AGENT_MODULES)
+        if missing:
+            raise ConfigError(f"task {task.task_name()} is an agent, which talks to the samplers through the OpenAI "
+                              f"API, and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+                              "pip install 'asyncrl[agents]'")
     if not splits.train or not splits.heldout:
         raise ConfigError(f"task {task.task_name()}: splits({data.data_seed}, {n_train}, {data.n_heldout}) gave "
                           f"{len(splits.train)} train and {len(splits.heldout)} held-out problems: a run needs both")
+
+
+AGENT_MODULES = ("aiohttp", "openai")
+"""What an agent run needs beyond asyncrl's own dependencies (the ``agents`` extra)."""
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that cannot be imported here (looked up, not imported)."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
 
 
 def _check_demonstrations(task: Task, problems: list) -> None:

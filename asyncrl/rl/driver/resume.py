@@ -20,6 +20,7 @@ from asyncrl.rl.checkpoint import (
 )
 from asyncrl.rl.driver.faults import trainer_phase
 from asyncrl.rl.driver.report import shown_path
+from asyncrl.rl.driver.run_state import read_run_state
 
 DEFAULT_SCRIPT = "examples/grpo_countdown.py"
 """How the resume hint names the script when the run was not started by ``asyncrl launch``."""
@@ -35,6 +36,7 @@ async def choose_checkpoint(run_dir: str, candidates: list[Checkpoint], damaged:
         checkpoint = candidates.pop()
         try:
             verified = await asyncio.to_thread(verify_checkpoint, checkpoint)  # reads every byte: off the loop
+            read_run_state(checkpoint)
         except DamagedCheckpointError as exc:
             damaged.append(checkpoint)
             problems.append(str(exc))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import json
 import os
 import signal
 import threading
@@ -24,7 +23,8 @@ from typing import Any
 from asyncrl.errors import ActionableError, first_line, one_line
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints, write_reason
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.config.parse import ConfigError, config_to_dict
+from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.config.stored import write_run_config
 from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import plan_devices
@@ -34,6 +34,8 @@ from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.sampler_start import start_samplers
+from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler, least_loaded_node
+from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers
 from asyncrl.rl.driver.trainer_ranks import node_address, spawn_trainer_ranks
 from asyncrl.runtime import signals
 
@@ -58,7 +60,11 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     config = check_run(config, resume=resume)  # paths and limits, before anything is spawned or written
     run = config.run
     ranks = config.trainer.world_size
-    plan = plan_devices(run.device, *detect("auto"), config.sampler.count, trainer_ranks=ranks)
+    # The scorer is placed as one more sampler: a GPU of its own when there is one, else colocated.
+    # Each scorer (teacher, reward model) is placed as one more sampler: a GPU of its own when
+    # there is one, else colocated.
+    scorer_keys = [key for key in ("teacher", "reward_model") if getattr(config, key).model_path]
+    plan = plan_devices(run.device, *detect("auto"), config.sampler.count + len(scorer_keys), trainer_ranks=ranks)
     trainer_nodes, sampler_nodes = _placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
     spec = config.task_spec()
     task = load_task(spec)  # loaded (and its data read) by check_run already: cached
@@ -79,8 +85,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         """The run is known to start (fresh) or to resume (the trainer loaded the checkpoint):
         only now is the run directory changed (a refused or failed resume leaves it as it was)."""
         nonlocal committed
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(config_to_dict(config), f, indent=2, default=str)
+        write_run_config(config, run_dir)
         committed = True
         console.open(f"resumed from {checkpoint.name}" if checkpoint is not None else "new run")
 
@@ -98,6 +103,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         return where, resume_hint(run_dir)
 
     status = await sup.serve_status(run_dir, progress=progress)
+    status.add_command("scale", lambda args: _scaler_of(driver).request(args))  # asyncrl scale (scaling.py)
     endpoint = None
     console.__enter__()
     try:
@@ -120,8 +126,11 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             stop_warm_start.set()
             raise
         cuda, device = plan.device == "cuda", plan.device
+        for key in scorer_keys:  # before anything is spawned: one that reads ids otherwise is refused in one line
+            check_tokenizers(model_path, getattr(config, key).model_path, f"--{key}.model_path")
         log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
-            f"{config.sampler.count} sampler(s); mode {run.mode}")
+            f"{config.sampler.count} sampler(s); mode {run.mode}"
+            + "".join(f"; {key.replace('_', ' ')} {getattr(config, key).model_path}" for key in scorer_keys))
 
         # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
         # actors of one host fight over the same cores, and throughput collapses.
@@ -157,12 +166,34 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: sampler_start.py
             return sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
                              share_devices_with="trainer" if plan.colocated else None, env=env,
-                             node=None if plan.colocated else sampler_nodes[i], keep_if_lost=True,
+                             node=None if plan.colocated else sampler_nodes[i] if i < len(sampler_nodes)
+                             else _scaled_node(sup, cuda),
+                             keep_if_lost=True,
                              max_restarts=run.recovery.sampler_max_restarts, kwargs={
                                  "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
                                  "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
                                  "adapter": _synced_adapter(config)})
 
+        def spawn_scorer(key: str, name: str, kind: str):  # placed and restarted as a sampler is (driver/teacher.py)
+            from asyncrl.rl.scorer.actor import ScorerActor
+
+            section = getattr(config, key)
+            return sup.spawn(ScorerActor, section.model_path, name=name, gpus=plan.sampler_gpus,
+                             share_devices_with="trainer" if plan.colocated else None, env=env,
+                             node=None if plan.colocated else sampler_nodes[0],
+                             max_restarts=run.recovery.sampler_max_restarts, kwargs={
+                                 "device": device, "temperature": config.sampler.temperature,
+                                 "batch_tokens": section.batch_tokens, "kind": kind})
+
+        teacher = reward_model = None
+        calls = {"restart_timeout_s": run.recovery.restart_timeout_s, "log": log}
+        if "teacher" in scorer_keys:
+            teacher = Teacher(await spawn_scorer("teacher", "scorer", "teacher"), timeout_s=config.teacher.timeout_s,
+                              **calls)
+        if "reward_model" in scorer_keys:
+            rm = config.reward_model
+            reward_model = RewardModel(await spawn_scorer("reward_model", "reward_model", "reward"), weight=rm.weight,
+                                       rule_weight=rm.rule_weight, timeout_s=rm.timeout_s, **calls)
         samplers = await start_samplers(spawn_sampler, config.sampler.count, one_at_a_time=plan.colocated, log=log,
                                         events_path=os.path.join(run_dir, "faults.jsonl"))
         if sup.config.nnodes > 1:
@@ -172,7 +203,11 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
                             backend=plan.sync_backend,
                             seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
-                            model_path=model_path, log_path=console.path)
+                            model_path=model_path, log_path=console.path, teacher=teacher,
+                            reward_model=reward_model)
+        driver.scaler = Scaler(driver.pool, spawn_sampler, sup.stop, seed_of=lambda i: run.seed * 1000 + i,
+                               device=plan.device, colocated=plan.colocated, log=log,
+                               free_gpus=lambda: sum(n.devices_free for n in sup.nodes()) if cuda else 0)
         return await driver.execute()
     except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
         signum = signals.cancelled_by_signal(asyncio.current_task())
@@ -203,6 +238,24 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             endpoint.close()
         console.__exit__()
         status.close()
+
+
+def _scaled_node(sup, cuda: bool) -> int | None:
+    """Where a sampler started by a scale-up goes: on GPUs, where the supervisor finds a free one
+    (None); on the CPU, the node with the fewest samplers, so a node that joined an elastic
+    cluster (--nnodes MIN:MAX) mid-run takes new ones."""
+    if cuda or sup.config.nnodes == 1:
+        return None
+    return least_loaded_node(sup.nodes(), sup.status())
+
+
+def _scaler_of(driver: GRPODriver | None) -> Scaler:
+    """The run's `Scaler`, or a refusal while the run is not training yet."""
+    phase = driver.phase if driver is not None else "starting"
+    if driver is None or driver.scaler is None or phase != "training":
+        raise ScaleRefusedError(f"the run is {phase}, not training: its samplers can be scaled while it trains "
+                                "(asyncrl status shows the phase)")
+    return driver.scaler
 
 
 def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:

@@ -85,7 +85,7 @@ async def _all_or_first_error(tasks: list[asyncio.Future]) -> list[Any]:
 
 
 def _gone(handle: Any) -> bool:
-    return handle.info().state in ("dead", "stopped")
+    return handle.info().state.final
 
 
 def _reason(name: str, error: str) -> str:

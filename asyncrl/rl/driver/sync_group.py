@@ -35,13 +35,23 @@ JOIN_GRACE_S = 10.0
 PROBE_S = 5.0
 """Before a rebuild, how long a member may take to answer a trivial call (a live actor answers
 in milliseconds: its event loop is free while it generates on a worker thread)."""
-_PEER_FAILURES = frozenset(cls.__name__ for cls in PEER_FAILURE_ERRORS)
+WIRE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
+"""The dtypes a sync may be sent in, by name (a sampler reports its own)."""
 
 
 def suffered_from_peer(exc: BaseException) -> bool:
     """True if ``exc`` is a remote data-plane error that a member raises when a peer fails: the
     member is a victim of the failure, not its cause."""
-    return isinstance(exc, RemoteError) and exc.remote_type in _PEER_FAILURES
+    return isinstance(exc, RemoteError) and isinstance(exc, PEER_FAILURE_ERRORS)
+
+
+def wire_dtype(sampler_dtypes: list[str]) -> str:
+    """The dtype a sync is sent in: the one every sampler holds its weights in (a bf16 vLLM engine
+    takes an fp32 trainer's weights as bf16: half the bytes on the wire, cast while packing, the
+    same values the engine's own cast would give), "" (the trainer's dtypes) when they differ or
+    one cannot say."""
+    kinds = set(sampler_dtypes)
+    return kinds.pop() if len(kinds) == 1 and kinds <= WIRE_DTYPES else ""
 
 
 class SyncGroup:
@@ -52,6 +62,8 @@ class SyncGroup:
         self.trainer, self.membership, self.deadlines = trainer, membership, deadlines
         self.host, self.backend, self.log = host, backend, log
         self.generation = -1
+        self.wire_dtype = ""
+        """What the trainer sends in: the samplers' weight dtype when they agree (`wire_dtype`)."""
         self.last: tuple[Any, list[Any]] | None = None
         """The last successful sync's answers: the trainer's `SyncStats` and each member's
         `SamplerSyncStats` (``driver/sync_metrics.py`` puts them in the step's record)."""
@@ -123,7 +135,10 @@ class SyncGroup:
             if isinstance(result, BaseException):
                 self.membership.lose(m, f"no sign of life before the rebuild of the group: {first_line(result)}",
                                      kill=not isinstance(result, ActorDiedError), incarnation=incarnation)
-        return not any(isinstance(r, BaseException) for r in results)
+        if any(isinstance(r, BaseException) for r in results):
+            return False
+        self.wire_dtype = wire_dtype([r.get("weight_dtype", "") if isinstance(r, dict) else "" for r in results])
+        return True
 
     async def _form(self, group: list[Member]) -> bool:
         """Every join at once under one deadline (the rendezvous contract); True if all joined."""
@@ -148,7 +163,8 @@ class SyncGroup:
         if self.membership.lose_replaced(group):
             return False
         pinned = [m.incarnation for m in group]
-        results = await asyncio.gather(self.trainer.with_timeout(t + JOIN_GRACE_S).setup_sender(t),
+        results = await asyncio.gather(self.trainer.with_timeout(t + JOIN_GRACE_S).setup_sender(
+                                           t, wire_dtype=self.wire_dtype),
                                        *(m.handle.with_timeout(t + JOIN_GRACE_S).setup_receiver(t) for m in group),
                                        return_exceptions=True)
         return self._judge("agreeing on the weight layout", "sync_timeout_s", t, group, pinned, results)

@@ -13,7 +13,7 @@ rank 0. One verdict per call, naming the rank that caused a failure:
   (for train steps and evaluations; for the calls whose callers read the remote error, such as a
   full disk in a checkpoint write, that rank's `RemoteError` as it is);
 * a rank that did not answer within the call's deadline: its `CallTimeoutError`;
-* ranks that only left their collectives because of a peer (`VICTIM_ERRORS`) are never the cause.
+* ranks that only left their collectives because of a peer (`LEFT_FOR_A_PEER`) are never the cause.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
 from asyncrl.rl.driver.faults import RunStoppedError
+from asyncrl.rl.trainer.errors import LEFT_FOR_A_PEER
 
 ALL_RANKS = frozenset({"train_step", "evaluate", "setup_sender", "send_weights", "save", "save_checkpoint",
                        "load_checkpoint", "weights_digest", "gradients"})
@@ -32,9 +33,6 @@ _DEADLINE_ARG = frozenset({"train_step", "evaluate", "save", "save_checkpoint", 
 """Of those, the ones whose deadline the ranks are told (``deadline_s``); the weight sync's
 calls carry their own (``sync_timeout_s``)."""
 _STOPS_THE_RUN = frozenset({"train_step", "evaluate"})
-VICTIM_ERRORS = frozenset({"PeerRankFailedError", "RankCollectiveError", "RankGroupClosedError", "StepDeadlineError"})
-"""The errors of a rank that left its collectives because of a peer (``trainer/group.py``; by
-name: the driver does not import torch to read them)."""
 ABORT_CALL_S = 10.0
 
 
@@ -100,7 +98,7 @@ class TrainerRanks:
 
     def _verdict(self, method: str, results: list[Any]) -> BaseException:
         errors = {r: x for r, x in enumerate(results) if isinstance(x, BaseException)}
-        victims = {r: x for r, x in errors.items() if isinstance(x, RemoteError) and x.remote_type in VICTIM_ERRORS}
+        victims = {r: x for r, x in errors.items() if isinstance(x, RemoteError) and isinstance(x, LEFT_FOR_A_PEER)}
         left = sorted(victims)
         also = f"; rank(s) {', '.join(map(str, left))} left their collectives" if left else ""
         for r, x in errors.items():

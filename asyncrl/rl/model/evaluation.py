@@ -19,6 +19,7 @@ import torch
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.model.policy import PromptFormat
 from asyncrl.rl.generation import Completion, SamplingParams
+from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task
 
 
@@ -53,13 +54,38 @@ def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, 
     params = SamplingParams(max_new_tokens=max_new_tokens or fmt.max_new_tokens_hint,
                             temperature=0.0 if greedy else temperature, stop_token_ids=list(fmt.stop_token_ids))
     # An evaluation never stops a run over a failing score: failures score 0, as in training.
-    calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0)
-    runner = EpisodeRunner(task, fmt, calls, max_context=max_context)
+    calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0, workers=max(16, len(problems) * n))
+    generate = hf_generate(model, tokenizer, fmt, batch_size, stop)
     try:
-        groups = asyncio.run(runner.run(list(problems), n, params, hf_generate(model, tokenizer, fmt, batch_size, stop)))
+        if isinstance(task, Agent):
+            return asyncio.run(_agent_solve_rate(task, list(problems), n, params, generate, tokenizer, calls,
+                                                 max_context))
+        runner = EpisodeRunner(task, fmt, calls, max_context=max_context)
+        groups = asyncio.run(runner.run(list(problems), n, params, generate))
     finally:
         calls.close()
     return sum(s.correct for g in groups for s in g) / (len(problems) * n)
+
+
+async def _agent_solve_rate(task: Agent, problems: list, n: int, params: SamplingParams, generate, tokenizer,
+                            calls, max_context: int) -> float:
+    """An agent's episodes against an endpoint of their own over ``generate`` (sampling ``params``,
+    so greedy where asked), as the samplers run them; the share scored correct."""
+    from asyncrl.rl.agents.runner import AgentRunner
+    from asyncrl.rl.agents.server import OpenAIServer
+
+    async def versioned(prompts, k, p):
+        # model.generate blocks: on a thread of its own (one at a time: the endpoint gathers
+        # requests into one call), so the loop keeps accepting and answering the agents.
+        return 0, await asyncio.to_thread(lambda: asyncio.run(generate(prompts, k, p)))
+
+    server = OpenAIServer(versioned, tokenizer, params, max_context=max_context, max_calls=task.max_calls)
+    await server.start()
+    try:
+        episodes = await AgentRunner(task, server, calls).episodes(problems, n)
+    finally:
+        await server.close()
+    return sum(not o.error and bool(o.value.correct) for _, o in episodes) / (len(problems) * n)
 
 
 def hf_generate(model, tokenizer, fmt: PromptFormat, batch_size: int, stop: threading.Event | None = None):

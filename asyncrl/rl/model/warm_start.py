@@ -153,7 +153,7 @@ def _is_complete(path: str) -> bool:
 
 def _publish(tmp: str, final: str, log: Callable[[str], object]) -> None:
     """``tmp`` renamed to ``final`` unless another builder got there first. Not the replacing
-    rename of a checkpoint (``rl/checkpoint.py``'s `staged_dir`): the first complete build of a
+    rename of a checkpoint (``runtime/files.py``'s `staged_dir`): the first complete build of a
     key wins and is never moved or replaced, because other processes may be loading from it."""
     if os.path.isdir(final) and not _is_complete(final):
         log(f"[model] replacing incomplete {final}")  # not ours (we rename whole dirs); never reuse it

@@ -8,6 +8,11 @@ the `EpisodeRunner` (``tasks/episodes.py``), its score and step calls under dead
 (`UserCalls`): a failing call scores 0 and is counted, and too many failures end the stream with
 a `TaskFailureError`, which stops the run instead of restarting the sampler.
 
+An `Agent` task (the user's code talking to the policy through the OpenAI API, docs/agents.md)
+runs through an `AgentRunner` instead: the actor serves an `OpenAIServer` (``rl/agents/``) over
+its own generation, each episode in a session of its own, and its groups are assembled from the
+token ids the sessions recorded. `openai_endpoint` serves the same endpoint to anyone with its token.
+
 It generates with a `SamplerBackend` (``backend.py``) that `make_backend` (``factory.py``) picks
 and builds: `HFBackend` (``hf.py``) or `VLLMBackend` (``vllm/backend.py``). The trainer's weights
 reach the backend through its `WeightSink`: the actor's weight-sync endpoints forward to it
@@ -27,6 +32,8 @@ import torch
 
 from asyncrl.comm.member import SyncMember
 from asyncrl.rl.checkpoint import SamplerDataState
+from asyncrl.rl.agents.runner import AgentRunner
+from asyncrl.rl.agents.server import OpenAIServer
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
@@ -34,6 +41,7 @@ from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerSyncStats, SamplerTimeoutError, SamplingParams
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
+from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import as_prompt
 from asyncrl.rl.tasks.episodes import EpisodeRunner, Sample
 from asyncrl.rl.tasks.loading import TaskSpec, load_task
@@ -91,9 +99,14 @@ class SamplerActor(SyncMember):
         start_phase(f"loading the task {task.name or task.reward}")
         self.task = load_task(task)
         self.problems = self.task.splits(data.data_seed, data.n_train, data.n_heldout).train
-        self.calls = UserCalls(self.task.task_name(), task.score_timeout_s, task.max_failure_rate)
-        self.runner = EpisodeRunner(self.task, self.fmt, self.calls, max_turns=task.max_turns,
-                                    max_context=_positions(model_path))
+        self.agent = self.task if isinstance(self.task, Agent) else None
+        # An agent's episodes all run at once, each one user call: a place for every one of a batch.
+        workers = max(16, self.prompts_per_batch * self.group_size) if self.agent is not None else 16
+        self.calls = UserCalls(self.task.task_name(), task.score_timeout_s, task.max_failure_rate, workers=workers)
+        self.max_context = _positions(model_path)
+        self.endpoint: OpenAIServer | None = None  # started on first use: an agent's rollouts, openai_endpoint
+        self.runner = EpisodeRunner(self.task, self.fmt, self.calls, max_turns=0 if self.agent else task.max_turns,
+                                    max_context=self.max_context)
         self._order = shuffled_walk(len(self.problems), seed)  # counted once restore_data_state installs one
         self._prompt_ids: dict[int, list[int]] = {}
         self.version = 0
@@ -118,6 +131,12 @@ class SamplerActor(SyncMember):
         while max_groups <= 0 or produced < max_groups:
             count = self.prompts_per_batch if max_groups <= 0 else min(self.prompts_per_batch, max_groups - produced)
             indices = [next(self._order) for _ in range(count)]
+            if self.agent is not None:
+                async for group in self._agent_rollouts(indices):
+                    yield group
+                    self._stats["groups"] += 1
+                    produced += 1
+                continue
             prompts = [self._prompt(i) for i in indices]
             versions: list[int] = []
             spent = [0.0]
@@ -136,6 +155,14 @@ class SamplerActor(SyncMember):
                 yield self._group(index, prompt, samples, min(versions), spent[0], finished)
                 self._stats["groups"] += 1
                 produced += 1
+
+    @endpoint
+    async def openai_endpoint(self) -> dict[str, str]:
+        """Serve the OpenAI API on this sampler (started on first call; an agent's run starts it
+        itself): ``base_url`` (127.0.0.1, ``.../v1``) and ``token``, the bearer key it requires.
+        Requests at this root are served and recorded nowhere (docs/agents.md)."""
+        server = await self._endpoint()
+        return {"base_url": server.base_url(), "token": server.token}
 
     @endpoint
     async def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None) -> list[list[Completion]]:
@@ -225,12 +252,14 @@ class SamplerActor(SyncMember):
         that succeeded: waiting for the batch in flight, or for the end of a decoding step),
         ``syncs_waited_for_generate``, ``discarded_batches`` (in flight during a failed sync);
         ``version`` now; ``generating``: generate calls in flight now; ``name``; ``backend``
-        (``"hf"`` or ``"vllm"``); ``loaded_adapters`` (vLLM with adapter-only LoRA syncs)."""
+        (``"hf"`` or ``"vllm"``); ``weight_dtype``: what its weights are held in, the dtype a sync
+        is sent in (`WeightSink.weight_dtype`); ``loaded_adapters`` (vLLM with adapter-only LoRA syncs)."""
         s = dict(self._stats)
         adapters = getattr(self.backend, "adapters", None)  # vLLM serving LoRA adapters: how many it holds
         if adapters is not None:
             s["loaded_adapters"] = len(adapters.loaded)
         s.update(version=self.version, generating=self._generating, name=self.name, backend=self.backend_name,
+                 weight_dtype=self.sink.weight_dtype,
                  tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
         return s
 
@@ -270,6 +299,8 @@ class SamplerActor(SyncMember):
                 await self.sync_leave()
         except Exception as exc:  # a dead or stuck engine: close() below ends it all the same
             print(f"sampler {self.name}: leaving the weight-sync group on stop failed: {exc!r}", flush=True)
+        if self.endpoint is not None:
+            await self.endpoint.close()
         self.backend.close()
         self.calls.close()
         await super().on_stop()
@@ -289,6 +320,32 @@ class SamplerActor(SyncMember):
                 raise TaskFailureError(f"task {self.task.task_name()}: train problem {index} renders as an empty prompt")
             self._prompt_ids[index] = ids
         return ids
+
+    async def _endpoint(self) -> OpenAIServer:
+        if self.endpoint is None:
+            async def generate(prompts: list[list[int]], n: int, params: SamplingParams):
+                version, groups, _ = await self._generate(prompts, n, params)
+                return version, groups
+
+            # vLLM batches concurrent requests itself; the HF backend runs one batch at a time.
+            server = OpenAIServer(generate, self.fmt.tokenizer, self.sampling, max_context=self.max_context,
+                                  batch=self.backend_name != "vllm",
+                                  max_calls=self.agent.max_calls if self.agent is not None else 32)
+            await server.start()
+            self.endpoint = server
+            print(f"sampler {self.name}: OpenAI endpoint at {server.base_url()}", flush=True)
+        return self.endpoint
+
+    async def _agent_rollouts(self, indices: list[int]) -> AsyncIterator[RolloutGroup]:
+        """One batch of an agent's problems: ``group_size`` episodes each, all at once."""
+        runner = AgentRunner(self.agent, await self._endpoint(), self.calls)
+        start = time.perf_counter()
+        groups = await runner.run([self.problems[i] for i in indices], self.group_size)
+        self.calls.check()  # too many failed episodes: TaskFailureError ends the stream
+        seconds, finished = time.perf_counter() - start, time.time()
+        for index, group in zip(indices, groups):
+            if group is not None:  # no episode of it called the model: nothing to train on
+                yield self._group(index, group.prompt_ids, group.samples, group.version, seconds, finished)
 
     def _group(self, index: int, prompt: list[int], samples: list[Sample], version: int, seconds: float,
                finished: float) -> RolloutGroup:

@@ -19,24 +19,12 @@ import msgspec
 import torch
 
 from asyncrl.comm.weights import SyncStats
-from asyncrl.errors import AsyncrlError
 from asyncrl.rl.generation import Completion, SamplingParams, row_seed  # noqa: F401 (re-exported: the backends and callers import them from here)
+from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerError, SamplerTimeoutError  # noqa: F401 (re-exported, as above)
 from asyncrl.runtime.timeouts import timeout
 
 if TYPE_CHECKING:
     from asyncrl.comm.member import SyncMember
-
-
-class SamplerError(AsyncrlError):
-    """Base class of the sampler's own errors."""
-
-
-class SamplerClosedError(SamplerError):
-    """``generate`` on a backend that was closed."""
-
-
-class SamplerTimeoutError(SamplerError, TimeoutError):
-    """A pause, a resume or a weight sync did not happen within its deadline; the message says which."""
 
 
 class SamplerSyncStats(msgspec.Struct, frozen=True):
@@ -100,6 +88,13 @@ class WeightSink(abc.ABC):
         ours only a grace beyond it. `SamplerTimeoutError` when the moment does not come in time
         (weights untouched); what the transfer raises propagates (weights may be half-written).
         Returns its phases (``seconds`` left to the caller, which times the whole)."""
+
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype its floating-point weights are held in ("bfloat16", "float32"), "" when they
+        are of several or it cannot say: the trainer sends in this dtype (`SyncGroup`), so a sync
+        moves what the sampler keeps, not the trainer's fp32 master copy."""
+        return ""
 
     @abc.abstractmethod
     async def leave(self) -> None:

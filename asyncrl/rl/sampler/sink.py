@@ -59,6 +59,10 @@ class ActorSink(WeightSink):
     def ready(self) -> bool:
         return self.receiver is not None
 
+    @property
+    def weight_dtype(self) -> str:
+        return floating_dtype(self.backend.weight_tensors().values())
+
     async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> SamplerSyncStats:
         deadline = time.monotonic() + timeout_s
         receiver, start = self.receiver, time.perf_counter()
@@ -84,3 +88,9 @@ class ActorSink(WeightSink):
 
     async def digest(self) -> str:
         return await asyncio.to_thread(tensor_digest, self.backend.weight_tensors())
+
+
+def floating_dtype(tensors) -> str:
+    """The one dtype of the floating-point ``tensors`` ("" when they have several, or none)."""
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else ""

@@ -32,6 +32,7 @@ import msgspec
 
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.task import DEFAULT_TASK, TaskSpec, absolute_path, split_ref
+from asyncrl.rl.tasks.agent import Agent, FunctionAgent
 from asyncrl.rl.tasks.base import Environment, Task
 from asyncrl.rl.tasks.dataset import DatasetError, RewardFunctionTask, read_rows
 
@@ -64,11 +65,14 @@ def load_task(spec: TaskSpec) -> Task:
 
 def task_class(name: str) -> type[Task]:
     """The `Task` subclass ``name`` names: a built-in (``countdown``), ``FILE.py:Class`` (a
-    relative path is the working directory's) or ``module:Class``."""
+    relative path is the working directory's) or ``module:Class``; an async function named so is
+    an agent (`FunctionAgent`, its problems the rows of ``--task.data``)."""
     obj = _resolve(name, "--task.name", BUILTIN_TASKS)
+    if inspect.iscoroutinefunction(obj):  # an agent: async def agent(problem, client) (tasks/agent.py)
+        return FunctionAgent.of(obj)
     if not (isinstance(obj, type) and issubclass(obj, Task)):
         raise TaskLoadError(f"--task.name {name}: {_described_value(name, obj)}, not a subclass of "
-                            "asyncrl.rl.tasks.Task")
+                            "asyncrl.rl.tasks.Task nor an agent (an async function of a problem and a client)")
     return obj
 
 
@@ -101,7 +105,9 @@ def _build(spec: TaskSpec) -> Task:
         task.data = _rows(task, spec.data, "--task.data")
     if spec.heldout_data:
         task.heldout_data = _rows(task, spec.heldout_data, "--task.heldout_data")
-    if spec.max_turns:
+    if spec.max_turns and isinstance(task, Agent):
+        task.max_calls = spec.max_turns  # an agent's turns are its model calls
+    elif spec.max_turns:
         if not isinstance(task, Environment):
             raise TaskLoadError(f"--task.max_turns {spec.max_turns}: task {task.task_name()} is single-turn (not an "
                                 "Environment); leave --task.max_turns at 0")

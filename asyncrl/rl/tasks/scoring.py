@@ -17,9 +17,8 @@ only slow now and then costs nothing but its own calls. An ``async`` function th
 
 Too many failures end the run, not just the completion: `UserCalls.check` raises
 `TaskFailureError` once at least ``min_calls`` calls were made and more than ``max_failure_rate``
-of them failed, with the first failure's traceback. The sampler's driver recognises the error by
-its type name across processes (``RemoteError.remote_type == "TaskFailureError"``) and stops the
-run instead of restarting the sampler.
+of them failed, with the first failure's traceback. The driver catches it by its type (it crosses
+processes as itself) and stops the run instead of restarting the sampler.
 """
 
 from __future__ import annotations

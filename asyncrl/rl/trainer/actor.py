@@ -25,13 +25,14 @@ import torch
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import SyncStats, WeightSender
-from asyncrl.errors import ActionableError, crosses_processes
+from asyncrl.errors import ActionableError
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
-from asyncrl.rl.trainer.loss import group_advantages, grpo_loss
+from asyncrl.rl.trainer.compile import compile_layers, compiled, eager
+from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
 from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.parallel import Local
 from asyncrl.rl.trainer.rank_member import RankMember
@@ -49,10 +50,9 @@ ADAPTER_DIR = "adapter"
 beside the merged checkpoint."""
 
 
-@crosses_processes
 class TrainerMemoryError(ActionableError):
     """A micro-batch did not fit in the trainer's device memory; the message names the settings
-    that make it fit. It reaches the driver as itself (`crosses_processes`)."""
+    that make it fit. It reaches the driver as itself (`AsyncrlError`)."""
 
 
 class TrainerActor(RankMember, SyncMember):
@@ -100,6 +100,8 @@ class TrainerActor(RankMember, SyncMember):
         model, tokenizer, fmt = load_policy(path, self.device, torch.float32)
         if self.config.attn_implementation:
             model.set_attn_implementation(self.config.attn_implementation)
+        if compiled(self.config, self.device):
+            compile_layers(model)
         return model, tokenizer, fmt
 
     def _policy(self, checkpoint_dir: str | None = None):
@@ -145,8 +147,9 @@ class TrainerActor(RankMember, SyncMember):
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        # fused: one kernel for every parameter's update on a GPU (torch's own); elsewhere its default
         return torch.optim.AdamW(trainable, lr=self.config.lr, betas=self.config.betas,
-                                 weight_decay=self.config.weight_decay)
+                                 weight_decay=self.config.weight_decay, fused=self.device.type == "cuda" or None)
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """What a weight sync sends: every parameter; with LoRA, the merged weights under the base
@@ -230,9 +233,9 @@ class TrainerActor(RankMember, SyncMember):
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        advantages = group_advantages([list(g.rewards) for g in groups], cfg.normalize_std)
+        advantages = step_advantages(groups, cfg.loss, cfg.normalize_std)
         n_tokens, n_seqs = (float(n) for n in batch_counts(groups))
-        normalizer = max(n_tokens if cfg.loss.aggregation == "token_mean" else n_seqs, 1.0)
+        normalizer = loss_normalizer(cfg.loss, n_tokens, n_seqs)
         share, share_advantages = self.parallel.share(groups, advantages)
         budget = self.micro_batch_tokens()
         if not share:
@@ -368,7 +371,7 @@ class TrainerActor(RankMember, SyncMember):
             with torch.no_grad(), self._reference() as reference:
                 ref, _ = scored_logprobs(reference, batch, self.temperature, **score)
         loss, metrics = grpo_loss(new, batch.behaviour, batch.advantages, batch.mask, cfg.loss,
-                                  ref_logprobs=ref, entropy=entropy, normalizer=normalizer)
+                                  ref_logprobs=ref, entropy=entropy, normalizer=normalizer, teacher_logprobs=batch.teacher)
         loss.backward()
         return metrics
 
@@ -403,10 +406,12 @@ class TrainerActor(RankMember, SyncMember):
                           max_context=getattr(self.model.config, "max_position_embeddings", 0) or 0)
             self.model.eval()
             try:
-                out = {"greedy": solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=True, **common)}
-                if samples:
-                    out["sampled"] = solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=False,
-                                                n=samples, temperature=self.temperature, **common)
+                with eager(compiled(self.config, self.device)):  # generation: a KV cache (trainer/compile.py)
+                    out = {"greedy": solve_rate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=True,
+                                                **common)}
+                    if samples:
+                        out["sampled"] = solve_rate(self.model, self.tokenizer, self.fmt, self._heldout,
+                                                    greedy=False, n=samples, temperature=self.temperature, **common)
                 return out
             finally:
                 self.model.train()
@@ -456,7 +461,7 @@ class TrainerActor(RankMember, SyncMember):
         return await self._run("saving the policy", deadline_s, self._save, os.path.abspath(path), dict(extra_files))
 
     def _save(self, final: str, extra_files: dict[str, str]) -> str:
-        from asyncrl.rl.checkpoint import staged_dir
+        from asyncrl.runtime.files import staged_dir
         from asyncrl.rl.trainer.checkpoint import write_errors
 
         whole = self.parallel.policy_state_dict(self.model)  # None: the model in this process is whole

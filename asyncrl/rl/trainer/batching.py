@@ -30,6 +30,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [S]
     row: torch.Tensor  # [S] the row of input_ids sequence s lies in
     position_ids: torch.Tensor | None = None  # [R, L] packed rows only; None: one sequence per row
+    teacher: torch.Tensor | None = None  # [S, C] a teacher's log-probs (distillation); None: no teacher
 
     def scored(self, per_position: torch.Tensor) -> torch.Tensor:
         """``[S, C, ...]``: the entries of a ``[R, L-1, ...]`` tensor (log-probs, logits) at each
@@ -37,7 +38,8 @@ class MicroBatch:
         return per_position[self.row.unsqueeze(1), self.score_index]
 
 
-Sequence = tuple  # (prompt_ids, completion_ids, behaviour log-probs, advantage, action mask or None)
+Sequence = tuple  # (prompt_ids, completion_ids, behaviour log-probs, advantage, action mask or None,
+#                    teacher log-probs or None)
 
 
 def sequences(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sequence]:
@@ -46,8 +48,9 @@ def sequences(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sequ
     a = 0
     for g in groups:
         masks = g.action_mask or [None] * len(g.completion_ids)
-        for ids, lps, actions in zip(g.completion_ids, g.behaviour_logprobs, masks):
-            out.append((g.prompt_ids, ids, lps, float(advantages[a]), actions))
+        teachers = g.teacher_logprobs or [None] * len(g.completion_ids)
+        for ids, lps, actions, teacher in zip(g.completion_ids, g.behaviour_logprobs, masks, teachers):
+            out.append((g.prompt_ids, ids, lps, float(advantages[a]), actions, teacher))
             a += 1
     return out
 
@@ -90,7 +93,7 @@ def _pad(rows: list[Sequence], device: torch.device) -> MicroBatch:
     score_index = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
     behaviour = torch.zeros(len(rows), width)
-    for i, (prompt, completion, lps, _, actions) in enumerate(rows):
+    for i, (prompt, completion, lps, _, actions, _teacher) in enumerate(rows):
         n = len(prompt) + len(completion)
         ids[i, :n] = torch.tensor(prompt + completion)
         attention[i, :n] = 1
@@ -100,4 +103,19 @@ def _pad(rows: list[Sequence], device: torch.device) -> MicroBatch:
         behaviour[i, :c] = torch.tensor(lps)
     advantages = torch.tensor([r[3] for r in rows])
     row = torch.arange(len(rows))
-    return MicroBatch(*(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages, row)))
+    return MicroBatch(*(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages, row)),
+                      teacher=teacher_matrix(rows, width, device))
+
+
+def teacher_matrix(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor | None:
+    """``[S, width]`` teacher log-probs of ``seqs`` (0 past each completion), or None when no
+    sequence has them; a batch with some and not others is refused (a scorer left one out)."""
+    present = [s[5] is not None for s in seqs]
+    if not any(present):
+        return None
+    if not all(present):
+        raise ValueError(f"{present.count(False)} of {len(seqs)} sequences have no teacher log-probs")
+    out = torch.zeros(len(seqs), width)
+    for i, s in enumerate(seqs):
+        out[i, :len(s[5])] = torch.tensor(s[5])
+    return out.to(device)

@@ -37,7 +37,6 @@ from typing import Any
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.checkpoint import (
-    ASIDE_PREFIX,
     MODEL_DIR,
     PREFIX,
     RUN_STATE,
@@ -46,16 +45,12 @@ from asyncrl.rl.checkpoint import (
     Checkpoint,
     CheckpointWriteError,
     checkpoints_dir,
-    fsync_path,
     list_checkpoints,
-    remove_debris,
-    remove_dir,
-    staged_dir,
-    write_bytes,
     write_manifest,
     write_reason,
 )
-from asyncrl.rl.checkpoint import _fsync_tree, replace_dir  # the same flush and rename as a single-rank checkpoint's
+from asyncrl.runtime.files import (  # the same flush and rename for either layout
+    ASIDE_PREFIX, fsync_path, fsync_tree, remove_debris, remove_dir, replace_dir, staged_dir, write_bytes)
 
 STALL_ENV = "ASYNCRL_TEST_STALL_CHECKPOINT_STEP"
 """Test-only: the trainer stalls (60 s) while writing the checkpoint of this step, after the model
@@ -231,7 +226,7 @@ def write_sharded_checkpoint(rank: int, world_size: int, run_dir: str, step: int
         if rank != 0:
             return ""
         write_manifest(tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         aside = os.path.join(os.path.dirname(final), ASIDE_PREFIX + os.path.basename(final))
         replace_dir(tmp, final, aside)
         shutil.rmtree(aside, ignore_errors=True)

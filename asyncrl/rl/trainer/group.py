@@ -45,7 +45,9 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.comm.rendezvous import StoreGroup, local_address_towards
-from asyncrl.errors import AsyncrlError, first_line
+from asyncrl.errors import first_line
+from asyncrl.rl.trainer.errors import (
+    PeerRankFailedError, RankCollectiveError, RankGroupClosedError, RankGroupError, StepDeadlineError)
 
 T = TypeVar("T")
 GROUP_NAME = "trainer"
@@ -54,32 +56,6 @@ _DONE = b"\x01done"
 WATCH_MARGIN_S = 2.0
 """The watcher's deadline is the call's minus this, so a rank's typed error reaches the driver
 before the driver's own deadline for the call passes."""
-
-
-class RankGroupError(AsyncrlError):
-    """Base of the trainer rank group's errors."""
-
-
-class PeerRankFailedError(RankGroupError):
-    """Another trainer rank failed during this call; this rank left its collective because of it.
-    ``failed_rank`` names it, and the message carries its error."""
-
-    def __init__(self, rank: int, failed_rank: int, what: str, error: str):
-        super().__init__(f"trainer rank {rank} left {what}: trainer rank {failed_rank} failed ({error})")
-        self.failed_rank = failed_rank
-
-
-class RankCollectiveError(RankGroupError):
-    """A collective of this rank failed with no failure record from a peer: a peer died (SIGKILL)
-    or its connection broke. The driver knows which (it sees the death)."""
-
-
-class StepDeadlineError(RankGroupError, TimeoutError):
-    """A guarded call did not finish within its deadline on this rank (a peer is frozen or slow)."""
-
-
-class RankGroupClosedError(RankGroupError):
-    """The group already failed (or was closed); nothing more can run on it."""
 
 
 class RankFailure(msgspec.Struct, array_like=True, frozen=True):

@@ -113,6 +113,83 @@ def token_entropy(logits: torch.Tensor, chunk_tokens: int = 2048) -> torch.Tenso
     return out
 
 
+def overlong_penalties(lengths: list[int], config: GRPOLossConfig) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "overlong reward shaping") of completions of ``lengths``
+    tokens, to ADD to their rewards. With ``L_max = overlong_max_tokens``, ``L_cache =
+    overlong_buffer`` and ``c = overlong_penalty`` (the paper's c is 1)::
+
+        R(y) = 0                                     |y| <= L_max - L_cache
+               c * ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
+               -c                                    L_max < |y|
+
+    Zero for every length when ``overlong_buffer`` is 0. L_max defaults to the generation limit,
+    as in the paper (it generates at most 20480 tokens = L_max, with L_cache 4096), so a
+    completion cut off by ``max_new_tokens`` gets the whole ``-c``; the third case arises only
+    for an ``overlong_max_tokens`` set below the limit. Where the paper leaves it open: ``|y|``
+    counts every completion token, an environment's tokens in a multi-turn episode included
+    (they too fill the context).
+    """
+    buffer, limit = config.overlong_buffer, config.overlong_max_tokens
+    if not buffer:
+        return [0.0] * len(lengths)
+    if limit < buffer:
+        raise ValueError(f"overlong_max_tokens {limit} must be >= overlong_buffer {buffer} (0 is resolved from "
+                         "--sampler.max_new_tokens by GRPOConfig.trainer_config)")
+    start = limit - buffer
+    return [-config.overlong_penalty * min(max(n - start, 0) / buffer, 1.0) for n in lengths]
+
+
+def step_advantages(groups: list, config: GRPOLossConfig, normalize_std: bool) -> torch.Tensor:
+    """The flat ``[B]`` advantages of a step's ``groups`` (anything with ``rewards`` and
+    ``completion_ids``, a `RolloutGroup`): each group's rewards plus the overlong penalty of its
+    completions (`overlong_penalties`), through `group_advantages`."""
+    rewards = [list(g.rewards) for g in groups]
+    if config.overlong_buffer:
+        rewards = [[r + p for r, p in zip(rs, overlong_penalties([len(c) for c in g.completion_ids], config))]
+                   for rs, g in zip(rewards, groups)]
+    return group_advantages(rewards, normalize_std)
+
+
+def distill_advantages(advantages: torch.Tensor, behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                       coef: float) -> torch.Tensor:
+    """On-policy distillation's per-token advantage, ``[B, L]``: the task's advantage ``A_i``
+    (``[B]`` per sequence or ``[B, L]``; zero without a task reward) minus ``coef`` times the reverse KL to the
+    teacher estimated on the sampled token::
+
+        A_it = A_i - coef * (log mu(y_it) - log p_T(y_it))
+
+    with ``mu`` the sampler (the student that generated ``y``). This is Thinking Machines Lab's
+    "On-Policy Distillation" (2025; Tinker's cookbook): the negative reverse KL as a per-token
+    advantage with no discounting, trained by the same importance-weighted policy loss as the
+    task reward. Minimising it over the student's own
+    samples minimises ``KL(student || teacher)`` (Agarwal et al. 2024, GKD, with lambda = 1 and
+    the reverse KL; GKD back-propagates the divergence over the whole vocabulary instead, which
+    needs the teacher's full distribution at every position). Readings taken: the student's
+    log-prob is the sampler's, as Tinker's, so a token costs no second student forward; the
+    term enters the advantage, not the loss, so it is clipped and importance-weighted with the
+    rest and adds nothing to ``kl_coef``'s reference penalty. Every input is taken detached."""
+    adv = advantages.detach()
+    adv = adv if adv.dim() == 2 else adv.unsqueeze(1)
+    return adv - coef * (behaviour_logprobs.detach() - teacher_logprobs.detach()).to(adv.dtype)
+
+
+def loss_normalizer(config: GRPOLossConfig, n_tokens: float, n_seqs: float) -> float:
+    """The divisor of a whole batch's loss (``grpo_loss``'s ``normalizer``) from its valid tokens
+    and its sequences with at least one valid token, per ``config.aggregation``."""
+    if config.aggregation == "token_mean":
+        return max(n_tokens, 1.0)
+    if config.aggregation == "seq_mean":
+        return max(n_seqs, 1.0)
+    return max(n_seqs, 1.0) * _token_budget(config)
+
+
+def _token_budget(config: GRPOLossConfig) -> int:
+    if not config.token_budget:
+        raise ValueError("aggregation 'fixed_tokens' needs token_budget > 0 (GRPOConfig.trainer_config sets it "
+                         "from --sampler.max_new_tokens when --trainer.loss.token_budget is 0)")
+    return config.token_budget
+
+
 def grpo_loss(
     new_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -122,44 +199,59 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     normalizer: float | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's token-level clipped surrogate (to minimise) and detached 0-dim metric tensors.
+    """GRPO's policy-gradient loss (to minimise) and detached 0-dim metric tensors.
 
-    ``mask``: nonzero marks a valid (scored) token. Per valid token, with ``r = exp(new - behaviour)`` (the importance ratio against the sampler's
-    behaviour policy: the off-policy correction for stale groups) and ``A`` its sequence's
-    advantage: ``term = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (times the TIS factor
-    when ``tis_cap`` is set, see ``GRPOLossConfig``); ``loss = -aggregate(term) + kl_coef *
+    ``mask``: nonzero marks a valid (scored) token. ``advantages``: ``[B]`` (one per sequence) or
+    ``[B, L]`` (one per token). Per valid token, with ``r = exp(new - behaviour)`` (the importance
+    ratio against the sampler's behaviour policy: the off-policy correction for stale groups) and
+    ``A`` its advantage, ``term`` is per ``config.policy_loss`` (`_ppo_clip`, `_gspo`, `_cispo`);
+    for 'ppo_clip' ``term = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (times the TIS
+    factor when ``tis_cap`` is set, see ``GRPOLossConfig``); ``loss = -aggregate(term) + kl_coef *
     aggregate(k3)`` with ``k3 = exp(ref - new) - (ref - new) - 1``. Gradient flows only into
     ``new_logprobs``; every other input is detached. These are exact (to float32) for any
     log-ratio up to 50 nats either way, and finite with the right sign beyond (see ``_safe_exp``).
 
+    With ``distill_coef`` > 0, ``teacher_logprobs`` are a teacher's log-probs of the same tokens,
+    and every token's advantage becomes `distill_advantages`' (on-policy distillation).
+
     ``normalizer`` replaces the divisor of the aggregation (valid tokens for 'token_mean',
-    non-empty sequences for 'seq_mean'): pass the whole batch's count when a batch is split into
-    micro-batches whose gradients are accumulated, so the sum equals the loss of the whole batch.
+    non-empty sequences for 'seq_mean', those times ``token_budget`` for 'fixed_tokens'): pass the
+    whole batch's (`loss_normalizer`) when a batch is split into micro-batches whose gradients are
+    accumulated, so the sum equals the loss of the whole batch.
 
     Metrics (over valid tokens, whatever the aggregation): ``loss``, ``pg_loss``, ``ratio_mean``,
-    ``ratio_max``, ``clip_frac_low`` (A < 0 and r < 1 - eps_low: clipped, no gradient),
-    ``clip_frac_high`` (A > 0 and r > 1 + eps_high), ``tokens``; ``kl`` with ``ref_logprobs``;
+    ``ratio_max`` (GSPO: of the sequence ratio), ``clip_frac_low`` (A < 0 and r < 1 - eps_low:
+    clipped, no gradient; CISPO: r < 1 - eps_low, the weight truncated, whatever A),
+    ``clip_frac_high`` (A > 0 and r > 1 + eps_high; CISPO: r > 1 + eps_high), ``tokens``; ``kl`` with ``ref_logprobs``;
     ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
     so that logging them costs no device sync until the caller asks.
     """
-    _check_same_shape(new_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask, ref_logprobs=ref_logprobs, entropy=entropy)
-    if new_logprobs.dim() != 2 or advantages.shape != new_logprobs.shape[:1]:
-        raise LossInputError(f"need new_logprobs [B, L] and advantages [B]; got {list(new_logprobs.shape)} and {list(advantages.shape)}")
+    _check_same_shape(new_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask, ref_logprobs=ref_logprobs, entropy=entropy,
+                      teacher_logprobs=teacher_logprobs)
+    if new_logprobs.dim() != 2 or advantages.shape not in (new_logprobs.shape[:1], new_logprobs.shape):
+        raise LossInputError(f"need new_logprobs [B, L] and advantages [B] or [B, L]; got {list(new_logprobs.shape)} "
+                             f"and {list(advantages.shape)}")
     if config.kl_coef > 0 and ref_logprobs is None:
         raise LossInputError("kl_coef > 0 needs ref_logprobs")
+    if config.distill_coef > 0 and teacher_logprobs is None:
+        raise LossInputError("distill_coef > 0 needs teacher_logprobs (the scorer's, --teacher.model_path)")
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, not {normalizer!r}")
     valid = mask.bool()
     # Mask BEFORE exp(): padding may hold NaN/inf, and where() routes a zero gradient to it.
     # The floor only drops gradients smaller than e**-50 (a -inf log-prob would otherwise give NaN).
     log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0).clamp(min=-_EXP_EXACT_UP_TO)
-    adv = advantages.detach().to(log_ratio.dtype).unsqueeze(1)
-    term = _clipped_surrogate(log_ratio, adv, config)
-    ratio = _safe_exp(log_ratio.detach())  # for the metrics only
+    adv = advantages.detach().to(log_ratio.dtype)
+    adv = torch.where(valid, adv if adv.dim() == 2 else adv.unsqueeze(1), 0.0)  # per-token padding may be NaN
     n_tokens = valid.sum()
     metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
-    pg_loss = -_aggregate(term, valid, config.aggregation, normalizer)
+    if config.distill_coef > 0:
+        adv = torch.where(valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0)
+        metrics["distill_kl"] = _token_mean((behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens)
+    term, ratio, low, high = _POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
+    pg_loss = -_aggregate(term, valid, config, normalizer)
     loss = pg_loss
     if ref_logprobs is not None:
         delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0)
@@ -167,20 +259,73 @@ def grpo_loss(
         # number is 0, and the gradient far above the reference (1 - e**delta ~ 1) must survive.
         k3 = _safe_exp(delta) - delta - 1
         if config.kl_coef > 0:
-            loss = loss + config.kl_coef * _aggregate(k3, valid, config.aggregation, normalizer)
+            loss = loss + config.kl_coef * _aggregate(k3, valid, config, normalizer)
         metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
     with torch.no_grad():
         metrics["loss"] = loss.detach()
         metrics["pg_loss"] = pg_loss.detach()
         metrics["ratio_mean"] = _token_mean(ratio, valid, n_tokens)
         metrics["ratio_max"] = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
-        metrics["clip_frac_low"] = _token_mean(((adv < 0) & (ratio < 1 - config.eps_low)).to(ratio.dtype), valid, n_tokens)
-        metrics["clip_frac_high"] = _token_mean(((adv > 0) & (ratio > 1 + config.eps_high)).to(ratio.dtype), valid, n_tokens)
+        metrics["clip_frac_low"] = _token_mean(low.to(ratio.dtype), valid, n_tokens)
+        metrics["clip_frac_high"] = _token_mean(high.to(ratio.dtype), valid, n_tokens)
         if config.tis_cap is not None:
             metrics["tis_frac"] = _token_mean((ratio > config.tis_cap).to(ratio.dtype), valid, n_tokens)
         if entropy is not None:
             metrics["entropy"] = _token_mean(entropy.detach().to(ratio.dtype), valid, n_tokens)
     return loss, metrics
+
+
+def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
+    """PPO's token-level clipped surrogate (`_clipped_surrogate`); the ratio and where a token
+    was clipped (its gradient dropped), below and above, for the metrics."""
+    ratio = _safe_exp(log_ratio.detach())
+    low, high = (adv < 0) & (ratio < 1 - config.eps_low), (adv > 0) & (ratio > 1 + config.eps_high)
+    return _clipped_surrogate(log_ratio, adv, config), ratio, low, high
+
+
+def _gspo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in the paper's GSPO-token
+    form: with the sequence ratio ``s_i = exp(mean_t log r_it)`` over the valid tokens (the
+    length-normalised geometric mean of the token ratios) and ``sg`` a stop-gradient::
+
+        s_it = sg(s_i) * exp(log r_it - sg(log r_it))       (value s_i, d s_it / d new_it = s_i)
+        term_it = min(s_it * A_it, clip(s_it, 1 - gspo_eps_low, 1 + gspo_eps_high) * A_it)
+
+    Aggregated by 'seq_mean' this is GSPO's objective exactly, value and gradient (the paper:
+    with ``A_it = A_i`` GSPO-token and GSPO coincide); the token form also takes per-token
+    advantages. Readings taken: the paper's ``pi_old`` is the behaviour policy (the sampler's
+    log-probs: in an async run the sequence ratio also corrects staleness); the clip is decided
+    by the sequence (every token of a clipped sequence loses its gradient); 'token_mean' weighs
+    a sequence by its length instead, which the paper does not do."""
+    n = valid.sum(dim=1, keepdim=True).clamp(min=1)
+    seq = (log_ratio.sum(dim=1, keepdim=True) / n).detach()  # log_ratio is 0 at padding
+    token = seq + log_ratio - log_ratio.detach()
+    clipped = torch.exp(token.clamp(math.log1p(-config.gspo_eps_low), math.log1p(config.gspo_eps_high)))
+    term = torch.minimum(_safe_exp(token) * adv, clipped * adv)
+    ratio = _safe_exp(seq).expand_as(log_ratio)
+    low = (adv < 0) & (ratio < 1 - config.gspo_eps_low)
+    high = (adv > 0) & (ratio > 1 + config.gspo_eps_high)
+    return term, ratio, low, high
+
+
+def _cispo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
+    """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE on every token, weighted by the
+    clipped and detached importance ratio ``w = sg(clip(r, 1 - cispo_eps_low, 1 + cispo_eps_high))``::
+
+        objective_it = w_it * A_it * log pi(y_it)    ->   gradient w_it * A_it * grad log pi(y_it)
+
+    No token loses its gradient (PPO's clip drops the rare high-ratio "fork" tokens); the weight
+    only bounds how much each counts. Reading taken: the paper's objective has ``log pi`` itself
+    as its value, a log-likelihood of no meaning here; we return ``w * A * (1 + log r - sg(log
+    r))``: the same gradient, and a value (``w * A``) comparable with the other losses' ``pg_loss``.
+    Normalised per the aggregation; the paper's is 'token_mean'. ``cispo_eps_low`` 1: no lower
+    bound on the weight (the paper's)."""
+    sg = log_ratio.detach()
+    weight = torch.exp(sg.clamp(math.log1p(-config.cispo_eps_low) if config.cispo_eps_low < 1 else -math.inf,
+                                math.log1p(config.cispo_eps_high)))
+    term = weight * adv * (1 + log_ratio - sg)
+    ratio = _safe_exp(sg)
+    return term, ratio, ratio < 1 - config.cispo_eps_low, ratio > 1 + config.cispo_eps_high
 
 
 def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, config: GRPOLossConfig) -> torch.Tensor:
@@ -210,11 +355,18 @@ def _safe_exp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > _EXP_EXACT_UP_TO, e * (1 + x - _EXP_EXACT_UP_TO), e)
 
 
-def _aggregate(x: torch.Tensor, valid: torch.Tensor, how: str, normalizer: float | None) -> torch.Tensor:
-    """Masked mean of ``x`` per ``how``; 0 (with a graph) when nothing is valid, never NaN."""
+_POLICY_TERMS = {"ppo_clip": _ppo_clip, "gspo": _gspo, "cispo": _cispo}
+
+
+def _aggregate(x: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig, normalizer: float | None) -> torch.Tensor:
+    """Masked mean of ``x`` per ``config.aggregation``; 0 (with a graph) when nothing is valid, never NaN."""
     x = torch.where(valid, x, 0.0)  # not x * mask: NaN * 0 is NaN
-    if how == "token_mean":
+    if config.aggregation == "token_mean":
         return x.sum() / (normalizer if normalizer is not None else valid.sum().clamp(min=1))
+    if config.aggregation == "fixed_tokens":
+        # Dr. GRPO (Liu et al. 2025): sum over each sequence's tokens / MAX_TOKENS, mean over sequences
+        return x.sum() / (normalizer if normalizer is not None else
+                          valid.any(dim=1).sum().clamp(min=1) * _token_budget(config))
     per_seq_tokens = valid.sum(dim=1)
     per_seq = x.sum(dim=1) / per_seq_tokens.clamp(min=1)
     # Sequences with no valid token contribute 0 to the sum and are left out of the count.

@@ -241,7 +241,7 @@ def _empty_micro_batch(device: torch.device) -> MicroBatch:
                       score_index=torch.zeros(1, 1, dtype=torch.long, device=device),
                       mask=torch.zeros(1, 1, dtype=torch.bool, device=device),
                       behaviour=torch.zeros(1, 1, device=device), advantages=torch.zeros(1, device=device),
-                      row=torch.zeros(1, dtype=torch.long, device=device))
+                      row=torch.zeros(1, dtype=torch.long, device=device), teacher=torch.zeros(1, 1, device=device))
 
 
 def _arm_fault(model: torch.nn.Module, rank: int, step: int) -> bool:

@@ -73,4 +73,4 @@ def _subset(g: RolloutGroup, rows: list[int]) -> RolloutGroup:
         **{name: pick(getattr(g, name)) for name in _PER_COMPLETION_EXTRA if getattr(g, name, None)})
 
 
-_PER_COMPLETION_EXTRA = ("correct",)
+_PER_COMPLETION_EXTRA = ("correct", "teacher_logprobs")

@@ -2,7 +2,8 @@
 
 Six panels, drawn from metrics.jsonl: the reward; the train and held-out solve rates (greedy and
 sampled, from the rates before GRPO on); staleness and the shares of groups dropped as stale and
-left out for one reward; tokens/s; where each step's time went (waiting for rollouts, training,
+left out for one reward; tokens/s, with the samplers in the weight-sync group when that changed
+(a loss, a scale: docs/elastic.md); where each step's time went (waiting for rollouts, training,
 the weight sync); and the held-out solve rates against wall-clock minutes (what a change of pacing
 or schedule buys per minute).
 matplotlib is imported only here and only when a picture is drawn, through its object API and
@@ -44,9 +45,17 @@ def draw_curves(run_dirs: list[str], out_path: str) -> str:
     fig = Figure(figsize=(15, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 3).flatten()
+    fleet = axes[3].twinx()  # samplers in the group, on the throughput panel: tokens/s follow them
     colours = [f"C{i % 10}" for i in range(len(runs))]
     for (label, records, before), colour in zip(runs, colours):
         _draw_run(axes, label, _thin(records), before, colour)
+        _draw_fleet(fleet, label, records, colour)
+    if fleet.lines:
+        fleet.set_ylabel("samplers in group", fontsize=8)
+        fleet.set_ylim(bottom=0)
+        fleet.legend(fontsize=7, loc="lower right")
+    else:
+        fleet.set_axis_off()
     titles = ["reward (mean per step, and rolling)", "solve rate", "staleness, dropped and left-out groups",
               "throughput", "seconds per step (rolling)", "held-out solve rate per wall-clock minute"]
     for ax, title in zip(axes, titles):
@@ -111,6 +120,17 @@ def _draw_run(axes: Any, label: str, records: list[dict[str, Any]], before: dict
         if rates:
             axes[5].plot(minutes, rates, style, color=c, markersize=4, label=f"{tag}held-out {kind}")
     axes[5].set_ylim(bottom=0)
+
+
+def _draw_fleet(ax: Any, label: str, records: list[dict[str, Any]], c: str) -> None:
+    """The samplers in the group per step, as steps, for a run in which that number changed (its
+    changes only, and the last step: exact however long the run, and few points)."""
+    steps, sizes = series(records, "samplers_in_group")
+    keep = [i for i in range(len(sizes)) if i == 0 or i == len(sizes) - 1 or sizes[i] != sizes[i - 1]]
+    steps, sizes = [steps[i] for i in keep], [sizes[i] for i in keep]
+    if len(set(sizes)) > 1:
+        ax.step(steps, sizes, where="post", color=c, alpha=0.6, linestyle="-.",
+                label=f"{label}: samplers in group" if label else "samplers in group")
 
 
 def _thin(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

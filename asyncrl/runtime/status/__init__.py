@@ -6,7 +6,7 @@
 ``asyncrl.runtime.status`` itself, as they were when this was one module.
 """
 
-from asyncrl.runtime.status.client import query_status, read_supervisor_file
+from asyncrl.runtime.status.client import query_status, read_supervisor_file, send_command
 from asyncrl.runtime.status.schema import (
     MAX_FRAME_BYTES,
     MAX_PROGRESS_BYTES,
@@ -15,6 +15,9 @@ from asyncrl.runtime.status.schema import (
     PROTOCOL,
     SUMMARY_FILE,
     SUPERVISOR_FILE,
+    CommandRefusedError,
+    CommandReply,
+    CommandRequest,
     RunDirInUseError,
     StatusFailure,
     StatusReply,
@@ -27,6 +30,7 @@ from asyncrl.runtime.status.server import StatusServer
 from asyncrl.runtime.status.view import format_status, reply_json
 
 __all__ = [
+    "CommandRefusedError", "CommandReply", "CommandRequest", "send_command",
     "MAX_FRAME_BYTES", "MAX_PROGRESS_BYTES", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "PROTOCOL", "SUMMARY_FILE",
     "SUPERVISOR_FILE", "RunDirInUseError", "StatusFailure", "StatusReply", "StatusRequest", "StatusServer",
     "StatusTimeoutError", "StatusUnavailableError", "SupervisorFile", "format_status", "query_status",

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 import zmq
 
 from asyncrl.runtime.status.schema import (
-    MAX_REPLY_BYTES, PROTOCOL, SUMMARY_FILE, SUPERVISOR_FILE, StatusFailure, StatusReply, StatusRequest, StatusTimeoutError,
-    StatusUnavailableError, SupervisorFile, read_file, same_process_alive,
+    MAX_REPLY_BYTES, PROTOCOL, SUMMARY_FILE, SUPERVISOR_FILE, CommandRefusedError, CommandReply, CommandRequest,
+    StatusFailure, StatusReply, StatusRequest, StatusTimeoutError, StatusUnavailableError, SupervisorFile, read_file,
+    same_process_alive,
 )
 from asyncrl.runtime.status.view import local_time
 from asyncrl.runtime.transport import configure
@@ -62,6 +63,27 @@ def read_supervisor_file(run_dir: str) -> SupervisorFile:
 
 def query_status(run_dir: str, timeout_s: float = 5.0) -> StatusReply:
     """Ask the live supervisor of ``run_dir`` for its status, waiting at most ``timeout_s``."""
+    who, answer = _ask(run_dir, StatusRequest(), StatusReply, timeout_s)
+    if isinstance(answer, StatusFailure):
+        raise StatusUnavailableError("refused", f"{who} refused the request: {answer.type_name}: {answer.message}")
+    if answer.protocol != PROTOCOL:
+        raise StatusUnavailableError("protocol", f"{who} speaks status protocol {answer.protocol}, this client {PROTOCOL}")
+    return answer
+
+
+def send_command(run_dir: str, name: str, args: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
+    """Ask the live supervisor of ``run_dir`` to run its command ``name`` with ``args``; returns
+    the command's result. Raises `CommandRefusedError` (the run's one line: a bad value, an
+    unknown command) or a `StatusUnavailableError` (no live run, no answer in ``timeout_s``)."""
+    who, answer = _ask(run_dir, CommandRequest(name, args), CommandReply, timeout_s)
+    if isinstance(answer, StatusFailure):
+        raise CommandRefusedError(answer.type_name, answer.message)
+    return answer.result
+
+
+def _ask(run_dir: str, request: Any, reply_type: type, timeout_s: float) -> tuple[str, Any]:
+    """Send ``request`` to the live supervisor of ``run_dir``; (who answered, its answer: a
+    ``reply_type`` or a ``StatusFailure``), with one bounded wait."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
     info = read_supervisor_file(run_dir)
@@ -72,7 +94,7 @@ def query_status(run_dir: str, timeout_s: float = 5.0) -> StatusReply:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         sock.connect(info.address)
         try:
-            sock.send(msgspec.msgpack.encode(StatusRequest()), zmq.NOBLOCK)
+            sock.send(msgspec.msgpack.encode(request), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise StatusUnavailableError("refused", f"cannot send to {who}: {e}") from None
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
@@ -83,11 +105,6 @@ def query_status(run_dir: str, timeout_s: float = 5.0) -> StatusReply:
     try:
         if len(frames) != 1:
             raise ValueError(f"{len(frames)} frames, not 1")
-        answer = msgspec.msgpack.decode(frames[0], type=Union[StatusReply, StatusFailure])
+        return who, msgspec.msgpack.decode(frames[0], type=Union[reply_type, StatusFailure])
     except (ValueError, msgspec.DecodeError) as e:
         raise StatusUnavailableError("protocol", f"undecodable answer from {who} (another asyncrl version?): {e}") from None
-    if isinstance(answer, StatusFailure):
-        raise StatusUnavailableError("refused", f"{who} refused the request: {answer.type_name}: {answer.message}")
-    if answer.protocol != PROTOCOL:
-        raise StatusUnavailableError("protocol", f"{who} speaks status protocol {answer.protocol}, this client {PROTOCOL}")
-    return answer

@@ -7,7 +7,7 @@ reader tells the live writer from a recycled pid (``same_process_alive``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 
@@ -47,6 +47,22 @@ class StatusReply(msgspec.Struct, tag="status", tag_field="t", frozen=True):
     progress_error: str | None = None
 
 
+class CommandRequest(msgspec.Struct, tag="command_request", tag_field="t", frozen=True):
+    """Asks the run to do something (``asyncrl scale``): ``name`` picks a command the run
+    registered (`StatusServer.add_command`), ``args`` are its arguments. Answered with one
+    ``CommandReply``, or a ``StatusFailure`` naming why it was refused."""
+
+    name: str
+    args: dict[str, Union[int, float, str, bool]] = {}
+    protocol: int = PROTOCOL
+
+
+class CommandReply(msgspec.Struct, tag="command", tag_field="t", frozen=True):
+    name: str
+    result: dict[str, Any]
+    """What the command returned (JSON-able)."""
+
+
 class StatusFailure(msgspec.Struct, tag="status_failure", tag_field="t", frozen=True):
     type_name: str
     message: str
@@ -82,6 +98,15 @@ class StatusUnavailableError(AsyncrlError):
     def exit_code(self) -> int:
         """For ``asyncrl status``: 1 no live supervisor, 2 no such directory, 3 no valid answer."""
         return self.EXIT_CODES.get(self.reason, 1)
+
+
+class CommandRefusedError(AsyncrlError):
+    """The run refused a command (``asyncrl scale``): ``type_name`` is its error's type, the
+    message its one line (what to change)."""
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(message)
+        self.type_name = type_name
 
 
 class StatusTimeoutError(StatusUnavailableError, TimeoutError):

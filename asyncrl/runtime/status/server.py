@@ -4,8 +4,10 @@ It binds a ROUTER at an ``ipc://`` path inside a private directory of its own (m
 like the supervisor's, so a later supervisor sweeps it if this process is SIGKILLed), and
 publishes that address in ``RUN_DIR/supervisor.json``. Only the owner of the run can connect: the
 directory's mode is the access control, and nothing listens on TCP, so no CURVE is needed. Every
-``StatusRequest`` is answered with one ``StatusReply``; anything else gets a typed
-``StatusFailure`` and the server keeps serving.
+``StatusRequest`` is answered with one ``StatusReply``, and each ``CommandRequest`` for a command
+the run registered (`add_command`: ``asyncrl scale``) with one ``CommandReply``; anything else gets
+a typed ``StatusFailure`` and the server keeps serving. A command changes the run, and the
+directory's mode is its access control too: only the run's owner reaches the socket.
 
 ``close()`` removes the socket and supervisor.json (if still ours); so does a ``weakref.finalize``
 if the owner never calls it, and the ``signals.on_force_exit`` hook if a second Ctrl-C ends the
@@ -19,7 +21,7 @@ import os
 import socket
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import msgspec
 import zmq
@@ -29,8 +31,9 @@ from asyncrl.runtime.cluster import NodeStatus
 from asyncrl.runtime.files import write_atomic
 from asyncrl.runtime.record import ActorStatus
 from asyncrl.runtime.status.schema import (
-    MAX_FRAME_BYTES, MAX_PROGRESS_BYTES, MAX_REQUEST_BYTES, PROTOCOL, SUPERVISOR_FILE, RunDirInUseError, StatusFailure,
-    StatusReply, StatusRequest, SupervisorFile, proc_stat, read_file, same_process_alive,
+    MAX_FRAME_BYTES, MAX_PROGRESS_BYTES, MAX_REQUEST_BYTES, PROTOCOL, SUPERVISOR_FILE, CommandReply, CommandRequest,
+    RunDirInUseError, StatusFailure, StatusReply, StatusRequest, SupervisorFile, proc_stat, read_file,
+    same_process_alive,
 )
 from asyncrl.runtime.transport import LoopSocket, configure, make_run_dir, remove_run_dir
 from asyncrl.errors import AsyncrlError
@@ -79,7 +82,8 @@ class StatusServer:
         self._closed = False
         self._written: list[bytes] = []  # filled once supervisor.json is ours; read by the finalizer
         self._hooks = contextlib.ExitStack()
-        self._decoder = msgspec.msgpack.Decoder(StatusRequest)
+        self._commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+        self._decoder = msgspec.msgpack.Decoder(Union[StatusRequest, CommandRequest])
         self._encoder = msgspec.msgpack.Encoder()
 
     def start(self) -> None:
@@ -130,6 +134,12 @@ class StatusServer:
             self._finalizer()
         self._hooks.close()
 
+    def add_command(self, name: str, handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Answer ``CommandRequest(name, args)`` with ``handler(args)`` (called on the event loop:
+        it must be quick, and leave long work to a task). An `AsyncrlError` or ``ValueError`` it
+        raises is the caller's answer, as a ``StatusFailure`` of its type and message."""
+        self._commands[name] = handler
+
     async def __aenter__(self) -> "StatusServer":
         self.start()
         return self
@@ -149,13 +159,29 @@ class StatusServer:
         try:
             request = self._decoder.decode(body.buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return self._refuse(route, "ProtocolError", f"not a StatusRequest: {e}")
+            return self._refuse(route, "ProtocolError", f"not a StatusRequest or CommandRequest: {e}")
         if request.protocol != PROTOCOL:
             return self._refuse(route, "ProtocolError", f"status protocol {request.protocol}; this supervisor speaks {PROTOCOL}")
+        if isinstance(request, CommandRequest):
+            return self._command(route, request)
         try:
             reply = self._encoder.encode(self.snapshot())
         except Exception as e:  # a bug of ours must not stop the server: say it to the caller
             return self._refuse(route, type(e).__name__, str(e))
+        self.requests += 1
+        self._sock.send([route, reply], copy=True)
+
+    def _command(self, route: bytes, request: CommandRequest) -> None:
+        handler = self._commands.get(request.name)
+        if handler is None:
+            known = ", ".join(sorted(self._commands)) or "none"
+            return self._refuse(route, "UnknownCommandError", f"this run has no command {request.name!r} (it has: {known})")
+        try:
+            reply = self._encoder.encode(CommandReply(request.name, handler(dict(request.args))))
+        except (AsyncrlError, ValueError) as e:  # refused: the one line the caller needs
+            return self._refuse(route, type(e).__name__, str(e))
+        except Exception as e:  # a bug of ours must not stop the server: say it to the caller
+            return self._refuse(route, type(e).__name__, f"{request.name} failed: {e}")
         self.requests += 1
         self._sock.send([route, reply], copy=True)
 

@@ -13,8 +13,9 @@ import time
 from typing import Any, Protocol
 
 import msgspec
+import torch
 
-from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError, WeightSyncError
+from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError
 from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerError, SamplerSyncStats, WeightSink
 from asyncrl.runtime.timeouts import timeout
@@ -35,8 +36,11 @@ class EngineBackend(Protocol):
     async def resume(self) -> None: ...
 
 
-class EngineWeightSyncError(WeightSyncError):
-    """The vLLM worker failed a weight-sync control call (join, set-up, receive); says which and why."""
+class EngineWeightSyncError(SamplerError):
+    """The vLLM worker failed a weight-sync control call (join, set-up, receive) by itself (no
+    data-plane error of a peer's making): says which and why. A `SamplerError`, not a
+    `WeightSyncError`: the driver, which catches the data plane's errors by type, loses this
+    sampler rather than counting it a victim of a peer (`driver/sync_group.suffered_from_peer`)."""
 
 
 def comm_error(name: str) -> type[Exception]:
@@ -98,6 +102,11 @@ class EngineSink(WeightSink):
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def weight_dtype(self) -> str:
+        dtype = getattr(self.backend, "dtype", None)  # the engine's, once it is built
+        return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else ""
 
     async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> SamplerSyncStats:
         # One deadline for the pause and the transfer: each with a whole timeout_s of its own

@@ -10,8 +10,11 @@ it. The buckets themselves come straight off the communicator into this process
 
 How a received tensor gets into the model:
 
-* CUDA: ``model.load_weights([(name, tensor)])`` per tensor, on the receiver's copy stream: the
-  model's own loaders fuse q/k/v and gate/up as they would from a checkpoint.
+* CUDA: ``model.load_weights(tensors)`` once a bucket, with every tensor the bucket completed, on
+  the receiver's copy stream: the model's own loaders fuse q/k/v and gate/up as they would from a
+  checkpoint. Once a bucket, not once a tensor: each call walks the model's parameters first
+  (``dict(named_parameters())``), which a tensor at a time made 173 of the 197 ms of a 0.5B
+  model's sync on an H100 (2026-11-25, benchmarks/README.md).
 * CPU: vLLM repacks linear weights for its CPU kernels after loading, so ``load_weights`` on the
   live model fails; the model runner's ``reload_weights(weights_iterator=...)`` restores the
   checkpoint layout, loads, and repacks. It pulls from an iterator while the receiver pushes, so
@@ -113,7 +116,7 @@ class WeightSyncExtension:
         limit = member.timeout_s if timeout_s is None else timeout_s
         if self._asyncrl_loads_in_place():
             model = compat.live_model(self.model_runner)
-            stats = member.receiver.receive(version, lambda name, t: model.load_weights([(name, t)]), timeout_s=limit)
+            stats = member.receiver.receive(version, model.load_weights, timeout_s=limit, batched=True)
         else:
             load = _PulledLoad(self._asyncrl_reload, total=len(member.receiver.layout.tensors), timeout_s=limit)
             try:

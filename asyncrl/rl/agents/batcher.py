@@ -1,0 +1,116 @@
+"""`RequestBatcher`: the endpoint's requests into the sampler's ``generate`` calls.
+
+The HF backend runs one batch at a time, so requests made concurrently (the episodes of a batch)
+are gathered into one call: whatever arrived while the previous call ran goes into the next, and
+the first request of an idle batcher waits `GATHER_S` for the others of its round. vLLM batches
+concurrent calls itself and gets each request at once (``batch=False``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from asyncrl.errors import AsyncrlError
+from asyncrl.rl.generation import Completion, SamplingParams
+
+Generate = Callable[[list[list[int]], int, SamplingParams], Awaitable[tuple[int, list[list[Completion]]]]]
+"""``generate(prompts, n, params) -> (weight version, completions per prompt)``: the sampler's."""
+
+
+class EndpointClosedError(AsyncrlError):
+    """A request reached an endpoint that is closing; nothing was generated for it."""
+
+
+class RequestBatcher:
+    """Hands requests to ``generate``: each at once (``batch`` False), or gathered: one call at a
+    time, with every request that arrived while the previous one ran and asks for the same
+    sampling. A seeded request goes alone: a backend seeds each row by its place in the call, so
+    its tokens then depend on its own seed only."""
+
+    GATHER_S = 0.005
+    """How long the first request of an idle batcher waits for the others of its round: the
+    episodes of a batch send their requests within a few milliseconds of each other, and a call
+    started on the first alone would leave the rest waiting a whole generation for the next one."""
+
+    def __init__(self, generate: Generate, batch: bool):
+        self._generate, self._batch = generate, batch
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._waiting: set[asyncio.Future] = set()  # every request not answered yet: close() answers them
+        self._tasks: set[asyncio.Task] = set()  # the worker and the direct calls: close() cancels them
+        self._worker: asyncio.Task | None = None
+        self._closed = False
+
+    async def submit(self, prompt: list[int], params: SamplingParams) -> tuple[int, Completion]:
+        """The weight version and completion of ``prompt``; `EndpointClosedError` once closed,
+        what ``generate`` raises otherwise. A caller that goes away stops its direct call (vLLM
+        aborts its request); a gathered call goes on for the others in it."""
+        if self._closed:
+            raise EndpointClosedError("the endpoint is closing")
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.add(future)
+        direct = None
+        try:
+            if not self._batch:
+                direct = self._start(self._direct(prompt, params, future))
+            else:
+                self._pending.append((prompt, params, future))
+                if self._worker is None or self._worker.done():
+                    self._worker = self._start(self._work())
+            return await future
+        finally:
+            self._waiting.discard(future)
+            if direct is not None and not future.done():
+                direct.cancel()
+
+    def close(self) -> None:
+        """Answer every request waiting with `EndpointClosedError` and stop the calls under way. Idempotent."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for future in list(self._waiting):
+            if not future.done():
+                future.set_exception(EndpointClosedError("the endpoint closed before this request was generated"))
+        self._pending = []
+
+    def _start(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _direct(self, prompt: list[int], params: SamplingParams, future: asyncio.Future) -> None:
+        try:
+            version, groups = await self._generate([prompt], 1, params)
+        except Exception as exc:
+            _settle(future, exc=exc)
+        else:
+            _settle(future, (version, groups[0][0]))
+
+    async def _work(self) -> None:
+        await asyncio.sleep(self.GATHER_S)
+        while self._pending:
+            head = self._pending[0][1]
+            same = [p for p in self._pending if p[1] == head and head.seed is None] or [self._pending[0]]
+            taken = {id(p) for p in same}
+            self._pending = [p for p in self._pending if id(p) not in taken]
+            live = [p for p in same if not p[2].done()]  # a request whose caller went away is not generated
+            if not live:
+                continue
+            try:
+                version, groups = await self._generate([p[0] for p in live], 1, head)
+            except Exception as exc:
+                for _, _, future in live:
+                    _settle(future, exc=exc)
+                continue
+            for (_, _, future), group in zip(live, groups):
+                _settle(future, (version, group[0]))
+
+
+def _settle(future: asyncio.Future, value: object = None, exc: BaseException | None = None) -> None:
+    if future.done():  # its caller went away, or close() answered it
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)

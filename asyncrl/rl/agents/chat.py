@@ -1,0 +1,121 @@
+"""OpenAI chat messages in and out of a chat template: rendering a request's messages (and its
+``tools``) into the prompt token ids the model is given, and reading tool calls out of the model's
+text into OpenAI ``tool_calls``.
+
+Rendering is the tokenizer's own chat template (``apply_chat_template``), so ``tool`` messages and
+``tools`` are written the way the model was trained to read them. Tool calls are read in the
+Hermes / Qwen form those templates teach, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+the JSON is parsed with ``json.loads`` (never evaluated), and a block that is not a JSON object
+with a string ``name`` stays in the text as ordinary content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+from asyncrl.errors import AsyncrlError
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatRequestError(AsyncrlError, ValueError):
+    """A request's messages or tools cannot be rendered; the message says which and why (HTTP 400)."""
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    """The prompt token ids of a chat request: the template's rendering of ``messages`` (OpenAI
+    form) and ``tools`` with the generation prompt, tokenised without added specials (the
+    template writes its own)."""
+    converted = [_template_message(i, m) for i, m in enumerate(messages)]
+    if not converted:
+        raise ChatRequestError("messages is empty")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatRequestError("this model has no chat template: use /v1/completions with a prompt")
+    try:
+        text = tokenizer.apply_chat_template(converted, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as exc:  # the template's raise_exception, or a message it cannot take
+        raise ChatRequestError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _template_message(index: int, message: Any) -> dict[str, Any]:
+    """An OpenAI message as chat templates take it: text content as a string (a list of text
+    parts joined), an assistant's ``tool_calls`` with their arguments as a dict where they are a
+    JSON object (templates write ``arguments | tojson``)."""
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise ChatRequestError(f"message {index} must be an object with a role in {ROLES}, not {message!r:.80}")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ChatRequestError(f"message {index}: only text content parts are served, not {part!r:.80}")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise ChatRequestError(f"message {index}: content must be a string or a list of text parts")
+    out: dict[str, Any] = {"role": message["role"], "content": content}
+    for key in ("name", "tool_call_id"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    calls = message.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise ChatRequestError(f"message {index}: tool_calls must be a list")
+        out["tool_calls"] = [_template_call(index, c) for c in calls]
+    return out
+
+
+def _template_call(index: int, call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatRequestError(f"message {index}: a tool call needs a function with a name, not {call!r:.80}")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``(content, tool_calls)`` of a model's answer: each well-formed ``<tool_call>`` block
+    becomes an OpenAI tool call (its arguments as a JSON string) and leaves the content; the rest
+    of the text, stripped, is the content."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for match in _TOOL_CALL.finditer(text):
+        call = _tool_call(match.group(1))
+        if call is None:
+            continue  # not a call we understand: it stays in the content as written
+        kept.append(text[last:match.start()])
+        last = match.end()
+        calls.append(call)
+    kept.append(text[last:])
+    return "".join(kept).strip(), calls
+
+
+def _tool_call(body: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    encoded = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": value["name"], "arguments": encoded}}

@@ -1,0 +1,118 @@
+"""The driver's side of the scorer actors: the tokenizer check before one is spawned; `Teacher`,
+which has each delivered group scored by a teacher before it is queued (on-policy distillation),
+and `RewardModel`, which adds a reward model's score to the task's reward.
+
+Each sampler's pump calls `Teacher.annotate` on its groups, so the scorer sees requests from
+every sampler at once and batches them (``scorer/actor.py``). A scorer that dies or overruns
+``--teacher.timeout_s`` is the scorer's fault, never the sampler's: the call is retried on its
+next incarnation (a silent one is killed first, so it never comes back half-alive), within the
+restarts the supervisor gives it; past them the run stops, naming the scorer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
+from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.driver.faults import RunStoppedError
+from asyncrl.rl.rollout import InvalidGroupError, RolloutGroup, validate_group
+
+
+class ScorerLostError(RunStoppedError):
+    """The scorer died or stopped answering and did not come back within its restarts."""
+
+
+def check_tokenizers(student_path: str, teacher_path: str, flag: str = "--teacher.model_path") -> None:
+    """A `ConfigError` (one line) unless the scorer's model at ``teacher_path`` (``flag``) reads
+    token ids as the student does: the same vocabulary (token to id) and special tokens.
+    Compared before any actor is spawned."""
+    from transformers import AutoTokenizer
+
+    student, teacher = (AutoTokenizer.from_pretrained(p, local_files_only=True) for p in (student_path, teacher_path))
+    vs, vt = student.get_vocab(), teacher.get_vocab()
+    if vs != vt or student.all_special_tokens != teacher.all_special_tokens:
+        differ = sorted(set(vs.items()) ^ set(vt.items()))[:3]
+        raise ConfigError(f"{flag} {teacher_path} has another tokenizer than the student {student_path} "
+                          f"({len(vt)} vs {len(vs)} tokens; e.g. {', '.join(f'{t!r}={i}' for t, i in differ) or 'special tokens'}"
+                          "): it scores the student's token ids, so both must share one")
+
+
+class ScorerCalls:
+    """Calls to the scorer actor behind ``handle`` (``name`` in messages), each under
+    ``timeout_s``; a lost one is awaited ``restart_timeout_s`` for its next incarnation and the
+    call made again (see the module docstring)."""
+
+    def __init__(self, handle, *, timeout_s: float, restart_timeout_s: float, log=print, name: str = "scorer",
+                 timeout_flag: str = "--teacher.timeout_s"):
+        self.handle, self.timeout_s, self.restart_timeout_s, self.log = handle, timeout_s, restart_timeout_s, log
+        self.name, self.timeout_flag = name, timeout_flag
+        self._reported = -1  # the last incarnation whose loss was logged (several pumps see the same one)
+
+    async def call(self, method: str, group: RolloutGroup):
+        """``method(prompt_ids, completion_ids)`` of the scorer for ``group``."""
+        while True:
+            info = self.handle.info()
+            if info.state != "running":  # starting or restarting: its next incarnation is awaited by state
+                info = await self.handle.wait_for_state(["running"], self.restart_timeout_s)
+                if info.state != "running":
+                    raise ScorerLostError(f"the {self.name} is not running ({info.state}, restarts {info.restarts}/"
+                                          f"{info.max_restarts}, --run.sampler_max_restarts) within "
+                                          f"--run.restart_timeout_s {self.restart_timeout_s:g} s")
+            incarnation = info.incarnation
+            try:
+                return await getattr(self.handle.with_timeout(self.timeout_s), method)(
+                    group.prompt_ids, group.completion_ids)
+            except (ActorDiedError, CallTimeoutError) as exc:
+                await self._await_return(incarnation, exc)
+            except RemoteError as exc:  # the scorer's own refusal (ScorerError) or a bug: it would repeat
+                raise RunStoppedError(f"the {self.name} failed on the group of prompt {group.prompt_id}: "
+                                      f"{exc.remote_type}: {first_line(exc.remote_message)}") from exc
+
+    async def _await_return(self, incarnation: int, exc: Exception) -> None:
+        if isinstance(exc, CallTimeoutError):
+            self.handle.kill(f"no answer within {self.timeout_flag} {self.timeout_s:g} s", incarnation)
+        if incarnation != self._reported:
+            self._reported = incarnation
+            self.log(f"{self.name} (incarnation {incarnation}) lost: {first_line(exc)}; waiting for its restart")
+        info = await self.handle.wait_for_incarnation(incarnation, self.restart_timeout_s)
+        if info.state != "running" or info.incarnation <= incarnation:
+            raise ScorerLostError(f"the {self.name} did not come back after incarnation {incarnation} ({info.state}, "
+                                  f"restarts {info.restarts}/{info.max_restarts}, --run.sampler_max_restarts; "
+                                  f"--run.restart_timeout_s {self.restart_timeout_s:g} s): {first_line(exc)}")
+
+
+class Teacher(ScorerCalls):
+    """On-policy distillation's teacher: each group gets its log-probs (``teacher_logprobs``)."""
+
+    async def annotate(self, group: RolloutGroup) -> RolloutGroup:
+        """``group`` with the teacher's log-probs of its completion tokens."""
+        return _fitted(group, teacher_logprobs=await self.call("teacher_logprobs", group))
+
+
+class RewardModel(ScorerCalls):
+    """A reward model's scores combined with the task's: ``reward = rule_weight * rule +
+    weight * model`` per completion."""
+
+    def __init__(self, handle, *, weight: float, rule_weight: float, **calls):
+        super().__init__(handle, name="reward model", timeout_flag="--reward_model.timeout_s", **calls)
+        self.weight, self.rule_weight = weight, rule_weight
+
+    async def annotate(self, group: RolloutGroup) -> RolloutGroup:
+        """``group`` with its rewards the weighted sum of the task's and the reward model's."""
+        scores = await self.call("rewards", group)
+        if len(scores) != len(group.rewards) or not all(math.isfinite(s) for s in scores):
+            raise RunStoppedError(f"the reward model gave {scores!r} for the {len(group.rewards)} completions of "
+                                  f"prompt {group.prompt_id}: one finite score per completion is needed")
+        return _fitted(group, rewards=[self.rule_weight * r + self.weight * s for r, s in zip(group.rewards, scores)])
+
+
+def _fitted(group: RolloutGroup, **fields) -> RolloutGroup:
+    try:
+        scored = msgspec.structs.replace(group, **fields)
+        validate_group(scored)
+    except InvalidGroupError as exc:
+        raise RunStoppedError(f"a scorer's answer does not fit the group: {exc}") from None
+    return scored

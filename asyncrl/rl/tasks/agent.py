@@ -1,0 +1,65 @@
+"""Agents: a task whose episodes are the user's own code talking to the policy through the OpenAI API.
+
+An agent is an async function ``agent(problem, client)``: ``client`` is an ``openai.AsyncOpenAI``
+whose ``base_url`` is this episode's session on the sampler's endpoint; the agent calls
+``client.chat.completions.create(...)`` as often as it likes (tools, its own message list, its
+own loop) and returns the episode's reward, a number or a `Score`. The tokens the model generated
+through the session are what is trained (``asyncrl/rl/agents/``); the agent's text is never
+re-tokenised.
+
+Two spellings, both ``--task.name``:
+- ``my_agent.py:my_agent``, an async function: its problems are the rows of ``--task.data``
+  (`FunctionAgent` wraps it);
+- ``my_agent.py:MyAgent``, a subclass of `Agent` with ``async def run(self, problem, client)``,
+  for an agent that makes its own problems (``problems()``/``splits()``, as any `Task`).
+
+The whole episode is one call of the user's code under ``--task.score_timeout_s`` and the
+failure budget (`UserCalls`): an agent that raises, hangs or returns no number scores 0, is
+counted, and loses its episode only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+from asyncrl.rl.tasks.base import Score, Task, TaskInputError, TaskError
+
+AgentFunction = Callable[[Any, Any], Awaitable[float | Score]]
+
+
+class Agent(Task[Any]):
+    """A task run by an agent: override `run` (and `problems` or `splits` where the problems are
+    not the rows of ``--task.data``)."""
+
+    max_calls: ClassVar[int] = 16
+    """Model calls an episode may make; past them its session answers 429 (an agent in a loop)."""
+
+    async def run(self, problem: Any, client: Any) -> float | Score:
+        """One episode: talk to the policy through ``client`` (an ``openai.AsyncOpenAI``) and
+        return the reward."""
+        raise NotImplementedError(f"agent {self.task_name()} must define async run(problem, client)")
+
+    def prompt(self, problem: Any) -> str:
+        raise TaskError(f"agent {self.task_name()}: an agent writes its own prompts; it has no prompt()")
+
+    def score(self, problem: Any, completion: str) -> float:
+        raise TaskError(f"agent {self.task_name()}: episodes are scored by run(), not score()")
+
+
+class FunctionAgent(Agent):
+    """An `Agent` made from an async function ``fn(problem, client)``; problems from ``--task.data``."""
+
+    function: ClassVar[AgentFunction]
+
+    @classmethod
+    def of(cls, fn: AgentFunction) -> type[FunctionAgent]:
+        if not inspect.iscoroutinefunction(fn):
+            raise TaskInputError(f"{getattr(fn, '__qualname__', fn)!r} is not an async function: an agent is "
+                                 "`async def agent(problem, client)`")
+        name = getattr(fn, "__name__", "agent")
+        return type(f"FunctionAgent_{name}", (cls,), {"function": staticmethod(fn), "name": name})
+
+    async def run(self, problem: Any, client: Any) -> float | Score:
+        return await type(self).function(problem, client)

@@ -1,0 +1,199 @@
+"""The `Scaler`'s side of elastic samplers (driver/scaling.py), in-process and deterministic with
+test_recovery_pool.py's scripted stand-ins (the real run, 1 -> 3 -> 1, is test_elastic.py):
+
+* A scale-down asked while a sync is in flight leaves that sync alone (every member takes its
+  weights); it is applied at the next sync, which re-forms the group once, without the drained
+  samplers, and their processes are stopped.
+* A scale-up asked while a sampler restarts counts the restarting one; the new sampler and the
+  one back from its restart join at one re-formation. A scale-down during a restart drains the
+  restarting sampler first, and it stays out when its restart ends.
+* A size beyond the devices, or no size at all, is refused in one line naming what to ask.
+* With every sampler lost, a new one joins without waiting for a sync; one gone for good is
+  replaced to keep the target; a CPU scale-up goes to the node with the fewest samplers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.rl.driver.membership import MemberState
+from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler, check_target
+from asyncrl.rl.rollout import RolloutGroup
+
+from test_recovery_pool import GOT, SENT, Scripted, make_pool
+
+pytestmark = pytest.mark.timeout(60)
+JOINS = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)],
+             restore_data_state=[(0.0, None)])
+
+
+def trainer(send_s: float = 0.0) -> Scripted:
+    return Scripted("trainer", send_weights=[(send_s, SENT)], sync_listen=[(0.0, 1234)], sync_join=[(0.0, "gloo")],
+                    setup_sender=[(0.0, 1)])
+
+
+def sampler(name: str) -> Scripted:
+    return Scripted(name, receive_weights=[(0.0, GOT)], **JOINS)
+
+
+def scaler_of(pool, logs: list[str], stopped: list[str], spawned: dict[int, Scripted] | None = None) -> Scaler:
+    async def spawn(index: int) -> Scripted:
+        await asyncio.sleep(0.2)  # a start takes a while
+        return spawned[index]
+
+    async def stop(handle) -> None:
+        stopped.append(handle.name)
+        handle.set_state("stopped")
+
+    return Scaler(pool, spawn, stop, seed_of=lambda i: i, device="cpu", colocated=False, free_gpus=lambda: 0,
+                  log=logs.append)
+
+
+async def test_a_drain_asked_during_a_sync_is_applied_at_the_next_one_with_one_reformation():
+    samplers = [sampler(f"sampler{i}") for i in range(3)]
+    logs, stopped = [], []
+    pool = make_pool(trainer(send_s=0.5), samplers, logs)
+    scaler = scaler_of(pool, logs, stopped)
+    try:
+        in_flight = asyncio.ensure_future(pool.sync(1))
+        await asyncio.sleep(0.2)
+        assert not in_flight.done()
+        assert scaler.request({"samplers": 1}) == {"samplers": 3, "target": 1, "step": 0}
+        assert all(m.state is MemberState.JOINED for m in pool.members)  # nothing changes under the sync
+        await in_flight
+        assert [s.calls.count("receive_weights") for s in samplers] == [1, 1, 1], logs
+        assert pool.generation == 0 and pool.counters["rebuilds"] == 0
+
+        await scaler.at_sync()
+        assert [m.state for m in pool.members] == [MemberState.JOINED, MemberState.DRAINED, MemberState.DRAINED]
+        await pool.sync(2)
+        await scaler.close()
+    finally:
+        await pool.close()
+    assert pool.generation == 1 and pool.counters["rebuilds"] == 1, logs  # one re-formation
+    assert samplers[0].calls.count("sync_join") == 1 and samplers[0].calls.count("receive_weights") == 2
+    for drained in samplers[1:]:  # out of the new group: neither joined it nor took v2
+        assert drained.calls.count("sync_join") == 0 and drained.calls.count("receive_weights") == 1
+    assert sorted(stopped) == ["sampler1", "sampler2"] and not pool.faults
+    assert pool.progress()["samplers"] == {"sampler0": "in group", "sampler1": "drained", "sampler2": "drained"}
+    assert pool.take_events()["samplers_in_group"] == 1
+
+
+async def test_a_scale_during_a_restart_counts_it_and_joins_everyone_at_one_reformation():
+    samplers = [sampler("sampler0"), sampler("sampler1")]
+    new = sampler("sampler2")
+    logs, stopped = [], []
+    pool = make_pool(trainer(), samplers, logs)
+    scaler = scaler_of(pool, logs, stopped, {2: new})
+    try:
+        samplers[1].set_state("restarting")
+        pool.membership.lose(pool.members[1], "died (killed by SIGKILL)", kill=False)
+        assert scaler.request({"samplers": 3}) == {"samplers": 2, "target": 3, "step": 0}  # the restarting one counts
+        assert list(scaler.starting) == [2]  # started at once; joins at a sync
+        await scaler.at_sync()
+        assert list(scaler.starting) == [2]
+        samplers[1].set_state("running", incarnation=2)  # back from its restart
+        await asyncio.wait_for(asyncio.gather(pool.members[1].waiter, scaler.starting[2]), 5)
+        await scaler.at_sync()  # admits sampler2; starts nothing more
+        assert [m.name for m in pool.members] == ["sampler0", "sampler1", "sampler2"] and not scaler.starting
+        await pool.sync(1)
+        assert pool.generation == 1 and pool.counters["rebuilds"] == 1, logs
+        assert all(m.state is MemberState.JOINED for m in pool.members), logs
+        assert new.calls.count("receive_weights") == 1 and pool.members[2].min_version == 1
+
+        # Down by one while sampler0 restarts: it is the one drained, and stays out once back.
+        samplers[0].set_state("restarting")
+        pool.membership.lose(pool.members[0], "died (killed by SIGKILL)", kill=False)
+        scaler.request({"samplers": 2})
+        await scaler.at_sync()
+        samplers[0].set_state("running", incarnation=2)
+        await asyncio.sleep(0.1)
+        await pool.sync(2)
+        await scaler.close()
+    finally:
+        await pool.close()
+    assert [m.state for m in pool.members] == [MemberState.DRAINED, MemberState.JOINED, MemberState.JOINED], logs
+    assert pool.generation == 2 and pool.counters["rebuilds"] == 2 and stopped == ["sampler0"], logs
+    assert samplers[0].calls.count("sync_join") == 1  # joined generation 1 only
+
+
+async def test_with_every_sampler_lost_a_new_one_joins_without_waiting_for_a_sync():
+    # The only sampler is lost and not back (its restart may never come): no step, and so no
+    # sync, can come while the driver waits for a batch. A sampler started by a scale-up is added as soon as it is up, and that wait
+    # re-forms the group with it and pumps its groups.
+    gone, new = sampler("sampler0"), sampler("sampler1")
+    new.script["rollouts"] = []
+    logs, stopped = [], []
+    pool = make_pool(trainer(), [gone], logs)
+    scaler = scaler_of(pool, logs, stopped, {1: new})
+    try:
+        gone.set_state("restarting")
+        pool.membership.lose(pool.members[0], "died (killed by SIGKILL)", kill=False)
+        scaler.request({"samplers": 2})  # the lost one counts: it may come back
+        assert list(scaler.starting) == [1]
+        for i in range(2):
+            new.items.put_nowait(RolloutGroup(i, [1], [[2], [3]], [[-0.1], [-0.2]], [0.0, 1.0], version=0))
+        batch = await asyncio.wait_for(pool.next_batch(2, 0), 10)
+        await scaler.close()
+    finally:
+        await pool.close()
+    assert [g.uid for g in batch] == ["sampler1/1/1", "sampler1/1/2"], logs
+    assert pool.members[0].state is MemberState.LOST and pool.members[1].state is MemberState.JOINED, logs
+    assert pool.generation == 1 and new.calls.count("receive_weights") == 1, logs
+
+
+def test_a_size_beyond_the_devices_is_refused_in_one_line():
+    plan = dict(device="cuda", colocated=False, started=2, free_gpus=1)
+    assert check_target(3, active=2, **plan) == 3
+    with pytest.raises(ScaleRefusedError) as e:
+        check_target(5, active=2, **plan)
+    assert str(e.value) == ("--samplers 5: 3 more sampler(s) need a GPU each, but 1 GPU(s) are free; "
+                            "ask for at most 3")
+    with pytest.raises(ScaleRefusedError, match=r"ask for at most 2, or start the run with --sampler.count 3$"):
+        check_target(3, active=2, device="cuda", colocated=True, started=2, free_gpus=0)
+    for bad in (0, -1, "3", True, 2.5):
+        with pytest.raises(ScaleRefusedError) as e:
+            check_target(bad, active=2, **plan)
+        assert "\n" not in str(e.value)
+    assert check_target(40, active=1, device="cpu", colocated=False, started=1, free_gpus=0) == 40
+
+
+def test_a_cpu_sampler_started_by_a_scale_up_goes_to_the_node_with_the_fewest():
+    from types import SimpleNamespace as S
+
+    from asyncrl.rl.driver.scaling import least_loaded_node
+
+    nodes = [S(rank=0, state="joined"), S(rank=1, state="joined"), S(rank=2, state="lost: silent")]
+    actors = [S(name="trainer", state="running", node=1), S(name="sampler0", state="running", node=0),
+              S(name="sampler1", state="stopped", node=1), S(name="sampler2", state="running", node=2)]
+    assert least_loaded_node(nodes, actors) == 1  # a node that joined late, with no sampler yet
+    actors.append(S(name="sampler3", state="starting", node=1))
+    assert least_loaded_node(nodes, actors) == 0  # a tie: the lowest rank; a lost node never
+
+
+async def test_a_sampler_gone_for_good_is_replaced_to_keep_the_target():
+    # Its restarts used up (or its node lost): with a target set, the next sync starts another.
+    samplers = [sampler("sampler0"), sampler("sampler1")]
+    logs, stopped = [], []
+    pool = make_pool(trainer(), samplers, logs)
+    scaler = scaler_of(pool, logs, stopped, {2: sampler("sampler2")})
+    try:
+        scaler.request({"samplers": 2})
+        await scaler.at_sync()
+        assert not scaler.starting  # the target is met
+        samplers[1].restarts = samplers[1].max_restarts
+        samplers[1].set_state("dead")
+        pool.membership.lose(pool.members[1], "died (node 1 lost)", kill=False)
+        await asyncio.wait_for(pool.members[1].waiter, 5)
+        assert pool.members[1].state is MemberState.GONE
+        await scaler.at_sync()
+        assert list(scaler.starting) == [2]
+        await asyncio.wait_for(scaler.starting[2], 5)
+        await scaler.at_sync()
+        await pool.sync(1)
+        await scaler.close()
+    finally:
+        await pool.close()
+    assert [m.state for m in pool.members] == [MemberState.JOINED, MemberState.GONE, MemberState.JOINED], logs
