@@ -80,11 +80,11 @@ def run_mode(args) -> dict:
         listener = reserve_listener("127.0.0.1")
         group = RankGroup.create("127.0.0.1", listener.getsockname()[1], 0, 1, device=trainer.device,
                                  timeout_s=120, listener=listener)
+        from asyncrl.rl.trainer.parallel import Sharded
+
         trainer._shard_policy()
-        trainer.ranks = group
-        step = trainer._sharded_train_step
-    else:
-        step = trainer._train_step
+        trainer.parallel = Sharded(group, trainer.device)  # what `rank_join` does: the same step, sharded
+    step = trainer._train_step
     batch = make_batch(SHAPES[args.shape]["vocab_size"], args.groups, args.group_size, args.prompt, args.completion)
     times, peaks = [], []
     for i in range(args.warmup + args.steps):
@@ -120,8 +120,7 @@ def run_mode(args) -> dict:
     out["sync_gather_s"] = time.perf_counter() - start
     out["sync_buckets"] = len(layout.buckets)
     out["sync_gathered_peak_gib"] = source.peak_gathered_bytes / 2**30
-    if args.mode == "fsdp":
-        trainer.ranks.close()
+    trainer.parallel.close()
     return out
 
 

@@ -232,9 +232,6 @@ class TrainerConfig:
             raise ValueError(f"world_size must be >= 1, not {self.world_size!r}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0, not {self.grad_clip!r}")
-        if self.world_size > 1 and (self.lora.rank or self.pack_tokens):
-            raise ValueError("world_size > 1 trains the whole model unpacked for now: lora.rank and pack_tokens "
-                             "need world_size 1")
         # auto (0) resolves to at least pack_tokens, so a packed row is still one forward at most
         most = self.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS_MAX
         if not 0 <= self.pack_tokens <= most:

@@ -1,7 +1,9 @@
 """The trainer actor: recomputes log-probs, takes GRPO steps, and sends its weights to the samplers.
 
-It is rank 0 of the weight-sync group (`SyncMember` gives it the rendezvous endpoints) and the
-only holder of an optimiser. A batch arrives as `RolloutGroup`s; each completion becomes one
+It is rank 0 of the weight-sync group (`SyncMember` gives it the rendezvous endpoints). One
+trainer may be N processes (``--trainer.world_size``): each call below is written once, and what
+differs between one process and a rank of N (the batch's share, the guard, gathers, the
+checkpoint's format) is the trainer's strategy, ``self.parallel`` (``trainer/parallel.py``). A batch arrives as `RolloutGroup`s; each completion becomes one
 sequence ``prompt + completion`` whose completion tokens are scored. Micro-batches are cut by a
 token budget, padded tokens counted (``trainer/batching.py``; several sequences per row with
 ``pack_tokens``, ``trainer/packing.py``), and the loss (``trainer/loss.py``)
@@ -11,7 +13,6 @@ batch whatever the cut. Checkpoints are written and loaded by ``trainer/checkpoi
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -33,13 +34,17 @@ from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
 from asyncrl.rl.trainer.compile import compile_layers, compiled, eager
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
 from asyncrl.rl.trainer.packing import packed_micro_batches
+from asyncrl.rl.trainer.parallel import Local
 from asyncrl.rl.trainer.rank_member import RankMember
+from asyncrl.rl.trainer.split import batch_counts
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
-from asyncrl.rl.trainer.scoring import fused_head_fallback, scored_logprobs
+from asyncrl.rl.trainer.scoring import scored_logprobs
 from asyncrl.runtime.actor import endpoint
 from asyncrl.runtime.startup import start_phase
 
 
+DEADLINE_S = 900.0
+"""A call's deadline on a rank group when the driver names none (the default train step deadline)."""
 ADAPTER_DIR = "adapter"
 """With LoRA, a saved policy (final, best) holds the adapter in peft's format in this subdirectory,
 beside the merged checkpoint."""
@@ -66,6 +71,7 @@ class TrainerActor(RankMember, SyncMember):
         # a trainer used on its own scores at 1, sampling's default.
         self.temperature = 1.0 if config.temperature is None else config.temperature
         self.device = torch.device(device)
+        self.parallel = Local()  # a rank group's `Sharded` once `rank_join` shards the policy
         if self.device.type == "cuda":
             self.device = torch.device("cuda", 0)  # the actor sees only its own GPU
             torch.cuda.set_device(self.device)
@@ -117,10 +123,28 @@ class TrainerActor(RankMember, SyncMember):
     def _checkpointed(self, model):
         """``--trainer.activation_checkpointing``: each decoder layer recomputes its activations in
         the backward (transformers' non-reentrant checkpointing, which needs no input that requires
-        grad, so a frozen LoRA base works too). A sharded trainer turns it on as it shards."""
-        if self.config.activation_checkpointing and self.config.world_size == 1:
+        grad, so a frozen LoRA base works too); FSDP2 shards the layers with it on."""
+        if self.config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
+
+    def _shard_policy(self) -> None:
+        """Shard the policy (and the KL reference) over the rank group just formed and rebuild the
+        optimiser over the shards (`rank_join`)."""
+        from asyncrl.rl.trainer.fsdp import shard_model
+
+        shard_model(self.model, self.device, bf16=self.config.bf16)
+        if self.ref is not None:
+            shard_model(self.ref, self.device, bf16=self.config.bf16)
+        if self._merged is not None:  # its buffers were made like the unsharded weights
+            from asyncrl.rl.trainer.lora import MergedWeights
+
+            self._merged = MergedWeights(self.model)
+        self.optimizer = self._new_optimizer()
+
+    async def _run(self, what: str, deadline_s: float, fn, *args):
+        """``fn(*args)`` off the event loop; on a rank group, one guarded call of every rank."""
+        return await self.parallel.run(what, deadline_s or DEADLINE_S, fn, *args)
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
@@ -144,20 +168,55 @@ class TrainerActor(RankMember, SyncMember):
         Returns the bucket count. With a rank group, every rank computes the layout (rank 0
         alone agrees on it with the samplers) and the buckets are gathered by all of them."""
         cast = DTYPES[wire_dtype] if wire_dtype else None
-        if self.ranks is not None:
-            return await self.run_guarded("agreeing on the weight layout", timeout_s, self._sharded_setup_sender,
-                                          timeout_s, bucket_bytes, cast)
-        self.sender = await asyncio.to_thread(WeightSender.create, self.sync_comm, self.sync_group,
-                                              self.weight_tensors(), bucket_bytes=bucket_bytes or None,
-                                              timeout_s=timeout_s, wire_dtype=cast)
-        return len(self.sender.layout.buckets)
+        return await self._run("agreeing on the weight layout", timeout_s, self._setup_sender, timeout_s,
+                               bucket_bytes, cast)
+
+    def _setup_sender(self, timeout_s: float, bucket_bytes: int, wire_dtype: torch.dtype | None) -> int:
+        from asyncrl.comm.weights import default_bucket_bytes, sender_layout
+
+        params = self.weight_tensors()
+        # a sharded parameter is gathered into a bucket, never sent from where it lies
+        direct = self.parallel.world_size == 1
+        size = bucket_bytes or (None if direct else default_bucket_bytes(self.device))
+        if self.rank == 0:
+            self.sender = WeightSender.create(self.sync_comm, self.sync_group, params, bucket_bytes=size,
+                                              timeout_s=timeout_s, wire_dtype=wire_dtype, allow_direct=direct)
+            layout = self.sender.layout
+        else:
+            layout = sender_layout(params, size, wire_dtype, allow_direct=direct)
+        self.parallel.agree(layout.digest(), "weight layouts")
+        self._layout, self._sync_timeout_s = layout, timeout_s
+        return len(layout.buckets)
 
     @endpoint
     async def send_weights(self, version: int) -> SyncStats:
-        """Broadcast the current weights as ``version``; returns the sync's phases (`SyncStats`)."""
-        if self.ranks is not None:
-            return await self._sharded_send_weights(version)
-        return await asyncio.to_thread(lambda: self.sender.send(version, self.weight_tensors()))
+        """Broadcast the current weights as ``version``; returns the sync's phases (`SyncStats`).
+        On a rank group rank 0 sends and every rank gathers each bucket in turn. A failure on the
+        weight-sync side (a sampler's) is raised after the guard, which only sees the trainer
+        group's collectives, all matched: the trainer group survives it."""
+        from asyncrl.comm.errors import CommError
+
+        params = self.weight_tensors()
+
+        def send() -> tuple[SyncStats, BaseException | None]:
+            source = self.parallel.bucket_source(self._layout, params)
+            none = SyncStats(version, 0, 0, 0.0)  # the ranks > 0 gather only; the driver reads rank 0's
+            try:
+                if self.rank == 0:
+                    return self.sender.send(version, params if source is None else None, source=source), None
+                return none, None
+            except CommError as exc:  # the weight-sync group's, not the trainer's
+                if source is None:
+                    raise
+                return none, exc
+            finally:
+                if source is not None:
+                    source.drain()  # every bucket gathered on every rank, whatever happened
+
+        stats, error = await self._run(f"the weight sync of v{version}", self._sync_timeout_s, send)
+        if error is not None:
+            raise error
+        return stats
 
     @endpoint
     async def train_step(self, groups: list[RolloutGroup], deadline_s: float = 0.0) -> dict[str, float]:
@@ -165,28 +224,32 @@ class TrainerActor(RankMember, SyncMember):
         rank gets the whole batch and trains on its share; ``deadline_s`` bounds the step there."""
         for g in groups:
             validate_group(g)
-        if self.ranks is not None:
-            return await self.run_guarded(f"train step {self.steps + 1}", deadline_s, self._sharded_train_step, groups)
-        return await asyncio.to_thread(self._train_step, groups)
+        return await self._run(f"train step {self.steps + 1}", deadline_s, self._train_step, groups)
 
     def _train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """One optimiser step of this process on its share of ``groups`` (all of them at world
+        size 1; ``trainer/split.py``): every loss divided by the whole batch's count, gradients
+        summed across ranks; the metrics of the whole batch."""
         start = time.perf_counter()
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         advantages = step_advantages(groups, cfg.loss, cfg.normalize_std)
-        budget = self.micro_batch_tokens()
-        if cfg.pack_tokens:
-            batches = packed_micro_batches(groups, advantages, budget, self.device, cfg.pack_tokens)
-        else:
-            batches = micro_batches(groups, advantages, budget, self.device)
-        n_tokens = float(sum(int(b.mask.sum()) for b in batches))
-        n_seqs = float(sum(int(b.mask.any(dim=1).sum()) for b in batches))
+        n_tokens, n_seqs = (float(n) for n in batch_counts(groups))
         normalizer = loss_normalizer(cfg.loss, n_tokens, n_seqs)
+        share, share_advantages = self.parallel.share(groups, advantages)
+        budget = self.micro_batch_tokens()
+        if not share:
+            batches = []
+        elif cfg.pack_tokens:
+            batches = packed_micro_batches(share, share_advantages, budget, self.device, cfg.pack_tokens)
+        else:
+            batches = micro_batches(share, share_advantages, budget, self.device)
+        batches = self.parallel.align(batches, self.model, self.steps + 1)
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate_all(batches, normalizer, n_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        grad_norm = self.parallel.clip_grad_norm(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         lr = learning_rate(cfg, self.steps)
         set_learning_rate(self.optimizer, lr)
         try:
@@ -198,10 +261,22 @@ class TrainerActor(RankMember, SyncMember):
         self.steps += 1
         sums.pop("tokens", None)
         sums.pop("ratio_max", None)
+        sums = self.parallel.sum_metrics(sums)
         sums.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=len(batches),
                     micro_batch_tokens=budget, train_s=time.perf_counter() - start)
-        sums.update(self._utilisation(groups, sums["train_s"]))
+        sums.update(self._utilisation(groups, sums["train_s"]))  # this rank's memory, the group's MFU
         return sums
+
+    @endpoint
+    async def gradients(self, deadline_s: float = 0.0) -> dict[str, torch.Tensor]:
+        """The last step's gradients, whole (on a rank group every rank gathers; rank 0 returns
+        them, the others an empty dict). For tests and debugging: it holds the whole gradient in
+        this process."""
+        def gather() -> dict[str, torch.Tensor]:
+            grads = {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
+            return {name: g.detach().cpu() for name, g in self.parallel.gathered(grads).items()}
+
+        return await self._run("gathering the gradients", deadline_s, gather)
 
     def _utilisation(self, groups: list[RolloutGroup], seconds: float) -> dict[str, float]:
         """The step's model FLOPs utilisation and peak device memory (``trainer/flops.py``), on a
@@ -216,7 +291,7 @@ class TrainerActor(RankMember, SyncMember):
         out = {"peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if peak:
             flops = step_flops(self.model.config, body, groups, weights_train=not self.config.lora.rank)
-            out["mfu"] = flops / max(seconds, 1e-9) / peak / (self.ranks.world_size if self.ranks is not None else 1)
+            out["mfu"] = flops / max(seconds, 1e-9) / peak / self.parallel.world_size
         return out
 
     def micro_batch_tokens(self) -> int:
@@ -240,8 +315,8 @@ class TrainerActor(RankMember, SyncMember):
 
     def _fallback_reason(self) -> str:
         """Why this trainer scores through full logits ("" when it does not: ``trainer/scoring.py``)."""
-        # the rank group, not the config: a rank joins a group whatever its config's world_size says
-        return fused_head_fallback(self.model, self.ranks.world_size if self.ranks is not None else 1)
+        # the strategy, not the config: a rank joins a group whatever its config's world_size says
+        return self.parallel.head_fallback(self.model)
 
     def _accumulate_all(self, batches: list[MicroBatch], normalizer: float, n_tokens: float) -> dict[str, float]:
         """Gradients of every micro-batch into the parameters; the step's metrics: loss terms
@@ -352,54 +427,39 @@ class TrainerActor(RankMember, SyncMember):
             finally:
                 self.model.train()
 
-        if self.ranks is not None:
-            return await self.run_guarded("the held-out evaluation", deadline_s, self._in_step_rng, run)
-        return await asyncio.to_thread(run)
+        return await self._run("the held-out evaluation", deadline_s, self.parallel.in_step, run,
+                               self.seed * 1_000_003 + self.steps)
 
     @endpoint
     async def save_checkpoint(self, run_dir: str, step: int, keep: int, run_state: bytes, deadline_s: float = 0.0) -> str:
         """Write the resumable checkpoint of ``step`` under ``run_dir`` (policy, optimiser, RNGs
         and the driver's ``run_state`` JSON), atomically, keeping the newest ``keep``; returns
-        its path. See ``trainer/checkpoint.py``."""
-        from asyncrl.rl.trainer.checkpoint import write_checkpoint
-
-        if self.ranks is not None:
-            return await self.run_guarded(f"writing the checkpoint of step {step}", deadline_s,
-                                          self._sharded_save_checkpoint, run_dir, step, keep, run_state)
-        return await asyncio.to_thread(write_checkpoint, run_dir, step, keep, self.model, self.tokenizer,
-                                       self.optimizer, self.steps, run_state, self._marker_files())
+        its path (on a rank group rank 0's; the others return ""). See ``trainer/checkpoint.py``."""
+        return await self._run(f"writing the checkpoint of step {step}", deadline_s, self.parallel.write_checkpoint,
+                               self, run_dir, step, keep, run_state)
 
     @endpoint
     async def load_checkpoint(self, path: str, deadline_s: float = 0.0) -> int:
         """Take the policy, optimiser state and RNG states of the checkpoint at ``path`` (before
         the weight-sync group is formed); returns the trainer's step count there."""
-        from asyncrl.rl.checkpoint import Checkpoint
-        from asyncrl.rl.trainer.checkpoint import load_trainer_state
-
-        if self.ranks is not None:
-            return await self.run_guarded("loading the checkpoint", deadline_s, self._sharded_load_checkpoint, path)
-
         def load() -> int:
-            from asyncrl.rl.trainer.sharded_checkpoint import refuse_sharded
-
-            refuse_sharded(path)
-            checkpoint = Checkpoint(-1, path)
-            self.model, _, _ = self._policy(checkpoint.model_dir)
-            self.optimizer = self._new_optimizer()
-            self.steps = load_trainer_state(checkpoint, self.optimizer)
+            self.steps = self.parallel.load_checkpoint(self, path)
             self.sender = None  # it held the old parameters: set up again with the group
             return self.steps
 
-        return await asyncio.to_thread(load)
+        return await self._run("loading the checkpoint", deadline_s, load)
 
     @endpoint
     async def weights_digest(self, deadline_s: float = 0.0) -> str:
-        """SHA-256 of the policy's parameters as the samplers hold them (``rl/digest.py``)."""
+        """SHA-256 of the policy's parameters as the samplers hold them (``rl/digest.py``); on a
+        rank group rank 0's ("" on the others)."""
         from asyncrl.rl.digest import tensor_digest
 
-        if self.ranks is not None:
-            return await self.run_guarded("the weight digest", deadline_s, self._sharded_digest)
-        return await asyncio.to_thread(tensor_digest, self.weight_tensors())
+        def digest() -> str:
+            whole = self.parallel.gathered(self.weight_tensors())
+            return tensor_digest(whole) if self.rank == 0 else ""
+
+        return await self._run("the weight digest", deadline_s, digest)
 
     @endpoint
     async def save(self, path: str, extra_files: dict[str, str] = {}, deadline_s: float = 0.0) -> str:
@@ -409,30 +469,30 @@ class TrainerActor(RankMember, SyncMember):
         with the rest so they never describe another policy. A failed write (a full disk) leaves
         nothing behind and raises a one-line `CheckpointWriteError`. With a rank group, every
         rank gathers the policy (a tensor at a time, to rank 0's memory) and rank 0 writes it."""
-        if self.ranks is not None:
-            return await self.run_guarded("saving the policy", deadline_s, self._sharded_save,
-                                          os.path.abspath(path), dict(extra_files))
-        return await asyncio.to_thread(self._save, os.path.abspath(path), dict(extra_files))
+        return await self._run("saving the policy", deadline_s, self._save, os.path.abspath(path), dict(extra_files))
 
-    def _save(self, final: str, extra_files: dict[str, str], state_dict: dict[str, torch.Tensor] | None = None) -> str:
+    def _save(self, final: str, extra_files: dict[str, str]) -> str:
         from asyncrl.runtime.files import staged_dir
         from asyncrl.rl.trainer.checkpoint import write_errors
 
+        whole = self.parallel.policy_state_dict(self.model)  # None: the model in this process is whole
+        if self.rank != 0:
+            return ""
         with write_errors("the policy", final):
             with staged_dir(final) as tmp, write_errors("the policy", final):  # worded before the clean-up
-                if state_dict is not None:  # gathered from the shards (trainer/fsdp.py)
+                if self.config.lora.rank:  # a merged checkpoint for transformers and vLLM, and the adapter
+                    from asyncrl.rl.trainer.lora import save_merged
+
+                    save_merged(self.model, tmp, whole)
+                    self.model.save_pretrained(os.path.join(tmp, ADAPTER_DIR), safe_serialization=True,
+                                               **({} if whole is None else {"state_dict": whole}))
+                elif whole is not None:  # gathered from the shards (trainer/fsdp.py)
                     from asyncrl.rl.trainer.fsdp import save_pretrained
 
-                    save_pretrained(self.model, self.tokenizer, tmp, state_dict)
-                elif self.config.lora.rank:  # a merged checkpoint for transformers and vLLM, and the adapter
-                    from asyncrl.rl.trainer.lora import merged_copy
-
-                    merged_copy(self.model).save_pretrained(tmp, safe_serialization=True)
-                    self.model.save_pretrained(os.path.join(tmp, ADAPTER_DIR), safe_serialization=True)
-                    self.tokenizer.save_pretrained(tmp)
+                    save_pretrained(self.model, tmp, whole)
                 else:
                     self.model.save_pretrained(tmp, safe_serialization=True)
-                    self.tokenizer.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
                 for marker in self._marker_files():
                     shutil.copy(marker, tmp)
                 files = {"asyncrl_trainer.json": json.dumps(

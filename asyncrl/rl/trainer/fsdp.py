@@ -34,27 +34,27 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, *, bf16: bool = True,
-                activation_checkpointing: bool = False) -> torch.nn.Module:
-    """Shard ``model`` in place over the default process group (`RankGroup`) and return it."""
+def shard_model(model: torch.nn.Module, device: torch.device, *, bf16: bool = True) -> torch.nn.Module:
+    """Shard ``model`` in place over the default process group (`RankGroup`) and return it. A
+    LoRA policy (a peft model) is sharded the same way through its base model: each decoder layer
+    (its frozen weights and its adapters, one unit), then the base model as the root."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
              if device.type == "cuda" and bf16 else MixedPrecisionPolicy())
-    if activation_checkpointing:  # recompute each layer's activations in the backward
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in decoder_layers(model):
+    root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    for layer in decoder_layers(root):
         fully_shard(layer, mesh=mesh, mp_policy=mixed)
-    fully_shard(model, mesh=mesh, mp_policy=mixed)
-    for module in model.modules():
+    fully_shard(root, mesh=mesh, mp_policy=mixed)
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum (see the module docstring) ...
             module.set_force_sum_reduction_for_comms(True)  # ... as a plain SUM (gloo has no PREMUL_SUM)
     # transformers' generate() then runs every rank's forward passes in step (``synced_gpus``),
     # which a sharded model needs: each forward gathers every rank's shards.
-    model._is_fsdp_managed_module = True
+    root._is_fsdp_managed_module = True
     return model
 
 
@@ -104,12 +104,11 @@ def original_class(model: torch.nn.Module) -> type:
     return cls
 
 
-def save_pretrained(model: Any, tokenizer: Any, folder: str, state_dict: dict[str, torch.Tensor]) -> None:
-    """Rank 0: write ``state_dict`` (from `full_state_dict`) as a Hugging Face directory that names
-    the model's own architecture, so transformers and vLLM load it as any checkpoint."""
+def save_pretrained(model: Any, folder: str, state_dict: dict[str, torch.Tensor]) -> None:
+    """Rank 0: write ``state_dict`` (from `full_state_dict`) as a Hugging Face model directory
+    that names the model's own architecture, so transformers and vLLM load it as any checkpoint."""
     architecture = original_class(model).__name__
     model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
     import json
     import os
 

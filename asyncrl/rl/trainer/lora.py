@@ -59,6 +59,34 @@ def merged_copy(model: Any) -> Any:
     return copy.deepcopy(model).merge_and_unload()
 
 
+def save_merged(model: Any, folder: str, whole: dict[str, torch.Tensor] | None) -> None:
+    """Write the policy with its adapters merged in as a Hugging Face directory (for transformers
+    and vLLM). ``whole``: the PeftModel's state dict gathered from the shards (a rank group's
+    rank 0; ``W + B·A·scaling`` is taken here, over whole tensors: our adapters are plain LoRA,
+    ``peft_config``); None: ``model`` is whole."""
+    if whole is None:
+        merged_copy(model).save_pretrained(folder, safe_serialization=True)
+        return
+    from peft.tuners.lora import LoraLayer
+
+    from asyncrl.rl.trainer.fsdp import save_pretrained
+
+    prefix = "base_model.model."
+    merged = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        a, b = whole[f"{name}.lora_A.{ADAPTER}.weight"], whole[f"{name}.lora_B.{ADAPTER}.weight"]
+        base = whole[f"{name}.base_layer.weight"]
+        merged[f"{name}.base_layer.weight"] = (base.float() + (b.float() @ a.float()) * module.scaling[ADAPTER]).to(base.dtype)
+    out = {}
+    for key, tensor in whole.items():
+        if ".lora_" in key:
+            continue
+        out[key.removeprefix(prefix).replace(".base_layer.", ".")] = merged.get(key, tensor)
+    save_pretrained(model.get_base_model(), folder, out)
+
+
 def lora_policy(model: Any, lora: Any, device: torch.device, adapter_dir: str | None = None) -> Any:
     """The policy to train: ``model`` as a frozen base (bf16 on GPU with ``lora.bf16_base``) with
     fresh adapters, or with those saved in ``adapter_dir`` (a checkpoint's, to resume)."""
