@@ -6,10 +6,9 @@ environment's (mask 0, context), the text quoted so that spaces and newlines sho
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
-from asyncrl.rl.view.history import RunHistoryError
+from asyncrl.rl.view.history import RunHistoryError, read_jsonl
 
 EPISODES_FILE = "episodes.jsonl"
 
@@ -17,20 +16,8 @@ EPISODES_FILE = "episodes.jsonl"
 def read_episodes(run_dir: str) -> list[dict[str, Any]]:
     """The records of RUN_DIR/episodes.jsonl in order (a line cut short while written is skipped);
     `RunHistoryError` when there is no such file."""
-    try:
-        with open(os.path.join(run_dir, EPISODES_FILE), encoding="utf-8") as f:
-            lines = f.readlines()
-    except FileNotFoundError:
-        raise RunHistoryError(f"{run_dir}: no {EPISODES_FILE} (not a run directory, or no step finished yet)") from None
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("pieces"), list):
-            records.append(record)
-    return records
+    return read_jsonl(run_dir, EPISODES_FILE, lambda record: isinstance(record.get("step"), int)
+                      and isinstance(record.get("pieces"), list))
 
 
 def episode_text(run_dir: str, step: int | None = None) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.errors import AsyncrlError
@@ -18,19 +19,24 @@ class RunHistoryError(AsyncrlError, ValueError):
 def read_records(run_dir: str) -> list[dict[str, Any]]:
     """The records of RUN_DIR/metrics.jsonl in order. A line that does not parse (the last one,
     while the run is writing it) is skipped. Raises `RunHistoryError` if there is no file."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+    return read_jsonl(run_dir, "metrics.jsonl", lambda record: isinstance(record.get("step"), int))
+
+
+def read_jsonl(run_dir: str, name: str, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """The JSON objects of RUN_DIR/``name``, one a line, in order, those ``keep`` takes; a line
+    that does not parse (one cut short while written) is skipped. `RunHistoryError` without it."""
     try:
-        with open(path) as f:
+        with open(os.path.join(run_dir, name), encoding="utf-8") as f:
             lines = f.readlines()
     except FileNotFoundError:
-        raise RunHistoryError(f"{run_dir}: no metrics.jsonl (not a run directory, or no step finished yet)") from None
+        raise RunHistoryError(f"{run_dir}: no {name} (not a run directory, or no step finished yet)") from None
     records = []
     for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+        if isinstance(record, dict) and keep(record):
             records.append(record)
     return records
 
