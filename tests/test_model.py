@@ -323,7 +323,9 @@ def test_an_evaluation_reports_the_tasks_metrics_and_its_failed_calls(built):
 
     model, tok, fmt = load_policy(built)
     problems = list(generate(0, 12))
-    calls = UserCalls("countdown", 5.0, 0.5, min_calls=4, stop_early=True)
+    # a budget no share of failures exceeds: which calls end first is the thread pool's timing (seen in CI:
+    # 3 of the first 4 were raising ones, over 0.5), and the budget is the next test's
+    calls = UserCalls("countdown", 5.0, 1.0, min_calls=4, stop_early=True)
     try:
         found = evaluation.evaluate(model, tok, fmt, problems, task=Scored("raise"), max_new_tokens=4, calls=calls)
     finally:

@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.episodes_log import EPISODES_FILE, EpisodeLog
