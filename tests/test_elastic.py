@@ -19,7 +19,7 @@ import pytest
 
 from asyncrl import Supervisor
 from asyncrl.rl.driver.run import train
-from asyncrl.rl.driver.scaling import scale
+from asyncrl.rl.driver.scaling import scale  # the name docs/elastic.md gives
 from asyncrl.runtime.status import query_status
 
 from test_fault_tolerance import check_whole, tiny

@@ -122,3 +122,39 @@ def test_the_map_knows_every_part():
     parts = {_part(m) for m in _modules()}
     assert "asyncrl.rl.driver" in parts and "asyncrl.rl.sampler" in parts  # the walk found the packages
     assert parts <= set(MAY_IMPORT)
+
+
+LOOP = ("asyncrl.rl.driver", "asyncrl.rl.driver.grpo", "asyncrl.rl.driver.run")
+"""The driver's loop: the package (its __init__ imports train()), the steps and the run."""
+
+
+def test_the_fleet_never_reaches_back_into_the_loop():
+    # The loop builds the fleet and passes in what it needs; an import the other way would make
+    # the fleet's parts depend on the steps they serve (prime-rl's rule for its components).
+    wrong = [f"{module} imports {name}" for module, path in sorted(_modules().items())
+             if module.startswith("asyncrl.rl.driver.fleet") for name in sorted(_imports(module, path))
+             if name in LOOP or name.startswith(tuple(f"{loop}." for loop in LOOP[1:]))]
+    assert not wrong, "the fleet imports the loop:\n" + "\n".join(wrong)
+
+
+def test_membership_is_the_one_writer_of_a_members_state():
+    # Every field of a `Member`, and whether the group must be formed again (``dirty``), is
+    # written by `Membership` alone: any other module asks it through a method.
+    owner = os.path.join(ROOT, "rl", "driver", "fleet", "membership.py")
+    tree = ast.parse(open(owner).read())
+    (member,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Member"]
+    fields = {n.target.id for n in member.body if isinstance(n, ast.AnnAssign)} | {"dirty"}
+    assert {"state", "incarnation", "pump", "seq"} <= fields
+    wrong = []
+    for module, path in sorted(_modules().items()):
+        if not module.startswith("asyncrl.rl.driver") or path == owner:
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if (isinstance(t, ast.Attribute) and t.attr in fields
+                            and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                        wrong.append(f"{module}:{t.lineno} writes .{t.attr}")
+    assert not wrong, "a member's state written outside Membership:\n" + "\n".join(wrong)

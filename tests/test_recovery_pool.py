@@ -27,11 +27,12 @@ from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError
 from asyncrl.comm.weights import SyncStats
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, remote_error_class, type_path
 from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
-from asyncrl.rl.driver import sync_group
+from asyncrl.rl.driver.fleet import sync_group
+from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.faults import NoSamplersError, TaskFailedError
-from asyncrl.rl.driver.membership import MemberState
+from asyncrl.rl.driver.fleet.membership import MemberState
 from asyncrl.rl.driver.pacing import Pacer
-from asyncrl.rl.driver.pool import SamplerPool
+from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import SamplerSyncStats
@@ -366,7 +367,7 @@ async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_be
     assert [m.state for m in pool.members] == [MemberState.GONE, MemberState.LOST, MemberState.JOINED], logs
     assert never.calls == [] and pool.progress()["samplers"]["sampler0"] == "gone"
     (fault,) = pool.faults
-    assert fault.sampler == "sampler1" and "failed to take its data position" in fault.cause, fault
+    assert fault.sampler == "sampler1" and "during taking its data position" in fault.cause, fault
     assert pool.generation == 0 and up.calls.count("receive_weights") == 1, logs
 
 
@@ -423,3 +424,44 @@ async def test_a_sampler_back_after_a_sync_without_it_is_given_credit_for_the_ne
     assert len(batch) == 16 and m.in_group and m.incarnation == 2, logs
     assert pacer.version == 39, pacer.version  # the rejoined sampler holds v39: groups begun now train at step 41
     assert sampler.streams[:2] == [8, 8], sampler.streams  # whole batches: the room was counted from v39
+
+
+async def test_call_all_awaits_every_answer_and_names_who_failed_during_what():
+    answers_now = Scripted("sampler0", stats=[(0.0, {"generating": 2})])
+    frozen = Scripted("sampler1", stats=[(30.0, {})])
+    dies = Scripted("sampler2", stats=[(0.0, ActorDiedError("sampler2", "killed by SIGKILL"))])
+    started, deaths = time.monotonic(), []
+    answers = await call_all([answers_now, frozen, dies], lambda h, _: h.stats(), timeout_s=0.5, what="the probe",
+                             died=lambda i, error: deaths.append((i, time.monotonic() - started)))
+    assert answers.results[0] == {"generating": 2} and answers.failed() == [1, 2] and not answers.ok
+    assert answers.cause(1) == "no answer during the probe within 0.5 s", answers.results
+    assert answers.cause(2) == "died during the probe (killed by SIGKILL)", answers.results
+    assert [i for i, _ in deaths] == [2] and deaths[0][1] < 0.4, deaths  # told at once, not after the frozen one
+    assert answers.summary().startswith("sampler1: ") and "sampler2: " in answers.summary()
+
+
+async def test_membership_call_all_pins_the_incarnations_and_loses_the_failed_in_one_place():
+    ok = Scripted("sampler0", receive_weights=[(0.0, GOT)])
+    frozen = Scripted("sampler1", receive_weights=[(30.0, GOT)])
+    victim = Scripted("sampler2", receive_weights=[(0.0, collective_error("sampler2", "receive_weights"))])
+    replaced = Scripted("sampler3", receive_weights=[(0.0, GOT)])
+    logs: list[str] = []
+    pool = make_pool(trainer_script(SENT), [ok, frozen, victim, replaced], logs)
+    members = pool.membership
+    replaced.set_state("running", incarnation=2)  # restarted since it joined: its calls would reach a stranger
+    try:
+        assert await members.call_all(members.members, lambda h, _: h.receive_weights(1), timeout_s=0.5,
+                                      what="the weight sync of v1", whole=True) is None
+        assert ok.calls == [] and members.members[3].state is MemberState.LOST, logs  # the group is not whole
+        answers = await members.call_all([m for m in members.members if m.in_group],
+                                         lambda h, _: h.receive_weights(1), timeout_s=0.5,
+                                         what="the weight sync of v1", spare=sync_group.suffered_from_peer)
+    finally:
+        await pool.close()
+    assert [m.name for m, _ in answers.of_members()] == ["sampler0", "sampler1", "sampler2"]
+    # sampler3's loss was judged on incarnation 1; incarnation 2 is a candidate of the next rebuild
+    assert [m.state for m in members.members] == [MemberState.JOINED, MemberState.LOST, MemberState.JOINED,
+                                                  MemberState.CANDIDATE], logs
+    (frozen_fault,) = [f for f in pool.faults if f.sampler == "sampler1"]
+    assert frozen_fault.cause == "no answer during the weight sync of v1 within 0.5 s", pool.faults
+    assert frozen.kills == [(frozen_fault.cause, 1)] and victim.kills == [] and replaced.kills == [], logs

@@ -14,8 +14,8 @@ from asyncrl import ActorDiedError, RemoteError, Supervisor
 from asyncrl.comm.errors import CollectiveError, RendezvousError, RendezvousTimeoutError, WeightSyncError
 from asyncrl.errors import _KNOWN, ActorError, AsyncrlError, remote_error_class, type_path
 from asyncrl.rl.checkpoint import CheckpointWriteError
-from asyncrl.rl.driver.sync_group import suffered_from_peer
-from asyncrl.rl.driver.trainer_ranks import TrainerRankFailedError, TrainerRanks
+from asyncrl.rl.driver.fleet.sync_group import suffered_from_peer
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRankFailedError, TrainerRanks
 from asyncrl.rl.sampler.errors import SamplerTimeoutError
 from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.rl.trainer.errors import PeerRankFailedError, StepDeadlineError
@@ -72,7 +72,7 @@ def test_two_classes_of_one_name_stay_apart():
 
 
 def test_the_driver_catches_the_errors_of_ranks_and_samplers_without_torch():
-    code = ("import sys; import asyncrl.rl.driver.pool, asyncrl.rl.driver.trainer_ranks, asyncrl.rl.driver.grpo; "
+    code = ("import sys; import asyncrl.rl.driver.fleet.pool, asyncrl.rl.driver.fleet.trainer_ranks, asyncrl.rl.driver.grpo; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -18,8 +18,8 @@ import asyncio
 
 import pytest
 
-from asyncrl.rl.driver.membership import MemberState
-from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler, check_target
+from asyncrl.rl.driver.fleet.membership import MemberState
+from asyncrl.rl.driver.fleet.scaling import ScaleRefusedError, Scaler, check_target
 from asyncrl.rl.rollout import RolloutGroup
 
 from test_recovery_pool import GOT, SENT, Scripted, make_pool
@@ -163,7 +163,7 @@ def test_a_size_beyond_the_devices_is_refused_in_one_line():
 def test_a_cpu_sampler_started_by_a_scale_up_goes_to_the_node_with_the_fewest():
     from types import SimpleNamespace as S
 
-    from asyncrl.rl.driver.scaling import least_loaded_node
+    from asyncrl.rl.driver.fleet.scaling import least_loaded_node
 
     nodes = [S(rank=0, state="joined"), S(rank=1, state="joined"), S(rank=2, state="lost: silent")]
     actors = [S(name="trainer", state="running", node=1), S(name="sampler0", state="running", node=0),

@@ -16,7 +16,7 @@ from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, parse_overrides
 from asyncrl.rl.driver.endpoint import MetricsEndpoint
 from asyncrl.rl.driver.grpo import GRPODriver
-from asyncrl.rl.driver.membership import MemberState
+from asyncrl.rl.driver.fleet.membership import MemberState
 from asyncrl.rl.driver.stall import StallWatch
 from asyncrl.runtime.status import StatusServer
 

@@ -81,7 +81,7 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
 
 
 def test_the_wire_dtype_is_the_samplers_own_when_they_agree():
-    from asyncrl.rl.driver.sync_group import wire_dtype
+    from asyncrl.rl.driver.fleet.sync_group import wire_dtype
 
     assert wire_dtype(["bfloat16", "bfloat16"]) == "bfloat16"  # fp32 master weights go out as bf16
     assert wire_dtype(["float32"]) == "float32"

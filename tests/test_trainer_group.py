@@ -48,7 +48,7 @@ async def spawn_plain(sup, path, config):
 
 
 async def spawn_ranks(sup, path, config, world_size=2, env=None):
-    from asyncrl.rl.driver.trainer_ranks import spawn_trainer_ranks
+    from asyncrl.rl.driver.fleet.trainer_ranks import spawn_trainer_ranks
     from asyncrl.rl.trainer.actor import TrainerActor
 
     return await spawn_trainer_ranks(sup, TrainerActor, (path, config), world_size=world_size, host=HOST,
@@ -130,7 +130,7 @@ def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_
     """Rank 1 raises in the middle of the backward of step 2 (or is SIGKILLed there): rank 0,
     blocked in a collective, leaves it at once with a typed error; the verdict names rank 1."""
     from asyncrl.errors import ActorDiedError
-    from asyncrl.rl.driver.trainer_ranks import TrainerRankFailedError
+    from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRankFailedError
     from asyncrl.rl.trainer.parallel import FAULT_ENV
 
     kind = "raise" if fault == "raise" else "hang"

@@ -25,7 +25,7 @@ from asyncrl import RemoteError, Supervisor
 from asyncrl.comm.member import form_group
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
-from asyncrl.rl.driver.sync_group import suffered_from_peer
+from asyncrl.rl.driver.fleet.sync_group import suffered_from_peer
 from asyncrl.rl.sampler.actor import SamplerActor
 from asyncrl.rl.sampler.backend import SamplingParams
 from conftest import descendants, kill_all, process_alive, wait_until

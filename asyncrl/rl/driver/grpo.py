@@ -16,7 +16,7 @@ a sync never waits for a batch to finish; a group is tagged with the version it 
 during training: the synchronous baseline, same code, staleness always 0.
 
 `train()` (run.py) spawns the actors and builds the driver; the samplers, their faults and the
-weight-sync group are the `SamplerPool`'s (pool.py).
+weight-sync group are the `SamplerPool`'s (fleet/pool.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.painter import CurvesPainter
 from asyncrl.rl.driver.progress import Progress, make_progress
 from asyncrl.rl.driver.writers import MetricWriters, scalars_of
-from asyncrl.rl.driver.pool import SamplerPool
-from asyncrl.rl.driver.scaling import Scaler
+from asyncrl.rl.driver.fleet.pool import SamplerPool
+from asyncrl.rl.driver.fleet.scaling import Scaler
 from asyncrl.rl.driver.stall import StallWatch
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
@@ -81,11 +81,14 @@ class GRPODriver:
         # Async mode: samplers begin only groups that will be trained in time (pacing.py).
         self.pacer = (Pacer(self.queue, self.run.groups_per_step, staleness, version=self.state.version,
                             next_step=self.state.step + 1) if self.run.mode == "async" else None)
+        # Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
+        # them unique along the run's history (the one metrics.jsonl records).
+        self.segment = self.state.segment + 1 if resume is not None else 0
         self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
                                 backend=backend, log=self.log, events_path=self.events_path, pacer=self.pacer,
                                 batch_groups=config.sampler.prompts_per_batch, teacher=teacher,
-                                reward_model=reward_model)
-        self.scaler: Scaler | None = None  # ``asyncrl scale``: train() sets it (scaling.py)
+                                reward_model=reward_model, uid_prefix=f"resume{self.segment}/" if self.segment else "")
+        self.scaler: Scaler | None = None  # ``asyncrl scale``: train() sets it (fleet/scaling.py)
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
@@ -97,10 +100,6 @@ class GRPODriver:
         self.last_step_s, self.last_step_at = 0.0, 0.0
         self.checkpoint_path = resume.path if resume is not None else ""
         self.segment_start = time.monotonic()
-        # Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
-        # them unique along the run's history (the one metrics.jsonl records).
-        self.segment = self.state.segment + 1 if resume is not None else 0
-        self.pool.uid_prefix = f"resume{self.segment}/" if self.segment else ""
         self.model_path, self.log_path = model_path, log_path
         self.began = False  # training began (the held-out rates before it are known)
         self.after_step = ""  # what the driver does after a step's training, while it does it
@@ -187,7 +186,7 @@ class GRPODriver:
             out = await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
                                       self.trainer.with_timeout(t).evaluate(self.run.eval_samples))
         except RemoteError as exc:
-            if isinstance(exc, TaskFailureError):  # the task's code past its budget (as pool.py: a sampler's)
+            if isinstance(exc, TaskFailureError):  # the task's code past its budget (as fleet/pool.py: a sampler's)
                 raise TaskFailedError(f"the held-out evaluation: {exc.remote_message}") from exc
             raise
         self.heldout_extra = {f"heldout/{k}": v for k, v in out.items() if "/" in k}

@@ -1,7 +1,7 @@
 """`train()`: one GRPO run from its config to its summary, or to a stop that says how to resume.
 
 It checks the config (`preflight.check_run`), makes the run directory, spawns the trainer and the
-samplers on the caller's supervisor (a sampler that never comes up is left out: `sampler_start.py`),
+samplers on the caller's supervisor (a sampler that never comes up is left out: `fleet/sampler_start.py`),
 loads a checkpoint to resume from (`resume.py`), and hands the steps to `GRPODriver` (grpo.py).
 Every way a run can end passes through here once: a signal (SIGINT, SIGTERM) or any error is
 recorded as a ``stopped`` event in faults.jsonl and told in one line that names what resumes the
@@ -33,10 +33,11 @@ from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
-from asyncrl.rl.driver.sampler_start import start_samplers
-from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler, least_loaded_node
+from asyncrl.rl.driver.fleet.calls import call_all
+from asyncrl.rl.driver.fleet.sampler_start import start_samplers
+from asyncrl.rl.driver.fleet.scaling import ScaleRefusedError, Scaler, least_loaded_node
 from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers
-from asyncrl.rl.driver.trainer_ranks import node_address, spawn_trainer_ranks
+from asyncrl.rl.driver.fleet.trainer_ranks import node_address, spawn_trainer_ranks
 from asyncrl.runtime import signals
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
@@ -103,7 +104,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         return where, resume_hint(run_dir)
 
     status = await sup.serve_status(run_dir, progress=progress)
-    status.add_command("scale", lambda args: _scaler_of(driver).request(args))  # asyncrl scale (scaling.py)
+    status.add_command("scale", lambda args: _scaler_of(driver).request(args))  # asyncrl scale (fleet/scaling.py)
     endpoint = None
     console.__enter__()
     try:
@@ -164,7 +165,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         log(f"samplers: {prompts} prompts x {config.sampler.group_size} completions at once"
             + (" (--sampler.prompts_per_batch auto)" if auto else ""))
 
-        def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: sampler_start.py
+        def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: fleet/sampler_start.py
             return sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
                              share_devices_with="trainer" if plan.colocated else None, env=env,
                              node=None if plan.colocated else sampler_nodes[i] if i < len(sampler_nodes)
@@ -273,7 +274,10 @@ def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
 async def _check_digestible(samplers: list[Any]) -> None:
     """``--run.check_weights`` reads each sampler's weights in the actor; a vLLM sampler keeps
     them in its engine's process (repacked for its kernels on CPU), so refuse before the run."""
-    for sampler, stats in zip(samplers, await asyncio.gather(*(s.stats() for s in samplers))):
+    answers = await call_all(samplers, lambda h, _: h.stats(), timeout_s=None, what="the check of its backend")
+    if not answers.ok:  # a sampler that cannot answer this cannot take part in the run: as it is
+        raise answers.results[answers.failed()[0]]
+    for stats in answers.results:
         if stats["backend"] == "vllm":
             raise ConfigError(f"--run.check_weights needs samplers that hold their weights in the actor, but "
                               f"{stats['name']} uses the vLLM backend; add --sampler.backend hf, or drop check_weights")

@@ -263,7 +263,7 @@ class SamplerActor(SyncMember):
                  tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
         return s
 
-    # --- resume and fault-tolerance hooks (asyncrl/rl/checkpoint.py, driver/pool.py) ------------
+    # --- resume and fault-tolerance hooks (asyncrl/rl/checkpoint.py, driver/fleet/pool.py) ------------
 
     @endpoint
     async def data_state(self) -> SamplerDataState:

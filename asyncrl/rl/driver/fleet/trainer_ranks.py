@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
 from asyncrl.rl.driver.faults import RunStoppedError
+from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.trainer.errors import LEFT_FOR_A_PEER
 
 ALL_RANKS = frozenset({"train_step", "evaluate", "setup_sender", "send_weights", "save", "save_checkpoint",
@@ -76,20 +77,15 @@ class TrainerRanks:
     async def _all(self, method: str, args: tuple, kwargs: dict) -> Any:
         if self._timeout_s is not None and method in _DEADLINE_ARG:
             kwargs = {**kwargs, "deadline_s": self._timeout_s}
-        calls = [asyncio.ensure_future(getattr(self._rank(r), method)(*args, **kwargs))
-                 for r in range(self.world_size)]
-        for r, call in enumerate(calls):
-            call.add_done_callback(lambda call, r=r: self._on_done(r, call))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        if not any(isinstance(x, BaseException) for x in results):
-            return results[0]
-        raise self._verdict(method, results)
+        answers = await call_all(self.handles, lambda h, _: getattr(h, method)(*args, **kwargs),
+                                 timeout_s=self._timeout_s, what=method, died=self._died)
+        if answers.ok:
+            return answers.results[0]
+        raise self._verdict(method, answers.results)
 
-    def _on_done(self, rank: int, call: asyncio.Future) -> None:
+    def _died(self, rank: int, error: ActorDiedError) -> None:
         """A rank that died leaves no record for its peers: tell them, so they leave at once."""
-        if call.cancelled() or not isinstance(call.exception(), ActorDiedError):
-            return
-        reason = f"died ({call.exception().reason})"
+        reason = f"died ({error.reason})"
         for r, handle in enumerate(self.handles):
             if r != rank:
                 task = asyncio.ensure_future(handle.with_timeout(ABORT_CALL_S).abort_call(rank, reason))

@@ -1,9 +1,12 @@
 """Who is in the driver's weight-sync group, and what became of the samplers that left it.
 
-`Membership` is the `SamplerPool`'s ledger: each sampler's `MemberState`, its losses (`Fault`s,
-and the events of metrics.jsonl and faults.jsonl), the kill of a lost sampler that is still alive,
-the wait for its replacement, and every task the pool started. The group-wide calls that form the
-group are `SyncGroup`'s (sync_group.py); the rollout streams are the pool's (pool.py).
+`Membership` is the fleet's one owner of its members' state: each sampler's `MemberState`, its
+incarnation, its data walk and deliveries, its rollout pump, its losses (`Fault`s, and the events
+of metrics.jsonl and faults.jsonl), the kill of a lost sampler that is still alive, the wait for
+its replacement, and every task the fleet started. Nothing else writes a `Member` or ``dirty``:
+the pool (pool.py), the group-wide calls (sync_group.py) and the scaler (scaling.py) ask it
+through its methods, and every call to several members is its `call_all` (the calls in calls.py,
+the verdicts on them here).
 
 A verdict concerns one incarnation: `lose` is given the incarnation the failed call went to, and
 one that is already replaced is not judged by what its predecessor did. A lost sampler that is
@@ -17,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.errors import ActorDiedError
+from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import RecoveryConfig
 from asyncrl.rl.driver.faults import Fault, append_event
+from asyncrl.rl.driver.fleet.calls import Answers, call_all
 from asyncrl.runtime.state import ActorState
 
 CLOSE_S = 10.0
@@ -55,7 +61,7 @@ class MemberState(enum.Enum):
 
 @dataclass(eq=False)
 class Member:
-    """One sampler of the pool, across its incarnations."""
+    """One sampler of the pool, across its incarnations. Written by `Membership` alone."""
 
     handle: Any
     index: int
@@ -117,6 +123,92 @@ class Membership:
                    incarnation=m.incarnation)
         self.changed.set()
         return m
+
+    def begin(self, data: list[SamplerDataState | None]) -> list[tuple[Member, SamplerDataState]]:
+        """The run segment begins: each member's data walk continues from ``data`` (its place in
+        the last checkpoint; a fresh walk where there is none), and the incarnation running now
+        is the one that joins. Returns the positions the members that are up must take."""
+        starts = []
+        for m in self.members:
+            state = data[m.index] if m.index < len(data) and data[m.index] is not None else SamplerDataState(m.seed, 0)
+            m.walk_base = state.drawn
+            if m.state is not MemberState.GONE:  # one that never came up keeps the run's place
+                m.incarnation = m.handle.info().incarnation
+                starts.append((m, state))
+        return starts
+
+    def delivered(self, m: Member) -> int:
+        """``m`` delivered one more group: its sequence number in this incarnation's stream."""
+        m.seq += 1
+        m.delivered += 1
+        m.pump_failures = 0
+        return m.seq
+
+    def start_pump(self, m: Member, pump: Awaitable[Any]) -> None:
+        """Run ``pump``, ``m``'s rollout stream; its end wakes the driver's waits."""
+        m.pump = self.spawn(pump, f"pump of {m.name}")
+        m.pump.add_done_callback(lambda _: self.changed.set())
+
+    def take_ended_pump(self, m: Member) -> asyncio.Task | None:
+        """``m``'s pump if it ended (no longer ``m``'s then: the next reconcile starts another)."""
+        if m.pump is None or not m.pump.done():
+            return None
+        task, m.pump = m.pump, None
+        return task
+
+    def pump_waited(self, m: Member, retries: int) -> bool:
+        """``m``'s stream failed waiting for good weights: True if it is pumped again after the
+        next sync (which re-forms the group), False once that happened ``retries`` times in a row."""
+        if m.pump_failures >= retries:
+            return False
+        m.pump_failures += 1
+        self.dirty = True
+        return True
+
+    def nobody_to_form(self) -> None:
+        """No sampler can join the group: the trainer stays alone until a replacement is up."""
+        self.dirty = False
+
+    async def call_all(self, group: list[Member], call: Callable[[Any, Member | None], Awaitable[Any]], *,
+                       timeout_s: float, what: str, whole: bool = False, lead: Any = None,
+                       judge_lead: Callable[[Any], None] | None = None,
+                       spare: Callable[[BaseException], bool] | None = None) -> Answers | None:
+        """Make ``call(handle, member)`` to every member of ``group`` at once (`calls.call_all`:
+        each within ``timeout_s``), to the incarnation that joined, and lose each that failed (killed unless
+        it died; the cause names ``what``), except the ones ``spare`` says suffered a peer's
+        failure. The answers are handed back, the members' last (`Answers.of_members`).
+
+        A member no longer running the incarnation that joined is lost first, and not called.
+        ``whole``: the call is meant for the group as formed: with a member replaced it is not
+        made at all (None), and any failure means the group must be formed again. ``lead`` (the
+        trainer) is called with the members, first (``member`` None); its answer is judged by ``judge_lead`` (which
+        raises to stop the run) before any member's."""
+        replaced = self.lose_replaced(group)  # no await from here to the calls: they go to these incarnations
+        if replaced and whole:
+            return None
+        group = [m for m in group if m not in replaced]
+        pinned = [m.incarnation for m in group]
+        first = 0 if lead is None else 1
+
+        def died(i: int, error: ActorDiedError) -> None:  # at once: the others may wait out their deadline for it
+            if i >= first:
+                self.lose(group[i - first], f"died during {what} ({error.reason})", kill=False,
+                          incarnation=pinned[i - first])
+
+        handles = ([] if lead is None else [lead]) + [m.handle for m in group]
+        answers = await call_all(handles, lambda h, i: call(h, group[i - first] if i >= first else None),
+                                 timeout_s=timeout_s, what=what, died=died)
+        answers.members = group
+        if lead is not None and judge_lead is not None:
+            judge_lead(answers.results[0])
+        for i in answers.failed():
+            if i < first or (spare is not None and spare(answers.results[i])):
+                continue
+            self.lose(group[i - first], answers.cause(i), kill=not isinstance(answers.results[i], ActorDiedError),
+                      incarnation=pinned[i - first])
+        if whole and not answers.ok:
+            self.dirty = True
+        return answers
 
     def drain(self, m: Member, why: str) -> None:
         """Take ``m`` out of the group for good, on request: its rollout stream is cut (the groups

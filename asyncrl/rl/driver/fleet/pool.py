@@ -2,9 +2,10 @@
 
 `SamplerPool` is the GRPO driver's view of its samplers: the driver's calls (a batch, a sync, a
 weight check, the data positions for a checkpoint) and the tasks that stream each member's
-rollouts into the `RolloutQueue`. It is built of two parts: `Membership` (membership.py: each
-sampler's state, its losses and returns, the pool's tasks) and `SyncGroup` (sync_group.py: the
-group-wide calls that form the group and send it weights, and the verdicts on them).
+rollouts into the `RolloutQueue`. It is built of two parts: `Membership` (membership.py: the one
+owner of each sampler's state, its losses and returns, the pool's tasks, and `call_all`, every
+call to several samplers) and `SyncGroup` (sync_group.py: the group-wide calls that form the
+group and send it weights, and the verdicts on the trainer's part in them).
 
 A sampler is *lost* when its process dies, when it stops answering (no group within
 ``generate_timeout_s``, no answer to a sync), or when it fails a call in a way that leaves its
@@ -26,8 +27,9 @@ Invariants:
   half from a lost sampler; the ones it delivered before it was lost stay (tagged, valid).
 * A sync completes on every member or fails on every member (the vote in `comm/weights.py`), so
   when `sync` returns, every sampler in the group holds the same version as the trainer.
-* Every call to a sampler goes to the incarnation that joined (`Membership.lose_replaced` right
-  before it, no await in between), and its verdict falls on that incarnation only.
+* Every call to a sampler goes to the incarnation that joined (`Membership.call_all` loses a
+  replaced one right before the calls, no await in between), and its verdict falls on that
+  incarnation only.
 * Every wait is bounded by one of the run's phase deadlines; a trainer that dies or overruns
   stops the run with a `RunStoppedError` naming the phase, never a hang.
 """
@@ -46,10 +48,11 @@ from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.driver.faults import (Fault, NoSamplersError, PhaseTimeoutError, RunStoppedError, TaskFailedError,
                                       WeightsDivergedError, trainer_phase)
-from asyncrl.rl.driver.membership import Member, MemberState, Membership
+from asyncrl.rl.driver.fleet.calls import call_all
+from asyncrl.rl.driver.fleet.membership import Member, MemberState, Membership
+from asyncrl.rl.driver.fleet.sync_group import SyncGroup
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
-from asyncrl.rl.driver.sync_group import SyncGroup
 from asyncrl.rl.driver.sync_metrics import sync_record
 from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
@@ -65,14 +68,14 @@ PUMP_RETRIES = 3
 class SamplerPool:
     """The samplers of a run: membership, pumps and recovery (see the module docstring)."""
 
-    uid_prefix = ""
-    """Put before every group id; the driver sets it to the run segment ("resume1/", ...), since
-    a resumed run's samplers number their groups from incarnation 1, sequence 1 again."""
-
     def __init__(self, trainer: Any, samplers: list[Any], queue: RolloutQueue, *, run: RunConfig, seeds: list[int],
                  host: str, backend: str, log=print, events_path: str = "", pacer: Pacer | None = None,
-                 batch_groups: int = 0, teacher: Teacher | None = None, reward_model: RewardModel | None = None):
+                 batch_groups: int = 0, teacher: Teacher | None = None, reward_model: RewardModel | None = None,
+                 uid_prefix: str = ""):
         self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
+        # Put before every group id: the run segment ("resume1/", ...), since a resumed run's
+        # samplers number their groups from incarnation 1, sequence 1 again.
+        self.uid_prefix = uid_prefix
         # Async mode with a pacer: each pump asks it for credit, then streams one batch of
         # ``batch_groups`` prompts (the sampler's prompts_per_batch); without: one endless stream.
         self.pacer, self.batch_groups = pacer, batch_groups
@@ -114,17 +117,10 @@ class SamplerPool:
         before it joined (it died since its start, it failed to take its data position) is lost as
         any other: the run goes on without it while it restarts (`next_batch` takes it back).
         Raises `NoSamplersError` only when every sampler is gone for good."""
-        for m in self.members:
-            state = data[m.index] if m.index < len(data) and data[m.index] is not None else SamplerDataState(m.seed, 0)
-            m.walk_base = state.drawn
-            if m.state is MemberState.GONE:
-                continue  # never came up: its data position stays where the run left it
-            m.incarnation = incarnation = m.handle.info().incarnation
-            try:
-                await m.handle.with_timeout(self.run.deadlines.rendezvous_timeout_s).restore_data_state(state)
-            except (ActorDiedError, CallTimeoutError, RemoteError) as exc:
-                self.membership.lose(m, f"failed to take its data position: {first_line(exc)}",
-                                     kill=not isinstance(exc, ActorDiedError), incarnation=incarnation)
+        positions = dict(self.membership.begin(data))
+        await self.membership.call_all(list(positions), lambda h, m: h.restore_data_state(positions[m]),
+                                       timeout_s=self.run.deadlines.rendezvous_timeout_s,
+                                       what="taking its data position")
         await self.sync_group.rebuild(version)
         if self.membership.none_left():
             causes = "; ".join(f"{f.sampler}: {f.cause}" for f in self.faults[-3:])
@@ -208,35 +204,27 @@ class SamplerPool:
         t = self.run.deadlines.sync_timeout_s
         trainer = await trainer_phase("the weight check", "sync_timeout_s", t,
                                       self.trainer.with_timeout(t).weights_digest())
-        self.membership.lose_replaced(self.membership.with_state(MemberState.JOINED))
-        joined = self.membership.with_state(MemberState.JOINED)
-        pinned = [m.incarnation for m in joined]
-        results = await asyncio.gather(*(m.handle.with_timeout(t).weights_digest() for m in joined),
-                                       return_exceptions=True)
+        answers = await self.membership.call_all(self.membership.with_state(MemberState.JOINED),
+                                                 lambda h, _: h.weights_digest(), timeout_s=t, what="the weight check")
         digests = {"trainer": trainer}
-        for m, incarnation, result in zip(joined, pinned, results):
+        for m, result in answers.of_members():
             if isinstance(result, BaseException):
-                self.membership.lose(m, f"weight check failed: {first_line(result)}",
-                                     kill=not isinstance(result, ActorDiedError), incarnation=incarnation)
-            elif result != trainer:
+                continue  # lost: the next sync re-forms the group without it
+            if result != trainer:
                 raise WeightsDivergedError(f"sampler {m.name} holds weights {result[:12]} after the sync of "
                                            f"generation {self.generation}; the trainer holds {trainer[:12]}")
-            else:
-                digests[m.name] = result
+            digests[m.name] = result
         return digests
 
     async def data_states(self) -> list[SamplerDataState]:
         """Each sampler's data position for a checkpoint (computed for one that is not up)."""
+        answers = await self.membership.call_all([m for m in self.members if m.in_group], lambda h, _: h.data_state(),
+                                                 timeout_s=self.run.deadlines.rendezvous_timeout_s,
+                                                 what="reading its data position")
+        got = {m: r for m, r in answers.of_members() if not isinstance(r, BaseException)}
         states = []
         for m in self.members:
-            state = None
-            if m.in_group and not self.membership.lose_replaced([m]):
-                incarnation = m.incarnation
-                try:
-                    state = await m.handle.with_timeout(self.run.deadlines.rendezvous_timeout_s).data_state()
-                except (ActorDiedError, CallTimeoutError, RemoteError) as exc:
-                    self.membership.lose(m, f"data_state failed: {first_line(exc)}",
-                                         kill=not isinstance(exc, ActorDiedError), incarnation=incarnation)
+            state = got.get(m)
             if state is None or state.drawn < 0:  # not up: after the prompts it delivered
                 state = SamplerDataState(m.seed, m.walk_base + m.delivered)
             states.append(state)
@@ -259,9 +247,9 @@ class SamplerPool:
         """Each sampler's state in words, with what a sampler in the group is generating now
         (its own counters, each asked within ``timeout_s``): for the line of a stalled run."""
         joined = self.membership.with_state(MemberState.JOINED)
-        stats = await asyncio.gather(*(m.handle.with_timeout(timeout_s).stats() for m in joined),
-                                     return_exceptions=True)
-        answers = dict(zip(joined, stats))
+        stats = await call_all([m.handle for m in joined], lambda h, _: h.stats(), timeout_s=timeout_s,
+                               what="a stall's description")
+        answers = dict(zip(joined, stats.results))
         parts = []
         for m in self.members:
             part = f"{m.name} {m.state.shown}"
@@ -307,10 +295,8 @@ class SamplerPool:
             if incarnation != m.incarnation or group.version < m.min_version:
                 raise ActorDiedError(m.name, f"incarnation {m.incarnation} was replaced by {incarnation} "
                                      "outside the group")  # its groups were never synced: drop them
-            m.seq += 1
-            m.delivered += 1
-            m.pump_failures = 0
-            group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{m.seq}")
+            seq = self.membership.delivered(m)
+            group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{seq}")
             try:
                 if self.teacher is not None:
                     group = await self.teacher.annotate(group)
@@ -332,15 +318,13 @@ class SamplerPool:
         return d.queue_timeout_s + d.train_timeout_s + d.sync_timeout_s + d.checkpoint_timeout_s + d.eval_timeout_s
 
     def _start_pump(self, m: Member) -> None:
-        m.pump = self.membership.spawn(self._pump(m, 0), f"pump of {m.name}")
-        m.pump.add_done_callback(lambda _: self.membership.changed.set())
+        self.membership.start_pump(m, self._pump(m, 0))
 
     def _reap_pumps(self) -> None:
         for m in self.members:
-            if m.in_group and m.pump is not None and m.pump.done():
-                task, m.pump = m.pump, None
-                if not task.cancelled() and task.exception() is not None:
-                    self._pump_failed(m, task.exception())
+            task = self.membership.take_ended_pump(m) if m.in_group else None
+            if task is not None and not task.cancelled() and task.exception() is not None:
+                self._pump_failed(m, task.exception())
 
     def _pump_failed(self, m: Member, exc: BaseException) -> None:
         if isinstance(exc, (QueueTimeoutError, QueueClosedError, PacingTimeoutError)):
@@ -357,9 +341,9 @@ class SamplerPool:
         elif isinstance(exc, CallTimeoutError):
             lose(m, f"no rollout group within --run.generate_timeout_s {self.run.deadlines.generate_timeout_s:g} s",
                  kill=True)
-        elif isinstance(exc, RemoteError) and isinstance(exc, SamplerTimeoutError) and m.pump_failures < PUMP_RETRIES:
-            m.pump_failures += 1  # it waited too long for good weights: pumped again after the next sync
-            self.membership.dirty = True
+        elif (isinstance(exc, RemoteError) and isinstance(exc, SamplerTimeoutError)
+              and self.membership.pump_waited(m, PUMP_RETRIES)):
+            pass  # it waited too long for good weights: pumped again after the next sync
         else:
             lose(m, f"its rollout stream failed: {first_line(exc)}", kill=True)
 

@@ -5,17 +5,18 @@ are up) at the next rendezvous generation and sends it weights. `SyncMember.sync
 each survivor's old (perhaps aborted) communicator and creates one for the new membership;
 nothing else about the survivors is touched, and their rollouts keep flowing.
 
-After a group-wide call each member's outcome is judged (`SyncGroup._judge`): the trainer's death
-or silence stops the run; a sampler that died, fell silent, or failed by itself is lost; one that
-failed with a data-plane error raised by a peer's failure (`PEER_FAILURE_ERRORS`) suffered it, and
-stays. A member's answer is awaited until its own deadline plus a grace, never less, so a
+Every group-wide call is one `Membership.call_all` with the trainer as its lead, and each
+member's outcome is judged: the trainer's death or silence stops the run
+(`SyncGroup._judge_trainer`); a sampler that died, fell silent, or failed by itself is lost; one
+that failed with a data-plane error raised by a peer's failure (`PEER_FAILURE_ERRORS`) suffered
+it, and stays. A member's answer is awaited until its own deadline plus a grace, never less, so a
 survivor whose error comes late on a loaded machine is not taken for a frozen one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asyncrl.comm.errors import PEER_FAILURE_ERRORS
@@ -23,7 +24,8 @@ from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DeadlineConfig
 from asyncrl.rl.driver.faults import PhaseTimeoutError, RunStoppedError, TrainerLostError, trainer_phase
-from asyncrl.rl.driver.membership import Member, MemberState, Membership
+from asyncrl.rl.driver.fleet.calls import Answers
+from asyncrl.rl.driver.fleet.membership import Member, MemberState, Membership
 
 SYNC_GRACE_S = 5.0
 """How long past its own deadline a member's answer to a group-wide call may come (a loaded
@@ -81,7 +83,7 @@ class SyncGroup:
                     await self._prepare_replacement(m)
             group = members.with_state(MemberState.JOINED, MemberState.CANDIDATE)
             if not group:
-                members.dirty = False
+                members.nobody_to_form()
                 return  # the trainer alone: nobody to sync until a replacement is up
             if not await self._probe(group):
                 continue
@@ -99,45 +101,28 @@ class SyncGroup:
         late with a collective error, after a peer died (the trainer may have failed at once),
         is a survivor, not a suspect."""
         t = self.deadlines.sync_timeout_s
-        if self.membership.lose_replaced(group):
-            return False
-        pinned = [m.incarnation for m in group]
-        sender = asyncio.ensure_future(self.trainer.with_timeout(t + SYNC_GRACE_S).send_weights(version))
-        receivers = [asyncio.ensure_future(m.handle.with_timeout(t + SYNC_GRACE_S).receive_weights(version))
-                     for m in group]
-        self._notice_deaths(group, receivers, f"the weight sync of v{version}")
-        results = await asyncio.gather(sender, *receivers, return_exceptions=True)
-        ok = self._judge(f"the weight sync of v{version}", "sync_timeout_s", t, group, pinned, results)
-        if ok:
-            self.last = (results[0], list(results[1:]))
-        return ok
+        answers = await self._group_call(group, lambda h, m: h.send_weights(version) if m is None else
+                                         h.receive_weights(version), f"the weight sync of v{version}",
+                                         "sync_timeout_s", t, SYNC_GRACE_S)
+        if answers is not None and answers.ok:
+            self.last = (answers.results[0], list(answers.results[1:]))
+        return answers is not None and answers.ok
 
     async def _prepare_replacement(self, m: Member) -> None:
         """A restarted sampler continues its predecessor's data walk, with a fresh sampling RNG."""
-        if self.membership.lose_replaced([m]):
-            return
         state = SamplerDataState(m.seed, m.walk_base + m.delivered, generator_seed=(m.seed << 16) + m.incarnation)
-        incarnation = m.incarnation
-        try:
-            await m.handle.with_timeout(self.deadlines.rendezvous_timeout_s).restore_data_state(state)
-        except (ActorDiedError, CallTimeoutError, RemoteError) as exc:
-            self.membership.lose(m, f"failed to prepare for rejoining: {first_line(exc)}",
-                                 kill=not isinstance(exc, ActorDiedError), incarnation=incarnation)
+        await self.membership.call_all([m], lambda h, _: h.restore_data_state(state),
+                                       timeout_s=self.deadlines.rendezvous_timeout_s, what="its preparation to rejoin")
 
     async def _probe(self, group: list[Member]) -> bool:
         """A frozen member would hold every other one in the rendezvous until its deadline, so
         each must show a sign of life first; one that does not is lost (and killed)."""
-        if self.membership.lose_replaced(group):
+        answers = await self.membership.call_all(group, lambda h, _: h.stats(), timeout_s=PROBE_S, whole=True,
+                                                 what="the sign of life asked before the rebuild of the group")
+        if answers is None or not answers.ok:
             return False
-        pinned = [m.incarnation for m in group]
-        results = await asyncio.gather(*(m.handle.with_timeout(PROBE_S).stats() for m in group), return_exceptions=True)
-        for m, incarnation, result in zip(group, pinned, results):
-            if isinstance(result, BaseException):
-                self.membership.lose(m, f"no sign of life before the rebuild of the group: {first_line(result)}",
-                                     kill=not isinstance(result, ActorDiedError), incarnation=incarnation)
-        if any(isinstance(r, BaseException) for r in results):
-            return False
-        self.wire_dtype = wire_dtype([r.get("weight_dtype", "") if isinstance(r, dict) else "" for r in results])
+        self.wire_dtype = wire_dtype([r.get("weight_dtype", "") if isinstance(r, dict) else ""
+                                      for r in answers.results])
         return True
 
     async def _form(self, group: list[Member]) -> bool:
@@ -145,68 +130,40 @@ class SyncGroup:
         t = self.deadlines.rendezvous_timeout_s
         port = await trainer_phase("the weight-sync rendezvous", "rendezvous_timeout_s", t,
                                    self.trainer.with_timeout(t).sync_listen(self.host))
-        if self.membership.lose_replaced(group):
-            return False
-        pinned = [m.incarnation for m in group]
-        world = 1 + len(group)
-        members = [self.trainer, *(m.handle for m in group)]
-        joins = [asyncio.ensure_future(h.with_timeout(t + JOIN_GRACE_S).sync_join(
-                     self.host, port, rank, world, self.generation, self.backend, t, "weights"))
-                 for rank, h in enumerate(members)]
-        self._notice_deaths(group, joins[1:], "joining the weight-sync group")
-        results = await asyncio.gather(*joins, return_exceptions=True)
-        return self._judge("joining the weight-sync group", "rendezvous_timeout_s", t, group, pinned, results)
+        world, rank = 1 + len(group), {m: r for r, m in enumerate(group, start=1)}  # the trainer is rank 0
+        answers = await self._group_call(group, lambda h, m: h.sync_join(
+            self.host, port, rank.get(m, 0), world, self.generation, self.backend, t, "weights"),
+            "joining the weight-sync group", "rendezvous_timeout_s", t, JOIN_GRACE_S)
+        return answers is not None and answers.ok
 
     async def _setup(self, group: list[Member]) -> bool:
         """Agree on the weight layout (each side bounded by ``sync_timeout_s``); True if all did."""
         t = self.deadlines.sync_timeout_s
-        if self.membership.lose_replaced(group):
-            return False
-        pinned = [m.incarnation for m in group]
-        results = await asyncio.gather(self.trainer.with_timeout(t + JOIN_GRACE_S).setup_sender(
-                                           t, wire_dtype=self.wire_dtype),
-                                       *(m.handle.with_timeout(t + JOIN_GRACE_S).setup_receiver(t) for m in group),
-                                       return_exceptions=True)
-        return self._judge("agreeing on the weight layout", "sync_timeout_s", t, group, pinned, results)
+        answers = await self._group_call(group, lambda h, m: h.setup_sender(t, wire_dtype=self.wire_dtype) if m is None
+                                         else h.setup_receiver(t), "agreeing on the weight layout", "sync_timeout_s",
+                                         t, JOIN_GRACE_S)
+        return answers is not None and answers.ok
 
-    def _notice_deaths(self, group: list[Member], calls: list[asyncio.Future], what: str) -> None:
-        """Record a member's death the moment its call fails with it, not when the group-wide
-        call ends: the others (the trainer) may wait out their deadline for the dead one first."""
-        for m, call in zip(group, calls):
-            def died(call: asyncio.Future, m: Member = m, incarnation: int = m.incarnation) -> None:
-                if not call.cancelled() and isinstance(call.exception(), ActorDiedError):
-                    self.membership.lose(m, f"died during {what} ({call.exception().reason})", kill=False,
-                                         incarnation=incarnation)
-            call.add_done_callback(died)
+    async def _group_call(self, group: list[Member], call: Callable[[Any, Member | None], Awaitable[Any]],
+                          what: str, knob: str, timeout_s: float, grace_s: float) -> Answers | None:
+        """``call`` made to the trainer (``member`` None) and every member at once, each waited for
+        until ``timeout_s`` (its own deadline, ``--run.<knob>``) plus ``grace_s``: one that has not
+        answered by then (frozen) is lost; one that answers late with a collective error, after a
+        peer died (the trainer may have failed at once), is a survivor, not a suspect. The
+        `Answers`, or None if a member was replaced before it (the group must be formed again)."""
+        answers = await self.membership.call_all(
+            group, call, timeout_s=timeout_s + grace_s, what=what, whole=True, lead=self.trainer,
+            judge_lead=lambda result: self._judge_trainer(result, what, knob, timeout_s), spare=suffered_from_peer)
+        if answers is not None and not answers.ok:
+            self.log(f"{what} failed (generation {self.generation}): {answers.summary()}")
+        return answers
 
-    def _judge(self, what: str, knob: str, timeout_s: float, group: list[Member], pinned: list[int],
-               results: list[Any]) -> bool:
-        """Sort the members' outcomes of one group-wide call (made to the incarnations ``pinned``):
-        the trainer's death or silence stops the run; a sampler's loses it; errors a member
-        suffered from a peer only mean that the group must be rebuilt. True if every member
-        succeeded."""
-        trainer, samplers = results[0], results[1:]
-        if isinstance(trainer, ActorDiedError):
-            raise TrainerLostError(f"the trainer died during {what} ({trainer.reason})")
-        if isinstance(trainer, CallTimeoutError):
+    def _judge_trainer(self, result: Any, what: str, knob: str, timeout_s: float) -> None:
+        """The trainer's outcome of a group-wide call: its death, its silence or its own failure
+        stops the run; an error it suffered from a peer only means that the group must be rebuilt."""
+        if isinstance(result, ActorDiedError):
+            raise TrainerLostError(f"the trainer died during {what} ({result.reason})")
+        if isinstance(result, CallTimeoutError):
             raise PhaseTimeoutError(f"{what}: the trainer did not answer within --run.{knob} {timeout_s:g} s")
-        if isinstance(trainer, BaseException) and not suffered_from_peer(trainer):
-            raise RunStoppedError(f"the trainer failed during {what}: {first_line(trainer)}") from trainer
-        ok = not isinstance(trainer, BaseException)
-        lose = self.membership.lose
-        for m, incarnation, result in zip(group, pinned, samplers):
-            if not isinstance(result, BaseException):
-                continue
-            ok = False
-            if isinstance(result, ActorDiedError):
-                lose(m, f"died during {what} ({result.reason})", kill=False, incarnation=incarnation)
-            elif isinstance(result, CallTimeoutError):
-                lose(m, f"no answer during {what} within {result.timeout_s:g} s", kill=True, incarnation=incarnation)
-            elif not suffered_from_peer(result):
-                lose(m, f"failed during {what}: {first_line(result)}", kill=True, incarnation=incarnation)
-        if not ok:
-            self.membership.dirty = True
-            self.log(f"{what} failed (generation {self.generation}): " + "; ".join(
-                f"{name}: {first_line(r)}" for name, r in zip(["trainer", *(m.name for m in group)], results)
-                if isinstance(r, BaseException)))
-        return ok
+        if isinstance(result, BaseException) and not suffered_from_peer(result):
+            raise RunStoppedError(f"the trainer failed during {what}: {first_line(result)}") from result

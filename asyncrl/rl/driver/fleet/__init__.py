@@ -1,0 +1,18 @@
+"""The driver's fleet: the actors it drives besides itself, and one owner of their state.
+
+    calls.py          call_all: one call to many actors at once, each within its deadline, every
+                      answer awaited, the failures handed back with causes that name the call
+    membership.py     Membership: the one writer of each sampler's state (joined, lost, gone,
+                      drained; its incarnation, data walk, pump), its losses and returns, and
+                      call_all over members (the calls pinned to the incarnations that joined,
+                      the ones that failed lost in one place)
+    sync_group.py     SyncGroup: the weight-sync group's group-wide calls, the trainer's verdict
+    pool.py           SamplerPool: the loop's view of the samplers (batches, syncs, checks,
+                      data positions) and the rollout pumps
+    scaling.py        Scaler: samplers added and drained mid-run (``asyncrl scale``)
+    sampler_start.py  the samplers' start, which survives one that never comes up
+    trainer_ranks.py  an N-rank trainer spawned and driven as one
+
+The loop (grpo.py, run.py) builds these and passes in what they need (the trainer's handle, the
+queue, the pacer, a spawn function); nothing here imports the loop (tests/test_layering.py).
+"""

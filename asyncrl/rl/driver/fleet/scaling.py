@@ -1,0 +1,235 @@
+"""Elastic samplers: ``asyncrl scale RUN_DIR --samplers N`` grows or shrinks a live run's fleet.
+
+`Scaler` holds the fleet's target. A request (`Scaler.request`: from the status socket that
+``asyncrl scale`` and `asyncrl.rl.driver.fleet.scaling.scale` talk to) is checked at once against the
+run's device plan and refused in one line if it cannot be met; an accepted one only sets the
+target. The driver applies it at its next weight sync (`Scaler.at_sync`, called right before
+`SamplerPool.sync`, so never while a sync, a rebuild or a batch's training is in flight):
+
+* Up: the missing samplers are spawned at once, in the background, placed as the run's first
+  ones were (a free GPU each on the first node with one, the trainer's GPU when colocated, the
+  CPU), each a new actor ``samplerK`` with its own seed and data walk. A sampler whose process is up is added to the pool as a
+  candidate at the next sync, and that sync re-forms the group with it: it takes the current
+  weights in the rebuild, and its rollouts are pumped only after that (the pool's invariant), so
+  it never generates with other weights than the run's. (When no sampler is in the group, every
+  other one lost, no sync comes until one joins: a sampler that comes up then is added at once,
+  and the pool's wait for a batch re-forms the group with it.)
+* Down: the samplers to drain are picked so that the fewest groups are lost: those still starting
+  (their start is cancelled), then those waiting for a restart, then the newest in the group.
+  Each leaves the group at once (`Membership.drain`): its stream is cut, the groups it was making
+  are handed back (never accepted; the pacer gives their credit to the others), and the sync that
+  follows re-forms the group without it; then its process is stopped.
+
+So every change applied at one sync costs one re-formation of the group, whatever it adds and
+removes; nothing accepted is dropped (the queue keeps what a drained sampler delivered, tagged
+and checked as before), no group id repeats (each new sampler has a name of its own), and the
+staleness bound is the queue's and the pacer's, which know no sampler count. A target is kept:
+a sampler lost for good later is replaced by a new one to meet it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asyncrl.errors import ActionableError, first_line
+from asyncrl.rl.driver.fleet.membership import Member, MemberState
+from asyncrl.rl.driver.fleet.pool import SamplerPool
+from asyncrl.runtime.state import ActorState
+
+STOP_S = 60.0
+"""How long `Scaler.close` waits for the stops of drained samplers and the starts it cancelled."""
+
+# Drained first: the members whose leaving costs the least work (a LOST one makes nothing).
+_DRAIN_ORDER = {MemberState.LOST: 0, MemberState.CANDIDATE: 1, MemberState.JOINED: 2}
+
+
+class ScaleRefusedError(ActionableError):
+    """A scale request the run cannot meet; the message says what can be asked instead."""
+
+
+def check_target(n: Any, *, active: int, device: str, colocated: bool, started: int, free_gpus: int) -> int:
+    """``n`` as the fleet's new size, or a `ScaleRefusedError` naming why not: ``active``
+    samplers run or are coming; the run's device plan (``device``, ``colocated``, ``started``:
+    its first sampler count) and ``free_gpus`` (over every node) say how many more fit."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ScaleRefusedError(f"--samplers must be a whole number, not {n!r}")
+    if n < 1:
+        raise ScaleRefusedError(f"--samplers {n}: a run needs at least 1 sampler; stop the run to free them all")
+    more = n - active
+    if device == "cuda" and colocated and n > started:
+        raise ScaleRefusedError(f"--samplers {n}: the samplers share the trainer's GPU, whose memory was split "
+                                f"among {started} at the start; ask for at most {started}, or start the run with "
+                                f"--sampler.count {n}")
+    if device == "cuda" and not colocated and more > free_gpus:
+        raise ScaleRefusedError(f"--samplers {n}: {more} more sampler(s) need a GPU each, but {free_gpus} "
+                                f"GPU(s) are free; ask for at most {active + free_gpus}")
+    return n
+
+
+def least_loaded_node(nodes: list[Any], actors: list[Any], prefix: str = "sampler") -> int:
+    """The joined node (a `NodeStatus`) running the fewest live actors named ``prefix...``, the
+    lowest rank on a tie: where a CPU sampler started by a scale-up goes, so that a node that
+    joined an elastic cluster mid-run takes the new samplers."""
+    load = {n.rank: 0 for n in nodes if n.state == "joined"}
+    for a in actors:
+        if a.name.startswith(prefix) and not ActorState(a.state).final and a.node in load:
+            load[a.node] += 1
+    return min(load, key=lambda rank: (load[rank], rank)) if load else 0
+
+
+class Scaler:
+    """The fleet's target and the changes that reach it (see the module docstring)."""
+
+    def __init__(self, pool: SamplerPool, spawn: Callable[[int], Awaitable[Any]],
+                 stop: Callable[[Any], Awaitable[None]], *, seed_of: Callable[[int], int], device: str,
+                 colocated: bool, free_gpus: Callable[[], int], log=print):
+        self.pool, self.membership = pool, pool.membership
+        self._spawn, self._stop, self.seed_of = spawn, stop, seed_of
+        self.device, self.colocated, self.free_gpus, self.log = device, colocated, free_gpus, log
+        self.started = len(pool.members)
+        self.target: int | None = None  # None: never asked; the fleet is the run's as started
+        self.starting: dict[int, asyncio.Task] = {}  # index -> its spawn
+        self.next_index = len(pool.members)
+        self.closed = False
+        self._tasks: set[asyncio.Task] = set()
+        # Colocated samplers start one at a time, as at the run's start (sampler_start.py): vLLM
+        # measures the GPU's free memory as it starts, and two at once would count each other's.
+        self._one_at_a_time = asyncio.Lock() if colocated else None
+
+    def active(self) -> int:
+        """Samplers in the group, coming to it (candidates, restarts awaited) or starting."""
+        live = self.membership.with_state(MemberState.JOINED, MemberState.CANDIDATE, MemberState.LOST)
+        return len(live) + len(self.starting)
+
+    def request(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The status socket's ``scale`` command: ``{"samplers": N}``. Called on the driver's loop;
+        sets the target (applied at the next sync) and answers at once."""
+        if self.closed:
+            raise ScaleRefusedError("the run is ending; its samplers are no longer scaled")
+        unknown = sorted(set(args) - {"samplers"})
+        if unknown or "samplers" not in args:
+            raise ScaleRefusedError(f"scale takes samplers=N only (got {', '.join(sorted(args)) or 'nothing'})")
+        active = self.active()
+        n = check_target(args["samplers"], active=active, device=self.device, colocated=self.colocated,
+                         started=self.started, free_gpus=self.free_gpus())
+        self.target = n
+        self.membership.event("scale_requested", "", f"{active} -> {n} sampler(s), applied at the next sync",
+                              samplers=active, target=n)
+        self.log(f"scale: {active} -> {n} sampler(s) asked; applied at the next weight sync")
+        self._start_missing()  # now: a start takes long, and the driver may wait for a batch meanwhile
+        return {"samplers": active, "target": n, "step": self.membership.step}
+
+    async def at_sync(self) -> None:
+        """Apply the target before a sync (nothing group-wide is in flight): add the samplers
+        started since, start the ones missing (a sampler lost for good), drain the ones too many."""
+        self._admit()
+        if self.target is None:
+            return
+        self._start_missing()
+        if self.target < self.active():
+            self._drain(self.active() - self.target)
+
+    def _start_missing(self) -> None:
+        for _ in range(self.target - self.active()):
+            self._start(self.next_index)
+            self.next_index += 1
+
+    def progress(self) -> dict[str, Any]:
+        """For progress.json and ``asyncrl status``."""
+        if self.target is None:
+            return {}
+        return {"samplers_target": self.target, "samplers_starting": sorted(f"sampler{i}" for i in self.starting)}
+
+    async def close(self) -> None:
+        """Cancel the starts under way and wait (bounded) for them and the stops of drained ones."""
+        self.closed = True
+        for task in self.starting.values():
+            task.cancel()
+        self.starting.clear()
+        tasks = list(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=STOP_S)
+            if pending:
+                self.log(f"scale: {len(pending)} start(s) or stop(s) still running {STOP_S:g} s after the run ended")
+
+    # --- the changes ------------------------------------------------------------------------------
+
+    def _start(self, index: int) -> None:
+        started = time.monotonic()
+        task = self._track(self._spawn_one(index))
+        self.starting[index] = task
+        self.membership.event("scale_starting", f"sampler{index}", "spawned by a scale-up")
+
+        def done(task: asyncio.Task, index: int = index) -> None:
+            if not task.cancelled() and task.exception() is None:
+                self.log(f"scale: sampler{index} is up ({time.monotonic() - started:.1f} s); "
+                         "it joins the group at the next sync")
+            if not self.membership.with_state(MemberState.JOINED):
+                # No sampler in the group: the driver waits for a batch, and no sync comes until
+                # one joins, so this one joins now (the pool rebuilds for a candidate at once).
+                self._admit()
+            self.membership.changed.set()
+        task.add_done_callback(done)
+
+    def _admit(self) -> None:
+        """Samplers whose start ended: the ones up join the pool as candidates; one whose start
+        failed lowers the target (starting it again would fail again), said in one line."""
+        for index, task in list(self.starting.items()):
+            if not task.done():
+                continue
+            del self.starting[index]
+            handle = None if task.cancelled() or task.exception() is not None else task.result()
+            if handle is not None and not handle.info().state.final:
+                self.pool.membership.add(handle, self.seed_of(index))
+                continue
+            why = (first_line(task.exception()) if not task.cancelled() and task.exception() is not None
+                   else first_line(handle.info().error or handle.info().state) if handle is not None else "cancelled")
+            if self.target is not None and self.target > self.active():
+                self.target = self.active()
+            self.membership.event("scale_failed", f"sampler{index}", why, target=self.target)
+            self.log(f"scale: sampler{index} did not come up ({why}); the target is now {self.target} sampler(s)")
+
+    def _drain(self, count: int) -> None:
+        for index in sorted(self.starting, reverse=True)[:count]:  # a start cancelled kills its process
+            self.starting.pop(index).cancel()
+            self.membership.event("drained", f"sampler{index}", "its start was cancelled by a scale-down")
+            count -= 1
+        live = [m for m in self.membership.members if m.state in _DRAIN_ORDER]
+        live.sort(key=lambda m: (_DRAIN_ORDER[m.state], -m.index))
+        for m in live[:count]:
+            self.membership.drain(m, f"scaled down to {self.target} sampler(s)")
+            self._track(self._stop_drained(m))
+
+    async def _spawn_one(self, index: int) -> Any:
+        if self._one_at_a_time is None:
+            return await self._spawn(index)
+        async with self._one_at_a_time:
+            return await self._spawn(index)
+
+    async def _stop_drained(self, m: Member) -> None:
+        await self._stop(m.handle)
+        self.log(f"scale: {m.name} stopped")
+
+    def _track(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and task not in self.starting.values():
+            self.log(f"scale: {task.get_name()} failed: {first_line(task.exception())}")
+
+
+def scale(run_dir: str, samplers: int, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Ask the live run in ``run_dir`` to run ``samplers`` samplers (what ``asyncrl scale`` does):
+    ``{"samplers": before, "target": samplers, "step": ...}`` once the run accepted it (applied at
+    its next sync). Raises `CommandRefusedError` with the run's one line if it refused, and a
+    `StatusUnavailableError` if no live run serves ``run_dir`` or none answered in ``timeout_s``."""
+    from asyncrl.runtime.status import send_command
+
+    return send_command(run_dir, "scale", {"samplers": samplers}, timeout_s)
