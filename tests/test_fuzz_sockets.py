@@ -64,7 +64,7 @@ def _message(rng: random.Random, bump_allowed: bool) -> bytes:
         wire.StartFailed(name, 1, "X", "y"), wire.Heartbeat(name, 1), wire.Dead(name, 1, "r"),
         wire.NodeHello(wire.NODE_PROTOCOL, rng.randrange(-1, 4), rng.randrange(0, 4), name, name, "127.0.0.1", n, "cuda", [name]),
         wire.NodeHeartbeat(1, name), wire.ActorStarted(name, 1, n), wire.ActorExited("counter-remote", 1, "fuzz"),
-        wire.ActorLog(name, 1, 1, [name]), wire.NodeLeaving(1, name, "fuzz"),
+        wire.ActorLog(name, 1, 1, [name]), wire.NodeLeaving(1, name, "fuzz"), wire.NodeDraining(1, name, "fuzz", 1.0),
     ]
     body = msgspec.msgpack.encode(rng.choice(candidates))
     if rng.random() < 0.3:  # truncated or bit-flipped

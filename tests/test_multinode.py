@@ -194,6 +194,36 @@ async def test_sigterm_to_an_agent_stops_its_actors_and_reports_them_at_once(sec
         agent.wait()
 
 
+async def test_a_node_leaving_an_elastic_cluster_drains_before_its_actors_are_stopped(secret, tmp_path):
+    # --nnodes 1:2 on both sides: told to stop, the agent says it is leaving, its actors keep
+    # serving until their owner stops them (a GRPO run drains its samplers there), the node
+    # takes no new actor meanwhile, and the agent leaves as soon as none is left.
+    port = free_port()
+    agent = start_agent(1, "1:2", port, secret, str(tmp_path), ASYNCRL_SUP_DRAIN_TIMEOUT_S="60")
+    try:
+        async with _cluster_supervisor(2, port, min_nnodes=1) as sup:
+            assert await asyncio.to_thread(wait_until, lambda: len(sup.nodes()) == 2, 30.0), agent_log(str(tmp_path), 1)
+            echo = await sup.spawn(Echo, name="leaving", node=1)
+            pid = await echo.getpid()
+            agent.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(wait_until, lambda: sup.nodes()[1].state.startswith("draining"), 10.0)
+            assert sup.nodes()[1].state == "draining: received SIGTERM"
+            assert await echo.add(1) == 2 and process_alive(pid)  # still serving: its owner decides
+            with pytest.raises(ActorStartError, match="node 1 is leaving"):
+                await sup.spawn(Echo, node=1)
+            assert await _wait_exit(agent, 1.0) is None  # waits for its actor, not for a deadline
+            start = time.monotonic()
+            await sup.stop(echo)  # the owner's stop: graceful, as a drained sampler's
+            assert await _wait_exit(agent, 15.0) == 128 + signal.SIGTERM
+            assert time.monotonic() - start < 15.0 and not process_alive(pid)
+            assert "its agent left (received SIGTERM)" in sup.nodes()[1].state
+            assert str(echo.info().state) == "stopped"  # stopped, never counted dead
+        assert "leaving once the 1 actor(s) here are stopped" in agent_log(str(tmp_path), 1)
+    finally:
+        kill_all([agent.pid])
+        agent.wait()
+
+
 def test_supervisor_sigkill_takes_every_node_down(secret, tmp_path):
     port = free_port()
     agents = [start_agent(r, 3, port, secret, str(tmp_path)) for r in (1, 2)]

@@ -57,6 +57,7 @@ class Scripted:
         self.name = name
         self.script = {k: list(v) for k, v in script.items()}
         self.state, self.incarnation, self.restarts, self.max_restarts = "running", 1, 0, 3
+        self.node = 0  # the cluster node it runs on
         self.calls: list[str] = []
         self.kills: list[tuple[str, int | None]] = []  # (reason, incarnation) of each kill asked for
         self.items: asyncio.Queue = asyncio.Queue()  # what a rollouts stream yields next
@@ -65,7 +66,7 @@ class Scripted:
 
     def info(self) -> SimpleNamespace:
         return SimpleNamespace(state=ActorState(self.state), incarnation=self.incarnation,
-                               restarts=self.restarts, max_restarts=self.max_restarts)
+                               restarts=self.restarts, max_restarts=self.max_restarts, node=self.node)
 
     def kill(self, reason: str, incarnation: int | None = None) -> bool:
         self.kills.append((reason, incarnation))

@@ -15,6 +15,7 @@ test_recovery_pool.py's scripted stand-ins (the real run, 1 -> 3 -> 1, is test_e
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -197,3 +198,89 @@ async def test_a_sampler_gone_for_good_is_replaced_to_keep_the_target():
     finally:
         await pool.close()
     assert [m.state for m in pool.members] == [MemberState.JOINED, MemberState.GONE, MemberState.JOINED], logs
+
+
+async def test_a_checkpoint_records_the_scaled_size_and_a_resumed_scaler_keeps_it(tmp_path):
+    import msgspec
+
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+    from asyncrl.rl.driver.grpo import GRPODriver
+    from asyncrl.rl.driver.run_state import RunState
+
+    class Trainer(Scripted):  # keeps the run state each checkpoint is given
+        def __init__(self):
+            super().__init__("trainer")
+            self.saved: list[RunState] = []
+
+        def with_timeout(self, timeout_s: float):
+            async def save_checkpoint(run_dir: str, step: int, keep: int, state: bytes) -> str:
+                self.saved.append(msgspec.json.decode(state, type=RunState))
+                return f"{run_dir}/checkpoints/step_{step}"
+            return SimpleNamespace(save_checkpoint=save_checkpoint)
+
+    config = parse_overrides(GRPOConfig(), ["--run.run_dir", str(tmp_path)])
+    logs, stopped, saver = [], [], Trainer()
+    driver = GRPODriver(config, saver, [sampler("sampler0")], str(tmp_path), logs.append, host="127.0.0.1",
+                        backend="gloo", seeds=[0])
+    driver.scaler = scaler_of(driver.pool, logs, stopped, {1: sampler("sampler1"), 2: sampler("sampler2")})
+    try:
+        await driver.checkpoint(1)
+        driver.scaler.request({"samplers": 3})
+        await driver.checkpoint(2)
+        await driver.scaler.close()
+    finally:
+        await driver.pool.close()
+    assert [s.samplers_target for s in saver.saved] == [0, 3]  # 0: never scaled, --sampler.count holds
+
+    # The resumed segment started 3 (run.py) and keeps 3 as its target: one gone for good since
+    # the resume is replaced, as it would have been before the checkpoint.
+    samplers = [sampler(f"sampler{i}") for i in range(3)]
+    pool = make_pool(trainer(), samplers, logs)
+    resumed = Scaler(pool, lambda i: asyncio.sleep(0.1, result=sampler(f"sampler{i}")), stopped.append,
+                     seed_of=lambda i: i, device="cpu", colocated=False, free_gpus=lambda: 0, log=logs.append,
+                     started=1, target=3)
+    try:
+        samplers[2].restarts = samplers[2].max_restarts
+        samplers[2].set_state("dead")
+        pool.membership.lose(pool.members[2], "died (killed by SIGKILL)", kill=False)
+        await asyncio.wait_for(pool.members[2].waiter, 5)
+        await resumed.at_sync()
+        assert list(resumed.starting) == [3] and resumed.progress()["samplers_target"] == 3, logs
+        await resumed.close()
+    finally:
+        await pool.close()
+
+
+async def test_the_samplers_of_a_node_leaving_are_drained_at_one_reformation():
+    # Node 1's agent was told to stop (an elastic cluster: it shows "draining"): both its samplers
+    # leave the group at the next sync, which re-forms it once with the one on node 0; their
+    # processes are stopped (which lets the agent go). With a target set, others replace them.
+    samplers = [sampler(f"sampler{i}") for i in range(3)]
+    samplers[1].node = samplers[2].node = 1
+    nodes = [SimpleNamespace(rank=r, hostname=f"host{r}", state="joined") for r in (0, 1)]
+    logs, stopped = [], []
+    pool = make_pool(trainer(), samplers, logs)
+    scaler = scaler_of(pool, logs, stopped)
+    scaler.nodes = lambda: nodes
+    try:
+        await scaler.at_sync()
+        await pool.sync(1)
+        assert pool.generation == 0 and not stopped  # nothing is leaving: a plain sync
+        for i in range(2):  # groups sampler1 delivered before: accepted, they stay
+            assert await pool.queue.put(RolloutGroup(i, [1], [[2], [3]], [[-0.1], [-0.2]], [0.0, 1.0], version=1,
+                                                     uid=f"sampler1/1/{i + 1}"), timeout_s=1.0)
+        nodes[1] = SimpleNamespace(rank=1, hostname="host1", state="draining: received SIGTERM")
+        await scaler.at_sync()
+        await scaler.at_sync()  # drained once, not again
+        await pool.sync(2)
+        await scaler.close()
+    finally:
+        await pool.close()
+    assert [m.state for m in pool.members] == [MemberState.JOINED, MemberState.DRAINED, MemberState.DRAINED], logs
+    assert pool.generation == 1 and pool.counters["rebuilds"] == 1, logs  # one re-formation for both
+    assert sorted(stopped) == ["sampler1", "sampler2"] and not pool.faults, logs
+    assert samplers[0].calls.count("sync_join") == 1 and samplers[1].calls.count("sync_join") == 0
+    assert len(pool.queue) == 2  # what it delivered before it left is kept
+    (event,) = [e for e in pool.take_events()["events"] if e["event"] == "node_leaving"]
+    assert event["node"] == 1 and event["samplers"] == 2 and "received SIGTERM" in event["detail"], event

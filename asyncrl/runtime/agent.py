@@ -11,7 +11,10 @@ It ends, stopping every actor it started first, when:
 * its connection to the supervisor has been down for ``node_timeout_s`` (exit 1): the supervisor
   vanished, or the network did. ZeroMQ heartbeats (answered by libzmq's own thread, so a busy
   supervisor loop is not mistaken for death) turn a silent peer into a disconnection;
-* it receives SIGINT/SIGTERM (exit 128 + signal);
+* it receives SIGINT/SIGTERM (exit 128 + signal); in an elastic cluster (``drain_timeout_s``) it
+  first says `NodeDraining` and waits (bounded) for the actors it runs to be stopped by their
+  owner, starting no new one, so a GRPO run drains its samplers before the node goes; a second
+  signal, or no actor left, ends the wait;
 * it could not join within ``join_timeout_s``, or was refused (exit 1).
 If the agent itself dies, its workers follow it (``PR_SET_PDEATHSIG`` and the death pipe).
 """
@@ -62,6 +65,8 @@ class AgentConfig:
     node_timeout_s: float
     heartbeat_interval_s: float
     term_timeout_s: float
+    drain_timeout_s: float = 0.0
+    """Elastic clusters only (0: none): see `NodeDraining`."""
 
 
 class NodeAgent:
@@ -78,6 +83,7 @@ class NodeAgent:
         self._decoder = msgspec.msgpack.Decoder(wire.ToAgent)
         self._down_timer: asyncio.TimerHandle | None = None
         self._told_handshake = False
+        self._draining = False
         self.dropped_log_lines = 0
 
     def say(self, text: str) -> None:
@@ -102,7 +108,7 @@ class NodeAgent:
         self.sock = LoopSocket(sock, self._on_message, "node agent")
         self.monitor = LoopSocket(monitor, self._on_event, "node agent monitor")
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._finish, 128 + sig, f"received {signal.Signals(sig).name}")
+            loop.add_signal_handler(sig, self._signalled, sig)
         joined = False
         try:
             joined = await self._join()
@@ -165,6 +171,30 @@ class NodeAgent:
     def send(self, msg) -> None:
         self.sock.send([msg if isinstance(msg, bytes) else self._body.encode(msg)], copy=True)
 
+    def _signalled(self, sig: int) -> None:
+        reason = f"received {signal.Signals(sig).name}"
+        if self._draining or not self.cfg.drain_timeout_s or not self._welcome.done() or not self._reporters:
+            self._finish(128 + sig, reason)  # a second signal, a fixed-size cluster, or nothing to drain
+            return
+        self._draining = True
+        self.say(f"{reason}: leaving once the {len(self._reporters)} actor(s) here are stopped "
+                 f"(at most {self.cfg.drain_timeout_s:g} s; a second signal stops them now)")
+        self.send(wire.NodeDraining(self.cfg.rank, self.agent_id, reason, self.cfg.drain_timeout_s))
+        self._spawn_task(self._drain(128 + sig, reason))
+
+    async def _drain(self, code: int, reason: str) -> None:
+        """Wait until every actor here has exited (their owner stops them) or the drain deadline
+        passes, then leave as on any signal (the ones still running are stopped then)."""
+        deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout_s
+        while self._reporters and not self._done.done():
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                self.say(f"{len(self._reporters)} actor(s) still running after {self.cfg.drain_timeout_s:g} s; "
+                         "stopping them")
+                break
+            await asyncio.wait(list(self._reporters.values()), timeout=remaining)
+        self._finish(code, reason)
+
     def _finish(self, code: int, reason: str) -> None:
         if not self._done.done():
             self._done.set_result((code, reason))
@@ -219,7 +249,7 @@ class NodeAgent:
         key = (msg.actor, msg.incarnation)
         if key in self._children:
             return
-        if self._done.done():  # answered, so the supervisor's start does not wait for nothing
+        if self._done.done() or self._draining:  # answered, so the supervisor's start does not wait for nothing
             self.send(wire.ActorExited(msg.actor, msg.incarnation, "not started: the node agent is stopping"))
             return
         cfg = self.cfg
@@ -296,7 +326,8 @@ def run_agent(rank: int, node_addr: str | None, config: SupervisorConfig) -> int
             rank=rank, nnodes=config.nnodes, master_addr=config.master_addr, master_port=config.master_port,
             node_addr=address, keys=keys, device_kind=kind, devices=offered(ids, config.nproc_per_node),
             join_timeout_s=config.join_timeout_s, node_timeout_s=config.node_timeout_s,
-            heartbeat_interval_s=config.heartbeat_interval_s, term_timeout_s=config.term_timeout_s))
+            heartbeat_interval_s=config.heartbeat_interval_s, term_timeout_s=config.term_timeout_s,
+            drain_timeout_s=config.drain_timeout_s if 0 < config.min_nnodes < config.nnodes else 0.0))
     except (OSError, ValueError) as e:
         print(f"asyncrl agent (node {rank}): {e}", file=sys.stderr)
         return 1

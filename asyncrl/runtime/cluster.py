@@ -8,6 +8,10 @@ another node is represented here by a ``RemoteProcess``, which offers the superv
 ``ChildProcess`` does (an ``exited`` future, ``terminate``, ``kill_now``), backed by messages to
 and from the agent.
 
+A node of an elastic cluster whose agent is told to stop first says it is *draining*
+(``NodeDraining``): it takes no new actor, and its actors' owners stop them (the GRPO driver
+drains its samplers there) until the agent leaves, at most ``drain_timeout_s`` later.
+
 A node is lost when its agent says it is leaving or has been silent for ``node_timeout_s``
 (agents beat every ``heartbeat_interval_s``). Every actor process of a lost node then counts as
 exited, which fails its pending calls with ``ActorDiedError``. A lost node never rejoins: an agent
@@ -49,7 +53,7 @@ class NodeStatus(msgspec.Struct, frozen=True):
     devices_free: int
     devices_total: int
     state: str
-    """'joined', or 'lost: <reason>'."""
+    """'joined', 'draining: <reason>' (it is leaving: it takes no new actor), or 'lost: <reason>'."""
 
 
 class RemoteProcess(ActorProcess):
@@ -97,6 +101,7 @@ class Node:
         self.last_seen = time.monotonic()
         self.procs: dict[tuple[str, int], RemoteProcess] = {}
         self.lost: str | None = None
+        self.draining: str | None = None  # why it is leaving, once its agent said so
         self.gone = asyncio.get_running_loop().create_future()
 
     def send(self, msg) -> None:
@@ -104,7 +109,8 @@ class Node:
             self.cluster.send(self.route, msg)
 
     def status(self) -> NodeStatus:
-        state = "joined" if self.lost is None else f"lost: {self.lost}"
+        state = (f"lost: {self.lost}" if self.lost is not None else f"draining: {self.draining}"
+                 if self.draining is not None else "joined")
         return NodeStatus(self.rank, self.hostname, self.address, len(self.pool.free), self.pool.total, state)
 
 
@@ -170,6 +176,10 @@ class Cluster:
 
     def live(self) -> dict[int, Node]:
         return {r: node for r, node in self.nodes.items() if node.lost is None}
+
+    def open(self) -> dict[int, Node]:
+        """The live nodes that take new actors (not draining)."""
+        return {r: node for r, node in self.live().items() if node.draining is None}
 
     def spawn(self, rank: int, msg: wire.SpawnActor) -> RemoteProcess:
         node = self.nodes.get(rank)
@@ -256,6 +266,10 @@ class Cluster:
             self._on_log(msg)
         elif kind is wire.NodeLeaving:
             self._lose(node, f"its agent left ({msg.reason})")
+        elif kind is wire.NodeDraining:
+            node.draining = msg.reason
+            log.warning("node %d (%s) is leaving (%s): it takes no new actor; its %d actor process(es) have "
+                        "%g s to be stopped", node.rank, node.hostname, msg.reason, len(node.procs), msg.timeout_s)
 
     def _bad(self, what: str) -> None:
         self._bad_messages += 1

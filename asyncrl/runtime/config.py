@@ -39,6 +39,12 @@ class SupervisorConfig:
     """An elastic cluster (``asyncrl launch --nnodes MIN:MAX``, as torchrun's): ``start()`` waits for
     this many nodes (node 0 included); the others, up to ``nnodes``, may join while it runs and
     then take actors. 0: every one of ``nnodes`` is waited for."""
+    drain_timeout_s: float = 120.0
+    """In an elastic cluster, how long a node agent told to stop (SIGTERM, SIGINT) waits for its
+    actors to be stopped by their owner before it stops them itself: the node is shown as
+    ``draining`` meanwhile and takes no new actor (a GRPO run drains its samplers there, so
+    nothing they accepted is lost). A second signal stops them at once; a fixed-size cluster's
+    agent never waits."""
     master_addr: str = "127.0.0.1"
     """Address of node 0 as the other nodes reach it; with ``nnodes > 1`` the cluster socket binds
     here (never a wildcard)."""

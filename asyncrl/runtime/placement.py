@@ -49,12 +49,14 @@ def place(name: str, gpus: int, node: int | None, nnodes: int, local: DevicePool
     ``ActorStartError`` when the node asked for is lost."""
     if not isinstance(gpus, int) or gpus < 0:
         raise ValueError(f"gpus must be an int >= 0, not {gpus!r}")
-    pools = {0: local, **{r: nd.pool for r, nd in (cluster.live() if cluster else {}).items()}}
+    pools = {0: local, **{r: nd.pool for r, nd in (cluster.open() if cluster else {}).items()}}
     if node is not None:
         if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < nnodes:
             raise ValueError(f"node must be an int in 0..{nnodes - 1}, not {node!r}")
         if node not in pools:  # lost, or (an elastic cluster) not joined yet
-            why = f"is lost ({cluster.nodes[node].lost})" if node in cluster.nodes else "has not joined the cluster"
+            known = cluster.nodes.get(node)
+            why = ("has not joined the cluster" if known is None else f"is lost ({known.lost})" if known.lost
+                   else f"is leaving ({known.draining})")
             raise ActorStartError(name, f"node {node} {why}")
         return node, pools[node].take(gpus, name)
     if gpus == 0:

@@ -212,6 +212,17 @@ class ActorLog(_Msg, tag=34):
     lines: list[str]
 
 
+class NodeDraining(_Msg, tag=36):
+    """An agent of an elastic cluster told to stop: its node is leaving. It starts no new actor and
+    waits up to ``timeout_s`` for the ones it runs to be stopped by their owner (the GRPO driver
+    drains its samplers there first), then stops the rest and says `NodeLeaving`."""
+
+    rank: int
+    agent_id: str
+    reason: str
+    timeout_s: float
+
+
 class NodeLeaving(_Msg, tag=35):
     """Last words of an agent that is stopping (its actors are already stopped)."""
 
@@ -269,6 +280,6 @@ ToSupervisor = Union[Hello, Ready, StartFailed, Heartbeat, StartPhase, Dead]
 ToWorker = Union[Init, Shutdown]
 FromNode = Union[
     Hello, Ready, StartFailed, Heartbeat, StartPhase, Dead,
-    NodeHello, NodeHeartbeat, ActorStarted, ActorExited, ActorLog, NodeLeaving,
+    NodeHello, NodeHeartbeat, ActorStarted, ActorExited, ActorLog, NodeLeaving, NodeDraining,
 ]
 ToAgent = Union[NodeWelcome, NodeRejected, SpawnActor, StopActor, KillActor, NodeShutdown]

@@ -371,7 +371,8 @@ class GRPODriver:
                          dropped_stale=self.dropped_stale(), uniform_skipped=self.uniform_skipped(),
                          train_s=self.elapsed_s(),
                          heldout_before=self.heldout_before, heldout_last=self.heldout_last,
-                         samplers=await self.pool.data_states(), faults=self.fault_counts(), segment=self.segment)
+                         samplers=await self.pool.data_states(), faults=self.fault_counts(), segment=self.segment,
+                         samplers_target=(self.scaler.target or 0) if self.scaler is not None else 0)
         t = run.deadlines.checkpoint_timeout_s
         call = asyncio.ensure_future(trainer_phase(
             f"writing the checkpoint of step {step}", "checkpoint_timeout_s", t,

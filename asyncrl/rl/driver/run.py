@@ -32,6 +32,7 @@ from asyncrl.rl.driver.endpoint import open_endpoint
 from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
+from asyncrl.rl.driver.run_state import read_run_state
 from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.sampler_start import start_samplers
@@ -196,7 +197,14 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             rm = config.reward_model
             reward_model = RewardModel(await spawn_scorer("reward_model", "reward_model", "reward"), weight=rm.weight,
                                        rule_weight=rm.rule_weight, timeout_s=rm.timeout_s, **calls)
-        samplers = await start_samplers(spawn_sampler, config.sampler.count, one_at_a_time=plan.colocated, log=log,
+        # A run scaled by `asyncrl scale` resumes with the size it had (its checkpoint records it),
+        # and keeps it as its target.
+        scaled = read_run_state(checkpoint).samplers_target if checkpoint is not None else 0
+        count = scaled or config.sampler.count
+        if scaled:
+            log(f"samplers: {scaled}, as the run was scaled before its checkpoint (--sampler.count "
+                f"{config.sampler.count}; asyncrl scale changes it again)")
+        samplers = await start_samplers(spawn_sampler, count, one_at_a_time=plan.colocated, log=log,
                                         events_path=os.path.join(run_dir, "faults.jsonl"))
         if sup.config.nnodes > 1:
             log(_where_line([first_rank, *(trainer.handles[1:] if ranks > 1 else [])], samplers, host))
@@ -204,12 +212,13 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             await _check_digestible([s for s in samplers if not s.info().state.final])
         driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
                             backend=plan.sync_backend,
-                            seeds=[run.seed * 1000 + i for i in range(config.sampler.count)], resume=checkpoint,
+                            seeds=[run.seed * 1000 + i for i in range(count)], resume=checkpoint,
                             model_path=model_path, log_path=console.path, teacher=teacher,
                             reward_model=reward_model)
         driver.scaler = Scaler(driver.pool, spawn_sampler, sup.stop, seed_of=lambda i: run.seed * 1000 + i,
                                device=plan.device, colocated=plan.colocated, log=log,
-                               free_gpus=lambda: sum(n.devices_free for n in sup.nodes()) if cuda else 0)
+                               free_gpus=lambda: sum(n.devices_free for n in sup.nodes()) if cuda else 0,
+                               started=config.sampler.count, target=scaled or None, nodes=sup.nodes)
         return await driver.execute()
     except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
         signum = signals.cancelled_by_signal(asyncio.current_task())

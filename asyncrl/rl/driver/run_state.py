@@ -33,6 +33,9 @@ class RunState(msgspec.Struct):
     """How many resumes led to this checkpoint (0: written by the run's first process tree). The
     group ids of a segment carry it, so that a resumed run (whose samplers number their groups
     from 1 again) never reuses an id of the steps it continues from."""
+    samplers_target: int = 0
+    """The fleet's size last asked by ``asyncrl scale`` (0: never scaled): a resumed run starts this
+    many samplers, not ``--sampler.count``, and keeps it as its target (fleet/scaling.py)."""
 
 
 def read_run_state(checkpoint: Checkpoint) -> RunState:

@@ -85,12 +85,19 @@ class Scaler:
 
     def __init__(self, pool: SamplerPool, spawn: Callable[[int], Awaitable[Any]],
                  stop: Callable[[Any], Awaitable[None]], *, seed_of: Callable[[int], int], device: str,
-                 colocated: bool, free_gpus: Callable[[], int], log=print):
+                 colocated: bool, free_gpus: Callable[[], int], log=print, started: int | None = None,
+                 target: int | None = None, nodes: Callable[[], list[Any]] = list):
         self.pool, self.membership = pool, pool.membership
         self._spawn, self._stop, self.seed_of = spawn, stop, seed_of
         self.device, self.colocated, self.free_gpus, self.log = device, colocated, free_gpus, log
-        self.started = len(pool.members)
-        self.target: int | None = None  # None: never asked; the fleet is the run's as started
+        self.nodes = nodes  # the cluster's `NodeStatus`es: a node leaving an elastic cluster is drained
+        self.leaving: set[int] = set()  # the ranks of the nodes whose samplers were drained
+        # How many samplers the run's first segment started (a colocated GPU's memory was split
+        # among them); a resumed segment may start another count (``target``).
+        self.started = started or len(pool.members)
+        self.target = target
+        """None: never asked, the fleet is the run's as started; else kept, across resumes too
+        (the checkpoint records it: run_state.py)."""
         self.starting: dict[int, asyncio.Task] = {}  # index -> its spawn
         self.next_index = len(pool.members)
         self.closed = False
@@ -124,8 +131,10 @@ class Scaler:
 
     async def at_sync(self) -> None:
         """Apply the target before a sync (nothing group-wide is in flight): add the samplers
-        started since, start the ones missing (a sampler lost for good), drain the ones too many."""
+        started since, drain the ones on a node that is leaving, start the ones missing (a sampler
+        lost for good or drained with its node, when a target is set), drain the ones too many."""
         self._admit()
+        self._drain_leaving_nodes()
         if self.target is None:
             return
         self._start_missing()
@@ -202,6 +211,23 @@ class Scaler:
         for m in live[:count]:
             self.membership.drain(m, f"scaled down to {self.target} sampler(s)")
             self._track(self._stop_drained(m))
+
+    def _drain_leaving_nodes(self) -> None:
+        """Every sampler on a node that is leaving (its agent was told to stop: ``draining`` in
+        the cluster's view) leaves the group now, as a scale-down's do: its stream is cut, what it
+        was making is handed back, the sync that follows re-forms the group once without all of
+        them, and its process is stopped, which lets the node's agent go."""
+        for node in self.nodes():
+            if not node.state.startswith("draining") or node.rank in self.leaving:
+                continue
+            self.leaving.add(node.rank)
+            why = f"its node {node.rank} ({node.hostname}) is leaving ({node.state.split(': ', 1)[-1]})"
+            here = [m for m in self.membership.members if m.state in _DRAIN_ORDER and m.handle.info().node == node.rank]
+            self.membership.event("node_leaving", "", why, node=node.rank, samplers=len(here))
+            self.log(f"scale: node {node.rank} is leaving: draining {len(here)} sampler(s) there")
+            for m in here:
+                self.membership.drain(m, why)
+                self._track(self._stop_drained(m))
 
     async def _spawn_one(self, index: int) -> Any:
         if self._one_at_a_time is None:
