@@ -284,6 +284,14 @@ async def test_an_elastic_cluster_starts_with_min_nodes_and_takes_a_node_that_jo
             a.wait()
 
 
+async def test_an_elastic_cluster_of_at_least_one_node_starts_with_node_0_alone(secret):
+    # --nnodes 1:2: nothing to wait for (it waited for a join that never came, then failed)
+    started = time.monotonic()
+    async with _cluster_supervisor(2, free_port(), min_nnodes=1, join_timeout_s=5.0) as sup:
+        assert [(n.rank, n.state) for n in sup.nodes()] == [(0, "joined")]
+    assert time.monotonic() - started < 5.0
+
+
 async def test_an_elastic_cluster_names_how_many_nodes_it_still_needs(secret, tmp_path):
     port = free_port()
     with pytest.raises(ClusterStartError, match=r"1 of the 2 nodes needed \(--nnodes 2:3\) joined .* within 2 s "
