@@ -9,6 +9,9 @@ second host has; CURVE with a cluster secret, gloo, ``--run.placement`` (docs/mu
 * The reverse (2 trainer ranks on node 1, the sampler on node 0), node 1's agent SIGKILLed after
   the first checkpoint: the run stops within its deadline naming the lost node and how to resume;
   resumed across the two nodes again, it reaches its last step and the held-out evaluation.
+* An elastic run (``--nnodes 1:2``) started on node 0 alone: node 1 joins mid-run, a scale-up
+  puts a sampler there, which takes the current weights before any of its groups is trained;
+  node 1's agent told to stop drains it first (docs/elastic.md).
 
 Every process of node 1 is gone after its agent's death, and nothing is left in its namespace.
 Two fast tests check the option itself: its forms, and a node the run lacks refused up front.
@@ -259,3 +262,74 @@ def test_losing_the_trainers_node_stops_the_run_resumably_and_it_resumes_across_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["resumed_from"] and "greedy" in summary["heldout_after"]
     assert wait_until(lambda: not netns_pids(namespace), 10.0), netns_pids(namespace)
+
+
+def test_a_node_joining_an_elastic_run_takes_a_sampler_that_syncs_first_and_drains_it_when_leaving(
+        model_path, node1, tmp_path):
+    # --nnodes 1:2: the run starts on node 0 alone; node 1 joins mid-run, `asyncrl scale` puts the
+    # new sampler there (the node with the fewest), it takes the current weights before it
+    # generates; then node 1's agent is told to stop: the sampler is drained (nothing it
+    # delivered lost, not counted a loss), the agent leaves once it is stopped, the run goes on.
+    from asyncrl.rl.driver.scaling import scale
+    from asyncrl.runtime.status import query_status
+
+    namespace, master, _ = node1
+    run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
+    log_dir.mkdir()
+    secret, port = make_secret_file(str(log_dir)), free_port(master)
+    args = ["--model_path", model_path, "--sampler.count", "1", "--run.steps", "100000", "--run.check_weights", "true",
+            *small(run_dir, "--trainer.world_size", "1")]
+    with open(log_dir / "driver.log", "wb") as out:
+        driver = subprocess.Popen(launch_argv(0, "1:2", port, secret, master, EXAMPLE, *args), cwd=tmp_path,
+                                  env=env(ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1"),
+                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    agent = None
+
+    def output() -> str:
+        return (log_dir / "driver.log").read_text(errors="replace")[-3000:]
+
+    def progress() -> dict:
+        return query_status(str(run_dir), 30.0).progress
+
+    def until(predicate, what: str) -> None:
+        if not wait_until(lambda: predicate() or driver.poll() is not None, RUN_S, 0.2) or driver.poll() is not None:
+            pytest.fail(f"{what} not within {RUN_S:g} s (driver exit {driver.poll()}):\n{output()}")
+
+    started = time.monotonic()
+    try:
+        until(lambda: step_done(run_dir) >= 2, "step 2 on node 0 alone")
+        agent = start_agent(1, "1:2", port, secret, str(log_dir), master=master, netns=namespace,
+                            OMP_NUM_THREADS="1", ASYNCRL_SUP_DRAIN_TIMEOUT_S="120")
+        until(lambda: [n.state for n in query_status(str(run_dir), 30.0).nodes] == ["joined", "joined"], "node 1 joins")
+        assert scale(str(run_dir), 2, 30.0)["target"] == 2
+        until(lambda: progress().get("samplers", {}).get("sampler1") == "in group", "sampler1 in the group")
+        joined_at = step_done(run_dir)
+        assert {a.name: a.node for a in query_status(str(run_dir), 30.0).actors}["sampler1"] == 1
+        until(lambda: step_done(run_dir) >= joined_at + 3, "3 steps with sampler1")
+        agent.send_signal(signal.SIGTERM)
+        until(lambda: progress()["samplers"]["sampler1"] == "drained", "sampler1 drained")
+        assert agent.wait(60) == 128 + signal.SIGTERM, agent_log(str(log_dir), 1)
+        drained_at = step_done(run_dir)
+        until(lambda: step_done(run_dir) >= drained_at + 2, "2 steps after node 1 left")
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(60)
+    finally:
+        kill_all([driver.pid, *([agent.pid] if agent else [])])
+        driver.wait()
+        if agent:
+            agent.wait()
+    print(f"node 1 joined, took a sampler and left in {time.monotonic() - started:.0f} s")  # shown with -rP
+    assert wait_until(lambda: not netns_pids(namespace), 10.0), netns_pids(namespace)
+    rs = records(run_dir)
+    with_1 = [r for r in rs if "sampler1" in r["weights_digests"]]
+    assert with_1 and all(r["weights_digests"]["sampler1"] == r["weights_digests"]["trainer"] for r in with_1)
+    first = with_1[0]["step"]  # the sync that took it in: no group of it was trained before
+    assert not any(g.startswith("sampler1/") for r in rs if r["step"] <= first for g in r["group_ids"]), rs
+    assert any(g.startswith("sampler1/") for r in rs for g in r["group_ids"]), "sampler1 never delivered"
+    assert rs[-1]["samplers_in_group"] == 1 and sum(r["sampler_losses"] for r in rs) == 0
+    events = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+    (leaving,) = [e for e in events if e["event"] == "node_leaving"]
+    assert leaving["node"] == 1 and leaving["samplers"] == 1, events
+    assert [e["sampler"] for e in events if e["event"] == "drained"] == ["sampler1"], events
+    assert not [e for e in events if e["event"] == "lost"], events
+    assert "leaving once the 1 actor(s) here are stopped" in agent_log(str(log_dir), 1)

@@ -196,8 +196,8 @@ class Cluster:
         if node.lost is not None:
             return
         node.lost = reason
-        if self._closing:
-            log.info("node %d (%s) left: %s", node.rank, node.hostname, reason)
+        if self._closing or (node.draining is not None and not node.procs):
+            log.info("node %d (%s) left: %s", node.rank, node.hostname, reason)  # as planned: nothing dies
         else:
             log.error("node %d (%s, %s) lost: %s; its %d actor process(es) count as dead",
                       node.rank, node.hostname, node.address, reason, len(node.procs))
