@@ -28,7 +28,7 @@ from asyncrl.errors import ActorDiedError
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import RecoveryConfig
 from asyncrl.rl.driver.faults import Fault, append_event
-from asyncrl.rl.driver.fleet.calls import Answers, call_all
+from asyncrl.rl.driver.fleet.calls import Answers, call_all, failure_cause
 from asyncrl.runtime.state import ActorState
 
 CLOSE_S = 10.0
@@ -174,15 +174,15 @@ class Membership:
                        judge_lead: Callable[[Any], None] | None = None,
                        spare: Callable[[BaseException], bool] | None = None) -> Answers | None:
         """Make ``call(handle, member)`` to every member of ``group`` at once (`calls.call_all`:
-        each within ``timeout_s``), to the incarnation that joined, and lose each that failed (killed unless
-        it died; the cause names ``what``), except the ones ``spare`` says suffered a peer's
-        failure. The answers are handed back, the members' last (`Answers.of_members`).
+        each within ``timeout_s``), to the incarnation that joined, and lose each that failed
+        (killed unless it died; the cause names ``what``), except the ones ``spare`` says suffered
+        a peer's failure. The answers are handed back, the members' last (`Answers.of_members`).
 
         A member no longer running the incarnation that joined is lost first, and not called.
         ``whole``: the call is meant for the group as formed: with a member replaced it is not
         made at all (None), and any failure means the group must be formed again. ``lead`` (the
-        trainer) is called with the members, first (``member`` None); its answer is judged by ``judge_lead`` (which
-        raises to stop the run) before any member's."""
+        trainer) is called with the members, first (``member`` None); its answer is judged by
+        ``judge_lead`` (which raises to stop the run) before any member's."""
         replaced = self.lose_replaced(group)  # no await from here to the calls: they go to these incarnations
         if replaced and whole:
             return None
@@ -192,8 +192,7 @@ class Membership:
 
         def died(i: int, error: ActorDiedError) -> None:  # at once: the others may wait out their deadline for it
             if i >= first:
-                self.lose(group[i - first], f"died during {what} ({error.reason})", kill=False,
-                          incarnation=pinned[i - first])
+                self.lose(group[i - first], failure_cause(what, error), kill=False, incarnation=pinned[i - first])
 
         handles = ([] if lead is None else [lead]) + [m.handle for m in group]
         answers = await call_all(handles, lambda h, i: call(h, group[i - first] if i >= first else None),
