@@ -39,12 +39,13 @@ async def measure(path: str, world_size: int, args) -> dict:
                            compile=bool(args.compile and world_size == 1), world_size=world_size)
     batch = make_batch(args.prompts, args.group_size, args.completion, SHAPES[args.shape][-1] or 256)
     gpus = int(args.device == "cuda")
+    kwargs = {"device": args.device}  # the trainer computes on the CPU unless told
     async with Supervisor(call_timeout_s=900, device_kind="cuda" if gpus else "auto") as sup:
         if world_size == 1:
-            trainer = await sup.spawn(TrainerActor, path, config, name="trainer", gpus=gpus)
+            trainer = await sup.spawn(TrainerActor, path, config, name="trainer", gpus=gpus, kwargs=kwargs)
         else:
             trainer = await spawn_trainer_ranks(sup, TrainerActor, (path, config), world_size=world_size,
-                                                host="127.0.0.1", timeout_s=300.0, gpus=gpus, env={}, kwargs={})
+                                                host="127.0.0.1", timeout_s=300.0, gpus=gpus, env={}, kwargs=kwargs)
         times, peaks, metrics = [], [], {}
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()

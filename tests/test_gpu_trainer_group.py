@@ -22,6 +22,7 @@ from asyncrl.runtime.supervisor import Supervisor
 from tests.sampler_support import write_tiny
 from tests.test_trainer_group import HOST, batch
 
+ON_GPU = {"device": "cuda"}  # the trainer computes on the CPU unless told (a GRPO run tells it)
 kind, ids = detect("auto")
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(kind != "cuda" or len(ids) < 2, reason="needs two CUDA devices")]
@@ -37,7 +38,7 @@ async def spawn_ranks(sup, path, config, env=None):
     from asyncrl.rl.trainer.actor import TrainerActor
 
     return await spawn_trainer_ranks(sup, TrainerActor, (path, config), world_size=2, host=HOST, timeout_s=120.0,
-                                     gpus=1, env=env or {}, kwargs={})
+                                     gpus=1, env=env or {}, kwargs=ON_GPU)
 
 
 @pytest.mark.parametrize("bf16,features", [(False, {}), (True, {}), (False, {"pack_tokens": 40}),
@@ -51,7 +52,7 @@ def test_two_gpu_ranks_compute_the_gradient_one_gpu_computes(tiny_path, bf16, fe
 
     async def main():
         async with Supervisor(call_timeout_s=180, device_kind="cuda") as sup:
-            plain = await sup.spawn(TrainerActor, tiny_path, config, name="plain", gpus=1)
+            plain = await sup.spawn(TrainerActor, tiny_path, config, name="plain", gpus=1, kwargs=ON_GPU)
             one = await plain.train_step(data)
             g1 = await plain.gradients()
         async with Supervisor(call_timeout_s=180, device_kind="cuda") as sup:  # the two ranks take both GPUs
@@ -59,7 +60,9 @@ def test_two_gpu_ranks_compute_the_gradient_one_gpu_computes(tiny_path, bf16, fe
             two = await ranks.with_timeout(180).train_step(data)
             return one, two, g1, await ranks.with_timeout(60).gradients()
 
+
     one, two, g1, g2 = asyncio.run(main())
+    assert one.get("peak_mem_gib", 0) > 0 and two.get("peak_mem_gib", 0) > 0  # reported on a GPU only
     assert set(g1) == set(g2) and len(g1) > 5
     assert max(float(g.abs().max()) for g in g1.values()) > 1e-4  # not trivially equal
     for name in g1:
