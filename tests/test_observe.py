@@ -156,6 +156,20 @@ async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus()
 
 # --- a tiny real run ---------------------------------------------------------------------------
 
+TASK = {"task/has_answer", "task/hits_target", "task/uses_numbers", "task/well_formed"}  # examples/grpo_countdown.py's
+STEP_KEYS = {
+    "step", "version", "reward_mean", "train_solve_rate", "staleness_mean", "staleness_hist", "dropped_stale",
+    "uniform_skipped", "queue_depth", "paced_wait_s", "completion_tokens", "samples_per_s", "tokens_per_s", "time_s",
+    "wait_s", "train_s", "sync_s", "sync_trainer_s", "sync_trainer_pack_s", "sync_trainer_transfer_s",
+    "sync_trainer_vote_s", "sync_sampler_s", "sync_sampler_pause_s", "sync_sampler_transfer_s", "sync_sampler_load_s",
+    "sync_sampler_resume_s", "sync_rpc_s", "sync_bytes", "generate_s", "loss", "pg_loss", "ratio_mean", "clip_frac_low",
+    "clip_frac_high", "entropy", "grad_norm", "lr", "tokens", "sequences", "micro_batches", "micro_batch_tokens",
+    *TASK, "generation", "samplers_in_group", "sampler_losses", "sampler_rejoins", "recover_s", "group_ids"}
+"""The keys of a default CPU run's step record (async, one sampler, none lost, no weight check), as main wrote them."""
+EVAL_KEYS = {"heldout_solve_rate", "heldout_sampled_solve_rate", *(f"heldout/{k}" for k in TASK)}
+"""What an evaluated step adds."""
+
+
 
 @pytest.mark.slow
 def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothing(tmp_path):
@@ -166,6 +180,8 @@ def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothi
     assert "\r" not in done.stdout and "step    4/4  reward" in done.stdout
     assert f"TensorBoard: event files in {run_dir}" in done.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # metrics.jsonl's keys are what users and benchmarks/grpo_gpu.py read: a default run's stay these
+    assert [set(r) for r in records] == [STEP_KEYS, STEP_KEYS | EVAL_KEYS] * 2
     summary = json.loads((run_dir / "summary.json").read_text())
     # paced: every group begun was trained, none dropped, and the queue never held more than a step's worth
     assert summary["dropped_stale"] == 0 and all(r["queue_depth"] <= 2 for r in records)
