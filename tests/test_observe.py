@@ -16,9 +16,9 @@ import urllib.request
 import pytest
 
 from asyncrl import Supervisor
-from asyncrl.rl.driver.endpoint import MetricsEndpoint, metric_name
-from asyncrl.rl.driver.progress import Progress, ProgressBar, make_progress
-from asyncrl.rl.driver.writers import scalars_of
+from asyncrl.rl.observe.endpoint import MetricsEndpoint, metric_name
+from asyncrl.rl.observe.progress import Progress, ProgressBar, make_progress
+from asyncrl.rl.observe.writers import scalars_of
 from asyncrl.rl.view.sparkline import sparkline
 
 from actors import Echo
@@ -82,7 +82,7 @@ class FakeTerminal(io.StringIO):
 
 
 def test_a_progress_line_without_sampled_evaluation_says_greedy_only():
-    from asyncrl.rl.driver.progress import progress_line
+    from asyncrl.rl.observe.progress import progress_line
 
     record = dict(step=3, reward_mean=0.1, train_solve_rate=0.2, staleness_mean=1.0, samples_per_s=3.0,
                   tokens_per_s=100.0, heldout_solve_rate=0.3)

@@ -14,7 +14,7 @@ from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.trainer import TrainerConfig
-from asyncrl.rl.driver.sync_metrics import SYNC_METRICS, sync_record
+from asyncrl.rl.observe.sync_metrics import SYNC_METRICS, sync_record
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 
 from test_packing import embedded_path, random_groups  # noqa: F401  (the embedded model fixture)

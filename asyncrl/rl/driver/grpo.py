@@ -32,20 +32,20 @@ import msgspec
 from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.driver.episodes_log import EPISODES_FILE, EpisodeLog
+from asyncrl.rl.observe.episodes_log import EPISODES_FILE, EpisodeLog
 from asyncrl.rl.driver.faults import RunStoppedError, TaskFailedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
-from asyncrl.rl.driver.metrics import Metrics, truncate_metrics
+from asyncrl.rl.observe.metrics import Metrics, truncate_metrics
 from asyncrl.rl.driver.pacing import Pacer
-from asyncrl.rl.driver.painter import CurvesPainter
-from asyncrl.rl.driver.progress import Progress, make_progress
-from asyncrl.rl.driver.writers import MetricWriters, scalars_of
+from asyncrl.rl.observe.painter import CurvesPainter
+from asyncrl.rl.observe.progress import Progress, make_progress
+from asyncrl.rl.observe.writers import MetricWriters, scalars_of
 from asyncrl.rl.driver.pool import SamplerPool
 from asyncrl.rl.driver.scaling import Scaler
-from asyncrl.rl.driver.stall import StallWatch
-from asyncrl.rl.driver.sync_metrics import sync_record
+from asyncrl.rl.observe.stall import StallWatch
+from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
-from asyncrl.rl.driver.report import heldout_extra_text, rates_text, shown_path, summary_text
+from asyncrl.rl.observe.report import heldout_extra_text, rates_text, shown_path, summary_text
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.tasks.scoring import TaskFailureError

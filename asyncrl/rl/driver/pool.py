@@ -50,7 +50,7 @@ from asyncrl.rl.driver.membership import Member, MemberState, Membership
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.sync_group import SyncGroup
-from asyncrl.rl.driver.sync_metrics import sync_record
+from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup

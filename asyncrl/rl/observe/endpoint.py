@@ -10,7 +10,7 @@ maintained library; its encoder also answers OpenMetrics to a scraper that asks 
 actor's state and calls a trivial endpoint of every running actor (the driver names which)
 under ``--run.health_timeout_s``; 200 with a JSON body when all answer, else 503 naming each dead
 or silent actor, or the driver as ``stalled`` with the reason while the run makes no step
-(driver/stall.py). Each request is answered on the driver's event loop, so a driver whose loop is
+(rl/observe/stall.py). Each request is answered on the driver's event loop, so a driver whose loop is
 stuck is found too (its answer does not come within the deadline: 503).
 
 The HTTP server is the standard library's, in daemon threads; it binds ``--run.metrics_host``
@@ -82,7 +82,7 @@ class MetricsEndpoint:
                 unhealthy[name] = f"silent: no answer within {self.timeout_s:g} s"
             else:
                 unhealthy[name] = f"{type(result).__name__}: {first_line(result)}"
-        stalled = self.stalled()  # every actor may answer while the run makes no step (driver/stall.py)
+        stalled = self.stalled()  # every actor may answer while the run makes no step (rl/observe/stall.py)
         if stalled:
             unhealthy["driver"] = f"stalled: {stalled}"
         return not unhealthy, {"healthy": not unhealthy, "unhealthy": unhealthy,

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from asyncrl.rl.driver.report import duration_text
+from asyncrl.rl.observe.report import duration_text
 
 
 def progress_line(record: dict[str, Any], steps: int, eta_s: float | None, elapsed_s: float) -> str:

@@ -7,8 +7,8 @@ import json
 import os
 from typing import Any
 
-from asyncrl.rl.driver.progress import Progress
-from asyncrl.rl.driver.writers import MetricWriters
+from asyncrl.rl.observe.progress import Progress
+from asyncrl.rl.observe.writers import MetricWriters
 from asyncrl.runtime.files import write_atomic
 
 
