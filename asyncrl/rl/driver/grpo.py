@@ -125,7 +125,8 @@ class GRPODriver:
     def snapshot(self) -> dict[str, float]:
         """The numbers of the last step's record and of the progress, for Prometheus."""
         progress = {f"progress_{k}": v for k, v in scalars_of(self.progress()).items()}
-        return {**(self.latest.scalars() if self.latest is not None else {}), **progress, "progress_step": float(self.step_done),
+        latest = self.latest.scalars() if self.latest is not None else {}
+        return {**latest, **progress, "progress_step": float(self.step_done),
                 "progress_stalled": float(bool(self.stall.reason))}
 
     def where(self) -> str:

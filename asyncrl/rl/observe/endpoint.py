@@ -27,14 +27,31 @@ import re
 import threading
 from collections.abc import Awaitable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from asyncrl.errors import ActorDiedError, first_line
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.timeouts import timeout
 
 Probe = Callable[[], Awaitable[Any]]
+
+
+class ObservedRun(Protocol):
+    """What the endpoint asks of a running run (the driver, `GRPODriver`, answers it): the
+    endpoint is handed it, and imports nothing of the driver."""
+
+    stall: StallWatch
+
+    def probes(self, timeout_s: float) -> dict[str, Probe]:
+        """A trivial call per actor, each bounded by ``timeout_s``."""
+        ...
+
+    def snapshot(self) -> dict[str, float]:
+        """The numbers of the last step's record and of the progress."""
+        ...
+
 OK_STATES = (ActorState.RUNNING, ActorState.STARTING)
 """Actor states that are healthy so far: a starting actor is given its start deadline."""
 
@@ -177,7 +194,8 @@ def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def open_endpoint(observe: Any, sup: Any, driver: Callable[[], Any], log=print) -> MetricsEndpoint | None:
+def open_endpoint(observe: Any, sup: Any, driver: Callable[[], ObservedRun | None],
+                  log=print) -> MetricsEndpoint | None:
     """The endpoint ``observe`` (the run's `ObserveConfig`) asks for, serving what ``driver()``
     (the `GRPODriver`, or None while the run starts) knows; None with ``metrics_port`` 0."""
     if not observe.metrics_port:
