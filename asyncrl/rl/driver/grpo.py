@@ -46,7 +46,7 @@ from asyncrl.rl.driver.scaling import Scaler
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
-from asyncrl.rl.observe.report import heldout_extra_text, rates_text, shown_path, summary_text
+from asyncrl.rl.observe.report import RunSummary, heldout_extra_text, rates_text, shown_path, summary_text
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.tasks.scoring import TaskFailureError
@@ -272,21 +272,19 @@ class GRPODriver:
         self.phase = "finished"
         self.write_progress()
         wall = self.elapsed_s()
-        summary = {"steps": run.steps, "mode": run.mode, "heldout_before": self.heldout_before,
-                   "heldout_after": self.heldout_last, "heldout_problems": self.n_heldout, "wall_s": wall,
-                   "samples": self.samples, "samples_per_s": self.samples / max(wall, 1e-9),
-                   "tokens_per_s": self.tokens / max(wall, 1e-9), "dropped_stale": self.dropped_stale(),
-                   "uniform_skipped": self.uniform_skipped(),
-                   "checkpoint": final_dir, "final": final_dir,
-                   "best": ({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
-                   "initial_policy": self.model_path, "metrics": metrics_path, "log": self.log_path,
-                   "curves": curves, "tensorboard": tensorboard,
-                   "resumed_from": self.resume.path if self.resume is not None else None,
-                   "faults": self.fault_counts(), "fault_log": [f.to_dict() for f in self.pool.faults]}
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        summary = RunSummary(
+            steps=run.steps, mode=run.mode, heldout_before=self.heldout_before, heldout_after=self.heldout_last,
+            heldout_problems=self.n_heldout, wall_s=wall, samples=self.samples,
+            samples_per_s=self.samples / max(wall, 1e-9), tokens_per_s=self.tokens / max(wall, 1e-9),
+            dropped_stale=self.dropped_stale(), uniform_skipped=self.uniform_skipped(),
+            checkpoint=final_dir, final=final_dir,
+            best=({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
+            initial_policy=self.model_path, metrics=metrics_path, log=self.log_path, curves=curves,
+            tensorboard=tensorboard, resumed_from=self.resume.path if self.resume is not None else None,
+            faults=self.fault_counts(), fault_log=[f.to_dict() for f in self.pool.faults])
+        summary.write(os.path.join(self.run_dir, "summary.json"))
         self.log(summary_text(summary))
-        return summary
+        return summary.to_dict()
 
     def best_greedy(self) -> float:
         """The held-out greedy solve rate to beat: the best saved, else the policy's before GRPO."""

@@ -2,39 +2,98 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
+import msgspec
 
-def summary_text(summary: dict[str, Any]) -> str:
+
+class RunSummary(msgspec.Struct, kw_only=True):
+    """The end of a run: RUN_DIR/summary.json (`to_dict`, whose keys users and scripts read, as
+    they read what ``train()`` returns), and `summary_text` on the console."""
+
+    steps: int
+    """The steps the run was asked for (``--run.steps``)."""
+    mode: str
+    """``async`` or ``sync``."""
+    heldout_before: dict[str, float]
+    """Held-out solve rates before GRPO (``greedy``, and ``sampled`` with eval samples)."""
+    heldout_after: dict[str, float]
+    """Held-out solve rates of the last evaluation."""
+    heldout_problems: int
+    """Problems in the held-out set."""
+    wall_s: float
+    """Training wall time over every segment of the run."""
+    samples: int
+    """Completions trained on."""
+    samples_per_s: float
+    """Completions trained per second of ``wall_s``."""
+    tokens_per_s: float
+    """Completion tokens trained per second of ``wall_s``."""
+    dropped_stale: int
+    """Groups dropped as too stale over the run."""
+    uniform_skipped: int
+    """Groups of one reward left out over the run."""
+    checkpoint: str
+    """The final policy's directory (the same as ``final``; the older name)."""
+    final: str
+    """The final policy's directory."""
+    best: dict[str, Any] | None
+    """best/best.json with the directory's ``path``; None when no evaluation beat the start."""
+    initial_policy: str
+    """The policy the run started from."""
+    metrics: str
+    """RUN_DIR/metrics.jsonl."""
+    log: str
+    """RUN_DIR/log.txt ("" when the run keeps no log)."""
+    curves: str
+    """RUN_DIR/curves.png ("" when none was drawn)."""
+    tensorboard: str
+    """The directory of TensorBoard's event files ("" when none were written)."""
+    resumed_from: str | None
+    """The checkpoint this segment resumed from (None: a fresh run)."""
+    faults: dict[str, int]
+    """Sampler fault counts over the run (``sampler_losses``, ``sampler_rejoins``, ...)."""
+    fault_log: list[dict[str, Any]]
+    """Each sampler fault of this segment, as faults.jsonl has it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+
+def summary_text(summary: RunSummary) -> str:
     """The end of the run: a heading, what GRPO changed on the held-out problems, and where the
     results are."""
-    before, after = summary["heldout_before"], summary["heldout_after"]
-    lines = [f"GRPO finished: {summary['steps']} steps in {duration_text(summary['wall_s'])} ({summary['mode']} mode"
-             + (", resumed" if summary["resumed_from"] else "") + ")"]
+    s = summary
+    before, after = s.heldout_before, s.heldout_after
+    lines = [f"GRPO finished: {s.steps} steps in {duration_text(s.wall_s)} ({s.mode} mode"
+             + (", resumed" if s.resumed_from else "") + ")"]
     rows: list[tuple[str, str]] = []
     for kind in ("greedy", "sampled"):
         if kind in before and kind in after:
             gain = 100 * (after[kind] - before[kind])
             rows.append((f"held-out {kind}", f"{before[kind]:.3f} -> {after[kind]:.3f}  ({gain:+.1f} points)"))
-    rows[0:0] = [("held-out problems", str(summary["heldout_problems"]))] if rows else []
-    faults = summary["faults"]
-    rows += [("samples/s", f"{summary['samples_per_s']:.1f}"), ("dropped stale groups", str(summary["dropped_stale"])),
-             ("groups left out (one reward)", str(summary.get("uniform_skipped", 0))),
-             ("sampler losses / rejoins", f"{faults.get('sampler_losses', 0)} / {faults.get('sampler_rejoins', 0)}"),
-             ("final policy", shown_path(summary["final"]))]
-    best = summary["best"]
-    if best is not None:
-        rows.append(("best policy", f"{shown_path(best['path'])}  (step {best['step']}: held-out greedy "
-                                    f"{best['heldout']['greedy']:.3f})"))
+    rows[0:0] = [("held-out problems", str(s.heldout_problems))] if rows else []
+    losses, rejoins = s.faults.get("sampler_losses", 0), s.faults.get("sampler_rejoins", 0)
+    rows += [("samples/s", f"{s.samples_per_s:.1f}"), ("dropped stale groups", str(s.dropped_stale)),
+             ("groups left out (one reward)", str(s.uniform_skipped)),
+             ("sampler losses / rejoins", f"{losses} / {rejoins}"), ("final policy", shown_path(s.final))]
+    if s.best is not None:
+        rows.append(("best policy", f"{shown_path(s.best['path'])}  (step {s.best['step']}: held-out greedy "
+                                    f"{s.best['heldout']['greedy']:.3f})"))
     else:
-        rows.append(("best policy", f"the starting one, {shown_path(summary['initial_policy'])}  (no evaluation beat "
+        rows.append(("best policy", f"the starting one, {shown_path(s.initial_policy)}  (no evaluation beat "
                                     f"its held-out greedy {before.get('greedy', float('nan')):.3f})"))
-    rows += [("metrics", shown_path(summary["metrics"]))] + ([("log", shown_path(summary["log"]))] if summary["log"] else [])
-    if summary.get("curves"):
-        rows.append(("curves", shown_path(summary["curves"])))
-    if summary.get("tensorboard"):
-        rows.append(("tensorboard", f"tensorboard --logdir {shown_path(summary['tensorboard'])}"))
+    rows += [("metrics", shown_path(s.metrics))] + ([("log", shown_path(s.log))] if s.log else [])
+    if s.curves:
+        rows.append(("curves", shown_path(s.curves)))
+    if s.tensorboard:
+        rows.append(("tensorboard", f"tensorboard --logdir {shown_path(s.tensorboard)}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(lines + [f"  {k:<{width}}  {v}" for k, v in rows])
 
