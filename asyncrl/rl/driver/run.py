@@ -28,11 +28,11 @@ from asyncrl.rl.config.stored import write_run_config
 from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import cluster_devices, plan_devices
-from asyncrl.rl.driver.endpoint import open_endpoint
+from asyncrl.rl.observe.endpoint import open_endpoint
 from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
-from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
+from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.sampler_start import start_samplers
 from asyncrl.rl.driver.scaling import ScaleRefusedError, Scaler, least_loaded_node
 from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers
