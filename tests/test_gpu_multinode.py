@@ -10,7 +10,8 @@ off, so the weights cross over its socket transport between the two addresses, a
   to resume; resumed with node 1 back, it reaches its last step with the weights checked.
 
 Set ``ASYNCRL_NETNS_DRY_RUN=cpu`` to run the same scenario on the CPU with gloo (the script's own
-check where no two GPUs are lent)."""
+check where no two GPUs are lent). The namespaces need root and iproute2's `ip` or, where it is
+missing (the GPU machines' image), the pyroute2 library (multinode_support.netns_tool)."""
 
 from __future__ import annotations
 
