@@ -5,6 +5,7 @@ GRPOTrainer on the same model, step and machine when TRL is installed.
     python benchmarks/grpo_gpu.py --shape 1.5b --runs async
     python benchmarks/grpo_gpu.py --shape 7b --lora-rank 16 --runs async,trl
     python benchmarks/grpo_gpu.py --shape 0.5b -- --trainer.micro_batch_tokens 4096   # our flags after --
+    python benchmarks/grpo_gpu.py --shape 0.5b --runs async@1,async@2,sync@2   # on the first 1 and 2 GPUs
 
 The model is a random Qwen2 of the shape in bf16 with the embedded byte-level tokenizer
 (`sampler_backends.make_model`): random weights never emit the stop token, so every completion has
@@ -20,6 +21,12 @@ Figures are steady state: the first ``--skip`` steps (start-up, compilation) are
 samples/s = completions trained / wall time; tokens/s = completion tokens / wall time. asyncrl's
 phases per step (from metrics.jsonl): generate = the wait for the step's groups, train, sync, and
 idle = the rest of the step's wall time (evaluation and checkpoints are outside the window).
+``ideal_share`` in the JSON: max(the sampler's time to generate a batch, train + sync) / step time,
+the share of a perfect overlap reached.
+``RUN@N`` runs asyncrl on the host's first N GPUs (``CUDA_VISIBLE_DEVICES``), so the device plan
+decides as it would on such a host: one GPU colocated, 1 + samplers GPUs each its own. Each GPU's
+busy share over the same steady window is ``nvidia-smi``'s utilization (the share of time a kernel
+ran), sampled every 200 ms.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +49,54 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_SHARE = 0.3  # the share of GPU memory a colocated vLLM takes (asyncrl's COLOCATED_VLLM_SHARE)
 
 
-def asyncrl_run(mode: str, args, model: str, run_dir: str) -> dict:
+class GpuBusy:
+    """``nvidia-smi``'s utilization of every GPU, sampled every 200 ms and stamped on arrival."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, float]] = []  # (time, gpu index, busy 0..1)
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu",
+                                          "--format=csv,noheader,nounits", "-lms", "200"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                index, busy = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.time(), int(index), busy / 100))
+
+    def share(self, start: float, end: float) -> dict[str, float]:
+        """Each GPU's mean busy share between two wall-clock times."""
+        per: dict[int, list[float]] = {}
+        for t, gpu, busy in list(self.samples):
+            if start <= t <= end:
+                per.setdefault(gpu, []).append(busy)
+        return {str(g): round(statistics.mean(v), 3) for g, v in sorted(per.items())}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def watch_steps(path: str, stamps: dict[int, float], done: threading.Event) -> None:
+    """Stamp the wall-clock time at which metrics.jsonl reaches each line count."""
+    while not done.wait(0.1):
+        try:
+            with open(path) as f:
+                n = sum(1 for _ in f)
+        except OSError:
+            continue
+        stamps.setdefault(n, time.time())
+
+
+def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dict:
     steps = args.steps
     cmd = [sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
            "--model_path", model, "--sampler.backend", "vllm", "--run.mode", mode, "--run.steps", str(steps),
@@ -52,9 +107,21 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str) -> dict:
     if args.lora_rank:
         cmd += ["--trainer.lora.rank", str(args.lora_rank), "--trainer.lora.bf16_base", "true"]
     cmd += args.extra
-    print("$", " ".join(cmd[2:]), flush=True)
+    env = dict(os.environ)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+    print("$", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if gpus else "", " ".join(cmd[2:]), flush=True)
+    busy, stamps, finished = GpuBusy(), {}, threading.Event()
+    watcher = threading.Thread(target=watch_steps, args=(os.path.join(run_dir, "metrics.jsonl"), stamps, finished),
+                               daemon=True)
+    watcher.start()
     start = time.monotonic()
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    finally:
+        finished.set()
+        watcher.join()
+        busy.close()
     wall = time.monotonic() - start
     if done.returncode != 0:
         tail = "\n".join(done.stdout.splitlines()[-15:])
@@ -76,7 +143,11 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str) -> dict:
             "sync_phases": {k: mean(k) for k in sorted(window[0]) if k.startswith("sync_") and k != "sync_s"
                             and isinstance(window[0][k], (int, float))},
             "micro_batch_tokens": window[0].get("micro_batch_tokens"),
-            "first_step_s": records[0]["time_s"]}
+            "first_step_s": records[0]["time_s"],
+            "gpu_busy": busy.share(stamps.get(args.skip, 0.0), stamps.get(len(records) - 1, time.time())),
+            "sampler_generate_s": mean("generate_s"),
+            # the best a step can do: the sampler's generation of a batch, or the trainer's step and sync
+            "ideal_share": max(mean("generate_s"), train + sync) / step_s}
 
 
 def trl_run(args, model: str, out_dir: str) -> dict:
@@ -153,16 +224,17 @@ def make_shape(shape: str, path: str) -> None:
 
 def table(shape: str, results: dict[str, dict]) -> str:
     rows = ["| run | samples/s | tokens/s | step s | generate s | train s | sync s | idle s | trainer MFU | "
-            "trainer peak GiB | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "trainer peak GiB | GPUs busy | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:90]} | | | | | | | | | {r['wall_s']:.0f} |")
+            rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:90]} | | | | | | | | | | {r['wall_s']:.0f} |")
             continue
         cell = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else ""  # noqa: E731
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        busy = " / ".join(f"{100 * b:.0f}%" for b in r.get("gpu_busy", {}).values())
         rows.append(f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {cell('step_s')} | "
                     f"{cell('generate_s')} | {cell('train_s')} | {cell('sync_s')} | {cell('idle_s')} | {mfu} | "
-                    f"{cell('peak_gib')} | {r['wall_s']:.0f} |")
+                    f"{cell('peak_gib')} | {busy} | {r['wall_s']:.0f} |")
     trl = results.get("trl", {}).get("samples_per_s")
     if trl:
         rows += [f"{name}: {r['samples_per_s'] / trl:.2f}x TRL" for name, r in results.items()
@@ -173,7 +245,8 @@ def table(shape: str, results: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(s for s in SHAPES if s != "embedded"), default="0.5b")
-    parser.add_argument("--runs", default="sync,async,trl", help="any of sync, async, trl (trl: if installed)")
+    parser.add_argument("--runs", default="sync,async,trl",
+                        help="any of sync, async, trl (trl: if installed); sync@N / async@N: on the first N GPUs")
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--skip", type=int, default=5, help="start-up steps left out of the figures")
     parser.add_argument("--prompts", type=int, default=16, help="prompts a step")
@@ -202,7 +275,10 @@ def main() -> None:
                 continue
             results["trl"] = trl_run(args, model, out)
         else:
-            results[f"asyncrl {name}"] = asyncrl_run(name, args, model, os.path.join(out, f"run-{args.shape}-{name}"))
+            mode, _, gpus = name.partition("@")
+            label = f"asyncrl {mode}" + (f", {gpus} GPU{'s' if gpus != '1' else ''}" if gpus else "")
+            results[label] = asyncrl_run(mode, args, model, os.path.join(out, f"run-{args.shape}-{mode}{gpus}"),
+                                         int(gpus or 0))
         print(json.dumps({name: results[list(results)[-1]]}), flush=True)
     print(table(f"{args.shape}{f' LoRA r{args.lora_rank}' if args.lora_rank else ''}, {args.prompts} x "
                 f"{args.group_size} x {args.max_new_tokens} a step", results))

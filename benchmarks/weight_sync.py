@@ -68,6 +68,7 @@ class Member(SyncMember):
         self.is_sender = sender
         self.sync: WeightSender | WeightReceiver | None = None
         self.version = -1
+        self.stats: list = []  # SyncStats of every sync
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -94,14 +95,21 @@ class Member(SyncMember):
                 self._synchronize()
                 start = time.perf_counter()
                 if self.is_sender:
-                    self.sync.send(self.version)
+                    stats = self.sync.send(self.version)
                 else:
-                    self.sync.receive(self.version, self.state)
+                    stats = self.sync.receive(self.version, self.state)
+                self.stats.append(stats)
                 self._synchronize()
                 times.append(time.perf_counter() - start)
             return times
 
         return await asyncio.to_thread(run)
+
+    @endpoint
+    async def phases(self, last: int) -> dict[str, float]:
+        """Medians over the last ``last`` syncs of this member's phases (`SyncStats`), in ms."""
+        keys = ("vote_s", "move_s", "commit_s", "copy_s", "transfer_s")
+        return {k[:-2]: statistics.median(getattr(s, k) for s in self.stats[-last:]) * 1e3 for k in keys}
 
     @endpoint
     async def raw_broadcasts(self, iters: int) -> list[float]:
@@ -183,6 +191,7 @@ async def main() -> None:
         first = slowest(await asyncio.gather(*(m.syncs(1) for m in members)))[0]
         first_total = time.perf_counter() - start
         ours = slowest(await asyncio.gather(*(m.syncs(args.iters) for m in members)))
+        phases = await asyncio.gather(*(m.phases(args.iters) for m in members))
         extra = await asyncio.gather(*(m.extra_peak_bytes() for m in members))  # before raw's flat buffer
         raw = (await members[0].raw_copies(args.iters) if colocated else
                slowest(await asyncio.gather(*(m.raw_broadcasts(args.iters) for m in members))))
@@ -199,6 +208,8 @@ async def main() -> None:
     raw_what = "one device-to-device copy (floor)" if colocated else "raw torch.distributed.broadcast"
     print(f"| {raw_what} | {raw_s * 1e3:.2f} ms | {gib / raw_s:.1f} |")
     print(f"| ours / raw | {raw_s / ours_s * 100:.0f}% | |")
+    for name, ph in zip(["sender"] + [f"receiver{i}" for i in range(args.receivers)], phases):
+        print(f"{name} phases, median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     print(f"communicators created per member over {args.iters + 1} syncs: {[c for c in created]}")
     if cuda:
         print(f"peak device memory beyond the parameters (MiB): {[round(e / (1 << 20)) for e in extra]}")

@@ -44,52 +44,132 @@ def ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
 
 
+NETNS_RUN = "/var/run/netns"
+NETNS_EXEC = os.path.join(SCRIPTS, "netns_exec.py")
+
+
+def netns_tool() -> str:
+    """How namespaces are made here: "ip" (iproute2), else "pyroute2" where that library is
+    installed (an image without iproute2, such as the GPU machines'), else "". The variable
+    ``ASYNCRL_TEST_NETNS=pyroute2`` takes the second way where both are present."""
+    if shutil.which("ip") is not None and os.environ.get("ASYNCRL_TEST_NETNS") != "pyroute2":
+        return "ip"
+    try:
+        import pyroute2  # noqa: F401
+    except ImportError:
+        return ""
+    return "pyroute2"
+
+
+def netns_argv(namespace: str, argv: list[str]) -> list[str]:
+    """``argv`` run inside ``namespace``."""
+    if netns_tool() == "ip":
+        return ["ip", "netns", "exec", namespace, *argv]
+    return [sys.executable, NETNS_EXEC, namespace, *argv]
+
+
+def _veth_by_ip(ns: str, host_if: str, ns_if: str, subnet: str, links: list[str]) -> str:
+    """One namespace joined to this one by a veth pair, with iproute2; "" or what failed."""
+    out = ip("netns", "add", ns)
+    if out.returncode != 0:
+        return f"cannot create a network namespace here: {out.stderr.strip()}"
+    steps = [
+        ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
+        ("link", "set", ns_if, "netns", ns),
+        ("addr", "add", f"{subnet}.1/24", "dev", host_if),
+        ("link", "set", host_if, "up"),
+        ("netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", ns_if),
+        ("netns", "exec", ns, "ip", "link", "set", ns_if, "up"),
+        ("netns", "exec", ns, "ip", "link", "set", "lo", "up"),
+        ("netns", "exec", ns, "ip", "route", "add", "default", "via", f"{subnet}.1"),
+    ]
+    for step in steps:
+        out = ip(*step)
+        if out.returncode != 0:
+            return f"cannot set up veth networking (`ip {' '.join(step)}`): {out.stderr.strip()}"
+        if step[0] == "link" and step[1] == "add":
+            links.append(host_if)
+    return ""
+
+
+def _veth_by_pyroute2(ns: str, host_if: str, ns_if: str, subnet: str, links: list[str]) -> str:
+    """The same as `_veth_by_ip` through pyroute2's netlink calls."""
+    from pyroute2 import IPRoute, NetNS, netns
+
+    try:
+        netns.create(ns)
+    except OSError as exc:
+        return f"cannot create a network namespace here: {exc}"
+    try:
+        with IPRoute() as host:
+            host.link("add", ifname=host_if, kind="veth", peer={"ifname": ns_if, "net_ns_fd": ns})
+            links.append(host_if)
+            (index,) = host.link_lookup(ifname=host_if)
+            host.addr("add", index=index, address=f"{subnet}.1", prefixlen=24)
+            host.link("set", index=index, state="up")
+        with NetNS(ns) as inside:
+            (index,) = inside.link_lookup(ifname=ns_if)
+            inside.addr("add", index=index, address=f"{subnet}.2", prefixlen=24)
+            inside.link("set", index=index, state="up")
+            (lo,) = inside.link_lookup(ifname="lo")
+            inside.link("set", index=lo, state="up")
+            inside.route("add", dst="0.0.0.0/0", gateway=f"{subnet}.1")
+    except Exception as exc:  # netlink's errors: the test is skipped, saying which
+        return f"cannot set up veth networking with pyroute2: {exc!r}"
+    return ""
+
+
+def _remove(tool: str, namespaces: list[str], links: list[str]) -> None:
+    if tool == "ip":
+        for ns in namespaces:
+            ip("netns", "del", ns)  # takes its end of the veth pair, and so the pair, with it
+        for link in links:
+            ip("link", "del", link)
+        return
+    from pyroute2 import IPRoute, netns
+
+    for ns in namespaces:
+        with contextlib.suppress(OSError):
+            netns.remove(ns)
+    with IPRoute() as host:
+        for link in links:
+            for index in host.link_lookup(ifname=link):
+                with contextlib.suppress(Exception):
+                    host.link("del", index=index)
+
+
 @contextlib.contextmanager
 def veth_namespaces(count: int = 2) -> Iterator[list[tuple[str, str, str]]]:
     """``count`` network namespaces, each linked to this one by a veth pair on its own /24; yields
     ``[(namespace, host-side address, namespace-side address), ...]`` and removes them all after.
-    Skips the test (saying why) where that is not permitted: not root, no `ip`, no CAP_NET_ADMIN."""
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` tool (iproute2) is not installed")
+    Skips the test (saying why) where that is not permitted: not root, neither `ip` nor pyroute2,
+    no CAP_NET_ADMIN."""
+    tool = netns_tool()
+    if not tool:
+        pytest.skip("neither the `ip` tool (iproute2) nor pyroute2 is installed")
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CAP_NET_ADMIN)")
+    make = _veth_by_ip if tool == "ip" else _veth_by_pyroute2
     tag = str(os.getpid() % 100000)
     octet = os.getpid() % 200 + 20
-    made, links = [], []
+    made: list[str] = []
+    links: list[str] = []
     try:
         for i in range(1, count + 1):
-            subnet = f"10.{230 + i}.{octet}"
-            ns, host_if, ns_if = f"asyncrl-{tag}-{i}", f"ar{tag}h{i}", f"ar{tag}n{i}"
-            out = ip("netns", "add", ns)
-            if out.returncode != 0:
-                pytest.skip(f"cannot create a network namespace here: {out.stderr.strip()}")
-            made.append(ns)
+            ns = f"asyncrl-{tag}-{i}"
+            error = make(ns, f"ar{tag}h{i}", f"ar{tag}n{i}", f"10.{230 + i}.{octet}", links)
+            if os.path.exists(os.path.join(NETNS_RUN, ns)):
+                made.append(ns)
+            if error:
+                pytest.skip(error)
             _fail_fast_dns(ns)
-            steps = [
-                ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
-                ("link", "set", ns_if, "netns", ns),
-                ("addr", "add", f"{subnet}.1/24", "dev", host_if),
-                ("link", "set", host_if, "up"),
-                ("netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", ns_if),
-                ("netns", "exec", ns, "ip", "link", "set", ns_if, "up"),
-                ("netns", "exec", ns, "ip", "link", "set", "lo", "up"),
-                ("netns", "exec", ns, "ip", "route", "add", "default", "via", f"{subnet}.1"),
-            ]
-            for step in steps:
-                out = ip(*step)
-                if out.returncode != 0:
-                    pytest.skip(f"cannot set up veth networking (`ip {' '.join(step)}`): {out.stderr.strip()}")
-                if step[0] == "link" and step[1] == "add":
-                    links.append(host_if)
         yield [(ns, f"10.{230 + i}.{octet}.1", f"10.{230 + i}.{octet}.2") for i, ns in enumerate(made, 1)]
     finally:
+        _remove(tool, made, links)
         for ns in made:
-            ip("netns", "del", ns)  # takes its end of the veth pair, and so the pair, with it
             shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(NETNS_ETC)  # if empty: it may be ours
-        for link in links:
-            ip("link", "del", link)
 
 
 NETNS_ETC = "/etc/netns"
@@ -110,8 +190,18 @@ def _fail_fast_dns(namespace: str) -> None:
 
 
 def netns_pids(namespace: str) -> list[int]:
-    """The processes still running in ``namespace``."""
-    return [int(p) for p in ip("netns", "pids", namespace).stdout.split()]
+    """The processes still running in ``namespace``: those whose network namespace is its file's."""
+    try:
+        wanted = os.stat(os.path.join(NETNS_RUN, namespace)).st_ino
+    except OSError:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == wanted:
+                    found.append(int(entry))
+    return found
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -146,7 +236,7 @@ def start_agent(rank: int, nnodes: int, port: int, secret_file: str, log_dir: st
                 netns: str | None = None, join_timeout_s: float = 60.0, **extra_env: str) -> subprocess.Popen:
     argv = launch_argv(rank, nnodes, port, secret_file, master, join_timeout_s=join_timeout_s)
     if netns is not None:
-        argv = ["ip", "netns", "exec", netns, *argv]
+        argv = netns_argv(netns, argv)
     with open(os.path.join(log_dir, f"agent-{rank}.log"), "ab") as log:
         return subprocess.Popen(argv, env=env(**extra_env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 

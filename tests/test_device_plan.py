@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.rl.config.parse import ConfigError
-from asyncrl.rl.driver.devices import plan_devices
+from asyncrl.rl.driver.devices import cluster_devices, plan_devices
+from asyncrl.runtime.cluster import NodeStatus
 
 
 def test_enough_gpus_give_each_actor_its_own():
@@ -76,3 +77,16 @@ def test_prompts_per_batch_auto_is_8_on_the_cpu_and_a_steps_share_on_a_gpu():
     assert SamplerConfig(prompts_per_batch=5).batch_prompts("cuda", groups_per_step=64) == 5  # asked for: kept
     with pytest.raises(ValueError, match="prompts_per_batch >= 0"):
         SamplerConfig(prompts_per_batch=-1)
+
+
+def test_a_run_over_nodes_counts_every_joined_nodes_gpus():
+    """Two hosts of one GPU each: the trainer and the sampler get one each (NCCL between the hosts),
+    not both node 0's (colocated over CUDA IPC, which cannot reach the other host)."""
+    nodes = [NodeStatus(0, "a", "10.0.0.1", 1, 1, "joined"), NodeStatus(1, "b", "10.0.0.2", 1, 1, "joined")]
+    plan = plan_devices("auto", *cluster_devices("cuda", ["0"], nodes), 1)
+    assert plan.device == "cuda" and not plan.colocated and plan.sync_backend == "nccl"
+    lost = [nodes[0], NodeStatus(1, "b", "10.0.0.2", 1, 1, "lost: silent for 3 s")]
+    assert cluster_devices("cuda", ["0"], lost) == ("cuda", ["0"])  # a lost node's GPUs are not counted
+    assert plan_devices("auto", *cluster_devices("cuda", ["0"], lost), 1).colocated
+    assert cluster_devices(None, [], nodes) == (None, [])  # a head node without GPUs plans for the CPU
+    assert cluster_devices("cuda", ["0", "1"], nodes[:1]) == ("cuda", ["0", "1"])  # one node: its own devices

@@ -1,4 +1,4 @@
-"""Elastic samplers (``asyncrl scale``, driver/scaling.py) in a real run on the CPU: 1 -> 3 -> 1
+"""Elastic samplers (``asyncrl scale``, driver/fleet/scaling.py) in a real run on the CPU: 1 -> 3 -> 1
 samplers while it trains, asked once through the CLI and once through the Python API, with the
 weights of every member checked after every sync; the only sampler SIGKILLed while the new ones
 start (a scale during a crash-restart); a refusal in one line. The pool's side of it

@@ -472,12 +472,12 @@ def _wait(predicate, timeout_s: float) -> bool:
 
 
 async def test_episodes_jsonl_shows_an_episodes_tokens_by_mask(tmp_path):
-    """RUN_DIR/episodes.jsonl (driver/episodes_log.py): an episode the runner made, as the driver
+    """RUN_DIR/episodes.jsonl (rl/observe/episodes_log.py): an episode the runner made, as the driver
     records it, reads back as the model's turns (mask 1, their stop tokens shown) and the
     environment's replies (mask 0), with the counts metrics.jsonl's tokens and completion_tokens sum."""
     import json
 
-    from asyncrl.rl.driver.episodes_log import EpisodeLog
+    from asyncrl.rl.observe.episodes_log import EpisodeLog
     from asyncrl.rl.rollout import RolloutGroup
 
     [[a]] = await runner(CalcEnv()).run([P1], 1, GREEDY, Script(SCRIPT))

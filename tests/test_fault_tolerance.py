@@ -32,7 +32,7 @@ from asyncrl.rl.trainer.checkpoint import STALL_ENV
 from asyncrl.rl.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
 from asyncrl.rl.config.stored import config_from_dict
 from asyncrl.rl.driver.run_state import RunState, read_run_state
-from asyncrl.rl.driver.metrics import truncate_metrics
+from asyncrl.rl.observe.metrics import truncate_metrics
 from asyncrl.rl.config.parse import ConfigError, config_to_dict, parse_overrides
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.run import train

@@ -23,7 +23,7 @@ TINY = ["--run.steps", "3", "--run.groups_per_step", "2", "--sampler.group_size"
 def check_sync_phases(r: dict) -> None:
     """A step's weight sync, split by phase (docs/observability.md): every key there, none
     negative, each side's phases within its own total, each side's total within the driver's."""
-    from asyncrl.rl.driver.sync_metrics import SYNC_METRICS
+    from asyncrl.rl.observe.sync_metrics import SYNC_METRICS
 
     assert all(r[k] >= 0 for k in SYNC_METRICS), {k: r.get(k) for k in SYNC_METRICS}
     eps = 1e-6

@@ -60,17 +60,20 @@ def small(run_dir, *overrides: str) -> list[str]:
 class TwoNodes:
     """One run of the example over node 0 (here) and node 1 (an agent in ``namespace``)."""
 
-    def __init__(self, tmp_path, namespace: str, master: str, args: list[str], name: str):
+    def __init__(self, tmp_path, namespace: str, master: str, args: list[str], name: str,
+                 env0: dict[str, str] | None = None, env1: dict[str, str] | None = None):
+        """``env0``, ``env1``: more environment for node 0 (the driver) and node 1 (the agent)."""
         self.log_dir = tmp_path / name
         self.log_dir.mkdir()
         self.namespace = namespace
         secret = make_secret_file(str(self.log_dir))
         port = free_port(master)
         self.agent = start_agent(1, 2, port, secret, str(self.log_dir), master=master, netns=namespace,
-                                 OMP_NUM_THREADS="1")
+                                 OMP_NUM_THREADS="1", **(env1 or {}))
         self.driver_log = open(self.log_dir / "driver.log", "wb")
         self.driver = subprocess.Popen(launch_argv(0, 2, port, secret, master, EXAMPLE, *args), cwd=tmp_path,
-                                       env=env(ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1"),
+                                       env=env(ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+                                               **(env0 or {})),
                                        stdin=subprocess.DEVNULL, stdout=self.driver_log, stderr=subprocess.STDOUT)
 
     def output(self) -> str:

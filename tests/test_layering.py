@@ -28,6 +28,10 @@ MAY_IMPORT = {
     "asyncrl.rl.digest": set(),
     # views drawn from a run directory alone (curves.png, sparklines): the driver's and the CLI's
     "asyncrl.rl.view": {"asyncrl.errors"},
+    # what a run records and shows while it runs: handed the driver's records, never importing the
+    # driver (comm and sampler for the types of a sync's answers)
+    "asyncrl.rl.observe": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL, "asyncrl.rl.sampler",
+                           "asyncrl.rl.view"},
     "asyncrl.rl.checkpoint": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config"},
     "asyncrl.rl.model": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.generation",
                          "asyncrl.rl.tasks", "asyncrl.rl.agents"},
@@ -38,7 +42,8 @@ MAY_IMPORT = {
     "asyncrl.rl.scorer": {"asyncrl.errors", "asyncrl.runtime", *SHARED_RL, "asyncrl.rl.trainer"},
     # the driver spawns the actors (their classes only) and talks to them through the runtime
     "asyncrl.rl.driver": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL,
-                          "asyncrl.rl.trainer", "asyncrl.rl.sampler", "asyncrl.rl.scorer", "asyncrl.rl.view"},
+                          "asyncrl.rl.trainer", "asyncrl.rl.sampler", "asyncrl.rl.scorer", "asyncrl.rl.view",
+                          "asyncrl.rl.observe"},
     # the command line of a GRPO run (the example scripts' main): parse, check, then drive
     "asyncrl.rl.launch": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.tasks",
                           "asyncrl.rl.driver"},

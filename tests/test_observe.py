@@ -16,9 +16,10 @@ import urllib.request
 import pytest
 
 from asyncrl import Supervisor
-from asyncrl.rl.driver.endpoint import MetricsEndpoint, metric_name
-from asyncrl.rl.driver.progress import Progress, ProgressBar, make_progress
-from asyncrl.rl.driver.writers import scalars_of
+from asyncrl.rl.observe.endpoint import MetricsEndpoint, metric_name
+from asyncrl.rl.observe.progress import Progress, ProgressBar, make_progress
+from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics
+from asyncrl.rl.observe.sync_metrics import SyncPhases
 from asyncrl.rl.view.sparkline import sparkline
 
 from actors import Echo
@@ -27,18 +28,88 @@ from test_grpo import ROOT, TINY, launch
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def record(step: int, **extra) -> dict:
-    return {"step": step, "reward_mean": 0.25, "train_solve_rate": 0.5, "staleness_mean": 1.0, "samples_per_s": 3.0,
-            "tokens_per_s": 120.0, **extra}
+def record(step: int, **fields) -> StepRecord:
+    """A step's record with made-up numbers; ``fields`` replace them."""
+    made_up = dict(
+        step=step, version=step, reward_mean=0.25, train_solve_rate=0.5, staleness_mean=1.0, staleness_hist={"1": 2},
+        dropped_stale=0, uniform_skipped=0, queue_depth=0, completion_tokens=48, samples_per_s=3.0,
+        tokens_per_s=120.0, time_s=1.0, wait_s=0.1, train_s=0.2, sync=SyncPhases(sync_s=0.01), generate_s=0.3,
+        train=TrainMetrics(loss=0.5, grad_norm=1.0, lr=1e-4, tokens=48.0, sequences=4.0, micro_batches=1.0,
+                           micro_batch_tokens=1024.0),
+        task={}, fleet=FleetEvents(generation=0, samplers_in_group=1, sampler_losses=0, sampler_rejoins=0,
+                                   recover_s=0.0), group_ids=["s/1/1"])
+    return StepRecord(**{**made_up, **fields})
+
+
+MAIN_LINE = (
+    '{"step": 2, "version": 2, "reward_mean": 0.0, "train_solve_rate": 0.0, "staleness_mean": 0.0, "stale'
+    'ness_hist": {"0": 2}, "dropped_stale": 0, "uniform_skipped": 0, "queue_depth": 0, "paced_wait_s": 0.'
+    '0029999999969732016, "completion_tokens": 48, "samples_per_s": 19.97140225009575, "tokens_per_s": 23'
+    '9.656827001149, "time_s": 0.40057277400046587, "wait_s": 0.008313295998959802, "train_s": 0.00409792'
+    '5000678515, "sync_s": 0.06917758100098581, "sync_trainer_s": 0.049877460001880536, "sync_trainer_pac'
+    'k_s": 0.0001396590014337562, "sync_trainer_transfer_s": 0.00015188800171017647, "sync_trainer_vote_s'
+    '": 0.049521999004355166, "sync_sampler_s": 0.05030673999863211, "sync_sampler_pause_s": 0.0004527950'
+    '004558079, "sync_sampler_transfer_s": 0.01037214800453512, "sync_sampler_load_s": 5.472200064104982e'
+    '-05, "sync_sampler_resume_s": 0.018303493001440074, "sync_rpc_s": 0.0188708410023537, "sync_bytes": '
+    '75136.0, "generate_s": 0.006774298999516759, "loss": 0.0, "pg_loss": 0.0, "ratio_mean": 1.0, "clip_f'
+    'rac_low": 0.0, "clip_frac_high": 0.0, "entropy": 5.5494513511657715, "grad_norm": 0.0, "lr": 8.68198'
+    '0515339464e-05, "tokens": 48.0, "sequences": 4.0, "micro_batches": 1.0, "micro_batch_tokens": 16384.'
+    '0, "task/has_answer": 0.0, "task/hits_target": 0.0, "task/uses_numbers": 0.0, "task/well_formed": 0.'
+    '0, "generation": 0, "samplers_in_group": 1, "sampler_losses": 0, "sampler_rejoins": 0, "recover_s": '
+    '0.0, "group_ids": ["sampler0/1/7", "sampler0/1/8"], "heldout_solve_rate": 0.0, "heldout_sampled_solv'
+    'e_rate": 0.0, "heldout/task/has_answer": 0.0, "heldout/task/hits_target": 0.0, "heldout/task/uses_nu'
+    'mbers": 0.0, "heldout/task/well_formed": 0.0}'
+)
+"""An evaluated step's line of metrics.jsonl as main wrote it before the record was typed (a
+default run of test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothing)."""
+
+
+def typed(line: dict) -> StepRecord:
+    """A line of metrics.jsonl back into its record: each key to the part that has its field."""
+    parts = {name: {k: line.pop(k) for k in list(line) if k in cls.__struct_fields__}
+             for name, cls in (("sync", SyncPhases), ("train", TrainMetrics), ("fleet", FleetEvents))}
+    heldout = {k: line.pop(k) for k in list(line) if k.startswith("heldout/")}
+    task = {k: line.pop(k) for k in list(line) if k.startswith(("task/", "task_errors/"))}
+    return StepRecord(**line, sync=SyncPhases(**parts["sync"]), train=TrainMetrics(**parts["train"]),
+                      fleet=FleetEvents(**parts["fleet"]), task=task, heldout_task=heldout or None)
 
 
 # --- pieces ------------------------------------------------------------------------------------
 
 
+def test_a_step_record_writes_the_very_line_main_wrote():
+    assert typed(json.loads(MAIN_LINE)).to_json() == MAIN_LINE  # the keys, their order, every value's digits
+
+
+def test_a_step_record_leaves_out_what_this_run_does_not_have_and_writes_what_it_has():
+    line = record(1).to_dict()
+    assert not {"paced_wait_s", "weights_digests", "heldout_solve_rate", "heldout_sampled_solve_rate", "events",
+                "kl", "entropy", "distill_kl", "tis_frac", "mfu", "peak_mem_gib"} & set(line)
+    assert line["sync_bytes"] == 0.0 and line["samplers_in_group"] == 1 and line["loss"] == 0.5  # flat, as before
+    events = [{"event": "lost", "sampler": "sampler1"}]
+    line = record(2, paced_wait_s=0.5, weights_digests={"trainer": "ab"}, heldout_solve_rate=0.25,
+                  train=TrainMetrics.of({"loss": 0.1, "grad_norm": 1.0, "lr": 1e-4, "tokens": 4.0, "sequences": 2.0,
+                                         "micro_batches": 1.0, "micro_batch_tokens": 64.0, "mfu": 0.3, "train_s": 9.0}),
+                  fleet=FleetEvents(generation=1, samplers_in_group=1, sampler_losses=1, sampler_rejoins=0,
+                                    recover_s=0.0, events=events)).to_dict()
+    assert line["paced_wait_s"] == 0.5 and line["weights_digests"] == {"trainer": "ab"} and line["mfu"] == 0.3
+    assert line["events"] == events and line["heldout_solve_rate"] == 0.25 and "heldout_sampled_solve_rate" not in line
+    assert line["train_s"] == 0.2  # the driver's wall time of the call, not the trainer's own
+
+
+def test_a_trainer_metric_without_a_field_is_named_not_dropped():
+    with pytest.raises(TypeError, match="TrainMetrics") as err:
+        TrainMetrics.of({"grad_norm": 1.0, "lr": 1e-4, "tokens": 4.0, "sequences": 2.0, "micro_batches": 1.0,
+                         "micro_batch_tokens": 64.0, "new_metric": 1.0})
+    assert "new_metric" in str(err.value)
+
+
 def test_every_number_of_a_record_is_a_scalar_and_nothing_else_is():
     rec = record(7, staleness_hist={"0": 3, "1": 13}, group_ids=["s/1/1"], weights_digests={"trainer": "ab"},
-                 loss=float("nan"), **{"task/solved": 0.5})
-    got = scalars_of(rec)
+                 train=TrainMetrics(loss=float("nan"), grad_norm=1.0, lr=1e-4, tokens=4.0, sequences=2.0,
+                                    micro_batches=1.0, micro_batch_tokens=64.0),
+                 task={"task/solved": 0.5})
+    got = rec.scalars()
     assert got["staleness_hist/1"] == 13.0 and got["task/solved"] == 0.5 and got["reward_mean"] == 0.25
     assert not any(k.startswith(("group_ids", "weights_digests", "step", "loss")) for k in got)
     assert metric_name("task/solved") == "asyncrl_task_solved"
@@ -82,12 +153,13 @@ class FakeTerminal(io.StringIO):
 
 
 def test_a_progress_line_without_sampled_evaluation_says_greedy_only():
-    from asyncrl.rl.driver.progress import progress_line
+    from asyncrl.rl.observe.progress import progress_line
 
-    record = dict(step=3, reward_mean=0.1, train_solve_rate=0.2, staleness_mean=1.0, samples_per_s=3.0,
-                  tokens_per_s=100.0, heldout_solve_rate=0.3)
-    assert "held-out 0.30 greedy  5s" in progress_line(dict(record, heldout_sampled_solve_rate=float("nan")), 9, None, 5.0)
-    assert "held-out 0.30 greedy 0.25 sampled" in progress_line(dict(record, heldout_sampled_solve_rate=0.25), 9, None, 5.0)
+    evaluated = dict(heldout_solve_rate=0.3)
+    assert "held-out 0.30 greedy  5s" in progress_line(record(3, **evaluated, heldout_sampled_solve_rate=float("nan")),
+                                                       9, None, 5.0)
+    assert "held-out 0.30 greedy 0.25 sampled" in progress_line(record(3, **evaluated, heldout_sampled_solve_rate=0.25),
+                                                                9, None, 5.0)
 
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_go_above_it():
@@ -156,6 +228,20 @@ async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus()
 
 # --- a tiny real run ---------------------------------------------------------------------------
 
+TASK = {"task/has_answer", "task/hits_target", "task/uses_numbers", "task/well_formed"}  # examples/grpo_countdown.py's
+STEP_KEYS = {
+    "step", "version", "reward_mean", "train_solve_rate", "staleness_mean", "staleness_hist", "dropped_stale",
+    "uniform_skipped", "queue_depth", "paced_wait_s", "completion_tokens", "samples_per_s", "tokens_per_s", "time_s",
+    "wait_s", "train_s", "sync_s", "sync_trainer_s", "sync_trainer_pack_s", "sync_trainer_transfer_s",
+    "sync_trainer_vote_s", "sync_sampler_s", "sync_sampler_pause_s", "sync_sampler_transfer_s", "sync_sampler_load_s",
+    "sync_sampler_resume_s", "sync_rpc_s", "sync_bytes", "generate_s", "loss", "pg_loss", "ratio_mean", "clip_frac_low",
+    "clip_frac_high", "entropy", "grad_norm", "lr", "tokens", "sequences", "micro_batches", "micro_batch_tokens",
+    *TASK, "generation", "samplers_in_group", "sampler_losses", "sampler_rejoins", "recover_s", "group_ids"}
+"""The keys of a default CPU run's step record (async, one sampler, none lost, no weight check), as main wrote them."""
+EVAL_KEYS = {"heldout_solve_rate", "heldout_sampled_solve_rate", *(f"heldout/{k}" for k in TASK)}
+"""What an evaluated step adds."""
+
+
 
 @pytest.mark.slow
 def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothing(tmp_path):
@@ -166,6 +252,8 @@ def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothi
     assert "\r" not in done.stdout and "step    4/4  reward" in done.stdout
     assert f"TensorBoard: event files in {run_dir}" in done.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # metrics.jsonl's keys are what users and benchmarks/grpo_gpu.py read: a default run's stay these
+    assert [set(r) for r in records] == [STEP_KEYS, STEP_KEYS | EVAL_KEYS] * 2
     summary = json.loads((run_dir / "summary.json").read_text())
     # paced: every group begun was trained, none dropped, and the queue never held more than a step's worth
     assert summary["dropped_stale"] == 0 and all(r["queue_depth"] <= 2 for r in records)

@@ -355,7 +355,7 @@ async def test_a_stream_cancelled_as_its_next_item_arrives_stops(tmp_path):
 async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_before_it_joined():
     ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], receive_weights=[(0.0, GOT)])
     never = Scripted("sampler0", **ok)
-    never.set_state("dead")  # its start was lost, its restarts with it (sampler_start.py)
+    never.set_state("dead")  # its start was lost, its restarts with it (fleet/sampler_start.py)
     died = Scripted("sampler1", restore_data_state=[(0.0, ActorDiedError("sampler1", "killed by SIGKILL"))], **ok)
     up = Scripted("sampler2", restore_data_state=[(0.0, None)], **ok)
     logs: list[str] = []

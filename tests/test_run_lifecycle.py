@@ -29,7 +29,7 @@ import torch
 
 from asyncrl import Supervisor
 from asyncrl.runtime import files
-from asyncrl.rl.driver import report, runlog
+from asyncrl.rl.observe import report, runlog
 from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.trainer.checkpoint import FAIL_ENV, write_checkpoint
 from asyncrl.rl.checkpoint import CheckpointError, CheckpointWriteError, DamagedCheckpointError, list_checkpoints, verify_checkpoint
@@ -168,13 +168,32 @@ def test_a_disk_that_fills_up_is_named_though_torch_save_says_unexpected_pos(tmp
         "there before resuming)")
 
 
+MAIN_SUMMARY = {
+    "steps": 4, "mode": "async", "heldout_before": {"greedy": 0.0, "sampled": 0.0},
+    "heldout_after": {"greedy": 0.0, "sampled": 0.0}, "heldout_problems": 8, "wall_s": 2.2278114360015024,
+    "samples": 16, "samples_per_s": 7.181936380000344, "tokens_per_s": 86.18323656000413, "dropped_stale": 0,
+    "uniform_skipped": 10, "checkpoint": "/tmp/run/final", "final": "/tmp/run/final", "best": None,
+    "initial_policy": "/tmp/cache/models/7ad7f6eb986a4976350c", "metrics": "/tmp/run/metrics.jsonl",
+    "log": "/tmp/run/log.txt", "curves": "/tmp/run/curves.png", "tensorboard": "/tmp/run", "resumed_from": None,
+    "faults": {"sampler_losses": 0, "sampler_rejoins": 0, "rebuilds": 1}, "fault_log": []}
+"""summary.json of a default run as main wrote it (a dict, json.dump with indent 2) before it was typed."""
+
+
+def test_the_summary_json_is_written_as_main_wrote_it(tmp_path):
+    report.RunSummary(**MAIN_SUMMARY).write(str(tmp_path / "summary.json"))
+    with open(tmp_path / "main.json", "w") as f:
+        json.dump(MAIN_SUMMARY, f, indent=2)
+    assert (tmp_path / "summary.json").read_text() == (tmp_path / "main.json").read_text()
+
+
 def test_the_summary_states_the_gain_and_where_things_are(tmp_path):
-    summary = {"steps": 500, "mode": "async", "wall_s": 434.4, "resumed_from": None, "heldout_problems": 500,
-               "heldout_before": {"greedy": 0.256, "sampled": 0.128},
-               "heldout_after": {"greedy": 0.284, "sampled": 0.245},
-               "samples_per_s": 147.0, "dropped_stale": 3, "faults": {}, "final": str(tmp_path / "final"),
-               "best": {"path": str(tmp_path / "best"), "step": 400, "heldout": {"greedy": 0.37}},
-               "initial_policy": "/m", "metrics": str(tmp_path / "metrics.jsonl"), "log": str(tmp_path / "log.txt")}
+    summary = report.RunSummary(
+        steps=500, mode="async", wall_s=434.4, resumed_from=None, heldout_problems=500,
+        heldout_before={"greedy": 0.256, "sampled": 0.128}, heldout_after={"greedy": 0.284, "sampled": 0.245},
+        samples=63800, samples_per_s=147.0, tokens_per_s=4000.0, dropped_stale=3, uniform_skipped=0, faults={},
+        fault_log=[], checkpoint=str(tmp_path / "final"), final=str(tmp_path / "final"),
+        best={"path": str(tmp_path / "best"), "step": 400, "heldout": {"greedy": 0.37}}, initial_policy="/m",
+        metrics=str(tmp_path / "metrics.jsonl"), log=str(tmp_path / "log.txt"), curves="", tensorboard="")
     text = report.summary_text(summary)
     lines = text.splitlines()
     assert lines[0] == "GRPO finished: 500 steps in 7 min 14 s (async mode)"
@@ -182,7 +201,7 @@ def test_the_summary_states_the_gain_and_where_things_are(tmp_path):
     assert any(line.split() == ["held-out", "sampled", "0.128", "->", "0.245", "(+11.7", "points)"] for line in lines)
     assert f"{tmp_path}/best  (step 400: held-out greedy 0.370)" in text and f"{tmp_path}/final" in text
     assert f"{tmp_path}/metrics.jsonl" in text
-    text = report.summary_text(summary | {"best": None})
+    text = report.summary_text(msgspec.structs.replace(summary, best=None))
     assert "the starting one, /m  (no evaluation beat its held-out greedy 0.256)" in text
 
 

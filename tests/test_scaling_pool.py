@@ -1,4 +1,4 @@
-"""The `Scaler`'s side of elastic samplers (driver/scaling.py), in-process and deterministic with
+"""The `Scaler`'s side of elastic samplers (driver/fleet/scaling.py), in-process and deterministic with
 test_recovery_pool.py's scripted stand-ins (the real run, 1 -> 3 -> 1, is test_elastic.py):
 
 * A scale-down asked while a sync is in flight leaves that sync alone (every member takes its

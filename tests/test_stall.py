@@ -1,4 +1,4 @@
-"""A run that makes no step for much longer than its recent steps took says so (rl/driver/stall.py):
+"""A run that makes no step for much longer than its recent steps took says so (rl/observe/stall.py):
 the `StallWatch` on its own (a real event loop and clock, short limits), then the driver's line
 with the real pool, pacer and queue (scripted sampler handles, as in test_recovery_pool.py), shown
 by a real `asyncrl status` and a real /healthz, and cleared when the step ends."""
@@ -14,10 +14,10 @@ import pytest
 
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, parse_overrides
-from asyncrl.rl.driver.endpoint import MetricsEndpoint
+from asyncrl.rl.observe.endpoint import MetricsEndpoint
 from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.driver.fleet.membership import MemberState
-from asyncrl.rl.driver.stall import StallWatch
+from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.runtime.status import StatusServer
 
 from test_observe import get

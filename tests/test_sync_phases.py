@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from asyncrl import Supervisor
@@ -14,7 +15,7 @@ from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.trainer import TrainerConfig
-from asyncrl.rl.driver.sync_metrics import SYNC_METRICS, sync_record
+from asyncrl.rl.observe.sync_metrics import SYNC_METRICS, sync_record
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 
 from test_packing import embedded_path, random_groups  # noqa: F401  (the embedded model fixture)
@@ -59,7 +60,7 @@ async def test_a_real_sync_between_the_trainer_and_an_hf_sampler_is_split_into_p
             check_sampler(got, version)
             assert got.receive.bytes == sent.bytes and got.receive.buckets == sent.buckets
             record = sync_record(max(sent.seconds, got.seconds) + 0.01, sent, [got])
-            assert record["sync_bytes"] == sent.bytes and abs(record["sync_rpc_s"] - 0.01) < EPS
+            assert record.sync_bytes == sent.bytes and abs(record.sync_rpc_s - 0.01) < EPS
         assert await t.weights_digest() == await s.weights_digest()
 
 
@@ -69,7 +70,7 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
                             resume_s=0.01)
     slow = SamplerSyncStats(seconds=0.6, pause_s=0.3, receive=SyncStats(3, 1000, 2, 0.2, copy_s=0.1, transfer_s=0.07),
                             reset_s=0.05, resume_s=0.02, call_s=0.03)
-    record = sync_record(0.9, sent, [fast, slow])
+    record = msgspec.structs.asdict(sync_record(0.9, sent, [fast, slow]))
     assert set(record) == {"sync_s", *SYNC_METRICS}
     assert record == pytest.approx({
         "sync_s": 0.9, "sync_trainer_s": 0.5, "sync_trainer_pack_s": 0.04, "sync_trainer_transfer_s": 0.05,
@@ -77,7 +78,7 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
         "sync_sampler_transfer_s": 0.07, "sync_sampler_load_s": 0.2, "sync_sampler_resume_s": 0.02,
         "sync_rpc_s": 0.3, "sync_bytes": 1000.0})
     # No sync this step (sync_every > 1, or the trainer alone): every phase is there, at 0.
-    assert sync_record(0.0, None, []) == {"sync_s": 0.0, **dict.fromkeys(SYNC_METRICS, 0.0)}
+    assert msgspec.structs.asdict(sync_record(0.0, None, [])) == {"sync_s": 0.0, **dict.fromkeys(SYNC_METRICS, 0.0)}
 
 
 def test_the_wire_dtype_is_the_samplers_own_when_they_agree():

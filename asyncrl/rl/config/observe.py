@@ -31,7 +31,7 @@ class ObserveConfig:
     stall_factor: float = 10.0
     """A step that runs longer than this many times the median of the recent steps (and than
     ``stall_floor_s``) is a stall: one line says what it waits for, `asyncrl status` shows
-    ``stalled`` and /healthz answers 503 until a step ends (driver/stall.py); 0: off."""
+    ``stalled`` and /healthz answers 503 until a step ends (rl/observe/stall.py); 0: off."""
     stall_floor_s: float = 120.0
     """The least a step may take before it counts as a stall, however fast the recent steps were."""
 

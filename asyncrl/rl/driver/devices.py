@@ -73,3 +73,15 @@ def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int, *,
     return DevicePlan("cuda", True, "ipc",
                       f"cuda, colocated: {gpus} GPU(s) for {trainer} and {samplers} sampler(s), so the samplers share "
                       f"the {host} and take weights over CUDA IPC{unused}")
+
+
+def cluster_devices(kind: str | None, ids: list[str], nodes: list) -> tuple[str | None, list[str]]:
+    """What `plan_devices` should count in a run over several nodes: node 0's device kind (``kind``,
+    ``ids``: `asyncrl.runtime.devices.detect` here) with every joined node's devices (``nodes``:
+    `Supervisor.nodes()`), so two hosts of one GPU each give the trainer and a sampler a GPU each
+    instead of colocating them on node 0's. The ids stand for a count: placement finds the devices
+    on their nodes. A node 0 without accelerators plans for the CPU whatever the others have."""
+    joined = [n for n in nodes if n.state == "joined"]
+    if kind is None or len(joined) <= 1:
+        return kind, ids
+    return kind, [str(i) for i in range(sum(n.devices_total for n in joined))]

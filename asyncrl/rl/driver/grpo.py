@@ -32,20 +32,21 @@ import msgspec
 from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.driver.episodes_log import EPISODES_FILE, EpisodeLog
+from asyncrl.rl.observe.episodes_log import EPISODES_FILE, EpisodeLog
 from asyncrl.rl.driver.faults import RunStoppedError, TaskFailedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
-from asyncrl.rl.driver.metrics import Metrics, truncate_metrics
+from asyncrl.rl.observe.metrics import Metrics, truncate_metrics
 from asyncrl.rl.driver.pacing import Pacer
-from asyncrl.rl.driver.painter import CurvesPainter
-from asyncrl.rl.driver.progress import Progress, make_progress
-from asyncrl.rl.driver.writers import MetricWriters, scalars_of
+from asyncrl.rl.observe.painter import CurvesPainter
+from asyncrl.rl.observe.progress import Progress, make_progress
+from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics, scalars_of
+from asyncrl.rl.observe.writers import MetricWriters
 from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.driver.fleet.scaling import Scaler
-from asyncrl.rl.driver.stall import StallWatch
-from asyncrl.rl.driver.sync_metrics import sync_record
+from asyncrl.rl.observe.stall import StallWatch
+from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.driver.queue import RolloutQueue
-from asyncrl.rl.driver.report import heldout_extra_text, rates_text, shown_path, summary_text
+from asyncrl.rl.observe.report import RunSummary, heldout_extra_text, rates_text, shown_path, summary_text
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.tasks.scoring import TaskFailureError
@@ -71,7 +72,7 @@ class GRPODriver:
         self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
         self.run_dir, self.console = run_dir, log
         self.display: Progress | None = None  # while steps run: the bar (or lines) the console shares
-        self.latest: dict[str, Any] = {}  # the last step's record, for the metrics endpoint
+        self.latest: StepRecord | None = None  # the last step's record, for the metrics endpoint
         capacity = self.run.queue_capacity or 2 * self.run.groups_per_step
         staleness = self.run.max_staleness if self.run.mode == "async" else 0
         self.queue = RolloutQueue(capacity, staleness)
@@ -123,7 +124,8 @@ class GRPODriver:
     def snapshot(self) -> dict[str, float]:
         """The numbers of the last step's record and of the progress, for Prometheus."""
         progress = {f"progress_{k}": v for k, v in scalars_of(self.progress()).items()}
-        return {**scalars_of(self.latest), **progress, "progress_step": float(self.step_done),
+        latest = self.latest.scalars() if self.latest is not None else {}
+        return {**latest, **progress, "progress_step": float(self.step_done),
                 "progress_stalled": float(bool(self.stall.reason))}
 
     def where(self) -> str:
@@ -230,10 +232,9 @@ class GRPODriver:
                 evaluated = step % run.eval_every == 0 or step == run.steps
                 if evaluated:
                     self.heldout_last = await self.evaluate()
-                    record["heldout_solve_rate"] = self.heldout_last["greedy"]
-                    if "sampled" in self.heldout_last:
-                        record["heldout_sampled_solve_rate"] = self.heldout_last["sampled"]
-                    record.update(self.heldout_extra)
+                    record.heldout_solve_rate = self.heldout_last["greedy"]
+                    record.heldout_sampled_solve_rate = self.heldout_last.get("sampled")
+                    record.heldout_task = self.heldout_extra
                 metrics.write(record)  # before the checkpoint: a resume from it keeps this record
                 self.episodes.write(step, self.trained_head)
                 self.latest = record
@@ -270,21 +271,19 @@ class GRPODriver:
         self.phase = "finished"
         self.write_progress()
         wall = self.elapsed_s()
-        summary = {"steps": run.steps, "mode": run.mode, "heldout_before": self.heldout_before,
-                   "heldout_after": self.heldout_last, "heldout_problems": self.n_heldout, "wall_s": wall,
-                   "samples": self.samples, "samples_per_s": self.samples / max(wall, 1e-9),
-                   "tokens_per_s": self.tokens / max(wall, 1e-9), "dropped_stale": self.dropped_stale(),
-                   "uniform_skipped": self.uniform_skipped(),
-                   "checkpoint": final_dir, "final": final_dir,
-                   "best": ({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
-                   "initial_policy": self.model_path, "metrics": metrics_path, "log": self.log_path,
-                   "curves": curves, "tensorboard": tensorboard,
-                   "resumed_from": self.resume.path if self.resume is not None else None,
-                   "faults": self.fault_counts(), "fault_log": [f.to_dict() for f in self.pool.faults]}
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        summary = RunSummary(
+            steps=run.steps, mode=run.mode, heldout_before=self.heldout_before, heldout_after=self.heldout_last,
+            heldout_problems=self.n_heldout, wall_s=wall, samples=self.samples,
+            samples_per_s=self.samples / max(wall, 1e-9), tokens_per_s=self.tokens / max(wall, 1e-9),
+            dropped_stale=self.dropped_stale(), uniform_skipped=self.uniform_skipped(),
+            checkpoint=final_dir, final=final_dir,
+            best=({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
+            initial_policy=self.model_path, metrics=metrics_path, log=self.log_path, curves=curves,
+            tensorboard=tensorboard, resumed_from=self.resume.path if self.resume is not None else None,
+            faults=self.fault_counts(), fault_log=[f.to_dict() for f in self.pool.faults])
+        summary.write(os.path.join(self.run_dir, "summary.json"))
         self.log(summary_text(summary))
-        return summary
+        return summary.to_dict()
 
     def best_greedy(self) -> float:
         """The held-out greedy solve rate to beat: the best saved, else the policy's before GRPO."""
@@ -311,7 +310,7 @@ class GRPODriver:
         except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
             raise RunDirError(exc.remote_message) from None
 
-    async def step(self, step: int) -> dict[str, Any]:
+    async def step(self, step: int) -> StepRecord:
         run, n = self.run, self.run.groups_per_step
         self.pool.begin_step(step)
         t0 = time.monotonic()
@@ -346,24 +345,17 @@ class GRPODriver:
         tokens = sum(len(c) for g in batch for c in g.completion_ids)
         self.tokens += tokens
         elapsed = self.elapsed_s()
-        return {"step": step, "version": self.version, "reward_mean": sum(rewards) / len(rewards),
-                "train_solve_rate": sum(correct) / len(correct),
-                "staleness_mean": sum(staleness) / len(staleness),
-                "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
-                "dropped_stale": self.dropped_stale(), "uniform_skipped": len(skipped),
-                "queue_depth": len(self.queue),
-                **({"paced_wait_s": self.pacer.waited_s} if self.pacer else {}),
-                "completion_tokens": tokens,
-                "samples_per_s": self.samples / max(elapsed, 1e-9),
-                "tokens_per_s": self.tokens / max(elapsed, 1e-9),
-                "time_s": elapsed,
-                "wait_s": t1 - t0, "train_s": t2 - t1, **synced,
-                "generate_s": sum(g.generate_s for g in batch) / len(batch),
-                **{k: v for k, v in trained.items() if k not in ("train_s",)},
-                **task_metrics(batch, self.task_keys),
-                **self.pool.take_events(),
-                "group_ids": [g.uid for g in batch],
-                **({"weights_digests": digests} if digests else {})}
+        return StepRecord(
+            step=step, version=self.version, reward_mean=sum(rewards) / len(rewards),
+            train_solve_rate=sum(correct) / len(correct), staleness_mean=sum(staleness) / len(staleness),
+            staleness_hist={str(s): staleness.count(s) for s in sorted(set(staleness))},
+            dropped_stale=self.dropped_stale(), uniform_skipped=len(skipped), queue_depth=len(self.queue),
+            paced_wait_s=self.pacer.waited_s if self.pacer else None, completion_tokens=tokens,
+            samples_per_s=self.samples / max(elapsed, 1e-9), tokens_per_s=self.tokens / max(elapsed, 1e-9),
+            time_s=elapsed, wait_s=t1 - t0, train_s=t2 - t1, sync=synced,
+            generate_s=sum(g.generate_s for g in batch) / len(batch), train=TrainMetrics.of(trained),
+            task=task_metrics(batch, self.task_keys), fleet=FleetEvents(**self.pool.take_events()),
+            group_ids=[g.uid for g in batch], weights_digests=digests or None)
 
     async def checkpoint(self, step: int) -> None:
         run = self.run

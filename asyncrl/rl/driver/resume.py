@@ -19,7 +19,7 @@ from asyncrl.rl.checkpoint import (
     verify_checkpoint,
 )
 from asyncrl.rl.driver.faults import trainer_phase
-from asyncrl.rl.driver.report import shown_path
+from asyncrl.rl.observe.report import shown_path
 from asyncrl.rl.driver.run_state import read_run_state
 
 DEFAULT_SCRIPT = "examples/grpo_countdown.py"

@@ -27,13 +27,13 @@ from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.stored import write_run_config
 from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.trainer import LoRAConfig
-from asyncrl.rl.driver.devices import plan_devices
-from asyncrl.rl.driver.endpoint import open_endpoint
+from asyncrl.rl.driver.devices import cluster_devices, plan_devices
+from asyncrl.rl.observe.endpoint import open_endpoint
 from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.run_state import read_run_state
-from asyncrl.rl.driver.runlog import LOG_FILE, RunLog
+from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.sampler_start import start_samplers
 from asyncrl.rl.driver.fleet.scaling import ScaleRefusedError, Scaler, least_loaded_node
@@ -62,11 +62,11 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     config = check_run(config, resume=resume)  # paths and limits, before anything is spawned or written
     run = config.run
     ranks = config.trainer.world_size
-    # The scorer is placed as one more sampler: a GPU of its own when there is one, else colocated.
     # Each scorer (teacher, reward model) is placed as one more sampler: a GPU of its own when
     # there is one, else colocated.
     scorer_keys = [key for key in ("teacher", "reward_model") if getattr(config, key).model_path]
-    plan = plan_devices(run.device, *detect("auto"), config.sampler.count + len(scorer_keys), trainer_ranks=ranks)
+    devices = cluster_devices(*detect("auto"), sup.nodes())
+    plan = plan_devices(run.device, *devices, config.sampler.count + len(scorer_keys), trainer_ranks=ranks)
     trainer_nodes, sampler_nodes = _placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
     spec = config.task_spec()
     task = load_task(spec)  # loaded (and its data read) by check_run already: cached

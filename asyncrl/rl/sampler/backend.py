@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 class SamplerSyncStats(msgspec.Struct, frozen=True):
     """Where one sampler's side of a weight sync went, in seconds (`WeightSink.receive`; the driver
-    puts them in each step's record, ``rl/driver/sync_metrics.py``). Append new fields, with
+    puts them in each step's record, ``rl/observe/sync_metrics.py``). Append new fields, with
     defaults, at the end only."""
 
     seconds: float = 0.0

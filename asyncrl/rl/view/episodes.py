@@ -1,5 +1,5 @@
 """One trained episode of a run, as ``asyncrl show RUN_DIR`` prints it from ``RUN_DIR/episodes.jsonl``
-(written by the driver, ``rl/driver/episodes_log.py``): the prompt, then each piece of the
+(written by the driver, ``rl/observe/episodes_log.py``): the prompt, then each piece of the
 episode on a line of its own, ``model`` for the tokens in the loss (mask 1) and ``env`` for an
 environment's (mask 0, context), the text quoted so that spaces and newlines show."""
 

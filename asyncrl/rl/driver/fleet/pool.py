@@ -53,7 +53,7 @@ from asyncrl.rl.driver.fleet.membership import Member, MemberState, Membership
 from asyncrl.rl.driver.fleet.sync_group import SyncGroup
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
-from asyncrl.rl.driver.sync_metrics import sync_record
+from asyncrl.rl.observe.sync_metrics import SyncPhases, sync_record
 from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.rollout import RolloutGroup
@@ -177,7 +177,7 @@ class SamplerPool:
                 if task.exception() is not None:
                     self._pump_failed(m, task.exception())
 
-    async def sync(self, version: int) -> dict[str, float]:
+    async def sync(self, version: int) -> SyncPhases:
         """Send ``version`` to every sampler in the group, rebuilding it first or after a
         failure as needed; returns the step's ``sync_*`` metrics (``sync_s``: the seconds it
         took here; the phases of the sync that succeeded: `sync_record`)."""

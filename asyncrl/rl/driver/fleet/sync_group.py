@@ -68,7 +68,7 @@ class SyncGroup:
         """What the trainer sends in: the samplers' weight dtype when they agree (`wire_dtype`)."""
         self.last: tuple[Any, list[Any]] | None = None
         """The last successful sync's answers: the trainer's `SyncStats` and each member's
-        `SamplerSyncStats` (``driver/sync_metrics.py`` puts them in the step's record)."""
+        `SamplerSyncStats` (``rl/observe/sync_metrics.py`` puts them in the step's record)."""
 
     async def rebuild(self, version: int) -> None:
         """Form the next generation from the trainer, the members still in the group and the

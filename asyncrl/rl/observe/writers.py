@@ -10,10 +10,11 @@ dropped with one line; it never stops the run.
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 from typing import Any, Protocol
+
+from asyncrl.rl.observe.record import StepRecord
 
 WANDB_ID_FILE = "wandb.id"
 """The W&B run id, kept in the run directory so that a resumed run logs to the same W&B run."""
@@ -27,21 +28,6 @@ class MetricWriter(Protocol):
     def write(self, step: int, scalars: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def scalars_of(record: dict[str, Any]) -> dict[str, float]:
-    """Every finite number of a metrics record, nested dicts as ``key/inner`` (the staleness
-    histogram as ``staleness_hist/1``); lists (group ids) and text (digests) are not scalars."""
-    out: dict[str, float] = {}
-    for key, value in record.items():
-        if key == "step":
-            continue
-        if isinstance(value, dict):
-            for inner, v in scalars_of(value).items():
-                out[f"{key}/{inner}"] = v
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[key] = float(value)
-    return out
 
 
 class TensorBoardWriter:
@@ -123,11 +109,11 @@ class MetricWriters:
         """TensorBoard event files are being written."""
         return any(isinstance(w, TensorBoardWriter) for w in self.writers)
 
-    def write(self, record: dict[str, Any]) -> None:
-        scalars = scalars_of(record)
+    def write(self, record: StepRecord) -> None:
+        scalars = record.scalars()
         for writer in list(self.writers):
             try:
-                writer.write(int(record["step"]), scalars)
+                writer.write(record.step, scalars)
             except Exception as exc:  # a viewer's failure (a full disk, its service) is not the run's
                 self.writers.remove(writer)
                 self.log(f"{writer.name}: stopped writing after an error: {type(exc).__name__}: {exc}")

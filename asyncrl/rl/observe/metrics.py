@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
-from asyncrl.rl.driver.progress import Progress
-from asyncrl.rl.driver.writers import MetricWriters
+from asyncrl.rl.observe.progress import Progress
+from asyncrl.rl.observe.record import StepRecord
+from asyncrl.rl.observe.writers import MetricWriters
 from asyncrl.runtime.files import write_atomic
 
 
@@ -21,8 +21,8 @@ class Metrics:
         self.file = open(self.path, "a", buffering=1)
         self.progress, self.writers = progress, writers if writers is not None else MetricWriters([])
 
-    def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+    def write(self, record: StepRecord) -> None:
+        self.file.write(record.to_json() + "\n")
         self.writers.write(record)
         self.progress.update(record)
 

@@ -25,34 +25,63 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import msgspec
+
 if TYPE_CHECKING:
     from asyncrl.comm.weights import SyncStats
     from asyncrl.rl.sampler.backend import SamplerSyncStats
 
-SYNC_METRICS = ("sync_trainer_s", "sync_trainer_pack_s", "sync_trainer_transfer_s", "sync_trainer_vote_s",
-                "sync_sampler_s", "sync_sampler_pause_s", "sync_sampler_transfer_s", "sync_sampler_load_s",
-                "sync_sampler_resume_s", "sync_rpc_s", "sync_bytes")
+
+class SyncPhases(msgspec.Struct, kw_only=True):
+    """A step's weight sync by phase, in seconds (see the module docstring); every field is in
+    every step's record, 0 where the step synced nothing."""
+
+    sync_s: float
+    """The driver's wall time of the sync (0: no sync this step)."""
+    sync_trainer_s: float = 0.0
+    """The trainer's whole send."""
+    sync_trainer_pack_s: float = 0.0
+    """Packing and casting into the trainer's staging buffers."""
+    sync_trainer_transfer_s: float = 0.0
+    """The trainer's time on the wire."""
+    sync_trainer_vote_s: float = 0.0
+    """The trainer's two votes (the first waits for every sampler to arrive)."""
+    sync_sampler_s: float = 0.0
+    """The slowest sampler's whole receive."""
+    sync_sampler_pause_s: float = 0.0
+    """The longest wait of a sampler for a moment free of generation."""
+    sync_sampler_transfer_s: float = 0.0
+    """The longest time of a sampler on the wire."""
+    sync_sampler_load_s: float = 0.0
+    """The longest unpacking into a sampler's model (load_weights, a prefix-cache reset)."""
+    sync_sampler_resume_s: float = 0.0
+    """The longest resume of a sampler's generation."""
+    sync_rpc_s: float = 0.0
+    """The driver's wall time less the slowest member's own total: round trips, a rebuild."""
+    sync_bytes: float = 0.0
+    """What one sync moves to each sampler, in the wire's dtype."""
+
+
+SYNC_METRICS = SyncPhases.__struct_fields__[1:]
 """Every key `sync_record` writes besides ``sync_s`` (a step without a sync has them all 0)."""
 
 
-def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[SamplerSyncStats]) -> dict[str, float]:
+def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[SamplerSyncStats]) -> SyncPhases:
     """The step's ``sync_*`` metrics from the driver's ``wall_s`` and the last successful sync's
     answers (``trainer`` None: no sync happened, everything but ``sync_s`` is 0)."""
-    record = {"sync_s": wall_s, **dict.fromkeys(SYNC_METRICS, 0.0)}
     if trainer is None:
-        return record
+        return SyncPhases(sync_s=wall_s)
 
     def most(values: list[float]) -> float:
         return max(values, default=0.0)
 
     received = [s.receive for s in samplers if s.receive is not None]
     slowest = max(trainer.seconds, most([s.seconds for s in samplers]))
-    record.update(
-        sync_trainer_s=trainer.seconds, sync_trainer_pack_s=trainer.copy_s,
+    return SyncPhases(
+        sync_s=wall_s, sync_trainer_s=trainer.seconds, sync_trainer_pack_s=trainer.copy_s,
         sync_trainer_transfer_s=trainer.transfer_s, sync_trainer_vote_s=trainer.vote_s + trainer.commit_s,
         sync_sampler_s=most([s.seconds for s in samplers]), sync_sampler_pause_s=most([s.pause_s for s in samplers]),
         sync_sampler_transfer_s=most([r.transfer_s for r in received]),
         sync_sampler_load_s=most([s.load_s for s in samplers]),
         sync_sampler_resume_s=most([s.resume_s for s in samplers]),
         sync_rpc_s=max(wall_s - slowest, 0.0), sync_bytes=float(trainer.bytes))
-    return record

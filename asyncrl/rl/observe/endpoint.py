@@ -10,7 +10,7 @@ maintained library; its encoder also answers OpenMetrics to a scraper that asks 
 actor's state and calls a trivial endpoint of every running actor (the driver names which)
 under ``--run.health_timeout_s``; 200 with a JSON body when all answer, else 503 naming each dead
 or silent actor, or the driver as ``stalled`` with the reason while the run makes no step
-(driver/stall.py). Each request is answered on the driver's event loop, so a driver whose loop is
+(rl/observe/stall.py). Each request is answered on the driver's event loop, so a driver whose loop is
 stuck is found too (its answer does not come within the deadline: 503).
 
 The HTTP server is the standard library's, in daemon threads; it binds ``--run.metrics_host``
@@ -27,14 +27,31 @@ import re
 import threading
 from collections.abc import Awaitable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from asyncrl.errors import ActorDiedError, first_line
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.timeouts import timeout
 
 Probe = Callable[[], Awaitable[Any]]
+
+
+class ObservedRun(Protocol):
+    """What the endpoint asks of a running run (the driver, `GRPODriver`, answers it): the
+    endpoint is handed it, and imports nothing of the driver."""
+
+    stall: StallWatch
+
+    def probes(self, timeout_s: float) -> dict[str, Probe]:
+        """A trivial call per actor, each bounded by ``timeout_s``."""
+        ...
+
+    def snapshot(self) -> dict[str, float]:
+        """The numbers of the last step's record and of the progress."""
+        ...
+
 OK_STATES = (ActorState.RUNNING, ActorState.STARTING)
 """Actor states that are healthy so far: a starting actor is given its start deadline."""
 
@@ -82,7 +99,7 @@ class MetricsEndpoint:
                 unhealthy[name] = f"silent: no answer within {self.timeout_s:g} s"
             else:
                 unhealthy[name] = f"{type(result).__name__}: {first_line(result)}"
-        stalled = self.stalled()  # every actor may answer while the run makes no step (driver/stall.py)
+        stalled = self.stalled()  # every actor may answer while the run makes no step (rl/observe/stall.py)
         if stalled:
             unhealthy["driver"] = f"stalled: {stalled}"
         return not unhealthy, {"healthy": not unhealthy, "unhealthy": unhealthy,
@@ -177,7 +194,8 @@ def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def open_endpoint(observe: Any, sup: Any, driver: Callable[[], Any], log=print) -> MetricsEndpoint | None:
+def open_endpoint(observe: Any, sup: Any, driver: Callable[[], ObservedRun | None],
+                  log=print) -> MetricsEndpoint | None:
     """The endpoint ``observe`` (the run's `ObserveConfig`) asks for, serving what ``driver()``
     (the `GRPODriver`, or None while the run starts) knows; None with ``metrics_port`` 0."""
     if not observe.metrics_port:

@@ -14,22 +14,22 @@ import sys
 import time
 from typing import Any, Callable
 
-from asyncrl.rl.driver.report import duration_text
+from asyncrl.rl.observe.record import StepRecord
+from asyncrl.rl.observe.report import duration_text
 
 
-def progress_line(record: dict[str, Any], steps: int, eta_s: float | None, elapsed_s: float) -> str:
+def progress_line(record: StepRecord, steps: int, eta_s: float | None, elapsed_s: float) -> str:
     """One step's record as the plain progress line."""
-    heldout = record.get("heldout_solve_rate")
-    sampled = record.get("heldout_sampled_solve_rate")
+    heldout, sampled = record.heldout_solve_rate, record.heldout_sampled_solve_rate
     if heldout is None:
         evaluation = ""
     elif sampled is None or math.isnan(sampled):  # --run.eval_samples 0: greedy only
         evaluation = f"held-out {heldout:.2f} greedy  "
     else:
         evaluation = f"held-out {heldout:.2f} greedy {sampled:.2f} sampled  "
-    return (f"step {record['step']:>4}/{steps}  reward {record['reward_mean']:.3f}  "
-            f"solve {record['train_solve_rate']:.2f}  stale {record['staleness_mean']:.2f}  "
-            f"samples/s {record['samples_per_s']:.1f}  tok/s {record['tokens_per_s']:.0f}  " + evaluation
+    return (f"step {record.step:>4}/{steps}  reward {record.reward_mean:.3f}  "
+            f"solve {record.train_solve_rate:.2f}  stale {record.staleness_mean:.2f}  "
+            f"samples/s {record.samples_per_s:.1f}  tok/s {record.tokens_per_s:.0f}  " + evaluation
             + f"{elapsed_s:.0f}s" + (f"  eta {duration_text(eta_s)}" if eta_s is not None else ""))
 
 
@@ -47,9 +47,9 @@ class Progress:
             return None
         return (time.monotonic() - self.start) / done * (self.steps - step)
 
-    def update(self, record: dict[str, Any]) -> None:
-        step = record["step"]
-        if "heldout_solve_rate" in record or step % max(1, self.steps // 50) == 0:  # a log, not a bar
+    def update(self, record: StepRecord) -> None:
+        step = record.step
+        if record.heldout_solve_rate is not None or step % max(1, self.steps // 50) == 0:  # a log, not a bar
             print(progress_line(record, self.steps, self.eta_s(step), time.monotonic() - self.start), flush=True)
 
     def guard(self, log: Callable[[str], None]) -> Callable[[str], None]:
@@ -73,14 +73,14 @@ class ProgressBar(Progress):
                         dynamic_ncols=True, mininterval=0.5, disable=False, leave=True)
         self.heldout = ""
 
-    def update(self, record: dict[str, Any]) -> None:
-        if "heldout_solve_rate" in record:
-            self.heldout = f"held-out {record['heldout_solve_rate']:.2f}"
+    def update(self, record: StepRecord) -> None:
+        if record.heldout_solve_rate is not None:
+            self.heldout = f"held-out {record.heldout_solve_rate:.2f}"
             self._tqdm.write(progress_line(record, self.steps, None, time.monotonic() - self.start), file=self.stream)
-        self.bar.set_postfix_str(f"reward {record['reward_mean']:.3f}  solve {record['train_solve_rate']:.2f}  "
-                                 f"{self.heldout + '  ' if self.heldout else ''}tok/s {record['tokens_per_s']:.0f}",
+        self.bar.set_postfix_str(f"reward {record.reward_mean:.3f}  solve {record.train_solve_rate:.2f}  "
+                                 f"{self.heldout + '  ' if self.heldout else ''}tok/s {record.tokens_per_s:.0f}",
                                  refresh=False)
-        self.bar.update(record["step"] - self.bar.n)
+        self.bar.update(record.step - self.bar.n)
 
     def guard(self, log: Callable[[str], None]) -> Callable[[str], None]:
         def guarded(line: str) -> None:

@@ -1,0 +1,181 @@
+"""`StepRecord`: one training step as the run records it, built once by the driver and handed to
+every writer (metrics.jsonl, the console, TensorBoard and W&B, Prometheus), which read its
+attributes.
+
+A line of metrics.jsonl is the record flattened: the fields of its parts (`SyncPhases`,
+`TrainMetrics`, `FleetEvents`) and the named metrics of the task and of the held-out evaluation
+sit beside the step's own, so the file's keys are the names users and benchmarks read
+(docs/observability.md has the table). A field that is None is left out of the line (what only
+some runs have: pacing, a teacher, a GPU, an evaluation at this step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import msgspec
+
+from asyncrl.rl.observe.sync_metrics import SyncPhases
+
+
+class TrainMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The trainer's answer to one train step (`TrainerActor.train_step`), its own ``train_s``
+    aside (the driver's wall time of the call is the record's)."""
+
+    distill_kl: float | None = None
+    """Mean per-token behaviour - teacher log-prob gap (with ``--trainer.loss.distill_coef`` > 0)."""
+    kl: float | None = None
+    """Mean per-token k3 KL to the reference policy (with a reference model)."""
+    loss: float | None = None
+    """The step's loss (None: no micro-batch was trained)."""
+    pg_loss: float | None = None
+    """The policy-gradient term of the loss."""
+    ratio_mean: float | None = None
+    """Mean per-token importance ratio new / behaviour policy."""
+    clip_frac_low: float | None = None
+    """Share of tokens clipped below 1 - eps_low."""
+    clip_frac_high: float | None = None
+    """Share of tokens clipped above 1 + eps_high."""
+    tis_frac: float | None = None
+    """Share of tokens whose ratio exceeds ``tis_cap`` (with ``--trainer.loss.tis_cap``)."""
+    entropy: float | None = None
+    """Mean per-token entropy of the policy (when the trainer computes it)."""
+    grad_norm: float
+    """Gradient norm before clipping."""
+    lr: float
+    """Learning rate of the step."""
+    tokens: float
+    """Completion tokens in the loss (mask 1)."""
+    sequences: float
+    """Completions trained on."""
+    micro_batches: float
+    """Micro-batches the step was cut into."""
+    micro_batch_tokens: float
+    """The token budget of a micro-batch."""
+    peak_mem_gib: float | None = None
+    """Peak device memory of the trainer's rank 0 (GPU only)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation of the trainer's group (GPU whose peak is known only)."""
+
+    @classmethod
+    def of(cls, answer: dict[str, float]) -> "TrainMetrics":
+        """The trainer's answer, typed: a metric without a field here is a bug of this file."""
+        try:
+            return cls(**{k: v for k, v in answer.items() if k != "train_s"})
+        except TypeError as exc:
+            raise TypeError(f"the trainer's train_step answered metrics the step record cannot hold ({exc}): "
+                            f"give each a field in asyncrl/rl/observe/record.py's TrainMetrics") from None
+
+
+class FleetEvents(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What happened to the samplers since the last step (`SamplerPool.take_events`)."""
+
+    generation: int
+    """The weight-sync group's generation (one more at each re-formation)."""
+    samplers_in_group: int
+    """Samplers in the weight-sync group after the step."""
+    sampler_losses: int
+    """Samplers lost since the last step."""
+    sampler_rejoins: int
+    """Samplers that rejoined since the last step."""
+    recover_s: float
+    """Seconds spent recovering from sampler faults since the last step."""
+    events: list[dict[str, Any]] | None = None
+    """The losses, rejoins and scalings themselves, as faults.jsonl has them (None: none)."""
+
+
+class StepRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One step of a run (see the module docstring). The parts listed in `FLAT` are written
+    flattened into the line; the others under their own names."""
+
+    step: int
+    """The step, from 1; the weights after it are version ``step``."""
+    version: int
+    """The trainer's weights after the step."""
+    reward_mean: float
+    """Mean reward over everything sampled for the step (groups left out as uniform included)."""
+    train_solve_rate: float
+    """Share of those completions that solved their problem."""
+    staleness_mean: float
+    """Mean versions between a trained group's weights and the ones it was trained into."""
+    staleness_hist: dict[str, int]
+    """Trained groups per staleness (keys are the staleness, as text)."""
+    dropped_stale: int
+    """Groups dropped as too stale, over the whole run."""
+    uniform_skipped: int
+    """Groups of one reward left out this step (no signal)."""
+    queue_depth: int
+    """Groups in the rollout queue after the step's batch was taken."""
+    paced_wait_s: float | None = None
+    """Samplers' total wait for pacing credit so far (async mode only)."""
+    completion_tokens: int
+    """Completion tokens in the step's batch (after the prompts)."""
+    samples_per_s: float
+    """Completions trained per second of training, over the whole run."""
+    tokens_per_s: float
+    """Completion tokens trained per second of training, over the whole run."""
+    time_s: float
+    """Training wall time so far, over every segment of the run."""
+    wait_s: float
+    """Seconds the step waited for its batch."""
+    train_s: float
+    """The driver's wall time of the train step call."""
+    sync: SyncPhases
+    """The step's weight sync, by phase (``sync_*``)."""
+    generate_s: float
+    """Mean generation seconds of the batch's groups."""
+    train: TrainMetrics
+    """The trainer's metrics of the step."""
+    task: dict[str, float]
+    """The task's metrics (``task/<name>``: means per completion) and failed user calls
+    (``task_errors/<kind>``: counts)."""
+    fleet: FleetEvents
+    """What happened to the samplers since the last step."""
+    group_ids: list[str]
+    """The trained groups, in batch order."""
+    weights_digests: dict[str, str] | None = None
+    """Each member's digest of its weights after the sync (``--run.check_weights``)."""
+    heldout_solve_rate: float | None = None
+    """Held-out greedy solve rate (steps with an evaluation only)."""
+    heldout_sampled_solve_rate: float | None = None
+    """Held-out sampled solve rate (with ``--run.eval_samples`` > 0)."""
+    heldout_task: dict[str, float] | None = None
+    """The evaluation's task metrics and failed calls (``heldout/task/<name>``, ``heldout/task_errors/<kind>``)."""
+
+    FLAT = frozenset({"sync", "train", "task", "fleet", "heldout_task"})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as the JSON object of its metrics.jsonl line (see the module docstring)."""
+        out: dict[str, Any] = {}
+        for key, value in msgspec.to_builtins(self).items():
+            if key in self.FLAT:
+                out.update(value)
+            else:
+                out[key] = value
+        return out
+
+    def to_json(self) -> str:
+        """The record's metrics.jsonl line (without its newline). json, not msgspec.json: a NaN
+        stays ``NaN``, as the readers of the file have always had it."""
+        return json.dumps(self.to_dict())
+
+    def scalars(self) -> dict[str, float]:
+        """Every finite number of the record, for TensorBoard, W&B and Prometheus (`scalars_of`)."""
+        return scalars_of(self.to_dict())
+
+
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """Every finite number of a metrics record, nested dicts as ``key/inner`` (the staleness
+    histogram as ``staleness_hist/1``); lists (group ids) and text (digests) are not scalars."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, dict):
+            for inner, v in scalars_of(value).items():
+                out[f"{key}/{inner}"] = v
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[key] = float(value)
+    return out
