@@ -60,6 +60,13 @@ class Endpoint:
                                   max_retries=0, timeout=60)
 
 
+def recomputed_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits each of ``tokens`` was drawn from, by one unpadded forward over prompt + tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+
+
 @pytest.fixture
 async def endpoint(letters):
     e = Endpoint(letters)
@@ -107,6 +114,39 @@ async def test_completions_models_and_streaming(endpoint):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).isalpha()
     assert chunks[-1].choices[0].finish_reason == "length"
     assert endpoint.server.sessions == {}  # the root records nothing
+
+
+async def test_n_choices_are_samples_of_their_own_and_top_logprobs_are_the_sampling_distribution(endpoint):
+    """``n`` = 3: three choices, each recorded as a call (the backend's own seeded rows), each a
+    sample of its own; the conversation goes on from the second choice and extends that one only.
+    ``top_logprobs``: per token, the k likeliest tokens of the distribution it was drawn from,
+    likeliest first, the sampled one among them with its own log-prob whenever it ranks in k."""
+    session = endpoint.server.open_session()
+    messages = [{"role": "user", "content": "start"}]
+    async with endpoint.client(session.key) as client:
+        answer = await client.chat.completions.create(model="policy", messages=messages, n=3, seed=5, max_tokens=4,
+                                                      logprobs=True, top_logprobs=3)
+        assert [c.index for c in answer.choices] == [0, 1, 2] and answer.usage.completion_tokens == 12
+        messages += [{"role": "assistant", "content": answer.choices[1].message.content},
+                     {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+            await client.chat.completions.create(model="policy", messages=messages, top_logprobs=2)
+    first = session.calls[:3]
+    [[*direct]] = await endpoint.backend.generate([first[0].prompt_ids], 3,
+                                                  msgspec.structs.replace(endpoint.sampling, seed=5, max_new_tokens=4))
+    assert [(c.token_ids, c.logprobs) for c in first] == [(d.token_ids, d.logprobs) for d in direct]
+    samples = assemble(session.calls)
+    assert [s.calls for s in samples] == [1, 2, 1]  # choice 1 and the turn after it; choices 0 and 2 alone
+    assert samples[1].token_ids[:4] == first[1].token_ids
+    for choice, call in zip(answer.choices, first):
+        logits = torch.log_softmax(recomputed_logits(endpoint.backend.model, call.prompt_ids, call.token_ids), -1)
+        for entry, token, row in zip(choice.logprobs.content, call.token_ids, logits):
+            top = row.topk(3)
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert [t.token for t in entry.top_logprobs] == [endpoint.tokenizer.decode([i]) for i in top.indices]
+            if token in top.indices.tolist():
+                assert entry.logprob in [t.logprob for t in entry.top_logprobs]
 
 
 async def test_turns_that_extend_each_other_are_one_sample_with_the_context_masked(endpoint):
@@ -181,7 +221,7 @@ async def test_tool_calls_round_trip_through_the_template(endpoint):
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
     # The model's side: a Hermes <tool_call> in its text comes back as OpenAI tool_calls.
     text = 'ok <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    answer = chat_answer(Completion([5] * 3, [-1.0] * 3, text, "stop"), 10, tools=True)
+    answer = chat_answer([Completion([5] * 3, [-1.0] * 3, text, "stop")], 10, tools=True)
     parsed = openai.types.chat.ChatCompletion.model_validate(answer)  # the client's own types accept it
     call = parsed.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
@@ -391,7 +431,7 @@ async def test_a_session_answers_429_past_its_model_calls(letters):
             for _ in range(2):
                 await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=1)
-            with pytest.raises(openai.RateLimitError, match="its 2 model calls"):
+            with pytest.raises(openai.RateLimitError, match="may make 2 model calls"):
                 await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     finally:
         await e.server.close()

@@ -25,8 +25,9 @@ class EndpointClosedError(AsyncrlError):
 class RequestBatcher:
     """Hands requests to ``generate``: each at once (``batch`` False), or gathered: one call at a
     time, with every request that arrived while the previous one ran and asks for the same
-    sampling. A seeded request goes alone: a backend seeds each row by its place in the call, so
-    its tokens then depend on its own seed only."""
+    sampling (a request for ``n`` completions is ``n`` rows of it). A seeded request goes alone:
+    a backend seeds each row by its place in the call, so its tokens then depend on its own seed
+    only."""
 
     GATHER_S = 0.005
     """How long the first request of an idle batcher waits for the others of its round: the
@@ -35,14 +36,14 @@ class RequestBatcher:
 
     def __init__(self, generate: Generate, batch: bool):
         self._generate, self._batch = generate, batch
-        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], SamplingParams, int, asyncio.Future]] = []
         self._waiting: set[asyncio.Future] = set()  # every request not answered yet: close() answers them
         self._tasks: set[asyncio.Task] = set()  # the worker and the direct calls: close() cancels them
         self._worker: asyncio.Task | None = None
         self._closed = False
 
-    async def submit(self, prompt: list[int], params: SamplingParams) -> tuple[int, Completion]:
-        """The weight version and completion of ``prompt``; `EndpointClosedError` once closed,
+    async def submit(self, prompt: list[int], params: SamplingParams, n: int = 1) -> tuple[int, list[Completion]]:
+        """The weight version and ``n`` completions of ``prompt``; `EndpointClosedError` once closed,
         what ``generate`` raises otherwise. A caller that goes away stops its direct call (vLLM
         aborts its request); a gathered call goes on for the others in it."""
         if self._closed:
@@ -52,9 +53,9 @@ class RequestBatcher:
         direct = None
         try:
             if not self._batch:
-                direct = self._start(self._direct(prompt, params, future))
+                direct = self._start(self._direct(prompt, params, n, future))
             else:
-                self._pending.append((prompt, params, future))
+                self._pending.append((prompt, params, n, future))
                 if self._worker is None or self._worker.done():
                     self._worker = self._start(self._work())
             return await future
@@ -79,13 +80,13 @@ class RequestBatcher:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _direct(self, prompt: list[int], params: SamplingParams, future: asyncio.Future) -> None:
+    async def _direct(self, prompt: list[int], params: SamplingParams, n: int, future: asyncio.Future) -> None:
         try:
-            version, groups = await self._generate([prompt], 1, params)
+            version, groups = await self._generate([prompt], n, params)
         except Exception as exc:
             _settle(future, exc=exc)
         else:
-            _settle(future, (version, groups[0][0]))
+            _settle(future, (version, groups[0]))
 
     async def _work(self) -> None:
         await asyncio.sleep(self.GATHER_S)
@@ -94,17 +95,23 @@ class RequestBatcher:
             same = [p for p in self._pending if p[1] == head and head.seed is None] or [self._pending[0]]
             taken = {id(p) for p in same}
             self._pending = [p for p in self._pending if id(p) not in taken]
-            live = [p for p in same if not p[2].done()]  # a request whose caller went away is not generated
+            live = [p for p in same if not p[3].done()]  # a request whose caller went away is not generated
             if not live:
                 continue
+            # Unseeded, each of a request's n completions is a row of its own; seeded, it is alone
+            # and asks the backend for n, which seeds each by its sample index.
+            n = live[0][2] if head.seed is not None else 1
+            rows = [p[0] for p in live for _ in range(p[2] // n)]
             try:
-                version, groups = await self._generate([p[0] for p in live], 1, head)
+                version, groups = await self._generate(rows, n, head)
             except Exception as exc:
-                for _, _, future in live:
+                for *_, future in live:
                     _settle(future, exc=exc)
                 continue
-            for (_, _, future), group in zip(live, groups):
-                _settle(future, (version, group[0]))
+            done = [c for group in groups for c in group]
+            for _, _, k, future in live:
+                _settle(future, (version, done[:k]))
+                done = done[k:]
 
 
 def _settle(future: asyncio.Future, value: object = None, exc: BaseException | None = None) -> None:

@@ -15,7 +15,8 @@ gets the policy), and ``/v1/models`` lists it as `MODEL_NAME`.
 Sampling in a session is the run's: ``temperature`` and ``top_p`` are the sampler's whatever the
 request says, since the trainer scores the tokens at the run's temperature and its importance
 ratio needs their log-probs under that very distribution; ``max_tokens`` (capped by the run's
-``max_new_tokens`` and the model's context), ``stop``, ``seed`` and ``n`` = 1 are the request's.
+``max_new_tokens`` and the model's context), ``stop``, ``seed``, ``n`` (each completion a call of the
+session, recorded as a sample of its own) and ``top_logprobs`` are the request's.
 At the root the request's temperature and top_p are used.
 
 Why aiohttp: one maintained package that serves HTTP on the actor's own event loop (no second
@@ -40,7 +41,7 @@ from asyncrl.errors import AsyncrlError
 from asyncrl.rl.agents.batcher import EndpointClosedError, Generate, RequestBatcher
 from asyncrl.rl.agents.chat import ChatRequestError, render_chat
 from asyncrl.rl.agents.session import Session, SessionCall
-from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, chat_answer, usage
+from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, chat_answer, completion_logprobs, usage
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.runtime.timeouts import timeout
 
@@ -50,6 +51,8 @@ BACKLOG = 4096
 """Connections the kernel queues before the loop accepts them: every episode of a round connects
 at once, and the loop may be busy meanwhile (aiohttp's 128 left 43 of 800 evaluation episodes
 with a connection error). Linux caps it at ``net.core.somaxconn`` (4096 since 5.4)."""
+MAX_CHOICES = 16
+"""The most completions (``n``) one request may ask; in a session each counts as a model call."""
 SHUTDOWN_S = 5.0
 """How long `OpenAIServer.close` lets requests still being answered finish (aiohttp's default: 60 s)."""
 
@@ -178,9 +181,12 @@ class OpenAIServer:
             prompt = render_chat(self.tokenizer, body.messages, body.tools)
         except ChatRequestError as exc:
             raise _Refused(400, str(exc)) from None
-        completion = await self._generate(session, prompt, body, body.max_completion_tokens or body.max_tokens)
-        pieces = self._pieces(completion.token_ids) if body.logprobs else None
-        answer = chat_answer(completion, len(prompt), tools=bool(body.tools), model=body.model, pieces=pieces)
+        if body.top_logprobs and not body.logprobs:
+            raise _Refused(400, "top_logprobs needs logprobs: true")
+        completions = await self._generate(session, prompt, body, body.max_completion_tokens or body.max_tokens,
+                                           (body.top_logprobs or 0) if body.logprobs else 0)
+        answer = chat_answer(completions, len(prompt), tools=bool(body.tools), model=body.model,
+                             piece=self._piece if body.logprobs else None)
         if body.stream:
             return await self._stream_chat(request, answer)
         return _json(answer)
@@ -192,19 +198,12 @@ class OpenAIServer:
             prompt = list(self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
         else:
             prompt = list(body.prompt)
-        completion = await self._generate(session, prompt, body, body.max_tokens)
-        choice: dict[str, Any] = {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
-                                  "logprobs": None}
-        if body.logprobs is not None:
-            pieces = self._pieces(completion.token_ids)
-            offsets, at = [], 0
-            for piece in pieces:
-                offsets.append(at)
-                at += len(piece)
-            choice["logprobs"] = {"tokens": pieces, "token_logprobs": list(completion.logprobs),
-                                  "top_logprobs": None, "text_offset": offsets}
+        completions = await self._generate(session, prompt, body, body.max_tokens, body.logprobs or 0)
+        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                    "logprobs": None if body.logprobs is None else completion_logprobs(c, self._piece)}
+                   for i, c in enumerate(completions)]
         answer = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                  "model": body.model or MODEL_NAME, "choices": [choice], "usage": usage(len(prompt), completion)}
+                  "model": body.model or MODEL_NAME, "choices": choices, "usage": usage(len(prompt), completions)}
         if body.stream:
             from aiohttp import web
 
@@ -220,15 +219,17 @@ class OpenAIServer:
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        choice = answer["choices"][0]
-        delta = dict(choice["message"])
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(delta["tool_calls"])]
         head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-        chunks = [head | {"choices": [{"index": 0, "delta": delta, "logprobs": choice.get("logprobs"),
-                                       "finish_reason": None}]},
-                  head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
-                          "usage": answer["usage"]}]
+        chunks = []
+        for choice in answer["choices"]:
+            delta = dict(choice["message"])
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(delta["tool_calls"])]
+            chunks.append(head | {"choices": [{"index": choice["index"], "delta": delta,
+                                               "logprobs": choice.get("logprobs"), "finish_reason": None}]})
+            chunks.append(head | {"choices": [{"index": choice["index"], "delta": {},
+                                               "finish_reason": choice["finish_reason"]}]})
+        chunks[-1]["usage"] = answer["usage"]
         for chunk in chunks:
             await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
@@ -245,9 +246,10 @@ class OpenAIServer:
             raise _Refused(404, "no such session, or its episode has ended", "not_found_error")
         return session
 
-    def _params(self, session: Session | None, body: Any, max_tokens: int | None, prompt_len: int) -> SamplingParams:
-        if body.n != 1:
-            raise _Refused(400, f"n must be 1 here, not {body.n}: make one request per completion")
+    def _params(self, session: Session | None, body: Any, max_tokens: int | None, prompt_len: int,
+                top_logprobs: int) -> SamplingParams:
+        if not 1 <= body.n <= MAX_CHOICES:
+            raise _Refused(400, f"n must be in [1, {MAX_CHOICES}], not {body.n}")
         room = self.sampling.max_new_tokens
         if max_tokens is not None:
             if max_tokens < 1:
@@ -265,25 +267,29 @@ class OpenAIServer:
             top_p = body.top_p if body.top_p is not None else top_p
         try:
             return msgspec.structs.replace(self.sampling, max_new_tokens=room, temperature=temperature, top_p=top_p,
-                                           stop=[s for s in stop if s], seed=body.seed)
+                                           stop=[s for s in stop if s], seed=body.seed, top_logprobs=top_logprobs)
         except ValueError as exc:
             raise _Refused(400, str(exc)) from None
 
-    async def _generate(self, session: Session | None, prompt: list[int], body: Any,
-                        max_tokens: int | None) -> Completion:
+    async def _generate(self, session: Session | None, prompt: list[int], body: Any, max_tokens: int | None,
+                        top_logprobs: int = 0) -> list[Completion]:
+        """``body.n`` completions of ``prompt``, each recorded in ``session`` as a call of its own
+        (so each is a sample of its own: none extends another)."""
         if not prompt:
             raise _Refused(400, "the prompt is empty")
         vocab = len(self.tokenizer)
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise _Refused(400, f"prompt token ids must be in [0, {vocab})")
-        params = self._params(session, body, max_tokens, len(prompt))
+        params = self._params(session, body, max_tokens, len(prompt), top_logprobs)
+        n = body.n
         if session is not None:
-            if len(session.calls) + session.in_flight >= session.max_calls:
-                raise _Refused(429, f"this session has made its {session.max_calls} model calls", "rate_limit_error")
-            session.in_flight += 1
+            if len(session.calls) + session.in_flight + n > session.max_calls:
+                raise _Refused(429, f"this session may make {session.max_calls} model calls (n counts each), and "
+                                    f"{len(session.calls) + session.in_flight} are made or under way", "rate_limit_error")
+            session.in_flight += n
         try:
             async with timeout(self.request_timeout_s):
-                version, completion = await self._batcher.submit(prompt, params)
+                version, completions = await self._batcher.submit(prompt, params, n)
         except TimeoutError:
             raise _Refused(504, f"the sampler generated nothing for this request within {self.request_timeout_s:g} s",
                            "timeout") from None
@@ -293,14 +299,15 @@ class OpenAIServer:
             raise _Refused(503, f"the sampler cannot generate now: {type(exc).__name__}: {exc}", "server_error") from None
         finally:
             if session is not None:
-                session.in_flight -= 1
+                session.in_flight -= n
         if session is not None:
-            session.record(SessionCall(prompt, list(completion.token_ids), list(completion.logprobs), version,
-                                       completion.finish_reason))
-        return completion
+            for completion in completions:
+                session.record(SessionCall(prompt, list(completion.token_ids), list(completion.logprobs), version,
+                                           completion.finish_reason))
+        return completions
 
-    def _pieces(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 async def _decode(request, kind: type) -> Any:

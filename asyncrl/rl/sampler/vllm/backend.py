@@ -243,7 +243,7 @@ class VLLMBackend(PausableBackend):
             # Exactly our stop tokens: vLLM would otherwise also stop at the model's EOS.
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, stop=list(params.stop) or None,
             seed=None if params.seed is None else row_seed(params.seed, prompt_index, 0),
-            logprobs=0, detokenize=bool(params.stop), skip_special_tokens=True)
+            logprobs=params.top_logprobs, detokenize=bool(params.stop), skip_special_tokens=True)
 
     def _completions(self, out: Any, params: SamplingParams, n: int) -> list[Completion]:
         samples = sorted(out.outputs, key=lambda c: c.index)
@@ -263,7 +263,9 @@ class VLLMBackend(PausableBackend):
             else:
                 stopped = c.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
                 text = self._decode_text(ids[:-1] if stopped else ids)
-            completions.append(Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length"))
+            top = compat.top_logprobs(c.logprobs, params.top_logprobs) if params.top_logprobs else []
+            completions.append(Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length",
+                                          top_logprobs=top))
         return completions
 
     def _decode_text(self, ids: list[int]) -> str:

@@ -155,6 +155,14 @@ def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float] | None:
         return None
 
 
+def top_logprobs(logprobs: Any, k: int) -> list[list[tuple[int, float]]]:
+    """Per position, the ``k`` most likely tokens of a sample's ``logprobs`` (asked with
+    ``logprobs=k``: vLLM adds the sampled token where it is not among them) as ``(id, log-prob)``,
+    by rank."""
+    return [[(token, float(lp.logprob)) for token, lp in sorted(position.items(), key=lambda e: e[1].rank)
+             if lp.rank is not None and lp.rank <= k][:k] for position in logprobs]
+
+
 def unfinished_requests(engine: Any) -> int:
     """Requests ``engine`` (an ``AsyncLLM``) has not finished: 0.32+ has a method for it."""
     count = getattr(engine, "get_num_unfinished_requests", None)
