@@ -365,9 +365,10 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
 
 
 def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
-    """The trainer's solve rate of an agent: its episodes against an endpoint over the model's own
-    ``generate``, greedy (the same question answered twice alike), failures scoring 0."""
-    from asyncrl.rl.model.evaluation import solve_rate
+    """The trainer's evaluation of an agent: its episodes against an endpoint over the model's own
+    ``generate``, greedy (the same question answered twice alike), failures scoring 0 and counted by
+    kind, the metrics of its scores averaged over every episode (a failed one counts 0)."""
+    from asyncrl.rl.model.evaluation import evaluate
     from asyncrl.rl.tasks.base import Score
 
     async def agent(problem, client):
@@ -378,11 +379,12 @@ def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
             texts.append(answer.choices[0].message.content)
         if problem == "raise":
             raise ValueError("no")
-        return Score(1.0, correct=texts[0] == texts[1] and texts[0].isalpha())
+        return Score(1.0, correct=texts[0] == texts[1] and texts[0].isalpha(), metrics={"long": float(problem == "two")})
 
     model, tok, fmt = letters
     task = FunctionAgent.of(agent)()
-    assert solve_rate(model, tok, fmt, ["one", "two", "raise"], task=task, greedy=True, max_new_tokens=8) == 2 / 3
+    found = evaluate(model, tok, fmt, ["one", "two", "raise"], task=task, greedy=True, max_new_tokens=8)
+    assert (found.solve_rate, found.metrics, found.errors) == (2 / 3, {"long": 1 / 3}, {"raised": 1})
 
 
 async def test_the_example_agents_run_against_the_endpoint(endpoint):
@@ -500,3 +502,50 @@ async def test_the_listener_takes_a_burst_of_connections_while_the_loop_is_busy(
     assert not failed and len(connected) == BURST
     async with endpoint.client() as client:  # and the endpoint serves on
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+
+
+async def test_the_warm_start_lays_out_an_agents_demonstration_as_its_episode():
+    """The embedded model for an agent (examples/agent_calculator.py): its template renders the
+    tool calls and results, and each demonstration's training row is, token for token and mask for
+    mask, the sample the endpoint assembles when the model writes the demonstrated turns: the real
+    agent and ``openai`` client, against an endpoint whose "model" replays the row's labels."""
+    from asyncrl.rl.model import warm_start
+    from asyncrl.rl.model.tokenizer import AGENT_TAGS, build_tokenizer
+    from asyncrl.rl.tasks.loading import TaskSpec, load_task
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    agent = load_task(TaskSpec(f"{examples}/agent_calculator.py:CalculatorAgent"))
+    tok = build_tokenizer(AGENT_TAGS)
+    tok.chat_template = warm_start.chat_template(agent)
+    problems = agent.problems()[:6]  # sums and differences answered directly, a product through the tool
+    rows = {p: warm_start._agent_row(tok, agent, agent.demonstration(p)) for p in problems}
+    assert {len(agent.demonstration(p)) for p in problems} == {2, 4}
+
+    async def replay(prompts, n, params):  # each prompt's next demonstrated turn, as a backend returns it
+        out = []
+        for prompt in prompts:
+            ids, labels, _ = next(r for r in rows.values() if r[0][:len(prompt)] == prompt)
+            end = len(prompt)
+            while end < len(ids) and labels[end] != -100:
+                end += 1
+            turn = ids[len(prompt):end]
+            assert turn and turn[-1] == tok.eos_token_id
+            out.append([Completion(turn, [-0.5] * len(turn), tok.decode(turn[:-1], skip_special_tokens=True), "stop")])
+        return 0, out
+
+    server = OpenAIServer(replay, tok, SamplingParams(max_new_tokens=80, stop_token_ids=[tok.eos_token_id]),
+                          max_calls=agent.max_calls)
+    await server.start()
+    calls = UserCalls("layout", timeout_s=60.0, max_failure_rate=0.0)
+    try:
+        for problem, (ids, labels, _) in rows.items():
+            [group] = await AgentRunner(agent, server, calls).run([problem], 1)
+            [sample] = group.samples
+            assert (sample.reward, sample.metrics["calls"]) == (1.0, 1 + (len(agent.demonstration(problem)) > 2))
+            assert group.prompt_ids + sample.token_ids == ids
+            assert [0] * len(group.prompt_ids) + sample.action_mask == [int(label != -100) for label in labels]
+    finally:
+        await server.close()
+        calls.close()
+    tool_row = next(r for p, r in rows.items() if len(agent.demonstration(p)) == 4)
+    assert "<tool_response>" in tok.decode(tool_row[0]) and tok.convert_tokens_to_ids("<tool_call>") in tool_row[0]
