@@ -51,9 +51,9 @@ class Endpoint:
         self.sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=self.fmt.stop_token_ids)
         self.server = OpenAIServer(self.generate, self.tokenizer, self.sampling, max_context=512, **kwargs)
 
-    async def generate(self, prompts, n, params):
+    async def generate(self, prompts, n, params, progress=None):
         self.batches.append(len(prompts))
-        return self.version, await self.backend.generate(prompts, n, params)
+        return self.version, await self.backend.generate(prompts, n, params, progress)
 
     def client(self, session: str = "", key: str | None = None) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.server.base_url(session), api_key=key or self.server.token,
@@ -112,7 +112,8 @@ async def test_completions_models_and_streaming(endpoint):
                                                       max_tokens=4, stream=True)
         chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).isalpha()
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 4
     assert endpoint.server.sessions == {}  # the root records nothing
 
 
@@ -147,6 +148,94 @@ async def test_n_choices_are_samples_of_their_own_and_top_logprobs_are_the_sampl
             assert [t.token for t in entry.top_logprobs] == [endpoint.tokenizer.decode([i]) for i in top.indices]
             if token in top.indices.tolist():
                 assert entry.logprob in [t.logprob for t in entry.top_logprobs]
+
+
+async def test_the_hf_backend_reports_each_rows_tokens_after_every_step(letters):
+    """The stream's source on HF: after each decoding step, every open row's tokens so far, on the
+    caller's loop, before the call returns; a row that stopped reports no more."""
+    model, tok, fmt = letters
+    backend = HFBackend(model, tokenizer=tok)
+    reports: dict[int, list[list[int]]] = {}
+    try:
+        groups = await backend.generate([tok("ab")["input_ids"], tok("c")["input_ids"]], 2,
+                                        SamplingParams(max_new_tokens=6, seed=3, stop=["q"]),
+                                        lambda row, ids: reports.setdefault(row, []).append(ids))
+    finally:
+        backend.close()
+    rows = [c.token_ids for g in groups for c in g]
+    assert sorted(reports) == [0, 1, 2, 3]
+    for row, ids in enumerate(rows):
+        assert reports[row] == [ids[:k] for k in range(1, len(ids) + 1)]
+
+
+def test_a_streams_pieces_are_never_taken_back(letters):
+    """`TextStream`, token by token: a half-written UTF-8 character, a stop string and the tail
+    that may become one wait; each piece extends the last, and the answer's text the pieces."""
+    from asyncrl.rl.agents.stream import TextStream
+
+    tok = letters[1]
+    ids = tok("a\u00e9 b STOP c", add_special_tokens=False)["input_ids"]
+    assert len(ids) == len("a\u00e9 b STOP c".encode())  # byte-level: the accent is two tokens
+    stream = TextStream(tok, [tok.eos_token_id], ["STOP"], tools=False)
+    pieces = [stream.update(ids[:k]) for k in range(1, len(ids) + 1)]
+    assert [p for p in pieces if p] == ["a", "\u00e9", " ", "b", " "]
+    assert stream.finish("a\u00e9 b ") == "" and stream.finish("other") is None
+    tools = TextStream(tok, [tok.eos_token_id], [], tools=True)
+    assert [tools.update(tok(t)["input_ids"]) for t in (" x ", " x <tool", " x y<tool_call>{")] == ["x", "", " y"]
+
+
+async def test_a_stream_sends_text_as_it_is_generated(letters):
+    """Through the real ``openai`` client: the first piece arrives while the generation is still
+    going (it cannot finish until the client has read it); pieces never take back what was sent:
+    a stop string and a ``<tool_call>`` being written are held back, the call goes out parsed at
+    the end; the pieces and the rest make the answer, its log-probs come with it, and the session
+    records the call as without a stream. A refusal before any text keeps its status."""
+    _, tok, fmt = letters
+    script = "ok then <tool_call>{\"name\": \"calc\", \"arguments\": {\"x\": 1}}</tool_call>"
+    ids = tok(script, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    first_read = asyncio.Event()
+    sent_before_read: list[int] = []
+
+    async def generate(prompts, n, params, progress=None):
+        for k in range(1, len(ids) + 1):
+            progress(0, ids[:k])
+            if k == 3:  # "ok " so far: the client must have read a piece before generation goes on
+                async with asyncio.timeout(30):
+                    await first_read.wait()
+                sent_before_read.append(k)
+            await asyncio.sleep(0)
+        return 4, [[Completion(ids, [-0.25] * len(ids), script, "stop")]]
+
+    sampling = SamplingParams(max_new_tokens=128, stop_token_ids=fmt.stop_token_ids)
+    server = OpenAIServer(generate, tok, sampling, max_context=512, max_calls=1)
+    await server.start()
+    session = server.open_session()
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    try:
+        async with server.client(session.key) as client:
+            stream = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}],
+                                                          tools=tools, stream=True, logprobs=True)
+            pieces, chunks = [], []
+            async for chunk in stream:
+                chunks.append(chunk)
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(chunk.choices[0].delta.content)
+                    first_read.set()
+            with pytest.raises(openai.RateLimitError):  # its one call made: refused before any text, as a 429
+                await client.chat.completions.create(model="policy", stream=True,
+                                                     messages=[{"role": "user", "content": "go"}])
+    finally:
+        await server.close()
+    assert sent_before_read == [3] and pieces[:2] == ["o", "k"]  # a piece a token
+    assert "".join(pieces) == "ok then" and not any("<" in p for p in pieces)
+    [calls] = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert (calls[0].function.name, json.loads(calls[0].function.arguments)) == ("calc", {"x": 1})
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content] == [-0.25] * len(ids)
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    [call] = session.calls
+    assert (call.token_ids, call.version) == (ids, 4)
 
 
 async def test_turns_that_extend_each_other_are_one_sample_with_the_context_masked(endpoint):
@@ -521,7 +610,7 @@ async def test_the_warm_start_lays_out_an_agents_demonstration_as_its_episode():
     rows = {p: warm_start._agent_row(tok, agent, agent.demonstration(p)) for p in problems}
     assert {len(agent.demonstration(p)) for p in problems} == {2, 4}
 
-    async def replay(prompts, n, params):  # each prompt's next demonstrated turn, as a backend returns it
+    async def replay(prompts, n, params, progress=None):  # each prompt's next demonstrated turn, as a backend returns it
         out = []
         for prompt in prompts:
             ids, labels, _ = next(r for r in rows.values() if r[0][:len(prompt)] == prompt)

@@ -82,6 +82,22 @@ async def test_top_logprobs_are_the_likeliest_tokens_of_the_sampling_distributio
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_progress_reports_each_rows_tokens_as_the_engine_makes_them(engine, prompts):
+    """The stream's source on vLLM: each row's tokens so far, growing, as the engine outputs them
+    (more than once per row), its last report the completion's tokens; a greedy request's one
+    sample is reported for each of its n rows."""
+    for temperature in (1.0, 0.0):
+        reports: dict[int, list[list[int]]] = {}
+        groups = await engine.generate(prompts[:2], 2, SamplingParams(max_new_tokens=8, temperature=temperature, seed=1),
+                                       lambda row, ids: reports.setdefault(row, []).append(ids))
+        rows = [c.token_ids for g in groups for c in g]
+        assert sorted(reports) == [0, 1, 2, 3]
+        for row, ids in enumerate(rows):
+            assert len(reports[row]) > 1 and reports[row][-1] == ids
+            assert all(ids[:len(r)] == r and len(r) > len(p) for p, r in zip([[]] + reports[row], reports[row]))
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_stops_max_tokens_and_stop_strings(engine, prompts, policy, vllm_required):
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     [[free]] = await engine.generate(prompts[:1], 1, greedy)
@@ -127,8 +143,8 @@ async def test_the_openai_endpoint_records_what_the_engine_generated(engine, pol
     _, tok, fmt = policy
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=fmt.stop_token_ids)
 
-    async def generate(prompts, n, params):
-        return 7, await engine.generate(prompts, n, params)
+    async def generate(prompts, n, params, progress=None):
+        return 7, await engine.generate(prompts, n, params, progress)
 
     server = OpenAIServer(generate, tok, sampling, max_context=512, batch=False)
     await server.start()

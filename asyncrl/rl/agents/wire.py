@@ -75,6 +75,16 @@ def chat_answer(completions: list[Completion], prompt_tokens: int, *, tools: boo
             "model": model or MODEL_NAME, "choices": choices, "usage": usage(prompt_tokens, completions)}
 
 
+def text_answer(completions: list[Completion], prompt_tokens: int, *, model: str = "",
+                piece: Piece | None = None) -> dict[str, Any]:
+    """The ``text_completion`` object of ``completions`` (one choice each); with ``piece`` (the
+    request asked ``logprobs``) each choice's legacy ``logprobs`` object."""
+    choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                "logprobs": None if piece is None else completion_logprobs(c, piece)} for i, c in enumerate(completions)]
+    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+            "model": model or MODEL_NAME, "choices": choices, "usage": usage(prompt_tokens, completions)}
+
+
 def chat_logprobs(completion: Completion, piece: Piece, start: int = 0, end: int | None = None) -> list[dict]:
     """The ``logprobs.content`` entries of ``completion``'s tokens ``start:end``."""
     tops = completion.top_logprobs or [[]] * len(completion.token_ids)

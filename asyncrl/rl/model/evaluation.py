@@ -109,9 +109,10 @@ async def _agent_evaluation(task: Agent, problems: list, n: int, params: Samplin
     from asyncrl.rl.agents.runner import AgentRunner
     from asyncrl.rl.agents.server import OpenAIServer
 
-    async def versioned(prompts, k, p):
+    async def versioned(prompts, k, p, progress=None):
         # model.generate blocks: on a thread of its own (one at a time: the endpoint gathers
-        # requests into one call), so the loop keeps accepting and answering the agents.
+        # requests into one call), so the loop keeps accepting and answering the agents. It
+        # reports no tokens as they come: a stream gets each answer whole at its end.
         return 0, await asyncio.to_thread(lambda: asyncio.run(generate(prompts, k, p)))
 
     server = OpenAIServer(versioned, tokenizer, params, max_context=max_context, max_calls=task.max_calls)

@@ -30,6 +30,7 @@ import torch
 from asyncrl.rl.sampler.backend import (
     Completion,
     PausableBackend,
+    Progress,
     SamplerClosedError,
     SamplerTimeoutError,
     SamplingParams,
@@ -101,11 +102,20 @@ class HFBackend(PausableBackend):
         if params.stop and self.tokenizer is None:
             raise ValueError("HFBackend without a tokenizer cannot match stop strings (SamplingParams.stop)")
 
-    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> concurrent.futures.Future:
+    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                progress: Progress | None = None) -> concurrent.futures.Future:
         """The batch on the worker thread. Its future, not our await, ends the count in flight: a
-        cancelled caller drops a batch not started yet, but one running goes on to its end."""
+        cancelled caller drops a batch not started yet, but one running goes on to its end.
+        ``progress`` is called back on this loop after each decoding step."""
+        report = None
+        if progress is not None:
+            loop = asyncio.get_running_loop()
+
+            def report(row: int, ids: list[int]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
+                    loop.call_soon_threadsafe(progress, row, ids)
         try:
-            return self._pool.submit(self._generate_blocking, prompts, n, params)
+            return self._pool.submit(self._generate_blocking, prompts, n, params, report)
         except RuntimeError as exc:  # the pool was shut down by close()
             raise SamplerClosedError("HFBackend is closed") from exc
 
@@ -181,7 +191,8 @@ class HFBackend(PausableBackend):
 
     # --- the blocking part (worker thread) ------------------------------------------------------
 
-    def _generate_blocking(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+    def _generate_blocking(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                           report: Progress | None = None) -> list[list[Completion]]:
         start = time.perf_counter()
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: row i*n + j is sample j of prompt i
         generators = None
@@ -189,7 +200,7 @@ class HFBackend(PausableBackend):
             generators = [torch.Generator(self.device).manual_seed(row_seed(params.seed, i, j))
                           for i in range(len(prompts)) for j in range(n)]
         strings = StopStrings(self.tokenizer, params.stop, len(rows)) if params.stop else None
-        tokens, logprobs, stops_at, top = self._decode(rows, params, generators, strings)
+        tokens, logprobs, stops_at, top = self._decode(rows, params, generators, strings, report)
         completions = self._completions(tokens, logprobs, stops_at, params, strings, top)
         self.tokens_generated += sum(len(c.token_ids) for c in completions)
         self.generate_s += time.perf_counter() - start
@@ -197,7 +208,8 @@ class HFBackend(PausableBackend):
 
     @torch.inference_mode()
     def _decode(self, rows: list[list[int]], params: SamplingParams, generators: list[torch.Generator] | None,
-                strings: StopStrings | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+                strings: StopStrings | None,
+                report: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Token ids and log-probs ``[B, T]``, per row the step of its first stop token or of the
         token that completed a stop string (``T`` if none), and with ``params.top_logprobs`` k the
         k most likely tokens and their log-probs ``[B, T, k]`` (else None). Rows that stopped keep
@@ -210,6 +222,7 @@ class HFBackend(PausableBackend):
         never = params.max_new_tokens
         stops_at = torch.full((len(rows),), never, dtype=torch.long, device=self.device)
         tokens, logprobs, top_ids, top_lps = [], [], [], []
+        so_far: list[list[int]] = [[] for _ in rows]  # for report: each open row's tokens
         out = token = None
         for step in range(params.max_new_tokens):
             with self._decoding_step():
@@ -236,6 +249,11 @@ class HFBackend(PausableBackend):
                 all_stopped = bool((stops_at < never).all())
             tokens.append(token)
             logprobs.append(logprob)
+            if report is not None:
+                for row, (t, stop) in enumerate(zip(token.tolist(), stops_at.tolist())):
+                    if stop >= step:  # open until this step: its token is its own
+                        so_far[row].append(t)
+                        report(row, list(so_far[row]))
             if all_stopped:
                 break
         top = (torch.stack(top_ids, 1).cpu(), torch.stack(top_lps, 1).cpu()) if top_ids else None
