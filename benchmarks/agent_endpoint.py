@@ -92,8 +92,8 @@ async def main(args) -> dict:
     backend = HFBackend(model, tokenizer=tok)
     params = SamplingParams(max_new_tokens=args.tokens, temperature=1.0, stop_token_ids=[])  # every turn full length
 
-    async def generate(prompts, n, p):
-        return 0, await backend.generate(prompts, n, p)
+    async def generate(prompts, n, p, progress=None):
+        return 0, await backend.generate(prompts, n, p, progress)
 
     server = OpenAIServer(generate, tok, params, max_context=512)
     await server.start()

@@ -1,31 +1,50 @@
 """The calculator task (examples/calculator.py) as an agent written against the OpenAI API.
 
-    asyncrl launch examples/grpo.py --task.name examples/agent_calculator.py:CalculatorAgent \
-        --model_path ~/ckpt/Qwen2.5-0.5B-Instruct --task.score_timeout_s 120
+    asyncrl launch examples/agent_calculator.py                                  # the embedded model
+    asyncrl launch examples/agent_calculator.py --model_path ~/ckpt/Qwen2.5-0.5B-Instruct
+    asyncrl launch examples/grpo.py --task.name examples/agent_calculator.py:CalculatorAgent ...  # the same task
 
 The agent offers the model a ``calculator`` tool (``tools=[{"type": "function", ...}]``, the real
 ``openai`` client), runs each call itself and sends the result back as a ``tool`` message, until
 the model answers ``<answer>N</answer>`` or has made ``max_calls`` calls. Reward 1 for the exact
-answer; the metrics say how often episodes used the tool and used it correctly, as the
-environment's do. Nothing here knows about tokens: the sampler's endpoint records them, and
-docs/agents.md says what is trained.
+answer; the metrics say how often episodes used the tool (``tool_used``) and used it correctly
+(``tool_used_correctly``: a call whose result is the answer), as the environment's do. Nothing here
+knows about tokens: the sampler's endpoint records them, and docs/agents.md says what is trained.
 
-The model needs a chat template with tools (Qwen2.5, Hermes: ``<tool_call>`` JSON); the embedded
-model's template takes one user message only, so ``--model_path`` is required. The calculator
-is asyncrl's bounded arithmetic parser: the model's arguments are parsed, never ``eval``-ed.
+Without ``--model_path`` the embedded model is warm-started on `CalculatorAgent.demonstration`:
+conversations in OpenAI messages that call the tool for some problems only, as the environment's
+traces do (`calculator.TOOL_RATE`, more often for a product than for a sum), rendered through the
+embedded agent template as the endpoint renders the episodes (``<tool_call>`` JSON, the result in
+``<tool_response>``). The model learns a per-operator chance of calling the tool and answers the
+rest itself, mostly wrongly: GRPO, through the endpoint, has both the solve rate and the share of
+episodes that use the tool to raise. (Measured: tool use rises; the solve rate, held back by the
+copies across the call's JSON, did not in 100 steps: docs/agents.md.) A checkpoint's own chat template (Qwen2.5, Hermes) describes
+``TOOLS`` to the model instead.
+
+The calculator is asyncrl's bounded arithmetic parser: the model's arguments are parsed, never
+``eval``-ed.
 """
 
 from __future__ import annotations
 
 import json
+import random
+import sys
 
+from asyncrl.rl.launch import grpo_main
 from asyncrl.rl.tasks import Agent, Score
 from asyncrl.rl.tasks.tools import calculator
-from calculator import Arithmetic, answer_value, make_problems  # the environment's problems and answer format
+from calculator import TOOL_RATE, Arithmetic, answer_value, make_problems  # the environment's problems
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "The exact value of an arithmetic expression (+ - * / and parentheses).",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+# grpo.py's defaults, and room for an episode: its three calls wait for the batch's generations
+# (--task.score_timeout_s bounds the whole episode). 100 steps: 38 minutes on two heavily loaded
+# CPU cores, where the embedded model raised tool use but not yet the solve rate (docs/agents.md).
+DEFAULTS = ["--sampler.temperature", "0.7", "--trainer.lr_schedule", "cosine", "--task.score_timeout_s", "120",
+            "--run.steps", "100", "--run.eval_every", "50"]
 
 
 class CalculatorAgent(Agent):
@@ -38,7 +57,7 @@ class CalculatorAgent(Agent):
         return self._problems
 
     async def run(self, problem: Arithmetic, client) -> Score:
-        messages = [{"role": "user", "content": f"{problem.expression} = ? Reply <answer>N</answer>."}]
+        messages = [_question(problem)]
         used = used_correctly = 0.0
         for _ in range(self.max_calls):
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
@@ -54,6 +73,21 @@ class CalculatorAgent(Agent):
         correct = answer_value(message.content or "") == problem.answer
         return Score(float(correct), correct=correct, metrics={"tool_used": used, "tool_used_correctly": used_correctly})
 
+    def demonstration(self, problem: Arithmetic) -> list[dict]:
+        """A solver's episode: a call for the problems picked to use the tool (the environment's
+        pick: a seeded draw per problem, `TOOL_RATE` of each operator), its result, the answer."""
+        answer = {"role": "assistant", "content": f"<answer>{problem.answer}</answer>"}
+        if random.Random(f"tool/{problem.expression}").random() >= TOOL_RATE[problem.op]:
+            return [_question(problem), answer]
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": problem.expression})}}
+        return [_question(problem), {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": calculator(problem.expression)}, answer]
+
+
+def _question(problem: Arithmetic) -> dict:
+    return {"role": "user", "content": f"{problem.expression} = ? Reply <answer>N</answer>."}
+
 
 def _expression(arguments: str) -> str:
     """The ``expression`` argument of a call (model output: parsed as JSON, never evaluated)."""
@@ -62,3 +96,8 @@ def _expression(arguments: str) -> str:
     except ValueError:
         return ""
     return str(value.get("expression", "")) if isinstance(value, dict) else ""
+
+
+async def main() -> int:
+    return await grpo_main(sys.argv[1:], __doc__, default_task="agent_calculator.py:CalculatorAgent",
+                           defaults=DEFAULTS)

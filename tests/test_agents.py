@@ -51,13 +51,20 @@ class Endpoint:
         self.sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=self.fmt.stop_token_ids)
         self.server = OpenAIServer(self.generate, self.tokenizer, self.sampling, max_context=512, **kwargs)
 
-    async def generate(self, prompts, n, params):
+    async def generate(self, prompts, n, params, progress=None):
         self.batches.append(len(prompts))
-        return self.version, await self.backend.generate(prompts, n, params)
+        return self.version, await self.backend.generate(prompts, n, params, progress)
 
     def client(self, session: str = "", key: str | None = None) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.server.base_url(session), api_key=key or self.server.token,
                                   max_retries=0, timeout=60)
+
+
+def recomputed_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits each of ``tokens`` was drawn from, by one unpadded forward over prompt + tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
 
 
 @pytest.fixture
@@ -105,8 +112,130 @@ async def test_completions_models_and_streaming(endpoint):
                                                       max_tokens=4, stream=True)
         chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).isalpha()
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 4
     assert endpoint.server.sessions == {}  # the root records nothing
+
+
+async def test_n_choices_are_samples_of_their_own_and_top_logprobs_are_the_sampling_distribution(endpoint):
+    """``n`` = 3: three choices, each recorded as a call (the backend's own seeded rows), each a
+    sample of its own; the conversation goes on from the second choice and extends that one only.
+    ``top_logprobs``: per token, the k likeliest tokens of the distribution it was drawn from,
+    likeliest first, the sampled one among them with its own log-prob whenever it ranks in k."""
+    session = endpoint.server.open_session()
+    messages = [{"role": "user", "content": "start"}]
+    async with endpoint.client(session.key) as client:
+        answer = await client.chat.completions.create(model="policy", messages=messages, n=3, seed=5, max_tokens=4,
+                                                      logprobs=True, top_logprobs=3)
+        assert [c.index for c in answer.choices] == [0, 1, 2] and answer.usage.completion_tokens == 12
+        messages += [{"role": "assistant", "content": answer.choices[1].message.content},
+                     {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+            await client.chat.completions.create(model="policy", messages=messages, top_logprobs=2)
+    first = session.calls[:3]
+    [[*direct]] = await endpoint.backend.generate([first[0].prompt_ids], 3,
+                                                  msgspec.structs.replace(endpoint.sampling, seed=5, max_new_tokens=4))
+    assert [(c.token_ids, c.logprobs) for c in first] == [(d.token_ids, d.logprobs) for d in direct]
+    samples = assemble(session.calls)
+    assert [s.calls for s in samples] == [1, 2, 1]  # choice 1 and the turn after it; choices 0 and 2 alone
+    assert samples[1].token_ids[:4] == first[1].token_ids
+    for choice, call in zip(answer.choices, first):
+        logits = torch.log_softmax(recomputed_logits(endpoint.backend.model, call.prompt_ids, call.token_ids), -1)
+        for entry, token, row in zip(choice.logprobs.content, call.token_ids, logits):
+            top = row.topk(3)
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert [t.token for t in entry.top_logprobs] == [endpoint.tokenizer.decode([i]) for i in top.indices]
+            if token in top.indices.tolist():
+                assert entry.logprob in [t.logprob for t in entry.top_logprobs]
+
+
+async def test_the_hf_backend_reports_each_rows_tokens_after_every_step(letters):
+    """The stream's source on HF: after each decoding step, every open row's tokens so far, on the
+    caller's loop, before the call returns; a row that stopped reports no more."""
+    model, tok, fmt = letters
+    backend = HFBackend(model, tokenizer=tok)
+    reports: dict[int, list[list[int]]] = {}
+    try:
+        groups = await backend.generate([tok("ab")["input_ids"], tok("c")["input_ids"]], 2,
+                                        SamplingParams(max_new_tokens=6, seed=3, stop=["q"]),
+                                        lambda row, ids: reports.setdefault(row, []).append(ids))
+    finally:
+        backend.close()
+    rows = [c.token_ids for g in groups for c in g]
+    assert sorted(reports) == [0, 1, 2, 3]
+    for row, ids in enumerate(rows):
+        assert reports[row] == [ids[:k] for k in range(1, len(ids) + 1)]
+
+
+def test_a_streams_pieces_are_never_taken_back(letters):
+    """`TextStream`, token by token: a half-written UTF-8 character, a stop string and the tail
+    that may become one wait; each piece extends the last, and the answer's text the pieces."""
+    from asyncrl.rl.agents.stream import TextStream
+
+    tok = letters[1]
+    ids = tok("a\u00e9 b STOP c", add_special_tokens=False)["input_ids"]
+    assert len(ids) == len("a\u00e9 b STOP c".encode())  # byte-level: the accent is two tokens
+    stream = TextStream(tok, [tok.eos_token_id], ["STOP"], tools=False)
+    pieces = [stream.update(ids[:k]) for k in range(1, len(ids) + 1)]
+    assert [p for p in pieces if p] == ["a", "\u00e9", " ", "b", " "]
+    assert stream.finish("a\u00e9 b ") == "" and stream.finish("other") is None
+    tools = TextStream(tok, [tok.eos_token_id], [], tools=True)
+    assert [tools.update(tok(t)["input_ids"]) for t in (" x ", " x <tool", " x y<tool_call>{")] == ["x", "", " y"]
+
+
+async def test_a_stream_sends_text_as_it_is_generated(letters):
+    """Through the real ``openai`` client: the first piece arrives while the generation is still
+    going (it cannot finish until the client has read it); pieces never take back what was sent:
+    a stop string and a ``<tool_call>`` being written are held back, the call goes out parsed at
+    the end; the pieces and the rest make the answer, its log-probs come with it, and the session
+    records the call as without a stream. A refusal before any text keeps its status."""
+    _, tok, fmt = letters
+    script = "ok then <tool_call>{\"name\": \"calc\", \"arguments\": {\"x\": 1}}</tool_call>"
+    ids = tok(script, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    first_read = asyncio.Event()
+    sent_before_read: list[int] = []
+
+    async def generate(prompts, n, params, progress=None):
+        for k in range(1, len(ids) + 1):
+            progress(0, ids[:k])
+            if k == 3:  # "ok " so far: the client must have read a piece before generation goes on
+                async with asyncio.timeout(30):
+                    await first_read.wait()
+                sent_before_read.append(k)
+            await asyncio.sleep(0)
+        return 4, [[Completion(ids, [-0.25] * len(ids), script, "stop")]]
+
+    sampling = SamplingParams(max_new_tokens=128, stop_token_ids=fmt.stop_token_ids)
+    server = OpenAIServer(generate, tok, sampling, max_context=512, max_calls=1)
+    await server.start()
+    session = server.open_session()
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    try:
+        async with server.client(session.key) as client:
+            stream = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}],
+                                                          tools=tools, stream=True, logprobs=True)
+            pieces, chunks = [], []
+            async for chunk in stream:
+                chunks.append(chunk)
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(chunk.choices[0].delta.content)
+                    first_read.set()
+            with pytest.raises(openai.RateLimitError):  # its one call made: refused before any text, as a 429
+                await client.chat.completions.create(model="policy", stream=True,
+                                                     messages=[{"role": "user", "content": "go"}])
+    finally:
+        await server.close()
+    assert sent_before_read == [3] and pieces[:2] == ["o", "k"]  # a piece a token
+    assert "".join(pieces) == "ok then" and not any("<" in p for p in pieces)
+    [calls] = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert (calls[0].function.name, json.loads(calls[0].function.arguments)) == ("calc", {"x": 1})
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content] == [-0.25] * len(ids)
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    [call] = session.calls
+    assert (call.token_ids, call.version) == (ids, 4)
 
 
 async def test_turns_that_extend_each_other_are_one_sample_with_the_context_masked(endpoint):
@@ -181,7 +310,7 @@ async def test_tool_calls_round_trip_through_the_template(endpoint):
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
     # The model's side: a Hermes <tool_call> in its text comes back as OpenAI tool_calls.
     text = 'ok <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    answer = chat_answer(Completion([5] * 3, [-1.0] * 3, text, "stop"), 10, tools=True)
+    answer = chat_answer([Completion([5] * 3, [-1.0] * 3, text, "stop")], 10, tools=True)
     parsed = openai.types.chat.ChatCompletion.model_validate(answer)  # the client's own types accept it
     call = parsed.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
@@ -325,9 +454,10 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
 
 
 def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
-    """The trainer's solve rate of an agent: its episodes against an endpoint over the model's own
-    ``generate``, greedy (the same question answered twice alike), failures scoring 0."""
-    from asyncrl.rl.model.evaluation import solve_rate
+    """The trainer's evaluation of an agent: its episodes against an endpoint over the model's own
+    ``generate``, greedy (the same question answered twice alike), failures scoring 0 and counted by
+    kind, the metrics of its scores averaged over every episode (a failed one counts 0)."""
+    from asyncrl.rl.model.evaluation import evaluate
     from asyncrl.rl.tasks.base import Score
 
     async def agent(problem, client):
@@ -338,11 +468,12 @@ def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
             texts.append(answer.choices[0].message.content)
         if problem == "raise":
             raise ValueError("no")
-        return Score(1.0, correct=texts[0] == texts[1] and texts[0].isalpha())
+        return Score(1.0, correct=texts[0] == texts[1] and texts[0].isalpha(), metrics={"long": float(problem == "two")})
 
     model, tok, fmt = letters
     task = FunctionAgent.of(agent)()
-    assert solve_rate(model, tok, fmt, ["one", "two", "raise"], task=task, greedy=True, max_new_tokens=8) == 2 / 3
+    found = evaluate(model, tok, fmt, ["one", "two", "raise"], task=task, greedy=True, max_new_tokens=8)
+    assert (found.solve_rate, found.metrics, found.errors) == (2 / 3, {"long": 1 / 3}, {"raised": 1})
 
 
 async def test_the_example_agents_run_against_the_endpoint(endpoint):
@@ -391,7 +522,7 @@ async def test_a_session_answers_429_past_its_model_calls(letters):
             for _ in range(2):
                 await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=1)
-            with pytest.raises(openai.RateLimitError, match="its 2 model calls"):
+            with pytest.raises(openai.RateLimitError, match="may make 2 model calls"):
                 await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     finally:
         await e.server.close()
@@ -460,3 +591,50 @@ async def test_the_listener_takes_a_burst_of_connections_while_the_loop_is_busy(
     assert not failed and len(connected) == BURST
     async with endpoint.client() as client:  # and the endpoint serves on
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+
+
+async def test_the_warm_start_lays_out_an_agents_demonstration_as_its_episode():
+    """The embedded model for an agent (examples/agent_calculator.py): its template renders the
+    tool calls and results, and each demonstration's training row is, token for token and mask for
+    mask, the sample the endpoint assembles when the model writes the demonstrated turns: the real
+    agent and ``openai`` client, against an endpoint whose "model" replays the row's labels."""
+    from asyncrl.rl.model import warm_start
+    from asyncrl.rl.model.tokenizer import AGENT_TAGS, build_tokenizer
+    from asyncrl.rl.tasks.loading import TaskSpec, load_task
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    agent = load_task(TaskSpec(f"{examples}/agent_calculator.py:CalculatorAgent"))
+    tok = build_tokenizer(AGENT_TAGS)
+    tok.chat_template = warm_start.chat_template(agent)
+    problems = agent.problems()[:6]  # sums and differences answered directly, a product through the tool
+    rows = {p: warm_start._agent_row(tok, agent, agent.demonstration(p)) for p in problems}
+    assert {len(agent.demonstration(p)) for p in problems} == {2, 4}
+
+    async def replay(prompts, n, params, progress=None):  # each prompt's next demonstrated turn, as a backend returns it
+        out = []
+        for prompt in prompts:
+            ids, labels, _ = next(r for r in rows.values() if r[0][:len(prompt)] == prompt)
+            end = len(prompt)
+            while end < len(ids) and labels[end] != -100:
+                end += 1
+            turn = ids[len(prompt):end]
+            assert turn and turn[-1] == tok.eos_token_id
+            out.append([Completion(turn, [-0.5] * len(turn), tok.decode(turn[:-1], skip_special_tokens=True), "stop")])
+        return 0, out
+
+    server = OpenAIServer(replay, tok, SamplingParams(max_new_tokens=80, stop_token_ids=[tok.eos_token_id]),
+                          max_calls=agent.max_calls)
+    await server.start()
+    calls = UserCalls("layout", timeout_s=60.0, max_failure_rate=0.0)
+    try:
+        for problem, (ids, labels, _) in rows.items():
+            [group] = await AgentRunner(agent, server, calls).run([problem], 1)
+            [sample] = group.samples
+            assert (sample.reward, sample.metrics["calls"]) == (1.0, 1 + (len(agent.demonstration(problem)) > 2))
+            assert group.prompt_ids + sample.token_ids == ids
+            assert [0] * len(group.prompt_ids) + sample.action_mask == [int(label != -100) for label in labels]
+    finally:
+        await server.close()
+        calls.close()
+    tool_row = next(r for p, r in rows.items() if len(agent.demonstration(p)) == 4)
+    assert "<tool_response>" in tok.decode(tool_row[0]) and tok.convert_tokens_to_ids("<tool_call>") in tool_row[0]

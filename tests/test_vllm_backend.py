@@ -63,6 +63,41 @@ async def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine, policy, 
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_top_logprobs_are_the_likeliest_tokens_of_the_sampling_distribution(engine, policy, prompts):
+    """``top_logprobs`` k: per token, the k likeliest of the distribution it was drawn from (the
+    HF model's at the same temperature), likeliest first; the sampled one's own log-prob among them
+    whenever it ranks in k."""
+    model = policy[0]
+    [[c]] = await engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=6, temperature=0.7, top_logprobs=3))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0] + c.token_ids])).logits[0, len(prompts[0]) - 1:-1]
+    expected = torch.log_softmax(logits / 0.7, -1).topk(3)
+    assert len(c.top_logprobs) == len(c.token_ids)
+    for top, token, lp, ids, values in zip(c.top_logprobs, c.token_ids, c.logprobs, expected.indices.tolist(),
+                                           expected.values.tolist()):
+        assert [t for t, _ in top] == ids
+        assert [v for _, v in top] == pytest.approx(values, abs=2e-3)
+        if token in ids:
+            assert dict(top)[token] == lp
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_progress_reports_each_rows_tokens_as_the_engine_makes_them(engine, prompts):
+    """The stream's source on vLLM: each row's tokens so far, growing, as the engine outputs them
+    (more than once per row), its last report the completion's tokens; a greedy request's one
+    sample is reported for each of its n rows."""
+    for temperature in (1.0, 0.0):
+        reports: dict[int, list[list[int]]] = {}
+        groups = await engine.generate(prompts[:2], 2, SamplingParams(max_new_tokens=8, temperature=temperature, seed=1),
+                                       lambda row, ids: reports.setdefault(row, []).append(ids))
+        rows = [c.token_ids for g in groups for c in g]
+        assert sorted(reports) == [0, 1, 2, 3]
+        for row, ids in enumerate(rows):
+            assert len(reports[row]) > 1 and reports[row][-1] == ids
+            assert all(ids[:len(r)] == r and len(r) > len(p) for p, r in zip([[]] + reports[row], reports[row]))
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_stops_max_tokens_and_stop_strings(engine, prompts, policy, vllm_required):
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     [[free]] = await engine.generate(prompts[:1], 1, greedy)
@@ -100,16 +135,16 @@ async def test_seeded_calls_are_reproducible(engine, prompts):
 @pytest.mark.asyncio(loop_scope="module")
 async def test_the_openai_endpoint_records_what_the_engine_generated(engine, policy, vllm_required):
     """Agents over vLLM (docs/agents.md): two concurrent sessions through the real openai client,
-    each request handed to the engine at once (it batches them itself); what each session
-    recorded is the template's prompt and the engine's own tokens and log-probs for that seeded
-    request, and the version the generation began under."""
+    each request handed to the engine at once (it batches them itself), two choices each (``n``);
+    what each session recorded is the template's prompt and the engine's own tokens and log-probs
+    for that seeded request, a call per choice, and the version the generation began under."""
     from asyncrl.rl.agents.server import OpenAIServer
 
     _, tok, fmt = policy
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=fmt.stop_token_ids)
 
-    async def generate(prompts, n, params):
-        return 7, await engine.generate(prompts, n, params)
+    async def generate(prompts, n, params, progress=None):
+        return 7, await engine.generate(prompts, n, params, progress)
 
     server = OpenAIServer(generate, tok, sampling, max_context=512, batch=False)
     await server.start()
@@ -119,22 +154,27 @@ async def test_the_openai_endpoint_records_what_the_engine_generated(engine, pol
     async def ask(session, question):
         async with server.client(session.key) as client:
             return await client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": question}], seed=5, logprobs=True)
+                model="policy", messages=[{"role": "user", "content": question}], seed=5, logprobs=True, n=2,
+                top_logprobs=2)
 
     try:
         answers = await asyncio.gather(*(ask(s, q) for s, q in zip(sessions, questions)))
     finally:
         await server.close()
     for session, question, answer in zip(sessions, questions, answers):
-        [call] = session.calls
         text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                        add_generation_prompt=True)
-        assert call.prompt_ids == tok(text, add_special_tokens=False)["input_ids"] and call.version == 7
-        [[direct]] = await engine.generate([call.prompt_ids], 1, msgspec.structs.replace(sampling, seed=5))
-        assert call.token_ids == direct.token_ids
-        assert call.logprobs == pytest.approx(direct.logprobs, abs=repeat_abs(vllm_required))
-        assert [t.logprob for t in answer.choices[0].logprobs.content] == call.logprobs
-        assert answer.choices[0].message.content == direct.text
+        assert len(session.calls) == len(answer.choices) == 2
+        [directs] = await engine.generate([session.calls[0].prompt_ids], 2,
+                                          msgspec.structs.replace(sampling, seed=5, top_logprobs=2))
+        for call, choice, direct in zip(session.calls, answer.choices, directs):
+            assert call.prompt_ids == tok(text, add_special_tokens=False)["input_ids"] and call.version == 7
+            assert call.token_ids == direct.token_ids
+            assert call.logprobs == pytest.approx(direct.logprobs, abs=repeat_abs(vllm_required))
+            assert [t.logprob for t in choice.logprobs.content] == call.logprobs
+            assert choice.message.content == direct.text
+            assert [[t.token for t in e.top_logprobs] for e in choice.logprobs.content] == \
+                [[tok.decode([i]) for i, _ in top] for top in direct.top_logprobs]
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -10,6 +10,10 @@ import math
 import msgspec
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per token `SamplingParams.top_logprobs` may ask (OpenAI's limit too)."""
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     """How to sample. ``temperature == 0`` is greedy; ``seed`` makes a call reproducible (each
     completion gets its own generator seeded from ``(seed, prompt index, sample index)``)."""
@@ -24,6 +28,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     is, special tokens skipped) completes one; ``token_ids`` keep every token, the completing one
     included, ``finish_reason`` is "stop", and ``text`` ends before the string (vLLM's
     ``include_stop_str_in_output=False``). Of several, the one completed first wins."""
+    top_logprobs: int = 0
+    """Also return, for each generated token, the ``top_logprobs`` most likely tokens of the
+    distribution it was drawn from (`Completion.top_logprobs`); 0: none. At most `MAX_TOP_LOGPROBS`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -38,6 +45,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(f"seed must be >= 0 or None, not {self.seed!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if isinstance(self.top_logprobs, bool) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.top_logprobs!r}")
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -58,6 +67,10 @@ class Completion(msgspec.Struct, frozen=True):
     logprobs: list[float]
     text: str
     finish_reason: str
+    top_logprobs: list[list[tuple[int, float]]] = []
+    """With `SamplingParams.top_logprobs` k > 0: per generated token, the k most likely tokens of
+    the distribution it was drawn from (the one ``logprobs`` are of) as ``(token id, log-prob)``,
+    most likely first; tokens outside the top-p nucleus have -inf. Empty otherwise."""
 
 
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd constants: distinct (seed, prompt, sample) -> distinct streams

@@ -26,10 +26,12 @@ class ChatRequestError(AsyncrlError, ValueError):
     """A request's messages or tools cannot be rendered; the message says which and why (HTTP 400)."""
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
+                generation_prompt: bool = True) -> list[int]:
     """The prompt token ids of a chat request: the template's rendering of ``messages`` (OpenAI
-    form) and ``tools`` with the generation prompt, tokenised without added specials (the
-    template writes its own)."""
+    form) and ``tools`` with the generation prompt (unless ``generation_prompt`` is False: a whole
+    conversation, as the warm start renders a demonstration), tokenised without added specials
+    (the template writes its own)."""
     converted = [_template_message(i, m) for i, m in enumerate(messages)]
     if not converted:
         raise ChatRequestError("messages is empty")
@@ -37,7 +39,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
         raise ChatRequestError("this model has no chat template: use /v1/completions with a prompt")
     try:
         text = tokenizer.apply_chat_template(converted, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=generation_prompt)
     except Exception as exc:  # the template's raise_exception, or a message it cannot take
         raise ChatRequestError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -3,8 +3,9 @@
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, at the root
 and under a session's path ``/s/<key>/v1/...`` (the ``base_url`` an episode's agent is given).
 A request under a session path is recorded in that `Session` (``session.py``); one at the root is
-served and recorded nowhere. ``stream: true`` is answered as server-sent events carrying the
-whole answer in one chunk (the backends return completions whole), then ``[DONE]``.
+served and recorded nowhere. ``stream: true`` is answered as server-sent events: the text as the
+backend generates it (after each decoding step on HF, with each engine output on vLLM), in pieces
+no later token can change (``stream.py``), then the rest of the answer, ``[DONE]``.
 
 Safety: it binds 127.0.0.1 unless told otherwise; every request must carry ``Authorization:
 Bearer <token>``, the token the server was made with (401 otherwise); bodies are JSON decoded
@@ -15,7 +16,8 @@ gets the policy), and ``/v1/models`` lists it as `MODEL_NAME`.
 Sampling in a session is the run's: ``temperature`` and ``top_p`` are the sampler's whatever the
 request says, since the trainer scores the tokens at the run's temperature and its importance
 ratio needs their log-probs under that very distribution; ``max_tokens`` (capped by the run's
-``max_new_tokens`` and the model's context), ``stop``, ``seed`` and ``n`` = 1 are the request's.
+``max_new_tokens`` and the model's context), ``stop``, ``seed``, ``n`` (each completion a call of the
+session, recorded as a sample of its own) and ``top_logprobs`` are the request's.
 At the root the request's temperature and top_p are used.
 
 Why aiohttp: one maintained package that serves HTTP on the actor's own event loop (no second
@@ -29,18 +31,21 @@ bodies and the answer are ``wire.py``'s.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from asyncrl.errors import AsyncrlError
-from asyncrl.rl.agents.batcher import EndpointClosedError, Generate, RequestBatcher
+from asyncrl.rl.agents.batcher import EndpointClosedError, Generate, Progress, RequestBatcher
 from asyncrl.rl.agents.chat import ChatRequestError, render_chat
 from asyncrl.rl.agents.session import Session, SessionCall
-from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, chat_answer, usage
+from asyncrl.rl.agents.stream import TextStream
+from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, chat_answer, text_answer
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.runtime.timeouts import timeout
 
@@ -50,6 +55,8 @@ BACKLOG = 4096
 """Connections the kernel queues before the loop accepts them: every episode of a round connects
 at once, and the loop may be busy meanwhile (aiohttp's 128 left 43 of 800 evaluation episodes
 with a connection error). Linux caps it at ``net.core.somaxconn`` (4096 since 5.4)."""
+MAX_CHOICES = 16
+"""The most completions (``n``) one request may ask; in a session each counts as a model call."""
 SHUTDOWN_S = 5.0
 """How long `OpenAIServer.close` lets requests still being answered finish (aiohttp's default: 60 s)."""
 
@@ -178,12 +185,18 @@ class OpenAIServer:
             prompt = render_chat(self.tokenizer, body.messages, body.tools)
         except ChatRequestError as exc:
             raise _Refused(400, str(exc)) from None
-        completion = await self._generate(session, prompt, body, body.max_completion_tokens or body.max_tokens)
-        pieces = self._pieces(completion.token_ids) if body.logprobs else None
-        answer = chat_answer(completion, len(prompt), tools=bool(body.tools), model=body.model, pieces=pieces)
+        if body.top_logprobs and not body.logprobs:
+            raise _Refused(400, "top_logprobs needs logprobs: true")
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        max_tokens = body.max_completion_tokens or body.max_tokens
+
+        def answer(completions: list[Completion]) -> dict:
+            return chat_answer(completions, len(prompt), tools=bool(body.tools), model=body.model,
+                               piece=self._piece if body.logprobs else None)
+
         if body.stream:
-            return await self._stream_chat(request, answer)
-        return _json(answer)
+            return await self._stream(request, session, prompt, body, max_tokens, top, answer, chat=True)
+        return _json(answer(await self._generate(session, prompt, body, max_tokens, top)))
 
     async def _completions(self, request):
         session = self._session(request)
@@ -192,45 +205,97 @@ class OpenAIServer:
             prompt = list(self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
         else:
             prompt = list(body.prompt)
-        completion = await self._generate(session, prompt, body, body.max_tokens)
-        choice: dict[str, Any] = {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
-                                  "logprobs": None}
-        if body.logprobs is not None:
-            pieces = self._pieces(completion.token_ids)
-            offsets, at = [], 0
-            for piece in pieces:
-                offsets.append(at)
-                at += len(piece)
-            choice["logprobs"] = {"tokens": pieces, "token_logprobs": list(completion.logprobs),
-                                  "top_logprobs": None, "text_offset": offsets}
-        answer = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                  "model": body.model or MODEL_NAME, "choices": [choice], "usage": usage(len(prompt), completion)}
+
+        def answer(completions: list[Completion]) -> dict:
+            return text_answer(completions, len(prompt), model=body.model,
+                               piece=self._piece if body.logprobs is not None else None)
+
         if body.stream:
-            from aiohttp import web
+            return await self._stream(request, session, prompt, body, body.max_tokens, body.logprobs or 0, answer,
+                                      chat=False)
+        return _json(answer(await self._generate(session, prompt, body, body.max_tokens, body.logprobs or 0)))
 
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            await response.write(b"data: " + msgspec.json.encode(answer) + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        return _json(answer)
-
-    async def _stream_chat(self, request, answer: dict):
+    async def _stream(self, request, session: Session | None, prompt: list[int], body: Any, max_tokens: int | None,
+                      top: int, answer: Callable[[list[Completion]], dict], *, chat: bool):
+        """Server-sent events: each choice's text as the backend generates it (`TextStream`: only
+        what no later token can change), then per choice the rest of its answer (with tool calls,
+        log-probs) and its finish reason, the usage, ``[DONE]``. The response starts with the first
+        piece of text, so a request refused before any (429, 504, a closed sampler) is answered
+        with its status as without ``stream``; a failure after it is an ``error`` event."""
         from aiohttp import web
 
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        choice = answer["choices"][0]
-        delta = dict(choice["message"])
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(delta["tool_calls"])]
-        head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-        chunks = [head | {"choices": [{"index": 0, "delta": delta, "logprobs": choice.get("logprobs"),
-                                       "finish_reason": None}]},
-                  head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
-                          "usage": answer["usage"]}]
-        for chunk in chunks:
-            await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+        updates: asyncio.Queue = asyncio.Queue()
+        stop = [body.stop] if isinstance(body.stop, str) else [s for s in body.stop or [] if s]
+        texts = [TextStream(self.tokenizer, self.sampling.stop_token_ids, stop, chat and bool(body.tools))
+                 for _ in range(body.n)]
+        started = [False] * body.n  # a chat choice's first delta names the role
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+                "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+                "model": body.model or MODEL_NAME}
+        response: web.StreamResponse | None = None
+
+        async def send(event: dict) -> None:
+            nonlocal response
+            if response is None:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await response.prepare(request)
+            await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+
+        def choice(index: int, text: str, extra: dict | None = None, finish: str | None = None) -> dict:
+            if not chat:
+                return head | {"choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+                                           | (extra or {})]}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if not started[index]:
+                delta, started[index] = {"role": "assistant"} | delta, True
+            return head | {"choices": [{"index": index, "delta": delta | (extra or {}), "logprobs": None,
+                                        "finish_reason": finish}]}
+
+        generating = asyncio.ensure_future(self._generate(session, prompt, body, max_tokens, top,
+                                                          lambda c, ids: updates.put_nowait((c, ids))))
+        waiting: asyncio.Future | None = None
+        try:
+            while not generating.done() or not updates.empty():
+                if updates.empty():
+                    waiting = asyncio.ensure_future(updates.get())
+                    await asyncio.wait({waiting, generating}, return_when=asyncio.FIRST_COMPLETED)
+                    if not waiting.done():
+                        continue
+                    index, ids = waiting.result()
+                else:
+                    index, ids = updates.get_nowait()
+                piece = texts[index].update(ids)
+                if piece:
+                    await send(choice(index, piece))
+            try:
+                whole = answer(generating.result())
+            except _Refused as exc:
+                if response is None:
+                    raise
+                await send({"error": {"message": str(exc), "type": exc.kind, "param": None, "code": exc.status}})
+                return response
+        finally:  # done, or the client went away: its generation is not wanted any more
+            generating.cancel()
+            if waiting is not None:
+                waiting.cancel()
+        for index, final in enumerate(whole["choices"]):
+            if chat:
+                message = final["message"]
+                rest = texts[index].finish(message["content"] or "")
+                extra: dict[str, Any] = {}
+                if message.get("tool_calls"):
+                    extra["tool_calls"] = [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]
+            else:
+                rest, extra = texts[index].finish(final["text"]), {}
+            if rest is None:  # cannot happen unless a backend decodes a prefix unlike the whole
+                await send({"error": {"message": "the streamed text does not begin the answer's",
+                                      "type": "server_error", "param": None, "code": 500}})
+                return response
+            event = choice(index, rest, extra)
+            event["choices"][0]["logprobs"] = final.get("logprobs")
+            await send(event)
+            await send(choice(index, "", finish=final["finish_reason"]))
+        await send(head | {"choices": [], "usage": whole["usage"]})
         await response.write(b"data: [DONE]\n\n")
         return response
 
@@ -245,9 +310,10 @@ class OpenAIServer:
             raise _Refused(404, "no such session, or its episode has ended", "not_found_error")
         return session
 
-    def _params(self, session: Session | None, body: Any, max_tokens: int | None, prompt_len: int) -> SamplingParams:
-        if body.n != 1:
-            raise _Refused(400, f"n must be 1 here, not {body.n}: make one request per completion")
+    def _params(self, session: Session | None, body: Any, max_tokens: int | None, prompt_len: int,
+                top_logprobs: int) -> SamplingParams:
+        if not 1 <= body.n <= MAX_CHOICES:
+            raise _Refused(400, f"n must be in [1, {MAX_CHOICES}], not {body.n}")
         room = self.sampling.max_new_tokens
         if max_tokens is not None:
             if max_tokens < 1:
@@ -265,25 +331,30 @@ class OpenAIServer:
             top_p = body.top_p if body.top_p is not None else top_p
         try:
             return msgspec.structs.replace(self.sampling, max_new_tokens=room, temperature=temperature, top_p=top_p,
-                                           stop=[s for s in stop if s], seed=body.seed)
+                                           stop=[s for s in stop if s], seed=body.seed, top_logprobs=top_logprobs)
         except ValueError as exc:
             raise _Refused(400, str(exc)) from None
 
-    async def _generate(self, session: Session | None, prompt: list[int], body: Any,
-                        max_tokens: int | None) -> Completion:
+    async def _generate(self, session: Session | None, prompt: list[int], body: Any, max_tokens: int | None,
+                        top_logprobs: int = 0, progress: Progress | None = None) -> list[Completion]:
+        """``body.n`` completions of ``prompt``, each recorded in ``session`` as a call of its own
+        (so each is a sample of its own: none extends another); ``progress(choice, ids)`` is told
+        their tokens as they come."""
         if not prompt:
             raise _Refused(400, "the prompt is empty")
         vocab = len(self.tokenizer)
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise _Refused(400, f"prompt token ids must be in [0, {vocab})")
-        params = self._params(session, body, max_tokens, len(prompt))
+        params = self._params(session, body, max_tokens, len(prompt), top_logprobs)
+        n = body.n
         if session is not None:
-            if len(session.calls) + session.in_flight >= session.max_calls:
-                raise _Refused(429, f"this session has made its {session.max_calls} model calls", "rate_limit_error")
-            session.in_flight += 1
+            if len(session.calls) + session.in_flight + n > session.max_calls:
+                raise _Refused(429, f"this session may make {session.max_calls} model calls (n counts each), and "
+                                    f"{len(session.calls) + session.in_flight} are made or under way", "rate_limit_error")
+            session.in_flight += n
         try:
             async with timeout(self.request_timeout_s):
-                version, completion = await self._batcher.submit(prompt, params)
+                version, completions = await self._batcher.submit(prompt, params, n, progress)
         except TimeoutError:
             raise _Refused(504, f"the sampler generated nothing for this request within {self.request_timeout_s:g} s",
                            "timeout") from None
@@ -293,14 +364,15 @@ class OpenAIServer:
             raise _Refused(503, f"the sampler cannot generate now: {type(exc).__name__}: {exc}", "server_error") from None
         finally:
             if session is not None:
-                session.in_flight -= 1
+                session.in_flight -= n
         if session is not None:
-            session.record(SessionCall(prompt, list(completion.token_ids), list(completion.logprobs), version,
-                                       completion.finish_reason))
-        return completion
+            for completion in completions:
+                session.record(SessionCall(prompt, list(completion.token_ids), list(completion.logprobs), version,
+                                           completion.finish_reason))
+        return completions
 
-    def _pieces(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 async def _decode(request, kind: type) -> Any:

@@ -76,9 +76,9 @@ def evaluate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, ta
         calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0, workers=max(16, len(problems) * n))
     generate = hf_generate(model, tokenizer, fmt, batch_size, stop)
     try:
-        if isinstance(task, Agent):  # its metrics are not gathered here yet: the solve rate alone
-            return Evaluation(asyncio.run(_agent_solve_rate(task, list(problems), n, params, generate, tokenizer,
-                                                            calls, max_context)), {}, {})
+        if isinstance(task, Agent):
+            return asyncio.run(_agent_evaluation(task, list(problems), n, params, generate, tokenizer, calls,
+                                                 max_context))
         runner = EpisodeRunner(task, fmt, calls, max_context=max_context)
         groups = asyncio.run(runner.run(list(problems), n, params, generate))
     finally:
@@ -101,16 +101,18 @@ def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], **k
     return evaluate(model, tokenizer, fmt, problems, **kwargs).solve_rate
 
 
-async def _agent_solve_rate(task: Agent, problems: list, n: int, params: SamplingParams, generate, tokenizer,
-                            calls, max_context: int) -> float:
+async def _agent_evaluation(task: Agent, problems: list, n: int, params: SamplingParams, generate, tokenizer,
+                            calls, max_context: int) -> Evaluation:
     """An agent's episodes against an endpoint of their own over ``generate`` (sampling ``params``,
-    so greedy where asked), as the samplers run them; the share scored correct."""
+    so greedy where asked), as the samplers run them: the share scored correct, the means of the
+    metrics of their `Score`s (a failed episode counts 0) and the failures by kind."""
     from asyncrl.rl.agents.runner import AgentRunner
     from asyncrl.rl.agents.server import OpenAIServer
 
-    async def versioned(prompts, k, p):
+    async def versioned(prompts, k, p, progress=None):
         # model.generate blocks: on a thread of its own (one at a time: the endpoint gathers
-        # requests into one call), so the loop keeps accepting and answering the agents.
+        # requests into one call), so the loop keeps accepting and answering the agents. It
+        # reports no tokens as they come: a stream gets each answer whole at its end.
         return 0, await asyncio.to_thread(lambda: asyncio.run(generate(prompts, k, p)))
 
     server = OpenAIServer(versioned, tokenizer, params, max_context=max_context, max_calls=task.max_calls)
@@ -119,7 +121,16 @@ async def _agent_solve_rate(task: Agent, problems: list, n: int, params: Samplin
         episodes = await AgentRunner(task, server, calls).episodes(problems, n)
     finally:
         await server.close()
-    return sum(not o.error and bool(o.value.correct) for _, o in episodes) / (len(problems) * n)
+    sums: dict[str, float] = {}
+    errors: dict[str, int] = {}
+    for _, outcome in episodes:
+        if outcome.error:
+            errors[outcome.error] = errors.get(outcome.error, 0) + 1
+            continue
+        for key, value in outcome.value.metrics.items():
+            sums[key] = sums.get(key, 0.0) + value
+    return Evaluation(sum(not o.error and bool(o.value.correct) for _, o in episodes) / len(episodes),
+                      {k: v / len(episodes) for k, v in sorted(sums.items())}, errors)
 
 
 def hf_generate(model, tokenizer, fmt: PromptFormat, batch_size: int, stop: threading.Event | None = None):

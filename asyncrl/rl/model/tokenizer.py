@@ -49,6 +49,36 @@ def compact_chat_template(stops: Sequence[str] = ()) -> str:
             "{%- endfor -%}")
 
 
+AGENT_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+"""Whole tokens of a model warm-started for an agent: the tool-call markers (Hermes / Qwen's, the
+ones the endpoint reads tool calls by) and the tool-result ones around them, which at one token a
+character would take 54 of every tool turn's tokens."""
+
+
+def agent_chat_template() -> str:
+    """The chat template of a model warm-started for an agent (`Agent` task): OpenAI messages in the
+    compact style, every ``system``, ``developer`` and ``user`` content verbatim; an assistant
+    message's content then each of its tool calls as ``<tool_call>{"name": N, "arguments": A}
+    </tool_call>`` (JSON as ``tojson`` writes it, the form the warm start's demonstrations teach)
+    and eos; a ``tool`` message's content inside ``<tool_response>...</tool_response>``. The
+    generation prompt adds nothing, and ``tools`` are not written: the model knows its tools from
+    its demonstrations only (a model that reads tool descriptions takes ``--model_path``)."""
+    return ("{%- for message in messages -%}"
+            "{%- if message['role'] == 'assistant' -%}"
+            "{{- message['content'] -}}"
+            "{%- for call in message.get('tool_calls') or [] -%}"
+            "{{- '<tool_call>' + ({'name': call['function']['name'], "
+            "'arguments': call['function']['arguments']} | tojson) + '</tool_call>' -}}"
+            "{%- endfor -%}"
+            "{{- eos_token -}}"
+            "{%- elif message['role'] == 'tool' -%}"
+            "{{- '<tool_response>' + message['content'] + '</tool_response>' -}}"
+            "{%- else -%}"
+            "{{- message['content'] -}}"
+            "{%- endif -%}"
+            "{%- endfor -%}")
+
+
 # Qwen2's pre-tokenizer split; with no merges every byte is a token whatever the split, but keeping
 # Qwen2's exact pipeline means transformers' Qwen2Tokenizer, which AutoTokenizer rebuilds from
 # vocab + merges for any model_type "qwen2" checkpoint, is the very same tokenizer.
@@ -65,12 +95,12 @@ def _byte_symbols() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def build_tokenizer():
+def build_tokenizer(tags: Sequence[str] = ()):
     """A byte-level tokenizer without merges, so one token per byte (per character, for ASCII):
     Qwen2's tokenizer pipeline with a 256-symbol vocabulary, plus the chat specials, the answer
-    tags and a chat template that renders the compact prompt the model is trained on. Every
-    string round-trips; saves and loads like any HF tokenizer, and loads back identically through
-    ``AutoTokenizer``."""
+    tags (and ``tags``, whole tokens after them) and a chat template that renders the compact
+    prompt the model is trained on. Every string round-trips; saves and loads like any HF
+    tokenizer, and loads back identically through ``AutoTokenizer``."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,6 +113,6 @@ def build_tokenizer():
     core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=PAD,
                                   additional_special_tokens=[IM_START], clean_up_tokenization_spaces=False)
-    tok.add_tokens(_TAGS)
+    tok.add_tokens([*_TAGS, *tags])
     tok.chat_template = _CHAT_TEMPLATE
     return tok

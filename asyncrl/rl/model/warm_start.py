@@ -41,7 +41,8 @@ from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
 from asyncrl.rl.model.reserve import fitted_warm_start
-from asyncrl.rl.model.tokenizer import TOKENIZER_SPEC, build_tokenizer, compact_chat_template
+from asyncrl.rl.model.tokenizer import AGENT_TAGS, TOKENIZER_SPEC, agent_chat_template, build_tokenizer, compact_chat_template
+from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Environment, Task, TaskError, as_prompt
 from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.runtime.files import write_atomic
@@ -53,7 +54,7 @@ _TRAIN_THREADS = 1
 # Bump when the tokenizer, data or training code changes what a cached checkpoint would contain.
 # (A bump changes every key, Countdown's included: its cached default model would be rebuilt.)
 _FORMAT_VERSION = 1
-_KEY_FIELDS = ("version", "model", "warm", "tokenizer", "chat_template", "turn_end")
+_KEY_FIELDS = ("version", "model", "warm", "tokenizer", "chat_template", "turn_end", "tags")
 """The cache key's own fields; a task's fingerprint may not use these names."""
 
 # --- the cached default ---------------------------------------------------------------------------
@@ -109,6 +110,8 @@ def chat_template(task: Task) -> str:
     that renders the task's prompt and turns as they were trained (`compact_chat_template`)."""
     if _is_countdown(task):
         return TOKENIZER_SPEC["chat_template"]
+    if isinstance(task, Agent):
+        return agent_chat_template()
     return compact_chat_template(list(task.stop) if isinstance(task, Environment) else [])
 
 
@@ -119,6 +122,8 @@ def _task_format(task: Task) -> dict[str, Any]:
     its rows and template) is unchanged."""
     if _is_countdown(task):
         return {}
+    if isinstance(task, Agent):
+        return {"chat_template": chat_template(task), "tags": AGENT_TAGS}
     return {"chat_template": chat_template(task), "turn_end": "eos unless on a stop string"}
 
 
@@ -218,7 +223,7 @@ def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> 
 def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, threads: int | None,
            log: Callable[[str], object], stop: threading.Event | None = None,
            calls: tuple[float, float] = (10.0, 0.2)) -> None:
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(AGENT_TAGS if isinstance(task, Agent) else ())
     tokenizer.chat_template = chat_template(task)
     check_stop(stop)
     train, heldout = task.splits(warm.data_seed, warm.n_examples, warm.heldout_reserve)
@@ -333,6 +338,11 @@ def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: thread
         demonstration = task.demonstration(problem)
         if demonstration is None:
             continue
+        if isinstance(task, Agent):
+            ids, labels, turn = _agent_row(tokenizer, task, demonstration)
+            rows.append((ids, labels))
+            longest_turn = max(longest_turn, turn)
+            continue
         ids = tokenizer(_compact_prompt(task, fmt, problem), add_special_tokens=False)["input_ids"]
         labels = [-100] * len(ids)
         for j, text in enumerate(_turns(task, demonstration)):
@@ -365,6 +375,41 @@ def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: thread
         labels[i, :len(row_labels)] = torch.tensor(row_labels)
         lengths[i] = len(row_ids)
     return ids, labels, lengths, longest_turn
+
+
+def _agent_row(tokenizer, task: Agent, conversation: Any) -> tuple[list[int], list[int], int]:
+    """The ids and labels of an agent's demonstration (OpenAI messages, the model's turns as
+    ``assistant`` ones), laid out as the endpoint lays out its episodes: before each assistant
+    message, the prompt the endpoint would render for the conversation so far (context, no labels);
+    the message's own tokens, rendered after it through the same template, as labels. A
+    conversation whose next prompt does not extend the tokens before it would be separate
+    samples in an episode: a `TaskError`, since its turns would not teach what they show."""
+    from asyncrl.rl.agents.chat import ChatRequestError, render_chat
+
+    name = task.task_name()
+    if (not isinstance(conversation, list) or not conversation
+            or not all(isinstance(m, dict) for m in conversation)
+            or not any(m.get("role") == "assistant" for m in conversation)):
+        raise TaskError(f"agent {name}: demonstration() must return a list of OpenAI messages with at least one "
+                        f"assistant message (the model's turns), not {conversation!r:.120}")
+    ids: list[int] = []
+    labels: list[int] = []
+    longest = 0
+    try:
+        for k, message in enumerate(conversation):
+            if message.get("role") != "assistant":
+                continue
+            prompt = render_chat(tokenizer, conversation[:k], None)
+            whole = render_chat(tokenizer, conversation[:k + 1], None, generation_prompt=False)
+            if prompt[:len(ids)] != ids or whole[:len(prompt)] != prompt:
+                raise TaskError(f"agent {name}: the chat template does not render its demonstration {conversation!r:.120} "
+                                f"as one growing conversation (message {k} changes what comes before it)")
+            labels += [-100] * (len(prompt) - len(ids)) + whole[len(prompt):]
+            longest = max(longest, len(whole) - len(prompt))
+            ids = whole
+    except ChatRequestError as exc:
+        raise TaskError(f"agent {name}: its demonstration cannot be rendered: {exc}") from None
+    return ids, labels, longest
 
 
 def _compact_prompt(task: Task, fmt: PromptFormat, problem: Any) -> str:

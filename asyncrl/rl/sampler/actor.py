@@ -38,7 +38,8 @@ from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerSyncStats, SamplerTimeoutError, SamplingParams
+from asyncrl.rl.sampler.backend import (Completion, Progress, SamplerError, SamplerSyncStats, SamplerTimeoutError,
+                                        SamplingParams)
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
 from asyncrl.rl.tasks.agent import Agent
@@ -323,8 +324,8 @@ class SamplerActor(SyncMember):
 
     async def _endpoint(self) -> OpenAIServer:
         if self.endpoint is None:
-            async def generate(prompts: list[list[int]], n: int, params: SamplingParams):
-                version, groups, _ = await self._generate(prompts, n, params)
+            async def generate(prompts: list[list[int]], n: int, params: SamplingParams, progress=None):
+                version, groups, _ = await self._generate(prompts, n, params, progress)
                 return version, groups
 
             # vLLM batches concurrent requests itself; the HF backend runs one batch at a time.
@@ -364,8 +365,8 @@ class SamplerActor(SyncMember):
             action_mask=[s.action_mask or [1] * len(s.token_ids) for s in samples] if masked else [],
             correct=[s.correct for s in samples], metrics=metrics)
 
-    async def _generate(self, prompts: list[list[int]], n: int,
-                        params: SamplingParams) -> tuple[int, list[list[Completion]], float]:
+    async def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                        progress: Progress | None = None) -> tuple[int, list[list[Completion]], float]:
         """Generate for ``prompts`` and return the weight version it began under (the oldest of
         its tokens). The version is read right before calling the backend, with no ``await`` in
         between: a `receive_weights` that begins later either waits for this batch (the backend
@@ -378,7 +379,7 @@ class SamplerActor(SyncMember):
             start = time.perf_counter()
             self._generating += 1
             try:
-                groups = await self.backend.generate(prompts, n, params)
+                groups = await self.backend.generate(prompts, n, params, progress)
             finally:
                 self._generating -= 1
             seconds = time.perf_counter() - start

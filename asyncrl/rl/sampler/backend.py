@@ -118,8 +118,10 @@ class SamplerBackend(abc.ABC):
     """The backend's kind as `choose_backend` names it (``"hf"``, ``"vllm"``)."""
 
     @abc.abstractmethod
-    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
-        """``n`` completions for each prompt, in prompt order. While paused, waits for `resume`."""
+    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                       progress: Progress | None = None) -> list[list[Completion]]:
+        """``n`` completions for each prompt, in prompt order. While paused, waits for `resume`.
+        ``progress``: told each row's tokens as they are generated (the OpenAI endpoint's streams)."""
 
     @abc.abstractmethod
     def weight_sink(self, member: SyncMember) -> WeightSink:
@@ -143,6 +145,11 @@ class SamplerBackend(abc.ABC):
         """The RNG of unseeded requests, saved in checkpoints; None where the engine keeps its own."""
         return None
 
+
+Progress = Callable[[int, list[int]], None]
+"""``progress(row, token_ids)``: the tokens row ``row`` (sample j of prompt i is row ``i * n + j``)
+has generated so far, called on the caller's event loop as they come (after each decoding step on
+HF; with each engine output on vLLM) until the row ends; the call's result stays what counts."""
 
 Work = asyncio.Future | concurrent.futures.Future
 """What `PausableBackend._submit` returns: a task or future on the loop, or a worker thread's future."""
@@ -168,7 +175,8 @@ class PausableBackend(SamplerBackend):
         self._resumed: asyncio.Event | None = None  # made on first use, on the actor's loop
         self._idle: asyncio.Event | None = None
 
-    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                       progress: Progress | None = None) -> list[list[Completion]]:
         self._check(prompts, n, params)
         self._events()
         if self._closed:
@@ -178,7 +186,7 @@ class PausableBackend(SamplerBackend):
         self._inflight += 1
         self._idle.clear()
         try:
-            work = self._submit(prompts, n, params)
+            work = self._submit(prompts, n, params, progress)
         except BaseException:
             self._finished()
             raise
@@ -196,7 +204,7 @@ class PausableBackend(SamplerBackend):
         check_request(prompts, n, self.vocab_size)
 
     @abc.abstractmethod
-    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Work:
+    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None) -> Work:
         """Start generating (no ``await``: the call is counted in flight already) and return the
         work: a future done when it has ended, with the completions as its result. Cancelling it
         (a caller that went away) stops what can be stopped; its end is still awaited for the count."""

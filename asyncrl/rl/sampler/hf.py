@@ -30,6 +30,7 @@ import torch
 from asyncrl.rl.sampler.backend import (
     Completion,
     PausableBackend,
+    Progress,
     SamplerClosedError,
     SamplerTimeoutError,
     SamplingParams,
@@ -101,11 +102,20 @@ class HFBackend(PausableBackend):
         if params.stop and self.tokenizer is None:
             raise ValueError("HFBackend without a tokenizer cannot match stop strings (SamplingParams.stop)")
 
-    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> concurrent.futures.Future:
+    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                progress: Progress | None = None) -> concurrent.futures.Future:
         """The batch on the worker thread. Its future, not our await, ends the count in flight: a
-        cancelled caller drops a batch not started yet, but one running goes on to its end."""
+        cancelled caller drops a batch not started yet, but one running goes on to its end.
+        ``progress`` is called back on this loop after each decoding step."""
+        report = None
+        if progress is not None:
+            loop = asyncio.get_running_loop()
+
+            def report(row: int, ids: list[int]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
+                    loop.call_soon_threadsafe(progress, row, ids)
         try:
-            return self._pool.submit(self._generate_blocking, prompts, n, params)
+            return self._pool.submit(self._generate_blocking, prompts, n, params, report)
         except RuntimeError as exc:  # the pool was shut down by close()
             raise SamplerClosedError("HFBackend is closed") from exc
 
@@ -181,7 +191,8 @@ class HFBackend(PausableBackend):
 
     # --- the blocking part (worker thread) ------------------------------------------------------
 
-    def _generate_blocking(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+    def _generate_blocking(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                           report: Progress | None = None) -> list[list[Completion]]:
         start = time.perf_counter()
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: row i*n + j is sample j of prompt i
         generators = None
@@ -189,17 +200,19 @@ class HFBackend(PausableBackend):
             generators = [torch.Generator(self.device).manual_seed(row_seed(params.seed, i, j))
                           for i in range(len(prompts)) for j in range(n)]
         strings = StopStrings(self.tokenizer, params.stop, len(rows)) if params.stop else None
-        tokens, logprobs, stops_at = self._decode(rows, params, generators, strings)
-        completions = self._completions(tokens, logprobs, stops_at, params, strings)
+        tokens, logprobs, stops_at, top = self._decode(rows, params, generators, strings, report)
+        completions = self._completions(tokens, logprobs, stops_at, params, strings, top)
         self.tokens_generated += sum(len(c.token_ids) for c in completions)
         self.generate_s += time.perf_counter() - start
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
     def _decode(self, rows: list[list[int]], params: SamplingParams, generators: list[torch.Generator] | None,
-                strings: StopStrings | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token ids and log-probs ``[B, T]`` and, per row, the step of its first stop token or
-        of the token that completed a stop string (``T`` if none). Rows that stopped keep
+                strings: StopStrings | None,
+                report: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        """Token ids and log-probs ``[B, T]``, per row the step of its first stop token or of the
+        token that completed a stop string (``T`` if none), and with ``params.top_logprobs`` k the
+        k most likely tokens and their log-probs ``[B, T, k]`` (else None). Rows that stopped keep
         decoding (their tokens are cut off later) until every row stopped: a row's result never
         depends on the others."""
         ids, mask = (t.to(self.device) for t in pad_left(rows, self.pad_token_id))
@@ -208,7 +221,8 @@ class HFBackend(PausableBackend):
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         never = params.max_new_tokens
         stops_at = torch.full((len(rows),), never, dtype=torch.long, device=self.device)
-        tokens, logprobs = [], []
+        tokens, logprobs, top_ids, top_lps = [], [], [], []
+        so_far: list[list[int]] = [[] for _ in rows]  # for report: each open row's tokens
         out = token = None
         for step in range(params.max_new_tokens):
             with self._decoding_step():
@@ -220,7 +234,10 @@ class HFBackend(PausableBackend):
                     out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
                                      past_key_values=out.past_key_values, use_cache=True)
                     next_position = next_position + 1
-                token, logprob = self._choose(out.logits[:, -1, :], params, generators)
+                token, logprob, top = self._choose(out.logits[:, -1, :], params, generators)
+                if top is not None:
+                    top_lps.append(top.values)
+                    top_ids.append(top.indices)
                 hit = torch.isin(token, stop_ids) & (stops_at == never)
                 stops_at = torch.where(hit, step, stops_at)
                 # bool() waits for the device: this step's kernels are done before the gate opens
@@ -232,13 +249,20 @@ class HFBackend(PausableBackend):
                 all_stopped = bool((stops_at < never).all())
             tokens.append(token)
             logprobs.append(logprob)
+            if report is not None:
+                for row, (t, stop) in enumerate(zip(token.tolist(), stops_at.tolist())):
+                    if stop >= step:  # open until this step: its token is its own
+                        so_far[row].append(t)
+                        report(row, list(so_far[row]))
             if all_stopped:
                 break
-        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), stops_at.cpu()
+        top = (torch.stack(top_ids, 1).cpu(), torch.stack(top_lps, 1).cpu()) if top_ids else None
+        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), stops_at.cpu(), top
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams,
-                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         logp = sampling_logprobs(logits, params.temperature, params.top_p)
+        top = logp.topk(params.top_logprobs, dim=-1) if params.top_logprobs else None
         if params.temperature == 0:
             token = logp.argmax(dim=-1)
         elif generators is None:
@@ -246,10 +270,10 @@ class HFBackend(PausableBackend):
         else:  # one draw per row from its own stream: reproducible whatever else is in the batch
             probs = logp.exp()
             token = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
-        return token, logp.gather(1, token[:, None]).squeeze(1)
+        return token, logp.gather(1, token[:, None]).squeeze(1), top
 
     def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor, stops_at: torch.Tensor,
-                     params: SamplingParams, strings: StopStrings | None) -> list[Completion]:
+                     params: SamplingParams, strings: StopStrings | None, top: tuple | None = None) -> list[Completion]:
         ids_rows, lp_rows, reasons, by_string = [], [], [], []
         for i, (row, lps, stop) in enumerate(zip(tokens.tolist(), logprobs.tolist(), stops_at.tolist())):
             end = stop + 1 if stop < params.max_new_tokens else len(row)  # the stop token is kept, with its log-prob
@@ -262,7 +286,12 @@ class HFBackend(PausableBackend):
         texts = self._decode_text([ids[:-1] if r == "stop" and not s else ids
                                    for ids, r, s in zip(ids_rows, reasons, by_string)])
         texts = [text_before_stop(t, params.stop) if s else t for t, s in zip(texts, by_string)]
-        return [Completion(ids, lps, text, reason) for ids, lps, text, reason in zip(ids_rows, lp_rows, texts, reasons)]
+        tops: list[list] = [[] for _ in ids_rows]
+        if top is not None:
+            for i, (row_ids, row_lps) in enumerate(zip(top[0].tolist(), top[1].tolist())):
+                tops[i] = [list(zip(a, b)) for a, b in zip(row_ids[:len(ids_rows[i])], row_lps[:len(ids_rows[i])])]
+        return [Completion(ids, lps, text, reason, top_logprobs=t)
+                for ids, lps, text, reason, t in zip(ids_rows, lp_rows, texts, reasons, tops)]
 
     def _decode_text(self, rows: list[list[int]]) -> list[str]:
         # As the evaluation (asyncrl.rl.model.evaluation.solve_rate) reads a completion: without its stop token, special

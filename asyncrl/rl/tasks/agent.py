@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from asyncrl.rl.tasks.base import Score, Task, TaskInputError, TaskError
+from asyncrl.rl.tasks.base import Score, Task, TaskInputError, TaskError, default_fingerprint
 
 AgentFunction = Callable[[Any, Any], Awaitable[float | Score]]
 
@@ -40,6 +40,19 @@ class Agent(Task[Any]):
         """One episode: talk to the policy through ``client`` (an ``openai.AsyncOpenAI``) and
         return the reward."""
         raise NotImplementedError(f"agent {self.task_name()} must define async run(problem, client)")
+
+    def demonstration(self, problem: Any) -> list[dict[str, Any]] | None:
+        """What a perfect agent's episode says for ``problem``, for the embedded model's warm start:
+        the conversation as OpenAI messages (``user``, ``assistant`` with ``content`` and/or
+        ``tool_calls``, ``tool``, ...), rendered through the embedded model's chat template as the
+        endpoint renders the episode's calls; the ``assistant`` messages are trained on, the rest
+        is context. None: the agent has none (then the run needs ``--model_path``)."""
+        return None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The name, the options and three problems' demonstrations (an agent has no prompt()),
+        and the data files' digests: what the warm start's cache key needs."""
+        return default_fingerprint(self, prompts=False)
 
     def prompt(self, problem: Any) -> str:
         raise TaskError(f"agent {self.task_name()}: an agent writes its own prompts; it has no prompt()")

@@ -292,16 +292,20 @@ def default_splits(task: Task, seed: int | str, n_train: int, n_heldout: int, *,
     return Splits(train, [problems[i] for i in held])
 
 
-def default_fingerprint(task: Task) -> dict[str, Any]:
+def default_fingerprint(task: Task, prompts: bool = True) -> dict[str, Any]:
     """`Task.fingerprint` by default: the task's name, its options, and the prompt (compact form,
-    else text) and demonstration of the first `FINGERPRINT_PROBES` train problems of
-    ``splits(0, 3, 3)``; for a task with a data file, also a digest of its rows (and of the
-    held-out rows), since the warm start trains on them. JSON values only."""
+    else text; not with ``prompts`` False, for an agent, which has none) and demonstration of the
+    first `FINGERPRINT_PROBES` train problems of ``splits(0, 3, 3)``; for a task with a data file,
+    also a digest of its rows (and of the held-out rows), since the warm start trains on them.
+    JSON values only."""
     config = task.config
     options = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else None
     probes = task.splits(0, FINGERPRINT_PROBES, FINGERPRINT_PROBES).train[:FINGERPRINT_PROBES]
     probe = []
     for problem in probes:
+        if not prompts:
+            probe.append([task.demonstration(problem)])
+            continue
         prompt = as_prompt(task.prompt(problem))
         probe.append([prompt.compact or prompt.text, task.demonstration(problem)])
     fingerprint: dict[str, Any] = {"task": task.task_name(), "options": options, "probe": probe}

@@ -29,6 +29,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,7 @@ import torch
 from asyncrl.rl.sampler.backend import (
     Completion,
     PausableBackend,
+    Progress,
     SamplerError,
     SamplingParams,
     WeightSink,
@@ -171,9 +173,11 @@ class VLLMBackend(PausableBackend):
 
     # --- SamplerBackend -------------------------------------------------------------------------
 
-    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> asyncio.Task:
-        """A task: cancelling it (a caller that went away) aborts its requests in the engine."""
-        return asyncio.ensure_future(self._generate(prompts, n, params))
+    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                progress: Progress | None = None) -> asyncio.Task:
+        """A task: cancelling it (a caller that went away) aborts its requests in the engine.
+        With ``progress``, the engine reports each request's tokens as it generates them."""
+        return asyncio.ensure_future(self._generate(prompts, n, params, progress))
 
     def weight_sink(self, member: SyncMember) -> WeightSink:
         if self.adapters is not None:  # adapters only: received here, in the actor
@@ -198,13 +202,15 @@ class VLLMBackend(PausableBackend):
 
     # --- generation -------------------------------------------------------------------------------
 
-    async def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+    async def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                        progress: Progress | None = None) -> list[list[Completion]]:
         start = time.perf_counter()
         # vLLM refuses n > 1 when greedy; the n greedy samples are one sample n times anyway.
         per_request = 1 if params.temperature == 0 else n
         request_ids = [f"asyncrl-{self._prefix}-{next(self._ids)}" for _ in prompts]
         lora = self.adapters.acquire() if self.adapters is not None else None  # one adapter for the batch
-        requests = [asyncio.ensure_future(self._request(rid, prompt, self._params(params, per_request, i), lora))
+        requests = [asyncio.ensure_future(self._request(rid, prompt, self._params(params, per_request, i, progress),
+                                                        lora, _rows(progress, i, n, per_request)))
                     for i, (rid, prompt) in enumerate(zip(request_ids, prompts))]
         try:
             outputs = await asyncio.gather(*requests)
@@ -223,12 +229,19 @@ class VLLMBackend(PausableBackend):
         self.generate_s += time.perf_counter() - start
         return groups
 
-    async def _request(self, request_id: str, prompt: list[int], params: Any, lora: Any = None) -> Any:
+    async def _request(self, request_id: str, prompt: list[int], params: Any, lora: Any = None,
+                       report: Callable[[int, list[int]], None] | None = None) -> Any:
         final = None
+        latest: dict[int, Any] = {}  # streamed (cumulative), an output holds only the samples that moved
         async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id, lora_request=lora):
             final = out
+            for sample in out.outputs:
+                latest[sample.index] = sample
+                if report is not None:
+                    report(sample.index, list(sample.token_ids))
         if final is None or not final.finished:
             raise SamplerError(f"vLLM request {request_id} ended without a final output")
+        final.outputs = [latest[i] for i in sorted(latest)]
         return final
 
     async def _abort(self, request_ids: list[str]) -> None:
@@ -237,13 +250,14 @@ class VLLMBackend(PausableBackend):
         except Exception as exc:  # a dead engine has nothing left to abort
             print(f"VLLMBackend: aborting {len(request_ids)} requests failed: {exc!r}", flush=True)
 
-    def _params(self, params: SamplingParams, n: int, prompt_index: int) -> Any:
+    def _params(self, params: SamplingParams, n: int, prompt_index: int, progress: Progress | None = None) -> Any:
         return compat.sampling_params(
+            cumulative=progress is not None,  # each output so far, not the final one only
             n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
             # Exactly our stop tokens: vLLM would otherwise also stop at the model's EOS.
             stop_token_ids=list(params.stop_token_ids), ignore_eos=True, stop=list(params.stop) or None,
             seed=None if params.seed is None else row_seed(params.seed, prompt_index, 0),
-            logprobs=0, detokenize=bool(params.stop), skip_special_tokens=True)
+            logprobs=params.top_logprobs, detokenize=bool(params.stop), skip_special_tokens=True)
 
     def _completions(self, out: Any, params: SamplingParams, n: int) -> list[Completion]:
         samples = sorted(out.outputs, key=lambda c: c.index)
@@ -263,7 +277,9 @@ class VLLMBackend(PausableBackend):
             else:
                 stopped = c.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
                 text = self._decode_text(ids[:-1] if stopped else ids)
-            completions.append(Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length"))
+            top = compat.top_logprobs(c.logprobs, params.top_logprobs) if params.top_logprobs else []
+            completions.append(Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length",
+                                          top_logprobs=top))
         return completions
 
     def _decode_text(self, ids: list[int]) -> str:
@@ -271,3 +287,15 @@ class VLLMBackend(PausableBackend):
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _rows(progress: Progress | None, prompt: int, n: int, per_request: int) -> Callable[[int, list[int]], None] | None:
+    """``progress`` for prompt ``prompt``'s request, by sample index: its rows are ``prompt * n + j``;
+    a greedy request (one sample for n) reports its tokens for every one of its n rows."""
+    if progress is None:
+        return None
+
+    def report(sample: int, ids: list[int]) -> None:
+        for j in (range(n) if per_request == 1 else (sample,)):
+            progress(prompt * n + j, ids)
+    return report

@@ -129,15 +129,17 @@ def make_engine(args: dict[str, Any]) -> Any:
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.LLM_CLASS)
 
 
-def sampling_params(**fields: Any) -> Any:
-    """vLLM's ``SamplingParams`` with ``fields`` (names common to 0.24..0.33), final output only, and
-    log-probs kept flat (``flat_logprobs``): a few lists per sample instead of a dict and an object
-    per token, which vLLM's output processing builds in Python for every token of every sequence
-    (at 512 sequences that took bare vLLM from 27.5k to 19.3k tokens/s on an H100)."""
+def sampling_params(cumulative: bool = False, **fields: Any) -> Any:
+    """vLLM's ``SamplingParams`` with ``fields`` (names common to 0.24..0.33), final output only
+    (``cumulative``: each output so far, as the engine makes them, for a stream), and log-probs kept
+    flat (``flat_logprobs``): a few lists per sample instead of a dict and an object per token,
+    which vLLM's output processing builds in Python for every token of every sequence (at 512
+    sequences that took bare vLLM from 27.5k to 19.3k tokens/s on an H100)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, flat_logprobs=True, **fields)
+    kind = RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY
+    return SamplingParams(output_kind=kind, flat_logprobs=True, **fields)
 
 
 def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float] | None:
@@ -153,6 +155,14 @@ def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float] | None:
         return [float(position[token].logprob) for position, token in zip(logprobs, token_ids)]
     except (KeyError, TypeError):
         return None
+
+
+def top_logprobs(logprobs: Any, k: int) -> list[list[tuple[int, float]]]:
+    """Per position, the ``k`` most likely tokens of a sample's ``logprobs`` (asked with
+    ``logprobs=k``: vLLM adds the sampled token where it is not among them) as ``(id, log-prob)``,
+    by rank."""
+    return [[(token, float(lp.logprob)) for token, lp in sorted(position.items(), key=lambda e: e[1].rank)
+             if lp.rank is not None and lp.rank <= k][:k] for position in logprobs]
 
 
 def unfinished_requests(engine: Any) -> int:
