@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from typing import Union
 
 import msgspec
 import torch
@@ -42,7 +41,7 @@ Consumer = Callable[[str, torch.Tensor], None]
 BatchConsumer = Callable[[list[tuple[str, torch.Tensor]]], object]
 """Takes the whole tensors a bucket completed, at once (e.g. a vLLM model's ``load_weights``, whose
 every call walks the model's parameters: once a bucket, not once a tensor)."""
-Destination = Union[Mapping[str, torch.Tensor], Consumer]
+Destination = Mapping[str, torch.Tensor] | Consumer
 BucketSource = Callable[[int], list[torch.Tensor]]
 """A sender's tensors produced a bucket at a time: called with bucket ``k`` (in order, once per
 sync), it returns the parts of bucket k's segments, in order, each shaped as its staging view

@@ -18,8 +18,6 @@ Three conversations use these messages:
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 from msgspec import Raw
 
@@ -274,12 +272,12 @@ class NodeShutdown(_Msg, tag=45):
     reason: str
 
 
-ToActor = Union[Call, Cancel, StreamCredit]
-FromActor = Union[Reply, StreamItem, StreamEnd, Failure]
-ToSupervisor = Union[Hello, Ready, StartFailed, Heartbeat, StartPhase, Dead]
-ToWorker = Union[Init, Shutdown]
-FromNode = Union[
-    Hello, Ready, StartFailed, Heartbeat, StartPhase, Dead,
-    NodeHello, NodeHeartbeat, ActorStarted, ActorExited, ActorLog, NodeLeaving, NodeDraining,
-]
-ToAgent = Union[NodeWelcome, NodeRejected, SpawnActor, StopActor, KillActor, NodeShutdown]
+ToActor = Call | Cancel | StreamCredit
+FromActor = Reply | StreamItem | StreamEnd | Failure
+ToSupervisor = Hello | Ready | StartFailed | Heartbeat | StartPhase | Dead
+ToWorker = Init | Shutdown
+FromNode = (
+    Hello | Ready | StartFailed | Heartbeat | StartPhase | Dead
+    | NodeHello | NodeHeartbeat | ActorStarted | ActorExited | ActorLog | NodeLeaving | NodeDraining
+)
+ToAgent = NodeWelcome | NodeRejected | SpawnActor | StopActor | KillActor | NodeShutdown

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 MAX_CHARS = 256
 """Longest expression text, whitespace included."""
@@ -78,7 +78,7 @@ class BinOp:
             raise ArithError(f"operator must be one of + - * /, not {self.op!r}")
 
 
-Expr = Union[Num, BinOp]
+Expr = Num | BinOp
 
 
 def parse(text: str) -> Expr:

@@ -14,7 +14,7 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -31,7 +31,7 @@ extra): a small signal that the format was right, well below a correct answer.""
 _OPEN, _CLOSE = "<answer>", "</answer>"
 ProblemKey = tuple[tuple[int, ...], int]
 """A problem's identity for deduplication (`problem_key`)."""
-_Tree = Union[int, tuple]  # a leaf number, or (op, left, right); turned into an arith.Expr at the end
+_Tree = int | tuple  # a leaf number, or (op, left, right); turned into an arith.Expr at the end
 
 
 class CountdownProblem(msgspec.Struct, frozen=True):

@@ -7,7 +7,7 @@ reader tells the live writer from a recycled pid (``same_process_alive``).
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -53,7 +53,7 @@ class CommandRequest(msgspec.Struct, tag="command_request", tag_field="t", froze
     ``CommandReply``, or a ``StatusFailure`` naming why it was refused."""
 
     name: str
-    args: dict[str, Union[int, float, str, bool]] = {}
+    args: dict[str, int | float | str | bool] = {}
     protocol: int = PROTOCOL
 
 

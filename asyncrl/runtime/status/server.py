@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import weakref
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -83,7 +83,7 @@ class StatusServer:
         self._written: list[bytes] = []  # filled once supervisor.json is ours; read by the finalizer
         self._hooks = contextlib.ExitStack()
         self._commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-        self._decoder = msgspec.msgpack.Decoder(Union[StatusRequest, CommandRequest])
+        self._decoder = msgspec.msgpack.Decoder(StatusRequest | CommandRequest)
         self._encoder = msgspec.msgpack.Encoder()
 
     def start(self) -> None:
