@@ -69,9 +69,10 @@ class SamplerActor(SyncMember):
     """
 
     def __init__(self, model_path: str, config: SamplerConfig = SamplerConfig(), *,
-                 task: TaskSpec = TaskSpec("countdown"), data: DataConfig = DataConfig(), seed: int = 0,
+                 task: TaskSpec | None = None, data: DataConfig = DataConfig(), seed: int = 0,
                  device: str = "cpu", sync_timeout_s: float = 120.0, cpu_threads: int = 0, name: str = "",
-                 vllm: dict = {}, adapter: LoRAConfig | None = None):
+                 vllm: dict | None = None, adapter: LoRAConfig | None = None):
+        task = TaskSpec("countdown") if task is None else task  # built per call: its options are a dict
         if not sync_timeout_s > 0:
             raise ValueError(f"sync_timeout_s must be > 0, not {sync_timeout_s!r}")
         self.config = config
@@ -92,7 +93,7 @@ class SamplerActor(SyncMember):
         # A pause for a sync lasts at most sync_timeout_s: a generate held by one gives up only well after.
         self.backend, self.fmt = make_backend(self.backend_name, model_path, device=self.device, seed=seed,
                                               in_flight=self.in_flight, resume_timeout_s=3 * sync_timeout_s,
-                                              vllm=vllm, adapter=adapter)
+                                              vllm=vllm or {}, adapter=adapter)
         self.sink = self.backend.weight_sink(self)
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
                                        temperature=config.temperature, top_p=config.top_p,
@@ -142,7 +143,9 @@ class SamplerActor(SyncMember):
             versions: list[int] = []
             spent = [0.0]
 
-            async def generate(prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+            # versions and spent bound as defaults: each batch's function keeps the lists of its batch
+            async def generate(prompt_ids: list[list[int]], n: int, params: SamplingParams,
+                               versions: list[int] = versions, spent: list[float] = spent) -> list[list[Completion]]:
                 version, groups, seconds = await self._generate(prompt_ids, n, params)
                 versions.append(version)
                 spent[0] += seconds

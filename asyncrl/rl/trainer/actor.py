@@ -60,7 +60,8 @@ class TrainerActor(RankMember, SyncMember):
     give the held-out problems `evaluate` solves (the task is built here, from its spec)."""
 
     def __init__(self, model_path: str, config: TrainerConfig = TrainerConfig(), *, device: str = "cpu", seed: int = 0,
-                 task: TaskSpec = TaskSpec("countdown"), data: DataConfig = DataConfig()):
+                 task: TaskSpec | None = None, data: DataConfig = DataConfig()):
+        task = TaskSpec("countdown") if task is None else task  # built per call: its options are a dict
         torch.manual_seed(seed)
         self.seed = seed
         self.config = config
@@ -462,14 +463,14 @@ class TrainerActor(RankMember, SyncMember):
         return await self._run("the weight digest", deadline_s, digest)
 
     @endpoint
-    async def save(self, path: str, extra_files: dict[str, str] = {}, deadline_s: float = 0.0) -> str:
+    async def save(self, path: str, extra_files: dict[str, str] | None = None, deadline_s: float = 0.0) -> str:
         """Write the policy as a Hugging Face checkpoint directory, whole (`staged_dir`: a kill
         at any point leaves a whole policy, the old or the new, never a half-written or
         half-deleted one), with ``extra_files`` (name -> text, e.g. best.json) inside it, written
         with the rest so they never describe another policy. A failed write (a full disk) leaves
         nothing behind and raises a one-line `CheckpointWriteError`. With a rank group, every
         rank gathers the policy (a tensor at a time, to rank 0's memory) and rank 0 writes it."""
-        return await self._run("saving the policy", deadline_s, self._save, os.path.abspath(path), dict(extra_files))
+        return await self._run("saving the policy", deadline_s, self._save, os.path.abspath(path), dict(extra_files or {}))
 
     def _save(self, final: str, extra_files: dict[str, str]) -> str:
         from asyncrl.runtime.files import staged_dir
