@@ -229,7 +229,7 @@ def table(shape: str, results: dict[str, dict]) -> str:
         if "error" in r:
             rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:90]} | | | | | | | | | | {r['wall_s']:.0f} |")
             continue
-        cell = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else ""  # noqa: E731
+        cell = lambda k, r=r: f"{r[k]:.2f}" if r.get(k) is not None else ""  # noqa: E731
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
         busy = " / ".join(f"{100 * b:.0f}%" for b in r.get("gpu_busy", {}).values())
         rows.append(f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {cell('step_s')} | "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -221,7 +222,7 @@ async def measure_actor(backend: str, model_path: str, args: argparse.Namespace)
             params = SamplingParams(max_new_tokens=tokens, temperature=1.0, top_p=1.0, stop_token_ids=[])
             await sampler.generate(ids, args.n, params)  # warm-up
             with Profile(args.profile if i == 0 else "", pid, f"{backend}-{prompts}x{tokens}"):
-                timing = await timed(lambda: sampler.generate(ids, args.n, params), args.reps)
+                timing = await timed(functools.partial(sampler.generate, ids, args.n, params), args.reps)
             rows.append({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
                          **timing})
             print(json.dumps(rows[-1]), flush=True)
@@ -357,7 +358,7 @@ async def async_child(backend: str, engine: dict, model_path: str, args: argpars
             ids = prompt_ids(model_path, prompts)
             await generate(ids, tokens)  # warm-up
             with Profile(args.profile if i == 0 else "", os.getpid(), f"{backend}-{prompts}x{tokens}"):
-                timing = await timed(lambda: generate(ids, tokens), args.reps)
+                timing = await timed(functools.partial(generate, ids, tokens), args.reps)
             print(json.dumps({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
                               **timing}), flush=True)
     finally:

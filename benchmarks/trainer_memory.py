@@ -19,6 +19,7 @@ colocated vLLM takes 30% of it in a GRPO run, and auto then picks smaller micro-
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -68,7 +69,7 @@ def run(path: str, batch, *, device: str, path_kind: str, tokens: int, lora_rank
             if i >= warmup:
                 times.append(metrics["train_s"])
         if profile and times:
-            print_profile(lambda: trainer._train_step(batch), cuda)
+            print_profile(functools.partial(trainer._train_step, batch), cuda)
     except Exception as exc:  # a configuration that does not fit is a row, not the end of the table
         error = str(exc).splitlines()[0][:100]
     row = {"path": path_kind, "micro_batch_tokens": int(metrics.get("micro_batch_tokens", tokens)),
