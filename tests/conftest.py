@@ -153,3 +153,26 @@ def model_path(tmp_path_factory) -> str:
             Countdown(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def embedded_path(tmp_path_factory) -> str:
+    """The embedded Qwen2 (2 layers, 64 wide, GQA) with random weights and the project's tokenizer:
+    for the trainer's tests (packing, LoRA, the fused head, sync phases)."""
+    import json
+
+    import torch
+
+    from asyncrl.rl.config.model import ModelConfig
+    from asyncrl.rl.model.policy import MARKER_FILE
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+    from asyncrl.rl.model.warm_start import _new_model
+
+    path = tmp_path_factory.mktemp("embedded")
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    _new_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                           max_positions=128), tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / MARKER_FILE).write_text(json.dumps({"prompt_style": "compact", "max_new_tokens_hint": 20}))
+    return str(path)

@@ -21,7 +21,7 @@ from asyncrl.rl.config.sampler import SamplerConfig  # noqa: E402
 from asyncrl.rl.config.trainer import LoRAConfig, TrainerConfig  # noqa: E402
 from asyncrl.rl.model.lora import adapter_tensors  # noqa: E402
 
-from test_packing import embedded_path, random_groups  # noqa: E402,F401  (the embedded model fixture)
+from test_packing import random_groups  # noqa: E402
 
 HOST = "127.0.0.1"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

@@ -4,37 +4,18 @@ restarting per sequence, attention kept within each; the same loss and gradients
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 
 import pytest
 import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig, TrainerConfig
-from asyncrl.rl.model.policy import MARKER_FILE
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
 from asyncrl.rl.trainer.packing import block_causal_mask, flat_logits, masked_logits, packed_micro_batches, policy_logits
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def embedded_path(tmp_path_factory) -> str:
-    """The embedded Qwen2 (2 layers, 64 wide, GQA) with random weights and the project's tokenizer."""
-    from asyncrl.rl.config.model import ModelConfig
-    from asyncrl.rl.model.tokenizer import build_tokenizer
-    from asyncrl.rl.model.warm_start import _new_model
-
-    path = tmp_path_factory.mktemp("embedded")
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    _new_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                           max_positions=128), tok).save_pretrained(path)
-    tok.save_pretrained(path)
-    (path / MARKER_FILE).write_text(json.dumps({"prompt_style": "compact", "max_new_tokens_hint": 20}))
-    return str(path)
 
 
 def random_groups(seed: int, n_groups: int = 5, group_size: int = 4, multi_turn: bool = True) -> list[RolloutGroup]:

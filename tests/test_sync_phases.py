@@ -18,7 +18,7 @@ from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.observe.sync_metrics import SYNC_METRICS, sync_record
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 
-from test_packing import embedded_path, random_groups  # noqa: F401  (the embedded model fixture)
+from test_packing import random_groups
 
 HOST = "127.0.0.1"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

@@ -14,7 +14,7 @@ from asyncrl.rl.trainer.chunked_head import head_logprobs
 from asyncrl.rl.trainer.loss import token_entropy, token_logprobs
 from asyncrl.rl.trainer.memory_budget import auto_micro_batch_tokens, resolve_micro_batch_tokens
 from asyncrl.rl.trainer.scoring import fused_head_fallback
-from tests.test_packing import embedded_path, random_groups  # noqa: F401 (a fixture)
+from tests.test_packing import random_groups
 
 QWEN_05B = dict(hidden_size=896, num_layers=24, intermediate_size=4864, num_heads=14, vocab_size=151936)
 
@@ -120,7 +120,7 @@ def step(path: str, config: TrainerConfig, groups, fused: bool):
 
 @pytest.mark.parametrize("layout", ["padded", "packed-sdpa", "packed-eager", "packed-flat"])
 @pytest.mark.parametrize("lora, kl", [(0, 0.0), (0, 0.05), (4, 0.05)], ids=["full", "full-kl", "lora-kl"])
-def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, monkeypatch,  # noqa: F811
+def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, monkeypatch,
                                                                 layout, lora, kl):
     """fp32, multi-turn action masks, temperature 0.8: loss, metrics and every gradient to 1e-5.
     The embedded model ties its embeddings, so the head's gradient meets the lookup's."""
@@ -144,7 +144,7 @@ def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, mo
         torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_the_fallback_is_taken_for_a_soft_capped_head_and_a_sharded_trainer(embedded_path, monkeypatch):  # noqa: F811
+def test_the_fallback_is_taken_for_a_soft_capped_head_and_a_sharded_trainer(embedded_path, monkeypatch):
     from asyncrl.rl.trainer import actor as actor_module
     from asyncrl.rl.trainer.actor import TrainerActor
 
@@ -192,7 +192,7 @@ def test_auto_micro_batch_tokens_clamps_and_rounds_down_to_1024():
     assert auto_micro_batch_tokens(20 * gib, **QWEN_05B, checkpointing=False) == 7168
 
 
-def test_auto_on_cpu_is_the_old_default_and_an_explicit_value_is_kept(embedded_path):  # noqa: F811
+def test_auto_on_cpu_is_the_old_default_and_an_explicit_value_is_kept(embedded_path):
     from asyncrl.rl.trainer.actor import TrainerActor
 
     assert TrainerConfig().micro_batch_tokens == 0
