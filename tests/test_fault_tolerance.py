@@ -27,7 +27,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl import Supervisor
+from asyncrl import ActorDiedError, Supervisor
 from asyncrl.rl.trainer.checkpoint import STALL_ENV
 from asyncrl.rl.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
 from asyncrl.rl.config.stored import config_from_dict
@@ -237,7 +237,7 @@ async def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable
             assert time.monotonic() < deadline and not writing.done()
             await asyncio.sleep(0.02)
         os.kill(pid_of(sup, "trainer"), signal.SIGKILL)
-        with pytest.raises(Exception):
+        with pytest.raises(ActorDiedError):
             await writing
 
         (latest,) = list_checkpoints(run_dir)

@@ -113,9 +113,10 @@ def test_a_second_sigint_during_shutdown_exits_at_once(tmp_path, stop_s, gap_s):
 
 def test_help_and_a_flag_error_do_not_import_torch(tmp_path):
     """The config is read and checked before any heavy import: --help and a usage error answer at once."""
-    probe = ("import sys; sys.argv = ['asyncrl', 'launch', %r, '--help']; "
+    example = os.path.join(ROOT, "examples", "grpo_countdown.py")
+    probe = (f"import sys; sys.argv = ['asyncrl', 'launch', {example!r}, '--help']; "
              "from asyncrl.cli import main; code = main(); "
-             "print('torch' in sys.modules); sys.exit(code)") % os.path.join(ROOT, "examples", "grpo_countdown.py")
+             "print('torch' in sys.modules); sys.exit(code)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "False", done.stderr
     bad = probe.replace("'--help'", "'--trainer.lrr', '1'")
@@ -168,8 +169,8 @@ TOO_BIG = """
      "script.py: actor 'sampler0': not ready within start_timeout_s=1 (no start phase reported); raise it with "
      "asyncrl launch --start_timeout_s (or Supervisor(start_timeout_s=...))\n"),
     (OUT_OF_MEMORY, [],
-     "script.py: actor 'trainer': train_step() raised TrainerMemoryError: train step 1 ran out of cuda memory on a "
-     "micro-batch of 8 x 512 tokens (--trainer.micro_batch_tokens 4096): lower that\n"),
+     "script.py: actor 'trainer': train_step() raised TrainerMemoryError: train step 1 ran out of cuda memory "
+     "on a micro-batch of 8 x 512 tokens (--trainer.micro_batch_tokens 4096): lower that\n"),
     (TOO_BIG, [],
      "script.py: actor 'trainer': the policy of /ckpt does not fit in the trainer's GPU's 79 GiB: train LoRA "
      "adapters (--trainer.lora.rank 16)\n"),

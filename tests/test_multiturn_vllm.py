@@ -148,7 +148,7 @@ async def test_what_the_prefix_cache_buys_later_turns(vllm_required, resource_tr
             for _ in range(3):
                 per_turn: list[float] = []
 
-                async def generate(prompts, n, p):
+                async def generate(prompts, n, p, backend=backend, per_turn=per_turn):
                     start = time.perf_counter()
                     out = await backend.generate(prompts, n, p)
                     per_turn.append(time.perf_counter() - start)

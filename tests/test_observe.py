@@ -191,7 +191,7 @@ def get(url: str, method: str = "GET") -> tuple[int, str, str]:
 async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus():
     async with Supervisor() as sup:
         actors = {name: await sup.spawn(Echo, name=name, max_restarts=0) for name in ("trainer", "sampler0", "sampler1")}
-        probes = {name: (lambda h: lambda: h.with_timeout(0.5).get_label())(h) for name, h in actors.items()}
+        probes = {name: (lambda h=h: h.with_timeout(0.5).get_label()) for name, h in actors.items()}
         endpoint = MetricsEndpoint("127.0.0.1", 0, statuses=sup.status, probes=lambda: probes,
                                    snapshot=lambda: {"reward_mean": 0.25, "progress_step": 3.0}, timeout_s=0.5,
                                    loop=asyncio.get_running_loop())

@@ -55,7 +55,7 @@ async def test_bad_arity_is_refused_locally(echo):
     with pytest.raises(TypeError, match="add"):
         await echo.add(1, 2, 3)
     with pytest.raises(AttributeError, match="no endpoint 'nope'.*add"):
-        echo.nope
+        _ = echo.nope
 
 
 async def test_remote_exceptions_keep_type_message_and_traceback(echo):

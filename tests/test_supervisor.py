@@ -61,7 +61,7 @@ async def test_restart_budget_is_spent_then_dead():
             os.kill(await echo.getpid(), signal.SIGKILL)
             # a call sent before the death is seen fails (it may have reached the dying process);
             # once the supervisor has seen it, calls wait for the restart
-            assert await asyncio.to_thread(wait_until, lambda: echo.info().incarnation == expected + 1, 2.0)
+            assert await asyncio.to_thread(wait_until, lambda e=expected: echo.info().incarnation == e + 1, 2.0)
             assert await echo.add(0) == 1
             assert echo.info().restarts == expected
         os.kill(await echo.getpid(), signal.SIGKILL)
@@ -191,7 +191,7 @@ async def test_colocated_actors_share_the_owners_devices(monkeypatch):
             await sup.spawn(Echo, gpus=1, share_devices_with="owner")
         with pytest.raises(ValueError, match="'nobody', which is not running"):
             await sup.spawn(Echo, share_devices_with="nobody")
-        cpu = await sup.spawn(Echo, name="cpu")
+        await sup.spawn(Echo, name="cpu")
         with pytest.raises(ValueError, match="'cpu', which has none"):
             await sup.spawn(Echo, share_devices_with="cpu")
         await sup.stop(guest)  # a guest gives nothing back: the owner still holds the device
