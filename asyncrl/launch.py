@@ -7,7 +7,8 @@ What reaches the user: a `UsageError` (a bad flag or path, e.g. a `ConfigError`)
 script is its message on one line and exit status 2; an `ActionableError` (an actor not ready in
 time, memory that ran out: a setting or the machine to change) its first line and exit status 1;
 ``sys.exit("message")`` prints the message and exits 1, as Python does; stdout closed by its
-reader (``--help | head``) ends quietly with 128 + SIGPIPE, as a filter does; a traceback means a bug. After a first SIGINT/SIGTERM the shutdown is
+reader (``--help | head``) ends quietly with 128 + SIGPIPE, as a filter does; a traceback means a
+bug. After a first SIGINT/SIGTERM the shutdown is
 orderly; a second one during it kills the actors' process groups and exits at once
 (`signals.force_exit`)."""
 

@@ -176,7 +176,8 @@ def report(rows: list[dict], clean: dict, clean_s: float, chaos: dict, chaos_s: 
               f"{fmt(r['back_s'])}{extra} | {'yes' if r['survived'] else 'NO'} |")
     survived = sum(r["survived"] for r in rows)
     recover = [r["recover_s"] for r in rows if r["recover_s"] is not None]
-    print(f"\nfaults injected {len(rows)}, survived {survived}; whole again after {fmt(statistics.median(recover) if recover else None)} s "
+    print(f"\nfaults injected {len(rows)}, survived {survived}; "
+          f"whole again after {fmt(statistics.median(recover) if recover else None)} s "
           f"median, {fmt(max(recover) if recover else None)} s max; the faulty run reached step "
           f"{chaos['steps'] if chaos else '-'} of {steps}")
     print("\n| run | held-out greedy | held-out sampled | wall s | sampler losses / rejoins |")

@@ -7,7 +7,8 @@ Each hog is a separate process spinning in a busy loop. They start before the fi
 stopped when this script ends, however it ends: the command finished, it failed, Ctrl-C,
 SIGTERM. The hogs also watch our pid and exit by themselves if we are SIGKILLed, so none is ever
 left behind. The command runs in its own process group; on Ctrl-C or SIGTERM that whole group is
-terminated too, and if we are SIGKILLed the kernel kills the command (PR_SET_PDEATHSIG). With ``--repeat K`` the command runs K times in a row and a table of
+terminated too, and if we are SIGKILLed the kernel kills the command (PR_SET_PDEATHSIG). With
+``--repeat K`` the command runs K times in a row and a table of
 run / exit code / seconds / pytest's summary line is printed; the exit code is 0 only if every run
 passed. Standard library only.
 """

@@ -5,7 +5,8 @@
     python benchmarks/packing.py --device cuda --shape 0.5b --attn flash_attention_2   # needs flash-attn
 
 A "step" is one call of the trainer's ``train_step`` endpoint, made in this process (micro-batching,
-forward, backward, AdamW), timed by the trainer itself (``train_s``), on a batch of ``--prompts`` groups of ``--group-size``
+forward, backward, AdamW), timed by the trainer itself (``train_s``), on a batch of ``--prompts``
+groups of ``--group-size``
 completions. tokens/s counts real tokens (prompt + completion), never padding. The lengths:
 
 - ``countdown`` (the default example): the compact Countdown prompts and the solver's answers in

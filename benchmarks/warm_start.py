@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override WarmStartConfig.steps")
     parser.add_argument("--batch-size", type=int, help="override WarmStartConfig.batch_size")
     parser.add_argument("--lr", type=float, help="override WarmStartConfig.lr")
-    parser.add_argument("--threads", type=int, help="torch threads of the evaluation after the warm start (training always uses one, for bit-exact results; default: the usable cores, at most 4)")
+    parser.add_argument("--threads", type=int, help="torch threads of the evaluation after the warm start (training "
+                        "always uses one, for bit-exact results; default: the usable cores, at most 4)")
     parser.add_argument("--eval", type=int, default=200, help="held-out problems to evaluate (default 200)")
     parser.add_argument("--samples", type=int, default=4, help="T=1 samples per problem (default 4)")
     parser.add_argument("--cache-dir", help="cache root to build into (default: a fresh temporary one)")

@@ -297,8 +297,8 @@ async def test_a_damaged_checkpoint_is_skipped_and_group_ids_stay_unique_across_
             await train(tiny(model_path, run_dir, "--run.steps", "6"), sup, resume=True, log=lambda *a: None)
         assert sup.status() == []
     assert "\n" not in str(info.value) and str(info.value) == (
-        f"--resume {run_dir}: no usable checkpoint: checkpoint step-4 is damaged (trainer.pt: size 0, expected {size}); "
-        "checkpoint step-2 is damaged (run_state.json: contents differ from the manifest (SHA-256 "
+        f"--resume {run_dir}: no usable checkpoint: checkpoint step-4 is damaged (trainer.pt: size 0, "
+        f"expected {size}); checkpoint step-2 is damaged (run_state.json: contents differ from the manifest (SHA-256 "
         + str(info.value).split("SHA-256 ", 1)[1])
     assert snapshot(run_dir) == before
 

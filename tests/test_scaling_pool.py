@@ -122,8 +122,8 @@ async def test_a_scale_during_a_restart_counts_it_and_joins_everyone_at_one_refo
 
 async def test_with_every_sampler_lost_a_new_one_joins_without_waiting_for_a_sync():
     # The only sampler is lost and not back (its restart may never come): no step, and so no
-    # sync, can come while the driver waits for a batch. A sampler started by a scale-up is added as soon as it is up, and that wait
-    # re-forms the group with it and pumps its groups.
+    # sync, can come while the driver waits for a batch. A sampler started by a scale-up is added
+    # as soon as it is up, and that wait re-forms the group with it and pumps its groups.
     gone, new = sampler("sampler0"), sampler("sampler1")
     new.script["rollouts"] = []
     logs, stopped = [], []

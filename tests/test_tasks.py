@@ -256,8 +256,8 @@ def test_a_task_class_is_named_by_file_module_or_built_in_name(tmp_path):
     ("x = 1\nraise RuntimeError('no GPU here')\n", "{path}:Echo",
      "--task.name {path}:Echo: importing {path} raised RuntimeError: no GPU here ({path}:2)"),
     ("import no_such_package_xyz\n", "{path}:Echo",
-     "--task.name {path}:Echo: importing {path} raised ModuleNotFoundError: No module named 'no_such_package_xyz' "
-     "({path}:1)"),
+     "--task.name {path}:Echo: importing {path} raised ModuleNotFoundError: No module named "
+     "'no_such_package_xyz' ({path}:1)"),
     ("def broken(:\n", "{path}:Echo", "--task.name {path}:Echo: importing {path} raised SyntaxError: "),
     (USER_TASK, "{path}:Ecco", "--task.name {path}:Ecco: {path} has no 'Ecco'; it defines: Echo"),
     (USER_TASK, "{path}:helper", "--task.name {path}:helper: helper is a function, not a subclass of "

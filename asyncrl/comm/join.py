@@ -48,7 +48,8 @@ def _device_type(device: torch.device | str | int) -> str:
 def make_communicator(group: StoreGroup, backend: str = "auto", timeout_s: float = 60.0, *,
                       device: torch.device | str | int | None = None) -> Communicator:
     """The communicator of ``group`` for this process: ``nccl`` on a CUDA device, ``hccl`` on an
-    Ascend NPU, ``gloo`` on CPU, ``ipc`` for members sharing one GPU; ``auto`` picks by `resolve_backend`. ``device`` is the accelerator
+    Ascend NPU, ``gloo`` on CPU, ``ipc`` for members sharing one GPU; ``auto`` picks by
+    `resolve_backend`. ``device`` is the accelerator
     (None: the current CUDA device for nccl, NPU 0 for hccl); gloo always works on CPU tensors."""
     backend = resolve_backend(backend, device)
     if backend == "gloo":

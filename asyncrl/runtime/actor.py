@@ -164,7 +164,8 @@ def endpoints_of(cls: type) -> dict[str, EndpointSpec]:
             fn = getattr(cls, name, None)
             if callable(fn) and getattr(fn, _ENDPOINT_ATTR, False):
                 if name in RESERVED_NAMES or name.startswith("_"):
-                    raise TypeError(f"{cls.__qualname__}.{name}: endpoint names may not start with '_' or be one of {sorted(RESERVED_NAMES)}")
+                    raise TypeError(f"{cls.__qualname__}.{name}: endpoint names may not start with '_' or be one "
+                                    f"of {sorted(RESERVED_NAMES)}")
                 specs[name] = build_spec(fn)
         _SPECS[cls] = specs
     return specs

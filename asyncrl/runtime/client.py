@@ -63,7 +63,8 @@ class ActorClient:
         size = len(body) + (frames_nbytes(bufs) if bufs else 0)
         if size > self.max_message_bytes:
             raise MessageTooLargeError(
-                f"call {spec.name}() to actor {self.actor!r} is {size} bytes, over max_message_bytes={self.max_message_bytes}"
+                f"call {spec.name}() to actor {self.actor!r} is {size} bytes, "
+                f"over max_message_bytes={self.max_message_bytes}"
             )
         self._pending[call_id] = pending
         self._sock.send([body, *bufs], copy=not bufs)

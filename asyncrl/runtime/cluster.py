@@ -162,8 +162,8 @@ class Cluster:
             joined = ", ".join(str(r) for r in [0, *sorted(self.nodes)])
             if self._needed() < n:  # elastic: any of the missing ranks would do
                 raise ClusterStartError(
-                    f"{len(self.nodes) + 1} of the {self._needed()} nodes needed (--nnodes {self._needed()}:{n}) joined "
-                    f"the cluster at {self.address} within {timeout_s:g} s (joined: {joined}); start "
+                    f"{len(self.nodes) + 1} of the {self._needed()} nodes needed (--nnodes {self._needed()}:{n}) "
+                    f"joined the cluster at {self.address} within {timeout_s:g} s (joined: {joined}); start "
                     f"`asyncrl launch --nnodes {self._needed()}:{n} --node-rank R ...` with R in "
                     f"{', '.join(map(str, missing))} on {self._needed() - 1 - len(self.nodes)} more node(s)",
                     missing,
@@ -283,7 +283,8 @@ class Cluster:
         node = self.nodes.get(hello.rank)
         reason = None
         if hello.protocol != wire.NODE_PROTOCOL:
-            reason = f"node protocol {hello.protocol}; this supervisor speaks {wire.NODE_PROTOCOL} (same asyncrl everywhere?)"
+            reason = (f"node protocol {hello.protocol}; this supervisor speaks {wire.NODE_PROTOCOL} "
+                      "(same asyncrl everywhere?)")
         elif hello.nnodes != n:
             reason = f"the agent says --nnodes {hello.nnodes}; the supervisor runs {n} nodes"
         elif not 1 <= hello.rank < n:

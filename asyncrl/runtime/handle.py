@@ -114,7 +114,8 @@ class ActorHandle:
         spec = self._specs.get(attr)
         if spec is None:
             known = ", ".join(sorted(self._specs)) or "none"
-            raise AttributeError(f"actor {self._record.name!r} ({self._record.cls.__qualname__}) has no endpoint {attr!r}; endpoints: {known}")
+            raise AttributeError(f"actor {self._record.name!r} ({self._record.cls.__qualname__}) has no endpoint "
+                                 f"{attr!r}; endpoints: {known}")
         return RemoteMethod(self._record, spec, self._timeout_s)
 
     def __repr__(self) -> str:

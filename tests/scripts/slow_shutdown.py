@@ -1,7 +1,8 @@
 """Spawns two actors (one with a grandchild), serves the status of RUN_DIR (argv[1]), and blocks
 one actor's loop so that a graceful shutdown waits for it. Prints the pids, the supervisor's socket
 directory and the status socket as JSON; the blocked actor prints "[held-1]: blocked"; "closing"
-follows on stdout when a signal starts the shutdown. Used by test_lifecycle.py to interrupt that shutdown with a second signal."""
+follows on stdout when a signal starts the shutdown. Used by test_lifecycle.py to interrupt that
+shutdown with a second signal."""
 
 import asyncio
 import json

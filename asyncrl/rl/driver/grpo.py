@@ -10,7 +10,8 @@ weights sync.
 In ``async`` mode the samplers generate while the trainer trains: while it takes step k they
 generate for the steps after it, paced by the `Pacer` (pacing.py) so that they begin only groups
 that will be trained at most ``max_staleness`` versions after their weights; the queue still
-drops (and counts) any older group. New weights go into a sampler between two decoding steps (``sampler.weight_update``), so
+drops (and counts) any older group. New weights go into a sampler between two decoding steps
+(``sampler.weight_update``), so
 a sync never waits for a batch to finish; a group is tagged with the version it began under. In
 ``sync`` mode each step's groups are generated after the previous sync and nothing is generated
 during training: the synchronous baseline, same code, staleness always 0.

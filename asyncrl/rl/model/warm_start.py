@@ -11,7 +11,8 @@ files, and a chat template that renders the very text the model was trained on: 
 user message ``"3 7 25 50 -> 178"`` becomes ``"3 7 25 50 -> 178:"``; for any other task each
 message is rendered verbatim, a model turn followed by its eos, as `chat_template` says) plus
 ``asyncrl_model.json``, which records the prompt style the model was trained on ("compact":
-`Prompt.compact`, or a ``str`` prompt as is). It is cached under a hash of everything that determines it (the task's part is
+`Prompt.compact`, or a ``str`` prompt as is). It is cached under a hash of everything that
+determines it (the task's part is
 `Task.fingerprint`), and written to a temporary directory that is renamed into place only when
 complete: a crash mid-write leaves a ``.tmp-*`` directory that is never read, and is removed by a
 later build once its writer is gone.

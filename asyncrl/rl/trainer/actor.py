@@ -3,7 +3,8 @@
 It is rank 0 of the weight-sync group (`SyncMember` gives it the rendezvous endpoints). One
 trainer may be N processes (``--trainer.world_size``): each call below is written once, and what
 differs between one process and a rank of N (the batch's share, the guard, gathers, the
-checkpoint's format) is the trainer's strategy, ``self.parallel`` (``trainer/parallel.py``). A batch arrives as `RolloutGroup`s; each completion becomes one
+checkpoint's format) is the trainer's strategy, ``self.parallel`` (``trainer/parallel.py``). A
+batch arrives as `RolloutGroup`s; each completion becomes one
 sequence ``prompt + completion`` whose completion tokens are scored. Micro-batches are cut by a
 token budget, padded tokens counted (``trainer/batching.py``; several sequences per row with
 ``pack_tokens``, ``trainer/packing.py``), and the loss (``trainer/loss.py``)

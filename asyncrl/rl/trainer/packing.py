@@ -32,7 +32,8 @@ MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 
 def packed_micro_batches(groups: list[RolloutGroup], advantages: torch.Tensor, budget: int, device: torch.device,
                          pack_tokens: int) -> list[MicroBatch]:
-    """`micro_batches` with several sequences per row: the batch's sequences packed into rows of at most ``pack_tokens`` tokens (first fit, longest first: a
+    """`micro_batches` with several sequences per row: the batch's sequences packed into rows of at
+    most ``pack_tokens`` tokens (first fit, longest first: a
     sequence longer than that gets a row of its own), then cut the rows into micro-batches of at
     most ``budget`` tokens (rows x longest row)."""
     rows: list[list[Sequence]] = []

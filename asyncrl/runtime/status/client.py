@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import zmq
@@ -40,7 +40,8 @@ def read_supervisor_file(run_dir: str) -> SupervisorFile:
             ) from None
         raise StatusUnavailableError(
             "not_started",
-            f"no supervisor serves {run_dir} (no {SUPERVISOR_FILE}): the run has not started yet, or it ended without {SUMMARY_FILE}",
+            f"no supervisor serves {run_dir} (no {SUPERVISOR_FILE}): the run has not started yet, "
+            f"or it ended without {SUMMARY_FILE}",
         ) from None
     except (OSError, ValueError, msgspec.DecodeError) as e:
         raise StatusUnavailableError("bad_file", f"cannot read {path}: {e}") from None
@@ -51,8 +52,8 @@ def read_supervisor_file(run_dir: str) -> SupervisorFile:
     if not same_process_alive(info.pid, info.pid_start_ticks):
         raise StatusUnavailableError(
             "stale",
-            f"the supervisor is not running: pid {info.pid}, which wrote {path} at {local_time(info.started_at)}, is gone "
-            "(killed or crashed before it could remove the file); the file is stale",
+            f"the supervisor is not running: pid {info.pid}, which wrote {path} at {local_time(info.started_at)}, "
+            "is gone (killed or crashed before it could remove the file); the file is stale",
         )
     if info.address.startswith("ipc://") and not os.path.exists(info.address[len("ipc://"):]):
         raise StatusUnavailableError(
@@ -105,6 +106,6 @@ def _ask(run_dir: str, request: Any, reply_type: type, timeout_s: float) -> tupl
     try:
         if len(frames) != 1:
             raise ValueError(f"{len(frames)} frames, not 1")
-        return who, msgspec.msgpack.decode(frames[0], type=Union[reply_type, StatusFailure])
+        return who, msgspec.msgpack.decode(frames[0], type=reply_type | StatusFailure)
     except (ValueError, msgspec.DecodeError) as e:
         raise StatusUnavailableError("protocol", f"undecodable answer from {who} (another asyncrl version?): {e}") from None

@@ -39,7 +39,8 @@ def format_status(reply: StatusReply) -> str:
     """The human-readable view ``asyncrl status`` prints."""
     lines = [
         f"run         {reply.run_dir}",
-        f"supervisor  pid {reply.pid} on {reply.hostname}, up {_duration(reply.uptime_s)} (since {local_time(reply.started_at)})",
+        f"supervisor  pid {reply.pid} on {reply.hostname}, up {_duration(reply.uptime_s)} "
+        f"(since {local_time(reply.started_at)})",
     ]
     for n in reply.nodes:
         lines.append(f"node {n.rank:<6} {n.hostname} {n.address}, devices {n.devices_free}/{n.devices_total} free, {n.state}")

@@ -8,12 +8,12 @@ target. The driver applies it at its next weight sync (`Scaler.at_sync`, called 
 
 * Up: the missing samplers are spawned at once, in the background, placed as the run's first
   ones were (a free GPU each on the first node with one, the trainer's GPU when colocated, the
-  CPU), each a new actor ``samplerK`` with its own seed and data walk. A sampler whose process is up is added to the pool as a
-  candidate at the next sync, and that sync re-forms the group with it: it takes the current
-  weights in the rebuild, and its rollouts are pumped only after that (the pool's invariant), so
-  it never generates with other weights than the run's. (When no sampler is in the group, every
-  other one lost, no sync comes until one joins: a sampler that comes up then is added at once,
-  and the pool's wait for a batch re-forms the group with it.)
+  CPU), each a new actor ``samplerK`` with its own seed and data walk. A sampler whose process
+  is up is added to the pool as a candidate at the next sync, and that sync re-forms the group
+  with it: it takes the current weights in the rebuild, and its rollouts are pumped only after
+  that (the pool's invariant), so it never generates with other weights than the run's. (When no
+  sampler is in the group, every other one lost, no sync comes until one joins: a sampler that
+  comes up then is added at once, and the pool's wait for a batch re-forms the group with it.)
 * Down: the samplers to drain are picked so that the fewest groups are lost: those still starting
   (their start is cancelled), then those waiting for a restart, then the newest in the group.
   Each leaves the group at once (`Membership.drain`): its stream is cut, the groups it was making
