@@ -72,8 +72,8 @@ def test_two_classes_of_one_name_stay_apart():
 
 
 def test_the_driver_catches_the_errors_of_ranks_and_samplers_without_torch():
-    code = ("import sys; import asyncrl.rl.driver.fleet.pool, asyncrl.rl.driver.fleet.trainer_ranks, asyncrl.rl.driver.grpo; "
-            "print('torch' in sys.modules)")
+    code = ("import sys; import asyncrl.rl.driver.fleet.pool, asyncrl.rl.driver.fleet.trainer_ranks, "
+            "asyncrl.rl.driver.grpo; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
