@@ -18,8 +18,8 @@ embedded agent template as the endpoint renders the episodes (``<tool_call>`` JS
 ``<tool_response>``). The model learns a per-operator chance of calling the tool and answers the
 rest itself, mostly wrongly: GRPO, through the endpoint, has both the solve rate and the share of
 episodes that use the tool to raise. (Measured: tool use rises; the solve rate, held back by the
-copies across the call's JSON, did not in 100 steps: docs/agents.md.) A checkpoint's own chat template (Qwen2.5, Hermes) describes
-``TOOLS`` to the model instead.
+copies across the call's JSON, did not in 100 steps: docs/agents.md.) A checkpoint's own chat
+template (Qwen2.5, Hermes) describes ``TOOLS`` to the model instead.
 
 The calculator is asyncrl's bounded arithmetic parser: the model's arguments are parsed, never
 ``eval``-ed.

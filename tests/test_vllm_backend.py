@@ -89,7 +89,7 @@ async def test_progress_reports_each_rows_tokens_as_the_engine_makes_them(engine
     for temperature in (1.0, 0.0):
         reports: dict[int, list[list[int]]] = {}
         groups = await engine.generate(prompts[:2], 2, SamplingParams(max_new_tokens=8, temperature=temperature, seed=1),
-                                       lambda row, ids: reports.setdefault(row, []).append(ids))
+                                       lambda row, ids, reports=reports: reports.setdefault(row, []).append(ids))
         rows = [c.token_ids for g in groups for c in g]
         assert sorted(reports) == [0, 1, 2, 3]
         for row, ids in enumerate(rows):
