@@ -133,6 +133,15 @@ def no_leftover_processes():
 
 
 @pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> str:
+    """One ``ASYNCRL_CACHE_DIR`` for the runs a test session launches: a run warm-starts its embedded
+    model once per cache key (its model, warm start and task), so the runs of one tiny config
+    (test_grpo's ``TINY``, in five files) build it once, not once a test. The cache is safe to
+    share: a key is built in a directory of its own and renamed into place whole."""
+    return str(tmp_path_factory.mktemp("model-cache"))
+
+
+@pytest.fixture(scope="session")
 def model_path(tmp_path_factory) -> str:
     """A 64-wide one-layer Qwen2 warm-started for 400 steps (about 10 s, once per test session): it
     writes well-formed answers often enough that rewards differ within groups, so gradients and the

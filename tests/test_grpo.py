@@ -35,14 +35,16 @@ def check_sync_phases(r: dict) -> None:
     assert r["sync_trainer_s"] > 0 and r["sync_sampler_s"] > 0 and r["sync_bytes"] > 0, r
 
 
-def launch(tmp_path, *args):
-    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+def launch(tmp_path, *args, cache: str | None = None):
+    """The example through `asyncrl launch` in ``tmp_path``; its embedded model cached in ``cache``
+    (conftest's ``model_cache``, shared by the session's runs), else in a cache of its own."""
+    env = dict(os.environ, ASYNCRL_CACHE_DIR=cache or str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
                            *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode):
+def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, model_cache):
     run_dir = tmp_path / "run"
     # The async run also distils from a teacher (a random checkpoint with the embedded tokenizer,
     # served by the scorer actor): the same run, one actor more, rather than a run of its own.
@@ -52,7 +54,7 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode):
 
         teacher = ["--teacher.model_path", write_tiny(str(tmp_path / "teacher"), hidden_size=32),
                    "--trainer.loss.distill_coef", "1"]
-    done = launch(tmp_path, *TINY, "--run.mode", mode, "--run.run_dir", str(run_dir), *teacher)
+    done = launch(tmp_path, *TINY, "--run.mode", mode, "--run.run_dir", str(run_dir), *teacher, cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]

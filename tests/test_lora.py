@@ -168,7 +168,7 @@ def test_lora_steps_move_the_policy_toward_the_rewarded_completions(embedded_pat
 
 
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
-def test_a_tiny_lora_run_of_the_example_syncs_and_exports(tmp_path, sync):
+def test_a_tiny_lora_run_of_the_example_syncs_and_exports(tmp_path, sync, model_cache):
     """The example end to end with LoRA (the HF sampler): every step trains and syncs, and the
     final policy is a merged checkpoint that transformers loads, with the adapter beside it."""
     import json
@@ -179,7 +179,7 @@ def test_a_tiny_lora_run_of_the_example_syncs_and_exports(tmp_path, sync):
 
     run_dir = tmp_path / "run"
     done = launch(tmp_path, *TINY, "--trainer.lora.rank", "4", "--trainer.lora.sync", sync, "--trainer.lr", "1e-3",
-                  "--run.run_dir", str(run_dir))
+                  "--run.run_dir", str(run_dir), cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["sync_s"] > 0 for r in records)
@@ -189,7 +189,7 @@ def test_a_tiny_lora_run_of_the_example_syncs_and_exports(tmp_path, sync):
     assert AutoModelForCausalLM.from_pretrained(str(final), local_files_only=True).config.hidden_size == 32
 
 
-def test_a_lora_run_of_the_example_raises_the_reward(tmp_path):
+def test_a_lora_run_of_the_example_raises_the_reward(tmp_path, model_cache):
     """The example with LoRA adapters (adapter-only sync into the HF sampler) on a task GRPO can
     learn in a few steps on the tiny model: the reward rises, as it does with full fine-tuning
     (test_user_task.py)."""
@@ -202,7 +202,7 @@ def test_a_lora_run_of_the_example_raises_the_reward(tmp_path):
                   "--sampler.group_size", "8", "--trainer.lora.rank", "4", "--trainer.lora.sync", "adapter",
                   "--trainer.lr", "5e-3", "--warm_start.steps", "80", "--warm_start.lr", "1e-2",
                   "--warm_start.warmup_steps", "5", "--warm_start.batch_size", "32",
-                  "--run.eval_every", "12", "--run.run_dir", str(run_dir))
+                  "--run.eval_every", "12", "--run.run_dir", str(run_dir), cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # measured: 0.64 over the first three steps, 0.81 over the last three; 1e-2 collapses (full FT too)

@@ -244,9 +244,10 @@ EVAL_KEYS = {"heldout_solve_rate", "heldout_sampled_solve_rate", *(f"heldout/{k}
 
 
 @pytest.mark.slow
-def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothing(tmp_path):
+def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothing(tmp_path, model_cache):
     run_dir = tmp_path / "run"
-    done = launch(tmp_path, *TINY, "--run.steps", "4", "--run.max_staleness", "0", "--run.run_dir", str(run_dir))
+    done = launch(tmp_path, *TINY, "--run.steps", "4", "--run.max_staleness", "0", "--run.run_dir", str(run_dir),
+                  cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # not a terminal: plain lines, no bar
     assert "\r" not in done.stdout and "step    4/4  reward" in done.stdout

@@ -270,7 +270,7 @@ def test_two_lora_ranks_save_and_sync_the_merged_policy_one_rank_would(tiny_path
         torch.testing.assert_close(a2[name], a1[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_rank_and_resume(tmp_path):
+def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_rank_and_resume(tmp_path, model_cache):
     """The example end to end with ``--trainer.world_size 2``: rank 1 raises mid-backward at step
     3, the run stops naming it and saying how to resume; the resumed run ends well, with a final
     policy that transformers loads."""
@@ -285,14 +285,15 @@ def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_ra
             "--run.eval_every", "1000", "--run.run_dir", str(run_dir)]
     os.environ[FAULT_ENV] = "1:3:raise"  # the launched processes inherit it
     try:
-        stopped = launch_example("grpo_countdown.py", tmp_path, *args, timeout=400)
+        stopped = launch_example("grpo_countdown.py", tmp_path, *args, timeout=400, cache=model_cache)
     finally:
         del os.environ[FAULT_ENV]
     out = stopped.stdout + stopped.stderr
     assert stopped.returncode != 0, out[-3000:]
     assert "trainer rank 1 (trainer-1) failed during train_step: InjectedFault" in out, out[-3000:]
     assert "rank(s) 0 left their collectives" in out and "--resume" in out, out[-3000:]
-    resumed = launch_example("grpo_countdown.py", tmp_path, *args, "--resume", str(run_dir), timeout=400)
+    resumed = launch_example("grpo_countdown.py", tmp_path, *args, "--resume", str(run_dir), timeout=400,
+                             cache=model_cache)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]

@@ -82,8 +82,10 @@ class Sleepy(YesNo):
         return 1.0
 
 
-def launch(tmp_path, *args, timeout=300):
-    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+def launch(tmp_path, *args, timeout=300, cache: str | None = None):
+    """examples/grpo.py through `asyncrl launch`; its model cached in ``cache`` (conftest's
+    ``model_cache``: test_lora.py's YesNo run warm-starts the same model), else in ``tmp_path``."""
+    env = dict(os.environ, ASYNCRL_CACHE_DIR=cache or str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo.py"),
                            *TINY, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -92,12 +94,12 @@ def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_task_defined_in_a_test_file_learns(tmp_path):
+def test_a_task_defined_in_a_test_file_learns(tmp_path, model_cache):
     run_dir = tmp_path / "run"
     done = launch(tmp_path, "--task.name", f"{HERE}:YesNo", "--run.steps", "12", "--run.groups_per_step", "4",
                   "--sampler.group_size", "4", "--trainer.lr", "3e-3", "--warm_start.steps", "80", "--warm_start.lr", "1e-2",
                   "--warm_start.warmup_steps", "5", "--warm_start.batch_size", "32",
-                  "--run.eval_every", "12", "--run.run_dir", str(run_dir))
+                  "--run.eval_every", "12", "--run.run_dir", str(run_dir), cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rewards = [r["reward_mean"] for r in records(run_dir)]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards

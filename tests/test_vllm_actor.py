@@ -238,7 +238,7 @@ def _json_line(proc: subprocess.Popen, timeout_s: float) -> dict | None:
     return None
 
 
-def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path):
+def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
     from test_grpo import TINY
 
     why = needs_two_devices(vllm_required)
@@ -247,7 +247,7 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path):
     device = ["--run.device", "cuda"] if vllm_required.type == "cuda" else []
 
     run_dir = tmp_path / "run"
-    env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), **VLLM_ENV)
+    env = dict(os.environ, ASYNCRL_CACHE_DIR=model_cache, **VLLM_ENV)
     done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
                            *TINY, *device, "--sampler.backend", "vllm", "--run.run_dir", str(run_dir)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)

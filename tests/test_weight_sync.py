@@ -1,5 +1,8 @@
 """Weight sync over gloo between real actor processes: bit-exact syncs, one communicator per
-membership, typed failures in bounded time, and a rebuild after a member was SIGKILLed."""
+membership, typed failures in bounded time, and a rebuild after a member was SIGKILLed.
+
+Each test starts its actors at once (`asyncio.gather`): a start is mostly torch's import, and on
+the loaded 2-core machine three receivers started together were up in 4-5 s, one after another in 11 s."""
 
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ async def sync(sender, receivers, version):
 @pytest.mark.parametrize("n_receivers", [1, 2, 3])
 async def test_ten_syncs_are_bit_exact_on_one_communicator(n_receivers):
     async with Supervisor() as sup:
-        sender = await sup.spawn(Sender, 1, name="sender")
-        receivers = [await sup.spawn(Receiver, 100 + i, kwargs={"whole": i == 1}, name=f"recv{i}") for i in range(n_receivers)]
+        sender, *receivers = await asyncio.gather(sup.spawn(Sender, 1, name="sender"), *(
+            sup.spawn(Receiver, 100 + i, kwargs={"whole": i == 1}, name=f"recv{i}") for i in range(n_receivers)))
         await form_group([sender, *receivers], HOST, timeout_s=30)
         buckets = await asyncio.gather(sender.setup(), *(r.setup() for r in receivers))
         # the 280 kB tensor is larger than a 64 KiB bucket: it goes whole, unstaged; the rest is bucketed
@@ -42,8 +45,8 @@ async def test_ten_syncs_are_bit_exact_on_one_communicator(n_receivers):
 
 async def test_refusals_fail_every_member_and_the_group_keeps_working():
     async with Supervisor() as sup:
-        sender = await sup.spawn(Sender, 2, name="sender")
-        receivers = [await sup.spawn(Receiver, 7, name=f"recv{i}") for i in range(2)]
+        sender, *receivers = await asyncio.gather(sup.spawn(Sender, 2, name="sender"),
+                                                  *(sup.spawn(Receiver, 7, name=f"recv{i}") for i in range(2)))
         await form_group([sender, *receivers], HOST, timeout_s=30)
         await asyncio.gather(sender.setup(), *(r.setup() for r in receivers))
         sent, *got = await sync(sender, receivers, 5)
@@ -66,9 +69,9 @@ async def test_refusals_fail_every_member_and_the_group_keeps_working():
 
 async def test_layout_mismatch_fails_set_up_on_every_member():
     async with Supervisor() as sup:
-        sender = await sup.spawn(Sender, 1, name="sender")
-        good = await sup.spawn(Receiver, 3, name="good")
-        bad = await sup.spawn(Receiver, 3, kwargs={"shape_of_w": (7, 33)}, name="bad")
+        sender, good, bad = await asyncio.gather(sup.spawn(Sender, 1, name="sender"),
+                                                 sup.spawn(Receiver, 3, name="good"),
+                                                 sup.spawn(Receiver, 3, kwargs={"shape_of_w": (7, 33)}, name="bad"))
         await form_group([sender, good, bad], HOST, timeout_s=30)
         results = await asyncio.gather(sender.setup(), good.setup(), bad.setup(), return_exceptions=True)
         for r in results:
@@ -78,8 +81,7 @@ async def test_layout_mismatch_fails_set_up_on_every_member():
 
 async def test_missing_member_is_named_within_the_timeout():
     async with Supervisor() as sup:
-        sender = await sup.spawn(Sender, name="sender")
-        receiver = await sup.spawn(Receiver, name="recv")
+        sender, receiver = await asyncio.gather(sup.spawn(Sender, name="sender"), sup.spawn(Receiver, name="recv"))
         port = await sender.sync_listen(HOST)
         start = time.monotonic()
         # world size 3, but rank 2 is never started
@@ -105,9 +107,9 @@ async def test_missing_member_is_named_within_the_timeout():
 
 async def test_sigkill_mid_sync_fails_survivors_in_bounded_time_then_rebuild():
     async with Supervisor() as sup:
-        sender = await sup.spawn(Sender, 4, name="sender")
-        steady = await sup.spawn(Receiver, 5, name="steady")
-        victim = await sup.spawn(Receiver, 6, kwargs={"slow_s": 0.02}, name="victim")  # ~1 s per sync
+        sender, steady, victim = await asyncio.gather(
+            sup.spawn(Sender, 4, name="sender"), sup.spawn(Receiver, 5, name="steady"),
+            sup.spawn(Receiver, 6, kwargs={"slow_s": 0.02}, name="victim"))  # the victim takes ~1 s per sync
         await form_group([sender, steady, victim], HOST, timeout_s=30)
         await asyncio.gather(sender.setup(timeout_s=15), steady.setup(timeout_s=15), victim.setup(timeout_s=15))
         sent, *got = await sync(sender, [steady, victim], 0)
@@ -139,8 +141,7 @@ async def test_sigkill_mid_sync_fails_survivors_in_bounded_time_then_rebuild():
 
 async def test_frozen_member_fails_the_sync_within_its_deadline():
     async with Supervisor() as sup:
-        sender = await sup.spawn(Sender, 4, name="sender")
-        frozen = await sup.spawn(Receiver, 5, name="frozen")
+        sender, frozen = await asyncio.gather(sup.spawn(Sender, 4, name="sender"), sup.spawn(Receiver, 5, name="frozen"))
         await form_group([sender, frozen], HOST, timeout_s=30)
         await asyncio.gather(sender.setup(timeout_s=3), frozen.setup(timeout_s=3))
         pid = frozen.info().pid
