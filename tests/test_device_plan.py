@@ -90,3 +90,26 @@ def test_a_run_over_nodes_counts_every_joined_nodes_gpus():
     assert plan_devices("auto", *cluster_devices("cuda", ["0"], lost), 1).colocated
     assert cluster_devices(None, [], nodes) == (None, [])  # a head node without GPUs plans for the CPU
     assert cluster_devices("cuda", ["0", "1"], nodes[:1]) == ("cuda", ["0", "1"])  # one node: its own devices
+
+
+def test_scorers_get_a_gpu_each_when_every_one_can_else_share_the_trainers():
+    # a host with exactly trainer + sampler GPUs: adding a teacher leaves the samplers on their own
+    plan = plan_devices("auto", "cuda", ["0", "1"], 1, scorers=1)
+    assert (plan.colocated, plan.sync_backend, plan.sampler_gpus) == (False, "nccl", 1)
+    assert (plan.scorers_colocated, plan.scorer_gpus) == (True, 0)
+    assert plan.line == "cuda: one GPU each for the trainer and 1 sampler(s); the 1 scorer(s) share the trainer's GPU"
+    # one GPU short of a scorer each: none gets its own, and the spare one is named
+    plan = plan_devices("auto", "cuda", ["0", "1", "2"], 1, scorers=2)
+    assert (plan.colocated, plan.scorers_colocated) == (False, True)
+    assert "2 scorer(s) share the trainer's GPU (1 GPU(s) left unused: too few for one a scorer)" in plan.line
+    # enough: one each
+    plan = plan_devices("auto", "cuda", ["0", "1", "2", "3"], 1, scorers=2)
+    assert (plan.colocated, plan.scorers_colocated, plan.scorer_gpus, plan.sampler_gpus) == (False, False, 1, 1)
+    assert plan.line == "cuda: one GPU each for the trainer, 1 sampler(s) and 2 scorer(s)"
+    # too few for the samplers: everything on the trainer's GPU
+    plan = plan_devices("auto", "cuda", ["0"], 1, scorers=1)
+    assert (plan.colocated, plan.scorers_colocated, plan.scorer_gpus, plan.sync_backend) == (True, True, 0, "ipc")
+    assert plan.line.endswith("take weights over CUDA IPC; the 1 scorer(s) share the trainer's GPU")
+    # the CPU: nothing to share
+    plan = plan_devices("auto", None, [], 1, scorers=2)
+    assert (plan.device, plan.scorer_gpus, plan.scorers_colocated) == ("cpu", 0, False)

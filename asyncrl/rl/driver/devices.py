@@ -21,11 +21,14 @@ class DevicePlan:
     device: str
     """"cpu" or "cuda": what the trainer and samplers compute on."""
     colocated: bool
-    """The samplers share the trainer's GPU (fewer GPUs than actors)."""
+    """The samplers share the trainer's GPU (fewer GPUs than trainer ranks and samplers)."""
     sync_backend: str
     """The weight-sync communicator: gloo on CPU, nccl between GPUs, ipc on one GPU."""
     line: str
     """What was decided, for the run's log."""
+    scorers_colocated: bool = False
+    """The scorers (teacher, reward model) share the trainer's GPU: too few GPUs for one each
+    after the trainer's and the samplers'."""
 
     @property
     def trainer_gpus(self) -> int:
@@ -35,6 +38,11 @@ class DevicePlan:
     def sampler_gpus(self) -> int:
         """GPUs each sampler asks for itself (a colocated one takes the trainer's)."""
         return int(self.device == "cuda" and not self.colocated)
+
+    @property
+    def scorer_gpus(self) -> int:
+        """GPUs each scorer asks for itself (a colocated one takes the trainer's)."""
+        return int(self.device == "cuda" and not self.scorers_colocated)
 
     def vllm_options(self, share: float, samplers: int) -> dict:
         """`VLLMBackend` options for each sampler: its share of GPU memory (``share``: the config's,
@@ -46,13 +54,17 @@ class DevicePlan:
         return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)} if self.colocated else {}
 
 
-def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int, *, trainer_ranks: int = 1) -> DevicePlan:
+def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int, *, trainer_ranks: int = 1,
+                 scorers: int = 0) -> DevicePlan:
     """``asked``: --run.device ("auto", "cpu", "cuda"); ``kind``/``ids``: the host's accelerators
     (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has;
-    ``trainer_ranks``: the trainer's processes (--trainer.world_size), a GPU each on CUDA."""
+    ``trainer_ranks``: the trainer's processes (--trainer.world_size), a GPU each on CUDA;
+    ``scorers``: its scorer actors (a teacher, a reward model), planned after the samplers: a GPU
+    each when every one gets one, else on the trainer's GPU (a scorer never takes a sampler's)."""
     gpus = len(ids) if kind == "cuda" else 0
     wanted = trainer_ranks + samplers
     trainer = f"{trainer_ranks} trainer ranks" if trainer_ranks > 1 else "the trainer"
+    host = "trainer rank 0's GPU" if trainer_ranks > 1 else "trainer's GPU"
     if asked == "cpu":
         also = f" ({gpus} CUDA device(s) left unused: --run.device auto uses them)" if gpus else ""
         return DevicePlan("cpu", False, "gloo", f"cpu, as asked{also}")
@@ -66,13 +78,18 @@ def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int, *,
     if gpus < trainer_ranks:
         raise ConfigError(f"--trainer.world_size {trainer_ranks} needs a GPU per rank, but this host shows {gpus}; "
                           "lower it, or add --run.device cpu")
+    if gpus >= wanted + scorers:
+        each = f"{trainer}, {samplers} sampler(s) and {scorers} scorer(s)" if scorers else f"{trainer} and {samplers} sampler(s)"
+        return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for {each}")
+    scorer_words = f"; the {scorers} scorer(s) share the {host}" if scorers else ""
     if gpus >= wanted:
-        return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for {trainer} and {samplers} sampler(s)")
+        spare = f" ({gpus - wanted} GPU(s) left unused: too few for one a scorer)" if gpus > wanted else ""
+        return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for {trainer} and {samplers} sampler(s)"
+                          f"{scorer_words}{spare}", scorers_colocated=True)
     unused = f"; {gpus - trainer_ranks} other GPU(s) unused" if gpus > trainer_ranks else ""
-    host = "trainer rank 0's GPU" if trainer_ranks > 1 else "trainer's GPU"
     return DevicePlan("cuda", True, "ipc",
                       f"cuda, colocated: {gpus} GPU(s) for {trainer} and {samplers} sampler(s), so the samplers share "
-                      f"the {host} and take weights over CUDA IPC{unused}")
+                      f"the {host} and take weights over CUDA IPC{scorer_words}{unused}", scorers_colocated=True)
 
 
 def cluster_devices(kind: str | None, ids: list[str], nodes: list) -> tuple[str | None, list[str]]:
