@@ -46,21 +46,28 @@ def launch(tmp_path, *args, cache: str | None = None):
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, model_cache):
     run_dir = tmp_path / "run"
-    # The async run also distils from a teacher (a random checkpoint with the embedded tokenizer,
-    # served by the scorer actor): the same run, one actor more, rather than a run of its own.
+    # The async run also distils from a teacher and adds a generative judge's verdict to the reward
+    # (random checkpoints with the embedded tokenizer, each served by a scorer actor): the same
+    # run, two actors more, rather than runs of their own.
     teacher = []
     if mode == "async":
         from sampler_support import write_tiny
 
+        (tmp_path / "judge.txt").write_text("{prompt}{completion} ok?")
         teacher = ["--teacher.model_path", write_tiny(str(tmp_path / "teacher"), hidden_size=32),
-                   "--trainer.loss.distill_coef", "1"]
+                   "--trainer.loss.distill_coef", "1", "--reward_model.kind", "judge",
+                   "--reward_model.model_path", write_tiny(str(tmp_path / "judge"), hidden_size=32),
+                   "--reward_model.template", "judge.txt", "--reward_model.verdict_tokens", "y,n",
+                   "--reward_model.weight", "0.5"]
     done = launch(tmp_path, *TINY, "--run.mode", mode, "--run.run_dir", str(run_dir), *teacher, cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     if teacher:  # every group was scored by the teacher; none left out for equal rewards (they still teach)
         assert all("distill_kl" in r and r["uniform_skipped"] == 0 for r in records), records
-        assert f"; teacher {tmp_path / 'teacher'}" in done.stdout
+        assert f"; teacher {tmp_path / 'teacher'}; reward model {tmp_path / 'judge'}" in done.stdout
+        # every completion trained on was judged (p(y) against p(n): nothing to parse)
+        assert sum(r["judged"] for r in records) >= 3 * 2 * 2 and not any(r["judge_unparsed"] for r in records)
     for r in records:
         for key in ("reward_mean", "train_solve_rate", "staleness_hist", "dropped_stale", "loss", "grad_norm",
                     "wait_s", "train_s", "sync_s", "samples_per_s", "queue_depth", "entropy", "lr", "uniform_skipped"):

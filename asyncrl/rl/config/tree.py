@@ -99,8 +99,17 @@ def plain(doc: str) -> str:
 @functools.lru_cache(maxsize=None)
 def docstrings(cls: type) -> dict[str, str]:
     """Field docstrings (the string literal right after a field), whitespace collapsed, read from
-    the class source (cached: inspect parses the class's whole module for it, and --help asks
-    once per field)."""
+    the class source and its bases' (a field a subclass inherits keeps its base's docstring; cached:
+    inspect parses the class's whole module for it, and --help asks once per field)."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if base is not object:
+            docs.update(docstrings(base))
+    return docs | _own_docstrings(cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _own_docstrings(cls: type) -> dict[str, str]:
     import ast
     import inspect
     import textwrap

@@ -28,6 +28,7 @@ from typing import Any
 
 from asyncrl.rl.config.grpo import check_heldout_unseen  # noqa: F401 (callers' name for GRPOConfig's rule)
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task, TaskError
 
@@ -52,18 +53,33 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
         _check_max_new_tokens(config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path),
                               config.model_path)
     _check_run_dir(run_dir, config.run.run_dir, resume)
-    scorers = {}
-    for key in ("teacher", "reward_model"):  # tokenizers compared with the student's once it exists (run.py)
-        section = getattr(config, key)
-        if section.model_path:
-            path = os.path.abspath(os.path.expanduser(section.model_path))
-            _checkpoint_positions(path, section.model_path, f"--{key}.model_path")
-            scorers[key] = dataclasses.replace(section, model_path=path)
+    # tokenizers are compared with the student's once it exists (run.py)
+    scorers = {key: _checked_scorer(key, section) for key, section in scorer_sections(config)}
     config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(), **scorers,
                                  run=dataclasses.replace(config.run, run_dir=run_dir))
     check_task(config)
     _check_viewers(config.run.observe)
     return config
+
+
+def _checked_scorer(key: str, section: Any) -> Any:
+    """A scorer's section (``--key.*``) with its paths made absolute, once its checkpoint looks
+    loadable and, for a judge, its template is a readable text file that shows the completion."""
+    path = os.path.abspath(os.path.expanduser(section.model_path))
+    _checkpoint_positions(path, section.model_path, f"--{key}.model_path")
+    if not getattr(section, "template", ""):
+        return dataclasses.replace(section, model_path=path)
+    template = os.path.abspath(os.path.expanduser(section.template))
+    flag = f"--{key}.template {shlex.quote(section.template)}"
+    try:
+        with open(template, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{flag}: cannot be read ({type(exc).__name__}: {exc.strerror if isinstance(exc, OSError) else exc}); "
+                          "give a UTF-8 text file with {prompt} and {completion} in it") from None
+    if "{completion}" not in text:
+        raise ConfigError(f"{flag} has no {{completion}}: the judge would never see what it judges")
+    return dataclasses.replace(section, model_path=path, template=template)
 
 
 def _check_viewers(observe: Any) -> None:

@@ -25,6 +25,7 @@ from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints,
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.stored import write_run_config
+from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import cluster_devices, plan_devices
@@ -37,7 +38,7 @@ from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.sampler_start import start_samplers
 from asyncrl.rl.driver.fleet.scaling import ScaleRefusedError, Scaler, least_loaded_node
-from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers
+from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers, scorer_kwargs
 from asyncrl.rl.driver.fleet.trainer_ranks import node_address, spawn_trainer_ranks
 from asyncrl.runtime import signals
 
@@ -62,11 +63,9 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     config = check_run(config, resume=resume)  # paths and limits, before anything is spawned or written
     run = config.run
     ranks = config.trainer.world_size
-    # Each scorer (teacher, reward model) is placed as one more sampler: a GPU of its own when
-    # there is one, else colocated.
-    scorer_keys = [key for key in ("teacher", "reward_model") if getattr(config, key).model_path]
+    scorers = scorer_sections(config)  # teacher, reward model: placed by plan_devices after the samplers
     devices = cluster_devices(*detect("auto"), sup.nodes())
-    plan = plan_devices(run.device, *devices, config.sampler.count + len(scorer_keys), trainer_ranks=ranks)
+    plan = plan_devices(run.device, *devices, config.sampler.count, trainer_ranks=ranks, scorers=len(scorers))
     trainer_nodes, sampler_nodes = _placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
     spec = config.task_spec()
     task = load_task(spec)  # loaded (and its data read) by check_run already: cached
@@ -129,11 +128,12 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             stop_warm_start.set()
             raise
         cuda, device = plan.device == "cuda", plan.device
-        for key in scorer_keys:  # before anything is spawned: one that reads ids otherwise is refused in one line
-            check_tokenizers(model_path, getattr(config, key).model_path, f"--{key}.model_path")
+        for key, section in scorers:  # before anything is spawned: one that reads ids otherwise is refused in one line
+            if section.shares_tokenizer:
+                check_tokenizers(model_path, section.model_path, f"--{key}.model_path")
         log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
             f"{config.sampler.count} sampler(s); mode {run.mode}"
-            + "".join(f"; {key.replace('_', ' ')} {getattr(config, key).model_path}" for key in scorer_keys))
+            + "".join(f"; {key.replace('_', ' ')} {section.model_path}" for key, section in scorers))
 
         # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
         # actors of one host fight over the same cores, and throughput collapses.
@@ -177,26 +177,25 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                                  "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
                                  "adapter": _synced_adapter(config)})
 
-        def spawn_scorer(key: str, name: str, kind: str):  # placed and restarted as a sampler is (driver/teacher.py)
+        def spawn_scorer(section, name: str):  # placed by plan_devices, restarted as a sampler is (driver/teacher.py)
             from asyncrl.rl.scorer.actor import ScorerActor
 
-            section = getattr(config, key)
-            return sup.spawn(ScorerActor, section.model_path, name=name, gpus=plan.sampler_gpus,
-                             share_devices_with="trainer" if plan.colocated else None, env=env,
-                             node=None if plan.colocated else sampler_nodes[0],
-                             max_restarts=run.recovery.sampler_max_restarts, kwargs={
-                                 "device": device, "temperature": config.sampler.temperature,
-                                 "batch_tokens": section.batch_tokens, "kind": kind})
+            return sup.spawn(ScorerActor, section.model_path, name=name, gpus=plan.scorer_gpus,
+                             share_devices_with="trainer" if plan.scorers_colocated else None, env=env,
+                             node=None if plan.scorers_colocated else sampler_nodes[0],
+                             max_restarts=run.recovery.sampler_max_restarts,
+                             kwargs={"device": device, "temperature": config.sampler.temperature,
+                                     **scorer_kwargs(section, model_path)})
 
         teacher = reward_model = None
         calls = {"restart_timeout_s": run.recovery.restart_timeout_s, "log": log}
-        if "teacher" in scorer_keys:
-            teacher = Teacher(await spawn_scorer("teacher", "scorer", "teacher"), timeout_s=config.teacher.timeout_s,
-                              **calls)
-        if "reward_model" in scorer_keys:
+        if config.teacher.model_path:
+            teacher = Teacher(await spawn_scorer(config.teacher, "scorer"), timeout_s=config.teacher.timeout_s, **calls)
+        if config.reward_model.model_path:
             rm = config.reward_model
-            reward_model = RewardModel(await spawn_scorer("reward_model", "reward_model", "reward"), weight=rm.weight,
-                                       rule_weight=rm.rule_weight, timeout_s=rm.timeout_s, **calls)
+            reward_model = RewardModel(await spawn_scorer(rm, "reward_model"), weight=rm.weight,
+                                       rule_weight=rm.rule_weight, judge=rm.kind == "judge",
+                                       max_unparsed_rate=rm.max_unparsed_rate, timeout_s=rm.timeout_s, **calls)
         # A run scaled by `asyncrl scale` resumes with the size it had (its checkpoint records it),
         # and keeps it as its target.
         scaled = read_run_state(checkpoint).samplers_target if checkpoint is not None else 0

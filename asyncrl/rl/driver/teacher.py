@@ -1,6 +1,7 @@
-"""The driver's side of the scorer actors: the tokenizer check before one is spawned; `Teacher`,
-which has each delivered group scored by a teacher before it is queued (on-policy distillation),
-and `RewardModel`, which adds a reward model's score to the task's reward.
+"""The driver's side of the scorer actors: the tokenizer check before one is spawned and what it
+is spawned with (`scorer_kwargs`); `Teacher`, which has each delivered group scored by a teacher
+before it is queued (on-policy distillation), and `RewardModel`, which adds a reward model's (or
+a judge's) score to the task's reward.
 
 Each sampler's pump calls `Teacher.annotate` on its groups, so the scorer sees requests from
 every sampler at once and batches them (``scorer/actor.py``). A scorer that dies or overruns
@@ -12,6 +13,7 @@ restarts the supervisor gives it; past them the run stops, naming the scorer.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -92,21 +94,63 @@ class Teacher(ScorerCalls):
         return _fitted(group, teacher_logprobs=await self.call("teacher_logprobs", group))
 
 
+class UnparsedVerdictsError(RunStoppedError):
+    """Too many of a judge's verdicts did not parse for its scores to mean anything."""
+
+
 class RewardModel(ScorerCalls):
     """A reward model's scores combined with the task's: ``reward = rule_weight * rule +
-    weight * model`` per completion."""
+    weight * model`` per completion. A judge's (``judge``) unparsed verdict (None) adds 0 and is counted;
+    more than ``max_unparsed_rate`` of them, after ``min_verdicts``, stop the run."""
 
-    def __init__(self, handle, *, weight: float, rule_weight: float, **calls):
+    def __init__(self, handle, *, weight: float, rule_weight: float, judge: bool = False,
+                 max_unparsed_rate: float = 0.0, min_verdicts: int = 50, **calls):
         super().__init__(handle, name="reward model", timeout_flag="--reward_model.timeout_s", **calls)
-        self.weight, self.rule_weight = weight, rule_weight
+        self.weight, self.rule_weight, self.judge = weight, rule_weight, judge
+        self.max_unparsed_rate, self.min_verdicts = max_unparsed_rate, min_verdicts
+        self.verdicts = self.unparsed = 0  # over the run
+        self._counts = {"judged": 0, "judge_unparsed": 0}  # since the last take_counts
 
     async def annotate(self, group: RolloutGroup) -> RolloutGroup:
         """``group`` with its rewards the weighted sum of the task's and the reward model's."""
         scores = await self.call("rewards", group)
-        if len(scores) != len(group.rewards) or not all(math.isfinite(s) for s in scores):
+        if len(scores) != len(group.rewards) or not all(s is None or math.isfinite(s) for s in scores):
             raise RunStoppedError(f"the reward model gave {scores!r} for the {len(group.rewards)} completions of "
                                   f"prompt {group.prompt_id}: one finite score per completion is needed")
-        return _fitted(group, rewards=[self.rule_weight * r + self.weight * s for r, s in zip(group.rewards, scores)])
+        unparsed = sum(s is None for s in scores)
+        if unparsed and not self.unparsed:
+            self.log(f"reward model: {unparsed} of the judge's verdicts on prompt {group.prompt_id} did not parse "
+                     "(counted as 0; see --reward_model.verdict, --reward_model.template; metric judge_unparsed)")
+        self.verdicts += len(scores)
+        self.unparsed += unparsed
+        self._counts["judged"] += len(scores)
+        self._counts["judge_unparsed"] += unparsed
+        if self.verdicts >= self.min_verdicts and self.unparsed / self.verdicts > self.max_unparsed_rate:
+            raise UnparsedVerdictsError(
+                f"{self.unparsed} of the judge's {self.verdicts} verdicts did not parse ({self.unparsed / self.verdicts:.0%},"
+                f" more than --reward_model.max_unparsed_rate {self.max_unparsed_rate:g}): fix --reward_model.verdict "
+                "or the template's instructions (--reward_model.template)")
+        return _fitted(group, rewards=[self.rule_weight * r + self.weight * (s or 0.0)
+                                       for r, s in zip(group.rewards, scores)])
+
+    def take_counts(self) -> dict[str, int]:
+        """Verdicts and unparsed ones since the previous take, for the step's metrics (a judge's only)."""
+        counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        return counts if self.judge else {}
+
+
+def scorer_kwargs(section: Any, student_path: str) -> dict[str, Any]:
+    """The `ScorerActor` keyword arguments that say what a scorer's section (``--teacher.*``,
+    ``--reward_model.*``) serves, besides its device: its kind, batch and, for a judge, the
+    template's text (read here: the actor may run on another node) and how its verdict is read."""
+    kind = "teacher" if not hasattr(section, "kind") else "judge" if section.kind == "judge" else "reward"
+    kwargs: dict[str, Any] = {"kind": kind, "batch_tokens": section.batch_tokens}
+    if kind == "judge":
+        with open(section.template, encoding="utf-8") as f:
+            kwargs["judge"] = {"student_path": student_path, "template": f.read(), "read": section.judge_read,
+                               "verdict_tokens": tuple(section.verdict_tokens), "verdict": section.verdict,
+                               "max_new_tokens": section.max_new_tokens}
+    return kwargs
 
 
 def _fitted(group: RolloutGroup, **fields) -> RolloutGroup:

@@ -84,6 +84,10 @@ class FleetEvents(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Seconds spent recovering from sampler faults since the last step."""
     events: list[dict[str, Any]] | None = None
     """The losses, rejoins and scalings themselves, as faults.jsonl has them (None: none)."""
+    judged: int | None = None
+    """A judge's verdicts since the last step (``--reward_model.kind judge``; None: no judge)."""
+    judge_unparsed: int | None = None
+    """Of them, those that did not parse (each added 0 to its completion's reward)."""
 
 
 class StepRecord(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -1,2 +1,3 @@
-"""A model that scores: the scorer actor (``actor.py``) serves a teacher's per-token log-probs of
-completions the samplers made (prefill only, no generation), for on-policy distillation."""
+"""Models that score: the scorer actor (``actor.py``) serves a teacher's per-token log-probs of
+completions the samplers made (on-policy distillation), a reward model's scalar (``reward.py``) or
+a generative judge's verdict (``judge.py``)."""

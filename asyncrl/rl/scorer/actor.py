@@ -1,6 +1,7 @@
-"""`ScorerActor`: a local Hugging Face checkpoint that scores completions, prefill only: a
-teacher's per-token log-probs (kind "teacher") or a reward model's scalar per completion (kind
-"reward", ``reward.py``).
+"""`ScorerActor`: a local Hugging Face checkpoint that scores completions: a teacher's per-token
+log-probs (kind "teacher"), a reward model's scalar per completion (kind "reward", ``reward.py``)
+or a generative judge's verdict per completion (kind "judge", ``judge.py``). Prefill only, but
+for a judge that reads its verdict from what it generates.
 
 Each `teacher_logprobs` call (one group: a prompt and its completions) waits in a queue; one
 worker task takes every request waiting when it is free, up to ``batch_tokens`` of them, and
@@ -25,6 +26,7 @@ import torch
 from asyncrl.errors import ActionableError
 from asyncrl.rl.model.policy import load_policy
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.scorer.judge import Judge, JudgeError
 from asyncrl.rl.scorer.reward import RewardModelError, load_reward_model, sequence_rewards
 from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.scoring import fused_head_fallback, scored_logprobs
@@ -39,14 +41,16 @@ class ScorerError(ActionableError):
 
 class ScorerActor(Actor):
     """Serves ``model_path``'s log-probs of completion tokens at ``temperature`` (``kind``
-    "teacher") or its scalar reward per completion (``kind`` "reward") on ``device``, batching
-    waiting requests up to ``batch_tokens`` tokens a pass (see the module docstring).
-    ``cpu_threads`` > 0 sets torch's intra-op threads."""
+    "teacher"), its scalar reward per completion (``kind`` "reward") or its verdict per
+    completion (``kind`` "judge": ``judge`` holds `Judge`'s keyword arguments, the student's
+    tokenizer path and the template's text among them) on ``device``, batching waiting requests
+    up to ``batch_tokens`` tokens a pass (see the module docstring). ``cpu_threads`` > 0 sets
+    torch's intra-op threads."""
 
     def __init__(self, model_path: str, *, device: str = "cpu", temperature: float = 1.0, batch_tokens: int = 16384,
-                 cpu_threads: int = 0, kind: str = "teacher"):
-        if kind not in ("teacher", "reward"):
-            raise ValueError(f"kind must be 'teacher' or 'reward', not {kind!r}")
+                 cpu_threads: int = 0, kind: str = "teacher", judge: dict | None = None):
+        if kind not in ("teacher", "reward", "judge"):
+            raise ValueError(f"kind must be 'teacher', 'reward' or 'judge', not {kind!r}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, not {temperature!r}")
         if batch_tokens < 1:
@@ -59,8 +63,16 @@ class ScorerActor(Actor):
             self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
         self.kind = kind
-        start_phase(f"loading the {'teacher' if kind == 'teacher' else 'reward model'} {model_path}")
-        if kind == "reward":
+        start_phase(f"loading the {'reward model' if kind == 'reward' else kind} {model_path}")
+        self.judge: Judge | None = None
+        if kind == "judge":
+            try:
+                self.judge = Judge(model_path, device=self.device, **(judge or {}))
+            except JudgeError as exc:
+                raise ScorerError(str(exc)) from None
+            self.model = self.judge.model
+            self.vocab = len(self.judge.student)  # requests carry the student's token ids
+        elif kind == "reward":
             try:
                 self.model = load_reward_model(model_path, self.device)
             except RewardModelError as exc:
@@ -76,7 +88,8 @@ class ScorerActor(Actor):
         self._pending: list[tuple[list[int], list[list[int]], asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._worker: asyncio.Task | None = None
-        self._stats = {"requests": 0, "passes": 0, "forwards": 0, "tokens": 0, "score_s": 0.0, "failed_passes": 0}
+        self._stats = {"requests": 0, "passes": 0, "forwards": 0, "tokens": 0, "score_s": 0.0, "failed_passes": 0,
+                       "unparsed": 0}
 
     async def on_start(self) -> None:
         self._worker = asyncio.create_task(self._serve(), name="scorer passes")
@@ -93,9 +106,10 @@ class ScorerActor(Actor):
         return await self._request("teacher", prompt_ids, completion_ids)
 
     @endpoint
-    async def rewards(self, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[float]:
-        """The reward model's scalar for each completion after the prompt (kind "reward")."""
-        return await self._request("reward", prompt_ids, completion_ids)
+    async def rewards(self, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[float | None]:
+        """The reward model's scalar for each completion after the prompt (kind "reward"), or the
+        judge's verdict (kind "judge"; None where it did not parse: ``judge.py``)."""
+        return await self._request("judge" if self.kind == "judge" else "reward", prompt_ids, completion_ids)
 
     async def _request(self, kind: str, prompt_ids: list[int], completion_ids: list[list[int]]):
         if kind != self.kind:
@@ -114,7 +128,8 @@ class ScorerActor(Actor):
     @endpoint
     async def stats(self) -> dict[str, float]:
         """Requests answered, passes (each one batch of waiting requests), forwards, tokens
-        scored (prompt and completion: the prefill), and seconds spent scoring."""
+        scored (prompt and completion: the prefill), seconds spent scoring, and a judge's
+        verdicts that did not parse."""
         return dict(self._stats)
 
     async def _serve(self) -> None:
@@ -151,6 +166,10 @@ class ScorerActor(Actor):
     def _score(self, requests: list[tuple[list[int], list[list[int]]]]) -> tuple[list, int]:
         if self.kind == "reward":
             return sequence_rewards(self.model, requests, self.batch_tokens, self.device)
+        if self.judge is not None:
+            scores, calls = self.judge.score(requests, self.batch_tokens)
+            self._stats["unparsed"] += sum(s is None for row in scores for s in row)
+            return scores, calls
         groups = [RolloutGroup(i, prompt, completions, [[0.0] * len(c) for c in completions], [0.0] * len(completions),
                                version=0) for i, (prompt, completions) in enumerate(requests)]
         flat = [(g, j) for g in groups for j in range(len(g.completion_ids))]

@@ -236,7 +236,8 @@ class SamplerPool:
         return {"generation": self.generation, "samplers_in_group": len(self.membership.with_state(MemberState.JOINED)),
                 "sampler_losses": sum(e["event"] == "lost" for e in events),
                 "sampler_rejoins": sum(e["event"] == "rejoined" for e in events),
-                "recover_s": recover, **({"events": events} if events else {})}
+                "recover_s": recover, **({"events": events} if events else {}),
+                **(self.reward_model.take_counts() if self.reward_model is not None else {})}
 
     def settled_at(self) -> float | None:
         """When (``time.monotonic``) the group last became settled: formed again, or a lost
