@@ -2,6 +2,7 @@
 
     python benchmarks/grpo_seeds.py                      # seeds 0 1 2, one after another
     python benchmarks/grpo_seeds.py --seeds 0 1 2 --parallel -- --run.steps 300
+    python benchmarks/grpo_seeds.py --out DIR --report   # the table of runs made before
 
 Runs ``asyncrl launch examples/grpo_countdown.py --run.seed S`` per seed (overrides after ``--``
 go to every run; the seed changes sampling and training, not the problems) and prints, per seed
@@ -28,8 +29,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--parallel", action="store_true", help="run the seeds at the same time")
     parser.add_argument("--out", default="", help="directory for the runs (default: a temporary one)")
+    parser.add_argument("--report", action="store_true",
+                        help="only print the table of the runs already in --out (wall: the GRPO loop's, summary.json)")
     parser.add_argument("extra", nargs="*", help="overrides for every run, after --")
     args = parser.parse_args()
+    if args.report:
+        walls = {}
+        for seed in args.seeds:
+            with open(os.path.join(args.out, f"seed{seed}", "summary.json")) as f:
+                walls[seed] = json.load(f)["wall_s"]
+        report(args.out, args.seeds, walls)
+        return
     out = args.out or tempfile.mkdtemp(prefix="grpo-seeds-")
     os.makedirs(out, exist_ok=True)
     procs, started, walls = {}, {}, {}

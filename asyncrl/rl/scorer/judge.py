@@ -29,7 +29,6 @@ import torch
 
 from asyncrl.rl.config.teacher import DEFAULT_VERDICT
 
-TEMPLATE_FIELDS = ("{prompt}", "{completion}")
 _FIELD = re.compile(r"\{prompt\}|\{completion\}")
 
 
@@ -69,7 +68,7 @@ class Judge:
 
         if read not in ("logprob", "generate"):
             raise JudgeError(f"--reward_model.judge_read must be 'logprob' or 'generate', not {read!r}")
-        if not all(field in template for field in TEMPLATE_FIELDS[1:]):
+        if "{completion}" not in template:
             raise JudgeError("the judge's template (--reward_model.template) has no {completion}: the judge would "
                              "never see what it judges")
         self.read, self.template, self.device, self.max_new_tokens = read, template, device, max_new_tokens
