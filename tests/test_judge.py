@@ -157,6 +157,11 @@ def test_a_judge_s_flags_and_template_are_checked_before_anything_is_spawned(jud
         check_run(config)
     (tmp_path / "t.txt").write_text("{prompt}={completion}?")
     section = check_run(config).reward_model
+    # every scorer's checkpoint is checked by the same code, named by its own flag
+    for flags in (["--teacher.model_path", "nowhere", "--trainer.loss.distill_coef", "1"],
+                  ["--reward_model.model_path", "nowhere"]):
+        with pytest.raises(ConfigError, match=rf"^{flags[0]} nowhere"):
+            check_run(parse_overrides(GRPOConfig(), [*flags, "--run.run_dir", "run"]))
     assert section.template == str(tmp_path / "t.txt") and not section.shares_tokenizer
     assert scorer_kwargs(section, "/student")["judge"] == {
         "student_path": "/student", "template": "{prompt}={completion}?", "read": "logprob",
