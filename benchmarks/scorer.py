@@ -2,6 +2,7 @@
 
     python benchmarks/scorer.py --device cpu --shape tiny      # this machine
     python benchmarks/scorer.py --device cuda --shape 0.5b     # one GPU (not run yet)
+    python benchmarks/scorer.py --judge --requests 16          # a generative judge's two reads
 
 Throughput: a `ScorerActor` in its own process (one torch thread on CPU, as in a run) on a random
 checkpoint of ``--shape`` (``benchmarks/packing.py``'s models), asked for the teacher log-probs of
@@ -13,6 +14,11 @@ Step cost: the trainer's ``_train_step`` (in this process, one thread) on one ba
 ``--prompts`` such groups, with ``distill_coef`` 0 and 1 (the teacher's log-probs given): the
 median ``train_s`` of ``--steps`` steps each. It does not count what a run pays besides (the
 scorer's process competing for the cores, the wait for a group's scores in the pump).
+
+``--judge``: instead, a generative judge (``rl/scorer/judge.py``, the same random checkpoint, in
+this process on one thread) on the same groups, read both ways: ``logprob`` (one forward of each
+templated completion) and ``generate`` (greedy, ``--judge-tokens`` new tokens): completions per
+CPU second (the wall time too, which other processes' load inflates).
 """
 
 from __future__ import annotations
@@ -37,12 +43,17 @@ def main() -> None:
     parser.add_argument("--callers", default="1,4")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--judge", action="store_true", help="measure a generative judge's two reads instead")
+    parser.add_argument("--judge-tokens", type=int, default=8, help="new tokens of a generated verdict")
     args = parser.parse_args()
     from packing import make_batch, write_model
 
     with tempfile.TemporaryDirectory() as path:
         hint = write_model(path, args.shape)
         groups = make_batch("countdown", args.requests, args.group_size, hint, seed=0)
+        if args.judge:
+            judge_rates(path, args.device, groups, args.judge_tokens)
+            return
         print(f"# {args.shape} on {args.device}, {args.requests} groups x {args.group_size} Countdown-sized completions")
         print("| callers | passes | tokens | seconds | tokens/s |\n|---|---|---|---|---|")
         for callers in (int(c) for c in args.callers.split(",")):
@@ -78,6 +89,29 @@ async def throughput(path: str, device: str, groups: list, callers: int):
         seconds = time.perf_counter() - start
         after = await scorer.stats()
         return after["passes"] - before["passes"], after["tokens"] - before["tokens"], seconds, scores
+
+
+JUDGE_TEMPLATE = "Problem: {prompt}\nAnswer: {completion}\nIs the answer correct? The answer is"
+
+
+def judge_rates(path: str, device: str, groups: list, new_tokens: int) -> None:
+    import torch
+
+    from asyncrl.rl.scorer.judge import Judge
+
+    torch.set_num_threads(1)
+    requests = [(g.prompt_ids, g.completion_ids) for g in groups]
+    n = sum(len(c) for _, c in requests)
+    print("| judge_read | completions | forwards or generate calls | wall s | CPU s | completions per CPU s |\n"
+          "|---|---|---|---|---|---|")
+    for read in ("logprob", "generate"):
+        judge = Judge(path, path, JUDGE_TEMPLATE, read=read, verdict_tokens=("y", "n"), max_new_tokens=new_tokens,
+                      device=torch.device(device))
+        judge.score(requests[:1], 16384)  # warm-up
+        start, cpu = time.perf_counter(), time.process_time()  # CPU time: this machine's load moves the wall's
+        _, calls = judge.score(requests, 16384)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        print(f"| {read} | {n} | {calls} | {seconds:.2f} | {cpu:.2f} | {n / cpu:.0f} |", flush=True)
 
 
 def step_seconds(path: str, device: str, batch: list, coef: float, steps: int) -> float:
