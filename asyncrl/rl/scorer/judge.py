@@ -62,8 +62,7 @@ class Judge:
 
     def __init__(self, model_path: str, student_path: str, template: str, *, read: str = "logprob",
                  verdict_tokens: tuple[str, str] = ("yes", "no"), verdict: str = DEFAULT_VERDICT,
-                 max_new_tokens: int = 16,
-                 device: torch.device = torch.device("cpu")):
+                 max_new_tokens: int = 16, device: torch.device = torch.device("cpu")):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if read not in ("logprob", "generate"):
