@@ -22,9 +22,10 @@ TIERS = {
     # the weight-sync data plane: rendezvous, communicators, the sync itself
     "comm": ("comm_join", "pynccl", "pyhccl_tables", "rendezvous", "weight_sync"),
     # the RL components on real models and actors: sampler, trainer, tasks, the driver's pool
-    "rl": ("agents", "distill", "episodes", "flops", "judge", "lora", "model", "packing", "recovery_pool", "reward_model",
-           "sampler", "scaling_pool", "scorer", "stall", "sync_phases", "tasks", "trainer", "trainer_compile", "trainer_group",
-           "trainer_head", "user_task", "vllm_actor", "vllm_backend", "vllm_compat", "vllm_worker", "warm_start"),
+    "rl": ("agents", "distill", "episodes", "flops", "judge", "lora", "model", "packing", "recovery_pool",
+           "reward_model", "sampler", "scaling_pool", "scorer", "stall", "sync_phases", "tasks", "trainer",
+           "trainer_compile", "trainer_group", "trainer_head", "user_task", "vllm_actor", "vllm_backend", "vllm_compat",
+           "vllm_worker", "warm_start"),
     # whole runs and scripts: GRPO runs, `asyncrl launch`, the examples, resumes, faults on a run
     "e2e": ("elastic", "examples", "fault_tolerance", "grpo", "grpo_multinode", "launch_errors", "lora_vllm",
             "multinode_netns", "multiturn_vllm", "observe", "run_lifecycle", "start_loss", "user_errors"),

@@ -23,7 +23,8 @@ ASK, GRADE = "{prompt}={completion}?", "{prompt}={completion}!"
 
 
 def test_the_template_is_filled_in_one_pass_and_verdicts_parse_to_finite_numbers():
-    assert render("Q: {prompt}\nA: {completion}\n{x}", "1+{completion}", "{prompt}") == "Q: 1+{completion}\nA: {prompt}\n{x}"
+    filled = render("Q: {prompt}\nA: {completion}\n{x}", "1+{completion}", "{prompt}")
+    assert filled == "Q: 1+{completion}\nA: {prompt}\n{x}"
     pattern = re.compile(r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)")
     assert [parse_verdict(pattern, t) for t in ("Score: 7", "score=-0.5 then score:3", "score: x", "7")] == [7.0, -0.5,
                                                                                                            None, None]

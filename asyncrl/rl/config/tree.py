@@ -108,7 +108,7 @@ def docstrings(cls: type) -> dict[str, str]:
     return docs | _own_docstrings(cls)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _own_docstrings(cls: type) -> dict[str, str]:
     import ast
     import inspect

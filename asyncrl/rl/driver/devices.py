@@ -79,7 +79,8 @@ def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int, *,
         raise ConfigError(f"--trainer.world_size {trainer_ranks} needs a GPU per rank, but this host shows {gpus}; "
                           "lower it, or add --run.device cpu")
     if gpus >= wanted + scorers:
-        each = f"{trainer}, {samplers} sampler(s) and {scorers} scorer(s)" if scorers else f"{trainer} and {samplers} sampler(s)"
+        each = f"{trainer}, {samplers} sampler(s) and {scorers} scorer(s)" if scorers else \
+            f"{trainer} and {samplers} sampler(s)"
         return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for {each}")
     scorer_words = f"; the {scorers} scorer(s) share the {host}" if scorers else ""
     if gpus >= wanted:

@@ -75,7 +75,8 @@ def _checked_scorer(key: str, section: Any) -> Any:
         with open(template, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{flag}: cannot be read ({type(exc).__name__}: {exc.strerror if isinstance(exc, OSError) else exc}); "
+        why = exc.strerror if isinstance(exc, OSError) else exc
+        raise ConfigError(f"{flag}: cannot be read ({type(exc).__name__}: {why}); "
                           "give a UTF-8 text file with {prompt} and {completion} in it") from None
     if "{completion}" not in text:
         raise ConfigError(f"{flag} has no {{completion}}: the judge would never see what it judges")

@@ -127,9 +127,10 @@ class RewardModel(ScorerCalls):
         self._counts["judge_unparsed"] += unparsed
         if self.verdicts >= self.min_verdicts and self.unparsed / self.verdicts > self.max_unparsed_rate:
             raise UnparsedVerdictsError(
-                f"{self.unparsed} of the judge's {self.verdicts} verdicts did not parse ({self.unparsed / self.verdicts:.0%},"
-                f" more than --reward_model.max_unparsed_rate {self.max_unparsed_rate:g}): fix --reward_model.verdict "
-                "or the template's instructions (--reward_model.template)")
+                f"{self.unparsed} of the judge's {self.verdicts} verdicts did not parse "
+                f"({self.unparsed / self.verdicts:.0%}, more than --reward_model.max_unparsed_rate "
+                f"{self.max_unparsed_rate:g}): fix --reward_model.verdict or the template's instructions "
+                "(--reward_model.template)")
         return _fitted(group, rewards=[self.rule_weight * r + self.weight * (s or 0.0)
                                        for r, s in zip(group.rewards, scores)])
 

@@ -29,6 +29,7 @@ import torch
 
 from asyncrl.rl.config.teacher import DEFAULT_VERDICT
 
+CPU = torch.device("cpu")
 _FIELD = re.compile(r"\{prompt\}|\{completion\}")
 
 
@@ -62,7 +63,7 @@ class Judge:
 
     def __init__(self, model_path: str, student_path: str, template: str, *, read: str = "logprob",
                  verdict_tokens: tuple[str, str] = ("yes", "no"), verdict: str = DEFAULT_VERDICT,
-                 max_new_tokens: int = 16, device: torch.device = torch.device("cpu")):
+                 max_new_tokens: int = 16, device: torch.device = CPU):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if read not in ("logprob", "generate"):
@@ -76,7 +77,8 @@ class Judge:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, local_files_only=True, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.model.to(device).eval().requires_grad_(False)
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         if read == "logprob":
             ids = [self.tokenizer.encode(word, add_special_tokens=False) for word in verdict_tokens]
             if len(verdict_tokens) != 2 or any(len(i) != 1 for i in ids):
@@ -96,10 +98,12 @@ class Judge:
     def texts(self, requests: list[tuple[list[int], list[list[int]]]]) -> list[list[str]]:
         """The judge's input text for each completion of each ``(prompt, completions)`` request."""
         decode = lambda ids: self.student.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return [[render(self.template, decode(prompt), decode(c)) for c in completions] for prompt, completions in requests]
+        return [[render(self.template, decode(prompt), decode(c)) for c in completions]
+                for prompt, completions in requests]
 
     @torch.no_grad()
-    def score(self, requests: list[tuple[list[int], list[list[int]]]], budget: int) -> tuple[list[list[float | None]], int]:
+    def score(self, requests: list[tuple[list[int], list[list[int]]]],
+              budget: int) -> tuple[list[list[float | None]], int]:
         """One score (None: an unparsed verdict) per completion of each request, and the forwards
         (or generate calls) it took, at most ``budget`` padded tokens each."""
         rows = [(r, j, self.tokenizer.encode(text)) for r, texts in enumerate(self.texts(requests))
