@@ -67,17 +67,31 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
         "nodes",
         "torchrun's flags; defaults from PET_<NAME> or <NAME> variables, then Slurm's (e.g. NNODES, MASTER_ADDR).",
     )
-    _flag(nodes, "nnodes", metavar="N", help="Number of nodes (default 1), or MIN:MAX for an elastic cluster: node 0 "
-                                            "starts once MIN have joined, the others may join while it runs.")
+    _flag(
+        nodes,
+        "nnodes",
+        metavar="N",
+        help="Number of nodes (default 1), or MIN:MAX for an elastic cluster: node 0 "
+        "starts once MIN have joined, the others may join while it runs.",
+    )
     _flag(nodes, "node_rank", metavar="RANK", help="This node's rank; 0 runs the script, the others run a node agent.")
-    _flag(nodes, "master_addr", metavar="ADDR",
-          help="Node 0's address as the other nodes reach it (default 127.0.0.1).")
+    _flag(
+        nodes, "master_addr", metavar="ADDR", help="Node 0's address as the other nodes reach it (default 127.0.0.1)."
+    )
     _flag(nodes, "master_port", metavar="PORT", help="Node 0's cluster port (default 29500).")
     _flag(nodes, "nproc_per_node", metavar="N", help="Accelerator devices this node offers (default: all found).")
-    _flag(nodes, "node_addr", metavar="ADDR",
-          help="Address the other nodes reach this one at (default: that of the interface that routes to the master).")
-    _flag(nodes, "secret_file", metavar="PATH",
-          help="File holding the cluster secret (else $ASYNCRL_CLUSTER_SECRET[_FILE]); see `asyncrl secret`.")
+    _flag(
+        nodes,
+        "node_addr",
+        metavar="ADDR",
+        help="Address the other nodes reach this one at (default: that of the interface that routes to the master).",
+    )
+    _flag(
+        nodes,
+        "secret_file",
+        metavar="PATH",
+        help="File holding the cluster secret (else $ASYNCRL_CLUSTER_SECRET[_FILE]); see `asyncrl secret`.",
+    )
     _flag(nodes, "join_timeout_s", type=float, metavar="S", help="Deadline for every node to join (default 300).")
     _flag(nodes, "node_timeout_s", type=float, metavar="S", help="A node silent this long is lost (default 5).")
     sup = p.add_argument_group("supervisor", "Defaults of Supervisor() in the script.")
@@ -109,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("run_dir", help="The run directory (e.g. runs/grpo-20261122-063000).")
     status.add_argument("--json", action="store_true", help="Print the whole reply as JSON.")
-    status.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                        help="Seconds to wait for the answer (default 5).")
+    status.add_argument(
+        "--timeout", type=float, default=5.0, metavar="S", help="Seconds to wait for the answer (default 5)."
+    )
     scale = sub.add_parser(
         "scale",
         help="Grow or shrink a live GRPO run's samplers (applied at its next weight sync).",
@@ -123,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scale.add_argument("run_dir", help="The run directory of a live run.")
     scale.add_argument("--samplers", type=int, required=True, metavar="N", help="How many samplers to run.")
-    scale.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                       help="Seconds to wait for the run's answer (default 5).")
+    scale.add_argument(
+        "--timeout", type=float, default=5.0, metavar="S", help="Seconds to wait for the run's answer (default 5)."
+    )
     show = sub.add_parser(
         "show",
         help="Print one trained episode of a run (RUN_DIR/episodes.jsonl): the model's tokens and an environment's.",
@@ -147,9 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Run directories (each holds metrics.jsonl).")
-    plot.add_argument("-o", "--output", default="", metavar="PNG",
-                      help="Where to write the picture (default: RUN_DIR/curves.png for one run, curves.png here "
-                           "for several).")
+    plot.add_argument(
+        "-o",
+        "--output",
+        default="",
+        metavar="PNG",
+        help="Where to write the picture (default: RUN_DIR/curves.png for one run, curves.png here for several).",
+    )
     return parser
 
 
@@ -199,8 +219,15 @@ def _configure(args):
     from asyncrl.runtime import auth, net
     from asyncrl.runtime.config import ENV_PREFIX, SupervisorConfig
 
-    for flag in ("transport", "call_timeout_s", "start_timeout_s", "stop_timeout_s", "heartbeat_timeout_s",
-                 "join_timeout_s", "node_timeout_s"):
+    for flag in (
+        "transport",
+        "call_timeout_s",
+        "start_timeout_s",
+        "stop_timeout_s",
+        "heartbeat_timeout_s",
+        "join_timeout_s",
+        "node_timeout_s",
+    ):
         value = getattr(args, flag)
         if value is not None:
             os.environ[ENV_PREFIX + flag.upper()] = str(value)
@@ -268,8 +295,10 @@ def _scale(run_dir: str, samplers: int, timeout_s: float) -> int:
     except StatusUnavailableError as e:
         print(f"asyncrl scale: {e}", file=sys.stderr)
         return e.exit_code
-    print(f"asyncrl scale: {answer['samplers']} -> {answer['target']} sampler(s) accepted at step "
-          f"{answer['step']}; applied at the next weight sync (asyncrl status shows samplers_target)")
+    print(
+        f"asyncrl scale: {answer['samplers']} -> {answer['target']} sampler(s) accepted at step "
+        f"{answer['step']}; applied at the next weight sync (asyncrl status shows samplers_target)"
+    )
     return 0
 
 

@@ -167,8 +167,11 @@ def remote_error_class(type_name: str, path: str = "") -> type[RemoteError]:
         return RemoteError
     else:
         try:
-            cls = type(f"Remote{base.__name__}", (RemoteError, base), {
-                "__init__": RemoteError.__init__, "__str__": BaseException.__str__, "__module__": base.__module__})
+            cls = type(
+                f"Remote{base.__name__}",
+                (RemoteError, base),
+                {"__init__": RemoteError.__init__, "__str__": BaseException.__str__, "__module__": base.__module__},
+            )
         except TypeError:  # a layout the mix cannot take (a builtin with its own C fields): plain
             return RemoteError
     _REMOTE[path] = cls

@@ -36,9 +36,7 @@ EXIT_USAGE = 2
 def _defines_main(path: str) -> bool:
     with open(path, "rb") as f:
         tree = ast.parse(f.read(), filename=path)
-    return any(
-        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "main" for node in tree.body
-    )
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "main" for node in tree.body)
 
 
 def _load(path: str):
@@ -65,9 +63,13 @@ async def _run_main(main) -> object:
 def _hint_if_still_running(after_s: float = 2.0) -> None:
     """After a Ctrl-C, say why the process has not exited yet, if it has not within ``after_s``:
     a thread nothing can interrupt is finishing (daemon timer: it dies with the process)."""
+
     def hint() -> None:
-        print("asyncrl launch: waiting for a background thread to finish (e.g. the warm start); "
-              "Ctrl-C again to exit now", file=sys.stderr, flush=True)
+        print(
+            "asyncrl launch: waiting for a background thread to finish (e.g. the warm start); Ctrl-C again to exit now",
+            file=sys.stderr,
+            flush=True,
+        )
 
     timer = threading.Timer(after_s, hint)
     timer.daemon = True

@@ -7,8 +7,8 @@ Kept free of heavy imports: the CLI resolves these before it imports the runtime
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 class UsageError(ValueError):
@@ -57,7 +57,9 @@ def _slurm(environ: Mapping[str, str]) -> dict[str, str]:
     return found
 
 
-def _value(flag: str, given, environ: Mapping[str, str], names: list[str], slurm: dict, key: str, default) -> tuple[object, str]:
+def _value(
+    flag: str, given, environ: Mapping[str, str], names: list[str], slurm: dict, key: str, default
+) -> tuple[object, str]:
     if given is not None:
         return given, flag
     for name in names:
@@ -98,9 +100,16 @@ def resolve(
 ) -> NodeSettings:
     slurm = _slurm(environ)
     low, n = _nnodes(*_value("--nnodes", nnodes, environ, ["PET_NNODES", "NNODES"], slurm, "nnodes", 1))
-    rank = _int(*_value("--node-rank", node_rank, environ, ["PET_NODE_RANK", "NODE_RANK"], slurm, "node_rank", 0), "--node-rank")
-    addr, _ = _value("--master-addr", master_addr, environ, ["PET_MASTER_ADDR", "MASTER_ADDR"], slurm, "master_addr", "127.0.0.1")
-    port = _int(*_value("--master-port", master_port, environ, ["PET_MASTER_PORT", "MASTER_PORT"], {}, "", 29500), "--master-port")
+    rank = _int(
+        *_value("--node-rank", node_rank, environ, ["PET_NODE_RANK", "NODE_RANK"], slurm, "node_rank", 0), "--node-rank"
+    )
+    addr, _ = _value(
+        "--master-addr", master_addr, environ, ["PET_MASTER_ADDR", "MASTER_ADDR"], slurm, "master_addr", "127.0.0.1"
+    )
+    port = _int(
+        *_value("--master-port", master_port, environ, ["PET_MASTER_PORT", "MASTER_PORT"], {}, "", 29500),
+        "--master-port",
+    )
     procs, origin = _value("--nproc-per-node", nproc_per_node, environ, ["PET_NPROC_PER_NODE"], {}, "", "auto")
     if n < 1:
         raise UsageError(f"--nnodes must be >= 1, not {n}")

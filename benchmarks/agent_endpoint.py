@@ -34,7 +34,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from agent_support import write_chat_tiny  # noqa: E402 (the tests' tiny chat checkpoint)
-
 from asyncrl.rl.agents.runner import AgentRunner  # noqa: E402
 from asyncrl.rl.agents.server import OpenAIServer  # noqa: E402
 from asyncrl.rl.agents.session import SessionCall, assemble  # noqa: E402
@@ -61,8 +60,10 @@ async def direct(backend, tok, params, episodes: int) -> int:
         groups = await backend.generate(prompts, 1, params)
         for i, (prompt, [c]) in enumerate(zip(prompts, groups)):
             calls[i].append(SessionCall(prompt, c.token_ids, c.logprobs, 0, c.finish_reason))
-            conversations[i] = conversations[i] + [{"role": "assistant", "content": c.text},
-                                                   {"role": "user", "content": "And then?"}]
+            conversations[i] = conversations[i] + [
+                {"role": "assistant", "content": c.text},
+                {"role": "user", "content": "And then?"},
+            ]
     samples = [s for c in calls for s in assemble(c)]
     return sum(sum(s.action_mask) for s in samples)
 
@@ -72,8 +73,10 @@ async def endpoint(server, episodes: int, tokens: int) -> int:
         messages = question(i)
         for _ in range(2):
             answer = await client.chat.completions.create(model="policy", messages=messages, max_tokens=tokens)
-            messages = messages + [{"role": "assistant", "content": answer.choices[0].message.content},
-                                   {"role": "user", "content": "And then?"}]
+            messages = messages + [
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": "And then?"},
+            ]
         return 0.0
 
     calls = UserCalls("bench", 600.0, 1.0, workers=max(16, episodes))
@@ -103,20 +106,32 @@ async def main(args) -> dict:
         for rep in range(args.reps + 1):  # the first round warms up
             for name in ("direct", "endpoint"):
                 start = time.perf_counter()
-                count = (await direct(backend, tok, params, args.episodes) if name == "direct"
-                         else await endpoint(server, args.episodes, args.tokens))
+                count = (
+                    await direct(backend, tok, params, args.episodes)
+                    if name == "direct"
+                    else await endpoint(server, args.episodes, args.tokens)
+                )
                 if rep:
                     times[name].append(time.perf_counter() - start)
                 tokens[name] = count
     finally:
         await server.close()
         backend.close()
-    out = {"episodes": args.episodes, "turns": 2, "tokens_per_turn": args.tokens, "threads": args.threads,
-           "reps": args.reps}
+    out = {
+        "episodes": args.episodes,
+        "turns": 2,
+        "tokens_per_turn": args.tokens,
+        "threads": args.threads,
+        "reps": args.reps,
+    }
     for name in times:
         median = statistics.median(times[name])
-        out[name] = {"median_s": round(median, 3), "min_s": round(min(times[name]), 3),
-                     "tokens": tokens[name], "tokens_per_s": round(tokens[name] / median, 1)}
+        out[name] = {
+            "median_s": round(median, 3),
+            "min_s": round(min(times[name]), 3),
+            "tokens": tokens[name],
+            "tokens_per_s": round(tokens[name] / median, 1),
+        }
     out["endpoint_over_direct"] = round(out["endpoint"]["median_s"] / out["direct"]["median_s"], 3)
     return out
 

@@ -36,9 +36,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 KINDS = ("sampler_kill", "sampler_freeze", "trainer_kill")
-SHORT = ["--run.groups_per_step", "8", "--sampler.count", "2", "--run.eval_every", "100000", "--run.n_heldout", "200",
-         "--run.eval_samples", "2", "--run.checkpoint_every", "10", "--run.sync_timeout_s", "5",
-         "--run.restart_timeout_s", "120"]
+SHORT = [
+    "--run.groups_per_step",
+    "8",
+    "--sampler.count",
+    "2",
+    "--run.eval_every",
+    "100000",
+    "--run.n_heldout",
+    "200",
+    "--run.eval_samples",
+    "2",
+    "--run.checkpoint_every",
+    "10",
+    "--run.sync_timeout_s",
+    "5",
+    "--run.restart_timeout_s",
+    "120",
+]
 WATCH_S = 600.0
 """How long the injector waits for a target (a running sampler, a new checkpoint) before it gives up."""
 
@@ -96,16 +111,17 @@ async def inject(sup, run_dir: str, plan: list[dict], rng: random.Random, resume
                 await asyncio.sleep(0.05)
             target = rng.choice(running)
         (status,) = [s for s in sup.status() if s.name == target]
-        fault.update(target=target, at=time.time(), at_step=await progress_step(run_dir),
-                     checkpoint=newest_checkpoint(run_dir))
+        fault.update(
+            target=target, at=time.time(), at_step=await progress_step(run_dir), checkpoint=newest_checkpoint(run_dir)
+        )
         os.kill(status.pid, signal.SIGSTOP if fault["kind"] == "sampler_freeze" else signal.SIGKILL)
 
 
 async def run(config, run_dir: str, plan: list[dict] | None, rng: random.Random) -> tuple[dict, float]:
     """One run to its end (resumed after every trainer loss); returns its summary and wall time."""
     from asyncrl import Supervisor
-    from asyncrl.rl.driver.run import train
     from asyncrl.rl.driver.faults import TrainerLostError
+    from asyncrl.rl.driver.run import train
 
     start, resume, resumed_at = time.monotonic(), False, 0
     while True:
@@ -130,8 +146,15 @@ def measure(plan: list[dict], run_dir: str, steps: int) -> list[dict]:
         events = [json.loads(line) for line in f]
     rows = []
     for fault in (f for f in plan if f.get("at")):
-        row = dict(kind=fault["kind"], step=fault["at_step"], target=fault["target"], detect_s=None, recover_s=None,
-                   back_s=None, survived=False)
+        row = dict(
+            kind=fault["kind"],
+            step=fault["at_step"],
+            target=fault["target"],
+            detect_s=None,
+            recover_s=None,
+            back_s=None,
+            survived=False,
+        )
         later = [e for e in events if e["at"] >= fault["at"]]
         if fault["kind"] == "trainer_kill":
             stopped = next((e for e in later if e["event"] == "stopped"), None)
@@ -150,7 +173,9 @@ def measure(plan: list[dict], run_dir: str, steps: int) -> list[dict]:
                 # what followed this loss: up to the end of the run segment or the sampler's next loss
                 after = []
                 for e in (e for e in later if e["at"] > lost["at"]):
-                    if e["event"] in ("stopped", "resumed") or (e["event"] == "lost" and e.get("sampler") == fault["target"]):
+                    if e["event"] in ("stopped", "resumed") or (
+                        e["event"] == "lost" and e.get("sampler") == fault["target"]
+                    ):
                         break
                     after.append(e)
                 mine = [e for e in after if e.get("sampler") == fault["target"]]
@@ -172,45 +197,66 @@ def report(rows: list[dict], clean: dict, clean_s: float, chaos: dict, chaos_s: 
     print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows, 1):
         extra = f" ({r['redone']} steps redone)" if "redone" in r else ""
-        print(f"| {i} | {r['kind']} | {r['step']} | {r['target']} | {fmt(r['detect_s'])} | {fmt(r['recover_s'])} | "
-              f"{fmt(r['back_s'])}{extra} | {'yes' if r['survived'] else 'NO'} |")
+        print(
+            f"| {i} | {r['kind']} | {r['step']} | {r['target']} | {fmt(r['detect_s'])} | {fmt(r['recover_s'])} | "
+            f"{fmt(r['back_s'])}{extra} | {'yes' if r['survived'] else 'NO'} |"
+        )
     survived = sum(r["survived"] for r in rows)
     recover = [r["recover_s"] for r in rows if r["recover_s"] is not None]
-    print(f"\nfaults injected {len(rows)}, survived {survived}; "
-          f"whole again after {fmt(statistics.median(recover) if recover else None)} s "
-          f"median, {fmt(max(recover) if recover else None)} s max; the faulty run reached step "
-          f"{chaos['steps'] if chaos else '-'} of {steps}")
+    print(
+        f"\nfaults injected {len(rows)}, survived {survived}; "
+        f"whole again after {fmt(statistics.median(recover) if recover else None)} s "
+        f"median, {fmt(max(recover) if recover else None)} s max; the faulty run reached step "
+        f"{chaos['steps'] if chaos else '-'} of {steps}"
+    )
     print("\n| run | held-out greedy | held-out sampled | wall s | sampler losses / rejoins |")
     print("|---|---|---|---|---|")
     for name, s, wall in (("fault-free", clean, clean_s), ("with faults", chaos, chaos_s)):
         after = s["heldout_after"]
-        print(f"| {name} | {after['greedy']:.3f} | {fmt(after.get('sampled'), '.3f')} | {wall:.0f} | "
-              f"{s['faults']['sampler_losses']} / {s['faults']['sampler_rejoins']} |")
-    print(f"(held-out before GRPO: {clean['heldout_before']['greedy']:.3f} greedy, "
-          f"{fmt(clean['heldout_before'].get('sampled'), '.3f')} sampled)")
+        print(
+            f"| {name} | {after['greedy']:.3f} | {fmt(after.get('sampled'), '.3f')} | {wall:.0f} | "
+            f"{s['faults']['sampler_losses']} / {s['faults']['sampler_rejoins']} |"
+        )
+    print(
+        f"(held-out before GRPO: {clean['heldout_before']['greedy']:.3f} greedy, "
+        f"{fmt(clean['heldout_before'].get('sampled'), '.3f')} sampled)"
+    )
 
 
 async def main() -> None:
     args = parse()
     if args.report:
         return show(args.report)
-    from asyncrl.rl.config.parse import parse_overrides
     from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = args.out or tempfile.mkdtemp(prefix="chaos-")
     os.makedirs(out, exist_ok=True)
     base = [*SHORT, "--run.steps", str(args.steps), *args.extra]
-    plan = [{"kind": KINDS[i % len(KINDS)], "step": round((i + 1) * args.steps / (args.faults + 1))}
-            for i in range(args.faults)]
-    print(f"runs in {out}; overrides: {' '.join(base)}\nfault plan: "
-          + ", ".join(f"{f['kind']}@{f['step']}" for f in plan), flush=True)
+    plan = [
+        {"kind": KINDS[i % len(KINDS)], "step": round((i + 1) * args.steps / (args.faults + 1))}
+        for i in range(args.faults)
+    ]
+    print(
+        f"runs in {out}; overrides: {' '.join(base)}\nfault plan: "
+        + ", ".join(f"{f['kind']}@{f['step']}" for f in plan),
+        flush=True,
+    )
     print("fault-free run:", flush=True)
-    clean, clean_s = await run(parse_overrides(GRPOConfig(), [*base, "--run.run_dir", f"{out}/clean"]),
-                               f"{out}/clean", None, random.Random(args.seed))
+    clean, clean_s = await run(
+        parse_overrides(GRPOConfig(), [*base, "--run.run_dir", f"{out}/clean"]),
+        f"{out}/clean",
+        None,
+        random.Random(args.seed),
+    )
     print("run with faults:", flush=True)
-    chaos, chaos_s = await run(parse_overrides(GRPOConfig(), [*base, "--run.run_dir", f"{out}/chaos"]),
-                               f"{out}/chaos", plan, random.Random(args.seed))
+    chaos, chaos_s = await run(
+        parse_overrides(GRPOConfig(), [*base, "--run.run_dir", f"{out}/chaos"]),
+        f"{out}/chaos",
+        plan,
+        random.Random(args.seed),
+    )
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"plan": plan, "steps": args.steps, "clean_s": clean_s, "chaos_s": chaos_s}, f, indent=1)
     show(out)

@@ -60,8 +60,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 def start_hogs(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())], stdin=subprocess.DEVNULL)
-            for _ in range(n)]
+    return [
+        subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())], stdin=subprocess.DEVNULL) for _ in range(n)
+    ]
 
 
 def stop(procs: list[subprocess.Popen], group: bool = False, grace_s: float = 5.0) -> None:
@@ -98,8 +99,13 @@ def run_once(command: list[str], log_path: str | None) -> tuple[int, float, str]
     (exit code, seconds, summary line). Ctrl-C or SIGTERM stops the whole group."""
     start = time.monotonic()
     parent = os.getpid()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: _die_with_parent(parent))
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: _die_with_parent(parent),
+    )
     chunks: list[str] = []
     log = open(log_path, "w") if log_path else None
     try:
@@ -123,8 +129,9 @@ def run_once(command: list[str], log_path: str | None) -> tuple[int, float, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     usage="%(prog)s [--cores N] [--repeat K] [--log-dir DIR] -- COMMAND ...")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], usage="%(prog)s [--cores N] [--repeat K] [--log-dir DIR] -- COMMAND ..."
+    )
     parser.add_argument("--cores", type=int, default=1, help="busy loops to run (default 1)")
     parser.add_argument("--repeat", type=int, default=1, help="run the command this many times (default 1)")
     parser.add_argument("--log-dir", default="", help="write each run's output to DIR/run-K.log")
@@ -142,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGHUP, _raise_stop)
     hogs = start_hogs(args.cores)
-    print(f"cpu_hog: {args.cores} busy loop(s) (pids {[h.pid for h in hogs]}) on {os.cpu_count()} cores; "
-          f"running {' '.join(command)!r} {args.repeat} time(s)", flush=True)
+    print(
+        f"cpu_hog: {args.cores} busy loop(s) (pids {[h.pid for h in hogs]}) on {os.cpu_count()} cores; "
+        f"running {' '.join(command)!r} {args.repeat} time(s)",
+        flush=True,
+    )
     rows: list[tuple[int, int, float, str]] = []
     interrupted = ""
     try:

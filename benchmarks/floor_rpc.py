@@ -183,8 +183,11 @@ def measure_floor(transport: str, n_latency: int = 5000, n_throughput: int = 200
     else:
         raise ValueError(f"unknown transport {transport!r}")
 
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", addr],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", addr],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
     try:
         return _run(_client(addr, proc, n_latency, n_throughput))
     finally:
@@ -200,8 +203,7 @@ def measure_floor(transport: str, n_latency: int = 5000, n_throughput: int = 200
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", metavar="ADDR", help=argparse.SUPPRESS)
-    ap.add_argument("--transport", choices=["ipc", "tcp"], action="append",
-                    help="repeatable; default: both")
+    ap.add_argument("--transport", choices=["ipc", "tcp"], action="append", help="repeatable; default: both")
     ap.add_argument("--n-latency", type=int, default=5000)
     ap.add_argument("--n-throughput", type=int, default=20000)
     ap.add_argument("--json", action="store_true")
@@ -210,10 +212,8 @@ def main() -> None:
         _run(_serve(args.serve))
         return
 
-    results = {t: measure_floor(t, args.n_latency, args.n_throughput)
-               for t in args.transport or ["ipc", "tcp"]}
-    meta = {"loop": "uvloop" if uvloop else "asyncio",
-            "pyzmq": zmq.__version__, "msgspec": msgspec.__version__}
+    results = {t: measure_floor(t, args.n_latency, args.n_throughput) for t in args.transport or ["ipc", "tcp"]}
+    meta = {"loop": "uvloop" if uvloop else "asyncio", "pyzmq": zmq.__version__, "msgspec": msgspec.__version__}
     if args.json:
         print(json.dumps({**meta, **results}))
         return

@@ -55,9 +55,12 @@ class GpuBusy:
     def __init__(self) -> None:
         self.samples: list[tuple[float, int, float]] = []  # (time, gpu index, busy 0..1)
         try:
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu",
-                                          "--format=csv,noheader,nounits", "-lms", "200"],
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         except OSError:
             self.proc = None
             return
@@ -98,12 +101,41 @@ def watch_steps(path: str, stamps: dict[int, float], done: threading.Event) -> N
 
 def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dict:
     steps = args.steps
-    cmd = [sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
-           "--model_path", model, "--sampler.backend", "vllm", "--run.mode", mode, "--run.steps", str(steps),
-           "--run.groups_per_step", str(args.prompts), "--sampler.group_size", str(args.group_size),
-           "--sampler.max_new_tokens", str(args.max_new_tokens), "--trainer.lr", "1e-6",
-           "--run.skip_uniform_groups", "false", "--run.eval_every", str(steps), "--run.n_heldout", "16",
-           "--run.eval_samples", "0", "--run.checkpoint_every", "0", "--run.run_dir", run_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "launch",
+        os.path.join(ROOT, "examples", "grpo_countdown.py"),
+        "--model_path",
+        model,
+        "--sampler.backend",
+        "vllm",
+        "--run.mode",
+        mode,
+        "--run.steps",
+        str(steps),
+        "--run.groups_per_step",
+        str(args.prompts),
+        "--sampler.group_size",
+        str(args.group_size),
+        "--sampler.max_new_tokens",
+        str(args.max_new_tokens),
+        "--trainer.lr",
+        "1e-6",
+        "--run.skip_uniform_groups",
+        "false",
+        "--run.eval_every",
+        str(steps),
+        "--run.n_heldout",
+        "16",
+        "--run.eval_samples",
+        "0",
+        "--run.checkpoint_every",
+        "0",
+        "--run.run_dir",
+        run_dir,
+    ]
     if args.lora_rank:
         cmd += ["--trainer.lora.rank", str(args.lora_rank), "--trainer.lora.bf16_base", "true"]
     cmd += args.extra
@@ -112,8 +144,9 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
     print("$", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if gpus else "", " ".join(cmd[2:]), flush=True)
     busy, stamps, finished = GpuBusy(), {}, threading.Event()
-    watcher = threading.Thread(target=watch_steps, args=(os.path.join(run_dir, "metrics.jsonl"), stamps, finished),
-                               daemon=True)
+    watcher = threading.Thread(
+        target=watch_steps, args=(os.path.join(run_dir, "metrics.jsonl"), stamps, finished), daemon=True
+    )
     watcher.start()
     start = time.monotonic()
     try:
@@ -128,43 +161,77 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
         return {"error": f"exit {done.returncode}: {tail}", "wall_s": wall}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    window = records[args.skip:-1]  # the last step holds the final evaluation
+    window = records[args.skip : -1]  # the last step holds the final evaluation
     first, last = records[args.skip - 1], records[-2]
     span = last["time_s"] - first["time_s"]
     step_s = span / len(window)
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in window)  # noqa: E731
     gen, train, sync = mean("wait_s"), mean("train_s"), mean("sync_s")
-    return {"samples_per_s": sum(r["sequences"] for r in window) / span,
-            "tokens_per_s": sum(r["completion_tokens"] for r in window) / span,
-            "step_s": step_s, "generate_s": gen, "train_s": train, "sync_s": sync,
-            "idle_s": max(step_s - gen - train - sync, 0.0), "micro_batches": mean("micro_batches"),
-            "mfu": mean("mfu") if "mfu" in window[0] else None, "wall_s": wall, "steps": len(window),
-            "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in records) or None,
-            "sync_phases": {k: mean(k) for k in sorted(window[0]) if k.startswith("sync_") and k != "sync_s"
-                            and isinstance(window[0][k], (int, float))},
-            "micro_batch_tokens": window[0].get("micro_batch_tokens"),
-            "first_step_s": records[0]["time_s"],
-            "gpu_busy": busy.share(stamps.get(args.skip, 0.0), stamps.get(len(records) - 1, time.time())),
-            "sampler_generate_s": mean("generate_s"),
-            # the best a step can do: the sampler's generation of a batch, or the trainer's step and sync
-            "ideal_share": max(mean("generate_s"), train + sync) / step_s}
+    return {
+        "samples_per_s": sum(r["sequences"] for r in window) / span,
+        "tokens_per_s": sum(r["completion_tokens"] for r in window) / span,
+        "step_s": step_s,
+        "generate_s": gen,
+        "train_s": train,
+        "sync_s": sync,
+        "idle_s": max(step_s - gen - train - sync, 0.0),
+        "micro_batches": mean("micro_batches"),
+        "mfu": mean("mfu") if "mfu" in window[0] else None,
+        "wall_s": wall,
+        "steps": len(window),
+        "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in records) or None,
+        "sync_phases": {
+            k: mean(k)
+            for k in sorted(window[0])
+            if k.startswith("sync_") and k != "sync_s" and isinstance(window[0][k], (int, float))
+        },
+        "micro_batch_tokens": window[0].get("micro_batch_tokens"),
+        "first_step_s": records[0]["time_s"],
+        "gpu_busy": busy.share(stamps.get(args.skip, 0.0), stamps.get(len(records) - 1, time.time())),
+        "sampler_generate_s": mean("generate_s"),
+        # the best a step can do: the sampler's generation of a batch, or the trainer's step and sync
+        "ideal_share": max(mean("generate_s"), train + sync) / step_s,
+    }
 
 
 def trl_run(args, model: str, out_dir: str) -> dict:
     """TRL in a child process of its own (its vLLM engine and CUDA context go with it)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--trl-child", model, "--shape", args.shape,
-           "--steps", str(args.steps), "--skip", str(args.skip), "--prompts", str(args.prompts),
-           "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens),
-           "--lora-rank", str(args.lora_rank), "--out", out_dir]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--trl-child",
+        model,
+        "--shape",
+        args.shape,
+        "--steps",
+        str(args.steps),
+        "--skip",
+        str(args.skip),
+        "--prompts",
+        str(args.prompts),
+        "--group-size",
+        str(args.group_size),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--lora-rank",
+        str(args.lora_rank),
+        "--out",
+        out_dir,
+    ]
     start = time.monotonic()
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    done = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )
     wall = time.monotonic() - start
     result = [line for line in done.stdout.splitlines() if line.startswith("TRL_RESULT ")]
     if done.returncode != 0 or not result:
         tail = "\n".join(done.stdout.splitlines()[-25:])
         return {"error": f"exit {done.returncode}: {tail}", "wall_s": wall}
-    return {**json.loads(result[-1][len("TRL_RESULT "):]), "wall_s": wall}
+    return {**json.loads(result[-1][len("TRL_RESULT ") :]), "wall_s": wall}
 
 
 def trl_child(args) -> None:
@@ -193,26 +260,59 @@ def trl_child(args) -> None:
     if args.lora_rank:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=16, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            task_type="CAUSAL_LM",
+        )
     config = GRPOConfig(
-        output_dir=os.path.join(args.out, "trl"), per_device_train_batch_size=args.prompts,
-        gradient_accumulation_steps=args.group_size, num_generations=args.group_size,
-        max_completion_length=args.max_new_tokens, temperature=0.7, learning_rate=1e-6, beta=0.0,
-        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=VLLM_SHARE, bf16=True,
-        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no",
-        model_init_kwargs={"dtype": torch.bfloat16 if args.lora_rank else torch.float32})
-    trainer = GRPOTrainer(model=args.trl_child, reward_funcs=reward, args=config, train_dataset=data,
-                          processing_class=tok, callbacks=[Clock()], peft_config=peft_config)
+        output_dir=os.path.join(args.out, "trl"),
+        per_device_train_batch_size=args.prompts,
+        gradient_accumulation_steps=args.group_size,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        temperature=0.7,
+        learning_rate=1e-6,
+        beta=0.0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=VLLM_SHARE,
+        bf16=True,
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        model_init_kwargs={"dtype": torch.bfloat16 if args.lora_rank else torch.float32},
+    )
+    trainer = GRPOTrainer(
+        model=args.trl_child,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Clock()],
+        peft_config=peft_config,
+    )
     start = time.perf_counter()
     trainer.train()
     per_step = args.prompts * args.group_size
     span = times[-1] - times[args.skip - 1]
     steps = len(times) - args.skip
-    print("TRL_RESULT " + json.dumps({
-        "samples_per_s": per_step * steps / span, "tokens_per_s": per_step * steps * args.max_new_tokens / span,
-        "step_s": span / steps, "first_step_s": times[0] - start, "steps": steps,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30}), flush=True)
+    print(
+        "TRL_RESULT "
+        + json.dumps(
+            {
+                "samples_per_s": per_step * steps / span,
+                "tokens_per_s": per_step * steps * args.max_new_tokens / span,
+                "step_s": span / steps,
+                "first_step_s": times[0] - start,
+                "steps": steps,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
+        ),
+        flush=True,
+    )
 
 
 def make_shape(shape: str, path: str) -> None:
@@ -223,30 +323,43 @@ def make_shape(shape: str, path: str) -> None:
 
 
 def table(shape: str, results: dict[str, dict]) -> str:
-    rows = ["| run | samples/s | tokens/s | step s | generate s | train s | sync s | idle s | trainer MFU | "
-            "trainer peak GiB | GPUs busy | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| run | samples/s | tokens/s | step s | generate s | train s | sync s | idle s | trainer MFU | "
+        "trainer peak GiB | GPUs busy | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:90]} | | | | | | | | | | {r['wall_s']:.0f} |")
+            rows.append(
+                f"| {name} | failed: {r['error'].splitlines()[-1][:90]} | | | | | | | | | | {r['wall_s']:.0f} |"
+            )
             continue
         cell = lambda k, r=r: f"{r[k]:.2f}" if r.get(k) is not None else ""  # noqa: E731
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
         busy = " / ".join(f"{100 * b:.0f}%" for b in r.get("gpu_busy", {}).values())
-        rows.append(f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {cell('step_s')} | "
-                    f"{cell('generate_s')} | {cell('train_s')} | {cell('sync_s')} | {cell('idle_s')} | {mfu} | "
-                    f"{cell('peak_gib')} | {busy} | {r['wall_s']:.0f} |")
+        rows.append(
+            f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {cell('step_s')} | "
+            f"{cell('generate_s')} | {cell('train_s')} | {cell('sync_s')} | {cell('idle_s')} | {mfu} | "
+            f"{cell('peak_gib')} | {busy} | {r['wall_s']:.0f} |"
+        )
     trl = results.get("trl", {}).get("samples_per_s")
     if trl:
-        rows += [f"{name}: {r['samples_per_s'] / trl:.2f}x TRL" for name, r in results.items()
-                 if name != "trl" and "samples_per_s" in r]
+        rows += [
+            f"{name}: {r['samples_per_s'] / trl:.2f}x TRL"
+            for name, r in results.items()
+            if name != "trl" and "samples_per_s" in r
+        ]
     return f"{shape}\n" + "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(s for s in SHAPES if s != "embedded"), default="0.5b")
-    parser.add_argument("--runs", default="sync,async,trl",
-                        help="any of sync, async, trl (trl: if installed); sync@N / async@N: on the first N GPUs")
+    parser.add_argument(
+        "--runs",
+        default="sync,async,trl",
+        help="any of sync, async, trl (trl: if installed); sync@N / async@N: on the first N GPUs",
+    )
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--skip", type=int, default=5, help="start-up steps left out of the figures")
     parser.add_argument("--prompts", type=int, default=16, help="prompts a step")
@@ -277,11 +390,17 @@ def main() -> None:
         else:
             mode, _, gpus = name.partition("@")
             label = f"asyncrl {mode}" + (f", {gpus} GPU{'s' if gpus != '1' else ''}" if gpus else "")
-            results[label] = asyncrl_run(mode, args, model, os.path.join(out, f"run-{args.shape}-{mode}{gpus}"),
-                                         int(gpus or 0))
+            results[label] = asyncrl_run(
+                mode, args, model, os.path.join(out, f"run-{args.shape}-{mode}{gpus}"), int(gpus or 0)
+            )
         print(json.dumps({name: results[list(results)[-1]]}), flush=True)
-    print(table(f"{args.shape}{f' LoRA r{args.lora_rank}' if args.lora_rank else ''}, {args.prompts} x "
-                f"{args.group_size} x {args.max_new_tokens} a step", results))
+    print(
+        table(
+            f"{args.shape}{f' LoRA r{args.lora_rank}' if args.lora_rank else ''}, {args.prompts} x "
+            f"{args.group_size} x {args.max_new_tokens} a step",
+            results,
+        )
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "lora_rank": args.lora_rank, "results": results}, f, indent=2)

@@ -24,13 +24,36 @@ import subprocess
 import sys
 import tempfile
 
-PHASES = (("trainer", "sync_trainer_s"), ("pack", "sync_trainer_pack_s"), ("transfer", "sync_trainer_transfer_s"),
-          ("votes", "sync_trainer_vote_s"), ("sampler", "sync_sampler_s"), ("pause", "sync_sampler_pause_s"),
-          ("load", "sync_sampler_load_s"), ("resume", "sync_sampler_resume_s"), ("rpc", "sync_rpc_s"))
+PHASES = (
+    ("trainer", "sync_trainer_s"),
+    ("pack", "sync_trainer_pack_s"),
+    ("transfer", "sync_trainer_transfer_s"),
+    ("votes", "sync_trainer_vote_s"),
+    ("sampler", "sync_sampler_s"),
+    ("pause", "sync_sampler_pause_s"),
+    ("load", "sync_sampler_load_s"),
+    ("resume", "sync_sampler_resume_s"),
+    ("rpc", "sync_rpc_s"),
+)
+
 
 def run(mode: str, steps: int, extra: list[str], run_dir: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "launch", "examples/grpo_countdown.py", "--run.mode", mode,
-           "--run.steps", str(steps), "--run.eval_every", str(steps), "--run.run_dir", run_dir, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "launch",
+        "examples/grpo_countdown.py",
+        "--run.mode",
+        mode,
+        "--run.steps",
+        str(steps),
+        "--run.eval_every",
+        str(steps),
+        "--run.run_dir",
+        run_dir,
+        *extra,
+    ]
     print("$", " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -43,10 +66,16 @@ def steady(records: list[dict], skip: int) -> dict[str, float]:
     window = records[skip:-1]
     samples = sum(r["sequences"] for r in window)
     mean = lambda key: statistics.mean(r[key] for r in window)  # noqa: E731
-    return {"samples_per_s": samples / (last["time_s"] - first["time_s"]), "gen_s": mean("wait_s"),
-            "train_s": mean("train_s"), "sync_s": mean("sync_s"), "staleness": mean("staleness_mean"),
-            "dropped": last["dropped_stale"] - first["dropped_stale"], "steps": len(window),
-            **{key: statistics.mean(r.get(key, 0.0) for r in window) for _, key in PHASES}}
+    return {
+        "samples_per_s": samples / (last["time_s"] - first["time_s"]),
+        "gen_s": mean("wait_s"),
+        "train_s": mean("train_s"),
+        "sync_s": mean("sync_s"),
+        "staleness": mean("staleness_mean"),
+        "dropped": last["dropped_stale"] - first["dropped_stale"],
+        "steps": len(window),
+        **{key: statistics.mean(r.get(key, 0.0) for r in window) for _, key in PHASES},
+    }
 
 
 def main() -> None:
@@ -59,8 +88,10 @@ def main() -> None:
     if args.steps < args.skip + 3:
         parser.error("--steps must exceed --skip by at least 3")
     out = args.out or tempfile.mkdtemp(prefix="grpo-overlap-")
-    results = {mode: steady(run(mode, args.steps, args.extra, os.path.join(out, mode)), args.skip)
-               for mode in ("sync", "async")}
+    results = {
+        mode: steady(run(mode, args.steps, args.extra, os.path.join(out, mode)), args.skip)
+        for mode in ("sync", "async")
+    }
     s, a = results["sync"], results["async"]
     ideal_speedup = (s["gen_s"] + s["train_s"]) / max(s["gen_s"], s["train_s"])
     ideal = s["samples_per_s"] * ideal_speedup
@@ -68,16 +99,20 @@ def main() -> None:
     print("| mode | samples/s | gen s/step | train s/step | sync s/step | staleness | dropped groups |")
     print("|---|---|---|---|---|---|---|")
     for mode, r in results.items():
-        print(f"| {mode} | {r['samples_per_s']:.1f} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.4f} "
-              f"| {r['staleness']:.2f} | {r['dropped']} |")
+        print(
+            f"| {mode} | {r['samples_per_s']:.1f} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.4f} "
+            f"| {r['staleness']:.2f} | {r['dropped']} |"
+        )
     print("\nwhere a sync went, ms per step (trainer: its send; sampler: the slowest's receive)\n")
     print("| mode | sync | " + " | ".join(name for name, _ in PHASES) + " |")
     print("|---|---|" + "---|" * len(PHASES))
     for mode, r in results.items():
         print(f"| {mode} | {1e3 * r['sync_s']:.1f} | " + " | ".join(f"{1e3 * r[key]:.1f}" for _, key in PHASES) + " |")
-    print(f"\nideal speed-up (gen + train) / max(gen, train) = {ideal_speedup:.2f} -> ideal async "
-          f"{ideal:.1f} samples/s; async got {a['samples_per_s']:.1f} = {100 * a['samples_per_s'] / ideal:.0f}% "
-          f"of ideal ({a['samples_per_s'] / s['samples_per_s']:.2f}x sync)")
+    print(
+        f"\nideal speed-up (gen + train) / max(gen, train) = {ideal_speedup:.2f} -> ideal async "
+        f"{ideal:.1f} samples/s; async got {a['samples_per_s']:.1f} = {100 * a['samples_per_s'] / ideal:.0f}% "
+        f"of ideal ({a['samples_per_s'] / s['samples_per_s']:.2f}x sync)"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--parallel", action="store_true", help="run the seeds at the same time")
     parser.add_argument("--out", default="", help="directory for the runs (default: a temporary one)")
-    parser.add_argument("--report", action="store_true",
-                        help="only print the table of the runs already in --out (wall: the GRPO loop's, summary.json)")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="only print the table of the runs already in --out (wall: the GRPO loop's, summary.json)",
+    )
     parser.add_argument("extra", nargs="*", help="overrides for every run, after --")
     args = parser.parse_args()
     if args.report:
@@ -44,8 +47,18 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     procs, started, walls = {}, {}, {}
     for seed in args.seeds:
-        cmd = [sys.executable, "-m", "asyncrl.cli", "launch", "examples/grpo_countdown.py", "--run.seed", str(seed),
-               "--run.run_dir", os.path.join(out, f"seed{seed}"), *args.extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "launch",
+            "examples/grpo_countdown.py",
+            "--run.seed",
+            str(seed),
+            "--run.run_dir",
+            os.path.join(out, f"seed{seed}"),
+            *args.extra,
+        ]
         print("$", " ".join(cmd[2:]), flush=True)
         log = open(os.path.join(out, f"seed{seed}.log"), "w")
         started[seed] = time.monotonic()
@@ -73,23 +86,40 @@ def report(out: str, seeds: list[int], walls: dict[int, float]) -> None:
         before, after = summary["heldout_before"], summary["heldout_after"]
         with open(os.path.join(out, f"seed{seed}", "config.json")) as f:
             trained = summary["steps"] * json.load(f)["run"]["groups_per_step"]
-        rows.append((seed, before["greedy"], after["greedy"], before.get("sampled", float("nan")),
-                     after.get("sampled", float("nan")), walls[seed], summary["dropped_stale"] / trained,
-                     summary.get("uniform_skipped", 0) / trained))
+        rows.append(
+            (
+                seed,
+                before["greedy"],
+                after["greedy"],
+                before.get("sampled", float("nan")),
+                after.get("sampled", float("nan")),
+                walls[seed],
+                summary["dropped_stale"] / trained,
+                summary.get("uniform_skipped", 0) / trained,
+            )
+        )
     print(f"\nruns in {out}\n")
-    print("| seed | greedy before | greedy after | gain | sampled before | sampled after | gain | wall | dropped "
-          "| left out |")
+    print(
+        "| seed | greedy before | greedy after | gain | sampled before | sampled after | gain | wall | dropped "
+        "| left out |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for seed, gb, ga, sb, sa, wall, dropped, left in rows:
-        print(f"| {seed} | {gb:.3f} | {ga:.3f} | {100 * (ga - gb):+.1f} | {sb:.3f} | {sa:.3f} | "
-              f"{100 * (sa - sb):+.1f} | {wall:.0f} s | {100 * dropped:.1f}% | {100 * left:.0f}% |")
+        print(
+            f"| {seed} | {gb:.3f} | {ga:.3f} | {100 * (ga - gb):+.1f} | {sb:.3f} | {sa:.3f} | "
+            f"{100 * (sa - sb):+.1f} | {wall:.0f} s | {100 * dropped:.1f}% | {100 * left:.0f}% |"
+        )
     mean = lambda i: statistics.mean(r[i] for r in rows)  # noqa: E731
-    print(f"| mean | {mean(1):.3f} | {mean(2):.3f} | {100 * (mean(2) - mean(1)):+.1f} | {mean(3):.3f} | "
-          f"{mean(4):.3f} | {100 * (mean(4) - mean(3)):+.1f} | {mean(5):.0f} s | {100 * mean(6):.1f}% | "
-          f"{100 * mean(7):.0f}% |")
-    print("(gains in points; sampled: completions drawn at the training temperature, as GRPO samples them; "
-          "dropped: groups dropped as stale, left out: groups with one reward for every completion, both "
-          "as a share of the groups trained)")
+    print(
+        f"| mean | {mean(1):.3f} | {mean(2):.3f} | {100 * (mean(2) - mean(1)):+.1f} | {mean(3):.3f} | "
+        f"{mean(4):.3f} | {100 * (mean(4) - mean(3)):+.1f} | {mean(5):.0f} s | {100 * mean(6):.1f}% | "
+        f"{100 * mean(7):.0f}% |"
+    )
+    print(
+        "(gains in points; sampled: completions drawn at the training temperature, as GRPO samples them; "
+        "dropped: groups dropped as stale, left out: groups with one reward for every completion, both "
+        "as a share of the groups trained)"
+    )
 
 
 if __name__ == "__main__":

@@ -55,11 +55,22 @@ async def measure(path: str, mode: str, rank: int, device: str, iters: int, colo
     # colocated: the sampler on the trainer's GPU, weights as CUDA IPC handles (how one GPU runs)
     placement = {"share_devices_with": "trainer"} if colocate else {"gpus": gpus}
     async with Supervisor(call_timeout_s=600) as sup:
-        trainer = await sup.spawn(TrainerActor, path, TrainerConfig(lora=lora), name="trainer", env=env, gpus=gpus,
-                                  kwargs={"device": device})
-        sampler = await sup.spawn(SamplerActor, path, SamplerConfig(backend="hf"), name="sampler", env=env,
-                                  **placement, kwargs={"device": device, "data": DataConfig(n_train=10, n_heldout=8),
-                                                       "adapter": lora if mode == "adapter" else None})
+        trainer = await sup.spawn(
+            TrainerActor, path, TrainerConfig(lora=lora), name="trainer", env=env, gpus=gpus, kwargs={"device": device}
+        )
+        sampler = await sup.spawn(
+            SamplerActor,
+            path,
+            SamplerConfig(backend="hf"),
+            name="sampler",
+            env=env,
+            **placement,
+            kwargs={
+                "device": device,
+                "data": DataConfig(n_train=10, n_heldout=8),
+                "adapter": lora if mode == "adapter" else None,
+            },
+        )
         await form_group([trainer, sampler], "127.0.0.1", timeout_s=120, backend="ipc" if colocate else "auto")
         await asyncio.gather(trainer.setup_sender(120), sampler.setup_receiver(120))
         times = []
@@ -100,8 +111,10 @@ def main() -> None:
     print("| sync | rank | bytes | MiB | sync s | bit-exact |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['rank'] or '-'} | {r['bytes']} | {r['bytes'] / 2**20:.2f} | {r['sync_s']:.4f} | "
-              f"{r['bit_exact']} |")
+        print(
+            f"| {r['mode']} | {r['rank'] or '-'} | {r['bytes']} | {r['bytes'] / 2**20:.2f} | {r['sync_s']:.4f} | "
+            f"{r['bit_exact']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -49,11 +49,18 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8, help="completions per group (default example: 8)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1, as the trainer actor runs)")
-    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every parameter)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads on CPU (default 1, as the trainer actor runs)"
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every parameter)"
+    )
     parser.add_argument("--bf16-base", action="store_true", help="with --lora-rank: the frozen base in bf16 (GPU)")
-    parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="--trainer.activation_checkpointing: layers recompute their activations in the backward")
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="--trainer.activation_checkpointing: layers recompute their activations in the backward",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args()
 
@@ -72,20 +79,33 @@ def main() -> None:
         real = sum(len(g.prompt_ids) + len(c) for g in batch for c in g.completion_ids)
         rows = []
         for pack in [0] + [int(x) for x in args.pack_tokens.split(",") if x]:
-            config = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, pack_tokens=pack,
-                                   attn_implementation=args.attn, temperature=1.0, lora=lora,
-                                   activation_checkpointing=args.activation_checkpointing)
+            config = TrainerConfig(
+                micro_batch_tokens=args.micro_batch_tokens,
+                pack_tokens=pack,
+                attn_implementation=args.attn,
+                temperature=1.0,
+                lora=lora,
+                activation_checkpointing=args.activation_checkpointing,
+            )
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             trainer = TrainerActor(path, config, device=args.device)
             steps = asyncio.run(train_steps(trainer, batch, args.warmup + args.steps))
             metrics = steps[-1]
-            seconds = statistics.median(m["train_s"] for m in steps[args.warmup:])
+            seconds = statistics.median(m["train_s"] for m in steps[args.warmup :])
             padded_tokens = padded_size(torch.device(args.device), batch, config)
-            rows.append({"layout": f"packed {pack}" if pack else "padded", "micro_batches": int(metrics["micro_batches"]),
-                         "tokens_in_forward": padded_tokens, "real_tokens": real, "step_s": round(seconds, 4),
-                         "tokens_per_s": round(real / seconds, 1), "loss": metrics["loss"],
-                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None})
+            rows.append(
+                {
+                    "layout": f"packed {pack}" if pack else "padded",
+                    "micro_batches": int(metrics["micro_batches"]),
+                    "tokens_in_forward": padded_tokens,
+                    "real_tokens": real,
+                    "step_s": round(seconds, 4),
+                    "tokens_per_s": round(real / seconds, 1),
+                    "loss": metrics["loss"],
+                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
+                }
+            )
             del trainer
             if args.device == "cuda":
                 gc.collect()  # the next row's peak must not include this trainer
@@ -98,16 +118,24 @@ def main() -> None:
         return
     trained = f"LoRA rank {lora.rank}{', bf16 base' if lora.bf16_base else ''}" if lora.rank else "every parameter"
     trained += ", activation checkpointing" if args.activation_checkpointing else ""
-    print(f"# {args.shape} on {args.device} ({args.attn}), {args.lengths} lengths, {args.prompts}x{args.group_size} "
-          f"sequences, {real} real tokens per batch, median of {args.steps} steps, {trained} trained")
-    print("| layout | micro-batches | tokens in forward (padding incl.) | step s | real tokens/s | vs padded | peak GiB |")
+    print(
+        f"# {args.shape} on {args.device} ({args.attn}), {args.lengths} lengths, {args.prompts}x{args.group_size} "
+        f"sequences, {real} real tokens per batch, median of {args.steps} steps, {trained} trained"
+    )
+    print(
+        "| layout | micro-batches | tokens in forward (padding incl.) | step s | real tokens/s | vs padded | peak GiB |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        print(f"| {r['layout']} | {r['micro_batches']} | {r['tokens_in_forward']} | {r['step_s']:.4f} | "
-              f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {peak} |")
-    print("loss of the last step per layout (the same steps from the same weights: equal up to rounding): "
-          + ", ".join(f"{r['loss']:.6f}" for r in rows))
+        print(
+            f"| {r['layout']} | {r['micro_batches']} | {r['tokens_in_forward']} | {r['step_s']:.4f} | "
+            f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {peak} |"
+        )
+    print(
+        "loss of the last step per layout (the same steps from the same weights: equal up to rounding): "
+        + ", ".join(f"{r['loss']:.6f}" for r in rows)
+    )
 
 
 def write_model(path: str, shape: str) -> int:
@@ -126,10 +154,22 @@ def write_model(path: str, shape: str) -> int:
     if shape == "tiny":
         model = _new_model(ModelConfig(), tok)
     else:  # Qwen2-0.5B's shape; the vocabulary is the embedded tokenizer's ids padded to Qwen's size
-        model = Qwen2ForCausalLM(Qwen2Config(
-            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True, use_sliding_window=False,
-            bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=151936,
+                hidden_size=896,
+                intermediate_size=4864,
+                num_hidden_layers=24,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                max_position_embeddings=32768,
+                tie_word_embeddings=True,
+                use_sliding_window=False,
+                bos_token_id=None,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        )
     model.save_pretrained(path)
     tok.save_pretrained(path)
     hint = 40
@@ -151,7 +191,9 @@ def make_batch(lengths: str, prompts: int, group_size: int, hint: int, seed: int
         if lengths == "countdown":
             prompt = tok(format_prompt_compact(problems[g]), add_special_tokens=False)["input_ids"]
             answer = tok(format_reference(problems[g]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            sizes = [hint if rng.random() < 0.1 else max(1, len(answer) + rng.randrange(-4, 5)) for _ in range(group_size)]
+            sizes = [
+                hint if rng.random() < 0.1 else max(1, len(answer) + rng.randrange(-4, 5)) for _ in range(group_size)
+            ]
         else:
             prompt = [rng.randrange(3, 40) for _ in range(rng.randrange(100, 161))]
             answer = []

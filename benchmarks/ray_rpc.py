@@ -103,8 +103,7 @@ def main() -> None:
 
     faulthandler.dump_traceback_later(WHOLE_RUN_TIMEOUT_S, exit=True)
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=True, logging_level="WARNING")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="WARNING")
     init_s = time.perf_counter() - t0
     try:
         result = measure_ray(args.n_latency, args.n_throughput)
@@ -118,8 +117,7 @@ def main() -> None:
         return
     print(f"ray={ray.__version__} python={sys.version.split()[0]} init={init_s:.1f}s")
     print(f"{'':<10}{'p50 us':>10}{'p99 us':>10}{'calls/s':>12}")
-    print(f"{'ray actor':<10}{result['p50_us']:>10.1f}{result['p99_us']:>10.1f}"
-          f"{result['calls_per_s']:>12.0f}")
+    print(f"{'ray actor':<10}{result['p50_us']:>10.1f}{result['p99_us']:>10.1f}{result['calls_per_s']:>12.0f}")
 
 
 if __name__ == "__main__":

@@ -148,8 +148,15 @@ def _median_of(rounds: list[dict]) -> dict:
 
 
 def measure_ray(ray_python: str, n_latency: int, n_throughput: int) -> dict:
-    cmd = [ray_python, os.path.join(HERE, "ray_rpc.py"), "--json",
-           "--n-latency", str(n_latency), "--n-throughput", str(n_throughput)]
+    cmd = [
+        ray_python,
+        os.path.join(HERE, "ray_rpc.py"),
+        "--json",
+        "--n-latency",
+        str(n_latency),
+        "--n-throughput",
+        str(n_throughput),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RAY_TIMEOUT_S, stdin=subprocess.DEVNULL)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -166,8 +173,10 @@ def _goals(results: dict) -> list[tuple[str, float, str, str, float]]:
     """(what, value, spread over rounds, comparison, goal) rows."""
     rows = []
     for tr in ("ipc", "tcp"):
-        for what, key, cmp, goal in (("p50 / floor p50", "p50_us", "<=", "p50_ratio"),
-                                     ("calls/s / floor calls/s", "calls_per_s", ">=", "calls_ratio")):
+        for what, key, cmp, goal in (
+            ("p50 / floor p50", "p50_us", "<=", "p50_ratio"),
+            ("calls/s / floor calls/s", "calls_per_s", ">=", "calls_ratio"),
+        ):
             ratios = _paired(results, tr, key)
             spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
             rows.append((f"{tr} {what}", statistics.median(ratios), spread, cmp, GOALS[goal]))
@@ -179,7 +188,15 @@ def _goals(results: dict) -> list[tuple[str, float, str, str, float]]:
         for tr in ("ipc", "tcp"):
             ours = results["asyncrl"][tr]
             rows.append((f"ray p50 / {tr} p50", ray["p50_us"] / ours["p50_us"], "", ">=", GOALS["ray_speedup"]))
-            rows.append((f"{tr} calls/s / ray calls/s", ours["calls_per_s"] / ray["calls_per_s"], "", ">=", GOALS["ray_speedup"]))
+            rows.append(
+                (
+                    f"{tr} calls/s / ray calls/s",
+                    ours["calls_per_s"] / ray["calls_per_s"],
+                    "",
+                    ">=",
+                    GOALS["ray_speedup"],
+                )
+            )
     return rows
 
 
@@ -193,8 +210,12 @@ def print_table(results: dict) -> None:
     for label, r in rows:
         print(f"{label:<18}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{r['calls_per_s']:>12.0f}")
 
-    cols = [(f"{tr} {kind}", results["asyncrl"][tr][key]) for tr in ("ipc", "tcp")
-            for kind, key in (("->int", "tensor_gbps"), ("echo", "echo_gbps")) if key in results["asyncrl"][tr]]
+    cols = [
+        (f"{tr} {kind}", results["asyncrl"][tr][key])
+        for tr in ("ipc", "tcp")
+        for kind, key in (("->int", "tensor_gbps"), ("echo", "echo_gbps"))
+        if key in results["asyncrl"][tr]
+    ]
     print(f"\n{'tensor MiB':<18}" + "".join(f"{c:>12}" for c, _ in cols) + "   (GB/s of one-way payload)")
     for mib in results["asyncrl"]["ipc"]["tensor_gbps"]:
         print(f"{mib:<18}" + "".join(f"{v[mib]:>12.2f}" for _, v in cols))
@@ -219,11 +240,19 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from floor_rpc import measure_floor
 
-    results: dict = {"meta": {
-        "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-        "loop": "uvloop" if _has_uvloop() else "asyncio", "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(), "msgspec": msgspec.__version__, "torch": torch.__version__,
-    }, "rounds": {"floor": {"ipc": [], "tcp": []}, "asyncrl": {"ipc": [], "tcp": []}}}
+    results: dict = {
+        "meta": {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "loop": "uvloop" if _has_uvloop() else "asyncio",
+            "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(),
+            "msgspec": msgspec.__version__,
+            "torch": torch.__version__,
+        },
+        "rounds": {"floor": {"ipc": [], "tcp": []}, "asyncrl": {"ipc": [], "tcp": []}},
+    }
     for _ in range(rounds):  # floor and asyncrl back to back, so both see the same machine state
         for tr in ("ipc", "tcp"):
             results["rounds"]["floor"][tr].append(measure_floor(tr, n_lat, n_thr))
@@ -240,7 +269,6 @@ def main() -> None:
         print(json.dumps(results))
     else:
         print_table(results)
-
 
 
 if __name__ == "__main__":

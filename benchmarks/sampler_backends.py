@@ -73,8 +73,9 @@ class Sender(SyncMember):
         """[parameters, bytes] of one sync."""
         from asyncrl.comm.weights import WeightSender
 
-        self.sender = await asyncio.to_thread(WeightSender.create, self.sync_comm, self.sync_group, self.state,
-                                              timeout_s=timeout_s)
+        self.sender = await asyncio.to_thread(
+            WeightSender.create, self.sync_comm, self.sync_group, self.state, timeout_s=timeout_s
+        )
         return [sum(t.numel() for t in self.state.values()), sum(t.nbytes for t in self.state.values())]
 
     @endpoint
@@ -94,10 +95,19 @@ def make_model(path: str, shape: tuple[int, ...], dtype: str) -> None:
     hidden, layers, heads, kv_heads, intermediate, vocab = shape
     tok = build_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab or len(tok), hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
-                         max_position_embeddings=1024, tie_word_embeddings=shape not in UNTIED, bos_token_id=None,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=vocab or len(tok),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=1024,
+        tie_word_embeddings=shape not in UNTIED,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     # Built on the GPU where there is one, in the target dtype: a 7B model's random init in fp32 on
     # the CPU takes minutes and 30 GB.
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,8 +148,12 @@ def prompt_ids(model_path: str, count: int) -> list[list[int]]:
 def process_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment every measured process gets (bare vLLM's too): ``--threads`` OpenMP threads;
     on CPU vLLM's KV cache and unpinned threads as in the tests."""
-    return {"OMP_NUM_THREADS": str(args.threads), "TQDM_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return {
+        "OMP_NUM_THREADS": str(args.threads),
+        "TQDM_DISABLE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
 
 
 def vllm_options(args: argparse.Namespace) -> dict:
@@ -160,10 +174,24 @@ class Profile:
         if self.folder:
             os.makedirs(self.folder, exist_ok=True)
             for pid in [self.pid, *vllm_processes_below(self.pid)]:
-                self.procs.append(subprocess.Popen(
-                    [shutil.which("py-spy") or "py-spy", "record", "--pid", str(pid), "--nonblocking", "--rate", "200",
-                     "--format", "raw", "--output", os.path.join(self.folder, f"{self.name}-{pid}.txt")],
-                    stdout=subprocess.DEVNULL))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            shutil.which("py-spy") or "py-spy",
+                            "record",
+                            "--pid",
+                            str(pid),
+                            "--nonblocking",
+                            "--rate",
+                            "200",
+                            "--format",
+                            "raw",
+                            "--output",
+                            os.path.join(self.folder, f"{self.name}-{pid}.txt"),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                    )
+                )
             time.sleep(1.0)  # py-spy attaches
         return self
 
@@ -212,9 +240,15 @@ async def measure_actor(backend: str, model_path: str, args: argparse.Namespace)
         start = time.perf_counter()
         config = SamplerConfig(backend=backend, weight_update="pause")
         name = f"sampler-{backend}"
-        sampler = await sup.spawn(SamplerActor, model_path, config, name=name, env=env, gpus=int(cuda),
-                                  kwargs=dict(data=DataConfig(n_train=N_TRAIN, n_heldout=10), device=args.device,
-                                              vllm=vllm_options(args)))
+        sampler = await sup.spawn(
+            SamplerActor,
+            model_path,
+            config,
+            name=name,
+            env=env,
+            gpus=int(cuda),
+            kwargs=dict(data=DataConfig(n_train=N_TRAIN, n_heldout=10), device=args.device, vllm=vllm_options(args)),
+        )
         started = time.perf_counter() - start
         pid = next(s.pid for s in sup.status() if s.name == name)
         for i, (prompts, tokens) in enumerate(args.batches):
@@ -223,8 +257,9 @@ async def measure_actor(backend: str, model_path: str, args: argparse.Namespace)
             await sampler.generate(ids, args.n, params)  # warm-up
             with Profile(args.profile if i == 0 else "", pid, f"{backend}-{prompts}x{tokens}"):
                 timing = await timed(functools.partial(sampler.generate, ids, args.n, params), args.reps)
-            rows.append({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
-                         **timing})
+            rows.append(
+                {"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens, **timing}
+            )
             print(json.dumps(rows[-1]), flush=True)
         if args.syncs:
             try:
@@ -268,8 +303,9 @@ only, flat log-probs), without our code; our `VLLMBackend` without the actor aro
 
 def measure_child(backend: str, model_path: str, args: argparse.Namespace) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", backend, model_path, *sys.argv[1:]]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.child_timeout_s,
-                          env=os.environ | process_env(args))
+    done = subprocess.run(
+        cmd, stdout=subprocess.PIPE, text=True, timeout=args.child_timeout_s, env=os.environ | process_env(args)
+    )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         raise RuntimeError(f"{backend} exited with {done.returncode} (its log is on stderr above)")
@@ -285,8 +321,13 @@ def child(backend: str, model_path: str, args: argparse.Namespace) -> None:
 
     compat.environ_defaults(compat.engine_environment(args.device))  # as VLLMBackend does
     options = vllm_options(args)
-    engine = engine_args(model_path, device=torch.device(args.device), seed=0,
-                         gpu_memory_utilization=options["gpu_memory_utilization"], engine=options["engine"])
+    engine = engine_args(
+        model_path,
+        device=torch.device(args.device),
+        seed=0,
+        gpu_memory_utilization=options["gpu_memory_utilization"],
+        engine=options["engine"],
+    )
     engine.pop("worker_extension_cls")
     if backend == "vllm-bare":
         bare_llm(engine, model_path, args)
@@ -302,15 +343,26 @@ def bare_llm(engine: dict, model_path: str, args: argparse.Namespace) -> None:
     start = time.perf_counter()
     llm = LLM(**engine)
     started = time.perf_counter() - start
-    modes = {"flat": ("vllm-bare", True), "dicts": ("vllm-bare, per-token log-prob dicts", False),
-             "none": ("vllm-bare, no log-probs", False)}
+    modes = {
+        "flat": ("vllm-bare", True),
+        "dicts": ("vllm-bare, per-token log-prob dicts", False),
+        "none": ("vllm-bare, no log-probs", False),
+    }
     for i, (prompts, tokens) in enumerate(args.batches):
         ids = [{"prompt_token_ids": p} for p in prompt_ids(model_path, prompts)]
         for mode in args.bare_logprobs.split(","):
             label, flat = modes[mode]
-            params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=tokens, ignore_eos=True,
-                                    stop_token_ids=[], logprobs=None if mode == "none" else 0, flat_logprobs=flat,
-                                    detokenize=False)
+            params = SamplingParams(
+                n=args.n,
+                temperature=1.0,
+                top_p=1.0,
+                max_tokens=tokens,
+                ignore_eos=True,
+                stop_token_ids=[],
+                logprobs=None if mode == "none" else 0,
+                flat_logprobs=flat,
+                detokenize=False,
+            )
             llm.generate(ids, params, use_tqdm=False)  # warm-up
             count, seconds = 0, 0.0
             profile = args.profile if i == 0 and mode == "flat" else ""
@@ -320,9 +372,20 @@ def bare_llm(engine: dict, model_path: str, args: argparse.Namespace) -> None:
                     out = llm.generate(ids, params, use_tqdm=False)
                     seconds += time.perf_counter() - t0
                     count += sum(len(c.token_ids) for o in out for c in o.outputs)
-            print(json.dumps({"backend": label, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
-                              "tokens": count, "tokens_per_s": count / seconds, "generate_s": seconds / args.reps}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "backend": label,
+                        "start_s": started,
+                        "prompts": prompts,
+                        "max_new_tokens": tokens,
+                        "tokens": count,
+                        "tokens_per_s": count / seconds,
+                        "generate_s": seconds / args.reps,
+                    }
+                ),
+                flush=True,
+            )
 
 
 async def async_child(backend: str, engine: dict, model_path: str, args: argparse.Namespace) -> None:
@@ -341,16 +404,26 @@ async def async_child(backend: str, engine: dict, model_path: str, args: argpars
             return final.outputs
 
         def generate(ids: list[list[int]], tokens: int):
-            params = compat.sampling_params(n=args.n, temperature=1.0, top_p=1.0, max_tokens=tokens, ignore_eos=True,
-                                            stop_token_ids=[], logprobs=0, detokenize=False)
+            params = compat.sampling_params(
+                n=args.n,
+                temperature=1.0,
+                top_p=1.0,
+                max_tokens=tokens,
+                ignore_eos=True,
+                stop_token_ids=[],
+                logprobs=0,
+                detokenize=False,
+            )
             return asyncio.gather(*(one(f"r{next(counter)}", p, params) for p in ids))
     else:
         tokenizer, _ = load_prompt_format(model_path)
         llm = VLLMBackend(model_path, tokenizer=tokenizer, device=args.device, **vllm_options(args))
 
         def generate(ids: list[list[int]], tokens: int):
-            return llm.generate(ids, args.n, SamplingParams(max_new_tokens=tokens, temperature=1.0, top_p=1.0,
-                                                            stop_token_ids=[]))
+            return llm.generate(
+                ids, args.n, SamplingParams(max_new_tokens=tokens, temperature=1.0, top_p=1.0, stop_token_ids=[])
+            )
+
     counter = itertools.count()
     started = time.perf_counter() - start
     try:
@@ -359,8 +432,12 @@ async def async_child(backend: str, engine: dict, model_path: str, args: argpars
             await generate(ids, tokens)  # warm-up
             with Profile(args.profile if i == 0 else "", os.getpid(), f"{backend}-{prompts}x{tokens}"):
                 timing = await timed(functools.partial(generate, ids, tokens), args.reps)
-            print(json.dumps({"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens,
-                              **timing}), flush=True)
+            print(
+                json.dumps(
+                    {"backend": backend, "start_s": started, "prompts": prompts, "max_new_tokens": tokens, **timing}
+                ),
+                flush=True,
+            )
     finally:
         (llm.shutdown if backend == "vllm-async-bare" else llm.close)()
 
@@ -371,20 +448,31 @@ def table(rows: list[dict], args: argparse.Namespace, about: str) -> str:
         if r.get("backend") == "vllm-bare" and "error" not in r:
             runs.setdefault((r["prompts"], r["max_new_tokens"]), []).append(r["tokens_per_s"])
     bare = {batch: statistics.mean(values) for batch, values in runs.items()}
-    lines = [f"{about}; n={args.n}, temperature 1, {args.reps} timed call(s) after a warm-up", "",
-             "| backend | batch (prompts x tokens) | start s | tokens/s | vs bare vLLM | s per generate | "
-             "weight update, median (min) | sent |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{about}; n={args.n}, temperature 1, {args.reps} timed call(s) after a warm-up",
+        "",
+        "| backend | batch (prompts x tokens) | start s | tokens/s | vs bare vLLM | s per generate | "
+        "weight update, median (min) | sent |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['backend']} | failed: {r['error']} | | | | | | |")
             continue
         ref = bare.get((r["prompts"], r["max_new_tokens"]))
         ratio = f"{r['tokens_per_s'] / ref:.0%}" if ref else ""
-        sync = (f"{r['sync_s'] * 1000:.1f} ms ({r['sync_min_s'] * 1000:.1f})" if "sync_s" in r
-                else f"failed: {r['sync_error']}" if "sync_error" in r else "")
+        sync = (
+            f"{r['sync_s'] * 1000:.1f} ms ({r['sync_min_s'] * 1000:.1f})"
+            if "sync_s" in r
+            else f"failed: {r['sync_error']}"
+            if "sync_error" in r
+            else ""
+        )
         sent = f"{r['sync_bytes'] / 2**20:.0f} MiB" if "sync_bytes" in r else ""
-        lines.append(f"| {r['backend']} | {r['prompts']} x {r['max_new_tokens']} | {r['start_s']:.1f} | "
-                     f"{r['tokens_per_s']:.0f} | {ratio} | {r['generate_s']:.2f} | {sync} | {sent} |")
+        lines.append(
+            f"| {r['backend']} | {r['prompts']} x {r['max_new_tokens']} | {r['start_s']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {ratio} | {r['generate_s']:.2f} | {sync} | {sent} |"
+        )
     return "\n".join(lines)
 
 
@@ -404,8 +492,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--child-timeout-s", type=float, default=900.0)
     parser.add_argument("--bare-logprobs", default="flat,dicts,none", help="vllm-bare's log-prob modes")
     parser.add_argument("--profile", default="", help="py-spy profiles of the first batch into this folder")
-    parser.add_argument("--json", nargs="?", const="-", default="", metavar="FILE",
-                        help="print one JSON list instead of the table; with FILE, write it there (as it grows)")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default="",
+        metavar="FILE",
+        help="print one JSON list instead of the table; with FILE, write it there (as it grows)",
+    )
     return parser.parse_args(argv)
 
 
@@ -418,8 +512,11 @@ async def main(args: argparse.Namespace) -> None:
             make_model(path, SHAPES[args.shape], args.dtype)
         for backend in args.backends.split(","):
             try:
-                rows += (measure_child(backend, path, args) if backend in CHILD_BACKENDS
-                         else await measure_actor(backend, path, args))
+                rows += (
+                    measure_child(backend, path, args)
+                    if backend in CHILD_BACKENDS
+                    else await measure_actor(backend, path, args)
+                )
             except Exception as exc:  # one backend's failure must not lose the others' numbers
                 traceback.print_exc()
                 rows.append({"backend": backend, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})

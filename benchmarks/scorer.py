@@ -54,14 +54,20 @@ def main() -> None:
         if args.judge:
             judge_rates(path, args.device, groups, args.judge_tokens)
             return
-        print(f"# {args.shape} on {args.device}, {args.requests} groups x {args.group_size} Countdown-sized completions")
+        print(
+            f"# {args.shape} on {args.device}, {args.requests} groups x {args.group_size} Countdown-sized completions"
+        )
         print("| callers | passes | tokens | seconds | tokens/s |\n|---|---|---|---|---|")
         for callers in (int(c) for c in args.callers.split(",")):
             passes, tokens, seconds, scores = asyncio.run(throughput(path, args.device, groups, callers))
             print(f"| {callers} | {passes} | {tokens} | {seconds:.2f} | {tokens / seconds:.0f} |", flush=True)
-        print(f"\n# trainer step, {args.prompts} groups x {args.group_size}\n| distill_coef | median train_s |\n|---|---|")
-        batch = [g.__class__(**{**{f: getattr(g, f) for f in g.__struct_fields__}, "teacher_logprobs": s})
-                 for g, s in zip(groups[:args.prompts], scores)]
+        print(
+            f"\n# trainer step, {args.prompts} groups x {args.group_size}\n| distill_coef | median train_s |\n|---|---|"
+        )
+        batch = [
+            g.__class__(**{**{f: getattr(g, f) for f in g.__struct_fields__}, "teacher_logprobs": s})
+            for g, s in zip(groups[: args.prompts], scores)
+        ]
         for coef in (0.0, 1.0, 0.0, 1.0):  # alternated: the machine's load drifts
             print(f"| {coef:g} | {step_seconds(path, args.device, batch, coef, args.steps):.3f} |", flush=True)
 
@@ -72,8 +78,9 @@ async def throughput(path: str, device: str, groups: list, callers: int):
 
     async with Supervisor(call_timeout_s=600) as sup:
         env = {"OMP_NUM_THREADS": "1"} if device == "cpu" else {}
-        scorer = await sup.spawn(ScorerActor, path, name="scorer", gpus=int(device == "cuda"), env=env,
-                                 kwargs={"device": device})
+        scorer = await sup.spawn(
+            ScorerActor, path, name="scorer", gpus=int(device == "cuda"), env=env, kwargs={"device": device}
+        )
         await scorer.teacher_logprobs(groups[0].prompt_ids, groups[0].completion_ids)  # warm-up
         before = await scorer.stats()
         queue = list(range(len(groups)))
@@ -102,11 +109,20 @@ def judge_rates(path: str, device: str, groups: list, new_tokens: int) -> None:
     torch.set_num_threads(1)
     requests = [(g.prompt_ids, g.completion_ids) for g in groups]
     n = sum(len(c) for _, c in requests)
-    print("| judge_read | completions | forwards or generate calls | wall s | CPU s | completions per CPU s |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        "| judge_read | completions | forwards or generate calls | wall s | CPU s | completions per CPU s |\n"
+        "|---|---|---|---|---|---|"
+    )
     for read in ("logprob", "generate"):
-        judge = Judge(path, path, JUDGE_TEMPLATE, read=read, verdict_tokens=("y", "n"), max_new_tokens=new_tokens,
-                      device=torch.device(device))
+        judge = Judge(
+            path,
+            path,
+            JUDGE_TEMPLATE,
+            read=read,
+            verdict_tokens=("y", "n"),
+            max_new_tokens=new_tokens,
+            device=torch.device(device),
+        )
         judge.score(requests[:1], 16384)  # warm-up
         start, cpu = time.perf_counter(), time.process_time()  # CPU time: this machine's load moves the wall's
         _, calls = judge.score(requests, 16384)

@@ -24,10 +24,22 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {  # Qwen2.5-0.5B's shape; a tiny one for a smoke run
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=128, vocab_size=512),
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
 }
 
 
@@ -40,8 +52,14 @@ def write_model(path: str, shape: str) -> None:
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        **SHAPES[shape],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     with open(os.path.join(path, MARKER_FILE), "w") as f:
@@ -55,9 +73,19 @@ def make_batch(vocab: int, groups: int, group_size: int, prompt: int, completion
     out = []
     for g in range(groups):
         ids = [rng.randrange(vocab) for _ in range(prompt)]
-        comps = [[rng.randrange(vocab) for _ in range(rng.randint(completion // 2, completion))] for _ in range(group_size)]
-        out.append(RolloutGroup(g, ids, comps, [[-rng.uniform(0.5, 3.0) for _ in c] for c in comps],
-                                [float(j % 2) for j in range(group_size)], version=0))
+        comps = [
+            [rng.randrange(vocab) for _ in range(rng.randint(completion // 2, completion))] for _ in range(group_size)
+        ]
+        out.append(
+            RolloutGroup(
+                g,
+                ids,
+                comps,
+                [[-rng.uniform(0.5, 3.0) for _ in c] for c in comps],
+                [float(j % 2) for j in range(group_size)],
+                version=0,
+            )
+        )
     return out
 
 
@@ -78,8 +106,9 @@ def run_mode(args) -> dict:
         from asyncrl.rl.trainer.group import RankGroup
 
         listener = reserve_listener("127.0.0.1")
-        group = RankGroup.create("127.0.0.1", listener.getsockname()[1], 0, 1, device=trainer.device,
-                                 timeout_s=120, listener=listener)
+        group = RankGroup.create(
+            "127.0.0.1", listener.getsockname()[1], 0, 1, device=trainer.device, timeout_s=120, listener=listener
+        )
         from asyncrl.rl.trainer.parallel import Sharded
 
         trainer._shard_policy()
@@ -98,10 +127,18 @@ def run_mode(args) -> dict:
             peaks.append(torch.cuda.max_memory_allocated())
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    out = {"mode": args.mode, "device": args.device, "shape": args.shape, "steps": args.steps,
-           "step_s_mean": sum(times) / len(times), "step_s_min": min(times), "tokens": metrics["tokens"],
-           "micro_batches": metrics["micro_batches"], "loss": metrics["loss"],
-           "params": sum(p.numel() for p in trainer.model.parameters())}
+    out = {
+        "mode": args.mode,
+        "device": args.device,
+        "shape": args.shape,
+        "steps": args.steps,
+        "step_s_mean": sum(times) / len(times),
+        "step_s_min": min(times),
+        "tokens": metrics["tokens"],
+        "micro_batches": metrics["micro_batches"],
+        "loss": metrics["loss"],
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+    }
     if cuda:
         out["peak_step_gib"] = max(peaks) / 2**30
     # A weight sync's gathers, bucket by bucket (the sender's two staging buckets come on top).
@@ -151,17 +188,27 @@ def main() -> None:
         results = []
         for mode in ("plain", "fsdp"):
             cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--model", model]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))))
+            done = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))),
+            )
             if done.returncode != 0:
                 sys.exit(f"{mode} failed:\n{done.stderr[-4000:]}")
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     for r in results:
-        memory = f", peak step {r['peak_step_gib']:.2f} GiB, sync gathers +{r['sync_gather_extra_gib']:.3f} GiB" \
-            if "peak_step_gib" in r else ""
-        print(f"{r['mode']:5s}: {r['params'] / 1e6:.0f}M params, {r['tokens']:.0f} tokens/step in "
-              f"{r['micro_batches']} micro-batches: step {r['step_s_mean']:.3f} s (min {r['step_s_min']:.3f}){memory}; "
-              f"sync gathers {r['sync_buckets']} buckets in {r['sync_gather_s']:.3f} s, "
-              f"largest gathered {r['sync_gathered_peak_gib']:.3f} GiB; loss {r['loss']:.6f}")
+        memory = (
+            f", peak step {r['peak_step_gib']:.2f} GiB, sync gathers +{r['sync_gather_extra_gib']:.3f} GiB"
+            if "peak_step_gib" in r
+            else ""
+        )
+        print(
+            f"{r['mode']:5s}: {r['params'] / 1e6:.0f}M params, {r['tokens']:.0f} tokens/step in "
+            f"{r['micro_batches']} micro-batches: step {r['step_s_mean']:.3f} s (min {r['step_s_min']:.3f}){memory}; "
+            f"sync gathers {r['sync_buckets']} buckets in {r['sync_gather_s']:.3f} s, "
+            f"largest gathered {r['sync_gathered_peak_gib']:.3f} GiB; loss {r['loss']:.6f}"
+        )
     plain, fsdp = results
     ratio = fsdp["step_s_mean"] / plain["step_s_mean"]
     line = f"fsdp/plain step time {ratio:.3f}x"

@@ -46,16 +46,29 @@ def make_batch(prompts: int, group_size: int, completion: int, vocab: int):
     return groups
 
 
-def run(path: str, batch, *, device: str, path_kind: str, tokens: int, lora_rank: int, steps: int,
-        warmup: int, compile_layers: bool = False, pack_tokens: int = 0, profile: bool = False) -> dict:
+def run(
+    path: str,
+    batch,
+    *,
+    device: str,
+    path_kind: str,
+    tokens: int,
+    lora_rank: int,
+    steps: int,
+    warmup: int,
+    compile_layers: bool = False,
+    pack_tokens: int = 0,
+    profile: bool = False,
+) -> dict:
     import torch
 
     from asyncrl.rl.config.trainer import LoRAConfig, TrainerConfig
     from asyncrl.rl.trainer.actor import TrainerActor
 
     lora = LoRAConfig(rank=lora_rank, alpha=2 * max(lora_rank, 1), bf16_base=bool(lora_rank))
-    config = TrainerConfig(micro_batch_tokens=tokens, temperature=1.0, lr=1e-6, lora=lora, compile=compile_layers,
-                           pack_tokens=pack_tokens)
+    config = TrainerConfig(
+        micro_batch_tokens=tokens, temperature=1.0, lr=1e-6, lora=lora, compile=compile_layers, pack_tokens=pack_tokens
+    )
     cuda = device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -72,11 +85,19 @@ def run(path: str, batch, *, device: str, path_kind: str, tokens: int, lora_rank
             print_profile(functools.partial(trainer._train_step, batch), cuda)
     except Exception as exc:  # a configuration that does not fit is a row, not the end of the table
         error = str(exc).splitlines()[0][:100]
-    row = {"path": path_kind, "micro_batch_tokens": int(metrics.get("micro_batch_tokens", tokens)),
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "error": error}
+    row = {
+        "path": path_kind,
+        "micro_batch_tokens": int(metrics.get("micro_batch_tokens", tokens)),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "error": error,
+    }
     if times:
-        row.update(step_s=statistics.median(times), micro_batches=int(metrics["micro_batches"]),
-                   loss=metrics["loss"], mfu=metrics.get("mfu", 0.0))
+        row.update(
+            step_s=statistics.median(times),
+            micro_batches=int(metrics["micro_batches"]),
+            loss=metrics["loss"],
+            mfu=metrics.get("mfu", 0.0),
+        )
     del trainer
     gc.collect()
     if cuda:
@@ -127,10 +148,27 @@ def main() -> None:
         make_model(path, SHAPES[args.shape], "bfloat16")
     batch = make_batch(args.prompts, args.group_size, args.completion, SHAPES[args.shape][5] or 100)
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    rows = [dict(run(path, batch, device=args.device, path_kind=kind, tokens=int(t), lora_rank=args.lora_rank,
-                     steps=args.steps, warmup=args.warmup, compile_layers=c, pack_tokens=args.pack_tokens,
-                     profile=args.profile), compile=c)
-            for t in args.micro_batch_tokens.split(",") for kind in args.paths.split(",") for c in compiles]
+    rows = [
+        dict(
+            run(
+                path,
+                batch,
+                device=args.device,
+                path_kind=kind,
+                tokens=int(t),
+                lora_rank=args.lora_rank,
+                steps=args.steps,
+                warmup=args.warmup,
+                compile_layers=c,
+                pack_tokens=args.pack_tokens,
+                profile=args.profile,
+            ),
+            compile=c,
+        )
+        for t in args.micro_batch_tokens.split(",")
+        for kind in args.paths.split(",")
+        for c in compiles
+    ]
     trained = f"LoRA r{args.lora_rank}, bf16 base" if args.lora_rank else "every parameter (fp32 + AdamW)"
     print(f"# {args.shape}, {trained}; {args.prompts} x {args.group_size} x {args.completion} a step")
     print(f"# pack_tokens {args.pack_tokens}")
@@ -141,8 +179,10 @@ def main() -> None:
         if "step_s" not in r:
             print(f"{head} failed: {r['error']} | | | {r['peak_gib']:.1f} | |")
             continue
-        print(f"{head} {r['micro_batches']} | {r['step_s']:.3f} | "
-              f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['loss']:.6f} |")
+        print(
+            f"{head} {r['micro_batches']} | {r['step_s']:.3f} | "
+            f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['loss']:.6f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,13 @@ async def measure(path: str, world_size: int, args) -> dict:
     from asyncrl.rl.trainer.actor import TrainerActor
     from asyncrl.runtime.supervisor import Supervisor
 
-    config = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, lr=1e-6, temperature=1.0,
-                           compile=bool(args.compile and world_size == 1), world_size=world_size)
+    config = TrainerConfig(
+        micro_batch_tokens=args.micro_batch_tokens,
+        lr=1e-6,
+        temperature=1.0,
+        compile=bool(args.compile and world_size == 1),
+        world_size=world_size,
+    )
     batch = make_batch(args.prompts, args.group_size, args.completion, SHAPES[args.shape][-1] or 256)
     gpus = int(args.device == "cuda")
     kwargs = {"device": args.device}  # the trainer computes on the CPU unless told
@@ -44,8 +49,17 @@ async def measure(path: str, world_size: int, args) -> dict:
         if world_size == 1:
             trainer = await sup.spawn(TrainerActor, path, config, name="trainer", gpus=gpus, kwargs=kwargs)
         else:
-            trainer = await spawn_trainer_ranks(sup, TrainerActor, (path, config), world_size=world_size,
-                                                host="127.0.0.1", timeout_s=300.0, gpus=gpus, env={}, kwargs=kwargs)
+            trainer = await spawn_trainer_ranks(
+                sup,
+                TrainerActor,
+                (path, config),
+                world_size=world_size,
+                host="127.0.0.1",
+                timeout_s=300.0,
+                gpus=gpus,
+                env={},
+                kwargs=kwargs,
+            )
         times, peaks, metrics = [], [], {}
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()
@@ -54,9 +68,16 @@ async def measure(path: str, world_size: int, args) -> dict:
                 times.append(time.perf_counter() - start)
             peaks.append(metrics.get("peak_mem_gib", 0.0))
     step = statistics.median(times)
-    return {"world_size": world_size, "step_s": step, "tokens_per_s": metrics["tokens"] / step,
-            "micro_batches": metrics.get("micro_batches"), "micro_batch_tokens": metrics.get("micro_batch_tokens"),
-            "mfu": metrics.get("mfu"), "peak_gib": max(peaks), "loss": metrics["loss"]}
+    return {
+        "world_size": world_size,
+        "step_s": step,
+        "tokens_per_s": metrics["tokens"] / step,
+        "micro_batches": metrics.get("micro_batches"),
+        "micro_batch_tokens": metrics.get("micro_batch_tokens"),
+        "mfu": metrics.get("mfu"),
+        "peak_gib": max(peaks),
+        "loss": metrics["loss"],
+    }
 
 
 def main() -> None:
@@ -86,8 +107,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
-        print(f"| {r['world_size']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['micro_batches']:.0f} "
-              f"({r['micro_batch_tokens']:.0f}) | {mfu} | {r['peak_gib']:.1f} | {r['loss']:.5f} |")
+        print(
+            f"| {r['world_size']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['micro_batches']:.0f} "
+            f"({r['micro_batch_tokens']:.0f}) | {mfu} | {r['peak_gib']:.1f} | {r['loss']:.5f} |"
+        )
     if len(rows) > 1:
         print(f"speed-up at {rows[-1]['world_size']} ranks: {rows[0]['step_s'] / rows[-1]['step_s']:.2f}x")
 

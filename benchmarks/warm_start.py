@@ -25,8 +25,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override WarmStartConfig.steps")
     parser.add_argument("--batch-size", type=int, help="override WarmStartConfig.batch_size")
     parser.add_argument("--lr", type=float, help="override WarmStartConfig.lr")
-    parser.add_argument("--threads", type=int, help="torch threads of the evaluation after the warm start (training "
-                        "always uses one, for bit-exact results; default: the usable cores, at most 4)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads of the evaluation after the warm start (training "
+        "always uses one, for bit-exact results; default: the usable cores, at most 4)",
+    )
     parser.add_argument("--eval", type=int, default=200, help="held-out problems to evaluate (default 200)")
     parser.add_argument("--samples", type=int, default=4, help="T=1 samples per problem (default 4)")
     parser.add_argument("--cache-dir", help="cache root to build into (default: a fresh temporary one)")
@@ -35,19 +39,20 @@ def main() -> None:
 
     import torch  # after argparse, so --help is instant
 
-    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
     from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
-    from asyncrl.rl.model.warm_start import default_model
-    from asyncrl.rl.model.policy import load_policy
     from asyncrl.rl.model.evaluation import solve_rate
+    from asyncrl.rl.model.policy import load_policy
+    from asyncrl.rl.model.warm_start import default_model
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     overrides = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("lr", args.lr)) if v}
     warm = dataclasses.replace(WarmStartConfig(), **overrides)
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print
     with tempfile.TemporaryDirectory() as scratch:
         start = time.monotonic()
-        path = default_model(ModelConfig(), warm, Countdown(), cache_dir=args.cache_dir or scratch,
-                             threads=args.threads, log=log)
+        path = default_model(
+            ModelConfig(), warm, Countdown(), cache_dir=args.cache_dir or scratch, threads=args.threads, log=log
+        )
         build_s = time.monotonic() - start
         model, tokenizer, fmt = load_policy(path)
         with open(f"{path}/asyncrl_model.json") as f:
@@ -57,12 +62,19 @@ def main() -> None:
     start = time.monotonic()
     greedy = solve_rate(model, tokenizer, fmt, heldout, task=Countdown())
     sampled = solve_rate(model, tokenizer, fmt, heldout, greedy=False, n=args.samples, task=Countdown())
-    result = {"parameters": sum(p.numel() for p in model.parameters()), "build_s": round(build_s, 1),
-              "warm_start_s": marker["warm_start_wall_s"], "final_loss": marker["final_loss"],
-              "heldout": len(heldout), "greedy_solve_rate": greedy, "sampled_t1_solve_rate": sampled,
-              "eval_s": round(time.monotonic() - start, 1), "threads_arg": args.threads,
-              "loadavg_1m": round(os.getloadavg()[0], 2),
-              "warm": dataclasses.asdict(warm)}
+    result = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "build_s": round(build_s, 1),
+        "warm_start_s": marker["warm_start_wall_s"],
+        "final_loss": marker["final_loss"],
+        "heldout": len(heldout),
+        "greedy_solve_rate": greedy,
+        "sampled_t1_solve_rate": sampled,
+        "eval_s": round(time.monotonic() - start, 1),
+        "threads_arg": args.threads,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "warm": dataclasses.asdict(warm),
+    }
     if args.json:
         print(json.dumps(result))
     else:

@@ -36,20 +36,29 @@ SHAPES = {
 }
 
 
-def qwen2_state_shapes(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> dict[str, tuple[int, ...]]:
+def qwen2_state_shapes(
+    vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int
+) -> dict[str, tuple[int, ...]]:
     kv = hidden // heads * kv_heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
-            p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.q_proj.bias": (hidden,),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
@@ -61,8 +70,10 @@ class Member(SyncMember):
         if self.device.type == "cuda":  # each member sees only its own GPU
             self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
-        self.state = {name: torch.empty(s, dtype=torch.bfloat16, device=self.device)
-                      for name, s in qwen2_state_shapes(*SHAPES[shape]).items()}
+        self.state = {
+            name: torch.empty(s, dtype=torch.bfloat16, device=self.device)
+            for name, s in qwen2_state_shapes(*SHAPES[shape]).items()
+        }
         for t in self.state.values():
             t.normal_() if sender else t.zero_()
         self.is_sender = sender
@@ -118,8 +129,9 @@ class Member(SyncMember):
                 store = dist.PrefixStore("raw/", self.sync_group.store)
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
                 kwargs = {"device_id": self.device} if backend == "nccl" else {}
-                dist.init_process_group(backend, store=store, rank=self.sync_group.rank,
-                                        world_size=self.sync_group.world_size, **kwargs)
+                dist.init_process_group(
+                    backend, store=store, rank=self.sync_group.rank, world_size=self.sync_group.world_size, **kwargs
+                )
             total = sum(t.numel() for t in self.state.values())
             flat = torch.empty(total, dtype=torch.bfloat16, device=self.device)
             dist.broadcast(flat, src=0)  # warm-up: connects NCCL's channels for this size
@@ -138,6 +150,7 @@ class Member(SyncMember):
     @endpoint
     async def raw_copies(self, iters: int) -> list[float]:
         """One device-to-device copy of the state's bytes per iteration (the colocated floor)."""
+
         def run():
             total = sum(t.numel() for t in self.state.values())
             src, dst = (torch.empty(total, dtype=torch.bfloat16, device=self.device) for _ in range(2))
@@ -181,29 +194,48 @@ async def main() -> None:
         members = [await sup.spawn(Member, args.shape, device, True, name="sender", gpus=gpus)]
         colocated = args.backend == "ipc"
         for i in range(args.receivers):
-            members.append(await sup.spawn(Member, args.shape, device, False, name=f"receiver{i}",
-                                           gpus=0 if colocated else gpus,
-                                           share_devices_with="sender" if colocated else None))
+            members.append(
+                await sup.spawn(
+                    Member,
+                    args.shape,
+                    device,
+                    False,
+                    name=f"receiver{i}",
+                    gpus=0 if colocated else gpus,
+                    share_devices_with="sender" if colocated else None,
+                )
+            )
         start = time.perf_counter()
-        await form_group(members, "127.0.0.1", backend=args.backend if args.backend != "auto" else
-                         ("nccl" if cuda else "gloo"), timeout_s=120)
+        await form_group(
+            members,
+            "127.0.0.1",
+            backend=args.backend if args.backend != "auto" else ("nccl" if cuda else "gloo"),
+            timeout_s=120,
+        )
         buckets = await asyncio.gather(*(m.setup(args.bucket_mib << 20) for m in members))
         first = slowest(await asyncio.gather(*(m.syncs(1) for m in members)))[0]
         first_total = time.perf_counter() - start
         ours = slowest(await asyncio.gather(*(m.syncs(args.iters) for m in members)))
         phases = await asyncio.gather(*(m.phases(args.iters) for m in members))
         extra = await asyncio.gather(*(m.extra_peak_bytes() for m in members))  # before raw's flat buffer
-        raw = (await members[0].raw_copies(args.iters) if colocated else
-               slowest(await asyncio.gather(*(m.raw_broadcasts(args.iters) for m in members))))
+        raw = (
+            await members[0].raw_copies(args.iters)
+            if colocated
+            else slowest(await asyncio.gather(*(m.raw_broadcasts(args.iters) for m in members)))
+        )
         created = await asyncio.gather(*(m.sync_created() for m in members))
 
     gib = nbytes / (1 << 30)
     ours_s, raw_s = statistics.median(ours), statistics.median(raw)
-    print(f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets[0]} buckets of {args.bucket_mib} MiB; "
-          f"1 sender + {args.receivers} receiver(s) on {device}; {args.iters} syncs")
+    print(
+        f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets[0]} buckets of {args.bucket_mib} MiB; "
+        f"1 sender + {args.receivers} receiver(s) on {device}; {args.iters} syncs"
+    )
     print("| what | median | effective GiB/s |")
     print("| --- | --- | --- |")
-    print(f"| form group + set-up + first sync | {first_total * 1e3:.1f} ms (first sync alone {first * 1e3:.1f} ms) | |")
+    print(
+        f"| form group + set-up + first sync | {first_total * 1e3:.1f} ms (first sync alone {first * 1e3:.1f} ms) | |"
+    )
     print(f"| sync (pack, broadcast, unpack, commit) | {ours_s * 1e3:.2f} ms | {gib / ours_s:.1f} |")
     raw_what = "one device-to-device copy (floor)" if colocated else "raw torch.distributed.broadcast"
     print(f"| {raw_what} | {raw_s * 1e3:.2f} ms | {gib / raw_s:.1f} |")

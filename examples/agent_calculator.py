@@ -31,20 +31,42 @@ import json
 import random
 import sys
 
+from calculator import TOOL_RATE, Arithmetic, answer_value, make_problems  # the environment's problems
+
 from asyncrl.rl.launch import grpo_main
 from asyncrl.rl.tasks import Agent, Score
 from asyncrl.rl.tasks.tools import calculator
-from calculator import TOOL_RATE, Arithmetic, answer_value, make_problems  # the environment's problems
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "The exact value of an arithmetic expression (+ - * / and parentheses).",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "The exact value of an arithmetic expression (+ - * / and parentheses).",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 # grpo.py's defaults, and room for an episode: its three calls wait for the batch's generations
 # (--task.score_timeout_s bounds the whole episode). 100 steps: 38 minutes on two heavily loaded
 # CPU cores, where the embedded model raised tool use but not yet the solve rate (docs/agents.md).
-DEFAULTS = ["--sampler.temperature", "0.7", "--trainer.lr_schedule", "cosine", "--task.score_timeout_s", "120",
-            "--run.steps", "100", "--run.eval_every", "50"]
+DEFAULTS = [
+    "--sampler.temperature",
+    "0.7",
+    "--trainer.lr_schedule",
+    "cosine",
+    "--task.score_timeout_s",
+    "120",
+    "--run.steps",
+    "100",
+    "--run.eval_every",
+    "50",
+]
 
 
 class CalculatorAgent(Agent):
@@ -71,7 +93,9 @@ class CalculatorAgent(Agent):
                 used_correctly = max(used_correctly, float(value == str(problem.answer)))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": value})
         correct = answer_value(message.content or "") == problem.answer
-        return Score(float(correct), correct=correct, metrics={"tool_used": used, "tool_used_correctly": used_correctly})
+        return Score(
+            float(correct), correct=correct, metrics={"tool_used": used, "tool_used_correctly": used_correctly}
+        )
 
     def demonstration(self, problem: Arithmetic) -> list[dict]:
         """A solver's episode: a call for the problems picked to use the tool (the environment's
@@ -79,10 +103,17 @@ class CalculatorAgent(Agent):
         answer = {"role": "assistant", "content": f"<answer>{problem.answer}</answer>"}
         if random.Random(f"tool/{problem.expression}").random() >= TOOL_RATE[problem.op]:
             return [_question(problem), answer]
-        call = {"id": "call_0", "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": problem.expression})}}
-        return [_question(problem), {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_0", "content": calculator(problem.expression)}, answer]
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": problem.expression})},
+        }
+        return [
+            _question(problem),
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": calculator(problem.expression)},
+            answer,
+        ]
 
 
 def _question(problem: Arithmetic) -> dict:
@@ -99,5 +130,4 @@ def _expression(arguments: str) -> str:
 
 
 async def main() -> int:
-    return await grpo_main(sys.argv[1:], __doc__, default_task="agent_calculator.py:CalculatorAgent",
-                           defaults=DEFAULTS)
+    return await grpo_main(sys.argv[1:], __doc__, default_task="agent_calculator.py:CalculatorAgent", defaults=DEFAULTS)

@@ -24,8 +24,10 @@ _NUMBER = re.compile(r"-?\d+")
 
 async def guess_number(problem: dict, client) -> Score:
     secret, low, high = int(problem["secret"]), int(problem["low"]), int(problem["high"])
-    messages = [{"role": "system", "content": "Answer with one number only."},
-                {"role": "user", "content": f"I picked a whole number from {low} to {high}. Guess it."}]
+    messages = [
+        {"role": "system", "content": "Answer with one number only."},
+        {"role": "user", "content": f"I picked a whole number from {low} to {high}. Guess it."},
+    ]
     for turn in range(1, TURNS + 1):
         reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=16)
         text = reply.choices[0].message.content or ""
@@ -33,7 +35,11 @@ async def guess_number(problem: dict, client) -> Score:
         guess = int(found[-1]) if found else None  # model text: parsed, never evaluated
         if guess == secret:
             return Score(1.0 - 0.1 * (turn - 1), correct=True, metrics={"guesses": turn})
-        messages += [{"role": "assistant", "content": text},
-                     {"role": "user", "content": "Give a number." if guess is None else
-                      ("Higher." if guess < secret else "Lower.")}]
+        messages += [
+            {"role": "assistant", "content": text},
+            {
+                "role": "user",
+                "content": "Give a number." if guess is None else ("Higher." if guess < secret else "Lower."),
+            },
+        ]
     return Score(0.0, correct=False, metrics={"guesses": TURNS})

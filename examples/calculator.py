@@ -71,7 +71,9 @@ def make_problems(seed: int | str = 0, n: int = N_PROBLEMS) -> list[Arithmetic]:
         if len(out) == n:
             break
         op = "+-*"[len(out) % 3]
-        a, b = (rng.randint(11, 99), rng.randint(11, 99)) if op == "*" else (rng.randint(100, 999), rng.randint(100, 999))
+        a, b = (
+            (rng.randint(11, 99), rng.randint(11, 99)) if op == "*" else (rng.randint(100, 999), rng.randint(100, 999))
+        )
         if op == "-" and a < b:
             a, b = b, a
         problem = Arithmetic(a, op, b)

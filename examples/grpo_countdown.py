@@ -31,7 +31,6 @@ import sys
 
 from asyncrl.rl.launch import grpo_main
 
-
 # Measured on the embedded model (benchmarks/README.md, "Learning"): sampling at 0.7 rather than 1
 # about doubled the held-out greedy gain of 500 steps (+3.4 -> +7.3 points, three seeds), and a
 # learning rate decaying along a cosine to a tenth by the last step, with the uniform groups left

@@ -47,8 +47,12 @@ class Guess(Environment):
         low, high = episode.state.get("range", (LOW, HIGH))
         ignored = not low <= guess <= high
         if guess == secret:  # fewer guesses, more reward
-            return Reply(done=True, reward=1.0 - 0.1 * (episode.model_turns - 1), correct=True,
-                         metrics={"ignored_reply": ignored})
+            return Reply(
+                done=True,
+                reward=1.0 - 0.1 * (episode.model_turns - 1),
+                correct=True,
+                metrics={"ignored_reply": ignored},
+            )
         episode.state["range"] = (max(low, guess + 1), high) if guess < secret else (low, min(high, guess - 1))
         return Reply(" higher:" if guess < secret else " lower:", role="user", metrics={"ignored_reply": ignored})
 

@@ -1,13 +1,13 @@
 """A first look at the runtime: two actors, typed calls, a stream, a tensor, and a crash.
 
-    asyncrl launch examples/hello_actors.py
+asyncrl launch examples/hello_actors.py
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import torch
 

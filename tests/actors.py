@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import msgspec
 

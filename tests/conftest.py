@@ -9,26 +9,88 @@ import time
 
 import pytest
 
-
 TIERS = {
     # in one process, no model to train, seconds in all: `python -m pytest -m unit`, the fast tier
     # (no transformers import: the two in-process files that need it, episodes and flops, are rl's)
-    "unit": ("actor_spec", "arith", "codec", "config", "countdown", "ctypes_table", "device_plan", "layering",
-             "layout", "loss", "pacing", "pyhccl_communicator", "pyhccl_library", "rollout_queue", "throttled_log",
-             "tiers"),
+    "unit": (
+        "actor_spec",
+        "arith",
+        "codec",
+        "config",
+        "countdown",
+        "ctypes_table",
+        "device_plan",
+        "layering",
+        "layout",
+        "loss",
+        "pacing",
+        "pyhccl_communicator",
+        "pyhccl_library",
+        "rollout_queue",
+        "throttled_log",
+        "tiers",
+    ),
     # the actor runtime with real processes and sockets: supervisors, calls, kills, nodes, status
-    "runtime": ("auth", "fuzz_sockets", "kill", "lifecycle", "multinode", "remote_errors", "rpc", "rpc_tensors",
-                "start_phases", "status", "supervisor"),
+    "runtime": (
+        "auth",
+        "fuzz_sockets",
+        "kill",
+        "lifecycle",
+        "multinode",
+        "remote_errors",
+        "rpc",
+        "rpc_tensors",
+        "start_phases",
+        "status",
+        "supervisor",
+    ),
     # the weight-sync data plane: rendezvous, communicators, the sync itself
     "comm": ("comm_join", "pynccl", "pyhccl_tables", "rendezvous", "weight_sync"),
     # the RL components on real models and actors: sampler, trainer, tasks, the driver's pool
-    "rl": ("agents", "distill", "episodes", "flops", "judge", "lora", "model", "packing", "recovery_pool",
-           "reward_model", "sampler", "scaling_pool", "scorer", "stall", "sync_phases", "tasks", "trainer",
-           "trainer_compile", "trainer_group", "trainer_head", "user_task", "vllm_actor", "vllm_backend", "vllm_compat",
-           "vllm_worker", "warm_start"),
+    "rl": (
+        "agents",
+        "distill",
+        "episodes",
+        "flops",
+        "judge",
+        "lora",
+        "model",
+        "packing",
+        "recovery_pool",
+        "reward_model",
+        "sampler",
+        "scaling_pool",
+        "scorer",
+        "stall",
+        "sync_phases",
+        "tasks",
+        "trainer",
+        "trainer_compile",
+        "trainer_group",
+        "trainer_head",
+        "user_task",
+        "vllm_actor",
+        "vllm_backend",
+        "vllm_compat",
+        "vllm_worker",
+        "warm_start",
+    ),
     # whole runs and scripts: GRPO runs, `asyncrl launch`, the examples, resumes, faults on a run
-    "e2e": ("elastic", "examples", "fault_tolerance", "grpo", "grpo_multinode", "launch_errors", "lora_vllm",
-            "multinode_netns", "multiturn_vllm", "observe", "run_lifecycle", "start_loss", "user_errors"),
+    "e2e": (
+        "elastic",
+        "examples",
+        "fault_tolerance",
+        "grpo",
+        "grpo_multinode",
+        "launch_errors",
+        "lora_vllm",
+        "multinode_netns",
+        "multiturn_vllm",
+        "observe",
+        "run_lifecycle",
+        "start_loss",
+        "user_errors",
+    ),
     # an accelerator (CUDA, Ascend): skipped where there is none
     "gpu": ("colocated_gpu", "gpu", "gpu_comm", "gpu_multinode", "gpu_trainer_group", "pyhccl_npu"),
 }
@@ -39,9 +101,14 @@ _TIER_OF = {f"test_{name}.py": tier for tier, names in TIERS.items() for name in
 
 
 def pytest_addoption(parser):
-    parser.addoption("--tier", action="append", default=[], choices=sorted(TIERS),
-                     help="run only the tests of this tier (repeat for several); the files of the other tiers are "
-                          "not even imported, which `-m unit` would do (about 25 s of torch and vLLM imports)")
+    parser.addoption(
+        "--tier",
+        action="append",
+        default=[],
+        choices=sorted(TIERS),
+        help="run only the tests of this tier (repeat for several); the files of the other tiers are "
+        "not even imported, which `-m unit` would do (about 25 s of torch and vLLM imports)",
+    )
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -149,18 +216,23 @@ def model_path(tmp_path_factory) -> str:
     optimiser state are not zero. For the GRPO runs of test_fault_tolerance and test_run_lifecycle."""
     import torch
 
-    from asyncrl.rl.tasks.countdown import Countdown
     from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
     from asyncrl.rl.model.warm_start import default_model
+    from asyncrl.rl.tasks.countdown import Countdown
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared 2-core machine: see tests/test_sampler.py
     try:
         return default_model(
             ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
-            WarmStartConfig(steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0,
-                            heldout_reserve=20),
-            Countdown(), cache_dir=str(tmp_path_factory.mktemp("cache")), threads=1, log=lambda *a: None)
+            WarmStartConfig(
+                steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0, heldout_reserve=20
+            ),
+            Countdown(),
+            cache_dir=str(tmp_path_factory.mktemp("cache")),
+            threads=1,
+            log=lambda *a: None,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -181,8 +253,12 @@ def embedded_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("embedded")
     tok = build_tokenizer()
     torch.manual_seed(0)
-    _new_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                           max_positions=128), tok).save_pretrained(path)
+    _new_model(
+        ModelConfig(
+            hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=128
+        ),
+        tok,
+    ).save_pretrained(path)
     tok.save_pretrained(path)
     (path / MARKER_FILE).write_text(json.dumps({"prompt_style": "compact", "max_new_tokens_hint": 20}))
     return str(path)

@@ -25,7 +25,6 @@ import torch
 from asyncrl.comm.errors import RendezvousError
 from asyncrl.comm.hccl_library import HcclLibrary
 from asyncrl.comm.pyhccl import HcclCommunicator
-
 from conftest import wait_until
 
 # --------------------------------------------------------------------------------------------
@@ -280,9 +279,17 @@ HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *err) {
 
 
 class StubCall(ctypes.Structure):
-    _fields_ = [("fn", ctypes.c_char * 32), ("rank", ctypes.c_uint32), ("nranks", ctypes.c_uint32),
-                ("count", ctypes.c_uint64), ("dtype", ctypes.c_int32), ("op", ctypes.c_int32),
-                ("peer", ctypes.c_uint32), ("stream", ctypes.c_uint64), ("buf", ctypes.c_uint64)]
+    _fields_ = [
+        ("fn", ctypes.c_char * 32),
+        ("rank", ctypes.c_uint32),
+        ("nranks", ctypes.c_uint32),
+        ("count", ctypes.c_uint64),
+        ("dtype", ctypes.c_int32),
+        ("op", ctypes.c_int32),
+        ("peer", ctypes.c_uint32),
+        ("stream", ctypes.c_uint64),
+        ("buf", ctypes.c_uint64),
+    ]
 
 
 class Stub:
@@ -328,8 +335,12 @@ def stub_builds(tmp_path_factory):
     paths = {}
     for variant, flags in {"full": [], "minimal": ["-DSTUB_MINIMAL"], "nobcast": ["-DSTUB_NO_BROADCAST"]}.items():
         out = root / f"libhccl_{variant}.so"
-        subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", *flags, "-o", str(out),
-                        str(src)], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread", *flags, "-o", str(out), str(src)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         paths[variant] = str(out)
     return paths
 
@@ -472,4 +483,3 @@ def pair(stub):
     yield comms, runtime
     for comm in comms:
         comm.close()
-

@@ -9,13 +9,20 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch_example(example: str, cwd, *args: str, timeout: float = 60,
-                   cache: str | None = None) -> subprocess.CompletedProcess:
+def launch_example(
+    example: str, cwd, *args: str, timeout: float = 60, cache: str | None = None
+) -> subprocess.CompletedProcess:
     """``asyncrl launch examples/<example> ARGS`` in ``cwd``, with one thread and a cache of its own
     (or ``cache``: conftest's ``model_cache``, shared by the session's runs)."""
     env = dict(os.environ, ASYNCRL_CACHE_DIR=cache or str(cwd / "cache"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", example), *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", example), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def tree(path) -> set[str]:

@@ -10,13 +10,17 @@ from asyncrl.rl.trainer.actor import TrainerMemoryError
 class RunsOutOfMemory(Actor):
     @endpoint
     async def train_step(self) -> None:
-        raise TrainerMemoryError("train step 1 ran out of cuda memory on a micro-batch of 8 x 512 tokens "
-                                 "(--trainer.micro_batch_tokens 4096): lower that")
+        raise TrainerMemoryError(
+            "train step 1 ran out of cuda memory on a micro-batch of 8 x 512 tokens "
+            "(--trainer.micro_batch_tokens 4096): lower that"
+        )
 
 
 class PolicyTooBig(Actor):
     """A constructor that fails as the trainer's does when the policy does not fit its GPU."""
 
     def __init__(self):
-        raise TrainerMemoryError("the policy of /ckpt does not fit in the trainer's GPU's 79 GiB: train LoRA "
-                                 "adapters (--trainer.lora.rank 16)\n(a second line, left out)")
+        raise TrainerMemoryError(
+            "the policy of /ckpt does not fit in the trainer's GPU's 79 GiB: train LoRA "
+            "adapters (--trainer.lora.rank 16)\n(a second line, left out)"
+        )

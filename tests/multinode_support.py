@@ -10,7 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -223,22 +223,58 @@ def env(**extra: str) -> dict[str, str]:
     return {**base, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def launch_argv(rank: int, nnodes: int, port: int, secret_file: str, master: str = "127.0.0.1", script: str = DRIVER,
-                *script_args: str, join_timeout_s: float = 60.0) -> list[str]:
+def launch_argv(
+    rank: int,
+    nnodes: int,
+    port: int,
+    secret_file: str,
+    master: str = "127.0.0.1",
+    script: str = DRIVER,
+    *script_args: str,
+    join_timeout_s: float = 60.0,
+) -> list[str]:
     return [
-        sys.executable, "-m", "asyncrl.cli", "launch", "--nnodes", str(nnodes), "--node-rank", str(rank),
-        "--master-addr", master, "--master-port", str(port), "--secret-file", secret_file,
-        "--node-timeout-s", str(NODE_TIMEOUT_S), "--join-timeout-s", str(join_timeout_s), script, *script_args,
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "launch",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(rank),
+        "--master-addr",
+        master,
+        "--master-port",
+        str(port),
+        "--secret-file",
+        secret_file,
+        "--node-timeout-s",
+        str(NODE_TIMEOUT_S),
+        "--join-timeout-s",
+        str(join_timeout_s),
+        script,
+        *script_args,
     ]
 
 
-def start_agent(rank: int, nnodes: int, port: int, secret_file: str, log_dir: str, master: str = "127.0.0.1",
-                netns: str | None = None, join_timeout_s: float = 60.0, **extra_env: str) -> subprocess.Popen:
+def start_agent(
+    rank: int,
+    nnodes: int,
+    port: int,
+    secret_file: str,
+    log_dir: str,
+    master: str = "127.0.0.1",
+    netns: str | None = None,
+    join_timeout_s: float = 60.0,
+    **extra_env: str,
+) -> subprocess.Popen:
     argv = launch_argv(rank, nnodes, port, secret_file, master, join_timeout_s=join_timeout_s)
     if netns is not None:
         argv = netns_argv(netns, argv)
     with open(os.path.join(log_dir, f"agent-{rank}.log"), "ab") as log:
-        return subprocess.Popen(argv, env=env(**extra_env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            argv, env=env(**extra_env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
 
 
 def agent_log(log_dir: str, rank: int) -> str:

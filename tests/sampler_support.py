@@ -32,10 +32,19 @@ def write_tiny(path: str, hidden_size: int = 64) -> str:
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=2 * hidden_size, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     with open(os.path.join(path, MARKER_FILE), "w") as f:
@@ -75,7 +84,7 @@ def recomputed(model, prompt: list[int], tokens: list[int], temperature: float) 
     """log_softmax(logits[t-1] / T)[token_t] of one unpadded forward over prompt + completion."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0]
-    scored = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)] / temperature  # causal shift
+    scored = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)] / temperature  # causal shift
     return torch.log_softmax(scored, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 

@@ -14,8 +14,9 @@ from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import WeightReceiver, WeightSender
 
 
-def make_state(seed: int, *, big: int = 70_000, tiny: int = 40,
-               shape_of_w: tuple[int, int] = (33, 7)) -> dict[str, torch.Tensor]:
+def make_state(
+    seed: int, *, big: int = 70_000, tiny: int = 40, shape_of_w: tuple[int, int] = (33, 7)
+) -> dict[str, torch.Tensor]:
     """fp32, bf16, fp16 and int64 tensors; one larger than a 64 KiB bucket; many tiny; one empty."""
     g = torch.Generator().manual_seed(seed)
     state = {
@@ -50,8 +51,13 @@ class Sender(SyncMember):
     async def setup(self, bucket_bytes: int = 64 << 10, timeout_s: float = 20.0) -> tuple[int, int]:
         """Returns (buckets, tensors sent directly)."""
         self.sender = await asyncio.to_thread(
-            WeightSender.create, self.sync_comm, self.sync_group, self.state,
-            bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+            WeightSender.create,
+            self.sync_comm,
+            self.sync_group,
+            self.state,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+        )
         return len(self.sender.layout.buckets), len(self.sender.layout.direct)
 
     @endpoint
@@ -64,8 +70,15 @@ class Sender(SyncMember):
 
 
 class Receiver(SyncMember):
-    def __init__(self, seed: int = 99, *, whole: bool = False, slow_s: float = 0.0,
-                 shape_of_w: tuple[int, int] = (33, 7), device: str = "cpu"):
+    def __init__(
+        self,
+        seed: int = 99,
+        *,
+        whole: bool = False,
+        slow_s: float = 0.0,
+        shape_of_w: tuple[int, int] = (33, 7),
+        device: str = "cpu",
+    ):
         # different values, same layout
         self.state = {k: v.to(device) for k, v in make_state(seed, shape_of_w=shape_of_w).items()}
         self.whole = whole  # hand whole tensors to a callable instead of copying in place
@@ -75,7 +88,8 @@ class Receiver(SyncMember):
     @endpoint
     async def setup(self, timeout_s: float = 20.0) -> tuple[int, int]:
         self.receiver = await asyncio.to_thread(
-            WeightReceiver.create, self.sync_comm, self.sync_group, expect=self.state, timeout_s=timeout_s)
+            WeightReceiver.create, self.sync_comm, self.sync_group, expect=self.state, timeout_s=timeout_s
+        )
         return len(self.receiver.layout.buckets), len(self.receiver.layout.direct)
 
     @endpoint
@@ -98,8 +112,9 @@ class NcclProbe(SyncMember):
     """Raw collectives on the group's communicator next to torch.distributed's, for the GPU tests."""
 
     @endpoint
-    async def broadcast_random(self, seed: int, numel: int, dtype: str, use_torch: bool = False,
-                               timeout_s: float = 30.0) -> str:
+    async def broadcast_random(
+        self, seed: int, numel: int, dtype: str, use_torch: bool = False, timeout_s: float = 30.0
+    ) -> str:
         """Rank 0 broadcasts seeded random data; every rank returns the digest of what it holds."""
         dtype_ = getattr(torch, dtype)
         g = torch.Generator().manual_seed(seed)
@@ -124,9 +139,13 @@ class NcclProbe(SyncMember):
     def _torch_group(self) -> None:
         if not torch.distributed.is_initialized():
             store = torch.distributed.PrefixStore("torch-dist/", self.sync_group.store)
-            torch.distributed.init_process_group("nccl", store=store, rank=self.sync_group.rank,
-                                                 world_size=self.sync_group.world_size,
-                                                 device_id=torch.device("cuda", 0))
+            torch.distributed.init_process_group(
+                "nccl",
+                store=store,
+                rank=self.sync_group.rank,
+                world_size=self.sync_group.world_size,
+                device_id=torch.device("cuda", 0),
+            )
 
 
 def mapped_allocations(member: SyncMember) -> int:

@@ -14,18 +14,17 @@ import openai
 import pytest
 import torch
 
+from agent_support import write_letters_tiny
 from asyncrl.rl.agents.chat import parse_tool_calls, render_chat
 from asyncrl.rl.agents.runner import AgentRunner
 from asyncrl.rl.agents.server import OpenAIServer
-from asyncrl.rl.agents.wire import chat_answer
 from asyncrl.rl.agents.session import SessionCall, assemble
+from asyncrl.rl.agents.wire import chat_answer
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.sampler.hf import HFBackend
 from asyncrl.rl.tasks.agent import FunctionAgent
 from asyncrl.rl.tasks.loading import TaskLoadError, task_class
 from asyncrl.rl.tasks.scoring import UserCalls
-
-from agent_support import write_letters_tiny
 from sampler_support import recomputed
 
 MAX_NEW = 12
@@ -56,15 +55,16 @@ class Endpoint:
         return self.version, await self.backend.generate(prompts, n, params, progress)
 
     def client(self, session: str = "", key: str | None = None) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.server.base_url(session), api_key=key or self.server.token,
-                                  max_retries=0, timeout=60)
+        return openai.AsyncOpenAI(
+            base_url=self.server.base_url(session), api_key=key or self.server.token, max_retries=0, timeout=60
+        )
 
 
 def recomputed_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The logits each of ``tokens`` was drawn from, by one unpadded forward over prompt + tokens."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0]
-    return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
 @pytest.fixture
@@ -85,8 +85,9 @@ async def test_recorded_ids_and_logprobs_are_what_the_backend_generated(endpoint
     session = endpoint.server.open_session()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a fruit"}]
     async with endpoint.client(session.key) as client:
-        answer = await client.chat.completions.create(model="policy", messages=messages, seed=11, logprobs=True,
-                                                      temperature=0.1)  # a session samples at the run's temperature
+        answer = await client.chat.completions.create(
+            model="policy", messages=messages, seed=11, logprobs=True, temperature=0.1
+        )  # a session samples at the run's temperature
     [call] = session.calls
     assert call.prompt_ids == template_ids(endpoint.tokenizer, messages)
     assert call.version == 3
@@ -98,8 +99,12 @@ async def test_recorded_ids_and_logprobs_are_what_the_backend_generated(endpoint
     assert answer.choices[0].message.content == direct.text
     assert [t.logprob for t in answer.choices[0].logprobs.content] == direct.logprobs
     assert answer.usage.prompt_tokens == len(call.prompt_ids)
-    torch.testing.assert_close(torch.tensor(call.logprobs), recomputed(endpoint.backend.model, call.prompt_ids,
-                                                                       call.token_ids, 1.0), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(call.logprobs),
+        recomputed(endpoint.backend.model, call.prompt_ids, call.token_ids, 1.0),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 async def test_completions_models_and_streaming(endpoint):
@@ -108,8 +113,9 @@ async def test_completions_models_and_streaming(endpoint):
         assert [m.id for m in models.data] == ["policy"]
         text = await client.completions.create(model="policy", prompt="abc", max_tokens=5, logprobs=0, seed=2)
         assert len(text.choices[0].logprobs.token_logprobs) == 5 and text.usage.prompt_tokens == 3
-        stream = await client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
-                                                      max_tokens=4, stream=True)
+        stream = await client.chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
         chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).isalpha()
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -125,17 +131,21 @@ async def test_n_choices_are_samples_of_their_own_and_top_logprobs_are_the_sampl
     session = endpoint.server.open_session()
     messages = [{"role": "user", "content": "start"}]
     async with endpoint.client(session.key) as client:
-        answer = await client.chat.completions.create(model="policy", messages=messages, n=3, seed=5, max_tokens=4,
-                                                      logprobs=True, top_logprobs=3)
+        answer = await client.chat.completions.create(
+            model="policy", messages=messages, n=3, seed=5, max_tokens=4, logprobs=True, top_logprobs=3
+        )
         assert [c.index for c in answer.choices] == [0, 1, 2] and answer.usage.completion_tokens == 12
-        messages += [{"role": "assistant", "content": answer.choices[1].message.content},
-                     {"role": "user", "content": "more"}]
+        messages += [
+            {"role": "assistant", "content": answer.choices[1].message.content},
+            {"role": "user", "content": "more"},
+        ]
         await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
         with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
             await client.chat.completions.create(model="policy", messages=messages, top_logprobs=2)
     first = session.calls[:3]
-    [[*direct]] = await endpoint.backend.generate([first[0].prompt_ids], 3,
-                                                  msgspec.structs.replace(endpoint.sampling, seed=5, max_new_tokens=4))
+    [[*direct]] = await endpoint.backend.generate(
+        [first[0].prompt_ids], 3, msgspec.structs.replace(endpoint.sampling, seed=5, max_new_tokens=4)
+    )
     assert [(c.token_ids, c.logprobs) for c in first] == [(d.token_ids, d.logprobs) for d in direct]
     samples = assemble(session.calls)
     assert [s.calls for s in samples] == [1, 2, 1]  # choice 1 and the turn after it; choices 0 and 2 alone
@@ -157,9 +167,12 @@ async def test_the_hf_backend_reports_each_rows_tokens_after_every_step(letters)
     backend = HFBackend(model, tokenizer=tok)
     reports: dict[int, list[list[int]]] = {}
     try:
-        groups = await backend.generate([tok("ab")["input_ids"], tok("c")["input_ids"]], 2,
-                                        SamplingParams(max_new_tokens=6, seed=3, stop=["q"]),
-                                        lambda row, ids: reports.setdefault(row, []).append(ids))
+        groups = await backend.generate(
+            [tok("ab")["input_ids"], tok("c")["input_ids"]],
+            2,
+            SamplingParams(max_new_tokens=6, seed=3, stop=["q"]),
+            lambda row, ids: reports.setdefault(row, []).append(ids),
+        )
     finally:
         backend.close()
     rows = [c.token_ids for g in groups for c in g]
@@ -191,7 +204,7 @@ async def test_a_stream_sends_text_as_it_is_generated(letters):
     the end; the pieces and the rest make the answer, its log-probs come with it, and the session
     records the call as without a stream. A refusal before any text keeps its status."""
     _, tok, fmt = letters
-    script = "ok then <tool_call>{\"name\": \"calc\", \"arguments\": {\"x\": 1}}</tool_call>"
+    script = 'ok then <tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call>'
     ids = tok(script, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     first_read = asyncio.Event()
     sent_before_read: list[int] = []
@@ -213,8 +226,9 @@ async def test_a_stream_sends_text_as_it_is_generated(letters):
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
     try:
         async with server.client(session.key) as client:
-            stream = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}],
-                                                          tools=tools, stream=True, logprobs=True)
+            stream = await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "go"}], tools=tools, stream=True, logprobs=True
+            )
             pieces, chunks = [], []
             async for chunk in stream:
                 chunks.append(chunk)
@@ -222,8 +236,9 @@ async def test_a_stream_sends_text_as_it_is_generated(letters):
                     pieces.append(chunk.choices[0].delta.content)
                     first_read.set()
             with pytest.raises(openai.RateLimitError):  # its one call made: refused before any text, as a 429
-                await client.chat.completions.create(model="policy", stream=True,
-                                                     messages=[{"role": "user", "content": "go"}])
+                await client.chat.completions.create(
+                    model="policy", stream=True, messages=[{"role": "user", "content": "go"}]
+                )
     finally:
         await server.close()
     assert sent_before_read == [3] and pieces[:2] == ["o", "k"]  # a piece a token
@@ -231,8 +246,9 @@ async def test_a_stream_sends_text_as_it_is_generated(letters):
     [calls] = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert (calls[0].function.name, json.loads(calls[0].function.arguments)) == ("calc", {"x": 1})
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-    assert [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
-            for t in c.choices[0].logprobs.content] == [-0.25] * len(ids)
+    assert [
+        t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ] == [-0.25] * len(ids)
     assert chunks[-1].usage.completion_tokens == len(ids)
     [call] = session.calls
     assert (call.token_ids, call.version) == (ids, 4)
@@ -244,8 +260,10 @@ async def test_turns_that_extend_each_other_are_one_sample_with_the_context_mask
     async with endpoint.client(session.key) as client:
         for turn in range(3):
             answer = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4 + turn)
-            messages += [{"role": "assistant", "content": answer.choices[0].message.content},
-                         {"role": "user", "content": f"more {turn}"}]
+            messages += [
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": f"more {turn}"},
+            ]
     calls = session.calls
     assert [len(c.token_ids) for c in calls] == [4, 5, 6]
     [sample] = assemble(calls)
@@ -256,8 +274,10 @@ async def test_turns_that_extend_each_other_are_one_sample_with_the_context_mask
     actions = [(t, lp) for t, lp, m in zip(sample.token_ids, sample.logprobs, sample.action_mask) if m]
     assert actions == [(t, lp) for c in calls for t, lp in zip(c.token_ids, c.logprobs)]
     context = [t for t, m in zip(sample.token_ids, sample.action_mask) if not m]
-    assert endpoint.tokenizer.decode(context) == ("<|im_end|>\n<|im_start|>user\nmore 0<|im_end|>\n<|im_start|>assistant\n"
-                                                  "<|im_end|>\n<|im_start|>user\nmore 1<|im_end|>\n<|im_start|>assistant\n")
+    assert endpoint.tokenizer.decode(context) == (
+        "<|im_end|>\n<|im_start|>user\nmore 0<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_end|>\n<|im_start|>user\nmore 1<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.action_mask) if not m)
 
 
@@ -267,13 +287,22 @@ async def test_an_edited_history_gives_separate_samples(endpoint):
     async with endpoint.client(session.key) as client:
         first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
         edited = first.choices[0].message.content[::-1] + "x"  # the agent rewrote the model's answer
-        await client.chat.completions.create(model="policy", max_tokens=4, messages=messages + [
-            {"role": "assistant", "content": edited}, {"role": "user", "content": "go on"}])
+        await client.chat.completions.create(
+            model="policy",
+            max_tokens=4,
+            messages=messages + [{"role": "assistant", "content": edited}, {"role": "user", "content": "go on"}],
+        )
     one, two = assemble(session.calls)
-    assert (one.prompt_ids, one.token_ids, one.action_mask) == (session.calls[0].prompt_ids,
-                                                                 session.calls[0].token_ids, [1] * 4)
-    assert (two.prompt_ids, two.token_ids, two.action_mask) == (session.calls[1].prompt_ids,
-                                                                 session.calls[1].token_ids, [1] * 4)
+    assert (one.prompt_ids, one.token_ids, one.action_mask) == (
+        session.calls[0].prompt_ids,
+        session.calls[0].token_ids,
+        [1] * 4,
+    )
+    assert (two.prompt_ids, two.token_ids, two.action_mask) == (
+        session.calls[1].prompt_ids,
+        session.calls[1].token_ids,
+        [1] * 4,
+    )
 
 
 def test_assemble_continues_the_conversation_each_call_extends():
@@ -282,7 +311,11 @@ def test_assemble_continues_the_conversation_each_call_extends():
     a2 = SessionCall([1, 2, 3, 4, 7], [6], [-0.4], 4, "length")
     first, second = assemble([a, b, a2])
     assert (first.token_ids, first.logprobs, first.action_mask, first.version) == (
-        [3, 4, 7, 6], [-0.1, -0.2, 0.0, -0.4], [1, 1, 0, 1], 4)
+        [3, 4, 7, 6],
+        [-0.1, -0.2, 0.0, -0.4],
+        [1, 1, 0, 1],
+        4,
+    )
     assert (second.prompt_ids, second.token_ids, second.calls) == ([9], [8], 1)
 
 
@@ -292,22 +325,37 @@ async def test_concurrent_sessions_keep_their_own_calls_and_share_a_batch(endpoi
     async def talk(i, session):
         async with endpoint.client(session.key) as client:
             return await client.chat.completions.create(
-                model="policy", max_tokens=6, messages=[{"role": "user", "content": f"episode {i} " * (i + 1)}])
+                model="policy", max_tokens=6, messages=[{"role": "user", "content": f"episode {i} " * (i + 1)}]
+            )
 
     answers = await asyncio.gather(*(talk(i, s) for i, s in enumerate(sessions)))
     for i, (session, answer) in enumerate(zip(sessions, answers)):
         [call] = session.calls
-        assert call.prompt_ids == template_ids(endpoint.tokenizer, [{"role": "user", "content": f"episode {i} " * (i + 1)}])
+        assert call.prompt_ids == template_ids(
+            endpoint.tokenizer, [{"role": "user", "content": f"episode {i} " * (i + 1)}]
+        )
         assert endpoint.tokenizer.decode(call.token_ids) == answer.choices[0].message.content
         # Batched with the others (left padding): the log-probs are still those of this prompt alone.
-        torch.testing.assert_close(torch.tensor(call.logprobs), recomputed(endpoint.backend.model, call.prompt_ids,
-                                                                           call.token_ids, 1.0), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(call.logprobs),
+            recomputed(endpoint.backend.model, call.prompt_ids, call.token_ids, 1.0),
+            atol=1e-4,
+            rtol=0,
+        )
     assert sum(endpoint.batches) == 3 and len(endpoint.batches) < 3  # gathered into fewer backend calls
 
 
 async def test_tool_calls_round_trip_through_the_template(endpoint):
-    tools = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "a + b",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+            },
+        }
+    ]
     # The model's side: a Hermes <tool_call> in its text comes back as OpenAI tool_calls.
     text = 'ok <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     answer = chat_answer([Completion([5] * 3, [-1.0] * 3, text, "stop")], 10, tools=True)
@@ -318,16 +366,25 @@ async def test_tool_calls_round_trip_through_the_template(endpoint):
     assert parse_tool_calls("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
     # The agent's side: its assistant tool call and the tool's result go back through the template.
     session = endpoint.server.open_session()
-    messages = [{"role": "user", "content": "2 + 3?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function", "function": {
-                    "name": "add", "arguments": call.function.arguments}}]},
-                {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    messages = [
+        {"role": "user", "content": "2 + 3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "add", "arguments": call.function.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
     async with endpoint.client(session.key) as client:
         await client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=3)
     prompt = endpoint.tokenizer.decode(session.calls[0].prompt_ids)
     assert '{"name": "add", "description": "a + b"' in prompt  # the tools, as the template lists them
-    assert ('<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>\n'
-            '<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n<|im_start|>assistant\n') in prompt
+    assert (
+        '<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    ) in prompt
     assert session.calls[0].prompt_ids == render_chat(endpoint.tokenizer, messages, tools)
 
 
@@ -359,8 +416,9 @@ async def test_requests_without_the_token_or_a_live_session_are_refused(endpoint
 
 async def test_a_hung_or_raising_agent_loses_its_episode_only(endpoint):
     async def agent(problem, client):
-        answer = await client.chat.completions.create(model="policy", max_tokens=3,
-                                                      messages=[{"role": "user", "content": problem}])
+        answer = await client.chat.completions.create(
+            model="policy", max_tokens=3, messages=[{"role": "user", "content": problem}]
+        )
         if problem == "raise":
             raise RuntimeError("the agent's own bug")
         if problem == "hang":
@@ -388,8 +446,9 @@ async def test_a_hung_or_raising_agent_loses_its_episode_only(endpoint):
 
 def test_an_async_function_is_an_agent_task_and_a_sync_one_is_refused(tmp_path):
     path = tmp_path / "my_agent.py"
-    path.write_text("async def my_agent(problem, client):\n    return 1.0\n\n"
-                    "def not_async(problem, client):\n    return 1.0\n")
+    path.write_text(
+        "async def my_agent(problem, client):\n    return 1.0\n\ndef not_async(problem, client):\n    return 1.0\n"
+    )
     cls = task_class(f"{path}:my_agent")
     assert issubclass(cls, FunctionAgent) and cls.task_name() == "my_agent"
     with pytest.raises(TaskLoadError, match="nor an agent"):
@@ -417,7 +476,6 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
     from asyncrl.rl.rollout import validate_group
     from asyncrl.rl.sampler.actor import SamplerActor
     from asyncrl.rl.tasks.loading import TaskSpec
-
     from sampler_support import ONE_THREAD
 
     (tmp_path / "my_agent.py").write_text(AGENT_FILE)
@@ -427,15 +485,20 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
     path = letters[0].name_or_path
     spec = TaskSpec(f"{tmp_path}/my_agent.py:agent", data=str(tmp_path / "rows.jsonl"), score_timeout_s=60.0)
     async with Supervisor(call_timeout_s=60) as sup:
-        sampler = await sup.spawn(SamplerActor, path, SamplerConfig(group_size=2, prompts_per_batch=2,
-                                                                    max_new_tokens=MAX_NEW, backend="hf"),
-                                  name="smp", kwargs=dict(task=spec, data=DataConfig(n_train=8, n_heldout=2)),
-                                  env=ONE_THREAD)
+        sampler = await sup.spawn(
+            SamplerActor,
+            path,
+            SamplerConfig(group_size=2, prompts_per_batch=2, max_new_tokens=MAX_NEW, backend="hf"),
+            name="smp",
+            kwargs=dict(task=spec, data=DataConfig(n_train=8, n_heldout=2)),
+            env=ONE_THREAD,
+        )
         groups = [g async for g in sampler.rollouts(2)]
         served = await sampler.openai_endpoint()
         async with openai.AsyncOpenAI(base_url=served["base_url"], api_key=served["token"], max_retries=0) as client:
-            answer = await client.chat.completions.create(model="policy", max_tokens=2,
-                                                          messages=[{"role": "user", "content": "hi"}])
+            answer = await client.chat.completions.create(
+                model="policy", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
         stats = await sampler.stats()
     assert served["base_url"].startswith("http://127.0.0.1:") and len(answer.choices[0].message.content) == 2
     assert len(groups) == 2 and stats["completions"] == 2 * 2 * 2 + 1  # 2 problems x 2 episodes x 2 calls, + 1
@@ -444,8 +507,9 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
         validate_group(group)
         assert group.group_size == 2 and group.version == 0
         assert tok.decode(group.prompt_ids).startswith("<|im_start|>user\nquestion ")
-        for ids, mask, lps, reward in zip(group.completion_ids, group.action_mask, group.behaviour_logprobs,
-                                          group.rewards):
+        for ids, mask, lps, reward in zip(
+            group.completion_ids, group.action_mask, group.behaviour_logprobs, group.rewards
+        ):
             assert sum(mask) == 3 + 4  # both turns' tokens are actions: the second extended the first
             second = tok.decode([t for t, m in zip(ids, mask) if m][3:])
             assert reward == second.count("a")
@@ -463,12 +527,15 @@ def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
     async def agent(problem, client):
         texts = []
         for _ in range(2):
-            answer = await client.chat.completions.create(model="policy", max_tokens=5,
-                                                          messages=[{"role": "user", "content": problem}])
+            answer = await client.chat.completions.create(
+                model="policy", max_tokens=5, messages=[{"role": "user", "content": problem}]
+            )
             texts.append(answer.choices[0].message.content)
         if problem == "raise":
             raise ValueError("no")
-        return Score(1.0, correct=texts[0] == texts[1] and texts[0].isalpha(), metrics={"long": float(problem == "two")})
+        return Score(
+            1.0, correct=texts[0] == texts[1] and texts[0].isalpha(), metrics={"long": float(problem == "two")}
+        )
 
     model, tok, fmt = letters
     task = FunctionAgent.of(agent)()
@@ -484,8 +551,7 @@ async def test_the_example_agents_run_against_the_endpoint(endpoint):
 
     examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
     calc = load_task(TaskSpec(f"{examples}/agent_calculator.py:CalculatorAgent"))
-    guess = load_task(TaskSpec(f"{examples}/agent_guess.py:guess_number",
-                               data=f"{examples}/data/guess_numbers.jsonl"))
+    guess = load_task(TaskSpec(f"{examples}/agent_guess.py:guess_number", data=f"{examples}/data/guess_numbers.jsonl"))
     calls = UserCalls("examples", timeout_s=60.0, max_failure_rate=0.0)
     [calc_group] = await AgentRunner(calc, endpoint.server, calls).run(calc.problems()[:1], 1)
     [guess_group] = await AgentRunner(guess, endpoint.server, calls).run(guess.data[:1], 1)
@@ -495,8 +561,9 @@ async def test_the_example_agents_run_against_the_endpoint(endpoint):
     assert "calculator" in endpoint.tokenizer.decode(calc_group.prompt_ids)  # the tool, as the template lists it
     [sample] = guess_group.samples  # five guesses, one conversation: one sample
     assert (sample.reward, sample.metrics["calls"], sample.metrics["guesses"]) == (0.0, 5.0, 5.0)
-    assert "Give a number." in endpoint.tokenizer.decode([t for t, m in zip(sample.token_ids, sample.action_mask)
-                                                          if not m])
+    assert "Give a number." in endpoint.tokenizer.decode(
+        [t for t, m in zip(sample.token_ids, sample.action_mask) if not m]
+    )
     calls.close()
 
 
@@ -520,8 +587,9 @@ async def test_a_session_answers_429_past_its_model_calls(letters):
     try:
         async with e.client(session.key) as client:
             for _ in range(2):
-                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=1)
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+                )
             with pytest.raises(openai.RateLimitError, match="may make 2 model calls"):
                 await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     finally:
@@ -546,8 +614,11 @@ async def test_closing_answers_a_request_in_flight_at_once(letters, batch):
     await e.backend.pause()
     try:
         async with e.client() as client:
-            asking = asyncio.ensure_future(client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+            asking = asyncio.ensure_future(
+                client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            )
             await asyncio.sleep(0.5)
             assert not asking.done()
             loop = asyncio.get_running_loop()
@@ -610,20 +681,23 @@ async def test_the_warm_start_lays_out_an_agents_demonstration_as_its_episode():
     rows = {p: warm_start._agent_row(tok, agent, agent.demonstration(p)) for p in problems}
     assert {len(agent.demonstration(p)) for p in problems} == {2, 4}
 
-    async def replay(prompts, n, params, progress=None):  # each prompt's next demonstrated turn, as a backend returns it
+    async def replay(
+        prompts, n, params, progress=None
+    ):  # each prompt's next demonstrated turn, as a backend returns it
         out = []
         for prompt in prompts:
-            ids, labels, _ = next(r for r in rows.values() if r[0][:len(prompt)] == prompt)
+            ids, labels, _ = next(r for r in rows.values() if r[0][: len(prompt)] == prompt)
             end = len(prompt)
             while end < len(ids) and labels[end] != -100:
                 end += 1
-            turn = ids[len(prompt):end]
+            turn = ids[len(prompt) : end]
             assert turn and turn[-1] == tok.eos_token_id
             out.append([Completion(turn, [-0.5] * len(turn), tok.decode(turn[:-1], skip_special_tokens=True), "stop")])
         return 0, out
 
-    server = OpenAIServer(replay, tok, SamplingParams(max_new_tokens=80, stop_token_ids=[tok.eos_token_id]),
-                          max_calls=agent.max_calls)
+    server = OpenAIServer(
+        replay, tok, SamplingParams(max_new_tokens=80, stop_token_ids=[tok.eos_token_id]), max_calls=agent.max_calls
+    )
     await server.start()
     calls = UserCalls("layout", timeout_s=60.0, max_failure_rate=0.0)
     try:

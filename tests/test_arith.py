@@ -9,7 +9,19 @@ from fractions import Fraction
 
 import pytest
 
-from asyncrl.rl.tasks.arith import MAX_CHARS, MAX_DEPTH, MAX_DIGITS, MAX_NUMBERS, ArithError, BinOp, Num, evaluate, format_expr, numbers_used, parse
+from asyncrl.rl.tasks.arith import (
+    MAX_CHARS,
+    MAX_DEPTH,
+    MAX_DIGITS,
+    MAX_NUMBERS,
+    ArithError,
+    BinOp,
+    Num,
+    evaluate,
+    format_expr,
+    numbers_used,
+    parse,
+)
 
 
 def value(text: str) -> Fraction:

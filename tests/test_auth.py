@@ -13,7 +13,6 @@ import zmq
 
 from asyncrl import Supervisor
 from asyncrl.runtime import auth, wire
-
 from conftest import kill_all
 from multinode_support import NODE_TIMEOUT_S, Counter, free_port, intruder, make_secret_file, start_agent
 
@@ -23,11 +22,14 @@ HOWS = ("none", "wrong-secret", "foreign-key")
 def _valid_looking_messages() -> list[bytes]:
     """Messages that would do something if they got through: a call, a worker hello, a node join."""
     args = msgspec.Raw(msgspec.msgpack.encode([1000]))
-    return [msgspec.msgpack.encode(m) for m in (
-        wire.Call(1, "bump", args),
-        wire.Hello("counter", 1, 1),
-        wire.NodeHello(wire.NODE_PROTOCOL, 1, 2, "intruder", "evil", "127.0.0.1", 1, "", []),
-    )]
+    return [
+        msgspec.msgpack.encode(m)
+        for m in (
+            wire.Call(1, "bump", args),
+            wire.Hello("counter", 1, 1),
+            wire.NodeHello(wire.NODE_PROTOCOL, 1, 2, "intruder", "evil", "127.0.0.1", 1, "", []),
+        )
+    ]
 
 
 def _try_all(endpoints: list[str], public_key: bytes, wait_s: float = 1.0) -> int:

@@ -22,9 +22,23 @@ def roundtrip(obj: Any, typ: Any = Any, via_zmq_frames: bool = True):
 
 
 ALL_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 ]
 
 
@@ -41,7 +55,14 @@ def test_every_dtype_and_shape_roundtrips(dtype, shape):
 
 def test_views_are_sent_as_their_values():
     base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
-    cases = [base.t(), base[:, 2:5], base[::2], base.expand(2, 6, 10), torch.randn(4, 4, dtype=torch.complex64).conj(), -base.neg()]
+    cases = [
+        base.t(),
+        base[:, 2:5],
+        base[::2],
+        base.expand(2, 6, 10),
+        torch.randn(4, 4, dtype=torch.complex64).conj(),
+        -base.neg(),
+    ]
     for t in cases:
         out, _ = roundtrip(t)
         assert out.shape == t.shape and torch.equal(out, t.resolve_conj().resolve_neg())
@@ -97,7 +118,11 @@ def test_typed_decoding_names_the_bad_field():
         roundtrip({"ids": [1, "two"], "weights": torch.ones(1)}, Batch)
 
 
-@pytest.mark.parametrize("bad", [object(), {1, 2}, torch.ones(2).to_sparse(), np.array([object()])], ids=["object", "set-of-ints-ok", "sparse", "object-array"])
+@pytest.mark.parametrize(
+    "bad",
+    [object(), {1, 2}, torch.ones(2).to_sparse(), np.array([object()])],
+    ids=["object", "set-of-ints-ok", "sparse", "object-array"],
+)
 def test_unsendable_values_raise_type_error(bad):
     if isinstance(bad, set):  # msgspec sends sets as arrays: allowed
         out, _ = roundtrip(bad)
@@ -134,8 +159,14 @@ def test_envelope_decoder_refuses_garbage_and_wrong_types():
     decoder = msgspec.msgpack.Decoder(wire.ToActor)
     call = wire.Call(7, "add", msgspec.Raw(msgspec.msgpack.encode([1, 2])))
     assert decoder.decode(msgspec.msgpack.encode(call)) == call
-    for junk in [b"", b"\xc1", b"\x93\x01\x02", msgspec.msgpack.encode(wire.Reply(1, msgspec.Raw(b"\xc0"))),
-                 msgspec.msgpack.encode([1, "id-not-int", "m", [1]]), bytes(range(256))]:
+    for junk in [
+        b"",
+        b"\xc1",
+        b"\x93\x01\x02",
+        msgspec.msgpack.encode(wire.Reply(1, msgspec.Raw(b"\xc0"))),
+        msgspec.msgpack.encode([1, "id-not-int", "m", [1]]),
+        bytes(range(256)),
+    ]:
         with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
             decoder.decode(junk)
 

@@ -13,7 +13,6 @@ import pytest
 from asyncrl import Supervisor
 from asyncrl.comm.member import form_group
 from asyncrl.runtime.devices import detect
-
 from sync_actors import Receiver, Sender
 
 kind, ids = detect("auto")
@@ -26,14 +25,16 @@ async def test_weight_sync_over_cuda_ipc_is_bit_exact_and_maps_each_allocation_o
         sender = await sup.spawn(Sender, 1, kwargs={"device": "cuda"}, name="sender", gpus=1)
         inplace, whole = await asyncio.gather(
             sup.spawn(Receiver, 2, kwargs={"device": "cuda"}, name="inplace", share_devices_with="sender"),
-            sup.spawn(Receiver, 3, kwargs={"device": "cuda", "whole": True}, name="whole", share_devices_with="sender"))
+            sup.spawn(Receiver, 3, kwargs={"device": "cuda", "whole": True}, name="whole", share_devices_with="sender"),
+        )
         assert await form_group([sender, inplace, whole], HOST, backend="ipc", timeout_s=60) > 0
         buckets, direct = (await asyncio.gather(sender.setup(bucket_bytes=1024), inplace.setup(), whole.setup()))[0]
         assert buckets > 1 and direct >= 1  # both ways a tensor travels: staged and sent whole
         mapped = []
         for version in range(5):
-            sent, a, b = await asyncio.gather(sender.step_and_send(version), inplace.receive(version),
-                                              whole.receive(version))
+            sent, a, b = await asyncio.gather(
+                sender.step_and_send(version), inplace.receive(version), whole.receive(version)
+            )
             assert sent == a == b, version
             mapped.append(await asyncio.gather(inplace.mapped(), whole.mapped()))
         assert all(m == mapped[0] for m in mapped) and min(mapped[0]) > 0, mapped  # once per membership

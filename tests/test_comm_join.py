@@ -27,9 +27,17 @@ def join_members(world_size: int, generation: int = 0, timeout_s: float = 20.0) 
 
     def member(rank: int) -> None:
         try:
-            results[rank] = join_sync_group(HOST, port, rank, world_size, generation=generation, backend="auto",
-                                            device="cpu", timeout_s=timeout_s,
-                                            listener=listener if rank == 0 else None)
+            results[rank] = join_sync_group(
+                HOST,
+                port,
+                rank,
+                world_size,
+                generation=generation,
+                backend="auto",
+                device="cpu",
+                timeout_s=timeout_s,
+                listener=listener if rank == 0 else None,
+            )
         except BaseException as exc:  # noqa: BLE001  (raised below, in the test thread)
             results[rank] = exc
 
@@ -76,7 +84,9 @@ def test_members_form_a_group_whose_communicator_works():
     try:
         assert [m.backend for m in members] == ["gloo", "gloo"]
         assert [(m.group.rank, m.group.world_size, m.group.label) for m in members] == [
-            (0, 2, "weights/g3"), (1, 2, "weights/g3")]
+            (0, 2, "weights/g3"),
+            (1, 2, "weights/g3"),
+        ]
         assert [m.comm.group for m in members] == ["weights/g3", "weights/g3"]
         assert Communicator.created["gloo"] == before + 2
         tensors = [torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])]
@@ -115,8 +125,9 @@ def test_rendezvous_and_communicator_share_one_deadline(monkeypatch):
     monkeypatch.setattr(join_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(join_mod, "StoreGroup", SlowGroup)
     monkeypatch.setattr(join_mod, "make_communicator", fake_make_communicator)
-    membership = join_sync_group("h", 1234, 1, 2, generation=4, backend="nccl", device="cuda:1", timeout_s=10.0,
-                                 name="w")
+    membership = join_sync_group(
+        "h", 1234, 1, 2, generation=4, backend="nccl", device="cuda:1", timeout_s=10.0, name="w"
+    )
     assert seen["group"] == ("h", 1234, 1, 2, 10.0, "w", 4, None)
     assert seen["comm"] == ("nccl", pytest.approx(3.0), "cuda:1")
     assert membership.backend == "gloo"

@@ -11,10 +11,25 @@ from fractions import Fraction
 import msgspec
 import pytest
 
+from asyncrl.rl.config.task import CountdownConfig
 from asyncrl.rl.tasks.arith import evaluate, numbers_used, parse
 from asyncrl.rl.tasks.base import Message, Prompt, Score, Splits, Task, TaskInputError, as_prompt
-from asyncrl.rl.tasks.countdown import CORRECT_REWARD, FORMAT_REWARD, Countdown, CountdownProblem, extract_answer, format_prompt, format_prompt_compact, format_reference, generate, problem_key, reward, score, solve, train_and_heldout
-from asyncrl.rl.config.task import CountdownConfig
+from asyncrl.rl.tasks.countdown import (
+    CORRECT_REWARD,
+    FORMAT_REWARD,
+    Countdown,
+    CountdownProblem,
+    extract_answer,
+    format_prompt,
+    format_prompt_compact,
+    format_reference,
+    generate,
+    problem_key,
+    reward,
+    score,
+    solve,
+    train_and_heldout,
+)
 
 P = CountdownProblem(numbers=[3, 7, 25], target=46, solution="25 + 7 * 3")
 
@@ -30,8 +45,16 @@ def makes(text: str, numbers: list[int], target: int) -> bool:
 
 @pytest.mark.parametrize(
     "numbers, target",
-    [([3, 7, 25], 46), ([3, 3, 8, 8], 24), ([1, 5, 5, 5], 24), ([2, 3], 6), ([5], 5), ([0, 0], 0),
-     ([4, 4, 4, 4], 17), ([99, 98, 97, 96], 1)],
+    [
+        ([3, 7, 25], 46),
+        ([3, 3, 8, 8], 24),
+        ([1, 5, 5, 5], 24),
+        ([2, 3], 6),
+        ([5], 5),
+        ([0, 0], 0),
+        ([4, 4, 4, 4], 17),
+        ([99, 98, 97, 96], 1),
+    ],
 )
 def test_solver_finds_known_solutions(numbers, target):
     found = solve(numbers, target)
@@ -133,8 +156,14 @@ def test_generator_refuses_what_it_cannot_make():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(min_count=1), dict(min_count=4, max_count=3), dict(max_count=7), dict(max_number=0),
-     dict(min_target=0), dict(min_target=5, max_target=4)],
+    [
+        dict(min_count=1),
+        dict(min_count=4, max_count=3),
+        dict(max_count=7),
+        dict(max_number=0),
+        dict(min_target=0),
+        dict(min_target=5, max_target=4),
+    ],
 )
 def test_config_refuses_bad_values(kwargs):
     with pytest.raises(ValueError):
@@ -206,8 +235,15 @@ def test_reward_with_repeated_numbers_needs_each_copy():
 
 def test_score_breakdown():
     right = score(P, "<answer>25 + 3 * 7</answer>")
-    assert (right.reward, right.has_answer, right.well_formed, right.uses_numbers, right.hits_target,
-            right.correct, right.error) == (1.0, True, True, True, True, True, "")
+    assert (
+        right.reward,
+        right.has_answer,
+        right.well_formed,
+        right.uses_numbers,
+        right.hits_target,
+        right.correct,
+        right.error,
+    ) == (1.0, True, True, True, True, True, "")
     short = score(P, "<answer>25 + 21</answer>")
     assert (short.well_formed, short.uses_numbers, short.hits_target, short.correct) == (True, False, True, False)
     bad = score(P, "<answer>2 ** 3</answer>")
@@ -221,14 +257,36 @@ def test_score_breakdown():
 def _adversarial() -> list[str]:
     tag = "<answer>{}</answer>".format
     return [
-        "", "<answer>", "</answer>", "<answer></answer>" * 5000, tag("9**9**9"), tag("1/0"), tag("0/0"),
-        tag("(" * 100_000), "(" * 100_000, tag("(" * 50_000 + "1" + ")" * 50_000),
-        tag("9" * 1_000_000), "9" * 1_000_000, tag("1+" * 500_000 + "1"),
-        "<answer>" * 20_000 + "1" + "</answer>" * 20_000, "<answer" * 20_000, "</answer" * 20_000,
-        tag("\u0663\u0663"), tag("\uff13 + 1"), tag("\x00"), tag("\ud800"), tag("\n" * 300 + "46"),
-        "x" * 100_000 + tag("25 + 7 * 3"), tag("25 + 7 * 3") + "y" * 100_000,
-        tag("1" * 10), tag("99999999 * 99999999 / 99999999"), tag("=" * 1000), tag("1 = "), tag("= 46"),
-        tag("1 " * 128), tag("((((((((((((((((((((((((((((((((((1))))))))))))))))))))))))))))))))))"),
+        "",
+        "<answer>",
+        "</answer>",
+        "<answer></answer>" * 5000,
+        tag("9**9**9"),
+        tag("1/0"),
+        tag("0/0"),
+        tag("(" * 100_000),
+        "(" * 100_000,
+        tag("(" * 50_000 + "1" + ")" * 50_000),
+        tag("9" * 1_000_000),
+        "9" * 1_000_000,
+        tag("1+" * 500_000 + "1"),
+        "<answer>" * 20_000 + "1" + "</answer>" * 20_000,
+        "<answer" * 20_000,
+        "</answer" * 20_000,
+        tag("\u0663\u0663"),
+        tag("\uff13 + 1"),
+        tag("\x00"),
+        tag("\ud800"),
+        tag("\n" * 300 + "46"),
+        "x" * 100_000 + tag("25 + 7 * 3"),
+        tag("25 + 7 * 3") + "y" * 100_000,
+        tag("1" * 10),
+        tag("99999999 * 99999999 / 99999999"),
+        tag("=" * 1000),
+        tag("1 = "),
+        tag("= 46"),
+        tag("1 " * 128),
+        tag("((((((((((((((((((((((((((((((((((1))))))))))))))))))))))))))))))))))"),
         "\U0001f600" * 100_000 + tag("46"),
     ]
 
@@ -245,8 +303,36 @@ def test_reward_survives_adversarial_text_quickly():
 
 def test_reward_fuzz_never_raises():
     rng = random.Random(2024)
-    pieces = ["0", "1", "3", "7", "25", "46", "99", "+", "-", "*", "/", "**", "(", ")", " ", "\n", "=", ".",
-              "<answer>", "</answer>", "<answer", "answer>", "\u0663", "\uff13", "\u00e9", "\ud800", "x", "%"]
+    pieces = [
+        "0",
+        "1",
+        "3",
+        "7",
+        "25",
+        "46",
+        "99",
+        "+",
+        "-",
+        "*",
+        "/",
+        "**",
+        "(",
+        ")",
+        " ",
+        "\n",
+        "=",
+        ".",
+        "<answer>",
+        "</answer>",
+        "<answer",
+        "answer>",
+        "\u0663",
+        "\uff13",
+        "\u00e9",
+        "\ud800",
+        "x",
+        "%",
+    ]
     start = time.perf_counter()
     seen = set()
     for _ in range(4000):
@@ -287,12 +373,21 @@ def test_the_prompt_is_one_user_turn_with_a_compact_form():
 
 def test_the_tasks_score_is_the_reward_with_its_parts_as_metrics():
     task = Countdown()
-    for completion in ("<answer>25 + 7 * 3</answer>", "<answer>25 + 7 + 3</answer>", "<answer>3 +</answer>",
-                       "no answer", ""):
+    for completion in (
+        "<answer>25 + 7 * 3</answer>",
+        "<answer>25 + 7 + 3</answer>",
+        "<answer>3 +</answer>",
+        "no answer",
+        "",
+    ):
         got, parts = task.score(P, completion), score(P, completion)
         assert isinstance(got, Score) and (got.reward, got.correct) == (parts.reward, parts.correct)
-        assert got.metrics == {"has_answer": float(parts.has_answer), "well_formed": float(parts.well_formed),
-                               "uses_numbers": float(parts.uses_numbers), "hits_target": float(parts.hits_target)}
+        assert got.metrics == {
+            "has_answer": float(parts.has_answer),
+            "well_formed": float(parts.well_formed),
+            "uses_numbers": float(parts.uses_numbers),
+            "hits_target": float(parts.hits_target),
+        }
         assert got.correct == (got.reward >= task.correct_reward)
     assert task.score(P, format_reference(P)).correct
 
@@ -314,9 +409,12 @@ def test_the_fingerprint_keeps_the_warm_start_cache_key_of_before():
 
     assert Countdown().fingerprint() == {
         "countdown": {"min_count": 3, "max_count": 4, "max_number": 99, "min_target": 1, "max_target": 100},
-        "probe": ["3 7 25 -> 46:", "<answer>25 + 7 * 3</answer>"]}
+        "probe": ["3 7 25 -> 46:", "<answer>25 + 7 * 3</answer>"],
+    }
     assert cache_key(ModelConfig(), WarmStartConfig(), Countdown()) == "1cfa1c5b452e000bbf3c"
-    assert cache_key(ModelConfig(), WarmStartConfig(), Countdown(CountdownConfig(max_count=5))) == "ce90a6495700317cea5e"
+    assert (
+        cache_key(ModelConfig(), WarmStartConfig(), Countdown(CountdownConfig(max_count=5))) == "ce90a6495700317cea5e"
+    )
 
 
 @pytest.mark.parametrize("completion", [b"<answer>25 + 7 * 3</answer>", None, 46, ["<answer>46</answer>"]])

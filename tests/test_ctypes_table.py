@@ -34,10 +34,13 @@ def test_binding_leaves_the_libraries_own_function_objects_alone(libc):
 
 
 def test_a_missing_required_symbol_names_itself_the_library_and_the_hint(libc):
-    table = [Function("strlen", ctypes.c_size_t, (ctypes.c_char_p,)),
-             Function("asyncrlNoSuchFunction", ctypes.c_int, ())]
-    with pytest.raises(CommLibraryError,
-                       match=f"{LIBC_PATH} lacks the required symbol asyncrlNoSuchFunction: wanted libfoo >= 2"):
+    table = [
+        Function("strlen", ctypes.c_size_t, (ctypes.c_char_p,)),
+        Function("asyncrlNoSuchFunction", ctypes.c_int, ()),
+    ]
+    with pytest.raises(
+        CommLibraryError, match=f"{LIBC_PATH} lacks the required symbol asyncrlNoSuchFunction: wanted libfoo >= 2"
+    ):
         bind_functions(libc, LIBC_PATH, table, hint="wanted libfoo >= 2")
 
 
@@ -48,8 +51,10 @@ def test_a_missing_optional_symbol_is_none(libc):
 
 def test_a_library_class_gets_its_table_as_attributes(libc):
     class Libc(CLibrary):
-        functions = (Function("strlen", ctypes.c_size_t, (ctypes.c_char_p,)),
-                     Function("asyncrlNoSuchFunction", ctypes.c_int, (), required=False))
+        functions = (
+            Function("strlen", ctypes.c_size_t, (ctypes.c_char_p,)),
+            Function("asyncrlNoSuchFunction", ctypes.c_int, (), required=False),
+        )
 
     lib = Libc(libc, LIBC_PATH)
     assert lib.path == LIBC_PATH and lib.strlen(b"abc") == 3

@@ -47,7 +47,9 @@ def fitted(path: str, targets: list[list[list[int]]], steps: int = 40) -> str:
 def p_answer(model) -> float:
     """The student's mean probability of the whole right answer."""
     x = torch.tensor([p + CANDIDATES[a] for p, a in zip(PROMPTS, ANSWER)])
-    return float(torch.log_softmax(model(x).logits[:, 3:5], -1).gather(2, x[:, 4:6, None]).squeeze(-1).sum(-1).exp().mean())
+    return float(
+        torch.log_softmax(model(x).logits[:, 3:5], -1).gather(2, x[:, 4:6, None]).squeeze(-1).sum(-1).exp().mean()
+    )
 
 
 @torch.no_grad()
@@ -62,7 +64,9 @@ def sampled_groups(model, generator) -> list[RolloutGroup]:
             token = torch.multinomial(logp.exp(), 1, generator=generator)
             logprobs.append(logp.gather(1, token))
             x = torch.cat([x, token], 1)
-        groups.append(RolloutGroup(i, prompt, x[:, 4:].tolist(), torch.cat(logprobs, 1).tolist(), [0.0] * GROUP, version=0))
+        groups.append(
+            RolloutGroup(i, prompt, x[:, 4:].tolist(), torch.cat(logprobs, 1).tolist(), [0.0] * GROUP, version=0)
+        )
     return groups
 
 
@@ -86,9 +90,15 @@ async def test_a_teacher_that_knows_the_answers_pulls_the_student_toward_them(ch
         trainer = TrainerActor(student_path, TrainerConfig(lr=3e-3, loss=GRPOLossConfig(distill_coef=0.3)))
         before, generator, kl = p_answer(trainer.model), torch.Generator().manual_seed(0), []
         for _ in range(6):
-            groups = [msgspec.structs.replace(g, teacher_logprobs=await asyncio.wait_for(
-                scorer.teacher_logprobs(g.prompt_ids, g.completion_ids), timeout=60))
-                for g in sampled_groups(trainer.model, generator)]
+            groups = [
+                msgspec.structs.replace(
+                    g,
+                    teacher_logprobs=await asyncio.wait_for(
+                        scorer.teacher_logprobs(g.prompt_ids, g.completion_ids), timeout=60
+                    ),
+                )
+                for g in sampled_groups(trainer.model, generator)
+            ]
             kl.append(trainer._train_step(groups)["distill_kl"])
         after = p_answer(trainer.model)
         assert after > before + 0.08, (before, after, kl)
@@ -109,7 +119,10 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path):
     tok = AutoTokenizer.from_pretrained(other)
     tok.add_tokens(["<extra>"])
     tok.save_pretrained(other)
-    with pytest.raises(ConfigError, match=r"^--teacher\.model_path .* has another tokenizer than the student .* "
-                                          r"\(262 vs 261 tokens; e\.g\. '<extra>'=261\): ") as caught:
+    with pytest.raises(
+        ConfigError,
+        match=r"^--teacher\.model_path .* has another tokenizer than the student .* "
+        r"\(262 vs 261 tokens; e\.g\. '<extra>'=261\): ",
+    ) as caught:
         check_tokenizers(student, other)
     assert "\n" not in str(caught.value)

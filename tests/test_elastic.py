@@ -21,7 +21,6 @@ from asyncrl import Supervisor
 from asyncrl.rl.driver.run import train
 from asyncrl.rl.driver.scaling import scale  # the name docs/elastic.md gives
 from asyncrl.runtime.status import query_status
-
 from test_fault_tolerance import check_whole, tiny
 
 pytestmark = pytest.mark.timeout(240)
@@ -47,8 +46,7 @@ def events(run_dir) -> list[dict]:
 async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
     run_dir = tmp_path / "run"
     steps = 3000  # never reached: the test stops the run once both changes are seen (a step takes ~0.1 s)
-    config = tiny(model_path, run_dir, "--run.steps", str(steps), "--sampler.count", "1",
-                  "--run.check_weights", "true")
+    config = tiny(model_path, run_dir, "--run.steps", str(steps), "--sampler.count", "1", "--run.check_weights", "true")
     seen: dict[str, object] = {}
 
     def progress() -> dict:
@@ -74,9 +72,17 @@ async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
         await until("1 sampler in the group", lambda: in_group() == ["sampler0"])
         status = seen["status_down"] = await asyncio.to_thread(progress)
         await until("a few steps with 1", lambda: progress()["step"] >= status["step"] + 3)
-        await until("the drained samplers stopped", lambda: {a.name: str(a.state) for a in query_status(
-            str(run_dir), 10.0).actors if a.name in ("sampler1", "sampler2")} == {"sampler1": "stopped",
-                                                                              "sampler2": "stopped"})
+        await until(
+            "the drained samplers stopped",
+            lambda: (
+                {
+                    a.name: str(a.state)
+                    for a in query_status(str(run_dir), 10.0).actors
+                    if a.name in ("sampler1", "sampler2")
+                }
+                == {"sampler1": "stopped", "sampler2": "stopped"}
+            ),
+        )
 
     async with Supervisor() as sup:
         run = asyncio.ensure_future(train(config, sup, log=lambda line: None))
@@ -109,10 +115,14 @@ async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
     (down,) = [(a, b) for a, b in changes if a["samplers_in_group"] == 3 and b["samplers_in_group"] == 1]
     assert down[1]["generation"] - down[0]["generation"] == 1, [(r["step"], r["generation"]) for r in recs]
     for a, b in changes:
-        print(f"scale {a['samplers_in_group']} -> {b['samplers_in_group']} at step {b['step']}: recover_s "
-              f"{b['recover_s']:.3f}, sync_s {b['sync_s']:.3f} (a plain sync before it: {a['sync_s']:.3f})")
+        print(
+            f"scale {a['samplers_in_group']} -> {b['samplers_in_group']} at step {b['step']}: recover_s "
+            f"{b['recover_s']:.3f}, sync_s {b['sync_s']:.3f} (a plain sync before it: {a['sync_s']:.3f})"
+        )
     kinds = [(e["event"], e.get("sampler")) for e in events(run_dir)]
     assert kinds.count(("scale_requested", "")) == 2
-    assert {("added", "sampler1"), ("added", "sampler2"), ("drained", "sampler1"), ("drained", "sampler2")} <= set(kinds)
+    assert {("added", "sampler1"), ("added", "sampler2"), ("drained", "sampler1"), ("drained", "sampler2")} <= set(
+        kinds
+    )
     assert kinds.count(("lost", "sampler0")) == 1 and kinds.count(("rejoined", "sampler0")) == 1, kinds
     assert [k for k in kinds if k[0] == "lost"] == [("lost", "sampler0")], kinds

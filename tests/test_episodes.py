@@ -72,7 +72,7 @@ class Script:
                 return Completion(got, logprobs, TOK.decode(got[:-1], skip_special_tokens=True), "stop")
             hits = [text.find(s) for s in params.stop if s in text]
             if hits:
-                return Completion(got, logprobs, text[:min(hits)], "stop")
+                return Completion(got, logprobs, text[: min(hits)], "stop")
             if k == params.max_new_tokens:
                 return Completion(got, logprobs, text, "length")
         raise AssertionError(f"the script ran out of tokens: {TOK.decode(planned)!r}")
@@ -97,8 +97,10 @@ class CalcEnv(Environment):
 
 
 P1, P2 = {"q": "2+3=", "a": 5}, {"q": "7*6=", "a": 42}
-SCRIPT = {"2+3=": ["<calc>2+3</calc>", "so <calc>5*2</calc>", "<answer>5</answer><|im_end|>"],
-          "7*6=": ["<answer>41</answer><|im_end|>"]}
+SCRIPT = {
+    "2+3=": ["<calc>2+3</calc>", "so <calc>5*2</calc>", "<answer>5</answer><|im_end|>"],
+    "7*6=": ["<answer>41</answer><|im_end|>"],
+}
 
 
 def runner(task, calls=None, **kw) -> EpisodeRunner:
@@ -120,8 +122,13 @@ async def test_three_turns_lay_out_model_and_environment_tokens():
     script = Script(SCRIPT)
     [[a, b], [c, d]] = await runner(CalcEnv()).run([P1, P2], 2, GREEDY, script)
     assert a == b and c == d
-    turns = ["<calc>2+3</calc>", "<result>5</result>", "so <calc>5*2</calc>", "<result>10</result>",
-             "<answer>5</answer><|im_end|>"]
+    turns = [
+        "<calc>2+3</calc>",
+        "<result>5</result>",
+        "so <calc>5*2</calc>",
+        "<result>10</result>",
+        "<answer>5</answer><|im_end|>",
+    ]
     assert a.token_ids == [t for turn in turns for t in ids(turn)]
     assert a.action_mask == [int(i % 2 == 0) for i, turn in enumerate(turns) for _ in ids(turn)]
     check_alignment("2+3=", a)
@@ -189,8 +196,9 @@ async def test_a_step_that_raises_or_returns_a_bad_value_ends_its_episode_with_r
     assert (a.reward, a.correct, a.error, a.metrics["turns"]) == (0.0, False, "raised", 2.0)
     assert (b.reward, b.error) == (0.0, "bad_value")
     assert calls.take_counts() == {"calls": 3, "raised": 1, "timeout": 0, "bad_value": 1}
-    assert calls.first_traceback == ("step: step() returned a bad value: TaskInputError: step() must return a Reply, "
-                                     "not dict")
+    assert calls.first_traceback == (
+        "step: step() returned a bad value: TaskInputError: step() must return a Reply, not dict"
+    )
 
 
 async def test_async_steps_and_scores():
@@ -251,15 +259,23 @@ def problems(*hows) -> list[dict]:
 async def test_single_turn_is_one_generate_call_and_failures_score_0_by_kind():
     script, calls = Script(SCRIPT), UserCalls("scored", 0.3, 1.0)
     start = time.monotonic()
-    groups = await runner(Scored(), calls).run(problems(1.0, "raise", "hang", "nan", "none", "str", "exit", 0.25),
-                                               2, GREEDY, script)
+    groups = await runner(Scored(), calls).run(
+        problems(1.0, "raise", "hang", "nan", "none", "str", "exit", 0.25), 2, GREEDY, script
+    )
     try:
         assert time.monotonic() - start < 5  # the hung calls answered at their deadline
         assert len(script.calls) == 1 and script.calls[0][2] == GREEDY and script.calls[0][1] == 2
         got = [(s.reward, s.correct, s.error) for g in groups for s in g[:1]]
-        assert got == [(1.0, True, ""), (0.0, False, "raised"), (0.0, False, "timeout"), (0.0, False, "bad_value"),
-                       (0.0, False, "bad_value"), (0.0, False, "bad_value"), (0.0, False, "raised"),
-                       (0.25, False, "")]
+        assert got == [
+            (1.0, True, ""),
+            (0.0, False, "raised"),
+            (0.0, False, "timeout"),
+            (0.0, False, "bad_value"),
+            (0.0, False, "bad_value"),
+            (0.0, False, "bad_value"),
+            (0.0, False, "raised"),
+            (0.25, False, ""),
+        ]
         assert all(g[0] == g[1] for g in groups)
         assert calls.take_counts() == {"calls": 16, "raised": 4, "timeout": 2, "bad_value": 6}
         assert calls.take_counts() == {"calls": 0, "raised": 0, "timeout": 0, "bad_value": 0}
@@ -282,7 +298,8 @@ async def test_too_many_failures_stop_the_run_with_the_first_traceback():
     assert "ValueError: no reward for '<answer>41</answer>'" in message and "Traceback" in message
     # the traceback starts at the user's frame: none of the frames that ran the call
     assert "scoring.py" not in message and message.split("Traceback (most recent call last):\n")[1].startswith(
-        f'  File "{__file__}"'), message
+        f'  File "{__file__}"'
+    ), message
     assert type(err.value) is TaskFailureError  # what the driver catches (test_remote_errors.py: across processes)
 
 
@@ -353,16 +370,19 @@ class _NeedleEnv(Environment):
     def step(self, episode, completion):
         self.texts.append(completion)
         if episode.model_turns == 3:
-            return Reply(done=True, reward=float(len(completion)),
-                         metrics={"stopped": completion.endswith(self.stop[0])})
+            return Reply(
+                done=True, reward=float(len(completion)), metrics={"stopped": completion.endswith(self.stop[0])}
+            )
         return Reply(f"<result>{episode.model_turns}</result>")
 
 
 async def _needle(backend, fmt) -> str:
     """Two characters from the middle of a greedy completion of the first problem."""
-    [[free]] = await backend.generate([fmt.render_ids(Prompt([Message("user", NEEDLE_PROBLEMS[0])],
-                                                              compact=NEEDLE_PROBLEMS[0]))], 1,
-                                      SamplingParams(max_new_tokens=16, temperature=0.0))
+    [[free]] = await backend.generate(
+        [fmt.render_ids(Prompt([Message("user", NEEDLE_PROBLEMS[0])], compact=NEEDLE_PROBLEMS[0]))],
+        1,
+        SamplingParams(max_new_tokens=16, temperature=0.0),
+    )
     needle = free.text[6:8]
     assert needle.strip() and len(needle) == 2, free.text
     return needle
@@ -377,8 +397,9 @@ async def test_an_environment_with_stop_strings_on_the_hf_backend(policy):
         env = _NeedleEnv(await _needle(backend, fmt))
         # Greedy: the first problem's first turn is the run the needle came from, so it ends there.
         params = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=list(fmt.stop_token_ids))
-        groups = await EpisodeRunner(env, fmt, UserCalls("needle", 5.0, 1.0)).run(NEEDLE_PROBLEMS, 2, params,
-                                                                                  backend.generate)
+        groups = await EpisodeRunner(env, fmt, UserCalls("needle", 5.0, 1.0)).run(
+            NEEDLE_PROBLEMS, 2, params, backend.generate
+        )
     finally:
         backend.close()
     assert any(t.endswith(env.stop[0]) for t in env.texts)  # some turns did end at the string
@@ -403,7 +424,8 @@ QWEN_LIKE = (
     "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' -}}"
     "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 @pytest.fixture
@@ -428,7 +450,8 @@ def test_chat_replies_continue_the_conversation_as_the_template_renders_it(chat_
     assert tok.decode(context) == tok.apply_chat_template(whole, tokenize=False, add_generation_prompt=True)
     delta = chat_fmt.reply_ids(prompt, turns[:1], Reply("5"), ended_on_token)
     assert tok.decode(delta) == ("" if ended_on_token else "<|im_end|>") + (
-        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_compact_replies_are_the_text_as_is():
@@ -481,21 +504,43 @@ async def test_episodes_jsonl_shows_an_episodes_tokens_by_mask(tmp_path):
     from asyncrl.rl.rollout import RolloutGroup
 
     [[a]] = await runner(CalcEnv()).run([P1], 1, GREEDY, Script(SCRIPT))
-    group = RolloutGroup(prompt_id=0, prompt_ids=ids("2+3="), completion_ids=[a.token_ids],
-                         behaviour_logprobs=[a.logprobs], rewards=[a.reward], version=3, sampler="sampler0",
-                         uid="sampler0/1/7", action_mask=[a.action_mask], correct=[a.correct])
+    group = RolloutGroup(
+        prompt_id=0,
+        prompt_ids=ids("2+3="),
+        completion_ids=[a.token_ids],
+        behaviour_logprobs=[a.logprobs],
+        rewards=[a.reward],
+        version=3,
+        sampler="sampler0",
+        uid="sampler0/1/7",
+        action_mask=[a.action_mask],
+        correct=[a.correct],
+    )
     log = EpisodeLog(str(tmp_path), "", print)
     log._tokenizer = TOK  # as load() leaves it for the run's policy
     log.write(5, [group])
     [record] = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
     assert [(p["mask"], p["text"]) for p in record["pieces"]] == [
-        (1, "<calc>2+3</calc>"), (0, "<result>5</result>"), (1, "so <calc>5*2</calc>"), (0, "<result>10</result>"),
-        (1, "<answer>5</answer><|im_end|>")]
+        (1, "<calc>2+3</calc>"),
+        (0, "<result>5</result>"),
+        (1, "so <calc>5*2</calc>"),
+        (0, "<result>10</result>"),
+        (1, "<answer>5</answer><|im_end|>"),
+    ]
     assert record["tokens"] == sum(a.action_mask) and record["completion_tokens"] == len(a.token_ids)
     assert sum(p["tokens"] for p in record["pieces"]) == len(a.token_ids)
-    assert record | {"pieces": None} == {"step": 5, "group": "sampler0/1/7", "sampler": "sampler0", "version": 3,
-                                         "reward": 1.0, "correct": True, "prompt": "2+3=", "pieces": None,
-                                         "tokens": record["tokens"], "completion_tokens": len(a.token_ids)}
+    assert record | {"pieces": None} == {
+        "step": 5,
+        "group": "sampler0/1/7",
+        "sampler": "sampler0",
+        "version": 3,
+        "reward": 1.0,
+        "correct": True,
+        "prompt": "2+3=",
+        "pieces": None,
+        "tokens": record["tokens"],
+        "completion_tokens": len(a.token_ids),
+    }
 
 
 def test_asyncrl_show_prints_a_recorded_episode_by_mask(tmp_path, capsys):
@@ -503,10 +548,23 @@ def test_asyncrl_show_prints_a_recorded_episode_by_mask(tmp_path, capsys):
 
     from asyncrl.cli import main
 
-    pieces = [{"mask": 1, "text": " 10<|im_end|>", "tokens": 4}, {"mask": 0, "text": " higher:", "tokens": 8},
-              {"mask": 1, "text": " 15<|im_end|>", "tokens": 4}]
-    record = {"step": 7, "group": "sampler0/1/3", "sampler": "sampler0", "version": 6, "reward": 0.9, "correct": True,
-              "prompt": "Guess my number (1-20):", "completion_tokens": 16, "tokens": 8, "pieces": pieces}
+    pieces = [
+        {"mask": 1, "text": " 10<|im_end|>", "tokens": 4},
+        {"mask": 0, "text": " higher:", "tokens": 8},
+        {"mask": 1, "text": " 15<|im_end|>", "tokens": 4},
+    ]
+    record = {
+        "step": 7,
+        "group": "sampler0/1/3",
+        "sampler": "sampler0",
+        "version": 6,
+        "reward": 0.9,
+        "correct": True,
+        "prompt": "Guess my number (1-20):",
+        "completion_tokens": 16,
+        "tokens": 8,
+        "pieces": pieces,
+    }
     (tmp_path / "episodes.jsonl").write_text(json.dumps(record) + "\n" + '{"step": 8, "pie')  # cut short: skipped
     assert main(["show", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines() == [
@@ -514,7 +572,8 @@ def test_asyncrl_show_prints_a_recorded_episode_by_mask(tmp_path, capsys):
         '  prompt  "Guess my number (1-20):"',
         '  model   " 10<|im_end|>"  (4 tokens)',
         '  env     " higher:"  (8 tokens)',
-        '  model   " 15<|im_end|>"  (4 tokens)']
+        '  model   " 15<|im_end|>"  (4 tokens)',
+    ]
     assert main(["show", str(tmp_path), "--step", "3"]) == 1
     assert capsys.readouterr().err.strip().endswith("no episode of step 3; episodes.jsonl has steps 7 to 7")
     assert main(["show", str(tmp_path / "nope")]) == 2

@@ -27,7 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_hello_actors_example_runs_under_launch():
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "hello_actors.py")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "square: [0.0, 0.5, 2.0, 4.5]" in out.stdout
@@ -143,20 +145,32 @@ class Scripted:
     def complete(self, text: str, params: SamplingParams) -> Completion:
         stops = [text.find(s) + len(s) for s in params.stop if s in text]
         if stops:
-            cut = self.tok(text[:min(stops)], add_special_tokens=False)["input_ids"]
-            return Completion(cut, [-1.0] * len(cut), text[:min(stops) - len("</calc>")], "stop")
+            cut = self.tok(text[: min(stops)], add_special_tokens=False)["input_ids"]
+            return Completion(cut, [-1.0] * len(cut), text[: min(stops) - len("</calc>")], "stop")
         ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
         return Completion(ids, [-1.0] * len(ids), text, "stop")
 
 
-@pytest.mark.parametrize("turns, reward, metrics", [
-    (["<calc>47 * 38</calc>", "<answer>1786</answer>"], 1.0, {"tool_used": 1.0, "tool_used_correctly": 1.0,
-                                                           "turns": 2.0, "episodes_truncated": 0.0}),
-    (["<calc>47*38</calc>", "<calc>47*38</calc>", "<calc>47*38</calc>"], 0.0,  # truncated after max_turns
-     {"tool_used": 1.0, "tool_used_correctly": 1.0, "turns": 3.0, "episodes_truncated": 1.0}),
-    (["<answer>1700</answer>"], 0.0, {"tool_used": 0.0, "tool_used_correctly": 0.0, "turns": 1.0,
-                                      "episodes_truncated": 0.0}),
-])
+@pytest.mark.parametrize(
+    "turns, reward, metrics",
+    [
+        (
+            ["<calc>47 * 38</calc>", "<answer>1786</answer>"],
+            1.0,
+            {"tool_used": 1.0, "tool_used_correctly": 1.0, "turns": 2.0, "episodes_truncated": 0.0},
+        ),
+        (
+            ["<calc>47*38</calc>", "<calc>47*38</calc>", "<calc>47*38</calc>"],
+            0.0,  # truncated after max_turns
+            {"tool_used": 1.0, "tool_used_correctly": 1.0, "turns": 3.0, "episodes_truncated": 1.0},
+        ),
+        (
+            ["<answer>1700</answer>"],
+            0.0,
+            {"tool_used": 0.0, "tool_used_correctly": 0.0, "turns": 1.0, "episodes_truncated": 0.0},
+        ),
+    ],
+)
 def test_the_calculator_runs_through_the_episode_runner(turns, reward, metrics):
     calc = calculator_module()
     env, tok = calc.Calculator(), build_tokenizer()
@@ -164,15 +178,16 @@ def test_the_calculator_runs_through_the_episode_runner(turns, reward, metrics):
     calls = UserCalls(env.task_name(), 5.0, 1.0)
     try:
         params = SamplingParams(max_new_tokens=32, temperature=0.0, stop_token_ids=[tok.eos_token_id])
-        (sample,), = asyncio.run(EpisodeRunner(env, fmt, calls).run([calc.Arithmetic(47, "*", 38)], 1, params,
-                                                                   Scripted(turns)))
+        ((sample,),) = asyncio.run(
+            EpisodeRunner(env, fmt, calls).run([calc.Arithmetic(47, "*", 38)], 1, params, Scripted(turns))
+        )
     finally:
         calls.close()
     assert sample.reward == reward and sample.metrics == metrics and not sample.error
     result = tok("<result>1786</result>", add_special_tokens=False)["input_ids"]
     if len(turns) > 1:  # the environment's result is context: mask 0
         call = tok(turns[0], add_special_tokens=False)["input_ids"]
-        assert sample.action_mask[:len(call) + len(result)] == [1] * len(call) + [0] * len(result)
+        assert sample.action_mask[: len(call) + len(result)] == [1] * len(call) + [0] * len(result)
 
 
 # --- docs/tasks.md: its code runs ------------------------------------------------------------------
@@ -188,8 +203,11 @@ def doc_files(tmp_path) -> dict[str, str]:
     files = {}
     for lang, body in re.findall(r"```(\w+)\n(.*?)```", text, re.S):
         first = body.splitlines()[0]
-        name = first[2:] if lang == "python" and first.startswith("# ") and first.endswith(".py") else (
-            "rows.jsonl" if lang == "json" else None)
+        name = (
+            first[2:]
+            if lang == "python" and first.startswith("# ") and first.endswith(".py")
+            else ("rows.jsonl" if lang == "json" else None)
+        )
         if name:
             (tmp_path / name).write_text(body)
             files[name] = str(tmp_path / name)

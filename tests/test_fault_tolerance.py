@@ -28,30 +28,65 @@ import pytest
 import torch
 
 from asyncrl import ActorDiedError, Supervisor
-from asyncrl.rl.trainer.checkpoint import STALL_ENV
 from asyncrl.rl.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.config.parse import ConfigError, config_to_dict, parse_overrides
 from asyncrl.rl.config.stored import config_from_dict
+from asyncrl.rl.driver.faults import TrainerLostError
+from asyncrl.rl.driver.run import train
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.observe.metrics import truncate_metrics
-from asyncrl.rl.config.parse import ConfigError, config_to_dict, parse_overrides
-from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.driver.run import train
-from asyncrl.rl.driver.faults import TrainerLostError
+from asyncrl.rl.trainer.checkpoint import STALL_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(240)
 
 
 def tiny(model_path: str, run_dir, *overrides: str) -> GRPOConfig:
-    return parse_overrides(GRPOConfig(model_path=model_path), [
-        "--run.run_dir", str(run_dir), "--run.groups_per_step", "4", "--sampler.group_size", "4",
-        "--sampler.prompts_per_batch", "2", "--sampler.max_new_tokens", "24", "--run.n_train", "400",
-        "--run.n_heldout", "8", "--run.eval_every", "1000", "--run.eval_samples", "0", "--run.checkpoint_every", "0",
-        "--run.generate_timeout_s", "30", "--run.queue_timeout_s", "90", "--run.train_timeout_s", "60",
-        "--run.sync_timeout_s", "10", "--run.rendezvous_timeout_s", "20", "--run.restart_timeout_s", "60",
-        "--run.eval_timeout_s", "60", "--run.checkpoint_timeout_s", "60",
-        "--sampler.backend", "hf",  # weight digests and the sampling RNG live in the actor with HF only
-        *overrides])
+    return parse_overrides(
+        GRPOConfig(model_path=model_path),
+        [
+            "--run.run_dir",
+            str(run_dir),
+            "--run.groups_per_step",
+            "4",
+            "--sampler.group_size",
+            "4",
+            "--sampler.prompts_per_batch",
+            "2",
+            "--sampler.max_new_tokens",
+            "24",
+            "--run.n_train",
+            "400",
+            "--run.n_heldout",
+            "8",
+            "--run.eval_every",
+            "1000",
+            "--run.eval_samples",
+            "0",
+            "--run.checkpoint_every",
+            "0",
+            "--run.generate_timeout_s",
+            "30",
+            "--run.queue_timeout_s",
+            "90",
+            "--run.train_timeout_s",
+            "60",
+            "--run.sync_timeout_s",
+            "10",
+            "--run.rendezvous_timeout_s",
+            "20",
+            "--run.restart_timeout_s",
+            "60",
+            "--run.eval_timeout_s",
+            "60",
+            "--run.checkpoint_timeout_s",
+            "60",
+            "--sampler.backend",
+            "hf",  # weight digests and the sampling RNG live in the actor with HF only
+            *overrides,
+        ],
+    )
 
 
 def records(run_dir) -> list[dict]:
@@ -152,6 +187,7 @@ async def test_a_frozen_sampler_fails_the_sync_within_its_deadline_and_is_replac
     frozen: list[float] = []
 
     async with Supervisor() as sup:
+
         def log(line: str) -> None:
             logs.append(f"{time.monotonic():.1f} {line}")
             # Frozen from inside the driver, after the start's sync and before the first step's,
@@ -179,8 +215,18 @@ async def test_a_frozen_sampler_fails_the_sync_within_its_deadline_and_is_replac
 
 
 async def test_trainer_sigkill_then_resume_matches_an_uninterrupted_run(model_path, tmp_path):
-    args = ("--run.steps", "6", "--run.mode", "sync", "--sampler.prompts_per_batch", "4", "--run.checkpoint_every", "2",
-            "--run.keep_checkpoints", "2")
+    args = (
+        "--run.steps",
+        "6",
+        "--run.mode",
+        "sync",
+        "--sampler.prompts_per_batch",
+        "4",
+        "--run.checkpoint_every",
+        "2",
+        "--run.keep_checkpoints",
+        "2",
+    )
     whole, broken = tmp_path / "whole", tmp_path / "broken"
 
     async def uninterrupted():
@@ -213,8 +259,22 @@ async def test_trainer_sigkill_then_resume_matches_an_uninterrupted_run(model_pa
     assert latest_checkpoint(str(broken)).step == 2
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
-                           "--resume", str(broken)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "launch",
+            os.path.join(ROOT, "examples", "grpo_countdown.py"),
+            "--resume",
+            str(broken),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "resuming from" in done.stdout
     a, b = records(whole), records(broken)
@@ -230,7 +290,10 @@ async def test_trainer_sigkill_then_resume_matches_an_uninterrupted_run(model_pa
 
     from safetensors.torch import load_file
 
-    wa, wb = load_file(str(whole / "final" / "model.safetensors")), load_file(str(broken / "final" / "model.safetensors"))
+    wa, wb = (
+        load_file(str(whole / "final" / "model.safetensors")),
+        load_file(str(broken / "final" / "model.safetensors")),
+    )
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -240,9 +303,13 @@ async def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable
     run_dir = str(tmp_path)
 
     async with Supervisor() as sup:
-        trainer = await sup.spawn(TrainerActor, model_path, name="trainer", env={STALL_ENV: "2", "OMP_NUM_THREADS": "1"})
+        trainer = await sup.spawn(
+            TrainerActor, model_path, name="trainer", env={STALL_ENV: "2", "OMP_NUM_THREADS": "1"}
+        )
         await trainer.save_checkpoint(run_dir, 1, 2, msgspec.json.encode(RunState(step=1, version=1)))
-        writing = asyncio.ensure_future(trainer.save_checkpoint(run_dir, 2, 2, msgspec.json.encode(RunState(step=2, version=2))))
+        writing = asyncio.ensure_future(
+            trainer.save_checkpoint(run_dir, 2, 2, msgspec.json.encode(RunState(step=2, version=2)))
+        )
         root = tmp_path / "checkpoints"
         deadline = time.monotonic() + 60
         while not list(root.glob(".tmp-step-00000002-*/model/model.safetensors")):

@@ -11,15 +11,27 @@ from asyncrl.rl.trainer.flops import PEAK_BF16_FLOPS, decoder_parameters, peak_f
 
 
 def tiny(tied: bool) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=100, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=32, tie_word_embeddings=tied)
+    config = Qwen2Config(
+        vocab_size=100,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        tie_word_embeddings=tied,
+    )
     return Qwen2ForCausalLM(config)
 
 
 def group(prompt: int, completions: list[int]) -> RolloutGroup:
-    return RolloutGroup(prompt_id=0, prompt_ids=[1] * prompt, completion_ids=[[2] * n for n in completions],
-                        behaviour_logprobs=[[0.0] * n for n in completions], rewards=[0.0] * len(completions),
-                        version=0)
+    return RolloutGroup(
+        prompt_id=0,
+        prompt_ids=[1] * prompt,
+        completion_ids=[[2] * n for n in completions],
+        behaviour_logprobs=[[0.0] * n for n in completions],
+        rewards=[0.0] * len(completions),
+        version=0,
+    )
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -17,7 +17,6 @@ import zmq
 from asyncrl import Supervisor
 from asyncrl.runtime import auth, wire
 from asyncrl.runtime.actor import endpoints_of
-
 from conftest import kill_all, process_alive
 from multinode_support import NODE_TIMEOUT_S, Counter, free_port, intruder, make_secret_file, start_agent
 
@@ -58,13 +57,22 @@ def _message(rng: random.Random, bump_allowed: bool) -> bytes:
     candidates = [
         wire.Call(n, call_method, raw),
         wire.Call(n, "bump", msgspec.Raw(msgspec.msgpack.encode(["not an int"]))),
-        wire.Cancel(n), wire.StreamCredit(n, n),
+        wire.Cancel(n),
+        wire.StreamCredit(n, n),
         wire.Hello(rng.choice(["counter-local", "counter-remote", name]), rng.randrange(3), n),
         wire.Ready(name, 1, f"tcp://127.0.0.1:{rng.randrange(1, 65535)}"),
-        wire.StartFailed(name, 1, "X", "y"), wire.Heartbeat(name, 1), wire.Dead(name, 1, "r"),
-        wire.NodeHello(wire.NODE_PROTOCOL, rng.randrange(-1, 4), rng.randrange(0, 4), name, name, "127.0.0.1", n, "cuda", [name]),
-        wire.NodeHeartbeat(1, name), wire.ActorStarted(name, 1, n), wire.ActorExited("counter-remote", 1, "fuzz"),
-        wire.ActorLog(name, 1, 1, [name]), wire.NodeLeaving(1, name, "fuzz"), wire.NodeDraining(1, name, "fuzz", 1.0),
+        wire.StartFailed(name, 1, "X", "y"),
+        wire.Heartbeat(name, 1),
+        wire.Dead(name, 1, "r"),
+        wire.NodeHello(
+            wire.NODE_PROTOCOL, rng.randrange(-1, 4), rng.randrange(0, 4), name, name, "127.0.0.1", n, "cuda", [name]
+        ),
+        wire.NodeHeartbeat(1, name),
+        wire.ActorStarted(name, 1, n),
+        wire.ActorExited("counter-remote", 1, "fuzz"),
+        wire.ActorLog(name, 1, 1, [name]),
+        wire.NodeLeaving(1, name, "fuzz"),
+        wire.NodeDraining(1, name, "fuzz", 1.0),
     ]
     body = msgspec.msgpack.encode(rng.choice(candidates))
     if rng.random() < 0.3:  # truncated or bit-flipped
@@ -77,17 +85,22 @@ def _message(rng: random.Random, bump_allowed: bool) -> bytes:
 
 def _greeting(rng: random.Random) -> bytes:
     mechanism = rng.choice([b"NULL", b"CURVE", b"PLAIN", os.urandom(4)]).ljust(20, b"\x00")
-    head = b"\xff" + bytes(8) + b"\x7f" + bytes([3, rng.randrange(2)]) + mechanism + bytes([rng.randrange(2)]) + bytes(31)
-    frames = b"".join(bytes([rng.choice([0, 1, 2, 4])]) + bytes([n := rng.randrange(256)]) + os.urandom(n) for _ in range(rng.randrange(4)))
+    head = (
+        b"\xff" + bytes(8) + b"\x7f" + bytes([3, rng.randrange(2)]) + mechanism + bytes([rng.randrange(2)]) + bytes(31)
+    )
+    frames = b"".join(
+        bytes([rng.choice([0, 1, 2, 4])]) + bytes([n := rng.randrange(256)]) + os.urandom(n)
+        for _ in range(rng.randrange(4))
+    )
     return head + frames
 
 
 def _raw_stream(endpoint: str, rng: random.Random) -> None:
     if endpoint.startswith("ipc://"):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        address = endpoint[len("ipc://"):]
+        address = endpoint[len("ipc://") :]
     else:
-        host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+        host, port = endpoint[len("tcp://") :].rsplit(":", 1)
         s, address = socket.socket(), (host, int(port))
     s.settimeout(0.3)
     try:
@@ -122,7 +135,10 @@ def _fuzz(endpoint: str, public_key: bytes | None, insider_keys: auth.ClusterKey
                 _raw_stream(endpoint, rng)
                 continue
             bump_allowed = endpoint.startswith("tcp://")  # outsiders over TCP are refused anyway
-            frames = [_message(rng, bump_allowed) if rng.random() < 0.7 else os.urandom(rng.randrange(64)) for _ in range(rng.randrange(1, 4))]
+            frames = [
+                _message(rng, bump_allowed) if rng.random() < 0.7 else os.urandom(rng.randrange(64))
+                for _ in range(rng.randrange(1, 4))
+            ]
             if not bump_allowed and _runs_a_call(frames):
                 continue  # an ipc socket admits us: a valid call would run (see _runs_a_call)
             for sock in outsiders:
@@ -131,7 +147,10 @@ def _fuzz(endpoint: str, public_key: bytes | None, insider_keys: auth.ClusterKey
                 except zmq.Again:
                     pass
             if insider is not None:  # an authenticated peer sending junk: decoders must hold
-                frames = [_message(rng, False) if rng.random() < 0.7 else os.urandom(rng.randrange(64)) for _ in range(rng.randrange(1, 4))]
+                frames = [
+                    _message(rng, False) if rng.random() < 0.7 else os.urandom(rng.randrange(64))
+                    for _ in range(rng.randrange(1, 4))
+                ]
                 try:
                     if not _runs_a_call(frames):  # an insider's valid call would run, rightly
                         insider.send_multipart(frames, zmq.NOBLOCK)
@@ -157,7 +176,9 @@ async def test_fuzz_every_listening_socket(tmp_path, monkeypatch):
     agent = start_agent(1, 2, port, secret, str(tmp_path))
     print(f"fuzz seed {SEED} (set ASYNCRL_FUZZ_SEED to replay)")
     try:
-        async with Supervisor(nnodes=2, master_port=port, node_timeout_s=NODE_TIMEOUT_S, join_timeout_s=60, call_timeout_s=20) as sup:
+        async with Supervisor(
+            nnodes=2, master_port=port, node_timeout_s=NODE_TIMEOUT_S, join_timeout_s=60, call_timeout_s=20
+        ) as sup:
             local = await sup.spawn(Counter, name="counter-local")
             remote = await sup.spawn(Counter, name="counter-remote", node=1)
             pids = [s.pid for s in sup.status()]  # the remote one is a pid of this host too (loopback nodes)
@@ -170,7 +191,8 @@ async def test_fuzz_every_listening_socket(tmp_path, monkeypatch):
             ]
             for i, (endpoint, insider) in enumerate(targets):
                 replies = await asyncio.wait_for(
-                    asyncio.to_thread(_fuzz, endpoint, keys.public_key, insider, SEED + i), SECONDS_PER_TARGET + 20)
+                    asyncio.to_thread(_fuzz, endpoint, keys.public_key, insider, SEED + i), SECONDS_PER_TARGET + 20
+                )
                 assert replies == 0, f"an outsider got {replies} replies from {endpoint} (seed {SEED})"
             assert await local.count() == 0 and await remote.count() == 0, f"a fuzzed call was executed (seed {SEED})"
             assert await local.bump() == 1 and await remote.bump() == 1
@@ -191,9 +213,13 @@ def test_a_flipped_bit_that_makes_a_valid_call_is_recognised():
     socket rightly ran. `_runs_a_call` must see it, and only such calls, as a call to run."""
     body = msgspec.msgpack.encode(wire.Call(7, "bump", msgspec.Raw(msgspec.msgpack.encode(["not an int"]))))
     assert not _runs_a_call([body])
-    mangled = [cut[:i] + bytes([cut[i] ^ (1 << bit)]) + cut[i + 1:]
-               for cut in (body[:k] for k in range(1, len(body) + 1)) for i in range(len(cut)) for bit in range(8)]
+    mangled = [
+        cut[:i] + bytes([cut[i] ^ (1 << bit)]) + cut[i + 1 :]
+        for cut in (body[:k] for k in range(1, len(body) + 1))
+        for i in range(len(cut))
+        for bit in range(8)
+    ]
     runnable = [m for m in mangled if _runs_a_call([m])]
-    assert body[:body.index(b"\xaa")] + b"\xea" in runnable  # bump(-22)
+    assert body[: body.index(b"\xaa")] + b"\xea" in runnable  # bump(-22)
     assert all(_TO_ACTOR.decode(m).method == "bump" for m in runnable)
     assert _runs_a_call([msgspec.msgpack.encode(wire.Call(8, "count", msgspec.Raw(msgspec.msgpack.encode([]))))])

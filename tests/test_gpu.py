@@ -7,7 +7,6 @@ import torch
 
 from asyncrl import NoFreeDevicesError, Supervisor
 from asyncrl.runtime.devices import detect
-
 from tensor_actors import CudaUser
 
 kind, ids = detect("auto")

@@ -12,12 +12,10 @@ import pytest
 from asyncrl import RemoteError, Supervisor
 from asyncrl.comm.member import form_group
 from asyncrl.runtime.devices import detect
-
 from sync_actors import NcclProbe, Receiver, Sender
 
 kind, ids = detect("auto")
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(kind != "cuda" or len(ids) < 2, reason="needs two CUDA devices")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(kind != "cuda" or len(ids) < 2, reason="needs two CUDA devices")]
 HOST = "127.0.0.1"
 
 
@@ -25,11 +23,17 @@ async def test_pynccl_broadcast_is_bit_exact_and_matches_torch_distributed():
     async with Supervisor(device_kind="cuda") as sup:
         a, b = await sup.spawn_group(NcclProbe, 2, name="probe", gpus=1)
         await form_group([a, b], HOST, backend="nccl", timeout_s=60)
-        for seed, numel, dtype in ((1, 1, "float32"), (2, 1 << 20, "bfloat16"), (3, 12345, "int64"),
-                                   (4, (64 << 20) + 3, "uint8"), (5, 4097, "float16")):
+        for seed, numel, dtype in (
+            (1, 1, "float32"),
+            (2, 1 << 20, "bfloat16"),
+            (3, 12345, "int64"),
+            (4, (64 << 20) + 3, "uint8"),
+            (5, 4097, "float16"),
+        ):
             ours = await asyncio.gather(a.broadcast_random(seed, numel, dtype), b.broadcast_random(seed, numel, dtype))
-            ref = await asyncio.gather(a.broadcast_random(seed, numel, dtype, True),
-                                       b.broadcast_random(seed, numel, dtype, True))
+            ref = await asyncio.gather(
+                a.broadcast_random(seed, numel, dtype, True), b.broadcast_random(seed, numel, dtype, True)
+            )
             assert ours[0] == ours[1] == ref[0] == ref[1], (seed, dtype)
         assert await a.sync_created() == {"nccl": 1}
 

@@ -21,17 +21,26 @@ import time
 import pytest
 
 from asyncrl.runtime.devices import detect
-
 from conftest import wait_until
 from multinode_support import agent_log, netns_pids, veth_namespaces
 from test_grpo_multinode import STOP_S, TwoNodes, assert_node1_clean, records, small, step_done, wait_for
 
 DRY = os.environ.get("ASYNCRL_NETNS_DRY_RUN") == "cpu"
 kind, ids = detect("auto")
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
-              pytest.mark.skipif(not DRY and (kind != "cuda" or len(ids) < 2), reason="needs two CUDA devices")]
-AS_HOSTS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
-            "NCCL_SOCKET_IFNAME": "ar", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not DRY and (kind != "cuda" or len(ids) < 2), reason="needs two CUDA devices"),
+]
+AS_HOSTS = {
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_NET": "Socket",
+    "NCCL_SOCKET_IFNAME": "ar",
+    "NCCL_DEBUG": "INFO",
+    "NCCL_DEBUG_SUBSYS": "INIT,NET",
+}
 """NCCL as between two hosts: no shared memory, no peer-to-peer, sockets on the veth pair (whose
 interfaces are named ar...; multinode_support.veth_namespaces). NCCL's NVLS variables are left as
 the machine sets them."""
@@ -55,9 +64,15 @@ def node1():
 def test_the_example_runs_with_its_sampler_on_another_host_over_nccls_sockets(model_path, node1, tmp_path):
     namespace, master, _ = node1
     run_dir = tmp_path / "run"
-    run = TwoNodes(tmp_path, namespace, master, ["--model_path", model_path, "--run.placement", "trainer=0 sampler=1",
-                                                 "--run.steps", "4", *gpu_args(run_dir)], "hosts",
-                   env0=node_env(0), env1=node_env(1))
+    run = TwoNodes(
+        tmp_path,
+        namespace,
+        master,
+        ["--model_path", model_path, "--run.placement", "trainer=0 sampler=1", "--run.steps", "4", *gpu_args(run_dir)],
+        "hosts",
+        env0=node_env(0),
+        env1=node_env(1),
+    )
     try:
         assert run.finish(600) == 0, run.output()[-4000:] + agent_log(str(run.log_dir), 1)[-3000:]
         assert run.agent.wait(30) == 0, agent_log(str(run.log_dir), 1)[-3000:]
@@ -77,8 +92,15 @@ def test_the_example_runs_with_its_sampler_on_another_host_over_nccls_sockets(mo
 def test_losing_the_samplers_host_stops_the_run_resumably_and_it_resumes(model_path, node1, tmp_path):
     namespace, master, _ = node1
     run_dir = tmp_path / "run"
-    args = ["--model_path", model_path, "--run.placement", "trainer=0 sampler=1", "--run.steps", "6",
-            *gpu_args(run_dir, "--run.checkpoint_every", "2")]
+    args = [
+        "--model_path",
+        model_path,
+        "--run.placement",
+        "trainer=0 sampler=1",
+        "--run.steps",
+        "6",
+        *gpu_args(run_dir, "--run.checkpoint_every", "2"),
+    ]
     run = TwoNodes(tmp_path, namespace, master, args, "lose", env0=node_env(0), env1=node_env(1))
     try:
         wait_for(lambda: step_done(run_dir) >= 3 or run.driver.poll() is not None, "step 3", run, 600)
@@ -95,8 +117,9 @@ def test_losing_the_samplers_host_stops_the_run_resumably_and_it_resumes(model_p
     assert code == 1, out[-4000:]
     assert "node 1" in out and "lost" in out and "--resume run" in out, out[-4000:]
 
-    resumed = TwoNodes(tmp_path, namespace, master, ["--resume", str(run_dir)], "resume", env0=node_env(0),
-                       env1=node_env(1))
+    resumed = TwoNodes(
+        tmp_path, namespace, master, ["--resume", str(run_dir)], "resume", env0=node_env(0), env1=node_env(1)
+    )
     try:
         assert resumed.finish(600) == 0, resumed.output()[-4000:]
         assert resumed.agent.wait(30) == 0

@@ -24,8 +24,11 @@ from tests.test_trainer_group import HOST, batch
 
 ON_GPU = {"device": "cuda"}  # the trainer computes on the CPU unless told (a GRPO run tells it)
 kind, ids = detect("auto")
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
-              pytest.mark.skipif(kind != "cuda" or len(ids) < 2, reason="needs two CUDA devices")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(kind != "cuda" or len(ids) < 2, reason="needs two CUDA devices"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +40,24 @@ async def spawn_ranks(sup, path, config, env=None):
     from asyncrl.rl.driver.fleet.trainer_ranks import spawn_trainer_ranks
     from asyncrl.rl.trainer.actor import TrainerActor
 
-    return await spawn_trainer_ranks(sup, TrainerActor, (path, config), world_size=2, host=HOST, timeout_s=120.0,
-                                     gpus=1, env=env or {}, kwargs=ON_GPU)
+    return await spawn_trainer_ranks(
+        sup,
+        TrainerActor,
+        (path, config),
+        world_size=2,
+        host=HOST,
+        timeout_s=120.0,
+        gpus=1,
+        env=env or {},
+        kwargs=ON_GPU,
+    )
 
 
-@pytest.mark.parametrize("bf16,features", [(False, {}), (True, {}), (False, {"pack_tokens": 40}),
-                                           (False, {"lora": LoRAConfig(rank=4)})],
-                         ids=["fp32", "bf16", "fp32-packed", "fp32-lora"])
+@pytest.mark.parametrize(
+    "bf16,features",
+    [(False, {}), (True, {}), (False, {"pack_tokens": 40}), (False, {"lora": LoRAConfig(rank=4)})],
+    ids=["fp32", "bf16", "fp32-packed", "fp32-lora"],
+)
 def test_two_gpu_ranks_compute_the_gradient_one_gpu_computes(tiny_path, bf16, features):
     from asyncrl.rl.trainer.actor import TrainerActor
 
@@ -60,7 +74,6 @@ def test_two_gpu_ranks_compute_the_gradient_one_gpu_computes(tiny_path, bf16, fe
             two = await ranks.with_timeout(180).train_step(data)
             return one, two, g1, await ranks.with_timeout(60).gradients()
 
-
     one, two, g1, g2 = asyncio.run(main())
     assert one.get("peak_mem_gib", 0) > 0 and two.get("peak_mem_gib", 0) > 0  # reported on a GPU only
     assert set(g1) == set(g2) and len(g1) > 5
@@ -68,7 +81,11 @@ def test_two_gpu_ranks_compute_the_gradient_one_gpu_computes(tiny_path, bf16, fe
     for name in g1:
         a, b = g1[name].float(), g2[name].float()
         if bf16:
-            assert float((a - b).norm()) <= 0.02 * float(a.norm()) + 1e-6, (name, float((a - b).norm()), float(a.norm()))
+            assert float((a - b).norm()) <= 0.02 * float(a.norm()) + 1e-6, (
+                name,
+                float((a - b).norm()),
+                float(a.norm()),
+            )
         else:
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (name, float((a - b).abs().max()))
     for key in ("loss", "pg_loss", "tokens", "sequences"):
@@ -81,8 +98,9 @@ def test_a_gpu_rank_killed_mid_backward_ends_the_step_on_the_other_naming_it(tin
 
     async def main():
         async with Supervisor(call_timeout_s=180, device_kind="cuda") as sup:
-            ranks = await spawn_ranks(sup, tiny_path, TrainerConfig(micro_batch_tokens=40, compile=False),
-                                      env={FAULT_ENV: "1:2:hang"})
+            ranks = await spawn_ranks(
+                sup, tiny_path, TrainerConfig(micro_batch_tokens=40, compile=False), env={FAULT_ENV: "1:2:hang"}
+            )
             await ranks.with_timeout(120).train_step(batch(3))
             step = asyncio.ensure_future(ranks.with_timeout(120).train_step(batch(4)))
             await asyncio.sleep(5.0)  # rank 1 is frozen mid-backward; rank 0 waits in a collective

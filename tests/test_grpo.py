@@ -12,12 +12,44 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--run.steps", "3", "--run.groups_per_step", "2", "--sampler.group_size", "2", "--run.eval_every", "2",
-        "--run.n_heldout", "8", "--run.n_train", "40", "--model.hidden_size", "32", "--model.num_layers", "1",
-        "--model.num_heads", "1", "--model.num_kv_heads", "1", "--model.intermediate_size", "64",
-        "--warm_start.steps", "3", "--warm_start.n_examples", "100", "--warm_start.eval_problems", "8",
-        "--warm_start.heldout_reserve", "10", "--sampler.max_new_tokens", "12", "--run.eval_samples", "1",
-        "--sampler.backend", "hf"]  # the HF backend end to end everywhere; test_vllm_actor.py runs vLLM's
+TINY = [
+    "--run.steps",
+    "3",
+    "--run.groups_per_step",
+    "2",
+    "--sampler.group_size",
+    "2",
+    "--run.eval_every",
+    "2",
+    "--run.n_heldout",
+    "8",
+    "--run.n_train",
+    "40",
+    "--model.hidden_size",
+    "32",
+    "--model.num_layers",
+    "1",
+    "--model.num_heads",
+    "1",
+    "--model.num_kv_heads",
+    "1",
+    "--model.intermediate_size",
+    "64",
+    "--warm_start.steps",
+    "3",
+    "--warm_start.n_examples",
+    "100",
+    "--warm_start.eval_problems",
+    "8",
+    "--warm_start.heldout_reserve",
+    "10",
+    "--sampler.max_new_tokens",
+    "12",
+    "--run.eval_samples",
+    "1",
+    "--sampler.backend",
+    "hf",
+]  # the HF backend end to end everywhere; test_vllm_actor.py runs vLLM's
 
 
 def check_sync_phases(r: dict) -> None:
@@ -39,8 +71,14 @@ def launch(tmp_path, *args, cache: str | None = None):
     """The example through `asyncrl launch` in ``tmp_path``; its embedded model cached in ``cache``
     (conftest's ``model_cache``, shared by the session's runs), else in a cache of its own."""
     env = dict(os.environ, ASYNCRL_CACHE_DIR=cache or str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
-                           *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -54,11 +92,22 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, mod
         from sampler_support import write_tiny
 
         (tmp_path / "judge.txt").write_text("{prompt}{completion} ok?")
-        teacher = ["--teacher.model_path", write_tiny(str(tmp_path / "teacher"), hidden_size=32),
-                   "--trainer.loss.distill_coef", "1", "--reward_model.kind", "judge",
-                   "--reward_model.model_path", write_tiny(str(tmp_path / "judge"), hidden_size=32),
-                   "--reward_model.template", "judge.txt", "--reward_model.verdict_tokens", "y,n",
-                   "--reward_model.weight", "0.5"]
+        teacher = [
+            "--teacher.model_path",
+            write_tiny(str(tmp_path / "teacher"), hidden_size=32),
+            "--trainer.loss.distill_coef",
+            "1",
+            "--reward_model.kind",
+            "judge",
+            "--reward_model.model_path",
+            write_tiny(str(tmp_path / "judge"), hidden_size=32),
+            "--reward_model.template",
+            "judge.txt",
+            "--reward_model.verdict_tokens",
+            "y,n",
+            "--reward_model.weight",
+            "0.5",
+        ]
     done = launch(tmp_path, *TINY, "--run.mode", mode, "--run.run_dir", str(run_dir), *teacher, cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -69,8 +118,22 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, mod
         # every completion trained on was judged (p(y) against p(n): nothing to parse)
         assert sum(r["judged"] for r in records) >= 3 * 2 * 2 and not any(r["judge_unparsed"] for r in records)
     for r in records:
-        for key in ("reward_mean", "train_solve_rate", "staleness_hist", "dropped_stale", "loss", "grad_norm",
-                    "wait_s", "train_s", "sync_s", "samples_per_s", "queue_depth", "entropy", "lr", "uniform_skipped"):
+        for key in (
+            "reward_mean",
+            "train_solve_rate",
+            "staleness_hist",
+            "dropped_stale",
+            "loss",
+            "grad_norm",
+            "wait_s",
+            "train_s",
+            "sync_s",
+            "samples_per_s",
+            "queue_depth",
+            "entropy",
+            "lr",
+            "uniform_skipped",
+        ):
             assert key in r, key
         if mode == "sync":
             assert r["staleness_hist"] == {"0": 2}
@@ -94,7 +157,9 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, mod
     for kind in ("greedy", "sampled"):
         before, after = summary["heldout_before"][kind], summary["heldout_after"][kind]
         change = f"{before:.3f} -> {after:.3f}  ({100 * (after - before):+.1f} points)"
-        assert any(line.split()[:2] == ["held-out", kind] and line.endswith(change) for line in done.stdout.splitlines())
+        assert any(
+            line.split()[:2] == ["held-out", kind] and line.endswith(change) for line in done.stdout.splitlines()
+        )
     assert summary["final"] == str(run_dir / "final") and summary["metrics"] == str(run_dir / "metrics.jsonl")
     evals = [r["heldout_solve_rate"] for r in records if "heldout_solve_rate" in r]
     if max(evals) > summary["heldout_before"]["greedy"]:  # best/: the first evaluation that beat all before it
@@ -122,13 +187,16 @@ def test_help_lists_every_key_and_a_bad_key_is_a_clear_error(tmp_path):
     assert done.returncode != 0 and "unknown config key --trainer.lrr" in done.stderr
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--run.data_seed", "3"], "could be among the warm start's training problems"),
-    (["--run.n_heldout", "1001"], "beyond it were trained on in the warm start"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--run.data_seed", "3"], "could be among the warm start's training problems"),
+        (["--run.n_heldout", "1001"], "beyond it were trained on in the warm start"),
+    ],
+)
 def test_a_heldout_set_the_warm_start_may_have_seen_is_refused(overrides, message):
-    from asyncrl.rl.config.parse import ConfigError, parse_overrides
     from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import ConfigError, parse_overrides
     from asyncrl.rl.driver.preflight import check_heldout_unseen
 
     check_heldout_unseen(GRPOConfig())  # the defaults are fine
@@ -172,5 +240,8 @@ def test_a_batchs_task_metrics_are_means_per_completion_and_errors_are_counts():
     assert task_metrics([g({})]) == {}
     seen: set[str] = set()  # a run's: a key of an earlier step is 0 in a step without it, not missing
     assert task_metrics(batch, seen) == {"task/hits": 0.5, "task_errors/timeout": 1.0}
-    assert task_metrics([g({"task/other": 1.0})], seen) == {"task/hits": 0.0, "task/other": 0.5,
-                                                            "task_errors/timeout": 0.0}
+    assert task_metrics([g({"task/other": 1.0})], seen) == {
+        "task/hits": 0.0,
+        "task/other": 0.5,
+        "task_errors/timeout": 0.0,
+    }

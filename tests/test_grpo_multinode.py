@@ -33,10 +33,18 @@ from asyncrl.rl.config.parse import ConfigError, parse_overrides
 from asyncrl.rl.config.run import Placement
 from asyncrl.rl.driver.devices import plan_devices
 from asyncrl.rl.driver.run import _placement, train
-
 from conftest import descendants, kill_all, process_alive, wait_until
-from multinode_support import (NODE_TIMEOUT_S, agent_log, env, free_port, launch_argv, make_secret_file, netns_pids,
-                               start_agent, veth_namespaces)
+from multinode_support import (
+    NODE_TIMEOUT_S,
+    agent_log,
+    env,
+    free_port,
+    launch_argv,
+    make_secret_file,
+    netns_pids,
+    start_agent,
+    veth_namespaces,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "grpo_countdown.py")
@@ -49,32 +57,76 @@ the node timeout, then the trainer ranks' calls fail at once and the actors are 
 
 
 def small(run_dir, *overrides: str) -> list[str]:
-    return ["--run.run_dir", str(run_dir), "--trainer.world_size", "2", "--run.groups_per_step", "2",
-            "--sampler.group_size", "4", "--sampler.prompts_per_batch", "2", "--sampler.max_new_tokens", "24",
-            "--run.n_train", "400", "--run.n_heldout", "8", "--run.eval_every", "1000", "--run.eval_samples", "0",
-            "--run.checkpoint_every", "0", "--sampler.backend", "hf", "--run.generate_timeout_s", "30",
-            "--run.queue_timeout_s", "90", "--run.sync_timeout_s", "20", "--run.rendezvous_timeout_s", "30",
-            "--run.restart_timeout_s", "20", *overrides]
+    return [
+        "--run.run_dir",
+        str(run_dir),
+        "--trainer.world_size",
+        "2",
+        "--run.groups_per_step",
+        "2",
+        "--sampler.group_size",
+        "4",
+        "--sampler.prompts_per_batch",
+        "2",
+        "--sampler.max_new_tokens",
+        "24",
+        "--run.n_train",
+        "400",
+        "--run.n_heldout",
+        "8",
+        "--run.eval_every",
+        "1000",
+        "--run.eval_samples",
+        "0",
+        "--run.checkpoint_every",
+        "0",
+        "--sampler.backend",
+        "hf",
+        "--run.generate_timeout_s",
+        "30",
+        "--run.queue_timeout_s",
+        "90",
+        "--run.sync_timeout_s",
+        "20",
+        "--run.rendezvous_timeout_s",
+        "30",
+        "--run.restart_timeout_s",
+        "20",
+        *overrides,
+    ]
 
 
 class TwoNodes:
     """One run of the example over node 0 (here) and node 1 (an agent in ``namespace``)."""
 
-    def __init__(self, tmp_path, namespace: str, master: str, args: list[str], name: str,
-                 env0: dict[str, str] | None = None, env1: dict[str, str] | None = None):
+    def __init__(
+        self,
+        tmp_path,
+        namespace: str,
+        master: str,
+        args: list[str],
+        name: str,
+        env0: dict[str, str] | None = None,
+        env1: dict[str, str] | None = None,
+    ):
         """``env0``, ``env1``: more environment for node 0 (the driver) and node 1 (the agent)."""
         self.log_dir = tmp_path / name
         self.log_dir.mkdir()
         self.namespace = namespace
         secret = make_secret_file(str(self.log_dir))
         port = free_port(master)
-        self.agent = start_agent(1, 2, port, secret, str(self.log_dir), master=master, netns=namespace,
-                                 OMP_NUM_THREADS="1", **(env1 or {}))
+        self.agent = start_agent(
+            1, 2, port, secret, str(self.log_dir), master=master, netns=namespace, OMP_NUM_THREADS="1", **(env1 or {})
+        )
         self.driver_log = open(self.log_dir / "driver.log", "wb")
-        self.driver = subprocess.Popen(launch_argv(0, 2, port, secret, master, EXAMPLE, *args), cwd=tmp_path,
-                                       env=env(ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
-                                               **(env0 or {})),
-                                       stdin=subprocess.DEVNULL, stdout=self.driver_log, stderr=subprocess.STDOUT)
+        self.driver = subprocess.Popen(
+            launch_argv(0, 2, port, secret, master, EXAMPLE, *args),
+            cwd=tmp_path,
+            env=env(ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", **(env0 or {})),
+            stdin=subprocess.DEVNULL,
+            stdout=self.driver_log,
+            stderr=subprocess.STDOUT,
+        )
 
     def output(self) -> str:
         return (self.log_dir / "driver.log").read_text(errors="replace")
@@ -151,8 +203,11 @@ def test_placement_names_a_node_per_actor_and_refuses_what_the_cluster_cannot_ho
     for bad in ("nodes", "trainer=", "trainer=a", "trainer=0 trainer=1", "learner=0", "trainer:0", ""):
         with pytest.raises(ConfigError, match="^--run.placement .*placement must be 'node0', 'spread' or node ranks"):
             parse_overrides(GRPOConfig(), ["--run.placement", bad])
-    with pytest.raises(ConfigError, match=r"puts a sampler on node 2, but the run has 2 node\(s\) \(0..1\); launch "
-                                          "with --nnodes 3 or more"):
+    with pytest.raises(
+        ConfigError,
+        match=r"puts a sampler on node 2, but the run has 2 node\(s\) \(0..1\); launch "
+        "with --nnodes 3 or more",
+    ):
         _placement("sampler=0,2", 1, 2, 2, plan_devices("cpu", None, [], 2))
     colocated = plan_devices("auto", "cuda", ["0"], 1)
     assert _placement("trainer=1 sampler=1", 1, 1, 2, colocated) == ([1], [1])
@@ -161,8 +216,7 @@ def test_placement_names_a_node_per_actor_and_refuses_what_the_cluster_cannot_ho
 
 
 async def test_a_placement_on_a_node_the_run_lacks_is_refused_before_anything_is_written(tmp_path):
-    config = parse_overrides(GRPOConfig(), ["--run.run_dir", str(tmp_path / "run"),
-                                            "--run.placement", "trainer=1"])
+    config = parse_overrides(GRPOConfig(), ["--run.run_dir", str(tmp_path / "run"), "--run.placement", "trainer=1"])
     async with Supervisor() as sup:
         with pytest.raises(ConfigError, match="puts a trainer on node 1, but the run has 1 node"):
             await train(config, sup, log=lambda *a: None)
@@ -173,20 +227,38 @@ async def test_a_placement_on_a_node_the_run_lacks_is_refused_before_anything_is
 def test_two_trainer_ranks_on_node0_and_a_sampler_on_node1_run_the_example(model_path, node1, tmp_path):
     namespace, master, addr1 = node1
     run_dir = tmp_path / "run"
-    run = TwoNodes(tmp_path, namespace, master, ["--model_path", model_path, "--run.placement", "spread",
-                                                 "--run.steps", "3", "--run.check_weights", "true", *small(run_dir)],
-                   "spread")
+    run = TwoNodes(
+        tmp_path,
+        namespace,
+        master,
+        [
+            "--model_path",
+            model_path,
+            "--run.placement",
+            "spread",
+            "--run.steps",
+            "3",
+            "--run.check_weights",
+            "true",
+            *small(run_dir),
+        ],
+        "spread",
+    )
     try:
-        wait_for(lambda: "sampler0" in run.node1_actors().values() or run.driver.poll() is not None,
-                 "sampler0 running on node 1", run)
+        wait_for(
+            lambda: "sampler0" in run.node1_actors().values() or run.driver.poll() is not None,
+            "sampler0 running on node 1",
+            run,
+        )
         assert sorted(run.node1_actors().values()) == ["sampler0"], run.output()[-3000:]
         assert run.finish() == 0, run.output()[-3000:] + agent_log(str(run.log_dir), 1)[-2000:]
         assert run.agent.wait(15) == 0, agent_log(str(run.log_dir), 1)
     finally:
         run.close()
     out = run.output()
-    assert (f"placement: trainer rank(s) on node(s) 0,0, sampler0 on node 1; the weight-sync group meets at {master}"
-            in out), out[-3000:]
+    assert (
+        f"placement: trainer rank(s) on node(s) 0,0, sampler0 on node 1; the weight-sync group meets at {master}" in out
+    ), out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["heldout_problems"] == 8 and "greedy" in summary["heldout_after"]
     # every group trained on came from the sampler on node 1, which generates only after a sync;
@@ -201,9 +273,25 @@ def test_losing_the_samplers_node_leaves_the_run_to_the_sampler_on_node0(model_p
     namespace, master, _ = node1
     run_dir = tmp_path / "run"
     steps = 12
-    run = TwoNodes(tmp_path, namespace, master, [
-        "--model_path", model_path, "--run.placement", "trainer=0 sampler=1,0", "--sampler.count", "2",
-        "--run.steps", str(steps), "--run.check_weights", "true", *small(run_dir)], "lose-sampler")
+    run = TwoNodes(
+        tmp_path,
+        namespace,
+        master,
+        [
+            "--model_path",
+            model_path,
+            "--run.placement",
+            "trainer=0 sampler=1,0",
+            "--sampler.count",
+            "2",
+            "--run.steps",
+            str(steps),
+            "--run.check_weights",
+            "true",
+            *small(run_dir),
+        ],
+        "lose-sampler",
+    )
     try:
         wait_for(lambda: step_done(run_dir) >= 2 or run.driver.poll() is not None, "step 2", run)
         assert run.driver.poll() is None, run.output()[-3000:]
@@ -231,8 +319,15 @@ def test_losing_the_samplers_node_leaves_the_run_to_the_sampler_on_node0(model_p
 def test_losing_the_trainers_node_stops_the_run_resumably_and_it_resumes_across_nodes(model_path, node1, tmp_path):
     namespace, master, addr1 = node1
     run_dir = tmp_path / "run"
-    args = ["--model_path", model_path, "--run.placement", "trainer=1 sampler=0", "--run.steps", "6",
-            *small(run_dir, "--run.checkpoint_every", "2")]
+    args = [
+        "--model_path",
+        model_path,
+        "--run.placement",
+        "trainer=1 sampler=0",
+        "--run.steps",
+        "6",
+        *small(run_dir, "--run.checkpoint_every", "2"),
+    ]
     run = TwoNodes(tmp_path, namespace, master, args, "lose-trainer")
     try:
         first = run_dir / "checkpoints" / "step-00000002"
@@ -249,8 +344,9 @@ def test_losing_the_trainers_node_stops_the_run_resumably_and_it_resumes_across_
     out = run.output()
     print(f"the run stopped {stopped_s:.1f} s after node 1's agent was killed")  # shown with -rP
     assert code == 1 and stopped_s < STOP_S, out[-3000:]
-    assert (f"placement: trainer rank(s) on node(s) 1,1, sampler0 on node 0; the weight-sync group meets at {addr1}"
-            in out), out[-3000:]
+    assert (
+        f"placement: trainer rank(s) on node(s) 1,1, sampler0 on node 0; the weight-sync group meets at {addr1}" in out
+    ), out[-3000:]
     assert "trainer rank 0: node 1 (" in out and ") lost: " in out, out[-3000:]
     assert "--resume run (checkpoint step 2)" in out, out[-3000:]  # the hint names it relative to the cwd
 
@@ -268,7 +364,8 @@ def test_losing_the_trainers_node_stops_the_run_resumably_and_it_resumes_across_
 
 
 def test_a_node_joining_an_elastic_run_takes_a_sampler_that_syncs_first_and_drains_it_when_leaving(
-        model_path, node1, tmp_path):
+    model_path, node1, tmp_path
+):
     # --nnodes 1:2: the run starts on node 0 alone; node 1 joins mid-run, `asyncrl scale` puts the
     # new sampler there (the node with the fewest), it takes the current weights before it
     # generates; then node 1's agent is told to stop: the sampler is drained (nothing it
@@ -280,12 +377,26 @@ def test_a_node_joining_an_elastic_run_takes_a_sampler_that_syncs_first_and_drai
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
     log_dir.mkdir()
     secret, port = make_secret_file(str(log_dir)), free_port(master)
-    args = ["--model_path", model_path, "--sampler.count", "1", "--run.steps", "100000", "--run.check_weights", "true",
-            *small(run_dir, "--trainer.world_size", "1")]
+    args = [
+        "--model_path",
+        model_path,
+        "--sampler.count",
+        "1",
+        "--run.steps",
+        "100000",
+        "--run.check_weights",
+        "true",
+        *small(run_dir, "--trainer.world_size", "1"),
+    ]
     with open(log_dir / "driver.log", "wb") as out:
-        driver = subprocess.Popen(launch_argv(0, "1:2", port, secret, master, EXAMPLE, *args), cwd=tmp_path,
-                                  env=env(ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1"),
-                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        driver = subprocess.Popen(
+            launch_argv(0, "1:2", port, secret, master, EXAMPLE, *args),
+            cwd=tmp_path,
+            env=env(ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1"),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     agent = None
 
     def output() -> str:
@@ -305,8 +416,17 @@ def test_a_node_joining_an_elastic_run_takes_a_sampler_that_syncs_first_and_drai
     started = time.monotonic()
     try:
         until(lambda: step_done(run_dir) >= 2, "step 2 on node 0 alone")
-        agent = start_agent(1, "1:2", port, secret, str(log_dir), master=master, netns=namespace,
-                            OMP_NUM_THREADS="1", ASYNCRL_SUP_DRAIN_TIMEOUT_S="120")
+        agent = start_agent(
+            1,
+            "1:2",
+            port,
+            secret,
+            str(log_dir),
+            master=master,
+            netns=namespace,
+            OMP_NUM_THREADS="1",
+            ASYNCRL_SUP_DRAIN_TIMEOUT_S="120",
+        )
         until(lambda: [n.state for n in query_status(str(run_dir), 30.0).nodes] == ["joined", "joined"], "node 1 joins")
         assert scale(str(run_dir), 2, 30.0)["target"] == 2
         until(lambda: progress().get("samplers", {}).get("sampler1") == "in group", "sampler1 in the group")

@@ -17,8 +17,13 @@ pytest.register_assert_rewrite("sampler_support")
 from sampler_support import ONE_THREAD, write_tiny  # noqa: E402
 
 # (prompt, completion, verdict word for "{prompt}={completion}?", generated verdict for "...!")
-CASES = [("2+3", "5", "y", "score:1"), ("2+3", "6", "n", "score:0"), ("4+1", "5", "y", "score:1"),
-         ("4+1", "3", "n", "score:0"), ("1+1", "7", "n", "what?!!")]
+CASES = [
+    ("2+3", "5", "y", "score:1"),
+    ("2+3", "6", "n", "score:0"),
+    ("4+1", "5", "y", "score:1"),
+    ("4+1", "3", "n", "score:0"),
+    ("1+1", "7", "n", "what?!!"),
+]
 ASK, GRADE = "{prompt}={completion}?", "{prompt}={completion}!"
 
 
@@ -26,8 +31,12 @@ def test_the_template_is_filled_in_one_pass_and_verdicts_parse_to_finite_numbers
     filled = render("Q: {prompt}\nA: {completion}\n{x}", "1+{completion}", "{prompt}")
     assert filled == "Q: 1+{completion}\nA: {prompt}\n{x}"
     pattern = re.compile(r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)")
-    assert [parse_verdict(pattern, t) for t in ("Score: 7", "score=-0.5 then score:3", "score: x", "7")] == [7.0, -0.5,
-                                                                                                           None, None]
+    assert [parse_verdict(pattern, t) for t in ("Score: 7", "score=-0.5 then score:3", "score: x", "7")] == [
+        7.0,
+        -0.5,
+        None,
+        None,
+    ]
     assert parse_verdict(re.compile(r"\d+"), "grade 12/20") == 12.0  # no group: the whole match
     assert parse_verdict(re.compile(r"(\S+)"), "inf") is None  # a number, but not a finite one
 
@@ -48,8 +57,9 @@ def judge_path(tmp_path_factory) -> str:
     n = len(tok.encode(render(ASK, "2+3", "5")))  # the text before the verdict, of both kinds
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(80):
-        loss = torch.nn.functional.cross_entropy(model(ask).logits[:, n - 1], ask[:, n]) + \
-            torch.nn.functional.cross_entropy(model(grade).logits[:, n - 1:-1].flatten(0, 1), grade[:, n:].flatten())
+        loss = torch.nn.functional.cross_entropy(
+            model(ask).logits[:, n - 1], ask[:, n]
+        ) + torch.nn.functional.cross_entropy(model(grade).logits[:, n - 1 : -1].flatten(0, 1), grade[:, n:].flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -98,8 +108,12 @@ def test_verdict_words_must_each_be_one_token_of_the_judge(judge_path):
 async def test_generated_verdicts_are_parsed_and_an_unparsed_one_is_counted_not_raised(judge_path):
     from asyncrl.rl.scorer.actor import ScorerActor
 
-    scorer = ScorerActor(judge_path, kind="judge", batch_tokens=10_000, judge={
-        "student_path": judge_path, "template": GRADE, "read": "generate", "max_new_tokens": 7})
+    scorer = ScorerActor(
+        judge_path,
+        kind="judge",
+        batch_tokens=10_000,
+        judge={"student_path": judge_path, "template": GRADE, "read": "generate", "max_new_tokens": 7},
+    )
     await scorer.on_start()
     try:
         results = [await asyncio.wait_for(scorer.rewards(p, cs), timeout=60) for p, cs in requests(judge_path)]
@@ -116,23 +130,42 @@ async def test_the_driver_sums_a_judge_s_verdicts_counts_the_unparsed_and_stops_
     from asyncrl.rl.scorer.actor import ScorerActor
     from asyncrl.runtime import Supervisor
 
-    (prompt, completions), = [r for r in requests(judge_path) if len(r[1]) == 1]  # "1+1": unparsed
+    ((prompt, completions),) = [r for r in requests(judge_path) if len(r[1]) == 1]  # "1+1": unparsed
     right = requests(judge_path)[0]  # "2+3": 5 (right) and 6
     lines = []
     async with Supervisor(call_timeout_s=60) as sup:
-        handle = await sup.spawn(ScorerActor, judge_path, name="reward_model", env=ONE_THREAD, kwargs={
-            "kind": "judge", "judge": {"student_path": judge_path, "template": GRADE, "read": "generate",
-                                       "max_new_tokens": 7}})
-        rm = RewardModel(handle, weight=2.0, rule_weight=0.5, judge=True, max_unparsed_rate=0.4, min_verdicts=3,
-                         timeout_s=60, restart_timeout_s=60, log=lines.append)
+        handle = await sup.spawn(
+            ScorerActor,
+            judge_path,
+            name="reward_model",
+            env=ONE_THREAD,
+            kwargs={
+                "kind": "judge",
+                "judge": {"student_path": judge_path, "template": GRADE, "read": "generate", "max_new_tokens": 7},
+            },
+        )
+        rm = RewardModel(
+            handle,
+            weight=2.0,
+            rule_weight=0.5,
+            judge=True,
+            max_unparsed_rate=0.4,
+            min_verdicts=3,
+            timeout_s=60,
+            restart_timeout_s=60,
+            log=lines.append,
+        )
         group = RolloutGroup(1, right[0], right[1], [[0.0] * len(c) for c in right[1]], [1.0, 0.0], version=0)
         assert (await rm.annotate(group)).rewards == [0.5 * 1.0 + 2.0 * 1.0, 0.0]
         one = RolloutGroup(2, prompt, completions, [[0.0]], [1.0], version=0)
         assert (await rm.annotate(one)).rewards == [0.5]  # unparsed: the rule reward alone
         assert "1 of the judge's verdicts on prompt 2 did not parse" in lines[0]
         assert rm.take_counts() == {"judged": 3, "judge_unparsed": 1} and rm.take_counts()["judged"] == 0
-        with pytest.raises(UnparsedVerdictsError, match=r"2 of the judge's 4 verdicts did not parse \(50%, more than "
-                                                        r"--reward_model\.max_unparsed_rate 0\.4\)"):
+        with pytest.raises(
+            UnparsedVerdictsError,
+            match=r"2 of the judge's 4 verdicts did not parse \(50%, more than "
+            r"--reward_model\.max_unparsed_rate 0\.4\)",
+        ):
             await rm.annotate(one)
 
 
@@ -159,11 +192,18 @@ def test_a_judge_s_flags_and_template_are_checked_before_anything_is_spawned(jud
     (tmp_path / "t.txt").write_text("{prompt}={completion}?")
     section = check_run(config).reward_model
     # every scorer's checkpoint is checked by the same code, named by its own flag
-    for flags in (["--teacher.model_path", "nowhere", "--trainer.loss.distill_coef", "1"],
-                  ["--reward_model.model_path", "nowhere"]):
+    for flags in (
+        ["--teacher.model_path", "nowhere", "--trainer.loss.distill_coef", "1"],
+        ["--reward_model.model_path", "nowhere"],
+    ):
         with pytest.raises(ConfigError, match=rf"^{flags[0]} nowhere"):
             check_run(parse_overrides(GRPOConfig(), [*flags, "--run.run_dir", "run"]))
     assert section.template == str(tmp_path / "t.txt") and not section.shares_tokenizer
     assert scorer_kwargs(section, "/student")["judge"] == {
-        "student_path": "/student", "template": "{prompt}={completion}?", "read": "logprob",
-        "verdict_tokens": ("yes", "no"), "verdict": section.verdict, "max_new_tokens": 16}
+        "student_path": "/student",
+        "template": "{prompt}={completion}?",
+        "read": "logprob",
+        "verdict_tokens": ("yes", "no"),
+        "verdict": section.verdict,
+        "max_new_tokens": 16,
+    }

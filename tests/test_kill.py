@@ -13,9 +13,8 @@ import time
 
 import pytest
 
-from asyncrl import ActorDiedError, ActorState, Supervisor
-
 from actors import Echo
+from asyncrl import ActorDiedError, ActorState, Supervisor
 from conftest import process_alive, wait_until
 
 
@@ -37,8 +36,11 @@ async def test_kill_of_a_running_actor_takes_its_children_and_restarts_it(caplog
         assert (back.state, back.incarnation, back.restarts) == (ActorState.RUNNING, 2, 1)
         assert await echo.getpid() != pid
         assert await asyncio.to_thread(wait_until, lambda: not process_alive(pid) and not process_alive(child), 5.0)
-        assert any("killed on request: sampler judged frozen at step 7" in r.getMessage() and "restart 1 of 1" in r.getMessage()
-                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert any(
+            "killed on request: sampler judged frozen at step 7" in r.getMessage()
+            and "restart 1 of 1" in r.getMessage()
+            for r in caplog.records
+        ), [r.getMessage() for r in caplog.records]
 
 
 async def test_kill_of_a_stale_incarnation_leaves_its_replacement_alone():

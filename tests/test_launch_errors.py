@@ -30,33 +30,50 @@ def launch(*args: str) -> list[str]:
     return [sys.executable, "-m", "asyncrl.cli", "launch", *args]
 
 
-@pytest.mark.parametrize("body, code, stderr", [
-    ("""
+@pytest.mark.parametrize(
+    "body, code, stderr",
+    [
+        (
+            """
      from asyncrl.rl.config import ConfigError
      def main():
          raise ConfigError("--x 3: x must be even")
-     """, 2, "script.py: --x 3: x must be even\n"),
-    ("""
+     """,
+            2,
+            "script.py: --x 3: x must be even\n",
+        ),
+        (
+            """
      import sys
      async def main():
          sys.exit("cannot go on: no data")
-     """, 1, "cannot go on: no data\n"),
-    ("""
+     """,
+            1,
+            "cannot go on: no data\n",
+        ),
+        (
+            """
      import sys
      sys.exit("a script without main stops here")
-     """, 1, "a script without main stops here\n"),
-])
+     """,
+            1,
+            "a script without main stops here\n",
+        ),
+    ],
+)
 def test_script_errors_are_one_line(tmp_path, body, code, stderr):
-    done = subprocess.run(launch(script(tmp_path, body)), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(launch(script(tmp_path, body)), cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (code, stderr)
 
 
 def test_a_bug_keeps_its_traceback(tmp_path):
-    path = script(tmp_path, """
+    path = script(
+        tmp_path,
+        """
         def main():
             return {}["missing"]
-        """)
+        """,
+    )
     done = subprocess.run(launch(path), cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "Traceback" in done.stderr and "KeyError: 'missing'" in done.stderr
 
@@ -83,15 +100,17 @@ SLOW = """
     """
 
 
-@pytest.mark.parametrize("stop_s, gap_s", [(60, 1.0), (0, 4.0)],
-                         ids=["during-the-actors-stop", "during-the-loop-close"])
+@pytest.mark.parametrize(
+    "stop_s, gap_s", [(60, 1.0), (0, 4.0)], ids=["during-the-actors-stop", "during-the-loop-close"]
+)
 def test_a_second_sigint_during_shutdown_exits_at_once(tmp_path, stop_s, gap_s):
     """First Ctrl-C: orderly shutdown, which here waits on a slow actor (60 s) or, once main()
     returned, on an executor thread (60 s). Second Ctrl-C: the actors' groups are killed and the
     process exits 130 at once, without the 'Event loop is closed' of an interrupted loop close."""
     env = dict(os.environ, STOP_S=str(stop_s), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(launch(script(tmp_path, SLOW)), cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        launch(script(tmp_path, SLOW)), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     pid = None
     try:
         pid = json.loads(proc.stdout.readline())["pid"]
@@ -114,9 +133,11 @@ def test_a_second_sigint_during_shutdown_exits_at_once(tmp_path, stop_s, gap_s):
 def test_help_and_a_flag_error_do_not_import_torch(tmp_path):
     """The config is read and checked before any heavy import: --help and a usage error answer at once."""
     example = os.path.join(ROOT, "examples", "grpo_countdown.py")
-    probe = (f"import sys; sys.argv = ['asyncrl', 'launch', {example!r}, '--help']; "
-             "from asyncrl.cli import main; code = main(); "
-             "print('torch' in sys.modules); sys.exit(code)")
+    probe = (
+        f"import sys; sys.argv = ['asyncrl', 'launch', {example!r}, '--help']; "
+        "from asyncrl.cli import main; code = main(); "
+        "print('torch' in sys.modules); sys.exit(code)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "False", done.stderr
     bad = probe.replace("'--help'", "'--trainer.lrr', '1'")
@@ -164,19 +185,33 @@ TOO_BIG = """
     """
 
 
-@pytest.mark.parametrize("body, flags, line", [
-    (NOT_READY, ["--start_timeout_s", "1"],
-     "script.py: actor 'sampler0': not ready within start_timeout_s=1 (no start phase reported); raise it with "
-     "asyncrl launch --start_timeout_s (or Supervisor(start_timeout_s=...))\n"),
-    (OUT_OF_MEMORY, [],
-     "script.py: actor 'trainer': train_step() raised TrainerMemoryError: train step 1 ran out of cuda memory "
-     "on a micro-batch of 8 x 512 tokens (--trainer.micro_batch_tokens 4096): lower that\n"),
-    (TOO_BIG, [],
-     "script.py: actor 'trainer': the policy of /ckpt does not fit in the trainer's GPU's 79 GiB: train LoRA "
-     "adapters (--trainer.lora.rank 16)\n"),
-], ids=["actor-not-ready", "trainer-out-of-memory", "policy-does-not-fit"])
+@pytest.mark.parametrize(
+    "body, flags, line",
+    [
+        (
+            NOT_READY,
+            ["--start_timeout_s", "1"],
+            "script.py: actor 'sampler0': not ready within start_timeout_s=1 (no start phase reported); raise it with "
+            "asyncrl launch --start_timeout_s (or Supervisor(start_timeout_s=...))\n",
+        ),
+        (
+            OUT_OF_MEMORY,
+            [],
+            "script.py: actor 'trainer': train_step() raised TrainerMemoryError: train step 1 ran out of cuda memory "
+            "on a micro-batch of 8 x 512 tokens (--trainer.micro_batch_tokens 4096): lower that\n",
+        ),
+        (
+            TOO_BIG,
+            [],
+            "script.py: actor 'trainer': the policy of /ckpt does not fit in the trainer's GPU's 79 GiB: train LoRA "
+            "adapters (--trainer.lora.rank 16)\n",
+        ),
+    ],
+    ids=["actor-not-ready", "trainer-out-of-memory", "policy-does-not-fit"],
+)
 def test_an_error_the_user_fixes_is_one_line_and_exit_1(tmp_path, body, flags, line):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    done = subprocess.run(launch(*flags, script(tmp_path, body)), cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=90)
+    done = subprocess.run(
+        launch(*flags, script(tmp_path, body)), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+    )
     assert (done.returncode, done.stderr) == (1, line)

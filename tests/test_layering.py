@@ -11,8 +11,16 @@ import asyncrl
 
 ROOT = os.path.dirname(asyncrl.__file__)
 
-SHARED_RL = {"asyncrl.rl.config", "asyncrl.rl.generation", "asyncrl.rl.tasks", "asyncrl.rl.model",
-             "asyncrl.rl.rollout", "asyncrl.rl.checkpoint", "asyncrl.rl.digest", "asyncrl.rl.agents"}
+SHARED_RL = {
+    "asyncrl.rl.config",
+    "asyncrl.rl.generation",
+    "asyncrl.rl.tasks",
+    "asyncrl.rl.model",
+    "asyncrl.rl.rollout",
+    "asyncrl.rl.checkpoint",
+    "asyncrl.rl.digest",
+    "asyncrl.rl.agents",
+}
 MAY_IMPORT = {
     # the generic layers know nothing of RL
     "asyncrl.errors": set(),
@@ -30,27 +38,60 @@ MAY_IMPORT = {
     "asyncrl.rl.view": {"asyncrl.errors"},
     # what a run records and shows while it runs: handed the driver's records, never importing the
     # driver (comm and sampler for the types of a sync's answers)
-    "asyncrl.rl.observe": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL, "asyncrl.rl.sampler",
-                           "asyncrl.rl.view"},
+    "asyncrl.rl.observe": {
+        "asyncrl.errors",
+        "asyncrl.runtime",
+        "asyncrl.comm",
+        *SHARED_RL,
+        "asyncrl.rl.sampler",
+        "asyncrl.rl.view",
+    },
     "asyncrl.rl.checkpoint": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config"},
-    "asyncrl.rl.model": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.generation",
-                         "asyncrl.rl.tasks", "asyncrl.rl.agents"},
+    "asyncrl.rl.model": {
+        "asyncrl.errors",
+        "asyncrl.runtime",
+        "asyncrl.rl.config",
+        "asyncrl.rl.generation",
+        "asyncrl.rl.tasks",
+        "asyncrl.rl.agents",
+    },
     # the two actors never import each other, nor the driver
     "asyncrl.rl.trainer": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
     "asyncrl.rl.sampler": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
     # the scorer scores as the trainer does (its micro-batches and scoring, no optimiser)
     "asyncrl.rl.scorer": {"asyncrl.errors", "asyncrl.runtime", *SHARED_RL, "asyncrl.rl.trainer"},
     # the driver spawns the actors (their classes only) and talks to them through the runtime
-    "asyncrl.rl.driver": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL,
-                          "asyncrl.rl.trainer", "asyncrl.rl.sampler", "asyncrl.rl.scorer", "asyncrl.rl.view",
-                          "asyncrl.rl.observe"},
+    "asyncrl.rl.driver": {
+        "asyncrl.errors",
+        "asyncrl.runtime",
+        "asyncrl.comm",
+        *SHARED_RL,
+        "asyncrl.rl.trainer",
+        "asyncrl.rl.sampler",
+        "asyncrl.rl.scorer",
+        "asyncrl.rl.view",
+        "asyncrl.rl.observe",
+    },
     # the command line of a GRPO run (the example scripts' main): parse, check, then drive
-    "asyncrl.rl.launch": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config", "asyncrl.rl.tasks",
-                          "asyncrl.rl.driver"},
+    "asyncrl.rl.launch": {
+        "asyncrl",
+        "asyncrl.errors",
+        "asyncrl.runtime",
+        "asyncrl.rl.config",
+        "asyncrl.rl.tasks",
+        "asyncrl.rl.driver",
+    },
     "asyncrl.rl": set(),
     # the command line and the package's front door
     "asyncrl": {"asyncrl.errors", "asyncrl.runtime"},
-    "asyncrl.cli": {"asyncrl", "asyncrl.errors", "asyncrl.runtime", "asyncrl.launch", "asyncrl.nodes", "asyncrl.rl.view"},
+    "asyncrl.cli": {
+        "asyncrl",
+        "asyncrl.errors",
+        "asyncrl.runtime",
+        "asyncrl.launch",
+        "asyncrl.nodes",
+        "asyncrl.rl.view",
+    },
     "asyncrl.launch": {"asyncrl.errors", "asyncrl.runtime"},
     "asyncrl.nodes": {"asyncrl.errors", "asyncrl.runtime"},
 }
@@ -104,15 +145,17 @@ def test_every_part_imports_only_what_the_map_allows():
 
 def test_no_import_circle_between_modules():
     modules = _modules()
-    graph = {m: {t for t in _imports(m, p) if t in modules and t != m and not m.startswith(t + ".")}
-             for m, p in modules.items()}
+    graph = {
+        m: {t for t in _imports(m, p) if t in modules and t != m and not m.startswith(t + ".")}
+        for m, p in modules.items()
+    }
     circles, state = [], {}
 
     def visit(node: str, stack: list[str]) -> None:
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+                circles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
@@ -136,9 +179,13 @@ LOOP = ("asyncrl.rl.driver", "asyncrl.rl.driver.grpo", "asyncrl.rl.driver.run")
 def test_the_fleet_never_reaches_back_into_the_loop():
     # The loop builds the fleet and passes in what it needs; an import the other way would make
     # the fleet's parts depend on the steps they serve (prime-rl's rule for its components).
-    wrong = [f"{module} imports {name}" for module, path in sorted(_modules().items())
-             if module.startswith("asyncrl.rl.driver.fleet") for name in sorted(_imports(module, path))
-             if name in LOOP or name.startswith(tuple(f"{loop}." for loop in LOOP[1:]))]
+    wrong = [
+        f"{module} imports {name}"
+        for module, path in sorted(_modules().items())
+        if module.startswith("asyncrl.rl.driver.fleet")
+        for name in sorted(_imports(module, path))
+        if name in LOOP or name.startswith(tuple(f"{loop}." for loop in LOOP[1:]))
+    ]
     assert not wrong, "the fleet imports the loop:\n" + "\n".join(wrong)
 
 
@@ -155,11 +202,19 @@ def test_membership_is_the_one_writer_of_a_members_state():
         if not module.startswith("asyncrl.rl.driver") or path == owner:
             continue
         for node in ast.walk(ast.parse(open(path).read())):
-            targets = (node.targets if isinstance(node, ast.Assign) else
-                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
             for target in targets:
                 for t in target.elts if isinstance(target, ast.Tuple) else [target]:
-                    if (isinstance(t, ast.Attribute) and t.attr in fields
-                            and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and t.attr in fields
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                    ):
                         wrong.append(f"{module}:{t.lineno} writes .{t.attr}")
     assert not wrong, "a member's state written outside Membership:\n" + "\n".join(wrong)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from asyncrl.comm.errors import LayoutMismatchError
 from asyncrl.comm.layout import DTYPES, TensorSpec, WeightLayout, build_layout, dtype_name, spec_of
-
-import msgspec
 
 
 def specs(*entries):
@@ -24,8 +23,16 @@ def covered_bytes(layout: WeightLayout) -> dict[int, list[tuple[int, int]]]:
 
 
 def test_every_byte_of_every_tensor_is_placed_once_and_segments_never_overlap():
-    layout = build_layout(specs(("a", (10,), "float32"), ("big", (1000,), "float32"), ("e", (0, 3), "float16"),
-                                ("b", (3, 3), "bfloat16"), ("c", (7,), "int64")), bucket_bytes=1024)
+    layout = build_layout(
+        specs(
+            ("a", (10,), "float32"),
+            ("big", (1000,), "float32"),
+            ("e", (0, 3), "float16"),
+            ("b", (3, 3), "bfloat16"),
+            ("c", (7,), "int64"),
+        ),
+        bucket_bytes=1024,
+    )
     for index, spec in enumerate(layout.tensors):
         got = sorted(covered_bytes(layout).get(index, []))
         if spec.nbytes == 0:
@@ -41,8 +48,9 @@ def test_every_byte_of_every_tensor_is_placed_once_and_segments_never_overlap():
 
 
 def test_a_tensor_that_fits_is_never_split_and_a_larger_one_is_chunked():
-    layout = build_layout(specs(("small", (200,), "float32"), ("fits", (256,), "float32"),
-                                ("huge", (700,), "float32")), bucket_bytes=1024)
+    layout = build_layout(
+        specs(("small", (200,), "float32"), ("fits", (256,), "float32"), ("huge", (700,), "float32")), bucket_bytes=1024
+    )
     ranges = covered_bytes(layout)
     assert ranges[0] == [(0, 800)] and ranges[1] == [(0, 1024)]  # "fits" moved to a fresh bucket
     assert len(ranges[2]) == 3  # 2800 bytes over 1024-byte buckets
@@ -89,8 +97,11 @@ def test_bad_arguments_are_refused():
 
 
 def test_tensors_sent_directly_leave_the_buckets():
-    layout = build_layout(specs(("small", (10,), "float32"), ("huge", (700,), "float32"), ("tail", (5,), "int64")),
-                          bucket_bytes=1024, direct=["huge"])
+    layout = build_layout(
+        specs(("small", (10,), "float32"), ("huge", (700,), "float32"), ("tail", (5,), "int64")),
+        bucket_bytes=1024,
+        direct=["huge"],
+    )
     assert layout.direct == [1]
     assert all(seg.tensor != 1 for bucket in layout.buckets for seg in bucket)
     assert sorted(seg.tensor for bucket in layout.buckets for seg in bucket) == [0, 2]

@@ -19,7 +19,11 @@ SCRIPTS = os.path.join(HERE, "scripts")
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def _start(argv: list[str]) -> subprocess.Popen:
@@ -92,7 +96,7 @@ def test_a_second_sigint_while_closing_forces_exit_and_still_removes_the_socket_
     info: dict = {"pids": []}
     try:
         info = _first_json_line(proc)
-        status_dir = os.path.dirname(info["status_address"][len("ipc://"):])
+        status_dir = os.path.dirname(info["status_address"][len("ipc://") :])
         assert os.path.isdir(info["run_dir"]) and os.path.isdir(status_dir)
         assert (tmp_path / "supervisor.json").exists()
         assert _line(proc, "[held-1]: blocked"), "the actor did not block"
@@ -140,10 +144,14 @@ def test_sigterm_to_a_plain_python_script_exits_cleanly():
 
 
 def test_launch_runs_async_main_and_script_defined_actors():
-    out = subprocess.run(_launch(os.path.join(SCRIPTS, "async_main.py")), env=_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        _launch(os.path.join(SCRIPTS, "async_main.py")), env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "async main got 3" in out.stdout
-    out = subprocess.run(_launch(os.path.join(SCRIPTS, "no_main.py")), env=_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        _launch(os.path.join(SCRIPTS, "no_main.py")), env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "no-main script got 7 __main__" in out.stdout
 
@@ -157,14 +165,28 @@ def test_launch_runs_async_main_and_script_defined_actors():
     ],
 )
 def test_launch_exit_codes_and_arguments(args, code, text):
-    out = subprocess.run(_launch(os.path.join(SCRIPTS, "modes.py"), *args), env=_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        _launch(os.path.join(SCRIPTS, "modes.py"), *args), env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == code, out.stderr
     assert text in out.stdout + out.stderr
 
 
 def test_launch_flags_configure_the_supervisor():
-    argv = [sys.executable, "-m", "asyncrl.cli", "launch", "--transport", "tcp", "--call-timeout-s", "7", "--heartbeat-timeout-s", "9",
-            os.path.join(SCRIPTS, "modes.py"), "config"]
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "launch",
+        "--transport",
+        "tcp",
+        "--call-timeout-s",
+        "7",
+        "--heartbeat-timeout-s",
+        "9",
+        os.path.join(SCRIPTS, "modes.py"),
+        "config",
+    ]
     out = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "config: tcp 7.0 9.0" in out.stdout
@@ -193,5 +215,7 @@ def test_help_is_fast_and_does_not_import_torch():
 
 def test_bad_node_variables_are_usage_errors():
     env = {**_env(), "NNODES": "many"}
-    out = subprocess.run(_launch(os.path.join(SCRIPTS, "modes.py")), env=env, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        _launch(os.path.join(SCRIPTS, "modes.py")), env=env, capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 2 and "--nnodes" in out.stderr

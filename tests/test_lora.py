@@ -20,7 +20,6 @@ from asyncrl.rl.config.run import DataConfig  # noqa: E402
 from asyncrl.rl.config.sampler import SamplerConfig  # noqa: E402
 from asyncrl.rl.config.trainer import LoRAConfig, TrainerConfig  # noqa: E402
 from asyncrl.rl.model.lora import adapter_tensors  # noqa: E402
-
 from test_packing import random_groups  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -60,9 +59,15 @@ async def test_adapter_only_sync_is_bit_exact_into_the_hf_sampler_over_gloo(embe
     async with Supervisor(call_timeout_s=120) as sup:
         t, s = await asyncio.gather(
             sup.spawn(TrainerActor, embedded_path, TrainerConfig(lr=1e-2, lora=lora), name="trainer", env=ONE_THREAD),
-            sup.spawn(SamplerActor, embedded_path, SamplerConfig(backend="hf", group_size=2, max_new_tokens=8),
-                      name="sampler", env=ONE_THREAD,
-                      kwargs=dict(adapter=lora, data=DataConfig(n_train=20, n_heldout=8, data_seed=0))))
+            sup.spawn(
+                SamplerActor,
+                embedded_path,
+                SamplerConfig(backend="hf", group_size=2, max_new_tokens=8),
+                name="sampler",
+                env=ONE_THREAD,
+                kwargs=dict(adapter=lora, data=DataConfig(n_train=20, n_heldout=8, data_seed=0)),
+            ),
+        )
         await form_group([t, s], HOST, timeout_s=60)
         await asyncio.gather(t.setup_sender(30), s.setup_receiver(30))
         assert await t.weights_digest() != await s.weights_digest()  # each drew its own A
@@ -122,7 +127,9 @@ def test_the_final_export_is_a_merged_checkpoint_and_the_adapter(embedded_path, 
 
 def test_adapter_only_sync_into_vllm_is_refused_only_past_vllms_ranks():
     for backend in ("auto", "vllm", "hf"):
-        GRPOConfig(trainer=TrainerConfig(lora=LoRAConfig(rank=8, sync="adapter")), sampler=SamplerConfig(backend=backend))
+        GRPOConfig(
+            trainer=TrainerConfig(lora=LoRAConfig(rank=8, sync="adapter")), sampler=SamplerConfig(backend=backend)
+        )
     wide = TrainerConfig(lora=LoRAConfig(rank=1024, sync="adapter"))
     with pytest.raises(ConfigError, match="vLLM serves LoRA ranks up to 512"):
         GRPOConfig(trainer=wide, sampler=SamplerConfig(backend="auto"))
@@ -151,12 +158,16 @@ def test_lora_steps_move_the_policy_toward_the_rewarded_completions(embedded_pat
             total = 0.0
             for g in groups:
                 (b,) = micro_batches([g], group_advantages([list(g.rewards)]), 10_000, torch.device("cpu"))
-                lp = b.scored(token_logprobs(t.model(input_ids=b.input_ids, attention_mask=b.attention).logits,
-                                             b.input_ids))
+                lp = b.scored(
+                    token_logprobs(t.model(input_ids=b.input_ids, attention_mask=b.attention).logits, b.input_ids)
+                )
                 means = (lp * b.mask).sum(1) / b.mask.sum(1)
                 order = sorted(range(len(g.rewards)), key=lambda i: len(g.prompt_ids) + len(g.completion_ids[i]))
                 by_seq = {order[i]: float(means[i]) for i in range(len(order))}  # rows are sorted by length
-                best, worst = max(range(len(g.rewards)), key=g.rewards.__getitem__), min(range(len(g.rewards)), key=g.rewards.__getitem__)
+                best, worst = (
+                    max(range(len(g.rewards)), key=g.rewards.__getitem__),
+                    min(range(len(g.rewards)), key=g.rewards.__getitem__),
+                )
                 total += by_seq[best] - by_seq[worst]
             return total / len(groups)
 
@@ -178,8 +189,19 @@ def test_a_tiny_lora_run_of_the_example_syncs_and_exports(tmp_path, sync, model_
     from test_grpo import TINY, launch
 
     run_dir = tmp_path / "run"
-    done = launch(tmp_path, *TINY, "--trainer.lora.rank", "4", "--trainer.lora.sync", sync, "--trainer.lr", "1e-3",
-                  "--run.run_dir", str(run_dir), cache=model_cache)
+    done = launch(
+        tmp_path,
+        *TINY,
+        "--trainer.lora.rank",
+        "4",
+        "--trainer.lora.sync",
+        sync,
+        "--trainer.lr",
+        "1e-3",
+        "--run.run_dir",
+        str(run_dir),
+        cache=model_cache,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["sync_s"] > 0 for r in records)
@@ -198,11 +220,36 @@ def test_a_lora_run_of_the_example_raises_the_reward(tmp_path, model_cache):
     from test_user_task import HERE, launch
 
     run_dir = tmp_path / "run"
-    done = launch(tmp_path, "--task.name", f"{HERE}:YesNo", "--run.steps", "12", "--run.groups_per_step", "8",
-                  "--sampler.group_size", "8", "--trainer.lora.rank", "4", "--trainer.lora.sync", "adapter",
-                  "--trainer.lr", "5e-3", "--warm_start.steps", "80", "--warm_start.lr", "1e-2",
-                  "--warm_start.warmup_steps", "5", "--warm_start.batch_size", "32",
-                  "--run.eval_every", "12", "--run.run_dir", str(run_dir), cache=model_cache)
+    done = launch(
+        tmp_path,
+        "--task.name",
+        f"{HERE}:YesNo",
+        "--run.steps",
+        "12",
+        "--run.groups_per_step",
+        "8",
+        "--sampler.group_size",
+        "8",
+        "--trainer.lora.rank",
+        "4",
+        "--trainer.lora.sync",
+        "adapter",
+        "--trainer.lr",
+        "5e-3",
+        "--warm_start.steps",
+        "80",
+        "--warm_start.lr",
+        "1e-2",
+        "--warm_start.warmup_steps",
+        "5",
+        "--warm_start.batch_size",
+        "32",
+        "--run.eval_every",
+        "12",
+        "--run.run_dir",
+        str(run_dir),
+        cache=model_cache,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # measured: 0.64 over the first three steps, 0.81 over the last three; 1e-2 collapses (full FT too)

@@ -10,8 +10,17 @@ import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.trainer.loss import (LossInputError, distill_advantages, group_advantages, grpo_loss, loss_normalizer, overlong_penalties,
-                                     step_advantages, token_entropy, token_logprobs)
+from asyncrl.rl.trainer.loss import (
+    LossInputError,
+    distill_advantages,
+    group_advantages,
+    grpo_loss,
+    loss_normalizer,
+    overlong_penalties,
+    step_advantages,
+    token_entropy,
+    token_logprobs,
+)
 
 F64 = torch.float64
 
@@ -115,7 +124,12 @@ def test_token_logprobs_gradient_reaches_logits_but_not_the_last_position():
 
 def test_token_logprobs_refuses_bad_input():
     logits = t(LOGITS)
-    for bad_ids in (torch.tensor([[1, 0, 4], [2, 3, 0]]), torch.tensor([[1, 0, -1], [2, 3, 0]]), torch.tensor([[1, 0], [2, 3]]), t(IDS)):
+    for bad_ids in (
+        torch.tensor([[1, 0, 4], [2, 3, 0]]),
+        torch.tensor([[1, 0, -1], [2, 3, 0]]),
+        torch.tensor([[1, 0], [2, 3]]),
+        t(IDS),
+    ):
         with pytest.raises(LossInputError):
             token_logprobs(logits, bad_ids)
     with pytest.raises(LossInputError, match="T >= 2"):
@@ -199,14 +213,23 @@ def test_normalizer_makes_micro_batches_add_up(aggregation, normalizer):
     new, beh, adv, mask = padded_batch()
     cfg = GRPOLossConfig(aggregation=aggregation)
     whole, _ = grpo_loss(new, beh, adv, mask, cfg)
-    parts = [grpo_loss(new[s], beh[s], adv[s], mask[s], cfg, normalizer=normalizer)[0] for s in (slice(0, 1), slice(1, 3))]
+    parts = [
+        grpo_loss(new[s], beh[s], adv[s], mask[s], cfg, normalizer=normalizer)[0] for s in (slice(0, 1), slice(1, 3))
+    ]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item())
 
 
 def test_fully_masked_batch_gives_zero_loss_and_no_nan():
     for aggregation in ("token_mean", "seq_mean"):
         new = t([[math.nan, 1.0]]).requires_grad_()
-        loss, m = grpo_loss(new, t([[math.inf, 0.0]]), t([3.0]), torch.zeros(1, 2), GRPOLossConfig(aggregation=aggregation), ref_logprobs=t([[math.nan, 0.0]]))
+        loss, m = grpo_loss(
+            new,
+            t([[math.inf, 0.0]]),
+            t([3.0]),
+            torch.zeros(1, 2),
+            GRPOLossConfig(aggregation=aggregation),
+            ref_logprobs=t([[math.nan, 0.0]]),
+        )
         loss.backward()
         assert loss.item() == 0.0 and torch.equal(new.grad, torch.zeros(1, 2, dtype=F64))
         assert all(not torch.isnan(v).any() for v in m.values()), m
@@ -264,7 +287,14 @@ def test_bad_inputs_and_config_are_refused():
         grpo_loss(x, x, t([1.0, 2.0]), m, CFG)
     with pytest.raises(LossInputError, match="ref_logprobs"):
         grpo_loss(x, x, t([1.0]), m, GRPOLossConfig(kl_coef=0.1))
-    for bad in (dict(eps_low=1.0), dict(eps_low=-0.1), dict(eps_high=-0.1), dict(tis_cap=0.5), dict(kl_coef=-1.0), dict(aggregation="sum")):
+    for bad in (
+        dict(eps_low=1.0),
+        dict(eps_low=-0.1),
+        dict(eps_high=-0.1),
+        dict(tis_cap=0.5),
+        dict(kl_coef=-1.0),
+        dict(aggregation="sum"),
+    ):
         with pytest.raises(ValueError):
             GRPOLossConfig(**bad)
 
@@ -408,8 +438,12 @@ def test_gspo_token_form_takes_per_token_advantages():
     loss, _ = grpo_loss(new, beh, per_token, mask, cfg)
     loss.backward()
     s = [math.exp(0.25 / 3), math.exp(0.2), 1.0, math.exp(0.5)]
-    expected = [[-s[0] * a / 3 / 4 for a in (1.0, -1.0, 2.0)], [-s[1] * 0.5 / 2 / 4] * 2 + [0.0], [0.0] * 3,
-                [-s[3] * 3.0 / 4, 0.0, 0.0]]
+    expected = [
+        [-s[0] * a / 3 / 4 for a in (1.0, -1.0, 2.0)],
+        [-s[1] * 0.5 / 2 / 4] * 2 + [0.0],
+        [0.0] * 3,
+        [-s[3] * 3.0 / 4, 0.0, 0.0],
+    ]
     close(torch.where(mask.bool(), new.grad, 0.0), expected, tol=1e-12)
 
 
@@ -477,9 +511,14 @@ def test_dr_grpo_divides_by_a_constant_token_budget():
         grpo_loss(new, beh, adv, mask, GRPOLossConfig(aggregation="fixed_tokens"))
 
 
-@pytest.mark.parametrize("cfg", [GRPOLossConfig(aggregation="fixed_tokens", token_budget=16),
-                                 GRPOLossConfig(policy_loss="gspo", aggregation="seq_mean"),
-                                 GRPOLossConfig(policy_loss="cispo")])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GRPOLossConfig(aggregation="fixed_tokens", token_budget=16),
+        GRPOLossConfig(policy_loss="gspo", aggregation="seq_mean"),
+        GRPOLossConfig(policy_loss="cispo"),
+    ],
+)
 def test_variants_add_up_over_micro_batches(cfg):
     log_ratio, mask, beh, adv = variant_batch()
     new = new_from(log_ratio, beh, mask)
@@ -503,17 +542,31 @@ def test_dapo_overlong_penalty_by_hand():
 def test_overlong_penalty_enters_the_advantages():
     # equal task rewards: without shaping no signal; with it the 10-token completion is pushed
     # down against the 4-token one (rewards 1 + 0 and 1 - 1, mean-centred: +0.5, -0.5)
-    group = RolloutGroup(prompt_id=0, prompt_ids=[1], completion_ids=[[2] * 4, [2] * 10], behaviour_logprobs=[[0.0] * 4, [0.0] * 10],
-                         rewards=[1.0, 1.0], version=0)
+    group = RolloutGroup(
+        prompt_id=0,
+        prompt_ids=[1],
+        completion_ids=[[2] * 4, [2] * 10],
+        behaviour_logprobs=[[0.0] * 4, [0.0] * 10],
+        rewards=[1.0, 1.0],
+        version=0,
+    )
     assert step_advantages([group], GRPOLossConfig(), normalize_std=False).tolist() == [0.0, 0.0]
     shaped = step_advantages([group], GRPOLossConfig(overlong_buffer=4, overlong_max_tokens=10), normalize_std=False)
     assert shaped.tolist() == [0.5, -0.5]
 
 
 def test_variant_configs_refuse_bad_values():
-    for bad in (dict(policy_loss="grpo"), dict(policy_loss="gspo", tis_cap=2.0), dict(policy_loss="cispo", tis_cap=2.0),
-                dict(gspo_eps_low=1.5), dict(cispo_eps_high=-1.0), dict(token_budget=-1), dict(aggregation="token_sum"),
-                dict(overlong_buffer=8, overlong_max_tokens=4), dict(overlong_penalty=-1.0)):
+    for bad in (
+        dict(policy_loss="grpo"),
+        dict(policy_loss="gspo", tis_cap=2.0),
+        dict(policy_loss="cispo", tis_cap=2.0),
+        dict(gspo_eps_low=1.5),
+        dict(cispo_eps_high=-1.0),
+        dict(token_budget=-1),
+        dict(aggregation="token_sum"),
+        dict(overlong_buffer=8, overlong_max_tokens=4),
+        dict(overlong_penalty=-1.0),
+    ):
         with pytest.raises(ValueError):
             GRPOLossConfig(**bad)
 
@@ -531,16 +584,19 @@ def test_distillation_advantage_against_its_formula():
     loss, m = grpo_loss(new, beh, adv, mask, cfg, teacher_logprobs=teacher)
     loss.backward()
     per_token = distill_advantages(adv, beh, teacher, 0.5)
-    close(torch.where(mask.bool(), per_token, 0.0),
-          [[1.25, 0.5, 1.0], [1.1, 1.0, 0.0], [-3.0, -1.5, 0.0], [-1.0, 0.0, 0.0]])
+    close(
+        torch.where(mask.bool(), per_token, 0.0),
+        [[1.25, 0.5, 1.0], [1.1, 1.0, 0.0], [-3.0, -1.5, 0.0], [-1.0, 0.0, 0.0]],
+    )
     lr = t(log_ratio).nan_to_num().requires_grad_()
     r = lr.exp()
     a = per_token.nan_to_num()
     ref = -torch.where(mask.bool(), torch.minimum(r * a, r.clamp(0.8, 1.28) * a), 0.0).sum() / 8
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
-    torch.testing.assert_close(torch.where(mask.bool(), new.grad, 0.0), torch.where(mask.bool(), lr.grad, 0.0),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        torch.where(mask.bool(), new.grad, 0.0), torch.where(mask.bool(), lr.grad, 0.0), rtol=0, atol=1e-12
+    )
     # the teacher likes row 0's first token more than the sampler did: a larger advantage there
     assert new.grad[0, 0].item() == pytest.approx(-1.25 * math.exp(0.05) / 8)
     # distill_kl: mean over valid tokens of log mu - log p_T = (-0.5 + 1 - 0.2 + 2 - 1) / 8
@@ -554,7 +610,8 @@ def test_distillation_without_a_task_reward_pulls_towards_the_teacher():
     # the sampler did is pushed up (negative d loss / d new), one it rates lower is pushed down
     beh = t([[-1.0, -1.0]])
     new = beh.clone().requires_grad_()
-    loss, _ = grpo_loss(new, beh, t([0.0]), torch.ones(1, 2), GRPOLossConfig(distill_coef=1.0),
-                        teacher_logprobs=t([[-0.2, -3.0]]))
+    loss, _ = grpo_loss(
+        new, beh, t([0.0]), torch.ones(1, 2), GRPOLossConfig(distill_coef=1.0), teacher_logprobs=t([[-0.2, -3.0]])
+    )
     loss.backward()
     close(new.grad, [[-0.8 / 2, 2.0 / 2]])

@@ -16,15 +16,29 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.rl.model import evaluation, warm_start
-from asyncrl.rl.tasks.countdown import CountdownProblem, Countdown, format_prompt, format_prompt_compact, format_reference, generate
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
-from asyncrl.rl.model.policy import MARKER_FILE, PolicyLoadError, PromptFormat, PromptStyleError, load_policy, load_prompt_format
 from asyncrl.rl.generation import SamplingParams
-from asyncrl.rl.tasks.base import Message, Prompt, Score, Splits, Task
+from asyncrl.rl.model import evaluation, warm_start
+from asyncrl.rl.model.evaluation import solve_rate
+from asyncrl.rl.model.policy import (
+    MARKER_FILE,
+    PolicyLoadError,
+    PromptFormat,
+    PromptStyleError,
+    load_policy,
+    load_prompt_format,
+)
 from asyncrl.rl.model.tokenizer import build_tokenizer
 from asyncrl.rl.model.warm_start import cache_key, default_model
-from asyncrl.rl.model.evaluation import solve_rate
+from asyncrl.rl.tasks.base import Message, Prompt, Score, Splits, Task
+from asyncrl.rl.tasks.countdown import (
+    Countdown,
+    CountdownProblem,
+    format_prompt,
+    format_prompt_compact,
+    format_reference,
+    generate,
+)
 
 TINY = ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=64)
 FEW = WarmStartConfig(steps=4, batch_size=8, warmup_steps=1, n_examples=64, heldout_reserve=16, eval_problems=4)
@@ -49,14 +63,22 @@ def dead_pid() -> int:
 def test_tokenizer_round_trips_every_character():
     tok = build_tokenizer()
     ascii_text = "\n\t\r" + "".join(chr(c) for c in range(32, 127))
-    for text in (ascii_text, format_prompt(P), format_prompt_compact(P) + format_reference(P),
-                 "  two  spaces\n\nand unicode: é 中文 ✓", "<answer><answer>1 / 3</answer>"):
+    for text in (
+        ascii_text,
+        format_prompt(P),
+        format_prompt_compact(P) + format_reference(P),
+        "  two  spaces\n\nand unicode: é 中文 ✓",
+        "<answer><answer>1 / 3</answer>",
+    ):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.decode(ids) == text
     # One token per ASCII character, one per answer tag: lengths the warm start budgets on.
     assert len(tok(ascii_text, add_special_tokens=False)["input_ids"]) == len(ascii_text)
-    assert tok.convert_ids_to_tokens(tok("<answer>7</answer>", add_special_tokens=False)["input_ids"]) == \
-        ["<answer>", "7", "</answer>"]
+    assert tok.convert_ids_to_tokens(tok("<answer>7</answer>", add_special_tokens=False)["input_ids"]) == [
+        "<answer>",
+        "7",
+        "</answer>",
+    ]
     assert tok.pad_token_id is not None and tok.eos_token_id is not None and tok.pad_token_id != tok.eos_token_id
 
 
@@ -65,8 +87,9 @@ def test_chat_template_renders_the_trained_prompt():
     tok = build_tokenizer()
     compact = format_prompt_compact(P)  # "3 7 25 50 -> 178:"
     for content in (compact[:-1], compact, f"  {compact[:-1]}\n"):
-        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
         assert text == compact
     # A conversation with the answer renders as the very sequence the warm start trains on.
     answer = [{"role": "user", "content": compact[:-1]}, {"role": "assistant", "content": format_reference(P)}]
@@ -74,8 +97,9 @@ def test_chat_template_renders_the_trained_prompt():
     assert whole == compact + format_reference(P) + tok.eos_token
     assert tok(whole, add_special_tokens=False)["input_ids"] == warm_start._encode(tok, [P], 64)[0][0].tolist()
     with pytest.raises(Exception, match="trained on one prompt form"):
-        tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}],
-                                tokenize=False)
+        tok.apply_chat_template(
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}], tokenize=False
+        )
 
 
 # --- the cache ------------------------------------------------------------------------------------
@@ -128,7 +152,10 @@ def test_saved_dir_loads_with_plain_transformers_offline(built, monkeypatch):
     assert model.config.hidden_size // model.config.num_attention_heads in (32, 64)
     assert model.config.vocab_size == len(tok)
     text = format_prompt_compact(P) + format_reference(P)
-    assert tok(text, add_special_tokens=False)["input_ids"] == build_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert (
+        tok(text, add_special_tokens=False)["input_ids"]
+        == build_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    )
     with open(os.path.join(built, MARKER_FILE)) as f:
         marker = json.load(f)
     assert marker["prompt_style"] == "compact" and marker["max_new_tokens_hint"] > 0
@@ -145,11 +172,16 @@ def test_saved_chat_template_prompts_as_trained(built):
         ids = plain.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
         assert list(ids) == fmt.render_ids(Countdown().prompt(problem))
     ids = torch.tensor([fmt.render_ids(Countdown().prompt(P))])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                         pad_token_id=tok.pad_token_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=8,
+        pad_token_id=tok.pad_token_id,
+    )
     params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=fmt.stop_token_ids)
     (driver,) = evaluation._generate_rows(model, tok, fmt, [ids[0].tolist()], params)  # the run's own evaluation
-    assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == driver.text
+    assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == driver.text
 
 
 # --- prompts and loading --------------------------------------------------------------------------
@@ -191,8 +223,9 @@ def test_load_policy_accepts_another_checkpoint(tmp_path):
     assert fmt.style == "chat" and tok.eos_token_id in fmt.stop_token_ids
     text = tok.decode(fmt.render_ids(Countdown().prompt(P)))
     assert text == f"<|im_start|>user\n{format_prompt(P)}<|im_end|>\n<|im_start|>assistant\n"
-    rate = solve_rate(model, tok, fmt, generate(2, 3), greedy=False, n=2, max_new_tokens=4, batch_size=4,
-                      task=Countdown())
+    rate = solve_rate(
+        model, tok, fmt, generate(2, 3), greedy=False, n=2, max_new_tokens=4, batch_size=4, task=Countdown()
+    )
     assert 0.0 <= rate <= 1.0
 
     _, tok, fmt = load_policy(other_checkpoint(tmp_path / "plain", chat_template=False))
@@ -201,12 +234,18 @@ def test_load_policy_accepts_another_checkpoint(tmp_path):
 
 def test_the_prompt_format_alone_is_load_policys(tmp_path, built):
     """What a vLLM sampler uses (no model loaded) must be what an HF sampler and the trainer use."""
-    for path in (built, other_checkpoint(tmp_path / "chat", chat_template=True),
-                 other_checkpoint(tmp_path / "plain", chat_template=False)):
+    for path in (
+        built,
+        other_checkpoint(tmp_path / "chat", chat_template=True),
+        other_checkpoint(tmp_path / "plain", chat_template=False),
+    ):
         _, _, full = load_policy(path)
         _, alone = load_prompt_format(path)
-        assert (alone.style, alone.stop_token_ids, alone.max_new_tokens_hint) == \
-            (full.style, full.stop_token_ids, full.max_new_tokens_hint), path
+        assert (alone.style, alone.stop_token_ids, alone.max_new_tokens_hint) == (
+            full.style,
+            full.stop_token_ids,
+            full.max_new_tokens_hint,
+        ), path
         assert alone.render_ids(Countdown().prompt(P)) == full.render_ids(Countdown().prompt(P))
     with pytest.raises(PolicyLoadError, match="no config.json"):
         load_prompt_format(str(tmp_path))
@@ -236,8 +275,10 @@ def test_a_policy_renders_any_tasks_prompt_in_its_style(tmp_path, built):
     assert isinstance(task, Task)
     prompt = task.prompt(Repeat("seven"))
     model, tok, fmt = load_policy(other_checkpoint(tmp_path / "chat", chat_template=True))
-    assert fmt.render_text(prompt) == ("<|im_start|>system\nAnswer with the word.<|im_end|>\n"
-                                       "<|im_start|>user\nseven<|im_end|>\n<|im_start|>assistant\n")
+    assert fmt.render_text(prompt) == (
+        "<|im_start|>system\nAnswer with the word.<|im_end|>\n"
+        "<|im_start|>user\nseven<|im_end|>\n<|im_start|>assistant\n"
+    )
     rate = solve_rate(model, tok, fmt, task.splits(0, 0, 3).heldout, max_new_tokens=2, task=task)
     assert 0.0 <= rate <= 1.0
     _, _, fmt = load_policy(other_checkpoint(tmp_path / "plain", chat_template=False))
@@ -250,8 +291,11 @@ def test_a_policy_renders_any_tasks_prompt_in_its_style(tmp_path, built):
 
 def test_batched_left_padded_generation_matches_one_at_a_time(built):
     model, tok, fmt = load_policy(built)
-    problems = [CountdownProblem(numbers=[1, 2, 3], target=6, solution="1 + 2 + 3"), P,
-                CountdownProblem(numbers=[99, 98, 97, 96], target=4, solution="99 - 98 + 97 - 96")]
+    problems = [
+        CountdownProblem(numbers=[1, 2, 3], target=6, solution="1 + 2 + 3"),
+        P,
+        CountdownProblem(numbers=[99, 98, 97, 96], target=4, solution="99 - 98 + 97 - 96"),
+    ]
     prompts = [fmt.render_ids(Countdown().prompt(p)) for p in problems]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=fmt.stop_token_ids)
     batched = evaluation._generate_rows(model, tok, fmt, prompts, params)
@@ -277,16 +321,19 @@ def test_load_policy_errors(tmp_path, built):
             load(str(bad))
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: ModelConfig(hidden_size=96, num_heads=2),   # head_dim 48
-    lambda: ModelConfig(num_heads=4, num_kv_heads=3),
-    lambda: ModelConfig(num_layers=0),
-    lambda: WarmStartConfig(steps=0),
-    lambda: WarmStartConfig(lr=0.0),
-    lambda: WarmStartConfig(lr=float("nan")),
-    lambda: WarmStartConfig(eval_problems=10, heldout_reserve=5),
-    lambda: PromptFormat("poetry", None, [0], 8),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: ModelConfig(hidden_size=96, num_heads=2),  # head_dim 48
+        lambda: ModelConfig(num_heads=4, num_kv_heads=3),
+        lambda: ModelConfig(num_layers=0),
+        lambda: WarmStartConfig(steps=0),
+        lambda: WarmStartConfig(lr=0.0),
+        lambda: WarmStartConfig(lr=float("nan")),
+        lambda: WarmStartConfig(eval_problems=10, heldout_reserve=5),
+        lambda: PromptFormat("poetry", None, [0], 8),
+    ],
+)
 def test_bad_configs_raise_value_error(bad):
     with pytest.raises(ValueError):
         bad()
@@ -347,11 +394,15 @@ def test_a_reward_that_sleeps_stops_the_evaluation_at_its_budget_naming_it(built
     calls = UserCalls("countdown", 0.3, 0.2, min_calls=4, workers=2, stop_early=True)
     started = time.monotonic()
     try:
-        with pytest.raises(TaskFailureError, match=r"(?s)task countdown: 4 of 4 score/step calls failed \(100%, more "
-                                                   r"than --task.max_failure_rate 0.2\); the first failure:\nscore.*"
-                                                   r"ran past its 0.3 s deadline.*time.sleep\(5\)") as excinfo:
-            evaluation.evaluate(model, tok, fmt, list(generate(0, 40)), task=Scored("sleep"), max_new_tokens=4,
-                                calls=calls)
+        with pytest.raises(
+            TaskFailureError,
+            match=r"(?s)task countdown: 4 of 4 score/step calls failed \(100%, more "
+            r"than --task.max_failure_rate 0.2\); the first failure:\nscore.*"
+            r"ran past its 0.3 s deadline.*time.sleep\(5\)",
+        ) as excinfo:
+            evaluation.evaluate(
+                model, tok, fmt, list(generate(0, 40)), task=Scored("sleep"), max_new_tokens=4, calls=calls
+            )
         message = str(excinfo.value)
         assert message.split("it was at:\n")[1].startswith(f'  File "{__file__}"'), message  # the user's frame first
     finally:

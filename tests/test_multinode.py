@@ -14,11 +14,10 @@ import time
 
 import pytest
 
+from actors import Echo, PhasedStart
 from asyncrl import ActorDiedError, ActorStartError, ClusterStartError, NoFreeDevicesError, Supervisor
 from asyncrl.runtime import auth
 from asyncrl.runtime.net import reachable_address
-
-from actors import Echo, PhasedStart
 from conftest import kill_all, process_alive, wait_until
 from multinode_support import NODE_TIMEOUT_S, agent_log, env, free_port, launch_argv, make_secret_file, start_agent
 
@@ -31,7 +30,9 @@ def secret(tmp_path, monkeypatch):
 
 
 def _cluster_supervisor(nnodes: int, port: int, **overrides) -> Supervisor:
-    options = dict(nnodes=nnodes, master_port=port, node_timeout_s=NODE_TIMEOUT_S, join_timeout_s=60.0, call_timeout_s=30.0)
+    options = dict(
+        nnodes=nnodes, master_port=port, node_timeout_s=NODE_TIMEOUT_S, join_timeout_s=60.0, call_timeout_s=30.0
+    )
     return Supervisor(**{**options, **overrides})
 
 
@@ -104,7 +105,9 @@ async def test_kill_of_an_actor_on_another_node_goes_through_its_agent_and_resta
             assert (back.state, back.incarnation, back.node) == ("running", 2, 1)
             assert remote.kill("a late verdict", incarnation=1) is False
             assert await remote.getpid() != pid
-            assert await asyncio.to_thread(wait_until, lambda: not process_alive(pid) and not process_alive(grandchild), 5.0)
+            assert await asyncio.to_thread(
+                wait_until, lambda: not process_alive(pid) and not process_alive(grandchild), 5.0
+            )
         assert await _wait_exit(agent, 15.0) == 0, agent_log(str(tmp_path), 1)
     finally:
         kill_all([agent.pid])
@@ -152,7 +155,9 @@ async def test_three_nodes_actor_death_agent_death_and_survivors(secret, tmp_pat
             with pytest.raises(ActorDiedError, match="node 2 .* lost"):
                 await pending
             assert time.monotonic() - start < NODE_TIMEOUT_S + 4.0
-            assert await asyncio.to_thread(wait_until, lambda: not process_alive(pid2) and not process_alive(grandchild), 5.0)
+            assert await asyncio.to_thread(
+                wait_until, lambda: not process_alive(pid2) and not process_alive(grandchild), 5.0
+            )
             assert sup.nodes()[2].state.startswith("lost")
             with pytest.raises(ActorDiedError):
                 await a2.add(1)
@@ -227,7 +232,9 @@ async def test_a_node_leaving_an_elastic_cluster_drains_before_its_actors_are_st
 def test_supervisor_sigkill_takes_every_node_down(secret, tmp_path):
     port = free_port()
     agents = [start_agent(r, 3, port, secret, str(tmp_path)) for r in (1, 2)]
-    driver = subprocess.Popen(launch_argv(0, 3, port, secret), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        launch_argv(0, 3, port, secret), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     info = {"pids": []}
     try:
         line = driver.stdout.readline()
@@ -253,7 +260,9 @@ async def test_start_up_names_the_missing_node_and_releases_the_others(secret, t
     agent = start_agent(1, 3, port, secret, str(tmp_path))
     try:
         start = time.monotonic()
-        with pytest.raises(ClusterStartError, match=r"node\(s\) 2 of 3 did not join .* within 3 s \(joined: 0, 1\)") as info:
+        with pytest.raises(
+            ClusterStartError, match=r"node\(s\) 2 of 3 did not join .* within 3 s \(joined: 0, 1\)"
+        ) as info:
             async with _cluster_supervisor(3, port, join_timeout_s=3.0):
                 pass
         assert info.value.missing == [2]
@@ -294,8 +303,11 @@ async def test_an_elastic_cluster_of_at_least_one_node_starts_with_node_0_alone(
 
 async def test_an_elastic_cluster_names_how_many_nodes_it_still_needs(secret, tmp_path):
     port = free_port()
-    with pytest.raises(ClusterStartError, match=r"1 of the 2 nodes needed \(--nnodes 2:3\) joined .* within 2 s "
-                                                r"\(joined: 0\); .* with R in 1, 2 on 1 more node\(s\)$"):
+    with pytest.raises(
+        ClusterStartError,
+        match=r"1 of the 2 nodes needed \(--nnodes 2:3\) joined .* within 2 s "
+        r"\(joined: 0\); .* with R in 1, 2 on 1 more node\(s\)$",
+    ):
         async with _cluster_supervisor(3, port, min_nnodes=2, join_timeout_s=2.0):
             pass
 
@@ -341,7 +353,14 @@ async def test_a_second_agent_for_a_taken_rank_is_refused(secret, tmp_path):
     ],
 )
 def test_launch_node_usage_errors(args, text):
-    argv = [sys.executable, "-m", "asyncrl.cli", "launch", *args, os.path.join(os.path.dirname(__file__), "scripts", "modes.py")]
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "launch",
+        *args,
+        os.path.join(os.path.dirname(__file__), "scripts", "modes.py"),
+    ]
     out = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and text in out.stderr, out.stderr
 

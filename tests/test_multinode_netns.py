@@ -12,10 +12,9 @@ import time
 
 import pytest
 
+from actors import Echo
 from asyncrl import ActorDiedError, Supervisor
 from asyncrl.runtime import auth
-
-from actors import Echo
 from conftest import kill_all, process_alive, wait_until
 from multinode_support import NODE_TIMEOUT_S, agent_log, free_port, ip, make_secret_file, start_agent, veth_namespaces
 
@@ -35,8 +34,14 @@ async def test_three_hosts_over_veth(namespaces, tmp_path, monkeypatch):
     port = free_port(master)
     agents = [start_agent(r, 3, port, secret, str(tmp_path), master=master, netns=ns) for r, ns in ((1, ns1), (2, ns2))]
     try:
-        async with Supervisor(nnodes=3, master_addr=master, master_port=port, node_timeout_s=NODE_TIMEOUT_S,
-                              join_timeout_s=60, call_timeout_s=30) as sup:
+        async with Supervisor(
+            nnodes=3,
+            master_addr=master,
+            master_port=port,
+            node_timeout_s=NODE_TIMEOUT_S,
+            join_timeout_s=60,
+            call_timeout_s=30,
+        ) as sup:
             assert [n.address for n in sup.nodes()] == [master, addr1, addr2]
             # the cluster socket listens on the master address only, not on every interface
             with pytest.raises(OSError):
@@ -80,8 +85,14 @@ async def test_a_partitioned_node_is_lost_and_its_agent_stops_by_itself(namespac
     port = free_port(master)
     agent = start_agent(1, 2, port, secret, str(tmp_path), master=master, netns=ns1)
     try:
-        async with Supervisor(nnodes=2, master_addr=master, master_port=port, node_timeout_s=NODE_TIMEOUT_S,
-                              join_timeout_s=60, call_timeout_s=30) as sup:
+        async with Supervisor(
+            nnodes=2,
+            master_addr=master,
+            master_port=port,
+            node_timeout_s=NODE_TIMEOUT_S,
+            join_timeout_s=60,
+            call_timeout_s=30,
+        ) as sup:
             echo = await sup.spawn(Echo, node=1)
             pid = await echo.getpid()
             pending = asyncio.ensure_future(echo.sleep(60))

@@ -105,10 +105,19 @@ def _checkpoint(path: str, hidden: int, layers: int, positions: int) -> str:
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 32, num_key_value_heads=2, intermediate_size=4 * hidden,
-                         max_position_embeddings=positions, tie_word_embeddings=True, bos_token_id=None,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=2,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     with open(os.path.join(path, MARKER_FILE), "w") as f:
@@ -125,8 +134,10 @@ def resource_tracker():
     resource_tracker.ensure_running()
 
 
-@pytest.mark.skipif(os.environ.get("ASYNCRL_MEASURE_PREFIX_CACHE") != "1",
-                    reason="a measurement: ASYNCRL_MEASURE_PREFIX_CACHE=1 runs it")
+@pytest.mark.skipif(
+    os.environ.get("ASYNCRL_MEASURE_PREFIX_CACHE") != "1",
+    reason="a measurement: ASYNCRL_MEASURE_PREFIX_CACHE=1 runs it",
+)
 async def test_what_the_prefix_cache_buys_later_turns(vllm_required, resource_tracker, tmp_path):
     """Seconds of the turn 2 and 3 generate calls, prefix cache on vs off: 16 episodes (8
     prompts of ~700 tokens, 2 each), 32 new tokens a turn, replies of ~20 tokens."""
@@ -160,8 +171,13 @@ async def test_what_the_prefix_cache_buys_later_turns(vllm_required, resource_tr
         finally:
             backend.close()
         results[caching] = times
-        print(f"\nprefix caching {'on ' if caching else 'off'}: seconds per turn (1, 2, 3), 3 runs: "
-              + "; ".join(" ".join(f"{t:.2f}" for t in run) for run in times), flush=True)
+        print(
+            f"\nprefix caching {'on ' if caching else 'off'}: seconds per turn (1, 2, 3), 3 runs: "
+            + "; ".join(" ".join(f"{t:.2f}" for t in run) for run in times),
+            flush=True,
+        )
     later = {c: min(run[1] + run[2] for run in times) for c, times in results.items()}
-    print(f"turns 2+3, best of 3: on {later[True]:.2f} s, off {later[False]:.2f} s "
-          f"({later[False] / later[True]:.2f}x)", flush=True)
+    print(
+        f"turns 2+3, best of 3: on {later[True]:.2f} s, off {later[False]:.2f} s ({later[False] / later[True]:.2f}x)",
+        flush=True,
+    )

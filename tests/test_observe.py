@@ -15,14 +15,13 @@ import urllib.request
 
 import pytest
 
+from actors import Echo
 from asyncrl import Supervisor
 from asyncrl.rl.observe.endpoint import MetricsEndpoint, metric_name
 from asyncrl.rl.observe.progress import Progress, ProgressBar, make_progress
 from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics
 from asyncrl.rl.observe.sync_metrics import SyncPhases
 from asyncrl.rl.view.sparkline import sparkline
-
-from actors import Echo
 from test_grpo import ROOT, TINY, launch
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,13 +30,30 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def record(step: int, **fields) -> StepRecord:
     """A step's record with made-up numbers; ``fields`` replace them."""
     made_up = dict(
-        step=step, version=step, reward_mean=0.25, train_solve_rate=0.5, staleness_mean=1.0, staleness_hist={"1": 2},
-        dropped_stale=0, uniform_skipped=0, queue_depth=0, completion_tokens=48, samples_per_s=3.0,
-        tokens_per_s=120.0, time_s=1.0, wait_s=0.1, train_s=0.2, sync=SyncPhases(sync_s=0.01), generate_s=0.3,
-        train=TrainMetrics(loss=0.5, grad_norm=1.0, lr=1e-4, tokens=48.0, sequences=4.0, micro_batches=1.0,
-                           micro_batch_tokens=1024.0),
-        task={}, fleet=FleetEvents(generation=0, samplers_in_group=1, sampler_losses=0, sampler_rejoins=0,
-                                   recover_s=0.0), group_ids=["s/1/1"])
+        step=step,
+        version=step,
+        reward_mean=0.25,
+        train_solve_rate=0.5,
+        staleness_mean=1.0,
+        staleness_hist={"1": 2},
+        dropped_stale=0,
+        uniform_skipped=0,
+        queue_depth=0,
+        completion_tokens=48,
+        samples_per_s=3.0,
+        tokens_per_s=120.0,
+        time_s=1.0,
+        wait_s=0.1,
+        train_s=0.2,
+        sync=SyncPhases(sync_s=0.01),
+        generate_s=0.3,
+        train=TrainMetrics(
+            loss=0.5, grad_norm=1.0, lr=1e-4, tokens=48.0, sequences=4.0, micro_batches=1.0, micro_batch_tokens=1024.0
+        ),
+        task={},
+        fleet=FleetEvents(generation=0, samplers_in_group=1, sampler_losses=0, sampler_rejoins=0, recover_s=0.0),
+        group_ids=["s/1/1"],
+    )
     return StepRecord(**{**made_up, **fields})
 
 
@@ -66,12 +82,20 @@ default run of test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_
 
 def typed(line: dict) -> StepRecord:
     """A line of metrics.jsonl back into its record: each key to the part that has its field."""
-    parts = {name: {k: line.pop(k) for k in list(line) if k in cls.__struct_fields__}
-             for name, cls in (("sync", SyncPhases), ("train", TrainMetrics), ("fleet", FleetEvents))}
+    parts = {
+        name: {k: line.pop(k) for k in list(line) if k in cls.__struct_fields__}
+        for name, cls in (("sync", SyncPhases), ("train", TrainMetrics), ("fleet", FleetEvents))
+    }
     heldout = {k: line.pop(k) for k in list(line) if k.startswith("heldout/")}
     task = {k: line.pop(k) for k in list(line) if k.startswith(("task/", "task_errors/"))}
-    return StepRecord(**line, sync=SyncPhases(**parts["sync"]), train=TrainMetrics(**parts["train"]),
-                      fleet=FleetEvents(**parts["fleet"]), task=task, heldout_task=heldout or None)
+    return StepRecord(
+        **line,
+        sync=SyncPhases(**parts["sync"]),
+        train=TrainMetrics(**parts["train"]),
+        fleet=FleetEvents(**parts["fleet"]),
+        task=task,
+        heldout_task=heldout or None,
+    )
 
 
 # --- pieces ------------------------------------------------------------------------------------
@@ -83,15 +107,43 @@ def test_a_step_record_writes_the_very_line_main_wrote():
 
 def test_a_step_record_leaves_out_what_this_run_does_not_have_and_writes_what_it_has():
     line = record(1).to_dict()
-    assert not {"paced_wait_s", "weights_digests", "heldout_solve_rate", "heldout_sampled_solve_rate", "events",
-                "kl", "entropy", "distill_kl", "tis_frac", "mfu", "peak_mem_gib"} & set(line)
+    assert not {
+        "paced_wait_s",
+        "weights_digests",
+        "heldout_solve_rate",
+        "heldout_sampled_solve_rate",
+        "events",
+        "kl",
+        "entropy",
+        "distill_kl",
+        "tis_frac",
+        "mfu",
+        "peak_mem_gib",
+    } & set(line)
     assert line["sync_bytes"] == 0.0 and line["samplers_in_group"] == 1 and line["loss"] == 0.5  # flat, as before
     events = [{"event": "lost", "sampler": "sampler1"}]
-    line = record(2, paced_wait_s=0.5, weights_digests={"trainer": "ab"}, heldout_solve_rate=0.25,
-                  train=TrainMetrics.of({"loss": 0.1, "grad_norm": 1.0, "lr": 1e-4, "tokens": 4.0, "sequences": 2.0,
-                                         "micro_batches": 1.0, "micro_batch_tokens": 64.0, "mfu": 0.3, "train_s": 9.0}),
-                  fleet=FleetEvents(generation=1, samplers_in_group=1, sampler_losses=1, sampler_rejoins=0,
-                                    recover_s=0.0, events=events)).to_dict()
+    line = record(
+        2,
+        paced_wait_s=0.5,
+        weights_digests={"trainer": "ab"},
+        heldout_solve_rate=0.25,
+        train=TrainMetrics.of(
+            {
+                "loss": 0.1,
+                "grad_norm": 1.0,
+                "lr": 1e-4,
+                "tokens": 4.0,
+                "sequences": 2.0,
+                "micro_batches": 1.0,
+                "micro_batch_tokens": 64.0,
+                "mfu": 0.3,
+                "train_s": 9.0,
+            }
+        ),
+        fleet=FleetEvents(
+            generation=1, samplers_in_group=1, sampler_losses=1, sampler_rejoins=0, recover_s=0.0, events=events
+        ),
+    ).to_dict()
     assert line["paced_wait_s"] == 0.5 and line["weights_digests"] == {"trainer": "ab"} and line["mfu"] == 0.3
     assert line["events"] == events and line["heldout_solve_rate"] == 0.25 and "heldout_sampled_solve_rate" not in line
     assert line["train_s"] == 0.2  # the driver's wall time of the call, not the trainer's own
@@ -99,16 +151,37 @@ def test_a_step_record_leaves_out_what_this_run_does_not_have_and_writes_what_it
 
 def test_a_trainer_metric_without_a_field_is_named_not_dropped():
     with pytest.raises(TypeError, match="TrainMetrics") as err:
-        TrainMetrics.of({"grad_norm": 1.0, "lr": 1e-4, "tokens": 4.0, "sequences": 2.0, "micro_batches": 1.0,
-                         "micro_batch_tokens": 64.0, "new_metric": 1.0})
+        TrainMetrics.of(
+            {
+                "grad_norm": 1.0,
+                "lr": 1e-4,
+                "tokens": 4.0,
+                "sequences": 2.0,
+                "micro_batches": 1.0,
+                "micro_batch_tokens": 64.0,
+                "new_metric": 1.0,
+            }
+        )
     assert "new_metric" in str(err.value)
 
 
 def test_every_number_of_a_record_is_a_scalar_and_nothing_else_is():
-    rec = record(7, staleness_hist={"0": 3, "1": 13}, group_ids=["s/1/1"], weights_digests={"trainer": "ab"},
-                 train=TrainMetrics(loss=float("nan"), grad_norm=1.0, lr=1e-4, tokens=4.0, sequences=2.0,
-                                    micro_batches=1.0, micro_batch_tokens=64.0),
-                 task={"task/solved": 0.5})
+    rec = record(
+        7,
+        staleness_hist={"0": 3, "1": 13},
+        group_ids=["s/1/1"],
+        weights_digests={"trainer": "ab"},
+        train=TrainMetrics(
+            loss=float("nan"),
+            grad_norm=1.0,
+            lr=1e-4,
+            tokens=4.0,
+            sequences=2.0,
+            micro_batches=1.0,
+            micro_batch_tokens=64.0,
+        ),
+        task={"task/solved": 0.5},
+    )
     got = rec.scalars()
     assert got["staleness_hist/1"] == 13.0 and got["task/solved"] == 0.5 and got["reward_mean"] == 0.25
     assert not any(k.startswith(("group_ids", "weights_digests", "step", "loss")) for k in got)
@@ -144,7 +217,9 @@ def test_progress_is_plain_lines_when_not_a_terminal(capsys):
     display.update(record(4, heldout_solve_rate=0.4, heldout_sampled_solve_rate=0.3))
     out = capsys.readouterr().out
     assert "\r" not in out and out.count("\n") == 1
-    assert out.startswith("step    4/100  reward 0.250") and "held-out 0.40 greedy 0.30 sampled" in out and "eta " in out
+    assert (
+        out.startswith("step    4/100  reward 0.250") and "held-out 0.40 greedy 0.30 sampled" in out and "eta " in out
+    )
 
 
 class FakeTerminal(io.StringIO):
@@ -156,10 +231,12 @@ def test_a_progress_line_without_sampled_evaluation_says_greedy_only():
     from asyncrl.rl.observe.progress import progress_line
 
     evaluated = dict(heldout_solve_rate=0.3)
-    assert "held-out 0.30 greedy  5s" in progress_line(record(3, **evaluated, heldout_sampled_solve_rate=float("nan")),
-                                                       9, None, 5.0)
-    assert "held-out 0.30 greedy 0.25 sampled" in progress_line(record(3, **evaluated, heldout_sampled_solve_rate=0.25),
-                                                                9, None, 5.0)
+    assert "held-out 0.30 greedy  5s" in progress_line(
+        record(3, **evaluated, heldout_sampled_solve_rate=float("nan")), 9, None, 5.0
+    )
+    assert "held-out 0.30 greedy 0.25 sampled" in progress_line(
+        record(3, **evaluated, heldout_sampled_solve_rate=0.25), 9, None, 5.0
+    )
 
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_go_above_it():
@@ -181,8 +258,9 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_go_above_it():
 
 def get(url: str, method: str = "GET") -> tuple[int, str, str]:
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"" if method == "POST" else None),
-                                    timeout=20) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, method=method, data=b"" if method == "POST" else None), timeout=20
+        ) as r:
             return r.status, r.headers["Content-Type"], r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers["Content-Type"], e.read().decode()
@@ -190,11 +268,19 @@ def get(url: str, method: str = "GET") -> tuple[int, str, str]:
 
 async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus():
     async with Supervisor() as sup:
-        actors = {name: await sup.spawn(Echo, name=name, max_restarts=0) for name in ("trainer", "sampler0", "sampler1")}
+        actors = {
+            name: await sup.spawn(Echo, name=name, max_restarts=0) for name in ("trainer", "sampler0", "sampler1")
+        }
         probes = {name: (lambda h=h: h.with_timeout(0.5).get_label()) for name, h in actors.items()}
-        endpoint = MetricsEndpoint("127.0.0.1", 0, statuses=sup.status, probes=lambda: probes,
-                                   snapshot=lambda: {"reward_mean": 0.25, "progress_step": 3.0}, timeout_s=0.5,
-                                   loop=asyncio.get_running_loop())
+        endpoint = MetricsEndpoint(
+            "127.0.0.1",
+            0,
+            statuses=sup.status,
+            probes=lambda: probes,
+            snapshot=lambda: {"reward_mean": 0.25, "progress_step": 3.0},
+            timeout_s=0.5,
+            loop=asyncio.get_running_loop(),
+        )
         base = f"http://127.0.0.1:{endpoint.port}"
         try:
             code, _, body = await asyncio.to_thread(get, base + "/healthz")
@@ -212,7 +298,10 @@ async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus()
             report = json.loads(body)
             assert code == 503 and content_type == "application/json"
             assert report["unhealthy"]["sampler0"] == "silent: no answer within 0.5 s"
-            assert report["unhealthy"]["sampler1"].startswith("dead: ") and "a dead sampler" in report["unhealthy"]["sampler1"]
+            assert (
+                report["unhealthy"]["sampler1"].startswith("dead: ")
+                and "a dead sampler" in report["unhealthy"]["sampler1"]
+            )
             assert set(report["unhealthy"]) == {"sampler0", "sampler1"}
             assert report["actors"]["trainer"] == "running"
             assert (await asyncio.to_thread(get, base + "/nothing"))[0] == 404
@@ -230,24 +319,74 @@ async def test_healthz_names_dead_and_silent_actors_and_metrics_are_prometheus()
 
 TASK = {"task/has_answer", "task/hits_target", "task/uses_numbers", "task/well_formed"}  # examples/grpo_countdown.py's
 STEP_KEYS = {
-    "step", "version", "reward_mean", "train_solve_rate", "staleness_mean", "staleness_hist", "dropped_stale",
-    "uniform_skipped", "queue_depth", "paced_wait_s", "completion_tokens", "samples_per_s", "tokens_per_s", "time_s",
-    "wait_s", "train_s", "sync_s", "sync_trainer_s", "sync_trainer_pack_s", "sync_trainer_transfer_s",
-    "sync_trainer_vote_s", "sync_sampler_s", "sync_sampler_pause_s", "sync_sampler_transfer_s", "sync_sampler_load_s",
-    "sync_sampler_resume_s", "sync_rpc_s", "sync_bytes", "generate_s", "loss", "pg_loss", "ratio_mean", "clip_frac_low",
-    "clip_frac_high", "entropy", "grad_norm", "lr", "tokens", "sequences", "micro_batches", "micro_batch_tokens",
-    *TASK, "generation", "samplers_in_group", "sampler_losses", "sampler_rejoins", "recover_s", "group_ids"}
+    "step",
+    "version",
+    "reward_mean",
+    "train_solve_rate",
+    "staleness_mean",
+    "staleness_hist",
+    "dropped_stale",
+    "uniform_skipped",
+    "queue_depth",
+    "paced_wait_s",
+    "completion_tokens",
+    "samples_per_s",
+    "tokens_per_s",
+    "time_s",
+    "wait_s",
+    "train_s",
+    "sync_s",
+    "sync_trainer_s",
+    "sync_trainer_pack_s",
+    "sync_trainer_transfer_s",
+    "sync_trainer_vote_s",
+    "sync_sampler_s",
+    "sync_sampler_pause_s",
+    "sync_sampler_transfer_s",
+    "sync_sampler_load_s",
+    "sync_sampler_resume_s",
+    "sync_rpc_s",
+    "sync_bytes",
+    "generate_s",
+    "loss",
+    "pg_loss",
+    "ratio_mean",
+    "clip_frac_low",
+    "clip_frac_high",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "sequences",
+    "micro_batches",
+    "micro_batch_tokens",
+    *TASK,
+    "generation",
+    "samplers_in_group",
+    "sampler_losses",
+    "sampler_rejoins",
+    "recover_s",
+    "group_ids",
+}
 """The keys of a default CPU run's step record (async, one sampler, none lost, no weight check), as main wrote them."""
 EVAL_KEYS = {"heldout_solve_rate", "heldout_sampled_solve_rate", *(f"heldout/{k}" for k in TASK)}
 """What an evaluated step adds."""
 
 
-
 @pytest.mark.slow
 def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothing(tmp_path, model_cache):
     run_dir = tmp_path / "run"
-    done = launch(tmp_path, *TINY, "--run.steps", "4", "--run.max_staleness", "0", "--run.run_dir", str(run_dir),
-                  cache=model_cache)
+    done = launch(
+        tmp_path,
+        *TINY,
+        "--run.steps",
+        "4",
+        "--run.max_staleness",
+        "0",
+        "--run.run_dir",
+        str(run_dir),
+        cache=model_cache,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # not a terminal: plain lines, no bar
     assert "\r" not in done.stdout and "step    4/4  reward" in done.stdout
@@ -270,23 +409,40 @@ def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothi
 
     assert summary["curves"] == str(run_dir / "curves.png") and "curves.png" in done.stdout
     assert summary["tensorboard"] == str(run_dir)
-    assert any(line.split()[:2] == ["tensorboard", "tensorboard"] for line in done.stdout.splitlines())  # the summary's row
+    assert any(
+        line.split()[:2] == ["tensorboard", "tensorboard"] for line in done.stdout.splitlines()
+    )  # the summary's row
     assert (run_dir / "curves.png").read_bytes()[:8] == PNG_MAGIC
 
     # asyncrl plot: two runs (here the same one twice) into one picture
     out = tmp_path / "both.png"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    plotted = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plot", str(run_dir), str(run_dir), "-o", str(out)],
-                             capture_output=True, text=True, env=env, timeout=120)
+    plotted = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "plot", str(run_dir), str(run_dir), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert plotted.returncode == 0, plotted.stderr
     assert out.read_bytes()[:8] == PNG_MAGIC
-    missing = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path)], capture_output=True,
-                             text=True, env=env, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert missing.returncode == 1 and "no metrics.jsonl" in missing.stderr
 
     # asyncrl status of a finished run: its history, then why no supervisor answers
-    status = subprocess.run([sys.executable, "-m", "asyncrl.cli", "status", str(run_dir)], capture_output=True,
-                            text=True, env=env, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "status", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert status.returncode == 1 and "has finished" in status.stderr
     assert "metrics     step 4" in status.stdout and "  reward            " in status.stdout
     assert "  held-out greedy   " in status.stdout and "(3 evaluations)" in status.stdout  # before, at 2, at 4
@@ -315,8 +471,20 @@ async def test_a_run_s_endpoint_answers_while_it_trains_and_names_a_killed_sampl
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir = tmp_path / "run"
-    config = tiny(model_path, run_dir, "--run.steps", "40", "--sampler.count", "2", "--run.metrics_port", str(port),
-                  "--run.sampler_max_restarts", "0", "--run.health_timeout_s", "5")
+    config = tiny(
+        model_path,
+        run_dir,
+        "--run.steps",
+        "40",
+        "--sampler.count",
+        "2",
+        "--run.metrics_port",
+        str(port),
+        "--run.sampler_max_restarts",
+        "0",
+        "--run.health_timeout_s",
+        "5",
+    )
     base = f"http://127.0.0.1:{port}"
     seen = {}
 
@@ -337,8 +505,11 @@ async def test_a_run_s_endpoint_answers_while_it_trains_and_names_a_killed_sampl
         summary = await train(config, sup, log=lambda *a: None)
         await watcher
     code, _, body = seen["healthy"]
-    assert code == 200 and json.loads(body)["actors"] == {"trainer": "running", "sampler0": "running",
-                                                          "sampler1": "running"}
+    assert code == 200 and json.loads(body)["actors"] == {
+        "trainer": "running",
+        "sampler0": "running",
+        "sampler1": "running",
+    }
     code, _, text = seen["metrics"]
     assert code == 200 and "asyncrl_reward_mean " in text and "asyncrl_progress_step " in text
     assert seen["dead"]["unhealthy"]["sampler1"].startswith("dead: ") and "sampler0" not in seen["dead"]["unhealthy"]

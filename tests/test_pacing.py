@@ -14,12 +14,28 @@ from asyncrl.rl.rollout import RolloutGroup
 
 
 def group(version: int, i: int) -> RolloutGroup:
-    return RolloutGroup(prompt_id=i, prompt_ids=[1, 2], completion_ids=[[3], [4]], behaviour_logprobs=[[-0.5], [-0.7]],
-                        rewards=[0.0, 1.0], version=version, sampler="s")
+    return RolloutGroup(
+        prompt_id=i,
+        prompt_ids=[1, 2],
+        completion_ids=[[3], [4]],
+        behaviour_logprobs=[[-0.5], [-0.7]],
+        rewards=[0.0, 1.0],
+        version=version,
+        sampler="s",
+    )
 
 
-async def simulate(*, paced: bool, max_staleness: int, steps: int = 30, n: int = 8, batch: int = 4,
-                   producers: int = 1, make_s: float = 0.002, train_s: float = 0.02) -> tuple[RolloutQueue, int]:
+async def simulate(
+    *,
+    paced: bool,
+    max_staleness: int,
+    steps: int = 30,
+    n: int = 8,
+    batch: int = 4,
+    producers: int = 1,
+    make_s: float = 0.002,
+    train_s: float = 0.02,
+) -> tuple[RolloutQueue, int]:
     """A driver loop (take a batch, train, sync) and producers that make ``batch`` groups at a
     time, much faster than the trainer: the case where unpaced sampling is thrown away."""
     queue = RolloutQueue(2 * n, max_staleness)
@@ -140,8 +156,15 @@ def test_a_sync_interval_no_group_could_survive_is_refused():
 
 def scored(*rewards: float) -> RolloutGroup:
     n = len(rewards)
-    return RolloutGroup(prompt_id=0, prompt_ids=[1], completion_ids=[[2]] * n, behaviour_logprobs=[[-0.5]] * n,
-                        rewards=list(rewards), version=0, sampler="s")
+    return RolloutGroup(
+        prompt_id=0,
+        prompt_ids=[1],
+        completion_ids=[[2]] * n,
+        behaviour_logprobs=[[-0.5]] * n,
+        rewards=list(rewards),
+        version=0,
+        sampler="s",
+    )
 
 
 def test_uniform_groups_are_left_out_up_to_a_batch_s_worth_between_batches():

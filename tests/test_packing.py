@@ -13,7 +13,13 @@ from asyncrl.rl.config.trainer import GRPOLossConfig, TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
-from asyncrl.rl.trainer.packing import block_causal_mask, flat_logits, masked_logits, packed_micro_batches, policy_logits
+from asyncrl.rl.trainer.packing import (
+    block_causal_mask,
+    flat_logits,
+    masked_logits,
+    packed_micro_batches,
+    policy_logits,
+)
 
 CPU = torch.device("cpu")
 
@@ -33,15 +39,25 @@ def random_groups(seed: int, n_groups: int = 5, group_size: int = 4, multi_turn:
             mask = [1] * n
             if multi_turn and n > 6 and rng.random() < 0.5:
                 start = rng.randrange(1, n - 3)
-                mask[start:start + 3] = [0, 0, 0]
+                mask[start : start + 3] = [0, 0, 0]
             masks.append(mask)
-        groups.append(RolloutGroup(g, prompt, completions, lps, [rng.choice([0.0, 0.1, 1.0]) for _ in completions],
-                                   version=0, action_mask=masks))
+        groups.append(
+            RolloutGroup(
+                g,
+                prompt,
+                completions,
+                lps,
+                [rng.choice([0.0, 0.1, 1.0]) for _ in completions],
+                version=0,
+                action_mask=masks,
+            )
+        )
     return groups
 
 
-def gradients_of_a_step(path: str, config: TrainerConfig, groups,
-                        expect_checkpointing: bool = False) -> tuple[dict, list[torch.Tensor]]:
+def gradients_of_a_step(
+    path: str, config: TrainerConfig, groups, expect_checkpointing: bool = False
+) -> tuple[dict, list[torch.Tensor]]:
     from asyncrl.rl.trainer.actor import TrainerActor
 
     trainer = TrainerActor(path, config)
@@ -52,8 +68,9 @@ def gradients_of_a_step(path: str, config: TrainerConfig, groups,
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("loss", [GRPOLossConfig(), GRPOLossConfig(aggregation="seq_mean", kl_coef=0.05)],
-                         ids=["token_mean", "seq_mean_kl"])
+@pytest.mark.parametrize(
+    "loss", [GRPOLossConfig(), GRPOLossConfig(aggregation="seq_mean", kl_coef=0.05)], ids=["token_mean", "seq_mean_kl"]
+)
 def test_packed_rows_give_the_padded_loss_and_gradients(embedded_path, attention, loss):
     """fp32 on the embedded model, multi-turn action masks included, micro-batches cut differently
     in the two layouts: loss, metrics and every parameter's gradient agree to 1e-5."""
@@ -80,8 +97,9 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(embedded_pat
     groups = random_groups(seed=4)
     base = TrainerConfig(micro_batch_tokens=200, pack_tokens=96, lora=LoRAConfig(rank=lora))
     plain, grads_plain = gradients_of_a_step(embedded_path, base, groups)
-    ckpt, grads_ckpt = gradients_of_a_step(embedded_path, dataclasses.replace(base, activation_checkpointing=True),
-                                           groups, expect_checkpointing=True)
+    ckpt, grads_ckpt = gradients_of_a_step(
+        embedded_path, dataclasses.replace(base, activation_checkpointing=True), groups, expect_checkpointing=True
+    )
     assert ckpt["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=1e-7)
     assert len(grads_plain) == len(grads_ckpt) and any(g.abs().max() > 1e-4 for g in grads_plain)
     for a, b in zip(grads_plain, grads_ckpt):
@@ -146,12 +164,14 @@ def test_a_sequence_longer_than_a_row_gets_a_row_of_its_own():
 def test_the_block_mask_never_crosses_a_sequence_boundary():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
     allowed = block_causal_mask(positions)[0, 0].int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0, 0],
-                       [1, 1, 0, 0, 0, 0],
-                       [1, 1, 1, 0, 0, 0],
-                       [0, 0, 0, 1, 0, 0],
-                       [0, 0, 0, 1, 1, 0],
-                       [0, 0, 0, 0, 0, 1]]
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
 
 
 def test_a_row_longer_than_a_forward_is_refused():

@@ -28,8 +28,10 @@ def test_two_ranks_build_one_communicator_each_from_rank0s_root_info(stub):
     hub, runtime = Hub(2, name="weights"), FakeRuntime()
     comms = on_ranks(2, lambda r: create(stub, hub.group(r), runtime=runtime))
     assert Communicator.created["hccl"] == before + 2
-    assert [(c.backend, c.group, c.rank, c.world_size) for c in comms] == [("hccl", "weights", 0, 2),
-                                                                          ("hccl", "weights", 1, 2)]
+    assert [(c.backend, c.group, c.rank, c.world_size) for c in comms] == [
+        ("hccl", "weights", 0, 2),
+        ("hccl", "weights", 1, 2),
+    ]
     assert len(stub.calls("HcclGetRootInfo")) == 1  # only rank 0 asks HCCL
     inits = stub.calls("HcclCommInitRootInfo")
     assert sorted((c["peer"], c["count"]) for c in inits) == [(0, 2), (1, 2)]  # (rank, nRanks)
@@ -69,17 +71,26 @@ def test_broadcast_of_every_supported_dtype_moves_every_byte(pair, stub):
         assert stub.calls("HcclBroadcast")[-1]["dtype"] == code
 
 
-@pytest.mark.parametrize("op, dtype, expected", [
-    (ReduceOp.SUM, torch.float32, [11.0, 22.0]), (ReduceOp.MAX, torch.float32, [10.0, 20.0]),
-    (ReduceOp.MIN, torch.int32, [1, 2]), (ReduceOp.PROD, torch.int64, [10, 40]),
-])
+@pytest.mark.parametrize(
+    "op, dtype, expected",
+    [
+        (ReduceOp.SUM, torch.float32, [11.0, 22.0]),
+        (ReduceOp.MAX, torch.float32, [10.0, 20.0]),
+        (ReduceOp.MIN, torch.int32, [1, 2]),
+        (ReduceOp.PROD, torch.int64, [10, 40]),
+    ],
+)
 def test_all_reduce_in_place(pair, stub, op, dtype, expected):
     comms, _ = pair
     tensors = [torch.tensor([1, 2], dtype=dtype), torch.tensor([10, 20], dtype=dtype)]
     on_ranks(2, lambda r: comms[r].all_reduce(tensors[r], op).wait(5))
     assert tensors[0].tolist() == tensors[1].tolist() == expected
     call = stub.calls("HcclAllReduce")[-1]
-    assert (call["op"], call["dtype"], call["count"]) == (hccl_library.HCCL_REDUCE_OPS[op], hccl_library.HCCL_DTYPES[dtype], 2)
+    assert (call["op"], call["dtype"], call["count"]) == (
+        hccl_library.HCCL_REDUCE_OPS[op],
+        hccl_library.HCCL_DTYPES[dtype],
+        2,
+    )
 
 
 def test_send_and_recv(pair, stub):
@@ -196,7 +207,9 @@ def test_work_timeout_aborts_and_names_the_op(stub):
     with pytest.raises(CollectiveTimeoutError) as info:
         work.wait(0.2)
     assert 0.2 <= time.monotonic() - t0 < 1.5
-    assert "group 't' rank 0: hccl broadcast(src=0, 3 x torch.bfloat16) did not complete within 0.2 s" in str(info.value)
+    assert "group 't' rank 0: hccl broadcast(src=0, 3 x torch.bfloat16) did not complete within 0.2 s" in str(
+        info.value
+    )
     assert comm.closed and work.done() and stub.int("stub_destroyed").value == 1
     with pytest.raises(CollectiveTimeoutError):  # the same error again, not a new wait
         work.wait(5)
@@ -209,7 +222,9 @@ def test_an_async_hccl_error_fails_the_wait_early(stub):
     work = comm.all_reduce(torch.ones(4))
     ctypes.c_int.in_dll(stub.cdll, "stub_async_error").value = 21
     t0 = time.monotonic()
-    with pytest.raises(CollectiveError, match=r"HCCL reported an async error: HCCL_E_REMOTE \(21\): stub: error cqe") as info:
+    with pytest.raises(
+        CollectiveError, match=r"HCCL reported an async error: HCCL_E_REMOTE \(21\): stub: error cqe"
+    ) as info:
         work.wait(30)
     assert not isinstance(info.value, CollectiveTimeoutError)
     assert time.monotonic() - t0 < 2 and comm.closed

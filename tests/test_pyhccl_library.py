@@ -33,7 +33,11 @@ def test_search_order_is_override_then_toolkit_then_loader(clean_env):
     clean_env.setenv("ASCEND_HOME_PATH", "/opt/a")
     clean_env.setenv("ASCEND_TOOLKIT_HOME", "/opt/b")
     assert [p for _, p in hccl_library.library_candidates()] == [
-        "/opt/a/lib64/libhccl.so", "/opt/b/lib64/libhccl.so", default, "libhccl.so"]
+        "/opt/a/lib64/libhccl.so",
+        "/opt/b/lib64/libhccl.so",
+        default,
+        "libhccl.so",
+    ]
     clean_env.setenv("ASCEND_TOOLKIT_HOME", hccl_library.DEFAULT_TOOLKIT)  # the same place is tried once
     assert [p for _, p in hccl_library.library_candidates()] == ["/opt/a/lib64/libhccl.so", default, "libhccl.so"]
     clean_env.setenv(hccl_library.ENV_LIBRARY, "/x/libhccl.so")  # an explicit choice is the only one
@@ -53,9 +57,12 @@ def test_no_library_anywhere_lists_every_place_tried(clean_env, tmp_path):
     with pytest.raises(CommLibraryError) as info:
         hccl_library.load_library()
     text = str(info.value)
-    for where in (f"{tmp_path}/a/lib64/libhccl.so (no such file)", f"{tmp_path}/b/lib64/libhccl.so (no such file)",
-                  f"{hccl_library.DEFAULT_TOOLKIT}/lib64/libhccl.so (no such file)",
-                  "system loader path (LD_LIBRARY_PATH, ld.so.cache): libhccl.so (dlopen failed"):
+    for where in (
+        f"{tmp_path}/a/lib64/libhccl.so (no such file)",
+        f"{tmp_path}/b/lib64/libhccl.so (no such file)",
+        f"{hccl_library.DEFAULT_TOOLKIT}/lib64/libhccl.so (no such file)",
+        "system loader path (LD_LIBRARY_PATH, ld.so.cache): libhccl.so (dlopen failed",
+    ):
         assert where in text
     assert hccl_library.ENV_LIBRARY in text  # says how to point at it
 
@@ -121,6 +128,7 @@ def test_optional_symbols_may_be_absent(minimal_stub):
 def test_create_without_torch_npu_says_so(stub):
     try:
         import torch_npu  # noqa: F401
+
         pytest.skip("torch_npu is installed here")
     except ImportError:
         pass

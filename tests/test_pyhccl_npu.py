@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from asyncrl.comm.pyhccl import HcclCommunicator
-
 from hccl_support import Hub
 
 

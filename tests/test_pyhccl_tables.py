@@ -23,11 +23,20 @@ pytest_plugins = ["hccl_support"]  # its fixtures: stub_builds, stub, minimal_st
 
 
 def test_importing_the_module_needs_neither_libhccl_nor_torch_npu():
-    code = ("import sys, asyncrl.comm.pyhccl, asyncrl.comm.hccl_library as m; "
-            "assert 'torch_npu' not in sys.modules; assert m._loaded == {}; print('ok')")
+    code = (
+        "import sys, asyncrl.comm.pyhccl, asyncrl.comm.hccl_library as m; "
+        "assert 'torch_npu' not in sys.modules; assert m._loaded == {}; print('ok')"
+    )
     env = dict(os.environ, ASYNCRL_HCCL_LIBRARY="/nonexistent/libhccl.so")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -42,9 +51,21 @@ def test_root_info_is_an_opaque_4108_byte_block_that_survives_nul_bytes():
 
 def test_dtype_codes_are_hccl_types_h():
     expected = {
-        torch.int8: 0, torch.int16: 1, torch.int32: 2, torch.float16: 3, torch.float32: 4, torch.int64: 5,
-        torch.uint64: 6, torch.uint8: 7, torch.uint16: 8, torch.uint32: 9, torch.float64: 10,
-        torch.bfloat16: 11, torch.bool: 7, torch.float8_e4m3fn: 15, torch.float8_e5m2: 16,
+        torch.int8: 0,
+        torch.int16: 1,
+        torch.int32: 2,
+        torch.float16: 3,
+        torch.float32: 4,
+        torch.int64: 5,
+        torch.uint64: 6,
+        torch.uint8: 7,
+        torch.uint16: 8,
+        torch.uint32: 9,
+        torch.float64: 10,
+        torch.bfloat16: 11,
+        torch.bool: 7,
+        torch.float8_e4m3fn: 15,
+        torch.float8_e5m2: 16,
         torch.float8_e8m0fnu: 17,
     }
     assert hccl_library.HCCL_DTYPES == expected
@@ -66,8 +87,15 @@ def test_every_other_torch_dtype_is_refused_by_name():
 
 
 def test_only_the_dtypes_hccl_reduces_everywhere_are_reducible():
-    assert hccl_library.HCCL_REDUCE_DTYPES == {torch.int8, torch.int16, torch.int32, torch.int64,
-                                         torch.float16, torch.float32, torch.bfloat16}
+    assert hccl_library.HCCL_REDUCE_DTYPES == {
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.bfloat16,
+    }
     for dtype in hccl_library.HCCL_REDUCE_DTYPES:
         assert hccl_library.hccl_reduce_dtype(dtype) == hccl_library.HCCL_DTYPES[dtype]
     for dtype in (torch.uint8, torch.bool, torch.uint32, torch.float64, torch.float8_e5m2, torch.complex64):
@@ -77,7 +105,11 @@ def test_only_the_dtypes_hccl_reduces_everywhere_are_reducible():
 
 def test_reduce_ops_map_to_hccl_codes():
     assert {op: hccl_library.hccl_reduce_op(op) for op in ReduceOp} == {
-        ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
+        ReduceOp.SUM: 0,
+        ReduceOp.PROD: 1,
+        ReduceOp.MAX: 2,
+        ReduceOp.MIN: 3,
+    }
     assert hccl_library.hccl_reduce_op(2) == 2  # a plain int naming a ReduceOp is fine
     for bad in (4, -1, "avg"):
         with pytest.raises(TypeError, match="hccl has no reduction"):

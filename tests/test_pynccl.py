@@ -75,14 +75,24 @@ def comm_on(lib, timeout_s=5.0):
     unique = UniqueId()
     unique.internal[127] = 42
     lib.ncclCommInitRankConfig(ctypes.byref(handle), 2, unique, 1, ctypes.byref(config))
-    return NcclCommunicator(lib, handle, group="g/g0", rank=1, world_size=2, device=torch.device("cpu"),
-                            timeout_s=timeout_s)
+    return NcclCommunicator(
+        lib, handle, group="g/g0", rank=1, world_size=2, device=torch.device("cpu"), timeout_s=timeout_s
+    )
 
 
 def test_config_is_a_prefix_of_ncclconfig_t_with_blocking_off():
     offsets = {name: getattr(Config, name).offset for name, _ in Config._fields_}
-    assert offsets == {"size": 0, "magic": 8, "version": 12, "blocking": 16, "cgaClusterSize": 20,
-                       "minCTAs": 24, "maxCTAs": 28, "netName": 32, "splitShare": 40}
+    assert offsets == {
+        "size": 0,
+        "magic": 8,
+        "version": 12,
+        "blocking": 16,
+        "cgaClusterSize": 20,
+        "minCTAs": 24,
+        "maxCTAs": 28,
+        "netName": 32,
+        "splitShare": 40,
+    }
     config = Config.non_blocking()
     assert config.size == ctypes.sizeof(Config) and config.magic == 0xCAFEBEEF
     assert config.version == 21700 and config.blocking == 0

@@ -22,25 +22,24 @@ from types import SimpleNamespace
 
 import pytest
 
+from actors import Echo
 from asyncrl import ActorState, Supervisor
 from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError
 from asyncrl.comm.weights import SyncStats
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, remote_error_class, type_path
 from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
+from asyncrl.rl.driver.faults import NoSamplersError, TaskFailedError
 from asyncrl.rl.driver.fleet import sync_group
 from asyncrl.rl.driver.fleet.calls import call_all
-from asyncrl.rl.driver.faults import NoSamplersError, TaskFailedError
 from asyncrl.rl.driver.fleet.membership import MemberState
-from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.fleet.pool import SamplerPool
+from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 from asyncrl.rl.sampler.errors import SamplerTimeoutError
 from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.timeouts import timeout
-
-from actors import Echo
 
 pytestmark = pytest.mark.timeout(60)
 SENT = SyncStats(1, 100, 1, 0.01)  # a successful sync's answers
@@ -65,8 +64,13 @@ class Scripted:
         self._changed = asyncio.Event()
 
     def info(self) -> SimpleNamespace:
-        return SimpleNamespace(state=ActorState(self.state), incarnation=self.incarnation,
-                               restarts=self.restarts, max_restarts=self.max_restarts, node=self.node)
+        return SimpleNamespace(
+            state=ActorState(self.state),
+            incarnation=self.incarnation,
+            restarts=self.restarts,
+            max_restarts=self.max_restarts,
+            node=self.node,
+        )
 
     def kill(self, reason: str, incarnation: int | None = None) -> bool:
         self.kills.append((reason, incarnation))
@@ -92,6 +96,7 @@ class Scripted:
 
     def _method(self, method: str, timeout_s: float):
         if method == "rollouts":
+
             async def stream(max_groups: int = 0):  # as `ActorClient.stream`: the next item, or the error of a death
                 self.calls.append(method)
                 self.streams.append(max_groups)
@@ -101,6 +106,7 @@ class Scripted:
                     if isinstance(item, BaseException):
                         raise item
                     yield item
+
             return stream
 
         async def call(*args, **kwargs):
@@ -115,6 +121,7 @@ class Scripted:
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
+
         return call
 
     def _next(self, method: str) -> tuple[float, object]:
@@ -128,20 +135,39 @@ def remote(actor: str, method: str, cls: type, message: str) -> RemoteError:
 
 
 def collective_error(actor: str, method: str) -> RemoteError:
-    return remote(actor, method, CollectiveError,
-                  "group 'weights/g0' rank 1/3 (gloo): broadcast from rank 0 failed, a peer died")
+    return remote(
+        actor, method, CollectiveError, "group 'weights/g0' rank 1/3 (gloo): broadcast from rank 0 failed, a peer died"
+    )
 
 
 def run_config(restart_timeout_s: float = 30.0) -> RunConfig:
-    deadlines = DeadlineConfig(sync_timeout_s=2.0, rendezvous_timeout_s=2.0, generate_timeout_s=5.0,
-                               queue_timeout_s=10.0, train_timeout_s=5.0, checkpoint_timeout_s=5.0, eval_timeout_s=5.0)
-    return RunConfig(mode="async", deadlines=deadlines,
-                     recovery=RecoveryConfig(restart_timeout_s=restart_timeout_s, sampler_max_restarts=3))
+    deadlines = DeadlineConfig(
+        sync_timeout_s=2.0,
+        rendezvous_timeout_s=2.0,
+        generate_timeout_s=5.0,
+        queue_timeout_s=10.0,
+        train_timeout_s=5.0,
+        checkpoint_timeout_s=5.0,
+        eval_timeout_s=5.0,
+    )
+    return RunConfig(
+        mode="async",
+        deadlines=deadlines,
+        recovery=RecoveryConfig(restart_timeout_s=restart_timeout_s, sampler_max_restarts=3),
+    )
 
 
 def make_pool(trainer, samplers, logs: list[str], **run) -> SamplerPool:
-    pool = SamplerPool(trainer, samplers, RolloutQueue(8, 4), run=run_config(**run), seeds=[0] * len(samplers),
-                       host="127.0.0.1", backend="gloo", log=logs.append)
+    pool = SamplerPool(
+        trainer,
+        samplers,
+        RolloutQueue(8, 4),
+        run=run_config(**run),
+        seeds=[0] * len(samplers),
+        host="127.0.0.1",
+        backend="gloo",
+        log=logs.append,
+    )
     for m in pool.members:  # as after a successful start: in the group, incarnation 1
         m.state, m.incarnation = MemberState.JOINED, 1
     pool.sync_group.generation, pool.membership.dirty = 0, False
@@ -149,8 +175,13 @@ def make_pool(trainer, samplers, logs: list[str], **run) -> SamplerPool:
 
 
 def trainer_script(first_send: object) -> Scripted:
-    return Scripted("trainer", send_weights=[(0.0, first_send), (0.0, SENT)], sync_listen=[(0.0, 1234)],
-                    sync_join=[(0.0, "gloo")], setup_sender=[(0.0, 1)])
+    return Scripted(
+        "trainer",
+        send_weights=[(0.0, first_send), (0.0, SENT)],
+        sync_listen=[(0.0, 1234)],
+        sync_join=[(0.0, "gloo")],
+        setup_sender=[(0.0, 1)],
+    )
 
 
 async def test_a_survivor_whose_collective_error_comes_late_is_not_judged_frozen(monkeypatch):
@@ -159,8 +190,13 @@ async def test_a_survivor_whose_collective_error_comes_late_is_not_judged_frozen
     monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(collective_error("trainer", "send_weights"))  # a peer died: the trainer fails at once
     dead = Scripted("sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL"))])
-    slow = Scripted("sampler1", receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
-                    stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)])
+    slow = Scripted(
+        "sampler1",
+        receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
+        stats=[(0.0, {})],
+        sync_join=[(0.0, "gloo")],
+        setup_receiver=[(0.0, 1)],
+    )
     logs: list[str] = []
     pool = make_pool(trainer, [dead, slow], logs)
     try:
@@ -179,8 +215,12 @@ async def test_a_death_is_one_loss_even_when_the_restart_ends_before_the_sync(mo
     monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(collective_error("trainer", "send_weights"))
     ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], restore_data_state=[(0.0, None)])
-    dies = Scripted("sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL")), (0.0, GOT)], **ok)
-    slow = Scripted("sampler1", receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, GOT)], **ok)
+    dies = Scripted(
+        "sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL")), (0.0, GOT)], **ok
+    )
+    slow = Scripted(
+        "sampler1", receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, GOT)], **ok
+    )
     logs: list[str] = []
     pool = make_pool(trainer, [dies, slow], logs)
 
@@ -204,8 +244,13 @@ async def test_a_frozen_sampler_is_judged_by_its_own_deadline(monkeypatch):
     monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(remote("trainer", "send_weights", CollectiveTimeoutError, "all_reduce timed out"))
     frozen = Scripted("sampler0", receive_weights=[(60.0, GOT)])
-    steady = Scripted("sampler1", receive_weights=[(0.1, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
-                      stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)])
+    steady = Scripted(
+        "sampler1",
+        receive_weights=[(0.1, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
+        stats=[(0.0, {})],
+        sync_join=[(0.0, "gloo")],
+        setup_receiver=[(0.0, 1)],
+    )
     logs: list[str] = []
     pool = make_pool(trainer, [frozen, steady], logs)
     start = time.monotonic()
@@ -285,7 +330,9 @@ async def test_a_failed_rollout_stream_is_judged_by_the_remote_error_type():
     task_fails, waited, named = pool.members
     try:
         with pytest.raises(TaskFailedError, match="sampler0: 9 of 10 score calls raised"):  # the task's code: stop
-            pool._pump_failed(task_fails, remote("sampler0", "rollouts", TaskFailureError, "9 of 10 score calls raised"))
+            pool._pump_failed(
+                task_fails, remote("sampler0", "rollouts", TaskFailureError, "9 of 10 score calls raised")
+            )
         pool._pump_failed(waited, remote("sampler1", "rollouts", SamplerTimeoutError, "no good weights within 1 s"))
         assert waited.pump_failures == 1 and waited.in_group and pool.membership.dirty  # pumped after the next sync
         # a user's own class of the same name is not ours: the sampler's stream failed, it is lost
@@ -359,8 +406,16 @@ async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_be
     died = Scripted("sampler1", restore_data_state=[(0.0, ActorDiedError("sampler1", "killed by SIGKILL"))], **ok)
     up = Scripted("sampler2", restore_data_state=[(0.0, None)], **ok)
     logs: list[str] = []
-    pool = SamplerPool(trainer_script(SENT), [never, died, up], RolloutQueue(8, 4), run=run_config(), seeds=[0, 1, 2],
-                       host="127.0.0.1", backend="gloo", log=logs.append)
+    pool = SamplerPool(
+        trainer_script(SENT),
+        [never, died, up],
+        RolloutQueue(8, 4),
+        run=run_config(),
+        seeds=[0, 1, 2],
+        host="127.0.0.1",
+        backend="gloo",
+        log=logs.append,
+    )
     try:
         await pool.start(0, [])
     finally:
@@ -375,8 +430,9 @@ async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_be
 async def test_the_start_stops_when_every_sampler_is_gone():
     never = Scripted("sampler0")
     never.set_state("dead")
-    pool = SamplerPool(trainer_script(SENT), [never], RolloutQueue(8, 4), run=run_config(), seeds=[0],
-                       host="127.0.0.1", backend="gloo")
+    pool = SamplerPool(
+        trainer_script(SENT), [never], RolloutQueue(8, 4), run=run_config(), seeds=[0], host="127.0.0.1", backend="gloo"
+    )
     try:
         with pytest.raises(NoSamplersError, match="no sampler could join the weight-sync group at the start"):
             await pool.start(0, [])
@@ -385,8 +441,15 @@ async def test_the_start_stops_when_every_sampler_is_gone():
 
 
 def rollout(version: int, i: int) -> RolloutGroup:
-    return RolloutGroup(prompt_id=i, prompt_ids=[1, 2], completion_ids=[[3], [4]], behaviour_logprobs=[[-0.5], [-0.7]],
-                        rewards=[0.0, 1.0], version=version, sampler="sampler0")
+    return RolloutGroup(
+        prompt_id=i,
+        prompt_ids=[1, 2],
+        completion_ids=[[3], [4]],
+        behaviour_logprobs=[[-0.5], [-0.7]],
+        rewards=[0.0, 1.0],
+        version=version,
+        sampler="sampler0",
+    )
 
 
 async def test_a_sampler_back_after_a_sync_without_it_is_given_credit_for_the_next_batch():
@@ -396,15 +459,31 @@ async def test_a_sampler_back_after_a_sync_without_it_is_given_credit_for_the_ne
     back and rejoins with v39 while the driver waits for step 40's batch. The pacer was left at
     v38, so after one batch of 8 (14 queued) it had room for 2 groups only, asked for 8, and
     nothing moved again: paced_in_flight 0, queue_depth 14, the sampler in the group, idle."""
-    ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)],
-              restore_data_state=[(0.0, None)], receive_weights=[(0.0, GOT)], rollouts=[])
+    ok = dict(
+        stats=[(0.0, {})],
+        sync_join=[(0.0, "gloo")],
+        setup_receiver=[(0.0, 1)],
+        restore_data_state=[(0.0, None)],
+        receive_weights=[(0.0, GOT)],
+        rollouts=[],
+    )
     sampler = Scripted("sampler0", **ok)
     config = dataclasses.replace(run_config(), groups_per_step=16, max_staleness=1)
     queue = RolloutQueue(32, 1)
     pacer = Pacer(queue, 16, 1, version=38, next_step=40)  # step 39 took its batch (trained at v38)
     logs: list[str] = []
-    pool = SamplerPool(trainer_script(SENT), [sampler], queue, run=config, seeds=[0], host="127.0.0.1",
-                       backend="gloo", log=logs.append, pacer=pacer, batch_groups=8)
+    pool = SamplerPool(
+        trainer_script(SENT),
+        [sampler],
+        queue,
+        run=config,
+        seeds=[0],
+        host="127.0.0.1",
+        backend="gloo",
+        log=logs.append,
+        pacer=pacer,
+        batch_groups=8,
+    )
     m = pool.members[0]
     m.state, m.incarnation, m.min_version = MemberState.JOINED, 1, 38
     pool.sync_group.generation, pool.membership.dirty = 0, False
@@ -432,8 +511,13 @@ async def test_call_all_awaits_every_answer_and_names_who_failed_during_what():
     frozen = Scripted("sampler1", stats=[(30.0, {})])
     dies = Scripted("sampler2", stats=[(0.0, ActorDiedError("sampler2", "killed by SIGKILL"))])
     started, deaths = time.monotonic(), []
-    answers = await call_all([answers_now, frozen, dies], lambda h, _: h.stats(), timeout_s=0.5, what="the probe",
-                             died=lambda i, error: deaths.append((i, time.monotonic() - started)))
+    answers = await call_all(
+        [answers_now, frozen, dies],
+        lambda h, _: h.stats(),
+        timeout_s=0.5,
+        what="the probe",
+        died=lambda i, error: deaths.append((i, time.monotonic() - started)),
+    )
     assert answers.results[0] == {"generating": 2} and answers.failed() == [1, 2] and not answers.ok
     assert answers.cause(1) == "no answer during the probe within 0.5 s", answers.results
     assert answers.cause(2) == "died during the probe (killed by SIGKILL)", answers.results
@@ -451,18 +535,34 @@ async def test_membership_call_all_pins_the_incarnations_and_loses_the_failed_in
     members = pool.membership
     replaced.set_state("running", incarnation=2)  # restarted since it joined: its calls would reach a stranger
     try:
-        assert await members.call_all(members.members, lambda h, _: h.receive_weights(1), timeout_s=0.5,
-                                      what="the weight sync of v1", whole=True) is None
+        assert (
+            await members.call_all(
+                members.members,
+                lambda h, _: h.receive_weights(1),
+                timeout_s=0.5,
+                what="the weight sync of v1",
+                whole=True,
+            )
+            is None
+        )
         assert ok.calls == [] and members.members[3].state is MemberState.LOST, logs  # the group is not whole
-        answers = await members.call_all([m for m in members.members if m.in_group],
-                                         lambda h, _: h.receive_weights(1), timeout_s=0.5,
-                                         what="the weight sync of v1", spare=sync_group.suffered_from_peer)
+        answers = await members.call_all(
+            [m for m in members.members if m.in_group],
+            lambda h, _: h.receive_weights(1),
+            timeout_s=0.5,
+            what="the weight sync of v1",
+            spare=sync_group.suffered_from_peer,
+        )
     finally:
         await pool.close()
     assert [m.name for m, _ in answers.of_members()] == ["sampler0", "sampler1", "sampler2"]
     # sampler3's loss was judged on incarnation 1; incarnation 2 is a candidate of the next rebuild
-    assert [m.state for m in members.members] == [MemberState.JOINED, MemberState.LOST, MemberState.JOINED,
-                                                  MemberState.CANDIDATE], logs
+    assert [m.state for m in members.members] == [
+        MemberState.JOINED,
+        MemberState.LOST,
+        MemberState.JOINED,
+        MemberState.CANDIDATE,
+    ], logs
     (frozen_fault,) = [f for f in pool.faults if f.sampler == "sampler1"]
     assert frozen_fault.cause == "no answer during the weight sync of v1 within 0.5 s", pool.faults
     assert frozen.kills == [(frozen_fault.cause, 1)] and victim.kills == [] and replaced.kills == [], logs

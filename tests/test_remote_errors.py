@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl import ActorDiedError, RemoteError, Supervisor
+from actors import RaisesOurs
+from asyncrl import RemoteError, Supervisor
 from asyncrl.comm.errors import CollectiveError, RendezvousError, RendezvousTimeoutError, WeightSyncError
 from asyncrl.errors import _KNOWN, ActorError, AsyncrlError, remote_error_class, type_path
 from asyncrl.rl.checkpoint import CheckpointWriteError
@@ -20,8 +21,6 @@ from asyncrl.rl.sampler.errors import SamplerTimeoutError
 from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.rl.trainer.errors import PeerRankFailedError, StepDeadlineError
 
-from actors import RaisesOurs
-
 
 def remote(cls: type, message: str = "what went wrong", actor: str = "a", method: str = "m") -> RemoteError:
     """What the caller raises when ``method`` of ``actor`` raised ``cls`` (as `ActorClient` builds it)."""
@@ -29,8 +28,11 @@ def remote(cls: type, message: str = "what went wrong", actor: str = "a", method
 
 
 def test_every_error_of_ours_crosses_as_itself_and_a_remote_error():
-    ours = [cls for path, cls in _KNOWN.items() if path.startswith("asyncrl.") and not issubclass(cls, RemoteError)
-            and not cls.__name__.startswith("Remote")]
+    ours = [
+        cls
+        for path, cls in _KNOWN.items()
+        if path.startswith("asyncrl.") and not issubclass(cls, RemoteError) and not cls.__name__.startswith("Remote")
+    ]
     assert len(ours) > 40 and CheckpointWriteError in ours and PeerRankFailedError in ours, ours
     for cls in ours:
         error = remote(cls)
@@ -49,11 +51,16 @@ def test_every_error_of_ours_crosses_as_itself_and_a_remote_error():
 def test_names_the_caller_does_not_know_stay_plain_remote_errors():
     class Local(AsyncrlError):
         __module__ = "users.module"
+
     assert remote_error_class("Local", type_path(Local)).__bases__ == (RemoteError, Local)  # a user's, once defined
-    for name, path in [("CheckpointWriteError", "users.elsewhere.CheckpointWriteError"),  # same name, not ours
-                       ("ValueError", "users.module.ValueError"),  # a builtin's name in a user's module
-                       ("Gone", "asyncrl.rl.checkpoint.Gone"),  # under our package, but no such class
-                       ("system", "os.system"), ("Exception", "builtins.Exception"), ("", "")]:
+    for name, path in [
+        ("CheckpointWriteError", "users.elsewhere.CheckpointWriteError"),  # same name, not ours
+        ("ValueError", "users.module.ValueError"),  # a builtin's name in a user's module
+        ("Gone", "asyncrl.rl.checkpoint.Gone"),  # under our package, but no such class
+        ("system", "os.system"),
+        ("Exception", "builtins.Exception"),
+        ("", ""),
+    ]:
         assert remote_error_class(name, path) is RemoteError, path
     assert issubclass(remote_error_class("KeyError", "builtins.KeyError"), KeyError)
     assert issubclass(remote_error_class("KeyError"), KeyError)  # no path: a builtin by its name only
@@ -63,7 +70,9 @@ def test_two_classes_of_one_name_stay_apart():
     def twin(module: str) -> type[AsyncrlError]:
         class Twin(AsyncrlError):
             __module__ = module
+
         return Twin
+
     first, second = twin("users.one"), twin("users.two")
     one = remote_error_class("Twin", type_path(first))
     two = remote_error_class("Twin", type_path(second))
@@ -72,8 +81,10 @@ def test_two_classes_of_one_name_stay_apart():
 
 
 def test_the_driver_catches_the_errors_of_ranks_and_samplers_without_torch():
-    code = ("import sys; import asyncrl.rl.driver.fleet.pool, asyncrl.rl.driver.fleet.trainer_ranks, "
-            "asyncrl.rl.driver.grpo; print('torch' in sys.modules)")
+    code = (
+        "import sys; import asyncrl.rl.driver.fleet.pool, asyncrl.rl.driver.fleet.trainer_ranks, "
+        "asyncrl.rl.driver.grpo; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
@@ -123,6 +134,9 @@ async def test_a_trainer_group_verdict_from_real_ranks():
     async with Supervisor() as sup:
         left = await sup.spawn(RaisesOurs, "peer_rank", name="trainer")
         failed = await sup.spawn(RaisesOurs, "runtime", name="trainer-1")
-        with pytest.raises(TrainerRankFailedError, match=r"trainer rank 1 \(trainer-1\) failed during train_step: "
-                                                         r"RuntimeError: a bug of this rank; rank\(s\) 0 left"):
+        with pytest.raises(
+            TrainerRankFailedError,
+            match=r"trainer rank 1 \(trainer-1\) failed during train_step: "
+            r"RuntimeError: a bug of this rank; rank\(s\) 0 left",
+        ):
             await TrainerRanks([left, failed]).with_timeout(30.0).train_step()

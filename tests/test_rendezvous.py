@@ -26,8 +26,15 @@ def run_members(n, fn, *, timeout_s=10.0, world_size=None, generation_of=lambda 
 
     def member(rank):
         try:
-            group = StoreGroup.create(HOST, port, rank, world_size or n, timeout_s,
-                                      generation=generation_of(rank), listener=listener if rank == 0 else None)
+            group = StoreGroup.create(
+                HOST,
+                port,
+                rank,
+                world_size or n,
+                timeout_s,
+                generation=generation_of(rank),
+                listener=listener if rank == 0 else None,
+            )
             groups.append(group)
             results[rank] = fn(group)
         except Exception as exc:  # noqa: BLE001 - the test inspects it
@@ -152,7 +159,9 @@ async def test_join_all_names_each_failed_member_and_cancels_the_slow_ones():
         await join_all([ok(), fails(), hangs()], timeout_s=0.5)
     assert time.monotonic() - start < 2
     text = str(info.value)
-    assert "2 of 3 members" in text and "member 1: no such device" in text and "member 2: no answer within 0.5 s" in text
+    assert (
+        "2 of 3 members" in text and "member 1: no such device" in text and "member 2: no answer within 0.5 s" in text
+    )
 
 
 def test_one_verdict_names_the_missing_member_whatever_each_members_deadline():

@@ -28,10 +28,21 @@ def reward_path(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("rm"))
     tok = build_tokenizer()
     torch.manual_seed(0)
-    Qwen2ForSequenceClassification(Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=64, max_position_embeddings=128, num_labels=1, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=None)).save_pretrained(path)
+    Qwen2ForSequenceClassification(
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            num_labels=1,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            bos_token_id=None,
+        )
+    ).save_pretrained(path)
     tok.save_pretrained(path)
     with open(os.path.join(path, MARKER_FILE), "w") as f:
         json.dump({"prompt_style": "compact", "max_new_tokens_hint": 24}, f)
@@ -68,9 +79,12 @@ async def test_the_driver_adds_the_reward_model_s_score_to_the_task_s_by_its_wei
     model = load_reward_model(reward_path, torch.device("cpu"))
     group = RolloutGroup(3, PROMPTS[1], COMPLETIONS, [[0.0] * len(c) for c in COMPLETIONS], [1.0, 0.0, 0.1], version=0)
     async with Supervisor(call_timeout_s=60) as sup:
-        handle = await sup.spawn(ScorerActor, reward_path, name="reward_model", env={"OMP_NUM_THREADS": "1"},
-                                 kwargs={"kind": "reward"})
-        scored = await RewardModel(handle, weight=0.5, rule_weight=2.0, timeout_s=60, restart_timeout_s=60).annotate(group)
+        handle = await sup.spawn(
+            ScorerActor, reward_path, name="reward_model", env={"OMP_NUM_THREADS": "1"}, kwargs={"kind": "reward"}
+        )
+        scored = await RewardModel(handle, weight=0.5, rule_weight=2.0, timeout_s=60, restart_timeout_s=60).annotate(
+            group
+        )
         expected = [2.0 * r + 0.5 * alone(model, PROMPTS[1] + c) for r, c in zip(group.rewards, COMPLETIONS)]
         assert scored.rewards == pytest.approx(expected, abs=1e-5)
         with pytest.raises(ScorerError, match="serves a reward, not a teacher"):

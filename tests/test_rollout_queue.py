@@ -40,7 +40,22 @@ def test_group_roundtrips_msgpack_as_array():
     data = msgspec.msgpack.encode(g)
     # array_like: fields by position (msgspec writes trailing defaults too: omit_defaults does not
     # apply to array-like structs), and a shorter array from an older sender takes the defaults.
-    assert msgspec.msgpack.decode(data) == [7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4, "s0", 0.5, 0.0, "", [], [], {}, []]
+    assert msgspec.msgpack.decode(data) == [
+        7,
+        [1],
+        [[2, 3]],
+        [[-0.1, -0.2]],
+        [1.0],
+        4,
+        "s0",
+        0.5,
+        0.0,
+        "",
+        [],
+        [],
+        {},
+        [],
+    ]
     assert msgspec.msgpack.decode(data, type=RolloutGroup) == g
     short = msgspec.msgpack.encode([7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4])
     assert msgspec.msgpack.decode(short, type=RolloutGroup) == msgspec.structs.replace(g, sampler="", generate_s=0.0)
@@ -182,7 +197,9 @@ async def test_put_deadline_raises_typed_error_in_bound():
     q = RolloutQueue(capacity=1, max_staleness=0)
     await q.put(group(0, 0), timeout_s=LONG_S)
     start = time.monotonic()
-    with pytest.raises(QueueTimeoutError, match=r"put\(prompt 1\): no free slot within 0.05 s \(capacity 1, depth 1\)") as info:
+    with pytest.raises(
+        QueueTimeoutError, match=r"put\(prompt 1\): no free slot within 0.05 s \(capacity 1, depth 1\)"
+    ) as info:
         await q.put(group(1, 0), timeout_s=0.05)
     assert 0.04 <= time.monotonic() - start < 1.0
     assert isinstance(info.value, TimeoutError)

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 
+from actors import Echo, Point
 from asyncrl import (
     CallTimeoutError,
     InvalidArgumentsError,
@@ -20,8 +21,6 @@ from asyncrl import (
     UnknownMethodError,
 )
 from asyncrl.runtime import wire
-
-from actors import Echo, Point
 
 
 @pytest.fixture
@@ -142,7 +141,13 @@ async def test_oversized_call_is_refused_locally_and_remotely():
             await echo.big(10_000)
         # The actor-side check, reached by a peer that skips the local one:
         address = sup._records[echo.name].client.address
-        reply = await _raw_request(address, [msgspec.msgpack.encode(wire.Call(5, "anything", msgspec.Raw(msgspec.msgpack.encode([None])))), b"\0" * 8000])
+        reply = await _raw_request(
+            address,
+            [
+                msgspec.msgpack.encode(wire.Call(5, "anything", msgspec.Raw(msgspec.msgpack.encode([None])))),
+                b"\0" * 8000,
+            ],
+        )
         assert reply.id == 5 and reply.type_name == "MessageTooLargeError"
         assert await echo.add(1) == 2
 
@@ -180,7 +185,11 @@ async def test_garbage_and_malformed_requests_get_typed_failures(echo):
         ([enc(wire.Call(5, "add", msgspec.Raw(b"\xc1")))], 0, "ProtocolError"),  # not even msgpack
         ([b"\x94\x01\x07\xa4\xff\xfe\xfd\xfc\x90"], 0, "ProtocolError"),  # a method name that is not UTF-8
         # a tensor header that points at a frame the message does not have (truncated message)
-        ([enc(wire.Call(6, "anything", msgspec.Raw(enc([msgspec.msgpack.Ext(1, enc(("float32", [1024], 1)))]))))], 6, "ProtocolError"),
+        (
+            [enc(wire.Call(6, "anything", msgspec.Raw(enc([msgspec.msgpack.Ext(1, enc(("float32", [1024], 1)))]))))],
+            6,
+            "ProtocolError",
+        ),
     ]
     for frames, call_id, type_name in cases:
         reply = await _raw_request(address, frames)

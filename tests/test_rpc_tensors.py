@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from asyncrl import InvalidArgumentsError, Supervisor
-
 from tensor_actors import Tensors
 
 

@@ -28,18 +28,23 @@ import pytest
 import torch
 
 from asyncrl import Supervisor
-from asyncrl.runtime import files
-from asyncrl.rl.observe import report, runlog
-from asyncrl.rl.driver.grpo import GRPODriver
-from asyncrl.rl.trainer.checkpoint import FAIL_ENV, write_checkpoint
-from asyncrl.rl.checkpoint import CheckpointError, CheckpointWriteError, DamagedCheckpointError, list_checkpoints, verify_checkpoint
-from asyncrl.rl.driver.run_state import RunState, read_run_state
-from asyncrl.runtime.files import write_json_atomic
-from asyncrl.rl.checkpoint import write_reason
-from asyncrl.rl.config.parse import parse_overrides
+from asyncrl.rl.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    DamagedCheckpointError,
+    list_checkpoints,
+    verify_checkpoint,
+    write_reason,
+)
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.driver.grpo import RunDirError
+from asyncrl.rl.config.parse import parse_overrides
+from asyncrl.rl.driver.grpo import GRPODriver, RunDirError
 from asyncrl.rl.driver.run import _run_dir_error, train
+from asyncrl.rl.driver.run_state import RunState, read_run_state
+from asyncrl.rl.observe import report, runlog
+from asyncrl.rl.trainer.checkpoint import FAIL_ENV, write_checkpoint
+from asyncrl.runtime import files
+from asyncrl.runtime.files import write_json_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(240)
@@ -65,9 +70,16 @@ def _write(run_dir, step: int) -> str:
     optimizer = torch.optim.AdamW([param])
     param.grad = torch.ones(3)
     optimizer.step()
-    return write_checkpoint(str(run_dir), step, 5, _Saves("model.safetensors", b"w" * 1000),
-                            _Saves("tokenizer.json", b"{}"), optimizer, step,
-                            msgspec.json.encode(RunState(step=step, version=step, segment=1)))
+    return write_checkpoint(
+        str(run_dir),
+        step,
+        5,
+        _Saves("model.safetensors", b"w" * 1000),
+        _Saves("tokenizer.json", b"{}"),
+        optimizer,
+        step,
+        msgspec.json.encode(RunState(step=step, version=step, segment=1)),
+    )
 
 
 def test_the_manifest_tells_a_whole_checkpoint_from_a_damaged_one(tmp_path):
@@ -75,14 +87,22 @@ def test_the_manifest_tells_a_whole_checkpoint_from_a_damaged_one(tmp_path):
         _write(tmp_path, step)
     c1, c2, c3, c4, c5 = list_checkpoints(str(tmp_path))
     manifest = json.loads((tmp_path / "checkpoints" / "step-00000005" / "MANIFEST.json").read_text())
-    assert set(manifest["files"]) == {"model/model.safetensors", "model/tokenizer.json", "trainer.pt", "trainer.json",
-                                      "run_state.json"}
+    assert set(manifest["files"]) == {
+        "model/model.safetensors",
+        "model/tokenizer.json",
+        "trainer.pt",
+        "trainer.json",
+        "run_state.json",
+    }
     assert verify_checkpoint(c5) is True and read_run_state(c5).segment == 1
 
     size = os.path.getsize(os.path.join(c5.path, "trainer.pt"))
     open(os.path.join(c5.path, "trainer.pt"), "w").close()  # zeroed
-    with pytest.raises(DamagedCheckpointError, match=rf"^checkpoint step-5 is damaged \(trainer.pt: size 0, "
-                                                     rf"expected {size}\)$"):
+    with pytest.raises(
+        DamagedCheckpointError,
+        match=rf"^checkpoint step-5 is damaged \(trainer.pt: size 0, "
+        rf"expected {size}\)$",
+    ):
         verify_checkpoint(c5)
     path = os.path.join(c4.path, "model", "model.safetensors")
     with open(path, "r+b") as f:  # same size, other bytes
@@ -107,15 +127,18 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_debris(tmp_path, mo
     monkeypatch.setenv(FAIL_ENV, "2")  # ENOSPC after the model files, as a full disk would
     with pytest.raises(CheckpointWriteError) as info:
         _write(tmp_path, 2)
-    assert str(info.value) == (f"cannot write the checkpoint of step 2 to {tmp_path}/checkpoints: "
-                               "No space left on device")
+    assert str(info.value) == (
+        f"cannot write the checkpoint of step 2 to {tmp_path}/checkpoints: No space left on device"
+    )
     assert os.listdir(tmp_path / "checkpoints") == ["step-00000001"]
 
     # torch.save reports a full disk as "file write failed": the disk is looked at then, and named.
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(30 << 20, 30 << 20, 4096))
     monkeypatch.setattr(files, "_device_of", lambda mount: "tmpfs")
-    named = (f"No space left on device (tmpfs at {files.disk_space(str(tmp_path)).mount} has 4 KiB free of 30 MiB: "
-             "free space there before resuming)")
+    named = (
+        f"No space left on device (tmpfs at {files.disk_space(str(tmp_path)).mount} has 4 KiB free of 30 MiB: "
+        "free space there before resuming)"
+    )
     assert write_reason(RuntimeError("[enforce fail] file write failed"), str(tmp_path)) == named
     assert write_reason(RuntimeError("Error: IoError(StorageFull)"), str(tmp_path)) == named
     assert write_reason(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), str(tmp_path / "no" / "such")) == named
@@ -156,8 +179,10 @@ def test_a_disk_that_fills_up_is_named_though_torch_save_says_unexpected_pos(tmp
     with pytest.raises(CheckpointWriteError) as info:
         _write(tmp_path, 2)
     mount = files.disk_space(str(tmp_path)).mount
-    assert str(info.value) == (f"cannot write the checkpoint of step 2 to {checkpoints}: No space left on device "
-                               f"(tmpfs at {mount} has 4 KiB free of 30 MiB: free space there before resuming)")
+    assert str(info.value) == (
+        f"cannot write the checkpoint of step 2 to {checkpoints}: No space left on device "
+        f"(tmpfs at {mount} has 4 KiB free of 30 MiB: free space there before resuming)"
+    )
     assert os.listdir(checkpoints) == ["step-00000001"]  # and no debris
 
     # The driver's own writes (progress.json, metrics.jsonl) fail as an OSError: worded the same way.
@@ -165,17 +190,34 @@ def test_a_disk_that_fills_up_is_named_though_torch_save_says_unexpected_pos(tmp
     metrics = str(tmp_path / "metrics.jsonl")
     assert str(_run_dir_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), metrics), str(tmp_path))) == (
         f"cannot write {metrics}: No space left on device (tmpfs at {mount} has 0 B free of 30 MiB: free space "
-        "there before resuming)")
+        "there before resuming)"
+    )
 
 
 MAIN_SUMMARY = {
-    "steps": 4, "mode": "async", "heldout_before": {"greedy": 0.0, "sampled": 0.0},
-    "heldout_after": {"greedy": 0.0, "sampled": 0.0}, "heldout_problems": 8, "wall_s": 2.2278114360015024,
-    "samples": 16, "samples_per_s": 7.181936380000344, "tokens_per_s": 86.18323656000413, "dropped_stale": 0,
-    "uniform_skipped": 10, "checkpoint": "/tmp/run/final", "final": "/tmp/run/final", "best": None,
-    "initial_policy": "/tmp/cache/models/7ad7f6eb986a4976350c", "metrics": "/tmp/run/metrics.jsonl",
-    "log": "/tmp/run/log.txt", "curves": "/tmp/run/curves.png", "tensorboard": "/tmp/run", "resumed_from": None,
-    "faults": {"sampler_losses": 0, "sampler_rejoins": 0, "rebuilds": 1}, "fault_log": []}
+    "steps": 4,
+    "mode": "async",
+    "heldout_before": {"greedy": 0.0, "sampled": 0.0},
+    "heldout_after": {"greedy": 0.0, "sampled": 0.0},
+    "heldout_problems": 8,
+    "wall_s": 2.2278114360015024,
+    "samples": 16,
+    "samples_per_s": 7.181936380000344,
+    "tokens_per_s": 86.18323656000413,
+    "dropped_stale": 0,
+    "uniform_skipped": 10,
+    "checkpoint": "/tmp/run/final",
+    "final": "/tmp/run/final",
+    "best": None,
+    "initial_policy": "/tmp/cache/models/7ad7f6eb986a4976350c",
+    "metrics": "/tmp/run/metrics.jsonl",
+    "log": "/tmp/run/log.txt",
+    "curves": "/tmp/run/curves.png",
+    "tensorboard": "/tmp/run",
+    "resumed_from": None,
+    "faults": {"sampler_losses": 0, "sampler_rejoins": 0, "rebuilds": 1},
+    "fault_log": [],
+}
 """summary.json of a default run as main wrote it (a dict, json.dump with indent 2) before it was typed."""
 
 
@@ -188,12 +230,29 @@ def test_the_summary_json_is_written_as_main_wrote_it(tmp_path):
 
 def test_the_summary_states_the_gain_and_where_things_are(tmp_path):
     summary = report.RunSummary(
-        steps=500, mode="async", wall_s=434.4, resumed_from=None, heldout_problems=500,
-        heldout_before={"greedy": 0.256, "sampled": 0.128}, heldout_after={"greedy": 0.284, "sampled": 0.245},
-        samples=63800, samples_per_s=147.0, tokens_per_s=4000.0, dropped_stale=3, uniform_skipped=0, faults={},
-        fault_log=[], checkpoint=str(tmp_path / "final"), final=str(tmp_path / "final"),
-        best={"path": str(tmp_path / "best"), "step": 400, "heldout": {"greedy": 0.37}}, initial_policy="/m",
-        metrics=str(tmp_path / "metrics.jsonl"), log=str(tmp_path / "log.txt"), curves="", tensorboard="")
+        steps=500,
+        mode="async",
+        wall_s=434.4,
+        resumed_from=None,
+        heldout_problems=500,
+        heldout_before={"greedy": 0.256, "sampled": 0.128},
+        heldout_after={"greedy": 0.284, "sampled": 0.245},
+        samples=63800,
+        samples_per_s=147.0,
+        tokens_per_s=4000.0,
+        dropped_stale=3,
+        uniform_skipped=0,
+        faults={},
+        fault_log=[],
+        checkpoint=str(tmp_path / "final"),
+        final=str(tmp_path / "final"),
+        best={"path": str(tmp_path / "best"), "step": 400, "heldout": {"greedy": 0.37}},
+        initial_policy="/m",
+        metrics=str(tmp_path / "metrics.jsonl"),
+        log=str(tmp_path / "log.txt"),
+        curves="",
+        tensorboard="",
+    )
     text = report.summary_text(summary)
     lines = text.splitlines()
     assert lines[0] == "GRPO finished: 500 steps in 7 min 14 s (async mode)"
@@ -230,12 +289,46 @@ def test_the_run_log_keeps_what_the_terminal_shows(tmp_path):
 # --- with processes -------------------------------------------------------------------------------
 
 
-TINY = ("--run.groups_per_step", "4", "--sampler.group_size", "4", "--sampler.prompts_per_batch", "4",
-        "--sampler.max_new_tokens", "24", "--run.n_train", "400", "--run.n_heldout", "8", "--run.eval_every", "1000",
-        "--run.eval_samples", "0", "--run.checkpoint_every", "0", "--run.mode", "sync",
-        "--run.generate_timeout_s", "30", "--run.queue_timeout_s", "90", "--run.train_timeout_s", "60",
-        "--run.sync_timeout_s", "10", "--run.rendezvous_timeout_s", "20", "--run.restart_timeout_s", "60",
-        "--run.eval_timeout_s", "60", "--run.checkpoint_timeout_s", "60", "--sampler.backend", "hf")
+TINY = (
+    "--run.groups_per_step",
+    "4",
+    "--sampler.group_size",
+    "4",
+    "--sampler.prompts_per_batch",
+    "4",
+    "--sampler.max_new_tokens",
+    "24",
+    "--run.n_train",
+    "400",
+    "--run.n_heldout",
+    "8",
+    "--run.eval_every",
+    "1000",
+    "--run.eval_samples",
+    "0",
+    "--run.checkpoint_every",
+    "0",
+    "--run.mode",
+    "sync",
+    "--run.generate_timeout_s",
+    "30",
+    "--run.queue_timeout_s",
+    "90",
+    "--run.train_timeout_s",
+    "60",
+    "--run.sync_timeout_s",
+    "10",
+    "--run.rendezvous_timeout_s",
+    "20",
+    "--run.restart_timeout_s",
+    "60",
+    "--run.eval_timeout_s",
+    "60",
+    "--run.checkpoint_timeout_s",
+    "60",
+    "--sampler.backend",
+    "hf",
+)
 
 
 def tiny(model_path: str, run_dir, *overrides: str) -> GRPOConfig:
@@ -264,15 +357,19 @@ def snapshot(run_dir) -> dict[str, bytes]:
     return out
 
 
-async def test_a_damaged_checkpoint_is_skipped_and_group_ids_stay_unique_across_the_resume(model_path, tmp_path,
-                                                                                           monkeypatch):
+async def test_a_damaged_checkpoint_is_skipped_and_group_ids_stay_unique_across_the_resume(
+    model_path, tmp_path, monkeypatch
+):
     run_dir = tmp_path / "run"
     # Every evaluation of the first segment counts as a new best until one does not beat the last:
     # with the real rule (beat the policy before GRPO) a 4-step run of a tiny model might save none.
     monkeypatch.setattr(GRPODriver, "best_greedy", lambda self: self.best["heldout"]["greedy"] if self.best else -1.0)
     async with Supervisor() as sup:
-        first = await train(tiny(model_path, run_dir, "--run.steps", "4", "--run.checkpoint_every", "2",
-                                 "--run.eval_every", "1"), sup, log=lambda *a: None)
+        first = await train(
+            tiny(model_path, run_dir, "--run.steps", "4", "--run.checkpoint_every", "2", "--run.eval_every", "1"),
+            sup,
+            log=lambda *a: None,
+        )
     monkeypatch.undo()
     evaluated = [(r["heldout_solve_rate"], r["step"]) for r in records(run_dir)]
     best_rate = max(rate for rate, _ in evaluated)
@@ -299,7 +396,8 @@ async def test_a_damaged_checkpoint_is_skipped_and_group_ids_stay_unique_across_
     assert "\n" not in str(info.value) and str(info.value) == (
         f"--resume {run_dir}: no usable checkpoint: checkpoint step-4 is damaged (trainer.pt: size 0, "
         f"expected {size}); checkpoint step-2 is damaged (run_state.json: contents differ from the manifest (SHA-256 "
-        + str(info.value).split("SHA-256 ", 1)[1])
+        + str(info.value).split("SHA-256 ", 1)[1]
+    )
     assert snapshot(run_dir) == before
 
     # step-2 good again: the resume says what it skipped and continues from step 2.
@@ -328,11 +426,14 @@ async def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_debris(mode
     monkeypatch.setenv(FAIL_ENV, "2")  # the trainer inherits it: its write of step 2 fails with ENOSPC
     async with Supervisor() as sup:
         with pytest.raises(RunDirError) as info:
-            await train(tiny(model_path, run_dir, "--run.steps", "4", "--run.checkpoint_every", "2"), sup,
-                        log=lambda *a: None)
-    assert str(info.value) == (f"run stopped after step 2 (writing its checkpoint): cannot write the checkpoint of "
-                               f"step 2 to {run_dir}/checkpoints: No space left on device; no checkpoint was written "
-                               "yet; nothing to resume")
+            await train(
+                tiny(model_path, run_dir, "--run.steps", "4", "--run.checkpoint_every", "2"), sup, log=lambda *a: None
+            )
+    assert str(info.value) == (
+        f"run stopped after step 2 (writing its checkpoint): cannot write the checkpoint of "
+        f"step 2 to {run_dir}/checkpoints: No space left on device; no checkpoint was written "
+        "yet; nothing to resume"
+    )
     assert os.listdir(run_dir / "checkpoints") == []
     assert not [n for n in os.listdir(run_dir) if ".tmp-" in n]
     (stop,) = [e for e in events(run_dir) if e["event"] == "stopped"]
@@ -343,14 +444,31 @@ async def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_no_debris(mode
 def launch(tmp_path, *args, **kwargs) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     script = os.path.join(ROOT, "examples", "grpo_countdown.py")
-    return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "launch", script, *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "launch", script, *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def test_sigint_says_how_to_resume_and_records_the_stop(model_path, tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(tmp_path, "--model_path", model_path, "--run.run_dir", str(run_dir), *TINY, "--run.steps", "200",
-                  "--run.checkpoint_every", "2")
+    proc = launch(
+        tmp_path,
+        "--model_path",
+        model_path,
+        "--run.run_dir",
+        str(run_dir),
+        *TINY,
+        "--run.steps",
+        "200",
+        "--run.checkpoint_every",
+        "2",
+    )
     try:
         deadline = time.monotonic() + 150
         while not (run_dir / "checkpoints" / "step-00000002").exists():
@@ -382,6 +500,8 @@ def test_sigint_says_how_to_resume_and_records_the_stop(model_path, tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, out[-3000:] + err[-3000:]
     (line,) = err.strip().splitlines()  # the example's one line: its own prefix, then the error
-    assert line.endswith(f": --resume {bare}: no checkpoint was written yet (the first is written at step 2, "
-                         "--run.checkpoint_every 2); nothing to resume"), err
+    assert line.endswith(
+        f": --resume {bare}: no checkpoint was written yet (the first is written at step 2, "
+        "--run.checkpoint_every 2); nothing to resume"
+    ), err
     assert sorted(os.listdir(bare)) == ["config.json"]

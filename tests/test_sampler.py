@@ -15,9 +15,9 @@ import torch
 from asyncrl import RemoteError, Supervisor, endpoint
 from asyncrl.comm.member import SyncMember, form_group
 from asyncrl.comm.weights import WeightSender
-from asyncrl.rl.rollout import validate_group
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
+from asyncrl.rl.rollout import validate_group
 from asyncrl.rl.sampler.actor import SamplerActor
 from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerTimeoutError, SamplingParams
 
@@ -41,8 +41,9 @@ class WeightPusher(SyncMember):
 
     @endpoint
     async def setup(self, timeout_s: float = 20.0) -> int:
-        self.sender = await asyncio.to_thread(WeightSender.create, self.sync_comm, self.sync_group, self.state,
-                                              timeout_s=timeout_s)
+        self.sender = await asyncio.to_thread(
+            WeightSender.create, self.sync_comm, self.sync_group, self.state, timeout_s=timeout_s
+        )
         return len(self.sender.layout.buckets)
 
     @endpoint
@@ -66,8 +67,18 @@ def backend(policy):
 # --- SamplingParams -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"temperature": float("nan")},
-                                 {"top_p": 0.0}, {"top_p": 1.5}, {"stop_token_ids": [-1]}, {"seed": -3}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_new_tokens": 0},
+        {"temperature": -1.0},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"stop_token_ids": [-1]},
+        {"seed": -3},
+    ],
+)
 def test_sampling_params_are_validated(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -95,7 +106,9 @@ async def test_logprobs_match_recomputation(backend, policy, prompts, temperatur
 
 async def test_top_p_logprobs_are_of_the_renormalised_nucleus(backend, policy, prompts):
     model, top_p, temperature = policy[0], 0.5, 0.8
-    out = await backend.generate(prompts[:2], 2, SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p))
+    out = await backend.generate(
+        prompts[:2], 2, SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p)
+    )
     for prompt, group in zip(prompts, out):
         for c in group:
             with torch.no_grad():
@@ -118,8 +131,8 @@ async def test_stop_tokens_and_max_new_tokens(backend, prompts):
     cut = max(i for i in range(16) if free.token_ids[i] not in free.token_ids[:i])
     stop = free.token_ids[cut]
     [[stopped]] = await backend.generate(prompts[:1], 1, msgspec.structs.replace(greedy, stop_token_ids=[stop]))
-    assert stopped.token_ids == free.token_ids[:cut + 1] and stopped.finish_reason == "stop"
-    assert stopped.logprobs == pytest.approx(free.logprobs[:cut + 1], abs=1e-5)
+    assert stopped.token_ids == free.token_ids[: cut + 1] and stopped.finish_reason == "stop"
+    assert stopped.logprobs == pytest.approx(free.logprobs[: cut + 1], abs=1e-5)
     [[short]] = await backend.generate(prompts[:1], 1, msgspec.structs.replace(greedy, max_new_tokens=3))
     assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
 
@@ -180,7 +193,6 @@ async def test_seeded_calls_are_reproducible(backend, prompts):
     assert (await backend.generate(prompts, 1, unseeded)) != (await backend.generate(prompts, 1, unseeded))
 
 
-
 # --- HFBackend: stop strings ----------------------------------------------------------------------
 
 
@@ -210,7 +222,7 @@ async def test_a_stop_string_ends_a_row_at_the_token_that_completes_it(backend, 
     # (vLLM's default: include_stop_str_in_output=False).
     assert got.token_ids == free.token_ids[:end] and got.finish_reason == "stop"
     assert got.logprobs == pytest.approx(free.logprobs[:end], abs=1e-5)
-    assert got.text == free.text[:free.text.index(needle)]
+    assert got.text == free.text[: free.text.index(needle)]
     # Of several strings the one completed first ends it; one never written changes nothing.
     later = free.text[14:17]
     [[both]] = await backend.generate(text_prompts[:1], 1, msgspec.structs.replace(greedy, stop=[later, needle]))
@@ -230,7 +242,7 @@ async def test_stop_strings_stop_rows_independently_and_a_stop_token_wins(backen
             if needle in a.text:
                 end = _first_holding(tok, a.token_ids, needle)
                 assert b.token_ids == a.token_ids[:end] and b.finish_reason == "stop"
-                assert b.text == a.text[:a.text.index(needle)]
+                assert b.text == a.text[: a.text.index(needle)]
             else:
                 assert b == a
     # A stop token before the string ends the row there, its text without the token as ever.
@@ -239,7 +251,7 @@ async def test_stop_strings_stop_rows_independently_and_a_stop_token_wins(backen
     both = msgspec.structs.replace(params, stop=[needle], stop_token_ids=[token])
     c = (await backend.generate(text_prompts, 3, both))[1][0]  # the same seeds: the same prompt index
     cut = first.token_ids.index(token)
-    assert c.token_ids == first.token_ids[:cut + 1] and c.finish_reason == "stop"
+    assert c.token_ids == first.token_ids[: cut + 1] and c.finish_reason == "stop"
     assert c.text == tok.decode(first.token_ids[:cut], skip_special_tokens=True)
 
 
@@ -330,6 +342,7 @@ async def test_in_flight_load_goes_in_between_decoding_steps(backend, policy, pr
             seen.append(backend._inflight)
             for k, v in tensors.items():
                 v.copy_(state[k])
+
         return load
 
     seen: list[int] = []
@@ -397,8 +410,10 @@ def _modified_weights(model, path: str) -> str:
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(1)
-    state = {name: (p.detach() + 0.5 * torch.randn(p.shape, generator=g)).contiguous()
-             for name, p in model.named_parameters()}
+    state = {
+        name: (p.detach() + 0.5 * torch.randn(p.shape, generator=g)).contiguous()
+        for name, p in model.named_parameters()
+    }
     file = os.path.join(path, "modified.safetensors")
     save_file(state, file)
     return file
@@ -415,11 +430,23 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
     async with Supervisor(call_timeout_s=60) as sup:
         sampler, pusher = await asyncio.gather(
             # The HF backend, weights taken after the batch in flight (the actor's defaults once).
-            sup.spawn(SamplerActor, tiny_path, SamplerConfig(
-                group_size=3, prompts_per_batch=2, max_new_tokens=24, temperature=1.0, weight_update="pause",
-                backend="hf"), name="smp", kwargs=dict(
-                data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT, data_seed=5), seed=1), env=ONE_THREAD),
-            sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD))
+            sup.spawn(
+                SamplerActor,
+                tiny_path,
+                SamplerConfig(
+                    group_size=3,
+                    prompts_per_batch=2,
+                    max_new_tokens=24,
+                    temperature=1.0,
+                    weight_update="pause",
+                    backend="hf",
+                ),
+                name="smp",
+                kwargs=dict(data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT, data_seed=5), seed=1),
+                env=ONE_THREAD,
+            ),
+            sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD),
+        )
         await form_group([pusher, sampler], HOST, timeout_s=30)
         assert (await asyncio.gather(pusher.setup(), sampler.setup_receiver(20)))[0] >= 1
         before = await sampler.generate(probe, 1, greedy)
@@ -430,12 +457,16 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
         for g in first:
             validate_group(g)
             assert g.version == 0 and g.sampler == "smp" and g.group_size == 3 and g.generate_s > 0
-            assert g.prompt_ids == fmt.render_ids(Countdown().prompt(train[g.prompt_id]))  # prompt_id indexes the train split
+            assert g.prompt_ids == fmt.render_ids(
+                Countdown().prompt(train[g.prompt_id])
+            )  # prompt_id indexes the train split
             assert all(len(c) >= 1 for c in g.completion_ids) and g.finished_at <= time.time()
 
         # A generate in flight when the sync begins finishes under the old weights, then the
         # sync goes ahead (the call arrives first on the same connection, so it is in flight).
-        inflight = asyncio.ensure_future(sampler.generate(probe * 8, 4, msgspec.structs.replace(greedy, max_new_tokens=400)))
+        inflight = asyncio.ensure_future(
+            sampler.generate(probe * 8, 4, msgspec.structs.replace(greedy, max_new_tokens=400))
+        )
         await asyncio.sleep(0.1)
         _, synced = await asyncio.gather(pusher.send(1), sampler.receive_weights(1))
         assert inflight.done() and synced.seconds > 0
@@ -496,13 +527,21 @@ async def test_sampler_actor_takes_weights_in_flight(tmp_path):
     # Random weights stop a row within 300 tokens ~2/3 of the time; all 32 stopping early: ~4e-6.
     wide = write_tiny(str(tmp_path / "wide"), hidden_size=256)
     weights_file = _modified_weights(load_policy(wide)[0], str(tmp_path))
-    long = SamplerConfig(group_size=4, prompts_per_batch=8, max_new_tokens=300, temperature=1.0,
-                         weight_update="in_flight", backend="hf")
+    long = SamplerConfig(
+        group_size=4, prompts_per_batch=8, max_new_tokens=300, temperature=1.0, weight_update="in_flight", backend="hf"
+    )
     async with Supervisor(call_timeout_s=60) as sup:
         sampler, pusher = await asyncio.gather(
-            sup.spawn(SamplerActor, wide, long, name="smp", kwargs=dict(
-                data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT), seed=1), env=ONE_THREAD),
-            sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD))
+            sup.spawn(
+                SamplerActor,
+                wide,
+                long,
+                name="smp",
+                kwargs=dict(data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT), seed=1),
+                env=ONE_THREAD,
+            ),
+            sup.spawn(WeightPusher, weights_file, name="pusher", env=ONE_THREAD),
+        )
         await form_group([pusher, sampler], HOST, timeout_s=30)
         await asyncio.gather(pusher.setup(), sampler.setup_receiver(20))
 

@@ -20,19 +20,22 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.rl.driver.fleet.membership import MemberState
-from asyncrl.rl.driver.fleet.scaling import ScaleRefusedError, Scaler, check_target
+from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, check_target
 from asyncrl.rl.rollout import RolloutGroup
-
 from test_recovery_pool import GOT, SENT, Scripted, make_pool
 
 pytestmark = pytest.mark.timeout(60)
-JOINS = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)],
-             restore_data_state=[(0.0, None)])
+JOINS = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], restore_data_state=[(0.0, None)])
 
 
 def trainer(send_s: float = 0.0) -> Scripted:
-    return Scripted("trainer", send_weights=[(send_s, SENT)], sync_listen=[(0.0, 1234)], sync_join=[(0.0, "gloo")],
-                    setup_sender=[(0.0, 1)])
+    return Scripted(
+        "trainer",
+        send_weights=[(send_s, SENT)],
+        sync_listen=[(0.0, 1234)],
+        sync_join=[(0.0, "gloo")],
+        setup_sender=[(0.0, 1)],
+    )
 
 
 def sampler(name: str) -> Scripted:
@@ -48,8 +51,9 @@ def scaler_of(pool, logs: list[str], stopped: list[str], spawned: dict[int, Scri
         stopped.append(handle.name)
         handle.set_state("stopped")
 
-    return Scaler(pool, spawn, stop, seed_of=lambda i: i, device="cpu", colocated=False, free_gpus=lambda: 0,
-                  log=logs.append)
+    return Scaler(
+        pool, spawn, stop, seed_of=lambda i: i, device="cpu", colocated=False, free_gpus=lambda: 0, log=logs.append
+    )
 
 
 async def test_a_drain_asked_during_a_sync_is_applied_at_the_next_one_with_one_reformation():
@@ -150,8 +154,7 @@ def test_a_size_beyond_the_devices_is_refused_in_one_line():
     assert check_target(3, active=2, **plan) == 3
     with pytest.raises(ScaleRefusedError) as e:
         check_target(5, active=2, **plan)
-    assert str(e.value) == ("--samplers 5: 3 more sampler(s) need a GPU each, but 1 GPU(s) are free; "
-                            "ask for at most 3")
+    assert str(e.value) == ("--samplers 5: 3 more sampler(s) need a GPU each, but 1 GPU(s) are free; ask for at most 3")
     with pytest.raises(ScaleRefusedError, match=r"ask for at most 2, or start the run with --sampler.count 3$"):
         check_target(3, active=2, device="cuda", colocated=True, started=2, free_gpus=0)
     for bad in (0, -1, "3", True, 2.5):
@@ -167,8 +170,12 @@ def test_a_cpu_sampler_started_by_a_scale_up_goes_to_the_node_with_the_fewest():
     from asyncrl.rl.driver.fleet.scaling import least_loaded_node
 
     nodes = [S(rank=0, state="joined"), S(rank=1, state="joined"), S(rank=2, state="lost: silent")]
-    actors = [S(name="trainer", state="running", node=1), S(name="sampler0", state="running", node=0),
-              S(name="sampler1", state="stopped", node=1), S(name="sampler2", state="running", node=2)]
+    actors = [
+        S(name="trainer", state="running", node=1),
+        S(name="sampler0", state="running", node=0),
+        S(name="sampler1", state="stopped", node=1),
+        S(name="sampler2", state="running", node=2),
+    ]
     assert least_loaded_node(nodes, actors) == 1  # a node that joined late, with no sampler yet
     actors.append(S(name="sampler3", state="starting", node=1))
     assert least_loaded_node(nodes, actors) == 0  # a tie: the lowest rank; a lost node never
@@ -217,12 +224,14 @@ async def test_a_checkpoint_records_the_scaled_size_and_a_resumed_scaler_keeps_i
             async def save_checkpoint(run_dir: str, step: int, keep: int, state: bytes) -> str:
                 self.saved.append(msgspec.json.decode(state, type=RunState))
                 return f"{run_dir}/checkpoints/step_{step}"
+
             return SimpleNamespace(save_checkpoint=save_checkpoint)
 
     config = parse_overrides(GRPOConfig(), ["--run.run_dir", str(tmp_path)])
     logs, stopped, saver = [], [], Trainer()
-    driver = GRPODriver(config, saver, [sampler("sampler0")], str(tmp_path), logs.append, host="127.0.0.1",
-                        backend="gloo", seeds=[0])
+    driver = GRPODriver(
+        config, saver, [sampler("sampler0")], str(tmp_path), logs.append, host="127.0.0.1", backend="gloo", seeds=[0]
+    )
     driver.scaler = scaler_of(driver.pool, logs, stopped, {1: sampler("sampler1"), 2: sampler("sampler2")})
     try:
         await driver.checkpoint(1)
@@ -237,9 +246,18 @@ async def test_a_checkpoint_records_the_scaled_size_and_a_resumed_scaler_keeps_i
     # the resume is replaced, as it would have been before the checkpoint.
     samplers = [sampler(f"sampler{i}") for i in range(3)]
     pool = make_pool(trainer(), samplers, logs)
-    resumed = Scaler(pool, lambda i: asyncio.sleep(0.1, result=sampler(f"sampler{i}")), stopped.append,
-                     seed_of=lambda i: i, device="cpu", colocated=False, free_gpus=lambda: 0, log=logs.append,
-                     started=1, target=3)
+    resumed = Scaler(
+        pool,
+        lambda i: asyncio.sleep(0.1, result=sampler(f"sampler{i}")),
+        stopped.append,
+        seed_of=lambda i: i,
+        device="cpu",
+        colocated=False,
+        free_gpus=lambda: 0,
+        log=logs.append,
+        started=1,
+        target=3,
+    )
     try:
         samplers[2].restarts = samplers[2].max_restarts
         samplers[2].set_state("dead")
@@ -268,8 +286,10 @@ async def test_the_samplers_of_a_node_leaving_are_drained_at_one_reformation():
         await pool.sync(1)
         assert pool.generation == 0 and not stopped  # nothing is leaving: a plain sync
         for i in range(2):  # groups sampler1 delivered before: accepted, they stay
-            assert await pool.queue.put(RolloutGroup(i, [1], [[2], [3]], [[-0.1], [-0.2]], [0.0, 1.0], version=1,
-                                                     uid=f"sampler1/1/{i + 1}"), timeout_s=1.0)
+            assert await pool.queue.put(
+                RolloutGroup(i, [1], [[2], [3]], [[-0.1], [-0.2]], [0.0, 1.0], version=1, uid=f"sampler1/1/{i + 1}"),
+                timeout_s=1.0,
+            )
         nodes[1] = SimpleNamespace(rank=1, hostname="host1", state="draining: received SIGTERM")
         await scaler.at_sync()
         await scaler.at_sync()  # drained once, not again

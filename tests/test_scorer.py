@@ -34,8 +34,9 @@ async def test_waiting_requests_share_one_pass_and_match_a_plain_forward(tiny_pa
         for i, result in enumerate(results):
             assert [len(r) for r in result] == [len(c) for c in COMPLETIONS]
             for lps, tokens in zip(result, COMPLETIONS):
-                torch.testing.assert_close(torch.tensor(lps), recomputed(model, prompts[i % 3], tokens, 0.7),
-                                           atol=1e-5, rtol=0)
+                torch.testing.assert_close(
+                    torch.tensor(lps), recomputed(model, prompts[i % 3], tokens, 0.7), atol=1e-5, rtol=0
+                )
         # a token budget smaller than two requests: one pass each, the same numbers
         scorer.batch_tokens = 1
         again = [asyncio.ensure_future(scorer.teacher_logprobs(prompts[0], COMPLETIONS)) for _ in range(2)]
@@ -47,7 +48,9 @@ async def test_waiting_requests_share_one_pass_and_match_a_plain_forward(tiny_pa
         await scorer.on_stop()
 
 
-async def test_the_actor_refuses_bad_requests_and_the_driver_retries_it_on_its_restart_until_gone(tiny_path, policy, prompts):
+async def test_the_actor_refuses_bad_requests_and_the_driver_retries_it_on_its_restart_until_gone(
+    tiny_path, policy, prompts
+):
     from asyncrl.rl.driver.faults import RunStoppedError
     from asyncrl.rl.driver.teacher import ScorerLostError, Teacher
     from asyncrl.rl.rollout import RolloutGroup
@@ -63,8 +66,9 @@ async def test_the_actor_refuses_bad_requests_and_the_driver_retries_it_on_its_r
         with pytest.raises(ScorerError, match="empty prompt"):
             await handle.teacher_logprobs([], [[1]])
         (lps,) = await handle.teacher_logprobs(prompts[1], [COMPLETIONS[2]])
-        torch.testing.assert_close(torch.tensor(lps), recomputed(policy[0], prompts[1], COMPLETIONS[2], 1.0),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(lps), recomputed(policy[0], prompts[1], COMPLETIONS[2], 1.0), atol=1e-5, rtol=0
+        )
         stats = await handle.stats()
         assert stats["requests"] == 1 and stats["tokens"] == len(prompts[1]) + 6 and stats["score_s"] > 0
 
@@ -73,9 +77,15 @@ async def test_the_actor_refuses_bad_requests_and_the_driver_retries_it_on_its_r
         scored = await teacher.annotate(group)  # waits for the restart, then scores
         assert handle.info().incarnation == 2 and lines and "scorer (incarnation 1) lost" in lines[0]
         for lps, tokens in zip(scored.teacher_logprobs, COMPLETIONS):
-            torch.testing.assert_close(torch.tensor(lps), recomputed(policy[0], prompts[0], tokens, 1.0), atol=1e-5, rtol=0)
-        with pytest.raises(RunStoppedError, match="the scorer failed on the group of prompt 7: ScorerError: .*vocabulary"):
+            torch.testing.assert_close(
+                torch.tensor(lps), recomputed(policy[0], prompts[0], tokens, 1.0), atol=1e-5, rtol=0
+            )
+        with pytest.raises(
+            RunStoppedError, match="the scorer failed on the group of prompt 7: ScorerError: .*vocabulary"
+        ):
             await teacher.annotate(RolloutGroup(7, prompts[0], [[vocab]], [[0.0]], [0.0], version=0))
         assert handle.kill("test: lost again, no restart left")
-        with pytest.raises(ScorerLostError, match=r"the scorer (did not come back after incarnation 2|is not running) "):
+        with pytest.raises(
+            ScorerLostError, match=r"the scorer (did not come back after incarnation 2|is not running) "
+        ):
             await teacher.annotate(group)

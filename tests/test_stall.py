@@ -14,12 +14,11 @@ import pytest
 
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, parse_overrides
-from asyncrl.rl.observe.endpoint import MetricsEndpoint
-from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.driver.fleet.membership import MemberState
+from asyncrl.rl.driver.grpo import GRPODriver
+from asyncrl.rl.observe.endpoint import MetricsEndpoint
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.runtime.status import StatusServer
-
 from test_observe import get
 from test_recovery_pool import Scripted, rollout
 from test_status import status_cli
@@ -135,12 +134,24 @@ async def test_a_step_that_ends_while_its_wait_is_described_is_no_stall():
 async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_503_from_healthz(tmp_path):
     # Issue 30's state: step 40 waits for its batch, 14 of 16 groups queued, the one sampler in
     # the group and idle, nothing paced in flight. The real driver, pool, pacer and queue.
-    config = parse_overrides(GRPOConfig(), ["--run.groups_per_step", "16", "--run.stall_factor", "3",
-                                            "--run.stall_floor_s", "1", "--run.run_dir", str(tmp_path)])
+    config = parse_overrides(
+        GRPOConfig(),
+        [
+            "--run.groups_per_step",
+            "16",
+            "--run.stall_factor",
+            "3",
+            "--run.stall_floor_s",
+            "1",
+            "--run.run_dir",
+            str(tmp_path),
+        ],
+    )
     sampler = Scripted("sampler0", stats=[(0.0, {"generating": 0, "groups": 8})])
     logs: list[str] = []
-    driver = GRPODriver(config, Scripted("trainer"), [sampler], str(tmp_path), logs.append, host="127.0.0.1",
-                        backend="gloo", seeds=[0])
+    driver = GRPODriver(
+        config, Scripted("trainer"), [sampler], str(tmp_path), logs.append, host="127.0.0.1", backend="gloo", seeds=[0]
+    )
     m = driver.pool.members[0]
     m.state, m.incarnation = MemberState.JOINED, 2
     driver.step_done = driver.version = 39
@@ -148,8 +159,16 @@ async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_5
         assert await driver.queue.put(rollout(39, i), timeout_s=1.0)
     server = StatusServer(str(tmp_path), actors=lambda: [], nodes=lambda: [], progress=driver.progress)
     server.start()
-    endpoint = MetricsEndpoint("127.0.0.1", 0, statuses=lambda: [], probes=lambda: {}, snapshot=driver.snapshot,
-                               timeout_s=2.0, loop=asyncio.get_running_loop(), stalled=lambda: driver.stall.reason)
+    endpoint = MetricsEndpoint(
+        "127.0.0.1",
+        0,
+        statuses=lambda: [],
+        probes=lambda: {},
+        snapshot=driver.snapshot,
+        timeout_s=2.0,
+        loop=asyncio.get_running_loop(),
+        stalled=lambda: driver.stall.reason,
+    )
     base = f"http://127.0.0.1:{endpoint.port}"
     task = asyncio.ensure_future(driver.stall.run())
     try:
@@ -160,8 +179,10 @@ async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_5
         driver.waiting = "batch"
         await until(lambda: driver.stall.reason, what="the stall")
         reason = driver.stall.reason
-        line = (r"no step for (\d+) s \(recent steps took 0\.\d s; a stall after 1 s\): step 40 waits for "
-                r"2 of 16 groups \(14 queued\); sampler0 in group, generating 0; paced in flight 0")
+        line = (
+            r"no step for (\d+) s \(recent steps took 0\.\d s; a stall after 1 s\): step 40 waits for "
+            r"2 of 16 groups \(14 queued\); sampler0 in group, generating 0; paced in flight 0"
+        )
         assert re.fullmatch(line, reason), reason
         assert f"stalled: {reason}" in logs
 

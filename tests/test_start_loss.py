@@ -23,7 +23,6 @@ import pytest
 from asyncrl import Supervisor
 from asyncrl.rl.driver.faults import NoSamplersError
 from asyncrl.rl.driver.run import train
-
 from test_fault_tolerance import check_whole, records, tiny
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,8 +49,9 @@ def events(run_dir) -> list[dict]:
 async def run_with_sampler0_killed(model_path: str, run_dir, restarts: int) -> tuple[dict, list[str], dict]:
     """A 6-step run of two samplers whose sampler0 is SIGKILLed while it starts; its summary, its
     log lines and each actor's (state, restarts) at the end."""
-    config = tiny(model_path, run_dir, "--run.steps", "6", "--sampler.count", "2",
-                  "--run.sampler_max_restarts", str(restarts))
+    config = tiny(
+        model_path, run_dir, "--run.steps", "6", "--sampler.count", "2", "--run.sampler_max_restarts", str(restarts)
+    )
     logs: list[str] = []
     async with Supervisor() as sup:
         killer = asyncio.ensure_future(kill_while_starting(sup, "sampler0"))
@@ -81,8 +81,10 @@ async def test_with_no_restarts_the_run_trains_with_the_sampler_that_came_up(mod
     assert all(r["samplers_in_group"] == 1 for r in recs)
     assert all(uid.startswith("sampler1/") for r in recs for uid in r["group_ids"])
     (line,) = [line for line in logs if "never came up" in line]
-    assert line == ("sampler0 never came up (restarts 0/0, --run.sampler_max_restarts): process killed by SIGKILL "
-                    "during start; the run goes on with 1 of 2 sampler(s)"), line
+    assert line == (
+        "sampler0 never came up (restarts 0/0, --run.sampler_max_restarts): process killed by SIGKILL "
+        "during start; the run goes on with 1 of 2 sampler(s)"
+    ), line
     (failed,) = [e for e in events(run_dir) if e["event"] == "start_failed"]
     assert failed["sampler"] == "sampler0" and failed["detail"] == "process killed by SIGKILL during start", failed
     progress = json.loads((run_dir / "progress.json").read_text())
@@ -102,7 +104,9 @@ async def test_with_no_sampler_up_the_run_stops_in_one_line(model_path, tmp_path
                 await killer
     message = str(info.value)
     assert "\n" not in message, message
-    assert message.startswith("run stopped while starting: no sampler came up (--run.sampler_max_restarts 0): "
-                              "sampler0: process killed by SIGKILL during start; "), message
+    assert message.startswith(
+        "run stopped while starting: no sampler came up (--run.sampler_max_restarts 0): "
+        "sampler0: process killed by SIGKILL during start; "
+    ), message
     (stopped,) = [e for e in events(run_dir) if e["event"] == "stopped"]
     assert stopped["cause"] == "NoSamplersError", stopped

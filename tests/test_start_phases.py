@@ -8,10 +8,9 @@ import time
 
 import pytest
 
+from actors import FreezesInStart, PhasedStart
 from asyncrl import ActorStartError, Supervisor, start_phase
 from asyncrl.runtime import startup
-
-from actors import FreezesInStart, PhasedStart
 from conftest import new_descendants
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,8 +71,9 @@ async def test_a_phase_that_overruns_its_budget_fails_naming_it_and_its_knob():
 
 
 async def test_a_process_frozen_in_its_start_fails_on_its_heartbeats_before_the_deadline():
-    async with Supervisor(start_timeout_s=30, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
-                          term_timeout_s=0.5) as sup:
+    async with Supervisor(
+        start_timeout_s=30, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, term_timeout_s=0.5
+    ) as sup:
         start = time.monotonic()
         with pytest.raises(ActorStartError, match=r"not ready: no heartbeat for 1\.\d s while 'about to freeze'"):
             await sup.spawn(FreezesInStart, name="frozen")

@@ -22,6 +22,7 @@ import msgspec
 import pytest
 import zmq
 
+from actors import Echo
 from asyncrl import ActorState, Supervisor
 from asyncrl.cli import main as cli_main
 from asyncrl.runtime.status import (
@@ -34,8 +35,6 @@ from asyncrl.runtime.status import (
     StatusUnavailableError,
     query_status,
 )
-
-from actors import Echo
 from conftest import process_alive, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,8 +44,14 @@ async def status_cli(*args: str, timeout_s: float = 30.0) -> tuple[int, str, str
     """`asyncrl status ...` in its own process; asynchronous, because the server it asks may be
     served by this test's own event loop."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "asyncrl.cli", "status", *args,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "status",
+        *args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
@@ -60,7 +65,7 @@ async def status_cli(*args: str, timeout_s: float = 30.0) -> tuple[int, str, str
 def socket_path(run_dir) -> str:
     address = json.loads((run_dir / "supervisor.json").read_text())["address"]
     assert address.startswith("ipc://")
-    return address[len("ipc://"):]
+    return address[len("ipc://") :]
 
 
 async def test_status_shows_every_actor_with_its_restart_and_the_progress(tmp_path):
@@ -69,7 +74,9 @@ async def test_status_shows_every_actor_with_its_restart_and_the_progress(tmp_pa
         flaky = await sup.spawn(Echo, name="flaky", max_restarts=2)
         killed = await flaky.getpid()
         os.kill(killed, signal.SIGKILL)
-        assert await asyncio.to_thread(wait_until, lambda: flaky.info().state == "running" and flaky.info().incarnation == 2, 10.0)
+        assert await asyncio.to_thread(
+            wait_until, lambda: flaky.info().state == "running" and flaky.info().incarnation == 2, 10.0
+        )
         server = await sup.serve_status(tmp_path, progress=lambda: {"step": 3, "version": 3, "loss": 0.125})
         path = socket_path(tmp_path)
         assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
@@ -80,7 +87,7 @@ async def test_status_shows_every_actor_with_its_restart_and_the_progress(tmp_pa
         assert lines[0].split() == ["run", str(tmp_path)]
         header = next(i for i, line in enumerate(lines) if line.startswith("ACTOR"))
         assert lines[header].split() == ["ACTOR", "NODE", "STATE", "PID", "RESTARTS", "HEARTBEAT", "ERROR"]
-        rows = {line.split()[0]: line.split() for line in lines[header + 1: header + 3]}
+        rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
         assert rows["steady"][:5] == ["steady", "0", "running", str(await steady.getpid()), "0/0"]
         assert rows["flaky"][:5] == ["flaky", "0", "running", str(await flaky.getpid()), "1/2"]
         assert rows["flaky"][5].endswith("s") and rows["flaky"][6] == "ago"
@@ -92,7 +99,10 @@ async def test_status_shows_every_actor_with_its_restart_and_the_progress(tmp_pa
         assert [a["state"] for a in json.loads(out)["actors"]] == ["running", "running"]  # an enum prints as its value
         assert [a.state for a in reply.actors] == [ActorState.RUNNING, ActorState.RUNNING]
         assert reply.pid == os.getpid() and reply.run_dir == str(tmp_path)
-        assert [(a.name, a.restarts, a.max_restarts, a.incarnation) for a in reply.actors] == [("steady", 0, 0, 1), ("flaky", 1, 2, 2)]
+        assert [(a.name, a.restarts, a.max_restarts, a.incarnation) for a in reply.actors] == [
+            ("steady", 0, 0, 1),
+            ("flaky", 1, 2, 2),
+        ]
         assert all(a.last_heartbeat_age_s is not None and a.last_heartbeat_age_s < 5 for a in reply.actors)
         assert reply.progress == {"step": 3, "version": 3, "loss": 0.125}
         assert [n.rank for n in reply.nodes] == [0]
@@ -192,7 +202,9 @@ async def test_garbage_frames_get_typed_failures_and_the_server_keeps_serving(tm
         server = await sup.serve_status(tmp_path, progress=lambda: {"ok": True})
         address = json.loads((tmp_path / "supervisor.json").read_text())["address"]
         answers = await asyncio.to_thread(_fuzz, address, seed)
-        assert all(isinstance(a, StatusFailure) for a in answers), [a for a in answers if not isinstance(a, StatusFailure)]
+        assert all(isinstance(a, StatusFailure) for a in answers), [
+            a for a in answers if not isinstance(a, StatusFailure)
+        ]
         kinds = {a.type_name for a in answers}
         assert kinds == {"ProtocolError", "MessageTooLargeError"}, kinds
         assert any("protocol 99" in a.message for a in answers)
@@ -235,7 +247,9 @@ def test_a_listener_that_never_answers_times_out_naming_the_address_and_the_wait
         assert cli_main(["status", str(tmp_path), "--timeout", "0.2"]) == 3
         assert "within 0.2 s" in capsys.readouterr().err
         # the same file with a pid start time that is not this process's: a recycled pid
-        (tmp_path / "supervisor.json").write_bytes(msgspec.json.encode(msgspec.structs.replace(record, pid_start_ticks=record.pid_start_ticks + 1)))
+        (tmp_path / "supervisor.json").write_bytes(
+            msgspec.json.encode(msgspec.structs.replace(record, pid_start_ticks=record.pid_start_ticks + 1))
+        )
         with pytest.raises(StatusUnavailableError, match="is gone") as info:
             query_status(str(tmp_path), 0.3)
         assert info.value.reason == "stale"
@@ -246,12 +260,20 @@ def test_a_listener_that_never_answers_times_out_naming_the_address_and_the_wait
 def test_a_sigkilled_supervisor_leaves_a_stale_file_and_status_says_not_running(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    driver = subprocess.Popen([sys.executable, __file__, "serve", str(run_dir)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    driver = subprocess.Popen(
+        [sys.executable, __file__, "serve", str(run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     try:
         started = json.loads(driver.stdout.readline())
-        code = subprocess.run([sys.executable, "-m", "asyncrl.cli", "status", str(run_dir), "--json"],
-                              capture_output=True, text=True, timeout=30)
+        code = subprocess.run(
+            [sys.executable, "-m", "asyncrl.cli", "status", str(run_dir), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert code.returncode == 0, code.stderr
         assert [a["name"] for a in json.loads(code.stdout)["actors"]] == ["held"]
         os.kill(driver.pid, signal.SIGKILL)
@@ -262,7 +284,9 @@ def test_a_sigkilled_supervisor_leaves_a_stale_file_and_status_says_not_running(
         driver.stdout.close()
     assert (run_dir / "supervisor.json").exists()  # nobody was left to remove it
     assert wait_until(lambda: not process_alive(started["actor"]), 10.0)  # the actor followed its parent
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "status", str(run_dir)], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "status", str(run_dir)], capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 1 and done.stdout == ""
     assert f"the supervisor is not running: pid {driver.pid}" in done.stderr and "stale" in done.stderr
     stale_socket = socket_path(run_dir)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from actors import Echo, ExitsInInit, FailsInInit, PhasedStart, SlowStart
 from asyncrl import (
     ActorDiedError,
     ActorStartError,
@@ -20,8 +21,6 @@ from asyncrl import (
 )
 from asyncrl.errors import ActorNotReadyError
 from asyncrl.runtime.config import SupervisorConfig
-
-from actors import Echo, ExitsInInit, FailsInInit, PhasedStart, SlowStart
 from conftest import new_descendants, process_alive, wait_until
 
 

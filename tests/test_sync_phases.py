@@ -17,7 +17,6 @@ from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.observe.sync_metrics import SYNC_METRICS, sync_record
 from asyncrl.rl.sampler.backend import SamplerSyncStats
-
 from test_packing import random_groups
 
 HOST = "127.0.0.1"
@@ -47,8 +46,15 @@ async def test_a_real_sync_between_the_trainer_and_an_hf_sampler_is_split_into_p
     async with Supervisor(call_timeout_s=120) as sup:
         t, s = await asyncio.gather(
             sup.spawn(TrainerActor, embedded_path, TrainerConfig(lr=1e-2), name="trainer", env=ONE_THREAD),
-            sup.spawn(SamplerActor, embedded_path, SamplerConfig(backend="hf", group_size=2, max_new_tokens=8),
-                      name="sampler", env=ONE_THREAD, kwargs=dict(data=DataConfig(n_train=20, n_heldout=8))))
+            sup.spawn(
+                SamplerActor,
+                embedded_path,
+                SamplerConfig(backend="hf", group_size=2, max_new_tokens=8),
+                name="sampler",
+                env=ONE_THREAD,
+                kwargs=dict(data=DataConfig(n_train=20, n_heldout=8)),
+            ),
+        )
         assert (await s.stats())["weight_dtype"] == "float32"  # the embedded model's: the wire's dtype
         await form_group([t, s], HOST, timeout_s=60)
         await asyncio.gather(t.setup_sender(30, 64 << 10), s.setup_receiver(30))
@@ -66,17 +72,35 @@ async def test_a_real_sync_between_the_trainer_and_an_hf_sampler_is_split_into_p
 
 def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_round_trips():
     sent = SyncStats(3, 1000, 2, 0.5, vote_s=0.3, move_s=0.1, commit_s=0.1, copy_s=0.04, transfer_s=0.05)
-    fast = SamplerSyncStats(seconds=0.4, pause_s=0.1, receive=SyncStats(3, 1000, 2, 0.25, copy_s=0.2, transfer_s=0.02),
-                            resume_s=0.01)
-    slow = SamplerSyncStats(seconds=0.6, pause_s=0.3, receive=SyncStats(3, 1000, 2, 0.2, copy_s=0.1, transfer_s=0.07),
-                            reset_s=0.05, resume_s=0.02, call_s=0.03)
+    fast = SamplerSyncStats(
+        seconds=0.4, pause_s=0.1, receive=SyncStats(3, 1000, 2, 0.25, copy_s=0.2, transfer_s=0.02), resume_s=0.01
+    )
+    slow = SamplerSyncStats(
+        seconds=0.6,
+        pause_s=0.3,
+        receive=SyncStats(3, 1000, 2, 0.2, copy_s=0.1, transfer_s=0.07),
+        reset_s=0.05,
+        resume_s=0.02,
+        call_s=0.03,
+    )
     record = msgspec.structs.asdict(sync_record(0.9, sent, [fast, slow]))
     assert set(record) == {"sync_s", *SYNC_METRICS}
-    assert record == pytest.approx({
-        "sync_s": 0.9, "sync_trainer_s": 0.5, "sync_trainer_pack_s": 0.04, "sync_trainer_transfer_s": 0.05,
-        "sync_trainer_vote_s": 0.4, "sync_sampler_s": 0.6, "sync_sampler_pause_s": 0.3,
-        "sync_sampler_transfer_s": 0.07, "sync_sampler_load_s": 0.2, "sync_sampler_resume_s": 0.02,
-        "sync_rpc_s": 0.3, "sync_bytes": 1000.0})
+    assert record == pytest.approx(
+        {
+            "sync_s": 0.9,
+            "sync_trainer_s": 0.5,
+            "sync_trainer_pack_s": 0.04,
+            "sync_trainer_transfer_s": 0.05,
+            "sync_trainer_vote_s": 0.4,
+            "sync_sampler_s": 0.6,
+            "sync_sampler_pause_s": 0.3,
+            "sync_sampler_transfer_s": 0.07,
+            "sync_sampler_load_s": 0.2,
+            "sync_sampler_resume_s": 0.02,
+            "sync_rpc_s": 0.3,
+            "sync_bytes": 1000.0,
+        }
+    )
     # No sync this step (sync_every > 1, or the trainer alone): every phase is there, at 0.
     assert msgspec.structs.asdict(sync_record(0.0, None, [])) == {"sync_s": 0.0, **dict.fromkeys(SYNC_METRICS, 0.0)}
 

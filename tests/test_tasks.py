@@ -14,15 +14,24 @@ import textwrap
 from dataclasses import dataclass
 
 import pytest
-from launch_support import launch_example, tree
 
-from asyncrl.rl.config import ConfigError, GRPOConfig, config_to_dict, grpo_config_type, help_text
-from asyncrl.rl.config import parse_overrides
-from asyncrl.rl.tasks import (DatasetError, RewardFunctionTask, Score, Task, TaskError, TaskLoadError, TaskSpec,
-                              load_rows, load_task, task_class)
-from asyncrl.rl.tasks.countdown import Countdown
+from asyncrl.rl.config import ConfigError, GRPOConfig, config_to_dict, grpo_config_type, help_text, parse_overrides
+from asyncrl.rl.tasks import (
+    DatasetError,
+    RewardFunctionTask,
+    Score,
+    Task,
+    TaskError,
+    TaskLoadError,
+    TaskSpec,
+    load_rows,
+    load_task,
+    task_class,
+)
 from asyncrl.rl.tasks.base import default_fingerprint
+from asyncrl.rl.tasks.countdown import Countdown
 from asyncrl.rl.tasks.dataset import read_rows
+from launch_support import launch_example, tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "grpo.py")
@@ -65,15 +74,18 @@ def test_jsonl_rows_are_objects_and_blank_lines_are_skipped(tmp_path):
     assert read_rows(path)[1] == ["line 1", "line 4"]
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "{path}: no such file"),
-    ("", "{path}: no rows (an empty file)"),
-    ("\n  \n", "{path}: no rows (an empty file)"),
-    ('{"prompt": "a"}\n\n{"prompt": "b",\n', "{path}: line 3: not valid JSON ("),
-    ('{"prompt": "a"}\n["prompt", "b"]\n', "{path}: line 2: a row must be a JSON object ({{...}}), not an array"),
-    ('{"prompt": "a"}\n"b"\n', "{path}: line 2: a row must be a JSON object ({{...}}), not a string"),
-    (b'{"prompt": "\xff"}\n', "{path}: line 1: not valid JSON ("),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "{path}: no such file"),
+        ("", "{path}: no rows (an empty file)"),
+        ("\n  \n", "{path}: no rows (an empty file)"),
+        ('{"prompt": "a"}\n\n{"prompt": "b",\n', "{path}: line 3: not valid JSON ("),
+        ('{"prompt": "a"}\n["prompt", "b"]\n', "{path}: line 2: a row must be a JSON object ({{...}}), not an array"),
+        ('{"prompt": "a"}\n"b"\n', "{path}: line 2: a row must be a JSON object ({{...}}), not a string"),
+        (b'{"prompt": "\xff"}\n', "{path}: line 1: not valid JSON ("),
+    ],
+)
 def test_a_file_without_rows_is_one_line_naming_the_file_and_line(tmp_path, content, message):
     path = tmp_path / "rows.jsonl"
     if isinstance(content, bytes):
@@ -158,19 +170,25 @@ def test_the_default_fingerprint_names_the_task_its_probes_and_its_data():
 
 
 def test_a_reward_function_task_prompts_with_the_row_and_scores_with_the_function(tmp_path):
-    data = write(tmp_path / "rows.jsonl", """\
+    data = write(
+        tmp_path / "rows.jsonl",
+        """\
         {"question": "2+2", "answer": "4", "demonstration": "4"}
         {"question": [{"role": "user", "content": "3+3"}], "answer": "6"}
         {"question": "1+1", "answer": "2", "demonstration": ["a", "list"]}
         {"question": "5+5", "answer": "10"}
-        """)
-    reward = write(tmp_path / "my_reward.py", """\
+        """,
+    )
+    reward = write(
+        tmp_path / "my_reward.py",
+        """\
         from asyncrl.rl.tasks import Score
         def exact(row, completion):
             return Score(float(completion.strip() == row["answer"]), metrics={"length": len(completion)})
         async def later(row, completion):
             return 1.0
-        """)
+        """,
+    )
     task = load_task(TaskSpec("", data=data, reward=f"{reward}:exact", prompt_key="question"))
     assert isinstance(task, RewardFunctionTask) and task.task_name() == "my_reward.py:exact"  # the user's file
     rows = task.data
@@ -188,8 +206,11 @@ def test_a_reward_function_task_prompts_with_the_row_and_scores_with_the_functio
 def test_a_row_without_its_prompt_is_named_by_line(tmp_path):
     data = write(tmp_path / "rows.jsonl", '{"prompt": "a"}\n\n{"question": "b", "answer": 1}\n')
     reward = write(tmp_path / "r.py", "def reward(row, completion):\n    return 0.0\n")
-    with pytest.raises(DatasetError, match=rf"^--task.data {data}: line 3: no 'prompt' key \(--task.prompt_key "
-                                           r"prompt\); its keys: 'question', 'answer'$"):
+    with pytest.raises(
+        DatasetError,
+        match=rf"^--task.data {data}: line 3: no 'prompt' key \(--task.prompt_key "
+        r"prompt\); its keys: 'question', 'answer'$",
+    ):
         load_task(TaskSpec("", data=data, reward=f"{reward}:reward"))
     bad = write(tmp_path / "bad.jsonl", '{"prompt": [{"role": "user"}]}\n')
     with pytest.raises(DatasetError, match=r"line 1: 'prompt': a prompt message must be a Message or a dict"):
@@ -251,21 +272,37 @@ def test_a_task_class_is_named_by_file_module_or_built_in_name(tmp_path):
     assert task.config.length == 5 and task.splits(0, 100, 10).heldout[0].startswith("xxxxx")
 
 
-@pytest.mark.parametrize("body, ref, message", [
-    (None, "{path}:Echo", "--task.name {path}:Echo: no such file {path}"),
-    ("x = 1\nraise RuntimeError('no GPU here')\n", "{path}:Echo",
-     "--task.name {path}:Echo: importing {path} raised RuntimeError: no GPU here ({path}:2)"),
-    ("import no_such_package_xyz\n", "{path}:Echo",
-     "--task.name {path}:Echo: importing {path} raised ModuleNotFoundError: No module named "
-     "'no_such_package_xyz' ({path}:1)"),
-    ("def broken(:\n", "{path}:Echo", "--task.name {path}:Echo: importing {path} raised SyntaxError: "),
-    (USER_TASK, "{path}:Ecco", "--task.name {path}:Ecco: {path} has no 'Ecco'; it defines: Echo"),
-    (USER_TASK, "{path}:helper", "--task.name {path}:helper: helper is a function, not a subclass of "
-                                  "asyncrl.rl.tasks.Task"),
-    (USER_TASK, "{path}:EchoConfig", "--task.name {path}:EchoConfig: EchoConfig is a class, not a subclass of"),
-    (USER_TASK, "no_such_module_xyz:Echo", "--task.name no_such_module_xyz:Echo: no module named no_such_module_xyz"),
-    (USER_TASK, "countdwn", "--task.name countdwn: give a built-in task (countdown), FILE.py:NAME or MODULE:NAME"),
-])
+@pytest.mark.parametrize(
+    "body, ref, message",
+    [
+        (None, "{path}:Echo", "--task.name {path}:Echo: no such file {path}"),
+        (
+            "x = 1\nraise RuntimeError('no GPU here')\n",
+            "{path}:Echo",
+            "--task.name {path}:Echo: importing {path} raised RuntimeError: no GPU here ({path}:2)",
+        ),
+        (
+            "import no_such_package_xyz\n",
+            "{path}:Echo",
+            "--task.name {path}:Echo: importing {path} raised ModuleNotFoundError: No module named "
+            "'no_such_package_xyz' ({path}:1)",
+        ),
+        ("def broken(:\n", "{path}:Echo", "--task.name {path}:Echo: importing {path} raised SyntaxError: "),
+        (USER_TASK, "{path}:Ecco", "--task.name {path}:Ecco: {path} has no 'Ecco'; it defines: Echo"),
+        (
+            USER_TASK,
+            "{path}:helper",
+            "--task.name {path}:helper: helper is a function, not a subclass of asyncrl.rl.tasks.Task",
+        ),
+        (USER_TASK, "{path}:EchoConfig", "--task.name {path}:EchoConfig: EchoConfig is a class, not a subclass of"),
+        (
+            USER_TASK,
+            "no_such_module_xyz:Echo",
+            "--task.name no_such_module_xyz:Echo: no module named no_such_module_xyz",
+        ),
+        (USER_TASK, "countdwn", "--task.name countdwn: give a built-in task (countdown), FILE.py:NAME or MODULE:NAME"),
+    ],
+)
 def test_a_task_that_cannot_be_loaded_is_one_line(tmp_path, body, ref, message):
     path = tmp_path / "bad_task.py"
     if body is not None:
@@ -279,19 +316,28 @@ def test_a_task_that_cannot_be_loaded_is_one_line(tmp_path, body, ref, message):
 def test_a_reward_that_is_not_a_function_is_one_line(tmp_path):
     path = write(tmp_path / "r.py", USER_TASK)
     data = rows_file(tmp_path / "rows.jsonl", 5)
-    for name, what in (("NOT_A_TASK", "NOT_A_TASK is a value of type int"), ("Echo", "Echo is a class"),
-                       ("nothing", "has no 'nothing'; it defines: helper")):
+    for name, what in (
+        ("NOT_A_TASK", "NOT_A_TASK is a value of type int"),
+        ("Echo", "Echo is a class"),
+        ("nothing", "has no 'nothing'; it defines: helper"),
+    ):
         with pytest.raises(TaskLoadError, match=rf"^--task.reward {path}:{name}: .*{what}"):
             load_task(TaskSpec("", data=data, reward=f"{path}:{name}"))
 
 
 def test_options_that_do_not_fit_the_config_are_one_line(tmp_path):
     path = write(tmp_path / "user_task.py", USER_TASK)
-    with pytest.raises(TaskLoadError, match=r"^--echo.colour: task echo has no such option; its options: length, "
-                                            r"pair$"):
+    with pytest.raises(
+        TaskLoadError,
+        match=r"^--echo.colour: task echo has no such option; its options: length, "
+        r"pair$",
+    ):
         load_task(TaskSpec(f"{path}:Echo", options={"colour": 1}))
-    with pytest.raises(TaskLoadError, match=r"^task echo: its options \(--echo.\*\) do not fit EchoConfig: "
-                                            r"length must"):
+    with pytest.raises(
+        TaskLoadError,
+        match=r"^task echo: its options \(--echo.\*\) do not fit EchoConfig: "
+        r"length must",
+    ):
         load_task(TaskSpec(f"{path}:Echo", options={"length": 0}))
     with pytest.raises(TaskLoadError, match=r"^task countdown has no options|^--countdown.x: task countdown has no"):
         load_task(TaskSpec("countdown", options={"x": 1}))
@@ -302,14 +348,19 @@ def test_options_that_do_not_fit_the_config_are_one_line(tmp_path):
 # --- the task section and the task's own section ---------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--task.name", "t.py:T", "--task.reward", "r.py:f", "--task.data", "d.jsonl"],
-     r"^--task.name t.py:T and --task.reward r.py:f are two ways to give the task"),
-    (["--task.reward", "r.py:f"], r"^--task.reward r.py:f needs --task.data"),
-    (["--task.data", "d.jsonl"], r"^--task.data d.jsonl needs --task.reward .* or --task.name"),
-    (["--task.score_timeout_s", "0"], r"^--task.score_timeout_s 0: score_timeout_s must be a finite number > 0"),
-    (["--task.max_failure_rate", "1.5"], r"^--task.max_failure_rate 1.5: max_failure_rate must be in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--task.name", "t.py:T", "--task.reward", "r.py:f", "--task.data", "d.jsonl"],
+            r"^--task.name t.py:T and --task.reward r.py:f are two ways to give the task",
+        ),
+        (["--task.reward", "r.py:f"], r"^--task.reward r.py:f needs --task.data"),
+        (["--task.data", "d.jsonl"], r"^--task.data d.jsonl needs --task.reward .* or --task.name"),
+        (["--task.score_timeout_s", "0"], r"^--task.score_timeout_s 0: score_timeout_s must be a finite number > 0"),
+        (["--task.max_failure_rate", "1.5"], r"^--task.max_failure_rate 1.5: max_failure_rate must be in \[0, 1\]"),
+    ],
+)
 def test_the_task_section_refuses_what_cannot_be_a_task(overrides, message):
     with pytest.raises(ConfigError, match=message):
         parse_overrides(GRPOConfig(), overrides)
@@ -318,8 +369,9 @@ def test_the_task_section_refuses_what_cannot_be_a_task(overrides, message):
 def test_the_tasks_options_are_a_section_named_after_it(tmp_path):
     config = parse_overrides(grpo_config_type(Countdown)(), ["--countdown.max_count", "5"])
     assert config.countdown.max_count == 5 and isinstance(config, GRPOConfig)
-    assert config.task_spec() == TaskSpec("countdown", options={"min_count": 3, "max_count": 5, "max_number": 99,
-                                                                 "min_target": 1, "max_target": 100})
+    assert config.task_spec() == TaskSpec(
+        "countdown", options={"min_count": 3, "max_count": 5, "max_number": 99, "min_target": 1, "max_target": 100}
+    )
     assert grpo_config_type(Countdown) is grpo_config_type(Countdown)
     text = help_text(config)
     assert "\n  --task.name ''\n" in text and "\n  --countdown.max_count 5\n      Most numbers" in text
@@ -346,8 +398,19 @@ def test_a_task_name_that_cannot_be_a_section_is_refused():
 
 def test_the_task_spec_has_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    config = parse_overrides(GRPOConfig(), ["--task.data", "d.jsonl", "--task.reward", "r.py:f",
-                                            "--task.heldout_data", "~/h.jsonl", "--task.max_turns", "2"])
+    config = parse_overrides(
+        GRPOConfig(),
+        [
+            "--task.data",
+            "d.jsonl",
+            "--task.reward",
+            "r.py:f",
+            "--task.heldout_data",
+            "~/h.jsonl",
+            "--task.max_turns",
+            "2",
+        ],
+    )
     spec = config.task_spec()
     assert (spec.name, spec.data, spec.reward) == ("", str(tmp_path / "d.jsonl"), f"{tmp_path / 'r.py'}:f")
     assert spec.heldout_data == os.path.expanduser("~/h.jsonl") and spec.max_turns == 2 and spec.options == {}
@@ -384,21 +447,45 @@ def launch(cwd, *args: str):
 
 CASES = [
     (["--task.name", "missing.py:T"], "--task.name missing.py:T: no such file {tmp}/missing.py"),
-    (["--task.name", "raises.py:T"], "--task.name raises.py:T: importing {tmp}/raises.py raised ZeroDivisionError: "
-                                     "division by zero ({tmp}/raises.py:2)"),
-    (["--task.name", "user_task.py:Nope"], "--task.name user_task.py:Nope: {tmp}/user_task.py has no 'Nope'; it "
-                                           "defines: Echo"),
+    (
+        ["--task.name", "raises.py:T"],
+        "--task.name raises.py:T: importing {tmp}/raises.py raised ZeroDivisionError: "
+        "division by zero ({tmp}/raises.py:2)",
+    ),
+    (
+        ["--task.name", "user_task.py:Nope"],
+        "--task.name user_task.py:Nope: {tmp}/user_task.py has no 'Nope'; it defines: Echo",
+    ),
     (["--task.name", "user_task.py:helper"], "helper is a function, not a subclass of asyncrl.rl.tasks.Task"),
-    (["--task.data", "rows.jsonl", "--task.reward", "user_task.py:NOT_A_TASK"],
-     "--task.reward user_task.py:NOT_A_TASK: NOT_A_TASK is a value of type int, not a function fn(row, completion)"),
-    (["--task.data", "missing.jsonl", "--task.reward", "reward.py:reward", "--model_path", "{tmp}/ckpt"],
-     "--task.data {tmp}/missing.jsonl: no such file"),
-    (["--task.data", "malformed.jsonl", "--task.reward", "reward.py:reward", "--model_path", "{tmp}/ckpt"],
-     "--task.data {tmp}/malformed.jsonl: line 2: not valid JSON ("),
-    (["--task.data", "rows.jsonl", "--task.reward", "reward.py:reward", "--model_path", "{tmp}/ckpt",
-      "--run.n_heldout", "20"], "--run.n_heldout 20 holds out all 20 problems, leaving none to train on"),
-    (["--task.data", "rows.jsonl", "--task.reward", "reward.py:reward", "--run.n_heldout", "5"],
-     "gives no demonstration for its problems, and the embedded model (no --model_path) is warm-started on them"),
+    (
+        ["--task.data", "rows.jsonl", "--task.reward", "user_task.py:NOT_A_TASK"],
+        "--task.reward user_task.py:NOT_A_TASK: NOT_A_TASK is a value of type int, not a function fn(row, completion)",
+    ),
+    (
+        ["--task.data", "missing.jsonl", "--task.reward", "reward.py:reward", "--model_path", "{tmp}/ckpt"],
+        "--task.data {tmp}/missing.jsonl: no such file",
+    ),
+    (
+        ["--task.data", "malformed.jsonl", "--task.reward", "reward.py:reward", "--model_path", "{tmp}/ckpt"],
+        "--task.data {tmp}/malformed.jsonl: line 2: not valid JSON (",
+    ),
+    (
+        [
+            "--task.data",
+            "rows.jsonl",
+            "--task.reward",
+            "reward.py:reward",
+            "--model_path",
+            "{tmp}/ckpt",
+            "--run.n_heldout",
+            "20",
+        ],
+        "--run.n_heldout 20 holds out all 20 problems, leaving none to train on",
+    ),
+    (
+        ["--task.data", "rows.jsonl", "--task.reward", "reward.py:reward", "--run.n_heldout", "5"],
+        "gives no demonstration for its problems, and the embedded model (no --model_path) is warm-started on them",
+    ),
     (["--task.name", "user_task.py:Echo", "--echo.length", "0"], "--echo.length 0: length must be >= 1, not 0"),
     (["--countdown.max_count", "9"], "--countdown.max_count 9: need 2 <= min_count <= max_count <= 6"),
 ]
@@ -436,13 +523,22 @@ def test_help_lists_the_task_keys_and_the_user_tasks_own_section(tmp_path):
 
 def test_a_task_in_the_launched_script_is_that_scripts_own_class(tmp_path):
     """The task file is the script `asyncrl launch` runs: its module is reused, not imported twice."""
-    script = write(tmp_path / "my_run.py", textwrap.dedent(USER_TASK) + textwrap.dedent("""
+    script = write(
+        tmp_path / "my_run.py",
+        textwrap.dedent(USER_TASK)
+        + textwrap.dedent("""
         print("script body ran")
 
         async def main():
             from asyncrl.rl.tasks import task_class
             print(task_class(__file__ + ":Echo") is Echo)
-        """))
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", script], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+        """),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "launch", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (done.returncode, done.stdout) == (0, "script body ran\nTrue\n"), done.stderr

@@ -19,22 +19,30 @@ import pytest
 import torch
 
 from asyncrl.rl.checkpoint import CheckpointWriteError
-from asyncrl.runtime.files import remove_debris, remove_dir, staged_dir
 from asyncrl.rl.model.policy import MARKER_FILE, load_policy
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
+from asyncrl.runtime.files import remove_debris, remove_dir, staged_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def group(prompt_id, prompt, completions, rewards):
-    return RolloutGroup(prompt_id, prompt, completions, [[-1.0 - 0.1 * j for j in range(len(c))] for c in completions],
-                        rewards, version=0)
+    return RolloutGroup(
+        prompt_id,
+        prompt,
+        completions,
+        [[-1.0 - 0.1 * j for j in range(len(c))] for c in completions],
+        rewards,
+        version=0,
+    )
 
 
-GROUPS = [group(0, [5, 6, 7], [[1, 2], [3], [4, 4, 4, 4]], [1.0, 0.0, 0.1]),
-          group(1, [9], [[2, 2, 2], [8]], [0.0, 1.0])]
+GROUPS = [
+    group(0, [5, 6, 7], [[1, 2], [3], [4, 4, 4, 4]], [1.0, 0.0, 0.1]),
+    group(1, [9], [[2, 2, 2], [8]], [0.0, 1.0]),
+]
 
 
 def test_every_completion_token_is_scored_by_the_logit_before_it():
@@ -54,7 +62,7 @@ def test_every_completion_token_is_scored_by_the_logit_before_it():
                         manual = torch.log_softmax(logits[row, p - 1 + j], -1)[token]
                         assert torch.isclose(scored[row, j], manual)
                         assert batch.mask[row, j]
-                    assert not batch.mask[row, len(c):].any()
+                    assert not batch.mask[row, len(c) :].any()
                     seen += 1
     assert seen == 5 and int(batch.mask.sum()) == 2 + 1 + 4 + 3 + 1
 
@@ -82,8 +90,12 @@ def test_teacher_logprobs_travel_with_their_tokens_padded_packed_and_split():
     from asyncrl.rl.trainer.split import rank_share
 
     # each teacher log-prob encodes its token: 10 * token + position, so a misplaced one shows
-    taught = [msgspec.structs.replace(g, teacher_logprobs=[[10.0 * tok + j for j, tok in enumerate(c)] for c in g.completion_ids])
-              for g in GROUPS]
+    taught = [
+        msgspec.structs.replace(
+            g, teacher_logprobs=[[10.0 * tok + j for j, tok in enumerate(c)] for c in g.completion_ids]
+        )
+        for g in GROUPS
+    ]
     adv = group_advantages([list(g.rewards) for g in taught])
     cpu = torch.device("cpu")
     for batches in (micro_batches(taught, adv, 8, cpu), packed_micro_batches(taught, adv, 16, cpu, 16)):
@@ -92,8 +104,8 @@ def test_teacher_logprobs_travel_with_their_tokens_padded_packed_and_split():
             ids = b.input_ids[b.row.unsqueeze(1), b.score_index + 1]  # the token each score is of
             n = b.mask.sum(1)
             for s in range(b.mask.shape[0]):
-                expected = [10.0 * tok + j for j, tok in enumerate(ids[s, :n[s]].tolist())]
-                assert b.teacher[s, :n[s]].tolist() == expected
+                expected = [10.0 * tok + j for j, tok in enumerate(ids[s, : n[s]].tolist())]
+                assert b.teacher[s, : n[s]].tolist() == expected
                 seen += 1
         assert seen == 5
     share, _ = rank_share(taught, adv, 1, 2)
@@ -113,8 +125,15 @@ def test_environment_tokens_are_context_not_actions():
     """A multi-turn completion: the environment's tokens (action mask 0) stay in the input, but
     are outside the loss mask, so neither their (placeholder) behaviour log-probs nor their count
     touch the loss or its normaliser."""
-    env = RolloutGroup(0, [5, 6], [[1, 2, 9, 9, 3], [4]], [[-1.0, -1.1, 0.0, 0.0, -1.2], [-0.5]], [1.0, 0.0],
-                       version=0, action_mask=[[1, 1, 0, 0, 1], [1]])
+    env = RolloutGroup(
+        0,
+        [5, 6],
+        [[1, 2, 9, 9, 3], [4]],
+        [[-1.0, -1.1, 0.0, 0.0, -1.2], [-0.5]],
+        [1.0, 0.0],
+        version=0,
+        action_mask=[[1, 1, 0, 0, 1], [1]],
+    )
     adv = group_advantages([list(env.rewards)])
     (batch,) = micro_batches([env], adv, budget=10_000, device=torch.device("cpu"))
     row = next(r for r in range(2) if batch.attention[r].sum() == 7)
@@ -126,8 +145,15 @@ def test_environment_tokens_are_context_not_actions():
 def test_a_trainer_step_neither_trains_on_nor_counts_environment_tokens(trainer):
     def step(env_logprob: float) -> tuple[dict, list[torch.Tensor]]:
         torch.manual_seed(0)
-        g = RolloutGroup(0, [5, 6], [[1, 2, 9, 9, 3], [4, 7]], [[-1.0, -1.1, env_logprob, env_logprob, -1.2], [-0.5, -0.4]],
-                         [1.0, 0.0], version=0, action_mask=[[1, 1, 0, 0, 1], [1, 1]])
+        g = RolloutGroup(
+            0,
+            [5, 6],
+            [[1, 2, 9, 9, 3], [4, 7]],
+            [[-1.0, -1.1, env_logprob, env_logprob, -1.2], [-0.5, -0.4]],
+            [1.0, 0.0],
+            version=0,
+            action_mask=[[1, 1, 0, 0, 1], [1, 1]],
+        )
         before = [p.detach().clone() for p in trainer.model.parameters()]
         metrics = trainer._train_step([g])
         grads = [p.grad.detach().clone() for p in trainer.model.parameters() if p.grad is not None]
@@ -185,7 +211,9 @@ def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):
     before = [p.detach().clone() for p in trainer.model.parameters()]
 
     def step(micro_batch_tokens=0, **loss) -> dict:
-        trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig(**loss), micro_batch_tokens=micro_batch_tokens)
+        trainer.config = dataclasses.replace(
+            trainer.config, loss=GRPOLossConfig(**loss), micro_batch_tokens=micro_batch_tokens
+        )
         metrics = trainer._train_step(GROUPS)
         with torch.no_grad():  # the same weights for every call
             for p, b in zip(trainer.model.parameters(), before):
@@ -298,8 +326,10 @@ def trainer(tmp_path):
 
     path = tmp_path / "start"
     tok = build_tokenizer()
-    _new_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=32,
-                           max_positions=64), tok).save_pretrained(path)
+    _new_model(
+        ModelConfig(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=32, max_positions=64),
+        tok,
+    ).save_pretrained(path)
     tok.save_pretrained(path)
     (path / MARKER_FILE).write_text(json.dumps({"prompt_style": "compact", "max_new_tokens_hint": 20}))
     return TrainerActor(str(path))
@@ -336,7 +366,9 @@ def test_the_learning_rate_warms_up_then_decays_along_its_schedule_to_the_floor(
     from asyncrl.rl.trainer.schedule import learning_rate
 
     flat = TrainerConfig(lr=1e-3, lr_warmup_steps=4, lr_decay_steps=100)
-    assert [learning_rate(flat, s) for s in (0, 1, 3, 4, 99, 500)] == pytest.approx([2.5e-4, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3])
+    assert [learning_rate(flat, s) for s in (0, 1, 3, 4, 99, 500)] == pytest.approx(
+        [2.5e-4, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3]
+    )
     cosine = TrainerConfig(lr=1e-3, lr_schedule="cosine", lr_decay_steps=100, lr_min_ratio=0.1)
     assert learning_rate(cosine, 0) == pytest.approx(1e-3)
     assert learning_rate(cosine, 50) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))  # half way down the half cosine
@@ -346,8 +378,11 @@ def test_the_learning_rate_warms_up_then_decays_along_its_schedule_to_the_floor(
     linear = TrainerConfig(lr=1e-3, lr_schedule="linear", lr_warmup_steps=10, lr_decay_steps=110, lr_min_ratio=0.0)
     assert learning_rate(linear, 9) == pytest.approx(1e-3) and learning_rate(linear, 60) == pytest.approx(5e-4)
     assert learning_rate(linear, 110) == 0.0
-    for bad, match in [({"lr_schedule": "step"}, "lr_schedule must be one of constant, cosine, linear"),
-                       ({"lr_min_ratio": 1.5}, "lr_min_ratio must be in"), ({"lr_warmup_steps": -1}, "lr_warmup_steps")]:
+    for bad, match in [
+        ({"lr_schedule": "step"}, "lr_schedule must be one of constant, cosine, linear"),
+        ({"lr_min_ratio": 1.5}, "lr_min_ratio must be in"),
+        ({"lr_warmup_steps": -1}, "lr_warmup_steps"),
+    ]:
         with pytest.raises(ValueError, match=match):
             TrainerConfig(**bad)
 
@@ -365,8 +400,9 @@ def test_a_decaying_schedule_ends_at_the_run_s_last_step_unless_it_names_its_own
 def test_each_optimiser_step_takes_the_scheduled_rate_and_reports_it(trainer):
     import dataclasses
 
-    trainer.config = dataclasses.replace(trainer.config, lr=1e-2, lr_schedule="linear", lr_decay_steps=3,
-                                         lr_min_ratio=0.0)
+    trainer.config = dataclasses.replace(
+        trainer.config, lr=1e-2, lr_schedule="linear", lr_decay_steps=3, lr_min_ratio=0.0
+    )
     rates = []
     for _ in range(4):
         metrics = trainer._train_step(GROUPS)

@@ -22,8 +22,15 @@ def test_auto_compiles_one_cuda_trainer_only():
 def test_the_decoder_layers_of_a_causal_lm_and_of_its_lora_wrapper_are_found():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    config = AutoConfig.for_model(
+        "qwen2",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
     model = AutoModelForCausalLM.from_config(config)
     assert list(decoder_layers(model)) == list(model.model.layers) and len(model.model.layers) == 3
     peft = pytest.importorskip("peft")

@@ -36,8 +36,16 @@ def batch(seed: int, groups: int = 4, size: int = 3) -> list[RolloutGroup]:
     for g in range(groups):
         prompt = [rng.randrange(3, 250) for _ in range(rng.randint(2, 9))]
         completions = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 14))] for _ in range(size)]
-        out.append(RolloutGroup(g, prompt, completions, [[-rng.uniform(0.5, 3.0) for _ in c] for c in completions],
-                                [float(j == g % size) + 0.1 * j for j in range(size)], version=0))
+        out.append(
+            RolloutGroup(
+                g,
+                prompt,
+                completions,
+                [[-rng.uniform(0.5, 3.0) for _ in c] for c in completions],
+                [float(j == g % size) + 0.1 * j for j in range(size)],
+                version=0,
+            )
+        )
     return out
 
 
@@ -51,13 +59,24 @@ async def spawn_ranks(sup, path, config, world_size=2, env=None):
     from asyncrl.rl.driver.fleet.trainer_ranks import spawn_trainer_ranks
     from asyncrl.rl.trainer.actor import TrainerActor
 
-    return await spawn_trainer_ranks(sup, TrainerActor, (path, config), world_size=world_size, host=HOST,
-                                     timeout_s=60.0, gpus=0, env={**ONE_THREAD, **(env or {})}, kwargs={})
+    return await spawn_trainer_ranks(
+        sup,
+        TrainerActor,
+        (path, config),
+        world_size=world_size,
+        host=HOST,
+        timeout_s=60.0,
+        gpus=0,
+        env={**ONE_THREAD, **(env or {})},
+        kwargs={},
+    )
 
 
-@pytest.mark.parametrize("aggregation,features", [("token_mean", {}), ("seq_mean", {"pack_tokens": 40}),
-                                                   ("token_mean", {"lora": LoRAConfig(rank=4)})],
-                         ids=["token_mean", "seq_mean-packed", "lora"])
+@pytest.mark.parametrize(
+    "aggregation,features",
+    [("token_mean", {}), ("seq_mean", {"pack_tokens": 40}), ("token_mean", {"lora": LoRAConfig(rank=4)})],
+    ids=["token_mean", "seq_mean-packed", "lora"],
+)
 def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny_path, aggregation, features):
     # A micro-batch budget that cuts each rank's share differently: the ranks take different
     # numbers of micro-batches, padded to match, and the counts must still be the global ones.
@@ -69,12 +88,18 @@ def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny
     config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=loss, **features)
     data = batch(1)
     if distill:
-        data = [msgspec.structs.replace(g, teacher_logprobs=[[lp - 0.3 * (j % 3) for j, lp in enumerate(lps)]
-                                                             for lps in g.behaviour_logprobs]) for g in data]
+        data = [
+            msgspec.structs.replace(
+                g, teacher_logprobs=[[lp - 0.3 * (j % 3) for j, lp in enumerate(lps)] for lps in g.behaviour_logprobs]
+            )
+            for g in data
+        ]
 
     async def main():
         async with Supervisor(call_timeout_s=120) as sup:
-            plain, ranks = await asyncio.gather(spawn_plain(sup, tiny_path, config), spawn_ranks(sup, tiny_path, config))
+            plain, ranks = await asyncio.gather(
+                spawn_plain(sup, tiny_path, config), spawn_ranks(sup, tiny_path, config)
+            )
             one = await plain.train_step(data)
             two = await ranks.with_timeout(120).train_step(data)
             return one, two, await plain.gradients(), await ranks.with_timeout(60).gradients()
@@ -98,8 +123,10 @@ def test_a_per_rank_mean_would_differ_so_the_equality_above_is_not_trivial():
     adv = group_advantages([list(g.rewards) for g in data])
     counts = [batch_counts(rank_share(data, adv, r, 2)[0])[0] for r in range(2)]
     assert sum(counts) == batch_counts(data)[0] and counts[0] != counts[1]
-    lengths = [sum(len(g.prompt_ids) + len(c) for g in rank_share(data, adv, r, 2)[0] for c in g.completion_ids)
-               for r in range(2)]
+    lengths = [
+        sum(len(g.prompt_ids) + len(c) for g in rank_share(data, adv, r, 2)[0] for c in g.completion_ids)
+        for r in range(2)
+    ]
     assert abs(lengths[0] - lengths[1]) <= 14 + 9  # balanced to within one sequence
 
 
@@ -114,7 +141,9 @@ def test_two_ranks_send_the_weights_they_hold_a_bucket_at_a_time(tiny_path):
     async def main():
         async with Supervisor(call_timeout_s=120) as sup:
             ranks = await spawn_ranks(sup, tiny_path, TrainerConfig())
-            sampler = await sup.spawn(SamplerActor, tiny_path, SamplerConfig(backend="hf"), name="sampler", env=ONE_THREAD)
+            sampler = await sup.spawn(
+                SamplerActor, tiny_path, SamplerConfig(backend="hf"), name="sampler", env=ONE_THREAD
+            )
             await ranks.with_timeout(120).train_step(batch(2))
             await form_group([ranks, sampler], HOST, timeout_s=30)
             buckets = await asyncio.gather(ranks.setup_sender(30.0, 16 << 10), sampler.setup_receiver(30.0))
@@ -137,7 +166,9 @@ def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_
 
     async def main():
         async with Supervisor(call_timeout_s=120) as sup:
-            ranks = await spawn_ranks(sup, tiny_path, TrainerConfig(micro_batch_tokens=40), env={FAULT_ENV: f"1:2:{kind}"})
+            ranks = await spawn_ranks(
+                sup, tiny_path, TrainerConfig(micro_batch_tokens=40), env={FAULT_ENV: f"1:2:{kind}"}
+            )
             await ranks.with_timeout(60).train_step(batch(3))
             step = asyncio.ensure_future(ranks.with_timeout(60).train_step(batch(4)))
             if fault == "sigkill":  # rank 1 is frozen mid-backward: kill it there
@@ -184,9 +215,10 @@ def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
 def test_a_sharded_checkpoint_restores_two_ranks_exactly(tiny_path, tmp_path):
     """Steps 1-2, checkpoint, step 3 (A); a new 2-rank trainer loads the checkpoint and takes
     step 3 (B): the same loss and the same weights, bit for bit."""
+    import msgspec
+
     from asyncrl.rl.checkpoint import list_checkpoints, verify_checkpoint
     from asyncrl.rl.driver.run_state import RunState
-    import msgspec
 
     config = TrainerConfig(micro_batch_tokens=40)
     state = msgspec.json.encode(RunState(step=2, version=2))
@@ -249,11 +281,16 @@ def test_two_lora_ranks_save_and_sync_the_merged_policy_one_rank_would(tiny_path
 
     async def main():
         async with Supervisor(call_timeout_s=120) as sup:
-            plain, ranks = await asyncio.gather(spawn_plain(sup, tiny_path, config), spawn_ranks(sup, tiny_path, config))
+            plain, ranks = await asyncio.gather(
+                spawn_plain(sup, tiny_path, config), spawn_ranks(sup, tiny_path, config)
+            )
             t = ranks.with_timeout(120)
             await asyncio.gather(plain.train_step(batch(1)), t.train_step(batch(1)))
-            return (await plain.save(str(tmp_path / "one")), await t.save(str(tmp_path / "two")),
-                    await t.weights_digest())
+            return (
+                await plain.save(str(tmp_path / "one")),
+                await t.save(str(tmp_path / "two")),
+                await t.weights_digest(),
+            )
 
     one, two, digest = asyncio.run(main())
     start = dict(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).named_parameters())
@@ -281,8 +318,19 @@ def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_ra
     from tests.test_grpo import TINY
 
     run_dir = tmp_path / "run"
-    args = [*TINY, "--trainer.world_size", "2", "--run.steps", "4", "--run.checkpoint_every", "2",
-            "--run.eval_every", "1000", "--run.run_dir", str(run_dir)]
+    args = [
+        *TINY,
+        "--trainer.world_size",
+        "2",
+        "--run.steps",
+        "4",
+        "--run.checkpoint_every",
+        "2",
+        "--run.eval_every",
+        "1000",
+        "--run.run_dir",
+        str(run_dir),
+    ]
     os.environ[FAULT_ENV] = "1:3:raise"  # the launched processes inherit it
     try:
         stopped = launch_example("grpo_countdown.py", tmp_path, *args, timeout=400, cache=model_cache)
@@ -292,8 +340,9 @@ def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_ra
     assert stopped.returncode != 0, out[-3000:]
     assert "trainer rank 1 (trainer-1) failed during train_step: InjectedFault" in out, out[-3000:]
     assert "rank(s) 0 left their collectives" in out and "--resume" in out, out[-3000:]
-    resumed = launch_example("grpo_countdown.py", tmp_path, *args, "--resume", str(run_dir), timeout=400,
-                             cache=model_cache)
+    resumed = launch_example(
+        "grpo_countdown.py", tmp_path, *args, "--resume", str(run_dir), timeout=400, cache=model_cache
+    )
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]

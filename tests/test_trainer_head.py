@@ -120,16 +120,20 @@ def step(path: str, config: TrainerConfig, groups, fused: bool):
 
 @pytest.mark.parametrize("layout", ["padded", "packed-sdpa", "packed-eager", "packed-flat"])
 @pytest.mark.parametrize("lora, kl", [(0, 0.0), (0, 0.05), (4, 0.05)], ids=["full", "full-kl", "lora-kl"])
-def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, monkeypatch,
-                                                                layout, lora, kl):
+def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, monkeypatch, layout, lora, kl):
     """fp32, multi-turn action masks, temperature 0.8: loss, metrics and every gradient to 1e-5.
     The embedded model ties its embeddings, so the head's gradient meets the lookup's."""
     torch.set_num_threads(1)
     if layout == "packed-flat":  # the layout flash attention gets, taken under sdpa
         monkeypatch.setattr("asyncrl.rl.trainer.packing.MASKED_IMPLEMENTATIONS", ())
-    config = TrainerConfig(micro_batch_tokens=200, pack_tokens=0 if layout == "padded" else 96, temperature=0.8,
-                           attn_implementation="eager" if layout == "packed-eager" else "",
-                           loss=GRPOLossConfig(kl_coef=kl), lora=LoRAConfig(rank=lora))
+    config = TrainerConfig(
+        micro_batch_tokens=200,
+        pack_tokens=0 if layout == "padded" else 96,
+        temperature=0.8,
+        attn_implementation="eager" if layout == "packed-eager" else "",
+        loss=GRPOLossConfig(kl_coef=kl),
+        lora=LoRAConfig(rank=lora),
+    )
     groups = random_groups(seed=7)
     fused, grads_fused = step(embedded_path, config, groups, fused=True)
     full, grads_full = step(embedded_path, config, groups, fused=False)
@@ -173,11 +177,13 @@ def test_auto_micro_batch_tokens_grows_with_free_memory_and_with_checkpointing()
     plain = [auto_micro_batch_tokens(f * gib, **QWEN_05B, checkpointing=False) for f in (8, 20, 40, 60)]
     assert plain == sorted(plain) and plain[0] < plain[-1]
     for free in (20, 40):
-        assert (auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=True)
-                > auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=False))
+        assert auto_micro_batch_tokens(free * gib, **QWEN_05B, checkpointing=True) > auto_micro_batch_tokens(
+            free * gib, **QWEN_05B, checkpointing=False
+        )
     # full logits (the fallback) cost ~6 B a vocabulary entry a token: far fewer tokens
-    assert (auto_micro_batch_tokens(40 * gib, **QWEN_05B, checkpointing=False, full_logits=True)
-            < auto_micro_batch_tokens(40 * gib, **QWEN_05B, checkpointing=False))
+    assert auto_micro_batch_tokens(
+        40 * gib, **QWEN_05B, checkpointing=False, full_logits=True
+    ) < auto_micro_batch_tokens(40 * gib, **QWEN_05B, checkpointing=False)
 
 
 def test_auto_micro_batch_tokens_clamps_and_rounds_down_to_1024():
@@ -201,10 +207,12 @@ def test_auto_on_cpu_is_the_old_default_and_an_explicit_value_is_kept(embedded_p
     metrics = trainer._train_step(random_groups(seed=5, n_groups=2))
     assert metrics["micro_batch_tokens"] == 16384
     cpu = torch.device("cpu")
-    assert resolve_micro_batch_tokens(0, trainer.model, trainer.optimizer, cpu, checkpointing=False,
-                                      full_logits=False, pack_tokens=20000) == (20000, 0)
-    assert resolve_micro_batch_tokens(512, trainer.model, trainer.optimizer, cpu, checkpointing=False,
-                                      full_logits=False) == (512, 0)
+    assert resolve_micro_batch_tokens(
+        0, trainer.model, trainer.optimizer, cpu, checkpointing=False, full_logits=False, pack_tokens=20000
+    ) == (20000, 0)
+    assert resolve_micro_batch_tokens(
+        512, trainer.model, trainer.optimizer, cpu, checkpointing=False, full_logits=False
+    ) == (512, 0)
 
 
 def test_pack_tokens_is_checked_against_the_explicit_budget_or_auto_s_most():

@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
-from launch_support import launch_example, tree
 
-from asyncrl.rl.driver import preflight
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.driver import preflight
+from launch_support import launch_example, tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "grpo_countdown.py")
@@ -54,19 +54,30 @@ CASES = [
     (["--resume", "{tmp}/empty"], "no config.json there, so not a run directory"),
     (["--model_path", "/nonexistent/path"], "--model_path /nonexistent/path: no such directory"),
     (["--model_path", "{tmp}/empty"], "no config.json there, so not a Hugging Face checkpoint directory"),
-    (["--model", "/path"], "--model is a section (shape of the embedded default model), not a value: set its keys, "
-                           "e.g. --model.hidden_size 128; a local Hugging Face checkpoint directory is given with "
-                           "--model_path /path"),
-    (["--sampler.max_new_tokens", "100000"], "--sampler.max_new_tokens 100000: the embedded model "
-                                              "(--model.max_positions) has 128 positions"),
+    (
+        ["--model", "/path"],
+        "--model is a section (shape of the embedded default model), not a value: set its keys, "
+        "e.g. --model.hidden_size 128; a local Hugging Face checkpoint directory is given with "
+        "--model_path /path",
+    ),
+    (
+        ["--sampler.max_new_tokens", "100000"],
+        "--sampler.max_new_tokens 100000: the embedded model (--model.max_positions) has 128 positions",
+    ),
     (["--model_path", "{tmp}/ckpt", "--sampler.max_new_tokens", "100"], "has 64 positions for prompt and completion"),
     (["--run.run_dir", "/proc/asyncrl-run"], "--run.run_dir /proc/asyncrl-run: /proc is a kernel pseudo-filesystem"),
     (["--run.run_dir", "{tmp}/a-file"], "is a file, not a directory"),
     (["--run.run_dir", "{tmp}/a-file/run"], "cannot be made: {tmp}/a-file is a file"),
-    (["--run.run_dir", "{tmp}/ckpt/.."], "is not empty (a-file, ckpt, empty and 1 more) and holds no run; a new "
-                                          "run takes a new or empty directory: choose another --run.run_dir"),
-    (["--run.run_dir", "{tmp}/old"], "holds an earlier run that wrote no checkpoint (config.json, metrics.jsonl), so "
-                                      "nothing to resume: remove that directory, or choose another --run.run_dir"),
+    (
+        ["--run.run_dir", "{tmp}/ckpt/.."],
+        "is not empty (a-file, ckpt, empty and 1 more) and holds no run; a new "
+        "run takes a new or empty directory: choose another --run.run_dir",
+    ),
+    (
+        ["--run.run_dir", "{tmp}/old"],
+        "holds an earlier run that wrote no checkpoint (config.json, metrics.jsonl), so "
+        "nothing to resume: remove that directory, or choose another --run.run_dir",
+    ),
     (["--run.data_seed", "3"], "could be among the warm start's training problems"),
     (["--run.check_weights", "true", "--sampler.backend", "vllm"], "--run.check_weights true needs samplers"),
     (["--trainer.temperature", "0.5"], "--trainer.temperature 0.5 differs from --sampler.temperature 0.7: "),
@@ -109,7 +120,7 @@ def help_entries(text: str) -> list[tuple[str, list[str]]]:
     for i, line in enumerate(lines):
         if line.startswith("  -"):
             below = []
-            for after in lines[i + 1:]:
+            for after in lines[i + 1 :]:
                 if not after.startswith(" " * 6):
                     break
                 below.append(after)
@@ -117,12 +128,21 @@ def help_entries(text: str) -> list[tuple[str, list[str]]]:
     return entries
 
 
-@pytest.mark.parametrize("command", [["launch", "--help"], ["launch", EXAMPLE, "--help"], ["status", "--help"]],
-                         ids=["launcher", "script", "status"])
+@pytest.mark.parametrize(
+    "command",
+    [["launch", "--help"], ["launch", EXAMPLE, "--help"], ["status", "--help"]],
+    ids=["launcher", "script", "status"],
+)
 def test_every_help_lays_out_its_flags_one_way(tmp_path, command):
     env = dict(os.environ, COLUMNS=str(COLUMNS))
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", *command], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *command],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     entries = help_entries(done.stdout)
     assert len(entries) >= 3
@@ -137,8 +157,9 @@ def test_every_help_lays_out_its_flags_one_way(tmp_path, command):
 def test_every_flag_the_launcher_shows_takes_both_spellings():
     from asyncrl.cli import build_parser
 
-    launch_help = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--help"], capture_output=True,
-                                 text=True, timeout=60).stdout
+    launch_help = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "launch", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     flags = [line.split()[0] for line, _ in help_entries(launch_help) if not line.startswith("  -h")]
     assert "--node_rank" in flags and "--call_timeout_s" in flags and "--nproc_per_node" in flags
     parser = build_parser()
@@ -150,19 +171,25 @@ def test_every_flag_the_launcher_shows_takes_both_spellings():
 
 
 def test_a_launcher_flag_error_is_one_line_in_the_shown_spelling(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--call-timeout-s", "soon", "x.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "launch", "--call-timeout-s", "soon", "x.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.splitlines() == ["asyncrl launch: --call_timeout_s: invalid float value: 'soon' "
-                                        "(see asyncrl launch --help)"]
+    assert done.stderr.splitlines() == [
+        "asyncrl launch: --call_timeout_s: invalid float value: 'soon' (see asyncrl launch --help)"
+    ]
 
 
 # --- the checks themselves, without a process ------------------------------------------------------
 
 
 def _config(**run):
-    from asyncrl.rl.config.parse import parse_overrides
     from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
 
     return parse_overrides(GRPOConfig(), [x for k, v in run.items() for x in (f"--run.{k}", str(v))])
 
@@ -221,8 +248,10 @@ def test_a_new_run_refuses_a_directory_that_holds_other_files(tmp_path):
         (system / name).write_text("")
     with pytest.raises(ConfigError) as info:
         preflight.check_run(_config(run_dir=system))
-    assert str(info.value) == (f"--run.run_dir {system} is not empty (lock, systemd, user and 1 more) and holds no "
-                               "run; a new run takes a new or empty directory: choose another --run.run_dir")
+    assert str(info.value) == (
+        f"--run.run_dir {system} is not empty (lock, systemd, user and 1 more) and holds no "
+        "run; a new run takes a new or empty directory: choose another --run.run_dir"
+    )
     assert sorted(os.listdir(system)) == ["lock", "systemd", "user", "utmp"]  # nothing written there
     (tmp_path / "empty").mkdir()
     assert preflight.check_run(_config(run_dir=tmp_path / "empty")).run.run_dir == str(tmp_path / "empty")
@@ -234,12 +263,15 @@ def test_a_new_run_refuses_a_directory_that_holds_other_files(tmp_path):
     assert preflight.check_run(_config(run_dir=run), resume=True).run.run_dir == str(run)
 
 
-@pytest.mark.parametrize("files, message", [
-    ({"config.json": "{not json"}, "cannot read its config.json"),
-    ({"config.json": "{}"}, "names no model_type"),
-    ({"config.json": '{"model_type": "qwen2"}'}, "no weights there"),
-    ({"config.json": '{"model_type": "qwen2"}', "model.safetensors": ""}, "no tokenizer there"),
-])
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"config.json": "{not json"}, "cannot read its config.json"),
+        ({"config.json": "{}"}, "names no model_type"),
+        ({"config.json": '{"model_type": "qwen2"}'}, "no weights there"),
+        ({"config.json": '{"model_type": "qwen2"}', "model.safetensors": ""}, "no tokenizer there"),
+    ],
+)
 def test_a_model_path_that_is_not_a_checkpoint_is_refused(tmp_path, files, message):
     (tmp_path / "m").mkdir()
     for name, text in files.items():
@@ -255,13 +287,34 @@ def test_a_trainer_not_ready_in_time_stops_the_run_in_one_line_and_exit_1(tmp_pa
     import): one line on stderr, exit 1; log.txt keeps the traceback."""
     ckpt = fake_checkpoint(tmp_path / "ckpt")
     env = dict(os.environ, ASYNCRL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--start_timeout_s", "0.5", EXAMPLE,
-                           "--model_path", str(ckpt), "--sampler.max_new_tokens", "16", "--run.run_dir",
-                           str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "launch",
+            "--start_timeout_s",
+            "0.5",
+            EXAMPLE,
+            "--model_path",
+            str(ckpt),
+            "--sampler.max_new_tokens",
+            "16",
+            "--run.run_dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
-    assert done.stderr.startswith("grpo_countdown: run stopped while starting: actor 'trainer': not ready within "
-                                  "start_timeout_s=0.5 (no start phase reported); raise it with asyncrl launch "
-                                  "--start_timeout_s")
+    assert done.stderr.startswith(
+        "grpo_countdown: run stopped while starting: actor 'trainer': not ready within "
+        "start_timeout_s=0.5 (no start phase reported); raise it with asyncrl launch "
+        "--start_timeout_s"
+    )
     log = (tmp_path / "run" / "log.txt").read_text()
     assert "Traceback" in log and "ActorNotReadyError" in log

@@ -18,11 +18,40 @@ from asyncrl.rl.tasks.base import Score, Task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.abspath(__file__)
-TINY = ["--model.hidden_size", "32", "--model.num_layers", "1", "--model.num_heads", "1", "--model.num_kv_heads", "1",
-        "--model.intermediate_size", "64", "--model.max_positions", "32", "--warm_start.n_examples", "200",
-        "--warm_start.heldout_reserve", "16", "--warm_start.eval_problems", "0", "--run.n_heldout", "16",
-        "--run.n_train", "150", "--sampler.max_new_tokens", "4", "--sampler.backend", "hf", "--run.mode", "sync",
-        "--run.eval_samples", "0", "--run.checkpoint_every", "0"]
+TINY = [
+    "--model.hidden_size",
+    "32",
+    "--model.num_layers",
+    "1",
+    "--model.num_heads",
+    "1",
+    "--model.num_kv_heads",
+    "1",
+    "--model.intermediate_size",
+    "64",
+    "--model.max_positions",
+    "32",
+    "--warm_start.n_examples",
+    "200",
+    "--warm_start.heldout_reserve",
+    "16",
+    "--warm_start.eval_problems",
+    "0",
+    "--run.n_heldout",
+    "16",
+    "--run.n_train",
+    "150",
+    "--sampler.max_new_tokens",
+    "4",
+    "--sampler.backend",
+    "hf",
+    "--run.mode",
+    "sync",
+    "--run.eval_samples",
+    "0",
+    "--run.checkpoint_every",
+    "0",
+]
 
 
 class YesNo(Task):
@@ -86,8 +115,14 @@ def launch(tmp_path, *args, timeout=300, cache: str | None = None):
     """examples/grpo.py through `asyncrl launch`; its model cached in ``cache`` (conftest's
     ``model_cache``: test_lora.py's YesNo run warm-starts the same model), else in ``tmp_path``."""
     env = dict(os.environ, ASYNCRL_CACHE_DIR=cache or str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo.py"),
-                           *TINY, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo.py"), *TINY, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def records(run_dir):
@@ -96,10 +131,32 @@ def records(run_dir):
 
 def test_a_task_defined_in_a_test_file_learns(tmp_path, model_cache):
     run_dir = tmp_path / "run"
-    done = launch(tmp_path, "--task.name", f"{HERE}:YesNo", "--run.steps", "12", "--run.groups_per_step", "4",
-                  "--sampler.group_size", "4", "--trainer.lr", "3e-3", "--warm_start.steps", "80", "--warm_start.lr", "1e-2",
-                  "--warm_start.warmup_steps", "5", "--warm_start.batch_size", "32",
-                  "--run.eval_every", "12", "--run.run_dir", str(run_dir), cache=model_cache)
+    done = launch(
+        tmp_path,
+        "--task.name",
+        f"{HERE}:YesNo",
+        "--run.steps",
+        "12",
+        "--run.groups_per_step",
+        "4",
+        "--sampler.group_size",
+        "4",
+        "--trainer.lr",
+        "3e-3",
+        "--warm_start.steps",
+        "80",
+        "--warm_start.lr",
+        "1e-2",
+        "--warm_start.warmup_steps",
+        "5",
+        "--warm_start.batch_size",
+        "32",
+        "--run.eval_every",
+        "12",
+        "--run.run_dir",
+        str(run_dir),
+        cache=model_cache,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rewards = [r["reward_mean"] for r in records(run_dir)]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
@@ -122,10 +179,27 @@ def test_a_task_defined_in_a_test_file_learns(tmp_path, model_cache):
 
 def test_failing_user_code_scores_zero_is_counted_and_the_run_goes_on(tmp_path):
     run_dir = tmp_path / "run"
-    done = launch(tmp_path, "--task.name", f"{HERE}:Flaky", "--task.score_timeout_s", "0.3",
-                  "--task.max_failure_rate", "0.95", "--run.steps", "3", "--run.groups_per_step", "5",
-                  "--sampler.group_size", "2", "--warm_start.steps", "3", "--run.eval_every", "3",
-                  "--run.run_dir", str(run_dir))
+    done = launch(
+        tmp_path,
+        "--task.name",
+        f"{HERE}:Flaky",
+        "--task.score_timeout_s",
+        "0.3",
+        "--task.max_failure_rate",
+        "0.95",
+        "--run.steps",
+        "3",
+        "--run.groups_per_step",
+        "5",
+        "--sampler.group_size",
+        "2",
+        "--warm_start.steps",
+        "3",
+        "--run.eval_every",
+        "3",
+        "--run.run_dir",
+        str(run_dir),
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     counted: dict[str, float] = {}
     for r in records(run_dir):
@@ -136,16 +210,30 @@ def test_failing_user_code_scores_zero_is_counted_and_the_run_goes_on(tmp_path):
     assert all(r["reward_mean"] <= 0.2 + 1e-9 for r in records(run_dir))  # only 1 problem in 5 can score
     # The held-out evaluation runs the same code under the same deadline, and says what failed.
     before = next(line for line in done.stdout.splitlines() if "held-out solve rate before GRPO" in line)
-    assert "; failed score/step calls, scored 0: " in before and all(k in before for k in ("raised", "timeout",
-                                                                                         "bad_value")), before
+    assert "; failed score/step calls, scored 0: " in before and all(
+        k in before for k in ("raised", "timeout", "bad_value")
+    ), before
     last = records(run_dir)[-1]
     assert {"heldout/task_errors/raised", "heldout/task_errors/timeout", "heldout/task_errors/bad_value"} <= set(last)
 
 
 def test_a_task_that_always_fails_stops_the_run_naming_it_and_its_traceback(tmp_path):
     run_dir = tmp_path / "run"
-    done = launch(tmp_path, "--task.name", f"{HERE}:Broken", "--run.steps", "20", "--run.groups_per_step", "8",
-                  "--sampler.group_size", "4", "--warm_start.steps", "3", "--run.run_dir", str(run_dir))
+    done = launch(
+        tmp_path,
+        "--task.name",
+        f"{HERE}:Broken",
+        "--run.steps",
+        "20",
+        "--run.groups_per_step",
+        "8",
+        "--sampler.group_size",
+        "4",
+        "--warm_start.steps",
+        "3",
+        "--run.run_dir",
+        str(run_dir),
+    )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "broken" in done.stderr and "KeyError" in done.stderr and "rewrd" in done.stderr, done.stderr[-3000:]
     assert "--task.max_failure_rate" in done.stderr
@@ -159,13 +247,29 @@ def test_a_reward_that_hangs_stops_the_heldout_evaluation_at_its_budget(tmp_path
     "starting".)"""
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    done = launch(tmp_path, "--task.name", f"{HERE}:Sleepy", "--task.score_timeout_s", "0.5", "--run.n_heldout", "60",
-                  "--warm_start.heldout_reserve", "60", "--warm_start.steps", "3", "--run.steps", "5",
-                  "--run.run_dir", str(run_dir))
+    done = launch(
+        tmp_path,
+        "--task.name",
+        f"{HERE}:Sleepy",
+        "--task.score_timeout_s",
+        "0.5",
+        "--run.n_heldout",
+        "60",
+        "--warm_start.heldout_reserve",
+        "60",
+        "--warm_start.steps",
+        "3",
+        "--run.steps",
+        "5",
+        "--run.run_dir",
+        str(run_dir),
+    )
     took = time.monotonic() - started
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert ("the held-out evaluation: task sleepy: 50 of 50 score/step calls failed (100%, more than "
-            "--task.max_failure_rate 0.2); the first failure:") in done.stderr, done.stderr[-3000:]
+    assert (
+        "the held-out evaluation: task sleepy: 50 of 50 score/step calls failed (100%, more than "
+        "--task.max_failure_rate 0.2); the first failure:"
+    ) in done.stderr, done.stderr[-3000:]
     assert "ran past its 0.5 s deadline" in done.stderr and "time.sleep(60)" in done.stderr
     assert "before GRPO" not in done.stdout and not (run_dir / "metrics.jsonl").read_text().strip()
     assert took < 150, took

@@ -33,8 +33,7 @@ from conftest import descendants, kill_all, process_alive, wait_until
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
 from sampler_support import HOST, N_HELDOUT, N_TRAIN, until_generating
-from vllm_support import (SYNC_BACKEND, VLLM_ENV, StatePusher, engine_options, needs_two_devices, repeat_abs,
-                          state_files)
+from vllm_support import SYNC_BACKEND, VLLM_ENV, StatePusher, engine_options, needs_two_devices, repeat_abs, state_files
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy; vllm_required
 
@@ -49,9 +48,21 @@ pytestmark = pytest.mark.timeout(300)
 def _spawn_sampler(sup, tiny_path, device, **sampler):
     """A vLLM sampler on ``device`` taking weights after the batch in flight (``weight_update="pause"``)."""
     config = SamplerConfig(group_size=3, prompts_per_batch=2, weight_update="pause", backend="vllm", **sampler)
-    return sup.spawn(SamplerActor, tiny_path, config, name="smp", env=VLLM_ENV, gpus=int(device.type == "cuda"),
-                     kwargs=dict(data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT), seed=1, device=device.type,
-                                 vllm={"engine": engine_options(device)}, sync_timeout_s=60.0))
+    return sup.spawn(
+        SamplerActor,
+        tiny_path,
+        config,
+        name="smp",
+        env=VLLM_ENV,
+        gpus=int(device.type == "cuda"),
+        kwargs=dict(
+            data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT),
+            seed=1,
+            device=device.type,
+            vllm={"engine": engine_options(device)},
+            sync_timeout_s=60.0,
+        ),
+    )
 
 
 async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny_path, policy, tmp_path):
@@ -70,7 +81,8 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
     async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
         sampler, pusher = await asyncio.gather(
             _spawn_sampler(sup, tiny_path, vllm_required, max_new_tokens=24, temperature=1.0),
-            sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"}))
+            sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"}),
+        )
         assert await form_group([pusher, sampler], HOST, backend=SYNC_BACKEND, timeout_s=60) > 0
         buckets, _ = await asyncio.gather(pusher.setup(), sampler.setup_receiver(60))
         assert buckets > 1  # a 64 KiB bucket: the tiny model takes several
@@ -79,7 +91,9 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         groups = [g async for g in sampler.rollouts(2)]
         assert [g.version for g in groups] == [0, 0] and all(len(g.completion_ids) == 3 for g in groups)
 
-        inflight = asyncio.ensure_future(sampler.generate(probe * 4, 4, msgspec.structs.replace(greedy, max_new_tokens=300)))
+        inflight = asyncio.ensure_future(
+            sampler.generate(probe * 4, 4, msgspec.structs.replace(greedy, max_new_tokens=300))
+        )
         await until_generating(sampler)
         _, synced = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
         assert inflight.done() and synced.pause_s > 0  # pause mode: the sync waited for the generate in flight
@@ -93,7 +107,8 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         assert [g[0].token_ids for g in restored] == [g[0].token_ids for g in before]
         assert [lp for g in restored for lp in g[0].logprobs] == pytest.approx(
             [lp for g in before for lp in g[0].logprobs],
-            abs=1e-5 if vllm_required.type == "cpu" else repeat_abs(vllm_required))
+            abs=1e-5 if vllm_required.type == "cpu" else repeat_abs(vllm_required),
+        )
         [late] = [g async for g in sampler.rollouts(1)]
         assert late.version == 2
 
@@ -132,8 +147,10 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         os.kill(actor_pid, signal.SIGKILL)
         assert await _all_gone(engine_pids, 10.0), "vLLM's engine outlived its actor"
         # ... and what vLLM leaves behind when killed: its shared memory, its socket files.
-        assert await _until(lambda: not _shm() - shm_before and not _scratch(actor_pid), 10.0), \
-            (_shm() - shm_before, _scratch(actor_pid))
+        assert await _until(lambda: not _shm() - shm_before and not _scratch(actor_pid), 10.0), (
+            _shm() - shm_before,
+            _scratch(actor_pid),
+        )
 
 
 def _shm() -> set[str]:
@@ -200,9 +217,20 @@ def test_sigkill_of_the_supervisor_takes_vllms_engine_down(vllm_required, tiny_p
     script.write_text(_DRIVER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     with open(tmp_path / "driver.err", "w") as err:
-        driver = subprocess.Popen([sys.executable, str(script), tiny_path, json.dumps(VLLM_ENV),
-                                   json.dumps(engine_options(vllm_required)), vllm_required.type],
-                                  env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        driver = subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                tiny_path,
+                json.dumps(VLLM_ENV),
+                json.dumps(engine_options(vllm_required)),
+                vllm_required.type,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     pids: list[int] = []
     shm_before = _shm()
     try:
@@ -213,8 +241,10 @@ def test_sigkill_of_the_supervisor_takes_vllms_engine_down(vllm_required, tiny_p
         driver.send_signal(signal.SIGKILL)
         driver.wait(5)
         assert wait_until(lambda: not any(process_alive(p) for p in pids), 10.0), "orphans survived"
-        assert wait_until(lambda: not _shm() - shm_before and not _scratch(pids[0]), 10.0), \
-            (_shm() - shm_before, _scratch(pids[0]))
+        assert wait_until(lambda: not _shm() - shm_before and not _scratch(pids[0]), 10.0), (
+            _shm() - shm_before,
+            _scratch(pids[0]),
+        )
     finally:
         kill_all([driver.pid, *pids])
         driver.communicate(timeout=10)
@@ -248,9 +278,26 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, ASYNCRL_CACHE_DIR=model_cache, **VLLM_ENV)
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", os.path.join(ROOT, "examples", "grpo_countdown.py"),
-                           *TINY, *device, "--sampler.backend", "vllm", "--run.run_dir", str(run_dir)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "launch",
+            os.path.join(ROOT, "examples", "grpo_countdown.py"),
+            *TINY,
+            *device,
+            "--sampler.backend",
+            "vllm",
+            "--run.run_dir",
+            str(run_dir),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "vllm backend" in done.stdout + done.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -262,17 +309,30 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
 async def test_check_weights_is_refused_before_a_run_with_vllm_samplers(vllm_required, tiny_path, tmp_path):
     """A vLLM sampler's weights live in its engine (repacked on CPU): no digest to compare, so
     ``--run.check_weights`` is a config error at the start, not a sampler lost after every sync."""
-    from asyncrl.rl.config.parse import ConfigError, parse_overrides
     from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import ConfigError, parse_overrides
     from asyncrl.rl.driver.run import train
 
     why = needs_two_devices(vllm_required)
     if why:
         pytest.skip(why)
     device = ["--run.device", "cuda"] if vllm_required.type == "cuda" else []
-    config = parse_overrides(GRPOConfig(model_path=tiny_path), [*device,
-        "--run.run_dir", str(tmp_path / "run"), "--run.n_train", "40", "--run.n_heldout", "8",
-        "--sampler.backend", "auto", "--run.check_weights", "true"])
+    config = parse_overrides(
+        GRPOConfig(model_path=tiny_path),
+        [
+            *device,
+            "--run.run_dir",
+            str(tmp_path / "run"),
+            "--run.n_train",
+            "40",
+            "--run.n_heldout",
+            "8",
+            "--sampler.backend",
+            "auto",
+            "--run.check_weights",
+            "true",
+        ],
+    )
     async with Supervisor(start_timeout_s=240) as sup:
         with pytest.raises(ConfigError, match="sampler0 uses the vLLM backend; add --sampler.backend hf"):
             await train(config, sup)

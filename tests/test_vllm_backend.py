@@ -24,8 +24,15 @@ from conftest import wait_until
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
 from sampler_support import HOST
-from vllm_support import (SYNC_BACKEND, StatePusher, engine_options, reference_logprobs, repeat_abs, running_s,
-                          state_files)
+from vllm_support import (
+    SYNC_BACKEND,
+    StatePusher,
+    engine_options,
+    reference_logprobs,
+    repeat_abs,
+    running_s,
+    state_files,
+)
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy, prompts; vllm_required, engine
 
@@ -49,7 +56,7 @@ async def test_logprobs_match_the_hf_model(engine, policy, prompts, temperature,
             assert torch.allclose(torch.tensor(c.logprobs), ref, atol=2e-3, rtol=0), (c.logprobs, ref.tolist())
             if temperature == 0:  # greedy: each token is the HF model's argmax too
                 with torch.no_grad():
-                    logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+                    logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
                 assert logits.argmax(-1).tolist() == c.token_ids
 
 
@@ -70,11 +77,12 @@ async def test_top_logprobs_are_the_likeliest_tokens_of_the_sampling_distributio
     model = policy[0]
     [[c]] = await engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=6, temperature=0.7, top_logprobs=3))
     with torch.no_grad():
-        logits = model(torch.tensor([prompts[0] + c.token_ids])).logits[0, len(prompts[0]) - 1:-1]
+        logits = model(torch.tensor([prompts[0] + c.token_ids])).logits[0, len(prompts[0]) - 1 : -1]
     expected = torch.log_softmax(logits / 0.7, -1).topk(3)
     assert len(c.top_logprobs) == len(c.token_ids)
-    for top, token, lp, ids, values in zip(c.top_logprobs, c.token_ids, c.logprobs, expected.indices.tolist(),
-                                           expected.values.tolist()):
+    for top, token, lp, ids, values in zip(
+        c.top_logprobs, c.token_ids, c.logprobs, expected.indices.tolist(), expected.values.tolist()
+    ):
         assert [t for t, _ in top] == ids
         assert [v for _, v in top] == pytest.approx(values, abs=2e-3)
         if token in ids:
@@ -88,13 +96,17 @@ async def test_progress_reports_each_rows_tokens_as_the_engine_makes_them(engine
     sample is reported for each of its n rows."""
     for temperature in (1.0, 0.0):
         reports: dict[int, list[list[int]]] = {}
-        groups = await engine.generate(prompts[:2], 2, SamplingParams(max_new_tokens=8, temperature=temperature, seed=1),
-                                       lambda row, ids, reports=reports: reports.setdefault(row, []).append(ids))
+        groups = await engine.generate(
+            prompts[:2],
+            2,
+            SamplingParams(max_new_tokens=8, temperature=temperature, seed=1),
+            lambda row, ids, reports=reports: reports.setdefault(row, []).append(ids),
+        )
         rows = [c.token_ids for g in groups for c in g]
         assert sorted(reports) == [0, 1, 2, 3]
         for row, ids in enumerate(rows):
             assert len(reports[row]) > 1 and reports[row][-1] == ids
-            assert all(ids[:len(r)] == r and len(r) > len(p) for p, r in zip([[]] + reports[row], reports[row]))
+            assert all(ids[: len(r)] == r and len(r) > len(p) for p, r in zip([[]] + reports[row], reports[row]))
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -105,19 +117,19 @@ async def test_stops_max_tokens_and_stop_strings(engine, prompts, policy, vllm_r
     cut = max(i for i in range(16) if free.token_ids[i] not in free.token_ids[:i])
     stop = free.token_ids[cut]
     [[stopped]] = await engine.generate(prompts[:1], 1, msgspec.structs.replace(greedy, stop_token_ids=[stop]))
-    assert stopped.token_ids == free.token_ids[:cut + 1] and stopped.finish_reason == "stop"
-    assert stopped.logprobs == pytest.approx(free.logprobs[:cut + 1], abs=repeat_abs(vllm_required))
+    assert stopped.token_ids == free.token_ids[: cut + 1] and stopped.finish_reason == "stop"
+    assert stopped.logprobs == pytest.approx(free.logprobs[: cut + 1], abs=repeat_abs(vllm_required))
     [[short]] = await engine.generate(prompts[:1], 1, msgspec.structs.replace(greedy, max_new_tokens=3))
     assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
     # A stop string: the text ends before it.
     tok = policy[1]
     text = free.text
-    needle = text[len(text) // 2:len(text) // 2 + 2]
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
     if needle.strip():
         [[by_string]] = await engine.generate(prompts[:1], 1, msgspec.structs.replace(greedy, stop=[needle]))
         assert by_string.finish_reason == "stop" and needle not in by_string.text
         assert text.startswith(by_string.text)
-        assert by_string.token_ids == free.token_ids[:len(by_string.token_ids)]
+        assert by_string.token_ids == free.token_ids[: len(by_string.token_ids)]
     assert tok.decode(free.token_ids, skip_special_tokens=True) == free.text
 
 
@@ -154,27 +166,35 @@ async def test_the_openai_endpoint_records_what_the_engine_generated(engine, pol
     async def ask(session, question):
         async with server.client(session.key) as client:
             return await client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": question}], seed=5, logprobs=True, n=2,
-                top_logprobs=2)
+                model="policy",
+                messages=[{"role": "user", "content": question}],
+                seed=5,
+                logprobs=True,
+                n=2,
+                top_logprobs=2,
+            )
 
     try:
         answers = await asyncio.gather(*(ask(s, q) for s, q in zip(sessions, questions)))
     finally:
         await server.close()
     for session, question, answer in zip(sessions, questions, answers):
-        text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
         assert len(session.calls) == len(answer.choices) == 2
-        [directs] = await engine.generate([session.calls[0].prompt_ids], 2,
-                                          msgspec.structs.replace(sampling, seed=5, top_logprobs=2))
+        [directs] = await engine.generate(
+            [session.calls[0].prompt_ids], 2, msgspec.structs.replace(sampling, seed=5, top_logprobs=2)
+        )
         for call, choice, direct in zip(session.calls, answer.choices, directs):
             assert call.prompt_ids == tok(text, add_special_tokens=False)["input_ids"] and call.version == 7
             assert call.token_ids == direct.token_ids
             assert call.logprobs == pytest.approx(direct.logprobs, abs=repeat_abs(vllm_required))
             assert [t.logprob for t in choice.logprobs.content] == call.logprobs
             assert choice.message.content == direct.text
-            assert [[t.token for t in e.top_logprobs] for e in choice.logprobs.content] == \
-                [[tok.decode([i]) for i, _ in top] for top in direct.top_logprobs]
+            assert [[t.token for t in e.top_logprobs] for e in choice.logprobs.content] == [
+                [tok.decode([i]) for i, _ in top] for top in direct.top_logprobs
+            ]
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -229,9 +249,13 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
     async with Supervisor(call_timeout_s=60) as sup:
         pusher = await sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"})
         port = await pusher.sync_listen(HOST)
-        backends = await join_all([pusher.sync_join(HOST, port, 0, 2, 0, SYNC_BACKEND, 30.0),
-                                   sink.join(HOST, port, 1, 2, generation=0, backend=SYNC_BACKEND, timeout_s=30.0,
-                                             name="weights")], 45.0)
+        backends = await join_all(
+            [
+                pusher.sync_join(HOST, port, 0, 2, 0, SYNC_BACKEND, 30.0),
+                sink.join(HOST, port, 1, 2, generation=0, backend=SYNC_BACKEND, timeout_s=30.0, name="weights"),
+            ],
+            45.0,
+        )
         assert backends == ["gloo", "gloo"]
         await asyncio.gather(pusher.setup(), sink.setup(30.0))
         try:
@@ -248,8 +272,7 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
             # machine as on a slow one): their first tokens are out, most are still to come.
             call = asyncio.ensure_future(engine.generate(prompts, 1, greedy))
             await asyncio.sleep(whole_s / 5)
-            _, synced = await asyncio.gather(pusher.send(3, "changed"),
-                                             sink.receive(3, in_flight=True, timeout_s=30.0))
+            _, synced = await asyncio.gather(pusher.send(3, "changed"), sink.receive(3, in_flight=True, timeout_s=30.0))
             assert synced.pause_s < 0.1  # went in between two steps: it did not wait for the requests
             mixed = await asyncio.wait_for(call, 60)
             for o, n, m in zip(old, new, mixed):
@@ -275,8 +298,13 @@ async def test_bf16_logprobs_match_a_bf16_reference(tiny_path, policy, prompts, 
     if vllm_required.type != "cuda":
         pytest.skip("bf16 is the GPU's path; the CPU build runs the tests in fp32")
     tol = 2e-2
-    b16 = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, device=vllm_required,
-                      engine=engine_options(vllm_required) | {"dtype": "bfloat16"})
+    b16 = VLLMBackend(
+        tiny_path,
+        tokenizer=policy[1],
+        seed=0,
+        device=vllm_required,
+        engine=engine_options(vllm_required) | {"dtype": "bfloat16"},
+    )
     try:
         assert b16.dtype == torch.bfloat16
         ref_model = copy.deepcopy(policy[0]).to(torch.bfloat16)
@@ -289,7 +317,7 @@ async def test_bf16_logprobs_match_a_bf16_reference(tiny_path, policy, prompts, 
                     assert torch.allclose(torch.tensor(c.logprobs), ref, atol=tol, rtol=0), (c.logprobs, ref.tolist())
                     if temperature == 0:
                         with torch.no_grad():
-                            logits = ref_model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+                            logits = ref_model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
                         best = torch.log_softmax(logits.float(), -1)
                         chosen = best.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
                         assert (best.max(-1).values - chosen).max() <= tol

@@ -14,9 +14,19 @@ import torch
 from asyncrl.rl.sampler.vllm import compat
 
 
-@pytest.mark.parametrize("version, problem", [
-    ("0.24.0", ""), ("0.32.0", ""), ("0.32.0+cpu", ""), ("0.33.1rc1.dev5+g1234", ""), ("1.0.0", ""),
-    ("0.23.1", "older than 0.24"), ("0.9.2", "older than 0.24"), ("dev", "cannot read")])
+@pytest.mark.parametrize(
+    "version, problem",
+    [
+        ("0.24.0", ""),
+        ("0.32.0", ""),
+        ("0.32.0+cpu", ""),
+        ("0.33.1rc1.dev5+g1234", ""),
+        ("1.0.0", ""),
+        ("0.23.1", "older than 0.24"),
+        ("0.9.2", "older than 0.24"),
+        ("dev", "cannot read"),
+    ],
+)
 def test_the_supported_range_starts_at_0_24(version, problem):
     found = compat.version_problem(version)
     assert (problem in found) if problem else found == "", found
@@ -80,8 +90,9 @@ def test_the_engine_is_sized_for_batch_generation(monkeypatch):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     seen = {}
-    monkeypatch.setattr(AsyncLLM, "from_engine_args",
-                        classmethod(lambda cls, args, **kw: seen.update(model=args.model, **kw)))
+    monkeypatch.setattr(
+        AsyncLLM, "from_engine_args", classmethod(lambda cls, args, **kw: seen.update(model=args.model, **kw))
+    )
     compat.make_engine({"model": "/nonexistent", "seed": 3})
     assert seen == {"model": "/nonexistent", "usage_context": UsageContext.LLM_CLASS}
 
@@ -98,13 +109,15 @@ def test_the_sampled_tokens_logprobs_from_flat_or_per_position_logprobs():
 
     ids = [5, 7, 5]
     assert compat.sampled_logprobs(Flat(ids, [-1.0, -2.0, -0.5]), ids) == [-1.0, -2.0, -0.5]
-    assert compat.sampled_logprobs([{5: Logprob(-1.0)}, {7: Logprob(-2.0), 1: Logprob(-0.1)}, {5: Logprob(-0.5)}],
-                                   ids) == [-1.0, -2.0, -0.5]
+    assert compat.sampled_logprobs(
+        [{5: Logprob(-1.0)}, {7: Logprob(-2.0), 1: Logprob(-0.1)}, {5: Logprob(-0.5)}], ids
+    ) == [-1.0, -2.0, -0.5]
     assert compat.sampled_logprobs([{5: Logprob(-1.0)}, {8: Logprob(-2.0)}, {5: Logprob(-0.5)}], ids) is None
     assert compat.sampled_logprobs(Flat(ids[:2], [-1.0, -2.0]), ids) is None
     assert compat.sampled_logprobs(None, ids) is None
     if importlib.util.find_spec("vllm") is not None:  # the real container, as the output processor fills it
-        from vllm.logprobs import FlatLogprobs, Logprob as VLogprob
+        from vllm.logprobs import FlatLogprobs
+        from vllm.logprobs import Logprob as VLogprob
 
         flat = FlatLogprobs()
         for t, v in zip(ids, [-1.0, -2.0, -0.5]):

@@ -87,8 +87,11 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
     from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
 
     g = torch.Generator().manual_seed(0)
-    state = {"model.embed_tokens.weight": torch.randn(300, 64, generator=g),  # larger than a 64 KiB bucket
-             "model.norm.weight": torch.randn(64, generator=g), "lm_head.weight": torch.randn(300, 64, generator=g)}
+    state = {
+        "model.embed_tokens.weight": torch.randn(300, 64, generator=g),  # larger than a 64 KiB bucket
+        "model.norm.weight": torch.randn(64, generator=g),
+        "lm_head.weight": torch.randn(300, 64, generator=g),
+    }
     _checkpoint(tmp_path / "ckpt", state)
     sent = {k: v.clone() for k, v in state.items() if k != "lm_head.weight"}  # tied: sent once
     worker = _worker(sent, str(tmp_path / "ckpt"), in_place)
@@ -138,8 +141,16 @@ def test_the_worker_extension_refuses_bad_control_values():
 
     worker = _worker({}, "/nonexistent", True)
     good = dict(host=HOST, port=1234, rank=1, world_size=2, generation=0, backend="gloo", timeout_s=5.0, name="w")
-    for bad in ({"port": "1234"}, {"port": 0}, {"rank": 0}, {"rank": True}, {"backend": "mpi"}, {"timeout_s": 0},
-                {"host": ""}, {"name": 3}):
+    for bad in (
+        {"port": "1234"},
+        {"port": 0},
+        {"rank": 0},
+        {"rank": True},
+        {"backend": "mpi"},
+        {"timeout_s": 0},
+        {"host": ""},
+        {"name": 3},
+    ):
         with pytest.raises(ValueError):
             worker.asyncrl_join(**(good | bad))
     with pytest.raises(WorkerSyncError, match="before joining"):
@@ -159,7 +170,11 @@ def test_a_layout_that_is_not_the_checkpoints_is_refused(tmp_path):
     def layout(tensors):
         return build_layout([spec_of(n, t) for n, t in tensors.items()], 1 << 20)
 
-    tied_ok = {"a.weight": state["a.weight"], "b.weight": state["b.weight"], "model.embed_tokens.weight": torch.zeros(7, 3)}
+    tied_ok = {
+        "a.weight": state["a.weight"],
+        "b.weight": state["b.weight"],
+        "model.embed_tokens.weight": torch.zeros(7, 3),
+    }
     _check_against_checkpoint(layout(tied_ok), str(tmp_path))  # lm_head tied to the embedding: not sent
     with pytest.raises(LayoutMismatchError, match="b.weight: in the checkpoint, never sent"):
         _check_against_checkpoint(layout({k: v for k, v in tied_ok.items() if k != "b.weight"}), str(tmp_path))
@@ -233,13 +248,21 @@ def test_the_janitor_cleans_up_after_an_actor_that_died_before_its_engine_was_up
     starting.mkdir()
     janitor = Janitor(str(starting))
     followed = janitor.follow(shm_names(), poll_s=0.05)
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import sys, time
         from multiprocessing import shared_memory, resource_tracker
         shm = shared_memory.SharedMemory(create=True, size=1 << 20)
         resource_tracker.unregister(shm._name, "shared_memory")  # as if killed: nobody cleans up
         print(shm.name, flush=True)
-        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+        time.sleep(60)"""),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     name = child.stdout.readline().strip().lstrip("/")
     time.sleep(0.5)  # several polls
     child.kill()
@@ -292,12 +315,20 @@ def test_the_janitor_leaves_a_segment_another_living_process_maps(tmp_path):
     path = os.path.join("/dev/shm", name)
     with open(path, "wb") as f:
         f.write(b"\0" * 4096)
-    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import mmap, sys, time
         with open({path!r}, "r+b") as f:
             m = mmap.mmap(f.fileno(), 4096)
         print("mapped", flush=True)
-        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+        time.sleep(60)"""),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert other.stdout.readline().strip() == "mapped"
         scratch = tmp_path / "scratch"

@@ -13,8 +13,8 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from asyncrl.rl.model import evaluation, warm_start
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
+from asyncrl.rl.model import evaluation, warm_start
 from asyncrl.rl.model.evaluation import StoppedError
 from asyncrl.rl.model.warm_start import default_model
 from asyncrl.rl.tasks.base import Environment, Task, TaskError
@@ -31,8 +31,10 @@ def test_warm_start_is_the_same_on_any_thread_count(tmp_path):
     """The cache key does not name the thread count, so the weights must not depend on it. Three
     threads is the case that differed (by 1 ulp, then more) before training was pinned to one:
     elementwise kernels split across 3 threads end chunks off the vector width."""
-    built = {t: weights(default_model(SMALL, SHORT, cache_dir=str(tmp_path / str(t)), threads=t, log=lambda _: None))
-             for t in (1, 2, 3)}
+    built = {
+        t: weights(default_model(SMALL, SHORT, cache_dir=str(tmp_path / str(t)), threads=t, log=lambda _: None))
+        for t in (1, 2, 3)
+    }
     for t in (2, 3):
         assert built[t].keys() == built[1].keys()
         assert [k for k in built[1] if not built[1][k].equal(built[t][k])] == [], f"{t} threads"
@@ -67,8 +69,9 @@ def build_in_thread(cache: str, stop: threading.Event, warm: WarmStartConfig, st
 
 def test_stop_ends_a_warm_start_within_seconds_and_caches_nothing(tmp_path):
     stop, started = threading.Event(), threading.Event()
-    long = WarmStartConfig(steps=100_000, batch_size=32, warmup_steps=2, n_examples=256, heldout_reserve=16,
-                           eval_problems=0)
+    long = WarmStartConfig(
+        steps=100_000, batch_size=32, warmup_steps=2, n_examples=256, heldout_reserve=16, eval_problems=0
+    )
     thread, result = build_in_thread(str(tmp_path), stop, long, started)
     assert started.wait(60), "the warm start never began training"
     time.sleep(0.5)  # a few steps in
@@ -119,8 +122,10 @@ def test_countdown_keeps_its_cache_key():
 
     for task in (Countdown(), Countdown(CountdownConfig()), None):
         assert warm_start.cache_key(ModelConfig(), WarmStartConfig(), task) == COUNTDOWN_DEFAULT_KEY
-    assert warm_start.cache_key(ModelConfig(), WarmStartConfig(), Countdown(CountdownConfig(max_count=5))) != \
-        COUNTDOWN_DEFAULT_KEY
+    assert (
+        warm_start.cache_key(ModelConfig(), WarmStartConfig(), Countdown(CountdownConfig(max_count=5)))
+        != COUNTDOWN_DEFAULT_KEY
+    )
 
 
 def test_countdown_trains_on_prompt_reference_and_eos():
@@ -134,8 +139,8 @@ def test_countdown_trains_on_prompt_reference_and_eos():
     for i, p in enumerate(problems):
         prompt = tok(format_prompt_compact(p), add_special_tokens=False)["input_ids"]
         completion = tok(format_reference(p), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        assert ids[i, :lengths[i]].tolist() == prompt + completion
-        assert labels[i, :lengths[i]].tolist() == [-100] * len(prompt) + completion
+        assert ids[i, : lengths[i]].tolist() == prompt + completion
+        assert labels[i, : lengths[i]].tolist() == [-100] * len(prompt) + completion
     assert longest_turn == max(int(lengths[i]) - len(format_prompt_compact(p)) for i, p in enumerate(problems))
 
 
@@ -206,13 +211,16 @@ def test_a_reward_that_hangs_ends_the_warm_starts_check_at_its_budget(tmp_path):
         lines.append(line)
         trained.extend([time.monotonic()] * ("warm-starting" in line))
 
-    path = default_model(SMALL, warm, SlowReverse(), cache_dir=str(tmp_path), threads=1, log=log,
-                         score_calls=(0.2, 0.2))
+    path = default_model(
+        SMALL, warm, SlowReverse(), cache_dir=str(tmp_path), threads=1, log=log, score_calls=(0.2, 0.2)
+    )
     assert time.monotonic() - trained[0] < 10  # 1.4 s on the loaded 2-core machine
     with open(os.path.join(path, "asyncrl_model.json")) as f:
         assert json.load(f)["heldout_greedy_solve_rate"] is None
-    assert ("[model] no solve rate after the warm start: task slow_reverse: 50 of 50 score/step calls failed "
-            "(100%, more than --task.max_failure_rate 0.2); the first failure:") in lines
+    assert (
+        "[model] no solve rate after the warm start: task slow_reverse: 50 of 50 score/step calls failed "
+        "(100%, more than --task.max_failure_rate 0.2); the first failure:"
+    ) in lines
 
 
 def test_a_task_without_demonstrations_needs_a_checkpoint(tmp_path):
@@ -242,13 +250,15 @@ def test_an_environments_replies_carry_no_labels():
 
     tok = build_tokenizer()
     ids, labels, lengths, longest_turn = warm_start._encode(tok, ["2+3"], 64, task=Tool())
-    pieces = [tok(t, add_special_tokens=False)["input_ids"] for t in ("2+3?", "<calc>2+3</calc>", "<result>5</result>",
-                                                                     "<answer>5</answer>")]
+    pieces = [
+        tok(t, add_special_tokens=False)["input_ids"]
+        for t in ("2+3?", "<calc>2+3</calc>", "<result>5</result>", "<answer>5</answer>")
+    ]
     prompt, call, result, answer = pieces
     eos = tok.eos_token_id
     # A turn ended by a stop string has no eos (generation stops there); the answer's has one.
-    assert ids[0, :lengths[0]].tolist() == prompt + call + result + answer + [eos]
-    assert labels[0, :lengths[0]].tolist() == [-100] * len(prompt) + call + [-100] * len(result) + answer + [eos]
+    assert ids[0, : lengths[0]].tolist() == prompt + call + result + answer + [eos]
+    assert labels[0, : lengths[0]].tolist() == [-100] * len(prompt) + call + [-100] * len(result) + answer + [eos]
     assert longest_turn == len(call)
 
 
@@ -269,29 +279,31 @@ class Replay:
         first, self.first = self.first, False
         for i, context in enumerate(prompts):
             rows = [self.rows[i]] if first else self.rows
-            row = next((r for r in rows if r[:len(context)] == context), None)
+            row = next((r for r in rows if r[: len(context)] == context), None)
             assert row is not None, f"a context the warm start never trained on: {self.tok.decode(context)!r}"
             got = []
-            for token in row[len(context):len(context) + params.max_new_tokens]:
+            for token in row[len(context) : len(context) + params.max_new_tokens]:
                 got.append(token)
                 text = self.tok.decode(got, skip_special_tokens=True)
                 if token in params.stop_token_ids or any(s in text for s in params.stop):
                     break
             hits = [text.find(s) for s in params.stop if s in text]
             finish = "stop" if got[-1] in params.stop_token_ids or hits else "length"
-            out.append([Completion(got, [0.0] * len(got), text[:min(hits)] if hits else text, finish)] * n)
+            out.append([Completion(got, [0.0] * len(got), text[: min(hits)] if hits else text, finish)] * n)
         return out
 
 
 def environments(tmp_path) -> list:
     """docs/tasks.md's Guess and examples/guess.py (turns end on eos), examples/calculator.py (a
     tool call ends on its stop string, the answer on eos)."""
+    from asyncrl.rl.tasks import TaskSpec, load_task
     from test_examples import EXAMPLES, calculator_module, doc_files
 
-    from asyncrl.rl.tasks import TaskSpec, load_task
-
-    return [load_task(TaskSpec(name=f"{doc_files(tmp_path)['guess.py']}:Guess")),
-            load_task(TaskSpec(name=f"{EXAMPLES}/guess.py:Guess")), calculator_module().Calculator()]
+    return [
+        load_task(TaskSpec(name=f"{doc_files(tmp_path)['guess.py']}:Guess")),
+        load_task(TaskSpec(name=f"{EXAMPLES}/guess.py:Guess")),
+        calculator_module().Calculator(),
+    ]
 
 
 def test_an_environments_warm_start_rows_are_its_episodes_token_for_token(tmp_path):
@@ -313,27 +325,34 @@ def test_an_environments_warm_start_rows_are_its_episodes_token_for_token(tmp_pa
     for task in environments(tmp_path):
         problems = [p for p in task.problems()[:20] if len(task.demonstration(p)) > 1]
         ids, labels, lengths, _ = warm_start._encode(tok, problems, 128, task=task)
-        rows = [ids[i, :lengths[i]].tolist() for i in range(len(problems))]
+        rows = [ids[i, : lengths[i]].tolist() for i in range(len(problems))]
         fmt = PromptFormat("compact", tok, [eos], 40)
         calls = UserCalls(task.task_name(), 5.0, 1.0)
         try:
             params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=[eos])
-            groups = asyncio.run(EpisodeRunner(task, fmt, calls, max_context=128).run(problems, 1, params,
-                                                                                       Replay(tok, rows)))
+            groups = asyncio.run(
+                EpisodeRunner(task, fmt, calls, max_context=128).run(problems, 1, params, Replay(tok, rows))
+            )
         finally:
             calls.close()
         tok.chat_template = warm_start.chat_template(task)
         for i, ((sample,), problem) in enumerate(zip(groups, problems)):
             prompt = fmt.render_ids(warm_start.as_prompt(task.prompt(problem)))
             assert prompt + sample.token_ids == rows[i], task.task_name()
-            assert sample.action_mask == [int(x != -100) for x in labels[i, len(prompt):lengths[i]].tolist()]
-            assert sample.correct and not sample.error and sample.metrics["turns"] == (len(task.demonstration(problem)) + 1) // 2
+            assert sample.action_mask == [int(x != -100) for x in labels[i, len(prompt) : lengths[i]].tolist()]
+            assert (
+                sample.correct
+                and not sample.error
+                and sample.metrics["turns"] == (len(task.demonstration(problem)) + 1) // 2
+            )
             turns = task.demonstration(problem)
             messages = [{"role": "user", "content": task.prompt(problem)}] + [
-                {"role": "user" if j % 2 else "assistant", "content": t} for j, t in enumerate(turns)]
+                {"role": "user" if j % 2 else "assistant", "content": t} for j, t in enumerate(turns)
+            ]
             assert tok.apply_chat_template(messages, tokenize=True, return_dict=False) == rows[i]
-            assert tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) == \
-                task.prompt(problem)
+            assert tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) == task.prompt(
+                problem
+            )
 
 
 def test_a_stop_string_inside_a_demonstrated_turn_is_one_line():
@@ -347,10 +366,13 @@ def test_a_stop_string_inside_a_demonstrated_turn_is_one_line():
         warm_start._encode(build_tokenizer(), ["2+3"], 64, task=Early())
 
 
-@pytest.mark.parametrize("demonstration, error", [
-    (["<calc>1</calc>", "<result>1</result>"], "odd length"),  # ends on the environment's turn
-    ([1], "odd length"),
-])
+@pytest.mark.parametrize(
+    "demonstration, error",
+    [
+        (["<calc>1</calc>", "<result>1</result>"], "odd length"),  # ends on the environment's turn
+        ([1], "odd length"),
+    ],
+)
 def test_a_malformed_demonstration_is_one_line(demonstration, error):
     from asyncrl.rl.model.tokenizer import build_tokenizer
 
@@ -361,8 +383,9 @@ def test_a_malformed_demonstration_is_one_line(demonstration, error):
     with pytest.raises(TaskError, match=error):
         warm_start._encode(build_tokenizer(), ["2+3"], 64, task=Bad())
     with pytest.raises(TaskError, match="must return a str or None"):
-        warm_start._encode(build_tokenizer(), ["001"], 64, task=type("ListDemo", (Reverse,), {
-            "demonstration": lambda self, p: [p]})())
+        warm_start._encode(
+            build_tokenizer(), ["001"], 64, task=type("ListDemo", (Reverse,), {"demonstration": lambda self, p: [p]})()
+        )
 
 
 # --- the reserve: a held-out file, a small task (model/reserve.py) --------------------------------
@@ -373,14 +396,22 @@ def rows_task(tmp_path, n_rows: int, n_heldout_rows: int):
     from asyncrl.rl.tasks import TaskSpec, load_task
 
     def rows(n, start):
-        return "".join(json.dumps({"prompt": f"{i:03d}>", "answer": f"{i:03d}"[::-1],
-                                   "demonstration": f"{i:03d}"[::-1]}) + "\n" for i in range(start, start + n))
+        return "".join(
+            json.dumps({"prompt": f"{i:03d}>", "answer": f"{i:03d}"[::-1], "demonstration": f"{i:03d}"[::-1]}) + "\n"
+            for i in range(start, start + n)
+        )
 
     (tmp_path / "rows.jsonl").write_text(rows(n_rows, 0))
     (tmp_path / "heldout.jsonl").write_text(rows(n_heldout_rows, 500))
     (tmp_path / "reward.py").write_text("def reward(row, completion):\n    return float(completion == row['answer'])\n")
-    return load_task(TaskSpec(name="", data=str(tmp_path / "rows.jsonl"), heldout_data=str(tmp_path / "heldout.jsonl"),
-                              reward=f"{tmp_path / 'reward.py'}:reward"))
+    return load_task(
+        TaskSpec(
+            name="",
+            data=str(tmp_path / "rows.jsonl"),
+            heldout_data=str(tmp_path / "heldout.jsonl"),
+            reward=f"{tmp_path / 'reward.py'}:reward",
+        )
+    )
 
 
 def test_a_heldout_file_is_the_warm_starts_reserve(tmp_path):
@@ -394,8 +425,10 @@ def test_a_heldout_file_is_the_warm_starts_reserve(tmp_path):
         marker = json.load(f)
     assert marker["warm"]["heldout_reserve"] == marker["warm"]["eval_problems"] == 8
     assert marker["train_examples"] == 60  # the file's rows: none is held out of them
-    assert "[model] the warm start of task reward.py:reward reserves the 8 rows of --task.heldout_data (not " \
-           "--warm_start.heldout_reserve 16): it never trains on that file" in lines
+    assert (
+        "[model] the warm start of task reward.py:reward reserves the 8 rows of --task.heldout_data (not "
+        "--warm_start.heldout_reserve 16): it never trains on that file" in lines
+    )
 
 
 def test_a_heldout_file_lets_n_heldout_exceed_the_reserve():
@@ -416,9 +449,11 @@ def test_a_small_task_keeps_most_of_its_problems_for_the_warm_start():
     warm = WarmStartConfig(heldout_reserve=150, eval_problems=40)
     fitted, line = fitted_warm_start(warm, Reverse(), 20)
     assert (fitted.heldout_reserve, fitted.eval_problems) == (20, 20)
-    assert line == ("task reverse has 200 problems: the warm start holds out --run.n_heldout 20 of them, not "
-                    "--warm_start.heldout_reserve 150, and trains on the other 180; a task needs 300 problems or "
-                    "more for the full reserve (or give --task.heldout_data)")
+    assert line == (
+        "task reverse has 200 problems: the warm start holds out --run.n_heldout 20 of them, not "
+        "--warm_start.heldout_reserve 150, and trains on the other 180; a task needs 300 problems or "
+        "more for the full reserve (or give --task.heldout_data)"
+    )
     train, heldout = Reverse().splits(0, 1000, fitted.heldout_reserve)
     assert heldout == Reverse().splits(0, 1000, 20).heldout and len(train) == 180  # the run's held-out set: unseen
     enough = WarmStartConfig(heldout_reserve=100, eval_problems=20)  # 200 problems: twice the reserve

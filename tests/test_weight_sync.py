@@ -22,16 +22,19 @@ HOST = "127.0.0.1"
 
 
 async def sync(sender, receivers, version):
-    results = await asyncio.gather(sender.step_and_send(version), *(r.receive(version) for r in receivers),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        sender.step_and_send(version), *(r.receive(version) for r in receivers), return_exceptions=True
+    )
     return results
 
 
 @pytest.mark.parametrize("n_receivers", [1, 2, 3])
 async def test_ten_syncs_are_bit_exact_on_one_communicator(n_receivers):
     async with Supervisor() as sup:
-        sender, *receivers = await asyncio.gather(sup.spawn(Sender, 1, name="sender"), *(
-            sup.spawn(Receiver, 100 + i, kwargs={"whole": i == 1}, name=f"recv{i}") for i in range(n_receivers)))
+        sender, *receivers = await asyncio.gather(
+            sup.spawn(Sender, 1, name="sender"),
+            *(sup.spawn(Receiver, 100 + i, kwargs={"whole": i == 1}, name=f"recv{i}") for i in range(n_receivers)),
+        )
         await form_group([sender, *receivers], HOST, timeout_s=30)
         buckets = await asyncio.gather(sender.setup(), *(r.setup() for r in receivers))
         # the 280 kB tensor is larger than a 64 KiB bucket: it goes whole, unstaged; the rest is bucketed
@@ -45,8 +48,9 @@ async def test_ten_syncs_are_bit_exact_on_one_communicator(n_receivers):
 
 async def test_refusals_fail_every_member_and_the_group_keeps_working():
     async with Supervisor() as sup:
-        sender, *receivers = await asyncio.gather(sup.spawn(Sender, 2, name="sender"),
-                                                  *(sup.spawn(Receiver, 7, name=f"recv{i}") for i in range(2)))
+        sender, *receivers = await asyncio.gather(
+            sup.spawn(Sender, 2, name="sender"), *(sup.spawn(Receiver, 7, name=f"recv{i}") for i in range(2))
+        )
         await form_group([sender, *receivers], HOST, timeout_s=30)
         await asyncio.gather(sender.setup(), *(r.setup() for r in receivers))
         sent, *got = await sync(sender, receivers, 5)
@@ -54,8 +58,9 @@ async def test_refusals_fail_every_member_and_the_group_keeps_working():
 
         # Wrong version order: one receiver is asked for an older version than it holds.
         start = time.monotonic()
-        results = await asyncio.gather(sender.step_and_send(6), receivers[0].receive(6), receivers[1].receive(4),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            sender.step_and_send(6), receivers[0].receive(6), receivers[1].receive(4), return_exceptions=True
+        )
         assert all(isinstance(r, RemoteError) and r.remote_type == "WeightSyncError" for r in results), results
         assert "not newer than the last synced v5" in str(results[2])
         assert "disagree on the version" in str(results[0]) or "refused" in str(results[0])
@@ -69,9 +74,11 @@ async def test_refusals_fail_every_member_and_the_group_keeps_working():
 
 async def test_layout_mismatch_fails_set_up_on_every_member():
     async with Supervisor() as sup:
-        sender, good, bad = await asyncio.gather(sup.spawn(Sender, 1, name="sender"),
-                                                 sup.spawn(Receiver, 3, name="good"),
-                                                 sup.spawn(Receiver, 3, kwargs={"shape_of_w": (7, 33)}, name="bad"))
+        sender, good, bad = await asyncio.gather(
+            sup.spawn(Sender, 1, name="sender"),
+            sup.spawn(Receiver, 3, name="good"),
+            sup.spawn(Receiver, 3, kwargs={"shape_of_w": (7, 33)}, name="bad"),
+        )
         await form_group([sender, good, bad], HOST, timeout_s=30)
         results = await asyncio.gather(sender.setup(), good.setup(), bad.setup(), return_exceptions=True)
         for r in results:
@@ -85,8 +92,11 @@ async def test_missing_member_is_named_within_the_timeout():
         port = await sender.sync_listen(HOST)
         start = time.monotonic()
         # world size 3, but rank 2 is never started
-        results = await asyncio.gather(sender.sync_join(HOST, port, 0, 3, timeout_s=2.0),
-                                       receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0), return_exceptions=True)
+        results = await asyncio.gather(
+            sender.sync_join(HOST, port, 0, 3, timeout_s=2.0),
+            receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0),
+            return_exceptions=True,
+        )
         assert time.monotonic() - start < 15
         for r in results:
             assert isinstance(r, RemoteError) and r.remote_type == "RendezvousTimeoutError", r
@@ -95,8 +105,13 @@ async def test_missing_member_is_named_within_the_timeout():
         # Members that disagree on the world size: the driver's join_all names each one.
         port = await sender.sync_listen(HOST)
         with pytest.raises(RendezvousError) as info:
-            await join_all([sender.sync_join(HOST, port, 0, 2, timeout_s=2.0),
-                            receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0)], timeout_s=10)
+            await join_all(
+                [
+                    sender.sync_join(HOST, port, 0, 2, timeout_s=2.0),
+                    receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0),
+                ],
+                timeout_s=10,
+            )
         assert "member 0" in str(info.value) and "joined with world size 3" in str(info.value)
         # rank 0 fails first and its store goes with it, so rank 1 stops waiting at once (or, on a
         # loaded machine, its own 2 s deadline comes first and names the rank it waited for)
@@ -108,8 +123,10 @@ async def test_missing_member_is_named_within_the_timeout():
 async def test_sigkill_mid_sync_fails_survivors_in_bounded_time_then_rebuild():
     async with Supervisor() as sup:
         sender, steady, victim = await asyncio.gather(
-            sup.spawn(Sender, 4, name="sender"), sup.spawn(Receiver, 5, name="steady"),
-            sup.spawn(Receiver, 6, kwargs={"slow_s": 0.02}, name="victim"))  # the victim takes ~1 s per sync
+            sup.spawn(Sender, 4, name="sender"),
+            sup.spawn(Receiver, 5, name="steady"),
+            sup.spawn(Receiver, 6, kwargs={"slow_s": 0.02}, name="victim"),
+        )  # the victim takes ~1 s per sync
         await form_group([sender, steady, victim], HOST, timeout_s=30)
         await asyncio.gather(sender.setup(timeout_s=15), steady.setup(timeout_s=15), victim.setup(timeout_s=15))
         sent, *got = await sync(sender, [steady, victim], 0)
@@ -141,7 +158,9 @@ async def test_sigkill_mid_sync_fails_survivors_in_bounded_time_then_rebuild():
 
 async def test_frozen_member_fails_the_sync_within_its_deadline():
     async with Supervisor() as sup:
-        sender, frozen = await asyncio.gather(sup.spawn(Sender, 4, name="sender"), sup.spawn(Receiver, 5, name="frozen"))
+        sender, frozen = await asyncio.gather(
+            sup.spawn(Sender, 4, name="sender"), sup.spawn(Receiver, 5, name="frozen")
+        )
         await form_group([sender, frozen], HOST, timeout_s=30)
         await asyncio.gather(sender.setup(timeout_s=3), frozen.setup(timeout_s=3))
         pid = frozen.info().pid
@@ -171,8 +190,11 @@ def test_wire_dtype_casts_fp32_master_weights_for_bf16_receivers_while_packing()
     port = listener.getsockname()[1]
     # "w" is larger than a bucket and cast, so it cannot go directly: it is chunked over buckets
     master = {"w": torch.randn(300, 7), "b": torch.randn(5), "steps": torch.arange(4)}
-    replica = {"w": torch.zeros(300, 7, dtype=torch.bfloat16), "b": torch.zeros(5, dtype=torch.bfloat16),
-               "steps": torch.zeros(4, dtype=torch.int64)}
+    replica = {
+        "w": torch.zeros(300, 7, dtype=torch.bfloat16),
+        "b": torch.zeros(5, dtype=torch.bfloat16),
+        "steps": torch.zeros(4, dtype=torch.int64),
+    }
     errors, layouts = [], []
 
     def member(rank):
@@ -195,7 +217,9 @@ def test_wire_dtype_casts_fp32_master_weights_for_bf16_receivers_while_packing()
     for t in threads:
         t.join(30)
     assert not errors, errors
-    assert layouts[0].direct == [] and sum(seg.tensor == 0 for b in layouts[0].buckets for seg in b) == 2  # 4200 wire bytes
+    assert (
+        layouts[0].direct == [] and sum(seg.tensor == 0 for b in layouts[0].buckets for seg in b) == 2
+    )  # 4200 wire bytes
     assert torch.equal(replica["w"], master["w"].bfloat16()) and torch.equal(replica["b"], master["b"].bfloat16())
     assert torch.equal(replica["steps"], master["steps"])
 
@@ -216,8 +240,13 @@ def test_a_batched_consumer_takes_each_bucket_s_whole_tensors_at_once():
 
     listener = reserve_listener(HOST)
     port = listener.getsockname()[1]
-    master = {"a": torch.randn(10, 7), "big": torch.randn(3000), "b": torch.randn(5), "none": torch.randn(0),
-              "c": torch.randn(20, 3)}
+    master = {
+        "a": torch.randn(10, 7),
+        "big": torch.randn(3000),
+        "b": torch.randn(5),
+        "none": torch.randn(0),
+        "c": torch.randn(20, 3),
+    }
     calls: list[list[tuple[str, torch.Tensor]]] = []
     outcomes: dict[int, list] = {0: [], 1: []}
     buckets = []
@@ -238,8 +267,9 @@ def test_a_batched_consumer_takes_each_bucket_s_whole_tensors_at_once():
                 receiver = WeightReceiver.create(comm, group)
             for version in (1, 2):
                 try:
-                    outcomes[rank].append(sender.send(version) if rank == 0
-                                          else receiver.receive(version, load, batched=True))
+                    outcomes[rank].append(
+                        sender.send(version) if rank == 0 else receiver.receive(version, load, batched=True)
+                    )
                 except WeightSyncError as exc:
                     outcomes[rank].append(exc)
         finally:
@@ -359,6 +389,6 @@ def test_gloos_own_operation_limit_is_reported_as_a_timeout():
         t.join(40)
     for group in groups:  # only now: rank 0's store server goes with its group
         group.close()
-    (exc, took), = outcome
+    ((exc, took),) = outcome
     assert isinstance(exc, CollectiveTimeoutError), repr(exc)
     assert took < 15, took

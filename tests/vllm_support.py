@@ -26,14 +26,18 @@ from asyncrl.comm.weights import WeightSender
 
 # One OpenMP thread per process on the shared 2-core machine; a small KV cache; vLLM's CPU
 # threads not pinned to cores (other processes share them). Harmless on a GPU.
-VLLM_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "TQDM_DISABLE": "1"}
+VLLM_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TQDM_DISABLE": "1",
+}
 SYNC_BACKEND = "gloo"
 """The weight-sync backend of these tests: the trainer stand-in holds its weights on the CPU, and
 a one-GPU machine cannot give NCCL two ranks on one GPU."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vllm_device() -> tuple[torch.device | None, str]:
     """(the device the installed vLLM build samples on, "") or (None, why none)."""
     from asyncrl.rl.sampler.vllm.backend import vllm_unusable
@@ -116,7 +120,7 @@ def reference_logprobs(model, prompt: list[int], tokens: list[int], temperature:
     (an HF model on the CPU, in its own dtype), its logits taken to fp32 first, as vLLM does."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-    scored = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)] / temperature  # causal shift
+    scored = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)] / temperature  # causal shift
     return torch.log_softmax(scored, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
@@ -133,8 +137,9 @@ class StatePusher(SyncMember):
 
     @endpoint
     async def setup(self, timeout_s: float = 30.0) -> int:
-        self.sender = await asyncio.to_thread(WeightSender.create, self.sync_comm, self.sync_group, self.live,
-                                              timeout_s=timeout_s, bucket_bytes=64 << 10)
+        self.sender = await asyncio.to_thread(
+            WeightSender.create, self.sync_comm, self.sync_group, self.live, timeout_s=timeout_s, bucket_bytes=64 << 10
+        )
         return len(self.sender.layout.buckets)
 
     @endpoint

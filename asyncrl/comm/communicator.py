@@ -65,22 +65,20 @@ class Communicator(abc.ABC):
 
     # -- operations -------------------------------------------------------------------------
     @abc.abstractmethod
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         """Copy ``tensor`` of rank ``src`` into ``tensor`` of every other rank. ``tensor`` must be
         contiguous and on ``device``; same shape and dtype on every rank."""
 
     @abc.abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+    ) -> Work:
         """Reduce ``tensor`` across ranks in place."""
 
-    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         raise NotImplementedError(f"{self.backend} communicator has no point-to-point send")
 
-    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         raise NotImplementedError(f"{self.backend} communicator has no point-to-point recv")
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -129,5 +127,7 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         state = self._closed_reason or "open"
-        return (f"<{type(self).__name__} group={self.group!r} rank={self.rank}/{self.world_size} "
-                f"device={self.device} {state}>")
+        return (
+            f"<{type(self).__name__} group={self.group!r} rank={self.rank}/{self.world_size} "
+            f"device={self.device} {state}>"
+        )

@@ -72,8 +72,9 @@ class CudaIpcCommunicator(Communicator):
         super().__init__(group=group.label, rank=group.rank, world_size=group.world_size, device=device)
 
     @classmethod
-    def create(cls, group: StoreGroup, device: torch.device | str | int | None = None,
-               timeout_s: float = 60.0) -> CudaIpcCommunicator:
+    def create(
+        cls, group: StoreGroup, device: torch.device | str | int | None = None, timeout_s: float = 60.0
+    ) -> CudaIpcCommunicator:
         """All members call this together, each with its CUDA device (None: the current one)."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if device.type != "cuda":
@@ -87,7 +88,8 @@ class CudaIpcCommunicator(Communicator):
             raise CollectiveError(
                 f"group {group.label!r} rank {group.rank}: CUDA IPC needs every member on one GPU, but this one "
                 f"is on {uuid} and rank(s) {sorted(others)} on {sorted(set(others.values()))}; members on GPUs "
-                "of their own use nccl")
+                "of their own use nccl"
+            )
         return cls(GlooCommunicator.create(group, timeout_s), group, device)
 
     @property
@@ -95,8 +97,7 @@ class CudaIpcCommunicator(Communicator):
         """Allocations of other processes this member has mapped (each once per membership)."""
         return len(self._mapped)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         self._check_open("broadcast")
         self._check_tensor(tensor, "broadcast")
         timeout_s = 60.0 if timeout_s is None else timeout_s
@@ -123,13 +124,16 @@ class CudaIpcCommunicator(Communicator):
             self.abort(f"rank {failed} failed during a broadcast from rank {src}")
             where = f"group {self.group!r} rank {self.rank} (ipc)"
             if failure is not None:
-                raise CollectiveError(f"{where}: broadcast from rank {src} failed here: {type(failure).__name__}: "
-                                      f"{failure}; communicator aborted") from failure
+                raise CollectiveError(
+                    f"{where}: broadcast from rank {src} failed here: {type(failure).__name__}: "
+                    f"{failure}; communicator aborted"
+                ) from failure
             raise CollectiveError(f"{where}: broadcast from rank {src} failed on rank {failed}; communicator aborted")
         return _Done()
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None,
-                   timeout_s: float | None = None) -> Work:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+    ) -> Work:
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
         timeout_s = 60.0 if timeout_s is None else timeout_s
@@ -153,7 +157,9 @@ class CudaIpcCommunicator(Communicator):
         storage = self._storage(source)
         mapped = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         with torch.cuda.stream(stream):
-            tensor.reshape(-1).view(torch.uint8).copy_(mapped[source.tensor_offset:source.tensor_offset + source.nbytes])
+            tensor.reshape(-1).view(torch.uint8).copy_(
+                mapped[source.tensor_offset : source.tensor_offset + source.nbytes]
+            )
         stream.synchronize()  # copied before the verdict lets the source overwrite its tensor
 
     def _storage(self, source: _Handle) -> torch.UntypedStorage:
@@ -166,8 +172,15 @@ class CudaIpcCommunicator(Communicator):
             torch.UntypedStorage._release_ipc_counter(source.counter_handle, source.counter_offset, device=self.device)
             return storage
         storage = torch.UntypedStorage._new_shared_cuda(
-            self.device.index, source.handle, source.storage_bytes, source.storage_offset,
-            source.counter_handle, source.counter_offset, source.event_handle, source.event_sync)
+            self.device.index,
+            source.handle,
+            source.storage_bytes,
+            source.storage_offset,
+            source.counter_handle,
+            source.counter_offset,
+            source.event_handle,
+            source.event_sync,
+        )
         self._mapped[key] = storage
         return storage
 
@@ -181,12 +194,20 @@ class CudaIpcCommunicator(Communicator):
 
 
 def _export(tensor: torch.Tensor) -> _Handle:
-    (_, handle, storage_bytes, storage_offset, counter_handle, counter_offset, event_handle,
-     event_sync) = tensor.untyped_storage()._share_cuda_()
-    return _Handle(handle=bytes(handle), storage_bytes=storage_bytes, storage_offset=storage_offset,
-                   counter_handle=bytes(counter_handle), counter_offset=counter_offset,
-                   event_handle=bytes(event_handle or b""), event_sync=bool(event_sync),
-                   tensor_offset=tensor.storage_offset() * tensor.element_size(), nbytes=tensor.nbytes)
+    (_, handle, storage_bytes, storage_offset, counter_handle, counter_offset, event_handle, event_sync) = (
+        tensor.untyped_storage()._share_cuda_()
+    )
+    return _Handle(
+        handle=bytes(handle),
+        storage_bytes=storage_bytes,
+        storage_offset=storage_offset,
+        counter_handle=bytes(counter_handle),
+        counter_offset=counter_offset,
+        event_handle=bytes(event_handle or b""),
+        event_sync=bool(event_sync),
+        tensor_offset=tensor.storage_offset() * tensor.element_size(),
+        nbytes=tensor.nbytes,
+    )
 
 
 def _encode(handle: _Handle) -> torch.Tensor:
@@ -195,7 +216,7 @@ def _encode(handle: _Handle) -> torch.Tensor:
         raise ValueError(f"a CUDA IPC handle message of {len(body)} bytes does not fit in {_MESSAGE_BYTES}")
     message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
     message[:4] = torch.frombuffer(bytearray(len(body).to_bytes(4, "little")), dtype=torch.uint8)
-    message[4:4 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    message[4 : 4 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
     return message
 
 
@@ -206,4 +227,4 @@ def _decode(message: torch.Tensor, src: int) -> _Handle:
         raise ValueError(f"rank {src} could not export its tensor (see its error)")
     if size > _MESSAGE_BYTES - 4:
         raise ValueError(f"malformed CUDA IPC handle message from rank {src} (length {size})")
-    return msgspec.msgpack.decode(raw[4:4 + size], type=_Handle)
+    return msgspec.msgpack.decode(raw[4 : 4 + size], type=_Handle)

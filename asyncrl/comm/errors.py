@@ -24,9 +24,7 @@ class RendezvousTimeoutError(RendezvousError, TimeoutError):
         self.missing = sorted(missing)
         self.what = what
         self.timeout_s = timeout_s
-        super().__init__(
-            f"group {group!r}: rank(s) {self.missing} did not arrive for {what} within {timeout_s:g} s"
-        )
+        super().__init__(f"group {group!r}: rank(s) {self.missing} did not arrive for {what} within {timeout_s:g} s")
 
 
 class CollectiveError(CommError):
@@ -57,11 +55,19 @@ class LayoutMismatchError(WeightSyncError):
 
 
 PEER_FAILURE_ERRORS: tuple[type[CommError], ...] = (
-    RendezvousError, RendezvousTimeoutError, CollectiveError, CollectiveTimeoutError, CommunicatorClosedError,
-    WeightSyncError, LayoutMismatchError)
+    RendezvousError,
+    RendezvousTimeoutError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    WeightSyncError,
+    LayoutMismatchError,
+)
 """The data-plane errors a member raises when a peer fails (or cannot be reached): one that ends
 a group-wide call with one of these is a victim of the failure, not its cause."""
 
-COMM_ERRORS_BY_NAME: dict[str, type[CommError]] = {cls.__name__: cls for cls in (*PEER_FAILURE_ERRORS, CommLibraryError)}
+COMM_ERRORS_BY_NAME: dict[str, type[CommError]] = {
+    cls.__name__: cls for cls in (*PEER_FAILURE_ERRORS, CommLibraryError)
+}
 """The same errors by class name: how another process reports them (a `RemoteError`'s
 ``remote_type``, a vLLM worker's answer) is turned back into the type."""

@@ -20,8 +20,8 @@ from torch.distributed import ProcessGroupGloo
 
 from asyncrl.comm.communicator import Communicator, ReduceOp, Work
 from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError
-from asyncrl.errors import first_line
 from asyncrl.comm.rendezvous import StoreGroup, local_address_towards
+from asyncrl.errors import first_line
 
 _REDUCE_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -55,9 +55,12 @@ class GlooWork(Work):
             if timed_out:
                 raise CollectiveTimeoutError(
                     f"{where}: {self._what} did not complete within {timeout_s:g} s "
-                    f"(a peer is frozen, gone, or never joined); communicator aborted") from exc
-            raise CollectiveError(f"{where}: {self._what} failed, a peer died or closed its connection: "
-                                  f"{first_line(exc)}; communicator aborted") from exc
+                    f"(a peer is frozen, gone, or never joined); communicator aborted"
+                ) from exc
+            raise CollectiveError(
+                f"{where}: {self._what} failed, a peer died or closed its connection: "
+                f"{first_line(exc)}; communicator aborted"
+            ) from exc
 
 
 class GlooCommunicator(Communicator):
@@ -66,8 +69,7 @@ class GlooCommunicator(Communicator):
     def __init__(self, pg: ProcessGroupGloo, group: StoreGroup, timeout_s: float):
         self._pg = pg
         self._timeout_s = timeout_s
-        super().__init__(group=group.label, rank=group.rank, world_size=group.world_size,
-                         device=torch.device("cpu"))
+        super().__init__(group=group.label, rank=group.rank, world_size=group.world_size, device=torch.device("cpu"))
 
     @classmethod
     def create(cls, group: StoreGroup, timeout_s: float = 60.0) -> GlooCommunicator:
@@ -88,13 +90,13 @@ class GlooCommunicator(Communicator):
         except RuntimeError as exc:
             raise CollectiveTimeoutError(
                 f"group {group.label!r} rank {group.rank}: gloo could not connect to every peer within "
-                f"{timeout_s:g} s ({time.monotonic() - start:.1f} s spent): {first_line(exc)}") from exc
+                f"{timeout_s:g} s ({time.monotonic() - start:.1f} s spent): {first_line(exc)}"
+            ) from exc
         finally:
             store.set_timeout(previous)
         return cls(pg, group, timeout_s)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         self._check_op(tensor, "broadcast")
         options = dist.BroadcastOptions()
         options.rootRank = src
@@ -102,21 +104,20 @@ class GlooCommunicator(Communicator):
         self._set_timeout(options, timeout_s)
         return GlooWork(self, self._pg.broadcast([tensor], options), f"broadcast from rank {src}")
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+    ) -> Work:
         self._check_op(tensor, "all_reduce")
         options = dist.AllreduceOptions()
         options.reduceOp = _REDUCE_OPS[ReduceOp(op)]
         self._set_timeout(options, timeout_s)
         return GlooWork(self, self._pg.allreduce([tensor], options), f"all_reduce({ReduceOp(op).name})")
 
-    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         self._check_op(tensor, "send")
         return GlooWork(self, self._pg.send([tensor], dst, 0), f"send to rank {dst}")
 
-    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         self._check_op(tensor, "recv")
         return GlooWork(self, self._pg.recv([tensor], src, 0), f"recv from rank {src}")
 

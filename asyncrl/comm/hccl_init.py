@@ -84,7 +84,8 @@ class _InitCall:
         try:
             self._runtime.bind_device(self._device)
             rc = self._lib.HcclCommInitRootInfo(
-                self._group.world_size, ctypes.byref(self._root), self._group.rank, ctypes.byref(comm))
+                self._group.world_size, ctypes.byref(self._root), self._group.rank, ctypes.byref(comm)
+            )
         except BaseException as e:  # noqa: BLE001  (handed to the creating thread, which raises it)
             exc = e
         self._settle(rc, comm.value, exc)
@@ -95,8 +96,12 @@ class _InitCall:
             orphan = self._abandoned and rc == HCCL_SUCCESS and handle
             self.finished.set()
         if orphan:
-            log.warning("group %r rank %d: HcclCommInitRootInfo returned after the caller gave up; "
-                        "destroying that communicator", self._group.name, self._group.rank)
+            log.warning(
+                "group %r rank %d: HcclCommInitRootInfo returned after the caller gave up; "
+                "destroying that communicator",
+                self._group.name,
+                self._group.rank,
+            )
             self._lib.HcclCommDestroy(handle)
 
     def abandon(self) -> bool:
@@ -108,8 +113,9 @@ class _InitCall:
             return True
 
 
-def init_comm(lib: HcclLibrary, runtime: Any, device: torch.device, group: Any, root: HcclRootInfo,
-               timeout_s: float) -> int:
+def init_comm(
+    lib: HcclLibrary, runtime: Any, device: torch.device, group: Any, root: HcclRootInfo, timeout_s: float
+) -> int:
     """Run HcclCommInitRootInfo under a deadline and return the comm handle."""
     call = _InitCall(lib, runtime, device, group, root)
     call.start()
@@ -128,4 +134,3 @@ def init_comm(lib: HcclLibrary, runtime: Any, device: torch.device, group: Any, 
     if not call.handle:
         raise CollectiveError(f"group {group.name!r} rank {group.rank}: HcclCommInitRootInfo returned no communicator")
     return call.handle
-

@@ -39,10 +39,10 @@ LIBRARY_NAME = "libhccl.so"
 
 HCCL_ROOT_INFO_BYTES = 4108
 
-HcclResult = ctypes.c_int      # C enum: int-sized on every ABI CANN ships for
-HcclDataType = ctypes.c_int    # C enum
-HcclReduceOp = ctypes.c_int    # C enum
-HcclComm = ctypes.c_void_p     # typedef void *HcclComm
+HcclResult = ctypes.c_int  # C enum: int-sized on every ABI CANN ships for
+HcclDataType = ctypes.c_int  # C enum
+HcclReduceOp = ctypes.c_int  # C enum
+HcclComm = ctypes.c_void_p  # typedef void *HcclComm
 AclrtStream = ctypes.c_void_p  # typedef void *aclrtStream
 
 
@@ -57,13 +57,31 @@ HCCL_E_TIMEOUT = 9
 
 # HcclResult names, so an error says which one even where HcclGetErrorString is missing.
 RESULT_NAMES = {
-    0: "HCCL_SUCCESS", 1: "HCCL_E_PARA", 2: "HCCL_E_PTR", 3: "HCCL_E_MEMORY",
-    4: "HCCL_E_INTERNAL", 5: "HCCL_E_NOT_SUPPORT", 6: "HCCL_E_NOT_FOUND", 7: "HCCL_E_UNAVAIL",
-    8: "HCCL_E_SYSCALL", 9: "HCCL_E_TIMEOUT", 10: "HCCL_E_OPEN_FILE_FAILURE",
-    11: "HCCL_E_TCP_CONNECT", 12: "HCCL_E_ROCE_CONNECT", 13: "HCCL_E_TCP_TRANSFER",
-    14: "HCCL_E_ROCE_TRANSFER", 15: "HCCL_E_RUNTIME", 16: "HCCL_E_DRV", 17: "HCCL_E_PROFILING",
-    18: "HCCL_E_CCE", 19: "HCCL_E_NETWORK", 20: "HCCL_E_AGAIN", 21: "HCCL_E_REMOTE",
-    22: "HCCL_E_SUSPENDING", 23: "HCCL_E_OPRETRY_FAIL", 24: "HCCL_E_OOM",
+    0: "HCCL_SUCCESS",
+    1: "HCCL_E_PARA",
+    2: "HCCL_E_PTR",
+    3: "HCCL_E_MEMORY",
+    4: "HCCL_E_INTERNAL",
+    5: "HCCL_E_NOT_SUPPORT",
+    6: "HCCL_E_NOT_FOUND",
+    7: "HCCL_E_UNAVAIL",
+    8: "HCCL_E_SYSCALL",
+    9: "HCCL_E_TIMEOUT",
+    10: "HCCL_E_OPEN_FILE_FAILURE",
+    11: "HCCL_E_TCP_CONNECT",
+    12: "HCCL_E_ROCE_CONNECT",
+    13: "HCCL_E_TCP_TRANSFER",
+    14: "HCCL_E_ROCE_TRANSFER",
+    15: "HCCL_E_RUNTIME",
+    16: "HCCL_E_DRV",
+    17: "HCCL_E_PROFILING",
+    18: "HCCL_E_CCE",
+    19: "HCCL_E_NETWORK",
+    20: "HCCL_E_AGAIN",
+    21: "HCCL_E_REMOTE",
+    22: "HCCL_E_SUSPENDING",
+    23: "HCCL_E_OPRETRY_FAIL",
+    24: "HCCL_E_OOM",
 }
 
 # -- data types and reductions -----------------------------------------------------------------
@@ -78,13 +96,23 @@ HCCL_FP8E4M3, HCCL_FP8E5M2, HCCL_FP8E8M0 = 15, 16, 17
 def _dtype_table() -> dict[torch.dtype, int]:
     # getattr: the fp8 and wide unsigned dtypes do not exist in every torch the project allows.
     named = {
-        "int8": HCCL_INT8, "int16": HCCL_INT16, "int32": HCCL_INT32, "int64": HCCL_INT64,
-        "uint8": HCCL_UINT8, "uint16": HCCL_UINT16, "uint32": HCCL_UINT32, "uint64": HCCL_UINT64,
-        "float16": HCCL_FP16, "float32": HCCL_FP32, "float64": HCCL_FP64, "bfloat16": HCCL_BFP16,
+        "int8": HCCL_INT8,
+        "int16": HCCL_INT16,
+        "int32": HCCL_INT32,
+        "int64": HCCL_INT64,
+        "uint8": HCCL_UINT8,
+        "uint16": HCCL_UINT16,
+        "uint32": HCCL_UINT32,
+        "uint64": HCCL_UINT64,
+        "float16": HCCL_FP16,
+        "float32": HCCL_FP32,
+        "float64": HCCL_FP64,
+        "bfloat16": HCCL_BFP16,
         # bool travels as uint8, as torch_npu's ProcessGroupHCCL does: same size, HCCL has no bool.
         "bool": HCCL_UINT8,
         # HCCL's FP8E4M3 is the finite-only "fn" variant (torch_npu and CANN's GE map it so).
-        "float8_e4m3fn": HCCL_FP8E4M3, "float8_e5m2": HCCL_FP8E5M2,
+        "float8_e4m3fn": HCCL_FP8E4M3,
+        "float8_e5m2": HCCL_FP8E5M2,
         "float8_e8m0fnu": HCCL_FP8E8M0,
     }
     return {getattr(torch, n): code for n, code in named.items() if hasattr(torch, n)}
@@ -101,7 +129,10 @@ HCCL_REDUCE_DTYPES = frozenset(
 
 # HcclReduceOp codes (hccl_types.h).
 HCCL_REDUCE_OPS: dict[ReduceOp, int] = {
-    ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3,
+    ReduceOp.SUM: 0,
+    ReduceOp.PROD: 1,
+    ReduceOp.MAX: 2,
+    ReduceOp.MIN: 3,
 }
 
 
@@ -130,7 +161,6 @@ def hccl_reduce_op(op: ReduceOp) -> int:
         raise TypeError(f"hccl has no reduction {op!r}; use one of {[o.name for o in HCCL_REDUCE_OPS]}") from None
 
 
-
 # -- the function table (hccl.h) ---------------------------------------------------------------
 
 _P = ctypes.POINTER
@@ -138,26 +168,36 @@ HCCL_FUNCTIONS: tuple[Function, ...] = (
     # HcclResult HcclGetRootInfo(HcclRootInfo *rootInfo)
     Function("HcclGetRootInfo", HcclResult, (_P(HcclRootInfo),)),
     # HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, HcclComm *comm)
-    Function("HcclCommInitRootInfo", HcclResult,
-             (ctypes.c_uint32, _P(HcclRootInfo), ctypes.c_uint32, _P(HcclComm))),
+    Function("HcclCommInitRootInfo", HcclResult, (ctypes.c_uint32, _P(HcclRootInfo), ctypes.c_uint32, _P(HcclComm))),
     # HcclResult HcclBroadcast(void *buf, uint64_t count, HcclDataType, uint32_t root, HcclComm, aclrtStream)
-    Function("HcclBroadcast", HcclResult,
-             (ctypes.c_void_p, ctypes.c_uint64, HcclDataType, ctypes.c_uint32, HcclComm, AclrtStream)),
+    Function(
+        "HcclBroadcast",
+        HcclResult,
+        (ctypes.c_void_p, ctypes.c_uint64, HcclDataType, ctypes.c_uint32, HcclComm, AclrtStream),
+    ),
     # HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, HcclDataType, HcclReduceOp,
     #                          HcclComm, aclrtStream)
-    Function("HcclAllReduce", HcclResult,
-             (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, HcclDataType, HcclReduceOp, HcclComm,
-              AclrtStream)),
+    Function(
+        "HcclAllReduce",
+        HcclResult,
+        (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, HcclDataType, HcclReduceOp, HcclComm, AclrtStream),
+    ),
     # HcclResult HcclCommDestroy(HcclComm comm)
     Function("HcclCommDestroy", HcclResult, (HcclComm,)),
     # HcclResult HcclSend(void *sendBuf, uint64_t count, HcclDataType, uint32_t destRank, HcclComm, aclrtStream)
-    Function("HcclSend", HcclResult,
-             (ctypes.c_void_p, ctypes.c_uint64, HcclDataType, ctypes.c_uint32, HcclComm, AclrtStream),
-             required=False),
+    Function(
+        "HcclSend",
+        HcclResult,
+        (ctypes.c_void_p, ctypes.c_uint64, HcclDataType, ctypes.c_uint32, HcclComm, AclrtStream),
+        required=False,
+    ),
     # HcclResult HcclRecv(void *recvBuf, uint64_t count, HcclDataType, uint32_t srcRank, HcclComm, aclrtStream)
-    Function("HcclRecv", HcclResult,
-             (ctypes.c_void_p, ctypes.c_uint64, HcclDataType, ctypes.c_uint32, HcclComm, AclrtStream),
-             required=False),
+    Function(
+        "HcclRecv",
+        HcclResult,
+        (ctypes.c_void_p, ctypes.c_uint64, HcclDataType, ctypes.c_uint32, HcclComm, AclrtStream),
+        required=False,
+    ),
     # const char *HcclGetErrorString(HcclResult code)
     Function("HcclGetErrorString", ctypes.c_char_p, (HcclResult,), required=False),
     # HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError)
@@ -229,7 +269,7 @@ def load_library() -> HcclLibrary:
             _loaded[path] = HcclLibrary(cdll, path)
             return _loaded[path]
     raise CommLibraryError(
-        f"{LIBRARY_NAME} (Huawei HCCL) could not be loaded; tried:\n  " + "\n  ".join(tried)
+        f"{LIBRARY_NAME} (Huawei HCCL) could not be loaded; tried:\n  "
+        + "\n  ".join(tried)
         + f"\nInstall the CANN toolkit and source its set_env.sh, or set {ENV_LIBRARY} to the library."
     )
-

@@ -45,8 +45,9 @@ def _device_type(device: torch.device | str | int) -> str:
     return torch.device(device).type
 
 
-def make_communicator(group: StoreGroup, backend: str = "auto", timeout_s: float = 60.0, *,
-                      device: torch.device | str | int | None = None) -> Communicator:
+def make_communicator(
+    group: StoreGroup, backend: str = "auto", timeout_s: float = 60.0, *, device: torch.device | str | int | None = None
+) -> Communicator:
     """The communicator of ``group`` for this process: ``nccl`` on a CUDA device, ``hccl`` on an
     Ascend NPU, ``gloo`` on CPU, ``ipc`` for members sharing one GPU; ``auto`` picks by
     `resolve_backend`. ``device`` is the accelerator
@@ -97,10 +98,19 @@ class SyncMembership:
         return f"<SyncMembership {self.group!r} {self.comm!r}>"
 
 
-def join_sync_group(host: str, port: int, rank: int, world_size: int, *, generation: int = 0,
-                    backend: str = "auto", device: torch.device | str | int | None = None,
-                    timeout_s: float = 60.0, name: str = "weights",
-                    listener: socket.socket | None = None) -> SyncMembership:
+def join_sync_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    *,
+    generation: int = 0,
+    backend: str = "auto",
+    device: torch.device | str | int | None = None,
+    timeout_s: float = 60.0,
+    name: str = "weights",
+    listener: socket.socket | None = None,
+) -> SyncMembership:
     """Join the group ``name``/``generation`` whose store rank 0 hosts at ``host:port`` and create
     its communicator (`make_communicator` with ``backend`` and ``device``). Blocking; every member
     calls it at the same time (see `rendezvous.py`). Rank 0 may pass the ``listener`` it reserved
@@ -111,8 +121,9 @@ def join_sync_group(host: str, port: int, rank: int, world_size: int, *, generat
     rendezvous (a peer lost in between) would answer after the caller gave up. On failure nothing
     is left open."""
     deadline = time.monotonic() + timeout_s
-    group = StoreGroup.create(host, port, rank, world_size, timeout_s, name=name, generation=generation,
-                              listener=listener)
+    group = StoreGroup.create(
+        host, port, rank, world_size, timeout_s, name=name, generation=generation, listener=listener
+    )
     try:
         comm = make_communicator(group, backend, max(deadline - time.monotonic(), 1e-3), device=device)
     except BaseException:

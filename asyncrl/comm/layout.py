@@ -21,10 +21,25 @@ DEFAULT_ALIGNMENT = 256
 # dtypes a weight may have; names are what travels, so an unknown name is refused, never looked up.
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-              torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-              *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
-                if hasattr(torch, n)))
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        *(
+            getattr(torch, n)
+            for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
+            if hasattr(torch, n)
+        ),
+    )
 }
 
 
@@ -94,8 +109,10 @@ class WeightLayout(msgspec.Struct, array_like=True, frozen=True):
             if spec is None:
                 problems.append(f"{name}: not in the layout")
             elif tuple(tensor.shape) != spec.shape or tensor.dtype != spec.torch_dtype:
-                problems.append(f"{name}: layout has {list(spec.shape)} {spec.dtype}, "
-                                f"{who} has {list(tensor.shape)} {dtype_name(tensor.dtype)}")
+                problems.append(
+                    f"{name}: layout has {list(spec.shape)} {spec.dtype}, "
+                    f"{who} has {list(tensor.shape)} {dtype_name(tensor.dtype)}"
+                )
         problems += [f"{name}: {who} has no such tensor" for name in mine if name not in expected]
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -113,8 +130,9 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, tuple(tensor.shape), dtype_name(tensor.dtype))
 
 
-def build_layout(specs: Iterable[TensorSpec], bucket_bytes: int, alignment: int = DEFAULT_ALIGNMENT,
-                 direct: Iterable[str] = ()) -> WeightLayout:
+def build_layout(
+    specs: Iterable[TensorSpec], bucket_bytes: int, alignment: int = DEFAULT_ALIGNMENT, direct: Iterable[str] = ()
+) -> WeightLayout:
     """Pack tensors in the given order into buckets of at most ``bucket_bytes``; the tensors named
     in ``direct`` (each larger than a bucket) are not packed but sent whole."""
     if alignment <= 0 or alignment & (alignment - 1):

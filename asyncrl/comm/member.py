@@ -44,8 +44,17 @@ class SyncMember(Actor):
         return self._sync_listener.getsockname()[1]
 
     @endpoint
-    async def sync_join(self, host: str, port: int, rank: int, world_size: int, generation: int = 0,
-                        backend: str = "auto", timeout_s: float = 60.0, name: str = "weights") -> str:
+    async def sync_join(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        generation: int = 0,
+        backend: str = "auto",
+        timeout_s: float = 60.0,
+        name: str = "weights",
+    ) -> str:
         """Leave any previous group, join this one and create its communicator. Returns the
         communicator's backend."""
         listener = None
@@ -56,8 +65,17 @@ class SyncMember(Actor):
         # One deadline for rendezvous and communicator (see join_sync_group): the driver waits
         # for this call only a margin beyond timeout_s.
         membership = await asyncio.to_thread(
-            join_sync_group, host, port, rank, world_size, generation=generation, backend=backend,
-            timeout_s=timeout_s, name=name, listener=listener)
+            join_sync_group,
+            host,
+            port,
+            rank,
+            world_size,
+            generation=generation,
+            backend=backend,
+            timeout_s=timeout_s,
+            name=name,
+            listener=listener,
+        )
         self.sync_group, self.sync_comm = membership.group, membership.comm
         return self.sync_comm.backend
 
@@ -83,14 +101,24 @@ class SyncMember(Actor):
         await self.sync_leave()
 
 
-async def form_group(members: Sequence[Any], host: str, *, generation: int = 0, backend: str = "auto",
-                     timeout_s: float = 60.0, port: int = 0, name: str = "weights") -> int:
+async def form_group(
+    members: Sequence[Any],
+    host: str,
+    *,
+    generation: int = 0,
+    backend: str = "auto",
+    timeout_s: float = 60.0,
+    port: int = 0,
+    name: str = "weights",
+) -> int:
     """Put ``members`` (handles of `SyncMember` actors; the first is rank 0 and hosts the store on
     ``host``) in one group and return the store's port. Every join starts at once; any failure
     (a member that dies, refuses or never answers) raises `RendezvousError` naming it."""
     port = await members[0].sync_listen(host, port)
     world = len(members)
-    joins = [m.with_timeout(timeout_s + 10).sync_join(host, port, rank, world, generation, backend, timeout_s, name)
-             for rank, m in enumerate(members)]
+    joins = [
+        m.with_timeout(timeout_s + 10).sync_join(host, port, rank, world, generation, backend, timeout_s, name)
+        for rank, m in enumerate(members)
+    ]
     await join_all(joins, timeout_s + 15, what=f"join weight-sync group {name}/g{generation}")
     return port

@@ -23,14 +23,29 @@ from asyncrl.comm.errors import CollectiveError, CommLibraryError
 ENV_LIBRARY = "ASYNCRL_NCCL_LIBRARY"
 
 SUCCESS, IN_PROGRESS = 0, 7
-_RESULTS = {0: "ncclSuccess", 1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
-            4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress",
-            8: "ncclTimeout"}
+_RESULTS = {
+    0: "ncclSuccess",
+    1: "ncclUnhandledCudaError",
+    2: "ncclSystemError",
+    3: "ncclInternalError",
+    4: "ncclInvalidArgument",
+    5: "ncclInvalidUsage",
+    6: "ncclRemoteError",
+    7: "ncclInProgress",
+    8: "ncclTimeout",
+}
 
 # ncclDataType_t. bool travels as its bytes.
 DTYPES: dict[torch.dtype, int] = {
-    torch.int8: 0, torch.uint8: 1, torch.bool: 1, torch.int32: 2, torch.int64: 4,
-    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
+    torch.int8: 0,
+    torch.uint8: 1,
+    torch.bool: 1,
+    torch.int32: 2,
+    torch.int64: 4,
+    torch.float16: 6,
+    torch.float32: 7,
+    torch.float64: 8,
+    torch.bfloat16: 9,
 }
 if hasattr(torch, "uint32"):
     DTYPES.update({torch.uint32: 3, torch.uint64: 5})
@@ -56,9 +71,17 @@ class Config(ctypes.Structure):
     """The leading fields of ``ncclConfig_t`` as of NCCL 2.17. The struct is versioned and
     append-only: NCCL reads ``size`` bytes and defaults every later field, so a prefix is valid."""
 
-    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
-                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int),
-                ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p), ("splitShare", ctypes.c_int)]
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+        ("cgaClusterSize", ctypes.c_int),
+        ("minCTAs", ctypes.c_int),
+        ("maxCTAs", ctypes.c_int),
+        ("netName", ctypes.c_char_p),
+        ("splitShare", ctypes.c_int),
+    ]
 
     @classmethod
     def non_blocking(cls) -> Config:

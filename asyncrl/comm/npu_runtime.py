@@ -64,4 +64,3 @@ class NpuRuntime:
                 f"hccl {what}: tensor has NPU format {get_format(tensor)}; cast it to ND first "
                 f"(torch_npu.npu_format_cast(t, 2))"
             )
-

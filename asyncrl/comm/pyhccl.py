@@ -40,8 +40,8 @@ log = logging.getLogger("asyncrl.comm.hccl")
 
 # -- work ----------------------------------------------------------------------------------------
 
-_POLL_MIN_S = 50e-6        # first pause: a small broadcast is often done within microseconds
-_POLL_MAX_S = 5e-3         # pause cap: bounds how late a completion is noticed
+_POLL_MIN_S = 50e-6  # first pause: a small broadcast is often done within microseconds
+_POLL_MAX_S = 5e-3  # pause cap: bounds how late a completion is noticed
 _ASYNC_CHECK_EVERY_S = 0.1  # HcclGetCommAsyncError is a synchronous host call; don't spin on it
 
 
@@ -121,8 +121,7 @@ class HcclWork(Work):
 
     def _fail(self, cls: type[CollectiveError], why: str, cause: BaseException | None = None) -> None:
         comm = self._comm
-        self._error = cls(f"group {comm.group!r} rank {comm.rank}: hccl {self._what} {why}; "
-                          f"communicator aborted")
+        self._error = cls(f"group {comm.group!r} rank {comm.rank}: hccl {self._what} {why}; communicator aborted")
         self._error.__cause__ = cause
         comm.adopt_orphans(self._keep_alive)
         self._keep_alive = ()
@@ -141,8 +140,17 @@ class HcclCommunicator(Communicator):
     # HCCL has no abort, and destroying a comm whose kernel waits on a dead peer may block.
     release_grace_s = 10.0
 
-    def __init__(self, *, lib: HcclLibrary, runtime: Any, handle: int, group: str, rank: int,
-                 world_size: int, device: torch.device):
+    def __init__(
+        self,
+        *,
+        lib: HcclLibrary,
+        runtime: Any,
+        handle: int,
+        group: str,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ):
         self._lib = lib
         self._runtime = runtime
         self._handle: int | None = handle
@@ -154,8 +162,15 @@ class HcclCommunicator(Communicator):
         super().__init__(group=group, rank=rank, world_size=world_size, device=device)
 
     @classmethod
-    def create(cls, group: Any, device: torch.device | str | int, timeout_s: float, *,
-               library: HcclLibrary | None = None, runtime: Any = None) -> HcclCommunicator:
+    def create(
+        cls,
+        group: Any,
+        device: torch.device | str | int,
+        timeout_s: float,
+        *,
+        library: HcclLibrary | None = None,
+        runtime: Any = None,
+    ) -> HcclCommunicator:
         """Build the communicator of ``group`` on ``device``: rank 0's root info goes to every rank
         through ``group.broadcast_obj``, then every rank joins in HcclCommInitRootInfo, which must
         finish within ``timeout_s`` (else CollectiveTimeoutError). This binds the calling thread to
@@ -167,43 +182,55 @@ class HcclCommunicator(Communicator):
         runtime.bind_device(device)
         root = exchange_root_info(lib, group)
         handle = init_comm(lib, runtime, device, group, root, timeout_s)
-        return cls(lib=lib, runtime=runtime, handle=handle, group=group.name, rank=group.rank,
-                   world_size=group.world_size, device=device)
+        return cls(
+            lib=lib,
+            runtime=runtime,
+            handle=handle,
+            group=group.name,
+            rank=group.rank,
+            world_size=group.world_size,
+            device=device,
+        )
 
     # -- operations ------------------------------------------------------------------------------
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         what = f"broadcast(src={src}, {tensor.numel()} x {tensor.dtype})"
         self._check_args(tensor, what, src)
         dtype, ptr = hccl_dtype(tensor.dtype), tensor.data_ptr()
-        return self._launch(what, (tensor,), stream, lambda comm, s: self._lib.HcclBroadcast(
-            ptr, tensor.numel(), dtype, src, comm, s))
+        return self._launch(
+            what, (tensor,), stream, lambda comm, s: self._lib.HcclBroadcast(ptr, tensor.numel(), dtype, src, comm, s)
+        )
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+    ) -> Work:
         what = f"all_reduce({getattr(op, 'name', op)}, {tensor.numel()} x {tensor.dtype})"
         self._check_args(tensor, what)
         dtype, code, ptr = hccl_reduce_dtype(tensor.dtype), hccl_reduce_op(op), tensor.data_ptr()
         # In place (send buffer = receive buffer), as torch_npu's ProcessGroupHCCL calls it.
-        return self._launch(what, (tensor,), stream, lambda comm, s: self._lib.HcclAllReduce(
-            ptr, ptr, tensor.numel(), dtype, code, comm, s))
+        return self._launch(
+            what,
+            (tensor,),
+            stream,
+            lambda comm, s: self._lib.HcclAllReduce(ptr, ptr, tensor.numel(), dtype, code, comm, s),
+        )
 
-    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         what = f"send(dst={dst}, {tensor.numel()} x {tensor.dtype})"
         self._check_p2p(tensor, what, dst, "HcclSend")
         dtype, ptr = hccl_dtype(tensor.dtype), tensor.data_ptr()
-        return self._launch(what, (tensor,), stream, lambda comm, s: self._lib.HcclSend(
-            ptr, tensor.numel(), dtype, dst, comm, s))
+        return self._launch(
+            what, (tensor,), stream, lambda comm, s: self._lib.HcclSend(ptr, tensor.numel(), dtype, dst, comm, s)
+        )
 
-    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         what = f"recv(src={src}, {tensor.numel()} x {tensor.dtype})"
         self._check_p2p(tensor, what, src, "HcclRecv")
         dtype, ptr = hccl_dtype(tensor.dtype), tensor.data_ptr()
-        return self._launch(what, (tensor,), stream, lambda comm, s: self._lib.HcclRecv(
-            ptr, tensor.numel(), dtype, src, comm, s))
+        return self._launch(
+            what, (tensor,), stream, lambda comm, s: self._lib.HcclRecv(ptr, tensor.numel(), dtype, src, comm, s)
+        )
 
     # -- helpers of the operations ---------------------------------------------------------------
 
@@ -238,8 +265,9 @@ class HcclCommunicator(Communicator):
     def _fail_launch(self, what: str, rc: int) -> None:
         self.abort(f"aborted after {what} failed to launch")
         cls = CollectiveTimeoutError if rc == HCCL_E_TIMEOUT else CollectiveError
-        raise cls(f"group {self.group!r} rank {self.rank}: hccl {what} failed: {self._lib.describe(rc)}; "
-                  f"communicator aborted")
+        raise cls(
+            f"group {self.group!r} rank {self.rank}: hccl {what} failed: {self._lib.describe(rc)}; communicator aborted"
+        )
 
     # -- what Work needs -------------------------------------------------------------------------
 
@@ -271,8 +299,12 @@ class HcclCommunicator(Communicator):
         # collective: stop asking rather than abort a healthy communicator.
         if rc != HCCL_SUCCESS:
             self._async_query_ok = False
-            log.info("group %r rank %d: HcclGetCommAsyncError unusable (%s); relying on events only",
-                     self.group, self.rank, self._lib.describe(rc))
+            log.info(
+                "group %r rank %d: HcclGetCommAsyncError unusable (%s); relying on events only",
+                self.group,
+                self.rank,
+                self._lib.describe(rc),
+            )
             return HCCL_SUCCESS
         return err
 
@@ -301,14 +333,22 @@ class HcclCommunicator(Communicator):
         worker.start()
         worker.join(max(0.0, deadline - time.monotonic()))
         if worker.is_alive():
-            log.warning("group %r rank %d: HcclCommDestroy still running after %g s; left to finish in "
-                        "the background", self.group, self.rank, self.release_grace_s)
+            log.warning(
+                "group %r rank %d: HcclCommDestroy still running after %g s; left to finish in the background",
+                self.group,
+                self.rank,
+                self.release_grace_s,
+            )
 
     def _take_handle(self) -> int | None:
         if not self._lock.acquire(timeout=self.release_grace_s):
-            log.warning("group %r rank %d: an HCCL call did not return within %g s; the communicator "
-                        "handle is leaked rather than destroyed under it", self.group, self.rank,
-                        self.release_grace_s)
+            log.warning(
+                "group %r rank %d: an HCCL call did not return within %g s; the communicator "
+                "handle is leaked rather than destroyed under it",
+                self.group,
+                self.rank,
+                self.release_grace_s,
+            )
             return None
         try:
             handle, self._handle = self._handle, None
@@ -319,5 +359,4 @@ class HcclCommunicator(Communicator):
     def _destroy_handle(self, handle: int) -> None:
         rc = self._lib.HcclCommDestroy(handle)
         if rc != HCCL_SUCCESS:
-            log.warning("group %r rank %d: HcclCommDestroy failed: %s", self.group, self.rank,
-                        self._lib.describe(rc))
+            log.warning("group %r rank %d: HcclCommDestroy failed: %s", self.group, self.rank, self._lib.describe(rc))

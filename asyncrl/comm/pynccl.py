@@ -56,8 +56,17 @@ class NcclCommunicator(Communicator):
     SPIN_S = 2e-3
     MAX_PAUSE_S = 200e-6
 
-    def __init__(self, lib: NcclLibrary, handle: ctypes.c_void_p, *, group: str, rank: int, world_size: int,
-                 device: torch.device, timeout_s: float):
+    def __init__(
+        self,
+        lib: NcclLibrary,
+        handle: ctypes.c_void_p,
+        *,
+        group: str,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float,
+    ):
         self._lib = lib
         self._handle = handle
         self.timeout_s = timeout_s
@@ -77,17 +86,30 @@ class NcclCommunicator(Communicator):
         unique = UniqueId()
         if group.rank == 0:
             lib.check(lib.ncclGetUniqueId(ctypes.byref(unique)), "ncclGetUniqueId")
-        raw = group.broadcast_obj(bytes(unique.internal) if group.rank == 0 else None, src=0, type=bytes,
-                                  timeout_s=timeout_s, what="the NCCL unique id")
+        raw = group.broadcast_obj(
+            bytes(unique.internal) if group.rank == 0 else None,
+            src=0,
+            type=bytes,
+            timeout_s=timeout_s,
+            what="the NCCL unique id",
+        )
         if len(raw) != UNIQUE_ID_BYTES:
             raise RendezvousError(f"group {group.label!r}: NCCL unique id has {len(raw)} bytes, not {UNIQUE_ID_BYTES}")
         ctypes.memmove(unique.internal, raw, UNIQUE_ID_BYTES)
         handle = ctypes.c_void_p()
         config = Config.non_blocking()
-        result = lib.ncclCommInitRankConfig(ctypes.byref(handle), group.world_size, unique, group.rank,
-                                            ctypes.byref(config))
-        comm = cls(lib, handle, group=group.label, rank=group.rank, world_size=group.world_size,
-                   device=device, timeout_s=timeout_s)
+        result = lib.ncclCommInitRankConfig(
+            ctypes.byref(handle), group.world_size, unique, group.rank, ctypes.byref(config)
+        )
+        comm = cls(
+            lib,
+            handle,
+            group=group.label,
+            rank=group.rank,
+            world_size=group.world_size,
+            device=device,
+            timeout_s=timeout_s,
+        )
         try:
             lib.check(result, "ncclCommInitRankConfig")
             comm._drive(lambda: True, timeout_s, "communicator initialisation")
@@ -97,33 +119,65 @@ class NcclCommunicator(Communicator):
         return comm
 
     # -- operations ---------------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         stream = self._prepare(tensor, "broadcast", stream)
         ptr = tensor.data_ptr()
-        return self._enqueue(f"broadcast from rank {src}", stream, timeout_s, self._lib.ncclBroadcast, ptr, ptr,
-                             tensor.numel(), _dtype_code(tensor), src)
+        return self._enqueue(
+            f"broadcast from rank {src}",
+            stream,
+            timeout_s,
+            self._lib.ncclBroadcast,
+            ptr,
+            ptr,
+            tensor.numel(),
+            _dtype_code(tensor),
+            src,
+        )
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+    ) -> Work:
         stream = self._prepare(tensor, "all_reduce", stream)
         if tensor.dtype == torch.bool:
             raise TypeError("all_reduce of bool tensors is not supported")
         ptr = tensor.data_ptr()
-        return self._enqueue(f"all_reduce({ReduceOp(op).name})", stream, timeout_s, self._lib.ncclAllReduce, ptr, ptr,
-                             tensor.numel(), _dtype_code(tensor), REDUCE_OPS[ReduceOp(op)])
+        return self._enqueue(
+            f"all_reduce({ReduceOp(op).name})",
+            stream,
+            timeout_s,
+            self._lib.ncclAllReduce,
+            ptr,
+            ptr,
+            tensor.numel(),
+            _dtype_code(tensor),
+            REDUCE_OPS[ReduceOp(op)],
+        )
 
-    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         stream = self._prepare(tensor, "send", stream)
-        return self._enqueue(f"send to rank {dst}", stream, timeout_s, self._lib.ncclSend, tensor.data_ptr(),
-                             tensor.numel(), _dtype_code(tensor), dst)
+        return self._enqueue(
+            f"send to rank {dst}",
+            stream,
+            timeout_s,
+            self._lib.ncclSend,
+            tensor.data_ptr(),
+            tensor.numel(),
+            _dtype_code(tensor),
+            dst,
+        )
 
-    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None,
-                  timeout_s: float | None = None) -> Work:
+    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
         stream = self._prepare(tensor, "recv", stream)
-        return self._enqueue(f"recv from rank {src}", stream, timeout_s, self._lib.ncclRecv, tensor.data_ptr(),
-                             tensor.numel(), _dtype_code(tensor), src)
+        return self._enqueue(
+            f"recv from rank {src}",
+            stream,
+            timeout_s,
+            self._lib.ncclRecv,
+            tensor.data_ptr(),
+            tensor.numel(),
+            _dtype_code(tensor),
+            src,
+        )
 
     # -- internals ----------------------------------------------------------------------------
     def _prepare(self, tensor: torch.Tensor, what: str, stream: Any) -> torch.cuda.Stream:
@@ -167,15 +221,18 @@ class NcclCommunicator(Communicator):
                 raise CollectiveTimeoutError(
                     f"group {self.group!r} rank {self.rank}/{self.world_size} (nccl on {self.device}): {what} did "
                     f"not complete within {timeout_s:g} s (a peer is frozen, gone, or never joined); "
-                    f"communicator aborted")
+                    f"communicator aborted"
+                )
             if now >= spin_until:
                 time.sleep(pause)
                 pause = min(pause * 2, self.MAX_PAUSE_S)
 
     def _fail(self, what: str, why: str) -> None:
         self.abort(f"failed during {what}")
-        raise CollectiveError(f"group {self.group!r} rank {self.rank}/{self.world_size} (nccl on {self.device}): "
-                              f"{what} failed: {why}; communicator aborted")
+        raise CollectiveError(
+            f"group {self.group!r} rank {self.rank}/{self.world_size} (nccl on {self.device}): "
+            f"{what} failed: {why}; communicator aborted"
+        )
 
     def _abort(self) -> None:
         if self._handle:

@@ -92,8 +92,19 @@ def local_address_towards(host: str) -> str:
 class StoreGroup:
     """A member of a rendezvous group. Build with `StoreGroup.create`; close with `close()`."""
 
-    def __init__(self, *, store: dist.Store, name: str, generation: int, rank: int, world_size: int,
-                 host: str, port: int, timeout_s: float, hosts: list[str]):
+    def __init__(
+        self,
+        *,
+        store: dist.Store,
+        name: str,
+        generation: int,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        timeout_s: float,
+        hosts: list[str],
+    ):
         self.store = store  # a PrefixStore: keys below are relative to this group and generation
         self.name = name
         self.generation = generation
@@ -113,8 +124,18 @@ class StoreGroup:
 
     # -- joining -----------------------------------------------------------------------------
     @classmethod
-    def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0, *,
-               name: str = "weights", generation: int = 0, listener: socket.socket | None = None) -> StoreGroup:
+    def create(
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 60.0,
+        *,
+        name: str = "weights",
+        generation: int = 0,
+        listener: socket.socket | None = None,
+    ) -> StoreGroup:
         """Join the group whose store rank 0 hosts at ``host:port``; return once all
         ``world_size`` members have joined and agree on the world size.
 
@@ -143,30 +164,49 @@ class StoreGroup:
             if hello.world_size != world_size:
                 raise RendezvousError(
                     f"group {label!r}: rank {hello.rank} (pid {hello.pid} on {hello.host}) joined with "
-                    f"world size {hello.world_size}, rank {rank} with {world_size}")
-        return cls(store=store, name=name, generation=generation, rank=rank, world_size=world_size,
-                   host=host, port=port, timeout_s=timeout_s, hosts=[h.host for h in hellos])
+                    f"world size {hello.world_size}, rank {rank} with {world_size}"
+                )
+        return cls(
+            store=store,
+            name=name,
+            generation=generation,
+            rank=rank,
+            world_size=world_size,
+            host=host,
+            port=port,
+            timeout_s=timeout_s,
+            hosts=[h.host for h in hellos],
+        )
 
     # -- collective helpers on the store -----------------------------------------------------
     def barrier(self, timeout_s: float | None = None, what: str = "barrier") -> None:
         """Return once every member reached the same barrier; name the ranks that did not."""
         self._meeting().gather(self._next_key("barrier"), b"\x01", *self._deadline(timeout_s), what)
 
-    def broadcast_obj(self, obj: Any = None, src: int = 0, type: type[T] = Any, timeout_s: float | None = None,
-                      what: str = "broadcast_obj") -> T:
+    def broadcast_obj(
+        self,
+        obj: Any = None,
+        src: int = 0,
+        type: type[T] = Any,
+        timeout_s: float | None = None,
+        what: str = "broadcast_obj",
+    ) -> T:
         """Rank ``src`` passes ``obj``; every member returns it, decoded as ``type``."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"src {src} is not a rank of a world of size {self.world_size}")
         value = msgspec.msgpack.encode(obj) if self.rank == src else None
-        value = self._meeting().broadcast(self._next_key("bcast"), value, src, *self._deadline(timeout_s),
-                                          f"{what} from rank {src}")
+        value = self._meeting().broadcast(
+            self._next_key("bcast"), value, src, *self._deadline(timeout_s), f"{what} from rank {src}"
+        )
         return msgspec.msgpack.decode(value, type=type)
 
-    def all_gather_obj(self, obj: Any, type: type[T] = Any, timeout_s: float | None = None,
-                       what: str = "all_gather_obj") -> list[T]:
+    def all_gather_obj(
+        self, obj: Any, type: type[T] = Any, timeout_s: float | None = None, what: str = "all_gather_obj"
+    ) -> list[T]:
         """Every member passes one object; every member returns the list, indexed by rank."""
-        values = self._meeting().gather(self._next_key("gather"), msgspec.msgpack.encode(obj),
-                                        *self._deadline(timeout_s), what)
+        values = self._meeting().gather(
+            self._next_key("gather"), msgspec.msgpack.encode(obj), *self._deadline(timeout_s), what
+        )
         return [msgspec.msgpack.decode(v, type=type) for v in values]
 
     def close(self) -> None:
@@ -230,8 +270,9 @@ class _Meeting:
         if current == _ABSENT:
             raise RendezvousTimeoutError(self.label, what, [self.rank], timeout_s)
 
-    def _wait(self, tag: str, keys: list[str], ranks: list[int], end: float, timeout_s: float,
-              what: str) -> list[bytes]:
+    def _wait(
+        self, tag: str, keys: list[str], ranks: list[int], end: float, timeout_s: float, what: str
+    ) -> list[bytes]:
         """Every key's value once all exist; else `RendezvousTimeoutError` naming the ranks the
         verdict declared missing, the same ranks on every member."""
         try:
@@ -294,16 +335,18 @@ async def join_all(joins: Sequence[Awaitable[T]], timeout_s: float, what: str = 
     return [task.result() for task in tasks]
 
 
-def _open_store(host: str, port: int, rank: int, timeout_s: float,
-                listener: socket.socket | None) -> tuple[dist.Store, int]:
+def _open_store(
+    host: str, port: int, rank: int, timeout_s: float, listener: socket.socket | None
+) -> tuple[dist.Store, int]:
     """Rank 0 hosts the store (returning the port it really listens on); others connect."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         listener = listener if listener is not None else reserve_listener(host, port)
         port = listener.getsockname()[1]
         # TCPStore takes the listening socket over (and closes it with the store).
-        store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False,
-                              master_listen_fd=listener.detach())
+        store = dist.TCPStore(
+            host, port, None, True, timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+        )
         return store, port
     try:
         return dist.TCPStore(host, port, None, False, timeout), port

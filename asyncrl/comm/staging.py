@@ -32,8 +32,9 @@ class Staging:
         self.deadline = deadline
         self.buffers = [torch.empty(layout.buffer_bytes, dtype=torch.uint8, device=comm.device) for _ in range(2)]
         self.wire = [self.buffers[k % 2][:size] for k, size in enumerate(layout.bucket_sizes)]
-        self.views = [[bucket_view(self.buffers[k % 2], seg, layout) for seg in bucket]
-                      for k, bucket in enumerate(layout.buckets)]
+        self.views = [
+            [bucket_view(self.buffers[k % 2], seg, layout) for seg in bucket] for k, bucket in enumerate(layout.buckets)
+        ]
         self.cuda = comm.device.type == "cuda"
         self.works: list[Work | None] = [None, None]
         self.direct_works: list[Work] = []
@@ -146,7 +147,7 @@ class CopyPlan:
 def bucket_view(buffer: torch.Tensor, seg: Segment, layout: WeightLayout) -> torch.Tensor:
     """The segment in the bucket, typed as on the wire: shaped when it is a whole tensor, flat
     when it is a chunk of a larger one."""
-    raw = buffer[seg.offset:seg.offset + seg.length]
+    raw = buffer[seg.offset : seg.offset + seg.length]
     spec = layout.tensors[seg.tensor]
     if seg.length == spec.nbytes:
         return raw.view(spec.torch_dtype).view(spec.shape)
@@ -160,4 +161,4 @@ def tensor_part(tensor: torch.Tensor, seg: Segment, spec: TensorSpec) -> torch.T
     if seg.start == 0 and seg.length == spec.nbytes:
         return tensor
     size = spec.torch_dtype.itemsize
-    return tensor.reshape(-1)[seg.start // size:(seg.start + seg.length) // size]
+    return tensor.reshape(-1)[seg.start // size : (seg.start + seg.length) // size]

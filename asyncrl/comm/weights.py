@@ -30,8 +30,8 @@ import torch
 from asyncrl.comm.communicator import Communicator
 from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
 from asyncrl.comm.layout import TensorSpec, WeightLayout, build_layout, dtype_name, spec_of
-from asyncrl.comm.rendezvous import StoreGroup
 from asyncrl.comm.phase_clock import COPY, TRANSFER
+from asyncrl.comm.rendezvous import StoreGroup
 from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
 
 DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 256 MiB, ~233 at 16 MiB
@@ -129,8 +129,9 @@ class _WeightSync:
         if hmax != -hneg:
             raise LayoutMismatchError(f"{self._who}: members disagree on the weight layout in sync v{version}")
         if vmax != -vneg:
-            raise WeightSyncError(f"{self._who}: members disagree on the version of this sync "
-                                  f"(from v{-vneg} to v{vmax})")
+            raise WeightSyncError(
+                f"{self._who}: members disagree on the version of this sync (from v{-vneg} to v{vmax})"
+            )
         if refuser:
             raise WeightSyncError(f"{self._who}: rank {refuser - 1} refused weight sync v{version} (see its error)")
 
@@ -168,9 +169,17 @@ class _WeightSync:
             self.staging.end()
         end = time.perf_counter()
         phases = self.staging.clock.totals()  # after the commit: every span's work has completed
-        return SyncStats(version, self._total_bytes, len(self.layout.buckets), end - start,
-                         vote_s=voted - start, move_s=moved - voted, commit_s=end - moved,
-                         copy_s=phases[COPY], transfer_s=phases[TRANSFER])
+        return SyncStats(
+            version,
+            self._total_bytes,
+            len(self.layout.buckets),
+            end - start,
+            vote_s=voted - start,
+            move_s=moved - voted,
+            commit_s=end - moved,
+            copy_s=phases[COPY],
+            transfer_s=phases[TRANSFER],
+        )
 
     def _refusal(self, tensors: Mapping[str, torch.Tensor], who: str) -> str:
         """Everything that could stop this member half-way is checked before the first vote."""
@@ -216,16 +225,25 @@ class WeightSender(_WeightSync):
         self.tensors = dict(tensors)
 
     @classmethod
-    def create(cls, comm: Communicator, group: StoreGroup, tensors: Mapping[str, torch.Tensor], *,
-               bucket_bytes: int | None = None, timeout_s: float = 60.0,
-               wire_dtype: torch.dtype | None = None, allow_direct: bool = True) -> WeightSender:
+    def create(
+        cls,
+        comm: Communicator,
+        group: StoreGroup,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int | None = None,
+        timeout_s: float = 60.0,
+        wire_dtype: torch.dtype | None = None,
+        allow_direct: bool = True,
+    ) -> WeightSender:
         """Agree on the layout with every receiver (they call `WeightReceiver.create` together).
         ``wire_dtype``: send floating-point tensors in this dtype (e.g. fp32 master weights to
         bf16 samplers); the cast happens while packing, so it costs no extra memory.
         ``allow_direct=False``: every tensor goes through the buckets (a sender whose tensors
         come from a `BucketSource`, a sharded model's, has no whole tensor to send from)."""
-        layout = sender_layout(tensors, bucket_bytes or default_bucket_bytes(comm.device), wire_dtype, allow_direct,
-                               device=comm.device)
+        layout = sender_layout(
+            tensors, bucket_bytes or default_bucket_bytes(comm.device), wire_dtype, allow_direct, device=comm.device
+        )
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
         group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
         _agree_on_setup(group, "", deadline)
@@ -233,8 +251,9 @@ class WeightSender(_WeightSync):
         sender._expected = [(n, t.shape, t.dtype) for n, t in tensors.items()]  # local dtypes, not the wire's
         return sender
 
-    def send(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None, *,
-             source: BucketSource | None = None) -> SyncStats:
+    def send(
+        self, version: int, tensors: Mapping[str, torch.Tensor] | None = None, *, source: BucketSource | None = None
+    ) -> SyncStats:
         """Broadcast the tensors (those given at set-up unless others are given) as ``version``;
         with ``source``, each bucket's contents come from it (the tensors are only checked
         against the layout, by name, shape and dtype)."""
@@ -276,8 +295,15 @@ class WeightReceiver(_WeightSync):
     ``batched=True`` the consumer takes a list, once a bucket: every tensor the bucket completed."""
 
     @classmethod
-    def create(cls, comm: Communicator, group: StoreGroup, *, src: int = 0,
-               expect: Mapping[str, torch.Tensor] | None = None, timeout_s: float = 60.0) -> WeightReceiver:
+    def create(
+        cls,
+        comm: Communicator,
+        group: StoreGroup,
+        *,
+        src: int = 0,
+        expect: Mapping[str, torch.Tensor] | None = None,
+        timeout_s: float = 60.0,
+    ) -> WeightReceiver:
         """Receive the sender's layout; if ``expect`` is given, check it holds exactly those names,
         shapes and dtypes. A mismatch on any member fails set-up on every member."""
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
@@ -291,8 +317,9 @@ class WeightReceiver(_WeightSync):
         _agree_on_setup(group, error, deadline)
         return cls(comm, layout, src, timeout_s)
 
-    def receive(self, version: int, into: Destination | BatchConsumer, *, timeout_s: float | None = None,
-                batched: bool = False) -> SyncStats:
+    def receive(
+        self, version: int, into: Destination | BatchConsumer, *, timeout_s: float | None = None, batched: bool = False
+    ) -> SyncStats:
         """Take ``version`` into ``into`` within ``timeout_s`` (default: the one given at set-up;
         a caller that already spent part of its own deadline, say waiting for a pause, passes
         what is left, so that its error comes before its caller stops waiting for it).
@@ -348,8 +375,10 @@ class WeightReceiver(_WeightSync):
         if received:
             self.staging.direct_done()
             copy_stream = self.staging.copy_stream if self.staging.cuda else None
-            with (torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext(),
-                  self.staging.clock.span(COPY, copy_stream)):
+            with (
+                torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext(),
+                self.staging.clock.span(COPY, copy_stream),
+            ):
                 for name, whole in received:
                     if consumer is None:
                         into[name].copy_(whole)
@@ -402,7 +431,9 @@ class _ConsumerGuard:
             self.failure = f"consumer raised on {what}: {type(exc).__name__}: {exc}"
 
 
-def _mismatch(expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapping[str, torch.Tensor], who: str) -> str:
+def _mismatch(
+    expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapping[str, torch.Tensor], who: str
+) -> str:
     """Why ``tensors`` do not fit what this member agreed to at set-up (names, shapes, dtypes)."""
     problems = []
     for name, shape, dtype in expected:
@@ -417,25 +448,45 @@ def _mismatch(expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapp
     return f"{who} disagrees with the weight layout: {shown}"
 
 
-def sender_layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, wire_dtype: torch.dtype | None = None,
-                  allow_direct: bool = True, *, device: torch.device | None = None) -> WeightLayout:
+def sender_layout(
+    tensors: Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    wire_dtype: torch.dtype | None = None,
+    allow_direct: bool = True,
+    *,
+    device: torch.device | None = None,
+) -> WeightLayout:
     """The layout a sender of ``tensors`` proposes: a pure function of the tensors' names, shapes
     and dtypes (and the communicator's ``device``), so every rank of a sharded trainer computes the
     same one."""
-    specs = [spec_of(n, t) if wire_dtype is None or not t.is_floating_point()
-             else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype)) for n, t in tensors.items()]
+    specs = [
+        spec_of(n, t)
+        if wire_dtype is None or not t.is_floating_point()
+        else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype))
+        for n, t in tensors.items()
+    ]
     # A tensor larger than a bucket goes straight from the parameter when nothing has to change
     # on the way (contiguous, no cast): no staging copy, and no pipeline fill before it. Not
     # across devices: a CUDA model's weights on a CPU communicator (gloo) are staged.
-    direct = [n for n, t in tensors.items() if allow_direct and t.nbytes > bucket_bytes and t.is_contiguous()
-              and (device is None or t.device == device)
-              and (wire_dtype is None or not t.is_floating_point() or t.dtype == wire_dtype)]
+    direct = [
+        n
+        for n, t in tensors.items()
+        if allow_direct
+        and t.nbytes > bucket_bytes
+        and t.is_contiguous()
+        and (device is None or t.device == device)
+        and (wire_dtype is None or not t.is_floating_point() or t.dtype == wire_dtype)
+    ]
     return build_layout(specs, bucket_bytes, direct=direct)
 
 
 def _agree_on_setup(group: StoreGroup, error: str, deadline: float) -> None:
-    results = group.all_gather_obj(_SetupResult(group.rank, error), type=_SetupResult,
-                                   timeout_s=max(deadline - time.monotonic(), 1e-3), what="layout check")
+    results = group.all_gather_obj(
+        _SetupResult(group.rank, error),
+        type=_SetupResult,
+        timeout_s=max(deadline - time.monotonic(), 1e-3),
+        what="layout check",
+    )
     refusals = [r for r in results if r.error]
     if refusals:
         raise LayoutMismatchError("weight layout refused: " + " | ".join(f"rank {r.rank}: {r.error}" for r in refusals))

@@ -64,7 +64,7 @@ class DamagedCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest (or cannot be read); ``reason`` says which
     file and how, e.g. ``trainer.pt: size 0, expected 1234``."""
 
-    def __init__(self, checkpoint: "Checkpoint", reason: str):
+    def __init__(self, checkpoint: Checkpoint, reason: str):
         super().__init__(f"checkpoint {checkpoint.name} is damaged ({reason})")
         self.checkpoint, self.reason = checkpoint, reason
 
@@ -75,8 +75,12 @@ class CheckpointWriteError(AsyncrlError):
 
 
 _NO_SPACE, _QUOTA = os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)
-_REASONS_IN_WORDS = (("No space left", _NO_SPACE), ("StorageFull", _NO_SPACE), ("Disk quota", _QUOTA),
-                     ("Read-only file", os.strerror(errno.EROFS)))
+_REASONS_IN_WORDS = (
+    ("No space left", _NO_SPACE),
+    ("StorageFull", _NO_SPACE),
+    ("Disk quota", _QUOTA),
+    ("Read-only file", os.strerror(errno.EROFS)),
+)
 """A full disk does not always arrive as an OSError: safetensors and torch.save wrap it in errors
 of their own, some naming it in words of their own (``IoError(StorageFull)``)."""
 
@@ -124,7 +128,6 @@ class Checkpoint:
         return f"{PREFIX}{self.step}"
 
 
-
 # --- finding ------------------------------------------------------------------------------------
 
 
@@ -138,16 +141,18 @@ def list_checkpoints(run_dir: str) -> list[Checkpoint]:
     root = checkpoints_dir(run_dir)
     found = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
-            found.append(Checkpoint(int(name[len(PREFIX):]), os.path.join(root, name)))
+        if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit():
+            found.append(Checkpoint(int(name[len(PREFIX) :]), os.path.join(root, name)))
     return sorted(found, key=lambda c: c.step)
 
 
 def latest_checkpoint(run_dir: str) -> Checkpoint:
     found = list_checkpoints(run_dir)
     if not found:
-        raise CheckpointError(f"no checkpoint to resume from in {checkpoints_dir(run_dir)} "
-                              "(a run writes them every --run.checkpoint_every steps)")
+        raise CheckpointError(
+            f"no checkpoint to resume from in {checkpoints_dir(run_dir)} "
+            "(a run writes them every --run.checkpoint_every steps)"
+        )
     return found[-1]
 
 
@@ -187,8 +192,9 @@ def verify_checkpoint(checkpoint: Checkpoint) -> bool:
         if isinstance(actual, OSError):
             raise DamagedCheckpointError(checkpoint, f"{name}: unreadable ({actual.strerror or actual})")
         if actual != digest:
-            raise DamagedCheckpointError(checkpoint, f"{name}: contents differ from the manifest (SHA-256 "
-                                                     f"{actual[:12]}, expected {digest[:12]})")
+            raise DamagedCheckpointError(
+                checkpoint, f"{name}: contents differ from the manifest (SHA-256 {actual[:12]}, expected {digest[:12]})"
+            )
     return True
 
 
@@ -204,6 +210,7 @@ def _sha256_all(paths: list[str]) -> dict[str, str | OSError]:
     """Each file's SHA-256 (or the OSError reading it), several files at once: hashlib releases
     the GIL on large updates, and a big checkpoint (model shards, the optimiser state) would
     otherwise take one core's hashing speed per byte. Bounded: every file is read once."""
+
     def one(path: str) -> str | OSError:
         try:
             return file_sha256(path)
@@ -231,7 +238,6 @@ def write_manifest(folder: str) -> None:
         if isinstance(digests[full], OSError):
             raise digests[full]
         files[rel] = {"size": os.path.getsize(full), "sha256": digests[full]}
-    write_bytes(os.path.join(folder, MANIFEST),
-                 json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1).encode())
-
-
+    write_bytes(
+        os.path.join(folder, MANIFEST), json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1).encode()
+    )

@@ -1,5 +1,4 @@
-"""A digest of a set of named tensors, the same wherever they live (``--run.check_weights``).
-"""
+"""A digest of a set of named tensors, the same wherever they live (``--run.check_weights``)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ import math
 
 import msgspec
 
-
 MAX_TOP_LOGPROBS = 20
 """The most alternatives per token `SamplingParams.top_logprobs` may ask (OpenAI's limit too)."""
 

@@ -23,14 +23,18 @@ from asyncrl.rl.tasks.loading import reward_function, task_class
 
 OPTIONS = [
     ("--help", "Show this help and exit."),
-    ("--resume RUN_DIR", "Continue the run in RUN_DIR from its newest checkpoint, with its config.json; keys "
-                         "given with it apply on top (e.g. --run.steps to go further)."),
+    (
+        "--resume RUN_DIR",
+        "Continue the run in RUN_DIR from its newest checkpoint, with its config.json; keys "
+        "given with it apply on top (e.g. --run.steps to go further).",
+    ),
 ]
 """The flags a GRPO script takes besides its config keys."""
 
 
-async def grpo_main(argv: list[str] | None = None, doc: str = "", default_task: str = DEFAULT_TASK,
-                    defaults: Sequence[str] = ()) -> int:
+async def grpo_main(
+    argv: list[str] | None = None, doc: str = "", default_task: str = DEFAULT_TASK, defaults: Sequence[str] = ()
+) -> int:
     """Run GRPO as the command line ``argv`` (default: ``sys.argv[1:]``) says; returns the exit
     status: 0 done, 1 the run could not go on (one line on stderr says why and how to resume).
     ``doc``: the script's description for ``--help``. ``default_task``: the task when the command
@@ -94,7 +98,7 @@ def _flag_value(argv: list[str], flag: str) -> str:
         if arg == flag and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             value = argv[i + 1]
         elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
+            value = arg[len(flag) + 1 :]
     return value
 
 

@@ -89,27 +89,38 @@ def validate_group(group: RolloutGroup) -> None:
     if group.version < 0:
         raise InvalidGroupError(group.prompt_id, f"version {group.version} is negative")
     if len(group.behaviour_logprobs) != n:
-        raise InvalidGroupError(group.prompt_id, f"{len(group.behaviour_logprobs)} behaviour_logprobs lists for {n} completions")
+        raise InvalidGroupError(
+            group.prompt_id, f"{len(group.behaviour_logprobs)} behaviour_logprobs lists for {n} completions"
+        )
     if len(group.rewards) != n:
         raise InvalidGroupError(group.prompt_id, f"{len(group.rewards)} rewards for {n} completions")
     for i, (ids, lps) in enumerate(zip(group.completion_ids, group.behaviour_logprobs)):
         if len(ids) != len(lps):
-            raise InvalidGroupError(group.prompt_id, f"completion {i} has {len(ids)} token ids but {len(lps)} behaviour log-probs")
+            raise InvalidGroupError(
+                group.prompt_id, f"completion {i} has {len(ids)} token ids but {len(lps)} behaviour log-probs"
+            )
     if group.action_mask:
         if len(group.action_mask) != n:
             raise InvalidGroupError(group.prompt_id, f"{len(group.action_mask)} action masks for {n} completions")
         for i, (ids, mask) in enumerate(zip(group.completion_ids, group.action_mask)):
             if len(mask) != len(ids):
-                raise InvalidGroupError(group.prompt_id, f"completion {i} has {len(ids)} token ids but an action "
-                                                         f"mask of {len(mask)}")
+                raise InvalidGroupError(
+                    group.prompt_id, f"completion {i} has {len(ids)} token ids but an action mask of {len(mask)}"
+                )
             if any(m not in (0, 1) for m in mask):
-                raise InvalidGroupError(group.prompt_id, f"completion {i}'s action mask holds values other than 0 and 1")
+                raise InvalidGroupError(
+                    group.prompt_id, f"completion {i}'s action mask holds values other than 0 and 1"
+                )
     if group.teacher_logprobs:
         if len(group.teacher_logprobs) != n:
-            raise InvalidGroupError(group.prompt_id, f"{len(group.teacher_logprobs)} teacher_logprobs lists for {n} completions")
+            raise InvalidGroupError(
+                group.prompt_id, f"{len(group.teacher_logprobs)} teacher_logprobs lists for {n} completions"
+            )
         for i, (ids, lps) in enumerate(zip(group.completion_ids, group.teacher_logprobs)):
             if len(ids) != len(lps):
-                raise InvalidGroupError(group.prompt_id, f"completion {i} has {len(ids)} token ids but {len(lps)} teacher log-probs")
+                raise InvalidGroupError(
+                    group.prompt_id, f"completion {i} has {len(ids)} token ids but {len(lps)} teacher log-probs"
+                )
     if group.correct and len(group.correct) != n:
         raise InvalidGroupError(group.prompt_id, f"{len(group.correct)} correct flags for {n} completions")
     for i, r in enumerate(group.rewards):

@@ -11,6 +11,14 @@ from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.transport import pid_alive
 
 __all__ = [
-    "Actor", "ActorHandle", "ActorState", "ActorStatus", "Supervisor", "SupervisorConfig", "detect_devices", "endpoint",
-    "pid_alive", "start_phase",
+    "Actor",
+    "ActorHandle",
+    "ActorState",
+    "ActorStatus",
+    "Supervisor",
+    "SupervisorConfig",
+    "detect_devices",
+    "endpoint",
+    "pid_alive",
+    "start_phase",
 ]

@@ -12,8 +12,9 @@ import collections.abc
 import inspect
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -129,7 +130,9 @@ def build_spec(fn: Callable) -> EndpointSpec:
         if i == 0:
             continue  # self
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise TypeError(f"endpoint {fn.__qualname__}: *args/**kwargs cannot be typed on the wire; name each parameter")
+            raise TypeError(
+                f"endpoint {fn.__qualname__}: *args/**kwargs cannot be typed on the wire; name each parameter"
+            )
         if p.kind is not p.KEYWORD_ONLY:
             n_positional += 1
         params.append(pname)
@@ -164,8 +167,10 @@ def endpoints_of(cls: type) -> dict[str, EndpointSpec]:
             fn = getattr(cls, name, None)
             if callable(fn) and getattr(fn, _ENDPOINT_ATTR, False):
                 if name in RESERVED_NAMES or name.startswith("_"):
-                    raise TypeError(f"{cls.__qualname__}.{name}: endpoint names may not start with '_' or be one "
-                                    f"of {sorted(RESERVED_NAMES)}")
+                    raise TypeError(
+                        f"{cls.__qualname__}.{name}: endpoint names may not start with '_' or be one "
+                        f"of {sorted(RESERVED_NAMES)}"
+                    )
                 specs[name] = build_spec(fn)
         _SPECS[cls] = specs
     return specs
@@ -175,7 +180,15 @@ def init_spec(cls: type) -> EndpointSpec:
     """The constructor, treated like an endpoint so spawn arguments are typed the same way."""
     init = cls.__init__
     if init is object.__init__:
-        return EndpointSpec("__init__", inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]), [], [], Any, False, False)
+        return EndpointSpec(
+            "__init__",
+            inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]),
+            [],
+            [],
+            Any,
+            False,
+            False,
+        )
     spec = build_spec(init)
     spec.name = f"{cls.__qualname__}.__init__"
     return spec

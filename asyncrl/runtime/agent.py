@@ -48,7 +48,12 @@ _LOG_LINES_PER_MESSAGE = 256
 _LOG_BACKLOG_MAX = 64
 """Log messages may wait behind a slow supervisor only this deep; beyond it lines are dropped
 (and counted), so output can never delay a heartbeat or an exit report for long."""
-_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_WATCHED = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,15 +144,28 @@ class NodeAgent:
 
     async def _join(self) -> bool:
         cfg = self.cfg
-        hello = self._body.encode(wire.NodeHello(
-            wire.NODE_PROTOCOL, cfg.rank, cfg.nnodes, self.agent_id, socket.gethostname(), cfg.node_addr,
-            os.getpid(), cfg.device_kind or "", cfg.devices))
+        hello = self._body.encode(
+            wire.NodeHello(
+                wire.NODE_PROTOCOL,
+                cfg.rank,
+                cfg.nnodes,
+                self.agent_id,
+                socket.gethostname(),
+                cfg.node_addr,
+                os.getpid(),
+                cfg.device_kind or "",
+                cfg.devices,
+            )
+        )
         deadline = time.monotonic() + cfg.join_timeout_s
         while not self._welcome.done() and not self._done.done():
             left = deadline - time.monotonic()
             if left <= 0:
-                self._finish(1, f"no supervisor admitted us at {self.endpoint} within join_timeout_s={cfg.join_timeout_s:g} "
-                                "(is node 0 running, and is the cluster secret the same everywhere?)")
+                self._finish(
+                    1,
+                    f"no supervisor admitted us at {self.endpoint} within join_timeout_s={cfg.join_timeout_s:g} "
+                    "(is node 0 running, and is the cluster secret the same everywhere?)",
+                )
                 return False
             self.sock.try_send([hello])  # repeated until answered; a retried hello is recognised
             await asyncio.wait([self._welcome, self._done], timeout=min(1.0, left), return_when=asyncio.FIRST_COMPLETED)
@@ -177,8 +195,10 @@ class NodeAgent:
             self._finish(128 + sig, reason)  # a second signal, a fixed-size cluster, or nothing to drain
             return
         self._draining = True
-        self.say(f"{reason}: leaving once the {len(self._reporters)} actor(s) here are stopped "
-                 f"(at most {self.cfg.drain_timeout_s:g} s; a second signal stops them now)")
+        self.say(
+            f"{reason}: leaving once the {len(self._reporters)} actor(s) here are stopped "
+            f"(at most {self.cfg.drain_timeout_s:g} s; a second signal stops them now)"
+        )
         self.send(wire.NodeDraining(self.cfg.rank, self.agent_id, reason, self.cfg.drain_timeout_s))
         self._spawn_task(self._drain(128 + sig, reason))
 
@@ -189,8 +209,9 @@ class NodeAgent:
         while self._reporters and not self._done.done():
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
-                self.say(f"{len(self._reporters)} actor(s) still running after {self.cfg.drain_timeout_s:g} s; "
-                         "stopping them")
+                self.say(
+                    f"{len(self._reporters)} actor(s) still running after {self.cfg.drain_timeout_s:g} s; stopping them"
+                )
                 break
             await asyncio.wait(list(self._reporters.values()), timeout=remaining)
         self._finish(code, reason)
@@ -236,9 +257,15 @@ class NodeAgent:
                 self.say("connection to the supervisor is back")
         elif event == zmq.EVENT_DISCONNECTED:
             if self._welcome.done() and self._down_timer is None and not self._done.done():
-                self.say(f"connection to the supervisor lost; stopping in {self.node_timeout_s:g} s unless it comes back")
+                self.say(
+                    f"connection to the supervisor lost; stopping in {self.node_timeout_s:g} s unless it comes back"
+                )
                 self._down_timer = asyncio.get_running_loop().call_later(
-                    self.node_timeout_s, self._finish, 1, f"the supervisor at {self.endpoint} was unreachable for {self.node_timeout_s:g} s")
+                    self.node_timeout_s,
+                    self._finish,
+                    1,
+                    f"the supervisor at {self.endpoint} was unreachable for {self.node_timeout_s:g} s",
+                )
         elif not self._told_handshake:  # a failed handshake: usually a different secret
             self._told_handshake = True
             self.say(f"the handshake with {self.endpoint} failed: is the cluster secret the same as on node 0?")
@@ -272,8 +299,12 @@ class NodeAgent:
         }
         try:
             proc = ChildProcess(
-                [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"], env, f"[{msg.actor}]: ",
-                pass_fds=[self._death_r], sink=functools.partial(self._forward, msg.actor, msg.incarnation))
+                [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"],
+                env,
+                f"[{msg.actor}]: ",
+                pass_fds=[self._death_r],
+                sink=functools.partial(self._forward, msg.actor, msg.incarnation),
+            )
         except OSError as e:
             self.send(wire.ActorExited(msg.actor, msg.incarnation, f"could not be started: {e}"))
             return
@@ -293,8 +324,11 @@ class NodeAgent:
             self.dropped_log_lines += len(lines)
             return
         if self.dropped_log_lines:
-            lines = [f"(asyncrl agent: {self.dropped_log_lines} line(s) of actor output dropped: the supervisor "
-                     "read too slowly)".encode(), *lines]
+            lines = [
+                f"(asyncrl agent: {self.dropped_log_lines} line(s) of actor output dropped: the supervisor "
+                "read too slowly)".encode(),
+                *lines,
+            ]
             self.dropped_log_lines = 0
         text = [line.decode("utf-8", "replace") for line in lines]
         for i in range(0, len(text), _LOG_LINES_PER_MESSAGE):
@@ -322,12 +356,23 @@ def run_agent(rank: int, node_addr: str | None, config: SupervisorConfig) -> int
     kind, ids = detect(config.device_kind)
     try:
         address = node_addr or os.environ.get(net.ENV_NODE_ADDR) or net.reachable_address(config.master_addr)
-        agent = NodeAgent(AgentConfig(
-            rank=rank, nnodes=config.nnodes, master_addr=config.master_addr, master_port=config.master_port,
-            node_addr=address, keys=keys, device_kind=kind, devices=offered(ids, config.nproc_per_node),
-            join_timeout_s=config.join_timeout_s, node_timeout_s=config.node_timeout_s,
-            heartbeat_interval_s=config.heartbeat_interval_s, term_timeout_s=config.term_timeout_s,
-            drain_timeout_s=config.drain_timeout_s if 0 < config.min_nnodes < config.nnodes else 0.0))
+        agent = NodeAgent(
+            AgentConfig(
+                rank=rank,
+                nnodes=config.nnodes,
+                master_addr=config.master_addr,
+                master_port=config.master_port,
+                node_addr=address,
+                keys=keys,
+                device_kind=kind,
+                devices=offered(ids, config.nproc_per_node),
+                join_timeout_s=config.join_timeout_s,
+                node_timeout_s=config.node_timeout_s,
+                heartbeat_interval_s=config.heartbeat_interval_s,
+                term_timeout_s=config.term_timeout_s,
+                drain_timeout_s=config.drain_timeout_s if 0 < config.min_nnodes < config.nnodes else 0.0,
+            )
+        )
     except (OSError, ValueError) as e:
         print(f"asyncrl agent (node {rank}): {e}", file=sys.stderr)
         return 1

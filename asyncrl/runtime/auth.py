@@ -91,7 +91,7 @@ class ClusterKeys:
     secret_key: bytes
 
     @classmethod
-    def from_secret(cls, secret: str) -> "ClusterKeys":
+    def from_secret(cls, secret: str) -> ClusterKeys:
         raw = hashlib.blake2b(secret.encode(), digest_size=32, person=b"asyncrl-curve-1").digest()
         secret_key = z85.encode(raw)
         return cls(secret, zmq.curve_public(secret_key), secret_key)
@@ -197,8 +197,11 @@ class Gatekeeper:
             return
         version, request_id, domain, address, _, mechanism, *credentials = frames[2:]
         admitted = (
-            version == b"1.0" and domain == ZAP_DOMAIN and mechanism == b"CURVE"
-            and len(credentials) == 1 and secrets.compare_digest(credentials[0], self._allowed)
+            version == b"1.0"
+            and domain == ZAP_DOMAIN
+            and mechanism == b"CURVE"
+            and len(credentials) == 1
+            and secrets.compare_digest(credentials[0], self._allowed)
         )
         status, text = (b"200", b"OK") if admitted else (b"400", b"not a member of this cluster")
         zap.send_multipart([frames[0], b"", b"1.0", request_id, status, text, b"", b""])
@@ -213,8 +216,10 @@ class Gatekeeper:
         if event["event"] & _REFUSED:
             self.rejected += 1
             if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._note(f"refused a peer at {event['endpoint'].decode(errors='replace')}: handshake failed "
-                           f"(code {event['value']:#x}; no or wrong cluster secret?)")
+                self._note(
+                    f"refused a peer at {event['endpoint'].decode(errors='replace')}: handshake failed "
+                    f"(code {event['value']:#x}; no or wrong cluster secret?)"
+                )
 
     def _note(self, text: str) -> None:
         self._logged += 1
@@ -224,6 +229,11 @@ class Gatekeeper:
         self._unlogged += 1
         now = time.monotonic()
         if now - self._last_summary >= _SUMMARY_EVERY_S:
-            log.warning("%s: %d more connection(s) refused (latest: %s); %d refused in all",
-                        self.name, self._unlogged, text, self.rejected)
+            log.warning(
+                "%s: %d more connection(s) refused (latest: %s); %d refused in all",
+                self.name,
+                self._unlogged,
+                text,
+                self.rejected,
+            )
             self._unlogged, self._last_summary = 0, now

@@ -10,19 +10,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import zmq
 
+from asyncrl.errors import CallTimeoutError, MessageTooLargeError, ProtocolError, remote_error_class
 from asyncrl.runtime import wire
 from asyncrl.runtime.actor import EndpointSpec
 from asyncrl.runtime.auth import ClusterKeys
 from asyncrl.runtime.codec import PayloadEncoder, frames_nbytes
 from asyncrl.runtime.server import STREAM_WINDOW
-from asyncrl.runtime.transport import LoopSocket, connect_dealer
-from asyncrl.errors import CallTimeoutError, MessageTooLargeError, ProtocolError, remote_error_class
 from asyncrl.runtime.timeouts import timeout
+from asyncrl.runtime.transport import LoopSocket, connect_dealer
 
 log = logging.getLogger("asyncrl.client")
 
@@ -39,7 +40,9 @@ class _Pending:
 
 
 class ActorClient:
-    def __init__(self, ctx: zmq.Context, actor: str, address: str, max_message_bytes: int, keys: "ClusterKeys | None" = None) -> None:
+    def __init__(
+        self, ctx: zmq.Context, actor: str, address: str, max_message_bytes: int, keys: ClusterKeys | None = None
+    ) -> None:
         self.actor = actor
         self.address = address
         self.max_message_bytes = max_message_bytes

@@ -24,21 +24,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
+from asyncrl.errors import ClusterStartError
 from asyncrl.runtime import wire
 from asyncrl.runtime.auth import Gatekeeper
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.devices import DevicePool
 from asyncrl.runtime.net import is_wildcard, resolve, tcp_endpoint
 from asyncrl.runtime.process import ActorProcess
+from asyncrl.runtime.timeouts import timeout
 from asyncrl.runtime.transport import LoopSocket, bind_router
 from asyncrl.runtime.watchdog import SilenceWatchdog
-from asyncrl.errors import ClusterStartError
-from asyncrl.runtime.timeouts import timeout
 
 log = logging.getLogger("asyncrl.cluster")
 
@@ -59,7 +59,7 @@ class NodeStatus(msgspec.Struct, frozen=True):
 class RemoteProcess(ActorProcess):
     """An actor's process on another node, as its agent reports it."""
 
-    def __init__(self, node: "Node", actor: str, incarnation: int):
+    def __init__(self, node: Node, actor: str, incarnation: int):
         self.node = node
         self.actor = actor
         self.incarnation = incarnation
@@ -89,7 +89,7 @@ class RemoteProcess(ActorProcess):
 
 
 class Node:
-    def __init__(self, cluster: "Cluster", hello: wire.NodeHello, route: bytes):
+    def __init__(self, cluster: Cluster, hello: wire.NodeHello, route: bytes):
         self.cluster = cluster
         self.rank = hello.rank
         self.hostname = hello.hostname
@@ -109,8 +109,13 @@ class Node:
             self.cluster.send(self.route, msg)
 
     def status(self) -> NodeStatus:
-        state = (f"lost: {self.lost}" if self.lost is not None else f"draining: {self.draining}"
-                 if self.draining is not None else "joined")
+        state = (
+            f"lost: {self.lost}"
+            if self.lost is not None
+            else f"draining: {self.draining}"
+            if self.draining is not None
+            else "joined"
+        )
         return NodeStatus(self.rank, self.hostname, self.address, len(self.pool.free), self.pool.total, state)
 
 
@@ -126,7 +131,9 @@ class Cluster:
         self.config = config
         host = resolve(config.master_addr)
         if is_wildcard(host):
-            raise ValueError(f"master_addr {config.master_addr!r} is a wildcard; give the address the other nodes reach")
+            raise ValueError(
+                f"master_addr {config.master_addr!r} is a wildcard; give the address the other nodes reach"
+            )
         sock, self.address = bind_router(ctx, tcp_endpoint(host, config.master_port), gate=gate)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an agent that reconnects keeps its routing id
         self.host = host
@@ -141,8 +148,11 @@ class Cluster:
         self._body = msgspec.msgpack.Encoder()
         self.sock = LoopSocket(sock, self._on_message, "supervisor cluster socket")
         self._watchdog = SilenceWatchdog(
-            "cluster", config.heartbeat_interval_s, config.node_timeout_s,
-            lambda: [(node, node.last_seen) for node in self.nodes.values() if node.lost is None], self._silent,
+            "cluster",
+            config.heartbeat_interval_s,
+            config.node_timeout_s,
+            lambda: [(node, node.last_seen) for node in self.nodes.values() if node.lost is None],
+            self._silent,
         ).start()
 
     # --- membership --------------------------------------------------------------------------
@@ -199,8 +209,14 @@ class Cluster:
         if self._closing or (node.draining is not None and not node.procs):
             log.info("node %d (%s) left: %s", node.rank, node.hostname, reason)  # as planned: nothing dies
         else:
-            log.error("node %d (%s, %s) lost: %s; its %d actor process(es) count as dead",
-                      node.rank, node.hostname, node.address, reason, len(node.procs))
+            log.error(
+                "node %d (%s, %s) lost: %s; its %d actor process(es) count as dead",
+                node.rank,
+                node.hostname,
+                node.address,
+                reason,
+                len(node.procs),
+            )
         for proc in node.procs.values():
             proc.set_exited(f"node {node.rank} ({node.hostname}) lost: {reason}")
         node.procs.clear()
@@ -220,7 +236,9 @@ class Cluster:
             await asyncio.wait([n.gone for n in live], timeout=timeout_s)
             for node in live:
                 if not node.gone.done():
-                    log.warning("node %d (%s) did not confirm its shutdown within %g s", node.rank, node.hostname, timeout_s)
+                    log.warning(
+                        "node %d (%s) did not confirm its shutdown within %g s", node.rank, node.hostname, timeout_s
+                    )
         self.close_now()
 
     def close_now(self) -> None:
@@ -270,8 +288,14 @@ class Cluster:
             self._lose(node, f"its agent left ({msg.reason})")
         elif kind is wire.NodeDraining:
             node.draining = msg.reason
-            log.warning("node %d (%s) is leaving (%s): it takes no new actor; its %d actor process(es) have "
-                        "%g s to be stopped", node.rank, node.hostname, msg.reason, len(node.procs), msg.timeout_s)
+            log.warning(
+                "node %d (%s) is leaving (%s): it takes no new actor; its %d actor process(es) have %g s to be stopped",
+                node.rank,
+                node.hostname,
+                msg.reason,
+                len(node.procs),
+                msg.timeout_s,
+            )
 
     def _bad(self, what: str) -> None:
         self._bad_messages += 1
@@ -283,8 +307,10 @@ class Cluster:
         node = self.nodes.get(hello.rank)
         reason = None
         if hello.protocol != wire.NODE_PROTOCOL:
-            reason = (f"node protocol {hello.protocol}; this supervisor speaks {wire.NODE_PROTOCOL} "
-                      "(same asyncrl everywhere?)")
+            reason = (
+                f"node protocol {hello.protocol}; this supervisor speaks {wire.NODE_PROTOCOL} "
+                "(same asyncrl everywhere?)"
+            )
         elif hello.nnodes != n:
             reason = f"the agent says --nnodes {hello.nnodes}; the supervisor runs {n} nodes"
         elif not 1 <= hello.rank < n:
@@ -294,12 +320,16 @@ class Cluster:
         elif node is not None and node.lost is not None:
             reason = f"node {hello.rank} was lost earlier in this run ({node.lost})"
         if reason is not None:
-            log.warning("refused a node agent on %s (pid %d) as node %d: %s", hello.hostname, hello.pid, hello.rank, reason)
+            log.warning(
+                "refused a node agent on %s (pid %d) as node %d: %s", hello.hostname, hello.pid, hello.rank, reason
+            )
             self.send(route, wire.NodeRejected(reason))
             return
         if node is None:  # not a retried hello
             node = self.nodes[hello.rank] = Node(self, hello, route)
-            log.info("node %d joined from %s (%s) with %d device(s)", node.rank, node.hostname, node.address, node.pool.total)
+            log.info(
+                "node %d joined from %s (%s) with %d device(s)", node.rank, node.hostname, node.address, node.pool.total
+            )
         self._by_route[route] = node
         node.route = route
         self.send(route, wire.NodeWelcome(self.config.heartbeat_interval_s, self.config.node_timeout_s))

@@ -87,7 +87,7 @@ class SupervisorConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, not {self.max_message_bytes}")
 
     @classmethod
-    def from_env(cls, **overrides) -> "SupervisorConfig":
+    def from_env(cls, **overrides) -> SupervisorConfig:
         """Defaults, then ``ASYNCRL_SUP_<FIELD>`` variables (set by ``asyncrl launch``), then
         ``overrides``."""
         values: dict = {}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from asyncrl.errors import ActionableError, ActorNotReadyError, ActorStartError, remote_error_class
 from asyncrl.runtime import net, wire
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.process import write_lines
@@ -30,7 +31,6 @@ from asyncrl.runtime.record import ActorRecord
 from asyncrl.runtime.resources import SupervisorResources
 from asyncrl.runtime.throttled_log import ThrottledLog
 from asyncrl.runtime.transport import LoopSocket, bind_router
-from asyncrl.errors import ActionableError, ActorNotReadyError, ActorStartError, remote_error_class
 
 if TYPE_CHECKING:
     from asyncrl.runtime.cluster import Cluster
@@ -43,7 +43,9 @@ class ControlChannel:
     keeps each record's side of the conversation: routing id, readiness, heartbeats, last words.
     ``cluster`` is set once the cluster socket exists (multi-node only)."""
 
-    def __init__(self, resources: SupervisorResources, config: SupervisorConfig, records: dict[str, ActorRecord]) -> None:
+    def __init__(
+        self, resources: SupervisorResources, config: SupervisorConfig, records: dict[str, ActorRecord]
+    ) -> None:
         self.config = config
         self.run_dir = resources.run_dir
         self.records = records
@@ -53,8 +55,9 @@ class ControlChannel:
         self.local = LoopSocket(sock, self._on_local, "supervisor control")
         self._decoder = msgspec.msgpack.Decoder(wire.ToSupervisor)
         self._body = msgspec.msgpack.Encoder()
-        self.dropped = ThrottledLog(log, "supervisor: dropped", "an undecodable control message",
-                                    "undecodable control messages")  # any process of this user may write junk
+        self.dropped = ThrottledLog(
+            log, "supervisor: dropped", "an undecodable control message", "undecodable control messages"
+        )  # any process of this user may write junk
 
     def close(self) -> None:
         self.dropped.close()
@@ -115,7 +118,9 @@ class ControlChannel:
             bind = f"ipc://{self.run_dir}/{rec.index}-{rec.incarnation}.sock"
         else:
             bind = f"tcp://{cfg.host}:*"
-        init = wire.Init(module, qualname, script, payload, list(sys.path), bind, cfg.max_message_bytes, cfg.heartbeat_interval_s)
+        init = wire.Init(
+            module, qualname, script, payload, list(sys.path), bind, cfg.max_message_bytes, cfg.heartbeat_interval_s
+        )
         rec.channel.send([rec.routing_id, self._body.encode(init), *bufs], copy=False)
 
     def send_shutdown(self, rec: ActorRecord, reason: str) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.runtime.actor import EndpointSpec
 from asyncrl.runtime.state import ActorState
@@ -21,12 +22,12 @@ log = logging.getLogger("asyncrl.supervisor")
 class RemoteMethod:
     __slots__ = ("_record", "_spec", "_timeout_s")
 
-    def __init__(self, record: "ActorRecord", spec: EndpointSpec, timeout_s: float):
+    def __init__(self, record: ActorRecord, spec: EndpointSpec, timeout_s: float):
         self._record = record
         self._spec = spec
         self._timeout_s = timeout_s
 
-    def with_timeout(self, timeout_s: float) -> "RemoteMethod":
+    def with_timeout(self, timeout_s: float) -> RemoteMethod:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
         return RemoteMethod(self._record, self._spec, timeout_s)
@@ -59,7 +60,7 @@ class ActorHandle:
 
     __slots__ = ("_record", "_specs", "_timeout_s")
 
-    def __init__(self, record: "ActorRecord", specs: dict[str, EndpointSpec], timeout_s: float | None = None):
+    def __init__(self, record: ActorRecord, specs: dict[str, EndpointSpec], timeout_s: float | None = None):
         self._record = record
         self._specs = specs
         self._timeout_s = timeout_s or record.call_timeout_s
@@ -68,7 +69,7 @@ class ActorHandle:
     def name(self) -> str:
         return self._record.name
 
-    def info(self) -> "ActorStatus":
+    def info(self) -> ActorStatus:
         """State, pid, restarts and heartbeat age of the actor, as the supervisor sees it now."""
         return self._record.status()
 
@@ -87,15 +88,16 @@ class ActorHandle:
             log.warning("actor %s (incarnation %d): killed on request: %s", record.name, record.incarnation, reason)
         return killed
 
-    async def wait_for_incarnation(self, after: int, timeout_s: float) -> "ActorStatus":
+    async def wait_for_incarnation(self, after: int, timeout_s: float) -> ActorStatus:
         """Wait until an incarnation newer than ``after`` runs, the actor is dead or stopped for
         good, or ``timeout_s`` passes, whichever comes first, and return its status then (its
         ``state`` and ``incarnation`` say which). Sends nothing to the actor: a restart that
         takes long is waited for by its state, not misread as a call that timed out."""
         return await self._record.wait_until(
-            lambda r: r.state is ActorState.RUNNING and r.incarnation > after, timeout_s)
+            lambda r: r.state is ActorState.RUNNING and r.incarnation > after, timeout_s
+        )
 
-    async def wait_for_state(self, states: "Iterable[ActorState]", timeout_s: float) -> "ActorStatus":
+    async def wait_for_state(self, states: Iterable[ActorState], timeout_s: float) -> ActorStatus:
         """Wait until the actor's state is one of ``states``, it is dead or stopped for good (a
         final state it never leaves), or ``timeout_s`` passes, whichever comes first, and return
         its status then. Woken by each change of state; sends nothing to the actor."""
@@ -104,7 +106,7 @@ class ActorHandle:
             raise ValueError("states must name at least one ActorState")
         return await self._record.wait_until(lambda r: r.state in wanted, timeout_s)
 
-    def with_timeout(self, timeout_s: float) -> "ActorHandle":
+    def with_timeout(self, timeout_s: float) -> ActorHandle:
         """The same actor, with ``timeout_s`` as the default deadline of its calls."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
@@ -114,8 +116,10 @@ class ActorHandle:
         spec = self._specs.get(attr)
         if spec is None:
             known = ", ".join(sorted(self._specs)) or "none"
-            raise AttributeError(f"actor {self._record.name!r} ({self._record.cls.__qualname__}) has no endpoint "
-                                 f"{attr!r}; endpoints: {known}")
+            raise AttributeError(
+                f"actor {self._record.name!r} ({self._record.cls.__qualname__}) has no endpoint "
+                f"{attr!r}; endpoints: {known}"
+            )
         return RemoteMethod(self._record, spec, self._timeout_s)
 
     def __repr__(self) -> str:

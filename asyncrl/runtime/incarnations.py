@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+from asyncrl.errors import ActorDiedError, ActorNotReadyError, ActorStartError, first_line
 from asyncrl.runtime import auth, wire
 from asyncrl.runtime import worker as worker_env
 from asyncrl.runtime.client import ActorClient
@@ -33,7 +34,6 @@ from asyncrl.runtime.resources import SupervisorResources
 from asyncrl.runtime.start_watch import StartWatch
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.watchdog import SilenceWatchdog
-from asyncrl.errors import ActorDiedError, ActorNotReadyError, ActorStartError, first_line
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -60,7 +60,8 @@ class Incarnations:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
         self._watchdog = SilenceWatchdog(
-            "supervisor", config.heartbeat_interval_s, config.heartbeat_timeout_s, self._running, self._on_silent).start()
+            "supervisor", config.heartbeat_interval_s, config.heartbeat_timeout_s, self._running, self._on_silent
+        ).start()
 
     def close(self) -> None:
         """Stop watching; SIGKILL every incarnation still alive; close every client. Idempotent."""
@@ -94,8 +95,13 @@ class Incarnations:
                     raise
                 rec.error = e  # what `status()` says while it starts again
                 rec.restarts += 1
-                log.warning("actor %s lost during its start (%s); restart %d of %d",
-                            rec.name, first_line(e), rec.restarts, rec.max_restarts)
+                log.warning(
+                    "actor %s lost during its start (%s); restart %d of %d",
+                    rec.name,
+                    first_line(e),
+                    rec.restarts,
+                    rec.max_restarts,
+                )
 
     @staticmethod
     def refused(rec: ActorRecord) -> bool:
@@ -116,8 +122,16 @@ class Incarnations:
         rec.ready = self._loop.create_future()
         rec.starting = StartWatch(rec.name, cfg.start_timeout_s, cfg.heartbeat_timeout_s)
         try:
-            proc = self._start_process(rec) if rec.node == 0 else self._cluster.spawn(rec.node, wire.SpawnActor(
-                rec.name, rec.incarnation, rec.devices, rec.env, self._cluster.address, cfg.start_timeout_s))
+            proc = (
+                self._start_process(rec)
+                if rec.node == 0
+                else self._cluster.spawn(
+                    rec.node,
+                    wire.SpawnActor(
+                        rec.name, rec.incarnation, rec.devices, rec.env, self._cluster.address, cfg.start_timeout_s
+                    ),
+                )
+            )
         except OSError as e:
             raise ActorStartError(rec.name, f"cannot start a process: {e}") from e
         rec.proc = proc
@@ -129,7 +143,9 @@ class Incarnations:
         finally:
             rec.starting = None
         if rec.ready.done() and rec.ready.exception() is None and proc.alive:
-            rec.client = ActorClient(self._resources.ctx, rec.name, rec.ready.result(), cfg.max_message_bytes, keys=self._resources.keys)
+            rec.client = ActorClient(
+                self._resources.ctx, rec.name, rec.ready.result(), cfg.max_message_bytes, keys=self._resources.keys
+            )
             rec.last_heartbeat = time.monotonic()
             rec.set_state(ActorState.RUNNING)
             watcher = asyncio.ensure_future(self._watch(rec, proc, rec.incarnation))
@@ -156,8 +172,11 @@ class Incarnations:
                 return verdict
             progress = asyncio.ensure_future(watch.changed.wait())
             try:
-                await asyncio.wait({rec.ready, proc.exited, progress}, timeout=watch.seconds_left(),
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {rec.ready, proc.exited, progress},
+                    timeout=watch.seconds_left(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
             finally:
                 progress.cancel()
             watch.changed.clear()
@@ -181,7 +200,10 @@ class Incarnations:
         if res.keys is not None:  # the only way the secret leaves us: to our own children
             env[auth.ENV_SECRET] = res.keys.secret
         proc = ChildProcess(
-            [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"], env, f"[{rec.name}]: ", pass_fds=[res.death_r]
+            [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"],
+            env,
+            f"[{rec.name}]: ",
+            pass_fds=[res.death_r],
         )
         res.groups.add(proc.pid)
         return proc
@@ -219,8 +241,11 @@ class Incarnations:
 
     def _running(self) -> list[tuple[ActorRecord, float]]:
         """What the heartbeat watchdog judges: running incarnations not already being killed."""
-        return [(rec, rec.last_heartbeat) for rec in self._records.values()
-                if rec.state is ActorState.RUNNING and rec.proc.alive and not rec.kill_reason]
+        return [
+            (rec, rec.last_heartbeat)
+            for rec in self._records.values()
+            if rec.state is ActorState.RUNNING and rec.proc.alive and not rec.kill_reason
+        ]
 
     def _on_silent(self, rec: ActorRecord, silent_s: float) -> None:
         cause = f"no heartbeat for {silent_s:.1f} s (frozen or stopped?); killed"

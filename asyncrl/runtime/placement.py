@@ -12,9 +12,9 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
+from asyncrl.errors import ActorStartError, NoFreeDevicesError
 from asyncrl.runtime import worker as worker_env
 from asyncrl.runtime.devices import DevicePool
-from asyncrl.errors import ActorStartError, NoFreeDevicesError
 
 if TYPE_CHECKING:
     from asyncrl.runtime.cluster import Cluster
@@ -42,7 +42,9 @@ def class_ref(cls: type) -> tuple[str, str, str]:
     return module, cls.__qualname__, ""
 
 
-def place(name: str, gpus: int, node: int | None, nnodes: int, local: DevicePool, cluster: "Cluster | None") -> tuple[int, list[str]]:
+def place(
+    name: str, gpus: int, node: int | None, nnodes: int, local: DevicePool, cluster: Cluster | None
+) -> tuple[int, list[str]]:
     """``(node rank, device ids)`` for actor ``name``, the devices taken from that node's pool.
     ``node`` None: node 0 for an actor without devices, else the lowest-ranked live node with
     ``gpus`` free. Raises ``NoFreeDevicesError`` when no node can meet ``gpus``,
@@ -55,8 +57,13 @@ def place(name: str, gpus: int, node: int | None, nnodes: int, local: DevicePool
             raise ValueError(f"node must be an int in 0..{nnodes - 1}, not {node!r}")
         if node not in pools:  # lost, or (an elastic cluster) not joined yet
             known = cluster.nodes.get(node)
-            why = ("has not joined the cluster" if known is None else f"is lost ({known.lost})" if known.lost
-                   else f"is leaving ({known.draining})")
+            why = (
+                "has not joined the cluster"
+                if known is None
+                else f"is lost ({known.lost})"
+                if known.lost
+                else f"is leaving ({known.draining})"
+            )
             raise ActorStartError(name, f"node {node} {why}")
         return node, pools[node].take(gpus, name)
     if gpus == 0:

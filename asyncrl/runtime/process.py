@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from asyncrl.runtime.timeouts import timeout
 
@@ -75,7 +75,12 @@ class ActorProcess:
 
 class ChildProcess(ActorProcess):
     def __init__(
-        self, argv: Sequence[str], env: dict[str, str], log_prefix: str, pass_fds: Sequence[int] = (), sink: LogSink | None = None
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        log_prefix: str,
+        pass_fds: Sequence[int] = (),
+        sink: LogSink | None = None,
     ):
         self.log_prefix = log_prefix
         self.proc = subprocess.Popen(
@@ -93,7 +98,10 @@ class ChildProcess(ActorProcess):
         self._pidfd = os.pidfd_open(self.pid)
         loop.add_reader(self._pidfd, self._on_exit)
         if sink is None:
-            emit = [functools.partial(write_lines, sys.stdout, log_prefix), functools.partial(write_lines, sys.stderr, log_prefix)]
+            emit = [
+                functools.partial(write_lines, sys.stdout, log_prefix),
+                functools.partial(write_lines, sys.stderr, log_prefix),
+            ]
         else:
             emit = [functools.partial(sink, 1), functools.partial(sink, 2)]
         self._pumps = [

@@ -9,12 +9,13 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from asyncrl.runtime.state import ActorState
 from asyncrl.errors import ActorDiedError, CallTimeoutError
+from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.timeouts import timeout
 
 if TYPE_CHECKING:
@@ -97,14 +98,20 @@ class ActorRecord:
         Returns False and does nothing unless the actor is RUNNING that incarnation, its process
         is alive, and no kill of it is already under way (which keeps its own cause)."""
         proc = self.proc
-        if (self.state is not ActorState.RUNNING or self.stopping or proc is None or not proc.alive
-                or self.kill_reason or (incarnation is not None and incarnation != self.incarnation)):
+        if (
+            self.state is not ActorState.RUNNING
+            or self.stopping
+            or proc is None
+            or not proc.alive
+            or self.kill_reason
+            or (incarnation is not None and incarnation != self.incarnation)
+        ):
             return False
         self.kill_reason = cause
         proc.kill_now()
         return True
 
-    async def wait_until(self, done: Callable[["ActorRecord"], bool], timeout_s: float) -> ActorStatus:
+    async def wait_until(self, done: Callable[[ActorRecord], bool], timeout_s: float) -> ActorStatus:
         """The status once ``done(self)`` holds, the actor is in a final state (DEAD, STOPPED), or
         ``timeout_s`` has passed, whichever comes first. Woken by each change of state, never by
         polling; sends nothing to the actor."""

@@ -76,7 +76,9 @@ class SupervisorResources:
         except BaseException:
             remove_run_dir(self.run_dir)
             raise
-        self._finalizer = weakref.finalize(self, _emergency_cleanup, self.groups, self.run_dir, [self.death_r, self.death_w])
+        self._finalizer = weakref.finalize(
+            self, _emergency_cleanup, self.groups, self.run_dir, [self.death_r, self.death_w]
+        )
         self._hooks = contextlib.ExitStack()
         try:
             self._hooks.enter_context(signals.on_force_exit(self._finalizer))

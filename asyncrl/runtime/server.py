@@ -81,7 +81,9 @@ class ActorServer:
         size = len(parts[0]) if len(parts) == 1 else frames_nbytes(parts)
         if size > self.max_message_bytes:
             return self._bad(
-                ident, msg.id, MessageTooLargeError,
+                ident,
+                msg.id,
+                MessageTooLargeError,
                 f"request of {size} bytes exceeds max_message_bytes={self.max_message_bytes}",
             )
         kind = type(msg)
@@ -163,8 +165,12 @@ class ActorServer:
                         async with timeout(self.stream_idle_timeout_s):
                             await stream.wake.wait()
                     except asyncio.TimeoutError:
-                        log.warning("actor %s: stream %s() abandoned: no credit from its caller in %gs",
-                                    self.name, spec.name, self.stream_idle_timeout_s)
+                        log.warning(
+                            "actor %s: stream %s() abandoned: no credit from its caller in %gs",
+                            self.name,
+                            spec.name,
+                            self.stream_idle_timeout_s,
+                        )
                         return
                 stream.credit -= 1
                 if not self._reply(ident, call_id, spec, item, item=True):
@@ -182,9 +188,12 @@ class ActorServer:
         body = self._body.encode(msg)
         size = len(body) + frames_nbytes(bufs) if bufs else len(body)
         if size > self.max_message_bytes:
-            msg = wire.Failure(msg.id, MessageTooLargeError.__name__,
-                               f"reply of {size} bytes exceeds max_message_bytes={self.max_message_bytes}",
-                               type_path=type_path(MessageTooLargeError))
+            msg = wire.Failure(
+                msg.id,
+                MessageTooLargeError.__name__,
+                f"reply of {size} bytes exceeds max_message_bytes={self.max_message_bytes}",
+                type_path=type_path(MessageTooLargeError),
+            )
             body, bufs = self._body.encode(msg), ()
         self.sock.send([ident, body, *bufs], copy=not bufs)
 

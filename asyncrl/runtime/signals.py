@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 received: list[int] = []
@@ -88,8 +88,9 @@ def force_exit(signum: int) -> None:
     process group of every child of this process (each actor leads its own, so its descendants
     go too), and ``os._exit`` without unwinding (no ``finally``, no thread joins)."""
     with contextlib.suppress(Exception):
-        sys.stderr.write(f"\nasyncrl: {signal.Signals(signum).name} while shutting down: killing the actors "
-                         f"and exiting now\n")
+        sys.stderr.write(
+            f"\nasyncrl: {signal.Signals(signum).name} while shutting down: killing the actors and exiting now\n"
+        )
     for hook in reversed(_force_hooks):
         with contextlib.suppress(Exception):
             hook()
@@ -112,7 +113,7 @@ def kill_child_groups() -> None:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 stat = f.read()
             # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-            ppid, pgrp = (int(x) for x in stat[stat.rindex(b")") + 2:].split()[1:3])
+            ppid, pgrp = (int(x) for x in stat[stat.rindex(b")") + 2 :].split()[1:3])
         except (OSError, ValueError):
             continue  # gone meanwhile, or not readable
         if ppid == me and pgrp == pid and pgrp != mine:  # a child leading its own group: ours to kill

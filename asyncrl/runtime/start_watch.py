@@ -56,17 +56,25 @@ class StartWatch:
         now = time.monotonic()
         if self.last_beat is not None and now - self.last_beat > self.heartbeat_timeout_s:
             doing = f" while {self.phase!r}" if self.phase else ""
-            return (f"not ready: no heartbeat for {now - self.last_beat:.1f} s{doing} (frozen or stopped?), "
-                    f"{now - self.began:.0f} s after its start")
+            return (
+                f"not ready: no heartbeat for {now - self.last_beat:.1f} s{doing} (frozen or stopped?), "
+                f"{now - self.began:.0f} s after its start"
+            )
         if now < self.deadline:
             return None
         if not self.phase:
-            return (f"not ready within start_timeout_s={self.start_timeout_s:g} (no start phase reported); "
-                    f"raise it with {_HINT}")
+            return (
+                f"not ready within start_timeout_s={self.start_timeout_s:g} (no start phase reported); "
+                f"raise it with {_HINT}"
+            )
         took = now - self.phase_since
         if self.budget_s > self.start_timeout_s:
             knob = f"{self.knob} or {_HINT}" if self.knob else _HINT
-            return (f"not ready: still {self.phase!r} after {took:.0f} s (its budget {self.budget_s:g} s); "
-                    f"raise it with {knob}")
-        return (f"not ready: still {self.phase!r} after {took:.0f} s (start_timeout_s={self.start_timeout_s:g}); "
-                f"raise it with {_HINT}" + (f" or {self.knob}" if self.knob else ""))
+            return (
+                f"not ready: still {self.phase!r} after {took:.0f} s (its budget {self.budget_s:g} s); "
+                f"raise it with {knob}"
+            )
+        return (
+            f"not ready: still {self.phase!r} after {took:.0f} s (start_timeout_s={self.start_timeout_s:g}); "
+            f"raise it with {_HINT}" + (f" or {self.knob}" if self.knob else "")
+        )

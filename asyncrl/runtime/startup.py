@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 _Report = Callable[[str, float, str], None]
 

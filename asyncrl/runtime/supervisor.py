@@ -28,10 +28,12 @@ import logging
 import os
 import signal
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
+from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError, first_line
 from asyncrl.runtime import net, signals
 from asyncrl.runtime.actor import endpoints_of, init_spec
 from asyncrl.runtime.cluster import Cluster, NodeStatus
@@ -46,7 +48,6 @@ from asyncrl.runtime.record import ActorRecord, ActorStatus
 from asyncrl.runtime.resources import SupervisorResources, cluster_keys
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.status import StatusServer
-from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError, first_line
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -77,7 +78,7 @@ class Supervisor:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    async def __aenter__(self) -> "Supervisor":
+    async def __aenter__(self) -> Supervisor:
         await self.start()
         return self
 
@@ -99,17 +100,22 @@ class Supervisor:
             self._control = ControlChannel(self._resources, cfg, self._records)
             self.address = self._control.address
             kind, ids = detect(cfg.device_kind)
-            self._devices = DevicePool(kind, offered(ids, cfg.nproc_per_node), where="node 0" if cfg.nnodes > 1 else "this host")
+            self._devices = DevicePool(
+                kind, offered(ids, cfg.nproc_per_node), where="node 0" if cfg.nnodes > 1 else "this host"
+            )
             if cfg.nnodes > 1:
                 self._cluster = self._control.cluster = Cluster(
-                    self._resources.ctx, cfg, self._resources.gate, self._control.on_worker, self._control.on_remote_log)
+                    self._resources.ctx, cfg, self._resources.gate, self._control.on_worker, self._control.on_remote_log
+                )
             self._node_env = _node_env(cfg, self._cluster)
         except BaseException:
             self._release()
             self._state = "closed"
             raise
         self._payload = PayloadEncoder()
-        self._incarnations = Incarnations(cfg, self._resources, self._control, self._cluster, self._devices, self._node_env, self._records)
+        self._incarnations = Incarnations(
+            cfg, self._resources, self._control, self._cluster, self._devices, self._node_env, self._records
+        )
         if cfg.handle_signals:
             self._exit.enter_context(signals.cancel_on_signals(asyncio.current_task()))
         self._state = "running"
@@ -140,7 +146,9 @@ class Supervisor:
         self._state = "closing"
         self._incarnations.closing = True  # no incarnation starts from now on
         try:
-            await asyncio.gather(*(self._incarnations.stop(rec, "the supervisor is shutting down") for rec in self._records.values()))
+            await asyncio.gather(
+                *(self._incarnations.stop(rec, "the supervisor is shutting down") for rec in self._records.values())
+            )
             if self._cluster is not None:
                 await self._cluster.close("the supervisor is shutting down", self.config.term_timeout_s + 5.0)
         except asyncio.CancelledError:
@@ -162,7 +170,14 @@ class Supervisor:
     def nodes(self) -> list[NodeStatus]:
         """One ``NodeStatus`` per node, node 0 (this one) first."""
         self._require_running()
-        me = NodeStatus(0, socket.gethostname(), self._node_env[net.ENV_NODE_ADDR], len(self._devices.free), self._devices.total, "joined")
+        me = NodeStatus(
+            0,
+            socket.gethostname(),
+            self._node_env[net.ENV_NODE_ADDR],
+            len(self._devices.free),
+            self._devices.total,
+            "joined",
+        )
         return [me, *(self._cluster.status() if self._cluster is not None else [])]
 
     async def serve_status(self, run_dir: str, progress: Callable[[], dict[str, Any]] | None = None) -> StatusServer:
@@ -258,8 +273,9 @@ class Supervisor:
             if not (keep_if_lost and lost):
                 self._forget(rec, e)
                 raise
-            log.error("actor %s is dead: its start was lost, %d restart(s) spent (%s)",
-                      name, rec.restarts, first_line(e))
+            log.error(
+                "actor %s is dead: its start was lost, %d restart(s) spent (%s)", name, rec.restarts, first_line(e)
+            )
             rec.error = e
             rec.set_state(ActorState.DEAD)
             self._incarnations.release_devices(rec)
@@ -286,7 +302,9 @@ class Supervisor:
             raise ValueError(f"actor {name!r} is to share the devices of {owner!r}, which has none")
         return record.node, list(record.devices)
 
-    async def spawn_group(self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any) -> list[ActorHandle]:
+    async def spawn_group(
+        self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any
+    ) -> list[ActorHandle]:
         """Start ``n`` alike actors concurrently, named ``<name>-0 .. <name>-(n-1)``. If any fails
         to start, the others are stopped and the first error is raised."""
         if n < 1:
@@ -317,4 +335,3 @@ def _node_env(cfg: SupervisorConfig, cluster: Cluster | None) -> dict[str, str]:
     other nodes reach this one (a user's own setting wins)."""
     address = os.environ.get(net.ENV_NODE_ADDR) or (cluster.host if cluster is not None else cfg.host)
     return {net.ENV_NODE_ADDR: address, net.ENV_NODE_RANK: "0", net.ENV_NNODES: str(cfg.nnodes)}
-

@@ -25,8 +25,16 @@ class ThrottledLog:
     in full again. On an event loop a timer ends the window, so the summary comes even when the
     flood stops; without one (a thread), the next warning after the window ends it."""
 
-    def __init__(self, logger: logging.Logger, prefix: str, one: str, many: str, *,
-                 every_s: float = SUMMARY_EVERY_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        logger: logging.Logger,
+        prefix: str,
+        one: str,
+        many: str,
+        *,
+        every_s: float = SUMMARY_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.total = 0
         """Every warning noted, logged or summed up."""
         self._log, self._prefix, self._one, self._many = logger, prefix, one, many
@@ -81,7 +89,14 @@ class ThrottledLog:
     def _summarize(self, now: float) -> bool:
         if not self._pending:
             return False
-        self._log.warning("%s %d more %s in the last %g s (last: %s); %d in all", self._prefix, self._pending,
-                          self._many, round(now - self._window_start, 1), self._last, self.total)
+        self._log.warning(
+            "%s %d more %s in the last %g s (last: %s); %d in all",
+            self._prefix,
+            self._pending,
+            self._many,
+            round(now - self._window_start, 1),
+            self._last,
+            self.total,
+        )
         self._pending, self._last = 0, ""
         return True

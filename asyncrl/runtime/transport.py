@@ -13,7 +13,8 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -38,7 +39,9 @@ def configure(sock: zmq.Socket, hwm: int = DEFAULT_HWM, linger_ms: int = 0) -> z
     return sock
 
 
-def bind_router(ctx: zmq.Context, bind: str, hwm: int = DEFAULT_HWM, gate: "Gatekeeper | None" = None) -> tuple[zmq.Socket, str]:
+def bind_router(
+    ctx: zmq.Context, bind: str, hwm: int = DEFAULT_HWM, gate: Gatekeeper | None = None
+) -> tuple[zmq.Socket, str]:
     """A ROUTER bound to ``bind`` (``tcp://host:*`` picks a free port); returns it and its address.
     A ``tcp://`` socket must be guarded: ``gate`` admits only holders of the cluster secret."""
     if bind.startswith("tcp://") and gate is None:
@@ -59,7 +62,7 @@ def bind_router(ctx: zmq.Context, bind: str, hwm: int = DEFAULT_HWM, gate: "Gate
 
 
 def connect_dealer(
-    ctx: zmq.Context, connect: str, hwm: int = DEFAULT_HWM, linger_ms: int = 0, keys: "ClusterKeys | None" = None
+    ctx: zmq.Context, connect: str, hwm: int = DEFAULT_HWM, linger_ms: int = 0, keys: ClusterKeys | None = None
 ) -> zmq.Socket:
     """A DEALER connected to ``connect``; over ``tcp://`` it authenticates with ``keys``."""
     if connect.startswith("tcp://") and keys is None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Generic, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -46,7 +47,7 @@ class SilenceWatchdog(Generic[T]):
         self._on_silent = on_silent
         self._task: asyncio.Task | None = None
 
-    def start(self) -> "SilenceWatchdog[T]":
+    def start(self) -> SilenceWatchdog[T]:
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
         return self

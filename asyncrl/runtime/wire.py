@@ -277,7 +277,18 @@ FromActor = Reply | StreamItem | StreamEnd | Failure
 ToSupervisor = Hello | Ready | StartFailed | Heartbeat | StartPhase | Dead
 ToWorker = Init | Shutdown
 FromNode = (
-    Hello | Ready | StartFailed | Heartbeat | StartPhase | Dead
-    | NodeHello | NodeHeartbeat | ActorStarted | ActorExited | ActorLog | NodeLeaving | NodeDraining
+    Hello
+    | Ready
+    | StartFailed
+    | Heartbeat
+    | StartPhase
+    | Dead
+    | NodeHello
+    | NodeHeartbeat
+    | ActorStarted
+    | ActorExited
+    | ActorLog
+    | NodeLeaving
+    | NodeDraining
 )
 ToAgent = NodeWelcome | NodeRejected | SpawnActor | StopActor | KillActor | NodeShutdown

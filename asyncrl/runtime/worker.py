@@ -154,7 +154,9 @@ class _Control:
         self.shutdown: asyncio.Future = loop.create_future()
         self._decoder = msgspec.msgpack.Decoder(wire.ToWorker)
         # linger: last words (StartFailed, Dead) must get out before the process exits
-        self.sock = LoopSocket(connect_dealer(ctx, address, linger_ms=2000, keys=keys), self._on_message, "worker control")
+        self.sock = LoopSocket(
+            connect_dealer(ctx, address, linger_ms=2000, keys=keys), self._on_message, "worker control"
+        )
 
     def _on_message(self, frames: list) -> None:
         try:
@@ -235,4 +237,3 @@ def main() -> None:
     _arm_parent_death(int(env[ENV_PARENT_PID]), int(env[ENV_DEATH_FD]))
     code = run(_serve(name, int(env[ENV_INCARNATION]), env[ENV_SUPERVISOR], float(env[ENV_INIT_TIMEOUT])))
     sys.exit(code)
-

@@ -1,6 +1,5 @@
-from asyncrl import Supervisor
-
 from actors import Echo
+from asyncrl import Supervisor
 
 
 async def main():

@@ -5,9 +5,8 @@ import asyncio
 import json
 import os
 
-from asyncrl import Supervisor
-
 from actors import Echo
+from asyncrl import Supervisor
 
 
 async def main():

@@ -6,9 +6,8 @@ import json
 import os
 import sys
 
-from asyncrl import Supervisor
-
 from actors import Echo
+from asyncrl import Supervisor
 
 
 async def main():

@@ -1,8 +1,7 @@
 import asyncio
 
-from asyncrl import Supervisor
-
 from actors import Echo
+from asyncrl import Supervisor
 
 
 class Local(Echo):

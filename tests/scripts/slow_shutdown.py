@@ -9,9 +9,8 @@ import json
 import os
 import sys
 
-from asyncrl import Supervisor
-
 from actors import Echo
+from asyncrl import Supervisor
 
 
 async def main(run_dir: str):
@@ -21,8 +20,17 @@ async def main(run_dir: str):
         pids = [await a.getpid(), await b.getpid(), grandchild]
         server = await sup.serve_status(run_dir)
         blocked = asyncio.ensure_future(b.say_then_block("blocked", 120))  # b's loop cannot read its Shutdown
-        print(json.dumps({"driver": os.getpid(), "pids": pids, "run_dir": sup._resources.run_dir,
-                          "status_address": server.address}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "driver": os.getpid(),
+                    "pids": pids,
+                    "run_dir": sup._resources.run_dir,
+                    "status_address": server.address,
+                }
+            ),
+            flush=True,
+        )
         try:
             await asyncio.sleep(120)
         except asyncio.CancelledError:

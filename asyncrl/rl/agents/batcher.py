@@ -16,8 +16,9 @@ from asyncrl.rl.generation import Completion, SamplingParams
 
 Progress = Callable[[int, list[int]], None]
 """``progress(row, token_ids so far)``: the backend's report as tokens come (`SamplerBackend.generate`)."""
-Generate = Callable[[list[list[int]], int, SamplingParams, Progress | None],
-                    Awaitable[tuple[int, list[list[Completion]]]]]
+Generate = Callable[
+    [list[list[int]], int, SamplingParams, Progress | None], Awaitable[tuple[int, list[list[Completion]]]]
+]
 """``generate(prompts, n, params, progress) -> (weight version, completions per prompt)``: the sampler's."""
 
 
@@ -45,8 +46,9 @@ class RequestBatcher:
         self._worker: asyncio.Task | None = None
         self._closed = False
 
-    async def submit(self, prompt: list[int], params: SamplingParams, n: int = 1,
-                     progress: Progress | None = None) -> tuple[int, list[Completion]]:
+    async def submit(
+        self, prompt: list[int], params: SamplingParams, n: int = 1, progress: Progress | None = None
+    ) -> tuple[int, list[Completion]]:
         """The weight version and ``n`` completions of ``prompt``; ``progress(choice, ids)``: told each
         completion's tokens as they are generated. `EndpointClosedError` once closed,
         what ``generate`` raises otherwise. A caller that goes away stops its direct call (vLLM
@@ -85,8 +87,9 @@ class RequestBatcher:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _direct(self, prompt: list[int], params: SamplingParams, n: int, future: asyncio.Future,
-                      progress: Progress | None) -> None:
+    async def _direct(
+        self, prompt: list[int], params: SamplingParams, n: int, future: asyncio.Future, progress: Progress | None
+    ) -> None:
         try:
             version, groups = await self._generate([prompt], n, params, progress)
         except Exception as exc:
@@ -131,6 +134,7 @@ def _by_row(owners: list[tuple[Progress | None, int]]) -> Progress | None:
         progress, choice = owners[row]
         if progress is not None:
             progress(choice, ids)
+
     return report
 
 

@@ -26,8 +26,13 @@ class ChatRequestError(AsyncrlError, ValueError):
     """A request's messages or tools cannot be rendered; the message says which and why (HTTP 400)."""
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
-                generation_prompt: bool = True) -> list[int]:
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    generation_prompt: bool = True,
+) -> list[int]:
     """The prompt token ids of a chat request: the template's rendering of ``messages`` (OpenAI
     form) and ``tools`` with the generation prompt (unless ``generation_prompt`` is False: a whole
     conversation, as the warm start renders a demonstration), tokenised without added specials
@@ -38,8 +43,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
     if not getattr(tokenizer, "chat_template", None):
         raise ChatRequestError("this model has no chat template: use /v1/completions with a prompt")
     try:
-        text = tokenizer.apply_chat_template(converted, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        text = tokenizer.apply_chat_template(
+            converted, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
     except Exception as exc:  # the template's raise_exception, or a message it cannot take
         raise ChatRequestError(f"the chat template refused the messages: {type(exc).__name__}: {exc}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -103,7 +109,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         call = _tool_call(match.group(1))
         if call is None:
             continue  # not a call we understand: it stays in the content as written
-        kept.append(text[last:match.start()])
+        kept.append(text[last : match.start()])
         last = match.end()
         calls.append(call)
     kept.append(text[last:])
@@ -119,5 +125,8 @@ def _tool_call(body: str) -> dict[str, Any] | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     encoded = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": value["name"], "arguments": encoded}}
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": value["name"], "arguments": encoded},
+    }

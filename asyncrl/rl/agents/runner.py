@@ -47,8 +47,10 @@ class AgentRunner:
     async def run(self, problems: list[Any], n: int) -> list[AgentGroup | None]:
         """``n`` episodes per problem, all at once; per problem its group (None: no model call)."""
         episodes = await self.episodes(problems, n)
-        return [_group([(s, o) for samples, o in episodes[i * n:(i + 1) * n] for s in samples])
-                for i in range(len(problems))]
+        return [
+            _group([(s, o) for samples, o in episodes[i * n : (i + 1) * n] for s in samples])
+            for i in range(len(problems))
+        ]
 
     async def episodes(self, problems: list[Any], n: int) -> list[tuple[list[AgentSample], Outcome]]:
         """``n`` episodes per problem, all at once, problem-major: each one's samples and outcome
@@ -85,11 +87,19 @@ def _group(episodes: list[tuple[AgentSample, Outcome]]) -> AgentGroup | None:
         metrics = {"calls": float(sample.calls)}
         if not outcome.error:
             metrics.update(score.metrics)
-        samples.append(Sample(
-            token_ids=head + sample.token_ids, logprobs=[0.0] * len(head) + sample.logprobs, text="",
-            reward=0.0 if outcome.error else score.reward, correct=False if outcome.error else bool(score.correct),
-            finish_reason="stop", action_mask=[0] * len(head) + sample.action_mask, metrics=metrics,
-            error=outcome.error))
+        samples.append(
+            Sample(
+                token_ids=head + sample.token_ids,
+                logprobs=[0.0] * len(head) + sample.logprobs,
+                text="",
+                reward=0.0 if outcome.error else score.reward,
+                correct=False if outcome.error else bool(score.correct),
+                finish_reason="stop",
+                action_mask=[0] * len(head) + sample.action_mask,
+                metrics=metrics,
+                error=outcome.error,
+            )
+        )
     return AgentGroup(episodes[0][0].prompt_ids[:shared], samples, min(s.version for s, _ in episodes))
 
 

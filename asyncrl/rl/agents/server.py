@@ -49,8 +49,6 @@ from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, c
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.runtime.timeouts import timeout
 
-
-
 BACKLOG = 4096
 """Connections the kernel queues before the loop accepts them: every episode of a round connects
 at once, and the loop may be busy meanwhile (aiohttp's 128 left 43 of 800 evaluation episodes
@@ -82,9 +80,21 @@ class OpenAIServer:
     most a request waits for its generation (504 past it); ``max_calls``: model calls a session
     may make (an agent that loops for ever is refused past them)."""
 
-    def __init__(self, generate: Generate, tokenizer: Any, sampling: SamplingParams, *, max_context: int = 0,
-                 batch: bool = True, token: str = "", host: str = "127.0.0.1", port: int = 0,
-                 request_timeout_s: float = 600.0, max_calls: int = 32, max_body_bytes: int = 8 << 20):
+    def __init__(
+        self,
+        generate: Generate,
+        tokenizer: Any,
+        sampling: SamplingParams,
+        *,
+        max_context: int = 0,
+        batch: bool = True,
+        token: str = "",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        request_timeout_s: float = 600.0,
+        max_calls: int = 32,
+        max_body_bytes: int = 8 << 20,
+    ):
         self.tokenizer, self.sampling, self.max_context = tokenizer, sampling, max_context
         self.token = token or secrets.token_urlsafe(24)
         self.host, self.port = host, port
@@ -137,9 +147,13 @@ class OpenAIServer:
         address, so there is nothing to verify, and loading them costs ~60 ms a client."""
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url(session), api_key=self.token, max_retries=0,
-                                  timeout=self.request_timeout_s + 10,
-                                  http_client=openai.DefaultAsyncHttpxClient(verify=False))
+        return openai.AsyncOpenAI(
+            base_url=self.base_url(session),
+            api_key=self.token,
+            max_retries=0,
+            timeout=self.request_timeout_s + 10,
+            http_client=openai.DefaultAsyncHttpxClient(verify=False),
+        )
 
     # --- sessions ---------------------------------------------------------------------------------
 
@@ -165,18 +179,21 @@ class OpenAIServer:
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {self.token}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                return _error(401, "missing or wrong API key: send the run's token as the bearer token",
-                              "authentication_error")
+                return _error(
+                    401, "missing or wrong API key: send the run's token as the bearer token", "authentication_error"
+                )
             try:
                 return await handler(request)
             except _Refused as exc:
                 return _error(exc.status, str(exc), exc.kind)
+
         return check
 
     async def _models(self, request):
         self._session(request)
-        return _json({"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0,
-                                                   "owned_by": "asyncrl"}]})
+        return _json(
+            {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "asyncrl"}]}
+        )
 
     async def _chat(self, request):
         session = self._session(request)
@@ -191,8 +208,13 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens or body.max_tokens
 
         def answer(completions: list[Completion]) -> dict:
-            return chat_answer(completions, len(prompt), tools=bool(body.tools), model=body.model,
-                               piece=self._piece if body.logprobs else None)
+            return chat_answer(
+                completions,
+                len(prompt),
+                tools=bool(body.tools),
+                model=body.model,
+                piece=self._piece if body.logprobs else None,
+            )
 
         if body.stream:
             return await self._stream(request, session, prompt, body, max_tokens, top, answer, chat=True)
@@ -207,16 +229,28 @@ class OpenAIServer:
             prompt = list(body.prompt)
 
         def answer(completions: list[Completion]) -> dict:
-            return text_answer(completions, len(prompt), model=body.model,
-                               piece=self._piece if body.logprobs is not None else None)
+            return text_answer(
+                completions, len(prompt), model=body.model, piece=self._piece if body.logprobs is not None else None
+            )
 
         if body.stream:
-            return await self._stream(request, session, prompt, body, body.max_tokens, body.logprobs or 0, answer,
-                                      chat=False)
+            return await self._stream(
+                request, session, prompt, body, body.max_tokens, body.logprobs or 0, answer, chat=False
+            )
         return _json(answer(await self._generate(session, prompt, body, body.max_tokens, body.logprobs or 0)))
 
-    async def _stream(self, request, session: Session | None, prompt: list[int], body: Any, max_tokens: int | None,
-                      top: int, answer: Callable[[list[Completion]], dict], *, chat: bool):
+    async def _stream(
+        self,
+        request,
+        session: Session | None,
+        prompt: list[int],
+        body: Any,
+        max_tokens: int | None,
+        top: int,
+        answer: Callable[[list[Completion]], dict],
+        *,
+        chat: bool,
+    ):
         """Server-sent events: each choice's text as the backend generates it (`TextStream`: only
         what no later token can change), then per choice the rest of its answer (with tool calls,
         log-probs) and its finish reason, the usage, ``[DONE]``. The response starts with the first
@@ -226,33 +260,45 @@ class OpenAIServer:
 
         updates: asyncio.Queue = asyncio.Queue()
         stop = [body.stop] if isinstance(body.stop, str) else [s for s in body.stop or [] if s]
-        texts = [TextStream(self.tokenizer, self.sampling.stop_token_ids, stop, chat and bool(body.tools))
-                 for _ in range(body.n)]
+        texts = [
+            TextStream(self.tokenizer, self.sampling.stop_token_ids, stop, chat and bool(body.tools))
+            for _ in range(body.n)
+        ]
         started = [False] * body.n  # a chat choice's first delta names the role
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
-                "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-                "model": body.model or MODEL_NAME}
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.model or MODEL_NAME,
+        }
         response: web.StreamResponse | None = None
 
         async def send(event: dict) -> None:
             nonlocal response
             if response is None:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 await response.prepare(request)
             await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
 
         def choice(index: int, text: str, extra: dict | None = None, finish: str | None = None) -> dict:
             if not chat:
-                return head | {"choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-                                           | (extra or {})]}
+                return head | {
+                    "choices": [
+                        {"index": index, "text": text, "logprobs": None, "finish_reason": finish} | (extra or {})
+                    ]
+                }
             delta: dict[str, Any] = {"content": text} if text else {}
             if not started[index]:
                 delta, started[index] = {"role": "assistant"} | delta, True
-            return head | {"choices": [{"index": index, "delta": delta | (extra or {}), "logprobs": None,
-                                        "finish_reason": finish}]}
+            return head | {
+                "choices": [{"index": index, "delta": delta | (extra or {}), "logprobs": None, "finish_reason": finish}]
+            }
 
-        generating = asyncio.ensure_future(self._generate(session, prompt, body, max_tokens, top,
-                                                          lambda c, ids: updates.put_nowait((c, ids))))
+        generating = asyncio.ensure_future(
+            self._generate(session, prompt, body, max_tokens, top, lambda c, ids: updates.put_nowait((c, ids)))
+        )
         waiting: asyncio.Future | None = None
         try:
             while not generating.done() or not updates.empty():
@@ -288,8 +334,16 @@ class OpenAIServer:
             else:
                 rest, extra = texts[index].finish(final["text"]), {}
             if rest is None:  # cannot happen unless a backend decodes a prefix unlike the whole
-                await send({"error": {"message": "the streamed text does not begin the answer's",
-                                      "type": "server_error", "param": None, "code": 500}})
+                await send(
+                    {
+                        "error": {
+                            "message": "the streamed text does not begin the answer's",
+                            "type": "server_error",
+                            "param": None,
+                            "code": 500,
+                        }
+                    }
+                )
                 return response
             event = choice(index, rest, extra)
             event["choices"][0]["logprobs"] = final.get("logprobs")
@@ -310,8 +364,9 @@ class OpenAIServer:
             raise _Refused(404, "no such session, or its episode has ended", "not_found_error")
         return session
 
-    def _params(self, session: Session | None, body: Any, max_tokens: int | None, prompt_len: int,
-                top_logprobs: int) -> SamplingParams:
+    def _params(
+        self, session: Session | None, body: Any, max_tokens: int | None, prompt_len: int, top_logprobs: int
+    ) -> SamplingParams:
         if not 1 <= body.n <= MAX_CHOICES:
             raise _Refused(400, f"n must be in [1, {MAX_CHOICES}], not {body.n}")
         room = self.sampling.max_new_tokens
@@ -321,8 +376,12 @@ class OpenAIServer:
             room = min(room, max_tokens)
         if self.max_context:
             if prompt_len >= self.max_context:
-                raise _Refused(400, f"the prompt has {prompt_len} tokens, and the model reads at most "
-                                    f"{self.max_context}: shorten the conversation", "context_length_exceeded")
+                raise _Refused(
+                    400,
+                    f"the prompt has {prompt_len} tokens, and the model reads at most "
+                    f"{self.max_context}: shorten the conversation",
+                    "context_length_exceeded",
+                )
             room = min(room, self.max_context - prompt_len)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         temperature, top_p = self.sampling.temperature, self.sampling.top_p
@@ -330,13 +389,27 @@ class OpenAIServer:
             temperature = body.temperature if body.temperature is not None else temperature
             top_p = body.top_p if body.top_p is not None else top_p
         try:
-            return msgspec.structs.replace(self.sampling, max_new_tokens=room, temperature=temperature, top_p=top_p,
-                                           stop=[s for s in stop if s], seed=body.seed, top_logprobs=top_logprobs)
+            return msgspec.structs.replace(
+                self.sampling,
+                max_new_tokens=room,
+                temperature=temperature,
+                top_p=top_p,
+                stop=[s for s in stop if s],
+                seed=body.seed,
+                top_logprobs=top_logprobs,
+            )
         except ValueError as exc:
             raise _Refused(400, str(exc)) from None
 
-    async def _generate(self, session: Session | None, prompt: list[int], body: Any, max_tokens: int | None,
-                        top_logprobs: int = 0, progress: Progress | None = None) -> list[Completion]:
+    async def _generate(
+        self,
+        session: Session | None,
+        prompt: list[int],
+        body: Any,
+        max_tokens: int | None,
+        top_logprobs: int = 0,
+        progress: Progress | None = None,
+    ) -> list[Completion]:
         """``body.n`` completions of ``prompt``, each recorded in ``session`` as a call of its own
         (so each is a sample of its own: none extends another); ``progress(choice, ids)`` is told
         their tokens as they come."""
@@ -349,26 +422,36 @@ class OpenAIServer:
         n = body.n
         if session is not None:
             if len(session.calls) + session.in_flight + n > session.max_calls:
-                raise _Refused(429, f"this session may make {session.max_calls} model calls (n counts each), and "
-                                    f"{len(session.calls) + session.in_flight} are made or under way", "rate_limit_error")
+                raise _Refused(
+                    429,
+                    f"this session may make {session.max_calls} model calls (n counts each), and "
+                    f"{len(session.calls) + session.in_flight} are made or under way",
+                    "rate_limit_error",
+                )
             session.in_flight += n
         try:
             async with timeout(self.request_timeout_s):
                 version, completions = await self._batcher.submit(prompt, params, n, progress)
         except TimeoutError:
-            raise _Refused(504, f"the sampler generated nothing for this request within {self.request_timeout_s:g} s",
-                           "timeout") from None
+            raise _Refused(
+                504, f"the sampler generated nothing for this request within {self.request_timeout_s:g} s", "timeout"
+            ) from None
         except EndpointClosedError as exc:
             raise _Refused(503, str(exc), "server_error") from None
         except Exception as exc:  # the backend closed or failed: the agent sees it as a server error
-            raise _Refused(503, f"the sampler cannot generate now: {type(exc).__name__}: {exc}", "server_error") from None
+            raise _Refused(
+                503, f"the sampler cannot generate now: {type(exc).__name__}: {exc}", "server_error"
+            ) from None
         finally:
             if session is not None:
                 session.in_flight -= n
         if session is not None:
             for completion in completions:
-                session.record(SessionCall(prompt, list(completion.token_ids), list(completion.logprobs), version,
-                                           completion.finish_reason))
+                session.record(
+                    SessionCall(
+                        prompt, list(completion.token_ids), list(completion.logprobs), version, completion.finish_reason
+                    )
+                )
         return completions
 
     def _piece(self, token: int) -> str:

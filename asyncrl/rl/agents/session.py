@@ -65,14 +65,22 @@ def assemble(calls: list[SessionCall]) -> list[AgentSample]:
         into = None
         for sample in reversed(open_):  # the latest conversation first
             full = sample["prompt"] + sample["ids"]
-            if len(call.prompt_ids) >= len(full) and call.prompt_ids[:len(full)] == full:
+            if len(call.prompt_ids) >= len(full) and call.prompt_ids[: len(full)] == full:
                 into = sample
                 break
         if into is None:
-            open_.append({"prompt": list(call.prompt_ids), "ids": list(call.token_ids), "lps": list(call.logprobs),
-                          "mask": [1] * len(call.token_ids), "version": call.version, "calls": 1})
+            open_.append(
+                {
+                    "prompt": list(call.prompt_ids),
+                    "ids": list(call.token_ids),
+                    "lps": list(call.logprobs),
+                    "mask": [1] * len(call.token_ids),
+                    "version": call.version,
+                    "calls": 1,
+                }
+            )
             continue
-        context = call.prompt_ids[len(into["prompt"]) + len(into["ids"]):]
+        context = call.prompt_ids[len(into["prompt"]) + len(into["ids"]) :]
         into["ids"] += context + list(call.token_ids)
         into["lps"] += [0.0] * len(context) + list(call.logprobs)
         into["mask"] += [0] * len(context) + [1] * len(call.token_ids)

@@ -34,14 +34,14 @@ class TextStream:
         safe = self._settled(text)
         if not safe.startswith(self.sent):  # tokens generated again (a discarded batch): wait for the answer
             return ""
-        piece, self.sent = safe[len(self.sent):], safe
+        piece, self.sent = safe[len(self.sent) :], safe
         return piece
 
     def finish(self, final: str) -> str | None:
         """The rest of the answer's ``final`` text after what was sent; None if it does not extend it."""
         if not final.startswith(self.sent):
             return None
-        rest, self.sent = final[len(self.sent):], final
+        rest, self.sent = final[len(self.sent) :], final
         return rest
 
     def _settled(self, text: str) -> str:
@@ -50,5 +50,5 @@ class TextStream:
             if at >= 0:
                 text = text[:at]
         tail = max((k for hold in self.holds for k in range(1, len(hold)) if text.endswith(hold[:k])), default=0)
-        text = text[:len(text) - tail].rstrip("\ufffd")
+        text = text[: len(text) - tail].rstrip("\ufffd")
         return text.strip() if self.tools else text

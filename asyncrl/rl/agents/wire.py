@@ -54,8 +54,9 @@ Piece = Callable[[int], str]
 """A token's text (``tokenizer.decode([id])``, special tokens kept)."""
 
 
-def chat_answer(completions: list[Completion], prompt_tokens: int, *, tools: bool, model: str = "",
-                piece: Piece | None = None) -> dict[str, Any]:
+def chat_answer(
+    completions: list[Completion], prompt_tokens: int, *, tools: bool, model: str = "", piece: Piece | None = None
+) -> dict[str, Any]:
     """The ``chat.completion`` object of ``completions`` (one choice each): a completion's text as
     content, or where the request offered ``tools``, the ``<tool_call>`` blocks in it as
     ``tool_calls`` (finish reason "tool_calls") and the rest as content; with ``piece`` (the
@@ -66,30 +67,55 @@ def chat_answer(completions: list[Completion], prompt_tokens: int, *, tools: boo
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if calls:
             message["tool_calls"] = calls
-        choice: dict[str, Any] = {"index": index, "message": message,
-                                  "finish_reason": "tool_calls" if calls else completion.finish_reason}
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": message,
+            "finish_reason": "tool_calls" if calls else completion.finish_reason,
+        }
         if piece is not None:
             choice["logprobs"] = {"content": chat_logprobs(completion, piece)}
         choices.append(choice)
-    return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-            "model": model or MODEL_NAME, "choices": choices, "usage": usage(prompt_tokens, completions)}
+    return {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model or MODEL_NAME,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completions),
+    }
 
 
-def text_answer(completions: list[Completion], prompt_tokens: int, *, model: str = "",
-                piece: Piece | None = None) -> dict[str, Any]:
+def text_answer(
+    completions: list[Completion], prompt_tokens: int, *, model: str = "", piece: Piece | None = None
+) -> dict[str, Any]:
     """The ``text_completion`` object of ``completions`` (one choice each); with ``piece`` (the
     request asked ``logprobs``) each choice's legacy ``logprobs`` object."""
-    choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": None if piece is None else completion_logprobs(c, piece)} for i, c in enumerate(completions)]
-    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-            "model": model or MODEL_NAME, "choices": choices, "usage": usage(prompt_tokens, completions)}
+    choices = [
+        {
+            "index": i,
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "logprobs": None if piece is None else completion_logprobs(c, piece),
+        }
+        for i, c in enumerate(completions)
+    ]
+    return {
+        "id": f"cmpl-{secrets.token_hex(12)}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model or MODEL_NAME,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completions),
+    }
 
 
 def chat_logprobs(completion: Completion, piece: Piece, start: int = 0, end: int | None = None) -> list[dict]:
     """The ``logprobs.content`` entries of ``completion``'s tokens ``start:end``."""
     tops = completion.top_logprobs or [[]] * len(completion.token_ids)
-    return [_entry(piece(token), lp) | {"top_logprobs": [_entry(piece(t), v) for t, v in top]}
-            for token, lp, top in zip(completion.token_ids[start:end], completion.logprobs[start:end], tops[start:end])]
+    return [
+        _entry(piece(token), lp) | {"top_logprobs": [_entry(piece(t), v) for t, v in top]}
+        for token, lp, top in zip(completion.token_ids[start:end], completion.logprobs[start:end], tops[start:end])
+    ]
 
 
 def _entry(text: str, logprob: float) -> dict[str, Any]:
@@ -107,8 +133,12 @@ def completion_logprobs(completion: Completion, piece: Piece) -> dict[str, Any]:
     tops = None
     if completion.top_logprobs:
         tops = [{piece(t): max(v, LOWEST_LOGPROB) for t, v in top} for top in completion.top_logprobs]
-    return {"tokens": pieces, "token_logprobs": [max(v, LOWEST_LOGPROB) for v in completion.logprobs],
-            "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": pieces,
+        "token_logprobs": [max(v, LOWEST_LOGPROB) for v in completion.logprobs],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def usage(prompt_tokens: int, completions: list[Completion]) -> dict[str, int]:

@@ -10,7 +10,27 @@ from asyncrl.rl.config.task import CountdownConfig, TaskConfig, TaskSpec
 from asyncrl.rl.config.teacher import RewardModelConfig, TeacherConfig
 from asyncrl.rl.config.trainer import GRPOLossConfig, TrainerConfig
 
-__all__ = ["CheckpointConfig", "ConfigError", "CountdownConfig", "DataConfig", "DeadlineConfig", "GRPOConfig",
-           "GRPOLossConfig", "ModelConfig", "RecoveryConfig", "RewardModelConfig", "RunConfig", "SamplerConfig", "TaskConfig", "TaskSpec",
-           "TeacherConfig", "TrainerConfig", "WarmStartConfig", "config_to_dict", "grpo_config_type", "help_text", "parse_overrides",
-           "take_option"]
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "CountdownConfig",
+    "DataConfig",
+    "DeadlineConfig",
+    "GRPOConfig",
+    "GRPOLossConfig",
+    "ModelConfig",
+    "RecoveryConfig",
+    "RewardModelConfig",
+    "RunConfig",
+    "SamplerConfig",
+    "TaskConfig",
+    "TaskSpec",
+    "TeacherConfig",
+    "TrainerConfig",
+    "WarmStartConfig",
+    "config_to_dict",
+    "grpo_config_type",
+    "help_text",
+    "parse_overrides",
+    "take_option",
+]

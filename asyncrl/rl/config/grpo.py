@@ -75,20 +75,31 @@ class GRPOConfig:
         the task's options as plain values."""
         task = self.task.resolved()
         options = self.task_options()
-        return TaskSpec(task.name or ("" if task.reward else DEFAULT_TASK),
-                        options=msgspec.to_builtins(options) if options is not None else {},
-                        data=task.data, heldout_data=task.heldout_data, reward=task.reward,
-                        prompt_key=task.prompt_key, score_timeout_s=task.score_timeout_s,
-                        max_failure_rate=task.max_failure_rate, max_turns=task.max_turns)
+        return TaskSpec(
+            task.name or ("" if task.reward else DEFAULT_TASK),
+            options=msgspec.to_builtins(options) if options is not None else {},
+            data=task.data,
+            heldout_data=task.heldout_data,
+            reward=task.reward,
+            prompt_key=task.prompt_key,
+            score_timeout_s=task.score_timeout_s,
+            max_failure_rate=task.max_failure_rate,
+            max_turns=task.max_turns,
+        )
 
     def trainer_config(self) -> TrainerConfig:
         """The trainer's section with the samplers' temperature, and the run's length as the end of
         a decaying learning rate unless it names its own: the one the actor is given."""
         loss, most = self.trainer.loss, self.sampler.max_new_tokens
-        loss = dataclasses.replace(loss, token_budget=loss.token_budget or most,
-                                   overlong_max_tokens=loss.overlong_max_tokens or most)
-        return dataclasses.replace(self.trainer, temperature=self.sampler.temperature,
-                                   lr_decay_steps=self.trainer.lr_decay_steps or self.run.steps, loss=loss)
+        loss = dataclasses.replace(
+            loss, token_budget=loss.token_budget or most, overlong_max_tokens=loss.overlong_max_tokens or most
+        )
+        return dataclasses.replace(
+            self.trainer,
+            temperature=self.sampler.temperature,
+            lr_decay_steps=self.trainer.lr_decay_steps or self.run.steps,
+            loss=loss,
+        )
 
 
 _TYPES: dict[type, type] = {}
@@ -114,19 +125,29 @@ def _with_section(task_cls: type, options: type) -> type[GRPOConfig]:
     name = task_cls.task_name()
     where = f"task {task_cls.__module__}.{task_cls.__qualname__}"
     if not name.isidentifier() or keyword.iskeyword(name):
-        raise ConfigError(f"{where}: its name {name!r} cannot name its options' section (--{name}.*): set the "
-                          "class's name to an identifier, e.g. name = 'my_task'")
+        raise ConfigError(
+            f"{where}: its name {name!r} cannot name its options' section (--{name}.*): set the "
+            "class's name to an identifier, e.g. name = 'my_task'"
+        )
     if name in {f.name for f in dataclasses.fields(GRPOConfig)}:
-        raise ConfigError(f"{where}: its name {name!r} is the run's own section --{name}.*, so its options "
-                          "cannot have it: set the class's name to another, e.g. name = 'my_task'")
+        raise ConfigError(
+            f"{where}: its name {name!r} is the run's own section --{name}.*, so its options "
+            "cannot have it: set the class's name to another, e.g. name = 'my_task'"
+        )
     params = getattr(options, "__dataclass_params__", None)
     if not (isinstance(options, type) and params is not None and params.frozen):
-        raise ConfigError(f"{where}: its Config must be a frozen dataclass (@dataclass(frozen=True, kw_only=True)), "
-                          f"not {options!r}")
+        raise ConfigError(
+            f"{where}: its Config must be a frozen dataclass (@dataclass(frozen=True, kw_only=True)), not {options!r}"
+        )
     doc = f"{GRPOConfig.__doc__.strip()}\n\nThis type: a run on task {name}, whose options are ``--{name}.*``."
     return dataclasses.make_dataclass(
-        "GRPOConfig", [(name, options, field(default_factory=options))], bases=(GRPOConfig,), frozen=True,
-        kw_only=True, namespace={"task_section": name, "__doc__": doc, "__module__": __name__})
+        "GRPOConfig",
+        [(name, options, field(default_factory=options))],
+        bases=(GRPOConfig,),
+        frozen=True,
+        kw_only=True,
+        namespace={"task_section": name, "__doc__": doc, "__module__": __name__},
+    )
 
 
 def check_temperature(config: GRPOConfig) -> None:
@@ -134,9 +155,11 @@ def check_temperature(config: GRPOConfig) -> None:
     log-probs those of the sampled tokens."""
     trainer, sampler = config.trainer.temperature, config.sampler.temperature
     if trainer is not None and trainer != sampler:
-        raise ConfigError(f"--trainer.temperature {trainer:g} differs from --sampler.temperature {sampler:g}: the "
-                          "trainer must score completions at the temperature they were sampled at; set "
-                          "--sampler.temperature alone (the trainer takes it), or --trainer.temperature none")
+        raise ConfigError(
+            f"--trainer.temperature {trainer:g} differs from --sampler.temperature {sampler:g}: the "
+            "trainer must score completions at the temperature they were sampled at; set "
+            "--sampler.temperature alone (the trainer takes it), or --trainer.temperature none"
+        )
 
 
 def check_teacher(config: GRPOConfig) -> None:
@@ -145,8 +168,10 @@ def check_teacher(config: GRPOConfig) -> None:
     if coef > 0 and not path:
         raise ConfigError(f"--trainer.loss.distill_coef {coef:g} needs a teacher: set --teacher.model_path DIR")
     if path and not coef > 0:
-        raise ConfigError(f"--teacher.model_path {path} has no effect with --trainer.loss.distill_coef 0: set it "
-                          "(1 weighs the teacher's reverse KL as one reward unit a token; docs/algorithms.md)")
+        raise ConfigError(
+            f"--teacher.model_path {path} has no effect with --trainer.loss.distill_coef 0: set it "
+            "(1 weighs the teacher's reverse KL as one reward unit a token; docs/algorithms.md)"
+        )
 
 
 def check_length_budgets(config: GRPOConfig) -> None:
@@ -154,25 +179,33 @@ def check_length_budgets(config: GRPOConfig) -> None:
     own key, else the samplers' ``max_new_tokens`` (whose 0, the model's own limit, is not one)."""
     loss, most = config.trainer.loss, config.sampler.max_new_tokens
     if loss.aggregation == "fixed_tokens" and not (loss.token_budget or most):
-        raise ConfigError("--trainer.loss.aggregation fixed_tokens divides by a token budget: set "
-                          "--trainer.loss.token_budget N or --sampler.max_new_tokens N")
+        raise ConfigError(
+            "--trainer.loss.aggregation fixed_tokens divides by a token budget: set "
+            "--trainer.loss.token_budget N or --sampler.max_new_tokens N"
+        )
     if loss.overlong_buffer:
         limit = loss.overlong_max_tokens or most
         if not limit:
-            raise ConfigError("--trainer.loss.overlong_buffer needs a length limit: set "
-                              "--trainer.loss.overlong_max_tokens N or --sampler.max_new_tokens N")
+            raise ConfigError(
+                "--trainer.loss.overlong_buffer needs a length limit: set "
+                "--trainer.loss.overlong_max_tokens N or --sampler.max_new_tokens N"
+            )
         if loss.overlong_buffer > limit:
-            raise ConfigError(f"--trainer.loss.overlong_buffer {loss.overlong_buffer} is more than the length limit "
-                              f"{limit} (--trainer.loss.overlong_max_tokens, else --sampler.max_new_tokens)")
+            raise ConfigError(
+                f"--trainer.loss.overlong_buffer {loss.overlong_buffer} is more than the length limit "
+                f"{limit} (--trainer.loss.overlong_max_tokens, else --sampler.max_new_tokens)"
+            )
 
 
 def check_weights_readable(config: GRPOConfig) -> None:
     """``--run.check_weights`` reads every sampler's weights in its actor; a vLLM sampler keeps
     them in its engine (a sampler that *picks* vLLM under 'auto' is found once it starts)."""
     if config.run.check_weights and config.sampler.backend == "vllm":
-        raise ConfigError("--run.check_weights true needs samplers that hold their weights in the actor, and "
-                          "--sampler.backend vllm keeps them in the engine: use --sampler.backend hf, "
-                          "or drop check_weights")
+        raise ConfigError(
+            "--run.check_weights true needs samplers that hold their weights in the actor, and "
+            "--sampler.backend vllm keeps them in the engine: use --sampler.backend hf, "
+            "or drop check_weights"
+        )
 
 
 def check_adapter_sync(config: GRPOConfig) -> None:
@@ -180,19 +213,25 @@ def check_adapter_sync(config: GRPOConfig) -> None:
     ('auto' picks vLLM where it is installed)."""
     lora = config.trainer.lora
     if lora.rank > 512 and lora.sync == "adapter" and config.sampler.backend != "hf":
-        raise ConfigError(f"--trainer.lora.rank {lora.rank} with --trainer.lora.sync adapter: vLLM serves LoRA ranks "
-                          "up to 512; use --sampler.backend hf, or --trainer.lora.sync merged")
+        raise ConfigError(
+            f"--trainer.lora.rank {lora.rank} with --trainer.lora.sync adapter: vLLM serves LoRA ranks "
+            "up to 512; use --sampler.backend hf, or --trainer.lora.sync merged"
+        )
 
 
 def check_heldout_unseen(config: GRPOConfig) -> None:
     """The embedded model is warm-started on one train split; refuse a held-out set it may have seen."""
     warm, data = config.warm_start, config.run.data
     if str(data.data_seed) != str(warm.data_seed):
-        raise ConfigError(f"--run.data_seed {data.data_seed} differs from --warm_start.data_seed {warm.data_seed}: "
-                          "the held-out problems could be among the warm start's training problems")
+        raise ConfigError(
+            f"--run.data_seed {data.data_seed} differs from --warm_start.data_seed {warm.data_seed}: "
+            "the held-out problems could be among the warm start's training problems"
+        )
     if data.n_heldout > warm.heldout_reserve and not config.task.heldout_data:  # a file is never warm-started on
-        raise ConfigError(f"--run.n_heldout {data.n_heldout} is more than --warm_start.heldout_reserve "
-                          f"{warm.heldout_reserve}: the held-out problems beyond it were trained on in the warm start")
+        raise ConfigError(
+            f"--run.n_heldout {data.n_heldout} is more than --warm_start.heldout_reserve "
+            f"{warm.heldout_reserve}: the held-out problems beyond it were trained on in the warm start"
+        )
 
 
 def check_completion_fits(config: GRPOConfig) -> None:
@@ -200,6 +239,8 @@ def check_completion_fits(config: GRPOConfig) -> None:
     positions are read from its config.json by `asyncrl.rl.driver.preflight.check_run`)."""
     tokens, positions = config.sampler.max_new_tokens, config.model.max_positions
     if tokens >= positions:
-        raise ConfigError(f"--sampler.max_new_tokens {tokens}: the embedded model (--model.max_positions) has "
-                          f"{positions} positions for prompt and completion together; give fewer than {positions} "
-                          "(0: the model's own limit)")
+        raise ConfigError(
+            f"--sampler.max_new_tokens {tokens}: the embedded model (--model.max_positions) has "
+            f"{positions} positions for prompt and completion together; give fewer than {positions} "
+            "(0: the model's own limit)"
+        )

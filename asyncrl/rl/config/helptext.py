@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import textwrap
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from asyncrl.rl.config.tree import docstrings, is_flat, plain, typed
 
@@ -23,8 +24,10 @@ ENTRY_INDENT = 2
 """Where a flag starts (argparse's section indent)."""
 HELP_INDENT = 6
 """Where a flag's description starts, on the lines below the flag."""
-GRAMMAR = ("Each key is set as --section.key VALUE or --section.key=VALUE and shown with its default; a key's words "
-           "are joined by _ (- is read the same).")
+GRAMMAR = (
+    "Each key is set as --section.key VALUE or --section.key=VALUE and shown with its default; a key's words "
+    "are joined by _ (- is read the same)."
+)
 """The description of the first group: how any key below is given."""
 
 

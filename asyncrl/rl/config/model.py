@@ -34,8 +34,9 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, not {getattr(self, name)}")
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads not in (32, 64):
-            raise ValueError(f"hidden_size / num_heads (head_dim) must be 32 or 64, not "
-                             f"{self.hidden_size} / {self.num_heads}")
+            raise ValueError(
+                f"hidden_size / num_heads (head_dim) must be 32 or 64, not {self.hidden_size} / {self.num_heads}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         if not self.rope_theta > 0:
@@ -97,5 +98,7 @@ class WarmStartConfig:
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, not {self.weight_decay}")
         if self.eval_problems > self.heldout_reserve:
-            raise ValueError(f"eval_problems ({self.eval_problems}) must be <= heldout_reserve "
-                             f"({self.heldout_reserve}): only reserved problems are unseen")
+            raise ValueError(
+                f"eval_problems ({self.eval_problems}) must be <= heldout_reserve "
+                f"({self.heldout_reserve}): only reserved problems are unseen"
+            )

@@ -41,7 +41,9 @@ class ObserveConfig:
         if not self.health_timeout_s > 0:
             raise ValueError(f"health_timeout_s must be > 0, not {self.health_timeout_s!r}")
         if not (0 <= self.stall_factor < float("inf")) or not (0 <= self.stall_floor_s < float("inf")):
-            raise ValueError(f"stall_factor and stall_floor_s must be finite numbers >= 0 (stall_factor 0: off), "
-                             f"not {self.stall_factor!r} and {self.stall_floor_s!r}")
+            raise ValueError(
+                f"stall_factor and stall_floor_s must be finite numbers >= 0 (stall_factor 0: off), "
+                f"not {self.stall_factor!r} and {self.stall_floor_s!r}"
+            )
         if not self.metrics_host:
             raise ValueError("metrics_host must be an address to bind to, e.g. 127.0.0.1")

@@ -46,11 +46,27 @@ from typing import Any
 
 from asyncrl.errors import UsageError
 from asyncrl.rl.config.helptext import help_text
-from asyncrl.rl.config.tree import (config_to_dict, docstrings, field_path, fields_of, flat_section, is_flat,
-                                    sentence, typed)
+from asyncrl.rl.config.tree import (
+    config_to_dict,
+    docstrings,
+    field_path,
+    fields_of,
+    flat_section,
+    is_flat,
+    sentence,
+    typed,
+)
 
-__all__ = ["ConfigError", "config_to_dict", "field_path", "flat_section", "help_text", "is_flat", "parse_overrides",
-           "take_option"]
+__all__ = [
+    "ConfigError",
+    "config_to_dict",
+    "field_path",
+    "flat_section",
+    "help_text",
+    "is_flat",
+    "parse_overrides",
+    "take_option",
+]
 
 
 class ConfigError(UsageError, ValueError):
@@ -83,9 +99,9 @@ def take_option(argv: list[str], flag: str, metavar: str = "VALUE") -> tuple[str
         if arg == flag or arg.startswith(flag + "="):
             if arg == flag:
                 value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
-                rest = argv[:i] + argv[i + 2:]
+                rest = argv[:i] + argv[i + 2 :]
             else:
-                value, rest = arg[len(flag) + 1:], argv[:i] + argv[i + 1:]
+                value, rest = arg[len(flag) + 1 :], argv[:i] + argv[i + 1 :]
             if not value:
                 raise ConfigError(f"{flag} needs a value: {flag} {metavar}")
             return value, rest
@@ -220,6 +236,7 @@ def _culprits(message: str, flags: dict[str, str], section: Any) -> str:
     section validates all its fields at once, so the last override is not necessarily the bad
     one). When it names only fields that were not overridden (values from a resumed config.json),
     the section; when it names no field, every override of the section."""
+
     def names(field: str) -> bool:
         return re.search(rf"(?<!\w){re.escape(field)}(?!\w)", message) is not None
 
@@ -239,8 +256,9 @@ def _cast_flag(raw: str, annotation: Any, dotted: str, current: Any) -> Any:
     try:
         return _cast(raw, annotation)
     except _Mismatch:
-        raise ConfigError(f"--{dotted} {shlex.quote(raw)}: expected {_describe(annotation)}"
-                          + _example(dotted, current, ", e.g. ")) from None
+        raise ConfigError(
+            f"--{dotted} {shlex.quote(raw)}: expected {_describe(annotation)}" + _example(dotted, current, ", e.g. ")
+        ) from None
 
 
 def _cast(raw: str, annotation: Any) -> Any:

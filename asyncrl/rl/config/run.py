@@ -76,13 +76,22 @@ class DeadlineConfig:
     """Deadline of forming, or rebuilding, the weight-sync group."""
 
     def __post_init__(self) -> None:
-        for name in ("generate_timeout_s", "queue_timeout_s", "train_timeout_s", "sync_timeout_s", "eval_timeout_s",
-                     "checkpoint_timeout_s", "rendezvous_timeout_s"):
+        for name in (
+            "generate_timeout_s",
+            "queue_timeout_s",
+            "train_timeout_s",
+            "sync_timeout_s",
+            "eval_timeout_s",
+            "checkpoint_timeout_s",
+            "rendezvous_timeout_s",
+        ):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a finite number > 0, not {getattr(self, name)!r}")
         if self.generate_timeout_s >= self.queue_timeout_s:
-            raise ValueError(f"generate_timeout_s ({self.generate_timeout_s:g}) must be shorter than queue_timeout_s "
-                             f"({self.queue_timeout_s:g}): a stuck sampler is replaced before the run gives up")
+            raise ValueError(
+                f"generate_timeout_s ({self.generate_timeout_s:g}) must be shorter than queue_timeout_s "
+                f"({self.queue_timeout_s:g}): a stuck sampler is replaced before the run gives up"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,9 +180,11 @@ class RunConfig:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
         if self.mode == "async" and self.sync_every > self.max_staleness + 1:
             # The freshest group a step could get is sync_every - 1 versions old: every one would be dropped.
-            raise ValueError(f"sync_every {self.sync_every} needs max_staleness >= {self.sync_every - 1} in async mode "
-                             f"(not {self.max_staleness}): between syncs the samplers' weights fall up to "
-                             f"{self.sync_every - 1} versions behind, and every group they made would be dropped as stale")
+            raise ValueError(
+                f"sync_every {self.sync_every} needs max_staleness >= {self.sync_every - 1} in async mode "
+                f"(not {self.max_staleness}): between syncs the samplers' weights fall up to "
+                f"{self.sync_every - 1} versions behind, and every group they made would be dropped as stale"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         Placement.parse(self.placement)
@@ -205,8 +216,10 @@ class Placement:
             role, _, nodes = word.partition("=")
             ranks = [n.strip() for n in nodes.split(",")]
             if role not in PLACEMENT_ROLES or role in lists or not all(n.isdigit() for n in ranks):
-                raise ValueError(f"placement must be 'node0', 'spread' or node ranks per role such as "
-                                 f"'trainer=0 sampler=1,0' (roles: {', '.join(PLACEMENT_ROLES)}), not {text!r}")
+                raise ValueError(
+                    f"placement must be 'node0', 'spread' or node ranks per role such as "
+                    f"'trainer=0 sampler=1,0' (roles: {', '.join(PLACEMENT_ROLES)}), not {text!r}"
+                )
             lists[role] = tuple(int(n) for n in ranks)
         if not lists:
             raise ValueError(f"placement must be 'node0', 'spread' or node ranks per role, not {text!r}")
@@ -221,6 +234,8 @@ class Placement:
         listed: tuple[int, ...] = getattr(self, role)
         for rank in listed:
             if rank >= nnodes:
-                raise ValueError(f"--run.placement puts a {role} on node {rank}, but the run has {nnodes} node(s) "
-                                 f"(0..{nnodes - 1}); launch with --nnodes {rank + 1} or more, or change the placement")
+                raise ValueError(
+                    f"--run.placement puts a {role} on node {rank}, but the run has {nnodes} node(s) "
+                    f"(0..{nnodes - 1}); launch with --nnodes {rank + 1} or more, or change the placement"
+                )
         return [listed[i % len(listed)] if listed else None for i in range(count)]

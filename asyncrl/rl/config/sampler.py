@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
 CPU_PROMPTS_PER_BATCH = 8
 """What ``prompts_per_batch`` 0 means on the CPU (and the least it means on a GPU)."""
 
@@ -55,10 +54,13 @@ class SamplerConfig:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (0: the model's own limit), not {self.max_new_tokens!r}")
         if not 0 <= self.gpu_memory_utilization < 1:
-            raise ValueError(f"gpu_memory_utilization must be in [0, 1) (0: the default), not {self.gpu_memory_utilization!r}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in [0, 1) (0: the default), not {self.gpu_memory_utilization!r}"
+            )
         if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 0:
-            raise ValueError("need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 0 "
-                             "(0: auto)")
+            raise ValueError(
+                "need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 0 (0: auto)"
+            )
 
     def batch_prompts(self, device: str, groups_per_step: int) -> int:
         """``prompts_per_batch``, with 0 (auto) resolved for samplers computing on ``device``."""

@@ -52,8 +52,11 @@ def _rebuilt(default: Any, grouped: Mapping[str, Any], where: str) -> Any:
     for key, value in grouped.items():
         current = getattr(default, key)
         if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
-            changes[key] = (_rebuilt(current, value, where) if is_flat(fields[key])
-                            else config_from_dict(current, value, f"{where}.{key}"))
+            changes[key] = (
+                _rebuilt(current, value, where)
+                if is_flat(fields[key])
+                else config_from_dict(current, value, f"{where}.{key}")
+            )
         else:
             changes[key] = _typed(value, hints.get(key, Any if current is None else type(current)), f"{where}: {key}")
     try:

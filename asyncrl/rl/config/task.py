@@ -53,13 +53,17 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         if self.name and self.reward:
-            raise ValueError(f"--task.name {self.name} and --task.reward {self.reward} are two ways to give the "
-                             "task: give a task class, or a data file with a reward function, not both")
+            raise ValueError(
+                f"--task.name {self.name} and --task.reward {self.reward} are two ways to give the "
+                "task: give a task class, or a data file with a reward function, not both"
+            )
         if self.reward and not self.data:
             raise ValueError(f"--task.reward {self.reward} needs --task.data, the rows it scores (JSONL or Parquet)")
         if self.data and not (self.name or self.reward):
-            raise ValueError(f"--task.data {self.data} needs --task.reward (a function scoring its rows) or "
-                             f"--task.name (a task class reading them): {DEFAULT_TASK} makes its own problems")
+            raise ValueError(
+                f"--task.data {self.data} needs --task.reward (a function scoring its rows) or "
+                f"--task.name (a task class reading them): {DEFAULT_TASK} makes its own problems"
+            )
         if self.reward and ":" not in self.reward:
             raise ValueError(f"--task.reward {self.reward}: give FILE.py:FUNCTION (or MODULE:FUNCTION)")
         if not self.prompt_key:
@@ -74,8 +78,13 @@ class TaskConfig:
     def resolved(self) -> TaskConfig:
         """This section with its paths absolute (the data files, a task or reward file), so a run
         reads the same files from any working directory, a resumed one included."""
-        return replace(self, name=absolute_ref(self.name), data=absolute_path(self.data),
-                       heldout_data=absolute_path(self.heldout_data), reward=absolute_ref(self.reward))
+        return replace(
+            self,
+            name=absolute_ref(self.name),
+            data=absolute_path(self.data),
+            heldout_data=absolute_path(self.heldout_data),
+            reward=absolute_ref(self.reward),
+        )
 
 
 class TaskSpec(msgspec.Struct, frozen=True):
@@ -139,8 +148,9 @@ class CountdownConfig:
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_count <= self.max_count <= MAX_SOLVE_NUMBERS:
-            raise ValueError(f"need 2 <= min_count <= max_count <= {MAX_SOLVE_NUMBERS}, "
-                             f"not {self.min_count}..{self.max_count}")
+            raise ValueError(
+                f"need 2 <= min_count <= max_count <= {MAX_SOLVE_NUMBERS}, not {self.min_count}..{self.max_count}"
+            )
         if not 1 <= self.max_number < 10**6:
             raise ValueError(f"max_number must be in 1..999999, not {self.max_number}")
         if not 1 <= self.min_target <= self.max_target:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
 AGGREGATIONS = ("token_mean", "seq_mean", "fixed_tokens")
 
@@ -71,8 +70,10 @@ class GRPOLossConfig:
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"policy_loss must be one of {', '.join(POLICY_LOSSES)}, not {self.policy_loss!r}")
         if self.tis_cap is not None and self.policy_loss != "ppo_clip":
-            raise ValueError(f"tis_cap applies to policy_loss ppo_clip only ({self.policy_loss} bounds its own "
-                             "importance weight): set --trainer.loss.tis_cap none")
+            raise ValueError(
+                f"tis_cap applies to policy_loss ppo_clip only ({self.policy_loss} bounds its own "
+                "importance weight): set --trainer.loss.tis_cap none"
+            )
         for name in ("gspo_eps_low", "cispo_eps_low"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], not {getattr(self, name)!r}")
@@ -83,8 +84,9 @@ class GRPOLossConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
         if self.overlong_max_tokens and self.overlong_buffer > self.overlong_max_tokens:
-            raise ValueError(f"overlong_buffer {self.overlong_buffer} must be at most overlong_max_tokens "
-                             f"{self.overlong_max_tokens}")
+            raise ValueError(
+                f"overlong_buffer {self.overlong_buffer} must be at most overlong_max_tokens {self.overlong_max_tokens}"
+            )
         if not self.distill_coef >= 0:
             raise ValueError(f"distill_coef must be >= 0, not {self.distill_coef!r}")
         if not self.overlong_penalty >= 0:
@@ -235,6 +237,8 @@ class TrainerConfig:
         # auto (0) resolves to at least pack_tokens, so a packed row is still one forward at most
         most = self.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS_MAX
         if not 0 <= self.pack_tokens <= most:
-            raise ValueError(f"pack_tokens must be in [0, micro_batch_tokens = {most}"
-                             f"{' (auto: its most)' if not self.micro_batch_tokens else ''}] "
-                             f"(a packed row is one forward at most), not {self.pack_tokens!r}")
+            raise ValueError(
+                f"pack_tokens must be in [0, micro_batch_tokens = {most}"
+                f"{' (auto: its most)' if not self.micro_batch_tokens else ''}] "
+                f"(a packed row is one forward at most), not {self.pack_tokens!r}"
+            )

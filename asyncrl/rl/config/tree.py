@@ -96,7 +96,7 @@ def plain(doc: str) -> str:
     return re.sub(r":\w+:`([^`]*)`", r"\1", doc).replace("``", "")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def docstrings(cls: type) -> dict[str, str]:
     """Field docstrings (the string literal right after a field), whitespace collapsed, read from
     the class source and its bases' (a field a subclass inherits keeps its base's docstring; cached:
@@ -120,7 +120,12 @@ def _own_docstrings(cls: type) -> dict[str, str]:
         return {}
     docs, body = {}, tree.body[0].body if tree.body else []
     for prev, node in zip(body, body[1:]):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and isinstance(node, ast.Expr)
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             docs[prev.target.id] = " ".join(node.value.value.split())
     return docs

@@ -54,8 +54,9 @@ class DevicePlan:
         return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)} if self.colocated else {}
 
 
-def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int, *, trainer_ranks: int = 1,
-                 scorers: int = 0) -> DevicePlan:
+def plan_devices(
+    asked: str, kind: str | None, ids: list[str], samplers: int, *, trainer_ranks: int = 1, scorers: int = 0
+) -> DevicePlan:
     """``asked``: --run.device ("auto", "cpu", "cuda"); ``kind``/``ids``: the host's accelerators
     (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has;
     ``trainer_ranks``: the trainer's processes (--trainer.world_size), a GPU each on CUDA;
@@ -71,26 +72,43 @@ def plan_devices(asked: str, kind: str | None, ids: list[str], samplers: int, *,
     if gpus == 0:
         if asked == "cuda":
             seen = f"{kind} devices {','.join(ids)}" if kind else "no accelerator"
-            raise ConfigError(f"--run.device cuda, but this host shows no CUDA device ({seen}; CUDA_VISIBLE_DEVICES "
-                              "or the driver may hide them); drop --run.device for the CPU")
-        why = ("Ascend NPUs are not yet placed by GRPO runs" if kind == "npu" else "no CUDA device found")
+            raise ConfigError(
+                f"--run.device cuda, but this host shows no CUDA device ({seen}; CUDA_VISIBLE_DEVICES "
+                "or the driver may hide them); drop --run.device for the CPU"
+            )
+        why = "Ascend NPUs are not yet placed by GRPO runs" if kind == "npu" else "no CUDA device found"
         return DevicePlan("cpu", False, "gloo", f"cpu ({why})")
     if gpus < trainer_ranks:
-        raise ConfigError(f"--trainer.world_size {trainer_ranks} needs a GPU per rank, but this host shows {gpus}; "
-                          "lower it, or add --run.device cpu")
+        raise ConfigError(
+            f"--trainer.world_size {trainer_ranks} needs a GPU per rank, but this host shows {gpus}; "
+            "lower it, or add --run.device cpu"
+        )
     if gpus >= wanted + scorers:
-        each = f"{trainer}, {samplers} sampler(s) and {scorers} scorer(s)" if scorers else \
-            f"{trainer} and {samplers} sampler(s)"
+        each = (
+            f"{trainer}, {samplers} sampler(s) and {scorers} scorer(s)"
+            if scorers
+            else f"{trainer} and {samplers} sampler(s)"
+        )
         return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for {each}")
     scorer_words = f"; the {scorers} scorer(s) share the {host}" if scorers else ""
     if gpus >= wanted:
         spare = f" ({gpus - wanted} GPU(s) left unused: too few for one a scorer)" if gpus > wanted else ""
-        return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for {trainer} and {samplers} sampler(s)"
-                          f"{scorer_words}{spare}", scorers_colocated=True)
+        return DevicePlan(
+            "cuda",
+            False,
+            "nccl",
+            f"cuda: one GPU each for {trainer} and {samplers} sampler(s){scorer_words}{spare}",
+            scorers_colocated=True,
+        )
     unused = f"; {gpus - trainer_ranks} other GPU(s) unused" if gpus > trainer_ranks else ""
-    return DevicePlan("cuda", True, "ipc",
-                      f"cuda, colocated: {gpus} GPU(s) for {trainer} and {samplers} sampler(s), so the samplers share "
-                      f"the {host} and take weights over CUDA IPC{scorer_words}{unused}", scorers_colocated=True)
+    return DevicePlan(
+        "cuda",
+        True,
+        "ipc",
+        f"cuda, colocated: {gpus} GPU(s) for {trainer} and {samplers} sampler(s), so the samplers share "
+        f"the {host} and take weights over CUDA IPC{scorer_words}{unused}",
+        scorers_colocated=True,
+    )
 
 
 def cluster_devices(kind: str | None, ids: list[str], nodes: list) -> tuple[str | None, list[str]]:

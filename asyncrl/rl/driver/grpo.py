@@ -33,22 +33,22 @@ import msgspec
 from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.observe.episodes_log import EPISODES_FILE, EpisodeLog
-from asyncrl.rl.driver.faults import RunStoppedError, TaskFailedError, append_event, trainer_phase
 from asyncrl.rl.config.parse import config_to_dict
-from asyncrl.rl.observe.metrics import Metrics, truncate_metrics
+from asyncrl.rl.driver.faults import RunStoppedError, TaskFailedError, append_event, trainer_phase
+from asyncrl.rl.driver.fleet.pool import SamplerPool
+from asyncrl.rl.driver.fleet.scaling import Scaler
 from asyncrl.rl.driver.pacing import Pacer
+from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.driver.run_state import RunState, read_run_state
+from asyncrl.rl.observe.episodes_log import EPISODES_FILE, EpisodeLog
+from asyncrl.rl.observe.metrics import Metrics, truncate_metrics
 from asyncrl.rl.observe.painter import CurvesPainter
 from asyncrl.rl.observe.progress import Progress, make_progress
 from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics, scalars_of
-from asyncrl.rl.observe.writers import MetricWriters
-from asyncrl.rl.driver.fleet.pool import SamplerPool
-from asyncrl.rl.driver.fleet.scaling import Scaler
+from asyncrl.rl.observe.report import RunSummary, heldout_extra_text, rates_text, shown_path, summary_text
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.rl.observe.sync_metrics import sync_record
-from asyncrl.rl.driver.queue import RolloutQueue
-from asyncrl.rl.observe.report import RunSummary, heldout_extra_text, rates_text, shown_path, summary_text
-from asyncrl.rl.driver.run_state import RunState, read_run_state
+from asyncrl.rl.observe.writers import MetricWriters
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.files import write_json_atomic
@@ -65,9 +65,24 @@ class GRPODriver:
     """The driver's steps. Sampler faults are the `SamplerPool`'s to recover from; a fault on the
     trainer's side stops the run with a `RunStoppedError` (resume it from the last checkpoint)."""
 
-    def __init__(self, config: GRPOConfig, trainer, samplers, run_dir: str, log, *, host: str,
-                 backend: str, seeds: list[int], resume: Checkpoint | None = None, model_path: str = "",
-                 log_path: str = "", correct_reward: float = 1.0, teacher=None, reward_model=None):
+    def __init__(
+        self,
+        config: GRPOConfig,
+        trainer,
+        samplers,
+        run_dir: str,
+        log,
+        *,
+        host: str,
+        backend: str,
+        seeds: list[int],
+        resume: Checkpoint | None = None,
+        model_path: str = "",
+        log_path: str = "",
+        correct_reward: float = 1.0,
+        teacher=None,
+        reward_model=None,
+    ):
         self.config, self.run = config, config.run
         self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
         self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
@@ -81,15 +96,36 @@ class GRPODriver:
         self.resume = resume
         self.state = read_run_state(resume) if resume is not None else RunState(step=0, version=0)
         # Async mode: samplers begin only groups that will be trained in time (pacing.py).
-        self.pacer = (Pacer(self.queue, self.run.groups_per_step, staleness, version=self.state.version,
-                            next_step=self.state.step + 1) if self.run.mode == "async" else None)
+        self.pacer = (
+            Pacer(
+                self.queue,
+                self.run.groups_per_step,
+                staleness,
+                version=self.state.version,
+                next_step=self.state.step + 1,
+            )
+            if self.run.mode == "async"
+            else None
+        )
         # Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
         # them unique along the run's history (the one metrics.jsonl records).
         self.segment = self.state.segment + 1 if resume is not None else 0
-        self.pool = SamplerPool(trainer, samplers, self.queue, run=self.run, seeds=seeds, host=host,
-                                backend=backend, log=self.log, events_path=self.events_path, pacer=self.pacer,
-                                batch_groups=config.sampler.prompts_per_batch, teacher=teacher,
-                                reward_model=reward_model, uid_prefix=f"resume{self.segment}/" if self.segment else "")
+        self.pool = SamplerPool(
+            trainer,
+            samplers,
+            self.queue,
+            run=self.run,
+            seeds=seeds,
+            host=host,
+            backend=backend,
+            log=self.log,
+            events_path=self.events_path,
+            pacer=self.pacer,
+            batch_groups=config.sampler.prompts_per_batch,
+            teacher=teacher,
+            reward_model=reward_model,
+            uid_prefix=f"resume{self.segment}/" if self.segment else "",
+        )
         self.scaler: Scaler | None = None  # ``asyncrl scale``: train() sets it (fleet/scaling.py)
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
@@ -107,8 +143,13 @@ class GRPODriver:
         self.after_step = ""  # what the driver does after a step's training, while it does it
         self.best = _read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
         self.waiting = ""  # what the step under way waits for: "batch", "train", "sync" or "check"
-        self.stall = StallWatch(self.run.observe.stall_factor, self.run.observe.stall_floor_s,
-                                describe=self.describe_stall, settled_at=self.pool.settled_at, log=self.log)
+        self.stall = StallWatch(
+            self.run.observe.stall_factor,
+            self.run.observe.stall_floor_s,
+            describe=self.describe_stall,
+            settled_at=self.pool.settled_at,
+            log=self.log,
+        )
 
     def log(self, line: str) -> None:
         """A line on the console (above the progress bar while there is one) and in log.txt."""
@@ -126,8 +167,12 @@ class GRPODriver:
         """The numbers of the last step's record and of the progress, for Prometheus."""
         progress = {f"progress_{k}": v for k, v in scalars_of(self.progress()).items()}
         latest = self.latest.scalars() if self.latest is not None else {}
-        return {**latest, **progress, "progress_step": float(self.step_done),
-                "progress_stalled": float(bool(self.stall.reason))}
+        return {
+            **latest,
+            **progress,
+            "progress_step": float(self.step_done),
+            "progress_stalled": float(bool(self.stall.reason)),
+        }
 
     def where(self) -> str:
         """Where a stop leaves the run, in words ("at step 137")."""
@@ -154,28 +199,44 @@ class GRPODriver:
     def progress(self) -> dict[str, Any]:
         """The run's progress as plain JSON values: written to RUN_DIR/progress.json after every
         step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
-        return {"phase": self.phase, "step": self.step_done, "steps": self.run.steps, "version": self.version,
-                "samples": self.samples, "queue_depth": len(self.queue), "dropped_stale": self.dropped_stale(),
-                "uniform_skipped": self.uniform_skipped(), "heldout_before": self.heldout_before,
-                "elapsed_s": round(self.elapsed_s(), 3), "last_step_s": round(self.last_step_s, 3),
-                "last_step_at": self.last_step_at, "checkpoint": self.checkpoint_path,
-                **({"stalled": self.stall.reason} if self.stall.reason else {}),
-                **self.pool.progress(), **(self.scaler.progress() if self.scaler else {}), **self.fault_counts(),
-                **(self.pacer.stats() if self.pacer else {}),
-                "updated_at": time.time()}
+        return {
+            "phase": self.phase,
+            "step": self.step_done,
+            "steps": self.run.steps,
+            "version": self.version,
+            "samples": self.samples,
+            "queue_depth": len(self.queue),
+            "dropped_stale": self.dropped_stale(),
+            "uniform_skipped": self.uniform_skipped(),
+            "heldout_before": self.heldout_before,
+            "elapsed_s": round(self.elapsed_s(), 3),
+            "last_step_s": round(self.last_step_s, 3),
+            "last_step_at": self.last_step_at,
+            "checkpoint": self.checkpoint_path,
+            **({"stalled": self.stall.reason} if self.stall.reason else {}),
+            **self.pool.progress(),
+            **(self.scaler.progress() if self.scaler else {}),
+            **self.fault_counts(),
+            **(self.pacer.stats() if self.pacer else {}),
+            "updated_at": time.time(),
+        }
 
     async def describe_stall(self, waited_s: float, limit_s: float) -> str:
         """What the step under way waits for, and from whom (`StallWatch`'s line)."""
         n, queued = self.run.groups_per_step, len(self.queue)
         t = self.run.deadlines
-        what = {"batch": f"waits for {max(n - queued, 0)} of {n} groups ({queued} queued)",
-                "train": f"waits for the trainer's train step (--run.train_timeout_s {t.train_timeout_s:g})",
-                "sync": f"waits for the weight sync of v{self.version} (--run.sync_timeout_s {t.sync_timeout_s:g})",
-                "check": "waits for the weight check"}.get(self.waiting, "has not begun")
+        what = {
+            "batch": f"waits for {max(n - queued, 0)} of {n} groups ({queued} queued)",
+            "train": f"waits for the trainer's train step (--run.train_timeout_s {t.train_timeout_s:g})",
+            "sync": f"waits for the weight sync of v{self.version} (--run.sync_timeout_s {t.sync_timeout_s:g})",
+            "check": "waits for the weight check",
+        }.get(self.waiting, "has not begun")
         samplers = await self.pool.describe(self.run.observe.health_timeout_s)
         paced = f"; paced in flight {self.pacer.in_flight}" if self.pacer is not None else ""
-        return (f"no step for {waited_s:.0f} s (recent steps took {self.stall.typical_s():.1f} s; a stall after "
-                f"{limit_s:.0f} s): step {self.step_done + 1} {what}; {samplers}{paced}")
+        return (
+            f"no step for {waited_s:.0f} s (recent steps took {self.stall.typical_s():.1f} s; a stall after "
+            f"{limit_s:.0f} s): step {self.step_done + 1} {what}; {samplers}{paced}"
+        )
 
     def write_progress(self) -> None:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
@@ -186,8 +247,12 @@ class GRPODriver:
         the step record's). The task's code failing past its budget stops the run, as in a sampler."""
         t = self.run.deadlines.eval_timeout_s
         try:
-            out = await trainer_phase("the held-out evaluation", "eval_timeout_s", t,
-                                      self.trainer.with_timeout(t).evaluate(self.run.eval_samples))
+            out = await trainer_phase(
+                "the held-out evaluation",
+                "eval_timeout_s",
+                t,
+                self.trainer.with_timeout(t).evaluate(self.run.eval_samples),
+            )
         except RemoteError as exc:
             if isinstance(exc, TaskFailureError):  # the task's code past its budget (as fleet/pool.py: a sampler's)
                 raise TaskFailedError(f"the held-out evaluation: {exc.remote_message}") from exc
@@ -201,14 +266,25 @@ class GRPODriver:
         if self.resume is not None:
             kept = truncate_metrics(metrics_path, self.step_done)
             truncate_metrics(os.path.join(self.run_dir, EPISODES_FILE), self.step_done)  # per step too
-            self.log(f"resuming from {self.resume.path}: step {self.step_done}, v{self.version}; "
-                     f"metrics.jsonl keeps its {kept} records up to that step")
-            append_event(self.events_path, {"event": "resumed", "step": self.step_done, "at": time.time(),
-                                            "detail": self.resume.path, "segment": self.segment})
+            self.log(
+                f"resuming from {self.resume.path}: step {self.step_done}, v{self.version}; "
+                f"metrics.jsonl keeps its {kept} records up to that step"
+            )
+            append_event(
+                self.events_path,
+                {
+                    "event": "resumed",
+                    "step": self.step_done,
+                    "at": time.time(),
+                    "detail": self.resume.path,
+                    "segment": self.segment,
+                },
+            )
         observe = run.observe
         self.display = make_progress(run.steps, self.step_done + 1, observe.progress_bar)
-        writers = MetricWriters.open(self.run_dir, observe, config_to_dict(self.config), first_step=self.step_done + 1,
-                                     log=self.log)
+        writers = MetricWriters.open(
+            self.run_dir, observe, config_to_dict(self.config), first_step=self.step_done + 1, log=self.log
+        )
         tensorboard = self.run_dir if writers.tensorboard else ""  # for the summary (writers close before it)
         metrics = Metrics(self.run_dir, self.display, writers)
         painter = CurvesPainter(self.run_dir, self.log, enabled=observe.curves)
@@ -220,8 +296,11 @@ class GRPODriver:
             if self.resume is None:
                 self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
                 self.heldout_before = self.heldout_last = await self.evaluate()
-                self.log(f"held-out solve rate before GRPO ({self.n_heldout} problems): "
-                         + rates_text(self.heldout_before) + heldout_extra_text(self.heldout_extra))
+                self.log(
+                    f"held-out solve rate before GRPO ({self.n_heldout} problems): "
+                    + rates_text(self.heldout_before)
+                    + heldout_extra_text(self.heldout_extra)
+                )
             self.phase, self.began = "training", True
             self.write_progress()
             watcher = asyncio.ensure_future(self.stall.run())
@@ -273,15 +352,29 @@ class GRPODriver:
         self.write_progress()
         wall = self.elapsed_s()
         summary = RunSummary(
-            steps=run.steps, mode=run.mode, heldout_before=self.heldout_before, heldout_after=self.heldout_last,
-            heldout_problems=self.n_heldout, wall_s=wall, samples=self.samples,
-            samples_per_s=self.samples / max(wall, 1e-9), tokens_per_s=self.tokens / max(wall, 1e-9),
-            dropped_stale=self.dropped_stale(), uniform_skipped=self.uniform_skipped(),
-            checkpoint=final_dir, final=final_dir,
+            steps=run.steps,
+            mode=run.mode,
+            heldout_before=self.heldout_before,
+            heldout_after=self.heldout_last,
+            heldout_problems=self.n_heldout,
+            wall_s=wall,
+            samples=self.samples,
+            samples_per_s=self.samples / max(wall, 1e-9),
+            tokens_per_s=self.tokens / max(wall, 1e-9),
+            dropped_stale=self.dropped_stale(),
+            uniform_skipped=self.uniform_skipped(),
+            checkpoint=final_dir,
+            final=final_dir,
             best=({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
-            initial_policy=self.model_path, metrics=metrics_path, log=self.log_path, curves=curves,
-            tensorboard=tensorboard, resumed_from=self.resume.path if self.resume is not None else None,
-            faults=self.fault_counts(), fault_log=[f.to_dict() for f in self.pool.faults])
+            initial_policy=self.model_path,
+            metrics=metrics_path,
+            log=self.log_path,
+            curves=curves,
+            tensorboard=tensorboard,
+            resumed_from=self.resume.path if self.resume is not None else None,
+            faults=self.fault_counts(),
+            fault_log=[f.to_dict() for f in self.pool.faults],
+        )
         summary.write(os.path.join(self.run_dir, "summary.json"))
         self.log(summary_text(summary))
         return summary.to_dict()
@@ -295,19 +388,30 @@ class GRPODriver:
     async def save_best(self, step: int) -> None:
         """RUN_DIR/best/: the policy of the best held-out greedy solve rate so far, with best.json
         (its step and rates) inside, written with it in one rename."""
-        best = {"step": step, "heldout": dict(self.heldout_last), "heldout_before": dict(self.heldout_before),
-                "heldout_problems": self.n_heldout, "saved_at": time.time()}
-        await self.save_policy(os.path.join(self.run_dir, BEST_DIR), f"saving the best policy (step {step})",
-                               {BEST_JSON: json.dumps(best, indent=2)})
+        best = {
+            "step": step,
+            "heldout": dict(self.heldout_last),
+            "heldout_before": dict(self.heldout_before),
+            "heldout_problems": self.n_heldout,
+            "saved_at": time.time(),
+        }
+        await self.save_policy(
+            os.path.join(self.run_dir, BEST_DIR),
+            f"saving the best policy (step {step})",
+            {BEST_JSON: json.dumps(best, indent=2)},
+        )
         self.best = best
-        self.log(f"best held-out greedy so far at step {step} ({self.heldout_last['greedy']:.3f}): "
-                 f"saved to {shown_path(os.path.join(self.run_dir, BEST_DIR))}")
+        self.log(
+            f"best held-out greedy so far at step {step} ({self.heldout_last['greedy']:.3f}): "
+            f"saved to {shown_path(os.path.join(self.run_dir, BEST_DIR))}"
+        )
 
     async def save_policy(self, path: str, phase: str, extra_files: dict[str, str] | None = None) -> str:
         t = self.run.deadlines.checkpoint_timeout_s
         try:
-            return await trainer_phase(phase, "checkpoint_timeout_s", t,
-                                       self.trainer.with_timeout(t).save(path, extra_files or {}))
+            return await trainer_phase(
+                phase, "checkpoint_timeout_s", t, self.trainer.with_timeout(t).save(path, extra_files or {})
+            )
         except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
             raise RunDirError(exc.remote_message) from None
 
@@ -322,8 +426,12 @@ class GRPODriver:
         self.trained_head = batch[:1]  # its first episode goes to episodes.jsonl with the record
         t1 = time.monotonic()
         self.waiting = "train"
-        trained = await trainer_phase(f"train step {step}", "train_timeout_s", run.deadlines.train_timeout_s,
-                                      self.trainer.with_timeout(run.deadlines.train_timeout_s).train_step(batch))
+        trained = await trainer_phase(
+            f"train step {step}",
+            "train_timeout_s",
+            run.deadlines.train_timeout_s,
+            self.trainer.with_timeout(run.deadlines.train_timeout_s).train_step(batch),
+        )
         t2 = time.monotonic()
         self.version = step  # the weights after step k are version k: the step is the one count of both
         synced, digests = sync_record(0.0, None, []), {}
@@ -347,30 +455,59 @@ class GRPODriver:
         self.tokens += tokens
         elapsed = self.elapsed_s()
         return StepRecord(
-            step=step, version=self.version, reward_mean=sum(rewards) / len(rewards),
-            train_solve_rate=sum(correct) / len(correct), staleness_mean=sum(staleness) / len(staleness),
+            step=step,
+            version=self.version,
+            reward_mean=sum(rewards) / len(rewards),
+            train_solve_rate=sum(correct) / len(correct),
+            staleness_mean=sum(staleness) / len(staleness),
             staleness_hist={str(s): staleness.count(s) for s in sorted(set(staleness))},
-            dropped_stale=self.dropped_stale(), uniform_skipped=len(skipped), queue_depth=len(self.queue),
-            paced_wait_s=self.pacer.waited_s if self.pacer else None, completion_tokens=tokens,
-            samples_per_s=self.samples / max(elapsed, 1e-9), tokens_per_s=self.tokens / max(elapsed, 1e-9),
-            time_s=elapsed, wait_s=t1 - t0, train_s=t2 - t1, sync=synced,
-            generate_s=sum(g.generate_s for g in batch) / len(batch), train=TrainMetrics.of(trained),
-            task=task_metrics(batch, self.task_keys), fleet=FleetEvents(**self.pool.take_events()),
-            group_ids=[g.uid for g in batch], weights_digests=digests or None)
+            dropped_stale=self.dropped_stale(),
+            uniform_skipped=len(skipped),
+            queue_depth=len(self.queue),
+            paced_wait_s=self.pacer.waited_s if self.pacer else None,
+            completion_tokens=tokens,
+            samples_per_s=self.samples / max(elapsed, 1e-9),
+            tokens_per_s=self.tokens / max(elapsed, 1e-9),
+            time_s=elapsed,
+            wait_s=t1 - t0,
+            train_s=t2 - t1,
+            sync=synced,
+            generate_s=sum(g.generate_s for g in batch) / len(batch),
+            train=TrainMetrics.of(trained),
+            task=task_metrics(batch, self.task_keys),
+            fleet=FleetEvents(**self.pool.take_events()),
+            group_ids=[g.uid for g in batch],
+            weights_digests=digests or None,
+        )
 
     async def checkpoint(self, step: int) -> None:
         run = self.run
-        state = RunState(step=step, version=self.version, samples=self.samples, tokens=self.tokens,
-                         dropped_stale=self.dropped_stale(), uniform_skipped=self.uniform_skipped(),
-                         train_s=self.elapsed_s(),
-                         heldout_before=self.heldout_before, heldout_last=self.heldout_last,
-                         samplers=await self.pool.data_states(), faults=self.fault_counts(), segment=self.segment,
-                         samplers_target=(self.scaler.target or 0) if self.scaler is not None else 0)
+        state = RunState(
+            step=step,
+            version=self.version,
+            samples=self.samples,
+            tokens=self.tokens,
+            dropped_stale=self.dropped_stale(),
+            uniform_skipped=self.uniform_skipped(),
+            train_s=self.elapsed_s(),
+            heldout_before=self.heldout_before,
+            heldout_last=self.heldout_last,
+            samplers=await self.pool.data_states(),
+            faults=self.fault_counts(),
+            segment=self.segment,
+            samplers_target=(self.scaler.target or 0) if self.scaler is not None else 0,
+        )
         t = run.deadlines.checkpoint_timeout_s
-        call = asyncio.ensure_future(trainer_phase(
-            f"writing the checkpoint of step {step}", "checkpoint_timeout_s", t,
-            self.trainer.with_timeout(t).save_checkpoint(self.run_dir, step, run.checkpoints.keep_checkpoints,
-                                                         msgspec.json.encode(state))))
+        call = asyncio.ensure_future(
+            trainer_phase(
+                f"writing the checkpoint of step {step}",
+                "checkpoint_timeout_s",
+                t,
+                self.trainer.with_timeout(t).save_checkpoint(
+                    self.run_dir, step, run.checkpoints.keep_checkpoints, msgspec.json.encode(state)
+                ),
+            )
+        )
         try:
             self.checkpoint_path = await asyncio.shield(call)
         except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)

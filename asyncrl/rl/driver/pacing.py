@@ -87,7 +87,8 @@ class Pacer:
                 if remaining <= 0 or not await self._changed.wait(remaining, self.queue.shrank):
                     raise PacingTimeoutError(
                         f"{who}: no credit for {want} groups within {timeout_s:g} s (version {self.version}, next "
-                        f"step {self.next_step}, {len(self.queue)} queued, {self.in_flight} being made)")
+                        f"step {self.next_step}, {len(self.queue)} queued, {self.in_flight} being made)"
+                    )
             self.in_flight += granted
             return granted
         finally:

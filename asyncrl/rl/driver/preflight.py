@@ -50,13 +50,19 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
     run_dir = os.path.abspath(os.path.expanduser(config.run.run_dir or default_run_dir()))
     model_path = os.path.abspath(os.path.expanduser(config.model_path)) if config.model_path else ""
     if model_path:  # the embedded model's limits are GRPOConfig's own rules
-        _check_max_new_tokens(config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path),
-                              config.model_path)
+        _check_max_new_tokens(
+            config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path), config.model_path
+        )
     _check_run_dir(run_dir, config.run.run_dir, resume)
     # tokenizers are compared with the student's once it exists (run.py)
     scorers = {key: _checked_scorer(key, section) for key, section in scorer_sections(config)}
-    config = dataclasses.replace(config, model_path=model_path, task=config.task.resolved(), **scorers,
-                                 run=dataclasses.replace(config.run, run_dir=run_dir))
+    config = dataclasses.replace(
+        config,
+        model_path=model_path,
+        task=config.task.resolved(),
+        **scorers,
+        run=dataclasses.replace(config.run, run_dir=run_dir),
+    )
     check_task(config)
     _check_viewers(config.run.observe)
     return config
@@ -76,8 +82,10 @@ def _checked_scorer(key: str, section: Any) -> Any:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else exc
-        raise ConfigError(f"{flag}: cannot be read ({type(exc).__name__}: {why}); "
-                          "give a UTF-8 text file with {prompt} and {completion} in it") from None
+        raise ConfigError(
+            f"{flag}: cannot be read ({type(exc).__name__}: {why}); "
+            "give a UTF-8 text file with {prompt} and {completion} in it"
+        ) from None
     if "{completion}" not in text:
         raise ConfigError(f"{flag} has no {{completion}}: the judge would never see what it judges")
     return dataclasses.replace(section, model_path=path, template=template)
@@ -88,11 +96,15 @@ def _check_viewers(observe: Any) -> None:
     import importlib.util
 
     if observe.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"--run.wandb {shlex.quote(observe.wandb)} needs the wandb package, which is not installed: "
-                          "pip install wandb (or leave out --run.wandb)")
+        raise ConfigError(
+            f"--run.wandb {shlex.quote(observe.wandb)} needs the wandb package, which is not installed: "
+            "pip install wandb (or leave out --run.wandb)"
+        )
     if observe.metrics_port and importlib.util.find_spec("prometheus_client") is None:
-        raise ConfigError(f"--run.metrics_port {observe.metrics_port} needs the prometheus-client package, which is not "
-                          "installed: pip install prometheus-client (or leave out --run.metrics_port)")
+        raise ConfigError(
+            f"--run.metrics_port {observe.metrics_port} needs the prometheus-client package, which is not "
+            "installed: pip install prometheus-client (or leave out --run.metrics_port)"
+        )
 
 
 def resumed_config(default: Any, run_dir: str) -> Any:
@@ -116,11 +128,14 @@ def _checkpoint_positions(path: str, given: str, key: str = "--model_path") -> i
     transformers can load (a directory with a config.json naming its model_type, weights and a
     tokenizer) and return its ``max_position_embeddings`` (None when its config does not say)."""
     flag = f"{key} {shlex.quote(given)}"
-    values = _config_json(path, flag,
-                          missing="give a local Hugging Face checkpoint directory" + (
-                              " (or no --model_path for the embedded model)" if key == "--model_path" else ""),
-                          not_dir="give the checkpoint's directory, the one holding config.json",
-                          no_config="so not a Hugging Face checkpoint directory")
+    values = _config_json(
+        path,
+        flag,
+        missing="give a local Hugging Face checkpoint directory"
+        + (" (or no --model_path for the embedded model)" if key == "--model_path" else ""),
+        not_dir="give the checkpoint's directory, the one holding config.json",
+        no_config="so not a Hugging Face checkpoint directory",
+    )
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise ConfigError(f"{flag}: its config.json names no model_type, so transformers cannot load it")
     names = os.listdir(path)
@@ -134,9 +149,11 @@ def _checkpoint_positions(path: str, given: str, key: str = "--model_path") -> i
 
 def _check_max_new_tokens(max_new_tokens: int, positions: int | None, model_path: str) -> None:
     if positions is not None and max_new_tokens >= positions:
-        raise ConfigError(f"--sampler.max_new_tokens {max_new_tokens}: the checkpoint {model_path} has {positions} "
-                          f"positions for prompt and completion together; give fewer than {positions} (0: the "
-                          "model's own limit)")
+        raise ConfigError(
+            f"--sampler.max_new_tokens {max_new_tokens}: the checkpoint {model_path} has {positions} "
+            f"positions for prompt and completion together; give fewer than {positions} (0: the "
+            "model's own limit)"
+        )
 
 
 # --- the task -------------------------------------------------------------------------------------
@@ -164,17 +181,22 @@ def check_task(config: Any) -> None:
     except TaskError as exc:
         raise ConfigError(str(exc)) from None
     except Exception as exc:  # the user's problems(), splits() or demonstration() raised: where, in one line
-        raise ConfigError(f"task {spec.name or spec.reward}: building its problems raised "
-                          f"{describe_error(exc)}") from None
+        raise ConfigError(
+            f"task {spec.name or spec.reward}: building its problems raised {describe_error(exc)}"
+        ) from None
     if isinstance(task, Agent):
         missing = missing_modules(AGENT_MODULES)
         if missing:
-            raise ConfigError(f"task {task.task_name()} is an agent, which talks to the samplers through the OpenAI "
-                              f"API, and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
-                              "pip install 'asyncrl[agents]'")
+            raise ConfigError(
+                f"task {task.task_name()} is an agent, which talks to the samplers through the OpenAI "
+                f"API, and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+                "pip install 'asyncrl[agents]'"
+            )
     if not splits.train or not splits.heldout:
-        raise ConfigError(f"task {task.task_name()}: splits({data.data_seed}, {n_train}, {data.n_heldout}) gave "
-                          f"{len(splits.train)} train and {len(splits.heldout)} held-out problems: a run needs both")
+        raise ConfigError(
+            f"task {task.task_name()}: splits({data.data_seed}, {n_train}, {data.n_heldout}) gave "
+            f"{len(splits.train)} train and {len(splits.heldout)} held-out problems: a run needs both"
+        )
 
 
 AGENT_MODULES = ("aiohttp", "openai")
@@ -189,9 +211,11 @@ def missing_modules(names: tuple[str, ...]) -> list[str]:
 def _check_demonstrations(task: Task, problems: list) -> None:
     """The embedded model is warm-started on demonstrations: a task with none needs a checkpoint."""
     if problems and all(task.demonstration(p) is None for p in problems):
-        raise ConfigError(f"task {task.task_name()} gives no demonstration for its problems, and the embedded model "
-                          "(no --model_path) is warm-started on them: give --model_path a checkpoint, or define "
-                          "demonstration() (with --task.reward: a \"demonstration\" string in each row)")
+        raise ConfigError(
+            f"task {task.task_name()} gives no demonstration for its problems, and the embedded model "
+            "(no --model_path) is warm-started on them: give --model_path a checkpoint, or define "
+            'demonstration() (with --task.reward: a "demonstration" string in each row)'
+        )
 
 
 # --- the run directory ----------------------------------------------------------------------------
@@ -208,18 +232,23 @@ def _check_run_dir(run_dir: str, given: str, resume: bool) -> None:
     real = os.path.realpath(run_dir)
     for pseudo in PSEUDO_FILESYSTEMS:
         if real == pseudo or real.startswith(pseudo + os.sep):
-            raise ConfigError(f"{shown}: {pseudo} is a kernel pseudo-filesystem, not storage; "
-                              "choose another --run.run_dir")
+            raise ConfigError(
+                f"{shown}: {pseudo} is a kernel pseudo-filesystem, not storage; choose another --run.run_dir"
+            )
     if resume:
         _check_is_run(run_dir, shown)
     elif os.path.isdir(run_dir):
         found = [name for name in RUN_MARKERS if os.path.exists(os.path.join(run_dir, name))]
         if found and _has_checkpoint(run_dir):
-            raise ConfigError(f"{shown} holds checkpoints of an earlier run: continue it with --resume {typed}, "
-                              "or choose another --run.run_dir")
+            raise ConfigError(
+                f"{shown} holds checkpoints of an earlier run: continue it with --resume {typed}, "
+                "or choose another --run.run_dir"
+            )
         if found:  # stopped before its first checkpoint: there is nothing to continue
-            raise ConfigError(f"{shown} holds an earlier run that wrote no checkpoint ({', '.join(found)}), so "
-                              "nothing to resume: remove that directory, or choose another --run.run_dir")
+            raise ConfigError(
+                f"{shown} holds an earlier run that wrote no checkpoint ({', '.join(found)}), so "
+                "nothing to resume: remove that directory, or choose another --run.run_dir"
+            )
         _check_empty(run_dir, shown)
     existing = real
     while not os.path.lexists(existing):
@@ -244,8 +273,10 @@ def _check_empty(run_dir: str, shown: str) -> None:
         raise ConfigError(f"{shown}: cannot list it ({_reason(exc)}); choose another --run.run_dir") from None
     if names:
         listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise ConfigError(f"{shown} is not empty ({listed}) and holds no run; a new run takes a new or empty "
-                          "directory: choose another --run.run_dir")
+        raise ConfigError(
+            f"{shown} is not empty ({listed}) and holds no run; a new run takes a new or empty "
+            "directory: choose another --run.run_dir"
+        )
 
 
 def _has_checkpoint(run_dir: str) -> bool:
@@ -257,9 +288,13 @@ def _has_checkpoint(run_dir: str) -> bool:
 
 def _check_is_run(run_dir: str, shown: str = "") -> None:
     shown = shown or f"--resume {shlex.quote(run_dir)}"
-    values = _config_json(run_dir, shown, missing="give the directory of the run to continue",
-                          not_dir="give the directory of the run to continue",
-                          no_config="so not a run directory (a run writes config.json, metrics.jsonl and checkpoints/)")
+    values = _config_json(
+        run_dir,
+        shown,
+        missing="give the directory of the run to continue",
+        not_dir="give the directory of the run to continue",
+        no_config="so not a run directory (a run writes config.json, metrics.jsonl and checkpoints/)",
+    )
     if not isinstance(values, dict) or not isinstance(values.get("run"), dict):
         raise ConfigError(f"{shown}: its config.json is not a run's config (no run section)")
 

@@ -135,9 +135,17 @@ class RolloutQueue:
 
     def stats(self) -> RolloutQueueStats:
         return RolloutQueueStats(
-            self.capacity, self.max_staleness, len(self._items), self._puts, self._gets,
-            self._batches, self._dropped_stale, dict(self._hist), self._blocked_put_s,
-            self._put_timeouts, self._get_timeouts,
+            self.capacity,
+            self.max_staleness,
+            len(self._items),
+            self._puts,
+            self._gets,
+            self._batches,
+            self._dropped_stale,
+            dict(self._hist),
+            self._blocked_put_s,
+            self._put_timeouts,
+            self._get_timeouts,
         )
 
     def close(self) -> None:

@@ -19,15 +19,16 @@ from asyncrl.rl.checkpoint import (
     verify_checkpoint,
 )
 from asyncrl.rl.driver.faults import trainer_phase
-from asyncrl.rl.observe.report import shown_path
 from asyncrl.rl.driver.run_state import read_run_state
+from asyncrl.rl.observe.report import shown_path
 
 DEFAULT_SCRIPT = "examples/grpo_countdown.py"
 """How the resume hint names the script when the run was not started by ``asyncrl launch``."""
 
 
-async def choose_checkpoint(run_dir: str, candidates: list[Checkpoint], damaged: list[Checkpoint], log,
-                             problems: list[str] | None = None) -> Checkpoint:
+async def choose_checkpoint(
+    run_dir: str, candidates: list[Checkpoint], damaged: list[Checkpoint], log, problems: list[str] | None = None
+) -> Checkpoint:
     """The newest of ``candidates`` that passes `verify_checkpoint` (taken off the list with every
     newer one; the damaged ones go into ``damaged``); says in one line what was skipped (with
     ``problems`` found before). Runs before anything is spawned or written."""
@@ -45,21 +46,34 @@ async def choose_checkpoint(run_dir: str, candidates: list[Checkpoint], damaged:
         if problems:
             log("; ".join(problems) + f"; resuming from {checkpoint.name}{unverified}")
         elif unverified:
-            log(f"checkpoint {checkpoint.name} has no manifest (written by an older version): resuming from it "
-                "unverified")
+            log(
+                f"checkpoint {checkpoint.name} has no manifest (written by an older version): resuming from it "
+                "unverified"
+            )
         return checkpoint
     raise CheckpointError(f"--resume {run_dir}: no usable checkpoint: " + "; ".join(problems))
 
 
-async def load_checkpoint(trainer, run: Any, run_dir: str, checkpoint: Checkpoint,
-                           candidates: list[Checkpoint], damaged: list[Checkpoint], log) -> Checkpoint:
+async def load_checkpoint(
+    trainer,
+    run: Any,
+    run_dir: str,
+    checkpoint: Checkpoint,
+    candidates: list[Checkpoint],
+    damaged: list[Checkpoint],
+    log,
+) -> Checkpoint:
     """Load ``checkpoint`` into the trainer; one it cannot load (an unverified one, most likely)
     counts as damaged, and the next good one is tried. Returns the one loaded."""
     t = run.deadlines.checkpoint_timeout_s
     while True:
         try:
-            await trainer_phase("loading the checkpoint", "checkpoint_timeout_s", t,
-                                trainer.with_timeout(t).load_checkpoint(checkpoint.path))
+            await trainer_phase(
+                "loading the checkpoint",
+                "checkpoint_timeout_s",
+                t,
+                trainer.with_timeout(t).load_checkpoint(checkpoint.path),
+            )
             return checkpoint
         except RemoteError as exc:  # the trainer is fine; the files are not (a load replaces all its state)
             damaged.append(checkpoint)

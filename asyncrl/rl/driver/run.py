@@ -24,22 +24,22 @@ from asyncrl.errors import ActionableError, first_line, one_line
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints, write_reason
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.stored import write_run_config
 from asyncrl.rl.config.teacher import scorer_sections
-from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import cluster_devices, plan_devices
-from asyncrl.rl.observe.endpoint import open_endpoint
-from asyncrl.rl.driver.grpo import RunDirError, GRPODriver
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
-from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
-from asyncrl.rl.driver.run_state import read_run_state
-from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.sampler_start import start_samplers
-from asyncrl.rl.driver.fleet.scaling import ScaleRefusedError, Scaler, least_loaded_node
-from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers, scorer_kwargs
+from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, least_loaded_node
 from asyncrl.rl.driver.fleet.trainer_ranks import node_address, spawn_trainer_ranks
+from asyncrl.rl.driver.grpo import GRPODriver, RunDirError
+from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
+from asyncrl.rl.driver.run_state import read_run_state
+from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers, scorer_kwargs
+from asyncrl.rl.observe.endpoint import open_endpoint
+from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.runtime import signals
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
@@ -96,9 +96,16 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         where = driver.where() if driver is not None else "while starting"
         if committed:
             try:
-                append_event(os.path.join(run_dir, "faults.jsonl"), {
-                    "event": "stopped", "cause": cause, "step": driver.step_done + 1 if driver is not None else 0,
-                    "at": time.time(), "detail": detail or f"stopped {where} by {cause}"})
+                append_event(
+                    os.path.join(run_dir, "faults.jsonl"),
+                    {
+                        "event": "stopped",
+                        "cause": cause,
+                        "step": driver.step_done + 1 if driver is not None else 0,
+                        "at": time.time(),
+                        "detail": detail or f"stopped {where} by {cause}",
+                    },
+                )
             except OSError:
                 pass  # a full disk: the stop itself is what the user needs to hear about
         return where, resume_hint(run_dir)
@@ -111,10 +118,15 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         endpoint = open_endpoint(run.observe, sup, lambda: driver, log)  # --run.metrics_port: /metrics, /healthz
         candidates = list_checkpoints(run_dir)
         if resume and not candidates:
-            first = (f"the first is written at step {run.checkpoints.checkpoint_every}" if run.checkpoints.checkpoint_every
-                     else "the run writes none")
-            raise CheckpointError(f"--resume {run_dir}: no checkpoint was written yet ({first}, "
-                                  f"--run.checkpoint_every {run.checkpoints.checkpoint_every}); nothing to resume")
+            first = (
+                f"the first is written at step {run.checkpoints.checkpoint_every}"
+                if run.checkpoints.checkpoint_every
+                else "the run writes none"
+            )
+            raise CheckpointError(
+                f"--resume {run_dir}: no checkpoint was written yet ({first}, "
+                f"--run.checkpoint_every {run.checkpoints.checkpoint_every}); nothing to resume"
+            )
         damaged: list[Checkpoint] = []
         checkpoint = await choose_checkpoint(run_dir, candidates, damaged, log) if resume else None
         if checkpoint is None:
@@ -122,8 +134,15 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         stop_warm_start = threading.Event()  # a cancel (Ctrl-C) must stop the warm start's thread too:
         try:  # asyncio's shutdown waits for the thread, which would otherwise finish the warm start first
             model_path = config.model_path or await asyncio.to_thread(
-                default_model, config.model, config.warm_start, task, log=log, stop=stop_warm_start,
-                n_heldout=run.data.n_heldout, score_calls=(spec.score_timeout_s, spec.max_failure_rate))
+                default_model,
+                config.model,
+                config.warm_start,
+                task,
+                log=log,
+                stop=stop_warm_start,
+                n_heldout=run.data.n_heldout,
+                score_calls=(spec.score_timeout_s, spec.max_failure_rate),
+            )
         except asyncio.CancelledError:
             stop_warm_start.set()
             raise
@@ -131,9 +150,11 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         for key, section in scorers:  # before anything is spawned: one that reads ids otherwise is refused in one line
             if section.shares_tokenizer:
                 check_tokenizers(model_path, section.model_path, f"--{key}.model_path")
-        log(f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
+        log(
+            f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
             f"{config.sampler.count} sampler(s); mode {run.mode}"
-            + "".join(f"; {key.replace('_', ' ')} {section.model_path}" for key, section in scorers))
+            + "".join(f"; {key.replace('_', ' ')} {section.model_path}" for key, section in scorers)
+        )
 
         # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
         # actors of one host fight over the same cores, and throughput collapses.
@@ -142,13 +163,29 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         # stops the run, which resumes from its last checkpoint instead.
         trainer_kwargs = {"device": device, "seed": run.seed, "task": spec, "data": run.data}
         if ranks == 1:
-            trainer = await sup.spawn(TrainerActor, model_path, config.trainer_config(), name="trainer",
-                                      gpus=plan.trainer_gpus, env=env, kwargs=trainer_kwargs, node=trainer_nodes[0])
+            trainer = await sup.spawn(
+                TrainerActor,
+                model_path,
+                config.trainer_config(),
+                name="trainer",
+                gpus=plan.trainer_gpus,
+                env=env,
+                kwargs=trainer_kwargs,
+                node=trainer_nodes[0],
+            )
         else:  # N ranks, one group (docs/trainer.md); the driver uses them as it uses one trainer
-            trainer = await spawn_trainer_ranks(sup, TrainerActor, (model_path, config.trainer_config()), world_size=ranks,
-                                                host=None, timeout_s=run.deadlines.rendezvous_timeout_s,
-                                                gpus=plan.trainer_gpus, env=env, kwargs=trainer_kwargs,
-                                                nodes=trainer_nodes)
+            trainer = await spawn_trainer_ranks(
+                sup,
+                TrainerActor,
+                (model_path, config.trainer_config()),
+                world_size=ranks,
+                host=None,
+                timeout_s=run.deadlines.rendezvous_timeout_s,
+                gpus=plan.trainer_gpus,
+                env=env,
+                kwargs=trainer_kwargs,
+                nodes=trainer_nodes,
+            )
             log(f"trainer: {ranks} ranks, sharded (FSDP2, {'nccl' if cuda else 'gloo'})")
         # Trainer rank 0 hosts the weight-sync group's store: on its own node's address, which
         # every sampler reaches (the driver's node is another when the trainer was placed elsewhere).
@@ -163,29 +200,56 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         # another host resolves it for that host's devices.
         prompts, auto = config.sampler.batch_prompts(device, run.groups_per_step), not config.sampler.prompts_per_batch
         config = dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, prompts_per_batch=prompts))
-        log(f"samplers: {prompts} prompts x {config.sampler.group_size} completions at once"
-            + (" (--sampler.prompts_per_batch auto)" if auto else ""))
+        log(
+            f"samplers: {prompts} prompts x {config.sampler.group_size} completions at once"
+            + (" (--sampler.prompts_per_batch auto)" if auto else "")
+        )
 
         def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: fleet/sampler_start.py
-            return sup.spawn(SamplerActor, model_path, config.sampler, name=f"sampler{i}", gpus=plan.sampler_gpus,
-                             share_devices_with="trainer" if plan.colocated else None, env=env,
-                             node=None if plan.colocated else sampler_nodes[i] if i < len(sampler_nodes)
-                             else _scaled_node(sup, cuda),
-                             keep_if_lost=True,
-                             max_restarts=run.recovery.sampler_max_restarts, kwargs={
-                                 "task": spec, "data": run.data, "seed": run.seed * 1000 + i, "device": device,
-                                 "sync_timeout_s": run.deadlines.sync_timeout_s, "vllm": vllm,
-                                 "adapter": _synced_adapter(config)})
+            return sup.spawn(
+                SamplerActor,
+                model_path,
+                config.sampler,
+                name=f"sampler{i}",
+                gpus=plan.sampler_gpus,
+                share_devices_with="trainer" if plan.colocated else None,
+                env=env,
+                node=None
+                if plan.colocated
+                else sampler_nodes[i]
+                if i < len(sampler_nodes)
+                else _scaled_node(sup, cuda),
+                keep_if_lost=True,
+                max_restarts=run.recovery.sampler_max_restarts,
+                kwargs={
+                    "task": spec,
+                    "data": run.data,
+                    "seed": run.seed * 1000 + i,
+                    "device": device,
+                    "sync_timeout_s": run.deadlines.sync_timeout_s,
+                    "vllm": vllm,
+                    "adapter": _synced_adapter(config),
+                },
+            )
 
         def spawn_scorer(section, name: str):  # placed by plan_devices, restarted as a sampler is (driver/teacher.py)
             from asyncrl.rl.scorer.actor import ScorerActor
 
-            return sup.spawn(ScorerActor, section.model_path, name=name, gpus=plan.scorer_gpus,
-                             share_devices_with="trainer" if plan.scorers_colocated else None, env=env,
-                             node=None if plan.scorers_colocated else sampler_nodes[0],
-                             max_restarts=run.recovery.sampler_max_restarts,
-                             kwargs={"device": device, "temperature": config.sampler.temperature,
-                                     **scorer_kwargs(section, model_path)})
+            return sup.spawn(
+                ScorerActor,
+                section.model_path,
+                name=name,
+                gpus=plan.scorer_gpus,
+                share_devices_with="trainer" if plan.scorers_colocated else None,
+                env=env,
+                node=None if plan.scorers_colocated else sampler_nodes[0],
+                max_restarts=run.recovery.sampler_max_restarts,
+                kwargs={
+                    "device": device,
+                    "temperature": config.sampler.temperature,
+                    **scorer_kwargs(section, model_path),
+                },
+            )
 
         teacher = reward_model = None
         calls = {"restart_timeout_s": run.recovery.restart_timeout_s, "log": log}
@@ -193,31 +257,64 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             teacher = Teacher(await spawn_scorer(config.teacher, "scorer"), timeout_s=config.teacher.timeout_s, **calls)
         if config.reward_model.model_path:
             rm = config.reward_model
-            reward_model = RewardModel(await spawn_scorer(rm, "reward_model"), weight=rm.weight,
-                                       rule_weight=rm.rule_weight, judge=rm.kind == "judge",
-                                       max_unparsed_rate=rm.max_unparsed_rate, timeout_s=rm.timeout_s, **calls)
+            reward_model = RewardModel(
+                await spawn_scorer(rm, "reward_model"),
+                weight=rm.weight,
+                rule_weight=rm.rule_weight,
+                judge=rm.kind == "judge",
+                max_unparsed_rate=rm.max_unparsed_rate,
+                timeout_s=rm.timeout_s,
+                **calls,
+            )
         # A run scaled by `asyncrl scale` resumes with the size it had (its checkpoint records it),
         # and keeps it as its target.
         scaled = read_run_state(checkpoint).samplers_target if checkpoint is not None else 0
         count = scaled or config.sampler.count
         if scaled:
-            log(f"samplers: {scaled}, as the run was scaled before its checkpoint (--sampler.count "
-                f"{config.sampler.count}; asyncrl scale changes it again)")
-        samplers = await start_samplers(spawn_sampler, count, one_at_a_time=plan.colocated, log=log,
-                                        events_path=os.path.join(run_dir, "faults.jsonl"))
+            log(
+                f"samplers: {scaled}, as the run was scaled before its checkpoint (--sampler.count "
+                f"{config.sampler.count}; asyncrl scale changes it again)"
+            )
+        samplers = await start_samplers(
+            spawn_sampler,
+            count,
+            one_at_a_time=plan.colocated,
+            log=log,
+            events_path=os.path.join(run_dir, "faults.jsonl"),
+        )
         if sup.config.nnodes > 1:
             log(_where_line([first_rank, *(trainer.handles[1:] if ranks > 1 else [])], samplers, host))
         if run.check_weights:
             await _check_digestible([s for s in samplers if not s.info().state.final])
-        driver = GRPODriver(config, trainer, samplers, run_dir, log, host=host, correct_reward=task.correct_reward,
-                            backend=plan.sync_backend,
-                            seeds=[run.seed * 1000 + i for i in range(count)], resume=checkpoint,
-                            model_path=model_path, log_path=console.path, teacher=teacher,
-                            reward_model=reward_model)
-        driver.scaler = Scaler(driver.pool, spawn_sampler, sup.stop, seed_of=lambda i: run.seed * 1000 + i,
-                               device=plan.device, colocated=plan.colocated, log=log,
-                               free_gpus=lambda: sum(n.devices_free for n in sup.nodes()) if cuda else 0,
-                               started=config.sampler.count, target=scaled or None, nodes=sup.nodes)
+        driver = GRPODriver(
+            config,
+            trainer,
+            samplers,
+            run_dir,
+            log,
+            host=host,
+            correct_reward=task.correct_reward,
+            backend=plan.sync_backend,
+            seeds=[run.seed * 1000 + i for i in range(count)],
+            resume=checkpoint,
+            model_path=model_path,
+            log_path=console.path,
+            teacher=teacher,
+            reward_model=reward_model,
+        )
+        driver.scaler = Scaler(
+            driver.pool,
+            spawn_sampler,
+            sup.stop,
+            seed_of=lambda i: run.seed * 1000 + i,
+            device=plan.device,
+            colocated=plan.colocated,
+            log=log,
+            free_gpus=lambda: sum(n.devices_free for n in sup.nodes()) if cuda else 0,
+            started=config.sampler.count,
+            target=scaled or None,
+            nodes=sup.nodes,
+        )
         return await driver.execute()
     except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
         signum = signals.cancelled_by_signal(asyncio.current_task())
@@ -263,8 +360,10 @@ def _scaler_of(driver: GRPODriver | None) -> Scaler:
     """The run's `Scaler`, or a refusal while the run is not training yet."""
     phase = driver.phase if driver is not None else "starting"
     if driver is None or driver.scaler is None or phase != "training":
-        raise ScaleRefusedError(f"the run is {phase}, not training: its samplers can be scaled while it trains "
-                                "(asyncrl status shows the phase)")
+        raise ScaleRefusedError(
+            f"the run is {phase}, not training: its samplers can be scaled while it trains "
+            "(asyncrl status shows the phase)"
+        )
     return driver.scaler
 
 
@@ -287,8 +386,10 @@ async def _check_digestible(samplers: list[Any]) -> None:
         raise answers.results[answers.failed()[0]]
     for stats in answers.results:
         if stats["backend"] == "vllm":
-            raise ConfigError(f"--run.check_weights needs samplers that hold their weights in the actor, but "
-                              f"{stats['name']} uses the vLLM backend; add --sampler.backend hf, or drop check_weights")
+            raise ConfigError(
+                f"--run.check_weights needs samplers that hold their weights in the actor, but "
+                f"{stats['name']} uses the vLLM backend; add --sampler.backend hf, or drop check_weights"
+            )
 
 
 def _synced_adapter(config) -> LoRAConfig | None:
@@ -308,8 +409,10 @@ def _placement(text: str, ranks: int, samplers: int, nnodes: int, plan) -> tuple
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if plan.colocated and any(n is not None and n != trainer[0] for n in sampler):
-        raise ConfigError(f"--run.placement {text!r} puts samplers on another node than trainer rank 0, but they "
-                          f"share its GPU ({plan.line}); place them with it, or give the run a GPU per actor")
+        raise ConfigError(
+            f"--run.placement {text!r} puts samplers on another node than trainer rank 0, but they "
+            f"share its GPU ({plan.line}); place them with it, or give the run a GPU per actor"
+        )
     return trainer, sampler
 
 
@@ -317,5 +420,7 @@ def _where_line(trainer_ranks: list[Any], samplers: list[Any], host: str) -> str
     """Which node each actor runs on, and where the weight-sync group meets (runs over several nodes)."""
     ranks = ",".join(str(h.info().node) for h in trainer_ranks)
     where = ", ".join(f"{s.name} on node {s.info().node}" for s in samplers)
-    return (f"placement: trainer rank(s) on node(s) {ranks}, {where}; "
-            f"the weight-sync group meets at {host} (trainer rank 0's node)")
+    return (
+        f"placement: trainer rank(s) on node(s) {ranks}, {where}; "
+        f"the weight-sync group meets at {host} (trainer rank 0's node)"
+    )

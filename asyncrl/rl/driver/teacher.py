@@ -37,9 +37,11 @@ def check_tokenizers(student_path: str, teacher_path: str, flag: str = "--teache
     vs, vt = student.get_vocab(), teacher.get_vocab()
     if vs != vt or student.all_special_tokens != teacher.all_special_tokens:
         differ = sorted(set(vs.items()) ^ set(vt.items()))[:3]
-        raise ConfigError(f"{flag} {teacher_path} has another tokenizer than the student {student_path} "
-                          f"({len(vt)} vs {len(vs)} tokens; e.g. {', '.join(f'{t!r}={i}' for t, i in differ) or 'special tokens'}"
-                          "): it scores the student's token ids, so both must share one")
+        raise ConfigError(
+            f"{flag} {teacher_path} has another tokenizer than the student {student_path} "
+            f"({len(vt)} vs {len(vs)} tokens; e.g. {', '.join(f'{t!r}={i}' for t, i in differ) or 'special tokens'}"
+            "): it scores the student's token ids, so both must share one"
+        )
 
 
 class ScorerCalls:
@@ -47,8 +49,16 @@ class ScorerCalls:
     ``timeout_s``; a lost one is awaited ``restart_timeout_s`` for its next incarnation and the
     call made again (see the module docstring)."""
 
-    def __init__(self, handle, *, timeout_s: float, restart_timeout_s: float, log=print, name: str = "scorer",
-                 timeout_flag: str = "--teacher.timeout_s"):
+    def __init__(
+        self,
+        handle,
+        *,
+        timeout_s: float,
+        restart_timeout_s: float,
+        log=print,
+        name: str = "scorer",
+        timeout_flag: str = "--teacher.timeout_s",
+    ):
         self.handle, self.timeout_s, self.restart_timeout_s, self.log = handle, timeout_s, restart_timeout_s, log
         self.name, self.timeout_flag = name, timeout_flag
         self._reported = -1  # the last incarnation whose loss was logged (several pumps see the same one)
@@ -60,18 +70,23 @@ class ScorerCalls:
             if info.state != "running":  # starting or restarting: its next incarnation is awaited by state
                 info = await self.handle.wait_for_state(["running"], self.restart_timeout_s)
                 if info.state != "running":
-                    raise ScorerLostError(f"the {self.name} is not running ({info.state}, restarts {info.restarts}/"
-                                          f"{info.max_restarts}, --run.sampler_max_restarts) within "
-                                          f"--run.restart_timeout_s {self.restart_timeout_s:g} s")
+                    raise ScorerLostError(
+                        f"the {self.name} is not running ({info.state}, restarts {info.restarts}/"
+                        f"{info.max_restarts}, --run.sampler_max_restarts) within "
+                        f"--run.restart_timeout_s {self.restart_timeout_s:g} s"
+                    )
             incarnation = info.incarnation
             try:
                 return await getattr(self.handle.with_timeout(self.timeout_s), method)(
-                    group.prompt_ids, group.completion_ids)
+                    group.prompt_ids, group.completion_ids
+                )
             except (ActorDiedError, CallTimeoutError) as exc:
                 await self._await_return(incarnation, exc)
             except RemoteError as exc:  # the scorer's own refusal (ScorerError) or a bug: it would repeat
-                raise RunStoppedError(f"the {self.name} failed on the group of prompt {group.prompt_id}: "
-                                      f"{exc.remote_type}: {first_line(exc.remote_message)}") from exc
+                raise RunStoppedError(
+                    f"the {self.name} failed on the group of prompt {group.prompt_id}: "
+                    f"{exc.remote_type}: {first_line(exc.remote_message)}"
+                ) from exc
 
     async def _await_return(self, incarnation: int, exc: Exception) -> None:
         if isinstance(exc, CallTimeoutError):
@@ -81,9 +96,11 @@ class ScorerCalls:
             self.log(f"{self.name} (incarnation {incarnation}) lost: {first_line(exc)}; waiting for its restart")
         info = await self.handle.wait_for_incarnation(incarnation, self.restart_timeout_s)
         if info.state != "running" or info.incarnation <= incarnation:
-            raise ScorerLostError(f"the {self.name} did not come back after incarnation {incarnation} ({info.state}, "
-                                  f"restarts {info.restarts}/{info.max_restarts}, --run.sampler_max_restarts; "
-                                  f"--run.restart_timeout_s {self.restart_timeout_s:g} s): {first_line(exc)}")
+            raise ScorerLostError(
+                f"the {self.name} did not come back after incarnation {incarnation} ({info.state}, "
+                f"restarts {info.restarts}/{info.max_restarts}, --run.sampler_max_restarts; "
+                f"--run.restart_timeout_s {self.restart_timeout_s:g} s): {first_line(exc)}"
+            )
 
 
 class Teacher(ScorerCalls):
@@ -103,8 +120,17 @@ class RewardModel(ScorerCalls):
     weight * model`` per completion. A judge's (``judge``) unparsed verdict (None) adds 0 and is counted;
     more than ``max_unparsed_rate`` of them, after ``min_verdicts``, stop the run."""
 
-    def __init__(self, handle, *, weight: float, rule_weight: float, judge: bool = False,
-                 max_unparsed_rate: float = 0.0, min_verdicts: int = 50, **calls):
+    def __init__(
+        self,
+        handle,
+        *,
+        weight: float,
+        rule_weight: float,
+        judge: bool = False,
+        max_unparsed_rate: float = 0.0,
+        min_verdicts: int = 50,
+        **calls,
+    ):
         super().__init__(handle, name="reward model", timeout_flag="--reward_model.timeout_s", **calls)
         self.weight, self.rule_weight, self.judge = weight, rule_weight, judge
         self.max_unparsed_rate, self.min_verdicts = max_unparsed_rate, min_verdicts
@@ -115,12 +141,16 @@ class RewardModel(ScorerCalls):
         """``group`` with its rewards the weighted sum of the task's and the reward model's."""
         scores = await self.call("rewards", group)
         if len(scores) != len(group.rewards) or not all(s is None or math.isfinite(s) for s in scores):
-            raise RunStoppedError(f"the reward model gave {scores!r} for the {len(group.rewards)} completions of "
-                                  f"prompt {group.prompt_id}: one finite score per completion is needed")
+            raise RunStoppedError(
+                f"the reward model gave {scores!r} for the {len(group.rewards)} completions of "
+                f"prompt {group.prompt_id}: one finite score per completion is needed"
+            )
         unparsed = sum(s is None for s in scores)
         if unparsed and not self.unparsed:
-            self.log(f"reward model: {unparsed} of the judge's verdicts on prompt {group.prompt_id} did not parse "
-                     "(counted as 0; see --reward_model.verdict, --reward_model.template; metric judge_unparsed)")
+            self.log(
+                f"reward model: {unparsed} of the judge's verdicts on prompt {group.prompt_id} did not parse "
+                "(counted as 0; see --reward_model.verdict, --reward_model.template; metric judge_unparsed)"
+            )
         self.verdicts += len(scores)
         self.unparsed += unparsed
         self._counts["judged"] += len(scores)
@@ -130,9 +160,11 @@ class RewardModel(ScorerCalls):
                 f"{self.unparsed} of the judge's {self.verdicts} verdicts did not parse "
                 f"({self.unparsed / self.verdicts:.0%}, more than --reward_model.max_unparsed_rate "
                 f"{self.max_unparsed_rate:g}): fix --reward_model.verdict or the template's instructions "
-                "(--reward_model.template)")
-        return _fitted(group, rewards=[self.rule_weight * r + self.weight * (s or 0.0)
-                                       for r, s in zip(group.rewards, scores)])
+                "(--reward_model.template)"
+            )
+        return _fitted(
+            group, rewards=[self.rule_weight * r + self.weight * (s or 0.0) for r, s in zip(group.rewards, scores)]
+        )
 
     def take_counts(self) -> dict[str, int]:
         """Verdicts and unparsed ones since the previous take, for the step's metrics (a judge's only)."""
@@ -148,9 +180,14 @@ def scorer_kwargs(section: Any, student_path: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"kind": kind, "batch_tokens": section.batch_tokens}
     if kind == "judge":
         with open(section.template, encoding="utf-8") as f:
-            kwargs["judge"] = {"student_path": student_path, "template": f.read(), "read": section.judge_read,
-                               "verdict_tokens": tuple(section.verdict_tokens), "verdict": section.verdict,
-                               "max_new_tokens": section.max_new_tokens}
+            kwargs["judge"] = {
+                "student_path": student_path,
+                "template": f.read(),
+                "read": section.judge_read,
+                "verdict_tokens": tuple(section.verdict_tokens),
+                "verdict": section.verdict,
+                "max_new_tokens": section.max_new_tokens,
+            }
     return kwargs
 
 

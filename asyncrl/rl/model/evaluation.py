@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import torch
 
 from asyncrl.errors import AsyncrlError
-from asyncrl.rl.model.policy import PromptFormat
 from asyncrl.rl.generation import Completion, SamplingParams
+from asyncrl.rl.model.policy import PromptFormat
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task
 from asyncrl.rl.tasks.scoring import UserCalls
@@ -45,10 +45,23 @@ class Evaluation(NamedTuple):
     """Failed user calls (score, step) by error kind; {} when none failed."""
 
 
-def evaluate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, task: Task, greedy: bool = True,
-             n: int = 1, max_new_tokens: int | None = None, batch_size: int = 64, temperature: float = 1.0,
-             stop: threading.Event | None = None, calls: UserCalls | None = None, score_timeout_s: float = 10.0,
-             max_context: int = 0) -> Evaluation:
+def evaluate(
+    model,
+    tokenizer,
+    fmt: PromptFormat,
+    problems: Sequence[Any],
+    *,
+    task: Task,
+    greedy: bool = True,
+    n: int = 1,
+    max_new_tokens: int | None = None,
+    batch_size: int = 64,
+    temperature: float = 1.0,
+    stop: threading.Event | None = None,
+    calls: UserCalls | None = None,
+    score_timeout_s: float = 10.0,
+    max_context: int = 0,
+) -> Evaluation:
     """``n`` episodes per problem of ``task``: the share it finds correct, its metrics, the failures.
 
     Greedy decoding, or pure sampling at ``temperature`` (no top-k / top-p: the distribution GRPO
@@ -69,16 +82,20 @@ def evaluate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, ta
         raise ValueError("greedy decoding gives the same completion n times; use n=1 or greedy=False")
     if not problems:
         return Evaluation(0.0, {}, {})
-    params = SamplingParams(max_new_tokens=max_new_tokens or fmt.max_new_tokens_hint,
-                            temperature=0.0 if greedy else temperature, stop_token_ids=list(fmt.stop_token_ids))
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens or fmt.max_new_tokens_hint,
+        temperature=0.0 if greedy else temperature,
+        stop_token_ids=list(fmt.stop_token_ids),
+    )
     own = calls is None
     if own:  # failures score 0 here, as in training; an agent's whole episode is one call
         calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0, workers=max(16, len(problems) * n))
     generate = hf_generate(model, tokenizer, fmt, batch_size, stop)
     try:
         if isinstance(task, Agent):
-            return asyncio.run(_agent_evaluation(task, list(problems), n, params, generate, tokenizer, calls,
-                                                 max_context))
+            return asyncio.run(
+                _agent_evaluation(task, list(problems), n, params, generate, tokenizer, calls, max_context)
+            )
         runner = EpisodeRunner(task, fmt, calls, max_context=max_context)
         groups = asyncio.run(runner.run(list(problems), n, params, generate))
     finally:
@@ -92,8 +109,9 @@ def evaluate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], *, ta
             sums[key] = sums.get(key, 0.0) + value
         if s.error:
             errors[s.error] = errors.get(s.error, 0) + 1
-    return Evaluation(sum(s.correct for s in samples) / len(samples),
-                      {k: v / len(samples) for k, v in sorted(sums.items())}, errors)
+    return Evaluation(
+        sum(s.correct for s in samples) / len(samples), {k: v / len(samples) for k, v in sorted(sums.items())}, errors
+    )
 
 
 def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], **kwargs: Any) -> float:
@@ -101,8 +119,9 @@ def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], **k
     return evaluate(model, tokenizer, fmt, problems, **kwargs).solve_rate
 
 
-async def _agent_evaluation(task: Agent, problems: list, n: int, params: SamplingParams, generate, tokenizer,
-                            calls, max_context: int) -> Evaluation:
+async def _agent_evaluation(
+    task: Agent, problems: list, n: int, params: SamplingParams, generate, tokenizer, calls, max_context: int
+) -> Evaluation:
     """An agent's episodes against an endpoint of their own over ``generate`` (sampling ``params``,
     so greedy where asked), as the samplers run them: the share scored correct, the means of the
     metrics of their `Score`s (a failed episode counts 0) and the failures by kind."""
@@ -129,8 +148,11 @@ async def _agent_evaluation(task: Agent, problems: list, n: int, params: Samplin
             continue
         for key, value in outcome.value.metrics.items():
             sums[key] = sums.get(key, 0.0) + value
-    return Evaluation(sum(not o.error and bool(o.value.correct) for _, o in episodes) / len(episodes),
-                      {k: v / len(episodes) for k, v in sorted(sums.items())}, errors)
+    return Evaluation(
+        sum(not o.error and bool(o.value.correct) for _, o in episodes) / len(episodes),
+        {k: v / len(episodes) for k, v in sorted(sums.items())},
+        errors,
+    )
 
 
 def hf_generate(model, tokenizer, fmt: PromptFormat, batch_size: int, stop: threading.Event | None = None):
@@ -142,30 +164,37 @@ def hf_generate(model, tokenizer, fmt: PromptFormat, batch_size: int, stop: thre
         done: list[Completion] = []
         for i in range(0, len(rows), batch_size):
             check_stop(stop)
-            done += _generate_rows(model, tokenizer, fmt, rows[i:i + batch_size], params)
-        return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+            done += _generate_rows(model, tokenizer, fmt, rows[i : i + batch_size], params)
+        return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     return generate
 
 
 @torch.no_grad()
-def _generate_rows(model, tokenizer, fmt: PromptFormat, prompts: list[list[int]],
-                   params: SamplingParams) -> list[Completion]:
+def _generate_rows(
+    model, tokenizer, fmt: PromptFormat, prompts: list[list[int]], params: SamplingParams
+) -> list[Completion]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
     width = max(map(len, prompts))
     device = next(model.parameters()).device
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):  # left padding: every completion starts at column `width`
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     greedy = params.temperature == 0
     sampling = {} if greedy else {"temperature": params.temperature, "top_k": 0, "top_p": params.top_p}
     if params.stop:  # transformers' own stop strings: a row that wrote one stops there
         sampling.update(stop_strings=list(params.stop), tokenizer=tokenizer)
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=not greedy,
-                         max_new_tokens=params.max_new_tokens, eos_token_id=params.stop_token_ids, pad_token_id=pad,
-                         **sampling)
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=not greedy,
+        max_new_tokens=params.max_new_tokens,
+        eos_token_id=params.stop_token_ids,
+        pad_token_id=pad,
+        **sampling,
+    )
     return [_completion(tokenizer, row, params, pad) for row in out[:, width:].tolist()]
 
 
@@ -174,7 +203,7 @@ def _completion(tokenizer, row: list[int], params: SamplingParams, pad: int) -> 
     that completed a stop string, else with the padding of an early finish removed."""
     cut = next((j for j, t in enumerate(row) if t in params.stop_token_ids), None)
     if cut is not None:
-        ids, reason = row[:cut + 1], "stop"
+        ids, reason = row[: cut + 1], "stop"
         text = tokenizer.decode(row[:cut], skip_special_tokens=True)
     else:
         ids, reason = row, "length"
@@ -194,6 +223,7 @@ def _completion(tokenizer, row: list[int], params: SamplingParams, pad: int) -> 
 def _stop_string_end(tokenizer, row: list[int], stops: list[str]) -> int | None:
     """The fewest leading tokens of ``row`` whose text holds a stop string (a prefix's text only
     grows, so the search halves), or None."""
+
     def holds(k: int) -> bool:
         text = tokenizer.decode(row[:k], skip_special_tokens=True)
         return any(s in text for s in stops)

@@ -22,8 +22,14 @@ def peft_config(lora: LoRAConfig) -> Any:
     """peft's ``LoraConfig`` of ours, for a causal LM."""
     from peft import LoraConfig
 
-    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def attach_adapter(model: Any, lora: LoRAConfig) -> Any:

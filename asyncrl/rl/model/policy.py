@@ -47,6 +47,7 @@ class PromptStyleError(AsyncrlError, ValueError):
 
 # --- prompt format --------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, eq=False)
 class PromptFormat:
     """How a policy is prompted, and when its completion ends."""
@@ -69,8 +70,10 @@ class PromptFormat:
         completion's first."""
         if self.style == "compact":
             if not prompt.compact:
-                raise PromptStyleError("this policy reads the compact prompt style, and the task's prompt has no "
-                                       "compact form: use a checkpoint with a chat template")
+                raise PromptStyleError(
+                    "this policy reads the compact prompt style, and the task's prompt has no "
+                    "compact form: use a checkpoint with a chat template"
+                )
             return prompt.compact
         if self.style == "plain":
             return prompt.text + "\n"
@@ -100,10 +103,12 @@ class PromptFormat:
         base = self._chat(history, generation_prompt=False)
         full = self._chat([*history, Message(reply.role, reply.text)], generation_prompt=True)
         if not full.startswith(base):
-            raise PromptStyleError("this chat template renders the conversation differently once a reply follows "
-                                   "it, so a reply cannot be appended to the tokens the model wrote: multi-turn "
-                                   "episodes need a template whose renderings extend each other")
-        return self._ids(self._closing(history, model_stopped_on_token) + full[len(base):])
+            raise PromptStyleError(
+                "this chat template renders the conversation differently once a reply follows "
+                "it, so a reply cannot be appended to the tokens the model wrote: multi-turn "
+                "episodes need a template whose renderings extend each other"
+            )
+        return self._ids(self._closing(history, model_stopped_on_token) + full[len(base) :])
 
     def _closing(self, history: list[Message], model_stopped_on_token: bool) -> str:
         """What the template writes after an assistant turn's content (found with a marker as the
@@ -111,16 +116,19 @@ class PromptFormat:
         already wrote, when its turn ended on one."""
         marker = "\x00asyncrl-end-of-content\x00"
         rendered = self._chat([*history[:-1], Message("assistant", marker)], generation_prompt=False)
-        closing = rendered[rendered.rfind(marker) + len(marker):] if marker in rendered else ""
+        closing = rendered[rendered.rfind(marker) + len(marker) :] if marker in rendered else ""
         if model_stopped_on_token:
             for token in self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids)):
                 if token and closing.startswith(token):
-                    return closing[len(token):]
+                    return closing[len(token) :]
         return closing
 
     def _chat(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                                  tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
 
     def _ids(self, text: str) -> list[int]:
         # Without the tokenizer's specials: a BOS in the middle of the context would be wrong.
@@ -131,7 +139,7 @@ def stop_token_ids(generation_eos: Any, tokenizer) -> list[int]:
     """The generation config's end-of-sequence id(s) (an id, a list, or None), then the tokenizer's."""
     ids: list[int] = []
     for value in (generation_eos, tokenizer.eos_token_id):
-        for i in (value if isinstance(value, (list, tuple)) else [value]):
+        for i in value if isinstance(value, (list, tuple)) else [value]:
             if i is not None and int(i) not in ids:
                 ids.append(int(i))
     return ids
@@ -164,8 +172,11 @@ def load_prompt_format(path: str) -> tuple[PreTrainedTokenizerBase, PromptFormat
     return tokenizer, PromptFormat(style, tokenizer, stop_token_ids(eos, tokenizer), hint)
 
 
-def load_policy(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PromptFormat]:
+def load_policy(
+    path: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PromptFormat]:
     """``(model, tokenizer, PromptFormat)`` of a local HF checkpoint directory, in eval mode.
 
     A directory we built carries ``asyncrl_model.json`` with its prompt style; any other uses its

@@ -36,16 +36,20 @@ def fitted_warm_start(warm: WarmStartConfig, task: Task, n_heldout: int | None) 
         rows = len(task.heldout_data)
         if rows != reserve:
             reserve = rows
-            why = (f"the warm start of task {task.task_name()} reserves the {rows} rows of --task.heldout_data "
-                   f"(not --warm_start.heldout_reserve {warm.heldout_reserve}): it never trains on that file")
+            why = (
+                f"the warm start of task {task.task_name()} reserves the {rows} rows of --task.heldout_data "
+                f"(not --warm_start.heldout_reserve {warm.heldout_reserve}): it never trains on that file"
+            )
     elif _problems_listed(task) and n_heldout is not None:
         problems = len(task.problems())
         if problems < FULL_RESERVE_SHARE * reserve and n_heldout < reserve:
             reserve = n_heldout
-            why = (f"task {task.task_name()} has {problems} problems: the warm start holds out --run.n_heldout "
-                   f"{n_heldout} of them, not --warm_start.heldout_reserve {warm.heldout_reserve}, and trains on "
-                   f"the other {problems - n_heldout}; a task needs {FULL_RESERVE_SHARE * warm.heldout_reserve} "
-                   "problems or more for the full reserve (or give --task.heldout_data)")
+            why = (
+                f"task {task.task_name()} has {problems} problems: the warm start holds out --run.n_heldout "
+                f"{n_heldout} of them, not --warm_start.heldout_reserve {warm.heldout_reserve}, and trains on "
+                f"the other {problems - n_heldout}; a task needs {FULL_RESERVE_SHARE * warm.heldout_reserve} "
+                "problems or more for the full reserve (or give --task.heldout_data)"
+            )
     if reserve == warm.heldout_reserve:
         return warm, ""
     return dataclasses.replace(warm, heldout_reserve=reserve, eval_problems=min(warm.eval_problems, reserve)), why

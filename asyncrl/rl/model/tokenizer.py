@@ -43,10 +43,12 @@ def compact_chat_template(stops: Sequence[str] = ()) -> str:
     nothing: the model's text follows the prompt's last character."""
     ends = ", ".join(json.dumps(s) for s in stops)  # a JSON string is a valid Jinja string literal
     no_eos = f"message['content'].endswith(({ends},))" if stops else "false"
-    return ("{%- for message in messages -%}"
-            "{{- message['content'] -}}"
-            f"{{%- if message['role'] == 'assistant' and not {no_eos} -%}}{{{{- eos_token -}}}}{{%- endif -%}}"
-            "{%- endfor -%}")
+    return (
+        "{%- for message in messages -%}"
+        "{{- message['content'] -}}"
+        f"{{%- if message['role'] == 'assistant' and not {no_eos} -%}}{{{{- eos_token -}}}}{{%- endif -%}}"
+        "{%- endfor -%}"
+    )
 
 
 AGENT_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -63,29 +65,38 @@ def agent_chat_template() -> str:
     and eos; a ``tool`` message's content inside ``<tool_response>...</tool_response>``. The
     generation prompt adds nothing, and ``tools`` are not written: the model knows its tools from
     its demonstrations only (a model that reads tool descriptions takes ``--model_path``)."""
-    return ("{%- for message in messages -%}"
-            "{%- if message['role'] == 'assistant' -%}"
-            "{{- message['content'] -}}"
-            "{%- for call in message.get('tool_calls') or [] -%}"
-            "{{- '<tool_call>' + ({'name': call['function']['name'], "
-            "'arguments': call['function']['arguments']} | tojson) + '</tool_call>' -}}"
-            "{%- endfor -%}"
-            "{{- eos_token -}}"
-            "{%- elif message['role'] == 'tool' -%}"
-            "{{- '<tool_response>' + message['content'] + '</tool_response>' -}}"
-            "{%- else -%}"
-            "{{- message['content'] -}}"
-            "{%- endif -%}"
-            "{%- endfor -%}")
+    return (
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'assistant' -%}"
+        "{{- message['content'] -}}"
+        "{%- for call in message.get('tool_calls') or [] -%}"
+        "{{- '<tool_call>' + ({'name': call['function']['name'], "
+        "'arguments': call['function']['arguments']} | tojson) + '</tool_call>' -}}"
+        "{%- endfor -%}"
+        "{{- eos_token -}}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{{- '<tool_response>' + message['content'] + '</tool_response>' -}}"
+        "{%- else -%}"
+        "{{- message['content'] -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+    )
 
 
 # Qwen2's pre-tokenizer split; with no merges every byte is a token whatever the split, but keeping
 # Qwen2's exact pipeline means transformers' Qwen2Tokenizer, which AutoTokenizer rebuilds from
 # vocab + merges for any model_type "qwen2" checkpoint, is the very same tokenizer.
-_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-TOKENIZER_SPEC = {"specials": [PAD, EOS, IM_START], "tags": _TAGS, "chat_template": _CHAT_TEMPLATE,
-                   "split": _QWEN2_SPLIT, "model": "byte-level BPE without merges"}
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+TOKENIZER_SPEC = {
+    "specials": [PAD, EOS, IM_START],
+    "tags": _TAGS,
+    "chat_template": _CHAT_TEMPLATE,
+    "split": _QWEN2_SPLIT,
+    "model": "byte-level BPE without merges",
+}
 
 
 def _byte_symbols() -> list[str]:
@@ -107,12 +118,21 @@ def build_tokenizer(tags: Sequence[str] = ()):
     vocab = {sym: i for i, sym in enumerate([PAD, EOS, IM_START, *_byte_symbols()])}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     core.normalizer = normalizers.NFC()
-    core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=PAD,
-                                  additional_special_tokens=[IM_START], clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=PAD,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+    )
     tok.add_tokens([*_TAGS, *tags])
     tok.chat_template = _CHAT_TEMPLATE
     return tok

@@ -42,7 +42,13 @@ from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
 from asyncrl.rl.model.reserve import fitted_warm_start
-from asyncrl.rl.model.tokenizer import AGENT_TAGS, TOKENIZER_SPEC, agent_chat_template, build_tokenizer, compact_chat_template
+from asyncrl.rl.model.tokenizer import (
+    AGENT_TAGS,
+    TOKENIZER_SPEC,
+    agent_chat_template,
+    build_tokenizer,
+    compact_chat_template,
+)
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Environment, Task, TaskError, as_prompt
 from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
@@ -88,10 +94,18 @@ def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = Non
     task = as_task(task)
     fingerprint = task.fingerprint()
     if not isinstance(fingerprint, dict) or any(not isinstance(k, str) or k in _KEY_FIELDS for k in fingerprint):
-        raise TaskError(f"task {task.task_name()}: fingerprint() must return a dict with string keys other "
-                        f"than {', '.join(_KEY_FIELDS)}, not {fingerprint!r:.120}")
-    spec = {"version": _FORMAT_VERSION, "model": asdict(model), "warm": asdict(warm), "tokenizer": TOKENIZER_SPEC,
-            **_task_format(task), **fingerprint}
+        raise TaskError(
+            f"task {task.task_name()}: fingerprint() must return a dict with string keys other "
+            f"than {', '.join(_KEY_FIELDS)}, not {fingerprint!r:.120}"
+        )
+    spec = {
+        "version": _FORMAT_VERSION,
+        "model": asdict(model),
+        "warm": asdict(warm),
+        "tokenizer": TOKENIZER_SPEC,
+        **_task_format(task),
+        **fingerprint,
+    }
     try:
         text = json.dumps(spec, sort_keys=True)
     except (TypeError, ValueError) as e:
@@ -128,11 +142,18 @@ def _task_format(task: Task) -> dict[str, Any]:
     return {"chat_template": chat_template(task), "turn_end": "eos unless on a stop string"}
 
 
-def default_model(model: ModelConfig = ModelConfig(), warm: WarmStartConfig = WarmStartConfig(),
-                  task: Task | None = None, *, cache_dir: str | None = None,
-                  threads: int | None = None, log: Callable[[str], object] = print,
-                  stop: threading.Event | None = None, n_heldout: int | None = None,
-                  score_calls: tuple[float, float] = (10.0, 0.2)) -> str:
+def default_model(
+    model: ModelConfig = ModelConfig(),
+    warm: WarmStartConfig = WarmStartConfig(),
+    task: Task | None = None,
+    *,
+    cache_dir: str | None = None,
+    threads: int | None = None,
+    log: Callable[[str], object] = print,
+    stop: threading.Event | None = None,
+    n_heldout: int | None = None,
+    score_calls: tuple[float, float] = (10.0, 0.2),
+) -> str:
     """Path of the embedded policy's checkpoint directory for ``task`` (Countdown if None), built
     and warm-started on the task's demonstrations on first use.
 
@@ -215,15 +236,22 @@ def _remove_orphans(models_dir: str, key: str, log: Callable[[str], object]) -> 
     """Temporary directories of crashed builders of ``key`` (their pid is gone)."""
     prefix = f".tmp-{key}-"
     for name in os.listdir(models_dir):
-        pid = name[len(prefix):].split("-")[0] if name.startswith(prefix) else ""
+        pid = name[len(prefix) :].split("-")[0] if name.startswith(prefix) else ""
         if pid.isdigit() and not pid_alive(int(pid)):
             log(f"[model] removing partial build {name}")
             shutil.rmtree(os.path.join(models_dir, name), ignore_errors=True)
 
 
-def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, threads: int | None,
-           log: Callable[[str], object], stop: threading.Event | None = None,
-           calls: tuple[float, float] = (10.0, 0.2)) -> None:
+def _build(
+    out: str,
+    model_cfg: ModelConfig,
+    warm: WarmStartConfig,
+    task: Task,
+    threads: int | None,
+    log: Callable[[str], object],
+    stop: threading.Event | None = None,
+    calls: tuple[float, float] = (10.0, 0.2),
+) -> None:
     tokenizer = build_tokenizer(AGENT_TAGS if isinstance(task, Agent) else ())
     tokenizer.chat_template = chat_template(task)
     check_stop(stop)
@@ -242,37 +270,70 @@ def _build(out: str, model_cfg: ModelConfig, warm: WarmStartConfig, task: Task, 
         torch.manual_seed(warm.seed)
         model = _new_model(model_cfg, tokenizer)
         n_params = sum(p.numel() for p in model.parameters())
-        log(f"[model] warm-starting {n_params / 1e6:.2f}M-parameter Qwen2 on {len(ids)} {task.task_name()} "
-            f"problems, {warm.steps} steps of {warm.batch_size}, on one thread (the same weights on any machine)")
+        log(
+            f"[model] warm-starting {n_params / 1e6:.2f}M-parameter Qwen2 on {len(ids)} {task.task_name()} "
+            f"problems, {warm.steps} steps of {warm.batch_size}, on one thread (the same weights on any machine)"
+        )
         start = time.monotonic()
         loss = _train(model, ids, labels, lengths, warm, log, stop)
         wall_s = time.monotonic() - start
     with _torch_threads(threads or _usable_cores()):  # the evaluation changes no weights
         hint = longest_turn + 8  # slack: a sampled turn may be a little longer than any demonstrated one
-        fmt = PromptFormat("compact", tokenizer, stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer), hint)
-        greedy = (_checked_rate(model, tokenizer, fmt, heldout[:warm.eval_problems], task, stop, model_cfg, calls, log)
-                  if warm.eval_problems else None)
+        fmt = PromptFormat(
+            "compact",
+            tokenizer,
+            stop_token_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer),
+            hint,
+        )
+        greedy = (
+            _checked_rate(model, tokenizer, fmt, heldout[: warm.eval_problems], task, stop, model_cfg, calls, log)
+            if warm.eval_problems
+            else None
+        )
     # The solve rate goes to the marker file only: a GRPO run prints its own held-out number before
     # training (on its n_heldout problems), and two different "held-out" figures read as a conflict.
     log(f"[model] warm start done in {wall_s:.0f} s, final loss {loss:.3f}")
     check_stop(stop)
-    _save(out, model, tokenizer, {
-        "prompt_style": "compact", "max_new_tokens_hint": hint, "format_version": _FORMAT_VERSION,
-        "parameters": n_params, "warm_start_wall_s": round(wall_s, 1), "final_loss": round(loss, 4),
-        "heldout_greedy_solve_rate": greedy, "model": asdict(model_cfg), "warm": asdict(warm),
-        "task": task.task_name(), "train_examples": len(ids), "fingerprint": task.fingerprint()})
+    _save(
+        out,
+        model,
+        tokenizer,
+        {
+            "prompt_style": "compact",
+            "max_new_tokens_hint": hint,
+            "format_version": _FORMAT_VERSION,
+            "parameters": n_params,
+            "warm_start_wall_s": round(wall_s, 1),
+            "final_loss": round(loss, 4),
+            "heldout_greedy_solve_rate": greedy,
+            "model": asdict(model_cfg),
+            "warm": asdict(warm),
+            "task": task.task_name(),
+            "train_examples": len(ids),
+            "fingerprint": task.fingerprint(),
+        },
+    )
 
 
-def _checked_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], task: Task,
-                  stop: threading.Event | None, model_cfg: ModelConfig, calls: tuple[float, float],
-                  log: Callable[[str], object]) -> float | None:
+def _checked_rate(
+    model,
+    tokenizer,
+    fmt: PromptFormat,
+    problems: Sequence[Any],
+    task: Task,
+    stop: threading.Event | None,
+    model_cfg: ModelConfig,
+    calls: tuple[float, float],
+    log: Callable[[str], object],
+) -> float | None:
     """The greedy solve rate of the warm-started model, the task's code under the run's deadline
     and failure budget (``calls``: seconds, share); None, said in one line, when that code fails
     past its budget: the run's held-out evaluation then stops the run with the whole error."""
     user_calls = UserCalls(task.task_name(), calls[0], calls[1], stop_early=True)
     try:
-        return solve_rate(model, tokenizer, fmt, problems, task=task, stop=stop, calls=user_calls,
-                          max_context=model_cfg.max_positions)
+        return solve_rate(
+            model, tokenizer, fmt, problems, task=task, stop=stop, calls=user_calls, max_context=model_cfg.max_positions
+        )
     except TaskFailureError as exc:
         log(f"[model] no solve rate after the warm start: {str(exc).splitlines()[0]}")
         return None
@@ -291,11 +352,20 @@ def _new_model(cfg: ModelConfig, tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_positions,
-        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, use_sliding_window=False,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_positions,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -322,8 +392,14 @@ def _usable_cores(most: int = 4) -> int:
 # --- warm start -----------------------------------------------------------------------------------
 
 
-def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: threading.Event | None = None,
-            *, task: Task | None = None):
+def _encode(
+    tokenizer,
+    problems: Sequence[Any],
+    max_positions: int,
+    stop: threading.Event | None = None,
+    *,
+    task: Task | None = None,
+):
     """Right-padded ``ids``, ``labels`` (-100 on the prompt, an environment's replies and padding)
     and lengths of each problem's compact prompt + demonstration (its turns, each model turn
     ending as in an episode: eos, unless it ends on one of the environment's stop strings),
@@ -360,20 +436,24 @@ def _encode(tokenizer, problems: Sequence[Any], max_positions: int, stop: thread
             ids += tokens
         rows.append((ids, labels))
     if not rows:
-        raise TaskError(f"task {task.task_name()}: no demonstrations (demonstration() returned None for all "
-                        f"{len(problems)} training problems): the embedded model is warm-started on them; "
-                        "define demonstration() or give a checkpoint with --model_path")
+        raise TaskError(
+            f"task {task.task_name()}: no demonstrations (demonstration() returned None for all "
+            f"{len(problems)} training problems): the embedded model is warm-started on them; "
+            "define demonstration() or give a checkpoint with --model_path"
+        )
     longest = max(len(ids) for ids, _ in rows)
     if longest > max_positions:
-        raise ValueError(f"a training sequence of task {task.task_name()} has {longest} tokens, more than "
-                         f"max_positions={max_positions}; raise --model.max_positions or shorten the prompts "
-                         "and demonstrations")
+        raise ValueError(
+            f"a training sequence of task {task.task_name()} has {longest} tokens, more than "
+            f"max_positions={max_positions}; raise --model.max_positions or shorten the prompts "
+            "and demonstrations"
+        )
     ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), longest), -100, dtype=torch.long)
     lengths = torch.empty(len(rows), dtype=torch.long)
     for i, (row_ids, row_labels) in enumerate(rows):
-        ids[i, :len(row_ids)] = torch.tensor(row_ids)
-        labels[i, :len(row_labels)] = torch.tensor(row_labels)
+        ids[i, : len(row_ids)] = torch.tensor(row_ids)
+        labels[i, : len(row_labels)] = torch.tensor(row_labels)
         lengths[i] = len(row_ids)
     return ids, labels, lengths, longest_turn
 
@@ -388,11 +468,16 @@ def _agent_row(tokenizer, task: Agent, conversation: Any) -> tuple[list[int], li
     from asyncrl.rl.agents.chat import ChatRequestError, render_chat
 
     name = task.task_name()
-    if (not isinstance(conversation, list) or not conversation
-            or not all(isinstance(m, dict) for m in conversation)
-            or not any(m.get("role") == "assistant" for m in conversation)):
-        raise TaskError(f"agent {name}: demonstration() must return a list of OpenAI messages with at least one "
-                        f"assistant message (the model's turns), not {conversation!r:.120}")
+    if (
+        not isinstance(conversation, list)
+        or not conversation
+        or not all(isinstance(m, dict) for m in conversation)
+        or not any(m.get("role") == "assistant" for m in conversation)
+    ):
+        raise TaskError(
+            f"agent {name}: demonstration() must return a list of OpenAI messages with at least one "
+            f"assistant message (the model's turns), not {conversation!r:.120}"
+        )
     ids: list[int] = []
     labels: list[int] = []
     longest = 0
@@ -401,11 +486,13 @@ def _agent_row(tokenizer, task: Agent, conversation: Any) -> tuple[list[int], li
             if message.get("role") != "assistant":
                 continue
             prompt = render_chat(tokenizer, conversation[:k], None)
-            whole = render_chat(tokenizer, conversation[:k + 1], None, generation_prompt=False)
-            if prompt[:len(ids)] != ids or whole[:len(prompt)] != prompt:
-                raise TaskError(f"agent {name}: the chat template does not render its demonstration {conversation!r:.120} "
-                                f"as one growing conversation (message {k} changes what comes before it)")
-            labels += [-100] * (len(prompt) - len(ids)) + whole[len(prompt):]
+            whole = render_chat(tokenizer, conversation[: k + 1], None, generation_prompt=False)
+            if prompt[: len(ids)] != ids or whole[: len(prompt)] != prompt:
+                raise TaskError(
+                    f"agent {name}: the chat template does not render its demonstration {conversation!r:.120} "
+                    f"as one growing conversation (message {k} changes what comes before it)"
+                )
+            labels += [-100] * (len(prompt) - len(ids)) + whole[len(prompt) :]
             longest = max(longest, len(whole) - len(prompt))
             ids = whole
     except ChatRequestError as exc:
@@ -417,9 +504,11 @@ def _compact_prompt(task: Task, fmt: PromptFormat, problem: Any) -> str:
     """The problem's prompt as the embedded model reads it: `Prompt.compact` (a ``str`` prompt as is)."""
     prompt = as_prompt(task.prompt(problem))
     if not prompt.compact:
-        raise TaskError(f"task {task.task_name()}: the embedded model reads one line of text, and prompt() "
-                        "returned messages without a compact form: return a str, or a Prompt with compact=..., "
-                        "or give a checkpoint with a chat template with --model_path")
+        raise TaskError(
+            f"task {task.task_name()}: the embedded model reads one line of text, and prompt() "
+            "returned messages without a compact form: return a str, or a Prompt with compact=..., "
+            "or give a checkpoint with a chat template with --model_path"
+        )
     return fmt.render_text(prompt)
 
 
@@ -429,12 +518,19 @@ def _turns(task: Task, demonstration: Any) -> list[str]:
     if isinstance(demonstration, str):
         return [demonstration]
     if not isinstance(task, Environment):
-        raise TaskError(f"task {task.task_name()}: demonstration() must return a str or None (a list of turns "
-                        f"is for an Environment), not {type(demonstration).__name__}")
-    if (not isinstance(demonstration, list) or len(demonstration) % 2 == 0
-            or not all(isinstance(t, str) for t in demonstration)):
-        raise TaskError(f"environment {task.task_name()}: demonstration() must return a str or a list of str of "
-                        f"odd length (model, environment, ..., model), not {demonstration!r:.120}")
+        raise TaskError(
+            f"task {task.task_name()}: demonstration() must return a str or None (a list of turns "
+            f"is for an Environment), not {type(demonstration).__name__}"
+        )
+    if (
+        not isinstance(demonstration, list)
+        or len(demonstration) % 2 == 0
+        or not all(isinstance(t, str) for t in demonstration)
+    ):
+        raise TaskError(
+            f"environment {task.task_name()}: demonstration() must return a str or a list of str of "
+            f"odd length (model, environment, ..., model), not {demonstration!r:.120}"
+        )
     return demonstration
 
 
@@ -445,8 +541,10 @@ def _ends_on_stop_string(task: Task, turn: str) -> bool:
     for s in stops:
         at = turn.find(s)
         if 0 <= at < len(turn) - len(s):
-            raise TaskError(f"environment {task.task_name()}: a demonstrated turn holds the stop string {s!r} before "
-                            f"its end, where an episode's turn would end: {turn!r:.120}; split it into two turns")
+            raise TaskError(
+                f"environment {task.task_name()}: a demonstrated turn holds the stop string {s!r} before "
+                f"its end, where an episode's turn would end: {turn!r:.120}; split it into two turns"
+            )
     return any(turn.endswith(s) for s in stops)
 
 
@@ -457,15 +555,25 @@ def _lr_factor(step: int, warm: WarmStartConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _train(model, ids, labels, lengths, warm: WarmStartConfig, log: Callable[[str], object],
-           stop: threading.Event | None = None) -> float:
+def _train(
+    model,
+    ids,
+    labels,
+    lengths,
+    warm: WarmStartConfig,
+    log: Callable[[str], object],
+    stop: threading.Event | None = None,
+) -> float:
     """Next-token cross-entropy on the completions; returns the mean loss of the last 20 steps."""
     model.train()
     device = next(model.parameters()).device
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": warm.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=warm.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": warm.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=warm.lr,
+        betas=(0.9, 0.98),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, warm))
     gen = torch.Generator().manual_seed(warm.seed)
     order, cursor, recent = torch.randperm(len(ids), generator=gen), 0, []
@@ -474,7 +582,7 @@ def _train(model, ids, labels, lengths, warm: WarmStartConfig, log: Callable[[st
         check_stop(stop)
         if cursor + warm.batch_size > len(order):  # a fresh permutation per epoch
             order, cursor = torch.randperm(len(ids), generator=gen), 0
-        batch = order[cursor:cursor + warm.batch_size]
+        batch = order[cursor : cursor + warm.batch_size]
         cursor += warm.batch_size
         width = int(lengths[batch].max())
         # Right padding needs no attention mask: causal attention never lets a real token see a
@@ -487,7 +595,9 @@ def _train(model, ids, labels, lengths, warm: WarmStartConfig, log: Callable[[st
         sched.step()
         recent = (recent + [out.loss.item()])[-20:]
         if (step + 1) % max(1, warm.steps // 10) == 0 or step + 1 == warm.steps:
-            log(f"[model] step {step + 1}/{warm.steps} loss {sum(recent) / len(recent):.3f} "
-                f"({time.monotonic() - start:.0f} s)")
+            log(
+                f"[model] step {step + 1}/{warm.steps} loss {sum(recent) / len(recent):.3f} "
+                f"({time.monotonic() - start:.0f} s)"
+            )
     model.eval()
     return sum(recent) / len(recent)

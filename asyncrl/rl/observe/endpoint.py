@@ -25,9 +25,9 @@ import asyncio
 import json
 import re
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from asyncrl.errors import ActorDiedError, first_line
 from asyncrl.rl.config.parse import ConfigError
@@ -52,6 +52,7 @@ class ObservedRun(Protocol):
         """The numbers of the last step's record and of the progress."""
         ...
 
+
 OK_STATES = (ActorState.RUNNING, ActorState.STARTING)
 """Actor states that are healthy so far: a starting actor is given its start deadline."""
 
@@ -59,9 +60,18 @@ OK_STATES = (ActorState.RUNNING, ActorState.STARTING)
 class MetricsEndpoint:
     """``/metrics`` and ``/healthz`` on ``host:port`` (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, *, statuses: Callable[[], list[Any]],
-                 probes: Callable[[], dict[str, Probe]], snapshot: Callable[[], dict[str, float]],
-                 timeout_s: float, loop: asyncio.AbstractEventLoop, stalled: Callable[[], str] = lambda: ""):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        statuses: Callable[[], list[Any]],
+        probes: Callable[[], dict[str, Probe]],
+        snapshot: Callable[[], dict[str, float]],
+        timeout_s: float,
+        loop: asyncio.AbstractEventLoop,
+        stalled: Callable[[], str] = lambda: "",
+    ):
         self.statuses, self.probes, self.snapshot, self.stalled = statuses, probes, snapshot, stalled
         self.timeout_s, self.loop = timeout_s, loop
         try:
@@ -88,8 +98,9 @@ class MetricsEndpoint:
         probes = {name: probe for name, probe in self.probes().items() if name in running}
         results = await asyncio.gather(*(self._bounded(p) for p in probes.values()), return_exceptions=True)
         statuses = self.statuses()  # again: an actor may have died while it was probed
-        unhealthy = {s.name: f"{s.state}: {s.error}" if s.error else str(s.state)
-                     for s in statuses if s.state not in OK_STATES}
+        unhealthy = {
+            s.name: f"{s.state}: {s.error}" if s.error else str(s.state) for s in statuses if s.state not in OK_STATES
+        }
         for name, result in zip(probes, results):
             if name in unhealthy or not isinstance(result, BaseException):
                 continue
@@ -102,9 +113,12 @@ class MetricsEndpoint:
         stalled = self.stalled()  # every actor may answer while the run makes no step (rl/observe/stall.py)
         if stalled:
             unhealthy["driver"] = f"stalled: {stalled}"
-        return not unhealthy, {"healthy": not unhealthy, "unhealthy": unhealthy,
-                               "actors": {s.name: str(s.state) for s in statuses},
-                               **({"stalled": stalled} if stalled else {})}
+        return not unhealthy, {
+            "healthy": not unhealthy,
+            "unhealthy": unhealthy,
+            "actors": {s.name: str(s.state) for s in statuses},
+            **({"stalled": stalled} if stalled else {}),
+        }
 
     async def _bounded(self, probe: Probe) -> Any:
         async with timeout(self.timeout_s):
@@ -154,8 +168,10 @@ def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
             path = self.path.split("?", 1)[0]
             try:
                 if path == "/metrics":
+
                     async def snap():
                         return endpoint.snapshot(), endpoint.statuses()
+
                     snapshot, actors = endpoint.on_loop(snap())
                     body, content_type = exposition(snapshot, actors, self.headers.get("Accept", ""))
                     self._send(200, body, content_type)
@@ -165,19 +181,28 @@ def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
                 else:
                     self._send(404, b"not found: try /metrics or /healthz\n", "text/plain")
             except TimeoutError:
-                report = {"healthy": False, "unhealthy": {"driver": f"its event loop did not answer within "
-                                                                   f"{endpoint.timeout_s + 1:g} s"}}
+                report = {
+                    "healthy": False,
+                    "unhealthy": {"driver": f"its event loop did not answer within {endpoint.timeout_s + 1:g} s"},
+                }
                 self._send(503, json.dumps(report).encode(), "application/json")
             except RuntimeError as exc:  # the loop is closed: the run is ending
-                self._send(503, json.dumps({"healthy": False, "unhealthy": {"driver": first_line(exc)}}).encode(),
-                           "application/json")
+                self._send(
+                    503,
+                    json.dumps({"healthy": False, "unhealthy": {"driver": first_line(exc)}}).encode(),
+                    "application/json",
+                )
 
         def do_POST(self) -> None:  # noqa: N802
             # This endpoint has no authentication (a scraper reads it), so it changes nothing:
             # scaling is asked over the run's owner-only status socket instead.
             if self.path.split("?", 1)[0] == "/scale":
-                self._send(403, b"refused: this endpoint is unauthenticated and read-only; scale the run with "
-                                b"`asyncrl scale RUN_DIR --samplers N` on the driver's host\n", "text/plain")
+                self._send(
+                    403,
+                    b"refused: this endpoint is unauthenticated and read-only; scale the run with "
+                    b"`asyncrl scale RUN_DIR --samplers N` on the driver's host\n",
+                    "text/plain",
+                )
             else:
                 self._send(404, b"not found: this endpoint serves GET /metrics and /healthz\n", "text/plain")
 
@@ -194,8 +219,9 @@ def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def open_endpoint(observe: Any, sup: Any, driver: Callable[[], ObservedRun | None],
-                  log=print) -> MetricsEndpoint | None:
+def open_endpoint(
+    observe: Any, sup: Any, driver: Callable[[], ObservedRun | None], log=print
+) -> MetricsEndpoint | None:
     """The endpoint ``observe`` (the run's `ObserveConfig`) asks for, serving what ``driver()``
     (the `GRPODriver`, or None while the run starts) knows; None with ``metrics_port`` 0."""
     if not observe.metrics_port:
@@ -213,8 +239,15 @@ def open_endpoint(observe: Any, sup: Any, driver: Callable[[], ObservedRun | Non
         d = driver()
         return d.stall.reason if d is not None else ""
 
-    endpoint = MetricsEndpoint(observe.metrics_host, observe.metrics_port, statuses=sup.status, probes=probes,
-                               snapshot=snapshot, timeout_s=observe.health_timeout_s,
-                               loop=asyncio.get_running_loop(), stalled=stalled)
+    endpoint = MetricsEndpoint(
+        observe.metrics_host,
+        observe.metrics_port,
+        statuses=sup.status,
+        probes=probes,
+        snapshot=snapshot,
+        timeout_s=observe.health_timeout_s,
+        loop=asyncio.get_running_loop(),
+        stalled=stalled,
+    )
     log(f"metrics endpoint: http://{observe.metrics_host}:{endpoint.port}/metrics and /healthz")
     return endpoint

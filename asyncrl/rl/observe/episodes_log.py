@@ -27,12 +27,19 @@ def episode_record(step: int, group: RolloutGroup, tokenizer: Any, index: int = 
     start = 0
     for end in range(1, len(ids) + 1):
         if end == len(ids) or mask[end] != mask[start]:
-            pieces.append({"mask": int(mask[start]), "text": _decode(tokenizer, ids[start:end]),
-                           "tokens": end - start})
+            pieces.append({"mask": int(mask[start]), "text": _decode(tokenizer, ids[start:end]), "tokens": end - start})
             start = end
-    record = {"step": step, "group": group.uid, "sampler": group.sampler, "version": group.version,
-              "reward": group.rewards[index], "prompt": _decode(tokenizer, group.prompt_ids),
-              "completion_tokens": len(ids), "tokens": int(sum(mask)), "pieces": pieces}
+    record = {
+        "step": step,
+        "group": group.uid,
+        "sampler": group.sampler,
+        "version": group.version,
+        "reward": group.rewards[index],
+        "prompt": _decode(tokenizer, group.prompt_ids),
+        "completion_tokens": len(ids),
+        "tokens": int(sum(mask)),
+        "pieces": pieces,
+    }
     if group.correct:
         record["correct"] = bool(group.correct[index])
     return record

@@ -1,5 +1,4 @@
-"""metrics.jsonl in the run directory (the record of a run), and who else sees each record.
-"""
+"""metrics.jsonl in the run directory (the record of a run), and who else sees each record."""
 
 from __future__ import annotations
 

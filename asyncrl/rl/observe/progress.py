@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncrl.rl.observe.record import StepRecord
 from asyncrl.rl.observe.report import duration_text
@@ -27,10 +28,14 @@ def progress_line(record: StepRecord, steps: int, eta_s: float | None, elapsed_s
         evaluation = f"held-out {heldout:.2f} greedy  "
     else:
         evaluation = f"held-out {heldout:.2f} greedy {sampled:.2f} sampled  "
-    return (f"step {record.step:>4}/{steps}  reward {record.reward_mean:.3f}  "
-            f"solve {record.train_solve_rate:.2f}  stale {record.staleness_mean:.2f}  "
-            f"samples/s {record.samples_per_s:.1f}  tok/s {record.tokens_per_s:.0f}  " + evaluation
-            + f"{elapsed_s:.0f}s" + (f"  eta {duration_text(eta_s)}" if eta_s is not None else ""))
+    return (
+        f"step {record.step:>4}/{steps}  reward {record.reward_mean:.3f}  "
+        f"solve {record.train_solve_rate:.2f}  stale {record.staleness_mean:.2f}  "
+        f"samples/s {record.samples_per_s:.1f}  tok/s {record.tokens_per_s:.0f}  "
+        + evaluation
+        + f"{elapsed_s:.0f}s"
+        + (f"  eta {duration_text(eta_s)}" if eta_s is not None else "")
+    )
 
 
 class Progress:
@@ -69,17 +74,28 @@ class ProgressBar(Progress):
 
         self._tqdm, self.stream = tqdm, stream
         # disable=False: train() sets TQDM_DISABLE to silence the loading bars of transformers.
-        self.bar = tqdm(total=steps, initial=first_step - 1, desc="GRPO", unit="step", file=stream,
-                        dynamic_ncols=True, mininterval=0.5, disable=False, leave=True)
+        self.bar = tqdm(
+            total=steps,
+            initial=first_step - 1,
+            desc="GRPO",
+            unit="step",
+            file=stream,
+            dynamic_ncols=True,
+            mininterval=0.5,
+            disable=False,
+            leave=True,
+        )
         self.heldout = ""
 
     def update(self, record: StepRecord) -> None:
         if record.heldout_solve_rate is not None:
             self.heldout = f"held-out {record.heldout_solve_rate:.2f}"
             self._tqdm.write(progress_line(record, self.steps, None, time.monotonic() - self.start), file=self.stream)
-        self.bar.set_postfix_str(f"reward {record.reward_mean:.3f}  solve {record.train_solve_rate:.2f}  "
-                                 f"{self.heldout + '  ' if self.heldout else ''}tok/s {record.tokens_per_s:.0f}",
-                                 refresh=False)
+        self.bar.set_postfix_str(
+            f"reward {record.reward_mean:.3f}  solve {record.train_solve_rate:.2f}  "
+            f"{self.heldout + '  ' if self.heldout else ''}tok/s {record.tokens_per_s:.0f}",
+            refresh=False,
+        )
         self.bar.update(record.step - self.bar.n)
 
     def guard(self, log: Callable[[str], None]) -> Callable[[str], None]:
@@ -88,6 +104,7 @@ class ProgressBar(Progress):
                 return log(line)
             with self._tqdm.external_write_mode(file=self.stream):  # clear the bar, print, redraw it
                 log(line)
+
         return guarded
 
     def close(self) -> None:

@@ -60,13 +60,15 @@ class TrainMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Model FLOPs utilisation of the trainer's group (GPU whose peak is known only)."""
 
     @classmethod
-    def of(cls, answer: dict[str, float]) -> "TrainMetrics":
+    def of(cls, answer: dict[str, float]) -> TrainMetrics:
         """The trainer's answer, typed: a metric without a field here is a bug of this file."""
         try:
             return cls(**{k: v for k, v in answer.items() if k != "train_s"})
         except TypeError as exc:
-            raise TypeError(f"the trainer's train_step answered metrics the step record cannot hold ({exc}): "
-                            f"give each a field in asyncrl/rl/observe/record.py's TrainMetrics") from None
+            raise TypeError(
+                f"the trainer's train_step answered metrics the step record cannot hold ({exc}): "
+                f"give each a field in asyncrl/rl/observe/record.py's TrainMetrics"
+            ) from None
 
 
 class FleetEvents(msgspec.Struct, kw_only=True, omit_defaults=True):

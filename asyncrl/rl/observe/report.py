@@ -71,8 +71,11 @@ def summary_text(summary: RunSummary) -> str:
     results are."""
     s = summary
     before, after = s.heldout_before, s.heldout_after
-    lines = [f"GRPO finished: {s.steps} steps in {duration_text(s.wall_s)} ({s.mode} mode"
-             + (", resumed" if s.resumed_from else "") + ")"]
+    lines = [
+        f"GRPO finished: {s.steps} steps in {duration_text(s.wall_s)} ({s.mode} mode"
+        + (", resumed" if s.resumed_from else "")
+        + ")"
+    ]
     rows: list[tuple[str, str]] = []
     for kind in ("greedy", "sampled"):
         if kind in before and kind in after:
@@ -80,15 +83,29 @@ def summary_text(summary: RunSummary) -> str:
             rows.append((f"held-out {kind}", f"{before[kind]:.3f} -> {after[kind]:.3f}  ({gain:+.1f} points)"))
     rows[0:0] = [("held-out problems", str(s.heldout_problems))] if rows else []
     losses, rejoins = s.faults.get("sampler_losses", 0), s.faults.get("sampler_rejoins", 0)
-    rows += [("samples/s", f"{s.samples_per_s:.1f}"), ("dropped stale groups", str(s.dropped_stale)),
-             ("groups left out (one reward)", str(s.uniform_skipped)),
-             ("sampler losses / rejoins", f"{losses} / {rejoins}"), ("final policy", shown_path(s.final))]
+    rows += [
+        ("samples/s", f"{s.samples_per_s:.1f}"),
+        ("dropped stale groups", str(s.dropped_stale)),
+        ("groups left out (one reward)", str(s.uniform_skipped)),
+        ("sampler losses / rejoins", f"{losses} / {rejoins}"),
+        ("final policy", shown_path(s.final)),
+    ]
     if s.best is not None:
-        rows.append(("best policy", f"{shown_path(s.best['path'])}  (step {s.best['step']}: held-out greedy "
-                                    f"{s.best['heldout']['greedy']:.3f})"))
+        rows.append(
+            (
+                "best policy",
+                f"{shown_path(s.best['path'])}  (step {s.best['step']}: held-out greedy "
+                f"{s.best['heldout']['greedy']:.3f})",
+            )
+        )
     else:
-        rows.append(("best policy", f"the starting one, {shown_path(s.initial_policy)}  (no evaluation beat "
-                                    f"its held-out greedy {before.get('greedy', float('nan')):.3f})"))
+        rows.append(
+            (
+                "best policy",
+                f"the starting one, {shown_path(s.initial_policy)}  (no evaluation beat "
+                f"its held-out greedy {before.get('greedy', float('nan')):.3f})",
+            )
+        )
     rows += [("metrics", shown_path(s.metrics))] + ([("log", shown_path(s.log))] if s.log else [])
     if s.curves:
         rows.append(("curves", shown_path(s.curves)))
@@ -116,8 +133,11 @@ def heldout_extra_text(extra: dict[str, float]) -> str:
     the task's metrics on the greedy episodes, and the calls of its code that failed (they scored
     0, so a rate of 0.000 says why); "" when there is neither."""
     metrics = [f"{k.removeprefix('heldout/task/')} {v:.3g}" for k, v in extra.items() if k.startswith("heldout/task/")]
-    errors = [f"{int(v)} {k.removeprefix('heldout/task_errors/')}" for k, v in extra.items()
-              if k.startswith("heldout/task_errors/")]
+    errors = [
+        f"{int(v)} {k.removeprefix('heldout/task_errors/')}"
+        for k, v in extra.items()
+        if k.startswith("heldout/task_errors/")
+    ]
     text = f"; task metrics (greedy): {', '.join(metrics)}" if metrics else ""
     if errors:
         text += f"; failed score/step calls, scored 0: {', '.join(errors)}"

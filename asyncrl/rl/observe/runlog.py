@@ -60,7 +60,7 @@ class RunLog:
             return
         if self.file is None:
             self.held.extend(lines)
-            del self.held[:-self.MAX_HELD]
+            del self.held[: -self.MAX_HELD]
             return
         try:
             self.file.write("".join(line + "\n" for line in lines))
@@ -88,7 +88,7 @@ class RunLog:
                 pass
         self.file = None
 
-    def __enter__(self) -> "RunLog":
+    def __enter__(self) -> RunLog:
         self.active = True
         self.saved = (sys.stdout, sys.stderr)
         sys.stdout, sys.stderr = _Tee(sys.stdout, self, 1), _Tee(sys.stderr, self, 2)

@@ -37,8 +37,16 @@ class StallWatch:
     """Times the steps and judges the one under way (see the module docstring). For one event
     loop: `run` is a task of the driver; the other methods are called from the driver's steps."""
 
-    def __init__(self, factor: float, floor_s: float, *, describe: Callable[[float, float], Awaitable[str]],
-                 settled_at: Callable[[], float | None] = lambda: 0.0, log=print, clock=time.monotonic):
+    def __init__(
+        self,
+        factor: float,
+        floor_s: float,
+        *,
+        describe: Callable[[float, float], Awaitable[str]],
+        settled_at: Callable[[], float | None] = lambda: 0.0,
+        log=print,
+        clock=time.monotonic,
+    ):
         """``describe(waited_s, limit_s)``: the line of a stall; ``settled_at()``: when (on
         ``clock``) the samplers' group last became settled, None while a restart is awaited."""
         self.factor, self.floor_s = factor, floor_s

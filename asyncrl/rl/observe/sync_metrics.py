@@ -23,7 +23,8 @@ This module reads the answers' fields only; it imports neither torch nor the act
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -78,10 +79,16 @@ def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[Sam
     received = [s.receive for s in samplers if s.receive is not None]
     slowest = max(trainer.seconds, most([s.seconds for s in samplers]))
     return SyncPhases(
-        sync_s=wall_s, sync_trainer_s=trainer.seconds, sync_trainer_pack_s=trainer.copy_s,
-        sync_trainer_transfer_s=trainer.transfer_s, sync_trainer_vote_s=trainer.vote_s + trainer.commit_s,
-        sync_sampler_s=most([s.seconds for s in samplers]), sync_sampler_pause_s=most([s.pause_s for s in samplers]),
+        sync_s=wall_s,
+        sync_trainer_s=trainer.seconds,
+        sync_trainer_pack_s=trainer.copy_s,
+        sync_trainer_transfer_s=trainer.transfer_s,
+        sync_trainer_vote_s=trainer.vote_s + trainer.commit_s,
+        sync_sampler_s=most([s.seconds for s in samplers]),
+        sync_sampler_pause_s=most([s.pause_s for s in samplers]),
         sync_sampler_transfer_s=most([r.transfer_s for r in received]),
         sync_sampler_load_s=most([s.load_s for s in samplers]),
         sync_sampler_resume_s=most([s.resume_s for s in samplers]),
-        sync_rpc_s=max(wall_s - slowest, 0.0), sync_bytes=float(trainer.bytes))
+        sync_rpc_s=max(wall_s - slowest, 0.0),
+        sync_bytes=float(trainer.bytes),
+    )

@@ -66,8 +66,14 @@ class WandbWriter:
             run_id = secrets.token_hex(8)
             with open(id_path, "w") as f:
                 f.write(run_id + "\n")
-        self.run = wandb.init(project=project, id=run_id, resume="allow", dir=run_dir,
-                              name=os.path.basename(run_dir.rstrip(os.sep)), config=config)
+        self.run = wandb.init(
+            project=project,
+            id=run_id,
+            resume="allow",
+            dir=run_dir,
+            name=os.path.basename(run_dir.rstrip(os.sep)),
+            config=config,
+        )
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
@@ -83,7 +89,7 @@ class MetricWriters:
         self.writers, self.log = writers, log
 
     @classmethod
-    def open(cls, run_dir: str, observe: Any, config: dict[str, Any], *, first_step: int, log=print) -> "MetricWriters":
+    def open(cls, run_dir: str, observe: Any, config: dict[str, Any], *, first_step: int, log=print) -> MetricWriters:
         """The viewers ``observe`` (the run's `ObserveConfig`) asks for and this Python has; each
         opened one is named in one line, as is a default one that is not installed."""
         writers: list[MetricWriter] = []
@@ -100,8 +106,10 @@ class MetricWriters:
                 writers.append(WandbWriter(observe.wandb, run_dir, config))
                 log(f"Weights & Biases: project {observe.wandb}, run {os.path.basename(run_dir)}")
             except Exception as exc:  # its service, its login: the run goes on without it, said once
-                log(f"Weights & Biases: could not start a run in project {observe.wandb}: "
-                    f"{type(exc).__name__}: {exc}; going on without it")
+                log(
+                    f"Weights & Biases: could not start a run in project {observe.wandb}: "
+                    f"{type(exc).__name__}: {exc}; going on without it"
+                )
         return cls(writers, log)
 
     @property

@@ -31,15 +31,21 @@ import msgspec
 import torch
 
 from asyncrl.comm.member import SyncMember
-from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.agents.runner import AgentRunner
 from asyncrl.rl.agents.server import OpenAIServer
+from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.sampler.backend import (Completion, Progress, SamplerError, SamplerSyncStats, SamplerTimeoutError,
-                                        SamplingParams)
+from asyncrl.rl.sampler.backend import (
+    Completion,
+    Progress,
+    SamplerError,
+    SamplerSyncStats,
+    SamplerTimeoutError,
+    SamplingParams,
+)
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
 from asyncrl.rl.tasks.agent import Agent
@@ -68,10 +74,21 @@ class SamplerActor(SyncMember):
     ``adapter``: the trainer trains these LoRA adapters and syncs only them (`make_backend`).
     """
 
-    def __init__(self, model_path: str, config: SamplerConfig = SamplerConfig(), *,
-                 task: TaskSpec | None = None, data: DataConfig = DataConfig(), seed: int = 0,
-                 device: str = "cpu", sync_timeout_s: float = 120.0, cpu_threads: int = 0, name: str = "",
-                 vllm: dict | None = None, adapter: LoRAConfig | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        config: SamplerConfig = SamplerConfig(),
+        *,
+        task: TaskSpec | None = None,
+        data: DataConfig = DataConfig(),
+        seed: int = 0,
+        device: str = "cpu",
+        sync_timeout_s: float = 120.0,
+        cpu_threads: int = 0,
+        name: str = "",
+        vllm: dict | None = None,
+        adapter: LoRAConfig | None = None,
+    ):
         task = TaskSpec("countdown") if task is None else task  # built per call: its options are a dict
         if not sync_timeout_s > 0:
             raise ValueError(f"sync_timeout_s must be > 0, not {sync_timeout_s!r}")
@@ -86,18 +103,31 @@ class SamplerActor(SyncMember):
         self.backend_name = choose_backend(config.backend, self.device)  # said before the (long) load
         print(f"sampler {self.name}: {self.backend_name} backend (asked for {config.backend!r})", flush=True)
         if self.backend_name == "vllm":  # the engine loads the model itself, and on a fresh GPU machine compiles it
-            start_phase(f"loading {model_path} and building the vLLM engine (compile, CUDA graphs)",
-                        budget_s=config.engine_start_timeout_s, knob="--sampler.engine_start_timeout_s")
+            start_phase(
+                f"loading {model_path} and building the vLLM engine (compile, CUDA graphs)",
+                budget_s=config.engine_start_timeout_s,
+                knob="--sampler.engine_start_timeout_s",
+            )
         else:
             start_phase(f"loading {model_path}")
         # A pause for a sync lasts at most sync_timeout_s: a generate held by one gives up only well after.
-        self.backend, self.fmt = make_backend(self.backend_name, model_path, device=self.device, seed=seed,
-                                              in_flight=self.in_flight, resume_timeout_s=3 * sync_timeout_s,
-                                              vllm=vllm or {}, adapter=adapter)
+        self.backend, self.fmt = make_backend(
+            self.backend_name,
+            model_path,
+            device=self.device,
+            seed=seed,
+            in_flight=self.in_flight,
+            resume_timeout_s=3 * sync_timeout_s,
+            vllm=vllm or {},
+            adapter=adapter,
+        )
         self.sink = self.backend.weight_sink(self)
-        self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
-                                       temperature=config.temperature, top_p=config.top_p,
-                                       stop_token_ids=list(self.fmt.stop_token_ids))
+        self.sampling = SamplingParams(
+            max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
+            temperature=config.temperature,
+            top_p=config.top_p,
+            stop_token_ids=list(self.fmt.stop_token_ids),
+        )
         start_phase(f"loading the task {task.name or task.reward}")
         self.task = load_task(task)
         self.problems = self.task.splits(data.data_seed, data.n_train, data.n_heldout).train
@@ -107,17 +137,28 @@ class SamplerActor(SyncMember):
         self.calls = UserCalls(self.task.task_name(), task.score_timeout_s, task.max_failure_rate, workers=workers)
         self.max_context = _positions(model_path)
         self.endpoint: OpenAIServer | None = None  # started on first use: an agent's rollouts, openai_endpoint
-        self.runner = EpisodeRunner(self.task, self.fmt, self.calls, max_turns=0 if self.agent else task.max_turns,
-                                    max_context=self.max_context)
+        self.runner = EpisodeRunner(
+            self.task, self.fmt, self.calls, max_turns=0 if self.agent else task.max_turns, max_context=self.max_context
+        )
         self._order = shuffled_walk(len(self.problems), seed)  # counted once restore_data_state installs one
         self._prompt_ids: dict[int, list[int]] = {}
         self.version = 0
         self._ready = asyncio.Event()  # clear during a weight sync, and after a failed one until one succeeds
         self._ready.set()
         self._sync_lock = asyncio.Lock()
-        self._stats = {"tokens": 0, "groups": 0, "completions": 0, "batches": 0, "generate_s": 0.0,
-                       "weight_sync_s": 0.0, "pause_s": 0.0, "syncs": 0, "failed_syncs": 0,
-                       "syncs_waited_for_generate": 0, "discarded_batches": 0}
+        self._stats = {
+            "tokens": 0,
+            "groups": 0,
+            "completions": 0,
+            "batches": 0,
+            "generate_s": 0.0,
+            "weight_sync_s": 0.0,
+            "pause_s": 0.0,
+            "syncs": 0,
+            "failed_syncs": 0,
+            "syncs_waited_for_generate": 0,
+            "discarded_batches": 0,
+        }
         self._failures = 0  # failed syncs so far: a batch that saw one in flight is discarded
         self._generating = 0  # backend.generate calls in flight (rollouts and the generate endpoint)
 
@@ -144,15 +185,21 @@ class SamplerActor(SyncMember):
             spent = [0.0]
 
             # versions and spent bound as defaults: each batch's function keeps the lists of its batch
-            async def generate(prompt_ids: list[list[int]], n: int, params: SamplingParams,
-                               versions: list[int] = versions, spent: list[float] = spent) -> list[list[Completion]]:
+            async def generate(
+                prompt_ids: list[list[int]],
+                n: int,
+                params: SamplingParams,
+                versions: list[int] = versions,
+                spent: list[float] = spent,
+            ) -> list[list[Completion]]:
                 version, groups, seconds = await self._generate(prompt_ids, n, params)
                 versions.append(version)
                 spent[0] += seconds
                 return groups
 
-            groups = await self.runner.run([self.problems[i] for i in indices], self.group_size, self.sampling,
-                                           generate, prompt_ids=prompts)
+            groups = await self.runner.run(
+                [self.problems[i] for i in indices], self.group_size, self.sampling, generate, prompt_ids=prompts
+            )
             self.calls.check()  # too many failed score/step calls: TaskFailureError ends the stream
             finished = time.time()
             for index, prompt, samples in zip(indices, prompts, groups):
@@ -169,7 +216,9 @@ class SamplerActor(SyncMember):
         return {"base_url": server.base_url(), "token": server.token}
 
     @endpoint
-    async def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None) -> list[list[Completion]]:
+    async def generate(
+        self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None
+    ) -> list[list[Completion]]:
         """Raw completions from the backend, for evaluation and tests (not counted in stats)."""
         self._generating += 1
         try:
@@ -181,11 +230,21 @@ class SamplerActor(SyncMember):
     # `form_group` then puts the engine's process in the group, and this one holds no communicator.
 
     @endpoint
-    async def sync_join(self, host: str, port: int, rank: int, world_size: int, generation: int = 0,
-                        backend: str = "auto", timeout_s: float = 60.0, name: str = "weights") -> str:
+    async def sync_join(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        generation: int = 0,
+        backend: str = "auto",
+        timeout_s: float = 60.0,
+        name: str = "weights",
+    ) -> str:
         """Join the trainer's weight-sync group (where the backend receives: here, or its engine)."""
-        return await self.sink.join(host, port, rank, world_size, generation=generation, backend=backend,
-                                    timeout_s=timeout_s, name=name)
+        return await self.sink.join(
+            host, port, rank, world_size, generation=generation, backend=backend, timeout_s=timeout_s, name=name
+        )
 
     @endpoint
     async def sync_leave(self) -> None:
@@ -227,15 +286,17 @@ class SamplerActor(SyncMember):
             if self._generating and not self.in_flight:
                 self._stats["syncs_waited_for_generate"] += 1
             try:
-                phases = await self.sink.receive(version, in_flight=self.in_flight,
-                                                 timeout_s=max(deadline - time.monotonic(), 1e-3))
+                phases = await self.sink.receive(
+                    version, in_flight=self.in_flight, timeout_s=max(deadline - time.monotonic(), 1e-3)
+                )
             except SamplerTimeoutError:  # the weights were not touched: sampling may go on
                 self._ready.set()
                 self._stats["failed_syncs"] += 1
                 raise SamplerTimeoutError(
                     f"sampler {self.name}: no moment free of generation came within {self.sync_timeout_s:g} s "
                     f"({'a decoding step did not end' if self.in_flight else 'the batch in flight did not finish'}), "
-                    "so the weights could not be taken") from None
+                    "so the weights could not be taken"
+                ) from None
             except BaseException:
                 self._stats["failed_syncs"] += 1
                 self._failures += 1
@@ -262,9 +323,14 @@ class SamplerActor(SyncMember):
         adapters = getattr(self.backend, "adapters", None)  # vLLM serving LoRA adapters: how many it holds
         if adapters is not None:
             s["loaded_adapters"] = len(adapters.loaded)
-        s.update(version=self.version, generating=self._generating, name=self.name, backend=self.backend_name,
-                 weight_dtype=self.sink.weight_dtype,
-                 tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
+        s.update(
+            version=self.version,
+            generating=self._generating,
+            name=self.name,
+            backend=self.backend_name,
+            weight_dtype=self.sink.weight_dtype,
+            tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0,
+        )
         return s
 
     # --- resume and fault-tolerance hooks (asyncrl/rl/checkpoint.py, driver/fleet/pool.py) ------------
@@ -274,8 +340,11 @@ class SamplerActor(SyncMember):
         """Prompts drawn from the data walk so far and the sampling RNG, for a checkpoint
         (the walk is counted once `restore_data_state` has installed it; -1 before)."""
         generator = self.backend.generator  # None: the engine's own RNG, reseeded on a restart only
-        return SamplerDataState(seed=getattr(self._order, "seed", -1), drawn=getattr(self._order, "drawn", -1),
-                                generator=bytes(generator.get_state().numpy()) if generator is not None else b"")
+        return SamplerDataState(
+            seed=getattr(self._order, "seed", -1),
+            drawn=getattr(self._order, "drawn", -1),
+            generator=bytes(generator.get_state().numpy()) if generator is not None else b"",
+        )
 
     @endpoint
     async def restore_data_state(self, state: SamplerDataState) -> None:
@@ -318,23 +387,33 @@ class SamplerActor(SyncMember):
                 prompt = as_prompt(self.task.prompt(self.problems[index]))
                 ids = list(self.fmt.render_ids(prompt))
             except Exception as exc:  # the task's own code, on its own data: a bug to fix, not to count
-                raise TaskFailureError(f"task {self.task.task_name()}: prompt() of train problem {index} failed: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+                raise TaskFailureError(
+                    f"task {self.task.task_name()}: prompt() of train problem {index} failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
             if not ids:
-                raise TaskFailureError(f"task {self.task.task_name()}: train problem {index} renders as an empty prompt")
+                raise TaskFailureError(
+                    f"task {self.task.task_name()}: train problem {index} renders as an empty prompt"
+                )
             self._prompt_ids[index] = ids
         return ids
 
     async def _endpoint(self) -> OpenAIServer:
         if self.endpoint is None:
+
             async def generate(prompts: list[list[int]], n: int, params: SamplingParams, progress=None):
                 version, groups, _ = await self._generate(prompts, n, params, progress)
                 return version, groups
 
             # vLLM batches concurrent requests itself; the HF backend runs one batch at a time.
-            server = OpenAIServer(generate, self.fmt.tokenizer, self.sampling, max_context=self.max_context,
-                                  batch=self.backend_name != "vllm",
-                                  max_calls=self.agent.max_calls if self.agent is not None else 32)
+            server = OpenAIServer(
+                generate,
+                self.fmt.tokenizer,
+                self.sampling,
+                max_context=self.max_context,
+                batch=self.backend_name != "vllm",
+                max_calls=self.agent.max_calls if self.agent is not None else 32,
+            )
             await server.start()
             self.endpoint = server
             print(f"sampler {self.name}: OpenAI endpoint at {server.base_url()}", flush=True)
@@ -351,8 +430,9 @@ class SamplerActor(SyncMember):
             if group is not None:  # no episode of it called the model: nothing to train on
                 yield self._group(index, group.prompt_ids, group.samples, group.version, seconds, finished)
 
-    def _group(self, index: int, prompt: list[int], samples: list[Sample], version: int, seconds: float,
-               finished: float) -> RolloutGroup:
+    def _group(
+        self, index: int, prompt: list[int], samples: list[Sample], version: int, seconds: float, finished: float
+    ) -> RolloutGroup:
         """The wire form of one problem's samples; ``metrics`` sums what the driver averages."""
         metrics: dict[str, float] = {}
         for s in samples:
@@ -362,14 +442,23 @@ class SamplerActor(SyncMember):
                 metrics[f"task_errors/{s.error}"] = metrics.get(f"task_errors/{s.error}", 0.0) + 1
         masked = any(s.action_mask for s in samples)
         return RolloutGroup(
-            prompt_id=index, prompt_ids=prompt, completion_ids=[s.token_ids for s in samples],
-            behaviour_logprobs=[s.logprobs for s in samples], rewards=[s.reward for s in samples],
-            version=version, sampler=self.name, generate_s=seconds, finished_at=finished,
+            prompt_id=index,
+            prompt_ids=prompt,
+            completion_ids=[s.token_ids for s in samples],
+            behaviour_logprobs=[s.logprobs for s in samples],
+            rewards=[s.reward for s in samples],
+            version=version,
+            sampler=self.name,
+            generate_s=seconds,
+            finished_at=finished,
             action_mask=[s.action_mask or [1] * len(s.token_ids) for s in samples] if masked else [],
-            correct=[s.correct for s in samples], metrics=metrics)
+            correct=[s.correct for s in samples],
+            metrics=metrics,
+        )
 
-    async def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                        progress: Progress | None = None) -> tuple[int, list[list[Completion]], float]:
+    async def _generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
+    ) -> tuple[int, list[list[Completion]], float]:
         """Generate for ``prompts`` and return the weight version it began under (the oldest of
         its tokens). The version is read right before calling the backend, with no ``await`` in
         between: a `receive_weights` that begins later either waits for this batch (the backend
@@ -406,7 +495,8 @@ class SamplerActor(SyncMember):
             except TimeoutError:
                 raise SamplerTimeoutError(
                     f"sampler {self.name}: no successful weight sync within {bound:g} s (the last one failed "
-                    "or is still under way); not sampling from weights that may be half-written") from None
+                    "or is still under way); not sampling from weights that may be half-written"
+                ) from None
 
 
 def _positions(model_path: str) -> int:

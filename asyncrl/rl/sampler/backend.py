@@ -63,8 +63,18 @@ class WeightSink(abc.ABC):
     the engine's process, which joins the group itself. A sink holds one membership at a time."""
 
     @abc.abstractmethod
-    async def join(self, host: str, port: int, rank: int, world_size: int, *, generation: int, backend: str,
-                   timeout_s: float, name: str) -> str:
+    async def join(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        generation: int,
+        backend: str,
+        timeout_s: float,
+        name: str,
+    ) -> str:
         """Leave any previous group and join the one whose store rank 0 hosts at ``host:port``
         (see `SyncMember.sync_join`). Returns the communicator's backend."""
 
@@ -118,8 +128,9 @@ class SamplerBackend(abc.ABC):
     """The backend's kind as `choose_backend` names it (``"hf"``, ``"vllm"``)."""
 
     @abc.abstractmethod
-    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                       progress: Progress | None = None) -> list[list[Completion]]:
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
+    ) -> list[list[Completion]]:
         """``n`` completions for each prompt, in prompt order. While paused, waits for `resume`.
         ``progress``: told each row's tokens as they are generated (the OpenAI endpoint's streams)."""
 
@@ -175,8 +186,9 @@ class PausableBackend(SamplerBackend):
         self._resumed: asyncio.Event | None = None  # made on first use, on the actor's loop
         self._idle: asyncio.Event | None = None
 
-    async def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                       progress: Progress | None = None) -> list[list[Completion]]:
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
+    ) -> list[list[Completion]]:
         self._check(prompts, n, params)
         self._events()
         if self._closed:

@@ -38,9 +38,17 @@ def choose_backend(name: str, device: torch.device) -> str:
     return "hf"
 
 
-def make_backend(name: str, model_path: str, *, device: torch.device, seed: int = 0, in_flight: bool = False,
-                 resume_timeout_s: float = 600.0, vllm: Mapping[str, Any] = {},
-                 adapter: LoRAConfig | None = None) -> tuple[SamplerBackend, PromptFormat]:
+def make_backend(
+    name: str,
+    model_path: str,
+    *,
+    device: torch.device,
+    seed: int = 0,
+    in_flight: bool = False,
+    resume_timeout_s: float = 600.0,
+    vllm: Mapping[str, Any] = {},
+    adapter: LoRAConfig | None = None,
+) -> tuple[SamplerBackend, PromptFormat]:
     """The backend ``name`` stands for (`choose_backend`) on the checkpoint at ``model_path``, and
     the checkpoint's prompt format. ``in_flight``: weights will be taken between decoding steps
     (vLLM then keeps no prefix cache, unless ``vllm`` says otherwise). ``resume_timeout_s``: how
@@ -55,8 +63,15 @@ def make_backend(name: str, model_path: str, *, device: torch.device, seed: int 
         tokenizer, fmt = load_prompt_format(model_path)
         # An adapter sync changes no weight under a running batch: the prefix cache stays valid.
         options = {"prefix_caching": not in_flight or adapter is not None} | dict(vllm)
-        return VLLMBackend(model_path, tokenizer=tokenizer, seed=seed, device=device, resume_timeout_s=resume_timeout_s,
-                           adapter=adapter, **options), fmt
+        return VLLMBackend(
+            model_path,
+            tokenizer=tokenizer,
+            seed=seed,
+            device=device,
+            resume_timeout_s=resume_timeout_s,
+            adapter=adapter,
+            **options,
+        ), fmt
     from asyncrl.rl.model.policy import load_policy
     from asyncrl.rl.sampler.hf import HFBackend
 
@@ -65,5 +80,6 @@ def make_backend(name: str, model_path: str, *, device: torch.device, seed: int 
         from asyncrl.rl.model.lora import attach_adapter
 
         model = attach_adapter(model, adapter)
-    return HFBackend(model, tokenizer=tokenizer, seed=seed, resume_timeout_s=resume_timeout_s,
-                     adapter_only=adapter is not None), fmt
+    return HFBackend(
+        model, tokenizer=tokenizer, seed=seed, resume_timeout_s=resume_timeout_s, adapter_only=adapter is not None
+    ), fmt

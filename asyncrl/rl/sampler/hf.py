@@ -50,8 +50,8 @@ def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
     return ids, mask
 
 
@@ -78,8 +78,16 @@ class HFBackend(PausableBackend):
 
     name = "hf"
 
-    def __init__(self, model: Any, *, tokenizer: Any = None, seed: int = 0, pad_token_id: int | None = None,
-                 resume_timeout_s: float = 600.0, adapter_only: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tokenizer: Any = None,
+        seed: int = 0,
+        pad_token_id: int | None = None,
+        resume_timeout_s: float = 600.0,
+        adapter_only: bool = False,
+    ):
         super().__init__(resume_timeout_s=resume_timeout_s)
         self.model = model.eval().requires_grad_(False)  # in-place weight copies need no autograd
         self.adapter_only = adapter_only  # a peft model whose syncs bring its LoRA adapters only
@@ -102,8 +110,9 @@ class HFBackend(PausableBackend):
         if params.stop and self.tokenizer is None:
             raise ValueError("HFBackend without a tokenizer cannot match stop strings (SamplingParams.stop)")
 
-    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                progress: Progress | None = None) -> concurrent.futures.Future:
+    def _submit(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
+    ) -> concurrent.futures.Future:
         """The batch on the worker thread. Its future, not our await, ends the count in flight: a
         cancelled caller drops a batch not started yet, but one running goes on to its end.
         ``progress`` is called back on this loop after each decoding step."""
@@ -114,6 +123,7 @@ class HFBackend(PausableBackend):
             def report(row: int, ids: list[int]) -> None:
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
                     loop.call_soon_threadsafe(progress, row, ids)
+
         try:
             return self._pool.submit(self._generate_blocking, prompts, n, params, report)
         except RuntimeError as exc:  # the pool was shut down by close()
@@ -137,8 +147,9 @@ class HFBackend(PausableBackend):
             return adapter_tensors(self.model)
         return dict(self.model.named_parameters())
 
-    async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,
-                           timeout_s: float = 600.0) -> None:
+    async def load_weights(
+        self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False, timeout_s: float = 600.0
+    ) -> None:
         """Run ``load(self.weight_tensors())`` on a worker thread at a moment no decoding step
         reads the weights. ``in_flight=False``: pause, wait for the generates in flight to finish,
         load, resume. ``in_flight=True``: load between two decoding steps of the generates in
@@ -180,7 +191,9 @@ class HFBackend(PausableBackend):
         """Held by the worker thread around one step; waits while a weight load holds the gate."""
         with self._gate:
             if not self._gate.wait_for(lambda: not self._loads, self.resume_timeout_s):
-                raise SamplerTimeoutError(f"generate: a weight load held the model for over {self.resume_timeout_s:g} s")
+                raise SamplerTimeoutError(
+                    f"generate: a weight load held the model for over {self.resume_timeout_s:g} s"
+                )
             self._stepping = True
         try:
             yield
@@ -191,25 +204,34 @@ class HFBackend(PausableBackend):
 
     # --- the blocking part (worker thread) ------------------------------------------------------
 
-    def _generate_blocking(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                           report: Progress | None = None) -> list[list[Completion]]:
+    def _generate_blocking(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, report: Progress | None = None
+    ) -> list[list[Completion]]:
         start = time.perf_counter()
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: row i*n + j is sample j of prompt i
         generators = None
         if params.seed is not None:
-            generators = [torch.Generator(self.device).manual_seed(row_seed(params.seed, i, j))
-                          for i in range(len(prompts)) for j in range(n)]
+            generators = [
+                torch.Generator(self.device).manual_seed(row_seed(params.seed, i, j))
+                for i in range(len(prompts))
+                for j in range(n)
+            ]
         strings = StopStrings(self.tokenizer, params.stop, len(rows)) if params.stop else None
         tokens, logprobs, stops_at, top = self._decode(rows, params, generators, strings, report)
         completions = self._completions(tokens, logprobs, stops_at, params, strings, top)
         self.tokens_generated += sum(len(c.token_ids) for c in completions)
         self.generate_s += time.perf_counter() - start
-        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def _decode(self, rows: list[list[int]], params: SamplingParams, generators: list[torch.Generator] | None,
-                strings: StopStrings | None,
-                report: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    def _decode(
+        self,
+        rows: list[list[int]],
+        params: SamplingParams,
+        generators: list[torch.Generator] | None,
+        strings: StopStrings | None,
+        report: Progress | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Token ids and log-probs ``[B, T]``, per row the step of its first stop token or of the
         token that completed a stop string (``T`` if none), and with ``params.top_logprobs`` k the
         k most likely tokens and their log-probs ``[B, T, k]`` (else None). Rows that stopped keep
@@ -227,12 +249,18 @@ class HFBackend(PausableBackend):
         for step in range(params.max_new_tokens):
             with self._decoding_step():
                 if out is None:
-                    out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                     logits_to_keep=1)
+                    out = self.model(
+                        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+                    )
                 else:
                     mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-                    out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                                     past_key_values=out.past_key_values, use_cache=True)
+                    out = self.model(
+                        input_ids=token[:, None],
+                        attention_mask=mask,
+                        position_ids=next_position,
+                        past_key_values=out.past_key_values,
+                        use_cache=True,
+                    )
                     next_position = next_position + 1
                 token, logprob, top = self._choose(out.logits[:, -1, :], params, generators)
                 if top is not None:
@@ -259,8 +287,9 @@ class HFBackend(PausableBackend):
         top = (torch.stack(top_ids, 1).cpu(), torch.stack(top_lps, 1).cpu()) if top_ids else None
         return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), stops_at.cpu(), top
 
-    def _choose(self, logits: torch.Tensor, params: SamplingParams,
-                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _choose(
+        self, logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         logp = sampling_logprobs(logits, params.temperature, params.top_p)
         top = logp.topk(params.top_logprobs, dim=-1) if params.top_logprobs else None
         if params.temperature == 0:
@@ -272,8 +301,15 @@ class HFBackend(PausableBackend):
             token = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
         return token, logp.gather(1, token[:, None]).squeeze(1), top
 
-    def _completions(self, tokens: torch.Tensor, logprobs: torch.Tensor, stops_at: torch.Tensor,
-                     params: SamplingParams, strings: StopStrings | None, top: tuple | None = None) -> list[Completion]:
+    def _completions(
+        self,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        stops_at: torch.Tensor,
+        params: SamplingParams,
+        strings: StopStrings | None,
+        top: tuple | None = None,
+    ) -> list[Completion]:
         ids_rows, lp_rows, reasons, by_string = [], [], [], []
         for i, (row, lps, stop) in enumerate(zip(tokens.tolist(), logprobs.tolist(), stops_at.tolist())):
             end = stop + 1 if stop < params.max_new_tokens else len(row)  # the stop token is kept, with its log-prob
@@ -283,15 +319,18 @@ class HFBackend(PausableBackend):
             by_string.append(strings is not None and i in strings.stopped)
         # Without the stop token; a row stopped by a string keeps every token (as vLLM's do) and
         # its text ends before the string (vLLM's default, include_stop_str_in_output=False).
-        texts = self._decode_text([ids[:-1] if r == "stop" and not s else ids
-                                   for ids, r, s in zip(ids_rows, reasons, by_string)])
+        texts = self._decode_text(
+            [ids[:-1] if r == "stop" and not s else ids for ids, r, s in zip(ids_rows, reasons, by_string)]
+        )
         texts = [text_before_stop(t, params.stop) if s else t for t, s in zip(texts, by_string)]
         tops: list[list] = [[] for _ in ids_rows]
         if top is not None:
             for i, (row_ids, row_lps) in enumerate(zip(top[0].tolist(), top[1].tolist())):
-                tops[i] = [list(zip(a, b)) for a, b in zip(row_ids[:len(ids_rows[i])], row_lps[:len(ids_rows[i])])]
-        return [Completion(ids, lps, text, reason, top_logprobs=t)
-                for ids, lps, text, reason, t in zip(ids_rows, lp_rows, texts, reasons, tops)]
+                tops[i] = [list(zip(a, b)) for a, b in zip(row_ids[: len(ids_rows[i])], row_lps[: len(ids_rows[i])])]
+        return [
+            Completion(ids, lps, text, reason, top_logprobs=t)
+            for ids, lps, text, reason, t in zip(ids_rows, lp_rows, texts, reasons, tops)
+        ]
 
     def _decode_text(self, rows: list[list[int]]) -> list[str]:
         # As the evaluation (asyncrl.rl.model.evaluation.solve_rate) reads a completion: without its stop token, special
@@ -320,8 +359,9 @@ class StopStrings:
         rows = [i for i, is_open in enumerate(open_rows) if is_open]
         for i in rows:
             self.ids[i].append(tokens[i])
-        tails = self.tokenizer.batch_decode([self.ids[i][-self.window:] for i in rows], skip_special_tokens=True,
-                                            clean_up_tokenization_spaces=False)
+        tails = self.tokenizer.batch_decode(
+            [self.ids[i][-self.window :] for i in rows], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
         hits = [i for i, tail in zip(rows, tails) if any(s in tail for s in self.stops)]
         self.stopped.update(hits)
         return hits
@@ -345,4 +385,3 @@ def _pad_id(tokenizer: Any) -> int:
         if isinstance(value, int):
             return value
     return 0
-

@@ -27,8 +27,9 @@ class InPlaceBackend(Protocol):
 
     def weight_tensors(self) -> Mapping[str, torch.Tensor]: ...
 
-    async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,
-                           timeout_s: float = 600.0) -> None: ...
+    async def load_weights(
+        self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False, timeout_s: float = 600.0
+    ) -> None: ...
 
 
 class ActorSink(WeightSink):
@@ -39,11 +40,22 @@ class ActorSink(WeightSink):
         self.member, self.backend = member, backend
         self.receiver: WeightReceiver | None = None
 
-    async def join(self, host: str, port: int, rank: int, world_size: int, *, generation: int, backend: str,
-                   timeout_s: float, name: str) -> str:
+    async def join(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        generation: int,
+        backend: str,
+        timeout_s: float,
+        name: str,
+    ) -> str:
         self.receiver = None  # its communicator is the one this join replaces
-        return await SyncMember.sync_join(self.member, host, port, rank, world_size, generation, backend, timeout_s,
-                                          name)
+        return await SyncMember.sync_join(
+            self.member, host, port, rank, world_size, generation, backend, timeout_s, name
+        )
 
     async def setup(self, timeout_s: float) -> int:
         from asyncrl.comm.weights import WeightReceiver
@@ -51,8 +63,9 @@ class ActorSink(WeightSink):
         comm, group = self.member.sync_comm, self.member.sync_group
         if comm is None:
             raise SamplerError("setup_receiver before joining a weight-sync group")
-        self.receiver = await asyncio.to_thread(WeightReceiver.create, comm, group, src=0,
-                                                expect=self.backend.weight_tensors(), timeout_s=timeout_s)
+        self.receiver = await asyncio.to_thread(
+            WeightReceiver.create, comm, group, src=0, expect=self.backend.weight_tensors(), timeout_s=timeout_s
+        )
         return len(self.receiver.layout.buckets)
 
     @property
@@ -76,8 +89,9 @@ class ActorSink(WeightSink):
 
         await self.backend.load_weights(load, in_flight=in_flight, timeout_s=timeout_s)
         # The resume: from the load's end to the backend's return (its thread's hop back included).
-        return SamplerSyncStats(pause_s=marks["loading"] - start, receive=stats[0],
-                                resume_s=time.perf_counter() - marks["loaded"])
+        return SamplerSyncStats(
+            pause_s=marks["loading"] - start, receive=stats[0], resume_s=time.perf_counter() - marks["loaded"]
+        )
 
     async def leave(self) -> None:
         self.receiver = None

@@ -1,5 +1,4 @@
-"""A sampler's walk over the train split: shuffled epochs, counted so a resume can skip ahead.
-"""
+"""A sampler's walk over the train split: shuffled epochs, counted so a resume can skip ahead."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ class CountedWalk:
         self.drawn = drawn
         self.seed = seed
 
-    def __iter__(self) -> "CountedWalk":
+    def __iter__(self) -> CountedWalk:
         return self
 
     def __next__(self) -> int:

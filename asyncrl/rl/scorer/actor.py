@@ -47,8 +47,17 @@ class ScorerActor(Actor):
     up to ``batch_tokens`` tokens a pass (see the module docstring). ``cpu_threads`` > 0 sets
     torch's intra-op threads."""
 
-    def __init__(self, model_path: str, *, device: str = "cpu", temperature: float = 1.0, batch_tokens: int = 16384,
-                 cpu_threads: int = 0, kind: str = "teacher", judge: dict | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        temperature: float = 1.0,
+        batch_tokens: int = 16384,
+        cpu_threads: int = 0,
+        kind: str = "teacher",
+        judge: dict | None = None,
+    ):
         if kind not in ("teacher", "reward", "judge"):
             raise ValueError(f"kind must be 'teacher', 'reward' or 'judge', not {kind!r}")
         if not temperature > 0:
@@ -79,8 +88,9 @@ class ScorerActor(Actor):
                 raise ScorerError(str(exc)) from None
             self.vocab = int(self.model.get_input_embeddings().weight.shape[0])
         else:
-            self.model, _, _ = load_policy(model_path, self.device,
-                                           dtype=torch.bfloat16 if self.device.type == "cuda" else None)
+            self.model, _, _ = load_policy(
+                model_path, self.device, dtype=torch.bfloat16 if self.device.type == "cuda" else None
+            )
             self.model.requires_grad_(False)
             self.vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self.temperature, self.batch_tokens = temperature, batch_tokens
@@ -88,8 +98,15 @@ class ScorerActor(Actor):
         self._pending: list[tuple[list[int], list[list[int]], asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._worker: asyncio.Task | None = None
-        self._stats = {"requests": 0, "passes": 0, "forwards": 0, "tokens": 0, "score_s": 0.0, "failed_passes": 0,
-                       "unparsed": 0}
+        self._stats = {
+            "requests": 0,
+            "passes": 0,
+            "forwards": 0,
+            "tokens": 0,
+            "score_s": 0.0,
+            "failed_passes": 0,
+            "unparsed": 0,
+        }
 
     async def on_start(self) -> None:
         self._worker = asyncio.create_task(self._serve(), name="scorer passes")
@@ -118,8 +135,10 @@ class ScorerActor(Actor):
             raise ScorerError(f"{self.name}: a request with an empty prompt (the first token is never scored)")
         for ids in (prompt_ids, *completion_ids):
             if ids and (min(ids) < 0 or max(ids) >= self.vocab):
-                raise ScorerError(f"{self.name}: token id {max(ids) if max(ids) >= self.vocab else min(ids)} is outside "
-                                  f"the teacher's vocabulary of {self.vocab}: teacher and student tokenizers differ")
+                raise ScorerError(
+                    f"{self.name}: token id {max(ids) if max(ids) >= self.vocab else min(ids)} is outside "
+                    f"the teacher's vocabulary of {self.vocab}: teacher and student tokenizers differ"
+                )
         future = asyncio.get_running_loop().create_future()
         self._pending.append((prompt_ids, completion_ids, future))
         self._wake.set()
@@ -151,13 +170,19 @@ class ScorerActor(Actor):
                     self._stats["failed_passes"] += 1
                     for _, _, future in live:
                         if not future.done():
-                            future.set_exception(ScorerError(f"{self.name}: scoring {len(live)} request(s) failed: "
-                                                             f"{type(exc).__name__}: {exc}"))
+                            future.set_exception(
+                                ScorerError(
+                                    f"{self.name}: scoring {len(live)} request(s) failed: {type(exc).__name__}: {exc}"
+                                )
+                            )
                     continue
-                self._stats.update(passes=self._stats["passes"] + 1, forwards=self._stats["forwards"] + forwards,
-                                   requests=self._stats["requests"] + len(live),
-                                   tokens=self._stats["tokens"] + sum(_tokens(r) for r in live),
-                                   score_s=self._stats["score_s"] + time.perf_counter() - start)
+                self._stats.update(
+                    passes=self._stats["passes"] + 1,
+                    forwards=self._stats["forwards"] + forwards,
+                    requests=self._stats["requests"] + len(live),
+                    tokens=self._stats["tokens"] + sum(_tokens(r) for r in live),
+                    score_s=self._stats["score_s"] + time.perf_counter() - start,
+                )
                 for (_, _, future), result in zip(live, results):
                     if not future.done():
                         future.set_result(result)
@@ -170,8 +195,12 @@ class ScorerActor(Actor):
             scores, calls = self.judge.score(requests, self.batch_tokens)
             self._stats["unparsed"] += sum(s is None for row in scores for s in row)
             return scores, calls
-        groups = [RolloutGroup(i, prompt, completions, [[0.0] * len(c) for c in completions], [0.0] * len(completions),
-                               version=0) for i, (prompt, completions) in enumerate(requests)]
+        groups = [
+            RolloutGroup(
+                i, prompt, completions, [[0.0] * len(c) for c in completions], [0.0] * len(completions), version=0
+            )
+            for i, (prompt, completions) in enumerate(requests)
+        ]
         flat = [(g, j) for g in groups for j in range(len(g.completion_ids))]
         # micro_batches orders sequences by length: the advantage slot carries each one's index back
         tags = torch.arange(len(flat), dtype=torch.float64)
@@ -179,13 +208,15 @@ class ScorerActor(Actor):
         batches = micro_batches(groups, tags, self.batch_tokens, self.device)
         autocast = torch.bfloat16 if self.device.type == "cuda" else None
         for batch in batches:
-            logprobs, _ = scored_logprobs(self.model, batch, self.temperature, fused=self.fused, autocast_dtype=autocast)
+            logprobs, _ = scored_logprobs(
+                self.model, batch, self.temperature, fused=self.fused, autocast_dtype=autocast
+            )
             for s, tag in enumerate(batch.advantages.tolist()):
                 g, j = flat[int(tag)]
-                out[int(tag)] = logprobs[s, :len(g.completion_ids[j])].tolist()
+                out[int(tag)] = logprobs[s, : len(g.completion_ids[j])].tolist()
         results, k = [], 0
         for g in groups:
-            results.append(out[k:k + len(g.completion_ids)])
+            results.append(out[k : k + len(g.completion_ids)])
             k += len(g.completion_ids)
         return results, len(batches)
 

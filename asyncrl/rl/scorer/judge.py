@@ -61,30 +61,44 @@ class Judge:
     tokenizer at ``student_path``. ``read``: "logprob" (``verdict_tokens``, two words) or
     "generate" (``verdict``, a regular expression; ``max_new_tokens``). See the module docstring."""
 
-    def __init__(self, model_path: str, student_path: str, template: str, *, read: str = "logprob",
-                 verdict_tokens: tuple[str, str] = ("yes", "no"), verdict: str = DEFAULT_VERDICT,
-                 max_new_tokens: int = 16, device: torch.device = CPU):
+    def __init__(
+        self,
+        model_path: str,
+        student_path: str,
+        template: str,
+        *,
+        read: str = "logprob",
+        verdict_tokens: tuple[str, str] = ("yes", "no"),
+        verdict: str = DEFAULT_VERDICT,
+        max_new_tokens: int = 16,
+        device: torch.device = CPU,
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if read not in ("logprob", "generate"):
             raise JudgeError(f"--reward_model.judge_read must be 'logprob' or 'generate', not {read!r}")
         if "{completion}" not in template:
-            raise JudgeError("the judge's template (--reward_model.template) has no {completion}: the judge would "
-                             "never see what it judges")
+            raise JudgeError(
+                "the judge's template (--reward_model.template) has no {completion}: the judge would "
+                "never see what it judges"
+            )
         self.read, self.template, self.device, self.max_new_tokens = read, template, device, max_new_tokens
         self.student = AutoTokenizer.from_pretrained(student_path, local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, local_files_only=True, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+            model_path, local_files_only=True, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
         self.model.to(device).eval().requires_grad_(False)
         pad = self.tokenizer.pad_token_id
         self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         if read == "logprob":
             ids = [self.tokenizer.encode(word, add_special_tokens=False) for word in verdict_tokens]
             if len(verdict_tokens) != 2 or any(len(i) != 1 for i in ids):
-                raise JudgeError(f"--reward_model.verdict_tokens {','.join(verdict_tokens)}: two words, each one token "
-                                 f"of the judge's tokenizer, are needed; they encode as {ids} (other words, or "
-                                 "--reward_model.judge_read generate)")
+                raise JudgeError(
+                    f"--reward_model.verdict_tokens {','.join(verdict_tokens)}: two words, each one token "
+                    f"of the judge's tokenizer, are needed; they encode as {ids} (other words, or "
+                    "--reward_model.judge_read generate)"
+                )
             self.verdict_ids = (ids[0][0], ids[1][0])
         else:
             try:
@@ -92,22 +106,29 @@ class Judge:
             except re.error as exc:
                 raise JudgeError(f"--reward_model.verdict {verdict!r} is not a regular expression: {exc}") from None
             if self.pattern.groups > 1:
-                raise JudgeError(f"--reward_model.verdict {verdict!r} has {self.pattern.groups} groups: one (the "
-                                 "number) or none (the whole match) is read")
+                raise JudgeError(
+                    f"--reward_model.verdict {verdict!r} has {self.pattern.groups} groups: one (the "
+                    "number) or none (the whole match) is read"
+                )
 
     def texts(self, requests: list[tuple[list[int], list[list[int]]]]) -> list[list[str]]:
         """The judge's input text for each completion of each ``(prompt, completions)`` request."""
         decode = lambda ids: self.student.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return [[render(self.template, decode(prompt), decode(c)) for c in completions]
-                for prompt, completions in requests]
+        return [
+            [render(self.template, decode(prompt), decode(c)) for c in completions] for prompt, completions in requests
+        ]
 
     @torch.no_grad()
-    def score(self, requests: list[tuple[list[int], list[list[int]]]],
-              budget: int) -> tuple[list[list[float | None]], int]:
+    def score(
+        self, requests: list[tuple[list[int], list[list[int]]]], budget: int
+    ) -> tuple[list[list[float | None]], int]:
         """One score (None: an unparsed verdict) per completion of each request, and the forwards
         (or generate calls) it took, at most ``budget`` padded tokens each."""
-        rows = [(r, j, self.tokenizer.encode(text)) for r, texts in enumerate(self.texts(requests))
-                for j, text in enumerate(texts)]
+        rows = [
+            (r, j, self.tokenizer.encode(text))
+            for r, texts in enumerate(self.texts(requests))
+            for j, text in enumerate(texts)
+        ]
         rows.sort(key=lambda row: len(row[2]))  # similar lengths together: less padding
         out: list[list[float | None]] = [[None] * len(completions) for _, completions in requests]
         calls, start = 0, 0
@@ -131,15 +152,20 @@ class Judge:
         attention = torch.zeros(len(seqs), width, dtype=torch.long)
         if self.read == "logprob":  # right-padded: the verdict is read after each row's last real token
             for i, s in enumerate(seqs):
-                ids[i, :len(s)], attention[i, :len(s)] = torch.tensor(s), 1
+                ids[i, : len(s)], attention[i, : len(s)] = torch.tensor(s), 1
             ids, attention = ids.to(self.device), attention.to(self.device)
             logits = self.model(input_ids=ids, attention_mask=attention).logits
             last = logits[torch.arange(len(seqs), device=self.device), attention.sum(1) - 1].float()
             yes, no = self.verdict_ids
             return torch.sigmoid(last[:, yes] - last[:, no]).tolist()  # log_softmax's normaliser cancels
         for i, s in enumerate(seqs):  # left-padded: generation continues every row from its end
-            ids[i, width - len(s):], attention[i, width - len(s):] = torch.tensor(s), 1
-        generated = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                                        max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.pad)
+            ids[i, width - len(s) :], attention[i, width - len(s) :] = torch.tensor(s), 1
+        generated = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            max_new_tokens=self.max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad,
+        )
         texts = self.tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
         return [parse_verdict(self.pattern, text) for text in texts]

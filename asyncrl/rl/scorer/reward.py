@@ -21,23 +21,31 @@ def load_reward_model(path: str, device: torch.device):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, local_files_only=True, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        path, local_files_only=True, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     if model.config.num_labels != 1:
-        raise RewardModelError(f"{path}: a reward model has one output (num_labels 1), this one has "
-                               f"{model.config.num_labels}")
+        raise RewardModelError(
+            f"{path}: a reward model has one output (num_labels 1), this one has {model.config.num_labels}"
+        )
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
-        raise RewardModelError(f"{path}: no linear `score` head (the Llama/Qwen2/Mistral families' "
-                               f"sequence-classification layout); {type(model).__name__} is not read")
+        raise RewardModelError(
+            f"{path}: no linear `score` head (the Llama/Qwen2/Mistral families' "
+            f"sequence-classification layout); {type(model).__name__} is not read"
+        )
     return model.to(device).eval().requires_grad_(False)
 
 
 @torch.no_grad()
-def sequence_rewards(model, requests: list[tuple[list[int], list[list[int]]]], budget: int,
-                     device: torch.device) -> tuple[list[list[float]], int]:
+def sequence_rewards(
+    model, requests: list[tuple[list[int], list[list[int]]]], budget: int, device: torch.device
+) -> tuple[list[list[float]], int]:
     """One score per completion of each ``(prompt, completions)`` request, and the forwards it
     took: rows of prompt + completion, right-padded, at most ``budget`` padded tokens a forward."""
-    rows = [(r, j, prompt + completion) for r, (prompt, completions) in enumerate(requests)
-            for j, completion in enumerate(completions)]
+    rows = [
+        (r, j, prompt + completion)
+        for r, (prompt, completions) in enumerate(requests)
+        for j, completion in enumerate(completions)
+    ]
     rows.sort(key=lambda row: len(row[2]))  # similar lengths together: less padding
     out = [[0.0] * len(completions) for _, completions in requests]
     body = getattr(model, model.base_model_prefix)
@@ -51,8 +59,8 @@ def sequence_rewards(model, requests: list[tuple[list[int], list[list[int]]]], b
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         attention = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, (_, _, seq) in enumerate(chunk):
-            ids[i, :len(seq)] = torch.tensor(seq)
-            attention[i, :len(seq)] = 1
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attention[i, : len(seq)] = 1
         ids, attention = ids.to(device), attention.to(device)
         hidden = body(input_ids=ids, attention_mask=attention).last_hidden_state
         last = attention.sum(dim=1) - 1

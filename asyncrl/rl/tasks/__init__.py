@@ -7,11 +7,43 @@ written on the public API alone, and ``arith.py`` the parser its reward reads mo
 """
 
 from asyncrl.rl.tasks.agent import Agent, FunctionAgent
-from asyncrl.rl.tasks.base import (Environment, Episode, Message, Prompt, Reply, Score, Splits, Task, TaskError,
-                                   TaskInputError, as_prompt, as_score)
+from asyncrl.rl.tasks.base import (
+    Environment,
+    Episode,
+    Message,
+    Prompt,
+    Reply,
+    Score,
+    Splits,
+    Task,
+    TaskError,
+    TaskInputError,
+    as_prompt,
+    as_score,
+)
 from asyncrl.rl.tasks.dataset import DatasetError, RewardFunctionTask, load_rows
 from asyncrl.rl.tasks.loading import TaskLoadError, TaskSpec, load_task, task_class
 
-__all__ = ["Agent", "DatasetError", "FunctionAgent", "Environment", "Episode", "Message", "Prompt", "Reply", "RewardFunctionTask", "Score",
-           "Splits", "Task", "TaskError", "TaskInputError", "TaskLoadError", "TaskSpec", "as_prompt", "as_score",
-           "load_rows", "load_task", "task_class"]
+__all__ = [
+    "Agent",
+    "DatasetError",
+    "FunctionAgent",
+    "Environment",
+    "Episode",
+    "Message",
+    "Prompt",
+    "Reply",
+    "RewardFunctionTask",
+    "Score",
+    "Splits",
+    "Task",
+    "TaskError",
+    "TaskInputError",
+    "TaskLoadError",
+    "TaskSpec",
+    "as_prompt",
+    "as_score",
+    "load_rows",
+    "load_task",
+    "task_class",
+]

@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from asyncrl.rl.tasks.base import Score, Task, TaskInputError, TaskError, default_fingerprint
+from asyncrl.rl.tasks.base import Score, Task, TaskError, TaskInputError, default_fingerprint
 
 AgentFunction = Callable[[Any, Any], Awaitable[float | Score]]
 
@@ -69,8 +69,10 @@ class FunctionAgent(Agent):
     @classmethod
     def of(cls, fn: AgentFunction) -> type[FunctionAgent]:
         if not inspect.iscoroutinefunction(fn):
-            raise TaskInputError(f"{getattr(fn, '__qualname__', fn)!r} is not an async function: an agent is "
-                                 "`async def agent(problem, client)`")
+            raise TaskInputError(
+                f"{getattr(fn, '__qualname__', fn)!r} is not an async function: an agent is "
+                "`async def agent(problem, client)`"
+            )
         name = getattr(fn, "__name__", "agent")
         return type(f"FunctionAgent_{name}", (cls,), {"function": staticmethod(fn), "name": name})
 

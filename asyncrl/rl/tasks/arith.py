@@ -195,9 +195,7 @@ def _tokenize(text: str) -> list[_Token]:
         elif c == ".":
             raise ArithError(f"decimal point at {i}: only whole numbers are allowed")
         else:
-            raise ArithError(
-                f"unexpected character {c!r} at {i}; only digits 0-9, + - * / ( ) and spaces are allowed"
-            )
+            raise ArithError(f"unexpected character {c!r} at {i}; only digits 0-9, + - * / ( ) and spaces are allowed")
     return tokens
 
 

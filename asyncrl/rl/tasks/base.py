@@ -164,8 +164,10 @@ class Task(Generic[ProblemT]):
     def problems(self) -> Sequence[ProblemT]:
         """Every problem; by default the rows of ``--task.data``."""
         if not self.data:
-            raise TaskError(f"task {self.task_name()}: no problems: give a data file with --task.data "
-                            "(JSONL or Parquet), or override problems() or splits()")
+            raise TaskError(
+                f"task {self.task_name()}: no problems: give a data file with --task.data "
+                "(JSONL or Parquet), or override problems() or splits()"
+            )
         return self.data
 
     def splits(self, seed: int | str, n_train: int, n_heldout: int) -> Splits[ProblemT]:
@@ -233,8 +235,9 @@ def as_prompt(value: Prompt | str | list) -> Prompt:
             elif isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
                 messages.append(Message(m["role"], m["content"]))
             else:
-                raise TaskInputError(f"a prompt message must be a Message or a dict with 'role' and 'content' "
-                                     f"strings, not {m!r:.80}")
+                raise TaskInputError(
+                    f"a prompt message must be a Message or a dict with 'role' and 'content' strings, not {m!r:.80}"
+                )
         return Prompt(messages)
     raise TaskInputError(f"prompt() must return a str, a non-empty list of messages or a Prompt, not {value!r:.80}")
 
@@ -266,8 +269,7 @@ FINGERPRINT_PROBES = 3
 """Problems whose prompt and demonstration go into `default_fingerprint`."""
 
 
-def default_splits(task: Task, seed: int | str, n_train: int, n_heldout: int, *,
-                   salt: str | None = None) -> Splits:
+def default_splits(task: Task, seed: int | str, n_train: int, n_heldout: int, *, salt: str | None = None) -> Splits:
     """`Task.splits` of a task whose problems are a list: the first ``n_heldout`` rows of
     ``task.heldout_data`` when it has them (a `TaskError` if fewer), the train split then being the
     first ``n_train`` problems; otherwise the first ``n_heldout`` of a shuffle of the problems seeded
@@ -277,13 +279,17 @@ def default_splits(task: Task, seed: int | str, n_train: int, n_heldout: int, *,
     name = task.task_name()
     if task.heldout_data is not None:
         if len(task.heldout_data) < n_heldout:
-            raise TaskError(f"task {name}: --run.n_heldout {n_heldout} is more than the {len(task.heldout_data)} "
-                            "rows of --task.heldout_data: give a smaller --run.n_heldout or more rows")
+            raise TaskError(
+                f"task {name}: --run.n_heldout {n_heldout} is more than the {len(task.heldout_data)} "
+                "rows of --task.heldout_data: give a smaller --run.n_heldout or more rows"
+            )
         return Splits(list(task.problems()[:n_train]), list(task.heldout_data[:n_heldout]))
     problems = task.problems()
     if n_heldout >= len(problems):
-        raise TaskError(f"task {name}: --run.n_heldout {n_heldout} holds out all {len(problems)} problems, leaving "
-                        "none to train on: give a smaller --run.n_heldout, more problems, or --task.heldout_data")
+        raise TaskError(
+            f"task {name}: --run.n_heldout {n_heldout} holds out all {len(problems)} problems, leaving "
+            "none to train on: give a smaller --run.n_heldout, more problems, or --task.heldout_data"
+        )
     order = list(range(len(problems)))
     random.Random(f"{name if salt is None else salt}/{seed}/split").shuffle(order)
     held = order[:n_heldout]

@@ -85,7 +85,7 @@ def _search(items: list[tuple[int, int, _Tree]], target: int, dead: set) -> _Tre
             a, b = items[i], items[j]
             if a[0] * b[1] < b[0] * a[1]:
                 a, b = b, a
-            rest = items[:i] + items[i + 1:j] + items[j + 1:]
+            rest = items[:i] + items[i + 1 : j] + items[j + 1 :]
             for item in _combine(*a, *b):
                 found = _search(rest + [item], target, dead)
                 if found is not None:
@@ -140,8 +140,9 @@ def _to_expr(tree: _Tree) -> Expr:
 # --- generator and splits -----------------------------------------------------------------------
 
 
-def generate(seed: int | str, n: int, config: CountdownConfig = CountdownConfig(),
-             *, exclude: Iterable[ProblemKey] = ()) -> list[CountdownProblem]:
+def generate(
+    seed: int | str, n: int, config: CountdownConfig = CountdownConfig(), *, exclude: Iterable[ProblemKey] = ()
+) -> list[CountdownProblem]:
     """``n`` distinct problems (by :func:`problem_key`), none of whose keys is in ``exclude``.
 
     Deterministic for a seed, and a stream: ``generate(s, k)`` is a prefix of ``generate(s, n)`` for
@@ -159,8 +160,9 @@ def generate(seed: int | str, n: int, config: CountdownConfig = CountdownConfig(
     while len(problems) < n:
         tries += 1
         if tries > 1000 + 200 * n:
-            raise ValueError(f"only {len(problems)} of {n} distinct problems after {tries - 1} tries; "
-                             f"widen the ranges of {config}")
+            raise ValueError(
+                f"only {len(problems)} of {n} distinct problems after {tries - 1} tries; widen the ranges of {config}"
+            )
         problem = _draw(rng, config)
         if problem is not None and problem_key(problem) not in seen:
             seen.add(problem_key(problem))
@@ -168,8 +170,9 @@ def generate(seed: int | str, n: int, config: CountdownConfig = CountdownConfig(
     return problems
 
 
-def train_and_heldout(seed: int | str, n_train: int, n_heldout: int,
-                      config: CountdownConfig = CountdownConfig()) -> tuple[list[CountdownProblem], list[CountdownProblem]]:
+def train_and_heldout(
+    seed: int | str, n_train: int, n_heldout: int, config: CountdownConfig = CountdownConfig()
+) -> tuple[list[CountdownProblem], list[CountdownProblem]]:
     """Disjoint train and held-out sets, deterministic for ``seed``.
 
     They never share a key: the held-out set is drawn first from a stream of its own, and the train
@@ -181,8 +184,9 @@ def train_and_heldout(seed: int | str, n_train: int, n_heldout: int,
     return train, heldout
 
 
-def heldout_split(seed: int | str, n_heldout: int,
-                  config: CountdownConfig = CountdownConfig()) -> list[CountdownProblem]:
+def heldout_split(
+    seed: int | str, n_heldout: int, config: CountdownConfig = CountdownConfig()
+) -> list[CountdownProblem]:
     """The held-out set of :func:`train_and_heldout` (the same problems, in the same order), without
     drawing the train split: ``train_and_heldout(seed, n_train, n_heldout, config)[1]`` for any
     ``n_train``, since the held-out stream is drawn first and on its own."""
@@ -219,9 +223,11 @@ def _draw(rng: random.Random, config: CountdownConfig) -> CountdownProblem | Non
 
 def format_prompt(problem: CountdownProblem) -> str:
     """The instruction a model sees for ``problem``."""
-    return (f"Using the numbers {list(problem.numbers)}, make {problem.target}. "
-            "Use each number exactly once, with + - * / and parentheses. "
-            "Write only the expression inside <answer></answer>, for example <answer>(1 + 2) * 3</answer>.")
+    return (
+        f"Using the numbers {list(problem.numbers)}, make {problem.target}. "
+        "Use each number exactly once, with + - * / and parentheses. "
+        "Write only the expression inside <answer></answer>, for example <answer>(1 + 2) * 3</answer>."
+    )
 
 
 def format_prompt_compact(problem: CountdownProblem) -> str:
@@ -267,7 +273,7 @@ def extract_answer(completion: str) -> str | None:
     if start < 0:
         return None
     start += len(_OPEN)
-    return completion[start:completion.find(_CLOSE, start)]
+    return completion[start : completion.find(_CLOSE, start)]
 
 
 def score(problem: CountdownProblem, completion: str) -> RewardBreakdown:
@@ -340,8 +346,12 @@ class Countdown(Task[CountdownProblem]):
     def score(self, problem: CountdownProblem, completion: str) -> Score:
         """:func:`score`: its reward, whether correct, and its parts (0 or 1 each) as metrics."""
         b = score(problem, completion)
-        parts = {"has_answer": b.has_answer, "well_formed": b.well_formed, "uses_numbers": b.uses_numbers,
-                 "hits_target": b.hits_target}
+        parts = {
+            "has_answer": b.has_answer,
+            "well_formed": b.well_formed,
+            "uses_numbers": b.uses_numbers,
+            "hits_target": b.hits_target,
+        }
         return Score(b.reward, b.correct, metrics={k: float(v) for k, v in parts.items()})
 
     def demonstration(self, problem: CountdownProblem) -> str:
@@ -352,8 +362,7 @@ class Countdown(Task[CountdownProblem]):
     def fingerprint(self) -> dict[str, Any]:
         """The options and a probe problem's compact prompt and reference: exactly what Countdown's
         warm-start cache key held before tasks were public, so cached default models stay valid."""
-        return {"countdown": asdict(self.config),
-                "probe": [format_prompt_compact(_PROBE), format_reference(_PROBE)]}
+        return {"countdown": asdict(self.config), "probe": [format_prompt_compact(_PROBE), format_reference(_PROBE)]}
 
 
 _PROBE = CountdownProblem(numbers=[3, 7, 25], target=46, solution="25 + 7 * 3")

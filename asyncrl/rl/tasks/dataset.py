@@ -59,8 +59,9 @@ def _jsonl(path: str) -> tuple[list[dict[str, Any]], list[str]]:
                 except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # malformed JSON, or not UTF-8
                     raise DatasetError(f"{path}: line {number}: not valid JSON ({exc})") from None
                 if not isinstance(row, dict):
-                    raise DatasetError(f"{path}: line {number}: a row must be a JSON object ({{...}}), not "
-                                       f"{_json_kind(row)}")
+                    raise DatasetError(
+                        f"{path}: line {number}: a row must be a JSON object ({{...}}), not {_json_kind(row)}"
+                    )
                 rows.append(row)
                 where.append(f"line {number}")
     except OSError as exc:
@@ -133,8 +134,9 @@ class RewardFunctionTask(Task[dict]):
             value = row.get(self.prompt_key)
             if value is None:
                 keys = ", ".join(map(repr, list(row)[:8])) or "none"
-                raise DatasetError(f"{path}: {at}: no {self.prompt_key!r} key (--task.prompt_key "
-                                   f"{self.prompt_key}); its keys: {keys}")
+                raise DatasetError(
+                    f"{path}: {at}: no {self.prompt_key!r} key (--task.prompt_key {self.prompt_key}); its keys: {keys}"
+                )
             try:
                 as_prompt(value)
             except TaskError as exc:

@@ -36,8 +36,17 @@ from typing import Any, Protocol
 import msgspec
 
 from asyncrl.rl.generation import Completion, SamplingParams, row_seed
-from asyncrl.rl.tasks.base import (Environment, Episode, Message, Prompt, Reply, Task, TaskInputError, as_prompt,
-                                   as_score)
+from asyncrl.rl.tasks.base import (
+    Environment,
+    Episode,
+    Message,
+    Prompt,
+    Reply,
+    Task,
+    TaskInputError,
+    as_prompt,
+    as_score,
+)
 from asyncrl.rl.tasks.scoring import Outcome, UserCalls
 
 Generate = Callable[[list[list[int]], int, SamplingParams], Awaitable[list[list[Completion]]]]
@@ -52,8 +61,9 @@ class PromptRenderer(Protocol):
 
     def render_ids(self, prompt: Prompt) -> list[int]: ...
 
-    def reply_ids(self, prompt: Prompt, turns: list[Message], reply: Reply,
-                  model_stopped_on_token: bool) -> list[int]: ...
+    def reply_ids(
+        self, prompt: Prompt, turns: list[Message], reply: Reply, model_stopped_on_token: bool
+    ) -> list[int]: ...
 
 
 class Sample(msgspec.Struct):
@@ -83,8 +93,7 @@ class EpisodeRunner:
     turns per episode (0: the environment's ``max_turns``); ``max_context``: the model's positions,
     prompt included (0: no limit), which an episode's turns must fit."""
 
-    def __init__(self, task: Task, fmt: PromptRenderer, calls: UserCalls, *, max_turns: int = 0,
-                 max_context: int = 0):
+    def __init__(self, task: Task, fmt: PromptRenderer, calls: UserCalls, *, max_turns: int = 0, max_context: int = 0):
         for name, value in (("max_turns", max_turns), ("max_context", max_context)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a whole number >= 0 (0: the default), not {value!r}")
@@ -96,8 +105,14 @@ class EpisodeRunner:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise TaskInputError(f"environment {task.task_name()}: stop must be non-empty strings, not {self.stop!r}")
 
-    async def run(self, problems: list, n: int, params: SamplingParams, generate: Generate,
-                  prompt_ids: list[list[int]] | None = None) -> list[list[Sample]]:
+    async def run(
+        self,
+        problems: list,
+        n: int,
+        params: SamplingParams,
+        generate: Generate,
+        prompt_ids: list[list[int]] | None = None,
+    ) -> list[list[Sample]]:
         """``n`` samples per problem, in problem order. ``prompt_ids``: each problem's rendered
         prompt where the caller has it (`render_ids` of the task's prompt otherwise). Raises what
         ``generate`` raises, and `TaskFailureError` when the task's calls leave no worker."""
@@ -118,8 +133,13 @@ class EpisodeRunner:
     async def _single_turn(self, problems, n, params, generate, prompt_ids) -> list[list[Sample]]:
         groups = _checked(await generate(prompt_ids, n, params), len(problems), n)
         convert = partial(as_score, correct_reward=self.task.correct_reward)
-        outcomes = await asyncio.gather(*(self.calls.call(self.task.score, p, c.text, what="score", convert=convert)
-                                          for p, g in zip(problems, groups) for c in g))
+        outcomes = await asyncio.gather(
+            *(
+                self.calls.call(self.task.score, p, c.text, what="score", convert=convert)
+                for p, g in zip(problems, groups)
+                for c in g
+            )
+        )
         samples = [_scored(c, o) for g, os in zip(groups, _chunks(outcomes, n)) for c, o in zip(g, os)]
         return _chunks(samples, n)
 
@@ -152,8 +172,9 @@ class EpisodeRunner:
             return params.max_new_tokens
         return min(params.max_new_tokens, self.max_context - len(r.prompt_ids) - len(r.ids))
 
-    async def _turn(self, turn: int, runs: list[_Run], n: int, params: SamplingParams,
-                    generate: Generate) -> list[Completion]:
+    async def _turn(
+        self, turn: int, runs: list[_Run], n: int, params: SamplingParams, generate: Generate
+    ) -> list[Completion]:
         """One model turn of ``runs``: one ``generate`` call per distinct token budget (one in all,
         unless some contexts are near ``max_context``). Turn 1 gives ``n`` completions per prompt
         (the ``n`` runs of a problem are adjacent); later turns one per run's context."""
@@ -174,7 +195,7 @@ class EpisodeRunner:
         out: list[Completion | None] = [None] * len(runs)
         for indices, groups in zip(by_room.values(), results):
             for i, group in zip(indices, _checked(groups, len(indices), n)):
-                out[i * n:(i + 1) * n] = group
+                out[i * n : (i + 1) * n] = group
         return out
 
     async def _step(self, r: _Run, c: Completion, params: SamplingParams) -> Outcome:
@@ -253,8 +274,17 @@ class _Run:
         _add(self.metrics, metrics)
         self.metrics["turns"] = float(self.model_turns)
         self.metrics.setdefault("episodes_truncated", 0.0)
-        self.sample = Sample(self.ids, self.logprobs, "".join(self.texts), reward, correct, self.finish_reason,
-                             action_mask=self.mask, metrics=self.metrics, error=error)
+        self.sample = Sample(
+            self.ids,
+            self.logprobs,
+            "".join(self.texts),
+            reward,
+            correct,
+            self.finish_reason,
+            action_mask=self.mask,
+            metrics=self.metrics,
+            error=error,
+        )
 
 
 def as_reply(value: Any, task: Task) -> Reply:
@@ -282,8 +312,15 @@ def as_reply(value: Any, task: Task) -> Reply:
 def _scored(c: Completion, o: Outcome) -> Sample:
     if o.error:
         return Sample(c.token_ids, c.logprobs, c.text, 0.0, False, c.finish_reason, error=o.error)
-    return Sample(c.token_ids, c.logprobs, c.text, o.value.reward, bool(o.value.correct), c.finish_reason,
-                  metrics=dict(o.value.metrics))
+    return Sample(
+        c.token_ids,
+        c.logprobs,
+        c.text,
+        o.value.reward,
+        bool(o.value.correct),
+        c.finish_reason,
+        metrics=dict(o.value.metrics),
+    )
 
 
 def _checked(groups: list[list[Completion]], prompts: int, n: int) -> list[list[Completion]]:
@@ -293,7 +330,7 @@ def _checked(groups: list[list[Completion]], prompts: int, n: int) -> list[list[
 
 
 def _chunks(items: list, n: int) -> list[list]:
-    return [items[i:i + n] for i in range(0, len(items), n)]
+    return [items[i : i + n] for i in range(0, len(items), n)]
 
 
 def _add(into: dict[str, float], metrics: dict[str, float]) -> None:

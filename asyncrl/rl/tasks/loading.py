@@ -71,8 +71,10 @@ def task_class(name: str) -> type[Task]:
     if inspect.iscoroutinefunction(obj):  # an agent: async def agent(problem, client) (tasks/agent.py)
         return FunctionAgent.of(obj)
     if not (isinstance(obj, type) and issubclass(obj, Task)):
-        raise TaskLoadError(f"--task.name {name}: {_described_value(name, obj)}, not a subclass of "
-                            "asyncrl.rl.tasks.Task nor an agent (an async function of a problem and a client)")
+        raise TaskLoadError(
+            f"--task.name {name}: {_described_value(name, obj)}, not a subclass of "
+            "asyncrl.rl.tasks.Task nor an agent (an async function of a problem and a client)"
+        )
     return obj
 
 
@@ -93,8 +95,9 @@ def _build(spec: TaskSpec) -> Task:
         if spec.name:
             raise TaskLoadError(f"--task.name {spec.name} and --task.reward {spec.reward}: give one, not both")
         if spec.options:
-            raise TaskLoadError(f"--task.reward {spec.reward}: a reward function takes no options, given "
-                                f"{', '.join(spec.options)}")
+            raise TaskLoadError(
+                f"--task.reward {spec.reward}: a reward function takes no options, given {', '.join(spec.options)}"
+            )
         fn = reward_function(spec.reward)
         task: Task = RewardFunctionTask.of(fn, spec.reward)(fn, spec.prompt_key)
         if not spec.data:
@@ -109,8 +112,10 @@ def _build(spec: TaskSpec) -> Task:
         task.max_calls = spec.max_turns  # an agent's turns are its model calls
     elif spec.max_turns:
         if not isinstance(task, Environment):
-            raise TaskLoadError(f"--task.max_turns {spec.max_turns}: task {task.task_name()} is single-turn (not an "
-                                "Environment); leave --task.max_turns at 0")
+            raise TaskLoadError(
+                f"--task.max_turns {spec.max_turns}: task {task.task_name()} is single-turn (not an "
+                "Environment); leave --task.max_turns at 0"
+            )
         task.max_turns = spec.max_turns  # the instance's, over the class's
     return task
 
@@ -126,18 +131,21 @@ def _construct(cls: type[Task], spec: TaskSpec) -> Task:
         known = [f.name for f in dataclasses.fields(options_type)] if dataclasses.is_dataclass(options_type) else []
         unknown = [k for k in spec.options if known and k not in known]
         if unknown:
-            raise TaskLoadError(f"--{name}.{unknown[0]}: task {name} has no such option; its options: "
-                                f"{', '.join(known)}")
+            raise TaskLoadError(
+                f"--{name}.{unknown[0]}: task {name} has no such option; its options: {', '.join(known)}"
+            )
         try:
             args = (msgspec.convert(spec.options, options_type),)
         except msgspec.ValidationError as exc:  # a wrong type, or the Config's own __post_init__ check
-            raise TaskLoadError(f"task {name}: its options (--{name}.*) do not fit {options_type.__name__}: "
-                                f"{exc}") from None
+            raise TaskLoadError(
+                f"task {name}: its options (--{name}.*) do not fit {options_type.__name__}: {exc}"
+            ) from None
     try:
         return cls(*args)
     except Exception as exc:  # the user's constructor: one line with where it raised
-        raise TaskLoadError(f"task {name}: {cls.__qualname__}({'config' if args else ''}) raised "
-                            f"{describe_error(exc)}") from None
+        raise TaskLoadError(
+            f"task {name}: {cls.__qualname__}({'config' if args else ''}) raised {describe_error(exc)}"
+        ) from None
 
 
 def _rows(task: Task, path: str, flag: str) -> list[dict[str, Any]]:
@@ -219,6 +227,7 @@ def _import_module(target: str, ref: str, flag: str) -> ModuleType:
 
 def _candidates(module: ModuleType, flag: str) -> str:
     """``; it defines: A, B`` (the Task subclasses, or for a reward the functions, defined there)."""
+
     def fits(value: Any) -> bool:
         if getattr(value, "__module__", None) != module.__name__:
             return False

@@ -66,16 +66,26 @@ class UserCalls:
     docstring). Hung threads are shared by every loop that uses the object, free places are
     counted per loop (the trainer's evaluation runs a loop per call)."""
 
-    def __init__(self, task_name: str, timeout_s: float, max_failure_rate: float, min_calls: int = 50,
-                 workers: int = 16, *, stop_early: bool = False):
+    def __init__(
+        self,
+        task_name: str,
+        timeout_s: float,
+        max_failure_rate: float,
+        min_calls: int = 50,
+        workers: int = 16,
+        *,
+        stop_early: bool = False,
+    ):
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"task {task_name}: the score deadline must be a finite number of seconds > 0, "
-                             f"not {timeout_s!r}")
+            raise ValueError(
+                f"task {task_name}: the score deadline must be a finite number of seconds > 0, not {timeout_s!r}"
+            )
         if not 0.0 <= max_failure_rate <= 1.0:  # NaN fails too
             raise ValueError(f"task {task_name}: max_failure_rate must be in [0, 1], not {max_failure_rate!r}")
         if min_calls < 1 or workers < 2:
-            raise ValueError(f"task {task_name}: min_calls must be >= 1 and workers >= 2, "
-                             f"not {min_calls} and {workers}")
+            raise ValueError(
+                f"task {task_name}: min_calls must be >= 1 and workers >= 2, not {min_calls} and {workers}"
+            )
         self.task_name, self.timeout_s, self.max_failure_rate = task_name, float(timeout_s), float(max_failure_rate)
         self.min_calls, self.workers = min_calls, workers
         self.stop_early = stop_early
@@ -93,16 +103,18 @@ class UserCalls:
         self._waiting = 0  # calls waiting for a place to run (on any loop)
         self._lock = threading.Lock()  # counters: done callbacks run on the worker threads
         self._pool = _DaemonPool(workers, f"task-{task_name}")
-        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
+        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
+        )
 
     @property
     def hung(self) -> int:
         """Threads abandoned past their deadline that still run."""
         return self._hung
 
-    async def call(self, fn: Callable[..., Any], *args: Any, what: str,
-                   convert: Callable[[Any], Any] | None = None) -> Outcome:
+    async def call(
+        self, fn: Callable[..., Any], *args: Any, what: str, convert: Callable[[Any], Any] | None = None
+    ) -> Outcome:
         """``fn(*args)`` under the deadline; ``convert(value)`` (e.g. `as_score`) turns the value
         into what the caller uses, and what it raises counts as ``"bad_value"``. ``what`` names the
         call in messages ("score", "step"). Raises only `TaskFailureError` (called after `close`,
@@ -140,7 +152,8 @@ class UserCalls:
         if calls >= self.min_calls and failures / calls > self.max_failure_rate:
             raise TaskFailureError(
                 f"task {self.task_name}: {failures} of {calls} score/step calls failed ({failures / calls:.0%}, more "
-                f"than --task.max_failure_rate {self.max_failure_rate:g}); the first failure:\n{self.first_traceback}")
+                f"than --task.max_failure_rate {self.max_failure_rate:g}); the first failure:\n{self.first_traceback}"
+            )
 
     def close(self) -> None:
         """Stop the workers without waiting for them (a hung one is abandoned). Idempotent."""
@@ -170,7 +183,6 @@ class UserCalls:
         if not done:
             acquiring.cancel()
         return bool(done)
-
 
     async def _run_sync(self, fn, args, what: str, gate: asyncio.Semaphore, loop) -> Outcome:
         where: list[int] = []  # the worker thread's id, for the stack of a call that hangs
@@ -224,8 +236,9 @@ class UserCalls:
             raise
         if not done:
             task.cancel()  # it may ignore the cancel; nobody waits for it
-            frames = "".join(traceback.format_list(_users(traceback.StackSummary.extract(
-                (f, f.f_lineno) for f in task.get_stack()))))
+            frames = "".join(
+                traceback.format_list(_users(traceback.StackSummary.extract((f, f.f_lineno) for f in task.get_stack())))
+            )
             return Outcome(None, "timeout", f"{what} ran past its {timeout_s:g} s deadline; it was at:\n{frames}")
         return task.result()
 
@@ -279,7 +292,7 @@ def _users(stack: traceback.StackSummary) -> list[traceback.FrameSummary]:
     """A hung call's stack from the frame after this module's last one (the thread's start and
     the worker loop above it are ours)."""
     ours = [i for i, frame in enumerate(stack) if frame.filename == __file__]
-    return list(stack[ours[-1] + 1:] if ours and ours[-1] + 1 < len(stack) else stack)
+    return list(stack[ours[-1] + 1 :] if ours and ours[-1] + 1 < len(stack) else stack)
 
 
 def _retrieve(future: asyncio.Future) -> None:

@@ -46,7 +46,7 @@ def parse_tool_call(text: str, names: Sequence[str]) -> ToolCall | None:
             continue
         start = text.rfind(opening, 0, end)
         if start >= 0:
-            best = (end, ToolCall(name, text[start + len(opening):end]))
+            best = (end, ToolCall(name, text[start + len(opening) : end]))
     return None if best is None else best[1]
 
 

@@ -37,12 +37,11 @@ from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
 from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.parallel import Local
 from asyncrl.rl.trainer.rank_member import RankMember
-from asyncrl.rl.trainer.split import batch_counts
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.rl.trainer.scoring import scored_logprobs
+from asyncrl.rl.trainer.split import batch_counts
 from asyncrl.runtime.actor import endpoint
 from asyncrl.runtime.startup import start_phase
-
 
 DEADLINE_S = 900.0
 """A call's deadline on a rank group when the driver names none (the default train step deadline)."""
@@ -60,8 +59,16 @@ class TrainerActor(RankMember, SyncMember):
     """Holds the policy and its optimiser; rank 0 of the weight-sync group. ``task`` and ``data``
     give the held-out problems `evaluate` solves (the task is built here, from its spec)."""
 
-    def __init__(self, model_path: str, config: TrainerConfig = TrainerConfig(), *, device: str = "cpu", seed: int = 0,
-                 task: TaskSpec | None = None, data: DataConfig = DataConfig()):
+    def __init__(
+        self,
+        model_path: str,
+        config: TrainerConfig = TrainerConfig(),
+        *,
+        device: str = "cpu",
+        seed: int = 0,
+        task: TaskSpec | None = None,
+        data: DataConfig = DataConfig(),
+    ):
         task = TaskSpec("countdown") if task is None else task  # built per call: its options are a dict
         torch.manual_seed(seed)
         self.seed = seed
@@ -89,8 +96,9 @@ class TrainerActor(RankMember, SyncMember):
                 self.ref, _, _ = self._load_policy(model_path)
                 self.ref.eval().requires_grad_(False)
         except torch.OutOfMemoryError as exc:
-            raise self._does_not_fit("the policy" + (" and its KL reference" if config.loss.kl_coef else ""),
-                                     exc) from None
+            raise self._does_not_fit(
+                "the policy" + (" and its KL reference" if config.loss.kl_coef else ""), exc
+            ) from None
         self.optimizer = self._new_optimizer()
         self.sender: WeightSender | None = None
         self.steps = 0
@@ -151,8 +159,13 @@ class TrainerActor(RankMember, SyncMember):
     def _new_optimizer(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         # fused: one kernel for every parameter's update on a GPU (torch's own); elsewhere its default
-        return torch.optim.AdamW(trainable, lr=self.config.lr, betas=self.config.betas,
-                                 weight_decay=self.config.weight_decay, fused=self.device.type == "cuda" or None)
+        return torch.optim.AdamW(
+            trainable,
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+            fused=self.device.type == "cuda" or None,
+        )
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """What a weight sync sends: every parameter; with LoRA, the merged weights under the base
@@ -170,8 +183,9 @@ class TrainerActor(RankMember, SyncMember):
         Returns the bucket count. With a rank group, every rank computes the layout (rank 0
         alone agrees on it with the samplers) and the buckets are gathered by all of them."""
         cast = DTYPES[wire_dtype] if wire_dtype else None
-        return await self._run("agreeing on the weight layout", timeout_s, self._setup_sender, timeout_s,
-                               bucket_bytes, cast)
+        return await self._run(
+            "agreeing on the weight layout", timeout_s, self._setup_sender, timeout_s, bucket_bytes, cast
+        )
 
     def _setup_sender(self, timeout_s: float, bucket_bytes: int, wire_dtype: torch.dtype | None) -> int:
         from asyncrl.comm.weights import default_bucket_bytes, sender_layout
@@ -181,8 +195,15 @@ class TrainerActor(RankMember, SyncMember):
         direct = self.parallel.world_size == 1
         size = bucket_bytes or (None if direct else default_bucket_bytes(self.device))
         if self.rank == 0:
-            self.sender = WeightSender.create(self.sync_comm, self.sync_group, params, bucket_bytes=size,
-                                              timeout_s=timeout_s, wire_dtype=wire_dtype, allow_direct=direct)
+            self.sender = WeightSender.create(
+                self.sync_comm,
+                self.sync_group,
+                params,
+                bucket_bytes=size,
+                timeout_s=timeout_s,
+                wire_dtype=wire_dtype,
+                allow_direct=direct,
+            )
             layout = self.sender.layout
         else:
             layout = sender_layout(params, size, wire_dtype, allow_direct=direct)
@@ -258,14 +279,22 @@ class TrainerActor(RankMember, SyncMember):
             self.optimizer.step()
         except torch.OutOfMemoryError as exc:  # AdamW's two moments are made at the first step
             self.optimizer.zero_grad(set_to_none=True)
-            raise self._does_not_fit("the optimiser's state (AdamW: two fp32 copies of the trained weights)",
-                                     exc) from None
+            raise self._does_not_fit(
+                "the optimiser's state (AdamW: two fp32 copies of the trained weights)", exc
+            ) from None
         self.steps += 1
         sums.pop("tokens", None)
         sums.pop("ratio_max", None)
         sums = self.parallel.sum_metrics(sums)
-        sums.update(grad_norm=float(grad_norm), lr=lr, tokens=n_tokens, sequences=n_seqs, micro_batches=len(batches),
-                    micro_batch_tokens=budget, train_s=time.perf_counter() - start)
+        sums.update(
+            grad_norm=float(grad_norm),
+            lr=lr,
+            tokens=n_tokens,
+            sequences=n_seqs,
+            micro_batches=len(batches),
+            micro_batch_tokens=budget,
+            train_s=time.perf_counter() - start,
+        )
         sums.update(self._utilisation(groups, sums["train_s"]))  # this rank's memory, the group's MFU
         return sums
 
@@ -274,6 +303,7 @@ class TrainerActor(RankMember, SyncMember):
         """The last step's gradients, whole (on a rank group every rank gathers; rank 0 returns
         them, the others an empty dict). For tests and debugging: it holds the whole gradient in
         this process."""
+
         def gather() -> dict[str, torch.Tensor]:
             grads = {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
             return {name: g.detach().cpu() for name, g in self.parallel.gathered(grads).items()}
@@ -307,8 +337,14 @@ class TrainerActor(RankMember, SyncMember):
 
             cfg = self.config
             self._auto_tokens, free = resolve_micro_batch_tokens(
-                0, self.model, self.optimizer, self.device, checkpointing=cfg.activation_checkpointing,
-                full_logits=bool(self._fallback_reason()), pack_tokens=cfg.pack_tokens)
+                0,
+                self.model,
+                self.optimizer,
+                self.device,
+                checkpointing=cfg.activation_checkpointing,
+                full_logits=bool(self._fallback_reason()),
+                pack_tokens=cfg.pack_tokens,
+            )
             if self.device.type == "cuda" and not free:  # the gradients and AdamW's state alone overflow it
                 raise self._does_not_fit("the policy with its gradients and AdamW's state")
             where = f"{free / 2**30:.1f} GiB free" if free else f"{self.device.type}: the fixed default"
@@ -347,7 +383,8 @@ class TrainerActor(RankMember, SyncMember):
             f"train step {self.steps + 1} ran out of {self.device.type} memory on a micro-batch of {rows} x {length} "
             f"tokens (--trainer.micro_batch_tokens {budget}): set it lower, or set "
             f"--trainer.activation_checkpointing, --trainer.pack_tokens or --trainer.lora.rank (docs/trainer.md). "
-            f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        )
 
     def _does_not_fit(self, what: str, exc: torch.OutOfMemoryError | None = None) -> TrainerMemoryError:
         """``what`` is too large for the trainer's device at any micro-batch: say what trains less."""
@@ -359,22 +396,34 @@ class TrainerActor(RankMember, SyncMember):
             f"{what} of {self.model_path} does not fit in the trainer's {where} (full fine-tuning holds 16 bytes a "
             "parameter: fp32 weights, gradients and AdamW's two moments): train LoRA adapters (--trainer.lora.rank 16 "
             "--trainer.lora.bf16_base true), or shard the trainer over GPUs (--trainer.world_size N; docs/trainer.md)."
-            + (f" torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}" if exc is not None else ""))
+            + (f" torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}" if exc is not None else "")
+        )
 
     def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:
         """One micro-batch's loss, its gradient added to the parameters; its metrics. Log-probs by
         the fused head where it applies, else through full logits (``trainer/scoring.py``)."""
         cfg = self.config
-        score = dict(fused=not self._fallback_reason(), autocast_dtype=(
-            torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else None))
+        score = dict(
+            fused=not self._fallback_reason(),
+            autocast_dtype=(torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else None),
+        )
         # the entropy: of the policy where it is scored (a metric)
         new, entropy = scored_logprobs(self.model, batch, self.temperature, entropy=True, **score)
         ref = None
         if cfg.loss.kl_coef > 0:
             with torch.no_grad(), self._reference() as reference:
                 ref, _ = scored_logprobs(reference, batch, self.temperature, **score)
-        loss, metrics = grpo_loss(new, batch.behaviour, batch.advantages, batch.mask, cfg.loss,
-                                  ref_logprobs=ref, entropy=entropy, normalizer=normalizer, teacher_logprobs=batch.teacher)
+        loss, metrics = grpo_loss(
+            new,
+            batch.behaviour,
+            batch.advantages,
+            batch.mask,
+            cfg.loss,
+            ref_logprobs=ref,
+            entropy=entropy,
+            normalizer=normalizer,
+            teacher_logprobs=batch.teacher,
+        )
         loss.backward()
         return metrics
 
@@ -389,8 +438,9 @@ class TrainerActor(RankMember, SyncMember):
                 yield self.model
 
     @endpoint
-    async def evaluate(self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64,
-                       deadline_s: float = 0.0) -> dict[str, float]:
+    async def evaluate(
+        self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64, deadline_s: float = 0.0
+    ) -> dict[str, float]:
         """Solve rate on the task's held-out split (``data.n_heldout`` problems): ``greedy``, and
         ``sampled`` at the training temperature (``samples`` completions per problem; 0 skips it);
         the task's metrics of the greedy episodes as ``task/<name>`` (means over the problems);
@@ -410,10 +460,19 @@ class TrainerActor(RankMember, SyncMember):
             if self._task is None:  # the held-out split alone: it does not depend on n_train
                 self._task = load_task(self.task_spec)
                 self._heldout = list(self._task.splits(self.data.data_seed, 1, self.data.n_heldout).heldout)
-                self._eval_calls = UserCalls(self._task.task_name(), self.task_spec.score_timeout_s,
-                                             self.task_spec.max_failure_rate, stop_early=True)
-            common = dict(task=self._task, max_new_tokens=limit, batch_size=batch_size, calls=self._eval_calls,
-                          max_context=getattr(self.model.config, "max_position_embeddings", 0) or 0)
+                self._eval_calls = UserCalls(
+                    self._task.task_name(),
+                    self.task_spec.score_timeout_s,
+                    self.task_spec.max_failure_rate,
+                    stop_early=True,
+                )
+            common = dict(
+                task=self._task,
+                max_new_tokens=limit,
+                batch_size=batch_size,
+                calls=self._eval_calls,
+                max_context=getattr(self.model.config, "max_position_embeddings", 0) or 0,
+            )
             self.model.eval()
             try:
                 with eager(compiled(self.config, self.device)):  # generation: a KV cache (trainer/compile.py)
@@ -421,29 +480,49 @@ class TrainerActor(RankMember, SyncMember):
                     out = {"greedy": greedy.solve_rate, **{f"task/{k}": v for k, v in greedy.metrics.items()}}
                     errors = dict(greedy.errors)
                     if samples:
-                        sampled = evaluate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=False, n=samples,
-                                           temperature=self.temperature, **common)
+                        sampled = evaluate(
+                            self.model,
+                            self.tokenizer,
+                            self.fmt,
+                            self._heldout,
+                            greedy=False,
+                            n=samples,
+                            temperature=self.temperature,
+                            **common,
+                        )
                         out["sampled"] = sampled.solve_rate
                         errors = {k: errors.get(k, 0) + sampled.errors.get(k, 0) for k in {*errors, *sampled.errors}}
                 return out | {f"task_errors/{k}": float(v) for k, v in sorted(errors.items())}
             finally:
                 self.model.train()
 
-        return await self._run("the held-out evaluation", deadline_s, self.parallel.in_step, run,
-                               self.seed * 1_000_003 + self.steps)
+        return await self._run(
+            "the held-out evaluation", deadline_s, self.parallel.in_step, run, self.seed * 1_000_003 + self.steps
+        )
 
     @endpoint
-    async def save_checkpoint(self, run_dir: str, step: int, keep: int, run_state: bytes, deadline_s: float = 0.0) -> str:
+    async def save_checkpoint(
+        self, run_dir: str, step: int, keep: int, run_state: bytes, deadline_s: float = 0.0
+    ) -> str:
         """Write the resumable checkpoint of ``step`` under ``run_dir`` (policy, optimiser, RNGs
         and the driver's ``run_state`` JSON), atomically, keeping the newest ``keep``; returns
         its path (on a rank group rank 0's; the others return ""). See ``trainer/checkpoint.py``."""
-        return await self._run(f"writing the checkpoint of step {step}", deadline_s, self.parallel.write_checkpoint,
-                               self, run_dir, step, keep, run_state)
+        return await self._run(
+            f"writing the checkpoint of step {step}",
+            deadline_s,
+            self.parallel.write_checkpoint,
+            self,
+            run_dir,
+            step,
+            keep,
+            run_state,
+        )
 
     @endpoint
     async def load_checkpoint(self, path: str, deadline_s: float = 0.0) -> int:
         """Take the policy, optimiser state and RNG states of the checkpoint at ``path`` (before
         the weight-sync group is formed); returns the trainer's step count there."""
+
         def load() -> int:
             self.steps = self.parallel.load_checkpoint(self, path)
             self.sender = None  # it held the old parameters: set up again with the group
@@ -471,11 +550,13 @@ class TrainerActor(RankMember, SyncMember):
         with the rest so they never describe another policy. A failed write (a full disk) leaves
         nothing behind and raises a one-line `CheckpointWriteError`. With a rank group, every
         rank gathers the policy (a tensor at a time, to rank 0's memory) and rank 0 writes it."""
-        return await self._run("saving the policy", deadline_s, self._save, os.path.abspath(path), dict(extra_files or {}))
+        return await self._run(
+            "saving the policy", deadline_s, self._save, os.path.abspath(path), dict(extra_files or {})
+        )
 
     def _save(self, final: str, extra_files: dict[str, str]) -> str:
-        from asyncrl.runtime.files import staged_dir
         from asyncrl.rl.trainer.checkpoint import write_errors
+        from asyncrl.runtime.files import staged_dir
 
         whole = self.parallel.policy_state_dict(self.model)  # None: the model in this process is whole
         if self.rank != 0:
@@ -486,8 +567,11 @@ class TrainerActor(RankMember, SyncMember):
                     from asyncrl.rl.trainer.lora import save_merged
 
                     save_merged(self.model, tmp, whole)
-                    self.model.save_pretrained(os.path.join(tmp, ADAPTER_DIR), safe_serialization=True,
-                                               **({} if whole is None else {"state_dict": whole}))
+                    self.model.save_pretrained(
+                        os.path.join(tmp, ADAPTER_DIR),
+                        safe_serialization=True,
+                        **({} if whole is None else {"state_dict": whole}),
+                    )
                 elif whole is not None:  # gathered from the shards (trainer/fsdp.py)
                     from asyncrl.rl.trainer.fsdp import save_pretrained
 
@@ -497,8 +581,11 @@ class TrainerActor(RankMember, SyncMember):
                 self.tokenizer.save_pretrained(tmp)
                 for marker in self._marker_files():
                     shutil.copy(marker, tmp)
-                files = {"asyncrl_trainer.json": json.dumps(
-                    {"steps": self.steps, "config": dataclasses.asdict(self.config)}, indent=2)}
+                files = {
+                    "asyncrl_trainer.json": json.dumps(
+                        {"steps": self.steps, "config": dataclasses.asdict(self.config)}, indent=2
+                    )
+                }
                 files.update((os.path.basename(name), text) for name, text in extra_files.items())
                 for name, text in files.items():
                     with open(os.path.join(tmp, name), "w") as f:

@@ -4,8 +4,9 @@ rows of one sequence each here, or rows packing several sequences (``trainer/pac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -71,7 +72,9 @@ def cut_by_budget(items: list[T], length: Callable[[T], int], budget: int) -> li
     return out
 
 
-def micro_batches(groups: list[RolloutGroup], advantages: torch.Tensor, budget: int, device: torch.device) -> list[MicroBatch]:
+def micro_batches(
+    groups: list[RolloutGroup], advantages: torch.Tensor, budget: int, device: torch.device
+) -> list[MicroBatch]:
     """Cut the batch's sequences into micro-batches of at most ``budget`` padded tokens (a single
     sequence longer than the budget goes alone), one sequence per row (several: ``packing.py``).
     Tokens an environment wrote (``action_mask`` 0) are context only: outside ``mask``, so they
@@ -103,8 +106,10 @@ def _pad(rows: list[Sequence], device: torch.device) -> MicroBatch:
         behaviour[i, :c] = torch.tensor(lps)
     advantages = torch.tensor([r[3] for r in rows])
     row = torch.arange(len(rows))
-    return MicroBatch(*(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages, row)),
-                      teacher=teacher_matrix(rows, width, device))
+    return MicroBatch(
+        *(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages, row)),
+        teacher=teacher_matrix(rows, width, device),
+    )
 
 
 def teacher_matrix(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor | None:
@@ -117,5 +122,5 @@ def teacher_matrix(seqs: list[Sequence], width: int, device: torch.device) -> to
         raise ValueError(f"{present.count(False)} of {len(seqs)} sequences have no teacher log-probs")
     out = torch.zeros(len(seqs), width)
     for i, s in enumerate(seqs):
-        out[i, :len(s[5])] = torch.tensor(s[5])
+        out[i, : len(s[5])] = torch.tensor(s[5])
     return out.to(device)

@@ -50,7 +50,15 @@ from asyncrl.rl.checkpoint import (
     write_reason,
 )
 from asyncrl.runtime.files import (  # the same flush and rename for either layout
-    ASIDE_PREFIX, fsync_path, fsync_tree, remove_debris, remove_dir, replace_dir, staged_dir, write_bytes)
+    ASIDE_PREFIX,
+    fsync_path,
+    fsync_tree,
+    remove_debris,
+    remove_dir,
+    replace_dir,
+    staged_dir,
+    write_bytes,
+)
 
 STALL_ENV = "ASYNCRL_TEST_STALL_CHECKPOINT_STEP"
 """Test-only: the trainer stalls (60 s) while writing the checkpoint of this step, after the model
@@ -63,8 +71,17 @@ full disk would), so a test can check the error and the clean-up without filling
 # --- writing (in the trainer's process) ----------------------------------------------------------
 
 
-def write_checkpoint(run_dir: str, step: int, keep: int, model: Any, tokenizer: Any, optimizer: Any,
-                     trainer_steps: int, run_state: bytes, extra_files: list[str] = ()) -> str:
+def write_checkpoint(
+    run_dir: str,
+    step: int,
+    keep: int,
+    model: Any,
+    tokenizer: Any,
+    optimizer: Any,
+    trainer_steps: int,
+    run_state: bytes,
+    extra_files: list[str] = (),
+) -> str:
     """Write the checkpoint of ``step`` whole (`staged_dir`, flushed to disk; the same step written
     again, by a resumed run, is replaced whole) and prune to the newest ``keep``; returns its path.
     A failed write leaves no half-written checkpoint behind and raises `CheckpointWriteError`."""
@@ -87,8 +104,10 @@ def write_checkpoint(run_dir: str, step: int, keep: int, model: Any, tokenizer: 
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 tensors["cuda_rng"] = torch.cuda.get_rng_state()
             torch.save(tensors, os.path.join(tmp, TRAINER_TENSORS))
-            write_bytes(os.path.join(tmp, TRAINER_JSON),
-                        json.dumps({"steps": trainer_steps, "python_rng": _python_rng_state()}).encode())
+            write_bytes(
+                os.path.join(tmp, TRAINER_JSON),
+                json.dumps({"steps": trainer_steps, "python_rng": _python_rng_state()}).encode(),
+            )
             write_bytes(os.path.join(tmp, RUN_STATE), run_state)
             write_manifest(tmp)  # last: it vouches for everything above as written
     prune(run_dir, keep)
@@ -182,8 +201,10 @@ def refuse_sharded(path: str) -> None:
     if is_sharded_checkpoint(path):
         with open(os.path.join(path, TRAINER_JSON)) as f:
             world_size = json.load(f).get("world_size", "N")
-        raise CheckpointFormatError(f"checkpoint {os.path.basename(path)} was written by a {world_size}-rank trainer: "
-                                    f"resume it with --trainer.world_size {world_size}")
+        raise CheckpointFormatError(
+            f"checkpoint {os.path.basename(path)} was written by a {world_size}-rank trainer: "
+            f"resume it with --trainer.world_size {world_size}"
+        )
 
 
 def _state(model: Any, optimizer: Any) -> dict[str, Any]:
@@ -193,8 +214,17 @@ def _state(model: Any, optimizer: Any) -> dict[str, Any]:
     return {"model": model_state, "optim": optim_state}
 
 
-def write_sharded_checkpoint(rank: int, world_size: int, run_dir: str, step: int, keep: int, model: Any,
-                             optimizer: Any, trainer_steps: int, run_state: bytes) -> str:
+def write_sharded_checkpoint(
+    rank: int,
+    world_size: int,
+    run_dir: str,
+    step: int,
+    keep: int,
+    model: Any,
+    optimizer: Any,
+    trainer_steps: int,
+    run_state: bytes,
+) -> str:
     """Every rank calls this together (inside the rank group's guard); returns the path on rank 0,
     "" on the others. A failed write raises `CheckpointWriteError` and leaves no ``step-N``."""
     import torch
@@ -219,8 +249,12 @@ def write_sharded_checkpoint(rank: int, world_size: int, run_dir: str, step: int
         if rank == 0:
             torch.save({"format": FORMAT, "world_size": world_size}, os.path.join(tmp, TRAINER_TENSORS))
             version, internal, gauss = random.getstate()
-            write_bytes(os.path.join(tmp, TRAINER_JSON), json.dumps(
-                {"steps": trainer_steps, "python_rng": [version, list(internal), gauss], "world_size": world_size}).encode())
+            write_bytes(
+                os.path.join(tmp, TRAINER_JSON),
+                json.dumps(
+                    {"steps": trainer_steps, "python_rng": [version, list(internal), gauss], "world_size": world_size}
+                ).encode(),
+            )
             write_bytes(os.path.join(tmp, RUN_STATE), run_state)
         dist.barrier()  # every rank's part is written
         if rank != 0:
@@ -248,8 +282,10 @@ def load_sharded_checkpoint(rank: int, checkpoint: Checkpoint, model: Any, optim
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if not is_sharded_checkpoint(checkpoint.path):
-        raise CheckpointFormatError(f"checkpoint {checkpoint.name} was written by a single-process trainer: "
-                                    "resume it with --trainer.world_size 1")
+        raise CheckpointFormatError(
+            f"checkpoint {checkpoint.name} was written by a single-process trainer: "
+            "resume it with --trainer.world_size 1"
+        )
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(checkpoint.path, DCP_DIR))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

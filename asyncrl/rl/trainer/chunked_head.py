@@ -31,9 +31,17 @@ def chunk_tokens(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int
     return max(1, chunk_bytes // (4 * max(vocab_size, 1)))
 
 
-def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                  temperature: float, *, compute_dtype: torch.dtype | None = None, chunk: int = 0,
-                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    chunk: int = 0,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[N]`` float32 log-probs of ``targets`` under ``softmax((hidden @ weight.T + bias) / T)``,
     and (with ``entropy``) the ``[N]`` entropy of that distribution, a metric with no gradient.
 
@@ -65,12 +73,12 @@ def _forward(hidden, weight, bias, targets, temperature, dtype, chunk, entropy):
     ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if entropy else None
     with torch.no_grad():
         for s in range(0, n, chunk):
-            z = _chunk_logits(hidden[s:s + chunk].to(dtype), w, b, temperature)
-            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            lp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+            z = _chunk_logits(hidden[s : s + chunk].to(dtype), w, b, temperature)
+            lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
+            lp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
             if ent is not None:  # token_entropy's formula, on the same chunk
-                logp = z - lse[s:s + chunk, None]
-                ent[s:s + chunk] = -(logp.exp() * logp).sum(-1)
+                logp = z - lse[s : s + chunk, None]
+                ent[s : s + chunk] = -(logp.exp() * logp).sum(-1)
     return lp, lse, ent
 
 
@@ -101,17 +109,25 @@ class _ChunkedHead(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         grad_lp = grad_lp.float()
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk].to(dtype)
-            g = grad_lp[s:s + chunk]
+            h = hidden[s : s + chunk].to(dtype)
+            g = grad_lp[s : s + chunk]
             z = _chunk_logits(h, w, b, t)
-            dz = torch.exp(z - lse[s:s + chunk, None]).mul_(-g[:, None])  # -g * softmax
-            dz.scatter_add_(-1, targets[s:s + chunk, None], g[:, None])  # + g * onehot
+            dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g[:, None])  # -g * softmax
+            dz.scatter_add_(-1, targets[s : s + chunk, None], g[:, None])  # + g * onehot
             dz = dz.div_(t).to(dtype)  # z = logits / T; autocast's logits were `dtype`
             if grad_h is not None:
-                grad_h[s:s + chunk] = (dz @ w).to(hidden.dtype)
+                grad_h[s : s + chunk] = (dz @ w).to(hidden.dtype)
             if grad_w is not None:
                 grad_w += (dz.t() @ h).float()
             if grad_b is not None:
                 grad_b += dz.float().sum(0)
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )

@@ -30,8 +30,10 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        raise CompileError(f"--trainer.compile: {type(model).__name__} has no decoder layers to compile "
-                           "(get_decoder().layers); set --trainer.compile false")
+        raise CompileError(
+            f"--trainer.compile: {type(model).__name__} has no decoder layers to compile "
+            "(get_decoder().layers); set --trainer.compile false"
+        )
     return layers
 
 

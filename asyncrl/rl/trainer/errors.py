@@ -34,6 +34,10 @@ class RankGroupClosedError(RankGroupError):
     """The group already failed (or was closed); nothing more can run on it."""
 
 
-LEFT_FOR_A_PEER: tuple[type[RankGroupError], ...] = (PeerRankFailedError, RankCollectiveError, RankGroupClosedError,
-                                                     StepDeadlineError)
+LEFT_FOR_A_PEER: tuple[type[RankGroupError], ...] = (
+    PeerRankFailedError,
+    RankCollectiveError,
+    RankGroupClosedError,
+    StepDeadlineError,
+)
 """The errors of a rank that left its collectives because of a peer: never the cause of a failure."""

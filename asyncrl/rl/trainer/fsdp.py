@@ -29,8 +29,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if original_class(m).__name__ in names]
     if not layers:
-        raise ShardingError(f"{type(model).__name__} names no decoder layer class (_no_split_modules "
-                            f"{sorted(names)}): cannot shard it layer by layer")
+        raise ShardingError(
+            f"{type(model).__name__} names no decoder layer class (_no_split_modules "
+            f"{sorted(names)}): cannot shard it layer by layer"
+        )
     return layers
 
 
@@ -42,8 +44,11 @@ def shard_model(model: torch.nn.Module, device: torch.device, *, bf16: bool = Tr
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-    mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-             if device.type == "cuda" and bf16 else MixedPrecisionPolicy())
+    mixed = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda" and bf16
+        else MixedPrecisionPolicy()
+    )
     root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     for layer in decoder_layers(root):
         fully_shard(layer, mesh=mesh, mp_policy=mixed)

@@ -47,7 +47,12 @@ import torch.distributed as dist
 from asyncrl.comm.rendezvous import StoreGroup, local_address_towards
 from asyncrl.errors import first_line
 from asyncrl.rl.trainer.errors import (
-    PeerRankFailedError, RankCollectiveError, RankGroupClosedError, RankGroupError, StepDeadlineError)
+    PeerRankFailedError,
+    RankCollectiveError,
+    RankGroupClosedError,
+    RankGroupError,
+    StepDeadlineError,
+)
 
 T = TypeVar("T")
 GROUP_NAME = "trainer"
@@ -92,8 +97,17 @@ class RankGroup:
         self._closed = ""  # why the group can no longer be used
 
     @classmethod
-    def create(cls, host: str, port: int, rank: int, world_size: int, *, device: torch.device,
-               timeout_s: float = 60.0, listener=None) -> RankGroup:
+    def create(
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        device: torch.device,
+        timeout_s: float = 60.0,
+        listener=None,
+    ) -> RankGroup:
         """Join the group whose store rank 0 hosts at ``host:port`` (all ranks call this together;
         one deadline for the rendezvous and the process group) and make torch's default process
         group from it. Raises `RendezvousTimeoutError` naming ranks that never came."""
@@ -108,9 +122,14 @@ class RankGroup:
                 _GLOO_ADDRESS[0] = local_address_towards(host)
                 if GLOO_BACKEND not in dist.Backend.backend_list:
                     dist.Backend.register_backend(GLOO_BACKEND, _gloo_backend, extended_api=True, devices=["cpu"])
-            dist.init_process_group(backend, store=dist.PrefixStore("c10d/", group.store), rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
-                                    device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("c10d/", group.store),
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=device if device.type == "cuda" else None,
+            )
             # A second connection for the watchers: a TCPStore client serialises its calls, and a
             # watcher blocked in wait() must not hold up this rank's own writes.
             raw = dist.TCPStore(group.host, group.port, None, False, datetime.timedelta(seconds=timeout_s))
@@ -143,8 +162,12 @@ class RankGroup:
         future: Future = Future()
         self._current = (what, timeout_s, future)
         done = threading.Event()
-        watcher = threading.Thread(target=self._watch, args=(key, what, max(timeout_s - WATCH_MARGIN_S, 0.5), done),
-                                   name=f"asyncrl-rank-guard-{self._calls}", daemon=True)
+        watcher = threading.Thread(
+            target=self._watch,
+            args=(key, what, max(timeout_s - WATCH_MARGIN_S, 0.5), done),
+            name=f"asyncrl-rank-guard-{self._calls}",
+            daemon=True,
+        )
 
         def call() -> None:
             try:
@@ -168,8 +191,10 @@ class RankGroup:
         self._tell_peers(key, RankFailure(self.rank, what, f"{type(exc).__name__}: {first_line(exc)}"))
         self._abort(f"failed during {what}")
         if _peer_went_away(exc):
-            error = RankCollectiveError(f"trainer rank {self.rank}: a collective failed during {what} "
-                                        f"(a peer died or closed its connection): {first_line(exc)}")
+            error = RankCollectiveError(
+                f"trainer rank {self.rank}: a collective failed during {what} "
+                f"(a peer died or closed its connection): {first_line(exc)}"
+            )
             error.__cause__ = exc
             return error
         return exc
@@ -222,8 +247,12 @@ class RankGroup:
         if self._current is not None:
             what, timeout_s, future = self._current
             if failure.rank == self.rank:
-                _settle(future, error=StepDeadlineError(f"trainer rank {self.rank}: {what} did not finish within "
-                                                        f"{timeout_s:g} s; left its collectives"))
+                _settle(
+                    future,
+                    error=StepDeadlineError(
+                        f"trainer rank {self.rank}: {what} did not finish within {timeout_s:g} s; left its collectives"
+                    ),
+                )
             else:
                 _settle(future, error=PeerRankFailedError(self.rank, failure.rank, failure.what, failure.error))
 

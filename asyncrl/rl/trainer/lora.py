@@ -28,8 +28,11 @@ class MergedWeights:
 
         self.layers: list[tuple[Any, torch.Tensor]] = []
         self._tensors: dict[str, torch.Tensor] = {}
-        adapted = {f"{name}.base_layer.weight": module for name, module in model.get_base_model().named_modules()
-                   if isinstance(module, LoraLayer)}
+        adapted = {
+            f"{name}.base_layer.weight": module
+            for name, module in model.get_base_model().named_modules()
+            if isinstance(module, LoraLayer)
+        }
         for name, p in model.get_base_model().named_parameters():
             if ".lora_" in name:
                 continue
@@ -78,7 +81,9 @@ def save_merged(model: Any, folder: str, whole: dict[str, torch.Tensor] | None) 
             continue
         a, b = whole[f"{name}.lora_A.{ADAPTER}.weight"], whole[f"{name}.lora_B.{ADAPTER}.weight"]
         base = whole[f"{name}.base_layer.weight"]
-        merged[f"{name}.base_layer.weight"] = (base.float() + (b.float() @ a.float()) * module.scaling[ADAPTER]).to(base.dtype)
+        merged[f"{name}.base_layer.weight"] = (base.float() + (b.float() @ a.float()) * module.scaling[ADAPTER]).to(
+            base.dtype
+        )
     out = {}
     for key, tensor in whole.items():
         if ".lora_" in key:

@@ -27,7 +27,9 @@ class LossInputError(AsyncrlError, ValueError):
     """A loss input has the wrong shape, dtype or range; the message names the argument."""
 
 
-def group_advantages(rewards: torch.Tensor | list[list[float]], normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor | list[list[float]], normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Advantage of each completion: its reward minus its group's mean, divided by
     ``(group std + eps)`` when ``normalize_std``.
 
@@ -47,7 +49,9 @@ def group_advantages(rewards: torch.Tensor | list[list[float]], normalize_std: b
         raise LossInputError("every reward group needs at least one reward")
     if not rewards:
         return torch.zeros(0)
-    return torch.cat([_advantages_2d(torch.tensor([g], dtype=torch.float64), normalize_std, eps)[0] for g in rewards]).float()
+    return torch.cat(
+        [_advantages_2d(torch.tensor([g], dtype=torch.float64), normalize_std, eps)[0] for g in rewards]
+    ).float()
 
 
 def _advantages_2d(rewards: torch.Tensor, normalize_std: bool, eps: float) -> torch.Tensor:
@@ -88,7 +92,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: in
     vocab = logits.shape[2]
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
         # An out-of-range id would be a device-side assert on CUDA, which kills the context.
-        raise LossInputError(f"input_ids must lie in [0, {vocab}); got [{int(input_ids.min())}, {int(input_ids.max())}]")
+        raise LossInputError(
+            f"input_ids must lie in [0, {vocab}); got [{int(input_ids.min())}, {int(input_ids.max())}]"
+        )
     targets = input_ids[:, 1:].long().unsqueeze(-1)  # token t+1 ...
     out = []
     for start in range(0, logits.shape[0], chunk_rows):
@@ -133,8 +139,10 @@ def overlong_penalties(lengths: list[int], config: GRPOLossConfig) -> list[float
     if not buffer:
         return [0.0] * len(lengths)
     if limit < buffer:
-        raise ValueError(f"overlong_max_tokens {limit} must be >= overlong_buffer {buffer} (0 is resolved from "
-                         "--sampler.max_new_tokens by GRPOConfig.trainer_config)")
+        raise ValueError(
+            f"overlong_max_tokens {limit} must be >= overlong_buffer {buffer} (0 is resolved from "
+            "--sampler.max_new_tokens by GRPOConfig.trainer_config)"
+        )
     start = limit - buffer
     return [-config.overlong_penalty * min(max(n - start, 0) / buffer, 1.0) for n in lengths]
 
@@ -145,13 +153,16 @@ def step_advantages(groups: list, config: GRPOLossConfig, normalize_std: bool) -
     completions (`overlong_penalties`), through `group_advantages`."""
     rewards = [list(g.rewards) for g in groups]
     if config.overlong_buffer:
-        rewards = [[r + p for r, p in zip(rs, overlong_penalties([len(c) for c in g.completion_ids], config))]
-                   for rs, g in zip(rewards, groups)]
+        rewards = [
+            [r + p for r, p in zip(rs, overlong_penalties([len(c) for c in g.completion_ids], config))]
+            for rs, g in zip(rewards, groups)
+        ]
     return group_advantages(rewards, normalize_std)
 
 
-def distill_advantages(advantages: torch.Tensor, behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
-                       coef: float) -> torch.Tensor:
+def distill_advantages(
+    advantages: torch.Tensor, behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, coef: float
+) -> torch.Tensor:
     """On-policy distillation's per-token advantage, ``[B, L]``: the task's advantage ``A_i``
     (``[B]`` per sequence or ``[B, L]``; zero without a task reward) minus ``coef`` times the reverse KL to the
     teacher estimated on the sampled token::
@@ -185,8 +196,10 @@ def loss_normalizer(config: GRPOLossConfig, n_tokens: float, n_seqs: float) -> f
 
 def _token_budget(config: GRPOLossConfig) -> int:
     if not config.token_budget:
-        raise ValueError("aggregation 'fixed_tokens' needs token_budget > 0 (GRPOConfig.trainer_config sets it "
-                         "from --sampler.max_new_tokens when --trainer.loss.token_budget is 0)")
+        raise ValueError(
+            "aggregation 'fixed_tokens' needs token_budget > 0 (GRPOConfig.trainer_config sets it "
+            "from --sampler.max_new_tokens when --trainer.loss.token_budget is 0)"
+        )
     return config.token_budget
 
 
@@ -228,11 +241,19 @@ def grpo_loss(
     ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
     so that logging them costs no device sync until the caller asks.
     """
-    _check_same_shape(new_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask, ref_logprobs=ref_logprobs, entropy=entropy,
-                      teacher_logprobs=teacher_logprobs)
+    _check_same_shape(
+        new_logprobs,
+        behaviour_logprobs=behaviour_logprobs,
+        mask=mask,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        teacher_logprobs=teacher_logprobs,
+    )
     if new_logprobs.dim() != 2 or advantages.shape not in (new_logprobs.shape[:1], new_logprobs.shape):
-        raise LossInputError(f"need new_logprobs [B, L] and advantages [B] or [B, L]; got {list(new_logprobs.shape)} "
-                             f"and {list(advantages.shape)}")
+        raise LossInputError(
+            f"need new_logprobs [B, L] and advantages [B] or [B, L]; got {list(new_logprobs.shape)} "
+            f"and {list(advantages.shape)}"
+        )
     if config.kl_coef > 0 and ref_logprobs is None:
         raise LossInputError("kl_coef > 0 needs ref_logprobs")
     if config.distill_coef > 0 and teacher_logprobs is None:
@@ -248,8 +269,12 @@ def grpo_loss(
     n_tokens = valid.sum()
     metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
     if config.distill_coef > 0:
-        adv = torch.where(valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0)
-        metrics["distill_kl"] = _token_mean((behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens)
+        adv = torch.where(
+            valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0
+        )
+        metrics["distill_kl"] = _token_mean(
+            (behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens
+        )
     term, ratio, low, high = _POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
     pg_loss = -_aggregate(term, valid, config, normalizer)
     loss = pg_loss
@@ -321,8 +346,12 @@ def _cispo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, conf
     Normalised per the aggregation; the paper's is 'token_mean'. ``cispo_eps_low`` 1: no lower
     bound on the weight (the paper's)."""
     sg = log_ratio.detach()
-    weight = torch.exp(sg.clamp(math.log1p(-config.cispo_eps_low) if config.cispo_eps_low < 1 else -math.inf,
-                                math.log1p(config.cispo_eps_high)))
+    weight = torch.exp(
+        sg.clamp(
+            math.log1p(-config.cispo_eps_low) if config.cispo_eps_low < 1 else -math.inf,
+            math.log1p(config.cispo_eps_high),
+        )
+    )
     term = weight * adv * (1 + log_ratio - sg)
     ratio = _safe_exp(sg)
     return term, ratio, ratio < 1 - config.cispo_eps_low, ratio > 1 + config.cispo_eps_high
@@ -365,8 +394,9 @@ def _aggregate(x: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig, nor
         return x.sum() / (normalizer if normalizer is not None else valid.sum().clamp(min=1))
     if config.aggregation == "fixed_tokens":
         # Dr. GRPO (Liu et al. 2025): sum over each sequence's tokens / MAX_TOKENS, mean over sequences
-        return x.sum() / (normalizer if normalizer is not None else
-                          valid.any(dim=1).sum().clamp(min=1) * _token_budget(config))
+        return x.sum() / (
+            normalizer if normalizer is not None else valid.any(dim=1).sum().clamp(min=1) * _token_budget(config)
+        )
     per_seq_tokens = valid.sum(dim=1)
     per_seq = x.sum(dim=1) / per_seq_tokens.clamp(min=1)
     # Sequences with no valid token contribute 0 to the sum and are left out of the count.

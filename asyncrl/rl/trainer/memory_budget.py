@@ -37,8 +37,17 @@ def layer_bytes_per_token(hidden_size: int, intermediate_size: int, num_heads: i
     return 40 * hidden_size + 10 * intermediate_size + 4 * num_heads
 
 
-def auto_micro_batch_tokens(free_bytes: int, *, hidden_size: int, num_layers: int, intermediate_size: int,
-                            num_heads: int, vocab_size: int, checkpointing: bool, full_logits: bool = False) -> int:
+def auto_micro_batch_tokens(
+    free_bytes: int,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    intermediate_size: int,
+    num_heads: int,
+    vocab_size: int,
+    checkpointing: bool,
+    full_logits: bool = False,
+) -> int:
     """Tokens of one micro-batch that fit in ``free_bytes`` (device memory free for activations:
     the weights, gradients and optimiser state already taken out), clamped to
     [`AUTO_MIN_TOKENS`, `AUTO_MICRO_BATCH_TOKENS_MAX`] and rounded down to a multiple of 1024.
@@ -82,15 +91,25 @@ def model_shape(config) -> dict[str, int]:
     """The numbers `auto_micro_batch_tokens` reads, from a transformers config (the text part of a
     multimodal one)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return dict(hidden_size=text.hidden_size, num_layers=text.num_hidden_layers,
-                intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-                num_heads=text.num_attention_heads, vocab_size=text.vocab_size)
+    return dict(
+        hidden_size=text.hidden_size,
+        num_layers=text.num_hidden_layers,
+        intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+        num_heads=text.num_attention_heads,
+        vocab_size=text.vocab_size,
+    )
 
 
-
-def resolve_micro_batch_tokens(configured: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                               device: torch.device, *, checkpointing: bool, full_logits: bool,
-                               pack_tokens: int = 0) -> tuple[int, int]:
+def resolve_micro_batch_tokens(
+    configured: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    checkpointing: bool,
+    full_logits: bool,
+    pack_tokens: int = 0,
+) -> tuple[int, int]:
     """The budget to cut micro-batches by, and the free bytes it was chosen from (0 where none
     was measured): ``configured`` where set; auto on CPU `AUTO_CPU_MICRO_BATCH_TOKENS` (the old
     default: a CPU run is unchanged); auto on CUDA the estimate, at least ``pack_tokens`` (a
@@ -100,6 +119,7 @@ def resolve_micro_batch_tokens(configured: int, model: torch.nn.Module, optimize
     if device.type != "cuda":
         return max(AUTO_CPU_MICRO_BATCH_TOKENS, pack_tokens), 0
     free = free_training_bytes(model, optimizer, device)
-    tokens = auto_micro_batch_tokens(free, **model_shape(model.config), checkpointing=checkpointing,
-                                     full_logits=full_logits)
+    tokens = auto_micro_batch_tokens(
+        free, **model_shape(model.config), checkpointing=checkpointing, full_logits=full_logits
+    )
     return max(tokens, pack_tokens), free

@@ -30,8 +30,9 @@ MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations given an explicit 4-D mask; every other gets flattened position ids."""
 
 
-def packed_micro_batches(groups: list[RolloutGroup], advantages: torch.Tensor, budget: int, device: torch.device,
-                         pack_tokens: int) -> list[MicroBatch]:
+def packed_micro_batches(
+    groups: list[RolloutGroup], advantages: torch.Tensor, budget: int, device: torch.device, pack_tokens: int
+) -> list[MicroBatch]:
     """`micro_batches` with several sequences per row: the batch's sequences packed into rows of at
     most ``pack_tokens`` tokens (first fit, longest first: a
     sequence longer than that gets a row of its own), then cut the rows into micro-batches of at
@@ -90,8 +91,9 @@ def flat_inputs(batch: MicroBatch) -> dict:
     """Packed rows as one row with position ids and no mask: transformers finds the sequences from
     the restarts (flash attention's varlen path on GPU; a mask it builds itself for sdpa/eager)."""
     # use_cache=False: with a KV cache transformers skips looking for packed sequences
-    return dict(input_ids=batch.input_ids.reshape(1, -1), position_ids=batch.position_ids.reshape(1, -1),
-                use_cache=False)
+    return dict(
+        input_ids=batch.input_ids.reshape(1, -1), position_ids=batch.position_ids.reshape(1, -1), use_cache=False
+    )
 
 
 def masked_logits(model, batch: MicroBatch) -> torch.Tensor:
@@ -142,9 +144,9 @@ def _build(rows: list[list[Sequence]], device: torch.device) -> MicroBatch:
         offset = 0
         for prompt, completion, lps, _, actions, _teacher in row:
             n, p, c = len(prompt) + len(completion), len(prompt), len(completion)
-            ids[r, offset:offset + n] = torch.tensor(prompt + completion)
-            attention[r, offset:offset + n] = 1
-            positions[r, offset:offset + n] = torch.arange(n)
+            ids[r, offset : offset + n] = torch.tensor(prompt + completion)
+            attention[r, offset : offset + n] = 1
+            positions[r, offset : offset + n] = torch.arange(n)
             score_index[s, :c] = torch.arange(offset + p - 1, offset + p - 1 + c)
             mask[s, :c] = True if actions is None else torch.tensor(actions, dtype=torch.bool)
             behaviour[s, :c] = torch.tensor(lps)

@@ -98,15 +98,23 @@ class Local:
         """The checkpoint's Hugging Face layout (``trainer/checkpoint.py``)."""
         from asyncrl.rl.trainer.checkpoint import write_checkpoint
 
-        return write_checkpoint(run_dir, step, keep, trainer.model, trainer.tokenizer, trainer.optimizer, trainer.steps,
-                                run_state, trainer._marker_files())
+        return write_checkpoint(
+            run_dir,
+            step,
+            keep,
+            trainer.model,
+            trainer.tokenizer,
+            trainer.optimizer,
+            trainer.steps,
+            run_state,
+            trainer._marker_files(),
+        )
 
     def load_checkpoint(self, trainer: Any, path: str) -> int:
         """The policy loaded anew from the checkpoint (with LoRA, the start's base and the saved
         adapters), a new optimiser with the saved state; returns the trainer's steps."""
         from asyncrl.rl.checkpoint import Checkpoint
-        from asyncrl.rl.trainer.checkpoint import load_trainer_state
-        from asyncrl.rl.trainer.checkpoint import refuse_sharded
+        from asyncrl.rl.trainer.checkpoint import load_trainer_state, refuse_sharded
 
         refuse_sharded(path)
         checkpoint = Checkpoint(-1, path)
@@ -143,7 +151,9 @@ class Sharded:
     def head_fallback(self, model: torch.nn.Module) -> str:
         """Always a reason: the fused head calls the decoder alone, and FSDP2 gathers the root's own
         parameters (embeddings, head) only in the root's forward (at one rank too: a benchmark's)."""
-        return f"sharded over {self.world_size} rank(s): FSDP2 gathers the head and embeddings only in the root's forward"
+        return (
+            f"sharded over {self.world_size} rank(s): FSDP2 gathers the head and embeddings only in the root's forward"
+        )
 
     def align(self, batches: list[MicroBatch], model: torch.nn.Module, step: int) -> list[MicroBatch]:
         """Each forward and backward runs collectives: every rank takes as many micro-batches as
@@ -215,8 +225,9 @@ class Sharded:
         path, the others ""."""
         from asyncrl.rl.trainer.checkpoint import write_sharded_checkpoint
 
-        return write_sharded_checkpoint(self.rank, self.world_size, run_dir, step, keep, trainer.model,
-                                        trainer.optimizer, trainer.steps, run_state)
+        return write_sharded_checkpoint(
+            self.rank, self.world_size, run_dir, step, keep, trainer.model, trainer.optimizer, trainer.steps, run_state
+        )
 
     def load_checkpoint(self, trainer: Any, path: str) -> int:
         """The shards loaded into the sharded policy and optimiser in place (resharded by DCP to
@@ -237,11 +248,16 @@ def _empty_micro_batch(device: torch.device) -> MicroBatch:
     """Two tokens, nothing scored: a forward and a backward (hence every collective of one) whose
     loss and gradient are exactly zero."""
     zeros = torch.zeros(1, 2, dtype=torch.long, device=device)
-    return MicroBatch(input_ids=zeros, attention=torch.ones_like(zeros),
-                      score_index=torch.zeros(1, 1, dtype=torch.long, device=device),
-                      mask=torch.zeros(1, 1, dtype=torch.bool, device=device),
-                      behaviour=torch.zeros(1, 1, device=device), advantages=torch.zeros(1, device=device),
-                      row=torch.zeros(1, dtype=torch.long, device=device), teacher=torch.zeros(1, 1, device=device))
+    return MicroBatch(
+        input_ids=zeros,
+        attention=torch.ones_like(zeros),
+        score_index=torch.zeros(1, 1, dtype=torch.long, device=device),
+        mask=torch.zeros(1, 1, dtype=torch.bool, device=device),
+        behaviour=torch.zeros(1, 1, device=device),
+        advantages=torch.zeros(1, device=device),
+        row=torch.zeros(1, dtype=torch.long, device=device),
+        teacher=torch.zeros(1, 1, device=device),
+    )
 
 
 def _arm_fault(model: torch.nn.Module, rank: int, step: int) -> bool:

@@ -45,8 +45,9 @@ class RankMember(Actor):
         listener, self._rank_listener = (self._rank_listener, None) if rank == 0 else (None, self._rank_listener)
 
         def join() -> str:
-            group = RankGroup.create(host, port, rank, world_size, device=self.device, timeout_s=timeout_s,
-                                     listener=listener)
+            group = RankGroup.create(
+                host, port, rank, world_size, device=self.device, timeout_s=timeout_s, listener=listener
+            )
             try:
                 self._shard_policy()
             except BaseException:

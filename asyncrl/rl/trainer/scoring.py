@@ -51,15 +51,23 @@ def fused_head_fallback(model, world_size: int = 1) -> str:
     return ""
 
 
-def scored_logprobs(model, batch: MicroBatch, temperature: float, *, fused: bool, entropy: bool = False,
-                    autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def scored_logprobs(
+    model,
+    batch: MicroBatch,
+    temperature: float,
+    *,
+    fused: bool,
+    entropy: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[S, C]`` float32 log-probs of ``batch``'s completion tokens at ``temperature`` (with the
     current grad mode: the KL reference calls it under ``no_grad``), and with ``entropy`` the
     ``[S, C]`` entropy there (a metric, detached). ``autocast_dtype``: the forward's autocast
     (bf16 on GPU), None for none."""
     device = batch.input_ids.device
-    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
     if not fused:
         with autocast:
             logits = policy_logits(model, batch)
@@ -79,8 +87,15 @@ def scored_logprobs(model, batch: MicroBatch, temperature: float, *, fused: bool
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         # an out-of-range id would be a device-side assert on CUDA, which kills the context
         raise LossInputError(f"input_ids must lie in [0, {vocab}); got [{int(targets.min())}, {int(targets.max())}]")
-    lp, ent = head_logprobs(hidden[rows, positions], head.weight, head.bias, targets, temperature,
-                            compute_dtype=autocast_dtype, entropy=entropy)
+    lp, ent = head_logprobs(
+        hidden[rows, positions],
+        head.weight,
+        head.bias,
+        targets,
+        temperature,
+        compute_dtype=autocast_dtype,
+        entropy=entropy,
+    )
     return _spread(lp, batch.mask), (None if ent is None else _spread(ent, batch.mask))
 
 

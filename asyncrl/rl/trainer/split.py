@@ -32,8 +32,9 @@ def batch_counts(groups: list[RolloutGroup]) -> tuple[int, int]:
     return tokens, sequences
 
 
-def rank_share(groups: list[RolloutGroup], advantages: torch.Tensor, rank: int,
-               world_size: int) -> tuple[list[RolloutGroup], torch.Tensor]:
+def rank_share(
+    groups: list[RolloutGroup], advantages: torch.Tensor, rank: int, world_size: int
+) -> tuple[list[RolloutGroup], torch.Tensor]:
     """This rank's sequences (as groups holding only them) and their advantages. Sequences go to
     ranks balanced by length (prompt + completion tokens: the forward's cost), longest first, each
     to the rank with the fewest tokens so far (ties to the lowest rank): the same split on every
@@ -62,15 +63,20 @@ def rank_share(groups: list[RolloutGroup], advantages: torch.Tensor, rank: int,
 def _subset(g: RolloutGroup, rows: list[int]) -> RolloutGroup:
     """``g`` with only the completions ``rows`` (their rewards kept for the record; the
     advantages were computed from the whole group before)."""
+
     def pick(values):
         return [values[j] for j in rows] if values else values
 
     import msgspec
 
     return msgspec.structs.replace(
-        g, completion_ids=pick(g.completion_ids), behaviour_logprobs=pick(g.behaviour_logprobs),
-        rewards=pick(g.rewards), action_mask=pick(g.action_mask),
-        **{name: pick(getattr(g, name)) for name in _PER_COMPLETION_EXTRA if getattr(g, name, None)})
+        g,
+        completion_ids=pick(g.completion_ids),
+        behaviour_logprobs=pick(g.behaviour_logprobs),
+        rewards=pick(g.rewards),
+        action_mask=pick(g.action_mask),
+        **{name: pick(getattr(g, name)) for name in _PER_COMPLETION_EXTRA if getattr(g, name, None)},
+    )
 
 
 _PER_COMPLETION_EXTRA = ("correct", "teacher_logprobs")

@@ -56,8 +56,14 @@ def draw_curves(run_dirs: list[str], out_path: str) -> str:
         fleet.legend(fontsize=7, loc="lower right")
     else:
         fleet.set_axis_off()
-    titles = ["reward (mean per step, and rolling)", "solve rate", "staleness, dropped and left-out groups",
-              "throughput", "seconds per step (rolling)", "held-out solve rate per wall-clock minute"]
+    titles = [
+        "reward (mean per step, and rolling)",
+        "solve rate",
+        "staleness, dropped and left-out groups",
+        "throughput",
+        "seconds per step (rolling)",
+        "held-out solve rate per wall-clock minute",
+    ]
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
@@ -107,8 +113,11 @@ def _draw_run(axes: Any, label: str, records: list[dict[str, Any]], before: dict
     steps, tokens = series(records, "tokens_per_s")
     axes[3].plot(steps, tokens, color=c, label=f"{tag}completion tokens/s")
 
-    for key, name, style in (("wait_s", "waiting for rollouts", "-"), ("train_s", "training", "--"),
-                             ("sync_s", "weight sync", ":")):
+    for key, name, style in (
+        ("wait_s", "waiting for rollouts", "-"),
+        ("train_s", "training", "--"),
+        ("sync_s", "weight sync", ":"),
+    ):
         steps, seconds = series(records, key)
         axes[4].plot(steps, rolling_mean(seconds, window), style, color=c, label=f"{tag}{name}")
 
@@ -129,8 +138,15 @@ def _draw_fleet(ax: Any, label: str, records: list[dict[str, Any]], c: str) -> N
     keep = [i for i in range(len(sizes)) if i == 0 or i == len(sizes) - 1 or sizes[i] != sizes[i - 1]]
     steps, sizes = [steps[i] for i in keep], [sizes[i] for i in keep]
     if len(set(sizes)) > 1:
-        ax.step(steps, sizes, where="post", color=c, alpha=0.6, linestyle="-.",
-                label=f"{label}: samplers in group" if label else "samplers in group")
+        ax.step(
+            steps,
+            sizes,
+            where="post",
+            color=c,
+            alpha=0.6,
+            linestyle="-.",
+            label=f"{label}: samplers in group" if label else "samplers in group",
+        )
 
 
 def _thin(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

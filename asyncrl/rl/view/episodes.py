@@ -16,8 +16,11 @@ EPISODES_FILE = "episodes.jsonl"
 def read_episodes(run_dir: str) -> list[dict[str, Any]]:
     """The records of RUN_DIR/episodes.jsonl in order (a line cut short while written is skipped);
     `RunHistoryError` when there is no such file."""
-    return read_jsonl(run_dir, EPISODES_FILE, lambda record: isinstance(record.get("step"), int)
-                      and isinstance(record.get("pieces"), list))
+    return read_jsonl(
+        run_dir,
+        EPISODES_FILE,
+        lambda record: isinstance(record.get("step"), int) and isinstance(record.get("pieces"), list),
+    )
 
 
 def episode_text(run_dir: str, step: int | None = None) -> str:
@@ -30,14 +33,20 @@ def episode_text(run_dir: str, step: int | None = None) -> str:
     else:
         record = next((r for r in reversed(records) if r["step"] == step), None)
         if record is None:
-            raise RunHistoryError(f"{run_dir}: no episode of step {step}; {EPISODES_FILE} has steps "
-                                  f"{records[0]['step']} to {records[-1]['step']}")
+            raise RunHistoryError(
+                f"{run_dir}: no episode of step {step}; {EPISODES_FILE} has steps "
+                f"{records[0]['step']} to {records[-1]['step']}"
+            )
     verdict = {True: ", correct", False: ", not correct"}.get(record.get("correct"), "")
-    lines = [f"step {record['step']}: group {record.get('group', '?')} from {record.get('sampler', '?')} "
-             f"(weights v{record.get('version', '?')}), reward {record.get('reward', float('nan')):.3f}{verdict}; "
-             f"{record.get('tokens', '?')} of its {record.get('completion_tokens', '?')} tokens in the loss",
-             f"  prompt  {json.dumps(record.get('prompt', ''), ensure_ascii=False)}"]
+    lines = [
+        f"step {record['step']}: group {record.get('group', '?')} from {record.get('sampler', '?')} "
+        f"(weights v{record.get('version', '?')}), reward {record.get('reward', float('nan')):.3f}{verdict}; "
+        f"{record.get('tokens', '?')} of its {record.get('completion_tokens', '?')} tokens in the loss",
+        f"  prompt  {json.dumps(record.get('prompt', ''), ensure_ascii=False)}",
+    ]
     for piece in record["pieces"]:
         who = "model " if piece.get("mask") else "env   "
-        lines.append(f"  {who}  {json.dumps(piece.get('text', ''), ensure_ascii=False)}  ({piece.get('tokens', '?')} tokens)")
+        lines.append(
+            f"  {who}  {json.dumps(piece.get('text', ''), ensure_ascii=False)}  ({piece.get('tokens', '?')} tokens)"
+        )
     return "\n".join(lines)

@@ -16,8 +16,20 @@ import msgspec
 import zmq
 
 from asyncrl.runtime.status.schema import (
-    MAX_REPLY_BYTES, PROTOCOL, SUMMARY_FILE, SUPERVISOR_FILE, CommandRefusedError, CommandReply, CommandRequest,
-    StatusFailure, StatusReply, StatusRequest, StatusTimeoutError, StatusUnavailableError, SupervisorFile, read_file,
+    MAX_REPLY_BYTES,
+    PROTOCOL,
+    SUMMARY_FILE,
+    SUPERVISOR_FILE,
+    CommandRefusedError,
+    CommandReply,
+    CommandRequest,
+    StatusFailure,
+    StatusReply,
+    StatusRequest,
+    StatusTimeoutError,
+    StatusUnavailableError,
+    SupervisorFile,
+    read_file,
     same_process_alive,
 )
 from asyncrl.runtime.status.view import local_time
@@ -47,7 +59,8 @@ def read_supervisor_file(run_dir: str) -> SupervisorFile:
         raise StatusUnavailableError("bad_file", f"cannot read {path}: {e}") from None
     if info.hostname != socket.gethostname():
         raise StatusUnavailableError(
-            "other_host", f"the supervisor of {run_dir} runs on host {info.hostname} (pid {info.pid}); run `asyncrl status` there"
+            "other_host",
+            f"the supervisor of {run_dir} runs on host {info.hostname} (pid {info.pid}); run `asyncrl status` there",
         )
     if not same_process_alive(info.pid, info.pid_start_ticks):
         raise StatusUnavailableError(
@@ -55,7 +68,7 @@ def read_supervisor_file(run_dir: str) -> SupervisorFile:
             f"the supervisor is not running: pid {info.pid}, which wrote {path} at {local_time(info.started_at)}, "
             "is gone (killed or crashed before it could remove the file); the file is stale",
         )
-    if info.address.startswith("ipc://") and not os.path.exists(info.address[len("ipc://"):]):
+    if info.address.startswith("ipc://") and not os.path.exists(info.address[len("ipc://") :]):
         raise StatusUnavailableError(
             "stale", f"the supervisor (pid {info.pid}) no longer serves status: its socket {info.address} is gone"
         )
@@ -68,7 +81,9 @@ def query_status(run_dir: str, timeout_s: float = 5.0) -> StatusReply:
     if isinstance(answer, StatusFailure):
         raise StatusUnavailableError("refused", f"{who} refused the request: {answer.type_name}: {answer.message}")
     if answer.protocol != PROTOCOL:
-        raise StatusUnavailableError("protocol", f"{who} speaks status protocol {answer.protocol}, this client {PROTOCOL}")
+        raise StatusUnavailableError(
+            "protocol", f"{who} speaks status protocol {answer.protocol}, this client {PROTOCOL}"
+        )
     return answer
 
 
@@ -108,4 +123,6 @@ def _ask(run_dir: str, request: Any, reply_type: type, timeout_s: float) -> tupl
             raise ValueError(f"{len(frames)} frames, not 1")
         return who, msgspec.msgpack.decode(frames[0], type=reply_type | StatusFailure)
     except (ValueError, msgspec.DecodeError) as e:
-        raise StatusUnavailableError("protocol", f"undecodable answer from {who} (another asyncrl version?): {e}") from None
+        raise StatusUnavailableError(
+            "protocol", f"undecodable answer from {who} (another asyncrl version?): {e}"
+        ) from None

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.errors import AsyncrlError
 from asyncrl.runtime.cluster import NodeStatus
 from asyncrl.runtime.record import ActorStatus
-from asyncrl.errors import AsyncrlError
 
 PROTOCOL = 1
 SUPERVISOR_FILE = "supervisor.json"

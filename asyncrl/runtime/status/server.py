@@ -21,22 +21,35 @@ import os
 import socket
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
 
+from asyncrl.errors import AsyncrlError
 from asyncrl.runtime import signals
 from asyncrl.runtime.cluster import NodeStatus
 from asyncrl.runtime.files import write_atomic
 from asyncrl.runtime.record import ActorStatus
 from asyncrl.runtime.status.schema import (
-    MAX_FRAME_BYTES, MAX_PROGRESS_BYTES, MAX_REQUEST_BYTES, PROTOCOL, SUPERVISOR_FILE, CommandReply, CommandRequest,
-    RunDirInUseError, StatusFailure, StatusReply, StatusRequest, SupervisorFile, proc_stat, read_file,
+    MAX_FRAME_BYTES,
+    MAX_PROGRESS_BYTES,
+    MAX_REQUEST_BYTES,
+    PROTOCOL,
+    SUPERVISOR_FILE,
+    CommandReply,
+    CommandRequest,
+    RunDirInUseError,
+    StatusFailure,
+    StatusReply,
+    StatusRequest,
+    SupervisorFile,
+    proc_stat,
+    read_file,
     same_process_alive,
 )
 from asyncrl.runtime.transport import LoopSocket, configure, make_run_dir, remove_run_dir
-from asyncrl.errors import AsyncrlError
 
 
 def _remove_if_ours(path: str, ours: bytes) -> None:
@@ -116,7 +129,9 @@ class StatusServer:
 
     def _publish(self) -> None:
         """Write supervisor.json by rename, so a reader sees the old file, none, or all of ours."""
-        record = SupervisorFile(os.getpid(), proc_stat(os.getpid())[1], socket.gethostname(), self.address, self.started_at)
+        record = SupervisorFile(
+            os.getpid(), proc_stat(os.getpid())[1], socket.gethostname(), self.address, self.started_at
+        )
         data = msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
         write_atomic(self.path, data)
         self._written.append(data)
@@ -140,7 +155,7 @@ class StatusServer:
         raises is the caller's answer, as a ``StatusFailure`` of its type and message."""
         self._commands[name] = handler
 
-    async def __aenter__(self) -> "StatusServer":
+    async def __aenter__(self) -> StatusServer:
         self.start()
         return self
 
@@ -155,13 +170,17 @@ class StatusServer:
             return self._refuse(route, "ProtocolError", f"a request is one frame, not {len(frames) - 1}")
         body = frames[1]
         if len(body) > MAX_REQUEST_BYTES:
-            return self._refuse(route, "MessageTooLargeError", f"request of {len(body)} bytes, over {MAX_REQUEST_BYTES}")
+            return self._refuse(
+                route, "MessageTooLargeError", f"request of {len(body)} bytes, over {MAX_REQUEST_BYTES}"
+            )
         try:
             request = self._decoder.decode(body.buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return self._refuse(route, "ProtocolError", f"not a StatusRequest or CommandRequest: {e}")
         if request.protocol != PROTOCOL:
-            return self._refuse(route, "ProtocolError", f"status protocol {request.protocol}; this supervisor speaks {PROTOCOL}")
+            return self._refuse(
+                route, "ProtocolError", f"status protocol {request.protocol}; this supervisor speaks {PROTOCOL}"
+            )
         if isinstance(request, CommandRequest):
             return self._command(route, request)
         try:
@@ -175,7 +194,9 @@ class StatusServer:
         handler = self._commands.get(request.name)
         if handler is None:
             known = ", ".join(sorted(self._commands)) or "none"
-            return self._refuse(route, "UnknownCommandError", f"this run has no command {request.name!r} (it has: {known})")
+            return self._refuse(
+                route, "UnknownCommandError", f"this run has no command {request.name!r} (it has: {known})"
+            )
         try:
             reply = self._encoder.encode(CommandReply(request.name, handler(dict(request.args))))
         except (AsyncrlError, ValueError) as e:  # refused: the one line the caller needs

@@ -43,13 +43,24 @@ def format_status(reply: StatusReply) -> str:
         f"(since {local_time(reply.started_at)})",
     ]
     for n in reply.nodes:
-        lines.append(f"node {n.rank:<6} {n.hostname} {n.address}, devices {n.devices_free}/{n.devices_total} free, {n.state}")
+        lines.append(
+            f"node {n.rank:<6} {n.hostname} {n.address}, devices {n.devices_free}/{n.devices_total} free, {n.state}"
+        )
     lines.append("")
     rows = [["ACTOR", "NODE", "STATE", "PID", "RESTARTS", "HEARTBEAT", "ERROR"]]
     for a in reply.actors:
         beat = f"{a.last_heartbeat_age_s:.1f}s ago" if a.last_heartbeat_age_s is not None else "-"
-        rows.append([a.name, str(a.node), a.state.value, str(a.pid) if a.pid is not None else "-",
-                     f"{a.restarts}/{a.max_restarts}", beat, _first_line(a.error)])
+        rows.append(
+            [
+                a.name,
+                str(a.node),
+                a.state.value,
+                str(a.pid) if a.pid is not None else "-",
+                f"{a.restarts}/{a.max_restarts}",
+                beat,
+                _first_line(a.error),
+            ]
+        )
     lines += _table(rows) if reply.actors else ["(no actors)"]
     if reply.progress or reply.progress_error:
         lines += ["", "progress"]

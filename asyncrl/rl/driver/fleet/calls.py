@@ -33,7 +33,7 @@ class Answers:
 
     def of_members(self) -> list[tuple[Any, Any]]:
         """Each member called, with its answer or error."""
-        return list(zip(self.members, self.results[len(self.results) - len(self.members):]))
+        return list(zip(self.members, self.results[len(self.results) - len(self.members) :]))
 
     @property
     def ok(self) -> bool:
@@ -62,20 +62,30 @@ def failure_cause(what: str, error: BaseException) -> str:
     return f"failed during {what}: {first_line(error)}"
 
 
-async def call_all(handles: Sequence[Any], call: Callable[[Any, int], Awaitable[Any]], *, timeout_s: float | None,
-                   what: str, died: Callable[[int, ActorDiedError], None] | None = None) -> Answers:
+async def call_all(
+    handles: Sequence[Any],
+    call: Callable[[Any, int], Awaitable[Any]],
+    *,
+    timeout_s: float | None,
+    what: str,
+    died: Callable[[int, ActorDiedError], None] | None = None,
+) -> Answers:
     """``call(handle.with_timeout(timeout_s), i)`` for every handle at once; every answer awaited
     (each bounded by its own deadline, ``timeout_s`` or with None the handle's: the actor's call
     fails with `CallTimeoutError` naming it and the method). ``died(i, error)``: told the moment
     the call at ``i`` fails with the actor's death, not when the slowest answer comes (the others
     may wait out their deadline for it)."""
-    calls = [asyncio.ensure_future(call(h if timeout_s is None else h.with_timeout(timeout_s), i))
-             for i, h in enumerate(handles)]
+    calls = [
+        asyncio.ensure_future(call(h if timeout_s is None else h.with_timeout(timeout_s), i))
+        for i, h in enumerate(handles)
+    ]
     if died is not None:
         for i, future in enumerate(calls):
+
             def done(future: asyncio.Future, i: int = i) -> None:
                 if not future.cancelled() and isinstance(future.exception(), ActorDiedError):
                     died(i, future.exception())
+
             future.add_done_callback(done)
     results = await asyncio.gather(*calls, return_exceptions=True)
     return Answers(what, [h.name for h in handles], list(results))

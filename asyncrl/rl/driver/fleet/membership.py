@@ -89,13 +89,16 @@ class Member:
 class Membership:
     """The samplers' states, losses and returns (see the module docstring)."""
 
-    def __init__(self, samplers: list[Any], seeds: list[int], *, recovery: RecoveryConfig, log=print,
-                 events_path: str = ""):
+    def __init__(
+        self, samplers: list[Any], seeds: list[int], *, recovery: RecoveryConfig, log=print, events_path: str = ""
+    ):
         # A sampler already dead or stopped never came up (its start was lost, its restarts with
         # it: sampler_start.py): GONE from the start, as if lost for good later. It keeps its
         # place (its index, its seed, its data position), which checkpoints and resumes rely on.
-        self.members = [Member(h, i, seed, state=MemberState.GONE if h.info().state.final
-                               else MemberState.CANDIDATE) for i, (h, seed) in enumerate(zip(samplers, seeds))]
+        self.members = [
+            Member(h, i, seed, state=MemberState.GONE if h.info().state.final else MemberState.CANDIDATE)
+            for i, (h, seed) in enumerate(zip(samplers, seeds))
+        ]
         self.recovery, self.log = recovery, log
         self.events_path = events_path  # faults.jsonl: append-only, kept whole across resumes
         self.changed = asyncio.Event()  # set by every loss, return and ended pump: the driver's waits wake
@@ -119,8 +122,9 @@ class Membership:
         """A sampler started by a scale-up: a candidate, which joins at the next rebuild."""
         m = Member(handle, len(self.members), seed, incarnation=handle.info().incarnation)
         self.members.append(m)
-        self.event("added", m.name, "started by a scale-up; joins the group at the next sync",
-                   incarnation=m.incarnation)
+        self.event(
+            "added", m.name, "started by a scale-up; joins the group at the next sync", incarnation=m.incarnation
+        )
         self.changed.set()
         return m
 
@@ -169,10 +173,18 @@ class Membership:
         """No sampler can join the group: the trainer stays alone until a replacement is up."""
         self.dirty = False
 
-    async def call_all(self, group: list[Member], call: Callable[[Any, Member | None], Awaitable[Any]], *,
-                       timeout_s: float, what: str, whole: bool = False, lead: Any = None,
-                       judge_lead: Callable[[Any], None] | None = None,
-                       spare: Callable[[BaseException], bool] | None = None) -> Answers | None:
+    async def call_all(
+        self,
+        group: list[Member],
+        call: Callable[[Any, Member | None], Awaitable[Any]],
+        *,
+        timeout_s: float,
+        what: str,
+        whole: bool = False,
+        lead: Any = None,
+        judge_lead: Callable[[Any], None] | None = None,
+        spare: Callable[[BaseException], bool] | None = None,
+    ) -> Answers | None:
         """Make ``call(handle, member)`` to every member of ``group`` at once (`calls.call_all`:
         each within ``timeout_s``), to the incarnation that joined, and lose each that failed
         (killed unless it died; the cause names ``what``), except the ones ``spare`` says suffered
@@ -195,16 +207,25 @@ class Membership:
                 self.lose(group[i - first], failure_cause(what, error), kill=False, incarnation=pinned[i - first])
 
         handles = ([] if lead is None else [lead]) + [m.handle for m in group]
-        answers = await call_all(handles, lambda h, i: call(h, group[i - first] if i >= first else None),
-                                 timeout_s=timeout_s, what=what, died=died)
+        answers = await call_all(
+            handles,
+            lambda h, i: call(h, group[i - first] if i >= first else None),
+            timeout_s=timeout_s,
+            what=what,
+            died=died,
+        )
         answers.members = group
         if lead is not None and judge_lead is not None:
             judge_lead(answers.results[0])
         for i in answers.failed():
             if i < first or (spare is not None and spare(answers.results[i])):
                 continue
-            self.lose(group[i - first], answers.cause(i), kill=not isinstance(answers.results[i], ActorDiedError),
-                      incarnation=pinned[i - first])
+            self.lose(
+                group[i - first],
+                answers.cause(i),
+                kill=not isinstance(answers.results[i], ActorDiedError),
+                incarnation=pinned[i - first],
+            )
         if whole and not answers.ok:
             self.dirty = True
         return answers
@@ -287,11 +308,14 @@ class Membership:
             return
         m.state = MemberState.GONE
         self.settled_at = time.monotonic()
-        why = {ActorState.DEAD: "its restarts are used up or its restart failed",
-               ActorState.STOPPED: "it was stopped"}.get(
-            info.state, f"no new incarnation was running within --run.restart_timeout_s {t:g} s")
-        self.log(f"{m.name} will not come back: {why} ({info.state}, incarnation {info.incarnation}, "
-                 f"restarts {info.restarts}/{info.max_restarts})")
+        why = {
+            ActorState.DEAD: "its restarts are used up or its restart failed",
+            ActorState.STOPPED: "it was stopped",
+        }.get(info.state, f"no new incarnation was running within --run.restart_timeout_s {t:g} s")
+        self.log(
+            f"{m.name} will not come back: {why} ({info.state}, incarnation {info.incarnation}, "
+            f"restarts {info.restarts}/{info.max_restarts})"
+        )
         self.changed.set()
 
     def joined(self, group: list[Member], version: int, seconds: float, generation: int) -> None:
@@ -307,20 +331,34 @@ class Membership:
                 if m.fault is not None:
                     m.fault.rejoined_s = now - m.fault.detected_mono
                     self.counters["sampler_rejoins"] += 1
-                    self.event("rejoined", m.name, f"incarnation {m.incarnation} took v{version}",
-                               incarnation=m.incarnation, rejoined_s=m.fault.rejoined_s)
-                    self.log(f"{m.name} is back (incarnation {m.incarnation}) with v{version}, "
-                             f"{m.fault.rejoined_s:.1f} s after it was lost")
+                    self.event(
+                        "rejoined",
+                        m.name,
+                        f"incarnation {m.incarnation} took v{version}",
+                        incarnation=m.incarnation,
+                        rejoined_s=m.fault.rejoined_s,
+                    )
+                    self.log(
+                        f"{m.name} is back (incarnation {m.incarnation}) with v{version}, "
+                        f"{m.fault.rejoined_s:.1f} s after it was lost"
+                    )
                     m.fault = None
             m.state = MemberState.JOINED
         for fault in self.faults:
             if fault.recovered_s is None:
                 fault.recovered_s = now - fault.detected_mono
-                self.event("recovered", fault.sampler, f"group whole again at generation {generation}",
-                           incarnation=fault.incarnation, recovered_s=fault.recovered_s)
+                self.event(
+                    "recovered",
+                    fault.sampler,
+                    f"group whole again at generation {generation}",
+                    incarnation=fault.incarnation,
+                    recovered_s=fault.recovered_s,
+                )
         if generation > 0:
-            self.log(f"weight-sync group generation {generation}: trainer + "
-                     f"{', '.join(m.name for m in group)} with v{version} ({seconds:.1f} s)")
+            self.log(
+                f"weight-sync group generation {generation}: trainer + "
+                f"{', '.join(m.name for m in group)} with v{version} ({seconds:.1f} s)"
+            )
 
     def event(self, kind: str, sampler: str, detail: str, **extra: Any) -> None:
         event = {"event": kind, "sampler": sampler, "step": self.step, "detail": detail, "at": time.time(), **extra}
@@ -360,5 +398,7 @@ class Membership:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=CLOSE_S)
             if pending:
-                self.log(f"sampler pool: {len(pending)} task(s) still running {CLOSE_S:g} s after being cancelled: "
-                         + ", ".join(t.get_name() for t in pending))
+                self.log(
+                    f"sampler pool: {len(pending)} task(s) still running {CLOSE_S:g} s after being cancelled: "
+                    + ", ".join(t.get_name() for t in pending)
+                )

@@ -46,16 +46,23 @@ import msgspec
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import RunConfig
-from asyncrl.rl.driver.faults import (Fault, NoSamplersError, PhaseTimeoutError, RunStoppedError, TaskFailedError,
-                                      WeightsDivergedError, trainer_phase)
+from asyncrl.rl.driver.faults import (
+    Fault,
+    NoSamplersError,
+    PhaseTimeoutError,
+    RunStoppedError,
+    TaskFailedError,
+    WeightsDivergedError,
+    trainer_phase,
+)
 from asyncrl.rl.driver.fleet.calls import call_all
-from asyncrl.rl.driver.fleet.membership import Member, MemberState, Membership
+from asyncrl.rl.driver.fleet.membership import Member, Membership, MemberState
 from asyncrl.rl.driver.fleet.sync_group import SyncGroup
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
-from asyncrl.rl.observe.sync_metrics import SyncPhases, sync_record
 from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
+from asyncrl.rl.observe.sync_metrics import SyncPhases, sync_record
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.errors import SamplerTimeoutError
 from asyncrl.rl.tasks.scoring import TaskFailureError
@@ -68,10 +75,24 @@ PUMP_RETRIES = 3
 class SamplerPool:
     """The samplers of a run: membership, pumps and recovery (see the module docstring)."""
 
-    def __init__(self, trainer: Any, samplers: list[Any], queue: RolloutQueue, *, run: RunConfig, seeds: list[int],
-                 host: str, backend: str, log=print, events_path: str = "", pacer: Pacer | None = None,
-                 batch_groups: int = 0, teacher: Teacher | None = None, reward_model: RewardModel | None = None,
-                 uid_prefix: str = ""):
+    def __init__(
+        self,
+        trainer: Any,
+        samplers: list[Any],
+        queue: RolloutQueue,
+        *,
+        run: RunConfig,
+        seeds: list[int],
+        host: str,
+        backend: str,
+        log=print,
+        events_path: str = "",
+        pacer: Pacer | None = None,
+        batch_groups: int = 0,
+        teacher: Teacher | None = None,
+        reward_model: RewardModel | None = None,
+        uid_prefix: str = "",
+    ):
         self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
         # Put before every group id: the run segment ("resume1/", ...), since a resumed run's
         # samplers number their groups from incarnation 1, sequence 1 again.
@@ -118,14 +139,18 @@ class SamplerPool:
         any other: the run goes on without it while it restarts (`next_batch` takes it back).
         Raises `NoSamplersError` only when every sampler is gone for good."""
         positions = dict(self.membership.begin(data))
-        await self.membership.call_all(list(positions), lambda h, m: h.restore_data_state(positions[m]),
-                                       timeout_s=self.run.deadlines.rendezvous_timeout_s,
-                                       what="taking its data position")
+        await self.membership.call_all(
+            list(positions),
+            lambda h, m: h.restore_data_state(positions[m]),
+            timeout_s=self.run.deadlines.rendezvous_timeout_s,
+            what="taking its data position",
+        )
         await self.sync_group.rebuild(version)
         if self.membership.none_left():
             causes = "; ".join(f"{f.sampler}: {f.cause}" for f in self.faults[-3:])
-            raise NoSamplersError("no sampler could join the weight-sync group at the start"
-                                  + (f" ({causes})" if causes else ""))
+            raise NoSamplersError(
+                "no sampler could join the weight-sync group at the start" + (f" ({causes})" if causes else "")
+            )
 
     async def next_batch(self, n: int, version: int) -> list[RolloutGroup]:
         """The step's batch from the queue; recovers from sampler losses while it waits."""
@@ -202,25 +227,35 @@ class SamplerPool:
         """Digest of the weights on the trainer and on every sampler in the group; raises
         `WeightsDivergedError` unless they are all the same."""
         t = self.run.deadlines.sync_timeout_s
-        trainer = await trainer_phase("the weight check", "sync_timeout_s", t,
-                                      self.trainer.with_timeout(t).weights_digest())
-        answers = await self.membership.call_all(self.membership.with_state(MemberState.JOINED),
-                                                 lambda h, _: h.weights_digest(), timeout_s=t, what="the weight check")
+        trainer = await trainer_phase(
+            "the weight check", "sync_timeout_s", t, self.trainer.with_timeout(t).weights_digest()
+        )
+        answers = await self.membership.call_all(
+            self.membership.with_state(MemberState.JOINED),
+            lambda h, _: h.weights_digest(),
+            timeout_s=t,
+            what="the weight check",
+        )
         digests = {"trainer": trainer}
         for m, result in answers.of_members():
             if isinstance(result, BaseException):
                 continue  # lost: the next sync re-forms the group without it
             if result != trainer:
-                raise WeightsDivergedError(f"sampler {m.name} holds weights {result[:12]} after the sync of "
-                                           f"generation {self.generation}; the trainer holds {trainer[:12]}")
+                raise WeightsDivergedError(
+                    f"sampler {m.name} holds weights {result[:12]} after the sync of "
+                    f"generation {self.generation}; the trainer holds {trainer[:12]}"
+                )
             digests[m.name] = result
         return digests
 
     async def data_states(self) -> list[SamplerDataState]:
         """Each sampler's data position for a checkpoint (computed for one that is not up)."""
-        answers = await self.membership.call_all([m for m in self.members if m.in_group], lambda h, _: h.data_state(),
-                                                 timeout_s=self.run.deadlines.rendezvous_timeout_s,
-                                                 what="reading its data position")
+        answers = await self.membership.call_all(
+            [m for m in self.members if m.in_group],
+            lambda h, _: h.data_state(),
+            timeout_s=self.run.deadlines.rendezvous_timeout_s,
+            what="reading its data position",
+        )
         got = {m: r for m, r in answers.of_members() if not isinstance(r, BaseException)}
         states = []
         for m in self.members:
@@ -233,11 +268,15 @@ class SamplerPool:
     def take_events(self) -> dict[str, Any]:
         """What happened to the samplers since the last call, for the step's metrics record."""
         events, recover = self.membership.take_events()
-        return {"generation": self.generation, "samplers_in_group": len(self.membership.with_state(MemberState.JOINED)),
-                "sampler_losses": sum(e["event"] == "lost" for e in events),
-                "sampler_rejoins": sum(e["event"] == "rejoined" for e in events),
-                "recover_s": recover, **({"events": events} if events else {}),
-                **(self.reward_model.take_counts() if self.reward_model is not None else {})}
+        return {
+            "generation": self.generation,
+            "samplers_in_group": len(self.membership.with_state(MemberState.JOINED)),
+            "sampler_losses": sum(e["event"] == "lost" for e in events),
+            "sampler_rejoins": sum(e["event"] == "rejoined" for e in events),
+            "recover_s": recover,
+            **({"events": events} if events else {}),
+            **(self.reward_model.take_counts() if self.reward_model is not None else {}),
+        }
 
     def settled_at(self) -> float | None:
         """When (``time.monotonic``) the group last became settled: formed again, or a lost
@@ -248,22 +287,29 @@ class SamplerPool:
         """Each sampler's state in words, with what a sampler in the group is generating now
         (its own counters, each asked within ``timeout_s``): for the line of a stalled run."""
         joined = self.membership.with_state(MemberState.JOINED)
-        stats = await call_all([m.handle for m in joined], lambda h, _: h.stats(), timeout_s=timeout_s,
-                               what="a stall's description")
+        stats = await call_all(
+            [m.handle for m in joined], lambda h, _: h.stats(), timeout_s=timeout_s, what="a stall's description"
+        )
         answers = dict(zip(joined, stats.results))
         parts = []
         for m in self.members:
             part = f"{m.name} {m.state.shown}"
             if m in answers:
                 got = answers[m]
-                part += (f", generating {got.get('generating', '?')}" if isinstance(got, dict)
-                         else f", no answer to stats within {timeout_s:g} s ({first_line(got)})")
+                part += (
+                    f", generating {got.get('generating', '?')}"
+                    if isinstance(got, dict)
+                    else f", no answer to stats within {timeout_s:g} s ({first_line(got)})"
+                )
             parts.append(part)
         return "; ".join(parts)
 
     def progress(self) -> dict[str, Any]:
-        return {"generation": self.generation, **self.counters,
-                "samplers": {m.name: m.state.shown for m in self.members}}
+        return {
+            "generation": self.generation,
+            **self.counters,
+            "samplers": {m.name: m.state.shown for m in self.members},
+        }
 
     async def close(self) -> None:
         """Stop every task of the pool (pumps, waits for a restart) and wait for them to end."""
@@ -286,16 +332,18 @@ class SamplerPool:
             finally:
                 self.pacer.give_back(credit[0])  # what the stream did not deliver (it failed, or was cut)
 
-    async def _stream(self, m: Member, max_groups: int, accepted: list[int] | None,
-                      credit: list[int] | None = None) -> None:
+    async def _stream(
+        self, m: Member, max_groups: int, accepted: list[int] | None, credit: list[int] | None = None
+    ) -> None:
         """One ``rollouts(max_groups)`` stream into the queue; each group delivered uses one of
         ``credit`` (the pacer's grant)."""
         put_s = self._put_timeout_s()
         async for group in m.handle.with_timeout(self.run.deadlines.generate_timeout_s).rollouts(max_groups):
             incarnation = m.handle.info().incarnation
             if incarnation != m.incarnation or group.version < m.min_version:
-                raise ActorDiedError(m.name, f"incarnation {m.incarnation} was replaced by {incarnation} "
-                                     "outside the group")  # its groups were never synced: drop them
+                raise ActorDiedError(
+                    m.name, f"incarnation {m.incarnation} was replaced by {incarnation} outside the group"
+                )  # its groups were never synced: drop them
             seq = self.membership.delivered(m)
             group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{seq}")
             try:
@@ -340,10 +388,16 @@ class SamplerPool:
         if isinstance(exc, ActorDiedError):
             lose(m, f"died ({exc.reason})", kill=False)
         elif isinstance(exc, CallTimeoutError):
-            lose(m, f"no rollout group within --run.generate_timeout_s {self.run.deadlines.generate_timeout_s:g} s",
-                 kill=True)
-        elif (isinstance(exc, RemoteError) and isinstance(exc, SamplerTimeoutError)
-              and self.membership.pump_waited(m, PUMP_RETRIES)):
+            lose(
+                m,
+                f"no rollout group within --run.generate_timeout_s {self.run.deadlines.generate_timeout_s:g} s",
+                kill=True,
+            )
+        elif (
+            isinstance(exc, RemoteError)
+            and isinstance(exc, SamplerTimeoutError)
+            and self.membership.pump_waited(m, PUMP_RETRIES)
+        ):
             pass  # it waited too long for good weights: pumped again after the next sync
         else:
             lose(m, f"its rollout stream failed: {first_line(exc)}", kill=True)
@@ -354,9 +408,10 @@ class SamplerPool:
         self.membership.changed.clear()  # before looking: whatever happens from here on wakes the next wait
         self._reap_pumps()
         if self.membership.none_left():
-            raise NoSamplersError("every sampler is lost and has used up its restarts (--run.sampler_max_restarts "
-                                  f"{self.run.recovery.sampler_max_restarts}): "
-                                  + "; ".join(f.cause for f in self.faults[-3:]))
+            raise NoSamplersError(
+                "every sampler is lost and has used up its restarts (--run.sampler_max_restarts "
+                f"{self.run.recovery.sampler_max_restarts}): " + "; ".join(f.cause for f in self.faults[-3:])
+            )
         if self.membership.dirty or self.membership.with_state(MemberState.CANDIDATE):
             await self.sync_group.rebuild(version)
             self._synced(version)
@@ -372,11 +427,14 @@ class SamplerPool:
             self.pacer.synced(version)
 
     def _stalled(self, n: int, version: int) -> PhaseTimeoutError:
-        states = ", ".join(f"{m.name}: {m.state.shown} ({m.handle.info().state}, {m.delivered} groups delivered)"
-                           for m in self.members)
-        return PhaseTimeoutError(f"waiting for a batch of {n} groups at v{version}: not there within "
-                                 f"--run.queue_timeout_s {self.run.deadlines.queue_timeout_s:g} s "
-                                 f"({len(self.queue)} queued; {states})")
+        states = ", ".join(
+            f"{m.name}: {m.state.shown} ({m.handle.info().state}, {m.delivered} groups delivered)" for m in self.members
+        )
+        return PhaseTimeoutError(
+            f"waiting for a batch of {n} groups at v{version}: not there within "
+            f"--run.queue_timeout_s {self.run.deadlines.queue_timeout_s:g} s "
+            f"({len(self.queue)} queued; {states})"
+        )
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:

@@ -29,8 +29,9 @@ CANCEL_S = 30.0
 at once; this bounds the wait for it)."""
 
 
-async def start_samplers(spawn: Callable[[int], Awaitable[Any]], count: int, *, one_at_a_time: bool, log,
-                         events_path: str = "") -> list[Any]:
+async def start_samplers(
+    spawn: Callable[[int], Awaitable[Any]], count: int, *, one_at_a_time: bool, log, events_path: str = ""
+) -> list[Any]:
     """Spawn samplers ``0 .. count-1`` with ``spawn(i)`` (a `Supervisor.spawn` with
     ``keep_if_lost=True``), concurrently unless ``one_at_a_time`` (samplers that share one GPU:
     vLLM measures the free memory as it starts, and two engines starting at once would each count
@@ -51,19 +52,39 @@ async def start_samplers(spawn: Callable[[int], Awaitable[Any]], count: int, *, 
         if _gone(h):
             why = _reason(h.name, info.error or info.state)
             if up:  # else the line that stops the run names each
-                log(f"{h.name} never came up ({restarts}, --run.sampler_max_restarts): {why}; "
-                    f"the run goes on with {len(up)} of {count} sampler(s)")
-            append_event(events_path, {"event": "start_failed", "sampler": h.name, "step": 0, "detail": why,
-                                       "restarts": info.restarts, "at": time.time()})
+                log(
+                    f"{h.name} never came up ({restarts}, --run.sampler_max_restarts): {why}; "
+                    f"the run goes on with {len(up)} of {count} sampler(s)"
+                )
+            append_event(
+                events_path,
+                {
+                    "event": "start_failed",
+                    "sampler": h.name,
+                    "step": 0,
+                    "detail": why,
+                    "restarts": info.restarts,
+                    "at": time.time(),
+                },
+            )
         elif info.restarts:
-            log(f"{h.name} came up after {info.restarts} lost start(s) "
-                f"({restarts} used, --run.sampler_max_restarts)")
-            append_event(events_path, {"event": "start_retried", "sampler": h.name, "step": 0,
-                                       "detail": f"up after {restarts} (its start was lost)",
-                                       "restarts": info.restarts, "at": time.time()})
+            log(f"{h.name} came up after {info.restarts} lost start(s) ({restarts} used, --run.sampler_max_restarts)")
+            append_event(
+                events_path,
+                {
+                    "event": "start_retried",
+                    "sampler": h.name,
+                    "step": 0,
+                    "detail": f"up after {restarts} (its start was lost)",
+                    "restarts": info.restarts,
+                    "at": time.time(),
+                },
+            )
     if not up:
-        raise NoSamplersError(f"no sampler came up (--run.sampler_max_restarts {handles[0].info().max_restarts}): "
-                              + "; ".join(f"{h.name}: {_reason(h.name, h.info().error or 'dead')}" for h in handles))
+        raise NoSamplersError(
+            f"no sampler came up (--run.sampler_max_restarts {handles[0].info().max_restarts}): "
+            + "; ".join(f"{h.name}: {_reason(h.name, h.info().error or 'dead')}" for h in handles)
+        )
     return handles
 
 
@@ -92,4 +113,4 @@ def _reason(name: str, error: str) -> str:
     """An actor's error in one line, without the ``actor 'NAME': `` its message begins with."""
     line = first_line(error)
     prefix = f"actor {name!r}: "
-    return line[len(prefix):] if line.startswith(prefix) else line
+    return line[len(prefix) :] if line.startswith(prefix) else line

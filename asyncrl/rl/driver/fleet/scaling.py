@@ -60,12 +60,16 @@ def check_target(n: Any, *, active: int, device: str, colocated: bool, started: 
         raise ScaleRefusedError(f"--samplers {n}: a run needs at least 1 sampler; stop the run to free them all")
     more = n - active
     if device == "cuda" and colocated and n > started:
-        raise ScaleRefusedError(f"--samplers {n}: the samplers share the trainer's GPU, whose memory was split "
-                                f"among {started} at the start; ask for at most {started}, or start the run with "
-                                f"--sampler.count {n}")
+        raise ScaleRefusedError(
+            f"--samplers {n}: the samplers share the trainer's GPU, whose memory was split "
+            f"among {started} at the start; ask for at most {started}, or start the run with "
+            f"--sampler.count {n}"
+        )
     if device == "cuda" and not colocated and more > free_gpus:
-        raise ScaleRefusedError(f"--samplers {n}: {more} more sampler(s) need a GPU each, but {free_gpus} "
-                                f"GPU(s) are free; ask for at most {active + free_gpus}")
+        raise ScaleRefusedError(
+            f"--samplers {n}: {more} more sampler(s) need a GPU each, but {free_gpus} "
+            f"GPU(s) are free; ask for at most {active + free_gpus}"
+        )
     return n
 
 
@@ -83,10 +87,21 @@ def least_loaded_node(nodes: list[Any], actors: list[Any], prefix: str = "sample
 class Scaler:
     """The fleet's target and the changes that reach it (see the module docstring)."""
 
-    def __init__(self, pool: SamplerPool, spawn: Callable[[int], Awaitable[Any]],
-                 stop: Callable[[Any], Awaitable[None]], *, seed_of: Callable[[int], int], device: str,
-                 colocated: bool, free_gpus: Callable[[], int], log=print, started: int | None = None,
-                 target: int | None = None, nodes: Callable[[], list[Any]] = list):
+    def __init__(
+        self,
+        pool: SamplerPool,
+        spawn: Callable[[int], Awaitable[Any]],
+        stop: Callable[[Any], Awaitable[None]],
+        *,
+        seed_of: Callable[[int], int],
+        device: str,
+        colocated: bool,
+        free_gpus: Callable[[], int],
+        log=print,
+        started: int | None = None,
+        target: int | None = None,
+        nodes: Callable[[], list[Any]] = list,
+    ):
         self.pool, self.membership = pool, pool.membership
         self._spawn, self._stop, self.seed_of = spawn, stop, seed_of
         self.device, self.colocated, self.free_gpus, self.log = device, colocated, free_gpus, log
@@ -120,11 +135,18 @@ class Scaler:
         if unknown or "samplers" not in args:
             raise ScaleRefusedError(f"scale takes samplers=N only (got {', '.join(sorted(args)) or 'nothing'})")
         active = self.active()
-        n = check_target(args["samplers"], active=active, device=self.device, colocated=self.colocated,
-                         started=self.started, free_gpus=self.free_gpus())
+        n = check_target(
+            args["samplers"],
+            active=active,
+            device=self.device,
+            colocated=self.colocated,
+            started=self.started,
+            free_gpus=self.free_gpus(),
+        )
         self.target = n
-        self.membership.event("scale_requested", "", f"{active} -> {n} sampler(s), applied at the next sync",
-                              samplers=active, target=n)
+        self.membership.event(
+            "scale_requested", "", f"{active} -> {n} sampler(s), applied at the next sync", samplers=active, target=n
+        )
         self.log(f"scale: {active} -> {n} sampler(s) asked; applied at the next weight sync")
         self._start_missing()  # now: a start takes long, and the driver may wait for a batch meanwhile
         return {"samplers": active, "target": n, "step": self.membership.step}
@@ -174,13 +196,16 @@ class Scaler:
 
         def done(task: asyncio.Task, index: int = index) -> None:
             if not task.cancelled() and task.exception() is None:
-                self.log(f"scale: sampler{index} is up ({time.monotonic() - started:.1f} s); "
-                         "it joins the group at the next sync")
+                self.log(
+                    f"scale: sampler{index} is up ({time.monotonic() - started:.1f} s); "
+                    "it joins the group at the next sync"
+                )
             if not self.membership.with_state(MemberState.JOINED):
                 # No sampler in the group: the driver waits for a batch, and no sync comes until
                 # one joins, so this one joins now (the pool rebuilds for a candidate at once).
                 self._admit()
             self.membership.changed.set()
+
         task.add_done_callback(done)
 
     def _admit(self) -> None:
@@ -194,8 +219,13 @@ class Scaler:
             if handle is not None and not handle.info().state.final:
                 self.pool.membership.add(handle, self.seed_of(index))
                 continue
-            why = (first_line(task.exception()) if not task.cancelled() and task.exception() is not None
-                   else first_line(handle.info().error or handle.info().state) if handle is not None else "cancelled")
+            why = (
+                first_line(task.exception())
+                if not task.cancelled() and task.exception() is not None
+                else first_line(handle.info().error or handle.info().state)
+                if handle is not None
+                else "cancelled"
+            )
             if self.target is not None and self.target > self.active():
                 self.target = self.active()
             self.membership.event("scale_failed", f"sampler{index}", why, target=self.target)

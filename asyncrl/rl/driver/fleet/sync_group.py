@@ -25,7 +25,7 @@ from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DeadlineConfig
 from asyncrl.rl.driver.faults import PhaseTimeoutError, RunStoppedError, TrainerLostError, trainer_phase
 from asyncrl.rl.driver.fleet.calls import Answers
-from asyncrl.rl.driver.fleet.membership import Member, MemberState, Membership
+from asyncrl.rl.driver.fleet.membership import Member, Membership, MemberState
 
 SYNC_GRACE_S = 5.0
 """How long past its own deadline a member's answer to a group-wide call may come (a loaded
@@ -59,8 +59,9 @@ def wire_dtype(sampler_dtypes: list[str]) -> str:
 class SyncGroup:
     """The group-wide calls of the weight-sync group (see the module docstring)."""
 
-    def __init__(self, trainer: Any, membership: Membership, deadlines: DeadlineConfig, *, host: str, backend: str,
-                 log=print):
+    def __init__(
+        self, trainer: Any, membership: Membership, deadlines: DeadlineConfig, *, host: str, backend: str, log=print
+    ):
         self.trainer, self.membership, self.deadlines = trainer, membership, deadlines
         self.host, self.backend, self.log = host, backend, log
         self.generation = -1
@@ -91,8 +92,9 @@ class SyncGroup:
             if await self._form(group) and await self._setup(group) and await self.send(version, group):
                 members.joined(group, version, time.monotonic() - started, self.generation)
                 return
-        raise RunStoppedError(f"the weight-sync group could not be rebuilt in {attempts} attempts "
-                              f"(generation {self.generation})")
+        raise RunStoppedError(
+            f"the weight-sync group could not be rebuilt in {attempts} attempts (generation {self.generation})"
+        )
 
     async def send(self, version: int, group: list[Member]) -> bool:
         """One sync. Every member ends its side within ``sync_timeout_s`` (a sampler's wait for a
@@ -101,9 +103,14 @@ class SyncGroup:
         late with a collective error, after a peer died (the trainer may have failed at once),
         is a survivor, not a suspect."""
         t = self.deadlines.sync_timeout_s
-        answers = await self._group_call(group, lambda h, m: h.send_weights(version) if m is None else
-                                         h.receive_weights(version), f"the weight sync of v{version}",
-                                         "sync_timeout_s", t, SYNC_GRACE_S)
+        answers = await self._group_call(
+            group,
+            lambda h, m: h.send_weights(version) if m is None else h.receive_weights(version),
+            f"the weight sync of v{version}",
+            "sync_timeout_s",
+            t,
+            SYNC_GRACE_S,
+        )
         if answers is not None and answers.ok:
             self.last = (answers.results[0], list(answers.results[1:]))
         return answers is not None and answers.ok
@@ -111,49 +118,86 @@ class SyncGroup:
     async def _prepare_replacement(self, m: Member) -> None:
         """A restarted sampler continues its predecessor's data walk, with a fresh sampling RNG."""
         state = SamplerDataState(m.seed, m.walk_base + m.delivered, generator_seed=(m.seed << 16) + m.incarnation)
-        await self.membership.call_all([m], lambda h, _: h.restore_data_state(state),
-                                       timeout_s=self.deadlines.rendezvous_timeout_s, what="its preparation to rejoin")
+        await self.membership.call_all(
+            [m],
+            lambda h, _: h.restore_data_state(state),
+            timeout_s=self.deadlines.rendezvous_timeout_s,
+            what="its preparation to rejoin",
+        )
 
     async def _probe(self, group: list[Member]) -> bool:
         """A frozen member would hold every other one in the rendezvous until its deadline, so
         each must show a sign of life first; one that does not is lost (and killed)."""
-        answers = await self.membership.call_all(group, lambda h, _: h.stats(), timeout_s=PROBE_S, whole=True,
-                                                 what="the sign of life asked before the rebuild of the group")
+        answers = await self.membership.call_all(
+            group,
+            lambda h, _: h.stats(),
+            timeout_s=PROBE_S,
+            whole=True,
+            what="the sign of life asked before the rebuild of the group",
+        )
         if answers is None or not answers.ok:
             return False
-        self.wire_dtype = wire_dtype([r.get("weight_dtype", "") if isinstance(r, dict) else ""
-                                      for r in answers.results])
+        self.wire_dtype = wire_dtype(
+            [r.get("weight_dtype", "") if isinstance(r, dict) else "" for r in answers.results]
+        )
         return True
 
     async def _form(self, group: list[Member]) -> bool:
         """Every join at once under one deadline (the rendezvous contract); True if all joined."""
         t = self.deadlines.rendezvous_timeout_s
-        port = await trainer_phase("the weight-sync rendezvous", "rendezvous_timeout_s", t,
-                                   self.trainer.with_timeout(t).sync_listen(self.host))
+        port = await trainer_phase(
+            "the weight-sync rendezvous", "rendezvous_timeout_s", t, self.trainer.with_timeout(t).sync_listen(self.host)
+        )
         world, rank = 1 + len(group), {m: r for r, m in enumerate(group, start=1)}  # the trainer is rank 0
-        answers = await self._group_call(group, lambda h, m: h.sync_join(
-            self.host, port, rank.get(m, 0), world, self.generation, self.backend, t, "weights"),
-            "joining the weight-sync group", "rendezvous_timeout_s", t, JOIN_GRACE_S)
+        answers = await self._group_call(
+            group,
+            lambda h, m: h.sync_join(
+                self.host, port, rank.get(m, 0), world, self.generation, self.backend, t, "weights"
+            ),
+            "joining the weight-sync group",
+            "rendezvous_timeout_s",
+            t,
+            JOIN_GRACE_S,
+        )
         return answers is not None and answers.ok
 
     async def _setup(self, group: list[Member]) -> bool:
         """Agree on the weight layout (each side bounded by ``sync_timeout_s``); True if all did."""
         t = self.deadlines.sync_timeout_s
-        answers = await self._group_call(group, lambda h, m: h.setup_sender(t, wire_dtype=self.wire_dtype) if m is None
-                                         else h.setup_receiver(t), "agreeing on the weight layout", "sync_timeout_s",
-                                         t, JOIN_GRACE_S)
+        answers = await self._group_call(
+            group,
+            lambda h, m: h.setup_sender(t, wire_dtype=self.wire_dtype) if m is None else h.setup_receiver(t),
+            "agreeing on the weight layout",
+            "sync_timeout_s",
+            t,
+            JOIN_GRACE_S,
+        )
         return answers is not None and answers.ok
 
-    async def _group_call(self, group: list[Member], call: Callable[[Any, Member | None], Awaitable[Any]],
-                          what: str, knob: str, timeout_s: float, grace_s: float) -> Answers | None:
+    async def _group_call(
+        self,
+        group: list[Member],
+        call: Callable[[Any, Member | None], Awaitable[Any]],
+        what: str,
+        knob: str,
+        timeout_s: float,
+        grace_s: float,
+    ) -> Answers | None:
         """``call`` made to the trainer (``member`` None) and every member at once, each waited for
         until ``timeout_s`` (its own deadline, ``--run.<knob>``) plus ``grace_s``: one that has not
         answered by then (frozen) is lost; one that answers late with a collective error, after a
         peer died (the trainer may have failed at once), is a survivor, not a suspect. The
         `Answers`, or None if a member was replaced before it (the group must be formed again)."""
         answers = await self.membership.call_all(
-            group, call, timeout_s=timeout_s + grace_s, what=what, whole=True, lead=self.trainer,
-            judge_lead=lambda result: self._judge_trainer(result, what, knob, timeout_s), spare=suffered_from_peer)
+            group,
+            call,
+            timeout_s=timeout_s + grace_s,
+            what=what,
+            whole=True,
+            lead=self.trainer,
+            judge_lead=lambda result: self._judge_trainer(result, what, knob, timeout_s),
+            spare=suffered_from_peer,
+        )
         if answers is not None and not answers.ok:
             self.log(f"{what} failed (generation {self.generation}): {answers.summary()}")
         return answers

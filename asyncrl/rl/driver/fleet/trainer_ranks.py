@@ -26,11 +26,23 @@ from asyncrl.rl.driver.faults import RunStoppedError
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.trainer.errors import LEFT_FOR_A_PEER
 
-ALL_RANKS = frozenset({"train_step", "evaluate", "setup_sender", "send_weights", "save", "save_checkpoint",
-                       "load_checkpoint", "weights_digest", "gradients"})
+ALL_RANKS = frozenset(
+    {
+        "train_step",
+        "evaluate",
+        "setup_sender",
+        "send_weights",
+        "save",
+        "save_checkpoint",
+        "load_checkpoint",
+        "weights_digest",
+        "gradients",
+    }
+)
 """Calls that run collectives on the trainer group: made on every rank together."""
-_DEADLINE_ARG = frozenset({"train_step", "evaluate", "save", "save_checkpoint", "load_checkpoint",
-                           "weights_digest", "gradients"})
+_DEADLINE_ARG = frozenset(
+    {"train_step", "evaluate", "save", "save_checkpoint", "load_checkpoint", "weights_digest", "gradients"}
+)
 """Of those, the ones whose deadline the ranks are told (``deadline_s``); the weight sync's
 calls carry their own (``sync_timeout_s``)."""
 _STOPS_THE_RUN = frozenset({"train_step", "evaluate"})
@@ -77,8 +89,13 @@ class TrainerRanks:
     async def _all(self, method: str, args: tuple, kwargs: dict) -> Any:
         if self._timeout_s is not None and method in _DEADLINE_ARG:
             kwargs = {**kwargs, "deadline_s": self._timeout_s}
-        answers = await call_all(self.handles, lambda h, _: getattr(h, method)(*args, **kwargs),
-                                 timeout_s=self._timeout_s, what=method, died=self._died)
+        answers = await call_all(
+            self.handles,
+            lambda h, _: getattr(h, method)(*args, **kwargs),
+            timeout_s=self._timeout_s,
+            what=method,
+            died=self._died,
+        )
         if answers.ok:
             return answers.results[0]
         raise self._verdict(method, answers.results)
@@ -105,18 +122,23 @@ class TrainerRanks:
                 continue
             if isinstance(x, RemoteError) and method not in _STOPS_THE_RUN:
                 return x
-            what = f"{x.remote_type}: {first_line(x.remote_message)}" if isinstance(x, RemoteError) else \
-                f"{type(x).__name__}: {first_line(x)}"
-            error = TrainerRankFailedError(f"trainer rank {r} ({self.handles[r].name}) failed during {method}: "
-                                           f"{what}{also}")
+            what = (
+                f"{x.remote_type}: {first_line(x.remote_message)}"
+                if isinstance(x, RemoteError)
+                else f"{type(x).__name__}: {first_line(x)}"
+            )
+            error = TrainerRankFailedError(
+                f"trainer rank {r} ({self.handles[r].name}) failed during {method}: {what}{also}"
+            )
             error.__cause__ = x
             return error
         for x in errors.values():
             if isinstance(x, CallTimeoutError):
                 return x
         r, x = next(iter(victims.items()))
-        return TrainerRankFailedError(f"trainer rank {r} failed during {method}: {x.remote_type}: "
-                                      f"{first_line(x.remote_message)}")
+        return TrainerRankFailedError(
+            f"trainer rank {r} failed during {method}: {x.remote_type}: {first_line(x.remote_message)}"
+        )
 
 
 def _forget(tasks: set) -> Any:
@@ -124,6 +146,7 @@ def _forget(tasks: set) -> Any:
         tasks.discard(task)
         if not task.cancelled():
             task.exception()  # an abort sent to a rank that died too (its node lost, say) fails: expected
+
     return done
 
 
@@ -136,9 +159,19 @@ def node_address(sup: Any, handle: Any) -> str:
     return status.address
 
 
-async def spawn_trainer_ranks(sup: Any, cls: type, args: tuple, *, world_size: int, host: str | None, timeout_s: float,
-                              gpus: int, env: dict[str, str], kwargs: dict[str, Any],
-                              nodes: list[int | None] | None = None) -> TrainerRanks:
+async def spawn_trainer_ranks(
+    sup: Any,
+    cls: type,
+    args: tuple,
+    *,
+    world_size: int,
+    host: str | None,
+    timeout_s: float,
+    gpus: int,
+    env: dict[str, str],
+    kwargs: dict[str, Any],
+    nodes: list[int | None] | None = None,
+) -> TrainerRanks:
     """Spawn ``world_size`` trainer ranks (rank 0 named ``trainer``, the others ``trainer-<r>``),
     concurrently, on ``nodes`` (one per rank; None: where the supervisor puts them), and form
     their group: every join at once, under one deadline (the rendezvous contract); a rank that
@@ -148,16 +181,23 @@ async def spawn_trainer_ranks(sup: Any, cls: type, args: tuple, *, world_size: i
 
     names = ["trainer"] + [f"trainer-{r}" for r in range(1, world_size)]
     nodes = nodes or [None] * world_size
-    spawned = await asyncio.gather(*(sup.spawn(cls, *args, name=name, gpus=gpus, env=env, kwargs=kwargs, node=node)
-                                     for name, node in zip(names, nodes)), return_exceptions=True)
+    spawned = await asyncio.gather(
+        *(
+            sup.spawn(cls, *args, name=name, gpus=gpus, env=env, kwargs=kwargs, node=node)
+            for name, node in zip(names, nodes)
+        ),
+        return_exceptions=True,
+    )
     failed = [x for x in spawned if isinstance(x, BaseException)]
     if failed:
-        await asyncio.gather(*(sup.stop(h) for h in spawned if not isinstance(h, BaseException)),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(sup.stop(h) for h in spawned if not isinstance(h, BaseException)), return_exceptions=True
+        )
         raise failed[0]
     host = host or node_address(sup, spawned[0])
     port = await spawned[0].with_timeout(timeout_s).rank_listen(host)
-    joins = [h.with_timeout(timeout_s + 10).rank_join(host, port, r, world_size, timeout_s)
-             for r, h in enumerate(spawned)]
+    joins = [
+        h.with_timeout(timeout_s + 10).rank_join(host, port, r, world_size, timeout_s) for r, h in enumerate(spawned)
+    ]
     await join_all(joins, timeout_s + 15, what="form the trainer group")
     return TrainerRanks(spawned)

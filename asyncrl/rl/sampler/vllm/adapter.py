@@ -42,8 +42,10 @@ def lora_dtype_refusal(dtype: Any, device_type: str) -> str:
     LoRA kernels (Triton) take fp16 and bf16 only, and an fp32 engine dies at its first adapted
     batch. "auto" is fine: vLLM runs an fp32 checkpoint in bf16 there."""
     if device_type != "cpu" and str(dtype).removeprefix("torch.") in ("float32", "float"):
-        return ("vLLM serves LoRA adapters on a GPU in fp16 or bf16 only; this engine was asked for float32: "
-                "leave its dtype to vLLM, or sync merged weights (--trainer.lora.sync merged)")
+        return (
+            "vLLM serves LoRA adapters on a GPU in fp16 or bf16 only; this engine was asked for float32: "
+            "leave its dtype to vLLM, or sync merged weights (--trainer.lora.sync merged)"
+        )
     return ""
 
 
@@ -77,8 +79,9 @@ class EngineAdapters:
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
         return self.tensors
 
-    async def load_weights(self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False,
-                           timeout_s: float = 600.0) -> None:
+    async def load_weights(
+        self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False, timeout_s: float = 600.0
+    ) -> None:
         """Receive into the tensors (``load``), then make them the engine's next adapter. Running
         batches are not disturbed whatever ``in_flight`` says: they end on the adapter they began
         with. A failed sync leaves the current adapter in place (the tensors may be half-written;
@@ -129,5 +132,7 @@ class EngineAdapters:
 
         os.makedirs(path, exist_ok=True)
         peft_config(self.lora).save_pretrained(path)
-        save_file({name.replace(f".{ADAPTER}.", "."): t.contiguous() for name, t in self.tensors.items()},
-                  os.path.join(path, "adapter_model.safetensors"))
+        save_file(
+            {name.replace(f".{ADAPTER}.", "."): t.contiguous() for name, t in self.tensors.items()},
+            os.path.join(path, "adapter_model.safetensors"),
+        )

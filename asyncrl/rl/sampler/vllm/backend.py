@@ -55,7 +55,7 @@ EXTENSION = "asyncrl.rl.sampler.vllm.worker.WeightSyncExtension"
 DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unusable(kind: str) -> str:
     if not compat.vllm_installed():
         return "vllm is not installed"
@@ -81,25 +81,44 @@ def vllm_unusable(device: torch.device) -> str:
     return _unusable(torch.device(device).type)
 
 
-def engine_args(model_path: str, *, device: torch.device, seed: int = 0, dtype: str = "", max_model_len: int = 0,
-                prefix_caching: bool = True, gpu_memory_utilization: float = 0.85, enforce_eager: bool | None = None,
-                engine: dict | None = None) -> dict[str, Any]:
+def engine_args(
+    model_path: str,
+    *,
+    device: torch.device,
+    seed: int = 0,
+    dtype: str = "",
+    max_model_len: int = 0,
+    prefix_caching: bool = True,
+    gpu_memory_utilization: float = 0.85,
+    enforce_eager: bool | None = None,
+    engine: dict | None = None,
+) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` fields `VLLMBackend` starts its engine with (see its docstring for
     each argument; `benchmarks/sampler_backends.py` starts bare vLLM with the same, less the worker
     extension). Raises ValueError for tensor or pipeline parallelism."""
     cpu = torch.device(device).type == "cpu"
-    args = dict(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype or ("float32" if cpu else "auto"),
-                enable_prefix_caching=prefix_caching, worker_extension_cls=EXTENSION,
-                logprobs_mode="processed_logprobs", enforce_eager=cpu if enforce_eager is None else enforce_eager,
-                tensor_parallel_size=1, disable_log_stats=True)
+    args = dict(
+        model=model_path,
+        tokenizer=model_path,
+        seed=seed,
+        dtype=dtype or ("float32" if cpu else "auto"),
+        enable_prefix_caching=prefix_caching,
+        worker_extension_cls=EXTENSION,
+        logprobs_mode="processed_logprobs",
+        enforce_eager=cpu if enforce_eager is None else enforce_eager,
+        tensor_parallel_size=1,
+        disable_log_stats=True,
+    )
     if max_model_len:
         args["max_model_len"] = max_model_len
     if not cpu:
         args["gpu_memory_utilization"] = gpu_memory_utilization
     args.update(engine or {})
     if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
-        raise ValueError("VLLMBackend runs one worker (tensor and pipeline parallel size 1): each worker "
-                         "would need a rank of its own in the weight-sync group")
+        raise ValueError(
+            "VLLMBackend runs one worker (tensor and pipeline parallel size 1): each worker "
+            "would need a rank of its own in the weight-sync group"
+        )
     return args
 
 
@@ -118,15 +137,29 @@ class VLLMBackend(PausableBackend):
 
     name = "vllm"
 
-    def __init__(self, model_path: str, *, tokenizer: Any = None, seed: int = 0, device: str | torch.device = "cpu",
-                 dtype: str = "", max_model_len: int = 0, prefix_caching: bool = True, kv_cache_gib: int = 0,
-                 gpu_memory_utilization: float = 0.85, enforce_eager: bool | None = None,
-                 resume_timeout_s: float = 600.0, engine: dict | None = None, adapter: Any = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tokenizer: Any = None,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        dtype: str = "",
+        max_model_len: int = 0,
+        prefix_caching: bool = True,
+        kv_cache_gib: int = 0,
+        gpu_memory_utilization: float = 0.85,
+        enforce_eager: bool | None = None,
+        resume_timeout_s: float = 600.0,
+        engine: dict | None = None,
+        adapter: Any = None,
+    ):
         super().__init__(resume_timeout_s=resume_timeout_s)
         self.device = torch.device(device)
         if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 0:
-            raise ValueError(f"kv_cache_gib must be a whole number of GiB >= 0 (0: {DEFAULT_CPU_KV_CACHE_GIB}), "
-                             f"not {kv_cache_gib!r}")
+            raise ValueError(
+                f"kv_cache_gib must be a whole number of GiB >= 0 (0: {DEFAULT_CPU_KV_CACHE_GIB}), not {kv_cache_gib!r}"
+            )
         why = vllm_unusable(self.device)
         if why:
             raise SamplerError(f"VLLMBackend on {self.device.type}: {why}")
@@ -143,9 +176,17 @@ class VLLMBackend(PausableBackend):
         self.prefix_caching = prefix_caching
         if adapter is not None:
             engine = engine_lora_options(adapter) | dict(engine or {})
-        args = engine_args(model_path, device=self.device, seed=seed, dtype=dtype, max_model_len=max_model_len,
-                           prefix_caching=prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-                           enforce_eager=enforce_eager, engine=engine)
+        args = engine_args(
+            model_path,
+            device=self.device,
+            seed=seed,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            prefix_caching=prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            engine=engine,
+        )
         refusal = lora_dtype_refusal(args["dtype"], self.device.type) if adapter is not None else ""
         if refusal:
             raise SamplerError(refusal)
@@ -173,8 +214,9 @@ class VLLMBackend(PausableBackend):
 
     # --- SamplerBackend -------------------------------------------------------------------------
 
-    def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                progress: Progress | None = None) -> asyncio.Task:
+    def _submit(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
+    ) -> asyncio.Task:
         """A task: cancelling it (a caller that went away) aborts its requests in the engine.
         With ``progress``, the engine reports each request's tokens as it generates them."""
         return asyncio.ensure_future(self._generate(prompts, n, params, progress))
@@ -202,16 +244,26 @@ class VLLMBackend(PausableBackend):
 
     # --- generation -------------------------------------------------------------------------------
 
-    async def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                        progress: Progress | None = None) -> list[list[Completion]]:
+    async def _generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
+    ) -> list[list[Completion]]:
         start = time.perf_counter()
         # vLLM refuses n > 1 when greedy; the n greedy samples are one sample n times anyway.
         per_request = 1 if params.temperature == 0 else n
         request_ids = [f"asyncrl-{self._prefix}-{next(self._ids)}" for _ in prompts]
         lora = self.adapters.acquire() if self.adapters is not None else None  # one adapter for the batch
-        requests = [asyncio.ensure_future(self._request(rid, prompt, self._params(params, per_request, i, progress),
-                                                        lora, _rows(progress, i, n, per_request)))
-                    for i, (rid, prompt) in enumerate(zip(request_ids, prompts))]
+        requests = [
+            asyncio.ensure_future(
+                self._request(
+                    rid,
+                    prompt,
+                    self._params(params, per_request, i, progress),
+                    lora,
+                    _rows(progress, i, n, per_request),
+                )
+            )
+            for i, (rid, prompt) in enumerate(zip(request_ids, prompts))
+        ]
         try:
             outputs = await asyncio.gather(*requests)
         except BaseException:
@@ -229,8 +281,14 @@ class VLLMBackend(PausableBackend):
         self.generate_s += time.perf_counter() - start
         return groups
 
-    async def _request(self, request_id: str, prompt: list[int], params: Any, lora: Any = None,
-                       report: Callable[[int, list[int]], None] | None = None) -> Any:
+    async def _request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        lora: Any = None,
+        report: Callable[[int, list[int]], None] | None = None,
+    ) -> Any:
         final = None
         latest: dict[int, Any] = {}  # streamed (cumulative), an output holds only the samples that moved
         async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id, lora_request=lora):
@@ -253,11 +311,19 @@ class VLLMBackend(PausableBackend):
     def _params(self, params: SamplingParams, n: int, prompt_index: int, progress: Progress | None = None) -> Any:
         return compat.sampling_params(
             cumulative=progress is not None,  # each output so far, not the final one only
-            n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
+            n=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
             # Exactly our stop tokens: vLLM would otherwise also stop at the model's EOS.
-            stop_token_ids=list(params.stop_token_ids), ignore_eos=True, stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,
+            stop=list(params.stop) or None,
             seed=None if params.seed is None else row_seed(params.seed, prompt_index, 0),
-            logprobs=params.top_logprobs, detokenize=bool(params.stop), skip_special_tokens=True)
+            logprobs=params.top_logprobs,
+            detokenize=bool(params.stop),
+            skip_special_tokens=True,
+        )
 
     def _completions(self, out: Any, params: SamplingParams, n: int) -> list[Completion]:
         samples = sorted(out.outputs, key=lambda c: c.index)
@@ -278,8 +344,9 @@ class VLLMBackend(PausableBackend):
                 stopped = c.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
                 text = self._decode_text(ids[:-1] if stopped else ids)
             top = compat.top_logprobs(c.logprobs, params.top_logprobs) if params.top_logprobs else []
-            completions.append(Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length",
-                                          top_logprobs=top))
+            completions.append(
+                Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length", top_logprobs=top)
+            )
         return completions
 
     def _decode_text(self, ids: list[int]) -> str:
@@ -296,6 +363,7 @@ def _rows(progress: Progress | None, prompt: int, n: int, per_request: int) -> C
         return None
 
     def report(sample: int, ids: list[int]) -> None:
-        for j in (range(n) if per_request == 1 else (sample,)):
+        for j in range(n) if per_request == 1 else (sample,):
             progress(prompt * n + j, ids)
+
     return report

@@ -75,18 +75,23 @@ def version_problem(text: str) -> str:
     if parsed is None:
         return f"vLLM reports the version {text!r}, which asyncrl cannot read"
     if parsed < MIN_VERSION:
-        return (f"vLLM {text} is older than {_dotted(MIN_VERSION)}, the oldest release asyncrl supports "
-                f"(pip install 'vllm>={_dotted(MIN_VERSION)}')")
+        return (
+            f"vLLM {text} is older than {_dotted(MIN_VERSION)}, the oldest release asyncrl supports "
+            f"(pip install 'vllm>={_dotted(MIN_VERSION)}')"
+        )
     return ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_if_newer(text: str) -> None:
     """One warning per process for a release newer than the newest checked: it usually works."""
     parsed = parse_version(text)
     if parsed is not None and parsed > NEWEST_CHECKED:
-        warnings.warn(f"vLLM {text} is newer than {_dotted(NEWEST_CHECKED)}, the newest release asyncrl was "
-                      f"checked against; if a vLLM call fails, see docs/vllm.md, 'Versions'", stacklevel=2)
+        warnings.warn(
+            f"vLLM {text} is newer than {_dotted(NEWEST_CHECKED)}, the newest release asyncrl was "
+            f"checked against; if a vLLM call fails, see docs/vllm.md, 'Versions'",
+            stacklevel=2,
+        )
 
 
 def _dotted(version: tuple[int, int]) -> str:
@@ -161,8 +166,14 @@ def top_logprobs(logprobs: Any, k: int) -> list[list[tuple[int, float]]]:
     """Per position, the ``k`` most likely tokens of a sample's ``logprobs`` (asked with
     ``logprobs=k``: vLLM adds the sampled token where it is not among them) as ``(id, log-prob)``,
     by rank."""
-    return [[(token, float(lp.logprob)) for token, lp in sorted(position.items(), key=lambda e: e[1].rank)
-             if lp.rank is not None and lp.rank <= k][:k] for position in logprobs]
+    return [
+        [
+            (token, float(lp.logprob))
+            for token, lp in sorted(position.items(), key=lambda e: e[1].rank)
+            if lp.rank is not None and lp.rank <= k
+        ][:k]
+        for position in logprobs
+    ]
 
 
 def unfinished_requests(engine: Any) -> int:

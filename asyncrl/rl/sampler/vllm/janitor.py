@@ -59,8 +59,13 @@ class Janitor:
 
     def __init__(self, scratch: str):
         self.scratch = scratch
-        self.proc = subprocess.Popen([sys.executable, "-c", _JANITOR, scratch], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _JANITOR, scratch],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+        )
 
     def watch(self, shm_names: list[str]) -> None:
         """Add segments to remove, or ``pid:N`` for a process whose loky semaphores to remove (any
@@ -97,6 +102,7 @@ class Janitor:
             stop.set()
             thread.join()
             scan()
+
         return done
 
     def finish(self) -> None:

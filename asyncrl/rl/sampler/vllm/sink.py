@@ -88,11 +88,22 @@ class EngineSink(WeightSink):
         self.backend = backend
         self._ready = False
 
-    async def join(self, host: str, port: int, rank: int, world_size: int, *, generation: int, backend: str,
-                   timeout_s: float, name: str) -> str:
+    async def join(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        generation: int,
+        backend: str,
+        timeout_s: float,
+        name: str,
+    ) -> str:
         self._ready = False  # the worker drops its receiver with the old membership
-        return await engine_call(self.backend, "join", timeout_s, host, port, rank, world_size, generation, backend,
-                                 float(timeout_s), name)
+        return await engine_call(
+            self.backend, "join", timeout_s, host, port, rank, world_size, generation, backend, float(timeout_s), name
+        )
 
     async def setup(self, timeout_s: float) -> int:
         buckets = await engine_call(self.backend, "setup_receiver", timeout_s, float(timeout_s))
@@ -126,8 +137,9 @@ class EngineSink(WeightSink):
             try:
                 stats = msgspec.convert(answer, SyncStats)
             except msgspec.ValidationError as exc:
-                raise EngineWeightSyncError(f"receive_weights: the vLLM worker answered {answer!r:.200}: "
-                                            f"{exc}") from None
+                raise EngineWeightSyncError(
+                    f"receive_weights: the vLLM worker answered {answer!r:.200}: {exc}"
+                ) from None
             reset_s = 0.0
             if self.backend.prefix_caching:  # cached prefixes were computed with the old weights
                 try:
@@ -142,9 +154,13 @@ class EngineSink(WeightSink):
             resuming = time.perf_counter()
             if not in_flight:
                 await self.backend.resume()
-        return SamplerSyncStats(pause_s=waited, receive=stats, reset_s=reset_s,
-                                resume_s=time.perf_counter() - resuming,
-                                call_s=max(called - start - waited - stats.seconds, 0.0))
+        return SamplerSyncStats(
+            pause_s=waited,
+            receive=stats,
+            reset_s=reset_s,
+            resume_s=time.perf_counter() - resuming,
+            call_s=max(called - start - waited - stats.seconds, 0.0),
+        )
 
     async def leave(self) -> None:
         self._ready = False
@@ -155,5 +171,6 @@ class EngineSink(WeightSink):
         return await engine_call(self.backend, "created", 30.0)
 
     async def digest(self) -> str:
-        raise SamplerError("the weights live in the vLLM engine's process (repacked for its kernels on CPU): "
-                           "no digest here")
+        raise SamplerError(
+            "the weights live in the vLLM engine's process (repacked for its kernels on CPU): no digest here"
+        )

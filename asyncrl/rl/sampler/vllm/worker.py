@@ -72,8 +72,17 @@ class WeightSyncExtension:
         except CommError as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
 
-    def asyncrl_join(self, host: str, port: int, rank: int, world_size: int, generation: int, backend: str,
-                     timeout_s: float, name: str) -> str:
+    def asyncrl_join(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        generation: int,
+        backend: str,
+        timeout_s: float,
+        name: str,
+    ) -> str:
         """Join the group whose store rank 0 hosts at ``host:port`` (the store is reached from here,
         the engine's process, which runs on the sampler actor's host). Returns the communicator's
         backend."""
@@ -81,8 +90,17 @@ class WeightSyncExtension:
 
         _check_join(host, port, rank, world_size, generation, backend, timeout_s, name)
         self.asyncrl_leave()
-        membership = join_sync_group(host, port, rank, world_size, generation=generation, backend=backend,
-                                     device=self._asyncrl_device(), timeout_s=timeout_s, name=name)
+        membership = join_sync_group(
+            host,
+            port,
+            rank,
+            world_size,
+            generation=generation,
+            backend=backend,
+            device=self._asyncrl_device(),
+            timeout_s=timeout_s,
+            name=name,
+        )
         self._asyncrl = _Membership(membership)
         return membership.backend
 
@@ -185,8 +203,14 @@ class _PulledLoad:
     what it raised, so a failure is the receiver's (and hence every member's) failure. Every wait
     is bounded by ``timeout_s``."""
 
-    def __init__(self, loader: Callable[[Iterator[tuple[str, torch.Tensor]]], object], *, total: int,
-                 timeout_s: float, depth: int = 8):
+    def __init__(
+        self,
+        loader: Callable[[Iterator[tuple[str, torch.Tensor]]], object],
+        *,
+        total: int,
+        timeout_s: float,
+        depth: int = 8,
+    ):
         self.loader, self.total, self.timeout_s = loader, total, timeout_s
         self.queue: queue.Queue = queue.Queue(depth)
         self.delivered = 0
@@ -314,8 +338,9 @@ def _quiet_reload_warnings(model: torch.nn.Module, sent: set[str]) -> None:
 # --- validation -----------------------------------------------------------------------------------
 
 
-def _check_join(host: Any, port: Any, rank: Any, world_size: Any, generation: Any, backend: Any,
-                timeout_s: Any, name: Any) -> None:
+def _check_join(
+    host: Any, port: Any, rank: Any, world_size: Any, generation: Any, backend: Any, timeout_s: Any, name: Any
+) -> None:
     """The control values come from another process: refuse wrong types with a clear error."""
     for what, value in (("port", port), ("rank", rank), ("world_size", world_size), ("generation", generation)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -379,8 +404,11 @@ def _check_against_checkpoint(layout: Any, path: str) -> None:
         elif shapes[name] != shape:
             problems.append(f"{name}: sender has {list(shape)}, the checkpoint {list(shapes[name])}")
     tied = "lm_head.weight" in shapes and "model.embed_tokens.weight" in sent and _tied(path)
-    problems += [f"{name}: in the checkpoint, never sent" for name in shapes
-                 if name not in sent and not (tied and name == "lm_head.weight")]
+    problems += [
+        f"{name}: in the checkpoint, never sent"
+        for name in shapes
+        if name not in sent and not (tied and name == "lm_head.weight")
+    ]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise LayoutMismatchError(f"the vLLM worker refuses the sender's weight layout: {shown}")
