@@ -670,6 +670,7 @@ async def test_the_warm_start_lays_out_an_agents_demonstration_as_its_episode():
     mask, the sample the endpoint assembles when the model writes the demonstrated turns: the real
     agent and ``openai`` client, against an endpoint whose "model" replays the row's labels."""
     from asyncrl.rl.model import warm_start
+    from asyncrl.rl.model.demonstrations import agent_demonstration_row
     from asyncrl.rl.model.tokenizer import AGENT_TAGS, build_tokenizer
     from asyncrl.rl.tasks.loading import TaskSpec, load_task
 
@@ -678,7 +679,7 @@ async def test_the_warm_start_lays_out_an_agents_demonstration_as_its_episode():
     tok = build_tokenizer(AGENT_TAGS)
     tok.chat_template = warm_start.chat_template(agent)
     problems = agent.problems()[:6]  # sums and differences answered directly, a product through the tool
-    rows = {p: warm_start._agent_row(tok, agent, agent.demonstration(p)) for p in problems}
+    rows = {p: agent_demonstration_row(tok, agent, agent.demonstration(p)) for p in problems}
     assert {len(agent.demonstration(p)) for p in problems} == {2, 4}
 
     async def replay(

@@ -216,7 +216,7 @@ def doc_files(tmp_path) -> dict[str, str]:
 
 
 def test_the_docs_tasks_load_score_their_demonstrations_and_fit_the_embedded_model(tmp_path):
-    from asyncrl.rl.model import warm_start
+    from asyncrl.rl.model.demonstrations import demonstration_rows
     from asyncrl.rl.tasks import TaskSpec, load_task
 
     files = doc_files(tmp_path)
@@ -236,7 +236,7 @@ def test_the_docs_tasks_load_score_their_demonstrations_and_fit_the_embedded_mod
         assert [r.text for r in replies[:-1]] == trace[1::2] and replies[-1].correct
         assert len(trace[::2]) <= guess.max_turns
     for task in (rows, digit_sum, guess):  # the embedded model's positions hold every demonstration
-        warm_start._encode(tok, task.problems(), 128, task=task)
+        demonstration_rows(tok, task, task.problems(), 128)
 
 
 def as_score_of(task, problem, completion):

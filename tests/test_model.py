@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.generation import SamplingParams
 from asyncrl.rl.model import evaluation, warm_start
+from asyncrl.rl.model.demonstrations import demonstration_rows
 from asyncrl.rl.model.evaluation import solve_rate
 from asyncrl.rl.model.policy import (
     MARKER_FILE,
@@ -95,7 +96,10 @@ def test_chat_template_renders_the_trained_prompt():
     answer = [{"role": "user", "content": compact[:-1]}, {"role": "assistant", "content": format_reference(P)}]
     whole = tok.apply_chat_template(answer, tokenize=False)
     assert whole == compact + format_reference(P) + tok.eos_token
-    assert tok(whole, add_special_tokens=False)["input_ids"] == warm_start._encode(tok, [P], 64)[0][0].tolist()
+    assert (
+        tok(whole, add_special_tokens=False)["input_ids"]
+        == demonstration_rows(tok, Countdown(), [P], 64)[0][0].tolist()
+    )
     with pytest.raises(Exception, match="trained on one prompt form"):
         tok.apply_chat_template(
             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}], tokenize=False

@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
 from asyncrl.rl.model import evaluation, warm_start
+from asyncrl.rl.model.demonstrations import demonstration_rows
 from asyncrl.rl.model.evaluation import StoppedError
 from asyncrl.rl.model.warm_start import default_model
-from asyncrl.rl.tasks.base import Environment, Task, TaskError
+from asyncrl.rl.tasks.base import Environment, Task, TaskError, as_prompt
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=64)
 SHORT = WarmStartConfig(steps=12, batch_size=64, warmup_steps=2, n_examples=256, heldout_reserve=16, eval_problems=0)
@@ -135,7 +136,7 @@ def test_countdown_trains_on_prompt_reference_and_eos():
 
     tok, task = build_tokenizer(), Countdown()
     problems = list(task.splits(0, 8, 4).train)
-    ids, labels, lengths, longest_turn = warm_start._encode(tok, problems, 64, task=task)
+    ids, labels, lengths, longest_turn = demonstration_rows(tok, task, problems, 64)
     for i, p in enumerate(problems):
         prompt = tok(format_prompt_compact(p), add_special_tokens=False)["input_ids"]
         completion = tok(format_reference(p), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -249,7 +250,7 @@ def test_an_environments_replies_carry_no_labels():
     from asyncrl.rl.model.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
-    ids, labels, lengths, longest_turn = warm_start._encode(tok, ["2+3"], 64, task=Tool())
+    ids, labels, lengths, longest_turn = demonstration_rows(tok, Tool(), ["2+3"], 64)
     pieces = [
         tok(t, add_special_tokens=False)["input_ids"]
         for t in ("2+3?", "<calc>2+3</calc>", "<result>5</result>", "<answer>5</answer>")
@@ -324,7 +325,7 @@ def test_an_environments_warm_start_rows_are_its_episodes_token_for_token(tmp_pa
     eos = tok.eos_token_id
     for task in environments(tmp_path):
         problems = [p for p in task.problems()[:20] if len(task.demonstration(p)) > 1]
-        ids, labels, lengths, _ = warm_start._encode(tok, problems, 128, task=task)
+        ids, labels, lengths, _ = demonstration_rows(tok, task, problems, 128)
         rows = [ids[i, : lengths[i]].tolist() for i in range(len(problems))]
         fmt = PromptFormat("compact", tok, [eos], 40)
         calls = UserCalls(task.task_name(), 5.0, 1.0)
@@ -337,7 +338,7 @@ def test_an_environments_warm_start_rows_are_its_episodes_token_for_token(tmp_pa
             calls.close()
         tok.chat_template = warm_start.chat_template(task)
         for i, ((sample,), problem) in enumerate(zip(groups, problems)):
-            prompt = fmt.render_ids(warm_start.as_prompt(task.prompt(problem)))
+            prompt = fmt.render_ids(as_prompt(task.prompt(problem)))
             assert prompt + sample.token_ids == rows[i], task.task_name()
             assert sample.action_mask == [int(x != -100) for x in labels[i, len(prompt) : lengths[i]].tolist()]
             assert (
@@ -363,7 +364,7 @@ def test_a_stop_string_inside_a_demonstrated_turn_is_one_line():
             return ["<calc>2+3</calc> and more", "<result>5</result>", "<answer>5</answer>"]
 
     with pytest.raises(TaskError, match="stop string '</calc>' before its end.*split it into two turns"):
-        warm_start._encode(build_tokenizer(), ["2+3"], 64, task=Early())
+        demonstration_rows(build_tokenizer(), Early(), ["2+3"], 64)
 
 
 @pytest.mark.parametrize(
@@ -381,10 +382,10 @@ def test_a_malformed_demonstration_is_one_line(demonstration, error):
             return demonstration
 
     with pytest.raises(TaskError, match=error):
-        warm_start._encode(build_tokenizer(), ["2+3"], 64, task=Bad())
+        demonstration_rows(build_tokenizer(), Bad(), ["2+3"], 64)
     with pytest.raises(TaskError, match="must return a str or None"):
-        warm_start._encode(
-            build_tokenizer(), ["001"], 64, task=type("ListDemo", (Reverse,), {"demonstration": lambda self, p: [p]})()
+        demonstration_rows(
+            build_tokenizer(), type("ListDemo", (Reverse,), {"demonstration": lambda self, p: [p]})(), ["001"], 64
         )
 
 
