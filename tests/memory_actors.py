@@ -4,7 +4,7 @@ imports the trainer, torch and all, which the other test actors need not)."""
 from __future__ import annotations
 
 from asyncrl import Actor, endpoint
-from asyncrl.rl.trainer.actor import TrainerMemoryError
+from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError
 
 
 class RunsOutOfMemory(Actor):

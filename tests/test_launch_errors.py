@@ -161,7 +161,7 @@ NOT_READY = """
 OUT_OF_MEMORY = """
     import sys
     from asyncrl import RemoteError, Supervisor
-    from asyncrl.rl.trainer.actor import TrainerMemoryError
+    from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError
     from memory_actors import RunsOutOfMemory
 
     async def main():

@@ -174,7 +174,7 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_clear_error_and_the_traine
     gradients are dropped, no optimiser step is taken, and the next step trains."""
     import dataclasses
 
-    from asyncrl.rl.trainer.actor import TrainerMemoryError
+    from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError
 
     trainer.config = dataclasses.replace(trainer.config, micro_batch_tokens=8)  # one sequence a micro-batch
     g = RolloutGroup(0, [5, 6], [[1, 2, 3], [4, 7, 8]], [[-1.0, -1.1, -1.2], [-0.5, -0.4, -0.3]], [1.0, 0.0], version=0)
@@ -198,6 +198,21 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_clear_error_and_the_traine
     assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before)) and trainer.steps == 0
     monkeypatch.setattr(trainer, "_accumulate", real)
     assert trainer._train_step([g])["micro_batches"] == 2 and trainer.steps == 1
+
+
+async def test_the_held_out_evaluation_solves_the_runs_held_out_split_and_leaves_the_policy_training(trainer):
+    """``evaluate`` (``trainer/heldout.py``): the task built from its spec in the trainer, the
+    held-out problems the driver checked (``data``), greedy and sampled rates, train mode after."""
+    from asyncrl.rl.config.run import DataConfig
+    from asyncrl.rl.tasks.countdown import Countdown
+    from asyncrl.rl.tasks.loading import TaskSpec
+    from asyncrl.rl.trainer.heldout import HeldoutEvaluation
+
+    trainer.heldout = HeldoutEvaluation(TaskSpec("countdown"), DataConfig(data_seed=3, n_heldout=4))
+    found = await trainer.evaluate(samples=2, max_new_tokens=4, batch_size=8)
+    assert set(found) >= {"greedy", "sampled"} and all(0.0 <= found[k] <= 1.0 for k in ("greedy", "sampled"))
+    assert trainer.heldout._heldout == list(Countdown().splits(3, 1, 4).heldout)
+    assert trainer.model.training
 
 
 def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):

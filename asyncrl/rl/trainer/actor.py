@@ -9,7 +9,9 @@ sequence ``prompt + completion`` whose completion tokens are scored. Micro-batch
 token budget, padded tokens counted (``trainer/batching.py``; several sequences per row with
 ``pack_tokens``, ``trainer/packing.py``), and the loss (``trainer/loss.py``)
 is normalised by the whole batch's count, so the accumulated gradient equals that of the full
-batch whatever the cut. Checkpoints are written and loaded by ``trainer/checkpoint.py``.
+batch whatever the cut. Checkpoints are written and loaded by ``trainer/checkpoint.py``; the
+held-out evaluation is ``trainer/heldout.py``'s, and an out-of-memory error is worded by
+``trainer/out_of_memory.py``.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ import torch
 from asyncrl.comm.layout import DTYPES
 from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import SyncStats, WeightSender
-from asyncrl.errors import ActionableError
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
-from asyncrl.rl.trainer.compile import compile_layers, compiled, eager
+from asyncrl.rl.trainer.compile import compile_layers, compiled
+from asyncrl.rl.trainer.heldout import HeldoutEvaluation
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
+from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError, does_not_fit, micro_batch_error
 from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.parallel import Local
 from asyncrl.rl.trainer.rank_member import RankMember
@@ -48,11 +51,6 @@ DEADLINE_S = 900.0
 ADAPTER_DIR = "adapter"
 """With LoRA, a saved policy (final, best) holds the adapter in peft's format in this subdirectory,
 beside the merged checkpoint."""
-
-
-class TrainerMemoryError(ActionableError):
-    """A micro-batch did not fit in the trainer's device memory; the message names the settings
-    that make it fit. It reaches the driver as itself (`AsyncrlError`)."""
 
 
 class TrainerActor(RankMember, SyncMember):
@@ -73,9 +71,7 @@ class TrainerActor(RankMember, SyncMember):
         torch.manual_seed(seed)
         self.seed = seed
         self.config = config
-        self.task_spec, self.data = task, data
-        self._task = None  # built on the first evaluation
-        self._eval_calls = None  # its score/step calls: one budget for every evaluation of the run
+        self.heldout = HeldoutEvaluation(task, data)
         # None is "the samplers' temperature"; a GRPO run resolves it (GRPOConfig.trainer_config),
         # a trainer used on its own scores at 1, sampling's default.
         self.temperature = 1.0 if config.temperature is None else config.temperature
@@ -364,40 +360,22 @@ class TrainerActor(RankMember, SyncMember):
             try:
                 metrics = self._accumulate(batch, normalizer)
             except torch.OutOfMemoryError as exc:
-                raise self._out_of_memory(batch, exc) from None
+                raise micro_batch_error(
+                    exc,
+                    step=self.steps + 1,
+                    shape=tuple(batch.input_ids.shape),
+                    optimizer=self.optimizer,
+                    device=self.device,
+                    micro_batch_tokens=self.config.micro_batch_tokens,
+                    auto_tokens=self._auto_tokens,
+                ) from None
             weight = float(batch.mask.sum()) / max(n_tokens, 1.0)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + (float(v) if k in ("loss", "pg_loss") else float(v) * weight)
         return sums
 
-    def _out_of_memory(self, batch: MicroBatch, exc: torch.OutOfMemoryError) -> TrainerMemoryError:
-        """Drop the step's partial gradients and cached blocks (the actor goes on serving) and say
-        which settings make a micro-batch smaller or cheaper."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        rows, length = batch.input_ids.shape
-        cfg = self.config
-        budget = f"{cfg.micro_batch_tokens}" if cfg.micro_batch_tokens else f"0, auto -> {self._auto_tokens}"
-        return TrainerMemoryError(
-            f"train step {self.steps + 1} ran out of {self.device.type} memory on a micro-batch of {rows} x {length} "
-            f"tokens (--trainer.micro_batch_tokens {budget}): set it lower, or set "
-            f"--trainer.activation_checkpointing, --trainer.pack_tokens or --trainer.lora.rank (docs/trainer.md). "
-            f"torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        )
-
     def _does_not_fit(self, what: str, exc: torch.OutOfMemoryError | None = None) -> TrainerMemoryError:
-        """``what`` is too large for the trainer's device at any micro-batch: say what trains less."""
-        where = self.device.type
-        if where == "cuda":
-            torch.cuda.empty_cache()
-            where = f"GPU's {torch.cuda.get_device_properties(self.device).total_memory / 2**30:.0f} GiB"
-        return TrainerMemoryError(
-            f"{what} of {self.model_path} does not fit in the trainer's {where} (full fine-tuning holds 16 bytes a "
-            "parameter: fp32 weights, gradients and AdamW's two moments): train LoRA adapters (--trainer.lora.rank 16 "
-            "--trainer.lora.bf16_base true), or shard the trainer over GPUs (--trainer.world_size N; docs/trainer.md)."
-            + (f" torch: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}" if exc is not None else "")
-        )
+        return does_not_fit(what, self.model_path, self.device, exc)
 
     def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:
         """One micro-batch's loss, its gradient added to the parameters; its metrics. Log-probs by
@@ -450,51 +428,17 @@ class TrainerActor(RankMember, SyncMember):
         the run): past the budget a `TaskFailureError` naming the first failure ends the call.
         With a rank group every rank evaluates the same problems in step (a sharded forward
         gathers from every rank), sampling from the same seed."""
-        from asyncrl.rl.model.evaluation import evaluate
-        from asyncrl.rl.tasks.loading import load_task
-        from asyncrl.rl.tasks.scoring import UserCalls
-
         limit = max_new_tokens or self.fmt.max_new_tokens_hint
+        options = dict(
+            samples=samples,
+            max_new_tokens=limit,
+            batch_size=batch_size,
+            temperature=self.temperature,
+            compiled=compiled(self.config, self.device),
+        )
 
         def run() -> dict[str, float]:
-            if self._task is None:  # the held-out split alone: it does not depend on n_train
-                self._task = load_task(self.task_spec)
-                self._heldout = list(self._task.splits(self.data.data_seed, 1, self.data.n_heldout).heldout)
-                self._eval_calls = UserCalls(
-                    self._task.task_name(),
-                    self.task_spec.score_timeout_s,
-                    self.task_spec.max_failure_rate,
-                    stop_early=True,
-                )
-            common = dict(
-                task=self._task,
-                max_new_tokens=limit,
-                batch_size=batch_size,
-                calls=self._eval_calls,
-                max_context=getattr(self.model.config, "max_position_embeddings", 0) or 0,
-            )
-            self.model.eval()
-            try:
-                with eager(compiled(self.config, self.device)):  # generation: a KV cache (trainer/compile.py)
-                    greedy = evaluate(self.model, self.tokenizer, self.fmt, self._heldout, greedy=True, **common)
-                    out = {"greedy": greedy.solve_rate, **{f"task/{k}": v for k, v in greedy.metrics.items()}}
-                    errors = dict(greedy.errors)
-                    if samples:
-                        sampled = evaluate(
-                            self.model,
-                            self.tokenizer,
-                            self.fmt,
-                            self._heldout,
-                            greedy=False,
-                            n=samples,
-                            temperature=self.temperature,
-                            **common,
-                        )
-                        out["sampled"] = sampled.solve_rate
-                        errors = {k: errors.get(k, 0) + sampled.errors.get(k, 0) for k in {*errors, *sampled.errors}}
-                return out | {f"task_errors/{k}": float(v) for k, v in sorted(errors.items())}
-            finally:
-                self.model.train()
+            return self.heldout(self.model, self.tokenizer, self.fmt, **options)
 
         return await self._run(
             "the held-out evaluation", deadline_s, self.parallel.in_step, run, self.seed * 1_000_003 + self.steps
