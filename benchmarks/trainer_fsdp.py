@@ -93,7 +93,7 @@ def run_mode(args) -> dict:
     """One mode in this process: build the trainer, take ``--steps`` steps, measure."""
     import torch
 
-    from asyncrl.comm.weights import sender_layout
+    from asyncrl.comm.layout import sender_layout
     from asyncrl.rl.config.trainer import TrainerConfig
     from asyncrl.rl.trainer.actor import TrainerActor
     from asyncrl.rl.trainer.sharded_sync import GatheredBuckets

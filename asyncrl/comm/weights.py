@@ -29,13 +29,10 @@ import torch
 
 from asyncrl.comm.communicator import Communicator
 from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
-from asyncrl.comm.layout import TensorSpec, WeightLayout, build_layout, dtype_name, spec_of
+from asyncrl.comm.layout import WeightLayout, default_bucket_bytes, sender_layout
 from asyncrl.comm.phase_clock import COPY, TRANSFER
 from asyncrl.comm.rendezvous import StoreGroup
 from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
-
-DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 256 MiB, ~233 at 16 MiB
-DEFAULT_CPU_BUCKET_BYTES = 32 << 20  # gloo gains nothing past a few MiB; keep the staging small
 
 Consumer = Callable[[str, torch.Tensor], None]
 BatchConsumer = Callable[[list[tuple[str, torch.Tensor]]], object]
@@ -85,10 +82,6 @@ class SyncStats(msgspec.Struct, frozen=True):
 class _SetupResult(msgspec.Struct, array_like=True, frozen=True):
     rank: int
     error: str  # empty when this member accepts the layout
-
-
-def default_bucket_bytes(device: torch.device) -> int:
-    return DEFAULT_CPU_BUCKET_BYTES if device.type == "cpu" else DEFAULT_GPU_BUCKET_BYTES
 
 
 class _WeightSync:
@@ -446,38 +439,6 @@ def _mismatch(
     problems += [f"{name}: not in the layout" for name in tensors if name not in known]
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
     return f"{who} disagrees with the weight layout: {shown}"
-
-
-def sender_layout(
-    tensors: Mapping[str, torch.Tensor],
-    bucket_bytes: int,
-    wire_dtype: torch.dtype | None = None,
-    allow_direct: bool = True,
-    *,
-    device: torch.device | None = None,
-) -> WeightLayout:
-    """The layout a sender of ``tensors`` proposes: a pure function of the tensors' names, shapes
-    and dtypes (and the communicator's ``device``), so every rank of a sharded trainer computes the
-    same one."""
-    specs = [
-        spec_of(n, t)
-        if wire_dtype is None or not t.is_floating_point()
-        else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype))
-        for n, t in tensors.items()
-    ]
-    # A tensor larger than a bucket goes straight from the parameter when nothing has to change
-    # on the way (contiguous, no cast): no staging copy, and no pipeline fill before it. Not
-    # across devices: a CUDA model's weights on a CPU communicator (gloo) are staged.
-    direct = [
-        n
-        for n, t in tensors.items()
-        if allow_direct
-        and t.nbytes > bucket_bytes
-        and t.is_contiguous()
-        and (device is None or t.device == device)
-        and (wire_dtype is None or not t.is_floating_point() or t.dtype == wire_dtype)
-    ]
-    return build_layout(specs, bucket_bytes, direct=direct)
 
 
 def _agree_on_setup(group: StoreGroup, error: str, deadline: float) -> None:

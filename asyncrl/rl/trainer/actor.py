@@ -184,7 +184,7 @@ class TrainerActor(RankMember, SyncMember):
         )
 
     def _setup_sender(self, timeout_s: float, bucket_bytes: int, wire_dtype: torch.dtype | None) -> int:
-        from asyncrl.comm.weights import default_bucket_bytes, sender_layout
+        from asyncrl.comm.layout import default_bucket_bytes, sender_layout
 
         params = self.weight_tensors()
         # a sharded parameter is gathered into a bucket, never sent from where it lies
