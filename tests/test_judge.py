@@ -105,6 +105,25 @@ def test_verdict_words_must_each_be_one_token_of_the_judge(judge_path):
         ScorerActor(judge_path, kind="judge", judge={"student_path": judge_path, "template": ASK})
 
 
+async def test_a_token_id_outside_the_students_tokenizer_is_refused_naming_what_the_judge_reads_it_with(judge_path):
+    """A judge reads the student's ids with the student's tokenizer: an id outside it names that
+    tokenizer, not a teacher's vocabulary (which there is none of)."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
+
+    vocab = len(AutoTokenizer.from_pretrained(judge_path))
+    scorer = ScorerActor(
+        judge_path, kind="judge", judge={"student_path": judge_path, "template": ASK, "verdict_tokens": ["y", "n"]}
+    )
+    with pytest.raises(ScorerError) as err:
+        await scorer.rewards([1, 2], [[vocab]])
+    assert str(err.value) == (
+        f"scorer: token id {vocab} is outside the vocabulary of {vocab} of the student's tokenizer, "
+        "which the judge decodes completions with"
+    )
+
+
 async def test_generated_verdicts_are_parsed_and_an_unparsed_one_is_counted_not_raised(judge_path):
     from asyncrl.rl.scorer.actor import ScorerActor
 

@@ -72,6 +72,19 @@ def test_scores_are_read_at_the_last_real_token_whatever_the_padding(reward_path
     assert pooled != pytest.approx(scores[0][2], abs=1e-4)
 
 
+async def test_a_token_id_outside_the_reward_models_vocabulary_is_refused_naming_the_reward_model(reward_path):
+    from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
+
+    scorer = ScorerActor(reward_path, kind="reward")
+    vocab = scorer.vocab
+    with pytest.raises(ScorerError) as err:
+        await scorer.rewards([1, 2], [[3], [vocab]])
+    assert str(err.value) == (
+        f"scorer: token id {vocab} is outside the reward model's vocabulary of {vocab}: "
+        "reward model and student tokenizers differ"
+    )
+
+
 async def test_the_driver_adds_the_reward_model_s_score_to_the_task_s_by_its_weights(reward_path):
     from asyncrl.rl.driver.teacher import RewardModel
     from asyncrl.rl.scorer.actor import ScorerActor, ScorerError

@@ -35,8 +35,17 @@ from asyncrl.runtime.startup import start_phase
 
 
 class ScorerError(ActionableError):
-    """A request the scorer refuses (token ids outside the teacher's vocabulary) or a pass that
-    failed; the message names which."""
+    """A request the scorer refuses (token ids outside the vocabulary it reads them with) or a pass
+    that failed; the message names which."""
+
+
+_VOCABULARY = {
+    "teacher": "the teacher's vocabulary of {n}: teacher and student tokenizers differ",
+    "reward": "the reward model's vocabulary of {n}: reward model and student tokenizers differ",
+    # a judge reads the student's ids with the student's tokenizer (the driver passes its path)
+    "judge": "the vocabulary of {n} of the student's tokenizer, which the judge decodes completions with",
+}
+"""What a token id outside the scorer's vocabulary is outside of, by the scorer's kind."""
 
 
 class ScorerActor(Actor):
@@ -137,7 +146,7 @@ class ScorerActor(Actor):
             if ids and (min(ids) < 0 or max(ids) >= self.vocab):
                 raise ScorerError(
                     f"{self.name}: token id {max(ids) if max(ids) >= self.vocab else min(ids)} is outside "
-                    f"the teacher's vocabulary of {self.vocab}: teacher and student tokenizers differ"
+                    + _VOCABULARY[self.kind].format(n=self.vocab)
                 )
         future = asyncio.get_running_loop().create_future()
         self._pending.append((prompt_ids, completion_ids, future))
