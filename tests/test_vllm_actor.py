@@ -308,7 +308,9 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
 
 async def test_check_weights_is_refused_before_a_run_with_vllm_samplers(vllm_required, tiny_path, tmp_path):
     """A vLLM sampler's weights live in its engine (repacked on CPU): no digest to compare, so
-    ``--run.check_weights`` is a config error at the start, not a sampler lost after every sync."""
+    ``--run.check_weights`` is a config error at the start, not a sampler lost after every sync.
+    'auto' is resolved as the samplers will before anything starts: no actor, no run directory
+    (it took an engine start, ~35-65 s on the 2-core machine, to be refused once a sampler said so)."""
     from asyncrl.rl.config.grpo import GRPOConfig
     from asyncrl.rl.config.parse import ConfigError, parse_overrides
     from asyncrl.rl.driver.run import train
@@ -334,5 +336,8 @@ async def test_check_weights_is_refused_before_a_run_with_vllm_samplers(vllm_req
         ],
     )
     async with Supervisor(start_timeout_s=240) as sup:
-        with pytest.raises(ConfigError, match="sampler0 uses the vLLM backend; add --sampler.backend hf"):
+        with pytest.raises(
+            ConfigError, match=r"--sampler.backend auto picks vLLM here \((cpu|cuda)\), .*add --sampler.backend hf"
+        ):
             await train(config, sup)
+        assert sup.status() == [] and not (tmp_path / "run").exists()

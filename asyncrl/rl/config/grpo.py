@@ -199,7 +199,8 @@ def check_length_budgets(config: GRPOConfig) -> None:
 
 def check_weights_readable(config: GRPOConfig) -> None:
     """``--run.check_weights`` reads every sampler's weights in its actor; a vLLM sampler keeps
-    them in its engine (a sampler that *picks* vLLM under 'auto' is found once it starts)."""
+    them in its engine (whether 'auto' picks vLLM is known on importing it: the driver asks before
+    anything starts, ``driver/run.py``)."""
     if config.run.check_weights and config.sampler.backend == "vllm":
         raise ConfigError(
             "--run.check_weights true needs samplers that hold their weights in the actor, and "

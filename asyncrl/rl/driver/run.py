@@ -67,6 +67,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     devices = cluster_devices(*detect("auto"), sup.nodes())
     plan = plan_devices(run.device, *devices, config.sampler.count, trainer_ranks=ranks, scorers=len(scorers))
     trainer_nodes, sampler_nodes = _placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
+    if run.check_weights:  # before the run directory, the trainer and a minute of vLLM engine start
+        await _check_backend_readable(config.sampler.backend, plan.device)
     spec = config.task_spec()
     task = load_task(spec)  # loaded (and its data read) by check_run already: cached
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars would bury the progress line
@@ -378,9 +380,27 @@ def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
     return None
 
 
+async def _check_backend_readable(backend: str, device: str) -> None:
+    """``--run.check_weights`` with ``--sampler.backend auto`` (an explicit vllm is `GRPOConfig`'s
+    refusal): refused if auto picks vLLM here on ``device``, as the samplers on this host will.
+    Knowing that imports vLLM (seconds), in a thread; `_check_digestible` still asks the started
+    samplers, since those on other nodes may pick otherwise."""
+    import torch
+
+    from asyncrl.rl.sampler.factory import choose_backend
+
+    if await asyncio.to_thread(choose_backend, backend, torch.device(device)) == "vllm":
+        raise ConfigError(
+            f"--run.check_weights needs samplers that hold their weights in the actor, but --sampler.backend "
+            f"{backend} picks vLLM here ({device}), which keeps them in its engine; add --sampler.backend hf, "
+            "or drop check_weights"
+        )
+
+
 async def _check_digestible(samplers: list[Any]) -> None:
     """``--run.check_weights`` reads each sampler's weights in the actor; a vLLM sampler keeps
-    them in its engine's process (repacked for its kernels on CPU), so refuse before the run."""
+    them in its engine's process (repacked for its kernels on CPU), so refuse before the run
+    (a sampler on another node than the driver's may have picked vLLM where this one did not)."""
     answers = await call_all(samplers, lambda h, _: h.stats(), timeout_s=None, what="the check of its backend")
     if not answers.ok:  # a sampler that cannot answer this cannot take part in the run: as it is
         raise answers.results[answers.failed()[0]]
