@@ -275,7 +275,7 @@ def test_two_lora_ranks_save_and_sync_the_merged_policy_one_rank_would(tiny_path
     from transformers import AutoModelForCausalLM
 
     from asyncrl.rl.digest import tensor_digest
-    from asyncrl.rl.trainer.actor import ADAPTER_DIR
+    from asyncrl.rl.trainer.checkpoint import ADAPTER_DIR
 
     config = TrainerConfig(micro_batch_tokens=40, lora=LoRAConfig(rank=4), lr=1e-2)
 

@@ -9,7 +9,7 @@ sequence ``prompt + completion`` whose completion tokens are scored. Micro-batch
 token budget, padded tokens counted (``trainer/batching.py``; several sequences per row with
 ``pack_tokens``, ``trainer/packing.py``), and the loss (``trainer/loss.py``)
 is normalised by the whole batch's count, so the accumulated gradient equals that of the full
-batch whatever the cut. Checkpoints are written and loaded by ``trainer/checkpoint.py``; the
+batch whatever the cut. Checkpoints (and the saved policy) are written by ``trainer/checkpoint.py``; the
 held-out evaluation is ``trainer/heldout.py``'s, and an out-of-memory error is worded by
 ``trainer/out_of_memory.py``.
 """
@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import time
 
 import torch
@@ -48,9 +47,6 @@ from asyncrl.runtime.startup import start_phase
 
 DEADLINE_S = 900.0
 """A call's deadline on a rank group when the driver names none (the default train step deadline)."""
-ADAPTER_DIR = "adapter"
-"""With LoRA, a saved policy (final, best) holds the adapter in peft's format in this subdirectory,
-beside the merged checkpoint."""
 
 
 class TrainerActor(RankMember, SyncMember):
@@ -499,42 +495,23 @@ class TrainerActor(RankMember, SyncMember):
         )
 
     def _save(self, final: str, extra_files: dict[str, str]) -> str:
-        from asyncrl.rl.trainer.checkpoint import write_errors
-        from asyncrl.runtime.files import staged_dir
+        from asyncrl.rl.trainer.checkpoint import write_policy
 
         whole = self.parallel.policy_state_dict(self.model)  # None: the model in this process is whole
         if self.rank != 0:
             return ""
-        with write_errors("the policy", final):
-            with staged_dir(final) as tmp, write_errors("the policy", final):  # worded before the clean-up
-                if self.config.lora.rank:  # a merged checkpoint for transformers and vLLM, and the adapter
-                    from asyncrl.rl.trainer.lora import save_merged
-
-                    save_merged(self.model, tmp, whole)
-                    self.model.save_pretrained(
-                        os.path.join(tmp, ADAPTER_DIR),
-                        safe_serialization=True,
-                        **({} if whole is None else {"state_dict": whole}),
-                    )
-                elif whole is not None:  # gathered from the shards (trainer/fsdp.py)
-                    from asyncrl.rl.trainer.fsdp import save_pretrained
-
-                    save_pretrained(self.model, tmp, whole)
-                else:
-                    self.model.save_pretrained(tmp, safe_serialization=True)
-                self.tokenizer.save_pretrained(tmp)
-                for marker in self._marker_files():
-                    shutil.copy(marker, tmp)
-                files = {
-                    "asyncrl_trainer.json": json.dumps(
-                        {"steps": self.steps, "config": dataclasses.asdict(self.config)}, indent=2
-                    )
-                }
-                files.update((os.path.basename(name), text) for name, text in extra_files.items())
-                for name, text in files.items():
-                    with open(os.path.join(tmp, name), "w") as f:
-                        f.write(text)
-        return final
+        state = {"steps": self.steps, "config": dataclasses.asdict(self.config)}
+        files = {"asyncrl_trainer.json": json.dumps(state, indent=2)}
+        files.update((os.path.basename(name), text) for name, text in extra_files.items())
+        return write_policy(
+            final,
+            self.model,
+            self.tokenizer,
+            whole=whole,
+            lora=bool(self.config.lora.rank),
+            markers=self._marker_files(),
+            files=files,
+        )
 
     def _marker_files(self) -> list[str]:
         """The warm start's marker file of the policy's directory, if it has one: copied into every

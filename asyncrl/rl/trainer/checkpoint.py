@@ -1,5 +1,6 @@
 """Writing and loading a resumable checkpoint in the trainer's process (it holds the model and the
-optimiser), and the one-line error of a failed write (of a checkpoint or a policy). The directory
+optimiser), writing a policy (final, best: `write_policy`), and the one-line error of a failed
+write (of a checkpoint or a policy). The directory
 format, its manifest, how a directory is written whole and how checkpoints are found are in
 ``rl/checkpoint.py``.
 
@@ -63,6 +64,9 @@ from asyncrl.runtime.files import (  # the same flush and rename for either layo
 STALL_ENV = "ASYNCRL_TEST_STALL_CHECKPOINT_STEP"
 """Test-only: the trainer stalls (60 s) while writing the checkpoint of this step, after the model
 files and before the rest, so a test can kill it mid-write. Never set it in a real run."""
+ADAPTER_DIR = "adapter"
+"""With LoRA, a saved policy (final, best) holds the adapter in peft's format in this subdirectory,
+beside the merged checkpoint."""
 FAIL_ENV = "ASYNCRL_TEST_FAIL_CHECKPOINT_STEP"
 """Test-only: writing the checkpoint of this step fails with ENOSPC after the model files (as a
 full disk would), so a test can check the error and the clean-up without filling a disk."""
@@ -111,6 +115,48 @@ def write_checkpoint(
             write_bytes(os.path.join(tmp, RUN_STATE), run_state)
             write_manifest(tmp)  # last: it vouches for everything above as written
     prune(run_dir, keep)
+    return final
+
+
+def write_policy(
+    final: str,
+    model: Any,
+    tokenizer: Any,
+    *,
+    whole: dict[str, Any] | None,
+    lora: bool,
+    markers: list[str],
+    files: dict[str, str],
+) -> str:
+    """Write the policy as a Hugging Face checkpoint directory at ``final``, whole (`staged_dir`:
+    a kill at any point leaves a whole policy, the old or the new), with the ``markers`` files
+    copied and ``files`` (name -> text) written inside it; returns ``final``. ``whole``: the state
+    dict gathered from a rank group's shards (None: ``model`` is whole in this process). ``lora``:
+    a merged checkpoint for transformers and vLLM, and the adapter in `ADAPTER_DIR`. A failed
+    write leaves nothing behind and raises a one-line `CheckpointWriteError`."""
+    with write_errors("the policy", final):
+        with staged_dir(final) as tmp, write_errors("the policy", final):  # worded before the clean-up
+            if lora:
+                from asyncrl.rl.trainer.lora import save_merged
+
+                save_merged(model, tmp, whole)
+                model.save_pretrained(
+                    os.path.join(tmp, ADAPTER_DIR),
+                    safe_serialization=True,
+                    **({} if whole is None else {"state_dict": whole}),
+                )
+            elif whole is not None:  # gathered from the shards (trainer/fsdp.py)
+                from asyncrl.rl.trainer.fsdp import save_pretrained
+
+                save_pretrained(model, tmp, whole)
+            else:
+                model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            for marker in markers:
+                shutil.copy(marker, tmp)
+            for name, text in files.items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
     return final
 
 
