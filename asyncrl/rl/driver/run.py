@@ -379,16 +379,16 @@ def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
 
 
 async def _check_digestible(samplers: list[Any]) -> None:
-    """``--run.check_weights`` reads each sampler's weights in the actor; a vLLM sampler keeps
-    them in its engine's process (repacked for its kernels on CPU), so refuse before the run."""
+    """``--run.check_weights`` digests each sampler's weights where they are held; vLLM on the CPU
+    repacks them for its kernels, so refuse it before the run."""
     answers = await call_all(samplers, lambda h, _: h.stats(), timeout_s=None, what="the check of its backend")
     if not answers.ok:  # a sampler that cannot answer this cannot take part in the run: as it is
         raise answers.results[answers.failed()[0]]
     for stats in answers.results:
-        if stats["backend"] == "vllm":
+        if stats["backend"] == "vllm" and not str(stats.get("device", "cpu")).startswith("cuda"):
             raise ConfigError(
-                f"--run.check_weights needs samplers that hold their weights in the actor, but "
-                f"{stats['name']} uses the vLLM backend; add --sampler.backend hf, or drop check_weights"
+                f"--run.check_weights needs samplers whose weights can be read as sent, but {stats['name']} "
+                f"runs vLLM on the CPU, which repacks them; add --sampler.backend hf, or drop check_weights"
             )
 
 
