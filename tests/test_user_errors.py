@@ -79,7 +79,10 @@ CASES = [
         "nothing to resume: remove that directory, or choose another --run.run_dir",
     ),
     (["--run.data_seed", "3"], "could be among the warm start's training problems"),
-    (["--run.check_weights", "true", "--sampler.backend", "vllm"], "--run.check_weights true needs samplers"),
+    (
+        ["--run.check_weights", "true", "--sampler.backend", "vllm", "--run.device", "cpu"],
+        "--run.check_weights true needs samplers",
+    ),
     (["--trainer.temperature", "0.5"], "--trainer.temperature 0.5 differs from --sampler.temperature 0.7: "),
     (["--run.n-train", "0"], "--run.n-train 0: n_train must be >= 1, not 0"),
 ]

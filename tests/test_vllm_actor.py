@@ -274,7 +274,9 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
     why = needs_two_devices(vllm_required)
     if why:
         pytest.skip(why)
-    device = ["--run.device", "cuda"] if vllm_required.type == "cuda" else []
+    # On a GPU the engine's worker digests its weights (through the places the first sync checked,
+    # which every later sync receives straight into): each sync's bytes are checked where vLLM reads them.
+    device = ["--run.device", "cuda", "--run.check_weights", "true"] if vllm_required.type == "cuda" else []
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, ASYNCRL_CACHE_DIR=model_cache, **VLLM_ENV)
@@ -302,27 +304,29 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
     assert "vllm backend" in done.stdout + done.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["sync_s"] > 0 for r in records)
+    if device:
+        for r in records:
+            digests = r["weights_digests"]
+            assert len(set(digests.values())) == 1 and "sampler0" in digests, r
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and json.loads((run_dir / "config.json").read_text())["sampler"]["backend"] == "vllm"
 
 
-async def test_check_weights_is_refused_before_a_run_with_vllm_samplers(vllm_required, tiny_path, tmp_path):
-    """A vLLM sampler's weights live in its engine (repacked on CPU): no digest to compare, so
-    ``--run.check_weights`` is a config error at the start, not a sampler lost after every sync.
-    'auto' is resolved as the samplers will before anything starts: no actor, no run directory
-    (it took an engine start, ~35-65 s on the 2-core machine, to be refused once a sampler said so)."""
+async def test_check_weights_is_refused_before_a_run_with_vllm_samplers_on_the_cpu(vllm_required, tiny_path, tmp_path):
+    """vLLM on the CPU repacks its weights for its kernels: no digest of the tensors sent, so
+    ``--run.check_weights`` is a config error at the start, not a sampler lost after every sync
+    (on a GPU the engine's worker digests them: test_a_grpo_run_with_the_vllm_backend). 'auto' is
+    resolved as the samplers will before anything starts: no actor, no run directory (it took an
+    engine start, ~35-65 s on the 2-core machine, to be refused once a sampler said so)."""
     from asyncrl.rl.config.grpo import GRPOConfig
     from asyncrl.rl.config.parse import ConfigError, parse_overrides
     from asyncrl.rl.driver.run import train
 
-    why = needs_two_devices(vllm_required)
-    if why:
-        pytest.skip(why)
-    device = ["--run.device", "cuda"] if vllm_required.type == "cuda" else []
+    if vllm_required.type == "cuda":
+        pytest.skip("on a GPU --run.check_weights digests a vLLM sampler's weights")
     config = parse_overrides(
         GRPOConfig(model_path=tiny_path),
         [
-            *device,
             "--run.run_dir",
             str(tmp_path / "run"),
             "--run.n_train",
@@ -337,7 +341,8 @@ async def test_check_weights_is_refused_before_a_run_with_vllm_samplers(vllm_req
     )
     async with Supervisor(start_timeout_s=240) as sup:
         with pytest.raises(
-            ConfigError, match=r"--sampler.backend auto picks vLLM here \((cpu|cuda)\), .*add --sampler.backend hf"
+            ConfigError,
+            match=r"--sampler.backend auto picks vLLM here \(cpu\), which repacks them on the CPU; add --sampler",
         ):
             await train(config, sup)
         assert sup.status() == [] and not (tmp_path / "run").exists()

@@ -79,22 +79,15 @@ def _checkpoint(path, state) -> None:
         json.dump({"tie_word_embeddings": True}, f)
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["load_weights (GPU path)", "reload_weights (CPU path)"])
-def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
+def _sync(worker, sent: dict[str, torch.Tensor], versions: int) -> tuple[dict, list[SyncStats]]:
+    """Send ``versions`` syncs (every tensor + 1.0 each time) over gloo from a thread to ``worker``;
+    returns what was sent last (and its digest) and the worker's stats of each sync."""
     import threading
 
     from asyncrl.comm.member import make_communicator
     from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+    from asyncrl.rl.digest import tensor_digest
 
-    g = torch.Generator().manual_seed(0)
-    state = {
-        "model.embed_tokens.weight": torch.randn(300, 64, generator=g),  # larger than a 64 KiB bucket
-        "model.norm.weight": torch.randn(64, generator=g),
-        "lm_head.weight": torch.randn(300, 64, generator=g),
-    }
-    _checkpoint(tmp_path / "ckpt", state)
-    sent = {k: v.clone() for k, v in state.items() if k != "lm_head.weight"}  # tied: sent once
-    worker = _worker(sent, str(tmp_path / "ckpt"), in_place)
     listener = reserve_listener(HOST)
     port = listener.getsockname()[1]
     results: dict = {}
@@ -104,11 +97,12 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
         comm = make_communicator(group, "gloo", 30.0)
         try:
             s = WeightSender.create(comm, group, sent, bucket_bytes=64 << 10, timeout_s=30.0)
-            for version in (1, 2):
+            for version in range(1, versions + 1):
                 for t in sent.values():
                     t.add_(1.0)
                 s.send(version)
             results["sent"] = {k: v.clone() for k, v in sent.items()}
+            results["digest"] = tensor_digest(results["sent"])
         finally:
             comm.close()
             group.close()
@@ -117,11 +111,28 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
     thread.start()
     assert worker.asyncrl_join(HOST, port, 1, 2, 0, "gloo", 30.0, "weights") == "gloo"
     assert worker.asyncrl_setup_receiver(30.0) >= 1
-    for version in (1, 2):
-        stats = msgspec.convert(worker.asyncrl_receive_weights(version), SyncStats)  # plain values cross vLLM
-        assert stats.seconds > 0 and stats.bytes == sum(t.nbytes for t in sent.values())
-        assert 0 < stats.copy_s <= stats.seconds and stats.version == version  # the model's load, in the copies
+    stats = []
+    for version in range(1, versions + 1):
+        stats.append(msgspec.convert(worker.asyncrl_receive_weights(version), SyncStats))  # plain values cross vLLM
     thread.join(30)
+    return results, stats
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["load_weights (GPU path)", "reload_weights (CPU path)"])
+def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "model.embed_tokens.weight": torch.randn(300, 64, generator=g),  # larger than a 64 KiB bucket
+        "model.norm.weight": torch.randn(64, generator=g),
+        "lm_head.weight": torch.randn(300, 64, generator=g),
+    }
+    _checkpoint(tmp_path / "ckpt", state)
+    sent = {k: v.clone() for k, v in state.items() if k != "lm_head.weight"}  # tied: sent once
+    worker = _worker(sent, str(tmp_path / "ckpt"), in_place)
+    results, stats = _sync(worker, sent, 2)
+    for version, s in enumerate(stats, 1):
+        assert s.seconds > 0 and s.bytes == sum(t.nbytes for t in sent.values())
+        assert 0 < s.copy_s <= s.seconds and s.version == version  # the model's load, in the copies
     model = worker.model_runner.model
     for name, t in results["sent"].items():
         assert torch.equal(model.state[name], t), name
@@ -134,6 +145,155 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
     worker.asyncrl_leave()  # idempotent
     with pytest.raises(Exception, match="before joining"):
         worker.asyncrl_receive_weights(3)
+
+
+class _FusedModel(torch.nn.Module):
+    """Stands in for a vLLM model that fuses checkpoint tensors as vLLM's Qwen2 does (q/k/v into
+    ``qkv_proj``, gate/up into ``gate_up_proj``, stacked along dim 0), with a loader that finds each
+    tensor's place by name on every call. ``norm_offset``: a loader that stores the norm's weight
+    minus 1 (as a model computing ``1 + w`` would), which no place computed from names can match."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, hidden: int, q: int, kv: int, ffn: int, vocab: int, norm_offset: bool = False):
+        super().__init__()
+        self.sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": ffn, "up_proj": ffn}
+        p = torch.nn.Parameter
+        layer = torch.nn.Module()
+        layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+        layer.self_attn.qkv_proj = torch.nn.Module()
+        layer.self_attn.qkv_proj.weight = p(torch.zeros(q + 2 * kv, hidden), requires_grad=False)
+        layer.self_attn.qkv_proj.bias = p(torch.zeros(q + 2 * kv), requires_grad=False)
+        layer.mlp.gate_up_proj = torch.nn.Module()
+        layer.mlp.gate_up_proj.weight = p(torch.zeros(2 * ffn, hidden), requires_grad=False)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([layer])
+        self.model.norm = torch.nn.Module()
+        self.model.norm.weight = p(torch.zeros(hidden), requires_grad=False)
+        self.model.embed_tokens = torch.nn.Module()
+        self.model.embed_tokens.weight = p(torch.zeros(vocab, hidden), requires_grad=False)
+        self.norm_offset = norm_offset
+        self.calls = 0
+
+    def load_weights(self, weights):
+        self.calls += 1
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            for fused, members in self.packed_modules_mapping.items():
+                member = next((m for m in members if f".{m}." in name), None)
+                if member is not None:
+                    at = sum(self.sizes[m] for m in members[: members.index(member)])
+                    params[name.replace(member, fused)].data.narrow(0, at, self.sizes[member]).copy_(tensor)
+                    break
+            else:
+                params[name].data.copy_(tensor - 1 if self.norm_offset and name == "model.norm.weight" else tensor)
+
+
+def _fused_state(g: torch.Generator) -> dict[str, torch.Tensor]:
+    h, q, kv, ffn, vocab = 16, 16, 8, 32, 40
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    shapes = {
+        f"{attn}.q_proj.weight": (q, h),
+        f"{attn}.k_proj.weight": (kv, h),
+        f"{attn}.v_proj.weight": (kv, h),
+        f"{attn}.q_proj.bias": (q,),
+        f"{attn}.k_proj.bias": (kv,),
+        f"{attn}.v_proj.bias": (kv,),
+        f"{mlp}.gate_proj.weight": (ffn, h),
+        f"{mlp}.up_proj.weight": (ffn, h),
+        "model.norm.weight": (h,),
+        "model.embed_tokens.weight": (vocab, h),
+    }
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+def _fused_worker(state, path: str, norm_offset: bool = False):
+    worker = _worker({}, path, True)
+    worker.model_runner.model = _FusedModel(16, 16, 8, 32, 40, norm_offset)
+    return worker
+
+
+def _unfused(model: _FusedModel, names) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors read back out of the fused parameters."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name in names:
+        for fused, members in model.packed_modules_mapping.items():
+            member = next((m for m in members if f".{m}." in name), None)
+            if member is not None:
+                at = sum(model.sizes[m] for m in members[: members.index(member)])
+                out[name] = params[name.replace(member, fused)].narrow(0, at, model.sizes[member])
+                break
+        else:
+            out[name] = params[name]
+    return out
+
+
+def test_later_syncs_go_straight_into_the_places_the_first_one_checked(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    state = _fused_state(g)
+    _checkpoint(tmp_path / "ckpt", state)
+    worker = _fused_worker(state, str(tmp_path / "ckpt"))
+    sent = {k: v.clone() for k, v in state.items()}
+    results, stats = _sync(worker, sent, 3)
+    model = worker.model_runner.model
+    assert model.calls >= 1 and worker._asyncrl.views is not None
+    calls_in_first_sync = model.calls
+    for name, t in _unfused(model, sent).items():
+        assert torch.equal(t, results["sent"][name]), name  # version 3, which no loader call wrote
+    assert model.calls == calls_in_first_sync  # versions 2 and 3 called no loader
+    assert [s.version for s in stats] == [1, 2, 3] and all(s.copy_s > 0 for s in stats)
+    assert worker.asyncrl_digest() == results["digest"]  # --run.check_weights reads the places
+
+
+def test_a_loader_that_transforms_a_tensor_keeps_the_loader_and_gives_no_digest(tmp_path):
+    from asyncrl.rl.sampler.vllm.worker import WorkerSyncError
+
+    g = torch.Generator().manual_seed(2)
+    state = _fused_state(g)
+    _checkpoint(tmp_path / "ckpt", state)
+    worker = _fused_worker(state, str(tmp_path / "ckpt"), norm_offset=True)
+    sent = {k: v.clone() for k, v in state.items()}
+    results, _ = _sync(worker, sent, 3)
+    model = worker.model_runner.model
+    assert worker._asyncrl.views is None
+    per_sync = model.calls // 3
+    assert per_sync >= 1 and model.calls == 3 * per_sync  # the loader took every sync
+    norm = results["sent"]["model.norm.weight"]
+    assert torch.equal(model.model.norm.weight, norm - 1)  # the loader's own transform, kept
+    with pytest.raises(WorkerSyncError, match="not held as the sent tensors"):
+        worker.asyncrl_digest()
+
+
+def test_places_are_refused_for_what_cannot_be_received_into_directly():
+    from asyncrl.rl.sampler.vllm.param_views import param_views
+
+    model = _FusedModel(16, 16, 8, 32, 40)
+    state = _fused_state(torch.Generator().manual_seed(3))
+
+    def layout(**changes):
+        tensors = {**state, **changes}
+        return [(n, tuple(t.shape), t.dtype) for n, t in tensors.items() if t is not None]
+
+    views, why = param_views(model, layout())
+    assert why == "" and set(views) == set(state)
+    k = views["model.layers.0.self_attn.k_proj.weight"]
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert k.data_ptr() == qkv.data_ptr() + 16 * 16 * 4 and k.shape == (8, 16)  # after q's 16 rows
+    cases = {
+        "model.extra.weight: no parameter of the model holds it": layout(**{"model.extra.weight": torch.zeros(2)}),
+        "model.norm.weight: the model's parameter is [16]": layout(**{"model.norm.weight": torch.zeros(17)}),
+        "not its members": layout(**{"model.layers.0.self_attn.k_proj.weight": torch.zeros(9, 16)}),
+        "the model holds torch.float32, the sender sends torch.bfloat16": layout(
+            **{"model.norm.weight": torch.zeros(16, dtype=torch.bfloat16)}
+        ),
+    }
+    for message, sent in cases.items():
+        views, why = param_views(model, sent)
+        assert views is None and message in why, (message, why)
+    # a fused member whose siblings are not all sent cannot be placed (their sizes are unknown)
+    views, why = param_views(model, layout(**{"model.layers.0.self_attn.v_proj.weight": None}))
+    assert views is None and "model.layers.0.self_attn.q_proj.weight: no parameter" in why
 
 
 def test_the_worker_extension_refuses_bad_control_values():

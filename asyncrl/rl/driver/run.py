@@ -382,33 +382,34 @@ def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
 
 async def _check_backend_readable(backend: str, device: str) -> None:
     """``--run.check_weights`` with ``--sampler.backend auto`` (an explicit vllm is `GRPOConfig`'s
-    refusal): refused if auto picks vLLM here on ``device``, as the samplers on this host will.
+    refusal): refused if auto picks vLLM here on the CPU, as the samplers on this host will.
     Knowing that imports vLLM (seconds), in a thread; `_check_digestible` still asks the started
     samplers, since those on other nodes may pick otherwise."""
     import torch
 
     from asyncrl.rl.sampler.factory import choose_backend
 
-    if await asyncio.to_thread(choose_backend, backend, torch.device(device)) == "vllm":
+    where = torch.device(device)
+    if where.type == "cpu" and await asyncio.to_thread(choose_backend, backend, where) == "vllm":
         raise ConfigError(
-            f"--run.check_weights needs samplers that hold their weights in the actor, but --sampler.backend "
-            f"{backend} picks vLLM here ({device}), which keeps them in its engine; add --sampler.backend hf, "
+            f"--run.check_weights needs samplers whose weights can be read as sent, but --sampler.backend "
+            f"{backend} picks vLLM here ({device}), which repacks them on the CPU; add --sampler.backend hf, "
             "or drop check_weights"
         )
 
 
 async def _check_digestible(samplers: list[Any]) -> None:
-    """``--run.check_weights`` reads each sampler's weights in the actor; a vLLM sampler keeps
-    them in its engine's process (repacked for its kernels on CPU), so refuse before the run
-    (a sampler on another node than the driver's may have picked vLLM where this one did not)."""
+    """``--run.check_weights`` digests each sampler's weights where they are held; vLLM on the CPU
+    repacks them for its kernels, so refuse it before the run (a sampler on another node than the
+    driver's may have picked vLLM, or the CPU, where this one did not)."""
     answers = await call_all(samplers, lambda h, _: h.stats(), timeout_s=None, what="the check of its backend")
     if not answers.ok:  # a sampler that cannot answer this cannot take part in the run: as it is
         raise answers.results[answers.failed()[0]]
     for stats in answers.results:
-        if stats["backend"] == "vllm":
+        if stats["backend"] == "vllm" and not str(stats.get("device", "cpu")).startswith("cuda"):
             raise ConfigError(
-                f"--run.check_weights needs samplers that hold their weights in the actor, but "
-                f"{stats['name']} uses the vLLM backend; add --sampler.backend hf, or drop check_weights"
+                f"--run.check_weights needs samplers whose weights can be read as sent, but {stats['name']} "
+                f"runs vLLM on the CPU, which repacks them; add --sampler.backend hf, or drop check_weights"
             )
 
 

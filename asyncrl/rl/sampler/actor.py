@@ -317,8 +317,9 @@ class SamplerActor(SyncMember):
         that succeeded: waiting for the batch in flight, or for the end of a decoding step),
         ``syncs_waited_for_generate``, ``discarded_batches`` (in flight during a failed sync);
         ``version`` now; ``generating``: generate calls in flight now; ``name``; ``backend``
-        (``"hf"`` or ``"vllm"``); ``weight_dtype``: what its weights are held in, the dtype a sync
-        is sent in (`WeightSink.weight_dtype`); ``loaded_adapters`` (vLLM with adapter-only LoRA syncs)."""
+        (``"hf"`` or ``"vllm"``); ``device`` (``"cpu"``, ``"cuda:0"``); ``weight_dtype``: what its
+        weights are held in, the dtype a sync is sent in (`WeightSink.weight_dtype`);
+        ``loaded_adapters`` (vLLM with adapter-only LoRA syncs)."""
         s = dict(self._stats)
         adapters = getattr(self.backend, "adapters", None)  # vLLM serving LoRA adapters: how many it holds
         if adapters is not None:
@@ -328,6 +329,7 @@ class SamplerActor(SyncMember):
             generating=self._generating,
             name=self.name,
             backend=self.backend_name,
+            device=str(self.device),
             weight_dtype=self.sink.weight_dtype,
             tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0,
         )

@@ -62,7 +62,7 @@ class Local:
         """Why ``model`` scores through full logits here ("": the fused head, ``trainer/scoring.py``)."""
         from asyncrl.rl.trainer.scoring import fused_head_fallback
 
-        return fused_head_fallback(model, 1)
+        return fused_head_fallback(model)
 
     def align(self, batches: list[MicroBatch], model: torch.nn.Module, step: int) -> list[MicroBatch]:
         """The micro-batches this process runs for the step: its own."""
@@ -149,11 +149,11 @@ class Sharded:
         return rank_share(groups, advantages, self.rank, self.world_size)
 
     def head_fallback(self, model: torch.nn.Module) -> str:
-        """Always a reason: the fused head calls the decoder alone, and FSDP2 gathers the root's own
-        parameters (embeddings, head) only in the root's forward (at one rank too: a benchmark's)."""
-        return (
-            f"sharded over {self.world_size} rank(s): FSDP2 gathers the head and embeddings only in the root's forward"
-        )
+        """As on one process: the fused head runs inside the sharded root's forward
+        (`fsdp.in_root_forward`), where FSDP2 has gathered the head and the embeddings."""
+        from asyncrl.rl.trainer.scoring import fused_head_fallback
+
+        return fused_head_fallback(model)
 
     def align(self, batches: list[MicroBatch], model: torch.nn.Module, step: int) -> list[MicroBatch]:
         """Each forward and backward runs collectives: every rank takes as many micro-batches as

@@ -19,6 +19,7 @@ import torch
 
 from asyncrl.rl.trainer.batching import MicroBatch
 from asyncrl.rl.trainer.chunked_head import head_logprobs
+from asyncrl.rl.trainer.fsdp import in_root_forward
 from asyncrl.rl.trainer.loss import LossInputError, token_entropy, token_logprobs
 from asyncrl.rl.trainer.packing import policy_hidden, policy_logits
 
@@ -27,17 +28,14 @@ NON_LINEAR_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scalin
 Cohere's and Granite's scales): such models take the full-logits path."""
 
 
-def fused_head_fallback(model, world_size: int = 1) -> str:
-    """Why ``model`` must take the full-logits path ("" when the fused one applies):
+def fused_head_fallback(model) -> str:
+    """Why ``model`` must take the full-logits path ("" when the fused one applies; a sharded
+    model takes it inside its root's forward, `fsdp.in_root_forward`):
 
-    - ``world_size > 1``: FSDP2 gathers the root module's own parameters (embeddings, head) only
-      in the root's forward, so the decoder called alone would see shards;
     - a config with a soft cap or a scale on its logits (`NON_LINEAR_HEAD_KEYS`);
     - no ``get_decoder``/``get_output_embeddings``, a decoder that is the model itself, or a head
       that is not exactly ``nn.Linear`` (e.g. a LoRA-wrapped head: its weight is not its output).
     """
-    if world_size > 1:
-        return f"world_size {world_size}: FSDP2 gathers the head and embeddings only in the root's forward"
     config = getattr(model, "config", None)
     for key in NON_LINEAR_HEAD_KEYS:
         if getattr(config, key, None) is not None:
@@ -76,26 +74,30 @@ def scored_logprobs(
         return lp, batch.scored(token_entropy(logits[:, :-1])) if entropy else None
     if batch.input_ids.shape[1] < 2:
         raise LossInputError("need rows of >= 2 tokens: the first token is never scored")
-    with autocast:
-        hidden = policy_hidden(model, batch)
-    head = model.get_output_embeddings()
     # Only the scored positions: row row[s], index score_index[s, j], predicting the token after.
     rows = batch.row.unsqueeze(1).expand_as(batch.score_index)[batch.mask]
     positions = batch.score_index[batch.mask]
     targets = batch.input_ids[rows, positions + 1]
-    vocab = head.weight.shape[0]
+    vocab = model.get_output_embeddings().weight.shape[0]  # sharded, a DTensor: its shape is the whole one
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         # an out-of-range id would be a device-side assert on CUDA, which kills the context
         raise LossInputError(f"input_ids must lie in [0, {vocab}); got [{int(targets.min())}, {int(targets.max())}]")
-    lp, ent = head_logprobs(
-        hidden[rows, positions],
-        head.weight,
-        head.bias,
-        targets,
-        temperature,
-        compute_dtype=autocast_dtype,
-        entropy=entropy,
-    )
+
+    def fused() -> tuple[torch.Tensor, torch.Tensor | None]:
+        with autocast:
+            hidden = policy_hidden(model, batch)
+        head = model.get_output_embeddings()
+        return head_logprobs(
+            hidden[rows, positions],
+            head.weight,
+            head.bias,
+            targets,
+            temperature,
+            compute_dtype=autocast_dtype,
+            entropy=entropy,
+        )
+
+    lp, ent = in_root_forward(model, fused)
     return _spread(lp, batch.mask), (None if ent is None else _spread(ent, batch.mask))
 
 

@@ -30,6 +30,7 @@ class EngineBackend(Protocol):
 
     engine: Any  # vLLM's AsyncLLM; None once closed
     prefix_caching: bool
+    device: torch.device
 
     async def pause(self, timeout_s: float = 600.0) -> None: ...
 
@@ -52,6 +53,10 @@ def comm_error(name: str) -> type[Exception]:
     if cls is None:
         return EngineWeightSyncError
     return RendezvousError if issubclass(cls, RendezvousTimeoutError) else cls
+
+
+DIGEST_TIMEOUT_S = 120.0
+"""Reading a model's weights to the host to hash them: a 7B model's 15 GB take tens of seconds."""
 
 
 async def engine_call(backend: EngineBackend, call: str, timeout_s: float, *args: Any) -> Any:
@@ -171,6 +176,7 @@ class EngineSink(WeightSink):
         return await engine_call(self.backend, "created", 30.0)
 
     async def digest(self) -> str:
-        raise SamplerError(
-            "the weights live in the vLLM engine's process (repacked for its kernels on CPU): no digest here"
-        )
+        """Read in the engine's process, through the places a sync checked (the worker's digest)."""
+        if self.backend.device.type != "cuda":
+            raise SamplerError("vLLM on the CPU repacks its weights for its kernels: no digest of them")
+        return await engine_call(self.backend, "digest", DIGEST_TIMEOUT_S)

@@ -10,11 +10,15 @@ it. The buckets themselves come straight off the communicator into this process
 
 How a received tensor gets into the model:
 
-* CUDA: ``model.load_weights(tensors)`` once a bucket, with every tensor the bucket completed, on
-  the receiver's copy stream: the model's own loaders fuse q/k/v and gate/up as they would from a
-  checkpoint. Once a bucket, not once a tensor: each call walks the model's parameters first
-  (``dict(named_parameters())``), which a tensor at a time made 173 of the 197 ms of a 0.5B
-  model's sync on an H100 (2026-11-25, benchmarks/README.md).
+* CUDA, the first sync of a layout: ``model.load_weights(tensors)`` once a bucket, with every tensor
+  the bucket completed, on the receiver's copy stream: the model's own loaders fuse q/k/v and
+  gate/up as they would from a checkpoint. Once a bucket, not once a tensor: each call walks the
+  model's parameters first (``dict(named_parameters())``), which a tensor at a time made 173 of the
+  197 ms of a 0.5B model's sync on an H100 (2026-11-25, benchmarks/README.md). The same sync checks
+  the place `param_views` computed for each tensor inside the model's parameters.
+* CUDA, every later sync once those places checked out: received straight into them, as into any
+  mapping of tensors (no loader call, no name lookup: the loader was still the largest part of the
+  sync, 8-14 ms for 0.5B). A model whose places cannot be computed or did not check keeps the loader.
 * CPU: vLLM repacks linear weights for its CPU kernels after loading, so ``load_weights`` on the
   live model fails; the model runner's ``reload_weights(weights_iterator=...)`` restores the
   checkpoint layout, loads, and repacks. It pulls from an iterator while the receiver pushes, so
@@ -39,7 +43,9 @@ import torch
 
 from asyncrl.comm.errors import LayoutMismatchError
 from asyncrl.rl.sampler.vllm import compat
+from asyncrl.rl.sampler.vllm.param_views import LoadAndCheck, param_views
 
+log = logging.getLogger(__name__)
 _DONE = object()
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is not a checkpoint we trust
 
@@ -48,7 +54,7 @@ class WorkerSyncError(RuntimeError):
     """A weight-sync control call reached the worker in a state or with values it cannot take."""
 
 
-CALLS = ("join", "setup_receiver", "receive_weights", "leave", "created")
+CALLS = ("join", "setup_receiver", "receive_weights", "digest", "leave", "created")
 """The control calls `asyncrl_call` dispatches (each is the ``asyncrl_<name>`` method)."""
 
 
@@ -117,6 +123,12 @@ class WeightSyncExtension:
             sent = {spec.name for spec in receiver.layout.tensors}
             _quiet_reload_warnings(compat.live_model(self.model_runner), sent)
         member.receiver, member.timeout_s = receiver, timeout_s
+        member.views, member.candidates = None, None
+        if self._asyncrl_loads_in_place():
+            sent = [(spec.name, tuple(spec.shape), spec.torch_dtype) for spec in receiver.layout.tensors]
+            member.candidates, why = param_views(compat.live_model(self.model_runner), sent)
+            if member.candidates is None:
+                log.info("weight sync: every sync goes through vLLM's load_weights (%s)", why)
         return len(receiver.layout.buckets)
 
     def asyncrl_receive_weights(self, version: int, timeout_s: float | None = None) -> dict[str, Any]:
@@ -132,9 +144,16 @@ class WeightSyncExtension:
         if member.receiver is None:
             raise WorkerSyncError("receive_weights before setup_receiver")
         limit = member.timeout_s if timeout_s is None else timeout_s
-        if self._asyncrl_loads_in_place():
-            model = compat.live_model(self.model_runner)
-            stats = member.receiver.receive(version, model.load_weights, timeout_s=limit, batched=True)
+        if member.views is not None:
+            stats = member.receiver.receive(version, member.views, timeout_s=limit)
+        elif self._asyncrl_loads_in_place():
+            load = compat.live_model(self.model_runner).load_weights
+            if member.candidates is None:
+                stats = member.receiver.receive(version, load, timeout_s=limit, batched=True)
+            else:
+                check = LoadAndCheck(load, member.candidates)
+                stats = member.receiver.receive(version, check, timeout_s=limit, batched=True)
+                member.take_views(check, version)
         else:
             load = _PulledLoad(self._asyncrl_reload, total=len(member.receiver.layout.tensors), timeout_s=limit)
             try:
@@ -142,6 +161,21 @@ class WeightSyncExtension:
             finally:
                 load.close()
         return msgspec.to_builtins(stats)
+
+    def asyncrl_digest(self) -> str:
+        """`asyncrl.rl.digest.tensor_digest` of the model's weights under the sender's names and in
+        its dtype (``--run.check_weights``), read through the places a sync checked: the trainer's
+        digest of what it sent equals it only if every byte landed where the model reads it."""
+        from asyncrl.rl.digest import tensor_digest
+
+        member = self._asyncrl_member("digest")
+        if member.views is None:
+            raise WorkerSyncError(
+                "no digest of the vLLM model's weights: they are not held as the sent tensors (vLLM on the CPU "
+                "repacks them; or the model's loader transforms them: see the worker's log) or no sync has "
+                "checked their places yet"
+            )
+        return tensor_digest(member.views)
 
     def asyncrl_leave(self) -> None:
         """Drop the communicator and the store handle. Idempotent."""
@@ -187,6 +221,23 @@ class _Membership:
         self.group, self.comm = membership.group, membership.comm
         self.receiver = None
         self.timeout_s = 60.0
+        self.candidates: dict[str, torch.Tensor] | None = None  # computed places (param_views)
+        self.views: dict[str, torch.Tensor] | None = None  # the same, once a sync checked them
+
+    def take_views(self, check: LoadAndCheck, version: int) -> None:
+        """After a sync through the loader: receive straight into the checked places from now on,
+        or never try them again for this layout."""
+        why = check.verdict()
+        if why:
+            log.warning("weight sync: every sync goes through vLLM's load_weights (%s)", why)
+        else:
+            log.info(
+                "weight sync: from version %d on, %d tensors are received straight into vLLM's parameters",
+                version + 1,
+                len(check.views),
+            )
+            self.views = self.candidates
+        self.candidates = None
 
     def close(self) -> None:
         self.receiver = None
