@@ -122,6 +122,7 @@ class GRPODriver:
             events_path=self.events_path,
             pacer=self.pacer,
             batch_groups=config.sampler.prompts_per_batch,
+            streams=config.sampler.streams,
             teacher=teacher,
             reward_model=reward_model,
             uid_prefix=f"resume{self.segment}/" if self.segment else "",
