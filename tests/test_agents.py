@@ -469,7 +469,8 @@ async def agent(problem, client):
 
 async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(letters, tmp_path):
     """The sampler actor in its own process: an agent named FILE.py:function, problems from a data
-    file, groups of its two-turn episodes as the trainer gets them; its root endpoint for others."""
+    file, groups of its two-turn episodes as the trainer gets them, from two rollout streams at
+    once (two paced streams, --sampler.streams 2); its root endpoint for others."""
     from asyncrl import Supervisor
     from asyncrl.rl.config.run import DataConfig
     from asyncrl.rl.config.sampler import SamplerConfig
@@ -488,12 +489,16 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
         sampler = await sup.spawn(
             SamplerActor,
             path,
-            SamplerConfig(group_size=2, prompts_per_batch=2, max_new_tokens=MAX_NEW, backend="hf"),
+            SamplerConfig(group_size=2, prompts_per_batch=1, max_new_tokens=MAX_NEW, backend="hf", streams=2),
             name="smp",
             kwargs=dict(task=spec, data=DataConfig(n_train=8, n_heldout=2)),
             env=ONE_THREAD,
         )
-        groups = [g async for g in sampler.rollouts(2)]
+
+        async def stream() -> list:  # two at once, as the driver's two paced streams call it
+            return [g async for g in sampler.rollouts(1)]
+
+        groups = [g for got in await asyncio.gather(stream(), stream()) for g in got]
         served = await sampler.openai_endpoint()
         async with openai.AsyncOpenAI(base_url=served["base_url"], api_key=served["token"], max_retries=0) as client:
             answer = await client.chat.completions.create(
@@ -502,6 +507,7 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
         stats = await sampler.stats()
     assert served["base_url"].startswith("http://127.0.0.1:") and len(answer.choices[0].message.content) == 2
     assert len(groups) == 2 and stats["completions"] == 2 * 2 * 2 + 1  # 2 problems x 2 episodes x 2 calls, + 1
+    assert groups[0].prompt_id != groups[1].prompt_id  # two streams at once walk the one problem order
     tok = letters[1]
     for group in groups:
         validate_group(group)

@@ -79,6 +79,25 @@ def test_prompts_per_batch_auto_is_8_on_the_cpu_and_a_steps_share_on_a_gpu():
         SamplerConfig(prompts_per_batch=-1)
 
 
+def test_paced_streams_auto_is_one_with_the_defaults_and_fills_the_pacers_room_on_a_gpu():
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+    from asyncrl.rl.config.sampler import SamplerConfig
+
+    default = GRPOConfig()
+    n, s = default.run.groups_per_step, default.run.max_staleness
+    # The default run, on the CPU and on one GPU: one batch in flight, as before the flag.
+    assert default.sampler.paced_streams("cpu", n, s) == 1
+    assert default.sampler.paced_streams("cuda", n, s) == 1  # one batch of 16 is the whole room of 16
+    assert default.sampler.paced_streams("cuda", n, 2) == 2  # max_staleness 2: room for two batches
+    assert SamplerConfig(prompts_per_batch=4).paced_streams("cuda", 16, 2) == 8  # ceil(32 / 4), at most 8
+    assert SamplerConfig(count=2).paced_streams("cuda", 16, 2) == 2  # each sampler's half: 16 / 8
+    assert SamplerConfig(prompts_per_batch=4).paced_streams("cpu", 16, 2) == 1  # the CPU: one at a time
+    assert SamplerConfig(streams=3).paced_streams("cpu", 16, 1) == 3  # asked for: kept
+    with pytest.raises(ConfigError, match=r"^--sampler.streams -1: streams must be >= 0 \(0: auto\), not -1$"):
+        parse_overrides(GRPOConfig(), ["--sampler.streams", "-1"])
+
+
 def test_a_run_over_nodes_counts_every_joined_nodes_gpus():
     """Two hosts of one GPU each: the trainer and the sampler get one each (NCCL between the hosts),
     not both node 0's (colocated over CUDA IPC, which cannot reach the other host)."""

@@ -85,14 +85,16 @@ def launch(tmp_path, *args, cache: str | None = None):
 def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, model_cache):
     run_dir = tmp_path / "run"
     # The async run also distils from a teacher and adds a generative judge's verdict to the reward
-    # (random checkpoints with the embedded tokenizer, each served by a scorer actor): the same
-    # run, two actors more, rather than runs of their own.
-    teacher = []
+    # (random checkpoints with the embedded tokenizer, each served by a scorer actor), and its
+    # sampler keeps two paced batches of half a step in flight (room for two steps ahead with
+    # max_staleness 2): the same run, rather than runs of their own.
+    extra = []
     if mode == "async":
+        extra = ["--run.max_staleness", "2", "--sampler.prompts_per_batch", "1", "--sampler.streams", "2"]
         from sampler_support import write_tiny
 
         (tmp_path / "judge.txt").write_text("{prompt}{completion} ok?")
-        teacher = [
+        extra += [
             "--teacher.model_path",
             write_tiny(str(tmp_path / "teacher"), hidden_size=32),
             "--trainer.loss.distill_coef",
@@ -108,12 +110,18 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, mod
             "--reward_model.weight",
             "0.5",
         ]
-    done = launch(tmp_path, *TINY, "--run.mode", mode, "--run.run_dir", str(run_dir), *teacher, cache=model_cache)
+    done = launch(tmp_path, *TINY, "--run.mode", mode, "--run.run_dir", str(run_dir), *extra, cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    if teacher:  # every group was scored by the teacher; none left out for equal rewards (they still teach)
+    if extra:  # every group was scored by the teacher; none left out for equal rewards (they still teach)
         assert all("distill_kl" in r and r["uniform_skipped"] == 0 for r in records), records
+        # Both batches in flight at once, and with one sampler and no losses every group trained
+        # (driver/pacing.py's invariant).
+        assert "1 prompts x 2 completions at once, 2 paced batches in flight (--sampler.streams)" in done.stdout
+        assert max(r["paced_streams"] for r in records) == 2, records
+        assert all(r["paced_in_flight_peak"] <= 2 for r in records), records  # two batches of one group
+        assert not any(r["dropped_stale"] for r in records), records
         assert f"; teacher {tmp_path / 'teacher'}; reward model {tmp_path / 'judge'}" in done.stdout
         # every completion trained on was judged (p(y) against p(n): nothing to parse)
         assert sum(r["judged"] for r in records) >= 3 * 2 * 2 and not any(r["judge_unparsed"] for r in records)

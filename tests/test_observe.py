@@ -329,6 +329,8 @@ STEP_KEYS = {
     "uniform_skipped",
     "queue_depth",
     "paced_wait_s",
+    "paced_streams",
+    "paced_in_flight_peak",
     "completion_tokens",
     "samples_per_s",
     "tokens_per_s",

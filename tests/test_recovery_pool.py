@@ -566,3 +566,118 @@ async def test_membership_call_all_pins_the_incarnations_and_loses_the_failed_in
     (frozen_fault,) = [f for f in pool.faults if f.sampler == "sampler1"]
     assert frozen_fault.cause == "no answer during the weight sync of v1 within 0.5 s", pool.faults
     assert frozen.kills == [(frozen_fault.cause, 1)] and victim.kills == [] and replaced.kills == [], logs
+
+
+# --- several paced streams of one sampler (--sampler.streams) ------------------------------------
+
+
+class Engine(Scripted):
+    """A sampler whose every rollouts batch begins under the version it holds then and takes the
+    next of ``durations`` (cycled) before its groups come, so a batch begun later often ends
+    first, as batches of unequal lengths do in a GPU engine."""
+
+    def __init__(self, name: str, durations: list[float]):
+        super().__init__(name, rollouts=[])
+        self.version, self.durations, self.made = 0, list(durations), 0
+
+    def _method(self, method: str, timeout_s: float):
+        if method != "rollouts":
+            return super()._method(method, timeout_s)
+
+        async def stream(max_groups: int = 0):
+            self.streams.append(max_groups)
+            version, seconds = self.version, self.durations[len(self.streams) % len(self.durations)]
+            await asyncio.sleep(seconds)
+            for _ in range(max_groups):
+                self.made += 1
+                yield rollout(version, self.made)
+
+        return stream
+
+
+def paced_pool(sampler, *, n: int, max_staleness: int, batch: int, streams: int) -> tuple[SamplerPool, Pacer]:
+    config = dataclasses.replace(run_config(), groups_per_step=n, max_staleness=max_staleness)
+    queue = RolloutQueue(n * (max_staleness + 1), max_staleness)
+    pacer = Pacer(queue, n, max_staleness, version=0, next_step=1)
+    pool = SamplerPool(
+        Scripted("trainer"),
+        [sampler],
+        queue,
+        run=config,
+        seeds=[0],
+        host="127.0.0.1",
+        backend="gloo",
+        log=print,
+        pacer=pacer,
+        batch_groups=batch,
+        streams=streams,
+    )
+    m = pool.members[0]
+    m.state, m.incarnation = MemberState.JOINED, 1
+    pool.sync_group.generation, pool.membership.dirty = 0, False
+    return pool, pacer
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+async def test_a_gpu_sampler_keeps_as_many_batches_in_flight_as_the_staleness_leaves_room_for(max_staleness):
+    from asyncrl.rl.config.sampler import SamplerConfig
+
+    streams = SamplerConfig().paced_streams("cuda", 16, max_staleness)  # the default step, one sampler
+    sampler = Scripted("sampler0", rollouts=[])  # its streams wait for groups that never come
+    pool, pacer = paced_pool(sampler, n=16, max_staleness=max_staleness, batch=16, streams=streams)
+    try:
+        await pool._reconcile(0)  # starts the pump
+        for _ in range(5):
+            await asyncio.sleep(0)
+        # Both batches begin at once with max_staleness 2 (room 16 x 3 - 16 for the batch of step 1).
+        assert sampler.streams == [16] * max_staleness and pacer.streams == max_staleness
+        assert pacer.in_flight == 16 * max_staleness and pacer.take_peaks() == (max_staleness, 16 * max_staleness)
+    finally:
+        await pool.close()
+    assert pacer.in_flight == 0 and pacer.streams == 0  # the close gave every grant back
+
+
+@pytest.mark.parametrize("streams", [2, 4])
+async def test_one_sampler_s_streams_queue_in_grant_order_so_no_group_expires(streams):
+    """The pacer's invariant with several streams: one sampler, no losses, every group trained.
+    Every other batch takes 10x longer, so a batch begun after a sync often ends before the one
+    begun under the older weights: queued first, it pushed the older groups past their last step
+    (dropped as stale) until the pump queued each batch after the one granted before it. With 4
+    streams, 36 groups still expired until the pacer heard of a taken batch in the same step of the
+    loop as the queue gave it out: a stream waking on the emptied queue in between was granted
+    credit counted against the step before."""
+    sampler = Engine("sampler0", durations=[0.002, 0.02])
+    pool, pacer = paced_pool(sampler, n=4, max_staleness=2, batch=2, streams=streams)
+    peak = 0
+    try:
+        for step in range(1, 31):
+            batch = await asyncio.wait_for(pool.next_batch(4, step - 1), 5.0)
+            assert all(step - 1 - g.version <= 2 for g in batch)
+            peak = max(peak, pacer.take_peaks()[0])
+            await asyncio.sleep(0.005)  # the train step
+            sampler.version = step  # the sync
+            pool._synced(step)
+    finally:
+        await pool.close()
+    assert peak == streams  # several batches were in flight at once
+    assert pool.queue.stats().dropped_stale == 0, pool.queue.stats()
+
+
+async def test_a_failed_stream_cancels_its_siblings_and_every_grant_is_given_back():
+    sampler = Scripted("sampler0", rollouts=[])
+    pool, pacer = paced_pool(sampler, n=8, max_staleness=2, batch=4, streams=3)
+    m = pool.members[0]
+    try:
+        await pool._reconcile(0)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert pacer.streams == 3 and pacer.in_flight == 12
+        sampler.items.put_nowait(rollout(0, 1))  # the first stream delivers one group
+        sampler.items.put_nowait(ActorDiedError("sampler0", "killed by SIGKILL"))  # and the next dies
+        await asyncio.wait({m.pump}, timeout=5.0)
+        assert m.pump.done() and isinstance(m.pump.exception(), ActorDiedError)
+        assert pacer.streams == 0 and pacer.in_flight == 0 and len(pool.queue) == 1  # nothing held back
+        pool._reap_pumps()  # the failure judged as a single stream's was: the sampler is lost
+        assert not m.in_group and "died (killed by SIGKILL)" in pool.faults[0].cause
+    finally:
+        await pool.close()

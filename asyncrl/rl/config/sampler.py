@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 CPU_PROMPTS_PER_BATCH = 8
 """What ``prompts_per_batch`` 0 means on the CPU (and the least it means on a GPU)."""
+MAX_AUTO_STREAMS = 8
+"""The most paced streams ``streams`` 0 gives a sampler on a GPU."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +25,12 @@ class SamplerConfig:
     CPU (small batches keep a loaded CPU's weight syncs prompt) and on a GPU the sampler's share of
     a step, ``ceil(run.groups_per_step / count)``, at least 8: an engine fed a whole step's requests
     at once generates it in about the time of one batch (docs/gpu.md)."""
+    streams: int = 0
+    """Async mode: batches of ``prompts_per_batch`` a sampler keeps in flight at once, each begun as
+    pacing credit frees (docs/gpu.md). 0: auto, 1 on the CPU (one model on a few cores: a second
+    batch would only slow the first) and on a GPU the sampler's share of the room the pacer allows,
+    ``ceil(groups_per_step * max_staleness / (count * prompts_per_batch))`` in [1, 8]: 1 with the
+    defaults, 2 with ``--run.max_staleness 2``. Sync mode runs one batch at a time."""
     max_new_tokens: int = 0
     """Completion length limit (0: what the model suggests)."""
     temperature: float = 1.0
@@ -57,6 +65,8 @@ class SamplerConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in [0, 1) (0: the default), not {self.gpu_memory_utilization!r}"
             )
+        if self.streams < 0:
+            raise ValueError(f"streams must be >= 0 (0: auto), not {self.streams!r}")
         if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 0:
             raise ValueError(
                 "need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 0 (0: auto)"
@@ -69,3 +79,14 @@ class SamplerConfig:
         if device != "cuda":
             return CPU_PROMPTS_PER_BATCH
         return max(CPU_PROMPTS_PER_BATCH, -(-groups_per_step // self.count))
+
+    def paced_streams(self, device: str, groups_per_step: int, max_staleness: int) -> int:
+        """``streams``, with 0 (auto) resolved for samplers computing on ``device``: on a GPU
+        enough batches to fill this sampler's share of the ``groups_per_step * max_staleness``
+        groups the pacer lets begin ahead (driver/pacing.py)."""
+        if self.streams:
+            return self.streams
+        if device != "cuda":
+            return 1
+        share = groups_per_step * max_staleness / self.count
+        return min(MAX_AUTO_STREAMS, max(1, math.ceil(share / self.batch_prompts(device, groups_per_step))))

@@ -122,6 +122,7 @@ class GRPODriver:
             events_path=self.events_path,
             pacer=self.pacer,
             batch_groups=config.sampler.prompts_per_batch,
+            streams=config.sampler.streams,
             teacher=teacher,
             reward_model=reward_model,
             uid_prefix=f"resume{self.segment}/" if self.segment else "",
@@ -454,6 +455,7 @@ class GRPODriver:
         tokens = sum(len(c) for g in batch for c in g.completion_ids)
         self.tokens += tokens
         elapsed = self.elapsed_s()
+        peaks = self.pacer.take_peaks() if self.pacer else None
         return StepRecord(
             step=step,
             version=self.version,
@@ -465,6 +467,8 @@ class GRPODriver:
             uniform_skipped=len(skipped),
             queue_depth=len(self.queue),
             paced_wait_s=self.pacer.waited_s if self.pacer else None,
+            paced_streams=peaks[0] if peaks else None,
+            paced_in_flight_peak=peaks[1] if peaks else None,
             completion_tokens=tokens,
             samples_per_s=self.samples / max(elapsed, 1e-9),
             tokens_per_s=self.tokens / max(elapsed, 1e-9),

@@ -21,7 +21,9 @@ Invariants:
 * ``in_flight`` counts the groups granted to pumps and neither in the queue yet nor given back:
   a pump returns what it did not deliver in a ``finally`` (a lost sampler's grant included).
 * With one sampler and no losses, every group is trained, none dropped (the test of this module
-  runs that). Several samplers can deliver out of grant order, so a few may still expire.
+  runs that), also when it runs several paced streams at once (``--sampler.streams``): its pump
+  queues their groups in grant order (fleet/pool.py). Several samplers can deliver out of grant
+  order, so a few may still expire.
 * While the driver waits for a batch, a pump gets credit: ``version`` is the one the whole group
   holds (the pool tells it after every sync and rebuild, an empty group's included), so the room
   is at least what the next batch lacks, and `grant` gives that much when a whole batch does not
@@ -49,6 +51,8 @@ class Pacer:
         self.version = version  # every sampler in the group holds at least this one
         self.next_step = next_step  # the first step whose batch is not taken yet
         self.in_flight = 0
+        self.streams = 0  # grants not yet ended (`give_back`): the paced streams in flight
+        self._peak_streams = self._peak_in_flight = 0  # since the last `take_peaks`
         self.waited_s = 0.0  # pumps' time waiting for credit, summed (a paced sampler idles)
         self._changed = _Wakeup()
 
@@ -90,6 +94,9 @@ class Pacer:
                         f"step {self.next_step}, {len(self.queue)} queued, {self.in_flight} being made)"
                     )
             self.in_flight += granted
+            self.streams += 1
+            self._peak_streams = max(self._peak_streams, self.streams)
+            self._peak_in_flight = max(self._peak_in_flight, self.in_flight)
             return granted
         finally:
             self.waited_s += loop.time() - start
@@ -100,7 +107,9 @@ class Pacer:
         self._changed.notify_all()
 
     def give_back(self, groups: int) -> None:
-        """Credit a pump will not use (its stream ended early, its sampler was lost)."""
+        """A grant ended: ``groups`` of its credit were not used (its stream ended early, its
+        sampler was lost). Called once per `acquire`, 0 included."""
+        self.streams -= 1
         if groups:
             self.in_flight -= groups
             self._changed.notify_all()
@@ -115,5 +124,15 @@ class Pacer:
         self.version = max(self.version, version)
         self._changed.notify_all()
 
+    def take_peaks(self) -> tuple[int, int]:
+        """The most streams and the most groups in flight at once since the last call (a step's)."""
+        peaks = self._peak_streams, self._peak_in_flight
+        self._peak_streams, self._peak_in_flight = self.streams, self.in_flight
+        return peaks
+
     def stats(self) -> dict[str, float]:
-        return {"paced_in_flight": self.in_flight, "paced_wait_s": round(self.waited_s, 3)}
+        return {
+            "paced_in_flight": self.in_flight,
+            "paced_streams": self.streams,
+            "paced_wait_s": round(self.waited_s, 3),
+        }

@@ -201,10 +201,16 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         # Resolved here, after config.json is written: it keeps 'auto' (0), so a run resumed on
         # another host resolves it for that host's devices.
         prompts, auto = config.sampler.batch_prompts(device, run.groups_per_step), not config.sampler.prompts_per_batch
-        config = dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, prompts_per_batch=prompts))
+        sampler = dataclasses.replace(config.sampler, prompts_per_batch=prompts)
+        streams = sampler.paced_streams(device, run.groups_per_step, run.max_staleness)
+        config = dataclasses.replace(config, sampler=dataclasses.replace(sampler, streams=streams))
+        paced = (
+            f", {streams} paced batches in flight (--sampler.streams)" if streams > 1 and run.mode == "async" else ""
+        )
         log(
             f"samplers: {prompts} prompts x {config.sampler.group_size} completions at once"
             + (" (--sampler.prompts_per_batch auto)" if auto else "")
+            + paced
         )
 
         def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: fleet/sampler_start.py

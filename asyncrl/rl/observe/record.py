@@ -116,6 +116,12 @@ class StepRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Groups in the rollout queue after the step's batch was taken."""
     paced_wait_s: float | None = None
     """Samplers' total wait for pacing credit so far (async mode only)."""
+    paced_streams: int | None = None
+    """Most paced batches in flight at once during the step, all samplers together (async mode
+    only; ``--sampler.streams`` a sampler)."""
+    paced_in_flight_peak: int | None = None
+    """Most groups in flight at once during the step (granted credit, not yet queued; times
+    ``group_size``: the sequences the engines held). Async mode only."""
     completion_tokens: int
     """Completion tokens in the step's batch (after the prompts)."""
     samples_per_s: float

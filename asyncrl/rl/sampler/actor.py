@@ -132,8 +132,10 @@ class SamplerActor(SyncMember):
         self.task = load_task(task)
         self.problems = self.task.splits(data.data_seed, data.n_train, data.n_heldout).train
         self.agent = self.task if isinstance(self.task, Agent) else None
-        # An agent's episodes all run at once, each one user call: a place for every one of a batch.
-        workers = max(16, self.prompts_per_batch * self.group_size) if self.agent is not None else 16
+        # An agent's episodes all run at once, each one user call: a place for every one of the
+        # batches in flight (the driver's paced streams, --sampler.streams).
+        batches = max(1, config.streams)
+        workers = max(16, batches * self.prompts_per_batch * self.group_size) if self.agent is not None else 16
         self.calls = UserCalls(self.task.task_name(), task.score_timeout_s, task.max_failure_rate, workers=workers)
         self.max_context = _positions(model_path)
         self.endpoint: OpenAIServer | None = None  # started on first use: an agent's rollouts, openai_endpoint

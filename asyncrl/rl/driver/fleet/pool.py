@@ -30,6 +30,9 @@ Invariants:
 * Every call to a sampler goes to the incarnation that joined (`Membership.call_all` loses a
   replaced one right before the calls, no await in between), and its verdict falls on that
   incarnation only.
+* In async mode a sampler's pump runs ``--sampler.streams`` paced streams at once, and queues
+  their groups in the order the pacer granted their credit (`_paced_streams`): the pacer's
+  promise that one sampler's groups all train in time holds for any number of streams.
 * Every wait is bounded by one of the run's phase deadlines; a trainer that dies or overruns
   stops the run with a `RunStoppedError` naming the phase, never a hang.
 """
@@ -89,6 +92,7 @@ class SamplerPool:
         events_path: str = "",
         pacer: Pacer | None = None,
         batch_groups: int = 0,
+        streams: int = 1,
         teacher: Teacher | None = None,
         reward_model: RewardModel | None = None,
         uid_prefix: str = "",
@@ -97,9 +101,10 @@ class SamplerPool:
         # Put before every group id: the run segment ("resume1/", ...), since a resumed run's
         # samplers number their groups from incarnation 1, sequence 1 again.
         self.uid_prefix = uid_prefix
-        # Async mode with a pacer: each pump asks it for credit, then streams one batch of
-        # ``batch_groups`` prompts (the sampler's prompts_per_batch); without: one endless stream.
-        self.pacer, self.batch_groups = pacer, batch_groups
+        # Async mode with a pacer: each pump runs ``streams`` paced streams at once, each asking
+        # it for credit, then streaming one batch of ``batch_groups`` prompts (the sampler's
+        # prompts_per_batch), again and again; without: one endless stream.
+        self.pacer, self.batch_groups, self.streams = pacer, batch_groups, max(1, streams)
         self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
         self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, host=host, backend=backend, log=log)
         self.async_mode = run.mode == "async"
@@ -161,7 +166,7 @@ class SamplerPool:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise self._stalled(n, version)
-            get = asyncio.ensure_future(self.queue.get_batch(n, current_version=version, timeout_s=remaining))
+            get = asyncio.ensure_future(self._take_batch(n, version, remaining))
             wake = asyncio.ensure_future(self.membership.changed.wait())
             try:
                 await asyncio.wait({get, wake}, return_when=asyncio.FIRST_COMPLETED)
@@ -175,10 +180,17 @@ class SamplerPool:
                     batch = get.result()
                 except QueueTimeoutError:
                     raise self._stalled(n, version) from None
-                if self.pacer is not None:
-                    self.pacer.batch_taken(version)
-                self.uniform.batch_taken()
                 return batch
+
+    async def _take_batch(self, n: int, version: int, timeout_s: float) -> list[RolloutGroup]:
+        """The batch, and the pacer told in the same step of the loop: told only when `next_batch`
+        resumed, a pump waking on the emptied queue in between counted the room with the step
+        before and was granted groups no step could train (4 of 16 expired, tests/test_recovery_pool.py)."""
+        batch = await self.queue.get_batch(n, current_version=version, timeout_s=timeout_s)
+        if self.pacer is not None:
+            self.pacer.batch_taken(version)
+        self.uniform.batch_taken()
+        return batch
 
     async def generate(self, n: int, version: int) -> None:
         """Sync mode: have the samplers in the group generate ``n`` fresh groups with the current
@@ -319,24 +331,55 @@ class SamplerPool:
 
     async def _pump(self, m: Member, max_groups: int, accepted: list[int] | None = None) -> None:
         """Stream one sampler's groups into the queue (a put waits while the queue is full):
-        ``max_groups`` of them, or with ``max_groups`` 0 until stopped, paced when there is a pacer."""
+        ``max_groups`` of them, or with ``max_groups`` 0 until stopped, paced when there is a pacer
+        (`_paced_streams`)."""
         if self.membership.lose_replaced([m]):
             return
         if max_groups or self.pacer is None:
             await self._stream(m, max_groups, accepted)
-            return
+        else:
+            await self._paced_streams(m)
+
+    async def _paced_streams(self, m: Member) -> None:
+        """``self.streams`` paced streams of ``m`` at once, so its engine holds that many batches
+        (a GPU engine makes more sequences at once at little extra cost a step). Each loops: credit
+        for a batch, the batch's stream, the unused credit back. They queue their groups in grant
+        order (`_turn`), so one sampler's groups all train in time (pacing.py). The first to fail
+        ends the pump with its error, its siblings cancelled (their credit given back)."""
+        turn = [_ended()]  # the latest grant's end: the next grant queues after it
+        streams = [
+            self.membership.spawn(self._paced_stream(m, turn), f"paced stream of {m.name}") for _ in range(self.streams)
+        ]
+        try:
+            done, _ = await asyncio.wait(streams, return_when=asyncio.FIRST_COMPLETED)  # each ends only by an error
+        finally:
+            for stream in streams:
+                stream.cancel()
+            await asyncio.wait(streams)  # their finally blocks give the credit back at once
+        raise next(iter(done)).exception()  # a sibling's own failure is retrieved by `Membership.spawn`
+
+    async def _paced_stream(self, m: Member, turn: list[asyncio.Event]) -> None:
         while True:
             credit = [await self.pacer.acquire(self.batch_groups, self._put_timeout_s(), m.name)]
+            before, turn[0] = turn[0], asyncio.Event()  # no await since the grant: grant order
+            mine = turn[0]
             try:
-                await self._stream(m, credit[0], accepted, credit)
+                await self._stream(m, credit[0], None, credit, before)
             finally:
+                mine.set()
                 self.pacer.give_back(credit[0])  # what the stream did not deliver (it failed, or was cut)
 
     async def _stream(
-        self, m: Member, max_groups: int, accepted: list[int] | None, credit: list[int] | None = None
+        self,
+        m: Member,
+        max_groups: int,
+        accepted: list[int] | None,
+        credit: list[int] | None = None,
+        turn: asyncio.Event | None = None,
     ) -> None:
         """One ``rollouts(max_groups)`` stream into the queue; each group delivered uses one of
-        ``credit`` (the pacer's grant)."""
+        ``credit`` (the pacer's grant), and is queued only once ``turn`` is set (the grant before
+        this one ended)."""
         put_s = self._put_timeout_s()
         async for group in m.handle.with_timeout(self.run.deadlines.generate_timeout_s).rollouts(max_groups):
             incarnation = m.handle.info().incarnation
@@ -351,6 +394,8 @@ class SamplerPool:
                     group = await self.teacher.annotate(group)
                 if self.reward_model is not None:
                     group = await self.reward_model.annotate(group)
+                if turn is not None and not turn.is_set():
+                    await self._turn(m, turn, put_s)
                 if self.uniform.leave_out(group):
                     pass  # no learning signal: the sampler makes another in its place
                 elif await self.queue.put(group, timeout_s=put_s) and accepted is not None:
@@ -359,6 +404,19 @@ class SamplerPool:
                 if credit is not None:
                     credit[0] -= 1
                     self.pacer.delivered()
+
+    async def _turn(self, m: Member, before: asyncio.Event, timeout_s: float) -> None:
+        """Wait for ``m``'s earlier paced stream to end. A group queued ahead of an earlier grant's
+        would push that grant's groups past the steps the pacer counted them in, and they could
+        expire. The earlier stream's own deadlines (a group within generate_timeout_s, a put
+        within ``timeout_s``) end it first; this one is the backstop."""
+        try:
+            async with timeout(timeout_s):
+                await before.wait()
+        except TimeoutError:
+            raise PacingTimeoutError(
+                f"{m.name}: a paced stream waited {timeout_s:g} s for the one begun before it to deliver"
+            ) from None
 
     def _put_timeout_s(self) -> float:
         """The longest a live driver leaves the queue full, or its pumps without credit: a train
@@ -435,6 +493,12 @@ class SamplerPool:
             f"--run.queue_timeout_s {self.run.deadlines.queue_timeout_s:g} s "
             f"({len(self.queue)} queued; {states})"
         )
+
+
+def _ended() -> asyncio.Event:
+    done = asyncio.Event()
+    done.set()
+    return done
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
