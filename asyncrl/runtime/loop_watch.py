@@ -74,7 +74,8 @@ class LoopWatch:
         return self
 
     def close(self) -> None:
-        """Stop watching; the thread ends within ``interval_s``. Idempotent."""
+        """Stop watching: the thread's wait is woken, so it ends at once, after saying that a
+        blocking it reported is over (close is called on the loop, which runs again). Idempotent."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.interval_s + 1.0)
