@@ -22,6 +22,7 @@ TIERS = {
         "device_plan",
         "layering",
         "layout",
+        "loop_watch",
         "loss",
         "pacing",
         "pyhccl_communicator",

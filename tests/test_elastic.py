@@ -1,9 +1,12 @@
 """Elastic samplers (``asyncrl scale``, driver/fleet/scaling.py) in a real run on the CPU: 1 -> 3 -> 1
 samplers while it trains, asked once through the CLI and once through the Python API, with the
 weights of every member checked after every sync; the only sampler SIGKILLed while the new ones
-start (a scale during a crash-restart); a refusal in one line. The pool's side of it
-(a drain while a sync is in flight, a scale during a restart, the device check) is in
-test_scaling_pool.py."""
+start (a scale during a crash-restart); a refusal in one line. With checkpoints every 2 steps (a
+60 s silent stall of the first sync after a scale-up was once reported with them; not seen here):
+every sync bounded, the status socket answering throughout (each query of the test waits 10 s at
+most), and the driver's loop watch (--run.loop_watch_s) naming the call the test blocks it with.
+The pool's side of it (a drain while a sync is in flight, a scale during a restart, the device
+check) is in test_scaling_pool.py."""
 
 from __future__ import annotations
 
@@ -38,6 +41,13 @@ async def until(what: str, check, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
+def hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # a synchronous call on the event loop, as a blocking socket call would be
+
+
+HELD_AT = f"hold_the_loop (tests/test_elastic.py:{hold_the_loop.__code__.co_firstlineno + 1})"
+
+
 def events(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "faults.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -46,8 +56,14 @@ def events(run_dir) -> list[dict]:
 async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
     run_dir = tmp_path / "run"
     steps = 3000  # never reached: the test stops the run once both changes are seen (a step takes ~0.1 s)
-    config = tiny(model_path, run_dir, "--run.steps", str(steps), "--sampler.count", "1", "--run.check_weights", "true")
+    config = tiny(
+        model_path,
+        run_dir,
+        *("--run.steps", str(steps), "--sampler.count", "1", "--run.check_weights", "true", "--run.loop_watch_s", "1"),
+        *("--run.checkpoint_every", "2"),
+    )
     seen: dict[str, object] = {}
+    logs: list[str] = []
 
     def progress() -> dict:
         return query_status(str(run_dir), 10.0).progress
@@ -57,6 +73,7 @@ async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
 
     async def drive() -> None:
         await until("the run trains", lambda: progress().get("phase") == "training" and progress()["step"] >= 2)
+        hold_the_loop(2.0)  # the driver's loop: its watch (--run.loop_watch_s 1) names this call
         refused = await asyncio.to_thread(asyncrl_cli, "scale", str(run_dir), "--samplers", "0")
         seen["refused"] = refused
         up = await asyncio.to_thread(asyncrl_cli, "scale", str(run_dir), "--samplers", "3")
@@ -85,7 +102,7 @@ async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
         )
 
     async with Supervisor() as sup:
-        run = asyncio.ensure_future(train(config, sup, log=lambda line: None))
+        run = asyncio.ensure_future(train(config, sup, log=logs.append))
         driving = asyncio.ensure_future(drive())
         await asyncio.wait({run, driving}, return_when=asyncio.FIRST_COMPLETED)
         assert not run.done(), f"the run ended before the scaling was seen: {run.exception() if run.done() else ''}"
@@ -94,6 +111,13 @@ async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
+
+    blocked = [line for line in logs if "the event loop of the driver is blocked" in line]
+    print("\n".join(line for line in logs if line.startswith("the event loop of the driver")))  # others: worth a look
+    (held,) = [line for line in blocked if line.endswith(HELD_AT)]
+    assert "; in test_scale_one_to_three_to_one_while_training.<locals>.drive (tests/test_elastic.py:" in held, held
+    (ran,) = [line for line in logs if line.startswith("the event loop of the driver ran again") and HELD_AT in line]
+    assert float(ran.split(" after ")[1].split(" s ")[0]) >= 1.5, ran
 
     refused = seen["refused"]
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
@@ -107,6 +131,7 @@ async def test_scale_one_to_three_to_one_while_training(model_path, tmp_path):
     with open(run_dir / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     check_whole(run_dir, len(recs), 4)  # every member's weights == the trainer's after every sync
+    assert max(r["sync_s"] for r in recs) < 20, [(r["step"], r["sync_s"]) for r in recs if r["sync_s"] >= 20]
     sizes = [r["samplers_in_group"] for r in recs]
     assert sizes[0] == 1 and 3 in sizes and sizes[-1] == 1, sizes
     # Scaling down by two was one re-formation of the group (the scale-up overlapped sampler0's

@@ -86,7 +86,14 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         assert await form_group([pusher, sampler], HOST, backend=SYNC_BACKEND, timeout_s=60) > 0
         buckets, _ = await asyncio.gather(pusher.setup(), sampler.setup_receiver(60))
         assert buckets > 1  # a 64 KiB bucket: the tiny model takes several
+        first = time.perf_counter()
         before = await sampler.generate(probe, 1, greedy)
+        # vLLM's sampling ops were compiled while the sampler started (`SamplerActor.on_start`), so
+        # its first generate is as quick as any: compiled at first use (6 s and more here), they
+        # held up the first weight sync a sampler added by a scale-up joined.
+        took = time.perf_counter() - first
+        print(f"the first generate of a started vLLM sampler: {took:.2f} s")
+        assert took < 3.0, f"the first generate of a started vLLM sampler took {took:.1f} s"
 
         groups = [g async for g in sampler.rollouts(2)]
         assert [g.version for g in groups] == [0, 0] and all(len(g.completion_ids) == 3 for g in groups)

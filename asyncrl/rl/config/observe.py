@@ -34,6 +34,10 @@ class ObserveConfig:
     ``stalled`` and /healthz answers 503 until a step ends (rl/observe/stall.py); 0: off."""
     stall_floor_s: float = 120.0
     """The least a step may take before it counts as a stall, however fast the recent steps were."""
+    loop_watch_s: float = 5.0
+    """When the driver's event loop runs nothing for this long (a synchronous call blocks it, and
+    with it every deadline, heartbeat and `asyncrl status`), one line names the call it is stuck in,
+    and one more says when it ran again (runtime/loop_watch.py); 0: off."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -44,6 +48,10 @@ class ObserveConfig:
             raise ValueError(
                 f"stall_factor and stall_floor_s must be finite numbers >= 0 (stall_factor 0: off), "
                 f"not {self.stall_factor!r} and {self.stall_floor_s!r}"
+            )
+        if not 0 <= self.loop_watch_s < float("inf"):
+            raise ValueError(
+                f"loop_watch_s must be a finite number of seconds >= 0 (0: off), not {self.loop_watch_s!r}"
             )
         if not self.metrics_host:
             raise ValueError("metrics_host must be an address to bind to, e.g. 127.0.0.1")

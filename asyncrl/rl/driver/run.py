@@ -41,6 +41,7 @@ from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers, sc
 from asyncrl.rl.observe.endpoint import open_endpoint
 from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.runtime import signals
+from asyncrl.runtime.loop_watch import LoopWatch
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
@@ -116,6 +117,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     status.add_command("scale", lambda args: _scaler_of(driver).request(args))  # asyncrl scale (fleet/scaling.py)
     endpoint = None
     console.__enter__()
+    # A synchronous call on this loop would freeze every deadline and the status socket, silently.
+    watch = LoopWatch("the driver", run.observe.loop_watch_s, log).start() if run.observe.loop_watch_s else None
     try:
         endpoint = open_endpoint(run.observe, sup, lambda: driver, log)  # --run.metrics_port: /metrics, /healthz
         candidates = list_checkpoints(run_dir)
@@ -351,6 +354,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     finally:
         if endpoint is not None:
             endpoint.close()
+        if watch is not None:
+            watch.close()
         console.__exit__()
         status.close()
 

@@ -370,6 +370,24 @@ class SamplerActor(SyncMember):
         except SamplerError as exc:
             raise SamplerError(f"sampler {self.name}: {exc}") from None
 
+    async def on_start(self) -> None:
+        # vLLM compiles its sampling ops (torch.compile: log-prob ranks, random sampling) in the
+        # engine's process on their first use: seconds of a C++ compiler on a CPU host (30 s with
+        # a cold compile cache on the shared 2-core VM), and again, shorter, once a second batch
+        # size makes a dimension dynamic. Done here, before this sampler is up, so no weight sync
+        # it joins waits for it: a sync takes the weights between engine steps, and the whole
+        # group waited out those first steps (6-16 s for the first syncs after a scale-up).
+        if self.backend_name == "vllm":
+            start_phase(
+                "compiling vLLM's sampling ops (two short generates)",
+                budget_s=self.config.engine_start_timeout_s,
+                knob="--sampler.engine_start_timeout_s",
+            )
+            prompt = list(self.fmt.render_ids(as_prompt("warm up")))
+            params = msgspec.structs.replace(self.sampling, max_new_tokens=2)
+            for prompts, n in (([prompt], 3), ([prompt, prompt], 1)):  # batches of 3, then 2 sequences
+                await self.backend.generate(prompts, n, params)
+
     async def on_stop(self) -> None:
         try:  # an engine that receives weights drops its communicator while it still can
             async with timeout(10.0):
