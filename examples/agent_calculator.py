@@ -14,8 +14,8 @@ knows about tokens: the sampler's endpoint records them, and docs/agents.md says
 Without ``--model_path`` the embedded model is warm-started on `CalculatorAgent.demonstration`:
 conversations in OpenAI messages that call the tool for some problems only, as the environment's
 traces do (`calculator.TOOL_RATE`, more often for a product than for a sum), rendered through the
-embedded agent template as the endpoint renders the episodes (``<tool_call>`` JSON, the result in
-``<tool_response>``). The model learns a per-operator chance of calling the tool and answers the
+embedded agent template as the endpoint renders the episodes (its compact call form,
+``<tool_call>calculator expression=47 * 38</tool_call>``, the result in ``<tool_response>``). The model learns a per-operator chance of calling the tool and answers the
 rest itself, mostly wrongly: GRPO, through the endpoint, has both the solve rate and the share of
 episodes that use the tool to raise. (Measured: tool use rises; the solve rate, held back by the
 copies across the call's JSON, did not in 100 steps: docs/agents.md.) A checkpoint's own chat
