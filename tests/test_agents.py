@@ -388,6 +388,63 @@ async def test_tool_calls_round_trip_through_the_template(endpoint):
     assert session.calls[0].prompt_ids == render_chat(endpoint.tokenizer, messages, tools)
 
 
+def test_the_embedded_templates_compact_tool_calls_round_trip():
+    """The embedded agent template writes a one-string-argument call as ``NAME KEY=VALUE`` (any
+    other arguments as ``NAME JSON``), and the endpoint's compact parser gives back the very calls
+    rendered; ill-formed blocks, Hermes's JSON form among them, stay plain text."""
+    from asyncrl.rl.model.tokenizer import AGENT_TAGS, agent_chat_template, build_tokenizer, compact_calls
+
+    tok = build_tokenizer(AGENT_TAGS)
+    tok.chat_template = agent_chat_template()
+    assert compact_calls(tok) and not compact_calls(build_tokenizer())
+    arguments = [
+        ("calculator", {"expression": "47 * 38"}),
+        ("calculator", {"expression": "a = b"}),  # "=" in the value
+        ("calculator", {"expression": ""}),
+        ("add", {"a": 2, "b": 3}),  # not one string: JSON
+        ("say", {"text": " padded "}),  # outer whitespace would be stripped: JSON
+        ("say", {"not a key": "x"}),  # a key that is no identifier: JSON
+        ("ping", {}),
+        ("raw", "not json"),  # arguments that are no JSON object stay a string
+    ]
+    calls = [
+        {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": n, "arguments": a if isinstance(a, str) else json.dumps(a)},
+        }
+        for i, (n, a) in enumerate(arguments)
+    ]
+    question = {"role": "user", "content": "47 * 38 = ?"}
+    for i in range(len(calls) + 1):  # each call alone, then all of them in one message
+        sent = calls[i : i + 1] if i < len(calls) else calls
+        ids = render_chat(
+            tok, [question, {"role": "assistant", "content": "", "tool_calls": sent}], None, generation_prompt=False
+        )
+        prompt = render_chat(tok, [question], None)
+        text = tok.decode(ids[len(prompt) : -1])  # the model's turn without its eos
+        content, parsed = parse_tool_calls(text, compact=True)
+        assert content == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in parsed] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in sent
+        ], text
+    one = render_chat(
+        tok, [question, {"role": "assistant", "content": "", "tool_calls": calls[:1]}], None, generation_prompt=False
+    )
+    assert tok.decode(one).endswith("<tool_call>calculator expression=47 * 38</tool_call><|im_end|>")
+    hermes = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
+    for bad in [
+        "<tool_call>calculator</tool_call>",  # no arguments
+        "<tool_call>calculator 1 + 2</tool_call>",  # no key, no JSON
+        '<tool_call>calculator {"expression": </tool_call>',  # broken JSON
+        "<tool_call>calculator 5</tool_call>",  # JSON, not an object or a string
+        "<tool_call>two words x=1</tool_call>",  # "words x" is no key
+        "<tool_call>calculator expression=1 + 2",  # never closed
+        hermes,
+    ]:
+        assert parse_tool_calls(f"ok {bad}", compact=True) == (f"ok {bad}", []), bad
+    assert parse_tool_calls(hermes)[1][0]["function"]["name"] == "calculator"  # other templates: Hermes's form
+
+
 async def test_requests_without_the_token_or_a_live_session_are_refused(endpoint):
     import aiohttp
 

@@ -4,9 +4,11 @@ text into OpenAI ``tool_calls``.
 
 Rendering is the tokenizer's own chat template (``apply_chat_template``), so ``tool`` messages and
 ``tools`` are written the way the model was trained to read them. Tool calls are read in the
-Hermes / Qwen form those templates teach, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
-the JSON is parsed with ``json.loads`` (never evaluated), and a block that is not a JSON object
-with a string ``name`` stays in the text as ordinary content.
+Hermes / Qwen form those templates teach, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+or for the embedded model's tokenizer the compact form its template writes
+(`asyncrl.rl.model.tokenizer.agent_chat_template`), ``<tool_call>NAME KEY=VALUE</tool_call>`` or
+``<tool_call>NAME {...}</tool_call>``; JSON is parsed with ``json.loads`` (never evaluated), and a
+block that is not a well-formed call stays in the text as ordinary content.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from asyncrl.errors import AsyncrlError
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a function name as OpenAI allows it (and dotted ones)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -98,15 +101,17 @@ def _template_call(index: int, call: Any) -> dict[str, Any]:
     return out
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, *, compact: bool = False) -> tuple[str, list[dict[str, Any]]]:
     """``(content, tool_calls)`` of a model's answer: each well-formed ``<tool_call>`` block
     becomes an OpenAI tool call (its arguments as a JSON string) and leaves the content; the rest
-    of the text, stripped, is the content."""
+    of the text, stripped, is the content. ``compact``: the blocks are in the embedded template's
+    compact form (`asyncrl.rl.model.tokenizer.compact_calls` says which a tokenizer writes)."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
+    read = _compact_call if compact else _tool_call
     for match in _TOOL_CALL.finditer(text):
-        call = _tool_call(match.group(1))
+        call = read(match.group(1))
         if call is None:
             continue  # not a call we understand: it stays in the content as written
         kept.append(text[last : match.start()])
@@ -124,9 +129,30 @@ def _tool_call(body: str) -> dict[str, Any] | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    encoded = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return _call(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
+def _compact_call(body: str) -> dict[str, Any] | None:
+    """``NAME KEY=VALUE`` (one string argument, the value verbatim) or ``NAME ARGUMENTS`` (a JSON
+    object, or a JSON string for arguments that are not an object), as the template writes them."""
+    name, space, rest = body.partition(" ")
+    if not space or not _NAME.fullmatch(name):
+        return None
+    key, equals, value = rest.partition("=")
+    if equals and key.isidentifier():
+        return _call(name, json.dumps({key: value}, ensure_ascii=False))
+    try:
+        arguments = json.loads(rest)
+    except ValueError:
+        return None
+    if isinstance(arguments, dict):
+        return _call(name, json.dumps(arguments, ensure_ascii=False))
+    return _call(name, arguments) if isinstance(arguments, str) else None
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
     return {
         "id": f"call_{secrets.token_hex(12)}",
         "type": "function",
-        "function": {"name": value["name"], "arguments": encoded},
+        "function": {"name": name, "arguments": arguments},
     }

@@ -47,6 +47,7 @@ from asyncrl.rl.agents.session import Session, SessionCall
 from asyncrl.rl.agents.stream import TextStream
 from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, chat_answer, text_answer
 from asyncrl.rl.generation import Completion, SamplingParams
+from asyncrl.rl.model.tokenizer import compact_calls
 from asyncrl.runtime.timeouts import timeout
 
 BACKLOG = 4096
@@ -96,6 +97,7 @@ class OpenAIServer:
         max_body_bytes: int = 8 << 20,
     ):
         self.tokenizer, self.sampling, self.max_context = tokenizer, sampling, max_context
+        self.compact_calls = compact_calls(tokenizer)  # the embedded model's call form, not Hermes's JSON
         self.token = token or secrets.token_urlsafe(24)
         self.host, self.port = host, port
         self.request_timeout_s, self.max_calls, self.max_body_bytes = request_timeout_s, max_calls, max_body_bytes
@@ -212,6 +214,7 @@ class OpenAIServer:
                 completions,
                 len(prompt),
                 tools=bool(body.tools),
+                compact=self.compact_calls,
                 model=body.model,
                 piece=self._piece if body.logprobs else None,
             )

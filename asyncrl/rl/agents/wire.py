@@ -55,15 +55,22 @@ Piece = Callable[[int], str]
 
 
 def chat_answer(
-    completions: list[Completion], prompt_tokens: int, *, tools: bool, model: str = "", piece: Piece | None = None
+    completions: list[Completion],
+    prompt_tokens: int,
+    *,
+    tools: bool,
+    compact: bool = False,
+    model: str = "",
+    piece: Piece | None = None,
 ) -> dict[str, Any]:
     """The ``chat.completion`` object of ``completions`` (one choice each): a completion's text as
     content, or where the request offered ``tools``, the ``<tool_call>`` blocks in it as
-    ``tool_calls`` (finish reason "tool_calls") and the rest as content; with ``piece`` (the
-    request asked ``logprobs``) each token's sampling log-prob and its `Completion.top_logprobs`."""
+    ``tool_calls`` (finish reason "tool_calls"; ``compact``: in the embedded template's form) and
+    the rest as content; with ``piece`` (the request asked ``logprobs``) each token's sampling
+    log-prob and its `Completion.top_logprobs`."""
     choices = []
     for index, completion in enumerate(completions):
-        content, calls = parse_tool_calls(completion.text) if tools else (completion.text, [])
+        content, calls = parse_tool_calls(completion.text, compact=compact) if tools else (completion.text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if calls:
             message["tool_calls"] = calls

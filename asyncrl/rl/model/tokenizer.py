@@ -57,21 +57,40 @@ ones the endpoint reads tool calls by) and the tool-result ones around them, whi
 character would take 54 of every tool turn's tokens."""
 
 
+COMPACT_CALLS = "{#- asyncrl: compact tool calls, v1 -#}"
+"""The comment that marks a chat template writing `agent_chat_template`'s compact call form: it
+travels with the template in a saved checkpoint, so the endpoint reads a GRPO run's saved embedded
+model's calls in that form too. (A change to the form changes the mark.)"""
+
+
 def agent_chat_template() -> str:
     """The chat template of a model warm-started for an agent (`Agent` task): OpenAI messages in the
     compact style, every ``system``, ``developer`` and ``user`` content verbatim; an assistant
-    message's content then each of its tool calls as ``<tool_call>{"name": N, "arguments": A}
-    </tool_call>`` (JSON as ``tojson`` writes it, the form the warm start's demonstrations teach)
-    and eos; a ``tool`` message's content inside ``<tool_response>...</tool_response>``. The
-    generation prompt adds nothing, and ``tools`` are not written: the model knows its tools from
-    its demonstrations only (a model that reads tool descriptions takes ``--model_path``)."""
+    message's content then each of its tool calls in the compact form (`compact_calls`) and eos;
+    a ``tool`` message's content inside ``<tool_response>...</tool_response>``. The generation
+    prompt adds nothing, and ``tools`` are not written: the model knows its tools from its
+    demonstrations only (a model that reads tool descriptions takes ``--model_path``).
+
+    A call is ``<tool_call>NAME KEY=VALUE</tool_call>`` when its arguments are one string (an
+    identifier for a key, a value with no outer whitespace), else
+    ``<tool_call>NAME ARGUMENTS</tool_call>`` with the arguments as JSON. Hermes's
+    ``<tool_call>{"name": NAME, "arguments": {KEY: VALUE}}</tool_call>`` takes 34 more tokens of
+    this tokenizer (one a character) for a one-argument call, on a model of 128 positions: the
+    calculator agent's call for a product is 32 tokens in this form, 64 in Hermes's (docs/agents.md has
+    what that did to learning). The endpoint reads this form back
+    (`asyncrl.rl.agents.chat.parse_tool_calls`) for a template with the `COMPACT_CALLS` mark only."""
     return (
-        "{%- for message in messages -%}"
+        COMPACT_CALLS + "{%- for message in messages -%}"
         "{%- if message['role'] == 'assistant' -%}"
         "{{- message['content'] -}}"
         "{%- for call in message.get('tool_calls') or [] -%}"
-        "{{- '<tool_call>' + ({'name': call['function']['name'], "
-        "'arguments': call['function']['arguments']} | tojson) + '</tool_call>' -}}"
+        "{%- set args = call['function']['arguments'] -%}"
+        "{%- set one = (args.items() | list | first) if args is mapping and args | length == 1 else none -%}"
+        "{%- if one and one[0].isidentifier() and one[1] is string and one[1] == one[1] | trim -%}"
+        "{{- '<tool_call>' + call['function']['name'] + ' ' + one[0] + '=' + one[1] + '</tool_call>' -}}"
+        "{%- else -%}"
+        "{{- '<tool_call>' + call['function']['name'] + ' ' + (args | tojson) + '</tool_call>' -}}"
+        "{%- endif -%}"
         "{%- endfor -%}"
         "{{- eos_token -}}"
         "{%- elif message['role'] == 'tool' -%}"
@@ -81,6 +100,11 @@ def agent_chat_template() -> str:
         "{%- endif -%}"
         "{%- endfor -%}"
     )
+
+
+def compact_calls(tokenizer) -> bool:
+    """The tokenizer's chat template writes tool calls in `agent_chat_template`'s compact form."""
+    return COMPACT_CALLS in (getattr(tokenizer, "chat_template", None) or "")
 
 
 # Qwen2's pre-tokenizer split; with no merges every byte is a token whatever the split, but keeping
