@@ -392,7 +392,8 @@ def test_the_embedded_templates_compact_tool_calls_round_trip():
     """The embedded agent template writes a one-string-argument call as ``NAME KEY=VALUE`` (any
     other arguments as ``NAME JSON``), and the endpoint's compact parser gives back the very calls
     rendered; ill-formed blocks, Hermes's JSON form among them, stay plain text."""
-    from asyncrl.rl.model.tokenizer import AGENT_TAGS, agent_chat_template, build_tokenizer, compact_calls
+    from asyncrl.rl.agents.chat import compact_calls
+    from asyncrl.rl.model.tokenizer import AGENT_TAGS, agent_chat_template, build_tokenizer
 
     tok = build_tokenizer(AGENT_TAGS)
     tok.chat_template = agent_chat_template()

@@ -20,6 +20,18 @@ from typing import Any
 
 from asyncrl.errors import AsyncrlError
 
+COMPACT_CALLS = "{#- asyncrl: compact tool calls, v1 -#}"
+"""The comment that marks a chat template writing the embedded agent template's compact call form
+(`asyncrl.rl.model.tokenizer.agent_chat_template`): it travels with the template in a saved
+checkpoint, so the endpoint reads a GRPO run's saved embedded model's calls in that form too. (A
+change to the form changes the mark.) Defined here, where the form is read back."""
+
+
+def compact_calls(tokenizer: Any) -> bool:
+    """The tokenizer's chat template writes tool calls in the compact form (`COMPACT_CALLS`)."""
+    return COMPACT_CALLS in (getattr(tokenizer, "chat_template", None) or "")
+
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a function name as OpenAI allows it (and dotted ones)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -105,7 +117,7 @@ def parse_tool_calls(text: str, *, compact: bool = False) -> tuple[str, list[dic
     """``(content, tool_calls)`` of a model's answer: each well-formed ``<tool_call>`` block
     becomes an OpenAI tool call (its arguments as a JSON string) and leaves the content; the rest
     of the text, stripped, is the content. ``compact``: the blocks are in the embedded template's
-    compact form (`asyncrl.rl.model.tokenizer.compact_calls` says which a tokenizer writes)."""
+    compact form (`compact_calls` says which a tokenizer writes)."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0

@@ -42,12 +42,11 @@ import msgspec
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.agents.batcher import EndpointClosedError, Generate, Progress, RequestBatcher
-from asyncrl.rl.agents.chat import ChatRequestError, render_chat
+from asyncrl.rl.agents.chat import ChatRequestError, compact_calls, render_chat
 from asyncrl.rl.agents.session import Session, SessionCall
 from asyncrl.rl.agents.stream import TextStream
 from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, chat_answer, text_answer
 from asyncrl.rl.generation import Completion, SamplingParams
-from asyncrl.rl.model.tokenizer import compact_calls
 from asyncrl.runtime.timeouts import timeout
 
 BACKLOG = 4096

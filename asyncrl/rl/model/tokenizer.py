@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from asyncrl.rl.agents.chat import COMPACT_CALLS
+
 PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
 # Whole-token tags: the answer markers are 17 characters of every completion, so as single
 # tokens they shorten sequences by a third. Ordinary (not special) tokens: decode keeps them.
@@ -57,16 +59,10 @@ ones the endpoint reads tool calls by) and the tool-result ones around them, whi
 character would take 54 of every tool turn's tokens."""
 
 
-COMPACT_CALLS = "{#- asyncrl: compact tool calls, v1 -#}"
-"""The comment that marks a chat template writing `agent_chat_template`'s compact call form: it
-travels with the template in a saved checkpoint, so the endpoint reads a GRPO run's saved embedded
-model's calls in that form too. (A change to the form changes the mark.)"""
-
-
 def agent_chat_template() -> str:
     """The chat template of a model warm-started for an agent (`Agent` task): OpenAI messages in the
     compact style, every ``system``, ``developer`` and ``user`` content verbatim; an assistant
-    message's content then each of its tool calls in the compact form (`compact_calls`) and eos;
+    message's content then each of its tool calls in the compact form (`asyncrl.rl.agents.chat.compact_calls`) and eos;
     a ``tool`` message's content inside ``<tool_response>...</tool_response>``. The generation
     prompt adds nothing, and ``tools`` are not written: the model knows its tools from its
     demonstrations only (a model that reads tool descriptions takes ``--model_path``).
@@ -100,11 +96,6 @@ def agent_chat_template() -> str:
         "{%- endif -%}"
         "{%- endfor -%}"
     )
-
-
-def compact_calls(tokenizer) -> bool:
-    """The tokenizer's chat template writes tool calls in `agent_chat_template`'s compact form."""
-    return COMPACT_CALLS in (getattr(tokenizer, "chat_template", None) or "")
 
 
 # Qwen2's pre-tokenizer split; with no merges every byte is a token whatever the split, but keeping
