@@ -584,27 +584,39 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
 def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
     """The trainer's evaluation of an agent: its episodes against an endpoint over the model's own
     ``generate``, greedy (the same question answered twice alike), failures scoring 0 and counted by
-    kind, the metrics of its scores averaged over every episode (a failed one counts 0)."""
+    kind, the metrics of its scores averaged over every episode (a failed one counts 0), and the
+    failed episodes counted by what they raised, a line per kind (messages that differ by a number
+    are one kind): a conversation past the model's positions is the endpoint's 400, as the agent's
+    client raised it."""
+    from asyncrl.rl.agents.chat import render_chat
     from asyncrl.rl.model.evaluation import evaluate
     from asyncrl.rl.tasks.base import Score
 
     async def agent(problem, client):
         texts = []
         for _ in range(2):
+            question = problem if problem != "long" else "a" * 200
             answer = await client.chat.completions.create(
-                model="policy", max_tokens=5, messages=[{"role": "user", "content": problem}]
+                model="policy", max_tokens=5, messages=[{"role": "user", "content": question}]
             )
             texts.append(answer.choices[0].message.content)
-        if problem == "raise":
-            raise ValueError("no")
+        if problem.startswith("raise"):
+            raise ValueError(f"no {problem}\nsecond line")
         return Score(
             1.0, correct=texts[0] == texts[1] and texts[0].isalpha(), metrics={"long": float(problem == "two")}
         )
 
     model, tok, fmt = letters
     task = FunctionAgent.of(agent)()
-    found = evaluate(model, tok, fmt, ["one", "two", "raise"], task=task, greedy=True, max_new_tokens=8)
-    assert (found.solve_rate, found.metrics, found.errors) == (2 / 3, {"long": 1 / 3}, {"raised": 1})
+    problems = ["one", "two", "raise", "raise 2", "long"]
+    found = evaluate(model, tok, fmt, problems, task=task, greedy=True, max_new_tokens=8, max_context=128)
+    assert (found.solve_rate, found.metrics, found.errors) == (2 / 5, {"long": 1 / 5}, {"raised": 3})
+    long = len(render_chat(tok, [{"role": "user", "content": "a" * 200}], None))
+    assert found.failures == {
+        "raised ValueError: no raise": 2,
+        f"raised openai.BadRequestError: Error code: 400 - the prompt has {long} tokens, and the model reads at "
+        "most 128: shorten the conversation": 1,
+    }
 
 
 async def test_the_example_agents_run_against_the_endpoint(endpoint):

@@ -286,6 +286,38 @@ async def test_single_turn_is_one_generate_call_and_failures_score_0_by_kind():
     calls.close()
 
 
+async def test_failures_are_counted_by_what_they_were_a_line_per_kind():
+    """`failure_kinds`: each failed call as its error kind and one line (the raised type and the
+    first line of its message, the deadline, the refused value), counted by kind, whatever numbers
+    the messages hold, with the first one's message; the held-out log shows a line per kind."""
+    from asyncrl.rl.observe.report import heldout_failures_lines
+    from asyncrl.rl.tasks.scoring import failure_kinds
+
+    def refuse(n):
+        if n < 0:
+            raise KeyError(n)
+        raise ValueError(f"the prompt has {n} tokens\nand more")
+
+    async def sleeps():
+        await asyncio.sleep(5)
+
+    calls = UserCalls("kinds", 0.2, 1.0)
+    outcomes = [await calls.call(refuse, n, what="agent") for n in (131, 149, -1)]
+    outcomes += [await calls.call(sleeps, what="agent"), await calls.call(lambda: "x", what="agent", convert=float)]
+    outcomes.append(await calls.call(lambda: 1.0, what="agent", convert=float))
+    calls.close()
+    kinds = failure_kinds(outcomes)
+    assert kinds == {
+        "raised ValueError: the prompt has 131 tokens": 2,
+        "raised KeyError: -1": 1,
+        "timeout agent ran past its 0.2 s deadline": 1,
+        "bad_value agent() returned a bad value: ValueError: could not convert string to float: 'x'": 1,
+    }
+    assert heldout_failures_lines({f"sampled: {k}": v for k, v in list(kinds.items())[:1]}) == [
+        "held-out sampled episodes failed, scored 0: 2 raised ValueError: the prompt has 131 tokens"
+    ]
+
+
 async def test_too_many_failures_stop_the_run_with_the_first_traceback():
     calls = UserCalls("scored", 5.0, max_failure_rate=0.5, min_calls=6)
     await runner(Scored(), calls).run(problems(1.0, "raise"), 2, GREEDY, Script(SCRIPT))

@@ -45,7 +45,14 @@ from asyncrl.rl.observe.metrics import Metrics, truncate_metrics
 from asyncrl.rl.observe.painter import CurvesPainter
 from asyncrl.rl.observe.progress import Progress, make_progress
 from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics, scalars_of
-from asyncrl.rl.observe.report import RunSummary, heldout_extra_text, rates_text, shown_path, summary_text
+from asyncrl.rl.observe.report import (
+    RunSummary,
+    heldout_extra_text,
+    heldout_failures_lines,
+    rates_text,
+    shown_path,
+    summary_text,
+)
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.observe.writers import MetricWriters
@@ -245,7 +252,9 @@ class GRPODriver:
     async def evaluate(self) -> dict[str, float]:
         """The held-out solve rates (``greedy``, ``sampled``); the evaluation's task metrics and
         failed calls go to ``heldout_extra`` (``heldout/task/<name>``, ``heldout/task_errors/<kind>``:
-        the step record's). The task's code failing past its budget stops the run, as in a sampler."""
+        the step record's); an agent's failed episodes are logged, a line per kind with what it
+        raised, so a count of failures says why. The task's code failing past its budget stops the
+        run, as in a sampler."""
         t = self.run.deadlines.eval_timeout_s
         try:
             out = await trainer_phase(
@@ -258,6 +267,8 @@ class GRPODriver:
             if isinstance(exc, TaskFailureError):  # the task's code past its budget (as fleet/pool.py: a sampler's)
                 raise TaskFailedError(f"the held-out evaluation: {exc.remote_message}") from exc
             raise
+        for line in heldout_failures_lines(out.pop("failures", {})):
+            self.log(line)
         self.heldout_extra = {f"heldout/{k}": v for k, v in out.items() if "/" in k}
         return {k: v for k, v in out.items() if "/" not in k}
 

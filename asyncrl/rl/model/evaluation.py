@@ -21,7 +21,7 @@ from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.model.policy import PromptFormat
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task
-from asyncrl.rl.tasks.scoring import UserCalls
+from asyncrl.rl.tasks.scoring import UserCalls, failure_kinds
 
 
 class StoppedError(AsyncrlError):
@@ -43,6 +43,10 @@ class Evaluation(NamedTuple):
     over the episodes (an episode without one counts 0), as the training steps report them."""
     errors: dict[str, int]
     """Failed user calls (score, step) by error kind; {} when none failed."""
+    failures: dict[str, int] = {}
+    """An agent's failed episodes by kind, one line each (`scoring.failure_kinds`: ``raised
+    openai.BadRequestError: Error code: 400 - ...``) -> how many; {} when none failed or the task
+    is not an agent (a failed score or step is counted in ``errors`` alone)."""
 
 
 def evaluate(
@@ -124,7 +128,8 @@ async def _agent_evaluation(
 ) -> Evaluation:
     """An agent's episodes against an endpoint of their own over ``generate`` (sampling ``params``,
     so greedy where asked), as the samplers run them: the share scored correct, the means of the
-    metrics of their `Score`s (a failed episode counts 0) and the failures by kind."""
+    metrics of their `Score`s (a failed episode counts 0) and the failures by kind, and by what
+    they were (`failure_kinds`)."""
     from asyncrl.rl.agents.runner import AgentRunner
     from asyncrl.rl.agents.server import OpenAIServer
 
@@ -152,6 +157,7 @@ async def _agent_evaluation(
         sum(not o.error and bool(o.value.correct) for _, o in episodes) / len(episodes),
         {k: v / len(episodes) for k, v in sorted(sums.items())},
         errors,
+        failure_kinds(o for _, o in episodes),
     )
 
 

@@ -144,6 +144,17 @@ def heldout_extra_text(extra: dict[str, float]) -> str:
     return text
 
 
+def heldout_failures_lines(failures: dict[str, int]) -> list[str]:
+    """A held-out evaluation's failed agent episodes (`HeldoutEvaluation`'s ``failures``), a line
+    per kind with its count: ``held-out sampled episodes failed, scored 0: 3 raised
+    openai.BadRequestError: Error code: 400 - ...`` (the message is the first such episode's)."""
+    lines = []
+    for kind, count in failures.items():
+        mode, _, what = kind.partition(": ")
+        lines.append(f"held-out {mode} episodes failed, scored 0: {count} {what}")
+    return lines
+
+
 def shown_path(path: str) -> str:
     """``path`` relative to the working directory when it is under it (shorter), else absolute."""
     try:

@@ -32,7 +32,7 @@ import sys
 import threading
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from asyncrl.rl.tasks.base import TaskError
@@ -54,6 +54,10 @@ class Outcome(NamedTuple):
     value: Any
     error: str = ""
     detail: str = ""
+    reason: str = ""
+    """One line for a failure's kind (`failure_kinds`): ``Type: first line of its message`` for
+    ``"raised"`` (``module.Type`` outside the builtins), what ran late for ``"timeout"``, what was
+    refused for ``"bad_value"``."""
 
 
 class UserCalls:
@@ -124,7 +128,8 @@ class UserCalls:
         if gate is None:
             gate = self._gates[loop] = asyncio.Semaphore(self.workers)
         if not await self._acquire(gate):
-            outcome = Outcome(None, "timeout", f"{what} found no free worker in time")
+            late = f"{what} found no free worker in time"
+            outcome = Outcome(None, "timeout", late, late)
             self._record(what, outcome)
             return outcome
         if _is_async(fn):
@@ -135,7 +140,8 @@ class UserCalls:
             try:
                 outcome = Outcome(convert(outcome.value))
             except Exception as exc:
-                outcome = Outcome(None, "bad_value", f"{what}() returned a bad value: {type(exc).__name__}: {exc}")
+                detail = f"{what}() returned a bad value: {type(exc).__name__}: {exc}"
+                outcome = Outcome(None, "bad_value", detail, _first_line(detail))
         self._record(what, outcome)
         return outcome
 
@@ -203,12 +209,13 @@ class UserCalls:
             waited.add_done_callback(_retrieve)
             frame = sys._current_frames().get(where[0]) if where else None
             stack = "".join(traceback.format_list(_users(traceback.extract_stack(frame)))) if frame is not None else ""
-            return Outcome(None, "timeout", f"{what} ran past its {self.timeout_s:g} s deadline; it was at:\n{stack}")
+            late = f"{what} ran past its {self.timeout_s:g} s deadline"
+            return Outcome(None, "timeout", f"{late}; it was at:\n{stack}", late)
         if waited.cancelled():  # close() dropped it before a worker took it
             raise TaskFailureError(f"task {self.task_name}: {what} was dropped by close()")
         exc = waited.exception()
         if exc is not None:
-            return Outcome(None, "raised", _format(exc))
+            return _raised(exc)
         value = waited.result()
         if inspect.isawaitable(value):  # a sync function that returned a coroutine: run it here
             return await self._await(value, what, max(self.timeout_s - (loop.time() - start), 1e-3))
@@ -221,7 +228,7 @@ class UserCalls:
             gate.release()
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            return Outcome(None, "raised", _format(exc))
+            return _raised(exc)
         try:
             return await self._await(awaitable, what, self.timeout_s)
         finally:
@@ -239,7 +246,8 @@ class UserCalls:
             frames = "".join(
                 traceback.format_list(_users(traceback.StackSummary.extract((f, f.f_lineno) for f in task.get_stack())))
             )
-            return Outcome(None, "timeout", f"{what} ran past its {timeout_s:g} s deadline; it was at:\n{frames}")
+            late = f"{what} ran past its {timeout_s:g} s deadline"
+            return Outcome(None, "timeout", f"{late}; it was at:\n{frames}", late)
         return task.result()
 
     def _unhang(self, _future: concurrent.futures.Future) -> None:
@@ -276,7 +284,32 @@ async def _guarded(awaitable) -> Outcome:
     except asyncio.CancelledError:
         raise
     except BaseException as exc:
-        return Outcome(None, "raised", _format(exc))
+        return _raised(exc)
+
+
+def failure_kinds(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    """The failed ``outcomes`` counted by kind, one line each: the error kind and the first one's
+    reason (``raised openai.BadRequestError: Error code: 400 - ...``). Failures are of one kind
+    when their error kinds and the heads of their reasons (up to the first ``": "``: the type of
+    what was raised) match, so messages that differ only by a number are one line, not one each."""
+    kinds: dict[tuple[str, str], list] = {}
+    for outcome in outcomes:
+        if outcome.error:
+            kind = kinds.setdefault((outcome.error, outcome.reason.split(": ", 1)[0]), [outcome, 0])
+            kind[1] += 1
+    return {f"{o.error} {o.reason}".rstrip(): count for o, count in kinds.values()}
+
+
+def _raised(exc: BaseException) -> Outcome:
+    kind = type(exc).__qualname__
+    if type(exc).__module__ != "builtins":
+        kind = f"{type(exc).__module__.split('.')[0]}.{kind}"  # openai.BadRequestError, not openai._exceptions.
+    return Outcome(None, "raised", _format(exc), _first_line(f"{kind}: {exc}" if str(exc).strip() else kind))
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().split("\n", 1)[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _format(exc: BaseException) -> str:

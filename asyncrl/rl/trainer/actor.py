@@ -414,11 +414,12 @@ class TrainerActor(RankMember, SyncMember):
     @endpoint
     async def evaluate(
         self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64, deadline_s: float = 0.0
-    ) -> dict[str, float]:
+    ) -> dict[str, float | dict[str, int]]:
         """Solve rate on the task's held-out split (``data.n_heldout`` problems): ``greedy``, and
         ``sampled`` at the training temperature (``samples`` completions per problem; 0 skips it);
         the task's metrics of the greedy episodes as ``task/<name>`` (means over the problems);
-        failed score/step calls of both as ``task_errors/<kind>`` (counts; absent when none).
+        failed score/step calls of both as ``task_errors/<kind>`` (counts; absent when none); an
+        agent's failed episodes by what they were as ``failures`` (`HeldoutEvaluation`).
         The task's calls run under the samplers' deadline and failure budget
         (``--task.score_timeout_s``, ``--task.max_failure_rate``, counted over every evaluation of
         the run): past the budget a `TaskFailureError` naming the first failure ends the call.
@@ -433,7 +434,7 @@ class TrainerActor(RankMember, SyncMember):
             compiled=compiled(self.config, self.device),
         )
 
-        def run() -> dict[str, float]:
+        def run() -> dict[str, float | dict[str, int]]:
             return self.heldout(self.model, self.tokenizer, self.fmt, **options)
 
         return await self._run(

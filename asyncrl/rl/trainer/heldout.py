@@ -36,12 +36,14 @@ class HeldoutEvaluation:
         batch_size: int,
         temperature: float,
         compiled: bool,
-    ) -> dict[str, float]:
+    ) -> dict[str, float | dict[str, int]]:
         """``greedy`` and, with ``samples`` completions per problem at ``temperature``, ``sampled``
         solve rates; the task's metrics of the greedy episodes as ``task/<name>``; failed calls of
-        both as ``task_errors/<kind>``. ``compiled``: the policy's layers are compiled, and run
-        eagerly while generating (a KV cache: ``trainer/compile.py``). The model is left in train
-        mode."""
+        both as ``task_errors/<kind>``; an agent's failed episodes by what they were as
+        ``failures`` (``greedy: raised TYPE: first line`` or ``sampled: ...`` -> how many, one
+        line per kind: `Evaluation.failures`; absent when none failed). ``compiled``: the
+        policy's layers are compiled, and run eagerly while generating (a KV cache:
+        ``trainer/compile.py``). The model is left in train mode."""
         from asyncrl.rl.model.evaluation import evaluate
         from asyncrl.rl.tasks.loading import load_task
         from asyncrl.rl.tasks.scoring import UserCalls
@@ -68,12 +70,15 @@ class HeldoutEvaluation:
                 greedy = evaluate(model, tokenizer, fmt, self._heldout, greedy=True, **common)
                 out = {"greedy": greedy.solve_rate, **{f"task/{k}": v for k, v in greedy.metrics.items()}}
                 errors = dict(greedy.errors)
+                failures = {f"greedy: {k}": v for k, v in greedy.failures.items()}
                 if samples:
                     sampled = evaluate(
                         model, tokenizer, fmt, self._heldout, greedy=False, n=samples, temperature=temperature, **common
                     )
                     out["sampled"] = sampled.solve_rate
                     errors = {k: errors.get(k, 0) + sampled.errors.get(k, 0) for k in {*errors, *sampled.errors}}
-            return out | {f"task_errors/{k}": float(v) for k, v in sorted(errors.items())}
+                    failures |= {f"sampled: {k}": v for k, v in sampled.failures.items()}
+            out |= {f"task_errors/{k}": float(v) for k, v in sorted(errors.items())}
+            return out | ({"failures": failures} if failures else {})
         finally:
             model.train()
