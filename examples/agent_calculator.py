@@ -8,7 +8,9 @@ The agent offers the model a ``calculator`` tool (``tools=[{"type": "function", 
 ``openai`` client), runs each call itself and sends the result back as a ``tool`` message, until
 the model answers ``<answer>N</answer>`` or has made ``max_calls`` calls. Reward 1 for the exact
 answer; the metrics say how often episodes used the tool (``tool_used``) and used it correctly
-(``tool_used_correctly``: a call whose result is the answer), as the environment's do. Nothing here
+(``tool_used_correctly``: a call whose result is the answer), as the environment's do, and how
+often the conversation outgrew the model (``context_exceeded``: the endpoint refused the next call
+with OpenAI's ``context_length_exceeded``; the episode ends unanswered, scored 0). Nothing here
 knows about tokens: the sampler's endpoint records them, and docs/agents.md says what is trained.
 
 Without ``--model_path`` the embedded model is warm-started on `CalculatorAgent.demonstration`:
@@ -32,6 +34,7 @@ import json
 import random
 import sys
 
+import openai
 from calculator import TOOL_RATE, Arithmetic, answer_value, make_problems  # the environment's problems
 
 from asyncrl.rl.launch import grpo_main
@@ -81,10 +84,20 @@ class CalculatorAgent(Agent):
 
     async def run(self, problem: Arithmetic, client) -> Score:
         messages = [_question(problem)]
-        used = used_correctly = 0.0
+        used = used_correctly = overflowed = 0.0
+        content = ""
         for _ in range(self.max_calls):
-            reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            try:
+                reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            except openai.BadRequestError as exc:
+                if exc.code != "context_length_exceeded":
+                    raise
+                # The conversation outgrew the model's positions (a long call, then its result):
+                # the model gave no answer, scored 0 as one; not a failure of this code.
+                overflowed = 1.0
+                break
             message = reply.choices[0].message
+            content = message.content or ""
             if not message.tool_calls:
                 break
             messages.append(message.model_dump(exclude_none=True))
@@ -93,10 +106,9 @@ class CalculatorAgent(Agent):
                 used = 1.0
                 used_correctly = max(used_correctly, float(value == str(problem.answer)))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": value})
-        correct = answer_value(message.content or "") == problem.answer
-        return Score(
-            float(correct), correct=correct, metrics={"tool_used": used, "tool_used_correctly": used_correctly}
-        )
+        correct = answer_value(content) == problem.answer
+        metrics = {"tool_used": used, "tool_used_correctly": used_correctly, "context_exceeded": overflowed}
+        return Score(float(correct), correct=correct, metrics=metrics)
 
     def demonstration(self, problem: Arithmetic) -> list[dict]:
         """A solver's episode: a call for the problems picked to use the tool (the environment's

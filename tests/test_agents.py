@@ -631,9 +631,24 @@ async def test_the_example_agents_run_against_the_endpoint(endpoint):
     calls = UserCalls("examples", timeout_s=60.0, max_failure_rate=0.0)
     [calc_group] = await AgentRunner(calc, endpoint.server, calls).run(calc.problems()[:1], 1)
     [guess_group] = await AgentRunner(guess, endpoint.server, calls).run(guess.data[:1], 1)
+    # a conversation past the model's positions is refused as OpenAI refuses it (400, the code an
+    # agent tests); the calculator agent ends that episode unanswered, scored 0, not as a failure
+    endpoint.server.max_context = 16
+    try:
+        async with endpoint.client() as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        [(_, overflowed)] = await AgentRunner(calc, endpoint.server, calls).episodes(calc.problems()[:1], 1)
+    finally:
+        endpoint.server.max_context = 512
+    assert (refused.value.status_code, refused.value.code) == (400, "context_length_exceeded")
+    assert (overflowed.error, overflowed.value.reward, overflowed.value.metrics["context_exceeded"]) == ("", 0.0, 1.0)
     assert calls.failures == 0
     [sample] = calc_group.samples
-    assert (sample.reward, sample.metrics) == (0.0, {"calls": 1.0, "tool_used": 0.0, "tool_used_correctly": 0.0})
+    assert (sample.reward, sample.metrics) == (
+        0.0,
+        {"calls": 1.0, "tool_used": 0.0, "tool_used_correctly": 0.0, "context_exceeded": 0.0},
+    )
     assert "calculator" in endpoint.tokenizer.decode(calc_group.prompt_ids)  # the tool, as the template lists it
     [sample] = guess_group.samples  # five guesses, one conversation: one sample
     assert (sample.reward, sample.metrics["calls"], sample.metrics["guesses"]) == (0.0, 5.0, 5.0)

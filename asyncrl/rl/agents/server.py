@@ -64,11 +64,12 @@ class EndpointError(AsyncrlError):
 
 
 class _Refused(Exception):
-    """A request answered with an OpenAI-style error body."""
+    """A request answered with an OpenAI-style error body: ``kind`` its ``type``, ``code`` its
+    ``code`` where OpenAI gives one an agent can test (``context_length_exceeded``)."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.code = status, kind, code
 
 
 class OpenAIServer:
@@ -186,7 +187,7 @@ class OpenAIServer:
             try:
                 return await handler(request)
             except _Refused as exc:
-                return _error(exc.status, str(exc), exc.kind)
+                return _error(exc.status, str(exc), exc.kind, exc.code)
 
         return check
 
@@ -382,7 +383,7 @@ class OpenAIServer:
                     400,
                     f"the prompt has {prompt_len} tokens, and the model reads at most "
                     f"{self.max_context}: shorten the conversation",
-                    "context_length_exceeded",
+                    code="context_length_exceeded",  # OpenAI's: what an agent tests (openai's exc.code)
                 )
             room = min(room, self.max_context - prompt_len)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -474,5 +475,5 @@ def _json(value: dict, status: int = 200):
     return web.Response(body=msgspec.json.encode(value), status=status, content_type="application/json")
 
 
-def _error(status: int, message: str, kind: str):
-    return _json({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+def _error(status: int, message: str, kind: str, code: str | None = None):
+    return _json({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
