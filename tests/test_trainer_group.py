@@ -279,6 +279,9 @@ def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_
 
 
 def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
+    """Rank 1 freezes in the backward of step 1: the step ends by its deadline on every rank. The
+    deadline (4 s) is short: a healthy step here takes well under a second, and what is checked
+    is that the deadline ends it, with the usual margin for a loaded machine."""
     from asyncrl.rl.trainer.parallel import FAULT_ENV
 
     async def main():
@@ -286,11 +289,11 @@ def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
             ranks = await spawn_ranks(sup, tiny_path, TrainerConfig(), env={FAULT_ENV: "1:1:hang"})
             start = time.monotonic()
             with pytest.raises(BaseException) as info:
-                await ranks.with_timeout(8).train_step(batch(3))
+                await ranks.with_timeout(4).train_step(batch(3))
             return info.value, time.monotonic() - start
 
     error, took = asyncio.run(main())
-    assert took < 12.0, took
+    assert took < 8.0, took
     assert "StepDeadlineError" in repr(error) or "did not finish" in str(error) or "no reply" in str(error), error
 
 
