@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 import time
 
 import msgspec
@@ -237,12 +238,12 @@ async def test_the_final_policy_of_two_ranks_is_one_hugging_face_directory(ranks
 
 
 @pytest.mark.parametrize("fault", ["raise", "sigkill"])
-def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_path, fault):
+def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_path, fault, capfd):
     """Rank 1 raises in the middle of the backward of step 2 (or is SIGKILLed there): rank 0,
     blocked in a collective, leaves it at once with a typed error; the verdict names rank 1."""
     from asyncrl.errors import ActorDiedError
     from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRankFailedError
-    from asyncrl.rl.trainer.parallel import FAULT_ENV
+    from asyncrl.rl.trainer.parallel import FAULT_ENV, FROZEN
 
     kind = "raise" if fault == "raise" else "hang"
 
@@ -254,7 +255,7 @@ def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_
             await ranks.with_timeout(60).train_step(batch(3))
             step = asyncio.ensure_future(ranks.with_timeout(60).train_step(batch(4)))
             if fault == "sigkill":  # rank 1 is frozen mid-backward: kill it there
-                await asyncio.sleep(3.0)
+                await until_said(capfd, f"[trainer-1]: {FAULT_ENV}: rank 1 {FROZEN}", 60.0)
                 assert not step.done()
                 ranks.handles[1].kill("test: SIGKILL mid-step")
             start = time.monotonic()
@@ -276,6 +277,18 @@ def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_
         assert isinstance(error, ActorDiedError) and "trainer rank 1" in str(error), error
         assert left < 15.0
     assert "RankGroupClosedError" in str(after)
+
+
+async def until_said(capfd, text: str, timeout_s: float) -> None:
+    """Wait until this process's stderr (where the supervisor relays its actors' lines) has shown
+    ``text``: an actor's own word that it got somewhere, not a guess at how long that takes."""
+    deadline = time.monotonic() + timeout_s
+    seen = ""
+    while text not in seen:
+        assert time.monotonic() < deadline, f"no actor said {text!r} within {timeout_s:g} s"
+        await asyncio.sleep(0.02)
+        seen += capfd.readouterr().err
+    sys.stderr.write(seen)  # what was read stays in the test's report
 
 
 def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
