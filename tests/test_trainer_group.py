@@ -9,10 +9,12 @@ import asyncio
 import json
 import os
 import random
+import sys
 import time
 
 import msgspec
 import pytest
+import pytest_asyncio
 import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig, LoRAConfig, TrainerConfig
@@ -72,17 +74,23 @@ async def spawn_ranks(sup, path, config, world_size=2, env=None):
     )
 
 
+# LoRA at two ranks, one group shared by the gradient check and the save-and-sync check below (one
+# start of three trainers, not two): both take the same first step on batch 1. No clipping, so the
+# gradients compared are the step's own; a large lr, so the merged weights visibly move.
+LORA = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, lr=1e-2, lora=LoRAConfig(rank=4))
+
+
 @pytest.mark.parametrize(
     "aggregation,features",
-    [("token_mean", {}), ("seq_mean", {"pack_tokens": 40}), ("token_mean", {"lora": LoRAConfig(rank=4)})],
-    ids=["token_mean", "seq_mean-packed", "lora"],
+    [("token_mean", {}), ("seq_mean", {"pack_tokens": 40})],
+    ids=["token_mean", "seq_mean-packed"],
 )
 def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny_path, aggregation, features):
     # A micro-batch budget that cuts each rank's share differently: the ranks take different
     # numbers of micro-batches, padded to match, and the counts must still be the global ones.
-    # LoRA (the adapters' gradients, the frozen base sharded with them) and packing (several
-    # sequences a row) take the same path at any world size. The plain token_mean case also
-    # distils: the teacher's log-probs split with their rows (docs/algorithms.md).
+    # Packing (several sequences a row) takes the same path at any world size; LoRA: the next
+    # test. The plain token_mean case also distils: the teacher's log-probs split with their rows
+    # (docs/algorithms.md).
     distill = aggregation == "token_mean" and not features
     loss = GRPOLossConfig(aggregation=aggregation, distill_coef=0.5 if distill else 0.0)
     config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=loss, **features)
@@ -104,13 +112,65 @@ def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny
             two = await ranks.with_timeout(120).train_step(data)
             return one, two, await plain.gradients(), await ranks.with_timeout(60).gradients()
 
-    one, two, g1, g2 = asyncio.run(main())
+    assert_same_step(*asyncio.run(main()))
+
+
+def assert_same_step(one: dict, two: dict, g1: dict, g2: dict) -> None:
+    """One rank's step (stats ``one``, gradients ``g1``) and two ranks' on the same batch agree."""
     assert set(g1) == set(g2) and len(g1) > 5
     for name in g1:
         assert torch.allclose(g1[name], g2[name], atol=1e-5, rtol=1e-4), (name, (g1[name] - g2[name]).abs().max())
     assert max(float(g.abs().max()) for g in g1.values()) > 1e-4  # not trivially equal (all zero): 10x atol
     for key in ("loss", "pg_loss", "grad_norm", "tokens", "sequences", "entropy", "ratio_mean"):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def lora_trainers(tiny_path):
+    """A 1-rank and a 2-rank LoRA trainer (`LORA`), each after one step on batch 1: (plain,
+    ranks, plain's step stats, the ranks' step stats)."""
+    async with Supervisor(call_timeout_s=120) as sup:
+        plain, ranks = await asyncio.gather(spawn_plain(sup, tiny_path, LORA), spawn_ranks(sup, tiny_path, LORA))
+        ranks = ranks.with_timeout(120)
+        one, two = await asyncio.gather(plain.train_step(batch(1)), ranks.train_step(batch(1)))
+        yield plain, ranks, one, two
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_two_lora_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(lora_trainers):
+    """LoRA: the adapters' gradients, the frozen base sharded with them, as above."""
+    plain, ranks, one, two = lora_trainers
+    assert_same_step(one, two, await plain.gradients(), await ranks.gradients())
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_two_lora_ranks_save_and_sync_the_merged_policy_one_rank_would(lora_trainers, tiny_path, tmp_path):
+    """LoRA at 2 ranks after a step: the final policy (merged from the gathered shards) equals a
+    1-rank trainer's (peft's own merge) to 1e-5, the adapter is saved beside it, and the merged
+    weights a sync sends (their digest) are the saved ones."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.rl.digest import tensor_digest
+    from asyncrl.rl.trainer.checkpoint import ADAPTER_DIR
+
+    plain, ranks, _, _ = lora_trainers
+    one = await plain.save(str(tmp_path / "one"))
+    two = await ranks.save(str(tmp_path / "two"))
+    digest = await ranks.weights_digest()
+
+    start = dict(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).named_parameters())
+    w1 = dict(AutoModelForCausalLM.from_pretrained(one, dtype=torch.float32).named_parameters())
+    w2 = dict(AutoModelForCausalLM.from_pretrained(two, dtype=torch.float32).named_parameters())
+    assert set(w1) == set(w2) and tensor_digest(w2) == digest
+    moved = [n for n in w1 if not torch.equal(w1[n], start[n])]
+    assert moved and all("_proj.weight" in n for n in moved)  # the adapted projections, merged
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=1e-4, msg=name)
+    a1, a2 = (load_file(os.path.join(d, ADAPTER_DIR, "adapter_model.safetensors")) for d in (one, two))
+    assert set(a1) == set(a2) and a1
+    for name in a1:  # whole adapters, not one rank's shards
+        torch.testing.assert_close(a2[name], a1[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_a_per_rank_mean_would_differ_so_the_equality_above_is_not_trivial():
@@ -130,37 +190,60 @@ def test_a_per_rank_mean_would_differ_so_the_equality_above_is_not_trivial():
     assert abs(lengths[0] - lengths[1]) <= 14 + 9  # balanced to within one sequence
 
 
-def test_two_ranks_send_the_weights_they_hold_a_bucket_at_a_time(tiny_path):
-    """A weight sync from a 2-rank trainer to a sampler (the real `SamplerActor`, HF backend):
-    the sampler's digest equals the trainer's after a step, with buckets far smaller than the
-    model, so every bucket is gathered and sent in turn."""
-    from asyncrl.comm.member import form_group
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def ranks_and_sampler(tiny_path):
+    """A 2-rank trainer (default config) and a sampler (the real `SamplerActor`, HF backend),
+    started together, shared by the sync and final-policy tests (each takes its own step first)."""
     from asyncrl.rl.config.sampler import SamplerConfig
     from asyncrl.rl.sampler.actor import SamplerActor
 
-    async def main():
-        async with Supervisor(call_timeout_s=120) as sup:
-            ranks = await spawn_ranks(sup, tiny_path, TrainerConfig())
-            sampler = await sup.spawn(
-                SamplerActor, tiny_path, SamplerConfig(backend="hf"), name="sampler", env=ONE_THREAD
-            )
-            await ranks.with_timeout(120).train_step(batch(2))
-            await form_group([ranks, sampler], HOST, timeout_s=30)
-            buckets = await asyncio.gather(ranks.setup_sender(30.0, 16 << 10), sampler.setup_receiver(30.0))
-            await asyncio.gather(ranks.send_weights(1), sampler.receive_weights(1))
-            return buckets[0], await ranks.with_timeout(60).weights_digest(), await sampler.weights_digest()
+    async with Supervisor(call_timeout_s=120) as sup:
+        ranks, sampler = await asyncio.gather(
+            spawn_ranks(sup, tiny_path, TrainerConfig()),
+            sup.spawn(SamplerActor, tiny_path, SamplerConfig(backend="hf"), name="sampler", env=ONE_THREAD),
+        )
+        yield ranks, sampler
 
-    buckets, trainer_digest, sampler_digest = asyncio.run(main())
-    assert buckets > 10 and trainer_digest == sampler_digest
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_two_ranks_send_the_weights_they_hold_a_bucket_at_a_time(ranks_and_sampler):
+    """A weight sync from a 2-rank trainer to a sampler: the sampler's digest equals the
+    trainer's after a step, with buckets far smaller than the model, so every bucket is gathered
+    and sent in turn."""
+    from asyncrl.comm.member import form_group
+
+    ranks, sampler = ranks_and_sampler
+    await ranks.with_timeout(120).train_step(batch(2))
+    await form_group([ranks, sampler], HOST, timeout_s=30)
+    buckets = await asyncio.gather(ranks.setup_sender(30.0, 16 << 10), sampler.setup_receiver(30.0))
+    await asyncio.gather(ranks.send_weights(1), sampler.receive_weights(1))
+    trainer_digest = await ranks.with_timeout(60).weights_digest()
+    assert buckets[0] > 10 and trainer_digest == await sampler.weights_digest()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_final_policy_of_two_ranks_is_one_hugging_face_directory(ranks_and_sampler, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.rl.digest import tensor_digest
+
+    t = ranks_and_sampler[0].with_timeout(120)
+    await t.train_step(batch(1))
+    out = await t.save(str(tmp_path / "final"), {"note.json": "{}"})
+    digest = await t.weights_digest()
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and os.path.exists(os.path.join(out, "note.json"))
+    assert tensor_digest(dict(model.named_parameters())) == digest
 
 
 @pytest.mark.parametrize("fault", ["raise", "sigkill"])
-def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_path, fault):
+def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_path, fault, capfd):
     """Rank 1 raises in the middle of the backward of step 2 (or is SIGKILLed there): rank 0,
     blocked in a collective, leaves it at once with a typed error; the verdict names rank 1."""
     from asyncrl.errors import ActorDiedError
     from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRankFailedError
-    from asyncrl.rl.trainer.parallel import FAULT_ENV
+    from asyncrl.rl.trainer.parallel import FAULT_ENV, FROZEN
 
     kind = "raise" if fault == "raise" else "hang"
 
@@ -172,7 +255,7 @@ def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_
             await ranks.with_timeout(60).train_step(batch(3))
             step = asyncio.ensure_future(ranks.with_timeout(60).train_step(batch(4)))
             if fault == "sigkill":  # rank 1 is frozen mid-backward: kill it there
-                await asyncio.sleep(3.0)
+                await until_said(capfd, f"[trainer-1]: {FAULT_ENV}: rank 1 {FROZEN}", 60.0)
                 assert not step.done()
                 ranks.handles[1].kill("test: SIGKILL mid-step")
             start = time.monotonic()
@@ -196,7 +279,22 @@ def test_a_rank_failing_mid_backward_ends_the_step_on_every_rank_naming_it(tiny_
     assert "RankGroupClosedError" in str(after)
 
 
+async def until_said(capfd, text: str, timeout_s: float) -> None:
+    """Wait until this process's stderr (where the supervisor relays its actors' lines) has shown
+    ``text``: an actor's own word that it got somewhere, not a guess at how long that takes."""
+    deadline = time.monotonic() + timeout_s
+    seen = ""
+    while text not in seen:
+        assert time.monotonic() < deadline, f"no actor said {text!r} within {timeout_s:g} s"
+        await asyncio.sleep(0.02)
+        seen += capfd.readouterr().err
+    sys.stderr.write(seen)  # what was read stays in the test's report
+
+
 def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
+    """Rank 1 freezes in the backward of step 1: the step ends by its deadline on every rank. The
+    deadline (4 s) is short: a healthy step here takes well under a second, and what is checked
+    is that the deadline ends it, with the usual margin for a loaded machine."""
     from asyncrl.rl.trainer.parallel import FAULT_ENV
 
     async def main():
@@ -204,11 +302,11 @@ def test_a_frozen_rank_ends_the_step_by_its_deadline(tiny_path):
             ranks = await spawn_ranks(sup, tiny_path, TrainerConfig(), env={FAULT_ENV: "1:1:hang"})
             start = time.monotonic()
             with pytest.raises(BaseException) as info:
-                await ranks.with_timeout(8).train_step(batch(3))
+                await ranks.with_timeout(4).train_step(batch(3))
             return info.value, time.monotonic() - start
 
     error, took = asyncio.run(main())
-    assert took < 12.0, took
+    assert took < 8.0, took
     assert "StepDeadlineError" in repr(error) or "did not finish" in str(error) or "no reply" in str(error), error
 
 
@@ -246,65 +344,6 @@ def test_a_sharded_checkpoint_restores_two_ranks_exactly(tiny_path, tmp_path):
     assert sorted(os.listdir(path)) == ["MANIFEST.json", "dcp", "rng", "run_state.json", "trainer.json", "trainer.pt"]
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
     assert digest_a == digest_b
-
-
-def test_the_final_policy_of_two_ranks_is_one_hugging_face_directory(tiny_path, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    async def main():
-        async with Supervisor(call_timeout_s=120) as sup:
-            ranks = await spawn_ranks(sup, tiny_path, TrainerConfig())
-            t = ranks.with_timeout(120)
-            await t.train_step(batch(1))
-            out = await t.save(str(tmp_path / "final"), {"note.json": "{}"})
-            return out, await t.weights_digest()
-
-    out, digest = asyncio.run(main())
-    from asyncrl.rl.digest import tensor_digest
-
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert type(model).__name__ == "Qwen2ForCausalLM" and os.path.exists(os.path.join(out, "note.json"))
-    assert tensor_digest(dict(model.named_parameters())) == digest
-
-
-def test_two_lora_ranks_save_and_sync_the_merged_policy_one_rank_would(tiny_path, tmp_path):
-    """LoRA at 2 ranks after a step: the final policy (merged from the gathered shards) equals a
-    1-rank trainer's (peft's own merge) to 1e-5, the adapter is saved beside it, and the merged
-    weights a sync sends (their digest) are the saved ones."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from asyncrl.rl.digest import tensor_digest
-    from asyncrl.rl.trainer.checkpoint import ADAPTER_DIR
-
-    config = TrainerConfig(micro_batch_tokens=40, lora=LoRAConfig(rank=4), lr=1e-2)
-
-    async def main():
-        async with Supervisor(call_timeout_s=120) as sup:
-            plain, ranks = await asyncio.gather(
-                spawn_plain(sup, tiny_path, config), spawn_ranks(sup, tiny_path, config)
-            )
-            t = ranks.with_timeout(120)
-            await asyncio.gather(plain.train_step(batch(1)), t.train_step(batch(1)))
-            return (
-                await plain.save(str(tmp_path / "one")),
-                await t.save(str(tmp_path / "two")),
-                await t.weights_digest(),
-            )
-
-    one, two, digest = asyncio.run(main())
-    start = dict(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).named_parameters())
-    w1 = dict(AutoModelForCausalLM.from_pretrained(one, dtype=torch.float32).named_parameters())
-    w2 = dict(AutoModelForCausalLM.from_pretrained(two, dtype=torch.float32).named_parameters())
-    assert set(w1) == set(w2) and tensor_digest(w2) == digest
-    moved = [n for n in w1 if not torch.equal(w1[n], start[n])]
-    assert moved and all("_proj.weight" in n for n in moved)  # the adapted projections, merged
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=1e-4, msg=name)
-    a1, a2 = (load_file(os.path.join(d, ADAPTER_DIR, "adapter_model.safetensors")) for d in (one, two))
-    assert set(a1) == set(a2) and a1
-    for name in a1:  # whole adapters, not one rank's shards
-        torch.testing.assert_close(a2[name], a1[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_rank_and_resume(tmp_path, model_cache):

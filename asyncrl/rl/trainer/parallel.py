@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -35,8 +36,9 @@ T = TypeVar("T")
 FAULT_ENV = "ASYNCRL_TEST_TRAINER_FAULT"
 """Test-only: ``<rank>:<step>:raise`` makes that rank raise in the middle of that train step's
 backward (after its first micro-batch's backward started the reduce-scatters), ``<rank>:<step>:hang``
-makes it stop answering there, so a test can inject a failure mid-collective. Never set it in a
-real run."""
+makes it stop answering there (saying `FROZEN` on its stderr first, so a test knows when it is
+frozen), so a test can inject a failure mid-collective. Never set it in a real run."""
+FROZEN = "frozen mid-backward"
 
 
 class InjectedFault(RuntimeError):
@@ -276,6 +278,7 @@ def _arm_fault(model: torch.nn.Module, rank: int, step: int) -> bool:
 
     def fire(grad: torch.Tensor) -> torch.Tensor:
         if kind == "hang":
+            print(f"{FAULT_ENV}: rank {rank} {FROZEN} (step {step})", file=sys.stderr, flush=True)
             time.sleep(3600.0)  # a frozen rank: the peers' deadline must end the step
         raise InjectedFault(f"injected fault mid-backward (rank {rank}, step {step}; {FAULT_ENV})")
 
