@@ -511,7 +511,12 @@ def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
     import logging
 
     from asyncrl.rl.sampler.vllm.compat import RELOAD_TIMING_LOGGER
-    from asyncrl.rl.sampler.vllm.worker import RELOAD_LOGGER, RELOAD_TIMING, RELOAD_WARNING, _quiet_reload_warnings
+    from asyncrl.rl.sampler.vllm.reload_warnings import (
+        RELOAD_LOGGER,
+        RELOAD_TIMING,
+        RELOAD_WARNING,
+        quiet_reload_warnings,
+    )
 
     class RotaryEmbedding(torch.nn.Module):
         def __init__(self):
@@ -543,13 +548,13 @@ def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
     logger.addHandler(handler)
     timing.addHandler(handler)
     try:
-        _quiet_reload_warnings(Model(), {"embed_tokens.weight"})
+        quiet_reload_warnings(Model(), {"embed_tokens.weight"})
         for layer in ("RotaryEmbedding", "Linear", "Norm", "Embedding"):
             logger.warning(RELOAD_WARNING, layer)
         assert records == ["Norm: Failed to load weights", "Embedding: Failed to load weights"]
 
         records.clear()  # the head itself was sent: it was not tied to anything sent, so it warns
-        _quiet_reload_warnings(Model(), {"lm_head.weight"})
+        quiet_reload_warnings(Model(), {"lm_head.weight"})
         logger.warning(RELOAD_WARNING, "Linear")
         logger.warning(RELOAD_WARNING, "RotaryEmbedding")
         assert records == ["Linear: Failed to load weights"]
