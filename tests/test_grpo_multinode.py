@@ -409,9 +409,10 @@ def test_a_node_joining_an_elastic_run_takes_a_sampler_that_syncs_first_and_drai
         if not wait_until(lambda: predicate() or driver.poll() is not None, RUN_S, 0.2) or driver.poll() is not None:
             pytest.fail(f"{what} not within {RUN_S:g} s (driver exit {driver.poll()}):\n{output()}")
 
-    def trained_from_sampler1() -> bool:
+    def steps_from_sampler1() -> list[int]:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]  # the last may be half written
-        return any(g.startswith("sampler1/") for line in lines for g in json.loads(line)["group_ids"])
+        records = [json.loads(line) for line in lines]
+        return [r["step"] for r in records if any(g.startswith("sampler1/") for g in r["group_ids"])]
 
     started = time.monotonic()
     try:
@@ -428,12 +429,14 @@ def test_a_node_joining_an_elastic_run_takes_a_sampler_that_syncs_first_and_drai
             ASYNCRL_SUP_DRAIN_TIMEOUT_S="120",
         )
         until(lambda: [n.state for n in query_status(str(run_dir), 30.0).nodes] == ["joined", "joined"], "node 1 joins")
+        scaled_at = step_done(run_dir)
         assert scale(str(run_dir), 2, 30.0)["target"] == 2
         until(lambda: progress().get("samplers", {}).get("sampler1") == "in group", "sampler1 in the group")
-        joined_at = step_done(run_dir)
         assert {a.name: a.node for a in query_status(str(run_dir), 30.0).actors}["sampler1"] == 1
-        until(trained_from_sampler1, "a batch with a group of sampler1")  # on a loaded CPU, not at once
-        assert step_done(run_dir) > joined_at
+        until(steps_from_sampler1, "a batch with a group of sampler1")  # on a loaded CPU, not at once
+        # Steps go on while the status is polled: sampler1's first group may already be trained by
+        # the time "in group" is seen, but never in a step that ended before the scale-up.
+        assert steps_from_sampler1()[0] > scaled_at
         agent.send_signal(signal.SIGTERM)
         until(lambda: progress()["samplers"]["sampler1"] == "drained", "sampler1 drained")
         assert agent.wait(60) == 128 + signal.SIGTERM, agent_log(str(log_dir), 1)
