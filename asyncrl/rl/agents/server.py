@@ -3,9 +3,9 @@
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, at the root
 and under a session's path ``/s/<key>/v1/...`` (the ``base_url`` an episode's agent is given).
 A request under a session path is recorded in that `Session` (``session.py``); one at the root is
-served and recorded nowhere. ``stream: true`` is answered as server-sent events: the text as the
-backend generates it (after each decoding step on HF, with each engine output on vLLM), in pieces
-no later token can change (``stream.py``), then the rest of the answer, ``[DONE]``.
+served and recorded nowhere. ``stream: true`` is answered as server-sent events (``sse.py``): the
+text as the backend generates it (after each decoding step on HF, with each engine output on vLLM),
+in pieces no later token can change (``stream.py``), then the rest of the answer, ``[DONE]``.
 
 Safety: it binds 127.0.0.1 unless told otherwise; every request must carry ``Authorization:
 Bearer <token>``, the token the server was made with (401 otherwise); bodies are JSON decoded
@@ -26,16 +26,14 @@ loop or thread to hand requests across, as uvicorn would want) and starts and st
 It ships in the ``agents`` extra (``pip install 'asyncrl[agents]'``), with ``openai`` for agents.
 
 Requests reach the sampler's ``generate`` through a `RequestBatcher` (``batcher.py``); the request
-bodies and the answer are ``wire.py``'s.
+bodies and the answer are ``wire.py``'s; a request refused is answered with ``refusal.py``'s error body.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hmac
 import secrets
-import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -43,8 +41,9 @@ import msgspec
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.agents.batcher import EndpointClosedError, Generate, Progress, RequestBatcher
 from asyncrl.rl.agents.chat import ChatRequestError, compact_calls, render_chat
+from asyncrl.rl.agents.refusal import Refused, decode_body, error_response, json_response
 from asyncrl.rl.agents.session import Session, SessionCall
-from asyncrl.rl.agents.stream import TextStream
+from asyncrl.rl.agents.sse import stream_answer
 from asyncrl.rl.agents.wire import MODEL_NAME, ChatRequest, CompletionRequest, chat_answer, text_answer
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.runtime.timeouts import timeout
@@ -61,15 +60,6 @@ SHUTDOWN_S = 5.0
 
 class EndpointError(AsyncrlError):
     """The endpoint cannot start (aiohttp missing, the address taken); the message says how to fix it."""
-
-
-class _Refused(Exception):
-    """A request answered with an OpenAI-style error body: ``kind`` its ``type``, ``code`` its
-    ``code`` where OpenAI gives one an agent can test (``context_length_exceeded``)."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
 
 
 class OpenAIServer:
@@ -181,31 +171,31 @@ class OpenAIServer:
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {self.token}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                return _error(
+                return error_response(
                     401, "missing or wrong API key: send the run's token as the bearer token", "authentication_error"
                 )
             try:
                 return await handler(request)
-            except _Refused as exc:
-                return _error(exc.status, str(exc), exc.kind, exc.code)
+            except Refused as exc:
+                return error_response(exc.status, str(exc), exc.kind, exc.code)
 
         return check
 
     async def _models(self, request):
         self._session(request)
-        return _json(
+        return json_response(
             {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "asyncrl"}]}
         )
 
     async def _chat(self, request):
         session = self._session(request)
-        body = await _decode(request, ChatRequest)
+        body = await decode_body(request, ChatRequest)
         try:
             prompt = render_chat(self.tokenizer, body.messages, body.tools)
         except ChatRequestError as exc:
-            raise _Refused(400, str(exc)) from None
+            raise Refused(400, str(exc)) from None
         if body.top_logprobs and not body.logprobs:
-            raise _Refused(400, "top_logprobs needs logprobs: true")
+            raise Refused(400, "top_logprobs needs logprobs: true")
         top = (body.top_logprobs or 0) if body.logprobs else 0
         max_tokens = body.max_completion_tokens or body.max_tokens
 
@@ -220,12 +210,15 @@ class OpenAIServer:
             )
 
         if body.stream:
-            return await self._stream(request, session, prompt, body, max_tokens, top, answer, chat=True)
-        return _json(answer(await self._generate(session, prompt, body, max_tokens, top)))
+            generate = functools.partial(self._generate, session, prompt, body, max_tokens, top)
+            return await stream_answer(
+                request, body, self.tokenizer, self.sampling.stop_token_ids, generate, answer, chat=True
+            )
+        return json_response(answer(await self._generate(session, prompt, body, max_tokens, top)))
 
     async def _completions(self, request):
         session = self._session(request)
-        body = await _decode(request, CompletionRequest)
+        body = await decode_body(request, CompletionRequest)
         if isinstance(body.prompt, str):
             prompt = list(self.tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
         else:
@@ -237,124 +230,11 @@ class OpenAIServer:
             )
 
         if body.stream:
-            return await self._stream(
-                request, session, prompt, body, body.max_tokens, body.logprobs or 0, answer, chat=False
+            generate = functools.partial(self._generate, session, prompt, body, body.max_tokens, body.logprobs or 0)
+            return await stream_answer(
+                request, body, self.tokenizer, self.sampling.stop_token_ids, generate, answer, chat=False
             )
-        return _json(answer(await self._generate(session, prompt, body, body.max_tokens, body.logprobs or 0)))
-
-    async def _stream(
-        self,
-        request,
-        session: Session | None,
-        prompt: list[int],
-        body: Any,
-        max_tokens: int | None,
-        top: int,
-        answer: Callable[[list[Completion]], dict],
-        *,
-        chat: bool,
-    ):
-        """Server-sent events: each choice's text as the backend generates it (`TextStream`: only
-        what no later token can change), then per choice the rest of its answer (with tool calls,
-        log-probs) and its finish reason, the usage, ``[DONE]``. The response starts with the first
-        piece of text, so a request refused before any (429, 504, a closed sampler) is answered
-        with its status as without ``stream``; a failure after it is an ``error`` event."""
-        from aiohttp import web
-
-        updates: asyncio.Queue = asyncio.Queue()
-        stop = [body.stop] if isinstance(body.stop, str) else [s for s in body.stop or [] if s]
-        texts = [
-            TextStream(self.tokenizer, self.sampling.stop_token_ids, stop, chat and bool(body.tools))
-            for _ in range(body.n)
-        ]
-        started = [False] * body.n  # a chat choice's first delta names the role
-        head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": body.model or MODEL_NAME,
-        }
-        response: web.StreamResponse | None = None
-
-        async def send(event: dict) -> None:
-            nonlocal response
-            if response is None:
-                response = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                )
-                await response.prepare(request)
-            await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
-
-        def choice(index: int, text: str, extra: dict | None = None, finish: str | None = None) -> dict:
-            if not chat:
-                return head | {
-                    "choices": [
-                        {"index": index, "text": text, "logprobs": None, "finish_reason": finish} | (extra or {})
-                    ]
-                }
-            delta: dict[str, Any] = {"content": text} if text else {}
-            if not started[index]:
-                delta, started[index] = {"role": "assistant"} | delta, True
-            return head | {
-                "choices": [{"index": index, "delta": delta | (extra or {}), "logprobs": None, "finish_reason": finish}]
-            }
-
-        generating = asyncio.ensure_future(
-            self._generate(session, prompt, body, max_tokens, top, lambda c, ids: updates.put_nowait((c, ids)))
-        )
-        waiting: asyncio.Future | None = None
-        try:
-            while not generating.done() or not updates.empty():
-                if updates.empty():
-                    waiting = asyncio.ensure_future(updates.get())
-                    await asyncio.wait({waiting, generating}, return_when=asyncio.FIRST_COMPLETED)
-                    if not waiting.done():
-                        continue
-                    index, ids = waiting.result()
-                else:
-                    index, ids = updates.get_nowait()
-                piece = texts[index].update(ids)
-                if piece:
-                    await send(choice(index, piece))
-            try:
-                whole = answer(generating.result())
-            except _Refused as exc:
-                if response is None:
-                    raise
-                await send({"error": {"message": str(exc), "type": exc.kind, "param": None, "code": exc.status}})
-                return response
-        finally:  # done, or the client went away: its generation is not wanted any more
-            generating.cancel()
-            if waiting is not None:
-                waiting.cancel()
-        for index, final in enumerate(whole["choices"]):
-            if chat:
-                message = final["message"]
-                rest = texts[index].finish(message["content"] or "")
-                extra: dict[str, Any] = {}
-                if message.get("tool_calls"):
-                    extra["tool_calls"] = [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]
-            else:
-                rest, extra = texts[index].finish(final["text"]), {}
-            if rest is None:  # cannot happen unless a backend decodes a prefix unlike the whole
-                await send(
-                    {
-                        "error": {
-                            "message": "the streamed text does not begin the answer's",
-                            "type": "server_error",
-                            "param": None,
-                            "code": 500,
-                        }
-                    }
-                )
-                return response
-            event = choice(index, rest, extra)
-            event["choices"][0]["logprobs"] = final.get("logprobs")
-            await send(event)
-            await send(choice(index, "", finish=final["finish_reason"]))
-        await send(head | {"choices": [], "usage": whole["usage"]})
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        return json_response(answer(await self._generate(session, prompt, body, body.max_tokens, body.logprobs or 0)))
 
     # --- generation -------------------------------------------------------------------------------
 
@@ -364,22 +244,22 @@ class OpenAIServer:
             return None
         session = self.sessions.get(key)
         if session is None:
-            raise _Refused(404, "no such session, or its episode has ended", "not_found_error")
+            raise Refused(404, "no such session, or its episode has ended", "not_found_error")
         return session
 
     def _params(
         self, session: Session | None, body: Any, max_tokens: int | None, prompt_len: int, top_logprobs: int
     ) -> SamplingParams:
         if not 1 <= body.n <= MAX_CHOICES:
-            raise _Refused(400, f"n must be in [1, {MAX_CHOICES}], not {body.n}")
+            raise Refused(400, f"n must be in [1, {MAX_CHOICES}], not {body.n}")
         room = self.sampling.max_new_tokens
         if max_tokens is not None:
             if max_tokens < 1:
-                raise _Refused(400, f"max_tokens must be >= 1, not {max_tokens}")
+                raise Refused(400, f"max_tokens must be >= 1, not {max_tokens}")
             room = min(room, max_tokens)
         if self.max_context:
             if prompt_len >= self.max_context:
-                raise _Refused(
+                raise Refused(
                     400,
                     f"the prompt has {prompt_len} tokens, and the model reads at most "
                     f"{self.max_context}: shorten the conversation",
@@ -402,7 +282,7 @@ class OpenAIServer:
                 top_logprobs=top_logprobs,
             )
         except ValueError as exc:
-            raise _Refused(400, str(exc)) from None
+            raise Refused(400, str(exc)) from None
 
     async def _generate(
         self,
@@ -417,15 +297,15 @@ class OpenAIServer:
         (so each is a sample of its own: none extends another); ``progress(choice, ids)`` is told
         their tokens as they come."""
         if not prompt:
-            raise _Refused(400, "the prompt is empty")
+            raise Refused(400, "the prompt is empty")
         vocab = len(self.tokenizer)
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise _Refused(400, f"prompt token ids must be in [0, {vocab})")
+            raise Refused(400, f"prompt token ids must be in [0, {vocab})")
         params = self._params(session, body, max_tokens, len(prompt), top_logprobs)
         n = body.n
         if session is not None:
             if len(session.calls) + session.in_flight + n > session.max_calls:
-                raise _Refused(
+                raise Refused(
                     429,
                     f"this session may make {session.max_calls} model calls (n counts each), and "
                     f"{len(session.calls) + session.in_flight} are made or under way",
@@ -436,13 +316,13 @@ class OpenAIServer:
             async with timeout(self.request_timeout_s):
                 version, completions = await self._batcher.submit(prompt, params, n, progress)
         except TimeoutError:
-            raise _Refused(
+            raise Refused(
                 504, f"the sampler generated nothing for this request within {self.request_timeout_s:g} s", "timeout"
             ) from None
         except EndpointClosedError as exc:
-            raise _Refused(503, str(exc), "server_error") from None
+            raise Refused(503, str(exc), "server_error") from None
         except Exception as exc:  # the backend closed or failed: the agent sees it as a server error
-            raise _Refused(
+            raise Refused(
                 503, f"the sampler cannot generate now: {type(exc).__name__}: {exc}", "server_error"
             ) from None
         finally:
@@ -459,21 +339,3 @@ class OpenAIServer:
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-async def _decode(request, kind: type) -> Any:
-    raw = await request.read()  # aiohttp answers 413 itself past client_max_size
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise _Refused(400, f"bad request body: {exc}") from None
-
-
-def _json(value: dict, status: int = 200):
-    from aiohttp import web
-
-    return web.Response(body=msgspec.json.encode(value), status=status, content_type="application/json")
-
-
-def _error(status: int, message: str, kind: str, code: str | None = None):
-    return _json({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
