@@ -28,7 +28,7 @@ _HOMES = {
     "StoreGroup": "rendezvous",
     "join_all": "rendezvous",
     "reserve_listener": "rendezvous",
-    "SyncStats": "weights",
+    "SyncStats": "sync_stats",
     "WeightReceiver": "weights",
     "WeightSender": "weights",
 }

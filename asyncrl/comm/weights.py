@@ -15,7 +15,9 @@ One sync, on every member, in the same order on the communicator:
 
 Extra memory on either side is the two staging buffers (at most two buckets), whatever the model
 size. A receiver whose consumer wants whole tensors (not in-place copies) also needs one
-temporary per tensor that is larger than a bucket, while it is assembled.
+temporary per tensor that is larger than a bucket, while it is assembled (``delivery.py``: what
+a receiver hands a consumer). What each member measured of a sync is a `SyncStats`
+(``sync_stats.py``).
 """
 
 from __future__ import annotations
@@ -28,55 +30,18 @@ import msgspec
 import torch
 
 from asyncrl.comm.communicator import Communicator
+from asyncrl.comm.delivery import BatchConsumer, ConsumerGuard, Destination, deliver_bucket
 from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
 from asyncrl.comm.layout import WeightLayout, default_bucket_bytes, sender_layout
 from asyncrl.comm.phase_clock import COPY, TRANSFER
 from asyncrl.comm.rendezvous import StoreGroup
 from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
+from asyncrl.comm.sync_stats import SyncStats
 
-Consumer = Callable[[str, torch.Tensor], None]
-BatchConsumer = Callable[[list[tuple[str, torch.Tensor]]], object]
-"""Takes the whole tensors a bucket completed, at once (e.g. a vLLM model's ``load_weights``, whose
-every call walks the model's parameters: once a bucket, not once a tensor)."""
-Destination = Mapping[str, torch.Tensor] | Consumer
 BucketSource = Callable[[int], list[torch.Tensor]]
 """A sender's tensors produced a bucket at a time: called with bucket ``k`` (in order, once per
 sync), it returns the parts of bucket k's segments, in order, each shaped as its staging view
 (a sharded model gathers each bucket's parameters here: never the whole model at once)."""
-
-
-class SyncStats(msgspec.Struct, frozen=True):
-    """One member's side of one sync. ``seconds``: the whole of it, from the first vote to the
-    commit. Its phases (seconds; fields appended at the end, with defaults, so an older peer's
-    stats still decode):
-
-    * ``vote_s``: the first vote, which ends only when every member has arrived (a sender's
-      includes the receivers' wait for a moment free of generation);
-    * ``move_s``: the host's time between the votes (on GPU mostly enqueuing: see below);
-    * ``commit_s``: the commit vote, which waits for what is still on the wire and for every
-      receiver to apply its last bucket;
-    * ``copy_s``: in the staging copies: packing and casting to the wire's dtype on a sender,
-      unpacking on a receiver, a consumer's load (vLLM ``load_weights``) included;
-    * ``transfer_s``: on the wire.
-
-    ``vote_s + move_s + commit_s`` is ``seconds`` up to a few checks. ``copy_s`` and ``transfer_s``
-    are measured where the work runs (`PhaseClock`): host time on CPU, each within ``move_s`` and
-    the tail of ``commit_s`` and together at most ``seconds``; CUDA events on GPU, where the two
-    overlap (double buffering), so their sum may exceed ``seconds`` while each stays below it."""
-
-    version: int
-    bytes: int
-    buckets: int
-    seconds: float
-    vote_s: float = 0.0
-    move_s: float = 0.0
-    commit_s: float = 0.0
-    copy_s: float = 0.0
-    transfer_s: float = 0.0
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9) / (1 << 30)
 
 
 class _SetupResult(msgspec.Struct, array_like=True, frozen=True):
@@ -329,7 +294,7 @@ class WeightReceiver(_WeightSync):
 
     def _move(self, into: Destination | BatchConsumer, batched: bool) -> str:
         layout = self.layout
-        consumer = None if isinstance(into, Mapping) else _ConsumerGuard(into, batched)
+        consumer = None if isinstance(into, Mapping) else ConsumerGuard(into, batched)
         plan = self._plan_for(into, staging_is_dst=False) if consumer is None else None
         if consumer is not None:
             for spec in layout.tensors:  # empty tensors carry no bytes but are still delivered
@@ -347,11 +312,11 @@ class WeightReceiver(_WeightSync):
                 if plan is not None:
                     plan[k].run()
                 else:
-                    self._deliver(consumer, k, partial)
+                    deliver_bucket(consumer, layout, k, self.staging.views[k], partial)
                     consumer.flush()  # while bucket k's views are valid: k+2 reuses its buffer
         return consumer.failure if consumer is not None else ""
 
-    def _move_direct(self, into: Destination, consumer: _ConsumerGuard | None) -> None:
+    def _move_direct(self, into: Destination, consumer: ConsumerGuard | None) -> None:
         """Tensors sent whole: received in place, or into temporaries handed to the consumer."""
         received = []
         for i in self.layout.direct:
@@ -379,49 +344,6 @@ class WeightReceiver(_WeightSync):
                         consumer(name, whole)
                 if consumer is not None:
                     consumer.flush()
-
-    def _deliver(self, consumer: _ConsumerGuard, k: int, partial: dict[int, torch.Tensor]) -> None:
-        for seg, view in zip(self.layout.buckets[k], self.staging.views[k]):
-            spec = self.layout.tensors[seg.tensor]
-            if seg.length == spec.nbytes:
-                consumer(spec.name, view)
-                continue
-            whole = partial.get(seg.tensor)
-            if whole is None:
-                whole = partial[seg.tensor] = torch.empty(spec.shape, dtype=spec.torch_dtype, device=view.device)
-            tensor_part(whole, seg, spec).copy_(view)
-            if seg.start + seg.length == spec.nbytes:
-                consumer(spec.name, partial.pop(seg.tensor))
-
-
-class _ConsumerGuard:
-    """Calls the consumer until it first raises, then only records why: the receiver must go on
-    taking every bucket off the wire so the sync can fail on every member instead of hanging.
-    ``batched``: tensors are held until `flush`, which hands them over as one list."""
-
-    def __init__(self, consumer: Consumer | BatchConsumer, batched: bool = False):
-        self.consumer, self.batched = consumer, batched
-        self.pending: list[tuple[str, torch.Tensor]] = []
-        self.failure = ""
-
-    def __call__(self, name: str, tensor: torch.Tensor) -> None:
-        if self.batched:
-            self.pending.append((name, tensor))
-            return
-        self._call(name, lambda: self.consumer(name, tensor))
-
-    def flush(self) -> None:
-        if self.pending:
-            items, self.pending = self.pending, []
-            self._call(f"{items[0][0]} .. {items[-1][0]} ({len(items)} tensors)", lambda: self.consumer(items))
-
-    def _call(self, what: str, call: Callable[[], object]) -> None:
-        if self.failure:
-            return
-        try:
-            call()
-        except Exception as exc:
-            self.failure = f"consumer raised on {what}: {type(exc).__name__}: {exc}"
 
 
 def _mismatch(
