@@ -15,8 +15,10 @@ token ids the sessions recorded. `openai_endpoint` serves the same endpoint to a
 
 It generates with a `SamplerBackend` (``backend.py``) that `make_backend` (``factory.py``) picks
 and builds: `HFBackend` (``hf.py``) or `VLLMBackend` (``vllm/backend.py``). The trainer's weights
-reach the backend through its `WeightSink`: the actor's weight-sync endpoints forward to it
-without asking where the weights live (this process, or vLLM's engine process).
+reach the backend through its `WeightSink`: the actor's weight-sync endpoints
+(`WeightReceiving`, ``weight_receiving.py``) forward to it without asking where the weights live
+(this process, or vLLM's engine process). A problem's samples go out as one `RolloutGroup`
+(``groups.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from collections.abc import AsyncIterator
 import msgspec
 import torch
 
-from asyncrl.comm.member import SyncMember
 from asyncrl.rl.agents.runner import AgentRunner
 from asyncrl.rl.agents.server import OpenAIServer
 from asyncrl.rl.checkpoint import SamplerDataState
@@ -38,19 +39,14 @@ from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.sampler.backend import (
-    Completion,
-    Progress,
-    SamplerError,
-    SamplerSyncStats,
-    SamplerTimeoutError,
-    SamplingParams,
-)
+from asyncrl.rl.sampler.backend import Completion, Progress, SamplingParams
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
+from asyncrl.rl.sampler.groups import rollout_group
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
+from asyncrl.rl.sampler.weight_receiving import WeightReceiving
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import as_prompt
-from asyncrl.rl.tasks.episodes import EpisodeRunner, Sample
+from asyncrl.rl.tasks.episodes import EpisodeRunner
 from asyncrl.rl.tasks.loading import TaskSpec, load_task
 from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.runtime.actor import endpoint
@@ -58,7 +54,7 @@ from asyncrl.runtime.startup import start_phase
 from asyncrl.runtime.timeouts import timeout
 
 
-class SamplerActor(SyncMember):
+class SamplerActor(WeightReceiving):
     """Generates a task's rollouts continuously and takes weights from the trainer (rank 0).
 
     ``config`` is the run's sampler section whole: group size, prompts per batch, sampling
@@ -205,7 +201,7 @@ class SamplerActor(SyncMember):
             self.calls.check()  # too many failed score/step calls: TaskFailureError ends the stream
             finished = time.time()
             for index, prompt, samples in zip(indices, prompts, groups):
-                yield self._group(index, prompt, samples, min(versions), spent[0], finished)
+                yield rollout_group(self.name, index, prompt, samples, min(versions), spent[0], finished)
                 self._stats["groups"] += 1
                 produced += 1
 
@@ -227,89 +223,6 @@ class SamplerActor(SyncMember):
             return await self.backend.generate(prompts, n, params or self.sampling)
         finally:
             self._generating -= 1
-
-    # SyncMember's endpoints and the receiver's, forwarded to the backend's weight sink: for vLLM
-    # `form_group` then puts the engine's process in the group, and this one holds no communicator.
-
-    @endpoint
-    async def sync_join(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        generation: int = 0,
-        backend: str = "auto",
-        timeout_s: float = 60.0,
-        name: str = "weights",
-    ) -> str:
-        """Join the trainer's weight-sync group (where the backend receives: here, or its engine)."""
-        return await self.sink.join(
-            host, port, rank, world_size, generation=generation, backend=backend, timeout_s=timeout_s, name=name
-        )
-
-    @endpoint
-    async def sync_leave(self) -> None:
-        """Leave the weight-sync group. Idempotent."""
-        await self.sink.leave()
-        await super().sync_leave()  # what this process holds itself (a reserved listener)
-
-    @endpoint
-    async def sync_created(self) -> dict[str, int]:
-        """Communicators created for weight sync, per backend (in the process that receives)."""
-        return await self.sink.created()
-
-    @endpoint
-    async def setup_receiver(self, timeout_s: float = 60.0) -> int:
-        """After `form_group`: agree on the weight layout with the trainer. Returns the bucket count."""
-        try:
-            return await self.sink.setup(timeout_s)
-        except SamplerError as exc:
-            raise SamplerError(f"sampler {self.name}: {exc}") from None
-
-    @endpoint
-    async def receive_weights(self, version: int) -> SamplerSyncStats:
-        """Take ``version`` in place: after the batch in flight (``weight_update="pause"``) or
-        between two of its decoding steps ("in_flight"); no new batch starts until it is done.
-        Returns where its time went (`SamplerSyncStats`). If the transfer fails the weights may be
-        half-written: rollouts then wait for the next successful sync instead of sampling from
-        them, and a batch that was in flight is discarded."""
-        if not self.sink.ready:
-            raise SamplerError(f"sampler {self.name}: receive_weights before setup_receiver")
-        # One deadline for the wait to load and the transfer (the sink keeps it), as on the
-        # trainer, whose side of the sync starts at once: the driver waits for our answer only a
-        # grace beyond it, so a transfer that got a whole sync_timeout_s of its own after a long
-        # pause would answer (a peer's failure, as a collective error) after the driver had
-        # judged us frozen.
-        deadline = time.monotonic() + self.sync_timeout_s
-        async with self._sync_lock:
-            start = time.perf_counter()
-            self._ready.clear()  # no rollout batch may start from here on
-            if self._generating and not self.in_flight:
-                self._stats["syncs_waited_for_generate"] += 1
-            try:
-                phases = await self.sink.receive(
-                    version, in_flight=self.in_flight, timeout_s=max(deadline - time.monotonic(), 1e-3)
-                )
-            except SamplerTimeoutError:  # the weights were not touched: sampling may go on
-                self._ready.set()
-                self._stats["failed_syncs"] += 1
-                raise SamplerTimeoutError(
-                    f"sampler {self.name}: no moment free of generation came within {self.sync_timeout_s:g} s "
-                    f"({'a decoding step did not end' if self.in_flight else 'the batch in flight did not finish'}), "
-                    "so the weights could not be taken"
-                ) from None
-            except BaseException:
-                self._stats["failed_syncs"] += 1
-                self._failures += 1
-                raise
-            self.version = version
-            self._ready.set()
-            seconds = time.perf_counter() - start
-            self._stats["pause_s"] += phases.pause_s
-            self._stats["weight_sync_s"] += seconds
-            self._stats["syncs"] += 1
-            return msgspec.structs.replace(phases, seconds=seconds)
 
     @endpoint
     async def stats(self) -> dict:
@@ -361,14 +274,6 @@ class SamplerActor(SyncMember):
             generator.set_state(torch.frombuffer(bytearray(state.generator), dtype=torch.uint8))
         elif generator is not None and state.generator_seed >= 0:
             generator.manual_seed(state.generator_seed)
-
-    @endpoint
-    async def weights_digest(self) -> str:
-        """SHA-256 of the weights this sampler generates with (`asyncrl.rl.digest.tensor_digest`)."""
-        try:
-            return await self.sink.digest()
-        except SamplerError as exc:
-            raise SamplerError(f"sampler {self.name}: {exc}") from None
 
     async def on_start(self) -> None:
         # vLLM compiles its sampling ops (torch.compile: log-prob ranks, random sampling) in the
@@ -450,33 +355,7 @@ class SamplerActor(SyncMember):
         seconds, finished = time.perf_counter() - start, time.time()
         for index, group in zip(indices, groups):
             if group is not None:  # no episode of it called the model: nothing to train on
-                yield self._group(index, group.prompt_ids, group.samples, group.version, seconds, finished)
-
-    def _group(
-        self, index: int, prompt: list[int], samples: list[Sample], version: int, seconds: float, finished: float
-    ) -> RolloutGroup:
-        """The wire form of one problem's samples; ``metrics`` sums what the driver averages."""
-        metrics: dict[str, float] = {}
-        for s in samples:
-            for key, value in s.metrics.items():
-                metrics[f"task/{key}"] = metrics.get(f"task/{key}", 0.0) + value
-            if s.error:
-                metrics[f"task_errors/{s.error}"] = metrics.get(f"task_errors/{s.error}", 0.0) + 1
-        masked = any(s.action_mask for s in samples)
-        return RolloutGroup(
-            prompt_id=index,
-            prompt_ids=prompt,
-            completion_ids=[s.token_ids for s in samples],
-            behaviour_logprobs=[s.logprobs for s in samples],
-            rewards=[s.reward for s in samples],
-            version=version,
-            sampler=self.name,
-            generate_s=seconds,
-            finished_at=finished,
-            action_mask=[s.action_mask or [1] * len(s.token_ids) for s in samples] if masked else [],
-            correct=[s.correct for s in samples],
-            metrics=metrics,
-        )
+                yield rollout_group(self.name, index, group.prompt_ids, group.samples, group.version, seconds, finished)
 
     async def _generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
@@ -505,20 +384,6 @@ class SamplerActor(SyncMember):
             self._stats["completions"] += sum(len(g) for g in groups)
             self._stats["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
             return version, groups, seconds
-
-    async def _wait_ready(self) -> None:
-        loop = asyncio.get_running_loop()
-        bound = 2 * self.sync_timeout_s + 5  # a sync and most of the next, each within sync_timeout_s
-        deadline = loop.time() + bound
-        while not self._ready.is_set():  # re-checked after waking: another sync may have begun
-            try:
-                async with timeout(max(deadline - loop.time(), 0.0)):  # not wait_for: see pause
-                    await self._ready.wait()
-            except TimeoutError:
-                raise SamplerTimeoutError(
-                    f"sampler {self.name}: no successful weight sync within {bound:g} s (the last one failed "
-                    "or is still under way); not sampling from weights that may be half-written"
-                ) from None
 
 
 def _positions(model_path: str) -> int:

@@ -11,27 +11,25 @@ token budget, padded tokens counted (``trainer/batching.py``; several sequences 
 is normalised by the whole batch's count, so the accumulated gradient equals that of the full
 batch whatever the cut. Checkpoints (and the saved policy) are written by ``trainer/checkpoint.py``; the
 held-out evaluation is ``trainer/heldout.py``'s, and an out-of-memory error is worded by
-``trainer/out_of_memory.py``.
+``trainer/out_of_memory.py``. The weight-sync endpoints are `WeightSending`'s
+(``trainer/weight_sending.py``), the checkpoint and save endpoints `CheckpointEndpoints`'
+(``trainer/checkpoint_endpoints.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
-import os
 import time
 
 import torch
 
-from asyncrl.comm.layout import DTYPES
-from asyncrl.comm.member import SyncMember
-from asyncrl.comm.weights import SyncStats, WeightSender
+from asyncrl.comm.weights import WeightSender
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
+from asyncrl.rl.trainer.checkpoint_endpoints import CheckpointEndpoints
 from asyncrl.rl.trainer.compile import compile_layers, compiled
 from asyncrl.rl.trainer.heldout import HeldoutEvaluation
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
@@ -42,6 +40,7 @@ from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.rl.trainer.scoring import scored_logprobs
 from asyncrl.rl.trainer.split import batch_counts
+from asyncrl.rl.trainer.weight_sending import WeightSending
 from asyncrl.runtime.actor import endpoint
 from asyncrl.runtime.startup import start_phase
 
@@ -49,7 +48,7 @@ DEADLINE_S = 900.0
 """A call's deadline on a rank group when the driver names none (the default train step deadline)."""
 
 
-class TrainerActor(RankMember, SyncMember):
+class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
     """Holds the policy and its optimiser; rank 0 of the weight-sync group. ``task`` and ``data``
     give the held-out problems `evaluate` solves (the task is built here, from its spec)."""
 
@@ -158,80 +157,6 @@ class TrainerActor(RankMember, SyncMember):
             weight_decay=self.config.weight_decay,
             fused=self.device.type == "cuda" or None,
         )
-
-    def weight_tensors(self) -> dict[str, torch.Tensor]:
-        """What a weight sync sends: every parameter; with LoRA, the merged weights under the base
-        model's names, or the adapters alone (``--trainer.lora.sync``, ``trainer/lora.py``)."""
-        if not self.config.lora.rank:
-            return dict(self.model.named_parameters())
-        from asyncrl.rl.trainer.lora import sync_tensors
-
-        return sync_tensors(self.model, self.config.lora.sync, self._merged)
-
-    @endpoint
-    async def setup_sender(self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "") -> int:
-        """After `form_group`: agree on the layout with every sampler. ``wire_dtype`` (e.g.
-        "bfloat16") is the samplers' parameter dtype when it differs from the trainer's fp32.
-        Returns the bucket count. With a rank group, every rank computes the layout (rank 0
-        alone agrees on it with the samplers) and the buckets are gathered by all of them."""
-        cast = DTYPES[wire_dtype] if wire_dtype else None
-        return await self._run(
-            "agreeing on the weight layout", timeout_s, self._setup_sender, timeout_s, bucket_bytes, cast
-        )
-
-    def _setup_sender(self, timeout_s: float, bucket_bytes: int, wire_dtype: torch.dtype | None) -> int:
-        from asyncrl.comm.layout import default_bucket_bytes, sender_layout
-
-        params = self.weight_tensors()
-        # a sharded parameter is gathered into a bucket, never sent from where it lies
-        direct = self.parallel.world_size == 1
-        size = bucket_bytes or (None if direct else default_bucket_bytes(self.device))
-        if self.rank == 0:
-            self.sender = WeightSender.create(
-                self.sync_comm,
-                self.sync_group,
-                params,
-                bucket_bytes=size,
-                timeout_s=timeout_s,
-                wire_dtype=wire_dtype,
-                allow_direct=direct,
-            )
-            layout = self.sender.layout
-        else:
-            layout = sender_layout(params, size, wire_dtype, allow_direct=direct)
-        self.parallel.agree(layout.digest(), "weight layouts")
-        self._layout, self._sync_timeout_s = layout, timeout_s
-        return len(layout.buckets)
-
-    @endpoint
-    async def send_weights(self, version: int) -> SyncStats:
-        """Broadcast the current weights as ``version``; returns the sync's phases (`SyncStats`).
-        On a rank group rank 0 sends and every rank gathers each bucket in turn. A failure on the
-        weight-sync side (a sampler's) is raised after the guard, which only sees the trainer
-        group's collectives, all matched: the trainer group survives it."""
-        from asyncrl.comm.errors import CommError
-
-        params = self.weight_tensors()
-
-        def send() -> tuple[SyncStats, BaseException | None]:
-            source = self.parallel.bucket_source(self._layout, params)
-            none = SyncStats(version, 0, 0, 0.0)  # the ranks > 0 gather only; the driver reads rank 0's
-            try:
-                if self.rank == 0:
-                    return self.sender.send(version, params if source is None else None, source=source), None
-                return none, None
-            except CommError as exc:  # the weight-sync group's, not the trainer's
-                if source is None:
-                    raise
-                return none, exc
-            finally:
-                if source is not None:
-                    source.drain()  # every bucket gathered on every rank, whatever happened
-
-        stats, error = await self._run(f"the weight sync of v{version}", self._sync_timeout_s, send)
-        if error is not None:
-            raise error
-        return stats
 
     @endpoint
     async def train_step(self, groups: list[RolloutGroup], deadline_s: float = 0.0) -> dict[str, float]:
@@ -440,84 +365,3 @@ class TrainerActor(RankMember, SyncMember):
         return await self._run(
             "the held-out evaluation", deadline_s, self.parallel.in_step, run, self.seed * 1_000_003 + self.steps
         )
-
-    @endpoint
-    async def save_checkpoint(
-        self, run_dir: str, step: int, keep: int, run_state: bytes, deadline_s: float = 0.0
-    ) -> str:
-        """Write the resumable checkpoint of ``step`` under ``run_dir`` (policy, optimiser, RNGs
-        and the driver's ``run_state`` JSON), atomically, keeping the newest ``keep``; returns
-        its path (on a rank group rank 0's; the others return ""). See ``trainer/checkpoint.py``."""
-        return await self._run(
-            f"writing the checkpoint of step {step}",
-            deadline_s,
-            self.parallel.write_checkpoint,
-            self,
-            run_dir,
-            step,
-            keep,
-            run_state,
-        )
-
-    @endpoint
-    async def load_checkpoint(self, path: str, deadline_s: float = 0.0) -> int:
-        """Take the policy, optimiser state and RNG states of the checkpoint at ``path`` (before
-        the weight-sync group is formed); returns the trainer's step count there."""
-
-        def load() -> int:
-            self.steps = self.parallel.load_checkpoint(self, path)
-            self.sender = None  # it held the old parameters: set up again with the group
-            return self.steps
-
-        return await self._run("loading the checkpoint", deadline_s, load)
-
-    @endpoint
-    async def weights_digest(self, deadline_s: float = 0.0) -> str:
-        """SHA-256 of the policy's parameters as the samplers hold them (``rl/digest.py``); on a
-        rank group rank 0's ("" on the others)."""
-        from asyncrl.rl.digest import tensor_digest
-
-        def digest() -> str:
-            whole = self.parallel.gathered(self.weight_tensors())
-            return tensor_digest(whole) if self.rank == 0 else ""
-
-        return await self._run("the weight digest", deadline_s, digest)
-
-    @endpoint
-    async def save(self, path: str, extra_files: dict[str, str] | None = None, deadline_s: float = 0.0) -> str:
-        """Write the policy as a Hugging Face checkpoint directory, whole (`staged_dir`: a kill
-        at any point leaves a whole policy, the old or the new, never a half-written or
-        half-deleted one), with ``extra_files`` (name -> text, e.g. best.json) inside it, written
-        with the rest so they never describe another policy. A failed write (a full disk) leaves
-        nothing behind and raises a one-line `CheckpointWriteError`. With a rank group, every
-        rank gathers the policy (a tensor at a time, to rank 0's memory) and rank 0 writes it."""
-        return await self._run(
-            "saving the policy", deadline_s, self._save, os.path.abspath(path), dict(extra_files or {})
-        )
-
-    def _save(self, final: str, extra_files: dict[str, str]) -> str:
-        from asyncrl.rl.trainer.checkpoint import write_policy
-
-        whole = self.parallel.policy_state_dict(self.model)  # None: the model in this process is whole
-        if self.rank != 0:
-            return ""
-        state = {"steps": self.steps, "config": dataclasses.asdict(self.config)}
-        files = {"asyncrl_trainer.json": json.dumps(state, indent=2)}
-        files.update((os.path.basename(name), text) for name, text in extra_files.items())
-        return write_policy(
-            final,
-            self.model,
-            self.tokenizer,
-            whole=whole,
-            lora=bool(self.config.lora.rank),
-            markers=self._marker_files(),
-            files=files,
-        )
-
-    def _marker_files(self) -> list[str]:
-        """The warm start's marker file of the policy's directory, if it has one: copied into every
-        policy and checkpoint written, so they load with the same prompt style."""
-        from asyncrl.rl.model.policy import MARKER_FILE
-
-        marker = os.path.join(self.model_path, MARKER_FILE)
-        return [marker] if os.path.exists(marker) else []
