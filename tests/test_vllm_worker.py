@@ -465,32 +465,32 @@ def test_the_janitor_removes_the_loky_semaphores_of_the_engines_processes_only(t
                 os.unlink(os.path.join("/dev/shm", name))
 
 
-def test_the_janitor_leaves_a_segment_another_living_process_maps(tmp_path):
+def test_the_janitor_leaves_a_semaphore_another_living_process_holds(tmp_path):
     """On a shared host a multiprocessing semaphore that appeared while our engine started may be
     another engine's, still in use: removing it broke that engine's start (its worker could not
-    open the semaphore). The janitor removes only what no living process but ours maps."""
+    open the semaphore; seen when one run's sampler ended as another run's engine started). The
+    janitor removes only what no living process but ours maps. A real semaphore: glibc maps it
+    under a temporary name, so only its inode ties the mapping to its name."""
     from asyncrl.rl.sampler.vllm.janitor import Janitor
 
-    name = f"sem.mp-asyncrl-test-{os.getpid()}"
-    path = os.path.join("/dev/shm", name)
-    with open(path, "wb") as f:
-        f.write(b"\0" * 4096)
     other = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            textwrap.dedent(f"""
-        import mmap, sys, time
-        with open({path!r}, "r+b") as f:
-            m = mmap.mmap(f.fileno(), 4096)
-        print("mapped", flush=True)
+            textwrap.dedent("""
+        import multiprocessing, time
+        lock = multiprocessing.get_context("spawn").Lock()
+        print("sem." + lock._semlock.name.lstrip("/"), flush=True)
         time.sleep(60)"""),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
+    path = ""
     try:
-        assert other.stdout.readline().strip() == "mapped"
+        name = other.stdout.readline().strip()
+        path = os.path.join("/dev/shm", name)
+        assert name.startswith("sem.mp-") and os.path.exists(path), name
         scratch = tmp_path / "scratch"
         scratch.mkdir()
         janitor = Janitor(str(scratch))
@@ -500,7 +500,7 @@ def test_the_janitor_leaves_a_segment_another_living_process_maps(tmp_path):
     finally:
         other.kill()
         other.wait()
-        if os.path.exists(path):
+        if path and os.path.exists(path):
             os.unlink(path)
 
 

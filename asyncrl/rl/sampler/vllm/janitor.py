@@ -29,21 +29,25 @@ for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
     if name.startswith("sem.loky-") and name.split("-")[1] in pids:
         names.add(name)
 # A multiprocessing semaphore's name says nothing of its maker: one that appeared while our engine
-# started may be another engine's on a shared host, which still maps it. Leave what a living
-# process other than ours maps (ours are dying with the actor, or dead).
+# started may be another engine's on a shared host, still in use. Leave what a living process other
+# than ours maps (ours are dying with the actor, or dead). Compared by inode, not by name: glibc's
+# sem_open maps a temporary file and links it to the semaphore's name, so /proc/PID/maps shows
+# "/dev/shm/sem.XXXXXX (deleted)" for a semaphore, never its name.
+in_use = set()
 for entry in os.listdir("/proc"):
     if entry.isdigit() and entry not in pids and entry != str(os.getpid()):
         try:
             with open(f"/proc/{entry}/maps") as f:
                 for line in f:
-                    at = line.find("/dev/shm/")
-                    if at >= 0:
-                        names.discard(line[at + 9:].rstrip("\\n").removesuffix(" (deleted)"))
-        except OSError:
+                    if "/dev/shm/" in line:
+                        in_use.add(line.split()[4])
+        except (OSError, IndexError):
             pass
 for name in sorted(names):
+    path = os.path.join("/dev/shm", name)
     try:
-        os.unlink(os.path.join("/dev/shm", name))
+        if str(os.stat(path).st_ino) not in in_use:
+            os.unlink(path)
     except OSError:
         pass
 shutil.rmtree(sys.argv[1], ignore_errors=True)
@@ -142,8 +146,8 @@ def shm_names() -> set[str]:
 
 def engine_segments(before: set[str]) -> list[str]:
     """Shared memory that is ours: new since ``before`` and mapped by this process or one below
-    it; or a new multiprocessing semaphore (those are mapped by nobody: removing the name later
-    cannot hurt a process that opened it)."""
+    it; or a new multiprocessing semaphore (mapped under a temporary name, so not attributable
+    here: one of another engine is spared at the end by the janitor, which compares inodes)."""
     mapped = set(_shm_mapped_by([os.getpid(), *_descendants(os.getpid())]))
     return sorted(n for n in shm_names() - before if n in mapped or n.startswith("sem.mp-"))
 
