@@ -6,14 +6,13 @@ samplers on the caller's supervisor (a sampler that never comes up is left out: 
 loads a checkpoint to resume from (`resume.py`), and hands the steps to `GRPODriver` (grpo.py).
 Every way a run can end passes through here once: a signal (SIGINT, SIGTERM) or any error is
 recorded as a ``stopped`` event in faults.jsonl and told in one line that names what resumes the
-run; a full disk under the run directory becomes `RunDirError`.
+run; a full disk under the run directory becomes `RunDirError` (saving.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import os
 import signal
 import threading
@@ -22,7 +21,7 @@ import traceback
 from typing import Any
 
 from asyncrl.errors import ActionableError, first_line, one_line
-from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints, write_reason
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.stored import write_run_config
@@ -33,17 +32,16 @@ from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.fleet.sampler_start import start_samplers
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, least_loaded_node
 from asyncrl.rl.driver.fleet.trainer_ranks import node_address, spawn_trainer_ranks
-from asyncrl.rl.driver.grpo import GRPODriver, RunDirError
+from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.run_state import read_run_state
+from asyncrl.rl.driver.saving import run_dir_error
 from asyncrl.rl.driver.start_checks import check_backend_readable, check_digestible, check_placement
 from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers, scorer_kwargs
 from asyncrl.rl.observe.endpoint import open_endpoint
 from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.runtime import signals
 from asyncrl.runtime.loop_watch import LoopWatch
-
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
 async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> dict[str, Any]:
@@ -336,7 +334,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     except ConfigError:
         raise  # refused before the run began (a CheckpointError too): nothing to record or resume
     except Exception as exc:
-        stop = _run_dir_error(exc, run_dir) or exc
+        stop = run_dir_error(exc, run_dir) or exc
         if not isinstance(stop, (RunStoppedError, ActionableError)):  # a bug: its traceback follows
             where, hint = stopped(type(exc).__name__, first_line(exc))
             log(f"run stopped {where} by an error ({type(exc).__name__}); {hint}")
@@ -378,17 +376,6 @@ def _scaler_of(driver: GRPODriver | None) -> Scaler:
             "(asyncrl status shows the phase)"
         )
     return driver.scaler
-
-
-def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
-    """A full disk or a failing filesystem under the run directory, as one line (a full one
-    named, with what is left: `write_reason`); None for others."""
-    if isinstance(exc, RunDirError):
-        return exc
-    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        path = exc.filename or run_dir
-        return RunDirError(f"cannot write {path}: {write_reason(exc, path)}")
-    return None
 
 
 def _synced_adapter(config) -> LoRAConfig | None:
