@@ -237,7 +237,7 @@ def test_the_default_run_s_heldout_split_is_the_one_it_had():
 
 
 def test_a_batchs_task_metrics_are_means_per_completion_and_errors_are_counts():
-    from asyncrl.rl.driver.grpo import task_metrics
+    from asyncrl.rl.driver.step_record import task_metrics
     from asyncrl.rl.rollout import RolloutGroup
 
     def g(metrics, n=2):

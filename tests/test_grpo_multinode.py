@@ -32,7 +32,8 @@ from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, parse_overrides
 from asyncrl.rl.config.run import Placement
 from asyncrl.rl.driver.devices import plan_devices
-from asyncrl.rl.driver.run import _placement, train
+from asyncrl.rl.driver.run import train
+from asyncrl.rl.driver.start_checks import check_placement
 from conftest import descendants, kill_all, process_alive, wait_until
 from multinode_support import (
     NODE_TIMEOUT_S,
@@ -208,11 +209,11 @@ def test_placement_names_a_node_per_actor_and_refuses_what_the_cluster_cannot_ho
         match=r"puts a sampler on node 2, but the run has 2 node\(s\) \(0..1\); launch "
         "with --nnodes 3 or more",
     ):
-        _placement("sampler=0,2", 1, 2, 2, plan_devices("cpu", None, [], 2))
+        check_placement("sampler=0,2", 1, 2, 2, plan_devices("cpu", None, [], 2))
     colocated = plan_devices("auto", "cuda", ["0"], 1)
-    assert _placement("trainer=1 sampler=1", 1, 1, 2, colocated) == ([1], [1])
+    assert check_placement("trainer=1 sampler=1", 1, 1, 2, colocated) == ([1], [1])
     with pytest.raises(ConfigError, match="puts samplers on another node than trainer rank 0, but they share its GPU"):
-        _placement("spread", 1, 1, 2, colocated)
+        check_placement("spread", 1, 1, 2, colocated)
 
 
 async def test_a_placement_on_a_node_the_run_lacks_is_refused_before_anything_is_written(tmp_path):

@@ -38,9 +38,10 @@ from asyncrl.rl.checkpoint import (
 )
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import parse_overrides
-from asyncrl.rl.driver.grpo import GRPODriver, RunDirError
-from asyncrl.rl.driver.run import _run_dir_error, train
+from asyncrl.rl.driver.grpo import GRPODriver
+from asyncrl.rl.driver.run import train
 from asyncrl.rl.driver.run_state import RunState, read_run_state
+from asyncrl.rl.driver.saving import RunDirError, run_dir_error
 from asyncrl.rl.observe import report, runlog
 from asyncrl.rl.trainer.checkpoint import FAIL_ENV, write_checkpoint
 from asyncrl.runtime import files
@@ -188,7 +189,7 @@ def test_a_disk_that_fills_up_is_named_though_torch_save_says_unexpected_pos(tmp
     # The driver's own writes (progress.json, metrics.jsonl) fail as an OSError: worded the same way.
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(30 << 20, 30 << 20, 0))
     metrics = str(tmp_path / "metrics.jsonl")
-    assert str(_run_dir_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), metrics), str(tmp_path))) == (
+    assert str(run_dir_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), metrics), str(tmp_path))) == (
         f"cannot write {metrics}: No space left on device (tmpfs at {mount} has 0 B free of 30 MiB: free space "
         "there before resuming)"
     )

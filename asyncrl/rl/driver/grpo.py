@@ -17,55 +17,42 @@ a sync never waits for a batch to finish; a group is tagged with the version it 
 during training: the synchronous baseline, same code, staleness always 0.
 
 `train()` (run.py) spawns the actors and builds the driver; the samplers, their faults and the
-weight-sync group are the `SamplerPool`'s (fleet/pool.py).
+weight-sync group are the `SamplerPool`'s (fleet/pool.py). A step's record is assembled in
+step_record.py, the held-out evaluation and the best policy are heldout.py's, and what the trainer
+writes into the run directory (a policy, a checkpoint) saving.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from typing import Any
 
-import msgspec
-
-from asyncrl.errors import RemoteError
-from asyncrl.rl.checkpoint import Checkpoint, CheckpointWriteError
+from asyncrl.rl.checkpoint import Checkpoint
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import config_to_dict
-from asyncrl.rl.driver.faults import RunStoppedError, TaskFailedError, append_event, trainer_phase
+from asyncrl.rl.driver import heldout
+from asyncrl.rl.driver.faults import trainer_phase
 from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.driver.fleet.scaling import Scaler
 from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.driver.resume import resume_records
 from asyncrl.rl.driver.run_state import RunState, read_run_state
-from asyncrl.rl.observe.episodes_log import EPISODES_FILE, EpisodeLog
-from asyncrl.rl.observe.metrics import Metrics, truncate_metrics
+from asyncrl.rl.driver.saving import quietly, save_checkpoint, save_policy
+from asyncrl.rl.driver.step_record import step_record
+from asyncrl.rl.observe.episodes_log import EpisodeLog
+from asyncrl.rl.observe.metrics import Metrics
 from asyncrl.rl.observe.painter import CurvesPainter
 from asyncrl.rl.observe.progress import Progress, make_progress
-from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics, scalars_of
-from asyncrl.rl.observe.report import (
-    RunSummary,
-    heldout_extra_text,
-    heldout_failures_lines,
-    rates_text,
-    shown_path,
-    summary_text,
-)
+from asyncrl.rl.observe.record import StepRecord, scalars_of
+from asyncrl.rl.observe.report import RunSummary, heldout_extra_text, rates_text, summary_text
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.observe.writers import MetricWriters
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.files import write_json_atomic
-
-BEST_DIR, BEST_JSON = "best", "best.json"
-
-
-class RunDirError(RunStoppedError):
-    """The run directory cannot be written (a full disk, a read-only or failing filesystem); the
-    message names what could not be written, where, and the system's reason."""
 
 
 class GRPODriver:
@@ -140,7 +127,7 @@ class GRPODriver:
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
         self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
         self.phase = "starting"
-        self.heldout_extra: dict[str, float] = {}  # of the latest evaluation: see evaluate
+        self.heldout_extra: dict[str, float] = {}  # of the latest evaluation (heldout.py)
         self.episodes, self.trained_head = EpisodeLog(run_dir, model_path, log), []
         self.task_keys: set[str] = set()  # task/* and task_errors/* keys of the steps so far (task_metrics)
         self.last_step_s, self.last_step_at = 0.0, 0.0
@@ -149,7 +136,7 @@ class GRPODriver:
         self.model_path, self.log_path = model_path, log_path
         self.began = False  # training began (the held-out rates before it are known)
         self.after_step = ""  # what the driver does after a step's training, while it does it
-        self.best = _read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
+        self.best = heldout.read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
         self.waiting = ""  # what the step under way waits for: "batch", "train", "sync" or "check"
         self.stall = StallWatch(
             self.run.observe.stall_factor,
@@ -250,48 +237,15 @@ class GRPODriver:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
 
     async def evaluate(self) -> dict[str, float]:
-        """The held-out solve rates (``greedy``, ``sampled``); the evaluation's task metrics and
-        failed calls go to ``heldout_extra`` (``heldout/task/<name>``, ``heldout/task_errors/<kind>``:
-        the step record's); an agent's failed episodes are logged, a line per kind with what it
-        raised, so a count of failures says why. The task's code failing past its budget stops the
-        run, as in a sampler."""
-        t = self.run.deadlines.eval_timeout_s
-        try:
-            out = await trainer_phase(
-                "the held-out evaluation",
-                "eval_timeout_s",
-                t,
-                self.trainer.with_timeout(t).evaluate(self.run.eval_samples),
-            )
-        except RemoteError as exc:
-            if isinstance(exc, TaskFailureError):  # the task's code past its budget (as fleet/pool.py: a sampler's)
-                raise TaskFailedError(f"the held-out evaluation: {exc.remote_message}") from exc
-            raise
-        for line in heldout_failures_lines(out.pop("failures", {})):
-            self.log(line)
-        self.heldout_extra = {f"heldout/{k}": v for k, v in out.items() if "/" in k}
-        return {k: v for k, v in out.items() if "/" not in k}
+        """The held-out solve rates; the evaluation's task metrics go to ``heldout_extra`` (heldout.py)."""
+        rates, self.heldout_extra = await heldout.evaluate(self.trainer, self.run, self.log)
+        return rates
 
     async def execute(self) -> dict[str, Any]:
         run = self.run
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.resume is not None:
-            kept = truncate_metrics(metrics_path, self.step_done)
-            truncate_metrics(os.path.join(self.run_dir, EPISODES_FILE), self.step_done)  # per step too
-            self.log(
-                f"resuming from {self.resume.path}: step {self.step_done}, v{self.version}; "
-                f"metrics.jsonl keeps its {kept} records up to that step"
-            )
-            append_event(
-                self.events_path,
-                {
-                    "event": "resumed",
-                    "step": self.step_done,
-                    "at": time.time(),
-                    "detail": self.resume.path,
-                    "segment": self.segment,
-                },
-            )
+            resume_records(self.run_dir, self.resume, self.step_done, self.version, self.segment, self.log)
         observe = run.observe
         self.display = make_progress(run.steps, self.step_done + 1, observe.progress_bar)
         writers = MetricWriters.open(
@@ -333,7 +287,17 @@ class GRPODriver:
                 self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
                 if evaluated and self.heldout_last["greedy"] > self.best_greedy():
                     self.after_step = "saving the best policy"
-                    await self.save_best(step)  # before the checkpoint: a resume from it knows this best
+                    # before the checkpoint: a resume from it knows this best
+                    self.best = await heldout.save_best(
+                        self.trainer,
+                        run,
+                        self.run_dir,
+                        step,
+                        self.heldout_last,
+                        self.heldout_before,
+                        self.n_heldout,
+                        self.log,
+                    )
                 if run.checkpoints.checkpoint_every and step % run.checkpoints.checkpoint_every == 0:
                     self.after_step = "writing its checkpoint"
                     await self.checkpoint(step)
@@ -353,12 +317,12 @@ class GRPODriver:
             await self.pool.close()
             self.queue.close()
             # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
-            _quietly(metrics.close)
+            quietly(metrics.close)
             self.display = None
-            _quietly(self.write_progress)
+            quietly(self.write_progress)
         curves = painter.close()  # the last drawing, with every step in it
         self.after_step = "saving the final policy"
-        final_dir = await self.save_policy(os.path.join(self.run_dir, "final"), "saving the final policy")
+        final_dir = await save_policy(self.trainer, run, os.path.join(self.run_dir, "final"), "saving the final policy")
         self.after_step = ""
         self.phase = "finished"
         self.write_progress()
@@ -377,7 +341,7 @@ class GRPODriver:
             uniform_skipped=self.uniform_skipped(),
             checkpoint=final_dir,
             final=final_dir,
-            best=({"path": os.path.join(self.run_dir, BEST_DIR), **self.best} if self.best else None),
+            best=({"path": os.path.join(self.run_dir, heldout.BEST_DIR), **self.best} if self.best else None),
             initial_policy=self.model_path,
             metrics=metrics_path,
             log=self.log_path,
@@ -396,36 +360,6 @@ class GRPODriver:
         if self.best is not None:
             return self.best["heldout"]["greedy"]
         return self.heldout_before.get("greedy", -1.0)
-
-    async def save_best(self, step: int) -> None:
-        """RUN_DIR/best/: the policy of the best held-out greedy solve rate so far, with best.json
-        (its step and rates) inside, written with it in one rename."""
-        best = {
-            "step": step,
-            "heldout": dict(self.heldout_last),
-            "heldout_before": dict(self.heldout_before),
-            "heldout_problems": self.n_heldout,
-            "saved_at": time.time(),
-        }
-        await self.save_policy(
-            os.path.join(self.run_dir, BEST_DIR),
-            f"saving the best policy (step {step})",
-            {BEST_JSON: json.dumps(best, indent=2)},
-        )
-        self.best = best
-        self.log(
-            f"best held-out greedy so far at step {step} ({self.heldout_last['greedy']:.3f}): "
-            f"saved to {shown_path(os.path.join(self.run_dir, BEST_DIR))}"
-        )
-
-    async def save_policy(self, path: str, phase: str, extra_files: dict[str, str] | None = None) -> str:
-        t = self.run.deadlines.checkpoint_timeout_s
-        try:
-            return await trainer_phase(
-                phase, "checkpoint_timeout_s", t, self.trainer.with_timeout(t).save(path, extra_files or {})
-            )
-        except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
-            raise RunDirError(exc.remote_message) from None
 
     async def step(self, step: int) -> StepRecord:
         run, n = self.run, self.run.groups_per_step
@@ -456,43 +390,29 @@ class GRPODriver:
                 self.waiting = "check"
                 digests = await self.pool.verify_weights()
         self.waiting = ""
-        # Rates over everything sampled for the step, the groups left out as uniform included: the
-        # batch holds only groups with a signal, which would bias them towards 50%.
         skipped = self.pool.uniform.take()
-        rewards = [r for g in batch + skipped for r in g.rewards]
-        correct = [c for g in batch + skipped for c in (g.correct or [r >= self.correct_reward for r in g.rewards])]
-        staleness = [self.version - 1 - g.version for g in batch]
         self.samples += sum(len(g.rewards) for g in batch)
         tokens = sum(len(c) for g in batch for c in g.completion_ids)
         self.tokens += tokens
-        elapsed = self.elapsed_s()
-        peaks = self.pacer.take_peaks() if self.pacer else None
-        return StepRecord(
-            step=step,
-            version=self.version,
-            reward_mean=sum(rewards) / len(rewards),
-            train_solve_rate=sum(correct) / len(correct),
-            staleness_mean=sum(staleness) / len(staleness),
-            staleness_hist={str(s): staleness.count(s) for s in sorted(set(staleness))},
-            dropped_stale=self.dropped_stale(),
-            uniform_skipped=len(skipped),
-            queue_depth=len(self.queue),
-            paced_wait_s=self.pacer.waited_s if self.pacer else None,
-            paced_streams=peaks[0] if peaks else None,
-            paced_in_flight_peak=peaks[1] if peaks else None,
+        return step_record(
+            step,
+            self.version,
+            batch,
+            skipped,
+            trained=trained,
+            synced=synced,
+            digests=digests,
+            times=(t0, t1, t2),
+            correct_reward=self.correct_reward,
+            samples=self.samples,
+            tokens=self.tokens,
             completion_tokens=tokens,
-            samples_per_s=self.samples / max(elapsed, 1e-9),
-            tokens_per_s=self.tokens / max(elapsed, 1e-9),
-            time_s=elapsed,
-            wait_s=t1 - t0,
-            train_s=t2 - t1,
-            sync=synced,
-            generate_s=sum(g.generate_s for g in batch) / len(batch),
-            train=TrainMetrics.of(trained),
-            task=task_metrics(batch, self.task_keys),
-            fleet=FleetEvents(**self.pool.take_events()),
-            group_ids=[g.uid for g in batch],
-            weights_digests=digests or None,
+            elapsed_s=self.elapsed_s(),
+            dropped_stale=self.dropped_stale(),
+            queue_depth=len(self.queue),
+            pacer=self.pacer,
+            task_keys=self.task_keys,
+            fleet=self.pool.take_events(),
         )
 
     async def checkpoint(self, step: int) -> None:
@@ -512,63 +432,10 @@ class GRPODriver:
             segment=self.segment,
             samplers_target=(self.scaler.target or 0) if self.scaler is not None else 0,
         )
-        t = run.deadlines.checkpoint_timeout_s
-        call = asyncio.ensure_future(
-            trainer_phase(
-                f"writing the checkpoint of step {step}",
-                "checkpoint_timeout_s",
-                t,
-                self.trainer.with_timeout(t).save_checkpoint(
-                    self.run_dir, step, run.checkpoints.keep_checkpoints, msgspec.json.encode(state)
-                ),
-            )
+        self.checkpoint_path = await save_checkpoint(
+            self.trainer, run, self.run_dir, step, state, self.log, written_at_stop=self.written_at_stop
         )
-        try:
-            self.checkpoint_path = await asyncio.shield(call)
-        except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
-            raise RunDirError(exc.remote_message) from None
-        except asyncio.CancelledError:
-            # A stop (Ctrl-C) during the write: let it finish (bounded by its deadline), so the
-            # resume hint names the checkpoint that will really be resumed. A second signal
-            # cancels this wait too and stops at once (the write is atomic either way).
-            if not call.done():
-                self.log(f"stopping: finishing the checkpoint of step {step} first")
-                await asyncio.wait({call})
-            if not call.cancelled() and call.exception() is None:
-                self.checkpoint_path, self.after_step = call.result(), "its checkpoint written"
-            raise
 
-
-def task_metrics(batch: list[RolloutGroup], seen: set[str] | None = None) -> dict[str, float]:
-    """The task's metrics of a batch: its named ones and the environment's counts as means over
-    the completions, failed user calls (``task_errors/<kind>``) as counts. ``seen``: the keys of
-    the run's earlier steps, updated here; one no completion of this batch reported is 0, not
-    missing (a task that reports ``no_guess`` only when it happens: a step without one is 0)."""
-    completions = sum(g.group_size for g in batch)
-    sums: dict[str, float] = dict.fromkeys(seen or (), 0.0)
-    for g in batch:
-        for key, value in g.metrics.items():
-            sums[key] = sums.get(key, 0.0) + value
-    if seen is not None:
-        seen.update(sums)
-    return {k: (v if k.startswith("task_errors/") else v / completions) for k, v in sorted(sums.items())}
-
-
-def _quietly(fn) -> None:
-    """Clean-up writes while the run stops: a full disk fails them too, and the error that stopped
-    the run (raised on) already says so; a second one would only bury it."""
-    try:
-        fn()
-    except OSError:
-        pass
-
-
-def _read_best(run_dir: str) -> dict[str, Any] | None:
-    """best/best.json of an earlier segment (None if there is none, or none readable)."""
-    try:
-        with open(os.path.join(run_dir, BEST_DIR, BEST_JSON)) as f:
-            best = json.load(f)
-        float(best["heldout"]["greedy"]), int(best["step"])
-        return best
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    def written_at_stop(self, path: str) -> None:
+        """A stop came during a checkpoint's write, which finished: the stop's line names it."""
+        self.checkpoint_path, self.after_step = path, "its checkpoint written"

@@ -22,7 +22,7 @@ Invariants:
   a pump returns what it did not deliver in a ``finally`` (a lost sampler's grant included).
 * With one sampler and no losses, every group is trained, none dropped (the test of this module
   runs that), also when it runs several paced streams at once (``--sampler.streams``): its pump
-  queues their groups in grant order (fleet/pool.py). Several samplers can deliver out of grant
+  queues their groups in grant order (fleet/pumps.py). Several samplers can deliver out of grant
   order, so a few may still expire.
 * While the driver waits for a batch, a pump gets credit: ``version`` is the one the whole group
   holds (the pool tells it after every sync and rebuild, an empty group's included), so the room

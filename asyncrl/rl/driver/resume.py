@@ -1,5 +1,5 @@
-"""Resuming a GRPO run: which checkpoint to trust, what to do with damaged ones, and the line
-that tells a stopped run's user how to go on."""
+"""Resuming a GRPO run: which checkpoint to trust, what to do with damaged ones, the run's records
+cut back to the checkpoint's step, and the line that tells a stopped run's user how to go on."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from typing import Any
 
 from asyncrl.errors import RemoteError, first_line
@@ -18,8 +19,10 @@ from asyncrl.rl.checkpoint import (
     list_checkpoints,
     verify_checkpoint,
 )
-from asyncrl.rl.driver.faults import trainer_phase
+from asyncrl.rl.driver.faults import append_event, trainer_phase
 from asyncrl.rl.driver.run_state import read_run_state
+from asyncrl.rl.observe.episodes_log import EPISODES_FILE
+from asyncrl.rl.observe.metrics import truncate_metrics
 from asyncrl.rl.observe.report import shown_path
 
 DEFAULT_SCRIPT = "examples/grpo_countdown.py"
@@ -110,3 +113,25 @@ def resume_command(run_dir: str) -> str:
 
     script = getattr(sys.modules.get(SCRIPT_MODULE), "__file__", None) or DEFAULT_SCRIPT
     return f"asyncrl launch {shlex.quote(shown_path(script))} --resume {shlex.quote(shown_path(run_dir))}"
+
+
+def resume_records(run_dir: str, checkpoint: Checkpoint, step: int, version: int, segment: int, log) -> None:
+    """A resumed run's records cut back to its checkpoint's ``step`` (metrics.jsonl and
+    episodes.jsonl: the steps after it are trained again), said in a line and recorded as a
+    ``resumed`` event (faults.jsonl) of run segment ``segment``."""
+    kept = truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), step)
+    truncate_metrics(os.path.join(run_dir, EPISODES_FILE), step)  # per step too
+    log(
+        f"resuming from {checkpoint.path}: step {step}, v{version}; "
+        f"metrics.jsonl keeps its {kept} records up to that step"
+    )
+    append_event(
+        os.path.join(run_dir, "faults.jsonl"),
+        {
+            "event": "resumed",
+            "step": step,
+            "at": time.time(),
+            "detail": checkpoint.path,
+            "segment": segment,
+        },
+    )

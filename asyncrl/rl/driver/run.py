@@ -1,18 +1,18 @@
 """`train()`: one GRPO run from its config to its summary, or to a stop that says how to resume.
 
-It checks the config (`preflight.check_run`), makes the run directory, spawns the trainer and the
+It checks the config (`preflight.check_run`) and what only the hosts can tell (start_checks.py:
+the placement, the weight check's backends), makes the run directory, spawns the trainer and the
 samplers on the caller's supervisor (a sampler that never comes up is left out: `fleet/sampler_start.py`),
 loads a checkpoint to resume from (`resume.py`), and hands the steps to `GRPODriver` (grpo.py).
 Every way a run can end passes through here once: a signal (SIGINT, SIGTERM) or any error is
 recorded as a ``stopped`` event in faults.jsonl and told in one line that names what resumes the
-run; a full disk under the run directory becomes `RunDirError`.
+run; a full disk under the run directory becomes `RunDirError` (saving.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import os
 import signal
 import threading
@@ -21,29 +21,27 @@ import traceback
 from typing import Any
 
 from asyncrl.errors import ActionableError, first_line, one_line
-from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints, write_reason
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError
-from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.stored import write_run_config
 from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import cluster_devices, plan_devices
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
-from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.sampler_start import start_samplers
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, least_loaded_node
 from asyncrl.rl.driver.fleet.trainer_ranks import node_address, spawn_trainer_ranks
-from asyncrl.rl.driver.grpo import GRPODriver, RunDirError
+from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside, resume_hint
 from asyncrl.rl.driver.run_state import read_run_state
+from asyncrl.rl.driver.saving import run_dir_error
+from asyncrl.rl.driver.start_checks import check_backend_readable, check_digestible, check_placement
 from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers, scorer_kwargs
 from asyncrl.rl.observe.endpoint import open_endpoint
 from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.runtime import signals
 from asyncrl.runtime.loop_watch import LoopWatch
-
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
 async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> dict[str, Any]:
@@ -67,9 +65,9 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     scorers = scorer_sections(config)  # teacher, reward model: placed by plan_devices after the samplers
     devices = cluster_devices(*detect("auto"), sup.nodes())
     plan = plan_devices(run.device, *devices, config.sampler.count, trainer_ranks=ranks, scorers=len(scorers))
-    trainer_nodes, sampler_nodes = _placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
+    trainer_nodes, sampler_nodes = check_placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
     if run.check_weights:  # before the run directory, the trainer and a minute of vLLM engine start
-        await _check_backend_readable(config.sampler.backend, plan.device)
+        await check_backend_readable(config.sampler.backend, plan.device)
     spec = config.task_spec()
     task = load_task(spec)  # loaded (and its data read) by check_run already: cached
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars would bury the progress line
@@ -296,7 +294,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         if sup.config.nnodes > 1:
             log(_where_line([first_rank, *(trainer.handles[1:] if ranks > 1 else [])], samplers, host))
         if run.check_weights:
-            await _check_digestible([s for s in samplers if not s.info().state.final])
+            await check_digestible([s for s in samplers if not s.info().state.final])
         driver = GRPODriver(
             config,
             trainer,
@@ -336,7 +334,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     except ConfigError:
         raise  # refused before the run began (a CheckpointError too): nothing to record or resume
     except Exception as exc:
-        stop = _run_dir_error(exc, run_dir) or exc
+        stop = run_dir_error(exc, run_dir) or exc
         if not isinstance(stop, (RunStoppedError, ActionableError)):  # a bug: its traceback follows
             where, hint = stopped(type(exc).__name__, first_line(exc))
             log(f"run stopped {where} by an error ({type(exc).__name__}); {hint}")
@@ -380,72 +378,11 @@ def _scaler_of(driver: GRPODriver | None) -> Scaler:
     return driver.scaler
 
 
-def _run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
-    """A full disk or a failing filesystem under the run directory, as one line (a full one
-    named, with what is left: `write_reason`); None for others."""
-    if isinstance(exc, RunDirError):
-        return exc
-    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        path = exc.filename or run_dir
-        return RunDirError(f"cannot write {path}: {write_reason(exc, path)}")
-    return None
-
-
-async def _check_backend_readable(backend: str, device: str) -> None:
-    """``--run.check_weights`` with ``--sampler.backend auto`` (an explicit vllm is `GRPOConfig`'s
-    refusal): refused if auto picks vLLM here on the CPU, as the samplers on this host will.
-    Knowing that imports vLLM (seconds), in a thread; `_check_digestible` still asks the started
-    samplers, since those on other nodes may pick otherwise."""
-    import torch
-
-    from asyncrl.rl.sampler.factory import choose_backend
-
-    where = torch.device(device)
-    if where.type == "cpu" and await asyncio.to_thread(choose_backend, backend, where) == "vllm":
-        raise ConfigError(
-            f"--run.check_weights needs samplers whose weights can be read as sent, but --sampler.backend "
-            f"{backend} picks vLLM here ({device}), which repacks them on the CPU; add --sampler.backend hf, "
-            "or drop check_weights"
-        )
-
-
-async def _check_digestible(samplers: list[Any]) -> None:
-    """``--run.check_weights`` digests each sampler's weights where they are held; vLLM on the CPU
-    repacks them for its kernels, so refuse it before the run (a sampler on another node than the
-    driver's may have picked vLLM, or the CPU, where this one did not)."""
-    answers = await call_all(samplers, lambda h, _: h.stats(), timeout_s=None, what="the check of its backend")
-    if not answers.ok:  # a sampler that cannot answer this cannot take part in the run: as it is
-        raise answers.results[answers.failed()[0]]
-    for stats in answers.results:
-        if stats["backend"] == "vllm" and not str(stats.get("device", "cpu")).startswith("cuda"):
-            raise ConfigError(
-                f"--run.check_weights needs samplers whose weights can be read as sent, but {stats['name']} "
-                f"runs vLLM on the CPU, which repacks them; add --sampler.backend hf, or drop check_weights"
-            )
-
-
 def _synced_adapter(config) -> LoRAConfig | None:
     """The LoRA adapters the samplers carry when only adapters are synced (else they hold merged
     weights, or the fully fine-tuned ones, under the base model's names)."""
     lora = config.trainer.lora
     return lora if lora.rank and lora.sync == "adapter" else None
-
-
-def _placement(text: str, ranks: int, samplers: int, nnodes: int, plan) -> tuple[list[int | None], list[int | None]]:
-    """The node of each trainer rank and each sampler (None: the supervisor's default), from
-    ``--run.placement``; a `ConfigError` for a node the cluster lacks, or for colocated samplers
-    (they share trainer rank 0's GPU) placed on another node than it."""
-    placement = Placement.parse(text)
-    try:
-        trainer, sampler = placement.nodes("trainer", ranks, nnodes), placement.nodes("sampler", samplers, nnodes)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if plan.colocated and any(n is not None and n != trainer[0] for n in sampler):
-        raise ConfigError(
-            f"--run.placement {text!r} puts samplers on another node than trainer rank 0, but they "
-            f"share its GPU ({plan.line}); place them with it, or give the run a GPU per actor"
-        )
-    return trainer, sampler
 
 
 def _where_line(trainer_ranks: list[Any], samplers: list[Any], host: str) -> str:

@@ -8,7 +8,8 @@
                       the ones that failed lost in one place)
     sync_group.py     SyncGroup: the weight-sync group's group-wide calls, the trainer's verdict
     pool.py           SamplerPool: the loop's view of the samplers (batches, syncs, checks,
-                      data positions) and the rollout pumps
+                      data positions), their pumps started and judged, recovery
+    pumps.py          Pumps: a sampler's rollout streams into the queue (paced, in grant order)
     scaling.py        Scaler: samplers added and drained mid-run (``asyncrl scale``)
     sampler_start.py  the samplers' start, which survives one that never comes up
     trainer_ranks.py  an N-rank trainer spawned and driven as one

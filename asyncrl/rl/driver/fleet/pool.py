@@ -2,10 +2,12 @@
 
 `SamplerPool` is the GRPO driver's view of its samplers: the driver's calls (a batch, a sync, a
 weight check, the data positions for a checkpoint) and the tasks that stream each member's
-rollouts into the `RolloutQueue`. It is built of two parts: `Membership` (membership.py: the one
+rollouts into the `RolloutQueue`. It is built of three parts: `Membership` (membership.py: the one
 owner of each sampler's state, its losses and returns, the pool's tasks, and `call_all`, every
-call to several samplers) and `SyncGroup` (sync_group.py: the group-wide calls that form the
-group and send it weights, and the verdicts on the trainer's part in them).
+call to several samplers), `SyncGroup` (sync_group.py: the group-wide calls that form the
+group and send it weights, and the verdicts on the trainer's part in them) and `Pumps`
+(pumps.py: a member's rollout streams into the queue, paced or not); the pool starts a pump,
+judges the one that failed, and recovers.
 
 A sampler is *lost* when its process dies, when it stops answering (no group within
 ``generate_timeout_s``, no answer to a sync), or when it fails a call in a way that leaves its
@@ -31,7 +33,7 @@ Invariants:
   replaced one right before the calls, no await in between), and its verdict falls on that
   incarnation only.
 * In async mode a sampler's pump runs ``--sampler.streams`` paced streams at once, and queues
-  their groups in the order the pacer granted their credit (`_paced_streams`): the pacer's
+  their groups in the order the pacer granted their credit (pumps.py): the pacer's
   promise that one sampler's groups all train in time holds for any number of streams.
 * Every wait is bounded by one of the run's phase deadlines; a trainer that dies or overruns
   stops the run with a `RunStoppedError` naming the phase, never a hang.
@@ -43,8 +45,6 @@ import asyncio
 import math
 import time
 from typing import Any
-
-import msgspec
 
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
 from asyncrl.rl.checkpoint import SamplerDataState
@@ -60,6 +60,7 @@ from asyncrl.rl.driver.faults import (
 )
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.membership import Member, Membership, MemberState
+from asyncrl.rl.driver.fleet.pumps import Pumps
 from asyncrl.rl.driver.fleet.sync_group import SyncGroup
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
@@ -98,20 +99,26 @@ class SamplerPool:
         uid_prefix: str = "",
     ):
         self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
-        # Put before every group id: the run segment ("resume1/", ...), since a resumed run's
-        # samplers number their groups from incarnation 1, sequence 1 again.
-        self.uid_prefix = uid_prefix
-        # Async mode with a pacer: each pump runs ``streams`` paced streams at once, each asking
-        # it for credit, then streaming one batch of ``batch_groups`` prompts (the sampler's
-        # prompts_per_batch), again and again; without: one endless stream.
-        self.pacer, self.batch_groups, self.streams = pacer, batch_groups, max(1, streams)
+        self.pacer = pacer
         self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
         self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, host=host, backend=backend, log=log)
         self.async_mode = run.mode == "async"
+        self.reward_model = reward_model  # its counts go in the step's record (take_events)
         # A teacher scores every group before it is queued (driver/teacher.py); a group of equal
         # rewards still teaches then (the teacher's per-token term), so none is left out.
-        self.teacher, self.reward_model = teacher, reward_model  # the reward model's score is in the reward
         self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups and teacher is None else 0)
+        self.pumps = Pumps(
+            self.membership,
+            queue,
+            run.deadlines,
+            self.uniform,
+            pacer=pacer,
+            batch_groups=batch_groups,
+            streams=streams,
+            teacher=teacher,
+            reward_model=reward_model,
+            uid_prefix=uid_prefix,
+        )
 
     @property
     def members(self) -> list[Member]:
@@ -208,7 +215,7 @@ class SamplerPool:
                 await _wait_event(self.membership.changed, remaining)
                 continue
             per = math.ceil((n - fresh[0]) / len(live))
-            pumps = {m: self.membership.spawn(self._pump(m, per, fresh)) for m in live}
+            pumps = {m: self.membership.spawn(self.pumps.run(m, per, fresh)) for m in live}
             await asyncio.wait(pumps.values())
             for m, task in pumps.items():
                 if task.exception() is not None:
@@ -327,105 +334,10 @@ class SamplerPool:
         """Stop every task of the pool (pumps, waits for a restart) and wait for them to end."""
         await self.membership.close()
 
-    # --- pumps ----------------------------------------------------------------------------------
-
-    async def _pump(self, m: Member, max_groups: int, accepted: list[int] | None = None) -> None:
-        """Stream one sampler's groups into the queue (a put waits while the queue is full):
-        ``max_groups`` of them, or with ``max_groups`` 0 until stopped, paced when there is a pacer
-        (`_paced_streams`)."""
-        if self.membership.lose_replaced([m]):
-            return
-        if max_groups or self.pacer is None:
-            await self._stream(m, max_groups, accepted)
-        else:
-            await self._paced_streams(m)
-
-    async def _paced_streams(self, m: Member) -> None:
-        """``self.streams`` paced streams of ``m`` at once, so its engine holds that many batches
-        (a GPU engine makes more sequences at once at little extra cost a step). Each loops: credit
-        for a batch, the batch's stream, the unused credit back. They queue their groups in grant
-        order (`_turn`), so one sampler's groups all train in time (pacing.py). The first to fail
-        ends the pump with its error, its siblings cancelled (their credit given back)."""
-        turn = [_ended()]  # the latest grant's end: the next grant queues after it
-        streams = [
-            self.membership.spawn(self._paced_stream(m, turn), f"paced stream of {m.name}") for _ in range(self.streams)
-        ]
-        try:
-            done, _ = await asyncio.wait(streams, return_when=asyncio.FIRST_COMPLETED)  # each ends only by an error
-        finally:
-            for stream in streams:
-                stream.cancel()
-            await asyncio.wait(streams)  # their finally blocks give the credit back at once
-        raise next(iter(done)).exception()  # a sibling's own failure is retrieved by `Membership.spawn`
-
-    async def _paced_stream(self, m: Member, turn: list[asyncio.Event]) -> None:
-        while True:
-            credit = [await self.pacer.acquire(self.batch_groups, self._put_timeout_s(), m.name)]
-            before, turn[0] = turn[0], asyncio.Event()  # no await since the grant: grant order
-            mine = turn[0]
-            try:
-                await self._stream(m, credit[0], None, credit, before)
-            finally:
-                mine.set()
-                self.pacer.give_back(credit[0])  # what the stream did not deliver (it failed, or was cut)
-
-    async def _stream(
-        self,
-        m: Member,
-        max_groups: int,
-        accepted: list[int] | None,
-        credit: list[int] | None = None,
-        turn: asyncio.Event | None = None,
-    ) -> None:
-        """One ``rollouts(max_groups)`` stream into the queue; each group delivered uses one of
-        ``credit`` (the pacer's grant), and is queued only once ``turn`` is set (the grant before
-        this one ended)."""
-        put_s = self._put_timeout_s()
-        async for group in m.handle.with_timeout(self.run.deadlines.generate_timeout_s).rollouts(max_groups):
-            incarnation = m.handle.info().incarnation
-            if incarnation != m.incarnation or group.version < m.min_version:
-                raise ActorDiedError(
-                    m.name, f"incarnation {m.incarnation} was replaced by {incarnation} outside the group"
-                )  # its groups were never synced: drop them
-            seq = self.membership.delivered(m)
-            group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{seq}")
-            try:
-                if self.teacher is not None:
-                    group = await self.teacher.annotate(group)
-                if self.reward_model is not None:
-                    group = await self.reward_model.annotate(group)
-                if turn is not None and not turn.is_set():
-                    await self._turn(m, turn, put_s)
-                if self.uniform.leave_out(group):
-                    pass  # no learning signal: the sampler makes another in its place
-                elif await self.queue.put(group, timeout_s=put_s) and accepted is not None:
-                    accepted[0] += 1
-            finally:
-                if credit is not None:
-                    credit[0] -= 1
-                    self.pacer.delivered()
-
-    async def _turn(self, m: Member, before: asyncio.Event, timeout_s: float) -> None:
-        """Wait for ``m``'s earlier paced stream to end. A group queued ahead of an earlier grant's
-        would push that grant's groups past the steps the pacer counted them in, and they could
-        expire. The earlier stream's own deadlines (a group within generate_timeout_s, a put
-        within ``timeout_s``) end it first; this one is the backstop."""
-        try:
-            async with timeout(timeout_s):
-                await before.wait()
-        except TimeoutError:
-            raise PacingTimeoutError(
-                f"{m.name}: a paced stream waited {timeout_s:g} s for the one begun before it to deliver"
-            ) from None
-
-    def _put_timeout_s(self) -> float:
-        """The longest a live driver leaves the queue full, or its pumps without credit: a train
-        step, a sync, a checkpoint, an evaluation."""
-        d = self.run.deadlines
-        return d.queue_timeout_s + d.train_timeout_s + d.sync_timeout_s + d.checkpoint_timeout_s + d.eval_timeout_s
+    # --- recovery ------------------------------------------------------------------------------
 
     def _start_pump(self, m: Member) -> None:
-        self.membership.start_pump(m, self._pump(m, 0))
+        self.membership.start_pump(m, self.pumps.run(m, 0))
 
     def _reap_pumps(self) -> None:
         for m in self.members:
@@ -493,12 +405,6 @@ class SamplerPool:
             f"--run.queue_timeout_s {self.run.deadlines.queue_timeout_s:g} s "
             f"({len(self.queue)} queued; {states})"
         )
-
-
-def _ended() -> asyncio.Event:
-    done = asyncio.Event()
-    done.set()
-    return done
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:

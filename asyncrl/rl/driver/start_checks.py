@@ -1,0 +1,72 @@
+"""Checks made while a run starts, each as soon as what it needs is known: the device plan, the
+cluster, the started samplers. `preflight.check_run` checked what the config and the file system
+decide; these refuse, in one `ConfigError` line naming the flag and the fix, what only the hosts
+can tell, before the steps begin:
+
+* ``--run.placement`` against the cluster's nodes and the device plan (`check_placement`, which
+  also answers where each actor goes);
+* ``--run.check_weights`` against the samplers' backends: vLLM on the CPU repacks the weights, so
+  their digests cannot match the trainer's (`check_backend_readable` before anything is spawned,
+  `check_digestible` once the samplers run, as those on other nodes may have chosen otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.config.run import Placement
+from asyncrl.rl.driver.fleet.calls import call_all
+
+
+def check_placement(
+    text: str, ranks: int, samplers: int, nnodes: int, plan
+) -> tuple[list[int | None], list[int | None]]:
+    """The node of each trainer rank and each sampler (None: the supervisor's default), from
+    ``--run.placement``; a `ConfigError` for a node the cluster lacks, or for colocated samplers
+    (they share trainer rank 0's GPU) placed on another node than it."""
+    placement = Placement.parse(text)
+    try:
+        trainer, sampler = placement.nodes("trainer", ranks, nnodes), placement.nodes("sampler", samplers, nnodes)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if plan.colocated and any(n is not None and n != trainer[0] for n in sampler):
+        raise ConfigError(
+            f"--run.placement {text!r} puts samplers on another node than trainer rank 0, but they "
+            f"share its GPU ({plan.line}); place them with it, or give the run a GPU per actor"
+        )
+    return trainer, sampler
+
+
+async def check_backend_readable(backend: str, device: str) -> None:
+    """``--run.check_weights`` with ``--sampler.backend auto`` (an explicit vllm is `GRPOConfig`'s
+    refusal): refused if auto picks vLLM here on the CPU, as the samplers on this host will.
+    Knowing that imports vLLM (seconds), in a thread; `check_digestible` still asks the started
+    samplers, since those on other nodes may pick otherwise."""
+    import torch
+
+    from asyncrl.rl.sampler.factory import choose_backend
+
+    where = torch.device(device)
+    if where.type == "cpu" and await asyncio.to_thread(choose_backend, backend, where) == "vllm":
+        raise ConfigError(
+            f"--run.check_weights needs samplers whose weights can be read as sent, but --sampler.backend "
+            f"{backend} picks vLLM here ({device}), which repacks them on the CPU; add --sampler.backend hf, "
+            "or drop check_weights"
+        )
+
+
+async def check_digestible(samplers: list[Any]) -> None:
+    """``--run.check_weights`` digests each sampler's weights where they are held; vLLM on the CPU
+    repacks them for its kernels, so refuse it before the run (a sampler on another node than the
+    driver's may have picked vLLM, or the CPU, where this one did not)."""
+    answers = await call_all(samplers, lambda h, _: h.stats(), timeout_s=None, what="the check of its backend")
+    if not answers.ok:  # a sampler that cannot answer this cannot take part in the run: as it is
+        raise answers.results[answers.failed()[0]]
+    for stats in answers.results:
+        if stats["backend"] == "vllm" and not str(stats.get("device", "cpu")).startswith("cuda"):
+            raise ConfigError(
+                f"--run.check_weights needs samplers whose weights can be read as sent, but {stats['name']} "
+                f"runs vLLM on the CPU, which repacks them; add --sampler.backend hf, or drop check_weights"
+            )
