@@ -172,8 +172,18 @@ def test_the_map_knows_every_part():
     assert parts <= set(MAY_IMPORT)
 
 
-LOOP = ("asyncrl.rl.driver", "asyncrl.rl.driver.grpo", "asyncrl.rl.driver.run")
-"""The driver's loop: the package (its __init__ imports train()), the steps and the run."""
+LOOP = (
+    "asyncrl.rl.driver",
+    "asyncrl.rl.driver.grpo",
+    "asyncrl.rl.driver.run",
+    "asyncrl.rl.driver.heldout",
+    "asyncrl.rl.driver.saving",
+    "asyncrl.rl.driver.start_checks",
+    "asyncrl.rl.driver.step_record",
+    "asyncrl.rl.driver.resume",
+)
+"""The driver's loop: the package (its __init__ imports train()), the steps, the run, and the
+parts of them in modules of their own (evaluation, saving, start checks, step records, resume)."""
 
 
 def test_the_fleet_never_reaches_back_into_the_loop():
