@@ -214,8 +214,9 @@ class VLLMBackend(PausableBackend):
         self.tokens_generated = 0
         self.generate_s = 0.0
         self.engine_exit_codes: list[int | None] = []
-        """After `close`: how vLLM's engine-core processes ended, 0 or -9 where vLLM's shutdown
-        grace (5 s) ran out and it killed one (`engine_exit.py` keeps that from happening)."""
+        """After `close`: how vLLM's engine-core processes ended: 0 when by themselves; where
+        vLLM's shutdown grace (5 s) ran out and it killed one, -9, or None while the killed
+        process is not yet reaped (`engine_exit.py` keeps that from happening)."""
 
     # --- SamplerBackend -------------------------------------------------------------------------
 
