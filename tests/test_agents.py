@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from agent_support import write_letters_tiny
+from agent_support import CHAT_TEMPLATE, write_letters_tiny
 from asyncrl.rl.agents.chat import parse_tool_calls, render_chat
 from asyncrl.rl.agents.runner import AgentRunner
 from asyncrl.rl.agents.server import OpenAIServer
@@ -407,6 +407,9 @@ def test_the_embedded_templates_compact_tool_calls_round_trip():
         ("say", {"not a key": "x"}),  # a key that is no identifier: JSON
         ("ping", {}),
         ("raw", "not json"),  # arguments that are no JSON object stay a string
+        ("say", {"text": "a </tool_call> b"}),  # the closing tag in the value: JSON, read to its end
+        ("say", {"text": "a", "then": "<tool_call>x=1</tool_call>"}),
+        ("raw", "</tool_call>"),
     ]
     calls = [
         {
@@ -444,6 +447,32 @@ def test_the_embedded_templates_compact_tool_calls_round_trip():
     ]:
         assert parse_tool_calls(f"ok {bad}", compact=True) == (f"ok {bad}", []), bad
     assert parse_tool_calls(hermes)[1][0]["function"]["name"] == "calculator"  # other templates: Hermes's form
+
+
+TOOLS = [{"type": "function", "function": {"name": "say", "parameters": {"type": "object"}}}]
+
+
+def test_a_closing_tag_inside_a_calls_json_arguments_round_trips_through_hermess_template():
+    """A JSON string may hold ``</tool_call>``: an earlier call with it, rendered into the next
+    prompt by the (Hermes-form) template and read back as the model would write it, is the call
+    sent, and the text after the block stays content."""
+    from asyncrl.rl.model.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE  # the letters model's: Hermes's form
+    arguments = json.dumps({"text": "a </tool_call> b", "more": ["</tool_call>", "<tool_call>"]})
+    sent = [{"id": "call_0", "type": "function", "function": {"name": "say", "arguments": arguments}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": sent}]
+    ids = render_chat(tok, messages, TOOLS, generation_prompt=False)
+    text = tok.decode(ids[len(render_chat(tok, messages[:1], TOOLS)) :], skip_special_tokens=True)
+    assert "a </tool_call> b" in text, text  # the template wrote the tag into the block's JSON
+    content, parsed = parse_tool_calls(text + " done")
+    assert content == "done" and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed] == [
+        ("say", json.loads(arguments))
+    ], text
+    # A block whose JSON does not close before its tag stays text, as any ill-formed block does.
+    broken = '<tool_call>{"name": "say", "arguments": {"text": "a</tool_call> b"}</tool_call>'
+    assert parse_tool_calls(broken) == (broken, [])
 
 
 async def test_requests_without_the_token_or_a_live_session_are_refused(endpoint):

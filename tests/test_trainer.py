@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,19 @@ async def test_the_held_out_evaluation_solves_the_runs_held_out_split_and_leaves
     assert set(found) >= {"greedy", "sampled"} and all(0.0 <= found[k] <= 1.0 for k in ("greedy", "sampled"))
     assert trainer.heldout._heldout == list(Countdown().splits(3, 1, 4).heldout)
     assert trainer.model.training
+    # The task's call threads are the evaluation's: its owner's stop ends them.
+    assert task_threads(), "the evaluation ran its scoring on no thread of its own"
+    await trainer.on_stop()
+    deadline = time.monotonic() + 10
+    for t in task_threads():
+        t.join(timeout=max(deadline - time.monotonic(), 0))
+    assert not task_threads(), f"left running after the trainer stopped: {task_threads()}"
+
+
+def task_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("task-countdown-") and t.is_alive()]
 
 
 def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):

@@ -647,3 +647,43 @@ async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume
     backend.engine.answer = [0.05, 64.0]  # an older worker's answer: a typed error, not a crash later
     with pytest.raises(EngineWeightSyncError, match="answered"):
         await EngineSink(backend).receive(4, in_flight=False, timeout_s=5.0)
+
+
+def test_an_engines_processes_exit_without_a_last_garbage_collection(tmp_path):
+    """`engine_exit.plugin` (a vLLM general plugin) in a process an engine's starter spawned: the
+    heap is frozen at exit, so the interpreter's last collections scan nothing (a cycle's
+    finaliser does not run: the mark); in the starter itself, and without a starter, it does
+    nothing (the cycle is collected at exit as usual). And the entry point that has vLLM call it
+    is installed (else: reinstall asyncrl, ``pip install -e .``)."""
+    from importlib.metadata import entry_points
+
+    from asyncrl.rl.sampler.vllm.engine_exit import STARTER
+
+    script = textwrap.dedent(f"""
+        import gc, os, sys
+        gc.disable()  # no collection before exit (the cycle is too small to trigger one anyway)
+        if sys.argv[2] == "self":
+            os.environ["{STARTER}"] = str(os.getpid())
+        from asyncrl.rl.sampler.vllm.engine_exit import plugin
+        plugin()
+        plugin()  # vLLM may load plugins twice
+        class Cycle:
+            def __del__(self, path=sys.argv[1], os=os):  # bound now: finalisation clears modules
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY))
+        c = Cycle()
+        c.me = c
+        del c
+    """)
+
+    def collected_at_exit(starter: str) -> bool:
+        mark = tmp_path / starter
+        env = {k: v for k, v in os.environ.items() if k != STARTER}
+        if starter == "parent":
+            env[STARTER] = str(os.getpid())
+        subprocess.run([sys.executable, "-c", script, str(mark), starter], env=env, check=True, timeout=60)
+        return mark.exists()
+
+    assert not collected_at_exit("parent")  # an engine's process: frozen
+    assert collected_at_exit("self") and collected_at_exit("none")
+    plugins = {e.value for e in entry_points(group="vllm.general_plugins")}
+    assert "asyncrl.rl.sampler.vllm.engine_exit:plugin" in plugins, f"not installed (pip install -e .): {plugins}"

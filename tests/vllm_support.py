@@ -59,6 +59,8 @@ async def engine(tiny_path, policy, vllm_required):
     b = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, device=vllm_required, engine=engine_options(vllm_required))
     yield b
     b.close()
+    # Its processes ended within vLLM's 5 s grace, not by its SIGKILL after (engine_exit.py).
+    assert b.engine_exit_codes == [0], f"vLLM's engine core ended with {b.engine_exit_codes}, not by itself"
 
 
 def engine_options(device: torch.device) -> dict:

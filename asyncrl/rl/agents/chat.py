@@ -7,8 +7,9 @@ Rendering is the tokenizer's own chat template (``apply_chat_template``), so ``t
 Hermes / Qwen form those templates teach, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
 or for the embedded model's tokenizer the compact form its template writes
 (`asyncrl.rl.model.tokenizer.agent_chat_template`), ``<tool_call>NAME KEY=VALUE</tool_call>`` or
-``<tool_call>NAME {...}</tool_call>``; JSON is parsed with ``json.loads`` (never evaluated), and a
-block that is not a well-formed call stays in the text as ordinary content.
+``<tool_call>NAME {...}</tool_call>``; JSON is parsed with ``json`` (never evaluated), and a
+block that is not a well-formed call stays in the text as ordinary content. A block's JSON ends
+where the JSON does, not at the first ``</tool_call>``: a string argument may hold that text.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def compact_calls(tokenizer: Any) -> bool:
     return COMPACT_CALLS in (getattr(tokenizer, "chat_template", None) or "")
 
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_SPACE = re.compile(r"\s*")
+_JSON = json.JSONDecoder()
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a function name as OpenAI allows it (and dotted ones)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -120,46 +123,70 @@ def parse_tool_calls(text: str, *, compact: bool = False) -> tuple[str, list[dic
     compact form (`compact_calls` says which a tokenizer writes)."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
-    last = 0
+    last = at = 0
     read = _compact_call if compact else _tool_call
-    for match in _TOOL_CALL.finditer(text):
-        call = read(match.group(1))
-        if call is None:
-            continue  # not a call we understand: it stays in the content as written
-        kept.append(text[last : match.start()])
-        last = match.end()
+    while (at := text.find(_OPEN, at)) >= 0:
+        found = read(text, _SPACE.match(text, at + len(_OPEN)).end())
+        if found is None:  # not a call we understand: it stays in the content as written
+            at += len(_OPEN)
+            continue
+        call, end = found
+        kept.append(text[last:at])
+        last = at = end
         calls.append(call)
     kept.append(text[last:])
     return "".join(kept).strip(), calls
 
 
-def _tool_call(body: str) -> dict[str, Any] | None:
+def _closed(text: str, at: int) -> int | None:
+    """The end of the ``</tool_call>`` at ``at`` (after whitespace), or None where none is."""
+    at = _SPACE.match(text, at).end()
+    return at + len(_CLOSE) if text.startswith(_CLOSE, at) else None
+
+
+def _json_at(text: str, at: int) -> tuple[Any, int] | None:
+    """The JSON value that starts at ``at`` and where it ends, or None."""
     try:
-        value = json.loads(body)
+        return _JSON.raw_decode(text, at)
     except ValueError:
         return None
+
+
+def _tool_call(text: str, at: int) -> tuple[dict[str, Any], int] | None:
+    """Hermes's ``{"name": ..., "arguments": ...}`` at ``at``, closed: (the call, where its block ends)."""
+    found = _json_at(text, at)
+    if found is None or (end := _closed(text, found[1])) is None:
+        return None
+    value = found[0]
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return _call(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+    call = _call(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+    return call, end
 
 
-def _compact_call(body: str) -> dict[str, Any] | None:
-    """``NAME KEY=VALUE`` (one string argument, the value verbatim) or ``NAME ARGUMENTS`` (a JSON
-    object, or a JSON string for arguments that are not an object), as the template writes them."""
-    name, space, rest = body.partition(" ")
-    if not space or not _NAME.fullmatch(name):
+def _compact_call(text: str, at: int) -> tuple[dict[str, Any], int] | None:
+    """``NAME KEY=VALUE`` (one string argument, the value verbatim up to the closing tag, which the
+    template writes only for a value without one) or ``NAME ARGUMENTS`` (a JSON object, or a JSON
+    string for arguments that are not an object), as the template writes them, at ``at``."""
+    name = _NAME.match(text, at)
+    if name is None or not text.startswith(" ", name.end()):
         return None
-    key, equals, value = rest.partition("=")
-    if equals and key.isidentifier():
-        return _call(name, json.dumps({key: value}, ensure_ascii=False))
-    try:
-        arguments = json.loads(rest)
-    except ValueError:
+    rest = name.end() + 1
+    equals = text.find("=", rest)
+    if equals >= 0 and text[rest:equals].isidentifier():  # no tag can be inside an identifier
+        close = text.find(_CLOSE, equals)
+        if close < 0:
+            return None
+        value = text[equals + 1 : close].rstrip()
+        return _call(name.group(), json.dumps({text[rest:equals]: value}, ensure_ascii=False)), close + len(_CLOSE)
+    found = _json_at(text, _SPACE.match(text, rest).end())
+    if found is None or (end := _closed(text, found[1])) is None:
         return None
+    arguments = found[0]
     if isinstance(arguments, dict):
-        return _call(name, json.dumps(arguments, ensure_ascii=False))
-    return _call(name, arguments) if isinstance(arguments, str) else None
+        return _call(name.group(), json.dumps(arguments, ensure_ascii=False)), end
+    return (_call(name.group(), arguments), end) if isinstance(arguments, str) else None
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

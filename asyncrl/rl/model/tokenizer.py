@@ -68,7 +68,7 @@ def agent_chat_template() -> str:
     demonstrations only (a model that reads tool descriptions takes ``--model_path``).
 
     A call is ``<tool_call>NAME KEY=VALUE</tool_call>`` when its arguments are one string (an
-    identifier for a key, a value with no outer whitespace), else
+    identifier for a key, a value with no outer whitespace and no ``</tool_call>``), else
     ``<tool_call>NAME ARGUMENTS</tool_call>`` with the arguments as JSON. Hermes's
     ``<tool_call>{"name": NAME, "arguments": {KEY: VALUE}}</tool_call>`` takes 34 more tokens of
     this tokenizer (one a character) for a one-argument call, on a model of 128 positions: the
@@ -82,7 +82,8 @@ def agent_chat_template() -> str:
         "{%- for call in message.get('tool_calls') or [] -%}"
         "{%- set args = call['function']['arguments'] -%}"
         "{%- set one = (args.items() | list | first) if args is mapping and args | length == 1 else none -%}"
-        "{%- if one and one[0].isidentifier() and one[1] is string and one[1] == one[1] | trim -%}"
+        "{%- if one and one[0].isidentifier() and one[1] is string and one[1] == one[1] | trim"
+        " and '</tool_call>' not in one[1] -%}"
         "{{- '<tool_call>' + call['function']['name'] + ' ' + one[0] + '=' + one[1] + '</tool_call>' -}}"
         "{%- else -%}"
         "{{- '<tool_call>' + call['function']['name'] + ' ' + (args | tojson) + '</tool_call>' -}}"

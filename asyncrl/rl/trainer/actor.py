@@ -96,6 +96,12 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         self._auto_tokens = 0  # --trainer.micro_batch_tokens 0 once resolved (`micro_batch_tokens`)
         self._flops: tuple[int, float] | None = None  # decoder parameters and the device's peak (`_utilisation`)
 
+    async def on_stop(self) -> None:
+        try:
+            await super().on_stop()
+        finally:
+            self.heldout.close()
+
     def _load_policy(self, path: str):
         from asyncrl.rl.model.policy import load_policy
 

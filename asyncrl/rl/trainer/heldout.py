@@ -18,7 +18,7 @@ from asyncrl.rl.trainer.compile import eager
 
 class HeldoutEvaluation:
     """The held-out problems of ``task`` (``data.n_heldout`` of them, from ``data.data_seed``),
-    solved by a policy when called."""
+    solved by a policy when called. Its owner calls `close` when it stops."""
 
     def __init__(self, task: TaskSpec, data: DataConfig):
         self.task_spec, self.data = task, data
@@ -82,3 +82,9 @@ class HeldoutEvaluation:
             return out | ({"failures": failures} if failures else {})
         finally:
             model.train()
+
+    def close(self) -> None:
+        """End the threads the task's calls run on (started by the first evaluation); the owner
+        calls it when it stops. Idempotent; an evaluation after it raises `TaskFailureError`."""
+        if self._calls is not None:
+            self._calls.close()

@@ -45,6 +45,7 @@ from asyncrl.rl.sampler.backend import (
 )
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options, lora_dtype_refusal
+from asyncrl.rl.sampler.vllm.engine_exit import STARTER
 from asyncrl.rl.sampler.vllm.janitor import Janitor, shm_names
 from asyncrl.rl.sampler.vllm.sink import EngineSink
 
@@ -195,6 +196,7 @@ class VLLMBackend(PausableBackend):
         # directory of its own, and a janitor that removes both whenever this process ends.
         self._scratch = tempfile.mkdtemp(prefix=f"asyncrl-vllm-{os.getpid()}-")
         os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = self._scratch
+        os.environ[STARTER] = str(os.getpid())  # its processes exit without a last full GC (engine_exit.py)
         self._janitor = Janitor(self._scratch)
         followed = self._janitor.follow(shm_names())
         try:
@@ -211,6 +213,10 @@ class VLLMBackend(PausableBackend):
         self._prefix = uuid.uuid4().hex[:8]
         self.tokens_generated = 0
         self.generate_s = 0.0
+        self.engine_exit_codes: list[int | None] = []
+        """After `close`: how vLLM's engine-core processes ended: 0 when by themselves; where
+        vLLM's shutdown grace (5 s) ran out and it killed one, -9, or None while the killed
+        process is not yet reaped (`engine_exit.py` keeps that from happening)."""
 
     # --- SamplerBackend -------------------------------------------------------------------------
 
@@ -234,6 +240,7 @@ class VLLMBackend(PausableBackend):
             return
         self._mark_closed()
         engine, self.engine = self.engine, None
+        processes = compat.engine_processes(engine)
         # Shut down now and drop the engine, so its __del__ (which shuts down again) runs here and
         # not at interpreter exit, when the modules it needs are gone.
         try:
@@ -241,6 +248,7 @@ class VLLMBackend(PausableBackend):
             del engine
         finally:
             self._janitor.finish()
+        self.engine_exit_codes = [p.exitcode for p in processes]
 
     # --- generation -------------------------------------------------------------------------------
 

@@ -182,6 +182,13 @@ def unfinished_requests(engine: Any) -> int:
     return count() if count is not None else engine.output_processor.get_num_unfinished_requests()
 
 
+def engine_processes(engine: Any) -> list[Any]:
+    """The engine-core processes (``multiprocessing`` ones) of ``engine`` (an ``AsyncLLM``); []
+    where this version keeps them elsewhere or they are not local."""
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    return list(getattr(getattr(resources, "engine_manager", None), "processes", None) or [])
+
+
 def engine_dtype(engine: Any) -> torch.dtype:
     """The dtype ``engine`` (an ``AsyncLLM``) runs its model in (after resolving "auto")."""
     return engine.model_config.dtype
