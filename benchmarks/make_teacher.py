@@ -37,6 +37,7 @@ def grpo_trained(warm_path: str, steps: int, seed: int) -> str:
     run_dir = os.path.join(cache_root(), "teachers", f"{os.path.basename(warm_path)}-grpo{steps}-seed{seed}")
     if not os.path.isfile(os.path.join(run_dir, "summary.json")):
         shutil.rmtree(run_dir, ignore_errors=True)
+        os.makedirs(os.path.dirname(run_dir), exist_ok=True)
         example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "grpo_countdown.py")
         cmd = [sys.executable, "-m", "asyncrl.cli", "launch", example, "--model_path", warm_path]
         cmd += ["--run.steps", str(steps), "--run.seed", str(seed), "--run.run_dir", run_dir]
