@@ -140,6 +140,33 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def orphaned_shm(before: set[str]) -> set[str]:
+    """The /dev/shm entries new since ``before`` that no living process maps: what a process that
+    ended left behind. Another program's segments in use on the same host (a second run, a
+    parallel test) are mapped, so they do not count. By inode: a semaphore is mapped under a
+    deleted temporary name, never its own (see the vLLM janitor)."""
+    in_use: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/maps") as f:
+                    in_use.update(int(line.split()[4]) for line in f if "/dev/shm/" in line)
+            except (OSError, IndexError, ValueError):
+                continue
+    left = set()
+    for name in shm_names() - before:
+        try:
+            if os.stat(os.path.join("/dev/shm", name)).st_ino not in in_use:
+                left.add(name)
+        except OSError:  # removed meanwhile
+            continue
+    return left
+
+
 def descendants(pid: int) -> set[int]:
     """Every living process below ``pid`` (children, grandchildren, ...)."""
     parents: dict[int, int] = {}

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import kill_all, process_alive, wait_until
+from conftest import kill_all, orphaned_shm, process_alive, shm_names, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -46,10 +46,6 @@ def _first_json_line(proc: subprocess.Popen, timeout_s: float = 60.0) -> dict:
     raise AssertionError(f"no JSON line from the driver; stderr:\n{proc.stderr.read()}")
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 def test_sigkill_of_the_supervisor_takes_every_child_down():
     driver = _start([sys.executable, os.path.join(SCRIPTS, "hold_actors.py")])
     info: dict = {"pids": []}
@@ -75,7 +71,7 @@ def test_sigkill_of_the_supervisor_takes_every_child_down():
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_to_launch_stops_cleanly(sig, code):
-    shm_before = _shm()
+    shm_before = shm_names()
     proc = _start(_launch(os.path.join(SCRIPTS, "hold_actors.py")))
     try:
         info = _first_json_line(proc)
@@ -88,7 +84,7 @@ def test_signal_to_launch_stops_cleanly(sig, code):
     assert "Traceback" not in err
     assert not any(process_alive(p) for p in info["pids"])
     assert not os.path.exists(info["run_dir"])  # socket files and their directory are gone
-    assert _shm() <= shm_before
+    assert not orphaned_shm(shm_before)
 
 
 def test_a_second_sigint_while_closing_forces_exit_and_still_removes_the_socket_dirs(tmp_path):

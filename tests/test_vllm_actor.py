@@ -28,7 +28,7 @@ from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.driver.fleet.sync_group import suffered_from_peer
 from asyncrl.rl.sampler.actor import SamplerActor
 from asyncrl.rl.sampler.backend import SamplingParams
-from conftest import descendants, kill_all, process_alive, wait_until
+from conftest import descendants, kill_all, orphaned_shm, process_alive, shm_names, wait_until
 
 pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
@@ -77,7 +77,7 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
     train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
     probe = [fmt.render_ids(Countdown().prompt(p)) for p in train[:2]]
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
-    shm_before = _shm()
+    shm_before = shm_names()
     async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
         sampler, pusher = await asyncio.gather(
             _spawn_sampler(sup, tiny_path, vllm_required, max_new_tokens=24, temperature=1.0),
@@ -154,14 +154,10 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
         os.kill(actor_pid, signal.SIGKILL)
         assert await _all_gone(engine_pids, 10.0), "vLLM's engine outlived its actor"
         # ... and what vLLM leaves behind when killed: its shared memory, its socket files.
-        assert await _until(lambda: not _shm() - shm_before and not _scratch(actor_pid), 10.0), (
-            _shm() - shm_before,
+        assert await _until(lambda: not orphaned_shm(shm_before) and not _scratch(actor_pid), 10.0), (
+            orphaned_shm(shm_before),
             _scratch(actor_pid),
         )
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
 def _scratch(actor_pid: int) -> list[str]:
@@ -239,7 +235,7 @@ def test_sigkill_of_the_supervisor_takes_vllms_engine_down(vllm_required, tiny_p
             text=True,
         )
     pids: list[int] = []
-    shm_before = _shm()
+    shm_before = shm_names()
     try:
         info = _json_line(driver, 180.0)
         assert info, (tmp_path / "driver.err").read_text()[-3000:]
@@ -248,8 +244,8 @@ def test_sigkill_of_the_supervisor_takes_vllms_engine_down(vllm_required, tiny_p
         driver.send_signal(signal.SIGKILL)
         driver.wait(5)
         assert wait_until(lambda: not any(process_alive(p) for p in pids), 10.0), "orphans survived"
-        assert wait_until(lambda: not _shm() - shm_before and not _scratch(pids[0]), 10.0), (
-            _shm() - shm_before,
+        assert wait_until(lambda: not orphaned_shm(shm_before) and not _scratch(pids[0]), 10.0), (
+            orphaned_shm(shm_before),
             _scratch(pids[0]),
         )
     finally:
