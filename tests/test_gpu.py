@@ -25,3 +25,15 @@ async def test_each_actor_sees_only_its_own_gpus():
             await sup.spawn(CudaUser, gpus=1)
         cpu_only = await sup.spawn(CudaUser)
         assert await cpu_only.visible() == (0, "")
+
+
+def test_an_actors_gpu_is_its_cuda_0_without_cudnn_attention():
+    # cuDNN's attention builds a plan for every new shape (benchmarks/README.md, "Attention on new shapes")
+    from asyncrl.rl.actor_device import actor_device
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        assert actor_device("cuda") == torch.device("cuda", 0) == torch.device("cuda", torch.cuda.current_device())
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -20,6 +20,7 @@ SHARED_RL = {
     "asyncrl.rl.checkpoint",
     "asyncrl.rl.digest",
     "asyncrl.rl.agents",
+    "asyncrl.rl.actor_device",
 }
 MAY_IMPORT = {
     # the generic layers know nothing of RL
@@ -34,6 +35,8 @@ MAY_IMPORT = {
     # the OpenAI endpoint agents talk to, over any generation function (a sampler's, the evaluation's)
     "asyncrl.rl.agents": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.generation", "asyncrl.rl.tasks"},
     "asyncrl.rl.digest": set(),
+    # the device an actor computes on (its GPU set up once: trainer, sampler, scorer)
+    "asyncrl.rl.actor_device": set(),
     # views drawn from a run directory alone (curves.png, sparklines): the driver's and the CLI's
     "asyncrl.rl.view": {"asyncrl.errors"},
     # what a run records and shows while it runs: handed the driver's records, never importing the

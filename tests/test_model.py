@@ -412,3 +412,11 @@ def test_a_reward_that_sleeps_stops_the_evaluation_at_its_budget_naming_it(built
     finally:
         calls.close()
     assert time.monotonic() - started < 4.0  # not 40 problems x 0.3 s, nor a 5 s sleep per worker
+
+
+def test_an_actor_on_the_cpu_keeps_the_cpu_and_torch_attention_settings():
+    from asyncrl.rl.actor_device import actor_device
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert actor_device("cpu") == torch.device("cpu")
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # switched off only for a GPU (test_gpu.py)

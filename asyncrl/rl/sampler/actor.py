@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import torch
 
+from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.agents.runner import AgentRunner
 from asyncrl.rl.agents.server import OpenAIServer
 from asyncrl.rl.checkpoint import SamplerDataState
@@ -93,7 +94,7 @@ class SamplerActor(WeightReceiving):
         self.group_size, self.prompts_per_batch = config.group_size, config.prompts_per_batch or CPU_PROMPTS_PER_BATCH
         self.sync_timeout_s = sync_timeout_s
         self.in_flight = config.weight_update == "in_flight"
-        self.device = _actor_device(device)
+        self.device = actor_device(device)
         if cpu_threads > 0:
             torch.set_num_threads(cpu_threads)
         self.backend_name = choose_backend(config.backend, self.device)  # said before the (long) load
@@ -394,11 +395,3 @@ def _positions(model_path: str) -> int:
             return int(json.load(f).get("max_position_embeddings") or 0)
     except (OSError, ValueError, TypeError):
         return 0
-
-
-def _actor_device(device: str) -> torch.device:
-    dev = torch.device(device)
-    if dev.type == "cuda":  # the actor sees only its own GPU (CUDA_VISIBLE_DEVICES)
-        dev = torch.device("cuda", 0)
-        torch.cuda.set_device(dev)
-    return dev

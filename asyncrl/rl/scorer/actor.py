@@ -24,6 +24,7 @@ import time
 import torch
 
 from asyncrl.errors import ActionableError
+from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.model.policy import load_policy
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.scorer.judge import Judge, JudgeError
@@ -76,10 +77,7 @@ class ScorerActor(Actor):
         if cpu_threads > 0:
             torch.set_num_threads(cpu_threads)
         self.name = os.environ.get("ASYNCRL_ACTOR", "") or "scorer"
-        self.device = torch.device(device)
-        if self.device.type == "cuda":  # the actor sees only its own GPU (CUDA_VISIBLE_DEVICES)
-            self.device = torch.device("cuda", 0)
-            torch.cuda.set_device(self.device)
+        self.device = actor_device(device)
         self.kind = kind
         start_phase(f"loading the {'reward model' if kind == 'reward' else kind} {model_path}")
         self.judge: Judge | None = None

@@ -24,6 +24,7 @@ import time
 import torch
 
 from asyncrl.comm.weights import WeightSender
+from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup, validate_group
@@ -70,11 +71,8 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         # None is "the samplers' temperature"; a GRPO run resolves it (GRPOConfig.trainer_config),
         # a trainer used on its own scores at 1, sampling's default.
         self.temperature = 1.0 if config.temperature is None else config.temperature
-        self.device = torch.device(device)
+        self.device = actor_device(device)
         self.parallel = Local()  # a rank group's `Sharded` once `rank_join` shards the policy
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", 0)  # the actor sees only its own GPU
-            torch.cuda.set_device(self.device)
         self.model_path = model_path
         start_phase(f"loading the policy {model_path}")
         try:
