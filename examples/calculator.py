@@ -6,6 +6,11 @@
 about 25, an episode being up to three turns; the greedy held-out rate had risen from 0.32 to
 0.99 by step 100. benchmarks/README.md has the run.)
 
+A teacher or a reward model scores these episodes as any task's (docs/algorithms.md): add
+``--teacher.model_path T --trainer.loss.distill_coef 1`` (the teacher's reverse KL on the tokens
+the model wrote; the calculator's replies are its context and carry no loss) or
+``--reward_model.model_path RM`` (its score added to the exact-answer reward, weighted).
+
 A problem is one sum, difference or product of multi-digit numbers (``47 * 38 = ?``), more than a
 small model computes in its head. In its first turn the model may call the calculator,
 ``<calc>47 * 38</calc>``: the turn ends at ``</calc>`` (the environment's stop string) and the

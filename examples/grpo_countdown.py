@@ -5,6 +5,15 @@
     asyncrl launch examples/grpo_countdown.py --model_path ~/ckpt/Qwen2.5-0.5B-Instruct --trainer.lr 1e-6
     asyncrl launch examples/grpo_countdown.py --help                # every key, its default and meaning
     asyncrl launch examples/grpo_countdown.py --resume runs/grpo-X  # continue a stopped run from its checkpoint
+    asyncrl launch examples/grpo_countdown.py --teacher.model_path T --trainer.loss.distill_coef 1
+                                                                    # on-policy distillation from a teacher
+    asyncrl launch examples/grpo_countdown.py --reward_model.model_path RM   # a reward model's score added
+
+A teacher (any checkpoint with the policy's tokenizer; `benchmarks/make_teacher.py` makes a larger
+embedded one) scores every sampled token; its per-token reverse KL trains the policy beside the task's
+reward; a reward model (a sequence-classification checkpoint, or `--reward_model.kind judge
+--reward_model.template FILE` for a causal LM's verdict) adds its weighted score to the rule's.
+docs/algorithms.md has the formulas, the options and what was measured.
 
 With no --model_path, a small Qwen2-shaped model and tokenizer are made locally and warm-started on
 solver-written solutions (cached on disk, so only the first run pays for it). The run directory
