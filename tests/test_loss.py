@@ -20,6 +20,7 @@ from asyncrl.rl.trainer.loss import (
     step_advantages,
     token_entropy,
     token_logprobs,
+    topk_reverse_kl,
 )
 
 F64 = torch.float64
@@ -615,3 +616,77 @@ def test_distillation_without_a_task_reward_pulls_towards_the_teacher():
     )
     loss.backward()
     close(new.grad, [[-0.8 / 2, 2.0 / 2]])
+
+
+# --- on-policy distillation with the teacher's top-K: the K+1-bucket reverse KL in the loss --------
+
+
+def coarsened_kl(student: list[float], teacher: list[float], ids: list[int]) -> float:
+    """KL(s || t) between the two distributions coarsened to ``ids`` + one bucket for the rest,
+    written out as a sum (probabilities, not log-probs)."""
+    s_rest, t_rest = 1.0 - sum(student[i] for i in ids), 1.0 - sum(teacher[i] for i in ids)
+    kl = sum(student[i] * math.log(student[i] / teacher[i]) for i in ids)
+    return kl + s_rest * math.log(s_rest / t_rest)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7], ids=["top1", "top3", "whole-vocab"])
+def test_topk_reverse_kl_is_the_coarsened_kl_a_lower_bound_of_the_full_one_and_equal_at_the_vocab(k):
+    torch.manual_seed(k)
+    vocab = 7
+    s_logits, t_logits = torch.randn(5, vocab, dtype=F64) * 2, torch.randn(5, vocab, dtype=F64) * 2
+    s_lp, t_lp = torch.log_softmax(s_logits, -1), torch.log_softmax(t_logits, -1)
+    ids = torch.topk(t_lp, k, -1).indices  # the teacher's top-K
+    got = topk_reverse_kl(s_lp.gather(-1, ids), t_lp.gather(-1, ids))
+    full = (s_lp.exp() * (s_lp - t_lp)).sum(-1)
+    for n in range(5):
+        s, tt = s_lp[n].exp().tolist(), t_lp[n].exp().tolist()
+        want = coarsened_kl(s, tt, ids[n].tolist()) if k < vocab else full[n].item()
+        assert got[n].item() == pytest.approx(want, rel=1e-10, abs=1e-6 if k == vocab else 1e-12)
+    assert (got <= full + 1e-12).all() and (got >= 0).all()
+    if k == vocab:
+        torch.testing.assert_close(got, full, rtol=0, atol=1e-6)  # the floored rests add < 1e-6
+
+    # its gradient through the student's logits: autograd against finite differences, in float64
+    def of_logits(logits):
+        lp = torch.log_softmax(logits, -1)
+        return topk_reverse_kl(lp.gather(-1, ids), t_lp.gather(-1, ids))
+
+    if k < vocab:  # at the whole vocabulary both rests sit on the floor: no gradient to check there
+        assert torch.autograd.gradcheck(of_logits, (s_logits.clone().requires_grad_(),))
+    else:  # the full reverse KL's own gradient
+        x = s_logits.clone().requires_grad_()
+        of_logits(x).sum().backward()
+        y = s_logits.clone().requires_grad_()
+        lp = torch.log_softmax(y, -1)
+        (lp.exp() * (lp - t_lp)).sum().backward()
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-9)
+
+
+def test_the_top_k_term_enters_the_loss_and_leaves_the_advantages_as_they_are():
+    # two sequences of two tokens, vocab 4, K 2; sequence 1's second token is padding (NaN there)
+    torch.manual_seed(0)
+    s_logits = torch.randn(2, 2, 4, dtype=F64, requires_grad=True)
+    t_lp = torch.log_softmax(torch.randn(2, 2, 4, dtype=F64), -1)
+    ids = torch.topk(t_lp, 2, -1).indices
+    mask = t([[1.0, 1.0], [1.0, 0.0]])
+    beh = t([[-1.0, -1.2], [-0.7, math.nan]])
+    new = beh.nan_to_num().clone().requires_grad_()
+    s_topk = torch.log_softmax(s_logits, -1).gather(-1, ids)
+    teacher = torch.where(mask.bool()[..., None], t_lp.gather(-1, ids), math.nan)
+    cfg = GRPOLossConfig(distill_coef=0.5)
+    adv = t([0.0, 0.0])  # a uniform group: no task signal, the teacher's term alone
+    loss, m = grpo_loss(new, beh, adv, mask, cfg, student_topk=s_topk, teacher_topk=teacher)
+    loss.backward()
+    kls = [
+        coarsened_kl(torch.softmax(s_logits[b, j], -1).tolist(), t_lp[b, j].exp().tolist(), ids[b, j].tolist())
+        for b, j in ((0, 0), (0, 1), (1, 0))
+    ]
+    assert m["distill_kl"].item() == pytest.approx(sum(kls) / 3, rel=1e-12)
+    assert m["pg_loss"].item() == 0.0 and loss.item() == pytest.approx(0.5 * sum(kls) / 3, rel=1e-12)
+    assert new.grad.abs().max() == 0.0  # the advantages stay the task's (0): no policy-term gradient
+    assert s_logits.grad[0].abs().max() > 1e-3 and s_logits.grad[1, 1].abs().max() == 0.0  # padding: none
+    # with a task advantage both terms add
+    loss2, m2 = grpo_loss(new, beh, t([1.0, -1.0]), mask, cfg, student_topk=s_topk.detach(), teacher_topk=teacher)
+    assert loss2.item() == pytest.approx(m2["pg_loss"].item() + 0.5 * sum(kls) / 3, rel=1e-12)
+    with pytest.raises(LossInputError, match="come together"):
+        grpo_loss(new, beh, adv, mask, cfg, teacher_topk=teacher)

@@ -122,6 +122,41 @@ def test_teacher_logprobs_travel_with_their_tokens_padded_packed_and_split():
         micro_batches(half, adv, 10_000, cpu)
 
 
+def test_a_teacher_s_top_k_travels_with_its_tokens_padded_packed_and_split():
+    import msgspec
+
+    from asyncrl.rl.trainer.packing import packed_micro_batches
+    from asyncrl.rl.trainer.split import rank_share
+
+    # K 2 at each position: ids (token, token + 1), log-probs (-position, -position - 0.5)
+    taught = [
+        msgspec.structs.replace(
+            g,
+            teacher_top_k=2,
+            teacher_topk_ids=[[i for tok in c for i in (tok, tok + 1)] for c in g.completion_ids],
+            teacher_topk_logprobs=[[v for j in range(len(c)) for v in (-j, -j - 0.5)] for c in g.completion_ids],
+        )
+        for g in GROUPS
+    ]
+    adv = group_advantages([list(g.rewards) for g in taught])
+    cpu = torch.device("cpu")
+    for batches in (micro_batches(taught, adv, 8, cpu), packed_micro_batches(taught, adv, 16, cpu, 16)):
+        seen = 0
+        for b in batches:
+            ids = b.input_ids[b.row.unsqueeze(1), b.score_index + 1]
+            for s in range(b.mask.shape[0]):
+                n = int(b.mask[s].sum())
+                assert b.teacher_ids[s, :n].tolist() == [[tok, tok + 1] for tok in ids[s, :n].tolist()]
+                assert b.teacher_topk[s, :n].tolist() == [[-j, -j - 0.5] for j in range(n)]
+                seen += 1
+        assert seen == 5 and all(b.teacher is None for b in batches)
+    share, _ = rank_share(taught, adv, 1, 2)
+    assert all(len(g.teacher_topk_ids) == len(g.completion_ids) for g in share)
+    assert micro_batches(GROUPS, adv, 8, cpu)[0].teacher_ids is None
+    with pytest.raises(ValueError, match="teacher top-K differ"):
+        micro_batches([taught[0], GROUPS[1]], adv, 10_000, cpu)
+
+
 def test_environment_tokens_are_context_not_actions():
     """A multi-turn completion: the environment's tokens (action mask 0) stay in the input, but
     are outside the loss mask, so neither their (placeholder) behaviour log-probs nor their count

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig, LoRAConfig, TrainerConfig
-from asyncrl.rl.trainer.chunked_head import head_logprobs
+from asyncrl.rl.trainer.chunked_head import head_logprobs, head_topk
 from asyncrl.rl.trainer.loss import token_entropy, token_logprobs
 from asyncrl.rl.trainer.memory_budget import auto_micro_batch_tokens, resolve_micro_batch_tokens
 from asyncrl.rl.trainer.scoring import fused_head_fallback
@@ -103,6 +103,31 @@ def test_the_entropy_of_the_fused_pass_is_token_entropy_s_and_the_no_grad_pass_g
     torch.testing.assert_close(lp_ng, want_lp.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_the_fused_head_gives_the_log_probs_of_several_ids_a_position_and_their_gradient():
+    """A teacher's top-K beside the sampled token (``targets`` [N, 1 + K], ids repeated across
+    columns): value and gradient against log_softmax of the full logits, a ragged chunk."""
+    torch.manual_seed(5)
+    n, vocab, width = 11, 29, 8
+    hidden = torch.randn(n, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    b = torch.randn(vocab, requires_grad=True)
+    targets = torch.randint(0, vocab, (n, 6))
+    targets[:, 1] = targets[:, 0]  # the sampled token among the top-K: both gradients add
+    upstream = torch.randn(n, 6)
+    got, _ = head_logprobs(hidden, weight, b, targets, 0.7, chunk=4)
+    got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight, b))
+    want = torch.log_softmax((hidden @ weight.t() + b) / 0.7, -1).gather(-1, targets)
+    want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight, b))
+    assert got.shape == (n, 6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    values, ids = head_topk(hidden.detach(), weight.detach(), b.detach(), 5, 0.7, chunk=4)
+    ref = torch.topk(torch.log_softmax((hidden @ weight.t() + b) / 0.7, -1).detach(), 5, -1)
+    torch.testing.assert_close(values, ref.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ids, ref.indices)
+
+
 # --- a whole train step: the fused path against the full-logits one --------------------------------
 
 
@@ -148,6 +173,43 @@ def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, mo
         torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed-sdpa"])
+def test_a_fused_step_with_a_teacher_s_top_k_gives_the_full_logits_loss_and_gradients(embedded_path, layout):
+    """The K+1-bucket KL: the student's log-probs of the teacher's ids gathered in the fused pass
+    against the full logits' (temperature 0.8, action masks); and it adds to the step's loss."""
+    torch.set_num_threads(1)
+    config = TrainerConfig(
+        micro_batch_tokens=200,
+        pack_tokens=0 if layout == "padded" else 96,
+        temperature=0.8,
+        loss=GRPOLossConfig(distill_coef=0.7),
+    )
+    groups = with_teacher_topk(random_groups(seed=7, n_groups=3), k=4)
+    fused, grads_fused = step(embedded_path, config, groups, fused=True)
+    full, grads_full = step(embedded_path, config, groups, fused=False)
+    for key in ("loss", "pg_loss", "distill_kl", "entropy", "tokens"):
+        assert fused[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+    assert fused["distill_kl"] > 0.1 and fused["loss"] == pytest.approx(fused["pg_loss"] + 0.7 * fused["distill_kl"])
+    for name, g in grads_full.items():
+        torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def with_teacher_topk(groups, k: int):
+    """``groups`` with made-up teacher top-K ids (distinct a position) and log-probs (a softmax's)."""
+    import msgspec
+
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for g in groups:
+        ids, lps = [], []
+        for c in g.completion_ids:
+            n = len(c)
+            ids.append(torch.stack([torch.randperm(40, generator=gen)[:k] for _ in range(n)]).flatten().tolist())
+            lps.append(torch.log_softmax(torch.randn(n, k + 1, generator=gen), -1)[:, :k].flatten().tolist())
+        out.append(msgspec.structs.replace(g, teacher_top_k=k, teacher_topk_ids=ids, teacher_topk_logprobs=lps))
+    return out
+
+
 def test_the_fallback_is_taken_for_a_soft_capped_head(embedded_path, monkeypatch):
     from asyncrl.rl.trainer import actor as actor_module
     from asyncrl.rl.trainer.actor import TrainerActor
@@ -158,13 +220,13 @@ def test_the_fallback_is_taken_for_a_soft_capped_head(embedded_path, monkeypatch
     trainer.model.config.final_logit_softcapping = 30.0
     assert "final_logit_softcapping" in trainer._fallback_reason()
     seen = []
-    real = actor_module.scored_logprobs
+    real = actor_module.scored_logprobs_at
 
     def spy(*args, fused, **kwargs):
         seen.append(fused)
         return real(*args, fused=fused, **kwargs)
 
-    monkeypatch.setattr(actor_module, "scored_logprobs", spy)
+    monkeypatch.setattr(actor_module, "scored_logprobs_at", spy)
     trainer._train_step(random_groups(seed=3, n_groups=2))
     assert seen and not any(seen)
 

@@ -64,10 +64,29 @@ class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Per completion token, a teacher's log-probability of that token (same shape as
     ``completion_ids``), set by the driver from the scorer for on-policy distillation; empty:
     no teacher."""
+    teacher_top_k: int = 0
+    """K of ``teacher_topk_ids`` / ``teacher_topk_logprobs`` (``--teacher.top_k``, clamped to the
+    teacher's vocabulary); 0: none (the sampled-token form, ``teacher_logprobs``)."""
+    teacher_topk_ids: list[list[int]] = []
+    """Per completion, the teacher's ``teacher_top_k`` most likely token ids at each of its
+    positions (the distribution that predicts that token), flat: position-major, ``len(completion)
+    * teacher_top_k`` ids. Empty: none."""
+    teacher_topk_logprobs: list[list[float]] = []
+    """The teacher's log-probs of ``teacher_topk_ids``, at the samplers' temperature; same layout."""
 
     @property
     def group_size(self) -> int:
         return len(self.completion_ids)
+
+
+class TeacherTopK(msgspec.Struct, array_like=True, frozen=True):
+    """A scorer's answer for one group with ``--teacher.top_k`` K > 0: ``k`` (K clamped to its
+    vocabulary), and per completion the flat ids and log-probs of `RolloutGroup`'s
+    ``teacher_topk_ids`` / ``teacher_topk_logprobs``."""
+
+    k: int
+    ids: list[list[int]]
+    logprobs: list[list[float]]
 
 
 class InvalidGroupError(AsyncrlError, ValueError):
@@ -121,8 +140,26 @@ def validate_group(group: RolloutGroup) -> None:
                 raise InvalidGroupError(
                     group.prompt_id, f"completion {i} has {len(ids)} token ids but {len(lps)} teacher log-probs"
                 )
+    if group.teacher_top_k or group.teacher_topk_ids or group.teacher_topk_logprobs:
+        _validate_topk(group, n)
     if group.correct and len(group.correct) != n:
         raise InvalidGroupError(group.prompt_id, f"{len(group.correct)} correct flags for {n} completions")
     for i, r in enumerate(group.rewards):
         if not math.isfinite(r):  # NaN/inf would poison the whole group's advantages
             raise InvalidGroupError(group.prompt_id, f"reward {i} is {r!r}, not finite")
+
+
+def _validate_topk(group: RolloutGroup, n: int) -> None:
+    k = group.teacher_top_k
+    if k < 1:
+        raise InvalidGroupError(group.prompt_id, f"teacher top-K data with teacher_top_k {k} (must be >= 1)")
+    for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
+        values = getattr(group, name)
+        if len(values) != n:
+            raise InvalidGroupError(group.prompt_id, f"{len(values)} {name} lists for {n} completions")
+        for i, (ids, row) in enumerate(zip(group.completion_ids, values)):
+            if len(row) != len(ids) * k:
+                raise InvalidGroupError(
+                    group.prompt_id,
+                    f"completion {i} has {len(ids)} token ids but {len(row)} {name} (need {len(ids)} x {k})",
+                )

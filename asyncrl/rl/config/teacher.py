@@ -45,6 +45,21 @@ class TeacherConfig(ScorerConfig):
     every completion token the samplers make; ``--trainer.loss.distill_coef`` weighs it. Its
     ``model_path`` must have the student's tokenizer."""
 
+    top_k: int = 0
+    """0: the teacher's log-prob of each sampled token, and the reverse KL estimated on it joins
+    the advantage. K > 0: the teacher's K most likely tokens and their log-probs at every
+    completion position, and the reverse KL over those K tokens plus one bucket for the rest
+    joins the loss (lower variance; 8 bytes or so a token x K on the wire). K >= the vocabulary
+    is the whole distribution (clamped). docs/algorithms.md."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(
+                f"top_k must be an integer >= 0 (0: the sampled token only; K: the teacher's K most "
+                f"likely tokens), not {self.top_k!r}"
+            )
+
 
 @dataclass(frozen=True, kw_only=True)
 class RewardModelConfig(ScorerConfig):

@@ -63,8 +63,10 @@ class GRPOLossConfig:
     distill_coef: float = 0.0
     """On-policy distillation (needs ``--teacher.model_path``): each completion token's advantage
     gets ``- distill_coef * (log p_sampler(token) - log p_teacher(token))``, the per-token
-    reverse KL to the teacher on the sampled token (Thinking Machines' on-policy distillation;
-    docs/algorithms.md). 0: no teacher term."""
+    reverse KL to the teacher on the sampled token (Thinking Machines' on-policy distillation);
+    with ``--teacher.top_k`` K > 0 the loss gets ``distill_coef`` times the reverse KL over the
+    teacher's top-K tokens and a rest bucket instead (GKD's form; docs/algorithms.md). 0: no
+    teacher term."""
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:

@@ -263,7 +263,12 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         teacher = reward_model = None
         calls = {"restart_timeout_s": run.recovery.restart_timeout_s, "log": log}
         if config.teacher.model_path:
-            teacher = Teacher(await spawn_scorer(config.teacher, "scorer"), timeout_s=config.teacher.timeout_s, **calls)
+            teacher = Teacher(
+                await spawn_scorer(config.teacher, "scorer"),
+                top_k=config.teacher.top_k,
+                timeout_s=config.teacher.timeout_s,
+                **calls,
+            )
         if config.reward_model.model_path:
             rm = config.reward_model
             reward_model = RewardModel(

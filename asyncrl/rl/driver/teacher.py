@@ -104,11 +104,20 @@ class ScorerCalls:
 
 
 class Teacher(ScorerCalls):
-    """On-policy distillation's teacher: each group gets its log-probs (``teacher_logprobs``)."""
+    """On-policy distillation's teacher: each group gets its log-probs of the sampled tokens
+    (``teacher_logprobs``), or with ``top_k`` > 0 its K most likely tokens and their log-probs at
+    every completion position (``teacher_topk_*``)."""
+
+    def __init__(self, handle, *, top_k: int = 0, **calls):
+        super().__init__(handle, **calls)
+        self.top_k = top_k
 
     async def annotate(self, group: RolloutGroup) -> RolloutGroup:
-        """``group`` with the teacher's log-probs of its completion tokens."""
-        return _fitted(group, teacher_logprobs=await self.call("teacher_logprobs", group))
+        """``group`` with the teacher's log-probs of its completion tokens (or top-K)."""
+        if not self.top_k:
+            return _fitted(group, teacher_logprobs=await self.call("teacher_logprobs", group))
+        topk = await self.call("teacher_topk", group)
+        return _fitted(group, teacher_top_k=topk.k, teacher_topk_ids=topk.ids, teacher_topk_logprobs=topk.logprobs)
 
 
 class UnparsedVerdictsError(RunStoppedError):
@@ -178,6 +187,8 @@ def scorer_kwargs(section: Any, student_path: str) -> dict[str, Any]:
     template's text (read here: the actor may run on another node) and how its verdict is read."""
     kind = "teacher" if not hasattr(section, "kind") else "judge" if section.kind == "judge" else "reward"
     kwargs: dict[str, Any] = {"kind": kind, "batch_tokens": section.batch_tokens}
+    if kind == "teacher" and section.top_k:
+        kwargs["top_k"] = section.top_k
     if kind == "judge":
         with open(section.template, encoding="utf-8") as f:
             kwargs["judge"] = {

@@ -25,7 +25,9 @@ class TrainMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     aside (the driver's wall time of the call is the record's)."""
 
     distill_kl: float | None = None
-    """Mean per-token behaviour - teacher log-prob gap (with ``--trainer.loss.distill_coef`` > 0)."""
+    """The token mean of the reverse KL to the teacher (with ``--trainer.loss.distill_coef`` > 0):
+    the behaviour - teacher log-prob gap of the sampled token, or with ``--teacher.top_k`` the KL
+    over the teacher's top-K and a rest bucket (docs/algorithms.md)."""
     kl: float | None = None
     """Mean per-token k3 KL to the reference policy (with a reference model)."""
     loss: float | None = None

@@ -26,11 +26,11 @@ import torch
 from asyncrl.errors import ActionableError
 from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.model.policy import load_policy
-from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.rollout import RolloutGroup, TeacherTopK
 from asyncrl.rl.scorer.judge import Judge, JudgeError
 from asyncrl.rl.scorer.reward import RewardModelError, load_reward_model, sequence_rewards
 from asyncrl.rl.trainer.batching import micro_batches
-from asyncrl.rl.trainer.scoring import fused_head_fallback, scored_logprobs
+from asyncrl.rl.trainer.scoring import fused_head_fallback, scored_logprobs, scored_topk
 from asyncrl.runtime.actor import Actor, endpoint
 from asyncrl.runtime.startup import start_phase
 
@@ -55,7 +55,9 @@ class ScorerActor(Actor):
     completion (``kind`` "judge": ``judge`` holds `Judge`'s keyword arguments, the student's
     tokenizer path and the template's text among them) on ``device``, batching waiting requests
     up to ``batch_tokens`` tokens a pass (see the module docstring). ``cpu_threads`` > 0 sets
-    torch's intra-op threads."""
+    torch's intra-op threads. ``top_k`` > 0 (a teacher): it answers `teacher_topk`, the teacher's
+    ``top_k`` most likely tokens at each position (clamped to its vocabulary), instead of
+    `teacher_logprobs`."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class ScorerActor(Actor):
         cpu_threads: int = 0,
         kind: str = "teacher",
         judge: dict | None = None,
+        top_k: int = 0,
     ):
         if kind not in ("teacher", "reward", "judge"):
             raise ValueError(f"kind must be 'teacher', 'reward' or 'judge', not {kind!r}")
@@ -74,6 +77,8 @@ class ScorerActor(Actor):
             raise ValueError(f"temperature must be > 0, not {temperature!r}")
         if batch_tokens < 1:
             raise ValueError(f"batch_tokens must be >= 1, not {batch_tokens!r}")
+        if top_k < 0 or (top_k and kind != "teacher"):
+            raise ValueError(f"top_k must be >= 0, and 0 for a {kind} (a teacher's option), not {top_k!r}")
         if cpu_threads > 0:
             torch.set_num_threads(cpu_threads)
         self.name = os.environ.get("ASYNCRL_ACTOR", "") or "scorer"
@@ -101,6 +106,7 @@ class ScorerActor(Actor):
             self.model.requires_grad_(False)
             self.vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self.temperature, self.batch_tokens = temperature, batch_tokens
+        self.top_k = min(top_k, self.vocab)  # K >= the vocabulary: the whole distribution
         self.fused = not fused_head_fallback(self.model)
         self._pending: list[tuple[list[int], list[list[int]], asyncio.Future]] = []
         self._wake = asyncio.Event()
@@ -127,7 +133,18 @@ class ScorerActor(Actor):
     async def teacher_logprobs(self, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[list[float]]:
         """The teacher's log-prob of each completion token given the prompt and the completion's
         tokens before it, one list per completion (each as long as its completion)."""
+        if self.top_k:
+            raise ScorerError(f"{self.name} serves its top {self.top_k} (--teacher.top_k): call teacher_topk")
         return await self._request("teacher", prompt_ids, completion_ids)
+
+    @endpoint
+    async def teacher_topk(self, prompt_ids: list[int], completion_ids: list[list[int]]) -> TeacherTopK:
+        """The teacher's ``top_k`` most likely tokens and their log-probs at each completion
+        position (the distribution that predicts that token), flat per completion (`TeacherTopK`)."""
+        if not self.top_k:
+            raise ScorerError(f"{self.name} was started without top_k (--teacher.top_k): call teacher_logprobs")
+        answers = await self._request("teacher", prompt_ids, completion_ids)  # (ids, log-probs) a completion
+        return TeacherTopK(self.top_k, [ids for ids, _ in answers], [lps for _, lps in answers])
 
     @endpoint
     async def rewards(self, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[float | None]:
@@ -211,16 +228,25 @@ class ScorerActor(Actor):
         flat = [(g, j) for g in groups for j in range(len(g.completion_ids))]
         # micro_batches orders sequences by length: the advantage slot carries each one's index back
         tags = torch.arange(len(flat), dtype=torch.float64)
-        out: list[list[float]] = [[] for _ in flat]
+        out: list = [[] for _ in flat]  # per completion: its log-probs, or (top-K ids, their log-probs)
         batches = micro_batches(groups, tags, self.batch_tokens, self.device)
         autocast = torch.bfloat16 if self.device.type == "cuda" else None
         for batch in batches:
-            logprobs, _ = scored_logprobs(
-                self.model, batch, self.temperature, fused=self.fused, autocast_dtype=autocast
-            )
+            if self.top_k:  # per completion (flat ids, flat log-probs), position-major
+                values, ids = scored_topk(
+                    self.model, batch, self.temperature, self.top_k, fused=self.fused, autocast_dtype=autocast
+                )
+            else:
+                logprobs, _ = scored_logprobs(
+                    self.model, batch, self.temperature, fused=self.fused, autocast_dtype=autocast
+                )
             for s, tag in enumerate(batch.advantages.tolist()):
                 g, j = flat[int(tag)]
-                out[int(tag)] = logprobs[s, : len(g.completion_ids[j])].tolist()
+                n = len(g.completion_ids[j])
+                if self.top_k:
+                    out[int(tag)] = (ids[s, :n].flatten().tolist(), values[s, :n].flatten().tolist())
+                else:
+                    out[int(tag)] = logprobs[s, :n].tolist()
         results, k = [], 0
         for g in groups:
             results.append(out[k : k + len(g.completion_ids)])

@@ -39,7 +39,7 @@ from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.parallel import Local
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
-from asyncrl.rl.trainer.scoring import scored_logprobs
+from asyncrl.rl.trainer.scoring import scored_logprobs, scored_logprobs_at
 from asyncrl.rl.trainer.split import batch_counts
 from asyncrl.rl.trainer.weight_sending import WeightSending
 from asyncrl.runtime.actor import endpoint
@@ -311,7 +311,9 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
             autocast_dtype=(torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else None),
         )
         # the entropy: of the policy where it is scored (a metric)
-        new, entropy = scored_logprobs(self.model, batch, self.temperature, entropy=True, **score)
+        new, entropy, student_topk = scored_logprobs_at(
+            self.model, batch, self.temperature, batch.teacher_ids, entropy=True, **score
+        )
         ref = None
         if cfg.loss.kl_coef > 0:
             with torch.no_grad(), self._reference() as reference:
@@ -326,6 +328,8 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
             entropy=entropy,
             normalizer=normalizer,
             teacher_logprobs=batch.teacher,
+            student_topk=student_topk,
+            teacher_topk=batch.teacher_topk if student_topk is not None else None,
         )
         loss.backward()
         return metrics

@@ -32,6 +32,8 @@ class MicroBatch:
     row: torch.Tensor  # [S] the row of input_ids sequence s lies in
     position_ids: torch.Tensor | None = None  # [R, L] packed rows only; None: one sequence per row
     teacher: torch.Tensor | None = None  # [S, C] a teacher's log-probs (distillation); None: no teacher
+    teacher_ids: torch.Tensor | None = None  # [S, C, K] a teacher's top-K ids (--teacher.top_k); None: none
+    teacher_topk: torch.Tensor | None = None  # [S, C, K] the teacher's log-probs of teacher_ids
 
     def scored(self, per_position: torch.Tensor) -> torch.Tensor:
         """``[S, C, ...]``: the entries of a ``[R, L-1, ...]`` tensor (log-probs, logits) at each
@@ -40,7 +42,7 @@ class MicroBatch:
 
 
 Sequence = tuple  # (prompt_ids, completion_ids, behaviour log-probs, advantage, action mask or None,
-#                    teacher log-probs or None)
+#                    teacher log-probs or None, (K, teacher top-K ids, their log-probs) or None)
 
 
 def sequences(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sequence]:
@@ -50,8 +52,13 @@ def sequences(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sequ
     for g in groups:
         masks = g.action_mask or [None] * len(g.completion_ids)
         teachers = g.teacher_logprobs or [None] * len(g.completion_ids)
-        for ids, lps, actions, teacher in zip(g.completion_ids, g.behaviour_logprobs, masks, teachers):
-            out.append((g.prompt_ids, ids, lps, float(advantages[a]), actions, teacher))
+        tops = (
+            [(g.teacher_top_k, i, v) for i, v in zip(g.teacher_topk_ids, g.teacher_topk_logprobs)]
+            if g.teacher_top_k
+            else [None] * len(g.completion_ids)
+        )
+        for ids, lps, actions, teacher, top in zip(g.completion_ids, g.behaviour_logprobs, masks, teachers, tops):
+            out.append((g.prompt_ids, ids, lps, float(advantages[a]), actions, teacher, top))
             a += 1
     return out
 
@@ -96,7 +103,7 @@ def _pad(rows: list[Sequence], device: torch.device) -> MicroBatch:
     score_index = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
     behaviour = torch.zeros(len(rows), width)
-    for i, (prompt, completion, lps, _, actions, _teacher) in enumerate(rows):
+    for i, (prompt, completion, lps, _, actions, *_teacher) in enumerate(rows):
         n = len(prompt) + len(completion)
         ids[i, :n] = torch.tensor(prompt + completion)
         attention[i, :n] = 1
@@ -109,6 +116,7 @@ def _pad(rows: list[Sequence], device: torch.device) -> MicroBatch:
     return MicroBatch(
         *(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages, row)),
         teacher=teacher_matrix(rows, width, device),
+        **teacher_topk_tensors(rows, width, device),
     )
 
 
@@ -124,3 +132,23 @@ def teacher_matrix(seqs: list[Sequence], width: int, device: torch.device) -> to
     for i, s in enumerate(seqs):
         out[i, : len(s[5])] = torch.tensor(s[5])
     return out.to(device)
+
+
+def teacher_topk_tensors(seqs: list[Sequence], width: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``teacher_ids`` and ``teacher_topk`` (``[S, width, K]``; id 0 and log-prob 0 past each
+    completion) of ``seqs``' teacher top-K, or {} when no sequence has one; a batch with some and
+    not others, or two K, is refused (a scorer left one out)."""
+    tops = [s[6] for s in seqs]
+    if all(t is None for t in tops):
+        return {}
+    ks = {t[0] if t is not None else None for t in tops}
+    if len(ks) != 1:
+        raise ValueError(f"the sequences' teacher top-K differ: K of {sorted(ks, key=str)} (None: no top-K)")
+    k = ks.pop()
+    ids = torch.zeros(len(seqs), width, k, dtype=torch.long)
+    values = torch.zeros(len(seqs), width, k)
+    for i, (s, (_, top_ids, top_lps)) in enumerate(zip(seqs, tops)):
+        n = len(s[1])
+        ids[i, :n] = torch.tensor(top_ids, dtype=torch.long).view(n, k)
+        values[i, :n] = torch.tensor(top_lps).view(n, k)
+    return {"teacher_ids": ids.to(device), "teacher_topk": values.to(device)}

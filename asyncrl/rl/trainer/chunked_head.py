@@ -44,6 +44,8 @@ def head_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[N]`` float32 log-probs of ``targets`` under ``softmax((hidden @ weight.T + bias) / T)``,
     and (with ``entropy``) the ``[N]`` entropy of that distribution, a metric with no gradient.
+    ``targets`` ``[N, M]`` gives ``[N, M]``: the log-probs of M ids at each position (the sampled
+    token and a teacher's top-K, distillation), gathered from the same chunk of logits.
 
     ``hidden`` is ``[N, H]`` (after the model's final norm), ``weight`` ``[V, H]``. The matmul runs
     in ``compute_dtype`` (the autocast dtype where the model's forward runs under autocast, as its
@@ -68,18 +70,53 @@ def _forward(hidden, weight, bias, targets, temperature, dtype, chunk, entropy):
     n = hidden.shape[0]
     w = weight.to(dtype)  # one cast per call, as autocast's weight cache does per forward
     b = None if bias is None else bias.to(dtype)
-    lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lp = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if entropy else None
     with torch.no_grad():
         for s in range(0, n, chunk):
             z = _chunk_logits(hidden[s : s + chunk].to(dtype), w, b, temperature)
             lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
-            lp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            lp[s : s + chunk] = _gathered(z, targets[s : s + chunk]) - _column(lse[s : s + chunk], lp)
             if ent is not None:  # token_entropy's formula, on the same chunk
                 logp = z - lse[s : s + chunk, None]
                 ent[s : s + chunk] = -(logp.exp() * logp).sum(-1)
     return lp, lse, ent
+
+
+def _gathered(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return z.gather(-1, ids[:, None]).squeeze(-1) if ids.dim() == 1 else z.gather(-1, ids)
+
+
+def _column(lse: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return lse if like.dim() == 1 else lse[:, None]
+
+
+@torch.no_grad()
+def head_topk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    temperature: float,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, k]`` float32 log-probs and ``[N, k]`` ids of the ``k`` most likely tokens (``k`` at
+    most the vocabulary) under ``softmax((hidden @ weight.T + bias) / T)``, most likely first: a
+    teacher's top-K (distillation), a chunk of positions at a time as `head_logprobs`."""
+    dtype = compute_dtype or weight.dtype
+    chunk = chunk or chunk_tokens(weight.shape[0])
+    w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+    values = torch.empty(hidden.shape[0], k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(hidden.shape[0], k, dtype=torch.long, device=hidden.device)
+    for s in range(0, hidden.shape[0], chunk):
+        z = _chunk_logits(hidden[s : s + chunk].to(dtype), w, b, temperature)
+        top = torch.topk(z, k, dim=-1)
+        values[s : s + chunk] = top.values - torch.logsumexp(z, dim=-1, keepdim=True)
+        ids[s : s + chunk] = top.indices
+    return values, ids
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -112,8 +149,10 @@ class _ChunkedHead(torch.autograd.Function):
             h = hidden[s : s + chunk].to(dtype)
             g = grad_lp[s : s + chunk]
             z = _chunk_logits(h, w, b, t)
-            dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g[:, None])  # -g * softmax
-            dz.scatter_add_(-1, targets[s : s + chunk, None], g[:, None])  # + g * onehot
+            ids = targets[s : s + chunk]
+            g = g if g.dim() == 2 else g[:, None]  # d lp_m / d z = onehot(id_m) - softmax, summed over m
+            dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g.sum(-1, keepdim=True))  # -g * softmax
+            dz.scatter_add_(-1, ids if ids.dim() == 2 else ids[:, None], g)  # + g * onehot
             dz = dz.div_(t).to(dtype)  # z = logits / T; autocast's logits were `dtype`
             if grad_h is not None:
                 grad_h[s : s + chunk] = (dz @ w).to(hidden.dtype)

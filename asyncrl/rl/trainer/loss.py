@@ -184,6 +184,37 @@ def distill_advantages(
     return adv - coef * (behaviour_logprobs.detach() - teacher_logprobs.detach()).to(adv.dtype)
 
 
+REST_FLOOR = 1e-6
+"""The least mass `topk_reverse_kl`'s rest bucket is given: above float32's rounding of a sum of
+probabilities, so a K that covers the vocabulary adds nothing but that (both rests floored)."""
+
+
+def topk_reverse_kl(
+    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, floor: float = REST_FLOOR
+) -> torch.Tensor:
+    """Per position (``[..., K]`` in, ``[...]`` out), the reverse KL from the student ``s`` to
+    the teacher ``t`` over the teacher's top-K tokens plus one bucket for the rest of the
+    vocabulary::
+
+        KL_K = sum_k s_k (log s_k - log t_k) + s_rest (log s_rest - log t_rest)
+        s_rest = max(1 - sum_k s_k, floor),  t_rest = max(1 - sum_k t_k, floor)
+
+    the KL between the two distributions coarsened to K + 1 outcomes: at most the full reverse
+    KL (coarsening never increases a divergence), equal to it when the K tokens are the whole
+    vocabulary. Its gradient flows through the student's log-probs of the K tokens (its rest
+    mass is one minus their sum). The rest is ``-expm1(logsumexp(log s_k))``: exact where the K
+    tokens hold almost all of the mass. This is GKD's divergence (Agarwal et al. 2024, "On-Policy
+    Distillation of Language Models": generalised JSD with beta 1, the reverse KL) on the
+    student's own samples; the top-K and the rest bucket are our reading, so that K numbers a
+    token travel instead of the teacher's whole distribution."""
+    s, t = student_logprobs, teacher_logprobs.detach().to(student_logprobs.dtype)
+    top = (s.exp() * (s - t)).sum(-1)
+    s_rest = -torch.expm1(torch.logsumexp(s, dim=-1).clamp(max=0.0))
+    t_rest = -torch.expm1(torch.logsumexp(t, dim=-1).clamp(max=0.0))
+    s_rest, t_rest = s_rest.clamp(min=floor), t_rest.clamp(min=floor)
+    return top + s_rest * (s_rest.log() - t_rest.log())
+
+
 def loss_normalizer(config: GRPOLossConfig, n_tokens: float, n_seqs: float) -> float:
     """The divisor of a whole batch's loss (``grpo_loss``'s ``normalizer``) from its valid tokens
     and its sequences with at least one valid token, per ``config.aggregation``."""
@@ -213,6 +244,8 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     normalizer: float | None = None,
     teacher_logprobs: torch.Tensor | None = None,
+    student_topk: torch.Tensor | None = None,
+    teacher_topk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's policy-gradient loss (to minimise) and detached 0-dim metric tensors.
 
@@ -227,7 +260,12 @@ def grpo_loss(
     log-ratio up to 50 nats either way, and finite with the right sign beyond (see ``_safe_exp``).
 
     With ``distill_coef`` > 0, ``teacher_logprobs`` are a teacher's log-probs of the same tokens,
-    and every token's advantage becomes `distill_advantages`' (on-policy distillation).
+    and every token's advantage becomes `distill_advantages`' (on-policy distillation). With
+    ``teacher_topk`` (``[B, L, K]``, a teacher's log-probs of its top-K tokens at each position)
+    and ``student_topk`` (the policy's log-probs of the same ids, with gradient) instead, the
+    advantages stay the task's and the loss gets ``distill_coef * aggregate(topk_reverse_kl)``,
+    aggregated like the policy term (GKD's form: the divergence back-propagated, not sampled).
+    ``distill_kl`` is the token-mean of whichever per-token KL the form uses.
 
     ``normalizer`` replaces the divisor of the aggregation (valid tokens for 'token_mean',
     non-empty sequences for 'seq_mean', those times ``token_budget`` for 'fixed_tokens'): pass the
@@ -256,8 +294,17 @@ def grpo_loss(
         )
     if config.kl_coef > 0 and ref_logprobs is None:
         raise LossInputError("kl_coef > 0 needs ref_logprobs")
-    if config.distill_coef > 0 and teacher_logprobs is None:
-        raise LossInputError("distill_coef > 0 needs teacher_logprobs (the scorer's, --teacher.model_path)")
+    if (student_topk is None) != (teacher_topk is None):
+        raise LossInputError("student_topk and teacher_topk come together (the teacher's top-K ids, scored by both)")
+    if teacher_topk is not None and (teacher_topk.shape != student_topk.shape or teacher_topk.shape[:2] != mask.shape):
+        raise LossInputError(
+            f"teacher_topk {list(teacher_topk.shape)} and student_topk {list(student_topk.shape)} must both be "
+            f"[B, L, K] with [B, L] = {list(mask.shape)}"
+        )
+    if config.distill_coef > 0 and teacher_logprobs is None and teacher_topk is None:
+        raise LossInputError(
+            "distill_coef > 0 needs teacher_logprobs or teacher_topk (the scorer's, --teacher.model_path)"
+        )
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, not {normalizer!r}")
     valid = mask.bool()
@@ -268,7 +315,16 @@ def grpo_loss(
     adv = torch.where(valid, adv if adv.dim() == 2 else adv.unsqueeze(1), 0.0)  # per-token padding may be NaN
     n_tokens = valid.sum()
     metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
-    if config.distill_coef > 0:
+    distill = None
+    if config.distill_coef > 0 and teacher_topk is not None:
+        # masked before the KL: padding may hold anything, and where() routes it no gradient
+        kl = topk_reverse_kl(
+            torch.where(valid[..., None], student_topk, 0.0), torch.where(valid[..., None], teacher_topk, 0.0)
+        )
+        kl = torch.where(valid, kl, 0.0)
+        distill = config.distill_coef * _aggregate(kl, valid, config, normalizer)
+        metrics["distill_kl"] = _token_mean(kl.detach(), valid, n_tokens)
+    elif config.distill_coef > 0:
         adv = torch.where(
             valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0
         )
@@ -277,7 +333,7 @@ def grpo_loss(
         )
     term, ratio, low, high = _POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
     pg_loss = -_aggregate(term, valid, config, normalizer)
-    loss = pg_loss
+    loss = pg_loss if distill is None else pg_loss + distill
     if ref_logprobs is not None:
         delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0)
         # Schulman's k3: >= 0 per token, low variance. No floor on delta: exp() of a very negative

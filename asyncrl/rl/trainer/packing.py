@@ -24,7 +24,14 @@ from __future__ import annotations
 import torch
 
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.trainer.batching import MicroBatch, Sequence, cut_by_budget, sequences, teacher_matrix
+from asyncrl.rl.trainer.batching import (
+    MicroBatch,
+    Sequence,
+    cut_by_budget,
+    sequences,
+    teacher_matrix,
+    teacher_topk_tensors,
+)
 
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations given an explicit 4-D mask; every other gets flattened position ids."""
@@ -142,7 +149,7 @@ def _build(rows: list[list[Sequence]], device: torch.device) -> MicroBatch:
     s = 0
     for r, row in enumerate(rows):
         offset = 0
-        for prompt, completion, lps, _, actions, _teacher in row:
+        for prompt, completion, lps, _, actions, *_teacher in row:
             n, p, c = len(prompt) + len(completion), len(prompt), len(completion)
             ids[r, offset : offset + n] = torch.tensor(prompt + completion)
             attention[r, offset : offset + n] = 1
@@ -156,4 +163,8 @@ def _build(rows: list[list[Sequence]], device: torch.device) -> MicroBatch:
         positions[r, offset:] = torch.arange(length - offset)  # the padding: a sequence of its own
     advantages = torch.tensor([seq[3] for seq in seqs])
     tensors = (ids, attention, score_index, mask, behaviour, advantages, row_of, positions)
-    return MicroBatch(*(t.to(device) for t in tensors), teacher=teacher_matrix(seqs, width, device))
+    return MicroBatch(
+        *(t.to(device) for t in tensors),
+        teacher=teacher_matrix(seqs, width, device),
+        **teacher_topk_tensors(seqs, width, device),
+    )

@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from asyncrl.rl.trainer.batching import MicroBatch
-from asyncrl.rl.trainer.chunked_head import head_logprobs
+from asyncrl.rl.trainer.chunked_head import head_logprobs, head_topk
 from asyncrl.rl.trainer.fsdp import in_root_forward
 from asyncrl.rl.trainer.loss import LossInputError, token_entropy, token_logprobs
 from asyncrl.rl.trainer.packing import policy_hidden, policy_logits
@@ -62,6 +62,25 @@ def scored_logprobs(
     current grad mode: the KL reference calls it under ``no_grad``), and with ``entropy`` the
     ``[S, C]`` entropy there (a metric, detached). ``autocast_dtype``: the forward's autocast
     (bf16 on GPU), None for none."""
+    lp, ent, _ = scored_logprobs_at(
+        model, batch, temperature, None, fused=fused, entropy=entropy, autocast_dtype=autocast_dtype
+    )
+    return lp, ent
+
+
+def scored_logprobs_at(
+    model,
+    batch: MicroBatch,
+    temperature: float,
+    at_ids: torch.Tensor | None,
+    *,
+    fused: bool,
+    entropy: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`scored_logprobs`, and with ``at_ids`` (``[S, C, K]`` token ids: a teacher's top-K at each
+    completion position) the ``[S, C, K]`` log-probs of those ids at the same positions, with
+    gradient: on the fused path gathered from the chunk of logits the head computes anyway."""
     device = batch.input_ids.device
     autocast = (
         torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
@@ -71,7 +90,8 @@ def scored_logprobs(
             logits = policy_logits(model, batch)
         logits = logits.float() / temperature
         lp = batch.scored(token_logprobs(logits, batch.input_ids))
-        return lp, batch.scored(token_entropy(logits[:, :-1])) if entropy else None
+        at = None if at_ids is None else _logprobs_at(logits, batch, at_ids)
+        return lp, batch.scored(token_entropy(logits[:, :-1])) if entropy else None, at
     if batch.input_ids.shape[1] < 2:
         raise LossInputError("need rows of >= 2 tokens: the first token is never scored")
     # Only the scored positions: row row[s], index score_index[s, j], predicting the token after.
@@ -82,6 +102,9 @@ def scored_logprobs(
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         # an out-of-range id would be a device-side assert on CUDA, which kills the context
         raise LossInputError(f"input_ids must lie in [0, {vocab}); got [{int(targets.min())}, {int(targets.max())}]")
+    if at_ids is not None:  # column 0 the sampled token, then the K ids: one pass through the head
+        _check_ids(at_ids, vocab)
+        targets = torch.cat([targets[:, None], at_ids[batch.mask]], dim=1)
 
     def fused() -> tuple[torch.Tensor, torch.Tensor | None]:
         with autocast:
@@ -98,11 +121,63 @@ def scored_logprobs(
         )
 
     lp, ent = in_root_forward(model, fused)
-    return _spread(lp, batch.mask), (None if ent is None else _spread(ent, batch.mask))
+    ent = None if ent is None else _spread(ent, batch.mask)
+    if at_ids is None:
+        return _spread(lp, batch.mask), ent, None
+    return _spread(lp[:, 0], batch.mask), ent, _spread(lp[:, 1:], batch.mask)
+
+
+@torch.no_grad()
+def scored_topk(
+    model, batch: MicroBatch, temperature: float, k: int, *, fused: bool, autocast_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[S, C, k]`` float32 log-probs and ids of the ``k`` (at most the vocabulary) most likely
+    tokens at each of ``batch``'s completion positions, at ``temperature``: a teacher's top-K,
+    computed a chunk of positions at a time (no ``[tokens, vocab]`` log-softmax of the batch)."""
+    device = batch.input_ids.device
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
+    if not fused:
+        with autocast:
+            logits = policy_logits(model, batch)
+        scored = batch.scored(logits[:, :-1])  # [S, C, V] of the positions only
+        values = torch.zeros(*scored.shape[:2], k, device=device)
+        ids = torch.zeros(*scored.shape[:2], k, dtype=torch.long, device=device)
+        for s in range(scored.shape[0]):  # a sequence at a time: float32 temporaries of [C, V]
+            z = scored[s].float() / temperature
+            top = torch.topk(z, k, dim=-1)
+            values[s], ids[s] = top.values - torch.logsumexp(z, dim=-1, keepdim=True), top.indices
+        return values, ids
+    rows = batch.row.unsqueeze(1).expand_as(batch.score_index)[batch.mask]
+    positions = batch.score_index[batch.mask]
+    with autocast:
+        hidden = policy_hidden(model, batch)
+    head = model.get_output_embeddings()
+    values, ids = head_topk(
+        hidden[rows, positions], head.weight, head.bias, k, temperature, compute_dtype=autocast_dtype
+    )
+    return _spread(values, batch.mask), _spread(ids, batch.mask)
+
+
+def _logprobs_at(logits: torch.Tensor, batch: MicroBatch, at_ids: torch.Tensor) -> torch.Tensor:
+    """``[S, C, K]`` log-probs of ``at_ids`` from full ``[R, L, V]`` (tempered) logits, a sequence
+    at a time."""
+    _check_ids(at_ids, logits.shape[-1])
+    out = []
+    for s in range(at_ids.shape[0]):
+        z = logits[batch.row[s], batch.score_index[s]]  # [C, V]
+        out.append(z.gather(-1, at_ids[s]) - torch.logsumexp(z, dim=-1, keepdim=True))
+    return torch.stack(out)
+
+
+def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise LossInputError(f"teacher ids must lie in [0, {vocab}); got [{int(ids.min())}, {int(ids.max())}]")
 
 
 def _spread(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[S, C]`` with ``values`` (``[mask.sum()]``, row-major) where ``mask`` is set, 0 elsewhere."""
-    out = values.new_zeros(mask.shape)
+    """``[S, C, ...]`` with ``values`` (``[mask.sum(), ...]``, row-major) where ``mask`` is set, 0 elsewhere."""
+    out = values.new_zeros(*mask.shape, *values.shape[1:])
     out[mask] = values
     return out
