@@ -55,6 +55,9 @@ def test_group_roundtrips_msgpack_as_array():
         [],
         {},
         [],
+        0,
+        [],
+        [],
     ]
     assert msgspec.msgpack.decode(data, type=RolloutGroup) == g
     short = msgspec.msgpack.encode([7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4])
