@@ -82,9 +82,7 @@ def scored_logprobs_at(
     completion position) the ``[S, C, K]`` log-probs of those ids at the same positions, with
     gradient: on the fused path gathered from the chunk of logits the head computes anyway."""
     device = batch.input_ids.device
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    )
+    autocast = _autocast(device, autocast_dtype)
     if not fused:
         with autocast:
             logits = policy_logits(model, batch)
@@ -135,9 +133,7 @@ def scored_topk(
     tokens at each of ``batch``'s completion positions, at ``temperature``: a teacher's top-K,
     computed a chunk of positions at a time (no ``[tokens, vocab]`` log-softmax of the batch)."""
     device = batch.input_ids.device
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    )
+    autocast = _autocast(device, autocast_dtype)
     if not fused:
         with autocast:
             logits = policy_logits(model, batch)
@@ -158,6 +154,11 @@ def scored_topk(
         hidden[rows, positions], head.weight, head.bias, k, temperature, compute_dtype=autocast_dtype
     )
     return _spread(values, batch.mask), _spread(ids, batch.mask)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    """The forward's autocast context on ``device`` (``dtype`` None: none)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def _logprobs_at(logits: torch.Tensor, batch: MicroBatch, at_ids: torch.Tensor) -> torch.Tensor:
