@@ -10,9 +10,9 @@ import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.trainer.distill import distill_advantages, topk_reverse_kl
 from asyncrl.rl.trainer.loss import (
     LossInputError,
-    distill_advantages,
     group_advantages,
     grpo_loss,
     loss_normalizer,
@@ -20,7 +20,6 @@ from asyncrl.rl.trainer.loss import (
     step_advantages,
     token_entropy,
     token_logprobs,
-    topk_reverse_kl,
 )
 
 F64 = torch.float64
