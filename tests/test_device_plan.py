@@ -116,15 +116,18 @@ def test_scorers_get_a_gpu_each_when_every_one_can_else_share_the_trainers():
     plan = plan_devices("auto", "cuda", ["0", "1"], 1, scorers=1)
     assert (plan.colocated, plan.sync_backend, plan.sampler_gpus) == (False, "nccl", 1)
     assert (plan.scorers_colocated, plan.scorer_gpus) == (True, 0)
-    assert plan.line == "cuda: one GPU each for the trainer and 1 sampler(s); the 1 scorer(s) share the trainer's GPU"
+    assert plan.line == (
+        "cuda, 2 GPU(s): GPU 0 the trainer, GPU 1 a sampler; the 1 scorer(s) share the trainer's GPU; "
+        "1 sampler(s), one weight broadcast reaches them all"
+    )
     # one GPU short of a scorer each: none gets its own, and the spare one is named
     plan = plan_devices("auto", "cuda", ["0", "1", "2"], 1, scorers=2)
     assert (plan.colocated, plan.scorers_colocated) == (False, True)
-    assert "2 scorer(s) share the trainer's GPU (1 GPU(s) left unused: too few for one a scorer)" in plan.line
+    assert "2 scorer(s) share the trainer's GPU; 1 GPU(s) left unused: too few for one a scorer" in plan.line
     # enough: one each
     plan = plan_devices("auto", "cuda", ["0", "1", "2", "3"], 1, scorers=2)
     assert (plan.colocated, plan.scorers_colocated, plan.scorer_gpus, plan.sampler_gpus) == (False, False, 1, 1)
-    assert plan.line == "cuda: one GPU each for the trainer, 1 sampler(s) and 2 scorer(s)"
+    assert plan.line.startswith("cuda, 4 GPU(s): GPU 0 the trainer, GPU 1 a sampler, GPUs 2-3 a scorer each; ")
     # too few for the samplers: everything on the trainer's GPU
     plan = plan_devices("auto", "cuda", ["0"], 1, scorers=1)
     assert (plan.colocated, plan.scorers_colocated, plan.scorer_gpus, plan.sync_backend) == (True, True, 0, "ipc")
@@ -132,3 +135,58 @@ def test_scorers_get_a_gpu_each_when_every_one_can_else_share_the_trainers():
     # the CPU: nothing to share
     plan = plan_devices("auto", None, [], 1, scorers=2)
     assert (plan.device, plan.scorer_gpus, plan.scorers_colocated) == ("cpu", 0, False)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "ranks", "scorers", "samplers", "roles"),
+    [
+        (1, 1, 0, 1, None),  # one GPU: a sampler shares it (colocated)
+        (2, 1, 0, 1, "GPU 0 the trainer, GPU 1 a sampler"),
+        (4, 1, 0, 3, "GPU 0 the trainer, GPUs 1-3 a sampler each"),
+        (8, 1, 0, 7, "GPU 0 the trainer, GPUs 1-7 a sampler each"),
+        (8, 2, 0, 6, "GPUs 0-1 a trainer rank each (FSDP2), GPUs 2-7 a sampler each"),
+        (4, 1, 1, 2, "GPU 0 the trainer, GPUs 1-2 a sampler each, GPU 3 a scorer"),
+        (2, 1, 1, 1, "GPU 0 the trainer, GPU 1 a sampler"),  # no GPU left for the scorer: it shares
+        (2, 2, 0, 1, None),  # the ranks take both: a sampler shares rank 0's
+    ],
+)
+def test_sampler_count_auto_puts_a_sampler_on_every_gpu_the_trainer_leaves(gpus, ranks, scorers, samplers, roles):
+    plan = plan_devices("auto", "cuda", [str(i) for i in range(gpus)], 0, trainer_ranks=ranks, scorers=scorers)
+    assert plan.samplers == samplers
+    assert f"{samplers} sampler(s) (--sampler.count auto)" in plan.line
+    if roles is None:
+        assert plan.colocated and plan.sampler_gpus == 0
+    else:
+        assert not plan.colocated and plan.sampler_gpus == 1 and plan.sync_backend == "nccl"
+        assert plan.line.startswith(f"cuda, {gpus} GPU(s): {roles}"), plan.line
+        used = ranks + samplers + (0 if plan.scorers_colocated else scorers)
+        assert used == gpus and "unused" not in plan.line  # every GPU works
+
+
+def test_sampler_count_auto_is_one_on_the_cpu_and_a_count_asked_for_is_kept():
+    assert plan_devices("auto", None, [], 0).samplers == 1
+    assert plan_devices("cpu", "cuda", ["0", "1", "2"], 0).samplers == 1
+    plan = plan_devices("auto", "cuda", ["0", "1", "2", "3"], 1)  # asked for one: the rest said unused
+    assert plan.samplers == 1 and "2 GPU(s) left unused" in plan.line
+    assert "(--sampler.count auto)" not in plan.line
+
+
+def test_sampler_count_auto_over_two_hosts_counts_both():
+    """Two hosts of two GPUs: the trainer on one, a sampler on each of the three others."""
+    nodes = [NodeStatus(0, "a", "10.0.0.1", 2, 2, "joined"), NodeStatus(1, "b", "10.0.0.2", 2, 2, "joined")]
+    plan = plan_devices("auto", *cluster_devices("cuda", ["0", "1"], nodes), 0)
+    assert plan.samplers == 3 and not plan.colocated
+
+
+def test_vllm_args_are_a_json_object_refused_in_one_line_otherwise():
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+    from asyncrl.rl.config.sampler import SamplerConfig
+
+    config = parse_overrides(GRPOConfig(), ["--sampler.vllm_args", '{"max_num_seqs": 512, "async_scheduling": true}'])
+    assert config.sampler.engine_args() == {"max_num_seqs": 512, "async_scheduling": True}
+    assert SamplerConfig().engine_args() == {}
+    with pytest.raises(ConfigError, match=r"^--sampler.vllm_args '\[1\]': vllm_args must be a JSON object"):
+        parse_overrides(GRPOConfig(), ["--sampler.vllm_args", "[1]"])
+    with pytest.raises(ConfigError, match=r"vllm_args must be a JSON object of vLLM engine arguments \(Expecting"):
+        parse_overrides(GRPOConfig(), ["--sampler.vllm_args", "{max_num_seqs: 1}"])

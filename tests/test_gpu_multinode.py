@@ -84,7 +84,7 @@ def test_the_example_runs_with_its_sampler_on_another_host_over_nccls_sockets(mo
     assert [r["step"] for r in rs] == [1, 2, 3, 4]
     assert all(r["weights_digests"]["sampler0"] == r["weights_digests"]["trainer"] for r in rs)
     if not DRY:
-        assert "cuda: one GPU each for the trainer and 1 sampler(s)" in out, out[-4000:]
+        assert "GPU 0 the trainer, GPU 1 a sampler" in out, out[-4000:]
         assert "via NET/Socket" in out and " via P2P" not in out and " via SHM" not in out, out[-6000:]
     assert wait_until(lambda: not netns_pids(namespace), 10.0), netns_pids(namespace)
 

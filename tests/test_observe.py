@@ -222,6 +222,25 @@ def test_progress_is_plain_lines_when_not_a_terminal(capsys):
     )
 
 
+def test_the_consoles_rates_are_the_last_steps_not_the_whole_runs(capsys):
+    """A slow start (an engine compiling: 10 samples in 100 s) is over after the window: the line
+    shows the pace of the last steps (10 samples/s), where the whole run's average is still ~1.5."""
+    from asyncrl.rl.observe.progress import RATE_WINDOW, RecentRate
+
+    rate, samples, t = RecentRate(), 10.0, 100.0
+    assert rate.update(record(1, samples_per_s=samples / t, tokens_per_s=4 * samples / t, time_s=t)) == (0.1, 0.4)
+    for step in range(2, RATE_WINDOW + 3):
+        samples, t = samples + 20, t + 2  # 10 samples/s, 40 tokens/s from step 2 on
+        shown = rate.update(record(step, samples_per_s=samples / t, tokens_per_s=4 * samples / t, time_s=t))
+    assert shown == pytest.approx((10.0, 40.0)) and samples / t < 2
+    display = Progress(RATE_WINDOW + 2, 1)
+    display.rate = rate
+    capsys.readouterr()
+    samples, t = samples + 20, t + 2
+    display.update(record(RATE_WINDOW + 2, samples_per_s=samples / t, tokens_per_s=4 * samples / t, time_s=t))
+    assert "samples/s 10.0  tok/s 40" in capsys.readouterr().out
+
+
 class FakeTerminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -16,8 +17,9 @@ class SamplerConfig:
     """The sampler actors: how many there are, what each generates at once, how, and how new weights
     reach it."""
 
-    count: int = 1
-    """Number of sampler actors."""
+    count: int = 0
+    """Number of sampler actors. 0: auto, one on every GPU the trainer (and the scorers) leave, or
+    one sharing the trainer's GPU where none is left; one on the CPU (driver/devices.py)."""
     group_size: int = 8
     """Completions per prompt."""
     prompts_per_batch: int = 0
@@ -46,6 +48,10 @@ class SamplerConfig:
     gpu_memory_utilization: float = 0.0
     """vLLM on a GPU: the share of the GPU's memory each engine reserves (0: vLLM's default alone on
     a GPU; 0.3 split among the samplers when they share the trainer's GPU). See docs/gpu.md."""
+    vllm_args: str = ""
+    """vLLM: more engine arguments, a JSON object of ``AsyncEngineArgs`` fields (``'{"max_num_seqs":
+    512}'``); they override asyncrl's own, but for tensor and pipeline parallelism (one worker a
+    sampler: each needs its own rank in the weight-sync group)."""
     engine_start_timeout_s: float = 900.0
     """vLLM: how long a sampler's start may spend loading the model and building its engine before
     it counts as hung. A first start on a fresh GPU machine compiles the model (torch.compile) and
@@ -65,12 +71,26 @@ class SamplerConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in [0, 1) (0: the default), not {self.gpu_memory_utilization!r}"
             )
+        self.engine_args()  # a bad JSON object is refused with the config
         if self.streams < 0:
             raise ValueError(f"streams must be >= 0 (0: auto), not {self.streams!r}")
-        if self.count < 1 or self.group_size < 2 or self.prompts_per_batch < 0:
+        if self.count < 0 or self.group_size < 2 or self.prompts_per_batch < 0:
             raise ValueError(
-                "need count >= 1, group_size >= 2 (GRPO compares within a group), prompts_per_batch >= 0 (0: auto)"
+                "need count >= 0 (0: auto), group_size >= 2 (GRPO compares within a group), "
+                "prompts_per_batch >= 0 (0: auto)"
             )
+
+    def engine_args(self) -> dict:
+        """``vllm_args`` as a dict ({} when empty); ValueError for anything but a JSON object."""
+        if not self.vllm_args:
+            return {}
+        try:
+            args = json.loads(self.vllm_args)
+        except ValueError as exc:
+            raise ValueError(f"vllm_args must be a JSON object of vLLM engine arguments ({exc})") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"vllm_args must be a JSON object of vLLM engine arguments, not {self.vllm_args!r}")
+        return args
 
     def batch_prompts(self, device: str, groups_per_step: int) -> int:
         """``prompts_per_batch``, with 0 (auto) resolved for samplers computing on ``device``."""
@@ -78,7 +98,7 @@ class SamplerConfig:
             return self.prompts_per_batch
         if device != "cuda":
             return CPU_PROMPTS_PER_BATCH
-        return max(CPU_PROMPTS_PER_BATCH, -(-groups_per_step // self.count))
+        return max(CPU_PROMPTS_PER_BATCH, -(-groups_per_step // max(1, self.count)))
 
     def paced_streams(self, device: str, groups_per_step: int, max_staleness: int) -> int:
         """``streams``, with 0 (auto) resolved for samplers computing on ``device``: on a GPU
@@ -88,5 +108,5 @@ class SamplerConfig:
             return self.streams
         if device != "cuda":
             return 1
-        share = groups_per_step * max_staleness / self.count
+        share = groups_per_step * max_staleness / max(1, self.count)
         return min(MAX_AUTO_STREAMS, max(1, math.ceil(share / self.batch_prompts(device, groups_per_step))))

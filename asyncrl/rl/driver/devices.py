@@ -2,6 +2,11 @@
 
 `plan_devices` decides from ``--run.device`` and the devices the supervisor sees, and says what it
 decided in one line, so a run never falls back to the CPU (or squeezes onto one GPU) silently.
+
+With ``--sampler.count`` left at 0 (auto), every GPU works: the trainer's ranks take one each, a
+scorer one each where one is left for it after a sampler, and every other GPU gets a sampler of its
+own; one GPU alone is shared (colocated). Each GPU added to a host then adds a sampler's engine to
+the run, and one weight broadcast reaches them all (fleet/sync_group.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class DevicePlan:
     scorers_colocated: bool = False
     """The scorers (teacher, reward model) share the trainer's GPU: too few GPUs for one each
     after the trainer's and the samplers'."""
+    samplers: int = 1
+    """How many samplers the run starts: ``--sampler.count``, or what its 0 (auto) resolved to."""
 
     @property
     def trainer_gpus(self) -> int:
@@ -54,21 +61,38 @@ class DevicePlan:
         return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)} if self.colocated else {}
 
 
+def auto_samplers(gpus: int, trainer_ranks: int, scorers: int) -> int:
+    """What ``--sampler.count`` 0 means on a host of ``gpus`` CUDA devices (0: the CPU): a sampler on
+    every GPU the trainer's ranks and the scorers leave (a scorer gets one of its own only where a
+    sampler still has one: it answers prefill alone, and shares the trainer's GPU otherwise); one,
+    sharing the trainer's GPU, where none is left; one on the CPU."""
+    left = gpus - trainer_ranks
+    if left < 1:
+        return 1
+    return left - scorers if left - scorers >= 1 else left
+
+
 def plan_devices(
     asked: str, kind: str | None, ids: list[str], samplers: int, *, trainer_ranks: int = 1, scorers: int = 0
 ) -> DevicePlan:
     """``asked``: --run.device ("auto", "cpu", "cuda"); ``kind``/``ids``: the host's accelerators
-    (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has;
-    ``trainer_ranks``: the trainer's processes (--trainer.world_size), a GPU each on CUDA;
-    ``scorers``: its scorer actors (a teacher, a reward model), planned after the samplers: a GPU
-    each when every one gets one, else on the trainer's GPU (a scorer never takes a sampler's)."""
+    (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has (0: auto,
+    `auto_samplers`); ``trainer_ranks``: the trainer's processes (--trainer.world_size), a GPU each on
+    CUDA; ``scorers``: its scorer actors (a teacher, a reward model), planned after the samplers: a
+    GPU each when every one gets one, else on the trainer's GPU (a scorer never takes a sampler's)."""
     gpus = len(ids) if kind == "cuda" else 0
+    auto = samplers == 0
+    if asked == "cpu" or gpus == 0:
+        samplers = samplers or 1
+    elif auto:
+        samplers = auto_samplers(gpus, trainer_ranks, scorers)
+    counted = f"{samplers} sampler(s)" + (" (--sampler.count auto)" if auto else "")
     wanted = trainer_ranks + samplers
     trainer = f"{trainer_ranks} trainer ranks" if trainer_ranks > 1 else "the trainer"
     host = "trainer rank 0's GPU" if trainer_ranks > 1 else "trainer's GPU"
     if asked == "cpu":
         also = f" ({gpus} CUDA device(s) left unused: --run.device auto uses them)" if gpus else ""
-        return DevicePlan("cpu", False, "gloo", f"cpu, as asked{also}")
+        return DevicePlan("cpu", False, "gloo", f"cpu, as asked{also}; {counted}", samplers=samplers)
     if gpus == 0:
         if asked == "cuda":
             seen = f"{kind} devices {','.join(ids)}" if kind else "no accelerator"
@@ -77,38 +101,54 @@ def plan_devices(
                 "or the driver may hide them); drop --run.device for the CPU"
             )
         why = "Ascend NPUs are not yet placed by GRPO runs" if kind == "npu" else "no CUDA device found"
-        return DevicePlan("cpu", False, "gloo", f"cpu ({why})")
+        return DevicePlan("cpu", False, "gloo", f"cpu ({why}); {counted}", samplers=samplers)
     if gpus < trainer_ranks:
         raise ConfigError(
             f"--trainer.world_size {trainer_ranks} needs a GPU per rank, but this host shows {gpus}; "
             "lower it, or add --run.device cpu"
         )
-    if gpus >= wanted + scorers:
-        each = (
-            f"{trainer}, {samplers} sampler(s) and {scorers} scorer(s)"
-            if scorers
-            else f"{trainer} and {samplers} sampler(s)"
-        )
-        return DevicePlan("cuda", False, "nccl", f"cuda: one GPU each for {each}")
-    scorer_words = f"; the {scorers} scorer(s) share the {host}" if scorers else ""
     if gpus >= wanted:
-        spare = f" ({gpus - wanted} GPU(s) left unused: too few for one a scorer)" if gpus > wanted else ""
+        own = gpus >= wanted + scorers
+        roles = _gpu_roles(trainer_ranks, samplers, scorers if own else 0)
+        shared = f"; the {scorers} scorer(s) share the {host}" if scorers and not own else ""
+        spare = gpus - wanted - (scorers if own else 0)
+        unused = f"; {spare} GPU(s) left unused" + (": too few for one a scorer" if scorers else "") if spare else ""
         return DevicePlan(
             "cuda",
             False,
             "nccl",
-            f"cuda: one GPU each for {trainer} and {samplers} sampler(s){scorer_words}{spare}",
-            scorers_colocated=True,
+            f"cuda, {gpus} GPU(s): {roles}{shared}{unused}; {counted}, one weight broadcast reaches them all",
+            scorers_colocated=not own,
+            samplers=samplers,
         )
+    scorer_words = f"; the {scorers} scorer(s) share the {host}" if scorers else ""
     unused = f"; {gpus - trainer_ranks} other GPU(s) unused" if gpus > trainer_ranks else ""
     return DevicePlan(
         "cuda",
         True,
         "ipc",
-        f"cuda, colocated: {gpus} GPU(s) for {trainer} and {samplers} sampler(s), so the samplers share "
+        f"cuda, colocated: {gpus} GPU(s) for {trainer} and {counted}, so the samplers share "
         f"the {host} and take weights over CUDA IPC{scorer_words}{unused}",
         scorers_colocated=True,
+        samplers=samplers,
     )
+
+
+def _gpu_roles(trainer_ranks: int, samplers: int, scorers: int) -> str:
+    """What each GPU does, in placement order ("GPU 0 the trainer, GPUs 1-3 a sampler each"). The
+    numbers count GPUs over the hosts of a run (the supervisor picks which device of which node)."""
+    parts, first = [], 0
+    for count, one, each in (
+        (trainer_ranks, "the trainer", "a trainer rank each (FSDP2)"),
+        (samplers, "a sampler", "a sampler each"),
+        (scorers, "a scorer", "a scorer each"),
+    ):
+        if count == 1:
+            parts.append(f"GPU {first} {one}")
+        elif count > 1:
+            parts.append(f"GPUs {first}-{first + count - 1} {each}")
+        first += count
+    return ", ".join(parts)
 
 
 def cluster_devices(kind: str | None, ids: list[str], nodes: list) -> tuple[str | None, list[str]]:

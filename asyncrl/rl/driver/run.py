@@ -65,7 +65,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     scorers = scorer_sections(config)  # teacher, reward model: placed by plan_devices after the samplers
     devices = cluster_devices(*detect("auto"), sup.nodes())
     plan = plan_devices(run.device, *devices, config.sampler.count, trainer_ranks=ranks, scorers=len(scorers))
-    trainer_nodes, sampler_nodes = check_placement(run.placement, ranks, config.sampler.count, sup.config.nnodes, plan)
+    trainer_nodes, sampler_nodes = check_placement(run.placement, ranks, plan.samplers, sup.config.nnodes, plan)
     if run.check_weights:  # before the run directory, the trainer and a minute of vLLM engine start
         await check_backend_readable(config.sampler.backend, plan.device)
     spec = config.task_spec()
@@ -153,9 +153,9 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         for key, section in scorers:  # before anything is spawned: one that reads ids otherwise is refused in one line
             if section.shares_tokenizer:
                 check_tokenizers(model_path, section.model_path, f"--{key}.model_path")
+        log(f"plan: {plan.line}")
         log(
-            f"run dir {run_dir}; task {task.task_name()}; model {model_path}; {plan.line}; "
-            f"{config.sampler.count} sampler(s); mode {run.mode}"
+            f"run dir {run_dir}; task {task.task_name()}; model {model_path}; mode {run.mode}"
             + "".join(f"; {key.replace('_', ' ')} {section.model_path}" for key, section in scorers)
         )
 
@@ -198,11 +198,12 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             checkpoint = await load_checkpoint(trainer, run, run_dir, checkpoint, candidates, damaged, log)
             commit(checkpoint)
             move_damaged_aside(damaged, log)
-        vllm = plan.vllm_options(config.sampler.gpu_memory_utilization, config.sampler.count)
+        vllm = plan.vllm_options(config.sampler.gpu_memory_utilization, plan.samplers)
         # Resolved here, after config.json is written: it keeps 'auto' (0), so a run resumed on
         # another host resolves it for that host's devices.
-        prompts, auto = config.sampler.batch_prompts(device, run.groups_per_step), not config.sampler.prompts_per_batch
-        sampler = dataclasses.replace(config.sampler, prompts_per_batch=prompts)
+        sampler = dataclasses.replace(config.sampler, count=plan.samplers)
+        prompts, auto = sampler.batch_prompts(device, run.groups_per_step), not sampler.prompts_per_batch
+        sampler = dataclasses.replace(sampler, prompts_per_batch=prompts)
         streams = sampler.paced_streams(device, run.groups_per_step, run.max_staleness)
         config = dataclasses.replace(config, sampler=dataclasses.replace(sampler, streams=streams))
         paced = (

@@ -5,6 +5,10 @@ step, its ETA, the reward, the train and held-out solve rates and tokens/s; each
 every line the driver logs is printed above the bar, which is redrawn below it. When stdout is
 not a terminal (CI, a file, ``| tee``), or with ``--run.progress_bar false``, plain lines as a log
 wants them: about fifty over the run, and one at every evaluation.
+
+Its samples/s and tok/s are the recent rates, over the last `RATE_WINDOW` steps (`RecentRate`), so
+a run's start (engines compiling, the first evaluation) does not hide its pace for the rest of
+the run; metrics.jsonl keeps the whole run's averages beside them.
 """
 
 from __future__ import annotations
@@ -12,15 +16,41 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from asyncrl.rl.observe.record import StepRecord
 from asyncrl.rl.observe.report import duration_text
 
+RATE_WINDOW = 10
+"""Steps the console's samples/s and tok/s are taken over."""
 
-def progress_line(record: StepRecord, steps: int, eta_s: float | None, elapsed_s: float) -> str:
-    """One step's record as the plain progress line."""
+
+class RecentRate:
+    """Samples/s and tokens/s over the last ``window`` steps, from the records' run totals (each
+    record's average rate times its training time is the run's count so far)."""
+
+    def __init__(self, window: int = RATE_WINDOW):
+        self._seen: deque[tuple[float, float, float]] = deque(maxlen=window + 1)
+
+    def update(self, record: StepRecord) -> tuple[float, float]:
+        """``(samples/s, tokens/s)`` over the window that ends with ``record``; the record's own
+        (whole-run) rates until a second step is seen."""
+        t = record.time_s
+        self._seen.append((t, record.samples_per_s * t, record.tokens_per_s * t))
+        (t0, s0, k0), (t1, s1, k1) = self._seen[0], self._seen[-1]
+        if t1 - t0 <= 0:
+            return record.samples_per_s, record.tokens_per_s
+        return (s1 - s0) / (t1 - t0), (k1 - k0) / (t1 - t0)
+
+
+def progress_line(
+    record: StepRecord, steps: int, eta_s: float | None, elapsed_s: float, rates: tuple[float, float] | None = None
+) -> str:
+    """One step's record as the plain progress line; ``rates``: the samples/s and tok/s to show
+    (`RecentRate`), else the record's whole-run averages."""
+    samples_per_s, tokens_per_s = rates or (record.samples_per_s, record.tokens_per_s)
     heldout, sampled = record.heldout_solve_rate, record.heldout_sampled_solve_rate
     if heldout is None:
         evaluation = ""
@@ -31,7 +61,7 @@ def progress_line(record: StepRecord, steps: int, eta_s: float | None, elapsed_s
     return (
         f"step {record.step:>4}/{steps}  reward {record.reward_mean:.3f}  "
         f"solve {record.train_solve_rate:.2f}  stale {record.staleness_mean:.2f}  "
-        f"samples/s {record.samples_per_s:.1f}  tok/s {record.tokens_per_s:.0f}  "
+        f"samples/s {samples_per_s:.1f}  tok/s {tokens_per_s:.0f}  "
         + evaluation
         + f"{elapsed_s:.0f}s"
         + (f"  eta {duration_text(eta_s)}" if eta_s is not None else "")
@@ -44,6 +74,7 @@ class Progress:
     def __init__(self, steps: int, first_step: int):
         self.steps, self.first_step = steps, first_step
         self.start = time.monotonic()
+        self.rate = RecentRate()
 
     def eta_s(self, step: int) -> float | None:
         """Seconds left at the pace of this run segment so far (evaluations included)."""
@@ -53,9 +84,10 @@ class Progress:
         return (time.monotonic() - self.start) / done * (self.steps - step)
 
     def update(self, record: StepRecord) -> None:
-        step = record.step
+        step, rates = record.step, self.rate.update(record)
         if record.heldout_solve_rate is not None or step % max(1, self.steps // 50) == 0:  # a log, not a bar
-            print(progress_line(record, self.steps, self.eta_s(step), time.monotonic() - self.start), flush=True)
+            line = progress_line(record, self.steps, self.eta_s(step), time.monotonic() - self.start, rates)
+            print(line, flush=True)
 
     def guard(self, log: Callable[[str], None]) -> Callable[[str], None]:
         """``log``, made safe to call while the display is up."""
@@ -88,12 +120,14 @@ class ProgressBar(Progress):
         self.heldout = ""
 
     def update(self, record: StepRecord) -> None:
+        samples_per_s, tokens_per_s = rates = self.rate.update(record)
         if record.heldout_solve_rate is not None:
             self.heldout = f"held-out {record.heldout_solve_rate:.2f}"
-            self._tqdm.write(progress_line(record, self.steps, None, time.monotonic() - self.start), file=self.stream)
+            line = progress_line(record, self.steps, None, time.monotonic() - self.start, rates)
+            self._tqdm.write(line, file=self.stream)
         self.bar.set_postfix_str(
             f"reward {record.reward_mean:.3f}  solve {record.train_solve_rate:.2f}  "
-            f"{self.heldout + '  ' if self.heldout else ''}tok/s {record.tokens_per_s:.0f}",
+            f"{self.heldout + '  ' if self.heldout else ''}samples/s {samples_per_s:.1f}  tok/s {tokens_per_s:.0f}",
             refresh=False,
         )
         self.bar.update(record.step - self.bar.n)

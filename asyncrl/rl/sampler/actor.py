@@ -115,7 +115,7 @@ class SamplerActor(WeightReceiving):
             seed=seed,
             in_flight=self.in_flight,
             resume_timeout_s=3 * sync_timeout_s,
-            vllm=vllm or {},
+            vllm=(vllm or {}) | ({"engine": config.engine_args()} if config.vllm_args else {}),
             adapter=adapter,
         )
         self.sink = self.backend.weight_sink(self)
