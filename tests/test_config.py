@@ -367,3 +367,15 @@ def test_rules_about_the_embedded_model_leave_a_checkpoint_alone():
         GRPOConfig(), ["--model_path", "/ckpt", "--run.data_seed", "3", "--sampler.max_new_tokens", "512"]
     )
     assert (c.run.data.data_seed, c.sampler.max_new_tokens) == (3, 512)  # the checkpoint's limit: preflight's
+
+
+def test_where_the_evaluation_runs_is_one_of_three():
+    from asyncrl.rl.config import GRPOConfig
+    from asyncrl.rl.config.run import RunConfig
+
+    assert RunConfig().eval_on == "auto"  # samplers with vLLM on a GPU, else the trainer: the CPU run as before
+    assert parse_overrides(GRPOConfig(), ["--run.eval_on", "samplers"]).run.eval_on == "samplers"
+    with pytest.raises(ValueError, match=r"^eval_on must be one of auto, trainer, samplers, not 'gpu'$"):
+        RunConfig(eval_on="gpu")
+    with pytest.raises(ConfigError, match=r"^--run\.eval_on sampler: eval_on must be one of auto, trainer, samplers"):
+        parse_overrides(GRPOConfig(), ["--run.eval_on", "sampler"])

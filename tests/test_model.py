@@ -369,6 +369,40 @@ class Scored(Countdown):
         return Score(0.0, False, {"length": len(completion), "even_target": problem.target % 2 == 0})
 
 
+def test_an_evaluation_in_parts_of_whole_batches_is_the_one_in_one_part(built):
+    """The trainer's held-out evaluation solves its problems in parts (to say how far it has got):
+    parts of whole batches make the very ``generate`` calls one part makes, in the same order, so
+    a run's figures are what they were, the sampled ones too (the same RNG draws); each part is
+    told with its positions and its tally, and the tallies add up to the answer."""
+    model, tok, fmt = load_policy(built)
+    problems = list(generate(0, 24))
+    whole, parts = [], []
+    for found, chunk in ((whole, 0), (parts, 8)):
+        torch.manual_seed(7)
+        for greedy, n in ((True, 1), (False, 2)):
+            told = []
+            result = evaluation.evaluate(
+                model,
+                tok,
+                fmt,
+                problems,
+                task=Countdown(),
+                greedy=greedy,
+                n=n,
+                batch_size=8,
+                chunk=chunk // n,
+                on_part=lambda positions, tally, told=told: told.append((positions, tally)),
+            )
+            found.append((result, told))
+    assert [r for r, _ in parts] == [r for r, _ in whole]
+    (greedy, told), (sampled, told_sampled) = parts
+    assert [p for p, _ in told] == [range(0, 8), range(8, 16), range(16, 24)]
+    assert [p for p, _ in told_sampled] == [range(i, i + 4) for i in range(0, 24, 4)]
+    assert sum(t.episodes for _, t in told) == 24 and sum(t.episodes for _, t in told_sampled) == 48
+    assert sum(t.correct for _, t in told) / 24 == greedy.solve_rate
+    assert sum(t.metrics.get("has_answer", 0.0) for _, t in told) / 24 == greedy.metrics["has_answer"]
+
+
 def test_an_evaluation_reports_the_tasks_metrics_and_its_failed_calls(built):
     from asyncrl.rl.tasks.scoring import UserCalls
 

@@ -390,8 +390,8 @@ STEP_KEYS = {
     "group_ids",
 }
 """The keys of a default CPU run's step record (async, one sampler, none lost, no weight check), as main wrote them."""
-EVAL_KEYS = {"heldout_solve_rate", "heldout_sampled_solve_rate", *(f"heldout/{k}" for k in TASK)}
-"""What an evaluated step adds."""
+EVAL_KEYS = {"heldout_solve_rate", "heldout_sampled_solve_rate", "eval_s", *(f"heldout/{k}" for k in TASK)}
+"""What an evaluated step adds (its seconds, ``eval_s``, since the held-out evaluation can run on the samplers)."""
 
 
 @pytest.mark.slow

@@ -190,6 +190,46 @@ async def _collect(stream) -> list:
     return [g async for g in stream]
 
 
+async def test_a_vllm_sampler_evaluates_held_out_problems_beside_its_rollouts(vllm_required, tiny_path, policy):
+    """``--run.eval_on samplers`` on vLLM: the sampler solves every held-out problem (greedy, and
+    sampled twice each) with its parts in flight at once, while a rollout stream runs on the same
+    engine; every part of version 0 (the driver would not count one of another), nothing left for
+    the trainer. Greedy is deterministic on an engine: a second evaluation, alongside nothing, finds
+    the same greedy rate and metric sums. (Not compared with the trainer's: vLLM's kernels are not
+    transformers', and near-ties may go the other way; tests/test_heldout_samplers.py has that
+    comparison on the HF backend.)"""
+    from asyncrl.rl.config.run import RecoveryConfig, RunConfig
+    from asyncrl.rl.driver import heldout
+    from asyncrl.rl.driver.fleet.membership import Membership, MemberState
+
+    class NotAsked:
+        name = "trainer"
+
+        def with_timeout(self, timeout_s):
+            return self
+
+        async def evaluate_heldout(self, *args, **kwargs):
+            raise AssertionError(f"the trainer was asked {args}")
+
+    run = RunConfig(eval_samples=2, eval_on="samplers", data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT))
+    logs: list[str] = []
+    async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
+        sampler = await _spawn_sampler(sup, tiny_path, vllm_required, max_new_tokens=24, temperature=1.0)
+        members = Membership([sampler], [0], recovery=RecoveryConfig(), log=print)
+        members.members[0].state, members.members[0].incarnation = MemberState.JOINED, sampler.info().incarnation
+        rollouts = asyncio.ensure_future(_collect(sampler.rollouts(4)))
+        first = await heldout.evaluate(NotAsked(), run, logs.append, version=0, members=members)
+        groups = await asyncio.wait_for(rollouts, 120)
+        again = await heldout.evaluate(NotAsked(), run, logs.append, version=0, members=members)
+        stats = await sampler.stats()
+    assert members.members[0].in_group and len(groups) == 4 and stats["groups"] == 4, stats
+    assert 0.0 <= first.rates["greedy"] <= 1.0 and 0.0 <= first.rates["sampled"] <= 1.0
+    greedy = {k: v for k, v in first.extra.items() if k.startswith("heldout/task/")}
+    assert greedy and (again.rates["greedy"], {k: again.extra[k] for k in greedy}) == (first.rates["greedy"], greedy)
+    assert logs[-1].startswith(f"held-out evaluation of v0: {N_HELDOUT} problems greedy and {N_HELDOUT} x 2 sampled")
+    assert logs[-1].endswith(" on smp")
+
+
 _DRIVER = textwrap.dedent("""
     import asyncio, json, os, sys
     from asyncrl import Supervisor

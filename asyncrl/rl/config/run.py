@@ -69,7 +69,8 @@ class DeadlineConfig:
     """Deadline of a weight sync (and of agreeing on the layout) on every member; a sampler that
     does not finish it in time is lost, a trainer that does not stops the run."""
     eval_timeout_s: float = 3600.0
-    """Deadline of one held-out evaluation on the trainer; overrun: the run stops."""
+    """Deadline of one held-out evaluation, on the trainer or on the samplers (a sampler's shard
+    and what the others or the trainer take over from a lost one included); overrun: the run stops."""
     checkpoint_timeout_s: float = 600.0
     """Deadline of writing a checkpoint (or the final policy); overrun: the run stops."""
     rendezvous_timeout_s: float = 120.0
@@ -112,6 +113,10 @@ class RecoveryConfig:
             raise ValueError(f"restart_timeout_s must be a finite number > 0, not {self.restart_timeout_s!r}")
 
 
+EVAL_PLACES = ("auto", "trainer", "samplers")
+"""The values of ``--run.eval_on``."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """The loop: how long it runs, how batches are made and weights synced, when it evaluates,
@@ -139,6 +144,11 @@ class RunConfig:
     """Held-out solve rates every this many steps (and before the first and after the last)."""
     eval_samples: int = 4
     """Sampled completions per held-out problem for the sampled solve rate (0: greedy only)."""
+    eval_on: str = "auto"
+    """Where the held-out evaluations run: 'trainer' (``model.generate`` in the trainer's process),
+    'samplers' (each sampler in the weight-sync group solves a shard of the problems on its own
+    engine, beside its rollouts; a lost sampler's rest goes to the others, or to the trainer), or
+    'auto': the samplers when they run vLLM on a GPU, else the trainer."""
     seed: int = 0
     """Seed of the samplers and the trainer (runs that differ only in it share the problems)."""
     run_dir: str = ""
@@ -172,6 +182,8 @@ class RunConfig:
             raise ValueError(f"mode must be 'async' or 'sync', not {self.mode!r}")
         if self.eval_samples < 0:
             raise ValueError(f"eval_samples must be >= 0, not {self.eval_samples!r}")
+        if self.eval_on not in EVAL_PLACES:
+            raise ValueError(f"eval_on must be one of {', '.join(EVAL_PLACES)}, not {self.eval_on!r}")
         for name in ("steps", "groups_per_step", "sync_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)!r}")

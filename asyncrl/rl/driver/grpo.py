@@ -128,6 +128,9 @@ class GRPODriver:
         self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
         self.phase = "starting"
         self.heldout_extra: dict[str, float] = {}  # of the latest evaluation (heldout.py)
+        self.eval_on_samplers = False  # where the evaluations run: resolved once the samplers are up
+        self.evaluating = None  # the evaluation under way's progress (`EvalProgress`), for the status
+        self.eval_s = 0.0  # the latest evaluation's wall time
         self.episodes, self.trained_head = EpisodeLog(run_dir, model_path, log), []
         self.task_keys: set[str] = set()  # task/* and task_errors/* keys of the steps so far (task_metrics)
         self.last_step_s, self.last_step_at = 0.0, 0.0
@@ -213,6 +216,7 @@ class GRPODriver:
             **(self.scaler.progress() if self.scaler else {}),
             **self.fault_counts(),
             **(self.pacer.stats() if self.pacer else {}),
+            **({"evaluating": self.evaluating.progress()} if self.evaluating is not None else {}),
             "updated_at": time.time(),
         }
 
@@ -236,10 +240,29 @@ class GRPODriver:
     def write_progress(self) -> None:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
 
+    def evaluates(self, step: int) -> bool:
+        """Whether a held-out evaluation follows ``step``."""
+        return step % self.run.eval_every == 0 or step == self.run.steps
+
     async def evaluate(self) -> dict[str, float]:
-        """The held-out solve rates; the evaluation's task metrics go to ``heldout_extra`` (heldout.py)."""
-        rates, self.heldout_extra = await heldout.evaluate(self.trainer, self.run, self.log)
-        return rates
+        """The held-out solve rates of the trainer's weights (``self.version``); the evaluation's
+        task metrics go to ``heldout_extra``, its time to ``eval_s`` (heldout.py). No weight sync
+        runs while it is awaited (the loop syncs inside a step only), so a sampler evaluates the
+        version the step left it."""
+
+        def shown(progress) -> None:
+            self.evaluating = progress
+
+        found = await heldout.evaluate(
+            self.trainer,
+            self.run,
+            self.log,
+            version=self.version,
+            members=self.pool.membership if self.eval_on_samplers else None,
+            shown=shown,
+        )
+        self.heldout_extra, self.eval_s = found.extra, found.seconds
+        return found.rates
 
     async def execute(self) -> dict[str, Any]:
         run = self.run
@@ -258,6 +281,7 @@ class GRPODriver:
         watcher: asyncio.Future | None = None  # the stall watch, while the steps run
         try:
             await self.pool.start(self.version, list(self.state.samplers))
+            self.eval_on_samplers = await heldout.eval_place(self.pool.membership, run, self.log)
             await asyncio.to_thread(self.episodes.load)
             if self.resume is None:
                 self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
@@ -275,12 +299,13 @@ class GRPODriver:
                 self.stall.step_began()
                 record = await self.step(step)
                 self.stall.step_ended(time.monotonic() - started)
-                evaluated = step % run.eval_every == 0 or step == run.steps
+                evaluated = self.evaluates(step)
                 if evaluated:
                     self.heldout_last = await self.evaluate()
                     record.heldout_solve_rate = self.heldout_last["greedy"]
                     record.heldout_sampled_solve_rate = self.heldout_last.get("sampled")
                     record.heldout_task = self.heldout_extra
+                    record.eval_s = self.eval_s
                 metrics.write(record)  # before the checkpoint: a resume from it keeps this record
                 self.episodes.write(step, self.trained_head)
                 self.latest = record
@@ -381,7 +406,8 @@ class GRPODriver:
         t2 = time.monotonic()
         self.version = step  # the weights after step k are version k: the step is the one count of both
         synced, digests = sync_record(0.0, None, []), {}
-        if self.version % run.sync_every == 0:
+        # An evaluation on the samplers evaluates the weights they hold: the step's, whatever sync_every.
+        if self.version % run.sync_every == 0 or (self.eval_on_samplers and self.evaluates(step)):
             self.waiting = "sync"
             if self.scaler is not None:  # a scale request changes the group here, with the sync
                 await self.scaler.at_sync()

@@ -1,53 +1,149 @@
 """The held-out evaluation between steps, and the best policy it finds.
 
-The trainer solves the held-out problems (trainer/heldout.py); `evaluate` calls it under
-``--run.eval_timeout_s`` and splits its answer into the solve rates and the task's own metrics.
-The policy of the best held-out greedy solve rate so far is kept in RUN_DIR/best/ with best.json
-inside (`save_best`); a resumed run reads it back (`read_best`), since it may be newer than the
-checkpoint resumed from.
+`evaluate` solves the held-out problems under ``--run.eval_timeout_s``, on the trainer or on the
+samplers (``--run.eval_on``, resolved once by `eval_place`): on the samplers each one in the
+weight-sync group takes a shard (``fleet/evaluation.py``) and what a lost one left goes to the
+others, or, with none left, to the trainer; on the trainer it is one call. Either way the parts
+(`HeldoutPart`: sums and counts) add up to the same answer (`heldout_answer`), split here into
+the solve rates and the task's own metrics; the console says how far it has got while it runs
+(`EvalProgress`). The policy of the best held-out greedy solve rate so far is kept in
+RUN_DIR/best/ with best.json inside (`save_best`); a resumed run reads it back (`read_best`), since
+it may be newer than the checkpoint resumed from.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncrl.errors import RemoteError
 from asyncrl.rl.config.run import RunConfig
-from asyncrl.rl.driver.faults import TaskFailedError, trainer_phase
+from asyncrl.rl.driver.faults import PhaseTimeoutError, TaskFailedError, trainer_phase
+from asyncrl.rl.driver.fleet.calls import call_all
+from asyncrl.rl.driver.fleet.evaluation import Unsolved, solve_on_samplers
+from asyncrl.rl.driver.fleet.membership import Membership, MemberState
 from asyncrl.rl.driver.saving import save_policy
+from asyncrl.rl.model.tally import HeldoutPart, heldout_answer
+from asyncrl.rl.observe.eval_progress import EvalProgress
 from asyncrl.rl.observe.report import heldout_failures_lines, shown_path
 from asyncrl.rl.tasks.scoring import TaskFailureError
+from asyncrl.runtime.timeouts import timeout
 
 BEST_DIR, BEST_JSON = "best", "best.json"
+EVAL_ROWS = 64
+"""Sequences a part of an evaluation generates at once (the trainer's batch, a sampler's part)."""
+
+
+class Evaluated(NamedTuple):
+    """What `evaluate` found."""
+
+    rates: dict[str, float]
+    """``greedy`` and (with ``--run.eval_samples``) ``sampled`` solve rates."""
+    extra: dict[str, float]
+    """``heldout/task/<name>`` and ``heldout/task_errors/<kind>``: the step record's."""
+    seconds: float
+    """Its wall time."""
+
+
+async def eval_place(members: Membership, run: RunConfig, log: Callable[[str], None]) -> bool:
+    """Whether the held-out evaluations run on the samplers (``--run.eval_on``; ``auto``: when a
+    sampler in the group runs vLLM on a GPU, asked of each through its ``stats``). Said in one line."""
+    joined = members.with_state(MemberState.JOINED)
+    if run.eval_on == "auto":
+        answers = await call_all(
+            [m.handle for m in joined],
+            lambda h, _: h.stats(),
+            timeout_s=run.observe.health_timeout_s,
+            what="where the evaluation runs",
+        )
+        kinds = [a for a in answers.results if isinstance(a, dict)]
+        engines = sorted({f"{a.get('backend')} on {a.get('device')}" for a in kinds}) or ["none answering"]
+        gpu_vllm = any(a.get("backend") == "vllm" and str(a.get("device", "")).startswith("cuda") for a in kinds)
+        where = "the samplers" if gpu_vllm else "the trainer"
+        log(f"held-out evaluations on {where} (--run.eval_on auto; samplers: {', '.join(engines)})")
+        return gpu_vllm
+    log(f"held-out evaluations on the {run.eval_on} (--run.eval_on {run.eval_on})")
+    return run.eval_on == "samplers"
 
 
 async def evaluate(
-    trainer: Any, run: RunConfig, log: Callable[[str], None]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """The held-out solve rates (``greedy``, ``sampled``), and the evaluation's task metrics and
-    failed calls (``heldout/task/<name>``, ``heldout/task_errors/<kind>``: the step record's); an
-    agent's failed episodes are logged, a line per kind with what it raised, so a count of
-    failures says why. The task's code failing past its budget stops the run, as in a sampler."""
-    t = run.deadlines.eval_timeout_s
+    trainer: Any,
+    run: RunConfig,
+    log: Callable[[str], None],
+    *,
+    version: int,
+    members: Membership | None = None,
+    shown: Callable[[EvalProgress | None], None] = lambda _: None,
+) -> Evaluated:
+    """The held-out solve rates of ``version`` (the trainer's weights, which every sampler in the
+    group holds: grpo.py syncs an evaluated step), and the evaluation's task metrics and failed
+    calls; an agent's failed episodes are logged, a line per kind with what it raised, so a count
+    of failures says why. ``members``: the samplers solve it (else the trainer); a sampler lost on
+    the way costs nothing but time. The task's code failing past its budget stops the run, as in a
+    sampler; so does the evaluation overrunning ``--run.eval_timeout_s``. ``shown``: handed the
+    progress while it runs (None after), for ``asyncrl status``."""
+    t, samples = run.deadlines.eval_timeout_s, run.eval_samples
+    n = run.data.n_heldout
+    unsolved = Unsolved(n, samples)
+    samplers = members.with_state(MemberState.JOINED) if members is not None else []
+    where = ", ".join(m.handle.name for m in samplers) or "the trainer"
+    progress = EvalProgress(n, samples, version, where, log)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + t
+    parts: list[HeldoutPart] = []
+    shown(progress)
+    ticker = asyncio.ensure_future(progress.run())
     try:
-        out = await trainer_phase(
-            "the held-out evaluation",
-            "eval_timeout_s",
-            t,
-            trainer.with_timeout(t).evaluate(run.eval_samples),
-        )
+        if samplers:
+            try:
+                async with timeout(t):
+                    parts += await solve_on_samplers(
+                        members,
+                        unsolved,
+                        samples=samples,
+                        version=version,
+                        rows=EVAL_ROWS,
+                        item_timeout_s=min(run.deadlines.generate_timeout_s, t),
+                        on_part=progress.add,
+                        log=log,
+                    )
+            except (asyncio.TimeoutError, TimeoutError):
+                raise PhaseTimeoutError(
+                    f"the held-out evaluation of v{version} on {where} did not finish within "
+                    f"--run.eval_timeout_s {t:g} s ({progress.line()})"
+                ) from None
+        if unsolved:
+            left = max(deadline - loop.time(), 1e-3)
+            greedy, sampled = sorted(unsolved.left[False]), sorted(unsolved.left[True])
+            if samplers:
+                progress.where += " and the trainer"
+            progress.poll = trainer.with_timeout(run.observe.health_timeout_s).heldout_progress
+            got = await trainer_phase(
+                "the held-out evaluation",
+                "eval_timeout_s",
+                t,
+                trainer.with_timeout(left).evaluate_heldout(greedy, sampled, samples, 0, EVAL_ROWS),
+            )
+            progress.trainer_done(got)
+            parts += got
     except RemoteError as exc:
         if isinstance(exc, TaskFailureError):  # the task's code past its budget (as fleet/pool.py: a sampler's)
             raise TaskFailedError(f"the held-out evaluation: {exc.remote_message}") from exc
         raise
+    finally:
+        progress.end()
+        await asyncio.gather(ticker, return_exceptions=True)
+        shown(None)
+    log(progress.end_line())
+    out = heldout_answer(parts, samples)
     for line in heldout_failures_lines(out.pop("failures", {})):
         log(line)
     extra = {f"heldout/{k}": v for k, v in out.items() if "/" in k}
-    return {k: v for k, v in out.items() if "/" not in k}, extra
+    return Evaluated({k: v for k, v in out.items() if "/" not in k}, extra, progress.seconds())
 
 
 async def save_best(

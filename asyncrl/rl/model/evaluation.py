@@ -1,27 +1,39 @@
-"""Solve rates (and the task's metrics) of a policy on a task's problems, sampled or greedy, with
-transformers' ``generate`` (the warm start's check and the trainer's held-out evaluation).
+"""Solve rates (and the task's metrics) of a policy on a task's problems, sampled or greedy: one
+evaluator (`evaluate_with`) over any generation function, the `Generate` of ``tasks/episodes.py``.
 
-Episodes run through the same `EpisodeRunner` the samplers use (``tasks/episodes.py``), so a
+Two generations feed it: `hf_generate`, batched and left-padded ``model.generate`` (no log-probs:
+an evaluation needs none), for the warm start's check and the trainer's held-out evaluation
+(`evaluate`, blocking); and a sampler's own backend, for the held-out evaluation on the samplers
+(``rl/model/heldout.py``). Episodes run through the same `EpisodeRunner` the samplers use, so a
 multi-turn environment is evaluated turn by turn exactly as it is trained, and a task's score
-runs under the same deadlines; only the generation differs: `hf_generate`, batched and
-left-padded ``model.generate`` (no log-probs: an evaluation needs none).
+runs under the same deadlines; an agent's run against an endpoint of their own over the
+generation. The problems are solved in parts of ``chunk`` (each told to ``on_part`` as it ends,
+as a `Tally`: sums, so parts solved anywhere add up exactly), ``at_once`` parts at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.model.policy import PromptFormat
+from asyncrl.rl.model.tally import Tally
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task
 from asyncrl.rl.tasks.scoring import UserCalls, failure_kinds
+
+if TYPE_CHECKING:
+    from asyncrl.rl.tasks.episodes import Generate
+
+OnPart = Callable[[range, Tally], None]
+"""``on_part(positions, tally)``: the problems at ``positions`` (of the evaluation's list) are
+solved, and their episodes add up to ``tally``."""
 
 
 class StoppedError(AsyncrlError):
@@ -65,6 +77,8 @@ def evaluate(
     calls: UserCalls | None = None,
     score_timeout_s: float = 10.0,
     max_context: int = 0,
+    chunk: int = 0,
+    on_part: OnPart | None = None,
 ) -> Evaluation:
     """``n`` episodes per problem of ``task``: the share it finds correct, its metrics, the failures.
 
@@ -77,13 +91,63 @@ def evaluate(
     the task and the first failure, instead of scoring every remaining problem 0, one deadline per
     hung worker at a time). None: calls of its own under ``score_timeout_s`` with no budget,
     failures scoring 0 (the warm start's check).
+
+    ``chunk``: problems per part, one part after the other (0: all in one), each told to
+    ``on_part`` when solved (`evaluate_with`). A part of whole batches (``chunk * n`` a multiple
+    of ``batch_size``) makes the same ``generate`` calls, in the same order, as one part would.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, not {batch_size}")
+    return asyncio.run(
+        evaluate_with(
+            hf_generate_for(task, model, tokenizer, fmt, batch_size, stop),
+            fmt,
+            problems,
+            task=task,
+            greedy=greedy,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            calls=calls,
+            score_timeout_s=score_timeout_s,
+            max_context=max_context,
+            chunk=chunk,
+            on_part=on_part,
+        )
+    )
+
+
+async def evaluate_with(
+    generate: Generate,
+    fmt: PromptFormat,
+    problems: Sequence[Any],
+    *,
+    task: Task,
+    greedy: bool = True,
+    n: int = 1,
+    max_new_tokens: int | None = None,
+    temperature: float = 1.0,
+    calls: UserCalls | None = None,
+    score_timeout_s: float = 10.0,
+    max_context: int = 0,
+    chunk: int = 0,
+    at_once: int = 1,
+    on_part: OnPart | None = None,
+) -> Evaluation:
+    """`evaluate` over any ``generate`` (`Generate`: a sampler's backend, or `hf_generate`), on
+    the caller's event loop: ``n`` episodes per problem of ``task``, the share found correct, the
+    means of its metrics, the failed calls and an agent's failed episodes. The problems go in
+    parts of ``chunk`` (0: one part), ``at_once`` of them in flight (a backend that batches
+    concurrent calls, vLLM, takes them all at once; with 1 they are solved in order); each part's
+    `Tally` goes to ``on_part`` as it ends. The first part to fail ends the others, and its error
+    is raised."""
     from asyncrl.rl.tasks.episodes import EpisodeRunner
 
-    if n < 1 or batch_size < 1:
-        raise ValueError(f"n and batch_size must be >= 1, not {n} and {batch_size}")
+    if n < 1 or chunk < 0 or at_once < 1:
+        raise ValueError(f"n and at_once must be >= 1 and chunk >= 0, not {n}, {at_once} and {chunk}")
     if greedy and n > 1:
         raise ValueError("greedy decoding gives the same completion n times; use n=1 or greedy=False")
+    problems = list(problems)
     if not problems:
         return Evaluation(0.0, {}, {})
     params = SamplingParams(
@@ -94,28 +158,20 @@ def evaluate(
     own = calls is None
     if own:  # failures score 0 here, as in training; an agent's whole episode is one call
         calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0, workers=max(16, len(problems) * n))
-    generate = hf_generate(model, tokenizer, fmt, batch_size, stop)
+    server = None
     try:
         if isinstance(task, Agent):
-            return asyncio.run(
-                _agent_evaluation(task, list(problems), n, params, generate, tokenizer, calls, max_context)
-            )
-        runner = EpisodeRunner(task, fmt, calls, max_context=max_context)
-        groups = asyncio.run(runner.run(list(problems), n, params, generate))
+            server = await _agent_endpoint(task, generate, fmt, params, max_context)
+            solve = _agent_solver(task, server, calls, n)
+        else:
+            solve = _episodes_solver(EpisodeRunner(task, fmt, calls, max_context=max_context), n, params, generate)
+        found = await _in_parts(solve, problems, chunk or len(problems), at_once, on_part)
     finally:
+        if server is not None:
+            await server.close()
         if own:
             calls.close()
-    samples = [s for g in groups for s in g]
-    sums: dict[str, float] = {}
-    errors: dict[str, int] = {}
-    for s in samples:
-        for key, value in s.metrics.items():
-            sums[key] = sums.get(key, 0.0) + value
-        if s.error:
-            errors[s.error] = errors.get(s.error, 0) + 1
-    return Evaluation(
-        sum(s.correct for s in samples) / len(samples), {k: v / len(samples) for k, v in sorted(sums.items())}, errors
-    )
+    return Evaluation(found.solve_rate, found.means(), dict(found.errors), dict(found.failures))
 
 
 def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], **kwargs: Any) -> float:
@@ -123,42 +179,105 @@ def solve_rate(model, tokenizer, fmt: PromptFormat, problems: Sequence[Any], **k
     return evaluate(model, tokenizer, fmt, problems, **kwargs).solve_rate
 
 
-async def _agent_evaluation(
-    task: Agent, problems: list, n: int, params: SamplingParams, generate, tokenizer, calls, max_context: int
-) -> Evaluation:
-    """An agent's episodes against an endpoint of their own over ``generate`` (sampling ``params``,
-    so greedy where asked), as the samplers run them: the share scored correct, the means of the
-    metrics of their `Score`s (a failed episode counts 0) and the failures by kind, and by what
-    they were (`failure_kinds`)."""
-    from asyncrl.rl.agents.runner import AgentRunner
+async def _in_parts(
+    solve: Callable[[list], Any], problems: list, size: int, at_once: int, on_part: OnPart | None
+) -> Tally:
+    """``solve`` each part of ``size`` problems, ``at_once`` workers taking the next part in
+    order; the parts' tallies added in problem order."""
+    starts = iter(range(0, len(problems), size))
+    tallies: dict[int, Tally] = {}
+
+    async def worker() -> None:
+        for start in starts:  # shared: each part is taken once, in order
+            positions = range(start, min(start + size, len(problems)))
+            tallies[start] = await solve(problems[positions.start : positions.stop])
+            if on_part is not None:
+                on_part(positions, tallies[start])
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(at_once, -(-len(problems) // size)))]
+    try:
+        done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+        for w in done:
+            w.result()  # the first failure, raised
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    found = Tally()
+    for start in sorted(tallies):
+        found = found + tallies[start]
+    return found
+
+
+def _episodes_solver(runner, n: int, params: SamplingParams, generate: Generate):
+    """A part's episodes through the `EpisodeRunner`, added up."""
+
+    async def solve(problems: list) -> Tally:
+        groups = await runner.run(problems, n, params, generate)
+        found = Tally(episodes=sum(len(g) for g in groups))
+        for s in (s for g in groups for s in g):
+            found.correct += bool(s.correct)
+            for key, value in s.metrics.items():
+                found.metrics[key] = found.metrics.get(key, 0.0) + value
+            if s.error:
+                found.errors[s.error] = found.errors.get(s.error, 0) + 1
+        return found
+
+    return solve
+
+
+async def _agent_endpoint(task: Agent, generate: Generate, fmt: PromptFormat, params: SamplingParams, max_context: int):
+    """An endpoint of the evaluation's own over ``generate`` (sampling ``params``, so greedy where
+    asked), as the samplers serve their agents. It reports no tokens as they come: a stream gets
+    each answer whole at its end."""
     from asyncrl.rl.agents.server import OpenAIServer
 
     async def versioned(prompts, k, p, progress=None):
-        # model.generate blocks: on a thread of its own (one at a time: the endpoint gathers
-        # requests into one call), so the loop keeps accepting and answering the agents. It
-        # reports no tokens as they come: a stream gets each answer whole at its end.
-        return 0, await asyncio.to_thread(lambda: asyncio.run(generate(prompts, k, p)))
+        return 0, await generate(prompts, k, p)
 
-    server = OpenAIServer(versioned, tokenizer, params, max_context=max_context, max_calls=task.max_calls)
+    server = OpenAIServer(versioned, fmt.tokenizer, params, max_context=max_context, max_calls=task.max_calls)
     await server.start()
-    try:
-        episodes = await AgentRunner(task, server, calls).episodes(problems, n)
-    finally:
-        await server.close()
-    sums: dict[str, float] = {}
-    errors: dict[str, int] = {}
-    for _, outcome in episodes:
-        if outcome.error:
-            errors[outcome.error] = errors.get(outcome.error, 0) + 1
-            continue
-        for key, value in outcome.value.metrics.items():
-            sums[key] = sums.get(key, 0.0) + value
-    return Evaluation(
-        sum(not o.error and bool(o.value.correct) for _, o in episodes) / len(episodes),
-        {k: v / len(episodes) for k, v in sorted(sums.items())},
-        errors,
-        failure_kinds(o for _, o in episodes),
-    )
+    return server
+
+
+def _agent_solver(task: Agent, server, calls: UserCalls, n: int):
+    """A part of an agent's episodes against ``server``: the share scored correct, the sums of the
+    metrics of their `Score`s (a failed episode adds 0), the failures by kind and by what they
+    were (`failure_kinds`)."""
+    from asyncrl.rl.agents.runner import AgentRunner
+
+    runner = AgentRunner(task, server, calls)
+
+    async def solve(problems: list) -> Tally:
+        episodes = await runner.episodes(problems, n)
+        found = Tally(episodes=len(episodes), failures=failure_kinds(o for _, o in episodes))
+        for _, outcome in episodes:
+            if outcome.error:
+                found.errors[outcome.error] = found.errors.get(outcome.error, 0) + 1
+                continue
+            found.correct += bool(outcome.value.correct)
+            for key, value in outcome.value.metrics.items():
+                found.metrics[key] = found.metrics.get(key, 0.0) + value
+        return found
+
+    return solve
+
+
+def hf_generate_for(
+    task: Task, model, tokenizer, fmt: PromptFormat, batch_size: int, stop: threading.Event | None = None
+) -> Generate:
+    """`hf_generate`, for ``task``'s evaluation: an agent's on a thread of its own, one call at a
+    time (its endpoint gathers requests into one call), since ``model.generate`` blocks and the
+    endpoint's loop must keep accepting and answering the agents; any other task's as it is (its
+    episodes wait for each call anyway)."""
+    generate = hf_generate(model, tokenizer, fmt, batch_size, stop)
+    if not isinstance(task, Agent):
+        return generate
+
+    async def threaded(prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        return await asyncio.to_thread(lambda: asyncio.run(generate(prompts, n, params)))
+
+    return threaded
 
 
 def hf_generate(model, tokenizer, fmt: PromptFormat, batch_size: int, stop: threading.Event | None = None):

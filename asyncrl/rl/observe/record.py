@@ -157,6 +157,9 @@ class StepRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Held-out sampled solve rate (with ``--run.eval_samples`` > 0)."""
     heldout_task: dict[str, float] | None = None
     """The evaluation's task metrics and failed calls (``heldout/task/<name>``, ``heldout/task_errors/<kind>``)."""
+    eval_s: float | None = None
+    """Wall seconds of the held-out evaluation after the step (steps with an evaluation only), on
+    the trainer or the samplers (``--run.eval_on``); the next step's ``time_s`` includes them."""
 
     FLAT = frozenset({"sync", "train", "task", "fleet", "heldout_task"})
 

@@ -39,6 +39,8 @@ from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
+from asyncrl.rl.model.heldout import HeldoutSet
+from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import Completion, Progress, SamplingParams
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
@@ -53,6 +55,10 @@ from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.runtime.actor import endpoint
 from asyncrl.runtime.startup import start_phase
 from asyncrl.runtime.timeouts import timeout
+
+EVAL_PARTS_AT_ONCE = 64
+"""Parts of a held-out evaluation a vLLM sampler has in flight at once (its engine schedules
+them with the rollouts): every part of a default evaluation's shard."""
 
 
 class SamplerActor(WeightReceiving):
@@ -128,6 +134,7 @@ class SamplerActor(WeightReceiving):
         start_phase(f"loading the task {task.name or task.reward}")
         self.task = load_task(task)
         self.problems = self.task.splits(data.data_seed, data.n_train, data.n_heldout).train
+        self.heldout = HeldoutSet(task, data, built=self.task)  # the held-out evaluation's share (evaluate_heldout)
         self.agent = self.task if isinstance(self.task, Agent) else None
         # An agent's episodes all run at once, each one user call: a place for every one of the
         # batches in flight (the driver's paced streams, --sampler.streams).
@@ -226,6 +233,55 @@ class SamplerActor(WeightReceiving):
             self._generating -= 1
 
     @endpoint
+    async def evaluate_heldout(
+        self, greedy: list[int], sampled: list[int], samples: int = 4, max_new_tokens: int = 0, rows: int = 64
+    ) -> AsyncIterator[HeldoutPart]:
+        """The run's held-out problems ``greedy`` (indices into the held-out split) greedily and
+        ``sampled`` with ``samples`` completions each at the sampling temperature (no top-p, as
+        the trainer's evaluation), through this sampler's engine beside its rollouts: vLLM batches
+        both (every part at once), the HF backend runs one batch at a time, in turn (a part at a
+        time). One `HeldoutPart` per part of about ``rows`` sequences as it ends, tagged with the
+        weight versions its generation ran under (the driver checks them). Not counted in the
+        rollout stats. ``max_new_tokens`` 0: the format's hint. The task's calls run under one
+        failure budget for all of this sampler's evaluations: past it, `TaskFailureError`."""
+        seen: set[int] = set()
+
+        async def generate(prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+            version, groups, _ = await self._generate(prompts, n, params, counted=False)
+            seen.update((version, self.version))  # when it began, and now: a sync in between shows
+            return groups
+
+        parts: asyncio.Queue = asyncio.Queue()  # bounded by the parts of the call
+        ended = object()
+        solving = asyncio.ensure_future(
+            self.heldout.solve(
+                generate,
+                self.fmt,
+                greedy=greedy,
+                sampled=sampled,
+                samples=samples,
+                max_new_tokens=max_new_tokens or int(self.fmt.max_new_tokens_hint),
+                temperature=self.sampling.temperature,
+                max_context=self.max_context,
+                rows=rows,
+                at_once=EVAL_PARTS_AT_ONCE if self.backend_name == "vllm" else 1,
+                versions=lambda: sorted(seen),
+                on_part=parts.put_nowait,
+            )
+        )
+        solving.add_done_callback(lambda _: parts.put_nowait(ended))
+        try:
+            # No deadline of its own: the parts end with the generation's and the task's calls'
+            # deadlines, and the driver's deadline on each item cancels the call.
+            while (part := await parts.get()) is not ended:
+                yield part
+            solving.result()  # its error, once every part it finished is out
+        finally:
+            if not solving.done():
+                solving.cancel()
+                await asyncio.gather(solving, return_exceptions=True)
+
+    @endpoint
     async def stats(self) -> dict:
         """Counters since start: ``tokens``, ``completions``, ``groups`` (yielded), ``batches``,
         ``generate_s`` (wall time in rollout generation) and ``tokens_per_s`` over it; weight syncs:
@@ -304,6 +360,7 @@ class SamplerActor(WeightReceiving):
             await self.endpoint.close()
         self.backend.close()
         self.calls.close()
+        self.heldout.close()
         await super().on_stop()
 
     # --- helpers --------------------------------------------------------------------------------
@@ -359,14 +416,21 @@ class SamplerActor(WeightReceiving):
                 yield rollout_group(self.name, index, group.prompt_ids, group.samples, group.version, seconds, finished)
 
     async def _generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        progress: Progress | None = None,
+        *,
+        counted: bool = True,
     ) -> tuple[int, list[list[Completion]], float]:
         """Generate for ``prompts`` and return the weight version it began under (the oldest of
         its tokens). The version is read right before calling the backend, with no ``await`` in
         between: a `receive_weights` that begins later either waits for this batch (the backend
         registers it before its first await) or loads between its steps, and one under way has
         cleared ``_ready``, so we wait for it first. A batch in flight during a failed sync may
-        have read half-written weights: it is discarded and generated again."""
+        have read half-written weights: it is discarded and generated again. ``counted``: in the
+        rollout stats (not the held-out evaluation's)."""
         while True:
             await self._wait_ready()
             version, failures = self.version, self._failures
@@ -377,14 +441,21 @@ class SamplerActor(WeightReceiving):
             finally:
                 self._generating -= 1
             seconds = time.perf_counter() - start
-            self._stats["generate_s"] += seconds
-            self._stats["batches"] += 1
-            if self._failures != failures:
-                self._stats["discarded_batches"] += 1
-                continue
-            self._stats["completions"] += sum(len(g) for g in groups)
-            self._stats["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
-            return version, groups, seconds
+            discarded = self._failures != failures
+            if counted:
+                self._count(groups, seconds, discarded)
+            if not discarded:
+                return version, groups, seconds
+
+    def _count(self, groups: list[list[Completion]], seconds: float, discarded: bool) -> None:
+        """A rollout batch in the stats."""
+        self._stats["generate_s"] += seconds
+        self._stats["batches"] += 1
+        if discarded:
+            self._stats["discarded_batches"] += 1
+            return
+        self._stats["completions"] += sum(len(g) for g in groups)
+        self._stats["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
 
 
 def _positions(model_path: str) -> int:

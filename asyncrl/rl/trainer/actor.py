@@ -27,6 +27,7 @@ from asyncrl.comm.weights import WeightSender
 from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
+from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
@@ -352,12 +353,32 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         ``sampled`` at the training temperature (``samples`` completions per problem; 0 skips it);
         the task's metrics of the greedy episodes as ``task/<name>`` (means over the problems);
         failed score/step calls of both as ``task_errors/<kind>`` (counts; absent when none); an
-        agent's failed episodes by what they were as ``failures`` (`HeldoutEvaluation`).
+        agent's failed episodes by what they were as ``failures`` (`heldout_answer`).
         The task's calls run under the samplers' deadline and failure budget
         (``--task.score_timeout_s``, ``--task.max_failure_rate``, counted over every evaluation of
         the run): past the budget a `TaskFailureError` naming the first failure ends the call.
         With a rank group every rank evaluates the same problems in step (a sharded forward
         gathers from every rank), sampling from the same seed."""
+        from asyncrl.rl.model.tally import heldout_answer
+
+        parts = await self.evaluate_heldout(None, None, samples, max_new_tokens, batch_size, deadline_s)
+        return heldout_answer(parts, samples)
+
+    @endpoint
+    async def evaluate_heldout(
+        self,
+        greedy: list[int] | None = None,
+        sampled: list[int] | None = None,
+        samples: int = 4,
+        max_new_tokens: int = 0,
+        batch_size: int = 64,
+        deadline_s: float = 0.0,
+    ) -> list[HeldoutPart]:
+        """`evaluate`'s episodes as they add up, in parts (`HeldoutPart`: sums, tagged with the
+        version this trainer holds): the held-out problems ``greedy`` greedily, ``sampled`` with
+        ``samples`` completions each (indices into the split; None: all of them, and none sampled
+        with ``samples`` 0). The driver's: it adds them to what samplers solved
+        (``rl/driver/heldout.py``). How far it has got: `heldout_progress`."""
         limit = max_new_tokens or self.fmt.max_new_tokens_hint
         options = dict(
             samples=samples,
@@ -365,11 +386,20 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
             batch_size=batch_size,
             temperature=self.temperature,
             compiled=compiled(self.config, self.device),
+            greedy=greedy,
+            sampled=sampled,
+            version=self.steps,
         )
 
-        def run() -> dict[str, float | dict[str, int]]:
+        def run() -> list[HeldoutPart]:
             return self.heldout(self.model, self.tokenizer, self.fmt, **options)
 
         return await self._run(
             "the held-out evaluation", deadline_s, self.parallel.in_step, run, self.seed * 1_000_003 + self.steps
         )
+
+    @endpoint
+    async def heldout_progress(self) -> list[int]:
+        """Problems the evaluation under way (or the last) has solved so far: greedy, sampled.
+        Answered from memory while the evaluation runs on its thread."""
+        return list(self.heldout.progress)

@@ -30,6 +30,7 @@ ALL_RANKS = frozenset(
     {
         "train_step",
         "evaluate",
+        "evaluate_heldout",
         "setup_sender",
         "send_weights",
         "save",
@@ -41,11 +42,20 @@ ALL_RANKS = frozenset(
 )
 """Calls that run collectives on the trainer group: made on every rank together."""
 _DEADLINE_ARG = frozenset(
-    {"train_step", "evaluate", "save", "save_checkpoint", "load_checkpoint", "weights_digest", "gradients"}
+    {
+        "train_step",
+        "evaluate",
+        "evaluate_heldout",
+        "save",
+        "save_checkpoint",
+        "load_checkpoint",
+        "weights_digest",
+        "gradients",
+    }
 )
 """Of those, the ones whose deadline the ranks are told (``deadline_s``); the weight sync's
 calls carry their own (``sync_timeout_s``)."""
-_STOPS_THE_RUN = frozenset({"train_step", "evaluate"})
+_STOPS_THE_RUN = frozenset({"train_step", "evaluate", "evaluate_heldout"})
 ABORT_CALL_S = 10.0
 
 
