@@ -71,7 +71,11 @@ pytestmark = [
 needs_vllm = pytest.mark.skipif(not DRY and importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 BACKEND = "gloo" if DRY else "nccl"
-SYNC_TIMEOUT_S = 10.0
+SYNC_TIMEOUT_S = 5.0
+"""Short, so that the peers of a sampler killed mid-broadcast abort their communicators (and with
+them their mappings of its NCCL buffers, which keep that memory on its GPU allocated) before its
+replacement's vLLM engine measures the GPU's free memory: vLLM fails its start if memory is given
+back while it profiles. A healthy sync here takes milliseconds, the first of a group about a second."""
 LOST_VERSION = 3
 """The sync whose transfer the sampler faults hit (step 3's)."""
 GROUPS = 4  # tiny()'s --run.groups_per_step
@@ -302,7 +306,9 @@ async def lose_a_sampler_mid_transfer(model_path: str, tmp_path, monkeypatch, si
     (rejoined,) = fault_events(run_dir, "rejoined", victim.name)
     assert rejoined["incarnation"] > victim.incarnation, rejoined
     assert fault_events(run_dir, "recovered", victim.name), "the group was never whole again"
-    assert restarts[victim.name] == 1 and all(n == 0 for name, n in restarts.items() if name != victim.name), restarts
+    # Restarted (once, unless a start of the replacement failed and was tried again: see the log),
+    # and nothing else was.
+    assert restarts[victim.name] >= 1 and all(n == 0 for name, n in restarts.items() if name != victim.name), restarts
     # Before the fault every step trained the first incarnations' groups; after it, the next one's.
     assert all(uid.split("/")[1] == "1" for r in recs[: LOST_VERSION - 1] for uid in r["group_ids"]), recs
     assert first_step_of(recs, victim.name, victim.incarnation) > LOST_VERSION
@@ -319,7 +325,7 @@ async def lose_a_sampler_mid_transfer(model_path: str, tmp_path, monkeypatch, si
         victim.name: {BACKEND: 1},
         **{name: {BACKEND: memberships} for name in survivors},
     }, (created, memberships)
-    print(f"test: {len(recs)} steps; generations {memberships}; communicators {created}")
+    print(f"test: {len(recs)} steps; generations {memberships}; communicators {created}; restarts {restarts}")
     return SamplerFault(count, began, victim.name, victim.incarnation, hit_at, lines, recs, created, restarts)
 
 
