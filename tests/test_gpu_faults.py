@@ -73,7 +73,7 @@ needs_vllm = pytest.mark.skipif(not DRY and importlib.util.find_spec("vllm") is 
 BACKEND = "gloo" if DRY else "nccl"
 SYNC_TIMEOUT_S = 5.0
 """Short, so that the peers of a sampler killed mid-broadcast abort their communicators (and with
-them their mappings of its NCCL buffers, which keep that memory on its GPU allocated) before its
+them any mapping of its NCCL buffers, which would keep that memory on its GPU allocated) before its
 replacement's vLLM engine measures the GPU's free memory: vLLM fails its start if memory is given
 back while it profiles. A healthy sync here takes milliseconds, the first of a group about a second."""
 LOST_VERSION = 3
