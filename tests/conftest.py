@@ -95,7 +95,7 @@ TIERS = {
         "user_errors",
     ),
     # an accelerator (CUDA, Ascend): skipped where there is none
-    "gpu": ("colocated_gpu", "gpu", "gpu_comm", "gpu_multinode", "gpu_trainer_group", "pyhccl_npu"),
+    "gpu": ("colocated_gpu", "gpu", "gpu_comm", "gpu_faults", "gpu_multinode", "gpu_trainer_group", "pyhccl_npu"),
 }
 """The tier of each ``tests/test_<name>.py``, by its name: each of its tests gets that marker unless
 it carries a tier of its own (``@pytest.mark.e2e`` on one slow test of a unit file). A new file

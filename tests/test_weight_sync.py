@@ -392,3 +392,59 @@ def test_gloos_own_operation_limit_is_reported_as_a_timeout():
     ((exc, took),) = outcome
     assert isinstance(exc, CollectiveTimeoutError), repr(exc)
     assert took < 15, took
+
+
+def test_the_transfer_hook_stalls_one_member_once_after_the_vote(monkeypatch, tmp_path):
+    """The test-only hook (`comm/transfer_hook.py`) the GPU fault tests find a sync's transfer
+    phase by: rank 1 claims the file in sync v1 (its pid, rank, version), after the first vote and
+    before any bucket moved, so the stall shows in its move and in the sender's commit vote, not in
+    the votes; the other syncs, and a second claim of the same sync, run as usual."""
+    import json
+    import threading
+
+    import torch
+
+    from asyncrl.comm.gloo import GlooCommunicator
+    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+    from asyncrl.comm.transfer_hook import TRANSFER_HOOK_ENV, at_transfer_start
+    from asyncrl.comm.weights import SyncStats, WeightReceiver, WeightSender
+
+    claim = tmp_path / "claim.json"
+    monkeypatch.setenv(TRANSFER_HOOK_ENV, f"1:1:1.0:{claim}")
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    master = {"w": torch.randn(300, 7), "b": torch.randn(5)}
+    stats: dict[int, list[SyncStats]] = {0: [], 1: []}
+    errors = []
+
+    def member(rank):
+        try:
+            group = StoreGroup.create(HOST, port, rank, 2, 10, listener=listener if rank == 0 else None)
+            comm = GlooCommunicator.create(group, 10)
+            if rank == 0:
+                sender = WeightSender.create(comm, group, master, bucket_bytes=4096)
+                stats[0] += [sender.send(v) for v in range(3)]
+            else:
+                receiver = WeightReceiver.create(comm, group)
+                into = {name: torch.empty_like(t) for name, t in master.items()}
+                stats[1] += [receiver.receive(v, into) for v in range(3)]
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    said = json.loads(claim.read_text())
+    assert (said["pid"], said["rank"], said["version"]) == (os.getpid(), 1, 1), said
+    sent, got = stats[0], stats[1]
+    assert got[1].move_s >= 1.0 and got[1].vote_s < 1.0, got[1]  # stalled after the vote
+    assert sent[1].commit_s >= 0.9 and sent[1].vote_s < 1.0, sent[1]  # the sender waited in the commit
+    assert all(s.move_s < 1.0 for s in (got[0], got[2])), got  # the other syncs did not stall
+    start = time.monotonic()
+    at_transfer_start(1, 1)  # claimed already: no second stall
+    assert time.monotonic() - start < 1.0 and json.loads(claim.read_text()) == said
+    assert [p.name for p in tmp_path.iterdir()] == ["claim.json"]  # no temporary left

@@ -37,6 +37,7 @@ from asyncrl.comm.phase_clock import COPY, TRANSFER
 from asyncrl.comm.rendezvous import StoreGroup
 from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
 from asyncrl.comm.sync_stats import SyncStats
+from asyncrl.comm.transfer_hook import at_transfer_start
 
 BucketSource = Callable[[int], list[torch.Tensor]]
 """A sender's tensors produced a bucket at a time: called with bucket ``k`` (in order, once per
@@ -116,6 +117,7 @@ class _WeightSync:
         try:
             self._agree(version, refusal)
             voted = time.perf_counter()
+            at_transfer_start(self.comm.rank, version)  # test-only; inert unless its variable is set
             failure = move()
             moved = time.perf_counter()
             self._commit(version, failure)
