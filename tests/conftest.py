@@ -17,6 +17,7 @@ TIERS = {
         "arith",
         "codec",
         "config",
+        "config_files",
         "countdown",
         "ctypes_table",
         "device_plan",
