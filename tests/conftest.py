@@ -89,6 +89,7 @@ TIERS = {
         "multinode_netns",
         "multiturn_vllm",
         "observe",
+        "policy_eval",
         "run_lifecycle",
         "start_loss",
         "user_errors",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -22,6 +22,9 @@ from asyncrl.rl.model.policy import PromptFormat
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task
 from asyncrl.rl.tasks.scoring import UserCalls, failure_kinds
+
+if TYPE_CHECKING:
+    from asyncrl.rl.tasks.episodes import Generate
 
 
 class StoppedError(AsyncrlError):
@@ -65,6 +68,7 @@ def evaluate(
     calls: UserCalls | None = None,
     score_timeout_s: float = 10.0,
     max_context: int = 0,
+    generate: Generate | None = None,
 ) -> Evaluation:
     """``n`` episodes per problem of ``task``: the share it finds correct, its metrics, the failures.
 
@@ -77,6 +81,9 @@ def evaluate(
     the task and the first failure, instead of scoring every remaining problem 0, one deadline per
     hung worker at a time). None: calls of its own under ``score_timeout_s`` with no budget,
     failures scoring 0 (the warm start's check).
+
+    ``generate``: the completions come from it instead of ``model``'s own (`hf_generate`): an
+    engine's (``asyncrl eval`` on vLLM), or ``hf_generate`` wrapped to report progress.
     """
     from asyncrl.rl.tasks.episodes import EpisodeRunner
 
@@ -94,7 +101,7 @@ def evaluate(
     own = calls is None
     if own:  # failures score 0 here, as in training; an agent's whole episode is one call
         calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0, workers=max(16, len(problems) * n))
-    generate = hf_generate(model, tokenizer, fmt, batch_size, stop)
+    generate = generate or hf_generate(model, tokenizer, fmt, batch_size, stop)
     try:
         if isinstance(task, Agent):
             return asyncio.run(
