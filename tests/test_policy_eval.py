@@ -1,6 +1,8 @@
 """``asyncrl eval POLICY``: a saved policy's held-out solve rates and task metrics, from the run's
 own settings; on the CPU the greedy numbers are the ones the run's own evaluation logged for that
-policy; a path that holds no policy is one line and exit status 2."""
+policy; on a vLLM engine (the CPU build here; skipped where vLLM is not installed, unless
+``ASYNCRL_REQUIRE_VLLM=1``, see vllm_support); a path that holds no policy is one line and exit
+status 2."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytest_plugins = ["vllm_support"]  # the vllm_required fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -98,3 +102,59 @@ def test_eval_of_a_path_without_a_policy_or_a_bad_flag_is_one_line_and_exit_2(tm
         done = asyncrl(tmp_path, "eval", *args, timeout=60)
         assert done.returncode == 2 and done.stderr.startswith(line), (args, done.stderr)
         assert done.stderr.count("\n") == 1 and not done.stdout, (args, done.stderr)
+
+
+def test_an_engine_from_the_samplers_factory_evaluates_on_a_loop_of_its_own(model_path):
+    # vLLM's path (an engine built by make_backend, driven on an event loop of its own on a
+    # thread, closed at the end), run with the factory's HF backend where vLLM is not installed
+    import threading
+
+    import torch
+
+    from asyncrl.rl.config import GRPOConfig, parse_overrides
+    from asyncrl.rl.policy_eval import _Generator, evaluate_policy
+    from asyncrl.rl.sampler.factory import make_backend
+
+    opened = []
+
+    def engine(kind, policy, device, seed):
+        generator = _Generator(make_engine=lambda: make_backend("hf", policy, device=device, seed=seed))
+        opened.append(generator)
+        return generator
+
+    config = parse_overrides(GRPOConfig(model_path=model_path), ["--run.n_heldout", "8", "--run.eval_samples", "2"])
+    lines = []
+    result = evaluate_policy(model_path, config, device="cpu", log=lines.append, open_generator=engine)
+    assert torch.device(result["device"]).type == "cpu" and result["heldout_problems"] == 8
+    assert set(result["heldout"]) == {"greedy", "sampled"} and all(0 <= r <= 1 for r in result["heldout"].values())
+    assert set(result["heldout_task"]) == {
+        "heldout/task/has_answer",
+        "heldout/task/hits_target",
+        "heldout/task/uses_numbers",
+        "heldout/task/well_formed",
+    }
+    assert "asyncrl eval: greedy: 8/8 prompts" in lines and "asyncrl eval: sampled: 8/8 prompts" in lines
+    (generator,) = opened
+    assert generator.backend._closed and generator.loop.is_closed() and not generator.thread.is_alive()
+    assert "asyncrl-eval-engine" not in {t.name for t in threading.enumerate()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_eval_on_a_vllm_engine(model_path, tmp_path, vllm_required):
+    # a policy outside any run directory: the task and settings are the flags' (and the defaults)
+    args = ["eval", model_path, "--run.n_heldout", "8", "--run.eval_samples", "2", "--device", vllm_required.type]
+    done = asyncrl(tmp_path, *args, "--engine", "vllm", "--out", "vllm.json", timeout=360)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "vllm.json").read_text())
+    assert (result["engine"], result["run_dir"], result["heldout_problems"], result["temperature"]) == (
+        "vllm",
+        "",
+        8,
+        1.0,
+    )
+    assert set(result["heldout"]) == {"greedy", "sampled"} and all(0 <= r <= 1 for r in result["heldout"].values())
+    assert set(result["heldout_task"]) == {
+        f"heldout/task/{k}" for k in ("has_answer", "hits_target", "uses_numbers", "well_formed")
+    }
+    assert "asyncrl eval: greedy: 8/8 prompts" in done.stderr and "held-out solve rate (8 problems): " in done.stdout

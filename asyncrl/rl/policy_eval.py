@@ -206,11 +206,14 @@ def evaluate_policy(
     device: str = "auto",
     seed: int = 0,
     log: Callable[[str], None] = print,
+    open_generator: Callable[[str, str, Any, int], Any] | None = None,
 ) -> dict[str, Any]:
     """The held-out evaluation of the policy at ``policy`` on ``config``'s task and settings:
     ``heldout`` (``greedy``, ``sampled``), ``heldout_task`` (the task's metrics of the greedy
     episodes and the failed calls, keyed as in metrics.jsonl), ``failures`` (an agent's failed
-    episodes by kind), and what was run (engine, device, problems, samples, temperature, seed)."""
+    episodes by kind), and what was run (engine, device, problems, samples, temperature, seed).
+    ``open_generator(kind, policy, device, seed)``: what generates (default `_Generator.open`)."""
+    open_generator = open_generator or _Generator.open
     import torch
 
     from asyncrl.rl.model.evaluation import evaluate
@@ -228,7 +231,7 @@ def evaluate_policy(
     kind = _engine(engine, where)
     log(f"asyncrl eval: {policy}: task {task.task_name()}, {len(problems)} held-out problems; {kind} on {where}")
     torch.manual_seed(seed)
-    with _Generator(kind, policy, where, seed) as generator:
+    with open_generator(kind, policy, where, seed) as generator:
         fmt = generator.fmt
         calls = UserCalls(task.task_name(), spec.score_timeout_s, spec.max_failure_rate, stop_early=True)
         common = dict(
@@ -327,34 +330,38 @@ def _positions(policy: str) -> int:
 
 
 class _Generator:
-    """The policy loaded for ``kind`` and its `Generate` for `evaluate`, reporting progress. hf:
-    the model (transformers' ``generate`` in the trainer's batches: `hf_generate`); vllm: an
-    engine from the samplers' factory, on an event loop of its own on a thread (each `evaluate`
-    runs its episodes on a loop of its own, and the engine keeps one for its requests)."""
+    """The policy loaded, and its `Generate` for `evaluate`, reporting progress: ``model``
+    (transformers' ``generate`` in the trainer's batches: `hf_generate`) or an engine that
+    ``make_engine`` builds, ``(SamplerBackend, PromptFormat)``, on an event loop of its own on a
+    thread (each `evaluate` runs its episodes on a loop of its own, and an engine such as vLLM's
+    keeps one loop for its requests)."""
 
-    def __init__(self, kind: str, policy: str, device: Any, seed: int):
-        self.kind, self.model, self.backend = kind, None, None
+    def __init__(self, *, model: Any = None, fmt: Any = None, make_engine: Callable[[], Any] | None = None):
+        self.model, self.fmt, self.backend = model, fmt, None
+        if make_engine is None:
+            return
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="asyncrl-eval-engine", daemon=True)
+        self.thread.start()
+        try:
+            self.backend, self.fmt = asyncio.run_coroutine_threadsafe(_call(make_engine), self.loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def open(cls, kind: str, policy: str, device: Any, seed: int) -> _Generator:
+        """hf: the model, loaded here; vllm: an engine from the samplers' factory."""
         if kind == "hf":
             import torch
 
             from asyncrl.rl.model.policy import load_policy
 
-            self.model, _, self.fmt = load_policy(policy, device, torch.float32)
-            return
+            model, _, fmt = load_policy(policy, device, torch.float32)
+            return cls(model=model, fmt=fmt)
         from asyncrl.rl.sampler.factory import make_backend
 
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="asyncrl-eval-engine", daemon=True)
-        self.thread.start()
-
-        async def build():
-            return make_backend(kind, policy, device=device, seed=seed)
-
-        try:
-            self.backend, self.fmt = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
-        except BaseException:
-            self._stop_loop()
-            raise
+        return cls(make_engine=lambda: make_backend(kind, policy, device=device, seed=seed))
 
     def generate(self, what: str, n: int, log: Callable[[str], None]) -> Any:
         """A `Generate` that hands its prompts on in chunks of whole batches of rows (so the
