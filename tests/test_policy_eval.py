@@ -98,6 +98,8 @@ def test_eval_of_a_path_without_a_policy_or_a_bad_flag_is_one_line_and_exit_2(tm
         ([], "asyncrl eval: no POLICY given: asyncrl eval POLICY"),
         (["run/final", "--engine", "tpu"], "asyncrl eval: --engine tpu: expected one of auto, hf, vllm"),
         (["run/final", "--config", "nope.toml"], "asyncrl eval: --config nope.toml: no such file"),
+        (["--run.n_heldout", "8", "empty"], "asyncrl eval: empty holds no policy"),  # POLICY after a flag
+        (["run/final", "--out", "nowhere/x.json"], "asyncrl eval: --out nowhere/x.json: no such directory "),
     ]:
         done = asyncrl(tmp_path, "eval", *args, timeout=60)
         assert done.returncode == 2 and done.stderr.startswith(line), (args, done.stderr)

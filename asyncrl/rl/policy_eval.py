@@ -86,10 +86,11 @@ def main(argv: list[str], log: Callable[[str], None] | None = None) -> int:
     except ValueError:
         raise ConfigError(f"--seed {seed_text}: expected an integer, e.g. --seed 0") from None
     files, argv = take_config_files(argv)
-    if not argv or argv[0].startswith("-"):
-        raise ConfigError(f"no POLICY given: {USAGE.removeprefix('usage: ')}")
-    policy, run_dir = find_policy(argv[0])
-    config = eval_config(argv[1:], run_dir, files)
+    given, argv = _take_policy(argv)
+    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise ConfigError(f"--out {out}: no such directory {os.path.dirname(os.path.abspath(out))}")
+    policy, run_dir = find_policy(given)
+    config = eval_config(argv, run_dir, files)
     from asyncrl.rl.tasks.scoring import TaskFailureError
 
     progress = log or ProgressLine()
@@ -126,6 +127,17 @@ def help_text() -> str:
         "Exit status: 0 done, 1 the task's code failed past its budget, 2 a usage error (one line)."
     )
     return f"{USAGE}\n\n{doc}\n\n{options_text(OPTIONS)}"
+
+
+def _take_policy(argv: list[str]) -> tuple[str, list[str]]:
+    """The first word of ``argv`` that is neither a flag nor a flag's value (``--key value``,
+    ``--key=value``), and the rest."""
+    i = 0
+    while i < len(argv):
+        if not argv[i].startswith("-"):
+            return argv[i], argv[:i] + argv[i + 1 :]
+        i += 1 if "=" in argv[i] else 2
+    raise ConfigError(f"no POLICY given: {USAGE.removeprefix('usage: ')}")
 
 
 def _choice(argv: list[str], flag: str, choices: Sequence[str]) -> tuple[str, list[str]]:
