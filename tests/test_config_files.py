@@ -147,6 +147,9 @@ def test_a_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "run.ini").write_text("")
     with pytest.raises(ConfigError, match=r"^--config run\.ini: its suffix tells its format: \.toml, \.yaml"):
         read_config_file("run.ini")
+    (tmp_path / "mem.toml").symlink_to("/proc/self/mem")  # opens, but no read of it succeeds (root included)
+    with pytest.raises(ConfigError, match=r"^--config mem\.toml: cannot read it: Input/output error$"):
+        read_config_file("mem.toml")
     (tmp_path / "latin.toml").write_bytes(b"# caf\xe9\n")
     with pytest.raises(ConfigError, match=r"^--config latin\.toml: not UTF-8 text \(byte 0xe9 at offset 5\)$"):
         read_config_file("latin.toml")
