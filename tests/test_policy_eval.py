@@ -114,13 +114,13 @@ def test_an_engine_from_the_samplers_factory_evaluates_on_a_loop_of_its_own(mode
     import torch
 
     from asyncrl.rl.config import GRPOConfig, parse_overrides
-    from asyncrl.rl.policy_eval import _Generator, evaluate_policy
+    from asyncrl.rl.policy_eval.evaluation import PolicyGenerator, evaluate_policy
     from asyncrl.rl.sampler.factory import make_backend
 
     opened = []
 
     def engine(kind, policy, device, seed):
-        generator = _Generator(make_engine=lambda: make_backend("hf", policy, device=device, seed=seed))
+        generator = PolicyGenerator(make_engine=lambda: make_backend("hf", policy, device=device, seed=seed))
         opened.append(generator)
         return generator
 
