@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("run_dir", help="The run directory.")
     show.add_argument("--step", type=int, default=None, metavar="N", help="The step (default: the last recorded).")
+    sub.add_parser(  # listed here; its line is parsed by asyncrl.rl.policy_eval (see main)
+        "eval",
+        help="The held-out solve rates and task metrics of a saved policy (RUN_DIR/final, best/, a "
+        "checkpoint), greedy and sampled; asyncrl eval --help for its flags.",
+    ).add_argument("args", nargs=argparse.REMAINDER)
     plot = sub.add_parser(
         "plot",
         help="Draw the learning curves of one or several runs (from their metrics.jsonl) into a PNG.",
@@ -174,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:  # a run's --section.key flags besides its own, as a script takes them
+        return _eval(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
@@ -247,6 +255,20 @@ def _configure(args):
             f"`asyncrl secret PATH` and pass --secret_file PATH (or set {auth.ENV_SECRET_FILE} or {auth.ENV_SECRET})"
         )
     return config, node
+
+
+def _eval(argv: list[str]) -> int:
+    from asyncrl.errors import UsageError
+    from asyncrl.rl.policy_eval import main as eval_main
+
+    try:
+        return eval_main(argv)
+    except UsageError as e:  # a path without a policy, a key or a value: one line, before anything loads
+        print(f"asyncrl eval: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("asyncrl eval: stopped by SIGINT", file=sys.stderr)
+        return 130
 
 
 def _write_secret(path: str) -> int:

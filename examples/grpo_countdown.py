@@ -5,6 +5,8 @@
     asyncrl launch examples/grpo_countdown.py --model_path ~/ckpt/Qwen2.5-0.5B-Instruct --trainer.lr 1e-6
     asyncrl launch examples/grpo_countdown.py --help                # every key, its default and meaning
     asyncrl launch examples/grpo_countdown.py --resume runs/grpo-X  # continue a stopped run from its checkpoint
+    asyncrl launch examples/grpo_countdown.py --config examples/grpo_countdown.toml   # keys from a file; flags win
+    asyncrl launch examples/grpo_countdown.py --run.steps 200 --print_config > run.toml  # every key, as a file
     asyncrl launch examples/grpo_countdown.py --teacher.model_path T --trainer.loss.distill_coef 1
                                                                     # on-policy distillation from a teacher
     asyncrl launch examples/grpo_countdown.py --reward_model.model_path RM   # a reward model's score added

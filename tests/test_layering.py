@@ -84,6 +84,14 @@ MAY_IMPORT = {
         "asyncrl.rl.tasks",
         "asyncrl.rl.driver",
     },
+    # `asyncrl eval`: a saved policy's held-out evaluation, the run's own (the model's evaluation;
+    # the samplers' engine factory; a run's command line and config.json)
+    "asyncrl.rl.policy_eval": {
+        "asyncrl.errors",
+        *SHARED_RL,
+        "asyncrl.rl.sampler",
+        "asyncrl.rl.launch",
+    },
     "asyncrl.rl": set(),
     # the command line and the package's front door
     "asyncrl": {"asyncrl.errors", "asyncrl.runtime"},
@@ -94,6 +102,7 @@ MAY_IMPORT = {
         "asyncrl.launch",
         "asyncrl.nodes",
         "asyncrl.rl.view",
+        "asyncrl.rl.policy_eval",
     },
     "asyncrl.launch": {"asyncrl.errors", "asyncrl.runtime"},
     "asyncrl.nodes": {"asyncrl.errors", "asyncrl.runtime"},

@@ -469,14 +469,89 @@ def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothi
     assert "  held-out greedy   " in status.stdout and "(3 evaluations)" in status.stdout  # before, at 2, at 4
 
 
-def test_wandb_asked_for_but_not_installed_is_a_usage_error(tmp_path):
+def test_wandb_asked_for_but_not_installed_is_a_usage_error(tmp_path, monkeypatch):
     pytest.importorskip("prometheus_client")
-    if __import__("importlib").util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here")
+    # wandb is in the test extra: the script's Python is made not to find it (find_spec gives None)
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\n\nsys.modules['wandb'] = None\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
     done = launch(tmp_path, *TINY, "--run.wandb", "my-project", "--run.run_dir", str(tmp_path / "run"))
     assert done.returncode == 2
     assert "--run.wandb my-project needs the wandb package, which is not installed: pip install wandb" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def wandb_records(path) -> list:
+    """The records of a W&B run file (``run-<id>.wandb``: LevelDB's log format, W&B's header,
+    one protobuf `Record` per entry); wandb ships the protobuf types but no reader."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, part, records = path.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B", path
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768  # blocks of 32 KiB; a tail too short for a header is padding
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if left < 7 or kind == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        part = chunk if kind in (1, 2) else part + chunk  # full, first; middle, last
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(part)
+            records.append(record)
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_wandb_offline_gets_the_run_s_metrics_and_config_and_a_resume_continues_the_same_run(
+    tmp_path, model_cache, monkeypatch
+):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing written outside tmp_path
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    args = ["--run.wandb", "asyncrl-test", "--run.checkpoint_every", "2", "--run.run_dir", str(run_dir)]
+    done = launch(tmp_path, *TINY, "--run.steps", "2", *args, cache=model_cache)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Weights & Biases: project asyncrl-test, run run" in done.stdout
+    resumed = launch(tmp_path, "--resume", str(run_dir), "--run.steps", "3", cache=model_cache)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+
+    run_id = (run_dir / "wandb.id").read_text().strip()
+    segments = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert [s.name.rsplit("-", 1)[1] for s in segments] == [run_id, run_id]  # one W&B run, two segments
+    metrics = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    config = json.loads((run_dir / "config.json").read_text())
+    for segment, steps in zip(segments, ([1, 2], [3])):
+        records = wandb_records(segment / f"run-{run_id}.wandb")
+        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        assert (run.run_id, run.project, run.display_name) == (run_id, "asyncrl-test", "run")
+        logged = {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in run.config.update}
+        logged.pop("_wandb", None)
+        assert logged["run"]["steps"] == steps[-1] and set(logged) == set(config)  # the run's config, each segment's
+        rows = [
+            {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in records
+            if r.WhichOneof("record_type") == "history"
+        ]
+        # one row per step, every scalar of metrics.jsonl in it: W&B's curves of the run
+        assert [row["_step"] for row in rows] == steps
+        for row in rows:
+            record = metrics[row["_step"]]
+            assert row["reward_mean"] == pytest.approx(record["reward_mean"])
+            assert row["loss"] == pytest.approx(record["loss"])
+            assert row.get("heldout_solve_rate") == record.get("heldout_solve_rate")
+    # the resumed segment's config is the config.json it wrote, with what the run resolved for this
+    # host where config.json keeps auto (0) for another host's resume
+    resolved = {key: logged["sampler"][key] for key in ("prompts_per_batch", "streams")}
+    assert min(resolved.values()) > 0 and logged == config | {"sampler": config["sampler"] | resolved}
 
 
 @pytest.mark.slow

@@ -3,9 +3,12 @@
 train, and turn the outcome into an exit status.
 
 The config is parsed in two phases, both before torch is imported (``--help`` and a typo answer at
-once): first the task (``--task.name``/``--task.reward`` from the command line, or from the run's
-config.json on ``--resume``) is looked up, since its class decides the config's shape (its options
-are a section of their own, ``--countdown.*``); then every flag is parsed against that shape.
+once): first the task (``--task.name``/``--task.reward`` from the command line, else from a
+``--config`` file, else from the run's config.json on ``--resume``) is looked up, since its class
+decides the config's shape (its options are a section of their own, ``--countdown.*``); then
+every key is parsed against that shape, in layers: the script's defaults, the resumed run's
+config.json, the ``--config`` files in order, and the flags, which win wherever they stand on the
+line. ``--print_config`` writes the result as a TOML file (`config_file_text`) instead of running.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from asyncrl import Supervisor
 from asyncrl.rl.config import GRPOConfig, TaskConfig, grpo_config_type, help_text, parse_overrides, take_option
+from asyncrl.rl.config.files import ConfigFile, config_file_text, read_config_file
 from asyncrl.rl.config.task import DEFAULT_TASK, split_ref
 from asyncrl.rl.tasks.loading import reward_function, task_class
 
@@ -27,6 +31,17 @@ OPTIONS = [
         "--resume RUN_DIR",
         "Continue the run in RUN_DIR from its newest checkpoint, with its config.json; keys "
         "given with it apply on top (e.g. --run.steps to go further).",
+    ),
+    (
+        "--config FILE",
+        "Read keys from FILE: TOML (.toml), YAML (.yaml, where PyYAML is installed) or a run's "
+        "config.json (or its directory), a table per section ([run], [trainer.loss]); the flags win "
+        "over it. Repeat it to layer files, the later winning.",
+    ),
+    (
+        "--print_config",
+        "Write every key of the run these flags (and files) make, defaults included, as a TOML "
+        "file on stdout, and exit: --config reads it back to the same run.",
     ),
 ]
 """The flags a GRPO script takes besides its config keys."""
@@ -52,17 +67,28 @@ async def grpo_main(
         default_task = f"{os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), target)}:{attr}"
     if "--help" in argv or "-h" in argv:
         default = parse_overrides(default_config(argv, _flag_value(argv, "--resume"), default_task), list(defaults))
-        usage = f"usage: asyncrl launch [LAUNCH FLAGS] {script} [--resume RUN_DIR] [--section.key VALUE ...]"
+        usage = (
+            f"usage: asyncrl launch [LAUNCH FLAGS] {script} [--resume RUN_DIR] [--config FILE] [--print_config] "
+            "[--section.key VALUE ...]"
+        )
         print("\n\n".join(part for part in (usage, doc.strip(), help_text(default, OPTIONS)) if part))
         return 0
+    files, argv = take_config_files(argv)
+    printing, argv = take_switch(argv, "--print_config")
     resume, argv = take_option(argv, "--resume", "RUN_DIR")
-    default = parse_overrides(default_config(argv, resume, default_task), list(defaults))
+    default = parse_overrides(default_config(argv, resume, default_task, files), list(defaults))
     if not resume:  # the flags are parsed before the driver (torch and all) is imported: a typo answers at once
-        config = parse_overrides(default, argv)
-    from asyncrl.rl.driver import RunStoppedError, check_run, resumed_config, train
+        config = parse_overrides(default, argv, files)
+    else:  # the files and flags apply over the resumed run's config.json
+        from asyncrl.rl.driver import resumed_config
 
-    if resume:  # the flags apply over the resumed run's config.json
-        config = parse_overrides(resumed_config(default, resume), [*argv, "--run.run_dir", resume])
+        config = parse_overrides(resumed_config(default, resume), [*argv, "--run.run_dir", resume], files)
+    if printing:
+        header = f"Every key of a GRPO run, defaults included (--print_config).\nasyncrl launch {script} --config FILE"
+        print(config_file_text(config, header), end="")
+        return 0
+    from asyncrl.rl.driver import RunStoppedError, check_run, train
+
     config = check_run(config, resume=bool(resume))
     try:
         async with Supervisor() as sup:
@@ -73,14 +99,34 @@ async def grpo_main(
     return 0
 
 
-def default_config(argv: list[str], resume: str, default_task: str = DEFAULT_TASK) -> GRPOConfig:
+def take_config_files(argv: list[str]) -> tuple[list[ConfigFile], list[str]]:
+    """Every ``--config FILE`` of ``argv``, read in order (`read_config_file`), and the rest."""
+    files = []
+    while True:
+        path, argv = take_option(argv, "--config", "FILE")
+        if not path:
+            return files, argv
+        files.append(read_config_file(path))
+
+
+def take_switch(argv: list[str], flag: str) -> tuple[bool, list[str]]:
+    """Whether ``flag`` (``--print_config``, or its spelling with -) is in ``argv``, and the rest."""
+    spellings = {flag, flag.replace("_", "-")}
+    return any(arg in spellings for arg in argv), [arg for arg in argv if arg not in spellings]
+
+
+def default_config(
+    argv: list[str], resume: str, default_task: str = DEFAULT_TASK, files: Sequence[ConfigFile] = ()
+) -> GRPOConfig:
     """The default config of the run ``argv`` asks for: of the type of its task (the one
-    ``--task.name`` names, that of the resumed run's config.json, else ``default_task``; none
-    with ``--task.reward``), whose options are a section of it. A task that cannot be loaded is
-    a one-line `ConfigError`."""
-    saved = _saved_task(resume) if resume else {}
-    name = _flag_value(argv, "--task.name") or (None if _flag_value(argv, "--task.reward") else saved.get("name"))
-    reward = _flag_value(argv, "--task.reward") or (None if name else saved.get("reward"))
+    ``--task.name`` names, else the last ``files``' ``[task]`` table that names one, else that of
+    the resumed run's config.json, else ``default_task``; none with a reward function instead),
+    whose options are a section of it. A task that cannot be loaded is a one-line `ConfigError`."""
+    layers = [_saved_task(resume) if resume else {}]
+    layers += [_file_task(file) for file in files]
+    layers.append({"name": _flag_value(argv, "--task.name"), "reward": _flag_value(argv, "--task.reward")})
+    chosen = next((layer for layer in reversed(layers) if layer.get("name") or layer.get("reward")), {})
+    name, reward = chosen.get("name") or None, chosen.get("reward") or None
     if reward:
         reward_function(reward)  # its mistakes named as typed, before the rest is parsed
         return GRPOConfig()
@@ -100,6 +146,15 @@ def _flag_value(argv: list[str], flag: str) -> str:
         elif arg.startswith(flag + "="):
             value = arg[len(flag) + 1 :]
     return value
+
+
+def _file_task(file: ConfigFile) -> dict[str, Any]:
+    """The task's name and reward function a config file's ``[task]`` table gives (strings only:
+    the full parse names what else is wrong with it)."""
+    task = file.values.get("task")
+    if not isinstance(task, dict):
+        return {}
+    return {k: v for k, v in task.items() if k in ("name", "reward") and isinstance(v, str)}
 
 
 def _saved_task(run_dir: str) -> dict[str, Any]:

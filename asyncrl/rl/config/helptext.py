@@ -40,6 +40,12 @@ def help_text(config: Any, options: Iterable[tuple[str, str]] = ()) -> str:
     return "\n\n".join(_groups(config, "", GRAMMAR, width, first))
 
 
+def options_text(options: Iterable[tuple[str, str]], title: str = "options") -> str:
+    """A group of flags alone (a command's own, not a config's keys), in the same layout."""
+    width = shutil.get_terminal_size().columns - 2
+    return _group(title, "", [_entry(flag, text, width) for flag, text in options], width)
+
+
 def _groups(section: Any, key: str, doc: str, width: int, first: Iterable[str] = ()) -> list[str]:
     """The group of ``section`` (at ``key``; "" for the root, titled "options") followed by the
     groups of its sub-sections, each after its parent's."""

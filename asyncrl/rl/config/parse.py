@@ -42,6 +42,7 @@ import re
 import shlex
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asyncrl.errors import UsageError
@@ -54,6 +55,7 @@ from asyncrl.rl.config.tree import (
     flat_section,
     is_flat,
     sentence,
+    toml_value,
     typed,
 )
 
@@ -75,20 +77,24 @@ class ConfigError(UsageError, ValueError):
     flag; ``asyncrl launch`` prints it and exits with status 2."""
 
 
-def parse_overrides(config: Any, argv: list[str]) -> Any:
-    """Apply ``--a.b.c value`` / ``--a.b.c=value`` pairs to the dataclass tree ``config``. Each
-    section is rebuilt once with all of its overrides, so fields that are validated together
-    (say, a hidden size and a head count) can change together. Dashes in keys count as
-    underscores (``--run.max-staleness``)."""
+def parse_overrides(config: Any, argv: list[str], files: Sequence[Any] = ()) -> Any:
+    """Apply ``--a.b.c value`` / ``--a.b.c=value`` pairs to the dataclass tree ``config``, over
+    the keys of ``files`` (`asyncrl.rl.config.files.ConfigFile`s, in order: a later one, and any
+    flag, wins). Each section is rebuilt once with all of its overrides, so fields that are
+    validated together (say, a hidden size and a head count) can change together, one from a
+    file and one from a flag included. Dashes in keys count as underscores (``--run.max-staleness``)."""
     tree: dict[str, Any] = {}
+    settings = [s for file in files for s in _file_settings(config, file)]
     for dotted, raw in _pairs(config, argv):
         path, current = _resolve(config, dotted, raw)
         if raw is None:
             raise ConfigError(f"--{dotted} needs a value" + _example(dotted, current, ", e.g. "))
+        settings.append((path, _Setting(raw, dotted)))
+    for path, setting in settings:
         node = tree
         for name in path[:-1]:
             node = node.setdefault(name, {})
-        node[path[-1]] = (raw, dotted)
+        node[path[-1]] = setting
     return _apply(config, tree)
 
 
@@ -208,6 +214,123 @@ def _stray(config: Any, arg: str) -> str:
     return f"unexpected argument {arg!r}: overrides are --section.key value (see --help for the keys)"
 
 
+# --- config files ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """One key's value as given: a flag's text, or a config file's value (``where`` names the
+    file and the key's line, ``run.toml:12``; "" for a flag)."""
+
+    value: Any
+    dotted: str
+    where: str = ""
+
+    def shown(self) -> str:
+        """The setting as an error names it: ``--run.steps 0``, or ``run.toml:3: run.steps = 0``."""
+        if self.where:
+            return f"{self.where}: {self.dotted} = {toml_value(self.value)}"
+        return f"--{self.dotted} {shlex.quote(self.value)}"
+
+
+def _file_settings(config: Any, file: Any) -> list[tuple[list[str], _Setting]]:
+    """(attribute path, setting) for every key of a config file's tables, checked against the
+    tree as flags are: a key no section has, a section given a value, a value given a table."""
+    out: list[tuple[list[str], _Setting]] = []
+
+    def walk(node: Any, values: Mapping[str, Any], path: list[str], prefix: str) -> None:
+        for key, value in values.items():
+            dotted = f"{prefix}{key}"
+            where = file.where(dotted)
+            steps = field_path(node, str(key).replace("-", "_"))
+            if steps is None:
+                raise ConfigError(f"{where}: {_unknown_in_file(config, dotted, node, isinstance(value, Mapping))}")
+            target = node
+            for step in steps:
+                target = getattr(target, step)
+            if dataclasses.is_dataclass(target):
+                if not isinstance(value, Mapping):
+                    raise ConfigError(
+                        f"{where}: {dotted} is a section, not a value: give its keys in a table "
+                        f"([{dotted}] in TOML), e.g. {_file_example(target, dotted)}"
+                    )
+                walk(target, value, [*path, *steps], f"{dotted}.")
+            else:
+                out.append(([*path, *steps], _Setting(value, dotted, where)))
+
+    walk(config, file.values, [], "")
+    return out
+
+
+def _unknown_in_file(config: Any, dotted: str, parent: Any, table: bool) -> str:
+    """A file's key that no section has, with the keys (the sections, for a ``table``) that exist
+    and look like it (a key of another section, ``steps`` outside ``[run]``; a close spelling),
+    or its section's keys."""
+    key = dotted.replace("-", "_")
+    keys = _section_keys(config) if table else _leaf_keys(config)
+    leaf = key.rsplit(".", 1)[-1]
+    guesses = [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != key][:3]
+    guesses = guesses or difflib.get_close_matches(key, keys, n=2, cutoff=0.75)
+    if guesses:
+        return f"unknown key {dotted}; did you mean {' or '.join(guesses)}?"
+    names = ", ".join(sorted(f.name for f, _ in fields_of(parent)))
+    return f"unknown key {dotted}; {type(parent).__name__} has: {names}"
+
+
+def _section_keys(config: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f, value in fields_of(config):
+        if dataclasses.is_dataclass(value):
+            keys += [prefix + f.name, *_section_keys(value, f"{prefix}{f.name}.")]
+    return keys
+
+
+def _file_example(section: Any, dotted: str) -> str:
+    first, value = fields_of(section)[0]
+    return f"{dotted}.{first.name} = {toml_value(value)}"
+
+
+def _cast_file_value(setting: _Setting, annotation: Any, current: Any) -> Any:
+    """A file's value as the field's type: a string is read as the flag's text would be
+    (``"none"``, ``"1e-5"`` as YAML leaves it), any other value must be of the type already."""
+    try:
+        return _typed(setting.value, annotation)
+    except _Mismatch:
+        found = "a table" if isinstance(setting.value, Mapping) else f"{toml_value(setting.value)}"
+        raise ConfigError(
+            f"{setting.where}: {setting.dotted} = {found}: expected {_describe(annotation)}, "
+            f"e.g. {setting.dotted} = {toml_value(current)}"
+        ) from None
+
+
+def _typed(value: Any, annotation: Any) -> Any:
+    if isinstance(value, str):
+        return _cast(value, annotation)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is not type(None):
+                try:
+                    return _typed(value, arg)
+                except _Mismatch:
+                    continue
+        raise _Mismatch
+    if origin is tuple and isinstance(value, (list, tuple)):
+        variadic = len(args) == 2 and args[1] is Ellipsis
+        if not variadic and len(value) != len(args):
+            raise _Mismatch
+        return tuple(_typed(v, args[0] if variadic else args[i]) for i, v in enumerate(value))
+    if annotation is bool and isinstance(value, bool):
+        return value
+    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise _Mismatch
+
+
 # --- building -------------------------------------------------------------------------------------
 
 
@@ -219,10 +342,12 @@ def _apply(node: Any, overrides: dict[str, Any]) -> Any:
         current = getattr(node, name)
         if isinstance(override, dict):
             values[name] = _apply(current, override)
+        elif override.where:
+            values[name] = _cast_file_value(override, hints[name], current)
+            flags[name] = override.shown()
         else:
-            raw, dotted = override
-            values[name] = _cast_flag(raw, hints[name], dotted, current)
-            flags[name] = f"--{dotted} {shlex.quote(raw)}"
+            values[name] = _cast_flag(override.value, hints[name], override.dotted, current)
+            flags[name] = override.shown()
     try:
         return dataclasses.replace(node, **values)
     except ValueError as exc:  # the section's own validation

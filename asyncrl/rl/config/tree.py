@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import math
 import re
 import shlex
 from typing import Any
@@ -83,6 +85,23 @@ def typed(value: Any) -> str:
     else:
         shown = str(value)
     return shlex.quote(shown)
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML value: ``true``, ``1e-05``, ``"async"``, ``[0.9, 0.99]``; None (which
+    TOML cannot write) as ``"none"``, which a config file reads back as None where a key may be
+    None, as a flag does."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if value != value else ("inf" if value > 0 else "-inf"))
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if value is None:
+        return '"none"'
+    return json.dumps(str(value)).replace("\x7f", "\\u007f")  # a JSON string is a TOML basic string
 
 
 def sentence(doc: str) -> str:
