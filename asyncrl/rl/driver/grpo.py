@@ -320,9 +320,16 @@ class GRPODriver:
             quietly(metrics.close)
             self.display = None
             quietly(self.write_progress)
-        curves = painter.close()  # the last drawing, with every step in it
+        # The last drawing, with every step in it, in its thread while the final policy is saved.
+        drawing = asyncio.ensure_future(painter.close())
         self.after_step = "saving the final policy"
-        final_dir = await save_policy(self.trainer, run, os.path.join(self.run_dir, "final"), "saving the final policy")
+        try:
+            final_dir = await save_policy(
+                self.trainer, run, os.path.join(self.run_dir, "final"), "saving the final policy"
+            )
+            curves = await drawing
+        finally:
+            drawing.cancel()  # a failed save does not wait for a picture
         self.after_step = ""
         self.phase = "finished"
         self.write_progress()
