@@ -648,6 +648,56 @@ def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
     }
 
 
+def test_the_held_out_evaluations_endpoint_answers_log_probs_as_a_samplers_does(letters):
+    """An agent sees the same answer in held-out evaluation as in training. Seen: the evaluation's
+    endpoint (over ``model.generate``) gave 0 alternatives for ``top_logprobs=2`` and log-probs of 0,
+    where a sampler's gives 2 and the sampling log-probs. Here one greedy question through each:
+    the same tokens, log-probs and alternatives (to float error: two implementations of decoding)."""
+    from asyncrl.rl.model.evaluation import evaluate
+
+    answers: list = []
+
+    async def agent(problem, client):
+        answer = await client.chat.completions.create(
+            model="policy", max_tokens=5, messages=[{"role": "user", "content": problem}], logprobs=True, top_logprobs=2
+        )
+        answers.append(answer.choices[0].logprobs.content)
+        return 1.0
+
+    model, tok, fmt = letters
+    task = FunctionAgent.of(agent)()
+    assert evaluate(model, tok, fmt, ["hi"], task=task, greedy=True, max_new_tokens=8).solve_rate == 1.0
+
+    async def on_a_sampler():
+        backend = HFBackend(model, tokenizer=tok)
+        greedy = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=fmt.stop_token_ids)
+
+        async def generate(prompts, n, params, progress=None):
+            return 0, await backend.generate(prompts, n, params, progress)
+
+        server = OpenAIServer(generate, tok, greedy)
+        await server.start()
+        calls = UserCalls("agent", timeout_s=60.0, max_failure_rate=0.0)
+        try:
+            await AgentRunner(task, server, calls).episodes(["hi"], 1)
+        finally:
+            await server.close()
+            backend.close()
+            calls.close()
+
+    asyncio.run(on_a_sampler())
+    held_out, sampler = answers
+    assert len(held_out) == len(sampler) == 5
+    assert all(len(t.top_logprobs) == 2 for t in held_out + sampler)
+    assert [t.token for t in held_out] == [t.token for t in sampler]
+    assert [[a.token for a in t.top_logprobs] for t in held_out] == [[a.token for a in t.top_logprobs] for t in sampler]
+    flat = [[t.logprob, *(a.logprob for a in t.top_logprobs)] for t in held_out]
+    torch.testing.assert_close(
+        torch.tensor(flat), torch.tensor([[t.logprob, *(a.logprob for a in t.top_logprobs)] for t in sampler])
+    )
+    assert all(t.logprob < 0 for t in held_out)  # not the 0.0 of a generation that kept none
+
+
 async def test_the_example_agents_run_against_the_endpoint(endpoint):
     """examples/agent_calculator.py (tools) and examples/agent_guess.py (its own message list), as
     a run loads them; the letters model never calls a tool nor names a number, so both score 0
