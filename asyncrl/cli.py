@@ -124,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir", help="The run directory (e.g. runs/grpo-20261122-063000).")
     status.add_argument("--json", action="store_true", help="Print the whole reply as JSON.")
     status.add_argument(
+        "--endpoint",
+        action="store_true",
+        help=(
+            "Print each sampler's OpenAI endpoint (root base_url) and its bearer token, for code outside the "
+            "run's episodes (docs/agents.md); starts the endpoint on a sampler that has none yet."
+        ),
+    )
+    status.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="Seconds to wait for the answer (default 5)."
     )
     scale = sub.add_parser(
@@ -184,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "secret":
         return _write_secret(args.path)
     if args.command == "status":
+        if args.endpoint:
+            return _endpoints(args.run_dir, args.json, args.timeout)
         return _status(args.run_dir, args.json, args.timeout)
     if args.command == "scale":
         return _scale(args.run_dir, args.samplers, args.timeout)
@@ -278,6 +288,38 @@ def _status(run_dir: str, as_json: bool, timeout_s: float) -> int:
     if not as_json:
         print()
         _print_history(run_dir)
+    return 0
+
+
+def _endpoints(run_dir: str, as_json: bool, timeout_s: float) -> int:
+    """``asyncrl status RUN_DIR --endpoint``: each sampler's root OpenAI endpoint and token."""
+    import json
+
+    from asyncrl.runtime.status import CommandRefusedError, StatusUnavailableError, send_command
+
+    if not timeout_s > 0:
+        print(f"asyncrl status: --timeout must be > 0, not {timeout_s:g}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        answer = send_command(run_dir, "endpoint", {}, timeout_s)  # as rl.driver.fleet.endpoints
+    except CommandRefusedError as e:
+        print(f"asyncrl status: no endpoint: {e}", file=sys.stderr)
+        return 1
+    except StatusUnavailableError as e:
+        print(f"asyncrl status: {e}", file=sys.stderr)
+        return e.exit_code
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    for one in answer["endpoints"]:
+        if "error" in one:
+            print(f"{one['sampler']}: no endpoint: {one['error']}")
+        else:
+            print(f"{one['sampler']}: base_url {one['base_url']}  token {one['token']}")
+    print(
+        "Use them as openai.OpenAI(base_url=..., api_key=token); requests at the root are served with the "
+        "sampler's current weights and trained on by no one (docs/agents.md)."
+    )
     return 0
 
 

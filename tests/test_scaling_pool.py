@@ -304,3 +304,37 @@ async def test_the_samplers_of_a_node_leaving_are_drained_at_one_reformation():
     assert len(pool.queue) == 2  # what it delivered before it left is kept
     (event,) = [e for e in pool.take_events()["events"] if e["event"] == "node_leaving"]
     assert event["node"] == 1 and event["samplers"] == 2 and "received SIGTERM" in event["detail"], event
+
+
+async def test_the_endpoint_command_gives_each_samplers_root_url_and_token(tmp_path):
+    """Code outside a run's episodes reaches its samplers' OpenAI endpoints with ``asyncrl status
+    RUN_DIR --endpoint`` (seen: the log printed the URL and said nowhere where the token was): the
+    status socket's ``endpoint`` command, as run.py registers it, asks every sampler in or coming
+    to the group and the CLI prints one line each, a sampler that cannot serve one included; before
+    any sampler is up it says when to ask, exit status 1."""
+    from asyncrl import Supervisor
+    from asyncrl.rl.driver.fleet.endpoints import sampler_endpoints
+    from test_status import status_cli
+
+    up = {"base_url": "http://127.0.0.1:4001/v1", "token": "tok-0"}
+    samplers = [
+        Scripted("sampler0", openai_endpoint=[(0.0, up)], **JOINS),
+        Scripted("sampler1", openai_endpoint=[(0.0, RuntimeError("the OpenAI endpoint needs aiohttp"))], **JOINS),
+        Scripted("sampler2", **JOINS),
+    ]
+    pool = make_pool(trainer(), samplers, [])
+    pool.membership.members[2].state = MemberState.GONE  # lost for good: not asked
+    membership = None
+    async with Supervisor() as sup:
+        server = await sup.serve_status(tmp_path, progress=lambda: {"phase": "training"})
+        server.add_command("endpoint", lambda args: sampler_endpoints(membership, args))
+        code, out, err = await status_cli(str(tmp_path), "--endpoint")
+        assert (code, out) == (1, "") and "no sampler is up yet" in err
+        membership = pool.membership
+        code, out, err = await status_cli(str(tmp_path), "--endpoint")
+    lines = out.splitlines()
+    assert code == 0 and err == "" and len(lines) == 3
+    assert lines[0] == "sampler0: base_url http://127.0.0.1:4001/v1  token tok-0"
+    assert lines[1] == "sampler1: no endpoint: the OpenAI endpoint needs aiohttp"
+    assert lines[2].startswith("Use them as openai.OpenAI(base_url=..., api_key=token)")
+    assert samplers[2].calls == []

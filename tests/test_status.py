@@ -335,3 +335,29 @@ async def test_a_registered_command_is_answered_and_refusals_are_one_typed_line(
             await asyncio.to_thread(send_command, str(tmp_path), "scale", {"samplers": 2})
         reply = await asyncio.to_thread(query_status, str(tmp_path), 5.0)  # status is still served
         assert reply.progress == {"step": 1} and asked == [{"n": 21}]
+
+
+async def test_a_command_that_awaits_is_answered_when_it_ends_and_the_server_serves_meanwhile(tmp_path):
+    """A command that asks actors first (``asyncrl status RUN_DIR --endpoint`` asks every sampler
+    for its endpoint) returns an awaitable: its answer (or its refusal) is sent when it ends, and
+    status requests are answered meanwhile."""
+    from asyncrl.runtime.status import CommandRefusedError, send_command
+
+    release = asyncio.Event()
+
+    async def ask(args: dict) -> dict:
+        await release.wait()
+        if args.get("n", 0) < 0:
+            raise ValueError(f"n must be >= 0, not {args['n']}")
+        return {"asked": args["n"]}
+
+    async with Supervisor() as sup:
+        server = await sup.serve_status(tmp_path, progress=lambda: {"step": 1})
+        server.add_command("ask", ask)
+        asking = asyncio.ensure_future(asyncio.to_thread(send_command, str(tmp_path), "ask", {"n": 7}, 30.0))
+        reply = await asyncio.to_thread(query_status, str(tmp_path), 30.0)  # answered while "ask" waits
+        assert reply.progress == {"step": 1} and not asking.done()
+        release.set()
+        assert await asking == {"asked": 7}
+        with pytest.raises(CommandRefusedError, match=r"^n must be >= 0, not -1$"):
+            await asyncio.to_thread(send_command, str(tmp_path), "ask", {"n": -1}, 30.0)

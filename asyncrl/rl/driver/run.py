@@ -29,6 +29,7 @@ from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import cluster_devices, plan_devices
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
+from asyncrl.rl.driver.fleet.endpoints import sampler_endpoints
 from asyncrl.rl.driver.fleet.sampler_start import start_samplers
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, least_loaded_node
 from asyncrl.rl.driver.fleet.trainer_ranks import node_address, spawn_trainer_ranks
@@ -55,6 +56,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     from asyncrl.rl.driver.preflight import check_run
     from asyncrl.rl.model.warm_start import default_model
     from asyncrl.rl.sampler.actor import SamplerActor
+    from asyncrl.rl.tasks.agent import Agent
     from asyncrl.rl.tasks.loading import load_task
     from asyncrl.rl.trainer.actor import TrainerActor
     from asyncrl.runtime.devices import detect
@@ -113,6 +115,8 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
 
     status = await sup.serve_status(run_dir, progress=progress)
     status.add_command("scale", lambda args: _scaler_of(driver).request(args))  # asyncrl scale (fleet/scaling.py)
+    # asyncrl status RUN_DIR --endpoint: each sampler's OpenAI endpoint and token (fleet/endpoints.py)
+    status.add_command("endpoint", lambda args: sampler_endpoints(driver and driver.pool.membership, args))
     endpoint = None
     console.__enter__()
     # A synchronous call on this loop would freeze every deadline and the status socket, silently.
@@ -158,6 +162,11 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             f"{config.sampler.count} sampler(s); mode {run.mode}"
             + "".join(f"; {key.replace('_', ' ')} {section.model_path}" for key, section in scorers)
         )
+        if isinstance(task, Agent):
+            log(
+                "agent: each sampler serves the OpenAI API on 127.0.0.1; code outside the episodes gets "
+                f"each one's root URL and token from `asyncrl status {run_dir} --endpoint` (docs/agents.md)"
+            )
 
         # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
         # actors of one host fight over the same cores, and throughput collapses.
