@@ -147,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("run_dir", help="The run directory of a live run.")
     scale.add_argument("--samplers", type=int, required=True, metavar="N", help="How many samplers to run.")
     scale.add_argument(
+        "--force",
+        action="store_true",
+        help="Start more CPU samplers than the run's node(s) have cores (refused otherwise).",
+    )
+    scale.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="Seconds to wait for the run's answer (default 5)."
     )
     show = sub.add_parser(
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             return _endpoints(args.run_dir, args.json, args.timeout)
         return _status(args.run_dir, args.json, args.timeout)
     if args.command == "scale":
-        return _scale(args.run_dir, args.samplers, args.timeout)
+        return _scale(args.run_dir, args.samplers, args.timeout, args.force)
     if args.command == "plot":
         return _plot(args.run_dirs, args.output)
     if args.command == "show":
@@ -282,7 +287,7 @@ def _status(run_dir: str, as_json: bool, timeout_s: float) -> int:
     except StatusUnavailableError as e:
         if not as_json:  # a finished or stopped run still has its history to show
             _print_history(run_dir)
-        print(f"asyncrl status: {e}", file=sys.stderr)
+        print(f"asyncrl status: {_unavailable(run_dir, e)}", file=sys.stderr)
         return e.exit_code
     print(reply_json(reply) if as_json else format_status(reply))
     if not as_json:
@@ -306,7 +311,7 @@ def _endpoints(run_dir: str, as_json: bool, timeout_s: float) -> int:
         print(f"asyncrl status: no endpoint: {e}", file=sys.stderr)
         return 1
     except StatusUnavailableError as e:
-        print(f"asyncrl status: {e}", file=sys.stderr)
+        print(f"asyncrl status: {_unavailable(run_dir, e)}", file=sys.stderr)
         return e.exit_code
     if as_json:
         print(json.dumps(answer, indent=2))
@@ -323,25 +328,41 @@ def _endpoints(run_dir: str, as_json: bool, timeout_s: float) -> int:
     return 0
 
 
-def _scale(run_dir: str, samplers: int, timeout_s: float) -> int:
+def _scale(run_dir: str, samplers: int, timeout_s: float, force: bool = False) -> int:
+    from asyncrl.rl.view.fleet import fleet_text
     from asyncrl.runtime.status import CommandRefusedError, StatusUnavailableError, send_command
 
     if not timeout_s > 0:
         print(f"asyncrl scale: --timeout must be > 0, not {timeout_s:g}", file=sys.stderr)
         return EXIT_USAGE
+    args = {"samplers": samplers} | ({"force": True} if force else {})
     try:
-        answer = send_command(run_dir, "scale", {"samplers": samplers}, timeout_s)  # as rl.driver.scaling.scale
+        answer = send_command(run_dir, "scale", args, timeout_s)  # as rl.driver.scaling.scale
     except CommandRefusedError as e:
         print(f"asyncrl scale: refused: {e}", file=sys.stderr)
         return EXIT_USAGE
     except StatusUnavailableError as e:
-        print(f"asyncrl scale: {e}", file=sys.stderr)
+        print(f"asyncrl scale: {_unavailable(run_dir, e)}", file=sys.stderr)
         return e.exit_code
+    if "running" in answer:
+        now = fleet_text(answer["running"], answer["restarting"], answer["starting"], answer["previous_target"])
+    else:  # a run of an earlier version: its count of samplers, starting ones included
+        now = str(answer["samplers"])
     print(
-        f"asyncrl scale: {answer['samplers']} -> {answer['target']} sampler(s) accepted at step "
+        f"asyncrl scale: {now} -> {answer['target']} sampler(s) accepted at step "
         f"{answer['step']}; applied at the next weight sync (asyncrl status shows samplers_target)"
     )
     return 0
+
+
+def _unavailable(run_dir: str, error: Exception) -> str:
+    """Why no live run answered: a run stopped (Ctrl-C, a signal, an error) says so, with how to
+    resume it, where the generic reason would read as a run not started yet."""
+    from asyncrl.rl.view.history import stopped_text
+
+    if getattr(error, "reason", "") == "not_started":
+        return stopped_text(run_dir) or str(error)
+    return str(error)
 
 
 def _print_history(run_dir: str) -> None:

@@ -97,6 +97,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         """Record a stop (faults.jsonl, once the run directory is ours); returns where the run
         stopped ("at step 137") and the line that says what resumes it."""
         where = driver.where() if driver is not None else "while starting"
+        hint = resume_hint(run_dir)
         if committed:
             try:
                 append_event(
@@ -107,11 +108,12 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                         "step": driver.step_done + 1 if driver is not None else 0,
                         "at": time.time(),
                         "detail": detail or f"stopped {where} by {cause}",
+                        "resume": hint,  # what `asyncrl status` and `asyncrl scale` say of a stopped run
                     },
                 )
             except OSError:
                 pass  # a full disk: the stop itself is what the user needs to hear about
-        return where, resume_hint(run_dir)
+        return where, hint
 
     status = await sup.serve_status(run_dir, progress=progress)
     status.add_command("scale", lambda args: _scaler_of(driver).request(args))  # asyncrl scale (fleet/scaling.py)
@@ -337,6 +339,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             started=config.sampler.count,
             target=scaled or None,
             nodes=sup.nodes,
+            cores=lambda: 0 if cuda else _cpu_cores(sup),
         )
         return await driver.execute()
     except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
@@ -379,6 +382,13 @@ def _scaled_node(sup, cuda: bool) -> int | None:
     if cuda or sup.config.nnodes == 1:
         return None
     return least_loaded_node(sup.nodes(), sup.status())
+
+
+def _cpu_cores(sup) -> int:
+    """The cores CPU samplers may use: this host's (those this process may run on) times the nodes
+    joined, taken to be alike (a node's agent does not report its cores)."""
+    nodes = sum(n.state == "joined" for n in sup.nodes()) if sup.config.nnodes > 1 else 1
+    return len(os.sched_getaffinity(0)) * max(nodes, 1)
 
 
 def _scaler_of(driver: GRPODriver | None) -> Scaler:
