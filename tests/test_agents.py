@@ -997,3 +997,21 @@ async def test_a_stream_that_finds_its_connection_closing_ends_quietly(letters, 
         "a streamed answer ended early, its connection closed (Cannot write to closing transport)"
     ]
     assert session.in_flight == 0 and len(writes) == 2 and len(chunks) == 1
+
+
+def test_every_metric_the_runner_adds_to_an_agents_samples_is_in_docs_agents_md():
+    """metrics.jsonl's ``task/<key>`` of an agent run are its `Score`'s metrics and the ones the
+    runner adds itself; each of the latter is named in docs/agents.md. Seen: ``task/calls`` in
+    every agent run's metrics.jsonl, and nowhere in the docs."""
+    from asyncrl.rl.agents.runner import _group
+    from asyncrl.rl.agents.session import AgentSample
+    from asyncrl.rl.tasks.base import Score
+    from asyncrl.rl.tasks.scoring import Outcome
+
+    sample = AgentSample([1, 2], [3, 4], [-0.5, -0.5], [1, 1], version=0, calls=2)
+    group = _group([(sample, Outcome(Score(1.0)))])  # a Score with no metrics of its own
+    added = sorted(group.samples[0].metrics)
+    assert added == ["calls"]
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "agents.md"), encoding="utf-8") as f:
+        docs = f.read()
+    assert [k for k in added if f"`task/{k}`" not in docs] == []
