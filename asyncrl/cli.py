@@ -160,11 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Print the episode a run recorded for a step (the first one trained at that step): its prompt, then "
             "each piece as 'model' (in the loss: the tokens the policy wrote) or 'env' (context: an environment's "
-            "reply, with no loss), quoted. Exit codes: 0 printed, 1 no such episode, 2 no such directory."
+            "reply, with no loss), quoted; with --ids, each piece's token ids and log-probs. A run keeps "
+            "--run.episodes episodes a step (1), with their ids under --run.episode_ids true. "
+            "Exit codes: 0 printed, 1 no such episode, 2 no such directory."
         ),
     )
     show.add_argument("run_dir", help="The run directory.")
     show.add_argument("--step", type=int, default=None, metavar="N", help="The step (default: the last recorded).")
+    show.add_argument(
+        "--episode",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Which of the step's recorded episodes (default 0; a run keeps --run.episodes a step).",
+    )
+    show.add_argument(
+        "--ids",
+        action="store_true",
+        help="Also print the token ids and sampling log-probs (a run that kept them: --run.episode_ids true).",
+    )
     plot = sub.add_parser(
         "plot",
         help="Draw the learning curves of one or several runs (from their metrics.jsonl) into a PNG.",
@@ -205,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         return _plot(args.run_dirs, args.output)
     if args.command == "show":
-        return _show(args.run_dir, args.step)
+        return _show(args.run_dir, args.step, args.episode, args.ids)
     if args.command != "launch":
         parser.print_help()
         return EXIT_USAGE
@@ -376,7 +390,7 @@ def _print_history(run_dir: str) -> None:
         pass  # not a run directory, or no step yet: the status line says what there is
 
 
-def _show(run_dir: str, step: int | None) -> int:
+def _show(run_dir: str, step: int | None, episode: int = 0, ids: bool = False) -> int:
     from asyncrl.rl.view.episodes import episode_text
     from asyncrl.rl.view.history import RunHistoryError
 
@@ -384,7 +398,7 @@ def _show(run_dir: str, step: int | None) -> int:
         print(f"asyncrl show: no such run directory: {run_dir}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        print(episode_text(run_dir, step))
+        print(episode_text(run_dir, step, episode, ids))
     except RunHistoryError as e:
         print(f"asyncrl show: {e}", file=sys.stderr)
         return 1

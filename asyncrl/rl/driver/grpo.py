@@ -128,7 +128,9 @@ class GRPODriver:
         self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
         self.phase = "starting"
         self.heldout_extra: dict[str, float] = {}  # of the latest evaluation (heldout.py)
-        self.episodes, self.trained_head = EpisodeLog(run_dir, model_path, log), []
+        observe = self.run.observe
+        self.episodes = EpisodeLog(run_dir, model_path, log, episodes=observe.episodes, ids=observe.episode_ids)
+        self.trained_head: list[RolloutGroup] = []
         self.task_keys: set[str] = set()  # task/* and task_errors/* keys of the steps so far (task_metrics)
         self.last_step_s, self.last_step_at = 0.0, 0.0
         self.checkpoint_path = resume.path if resume is not None else ""
@@ -376,7 +378,7 @@ class GRPODriver:
         if run.mode == "sync":  # generate exactly this step's groups, with the current weights
             await self.pool.generate(n, self.version)
         batch: list[RolloutGroup] = await self.pool.next_batch(n, self.version)
-        self.trained_head = batch[:1]  # its first episode goes to episodes.jsonl with the record
+        self.trained_head = batch  # its first episodes go to episodes.jsonl with the record (--run.episodes)
         t1 = time.monotonic()
         self.waiting = "train"
         trained = await trainer_phase(
