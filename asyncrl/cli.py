@@ -124,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir", help="The run directory (e.g. runs/grpo-20261122-063000).")
     status.add_argument("--json", action="store_true", help="Print the whole reply as JSON.")
     status.add_argument(
+        "--endpoint",
+        action="store_true",
+        help=(
+            "Print each sampler's OpenAI endpoint (root base_url) and its bearer token, for code outside the "
+            "run's episodes (docs/agents.md); starts the endpoint on a sampler that has none yet."
+        ),
+    )
+    status.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="Seconds to wait for the answer (default 5)."
     )
     scale = sub.add_parser(
@@ -139,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("run_dir", help="The run directory of a live run.")
     scale.add_argument("--samplers", type=int, required=True, metavar="N", help="How many samplers to run.")
     scale.add_argument(
+        "--force",
+        action="store_true",
+        help="Start more CPU samplers than the run's node(s) have cores (refused otherwise).",
+    )
+    scale.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="Seconds to wait for the run's answer (default 5)."
     )
     show = sub.add_parser(
@@ -147,11 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Print the episode a run recorded for a step (the first one trained at that step): its prompt, then "
             "each piece as 'model' (in the loss: the tokens the policy wrote) or 'env' (context: an environment's "
-            "reply, with no loss), quoted. Exit codes: 0 printed, 1 no such episode, 2 no such directory."
+            "reply, with no loss), quoted; with --ids, each piece's token ids and log-probs. A run keeps "
+            "--run.episodes episodes a step (1), with their ids under --run.episode_ids true. "
+            "Exit codes: 0 printed, 1 no such episode, 2 no such directory."
         ),
     )
     show.add_argument("run_dir", help="The run directory.")
     show.add_argument("--step", type=int, default=None, metavar="N", help="The step (default: the last recorded).")
+    show.add_argument(
+        "--episode",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Which of the step's recorded episodes (default 0; a run keeps --run.episodes a step).",
+    )
+    show.add_argument(
+        "--ids",
+        action="store_true",
+        help="Also print the token ids and sampling log-probs (a run that kept them: --run.episode_ids true).",
+    )
     sub.add_parser(  # listed here; its line is parsed by asyncrl.rl.policy_eval (see main)
         "eval",
         help="The held-out solve rates and task metrics of a saved policy (RUN_DIR/final, best/, a "
@@ -192,13 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "secret":
         return _write_secret(args.path)
     if args.command == "status":
+        if args.endpoint:
+            return _endpoints(args.run_dir, args.json, args.timeout)
         return _status(args.run_dir, args.json, args.timeout)
     if args.command == "scale":
-        return _scale(args.run_dir, args.samplers, args.timeout)
+        return _scale(args.run_dir, args.samplers, args.timeout, args.force)
     if args.command == "plot":
         return _plot(args.run_dirs, args.output)
     if args.command == "show":
-        return _show(args.run_dir, args.step)
+        return _show(args.run_dir, args.step, args.episode, args.ids)
     if args.command != "launch":
         parser.print_help()
         return EXIT_USAGE
@@ -294,7 +323,7 @@ def _status(run_dir: str, as_json: bool, timeout_s: float) -> int:
     except StatusUnavailableError as e:
         if not as_json:  # a finished or stopped run still has its history to show
             _print_history(run_dir)
-        print(f"asyncrl status: {e}", file=sys.stderr)
+        print(f"asyncrl status: {_unavailable(run_dir, e)}", file=sys.stderr)
         return e.exit_code
     print(reply_json(reply) if as_json else format_status(reply))
     if not as_json:
@@ -303,25 +332,73 @@ def _status(run_dir: str, as_json: bool, timeout_s: float) -> int:
     return 0
 
 
-def _scale(run_dir: str, samplers: int, timeout_s: float) -> int:
+def _endpoints(run_dir: str, as_json: bool, timeout_s: float) -> int:
+    """``asyncrl status RUN_DIR --endpoint``: each sampler's root OpenAI endpoint and token."""
+    import json
+
+    from asyncrl.runtime.status import CommandRefusedError, StatusUnavailableError, send_command
+
+    if not timeout_s > 0:
+        print(f"asyncrl status: --timeout must be > 0, not {timeout_s:g}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        answer = send_command(run_dir, "endpoint", {}, timeout_s)  # as rl.driver.fleet.endpoints
+    except CommandRefusedError as e:
+        print(f"asyncrl status: no endpoint: {e}", file=sys.stderr)
+        return 1
+    except StatusUnavailableError as e:
+        print(f"asyncrl status: {_unavailable(run_dir, e)}", file=sys.stderr)
+        return e.exit_code
+    if as_json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    for one in answer["endpoints"]:
+        if "error" in one:
+            print(f"{one['sampler']}: no endpoint: {one['error']}")
+        else:
+            print(f"{one['sampler']}: base_url {one['base_url']}  token {one['token']}")
+    print(
+        "Use them as openai.OpenAI(base_url=..., api_key=token); requests at the root are served with the "
+        "sampler's current weights and trained on by no one (docs/agents.md)."
+    )
+    return 0
+
+
+def _scale(run_dir: str, samplers: int, timeout_s: float, force: bool = False) -> int:
+    from asyncrl.rl.view.fleet import fleet_text
     from asyncrl.runtime.status import CommandRefusedError, StatusUnavailableError, send_command
 
     if not timeout_s > 0:
         print(f"asyncrl scale: --timeout must be > 0, not {timeout_s:g}", file=sys.stderr)
         return EXIT_USAGE
+    args = {"samplers": samplers} | ({"force": True} if force else {})
     try:
-        answer = send_command(run_dir, "scale", {"samplers": samplers}, timeout_s)  # as rl.driver.scaling.scale
+        answer = send_command(run_dir, "scale", args, timeout_s)  # as rl.driver.scaling.scale
     except CommandRefusedError as e:
         print(f"asyncrl scale: refused: {e}", file=sys.stderr)
         return EXIT_USAGE
     except StatusUnavailableError as e:
-        print(f"asyncrl scale: {e}", file=sys.stderr)
+        print(f"asyncrl scale: {_unavailable(run_dir, e)}", file=sys.stderr)
         return e.exit_code
+    if "running" in answer:
+        now = fleet_text(answer["running"], answer["restarting"], answer["starting"], answer["previous_target"])
+    else:  # a run of an earlier version: its count of samplers, starting ones included
+        now = str(answer["samplers"])
     print(
-        f"asyncrl scale: {answer['samplers']} -> {answer['target']} sampler(s) accepted at step "
+        f"asyncrl scale: {now} -> {answer['target']} sampler(s) accepted at step "
         f"{answer['step']}; applied at the next weight sync (asyncrl status shows samplers_target)"
     )
     return 0
+
+
+def _unavailable(run_dir: str, error: Exception) -> str:
+    """Why no live run answered: a run stopped (Ctrl-C, a signal, an error) says so, with how to
+    resume it, where the generic reason would read as a run not started yet."""
+    from asyncrl.rl.view.history import stopped_text
+
+    if getattr(error, "reason", "") == "not_started":
+        return stopped_text(run_dir) or str(error)
+    return str(error)
 
 
 def _print_history(run_dir: str) -> None:
@@ -335,7 +412,7 @@ def _print_history(run_dir: str) -> None:
         pass  # not a run directory, or no step yet: the status line says what there is
 
 
-def _show(run_dir: str, step: int | None) -> int:
+def _show(run_dir: str, step: int | None, episode: int = 0, ids: bool = False) -> int:
     from asyncrl.rl.view.episodes import episode_text
     from asyncrl.rl.view.history import RunHistoryError
 
@@ -343,7 +420,7 @@ def _show(run_dir: str, step: int | None) -> int:
         print(f"asyncrl show: no such run directory: {run_dir}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        print(episode_text(run_dir, step))
+        print(episode_text(run_dir, step, episode, ids))
     except RunHistoryError as e:
         print(f"asyncrl show: {e}", file=sys.stderr)
         return 1

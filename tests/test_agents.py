@@ -648,6 +648,56 @@ def test_the_held_out_evaluation_runs_an_agent_greedily(letters):
     }
 
 
+def test_the_held_out_evaluations_endpoint_answers_log_probs_as_a_samplers_does(letters):
+    """An agent sees the same answer in held-out evaluation as in training. Seen: the evaluation's
+    endpoint (over ``model.generate``) gave 0 alternatives for ``top_logprobs=2`` and log-probs of 0,
+    where a sampler's gives 2 and the sampling log-probs. Here one greedy question through each:
+    the same tokens, log-probs and alternatives (to float error: two implementations of decoding)."""
+    from asyncrl.rl.model.evaluation import evaluate
+
+    answers: list = []
+
+    async def agent(problem, client):
+        answer = await client.chat.completions.create(
+            model="policy", max_tokens=5, messages=[{"role": "user", "content": problem}], logprobs=True, top_logprobs=2
+        )
+        answers.append(answer.choices[0].logprobs.content)
+        return 1.0
+
+    model, tok, fmt = letters
+    task = FunctionAgent.of(agent)()
+    assert evaluate(model, tok, fmt, ["hi"], task=task, greedy=True, max_new_tokens=8).solve_rate == 1.0
+
+    async def on_a_sampler():
+        backend = HFBackend(model, tokenizer=tok)
+        greedy = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=fmt.stop_token_ids)
+
+        async def generate(prompts, n, params, progress=None):
+            return 0, await backend.generate(prompts, n, params, progress)
+
+        server = OpenAIServer(generate, tok, greedy)
+        await server.start()
+        calls = UserCalls("agent", timeout_s=60.0, max_failure_rate=0.0)
+        try:
+            await AgentRunner(task, server, calls).episodes(["hi"], 1)
+        finally:
+            await server.close()
+            backend.close()
+            calls.close()
+
+    asyncio.run(on_a_sampler())
+    held_out, sampler = answers
+    assert len(held_out) == len(sampler) == 5
+    assert all(len(t.top_logprobs) == 2 for t in held_out + sampler)
+    assert [t.token for t in held_out] == [t.token for t in sampler]
+    assert [[a.token for a in t.top_logprobs] for t in held_out] == [[a.token for a in t.top_logprobs] for t in sampler]
+    flat = [[t.logprob, *(a.logprob for a in t.top_logprobs)] for t in held_out]
+    torch.testing.assert_close(
+        torch.tensor(flat), torch.tensor([[t.logprob, *(a.logprob for a in t.top_logprobs)] for t in sampler])
+    )
+    assert all(t.logprob < 0 for t in held_out)  # not the 0.0 of a generation that kept none
+
+
 async def test_the_example_agents_run_against_the_endpoint(endpoint):
     """examples/agent_calculator.py (tools) and examples/agent_guess.py (its own message list), as
     a run loads them; the letters model never calls a tool nor names a number, so both score 0
@@ -833,3 +883,135 @@ async def test_the_warm_start_lays_out_an_agents_demonstration_as_its_episode():
         calls.close()
     tool_row = next(r for p, r in rows.items() if len(agent.demonstration(p)) == 4)
     assert "<tool_response>" in tok.decode(tool_row[0]) and tok.convert_tokens_to_ids("<tool_call>") in tool_row[0]
+
+
+@pytest.mark.parametrize("text_first", [False, True])
+async def test_a_stream_whose_client_goes_away_is_a_quiet_end(letters, caplog, text_first):
+    """An agent's streaming request whose client goes away (its episode ended, or it gave up)
+    while the generation goes on, before any text or after a piece of it: a normal end. Seen:
+    one aiohttp traceback a request ("Cannot write to closing transport") when the generation
+    finished and the answer was written to the closed connection. Nothing above debug is logged,
+    the session counts no call in flight, and records none (its client never got the answer)."""
+    import logging
+
+    import aiohttp
+
+    _, tok, fmt = letters
+    ids = tok("abc", add_special_tokens=False)["input_ids"]
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def generate(prompts, n, params, progress=None):
+        if text_first:
+            progress(0, ids[:1])
+        started.set()
+        await release.wait()
+        progress(0, ids)
+        return 4, [[Completion(ids, [-0.5] * len(ids), "abc", "length")]]
+
+    sampling = SamplingParams(max_new_tokens=8, stop_token_ids=fmt.stop_token_ids)
+    server = OpenAIServer(generate, tok, sampling, max_context=512, batch=False)
+    await server.start()
+    session = server.open_session()
+    caplog.set_level(logging.DEBUG)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "policy", "messages": [{"role": "user", "content": "go"}], "stream": True}
+            headers = {"Authorization": f"Bearer {server.token}"}
+            url = server.base_url(session.key) + "/chat/completions"
+
+            async def ask():
+                async with http.post(url, json=body, headers=headers) as response:
+                    await response.content.readany()
+                    await asyncio.Event().wait()  # read no further: the client goes away mid-answer
+
+            asking = asyncio.ensure_future(ask())
+            async with asyncio.timeout(30):
+                await started.wait()
+            asking.cancel()  # the agent's episode ends: its connection closes
+        async with asyncio.timeout(30):
+            while any(c.transport for c in server._runner.server.connections):  # the server saw it go
+                await asyncio.sleep(0.01)
+        release.set()  # the generation ends (if it still runs), and its request's handler with it
+        async with asyncio.timeout(30):
+            while server._runner.server.connections:
+                await asyncio.sleep(0.01)
+    finally:
+        await server.close()
+    loud = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING or r.levelno > logging.DEBUG and r.name.startswith(("aiohttp", "asyncrl"))
+    ]
+    assert not loud, [r.getMessage() for r in loud]
+    assert len([r for r in caplog.records if "asyncrl" in r.name]) <= 1
+    assert session.in_flight == 0 and session.calls == []
+
+
+async def test_a_stream_that_finds_its_connection_closing_ends_quietly(letters, caplog, monkeypatch):
+    """The same end where the handler writes before aiohttp has told it the connection is gone (a
+    reset read in the same loop turn; a server shutting down closes the transport first): aiohttp's
+    write raises ``ClientConnectionResetError``, as here from the second event on. One debug line,
+    no traceback, the session's call counted back."""
+    import logging
+
+    import aiohttp
+    from aiohttp import web
+
+    _, tok, fmt = letters
+    ids = tok("abc", add_special_tokens=False)["input_ids"]
+    real_write, writes = web.StreamResponse.write, []
+
+    async def write(self, data):
+        writes.append(data)
+        if len(writes) > 1:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await real_write(self, data)
+
+    async def generate(prompts, n, params, progress=None):
+        for k in range(1, len(ids) + 1):
+            progress(0, ids[:k])
+            await asyncio.sleep(0)
+        return 4, [[Completion(ids, [-0.5] * len(ids), "abc", "length")]]
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    sampling = SamplingParams(max_new_tokens=8, stop_token_ids=fmt.stop_token_ids)
+    server = OpenAIServer(generate, tok, sampling, max_context=512, batch=False)
+    await server.start()
+    session = server.open_session()
+    caplog.set_level(logging.DEBUG)
+    try:
+        async with server.client(session.key) as client:
+            stream = await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "go"}], stream=True
+            )
+            chunks = [c async for c in stream]  # the first piece, then the answer ends
+    finally:
+        await server.close()
+    loud = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING or r.levelno > logging.DEBUG and r.name.startswith(("aiohttp", "asyncrl"))
+    ]
+    assert not loud, [r.getMessage() for r in loud]
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncrl.rl.agents.sse"] == [
+        "a streamed answer ended early, its connection closed (Cannot write to closing transport)"
+    ]
+    assert session.in_flight == 0 and len(writes) == 2 and len(chunks) == 1
+
+
+def test_every_metric_the_runner_adds_to_an_agents_samples_is_in_docs_agents_md():
+    """metrics.jsonl's ``task/<key>`` of an agent run are its `Score`'s metrics and the ones the
+    runner adds itself; each of the latter is named in docs/agents.md. Seen: ``task/calls`` in
+    every agent run's metrics.jsonl, and nowhere in the docs."""
+    from asyncrl.rl.agents.runner import _group
+    from asyncrl.rl.agents.session import AgentSample
+    from asyncrl.rl.tasks.base import Score
+    from asyncrl.rl.tasks.scoring import Outcome
+
+    sample = AgentSample([1, 2], [3, 4], [-0.5, -0.5], [1, 1], version=0, calls=2)
+    group = _group([(sample, Outcome(Score(1.0)))])  # a Score with no metrics of its own
+    added = sorted(group.samples[0].metrics)
+    assert added == ["calls"]
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "agents.md"), encoding="utf-8") as f:
+        docs = f.read()
+    assert [k for k in added if f"`task/{k}`" not in docs] == []

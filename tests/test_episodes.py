@@ -563,6 +563,7 @@ async def test_episodes_jsonl_shows_an_episodes_tokens_by_mask(tmp_path):
     assert sum(p["tokens"] for p in record["pieces"]) == len(a.token_ids)
     assert record | {"pieces": None} == {
         "step": 5,
+        "episode": 0,
         "group": "sampler0/1/7",
         "sampler": "sampler0",
         "version": 3,
@@ -609,3 +610,69 @@ def test_asyncrl_show_prints_a_recorded_episode_by_mask(tmp_path, capsys):
     assert main(["show", str(tmp_path), "--step", "3"]) == 1
     assert capsys.readouterr().err.strip().endswith("no episode of step 3; episodes.jsonl has steps 7 to 7")
     assert main(["show", str(tmp_path / "nope")]) == 2
+
+
+def test_more_episodes_a_step_with_their_token_ids_are_kept_and_shown_when_asked(tmp_path, capsys):
+    """For debugging token-exactness: ``--run.episodes 3 --run.episode_ids true`` keeps the first 3
+    completions of a step (across its groups, in the order trained) with their prompt and
+    completion ids, masks and sampling log-probs; ``asyncrl show --episode K --ids`` prints them.
+    Seen: one episode a step, text only. Without ids kept, ``--ids`` says how to keep them."""
+    import json
+
+    from asyncrl.cli import main
+    from asyncrl.rl.config.observe import ObserveConfig
+    from asyncrl.rl.observe.episodes_log import EpisodeLog
+    from asyncrl.rl.rollout import RolloutGroup
+
+    def group(uid: str, texts: list[str]) -> RolloutGroup:
+        rows = [ids(t) for t in texts]
+        return RolloutGroup(
+            prompt_id=0,
+            prompt_ids=ids("2+3="),
+            completion_ids=rows,
+            behaviour_logprobs=[[-0.25 * (i + 1)] * len(r) for i, r in enumerate(rows)],
+            rewards=[1.0] * len(rows),
+            version=3,
+            sampler="sampler0",
+            uid=uid,
+            action_mask=[[1] * len(r) for r in rows],
+        )
+
+    batch = [group("sampler0/1/1", ["ab", "cd"]), group("sampler0/1/2", ["xy", "zz"])]
+    log = EpisodeLog(str(tmp_path), "", print, episodes=3, ids=True)
+    log._tokenizer = TOK  # as load() leaves it for the run's policy
+    log.write(5, batch)
+    records = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert [(r["episode"], r["group"], r["pieces"][0]["text"]) for r in records] == [
+        (0, "sampler0/1/1", "ab"),
+        (1, "sampler0/1/1", "cd"),
+        (2, "sampler0/1/2", "xy"),
+    ]
+    last = records[2]
+    assert (last["prompt_ids"], last["completion_ids"], last["mask"]) == (ids("2+3="), ids("xy"), [1, 1])
+    assert last["logprobs"] == [-0.25, -0.25]
+
+    assert main(["show", str(tmp_path), "--step", "5", "--episode", "1", "--ids"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "step 5 episode 1 of 3: group sampler0/1/1 from sampler0 (weights v3), reward 1.000; 2 of its 2 tokens "
+        "in the loss",
+        '  prompt  "2+3="',
+        f"          ids {ids('2+3=')}",
+        '  model   "cd"  (2 tokens)',
+        f"          ids {ids('cd')}",
+        "          logprobs [-0.5000, -0.5000]",
+    ]
+    assert main(["show", str(tmp_path), "--step", "5", "--episode", "3"]) == 1
+    assert capsys.readouterr().err.strip().endswith("step 5 kept episodes 0 to 2 (--run.episodes), not 3")
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    default = EpisodeLog(str(plain), "", print)  # the defaults: the first episode, no ids
+    default._tokenizer = TOK
+    default.write(5, batch)
+    assert [json.loads(line)["episode"] for line in (plain / "episodes.jsonl").read_text().splitlines()] == [0]
+    assert main(["show", str(plain), "--ids"]) == 1
+    assert "kept no token ids (--run.episode_ids true keeps them)" in capsys.readouterr().err
+    assert ObserveConfig().episodes == 1 and not ObserveConfig().episode_ids
+    with pytest.raises(ValueError, match="episodes must be"):
+        ObserveConfig(episodes=-1)

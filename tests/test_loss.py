@@ -447,6 +447,31 @@ def test_gspo_token_form_takes_per_token_advantages():
     close(torch.where(mask.bool(), new.grad, 0.0), expected, tol=1e-12)
 
 
+@pytest.mark.parametrize("low", [-80.0, -math.inf])
+def test_gspo_floors_the_sequence_ratio_after_its_mean_not_each_token(low):
+    """One token of a 100-token sequence far below its sampling log-prob (a log-ratio of -80), or
+    given probability 0 by the trainer (-inf). GSPO's ratio is the mean over the sequence, by hand
+    exp(-80 / 100) = 0.4493 and exp(-inf) = 0 (floored at e**-50); every token's gradient is
+    ``-s * A / 100``, finite (the -inf token's 0). Seen: each token was floored at -50 before the
+    mean, giving exp(-50 / 100) = 0.6065 for both, and every token's gradient with it."""
+    length, at = 100, 7
+    beh = torch.full((1, length), -1.0, dtype=F64)
+    new = beh.clone()
+    new[0, at] = beh[0, at] + low
+    new.requires_grad_()
+    cfg = GRPOLossConfig(policy_loss="gspo", aggregation="seq_mean")  # the paper's clip, 3e-4 / 4e-4
+    loss, m = grpo_loss(new, beh, t([1.0]), torch.ones(1, length), cfg)  # A > 0: s < 1 - eps is not clipped
+    loss.backward()
+    s = math.exp(-0.8) if low == -80.0 else math.exp(-50.0)
+    assert m["ratio_max"].item() == pytest.approx(s, rel=1e-12)
+    assert loss.item() == pytest.approx(-s, rel=1e-12)  # seq_mean of one sequence: -(s * A)
+    assert torch.isfinite(new.grad).all()
+    expected = [-s / length] * length
+    if low == -math.inf:  # d s / d new there is s / 100 with s = 0: none
+        expected[at] = 0.0
+    close(new.grad[0], expected, tol=1e-15)
+
+
 def cispo_reference(log_ratio, mask, beh, adv, lo, hi):
     """CISPO (MiniMax-M1): J = -(1 / tokens) sum sg(clip(r, 1 - lo, 1 + hi)) A log pi,
     written on log pi itself: its gradient is the paper's; its value is not ours (see _cispo)."""

@@ -489,6 +489,16 @@ def test_sigint_says_how_to_resume_and_records_the_stop(model_path, tmp_path):
     assert line.endswith(f"{ROOT}/examples/grpo_countdown.py --resume run (checkpoint step {step})"), line
     stops = [e for e in events(run_dir) if e["event"] == "stopped"]
     assert len(stops) == 1 and stops[0]["cause"] == "SIGINT", stops
+    # asyncrl scale (and status) on the stopped run: stopped, by what, and the same resume line
+    scaled = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "scale", str(run_dir), "--samplers", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert scaled.returncode == 1 and f" was stopped at step {stops[0]['step']} by SIGINT at " in scaled.stderr
+    assert scaled.stderr.rstrip("\n").endswith(line.split("; ", 1)[1]), scaled.stderr
     log_txt = (run_dir / "log.txt").read_text()
     assert line in log_txt and f"run dir {run_dir}" in log_txt
     assert "held-out solve rate before GRPO (8 problems)" in log_txt and "[sampler0]: " in log_txt  # actors' output too

@@ -65,7 +65,15 @@ async def test_a_drain_asked_during_a_sync_is_applied_at_the_next_one_with_one_r
         in_flight = asyncio.ensure_future(pool.sync(1))
         await asyncio.sleep(0.2)
         assert not in_flight.done()
-        assert scaler.request({"samplers": 1}) == {"samplers": 3, "target": 1, "step": 0}
+        assert scaler.request({"samplers": 1}) == {
+            "samplers": 3,
+            "running": 3,
+            "restarting": 0,
+            "starting": 0,
+            "previous_target": 3,
+            "target": 1,
+            "step": 0,
+        }
         assert all(m.state is MemberState.JOINED for m in pool.members)  # nothing changes under the sync
         await in_flight
         assert [s.calls.count("receive_weights") for s in samplers] == [1, 1, 1], logs
@@ -95,7 +103,8 @@ async def test_a_scale_during_a_restart_counts_it_and_joins_everyone_at_one_refo
     try:
         samplers[1].set_state("restarting")
         pool.membership.lose(pool.members[1], "died (killed by SIGKILL)", kill=False)
-        assert scaler.request({"samplers": 3}) == {"samplers": 2, "target": 3, "step": 0}  # the restarting one counts
+        answer = scaler.request({"samplers": 3})
+        assert (answer["samplers"], answer["running"], answer["restarting"]) == (2, 1, 1)  # the restarting one counts
         assert list(scaler.starting) == [2]  # started at once; joins at a sync
         await scaler.at_sync()
         assert list(scaler.starting) == [2]
@@ -304,3 +313,80 @@ async def test_the_samplers_of_a_node_leaving_are_drained_at_one_reformation():
     assert len(pool.queue) == 2  # what it delivered before it left is kept
     (event,) = [e for e in pool.take_events()["events"] if e["event"] == "node_leaving"]
     assert event["node"] == 1 and event["samplers"] == 2 and "received SIGTERM" in event["detail"], event
+
+
+async def test_the_endpoint_command_gives_each_samplers_root_url_and_token(tmp_path):
+    """Code outside a run's episodes reaches its samplers' OpenAI endpoints with ``asyncrl status
+    RUN_DIR --endpoint`` (seen: the log printed the URL and said nowhere where the token was): the
+    status socket's ``endpoint`` command, as run.py registers it, asks every sampler in or coming
+    to the group and the CLI prints one line each, a sampler that cannot serve one included; before
+    any sampler is up it says when to ask, exit status 1."""
+    from asyncrl import Supervisor
+    from asyncrl.rl.driver.fleet.endpoints import sampler_endpoints
+    from test_status import status_cli
+
+    up = {"base_url": "http://127.0.0.1:4001/v1", "token": "tok-0"}
+    samplers = [
+        Scripted("sampler0", openai_endpoint=[(0.0, up)], **JOINS),
+        Scripted("sampler1", openai_endpoint=[(0.0, RuntimeError("the OpenAI endpoint needs aiohttp"))], **JOINS),
+        Scripted("sampler2", **JOINS),
+    ]
+    pool = make_pool(trainer(), samplers, [])
+    pool.membership.members[2].state = MemberState.GONE  # lost for good: not asked
+    membership = None
+    async with Supervisor() as sup:
+        server = await sup.serve_status(tmp_path, progress=lambda: {"phase": "training"})
+        server.add_command("endpoint", lambda args: sampler_endpoints(membership, args))
+        code, out, err = await status_cli(str(tmp_path), "--endpoint")
+        assert (code, out) == (1, "") and "no sampler is up yet" in err
+        membership = pool.membership
+        code, out, err = await status_cli(str(tmp_path), "--endpoint")
+    lines = out.splitlines()
+    assert code == 0 and err == "" and len(lines) == 3
+    assert lines[0] == "sampler0: base_url http://127.0.0.1:4001/v1  token tok-0"
+    assert lines[1] == "sampler1: no endpoint: the OpenAI endpoint needs aiohttp"
+    assert lines[2].startswith("Use them as openai.OpenAI(base_url=..., api_key=token)")
+    assert samplers[2].calls == []
+
+
+def test_more_cpu_samplers_than_cores_is_refused_unless_forced():
+    """Seen: ``asyncrl scale RUN --samplers 99`` on a CPU host started 98 sampler processes at once
+    (load 34). More CPU samplers than the host has cores is refused in one line, unless forced
+    (``--force``); shrinking, or a fleet already that large, never is."""
+    cpu = dict(device="cpu", colocated=False, started=1, free_gpus=0)
+    with pytest.raises(ScaleRefusedError) as e:
+        check_target(99, active=1, cores=2, **cpu)
+    assert str(e.value) == (
+        "--samplers 99: more CPU samplers than the 2 core(s) of the run's node(s) (each decodes on a core "
+        "of its own, beside the trainer); ask for at most 2, or add --force"
+    )
+    assert check_target(99, active=1, cores=2, force=True, **cpu) == 99
+    assert check_target(2, active=1, cores=2, **cpu) == 2
+    assert check_target(3, active=4, cores=2, **cpu) == 3  # a fleet started larger may shrink
+    with pytest.raises(ScaleRefusedError, match="1 GPU"):  # a GPU the run cannot place on: forced or not
+        check_target(5, active=2, device="cuda", colocated=False, started=2, free_gpus=1, force=True)
+
+
+async def test_the_answer_says_the_samplers_running_and_starting_and_the_target_before():
+    """Seen: a scale to 99, then to 1, answered ``99 -> 1``: the target pending, not the samplers
+    running. The answer and the log line say both; ``samplers_target`` is in the progress from the
+    start (the run's count), not only once a scale was asked."""
+    samplers = [sampler("sampler0")]
+    logs, stopped = [], []
+    pool = make_pool(trainer(), samplers, logs)
+    scaler = scaler_of(pool, logs, stopped, {1: sampler("sampler1"), 2: sampler("sampler2")})
+    try:
+        assert scaler.progress() == {"samplers_target": 1, "samplers_starting": []}
+        up = scaler.request({"samplers": 3})
+        assert (up["running"], up["starting"], up["previous_target"], up["target"]) == (1, 0, 1, 3)
+        down = scaler.request({"samplers": 1})
+        assert (down["running"], down["starting"], down["previous_target"], down["target"]) == (1, 2, 3, 1)
+        assert down["samplers"] == 3  # running, restarting and starting: what the run had coming
+        assert (
+            logs[-1] == "scale: 1 running, 2 starting (target 3) -> 1 sampler(s) asked; applied at the next weight sync"
+        )
+        with pytest.raises(ScaleRefusedError, match="takes samplers=N and force only"):
+            scaler.request({"samplers": 1, "speed": 2})
+        await scaler.close()
+    finally:
+        await pool.close()

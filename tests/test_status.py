@@ -228,6 +228,27 @@ def test_no_dir_no_run_and_a_finished_run_are_told_apart(tmp_path, capsys):
     assert cli_main(["status", str(tmp_path), "--timeout", "0"]) == 2
 
 
+def test_a_run_stopped_by_ctrl_c_is_said_stopped_with_how_to_resume_it(tmp_path, capsys):
+    """Seen: ``asyncrl scale`` on a run stopped by Ctrl-C said "the run has not started yet, or it
+    ended without summary.json". The run's record of its stop (faults.jsonl) is read: stopped,
+    where, by what, and the resume command the run printed; a run resumed since is not stopped."""
+    stop = {"event": "stopped", "cause": "SIGINT", "step": 12, "at": 1790000000.0, "detail": "stopped at step 12"}
+    hint = "resume with: asyncrl launch examples/grpo_countdown.py --resume runs/demo (checkpoint step 10)"
+    with open(tmp_path / "faults.jsonl", "w") as f:
+        f.write(json.dumps({"event": "lost", "sampler": "sampler0"}) + "\n")
+        f.write(json.dumps(stop | {"resume": hint}) + "\n")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1790000000.0))
+    said = f"the run in {tmp_path} was stopped at step 12 by SIGINT at {when}; {hint}"
+    assert cli_main(["scale", str(tmp_path), "--samplers", "2"]) == 1
+    assert capsys.readouterr().err == f"asyncrl scale: {said}\n"
+    assert cli_main(["status", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"asyncrl status: {said}\n"
+    with open(tmp_path / "faults.jsonl", "a") as f:  # resumed since (and starting): no longer stopped
+        f.write(json.dumps({"event": "resumed", "step": 10}) + "\n")
+    assert cli_main(["scale", str(tmp_path), "--samplers", "2"]) == 1
+    assert "has not started yet" in capsys.readouterr().err
+
+
 def test_a_listener_that_never_answers_times_out_naming_the_address_and_the_wait(tmp_path, capsys):
     from asyncrl.runtime.status.schema import SupervisorFile, proc_stat
 
@@ -335,3 +356,29 @@ async def test_a_registered_command_is_answered_and_refusals_are_one_typed_line(
             await asyncio.to_thread(send_command, str(tmp_path), "scale", {"samplers": 2})
         reply = await asyncio.to_thread(query_status, str(tmp_path), 5.0)  # status is still served
         assert reply.progress == {"step": 1} and asked == [{"n": 21}]
+
+
+async def test_a_command_that_awaits_is_answered_when_it_ends_and_the_server_serves_meanwhile(tmp_path):
+    """A command that asks actors first (``asyncrl status RUN_DIR --endpoint`` asks every sampler
+    for its endpoint) returns an awaitable: its answer (or its refusal) is sent when it ends, and
+    status requests are answered meanwhile."""
+    from asyncrl.runtime.status import CommandRefusedError, send_command
+
+    release = asyncio.Event()
+
+    async def ask(args: dict) -> dict:
+        await release.wait()
+        if args.get("n", 0) < 0:
+            raise ValueError(f"n must be >= 0, not {args['n']}")
+        return {"asked": args["n"]}
+
+    async with Supervisor() as sup:
+        server = await sup.serve_status(tmp_path, progress=lambda: {"step": 1})
+        server.add_command("ask", ask)
+        asking = asyncio.ensure_future(asyncio.to_thread(send_command, str(tmp_path), "ask", {"n": 7}, 30.0))
+        reply = await asyncio.to_thread(query_status, str(tmp_path), 30.0)  # answered while "ask" waits
+        assert reply.progress == {"step": 1} and not asking.done()
+        release.set()
+        assert await asking == {"asked": 7}
+        with pytest.raises(CommandRefusedError, match=r"^n must be >= 0, not -1$"):
+            await asyncio.to_thread(send_command, str(tmp_path), "ask", {"n": -1}, 30.0)

@@ -365,3 +365,28 @@ async def test_a_start_its_constructor_refused_is_not_retried_nor_kept(caplog):
                 await sup.spawn(FailsInInit, "nope", name="broken", max_restarts=3, keep_if_lost=True)
         assert sup.status() == [] and not new_descendants()
         assert not [r for r in caplog.records if "lost during its start" in r.getMessage()]
+
+
+async def test_an_actors_process_is_started_off_the_event_loop(monkeypatch):
+    """Starting a process (``Popen``: fork and exec) takes a fraction of a second, seconds on a
+    loaded host; on the event loop it froze every deadline meanwhile. Seen: ``asyncrl scale
+    --samplers 99`` blocked the driver's loop 25 s in ``Popen``. Here ``Popen`` returns only once
+    the loop has run a callback scheduled after the spawn began."""
+    import subprocess
+    import threading
+
+    from asyncrl.runtime import process
+
+    loop_ran, real_popen = threading.Event(), subprocess.Popen
+
+    def popen(*args, **kwargs):
+        assert loop_ran.wait(30), "the event loop did not run while the process was started"
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    async with Supervisor() as sup:
+        spawning = asyncio.ensure_future(sup.spawn(Echo, name="echo"))
+        await asyncio.sleep(0)  # the spawn is under way
+        asyncio.get_running_loop().call_soon(loop_ran.set)
+        echo = await spawning
+        assert await echo.getpid() != os.getpid()

@@ -123,7 +123,7 @@ class Incarnations:
         rec.starting = StartWatch(rec.name, cfg.start_timeout_s, cfg.heartbeat_timeout_s)
         try:
             proc = (
-                self._start_process(rec)
+                await self._start_process(rec)
                 if rec.node == 0
                 else self._cluster.spawn(
                     rec.node,
@@ -182,7 +182,7 @@ class Incarnations:
             watch.changed.clear()
         return ""
 
-    def _start_process(self, rec: ActorRecord) -> ChildProcess:
+    async def _start_process(self, rec: ActorRecord) -> ChildProcess:
         res = self._resources
         env = {
             **os.environ,
@@ -199,7 +199,7 @@ class Incarnations:
         }
         if res.keys is not None:  # the only way the secret leaves us: to our own children
             env[auth.ENV_SECRET] = res.keys.secret
-        proc = ChildProcess(
+        proc = await ChildProcess.start(  # Popen on a thread: the loop runs on meanwhile
             [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"],
             env,
             f"[{rec.name}]: ",

@@ -73,7 +73,34 @@ class ActorProcess:
         raise NotImplementedError
 
 
+def _popen(argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int]) -> subprocess.Popen:
+    return subprocess.Popen(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # own process group: one killpg reaches every descendant
+        pass_fds=tuple(pass_fds),
+    )
+
+
+def _kill_started(popen: asyncio.Future) -> None:
+    """A start cancelled while ``Popen`` ran on its thread: the process it made is killed (its group)."""
+    if not popen.cancelled() and popen.exception() is None:
+        proc = popen.result()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()
+
+
 class ChildProcess(ActorProcess):
+    """A child process (``argv``, ``env``) in its own session; use `start` from an event loop. The
+    constructor starts it on the caller's thread (``Popen`` blocks for the fork and exec)."""
+
     def __init__(
         self,
         argv: Sequence[str],
@@ -81,17 +108,11 @@ class ChildProcess(ActorProcess):
         log_prefix: str,
         pass_fds: Sequence[int] = (),
         sink: LogSink | None = None,
+        *,
+        popen: subprocess.Popen | None = None,
     ):
         self.log_prefix = log_prefix
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # own process group: one killpg reaches every descendant
-            pass_fds=tuple(pass_fds),
-        )
+        self.proc = popen if popen is not None else _popen(argv, env, pass_fds)
         self.pid = self.proc.pid
         loop = asyncio.get_running_loop()
         self.exited: asyncio.Future[int] = loop.create_future()
@@ -108,6 +129,27 @@ class ChildProcess(ActorProcess):
             asyncio.ensure_future(_pump(loop, self.proc.stdout, emit[0])),
             asyncio.ensure_future(_pump(loop, self.proc.stderr, emit[1])),
         ]
+
+    @classmethod
+    async def start(
+        cls,
+        argv: Sequence[str],
+        env: dict[str, str],
+        log_prefix: str,
+        pass_fds: Sequence[int] = (),
+        sink: LogSink | None = None,
+    ) -> ChildProcess:
+        """The constructor's process, with ``Popen`` on a thread: a fork and exec take a fraction
+        of a second, seconds on a loaded host (times the samplers of a scale-up), and the event
+        loop runs on meanwhile. A cancel while it runs kills the process it made. Raises what
+        ``Popen`` raises (``OSError``)."""
+        popen = asyncio.ensure_future(asyncio.to_thread(_popen, argv, env, pass_fds))
+        try:
+            proc = await asyncio.shield(popen)
+        except asyncio.CancelledError:
+            popen.add_done_callback(_kill_started)
+            raise
+        return cls(argv, env, log_prefix, pass_fds, sink, popen=proc)
 
     def _on_exit(self) -> None:
         loop = asyncio.get_running_loop()

@@ -6,6 +6,9 @@ A request under a session path is recorded in that `Session` (``session.py``); o
 served and recorded nowhere. ``stream: true`` is answered as server-sent events (``sse.py``): the
 text as the backend generates it (after each decoding step on HF, with each engine output on vLLM),
 in pieces no later token can change (``stream.py``), then the rest of the answer, ``[DONE]``.
+A client that goes away (its episode ended, its agent gave up waiting) stops its request: its
+generation is cancelled (a gathered one goes on for the others in it) and its call is not recorded,
+since the agent never saw it; nothing above debug is logged, as for a server that shuts down.
 
 Safety: it binds 127.0.0.1 unless told otherwise; every request must carry ``Authorization:
 Bearer <token>``, the token the server was made with (401 otherwise); bodies are JSON decoded
@@ -108,7 +111,13 @@ class OpenAIServer:
             app.router.add_get(prefix + "/v1/models", self._models)
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completions)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_S)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN_S,
+            handler_cancellation=True,  # a client that goes away stops its request (module docstring)
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, reuse_address=False, backlog=BACKLOG)
         try:

@@ -34,6 +34,12 @@ class ObserveConfig:
     ``stalled`` and /healthz answers 503 until a step ends (rl/observe/stall.py); 0: off."""
     stall_floor_s: float = 120.0
     """The least a step may take before it counts as a stall, however fast the recent steps were."""
+    episodes: int = 1
+    """Trained episodes RUN_DIR/episodes.jsonl keeps a step (the first completions of the step's
+    groups, in the order trained), for ``asyncrl show RUN_DIR --step N --episode K``; 0: none."""
+    episode_ids: bool = False
+    """Keep each recorded episode's prompt and completion token ids, action mask and sampling
+    log-probs too (``asyncrl show --ids``), for debugging token-exactness; a few times the size."""
     loop_watch_s: float = 5.0
     """When the driver's event loop runs nothing for this long (a synchronous call blocks it, and
     with it every deadline, heartbeat and `asyncrl status`), one line names the call it is stuck in,
@@ -53,5 +59,7 @@ class ObserveConfig:
             raise ValueError(
                 f"loop_watch_s must be a finite number of seconds >= 0 (0: off), not {self.loop_watch_s!r}"
             )
+        if isinstance(self.episodes, bool) or not isinstance(self.episodes, int) or self.episodes < 0:
+            raise ValueError(f"episodes must be a whole number >= 0 (0: none), not {self.episodes!r}")
         if not self.metrics_host:
             raise ValueError("metrics_host must be an address to bind to, e.g. 127.0.0.1")

@@ -131,7 +131,9 @@ class GRPODriver:
         self.eval_on_samplers = False  # where the evaluations run: resolved once the samplers are up
         self.evaluating = None  # the evaluation under way's progress (`EvalProgress`), for the status
         self.eval_s = 0.0  # the latest evaluation's wall time
-        self.episodes, self.trained_head = EpisodeLog(run_dir, model_path, log), []
+        observe = self.run.observe
+        self.episodes = EpisodeLog(run_dir, model_path, log, episodes=observe.episodes, ids=observe.episode_ids)
+        self.trained_head: list[RolloutGroup] = []
         self.task_keys: set[str] = set()  # task/* and task_errors/* keys of the steps so far (task_metrics)
         self.last_step_s, self.last_step_at = 0.0, 0.0
         self.checkpoint_path = resume.path if resume is not None else ""
@@ -345,9 +347,16 @@ class GRPODriver:
             quietly(metrics.close)
             self.display = None
             quietly(self.write_progress)
-        curves = painter.close()  # the last drawing, with every step in it
+        # The last drawing, with every step in it, in its thread while the final policy is saved.
+        drawing = asyncio.ensure_future(painter.close())
         self.after_step = "saving the final policy"
-        final_dir = await save_policy(self.trainer, run, os.path.join(self.run_dir, "final"), "saving the final policy")
+        try:
+            final_dir = await save_policy(
+                self.trainer, run, os.path.join(self.run_dir, "final"), "saving the final policy"
+            )
+            curves = await drawing
+        finally:
+            drawing.cancel()  # a failed save does not wait for a picture
         self.after_step = ""
         self.phase = "finished"
         self.write_progress()
@@ -394,7 +403,7 @@ class GRPODriver:
         if run.mode == "sync":  # generate exactly this step's groups, with the current weights
             await self.pool.generate(n, self.version)
         batch: list[RolloutGroup] = await self.pool.next_batch(n, self.version)
-        self.trained_head = batch[:1]  # its first episode goes to episodes.jsonl with the record
+        self.trained_head = batch  # its first episodes go to episodes.jsonl with the record (--run.episodes)
         t1 = time.monotonic()
         self.waiting = "train"
         trained = await trainer_phase(

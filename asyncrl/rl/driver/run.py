@@ -29,6 +29,7 @@ from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import cluster_devices, plan_devices
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
+from asyncrl.rl.driver.fleet.endpoints import sampler_endpoints
 from asyncrl.rl.driver.fleet.sampler_start import start_samplers
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, least_loaded_node
 from asyncrl.rl.driver.fleet.trainer_ranks import node_address, spawn_trainer_ranks
@@ -55,6 +56,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     from asyncrl.rl.driver.preflight import check_run
     from asyncrl.rl.model.warm_start import default_model
     from asyncrl.rl.sampler.actor import SamplerActor
+    from asyncrl.rl.tasks.agent import Agent
     from asyncrl.rl.tasks.loading import load_task
     from asyncrl.rl.trainer.actor import TrainerActor
     from asyncrl.runtime.devices import detect
@@ -95,6 +97,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         """Record a stop (faults.jsonl, once the run directory is ours); returns where the run
         stopped ("at step 137") and the line that says what resumes it."""
         where = driver.where() if driver is not None else "while starting"
+        hint = resume_hint(run_dir)
         if committed:
             try:
                 append_event(
@@ -105,14 +108,17 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
                         "step": driver.step_done + 1 if driver is not None else 0,
                         "at": time.time(),
                         "detail": detail or f"stopped {where} by {cause}",
+                        "resume": hint,  # what `asyncrl status` and `asyncrl scale` say of a stopped run
                     },
                 )
             except OSError:
                 pass  # a full disk: the stop itself is what the user needs to hear about
-        return where, resume_hint(run_dir)
+        return where, hint
 
     status = await sup.serve_status(run_dir, progress=progress)
     status.add_command("scale", lambda args: _scaler_of(driver).request(args))  # asyncrl scale (fleet/scaling.py)
+    # asyncrl status RUN_DIR --endpoint: each sampler's OpenAI endpoint and token (fleet/endpoints.py)
+    status.add_command("endpoint", lambda args: sampler_endpoints(driver and driver.pool.membership, args))
     endpoint = None
     console.__enter__()
     # A synchronous call on this loop would freeze every deadline and the status socket, silently.
@@ -158,6 +164,11 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             f"run dir {run_dir}; task {task.task_name()}; model {model_path}; mode {run.mode}"
             + "".join(f"; {key.replace('_', ' ')} {section.model_path}" for key, section in scorers)
         )
+        if isinstance(task, Agent):
+            log(
+                "agent: each sampler serves the OpenAI API on 127.0.0.1; code outside the episodes gets "
+                f"each one's root URL and token from `asyncrl status {run_dir} --endpoint` (docs/agents.md)"
+            )
 
         # On CPU, one thread per actor: torch's default (a thread per core in every process) makes the
         # actors of one host fight over the same cores, and throughput collapses.
@@ -329,6 +340,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             started=config.sampler.count,
             target=scaled or None,
             nodes=sup.nodes,
+            cores=lambda: 0 if cuda else _cpu_cores(sup),
         )
         return await driver.execute()
     except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
@@ -371,6 +383,13 @@ def _scaled_node(sup, cuda: bool) -> int | None:
     if cuda or sup.config.nnodes == 1:
         return None
     return least_loaded_node(sup.nodes(), sup.status())
+
+
+def _cpu_cores(sup) -> int:
+    """The cores CPU samplers may use: this host's (those this process may run on) times the nodes
+    joined, taken to be alike (a node's agent does not report its cores)."""
+    nodes = sum(n.state == "joined" for n in sup.nodes()) if sup.config.nnodes > 1 else 1
+    return len(os.sched_getaffinity(0)) * max(nodes, 1)
 
 
 def _scaler_of(driver: GRPODriver | None) -> Scaler:

@@ -1,14 +1,15 @@
 """Solve rates (and the task's metrics) of a policy on a task's problems, sampled or greedy: one
 evaluator (`evaluate_with`) over any generation function, the `Generate` of ``tasks/episodes.py``.
 
-Two generations feed it: `hf_generate`, batched and left-padded ``model.generate`` (no log-probs:
-an evaluation needs none), for the warm start's check and the trainer's held-out evaluation
+Two generations feed it: `hf_generate`, batched and left-padded ``model.generate``, for the warm start's check and the trainer's held-out evaluation
 (`evaluate`, blocking); and a sampler's own backend, for the held-out evaluation on the samplers
 (``rl/model/heldout.py``). Episodes run through the same `EpisodeRunner` the samplers use, so a
 multi-turn environment is evaluated turn by turn exactly as it is trained, and a task's score
 runs under the same deadlines; an agent's run against an endpoint of their own over the
 generation. The problems are solved in parts of ``chunk`` (each told to ``on_part`` as it ends,
-as a `Tally`: sums, so parts solved anywhere add up exactly), ``at_once`` parts at a time.
+as a `Tally`: sums, so parts solved anywhere add up exactly), ``at_once`` parts at a time. A
+task's evaluation keeps no log-probs (it needs none); an agent's keeps them as the samplers do
+(``sampling.py``), so its endpoint answers ``logprobs`` and ``top_logprobs`` as a sampler's does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.model.policy import PromptFormat
+from asyncrl.rl.model.sampling import StepLogprobs
 from asyncrl.rl.model.tally import Tally
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task
@@ -270,7 +272,7 @@ def hf_generate_for(
     time (its endpoint gathers requests into one call), since ``model.generate`` blocks and the
     endpoint's loop must keep accepting and answering the agents; any other task's as it is (its
     episodes wait for each call anyway)."""
-    generate = hf_generate(model, tokenizer, fmt, batch_size, stop)
+    generate = hf_generate(model, tokenizer, fmt, batch_size, stop, logprobs=isinstance(task, Agent))
     if not isinstance(task, Agent):
         return generate
 
@@ -280,16 +282,20 @@ def hf_generate_for(
     return threaded
 
 
-def hf_generate(model, tokenizer, fmt: PromptFormat, batch_size: int, stop: threading.Event | None = None):
+def hf_generate(
+    model, tokenizer, fmt: PromptFormat, batch_size: int, stop: threading.Event | None = None, *, logprobs: bool = False
+):
     """A `Generate` (tasks/episodes.py) over ``model.generate``: rows prompt-major (sample j of
-    prompt i is row ``i * n + j``), ``batch_size`` rows per call, in order; log-probs are 0."""
+    prompt i is row ``i * n + j``), ``batch_size`` rows per call, in order. ``logprobs``: each
+    token's sampling log-prob and the ``params.top_logprobs`` likeliest tokens, as the samplers
+    give them (`StepLogprobs`); else log-probs are 0 and no alternatives are kept."""
 
     async def generate(prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         rows = [p for p in prompts for _ in range(n)]
         done: list[Completion] = []
         for i in range(0, len(rows), batch_size):
             check_stop(stop)
-            done += _generate_rows(model, tokenizer, fmt, rows[i : i + batch_size], params)
+            done += _generate_rows(model, tokenizer, fmt, rows[i : i + batch_size], params, logprobs)
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     return generate
@@ -297,7 +303,7 @@ def hf_generate(model, tokenizer, fmt: PromptFormat, batch_size: int, stop: thre
 
 @torch.no_grad()
 def _generate_rows(
-    model, tokenizer, fmt: PromptFormat, prompts: list[list[int]], params: SamplingParams
+    model, tokenizer, fmt: PromptFormat, prompts: list[list[int]], params: SamplingParams, logprobs: bool = False
 ) -> list[Completion]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
     width = max(map(len, prompts))
@@ -311,6 +317,9 @@ def _generate_rows(
     sampling = {} if greedy else {"temperature": params.temperature, "top_k": 0, "top_p": params.top_p}
     if params.stop:  # transformers' own stop strings: a row that wrote one stops there
         sampling.update(stop_strings=list(params.stop), tokenizer=tokenizer)
+    from transformers import LogitsProcessorList
+
+    steps = StepLogprobs(params.temperature, params.top_p, params.top_logprobs) if logprobs else None
     out = model.generate(
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
@@ -318,14 +327,28 @@ def _generate_rows(
         max_new_tokens=params.max_new_tokens,
         eos_token_id=params.stop_token_ids,
         pad_token_id=pad,
+        logits_processor=LogitsProcessorList([steps] if steps is not None else []),
         **sampling,
     )
-    return [_completion(tokenizer, row, params, pad) for row in out[:, width:].tolist()]
+    generated = out[:, width:]
+    lps, tops = steps.rows(generated) if steps is not None else (None, None)
+    return [
+        _completion(tokenizer, row, params, pad, lps[i] if lps else None, tops[i] if tops else None)
+        for i, row in enumerate(generated.tolist())
+    ]
 
 
-def _completion(tokenizer, row: list[int], params: SamplingParams, pad: int) -> Completion:
+def _completion(
+    tokenizer,
+    row: list[int],
+    params: SamplingParams,
+    pad: int,
+    logprobs: list[float] | None = None,
+    top: list | None = None,
+) -> Completion:
     """One generated row as a `Completion`: cut after its first stop token, else after the token
-    that completed a stop string, else with the padding of an early finish removed."""
+    that completed a stop string, else with the padding of an early finish removed; ``logprobs``
+    and ``top`` (per token of ``row``) cut with it (None: log-probs of 0)."""
     cut = next((j for j, t in enumerate(row) if t in params.stop_token_ids), None)
     if cut is not None:
         ids, reason = row[: cut + 1], "stop"
@@ -342,7 +365,8 @@ def _completion(tokenizer, row: list[int], params: SamplingParams, pad: int) -> 
         if reason == "stop":  # as the backends give it: the text ends before the stop string
             hit = min((text.find(s) for s in params.stop if s in text), default=len(text))
             text = text[:hit]
-    return Completion(ids, [0.0] * len(ids), text, reason)
+    kept = logprobs[: len(ids)] if logprobs is not None else [0.0] * len(ids)
+    return Completion(ids, kept, text, reason, top_logprobs=(top or [])[: len(ids)])
 
 
 def _stop_string_end(tokenizer, row: list[int], stops: list[str]) -> int | None:

@@ -1,14 +1,18 @@
 """`CurvesPainter`: RUN_DIR/curves.png redrawn in the background while the run goes on.
 
 The driver asks for a redraw at every evaluation and once at the end; drawing (matplotlib, a
-second or so of CPU) runs in one daemon thread, so the driver's event loop never waits on it.
-Requests that come while a drawing is under way are folded into one more drawing. A drawing
+second or so of CPU, several on loaded cores) runs in one daemon thread, so the driver's event loop
+never waits on it. Requests that come while a drawing is under way are folded into one more
+drawing. The end of the run awaits its last drawing (`close`): the thread tells the loop when it is
+done, so the loop goes on meanwhile (the final policy is saved beside it) and the loop watch's
+blocked-loop warning is left for real stalls. A drawing
 reads only metrics.jsonl and progress.json, and is bounded in size (`curves.MAX_POINTS`). A
 missing matplotlib is one line at the start, and the run goes on without a picture.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import threading
@@ -33,6 +37,7 @@ class CurvesPainter:
         self._lock = threading.Lock()
         self._wanted = False
         self._thread: threading.Thread | None = None
+        self._idle: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []  # `close`s awaiting the thread
         self._failed = False
 
     def refresh(self) -> None:
@@ -45,15 +50,19 @@ class CurvesPainter:
                 self._thread = threading.Thread(target=self._work, name="asyncrl-curves", daemon=True)
                 self._thread.start()
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> str:
-        """Draw once more with everything written, wait for it (``timeout_s`` at most); returns
-        the picture's path, or "" when there is none."""
+    async def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> str:
+        """Draw once more with everything written and await it (``timeout_s`` at most) without
+        blocking the event loop; returns the picture's path, or "" when there is none."""
         self.refresh()
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-            if thread.is_alive():
-                self.log(f"curves: still drawing after {timeout_s:g} s; {self.path} may lag the last steps")
+        loop = asyncio.get_running_loop()
+        idle = loop.create_future()
+        with self._lock:
+            if self._thread is None:  # not enabled: nothing is drawing
+                return self.path if self.drawn else ""
+            self._idle.append((loop, idle))
+        done, _ = await asyncio.wait({idle}, timeout=timeout_s)
+        if not done:
+            self.log(f"curves: still drawing after {timeout_s:g} s; {self.path} may lag the last steps")
         return self.path if self.drawn else ""
 
     def _work(self) -> None:
@@ -62,7 +71,9 @@ class CurvesPainter:
         while True:
             with self._lock:
                 if not self._wanted:
-                    self._thread = None
+                    self._thread, idle, self._idle = None, self._idle, []
+                    for loop, future in idle:
+                        _wake(loop, future)
                     return
                 self._wanted = False
             try:
@@ -72,3 +83,11 @@ class CurvesPainter:
                 if not self._failed:
                     self._failed = True
                     self.log(f"curves: drawing {self.path} failed: {type(exc).__name__}: {first_line(exc)}")
+
+
+def _wake(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+    """Settle ``future`` on its loop, from the drawing thread; a loop already closed has no one waiting."""
+    try:
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+    except RuntimeError:
+        pass

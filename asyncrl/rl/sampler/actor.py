@@ -401,7 +401,11 @@ class SamplerActor(WeightReceiving):
             )
             await server.start()
             self.endpoint = server
-            print(f"sampler {self.name}: OpenAI endpoint at {server.base_url()}", flush=True)
+            print(
+                f"sampler {self.name}: OpenAI endpoint at {server.base_url()} (its token, for code outside "
+                "the episodes: asyncrl status RUN_DIR --endpoint)",
+                flush=True,
+            )
         return self.endpoint
 
     async def _agent_rollouts(self, indices: list[int]) -> AsyncIterator[RolloutGroup]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncrl.rl.model.sampling import sampling_logprobs
 from asyncrl.rl.sampler.backend import (
     Completion,
     PausableBackend,
@@ -53,22 +53,6 @@ def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
         ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
         mask[i, width - len(row) :] = 1
     return ids, mask
-
-
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Log-probs ``[B, V]`` of the distribution tokens are drawn from: ``log_softmax(logits / T)``,
-    restricted to the nucleus (smallest set of most likely tokens with mass >= top_p) and
-    renormalised when ``top_p < 1``. At ``temperature == 0`` (greedy) it is ``log_softmax(logits)``:
-    the degenerate greedy distribution would give 0 for every token and tell nothing."""
-    logp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-    if top_p >= 1.0 or temperature == 0:
-        return logp
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    mass_before = sorted_logp.exp().cumsum(dim=-1) - sorted_logp.exp()
-    drop_sorted = mass_before >= top_p  # the most likely token always has mass_before 0: never dropped
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    logp = logp.masked_fill(drop, -math.inf)
-    return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
 
 
 class HFBackend(PausableBackend):

@@ -254,9 +254,9 @@ def grpo_loss(
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, not {normalizer!r}")
     valid = mask.bool()
-    # Mask BEFORE exp(): padding may hold NaN/inf, and where() routes a zero gradient to it.
-    # The floor only drops gradients smaller than e**-50 (a -inf log-prob would otherwise give NaN).
-    log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0).clamp(min=-_EXP_EXACT_UP_TO)
+    # Mask BEFORE exp(): padding may hold NaN/inf, and where() routes a zero gradient to it. Not
+    # floored here: each policy term floors its own ratio (`_floored`; GSPO after its mean).
+    log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0)
     adv = advantages.detach().to(log_ratio.dtype)
     adv = torch.where(valid, adv if adv.dim() == 2 else adv.unsqueeze(1), 0.0)  # per-token padding may be NaN
     n_tokens = valid.sum()
@@ -305,6 +305,7 @@ def grpo_loss(
 def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
     """PPO's token-level clipped surrogate (`_clipped_surrogate`); the ratio and where a token
     was clipped (its gradient dropped), below and above, for the metrics."""
+    log_ratio = _floored(log_ratio)
     ratio = _safe_exp(log_ratio.detach())
     low, high = (adv < 0) & (ratio < 1 - config.eps_low), (adv > 0) & (ratio > 1 + config.eps_high)
     return _clipped_surrogate(log_ratio, adv, config), ratio, low, high
@@ -323,10 +324,18 @@ def _gspo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, confi
     advantages. Readings taken: the paper's ``pi_old`` is the behaviour policy (the sampler's
     log-probs: in an async run the sequence ratio also corrects staleness); the clip is decided
     by the sequence (every token of a clipped sequence loses its gradient); 'token_mean' weighs
-    a sequence by its length instead, which the paper does not do."""
+    a sequence by its length instead, which the paper does not do.
+
+    The floor at -`_EXP_EXACT_UP_TO` applies to the sequence's mean, not to each token before it:
+    a token far below its sampling log-prob (-80), or given probability 0 by the trainer (-inf),
+    lowers the sequence ratio as the formula says (to exp(-0.8) in a 100-token sequence; to
+    e**-50, i.e. 0, for -inf), where a floor per token would have changed it (to exp(-0.5)) and
+    every token's gradient with it. The token trick carries a unit gradient on each finite
+    log-ratio, and none on a -inf one (whose ``s_i / |y_i|`` is 0), so nothing is -inf - -inf."""
     n = valid.sum(dim=1, keepdim=True).clamp(min=1)
-    seq = (log_ratio.sum(dim=1, keepdim=True) / n).detach()  # log_ratio is 0 at padding
-    token = seq + log_ratio - log_ratio.detach()
+    seq = _floored(log_ratio.sum(dim=1, keepdim=True) / n).detach()  # log_ratio is 0 at padding
+    finite = torch.where(torch.isfinite(log_ratio), log_ratio, 0.0)
+    token = seq + finite - finite.detach()
     clipped = torch.exp(token.clamp(math.log1p(-config.gspo_eps_low), math.log1p(config.gspo_eps_high)))
     term = torch.minimum(_safe_exp(token) * adv, clipped * adv)
     ratio = _safe_exp(seq).expand_as(log_ratio)
@@ -347,6 +356,7 @@ def _cispo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, conf
     r))``: the same gradient, and a value (``w * A``) comparable with the other losses' ``pg_loss``.
     Normalised per the aggregation; the paper's is 'token_mean'. ``cispo_eps_low`` 1: no lower
     bound on the weight (the paper's)."""
+    log_ratio = _floored(log_ratio)
     sg = log_ratio.detach()
     weight = torch.exp(
         sg.clamp(
@@ -377,6 +387,13 @@ def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, config: GRPOL
     weight = torch.exp((log_cap - sg).clamp(max=0.0))  # min(1, cap / r)
     unclipped = torch.exp(log_ratio - sg) * torch.exp(sg.clamp(max=log_cap)) * adv
     return torch.minimum(unclipped, clipped_r * weight * adv)
+
+
+def _floored(log_ratio: torch.Tensor) -> torch.Tensor:
+    """A token's log-ratio floored at -`_EXP_EXACT_UP_TO`: for a ratio of its own (PPO, CISPO) it
+    only drops gradients smaller than e**-50, and a -inf log-prob would otherwise give NaN
+    (0 * inf). GSPO floors its sequence's mean instead (`_gspo`)."""
+    return log_ratio.clamp(min=-_EXP_EXACT_UP_TO)
 
 
 def _safe_exp(x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,22 @@ def read_jsonl(run_dir: str, name: str, keep: Callable[[dict[str, Any]], bool]) 
         if isinstance(record, dict) and keep(record):
             records.append(record)
     return records
+
+
+def stopped_text(run_dir: str) -> str:
+    """A line on a run that stopped (Ctrl-C, a signal, an error; its last faults.jsonl event is
+    ``stopped``) and how to resume it; "" when its record says no such thing."""
+    try:
+        events = read_jsonl(run_dir, "faults.jsonl", lambda e: isinstance(e.get("event"), str))
+    except RunHistoryError:
+        return ""
+    if not events or events[-1]["event"] != "stopped":
+        return ""
+    last = events[-1]
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["at"])) if _number(last.get("at")) else "?"
+    step = f" at step {last['step']}" if isinstance(last.get("step"), int) and last["step"] > 0 else ""
+    hint = last.get("resume") or "resume it with asyncrl launch SCRIPT --resume RUN_DIR (docs/fault_tolerance.md)"
+    return f"the run in {run_dir} was stopped{step} by {last.get('cause', '?')} at {when}; {hint}"
 
 
 def heldout_before(run_dir: str) -> dict[str, float]:

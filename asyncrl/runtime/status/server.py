@@ -5,8 +5,9 @@ like the supervisor's, so a later supervisor sweeps it if this process is SIGKIL
 publishes that address in ``RUN_DIR/supervisor.json``. Only the owner of the run can connect: the
 directory's mode is the access control, and nothing listens on TCP, so no CURVE is needed. Every
 ``StatusRequest`` is answered with one ``StatusReply``, and each ``CommandRequest`` for a command
-the run registered (`add_command`: ``asyncrl scale``) with one ``CommandReply``; anything else gets
-a typed ``StatusFailure`` and the server keeps serving. A command changes the run, and the
+the run registered (`add_command`: ``asyncrl scale``, ``asyncrl status --endpoint``) with one
+``CommandReply`` (a command that awaits is answered when it ends, the server serving meanwhile);
+anything else gets a typed ``StatusFailure`` and the server keeps serving. A command changes the run, and the
 directory's mode is its access control too: only the run's owner reaches the socket.
 
 ``close()`` removes the socket and supervisor.json (if still ours); so does a ``weakref.finalize``
@@ -16,7 +17,9 @@ process at once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
 import socket
 import time
@@ -95,7 +98,8 @@ class StatusServer:
         self._closed = False
         self._written: list[bytes] = []  # filled once supervisor.json is ours; read by the finalizer
         self._hooks = contextlib.ExitStack()
-        self._commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+        self._commands: dict[str, Callable[[dict[str, Any]], Any]] = {}
+        self._answering: set[asyncio.Task] = set()  # commands that await: close() cancels them
         self._decoder = msgspec.msgpack.Decoder(StatusRequest | CommandRequest)
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -141,6 +145,8 @@ class StatusServer:
         if self._closed:
             return
         self._closed = True
+        for task in list(self._answering):
+            task.cancel()
         if self._sock is not None:
             self._sock.close()
         if self._ctx is not None:
@@ -149,10 +155,13 @@ class StatusServer:
             self._finalizer()
         self._hooks.close()
 
-    def add_command(self, name: str, handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    def add_command(self, name: str, handler: Callable[[dict[str, Any]], Any]) -> None:
         """Answer ``CommandRequest(name, args)`` with ``handler(args)`` (called on the event loop:
-        it must be quick, and leave long work to a task). An `AsyncrlError` or ``ValueError`` it
-        raises is the caller's answer, as a ``StatusFailure`` of its type and message."""
+        it must be quick, and leave long work to a task), a dict, or an awaitable of one (a
+        command that asks actors): its answer is sent when it ends, requests being served
+        meanwhile; it needs a deadline of its own (the caller waits its ``--timeout`` only). An
+        `AsyncrlError` or ``ValueError`` it raises is the caller's answer, as a ``StatusFailure``
+        of its type and message."""
         self._commands[name] = handler
 
     async def __aenter__(self) -> StatusServer:
@@ -198,11 +207,34 @@ class StatusServer:
                 route, "UnknownCommandError", f"this run has no command {request.name!r} (it has: {known})"
             )
         try:
-            reply = self._encoder.encode(CommandReply(request.name, handler(dict(request.args))))
+            result = handler(dict(request.args))
+        except Exception as e:
+            return self._answer(route, request.name, error=e)
+        if not inspect.isawaitable(result):
+            return self._answer(route, request.name, result)
+        task = asyncio.ensure_future(self._answer_when_done(route, request.name, result))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _answer_when_done(self, route: bytes, name: str, result: Any) -> None:
+        try:
+            value = await result
+        except Exception as e:
+            self._answer(route, name, error=e)
+        else:
+            self._answer(route, name, value)
+
+    def _answer(self, route: bytes, name: str, result: Any = None, error: Exception | None = None) -> None:
+        if self._closed:
+            return
+        try:
+            if error is not None:
+                raise error
+            reply = self._encoder.encode(CommandReply(name, result))
         except (AsyncrlError, ValueError) as e:  # refused: the one line the caller needs
             return self._refuse(route, type(e).__name__, str(e))
         except Exception as e:  # a bug of ours must not stop the server: say it to the caller
-            return self._refuse(route, type(e).__name__, f"{request.name} failed: {e}")
+            return self._refuse(route, type(e).__name__, f"{name} failed: {e}")
         self.requests += 1
         self._sock.send([route, reply], copy=True)
 

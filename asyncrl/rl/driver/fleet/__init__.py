@@ -11,6 +11,8 @@
                       data positions), their pumps started and judged, recovery
     pumps.py          Pumps: a sampler's rollout streams into the queue (paced, in grant order)
     scaling.py        Scaler: samplers added and drained mid-run (``asyncrl scale``)
+    endpoints.py      sampler_endpoints: each sampler's OpenAI endpoint and token, for code
+                      outside the episodes (``asyncrl status RUN_DIR --endpoint``)
     sampler_start.py  the samplers' start, which survives one that never comes up
     trainer_ranks.py  an N-rank trainer spawned and driven as one
 

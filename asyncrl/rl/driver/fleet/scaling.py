@@ -37,6 +37,7 @@ from typing import Any
 from asyncrl.errors import ActionableError, first_line
 from asyncrl.rl.driver.fleet.membership import Member, MemberState
 from asyncrl.rl.driver.fleet.pool import SamplerPool
+from asyncrl.rl.view.fleet import fleet_text
 from asyncrl.runtime.state import ActorState
 
 STOP_S = 60.0
@@ -50,15 +51,33 @@ class ScaleRefusedError(ActionableError):
     """A scale request the run cannot meet; the message says what can be asked instead."""
 
 
-def check_target(n: Any, *, active: int, device: str, colocated: bool, started: int, free_gpus: int) -> int:
+def check_target(
+    n: Any,
+    *,
+    active: int,
+    device: str,
+    colocated: bool,
+    started: int,
+    free_gpus: int,
+    cores: int = 0,
+    force: bool = False,
+) -> int:
     """``n`` as the fleet's new size, or a `ScaleRefusedError` naming why not: ``active``
     samplers run or are coming; the run's device plan (``device``, ``colocated``, ``started``:
-    its first sampler count) and ``free_gpus`` (over every node) say how many more fit."""
+    its first sampler count) and ``free_gpus`` (over every node) say how many more fit. On the
+    CPU, growing past ``cores`` (the cores of the run's nodes; 0: unknown) is refused unless
+    ``force``: the host could start them, not run them. A GPU limit is not forced: there is no
+    device to place another sampler on."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise ScaleRefusedError(f"--samplers must be a whole number, not {n!r}")
     if n < 1:
         raise ScaleRefusedError(f"--samplers {n}: a run needs at least 1 sampler; stop the run to free them all")
     more = n - active
+    if device == "cpu" and cores and n > max(cores, active) and not force:
+        raise ScaleRefusedError(
+            f"--samplers {n}: more CPU samplers than the {cores} core(s) of the run's node(s) (each decodes "
+            f"on a core of its own, beside the trainer); ask for at most {max(cores, active)}, or add --force"
+        )
     if device == "cuda" and colocated and n > started:
         raise ScaleRefusedError(
             f"--samplers {n}: the samplers share the trainer's GPU, whose memory was split "
@@ -101,11 +120,13 @@ class Scaler:
         started: int | None = None,
         target: int | None = None,
         nodes: Callable[[], list[Any]] = list,
+        cores: Callable[[], int] = lambda: 0,
     ):
         self.pool, self.membership = pool, pool.membership
         self._spawn, self._stop, self.seed_of = spawn, stop, seed_of
         self.device, self.colocated, self.free_gpus, self.log = device, colocated, free_gpus, log
         self.nodes = nodes  # the cluster's `NodeStatus`es: a node leaving an elastic cluster is drained
+        self.cores = cores  # the CPU cores CPU samplers may use (0: unknown): more is refused unless forced
         self.leaving: set[int] = set()  # the ranks of the nodes whose samplers were drained
         # How many samplers the run's first segment started (a colocated GPU's memory was split
         # among them); a resumed segment may start another count (``target``).
@@ -126,15 +147,24 @@ class Scaler:
         live = self.membership.with_state(MemberState.JOINED, MemberState.CANDIDATE, MemberState.LOST)
         return len(live) + len(self.starting)
 
+    def current_target(self) -> int:
+        """The fleet's target: the last one asked, else the count this run segment started."""
+        return self.target if self.target is not None else len(self.pool.members)
+
     def request(self, args: dict[str, Any]) -> dict[str, Any]:
-        """The status socket's ``scale`` command: ``{"samplers": N}``. Called on the driver's loop;
-        sets the target (applied at the next sync) and answers at once."""
+        """The status socket's ``scale`` command: ``{"samplers": N}`` (and ``"force": true`` past
+        the CPU cores). Called on the driver's loop; sets the target (applied at the next sync)
+        and answers at once: the samplers running, restarting and starting, and the target before."""
         if self.closed:
             raise ScaleRefusedError("the run is ending; its samplers are no longer scaled")
-        unknown = sorted(set(args) - {"samplers"})
+        unknown = sorted(set(args) - {"samplers", "force"})
         if unknown or "samplers" not in args:
-            raise ScaleRefusedError(f"scale takes samplers=N only (got {', '.join(sorted(args)) or 'nothing'})")
-        active = self.active()
+            raise ScaleRefusedError(
+                f"scale takes samplers=N and force only (got {', '.join(sorted(args)) or 'nothing'})"
+            )
+        active, before = self.active(), self.current_target()
+        running = len(self.membership.with_state(MemberState.JOINED, MemberState.CANDIDATE))
+        restarting, starting = len(self.membership.with_state(MemberState.LOST)), len(self.starting)
         n = check_target(
             args["samplers"],
             active=active,
@@ -142,14 +172,25 @@ class Scaler:
             colocated=self.colocated,
             started=self.started,
             free_gpus=self.free_gpus(),
+            cores=self.cores(),
+            force=args.get("force") is True,
         )
         self.target = n
+        now = fleet_text(running, restarting, starting, before)
         self.membership.event(
-            "scale_requested", "", f"{active} -> {n} sampler(s), applied at the next sync", samplers=active, target=n
+            "scale_requested", "", f"{now} -> {n} sampler(s), applied at the next sync", samplers=active, target=n
         )
-        self.log(f"scale: {active} -> {n} sampler(s) asked; applied at the next weight sync")
+        self.log(f"scale: {now} -> {n} sampler(s) asked; applied at the next weight sync")
         self._start_missing()  # now: a start takes long, and the driver may wait for a batch meanwhile
-        return {"samplers": active, "target": n, "step": self.membership.step}
+        return {
+            "samplers": active,
+            "running": running,
+            "restarting": restarting,
+            "starting": starting,
+            "previous_target": before,
+            "target": n,
+            "step": self.membership.step,
+        }
 
     async def at_sync(self) -> None:
         """Apply the target before a sync (nothing group-wide is in flight): add the samplers
@@ -169,10 +210,12 @@ class Scaler:
             self.next_index += 1
 
     def progress(self) -> dict[str, Any]:
-        """For progress.json and ``asyncrl status``."""
-        if self.target is None:
-            return {}
-        return {"samplers_target": self.target, "samplers_starting": sorted(f"sampler{i}" for i in self.starting)}
+        """For progress.json and ``asyncrl status``: the target from the start (the run's count
+        until a scale is asked), and the samplers starting."""
+        return {
+            "samplers_target": self.current_target(),
+            "samplers_starting": sorted(f"sampler{i}" for i in self.starting),
+        }
 
     async def close(self) -> None:
         """Cancel the starts under way and wait (bounded) for them and the stops of drained ones."""
@@ -281,11 +324,13 @@ class Scaler:
             self.log(f"scale: {task.get_name()} failed: {first_line(task.exception())}")
 
 
-def scale(run_dir: str, samplers: int, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Ask the live run in ``run_dir`` to run ``samplers`` samplers (what ``asyncrl scale`` does):
-    ``{"samplers": before, "target": samplers, "step": ...}`` once the run accepted it (applied at
-    its next sync). Raises `CommandRefusedError` with the run's one line if it refused, and a
+def scale(run_dir: str, samplers: int, timeout_s: float = 5.0, force: bool = False) -> dict[str, Any]:
+    """Ask the live run in ``run_dir`` to run ``samplers`` samplers (what ``asyncrl scale`` does;
+    ``force``: past the CPU cores): ``{"samplers": before, "running", "restarting", "starting",
+    "previous_target", "target": samplers, "step"}`` once the run accepted it (applied at its next
+    sync). Raises `CommandRefusedError` with the run's one line if it refused, and a
     `StatusUnavailableError` if no live run serves ``run_dir`` or none answered in ``timeout_s``."""
     from asyncrl.runtime.status import send_command
 
-    return send_command(run_dir, "scale", {"samplers": samplers}, timeout_s)
+    args: dict[str, Any] = {"samplers": samplers} | ({"force": True} if force else {})
+    return send_command(run_dir, "scale", args, timeout_s)
