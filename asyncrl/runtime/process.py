@@ -11,6 +11,7 @@ grandchildren (a vLLM engine, a data loader) go too.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import os
 import signal
@@ -71,6 +72,13 @@ class ActorProcess:
         """SIGKILL the process group now, without waiting (finalizers, a second Ctrl-C, a kill
         on request)."""
         raise NotImplementedError
+
+
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncrl-spawn")
+"""The thread `ChildProcess.start` forks on, alive as long as this process. A worker's
+``PR_SET_PDEATHSIG`` (runtime/worker.py) fires when the *thread* that forked it ends, not the
+process: forked from a thread that ends with the event loop's default executor (its threads end
+when the loop closes), a child would be signalled while its supervisor lives on."""
 
 
 def _popen(argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int]) -> subprocess.Popen:
@@ -143,7 +151,8 @@ class ChildProcess(ActorProcess):
         of a second, seconds on a loaded host (times the samplers of a scale-up), and the event
         loop runs on meanwhile. A cancel while it runs kills the process it made. Raises what
         ``Popen`` raises (``OSError``)."""
-        popen = asyncio.ensure_future(asyncio.to_thread(_popen, argv, env, pass_fds))
+        loop = asyncio.get_running_loop()
+        popen = asyncio.ensure_future(loop.run_in_executor(_SPAWNER, _popen, argv, env, pass_fds))
         try:
             proc = await asyncio.shield(popen)
         except asyncio.CancelledError:

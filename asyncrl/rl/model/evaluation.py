@@ -1,15 +1,16 @@
 """Solve rates (and the task's metrics) of a policy on a task's problems, sampled or greedy: one
 evaluator (`evaluate_with`) over any generation function, the `Generate` of ``tasks/episodes.py``.
 
-Two generations feed it: `hf_generate`, batched and left-padded ``model.generate``, for the warm start's check and the trainer's held-out evaluation
-(`evaluate`, blocking); and a sampler's own backend, for the held-out evaluation on the samplers
-(``rl/model/heldout.py``). Episodes run through the same `EpisodeRunner` the samplers use, so a
-multi-turn environment is evaluated turn by turn exactly as it is trained, and a task's score
-runs under the same deadlines; an agent's run against an endpoint of their own over the
-generation. The problems are solved in parts of ``chunk`` (each told to ``on_part`` as it ends,
-as a `Tally`: sums, so parts solved anywhere add up exactly), ``at_once`` parts at a time. A
-task's evaluation keeps no log-probs (it needs none); an agent's keeps them as the samplers do
-(``sampling.py``), so its endpoint answers ``logprobs`` and ``top_logprobs`` as a sampler's does.
+Two generations feed it: `hf_generate`, batched and left-padded ``model.generate``, for the warm
+start's check and the trainer's held-out evaluation (`evaluate`, blocking); and a sampler's own
+backend, for the held-out evaluation on the samplers (``rl/model/heldout.py``). Episodes run
+through the same `EpisodeRunner` the samplers use, so a multi-turn environment is evaluated turn
+by turn exactly as it is trained, and a task's score runs under the same deadlines; an agent runs
+against an endpoint of its own over the generation. The problems are solved in parts of
+``chunk`` (each told to ``on_part`` as it ends, as a `Tally`: sums, so parts solved anywhere add
+up exactly), ``at_once`` parts at a time. A task's evaluation keeps no log-probs (it needs none);
+an agent's keeps them as the samplers do (``sampling.py``), so its endpoint answers ``logprobs``
+and ``top_logprobs`` as a sampler's does.
 """
 
 from __future__ import annotations
