@@ -17,9 +17,7 @@ from asyncrl.rl.model.policy import load_policy
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
 from asyncrl.rl.trainer.actor import TrainerActor
-
-pytest.register_assert_rewrite("sampler_support")
-from sampler_support import write_tiny  # noqa: E402
+from sampler_support import write_tiny
 
 PROMPTS = [[52, 53, 46, 54], [55, 56, 57, 46], [58, 52, 59, 60], [53, 53, 54, 61]]
 CANDIDATES = [[60, 61], [62, 63], [64, 65], [66, 67]]  # the same four answers for every prompt

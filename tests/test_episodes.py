@@ -20,9 +20,6 @@ from asyncrl.rl.tasks.base import Environment, Message, Prompt, Reply, Score, Ta
 from asyncrl.rl.tasks.episodes import EpisodeRunner, Sample
 from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.rl.tasks.tools import CALC, calculator, parse_tool_call, tool_result, tool_stops
-
-pytest.register_assert_rewrite("sampler_support")  # before its import: its fixtures assert
-
 from sampler_support import recomputed
 
 pytest_plugins = ["sampler_support"]  # its fixtures: tiny_path, policy
