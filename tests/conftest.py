@@ -9,6 +9,12 @@ import time
 
 import pytest
 
+# The support modules whose fixtures and helpers assert, rewritten like a test file so that a failed
+# assert shows its values. Registered here, before any test file is imported: registered from a
+# test file, a module another file (or its helper) imported first stays unrewritten, and pytest
+# warns "Module already imported so cannot be rewritten".
+pytest.register_assert_rewrite("sampler_support", "vllm_support", "hccl_support")
+
 TIERS = {
     # in one process, no model to train, seconds in all: `python -m pytest -m unit`, the fast tier
     # (no transformers import: the two in-process files that need it, episodes and flops, are rl's)

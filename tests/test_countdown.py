@@ -95,9 +95,9 @@ def test_solver_is_exhaustive_against_brute_force():
 def test_solver_is_fast_and_deterministic():
     rng = random.Random(11)
     cases = [([rng.randint(1, 99) for _ in range(4)], rng.randint(1, 1000)) for _ in range(100)]
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU seconds: what the work costs, whatever else runs
     results = [solve(numbers, target) for numbers, target in cases]
-    assert time.perf_counter() - start < 0.5  # mostly unsolvable, i.e. full searches: ~1 ms each
+    assert time.process_time() - start < 0.5  # mostly unsolvable, i.e. full searches: ~1 ms each
     assert results == [solve(numbers, target) for numbers, target in cases]
 
 
@@ -292,9 +292,9 @@ def _adversarial() -> list[str]:
 
 
 def test_reward_survives_adversarial_text_quickly():
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU seconds: what the work costs, whatever else runs
     rewards = [reward(P, text) for text in _adversarial()]
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert all(type(r) is float and 0.0 <= r <= 1.0 for r in rewards)
     padded = "<answer>25 + 7 * 3</answer>"
     assert reward(P, "x" * 100_000 + padded) == reward(P, padded + "y" * 100_000) == CORRECT_REWARD
@@ -333,7 +333,7 @@ def test_reward_fuzz_never_raises():
         "x",
         "%",
     ]
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU seconds: what the work costs, whatever else runs
     seen = set()
     for _ in range(4000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 60)))
@@ -341,7 +341,7 @@ def test_reward_fuzz_never_raises():
             got = reward(P, completion)
             assert got in (0.0, FORMAT_REWARD, CORRECT_REWARD)
             seen.add(got)
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
     assert seen == {0.0, FORMAT_REWARD}  # the fuzz does reach the parser's success path
 
 
@@ -441,9 +441,9 @@ def test_a_huge_completion_scores_zero_quickly():
         "<answer>" * 2_000_000 + "</answer>" * 2_000_000,
         "\U0001f600" * 5_000_000 + "<answer>" + "(" * 5_000_000,
     ]
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU seconds: what the work costs, whatever else runs
     scores = [score(P, text) for text in huge]
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
     assert [s.reward for s in scores] == [0.0] * len(huge) and all(s.error for s in scores)
     assert "characters long" in scores[1].error
 

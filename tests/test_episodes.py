@@ -20,9 +20,6 @@ from asyncrl.rl.tasks.base import Environment, Message, Prompt, Reply, Score, Ta
 from asyncrl.rl.tasks.episodes import EpisodeRunner, Sample
 from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
 from asyncrl.rl.tasks.tools import CALC, calculator, parse_tool_call, tool_result, tool_stops
-
-pytest.register_assert_rewrite("sampler_support")  # before its import: its fixtures assert
-
 from sampler_support import recomputed
 
 pytest_plugins = ["sampler_support"]  # its fixtures: tiny_path, policy
@@ -502,9 +499,9 @@ def test_tool_calls_are_parsed_from_the_last_complete_call():
     assert parse_tool_call("<calc><calc>5</calc>", ["calc"]) == (CALC, "5")
     assert parse_tool_call("<search>q</search> <calc>1</calc>", ["calc", "search"]) == (CALC, "1")
     assert parse_tool_call("no call </calc>", ["calc"]) is None and parse_tool_call(None, ["calc"]) is None
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU seconds: what the work costs, whatever else runs
     assert parse_tool_call("<calc>" * 200_000 + "</calc" * 100_000, ["calc"]) is None
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
     with pytest.raises(ValueError, match="tool name"):
         parse_tool_call("x", ["a>b"])
 

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from asyncrl.rl.scorer.judge import Judge, parse_verdict, render
-
-pytest.register_assert_rewrite("sampler_support")
-from sampler_support import ONE_THREAD, write_tiny  # noqa: E402
+from sampler_support import ONE_THREAD, write_tiny
 
 # (prompt, completion, verdict word for "{prompt}={completion}?", generated verdict for "...!")
 CASES = [

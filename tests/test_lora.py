@@ -107,8 +107,7 @@ def test_a_resumed_lora_run_takes_the_same_step(embedded_path, tmp_path):
 
 
 def test_the_final_export_is_a_merged_checkpoint_and_the_adapter(embedded_path, tmp_path):
-    from peft import PeftModel
-
+    from asyncrl.rl.model.lora import load_adapter
     from asyncrl.rl.model.policy import load_policy
 
     t = trainer(embedded_path)
@@ -121,7 +120,7 @@ def test_the_final_export_is_a_merged_checkpoint_and_the_adapter(embedded_path, 
         merged, _, _ = load_policy(out)  # plain transformers, as vLLM would load it: no peft needed
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
         base, _, _ = load_policy(embedded_path)
-        adapted = PeftModel.from_pretrained(base, os.path.join(out, "adapter"))
+        adapted = load_adapter(base, os.path.join(out, "adapter"), trainable=False)  # peft's PeftModel.from_pretrained
         assert torch.equal(adapted(input_ids=ids).logits, want)
 
 

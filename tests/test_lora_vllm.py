@@ -14,7 +14,6 @@ import pytest
 import torch
 
 pytest.importorskip("peft")
-pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
 
 from asyncrl import Supervisor  # noqa: E402
 from asyncrl.comm.member import form_group  # noqa: E402

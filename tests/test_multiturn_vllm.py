@@ -22,9 +22,6 @@ from asyncrl.rl.generation import SamplingParams
 from asyncrl.rl.tasks.base import Environment, Reply, as_prompt
 from asyncrl.rl.tasks.episodes import EpisodeRunner
 from asyncrl.rl.tasks.scoring import UserCalls
-
-pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
-
 from sampler_support import recomputed
 from vllm_support import engine_options
 

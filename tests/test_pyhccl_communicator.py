@@ -14,9 +14,6 @@ import torch
 from asyncrl.comm import hccl_library
 from asyncrl.comm.communicator import Communicator, ReduceOp
 from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError, CommunicatorClosedError, RendezvousError
-
-pytest.register_assert_rewrite("hccl_support")  # before its import: its fixtures and helpers assert
-
 from conftest import wait_until
 from hccl_support import FakeRuntime, Hub, create, on_ranks
 

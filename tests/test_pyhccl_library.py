@@ -12,9 +12,6 @@ import torch
 from asyncrl.comm import hccl_library
 from asyncrl.comm.errors import CommLibraryError
 from asyncrl.comm.pyhccl import HcclCommunicator
-
-pytest.register_assert_rewrite("hccl_support")  # before its import: its fixtures and helpers assert
-
 from hccl_support import Hub, create, on_ranks
 
 pytest_plugins = ["hccl_support"]  # its fixtures: stub_builds, stub, minimal_stub, pair

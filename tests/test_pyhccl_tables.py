@@ -14,9 +14,6 @@ import torch
 
 from asyncrl.comm import hccl_library
 from asyncrl.comm.communicator import ReduceOp
-
-pytest.register_assert_rewrite("hccl_support")  # before its import: its fixtures and helpers assert
-
 from hccl_support import Hub, create
 
 pytest_plugins = ["hccl_support"]  # its fixtures: stub_builds, stub, minimal_stub, pair

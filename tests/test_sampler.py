@@ -20,9 +20,6 @@ from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.rollout import validate_group
 from asyncrl.rl.sampler.actor import SamplerActor
 from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerTimeoutError, SamplingParams
-
-pytest.register_assert_rewrite("sampler_support")  # before its import: its fixtures assert
-
 from conftest import wait_until
 from sampler_support import HOST, N_HELDOUT, N_TRAIN, ONE_THREAD, recomputed, until_generating, write_tiny
 
@@ -138,9 +135,9 @@ async def test_stop_tokens_and_max_new_tokens(backend, prompts):
 
 
 async def test_decoding_passes_transformers_nothing_it_deprecates(backend, prompts):
-    """The decoding loop's forward arguments (``past_key_values`` the cache, ``logits_to_keep``...)
-    are current on the transformers installed: a deprecation of any of them (issue 34 expected one
-    for ``past_key_values``; 5.19 here has none) fails here, by its warning, before it breaks us."""
+    """The decoding loop's forward arguments (the KV cache, ``logits_to_keep``...) are current on
+    the transformers installed: a deprecation of any of them fails here, by its warning, before it
+    breaks us (5.24 deprecated ``past_key_values`` for ``cache``: issue 44, `kv_cache_name`)."""
     import logging
     import warnings
 

@@ -11,9 +11,7 @@ import torch
 
 from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
 from asyncrl.runtime import Supervisor
-
-pytest.register_assert_rewrite("sampler_support")  # before its import: its fixtures assert
-from sampler_support import ONE_THREAD, recomputed  # noqa: E402
+from sampler_support import ONE_THREAD, recomputed
 
 pytest_plugins = ["sampler_support"]  # its fixtures: tiny_path, policy, prompts
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.rl.config.trainer import TrainerConfig
+from asyncrl.rl.config.trainer import LoRAConfig, TrainerConfig
+from asyncrl.rl.model.lora import attach_adapter
 from asyncrl.rl.trainer.compile import CompileError, compiled, decoder_layers, eager
 
 
@@ -33,8 +34,8 @@ def test_the_decoder_layers_of_a_causal_lm_and_of_its_lora_wrapper_are_found():
     )
     model = AutoModelForCausalLM.from_config(config)
     assert list(decoder_layers(model)) == list(model.model.layers) and len(model.model.layers) == 3
-    peft = pytest.importorskip("peft")
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    pytest.importorskip("peft")
+    wrapped = attach_adapter(model, LoRAConfig(rank=2, target_modules=("q_proj",)))
     assert list(decoder_layers(wrapped)) == list(model.model.layers)
 
 

@@ -29,9 +29,6 @@ from asyncrl.rl.driver.fleet.sync_group import suffered_from_peer
 from asyncrl.rl.sampler.actor import SamplerActor
 from asyncrl.rl.sampler.backend import SamplingParams
 from conftest import descendants, kill_all, orphaned_shm, process_alive, shm_names, wait_until
-
-pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
-
 from sampler_support import HOST, N_HELDOUT, N_TRAIN, until_generating
 from vllm_support import SYNC_BACKEND, VLLM_ENV, StatePusher, engine_options, needs_two_devices, repeat_abs, state_files
 

@@ -20,9 +20,6 @@ from asyncrl import Supervisor
 from asyncrl.comm.rendezvous import join_all
 from asyncrl.rl.sampler.backend import SamplingParams
 from conftest import wait_until
-
-pytest.register_assert_rewrite("sampler_support", "vllm_support")  # before their import: they assert
-
 from sampler_support import HOST
 from vllm_support import (
     SYNC_BACKEND,

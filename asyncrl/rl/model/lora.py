@@ -8,6 +8,9 @@ weight sync agree on its layout without sending anything but the tensors.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,14 +44,27 @@ def attach_adapter(model: Any, lora: LoRAConfig) -> Any:
     missing = set(lora.target_modules) - {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     if missing:
         raise ValueError(f"--trainer.lora.target_modules names modules this model does not have: {sorted(missing)}")
-    return get_peft_model(model, peft_config(lora))
+    with _peft_reads_is_gradient_checkpointing():
+        return get_peft_model(model, peft_config(lora))
 
 
 def load_adapter(model: Any, adapter_dir: str, trainable: bool) -> Any:
     """``model`` with the adapter saved (peft's format) in ``adapter_dir``."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, adapter_dir, is_trainable=trainable)
+    with _peft_reads_is_gradient_checkpointing():
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=trainable)
+
+
+@contextlib.contextmanager
+def _peft_reads_is_gradient_checkpointing() -> Iterator[None]:
+    """peft (0.21.2, its newest release on 2026-11-28) reads ``model.is_gradient_checkpointing``
+    each time it wraps a model, a property transformers 5.23 deprecated for
+    ``is_activation_checkpointing``: that FutureWarning is about peft's call, not ours, and
+    nothing here can act on it. Only it is silenced, and only around peft's wrapping."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:

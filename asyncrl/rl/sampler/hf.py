@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -79,6 +80,7 @@ class HFBackend(PausableBackend):
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id if pad_token_id is not None else _pad_id(tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self._cache = kv_cache_name(model)
         self._generator = torch.Generator(self.device).manual_seed(seed)  # requests without a seed
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
         self._gate = threading.Condition()  # between decoding steps: see load_weights
@@ -242,8 +244,8 @@ class HFBackend(PausableBackend):
                         input_ids=token[:, None],
                         attention_mask=mask,
                         position_ids=next_position,
-                        past_key_values=out.past_key_values,
                         use_cache=True,
+                        **{self._cache: getattr(out, self._cache)},
                     )
                     next_position = next_position + 1
                 token, logprob, top = self._choose(out.logits[:, -1, :], params, generators)
@@ -360,6 +362,17 @@ def text_before_stop(text: str, stops: list[str]) -> str:
         if at >= 0 and at + len(s) < best:
             best, cut = at + len(s), at
     return text[:cut]
+
+
+def kv_cache_name(model: Any) -> str:
+    """The name under which ``model``'s forward takes the KV cache and its output returns it:
+    ``cache`` where the forward has that parameter (transformers 5.24 renamed it; there
+    ``past_key_values`` is a deprecated alias, to be removed in 5.40), else ``past_key_values``
+    (5.0 to 5.23). Read off the signature rather than the version, so a model whose forward keeps
+    the old name (remote code, say) keeps being given it; a peft model's forward takes
+    ``**kwargs``, so its base model's is read."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -129,9 +129,15 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
     def _checkpointed(self, model):
         """``--trainer.activation_checkpointing``: each decoder layer recomputes its activations in
         the backward (transformers' non-reentrant checkpointing, which needs no input that requires
-        grad, so a frozen LoRA base works too); FSDP2 shards the layers with it on."""
+        grad, so a frozen LoRA base works too); FSDP2 shards the layers with it on. transformers
+        5.23 renamed ``gradient_checkpointing_enable`` (deprecated since) to
+        ``activation_checkpointing_enable``: the new name where the model has it."""
         if self.config.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:  # transformers 5.0 to 5.22
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
 
     def _shard_policy(self) -> None:
