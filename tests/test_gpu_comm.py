@@ -50,6 +50,24 @@ async def test_weight_sync_over_nccl_is_bit_exact_on_one_communicator():
         assert await sender.sync_created() == {"nccl": 1} and await receiver.sync_created() == {"nccl": 1}
 
 
+async def test_two_receivers_sharing_a_gpu_get_bit_exact_weights_over_nccl_then_ipc():
+    """--sampler.per_gpu 2: a group of 3 on 2 GPUs is made in tiers (comm/tiered.py), created once."""
+    async with Supervisor(device_kind="cuda") as sup:
+        sender = await sup.spawn(Sender, 1, kwargs={"device": "cuda"}, name="sender", gpus=1)
+        first = await sup.spawn(Receiver, 2, kwargs={"device": "cuda"}, name="first", gpus=1)
+        second = await sup.spawn(Receiver, 2, kwargs={"device": "cuda"}, name="second", share_devices_with="first")
+        members = [sender, first, second]
+        await form_group(members, HOST, backend="nccl", timeout_s=60)
+        await asyncio.gather(*(m.setup() for m in members))
+        for version in range(10):
+            sent, got1, got2 = await asyncio.gather(
+                sender.step_and_send(version), first.receive(version), second.receive(version)
+            )
+            assert sent == got1 == got2, version
+        for m in members:
+            assert (await m.sync_created()).get("nccl+ipc") == 1
+
+
 async def test_a_peer_that_never_joins_the_collective_times_out_and_the_group_is_rebuilt():
     async with Supervisor(device_kind="cuda") as sup:
         a, b = await sup.spawn_group(NcclProbe, 2, name="probe", gpus=1)

@@ -48,7 +48,8 @@ def _device_type(device: torch.device | str | int) -> str:
 def make_communicator(
     group: StoreGroup, backend: str = "auto", timeout_s: float = 60.0, *, device: torch.device | str | int | None = None
 ) -> Communicator:
-    """The communicator of ``group`` for this process: ``nccl`` on a CUDA device, ``hccl`` on an
+    """The communicator of ``group`` for this process: ``nccl`` on a CUDA device (in tiers with CUDA
+    IPC where some members share a GPU: `tiered.py`), ``hccl`` on an
     Ascend NPU, ``gloo`` on CPU, ``ipc`` for members sharing one GPU; ``auto`` picks by
     `resolve_backend`. ``device`` is the accelerator
     (None: the current CUDA device for nccl, NPU 0 for hccl); gloo always works on CPU tensors."""
@@ -61,10 +62,10 @@ def make_communicator(
         from asyncrl.comm.cuda_ipc import CudaIpcCommunicator
 
         return CudaIpcCommunicator.create(group, device, timeout_s)
-    if backend == "nccl":
-        from asyncrl.comm.pynccl import NcclCommunicator
+    if backend == "nccl":  # NCCL between GPUs; NCCL and CUDA IPC in tiers where some members share one
+        from asyncrl.comm.tiered import nccl_or_tiered
 
-        return NcclCommunicator.create(group, device, timeout_s=timeout_s)
+        return nccl_or_tiered(group, device, timeout_s)
     from asyncrl.comm.pyhccl import HcclCommunicator
 
     return HcclCommunicator.create(group, torch.device("npu", 0) if device is None else device, timeout_s)

@@ -209,6 +209,24 @@ class StoreGroup:
         )
         return [msgspec.msgpack.decode(v, type=type) for v in values]
 
+    def subgroup(self, tag: str, ranks: list[int]) -> StoreGroup:
+        """The members ``ranks`` (this one among them) as a group of their own, ranked in that order,
+        on keys of their own in this group's store: for a communicator of a subset (`tiered.py`). No
+        meeting: every member of the subset calls this with the same arguments."""
+        if self.rank not in ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"group {self.label!r}: rank {self.rank} is not once in the subgroup {ranks}")
+        return StoreGroup(
+            store=dist.PrefixStore(f"sub/{tag}/", self.store),
+            name=f"{self.name}-{tag}",
+            generation=self.generation,
+            rank=ranks.index(self.rank),
+            world_size=len(ranks),
+            host=self.host,
+            port=self.port,
+            timeout_s=self.timeout_s,
+            hosts=[self.member_hosts[r] for r in ranks],
+        )
+
     def close(self) -> None:
         """Drop this member's store handle (rank 0's also stops the store server). Idempotent."""
         if not self._closed:
