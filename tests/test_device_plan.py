@@ -24,7 +24,10 @@ def test_fewer_gpus_than_actors_colocate_on_the_trainers(asked):
     assert (plan.trainer_gpus, plan.sampler_gpus) == (1, 0)
     assert "colocated" in plan.line and "CUDA IPC" in plan.line
     assert plan.vllm_options(0.0, 2) == {"gpu_memory_utilization": 0.15}  # 0.3 split among the samplers
-    assert "1 other GPU(s) unused" in plan_devices(asked, "cuda", ["0", "1"], 2).line
+    assert "1 other GPU(s) unused" in plan_devices(asked, "cuda", ["0", "1"], 2, per_gpu=1).line
+    # --sampler.per_gpu auto: two samplers asked for on two GPUs share the one the trainer leaves.
+    spread = plan_devices(asked, "cuda", ["0", "1"], 2)
+    assert not spread.colocated and spread.per_gpu == 2 and "GPU 1 2 samplers" in spread.line
 
 
 def test_no_gpu_is_the_cpu_and_says_why():
@@ -65,14 +68,15 @@ def test_ipc_communicator_needs_a_cuda_device():
         group.close()
 
 
-def test_prompts_per_batch_auto_is_8_on_the_cpu_and_a_steps_share_on_a_gpu():
+def test_prompts_per_batch_auto_is_8_on_the_cpu_and_each_samplers_share_of_a_step_on_a_gpu():
     from asyncrl.rl.config.sampler import SamplerConfig
 
     auto = SamplerConfig()
     assert auto.prompts_per_batch == 0
     assert auto.batch_prompts("cpu", groups_per_step=64) == 8  # the CPU default run is unchanged
     assert auto.batch_prompts("cuda", groups_per_step=16) == 16  # one sampler: the whole step at once
-    assert SamplerConfig(count=3).batch_prompts("cuda", groups_per_step=16) == 8  # ceil(16 / 3) = 6, at least 8
+    assert SamplerConfig(count=3).batch_prompts("cuda", groups_per_step=16) == 6  # ceil(16 / 3): all three at once
+    assert SamplerConfig(count=6).batch_prompts("cuda", groups_per_step=16) == 3  # 3 GPUs x 2 engines
     assert SamplerConfig(count=3).batch_prompts("cuda", groups_per_step=64) == 22  # ceil(64 / 3)
     assert SamplerConfig(prompts_per_batch=5).batch_prompts("cuda", groups_per_step=64) == 5  # asked for: kept
     with pytest.raises(ValueError, match="prompts_per_batch >= 0"):
@@ -141,16 +145,16 @@ def test_scorers_get_a_gpu_each_when_every_one_can_else_share_the_trainers():
     ("gpus", "ranks", "scorers", "samplers", "roles"),
     [
         (1, 1, 0, 1, None),  # one GPU: a sampler shares it (colocated)
-        (2, 1, 0, 1, "GPU 0 the trainer, GPU 1 a sampler"),
-        (4, 1, 0, 3, "GPU 0 the trainer, GPUs 1-3 a sampler each"),
-        (8, 1, 0, 7, "GPU 0 the trainer, GPUs 1-7 a sampler each"),
-        (8, 2, 0, 6, "GPUs 0-1 a trainer rank each (FSDP2), GPUs 2-7 a sampler each"),
-        (4, 1, 1, 2, "GPU 0 the trainer, GPUs 1-2 a sampler each, GPU 3 a scorer"),
-        (2, 1, 1, 1, "GPU 0 the trainer, GPU 1 a sampler"),  # no GPU left for the scorer: it shares
+        (2, 1, 0, 2, "GPU 0 the trainer, GPU 1 2 samplers"),
+        (4, 1, 0, 6, "GPU 0 the trainer, GPUs 1-3 2 samplers each"),
+        (8, 1, 0, 14, "GPU 0 the trainer, GPUs 1-7 2 samplers each"),
+        (8, 2, 0, 12, "GPUs 0-1 a trainer rank each (FSDP2), GPUs 2-7 2 samplers each"),
+        (4, 1, 1, 4, "GPU 0 the trainer, GPUs 1-2 2 samplers each, GPU 3 a scorer"),
+        (2, 1, 1, 2, "GPU 0 the trainer, GPU 1 2 samplers"),  # no GPU left for the scorer: it shares
         (2, 2, 0, 1, None),  # the ranks take both: a sampler shares rank 0's
     ],
 )
-def test_sampler_count_auto_puts_a_sampler_on_every_gpu_the_trainer_leaves(gpus, ranks, scorers, samplers, roles):
+def test_sampler_count_auto_puts_two_samplers_on_every_gpu_the_trainer_leaves(gpus, ranks, scorers, samplers, roles):
     plan = plan_devices("auto", "cuda", [str(i) for i in range(gpus)], 0, trainer_ranks=ranks, scorers=scorers)
     assert plan.samplers == samplers
     assert f"{samplers} sampler(s) (--sampler.count auto)" in plan.line
@@ -159,7 +163,7 @@ def test_sampler_count_auto_puts_a_sampler_on_every_gpu_the_trainer_leaves(gpus,
     else:
         assert not plan.colocated and plan.sampler_gpus == 1 and plan.sync_backend == "nccl"
         assert plan.line.startswith(f"cuda, {gpus} GPU(s): {roles}"), plan.line
-        used = ranks + samplers + (0 if plan.scorers_colocated else scorers)
+        used = ranks + samplers // 2 + (0 if plan.scorers_colocated else scorers)
         assert used == gpus and "unused" not in plan.line  # every GPU works
 
 
@@ -172,10 +176,10 @@ def test_sampler_count_auto_is_one_on_the_cpu_and_a_count_asked_for_is_kept():
 
 
 def test_sampler_count_auto_over_two_hosts_counts_both():
-    """Two hosts of two GPUs: the trainer on one, a sampler on each of the three others."""
+    """Two hosts of two GPUs: the trainer on one, two samplers on each of the three others."""
     nodes = [NodeStatus(0, "a", "10.0.0.1", 2, 2, "joined"), NodeStatus(1, "b", "10.0.0.2", 2, 2, "joined")]
     plan = plan_devices("auto", *cluster_devices("cuda", ["0", "1"], nodes), 0)
-    assert plan.samplers == 3 and not plan.colocated
+    assert plan.samplers == 6 and not plan.colocated
 
 
 def test_vllm_args_are_a_json_object_refused_in_one_line_otherwise():
@@ -190,3 +194,60 @@ def test_vllm_args_are_a_json_object_refused_in_one_line_otherwise():
         parse_overrides(GRPOConfig(), ["--sampler.vllm_args", "[1]"])
     with pytest.raises(ConfigError, match=r"vllm_args must be a JSON object of vLLM engine arguments \(Expecting"):
         parse_overrides(GRPOConfig(), ["--sampler.vllm_args", "{max_num_seqs: 1}"])
+
+
+def test_per_gpu_puts_that_many_samplers_on_each_sampler_gpu():
+    plan = plan_devices("auto", "cuda", ["0", "1", "2", "3"], 0, per_gpu=2)
+    assert (plan.samplers, plan.per_gpu, plan.colocated, plan.sync_backend) == (6, 2, False, "nccl")
+    assert "GPU 0 the trainer, GPUs 1-3 2 samplers each" in plan.line
+    assert "NCCL between GPUs, CUDA IPC within one" in plan.line
+    # Sampler i shares the GPU of sampler i - i % 2; the owners take a GPU each.
+    assert [plan.gpu_owner(i) for i in range(6)] == [None, 0, None, 2, None, 4]
+    # Their engines split the GPU's memory (0.85 alone), unless the user set a share.
+    assert plan.vllm_options(0.0, 6) == {"gpu_memory_utilization": 0.425}
+    assert plan.vllm_options(0.3, 6) == {"gpu_memory_utilization": 0.3}
+    # An odd count: the last GPU holds one; too many for the GPUs: refused as before.
+    odd = plan_devices("auto", "cuda", ["0", "1", "2"], 3, per_gpu=2)
+    assert not odd.colocated and "GPUs 1-2 2 samplers each" in odd.line
+    assert plan_devices("auto", "cuda", ["0", "1"], 3, per_gpu=2).colocated  # 2 sampler GPUs wanted, 1 left
+    # One GPU alone: colocated, per_gpu has nothing to split.
+    one = plan_devices("auto", "cuda", ["0"], 0, per_gpu=2)
+    assert one.colocated and one.samplers == 1 and one.gpu_owner(0) is None
+
+
+def test_per_gpu_auto_is_two_and_a_negative_count_is_refused():
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+    from asyncrl.rl.config.sampler import SamplerConfig
+
+    assert SamplerConfig().per_gpu == 0  # auto (driver/devices.py: 2 with --sampler.count auto)
+    assert plan_devices("auto", "cuda", ["0", "1", "2"], 0, per_gpu=1).samplers == 2  # one a GPU, asked for
+    # A count asked for spreads over the GPUs left before it doubles up.
+    assert plan_devices("auto", "cuda", ["0", "1", "2", "3"], 3).per_gpu == 1
+    assert plan_devices("auto", "cuda", ["0", "1", "2", "3"], 5).per_gpu == 2
+    with pytest.raises(ConfigError, match=r"per_gpu must be >= 0 \(0: auto"):
+        parse_overrides(GRPOConfig(), ["--sampler.per_gpu", "-1"])
+
+
+async def test_samplers_that_share_a_gpu_start_in_different_waves():
+    """--sampler.per_gpu 2 over 3 GPUs: samplers 0, 2, 4 (one a GPU) start together, then 1, 3, 5,
+    each beside a running engine (vLLM measures the free memory as it starts)."""
+    import asyncio
+    import types
+
+    from asyncrl.rl.driver.fleet.sampler_start import start_samplers
+
+    running: set[int] = set()
+    seen: list[tuple[int, frozenset[int]]] = []
+
+    async def spawn(i: int):
+        seen.append((i, frozenset(running)))
+        await asyncio.sleep(0.01)
+        running.add(i)
+        state = types.SimpleNamespace(final=False)
+        info = types.SimpleNamespace(state=state, restarts=0, max_restarts=1, error=None)
+        return types.SimpleNamespace(name=f"sampler{i}", info=lambda: info)
+
+    handles = await start_samplers(spawn, 6, waves=2, log=print)
+    assert [h.name for h in handles] == [f"sampler{i}" for i in range(6)]
+    assert dict(seen) == {0: set(), 2: set(), 4: set(), 1: {0, 2, 4}, 3: {0, 2, 4}, 5: {0, 2, 4}}

@@ -18,15 +18,22 @@ class SamplerConfig:
     reach it."""
 
     count: int = 0
-    """Number of sampler actors. 0: auto, one on every GPU the trainer (and the scorers) leave, or
-    one sharing the trainer's GPU where none is left; one on the CPU (driver/devices.py)."""
+    """Number of sampler actors. 0: auto, ``per_gpu`` on every GPU the trainer (and the scorers)
+    leave, or one sharing the trainer's GPU where none is left; one on the CPU (driver/devices.py)."""
+    per_gpu: int = 0
+    """Samplers on GPUs of their own: how many (each an engine and its client process) share one
+    GPU. 0: auto, 2 with ``count`` auto, else as few as the GPUs left allow for ``count``
+    (driver/devices.py). An engine's client is one CPU core decoding each step's outputs, which leaves
+    its GPU mostly idle; two engines on a GPU overlap their steps (1.49x the samples/s of one, the
+    GPU 81% busy instead of 29%; four contend: docs/gpu.md). Their weights come in tiers: NCCL
+    between GPUs, CUDA IPC within one (comm/tiered.py)."""
     group_size: int = 8
     """Completions per prompt."""
     prompts_per_batch: int = 0
     """Prompts a sampler generates for at once (each ``group_size`` completions). 0: auto, 8 on the
     CPU (small batches keep a loaded CPU's weight syncs prompt) and on a GPU the sampler's share of
-    a step, ``ceil(run.groups_per_step / count)``, at least 8: an engine fed a whole step's requests
-    at once generates it in about the time of one batch (docs/gpu.md)."""
+    a step, ``ceil(run.groups_per_step / count)``: every engine works on each step at once, and an
+    engine fed its whole share at once generates it in about the time of one batch (docs/gpu.md)."""
     streams: int = 0
     """Async mode: batches of ``prompts_per_batch`` a sampler keeps in flight at once, each begun as
     pacing credit frees (docs/gpu.md). 0: auto, 1 on the CPU (one model on a few cores: a second
@@ -72,6 +79,8 @@ class SamplerConfig:
                 f"gpu_memory_utilization must be in [0, 1) (0: the default), not {self.gpu_memory_utilization!r}"
             )
         self.engine_args()  # a bad JSON object is refused with the config
+        if self.per_gpu < 0:
+            raise ValueError(f"per_gpu must be >= 0 (0: auto), not {self.per_gpu!r}")
         if self.streams < 0:
             raise ValueError(f"streams must be >= 0 (0: auto), not {self.streams!r}")
         if self.count < 0 or self.group_size < 2 or self.prompts_per_batch < 0:
@@ -98,7 +107,7 @@ class SamplerConfig:
             return self.prompts_per_batch
         if device != "cuda":
             return CPU_PROMPTS_PER_BATCH
-        return max(CPU_PROMPTS_PER_BATCH, -(-groups_per_step // max(1, self.count)))
+        return -(-groups_per_step // max(1, self.count))
 
     def paced_streams(self, device: str, groups_per_step: int, max_staleness: int) -> int:
         """``streams``, with 0 (auto) resolved for samplers computing on ``device``: on a GPU

@@ -5,8 +5,9 @@ decided in one line, so a run never falls back to the CPU (or squeezes onto one 
 
 With ``--sampler.count`` left at 0 (auto), every GPU works: the trainer's ranks take one each, a
 scorer one each where one is left for it after a sampler, and every other GPU gets a sampler of its
-own; one GPU alone is shared (colocated). Each GPU added to a host then adds a sampler's engine to
-the run, and one weight broadcast reaches them all (fleet/sync_group.py).
+own (``--sampler.per_gpu`` of them: engines sharing one GPU overlap their steps); one GPU alone is
+shared (colocated). Each GPU added to a host then adds engines to the run, and one weight broadcast
+reaches them all (fleet/sync_group.py; in tiers where engines share a GPU, comm/tiered.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from dataclasses import dataclass
 
 from asyncrl.rl.config.parse import ConfigError
 
+OWN_GPU_VLLM_SHARE = 0.85
+"""The share of a sampler GPU's memory its vLLM engines get together (`VLLMBackend`'s default for
+one engine alone), split among the ``--sampler.per_gpu`` engines that share it."""
+AUTO_PER_GPU = 2
+"""What ``--sampler.per_gpu`` 0 means with ``--sampler.count`` 0: two samplers share each sampler GPU
+(1.49x the samples/s of one on it, its GPU 81% busy instead of 29%; four contend: docs/gpu.md)."""
 COLOCATED_VLLM_SHARE = 0.3
 """The share of a colocated GPU's memory the vLLM samplers get together, by default: vLLM reserves
 its share up front, and the rest must hold the trainer (a 0.5B model with AdamW in fp32: ~8 GB plus
@@ -36,6 +43,9 @@ class DevicePlan:
     after the trainer's and the samplers'."""
     samplers: int = 1
     """How many samplers the run starts: ``--sampler.count``, or what its 0 (auto) resolved to."""
+    per_gpu: int = 1
+    """Samplers that share each sampler GPU (``--sampler.per_gpu``; 1 where they share the trainer's
+    or run on the CPU). Sampler ``i`` is on the GPU of sampler ``i - i % per_gpu``."""
 
     @property
     def trainer_gpus(self) -> int:
@@ -53,41 +63,61 @@ class DevicePlan:
 
     def vllm_options(self, share: float, samplers: int) -> dict:
         """`VLLMBackend` options for each sampler: its share of GPU memory (``share``: the config's,
-        0 for the default: the engine's own alone on a GPU, `COLOCATED_VLLM_SHARE` split when colocated)."""
+        0 for the default: the engine's own alone on a GPU, `OWN_GPU_VLLM_SHARE` split among the
+        ``per_gpu`` engines of a GPU, `COLOCATED_VLLM_SHARE` split when colocated)."""
         if self.device != "cuda":
             return {}
         if share:
             return {"gpu_memory_utilization": share}
-        return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)} if self.colocated else {}
+        if self.colocated:
+            return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)}
+        return {"gpu_memory_utilization": round(OWN_GPU_VLLM_SHARE / self.per_gpu, 4)} if self.per_gpu > 1 else {}
+
+    def gpu_owner(self, sampler: int) -> int | None:
+        """The sampler whose GPU sampler ``sampler`` shares (None: it takes a GPU, or the trainer's)."""
+        owner = sampler - sampler % self.per_gpu
+        return owner if owner != sampler else None
 
 
-def auto_samplers(gpus: int, trainer_ranks: int, scorers: int) -> int:
-    """What ``--sampler.count`` 0 means on a host of ``gpus`` CUDA devices (0: the CPU): a sampler on
-    every GPU the trainer's ranks and the scorers leave (a scorer gets one of its own only where a
-    sampler still has one: it answers prefill alone, and shares the trainer's GPU otherwise); one,
-    sharing the trainer's GPU, where none is left; one on the CPU."""
+def auto_samplers(gpus: int, trainer_ranks: int, scorers: int, per_gpu: int = 1) -> int:
+    """What ``--sampler.count`` 0 means on a host of ``gpus`` CUDA devices (0: the CPU): ``per_gpu``
+    samplers on every GPU the trainer's ranks and the scorers leave (a scorer gets one of its own
+    only where a sampler still has one: it answers prefill alone, and shares the trainer's GPU
+    otherwise); one, sharing the trainer's GPU, where none is left; one on the CPU."""
     left = gpus - trainer_ranks
     if left < 1:
         return 1
-    return left - scorers if left - scorers >= 1 else left
+    return per_gpu * (left - scorers if left - scorers >= 1 else left)
 
 
 def plan_devices(
-    asked: str, kind: str | None, ids: list[str], samplers: int, *, trainer_ranks: int = 1, scorers: int = 0
+    asked: str,
+    kind: str | None,
+    ids: list[str],
+    samplers: int,
+    *,
+    trainer_ranks: int = 1,
+    scorers: int = 0,
+    per_gpu: int = 0,
 ) -> DevicePlan:
     """``asked``: --run.device ("auto", "cpu", "cuda"); ``kind``/``ids``: the host's accelerators
     (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has (0: auto,
     `auto_samplers`); ``trainer_ranks``: the trainer's processes (--trainer.world_size), a GPU each on
     CUDA; ``scorers``: its scorer actors (a teacher, a reward model), planned after the samplers: a
-    GPU each when every one gets one, else on the trainer's GPU (a scorer never takes a sampler's)."""
+    GPU each when every one gets one, else on the trainer's GPU (a scorer never takes a sampler's);
+    ``per_gpu``: samplers sharing each sampler GPU (0: auto, `AUTO_PER_GPU` with ``samplers`` auto,
+    else as few as spread ``samplers`` over the GPUs left)."""
     gpus = len(ids) if kind == "cuda" else 0
     auto = samplers == 0
     if asked == "cpu" or gpus == 0:
         samplers = samplers or 1
     elif auto:
-        samplers = auto_samplers(gpus, trainer_ranks, scorers)
+        per_gpu = per_gpu or AUTO_PER_GPU
+        samplers = auto_samplers(gpus, trainer_ranks, scorers, per_gpu)
+    per_gpu = per_gpu or _spread(samplers, gpus - trainer_ranks - scorers, gpus - trainer_ranks)
     counted = f"{samplers} sampler(s)" + (" (--sampler.count auto)" if auto else "")
-    wanted = trainer_ranks + samplers
+    sampler_gpus = -(-samplers // per_gpu)
+    wanted = trainer_ranks + sampler_gpus
     trainer = f"{trainer_ranks} trainer ranks" if trainer_ranks > 1 else "the trainer"
     host = "trainer rank 0's GPU" if trainer_ranks > 1 else "trainer's GPU"
     if asked == "cpu":
@@ -109,7 +139,7 @@ def plan_devices(
         )
     if gpus >= wanted:
         own = gpus >= wanted + scorers
-        roles = _gpu_roles(trainer_ranks, samplers, scorers if own else 0)
+        roles = _gpu_roles(trainer_ranks, sampler_gpus, scorers if own else 0, per_gpu)
         shared = f"; the {scorers} scorer(s) share the {host}" if scorers and not own else ""
         spare = gpus - wanted - (scorers if own else 0)
         unused = f"; {spare} GPU(s) left unused" + (": too few for one a scorer" if scorers else "") if spare else ""
@@ -117,9 +147,11 @@ def plan_devices(
             "cuda",
             False,
             "nccl",
-            f"cuda, {gpus} GPU(s): {roles}{shared}{unused}; {counted}, one weight broadcast reaches them all",
+            f"cuda, {gpus} GPU(s): {roles}{shared}{unused}; {counted}, one weight broadcast reaches them all"
+            + (" (NCCL between GPUs, CUDA IPC within one)" if per_gpu > 1 and samplers > 1 else ""),
             scorers_colocated=not own,
             samplers=samplers,
+            per_gpu=per_gpu,
         )
     scorer_words = f"; the {scorers} scorer(s) share the {host}" if scorers else ""
     unused = f"; {gpus - trainer_ranks} other GPU(s) unused" if gpus > trainer_ranks else ""
@@ -134,13 +166,24 @@ def plan_devices(
     )
 
 
-def _gpu_roles(trainer_ranks: int, samplers: int, scorers: int) -> str:
+def _spread(samplers: int, *lefts: int) -> int:
+    """The fewest samplers a GPU must hold to place ``samplers`` on the first of ``lefts`` (GPUs
+    left for them: with the scorers given theirs, else without) that has room for one each."""
+    for left in lefts:
+        if left >= samplers:
+            return 1
+    left = next((n for n in lefts if n >= 1), 0)
+    return -(-samplers // left) if left else 1
+
+
+def _gpu_roles(trainer_ranks: int, sampler_gpus: int, scorers: int, per_gpu: int = 1) -> str:
     """What each GPU does, in placement order ("GPU 0 the trainer, GPUs 1-3 a sampler each"). The
     numbers count GPUs over the hosts of a run (the supervisor picks which device of which node)."""
     parts, first = [], 0
+    engines = "a sampler" if per_gpu == 1 else f"{per_gpu} samplers"
     for count, one, each in (
         (trainer_ranks, "the trainer", "a trainer rank each (FSDP2)"),
-        (samplers, "a sampler", "a sampler each"),
+        (sampler_gpus, engines, f"{engines} each"),
         (scorers, "a scorer", "a scorer each"),
     ):
         if count == 1:

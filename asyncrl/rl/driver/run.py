@@ -66,7 +66,14 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     ranks = config.trainer.world_size
     scorers = scorer_sections(config)  # teacher, reward model: placed by plan_devices after the samplers
     devices = cluster_devices(*detect("auto"), sup.nodes())
-    plan = plan_devices(run.device, *devices, config.sampler.count, trainer_ranks=ranks, scorers=len(scorers))
+    plan = plan_devices(
+        run.device,
+        *devices,
+        config.sampler.count,
+        trainer_ranks=ranks,
+        scorers=len(scorers),
+        per_gpu=config.sampler.per_gpu,
+    )
     trainer_nodes, sampler_nodes = check_placement(run.placement, ranks, plan.samplers, sup.config.nnodes, plan)
     if run.check_weights:  # before the run directory, the trainer and a minute of vLLM engine start
         await check_backend_readable(config.sampler.backend, plan.device)
@@ -212,7 +219,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         vllm = plan.vllm_options(config.sampler.gpu_memory_utilization, plan.samplers)
         # Resolved here, after config.json is written: it keeps 'auto' (0), so a run resumed on
         # another host resolves it for that host's devices.
-        sampler = dataclasses.replace(config.sampler, count=plan.samplers)
+        sampler = dataclasses.replace(config.sampler, count=plan.samplers, per_gpu=plan.per_gpu)
         prompts, auto = sampler.batch_prompts(device, run.groups_per_step), not sampler.prompts_per_batch
         sampler = dataclasses.replace(sampler, prompts_per_batch=prompts)
         streams = sampler.paced_streams(device, run.groups_per_step, run.max_staleness)
@@ -227,19 +234,19 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         )
 
         def spawn_sampler(i: int):  # one lost while it starts is started again, then left out: fleet/sampler_start.py
+            owner = plan.gpu_owner(i)  # --sampler.per_gpu: the sampler whose GPU this one shares
+            if owner is not None and not _running(sup, f"sampler{owner}"):
+                owner = None  # its GPU went with it (given back): this one takes a GPU of its own
+            shares = "trainer" if plan.colocated else None if owner is None else f"sampler{owner}"
             return sup.spawn(
                 SamplerActor,
                 model_path,
                 config.sampler,
                 name=f"sampler{i}",
-                gpus=plan.sampler_gpus,
-                share_devices_with="trainer" if plan.colocated else None,
+                gpus=0 if shares else plan.sampler_gpus,
+                share_devices_with=shares,
                 env=env,
-                node=None
-                if plan.colocated
-                else sampler_nodes[i]
-                if i < len(sampler_nodes)
-                else _scaled_node(sup, cuda),
+                node=None if shares else sampler_nodes[i] if i < len(sampler_nodes) else _scaled_node(sup, cuda),
                 keep_if_lost=True,
                 max_restarts=run.recovery.sampler_max_restarts,
                 kwargs={
@@ -304,7 +311,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
         samplers = await start_samplers(
             spawn_sampler,
             count,
-            one_at_a_time=plan.colocated,
+            waves=count if plan.colocated else plan.per_gpu,
             log=log,
             events_path=os.path.join(run_dir, "faults.jsonl"),
         )
@@ -341,6 +348,7 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             target=scaled or None,
             nodes=sup.nodes,
             cores=lambda: 0 if cuda else _cpu_cores(sup),
+            per_gpu=plan.per_gpu,
         )
         return await driver.execute()
     except asyncio.CancelledError:  # SIGINT/SIGTERM (asyncrl launch), or a caller's cancel
@@ -374,6 +382,10 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
             watch.close()
         console.__exit__()
         status.close()
+
+
+def _running(sup, name: str) -> bool:
+    return any(a.name == name and not a.state.final for a in sup.status())
 
 
 def _scaled_node(sup, cuda: bool) -> int | None:

@@ -30,21 +30,25 @@ at once; this bounds the wait for it)."""
 
 
 async def start_samplers(
-    spawn: Callable[[int], Awaitable[Any]], count: int, *, one_at_a_time: bool, log, events_path: str = ""
+    spawn: Callable[[int], Awaitable[Any]], count: int, *, waves: int = 1, log, events_path: str = ""
 ) -> list[Any]:
     """Spawn samplers ``0 .. count-1`` with ``spawn(i)`` (a `Supervisor.spawn` with
-    ``keep_if_lost=True``), concurrently unless ``one_at_a_time`` (samplers that share one GPU:
-    vLLM measures the free memory as it starts, and two engines starting at once would each count
-    the other's). Each start is bounded by the supervisor's start deadlines, its retries included.
+    ``keep_if_lost=True``) in ``waves`` waves, those of a wave concurrently: wave ``j`` is every
+    sampler ``i`` with ``i % waves == j``. Samplers that share one GPU go in different waves (vLLM
+    measures the free memory as it starts, and two engines starting at once on one GPU would each
+    count the other's): ``waves`` = the samplers a GPU holds (all of them, colocated on the
+    trainer's). Each start is bounded by the supervisor's start deadlines, its retries included.
 
     Returns every handle: a sampler that never came up is a DEAD one, said in one line of the log
     and a ``start_failed`` event in faults.jsonl (``events_path``); one that came up after lost
     starts, a line and a ``start_retried`` event. Raises `NoSamplersError` if none came up, and the error
     of a start that was refused (the others are cancelled first)."""
-    if one_at_a_time:
-        handles = [await spawn(i) for i in range(count)]
-    else:
-        handles = await _all_or_first_error([asyncio.ensure_future(spawn(i)) for i in range(count)])
+    by_index: dict[int, Any] = {}
+    for wave in range(max(1, min(waves, count))):
+        members = range(wave, count, max(1, waves))
+        started = await _all_or_first_error([asyncio.ensure_future(spawn(i)) for i in members])
+        by_index.update(zip(members, started))
+    handles = [by_index[i] for i in range(count)]
     up = [h for h in handles if not _gone(h)]
     for h in handles:
         info = h.info()

@@ -61,13 +61,14 @@ def check_target(
     free_gpus: int,
     cores: int = 0,
     force: bool = False,
+    per_gpu: int = 1,
 ) -> int:
     """``n`` as the fleet's new size, or a `ScaleRefusedError` naming why not: ``active``
     samplers run or are coming; the run's device plan (``device``, ``colocated``, ``started``:
     its first sampler count) and ``free_gpus`` (over every node) say how many more fit. On the
     CPU, growing past ``cores`` (the cores of the run's nodes; 0: unknown) is refused unless
     ``force``: the host could start them, not run them. A GPU limit is not forced: there is no
-    device to place another sampler on."""
+    device to place another sampler on (``per_gpu`` of them share one: ``--sampler.per_gpu``)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise ScaleRefusedError(f"--samplers must be a whole number, not {n!r}")
     if n < 1:
@@ -84,10 +85,11 @@ def check_target(
             f"among {started} at the start; ask for at most {started}, or start the run with "
             f"--sampler.count {n}"
         )
-    if device == "cuda" and not colocated and more > free_gpus:
+    if device == "cuda" and not colocated and -(-more // per_gpu) > free_gpus:
+        each = "a GPU each" if per_gpu == 1 else f"a GPU for every {per_gpu} (--sampler.per_gpu)"
         raise ScaleRefusedError(
-            f"--samplers {n}: {more} more sampler(s) need a GPU each, but {free_gpus} "
-            f"GPU(s) are free; ask for at most {active + free_gpus}"
+            f"--samplers {n}: {more} more sampler(s) need {each}, but {free_gpus} "
+            f"GPU(s) are free; ask for at most {active + free_gpus * per_gpu}"
         )
     return n
 
@@ -121,12 +123,14 @@ class Scaler:
         target: int | None = None,
         nodes: Callable[[], list[Any]] = list,
         cores: Callable[[], int] = lambda: 0,
+        per_gpu: int = 1,
     ):
         self.pool, self.membership = pool, pool.membership
         self._spawn, self._stop, self.seed_of = spawn, stop, seed_of
         self.device, self.colocated, self.free_gpus, self.log = device, colocated, free_gpus, log
         self.nodes = nodes  # the cluster's `NodeStatus`es: a node leaving an elastic cluster is drained
         self.cores = cores  # the CPU cores CPU samplers may use (0: unknown): more is refused unless forced
+        self.per_gpu = per_gpu  # samplers sharing one GPU (--sampler.per_gpu)
         self.leaving: set[int] = set()  # the ranks of the nodes whose samplers were drained
         # How many samplers the run's first segment started (a colocated GPU's memory was split
         # among them); a resumed segment may start another count (``target``).
@@ -138,9 +142,9 @@ class Scaler:
         self.next_index = len(pool.members)
         self.closed = False
         self._tasks: set[asyncio.Task] = set()
-        # Colocated samplers start one at a time, as at the run's start (sampler_start.py): vLLM
-        # measures the GPU's free memory as it starts, and two at once would count each other's.
-        self._one_at_a_time = asyncio.Lock() if colocated else None
+        # Samplers that share a GPU start one at a time, as at the run's start (sampler_start.py):
+        # vLLM measures the GPU's free memory as it starts, and two at once would count each other's.
+        self._one_at_a_time = asyncio.Lock() if colocated or per_gpu > 1 else None
 
     def active(self) -> int:
         """Samplers in the group, coming to it (candidates, restarts awaited) or starting."""
@@ -174,6 +178,7 @@ class Scaler:
             free_gpus=self.free_gpus(),
             cores=self.cores(),
             force=args.get("force") is True,
+            per_gpu=self.per_gpu,
         )
         self.target = n
         now = fleet_text(running, restarting, starting, before)
