@@ -99,6 +99,8 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
             "sync_sampler_resume_s": 0.02,
             "sync_rpc_s": 0.3,
             "sync_bytes": 1000.0,
+            "sync_sent_bytes": 1000.0,
+            "sync_changed": 0.0,
         }
     )
     # No sync this step (sync_every > 1, or the trainer alone): every phase is there, at 0.
