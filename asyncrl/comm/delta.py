@@ -77,9 +77,9 @@ def encode(current: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, word: t
     ``current`` itself) and bring ``kept`` up to ``current``. Where sending the bucket whole is
     no larger, the count is `WHOLE` and ``out`` is untouched (the bucket to send is ``current``)."""
     now, base = current.view(word), kept.view(word)
-    changed = (now != base).nonzero().view(-1)
-    count = changed.numel()
-    if payload_bytes(count, now.numel(), word) >= current.numel():
+    changed = _changed_words(current, kept, word)
+    count = int((now != base).sum()) if changed is None else changed.numel()  # exact, for the stats
+    if changed is None or payload_bytes(count, now.numel(), word) >= current.numel():
         kept.copy_(current)
         return Encoded(count, WHOLE)
     values = now[changed]  # a copy: ``out`` may be ``current``
@@ -88,6 +88,23 @@ def encode(current: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, word: t
     out[: count * word.itemsize].view(word).copy_(values)
     out[at : at + count * index_dtype(now.numel()).itemsize].view(index_dtype(now.numel())).copy_(changed)
     return Encoded(count, count)
+
+
+def _changed_words(current: torch.Tensor, kept: torch.Tensor, word: torch.dtype) -> torch.Tensor | None:
+    """The indices of the words that differ, found 8 bytes at a time first (a quarter of the
+    elements to compare and scan for bf16), then word by word within the 8-byte blocks that
+    changed. None where so many blocks changed that the bucket goes whole anyway (each holds at
+    least one changed word), which also bounds the temporaries to about the bucket's size."""
+    ratio = 8 // word.itemsize
+    if ratio == 1 or current.numel() % 8:
+        return (current.view(word) != kept.view(word)).nonzero().view(-1)
+    blocks = (current.view(torch.int64) != kept.view(torch.int64)).nonzero().view(-1)
+    words = current.numel() // word.itemsize
+    if payload_bytes(blocks.numel(), words, word) >= current.numel():
+        return None
+    differ = current.view(word).view(-1, ratio)[blocks] != kept.view(word).view(-1, ratio)[blocks]
+    block, offset = differ.nonzero().unbind(1)
+    return blocks[block] * ratio + offset
 
 
 def apply(payload: torch.Tensor, count: int, base: torch.Tensor, word: torch.dtype) -> None:

@@ -28,7 +28,8 @@ class SyncStats(msgspec.Struct, frozen=True):
     overlap (double buffering), so their sum may exceed ``seconds`` while each stays below it.
 
     A delta sync (``comm/delta.py``) moves fewer bytes than ``bytes``: ``sent_bytes`` is what
-    went on the wire (the counts, the changed words and their indices, the buckets sent whole),
+    went on the wire (the counts, the changed words and their indices, the buckets sent whole;
+    in a full sync the buckets, padding included, and the tensors sent directly),
     ``changed`` the fraction of the wire's words that changed since the last sync (the sender's;
     -1 where it was not measured: a full sync, a receiver)."""
 
@@ -43,7 +44,8 @@ class SyncStats(msgspec.Struct, frozen=True):
     transfer_s: float = 0.0
     delta: bool = False
     sent_bytes: int = -1
-    """-1: not counted (a peer without delta syncs); `bytes` in a full sync."""
+    """-1: not counted (a peer without delta syncs); in a full sync `bytes` and the alignment
+    padding between tensors in a bucket."""
     changed: float = -1.0
 
     @property

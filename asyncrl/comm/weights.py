@@ -67,6 +67,7 @@ class _WeightSync:
         self._expected = [(spec.name, torch.Size(spec.shape), spec.torch_dtype) for spec in layout.tensors]
         self._chunked = [spec.name for spec in layout.tensors if spec.nbytes > layout.bucket_bytes]
         self._total_bytes = layout.total_bytes
+        self._wire_bytes = sum(layout.bucket_sizes) + sum(layout.tensors[i].nbytes for i in layout.direct)
         self._plan_key: tuple[int, ...] = ()
         self._plan: list[CopyPlan] = []
         self.kept: KeptBuckets | None = None  # a delta sender's base; a consumer receiver's copy
@@ -163,7 +164,7 @@ class _WeightSync:
             copy_s=phases[COPY],
             transfer_s=phases[TRANSFER],
             delta=mode.delta,
-            sent_bytes=self.changes.count.sent if mode.delta and self.changes else self._total_bytes,
+            sent_bytes=self.changes.count.sent if mode.delta and self.changes else self._wire_bytes,
             changed=self._changed_fraction(mode),
         )
 

@@ -64,7 +64,7 @@ class SyncPhases(msgspec.Struct, kw_only=True):
     sync_bytes: float = 0.0
     """What one sync moves to each sampler, in the wire's dtype."""
     sync_sent_bytes: float = 0.0
-    """What it put on the wire: ``sync_bytes``, or a delta sync's changes."""
+    """What it put on the wire: ``sync_bytes`` and the buckets' padding, or a delta sync's changes."""
     sync_changed: float = 0.0
     """The fraction of the wire's values that changed, in a delta sync (else 0)."""
 
