@@ -256,10 +256,17 @@ async def main() -> None:
         )
         created = await asyncio.gather(*(m.sync_created() for m in members))
 
+    report(args, device, colocated, nbytes, buckets[0], (first, first_total), ours, raw, phases, extra, created)
+
+
+def report(args, device, colocated, nbytes, buckets, first, ours, raw, phases, extra, created) -> None:
+    """The table and the per-member lines (``first``: the first sync alone, and with set-up)."""
+    first, first_total = first
+    cuda = device == "cuda"
     gib = nbytes / (1 << 30)
     ours_s, raw_s = statistics.median(ours), statistics.median(raw)
     print(
-        f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets[0]} buckets of {args.bucket_mib} MiB; "
+        f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets} buckets of {args.bucket_mib} MiB; "
         f"1 sender + {args.receivers} receiver(s) on {device}; {args.iters} syncs"
     )
     print("| what | median | effective GiB/s |")

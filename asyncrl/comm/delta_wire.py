@@ -71,8 +71,9 @@ class ChangeReceiving:
     bucket), patched into the kept copy (a receiver that hands tensors to a consumer) or into the
     staging buffer refilled from the tensors it writes in place, which hold the base themselves."""
 
-    def __init__(self, staging: Staging, layout: WeightLayout, src: int, who: str):
+    def __init__(self, staging: Staging, layout: WeightLayout, src: int, device: torch.device, who: str):
         self.staging, self.layout, self.src, self.who = staging, layout, src, who
+        self.device = device
         self.count = WireCount()
         self._views_of: KeptBuckets | None = None
         self._kept_views: list[list[torch.Tensor]] = []
@@ -82,7 +83,7 @@ class ChangeReceiving:
     def receive(self, word: torch.dtype, kept: KeptBuckets | None, unpack) -> None:
         """``unpack(k, views)`` hands bucket k, as ``views``, to the tensors or the consumer."""
         staging = self.staging
-        count_of = torch.empty(1, dtype=torch.int64, device=staging.wire[0].device if staging.wire else "cpu")
+        count_of = torch.empty(1, dtype=torch.int64, device=self.device)
         for k, size in enumerate(self.layout.bucket_sizes):
             staging.receive_now(count_of, self.src)
             count, payload = int(count_of.item()), None

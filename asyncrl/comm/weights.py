@@ -325,7 +325,7 @@ class WeightReceiver(_WeightSync):
         agree_on_setup(group, error, deadline)
         receiver = cls(comm, layout, src, timeout_s)
         receiver._held, receiver._in_place = (-1, ()), False
-        receiver.changes = ChangeReceiving(receiver.staging, layout, src, receiver._who)
+        receiver.changes = ChangeReceiving(receiver.staging, layout, src, comm.device, receiver._who)
         return receiver
 
     def receive(
@@ -375,6 +375,8 @@ class WeightReceiver(_WeightSync):
         partial: dict[int, torch.Tensor] = {}  # tensors larger than a bucket, being assembled
         if consumer is not None and mode.keep and self.kept is None:
             self.kept = KeptBuckets(layout, self.comm.device)  # a consumer holds no copy we can patch
+        elif consumer is None:
+            self.kept = None  # in place from now on (vLLM on CUDA after its first sync): free the copy
         kept = self.kept if consumer is not None and mode.keep else None
         if mode.delta:
             self.changes.refill_from(plan)
