@@ -283,7 +283,7 @@ class WeightSender(_WeightSync):
                         part.record_stream(staging.copy_stream)
                 torch._foreach_copy_(staging.views[k], parts)
                 count = self.changes.encode(k, mode) if self.changes else None
-            self.changes.transfer(k, count) if self.changes else self.staging.transfer(k, self.src)
+            self._send_bucket(k, count)
         return ""
 
     def _move(self, plan: list[CopyPlan], mode: SyncMode) -> str:
@@ -293,8 +293,14 @@ class WeightSender(_WeightSync):
             with self.staging.copy(k):
                 plan[k].run()
                 count = self.changes.encode(k, mode) if self.changes else None
-            self.changes.transfer(k, count) if self.changes else self.staging.transfer(k, self.src)
+            self._send_bucket(k, count)
         return ""
+
+    def _send_bucket(self, k: int, count: int | None) -> None:
+        if self.changes is None:
+            self.staging.transfer(k, self.src)
+        else:
+            self.changes.transfer(k, count)
 
 
 class WeightReceiver(_WeightSync):
@@ -323,10 +329,13 @@ class WeightReceiver(_WeightSync):
             except LayoutMismatchError as exc:
                 error = str(exc)
         agree_on_setup(group, error, deadline)
-        receiver = cls(comm, layout, src, timeout_s)
-        receiver._held, receiver._in_place = (-1, ()), False
-        receiver.changes = ChangeReceiving(receiver.staging, layout, src, comm.device, receiver._who)
-        return receiver
+        return cls(comm, layout, src, timeout_s)
+
+    def __init__(self, comm: Communicator, layout: WeightLayout, src: int, timeout_s: float):
+        super().__init__(comm, layout, src, timeout_s)
+        self.changes = ChangeReceiving(self.staging, layout, src, comm.device, self._who)
+        self._held: tuple[int, tuple[int, ...]] = (-1, ())  # the version in the tensors written in place
+        self._in_place = False
 
     def receive(
         self, version: int, into: Destination | BatchConsumer, *, timeout_s: float | None = None, batched: bool = False
