@@ -368,8 +368,6 @@ STEP_KEYS = {
     "sync_sampler_resume_s",
     "sync_rpc_s",
     "sync_bytes",
-    "sync_sent_bytes",
-    "sync_changed",
     "generate_s",
     "loss",
     "pg_loss",
