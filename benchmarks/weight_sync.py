@@ -3,6 +3,8 @@
     python benchmarks/weight_sync.py --shape 0.5b --receivers 1            # GPUs: one sender, one receiver
     python benchmarks/weight_sync.py --shape tiny --backend gloo --receivers 3   # CPU
     python benchmarks/weight_sync.py --shape 0.5b --backend ipc                  # one GPU, colocated
+    python benchmarks/weight_sync.py --shape tiny --backend gloo --delta --changed 0.003   # delta syncs
+    python benchmarks/weight_sync.py --shape 0.5b --link 1gbit --changed 0.003 --iters 3  # root: full vs delta
 
 Each member is an actor on its own GPU (or CPU process). A "sync" is the whole of
 `WeightSender.send` / `WeightReceiver.receive`: vote, pack into buckets, broadcast, unpack into the
@@ -12,6 +14,12 @@ where every member shares one GPU and NCCL cannot run, "raw" is one device-to-de
 bytes inside the sender: the floor of any transfer on that GPU). Times per iteration are
 the slowest member's; the table shows medians. The first sync is reported apart, together with the
 time to form the group (rendezvous and communicator creation).
+
+``--changed F``: before each sync (outside its time) the sender changes a fraction F of the
+elements of every tensor, at random places (as a train step changes some of a bf16 copy);
+``--delta``: the sender keeps its base and sends only the changes (``--run.sync_delta on``).
+The table then also gives the bytes each sync put on the wire. ``--link RATE`` (root, iproute2,
+tc's tbf): the receiver behind a veth link limited to RATE, full against delta (``slow_link.py``).
 """
 
 from __future__ import annotations
@@ -80,16 +88,19 @@ class Member(SyncMember):
         self.sync: WeightSender | WeightReceiver | None = None
         self.version = -1
         self.stats: list = []  # SyncStats of every sync
+        self.rng = torch.Generator(device=self.device).manual_seed(0)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     @endpoint
-    async def setup(self, bucket_bytes: int) -> int:
+    async def setup(self, bucket_bytes: int, delta: bool = False) -> int:
         def build():
             if self.is_sender:
-                return WeightSender.create(self.sync_comm, self.sync_group, self.state, bucket_bytes=bucket_bytes)
+                return WeightSender.create(
+                    self.sync_comm, self.sync_group, self.state, bucket_bytes=bucket_bytes, delta=delta
+                )
             return WeightReceiver.create(self.sync_comm, self.sync_group, expect=self.state)
 
         self.sync = await asyncio.to_thread(build)
@@ -98,11 +109,13 @@ class Member(SyncMember):
         return len(self.sync.layout.buckets)
 
     @endpoint
-    async def syncs(self, iters: int) -> list[float]:
+    async def syncs(self, iters: int, changed: float = 0.0) -> list[float]:
         def run():
             times = []
             for _ in range(iters):
                 self.version += 1
+                if self.is_sender and changed:
+                    self._change(changed)
                 self._synchronize()
                 start = time.perf_counter()
                 if self.is_sender:
@@ -116,11 +129,21 @@ class Member(SyncMember):
 
         return await asyncio.to_thread(run)
 
+    def _change(self, fraction: float) -> None:
+        """A fraction of every tensor's elements, at random places, moved by one."""
+        for t in self.state.values():
+            flat = t.view(-1)
+            count = max(1, round(flat.numel() * fraction))
+            where = torch.randint(0, flat.numel(), (count,), generator=self.rng, device=self.device)
+            flat[where] += 1
+
     @endpoint
     async def phases(self, last: int) -> dict[str, float]:
-        """Medians over the last ``last`` syncs of this member's phases (`SyncStats`), in ms."""
+        """Medians over the last ``last`` syncs of this member's phases (`SyncStats`), in ms, and
+        of the bytes each put on the wire."""
         keys = ("vote_s", "move_s", "commit_s", "copy_s", "transfer_s")
-        return {k[:-2]: statistics.median(getattr(s, k) for s in self.stats[-last:]) * 1e3 for k in keys}
+        medians = {k[:-2]: statistics.median(getattr(s, k) for s in self.stats[-last:]) * 1e3 for k in keys}
+        return {**medians, "sent_bytes": statistics.median(s.sent_bytes for s in self.stats[-last:])}
 
     @endpoint
     async def raw_broadcasts(self, iters: int) -> list[float]:
@@ -185,7 +208,15 @@ async def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--bucket-mib", type=int, default=256)
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo", "ipc"], default="auto")
+    parser.add_argument("--delta", action="store_true", help="send only what changed (--run.sync_delta on)")
+    parser.add_argument("--changed", type=float, default=0.0, help="fraction of elements changed before each sync")
+    parser.add_argument("--link", default="", help="e.g. 1gbit: over a rate-limited veth link, full and delta")
     args = parser.parse_args()
+    if args.link:
+        import slow_link
+
+        slow_link.main(args, qwen2_state_shapes(*SHAPES[args.shape]))
+        return
     cuda = args.backend != "gloo" and torch.cuda.is_available()
     device, gpus = ("cuda", 1) if cuda else ("cpu", 0)
     nbytes = sum(torch.Size(s).numel() * 2 for s in qwen2_state_shapes(*SHAPES[args.shape]).values())
@@ -212,10 +243,10 @@ async def main() -> None:
             backend=args.backend if args.backend != "auto" else ("nccl" if cuda else "gloo"),
             timeout_s=120,
         )
-        buckets = await asyncio.gather(*(m.setup(args.bucket_mib << 20) for m in members))
+        buckets = await asyncio.gather(*(m.setup(args.bucket_mib << 20, args.delta) for m in members))
         first = slowest(await asyncio.gather(*(m.syncs(1) for m in members)))[0]
         first_total = time.perf_counter() - start
-        ours = slowest(await asyncio.gather(*(m.syncs(args.iters) for m in members)))
+        ours = slowest(await asyncio.gather(*(m.syncs(args.iters, args.changed) for m in members)))
         phases = await asyncio.gather(*(m.phases(args.iters) for m in members))
         extra = await asyncio.gather(*(m.extra_peak_bytes() for m in members))  # before raw's flat buffer
         raw = (
@@ -225,10 +256,17 @@ async def main() -> None:
         )
         created = await asyncio.gather(*(m.sync_created() for m in members))
 
+    report(args, device, colocated, nbytes, buckets[0], (first, first_total), ours, raw, phases, extra, created)
+
+
+def report(args, device, colocated, nbytes, buckets, first, ours, raw, phases, extra, created) -> None:
+    """The table and the per-member lines (``first``: the first sync alone, and with set-up)."""
+    first, first_total = first
+    cuda = device == "cuda"
     gib = nbytes / (1 << 30)
     ours_s, raw_s = statistics.median(ours), statistics.median(raw)
     print(
-        f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets[0]} buckets of {args.bucket_mib} MiB; "
+        f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets} buckets of {args.bucket_mib} MiB; "
         f"1 sender + {args.receivers} receiver(s) on {device}; {args.iters} syncs"
     )
     print("| what | median | effective GiB/s |")
@@ -240,7 +278,13 @@ async def main() -> None:
     raw_what = "one device-to-device copy (floor)" if colocated else "raw torch.distributed.broadcast"
     print(f"| {raw_what} | {raw_s * 1e3:.2f} ms | {gib / raw_s:.1f} |")
     print(f"| ours / raw | {raw_s / ours_s * 100:.0f}% | |")
+    sent = phases[0].pop("sent_bytes")
+    print(
+        f"| bytes on the wire a sync ({'delta' if args.delta else 'full'}, {args.changed:.2%} changed) "
+        f"| {sent:,.0f} ({sent / nbytes:.2%} of the state) | |"
+    )
     for name, ph in zip(["sender"] + [f"receiver{i}" for i in range(args.receivers)], phases):
+        ph.pop("sent_bytes", None)
         print(f"{name} phases, median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
     print(f"communicators created per member over {args.iters + 1} syncs: {[c for c in created]}")
     if cuda:

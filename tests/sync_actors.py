@@ -46,9 +46,12 @@ class Sender(SyncMember):
     def __init__(self, seed: int = 0, *, device: str = "cpu"):
         self.state = {k: v.to(device) for k, v in make_state(seed).items()}
         self.sender: WeightSender | None = None
+        self.delta_syncs = 0
 
     @endpoint
-    async def setup(self, bucket_bytes: int = 64 << 10, timeout_s: float = 20.0) -> tuple[int, int]:
+    async def setup(
+        self, bucket_bytes: int = 64 << 10, timeout_s: float = 20.0, delta: bool = False
+    ) -> tuple[int, int]:
         """Returns (buckets, tensors sent directly)."""
         self.sender = await asyncio.to_thread(
             WeightSender.create,
@@ -57,16 +60,25 @@ class Sender(SyncMember):
             self.state,
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
+            delta=delta,
         )
         return len(self.sender.layout.buckets), len(self.sender.layout.direct)
 
     @endpoint
-    async def step_and_send(self, version: int) -> str:
-        """Change every tensor (as an optimizer step would, in place), then sync it as ``version``."""
+    async def step_and_send(self, version: int, small: bool = False) -> str:
+        """Change every tensor (as an optimizer step would, in place), then sync it as ``version``;
+        ``small``: change one element of each (a delta sync's case)."""
         for t in self.state.values():
-            t.add_(1) if t.dtype != torch.bool else None
-        await asyncio.to_thread(self.sender.send, version)
+            if t.numel():
+                (t.view(-1)[:1] if small else t).add_(1)
+        stats = await asyncio.to_thread(self.sender.send, version)
+        self.delta_syncs += stats.delta
         return digest(self.state)
+
+    @endpoint
+    async def deltas(self) -> int:
+        """How many of this sender's syncs went as deltas."""
+        return self.delta_syncs
 
 
 class Receiver(SyncMember):

@@ -379,3 +379,18 @@ def test_where_the_evaluation_runs_is_one_of_three():
         RunConfig(eval_on="gpu")
     with pytest.raises(ConfigError, match=r"^--run\.eval_on sampler: eval_on must be one of auto, trainer, samplers"):
         parse_overrides(GRPOConfig(), ["--run.eval_on", "sampler"])
+
+
+def test_delta_syncs_are_auto_on_or_off_and_auto_means_across_hosts():
+    from asyncrl.rl.config import GRPOConfig
+    from asyncrl.rl.config.run import RunConfig
+    from asyncrl.rl.driver.fleet.sync_group import delta_wanted
+
+    assert RunConfig().sync_delta == "auto"
+    assert parse_overrides(GRPOConfig(), ["--run.sync_delta", "on"]).run.sync_delta == "on"
+    with pytest.raises(ValueError, match=r"^sync_delta must be one of auto, on, off, not 'yes'$"):
+        RunConfig(sync_delta="yes")
+    with pytest.raises(ConfigError, match=r"^--run\.sync_delta true: sync_delta must be one of auto, on, off"):
+        parse_overrides(GRPOConfig(), ["--run.sync_delta", "true"])
+    assert not delta_wanted("auto", 0, [0, 0]) and delta_wanted("auto", 0, [0, 1])  # a sampler on another node
+    assert delta_wanted("on", 0, [0]) and not delta_wanted("off", 0, [1])

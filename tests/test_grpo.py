@@ -110,11 +110,13 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, mod
             "--reward_model.weight",
             "0.5",
         ]
+    else:  # the sync run also sends deltas (issue 50), each checked against the trainer's digest
+        extra = ["--run.sync_delta", "on", "--run.check_weights", "true"]
     done = launch(tmp_path, *TINY, "--run.mode", mode, "--run.run_dir", str(run_dir), *extra, cache=model_cache)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    if extra:  # every group was scored by the teacher; none left out for equal rewards (they still teach)
+    if mode == "async":  # every group was scored by the teacher; none left out for equal rewards (they still teach)
         assert all("distill_kl" in r and r["uniform_skipped"] == 0 for r in records), records
         # Both batches in flight at once, and with one sampler and no losses every group trained
         # (driver/pacing.py's invariant).
@@ -145,6 +147,10 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, mod
             assert key in r, key
         if mode == "sync":
             assert r["staleness_hist"] == {"0": 2}
+            # a delta after the group's first (full) sync: fewer bytes or changes measured (a
+            # batch of uniform groups changes nothing: the count alone goes); a full one would
+            # send at least sync_bytes and measure nothing
+            assert r["sync_sent_bytes"] < r["sync_bytes"] or r["sync_changed"] > 0, r
         check_sync_phases(r)
     assert "heldout_solve_rate" in records[1] and "heldout_sampled_solve_rate" in records[2]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -15,7 +15,7 @@ from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.trainer import TrainerConfig
-from asyncrl.rl.observe.sync_metrics import SYNC_METRICS, sync_record
+from asyncrl.rl.observe.sync_metrics import DELTA_METRICS, SYNC_METRICS, sync_record
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 from test_packing import random_groups
 
@@ -84,7 +84,7 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
         call_s=0.03,
     )
     record = msgspec.structs.asdict(sync_record(0.9, sent, [fast, slow]))
-    assert set(record) == {"sync_s", *SYNC_METRICS}
+    assert set(record) == {"sync_s", *SYNC_METRICS, *DELTA_METRICS}
     assert record == pytest.approx(
         {
             "sync_s": 0.9,
@@ -99,10 +99,16 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
             "sync_sampler_resume_s": 0.02,
             "sync_rpc_s": 0.3,
             "sync_bytes": 1000.0,
+            "sync_sent_bytes": None,  # a full sync: the line leaves them out
+            "sync_changed": None,
         }
     )
     # No sync this step (sync_every > 1, or the trainer alone): every phase is there, at 0.
-    assert msgspec.structs.asdict(sync_record(0.0, None, [])) == {"sync_s": 0.0, **dict.fromkeys(SYNC_METRICS, 0.0)}
+    assert msgspec.structs.asdict(sync_record(0.0, None, [])) == {
+        "sync_s": 0.0,
+        **dict.fromkeys(SYNC_METRICS, 0.0),
+        **dict.fromkeys(DELTA_METRICS),  # a delta sync's only: left out of the line
+    }
 
 
 def test_the_wire_dtype_is_the_samplers_own_when_they_agree():

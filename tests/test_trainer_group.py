@@ -209,16 +209,21 @@ async def ranks_and_sampler(tiny_path):
 async def test_two_ranks_send_the_weights_they_hold_a_bucket_at_a_time(ranks_and_sampler):
     """A weight sync from a 2-rank trainer to a sampler: the sampler's digest equals the
     trainer's after a step, with buckets far smaller than the model, so every bucket is gathered
-    and sent in turn."""
+    and sent in turn; then, after another step, the same as a delta (issue 50: rank 0 keeps the
+    base, every rank still gathers every bucket)."""
     from asyncrl.comm.member import form_group
 
     ranks, sampler = ranks_and_sampler
     await ranks.with_timeout(120).train_step(batch(2))
     await form_group([ranks, sampler], HOST, timeout_s=30)
-    buckets = await asyncio.gather(ranks.setup_sender(30.0, 16 << 10), sampler.setup_receiver(30.0))
-    await asyncio.gather(ranks.send_weights(1), sampler.receive_weights(1))
-    trainer_digest = await ranks.with_timeout(60).weights_digest()
-    assert buckets[0] > 10 and trainer_digest == await sampler.weights_digest()
+    buckets = await asyncio.gather(ranks.setup_sender(30.0, 16 << 10, delta=True), sampler.setup_receiver(30.0))
+    for version in (1, 2):
+        if version == 2:
+            await ranks.with_timeout(120).train_step(batch(3))
+        sent, _ = await asyncio.gather(ranks.send_weights(version), sampler.receive_weights(version))
+        assert sent.delta == (version == 2), sent
+        trainer_digest = await ranks.with_timeout(60).weights_digest()
+        assert buckets[0] > 10 and trainer_digest == await sampler.weights_digest()
 
 
 @pytest.mark.asyncio(loop_scope="module")

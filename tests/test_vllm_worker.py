@@ -79,9 +79,10 @@ def _checkpoint(path, state) -> None:
         json.dump({"tie_word_embeddings": True}, f)
 
 
-def _sync(worker, sent: dict[str, torch.Tensor], versions: int) -> tuple[dict, list[SyncStats]]:
-    """Send ``versions`` syncs (every tensor + 1.0 each time) over gloo from a thread to ``worker``;
-    returns what was sent last (and its digest) and the worker's stats of each sync."""
+def _sync(worker, sent: dict[str, torch.Tensor], versions: int, delta: bool = False) -> tuple[dict, list[SyncStats]]:
+    """Send ``versions`` syncs (every tensor + 1.0 each time; with ``delta``, one element of each,
+    as delta syncs) over gloo from a thread to ``worker``; returns what was sent last (and its
+    digest) and the worker's stats of each sync."""
     import threading
 
     from asyncrl.comm.member import make_communicator
@@ -96,10 +97,10 @@ def _sync(worker, sent: dict[str, torch.Tensor], versions: int) -> tuple[dict, l
         group = StoreGroup.create(HOST, port, 0, 2, 30.0, listener=listener)
         comm = make_communicator(group, "gloo", 30.0)
         try:
-            s = WeightSender.create(comm, group, sent, bucket_bytes=64 << 10, timeout_s=30.0)
+            s = WeightSender.create(comm, group, sent, bucket_bytes=64 << 10, timeout_s=30.0, delta=delta)
             for version in range(1, versions + 1):
                 for t in sent.values():
-                    t.add_(1.0)
+                    (t.view(-1)[:1] if delta else t).add_(1.0)
                 s.send(version)
             results["sent"] = {k: v.clone() for k, v in sent.items()}
             results["digest"] = tensor_digest(results["sent"])
@@ -145,6 +146,22 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
     worker.asyncrl_leave()  # idempotent
     with pytest.raises(Exception, match="before joining"):
         worker.asyncrl_receive_weights(3)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["load_weights (GPU path)", "reload_weights (CPU path)"])
+def test_the_worker_extension_takes_delta_syncs_from_the_copy_it_keeps(tmp_path, in_place):
+    """Issue 50: the engine's loaders take whole tensors, so the worker's receiver keeps a copy of
+    what it was sent, patches it with each delta and hands every tensor on from it."""
+    g = torch.Generator().manual_seed(1)
+    state = {"model.embed_tokens.weight": torch.randn(300, 64, generator=g), "model.norm.weight": torch.randn(64)}
+    _checkpoint(tmp_path / "ckpt", {**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()})
+    worker = _worker({k: v.clone() for k, v in state.items()}, str(tmp_path / "ckpt"), in_place)
+    results, stats = _sync(worker, state, 3, delta=True)
+    assert [s.delta for s in stats] == [False, True, True]
+    assert all(s.sent_bytes < 1000 for s in stats[1:]), stats  # two changed words a sync, not 77 kB
+    for name, t in results["sent"].items():
+        assert torch.equal(worker.model_runner.model.state[name], t), name
+    worker.asyncrl_leave()
 
 
 class _FusedModel(torch.nn.Module):

@@ -156,6 +156,49 @@ async def test_sigkill_mid_sync_fails_survivors_in_bounded_time_then_rebuild():
         assert (await replacement.sync_created()) == {"gloo": 1}
 
 
+async def test_sigkill_mid_delta_sync_fails_survivors_then_the_rebuilt_group_starts_with_a_full_sync():
+    """Delta syncs (issue 50) keep the protocol: a member killed mid-delta fails it on every
+    member in bounded time; the rebuilt group's first sync is full (nobody holds a base for it
+    any more), the next ones are deltas again, and every sync is bit-exact."""
+    async with Supervisor() as sup:
+        sender, steady, victim = await asyncio.gather(
+            sup.spawn(Sender, 4, name="sender"),
+            sup.spawn(Receiver, 5, name="steady"),
+            sup.spawn(Receiver, 6, kwargs={"slow_s": 0.02}, name="victim"),
+        )  # the victim hands whole tensors to a slow consumer: ~1 s a sync, from the copy it keeps
+        await form_group([sender, steady, victim], HOST, timeout_s=30)
+        await asyncio.gather(sender.setup(delta=True), steady.setup(), victim.setup())
+        for version in (0, 1):
+            sent, *got = await asyncio.gather(
+                sender.step_and_send(version, small=True), steady.receive(version), victim.receive(version)
+            )
+            assert got == [sent, sent]
+        assert await sender.deltas() == 1  # v0 had no base: full; v1 a delta
+
+        pending = asyncio.ensure_future(
+            asyncio.gather(
+                sender.step_and_send(2, small=True), steady.receive(2), victim.receive(2), return_exceptions=True
+            )
+        )
+        await asyncio.sleep(0.4)
+        start = time.monotonic()
+        os.kill(victim.info().pid, signal.SIGKILL)
+        sent, got_steady, _ = await pending
+        assert time.monotonic() - start < 10
+        for r in (sent, got_steady):
+            assert isinstance(r, RemoteError) and r.remote_type in ("CollectiveError", "CollectiveTimeoutError"), r
+
+        replacement = await sup.spawn(Receiver, 8, kwargs={"whole": True}, name="replacement")
+        await form_group([sender, steady, replacement], HOST, generation=1, timeout_s=30)
+        await asyncio.gather(sender.setup(delta=True), steady.setup(), replacement.setup())
+        for version in (3, 4, 5):
+            sent, *got = await asyncio.gather(
+                sender.step_and_send(version, small=True), steady.receive(version), replacement.receive(version)
+            )
+            assert got == [sent, sent], f"v{version}"
+        assert await sender.deltas() == 3  # v3 full (a new group: no base), v4 and v5 deltas
+
+
 async def test_frozen_member_fails_the_sync_within_its_deadline():
     async with Supervisor() as sup:
         sender, frozen = await asyncio.gather(

@@ -36,7 +36,8 @@ class Staging:
             [bucket_view(self.buffers[k % 2], seg, layout) for seg in bucket] for k, bucket in enumerate(layout.buckets)
         ]
         self.cuda = comm.device.type == "cuda"
-        self.works: list[Work | None] = [None, None]
+        self.works: list[list[Work]] = [[], []]  # a delta bucket puts two on a slot: count, payload
+        self.held: list[torch.Tensor] = []  # sent counts, alive until the commit vote
         self.direct_works: list[Work] = []
         self.clock = PhaseClock()
         if self.cuda:
@@ -85,21 +86,36 @@ class Staging:
                 yield
             self.copied[slot].record(self.copy_stream)
         else:
-            work, self.works[slot] = self.works[slot], None
-            if work is not None:
+            works, self.works[slot] = self.works[slot], []
+            if works:
                 with self.clock.span(TRANSFER):  # the buffer's previous transfer (a receiver: bucket k's)
-                    work.wait(self.deadline())
+                    for work in works:
+                        work.wait(self.deadline())
             with self.clock.span(COPY):
                 yield
 
-    def transfer(self, k: int, src: int) -> None:
+    def transfer(self, k: int, src: int, tensor: torch.Tensor | None = None) -> None:
+        """Put bucket ``k`` on the wire, or ``tensor`` (a delta's count or payload, which bucket
+        ``k``'s copy produced) in its place."""
         slot = k % 2
         if self.cuda:
             self.comm_stream.wait_event(self.copied[slot])
+        sent = self.wire[k] if tensor is None else tensor
         with self.clock.span(TRANSFER, self.stream):
-            self.works[slot] = self.comm.broadcast(self.wire[k], src, stream=self.stream, timeout_s=self.deadline())
+            self.works[slot].append(self.comm.broadcast(sent, src, stream=self.stream, timeout_s=self.deadline()))
         if self.cuda:
             self.transferred[slot].record(self.comm_stream)
+
+    def receive_now(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive ``tensor`` and wait for it (a delta's count must be read before its payload
+        can be received). On GPU it first waits for every copy out of the staging buffers, since
+        ``tensor`` may be one of them."""
+        if self.cuda:
+            self.comm_stream.wait_stream(self.copy_stream)
+        with self.clock.span(TRANSFER, self.stream):
+            self.comm.broadcast(tensor, src, stream=self.stream, timeout_s=self.deadline()).wait(self.deadline())
+        if self.cuda:
+            self.copy_stream.wait_stream(self.comm_stream)
 
     def vote(self, values: list[int]) -> list[int]:
         """All-reduce MAX over int64 values and return them; completes every transfer before it."""
@@ -111,13 +127,14 @@ class Staging:
         if self.cuda:
             self.comm_stream.wait_stream(torch.cuda.current_stream(self.comm.device))
         self.comm.all_reduce(tensor, ReduceOp.MAX, stream=self.stream, timeout_s=self.deadline()).wait(self.deadline())
-        for slot in range(2):
-            self.works[slot] = None
+        self.works = [[], []]
+        self.held = []
         return tensor.tolist()
 
     def end(self) -> None:
         """Order the caller's later work on the weights after this sync."""
         self.direct_works = []
+        self.works, self.held = [[], []], []
         if self.cuda:
             current = torch.cuda.current_stream(self.comm.device)
             current.wait_stream(self.copy_stream)
@@ -136,6 +153,13 @@ class CopyPlan:
                 self.fused_srcs.append(src)
             else:
                 self.pairs.append((dst, src))
+
+    def reversed(self) -> CopyPlan:
+        """The same copies the other way (a receiver refilling the staging views from its tensors)."""
+        back = CopyPlan([], [])
+        back.fused_dsts, back.fused_srcs = self.fused_srcs, self.fused_dsts
+        back.pairs = [(src, dst) for dst, src in self.pairs]
+        return back
 
     def run(self) -> None:
         if self.fused_dsts:  # one multi-tensor launch instead of one kernel per tensor on GPU

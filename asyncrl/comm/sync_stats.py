@@ -25,7 +25,13 @@ class SyncStats(msgspec.Struct, frozen=True):
     ``vote_s + move_s + commit_s`` is ``seconds`` up to a few checks. ``copy_s`` and ``transfer_s``
     are measured where the work runs (`PhaseClock`): host time on CPU, each within ``move_s`` and
     the tail of ``commit_s`` and together at most ``seconds``; CUDA events on GPU, where the two
-    overlap (double buffering), so their sum may exceed ``seconds`` while each stays below it."""
+    overlap (double buffering), so their sum may exceed ``seconds`` while each stays below it.
+
+    A delta sync (``comm/delta.py``) moves fewer bytes than ``bytes``: ``sent_bytes`` is what
+    went on the wire (the counts, the changed words and their indices, the buckets sent whole;
+    in a full sync the buckets, padding included, and the tensors sent directly),
+    ``changed`` the fraction of the wire's words that changed since the last sync (the sender's;
+    -1 where it was not measured: a full sync, a receiver)."""
 
     version: int
     bytes: int
@@ -36,6 +42,11 @@ class SyncStats(msgspec.Struct, frozen=True):
     commit_s: float = 0.0
     copy_s: float = 0.0
     transfer_s: float = 0.0
+    delta: bool = False
+    sent_bytes: int = -1
+    """-1: not counted (a peer without delta syncs); in a full sync `bytes` and the alignment
+    padding between tensors in a bucket."""
+    changed: float = -1.0
 
     @property
     def gib_per_s(self) -> float:

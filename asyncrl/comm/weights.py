@@ -13,6 +13,11 @@ One sync, on every member, in the same order on the communicator:
    every receiver unpacked everything, so a sender that returns knows every receiver holds the
    same bytes, and a failure anywhere fails the sync everywhere.
 
+A sender made with ``delta=True`` keeps what it last sent (`KeptBuckets`), and the first vote also
+carries each member's *base*: the version it holds whole (-1: none, a failed sync, new tensors).
+Where every member names the same base, each bucket goes as its changed words (``delta.py``),
+preceded by their count; anywhere else the sync is a full one, which also renews the base.
+
 Extra memory on either side is the two staging buffers (at most two buckets), whatever the model
 size. A receiver whose consumer wants whole tensors (not in-place copies) also needs one
 temporary per tensor that is larger than a bucket, while it is assembled (``delivery.py``: what
@@ -26,13 +31,15 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping
 
-import msgspec
 import torch
 
 from asyncrl.comm.communicator import Communicator
 from asyncrl.comm.delivery import BatchConsumer, ConsumerGuard, Destination, deliver_bucket
+from asyncrl.comm.delta import KeptBuckets, SyncMode, word_dtype
+from asyncrl.comm.delta_wire import ChangeReceiving, ChangeSending, WireCount
 from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
 from asyncrl.comm.layout import WeightLayout, default_bucket_bytes, sender_layout
+from asyncrl.comm.layout_check import agree_on_setup, mismatch
 from asyncrl.comm.phase_clock import COPY, TRANSFER
 from asyncrl.comm.rendezvous import StoreGroup
 from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
@@ -43,11 +50,6 @@ BucketSource = Callable[[int], list[torch.Tensor]]
 """A sender's tensors produced a bucket at a time: called with bucket ``k`` (in order, once per
 sync), it returns the parts of bucket k's segments, in order, each shaped as its staging view
 (a sharded model gathers each bucket's parameters here: never the whole model at once)."""
-
-
-class _SetupResult(msgspec.Struct, array_like=True, frozen=True):
-    rank: int
-    error: str  # empty when this member accepts the layout
 
 
 class _WeightSync:
@@ -65,8 +67,12 @@ class _WeightSync:
         self._expected = [(spec.name, torch.Size(spec.shape), spec.torch_dtype) for spec in layout.tensors]
         self._chunked = [spec.name for spec in layout.tensors if spec.nbytes > layout.bucket_bytes]
         self._total_bytes = layout.total_bytes
+        self._wire_bytes = sum(layout.bucket_sizes) + sum(layout.tensors[i].nbytes for i in layout.direct)
         self._plan_key: tuple[int, ...] = ()
         self._plan: list[CopyPlan] = []
+        self.kept: KeptBuckets | None = None  # a delta sender's base; a consumer receiver's copy
+        self._word = word_dtype(layout)
+        self.changes: ChangeSending | ChangeReceiving | None = None  # with a base: ``delta_wire.py``
 
     def _remaining(self) -> float:
         remaining = self._deadline - time.monotonic()
@@ -78,11 +84,13 @@ class _WeightSync:
     def _who(self) -> str:
         return f"group {self.comm.group!r} rank {self.comm.rank}"
 
-    def _agree(self, version: int, refusal: str) -> None:
-        """First vote: same version, same layout, nobody refusing; else fail everywhere."""
+    def _agree(self, version: int, refusal: str, base: int, keep: bool) -> SyncMode:
+        """First vote: same version, same layout, nobody refusing; else fail everywhere. It also
+        says whether the sender keeps a base (``keep``) and whether every member holds it."""
         h = self.layout_hash
         code = self.comm.rank + 1 if refusal else 0
-        vmax, vneg, hmax, hneg, refuser = self.staging.vote([version, -version, h, -h, code])
+        votes = self.staging.vote([version, -version, h, -h, code, base, -base, int(keep)])
+        vmax, vneg, hmax, hneg, refuser, bmax, bneg, kept = votes
         if refusal:
             raise WeightSyncError(f"{self._who} refused weight sync v{version}: {refusal}")
         if hmax != -hneg:
@@ -93,6 +101,7 @@ class _WeightSync:
             )
         if refuser:
             raise WeightSyncError(f"{self._who}: rank {refuser - 1} refused weight sync v{version} (see its error)")
+        return SyncMode(keep=bool(kept), delta=bool(kept) and bmax == -bneg and bmax >= 0)
 
     def _commit(self, version: int, failure: str) -> None:
         """Second vote: succeeds only if every member applied every bucket."""
@@ -102,11 +111,21 @@ class _WeightSync:
         if failed:
             raise WeightSyncError(f"{self._who}: weight sync v{version} failed on rank {failed - 1}")
 
-    def _run(self, version: int, refusal: str, move: Callable[[], str], timeout_s: float | None) -> SyncStats:
+    def _run(
+        self,
+        version: int,
+        refusal: str,
+        move: Callable[[SyncMode], str],
+        timeout_s: float | None,
+        *,
+        base: int = -1,
+        keep: bool = False,
+    ) -> SyncStats:
         """Vote, move the buckets, commit, within ``timeout_s`` (default: the one given at set-up).
         ``move`` returns "" or why this member could not apply what it received; it must keep
         taking part in every transfer either way, so that the members' sequences of collectives
-        stay identical and the commit vote can report it."""
+        stay identical and the commit vote can report it. ``base``: the version this member
+        holds whole, for a delta sync; ``keep``: the sender keeps one."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if not refusal and version <= self.last_version:
@@ -114,16 +133,21 @@ class _WeightSync:
         start = time.perf_counter()
         self._deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         self.staging.begin()
+        if self.changes is not None:
+            self.changes.count = WireCount()
+        mode = SyncMode(keep=False, delta=False)
         try:
-            self._agree(version, refusal)
+            mode = self._agree(version, refusal, base, keep)
             voted = time.perf_counter()
             at_transfer_start(self.comm.rank, version)  # test-only; inert unless its variable is set
-            failure = move()
+            failure = move(mode)
             moved = time.perf_counter()
             self._commit(version, failure)
             self.last_version = version
+            self._committed(version, mode)
         except BaseException:
             self.last_version = max(self.last_version, version)  # a failed version is never reused
+            self._committed(-1, mode)  # what a member holds is no base for a delta any more
             raise
         finally:
             self.staging.end()
@@ -139,12 +163,25 @@ class _WeightSync:
             commit_s=end - moved,
             copy_s=phases[COPY],
             transfer_s=phases[TRANSFER],
+            delta=mode.delta,
+            sent_bytes=self.changes.count.sent if mode.delta and self.changes else self._wire_bytes,
+            changed=self._changed_fraction(mode),
         )
+
+    def _committed(self, version: int, mode: SyncMode) -> None:
+        """After the commit (``version``) or a failure (-1): the base this member now holds."""
+        if self.kept is not None:
+            self.kept.version = version if mode.keep else -1
+
+    def _changed_fraction(self, mode: SyncMode) -> float:
+        if not mode.delta or not isinstance(self.changes, ChangeSending):
+            return -1.0
+        return self.changes.count.changed / max(sum(self.layout.bucket_sizes) // self._word.itemsize, 1)
 
     def _refusal(self, tensors: Mapping[str, torch.Tensor], who: str) -> str:
         """Everything that could stop this member half-way is checked before the first vote."""
         if not self._matches(tensors):
-            return _mismatch(self._expected, tensors, who)
+            return mismatch(self._expected, tensors, who)
         for name in self._chunked:
             if not tensors[name].is_contiguous():
                 return f"{name} is larger than a bucket and must be contiguous to be synced in chunks"
@@ -195,20 +232,26 @@ class WeightSender(_WeightSync):
         timeout_s: float = 60.0,
         wire_dtype: torch.dtype | None = None,
         allow_direct: bool = True,
+        delta: bool = False,
     ) -> WeightSender:
         """Agree on the layout with every receiver (they call `WeightReceiver.create` together).
         ``wire_dtype``: send floating-point tensors in this dtype (e.g. fp32 master weights to
         bf16 samplers); the cast happens while packing, so it costs no extra memory.
         ``allow_direct=False``: every tensor goes through the buckets (a sender whose tensors
-        come from a `BucketSource`, a sharded model's, has no whole tensor to send from)."""
-        layout = sender_layout(
-            tensors, bucket_bytes or default_bucket_bytes(comm.device), wire_dtype, allow_direct, device=comm.device
-        )
+        come from a `BucketSource`, a sharded model's, has no whole tensor to send from).
+        ``delta``: keep what was sent and send only its changes where every member holds it
+        (one copy of the bucketed weights in the wire's dtype; every tensor then goes through
+        the buckets, which is where changes are found)."""
+        bucket_bytes = bucket_bytes or default_bucket_bytes(comm.device)
+        layout = sender_layout(tensors, bucket_bytes, wire_dtype, allow_direct and not delta, device=comm.device)
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
         group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
-        _agree_on_setup(group, "", deadline)
+        agree_on_setup(group, "", deadline)
         sender = cls(comm, layout, tensors, timeout_s)
         sender._expected = [(n, t.shape, t.dtype) for n, t in tensors.items()]  # local dtypes, not the wire's
+        if delta:
+            sender.kept = KeptBuckets(layout, comm.device)
+            sender.changes = ChangeSending(sender.staging, layout, sender.kept, comm.rank)
         return sender
 
     def send(
@@ -219,13 +262,16 @@ class WeightSender(_WeightSync):
         against the layout, by name, shape and dtype)."""
         tensors = self.tensors if tensors is None else tensors
         refusal = self._refusal(tensors, f"sender rank {self.comm.rank}")
+        keep = self.kept is not None
+        base = self.kept.version if self.kept is not None else -1
         if source is not None:
             if self.layout.direct:
                 raise WeightSyncError("a bucket source needs a layout without direct tensors (allow_direct=False)")
-            return self._run(version, refusal, lambda: self._move_from(source), None)
-        return self._run(version, refusal, lambda: self._move(self._plan_for(tensors, staging_is_dst=True)), None)
+            return self._run(version, refusal, lambda mode: self._move_from(source, mode), None, base=base, keep=keep)
+        move = lambda mode: self._move(self._plan_for(tensors, staging_is_dst=True), mode)  # noqa: E731
+        return self._run(version, refusal, move, None, base=base, keep=keep)
 
-    def _move_from(self, source: BucketSource) -> str:
+    def _move_from(self, source: BucketSource, mode: SyncMode) -> str:
         staging = self.staging
         for k in range(len(self.layout.buckets)):
             parts = source(k)  # on the caller's stream: on GPU the copy stream must wait for it
@@ -236,17 +282,25 @@ class WeightSender(_WeightSync):
                     for part in parts:  # freed after this loop: not reused until the copy is done
                         part.record_stream(staging.copy_stream)
                 torch._foreach_copy_(staging.views[k], parts)
-            staging.transfer(k, self.src)
+                count = self.changes.encode(k, mode) if self.changes else None
+            self._send_bucket(k, count)
         return ""
 
-    def _move(self, plan: list[CopyPlan]) -> str:
+    def _move(self, plan: list[CopyPlan], mode: SyncMode) -> str:
         for i in self.layout.direct:  # first: they need no packing, which meanwhile fills bucket 0
             self.staging.transfer_direct(self._plan_tensors[i], self.src)
         for k in range(len(self.layout.buckets)):
             with self.staging.copy(k):
                 plan[k].run()
-            self.staging.transfer(k, self.src)
+                count = self.changes.encode(k, mode) if self.changes else None
+            self._send_bucket(k, count)
         return ""
+
+    def _send_bucket(self, k: int, count: int | None) -> None:
+        if self.changes is None:
+            self.staging.transfer(k, self.src)
+        else:
+            self.changes.transfer(k, count)
 
 
 class WeightReceiver(_WeightSync):
@@ -274,8 +328,14 @@ class WeightReceiver(_WeightSync):
                 layout.check(expect, f"receiver rank {comm.rank}")
             except LayoutMismatchError as exc:
                 error = str(exc)
-        _agree_on_setup(group, error, deadline)
+        agree_on_setup(group, error, deadline)
         return cls(comm, layout, src, timeout_s)
+
+    def __init__(self, comm: Communicator, layout: WeightLayout, src: int, timeout_s: float):
+        super().__init__(comm, layout, src, timeout_s)
+        self.changes = ChangeReceiving(self.staging, layout, src, comm.device, self._who)
+        self._held: tuple[int, tuple[int, ...]] = (-1, ())  # the version in the tensors written in place
+        self._in_place = False
 
     def receive(
         self, version: int, into: Destination | BatchConsumer, *, timeout_s: float | None = None, batched: bool = False
@@ -292,10 +352,27 @@ class WeightReceiver(_WeightSync):
             refusal = ""
         else:
             raise TypeError("into must be a mapping of tensors or a callable(name, tensor)")
-        return self._run(version, refusal, lambda: self._move(into, batched), timeout_s)
+        base = -1 if refusal else self._base(into)
+        return self._run(version, refusal, lambda mode: self._move(into, batched, mode), timeout_s, base=base)
 
-    def _move(self, into: Destination | BatchConsumer, batched: bool) -> str:
+    def _base(self, into: Destination | BatchConsumer) -> int:
+        """The version ``into`` holds whole: tensors written in place hold the last sync's if they
+        are the same objects; a consumer's is in the kept copy, where one is kept."""
+        if not isinstance(into, Mapping):
+            return self.kept.version if self.kept is not None else -1
+        version, key = self._held
+        same = key == tuple(id(into[spec.name]) for spec in self.layout.tensors)
+        return version if same else -1
+
+    def _committed(self, version: int, mode: SyncMode) -> None:
+        in_place = self._in_place and version >= 0 and mode.keep
+        self._held = (version, self._plan_key) if in_place else (-1, ())
+        if self.kept is not None:
+            self.kept.version = version if mode.keep and not self._in_place else -1
+
+    def _move(self, into: Destination | BatchConsumer, batched: bool, mode: SyncMode) -> str:
         layout = self.layout
+        self._in_place = isinstance(into, Mapping)
         consumer = None if isinstance(into, Mapping) else ConsumerGuard(into, batched)
         plan = self._plan_for(into, staging_is_dst=False) if consumer is None else None
         if consumer is not None:
@@ -305,18 +382,32 @@ class WeightReceiver(_WeightSync):
             consumer.flush()
         self._move_direct(into, consumer)
         partial: dict[int, torch.Tensor] = {}  # tensors larger than a bucket, being assembled
+        if consumer is not None and mode.keep and self.kept is None:
+            self.kept = KeptBuckets(layout, self.comm.device)  # a consumer holds no copy we can patch
+        elif consumer is None:
+            self.kept = None  # in place from now on (vLLM on CUDA after its first sync): free the copy
+        kept = self.kept if consumer is not None and mode.keep else None
+        if mode.delta:
+            self.changes.refill_from(plan)
+            self.changes.receive(self._word, kept, lambda k, views: self._unpack(k, plan, consumer, views, partial))
+            return consumer.failure if consumer is not None else ""
         if layout.buckets:
             self.staging.transfer(0, self.src)
         for k in range(len(layout.buckets)):
             if k + 1 < len(layout.buckets):  # bucket k+1 arrives while bucket k is unpacked
                 self.staging.transfer(k + 1, self.src)
             with self.staging.copy(k):
-                if plan is not None:
-                    plan[k].run()
-                else:
-                    deliver_bucket(consumer, layout, k, self.staging.views[k], partial)
-                    consumer.flush()  # while bucket k's views are valid: k+2 reuses its buffer
+                if kept is not None:
+                    kept.bucket(k).copy_(self.staging.wire[k])
+                self._unpack(k, plan, consumer, self.staging.views[k], partial)
         return consumer.failure if consumer is not None else ""
+
+    def _unpack(self, k: int, plan, consumer: ConsumerGuard | None, views: list[torch.Tensor], partial) -> None:
+        if plan is not None:
+            plan[k].run()
+        else:
+            deliver_bucket(consumer, self.layout, k, views, partial)
+            consumer.flush()  # while bucket k's views are valid: k+2 reuses its buffer
 
     def _move_direct(self, into: Destination, consumer: ConsumerGuard | None) -> None:
         """Tensors sent whole: received in place, or into temporaries handed to the consumer."""
@@ -346,32 +437,3 @@ class WeightReceiver(_WeightSync):
                         consumer(name, whole)
                 if consumer is not None:
                     consumer.flush()
-
-
-def _mismatch(
-    expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapping[str, torch.Tensor], who: str
-) -> str:
-    """Why ``tensors`` do not fit what this member agreed to at set-up (names, shapes, dtypes)."""
-    problems = []
-    for name, shape, dtype in expected:
-        t = tensors.get(name)
-        if t is None:
-            problems.append(f"{name}: {who} has no such tensor")
-        elif t.shape != shape or t.dtype != dtype:
-            problems.append(f"{name}: agreed {list(shape)} {dtype}, now {list(t.shape)} {t.dtype}")
-    known = {name for name, _, _ in expected}
-    problems += [f"{name}: not in the layout" for name in tensors if name not in known]
-    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-    return f"{who} disagrees with the weight layout: {shown}"
-
-
-def _agree_on_setup(group: StoreGroup, error: str, deadline: float) -> None:
-    results = group.all_gather_obj(
-        _SetupResult(group.rank, error),
-        type=_SetupResult,
-        timeout_s=max(deadline - time.monotonic(), 1e-3),
-        what="layout check",
-    )
-    refusals = [r for r in results if r.error]
-    if refusals:
-        raise LayoutMismatchError("weight layout refused: " + " | ".join(f"rank {r.rank}: {r.error}" for r in refusals))

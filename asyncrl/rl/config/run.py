@@ -115,6 +115,8 @@ class RecoveryConfig:
 
 EVAL_PLACES = ("auto", "trainer", "samplers")
 """The values of ``--run.eval_on``."""
+SYNC_DELTA = ("auto", "on", "off")
+"""The values of ``--run.sync_delta``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +142,12 @@ class RunConfig:
     no signal still trains. Counted as uniform_skipped."""
     sync_every: int = 1
     """Send the weights to the samplers after every this many steps."""
+    sync_delta: str = "auto"
+    """'on': the trainer keeps the weights every sampler last took (one copy in the wire's dtype)
+    and sends each bucket as its changed elements where that is smaller, bit-exact
+    (docs/weight_sync.md, "Delta syncs"); a sampler that missed a version gets a full sync.
+    'off': every sync sends everything. 'auto': 'on' where a sampler sits on another host than
+    the trainer (a network link, where bytes cost), else 'off'."""
     eval_every: int = 100
     """Held-out solve rates every this many steps (and before the first and after the last)."""
     eval_samples: int = 4
@@ -184,6 +192,8 @@ class RunConfig:
             raise ValueError(f"eval_samples must be >= 0, not {self.eval_samples!r}")
         if self.eval_on not in EVAL_PLACES:
             raise ValueError(f"eval_on must be one of {', '.join(EVAL_PLACES)}, not {self.eval_on!r}")
+        if self.sync_delta not in SYNC_DELTA:
+            raise ValueError(f"sync_delta must be one of {', '.join(SYNC_DELTA)}, not {self.sync_delta!r}")
         for name in ("steps", "groups_per_step", "sync_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)!r}")

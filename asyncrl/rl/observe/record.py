@@ -168,7 +168,7 @@ class StepRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
         out: dict[str, Any] = {}
         for key, value in msgspec.to_builtins(self).items():
             if key in self.FLAT:
-                out.update(value)
+                out.update((k, v) for k, v in value.items() if v is not None)  # a delta sync's keys
             else:
                 out[key] = value
         return out

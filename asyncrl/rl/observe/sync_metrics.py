@@ -16,7 +16,9 @@ the driver saw into the step's ``sync_*`` metrics (docs/observability.md has the
   ``load_weights`` and vLLM's prefix-cache reset included) and ``sync_sampler_resume_s``;
 * ``sync_rpc_s``: the driver's wall time less the slowest member's own total (the calls' round
   trips and scheduling; a rebuild of the group, when the sync needed one, lands here too);
-* ``sync_bytes``: what one sync moves to each sampler (in the wire's dtype).
+* ``sync_bytes``: what one sync moves to each sampler (in the wire's dtype);
+* a delta sync's only (``--run.sync_delta``; left out of a step without one): ``sync_sent_bytes``,
+  what it put on the wire, and ``sync_changed``, the fraction of the wire's values that changed.
 
 This module reads the answers' fields only; it imports neither torch nor the actors' packages.
 """
@@ -61,10 +63,16 @@ class SyncPhases(msgspec.Struct, kw_only=True):
     """The driver's wall time less the slowest member's own total: round trips, a rebuild."""
     sync_bytes: float = 0.0
     """What one sync moves to each sampler, in the wire's dtype."""
+    sync_sent_bytes: float | None = None
+    """What a delta sync put on the wire (None, left out of the line: the sync was a full one)."""
+    sync_changed: float | None = None
+    """The fraction of the wire's values that changed since the last sync, in a delta sync."""
 
 
-SYNC_METRICS = SyncPhases.__struct_fields__[1:]
-"""Every key `sync_record` writes besides ``sync_s`` (a step without a sync has them all 0)."""
+DELTA_METRICS = ("sync_sent_bytes", "sync_changed")
+"""The keys only a delta sync writes."""
+SYNC_METRICS = tuple(k for k in SyncPhases.__struct_fields__[1:] if k not in DELTA_METRICS)
+"""Every key `sync_record` always writes besides ``sync_s`` (a step without a sync has them all 0)."""
 
 
 def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[SamplerSyncStats]) -> SyncPhases:
@@ -91,4 +99,6 @@ def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[Sam
         sync_sampler_resume_s=most([s.resume_s for s in samplers]),
         sync_rpc_s=max(wall_s - slowest, 0.0),
         sync_bytes=float(trainer.bytes),
+        sync_sent_bytes=float(trainer.sent_bytes) if trainer.delta else None,
+        sync_changed=trainer.changed if trainer.delta else None,
     )

@@ -32,23 +32,28 @@ class WeightSending(SyncMember):
         return sync_tensors(self.model, self.config.lora.sync, self._merged)
 
     @endpoint
-    async def setup_sender(self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "") -> int:
+    async def setup_sender(
+        self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "", delta: bool = False
+    ) -> int:
         """After `form_group`: agree on the layout with every sampler. ``wire_dtype`` (e.g.
         "bfloat16") is the samplers' parameter dtype when it differs from the trainer's fp32.
-        Returns the bucket count. With a rank group, every rank computes the layout (rank 0
-        alone agrees on it with the samplers) and the buckets are gathered by all of them."""
+        ``delta``: keep what was sent and send its changes (``comm/delta.py``; the memory of one
+        copy of the weights in the wire's dtype, on rank 0). Returns the bucket count. With a rank
+        group, every rank computes the layout (rank 0 alone agrees on it with the samplers) and
+        the buckets are gathered by all of them."""
         cast = DTYPES[wire_dtype] if wire_dtype else None
         return await self._run(
-            "agreeing on the weight layout", timeout_s, self._setup_sender, timeout_s, bucket_bytes, cast
+            "agreeing on the weight layout", timeout_s, self._setup_sender, timeout_s, bucket_bytes, cast, delta
         )
 
-    def _setup_sender(self, timeout_s: float, bucket_bytes: int, wire_dtype: torch.dtype | None) -> int:
+    def _setup_sender(self, timeout_s: float, bucket_bytes: int, wire_dtype: torch.dtype | None, delta: bool) -> int:
         from asyncrl.comm.layout import default_bucket_bytes, sender_layout
 
         params = self.weight_tensors()
-        # a sharded parameter is gathered into a bucket, never sent from where it lies
-        direct = self.parallel.world_size == 1
-        size = bucket_bytes or (None if direct else default_bucket_bytes(self.device))
+        # a sharded parameter is gathered into a bucket, never sent from where it lies; a delta
+        # is found in the buckets, so with one nothing is sent directly either
+        direct = self.parallel.world_size == 1 and not delta
+        size = bucket_bytes or (None if self.parallel.world_size == 1 else default_bucket_bytes(self.device))
         if self.rank == 0:
             self.sender = WeightSender.create(
                 self.sync_comm,
@@ -58,6 +63,7 @@ class WeightSending(SyncMember):
                 timeout_s=timeout_s,
                 wire_dtype=wire_dtype,
                 allow_direct=direct,
+                delta=delta,
             )
             layout = self.sender.layout
         else:

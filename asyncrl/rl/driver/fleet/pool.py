@@ -101,7 +101,9 @@ class SamplerPool:
         self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
         self.pacer = pacer
         self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
-        self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, host=host, backend=backend, log=log)
+        self.sync_group = SyncGroup(
+            trainer, self.membership, run.deadlines, host=host, backend=backend, log=log, delta=run.sync_delta
+        )
         self.async_mode = run.mode == "async"
         self.reward_model = reward_model  # its counts go in the step's record (take_events)
         # A teacher scores every group before it is queued (driver/teacher.py); a group of equal

@@ -41,6 +41,16 @@ WIRE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 """The dtypes a sync may be sent in, by name (a sampler reports its own)."""
 
 
+def delta_wanted(setting: str, trainer_node: int, sampler_nodes: list[int]) -> bool:
+    """``--run.sync_delta``: 'on', 'off', or 'auto', which is on where a sampler sits on another
+    host than the trainer: there the bytes cross a network link, which is what a delta saves;
+    within a host (NVLink, PCIe, CUDA IPC, loopback) its compare and patch passes cost about what
+    the bytes they save would."""
+    if setting == "auto":
+        return any(node != trainer_node for node in sampler_nodes)
+    return setting == "on"
+
+
 def suffered_from_peer(exc: BaseException) -> bool:
     """True if ``exc`` is a remote data-plane error that a member raises when a peer fails: the
     member is a victim of the failure, not its cause."""
@@ -60,10 +70,20 @@ class SyncGroup:
     """The group-wide calls of the weight-sync group (see the module docstring)."""
 
     def __init__(
-        self, trainer: Any, membership: Membership, deadlines: DeadlineConfig, *, host: str, backend: str, log=print
+        self,
+        trainer: Any,
+        membership: Membership,
+        deadlines: DeadlineConfig,
+        *,
+        host: str,
+        backend: str,
+        log=print,
+        delta: str = "off",
     ):
         self.trainer, self.membership, self.deadlines = trainer, membership, deadlines
         self.host, self.backend, self.log = host, backend, log
+        self.delta = delta
+        """``--run.sync_delta``; each membership's choice is `delta_wanted`'s."""
         self.generation = -1
         self.wire_dtype = ""
         """What the trainer sends in: the samplers' weight dtype when they agree (`wire_dtype`)."""
@@ -164,9 +184,12 @@ class SyncGroup:
     async def _setup(self, group: list[Member]) -> bool:
         """Agree on the weight layout (each side bounded by ``sync_timeout_s``); True if all did."""
         t = self.deadlines.sync_timeout_s
+        delta = delta_wanted(self.delta, _node(self.trainer), [_node(m.handle) for m in group])
         answers = await self._group_call(
             group,
-            lambda h, m: h.setup_sender(t, wire_dtype=self.wire_dtype) if m is None else h.setup_receiver(t),
+            lambda h, m: (
+                h.setup_sender(t, wire_dtype=self.wire_dtype, delta=delta) if m is None else h.setup_receiver(t)
+            ),
             "agreeing on the weight layout",
             "sync_timeout_s",
             t,
@@ -211,3 +234,9 @@ class SyncGroup:
             raise PhaseTimeoutError(f"{what}: the trainer did not answer within --run.{knob} {timeout_s:g} s")
         if isinstance(result, BaseException) and not suffered_from_peer(result):
             raise RunStoppedError(f"the trainer failed during {what}: {first_line(result)}") from result
+
+
+def _node(handle: Any) -> int:
+    """The node an actor runs on (0 for a handle that cannot say: a test's stand-in)."""
+    info = getattr(handle, "info", None)
+    return getattr(info(), "node", 0) if callable(info) else 0

@@ -1,0 +1,243 @@
+"""Delta syncs (issue 50): the encoding of a bucket's changes (``comm/delta.py``) on its own, then
+syncs between threads over a real store and gloo: bit-identical to full syncs after 100 small
+updates (NaN and -0.0 included), a bucket that changed too much going whole, a member without the
+base getting a full sync, a receiver whose copy diverged caught by the digest."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from asyncrl.comm.delta import WHOLE, apply, encode, padding_index, payload_bytes, word_dtype
+from asyncrl.comm.layout import TensorSpec, build_layout
+from sync_actors import digest
+
+HOST = "127.0.0.1"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def test_a_few_changed_words_travel_as_values_and_indices_and_patch_the_base_bit_exactly():
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(4096, generator=g).bfloat16()
+    new = old.clone()
+    new[[3, 100, 4000]] = torch.tensor([float("nan"), -0.0, 1e-40]).bfloat16()  # NaN, -0.0, a subnormal
+    old[7] = 0.0
+    new[7] = -0.0  # equal as floats, not as bits: a change
+    current, kept = bits(new).clone(), bits(old).clone()
+    base = kept.clone()
+    out = torch.empty_like(current)
+    encoded = encode(current, kept, out, torch.int16)
+    assert encoded.changed == encoded.count == 4
+    assert torch.equal(kept, current)  # the sender's base is now what it sent
+    apply(out[: payload_bytes(4, 4096, torch.int16)], 4, base, torch.int16)
+    assert torch.equal(base, current)
+
+
+def test_a_bucket_that_changed_too_much_goes_whole_and_nothing_changed_sends_nothing():
+    old = bits(torch.arange(1024, dtype=torch.float32)).clone()
+    new = bits(torch.arange(1024, dtype=torch.float32) + 1).clone()
+    kept, out = old.clone(), torch.zeros_like(old)
+    encoded = encode(new, kept, out, torch.int32)
+    assert encoded == (1024, WHOLE) and torch.equal(kept, new) and not out.any()
+    assert encode(new, kept, out, torch.int32) == (0, 0)
+    assert payload_bytes(0, 1024, torch.int32) == 0
+
+
+def test_words_are_the_dtype_that_holds_most_bytes_and_indices_fit_the_bucket():
+    layout = build_layout(
+        [TensorSpec("w", (300,), "bfloat16"), TensorSpec("b", (10,), "float32"), TensorSpec("s", (3,), "int64")],
+        4096,
+    )
+    assert word_dtype(layout) == torch.int16
+    assert payload_bytes(3, 1000, torch.int16) == 8 + 3 * 4  # values, aligned to 8, then int32 indices
+    assert payload_bytes(3, 2**31, torch.int16) == 8 + 3 * 8  # a bucket of 2**31 words: int64 indices
+    pad = padding_index(layout, 0, torch.device("cpu"))
+    covered = set()
+    for seg in layout.buckets[0]:
+        covered |= set(range(seg.offset, seg.offset + seg.length))
+    assert set(pad.tolist()) == set(range(layout.bucket_sizes[0])) - covered
+
+
+def test_a_payload_that_does_not_fit_its_bucket_is_a_value_error():
+    with pytest.raises(ValueError, match="does not fit a bucket of 256 bytes"):
+        apply(torch.zeros(1024, dtype=torch.uint8), 200, torch.zeros(256, dtype=torch.uint8), torch.int16)
+
+
+def make_master(seed: int) -> dict[str, torch.Tensor]:
+    """fp32 master weights (sent as bf16): one larger than a 4 KiB bucket, and an int tensor."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(300, 7, generator=g),
+        "big": torch.randn(5000, generator=g),
+        "b": torch.randn(5, generator=g),
+        "steps": torch.arange(9),
+    }
+
+
+def replica(master: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.zeros(v.shape, dtype=torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in master.items()
+    }
+
+
+def wire(master: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.bfloat16() if v.is_floating_point() else v.clone() for k, v in master.items()}
+
+
+def run_members(world: int, member, timeout_s: float = 60.0) -> None:
+    """``member(rank, group, comm)`` on ``world`` threads over one store and gloo."""
+    from asyncrl.comm.gloo import GlooCommunicator
+    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+
+    listener = reserve_listener(HOST)
+    port = listener.getsockname()[1]
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            group = StoreGroup.create(HOST, port, rank, world, 10, listener=listener if rank == 0 else None)
+            comm = GlooCommunicator.create(group, 10)
+            try:
+                member(rank, group, comm)
+            finally:
+                comm.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not errors, errors
+
+
+def small_update(master: dict[str, torch.Tensor], g: torch.Generator, step: int) -> None:
+    """An optimiser step's worth: most bf16 values unchanged, a few moved, now and then a NaN or a -0.0."""
+    with torch.no_grad():
+        for name in ("w", "big", "b"):
+            t = master[name]
+            t.add_(torch.randn(t.shape, generator=g) * 1e-4)
+        master["w"].view(-1)[step % 2100] = float("nan") if step % 7 == 0 else -0.0
+        master["steps"] += 1
+
+
+def test_a_hundred_delta_syncs_are_bit_identical_to_full_ones_in_place_and_through_a_consumer():
+    master, versions = make_master(0), 101
+    in_place, consumed = replica(master), replica(master)
+    stats: dict[int, list] = {0: [], 1: [], 2: []}
+    digests: list[tuple[str, str, str]] = []
+    barrier = threading.Barrier(3)
+
+    def consume(name: str, tensor: torch.Tensor) -> None:
+        consumed[name].copy_(tensor)
+
+    def member(rank, group, comm):
+        from asyncrl.comm.weights import WeightReceiver, WeightSender
+
+        g = torch.Generator().manual_seed(1)
+        if rank == 0:
+            sender = WeightSender.create(comm, group, master, bucket_bytes=4096, wire_dtype=torch.bfloat16, delta=True)
+        else:
+            receiver = WeightReceiver.create(comm, group)
+        for version in range(versions):
+            if rank == 0:
+                small_update(master, g, version)
+                stats[0].append(sender.send(version))
+            else:
+                stats[rank].append(receiver.receive(version, in_place if rank == 1 else consume))
+            barrier.wait(30)
+            if rank == 0:
+                digests.append((digest(wire(master)), digest(in_place), digest(consumed)))
+            barrier.wait(30)
+
+    run_members(3, member, timeout_s=120)
+    assert all(a == b == c for a, b, c in digests), "a receiver differs from the sender"
+    sent = stats[0]
+    assert not sent[0].delta and all(s.delta for s in sent[1:])  # the first sync has no base: full
+    full = sent[0].sent_bytes
+    assert sent[0].bytes <= full < sent[0].bytes + 256 * 4  # the buckets' padding: 4 tensors
+    for s in sent[1:]:
+        assert 0 < s.changed < 0.5 and s.sent_bytes < full, s
+    for rank in (1, 2):
+        assert [s.sent_bytes for s in stats[rank]] == [s.sent_bytes for s in sent]  # what one sent, each took
+
+
+def test_a_member_without_the_base_gets_a_full_sync_and_a_diverged_copy_shows_in_the_digest():
+    """v1 full (no base), v2 delta; rank 2's tensors replaced by new ones: v3 full for everyone;
+    v4 delta; then rank 1's weights are changed behind the sync's back: v5's delta patches a copy
+    that was not the base, and the digest the run checks (``--run.check_weights``) says so."""
+    master = make_master(3)
+    into = {1: replica(master), 2: replica(master)}
+    modes: dict[int, list[bool]] = {0: [], 1: [], 2: []}
+    barrier = threading.Barrier(3)
+
+    def member(rank, group, comm):
+        from asyncrl.comm.weights import WeightReceiver, WeightSender
+
+        g = torch.Generator().manual_seed(2)
+        if rank == 0:
+            sender = WeightSender.create(comm, group, master, bucket_bytes=4096, wire_dtype=torch.bfloat16, delta=True)
+        else:
+            receiver = WeightReceiver.create(comm, group)
+        for version in (1, 2, 3, 4, 5):
+            if rank == 2 and version == 3:
+                into[2] = replica(master)  # a restarted engine's fresh tensors
+            if rank == 1 and version == 5:
+                into[1]["w"][0, 0] += 1  # behind the sync's back
+            if rank == 0:
+                small_update(master, g, version)
+                modes[0].append(sender.send(version).delta)
+            else:
+                modes[rank].append(receiver.receive(version, into[rank]).delta)
+            barrier.wait(30)
+
+    run_members(3, member)
+    assert modes[0] == modes[1] == modes[2] == [False, True, False, True, True]
+    assert digest(into[2]) == digest(wire(master))
+    assert digest(into[1]) != digest(wire(master))
+
+
+async def test_the_trainer_sends_an_hf_sampler_deltas_that_leave_the_same_digest(embedded_path):
+    """The trainer actor and an HF sampler (the embedded model, fp32 on the wire, the default
+    learning rate): after the first sync every one is a delta, and the digests agree."""
+    import asyncio
+
+    from asyncrl import Supervisor
+    from asyncrl.comm.member import form_group
+    from asyncrl.rl.config.run import DataConfig
+    from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.config.trainer import TrainerConfig
+    from asyncrl.rl.sampler.actor import SamplerActor
+    from asyncrl.rl.trainer.actor import TrainerActor
+    from test_packing import random_groups
+
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    async with Supervisor(call_timeout_s=120) as sup:
+        t, s = await asyncio.gather(
+            sup.spawn(TrainerActor, embedded_path, TrainerConfig(), name="trainer", env=one_thread),
+            sup.spawn(
+                SamplerActor,
+                embedded_path,
+                SamplerConfig(backend="hf", group_size=2, max_new_tokens=8),
+                name="sampler",
+                env=one_thread,
+                kwargs=dict(data=DataConfig(n_train=20, n_heldout=8)),
+            ),
+        )
+        await form_group([t, s], HOST, timeout_s=60)
+        await asyncio.gather(t.setup_sender(30, 64 << 10, delta=True), s.setup_receiver(30))
+        for version in (1, 2, 3):
+            if version > 1:
+                await t.train_step(random_groups(seed=version))
+            sent, got = await asyncio.gather(t.send_weights(version), s.receive_weights(version))
+            assert sent.delta == got.receive.delta == (version > 1), (version, sent)
+            assert sent.sent_bytes == got.receive.sent_bytes
+            if version > 1:
+                assert 0 < sent.changed <= 1, sent
+            assert await t.weights_digest() == await s.weights_digest()
