@@ -6,10 +6,12 @@ from __future__ import annotations
 import threading
 import types
 
+import msgspec
 import pytest
 import torch
 
 import asyncrl.comm.join as join_mod
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.communicator import Communicator
 from asyncrl.comm.errors import RendezvousError
 from asyncrl.comm.join import SyncMembership, join_sync_group, make_communicator, resolve_backend
@@ -23,21 +25,14 @@ def join_members(world_size: int, generation: int = 0, timeout_s: float = 20.0) 
     """Every rank calls join_sync_group at once, on its own thread; rank 0 on a reserved listener."""
     listener = reserve_listener(HOST)
     port = listener.getsockname()[1]
+    address = SyncAddress(
+        host=HOST, port=port, world_size=world_size, generation=generation, backend="auto", timeout_s=timeout_s
+    )
     results: list = [None] * world_size
 
     def member(rank: int) -> None:
         try:
-            results[rank] = join_sync_group(
-                HOST,
-                port,
-                rank,
-                world_size,
-                generation=generation,
-                backend="auto",
-                device="cpu",
-                timeout_s=timeout_s,
-                listener=listener if rank == 0 else None,
-            )
+            results[rank] = join_sync_group(address, rank, device="cpu", listener=listener if rank == 0 else None)
         except BaseException as exc:  # noqa: BLE001  (raised below, in the test thread)
             results[rank] = exc
 
@@ -72,6 +67,36 @@ def test_auto_without_a_device_picks_nccl_only_where_cuda_is_available(monkeypat
 def test_an_unknown_backend_is_refused_by_name():
     with pytest.raises(ValueError, match=r"unknown communicator backend 'mpi' \(auto, nccl, hccl, gloo, ipc\)"):
         resolve_backend("mpi")
+
+
+def test_an_address_is_checked_where_it_is_built_and_where_it_is_decoded():
+    good = dict(host=HOST, port=1234, world_size=3, generation=2, backend="gloo", timeout_s=5.0, name="w")
+    address = SyncAddress(**good)
+    assert address.label == "w/g2"
+    wire = msgspec.msgpack.encode(address)  # as an endpoint's argument travels
+    assert msgspec.msgpack.decode(wire, type=SyncAddress) == address
+    assert msgspec.convert(msgspec.to_builtins(address), SyncAddress) == address  # as it crosses vLLM's rpc
+    for bad, match in (
+        ({"port": -1}, "port must be a non-negative int"),
+        ({"generation": True}, "generation must be a non-negative int|Expected `int`, got `bool`"),
+        ({"port": 70000}, r"port must be in 0\.\.65535"),
+        ({"world_size": 0}, "world_size must be at least 1"),
+        ({"backend": "mpi"}, "unknown communicator backend 'mpi'"),
+        ({"timeout_s": -1.0}, "timeout_s must be a positive number"),
+        ({"name": ""}, "group name must be non-empty"),
+        ({"host": ""}, "host must be a non-empty string"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SyncAddress(**(good | bad))
+        with pytest.raises(msgspec.ValidationError, match=match):  # a ValueError too
+            msgspec.msgpack.decode(msgspec.msgpack.encode(good | bad), type=SyncAddress)
+    address.check_rank(2)
+    for rank, match in ((3, "rank 3 is not in a world of size 3"), (-1, "not in a world"), (True, "must be an int")):
+        with pytest.raises(ValueError, match=match):
+            address.check_rank(rank)
+    with pytest.raises(ValueError, match="only rank 0 picks the port"):
+        SyncAddress(**(good | {"port": 0})).check_rank(1)
+    SyncAddress(**(good | {"port": 0})).check_rank(0)
 
 
 def test_member_still_exports_the_factory():
@@ -125,9 +150,8 @@ def test_rendezvous_and_communicator_share_one_deadline(monkeypatch):
     monkeypatch.setattr(join_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(join_mod, "StoreGroup", SlowGroup)
     monkeypatch.setattr(join_mod, "make_communicator", fake_make_communicator)
-    membership = join_sync_group(
-        "h", 1234, 1, 2, generation=4, backend="nccl", device="cuda:1", timeout_s=10.0, name="w"
-    )
+    address = SyncAddress(host="h", port=1234, world_size=2, generation=4, backend="nccl", timeout_s=10.0, name="w")
+    membership = join_sync_group(address, 1, device="cuda:1")
     assert seen["group"] == ("h", 1234, 1, 2, 10.0, "w", 4, None)
     assert seen["comm"] == ("nccl", pytest.approx(3.0), "cuda:1")
     assert membership.backend == "gloo"
@@ -147,7 +171,7 @@ def test_a_communicator_that_fails_leaves_no_group_open(monkeypatch):
     monkeypatch.setattr(join_mod.StoreGroup, "create", recording_create)
     monkeypatch.setattr(join_mod, "make_communicator", failing_make_communicator)
     with pytest.raises(RuntimeError, match="no communicator today"):
-        join_sync_group(HOST, 0, 0, 1, timeout_s=10.0)
+        join_sync_group(SyncAddress(host=HOST, port=0, world_size=1, timeout_s=10.0), 0)
     assert len(groups) == 1
     with pytest.raises(RendezvousError, match="already closed its store"):
         groups[0].barrier()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from asyncrl import Supervisor
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.rendezvous import join_all
 from asyncrl.rl.sampler.backend import SamplingParams
 from conftest import wait_until
@@ -246,13 +247,8 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
     async with Supervisor(call_timeout_s=60) as sup:
         pusher = await sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"})
         port = await pusher.sync_listen(HOST)
-        backends = await join_all(
-            [
-                pusher.sync_join(HOST, port, 0, 2, 0, SYNC_BACKEND, 30.0),
-                sink.join(HOST, port, 1, 2, generation=0, backend=SYNC_BACKEND, timeout_s=30.0, name="weights"),
-            ],
-            45.0,
-        )
+        address = SyncAddress(host=HOST, port=port, world_size=2, backend=SYNC_BACKEND, timeout_s=30.0)
+        backends = await join_all([pusher.sync_join(address, 0), sink.join(address, 1)], 45.0)
         assert backends == ["gloo", "gloo"]
         await asyncio.gather(pusher.setup(), sink.setup(30.0))
         try:

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import torch
 
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.weights import SyncStats, WeightSender
 
 HOST = "127.0.0.1"
@@ -110,7 +111,8 @@ def _sync(worker, sent: dict[str, torch.Tensor], versions: int, delta: bool = Fa
 
     thread = threading.Thread(target=sender)
     thread.start()
-    assert worker.asyncrl_join(HOST, port, 1, 2, 0, "gloo", 30.0, "weights") == "gloo"
+    address = SyncAddress(host=HOST, port=port, world_size=2, backend="gloo", timeout_s=30.0)
+    assert worker.asyncrl_join(msgspec.to_builtins(address), 1) == "gloo"
     assert worker.asyncrl_setup_receiver(30.0) >= 1
     stats = []
     for version in range(1, versions + 1):
@@ -317,19 +319,31 @@ def test_the_worker_extension_refuses_bad_control_values():
     from asyncrl.rl.sampler.vllm.worker import WorkerSyncError
 
     worker = _worker({}, "/nonexistent", True)
-    good = dict(host=HOST, port=1234, rank=1, world_size=2, generation=0, backend="gloo", timeout_s=5.0, name="w")
-    for bad in (
-        {"port": "1234"},
-        {"port": 0},
-        {"rank": 0},
-        {"rank": True},
-        {"backend": "mpi"},
-        {"timeout_s": 0},
-        {"host": ""},
-        {"name": 3},
+    good = dict(host=HOST, port=1234, world_size=2, generation=0, backend="gloo", timeout_s=5.0, name="w")
+    for bad, match in (
+        ({"port": "1234"}, "Expected `int`, got `str` - at `\\$.port`"),
+        ({"port": 0}, "only rank 0 picks the port"),
+        ({"port": 65536}, "port must be in 0..65535"),
+        ({"world_size": 1}, "rank 1 is not in a world of size 1"),
+        ({"backend": "mpi"}, "unknown communicator backend 'mpi'"),
+        ({"backend": "hccl"}, "backend must be auto, gloo, nccl or ipc in a vLLM worker"),
+        ({"timeout_s": 0}, "timeout_s must be a positive number"),
+        ({"host": ""}, "host must be a non-empty string"),
+        ({"name": 3}, "Expected `str`, got `int` - at `\\$.name`"),
+        ({"name": "a/b"}, "group name must be non-empty and contain no '/'"),
+        ({"generation": -1}, "generation must be a non-negative int"),
     ):
-        with pytest.raises(ValueError):
-            worker.asyncrl_join(**(good | bad))
+        with pytest.raises(ValueError, match=match):
+            worker.asyncrl_join(good | bad, 1)
+    for rank, match in (
+        (0, "rank 0 is the sender's"),
+        (True, "rank must be a non-negative int"),
+        (2, "not in a world"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            worker.asyncrl_join(good, rank)
+    with pytest.raises(ValueError, match="Expected `object`, got `str`"):
+        worker.asyncrl_join("127.0.0.1:1234", 1)
     with pytest.raises(WorkerSyncError, match="before joining"):
         worker.asyncrl_setup_receiver(5.0)
     with pytest.raises(ValueError, match="version"):
@@ -399,7 +413,8 @@ def test_the_worker_answers_data_plane_errors_by_type_and_raises_the_rest():
     listener = reserve_listener(HOST)
     port = listener.getsockname()[1]
     listener.close()  # nobody hosts the store there: the join times out, a data-plane error
-    answer = worker.asyncrl_call("join", HOST, port, 1, 2, 0, "gloo", 1.0, "weights")
+    address = SyncAddress(host=HOST, port=port, world_size=2, backend="gloo", timeout_s=1.0)
+    answer = worker.asyncrl_call("join", msgspec.to_builtins(address), 1)
     assert answer["error"] == "RendezvousTimeoutError" and "rank(s) [0]" in answer["message"], answer
     assert worker.asyncrl_call("created") == {"ok": worker.asyncrl_created()}
     with pytest.raises(WorkerSyncError, match="before joining"):  # this worker's own state: raised as it is

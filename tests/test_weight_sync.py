@@ -14,6 +14,7 @@ import time
 import pytest
 
 from asyncrl import RemoteError, Supervisor
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.member import form_group
 from asyncrl.comm.rendezvous import RendezvousError, join_all
 from sync_actors import Receiver, Sender
@@ -93,8 +94,8 @@ async def test_missing_member_is_named_within_the_timeout():
         start = time.monotonic()
         # world size 3, but rank 2 is never started
         results = await asyncio.gather(
-            sender.sync_join(HOST, port, 0, 3, timeout_s=2.0),
-            receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0),
+            sender.sync_join(SyncAddress(host=HOST, port=port, world_size=3, timeout_s=2.0), 0),
+            receiver.sync_join(SyncAddress(host=HOST, port=port, world_size=3, timeout_s=2.0), 1),
             return_exceptions=True,
         )
         assert time.monotonic() - start < 15
@@ -107,8 +108,8 @@ async def test_missing_member_is_named_within_the_timeout():
         with pytest.raises(RendezvousError) as info:
             await join_all(
                 [
-                    sender.sync_join(HOST, port, 0, 2, timeout_s=2.0),
-                    receiver.sync_join(HOST, port, 1, 3, timeout_s=2.0),
+                    sender.sync_join(SyncAddress(host=HOST, port=port, world_size=2, timeout_s=2.0), 0),
+                    receiver.sync_join(SyncAddress(host=HOST, port=port, world_size=3, timeout_s=2.0), 1),
                 ],
                 timeout_s=10,
             )

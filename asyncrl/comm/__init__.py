@@ -1,7 +1,8 @@
 """The weight-sync data plane and its rendezvous; knows nothing of RL (see docs/weight_sync.md).
 
-A member forms (or, next generation, rebuilds) its group with `join_sync_group`. Backends are
-imported on use (`make_communicator`), so importing this package loads no collective library."""
+A member forms (or, next generation, rebuilds) its group with `join_sync_group`, given the group's
+`SyncAddress` and its own rank. Backends are imported on use (`make_communicator`), so importing
+this package loads no collective library."""
 
 import importlib
 from typing import Any
@@ -22,6 +23,7 @@ _HOMES = {
     "RendezvousError": "errors",
     "RendezvousTimeoutError": "errors",
     "WeightSyncError": "errors",
+    "SyncAddress": "address",
     "SyncMembership": "join",
     "join_sync_group": "join",
     "make_communicator": "join",
@@ -55,6 +57,7 @@ __all__ = [
     "RendezvousError",
     "RendezvousTimeoutError",
     "StoreGroup",
+    "SyncAddress",
     "SyncMembership",
     "SyncStats",
     "WeightReceiver",

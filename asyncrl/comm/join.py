@@ -1,9 +1,10 @@
 """Forming one member's side of a weight-sync group: the rendezvous, then the communicator.
 
-`join_sync_group` is the one way a process joins a group, whoever calls it: `SyncMember.sync_join`
-in an actor, or vLLM's worker extension in the engine's process. Rebuilding after a member was lost
-is the same call with the next ``generation``, once the caller has closed its previous
-`SyncMembership` (a group with a failed member is rebuilt, never patched).
+`join_sync_group` is the one way a process joins a group, whoever calls it: an actor's `SyncSeat`
+(``member.py``), or vLLM's worker extension in the engine's process. Each passes the group's
+`SyncAddress` and its own rank. Rebuilding after a member was lost is the same call at the
+address's next ``generation``, once the caller has closed its previous `SyncMembership` (a group
+with a failed member is rebuilt, never patched).
 
 `make_communicator` is the factory above the backends: it imports the one it builds, so importing
 this module loads no collective library.
@@ -16,11 +17,9 @@ import time
 
 import torch
 
+from asyncrl.comm.address import SyncAddress, check_backend
 from asyncrl.comm.communicator import Communicator
 from asyncrl.comm.rendezvous import StoreGroup
-
-BACKENDS = ("auto", "nccl", "hccl", "gloo", "ipc")
-"""``ipc``: CUDA IPC between processes on one GPU (`cuda_ipc.py`); never what ``auto`` picks."""
 
 _BACKEND_OF_DEVICE = {"cuda": "nccl", "npu": "hccl"}
 
@@ -29,8 +28,7 @@ def resolve_backend(backend: str, device: torch.device | str | int | None = None
     """The backend ``auto`` stands for: that of ``device`` (nccl on cuda, hccl on npu, gloo on
     anything else), or with no device nccl where CUDA is available and gloo elsewhere. Any other
     name is returned as it is, once checked."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown communicator backend {backend!r} ({', '.join(BACKENDS)})")
+    check_backend(backend)
     if backend != "auto":
         return backend
     if device is None:
@@ -100,33 +98,34 @@ class SyncMembership:
 
 
 def join_sync_group(
-    host: str,
-    port: int,
+    address: SyncAddress,
     rank: int,
-    world_size: int,
     *,
-    generation: int = 0,
-    backend: str = "auto",
     device: torch.device | str | int | None = None,
-    timeout_s: float = 60.0,
-    name: str = "weights",
     listener: socket.socket | None = None,
 ) -> SyncMembership:
-    """Join the group ``name``/``generation`` whose store rank 0 hosts at ``host:port`` and create
-    its communicator (`make_communicator` with ``backend`` and ``device``). Blocking; every member
-    calls it at the same time (see `rendezvous.py`). Rank 0 may pass the ``listener`` it reserved
-    with `reserve_listener`.
+    """Join the group at ``address`` as ``rank`` and create its communicator (`make_communicator`
+    with the address's backend and ``device``). Blocking; every member calls it at the same time
+    (see `rendezvous.py`). Rank 0 may pass the ``listener`` it reserved with `reserve_listener`.
 
-    Both steps share one deadline of ``timeout_s``: callers wait for a join only a margin beyond
-    ``timeout_s``, and a communicator given a whole ``timeout_s`` of its own after a slow
-    rendezvous (a peer lost in between) would answer after the caller gave up. On failure nothing
-    is left open."""
-    deadline = time.monotonic() + timeout_s
+    Both steps share one deadline of ``address.timeout_s``: callers wait for a join only a margin
+    beyond it, and a communicator given a whole ``timeout_s`` of its own after a slow rendezvous
+    (a peer lost in between) would answer after the caller gave up. On failure nothing is left
+    open."""
+    address.check_rank(rank)
+    deadline = time.monotonic() + address.timeout_s
     group = StoreGroup.create(
-        host, port, rank, world_size, timeout_s, name=name, generation=generation, listener=listener
+        address.host,
+        address.port,
+        rank,
+        address.world_size,
+        address.timeout_s,
+        name=address.name,
+        generation=address.generation,
+        listener=listener,
     )
     try:
-        comm = make_communicator(group, backend, max(deadline - time.monotonic(), 1e-3), device=device)
+        comm = make_communicator(group, address.backend, max(deadline - time.monotonic(), 1e-3), device=device)
     except BaseException:
         group.close()
         raise

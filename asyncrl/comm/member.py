@@ -1,11 +1,14 @@
 """Joining a weight-sync group from inside an actor, and forming one from the driver.
 
-`SyncMember` is a mixin of endpoints for an `Actor` that takes part in a group (the trainer as
-rank 0, samplers after it). `form_group` is the driver's side: it asks rank 0 for a store address,
-then starts every member's join at once and waits for all under one deadline, which is the
-rendezvous contract (see `rendezvous.py`). Rebuilding after a member was lost is the same call
-with the next generation: each member drops its old communicator and joins the new group.
-A member's own join is `asyncrl.comm.join.join_sync_group`, the same call vLLM's worker makes.
+`SyncSeat` is one process's place in a group across its generations (the listener rank 0 reserved,
+the current `SyncMembership`); `SyncMember` is a mixin of endpoints for an `Actor` that takes part
+in a group (the trainer as rank 0, samplers after it), forwarded to its seat. A component that
+joins for the actor (a sampler's sink) is handed the same seat and joins through it. `form_group`
+is the driver's side: it asks rank 0 for a store port, then starts every member's join at once and
+waits for all under one deadline, which is the rendezvous contract (see `rendezvous.py`).
+Rebuilding after a member was lost is the same call with the next generation: each member drops
+its old communicator and joins the new group. A member's own join is
+`asyncrl.comm.join.join_sync_group`, the same call vLLM's worker makes.
 
 The blocking parts (store waits, communicator creation, syncs) run on a worker thread, so the
 actor keeps answering calls and the supervisor's heartbeats while they last.
@@ -18,79 +21,100 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.communicator import Communicator
-from asyncrl.comm.join import join_sync_group, make_communicator
+from asyncrl.comm.join import SyncMembership, join_sync_group, make_communicator
 from asyncrl.comm.rendezvous import StoreGroup, join_all, reserve_listener
 from asyncrl.runtime.actor import Actor, endpoint
 
 # make_communicator lives in `asyncrl.comm.join`; re-exported for callers that import it from here.
-__all__ = ["SyncMember", "form_group", "make_communicator"]
+__all__ = ["SyncMember", "SyncSeat", "form_group", "make_communicator"]
+
+
+class SyncSeat:
+    """One process's seat in a weight-sync group: the store's listening socket, reserved by rank 0
+    before its join, and the current membership. Owns both; one membership at a time (a join
+    leaves the previous one); `leave` is idempotent."""
+
+    def __init__(self) -> None:
+        self.membership: SyncMembership | None = None
+        self._listener: socket.socket | None = None
+
+    @property
+    def group(self) -> StoreGroup | None:
+        return None if self.membership is None else self.membership.group
+
+    @property
+    def comm(self) -> Communicator | None:
+        return None if self.membership is None else self.membership.comm
+
+    def listen(self, host: str, port: int = 0) -> int:
+        """Rank 0 only: bind the store's listening socket now, so its port is known (and a port
+        in use is reported) before any member is told to join. Returns the port."""
+        if self._listener is not None:
+            self._listener.close()
+        self._listener = reserve_listener(host, port)
+        return self._listener.getsockname()[1]
+
+    async def join(self, address: SyncAddress, rank: int) -> str:
+        """Leave any previous group, join the one at ``address`` as ``rank`` and create its
+        communicator, on a worker thread. Returns the communicator's backend."""
+        listener = None
+        if rank == 0:
+            listener, self._listener = self._listener, None
+        self.leave()  # the previous membership, not the listener just taken for this one
+        # One deadline for rendezvous and communicator (see join_sync_group): the driver waits
+        # for this call only a margin beyond address.timeout_s.
+        self.membership = await asyncio.to_thread(join_sync_group, address, rank, listener=listener)
+        return self.membership.backend
+
+    def leave(self) -> None:
+        """Drop the communicator, the store handle (an aborted one included) and a listening
+        socket reserved for a join that never came. Idempotent."""
+        membership, listener = self.membership, self._listener
+        self.membership = self._listener = None
+        if listener is not None:
+            listener.close()
+        if membership is not None:
+            membership.close()
 
 
 class SyncMember(Actor):
-    """Endpoints that let the driver put this actor in a weight-sync group."""
+    """Endpoints that let the driver put this actor in a weight-sync group, held by its
+    `sync_seat` (``sync_comm`` and ``sync_group`` are the seat's, None outside a group)."""
 
-    sync_group: StoreGroup | None = None
-    sync_comm: Communicator | None = None
-    _sync_listener: socket.socket | None = None
+    _sync_seat: SyncSeat | None = None
+
+    @property
+    def sync_seat(self) -> SyncSeat:
+        # Made on first use: the actors that mix this in have constructors of their own.
+        if self._sync_seat is None:
+            self._sync_seat = SyncSeat()
+        return self._sync_seat
+
+    @property
+    def sync_comm(self) -> Communicator | None:
+        return self.sync_seat.comm
+
+    @property
+    def sync_group(self) -> StoreGroup | None:
+        return self.sync_seat.group
 
     @endpoint
     async def sync_listen(self, host: str, port: int = 0) -> int:
-        """Rank 0 only: bind the store's listening socket now, so its port is known (and a port
-        in use is reported) before any member is told to join. Returns the port."""
-        if self._sync_listener is not None:
-            self._sync_listener.close()
-        self._sync_listener = reserve_listener(host, port)
-        return self._sync_listener.getsockname()[1]
+        """Rank 0 only: bind the store's listening socket now (`SyncSeat.listen`). Returns the port."""
+        return self.sync_seat.listen(host, port)
 
     @endpoint
-    async def sync_join(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        generation: int = 0,
-        backend: str = "auto",
-        timeout_s: float = 60.0,
-        name: str = "weights",
-    ) -> str:
-        """Leave any previous group, join this one and create its communicator. Returns the
-        communicator's backend."""
-        listener = None
-        if rank == 0:
-            listener, self._sync_listener = self._sync_listener, None
-        await self.sync_leave()  # the previous membership, not the listener just reserved for this one
-
-        # One deadline for rendezvous and communicator (see join_sync_group): the driver waits
-        # for this call only a margin beyond timeout_s.
-        membership = await asyncio.to_thread(
-            join_sync_group,
-            host,
-            port,
-            rank,
-            world_size,
-            generation=generation,
-            backend=backend,
-            timeout_s=timeout_s,
-            name=name,
-            listener=listener,
-        )
-        self.sync_group, self.sync_comm = membership.group, membership.comm
-        return self.sync_comm.backend
+    async def sync_join(self, address: SyncAddress, rank: int) -> str:
+        """Leave any previous group, join the one at ``address`` as ``rank`` and create its
+        communicator. Returns the communicator's backend."""
+        return await self.sync_seat.join(address, rank)
 
     @endpoint
     async def sync_leave(self) -> None:
-        """Drop the communicator, the store handle (an aborted one included) and a listening
-        socket reserved for a join that never came. Idempotent."""
-        comm, group, listener = self.sync_comm, self.sync_group, self._sync_listener
-        self.sync_comm = self.sync_group = self._sync_listener = None
-        if listener is not None:
-            listener.close()
-        if comm is not None:
-            comm.close()
-        if group is not None:
-            group.close()
+        """Drop the communicator, the store handle and a reserved listener. Idempotent."""
+        self.sync_seat.leave()
 
     @endpoint
     async def sync_created(self) -> dict[str, int]:
@@ -115,10 +139,15 @@ async def form_group(
     ``host``) in one group and return the store's port. Every join starts at once; any failure
     (a member that dies, refuses or never answers) raises `RendezvousError` naming it."""
     port = await members[0].sync_listen(host, port)
-    world = len(members)
-    joins = [
-        m.with_timeout(timeout_s + 10).sync_join(host, port, rank, world, generation, backend, timeout_s, name)
-        for rank, m in enumerate(members)
-    ]
-    await join_all(joins, timeout_s + 15, what=f"join weight-sync group {name}/g{generation}")
+    address = SyncAddress(
+        host=host,
+        port=port,
+        world_size=len(members),
+        generation=generation,
+        backend=backend,
+        timeout_s=timeout_s,
+        name=name,
+    )
+    joins = [m.with_timeout(timeout_s + 10).sync_join(address, rank) for rank, m in enumerate(members)]
+    await join_all(joins, timeout_s + 15, what=f"join weight-sync group {address.label}")
     return port

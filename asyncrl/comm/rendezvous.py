@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import msgspec
 import torch.distributed as dist
 
+from asyncrl.comm.address import check_name, check_rank, check_timeout
 from asyncrl.comm.errors import RendezvousError, RendezvousTimeoutError
 from asyncrl.runtime.net import reachable_address
 
@@ -142,12 +143,9 @@ class StoreGroup:
         Rank 0 hosts the store, on ``listener`` if given (see `reserve_listener`), else on a socket
         it binds to ``host:port`` itself. Blocks for at most about ``timeout_s``; raises
         `RendezvousTimeoutError` naming the ranks that never arrived."""
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if "/" in name or not name:
-            raise ValueError(f"group name must be non-empty and contain no '/': {name!r}")
+        check_rank(rank, world_size)
+        check_timeout(timeout_s)
+        check_name(name)
         deadline = time.monotonic() + timeout_s  # one deadline for connecting and for meeting
         raw, port = _open_store(host, port, rank, timeout_s, listener)
         store = dist.PrefixStore(f"asyncrl/{name}/g{generation}/", raw)

@@ -124,7 +124,7 @@ class SamplerActor(WeightReceiving):
             vllm=(vllm or {}) | ({"engine": config.engine_args()} if config.vllm_args else {}),
             adapter=adapter,
         )
-        self.sink = self.backend.weight_sink(self)
+        self.sink = self.backend.weight_sink(self.sync_seat)
         self.sampling = SamplingParams(
             max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
             temperature=config.temperature,

@@ -24,7 +24,8 @@ from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerError, SamplerT
 from asyncrl.runtime.timeouts import timeout
 
 if TYPE_CHECKING:
-    from asyncrl.comm.member import SyncMember
+    from asyncrl.comm.address import SyncAddress
+    from asyncrl.comm.member import SyncSeat
 
 
 class SamplerSyncStats(msgspec.Struct, frozen=True):
@@ -59,24 +60,14 @@ class WeightSink(abc.ABC):
     """Where a sampler's weight syncs land: its side of the weight-sync group. The backend owns
     it (`SamplerBackend.weight_sink`); the sampler actor forwards its endpoints to it and never
     asks where the weights live. `asyncrl.rl.sampler.sink.ActorSink` receives in the actor's own
-    process (its `SyncMember` communicator, copied into the backend's tensors); vLLM's receives in
-    the engine's process, which joins the group itself. A sink holds one membership at a time."""
+    process (it joins through the actor's `SyncSeat` and copies into the backend's tensors); vLLM's
+    receives in the engine's process, which joins the group itself. A sink holds one membership at
+    a time."""
 
     @abc.abstractmethod
-    async def join(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        *,
-        generation: int,
-        backend: str,
-        timeout_s: float,
-        name: str,
-    ) -> str:
-        """Leave any previous group and join the one whose store rank 0 hosts at ``host:port``
-        (see `SyncMember.sync_join`). Returns the communicator's backend."""
+    async def join(self, address: SyncAddress, rank: int) -> str:
+        """Leave any previous group and join the one at ``address`` as ``rank`` (see
+        `SyncSeat.join`). Returns the communicator's backend."""
 
     @abc.abstractmethod
     async def setup(self, timeout_s: float) -> int:
@@ -135,9 +126,9 @@ class SamplerBackend(abc.ABC):
         ``progress``: told each row's tokens as they are generated (the OpenAI endpoint's streams)."""
 
     @abc.abstractmethod
-    def weight_sink(self, member: SyncMember) -> WeightSink:
-        """This backend's side of weight sync, for the sampler actor ``member`` (whose own
-        communicator an in-process sink uses; a sink in another process ignores it)."""
+    def weight_sink(self, seat: SyncSeat) -> WeightSink:
+        """This backend's side of weight sync, given the sampler actor's ``seat`` (through which
+        an in-process sink joins; a sink in another process ignores it)."""
 
     @abc.abstractmethod
     async def pause(self, timeout_s: float = 600.0) -> None:

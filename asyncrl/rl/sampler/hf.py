@@ -41,7 +41,7 @@ from asyncrl.rl.sampler.backend import (
 from asyncrl.rl.sampler.sink import ActorSink
 
 if TYPE_CHECKING:
-    from asyncrl.comm.member import SyncMember
+    from asyncrl.comm.member import SyncSeat
 
 
 def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +115,8 @@ class HFBackend(PausableBackend):
         except RuntimeError as exc:  # the pool was shut down by close()
             raise SamplerClosedError("HFBackend is closed") from exc
 
-    def weight_sink(self, member: SyncMember) -> WeightSink:
-        return ActorSink(member, self)
+    def weight_sink(self, seat: SyncSeat) -> WeightSink:
+        return ActorSink(seat, self)
 
     @property
     def generator(self) -> torch.Generator:

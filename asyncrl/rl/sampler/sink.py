@@ -1,8 +1,9 @@
 """`ActorSink`: a `WeightSink` that receives in the sampler actor's own process.
 
-The actor's `SyncMember` endpoints hold the communicator; the sink builds a `WeightReceiver` over
-it and copies each sync straight into the backend's tensors (`InPlaceBackend`), at the moment the
-backend says no generation reads them.
+The sink joins the group through the actor's `SyncSeat` (whose communicator the actor's
+`SyncMember` endpoints also see), builds a `WeightReceiver` over it and copies each sync straight
+into the backend's tensors (`InPlaceBackend`), at the moment the backend says no generation reads
+them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from asyncrl.comm.member import SyncMember
+from asyncrl.comm.communicator import Communicator
 from asyncrl.rl.digest import tensor_digest
 from asyncrl.rl.sampler.backend import SamplerError, SamplerSyncStats, WeightSink
 
 if TYPE_CHECKING:
+    from asyncrl.comm.address import SyncAddress
+    from asyncrl.comm.member import SyncSeat
     from asyncrl.comm.weights import SyncStats, WeightReceiver
 
 
@@ -33,34 +36,21 @@ class InPlaceBackend(Protocol):
 
 
 class ActorSink(WeightSink):
-    """Weight sync in the sampler actor: the group is ``member``'s (`SyncMember.sync_join`), the
-    weights are ``backend``'s tensors, written by `InPlaceBackend.load_weights`."""
+    """Weight sync in the sampler actor: the group is joined through ``seat`` (the actor's
+    `SyncSeat`), the weights are ``backend``'s tensors, written by `InPlaceBackend.load_weights`."""
 
-    def __init__(self, member: SyncMember, backend: InPlaceBackend):
-        self.member, self.backend = member, backend
+    def __init__(self, seat: SyncSeat, backend: InPlaceBackend):
+        self.seat, self.backend = seat, backend
         self.receiver: WeightReceiver | None = None
 
-    async def join(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        *,
-        generation: int,
-        backend: str,
-        timeout_s: float,
-        name: str,
-    ) -> str:
+    async def join(self, address: SyncAddress, rank: int) -> str:
         self.receiver = None  # its communicator is the one this join replaces
-        return await SyncMember.sync_join(
-            self.member, host, port, rank, world_size, generation, backend, timeout_s, name
-        )
+        return await self.seat.join(address, rank)
 
     async def setup(self, timeout_s: float) -> int:
         from asyncrl.comm.weights import WeightReceiver
 
-        comm, group = self.member.sync_comm, self.member.sync_group
+        comm, group = self.seat.comm, self.seat.group
         if comm is None:
             raise SamplerError("setup_receiver before joining a weight-sync group")
         self.receiver = await asyncio.to_thread(
@@ -95,10 +85,10 @@ class ActorSink(WeightSink):
 
     async def leave(self) -> None:
         self.receiver = None
-        await SyncMember.sync_leave(self.member)
+        self.seat.leave()
 
     async def created(self) -> dict[str, int]:
-        return await SyncMember.sync_created(self.member)
+        return dict(Communicator.created)
 
     async def digest(self) -> str:
         return await asyncio.to_thread(tensor_digest, self.backend.weight_tensors())

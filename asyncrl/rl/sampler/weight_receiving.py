@@ -14,6 +14,7 @@ import time
 
 import msgspec
 
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.member import SyncMember
 from asyncrl.rl.sampler.backend import SamplerError, SamplerSyncStats, SamplerTimeoutError
 from asyncrl.runtime.actor import endpoint
@@ -26,21 +27,9 @@ class WeightReceiving(SyncMember):
     (``_ready``, set; ``_sync_lock``), ``_stats``, ``_failures`` and ``_generating``."""
 
     @endpoint
-    async def sync_join(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        generation: int = 0,
-        backend: str = "auto",
-        timeout_s: float = 60.0,
-        name: str = "weights",
-    ) -> str:
+    async def sync_join(self, address: SyncAddress, rank: int) -> str:
         """Join the trainer's weight-sync group (where the backend receives: here, or its engine)."""
-        return await self.sink.join(
-            host, port, rank, world_size, generation=generation, backend=backend, timeout_s=timeout_s, name=name
-        )
+        return await self.sink.join(address, rank)
 
     @endpoint
     async def sync_leave(self) -> None:

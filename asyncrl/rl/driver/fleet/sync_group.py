@@ -1,9 +1,10 @@
 """The weight-sync group's group-wide calls, and the verdicts on their outcomes.
 
 `SyncGroup` forms the group (the trainer as rank 0, the members still up, the replacements that
-are up) at the next rendezvous generation and sends it weights. `SyncMember.sync_join` closes
-each survivor's old (perhaps aborted) communicator and creates one for the new membership;
-nothing else about the survivors is touched, and their rollouts keep flowing.
+are up) at the next rendezvous generation (one `SyncAddress` for all, each its own rank) and sends
+it weights. `SyncMember.sync_join` closes each survivor's old (perhaps aborted) communicator and
+creates one for the new membership; nothing else about the survivors is touched, and their
+rollouts keep flowing.
 
 Every group-wide call is one `Membership.call_all` with the trainer as its lead, and each
 member's outcome is judged: the trainer's death or silence stops the run
@@ -19,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.errors import PEER_FAILURE_ERRORS
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
 from asyncrl.rl.checkpoint import SamplerDataState
@@ -168,12 +170,18 @@ class SyncGroup:
         port = await trainer_phase(
             "the weight-sync rendezvous", "rendezvous_timeout_s", t, self.trainer.with_timeout(t).sync_listen(self.host)
         )
-        world, rank = 1 + len(group), {m: r for r, m in enumerate(group, start=1)}  # the trainer is rank 0
+        address = SyncAddress(
+            host=self.host,
+            port=port,
+            world_size=1 + len(group),
+            generation=self.generation,
+            backend=self.backend,
+            timeout_s=t,
+        )
+        rank = {m: r for r, m in enumerate(group, start=1)}  # the trainer is rank 0
         answers = await self._group_call(
             group,
-            lambda h, m: h.sync_join(
-                self.host, port, rank.get(m, 0), world, self.generation, self.backend, t, "weights"
-            ),
+            lambda h, m: h.sync_join(address, rank.get(m, 0)),
             "joining the weight-sync group",
             "rendezvous_timeout_s",
             t,

@@ -50,7 +50,7 @@ from asyncrl.rl.sampler.vllm.janitor import Janitor, shm_names
 from asyncrl.rl.sampler.vllm.sink import EngineSink
 
 if TYPE_CHECKING:
-    from asyncrl.comm.member import SyncMember
+    from asyncrl.comm.member import SyncSeat
 
 EXTENSION = "asyncrl.rl.sampler.vllm.worker.WeightSyncExtension"
 DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
@@ -227,11 +227,11 @@ class VLLMBackend(PausableBackend):
         With ``progress``, the engine reports each request's tokens as it generates them."""
         return asyncio.ensure_future(self._generate(prompts, n, params, progress))
 
-    def weight_sink(self, member: SyncMember) -> WeightSink:
+    def weight_sink(self, seat: SyncSeat) -> WeightSink:
         if self.adapters is not None:  # adapters only: received here, in the actor
             from asyncrl.rl.sampler.sink import ActorSink
 
-            return ActorSink(member, self.adapters)
+            return ActorSink(seat, self.adapters)
         return EngineSink(self)
 
     def close(self) -> None:

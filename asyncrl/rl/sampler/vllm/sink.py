@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError
 from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerError, SamplerSyncStats, WeightSink
@@ -93,22 +94,10 @@ class EngineSink(WeightSink):
         self.backend = backend
         self._ready = False
 
-    async def join(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        *,
-        generation: int,
-        backend: str,
-        timeout_s: float,
-        name: str,
-    ) -> str:
+    async def join(self, address: SyncAddress, rank: int) -> str:
         self._ready = False  # the worker drops its receiver with the old membership
-        return await engine_call(
-            self.backend, "join", timeout_s, host, port, rank, world_size, generation, backend, float(timeout_s), name
-        )
+        # As plain values: whatever carries collective_rpc's arguments, none of our types crosses it.
+        return await engine_call(self.backend, "join", address.timeout_s, msgspec.to_builtins(address), rank)
 
     async def setup(self, timeout_s: float) -> int:
         buckets = await engine_call(self.backend, "setup_receiver", timeout_s, float(timeout_s))

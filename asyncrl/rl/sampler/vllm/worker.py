@@ -3,7 +3,7 @@
 `VLLMBackend` names `WeightSyncExtension` as vLLM's ``worker_extension_cls``, so its methods are
 mixed into the worker class in the process that holds the model (vLLM's engine-core process, a
 grandchild of the supervisor). The sampler actor calls them through ``AsyncLLM.collective_rpc``
-with small plain values only (host, port, ranks, names, a version, a timeout) and gets plain
+with small plain values only (the group's address, a rank, a version, a timeout) and gets plain
 values back: no tensor and no object of ours crosses that channel, whatever vLLM uses to carry
 it. The buckets themselves come straight off the communicator into this process
 (`asyncrl.comm`: a `StoreGroup` and gloo on CPU, PyNccl on CUDA) and are applied as they arrive.
@@ -41,6 +41,7 @@ from typing import Any
 import msgspec
 import torch
 
+from asyncrl.comm.address import SyncAddress, check_timeout
 from asyncrl.comm.errors import LayoutMismatchError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.param_views import LoadAndCheck, param_views
@@ -79,35 +80,15 @@ class WeightSyncExtension:
         except CommError as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
 
-    def asyncrl_join(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        generation: int,
-        backend: str,
-        timeout_s: float,
-        name: str,
-    ) -> str:
-        """Join the group whose store rank 0 hosts at ``host:port`` (the store is reached from here,
-        the engine's process, which runs on the sampler actor's host). Returns the communicator's
-        backend."""
+    def asyncrl_join(self, address: Any, rank: Any) -> str:
+        """Join the group at ``address`` (a `SyncAddress` as plain values: ``msgspec.to_builtins``)
+        as ``rank``; its store is reached from here, the engine's process, which runs on the sampler
+        actor's host. Returns the communicator's backend."""
         from asyncrl.comm.join import join_sync_group
 
-        _check_join(host, port, rank, world_size, generation, backend, timeout_s, name)
+        address = _check_join(address, rank)
         self.asyncrl_leave()
-        membership = join_sync_group(
-            host,
-            port,
-            rank,
-            world_size,
-            generation=generation,
-            backend=backend,
-            device=self._asyncrl_device(),
-            timeout_s=timeout_s,
-            name=name,
-        )
+        membership = join_sync_group(address, rank, device=self._asyncrl_device())
         self._asyncrl = _Membership(membership)
         return membership.backend
 
@@ -116,7 +97,7 @@ class WeightSyncExtension:
         Returns the bucket count."""
         from asyncrl.comm.weights import WeightReceiver
 
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
         member = self._asyncrl_member("setup_receiver")
         receiver = WeightReceiver.create(member.comm, member.group, src=0, timeout_s=timeout_s)
         _check_against_checkpoint(receiver.layout, self._asyncrl_model_path())
@@ -140,7 +121,7 @@ class WeightSyncExtension:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, not {version!r}")
         if timeout_s is not None:
-            _check_timeout(timeout_s)
+            check_timeout(timeout_s)
         member = self._asyncrl_member("receive_weights")
         if member.receiver is None:
             raise WorkerSyncError("receive_weights before setup_receiver")
@@ -328,28 +309,19 @@ class _PulledLoad:
 # --- validation -----------------------------------------------------------------------------------
 
 
-def _check_join(
-    host: Any, port: Any, rank: Any, world_size: Any, generation: Any, backend: Any, timeout_s: Any, name: Any
-) -> None:
-    """The control values come from another process: refuse wrong types with a clear error."""
-    for what, value in (("port", port), ("rank", rank), ("world_size", world_size), ("generation", generation)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{what} must be a non-negative int, not {value!r}")
-    if not 0 < port < 65536:
-        raise ValueError(f"port must be in 1..65535, not {port}")
+def _check_join(address: Any, rank: Any) -> SyncAddress:
+    """The control values come from another process: refuse wrong types with a clear error. The
+    address's own checks are `SyncAddress`'s (``msgspec.convert`` runs them); the rest are this
+    worker's: it receives (never rank 0), and on CUDA or CPU (no hccl)."""
+    address = msgspec.convert(address, SyncAddress)  # a ValidationError is a ValueError
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, not {rank!r}")
     if rank == 0:
         raise ValueError("a vLLM worker receives weights; rank 0 is the sender's")
-    for what, value in (("host", host), ("backend", backend), ("name", name)):
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{what} must be a non-empty string, not {value!r}")
-    if backend not in ("auto", "gloo", "nccl", "ipc"):
-        raise ValueError(f"backend must be auto, gloo, nccl or ipc in a vLLM worker, not {backend!r}")
-    _check_timeout(timeout_s)
-
-
-def _check_timeout(timeout_s: Any) -> None:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number, not {timeout_s!r}")
+    address.check_rank(rank)
+    if address.backend not in ("auto", "gloo", "nccl", "ipc"):
+        raise ValueError(f"backend must be auto, gloo, nccl or ipc in a vLLM worker, not {address.backend!r}")
+    return address
 
 
 def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]] | None:
