@@ -16,7 +16,7 @@ a sync never waits for a batch to finish; a group is tagged with the version it 
 ``sync`` mode each step's groups are generated after the previous sync and nothing is generated
 during training: the synchronous baseline, same code, staleness always 0.
 
-`train()` (run.py) spawns the actors and builds the driver; the samplers, their faults and the
+`build_run()` (build.py) spawns the actors and builds the driver; the samplers, their faults and the
 weight-sync group are the `SamplerPool`'s (fleet/pool.py). A step's record is assembled in
 step_record.py, the held-out evaluation and the best policy are heldout.py's, and what the trainer
 writes into the run directory (a policy, a checkpoint) saving.py's.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.rl.checkpoint import Checkpoint
@@ -76,6 +77,7 @@ class GRPODriver:
         correct_reward: float = 1.0,
         teacher=None,
         reward_model=None,
+        scaler: Callable[[SamplerPool], Scaler] | None = None,
     ):
         self.config, self.run = config, config.run
         self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
@@ -121,7 +123,7 @@ class GRPODriver:
             reward_model=reward_model,
             uid_prefix=f"resume{self.segment}/" if self.segment else "",
         )
-        self.scaler: Scaler | None = None  # ``asyncrl scale``: train() sets it (fleet/scaling.py)
+        self.scaler: Scaler | None = scaler(self.pool) if scaler else None  # asyncrl scale: fleet/scaling.py
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
