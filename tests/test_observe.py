@@ -550,7 +550,7 @@ def test_wandb_offline_gets_the_run_s_metrics_and_config_and_a_resume_continues_
             assert row.get("heldout_solve_rate") == record.get("heldout_solve_rate")
     # the resumed segment's config is the config.json it wrote, with what the run resolved for this
     # host where config.json keeps auto (0) for another host's resume
-    resolved = {key: logged["sampler"][key] for key in ("count", "prompts_per_batch", "streams")}
+    resolved = {key: logged["sampler"][key] for key in ("count", "per_gpu", "prompts_per_batch", "streams")}
     assert min(resolved.values()) > 0 and logged == config | {"sampler": config["sampler"] | resolved}
 
 

@@ -112,6 +112,25 @@ def test_a_rank_that_left_for_a_peer_is_not_the_cause():
     assert "trainer rank 0 (trainer) failed" in str(verdict) and "rank(s) 1 left" in str(verdict), verdict
 
 
+def test_a_trainer_of_one_rank_is_its_handle_as_it_is():
+    # No group, no verdict, no deadline_s added: every call is the one handle's own, so a run of
+    # one rank sees the errors (and the messages) its trainer's handle gives.
+    calls = []
+
+    class Handle(SimpleNamespace):
+        def with_timeout(self, timeout_s):
+            return Handle(name=self.name, timeout_s=timeout_s)
+
+        def __getattr__(self, method):
+            return lambda *args, **kwargs: calls.append((self.timeout_s, method, args, kwargs))
+
+    ranks = TrainerRanks([Handle(name="trainer", timeout_s=None)])
+    assert ranks.name == "trainer" and ranks.world_size == 1
+    ranks.with_timeout(7.0).train_step("batch")
+    ranks.sync_listen("host")
+    assert calls == [(7.0, "train_step", ("batch",), {}), (None, "sync_listen", ("host",), {})]
+
+
 async def test_errors_raised_in_an_actor_are_caught_by_their_type():
     async with Supervisor() as sup:
         actor = await sup.spawn(RaisesOurs, name="raises")

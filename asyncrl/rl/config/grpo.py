@@ -201,7 +201,7 @@ def check_weights_readable(config: GRPOConfig) -> None:
     """``--run.check_weights`` digests every sampler's weights where they are held; vLLM on the CPU
     repacks them for its kernels, so they are not the tensors sent (on a GPU the engine's worker
     reads them through the places a sync checked). Whether 'auto' picks vLLM on the CPU is known
-    on importing it: the driver asks before anything starts (``driver/run.py``)."""
+    on importing it: the driver asks before anything starts (``driver/spawn.py``)."""
     if config.run.check_weights and config.sampler.backend == "vllm" and config.run.device == "cpu":
         raise ConfigError(
             "--run.check_weights true needs samplers whose weights can be read as sent, and vLLM on the "

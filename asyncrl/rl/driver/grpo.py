@@ -16,7 +16,7 @@ a sync never waits for a batch to finish; a group is tagged with the version it 
 ``sync`` mode each step's groups are generated after the previous sync and nothing is generated
 during training: the synchronous baseline, same code, staleness always 0.
 
-`train()` (run.py) spawns the actors and builds the driver; the samplers, their faults and the
+`build_run()` (build.py) spawns the actors and builds the driver; the samplers, their faults and the
 weight-sync group are the `SamplerPool`'s (fleet/pool.py). A step's record is assembled in
 step_record.py, the held-out evaluation and the best policy are heldout.py's, and what the trainer
 writes into the run directory (a policy, a checkpoint) saving.py's.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.rl.checkpoint import Checkpoint
@@ -76,7 +77,10 @@ class GRPODriver:
         correct_reward: float = 1.0,
         teacher=None,
         reward_model=None,
+        scaler: Callable[[SamplerPool], Scaler] | None = None,
     ):
+        """The driver's state, one assignment per part with what it is; over 80 lines for that
+        reason: split, the one list of what the driver holds would be scattered over helpers."""
         self.config, self.run = config, config.run
         self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
         self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
@@ -121,7 +125,7 @@ class GRPODriver:
             reward_model=reward_model,
             uid_prefix=f"resume{self.segment}/" if self.segment else "",
         )
-        self.scaler: Scaler | None = None  # ``asyncrl scale``: train() sets it (fleet/scaling.py)
+        self.scaler: Scaler | None = scaler(self.pool) if scaler else None  # asyncrl scale: fleet/scaling.py
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
@@ -267,11 +271,12 @@ class GRPODriver:
         return found.rates
 
     async def execute(self) -> dict[str, Any]:
-        run = self.run
-        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        """The run: the samplers started and the held-out rates before GRPO (`begin`), the steps,
+        each followed by what is due after it (`after_step_trained`), then the final policy and the
+        summary (`finish`), which this returns."""
+        run, observe = self.run, self.run.observe
         if self.resume is not None:
             resume_records(self.run_dir, self.resume, self.step_done, self.version, self.segment, self.log)
-        observe = run.observe
         self.display = make_progress(run.steps, self.step_done + 1, observe.progress_bar)
         writers = MetricWriters.open(
             self.run_dir, observe, config_to_dict(self.config), first_step=self.step_done + 1, log=self.log
@@ -282,71 +287,88 @@ class GRPODriver:
         completed = False
         watcher: asyncio.Future | None = None  # the stall watch, while the steps run
         try:
-            await self.pool.start(self.version, list(self.state.samplers))
-            self.eval_on_samplers = await heldout.eval_place(self.pool.membership, run, self.log)
-            await asyncio.to_thread(self.episodes.load)
-            if self.resume is None:
-                self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
-                self.heldout_before = self.heldout_last = await self.evaluate()
-                self.log(
-                    f"held-out solve rate before GRPO ({self.n_heldout} problems): "
-                    + rates_text(self.heldout_before)
-                    + heldout_extra_text(self.heldout_extra)
-                )
-            self.phase, self.began = "training", True
-            self.write_progress()
+            await self.begin()
             watcher = asyncio.ensure_future(self.stall.run())
             for step in range(self.step_done + 1, run.steps + 1):
                 started = time.monotonic()
                 self.stall.step_began()
                 record = await self.step(step)
                 self.stall.step_ended(time.monotonic() - started)
-                evaluated = self.evaluates(step)
-                if evaluated:
-                    self.heldout_last = await self.evaluate()
-                    record.heldout_solve_rate = self.heldout_last["greedy"]
-                    record.heldout_sampled_solve_rate = self.heldout_last.get("sampled")
-                    record.heldout_task = self.heldout_extra
-                    record.eval_s = self.eval_s
-                metrics.write(record)  # before the checkpoint: a resume from it keeps this record
-                self.episodes.write(step, self.trained_head)
-                self.latest = record
-                self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
-                if evaluated and self.heldout_last["greedy"] > self.best_greedy():
-                    self.after_step = "saving the best policy"
-                    # before the checkpoint: a resume from it knows this best
-                    self.best = await heldout.save_best(
-                        self.trainer,
-                        run,
-                        self.run_dir,
-                        step,
-                        self.heldout_last,
-                        self.heldout_before,
-                        self.n_heldout,
-                        self.log,
-                    )
-                if run.checkpoints.checkpoint_every and step % run.checkpoints.checkpoint_every == 0:
-                    self.after_step = "writing its checkpoint"
-                    await self.checkpoint(step)
-                self.after_step = ""
-                self.write_progress()
-                if evaluated:
-                    painter.refresh()  # in its thread: the next step starts at once
+                await self.after_step_trained(step, record, started, metrics, painter)
             completed = True
         finally:
-            if not completed:
-                self.phase = "stopped"
-            if watcher is not None:
-                watcher.cancel()
-                await asyncio.wait({watcher})
-            if self.scaler is not None:
-                await self.scaler.close()
-            await self.pool.close()
-            self.queue.close()
-            # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
-            quietly(metrics.close)
-            self.display = None
-            quietly(self.write_progress)
+            await self.end_steps(completed, watcher, metrics)
+        return await self.finish(painter, tensorboard)
+
+    async def begin(self) -> None:
+        """The samplers started, where evaluations run, and (a fresh run) the held-out solve rates
+        before GRPO; then the run is training."""
+        await self.pool.start(self.version, list(self.state.samplers))
+        self.eval_on_samplers = await heldout.eval_place(self.pool.membership, self.run, self.log)
+        await asyncio.to_thread(self.episodes.load)
+        if self.resume is None:
+            self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
+            self.heldout_before = self.heldout_last = await self.evaluate()
+            self.log(
+                f"held-out solve rate before GRPO ({self.n_heldout} problems): "
+                + rates_text(self.heldout_before)
+                + heldout_extra_text(self.heldout_extra)
+            )
+        self.phase, self.began = "training", True
+        self.write_progress()
+
+    async def after_step_trained(
+        self, step: int, record: StepRecord, started: float, metrics: Metrics, painter: CurvesPainter
+    ) -> None:
+        """What follows step ``step`` (begun at ``started``): its evaluation if due, its record,
+        the best policy if it beat the last, its checkpoint if due, the progress."""
+        run = self.run
+        evaluated = self.evaluates(step)
+        if evaluated:
+            self.heldout_last = await self.evaluate()
+            record.heldout_solve_rate = self.heldout_last["greedy"]
+            record.heldout_sampled_solve_rate = self.heldout_last.get("sampled")
+            record.heldout_task = self.heldout_extra
+            record.eval_s = self.eval_s
+        metrics.write(record)  # before the checkpoint: a resume from it keeps this record
+        self.episodes.write(step, self.trained_head)
+        self.latest = record
+        self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
+        if evaluated and self.heldout_last["greedy"] > self.best_greedy():
+            self.after_step = "saving the best policy"
+            # before the checkpoint: a resume from it knows this best
+            self.best = await heldout.save_best(
+                self.trainer, run, self.run_dir, step, self.heldout_last, self.heldout_before, self.n_heldout, self.log
+            )
+        if run.checkpoints.checkpoint_every and step % run.checkpoints.checkpoint_every == 0:
+            self.after_step = "writing its checkpoint"
+            await self.checkpoint(step)
+        self.after_step = ""
+        self.write_progress()
+        if evaluated:
+            painter.refresh()  # in its thread: the next step starts at once
+
+    async def end_steps(self, completed: bool, watcher: asyncio.Future | None, metrics: Metrics) -> None:
+        """The steps ended (``completed``, or stopped): the stall watch, the scaler, the pool and
+        the queue closed, the metrics and the progress written as far as they go."""
+        if not completed:
+            self.phase = "stopped"
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.wait({watcher})
+        if self.scaler is not None:
+            await self.scaler.close()
+        await self.pool.close()
+        self.queue.close()
+        # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
+        quietly(metrics.close)
+        self.display = None
+        quietly(self.write_progress)
+
+    async def finish(self, painter: CurvesPainter, tensorboard: str) -> dict[str, Any]:
+        """The final policy saved, the curves drawn, the run finished: its summary written, shown
+        and returned."""
+        run = self.run
         # The last drawing, with every step in it, in its thread while the final policy is saved.
         drawing = asyncio.ensure_future(painter.close())
         self.after_step = "saving the final policy"
@@ -377,7 +399,7 @@ class GRPODriver:
             final=final_dir,
             best=({"path": os.path.join(self.run_dir, heldout.BEST_DIR), **self.best} if self.best else None),
             initial_policy=self.model_path,
-            metrics=metrics_path,
+            metrics=os.path.join(self.run_dir, "metrics.jsonl"),
             log=self.log_path,
             curves=curves,
             tensorboard=tensorboard,

@@ -54,7 +54,7 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
             config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path), config.model_path
         )
     _check_run_dir(run_dir, config.run.run_dir, resume)
-    # tokenizers are compared with the student's once it exists (run.py)
+    # tokenizers are compared with the student's once it exists (build.py)
     scorers = {key: _checked_scorer(key, section) for key, section in scorer_sections(config)}
     config = dataclasses.replace(
         config,

@@ -14,8 +14,8 @@
     endpoints.py      sampler_endpoints: each sampler's OpenAI endpoint and token, for code
                       outside the episodes (``asyncrl status RUN_DIR --endpoint``)
     sampler_start.py  the samplers' start, which survives one that never comes up
-    trainer_ranks.py  an N-rank trainer spawned and driven as one
+    trainer_ranks.py  the trainer's ranks spawned and driven as one (one rank included)
 
-The loop (grpo.py, run.py) builds these and passes in what they need (the trainer's handle, the
+The loop (grpo.py, build.py) builds these and passes in what they need (the trainer's handle, the
 queue, the pacer, a spawn function); nothing here imports the loop (tests/test_layering.py).
 """

@@ -1,6 +1,6 @@
-"""The driver's side of an N-rank trainer (``--trainer.world_size N``): spawning the ranks,
-forming their group, and `TrainerRanks`, which the driver uses wherever it used the trainer's
-handle.
+"""The driver's side of the trainer's ranks (``--trainer.world_size N``): spawning the ranks,
+forming their group, and `TrainerRanks`, the handle the driver uses for the trainer, one rank
+included (then every call goes to that rank's handle as it is: no group, no verdict).
 
 `TrainerRanks` makes the same calls as a trainer handle. A call that runs collectives on the
 trainer group (`ALL_RANKS`) goes to every rank at once with the call's deadline, and the answer is
@@ -88,7 +88,7 @@ class TrainerRanks:
     def __getattr__(self, method: str) -> Any:
         if method.startswith("_"):
             raise AttributeError(method)
-        if method in ALL_RANKS:
+        if method in ALL_RANKS and len(self.handles) > 1:
             return lambda *args, **kwargs: self._all(method, args, kwargs)
         return getattr(self._rank(0), method)
 
@@ -186,7 +186,8 @@ async def spawn_trainer_ranks(
     concurrently, on ``nodes`` (one per rank; None: where the supervisor puts them), and form
     their group: every join at once, under one deadline (the rendezvous contract); a rank that
     fails to start or to join fails the whole call, naming it. The group's store is hosted by rank
-    0 on ``host``, by default the address of rank 0's node (`node_address`)."""
+    0 on ``host``, by default the address of rank 0's node (`node_address`). One rank forms no
+    group."""
     from asyncrl.comm.rendezvous import join_all
 
     names = ["trainer"] + [f"trainer-{r}" for r in range(1, world_size)]
@@ -204,6 +205,8 @@ async def spawn_trainer_ranks(
             *(sup.stop(h) for h in spawned if not isinstance(h, BaseException)), return_exceptions=True
         )
         raise failed[0]
+    if world_size == 1:
+        return TrainerRanks(spawned)
     host = host or node_address(sup, spawned[0])
     port = await spawned[0].with_timeout(timeout_s).rank_listen(host)
     joins = [

@@ -1,0 +1,217 @@
+"""Where a run's actors go and what each is spawned with: the device plan and each actor's node
+(`plan_run`), the trainer's ranks (`spawn_trainer`: a `TrainerRanks`, one rank included), the
+samplers, at the start and by a scale-up (`SamplerSpawner`), the scorers (`spawn_scorer`), and the
+fleet's `Scaler` (`fleet_scaler`). The actor classes are imported lazily: the driver itself never
+loads torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.config.run import Placement
+from asyncrl.rl.config.teacher import ScorerConfig, scorer_sections
+from asyncrl.rl.config.trainer import LoRAConfig
+from asyncrl.rl.driver.devices import DevicePlan, cluster_devices, plan_devices
+from asyncrl.rl.driver.fleet.pool import SamplerPool
+from asyncrl.rl.driver.fleet.scaling import Scaler, least_loaded_node
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks, spawn_trainer_ranks
+from asyncrl.rl.driver.start_checks import check_backend_readable, check_placement
+from asyncrl.rl.driver.teacher import scorer_kwargs
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Where a run's actors go."""
+
+    devices: DevicePlan
+    """What the actors compute on, and how many samplers share what."""
+    trainer_nodes: list[int | None]
+    """The node of each trainer rank (None: the supervisor's default)."""
+    sampler_nodes: list[int | None]
+    """The node of each of the samplers the run starts with (None: the supervisor's default)."""
+
+    def env(self) -> dict[str, str]:
+        """The environment of every actor. On CPU, one thread per actor: torch's default (a thread
+        per core in every process) makes the actors of one host fight over the same cores, and
+        throughput collapses."""
+        return {"TQDM_DISABLE": "1"} | ({} if self.devices.device == "cuda" else {"OMP_NUM_THREADS": "1"})
+
+
+def _one_a_gpu_where_placed(placement: str) -> int:
+    """``--sampler.per_gpu`` auto where ``--run.placement`` names the samplers' nodes (or spreads
+    them): one a GPU, so each sampler goes where it was placed (a second on a GPU would go where
+    its GPU's first is); else 0, the plan's auto."""
+    placed = Placement.parse(placement)
+    return 1 if placed.sampler or placed.spread else 0
+
+
+async def plan_run(config: GRPOConfig, sup: Any) -> RunPlan:
+    """The device plan over the cluster's devices (the scorers placed after the samplers) and
+    ``--run.placement``'s nodes; with ``--run.check_weights``, the samplers' backend checked, all
+    before the run directory, the trainer and a minute of vLLM engine start."""
+    from asyncrl.runtime.devices import detect
+
+    run, ranks = config.run, config.trainer.world_size
+    devices = cluster_devices(*detect("auto"), sup.nodes())
+    plan = plan_devices(
+        run.device,
+        *devices,
+        config.sampler.count,
+        trainer_ranks=ranks,
+        scorers=len(scorer_sections(config)),
+        per_gpu=config.sampler.per_gpu or _one_a_gpu_where_placed(run.placement),
+    )
+    trainer_nodes, sampler_nodes = check_placement(run.placement, ranks, plan.samplers, sup.config.nnodes, plan)
+    if run.check_weights:
+        await check_backend_readable(config.sampler.backend, plan.device)
+    return RunPlan(plan, trainer_nodes, sampler_nodes)
+
+
+async def spawn_trainer(sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str, log) -> TrainerRanks:
+    """The trainer's ranks as one trainer: N ranks, one group (docs/trainer.md), or one rank. No
+    restarts: a new one would start from the initial weights. Losing it stops the run, which
+    resumes from its last checkpoint instead."""
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    run, ranks = config.run, config.trainer.world_size
+    trainer = await spawn_trainer_ranks(
+        sup,
+        TrainerActor,
+        (model_path, config.trainer_config()),
+        world_size=ranks,
+        host=None,
+        timeout_s=run.deadlines.rendezvous_timeout_s,
+        gpus=plan.devices.trainer_gpus,
+        env=plan.env(),
+        kwargs={"device": plan.devices.device, "seed": run.seed, "task": config.task_spec(), "data": run.data},
+        nodes=plan.trainer_nodes,
+    )
+    if ranks > 1:
+        log(f"trainer: {ranks} ranks, sharded (FSDP2, {'nccl' if plan.devices.device == 'cuda' else 'gloo'})")
+    return trainer
+
+
+class SamplerSpawner:
+    """``spawner(i)`` spawns sampler ``i`` (`Supervisor.spawn`'s awaitable), at the run's start
+    (`start_samplers`) and by a scale-up (`Scaler`): ``config`` is the run's with its sampler
+    section resolved for this host. One lost while it starts is started again, then left out
+    (fleet/sampler_start.py)."""
+
+    def __init__(self, sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str):
+        self.sup, self.config, self.plan, self.model_path = sup, config, plan, model_path
+        self.spec = config.task_spec()
+        self.vllm = plan.devices.vllm_options(config.sampler.gpu_memory_utilization, plan.devices.samplers)
+
+    def seed_of(self, i: int) -> int:
+        return self.config.run.seed * 1000 + i
+
+    def __call__(self, i: int) -> Awaitable[Any]:
+        from asyncrl.rl.sampler.actor import SamplerActor
+
+        sup, plan, run = self.sup, self.plan.devices, self.config.run
+        owner = plan.gpu_owner(i)  # --sampler.per_gpu: the sampler whose GPU this one shares
+        if owner is not None and not _running(sup, f"sampler{owner}"):
+            owner = None  # its GPU went with it (given back): this one takes a GPU of its own
+        shares = "trainer" if plan.colocated else None if owner is None else f"sampler{owner}"
+        nodes = self.plan.sampler_nodes
+        return sup.spawn(
+            SamplerActor,
+            self.model_path,
+            self.config.sampler,
+            name=f"sampler{i}",
+            gpus=0 if shares else plan.sampler_gpus,
+            share_devices_with=shares,
+            env=self.plan.env(),
+            node=None if shares else nodes[i] if i < len(nodes) else _scaled_node(sup, plan.device == "cuda"),
+            keep_if_lost=True,
+            max_restarts=run.recovery.sampler_max_restarts,
+            kwargs={
+                "task": self.spec,
+                "data": run.data,
+                "seed": self.seed_of(i),
+                "device": plan.device,
+                "sync_timeout_s": run.deadlines.sync_timeout_s,
+                "vllm": self.vllm,
+                "adapter": _synced_adapter(self.config),
+            },
+        )
+
+
+def spawn_scorer(
+    sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str, section: ScorerConfig, name: str
+) -> Awaitable[Any]:
+    """A scorer (teacher, reward model), placed by `plan_devices`, restarted as a sampler is
+    (driver/teacher.py)."""
+    from asyncrl.rl.scorer.actor import ScorerActor
+
+    devices = plan.devices
+    return sup.spawn(
+        ScorerActor,
+        section.model_path,
+        name=name,
+        gpus=devices.scorer_gpus,
+        share_devices_with="trainer" if devices.scorers_colocated else None,
+        env=plan.env(),
+        node=None if devices.scorers_colocated else plan.sampler_nodes[0],
+        max_restarts=config.run.recovery.sampler_max_restarts,
+        kwargs={
+            "device": devices.device,
+            "temperature": config.sampler.temperature,
+            **scorer_kwargs(section, model_path),
+        },
+    )
+
+
+def fleet_scaler(sup: Any, spawn: SamplerSpawner, *, scaled: int, log) -> Callable[[SamplerPool], Scaler]:
+    """The `Scaler` of ``asyncrl scale`` (fleet/scaling.py), made by the driver over its pool:
+    it spawns as the run's first samplers were; ``scaled``: the target a resumed run was scaled to
+    (0: none)."""
+    plan, config = spawn.plan.devices, spawn.config
+    cuda = plan.device == "cuda"
+    return lambda pool: Scaler(
+        pool,
+        spawn,
+        sup.stop,
+        seed_of=spawn.seed_of,
+        device=plan.device,
+        colocated=plan.colocated,
+        log=log,
+        free_gpus=lambda: sum(n.devices_free for n in sup.nodes()) if cuda else 0,
+        started=config.sampler.count,
+        target=scaled or None,
+        nodes=sup.nodes,
+        cores=lambda: 0 if cuda else _cpu_cores(sup),
+        per_gpu=plan.per_gpu,
+    )
+
+
+def _running(sup: Any, name: str) -> bool:
+    return any(a.name == name and not a.state.final for a in sup.status())
+
+
+def _scaled_node(sup: Any, cuda: bool) -> int | None:
+    """Where a sampler started by a scale-up goes: on GPUs, where the supervisor finds a free one
+    (None); on the CPU, the node with the fewest samplers, so a node that joined an elastic
+    cluster (--nnodes MIN:MAX) mid-run takes new ones."""
+    if cuda or sup.config.nnodes == 1:
+        return None
+    return least_loaded_node(sup.nodes(), sup.status())
+
+
+def _cpu_cores(sup: Any) -> int:
+    """The cores CPU samplers may use: this host's (those this process may run on) times the nodes
+    joined, taken to be alike (a node's agent does not report its cores)."""
+    nodes = sum(n.state == "joined" for n in sup.nodes()) if sup.config.nnodes > 1 else 1
+    return len(os.sched_getaffinity(0)) * max(nodes, 1)
+
+
+def _synced_adapter(config: GRPOConfig) -> LoRAConfig | None:
+    """The LoRA adapters the samplers carry when only adapters are synced (else they hold merged
+    weights, or the fully fine-tuned ones, under the base model's names)."""
+    lora = config.trainer.lora
+    return lora if lora.rank and lora.sync == "adapter" else None
