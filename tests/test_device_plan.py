@@ -251,3 +251,12 @@ async def test_samplers_that_share_a_gpu_start_in_different_waves():
     handles = await start_samplers(spawn, 6, waves=2, log=print)
     assert [h.name for h in handles] == [f"sampler{i}" for i in range(6)]
     assert dict(seen) == {0: set(), 2: set(), 4: set(), 1: {0, 2, 4}, 3: {0, 2, 4}, 5: {0, 2, 4}}
+
+
+def test_per_gpu_auto_is_one_where_the_placement_names_the_samplers_nodes():
+    from asyncrl.rl.driver.spawn import _one_a_gpu_where_placed
+
+    assert _one_a_gpu_where_placed("node0") == 0  # the plan's auto: 2 with --sampler.count auto
+    assert _one_a_gpu_where_placed("spread") == 1
+    assert _one_a_gpu_where_placed("trainer=0 sampler=1,2") == 1
+    assert _one_a_gpu_where_placed("trainer=1") == 0

@@ -62,7 +62,10 @@ async def test_a_phase_that_overruns_its_budget_fails_naming_it_and_its_knob():
         start = time.monotonic()
         with pytest.raises(ActorStartError) as info:
             await sup.spawn(PhasedStart, 30.0, 2.0, name="loader")
-        assert 1.9 < time.monotonic() - start < 5.0
+        # Never before the phase's 2 s budget; long before its 30 s of work. The process's own start
+        # (an interpreter and its imports) comes first and takes seconds on a loaded machine, so the
+        # upper bound is the phase's work, not the budget plus a guess at that start.
+        assert 1.9 < time.monotonic() - start < 15.0
         message = str(info.value)
         assert "\n" not in message
         assert message.startswith("actor 'loader': not ready: still 'loading the model' after 2 s (its budget 2 s)")
