@@ -46,6 +46,16 @@ class Work(abc.ABC):
         """True once the work completed (successfully or not); never blocks."""
 
 
+class CompletedWork(Work):
+    """The work of an operation that completed before it was returned (or needed no device op)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
 class Communicator(abc.ABC):
     """A fixed group of ``world_size`` ranks that exchange tensors on ``device``.
 

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncrl.comm.communicator import Communicator, ReduceOp, Work
+from asyncrl.comm.communicator import Communicator, CompletedWork, ReduceOp, Work
 from asyncrl.comm.errors import CollectiveError
 from asyncrl.comm.gloo import GlooCommunicator
 from asyncrl.comm.rendezvous import StoreGroup
@@ -51,16 +51,6 @@ class _Handle(msgspec.Struct, array_like=True, frozen=True):
     event_sync: bool
     tensor_offset: int
     nbytes: int
-
-
-class _Done(Work):
-    """The work of an operation that completed before it was returned."""
-
-    def wait(self, timeout_s: float) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
 
 
 class CudaIpcCommunicator(Communicator):
@@ -129,7 +119,7 @@ class CudaIpcCommunicator(Communicator):
                     f"{failure}; communicator aborted"
                 ) from failure
             raise CollectiveError(f"{where}: broadcast from rank {src} failed on rank {failed}; communicator aborted")
-        return _Done()
+        return CompletedWork()
 
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
@@ -141,7 +131,7 @@ class CudaIpcCommunicator(Communicator):
             host = tensor.cpu()  # waits for the stream's work on the tensor
             self._signal(lambda: self._control.all_reduce(host, op, timeout_s=timeout_s), timeout_s)
             tensor.copy_(host)
-        return _Done()
+        return CompletedWork()
 
     def _signal(self, operation: Any, timeout_s: float) -> None:
         """Run one gloo operation to completion; its failure (gloo aborted itself) aborts this one too."""

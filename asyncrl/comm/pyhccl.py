@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.comm.communicator import Communicator, ReduceOp, Work
+from asyncrl.comm.communicator import Communicator, CompletedWork, ReduceOp, Work
 from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError, CommLibraryError
 from asyncrl.comm.hccl_init import check_group, exchange_root_info, init_comm
 from asyncrl.comm.hccl_library import (
@@ -43,16 +43,6 @@ log = logging.getLogger("asyncrl.comm.hccl")
 _POLL_MIN_S = 50e-6  # first pause: a small broadcast is often done within microseconds
 _POLL_MAX_S = 5e-3  # pause cap: bounds how late a completion is noticed
 _ASYNC_CHECK_EVERY_S = 0.1  # HcclGetCommAsyncError is a synchronous host call; don't spin on it
-
-
-class _DoneWork(Work):
-    """Work that needed no device op (an empty tensor): nothing to wait for."""
-
-    def wait(self, timeout_s: float) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
 
 
 class HcclWork(Work):
@@ -252,7 +242,7 @@ class HcclCommunicator(Communicator):
         """Enqueue ``call(comm_handle, stream_handle)`` and return its Work. A library error aborts
         the communicator: the peers have enqueued their half and will wait on us forever."""
         if keep_alive[0].numel() == 0:
-            return _DoneWork()  # same shape on every rank, so every rank skips it alike
+            return CompletedWork()  # same shape on every rank, so every rank skips it alike
         stream = self._runtime.resolve_stream(stream, self.device)
         with self._lock:
             self._check_open(what)  # again, under the lock: an abort may have raced us

@@ -27,20 +27,12 @@ from typing import Any
 
 import torch
 
-from asyncrl.comm.communicator import Communicator, ReduceOp, Work
+from asyncrl.comm.communicator import Communicator, CompletedWork, ReduceOp, Work
 from asyncrl.comm.gloo import GlooCommunicator
 from asyncrl.comm.rendezvous import StoreGroup
 
 TierFactory = Callable[[StoreGroup, torch.device, float], Communicator]
 """Makes one tier's communicator on a subgroup (NCCL between GPUs, IPC within one; gloo in tests)."""
-
-
-class _Done(Work):
-    def wait(self, timeout_s: float) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
 
 
 class _TierWork(Work):
@@ -162,7 +154,7 @@ class TieredCommunicator(Communicator):
                 if self._within is not None:
                     self._pass_on(tensor, self._mates.index(src), stream, deadline)
                 if self._across is None:
-                    return _Done()
+                    return CompletedWork()
                 return _TierWork(self._across.broadcast(tensor, home, stream=stream, timeout_s=_left(deadline)), self)
             if self._across is not None:  # the across tier's ranks are the leaders by GPU: home's is ``home``
                 work = self._across.broadcast(tensor, home, stream=stream, timeout_s=_left(deadline))
@@ -171,7 +163,7 @@ class TieredCommunicator(Communicator):
                 work.wait(_left(deadline))  # the bytes are here before the mates map them
             if self._within is not None:
                 self._pass_on(tensor, 0, stream, deadline)  # from the leader, local rank 0
-            return _Done()
+            return CompletedWork()
         except BaseException as exc:
             self.abort(f"a tier failed during a broadcast from rank {src}: {type(exc).__name__}")
             raise
@@ -194,7 +186,7 @@ class TieredCommunicator(Communicator):
         except BaseException as exc:
             self.abort(f"its gloo tier failed during an all_reduce: {type(exc).__name__}")
             raise
-        return _Done()
+        return CompletedWork()
 
     def _tiers(self) -> list[Communicator]:
         return [c for c in (self._control, self._across, self._within) if c is not None]
