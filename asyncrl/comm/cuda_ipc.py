@@ -21,7 +21,6 @@ Every member must be on the same GPU: `create` compares the devices' UUIDs and r
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import msgspec
@@ -29,7 +28,7 @@ import torch
 
 from asyncrl.comm.communicator import Communicator, CompletedWork, ReduceOp, Work
 from asyncrl.comm.errors import CollectiveError
-from asyncrl.comm.gloo import GlooCommunicator
+from asyncrl.comm.gloo import GlooCommunicator, all_reduce_on_host
 from asyncrl.comm.rendezvous import StoreGroup
 
 _MESSAGE_BYTES = 1024
@@ -127,10 +126,11 @@ class CudaIpcCommunicator(Communicator):
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
         timeout_s = 60.0 if timeout_s is None else timeout_s
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            host = tensor.cpu()  # waits for the stream's work on the tensor
-            self._signal(lambda: self._control.all_reduce(host, op, timeout_s=timeout_s), timeout_s)
-            tensor.copy_(host)
+        try:
+            all_reduce_on_host(self._control, tensor, op, stream=stream, timeout_s=timeout_s)
+        except CollectiveError as exc:
+            self.abort(f"its gloo signalling failed: {exc}")
+            raise
         return CompletedWork()
 
     def _signal(self, operation: Any, timeout_s: float) -> None:

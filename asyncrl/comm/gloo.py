@@ -9,6 +9,7 @@ frozen peer trips the deadline, after which gloo closes the pairs itself.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -148,3 +149,15 @@ class GlooCommunicator(Communicator):
         pg, self._pg = self._pg, None
         pg.shutdown()
         del pg
+
+
+def all_reduce_on_host(
+    control: GlooCommunicator, tensor: torch.Tensor, op: ReduceOp, *, stream: Any, timeout_s: float
+) -> None:
+    """Reduce ``tensor`` (on a device) over ``control`` through host memory, to completion: the few
+    integers of a sync's votes, for the communicators whose bytes go another way (cuda_ipc.py,
+    tiered.py). ``stream``: the one whose work on ``tensor`` must come first (None: the current)."""
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        host = tensor.cpu()  # waits for the stream's work on the tensor
+        control.all_reduce(host, op, timeout_s=timeout_s).wait(timeout_s)
+        tensor.copy_(host)

@@ -20,7 +20,6 @@ is rebuilt, as for any other backend.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from asyncrl.comm.communicator import Communicator, CompletedWork, ReduceOp, Work
-from asyncrl.comm.gloo import GlooCommunicator
+from asyncrl.comm.gloo import GlooCommunicator, all_reduce_on_host
 from asyncrl.comm.rendezvous import StoreGroup
 
 TierFactory = Callable[[StoreGroup, torch.device, float], Communicator]
@@ -179,10 +178,7 @@ class TieredCommunicator(Communicator):
         self._check_tensor(tensor, "all_reduce")
         timeout_s = 60.0 if timeout_s is None else timeout_s
         try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                host = tensor.cpu()  # waits for the stream's work on the tensor
-                self._control.all_reduce(host, op, timeout_s=timeout_s).wait(timeout_s)
-                tensor.copy_(host)
+            all_reduce_on_host(self._control, tensor, op, stream=stream, timeout_s=timeout_s)
         except BaseException as exc:
             self.abort(f"its gloo tier failed during an all_reduce: {type(exc).__name__}")
             raise
