@@ -29,8 +29,8 @@ from asyncrl.rl.model.policy import load_policy
 from asyncrl.rl.rollout import RolloutGroup, TeacherTopK
 from asyncrl.rl.scorer.judge import Judge, JudgeError
 from asyncrl.rl.scorer.reward import RewardModelError, load_reward_model, sequence_rewards
+from asyncrl.rl.scoring.logprobs import fused_head_fallback, scored_logprobs, scored_topk
 from asyncrl.rl.trainer.batching import micro_batches
-from asyncrl.rl.trainer.scoring import fused_head_fallback, scored_logprobs, scored_topk
 from asyncrl.runtime.actor import Actor, endpoint
 from asyncrl.runtime.startup import start_phase
 
