@@ -5,9 +5,14 @@ actor owns the queue, the passes and the deadlines; a scorer only computes a pas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypeAlias
 
+from asyncrl.rl.rollout import TeacherTopK
 from asyncrl.rl.scoring.batch import ScoreRequest
+
+Answer: TypeAlias = list[list[float]] | TeacherTopK | list[float | None]
+"""One request's answer, as its endpoint returns it: a teacher's log-probs per completion, a
+teacher's top-K, or a reward per completion (None: a judge's verdict that did not parse)."""
 
 
 @dataclass(frozen=True)
@@ -16,7 +21,7 @@ class Scored:
     endpoint returns), ``forwards`` the model calls it took, ``unparsed`` a judge's verdicts that
     did not parse (a score of None)."""
 
-    answers: list[Any]
+    answers: list[Answer]
     forwards: int
     unparsed: int = 0
 
