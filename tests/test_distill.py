@@ -209,7 +209,7 @@ async def test_the_scorer_answers_the_teacher_s_top_k_of_a_direct_forward(checkp
         completions = [[60, 61], [64], [66, 67, 62]]
         got = await asyncio.wait_for(scorer.teacher_topk(PROMPTS[1], completions), timeout=60)
         assert got.k == 5
-        check_topk(scorer.model, PROMPTS[1], completions, 5, got.ids, got.logprobs, 0.7)
+        check_topk(scorer.scorer.model, PROMPTS[1], completions, 5, got.ids, got.logprobs, 0.7)
         with pytest.raises(ScorerError, match="teacher_topk"):
             await scorer.teacher_logprobs(PROMPTS[1], completions)
     finally:

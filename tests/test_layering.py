@@ -58,11 +58,13 @@ MAY_IMPORT = {
         "asyncrl.rl.tasks",
         "asyncrl.rl.agents",
     },
-    # the two actors never import each other, nor the driver
-    "asyncrl.rl.trainer": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
+    # a causal LM's scores of a batch (micro-batches, forward, log-probs), below the trainer and the
+    # scorer alike: both score with it, neither imports the other
+    "asyncrl.rl.scoring": {"asyncrl.errors"},
+    # the actors never import each other, nor the driver
+    "asyncrl.rl.trainer": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL, "asyncrl.rl.scoring"},
     "asyncrl.rl.sampler": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.comm", *SHARED_RL},
-    # the scorer scores as the trainer does (its micro-batches and scoring, no optimiser)
-    "asyncrl.rl.scorer": {"asyncrl.errors", "asyncrl.runtime", *SHARED_RL, "asyncrl.rl.trainer"},
+    "asyncrl.rl.scorer": {"asyncrl.errors", "asyncrl.runtime", *SHARED_RL, "asyncrl.rl.scoring"},
     # the driver spawns the actors (their classes only) and talks to them through the runtime
     "asyncrl.rl.driver": {
         "asyncrl.errors",

@@ -145,8 +145,9 @@ def test_bad_lora_settings_are_refused():
 def test_lora_steps_move_the_policy_toward_the_rewarded_completions(embedded_path):
     """Learning through the adapters alone: repeated steps on the same groups raise the log-prob of
     each group's best completion against its worst (the base never moves)."""
+    from asyncrl.rl.scoring.tokens import token_logprobs
     from asyncrl.rl.trainer.batching import micro_batches
-    from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
+    from asyncrl.rl.trainer.loss import group_advantages
 
     groups = random_groups(seed=4, multi_turn=False)
     t = trainer(embedded_path, sync="adapter")
@@ -258,10 +259,11 @@ def test_a_lora_run_of_the_example_raises_the_reward(tmp_path, model_cache):
 def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off_not_a_copy(embedded_path):
     from asyncrl.rl.config.trainer import GRPOLossConfig
     from asyncrl.rl.model.policy import load_policy
+    from asyncrl.rl.scoring.forward import policy_logits
+    from asyncrl.rl.scoring.tokens import token_logprobs
     from asyncrl.rl.trainer.actor import TrainerActor
     from asyncrl.rl.trainer.batching import micro_batches
-    from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
-    from asyncrl.rl.trainer.packing import policy_logits
+    from asyncrl.rl.trainer.loss import group_advantages
 
     torch.set_num_threads(1)
     t = TrainerActor(embedded_path, TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4), loss=GRPOLossConfig(kl_coef=0.1)))

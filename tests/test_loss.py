@@ -10,16 +10,14 @@ import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.scoring.tokens import LossInputError, token_entropy, token_logprobs
 from asyncrl.rl.trainer.distill import distill_advantages, topk_reverse_kl
 from asyncrl.rl.trainer.loss import (
-    LossInputError,
     group_advantages,
     grpo_loss,
     loss_normalizer,
     overlong_penalties,
     step_advantages,
-    token_entropy,
-    token_logprobs,
 )
 
 F64 = torch.float64

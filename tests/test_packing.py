@@ -11,15 +11,11 @@ import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig, TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.scoring.forward import block_causal_mask, flat_logits, masked_logits, policy_logits
+from asyncrl.rl.scoring.tokens import token_logprobs
 from asyncrl.rl.trainer.batching import micro_batches
-from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
-from asyncrl.rl.trainer.packing import (
-    block_causal_mask,
-    flat_logits,
-    masked_logits,
-    packed_micro_batches,
-    policy_logits,
-)
+from asyncrl.rl.trainer.loss import group_advantages
+from asyncrl.rl.trainer.packing import packed_micro_batches
 
 CPU = torch.device("cpu")
 

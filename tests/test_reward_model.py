@@ -76,7 +76,7 @@ async def test_a_token_id_outside_the_reward_models_vocabulary_is_refused_naming
     from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
 
     scorer = ScorerActor(reward_path, kind="reward")
-    vocab = scorer.vocab
+    vocab = scorer.scorer.vocab
     with pytest.raises(ScorerError) as err:
         await scorer.rewards([1, 2], [[3], [vocab]])
     assert str(err.value) == (

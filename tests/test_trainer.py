@@ -22,8 +22,9 @@ import torch
 from asyncrl.rl.checkpoint import CheckpointWriteError
 from asyncrl.rl.model.policy import MARKER_FILE, load_policy
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.scoring.tokens import token_logprobs
 from asyncrl.rl.trainer.batching import micro_batches
-from asyncrl.rl.trainer.loss import group_advantages, token_logprobs
+from asyncrl.rl.trainer.loss import group_advantages
 from asyncrl.runtime.files import remove_debris, remove_dir, staged_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The fused output layer (``trainer/chunked_head.py``, ``trainer/scoring.py``): the same log-probs,
+"""The fused output layer (``scoring/chunked_head.py``, ``scoring/logprobs.py``): the same log-probs,
 entropy, loss and gradients as the full-logits path, without ``[tokens, vocab]`` logits; and
 ``--trainer.micro_batch_tokens 0`` (auto, ``trainer/memory_budget.py``)."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig, LoRAConfig, TrainerConfig
-from asyncrl.rl.trainer.chunked_head import head_logprobs, head_topk
-from asyncrl.rl.trainer.loss import token_entropy, token_logprobs
+from asyncrl.rl.scoring.chunked_head import head_logprobs, head_topk
+from asyncrl.rl.scoring.logprobs import fused_head_fallback
+from asyncrl.rl.scoring.tokens import token_entropy, token_logprobs
 from asyncrl.rl.trainer.memory_budget import auto_micro_batch_tokens, resolve_micro_batch_tokens
-from asyncrl.rl.trainer.scoring import fused_head_fallback
 from tests.test_packing import random_groups
 
 QWEN_05B = dict(hidden_size=896, num_layers=24, intermediate_size=4864, num_heads=14, vocab_size=151936)
@@ -150,7 +150,7 @@ def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, mo
     The embedded model ties its embeddings, so the head's gradient meets the lookup's."""
     torch.set_num_threads(1)
     if layout == "packed-flat":  # the layout flash attention gets, taken under sdpa
-        monkeypatch.setattr("asyncrl.rl.trainer.packing.MASKED_IMPLEMENTATIONS", ())
+        monkeypatch.setattr("asyncrl.rl.scoring.forward.MASKED_IMPLEMENTATIONS", ())
     config = TrainerConfig(
         micro_batch_tokens=200,
         pack_tokens=0 if layout == "padded" else 96,

@@ -1,5 +1,5 @@
 """A generative judge's scores: a causal LM asked, through a prompt template, to judge each
-completion, as a `ScorerActor` of kind "judge" serves them.
+completion, as a `ScorerActor` of kind "judge" serves them (`JudgeScorer`).
 
 The scorer gets token ids; the judge reads text. Each prompt and completion is decoded with the
 student's tokenizer, put into the template (``{prompt}``, ``{completion}``) and encoded with the
@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import torch
 
 from asyncrl.rl.config.teacher import DEFAULT_VERDICT
+from asyncrl.rl.scorer.base import Scored
+from asyncrl.rl.scoring.batch import ScoreRequest
 
 CPU = torch.device("cpu")
 _FIELD = re.compile(r"\{prompt\}|\{completion\}")
@@ -111,7 +114,7 @@ class Judge:
                     "number) or none (the whole match) is read"
                 )
 
-    def texts(self, requests: list[tuple[list[int], list[list[int]]]]) -> list[list[str]]:
+    def texts(self, requests: list[ScoreRequest]) -> list[list[str]]:
         """The judge's input text for each completion of each ``(prompt, completions)`` request."""
         decode = lambda ids: self.student.decode(ids, skip_special_tokens=True)  # noqa: E731
         return [
@@ -119,9 +122,7 @@ class Judge:
         ]
 
     @torch.no_grad()
-    def score(
-        self, requests: list[tuple[list[int], list[list[int]]]], budget: int
-    ) -> tuple[list[list[float | None]], int]:
+    def score(self, requests: list[ScoreRequest], budget: int) -> tuple[list[list[float | None]], int]:
         """One score (None: an unparsed verdict) per completion of each request, and the forwards
         (or generate calls) it took, at most ``budget`` padded tokens each."""
         rows = [
@@ -169,3 +170,22 @@ class Judge:
         )
         texts = self.tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
         return [parse_verdict(self.pattern, text) for text in texts]
+
+
+class JudgeScorer:
+    """A `Judge` (``options``: its keyword arguments, the student's tokenizer path and the
+    template's text among them) as a scorer: one verdict per completion, None where it did not
+    parse, counted."""
+
+    kind = "judge"
+    endpoint = "rewards"
+    # a judge reads the student's ids with the student's tokenizer (the driver passes its path)
+    vocabulary = "the vocabulary of {n} of the student's tokenizer, which the judge decodes completions with"
+
+    def __init__(self, model_path: str, device: torch.device, options: dict[str, Any]):
+        self.judge = Judge(model_path, device=device, **options)
+        self.vocab = len(self.judge.student)  # requests carry the student's token ids
+
+    def score(self, requests: list[ScoreRequest], budget: int) -> Scored:
+        scores, calls = self.judge.score(requests, budget)
+        return Scored(scores, calls, unparsed=sum(s is None for row in scores for s in row))

@@ -1,5 +1,6 @@
 """A reward model's scores: a sequence-classification checkpoint with one scalar output, read at
-each sequence's last token (prompt + completion), as a `ScorerActor` of kind "reward" serves them.
+each sequence's last token (prompt + completion), as a `ScorerActor` of kind "reward" serves them
+(`RewardScorer`).
 
 The scalar is taken from the decoder's hidden state at the last real token of each right-padded
 row, through the checkpoint's ``score`` head (Llama, Qwen2, Mistral, Gemma's families), rather
@@ -10,6 +11,9 @@ completion that ends with a token equal to it (a tokenizer whose pad is its end 
 from __future__ import annotations
 
 import torch
+
+from asyncrl.rl.scorer.base import Scored
+from asyncrl.rl.scoring.batch import ScoreRequest
 
 
 class RewardModelError(ValueError):
@@ -37,7 +41,7 @@ def load_reward_model(path: str, device: torch.device):
 
 @torch.no_grad()
 def sequence_rewards(
-    model, requests: list[tuple[list[int], list[list[int]]]], budget: int, device: torch.device
+    model, requests: list[ScoreRequest], budget: int, device: torch.device
 ) -> tuple[list[list[float]], int]:
     """One score per completion of each ``(prompt, completions)`` request, and the forwards it
     took: rows of prompt + completion, right-padded, at most ``budget`` padded tokens a forward."""
@@ -70,3 +74,20 @@ def sequence_rewards(
         forwards += 1
         start = end
     return out, forwards
+
+
+class RewardScorer:
+    """The reward model at ``model_path`` on ``device``: one scalar per completion."""
+
+    kind = "reward"
+    endpoint = "rewards"
+    vocabulary = "the reward model's vocabulary of {n}: reward model and student tokenizers differ"
+
+    def __init__(self, model_path: str, device: torch.device):
+        self.device = device
+        self.model = load_reward_model(model_path, device)
+        self.vocab = int(self.model.get_input_embeddings().weight.shape[0])
+
+    def score(self, requests: list[ScoreRequest], budget: int) -> Scored:
+        rewards, forwards = sequence_rewards(self.model, requests, budget, self.device)
+        return Scored(rewards, forwards)

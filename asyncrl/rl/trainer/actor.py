@@ -29,8 +29,10 @@ from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup, validate_group
+from asyncrl.rl.scoring.batch import MicroBatch
+from asyncrl.rl.scoring.logprobs import scored_logprobs, scored_logprobs_at
 from asyncrl.rl.tasks.loading import TaskSpec
-from asyncrl.rl.trainer.batching import MicroBatch, micro_batches
+from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.checkpoint_endpoints import CheckpointEndpoints
 from asyncrl.rl.trainer.compile import compile_layers, compiled
 from asyncrl.rl.trainer.heldout import HeldoutEvaluation
@@ -40,7 +42,6 @@ from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.parallel import Local
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
-from asyncrl.rl.trainer.scoring import scored_logprobs, scored_logprobs_at
 from asyncrl.rl.trainer.split import batch_counts
 from asyncrl.rl.trainer.weight_sending import WeightSending
 from asyncrl.runtime.actor import endpoint
@@ -280,7 +281,7 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         return self._auto_tokens
 
     def _fallback_reason(self) -> str:
-        """Why this trainer scores through full logits ("" when it does not: ``trainer/scoring.py``)."""
+        """Why this trainer scores through full logits ("" when it does not: ``scoring/logprobs.py``)."""
         # the strategy, not the config: a rank joins a group whatever its config's world_size says
         return self.parallel.head_fallback(self.model)
 
@@ -311,7 +312,7 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
 
     def _accumulate(self, batch: MicroBatch, normalizer: float) -> dict[str, torch.Tensor]:
         """One micro-batch's loss, its gradient added to the parameters; its metrics. Log-probs by
-        the fused head where it applies, else through full logits (``trainer/scoring.py``)."""
+        the fused head where it applies, else through full logits (``scoring/logprobs.py``)."""
         cfg = self.config
         score = dict(
             fused=not self._fallback_reason(),

@@ -7,7 +7,7 @@ bf16 peak. Per token of a sequence of ``s`` tokens, with ``N`` the decoder layer
 theirs (a frozen LoRA base skips those; the adapters' own are negligible). Attention adds
 ``2 x 2 x s x H`` per layer and token forward (scores and values, half of it under a causal mask:
 ``2sH`` counted), three times that for forward and backward. The output layer runs only on the
-scored (completion) tokens (``trainer/scoring.py``): ``6VH`` each, ``4VH`` when frozen.
+scored (completion) tokens (``scoring/logprobs.py``): ``6VH`` each, ``4VH`` when frozen.
 """
 
 from __future__ import annotations

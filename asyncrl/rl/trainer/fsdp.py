@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.errors import AsyncrlError
+from asyncrl.rl.scoring.forward import ROUTED_FORWARD
 
 
 class ShardingError(AsyncrlError):
@@ -68,21 +69,16 @@ def _route_forward(root: torch.nn.Module) -> None:
     """Let the root run any computation inside its own forward: ``root(asyncrl_call=fn)`` runs
     ``fn()`` between FSDP2's root hooks, which gather the root's own parameters (embeddings, final
     norm, head) and reduce-scatter their gradients after the backward. The fused head
-    (``trainer/scoring.py``) calls the decoder and reads the head's weight itself; outside the
-    root's forward it would see shards. Any other call is the model's own forward (generation)."""
+    (``scoring/logprobs.py``, through `in_root_forward`) calls the decoder and reads the head's
+    weight itself; outside the root's forward it would see shards. Any other call is the model's
+    own forward (generation)."""
     original = root.forward
 
     def forward(*args: Any, asyncrl_call: Any = None, **kwargs: Any) -> Any:
         return original(*args, **kwargs) if asyncrl_call is None else asyncrl_call()
 
     root.forward = forward
-    root._asyncrl_routed_forward = True
-
-
-def in_root_forward(model: torch.nn.Module, fn: Any) -> Any:
-    """``fn()``, inside the sharded root's forward when ``model`` is sharded (`_route_forward`)."""
-    root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return root(asyncrl_call=fn) if getattr(root, "_asyncrl_routed_forward", False) else fn()
+    setattr(root, ROUTED_FORWARD, True)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.rl.config.trainer import AUTO_CPU_MICRO_BATCH_TOKENS, AUTO_MICRO_BATCH_TOKENS_MAX
-from asyncrl.rl.trainer.chunked_head import DEFAULT_CHUNK_BYTES
+from asyncrl.rl.scoring.chunked_head import DEFAULT_CHUNK_BYTES
 
 AUTO_MIN_TOKENS = 1024
 """The least auto ever picks (and its rounding step): below it a step is mostly launch overhead."""
@@ -55,7 +55,7 @@ def auto_micro_batch_tokens(
     Per token: ``num_layers`` x `layer_bytes_per_token`, or with ``checkpointing`` each layer's
     fp32 input (4H) plus one layer's activations (the one recomputed in the backward); then 16H
     for the embeddings' output, the final norm and the gathered hidden states; and with
-    ``full_logits`` (the fallback path, ``trainer/scoring.py``) 12 B a vocabulary entry: the fp32
+    ``full_logits`` (the fallback path, ``scoring/logprobs.py``) 12 B a vocabulary entry: the fp32
     logits kept for the backward and their bf16 original, then in the backward their fp32 and bf16
     gradients (on an H100 the 0.5B shape's full-logits step took 10.5 B a vocabulary entry a token
     more than the fused one, and 6 B, the first estimate, ran out of memory). Fixed: the chunked head's

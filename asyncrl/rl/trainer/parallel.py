@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 import torch
 
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.trainer.batching import MicroBatch
+from asyncrl.rl.scoring.batch import MicroBatch
+from asyncrl.rl.scoring.logprobs import fused_head_fallback
 
 T = TypeVar("T")
 FAULT_ENV = "ASYNCRL_TEST_TRAINER_FAULT"
@@ -61,9 +62,7 @@ class Local:
         return groups, advantages
 
     def head_fallback(self, model: torch.nn.Module) -> str:
-        """Why ``model`` scores through full logits here ("": the fused head, ``trainer/scoring.py``)."""
-        from asyncrl.rl.trainer.scoring import fused_head_fallback
-
+        """Why ``model`` scores through full logits here ("": the fused head, ``scoring/logprobs.py``)."""
         return fused_head_fallback(model)
 
     def align(self, batches: list[MicroBatch], model: torch.nn.Module, step: int) -> list[MicroBatch]:
@@ -152,9 +151,7 @@ class Sharded:
 
     def head_fallback(self, model: torch.nn.Module) -> str:
         """As on one process: the fused head runs inside the sharded root's forward
-        (`fsdp.in_root_forward`), where FSDP2 has gathered the head and the embeddings."""
-        from asyncrl.rl.trainer.scoring import fused_head_fallback
-
+        (`scoring.forward.in_root_forward`), where FSDP2 has gathered the head and the embeddings."""
         return fused_head_fallback(model)
 
     def align(self, batches: list[MicroBatch], model: torch.nn.Module, step: int) -> list[MicroBatch]:

@@ -1,5 +1,6 @@
-"""The trainer's log-probs of a micro-batch's scored tokens: ``[S, C]`` in `MicroBatch.scored`'s
-layout, the input ``grpo_loss`` takes, by one of two paths.
+"""The log-probs of a micro-batch's scored tokens, the trainer's, its KL reference's and a
+teacher's alike: ``[S, C]`` in `MicroBatch.scored`'s layout (the input ``grpo_loss`` takes), by
+one of two paths.
 
 - fused (the default): the decoder's final hidden states, gathered at the scored positions only
   (a prompt token never goes through the output layer), then the output layer and log-softmax a
@@ -17,11 +18,10 @@ import contextlib
 
 import torch
 
-from asyncrl.rl.trainer.batching import MicroBatch
-from asyncrl.rl.trainer.chunked_head import head_logprobs, head_topk
-from asyncrl.rl.trainer.fsdp import in_root_forward
-from asyncrl.rl.trainer.loss import LossInputError, token_entropy, token_logprobs
-from asyncrl.rl.trainer.packing import policy_hidden, policy_logits
+from asyncrl.rl.scoring.batch import MicroBatch
+from asyncrl.rl.scoring.chunked_head import head_logprobs, head_topk
+from asyncrl.rl.scoring.forward import in_root_forward, policy_hidden, policy_logits
+from asyncrl.rl.scoring.tokens import LossInputError, token_entropy, token_logprobs
 
 NON_LINEAR_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 """Model config keys of logits that are not the output layer's plain output (Gemma's soft cap,
@@ -30,7 +30,7 @@ Cohere's and Granite's scales): such models take the full-logits path."""
 
 def fused_head_fallback(model) -> str:
     """Why ``model`` must take the full-logits path ("" when the fused one applies; a sharded
-    model takes it inside its root's forward, `fsdp.in_root_forward`):
+    model takes it inside its root's forward, `forward.in_root_forward`):
 
     - a config with a soft cap or a scale on its logits (`NON_LINEAR_HEAD_KEYS`);
     - no ``get_decoder``/``get_output_embeddings``, a decoder that is the model itself, or a head
