@@ -157,6 +157,7 @@ class NodeAgent:
                 os.getpid(),
                 cfg.device_kind or "",
                 cfg.devices,
+                len(os.sched_getaffinity(0)),
             )
         )
         deadline = time.monotonic() + cfg.join_timeout_s
