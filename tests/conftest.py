@@ -41,6 +41,7 @@ TIERS = {
     ),
     # the actor runtime with real processes and sockets: supervisors, calls, kills, nodes, status
     "runtime": (
+        "agent_spawn",
         "auth",
         "fuzz_sockets",
         "kill",

@@ -53,6 +53,7 @@ async def test_two_nodes_placement_calls_logs_and_clean_stop(secret, tmp_path, c
     try:
         async with _cluster_supervisor(2, port) as sup:
             assert [(n.rank, n.devices_total, n.state) for n in sup.nodes()] == [(0, 0, "joined"), (1, 2, "joined")]
+            assert [n.cores for n in sup.nodes()] == [len(os.sched_getaffinity(0))] * 2  # the agent's, as it said
             local = await sup.spawn(Echo, name="local")
             remote = await sup.spawn(Echo, name="remote", node=1, env={"MY_SETTING": "x"})
             gpu = await sup.spawn(Echo, name="gpu", gpus=1)  # node 0 has no device: placed on node 1
@@ -363,6 +364,32 @@ def test_launch_node_usage_errors(args, text):
     ]
     out = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and text in out.stderr, out.stderr
+
+
+def test_a_hello_with_or_without_its_cores_is_read_by_either_side():
+    """``NodeHello.cores`` is a trailing default: an older agent's hello (without it) reads as 0
+    cores, and a newer agent's is read by an older supervisor, which leaves the field."""
+    import msgspec
+
+    from asyncrl.runtime import wire
+
+    class OlderHello(msgspec.Struct, tag_field="t", tag=30, array_like=True, frozen=True):
+        protocol: int
+        rank: int
+        nnodes: int
+        agent_id: str
+        hostname: str
+        address: str
+        pid: int
+        device_kind: str
+        devices: list[str]
+
+    fields = (wire.NODE_PROTOCOL, 1, 2, "a1", "host", "10.0.0.2", 7, "", [])
+    from_older = msgspec.msgpack.decode(msgspec.msgpack.encode(OlderHello(*fields)), type=wire.FromNode)
+    assert from_older == wire.NodeHello(*fields) and from_older.cores == 0
+    newer = msgspec.msgpack.encode(wire.NodeHello(*fields, 16))
+    assert msgspec.msgpack.decode(newer, type=wire.FromNode).cores == 16
+    assert msgspec.msgpack.decode(newer, type=OlderHello) == OlderHello(*fields)
 
 
 def test_node_settings_precedence_torchrun_and_slurm():

@@ -367,6 +367,25 @@ def test_more_cpu_samplers_than_cores_is_refused_unless_forced():
         check_target(5, active=2, device="cuda", colocated=False, started=2, free_gpus=1, force=True)
 
 
+def test_the_cpu_cores_of_a_cluster_are_each_joined_nodes_own():
+    """The cores a scale-up of CPU samplers may use are each joined node's as its agent reported
+    them, not this host's times the nodes (a 2-core node beside a 64-core one took as many
+    samplers as its neighbour); a node lost or leaving has none to give, and one whose (older)
+    agent reported none counts as this host."""
+    import os
+
+    from asyncrl.rl.driver.spawn import _cpu_cores
+    from asyncrl.runtime.cluster import NodeStatus
+
+    def cluster(*nodes):
+        return SimpleNamespace(nodes=lambda: [NodeStatus(r, "h", "a", 0, 0, *n) for r, n in enumerate(nodes)])
+
+    here = len(os.sched_getaffinity(0))
+    assert _cpu_cores(cluster(("joined", 2))) == 2
+    assert _cpu_cores(cluster(("joined", 2), ("joined", 64), ("lost: silent", 8), ("draining: x", 4))) == 66
+    assert _cpu_cores(cluster(("joined", 2), ("joined", 0))) == 2 + here
+
+
 async def test_the_answer_says_the_samplers_running_and_starting_and_the_target_before():
     """Seen: a scale to 99, then to 1, answered ``99 -> 1``: the target pending, not the samplers
     running. The answer and the log line say both; ``samplers_target`` is in the progress from the

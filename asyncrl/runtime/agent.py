@@ -2,8 +2,9 @@
 
 It connects to the supervisor's cluster socket (CURVE, with the cluster secret), joins with
 ``NodeHello`` (rank, host, the address peers reach it at, devices), then does what the supervisor
-asks: start a worker process per ``SpawnActor`` (the worker then talks to the supervisor itself),
-SIGTERM/SIGKILL it on ``StopActor``/``KillActor``, and report ``ActorStarted``/``ActorExited``.
+asks: start a worker process per ``SpawnActor``, off its loop (the worker then talks to the
+supervisor itself), SIGTERM/SIGKILL it on ``StopActor``/``KillActor``, and report
+``ActorStarted``/``ActorExited``.
 The workers' output is forwarded as ``ActorLog`` lines. It beats every ``heartbeat_interval_s``.
 
 It ends, stopping every actor it started first, when:
@@ -82,6 +83,7 @@ class NodeAgent:
         self.node_timeout_s = cfg.node_timeout_s
         self.heartbeat_interval_s = cfg.heartbeat_interval_s
         self._children: dict[tuple[str, int], ChildProcess] = {}
+        self._starting: dict[tuple[str, int], asyncio.Task] = {}  # Popen under way on a thread
         self._reporters: dict[tuple[str, int], asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._body = msgspec.msgpack.Encoder()
@@ -129,7 +131,7 @@ class NodeAgent:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-            for t in [*self._tasks, *self._reporters.values()]:
+            for t in [*self._tasks, *self._reporters.values(), *self._starting.values()]:
                 t.cancel()
             for proc in self._children.values():
                 proc.kill_now()
@@ -155,6 +157,7 @@ class NodeAgent:
                 os.getpid(),
                 cfg.device_kind or "",
                 cfg.devices,
+                len(os.sched_getaffinity(0)),
             )
         )
         deadline = time.monotonic() + cfg.join_timeout_s
@@ -191,12 +194,13 @@ class NodeAgent:
 
     def _signalled(self, sig: int) -> None:
         reason = f"received {signal.Signals(sig).name}"
-        if self._draining or not self.cfg.drain_timeout_s or not self._welcome.done() or not self._reporters:
+        here = len(self._reporters) + len(self._starting)
+        if self._draining or not self.cfg.drain_timeout_s or not self._welcome.done() or not here:
             self._finish(128 + sig, reason)  # a second signal, a fixed-size cluster, or nothing to drain
             return
         self._draining = True
         self.say(
-            f"{reason}: leaving once the {len(self._reporters)} actor(s) here are stopped "
+            f"{reason}: leaving once the {here} actor(s) here are stopped "
             f"(at most {self.cfg.drain_timeout_s:g} s; a second signal stops them now)"
         )
         self.send(wire.NodeDraining(self.cfg.rank, self.agent_id, reason, self.cfg.drain_timeout_s))
@@ -206,14 +210,15 @@ class NodeAgent:
         """Wait until every actor here has exited (their owner stops them) or the drain deadline
         passes, then leave as on any signal (the ones still running are stopped then)."""
         deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout_s
-        while self._reporters and not self._done.done():
+        while (self._reporters or self._starting) and not self._done.done():
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 self.say(
-                    f"{len(self._reporters)} actor(s) still running after {self.cfg.drain_timeout_s:g} s; stopping them"
+                    f"{len(self._reporters) + len(self._starting)} actor(s) still running after "
+                    f"{self.cfg.drain_timeout_s:g} s; stopping them"
                 )
                 break
-            await asyncio.wait(list(self._reporters.values()), timeout=remaining)
+            await asyncio.wait([*self._reporters.values(), *self._starting.values()], timeout=remaining)
         self._finish(code, reason)
 
     def _finish(self, code: int, reason: str) -> None:
@@ -239,6 +244,7 @@ class NodeAgent:
         else:
             proc = self._children.get((msg.actor, msg.incarnation))
             if proc is None:
+                self._stop_starting(msg.actor, msg.incarnation)
                 return
             if kind is wire.KillActor:
                 proc.kill_now()
@@ -274,14 +280,18 @@ class NodeAgent:
 
     def _spawn(self, msg: wire.SpawnActor) -> None:
         key = (msg.actor, msg.incarnation)
-        if key in self._children:
+        if key in self._children or key in self._starting:
             return
         if self._done.done() or self._draining:  # answered, so the supervisor's start does not wait for nothing
             self.send(wire.ActorExited(msg.actor, msg.incarnation, "not started: the node agent is stopping"))
             return
+        task = self._starting[key] = asyncio.ensure_future(self._start(key, self._actor_env(msg)))
+        task.add_done_callback(lambda _t: self._starting.pop(key, None))
+
+    def _actor_env(self, msg: wire.SpawnActor) -> dict[str, str]:
         cfg = self.cfg
         visibility = {VISIBILITY_VARIABLE[cfg.device_kind]: ",".join(msg.devices)} if cfg.device_kind else {}
-        env = {
+        return {
             **os.environ,
             net.ENV_NODE_ADDR: cfg.node_addr,
             net.ENV_NODE_RANK: str(cfg.rank),
@@ -297,21 +307,37 @@ class NodeAgent:
             worker_env.ENV_INIT_TIMEOUT: str(msg.init_timeout_s),
             ENV_SECRET: cfg.keys.secret,
         }
+
+    async def _start(self, key: tuple[str, int], env: dict[str, str]) -> None:
+        """Start an actor's process with ``Popen`` on a thread (`ChildProcess.start`): a burst of
+        starts here (a scale-up placing its samplers on this node) held this loop, and with it
+        the heartbeats whose silence for ``node_timeout_s`` (5 s by default) makes node 0 count
+        this node, and every actor on it, as lost."""
+        actor, incarnation = key
         try:
-            proc = ChildProcess(
+            proc = await ChildProcess.start(
                 [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"],
                 env,
-                f"[{msg.actor}]: ",
+                f"[{actor}]: ",
                 pass_fds=[self._death_r],
-                sink=functools.partial(self._forward, msg.actor, msg.incarnation),
+                sink=functools.partial(self._forward, actor, incarnation),
             )
         except OSError as e:
-            self.send(wire.ActorExited(msg.actor, msg.incarnation, f"could not be started: {e}"))
+            self.send(wire.ActorExited(actor, incarnation, f"could not be started: {e}"))
             return
         self._children[key] = proc
-        self.send(wire.ActorStarted(msg.actor, msg.incarnation, proc.pid))
+        self.send(wire.ActorStarted(actor, incarnation, proc.pid))
         reporter = self._reporters[key] = asyncio.ensure_future(self._report_exit(key, proc))
         reporter.add_done_callback(lambda _t: self._reporters.pop(key, None))
+
+    def _stop_starting(self, actor: str, incarnation: int) -> None:
+        """A stop or kill for an actor whose ``Popen`` still runs: the start is cancelled, which
+        kills the process once ``Popen`` returns (`ChildProcess.start`), and the exit is reported
+        now, as the supervisor's stop waits for it."""
+        start = self._starting.pop((actor, incarnation), None)
+        if start is not None:
+            start.cancel()
+            self.send(wire.ActorExited(actor, incarnation, "stopped while its process was being started"))
 
     async def _report_exit(self, key: tuple[str, int], proc: ChildProcess) -> None:
         await proc.exited
@@ -335,7 +361,10 @@ class NodeAgent:
             self.send(wire.ActorLog(actor, incarnation, stream, text[i : i + _LOG_LINES_PER_MESSAGE]))
 
     async def _stop_all(self) -> None:
-        """SIGTERM then SIGKILL every actor's process group; wait for their exits to be reported."""
+        """SIGTERM then SIGKILL every actor's process group; wait for their exits to be reported.
+        Starts under way are let finish first (bounded), so that their processes are stopped too."""
+        if self._starting:
+            await asyncio.wait(list(self._starting.values()), timeout=self.cfg.term_timeout_s)
         procs = list(self._children.values())
         if procs:
             await asyncio.gather(*(p.terminate(self.cfg.term_timeout_s, kill_timeout_s=5.0) for p in procs))

@@ -54,6 +54,8 @@ class NodeStatus(msgspec.Struct, frozen=True):
     devices_total: int
     state: str
     """'joined', 'draining: <reason>' (it is leaving: it takes no new actor), or 'lost: <reason>'."""
+    cores: int = 0
+    """The CPU cores its actors may run on, as its agent reported them (0: not reported)."""
 
 
 class RemoteProcess(ActorProcess):
@@ -98,6 +100,7 @@ class Node:
         self.agent_id = hello.agent_id
         self.route = route
         self.pool = DevicePool(hello.device_kind or None, hello.devices, where=f"node {hello.rank} ({hello.hostname})")
+        self.cores = hello.cores
         self.last_seen = time.monotonic()
         self.procs: dict[tuple[str, int], RemoteProcess] = {}
         self.lost: str | None = None
@@ -116,7 +119,9 @@ class Node:
             if self.draining is not None
             else "joined"
         )
-        return NodeStatus(self.rank, self.hostname, self.address, len(self.pool.free), self.pool.total, state)
+        return NodeStatus(
+            self.rank, self.hostname, self.address, len(self.pool.free), self.pool.total, state, self.cores
+        )
 
 
 class Cluster:

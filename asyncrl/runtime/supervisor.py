@@ -177,6 +177,7 @@ class Supervisor:
             len(self._devices.free),
             self._devices.total,
             "joined",
+            len(os.sched_getaffinity(0)),
         )
         return [me, *(self._cluster.status() if self._cluster is not None else [])]
 

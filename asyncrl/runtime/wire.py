@@ -180,6 +180,9 @@ class NodeHello(_Msg, tag=30):
     pid: int
     device_kind: str
     devices: list[str]
+    cores: int = 0
+    """The CPU cores the agent's processes may run on (its affinity); 0 from an agent older than
+    this field (a trailing default: either side may be the older one)."""
 
 
 class NodeHeartbeat(_Msg, tag=31):

@@ -204,10 +204,11 @@ def _scaled_node(sup: Any, cuda: bool) -> int | None:
 
 
 def _cpu_cores(sup: Any) -> int:
-    """The cores CPU samplers may use: this host's (those this process may run on) times the nodes
-    joined, taken to be alike (a node's agent does not report its cores)."""
-    nodes = sum(n.state == "joined" for n in sup.nodes()) if sup.config.nnodes > 1 else 1
-    return len(os.sched_getaffinity(0)) * max(nodes, 1)
+    """The cores CPU samplers may use: those of every node joined, as each reported them (the
+    ones this process may run on, here); a node whose agent reported none (an older agent)
+    counts as many as this one."""
+    here = len(os.sched_getaffinity(0))
+    return max(sum(n.cores or here for n in sup.nodes() if n.state == "joined"), 1)
 
 
 def _synced_adapter(config: GRPOConfig) -> LoRAConfig | None:
