@@ -6,6 +6,7 @@ tool calls both ways, a hung and a raising agent, and requests without the token
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 
@@ -1015,3 +1016,79 @@ def test_every_metric_the_runner_adds_to_an_agents_samples_is_in_docs_agents_md(
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "agents.md"), encoding="utf-8") as f:
         docs = f.read()
     assert [k for k in added if f"`task/{k}`" not in docs] == []
+
+
+@pytest.mark.parametrize("batch", [True, False])
+@pytest.mark.parametrize("end", ["episodes cancelled", "server closes"])
+async def test_the_end_of_a_run_under_open_streams_is_quiet_and_every_episode_accounted_for(
+    letters, caplog, batch, end
+):
+    """A run's end as a streaming agent's episodes meet it, some streams past a first piece of
+    text, one before any: the rollout stream is dropped (its episodes cancelled, their clients
+    gone, while the backend generates on), or the sampler's endpoint closes under them. Seen:
+    7-47 aiohttp tracebacks ("Cannot write to closing transport") around the "GRPO finished"
+    summary, at 16 groups a step. Nothing above debug is logged, no traceback; every session is
+    closed with no call in flight and none recorded (no agent saw an answer); where the server
+    closed, each episode ends as its client tells its agent, a failure scored 0 and counted."""
+    import logging
+
+    _, tok, fmt = letters
+    ids = tok("abc", add_special_tokens=False)["input_ids"]
+    pieces, rows, sent, release = [], itertools.count(), [], asyncio.Event()
+
+    async def generate(prompts, n, params, progress=None):
+        for row in range(len(prompts) * n):
+            if next(rows):  # the first row sends nothing before the end
+                progress(row, ids[:1])
+                sent.append(row)
+        await release.wait()  # the backend generates on (a gathered batch, for its other rows)
+        return 4, [[Completion(ids, [-0.5] * len(ids), "abc", "length")] * n for _ in prompts]
+
+    async def agent(problem, client):
+        stream = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": problem}], stream=True
+        )
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].delta.content)
+        return 1.0
+
+    sampling = SamplingParams(max_new_tokens=8, stop_token_ids=fmt.stop_token_ids)
+    server = OpenAIServer(generate, tok, sampling, max_context=512, batch=batch)
+    await server.start()
+    connections = server._runner.server.connections
+    calls = UserCalls("agent", timeout_s=60.0, max_failure_rate=1.0)
+    caplog.set_level(logging.DEBUG)
+    try:
+        episodes = asyncio.ensure_future(AgentRunner(FunctionAgent.of(agent)(), server, calls).episodes(["go"], 3))
+        async with asyncio.timeout(30):
+            # every request is in, and each stream given a piece has read it
+            while sum(s.in_flight for s in server.sessions.values()) < 3 or len(pieces) < len(sent):
+                await asyncio.sleep(0.01)
+            sessions = list(server.sessions.values())
+            if end == "server closes":
+                await server.close()
+                outcomes = [outcome for _, outcome in await episodes]
+            else:
+                episodes.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await episodes
+                while any(c.transport for c in connections):  # the server saw every client go
+                    await asyncio.sleep(0.01)
+                release.set()  # the generation ends, and what is left of its requests' handlers with it
+                while connections or any(s.in_flight for s in sessions):
+                    await asyncio.sleep(0.01)
+    finally:
+        await server.close()
+        calls.close()
+    loud = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING or r.levelno > logging.DEBUG and r.name.startswith(("aiohttp", "asyncrl"))
+    ]
+    assert not loud, [(r.name, r.getMessage()) for r in loud]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert len(sessions) == 3 and all(s.closed and s.in_flight == 0 and s.calls == [] for s in sessions)
+    assert server.sessions == {}
+    assert pieces == ["a"] * len(sent) and (batch or len(sent) == 2)  # streams were open, past their first piece
+    if end == "server closes":
+        assert [o.error for o in outcomes] == ["raised"] * 3 and calls.failures == 3
