@@ -558,14 +558,18 @@ async def agent(problem, client):
 async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(letters, tmp_path):
     """The sampler actor in its own process: an agent named FILE.py:function, problems from a data
     file, groups of its two-turn episodes as the trainer gets them, from two rollout streams at
-    once (two paced streams, --sampler.streams 2); its root endpoint for others."""
+    once (two paced streams, --sampler.streams 2); its root endpoint for others, whose URL and
+    token ``asyncrl status RUN_DIR --endpoint`` prints (the token, and only it, is let in)."""
     from asyncrl import Supervisor
-    from asyncrl.rl.config.run import DataConfig
+    from asyncrl.rl.config.run import DataConfig, RecoveryConfig
     from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.driver.fleet.endpoints import sampler_endpoints
+    from asyncrl.rl.driver.fleet.membership import Membership
     from asyncrl.rl.rollout import validate_group
     from asyncrl.rl.sampler.actor import SamplerActor
     from asyncrl.rl.tasks.loading import TaskSpec
     from sampler_support import ONE_THREAD
+    from test_status import status_cli
 
     (tmp_path / "my_agent.py").write_text(AGENT_FILE)
     with open(tmp_path / "rows.jsonl", "w") as f:
@@ -588,10 +592,20 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
 
         groups = [g for got in await asyncio.gather(stream(), stream()) for g in got]
         served = await sampler.openai_endpoint()
+        # what code outside the episodes is told to use (docs/agents.md): the run's status socket
+        status = await sup.serve_status(tmp_path, progress=lambda: {"phase": "training"})
+        membership = Membership([sampler], [0], recovery=RecoveryConfig(), log=lambda line: None)
+        status.add_command("endpoint", lambda args: sampler_endpoints(membership, args))
+        code, out, err = await status_cli(str(tmp_path), "--endpoint", "--json")
+        assert (code, err) == (0, ""), err
+        assert json.loads(out) == {"endpoints": [{"sampler": "smp", **served}]}
         async with openai.AsyncOpenAI(base_url=served["base_url"], api_key=served["token"], max_retries=0) as client:
             answer = await client.chat.completions.create(
                 model="policy", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
             )
+        async with openai.AsyncOpenAI(base_url=served["base_url"], api_key="not-the-token", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         stats = await sampler.stats()
     assert served["base_url"].startswith("http://127.0.0.1:") and len(answer.choices[0].message.content) == 2
     assert len(groups) == 2 and stats["completions"] == 2 * 2 * 2 + 1  # 2 problems x 2 episodes x 2 calls, + 1
