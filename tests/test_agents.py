@@ -6,6 +6,7 @@ tool calls both ways, a hung and a raising agent, and requests without the token
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 
@@ -557,14 +558,18 @@ async def agent(problem, client):
 async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(letters, tmp_path):
     """The sampler actor in its own process: an agent named FILE.py:function, problems from a data
     file, groups of its two-turn episodes as the trainer gets them, from two rollout streams at
-    once (two paced streams, --sampler.streams 2); its root endpoint for others."""
+    once (two paced streams, --sampler.streams 2); its root endpoint for others, whose URL and
+    token ``asyncrl status RUN_DIR --endpoint`` prints (the token, and only it, is let in)."""
     from asyncrl import Supervisor
-    from asyncrl.rl.config.run import DataConfig
+    from asyncrl.rl.config.run import DataConfig, RecoveryConfig
     from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.driver.fleet.endpoints import sampler_endpoints
+    from asyncrl.rl.driver.fleet.membership import Membership
     from asyncrl.rl.rollout import validate_group
     from asyncrl.rl.sampler.actor import SamplerActor
     from asyncrl.rl.tasks.loading import TaskSpec
     from sampler_support import ONE_THREAD
+    from test_status import status_cli
 
     (tmp_path / "my_agent.py").write_text(AGENT_FILE)
     with open(tmp_path / "rows.jsonl", "w") as f:
@@ -587,10 +592,20 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
 
         groups = [g for got in await asyncio.gather(stream(), stream()) for g in got]
         served = await sampler.openai_endpoint()
+        # what code outside the episodes is told to use (docs/agents.md): the run's status socket
+        status = await sup.serve_status(tmp_path, progress=lambda: {"phase": "training"})
+        membership = Membership([sampler], [0], recovery=RecoveryConfig(), log=lambda line: None)
+        status.add_command("endpoint", lambda args: sampler_endpoints(membership, args))
+        code, out, err = await status_cli(str(tmp_path), "--endpoint", "--json")
+        assert (code, err) == (0, ""), err
+        assert json.loads(out) == {"endpoints": [{"sampler": "smp", **served}]}
         async with openai.AsyncOpenAI(base_url=served["base_url"], api_key=served["token"], max_retries=0) as client:
             answer = await client.chat.completions.create(
                 model="policy", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
             )
+        async with openai.AsyncOpenAI(base_url=served["base_url"], api_key="not-the-token", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         stats = await sampler.stats()
     assert served["base_url"].startswith("http://127.0.0.1:") and len(answer.choices[0].message.content) == 2
     assert len(groups) == 2 and stats["completions"] == 2 * 2 * 2 + 1  # 2 problems x 2 episodes x 2 calls, + 1
@@ -1015,3 +1030,79 @@ def test_every_metric_the_runner_adds_to_an_agents_samples_is_in_docs_agents_md(
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "agents.md"), encoding="utf-8") as f:
         docs = f.read()
     assert [k for k in added if f"`task/{k}`" not in docs] == []
+
+
+@pytest.mark.parametrize("batch", [True, False])
+@pytest.mark.parametrize("end", ["episodes cancelled", "server closes"])
+async def test_the_end_of_a_run_under_open_streams_is_quiet_and_every_episode_accounted_for(
+    letters, caplog, batch, end
+):
+    """A run's end as a streaming agent's episodes meet it, some streams past a first piece of
+    text, one before any: the rollout stream is dropped (its episodes cancelled, their clients
+    gone, while the backend generates on), or the sampler's endpoint closes under them. Seen:
+    7-47 aiohttp tracebacks ("Cannot write to closing transport") around the "GRPO finished"
+    summary, at 16 groups a step. Nothing above debug is logged, no traceback; every session is
+    closed with no call in flight and none recorded (no agent saw an answer); where the server
+    closed, each episode ends as its client tells its agent, a failure scored 0 and counted."""
+    import logging
+
+    _, tok, fmt = letters
+    ids = tok("abc", add_special_tokens=False)["input_ids"]
+    pieces, rows, sent, release = [], itertools.count(), [], asyncio.Event()
+
+    async def generate(prompts, n, params, progress=None):
+        for row in range(len(prompts) * n):
+            if next(rows):  # the first row sends nothing before the end
+                progress(row, ids[:1])
+                sent.append(row)
+        await release.wait()  # the backend generates on (a gathered batch, for its other rows)
+        return 4, [[Completion(ids, [-0.5] * len(ids), "abc", "length")] * n for _ in prompts]
+
+    async def agent(problem, client):
+        stream = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": problem}], stream=True
+        )
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].delta.content)
+        return 1.0
+
+    sampling = SamplingParams(max_new_tokens=8, stop_token_ids=fmt.stop_token_ids)
+    server = OpenAIServer(generate, tok, sampling, max_context=512, batch=batch)
+    await server.start()
+    connections = server._runner.server.connections
+    calls = UserCalls("agent", timeout_s=60.0, max_failure_rate=1.0)
+    caplog.set_level(logging.DEBUG)
+    try:
+        episodes = asyncio.ensure_future(AgentRunner(FunctionAgent.of(agent)(), server, calls).episodes(["go"], 3))
+        async with asyncio.timeout(30):
+            # every request is in, and each stream given a piece has read it
+            while sum(s.in_flight for s in server.sessions.values()) < 3 or len(pieces) < len(sent):
+                await asyncio.sleep(0.01)
+            sessions = list(server.sessions.values())
+            if end == "server closes":
+                await server.close()
+                outcomes = [outcome for _, outcome in await episodes]
+            else:
+                episodes.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await episodes
+                while any(c.transport for c in connections):  # the server saw every client go
+                    await asyncio.sleep(0.01)
+                release.set()  # the generation ends, and what is left of its requests' handlers with it
+                while connections or any(s.in_flight for s in sessions):
+                    await asyncio.sleep(0.01)
+    finally:
+        await server.close()
+        calls.close()
+    loud = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING or r.levelno > logging.DEBUG and r.name.startswith(("aiohttp", "asyncrl"))
+    ]
+    assert not loud, [(r.name, r.getMessage()) for r in loud]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert len(sessions) == 3 and all(s.closed and s.in_flight == 0 and s.calls == [] for s in sessions)
+    assert server.sessions == {}
+    assert pieces == ["a"] * len(sent) and (batch or len(sent) == 2)  # streams were open, past their first piece
+    if end == "server closes":
+        assert [o.error for o in outcomes] == ["raised"] * 3 and calls.failures == 3

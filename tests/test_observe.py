@@ -637,3 +637,38 @@ async def test_the_last_curves_drawing_is_awaited_without_blocking_the_loop(tmp_
     path = await painter.close(timeout_s=60)
     assert path == str(tmp_path / "curves.png") and drawn == [path] and lines == []
     assert await painter.close(timeout_s=60) == path and len(drawn) == 2  # a close after the last draws again
+
+
+async def test_the_driver_s_loop_watch_stays_quiet_while_the_last_curves_drawing_outlasts_its_threshold(
+    tmp_path, monkeypatch
+):
+    """The end of every run said "the event loop of the driver is blocked ... CurvesPainter.close
+    ... Thread.join", then "ran again after 7.8-14.6 s blocked": the last curves.png being drawn.
+    Here the driver's loop watch (as ``--run.loop_watch_s`` starts it) watches a close whose drawing
+    takes four times its threshold: it says nothing, and the close returns the drawn picture."""
+    import threading
+    import time
+
+    from asyncrl.rl.observe.painter import CurvesPainter
+    from asyncrl.rl.view import curves
+    from asyncrl.runtime.loop_watch import LoopWatch
+
+    threshold_s, drawing = 0.5, []
+
+    def slow_draw(run_dirs, path):  # matplotlib on loaded cores: seconds of work in the painter's thread
+        drawing.append(threading.current_thread().name)
+        time.sleep(4 * threshold_s)
+
+    monkeypatch.setattr(curves, "draw_curves", slow_draw)
+    watched, painted = [], []
+    watch = LoopWatch("the driver", threshold_s, watched.append, interval_s=0.05).start()
+    try:
+        painter = CurvesPainter(str(tmp_path), log=painted.append)
+        started = time.monotonic()
+        path = await painter.close(timeout_s=60)
+        took = time.monotonic() - started
+    finally:
+        watch.close()
+    assert drawing == ["asyncrl-curves"] and took >= 4 * threshold_s  # the close awaited the whole drawing
+    assert path == str(tmp_path / "curves.png") and painted == []
+    assert watched == [] and watch.blocked == 0
