@@ -72,6 +72,7 @@ TIERS = {
         "sampler",
         "scaling_pool",
         "scorer",
+        "scorer_factory",
         "stall",
         "sync_phases",
         "tasks",
