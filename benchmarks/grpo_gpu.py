@@ -6,6 +6,7 @@ GRPOTrainer on the same model, step and machine when TRL is installed.
     python benchmarks/grpo_gpu.py --shape 7b --lora-rank 16 --runs async,trl
     python benchmarks/grpo_gpu.py --shape 0.5b -- --trainer.micro_batch_tokens 4096   # our flags after --
     python benchmarks/grpo_gpu.py --shape 0.5b --runs async@1,async@2,sync@2   # on the first 1 and 2 GPUs
+    python benchmarks/grpo_gpu.py --shape 0.5b --runs trl@2,async@2   # TRL's server mode on 2 GPUs beside ours
 
 The model is a random Qwen2 of the shape in bf16 with the embedded byte-level tokenizer
 (`sampler_backends.make_model`): random weights never emit the stop token, so every completion has
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -194,8 +196,27 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
     }
 
 
-def trl_run(args, model: str, out_dir: str) -> dict:
-    """TRL in a child process of its own (its vLLM engine and CUDA context go with it)."""
+def trl_run(args, model: str, out_dir: str, gpus: int = 0) -> dict:
+    """TRL in a child process of its own (its vLLM engine and CUDA context go with it). ``gpus`` 2:
+    TRL's server mode, as its docs run it on two GPUs: ``trl vllm-serve`` on GPU 1 (90% of its
+    memory), the GRPOTrainer on GPU 0 pushing weights to it over NCCL after every step."""
+    if gpus not in (0, 1, 2):
+        raise SystemExit("trl@N: N is 1 (colocated) or 2 (server mode)")
+    server = None
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    extra: list[str] = []
+    if gpus == 2:
+        port = 8000 + os.getpid() % 1000
+        server = subprocess.Popen(
+            [sys.executable, "-m", "trl.scripts.vllm_serve", "--model", model, "--port", str(port)]
+            + ["--host", "127.0.0.1", "--gpu_memory_utilization", "0.9"],
+            env={**env, "CUDA_VISIBLE_DEVICES": "1"},
+            stdout=open(os.path.join(out_dir, "trl-vllm-serve.log"), "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+        extra = ["--trl-server", f"http://127.0.0.1:{port}"]
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -217,15 +238,19 @@ def trl_run(args, model: str, out_dir: str) -> dict:
         str(args.lora_rank),
         "--out",
         out_dir,
+        *extra,
     ]
     start = time.monotonic()
-    done = subprocess.run(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-    )
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    finally:
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
     wall = time.monotonic() - start
     result = [line for line in done.stdout.splitlines() if line.startswith("TRL_RESULT ")]
     if done.returncode != 0 or not result:
@@ -276,7 +301,9 @@ def trl_child(args) -> None:
         learning_rate=1e-6,
         beta=0.0,
         use_vllm=True,
-        vllm_mode="colocate",
+        vllm_mode="server" if args.trl_server else "colocate",
+        vllm_server_base_url=args.trl_server or None,
+        vllm_server_timeout=600.0,  # the server's vLLM engine starts while the trainer loads
         vllm_gpu_memory_utilization=VLLM_SHARE,
         bf16=True,
         max_steps=args.steps,
@@ -342,13 +369,13 @@ def table(shape: str, results: dict[str, dict]) -> str:
             f"{cell('generate_s')} | {cell('train_s')} | {cell('sync_s')} | {cell('idle_s')} | {mfu} | "
             f"{cell('peak_gib')} | {busy} | {r['wall_s']:.0f} |"
         )
-    trl = results.get("trl", {}).get("samples_per_s")
-    if trl:
-        rows += [
-            f"{name}: {r['samples_per_s'] / trl:.2f}x TRL"
-            for name, r in results.items()
-            if name != "trl" and "samples_per_s" in r
-        ]
+    for peer, p in results.items():
+        if peer.startswith("trl") and p.get("samples_per_s"):
+            rows += [
+                f"{name}: {r['samples_per_s'] / p['samples_per_s']:.2f}x {peer}"
+                for name, r in results.items()
+                if not name.startswith("trl") and "samples_per_s" in r
+            ]
     return f"{shape}\n" + "\n".join(rows)
 
 
@@ -358,7 +385,8 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         default="sync,async,trl",
-        help="any of sync, async, trl (trl: if installed); sync@N / async@N: on the first N GPUs",
+        help="any of sync, async, trl (trl: if installed); sync@N / async@N: on the first N GPUs; "
+        "trl@2: TRL's server mode (trl vllm-serve on GPU 1, the trainer on GPU 0)",
     )
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--skip", type=int, default=5, help="start-up steps left out of the figures")
@@ -369,6 +397,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help="model and run directories (default: a temporary one)")
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--trl-child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-server", default="", help=argparse.SUPPRESS)
     parser.add_argument("extra", nargs="*", help="asyncrl flags, after --")
     args = parser.parse_args()
     if args.trl_child:
@@ -380,13 +409,14 @@ def main() -> None:
     make_shape(args.shape, model)
     results: dict[str, dict] = {}
     for name in args.runs.split(","):
-        if name == "trl":
+        if name.partition("@")[0] == "trl":
             try:
                 import trl  # noqa: F401
             except ImportError:
                 print("TRL is not installed: its row is left out", flush=True)
                 continue
-            results["trl"] = trl_run(args, model, out)
+            gpus = int(name.partition("@")[2] or 0)
+            results["trl" if gpus < 2 else "trl, 2 GPUs (server mode)"] = trl_run(args, model, out, gpus)
         else:
             mode, _, gpus = name.partition("@")
             label = f"asyncrl {mode}" + (f", {gpus} GPU{'s' if gpus != '1' else ''}" if gpus else "")
