@@ -39,12 +39,12 @@ def test_merged_sync_sends_the_base_models_tensors_with_the_adapters_merged(embe
 
     t = trainer(embedded_path)
     base = dict(load_policy(embedded_path)[0].named_parameters())
-    sent = t.weight_tensors()
+    sent = t.policy.weight_tensors()
     assert {k: (v.shape, v.dtype) for k, v in sent.items()} == {k: (v.shape, v.dtype) for k, v in base.items()}
     assert all(torch.equal(sent[k], base[k]) for k in base)  # fresh adapters (B = 0) change nothing
     assert len(t.optimizer.param_groups[0]["params"]) == 2 * 2 * 7  # A and B of 7 modules in 2 layers only
     t._train_step(random_groups(seed=1))
-    sent = t.weight_tensors()
+    sent = t.policy.weight_tensors()
     merged = dict(merged_copy(t.model).named_parameters())
     changed = {k for k in base if not torch.equal(sent[k], base[k])}
     assert len(changed) == 2 * 7 and all(".layers." in k for k in changed)  # the adapted weights, nothing else
@@ -80,7 +80,7 @@ async def test_adapter_only_sync_is_bit_exact_into_the_hf_sampler_over_gloo(embe
 
 def test_adapter_only_sync_moves_only_the_adapters(embedded_path):
     t = trainer(embedded_path, sync="adapter")
-    sent = t.weight_tensors()
+    sent = t.policy.weight_tensors()
     assert sent.keys() == adapter_tensors(t.model).keys() and len(sent) == 2 * 2 * 7
     full = sum(p.numel() for p in t.model.get_base_model().parameters() if not p.requires_grad)
     assert sum(v.numel() for v in sent.values()) < full / 10
