@@ -265,13 +265,13 @@ def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off_not_a_cop
 
     torch.set_num_threads(1)
     t = TrainerActor(embedded_path, TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4), loss=GRPOLossConfig(kl_coef=0.1)))
-    assert t.ref is None  # no second copy of the model
+    assert t.policy.ref is None  # no second copy of the model
     groups = random_groups(seed=2, multi_turn=False)
     assert t._train_step(groups)["kl"] == pytest.approx(0.0, abs=1e-9)  # fresh adapters: the policy is the base
     t._train_step(groups)
     batch = micro_batches(groups, group_advantages([list(g.rewards) for g in groups], False), 1 << 20, t.device)[0]
     with torch.no_grad():
-        with t._reference() as reference:
+        with t.policy.reference() as reference:
             ref = token_logprobs(policy_logits(reference, batch), batch.input_ids)
         policy = token_logprobs(policy_logits(t.model, batch), batch.input_ids)  # the adapters are back on
     base = load_policy(embedded_path)[0].eval()
