@@ -111,8 +111,8 @@ def run_mode(args) -> dict:
         )
         from asyncrl.rl.trainer.parallel import Sharded
 
-        trainer._shard_policy()
-        trainer.parallel = Sharded(group, trainer.device)  # what `rank_join` does: the same step, sharded
+        trainer.policy.shard()
+        trainer.ranks.parallel = Sharded(group, trainer.device)  # what `rank_join` does: the same step, sharded
     step = trainer._train_step
     batch = make_batch(SHAPES[args.shape]["vocab_size"], args.groups, args.group_size, args.prompt, args.completion)
     times, peaks = [], []
@@ -142,7 +142,7 @@ def run_mode(args) -> dict:
     if cuda:
         out["peak_step_gib"] = max(peaks) / 2**30
     # A weight sync's gathers, bucket by bucket (the sender's two staging buckets come on top).
-    params = trainer.weight_tensors()
+    params = trainer.policy.weight_tensors()
     layout = sender_layout(params, args.bucket_mib << 20, torch.bfloat16, allow_direct=False)
     if cuda:
         torch.cuda.synchronize()
@@ -157,7 +157,7 @@ def run_mode(args) -> dict:
     out["sync_gather_s"] = time.perf_counter() - start
     out["sync_buckets"] = len(layout.buckets)
     out["sync_gathered_peak_gib"] = source.peak_gathered_bytes / 2**30
-    trainer.parallel.close()
+    trainer.ranks.parallel.close()
     return out
 
 

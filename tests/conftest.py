@@ -36,6 +36,7 @@ TIERS = {
         "pyhccl_communicator",
         "pyhccl_library",
         "rollout_queue",
+        "sampler_parts",
         "throttled_log",
         "tiers",
     ),

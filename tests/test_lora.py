@@ -39,12 +39,12 @@ def test_merged_sync_sends_the_base_models_tensors_with_the_adapters_merged(embe
 
     t = trainer(embedded_path)
     base = dict(load_policy(embedded_path)[0].named_parameters())
-    sent = t.weight_tensors()
+    sent = t.policy.weight_tensors()
     assert {k: (v.shape, v.dtype) for k, v in sent.items()} == {k: (v.shape, v.dtype) for k, v in base.items()}
     assert all(torch.equal(sent[k], base[k]) for k in base)  # fresh adapters (B = 0) change nothing
     assert len(t.optimizer.param_groups[0]["params"]) == 2 * 2 * 7  # A and B of 7 modules in 2 layers only
     t._train_step(random_groups(seed=1))
-    sent = t.weight_tensors()
+    sent = t.policy.weight_tensors()
     merged = dict(merged_copy(t.model).named_parameters())
     changed = {k for k in base if not torch.equal(sent[k], base[k])}
     assert len(changed) == 2 * 7 and all(".layers." in k for k in changed)  # the adapted weights, nothing else
@@ -80,7 +80,7 @@ async def test_adapter_only_sync_is_bit_exact_into_the_hf_sampler_over_gloo(embe
 
 def test_adapter_only_sync_moves_only_the_adapters(embedded_path):
     t = trainer(embedded_path, sync="adapter")
-    sent = t.weight_tensors()
+    sent = t.policy.weight_tensors()
     assert sent.keys() == adapter_tensors(t.model).keys() and len(sent) == 2 * 2 * 7
     full = sum(p.numel() for p in t.model.get_base_model().parameters() if not p.requires_grad)
     assert sum(v.numel() for v in sent.values()) < full / 10
@@ -267,13 +267,13 @@ def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off_not_a_cop
 
     torch.set_num_threads(1)
     t = TrainerActor(embedded_path, TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4), loss=GRPOLossConfig(kl_coef=0.1)))
-    assert t.ref is None  # no second copy of the model
+    assert t.policy.ref is None  # no second copy of the model
     groups = random_groups(seed=2, multi_turn=False)
     assert t._train_step(groups)["kl"] == pytest.approx(0.0, abs=1e-9)  # fresh adapters: the policy is the base
     t._train_step(groups)
     batch = micro_batches(groups, group_advantages([list(g.rewards) for g in groups], False), 1 << 20, t.device)[0]
     with torch.no_grad():
-        with t._reference() as reference:
+        with t.policy.reference() as reference:
             ref = token_logprobs(policy_logits(reference, batch), batch.input_ids)
         policy = token_logprobs(policy_logits(t.model, batch), batch.input_ids)  # the adapters are back on
     base = load_policy(embedded_path)[0].eval()

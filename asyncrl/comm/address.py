@@ -2,7 +2,7 @@
 
 Every member of one membership is given the same address (the driver's `form_group`, or the
 fleet's `SyncGroup`) and its own rank beside it: ``join(address, rank)`` wherever a member joins,
-in an actor (`SyncMember.sync_join`), through a sampler's sink, or in vLLM's engine process, which
+in an actor (its `SyncSeat.join`), through a sampler's sink, or in vLLM's engine process, which
 receives it as plain values (``msgspec.to_builtins``) and checks it again with ``msgspec.convert``.
 
 This module imports no torch: the rendezvous (`rendezvous.py`) and the backend factory (`join.py`)

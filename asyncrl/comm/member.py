@@ -1,11 +1,12 @@
 """Joining a weight-sync group from inside an actor, and forming one from the driver.
 
 `SyncSeat` is one process's place in a group across its generations (the listener rank 0 reserved,
-the current `SyncMembership`); `SyncMember` is a mixin of endpoints for an `Actor` that takes part
-in a group (the trainer as rank 0, samplers after it), forwarded to its seat. A component that
-joins for the actor (a sampler's sink) is handed the same seat and joins through it. `form_group`
-is the driver's side: it asks rank 0 for a store port, then starts every member's join at once and
-waits for all under one deadline, which is the rendezvous contract (see `rendezvous.py`).
+the current `SyncMembership`), owned by whatever joins for the process (the trainer's and the
+sampler's weight-sync parts, which hand it to a sampler's sink); `SyncMember` is a mixin of the
+same endpoints over a seat of its own, for a small `Actor` that takes part in a group (tests,
+benchmarks). `form_group` is the driver's side: it asks rank 0 for a store port, then starts
+every member's join at once and waits for all under one deadline, which is the rendezvous
+contract (see `rendezvous.py`).
 Rebuilding after a member was lost is the same call with the next generation: each member drops
 its old communicator and joins the new group. A member's own join is
 `asyncrl.comm.join.join_sync_group`, the same call vLLM's worker makes.
@@ -135,9 +136,10 @@ async def form_group(
     port: int = 0,
     name: str = "weights",
 ) -> int:
-    """Put ``members`` (handles of `SyncMember` actors; the first is rank 0 and hosts the store on
-    ``host``) in one group and return the store's port. Every join starts at once; any failure
-    (a member that dies, refuses or never answers) raises `RendezvousError` naming it."""
+    """Put ``members`` (handles of actors with the ``sync_*`` endpoints; the first is rank 0 and
+    hosts the store on ``host``) in one group and return the store's port. Every join starts at
+    once; any failure (a member that dies, refuses or never answers) raises `RendezvousError`
+    naming it."""
     port = await members[0].sync_listen(host, port)
     address = SyncAddress(
         host=host,

@@ -15,10 +15,11 @@ token ids the sessions recorded. `openai_endpoint` serves the same endpoint to a
 
 It generates with a `SamplerBackend` (``backend.py``) that `make_backend` (``factory.py``) picks
 and builds: `HFBackend` (``hf.py``) or `VLLMBackend` (``vllm/backend.py``). The trainer's weights
-reach the backend through its `WeightSink`: the actor's weight-sync endpoints
-(`WeightReceiving`, ``weight_receiving.py``) forward to it without asking where the weights live
-(this process, or vLLM's engine process). A problem's samples go out as one `RolloutGroup`
-(``groups.py``).
+reach the backend through its `WeightSink`, held by the actor's ``weights`` (`WeightReceiving`,
+``weight_receiving.py``: the seat in the group, the version, the gate), to which the weight-sync
+endpoints forward in one line each, wherever the weights live (here, or in vLLM's engine
+process); every generate goes through ``generation`` (`GatedGeneration`, ``generation.py``),
+behind that gate. A problem's samples go out as one `RolloutGroup` (``groups.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import torch
 
+from asyncrl.comm.address import SyncAddress
 from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.agents.runner import AgentRunner
 from asyncrl.rl.agents.server import OpenAIServer
@@ -42,8 +44,9 @@ from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.model.heldout import HeldoutSet
 from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.sampler.backend import Completion, Progress, SamplingParams
+from asyncrl.rl.sampler.backend import Completion, SamplerSyncStats, SamplingParams
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
+from asyncrl.rl.sampler.generation import GatedGeneration
 from asyncrl.rl.sampler.groups import rollout_group
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
 from asyncrl.rl.sampler.weight_receiving import WeightReceiving
@@ -52,7 +55,7 @@ from asyncrl.rl.tasks.base import as_prompt
 from asyncrl.rl.tasks.episodes import EpisodeRunner
 from asyncrl.rl.tasks.loading import TaskSpec, load_task
 from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
-from asyncrl.runtime.actor import endpoint
+from asyncrl.runtime.actor import Actor, endpoint
 from asyncrl.runtime.startup import start_phase
 from asyncrl.runtime.timeouts import timeout
 
@@ -61,7 +64,7 @@ EVAL_PARTS_AT_ONCE = 64
 them with the rollouts): every part of a default evaluation's shard."""
 
 
-class SamplerActor(WeightReceiving):
+class SamplerActor(Actor):
     """Generates a task's rollouts continuously and takes weights from the trainer (rank 0).
 
     ``config`` is the run's sampler section whole: group size, prompts per batch, sampling
@@ -98,7 +101,6 @@ class SamplerActor(WeightReceiving):
         self.config = config
         self.name = name or os.environ.get("ASYNCRL_ACTOR", "") or "sampler"
         self.group_size, self.prompts_per_batch = config.group_size, config.prompts_per_batch or CPU_PROMPTS_PER_BATCH
-        self.sync_timeout_s = sync_timeout_s
         self.in_flight = config.weight_update == "in_flight"
         self.device = actor_device(device)
         if cpu_threads > 0:
@@ -124,7 +126,14 @@ class SamplerActor(WeightReceiving):
             vllm=(vllm or {}) | ({"engine": config.engine_args()} if config.vllm_args else {}),
             adapter=adapter,
         )
-        self.sink = self.backend.weight_sink(self.sync_seat)
+        self.weights = WeightReceiving(
+            self.backend.weight_sink,
+            name=self.name,
+            in_flight=self.in_flight,
+            sync_timeout_s=sync_timeout_s,
+            generating=lambda: self.generation.calls,  # made next: it waits behind this gate
+        )
+        self.generation = GatedGeneration(self.backend, self.weights)
         self.sampling = SamplingParams(
             max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
             temperature=config.temperature,
@@ -148,27 +157,39 @@ class SamplerActor(WeightReceiving):
         )
         self._order = shuffled_walk(len(self.problems), seed)  # counted once restore_data_state installs one
         self._prompt_ids: dict[int, list[int]] = {}
-        self.version = 0
-        self._ready = asyncio.Event()  # clear during a weight sync, and after a failed one until one succeeds
-        self._ready.set()
-        self._sync_lock = asyncio.Lock()
-        self._stats = {
-            "tokens": 0,
-            "groups": 0,
-            "completions": 0,
-            "batches": 0,
-            "generate_s": 0.0,
-            "weight_sync_s": 0.0,
-            "pause_s": 0.0,
-            "syncs": 0,
-            "failed_syncs": 0,
-            "syncs_waited_for_generate": 0,
-            "discarded_batches": 0,
-        }
-        self._failures = 0  # failed syncs so far: a batch that saw one in flight is discarded
-        self._generating = 0  # backend.generate calls in flight (rollouts and the generate endpoint)
+        self._groups = 0  # yielded (the batches' counters are `generation`'s, the syncs' `weights`')
 
-    # --- endpoints ------------------------------------------------------------------------------
+    # --- weight sync: `WeightReceiving`'s (each documented on the method it forwards to) ----------
+
+    @endpoint
+    async def sync_listen(self, host: str, port: int = 0) -> int:
+        return self.weights.listen(host, port)
+
+    @endpoint
+    async def sync_join(self, address: SyncAddress, rank: int) -> str:
+        return await self.weights.join(address, rank)
+
+    @endpoint
+    async def sync_leave(self) -> None:
+        await self.weights.leave()
+
+    @endpoint
+    async def sync_created(self) -> dict[str, int]:
+        return await self.weights.created()
+
+    @endpoint
+    async def setup_receiver(self, timeout_s: float = 60.0) -> int:
+        return await self.weights.setup(timeout_s)
+
+    @endpoint
+    async def receive_weights(self, version: int) -> SamplerSyncStats:
+        return await self.weights.receive(version)
+
+    @endpoint
+    async def weights_digest(self) -> str:
+        return await self.weights.digest()
+
+    # --- rollouts, generation and evaluation --------------------------------------------------------
 
     @endpoint
     async def rollouts(self, max_groups: int = 0) -> AsyncIterator[RolloutGroup]:
@@ -183,7 +204,7 @@ class SamplerActor(WeightReceiving):
             if self.agent is not None:
                 async for group in self._agent_rollouts(indices):
                     yield group
-                    self._stats["groups"] += 1
+                    self._groups += 1
                     produced += 1
                 continue
             prompts = [self._prompt(i) for i in indices]
@@ -198,7 +219,7 @@ class SamplerActor(WeightReceiving):
                 versions: list[int] = versions,
                 spent: list[float] = spent,
             ) -> list[list[Completion]]:
-                version, groups, seconds = await self._generate(prompt_ids, n, params)
+                version, groups, seconds = await self.generation(prompt_ids, n, params)
                 versions.append(version)
                 spent[0] += seconds
                 return groups
@@ -210,7 +231,7 @@ class SamplerActor(WeightReceiving):
             finished = time.time()
             for index, prompt, samples in zip(indices, prompts, groups):
                 yield rollout_group(self.name, index, prompt, samples, min(versions), spent[0], finished)
-                self._stats["groups"] += 1
+                self._groups += 1
                 produced += 1
 
     @endpoint
@@ -226,11 +247,7 @@ class SamplerActor(WeightReceiving):
         self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None
     ) -> list[list[Completion]]:
         """Raw completions from the backend, for evaluation and tests (not counted in stats)."""
-        self._generating += 1
-        try:
-            return await self.backend.generate(prompts, n, params or self.sampling)
-        finally:
-            self._generating -= 1
+        return await self.generation.raw(prompts, n, params or self.sampling)
 
     @endpoint
     async def evaluate_heldout(
@@ -247,8 +264,8 @@ class SamplerActor(WeightReceiving):
         seen: set[int] = set()
 
         async def generate(prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
-            version, groups, _ = await self._generate(prompts, n, params, counted=False)
-            seen.update((version, self.version))  # when it began, and now: a sync in between shows
+            version, groups, _ = await self.generation(prompts, n, params, counted=False)
+            seen.update((version, self.weights.version))  # when it began, and now: a sync in between shows
             return groups
 
         parts: asyncio.Queue = asyncio.Queue()  # bounded by the parts of the call
@@ -292,17 +309,17 @@ class SamplerActor(WeightReceiving):
         (``"hf"`` or ``"vllm"``); ``device`` (``"cpu"``, ``"cuda:0"``); ``weight_dtype``: what its
         weights are held in, the dtype a sync is sent in (`WeightSink.weight_dtype`);
         ``loaded_adapters`` (vLLM with adapter-only LoRA syncs)."""
-        s = dict(self._stats)
+        s = {"groups": self._groups} | self.generation.counts | self.weights.counts
         adapters = getattr(self.backend, "adapters", None)  # vLLM serving LoRA adapters: how many it holds
         if adapters is not None:
             s["loaded_adapters"] = len(adapters.loaded)
         s.update(
-            version=self.version,
-            generating=self._generating,
+            version=self.weights.version,
+            generating=self.generation.calls,
             name=self.name,
             backend=self.backend_name,
             device=str(self.device),
-            weight_dtype=self.sink.weight_dtype,
+            weight_dtype=self.weights.sink.weight_dtype,
             tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0,
         )
         return s
@@ -353,7 +370,7 @@ class SamplerActor(WeightReceiving):
     async def on_stop(self) -> None:
         try:  # an engine that receives weights drops its communicator while it still can
             async with timeout(10.0):
-                await self.sync_leave()
+                await self.weights.leave()
         except Exception as exc:  # a dead or stuck engine: close() below ends it all the same
             print(f"sampler {self.name}: leaving the weight-sync group on stop failed: {exc!r}", flush=True)
         if self.endpoint is not None:
@@ -361,7 +378,7 @@ class SamplerActor(WeightReceiving):
         self.backend.close()
         self.calls.close()
         self.heldout.close()
-        await super().on_stop()
+        await self.weights.leave()  # idempotent: what is left of the seat after a failed leave above
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -387,7 +404,7 @@ class SamplerActor(WeightReceiving):
         if self.endpoint is None:
 
             async def generate(prompts: list[list[int]], n: int, params: SamplingParams, progress=None):
-                version, groups, _ = await self._generate(prompts, n, params, progress)
+                version, groups, _ = await self.generation(prompts, n, params, progress)
                 return version, groups
 
             # vLLM batches concurrent requests itself; the HF backend runs one batch at a time.
@@ -418,48 +435,6 @@ class SamplerActor(WeightReceiving):
         for index, group in zip(indices, groups):
             if group is not None:  # no episode of it called the model: nothing to train on
                 yield rollout_group(self.name, index, group.prompt_ids, group.samples, group.version, seconds, finished)
-
-    async def _generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        params: SamplingParams,
-        progress: Progress | None = None,
-        *,
-        counted: bool = True,
-    ) -> tuple[int, list[list[Completion]], float]:
-        """Generate for ``prompts`` and return the weight version it began under (the oldest of
-        its tokens). The version is read right before calling the backend, with no ``await`` in
-        between: a `receive_weights` that begins later either waits for this batch (the backend
-        registers it before its first await) or loads between its steps, and one under way has
-        cleared ``_ready``, so we wait for it first. A batch in flight during a failed sync may
-        have read half-written weights: it is discarded and generated again. ``counted``: in the
-        rollout stats (not the held-out evaluation's)."""
-        while True:
-            await self._wait_ready()
-            version, failures = self.version, self._failures
-            start = time.perf_counter()
-            self._generating += 1
-            try:
-                groups = await self.backend.generate(prompts, n, params, progress)
-            finally:
-                self._generating -= 1
-            seconds = time.perf_counter() - start
-            discarded = self._failures != failures
-            if counted:
-                self._count(groups, seconds, discarded)
-            if not discarded:
-                return version, groups, seconds
-
-    def _count(self, groups: list[list[Completion]], seconds: float, discarded: bool) -> None:
-        """A rollout batch in the stats."""
-        self._stats["generate_s"] += seconds
-        self._stats["batches"] += 1
-        if discarded:
-            self._stats["discarded_batches"] += 1
-            return
-        self._stats["completions"] += sum(len(g) for g in groups)
-        self._stats["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
 
 
 def _positions(model_path: str) -> int:

@@ -58,9 +58,9 @@ class SamplerSyncStats(msgspec.Struct, frozen=True):
 
 class WeightSink(abc.ABC):
     """Where a sampler's weight syncs land: its side of the weight-sync group. The backend owns
-    it (`SamplerBackend.weight_sink`); the sampler actor forwards its endpoints to it and never
-    asks where the weights live. `asyncrl.rl.sampler.sink.ActorSink` receives in the actor's own
-    process (it joins through the actor's `SyncSeat` and copies into the backend's tensors); vLLM's
+    it (`SamplerBackend.weight_sink`); the sampler's endpoints reach it through `WeightReceiving`,
+    which never asks where the weights live. `asyncrl.rl.sampler.sink.ActorSink` receives in the
+    actor's own process (it joins through the sampler's `SyncSeat` and copies into the backend's tensors); vLLM's
     receives in the engine's process, which joins the group itself. A sink holds one membership at
     a time."""
 
@@ -127,7 +127,7 @@ class SamplerBackend(abc.ABC):
 
     @abc.abstractmethod
     def weight_sink(self, seat: SyncSeat) -> WeightSink:
-        """This backend's side of weight sync, given the sampler actor's ``seat`` (through which
+        """This backend's side of weight sync, given the sampler's ``seat`` (through which
         an in-process sink joins; a sink in another process ignores it)."""
 
     @abc.abstractmethod

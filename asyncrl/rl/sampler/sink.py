@@ -1,9 +1,8 @@
 """`ActorSink`: a `WeightSink` that receives in the sampler actor's own process.
 
-The sink joins the group through the actor's `SyncSeat` (whose communicator the actor's
-`SyncMember` endpoints also see), builds a `WeightReceiver` over it and copies each sync straight
-into the backend's tensors (`InPlaceBackend`), at the moment the backend says no generation reads
-them.
+The sink joins the group through the seat it is handed (`WeightReceiving`'s `SyncSeat`), builds a
+`WeightReceiver` over it and copies each sync straight into the backend's tensors
+(`InPlaceBackend`), at the moment the backend says no generation reads them.
 """
 
 from __future__ import annotations
@@ -36,8 +35,9 @@ class InPlaceBackend(Protocol):
 
 
 class ActorSink(WeightSink):
-    """Weight sync in the sampler actor: the group is joined through ``seat`` (the actor's
-    `SyncSeat`), the weights are ``backend``'s tensors, written by `InPlaceBackend.load_weights`."""
+    """Weight sync in the sampler actor: the group is joined through ``seat`` (the sampler's
+    `SyncSeat`, `WeightReceiving`'s), the weights are ``backend``'s tensors, written by
+    `InPlaceBackend.load_weights`."""
 
     def __init__(self, seat: SyncSeat, backend: InPlaceBackend):
         self.seat, self.backend = seat, backend

@@ -1,57 +1,86 @@
-"""`WeightReceiving`: the sampler actor's side of a weight sync, and the gate it keeps rollouts behind.
+"""`WeightReceiving`: the sampler's side of a weight sync, and the gate it keeps rollouts behind.
 
-`SyncMember`'s endpoints and the receiver's are forwarded to the backend's `WeightSink`
-(``backend.py``): for vLLM `form_group` then puts the engine's process in the group, and the
+The sampler's seat in the weight-sync group is owned here and handed to the backend's `WeightSink`
+(``backend.py``), which joins through it where it receives in this process (`ActorSink`) and
+ignores it where it does not: for vLLM a join puts the engine's process in the group, and the
 actor's process holds no communicator. While a sync is under way, and after a failed one until
-one succeeds, the gate (``_ready``) is shut: no generate begins (`_wait_ready`), so no batch
-samples from weights that may be half-written.
+one succeeds, the gate is shut: no generate begins (`wait_ready`), so no batch samples from
+weights that may be half-written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from asyncrl.comm.address import SyncAddress
-from asyncrl.comm.member import SyncMember
-from asyncrl.rl.sampler.backend import SamplerError, SamplerSyncStats, SamplerTimeoutError
-from asyncrl.runtime.actor import endpoint
+from asyncrl.comm.member import SyncSeat
+from asyncrl.rl.sampler.backend import SamplerError, SamplerSyncStats, SamplerTimeoutError, WeightSink
 from asyncrl.runtime.timeouts import timeout
 
 
-class WeightReceiving(SyncMember):
-    """The weight-sync endpoints of a sampler. The actor provides ``sink`` (its backend's
-    `WeightSink`), ``name``, ``in_flight``, ``sync_timeout_s``, ``version``, the gate
-    (``_ready``, set; ``_sync_lock``), ``_stats``, ``_failures`` and ``_generating``."""
+class WeightReceiving:
+    """A sampler's weight syncs. ``make_sink`` builds the backend's `WeightSink` over this seat;
+    ``name`` names the sampler in errors; ``in_flight``: weights are taken between decoding steps
+    (``weight_update="in_flight"``), not after the batch in flight; each sync has
+    ``sync_timeout_s``; ``generating`` says how many generate calls are in flight now.
+    ``version``: the weights' version; ``failures``: failed syncs so far (a batch that saw one in
+    flight is discarded); ``counts``: the syncs' counters in the sampler's stats."""
 
-    @endpoint
-    async def sync_join(self, address: SyncAddress, rank: int) -> str:
+    def __init__(
+        self,
+        make_sink: Callable[[SyncSeat], WeightSink],
+        *,
+        name: str,
+        in_flight: bool,
+        sync_timeout_s: float,
+        generating: Callable[[], int],
+    ):
+        self.seat = SyncSeat()
+        self.sink = make_sink(self.seat)
+        self.name, self.in_flight, self.sync_timeout_s, self.generating = name, in_flight, sync_timeout_s, generating
+        self.version = 0
+        self.failures = 0
+        self.counts = {
+            "weight_sync_s": 0.0,
+            "pause_s": 0.0,
+            "syncs": 0,
+            "failed_syncs": 0,
+            "syncs_waited_for_generate": 0,
+        }
+        self._ready = asyncio.Event()  # clear during a weight sync, and after a failed one until one succeeds
+        self._ready.set()
+        self._lock = asyncio.Lock()
+
+    def listen(self, host: str, port: int = 0) -> int:
+        """Rank 0 only: bind the store's listening socket now (`SyncSeat.listen`). Returns the port."""
+        return self.seat.listen(host, port)
+
+    async def join(self, address: SyncAddress, rank: int) -> str:
         """Join the trainer's weight-sync group (where the backend receives: here, or its engine)."""
         return await self.sink.join(address, rank)
 
-    @endpoint
-    async def sync_leave(self) -> None:
-        """Leave the weight-sync group. Idempotent."""
+    async def leave(self) -> None:
+        """Leave the weight-sync group, in the process that receives and in this one (a reserved
+        listener). Idempotent."""
         await self.sink.leave()
-        await super().sync_leave()  # what this process holds itself (a reserved listener)
+        self.seat.leave()
 
-    @endpoint
-    async def sync_created(self) -> dict[str, int]:
+    async def created(self) -> dict[str, int]:
         """Communicators created for weight sync, per backend (in the process that receives)."""
         return await self.sink.created()
 
-    @endpoint
-    async def setup_receiver(self, timeout_s: float = 60.0) -> int:
+    async def setup(self, timeout_s: float) -> int:
         """After `form_group`: agree on the weight layout with the trainer. Returns the bucket count."""
         try:
             return await self.sink.setup(timeout_s)
         except SamplerError as exc:
             raise SamplerError(f"sampler {self.name}: {exc}") from None
 
-    @endpoint
-    async def receive_weights(self, version: int) -> SamplerSyncStats:
+    async def receive(self, version: int) -> SamplerSyncStats:
         """Take ``version`` in place: after the batch in flight (``weight_update="pause"``) or
         between two of its decoding steps ("in_flight"); no new batch starts until it is done.
         Returns where its time went (`SamplerSyncStats`). If the transfer fails the weights may be
@@ -65,44 +94,45 @@ class WeightReceiving(SyncMember):
         # pause would answer (a peer's failure, as a collective error) after the driver had
         # judged us frozen.
         deadline = time.monotonic() + self.sync_timeout_s
-        async with self._sync_lock:
+        async with self._lock:
             start = time.perf_counter()
             self._ready.clear()  # no rollout batch may start from here on
-            if self._generating and not self.in_flight:
-                self._stats["syncs_waited_for_generate"] += 1
+            if self.generating() and not self.in_flight:
+                self.counts["syncs_waited_for_generate"] += 1
             try:
                 phases = await self.sink.receive(
                     version, in_flight=self.in_flight, timeout_s=max(deadline - time.monotonic(), 1e-3)
                 )
             except SamplerTimeoutError:  # the weights were not touched: sampling may go on
                 self._ready.set()
-                self._stats["failed_syncs"] += 1
+                self.counts["failed_syncs"] += 1
                 raise SamplerTimeoutError(
                     f"sampler {self.name}: no moment free of generation came within {self.sync_timeout_s:g} s "
                     f"({'a decoding step did not end' if self.in_flight else 'the batch in flight did not finish'}), "
                     "so the weights could not be taken"
                 ) from None
             except BaseException:
-                self._stats["failed_syncs"] += 1
-                self._failures += 1
+                self.counts["failed_syncs"] += 1
+                self.failures += 1
                 raise
             self.version = version
             self._ready.set()
             seconds = time.perf_counter() - start
-            self._stats["pause_s"] += phases.pause_s
-            self._stats["weight_sync_s"] += seconds
-            self._stats["syncs"] += 1
+            self.counts["pause_s"] += phases.pause_s
+            self.counts["weight_sync_s"] += seconds
+            self.counts["syncs"] += 1
             return msgspec.structs.replace(phases, seconds=seconds)
 
-    @endpoint
-    async def weights_digest(self) -> str:
+    async def digest(self) -> str:
         """SHA-256 of the weights this sampler generates with (`asyncrl.rl.digest.tensor_digest`)."""
         try:
             return await self.sink.digest()
         except SamplerError as exc:
             raise SamplerError(f"sampler {self.name}: {exc}") from None
 
-    async def _wait_ready(self) -> None:
+    async def wait_ready(self) -> None:
+        """Return once no sync is under way and the last one succeeded; `SamplerTimeoutError`
+        when that takes longer than a sync and most of the next."""
         loop = asyncio.get_running_loop()
         bound = 2 * self.sync_timeout_s + 5  # a sync and most of the next, each within sync_timeout_s
         deadline = loop.time() + bound

@@ -1,29 +1,30 @@
 """The trainer actor: recomputes log-probs, takes GRPO steps, and sends its weights to the samplers.
 
-It is rank 0 of the weight-sync group (`SyncMember` gives it the rendezvous endpoints). One
-trainer may be N processes (``--trainer.world_size``): each call below is written once, and what
-differs between one process and a rank of N (the batch's share, the guard, gathers, the
-checkpoint's format) is the trainer's strategy, ``self.parallel`` (``trainer/parallel.py``). A
-batch arrives as `RolloutGroup`s; each completion becomes one
-sequence ``prompt + completion`` whose completion tokens are scored. Micro-batches are cut by a
-token budget, padded tokens counted (``trainer/batching.py``; several sequences per row with
-``pack_tokens``, ``trainer/packing.py``), and the loss (``trainer/loss.py``)
-is normalised by the whole batch's count, so the accumulated gradient equals that of the full
-batch whatever the cut. Checkpoints (and the saved policy) are written by ``trainer/checkpoint.py``; the
-held-out evaluation is ``trainer/heldout.py``'s, and an out-of-memory error is worded by
-``trainer/out_of_memory.py``. The weight-sync endpoints are `WeightSending`'s
-(``trainer/weight_sending.py``), the checkpoint and save endpoints `CheckpointEndpoints`'
-(``trainer/checkpoint_endpoints.py``).
+One trainer may be N processes (``--trainer.world_size``): each call below is written once, and
+what differs between one process and a rank of N (the batch's share, the guard, gathers, the
+checkpoint's format) is the trainer's strategy, ``self.ranks.parallel`` (``trainer/parallel.py``).
+A batch arrives as `RolloutGroup`s; each completion becomes one sequence ``prompt + completion``
+whose completion tokens are scored. Micro-batches are cut by a token budget, padded tokens
+counted (``trainer/batching.py``; several sequences per row with ``pack_tokens``,
+``trainer/packing.py``), and the loss (``trainer/loss.py``) is normalised by the whole batch's
+count, so the accumulated gradient equals that of the full batch whatever the cut. The held-out
+evaluation is ``trainer/heldout.py``'s, and an out-of-memory error is worded by
+``trainer/out_of_memory.py``.
+
+The actor holds its parts and forwards their endpoints in one line each: the policy, optimiser
+and step count (``policy``, `TrainedPolicy`), its place in a rank group (``ranks``, `RankMember`),
+its side of the weight sync as rank 0 of the weight-sync group (``weights``, `WeightSending`) and
+its checkpoints and saved policy (``checkpoints``, `Checkpointing`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
-from asyncrl.comm.weights import WeightSender
+from asyncrl.comm.address import SyncAddress
+from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
@@ -33,25 +34,21 @@ from asyncrl.rl.scoring.batch import MicroBatch
 from asyncrl.rl.scoring.logprobs import scored_logprobs, scored_logprobs_at
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import micro_batches
-from asyncrl.rl.trainer.checkpoint_endpoints import CheckpointEndpoints
-from asyncrl.rl.trainer.compile import compile_layers, compiled
+from asyncrl.rl.trainer.checkpointing import Checkpointing
+from asyncrl.rl.trainer.compile import compiled
 from asyncrl.rl.trainer.heldout import HeldoutEvaluation
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
 from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError, does_not_fit, micro_batch_error
 from asyncrl.rl.trainer.packing import packed_micro_batches
-from asyncrl.rl.trainer.parallel import Local
+from asyncrl.rl.trainer.policy import TrainedPolicy
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.rl.trainer.split import batch_counts
 from asyncrl.rl.trainer.weight_sending import WeightSending
-from asyncrl.runtime.actor import endpoint
-from asyncrl.runtime.startup import start_phase
-
-DEADLINE_S = 900.0
-"""A call's deadline on a rank group when the driver names none (the default train step deadline)."""
+from asyncrl.runtime.actor import Actor, endpoint
 
 
-class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
+class TrainerActor(Actor):
     """Holds the policy and its optimiser; rank 0 of the weight-sync group. ``task`` and ``data``
     give the held-out problems `evaluate` solves (the task is built here, from its spec)."""
 
@@ -74,101 +71,98 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         # a trainer used on its own scores at 1, sampling's default.
         self.temperature = 1.0 if config.temperature is None else config.temperature
         self.device = actor_device(device)
-        self.parallel = Local()  # a rank group's `Sharded` once `rank_join` shards the policy
         self.model_path = model_path
-        start_phase(f"loading the policy {model_path}")
         try:
-            self.model, self.tokenizer, self.fmt = self._policy()
-            # The KL term's reference: the starting policy. With LoRA that is the frozen base already
-            # in memory (the adapters switched off, `_reference`), so no copy is loaded.
-            self.ref = None
-            if self.config.loss.kl_coef > 0 and not self.config.lora.rank:
-                start_phase("loading the KL reference (a second copy of the policy)")
-                self.ref, _, _ = self._load_policy(model_path)
-                self.ref.eval().requires_grad_(False)
+            self.policy = TrainedPolicy(model_path, config, self.device)
         except torch.OutOfMemoryError as exc:
             raise self._does_not_fit(
                 "the policy" + (" and its KL reference" if config.loss.kl_coef else ""), exc
             ) from None
-        self.optimizer = self._new_optimizer()
-        self.sender: WeightSender | None = None
-        self.steps = 0
+        self.ranks = RankMember(self.device, self.policy.shard)
+        self.weights = WeightSending(self.ranks, self.policy.weight_tensors)
+        self.checkpoints = Checkpointing(self.ranks, self.policy, loaded=self.weights.forget)
         self._auto_tokens = 0  # --trainer.micro_batch_tokens 0 once resolved (`micro_batch_tokens`)
         self._flops: tuple[int, float] | None = None  # decoder parameters and the device's peak (`_utilisation`)
 
     async def on_stop(self) -> None:
         try:
-            await super().on_stop()
+            self.weights.leave()
+            await self.ranks.close()
         finally:
             self.heldout.close()
 
-    def _load_policy(self, path: str):
-        from asyncrl.rl.model.policy import load_policy
+    # The policy's, read here often enough (and by tests) to be named on the actor.
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model
 
-        model, tokenizer, fmt = load_policy(path, self.device, torch.float32)
-        if self.config.attn_implementation:
-            model.set_attn_implementation(self.config.attn_implementation)
-        if compiled(self.config, self.device):
-            compile_layers(model)
-        return model, tokenizer, fmt
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.policy.optimizer
 
-    def _policy(self, checkpoint_dir: str | None = None):
-        """The model to train, in train mode: the checkpoint's (or the start's) whole, or with LoRA
-        the start's frozen base with fresh adapters (or the checkpoint's, which hold no base)."""
-        lora = self.config.lora
-        if not lora.rank:
-            model, tokenizer, fmt = self._load_policy(checkpoint_dir or self.model_path)
-            self._merged = None
-            return self._checkpointed(model).train(), tokenizer, fmt
-        from asyncrl.rl.trainer.lora import MergedWeights, lora_policy
+    @property
+    def steps(self) -> int:
+        return self.policy.steps
 
-        base, tokenizer, fmt = self._load_policy(self.model_path)
-        model = lora_policy(self._checkpointed(base), lora, self.device, checkpoint_dir)
-        self._merged = MergedWeights(model) if lora.sync == "merged" else None
-        return model.train(), tokenizer, fmt
+    # --- the parts' endpoints (each documented on the method it forwards to) ---------------------
 
-    def _checkpointed(self, model):
-        """``--trainer.activation_checkpointing``: each decoder layer recomputes its activations in
-        the backward (transformers' non-reentrant checkpointing, which needs no input that requires
-        grad, so a frozen LoRA base works too); FSDP2 shards the layers with it on. transformers
-        5.23 renamed ``gradient_checkpointing_enable`` (deprecated since) to
-        ``activation_checkpointing_enable``: the new name where the model has it."""
-        if self.config.activation_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:  # transformers 5.0 to 5.22
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return model
+    @endpoint
+    async def rank_listen(self, host: str, port: int = 0) -> int:
+        return self.ranks.listen(host, port)
 
-    def _shard_policy(self) -> None:
-        """Shard the policy (and the KL reference) over the rank group just formed and rebuild the
-        optimiser over the shards (`rank_join`)."""
-        from asyncrl.rl.trainer.fsdp import shard_model
+    @endpoint
+    async def rank_join(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0) -> str:
+        return await self.ranks.join(host, port, rank, world_size, timeout_s)
 
-        shard_model(self.model, self.device, bf16=self.config.bf16)
-        if self.ref is not None:
-            shard_model(self.ref, self.device, bf16=self.config.bf16)
-        if self._merged is not None:  # its buffers were made like the unsharded weights
-            from asyncrl.rl.trainer.lora import MergedWeights
+    @endpoint
+    async def abort_call(self, failed_rank: int, reason: str) -> None:
+        self.ranks.abort_call(failed_rank, reason)
 
-            self._merged = MergedWeights(self.model)
-        self.optimizer = self._new_optimizer()
+    @endpoint
+    async def sync_listen(self, host: str, port: int = 0) -> int:
+        return self.weights.listen(host, port)
 
-    async def _run(self, what: str, deadline_s: float, fn, *args):
-        """``fn(*args)`` off the event loop; on a rank group, one guarded call of every rank."""
-        return await self.parallel.run(what, deadline_s or DEADLINE_S, fn, *args)
+    @endpoint
+    async def sync_join(self, address: SyncAddress, rank: int) -> str:
+        return await self.weights.join(address, rank)
 
-    def _new_optimizer(self) -> torch.optim.Optimizer:
-        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        # fused: one kernel for every parameter's update on a GPU (torch's own); elsewhere its default
-        return torch.optim.AdamW(
-            trainable,
-            lr=self.config.lr,
-            betas=self.config.betas,
-            weight_decay=self.config.weight_decay,
-            fused=self.device.type == "cuda" or None,
-        )
+    @endpoint
+    async def sync_leave(self) -> None:
+        self.weights.leave()
+
+    @endpoint
+    async def sync_created(self) -> dict[str, int]:
+        return self.weights.created()
+
+    @endpoint
+    async def setup_sender(
+        self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "", delta: bool = False
+    ) -> int:
+        return await self.weights.setup(timeout_s, bucket_bytes, wire_dtype, delta)
+
+    @endpoint
+    async def send_weights(self, version: int) -> SyncStats:
+        return await self.weights.send(version)
+
+    @endpoint
+    async def weights_digest(self, deadline_s: float = 0.0) -> str:
+        return await self.weights.digest(deadline_s)
+
+    @endpoint
+    async def save_checkpoint(
+        self, run_dir: str, step: int, keep: int, run_state: bytes, deadline_s: float = 0.0
+    ) -> str:
+        return await self.checkpoints.write(run_dir, step, keep, run_state, deadline_s)
+
+    @endpoint
+    async def load_checkpoint(self, path: str, deadline_s: float = 0.0) -> int:
+        return await self.checkpoints.load(path, deadline_s)
+
+    @endpoint
+    async def save(self, path: str, extra_files: dict[str, str] | None = None, deadline_s: float = 0.0) -> str:
+        return await self.checkpoints.save(path, extra_files, deadline_s)
+
+    # --- what the trainer itself does ------------------------------------------------------------
 
     @endpoint
     async def train_step(self, groups: list[RolloutGroup], deadline_s: float = 0.0) -> dict[str, float]:
@@ -176,7 +170,7 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         rank gets the whole batch and trains on its share; ``deadline_s`` bounds the step there."""
         for g in groups:
             validate_group(g)
-        return await self._run(f"train step {self.steps + 1}", deadline_s, self._train_step, groups)
+        return await self.ranks.run(f"train step {self.steps + 1}", deadline_s, self._train_step, groups)
 
     def _train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """One optimiser step of this process on its share of ``groups`` (all of them at world
@@ -189,7 +183,7 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         advantages = step_advantages(groups, cfg.loss, cfg.normalize_std)
         n_tokens, n_seqs = (float(n) for n in batch_counts(groups))
         normalizer = loss_normalizer(cfg.loss, n_tokens, n_seqs)
-        share, share_advantages = self.parallel.share(groups, advantages)
+        share, share_advantages = self.ranks.parallel.share(groups, advantages)
         budget = self.micro_batch_tokens()
         if not share:
             batches = []
@@ -197,11 +191,11 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
             batches = packed_micro_batches(share, share_advantages, budget, self.device, cfg.pack_tokens)
         else:
             batches = micro_batches(share, share_advantages, budget, self.device)
-        batches = self.parallel.align(batches, self.model, self.steps + 1)
+        batches = self.ranks.parallel.align(batches, self.model, self.steps + 1)
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate_all(batches, normalizer, n_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = self.parallel.clip_grad_norm(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        grad_norm = self.ranks.parallel.clip_grad_norm(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         lr = learning_rate(cfg, self.steps)
         set_learning_rate(self.optimizer, lr)
         try:
@@ -211,10 +205,10 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
             raise self._does_not_fit(
                 "the optimiser's state (AdamW: two fp32 copies of the trained weights)", exc
             ) from None
-        self.steps += 1
+        self.policy.steps += 1
         sums.pop("tokens", None)
         sums.pop("ratio_max", None)
-        sums = self.parallel.sum_metrics(sums)
+        sums = self.ranks.parallel.sum_metrics(sums)
         sums.update(
             grad_norm=float(grad_norm),
             lr=lr,
@@ -235,9 +229,9 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
 
         def gather() -> dict[str, torch.Tensor]:
             grads = {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
-            return {name: g.detach().cpu() for name, g in self.parallel.gathered(grads).items()}
+            return {name: g.detach().cpu() for name, g in self.ranks.parallel.gathered(grads).items()}
 
-        return await self._run("gathering the gradients", deadline_s, gather)
+        return await self.ranks.run("gathering the gradients", deadline_s, gather)
 
     def _utilisation(self, groups: list[RolloutGroup], seconds: float) -> dict[str, float]:
         """The step's model FLOPs utilisation and peak device memory (``trainer/flops.py``), on a
@@ -252,7 +246,7 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         out = {"peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if peak:
             flops = step_flops(self.model.config, body, groups, weights_train=not self.config.lora.rank)
-            out["mfu"] = flops / max(seconds, 1e-9) / peak / self.parallel.world_size
+            out["mfu"] = flops / max(seconds, 1e-9) / peak / self.ranks.parallel.world_size
         return out
 
     def micro_batch_tokens(self) -> int:
@@ -283,7 +277,7 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
     def _fallback_reason(self) -> str:
         """Why this trainer scores through full logits ("" when it does not: ``scoring/logprobs.py``)."""
         # the strategy, not the config: a rank joins a group whatever its config's world_size says
-        return self.parallel.head_fallback(self.model)
+        return self.ranks.parallel.head_fallback(self.model)
 
     def _accumulate_all(self, batches: list[MicroBatch], normalizer: float, n_tokens: float) -> dict[str, float]:
         """Gradients of every micro-batch into the parameters; the step's metrics: loss terms
@@ -324,7 +318,7 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         )
         ref = None
         if cfg.loss.kl_coef > 0:
-            with torch.no_grad(), self._reference() as reference:
+            with torch.no_grad(), self.policy.reference() as reference:
                 ref, _ = scored_logprobs(reference, batch, self.temperature, **score)
         loss, metrics = grpo_loss(
             new,
@@ -341,16 +335,6 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         )
         loss.backward()
         return metrics
-
-    @contextlib.contextmanager
-    def _reference(self):
-        """The KL reference to score with: the loaded copy, or with LoRA the policy itself with its
-        adapters disabled for the duration (peft's ``disable_adapter``: the frozen base)."""
-        if self.ref is not None:
-            yield self.ref
-        else:
-            with self.model.disable_adapter():
-                yield self.model
 
     @endpoint
     async def evaluate(
@@ -386,7 +370,7 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         ``samples`` completions each (indices into the split; None: all of them, and none sampled
         with ``samples`` 0). The driver's: it adds them to what samplers solved
         (``rl/driver/heldout.py``). How far it has got: `heldout_progress`."""
-        limit = max_new_tokens or self.fmt.max_new_tokens_hint
+        limit = max_new_tokens or self.policy.fmt.max_new_tokens_hint
         options = dict(
             samples=samples,
             max_new_tokens=limit,
@@ -399,10 +383,10 @@ class TrainerActor(RankMember, WeightSending, CheckpointEndpoints):
         )
 
         def run() -> list[HeldoutPart]:
-            return self.heldout(self.model, self.tokenizer, self.fmt, **options)
+            return self.heldout(self.model, self.policy.tokenizer, self.policy.fmt, **options)
 
-        return await self._run(
-            "the held-out evaluation", deadline_s, self.parallel.in_step, run, self.seed * 1_000_003 + self.steps
+        return await self.ranks.run(
+            "the held-out evaluation", deadline_s, self.ranks.parallel.in_step, run, self.seed * 1_000_003 + self.steps
         )
 
     @endpoint

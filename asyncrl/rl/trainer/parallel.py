@@ -8,7 +8,7 @@ lives here, in two strategies:
 - `Local`: world size 1, every trainer until it joins a rank group. The policy is whole in this
   process, a call runs on a worker thread, there is nothing to agree on with anyone, and
   checkpoints keep their Hugging Face layout (``trainer/checkpoint.py``).
-- `Sharded`: one rank of N (`RankMember.rank_join` swaps it in, once). The policy and its
+- `Sharded`: one rank of N (`RankMember.join` swaps it in, once). The policy and its
   optimiser are sharded (FSDP2, ``trainer/fsdp.py``); every call runs inside the rank group's
   guard (``trainer/group.py``); the batch is split by ``trainer/split.py``; the step's metrics are
   summed over the ranks; weights are gathered a bucket at a time for a sync
@@ -95,33 +95,33 @@ class Local:
         """None: the model in this process is whole, and saves itself."""
         return None
 
-    def write_checkpoint(self, trainer: Any, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
-        """The checkpoint's Hugging Face layout (``trainer/checkpoint.py``)."""
+    def write_checkpoint(self, policy: Any, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
+        """``policy``'s (a `TrainedPolicy`) checkpoint in the Hugging Face layout
+        (``trainer/checkpoint.py``)."""
         from asyncrl.rl.trainer.checkpoint import write_checkpoint
 
         return write_checkpoint(
             run_dir,
             step,
             keep,
-            trainer.model,
-            trainer.tokenizer,
-            trainer.optimizer,
-            trainer.steps,
+            policy.model,
+            policy.tokenizer,
+            policy.optimizer,
+            policy.steps,
             run_state,
-            trainer._marker_files(),
+            policy.marker_files(),
         )
 
-    def load_checkpoint(self, trainer: Any, path: str) -> int:
-        """The policy loaded anew from the checkpoint (with LoRA, the start's base and the saved
-        adapters), a new optimiser with the saved state; returns the trainer's steps."""
+    def load_checkpoint(self, policy: Any, path: str) -> int:
+        """``policy`` (a `TrainedPolicy`) loaded anew from the checkpoint (with LoRA, the start's
+        base and the saved adapters), a new optimiser with the saved state; returns its steps."""
         from asyncrl.rl.checkpoint import Checkpoint
         from asyncrl.rl.trainer.checkpoint import load_trainer_state, refuse_sharded
 
         refuse_sharded(path)
         checkpoint = Checkpoint(-1, path)
-        trainer.model, _, _ = trainer._policy(checkpoint.model_dir)
-        trainer.optimizer = trainer._new_optimizer()
-        return load_trainer_state(checkpoint, trainer.optimizer)
+        policy.reload(checkpoint.model_dir)
+        return load_trainer_state(checkpoint, policy.optimizer)
 
     def abort_call(self, failed_rank: int, reason: str) -> None:
         """No peers: nothing to leave."""
@@ -219,22 +219,22 @@ class Sharded:
 
         return full_state_dict(model)
 
-    def write_checkpoint(self, trainer: Any, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
-        """Every rank writes its shards (DCP, ``trainer/checkpoint.py``); rank 0 returns the
-        path, the others ""."""
+    def write_checkpoint(self, policy: Any, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
+        """Every rank writes its shards of ``policy`` (a `TrainedPolicy`; DCP,
+        ``trainer/checkpoint.py``); rank 0 returns the path, the others ""."""
         from asyncrl.rl.trainer.checkpoint import write_sharded_checkpoint
 
         return write_sharded_checkpoint(
-            self.rank, self.world_size, run_dir, step, keep, trainer.model, trainer.optimizer, trainer.steps, run_state
+            self.rank, self.world_size, run_dir, step, keep, policy.model, policy.optimizer, policy.steps, run_state
         )
 
-    def load_checkpoint(self, trainer: Any, path: str) -> int:
-        """The shards loaded into the sharded policy and optimiser in place (resharded by DCP to
-        this world size); returns the trainer's steps."""
+    def load_checkpoint(self, policy: Any, path: str) -> int:
+        """The shards loaded into ``policy``'s (a `TrainedPolicy`) sharded model and optimiser in
+        place (resharded by DCP to this world size); returns its steps."""
         from asyncrl.rl.checkpoint import Checkpoint
         from asyncrl.rl.trainer.checkpoint import load_sharded_checkpoint
 
-        return load_sharded_checkpoint(self.rank, Checkpoint(-1, path), trainer.model, trainer.optimizer)
+        return load_sharded_checkpoint(self.rank, Checkpoint(-1, path), policy.model, policy.optimizer)
 
     def abort_call(self, failed_rank: int, reason: str) -> None:
         self.group.abort_call(failed_rank, reason)

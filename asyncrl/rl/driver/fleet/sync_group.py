@@ -2,7 +2,7 @@
 
 `SyncGroup` forms the group (the trainer as rank 0, the members still up, the replacements that
 are up) at the next rendezvous generation (one `SyncAddress` for all, each its own rank) and sends
-it weights. `SyncMember.sync_join` closes each survivor's old (perhaps aborted) communicator and
+it weights. Each member's `sync_join` closes each survivor's old (perhaps aborted) communicator and
 creates one for the new membership; nothing else about the survivors is touched, and their
 rollouts keep flowing.
 
