@@ -17,8 +17,11 @@ memory as without, 2026-11-25).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
+
+from asyncrl.rl.scoring.forward import MIN_ROWS
 
 
 class CompileError(ValueError):
@@ -37,11 +40,15 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def compile_layers(model: torch.nn.Module) -> int:
-    """Compile each decoder layer in place; returns how many."""
+def compile_layers(model: torch.nn.Module, backend: str | Callable = "inductor") -> int:
+    """Compile each decoder layer in place; returns how many. ``backend``: torch.compile's (tests
+    count graphs with a cheaper one). The model's forward then gives the layers at least two rows
+    (`MIN_ROWS`): dynamo specialises a dimension of size 1 even for dynamic shapes, so a micro-batch
+    of one row recompiled every layer's code mid-run (``scoring/forward.py``'s `layout_inputs`)."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
+    setattr(model, MIN_ROWS, 2)
     return len(layers)
 
 
