@@ -150,6 +150,35 @@ def test_the_layers_compile_once_whatever_the_micro_batches_of_a_grpo_run(tmp_pa
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(
+    "rows, length",
+    [(3, 32), (17, 17)],  # a length equal to the hidden size (and head dim), to the row count
+)
+def test_the_layers_compile_once_whatever_sizes_the_first_micro_batch_had(tmp_path, monkeypatch, rows, length):
+    """Sizes equal at the first compile stay distinct (`_distinct_sizes`): a first micro-batch
+    whose length equals another of its sizes compiles no second graph for the next micro-batches."""
+    from asyncrl.rl.trainer import actor
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(actor, "compile_layers", lambda model: compile_layers(model, backend=backend))
+    torch._dynamo.reset()
+    try:
+        trainer = actor.TrainerActor(tiny_policy(tmp_path), TrainerConfig(compile=True, micro_batch_tokens=4096))
+        assert trainer.model.config.hidden_size == 32
+        trainer._train_step(grpo_batch([10] * rows, [[length - 10] for _ in range(rows)]))
+        first = len(graphs)
+        assert first >= 1
+        trainer._train_step(grpo_batch([10, 10, 10], [[5, 17], [12, 30], [40, 3]]))
+        assert len(graphs) == first
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_one_row_micro_batch_given_a_dummy_row_scores_the_same(tmp_path, attention, packed):

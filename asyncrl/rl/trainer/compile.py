@@ -17,9 +17,11 @@ memory as without, 2026-11-25).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.fx.experimental._config
 
 from asyncrl.rl.scoring.forward import MIN_ROWS
 
@@ -48,8 +50,25 @@ def compile_layers(model: torch.nn.Module, backend: str | Callable = "inductor")
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
+        layer._compiled_call_impl = _distinct_sizes(layer._compiled_call_impl)
     setattr(model, MIN_ROWS, 2)
     return len(layers)
+
+
+def _distinct_sizes(call: Callable) -> Callable:
+    """``call`` compiled without duck sizing. With it, dynamo gives sizes that are equal at the
+    first compile one symbol, and guards on that: a first micro-batch whose length equalled its
+    row count, or the head dim or hidden size, recompiled at the first micro-batch where they
+    differed (``hidden_states.size()[1] == hidden_states.size()[0]  # duck sizing added this
+    equality``; ``tensor 'hidden_states' size mismatch at index 1. expected 32``). Scoped to the
+    layers' calls: a global switch would reach every other compile in the process."""
+
+    @functools.wraps(call)
+    def run(*args, **kwargs):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return call(*args, **kwargs)
+
+    return run
 
 
 def compiled(config, device: torch.device) -> bool:
