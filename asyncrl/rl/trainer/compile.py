@@ -4,7 +4,9 @@ Per layer, not the whole model (torchtitan compiles its blocks the same way): a 
 that repeats, so it compiles once and every layer reuses the code; the model's own forward (mask
 building, the embedding, the fused output layer of ``scoring.py``) stays eager. Shapes change with
 every micro-batch (rows, lengths), so the layers are compiled for dynamic shapes from the start
-instead of recompiling for each new length.
+instead of recompiling for each new length. Dynamic shapes alone still recompiled mid-run (a
+micro-batch of one row, one without padding, sizes equal at the first compile): `compile_layers`
+and ``scoring/forward.py``'s `layout_inputs` keep the layers' calls alike (docs/trainer.md).
 
 Only the training forward runs compiled: generation in the trainer's process (the held-out
 evaluation) runs the same layers eagerly (`eager`). With a KV cache each layer's call differs in
