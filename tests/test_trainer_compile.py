@@ -117,7 +117,7 @@ def test_the_layers_compile_once_whatever_the_micro_batches_of_a_grpo_run(tmp_pa
     """What made the layers recompile mid-run on a GPU (``scoring/forward.py``'s `layout_inputs`):
     a micro-batch without padding (transformers then gave the layers no mask) and one of one row
     (a size of 1 is specialised); here in steps after a first step of ordinary micro-batches."""
-    from asyncrl.rl.trainer import actor
+    from asyncrl.rl.trainer import actor, policy
 
     graphs = []
 
@@ -125,7 +125,7 @@ def test_the_layers_compile_once_whatever_the_micro_batches_of_a_grpo_run(tmp_pa
         graphs.append(gm)
         return gm.forward
 
-    monkeypatch.setattr(actor, "compile_layers", lambda model: compile_layers(model, backend=backend))
+    monkeypatch.setattr(policy, "compile_layers", lambda model: compile_layers(model, backend=backend))
     torch._dynamo.reset()  # the layer's code is shared: no graph of another test's
     try:
         trainer = actor.TrainerActor(
@@ -157,7 +157,7 @@ def test_the_layers_compile_once_whatever_the_micro_batches_of_a_grpo_run(tmp_pa
 def test_the_layers_compile_once_whatever_sizes_the_first_micro_batch_had(tmp_path, monkeypatch, rows, length):
     """Sizes equal at the first compile stay distinct (`_distinct_sizes`): a first micro-batch
     whose length equals another of its sizes compiles no second graph for the next micro-batches."""
-    from asyncrl.rl.trainer import actor
+    from asyncrl.rl.trainer import actor, policy
 
     graphs = []
 
@@ -165,7 +165,7 @@ def test_the_layers_compile_once_whatever_sizes_the_first_micro_batch_had(tmp_pa
         graphs.append(gm)
         return gm.forward
 
-    monkeypatch.setattr(actor, "compile_layers", lambda model: compile_layers(model, backend=backend))
+    monkeypatch.setattr(policy, "compile_layers", lambda model: compile_layers(model, backend=backend))
     torch._dynamo.reset()
     try:
         trainer = actor.TrainerActor(tiny_policy(tmp_path), TrainerConfig(compile=True, micro_batch_tokens=4096))

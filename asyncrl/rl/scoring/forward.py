@@ -14,8 +14,8 @@ implementation:
   the position ids alone; transformers derives the sequences' boundaries from them (flash's varlen
   path, ``modeling_flash_attention_utils._is_packed_sequence``, takes one row only).
 
-Padded rows under sdpa / eager get an explicit 4-D mask as well (`padded_causal_mask`), and a model
-whose decoder layers are compiled gets no micro-batch of one row (`MIN_ROWS`): what the compiled
+A model whose decoder layers are compiled (`MIN_ROWS`) gets an explicit 4-D mask for padded rows
+under sdpa / eager as well (`padded_causal_mask`) and no micro-batch of one row: what the compiled
 layers are called with stays the same from one micro-batch to the next (`layout_inputs`).
 """
 
@@ -77,19 +77,22 @@ def layout_inputs(model, batch: MicroBatch) -> tuple[dict, bool]:
     mid-run (each recompile cost seconds of a step on a GPU, and past dynamo's recompile limit a
     layer runs eagerly for good):
 
-    - padded rows get our 4-D mask: given a 2-D one, transformers drops it for sdpa when the rows
-      have no padding (``is_causal`` instead), and dynamo recompiled on the layers'
-      ``attention_mask`` turning None (``expected type of 'attention_mask' to be a tensor type``);
+    - a compiled model's padded rows get our 4-D mask: given a 2-D one, transformers drops it for
+      sdpa when the rows have no padding (``is_causal`` instead), and dynamo recompiled on the
+      layers' ``attention_mask`` turning None (``expected type of 'attention_mask' to be a tensor
+      type``). An eager model keeps the 2-D mask, and sdpa's causal kernel where nothing is padded;
     - a compiled model (`MIN_ROWS`) gets no micro-batch of one row: dynamo specialises a size of 1
       even for dynamic shapes and recompiled on the first one (``2 <= hidden_states.size()[0]``).
       The flat layout is always one row, never another number, so it needs neither."""
     masked = model.config._attn_implementation in MASKED_IMPLEMENTATIONS
     if batch.position_ids is not None and not masked:
         return flat_inputs(batch), True
-    batch = _with_rows(batch, getattr(model, MIN_ROWS, 1))
+    min_rows = getattr(model, MIN_ROWS, 1)
+    batch = _with_rows(batch, min_rows)
     if batch.position_ids is not None:
         return masked_inputs(model, batch), False
-    mask = _for_implementation(model, padded_causal_mask(batch.attention)) if masked else batch.attention
+    compiled = min_rows > 1
+    mask = _for_implementation(model, padded_causal_mask(batch.attention)) if masked and compiled else batch.attention
     return dict(input_ids=batch.input_ids, attention_mask=mask, use_cache=False), False
 
 
