@@ -415,7 +415,8 @@ def test_the_worker_answers_data_plane_errors_by_type_and_raises_the_rest():
     listener.close()  # nobody hosts the store there: the join times out, a data-plane error
     address = SyncAddress(host=HOST, port=port, world_size=2, backend="gloo", timeout_s=1.0)
     answer = worker.asyncrl_call("join", msgspec.to_builtins(address), 1)
-    assert answer["error"] == "RendezvousTimeoutError" and "rank(s) [0]" in answer["message"], answer
+    assert answer["error"] == "asyncrl.comm.errors.RendezvousTimeoutError", answer
+    assert "rank(s) [0]" in answer["message"], answer
     assert worker.asyncrl_call("created") == {"ok": worker.asyncrl_created()}
     with pytest.raises(WorkerSyncError, match="before joining"):  # this worker's own state: raised as it is
         worker.asyncrl_call("setup_receiver", 5.0)
@@ -606,11 +607,14 @@ def test_the_workers_data_plane_errors_come_back_under_their_own_type():
     from asyncrl.comm.errors import CollectiveError, LayoutMismatchError, RendezvousError
     from asyncrl.rl.sampler.vllm.sink import EngineWeightSyncError, comm_error
 
-    assert comm_error("CollectiveError") is CollectiveError
-    assert comm_error("LayoutMismatchError") is LayoutMismatchError
+    assert comm_error("asyncrl.comm.errors.CollectiveError") is CollectiveError
+    assert comm_error("asyncrl.comm.errors.LayoutMismatchError") is LayoutMismatchError
     # Its constructor takes (group, what, missing, timeout_s), not a message: its base class does.
-    assert comm_error("RendezvousTimeoutError") is RendezvousError
-    assert comm_error("NoSuchError") is EngineWeightSyncError
+    assert comm_error("asyncrl.comm.errors.RendezvousTimeoutError") is RendezvousError
+    assert comm_error("asyncrl.comm.errors.NoSuchError") is EngineWeightSyncError
+    # By path, not by name: another module's class of the same name is not ours.
+    assert comm_error("CollectiveError") is EngineWeightSyncError
+    assert comm_error("elsewhere.CollectiveError") is EngineWeightSyncError
 
 
 async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():

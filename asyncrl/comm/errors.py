@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from asyncrl.errors import AsyncrlError
+from asyncrl.errors import AsyncrlError, type_path
 
 
 class CommError(AsyncrlError):
@@ -66,8 +66,8 @@ PEER_FAILURE_ERRORS: tuple[type[CommError], ...] = (
 """The data-plane errors a member raises when a peer fails (or cannot be reached): one that ends
 a group-wide call with one of these is a victim of the failure, not its cause."""
 
-COMM_ERRORS_BY_NAME: dict[str, type[CommError]] = {
-    cls.__name__: cls for cls in (*PEER_FAILURE_ERRORS, CommLibraryError)
+COMM_ERRORS_BY_PATH: dict[str, type[CommError]] = {
+    type_path(cls): cls for cls in (*PEER_FAILURE_ERRORS, CommLibraryError)
 }
-"""The same errors by class name: how another process reports them (a `RemoteError`'s
-``remote_type``, a vLLM worker's answer) is turned back into the type."""
+"""The same errors by type path (``module.QualName``): how a vLLM worker's answer names one is
+turned back into the type; a name alone could be another module's class of that name."""

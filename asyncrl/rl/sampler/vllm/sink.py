@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from asyncrl.comm.address import SyncAddress
-from asyncrl.comm.errors import COMM_ERRORS_BY_NAME, CommError, RendezvousError, RendezvousTimeoutError
+from asyncrl.comm.errors import COMM_ERRORS_BY_PATH, CommError, RendezvousError, RendezvousTimeoutError
 from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerError, SamplerSyncStats, WeightSink
 from asyncrl.runtime.timeouts import timeout
@@ -45,12 +45,12 @@ class EngineWeightSyncError(SamplerError):
     sampler rather than counting it a victim of a peer (`driver/sync_group.suffered_from_peer`)."""
 
 
-def comm_error(name: str) -> type[Exception]:
-    """The class to raise again for a data-plane error the worker reported by ``name``: the
-    `asyncrl.comm.errors` class of that name, built from one message. A `RendezvousTimeoutError`
-    (whose constructor takes group, what, missing, timeout) comes back as its base class,
-    `RendezvousError`; an unknown name as `EngineWeightSyncError`."""
-    cls: type[CommError] | None = COMM_ERRORS_BY_NAME.get(name)
+def comm_error(path: str) -> type[Exception]:
+    """The class to raise again for a data-plane error the worker reported by its type ``path``
+    (``module.QualName``): the `asyncrl.comm.errors` class at that path, built from one message. A
+    `RendezvousTimeoutError` (whose constructor takes group, what, missing, timeout) comes back as
+    its base class, `RendezvousError`; an unknown path as `EngineWeightSyncError`."""
+    cls: type[CommError] | None = COMM_ERRORS_BY_PATH.get(path)
     if cls is None:
         return EngineWeightSyncError
     return RendezvousError if issubclass(cls, RendezvousTimeoutError) else cls
@@ -80,8 +80,9 @@ async def engine_call(backend: EngineBackend, call: str, timeout_s: float, *args
     if not isinstance(answer, dict) or not ("ok" in answer or "error" in answer):
         raise EngineWeightSyncError(f"{call}: the vLLM worker answered {answer!r:.200}")
     if "error" in answer:
-        name = answer["error"]
-        raise comm_error(name)(f"the vLLM worker failed {call}: {name}: {answer.get('message', '')}")
+        path = answer["error"]
+        name = str(path).rpartition(".")[2]
+        raise comm_error(path)(f"the vLLM worker failed {call}: {name}: {answer.get('message', '')}")
     return answer["ok"]
 
 

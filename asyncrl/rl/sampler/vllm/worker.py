@@ -66,19 +66,20 @@ class WeightSyncExtension:
 
     def asyncrl_call(self, call: str, *args: Any) -> dict[str, Any]:
         """The one entry point `VLLMBackend` calls through ``collective_rpc``: run ``asyncrl_<call>``
-        and answer ``{"ok": result}``, or ``{"error": type name, "message": text}`` when the data
+        and answer ``{"ok": result}``, or ``{"error": type path, "message": text}`` when the data
         plane raised (an `asyncrl.comm.errors.CommError`). vLLM passes an exception raised here on
         as text only; the type must survive, because it tells a member that suffered a peer's
         failure (it stays in the run) from one that failed by itself (it is replaced). Anything
         else raises as it is."""
         from asyncrl.comm.errors import CommError
+        from asyncrl.errors import type_path
 
         if call not in CALLS:
             raise WorkerSyncError(f"no weight-sync call {call!r} (known: {', '.join(CALLS)})")
         try:
             return {"ok": getattr(self, f"asyncrl_{call}")(*args)}
         except CommError as exc:
-            return {"error": type(exc).__name__, "message": str(exc)}
+            return {"error": type_path(type(exc)), "message": str(exc)}
 
     def asyncrl_join(self, address: Any, rank: Any) -> str:
         """Join the group at ``address`` (a `SyncAddress` as plain values: ``msgspec.to_builtins``)
