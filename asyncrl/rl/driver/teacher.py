@@ -21,6 +21,7 @@ from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.driver.faults import RunStoppedError
 from asyncrl.rl.rollout import InvalidGroupError, RolloutGroup, validate_group
+from asyncrl.runtime.state import ActorState
 
 
 class ScorerLostError(RunStoppedError):
@@ -67,9 +68,9 @@ class ScorerCalls:
         """``method(prompt_ids, completion_ids)`` of the scorer for ``group``."""
         while True:
             info = self.handle.info()
-            if info.state != "running":  # starting or restarting: its next incarnation is awaited by state
+            if info.state != ActorState.RUNNING:  # starting or restarting: its next incarnation is awaited by state
                 info = await self.handle.wait_for_state(["running"], self.restart_timeout_s)
-                if info.state != "running":
+                if info.state != ActorState.RUNNING:
                     raise ScorerLostError(
                         f"the {self.name} is not running ({info.state}, restarts {info.restarts}/"
                         f"{info.max_restarts}, --run.sampler_max_restarts) within "
@@ -95,7 +96,7 @@ class ScorerCalls:
             self._reported = incarnation
             self.log(f"{self.name} (incarnation {incarnation}) lost: {first_line(exc)}; waiting for its restart")
         info = await self.handle.wait_for_incarnation(incarnation, self.restart_timeout_s)
-        if info.state != "running" or info.incarnation <= incarnation:
+        if info.state != ActorState.RUNNING or info.incarnation <= incarnation:
             raise ScorerLostError(
                 f"the {self.name} did not come back after incarnation {incarnation} ({info.state}, "
                 f"restarts {info.restarts}/{info.max_restarts}, --run.sampler_max_restarts; "
