@@ -24,6 +24,7 @@ from asyncrl.rl.observe.progress import Progress, ProgressBar, make_progress
 from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics
 from asyncrl.rl.observe.sync_metrics import SyncPhases
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.rl.view.sparkline import sparkline
 from test_grpo import ROOT, TINY, launch
 
@@ -130,7 +131,7 @@ def test_a_step_record_leaves_out_what_this_run_does_not_have_and_writes_what_it
         paced_wait_s=0.5,
         weights_digests={"trainer": "ab"},
         heldout_solve_rate=0.25,
-        train=TrainMetrics.of(
+        train=TrainStepMetrics.of(
             {
                 "loss": 0.1,
                 "grad_norm": 1.0,
@@ -142,7 +143,7 @@ def test_a_step_record_leaves_out_what_this_run_does_not_have_and_writes_what_it
                 "mfu": 0.3,
                 "train_s": 9.0,
             }
-        ),
+        ).recorded(),
         fleet=FleetEvents(
             generation=1, samplers_in_group=1, sampler_losses=1, sampler_rejoins=0, recover_s=0.0, events=events
         ),
@@ -199,7 +200,7 @@ def test_a_step_record_is_the_one_the_18_parameter_step_record_made():
         done,
         StepTimes(began=10.0, batch_ready=10.5, trained=12.0),
         StepResults(
-            train={**train, "loss": 0.5, "grad_norm": 1.5, "train_s": 9.0},
+            train=TrainStepMetrics(**train, loss=0.5, grad_norm=1.5, train_s=9.0),
             sync=SyncPhases(sync_s=0.25),
             digests={"trainer": "ab"},
         ),
@@ -240,7 +241,9 @@ def test_a_step_record_is_the_one_the_18_parameter_step_record_made():
     rec = step_record(
         StepBatch(4, 4, batch[:1], skipped=[]),
         StepTimes(began=0.0, batch_ready=1.0, trained=3.0),
-        StepResults(train={**train, "grad_norm": 1.0}, sync=SyncPhases(sync_s=0.0), digests={}),
+        StepResults(
+            train=TrainStepMetrics(**train, grad_norm=1.0, train_s=0.1), sync=SyncPhases(sync_s=0.0), digests={}
+        ),
         RunTotals(samples=2, tokens=5, elapsed_s=0.0, dropped_stale=0, task_keys=set()),
         SamplersAfter(queue_depth=0, pacer=None, fleet={**fleet, "sampler_rejoins": 0}),
         correct_reward=1.0,

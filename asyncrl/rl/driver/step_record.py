@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.rl.driver.pacing import Pacer
-from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics
+from asyncrl.rl.observe.record import FleetEvents, StepRecord
 from asyncrl.rl.observe.sync_metrics import SyncPhases
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.trainer.metrics import TrainStepMetrics
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class StepResults:
     """What the step's calls answered: the trainer's metrics, the weight sync's phases (all 0 but
     ``sync_s`` when it did not sync) and each member's weights digest (empty: not checked)."""
 
-    train: dict[str, Any]
+    train: TrainStepMetrics
     sync: SyncPhases
     digests: dict[str, str]
 
@@ -127,7 +128,7 @@ def step_record(
         train_s=times.train_s,
         sync=results.sync,
         generate_s=sum(g.generate_s for g in groups) / len(groups),
-        train=TrainMetrics.of(results.train),
+        train=results.train.recorded(),
         task=task_metrics(groups, totals.task_keys),
         fleet=FleetEvents(**samplers.fleet),
         group_ids=[g.uid for g in groups],
