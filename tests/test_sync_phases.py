@@ -55,7 +55,7 @@ async def test_a_real_sync_between_the_trainer_and_an_hf_sampler_is_split_into_p
                 kwargs=dict(data=DataConfig(n_train=20, n_heldout=8)),
             ),
         )
-        assert (await s.stats())["weight_dtype"] == "float32"  # the embedded model's: the wire's dtype
+        assert (await s.stats()).weight_dtype == "float32"  # the embedded model's: the wire's dtype
         await form_group([t, s], HOST, timeout_s=60)
         await asyncio.gather(t.setup_sender(30, 64 << 10), s.setup_receiver(30))
         for version in (1, 2):
