@@ -1,6 +1,7 @@
 """What the sampler tests share (tests/test_sampler.py, tests/test_vllm_*.py): a tiny random Qwen2
 checkpoint with the project's tokenizer, the HF policy loaded from it, a few Countdown prompts of
-different lengths, and the log-prob recomputation both backends are checked against.
+different lengths, the log-prob recomputation both backends are checked against, and a scripted
+three-turn environment.
 
 Test modules load this one as a plugin (``pytest_plugins = ["sampler_support"]``) for its
 fixtures; they are module-scoped, so each test module builds its own checkpoint.
@@ -14,6 +15,8 @@ import os
 
 import pytest
 import torch
+
+from asyncrl.rl.tasks.base import Environment, Reply
 
 HOST = "127.0.0.1"
 # A tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine three
@@ -96,3 +99,24 @@ async def until_generating(sampler, timeout_s: float = 60.0) -> None:
     while not (await sampler.stats()).generating:
         assert loop.time() < deadline, f"sampler {sampler.name}: no generate in flight within {timeout_s:g} s"
         await asyncio.sleep(0.005)
+
+
+class Scripted(Environment):
+    """Three model turns whatever they say: replies ``<result>k</result>`` after turns 1 and 2;
+    the reward is how many turns ended at the stop string (``stopped`` metric), plus 0.5."""
+
+    name = "scripted"
+    max_turns = 3
+
+    def __init__(self, stop: str):
+        super().__init__()
+        self.stop = [stop]
+
+    def prompt(self, problem):
+        return problem
+
+    def step(self, episode, completion):
+        episode.state["stopped"] = episode.state.get("stopped", 0) + completion.endswith(self.stop[0])
+        if episode.model_turns < 3:
+            return Reply(f"<result>{episode.model_turns}</result>")
+        return Reply(done=True, reward=episode.state["stopped"] + 0.5, metrics={"stopped": episode.state["stopped"]})

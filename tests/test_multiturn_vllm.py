@@ -1,10 +1,8 @@
-"""Multi-turn episodes through vLLM's CPU build: the episode runner (tasks/episodes.py) with
-`VLLMBackend.generate` on a tiny random Qwen2, a scripted environment over 3 turns whose turns may
-end at a stop string: the token layout and masks, each model token's behaviour log-prob against a
-forward pass of the HF model over the whole context, rewards, and seeded repeats.
-
-``test_what_the_prefix_cache_buys_later_turns`` measures (opt-in, it starts two engines on a
-larger model): ``ASYNCRL_MEASURE_PREFIX_CACHE=1 python -m pytest -s tests/test_multiturn_vllm.py -k prefix``.
+"""What the prefix cache buys multi-turn episodes through vLLM's CPU build: a measurement, opt-in
+(it starts two engines on a larger model):
+``ASYNCRL_MEASURE_PREFIX_CACHE=1 python -m pytest -s tests/test_multiturn_vllm.py -k prefix``.
+The episodes themselves through vLLM (``test_three_turns_through_vllm``) are in
+tests/test_vllm_backend.py, on the engine its tests share.
 
 Where vLLM is not installed these tests skip, unless ``ASYNCRL_REQUIRE_VLLM=1`` (see vllm_support).
 """
@@ -19,77 +17,13 @@ import pytest
 import torch
 
 from asyncrl.rl.generation import SamplingParams
-from asyncrl.rl.tasks.base import Environment, Reply, as_prompt
 from asyncrl.rl.tasks.episodes import EpisodeRunner
 from asyncrl.rl.tasks.scoring import UserCalls
-from sampler_support import recomputed
-from vllm_support import engine_options
+from sampler_support import Scripted
 
-pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy; vllm_required, engine
+pytest_plugins = ["vllm_support"]  # fixture: vllm_required
 
 pytestmark = pytest.mark.timeout(600)
-
-PROBLEMS = ["3 7 25 50 -> 178", "1 2 -> 3", "10 20 30 40 5 -> 999"]
-
-
-class Scripted(Environment):
-    """Three model turns whatever they say: replies ``<result>k</result>`` after turns 1 and 2;
-    the reward is how many turns ended at the stop string (``stopped`` metric), plus 0.5."""
-
-    name = "scripted"
-    max_turns = 3
-
-    def __init__(self, stop: str):
-        super().__init__()
-        self.stop = [stop]
-
-    def prompt(self, problem):
-        return problem
-
-    def step(self, episode, completion):
-        episode.state["stopped"] = episode.state.get("stopped", 0) + completion.endswith(self.stop[0])
-        if episode.model_turns < 3:
-            return Reply(f"<result>{episode.model_turns}</result>")
-        return Reply(done=True, reward=episode.state["stopped"] + 0.5, metrics={"stopped": episode.state["stopped"]})
-
-
-@pytest.mark.asyncio(loop_scope="module")
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-async def test_three_turns_through_vllm(engine, policy, temperature):
-    model, tok, fmt = policy
-    prompts = [fmt.render_ids(as_prompt(p)) for p in PROBLEMS]
-    [[free]] = await engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=16, temperature=0.0))
-    needle = free.text[6:8]
-    assert needle.strip(), free.text
-    env = Scripted(needle)
-    calls = UserCalls("scripted", 10.0, 0.0)
-    runner = EpisodeRunner(env, fmt, calls, max_context=engine_options(torch.device("cpu"))["max_model_len"])
-    params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=3, stop_token_ids=list(fmt.stop_token_ids))
-    n = 1 if temperature == 0 else 3
-    groups = await runner.run(PROBLEMS, n, params, engine.generate)
-    stopped = 0
-    for prompt, group in zip(prompts, groups):
-        assert len(group) == n
-        for s in group:
-            assert s.error == "" and s.metrics["turns"] == 3.0 and s.metrics["episodes_truncated"] == 0.0
-            assert s.reward == s.metrics["stopped"] + 0.5
-            stopped += s.metrics["stopped"]
-            # prompt | turn 1 | <result>1</result> | turn 2 | <result>2</result> | turn 3
-            segments = [s.action_mask[0]] + [m for a, m in zip(s.action_mask, s.action_mask[1:]) if m != a]
-            assert segments == [1, 0, 1, 0, 1]
-            replies = [t for t, m in zip(s.token_ids, s.action_mask) if not m]
-            assert tok.decode(replies) == "<result>1</result><result>2</result>"
-            mask = torch.tensor(s.action_mask, dtype=torch.bool)
-            logprobs = torch.tensor(s.logprobs)
-            ref = recomputed(model, prompt, s.token_ids, temperature or 1.0)
-            assert torch.allclose(logprobs[mask], ref[mask], atol=2e-3, rtol=0), (logprobs[mask], ref[mask])
-            assert (logprobs[~mask] == 0).all()
-    if temperature == 0:  # the first problem's first turn is the run the needle came from
-        assert stopped > 0
-    assert calls.take_counts()["calls"] == len(PROBLEMS) * n * 3
-    again = await runner.run(PROBLEMS, n, params, engine.generate)
-    assert again == groups
-
 
 # --- measurement: what the prefix cache buys ---------------------------------------------------------
 

@@ -20,6 +20,7 @@ import time
 
 import msgspec
 import pytest
+import pytest_asyncio
 
 from asyncrl import RemoteError, Supervisor
 from asyncrl.comm.member import form_group
@@ -62,41 +63,113 @@ def _spawn_sampler(sup, tiny_path, device, **sampler):
     )
 
 
-async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny_path, policy, tmp_path):
+class SharedSampler(msgspec.Struct):
+    """The module's vLLM sampler: its supervisor, its handle, and what its first generate (greedy,
+    on the probe prompts) gave and took."""
+
+    sup: Supervisor
+    sampler: object
+    shm_before: set
+    first: list
+    first_generate_s: float
+
+
+def _probe(policy) -> list[list[int]]:
+    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
+
+    train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
+    return [policy[2].render_ids(Countdown().prompt(p)) for p in train[:2]]
+
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shared_sampler(vllm_required, tiny_path, policy):
+    """One vLLM sampler for the tests below that need a fresh one (an engine start with its
+    sampling-op compile is 30-45 s of the 2-core machine). The held-out evaluation uses it first;
+    the weight-sync test last, as it ends by SIGKILLing it (a test after that fails on a dead actor,
+    never passes by accident). Its first generate is timed here, where it is the first."""
+    shm_before = shm_names()
+    async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
+        sampler = await _spawn_sampler(sup, tiny_path, vllm_required, max_new_tokens=24, temperature=1.0)
+        start = time.perf_counter()
+        first = await sampler.generate(_probe(policy), 1, GREEDY)
+        yield SharedSampler(sup, sampler, shm_before, first, time.perf_counter() - start)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_vllm_sampler_evaluates_held_out_problems_beside_its_rollouts(shared_sampler):
+    """``--run.eval_on samplers`` on vLLM: the sampler solves every held-out problem (greedy, and
+    sampled twice each) with its parts in flight at once, while a rollout stream runs on the same
+    engine; every part of version 0 (the driver would not count one of another), nothing left for
+    the trainer. Greedy is deterministic on an engine: a second evaluation, alongside nothing, finds
+    the same greedy rate and metric sums. (Not compared with the trainer's: vLLM's kernels are not
+    transformers', and near-ties may go the other way; tests/test_heldout_samplers.py has that
+    comparison on the HF backend.)"""
+    from asyncrl.rl.config.run import RecoveryConfig, RunConfig
+    from asyncrl.rl.driver import heldout
+    from asyncrl.rl.driver.fleet.membership import Membership, MemberState
+
+    class NotAsked:
+        name = "trainer"
+
+        def with_timeout(self, timeout_s):
+            return self
+
+        async def evaluate_heldout(self, *args, **kwargs):
+            raise AssertionError(f"the trainer was asked {args}")
+
+    run = RunConfig(eval_samples=2, eval_on="samplers", data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT))
+    logs: list[str] = []
+    sampler = shared_sampler.sampler
+    members = Membership([sampler], [0], recovery=RecoveryConfig(), log=print)
+    members.members[0].state, members.members[0].incarnation = MemberState.JOINED, sampler.info().incarnation
+    rollouts = asyncio.ensure_future(_collect(sampler.rollouts(4)))
+    first = await heldout.evaluate(NotAsked(), run, logs.append, version=0, members=members)
+    groups = await asyncio.wait_for(rollouts, 120)
+    again = await heldout.evaluate(NotAsked(), run, logs.append, version=0, members=members)
+    stats = await sampler.stats()
+    assert members.members[0].in_group and len(groups) == 4 and stats.groups == 4, stats
+    assert 0.0 <= first.rates["greedy"] <= 1.0 and 0.0 <= first.rates["sampled"] <= 1.0
+    greedy = {k: v for k, v in first.extra.items() if k.startswith("heldout/task/")}
+    assert greedy and (again.rates["greedy"], {k: again.extra[k] for k in greedy}) == (first.rates["greedy"], greedy)
+    assert logs[-1].startswith(f"held-out evaluation of v0: {N_HELDOUT} problems greedy and {N_HELDOUT} x 2 sampled")
+    assert logs[-1].endswith(" on smp")
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_weights_update_over_gloo_into_the_vllm_worker(shared_sampler, vllm_required, policy, tmp_path):
     """Pause mode: new weights change the greedy output; the original ones restore it exactly;
     a sync during a generate waits for it; a failed sync fails on both sides and holds rollouts
     until a good one; the sender's death mid-sync is a peer's failure, and the engine rejoins a
     rebuilt group. Then SIGKILL the actor: vLLM's engine process must go with it."""
-    from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
+    # vLLM's sampling ops were compiled while the sampler started (`SamplerActor.on_start`), so
+    # its first generate (the fixture's) is as quick as any: compiled at first use (6 s and more
+    # here), they held up the first weight sync a sampler added by a scale-up joined.
+    took = shared_sampler.first_generate_s
+    print(f"the first generate of a started vLLM sampler: {took:.2f} s")
+    assert took < 3.0, f"the first generate of a started vLLM sampler took {took:.1f} s"
 
-    model, _, fmt = policy
+    model, _, _ = policy
     files = state_files(model, str(tmp_path))
-    train, _ = train_and_heldout(0, N_TRAIN, N_HELDOUT)
-    probe = [fmt.render_ids(Countdown().prompt(p)) for p in train[:2]]
-    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
-    shm_before = shm_names()
-    async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
-        sampler, pusher = await asyncio.gather(
-            _spawn_sampler(sup, tiny_path, vllm_required, max_new_tokens=24, temperature=1.0),
-            sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"}),
-        )
+    probe, greedy = _probe(policy), GREEDY
+    sup, sampler, shm_before = shared_sampler.sup, shared_sampler.sampler, shared_sampler.shm_before
+    pusher = await sup.spawn(StatePusher, files, name="pusher", env={"OMP_NUM_THREADS": "1"})
+    try:
         assert await form_group([pusher, sampler], HOST, backend=SYNC_BACKEND, timeout_s=60) > 0
         buckets, _ = await asyncio.gather(pusher.setup(), sampler.setup_receiver(60))
         assert buckets > 1  # a 64 KiB bucket: the tiny model takes several
-        first = time.perf_counter()
         before = await sampler.generate(probe, 1, greedy)
-        # vLLM's sampling ops were compiled while the sampler started (`SamplerActor.on_start`), so
-        # its first generate is as quick as any: compiled at first use (6 s and more here), they
-        # held up the first weight sync a sampler added by a scale-up joined.
-        took = time.perf_counter() - first
-        print(f"the first generate of a started vLLM sampler: {took:.2f} s")
-        assert took < 3.0, f"the first generate of a started vLLM sampler took {took:.1f} s"
+        assert [g[0].token_ids for g in before] == [g[0].token_ids for g in shared_sampler.first]
 
         groups = [g async for g in sampler.rollouts(2)]
         assert [g.version for g in groups] == [0, 0] and all(len(g.completion_ids) == 3 for g in groups)
 
+        # Long enough for the sync's call to surely arrive during it: on this engine, warmed by
+        # the held-out evaluation, 8 x 300 tokens ended in 1.2 s, once before that call did.
         inflight = asyncio.ensure_future(
-            sampler.generate(probe * 4, 4, msgspec.structs.replace(greedy, max_new_tokens=300))
+            sampler.generate(probe * 8, 4, msgspec.structs.replace(greedy, max_new_tokens=400))
         )
         await until_generating(sampler)
         _, synced = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
@@ -155,6 +228,8 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(vllm_required, tiny
             orphaned_shm(shm_before),
             _scratch(actor_pid),
         )
+    finally:  # the supervisor is the module's: no process of this test's may outlive it
+        await sup.stop(pusher)
 
 
 def _scratch(actor_pid: int) -> list[str]:
@@ -185,46 +260,6 @@ async def _all_gone(pids, timeout_s: float) -> bool:
 
 async def _collect(stream) -> list:
     return [g async for g in stream]
-
-
-async def test_a_vllm_sampler_evaluates_held_out_problems_beside_its_rollouts(vllm_required, tiny_path, policy):
-    """``--run.eval_on samplers`` on vLLM: the sampler solves every held-out problem (greedy, and
-    sampled twice each) with its parts in flight at once, while a rollout stream runs on the same
-    engine; every part of version 0 (the driver would not count one of another), nothing left for
-    the trainer. Greedy is deterministic on an engine: a second evaluation, alongside nothing, finds
-    the same greedy rate and metric sums. (Not compared with the trainer's: vLLM's kernels are not
-    transformers', and near-ties may go the other way; tests/test_heldout_samplers.py has that
-    comparison on the HF backend.)"""
-    from asyncrl.rl.config.run import RecoveryConfig, RunConfig
-    from asyncrl.rl.driver import heldout
-    from asyncrl.rl.driver.fleet.membership import Membership, MemberState
-
-    class NotAsked:
-        name = "trainer"
-
-        def with_timeout(self, timeout_s):
-            return self
-
-        async def evaluate_heldout(self, *args, **kwargs):
-            raise AssertionError(f"the trainer was asked {args}")
-
-    run = RunConfig(eval_samples=2, eval_on="samplers", data=DataConfig(n_train=N_TRAIN, n_heldout=N_HELDOUT))
-    logs: list[str] = []
-    async with Supervisor(call_timeout_s=120, start_timeout_s=240) as sup:
-        sampler = await _spawn_sampler(sup, tiny_path, vllm_required, max_new_tokens=24, temperature=1.0)
-        members = Membership([sampler], [0], recovery=RecoveryConfig(), log=print)
-        members.members[0].state, members.members[0].incarnation = MemberState.JOINED, sampler.info().incarnation
-        rollouts = asyncio.ensure_future(_collect(sampler.rollouts(4)))
-        first = await heldout.evaluate(NotAsked(), run, logs.append, version=0, members=members)
-        groups = await asyncio.wait_for(rollouts, 120)
-        again = await heldout.evaluate(NotAsked(), run, logs.append, version=0, members=members)
-        stats = await sampler.stats()
-    assert members.members[0].in_group and len(groups) == 4 and stats.groups == 4, stats
-    assert 0.0 <= first.rates["greedy"] <= 1.0 and 0.0 <= first.rates["sampled"] <= 1.0
-    greedy = {k: v for k, v in first.extra.items() if k.startswith("heldout/task/")}
-    assert greedy and (again.rates["greedy"], {k: again.extra[k] for k in greedy}) == (first.rates["greedy"], greedy)
-    assert logs[-1].startswith(f"held-out evaluation of v0: {N_HELDOUT} problems greedy and {N_HELDOUT} x 2 sampled")
-    assert logs[-1].endswith(" on smp")
 
 
 _DRIVER = textwrap.dedent("""

@@ -20,8 +20,11 @@ from asyncrl import Supervisor
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.rendezvous import join_all
 from asyncrl.rl.sampler.backend import SamplingParams
+from asyncrl.rl.tasks.base import as_prompt
+from asyncrl.rl.tasks.episodes import EpisodeRunner
+from asyncrl.rl.tasks.scoring import UserCalls
 from conftest import wait_until
-from sampler_support import HOST
+from sampler_support import HOST, Scripted, recomputed
 from vllm_support import (
     SYNC_BACKEND,
     StatePusher,
@@ -140,6 +143,50 @@ async def test_seeded_calls_are_reproducible(engine, prompts):
     assert len({tuple(c.token_ids) for c in a[0]}) > 1  # the n samples of one prompt differ
     other = await engine.generate(prompts, 4, msgspec.structs.replace(params, seed=43))
     assert [[c.token_ids for c in g] for g in a] != [[c.token_ids for c in g] for g in other]
+
+
+# --- multi-turn episodes through the engine (here to share its start, 27 s of the 2-core machine) ---
+
+
+PROBLEMS = ["3 7 25 50 -> 178", "1 2 -> 3", "10 20 30 40 5 -> 999"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_three_turns_through_vllm(engine, policy, temperature):
+    model, tok, fmt = policy
+    prompts = [fmt.render_ids(as_prompt(p)) for p in PROBLEMS]
+    [[free]] = await engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=16, temperature=0.0))
+    needle = free.text[6:8]
+    assert needle.strip(), free.text
+    env = Scripted(needle)
+    calls = UserCalls("scripted", 10.0, 0.0)
+    runner = EpisodeRunner(env, fmt, calls, max_context=engine_options(torch.device("cpu"))["max_model_len"])
+    params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=3, stop_token_ids=list(fmt.stop_token_ids))
+    n = 1 if temperature == 0 else 3
+    groups = await runner.run(PROBLEMS, n, params, engine.generate)
+    stopped = 0
+    for prompt, group in zip(prompts, groups):
+        assert len(group) == n
+        for s in group:
+            assert s.error == "" and s.metrics["turns"] == 3.0 and s.metrics["episodes_truncated"] == 0.0
+            assert s.reward == s.metrics["stopped"] + 0.5
+            stopped += s.metrics["stopped"]
+            # prompt | turn 1 | <result>1</result> | turn 2 | <result>2</result> | turn 3
+            segments = [s.action_mask[0]] + [m for a, m in zip(s.action_mask, s.action_mask[1:]) if m != a]
+            assert segments == [1, 0, 1, 0, 1]
+            replies = [t for t, m in zip(s.token_ids, s.action_mask) if not m]
+            assert tok.decode(replies) == "<result>1</result><result>2</result>"
+            mask = torch.tensor(s.action_mask, dtype=torch.bool)
+            logprobs = torch.tensor(s.logprobs)
+            ref = recomputed(model, prompt, s.token_ids, temperature or 1.0)
+            assert torch.allclose(logprobs[mask], ref[mask], atol=2e-3, rtol=0), (logprobs[mask], ref[mask])
+            assert (logprobs[~mask] == 0).all()
+    if temperature == 0:  # the first problem's first turn is the run the needle came from
+        assert stopped > 0
+    assert calls.take_counts()["calls"] == len(PROBLEMS) * n * 3
+    again = await runner.run(PROBLEMS, n, params, engine.generate)
+    assert again == groups
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -13,10 +13,15 @@ implementation:
 - any other (``flash_attention_2``/``3``, flex, hub kernels): the rows flattened into one row and
   the position ids alone; transformers derives the sequences' boundaries from them (flash's varlen
   path, ``modeling_flash_attention_utils._is_packed_sequence``, takes one row only).
+
+A model whose decoder layers are compiled (`MIN_ROWS`) gets an explicit 4-D mask for padded rows
+under sdpa / eager as well (`padded_causal_mask`) and no micro-batch of one row: what the compiled
+layers are called with stays the same from one micro-batch to the next (`layout_inputs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -28,6 +33,11 @@ T = TypeVar("T")
 
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations given an explicit 4-D mask; every other gets flattened position ids."""
+
+MIN_ROWS = "_asyncrl_min_rows"
+"""The attribute a model whose decoder layers are compiled carries (set by ``trainer/compile.py``,
+read by `layout_inputs`): the fewest rows its forward is given; a micro-batch with fewer gets
+dummy rows, cut off its output."""
 
 ROUTED_FORWARD = "_asyncrl_routed_forward"
 """The attribute a sharded root carries when its forward runs a given function inside FSDP2's root
@@ -45,7 +55,7 @@ def policy_logits(model, batch: MicroBatch) -> torch.Tensor:
     """``[R, L, V]`` logits of ``model`` on ``batch``, each sequence seeing only its own tokens (and
     no KV cache built: a training forward never decodes)."""
     inputs, flat = layout_inputs(model, batch)
-    return _unflatten(model(**inputs).logits, batch, flat)
+    return _unflatten(model(**inputs).logits, batch, flat)[: len(batch.input_ids)]
 
 
 def policy_hidden(model, batch: MicroBatch) -> torch.Tensor:
@@ -53,26 +63,69 @@ def policy_hidden(model, batch: MicroBatch) -> torch.Tensor:
     ``model``'s decoder on ``batch``: `policy_logits`' forward without the output layer, the same
     inputs in the same layout. ``model.get_decoder()`` reaches through a peft wrapper."""
     inputs, flat = layout_inputs(model, batch)
-    return _unflatten(model.get_decoder()(**inputs).last_hidden_state, batch, flat)
+    return _unflatten(model.get_decoder()(**inputs).last_hidden_state, batch, flat)[: len(batch.input_ids)]
 
 
 def layout_inputs(model, batch: MicroBatch) -> tuple[dict, bool]:
     """The forward's keyword arguments for ``batch``'s layout (padded, packed under a 4-D mask, or
     packed flat; see the module docstring), and whether the output is one flat row to split back
-    into ``batch``'s rows. Written once for every forward that scores a batch."""
-    if batch.position_ids is None:
-        return dict(input_ids=batch.input_ids, attention_mask=batch.attention, use_cache=False), False
-    if model.config._attn_implementation in MASKED_IMPLEMENTATIONS:
+    into ``batch``'s rows (the output may hold more rows than ``batch``: cut it to them). Written
+    once for every forward that scores a batch.
+
+    What the decoder layers are called with stays the same from one micro-batch to the next, so
+    that layers compiled for dynamic shapes (``trainer/compile.py``) compile once, not again
+    mid-run (each recompile cost seconds of a step on a GPU, and past dynamo's recompile limit a
+    layer runs eagerly for good):
+
+    - a compiled model's padded rows get our 4-D mask: given a 2-D one, transformers drops it for
+      sdpa when the rows have no padding (``is_causal`` instead), and dynamo recompiled on the
+      layers' ``attention_mask`` turning None (``expected type of 'attention_mask' to be a tensor
+      type``). An eager model keeps the 2-D mask, and sdpa's causal kernel where nothing is padded;
+    - a compiled model (`MIN_ROWS`) gets no micro-batch of one row: dynamo specialises a size of 1
+      even for dynamic shapes and recompiled on the first one (``2 <= hidden_states.size()[0]``).
+      The flat layout is always one row, never another number, so it needs neither."""
+    masked = model.config._attn_implementation in MASKED_IMPLEMENTATIONS
+    if batch.position_ids is not None and not masked:
+        return flat_inputs(batch), True
+    min_rows = getattr(model, MIN_ROWS, 1)
+    batch = _with_rows(batch, min_rows)
+    if batch.position_ids is not None:
         return masked_inputs(model, batch), False
-    return flat_inputs(batch), True
+    compiled = min_rows > 1
+    mask = _for_implementation(model, padded_causal_mask(batch.attention)) if masked and compiled else batch.attention
+    return dict(input_ids=batch.input_ids, attention_mask=mask, use_cache=False), False
+
+
+def _with_rows(batch: MicroBatch, rows: int) -> MicroBatch:
+    """``batch`` with dummy rows added up to ``rows`` rows: token 0 filling the row, attended
+    (a row of padding alone would have queries attending nothing: NaN in sdpa) and, when packed,
+    one sequence of its own. Only the forward's inputs: no sequence lies in them."""
+    extra = rows - len(batch.input_ids)
+    if extra <= 0:
+        return batch
+    length = batch.input_ids.shape[1]
+    device = batch.input_ids.device
+    pad = dict(
+        input_ids=torch.cat([batch.input_ids, batch.input_ids.new_zeros(extra, length)]),
+        attention=torch.cat([batch.attention, batch.attention.new_ones(extra, length)]),
+    )
+    if batch.position_ids is not None:
+        positions = torch.arange(length, device=device).expand(extra, length)
+        pad["position_ids"] = torch.cat([batch.position_ids, positions])
+    return dataclasses.replace(batch, **pad)
 
 
 def masked_inputs(model, batch: MicroBatch) -> dict:
     """Packed rows through an explicit 4-D block-diagonal causal mask (sdpa, eager)."""
-    blocks = block_causal_mask(batch.position_ids)
-    if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
-        blocks = torch.zeros(blocks.shape, device=blocks.device).masked_fill(~blocks, torch.finfo(torch.float32).min)
+    blocks = _for_implementation(model, block_causal_mask(batch.position_ids))
     return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=blocks, use_cache=False)
+
+
+def _for_implementation(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean 4-D mask as ``model``'s attention takes it: as is for sdpa, additive for eager."""
+    if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+        return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return allowed
 
 
 def flat_inputs(batch: MicroBatch) -> dict:
@@ -96,6 +149,15 @@ def flat_logits(model, batch: MicroBatch) -> torch.Tensor:
 
 def _unflatten(out: torch.Tensor, batch: MicroBatch, flat: bool) -> torch.Tensor:
     return out.view(*batch.input_ids.shape, -1) if flat else out
+
+
+def padded_causal_mask(attention: torch.Tensor) -> torch.Tensor:
+    """``[R, 1, L, L]`` boolean, True where query ``q`` may attend key ``k``: ``k <= q`` and ``k``
+    a token of the row (``attention`` 1), what transformers builds for right-padded rows (every
+    query sees the row's first token: none attends nothing)."""
+    length = attention.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention.device).tril()
+    return (causal & attention.bool()[:, None, :]).unsqueeze(1)
 
 
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ Per layer, not the whole model (torchtitan compiles its blocks the same way): a 
 that repeats, so it compiles once and every layer reuses the code; the model's own forward (mask
 building, the embedding, the fused output layer of ``scoring.py``) stays eager. Shapes change with
 every micro-batch (rows, lengths), so the layers are compiled for dynamic shapes from the start
-instead of recompiling for each new length.
+instead of recompiling for each new length. Dynamic shapes alone still recompiled mid-run (a
+micro-batch of one row, one without padding, sizes equal at the first compile): `compile_layers`
+and ``scoring/forward.py``'s `layout_inputs` keep the layers' calls alike (docs/trainer.md).
 
 Only the training forward runs compiled: generation in the trainer's process (the held-out
 evaluation) runs the same layers eagerly (`eager`). With a KV cache each layer's call differs in
@@ -17,8 +19,13 @@ memory as without, 2026-11-25).
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 
 import torch
+import torch.fx.experimental._config
+
+from asyncrl.rl.scoring.forward import MIN_ROWS
 
 
 class CompileError(ValueError):
@@ -37,12 +44,33 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def compile_layers(model: torch.nn.Module) -> int:
-    """Compile each decoder layer in place; returns how many."""
+def compile_layers(model: torch.nn.Module, backend: str | Callable = "inductor") -> int:
+    """Compile each decoder layer in place; returns how many. ``backend``: torch.compile's (tests
+    count graphs with a cheaper one). The model's forward then gives the layers at least two rows
+    (`MIN_ROWS`): dynamo specialises a dimension of size 1 even for dynamic shapes, so a micro-batch
+    of one row recompiled every layer's code mid-run (``scoring/forward.py``'s `layout_inputs`)."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
+        layer._compiled_call_impl = _distinct_sizes(layer._compiled_call_impl)
+    setattr(model, MIN_ROWS, 2)
     return len(layers)
+
+
+def _distinct_sizes(call: Callable) -> Callable:
+    """``call`` compiled without duck sizing. With it, dynamo gives sizes that are equal at the
+    first compile one symbol, and guards on that: a first micro-batch whose length equalled its
+    row count, or the head dim or hidden size, recompiled at the first micro-batch where they
+    differed (``hidden_states.size()[1] == hidden_states.size()[0]  # duck sizing added this
+    equality``; ``tensor 'hidden_states' size mismatch at index 1. expected 32``). Scoped to the
+    layers' calls: a global switch would reach every other compile in the process."""
+
+    @functools.wraps(call)
+    def run(*args, **kwargs):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return call(*args, **kwargs)
+
+    return run
 
 
 def compiled(config, device: torch.device) -> bool:
