@@ -35,6 +35,10 @@ import json
 import random
 import statistics
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.rl.trainer.metrics import TrainStepMetrics
 
 
 def main() -> None:
@@ -92,17 +96,17 @@ def main() -> None:
             trainer = TrainerActor(path, config, device=args.device)
             steps = asyncio.run(train_steps(trainer, batch, args.warmup + args.steps))
             metrics = steps[-1]
-            seconds = statistics.median(m["train_s"] for m in steps[args.warmup :])
+            seconds = statistics.median(m.train_s for m in steps[args.warmup :])
             padded_tokens = padded_size(torch.device(args.device), batch, config)
             rows.append(
                 {
                     "layout": f"packed {pack}" if pack else "padded",
-                    "micro_batches": int(metrics["micro_batches"]),
+                    "micro_batches": int(metrics.micro_batches),
                     "tokens_in_forward": padded_tokens,
                     "real_tokens": real,
                     "step_s": round(seconds, 4),
                     "tokens_per_s": round(real / seconds, 1),
-                    "loss": metrics["loss"],
+                    "loss": metrics.loss,
                     "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
                 }
             )
@@ -205,7 +209,7 @@ def make_batch(lengths: str, prompts: int, group_size: int, hint: int, seed: int
     return groups
 
 
-async def train_steps(trainer, batch, n: int) -> list[dict[str, float]]:
+async def train_steps(trainer, batch, n: int) -> list[TrainStepMetrics]:
     """``n`` steps on ``batch`` through the trainer's public endpoint; each one's metrics."""
     return [await trainer.train_step(batch) for _ in range(n)]
 

@@ -138,7 +138,7 @@ def step_seconds(path: str, device: str, batch: list, coef: float, steps: int) -
 
     torch.set_num_threads(1)
     trainer = TrainerActor(path, TrainerConfig(loss=GRPOLossConfig(distill_coef=coef)), device=device)
-    times = [trainer._train_step(batch)["train_s"] for _ in range(steps + 1)][1:]  # the first: warm-up
+    times = [trainer._train_step(batch).train_s for _ in range(steps + 1)][1:]  # the first: warm-up
     return statistics.median(times)
 
 

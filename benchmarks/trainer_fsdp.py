@@ -134,9 +134,9 @@ def run_mode(args) -> dict:
         "steps": args.steps,
         "step_s_mean": sum(times) / len(times),
         "step_s_min": min(times),
-        "tokens": metrics["tokens"],
-        "micro_batches": metrics["micro_batches"],
-        "loss": metrics["loss"],
+        "tokens": metrics.tokens,
+        "micro_batches": metrics.micro_batches,
+        "loss": metrics.loss,
         "params": sum(p.numel() for p in trainer.model.parameters()),
     }
     if cuda:

@@ -75,28 +75,28 @@ def run(
     trainer = TrainerActor(path, config, device=device)
     if path_kind == "full":
         trainer._fallback_reason = lambda: "benchmark: full logits"
-    times, metrics, error = [], {}, ""
+    times, metrics, error = [], None, ""
     try:
         for i in range(warmup + steps):
             metrics = trainer._train_step(batch)
             if i >= warmup:
-                times.append(metrics["train_s"])
+                times.append(metrics.train_s)
         if profile and times:
             print_profile(functools.partial(trainer._train_step, batch), cuda)
     except Exception as exc:  # a configuration that does not fit is a row, not the end of the table
         error = str(exc).splitlines()[0][:100]
     row = {
         "path": path_kind,
-        "micro_batch_tokens": int(metrics.get("micro_batch_tokens", tokens)),
+        "micro_batch_tokens": int(metrics.micro_batch_tokens if metrics is not None else tokens),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "error": error,
     }
-    if times:
+    if times and metrics is not None:
         row.update(
             step_s=statistics.median(times),
-            micro_batches=int(metrics["micro_batches"]),
-            loss=metrics["loss"],
-            mfu=metrics.get("mfu", 0.0),
+            micro_batches=int(metrics.micro_batches),
+            loss=metrics.loss,
+            mfu=metrics.mfu or 0.0,
         )
     del trainer
     gc.collect()

@@ -60,23 +60,23 @@ async def measure(path: str, world_size: int, args) -> dict:
                 env={},
                 kwargs=kwargs,
             )
-        times, peaks, metrics = [], [], {}
+        times, peaks, metrics = [], [], None
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()
             metrics = await trainer.with_timeout(900).train_step(batch)
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-            peaks.append(metrics.get("peak_mem_gib", 0.0))
+            peaks.append(metrics.peak_mem_gib or 0.0)
     step = statistics.median(times)
     return {
         "world_size": world_size,
         "step_s": step,
-        "tokens_per_s": metrics["tokens"] / step,
-        "micro_batches": metrics.get("micro_batches"),
-        "micro_batch_tokens": metrics.get("micro_batch_tokens"),
-        "mfu": metrics.get("mfu"),
+        "tokens_per_s": metrics.tokens / step,
+        "micro_batches": metrics.micro_batches,
+        "micro_batch_tokens": metrics.micro_batch_tokens,
+        "mfu": metrics.mfu,
         "peak_gib": max(peaks),
-        "loss": metrics["loss"],
+        "loss": metrics.loss,
     }
 
 

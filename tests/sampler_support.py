@@ -92,11 +92,11 @@ def recomputed(model, prompt: list[int], tokens: list[int], temperature: float) 
 
 
 async def until_generating(sampler, timeout_s: float = 60.0) -> None:
-    """Wait until the sampler actor has a generate call in flight (its ``stats()["generating"]``),
+    """Wait until the sampler actor has a generate call in flight (its ``stats().generating``),
     so that what the test does next lands during a batch however fast or loaded the machine is."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not (await sampler.stats())["generating"]:
+    while not (await sampler.stats()).generating:
         assert loop.time() < deadline, f"sampler {sampler.name}: no generate in flight within {timeout_s:g} s"
         await asyncio.sleep(0.005)
 

@@ -608,7 +608,7 @@ async def test_a_sampler_actor_trains_an_agent_file_and_serves_its_endpoint(lett
                 await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         stats = await sampler.stats()
     assert served["base_url"].startswith("http://127.0.0.1:") and len(answer.choices[0].message.content) == 2
-    assert len(groups) == 2 and stats["completions"] == 2 * 2 * 2 + 1  # 2 problems x 2 episodes x 2 calls, + 1
+    assert len(groups) == 2 and stats.completions == 2 * 2 * 2 + 1  # 2 problems x 2 episodes x 2 calls, + 1
     assert groups[0].prompt_id != groups[1].prompt_id  # two streams at once walk the one problem order
     tok = letters[1]
     for group in groups:

@@ -149,12 +149,12 @@ async def test_a_teacher_that_knows_the_answers_pulls_the_student_toward_them(ch
     before = p_answer(load_policy(checkpoints.student)[0])
     toward, metrics = await distilled(checkpoints.student, checkpoints.teacher, top_k=0, steps=10, lr=1e-3)
     away, _ = await distilled(checkpoints.student, checkpoints.rotated, top_k=0, steps=10, lr=1e-3)
-    moved = (before, p_answer(toward), p_answer(away), [m["distill_kl"] for m in metrics])
+    moved = (before, p_answer(toward), p_answer(away), [m.distill_kl for m in metrics])
     assert p_answer(toward) > before and p_answer(toward) > p_answer(away), moved
     # the same samples, no teacher term: no task reward either, so nothing moves
     plain = TrainerActor(checkpoints.student, TrainerConfig(lr=1e-3))
     metrics = plain._train_step(sampled_groups(plain.model, torch.Generator().manual_seed(0)))
-    assert metrics["grad_norm"] == 0.0 and p_answer(plain.model) == pytest.approx(before, abs=1e-7)
+    assert metrics.grad_norm == 0.0 and p_answer(plain.model) == pytest.approx(before, abs=1e-7)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path):
@@ -251,8 +251,8 @@ async def test_a_teacher_s_top_k_pulls_the_student_toward_the_answers_with_no_ta
     before = p_answer(load_policy(checkpoints.student)[0])
     toward, metrics = await distilled(checkpoints.student, checkpoints.teacher, top_k=8, steps=4, lr=2e-3)
     away, _ = await distilled(checkpoints.student, checkpoints.rotated, top_k=8, steps=4, lr=2e-3)
-    kl = [m["distill_kl"] for m in metrics]
-    assert all(m["pg_loss"] == 0.0 and m["grad_norm"] > 0 for m in metrics)  # the KL term alone
+    kl = [m.distill_kl for m in metrics]
+    assert all(m.pg_loss == 0.0 and m.grad_norm > 0 for m in metrics)  # the KL term alone
     assert p_answer(toward) > before > p_answer(away), (before, p_answer(toward), p_answer(away), kl)
     assert kl[-1] < kl[0], kl
 

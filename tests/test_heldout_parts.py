@@ -83,9 +83,9 @@ class Solver:
     def with_timeout(self, timeout_s: float) -> Solver:
         return self
 
-    async def stats(self) -> dict:
+    async def stats(self) -> SimpleNamespace:
         backend, device = self.engine.split()
-        return {"backend": backend, "device": device}
+        return SimpleNamespace(backend=backend, device=device)
 
     async def evaluate_heldout(self, greedy, sampled, samples, max_new_tokens, rows):
         self.asked.append((list(greedy), list(sampled)))

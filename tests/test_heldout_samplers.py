@@ -108,7 +108,7 @@ async def test_hf_samplers_give_the_trainer_s_greedy_evaluation_exactly(model_pa
     assert metrics == {f"heldout/{k}": v for k, v in want.items() if k.startswith("task/")} and metrics
     assert 0.0 <= found.rates["sampled"] <= 1.0
     assert len(groups) == 4 and all(g.version == 0 for g in groups)
-    assert stats["groups"] == 4 and stats["completions"] == 8, stats  # the evaluation's are not rollouts
+    assert stats.groups == 4 and stats.completions == 8, stats  # the evaluation's are not rollouts
     assert logs[-1].startswith("held-out evaluation of v0: 24 problems greedy and 24 x 2 sampled in ")
     assert logs[-1].endswith(" on sampler0, sampler1") and all(m.in_group for m in members.members)
 

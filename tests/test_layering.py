@@ -40,13 +40,14 @@ MAY_IMPORT = {
     # views drawn from a run directory alone (curves.png, sparklines): the driver's and the CLI's
     "asyncrl.rl.view": {"asyncrl.errors"},
     # what a run records and shows while it runs: handed the driver's records, never importing the
-    # driver (comm and sampler for the types of a sync's answers)
+    # driver (comm and sampler for the types of a sync's answers, trainer for a train step's)
     "asyncrl.rl.observe": {
         "asyncrl.errors",
         "asyncrl.runtime",
         "asyncrl.comm",
         *SHARED_RL,
         "asyncrl.rl.sampler",
+        "asyncrl.rl.trainer",
         "asyncrl.rl.view",
     },
     "asyncrl.rl.checkpoint": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.config"},

@@ -75,7 +75,7 @@ async def test_adapter_only_sync_is_bit_exact_into_the_hf_sampler_over_gloo(embe
             await t.train_step(random_groups(seed=version))
             await asyncio.gather(t.send_weights(version), s.receive_weights(version))
             assert await t.weights_digest() == await s.weights_digest()  # the adapters, bit for bit
-        assert (await s.stats())["version"] == 2
+        assert (await s.stats()).version == 2
 
 
 def test_adapter_only_sync_moves_only_the_adapters(embedded_path):
@@ -269,7 +269,7 @@ def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off_not_a_cop
     t = TrainerActor(embedded_path, TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4), loss=GRPOLossConfig(kl_coef=0.1)))
     assert t.policy.ref is None  # no second copy of the model
     groups = random_groups(seed=2, multi_turn=False)
-    assert t._train_step(groups)["kl"] == pytest.approx(0.0, abs=1e-9)  # fresh adapters: the policy is the base
+    assert t._train_step(groups).kl == pytest.approx(0.0, abs=1e-9)  # fresh adapters: the policy is the base
     t._train_step(groups)
     batch = micro_batches(groups, group_advantages([list(g.rewards) for g in groups], False), 1 << 20, t.device)[0]
     with torch.no_grad():
@@ -281,4 +281,4 @@ def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off_not_a_cop
         expected = token_logprobs(policy_logits(base, batch), batch.input_ids)
     assert torch.allclose(ref, expected, atol=1e-5)
     assert (policy - expected).abs().max() > 1e-3  # the trained adapters move the policy away from it
-    assert t._train_step(groups)["kl"] > 0
+    assert t._train_step(groups).kl > 0

@@ -99,7 +99,7 @@ async def test_adapters_reach_vllm_bit_for_bit_and_it_samples_as_peft_does(tiny_
             assert [lp for g in ours for lp in g[0].logprobs] == pytest.approx(
                 [lp for g in theirs for lp in g[0].logprobs], abs=2e-3
             )
-            assert (await vllm.stats())["loaded_adapters"] == 1  # the one before was released
+            assert (await vllm.stats()).loaded_adapters == 1  # the one before was released
         assert [g[0].token_ids for g in ours] != [g[0].token_ids for g in base]  # the adapters do change it
         groups = [g async for g in vllm.rollouts(2)]
         assert [g.version for g in groups] == [2, 2]

@@ -13,14 +13,18 @@ import sys
 import urllib.error
 import urllib.request
 
+import msgspec
 import pytest
 
 from actors import Echo
 from asyncrl import Supervisor
+from asyncrl.rl.driver.step_record import RunTotals, SamplersAfter, StepBatch, StepResults, StepTimes, step_record
 from asyncrl.rl.observe.endpoint import MetricsEndpoint, metric_name
 from asyncrl.rl.observe.progress import Progress, ProgressBar, make_progress
 from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics
 from asyncrl.rl.observe.sync_metrics import SyncPhases
+from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.rl.view.sparkline import sparkline
 from test_grpo import ROOT, TINY, launch
 
@@ -127,7 +131,7 @@ def test_a_step_record_leaves_out_what_this_run_does_not_have_and_writes_what_it
         paced_wait_s=0.5,
         weights_digests={"trainer": "ab"},
         heldout_solve_rate=0.25,
-        train=TrainMetrics.of(
+        train=TrainStepMetrics.of(
             {
                 "loss": 0.1,
                 "grad_norm": 1.0,
@@ -139,7 +143,7 @@ def test_a_step_record_leaves_out_what_this_run_does_not_have_and_writes_what_it
                 "mfu": 0.3,
                 "train_s": 9.0,
             }
-        ),
+        ).recorded(),
         fleet=FleetEvents(
             generation=1, samplers_in_group=1, sampler_losses=1, sampler_rejoins=0, recover_s=0.0, events=events
         ),
@@ -163,6 +167,92 @@ def test_a_trainer_metric_without_a_field_is_named_not_dropped():
             }
         )
     assert "new_metric" in str(err.value)
+
+
+class PeaksOf:
+    """A pacer as the step record reads it: its wait so far and the step's peaks."""
+
+    waited_s = 1.25
+
+    def take_peaks(self) -> tuple[int, int]:
+        return 3, 7
+
+
+def sampled(uid: str, rewards: list[float], version: int, generate_s: float, **fields) -> RolloutGroup:
+    """A group of completions of 2 and 3 tokens."""
+    ids = [[5, 5], [5, 5, 5]]
+    return RolloutGroup(
+        0, [1], ids, [[0.0] * len(c) for c in ids], rewards, version, generate_s=generate_s, uid=uid, **fields
+    )
+
+
+def test_a_step_record_is_the_one_the_18_parameter_step_record_made():
+    # The literals are what step_record() gave for these inputs before it took typed values.
+    batch = [
+        sampled("s/0/1", [1.0, 0.0], 3, 0.5, metrics={"task/len": 4.0}),
+        sampled("s/0/2", [0.9, 0.2], 2, 1.5, correct=[True, False], metrics={"task_errors/x": 1.0}),
+    ]
+    fleet = dict(generation=1, samplers_in_group=2, sampler_losses=0, sampler_rejoins=1, recover_s=0.5)
+    train = dict(lr=1e-3, tokens=10.0, sequences=4.0, micro_batches=1.0, micro_batch_tokens=64.0)
+    keys = {"task/old"}
+    done = StepBatch(4, 4, batch, skipped=[sampled("s/0/3", [0.0, 0.0], 3, 0.1)])
+    rec = step_record(
+        done,
+        StepTimes(began=10.0, batch_ready=10.5, trained=12.0),
+        StepResults(
+            train=TrainStepMetrics(**train, loss=0.5, grad_norm=1.5, train_s=9.0),
+            sync=SyncPhases(sync_s=0.25),
+            digests={"trainer": "ab"},
+        ),
+        RunTotals(samples=40, tokens=200, elapsed_s=8.0, dropped_stale=2, task_keys=keys),
+        SamplersAfter(queue_depth=5, pacer=PeaksOf(), fleet=fleet),
+        correct_reward=0.9,
+    )
+    assert (done.samples, done.completion_tokens) == (4, 10)
+    assert msgspec.to_builtins(rec) == {
+        "step": 4,
+        "version": 4,
+        "reward_mean": 0.35000000000000003,
+        "train_solve_rate": 0.3333333333333333,
+        "staleness_mean": 0.5,
+        "staleness_hist": {"0": 1, "1": 1},
+        "dropped_stale": 2,
+        "uniform_skipped": 1,
+        "queue_depth": 5,
+        "paced_wait_s": 1.25,
+        "paced_streams": 3,
+        "paced_in_flight_peak": 7,
+        "completion_tokens": 10,
+        "samples_per_s": 5.0,
+        "tokens_per_s": 25.0,
+        "time_s": 8.0,
+        "wait_s": 0.5,
+        "train_s": 1.5,
+        "sync": msgspec.to_builtins(SyncPhases(sync_s=0.25)),
+        "generate_s": 1.0,
+        "train": {"loss": 0.5, "grad_norm": 1.5, **train},
+        "task": {"task/len": 1.0, "task/old": 0.0, "task_errors/x": 1.0},
+        "fleet": fleet,
+        "group_ids": ["s/0/1", "s/0/2"],
+        "weights_digests": {"trainer": "ab"},
+    }
+    assert keys == {"task/old", "task/len", "task_errors/x"}
+    # No pacer, no digests, no step with groups left out: those fields stay out of the record.
+    rec = step_record(
+        StepBatch(4, 4, batch[:1], skipped=[]),
+        StepTimes(began=0.0, batch_ready=1.0, trained=3.0),
+        StepResults(
+            train=TrainStepMetrics(**train, grad_norm=1.0, train_s=0.1), sync=SyncPhases(sync_s=0.0), digests={}
+        ),
+        RunTotals(samples=2, tokens=5, elapsed_s=0.0, dropped_stale=0, task_keys=set()),
+        SamplersAfter(queue_depth=0, pacer=None, fleet={**fleet, "sampler_rejoins": 0}),
+        correct_reward=1.0,
+    )
+    got = msgspec.to_builtins(rec)
+    assert not {"paced_wait_s", "paced_streams", "paced_in_flight_peak", "weights_digests"} & set(got)
+    assert got["samples_per_s"] == 1999999999.9999998 and got["tokens_per_s"] == 5000000000.0
+    assert (got["reward_mean"], got["train_solve_rate"], got["staleness_hist"]) == (0.5, 0.5, {"0": 1})
+    assert (got["wait_s"], got["train_s"], got["generate_s"], got["task"]) == (1.0, 2.0, 0.5, {"task/len": 2.0})
 
 
 def test_every_number_of_a_record_is_a_scalar_and_nothing_else_is():

@@ -15,6 +15,7 @@ from asyncrl.rl.scoring.forward import block_causal_mask, flat_logits, masked_lo
 from asyncrl.rl.scoring.tokens import token_logprobs
 from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.loss import group_advantages
+from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.rl.trainer.packing import packed_micro_batches
 
 CPU = torch.device("cpu")
@@ -53,7 +54,7 @@ def random_groups(seed: int, n_groups: int = 5, group_size: int = 4, multi_turn:
 
 def gradients_of_a_step(
     path: str, config: TrainerConfig, groups, expect_checkpointing: bool = False
-) -> tuple[dict, list[torch.Tensor]]:
+) -> tuple[TrainStepMetrics, list[torch.Tensor]]:
     from asyncrl.rl.trainer.actor import TrainerActor
 
     trainer = TrainerActor(path, config)
@@ -75,9 +76,9 @@ def test_packed_rows_give_the_padded_loss_and_gradients(embedded_path, attention
     base = TrainerConfig(micro_batch_tokens=200, loss=loss, attn_implementation=attention)
     padded, grads_padded = gradients_of_a_step(embedded_path, base, groups)
     packed, grads_packed = gradients_of_a_step(embedded_path, dataclasses.replace(base, pack_tokens=96), groups)
-    assert packed["micro_batches"] < padded["micro_batches"]  # the packing did pack
+    assert packed.micro_batches < padded.micro_batches  # the packing did pack
     for key in ("loss", "pg_loss", "tokens", "sequences", "ratio_mean", "entropy") + (("kl",) if loss.kl_coef else ()):
-        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
+        assert getattr(packed, key) == pytest.approx(getattr(padded, key), rel=1e-5, abs=1e-6), key
     assert any(g.abs().max() > 1e-4 for g in grads_padded)  # a gradient worth comparing
     for a, b in zip(grads_padded, grads_packed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
@@ -96,7 +97,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(embedded_pat
     ckpt, grads_ckpt = gradients_of_a_step(
         embedded_path, dataclasses.replace(base, activation_checkpointing=True), groups, expect_checkpointing=True
     )
-    assert ckpt["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=1e-7)
+    assert ckpt.loss == pytest.approx(plain.loss, rel=1e-6, abs=1e-7)
     assert len(grads_plain) == len(grads_ckpt) and any(g.abs().max() > 1e-4 for g in grads_plain)
     for a, b in zip(grads_plain, grads_ckpt):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

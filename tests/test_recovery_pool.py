@@ -38,12 +38,19 @@ from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 from asyncrl.rl.sampler.errors import SamplerTimeoutError
+from asyncrl.rl.sampler.stats import SamplerStats
 from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.timeouts import timeout
 
 pytestmark = pytest.mark.timeout(60)
 SENT = SyncStats(1, 100, 1, 0.01)  # a successful sync's answers
 GOT = SamplerSyncStats(seconds=0.01, receive=SENT)
+
+
+def answering(**fields) -> SamplerStats:
+    """A sampler's answer to ``stats``: nothing counted yet, no weight dtype told; ``fields`` replace those."""
+    nothing = dict.fromkeys(SamplerStats.__struct_fields__, 0) | dict(name="sampler", backend="hf", device="cpu")
+    return SamplerStats(**{**nothing, "loaded_adapters": None, "weight_dtype": "", **fields})
 
 
 class Scripted:
@@ -193,7 +200,7 @@ async def test_a_survivor_whose_collective_error_comes_late_is_not_judged_frozen
     slow = Scripted(
         "sampler1",
         receive_weights=[(1.0, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
-        stats=[(0.0, {})],
+        stats=[(0.0, answering())],
         sync_join=[(0.0, "gloo")],
         setup_receiver=[(0.0, 1)],
     )
@@ -214,7 +221,12 @@ async def test_a_death_is_one_loss_even_when_the_restart_ends_before_the_sync(mo
     # the sync: the sync's verdict on incarnation 1 must not count as a loss of incarnation 2.
     monkeypatch.setattr(sync_group, "SYNC_GRACE_S", 0.5)
     trainer = trainer_script(collective_error("trainer", "send_weights"))
-    ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], restore_data_state=[(0.0, None)])
+    ok = dict(
+        stats=[(0.0, answering())],
+        sync_join=[(0.0, "gloo")],
+        setup_receiver=[(0.0, 1)],
+        restore_data_state=[(0.0, None)],
+    )
     dies = Scripted(
         "sampler0", receive_weights=[(0.0, ActorDiedError("sampler0", "killed by SIGKILL")), (0.0, GOT)], **ok
     )
@@ -247,7 +259,7 @@ async def test_a_frozen_sampler_is_judged_by_its_own_deadline(monkeypatch):
     steady = Scripted(
         "sampler1",
         receive_weights=[(0.1, collective_error("sampler1", "receive_weights")), (0.0, GOT)],
-        stats=[(0.0, {})],
+        stats=[(0.0, answering())],
         sync_join=[(0.0, "gloo")],
         setup_receiver=[(0.0, 1)],
     )
@@ -266,8 +278,8 @@ async def test_a_frozen_sampler_is_judged_by_its_own_deadline(monkeypatch):
 
 
 async def test_a_sampler_back_after_a_slow_restart_is_taken_back_and_a_dead_one_is_gone():
-    sampler = Scripted("sampler0", stats=[(0.0, {})])
-    other = Scripted("sampler1", stats=[(0.0, {})])
+    sampler = Scripted("sampler0", stats=[(0.0, answering())])
+    other = Scripted("sampler1", stats=[(0.0, answering())])
     logs: list[str] = []
     pool = make_pool(Scripted("trainer"), [sampler, other], logs, restart_timeout_s=5.0)
     try:
@@ -400,7 +412,9 @@ async def test_a_stream_cancelled_as_its_next_item_arrives_stops(tmp_path):
 
 
 async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_before_it_joined():
-    ok = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], receive_weights=[(0.0, GOT)])
+    ok = dict(
+        stats=[(0.0, answering())], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], receive_weights=[(0.0, GOT)]
+    )
     never = Scripted("sampler0", **ok)
     never.set_state("dead")  # its start was lost, its restarts with it (fleet/sampler_start.py)
     died = Scripted("sampler1", restore_data_state=[(0.0, ActorDiedError("sampler1", "killed by SIGKILL"))], **ok)
@@ -460,7 +474,7 @@ async def test_a_sampler_back_after_a_sync_without_it_is_given_credit_for_the_ne
     v38, so after one batch of 8 (14 queued) it had room for 2 groups only, asked for 8, and
     nothing moved again: paced_in_flight 0, queue_depth 14, the sampler in the group, idle."""
     ok = dict(
-        stats=[(0.0, {})],
+        stats=[(0.0, answering())],
         sync_join=[(0.0, "gloo")],
         setup_receiver=[(0.0, 1)],
         restore_data_state=[(0.0, None)],
@@ -507,8 +521,8 @@ async def test_a_sampler_back_after_a_sync_without_it_is_given_credit_for_the_ne
 
 
 async def test_call_all_awaits_every_answer_and_names_who_failed_during_what():
-    answers_now = Scripted("sampler0", stats=[(0.0, {"generating": 2})])
-    frozen = Scripted("sampler1", stats=[(30.0, {})])
+    answers_now = Scripted("sampler0", stats=[(0.0, answering(generating=2))])
+    frozen = Scripted("sampler1", stats=[(30.0, answering())])
     dies = Scripted("sampler2", stats=[(0.0, ActorDiedError("sampler2", "killed by SIGKILL"))])
     started, deaths = time.monotonic(), []
     answers = await call_all(
@@ -518,7 +532,7 @@ async def test_call_all_awaits_every_answer_and_names_who_failed_during_what():
         what="the probe",
         died=lambda i, error: deaths.append((i, time.monotonic() - started)),
     )
-    assert answers.results[0] == {"generating": 2} and answers.failed() == [1, 2] and not answers.ok
+    assert answers.results[0] == answering(generating=2) and answers.failed() == [1, 2] and not answers.ok
     assert answers.cause(1) == "no answer during the probe within 0.5 s", answers.results
     assert answers.cause(2) == "died during the probe (killed by SIGKILL)", answers.results
     assert [i for i, _ in deaths] == [2] and deaths[0][1] < 0.4, deaths  # told at once, not after the frozen one

@@ -471,7 +471,7 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
         assert synced.pause_s > 0.02 and synced.receive.version == 1 and synced.resume_s >= 0
         assert synced.pause_s + synced.receive.seconds + synced.resume_s <= synced.seconds + 1e-6
         stats = await sampler.stats()
-        assert stats["syncs_waited_for_generate"] == 1 and stats["pause_s"] > 0.02, stats
+        assert stats.syncs_waited_for_generate == 1 and stats.pause_s > 0.02, stats
         assert all(c.token_ids[:16] == before[0][0].token_ids for g in inflight.result() for c in g)
         after = await sampler.generate(probe, 1, greedy)
         assert after[0][0].token_ids != before[0][0].token_ids  # greedy output changed with the weights
@@ -505,8 +505,8 @@ async def test_sampler_actor_streams_groups_and_takes_new_weights(tiny_path, pol
         assert late.version == 5
 
         stats = await sampler.stats()
-        assert stats["version"] == 5 and stats["syncs"] == 3 and stats["failed_syncs"] == 1 and stats["tokens"] > 0
-        assert stats["groups"] >= 4 + len(versions) and stats["tokens_per_s"] > 0
+        assert stats.version == 5 and stats.syncs == 3 and stats.failed_syncs == 1 and stats.tokens > 0
+        assert stats.groups >= 4 + len(versions) and stats.tokens_per_s > 0
         assert (await sampler.sync_created()) == {"gloo": 1}
 
 
@@ -550,7 +550,7 @@ async def test_sampler_actor_takes_weights_in_flight(tmp_path):
         groups = await asyncio.wait_for(batch, 30)
         assert [g.version for g in groups] == [0] * 8  # the version the batch began under
         stats = await sampler.stats()
-        assert stats["syncs"] == 1 and stats["syncs_waited_for_generate"] == 0 and stats["pause_s"] < 0.2, stats
+        assert stats.syncs == 1 and stats.syncs_waited_for_generate == 0 and stats.pause_s < 0.2, stats
 
         batch = asyncio.ensure_future(_collect(sampler.rollouts(8)))
         await until_generating(sampler)
@@ -562,4 +562,4 @@ async def test_sampler_actor_takes_weights_in_flight(tmp_path):
         late = await asyncio.wait_for(batch, 30)
         assert [g.version for g in late] == [4] * 8
         stats = await sampler.stats()
-        assert stats["discarded_batches"] == 1 and stats["failed_syncs"] == 1, stats
+        assert stats.discarded_batches == 1 and stats.failed_syncs == 1, stats

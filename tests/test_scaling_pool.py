@@ -22,10 +22,12 @@ import pytest
 from asyncrl.rl.driver.fleet.membership import MemberState
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, check_target
 from asyncrl.rl.rollout import RolloutGroup
-from test_recovery_pool import GOT, SENT, Scripted, make_pool
+from test_recovery_pool import GOT, SENT, Scripted, answering, make_pool
 
 pytestmark = pytest.mark.timeout(60)
-JOINS = dict(stats=[(0.0, {})], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], restore_data_state=[(0.0, None)])
+JOINS = dict(
+    stats=[(0.0, answering())], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], restore_data_state=[(0.0, None)]
+)
 
 
 def trainer(send_s: float = 0.0) -> Scripted:

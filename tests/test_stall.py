@@ -20,7 +20,7 @@ from asyncrl.rl.observe.endpoint import MetricsEndpoint
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.runtime.status import StatusServer
 from test_observe import get
-from test_recovery_pool import Scripted, rollout
+from test_recovery_pool import Scripted, answering, rollout
 from test_status import status_cli
 
 pytestmark = pytest.mark.timeout(60)
@@ -147,7 +147,7 @@ async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_5
             str(tmp_path),
         ],
     )
-    sampler = Scripted("sampler0", stats=[(0.0, {"generating": 0, "groups": 8})])
+    sampler = Scripted("sampler0", stats=[(0.0, answering(groups=8))])
     logs: list[str] = []
     driver = GRPODriver(
         config, Scripted("trainer"), [sampler], str(tmp_path), logs.append, host="127.0.0.1", backend="gloo", seeds=[0]

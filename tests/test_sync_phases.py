@@ -22,6 +22,11 @@ from test_packing import random_groups
 HOST = "127.0.0.1"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 EPS = 1e-6
+OLD_STATS_KEYS = (
+    "groups tokens completions batches generate_s discarded_batches weight_sync_s pause_s syncs failed_syncs "
+    "syncs_waited_for_generate version generating name backend device weight_dtype tokens_per_s"
+).split()
+"""The keys of an HF sampler's ``stats`` when it answered a dict, in their order: its typed answer's."""
 
 
 def check_sender(s: SyncStats, version: int) -> None:
@@ -55,7 +60,9 @@ async def test_a_real_sync_between_the_trainer_and_an_hf_sampler_is_split_into_p
                 kwargs=dict(data=DataConfig(n_train=20, n_heldout=8)),
             ),
         )
-        assert (await s.stats())["weight_dtype"] == "float32"  # the embedded model's: the wire's dtype
+        stats = await s.stats()
+        assert stats.weight_dtype == "float32"  # the embedded model's: the wire's dtype
+        assert list(msgspec.to_builtins(stats)) == OLD_STATS_KEYS
         await form_group([t, s], HOST, timeout_s=60)
         await asyncio.gather(t.setup_sender(30, 64 << 10), s.setup_receiver(30))
         for version in (1, 2):

@@ -25,6 +25,7 @@ from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.scoring.tokens import token_logprobs
 from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.loss import group_advantages
+from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.runtime.files import remove_debris, remove_dir, staged_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,7 +202,7 @@ def test_a_trainer_step_neither_trains_on_nor_counts_environment_tokens(trainer)
 
     first, grads_a = step(0.0)
     _, grads_b = step(-50.0)  # what sits at environment positions must not matter
-    assert first["tokens"] == 5.0
+    assert first.tokens == 5.0
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
@@ -234,7 +235,7 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_clear_error_and_the_traine
     assert all(p.grad is None for p in trainer.model.parameters())
     assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before)) and trainer.steps == 0
     monkeypatch.setattr(trainer, "_accumulate", real)
-    assert trainer._train_step([g])["micro_batches"] == 2 and trainer.steps == 1
+    assert trainer._train_step([g]).micro_batches == 2 and trainer.steps == 1
 
 
 async def test_the_held_out_evaluation_solves_the_runs_held_out_split_and_leaves_the_policy_training(trainer):
@@ -275,7 +276,7 @@ def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):
 
     before = [p.detach().clone() for p in trainer.model.parameters()]
 
-    def step(micro_batch_tokens=0, **loss) -> dict:
+    def step(micro_batch_tokens=0, **loss) -> TrainStepMetrics:
         trainer.config = dataclasses.replace(
             trainer.config, loss=GRPOLossConfig(**loss), micro_batch_tokens=micro_batch_tokens
         )
@@ -287,18 +288,18 @@ def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):
 
     mean = step()
     fixed = step(aggregation="fixed_tokens", token_budget=16)
-    assert (mean["tokens"], mean["sequences"]) == (11.0, 5.0)
-    assert fixed["pg_loss"] == pytest.approx(mean["pg_loss"] * 11 / (5 * 16), rel=1e-5)
+    assert (mean.tokens, mean.sequences) == (11.0, 5.0)
+    assert fixed.pg_loss == pytest.approx(mean.pg_loss * 11 / (5 * 16), rel=1e-5)
     split = step(micro_batch_tokens=8, aggregation="fixed_tokens", token_budget=16)
-    assert split["micro_batches"] > 1 and split["pg_loss"] == pytest.approx(fixed["pg_loss"], rel=1e-5)
+    assert split.micro_batches > 1 and split.pg_loss == pytest.approx(fixed.pg_loss, rel=1e-5)
     for policy_loss in ("gspo", "cispo"):
         m = step(policy_loss=policy_loss)
-        assert math.isfinite(m["loss"]) and m["grad_norm"] > 0, (policy_loss, m)
+        assert math.isfinite(m.loss) and m.grad_norm > 0, (policy_loss, m)
     even = [group(0, [5, 6], [[1, 2], [3, 3, 3, 3, 3, 3]], [1.0, 1.0])]
     trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig())
-    assert trainer._train_step(even)["grad_norm"] == 0.0  # equal rewards: no signal
+    assert trainer._train_step(even).grad_norm == 0.0  # equal rewards: no signal
     trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig(overlong_buffer=4, overlong_max_tokens=6))
-    assert trainer._train_step(even)["grad_norm"] > 0  # the 6-token completion is the worse one now
+    assert trainer._train_step(even).grad_norm > 0  # the 6-token completion is the worse one now
 
 
 # --- writing a directory whole (checkpoints, the final and best policies) -------------------------
@@ -471,8 +472,8 @@ def test_each_optimiser_step_takes_the_scheduled_rate_and_reports_it(trainer):
     rates = []
     for _ in range(4):
         metrics = trainer._train_step(GROUPS)
-        rates.append(metrics["lr"])
-        assert trainer.optimizer.param_groups[0]["lr"] == metrics["lr"]
+        rates.append(metrics.lr)
+        assert trainer.optimizer.param_groups[0]["lr"] == metrics.lr
     assert rates == pytest.approx([1e-2, 1e-2 * 2 / 3, 1e-2 / 3, 0.0])
     weights = [p.detach().clone() for p in trainer.model.parameters()]
     trainer._train_step(GROUPS)  # at the floor of 0 nothing moves (AdamW's decay is 0 here too)

@@ -144,7 +144,7 @@ def test_the_layers_compile_once_whatever_the_micro_batches_of_a_grpo_run(tmp_pa
         assert first >= 1  # compiled at all
         for groups in steps[1:]:
             metrics = trainer._train_step(groups)
-            assert metrics["micro_batches"] >= 1
+            assert metrics.micro_batches >= 1
         assert len(graphs) == first
     finally:
         torch._dynamo.reset()

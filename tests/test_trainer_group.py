@@ -19,6 +19,7 @@ import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig, LoRAConfig, TrainerConfig
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.runtime.supervisor import Supervisor
 from tests.sampler_support import ONE_THREAD, write_tiny
 
@@ -115,14 +116,15 @@ def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny
     assert_same_step(*asyncio.run(main()))
 
 
-def assert_same_step(one: dict, two: dict, g1: dict, g2: dict) -> None:
+def assert_same_step(one: TrainStepMetrics, two: TrainStepMetrics, g1: dict, g2: dict) -> None:
     """One rank's step (stats ``one``, gradients ``g1``) and two ranks' on the same batch agree."""
+    assert isinstance(one, TrainStepMetrics) and isinstance(two, TrainStepMetrics)  # typed across processes
     assert set(g1) == set(g2) and len(g1) > 5
     for name in g1:
         assert torch.allclose(g1[name], g2[name], atol=1e-5, rtol=1e-4), (name, (g1[name] - g2[name]).abs().max())
     assert max(float(g.abs().max()) for g in g1.values()) > 1e-4  # not trivially equal (all zero): 10x atol
     for key in ("loss", "pg_loss", "grad_norm", "tokens", "sequences", "entropy", "ratio_mean"):
-        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+        assert getattr(two, key) == pytest.approx(getattr(one, key), rel=1e-4, abs=1e-6), key
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -347,7 +349,7 @@ def test_a_sharded_checkpoint_restores_two_ranks_exactly(tiny_path, tmp_path):
     (checkpoint,) = list_checkpoints(str(tmp_path))
     assert checkpoint.path == path and verify_checkpoint(checkpoint)
     assert sorted(os.listdir(path)) == ["MANIFEST.json", "dcp", "rng", "run_state.json", "trainer.json", "trainer.pt"]
-    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert a.loss == b.loss and a.grad_norm == b.grad_norm
     assert digest_a == digest_b
 
 

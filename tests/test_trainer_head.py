@@ -163,9 +163,9 @@ def test_a_fused_step_gives_the_full_logits_loss_and_gradients(embedded_path, mo
     fused, grads_fused = step(embedded_path, config, groups, fused=True)
     full, grads_full = step(embedded_path, config, groups, fused=False)
     for key in ("loss", "pg_loss", "ratio_mean", "entropy", "tokens") + (("kl",) if kl else ()):
-        assert fused[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+        assert getattr(fused, key) == pytest.approx(getattr(full, key), rel=1e-5, abs=1e-6), key
     if kl and lora:
-        assert full["kl"] == 0.0  # a fresh adapter is the base: nothing yet to pull back from
+        assert full.kl == 0.0  # a fresh adapter is the base: nothing yet to pull back from
     assert grads_fused.keys() == grads_full.keys() and any(g.abs().max() > 1e-4 for g in grads_full.values())
     if not lora:
         assert "lm_head.weight" in grads_full or "model.embed_tokens.weight" in grads_full
@@ -188,8 +188,8 @@ def test_a_fused_step_with_a_teacher_s_top_k_gives_the_full_logits_loss_and_grad
     fused, grads_fused = step(embedded_path, config, groups, fused=True)
     full, grads_full = step(embedded_path, config, groups, fused=False)
     for key in ("loss", "pg_loss", "distill_kl", "entropy", "tokens"):
-        assert fused[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
-    assert fused["distill_kl"] > 0.1 and fused["loss"] == pytest.approx(fused["pg_loss"] + 0.7 * fused["distill_kl"])
+        assert getattr(fused, key) == pytest.approx(getattr(full, key), rel=1e-5, abs=1e-6), key
+    assert fused.distill_kl > 0.1 and fused.loss == pytest.approx(fused.pg_loss + 0.7 * fused.distill_kl)
     for name, g in grads_full.items():
         torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -267,7 +267,7 @@ def test_auto_on_cpu_is_the_old_default_and_an_explicit_value_is_kept(embedded_p
     trainer = TrainerActor(embedded_path, TrainerConfig())
     assert trainer.micro_batch_tokens() == 16384
     metrics = trainer._train_step(random_groups(seed=5, n_groups=2))
-    assert metrics["micro_batch_tokens"] == 16384
+    assert metrics.micro_batch_tokens == 16384
     cpu = torch.device("cpu")
     assert resolve_micro_batch_tokens(
         0, trainer.model, trainer.optimizer, cpu, checkpointing=False, full_logits=False, pack_tokens=20000

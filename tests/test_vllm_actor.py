@@ -130,7 +130,7 @@ async def test_a_vllm_sampler_evaluates_held_out_problems_beside_its_rollouts(sh
     groups = await asyncio.wait_for(rollouts, 120)
     again = await heldout.evaluate(NotAsked(), run, logs.append, version=0, members=members)
     stats = await sampler.stats()
-    assert members.members[0].in_group and len(groups) == 4 and stats["groups"] == 4, stats
+    assert members.members[0].in_group and len(groups) == 4 and stats.groups == 4, stats
     assert 0.0 <= first.rates["greedy"] <= 1.0 and 0.0 <= first.rates["sampled"] <= 1.0
     greedy = {k: v for k, v in first.extra.items() if k.startswith("heldout/task/")}
     assert greedy and (again.rates["greedy"], {k: again.extra[k] for k in greedy}) == (first.rates["greedy"], greedy)
@@ -199,7 +199,7 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(shared_sampler, vll
         [late] = await asyncio.wait_for(waiting, 60)
         assert late.version == 5
         stats = await sampler.stats()
-        assert stats["syncs"] == 3 and stats["failed_syncs"] == 1 and stats["syncs_waited_for_generate"] >= 1
+        assert stats.syncs == 3 and stats.failed_syncs == 1 and stats.syncs_waited_for_generate >= 1
         assert await sampler.sync_created() == {"gloo": 1}  # one communicator, in the engine's process
 
         # The sender dies in the middle of a sync: the engine's failure says it suffered a peer's

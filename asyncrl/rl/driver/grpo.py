@@ -42,7 +42,14 @@ from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.resume import resume_records
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.driver.saving import quietly, save_checkpoint, save_policy
-from asyncrl.rl.driver.step_record import step_record
+from asyncrl.rl.driver.step_record import (
+    RunTotals,
+    SamplersAfter,
+    StepBatch,
+    StepResults,
+    StepTimes,
+    step_record,
+)
 from asyncrl.rl.observe.episodes_log import EpisodeLog
 from asyncrl.rl.observe.metrics import Metrics
 from asyncrl.rl.observe.painter import CurvesPainter
@@ -447,29 +454,16 @@ class GRPODriver:
                 self.waiting = "check"
                 digests = await self.pool.verify_weights()
         self.waiting = ""
-        skipped = self.pool.uniform.take()
-        self.samples += sum(len(g.rewards) for g in batch)
-        tokens = sum(len(c) for g in batch for c in g.completion_ids)
-        self.tokens += tokens
+        done = StepBatch(step, self.version, batch, skipped=self.pool.uniform.take())
+        self.samples += done.samples
+        self.tokens += done.completion_tokens
         return step_record(
-            step,
-            self.version,
-            batch,
-            skipped,
-            trained=trained,
-            synced=synced,
-            digests=digests,
-            times=(t0, t1, t2),
+            done,
+            StepTimes(began=t0, batch_ready=t1, trained=t2),
+            StepResults(train=trained, sync=synced, digests=digests),
+            RunTotals(self.samples, self.tokens, self.elapsed_s(), self.dropped_stale(), self.task_keys),
+            SamplersAfter(len(self.queue), self.pacer, self.pool.take_events()),
             correct_reward=self.correct_reward,
-            samples=self.samples,
-            tokens=self.tokens,
-            completion_tokens=tokens,
-            elapsed_s=self.elapsed_s(),
-            dropped_stale=self.dropped_stale(),
-            queue_depth=len(self.queue),
-            pacer=self.pacer,
-            task_keys=self.task_keys,
-            fleet=self.pool.take_events(),
         )
 
     async def checkpoint(self, step: int) -> None:

@@ -60,9 +60,9 @@ async def eval_place(members: Membership, run: RunConfig, log: Callable[[str], N
             timeout_s=run.observe.health_timeout_s,
             what="where the evaluation runs",
         )
-        kinds = [a for a in answers.results if isinstance(a, dict)]
-        engines = sorted({f"{a.get('backend')} on {a.get('device')}" for a in kinds}) or ["none answering"]
-        gpu_vllm = any(a.get("backend") == "vllm" and str(a.get("device", "")).startswith("cuda") for a in kinds)
+        kinds = [a for a in answers.results if not isinstance(a, BaseException)]
+        engines = sorted({f"{a.backend} on {a.device}" for a in kinds}) or ["none answering"]
+        gpu_vllm = any(a.backend == "vllm" and a.device.startswith("cuda") for a in kinds)
         where = "the samplers" if gpu_vllm else "the trainer"
         log(f"held-out evaluations on {where} (--run.eval_on auto; samplers: {', '.join(engines)})")
         return gpu_vllm

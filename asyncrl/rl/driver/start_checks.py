@@ -65,8 +65,8 @@ async def check_digestible(samplers: list[Any]) -> None:
     if not answers.ok:  # a sampler that cannot answer this cannot take part in the run: as it is
         raise answers.results[answers.failed()[0]]
     for stats in answers.results:
-        if stats["backend"] == "vllm" and not str(stats.get("device", "cpu")).startswith("cuda"):
+        if stats.backend == "vllm" and not stats.device.startswith("cuda"):
             raise ConfigError(
-                f"--run.check_weights needs samplers whose weights can be read as sent, but {stats['name']} "
+                f"--run.check_weights needs samplers whose weights can be read as sent, but {stats.name} "
                 f"runs vLLM on the CPU, which repacks them; add --sampler.backend hf, or drop check_weights"
             )

@@ -1,74 +1,138 @@
-"""A step's record (`StepRecord`, a line of metrics.jsonl) assembled from what the step did: its
-batch, the groups left out as uniform, the train step's metrics, the sync, the timings and the
-run's totals so far; and the task's metrics of a batch (`task_metrics`)."""
+"""A step's record (`StepRecord`, a line of metrics.jsonl) assembled from what the step did, given
+as a few values: its batch (`StepBatch`), its timings (`StepTimes`), what the trainer and the sync
+answered (`StepResults`), the run's totals so far (`RunTotals`) and the samplers' side
+(`SamplersAfter`); and the task's metrics of a batch (`task_metrics`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.rl.driver.pacing import Pacer
-from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics
+from asyncrl.rl.observe.record import FleetEvents, StepRecord
 from asyncrl.rl.observe.sync_metrics import SyncPhases
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.trainer.metrics import TrainStepMetrics
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What step ``step`` trained: ``groups``, into ``version``; ``skipped``: the groups of one
+    reward left out of it (no signal), sampled for the step all the same."""
+
+    step: int
+    version: int
+    groups: list[RolloutGroup]
+    skipped: list[RolloutGroup]
+
+    @property
+    def samples(self) -> int:
+        """Completions trained on."""
+        return sum(len(g.rewards) for g in self.groups)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens trained on (after the prompts)."""
+        return sum(len(c) for g in self.groups for c in g.completion_ids)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """When (``time.monotonic``) the step began, when its batch was there and when it was trained."""
+
+    began: float
+    batch_ready: float
+    trained: float
+
+    @property
+    def wait_s(self) -> float:
+        return self.batch_ready - self.began
+
+    @property
+    def train_s(self) -> float:
+        return self.trained - self.batch_ready
+
+
+@dataclass(frozen=True)
+class StepResults:
+    """What the step's calls answered: the trainer's metrics, the weight sync's phases (all 0 but
+    ``sync_s`` when it did not sync) and each member's weights digest (empty: not checked)."""
+
+    train: TrainStepMetrics
+    sync: SyncPhases
+    digests: dict[str, str]
+
+
+@dataclass(frozen=True)
+class RunTotals:
+    """The run's totals so far, this step's included."""
+
+    samples: int
+    tokens: int
+    elapsed_s: float
+    """Training wall time, over every segment of the run."""
+    dropped_stale: int
+    task_keys: set[str]
+    """The task's metric keys of the steps so far: this step's record adds its own (`task_metrics`)."""
+
+
+@dataclass(frozen=True)
+class SamplersAfter:
+    """The samplers' side after the step: the rollout queue's depth, the pacer (async mode; None:
+    none) and what happened to the fleet since the last step (`SamplerPool.take_events`)."""
+
+    queue_depth: int
+    pacer: Pacer | None
+    fleet: dict[str, Any]
 
 
 def step_record(
-    step: int,
-    version: int,
-    batch: list[RolloutGroup],
-    skipped: list[RolloutGroup],
+    batch: StepBatch,
+    times: StepTimes,
+    results: StepResults,
+    totals: RunTotals,
+    samplers: SamplersAfter,
     *,
-    trained: dict[str, Any],
-    synced: SyncPhases,
-    digests: dict[str, str],
-    times: tuple[float, float, float],
     correct_reward: float,
-    samples: int,
-    tokens: int,
-    completion_tokens: int,
-    elapsed_s: float,
-    dropped_stale: int,
-    queue_depth: int,
-    pacer: Pacer | None,
-    task_keys: set[str],
-    fleet: dict[str, Any],
 ) -> StepRecord:
-    """The record of ``step``, which trained ``batch`` into ``version``. ``times``: when the step
-    began, when its batch was there and when it was trained (``time.monotonic``); ``samples``,
-    ``tokens``: the run's totals with this step's; ``completion_tokens``: this step's."""
+    """The record of the step that trained ``batch``. ``correct_reward``: the reward from which a
+    completion counts as solved, for groups from a sampler that sends no verdicts."""
+    groups, version = batch.groups, batch.version
     # Rates over everything sampled for the step, the groups left out as uniform included: the
     # batch holds only groups with a signal, which would bias them towards 50%.
-    rewards = [r for g in batch + skipped for r in g.rewards]
-    correct = [c for g in batch + skipped for c in (g.correct or [r >= correct_reward for r in g.rewards])]
-    staleness = [version - 1 - g.version for g in batch]
+    sampled = groups + batch.skipped
+    rewards = [r for g in sampled for r in g.rewards]
+    correct = [c for g in sampled for c in (g.correct or [r >= correct_reward for r in g.rewards])]
+    staleness = [version - 1 - g.version for g in groups]
+    pacer = samplers.pacer
     peaks = pacer.take_peaks() if pacer else None
-    t0, t1, t2 = times
+    elapsed_s = totals.elapsed_s
     return StepRecord(
-        step=step,
+        step=batch.step,
         version=version,
         reward_mean=sum(rewards) / len(rewards),
         train_solve_rate=sum(correct) / len(correct),
         staleness_mean=sum(staleness) / len(staleness),
         staleness_hist={str(s): staleness.count(s) for s in sorted(set(staleness))},
-        dropped_stale=dropped_stale,
-        uniform_skipped=len(skipped),
-        queue_depth=queue_depth,
+        dropped_stale=totals.dropped_stale,
+        uniform_skipped=len(batch.skipped),
+        queue_depth=samplers.queue_depth,
         paced_wait_s=pacer.waited_s if pacer else None,
         paced_streams=peaks[0] if peaks else None,
         paced_in_flight_peak=peaks[1] if peaks else None,
-        completion_tokens=completion_tokens,
-        samples_per_s=samples / max(elapsed_s, 1e-9),
-        tokens_per_s=tokens / max(elapsed_s, 1e-9),
+        completion_tokens=batch.completion_tokens,
+        samples_per_s=totals.samples / max(elapsed_s, 1e-9),
+        tokens_per_s=totals.tokens / max(elapsed_s, 1e-9),
         time_s=elapsed_s,
-        wait_s=t1 - t0,
-        train_s=t2 - t1,
-        sync=synced,
-        generate_s=sum(g.generate_s for g in batch) / len(batch),
-        train=TrainMetrics.of(trained),
-        task=task_metrics(batch, task_keys),
-        fleet=FleetEvents(**fleet),
-        group_ids=[g.uid for g in batch],
-        weights_digests=digests or None,
+        wait_s=times.wait_s,
+        train_s=times.train_s,
+        sync=results.sync,
+        generate_s=sum(g.generate_s for g in groups) / len(groups),
+        train=results.train.recorded(),
+        task=task_metrics(groups, totals.task_keys),
+        fleet=FleetEvents(**samplers.fleet),
+        group_ids=[g.uid for g in groups],
+        weights_digests=results.digests or None,
     )
 
 

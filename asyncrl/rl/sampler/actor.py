@@ -48,6 +48,7 @@ from asyncrl.rl.sampler.backend import Completion, SamplerSyncStats, SamplingPar
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
 from asyncrl.rl.sampler.generation import GatedGeneration
 from asyncrl.rl.sampler.groups import rollout_group
+from asyncrl.rl.sampler.stats import SamplerStats
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
 from asyncrl.rl.sampler.weight_receiving import WeightReceiving
 from asyncrl.rl.tasks.agent import Agent
@@ -299,21 +300,14 @@ class SamplerActor(Actor):
                 await asyncio.gather(solving, return_exceptions=True)
 
     @endpoint
-    async def stats(self) -> dict:
-        """Counters since start: ``tokens``, ``completions``, ``groups`` (yielded), ``batches``,
-        ``generate_s`` (wall time in rollout generation) and ``tokens_per_s`` over it; weight syncs:
-        ``syncs``, ``failed_syncs``, ``weight_sync_s`` (wait + transfer), ``pause_s`` (of the syncs
-        that succeeded: waiting for the batch in flight, or for the end of a decoding step),
-        ``syncs_waited_for_generate``, ``discarded_batches`` (in flight during a failed sync);
-        ``version`` now; ``generating``: generate calls in flight now; ``name``; ``backend``
-        (``"hf"`` or ``"vllm"``); ``device`` (``"cpu"``, ``"cuda:0"``); ``weight_dtype``: what its
-        weights are held in, the dtype a sync is sent in (`WeightSink.weight_dtype`);
-        ``loaded_adapters`` (vLLM with adapter-only LoRA syncs)."""
+    async def stats(self) -> SamplerStats:
+        """Counters since start and what the sampler runs on (`SamplerStats`)."""
         s = {"groups": self._groups} | self.generation.counts | self.weights.counts
         adapters = getattr(self.backend, "adapters", None)  # vLLM serving LoRA adapters: how many it holds
         if adapters is not None:
             s["loaded_adapters"] = len(adapters.loaded)
-        s.update(
+        return SamplerStats(
+            **s,
             version=self.weights.version,
             generating=self.generation.calls,
             name=self.name,
@@ -322,7 +316,6 @@ class SamplerActor(Actor):
             weight_dtype=self.weights.sink.weight_dtype,
             tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0,
         )
-        return s
 
     # --- resume and fault-tolerance hooks (asyncrl/rl/checkpoint.py, driver/fleet/pool.py) ------------
 

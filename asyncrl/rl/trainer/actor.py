@@ -38,6 +38,7 @@ from asyncrl.rl.trainer.checkpointing import Checkpointing
 from asyncrl.rl.trainer.compile import compiled
 from asyncrl.rl.trainer.heldout import HeldoutEvaluation
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
+from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError, does_not_fit, micro_batch_error
 from asyncrl.rl.trainer.packing import packed_micro_batches
 from asyncrl.rl.trainer.policy import TrainedPolicy
@@ -165,14 +166,14 @@ class TrainerActor(Actor):
     # --- what the trainer itself does ------------------------------------------------------------
 
     @endpoint
-    async def train_step(self, groups: list[RolloutGroup], deadline_s: float = 0.0) -> dict[str, float]:
+    async def train_step(self, groups: list[RolloutGroup], deadline_s: float = 0.0) -> TrainStepMetrics:
         """One optimiser step on ``groups``; returns the step's metrics. With a rank group every
         rank gets the whole batch and trains on its share; ``deadline_s`` bounds the step there."""
         for g in groups:
             validate_group(g)
         return await self.ranks.run(f"train step {self.steps + 1}", deadline_s, self._train_step, groups)
 
-    def _train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
+    def _train_step(self, groups: list[RolloutGroup]) -> TrainStepMetrics:
         """One optimiser step of this process on its share of ``groups`` (all of them at world
         size 1; ``trainer/split.py``): every loss divided by the whole batch's count, gradients
         summed across ranks; the metrics of the whole batch."""
@@ -219,7 +220,7 @@ class TrainerActor(Actor):
             train_s=time.perf_counter() - start,
         )
         sums.update(self._utilisation(groups, sums["train_s"]))  # this rank's memory, the group's MFU
-        return sums
+        return TrainStepMetrics.of(sums)
 
     @endpoint
     async def gradients(self, deadline_s: float = 0.0) -> dict[str, torch.Tensor]:

@@ -318,8 +318,8 @@ class SamplerPool:
             if m in answers:
                 got = answers[m]
                 part += (
-                    f", generating {got.get('generating', '?')}"
-                    if isinstance(got, dict)
+                    f", generating {got.generating}"
+                    if not isinstance(got, BaseException)
                     else f", no answer to stats within {timeout_s:g} s ({first_line(got)})"
                 )
             parts.append(part)

@@ -160,7 +160,7 @@ class SyncGroup:
         if answers is None or not answers.ok:
             return False
         self.wire_dtype = wire_dtype(
-            [r.get("weight_dtype", "") if isinstance(r, dict) else "" for r in answers.results]
+            [r.weight_dtype if not isinstance(r, BaseException) else "" for r in answers.results]
         )
         return True
 
