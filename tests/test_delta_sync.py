@@ -32,7 +32,7 @@ def test_a_few_changed_words_travel_as_values_and_indices_and_patch_the_base_bit
     base = kept.clone()
     out = torch.empty_like(current)
     encoded = encode(current, kept, out, torch.int16)
-    assert encoded.changed == encoded.count == 4
+    assert encoded.changed == encoded.told == 4
     assert torch.equal(kept, current)  # the sender's base is now what it sent
     apply(out[: payload_bytes(4, 4096, torch.int16)], 4, base, torch.int16)
     assert torch.equal(base, current)

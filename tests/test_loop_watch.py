@@ -14,7 +14,7 @@ import pytest
 
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, parse_overrides
-from asyncrl.runtime.loop_watch import LoopWatch
+from asyncrl.runtime.loop_watch import LoopWatch, _code_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,3 +88,16 @@ def test_the_threshold_is_checked():
     with pytest.raises(ConfigError, match="loop_watch_s must be a finite number of seconds >= 0"):
         parse_overrides(GRPOConfig(), ["--run.loop_watch_s", "-1"])
     assert parse_overrides(GRPOConfig(), ["--run.loop_watch_s", "0"]).run.observe.loop_watch_s == 0
+
+
+def test_a_frame_is_named_on_python_3_10_too():
+    """``co_qualname`` came in 3.11; on 3.10 (which asyncrl supports) the bare name is shown."""
+
+    class Code310:  # a 3.10 code object: a name, no qualified name
+        co_name = "step"
+
+    class Code311(Code310):
+        co_qualname = "Trainer.step"
+
+    assert _code_name(Code310()) == "step"
+    assert _code_name(Code311()) == "Trainer.step"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncrl.comm.errors import CommLibraryError
 
@@ -63,6 +63,11 @@ class CLibrary:
         self._cdll = cdll
         for name, fn in bind_functions(cdll, path, self.functions, self.missing_hint).items():
             setattr(self, name, fn)
+
+    if TYPE_CHECKING:
+        # The bound functions are set by name from the table at load, so a type checker cannot list
+        # them; each is a ctypes function (or None for a missing optional one): Any is their edge.
+        def __getattr__(self, name: str) -> Any: ...
 
     def has(self, name: str) -> bool:
         """True when the library exports ``name`` (an optional function may be absent)."""

@@ -195,7 +195,7 @@ def _export(tensor: torch.Tensor) -> _Handle:
         counter_offset=counter_offset,
         event_handle=bytes(event_handle or b""),
         event_sync=bool(event_sync),
-        tensor_offset=tensor.storage_offset() * tensor.element_size(),
+        tensor_offset=int(tensor.storage_offset()) * tensor.element_size(),  # int: the stub allows a SymInt
         nbytes=tensor.nbytes,
     )
 

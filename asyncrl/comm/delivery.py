@@ -27,7 +27,9 @@ class ConsumerGuard:
     ``batched``: tensors are held until `flush`, which hands them over as one list."""
 
     def __init__(self, consumer: Consumer | BatchConsumer, batched: bool = False):
-        self.consumer, self.batched = consumer, batched
+        # `batched` says which of the two shapes it has: called with (name, tensor) or with a list.
+        self.consumer: Callable[..., object] = consumer
+        self.batched = batched
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.failure = ""
 

@@ -67,8 +67,8 @@ class SyncMode(NamedTuple):
 class Encoded(NamedTuple):
     changed: int
     """Words that differ from the kept bucket."""
-    count: int
-    """What the receivers are told: ``changed``, or `WHOLE`."""
+    told: int
+    """What the receivers are told: ``changed``, or `WHOLE`. (Not ``count``: that is tuple's method.)"""
 
 
 def encode(current: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, word: torch.dtype) -> Encoded:

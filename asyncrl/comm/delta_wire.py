@@ -49,8 +49,8 @@ class ChangeSending:
             return None
         encoded = encode(wire, kept, wire, self.kept.word)
         self.count.changed += encoded.changed
-        self.staging.held.append(torch.tensor([encoded.count], dtype=torch.int64, device=wire.device))
-        return encoded.count
+        self.staging.held.append(torch.tensor([encoded.told], dtype=torch.int64, device=wire.device))
+        return encoded.told
 
     def transfer(self, k: int, count: int | None) -> None:
         staging, size, word = self.staging, self.layout.bucket_sizes[k], self.kept.word

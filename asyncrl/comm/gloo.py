@@ -68,7 +68,8 @@ class GlooCommunicator(Communicator):
     backend = "gloo"
 
     def __init__(self, pg: ProcessGroupGloo, group: StoreGroup, timeout_s: float):
-        self._pg = pg
+        # Any: torch's stub of ProcessGroupGloo lacks its collectives (broadcast, allreduce, send, recv).
+        self._pg: Any = pg
         self._timeout_s = timeout_s
         super().__init__(group=group.label, rank=group.rank, world_size=group.world_size, device=torch.device("cpu"))
 
@@ -76,7 +77,7 @@ class GlooCommunicator(Communicator):
     def create(cls, group: StoreGroup, timeout_s: float = 60.0) -> GlooCommunicator:
         """Connect every member's gloo pairs (all members call this together). ``timeout_s`` bounds
         the connection and is gloo's own per-operation limit; `Work.wait` deadlines come on top."""
-        options = ProcessGroupGloo._Options()
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub names it Options
         options._timeout = datetime.timedelta(seconds=timeout_s)
         # Bind on the interface that reaches the store host, never a wildcard address.
         options._devices = [ProcessGroupGloo.create_device(hostname=local_address_towards(group.host))]
@@ -84,7 +85,7 @@ class GlooCommunicator(Communicator):
         start = time.monotonic()
         # gloo waits for its peers' addresses with the store's own timeout (the one the group was
         # made with), not with _timeout: bound that wait by ours too, for this call only.
-        previous = store.timeout
+        previous = store.timeout  # type: ignore[attr-defined]  # a property the stub lacks
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         try:
             pg = ProcessGroupGloo(store, group.rank, group.world_size, options)
@@ -110,7 +111,7 @@ class GlooCommunicator(Communicator):
     ) -> Work:
         self._check_op(tensor, "all_reduce")
         options = dist.AllreduceOptions()
-        options.reduceOp = _REDUCE_OPS[ReduceOp(op)]
+        options.reduceOp = dist.ReduceOp(_REDUCE_OPS[ReduceOp(op)])
         self._set_timeout(options, timeout_s)
         return GlooWork(self, self._pg.allreduce([tensor], options), f"all_reduce({ReduceOp(op).name})")
 

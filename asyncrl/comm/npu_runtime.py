@@ -14,6 +14,11 @@ import torch
 from asyncrl.comm.errors import CommLibraryError
 
 
+def _npu() -> Any:
+    """``torch.npu``, which torch_npu adds to torch at import: torch's own types do not know it."""
+    return torch.npu  # type: ignore[attr-defined]
+
+
 class NpuRuntime:
     """The few torch_npu calls `HcclCommunicator` makes. Making one imports torch_npu
     (CommLibraryError where it is missing)."""
@@ -35,15 +40,15 @@ class NpuRuntime:
         if device.type != "npu":
             raise ValueError(f"the HCCL backend needs an npu device, got {device}")
         if device.index is None:
-            device = torch.device("npu", torch.npu.current_device())
+            device = torch.device("npu", _npu().current_device())
         return device
 
     def bind_device(self, device: torch.device) -> None:
         # ACL device contexts are per thread: every thread that calls HCCL must set the device.
-        torch.npu.set_device(device)
+        _npu().set_device(device)
 
     def resolve_stream(self, stream: Any, device: torch.device) -> Any:
-        return stream if stream is not None else torch.npu.current_stream(device)
+        return stream if stream is not None else _npu().current_stream(device)
 
     def stream_handle(self, stream: Any) -> int:
         # Read right before each HCCL call, never cached: torch_npu's npu_stream getter first
@@ -51,7 +56,7 @@ class NpuRuntime:
         return int(stream.npu_stream)
 
     def record_event(self, stream: Any) -> Any:
-        event = torch.npu.Event()
+        event = _npu().Event()
         event.record(stream)
         return event
 

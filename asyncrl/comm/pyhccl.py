@@ -17,7 +17,7 @@ import ctypes
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -109,7 +109,7 @@ class HcclWork(Work):
             cls = CollectiveTimeoutError if code == HCCL_E_TIMEOUT else CollectiveError
             self._fail(cls, f"HCCL reported an async error: {self._comm.describe(code)}")
 
-    def _fail(self, cls: type[CollectiveError], why: str, cause: BaseException | None = None) -> None:
+    def _fail(self, cls: type[CollectiveError], why: str, cause: BaseException | None = None) -> NoReturn:
         comm = self._comm
         self._error = cls(f"group {comm.group!r} rank {comm.rank}: hccl {self._what} {why}; communicator aborted")
         self._error.__cause__ = cause
@@ -168,10 +168,10 @@ class HcclCommunicator(Communicator):
         check_group(group)
         lib = library if library is not None else load_library()
         runtime = runtime if runtime is not None else NpuRuntime()
-        device = runtime.normalize_device(device)
-        runtime.bind_device(device)
+        pinned: torch.device = runtime.normalize_device(device)
+        runtime.bind_device(pinned)
         root = exchange_root_info(lib, group)
-        handle = init_comm(lib, runtime, device, group, root, timeout_s)
+        handle = init_comm(lib, runtime, pinned, group, root, timeout_s)
         return cls(
             lib=lib,
             runtime=runtime,
@@ -179,7 +179,7 @@ class HcclCommunicator(Communicator):
             group=group.name,
             rank=group.rank,
             world_size=group.world_size,
-            device=device,
+            device=pinned,
         )
 
     # -- operations ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -68,7 +68,7 @@ class NcclCommunicator(Communicator):
         timeout_s: float,
     ):
         self._lib = lib
-        self._handle = handle
+        self._handle: ctypes.c_void_p | None = handle
         self.timeout_s = timeout_s
         super().__init__(group=group, rank=rank, world_size=world_size, device=device)
 
@@ -227,7 +227,7 @@ class NcclCommunicator(Communicator):
                 time.sleep(pause)
                 pause = min(pause * 2, self.MAX_PAUSE_S)
 
-    def _fail(self, what: str, why: str) -> None:
+    def _fail(self, what: str, why: str) -> NoReturn:
         self.abort(f"failed during {what}")
         raise CollectiveError(
             f"group {self.group!r} rank {self.rank}/{self.world_size} (nccl on {self.device}): "

@@ -37,7 +37,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 import torch.distributed as dist
@@ -158,11 +158,11 @@ class StoreGroup:
         hello = msgspec.msgpack.encode(_Hello(rank, world_size, os.getpid(), my_host))
         values = meeting.gather("hello", hello, deadline, timeout_s, "joining")
         hellos = [msgspec.msgpack.decode(v, type=_Hello) for v in values]
-        for hello in hellos:
-            if hello.world_size != world_size:
+        for peer in hellos:
+            if peer.world_size != world_size:
                 raise RendezvousError(
-                    f"group {label!r}: rank {hello.rank} (pid {hello.pid} on {hello.host}) joined with "
-                    f"world size {hello.world_size}, rank {rank} with {world_size}"
+                    f"group {label!r}: rank {peer.rank} (pid {peer.pid} on {peer.host}) joined with "
+                    f"world size {peer.world_size}, rank {rank} with {world_size}"
                 )
         return cls(
             store=store,
@@ -181,14 +181,23 @@ class StoreGroup:
         """Return once every member reached the same barrier; name the ranks that did not."""
         self._meeting().gather(self._next_key("barrier"), b"\x01", *self._deadline(timeout_s), what)
 
+    # Without ``type`` the value is decoded as msgpack gives it (Any); with it, as that type.
+    @overload
+    def broadcast_obj(
+        self, obj: Any = None, src: int = 0, *, type: type[T], timeout_s: float | None = None, what: str = ...
+    ) -> T: ...
+    @overload
+    def broadcast_obj(
+        self, obj: Any = None, src: int = 0, type: Any = Any, timeout_s: float | None = None, what: str = ...
+    ) -> Any: ...
     def broadcast_obj(
         self,
         obj: Any = None,
         src: int = 0,
-        type: type[T] = Any,
+        type: Any = Any,
         timeout_s: float | None = None,
         what: str = "broadcast_obj",
-    ) -> T:
+    ) -> Any:
         """Rank ``src`` passes ``obj``; every member returns it, decoded as ``type``."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"src {src} is not a rank of a world of size {self.world_size}")
@@ -198,9 +207,17 @@ class StoreGroup:
         )
         return msgspec.msgpack.decode(value, type=type)
 
+    @overload
     def all_gather_obj(
-        self, obj: Any, type: type[T] = Any, timeout_s: float | None = None, what: str = "all_gather_obj"
-    ) -> list[T]:
+        self, obj: Any, *, type: type[T], timeout_s: float | None = None, what: str = ...
+    ) -> list[T]: ...
+    @overload
+    def all_gather_obj(
+        self, obj: Any, type: Any = Any, timeout_s: float | None = None, what: str = ...
+    ) -> list[Any]: ...
+    def all_gather_obj(
+        self, obj: Any, type: Any = Any, timeout_s: float | None = None, what: str = "all_gather_obj"
+    ) -> list[Any]:
         """Every member passes one object; every member returns the list, indexed by rank."""
         values = self._meeting().gather(
             self._next_key("gather"), msgspec.msgpack.encode(obj), *self._deadline(timeout_s), what
@@ -280,7 +297,7 @@ class _Meeting:
         """Set our key unless a verdict already declared us missing: then we are too late, and
         say so at once (everyone else has given up on us) instead of waiting out our deadline."""
         try:
-            current = self.store.compare_set(key, "", value)
+            current = self.store.compare_set(key, "", value)  # type: ignore[arg-type]  # stub says str; bytes taken
         except dist.DistError as exc:
             raise self._lost(what, exc) from exc
         if current == _ABSENT:
@@ -298,7 +315,8 @@ class _Meeting:
         except dist.DistError:  # our deadline passed first: declare whoever is still missing
             try:
                 for key in keys:
-                    self.store.compare_set(key, "", _ABSENT)  # one that arrived meanwhile keeps its key
+                    # One that arrived meanwhile keeps its key. (torch's stub says str; the binding takes bytes.)
+                    self.store.compare_set(key, "", _ABSENT)  # type: ignore[arg-type]
             except dist.DistError as exc:
                 raise self._lost(what, exc) from exc
         try:
@@ -315,7 +333,7 @@ class _Meeting:
         """After a verdict: say we read it; rank 0 (the store's host, whose store ends with it)
         waits, bounded, until everyone expected here has read it too."""
         try:
-            self.store.set(f"{tag}/read/{self.rank}", b"")
+            self.store.set(f"{tag}/read/{self.rank}", b"")  # type: ignore[arg-type]  # stub says str; bytes taken
             if self.rank == 0:
                 readers = [f"{tag}/read/{r}" for r in range(1, self.world_size) if r not in missing]
                 if readers:

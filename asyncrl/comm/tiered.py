@@ -151,7 +151,7 @@ class TieredCommunicator(Communicator):
         try:
             if self._gpu_of[self.rank] == home:
                 if self._within is not None:
-                    self._pass_on(tensor, self._mates.index(src), stream, deadline)
+                    _pass_on(self._within, tensor, self._mates.index(src), stream, deadline)
                 if self._across is None:
                     return CompletedWork()
                 return _TierWork(self._across.broadcast(tensor, home, stream=stream, timeout_s=_left(deadline)), self)
@@ -161,15 +161,11 @@ class TieredCommunicator(Communicator):
                     return _TierWork(work, self)
                 work.wait(_left(deadline))  # the bytes are here before the mates map them
             if self._within is not None:
-                self._pass_on(tensor, 0, stream, deadline)  # from the leader, local rank 0
+                _pass_on(self._within, tensor, 0, stream, deadline)  # from the leader, local rank 0
             return CompletedWork()
         except BaseException as exc:
             self.abort(f"a tier failed during a broadcast from rank {src}: {type(exc).__name__}")
             raise
-
-    def _pass_on(self, tensor: torch.Tensor, local_src: int, stream: Any, deadline: float) -> None:
-        """The within tier's broadcast from its rank ``local_src``, to completion."""
-        self._within.broadcast(tensor, local_src, stream=stream, timeout_s=_left(deadline)).wait(_left(deadline))
 
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
@@ -194,6 +190,11 @@ class TieredCommunicator(Communicator):
     def _destroy(self) -> None:
         for comm in self._tiers():
             comm.close()
+
+
+def _pass_on(within: Communicator, tensor: torch.Tensor, local_src: int, stream: Any, deadline: float) -> None:
+    """The within tier's broadcast from its rank ``local_src``, to completion."""
+    within.broadcast(tensor, local_src, stream=stream, timeout_s=_left(deadline)).wait(_left(deadline))
 
 
 def _left(deadline: float) -> float:

@@ -214,6 +214,7 @@ class _WeightSync:
 
 
 class WeightSender(_WeightSync):
+    changes: ChangeSending | None
     """The trainer's side. Holds references to the tensors (normally a model's parameters, updated
     in place by the optimizer), never a copy of them."""
 
@@ -308,6 +309,8 @@ class WeightReceiver(_WeightSync):
     tensor to a consumer callable as a view that is valid only during the call; with
     ``batched=True`` the consumer takes a list, once a bucket: every tensor the bucket completed."""
 
+    changes: ChangeReceiving
+
     @classmethod
     def create(
         cls,
@@ -373,14 +376,18 @@ class WeightReceiver(_WeightSync):
     def _move(self, into: Destination | BatchConsumer, batched: bool, mode: SyncMode) -> str:
         layout = self.layout
         self._in_place = isinstance(into, Mapping)
-        consumer = None if isinstance(into, Mapping) else ConsumerGuard(into, batched)
-        plan = self._plan_for(into, staging_is_dst=False) if consumer is None else None
-        if consumer is not None:
+        consumer: ConsumerGuard | None = None
+        plan: list[CopyPlan] | None = None
+        if isinstance(into, Mapping):
+            plan = self._plan_for(into, staging_is_dst=False)
+            self._move_direct(into)
+        else:
+            consumer = ConsumerGuard(into, batched)
             for spec in layout.tensors:  # empty tensors carry no bytes but are still delivered
                 if spec.nbytes == 0:
                     consumer(spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.comm.device))
             consumer.flush()
-        self._move_direct(into, consumer)
+            self._move_direct(consumer)
         partial: dict[int, torch.Tensor] = {}  # tensors larger than a bucket, being assembled
         if consumer is not None and mode.keep and self.kept is None:
             self.kept = KeptBuckets(layout, self.comm.device)  # a consumer holds no copy we can patch
@@ -402,19 +409,27 @@ class WeightReceiver(_WeightSync):
                 self._unpack(k, plan, consumer, self.staging.views[k], partial)
         return consumer.failure if consumer is not None else ""
 
-    def _unpack(self, k: int, plan, consumer: ConsumerGuard | None, views: list[torch.Tensor], partial) -> None:
+    def _unpack(
+        self,
+        k: int,
+        plan: list[CopyPlan] | None,
+        consumer: ConsumerGuard | None,
+        views: list[torch.Tensor],
+        partial: dict[int, torch.Tensor],
+    ) -> None:
+        """Exactly one of ``plan`` (in place) and ``consumer`` is given."""
         if plan is not None:
             plan[k].run()
-        else:
+        elif consumer is not None:
             deliver_bucket(consumer, self.layout, k, views, partial)
             consumer.flush()  # while bucket k's views are valid: k+2 reuses its buffer
 
-    def _move_direct(self, into: Destination, consumer: ConsumerGuard | None) -> None:
+    def _move_direct(self, into: Mapping[str, torch.Tensor] | ConsumerGuard) -> None:
         """Tensors sent whole: received in place, or into temporaries handed to the consumer."""
         received = []
         for i in self.layout.direct:
             spec = self.layout.tensors[i]
-            if consumer is None and into[spec.name].device == self.comm.device:
+            if isinstance(into, Mapping) and into[spec.name].device == self.comm.device:
                 self.staging.transfer_direct(into[spec.name], self.src)
                 continue
             # A temporary on the communicator's device: for the consumer, or for a destination on
@@ -431,9 +446,9 @@ class WeightReceiver(_WeightSync):
                 self.staging.clock.span(COPY, copy_stream),
             ):
                 for name, whole in received:
-                    if consumer is None:
+                    if isinstance(into, Mapping):
                         into[name].copy_(whole)
                     else:
-                        consumer(name, whole)
-                if consumer is not None:
-                    consumer.flush()
+                        into(name, whole)
+                if isinstance(into, ConsumerGuard):
+                    into.flush()

@@ -14,6 +14,7 @@ import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import GenericAlias
 from typing import Any
 
 import msgspec
@@ -89,7 +90,9 @@ class EndpointSpec:
     @property
     def arg_decoder(self) -> PayloadDecoder:
         if self._arg_decoder is None:
-            self._arg_decoder = PayloadDecoder(tuple[tuple(self.arg_types)] if self.arg_types else tuple[()])
+            self._arg_decoder = PayloadDecoder(
+                GenericAlias(tuple, tuple(self.arg_types)) if self.arg_types else tuple[()]
+            )
         return self._arg_decoder
 
     @property
@@ -178,7 +181,7 @@ def endpoints_of(cls: type) -> dict[str, EndpointSpec]:
 
 def init_spec(cls: type) -> EndpointSpec:
     """The constructor, treated like an endpoint so spawn arguments are typed the same way."""
-    init = cls.__init__
+    init = cls.__init__  # type: ignore[misc]  # cls is the class here, not an instance of it
     if init is object.__init__:
         return EndpointSpec(
             "__init__",

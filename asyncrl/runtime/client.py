@@ -150,18 +150,21 @@ class ActorClient:
                 log.warning("actor %s refused a request: %s", self.actor, msg.message)
             return  # an answer to a call we already gave up on
         kind = type(msg)
+        # A call has its future, a stream its queue: a reply of the other kind is not ours to take.
         if kind is wire.Reply:
-            if not pending.future.done():
+            if pending.future is not None and not pending.future.done():
                 pending.future.set_result((msg.value, frames))
         elif kind is wire.StreamItem:
-            pending.queue.put_nowait((msg.value, frames))
+            if pending.queue is not None:
+                pending.queue.put_nowait((msg.value, frames))
         elif kind is wire.StreamEnd:
-            pending.queue.put_nowait(_END)
+            if pending.queue is not None:
+                pending.queue.put_nowait(_END)
         else:  # Failure
             error = _remote_error(self.actor, pending.method, msg)
             if pending.queue is not None:
                 pending.queue.put_nowait(error)
-            elif not pending.future.done():
+            elif pending.future is not None and not pending.future.done():
                 pending.future.set_exception(error)
 
     # --- failure -----------------------------------------------------------------------------
@@ -174,7 +177,7 @@ class ActorClient:
         for pending in self._pending.values():
             if pending.queue is not None:
                 pending.queue.put_nowait(error)
-            elif not pending.future.done():
+            elif pending.future is not None and not pending.future.done():
                 pending.future.set_exception(error)
         self._pending.clear()
         self.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -53,7 +54,7 @@ class PayloadEncoder:
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._bufs: list | None = None
+        self._bufs: list = []  # the caller's, during `encode` only
         self._first_index = 1
 
     def encode(self, obj: Any, bufs: list, first_index: int = 1) -> msgspec.Raw:
@@ -62,7 +63,7 @@ class PayloadEncoder:
         try:
             return msgspec.Raw(self._enc.encode(obj))
         finally:
-            self._bufs = None
+            self._bufs = []
 
     def _add(self, data) -> int | bytes:
         if data.nbytes <= INLINE_MAX_BYTES:
@@ -156,5 +157,5 @@ class PayloadDecoder:
         raise ValueError(f"unknown msgpack extension code {code}")
 
 
-def frames_nbytes(frames: list) -> int:
+def frames_nbytes(frames: Sequence[Any]) -> int:
     return sum(memoryview(f).nbytes for f in frames)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 ENV_PREFIX = "ASYNCRL_SUP_"
 
@@ -95,7 +96,7 @@ class SupervisorConfig:
             text = os.environ.get(ENV_PREFIX + f.name.upper())
             if text is None:
                 continue
-            kind = type(f.default)
+            kind: type[Any] = type(f.default)
             try:
                 values[f.name] = (text.lower() in ("1", "true", "yes")) if kind is bool else kind(text)
             except ValueError:

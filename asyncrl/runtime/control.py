@@ -51,7 +51,7 @@ class ControlChannel:
         self.records = records
         self.cluster: Cluster | None = None
         bind = f"ipc://{self.run_dir}/supervisor.sock" if config.transport == "ipc" else f"tcp://{config.host}:*"
-        sock, self.address = bind_router(resources.ctx, bind, gate=resources.gate)
+        sock, self.address = bind_router(resources.context, bind, gate=resources.gate)
         self.local = LoopSocket(sock, self._on_local, "supervisor control")
         self._decoder = msgspec.msgpack.Decoder(wire.ToSupervisor)
         self._body = msgspec.msgpack.Encoder()
@@ -98,21 +98,22 @@ class ControlChannel:
             rec.channel = channel
             if rec.starting is not None:  # its heartbeats begin with the Init we send now
                 rec.starting.on_beat()
-            self._send_init(rec)
+            self._send_init(rec, route, channel)
         elif kind is wire.Ready:
-            if not rec.ready.done():
+            if rec.ready is not None and not rec.ready.done():
                 rec.ready.set_result(msg.address)
         elif kind is wire.StartFailed:
-            if not rec.ready.done():
+            if rec.ready is not None and not rec.ready.done():
                 rec.ready.set_exception(_start_failure(rec.name, msg))
         else:  # Dead
             rec.last_words = msg.reason
 
-    def _send_init(self, rec: ActorRecord) -> None:
+    def _send_init(self, rec: ActorRecord, route: bytes, channel: LoopSocket) -> None:
         cfg = self.config
         module, qualname, script = rec.class_ref
         payload, bufs = rec.init_payload
         if rec.node != 0:
+            assert self.cluster is not None, "a worker beyond node 0 came through the cluster"
             bind = net.tcp_endpoint(self.cluster.nodes[rec.node].address, "*")
         elif cfg.transport == "ipc":
             bind = f"ipc://{self.run_dir}/{rec.index}-{rec.incarnation}.sock"
@@ -121,11 +122,12 @@ class ControlChannel:
         init = wire.Init(
             module, qualname, script, payload, list(sys.path), bind, cfg.max_message_bytes, cfg.heartbeat_interval_s
         )
-        rec.channel.send([rec.routing_id, self._body.encode(init), *bufs], copy=False)
+        channel.send([route, self._body.encode(init), *bufs], copy=False)
 
     def send_shutdown(self, rec: ActorRecord, reason: str) -> None:
         """Ask the worker that said ``Hello`` for ``rec``'s current incarnation to stop."""
-        rec.channel.send([rec.routing_id, self._body.encode(wire.Shutdown(reason))], copy=True)
+        if rec.channel is not None:  # set with the routing id, by the incarnation's Hello
+            rec.channel.send([rec.routing_id, self._body.encode(wire.Shutdown(reason))], copy=True)
 
     def on_remote_log(self, msg: wire.ActorLog) -> None:
         """Output of an actor on another node, forwarded by its agent: printed with its prefix."""

@@ -39,8 +39,9 @@ class RemoteMethod:
 
     async def _call(self, args: tuple, kwargs: dict) -> Any:
         record, timeout_s = self._record, self._timeout_s
-        if record.state is ActorState.RUNNING:
-            return await record.client.call(self._spec, args, kwargs, timeout_s)
+        client = record.client
+        if record.state is ActorState.RUNNING and client is not None:  # a running one has its client
+            return await client.call(self._spec, args, kwargs, timeout_s)
         # Starting or restarting: one deadline covers the wait and the call.
         deadline = time.monotonic() + timeout_s
         client = await record.client_within(timeout_s, self._spec.name)

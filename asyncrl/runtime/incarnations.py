@@ -119,16 +119,16 @@ class Incarnations:
         rec.incarnation += 1
         rec.routing_id = None
         rec.last_words = rec.kill_reason = ""
-        rec.ready = self._loop.create_future()
-        rec.starting = StartWatch(rec.name, cfg.start_timeout_s, cfg.heartbeat_timeout_s)
+        ready = rec.ready = self._loop.create_future()
+        watch = rec.starting = StartWatch(rec.name, cfg.start_timeout_s, cfg.heartbeat_timeout_s)
         try:
             proc = (
                 await self._start_process(rec)
                 if rec.node == 0
-                else self._cluster.spawn(
+                else self._remote().spawn(
                     rec.node,
                     wire.SpawnActor(
-                        rec.name, rec.incarnation, rec.devices, rec.env, self._cluster.address, cfg.start_timeout_s
+                        rec.name, rec.incarnation, rec.devices, rec.env, self._remote().address, cfg.start_timeout_s
                     ),
                 )
             )
@@ -136,24 +136,26 @@ class Incarnations:
             raise ActorStartError(rec.name, f"cannot start a process: {e}") from e
         rec.proc = proc
         try:
-            verdict = await self._await_start(rec, proc)
+            verdict = await self._await_start(ready, watch, proc)
         except asyncio.CancelledError:
             proc.kill_now()  # its group stays tracked until close() or the finalizer sweeps it
             raise
         finally:
             rec.starting = None
-        if rec.ready.done() and rec.ready.exception() is None and proc.alive:
-            rec.client = ActorClient(
-                self._resources.ctx, rec.name, rec.ready.result(), cfg.max_message_bytes, keys=self._resources.keys
+        failure = ready.exception() if ready.done() else None
+        if ready.done() and failure is None and proc.alive:
+            client = rec.client = ActorClient(
+                self._resources.context, rec.name, ready.result(), cfg.max_message_bytes, keys=self._resources.keys
             )
             rec.last_heartbeat = time.monotonic()
             rec.set_state(ActorState.RUNNING)
-            watcher = asyncio.ensure_future(self._watch(rec, proc, rec.incarnation))
+            watcher = asyncio.ensure_future(self._watch(rec, proc, client, rec.incarnation))
             self._tasks.add(watcher)
             watcher.add_done_callback(self._tasks.discard)
             return
-        if rec.ready.done() and rec.ready.exception() is not None:
-            error = rec.ready.exception()
+        error: BaseException
+        if failure is not None:
+            error = failure
         elif not proc.alive:
             error = ActorNotReadyError(rec.name, f"process {proc.exit_description()} during start{_words(rec)}")
         else:
@@ -161,19 +163,18 @@ class Incarnations:
         await self._reap(proc)
         raise error
 
-    async def _await_start(self, rec: ActorRecord, proc: ActorProcess) -> str:
-        """Wait for ``Ready``, the process's exit, or a verdict of ``rec.starting`` (a deadline
+    async def _await_start(self, ready: asyncio.Future, watch: StartWatch, proc: ActorProcess) -> str:
+        """Wait for ``Ready`` (``ready``), the process's exit, or a verdict of ``watch`` (a deadline
         that each reported phase moves, or the heartbeats' silence); the verdict, or "" when the
         wait ended otherwise."""
-        watch = rec.starting
-        while not (rec.ready.done() or proc.exited.done()):
+        while not (ready.done() or proc.exited.done()):
             verdict = watch.verdict()
             if verdict is not None:
                 return verdict
             progress = asyncio.ensure_future(watch.changed.wait())
             try:
                 await asyncio.wait(
-                    {rec.ready, proc.exited, progress},
+                    {ready, proc.exited, progress},
                     timeout=watch.seconds_left(),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
@@ -208,7 +209,7 @@ class Incarnations:
         res.groups.add(proc.pid)
         return proc
 
-    async def _watch(self, rec: ActorRecord, proc: ActorProcess, incarnation: int) -> None:
+    async def _watch(self, rec: ActorRecord, proc: ActorProcess, client: ActorClient, incarnation: int) -> None:
         await proc.exited
         if rec.incarnation != incarnation:
             return
@@ -218,7 +219,7 @@ class Incarnations:
             # Before anything is awaited: calls made from now on wait for the restart or fail.
             rec.set_state(ActorState.RESTARTING if rec.restarts < rec.max_restarts else ActorState.DEAD)
             rec.error = error
-        rec.client.fail_all(error)
+        client.fail_all(error)
         await self._reap(proc)
         if rec.stopping:
             return
@@ -244,7 +245,7 @@ class Incarnations:
         return [
             (rec, rec.last_heartbeat)
             for rec in self._records.values()
-            if rec.state is ActorState.RUNNING and rec.proc.alive and not rec.kill_reason
+            if rec.state is ActorState.RUNNING and rec.proc is not None and rec.proc.alive and not rec.kill_reason
         ]
 
     def _on_silent(self, rec: ActorRecord, silent_s: float) -> None:
@@ -252,11 +253,16 @@ class Incarnations:
         if rec.kill(cause):
             log.error("actor %s: %s", rec.name, cause)
 
+    def _remote(self) -> Cluster:
+        """The cluster of node agents, which exists whenever an actor is placed beyond node 0."""
+        assert self._cluster is not None, "an actor placed on another node in a single-node run"
+        return self._cluster
+
     def release_devices(self, rec: ActorRecord) -> None:
         """Give ``rec``'s devices back to its node's pool, once."""
         if not rec.devices_released:
             rec.devices_released = True
-            pool = self._devices if rec.node == 0 else self._cluster.nodes[rec.node].pool
+            pool = self._devices if rec.node == 0 else self._remote().nodes[rec.node].pool
             pool.give_back(rec.devices)
 
     async def _reap(self, proc: ActorProcess) -> None:

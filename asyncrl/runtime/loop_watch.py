@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FrameType
+from types import CodeType, FrameType
 
 
 def _loop_dirs() -> tuple[str, ...]:
@@ -67,9 +67,10 @@ class LoopWatch:
     def start(self) -> LoopWatch:
         """Watch the running loop (call this on it). Idempotent."""
         if self._thread is None:
-            self._loop = asyncio.get_running_loop()
+            self._loop = loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
-            self._thread = threading.Thread(target=self._watch, name=f"asyncrl-loop-watch-{self.name}", daemon=True)
+            name = f"asyncrl-loop-watch-{self.name}"
+            self._thread = threading.Thread(target=self._watch, args=(loop,), name=name, daemon=True)
             self._thread.start()
         return self
 
@@ -83,7 +84,7 @@ class LoopWatch:
     def _beat(self) -> None:
         self._ran_at = time.monotonic()
 
-    def _watch(self) -> None:
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         asked = 0.0  # when the beat not yet run was handed to the loop (0: none is waiting)
         where = ""  # the blocked callback, once reported
         while True:
@@ -99,7 +100,7 @@ class LoopWatch:
             now = time.monotonic()
             if not asked:
                 try:
-                    self._loop.call_soon_threadsafe(self._beat)
+                    loop.call_soon_threadsafe(self._beat)
                 except RuntimeError:  # the loop is closed: nothing left to watch
                     return
                 asked = now
@@ -129,10 +130,15 @@ def describe_stack(frame: FrameType | None) -> str:
     if not own:
         return "an unknown place (the loop's thread has no Python frame)"
     shown = [own[0]] + own[1:][-SHOWN_FRAMES:]
-    text = [f"{f.f_code.co_qualname} ({_short(f.f_code.co_filename)}:{f.f_lineno})" for f in shown]
+    text = [f"{_code_name(f.f_code)} ({_short(f.f_code.co_filename)}:{f.f_lineno})" for f in shown]
     if len(own) - 1 > SHOWN_FRAMES:
         text.insert(1, "...")
     return " > ".join(text)
+
+
+def _code_name(code: CodeType) -> str:
+    """``Class.method`` where Python keeps it (3.11+: ``co_qualname``), else the bare name (3.10)."""
+    return getattr(code, "co_qualname", code.co_name)
 
 
 def _machinery(frame: FrameType) -> bool:

@@ -48,7 +48,7 @@ def resolve(host: str) -> str:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise OSError(f"cannot resolve host {host!r}: {e}") from None
-    return infos[0][4][0]
+    return str(infos[0][4][0])  # an address: str (the stub allows the int of an AF_CAN one)
 
 
 def is_wildcard(host: str) -> bool:

@@ -56,7 +56,7 @@ def place(
         if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < nnodes:
             raise ValueError(f"node must be an int in 0..{nnodes - 1}, not {node!r}")
         if node not in pools:  # lost, or (an elastic cluster) not joined yet
-            known = cluster.nodes.get(node)
+            known = cluster.nodes.get(node) if cluster is not None else None
             why = (
                 "has not joined the cluster"
                 if known is None

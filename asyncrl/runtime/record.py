@@ -132,7 +132,7 @@ class ActorRecord:
         """The client of the running incarnation, waiting (bounded) through a start or restart."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.state is ActorState.RUNNING:
+            if self.state is ActorState.RUNNING and self.client is not None:  # a running one has its client
                 return self.client
             if self.state.final:
                 raise self.error or ActorDiedError(self.name, self.state.value)

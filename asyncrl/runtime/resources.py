@@ -90,6 +90,13 @@ class SupervisorResources:
             raise
 
     @property
+    def context(self) -> zmq.Context:
+        """The ZeroMQ context the constructor made (``ctx`` is None only before that, or once closed)."""
+        if self.ctx is None:
+            raise RuntimeError("the supervisor's resources are closed")
+        return self.ctx
+
+    @property
     def rejected(self) -> int:
         """Connections refused by authentication so far (0 when nothing listens on TCP)."""
         return self.gate.rejected if self.gate is not None else 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -124,14 +125,15 @@ class ActorServer:
                 result = spec.invoke(method, args)
             except Exception as e:
                 return self._send(ident, _failure(msg.id, e))
-            return self._reply(ident, msg.id, spec, result)
+            self._reply(ident, msg.id, spec, result)
+            return
         if spec.is_stream:
             coro = self._run_stream(ident, msg.id, spec, spec.invoke(method, args))
         else:
             coro = self._run_call(ident, msg.id, spec, method, args)
         task = asyncio.ensure_future(coro)
         self._tasks[key] = task
-        task.add_done_callback(lambda _t, key=key: self._tasks.pop(key, None))
+        task.add_done_callback(lambda _t: self._tasks.pop(key, None))
 
     # --- running -----------------------------------------------------------------------------
 
@@ -184,7 +186,7 @@ class ActorServer:
             await agen.aclose()
         self._send(ident, wire.StreamEnd(call_id))
 
-    def _send(self, ident: bytes, msg: Any, bufs: list = ()) -> None:
+    def _send(self, ident: bytes, msg: Any, bufs: Sequence[Any] = ()) -> None:
         body = self._body.encode(msg)
         size = len(body) + frames_nbytes(bufs) if bufs else len(body)
         if size > self.max_message_bytes:

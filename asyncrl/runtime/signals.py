@@ -17,6 +17,8 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 received: list[int] = []
@@ -27,7 +29,7 @@ _stack: list[asyncio.Task] = []
 _cancelled: dict[asyncio.Task, int] = {}
 _stopping = False  # a signal began the shutdown of the tasks registered now: the next one forces
 _force_hooks: list[Callable[[], object]] = []
-_saved_handlers: dict[int, object] = {}
+_saved_handlers: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
 
 def _on_signal(signum: int) -> None:
@@ -44,7 +46,7 @@ def _on_signal(signum: int) -> None:
 
 def cancelled_by_signal(task: asyncio.Task | None) -> int | None:
     """The signal that cancelled ``task``, if one did."""
-    return _cancelled.get(task)
+    return _cancelled.get(task) if task is not None else None
 
 
 @contextlib.contextmanager

@@ -104,8 +104,10 @@ class Supervisor:
                 kind, offered(ids, cfg.nproc_per_node), where="node 0" if cfg.nnodes > 1 else "this host"
             )
             if cfg.nnodes > 1:
+                gate = self._resources.gate
+                assert gate is not None, "cluster_keys gives keys, so a gate, whenever nnodes > 1"
                 self._cluster = self._control.cluster = Cluster(
-                    self._resources.ctx, cfg, self._resources.gate, self._control.on_worker, self._control.on_remote_log
+                    self._resources.context, cfg, gate, self._control.on_worker, self._control.on_remote_log
                 )
             self._node_env = _node_env(cfg, self._cluster)
         except BaseException:
@@ -152,7 +154,8 @@ class Supervisor:
             if self._cluster is not None:
                 await self._cluster.close("the supervisor is shutting down", self.config.term_timeout_s + 5.0)
         except asyncio.CancelledError:
-            self._resources.kill_groups()
+            if self._resources is not None:  # made by start, which a running supervisor went through
+                self._resources.kill_groups()
             raise
         finally:
             self._state = "closed"
@@ -318,7 +321,7 @@ class Supervisor:
         if errors:
             await asyncio.gather(*(self.stop(h) for h in results if isinstance(h, ActorHandle)))
             raise errors[0]
-        return results
+        return [h for h in results if isinstance(h, ActorHandle)]  # all of them: no errors
 
     async def stop(self, handle: ActorHandle) -> None:
         """Stop one actor for good (no restart); its pending calls fail with ``ActorDiedError``."""

@@ -107,7 +107,7 @@ class LoopSocket:
         self._waiting = 0  # messages in all the queues
         self._retry: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = int(sock.getsockopt(zmq.FD))  # int(): the stub allows any option's type
         self._drain_scheduled = False
         self._closed = False
         self._loop.add_reader(self._fd, self._drain)
@@ -123,7 +123,7 @@ class LoopSocket:
         sock = self.sock
         try:
             while not self._closed:
-                events = sock.getsockopt(zmq.EVENTS)
+                events = int(sock.getsockopt(zmq.EVENTS))
                 if self._queues and events & zmq.POLLOUT:
                     self._flush()
                 if not events & zmq.POLLIN:
@@ -152,7 +152,7 @@ class LoopSocket:
             except zmq.ZMQError as e:  # EHOSTUNREACH: the peer of a ROUTER is gone
                 self.dropped_sends += 1
                 log.debug("%s: message dropped: %s", self.name, e)
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._schedule_drain()
 
     @property
@@ -173,7 +173,7 @@ class LoopSocket:
             sent = True
         except zmq.ZMQError:
             sent = False
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._schedule_drain()
         return sent
 

@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import traceback
+from typing import Any
 
 import msgspec
 import zmq
@@ -134,12 +135,14 @@ def load_class(init: wire.Init) -> type:
         if module is None:
             sys.path.insert(0, os.path.dirname(init.script))
             spec = importlib.util.spec_from_file_location(SCRIPT_MODULE, init.script)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load the driver script {init.script!r} as a module")
             module = importlib.util.module_from_spec(spec)
             sys.modules[SCRIPT_MODULE] = module
             spec.loader.exec_module(module)
     else:
         module = importlib.import_module(init.module)
-    obj = module
+    obj: Any = module
     for part in init.qualname.split("."):
         obj = getattr(obj, part)
     return obj

@@ -54,7 +54,8 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
     from asyncrl.rl.tasks.loading import load_task
 
     task, log = load_task(config.task_spec()), scope.log  # loaded (and its data read) by check_run already: cached
-    candidates, damaged = list_checkpoints(scope.run_dir), []
+    candidates = list_checkpoints(scope.run_dir)
+    damaged: list[Checkpoint] = []
     checkpoint = await _checkpoint_to_resume(config, scope, candidates, damaged) if resume else None
     if checkpoint is None:
         scope.commit(None)

@@ -98,7 +98,7 @@ async def evaluate(
     shown(progress)
     ticker = asyncio.ensure_future(progress.run())
     try:
-        if samplers:
+        if members is not None and samplers:
             try:
                 async with timeout(t):
                     parts += await solve_on_samplers(
@@ -140,10 +140,12 @@ async def evaluate(
         shown(None)
     log(progress.end_line())
     out = heldout_answer(parts, samples)
-    for line in heldout_failures_lines(out.pop("failures", {})):
+    failures = out.pop("failures", {})
+    for line in heldout_failures_lines(failures if isinstance(failures, dict) else {}):
         log(line)
-    extra = {f"heldout/{k}": v for k, v in out.items() if "/" in k}
-    return Evaluated({k: v for k, v in out.items() if "/" not in k}, extra, progress.seconds())
+    rates = {k: v for k, v in out.items() if not isinstance(v, dict)}  # all of them, "failures" popped
+    extra = {f"heldout/{k}": v for k, v in rates.items() if "/" in k}
+    return Evaluated({k: v for k, v in rates.items() if "/" not in k}, extra, progress.seconds())
 
 
 async def save_best(

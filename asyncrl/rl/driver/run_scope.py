@@ -90,7 +90,7 @@ class RunScope:
         return _scaler_of(self.driver).request(args)
 
     def endpoints(self, args: Any) -> Any:
-        return sampler_endpoints(self.driver and self.driver.pool.membership, args)
+        return sampler_endpoints(self.driver.pool.membership if self.driver is not None else None, args)
 
     def commit(self, checkpoint: Checkpoint | None) -> None:
         """The run is known to start (fresh) or to resume (the trainer loaded the checkpoint):

@@ -15,12 +15,18 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import CheckpointWriteError, write_reason
 from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.driver.faults import RunStoppedError, trainer_phase
 from asyncrl.rl.driver.run_state import RunState
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+def _message(error: CheckpointWriteError) -> str:
+    """The trainer's one line, without the remote call's prefix (one raised here has no prefix)."""
+    return error.remote_message if isinstance(error, RemoteError) else str(error)
 
 
 class RunDirError(RunStoppedError):
@@ -50,7 +56,7 @@ async def save_policy(
             phase, "checkpoint_timeout_s", t, trainer.with_timeout(t).save(path, extra_files or {})
         )
     except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
-        raise RunDirError(exc.remote_message) from None
+        raise RunDirError(_message(exc)) from None
 
 
 async def save_checkpoint(
@@ -78,7 +84,7 @@ async def save_checkpoint(
     try:
         return await asyncio.shield(call)
     except CheckpointWriteError as exc:  # a full disk: one line, the run's own error (others are bugs: as they are)
-        raise RunDirError(exc.remote_message) from None
+        raise RunDirError(_message(exc)) from None
     except asyncio.CancelledError:
         # A stop (Ctrl-C) during the write: let it finish (bounded by its deadline), so the
         # resume hint names the checkpoint that will really be resumed. A second signal

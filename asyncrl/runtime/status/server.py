@@ -133,9 +133,9 @@ class StatusServer:
 
     def _publish(self) -> None:
         """Write supervisor.json by rename, so a reader sees the old file, none, or all of ours."""
-        record = SupervisorFile(
-            os.getpid(), proc_stat(os.getpid())[1], socket.gethostname(), self.address, self.started_at
-        )
+        mine = proc_stat(os.getpid())  # our own process: always there
+        start_ticks = mine[1] if mine is not None else 0
+        record = SupervisorFile(os.getpid(), start_ticks, socket.gethostname(), self.address, self.started_at)
         data = msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
         write_atomic(self.path, data)
         self._written.append(data)
@@ -197,7 +197,7 @@ class StatusServer:
         except Exception as e:  # a bug of ours must not stop the server: say it to the caller
             return self._refuse(route, type(e).__name__, str(e))
         self.requests += 1
-        self._sock.send([route, reply], copy=True)
+        self._send(route, reply)
 
     def _command(self, route: bytes, request: CommandRequest) -> None:
         handler = self._commands.get(request.name)
@@ -236,11 +236,15 @@ class StatusServer:
         except Exception as e:  # a bug of ours must not stop the server: say it to the caller
             return self._refuse(route, type(e).__name__, f"{name} failed: {e}")
         self.requests += 1
-        self._sock.send([route, reply], copy=True)
+        self._send(route, reply)
+
+    def _send(self, route: bytes, reply: bytes) -> None:
+        if self._sock is not None:  # the requests come from it: it exists while one is answered
+            self._sock.send([route, reply], copy=True)
 
     def _refuse(self, route: bytes, type_name: str, message: str) -> None:
         self.refused += 1
-        self._sock.send([route, self._encoder.encode(StatusFailure(type_name, message))], copy=True)
+        self._send(route, self._encoder.encode(StatusFailure(type_name, message)))
 
     def snapshot(self) -> StatusReply:
         """What a request is answered with, now."""

@@ -83,8 +83,9 @@ async def call_all(
         for i, future in enumerate(calls):
 
             def done(future: asyncio.Future, i: int = i) -> None:
-                if not future.cancelled() and isinstance(future.exception(), ActorDiedError):
-                    died(i, future.exception())
+                error = None if future.cancelled() else future.exception()
+                if isinstance(error, ActorDiedError):
+                    died(i, error)
 
             future.add_done_callback(done)
     results = await asyncio.gather(*calls, return_exceptions=True)

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeGuard
 
 from asyncrl.errors import AsyncrlError, RemoteError
 from asyncrl.rl.driver.faults import TaskFailedError
@@ -114,7 +115,7 @@ async def solve_on_samplers(
     return parts
 
 
-def _task_failed(error: BaseException) -> bool:
+def _task_failed(error: BaseException) -> TypeGuard[RemoteError]:
     return isinstance(error, RemoteError) and isinstance(error, TaskFailureError)
 
 

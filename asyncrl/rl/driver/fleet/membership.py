@@ -22,7 +22,7 @@ import enum
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from asyncrl.errors import ActorDiedError
 from asyncrl.rl.checkpoint import SamplerDataState
@@ -134,7 +134,8 @@ class Membership:
         is the one that joins. Returns the positions the members that are up must take."""
         starts = []
         for m in self.members:
-            state = data[m.index] if m.index < len(data) and data[m.index] is not None else SamplerDataState(m.seed, 0)
+            saved = data[m.index] if m.index < len(data) else None
+            state = saved if saved is not None else SamplerDataState(m.seed, 0)
             m.walk_base = state.drawn
             if m.state is not MemberState.GONE:  # one that never came up keeps the run's place
                 m.incarnation = m.handle.info().incarnation
@@ -173,10 +174,38 @@ class Membership:
         """No sampler can join the group: the trainer stays alone until a replacement is up."""
         self.dirty = False
 
+    # Without ``whole`` the call is always made (answers, never None); without ``lead`` every
+    # call goes to a member (never None).
+    @overload
+    async def call_all(
+        self,
+        group: list[Member],
+        call: Callable[[Any, Member], Awaitable[Any]],
+        *,
+        timeout_s: float,
+        what: str,
+        whole: Literal[False] = False,
+        lead: None = None,
+        judge_lead: None = None,
+        spare: Callable[[BaseException], bool] | None = None,
+    ) -> Answers: ...
+    @overload
     async def call_all(
         self,
         group: list[Member],
         call: Callable[[Any, Member | None], Awaitable[Any]],
+        *,
+        timeout_s: float,
+        what: str,
+        whole: bool = False,
+        lead: Any = None,
+        judge_lead: Callable[[Any], None] | None = None,
+        spare: Callable[[BaseException], bool] | None = None,
+    ) -> Answers | None: ...
+    async def call_all(
+        self,
+        group: list[Member],
+        call: Callable[[Any, Any], Awaitable[Any]],
         *,
         timeout_s: float,
         what: str,

@@ -220,8 +220,9 @@ class SamplerPool:
             pumps = {m: self.membership.spawn(self.pumps.run(m, per, fresh)) for m in live}
             await asyncio.wait(pumps.values())
             for m, task in pumps.items():
-                if task.exception() is not None:
-                    self._pump_failed(m, task.exception())
+                error = task.exception()
+                if error is not None:
+                    self._pump_failed(m, error)
 
     async def sync(self, version: int) -> SyncPhases:
         """Send ``version`` to every sampler in the group, rebuilding it first or after a
@@ -241,7 +242,8 @@ class SamplerPool:
         if self.membership.dirty or candidates or not await self.sync_group.send(version, joined):
             await self.sync_group.rebuild(version)
         self._synced(version)
-        trainer, samplers = self.sync_group.last or (None, [])
+        last: tuple[Any, list[Any]] = self.sync_group.last or (None, [])
+        trainer, samplers = last
         return sync_record(time.monotonic() - start, trainer, samplers)
 
     async def verify_weights(self) -> dict[str, str]:
@@ -344,8 +346,9 @@ class SamplerPool:
     def _reap_pumps(self) -> None:
         for m in self.members:
             task = self.membership.take_ended_pump(m) if m.in_group else None
-            if task is not None and not task.cancelled() and task.exception() is not None:
-                self._pump_failed(m, task.exception())
+            error = task.exception() if task is not None and not task.cancelled() else None
+            if error is not None:
+                self._pump_failed(m, error)
 
     def _pump_failed(self, m: Member, exc: BaseException) -> None:
         if isinstance(exc, (QueueTimeoutError, QueueClosedError, PacingTimeoutError)):

@@ -66,9 +66,9 @@ class Pumps:
         if max_groups or self.pacer is None:
             await self._stream(m, max_groups, accepted)
         else:
-            await self._paced_streams(m)
+            await self._paced_streams(m, self.pacer)
 
-    async def _paced_streams(self, m: Member) -> None:
+    async def _paced_streams(self, m: Member, pacer: Pacer) -> None:
         """``self.streams`` paced streams of ``m`` at once, so its engine holds that many batches
         (a GPU engine makes more sequences at once at little extra cost a step). Each loops: credit
         for a batch, the batch's stream, the unused credit back. They queue their groups in grant
@@ -76,7 +76,8 @@ class Pumps:
         ends the pump with its error, its siblings cancelled (their credit given back)."""
         turn = [_ended()]  # the latest grant's end: the next grant queues after it
         streams = [
-            self.membership.spawn(self._paced_stream(m, turn), f"paced stream of {m.name}") for _ in range(self.streams)
+            self.membership.spawn(self._paced_stream(m, pacer, turn), f"paced stream of {m.name}")
+            for _ in range(self.streams)
         ]
         try:
             done, _ = await asyncio.wait(streams, return_when=asyncio.FIRST_COMPLETED)  # each ends only by an error
@@ -84,18 +85,20 @@ class Pumps:
             for stream in streams:
                 stream.cancel()
             await asyncio.wait(streams)  # their finally blocks give the credit back at once
-        raise next(iter(done)).exception()  # a sibling's own failure is retrieved by `Membership.spawn`
+        error = next(iter(done)).exception()  # a sibling's own failure is retrieved by `Membership.spawn`
+        assert error is not None, "a paced stream ends only by an error"
+        raise error
 
-    async def _paced_stream(self, m: Member, turn: list[asyncio.Event]) -> None:
+    async def _paced_stream(self, m: Member, pacer: Pacer, turn: list[asyncio.Event]) -> None:
         while True:
-            credit = [await self.pacer.acquire(self.batch_groups, self._put_timeout_s(), m.name)]
+            credit = [await pacer.acquire(self.batch_groups, self._put_timeout_s(), m.name)]
             before, turn[0] = turn[0], asyncio.Event()  # no await since the grant: grant order
             mine = turn[0]
             try:
                 await self._stream(m, credit[0], None, credit, before)
             finally:
                 mine.set()
-                self.pacer.give_back(credit[0])  # what the stream did not deliver (it failed, or was cut)
+                pacer.give_back(credit[0])  # what the stream did not deliver (it failed, or was cut)
 
     async def _stream(
         self,
@@ -131,7 +134,8 @@ class Pumps:
             finally:
                 if credit is not None:
                     credit[0] -= 1
-                    self.pacer.delivered()
+                    if self.pacer is not None:  # where the credit came from
+                        self.pacer.delivered()
 
     async def _turn(self, m: Member, before: asyncio.Event, timeout_s: float) -> None:
         """Wait for ``m``'s earlier paced stream to end. A group queued ahead of an earlier grant's

@@ -104,8 +104,9 @@ async def _all_or_first_error(tasks: list[asyncio.Future]) -> list[Any]:
         if pending:
             await asyncio.wait(pending, timeout=CANCEL_S)
     for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()
+        failure = t.exception() if t.done() and not t.cancelled() else None
+        if failure is not None:
+            raise failure
     return [t.result() for t in tasks]
 
 

@@ -186,7 +186,7 @@ class Scaler:
             "scale_requested", "", f"{now} -> {n} sampler(s), applied at the next sync", samplers=active, target=n
         )
         self.log(f"scale: {now} -> {n} sampler(s) asked; applied at the next weight sync")
-        self._start_missing()  # now: a start takes long, and the driver may wait for a batch meanwhile
+        self._start_missing(n)  # now: a start takes long, and the driver may wait for a batch meanwhile
         return {
             "samplers": active,
             "running": running,
@@ -205,12 +205,12 @@ class Scaler:
         self._drain_leaving_nodes()
         if self.target is None:
             return
-        self._start_missing()
+        self._start_missing(self.target)
         if self.target < self.active():
             self._drain(self.active() - self.target)
 
-    def _start_missing(self) -> None:
-        for _ in range(self.target - self.active()):
+    def _start_missing(self, target: int) -> None:
+        for _ in range(target - self.active()):
             self._start(self.next_index)
             self.next_index += 1
 
@@ -263,13 +263,14 @@ class Scaler:
             if not task.done():
                 continue
             del self.starting[index]
-            handle = None if task.cancelled() or task.exception() is not None else task.result()
+            error = None if task.cancelled() else task.exception()
+            handle = None if task.cancelled() or error is not None else task.result()
             if handle is not None and not handle.info().state.final:
                 self.pool.membership.add(handle, self.seed_of(index))
                 continue
             why = (
-                first_line(task.exception())
-                if not task.cancelled() and task.exception() is not None
+                first_line(error)
+                if error is not None
                 else first_line(handle.info().error or handle.info().state)
                 if handle is not None
                 else "cancelled"
@@ -325,8 +326,9 @@ class Scaler:
 
     def _ended(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and task not in self.starting.values():
-            self.log(f"scale: {task.get_name()} failed: {first_line(task.exception())}")
+        error = None if task.cancelled() else task.exception()
+        if error is not None and task not in self.starting.values():
+            self.log(f"scale: {task.get_name()} failed: {first_line(error)}")
 
 
 def scale(run_dir: str, samplers: int, timeout_s: float = 5.0, force: bool = False) -> dict[str, Any]:

@@ -178,7 +178,7 @@ class SyncGroup:
             backend=self.backend,
             timeout_s=t,
         )
-        rank = {m: r for r, m in enumerate(group, start=1)}  # the trainer is rank 0
+        rank: dict[Member | None, int] = {m: r for r, m in enumerate(group, start=1)}  # the trainer (None): 0
         answers = await self._group_call(
             group,
             lambda h, m: h.sync_join(address, rank.get(m, 0)),

@@ -205,12 +205,13 @@ async def spawn_trainer_ranks(
             *(sup.stop(h) for h in spawned if not isinstance(h, BaseException)), return_exceptions=True
         )
         raise failed[0]
+    ranks = [h for h in spawned if not isinstance(h, BaseException)]  # all of them: none failed
     if world_size == 1:
-        return TrainerRanks(spawned)
-    host = host or node_address(sup, spawned[0])
-    port = await spawned[0].with_timeout(timeout_s).rank_listen(host)
+        return TrainerRanks(ranks)
+    host = host or node_address(sup, ranks[0])
+    port = await ranks[0].with_timeout(timeout_s).rank_listen(host)
     joins = [
-        h.with_timeout(timeout_s + 10).rank_join(host, port, r, world_size, timeout_s) for r, h in enumerate(spawned)
+        h.with_timeout(timeout_s + 10).rank_join(host, port, r, world_size, timeout_s) for r, h in enumerate(ranks)
     ]
     await join_all(joins, timeout_s + 15, what="form the trainer group")
-    return TrainerRanks(spawned)
+    return TrainerRanks(ranks)
