@@ -230,8 +230,8 @@ def vllm_processes_below(pid: int) -> list[int]:
 async def measure_actor(backend: str, model_path: str, args: argparse.Namespace) -> list[dict]:
     from asyncrl.rl.config.run import DataConfig
     from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.generation import SamplingParams
     from asyncrl.rl.sampler.actor import SamplerActor
-    from asyncrl.rl.sampler.backend import SamplingParams
 
     env = process_env(args)
     cuda = args.device == "cuda"
@@ -389,8 +389,8 @@ def bare_llm(engine: dict, model_path: str, args: argparse.Namespace) -> None:
 
 
 async def async_child(backend: str, engine: dict, model_path: str, args: argparse.Namespace) -> None:
+    from asyncrl.rl.generation import SamplingParams
     from asyncrl.rl.model.policy import load_prompt_format
-    from asyncrl.rl.sampler.backend import SamplingParams
     from asyncrl.rl.sampler.vllm import compat
     from asyncrl.rl.sampler.vllm.backend import VLLMBackend
 

@@ -209,9 +209,8 @@ def test_help_lists_every_key_and_a_bad_key_is_a_clear_error(tmp_path):
     ],
 )
 def test_a_heldout_set_the_warm_start_may_have_seen_is_refused(overrides, message):
-    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.grpo import GRPOConfig, check_heldout_unseen
     from asyncrl.rl.config.parse import ConfigError, parse_overrides
-    from asyncrl.rl.driver.preflight import check_heldout_unseen
 
     check_heldout_unseen(GRPOConfig())  # the defaults are fine
     with pytest.raises(ConfigError, match=message):

@@ -17,9 +17,10 @@ from asyncrl.comm.member import SyncMember, form_group
 from asyncrl.comm.weights import WeightSender
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
+from asyncrl.rl.generation import SamplingParams
 from asyncrl.rl.rollout import validate_group
 from asyncrl.rl.sampler.actor import SamplerActor
-from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerTimeoutError, SamplingParams
+from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerTimeoutError
 from conftest import wait_until
 from sampler_support import HOST, N_HELDOUT, N_TRAIN, ONE_THREAD, recomputed, until_generating, write_tiny
 

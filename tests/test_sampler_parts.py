@@ -8,7 +8,9 @@ import socket
 
 import pytest
 
-from asyncrl.rl.sampler.backend import Completion, SamplerError, SamplerSyncStats, SamplingParams, WeightSink
+from asyncrl.rl.generation import Completion, SamplingParams
+from asyncrl.rl.sampler.backend import SamplerSyncStats, WeightSink
+from asyncrl.rl.sampler.errors import SamplerError
 from asyncrl.rl.sampler.generation import GatedGeneration
 from asyncrl.rl.sampler.weight_receiving import WeightReceiving
 from asyncrl.runtime.timeouts import timeout

@@ -27,8 +27,8 @@ from asyncrl.comm.member import form_group
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.driver.fleet.sync_group import suffered_from_peer
+from asyncrl.rl.generation import SamplingParams
 from asyncrl.rl.sampler.actor import SamplerActor
-from asyncrl.rl.sampler.backend import SamplingParams
 from conftest import descendants, kill_all, orphaned_shm, process_alive, shm_names, wait_until
 from sampler_support import HOST, N_HELDOUT, N_TRAIN, until_generating
 from vllm_support import SYNC_BACKEND, VLLM_ENV, StatePusher, engine_options, needs_two_devices, repeat_abs, state_files

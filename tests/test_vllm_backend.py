@@ -19,7 +19,7 @@ import torch
 from asyncrl import Supervisor
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.rendezvous import join_all
-from asyncrl.rl.sampler.backend import SamplingParams
+from asyncrl.rl.generation import SamplingParams
 from asyncrl.rl.tasks.base import as_prompt
 from asyncrl.rl.tasks.episodes import EpisodeRunner
 from asyncrl.rl.tasks.scoring import UserCalls

@@ -47,7 +47,3 @@ class SyncStats(msgspec.Struct, frozen=True):
     """-1: not counted (a peer without delta syncs); in a full sync `bytes` and the alignment
     padding between tensors in a bucket."""
     changed: float = -1.0
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9) / (1 << 30)

@@ -103,6 +103,3 @@ class SupervisorConfig:
                 raise ValueError(f"{ENV_PREFIX + f.name.upper()}={text!r} is not a valid {kind.__name__}") from None
         values.update(overrides)
         return cls(**values)
-
-    def to_env(self) -> dict[str, str]:
-        return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -63,7 +63,3 @@ def tcp_endpoint(host: str, port: int | str) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
-
-
-def is_tcp(endpoint: str) -> bool:
-    return endpoint.startswith("tcp://")

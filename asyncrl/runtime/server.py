@@ -65,10 +65,6 @@ class ActorServer:
         self._payload = PayloadEncoder()
         self.sock = LoopSocket(sock, self._dispatch, f"actor {name}")
 
-    @property
-    def undeliverable_replies(self) -> int:
-        return self.sock.dropped_sends
-
     # --- receiving ---------------------------------------------------------------------------
 
     def _dispatch(self, frames: list) -> None:

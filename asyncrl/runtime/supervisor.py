@@ -51,7 +51,7 @@ from asyncrl.runtime.status import StatusServer
 
 log = logging.getLogger("asyncrl.supervisor")
 
-__all__ = ["ActorStatus", "Supervisor"]  # ActorStatus: still importable from here, as it always was
+__all__ = ["Supervisor"]
 
 
 class Supervisor:

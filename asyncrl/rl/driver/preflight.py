@@ -26,7 +26,6 @@ import tempfile
 import time
 from typing import Any
 
-from asyncrl.rl.config.grpo import check_heldout_unseen  # noqa: F401 (callers' name for GRPOConfig's rule)
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.tasks.agent import Agent

@@ -119,7 +119,7 @@ def result_text(result: dict[str, Any]) -> str:
 def _engine(engine: str, device: Any) -> str:
     """hf or vllm: ``engine`` as asked (vllm where it cannot run is a one-line error naming why);
     auto is vLLM on a GPU where it is installed, else hf (on the CPU, hf: the trainer's numbers)."""
-    from asyncrl.rl.sampler.backend import SamplerError
+    from asyncrl.rl.sampler.errors import SamplerError
     from asyncrl.rl.sampler.factory import choose_backend
 
     if engine == "hf" or (engine == "auto" and device.type != "cuda"):

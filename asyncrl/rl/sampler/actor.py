@@ -41,10 +41,11 @@ from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
+from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.model.heldout import HeldoutSet
 from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.sampler.backend import Completion, SamplerSyncStats, SamplingParams
+from asyncrl.rl.sampler.backend import SamplerSyncStats
 from asyncrl.rl.sampler.factory import choose_backend, make_backend
 from asyncrl.rl.sampler.generation import GatedGeneration
 from asyncrl.rl.sampler.groups import rollout_group

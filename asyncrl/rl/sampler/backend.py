@@ -19,8 +19,8 @@ import msgspec
 import torch
 
 from asyncrl.comm.weights import SyncStats
-from asyncrl.rl.generation import Completion, SamplingParams, row_seed  # noqa: F401 (re-exported: the backends and callers import them from here)
-from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerError, SamplerTimeoutError  # noqa: F401 (re-exported, as above)
+from asyncrl.rl.generation import Completion, SamplingParams
+from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerTimeoutError
 from asyncrl.runtime.timeouts import timeout
 
 if TYPE_CHECKING:

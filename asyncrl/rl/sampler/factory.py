@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrl.rl.sampler.backend import SamplerBackend, SamplerError
+from asyncrl.rl.sampler.backend import SamplerBackend
+from asyncrl.rl.sampler.errors import SamplerError
 
 if TYPE_CHECKING:
     from asyncrl.rl.config.trainer import LoRAConfig

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 
-from asyncrl.rl.sampler.backend import Completion, Progress, SamplerBackend, SamplingParams
+from asyncrl.rl.generation import Completion, SamplingParams
+from asyncrl.rl.sampler.backend import Progress, SamplerBackend
 from asyncrl.rl.sampler.weight_receiving import WeightReceiving
 
 

@@ -27,17 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncrl.rl.generation import Completion, SamplingParams, row_seed
 from asyncrl.rl.model.sampling import sampling_logprobs
-from asyncrl.rl.sampler.backend import (
-    Completion,
-    PausableBackend,
-    Progress,
-    SamplerClosedError,
-    SamplerTimeoutError,
-    SamplingParams,
-    WeightSink,
-    row_seed,
-)
+from asyncrl.rl.sampler.backend import PausableBackend, Progress, WeightSink
+from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerTimeoutError
 from asyncrl.rl.sampler.sink import ActorSink
 
 if TYPE_CHECKING:

@@ -16,7 +16,8 @@ import torch
 
 from asyncrl.comm.communicator import Communicator
 from asyncrl.rl.digest import tensor_digest
-from asyncrl.rl.sampler.backend import SamplerError, SamplerSyncStats, WeightSink
+from asyncrl.rl.sampler.backend import SamplerSyncStats, WeightSink
+from asyncrl.rl.sampler.errors import SamplerError
 
 if TYPE_CHECKING:
     from asyncrl.comm.address import SyncAddress

@@ -18,7 +18,8 @@ import msgspec
 
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.member import SyncSeat
-from asyncrl.rl.sampler.backend import SamplerError, SamplerSyncStats, SamplerTimeoutError, WeightSink
+from asyncrl.rl.sampler.backend import SamplerSyncStats, WeightSink
+from asyncrl.rl.sampler.errors import SamplerError, SamplerTimeoutError
 from asyncrl.runtime.timeouts import timeout
 
 

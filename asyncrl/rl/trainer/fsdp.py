@@ -81,12 +81,6 @@ def _route_forward(root: torch.nn.Module) -> None:
     setattr(root, ROUTED_FORWARD, True)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (sharded) DTensor parameter, gathered from every rank (a collective:
     every rank calls it for the same tensors in the same order); a plain tensor as it is."""

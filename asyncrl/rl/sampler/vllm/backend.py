@@ -34,15 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrl.rl.sampler.backend import (
-    Completion,
-    PausableBackend,
-    Progress,
-    SamplerError,
-    SamplingParams,
-    WeightSink,
-    row_seed,
-)
+from asyncrl.rl.generation import Completion, SamplingParams, row_seed
+from asyncrl.rl.sampler.backend import PausableBackend, Progress, WeightSink
+from asyncrl.rl.sampler.errors import SamplerError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options, lora_dtype_refusal
 from asyncrl.rl.sampler.vllm.engine_exit import STARTER

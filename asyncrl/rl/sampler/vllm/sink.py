@@ -18,7 +18,8 @@ import torch
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.errors import COMM_ERRORS_BY_PATH, CommError, RendezvousError, RendezvousTimeoutError
 from asyncrl.comm.weights import SyncStats
-from asyncrl.rl.sampler.backend import SamplerClosedError, SamplerError, SamplerSyncStats, WeightSink
+from asyncrl.rl.sampler.backend import SamplerSyncStats, WeightSink
+from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerError
 from asyncrl.runtime.timeouts import timeout
 
 ANSWER_GRACE_S = 10.0
