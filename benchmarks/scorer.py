@@ -10,7 +10,7 @@ checkpoint of ``--shape`` (``benchmarks/packing.py``'s models), asked for the te
 lengths) by ``--callers`` concurrent callers (a run's samplers: one per sampler pump). tokens/s
 counts prompt and completion tokens scored; passes says how many forwards the requests shared.
 
-Step cost: the trainer's ``_train_step`` (in this process, one thread) on one batch of
+Step cost: the trainer's ``train_share`` (in this process, one thread) on one batch of
 ``--prompts`` such groups, with ``distill_coef`` 0 and 1 (the teacher's log-probs given): the
 median ``train_s`` of ``--steps`` steps each. It does not count what a run pays besides (the
 scorer's process competing for the cores, the wait for a group's scores in the pump).
@@ -138,7 +138,7 @@ def step_seconds(path: str, device: str, batch: list, coef: float, steps: int) -
 
     torch.set_num_threads(1)
     trainer = TrainerActor(path, TrainerConfig(loss=GRPOLossConfig(distill_coef=coef)), device=device)
-    times = [trainer._train_step(batch).train_s for _ in range(steps + 1)][1:]  # the first: warm-up
+    times = [trainer.train_share(batch).train_s for _ in range(steps + 1)][1:]  # the first: warm-up
     return statistics.median(times)
 
 

@@ -113,7 +113,7 @@ def run_mode(args) -> dict:
 
         trainer.policy.shard()
         trainer.ranks.parallel = Sharded(group, trainer.device)  # what `rank_join` does: the same step, sharded
-    step = trainer._train_step
+    step = trainer.train_share
     batch = make_batch(SHAPES[args.shape]["vocab_size"], args.groups, args.group_size, args.prompt, args.completion)
     times, peaks = [], []
     for i in range(args.warmup + args.steps):

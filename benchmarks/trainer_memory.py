@@ -6,7 +6,7 @@
     python benchmarks/trainer_memory.py --shape 7b --lora-rank 16 --paths fused
     python benchmarks/trainer_memory.py --shape 0.5b --micro-batch-tokens 0 --paths fused --compile both --profile
 
-A step is the trainer's whole ``_train_step`` (micro-batching, forward, backward, AdamW) on
+A step is the trainer's whole ``train_share`` (micro-batching, forward, backward, AdamW) on
 ``--prompts`` groups of ``--group-size`` completions of ``--completion`` tokens after a Countdown
 prompt (~60 tokens): GRPO's default step on a real model. The model is a random Qwen2 of the shape
 (`sampler_backends.make_model`), loaded as the trainer loads it (fp32 parameters, bf16 autocast;
@@ -74,15 +74,15 @@ def run(
         torch.cuda.reset_peak_memory_stats()
     trainer = TrainerActor(path, config, device=device)
     if path_kind == "full":
-        trainer._fallback_reason = lambda: "benchmark: full logits"
+        trainer.fallback_reason = lambda: "benchmark: full logits"
     times, metrics, error = [], None, ""
     try:
         for i in range(warmup + steps):
-            metrics = trainer._train_step(batch)
+            metrics = trainer.train_share(batch)
             if i >= warmup:
                 times.append(metrics.train_s)
         if profile and times:
-            print_profile(functools.partial(trainer._train_step, batch), cuda)
+            print_profile(functools.partial(trainer.train_share, batch), cuda)
     except Exception as exc:  # a configuration that does not fit is a row, not the end of the table
         error = str(exc).splitlines()[0][:100]
     row = {

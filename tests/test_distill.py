@@ -131,7 +131,7 @@ async def distilled(student_path: str, teacher_path: str, top_k: int, steps: int
         generator, annotate, metrics = torch.Generator().manual_seed(seed), with_topk if top_k else with_logprobs, []
         for _ in range(steps):
             groups = [await annotate(scorer, g) for g in sampled_groups(trainer.model, generator)]
-            metrics.append(trainer._train_step(groups))
+            metrics.append(trainer.train_share(groups))
         return trainer.model, metrics
     finally:
         await scorer.on_stop()
@@ -153,7 +153,7 @@ async def test_a_teacher_that_knows_the_answers_pulls_the_student_toward_them(ch
     assert p_answer(toward) > before and p_answer(toward) > p_answer(away), moved
     # the same samples, no teacher term: no task reward either, so nothing moves
     plain = TrainerActor(checkpoints.student, TrainerConfig(lr=1e-3))
-    metrics = plain._train_step(sampled_groups(plain.model, torch.Generator().manual_seed(0)))
+    metrics = plain.train_share(sampled_groups(plain.model, torch.Generator().manual_seed(0)))
     assert metrics.grad_norm == 0.0 and p_answer(plain.model) == pytest.approx(before, abs=1e-7)
 
 

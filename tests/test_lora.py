@@ -43,7 +43,7 @@ def test_merged_sync_sends_the_base_models_tensors_with_the_adapters_merged(embe
     assert {k: (v.shape, v.dtype) for k, v in sent.items()} == {k: (v.shape, v.dtype) for k, v in base.items()}
     assert all(torch.equal(sent[k], base[k]) for k in base)  # fresh adapters (B = 0) change nothing
     assert len(t.optimizer.param_groups[0]["params"]) == 2 * 2 * 7  # A and B of 7 modules in 2 layers only
-    t._train_step(random_groups(seed=1))
+    t.train_share(random_groups(seed=1))
     sent = t.policy.weight_tensors()
     merged = dict(merged_copy(t.model).named_parameters())
     changed = {k for k in base if not torch.equal(sent[k], base[k])}
@@ -93,14 +93,14 @@ def test_a_resumed_lora_run_takes_the_same_step(embedded_path, tmp_path):
 
     first, second = random_groups(seed=1), random_groups(seed=2)
     a = trainer(embedded_path, dropout=0.1)
-    a._train_step(first)
+    a.train_share(first)
     path = asyncio.run(a.save_checkpoint(str(tmp_path), 1, 2, b"{}"))
     saved = set(os.listdir(os.path.join(path, "model")))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= saved and "model.safetensors" not in saved
-    a._train_step(second)
+    a.train_share(second)
     b = trainer(embedded_path, dropout=0.1)
     assert asyncio.run(b.load_checkpoint(list_checkpoints(str(tmp_path))[-1].path)) == 1
-    b._train_step(second)
+    b.train_share(second)
     want, got = adapter_tensors(a.model), adapter_tensors(b.model)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert not any(p.requires_grad for n, p in b.model.named_parameters() if n not in got)  # the base stays frozen
@@ -111,7 +111,7 @@ def test_the_final_export_is_a_merged_checkpoint_and_the_adapter(embedded_path, 
     from asyncrl.rl.model.policy import load_policy
 
     t = trainer(embedded_path)
-    t._train_step(random_groups(seed=1))
+    t.train_share(random_groups(seed=1))
     out = asyncio.run(t.save(str(tmp_path / "final")))
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     t.model.eval()
@@ -173,7 +173,7 @@ def test_lora_steps_move_the_policy_toward_the_rewarded_completions(embedded_pat
 
     before = margin()
     for _ in range(5):
-        t._train_step(groups)
+        t.train_share(groups)
     assert margin() > before + 0.1  # measured: 0.002 -> 0.224
     assert all(torch.equal(p, base[n]) for n, p in t.model.named_parameters() if n in base)
 
@@ -269,8 +269,8 @@ def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off_not_a_cop
     t = TrainerActor(embedded_path, TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4), loss=GRPOLossConfig(kl_coef=0.1)))
     assert t.policy.ref is None  # no second copy of the model
     groups = random_groups(seed=2, multi_turn=False)
-    assert t._train_step(groups).kl == pytest.approx(0.0, abs=1e-9)  # fresh adapters: the policy is the base
-    t._train_step(groups)
+    assert t.train_share(groups).kl == pytest.approx(0.0, abs=1e-9)  # fresh adapters: the policy is the base
+    t.train_share(groups)
     batch = micro_batches(groups, group_advantages([list(g.rewards) for g in groups], False), 1 << 20, t.device)[0]
     with torch.no_grad():
         with t.policy.reference() as reference:
@@ -281,4 +281,4 @@ def test_the_kl_reference_under_lora_is_the_base_with_the_adapters_off_not_a_cop
         expected = token_logprobs(policy_logits(base, batch), batch.input_ids)
     assert torch.allclose(ref, expected, atol=1e-5)
     assert (policy - expected).abs().max() > 1e-3  # the trained adapters move the policy away from it
-    assert t._train_step(groups).kl > 0
+    assert t.train_share(groups).kl > 0

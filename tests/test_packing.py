@@ -60,7 +60,7 @@ def gradients_of_a_step(
     trainer = TrainerActor(path, config)
     checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
     assert checkpointing == expect_checkpointing
-    metrics = trainer._train_step(groups)
+    metrics = trainer.train_share(groups)
     return metrics, [p.grad.detach().clone() for p in trainer.model.parameters() if p.grad is not None]
 
 

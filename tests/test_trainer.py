@@ -193,7 +193,7 @@ def test_a_trainer_step_neither_trains_on_nor_counts_environment_tokens(trainer)
             action_mask=[[1, 1, 0, 0, 1], [1, 1]],
         )
         before = [p.detach().clone() for p in trainer.model.parameters()]
-        metrics = trainer._train_step([g])
+        metrics = trainer.train_share([g])
         grads = [p.grad.detach().clone() for p in trainer.model.parameters() if p.grad is not None]
         with torch.no_grad():  # undo the step: the same start for the second call
             for p, b in zip(trainer.model.parameters(), before):
@@ -227,7 +227,7 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_clear_error_and_the_traine
 
     monkeypatch.setattr(trainer, "_accumulate", second_runs_out)
     with pytest.raises(TrainerMemoryError) as err:
-        trainer._train_step([g])
+        trainer.train_share([g])
     message = str(err.value)
     assert message.startswith("train step 1 ran out of cpu memory on a micro-batch of 1 x 5 tokens")
     assert "--trainer.micro_batch_tokens 8" in message and "--trainer.activation_checkpointing" in message
@@ -235,7 +235,7 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_clear_error_and_the_traine
     assert all(p.grad is None for p in trainer.model.parameters())
     assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before)) and trainer.steps == 0
     monkeypatch.setattr(trainer, "_accumulate", real)
-    assert trainer._train_step([g]).micro_batches == 2 and trainer.steps == 1
+    assert trainer.train_share([g]).micro_batches == 2 and trainer.steps == 1
 
 
 async def test_the_held_out_evaluation_solves_the_runs_held_out_split_and_leaves_the_policy_training(trainer):
@@ -280,7 +280,7 @@ def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):
         trainer.config = dataclasses.replace(
             trainer.config, loss=GRPOLossConfig(**loss), micro_batch_tokens=micro_batch_tokens
         )
-        metrics = trainer._train_step(GROUPS)
+        metrics = trainer.train_share(GROUPS)
         with torch.no_grad():  # the same weights for every call
             for p, b in zip(trainer.model.parameters(), before):
                 p.copy_(b)
@@ -297,9 +297,9 @@ def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):
         assert math.isfinite(m.loss) and m.grad_norm > 0, (policy_loss, m)
     even = [group(0, [5, 6], [[1, 2], [3, 3, 3, 3, 3, 3]], [1.0, 1.0])]
     trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig())
-    assert trainer._train_step(even).grad_norm == 0.0  # equal rewards: no signal
+    assert trainer.train_share(even).grad_norm == 0.0  # equal rewards: no signal
     trainer.config = dataclasses.replace(trainer.config, loss=GRPOLossConfig(overlong_buffer=4, overlong_max_tokens=6))
-    assert trainer._train_step(even).grad_norm > 0  # the 6-token completion is the worse one now
+    assert trainer.train_share(even).grad_norm > 0  # the 6-token completion is the worse one now
 
 
 # --- writing a directory whole (checkpoints, the final and best policies) -------------------------
@@ -471,10 +471,10 @@ def test_each_optimiser_step_takes_the_scheduled_rate_and_reports_it(trainer):
     )
     rates = []
     for _ in range(4):
-        metrics = trainer._train_step(GROUPS)
+        metrics = trainer.train_share(GROUPS)
         rates.append(metrics.lr)
         assert trainer.optimizer.param_groups[0]["lr"] == metrics.lr
     assert rates == pytest.approx([1e-2, 1e-2 * 2 / 3, 1e-2 / 3, 0.0])
     weights = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer._train_step(GROUPS)  # at the floor of 0 nothing moves (AdamW's decay is 0 here too)
+    trainer.train_share(GROUPS)  # at the floor of 0 nothing moves (AdamW's decay is 0 here too)
     assert all(torch.equal(a, b) for a, b in zip(weights, trainer.model.parameters()))

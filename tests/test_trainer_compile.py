@@ -139,11 +139,11 @@ def test_the_layers_compile_once_whatever_the_micro_batches_of_a_grpo_run(tmp_pa
             # a sequence longer than half the budget: a micro-batch of one row
             grpo_batch([8, 4], [[50, 3, 5], [2, 7, 4]]),
         ]
-        trainer._train_step(steps[0])
+        trainer.train_share(steps[0])
         first = len(graphs)
         assert first >= 1  # compiled at all
         for groups in steps[1:]:
-            metrics = trainer._train_step(groups)
+            metrics = trainer.train_share(groups)
             assert metrics.micro_batches >= 1
         assert len(graphs) == first
     finally:
@@ -170,10 +170,10 @@ def test_the_layers_compile_once_whatever_sizes_the_first_micro_batch_had(tmp_pa
     try:
         trainer = actor.TrainerActor(tiny_policy(tmp_path), TrainerConfig(compile=True, micro_batch_tokens=4096))
         assert trainer.model.config.hidden_size == 32
-        trainer._train_step(grpo_batch([10] * rows, [[length - 10] for _ in range(rows)]))
+        trainer.train_share(grpo_batch([10] * rows, [[length - 10] for _ in range(rows)]))
         first = len(graphs)
         assert first >= 1
-        trainer._train_step(grpo_batch([10, 10, 10], [[5, 17], [12, 30], [40, 3]]))
+        trainer.train_share(grpo_batch([10, 10, 10], [[5, 17], [12, 30], [40, 3]]))
         assert len(graphs) == first
     finally:
         torch._dynamo.reset()

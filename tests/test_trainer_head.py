@@ -135,10 +135,10 @@ def step(path: str, config: TrainerConfig, groups, fused: bool):
     from asyncrl.rl.trainer.actor import TrainerActor
 
     trainer = TrainerActor(path, config)
-    assert trainer._fallback_reason() == ""  # the embedded Qwen2 takes the fused path by default
+    assert trainer.fallback_reason() == ""  # the embedded Qwen2 takes the fused path by default
     if not fused:
-        trainer._fallback_reason = lambda: "forced by the test"
-    metrics = trainer._train_step(groups)
+        trainer.fallback_reason = lambda: "forced by the test"
+    metrics = trainer.train_share(groups)
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return metrics, grads
 
@@ -218,7 +218,7 @@ def test_the_fallback_is_taken_for_a_soft_capped_head(embedded_path, monkeypatch
     trainer = TrainerActor(embedded_path, TrainerConfig(micro_batch_tokens=200))
     assert fused_head_fallback(trainer.model) == ""
     trainer.model.config.final_logit_softcapping = 30.0
-    assert "final_logit_softcapping" in trainer._fallback_reason()
+    assert "final_logit_softcapping" in trainer.fallback_reason()
     seen = []
     real = actor_module.scored_logprobs_at
 
@@ -227,7 +227,7 @@ def test_the_fallback_is_taken_for_a_soft_capped_head(embedded_path, monkeypatch
         return real(*args, fused=fused, **kwargs)
 
     monkeypatch.setattr(actor_module, "scored_logprobs_at", spy)
-    trainer._train_step(random_groups(seed=3, n_groups=2))
+    trainer.train_share(random_groups(seed=3, n_groups=2))
     assert seen and not any(seen)
 
 
@@ -266,7 +266,7 @@ def test_auto_on_cpu_is_the_old_default_and_an_explicit_value_is_kept(embedded_p
     assert TrainerConfig().micro_batch_tokens == 0
     trainer = TrainerActor(embedded_path, TrainerConfig())
     assert trainer.micro_batch_tokens() == 16384
-    metrics = trainer._train_step(random_groups(seed=5, n_groups=2))
+    metrics = trainer.train_share(random_groups(seed=5, n_groups=2))
     assert metrics.micro_batch_tokens == 16384
     cpu = torch.device("cpu")
     assert resolve_micro_batch_tokens(

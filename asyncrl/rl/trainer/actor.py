@@ -171,12 +171,13 @@ class TrainerActor(Actor):
         rank gets the whole batch and trains on its share; ``deadline_s`` bounds the step there."""
         for g in groups:
             validate_group(g)
-        return await self.ranks.run(f"train step {self.steps + 1}", deadline_s, self._train_step, groups)
+        return await self.ranks.run(f"train step {self.steps + 1}", deadline_s, self.train_share, groups)
 
-    def _train_step(self, groups: list[RolloutGroup]) -> TrainStepMetrics:
+    def train_share(self, groups: list[RolloutGroup]) -> TrainStepMetrics:
         """One optimiser step of this process on its share of ``groups`` (all of them at world
         size 1; ``trainer/split.py``): every loss divided by the whole batch's count, gradients
-        summed across ranks; the metrics of the whole batch."""
+        summed across ranks; the metrics of the whole batch. What `train_step` runs on every rank;
+        called directly, in the trainer's own process (benchmarks), it is one rank's step."""
         start = time.perf_counter()
         cfg = self.config
         if self.device.type == "cuda":
@@ -266,7 +267,7 @@ class TrainerActor(Actor):
                 self.optimizer,
                 self.device,
                 checkpointing=cfg.activation_checkpointing,
-                full_logits=bool(self._fallback_reason()),
+                full_logits=bool(self.fallback_reason()),
                 pack_tokens=cfg.pack_tokens,
             )
             if self.device.type == "cuda" and not free:  # the gradients and AdamW's state alone overflow it
@@ -275,7 +276,7 @@ class TrainerActor(Actor):
             print(f"trainer: micro_batch_tokens auto -> {self._auto_tokens} ({where})", flush=True)
         return self._auto_tokens
 
-    def _fallback_reason(self) -> str:
+    def fallback_reason(self) -> str:
         """Why this trainer scores through full logits ("" when it does not: ``scoring/logprobs.py``)."""
         # the strategy, not the config: a rank joins a group whatever its config's world_size says
         return self.ranks.parallel.head_fallback(self.model)
@@ -310,7 +311,7 @@ class TrainerActor(Actor):
         the fused head where it applies, else through full logits (``scoring/logprobs.py``)."""
         cfg = self.config
         score = dict(
-            fused=not self._fallback_reason(),
+            fused=not self.fallback_reason(),
             autocast_dtype=(torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else None),
         )
         # the entropy: of the policy where it is scored (a metric)
