@@ -3,7 +3,7 @@ forming their group, and `TrainerRanks`, the handle the driver uses for the trai
 included (then every call goes to that rank's handle as it is: no group, no verdict).
 
 `TrainerRanks` makes the same calls as a trainer handle. A call that runs collectives on the
-trainer group (`ALL_RANKS`) goes to every rank at once with the call's deadline, and the answer is
+trainer group (each one of its methods) goes to every rank at once with the call's deadline, and the answer is
 rank 0's; anything else (joining the weight-sync group, of which rank 0 alone is a member) goes to
 rank 0. One verdict per call, naming the rank that caused a failure:
 
@@ -26,21 +26,6 @@ from asyncrl.rl.driver.faults import RunStoppedError
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.trainer.errors import LEFT_FOR_A_PEER
 
-ALL_RANKS = frozenset(
-    {
-        "train_step",
-        "evaluate",
-        "evaluate_heldout",
-        "setup_sender",
-        "send_weights",
-        "save",
-        "save_checkpoint",
-        "load_checkpoint",
-        "weights_digest",
-        "gradients",
-    }
-)
-"""Calls that run collectives on the trainer group: made on every rank together."""
 _DEADLINE_ARG = frozenset(
     {
         "train_step",
@@ -53,8 +38,8 @@ _DEADLINE_ARG = frozenset(
         "gradients",
     }
 )
-"""Of those, the ones whose deadline the ranks are told (``deadline_s``); the weight sync's
-calls carry their own (``sync_timeout_s``)."""
+"""Of the calls made on every rank (`TrainerRanks`' methods), the ones whose deadline the ranks are
+told (``deadline_s``); the weight sync's calls carry their own (``sync_timeout_s``)."""
 _STOPS_THE_RUN = frozenset({"train_step", "evaluate", "evaluate_heldout"})
 ABORT_CALL_S = 10.0
 
@@ -85,12 +70,48 @@ class TrainerRanks:
         ranks._aborts = self._aborts
         return ranks
 
+    # --- the calls that run collectives on the trainer group: made on every rank together -------
+
+    async def train_step(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("train_step", args, kwargs)
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("evaluate", args, kwargs)
+
+    async def evaluate_heldout(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("evaluate_heldout", args, kwargs)
+
+    async def setup_sender(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("setup_sender", args, kwargs)
+
+    async def send_weights(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("send_weights", args, kwargs)
+
+    async def save(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("save", args, kwargs)
+
+    async def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("save_checkpoint", args, kwargs)
+
+    async def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("load_checkpoint", args, kwargs)
+
+    async def weights_digest(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("weights_digest", args, kwargs)
+
+    async def gradients(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._every_rank("gradients", args, kwargs)
+
     def __getattr__(self, method: str) -> Any:
+        """Any other call (joining the weight-sync group, stats): rank 0's alone."""
         if method.startswith("_"):
             raise AttributeError(method)
-        if method in ALL_RANKS and len(self.handles) > 1:
-            return lambda *args, **kwargs: self._all(method, args, kwargs)
         return getattr(self._rank(0), method)
+
+    async def _every_rank(self, method: str, args: tuple, kwargs: dict) -> Any:
+        if len(self.handles) == 1:
+            return await getattr(self._rank(0), method)(*args, **kwargs)
+        return await self._all(method, args, kwargs)
 
     def _rank(self, r: int) -> Any:
         handle = self.handles[r]
