@@ -22,6 +22,7 @@ import pytest
 from asyncrl.rl.driver.fleet.membership import MemberState
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, check_target
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.runtime.cluster import NodeStatus
 from test_recovery_pool import GOT, SENT, Scripted, answering, make_pool
 
 pytestmark = pytest.mark.timeout(60)
@@ -180,7 +181,10 @@ def test_a_cpu_sampler_started_by_a_scale_up_goes_to_the_node_with_the_fewest():
 
     from asyncrl.rl.driver.fleet.scaling import least_loaded_node
 
-    nodes = [S(rank=0, state="joined"), S(rank=1, state="joined"), S(rank=2, state="lost: silent")]
+    nodes = [
+        NodeStatus(r, f"host{r}", f"10.0.0.{r}", 0, 0, state)
+        for r, state in enumerate(["joined", "joined", "lost: silent"])
+    ]
     actors = [
         S(name="trainer", state="running", node=1),
         S(name="sampler0", state="running", node=0),
@@ -287,7 +291,7 @@ async def test_the_samplers_of_a_node_leaving_are_drained_at_one_reformation():
     # processes are stopped (which lets the agent go). With a target set, others replace them.
     samplers = [sampler(f"sampler{i}") for i in range(3)]
     samplers[1].node = samplers[2].node = 1
-    nodes = [SimpleNamespace(rank=r, hostname=f"host{r}", state="joined") for r in (0, 1)]
+    nodes = [NodeStatus(r, f"host{r}", f"10.0.0.{r}", 0, 0, "joined") for r in (0, 1)]
     logs, stopped = [], []
     pool = make_pool(trainer(), samplers, logs)
     scaler = scaler_of(pool, logs, stopped)
@@ -301,7 +305,7 @@ async def test_the_samplers_of_a_node_leaving_are_drained_at_one_reformation():
                 RolloutGroup(i, [1], [[2], [3]], [[-0.1], [-0.2]], [0.0, 1.0], version=1, uid=f"sampler1/1/{i + 1}"),
                 timeout_s=1.0,
             )
-        nodes[1] = SimpleNamespace(rank=1, hostname="host1", state="draining: received SIGTERM")
+        nodes[1] = NodeStatus(1, "host1", "10.0.0.1", 0, 0, "draining: received SIGTERM")
         await scaler.at_sync()
         await scaler.at_sync()  # drained once, not again
         await pool.sync(2)
@@ -377,7 +381,6 @@ def test_the_cpu_cores_of_a_cluster_are_each_joined_nodes_own():
     import os
 
     from asyncrl.rl.driver.spawn import _cpu_cores
-    from asyncrl.runtime.cluster import NodeStatus
 
     def cluster(*nodes):
         return SimpleNamespace(nodes=lambda: [NodeStatus(r, "h", "a", 0, 0, *n) for r, n in enumerate(nodes)])

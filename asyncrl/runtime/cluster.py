@@ -57,6 +57,16 @@ class NodeStatus(msgspec.Struct, frozen=True):
     cores: int = 0
     """The CPU cores its actors may run on, as its agent reported them (0: not reported)."""
 
+    @property
+    def joined(self) -> bool:
+        """It is up and takes new actors."""
+        return self.state == "joined"
+
+    @property
+    def draining(self) -> bool:
+        """It is leaving: its actors run on, it takes no new one."""
+        return self.state.startswith("draining")
+
 
 class RemoteProcess(ActorProcess):
     """An actor's process on another node, as its agent reports it."""

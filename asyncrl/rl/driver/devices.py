@@ -200,7 +200,7 @@ def cluster_devices(kind: str | None, ids: list[str], nodes: list) -> tuple[str 
     `Supervisor.nodes()`), so two hosts of one GPU each give the trainer and a sampler a GPU each
     instead of colocating them on node 0's. The ids stand for a count: placement finds the devices
     on their nodes. A node 0 without accelerators plans for the CPU whatever the others have."""
-    joined = [n for n in nodes if n.state == "joined"]
+    joined = [n for n in nodes if n.joined]
     if kind is None or len(joined) <= 1:
         return kind, ids
     return kind, [str(i) for i in range(sum(n.devices_total for n in joined))]

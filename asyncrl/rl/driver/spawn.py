@@ -208,7 +208,7 @@ def _cpu_cores(sup: Any) -> int:
     ones this process may run on, here); a node whose agent reported none (an older agent)
     counts as many as this one."""
     here = len(os.sched_getaffinity(0))
-    return max(sum(n.cores or here for n in sup.nodes() if n.state == "joined"), 1)
+    return max(sum(n.cores or here for n in sup.nodes() if n.joined), 1)
 
 
 def _synced_adapter(config: GRPOConfig) -> LoRAConfig | None:

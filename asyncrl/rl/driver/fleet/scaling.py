@@ -32,13 +32,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.errors import ActionableError, first_line
 from asyncrl.rl.driver.fleet.membership import Member, MemberState
 from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.view.fleet import fleet_text
 from asyncrl.runtime.state import ActorState
+
+if TYPE_CHECKING:
+    from asyncrl.runtime.cluster import NodeStatus
 
 STOP_S = 60.0
 """How long `Scaler.close` waits for the stops of drained samplers and the starts it cancelled."""
@@ -94,11 +97,11 @@ def check_target(
     return n
 
 
-def least_loaded_node(nodes: list[Any], actors: list[Any], prefix: str = "sampler") -> int:
+def least_loaded_node(nodes: list[NodeStatus], actors: list[Any], prefix: str = "sampler") -> int:
     """The joined node (a `NodeStatus`) running the fewest live actors named ``prefix...``, the
     lowest rank on a tie: where a CPU sampler started by a scale-up goes, so that a node that
     joined an elastic cluster mid-run takes the new samplers."""
-    load = {n.rank: 0 for n in nodes if n.state == "joined"}
+    load = {n.rank: 0 for n in nodes if n.joined}
     for a in actors:
         if a.name.startswith(prefix) and not ActorState(a.state).final and a.node in load:
             load[a.node] += 1
@@ -297,7 +300,7 @@ class Scaler:
         was making is handed back, the sync that follows re-forms the group once without all of
         them, and its process is stopped, which lets the node's agent go."""
         for node in self.nodes():
-            if not node.state.startswith("draining") or node.rank in self.leaving:
+            if not node.draining or node.rank in self.leaving:
                 continue
             self.leaving.add(node.rank)
             why = f"its node {node.rank} ({node.hostname}) is leaving ({node.state.split(': ', 1)[-1]})"
