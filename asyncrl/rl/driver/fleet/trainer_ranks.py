@@ -19,6 +19,7 @@ rank 0. One verdict per call, naming the rank that caused a failure:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
@@ -72,35 +73,35 @@ class TrainerRanks:
 
     # --- the calls that run collectives on the trainer group: made on every rank together -------
 
-    async def train_step(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("train_step", args, kwargs)
+    def train_step(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("train_step", args, kwargs)
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("evaluate", args, kwargs)
+    def evaluate(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("evaluate", args, kwargs)
 
-    async def evaluate_heldout(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("evaluate_heldout", args, kwargs)
+    def evaluate_heldout(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("evaluate_heldout", args, kwargs)
 
-    async def setup_sender(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("setup_sender", args, kwargs)
+    def setup_sender(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("setup_sender", args, kwargs)
 
-    async def send_weights(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("send_weights", args, kwargs)
+    def send_weights(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("send_weights", args, kwargs)
 
-    async def save(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("save", args, kwargs)
+    def save(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("save", args, kwargs)
 
-    async def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("save_checkpoint", args, kwargs)
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("save_checkpoint", args, kwargs)
 
-    async def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("load_checkpoint", args, kwargs)
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("load_checkpoint", args, kwargs)
 
-    async def weights_digest(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("weights_digest", args, kwargs)
+    def weights_digest(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("weights_digest", args, kwargs)
 
-    async def gradients(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._every_rank("gradients", args, kwargs)
+    def gradients(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        return self._every_rank("gradients", args, kwargs)
 
     def __getattr__(self, method: str) -> Any:
         """Any other call (joining the weight-sync group, stats): rank 0's alone."""
@@ -108,10 +109,11 @@ class TrainerRanks:
             raise AttributeError(method)
         return getattr(self._rank(0), method)
 
-    async def _every_rank(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def _every_rank(self, method: str, args: tuple, kwargs: dict) -> Awaitable[Any]:
+        """One rank: its handle's call as it is (no group, no verdict, no deadline added)."""
         if len(self.handles) == 1:
-            return await getattr(self._rank(0), method)(*args, **kwargs)
-        return await self._all(method, args, kwargs)
+            return getattr(self._rank(0), method)(*args, **kwargs)
+        return self._all(method, args, kwargs)
 
     def _rank(self, r: int) -> Any:
         handle = self.handles[r]
