@@ -164,6 +164,29 @@ def test_a_sync_interval_no_group_could_survive_is_refused():
     RunConfig(sync_every=2, max_staleness=1)
 
 
+def test_max_staleness_auto_is_two_where_the_samplers_have_gpus_of_their_own():
+    """None (auto): 1 on the CPU and colocated, 2 where the samplers have GPUs of their own, never
+    below what ``sync_every`` needs; resolved for the host as the run starts, said in its log."""
+    import dataclasses
+
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.run import RunConfig
+    from asyncrl.rl.driver.build import resolve_samplers
+    from asyncrl.rl.driver.devices import plan_devices
+
+    assert RunConfig().max_staleness is None
+    assert (RunConfig().staleness_bound(), RunConfig().staleness_bound(samplers_apart=True)) == (1, 2)
+    assert RunConfig(sync_every=4).staleness_bound() == 3 and RunConfig(max_staleness=5).staleness_bound(True) == 5
+    for ids, expected in ((["0", "1"], 2), (["0"], 1)):
+        lines: list[str] = []
+        resolved = resolve_samplers(GRPOConfig(), plan_devices("auto", "cuda", ids, 0), lines.append)
+        assert resolved.run.max_staleness == expected
+        assert f"groups trained up to {expected} version(s) after their weights (--run.max_staleness auto)" in lines[0]
+    asked = dataclasses.replace(GRPOConfig(), run=RunConfig(max_staleness=1))
+    assert resolve_samplers(asked, plan_devices("auto", "cuda", ["0", "1"], 0), print).run.max_staleness == 1
+    assert resolve_samplers(GRPOConfig(), plan_devices("auto", None, [], 0), print).run.max_staleness == 1
+
+
 def scored(*rewards: float) -> RolloutGroup:
     n = len(rewards)
     return RolloutGroup(

@@ -28,6 +28,13 @@ class SamplerConfig:
     idle; two engines on a GPU overlap their steps (1.49x the samples/s of one, the GPU 81% busy
     instead of 29%; four contend: docs/gpu.md). Their weights come in tiers: NCCL between GPUs,
     CUDA IPC within one (comm/tiered.py)."""
+    beside_trainer: int = 0
+    """Where the other samplers have GPUs of their own: how many more run on the trainer's GPU too
+    (engines sharing the trainer's, a 0.3 memory share split among them, as a one-GPU run's), so
+    that GPU generates while the trainer waits for rollouts; with ``count`` auto they are added to
+    it. 0: none. They take the weights in the same broadcast, over CUDA IPC from the trainer
+    (comm/tiered.py). Pays where generation bounds the step (one sampler GPU); costs where the
+    trainer does (docs/gpu.md)."""
     group_size: int = 8
     """Completions per prompt."""
     prompts_per_batch: int = 0
@@ -39,8 +46,9 @@ class SamplerConfig:
     """Async mode: batches of ``prompts_per_batch`` a sampler keeps in flight at once, each begun as
     pacing credit frees (docs/gpu.md). 0: auto, 1 on the CPU (one model on a few cores: a second
     batch would only slow the first) and on a GPU the sampler's share of the room the pacer allows,
-    ``ceil(groups_per_step * max_staleness / (count * prompts_per_batch))`` in [1, 8]: 1 with the
-    defaults, 2 with ``--run.max_staleness 2``. Sync mode runs one batch at a time."""
+    ``ceil(groups_per_step * max_staleness / (count * prompts_per_batch))`` in [1, 8]: 1 with
+    ``--run.max_staleness`` 1 (its auto on one GPU), 2 with 2 (its auto where the samplers have GPUs
+    of their own). Sync mode runs one batch at a time."""
     max_new_tokens: int = 0
     """Completion length limit (0: what the model suggests)."""
     temperature: float = 1.0
@@ -82,6 +90,8 @@ class SamplerConfig:
         self.engine_args()  # a bad JSON object is refused with the config
         if self.per_gpu < 0:
             raise ValueError(f"per_gpu must be >= 0 (0: auto), not {self.per_gpu!r}")
+        if self.beside_trainer < 0:
+            raise ValueError(f"beside_trainer must be >= 0, not {self.beside_trainer!r}")
         if self.streams < 0:
             raise ValueError(f"streams must be >= 0 (0: auto), not {self.streams!r}")
         if self.count < 0 or self.group_size < 2 or self.prompts_per_batch < 0:

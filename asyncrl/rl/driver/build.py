@@ -160,20 +160,29 @@ def _announce(config: GRPOConfig, plan: DevicePlan, scope: RunScope, task: Any, 
 
 def resolve_samplers(config: GRPOConfig, plan: DevicePlan, log) -> GRPOConfig:
     """``config`` with the samplers' section resolved for this host's devices: their count and how
-    many share a GPU, the prompts of a batch, the paced batches in flight; said in one line.
-    Resolved after config.json is written: it keeps 'auto' (0), so a run resumed on another host
-    resolves it for that host's devices."""
-    run = config.run
+    many share a GPU, the prompts of a batch, the paced batches in flight, and with them the
+    staleness bound (``--run.max_staleness`` auto); said in one line. Resolved after config.json
+    is written: it keeps 'auto', so a run resumed on another host resolves it for that host's."""
+    run, stale_auto = config.run, config.run.max_staleness is None
+    if stale_auto:
+        apart = plan.device == "cuda" and not plan.colocated
+        run = dataclasses.replace(run, max_staleness=run.staleness_bound(samplers_apart=apart))
+        config = dataclasses.replace(config, run=run)
     sampler = dataclasses.replace(config.sampler, count=plan.samplers, per_gpu=plan.per_gpu)
     prompts, auto = sampler.batch_prompts(plan.device, run.groups_per_step), not sampler.prompts_per_batch
     sampler = dataclasses.replace(sampler, prompts_per_batch=prompts)
-    streams = sampler.paced_streams(plan.device, run.groups_per_step, run.max_staleness)
+    streams = sampler.paced_streams(plan.device, run.groups_per_step, run.staleness_bound())
     config = dataclasses.replace(config, sampler=dataclasses.replace(sampler, streams=streams))
     paced = f", {streams} paced batches in flight (--sampler.streams)" if streams > 1 and run.mode == "async" else ""
+    stale = ""
+    if run.mode == "async":
+        stale = f"; groups trained up to {run.staleness_bound()} version(s) after their weights"
     log(
         f"samplers: {prompts} prompts x {config.sampler.group_size} completions at once"
         + (" (--sampler.prompts_per_batch auto)" if auto else "")
         + paced
+        + stale
+        + (" (--run.max_staleness auto)" if stale and stale_auto else "")
     )
     return config
 
@@ -216,7 +225,7 @@ async def _start_samplers(spawn: SamplerSpawner, scaled: int, scope: RunScope) -
     return await start_samplers(
         spawn,
         count,
-        waves=count if spawn.plan.devices.colocated else spawn.plan.devices.per_gpu,
+        wave_of=spawn.plan.devices.start_wave,
         log=scope.log,
         events_path=os.path.join(scope.run_dir, "faults.jsonl"),
     )

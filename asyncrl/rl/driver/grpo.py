@@ -95,7 +95,7 @@ class GRPODriver:
         self.display: Progress | None = None  # while steps run: the bar (or lines) the console shares
         self.latest: StepRecord | None = None  # the last step's record, for the metrics endpoint
         capacity = self.run.queue_capacity or 2 * self.run.groups_per_step
-        staleness = self.run.max_staleness if self.run.mode == "async" else 0
+        staleness = self.run.staleness_bound() if self.run.mode == "async" else 0
         self.queue = RolloutQueue(capacity, staleness)
         self.events_path = os.path.join(run_dir, "faults.jsonl")
         self.resume = resume

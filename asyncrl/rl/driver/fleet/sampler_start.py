@@ -30,22 +30,26 @@ at once; this bounds the wait for it)."""
 
 
 async def start_samplers(
-    spawn: Callable[[int], Awaitable[Any]], count: int, *, waves: int = 1, log, events_path: str = ""
+    spawn: Callable[[int], Awaitable[Any]],
+    count: int,
+    *,
+    wave_of: Callable[[int], int] = lambda i: 0,
+    log,
+    events_path: str = "",
 ) -> list[Any]:
     """Spawn samplers ``0 .. count-1`` with ``spawn(i)`` (a `Supervisor.spawn` with
-    ``keep_if_lost=True``) in ``waves`` waves, those of a wave concurrently: wave ``j`` is every
-    sampler ``i`` with ``i % waves == j``. Samplers that share one GPU go in different waves (vLLM
-    measures the free memory as it starts, and two engines starting at once on one GPU would each
-    count the other's): ``waves`` = the samplers a GPU holds (all of them, colocated on the
-    trainer's). Each start is bounded by the supervisor's start deadlines, its retries included.
+    ``keep_if_lost=True``) in waves, those of a wave concurrently, in the order of ``wave_of(i)``.
+    Samplers that share one GPU go in different waves (vLLM measures the free memory as it starts,
+    and two engines starting at once on one GPU would each count the other's): the device plan's
+    `DevicePlan.start_wave`. Each start is bounded by the supervisor's start deadlines, its retries included.
 
     Returns every handle: a sampler that never came up is a DEAD one, said in one line of the log
     and a ``start_failed`` event in faults.jsonl (``events_path``); one that came up after lost
     starts, a line and a ``start_retried`` event. Raises `NoSamplersError` if none came up, and the error
     of a start that was refused (the others are cancelled first)."""
     by_index: dict[int, Any] = {}
-    for wave in range(max(1, min(waves, count))):
-        members = range(wave, count, max(1, waves))
+    for wave in sorted({wave_of(i) for i in range(count)}):
+        members = [i for i in range(count) if wave_of(i) == wave]
         started = await _all_or_first_error([asyncio.ensure_future(spawn(i)) for i in members])
         by_index.update(zip(members, started))
     handles = [by_index[i] for i in range(count)]
