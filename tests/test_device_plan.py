@@ -14,17 +14,17 @@ def test_enough_gpus_give_each_actor_its_own():
     plan = plan_devices("auto", "cuda", ["0", "1", "2"], 2)
     assert (plan.device, plan.colocated, plan.sync_backend) == ("cuda", False, "nccl")
     assert (plan.trainer_gpus, plan.sampler_gpus) == (1, 1)
-    assert plan.vllm_options(0.0, 1) == {} and plan.vllm_options(0.5, 1) == {"gpu_memory_utilization": 0.5}
+    assert plan.vllm_options(0.0, 2) == {} and plan.vllm_options(0.5, 2) == {"gpu_memory_utilization": 0.5}
 
 
 @pytest.mark.parametrize("asked", ["auto", "cuda"])
 def test_fewer_gpus_than_actors_colocate_on_the_trainers(asked):
-    plan = plan_devices(asked, "cuda", ["0"], 2)
+    plan = plan_devices(asked, "cuda", ["0"], 1)
     assert (plan.device, plan.colocated, plan.sync_backend) == ("cuda", True, "ipc")
     assert (plan.trainer_gpus, plan.sampler_gpus) == (1, 0)
     assert "colocated" in plan.line and "CUDA IPC" in plan.line
-    assert plan.vllm_options(0.0, 1) == {"gpu_memory_utilization": 0.15}  # 0.3 split among the samplers
-    assert [plan.start_wave(i) for i in range(2)] == [0, 1]  # one engine starts at a time
+    assert plan.vllm_options(0.0, 2) == {"gpu_memory_utilization": 0.15}  # 0.3 split among the samplers
+    assert [plan.start_wave(i) for i in range(2)] == [0, 1]  # colocated: one engine starts at a time
     assert "1 other GPU(s) unused" in plan_devices(asked, "cuda", ["0", "1"], 2, per_gpu=1).line
     # --sampler.per_gpu auto: two samplers asked for on two GPUs share the one the trainer leaves.
     spread = plan_devices(asked, "cuda", ["0", "1"], 2)
@@ -35,7 +35,7 @@ def test_no_gpu_is_the_cpu_and_says_why():
     plan = plan_devices("auto", None, [], 1)
     assert (plan.device, plan.sync_backend) == ("cpu", "gloo") and "no CUDA device found" in plan.line
     assert "Ascend NPUs" in plan_devices("auto", "npu", ["0"], 1).line
-    assert plan.vllm_options(0.3, 0) == {}
+    assert plan.vllm_options(0.3, 1) == {}
 
 
 def test_cpu_asked_for_names_the_gpus_it_leaves():
@@ -205,9 +205,8 @@ def test_per_gpu_puts_that_many_samplers_on_each_sampler_gpu():
     # Sampler i shares the GPU of sampler i - i % 2; the owners take a GPU each.
     assert [plan.gpu_owner(i) for i in range(6)] == [None, 0, None, 2, None, 4]
     # Their engines split the GPU's memory (0.85 alone), unless the user set a share.
-    assert plan.vllm_options(0.0, 5) == {"gpu_memory_utilization": 0.425}
-    assert plan.vllm_options(0.3, 5) == {"gpu_memory_utilization": 0.3}
-    assert [plan.start_wave(i) for i in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert plan.vllm_options(0.0, 6) == {"gpu_memory_utilization": 0.425}
+    assert plan.vllm_options(0.3, 6) == {"gpu_memory_utilization": 0.3}
     # An odd count: the last GPU holds one; too many for the GPUs: refused as before.
     odd = plan_devices("auto", "cuda", ["0", "1", "2"], 3, per_gpu=2)
     assert not odd.colocated and "GPUs 1-2 2 samplers each" in odd.line
@@ -250,41 +249,10 @@ async def test_samplers_that_share_a_gpu_start_in_different_waves():
         info = types.SimpleNamespace(state=state, restarts=0, max_restarts=1, error=None)
         return types.SimpleNamespace(name=f"sampler{i}", info=lambda: info)
 
-    handles = await start_samplers(spawn, 6, wave_of=lambda i: i % 2, log=print)
+    plan = plan_devices("auto", "cuda", ["0", "1", "2", "3"], 6, per_gpu=2)
+    handles = await start_samplers(spawn, 6, wave_of=plan.start_wave, log=print)
     assert [h.name for h in handles] == [f"sampler{i}" for i in range(6)]
     assert dict(seen) == {0: set(), 2: set(), 4: set(), 1: {0, 2, 4}, 3: {0, 2, 4}, 5: {0, 2, 4}}
-
-
-def test_beside_trainer_adds_samplers_on_the_trainers_gpu_to_a_plan_of_own_gpus():
-    from asyncrl.rl.config.grpo import GRPOConfig
-    from asyncrl.rl.config.parse import parse_overrides
-
-    plan = plan_devices("auto", "cuda", ["0", "1"], 0, beside_trainer=1)
-    assert (plan.samplers, plan.per_gpu, plan.beside_trainer, plan.colocated) == (3, 2, 1, False)
-    assert plan.sync_backend == "nccl"  # tiered: the trainer's mate over CUDA IPC (comm/tiered.py)
-    assert "GPU 0 the trainer and a sampler, GPU 1 2 samplers" in plan.line
-    assert "CUDA IPC within one" in plan.line
-    # Sampler 0 is the trainer's mate; 1 and 2 share GPU 1, 2 started after 1 (its owner).
-    assert [plan.shares_trainer(i) for i in range(3)] == [True, False, False]
-    assert [plan.gpu_owner(i) for i in range(3)] == [None, None, 1]
-    assert [plan.start_wave(i) for i in range(3)] == [0, 0, 1]
-    assert plan.vllm_options(0.0, 0) == {"gpu_memory_utilization": 0.3}  # the colocated share
-    assert plan.vllm_options(0.0, 1) == {"gpu_memory_utilization": 0.425}
-    # A scale-up's sampler 3 takes a GPU of its own, 4 shares it.
-    assert [plan.gpu_owner(i) for i in (3, 4)] == [None, 3]
-    # Part of a count asked for; two beside it split the colocated share.
-    two = plan_devices("auto", "cuda", ["0", "1", "2"], 4, beside_trainer=2)
-    assert (two.samplers, two.per_gpu) == (4, 1)
-    assert "GPU 0 the trainer and 2 samplers, GPUs 1-2 a sampler each" in two.line
-    assert [two.vllm_options(0.0, i) for i in range(2)] == [{"gpu_memory_utilization": 0.15}] * 2
-    assert [two.start_wave(i) for i in range(4)] == [0, 1, 0, 0]
-    # Nothing to add where the samplers share the trainer's GPU anyway, or on the CPU.
-    assert plan_devices("auto", "cuda", ["0"], 0, beside_trainer=1).beside_trainer == 0
-    assert plan_devices("auto", None, [], 0, beside_trainer=1).beside_trainer == 0
-    with pytest.raises(ConfigError, match=r"beside_trainer 2 leaves none of --sampler.count 2 a GPU"):
-        plan_devices("auto", "cuda", ["0", "1"], 2, beside_trainer=2)
-    with pytest.raises(ConfigError, match=r"beside_trainer must be >= 0"):
-        parse_overrides(GRPOConfig(), ["--sampler.beside_trainer", "-1"])
 
 
 def test_per_gpu_auto_is_one_where_the_placement_names_the_samplers_nodes():

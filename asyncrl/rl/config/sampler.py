@@ -28,13 +28,6 @@ class SamplerConfig:
     idle; two engines on a GPU overlap their steps (1.49x the samples/s of one, the GPU 81% busy
     instead of 29%; four contend: docs/gpu.md). Their weights come in tiers: NCCL between GPUs,
     CUDA IPC within one (comm/tiered.py)."""
-    beside_trainer: int = 0
-    """Where the other samplers have GPUs of their own: how many more run on the trainer's GPU too
-    (engines sharing the trainer's, a 0.3 memory share split among them, as a one-GPU run's), so
-    that GPU generates while the trainer waits for rollouts; with ``count`` auto they are added to
-    it. 0: none. They take the weights in the same broadcast, over CUDA IPC from the trainer
-    (comm/tiered.py). Pays where generation bounds the step (one sampler GPU); costs where the
-    trainer does (docs/gpu.md)."""
     group_size: int = 8
     """Completions per prompt."""
     prompts_per_batch: int = 0
@@ -90,8 +83,6 @@ class SamplerConfig:
         self.engine_args()  # a bad JSON object is refused with the config
         if self.per_gpu < 0:
             raise ValueError(f"per_gpu must be >= 0 (0: auto), not {self.per_gpu!r}")
-        if self.beside_trainer < 0:
-            raise ValueError(f"beside_trainer must be >= 0, not {self.beside_trainer!r}")
         if self.streams < 0:
             raise ValueError(f"streams must be >= 0 (0: auto), not {self.streams!r}")
         if self.count < 0 or self.group_size < 2 or self.prompts_per_batch < 0:

@@ -8,8 +8,6 @@ scorer one each where one is left for it after a sampler, and every other GPU ge
 own (``--sampler.per_gpu`` of them: engines sharing one GPU overlap their steps); one GPU alone is
 shared (colocated). Each GPU added to a host then adds engines to the run, and one weight broadcast
 reaches them all (fleet/sync_group.py; in tiers where engines share a GPU, comm/tiered.py).
-``--sampler.beside_trainer`` adds samplers on the trainer's GPU too, for the time the trainer waits
-for rollouts: they are the first samplers, the ones on GPUs of their own follow.
 """
 
 from __future__ import annotations
@@ -47,11 +45,7 @@ class DevicePlan:
     """How many samplers the run starts: ``--sampler.count``, or what its 0 (auto) resolved to."""
     per_gpu: int = 1
     """Samplers that share each sampler GPU (``--sampler.per_gpu``; 1 where they share the trainer's
-    or run on the CPU). Sampler ``i`` (past the ``beside_trainer`` ones) is on the GPU of the first
-    sampler of its run of ``per_gpu``."""
-    beside_trainer: int = 0
-    """Samplers 0 .. beside_trainer-1 share the trainer's GPU although the others have GPUs of their
-    own (``--sampler.beside_trainer``); 0 in a colocated plan, where all of them share it."""
+    or run on the CPU). Sampler ``i`` is on the GPU of sampler ``i - i % per_gpu``."""
 
     @property
     def trainer_gpus(self) -> int:
@@ -67,37 +61,28 @@ class DevicePlan:
         """GPUs each scorer asks for itself (a colocated one takes the trainer's)."""
         return int(self.device == "cuda" and not self.scorers_colocated)
 
-    def vllm_options(self, share: float, sampler: int = 0) -> dict:
-        """`VLLMBackend` options for sampler ``sampler``: its share of GPU memory (``share``: the
-        config's, 0 for the default: the engine's own alone on a GPU, `OWN_GPU_VLLM_SHARE` split
-        among the ``per_gpu`` engines of a GPU, `COLOCATED_VLLM_SHARE` split among those on the
-        trainer's)."""
+    def vllm_options(self, share: float, samplers: int) -> dict:
+        """`VLLMBackend` options for each sampler: its share of GPU memory (``share``: the config's,
+        0 for the default: the engine's own alone on a GPU, `OWN_GPU_VLLM_SHARE` split among the
+        ``per_gpu`` engines of a GPU, `COLOCATED_VLLM_SHARE` split when colocated)."""
         if self.device != "cuda":
             return {}
-        if self.shares_trainer(sampler):
-            beside = self.samplers if self.colocated else self.beside_trainer
-            return {"gpu_memory_utilization": share or round(COLOCATED_VLLM_SHARE / beside, 4)}
         if share:
             return {"gpu_memory_utilization": share}
+        if self.colocated:
+            return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)}
         return {"gpu_memory_utilization": round(OWN_GPU_VLLM_SHARE / self.per_gpu, 4)} if self.per_gpu > 1 else {}
-
-    def shares_trainer(self, sampler: int) -> bool:
-        """Sampler ``sampler`` runs on the trainer's GPU (colocated, or one of ``beside_trainer``)."""
-        return self.device == "cuda" and (self.colocated or sampler < self.beside_trainer)
 
     def gpu_owner(self, sampler: int) -> int | None:
         """The sampler whose GPU sampler ``sampler`` shares (None: it takes a GPU, or the trainer's)."""
-        if sampler < self.beside_trainer:
-            return None
-        owner = sampler - (sampler - self.beside_trainer) % self.per_gpu
+        owner = sampler - sampler % self.per_gpu
         return owner if owner != sampler else None
 
     def start_wave(self, sampler: int) -> int:
-        """The wave sampler ``sampler`` starts in (`fleet.sampler_start.start_samplers`): engines of
-        one GPU each in a wave of their own, since vLLM measures the free memory as it starts."""
-        if self.colocated or sampler < self.beside_trainer:
-            return sampler
-        return (sampler - self.beside_trainer) % self.per_gpu
+        """The wave sampler ``sampler`` starts in (`fleet.sampler_start.start_samplers`): the
+        engines of one GPU each in a wave of their own (vLLM measures the free memory as it starts,
+        and two starting at once on one GPU would each count the other's)."""
+        return sampler if self.colocated else sampler % self.per_gpu
 
 
 def auto_samplers(gpus: int, trainer_ranks: int, scorers: int, per_gpu: int = 1) -> int:
@@ -120,7 +105,6 @@ def plan_devices(
     trainer_ranks: int = 1,
     scorers: int = 0,
     per_gpu: int = 0,
-    beside_trainer: int = 0,
 ) -> DevicePlan:
     """``asked``: --run.device ("auto", "cpu", "cuda"); ``kind``/``ids``: the host's accelerators
     (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has (0: auto,
@@ -128,26 +112,17 @@ def plan_devices(
     CUDA; ``scorers``: its scorer actors (a teacher, a reward model), planned after the samplers: a
     GPU each when every one gets one, else on the trainer's GPU (a scorer never takes a sampler's);
     ``per_gpu``: samplers sharing each sampler GPU (0: auto, `AUTO_PER_GPU` with ``samplers`` auto,
-    else as few as spread ``samplers`` over the GPUs left); ``beside_trainer``: samplers on the
-    trainer's GPU besides (``--sampler.beside_trainer``: added to an auto count, part of one asked
-    for), where the others get GPUs of their own."""
+    else as few as spread ``samplers`` over the GPUs left)."""
     gpus = len(ids) if kind == "cuda" else 0
     auto = samplers == 0
-    beside = beside_trainer if asked != "cpu" and gpus > trainer_ranks else 0
     if asked == "cpu" or gpus == 0:
         samplers = samplers or 1
     elif auto:
         per_gpu = per_gpu or AUTO_PER_GPU
-        samplers = auto_samplers(gpus, trainer_ranks, scorers, per_gpu) + beside
-    elif beside >= samplers:
-        raise ConfigError(
-            f"--sampler.beside_trainer {beside_trainer} leaves none of --sampler.count {samplers} a GPU of "
-            "its own; lower it (every sampler on the trainer's GPU is the plan of one GPU)"
-        )
-    apart = samplers - beside  # the samplers on GPUs of their own
-    per_gpu = per_gpu or _spread(apart, gpus - trainer_ranks - scorers, gpus - trainer_ranks)
+        samplers = auto_samplers(gpus, trainer_ranks, scorers, per_gpu)
+    per_gpu = per_gpu or _spread(samplers, gpus - trainer_ranks - scorers, gpus - trainer_ranks)
     counted = f"{samplers} sampler(s)" + (" (--sampler.count auto)" if auto else "")
-    sampler_gpus = -(-apart // per_gpu)
+    sampler_gpus = -(-samplers // per_gpu)
     wanted = trainer_ranks + sampler_gpus
     trainer = f"{trainer_ranks} trainer ranks" if trainer_ranks > 1 else "the trainer"
     host = "trainer rank 0's GPU" if trainer_ranks > 1 else "trainer's GPU"
@@ -170,7 +145,7 @@ def plan_devices(
         )
     if gpus >= wanted:
         own = gpus >= wanted + scorers
-        roles = _gpu_roles(trainer_ranks, sampler_gpus, scorers if own else 0, per_gpu, beside)
+        roles = _gpu_roles(trainer_ranks, sampler_gpus, scorers if own else 0, per_gpu)
         shared = f"; the {scorers} scorer(s) share the {host}" if scorers and not own else ""
         spare = gpus - wanted - (scorers if own else 0)
         unused = f"; {spare} GPU(s) left unused" + (": too few for one a scorer" if scorers else "") if spare else ""
@@ -179,11 +154,10 @@ def plan_devices(
             False,
             "nccl",
             f"cuda, {gpus} GPU(s): {roles}{shared}{unused}; {counted}, one weight broadcast reaches them all"
-            + (" (NCCL between GPUs, CUDA IPC within one)" if (per_gpu > 1 and samplers > 1) or beside else ""),
+            + (" (NCCL between GPUs, CUDA IPC within one)" if per_gpu > 1 and samplers > 1 else ""),
             scorers_colocated=not own,
             samplers=samplers,
             per_gpu=per_gpu,
-            beside_trainer=beside,
         )
     scorer_words = f"; the {scorers} scorer(s) share the {host}" if scorers else ""
     unused = f"; {gpus - trainer_ranks} other GPU(s) unused" if gpus > trainer_ranks else ""
@@ -208,14 +182,13 @@ def _spread(samplers: int, *lefts: int) -> int:
     return -(-samplers // left) if left else 1
 
 
-def _gpu_roles(trainer_ranks: int, sampler_gpus: int, scorers: int, per_gpu: int = 1, beside: int = 0) -> str:
+def _gpu_roles(trainer_ranks: int, sampler_gpus: int, scorers: int, per_gpu: int = 1) -> str:
     """What each GPU does, in placement order ("GPU 0 the trainer, GPUs 1-3 a sampler each"). The
     numbers count GPUs over the hosts of a run (the supervisor picks which device of which node)."""
     parts, first = [], 0
     engines = "a sampler" if per_gpu == 1 else f"{per_gpu} samplers"
-    also = "" if not beside else " and a sampler" if beside == 1 else f" and {beside} samplers"
     for count, one, each in (
-        (trainer_ranks, f"the trainer{also}", f"a trainer rank each (FSDP2{'; rank 0' + also if also else ''})"),
+        (trainer_ranks, "the trainer", "a trainer rank each (FSDP2)"),
         (sampler_gpus, engines, f"{engines} each"),
         (scorers, "a scorer", "a scorer each"),
     ):

@@ -65,7 +65,6 @@ async def plan_run(config: GRPOConfig, sup: Any) -> RunPlan:
         trainer_ranks=ranks,
         scorers=len(scorer_sections(config)),
         per_gpu=config.sampler.per_gpu or _one_a_gpu_where_placed(run.placement),
-        beside_trainer=config.sampler.beside_trainer,
     )
     trainer_nodes, sampler_nodes = check_placement(run.placement, ranks, plan.samplers, sup.config.nnodes, plan)
     if run.check_weights:
@@ -106,6 +105,7 @@ class SamplerSpawner:
     def __init__(self, sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str):
         self.sup, self.config, self.plan, self.model_path = sup, config, plan, model_path
         self.spec = config.task_spec()
+        self.vllm = plan.devices.vllm_options(config.sampler.gpu_memory_utilization, plan.devices.samplers)
 
     def seed_of(self, i: int) -> int:
         return self.config.run.seed * 1000 + i
@@ -117,7 +117,7 @@ class SamplerSpawner:
         owner = plan.gpu_owner(i)  # --sampler.per_gpu: the sampler whose GPU this one shares
         if owner is not None and not _running(sup, f"sampler{owner}"):
             owner = None  # its GPU went with it (given back): this one takes a GPU of its own
-        shares = "trainer" if plan.shares_trainer(i) else None if owner is None else f"sampler{owner}"
+        shares = "trainer" if plan.colocated else None if owner is None else f"sampler{owner}"
         nodes = self.plan.sampler_nodes
         return sup.spawn(
             SamplerActor,
@@ -136,7 +136,7 @@ class SamplerSpawner:
                 "seed": self.seed_of(i),
                 "device": plan.device,
                 "sync_timeout_s": run.deadlines.sync_timeout_s,
-                "vllm": plan.vllm_options(self.config.sampler.gpu_memory_utilization, i),
+                "vllm": self.vllm,
                 "adapter": _synced_adapter(self.config),
             },
         )
