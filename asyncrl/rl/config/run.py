@@ -133,9 +133,10 @@ class RunConfig:
     """'async': samplers generate continuously; 'sync': generate, then train, then sync (baseline)."""
     max_staleness: int | None = None
     """Async mode: train on groups at most this many weight versions old; older ones are dropped.
-    None (auto): 2 where the samplers have GPUs of their own (the trainer's step then overlaps two
-    steps' generation: 1.26x -> 1.77x the samples/s at 1.5B on two GPUs, docs/gpu.md), else 1;
-    at least ``sync_every - 1`` either way. `staleness_bound` resolves it."""
+    None (auto): 2 where the samplers have GPUs of their own, so their next step's rollouts begin
+    before the trainer's step ends (1.5B on two H200s: 1.98x the one-GPU run's samples/s, against
+    1.26x with 1; docs/gpu.md), else 1; at least ``sync_every - 1`` either way. The run's log says
+    what it resolved to."""
     queue_capacity: int = 0
     """Rollout queue bound in groups (0: two batches). Samplers wait when it is full."""
     skip_uniform_groups: bool = True
