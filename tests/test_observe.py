@@ -639,9 +639,12 @@ def test_wandb_offline_gets_the_run_s_metrics_and_config_and_a_resume_continues_
             assert row["loss"] == pytest.approx(record["loss"])
             assert row.get("heldout_solve_rate") == record.get("heldout_solve_rate")
     # the resumed segment's config is the config.json it wrote, with what the run resolved for this
-    # host where config.json keeps auto (0) for another host's resume
+    # host where config.json keeps auto (0, or None for max_staleness) for another host's resume
     resolved = {key: logged["sampler"][key] for key in ("count", "per_gpu", "prompts_per_batch", "streams")}
-    assert min(resolved.values()) > 0 and logged == config | {"sampler": config["sampler"] | resolved}
+    assert min(resolved.values()) > 0
+    assert config["run"]["max_staleness"] is None and logged["run"]["max_staleness"] == 1  # the CPU's auto
+    run = config["run"] | {"max_staleness": 1}
+    assert logged == config | {"sampler": config["sampler"] | resolved, "run": run}
 
 
 @pytest.mark.slow
