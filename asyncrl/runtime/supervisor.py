@@ -105,7 +105,8 @@ class Supervisor:
             )
             if cfg.nnodes > 1:
                 gate = self._resources.gate
-                assert gate is not None, "cluster_keys gives keys, so a gate, whenever nnodes > 1"
+                if gate is None:
+                    raise RuntimeError("no gate in a multi-node run: cluster_keys gives keys whenever nnodes > 1")
                 self._cluster = self._control.cluster = Cluster(
                     self._resources.context, cfg, gate, self._control.on_worker, self._control.on_remote_log
                 )
