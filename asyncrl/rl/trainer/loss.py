@@ -166,6 +166,59 @@ def grpo_loss(
     ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
     so that logging them costs no device sync until the caller asks.
     """
+    _check_loss_inputs(
+        new_logprobs,
+        behaviour_logprobs,
+        advantages,
+        mask,
+        config,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        normalizer=normalizer,
+        teacher_logprobs=teacher_logprobs,
+        student_topk=student_topk,
+        teacher_topk=teacher_topk,
+    )
+    valid = mask.bool()
+    log_ratio, adv = _masked_ratio_and_advantages(new_logprobs, behaviour_logprobs, advantages, valid)
+    n_tokens = valid.sum()
+    metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
+    distill = None
+    if config.distill_coef > 0:
+        adv, distill, metrics["distill_kl"] = _distillation(
+            adv, valid, n_tokens, behaviour_logprobs, config, normalizer, teacher_logprobs, student_topk, teacher_topk
+        )
+    term, ratio, low, high = _POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
+    pg_loss = -_aggregate(term, valid, config, normalizer)
+    loss = pg_loss if distill is None else pg_loss + distill
+    if ref_logprobs is not None:
+        k3 = _k3(ref_logprobs, new_logprobs, valid)
+        if config.kl_coef > 0:
+            loss = loss + config.kl_coef * _aggregate(k3, valid, config, normalizer)
+        metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
+    with torch.no_grad():
+        metrics["loss"] = loss.detach()
+        metrics["pg_loss"] = pg_loss.detach()
+        metrics.update(_token_metrics(ratio, low, high, entropy, valid, n_tokens, config))
+    return loss, metrics
+
+
+def _check_loss_inputs(
+    new_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: GRPOLossConfig,
+    *,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    normalizer: float | None,
+    teacher_logprobs: torch.Tensor | None,
+    student_topk: torch.Tensor | None,
+    teacher_topk: torch.Tensor | None,
+) -> None:
+    """Refuse, before any arithmetic, inputs `grpo_loss` cannot read: shapes that disagree, and a
+    config that asks for an input not given."""
     _check_same_shape(
         new_logprobs,
         behaviour_logprobs=behaviour_logprobs,
@@ -194,53 +247,82 @@ def grpo_loss(
         )
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, not {normalizer!r}")
-    valid = mask.bool()
+
+
+def _masked_ratio_and_advantages(
+    new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token log importance ratio and ``[B, L]`` advantages, 0 at padding; only the ratio
+    carries a gradient (into ``new_logprobs``)."""
     # Mask BEFORE exp(): padding may hold NaN/inf, and where() routes a zero gradient to it. Not
     # floored here: each policy term floors its own ratio (`_floored`; GSPO after its mean).
     log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0)
     adv = advantages.detach().to(log_ratio.dtype)
     adv = torch.where(valid, adv if adv.dim() == 2 else adv.unsqueeze(1), 0.0)  # per-token padding may be NaN
-    n_tokens = valid.sum()
-    metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
-    distill = None
-    if config.distill_coef > 0 and teacher_topk is not None:
+    return log_ratio, adv
+
+
+def _distillation(
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    n_tokens: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    config: GRPOLossConfig,
+    normalizer: float | None,
+    teacher_logprobs: torch.Tensor | None,
+    student_topk: torch.Tensor | None,
+    teacher_topk: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The teacher's part of the loss (``distill_coef`` > 0): the advantages, the loss term to add
+    (None where the teacher acts through the advantages alone) and the ``distill_kl`` metric.
+
+    With the teacher's top-K the advantages stay the task's and the term is the aggregated
+    `topk_reverse_kl`; with its log-probs of the sampled tokens alone, every advantage becomes
+    `distill_advantages`' and there is no term."""
+    if teacher_topk is not None:
         # masked before the KL: padding may hold anything, and where() routes it no gradient
         kl = topk_reverse_kl(
             torch.where(valid[..., None], student_topk, 0.0), torch.where(valid[..., None], teacher_topk, 0.0)
         )
         kl = torch.where(valid, kl, 0.0)
         distill = config.distill_coef * _aggregate(kl, valid, config, normalizer)
-        metrics["distill_kl"] = _token_mean(kl.detach(), valid, n_tokens)
-    elif config.distill_coef > 0:
-        adv = torch.where(
-            valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0
-        )
-        metrics["distill_kl"] = _token_mean(
-            (behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens
-        )
-    term, ratio, low, high = _POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
-    pg_loss = -_aggregate(term, valid, config, normalizer)
-    loss = pg_loss if distill is None else pg_loss + distill
-    if ref_logprobs is not None:
-        delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0)
-        # Schulman's k3: >= 0 per token, low variance. No floor on delta: exp() of a very negative
-        # number is 0, and the gradient far above the reference (1 - e**delta ~ 1) must survive.
-        k3 = _safe_exp(delta) - delta - 1
-        if config.kl_coef > 0:
-            loss = loss + config.kl_coef * _aggregate(k3, valid, config, normalizer)
-        metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
-    with torch.no_grad():
-        metrics["loss"] = loss.detach()
-        metrics["pg_loss"] = pg_loss.detach()
-        metrics["ratio_mean"] = _token_mean(ratio, valid, n_tokens)
-        metrics["ratio_max"] = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
-        metrics["clip_frac_low"] = _token_mean(low.to(ratio.dtype), valid, n_tokens)
-        metrics["clip_frac_high"] = _token_mean(high.to(ratio.dtype), valid, n_tokens)
-        if config.tis_cap is not None:
-            metrics["tis_frac"] = _token_mean((ratio > config.tis_cap).to(ratio.dtype), valid, n_tokens)
-        if entropy is not None:
-            metrics["entropy"] = _token_mean(entropy.detach().to(ratio.dtype), valid, n_tokens)
-    return loss, metrics
+        return adv, distill, _token_mean(kl.detach(), valid, n_tokens)
+    adv = torch.where(valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0)
+    distill_kl = _token_mean((behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens)
+    return adv, None, distill_kl
+
+
+def _k3(ref_logprobs: torch.Tensor, new_logprobs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(policy || reference) per token: >= 0, low variance, 0 at padding
+    (``exp(0) - 0 - 1``). Gradient flows into ``new_logprobs`` only."""
+    delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0)
+    # No floor on delta: exp() of a very negative number is 0, and the gradient far above the
+    # reference (1 - e**delta ~ 1) must survive.
+    return _safe_exp(delta) - delta - 1
+
+
+def _token_metrics(
+    ratio: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    entropy: torch.Tensor | None,
+    valid: torch.Tensor,
+    n_tokens: torch.Tensor,
+    config: GRPOLossConfig,
+) -> dict[str, torch.Tensor]:
+    """What the importance ratios did over the valid tokens (their mean and max, the share clipped
+    below and above, with ``tis_cap`` the share the TIS weight truncated) and, given, the entropy."""
+    metrics = {
+        "ratio_mean": _token_mean(ratio, valid, n_tokens),
+        "ratio_max": torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(()),
+        "clip_frac_low": _token_mean(low.to(ratio.dtype), valid, n_tokens),
+        "clip_frac_high": _token_mean(high.to(ratio.dtype), valid, n_tokens),
+    }
+    if config.tis_cap is not None:
+        metrics["tis_frac"] = _token_mean((ratio > config.tis_cap).to(ratio.dtype), valid, n_tokens)
+    if entropy is not None:
+        metrics["entropy"] = _token_mean(entropy.detach().to(ratio.dtype), valid, n_tokens)
+    return metrics
 
 
 def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
