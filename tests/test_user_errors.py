@@ -158,7 +158,7 @@ def test_every_help_lays_out_its_flags_one_way(tmp_path, command):
 
 
 def test_every_flag_the_launcher_shows_takes_both_spellings():
-    from asyncrl.cli import build_parser
+    from asyncrl.cli_parser import build_parser
 
     launch_help = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "launch", "--help"], capture_output=True, text=True, timeout=60

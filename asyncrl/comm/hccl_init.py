@@ -128,7 +128,8 @@ def init_comm(
         )
     if call.exc is not None:
         raise call.exc
-    assert call.rc is not None, "a finished call without an exception has its return code"
+    if call.rc is None:
+        raise RuntimeError("HcclCommInitRootInfo finished with neither an exception nor a return code")
     if call.rc != HCCL_SUCCESS:
         cls = CollectiveTimeoutError if call.rc == HCCL_E_TIMEOUT else CollectiveError
         raise cls(f"group {group.name!r} rank {group.rank}: HcclCommInitRootInfo failed: {lib.describe(call.rc)}")

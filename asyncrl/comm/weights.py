@@ -44,6 +44,7 @@ from asyncrl.comm.phase_clock import COPY, TRANSFER
 from asyncrl.comm.rendezvous import StoreGroup
 from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
 from asyncrl.comm.sync_stats import SyncStats
+from asyncrl.comm.sync_vote import agree, commit
 from asyncrl.comm.transfer_hook import at_transfer_start
 
 BucketSource = Callable[[int], list[torch.Tensor]]
@@ -84,33 +85,6 @@ class _WeightSync:
     def _who(self) -> str:
         return f"group {self.comm.group!r} rank {self.comm.rank}"
 
-    def _agree(self, version: int, refusal: str, base: int, keep: bool) -> SyncMode:
-        """First vote: same version, same layout, nobody refusing; else fail everywhere. It also
-        says whether the sender keeps a base (``keep``) and whether every member holds it."""
-        h = self.layout_hash
-        code = self.comm.rank + 1 if refusal else 0
-        votes = self.staging.vote([version, -version, h, -h, code, base, -base, int(keep)])
-        vmax, vneg, hmax, hneg, refuser, bmax, bneg, kept = votes
-        if refusal:
-            raise WeightSyncError(f"{self._who} refused weight sync v{version}: {refusal}")
-        if hmax != -hneg:
-            raise LayoutMismatchError(f"{self._who}: members disagree on the weight layout in sync v{version}")
-        if vmax != -vneg:
-            raise WeightSyncError(
-                f"{self._who}: members disagree on the version of this sync (from v{-vneg} to v{vmax})"
-            )
-        if refuser:
-            raise WeightSyncError(f"{self._who}: rank {refuser - 1} refused weight sync v{version} (see its error)")
-        return SyncMode(keep=bool(kept), delta=bool(kept) and bmax == -bneg and bmax >= 0)
-
-    def _commit(self, version: int, failure: str) -> None:
-        """Second vote: succeeds only if every member applied every bucket."""
-        (failed,) = self.staging.vote([self.comm.rank + 1 if failure else 0])
-        if failure:
-            raise WeightSyncError(f"{self._who}: weight sync v{version} failed here: {failure}")
-        if failed:
-            raise WeightSyncError(f"{self._who}: weight sync v{version} failed on rank {failed - 1}")
-
     def _run(
         self,
         version: int,
@@ -137,12 +111,12 @@ class _WeightSync:
             self.changes.count = WireCount()
         mode = SyncMode(keep=False, delta=False)
         try:
-            mode = self._agree(version, refusal, base, keep)
+            mode = agree(self.staging, self._who, version, self.layout_hash, refusal, base, keep)
             voted = time.perf_counter()
             at_transfer_start(self.comm.rank, version)  # test-only; inert unless its variable is set
             failure = move(mode)
             moved = time.perf_counter()
-            self._commit(version, failure)
+            commit(self.staging, self._who, version, failure)
             self.last_version = version
             self._committed(version, mode)
         except BaseException:

@@ -113,7 +113,8 @@ class ControlChannel:
         module, qualname, script = rec.class_ref
         payload, bufs = rec.init_payload
         if rec.node != 0:
-            assert self.cluster is not None, "a worker beyond node 0 came through the cluster"
+            if self.cluster is None:
+                raise RuntimeError("a worker beyond node 0 without a cluster: it can only come through one")
             bind = net.tcp_endpoint(self.cluster.nodes[rec.node].address, "*")
         elif cfg.transport == "ipc":
             bind = f"ipc://{self.run_dir}/{rec.index}-{rec.incarnation}.sock"

@@ -255,7 +255,8 @@ class Incarnations:
 
     def _remote(self) -> Cluster:
         """The cluster of node agents, which exists whenever an actor is placed beyond node 0."""
-        assert self._cluster is not None, "an actor placed on another node in a single-node run"
+        if self._cluster is None:
+            raise RuntimeError("an actor placed on another node in a single-node run")
         return self._cluster
 
     def release_devices(self, rec: ActorRecord) -> None:

@@ -105,7 +105,8 @@ class Supervisor:
             )
             if cfg.nnodes > 1:
                 gate = self._resources.gate
-                assert gate is not None, "cluster_keys gives keys, so a gate, whenever nnodes > 1"
+                if gate is None:
+                    raise RuntimeError("no gate in a multi-node run: cluster_keys gives keys whenever nnodes > 1")
                 self._cluster = self._control.cluster = Cluster(
                     self._resources.context, cfg, gate, self._control.on_worker, self._control.on_remote_log
                 )
@@ -243,13 +244,7 @@ class Supervisor:
             raise ValueError(f"max_restarts must be >= 0, not {max_restarts}")
         if call_timeout_s is not None and not call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be > 0, not {call_timeout_s!r}")
-        spec = init_spec(cls)
-        bufs: list = []
-        payload = self._payload.encode(spec.bind(args, kwargs or {}), bufs, first_index=1)
-        try:  # the actor decodes these against __init__'s annotations; refuse a mismatch here
-            spec.arg_decoder.decode(payload, [b"", *bufs])
-        except msgspec.ValidationError as e:
-            raise InvalidArgumentsError(name, "__init__", "InvalidArgumentsError", spec.explain(e)) from None
+        init_payload = self._init_payload(cls, name, args, kwargs or {})
         if share_devices_with is None:
             rank, devices = place(name, gpus, node, self.config.nnodes, self._devices, self._cluster)
         else:
@@ -259,7 +254,7 @@ class Supervisor:
             index=next(self._indices),
             cls=cls,
             class_ref=ref,
-            init_payload=(payload, bufs),
+            init_payload=init_payload,
             devices=devices,
             env={k: str(v) for k, v in (env or {}).items()},
             max_restarts=max_restarts,
@@ -270,6 +265,25 @@ class Supervisor:
         )
         rec.devices_released = share_devices_with is not None  # the owner's to give back
         self._records[name] = rec
+        await self._first_start(rec, keep_if_lost)
+        return ActorHandle(rec, endpoints_of(cls))
+
+    def _init_payload(
+        self, cls: type, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[msgspec.Raw, list]:
+        """``cls(*args, **kwargs)``'s arguments encoded for the actor's process, and its out-of-band buffers."""
+        spec = init_spec(cls)
+        bufs: list = []
+        payload = self._payload.encode(spec.bind(args, kwargs), bufs, first_index=1)
+        try:  # the actor decodes these against __init__'s annotations; refuse a mismatch here
+            spec.arg_decoder.decode(payload, [b"", *bufs])
+        except msgspec.ValidationError as e:
+            raise InvalidArgumentsError(name, "__init__", "InvalidArgumentsError", spec.explain(e)) from None
+        return payload, bufs
+
+    async def _first_start(self, rec: ActorRecord, keep_if_lost: bool) -> None:
+        """Start ``rec``'s first incarnation. A start that fails leaves nothing behind (`_forget`),
+        but one lost under ``keep_if_lost``: that actor stays, DEAD, its devices given back."""
         try:
             await self._incarnations.first_start(rec)
         except ActorStartError as e:
@@ -278,7 +292,7 @@ class Supervisor:
                 self._forget(rec, e)
                 raise
             log.error(
-                "actor %s is dead: its start was lost, %d restart(s) spent (%s)", name, rec.restarts, first_line(e)
+                "actor %s is dead: its start was lost, %d restart(s) spent (%s)", rec.name, rec.restarts, first_line(e)
             )
             rec.error = e
             rec.set_state(ActorState.DEAD)
@@ -286,7 +300,6 @@ class Supervisor:
         except BaseException as e:
             self._forget(rec, e)
             raise
-        return ActorHandle(rec, endpoints_of(cls))
 
     def _forget(self, rec: ActorRecord, e: BaseException) -> None:
         """A spawn that raises leaves nothing behind: the record is dropped, its devices go back."""

@@ -49,10 +49,8 @@ async def stream_answer(
     choice's tokens as they come; ``answer``: the whole answer of its completions."""
     from aiohttp import web
 
-    updates: asyncio.Queue = asyncio.Queue()
     stop = [body.stop] if isinstance(body.stop, str) else [s for s in body.stop or [] if s]
     texts = [TextStream(tokenizer, stop_token_ids, stop, chat and bool(body.tools)) for _ in range(body.n)]
-    started = [False] * body.n  # a chat choice's first delta names the role
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -60,25 +58,47 @@ async def stream_answer(
         "model": body.model or MODEL_NAME,
     }
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    events = _Events(request, response, head, texts, chat)
+    try:
+        whole = await events.stream(generate, answer)
+        if whole is not None:
+            await events.finish(whole)
+    except ConnectionError as exc:  # aiohttp's ClientConnectionResetError: the connection is closing
+        log.debug("a streamed answer ended early, its connection closed (%s)", exc)
+    return response
 
-    async def send(event: dict) -> None:
-        if not response.prepared:
-            await response.prepare(request)
-        await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
 
-    def choice(index: int, text: str, extra: dict | None = None, finish: str | None = None) -> dict:
-        if not chat:
-            return head | {
+class _Events:
+    """The events of one streamed answer, written to its ``response``: chunks shaped as the API's
+    (``head`` their common fields), a chat choice's first naming the role."""
+
+    def __init__(self, request, response, head: dict, texts: list[TextStream], chat: bool) -> None:
+        self.request, self.response, self.head, self.texts, self.chat = request, response, head, texts, chat
+        self.started = [False] * len(texts)  # a chat choice's first delta names the role
+
+    async def send(self, event: dict) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+
+    def choice(self, index: int, text: str, extra: dict | None = None, finish: str | None = None) -> dict:
+        if not self.chat:
+            return self.head | {
                 "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish} | (extra or {})]
             }
         delta: dict[str, Any] = {"content": text} if text else {}
-        if not started[index]:
-            delta, started[index] = {"role": "assistant"} | delta, True
-        return head | {
+        if not self.started[index]:
+            delta, self.started[index] = {"role": "assistant"} | delta, True
+        return self.head | {
             "choices": [{"index": index, "delta": delta | (extra or {}), "logprobs": None, "finish_reason": finish}]
         }
 
-    async def events() -> None:
+    async def stream(
+        self, generate: Callable[[Progress], Awaitable[list[Completion]]], answer: Callable[[list[Completion]], dict]
+    ) -> dict | None:
+        """Each choice's text as it is generated, then the whole answer; None where the answer was
+        refused after the response started (said in an ``error`` event)."""
+        updates: asyncio.Queue = asyncio.Queue()
         generating = asyncio.ensure_future(generate(lambda c, ids: updates.put_nowait((c, ids))))
         waiting: asyncio.Future | None = None
         try:
@@ -91,50 +111,46 @@ async def stream_answer(
                     index, ids = waiting.result()
                 else:
                     index, ids = updates.get_nowait()
-                piece = texts[index].update(ids)
+                piece = self.texts[index].update(ids)
                 if piece:
-                    await send(choice(index, piece))
+                    await self.send(self.choice(index, piece))
             try:
-                whole = answer(generating.result())
+                return answer(generating.result())
             except Refused as exc:
-                if not response.prepared:
+                if not self.response.prepared:
                     raise
-                await send({"error": {"message": str(exc), "type": exc.kind, "param": None, "code": exc.status}})
-                return
+                await self.send(_error(str(exc), exc.kind, exc.status))
+                return None
         finally:  # done, or the client went away: its generation is not wanted any more
             generating.cancel()
             if waiting is not None:
                 waiting.cancel()
-        for index, final in enumerate(whole["choices"]):
-            if chat:
-                message = final["message"]
-                rest = texts[index].finish(message["content"] or "")
-                extra: dict[str, Any] = {}
-                if message.get("tool_calls"):
-                    extra["tool_calls"] = [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]
-            else:
-                rest, extra = texts[index].finish(final["text"]), {}
-            if rest is None:  # cannot happen unless a backend decodes a prefix unlike the whole
-                await send(
-                    {
-                        "error": {
-                            "message": "the streamed text does not begin the answer's",
-                            "type": "server_error",
-                            "param": None,
-                            "code": 500,
-                        }
-                    }
-                )
-                return
-            event = choice(index, rest, extra)
-            event["choices"][0]["logprobs"] = final.get("logprobs")
-            await send(event)
-            await send(choice(index, "", finish=final["finish_reason"]))
-        await send(head | {"choices": [], "usage": whole["usage"]})
-        await response.write(b"data: [DONE]\n\n")
 
-    try:
-        await events()
-    except ConnectionError as exc:  # aiohttp's ClientConnectionResetError: the connection is closing
-        log.debug("a streamed answer ended early, its connection closed (%s)", exc)
-    return response
+    async def finish(self, whole: dict) -> None:
+        """Per choice the rest of its answer and its finish reason, then the usage and ``[DONE]``."""
+        for index, final in enumerate(whole["choices"]):
+            rest, extra = self._rest(index, final)
+            if rest is None:  # cannot happen unless a backend decodes a prefix unlike the whole
+                await self.send(_error("the streamed text does not begin the answer's", "server_error", 500))
+                return
+            event = self.choice(index, rest, extra)
+            event["choices"][0]["logprobs"] = final.get("logprobs")
+            await self.send(event)
+            await self.send(self.choice(index, "", finish=final["finish_reason"]))
+        await self.send(self.head | {"choices": [], "usage": whole["usage"]})
+        await self.response.write(b"data: [DONE]\n\n")
+
+    def _rest(self, index: int, final: dict) -> tuple[str | None, dict[str, Any]]:
+        """What choice ``index``'s stream has not sent of its ``final`` answer, and (chat) its tool calls."""
+        if not self.chat:
+            return self.texts[index].finish(final["text"]), {}
+        message = final["message"]
+        rest = self.texts[index].finish(message["content"] or "")
+        extra: dict[str, Any] = {}
+        if message.get("tool_calls"):
+            extra["tool_calls"] = [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]
+        return rest, extra
+
+
+def _error(message: str, kind: str, code: int) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

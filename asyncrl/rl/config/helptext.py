@@ -1,7 +1,7 @@
 """A script's ``--help``: every key of its config tree, laid out as ``asyncrl launch --help`` lays
 out the launcher's flags, so that the whole command line reads one way.
 
-The layout (argparse's, with ``asyncrl.cli``'s formatter): a group per section, titled with its
+The layout (argparse's, with ``asyncrl.cli_parser``'s formatter): a group per section, titled with its
 key (``run:``), its docstring below the title, then one entry per key: two spaces, the flag and
 what follows it, and the field's docstring on the next lines, indented by six and wrapped to the
 terminal's width less two (argparse's). For a key, what follows the flag is its default written as

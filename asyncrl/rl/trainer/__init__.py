@@ -1,2 +1,3 @@
 """The trainer: its actor (``actor.py``), micro-batches (``batching.py``), GRPO's loss
-(``loss.py``), and checkpoints written and loaded in its process (``checkpoint.py``)."""
+(``loss.py``; its policy terms: ``policy_terms.py``), and checkpoints written and loaded in its
+process (``checkpoint.py``)."""

@@ -9,20 +9,12 @@ loss, its gradient, or any metric.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig
 from asyncrl.rl.scoring.tokens import LossInputError
 from asyncrl.rl.trainer.distill import distill_advantages, topk_reverse_kl
-
-# exp() overflows float32 to inf above ~88.7 nats, and inf * 0 in a backward is NaN. Instead of
-# clamping the log-ratio (a clamp has zero gradient beyond its bound, so it silently DROPPED the
-# very tokens the truncated importance weight exists for, and the k3 KL's pull back towards the
-# reference), exp() is exact up to this many nats and continues linearly above, value and slope
-# continuous: e**50 ~ 5e21, so even a million such terms sum far below float32's 3.4e38.
-_EXP_EXACT_UP_TO = 50.0
+from asyncrl.rl.trainer.policy_terms import POLICY_TERMS, safe_exp
 
 
 def group_advantages(
@@ -139,12 +131,13 @@ def grpo_loss(
     ``mask``: nonzero marks a valid (scored) token. ``advantages``: ``[B]`` (one per sequence) or
     ``[B, L]`` (one per token). Per valid token, with ``r = exp(new - behaviour)`` (the importance
     ratio against the sampler's behaviour policy: the off-policy correction for stale groups) and
-    ``A`` its advantage, ``term`` is per ``config.policy_loss`` (`_ppo_clip`, `_gspo`, `_cispo`);
-    for 'ppo_clip' ``term = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (times the TIS
-    factor when ``tis_cap`` is set, see ``GRPOLossConfig``); ``loss = -aggregate(term) + kl_coef *
-    aggregate(k3)`` with ``k3 = exp(ref - new) - (ref - new) - 1``. Gradient flows only into
-    ``new_logprobs``; every other input is detached. These are exact (to float32) for any
-    log-ratio up to 50 nats either way, and finite with the right sign beyond (see ``_safe_exp``).
+    ``A`` its advantage, ``term`` is per ``config.policy_loss`` (``policy_terms.py``: `ppo_clip`,
+    `gspo`, `cispo`); for 'ppo_clip' ``term = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``
+    (times the TIS factor when ``tis_cap`` is set, see ``GRPOLossConfig``); ``loss =
+    -aggregate(term) + kl_coef * aggregate(k3)`` with ``k3 = exp(ref - new) - (ref - new) - 1``.
+    Gradient flows only into ``new_logprobs``; every other input is detached. These are exact (to
+    float32) for any log-ratio up to 50 nats either way, and finite with the right sign beyond
+    (see `safe_exp`).
 
     With ``distill_coef`` > 0, ``teacher_logprobs`` are a teacher's log-probs of the same tokens,
     and every token's advantage becomes `distill_advantages`' (on-policy distillation). With
@@ -166,6 +159,56 @@ def grpo_loss(
     ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
     so that logging them costs no device sync until the caller asks.
     """
+    _check_loss_inputs(
+        new_logprobs,
+        behaviour_logprobs,
+        advantages,
+        mask,
+        config,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        normalizer=normalizer,
+        teacher_logprobs=teacher_logprobs,
+        student_topk=student_topk,
+        teacher_topk=teacher_topk,
+    )
+    valid = mask.bool()
+    log_ratio, adv = _masked_ratio_and_advantages(new_logprobs, behaviour_logprobs, advantages, valid)
+    n_tokens = valid.sum()
+    metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
+    distill = None
+    if config.distill_coef > 0:
+        adv, distill, metrics["distill_kl"] = _distillation(
+            adv, valid, n_tokens, behaviour_logprobs, config, normalizer, teacher_logprobs, student_topk, teacher_topk
+        )
+    term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
+    pg_loss = -_aggregate(term, valid, config, normalizer)
+    loss = pg_loss if distill is None else pg_loss + distill
+    if ref_logprobs is not None:
+        k3 = _k3(ref_logprobs, new_logprobs, valid)
+        if config.kl_coef > 0:
+            loss = loss + config.kl_coef * _aggregate(k3, valid, config, normalizer)
+        metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
+    metrics.update(_step_metrics(loss, pg_loss, ratio, low, high, entropy, valid, n_tokens, config))
+    return loss, metrics
+
+
+def _check_loss_inputs(
+    new_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: GRPOLossConfig,
+    *,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    normalizer: float | None,
+    teacher_logprobs: torch.Tensor | None,
+    student_topk: torch.Tensor | None,
+    teacher_topk: torch.Tensor | None,
+) -> None:
+    """Refuse, before any arithmetic, inputs `grpo_loss` cannot read: shapes that disagree, and a
+    config that asks for an input not given."""
     _check_same_shape(
         new_logprobs,
         behaviour_logprobs=behaviour_logprobs,
@@ -194,157 +237,88 @@ def grpo_loss(
         )
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, not {normalizer!r}")
-    valid = mask.bool()
+
+
+def _masked_ratio_and_advantages(
+    new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token log importance ratio and ``[B, L]`` advantages, 0 at padding; only the ratio
+    carries a gradient (into ``new_logprobs``)."""
     # Mask BEFORE exp(): padding may hold NaN/inf, and where() routes a zero gradient to it. Not
-    # floored here: each policy term floors its own ratio (`_floored`; GSPO after its mean).
+    # floored here: each policy term floors its own ratio (``policy_terms.py``; GSPO after its mean).
     log_ratio = torch.where(valid, new_logprobs - behaviour_logprobs.detach(), 0.0)
     adv = advantages.detach().to(log_ratio.dtype)
     adv = torch.where(valid, adv if adv.dim() == 2 else adv.unsqueeze(1), 0.0)  # per-token padding may be NaN
-    n_tokens = valid.sum()
-    metrics: dict[str, torch.Tensor] = {"tokens": n_tokens.detach()}
-    distill = None
-    if config.distill_coef > 0 and teacher_topk is not None:
+    return log_ratio, adv
+
+
+def _distillation(
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    n_tokens: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    config: GRPOLossConfig,
+    normalizer: float | None,
+    teacher_logprobs: torch.Tensor | None,
+    student_topk: torch.Tensor | None,
+    teacher_topk: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The teacher's part of the loss (``distill_coef`` > 0): the advantages, the loss term to add
+    (None where the teacher acts through the advantages alone) and the ``distill_kl`` metric.
+
+    With the teacher's top-K the advantages stay the task's and the term is the aggregated
+    `topk_reverse_kl`; with its log-probs of the sampled tokens alone, every advantage becomes
+    `distill_advantages`' and there is no term."""
+    if teacher_topk is not None:
         # masked before the KL: padding may hold anything, and where() routes it no gradient
         kl = topk_reverse_kl(
             torch.where(valid[..., None], student_topk, 0.0), torch.where(valid[..., None], teacher_topk, 0.0)
         )
         kl = torch.where(valid, kl, 0.0)
         distill = config.distill_coef * _aggregate(kl, valid, config, normalizer)
-        metrics["distill_kl"] = _token_mean(kl.detach(), valid, n_tokens)
-    elif config.distill_coef > 0:
-        adv = torch.where(
-            valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0
-        )
-        metrics["distill_kl"] = _token_mean(
-            (behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens
-        )
-    term, ratio, low, high = _POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
-    pg_loss = -_aggregate(term, valid, config, normalizer)
-    loss = pg_loss if distill is None else pg_loss + distill
-    if ref_logprobs is not None:
-        delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0)
-        # Schulman's k3: >= 0 per token, low variance. No floor on delta: exp() of a very negative
-        # number is 0, and the gradient far above the reference (1 - e**delta ~ 1) must survive.
-        k3 = _safe_exp(delta) - delta - 1
-        if config.kl_coef > 0:
-            loss = loss + config.kl_coef * _aggregate(k3, valid, config, normalizer)
-        metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
-    with torch.no_grad():
-        metrics["loss"] = loss.detach()
-        metrics["pg_loss"] = pg_loss.detach()
-        metrics["ratio_mean"] = _token_mean(ratio, valid, n_tokens)
-        metrics["ratio_max"] = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
-        metrics["clip_frac_low"] = _token_mean(low.to(ratio.dtype), valid, n_tokens)
-        metrics["clip_frac_high"] = _token_mean(high.to(ratio.dtype), valid, n_tokens)
-        if config.tis_cap is not None:
-            metrics["tis_frac"] = _token_mean((ratio > config.tis_cap).to(ratio.dtype), valid, n_tokens)
-        if entropy is not None:
-            metrics["entropy"] = _token_mean(entropy.detach().to(ratio.dtype), valid, n_tokens)
-    return loss, metrics
+        return adv, distill, _token_mean(kl.detach(), valid, n_tokens)
+    adv = torch.where(valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0)
+    distill_kl = _token_mean((behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens)
+    return adv, None, distill_kl
 
 
-def _ppo_clip(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
-    """PPO's token-level clipped surrogate (`_clipped_surrogate`); the ratio and where a token
-    was clipped (its gradient dropped), below and above, for the metrics."""
-    log_ratio = _floored(log_ratio)
-    ratio = _safe_exp(log_ratio.detach())
-    low, high = (adv < 0) & (ratio < 1 - config.eps_low), (adv > 0) & (ratio > 1 + config.eps_high)
-    return _clipped_surrogate(log_ratio, adv, config), ratio, low, high
+def _k3(ref_logprobs: torch.Tensor, new_logprobs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(policy || reference) per token: >= 0, low variance, 0 at padding
+    (``exp(0) - 0 - 1``). Gradient flows into ``new_logprobs`` only."""
+    delta = torch.where(valid, ref_logprobs.detach() - new_logprobs, 0.0)
+    # No floor on delta: exp() of a very negative number is 0, and the gradient far above the
+    # reference (1 - e**delta ~ 1) must survive.
+    return safe_exp(delta) - delta - 1
 
 
-def _gspo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
-    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in the paper's GSPO-token
-    form: with the sequence ratio ``s_i = exp(mean_t log r_it)`` over the valid tokens (the
-    length-normalised geometric mean of the token ratios) and ``sg`` a stop-gradient::
-
-        s_it = sg(s_i) * exp(log r_it - sg(log r_it))       (value s_i, d s_it / d new_it = s_i)
-        term_it = min(s_it * A_it, clip(s_it, 1 - gspo_eps_low, 1 + gspo_eps_high) * A_it)
-
-    Aggregated by 'seq_mean' this is GSPO's objective exactly, value and gradient (the paper:
-    with ``A_it = A_i`` GSPO-token and GSPO coincide); the token form also takes per-token
-    advantages. Readings taken: the paper's ``pi_old`` is the behaviour policy (the sampler's
-    log-probs: in an async run the sequence ratio also corrects staleness); the clip is decided
-    by the sequence (every token of a clipped sequence loses its gradient); 'token_mean' weighs
-    a sequence by its length instead, which the paper does not do.
-
-    The floor at -`_EXP_EXACT_UP_TO` applies to the sequence's mean, not to each token before it:
-    a token far below its sampling log-prob (-80), or given probability 0 by the trainer (-inf),
-    lowers the sequence ratio as the formula says (to exp(-0.8) in a 100-token sequence; to
-    e**-50, i.e. 0, for -inf), where a floor per token would have changed it (to exp(-0.5)) and
-    every token's gradient with it. The token trick carries a unit gradient on each finite
-    log-ratio, and none on a -inf one (whose ``s_i / |y_i|`` is 0), so nothing is -inf - -inf."""
-    n = valid.sum(dim=1, keepdim=True).clamp(min=1)
-    seq = _floored(log_ratio.sum(dim=1, keepdim=True) / n).detach()  # log_ratio is 0 at padding
-    finite = torch.where(torch.isfinite(log_ratio), log_ratio, 0.0)
-    token = seq + finite - finite.detach()
-    clipped = torch.exp(token.clamp(math.log1p(-config.gspo_eps_low), math.log1p(config.gspo_eps_high)))
-    term = torch.minimum(_safe_exp(token) * adv, clipped * adv)
-    ratio = _safe_exp(seq).expand_as(log_ratio)
-    low = (adv < 0) & (ratio < 1 - config.gspo_eps_low)
-    high = (adv > 0) & (ratio > 1 + config.gspo_eps_high)
-    return term, ratio, low, high
-
-
-def _cispo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig):
-    """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE on every token, weighted by the
-    clipped and detached importance ratio ``w = sg(clip(r, 1 - cispo_eps_low, 1 + cispo_eps_high))``::
-
-        objective_it = w_it * A_it * log pi(y_it)    ->   gradient w_it * A_it * grad log pi(y_it)
-
-    No token loses its gradient (PPO's clip drops the rare high-ratio "fork" tokens); the weight
-    only bounds how much each counts. Reading taken: the paper's objective has ``log pi`` itself
-    as its value, a log-likelihood of no meaning here; we return ``w * A * (1 + log r - sg(log
-    r))``: the same gradient, and a value (``w * A``) comparable with the other losses' ``pg_loss``.
-    Normalised per the aggregation; the paper's is 'token_mean'. ``cispo_eps_low`` 1: no lower
-    bound on the weight (the paper's)."""
-    log_ratio = _floored(log_ratio)
-    sg = log_ratio.detach()
-    weight = torch.exp(
-        sg.clamp(
-            math.log1p(-config.cispo_eps_low) if config.cispo_eps_low < 1 else -math.inf,
-            math.log1p(config.cispo_eps_high),
-        )
-    )
-    term = weight * adv * (1 + log_ratio - sg)
-    ratio = _safe_exp(sg)
-    return term, ratio, ratio < 1 - config.cispo_eps_low, ratio > 1 + config.cispo_eps_high
-
-
-def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, config: GRPOLossConfig) -> torch.Tensor:
-    """Per token ``min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``, times ``w = min(1,
-    tis_cap / r)`` (detached) when ``tis_cap`` is set, computed without forming a huge ``r``.
-
-    The clipped branch clips in log space, so ``exp()`` never sees more than ``log(1 + eps_high)``.
-    With the TIS weight the unclipped branch is ``r * w * A = e**(lr - sg(lr)) * min(sg(r), cap) * A``
-    (``sg``: stop-gradient): its value is ``min(r, cap) * A`` and its gradient ``min(r, cap) * A``
-    for ANY log-ratio, the docstring's promise, with nothing to overflow. ``w > 0``, so scaling
-    both branches by it before ``minimum`` picks the same branch as the formula.
-    """
-    clipped_r = torch.exp(log_ratio.clamp(math.log1p(-config.eps_low), math.log1p(config.eps_high)))
-    if config.tis_cap is None:
-        return torch.minimum(_safe_exp(log_ratio) * adv, clipped_r * adv)
-    sg = log_ratio.detach()
-    log_cap = math.log(config.tis_cap)
-    weight = torch.exp((log_cap - sg).clamp(max=0.0))  # min(1, cap / r)
-    unclipped = torch.exp(log_ratio - sg) * torch.exp(sg.clamp(max=log_cap)) * adv
-    return torch.minimum(unclipped, clipped_r * weight * adv)
-
-
-def _floored(log_ratio: torch.Tensor) -> torch.Tensor:
-    """A token's log-ratio floored at -`_EXP_EXACT_UP_TO`: for a ratio of its own (PPO, CISPO) it
-    only drops gradients smaller than e**-50, and a -inf log-prob would otherwise give NaN
-    (0 * inf). GSPO floors its sequence's mean instead (`_gspo`)."""
-    return log_ratio.clamp(min=-_EXP_EXACT_UP_TO)
-
-
-def _safe_exp(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` up to ``_EXP_EXACT_UP_TO``, then its tangent line there: finite for every finite
-    ``x``, with a nonzero gradient everywhere (a clamp would have none above its bound)."""
-    e = torch.exp(x.clamp(max=_EXP_EXACT_UP_TO))
-    return torch.where(x > _EXP_EXACT_UP_TO, e * (1 + x - _EXP_EXACT_UP_TO), e)
-
-
-_POLICY_TERMS = {"ppo_clip": _ppo_clip, "gspo": _gspo, "cispo": _cispo}
+@torch.no_grad()
+def _step_metrics(
+    loss: torch.Tensor,
+    pg_loss: torch.Tensor,
+    ratio: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    entropy: torch.Tensor | None,
+    valid: torch.Tensor,
+    n_tokens: torch.Tensor,
+    config: GRPOLossConfig,
+) -> dict[str, torch.Tensor]:
+    """The loss and its policy term, what the importance ratios did over the valid tokens (their
+    mean and max, the share clipped below and above, with ``tis_cap`` the share the TIS weight
+    truncated) and, given, the entropy."""
+    metrics = {
+        "loss": loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "ratio_mean": _token_mean(ratio, valid, n_tokens),
+        "ratio_max": torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(()),
+        "clip_frac_low": _token_mean(low.to(ratio.dtype), valid, n_tokens),
+        "clip_frac_high": _token_mean(high.to(ratio.dtype), valid, n_tokens),
+    }
+    if config.tis_cap is not None:
+        metrics["tis_frac"] = _token_mean((ratio > config.tis_cap).to(ratio.dtype), valid, n_tokens)
+    if entropy is not None:
+        metrics["entropy"] = _token_mean(entropy.detach().to(ratio.dtype), valid, n_tokens)
+    return metrics
 
 
 def _aggregate(x: torch.Tensor, valid: torch.Tensor, config: GRPOLossConfig, normalizer: float | None) -> torch.Tensor:

@@ -86,7 +86,8 @@ class Pumps:
                 stream.cancel()
             await asyncio.wait(streams)  # their finally blocks give the credit back at once
         error = next(iter(done)).exception()  # a sibling's own failure is retrieved by `Membership.spawn`
-        assert error is not None, "a paced stream ends only by an error"
+        if error is None:
+            raise RuntimeError("a paced stream returned: it ends only by an error")
         raise error
 
     async def _paced_stream(self, m: Member, pacer: Pacer, turn: list[asyncio.Event]) -> None:
