@@ -18,8 +18,9 @@ during training: the synchronous baseline, same code, staleness always 0.
 
 `build_run()` (build.py) spawns the actors and builds the driver; the samplers, their faults and the
 weight-sync group are the `SamplerPool`'s (fleet/pool.py). A step's record is assembled in
-step_record.py, the held-out evaluation and the best policy are heldout.py's, and what the trainer
-writes into the run directory (a policy, a checkpoint) saving.py's.
+step_record.py, the progress (progress.json, ``asyncrl status``) is typed in run_progress.py, the
+held-out evaluation and the best policy are heldout.py's, and what the trainer writes into the run
+directory (a policy, a checkpoint) saving.py's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from asyncrl.rl.checkpoint import Checkpoint
 from asyncrl.rl.config.grpo import GRPOConfig
@@ -40,6 +43,7 @@ from asyncrl.rl.driver.fleet.scaling import Scaler
 from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.resume import resume_records
+from asyncrl.rl.driver.run_progress import DriverProgress
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.driver.saving import quietly, save_checkpoint, save_policy
 from asyncrl.rl.driver.step_record import (
@@ -51,6 +55,7 @@ from asyncrl.rl.driver.step_record import (
     step_record,
 )
 from asyncrl.rl.observe.episodes_log import EpisodeLog
+from asyncrl.rl.observe.eval_progress import EvalProgress
 from asyncrl.rl.observe.metrics import Metrics
 from asyncrl.rl.observe.painter import CurvesPainter
 from asyncrl.rl.observe.progress import Progress, make_progress
@@ -140,7 +145,7 @@ class GRPODriver:
         self.phase = "starting"
         self.heldout_extra: dict[str, float] = {}  # of the latest evaluation (heldout.py)
         self.eval_on_samplers = False  # where the evaluations run: resolved once the samplers are up
-        self.evaluating = None  # the evaluation under way's progress (`EvalProgress`), for the status
+        self.evaluating: EvalProgress | None = None  # the evaluation under way, for the status
         self.eval_s = 0.0  # the latest evaluation's wall time
         observe = self.run.observe
         self.episodes = EpisodeLog(run_dir, model_path, log, episodes=observe.episodes, ids=observe.episode_ids)
@@ -176,7 +181,7 @@ class GRPODriver:
 
     def snapshot(self) -> dict[str, float]:
         """The numbers of the last step's record and of the progress, for Prometheus."""
-        progress = {f"progress_{k}": v for k, v in scalars_of(self.progress()).items()}
+        progress = {f"progress_{k}": v for k, v in scalars_of(self.progress().to_dict()).items()}
         latest = self.latest.scalars() if self.latest is not None else {}
         return {
             **latest,
@@ -207,31 +212,30 @@ class GRPODriver:
         carried = self.state.faults
         return {k: carried.get(k, 0) + v for k, v in self.pool.counters.items()}
 
-    def progress(self) -> dict[str, Any]:
-        """The run's progress as plain JSON values: written to RUN_DIR/progress.json after every
-        step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
-        return {
-            "phase": self.phase,
-            "step": self.step_done,
-            "steps": self.run.steps,
-            "version": self.version,
-            "samples": self.samples,
-            "queue_depth": len(self.queue),
-            "dropped_stale": self.dropped_stale(),
-            "uniform_skipped": self.uniform_skipped(),
-            "heldout_before": self.heldout_before,
-            "elapsed_s": round(self.elapsed_s(), 3),
-            "last_step_s": round(self.last_step_s, 3),
-            "last_step_at": self.last_step_at,
-            "checkpoint": self.checkpoint_path,
-            **({"stalled": self.stall.reason} if self.stall.reason else {}),
-            **self.pool.progress(),
-            **(self.scaler.progress() if self.scaler else {}),
-            **self.fault_counts(),
-            **(self.pacer.stats() if self.pacer else {}),
-            **({"evaluating": self.evaluating.progress()} if self.evaluating is not None else {}),
-            "updated_at": time.time(),
-        }
+    def progress(self) -> DriverProgress:
+        """The run's progress (run_progress.py): its JSON is written to RUN_DIR/progress.json after
+        every step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
+        return DriverProgress(
+            phase=self.phase,
+            step=self.step_done,
+            steps=self.run.steps,
+            version=self.version,
+            samples=self.samples,
+            queue_depth=len(self.queue),
+            dropped_stale=self.dropped_stale(),
+            uniform_skipped=self.uniform_skipped(),
+            heldout_before=self.heldout_before,
+            elapsed_s=round(self.elapsed_s(), 3),
+            last_step_s=round(self.last_step_s, 3),
+            last_step_at=self.last_step_at,
+            checkpoint=self.checkpoint_path,
+            stalled=self.stall.reason,
+            pool=msgspec.structs.replace(self.pool.progress(), faults=self.fault_counts()),
+            scaling=self.scaler.progress() if self.scaler is not None else None,
+            pacing=self.pacer.stats() if self.pacer is not None else None,
+            evaluating=self.evaluating.progress() if self.evaluating is not None else None,
+            updated_at=time.time(),
+        )
 
     async def describe_stall(self, waited_s: float, limit_s: float) -> str:
         """What the step under way waits for, and from whom (`StallWatch`'s line)."""
@@ -251,7 +255,7 @@ class GRPODriver:
         )
 
     def write_progress(self) -> None:
-        write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
+        write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress().to_dict())
 
     def evaluates(self, step: int) -> bool:
         """Whether a held-out evaluation follows ``step``."""
