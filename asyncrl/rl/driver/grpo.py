@@ -40,8 +40,7 @@ from asyncrl.rl.driver import heldout
 from asyncrl.rl.driver.faults import trainer_phase
 from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.driver.fleet.scaling import Scaler
-from asyncrl.rl.driver.pacing import Pacer
-from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.driver.pacing import rollout_flow
 from asyncrl.rl.driver.resume import resume_records
 from asyncrl.rl.driver.run_progress import DriverProgress
 from asyncrl.rl.driver.run_state import RunState, read_run_state
@@ -99,24 +98,11 @@ class GRPODriver:
         self.run_dir, self.console = run_dir, log
         self.display: Progress | None = None  # while steps run: the bar (or lines) the console shares
         self.latest: StepRecord | None = None  # the last step's record, for the metrics endpoint
-        capacity = self.run.queue_capacity or 2 * self.run.groups_per_step
-        staleness = self.run.staleness_bound() if self.run.mode == "async" else 0
-        self.queue = RolloutQueue(capacity, staleness)
         self.events_path = os.path.join(run_dir, "faults.jsonl")
         self.resume = resume
         self.state = read_run_state(resume) if resume is not None else RunState(step=0, version=0)
         # Async mode: samplers begin only groups that will be trained in time (pacing.py).
-        self.pacer = (
-            Pacer(
-                self.queue,
-                self.run.groups_per_step,
-                staleness,
-                version=self.state.version,
-                next_step=self.state.step + 1,
-            )
-            if self.run.mode == "async"
-            else None
-        )
+        self.queue, self.pacer = rollout_flow(self.run, version=self.state.version, next_step=self.state.step + 1)
         # Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
         # them unique along the run's history (the one metrics.jsonl records).
         self.segment = self.state.segment + 1 if resume is not None else 0

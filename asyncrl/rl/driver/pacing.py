@@ -38,6 +38,7 @@ import asyncio
 import msgspec
 
 from asyncrl.errors import AsyncrlError
+from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.driver.queue import RolloutQueue, _Wakeup
 
 
@@ -151,3 +152,15 @@ class Pacer:
         return PacingStats(
             paced_in_flight=self.in_flight, paced_streams=self.streams, paced_wait_s=round(self.waited_s, 3)
         )
+
+
+def rollout_flow(run: RunConfig, *, version: int, next_step: int) -> tuple[RolloutQueue, Pacer | None]:
+    """The rollout queue of a run (``--run.queue_capacity``, else two steps' groups) and, in async
+    mode, its `Pacer` (``version``: the weights' now; ``next_step``: the first step to take a batch).
+    In sync mode a step's groups are made with its weights: a staleness bound of 0, nothing paced."""
+    asynchronous = run.mode == "async"
+    staleness = run.staleness_bound() if asynchronous else 0
+    queue = RolloutQueue(run.queue_capacity or 2 * run.groups_per_step, staleness)
+    if not asynchronous:
+        return queue, None
+    return queue, Pacer(queue, run.groups_per_step, staleness, version=version, next_step=next_step)
