@@ -98,7 +98,7 @@ async def test_the_progress_with_every_part_has_the_keys_values_and_order_it_alw
         m.state, m.incarnation = MemberState.JOINED, 2
         driver.step_done = driver.version = 39
         driver.samples, driver.phase = 1234, "training"
-        driver.heldout_before = {"greedy": 0.25, "sampled": 0.125}
+        driver.heldout.before = {"greedy": 0.25, "sampled": 0.125}
         driver.last_step_s, driver.last_step_at = 1.23456, 1699999999.5
         driver.checkpoint_path = "/x/checkpoints/step-00000038"
         driver.stall.reason = "no step for 10 s"
@@ -108,7 +108,7 @@ async def test_the_progress_with_every_part_has_the_keys_values_and_order_it_alw
         driver.scaler.starting = {10: None, 2: None}  # names sorted as text
         under_way = EvalProgress(500, 4, 39, "sampler0", lambda line: None, clock=lambda: 10.0)
         under_way.began = 2.5
-        driver.evaluating = under_way
+        driver.heldout.under_way = under_way
         assert driver.pacer is not None  # async mode
         driver.pacer.in_flight, driver.pacer.streams, driver.pacer.waited_s = 3, 1, 2.34567
 

@@ -36,10 +36,10 @@ import msgspec
 from asyncrl.rl.checkpoint import Checkpoint
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import config_to_dict
-from asyncrl.rl.driver import heldout
 from asyncrl.rl.driver.faults import trainer_phase
 from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.driver.fleet.scaling import Scaler
+from asyncrl.rl.driver.heldout import BEST_DIR, HeldoutRecord
 from asyncrl.rl.driver.pacing import rollout_flow
 from asyncrl.rl.driver.resume import resume_records
 from asyncrl.rl.driver.run_progress import DriverProgress
@@ -54,12 +54,11 @@ from asyncrl.rl.driver.step_record import (
     step_record,
 )
 from asyncrl.rl.observe.episodes_log import EpisodeLog
-from asyncrl.rl.observe.eval_progress import EvalProgress
 from asyncrl.rl.observe.metrics import Metrics
 from asyncrl.rl.observe.painter import CurvesPainter
 from asyncrl.rl.observe.progress import Progress, make_progress
 from asyncrl.rl.observe.record import StepRecord, scalars_of
-from asyncrl.rl.observe.report import RunSummary, heldout_extra_text, rates_text, summary_text
+from asyncrl.rl.observe.report import RunSummary, summary_text
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.observe.writers import MetricWriters
@@ -90,10 +89,9 @@ class GRPODriver:
         reward_model=None,
         scaler: Callable[[SamplerPool], Scaler] | None = None,
     ):
-        """The driver's state, one assignment per part with what it is; over 80 lines for that
-        reason: split, the one list of what the driver holds would be scattered over helpers."""
+        """The driver's state, one assignment per part with what it is."""
         self.config, self.run = config, config.run
-        self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
+        self.trainer = trainer
         self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
         self.run_dir, self.console = run_dir, log
         self.display: Progress | None = None  # while steps run: the bar (or lines) the console shares
@@ -127,12 +125,9 @@ class GRPODriver:
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
-        self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
+        # The held-out rates before GRPO and at the last evaluation, the best policy (heldout.py).
+        self.heldout = HeldoutRecord(trainer, self.run, run_dir, self.log, self.state, resumed=resume is not None)
         self.phase = "starting"
-        self.heldout_extra: dict[str, float] = {}  # of the latest evaluation (heldout.py)
-        self.eval_on_samplers = False  # where the evaluations run: resolved once the samplers are up
-        self.evaluating: EvalProgress | None = None  # the evaluation under way, for the status
-        self.eval_s = 0.0  # the latest evaluation's wall time
         observe = self.run.observe
         self.episodes = EpisodeLog(run_dir, model_path, log, episodes=observe.episodes, ids=observe.episode_ids)
         self.trained_head: list[RolloutGroup] = []
@@ -143,7 +138,6 @@ class GRPODriver:
         self.model_path, self.log_path = model_path, log_path
         self.began = False  # training began (the held-out rates before it are known)
         self.after_step = ""  # what the driver does after a step's training, while it does it
-        self.best = heldout.read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
         self.waiting = ""  # what the step under way waits for: "batch", "train", "sync" or "check"
         self.stall = StallWatch(
             self.run.observe.stall_factor,
@@ -210,7 +204,7 @@ class GRPODriver:
             queue_depth=len(self.queue),
             dropped_stale=self.dropped_stale(),
             uniform_skipped=self.uniform_skipped(),
-            heldout_before=self.heldout_before,
+            heldout_before=self.heldout.before,
             elapsed_s=round(self.elapsed_s(), 3),
             last_step_s=round(self.last_step_s, 3),
             last_step_at=self.last_step_at,
@@ -219,7 +213,7 @@ class GRPODriver:
             pool=msgspec.structs.replace(self.pool.progress(), faults=self.fault_counts()),
             scaling=self.scaler.progress() if self.scaler is not None else None,
             pacing=self.pacer.stats() if self.pacer is not None else None,
-            evaluating=self.evaluating.progress() if self.evaluating is not None else None,
+            evaluating=self.heldout.under_way.progress() if self.heldout.under_way is not None else None,
             updated_at=time.time(),
         )
 
@@ -242,30 +236,6 @@ class GRPODriver:
 
     def write_progress(self) -> None:
         write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress().to_dict())
-
-    def evaluates(self, step: int) -> bool:
-        """Whether a held-out evaluation follows ``step``."""
-        return step % self.run.eval_every == 0 or step == self.run.steps
-
-    async def evaluate(self) -> dict[str, float]:
-        """The held-out solve rates of the trainer's weights (``self.version``); the evaluation's
-        task metrics go to ``heldout_extra``, its time to ``eval_s`` (heldout.py). No weight sync
-        runs while it is awaited (the loop syncs inside a step only), so a sampler evaluates the
-        version the step left it."""
-
-        def shown(progress) -> None:
-            self.evaluating = progress
-
-        found = await heldout.evaluate(
-            self.trainer,
-            self.run,
-            self.log,
-            version=self.version,
-            members=self.pool.membership if self.eval_on_samplers else None,
-            shown=shown,
-        )
-        self.heldout_extra, self.eval_s = found.extra, found.seconds
-        return found.rates
 
     async def execute(self) -> dict[str, Any]:
         """The run: the samplers started and the held-out rates before GRPO (`begin`), the steps,
@@ -301,16 +271,11 @@ class GRPODriver:
         """The samplers started, where evaluations run, and (a fresh run) the held-out solve rates
         before GRPO; then the run is training."""
         await self.pool.start(self.version, list(self.state.samplers))
-        self.eval_on_samplers = await heldout.eval_place(self.pool.membership, self.run, self.log)
+        await self.heldout.place(self.pool.membership)
         await asyncio.to_thread(self.episodes.load)
         if self.resume is None:
             self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
-            self.heldout_before = self.heldout_last = await self.evaluate()
-            self.log(
-                f"held-out solve rate before GRPO ({self.n_heldout} problems): "
-                + rates_text(self.heldout_before)
-                + heldout_extra_text(self.heldout_extra)
-            )
+            await self.heldout.before_grpo(self.version)
         self.phase, self.began = "training", True
         self.write_progress()
 
@@ -320,23 +285,16 @@ class GRPODriver:
         """What follows step ``step`` (begun at ``started``): its evaluation if due, its record,
         the best policy if it beat the last, its checkpoint if due, the progress."""
         run = self.run
-        evaluated = self.evaluates(step)
+        evaluated = self.heldout.due(step)
         if evaluated:
-            self.heldout_last = await self.evaluate()
-            record.heldout_solve_rate = self.heldout_last["greedy"]
-            record.heldout_sampled_solve_rate = self.heldout_last.get("sampled")
-            record.heldout_task = self.heldout_extra
-            record.eval_s = self.eval_s
+            await self.heldout.after_step(self.version, record)
         metrics.write(record)  # before the checkpoint: a resume from it keeps this record
         self.episodes.write(step, self.trained_head)
         self.latest = record
         self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
-        if evaluated and self.heldout_last["greedy"] > self.best_greedy():
+        if evaluated and self.heldout.last["greedy"] > self.heldout.best_greedy():
             self.after_step = "saving the best policy"
-            # before the checkpoint: a resume from it knows this best
-            self.best = await heldout.save_best(
-                self.trainer, run, self.run_dir, step, self.heldout_last, self.heldout_before, self.n_heldout, self.log
-            )
+            await self.heldout.save_best(step)  # before the checkpoint: a resume from it knows this best
         if run.checkpoints.checkpoint_every and step % run.checkpoints.checkpoint_every == 0:
             self.after_step = "writing its checkpoint"
             await self.checkpoint(step)
@@ -383,9 +341,9 @@ class GRPODriver:
         summary = RunSummary(
             steps=run.steps,
             mode=run.mode,
-            heldout_before=self.heldout_before,
-            heldout_after=self.heldout_last,
-            heldout_problems=self.n_heldout,
+            heldout_before=self.heldout.before,
+            heldout_after=self.heldout.last,
+            heldout_problems=self.heldout.problems,
             wall_s=wall,
             samples=self.samples,
             samples_per_s=self.samples / max(wall, 1e-9),
@@ -394,7 +352,7 @@ class GRPODriver:
             uniform_skipped=self.uniform_skipped(),
             checkpoint=final_dir,
             final=final_dir,
-            best=({"path": os.path.join(self.run_dir, heldout.BEST_DIR), **self.best} if self.best else None),
+            best=({"path": os.path.join(self.run_dir, BEST_DIR), **best} if (best := self.heldout.best) else None),
             initial_policy=self.model_path,
             metrics=os.path.join(self.run_dir, "metrics.jsonl"),
             log=self.log_path,
@@ -407,12 +365,6 @@ class GRPODriver:
         summary.write(os.path.join(self.run_dir, "summary.json"))
         self.log(summary_text(summary))
         return summary.to_dict()
-
-    def best_greedy(self) -> float:
-        """The held-out greedy solve rate to beat: the best saved, else the policy's before GRPO."""
-        if self.best is not None:
-            return self.best["heldout"]["greedy"]
-        return self.heldout_before.get("greedy", -1.0)
 
     async def step(self, step: int) -> StepRecord:
         run, n = self.run, self.run.groups_per_step
@@ -435,7 +387,7 @@ class GRPODriver:
         self.version = step  # the weights after step k are version k: the step is the one count of both
         synced, digests = sync_record(0.0, None, []), {}
         # An evaluation on the samplers evaluates the weights they hold: the step's, whatever sync_every.
-        if self.version % run.sync_every == 0 or (self.eval_on_samplers and self.evaluates(step)):
+        if self.version % run.sync_every == 0 or (self.heldout.on_samplers and self.heldout.due(step)):
             self.waiting = "sync"
             if self.scaler is not None:  # a scale request changes the group here, with the sync
                 await self.scaler.at_sync()
@@ -466,8 +418,8 @@ class GRPODriver:
             dropped_stale=self.dropped_stale(),
             uniform_skipped=self.uniform_skipped(),
             train_s=self.elapsed_s(),
-            heldout_before=self.heldout_before,
-            heldout_last=self.heldout_last,
+            heldout_before=self.heldout.before,
+            heldout_last=self.heldout.last,
             samplers=await self.pool.data_states(),
             faults=self.fault_counts(),
             segment=self.segment,
