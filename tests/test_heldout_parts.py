@@ -251,7 +251,7 @@ async def test_progress_lines_say_problems_done_of_the_total_and_the_rate():
     now[0] += 20.0
     await progress.tick()
     assert logs[-1].endswith(": greedy 500/500, sampled 100/500 problems, 15.0 a second, 40 s")
-    assert progress.progress() == {
+    assert progress.progress().to_dict() == {
         "version": 12,
         "on": "sampler0, sampler1 and the trainer",
         "greedy": [500, 500],

@@ -198,11 +198,12 @@ LOOP = (
     "asyncrl.rl.driver.saving",
     "asyncrl.rl.driver.start_checks",
     "asyncrl.rl.driver.step_record",
+    "asyncrl.rl.driver.run_progress",
     "asyncrl.rl.driver.resume",
 )
 """The driver's loop: the package (its __init__ imports train()), the steps, the run (its build, its
 scope, its actors' spawns), and the parts of them in modules of their own (evaluation, saving, start
-checks, step records, resume)."""
+checks, step records, the progress, resume)."""
 
 
 def test_the_fleet_never_reaches_back_into_the_loop():

@@ -109,7 +109,7 @@ async def test_room_follows_versions_steps_and_what_is_queued():
 async def test_the_pacer_counts_grants_in_flight_and_their_peaks_since_the_last_step():
     pacer = Pacer(RolloutQueue(32, 1), 16, 1, version=0, next_step=1)
     assert await pacer.acquire(8, 1.0, "s") == 8 and await pacer.acquire(8, 1.0, "s") == 8
-    assert pacer.stats()["paced_streams"] == 2 and pacer.stats()["paced_in_flight"] == 16
+    assert pacer.stats().paced_streams == 2 and pacer.stats().paced_in_flight == 16
     pacer.delivered()
     pacer.give_back(7)  # the first batch ended after one group
     assert pacer.take_peaks() == (2, 16)  # the step's most: two batches, 16 groups

@@ -435,7 +435,7 @@ async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_be
     finally:
         await pool.close()
     assert [m.state for m in pool.members] == [MemberState.GONE, MemberState.LOST, MemberState.JOINED], logs
-    assert never.calls == [] and pool.progress()["samplers"]["sampler0"] == "gone"
+    assert never.calls == [] and pool.progress().samplers["sampler0"] == "gone"
     (fault,) = pool.faults
     assert fault.sampler == "sampler1" and "during taking its data position" in fault.cause, fault
     assert pool.generation == 0 and up.calls.count("receive_weights") == 1, logs

@@ -38,7 +38,7 @@ from asyncrl.rl.checkpoint import (
 )
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import parse_overrides
-from asyncrl.rl.driver.grpo import GRPODriver
+from asyncrl.rl.driver.heldout import HeldoutRecord
 from asyncrl.rl.driver.run import train
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.driver.saving import RunDirError, run_dir_error
@@ -364,7 +364,9 @@ async def test_a_damaged_checkpoint_is_skipped_and_group_ids_stay_unique_across_
     run_dir = tmp_path / "run"
     # Every evaluation of the first segment counts as a new best until one does not beat the last:
     # with the real rule (beat the policy before GRPO) a 4-step run of a tiny model might save none.
-    monkeypatch.setattr(GRPODriver, "best_greedy", lambda self: self.best["heldout"]["greedy"] if self.best else -1.0)
+    monkeypatch.setattr(
+        HeldoutRecord, "best_greedy", lambda self: self.best["heldout"]["greedy"] if self.best else -1.0
+    )
     async with Supervisor() as sup:
         first = await train(
             tiny(model_path, run_dir, "--run.steps", "4", "--run.checkpoint_every", "2", "--run.eval_every", "1"),

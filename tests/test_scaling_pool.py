@@ -93,7 +93,7 @@ async def test_a_drain_asked_during_a_sync_is_applied_at_the_next_one_with_one_r
     for drained in samplers[1:]:  # out of the new group: neither joined it nor took v2
         assert drained.calls.count("sync_join") == 0 and drained.calls.count("receive_weights") == 1
     assert sorted(stopped) == ["sampler1", "sampler2"] and not pool.faults
-    assert pool.progress()["samplers"] == {"sampler0": "in group", "sampler1": "drained", "sampler2": "drained"}
+    assert pool.progress().samplers == {"sampler0": "in group", "sampler1": "drained", "sampler2": "drained"}
     assert pool.take_events()["samplers_in_group"] == 1
 
 
@@ -279,7 +279,7 @@ async def test_a_checkpoint_records_the_scaled_size_and_a_resumed_scaler_keeps_i
         pool.membership.lose(pool.members[2], "died (killed by SIGKILL)", kill=False)
         await asyncio.wait_for(pool.members[2].waiter, 5)
         await resumed.at_sync()
-        assert list(resumed.starting) == [3] and resumed.progress()["samplers_target"] == 3, logs
+        assert list(resumed.starting) == [3] and resumed.progress().samplers_target == 3, logs
         await resumed.close()
     finally:
         await pool.close()
@@ -400,7 +400,7 @@ async def test_the_answer_says_the_samplers_running_and_starting_and_the_target_
     pool = make_pool(trainer(), samplers, logs)
     scaler = scaler_of(pool, logs, stopped, {1: sampler("sampler1"), 2: sampler("sampler2")})
     try:
-        assert scaler.progress() == {"samplers_target": 1, "samplers_starting": []}
+        assert scaler.progress().to_dict() == {"samplers_target": 1, "samplers_starting": []}
         up = scaler.request({"samplers": 3})
         assert (up["running"], up["starting"], up["previous_target"], up["target"]) == (1, 0, 1, 3)
         down = scaler.request({"samplers": 1})

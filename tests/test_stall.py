@@ -157,7 +157,9 @@ async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_5
     driver.step_done = driver.version = 39
     for i in range(14):
         assert await driver.queue.put(rollout(39, i), timeout_s=1.0)
-    server = StatusServer(str(tmp_path), actors=lambda: [], nodes=lambda: [], progress=driver.progress)
+    server = StatusServer(
+        str(tmp_path), actors=lambda: [], nodes=lambda: [], progress=lambda: driver.progress().to_dict()
+    )
     server.start()
     endpoint = MetricsEndpoint(
         "127.0.0.1",
@@ -199,7 +201,7 @@ async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_5
         driver.stall.step_ended(driver.stall.waited_s())  # the batch came
         code, _, body = await asyncio.to_thread(get, base + "/healthz")
         assert code == 200 and json.loads(body)["healthy"] is True
-        assert "stalled" not in driver.progress() and logs[-1].startswith("steps resume")
+        assert "stalled" not in driver.progress().to_dict() and logs[-1].startswith("steps resume")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

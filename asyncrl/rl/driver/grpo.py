@@ -18,8 +18,9 @@ during training: the synchronous baseline, same code, staleness always 0.
 
 `build_run()` (build.py) spawns the actors and builds the driver; the samplers, their faults and the
 weight-sync group are the `SamplerPool`'s (fleet/pool.py). A step's record is assembled in
-step_record.py, the held-out evaluation and the best policy are heldout.py's, and what the trainer
-writes into the run directory (a policy, a checkpoint) saving.py's.
+step_record.py, the progress (progress.json, ``asyncrl status``) is typed in run_progress.py, the
+held-out evaluation and the best policy are heldout.py's, and what the trainer writes into the run
+directory (a policy, a checkpoint) saving.py's.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from asyncrl.rl.checkpoint import Checkpoint
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import config_to_dict
-from asyncrl.rl.driver import heldout
 from asyncrl.rl.driver.faults import trainer_phase
 from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.driver.fleet.scaling import Scaler
-from asyncrl.rl.driver.pacing import Pacer
-from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.driver.heldout import BEST_DIR, HeldoutRecord
+from asyncrl.rl.driver.pacing import rollout_flow
 from asyncrl.rl.driver.resume import resume_records
+from asyncrl.rl.driver.run_progress import DriverProgress
 from asyncrl.rl.driver.run_state import RunState, read_run_state
 from asyncrl.rl.driver.saving import quietly, save_checkpoint, save_policy
 from asyncrl.rl.driver.step_record import (
@@ -55,7 +58,7 @@ from asyncrl.rl.observe.metrics import Metrics
 from asyncrl.rl.observe.painter import CurvesPainter
 from asyncrl.rl.observe.progress import Progress, make_progress
 from asyncrl.rl.observe.record import StepRecord, scalars_of
-from asyncrl.rl.observe.report import RunSummary, heldout_extra_text, rates_text, summary_text
+from asyncrl.rl.observe.report import RunSummary, summary_text
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.observe.writers import MetricWriters
@@ -86,32 +89,18 @@ class GRPODriver:
         reward_model=None,
         scaler: Callable[[SamplerPool], Scaler] | None = None,
     ):
-        """The driver's state, one assignment per part with what it is; over 80 lines for that
-        reason: split, the one list of what the driver holds would be scattered over helpers."""
+        """The driver's state, one assignment per part with what it is."""
         self.config, self.run = config, config.run
-        self.trainer, self.n_heldout = trainer, config.run.data.n_heldout  # the trainer holds the problems
+        self.trainer = trainer
         self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
         self.run_dir, self.console = run_dir, log
         self.display: Progress | None = None  # while steps run: the bar (or lines) the console shares
         self.latest: StepRecord | None = None  # the last step's record, for the metrics endpoint
-        capacity = self.run.queue_capacity or 2 * self.run.groups_per_step
-        staleness = self.run.staleness_bound() if self.run.mode == "async" else 0
-        self.queue = RolloutQueue(capacity, staleness)
         self.events_path = os.path.join(run_dir, "faults.jsonl")
         self.resume = resume
         self.state = read_run_state(resume) if resume is not None else RunState(step=0, version=0)
         # Async mode: samplers begin only groups that will be trained in time (pacing.py).
-        self.pacer = (
-            Pacer(
-                self.queue,
-                self.run.groups_per_step,
-                staleness,
-                version=self.state.version,
-                next_step=self.state.step + 1,
-            )
-            if self.run.mode == "async"
-            else None
-        )
+        self.queue, self.pacer = rollout_flow(self.run, version=self.state.version, next_step=self.state.step + 1)
         # Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
         # them unique along the run's history (the one metrics.jsonl records).
         self.segment = self.state.segment + 1 if resume is not None else 0
@@ -136,12 +125,9 @@ class GRPODriver:
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
-        self.heldout_before, self.heldout_last = dict(self.state.heldout_before), dict(self.state.heldout_last)
+        # The held-out rates before GRPO and at the last evaluation, the best policy (heldout.py).
+        self.heldout = HeldoutRecord(trainer, self.run, run_dir, self.log, self.state, resumed=resume is not None)
         self.phase = "starting"
-        self.heldout_extra: dict[str, float] = {}  # of the latest evaluation (heldout.py)
-        self.eval_on_samplers = False  # where the evaluations run: resolved once the samplers are up
-        self.evaluating = None  # the evaluation under way's progress (`EvalProgress`), for the status
-        self.eval_s = 0.0  # the latest evaluation's wall time
         observe = self.run.observe
         self.episodes = EpisodeLog(run_dir, model_path, log, episodes=observe.episodes, ids=observe.episode_ids)
         self.trained_head: list[RolloutGroup] = []
@@ -152,7 +138,6 @@ class GRPODriver:
         self.model_path, self.log_path = model_path, log_path
         self.began = False  # training began (the held-out rates before it are known)
         self.after_step = ""  # what the driver does after a step's training, while it does it
-        self.best = heldout.read_best(run_dir) if resume is not None else None  # it may be newer than the checkpoint
         self.waiting = ""  # what the step under way waits for: "batch", "train", "sync" or "check"
         self.stall = StallWatch(
             self.run.observe.stall_factor,
@@ -176,7 +161,7 @@ class GRPODriver:
 
     def snapshot(self) -> dict[str, float]:
         """The numbers of the last step's record and of the progress, for Prometheus."""
-        progress = {f"progress_{k}": v for k, v in scalars_of(self.progress()).items()}
+        progress = {f"progress_{k}": v for k, v in scalars_of(self.progress().to_dict()).items()}
         latest = self.latest.scalars() if self.latest is not None else {}
         return {
             **latest,
@@ -207,31 +192,30 @@ class GRPODriver:
         carried = self.state.faults
         return {k: carried.get(k, 0) + v for k, v in self.pool.counters.items()}
 
-    def progress(self) -> dict[str, Any]:
-        """The run's progress as plain JSON values: written to RUN_DIR/progress.json after every
-        step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
-        return {
-            "phase": self.phase,
-            "step": self.step_done,
-            "steps": self.run.steps,
-            "version": self.version,
-            "samples": self.samples,
-            "queue_depth": len(self.queue),
-            "dropped_stale": self.dropped_stale(),
-            "uniform_skipped": self.uniform_skipped(),
-            "heldout_before": self.heldout_before,
-            "elapsed_s": round(self.elapsed_s(), 3),
-            "last_step_s": round(self.last_step_s, 3),
-            "last_step_at": self.last_step_at,
-            "checkpoint": self.checkpoint_path,
-            **({"stalled": self.stall.reason} if self.stall.reason else {}),
-            **self.pool.progress(),
-            **(self.scaler.progress() if self.scaler else {}),
-            **self.fault_counts(),
-            **(self.pacer.stats() if self.pacer else {}),
-            **({"evaluating": self.evaluating.progress()} if self.evaluating is not None else {}),
-            "updated_at": time.time(),
-        }
+    def progress(self) -> DriverProgress:
+        """The run's progress (run_progress.py): its JSON is written to RUN_DIR/progress.json after
+        every step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
+        return DriverProgress(
+            phase=self.phase,
+            step=self.step_done,
+            steps=self.run.steps,
+            version=self.version,
+            samples=self.samples,
+            queue_depth=len(self.queue),
+            dropped_stale=self.dropped_stale(),
+            uniform_skipped=self.uniform_skipped(),
+            heldout_before=self.heldout.before,
+            elapsed_s=round(self.elapsed_s(), 3),
+            last_step_s=round(self.last_step_s, 3),
+            last_step_at=self.last_step_at,
+            checkpoint=self.checkpoint_path,
+            stalled=self.stall.reason,
+            pool=msgspec.structs.replace(self.pool.progress(), faults=self.fault_counts()),
+            scaling=self.scaler.progress() if self.scaler is not None else None,
+            pacing=self.pacer.stats() if self.pacer is not None else None,
+            evaluating=self.heldout.under_way.progress() if self.heldout.under_way is not None else None,
+            updated_at=time.time(),
+        )
 
     async def describe_stall(self, waited_s: float, limit_s: float) -> str:
         """What the step under way waits for, and from whom (`StallWatch`'s line)."""
@@ -251,31 +235,7 @@ class GRPODriver:
         )
 
     def write_progress(self) -> None:
-        write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress())
-
-    def evaluates(self, step: int) -> bool:
-        """Whether a held-out evaluation follows ``step``."""
-        return step % self.run.eval_every == 0 or step == self.run.steps
-
-    async def evaluate(self) -> dict[str, float]:
-        """The held-out solve rates of the trainer's weights (``self.version``); the evaluation's
-        task metrics go to ``heldout_extra``, its time to ``eval_s`` (heldout.py). No weight sync
-        runs while it is awaited (the loop syncs inside a step only), so a sampler evaluates the
-        version the step left it."""
-
-        def shown(progress) -> None:
-            self.evaluating = progress
-
-        found = await heldout.evaluate(
-            self.trainer,
-            self.run,
-            self.log,
-            version=self.version,
-            members=self.pool.membership if self.eval_on_samplers else None,
-            shown=shown,
-        )
-        self.heldout_extra, self.eval_s = found.extra, found.seconds
-        return found.rates
+        write_json_atomic(os.path.join(self.run_dir, "progress.json"), self.progress().to_dict())
 
     async def execute(self) -> dict[str, Any]:
         """The run: the samplers started and the held-out rates before GRPO (`begin`), the steps,
@@ -311,16 +271,11 @@ class GRPODriver:
         """The samplers started, where evaluations run, and (a fresh run) the held-out solve rates
         before GRPO; then the run is training."""
         await self.pool.start(self.version, list(self.state.samplers))
-        self.eval_on_samplers = await heldout.eval_place(self.pool.membership, self.run, self.log)
+        await self.heldout.place(self.pool.membership)
         await asyncio.to_thread(self.episodes.load)
         if self.resume is None:
             self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
-            self.heldout_before = self.heldout_last = await self.evaluate()
-            self.log(
-                f"held-out solve rate before GRPO ({self.n_heldout} problems): "
-                + rates_text(self.heldout_before)
-                + heldout_extra_text(self.heldout_extra)
-            )
+            await self.heldout.before_grpo(self.version)
         self.phase, self.began = "training", True
         self.write_progress()
 
@@ -330,23 +285,16 @@ class GRPODriver:
         """What follows step ``step`` (begun at ``started``): its evaluation if due, its record,
         the best policy if it beat the last, its checkpoint if due, the progress."""
         run = self.run
-        evaluated = self.evaluates(step)
+        evaluated = self.heldout.due(step)
         if evaluated:
-            self.heldout_last = await self.evaluate()
-            record.heldout_solve_rate = self.heldout_last["greedy"]
-            record.heldout_sampled_solve_rate = self.heldout_last.get("sampled")
-            record.heldout_task = self.heldout_extra
-            record.eval_s = self.eval_s
+            await self.heldout.after_step(self.version, record)
         metrics.write(record)  # before the checkpoint: a resume from it keeps this record
         self.episodes.write(step, self.trained_head)
         self.latest = record
         self.step_done, self.last_step_s, self.last_step_at = step, time.monotonic() - started, time.time()
-        if evaluated and self.heldout_last["greedy"] > self.best_greedy():
+        if evaluated and self.heldout.last["greedy"] > self.heldout.best_greedy():
             self.after_step = "saving the best policy"
-            # before the checkpoint: a resume from it knows this best
-            self.best = await heldout.save_best(
-                self.trainer, run, self.run_dir, step, self.heldout_last, self.heldout_before, self.n_heldout, self.log
-            )
+            await self.heldout.save_best(step)  # before the checkpoint: a resume from it knows this best
         if run.checkpoints.checkpoint_every and step % run.checkpoints.checkpoint_every == 0:
             self.after_step = "writing its checkpoint"
             await self.checkpoint(step)
@@ -393,9 +341,9 @@ class GRPODriver:
         summary = RunSummary(
             steps=run.steps,
             mode=run.mode,
-            heldout_before=self.heldout_before,
-            heldout_after=self.heldout_last,
-            heldout_problems=self.n_heldout,
+            heldout_before=self.heldout.before,
+            heldout_after=self.heldout.last,
+            heldout_problems=self.heldout.problems,
             wall_s=wall,
             samples=self.samples,
             samples_per_s=self.samples / max(wall, 1e-9),
@@ -404,7 +352,7 @@ class GRPODriver:
             uniform_skipped=self.uniform_skipped(),
             checkpoint=final_dir,
             final=final_dir,
-            best=({"path": os.path.join(self.run_dir, heldout.BEST_DIR), **self.best} if self.best else None),
+            best=({"path": os.path.join(self.run_dir, BEST_DIR), **best} if (best := self.heldout.best) else None),
             initial_policy=self.model_path,
             metrics=os.path.join(self.run_dir, "metrics.jsonl"),
             log=self.log_path,
@@ -417,12 +365,6 @@ class GRPODriver:
         summary.write(os.path.join(self.run_dir, "summary.json"))
         self.log(summary_text(summary))
         return summary.to_dict()
-
-    def best_greedy(self) -> float:
-        """The held-out greedy solve rate to beat: the best saved, else the policy's before GRPO."""
-        if self.best is not None:
-            return self.best["heldout"]["greedy"]
-        return self.heldout_before.get("greedy", -1.0)
 
     async def step(self, step: int) -> StepRecord:
         run, n = self.run, self.run.groups_per_step
@@ -445,7 +387,7 @@ class GRPODriver:
         self.version = step  # the weights after step k are version k: the step is the one count of both
         synced, digests = sync_record(0.0, None, []), {}
         # An evaluation on the samplers evaluates the weights they hold: the step's, whatever sync_every.
-        if self.version % run.sync_every == 0 or (self.eval_on_samplers and self.evaluates(step)):
+        if self.version % run.sync_every == 0 or (self.heldout.on_samplers and self.heldout.due(step)):
             self.waiting = "sync"
             if self.scaler is not None:  # a scale request changes the group here, with the sync
                 await self.scaler.at_sync()
@@ -476,8 +418,8 @@ class GRPODriver:
             dropped_stale=self.dropped_stale(),
             uniform_skipped=self.uniform_skipped(),
             train_s=self.elapsed_s(),
-            heldout_before=self.heldout_before,
-            heldout_last=self.heldout_last,
+            heldout_before=self.heldout.before,
+            heldout_last=self.heldout.last,
             samplers=await self.pool.data_states(),
             faults=self.fault_counts(),
             segment=self.segment,

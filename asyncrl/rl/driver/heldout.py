@@ -8,7 +8,8 @@ others, or, with none left, to the trainer; on the trainer it is one call. Eithe
 the solve rates and the task's own metrics; the console says how far it has got while it runs
 (`EvalProgress`). The policy of the best held-out greedy solve rate so far is kept in
 RUN_DIR/best/ with best.json inside (`save_best`); a resumed run reads it back (`read_best`), since
-it may be newer than the checkpoint resumed from.
+it may be newer than the checkpoint resumed from. `HeldoutRecord` is what the driver keeps of
+them over a run.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from asyncrl.rl.driver.faults import PhaseTimeoutError, TaskFailedError, trainer
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.evaluation import Unsolved, solve_on_samplers
 from asyncrl.rl.driver.fleet.membership import Membership, MemberState
+from asyncrl.rl.driver.run_state import RunState
 from asyncrl.rl.driver.saving import save_policy
 from asyncrl.rl.model.tally import HeldoutPart, heldout_answer
 from asyncrl.rl.observe.eval_progress import EvalProgress
-from asyncrl.rl.observe.report import heldout_failures_lines, shown_path
+from asyncrl.rl.observe.record import StepRecord
+from asyncrl.rl.observe.report import heldout_extra_text, heldout_failures_lines, rates_text, shown_path
 from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.timeouts import timeout
 
@@ -190,3 +193,83 @@ def read_best(run_dir: str) -> dict[str, Any] | None:
         return best
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+class HeldoutRecord:
+    """A run's held-out evaluations between its steps, as the driver keeps them: where they run
+    (`place`), the solve rates before GRPO (``before``) and at the last one (``last``), the latest's
+    task metrics and wall time, the one under way (``under_way``, for ``asyncrl status``) and the
+    best policy saved (``best``, best.json's contents). A resumed run starts from its checkpoint's
+    rates and from best/best.json."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        run: RunConfig,
+        run_dir: str,
+        log: Callable[[str], None],
+        state: RunState,
+        *,
+        resumed: bool,
+    ):
+        """``state``: the run's so far (the checkpoint's of a resumed run)."""
+        self.trainer, self.run, self.run_dir, self.log = trainer, run, run_dir, log
+        self.problems = run.data.n_heldout  # the trainer holds them
+        self.before, self.last = dict(state.heldout_before), dict(state.heldout_last)
+        self.extra: dict[str, float] = {}  # the latest evaluation's task metrics (`Evaluated.extra`)
+        self.seconds = 0.0  # the latest evaluation's wall time
+        self.on_samplers = False  # resolved once the samplers are up (`place`)
+        self.members: Membership | None = None  # the samplers that evaluate, when they do
+        self.under_way: EvalProgress | None = None  # for the status while one runs
+        self.best = read_best(run_dir) if resumed else None  # it may be newer than the checkpoint
+
+    async def place(self, members: Membership) -> None:
+        """Where the evaluations run (`eval_place`): the samplers in the group of ``members``, or
+        the trainer. Asked once the samplers are up."""
+        self.on_samplers = await eval_place(members, self.run, self.log)
+        self.members = members if self.on_samplers else None
+
+    def due(self, step: int) -> bool:
+        """Whether an evaluation follows ``step``."""
+        return step % self.run.eval_every == 0 or step == self.run.steps
+
+    async def evaluate(self, version: int) -> dict[str, float]:
+        """The held-out solve rates of ``version``, the trainer's weights (where the samplers
+        evaluate, they hold them: the driver syncs a step that is evaluated, and no sync runs while
+        this is awaited). Its task metrics go to ``extra``, its time to ``seconds``."""
+
+        def shown(progress: EvalProgress | None) -> None:
+            self.under_way = progress
+
+        found = await evaluate(self.trainer, self.run, self.log, version=version, members=self.members, shown=shown)
+        self.extra, self.seconds = found.extra, found.seconds
+        return found.rates
+
+    async def before_grpo(self, version: int) -> None:
+        """The solve rates before GRPO (a fresh run's), said in one line."""
+        self.before = self.last = await self.evaluate(version)
+        self.log(
+            f"held-out solve rate before GRPO ({self.problems} problems): "
+            + rates_text(self.before)
+            + heldout_extra_text(self.extra)
+        )
+
+    async def after_step(self, version: int, record: StepRecord) -> None:
+        """The evaluation after a step (of its weights, ``version``), into the step's ``record``."""
+        self.last = await self.evaluate(version)
+        record.heldout_solve_rate = self.last["greedy"]
+        record.heldout_sampled_solve_rate = self.last.get("sampled")
+        record.heldout_task = self.extra
+        record.eval_s = self.seconds
+
+    def best_greedy(self) -> float:
+        """The held-out greedy solve rate to beat: the best saved, else the policy's before GRPO."""
+        if self.best is not None:
+            return self.best["heldout"]["greedy"]
+        return self.before.get("greedy", -1.0)
+
+    async def save_best(self, step: int) -> None:
+        """RUN_DIR/best/: the policy of step ``step``, whose evaluation was the last (`save_best`)."""
+        self.best = await save_best(
+            self.trainer, self.run, self.run_dir, step, self.last, self.before, self.problems, self.log
+        )

@@ -35,12 +35,30 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from asyncrl.errors import AsyncrlError
+from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.driver.queue import RolloutQueue, _Wakeup
 
 
 class PacingTimeoutError(AsyncrlError, TimeoutError):
     """A pump waited past its deadline for credit: the driver stopped taking batches."""
+
+
+class PacingStats(msgspec.Struct, kw_only=True, frozen=True):
+    """The pacer now (`Pacer.stats`), for progress.json and ``asyncrl status``; the field names
+    are the keys there."""
+
+    paced_in_flight: int
+    """Groups granted credit and not yet queued."""
+    paced_streams: int
+    """Paced batches in flight, all samplers together."""
+    paced_wait_s: float
+    """The pumps' wait for credit so far, summed (to the millisecond)."""
+
+    def to_dict(self) -> dict[str, float]:
+        return msgspec.to_builtins(self)
 
 
 class Pacer:
@@ -130,9 +148,19 @@ class Pacer:
         self._peak_streams, self._peak_in_flight = self.streams, self.in_flight
         return peaks
 
-    def stats(self) -> dict[str, float]:
-        return {
-            "paced_in_flight": self.in_flight,
-            "paced_streams": self.streams,
-            "paced_wait_s": round(self.waited_s, 3),
-        }
+    def stats(self) -> PacingStats:
+        return PacingStats(
+            paced_in_flight=self.in_flight, paced_streams=self.streams, paced_wait_s=round(self.waited_s, 3)
+        )
+
+
+def rollout_flow(run: RunConfig, *, version: int, next_step: int) -> tuple[RolloutQueue, Pacer | None]:
+    """The rollout queue of a run (``--run.queue_capacity``, else two steps' groups) and, in async
+    mode, its `Pacer` (``version``: the weights' now; ``next_step``: the first step to take a batch).
+    In sync mode a step's groups are made with its weights: a staleness bound of 0, nothing paced."""
+    asynchronous = run.mode == "async"
+    staleness = run.staleness_bound() if asynchronous else 0
+    queue = RolloutQueue(run.queue_capacity or 2 * run.groups_per_step, staleness)
+    if not asynchronous:
+        return queue, None
+    return queue, Pacer(queue, run.groups_per_step, staleness, version=version, next_step=next_step)

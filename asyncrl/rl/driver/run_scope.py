@@ -31,6 +31,7 @@ from asyncrl.rl.driver.fleet.endpoints import sampler_endpoints
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError
 from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.driver.resume import resume_hint
+from asyncrl.rl.driver.run_progress import StartingProgress
 from asyncrl.rl.driver.saving import run_dir_error
 from asyncrl.rl.observe.endpoint import open_endpoint
 from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
@@ -81,10 +82,10 @@ class RunScope:
         self._endpoint = open_endpoint(self.run.observe, self.sup, lambda: self.driver, self.log)
 
     def progress(self) -> dict[str, Any]:
-        """For `asyncrl status`, called on this event loop per request."""
+        """For `asyncrl status`, called on this event loop per request (run_progress.py)."""
         if self.driver is None:
-            return {"phase": "starting", "steps": self.run.steps}
-        return self.driver.progress()
+            return StartingProgress(steps=self.run.steps).to_dict()
+        return self.driver.progress().to_dict()
 
     def scale(self, args: Any) -> Any:
         return _scaler_of(self.driver).request(args)

@@ -14,12 +14,34 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
 
 from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.runtime.timeouts import timeout
 
 LINE_S = 30.0
 """Seconds between two progress lines of an evaluation under way."""
+
+
+class EvalSoFar(msgspec.Struct, kw_only=True, frozen=True):
+    """How far an evaluation under way has got (`EvalProgress.progress`): ``evaluating`` in
+    progress.json and ``asyncrl status``, the field names its keys."""
+
+    version: int
+    """The weights evaluated."""
+    on: str
+    """Who solves the problems: "the trainer", "sampler0, sampler1"."""
+    greedy: list[int]
+    """Problems solved greedily and the total."""
+    sampled: list[int]
+    """Problems solved with samples and the total (0 and 0 without ``--run.eval_samples``)."""
+    seconds: float
+    """Since it began (to the tenth)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
 
 
 class EvalProgress:
@@ -80,16 +102,16 @@ class EvalProgress:
             f"in {self.seconds():.1f} s on {self.where}"
         )
 
-    def progress(self) -> dict[str, object]:
+    def progress(self) -> EvalSoFar:
         """For progress.json and ``asyncrl status`` while it runs."""
         (greedy, sampled), (g_total, s_total) = self.solved(), self.totals
-        return {
-            "version": self.version,
-            "on": self.where,
-            "greedy": [greedy, g_total],
-            "sampled": [sampled, s_total],
-            "seconds": round(self.seconds(), 1),
-        }
+        return EvalSoFar(
+            version=self.version,
+            on=self.where,
+            greedy=[greedy, g_total],
+            sampled=[sampled, s_total],
+            seconds=round(self.seconds(), 1),
+        )
 
     async def tick(self) -> None:
         """One progress line, the trainer's count asked for first (`poll`, where set; a failed

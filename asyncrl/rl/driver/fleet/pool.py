@@ -46,6 +46,8 @@ import math
 import time
 from typing import Any
 
+import msgspec
+
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import RunConfig
@@ -74,6 +76,22 @@ from asyncrl.runtime.timeouts import timeout
 
 PUMP_RETRIES = 3
 """Consecutive stream failures of a live sampler (waiting for weights) before it counts as lost."""
+
+
+class PoolProgress(msgspec.Struct, kw_only=True, frozen=True):
+    """The pool now (`SamplerPool.progress`), for progress.json and ``asyncrl status``."""
+
+    generation: int
+    """The weight-sync group's rendezvous generation (0 after the start; -1 before)."""
+    faults: dict[str, int]
+    """``sampler_losses``, ``sampler_rejoins`` and ``rebuilds``: the pool's of this run segment;
+    the driver's progress puts the run's in their place (a resumed run's carried in)."""
+    samplers: dict[str, str]
+    """Each sampler's place: ``in group``, ``lost``, ``gone`` or ``drained``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat, the fault counters between the generation and the samplers, as the keys always were."""
+        return {"generation": self.generation, **self.faults, "samplers": dict(self.samplers)}
 
 
 class SamplerPool:
@@ -327,12 +345,12 @@ class SamplerPool:
             parts.append(part)
         return "; ".join(parts)
 
-    def progress(self) -> dict[str, Any]:
-        return {
-            "generation": self.generation,
-            **self.counters,
-            "samplers": {m.name: m.state.shown for m in self.members},
-        }
+    def progress(self) -> PoolProgress:
+        return PoolProgress(
+            generation=self.generation,
+            faults=dict(self.counters),
+            samplers={m.name: m.state.shown for m in self.members},
+        )
 
     async def close(self) -> None:
         """Stop every task of the pool (pumps, waits for a restart) and wait for them to end."""

@@ -34,6 +34,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from asyncrl.errors import ActionableError, first_line
 from asyncrl.rl.driver.fleet.membership import Member, MemberState
 from asyncrl.rl.driver.fleet.pool import SamplerPool
@@ -52,6 +54,19 @@ _DRAIN_ORDER = {MemberState.LOST: 0, MemberState.CANDIDATE: 1, MemberState.JOINE
 
 class ScaleRefusedError(ActionableError):
     """A scale request the run cannot meet; the message says what can be asked instead."""
+
+
+class ScalingProgress(msgspec.Struct, kw_only=True, frozen=True):
+    """The fleet's target and the samplers starting (`Scaler.progress`), for progress.json and
+    ``asyncrl status``; the field names are the keys there."""
+
+    samplers_target: int
+    """The last size asked, else the count this run segment started."""
+    samplers_starting: list[str]
+    """The samplers a scale-up spawned that are not up yet, by name."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
 
 
 def check_target(
@@ -217,13 +232,12 @@ class Scaler:
             self._start(self.next_index)
             self.next_index += 1
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> ScalingProgress:
         """For progress.json and ``asyncrl status``: the target from the start (the run's count
         until a scale is asked), and the samplers starting."""
-        return {
-            "samplers_target": self.current_target(),
-            "samplers_starting": sorted(f"sampler{i}" for i in self.starting),
-        }
+        return ScalingProgress(
+            samplers_target=self.current_target(), samplers_starting=sorted(f"sampler{i}" for i in self.starting)
+        )
 
     async def close(self) -> None:
         """Cancel the starts under way and wait (bounded) for them and the stops of drained ones."""
