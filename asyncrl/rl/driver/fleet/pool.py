@@ -27,7 +27,7 @@ Invariants:
   never repeats an item, a lost sampler's stream is never read again, and each incarnation
   numbers afresh. Groups arrive whole (one message per group), so a group in the queue is never
   half from a lost sampler; the ones it delivered before it was lost stay (tagged, valid).
-* A sync completes on every member or fails on every member (the vote in `comm/weights.py`), so
+* A sync completes on every member or fails on every member (the votes of `comm/sync_vote.py`), so
   when `sync` returns, every sampler in the group holds the same version as the trainer.
 * Every call to a sampler goes to the incarnation that joined (`Membership.call_all` loses a
   replaced one right before the calls, no await in between), and its verdict falls on that
