@@ -36,6 +36,7 @@ TIERS = {
         "pyhccl_communicator",
         "pyhccl_library",
         "rollout_queue",
+        "run_progress",
         "sampler_parts",
         "throttled_log",
         "tiers",
