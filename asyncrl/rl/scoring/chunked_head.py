@@ -14,9 +14,20 @@ head with ITS loss (plain ``exp`` of the ratio, its own clip/TIS/normaliser vari
 ``[B, T, H]`` input, ``torch.compile`` on the loss). Ours (``loss.py``: safe exp, truncated IS,
 k3 KL, a cross-micro-batch normaliser, packed rows) stays one set of formulas on CPU and GPU, and
 only the log-probs, the part that costs memory, are fused here: no new dependency, no Triton.
+
+On CUDA each chunk's elementwise work after the matmul (float32 cast, ``/ T``, logsumexp, gather;
+the backward's softmax, one-hot add and cast) runs as one `torch.compile`d function, so Inductor
+makes one or two kernels of what eager does in several passes over the ``[C, V]`` chunk, and
+the weight's gradient accumulates in float32 inside the matmul (``addmm`` with ``out_dtype``)
+instead of through a ``[V, H]`` temporary and its float32 copy. The same Python functions run
+eagerly on CPU. ``ASYNCRL_HEAD_FAST=0`` forces the eager path on CUDA too (default on; `FAST`).
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +35,11 @@ import torch.nn.functional as F
 DEFAULT_CHUNK_BYTES = 256 << 20
 """Bytes of one chunk's float32 ``[C, V]`` logits; the forward's peak temporaries are about three
 of these (the chunk, its log-softmax, the matmul's own-dtype output)."""
+
+FAST: bool | None = None
+"""The compiled chunk functions and the in-matmul float32 accumulation on CUDA: None reads
+``ASYNCRL_HEAD_FAST`` at each call (unset or anything but ``0``: on); True or False overrides it
+(``benchmarks/head_bench.py`` compares both paths in one process)."""
 
 
 def chunk_tokens(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -73,15 +89,105 @@ def _forward(hidden, weight, bias, targets, temperature, dtype, chunk, entropy):
     lp = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if entropy else None
+    stats = _chunk_fns(hidden.device)[0]
     with torch.no_grad():
         for s in range(0, n, chunk):
-            z = _chunk_logits(hidden[s : s + chunk].to(dtype), w, b, temperature)
-            lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
-            lp[s : s + chunk] = _gathered(z, targets[s : s + chunk]) - _column(lse[s : s + chunk], lp)
-            if ent is not None:  # token_entropy's formula, on the same chunk
-                logp = z - lse[s : s + chunk, None]
-                ent[s : s + chunk] = -(logp.exp() * logp).sum(-1)
+            logits = F.linear(hidden[s : s + chunk].to(dtype), w, b)  # as nn.Linear computes it
+            lp_c, lse_c, ent_c = stats(logits, targets[s : s + chunk], temperature, entropy)
+            lp[s : s + chunk], lse[s : s + chunk] = lp_c, lse_c
+            if ent is not None:
+                ent[s : s + chunk] = ent_c
     return lp, lse, ent
+
+
+def chunk_stats(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's log-probs of ``ids``, its ``[C]`` logsumexp and (``entropy``) its entropy, from
+    the matmul's ``[C, V]`` logits: the forward's elementwise part, compiled on CUDA (`_chunk_fns`)."""
+    z = logits.float() / temperature  # the old `.float() / T`: fused into the kernel that reads it
+    lse = torch.logsumexp(z, dim=-1)
+    lp = _gathered(z, ids) - _column(lse, ids)
+    ent = None
+    if entropy:  # token_entropy's formula, on the same chunk
+        logp = z - lse[:, None]
+        ent = -(logp.exp() * logp).sum(-1)
+    return lp, lse, ent
+
+
+def chunk_grad_logits(
+    logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, ids: torch.Tensor, temperature: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``d loss / d logits`` of one chunk in ``dtype`` from the recomputed logits, the forward's
+    logsumexp and the upstream ``g`` (``[C]`` or ``[C, M]``): ``(g * onehot(ids) - sum(g) * softmax) / T``,
+    the backward's elementwise part, compiled on CUDA (`_chunk_fns`). In-place ops only on tensors
+    made here (eager: no more ``[C, V]`` temporaries than before; compiled: never on an input)."""
+    z = logits.float() / temperature
+    g = g if g.dim() == 2 else g[:, None]  # d lp_m / d z = onehot(id_m) - softmax, summed over m
+    ids = ids if ids.dim() == 2 else ids[:, None]
+    dz = torch.exp(z - lse[:, None]).mul_(-g.sum(-1, keepdim=True))  # -g * softmax
+    dz = _add_onehot(dz, ids, g)  # + g * onehot
+    return dz.div_(temperature).to(dtype)  # z = logits / T; autocast's logits were `dtype`
+
+
+def _add_onehot(dz: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    # eager, scatter_add_ is one small pass; traced, a scatter makes Inductor write dz out in
+    # float32 first, while a compare against the column index fuses into dz's own kernel
+    if torch.compiler.is_compiling():
+        return dz + onehot_rows(ids, g, dz.shape[-1])
+    return dz.scatter_add_(-1, ids, g)
+
+
+def onehot_rows(ids: torch.Tensor, g: torch.Tensor, width: int) -> torch.Tensor:
+    """``[C, width]``: ``g[c, m]`` summed at column ``ids[c, m]``, zero elsewhere (``scatter_add``
+    as a where over the ``[C, width, M]`` broadcast, which Inductor reduces without making it)."""
+    cols = torch.arange(width, device=ids.device)
+    return torch.where(cols[:, None] == ids[:, None, :], g[:, None, :], 0.0).sum(-1)
+
+
+def fast_path(device: torch.device) -> bool:
+    """Whether the compiled chunk functions and the in-matmul accumulation are taken on ``device``:
+    CUDA only (CPU stays eager: no compile in the tests), and `FAST` / ``ASYNCRL_HEAD_FAST``."""
+    on = FAST if FAST is not None else os.environ.get("ASYNCRL_HEAD_FAST", "1") != "0"
+    return on and device.type == "cuda"
+
+
+def _chunk_fns(device: torch.device) -> tuple[Callable, Callable]:
+    """(`chunk_stats`, `chunk_grad_logits`): compiled where `fast_path`, else themselves."""
+    return _compiled() if fast_path(device) else (chunk_stats, chunk_grad_logits)
+
+
+@functools.cache
+def _compiled() -> tuple[Callable, Callable]:
+    # dynamic: the last, shorter chunk of every micro-batch (and each new micro-batch length) reuses
+    # the one graph instead of compiling a new size; fullgraph: a break would split the fusion
+    return tuple(torch.compile(f, dynamic=True, fullgraph=True) for f in (chunk_stats, chunk_grad_logits))
+
+
+@functools.cache
+def _addmm_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``addmm(acc, a, b, out_dtype=float32, out=acc)`` takes a float32 ``acc`` with
+    ``dtype`` operands here and gives ``acc + a @ b``: tried once on a tiny input (its CUDA kernel
+    came in torch 2.8, and older ones asked ``acc`` be of the operands' dtype)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    a, b = torch.randn(8, 16, device=device).to(dtype), torch.randn(16, 8, device=device).to(dtype)
+    acc = torch.ones(8, 8, device=device)
+    want = acc + a.float() @ b.float()
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool(torch.allclose(acc, want, rtol=1e-2, atol=1e-2))
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fast: bool) -> None:
+    """``acc += a @ b``, ``acc`` float32: inside the matmul where supported (cuBLAS adds in float32
+    with beta=1: no ``[V, H]`` product in ``a``'s dtype, no float32 copy of it, no separate add)."""
+    if fast and _addmm_fp32(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += (a @ b).float()
 
 
 def _gathered(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -145,21 +251,19 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         grad_lp = grad_lp.float()
+        fast = fast_path(hidden.device)
+        grad_logits = _chunk_fns(hidden.device)[1]
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(dtype)
-            g = grad_lp[s : s + chunk]
-            z = _chunk_logits(h, w, b, t)
-            ids = targets[s : s + chunk]
-            g = g if g.dim() == 2 else g[:, None]  # d lp_m / d z = onehot(id_m) - softmax, summed over m
-            dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g.sum(-1, keepdim=True))  # -g * softmax
-            dz.scatter_add_(-1, ids if ids.dim() == 2 else ids[:, None], g)  # + g * onehot
-            dz = dz.div_(t).to(dtype)  # z = logits / T; autocast's logits were `dtype`
+            logits = F.linear(h, w, b)
+            dz = grad_logits(logits, lse[s : s + chunk], grad_lp[s : s + chunk], targets[s : s + chunk], t, dtype)
+            del logits  # the [C, V] recompute, before the matmuls make more
             if grad_h is not None:
                 grad_h[s : s + chunk] = (dz @ w).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += (dz.t() @ h).float()
-            if grad_b is not None:
-                grad_b += dz.float().sum(0)
+                _accumulate(grad_w, dz.t(), h, fast)
+            if grad_b is not None:  # fast: summed in float32 without a float32 copy of dz
+                grad_b += dz.sum(0, dtype=torch.float32) if fast else dz.float().sum(0)
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
