@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig, LoRAConfig, TrainerConfig
+from asyncrl.rl.scoring import chunked_head
 from asyncrl.rl.scoring.chunked_head import head_logprobs, head_topk
 from asyncrl.rl.scoring.logprobs import fused_head_fallback
 from asyncrl.rl.scoring.tokens import token_entropy, token_logprobs
@@ -126,6 +127,75 @@ def test_the_fused_head_gives_the_log_probs_of_several_ids_a_position_and_their_
     ref = torch.topk(torch.log_softmax((hidden @ weight.t() + b) / 0.7, -1).detach(), 5, -1)
     torch.testing.assert_close(values, ref.values, rtol=1e-5, atol=1e-5)
     assert torch.equal(ids, ref.indices)
+
+
+# --- the CUDA fast path's pieces, on CPU --------------------------------------------------------
+
+
+def test_the_fast_path_is_cuda_only_and_follows_asyncrl_head_fast(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    monkeypatch.delenv("ASYNCRL_HEAD_FAST", raising=False)
+    assert chunked_head.fast_path(cuda) and not chunked_head.fast_path(cpu)
+    assert chunked_head._chunk_fns(cpu) == (chunked_head.chunk_stats, chunked_head.chunk_grad_logits)
+    monkeypatch.setenv("ASYNCRL_HEAD_FAST", "0")
+    assert not chunked_head.fast_path(cuda)
+    monkeypatch.setattr(chunked_head, "FAST", True)  # the benchmark's per-call switch wins
+    assert chunked_head.fast_path(cuda) and not chunked_head.fast_path(cpu)
+    monkeypatch.setattr(chunked_head, "FAST", False)
+    monkeypatch.setenv("ASYNCRL_HEAD_FAST", "1")
+    assert not chunked_head.fast_path(cuda)
+    # addmm's float32 out_dtype has no CPU kernel: the accumulation keeps `acc += (a @ b).float()`
+    assert not chunked_head._addmm_fp32(cpu, torch.bfloat16)
+    a, b = torch.randn(6, 5).bfloat16(), torch.randn(5, 4).bfloat16()
+    acc = torch.ones(6, 4)
+    chunked_head._accumulate(acc, a, b, fast=True)
+    assert torch.equal(acc, 1 + (a @ b).float())
+
+
+def old_chunk_forward(logits, ids, t):
+    """The forward's per-chunk formulas before they moved into `chunk_stats`."""
+    z = logits.float() / t
+    lse = torch.logsumexp(z, dim=-1)
+    lp = (z.gather(-1, ids[:, None]).squeeze(-1) if ids.dim() == 1 else z.gather(-1, ids)) - (
+        lse if ids.dim() == 1 else lse[:, None]
+    )
+    logp = z - lse[:, None]
+    return lp, lse, -(logp.exp() * logp).sum(-1)
+
+
+def old_chunk_backward(logits, lse, g, ids, t, dtype):
+    """The backward's per-chunk formulas before they moved into `chunk_grad_logits`."""
+    z = logits.float() / t
+    g = g if g.dim() == 2 else g[:, None]
+    dz = torch.exp(z - lse[:, None]).mul_(-g.sum(-1, keepdim=True))
+    dz.scatter_add_(-1, ids if ids.dim() == 2 else ids[:, None], g)
+    return dz.div_(t).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [0, 5], ids=["sampled", "top-k"])
+def test_the_chunk_functions_give_the_old_formulas_values(dtype, m):
+    """`chunk_stats` / `chunk_grad_logits` eager (CPU's path, and the code CUDA compiles) against
+    the formulas they replaced, bit for bit; and `onehot_rows`, the one-hot add the compiled
+    backward takes instead of ``scatter_add_``, against it (repeated ids add)."""
+    torch.manual_seed(6)
+    c, vocab = 9, 41
+    logits = (3 * torch.randn(c, vocab)).to(dtype)
+    ids = torch.randint(0, vocab, (c, m) if m else (c,))
+    if m:
+        ids[:, 2] = ids[:, 0]
+    g = torch.randn(ids.shape)
+    want = old_chunk_forward(logits, ids, 0.7)
+    lp, lse, ent = chunked_head.chunk_stats(logits, ids, 0.7, True)
+    for got, w in zip((lp, lse, ent), want):
+        assert torch.equal(got, w)
+    assert chunked_head.chunk_stats(logits, ids, 0.7, False)[2] is None
+    dz = chunked_head.chunk_grad_logits(logits, lse, g, ids, 0.7, dtype)
+    assert dz.dtype == dtype and torch.equal(dz, old_chunk_backward(logits, lse, g, ids, 0.7, dtype))
+    ids2, g2 = (ids, g) if m else (ids[:, None], g[:, None])
+    scattered = torch.zeros(c, vocab).scatter_add_(-1, ids2, g2)
+    assert scattered.abs().max() > 0.1
+    torch.testing.assert_close(chunked_head.onehot_rows(ids2, g2, vocab), scattered, rtol=1e-6, atol=1e-6)
 
 
 # --- a whole train step: the fused path against the full-logits one --------------------------------
