@@ -100,7 +100,7 @@ def main() -> None:
     if not taken:
         print("# fast*: the fast path is CUDA only; both rows ran eager")
     else:
-        print(f"# addmm float32 accumulation taken: {chunked_head._addmm_fp32(device, torch.bfloat16)}")
+        print(f"# grad_w float32 accumulation (fast path): {chunked_head._fp32_matmul(device, torch.bfloat16) or None}")
     (_, _, *old), (_, _, *new) = rows["eager"], rows["fast"]
     for what, a, b in zip(("log-probs", "grad hidden", "grad weight"), old, new):
         diff = (a.float() - b.float()).abs().max().item()

@@ -145,7 +145,7 @@ def test_the_fast_path_is_cuda_only_and_follows_asyncrl_head_fast(monkeypatch):
     monkeypatch.setenv("ASYNCRL_HEAD_FAST", "1")
     assert not chunked_head.fast_path(cuda)
     # addmm's float32 out_dtype has no CPU kernel: the accumulation keeps `acc += (a @ b).float()`
-    assert not chunked_head._addmm_fp32(cpu, torch.bfloat16)
+    assert chunked_head._fp32_matmul(cpu, torch.bfloat16) == ""
     a, b = torch.randn(6, 5).bfloat16(), torch.randn(5, 4).bfloat16()
     acc = torch.ones(6, 4)
     chunked_head._accumulate(acc, a, b, fast=True)

@@ -165,29 +165,40 @@ def _compiled() -> tuple[Callable, Callable]:
 
 
 @functools.cache
-def _addmm_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``addmm(acc, a, b, out_dtype=float32, out=acc)`` takes a float32 ``acc`` with
-    ``dtype`` operands here and gives ``acc + a @ b``: tried once on a tiny input (its CUDA kernel
-    came in torch 2.8, and older ones asked ``acc`` be of the operands' dtype)."""
+def _fp32_matmul(device: torch.device, dtype: torch.dtype) -> str:
+    """How ``acc += a @ b`` (``acc`` float32, ``a``, ``b`` of ``dtype``) can skip the product in
+    ``dtype`` and its float32 copy here, tried once on a tiny input: ``"addmm"`` (accumulate inside
+    the matmul, ``out_dtype`` float32), ``"mm"`` (a float32 product, then the add: ``addmm`` asked
+    ``acc`` be of the operands' dtype until pytorch#167931, after 2.9), ``""`` (neither, or not CUDA)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    a, b = torch.randn(8, 16, device=device).to(dtype), torch.randn(16, 8, device=device).to(dtype)
-    acc = torch.ones(8, 8, device=device)
-    want = acc + a.float() @ b.float()
-    try:
+        return ""
+    a = torch.linspace(-1, 1, 128, device=device).reshape(8, 16).to(dtype)  # no RNG draws
+    b = torch.linspace(-2, 1, 128, device=device).reshape(16, 8).to(dtype)
+    want = 1 + a.float() @ b.float()
+    for mode in ("addmm", "mm"):
+        acc = torch.ones(8, 8, device=device)
+        try:
+            _accumulate_as(mode, acc, a, b)
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+        if torch.allclose(acc, want, rtol=1e-2, atol=1e-2):
+            return mode
+    return ""
+
+
+def _accumulate_as(mode: str, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    if mode == "addmm":  # cuBLAS adds into acc in float32 (beta=1): no [V, H] temporary at all
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return bool(torch.allclose(acc, want, rtol=1e-2, atol=1e-2))
+    elif mode == "mm":  # one float32 [V, H] temporary, no low-precision one and no cast pass
+        acc += torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        acc += (a @ b).float()
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fast: bool) -> None:
-    """``acc += a @ b``, ``acc`` float32: inside the matmul where supported (cuBLAS adds in float32
-    with beta=1: no ``[V, H]`` product in ``a``'s dtype, no float32 copy of it, no separate add)."""
-    if fast and _addmm_fp32(acc.device, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc += (a @ b).float()
+    """``acc += a @ b``, ``acc`` float32: on the fast path without the ``[V, H]`` product in
+    ``a``'s dtype and its float32 copy where torch can (`_fp32_matmul`), else as before."""
+    _accumulate_as(_fp32_matmul(acc.device, a.dtype) if fast else "", acc, a, b)
 
 
 def _gathered(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
