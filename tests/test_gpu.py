@@ -37,3 +37,34 @@ def test_an_actors_gpu_is_its_cuda_0_without_cudnn_attention():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("multi, bias", [(False, False), (True, True)], ids=["sampled", "top-k-bias"])
+def test_the_fused_head_s_cuda_fast_path_gives_the_eager_path_s_values(monkeypatch, multi, bias):
+    """``scoring/chunked_head.py`` on CUDA, bf16: compiled chunk functions and the float32
+    accumulation inside the matmul against ``ASYNCRL_HEAD_FAST=0``'s eager path (ragged chunks)."""
+    from asyncrl.rl.scoring import chunked_head
+    from asyncrl.rl.scoring.chunked_head import head_logprobs
+
+    assert chunked_head._fp32_matmul(torch.device("cuda"), torch.bfloat16) in ("addmm", "mm")  # torch >= 2.8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, vocab, width = 1000, 5003, 64
+    hidden = torch.randn(n, width, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (0.1 * torch.randn(vocab, width, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    b = torch.randn(vocab, device="cuda", generator=gen).bfloat16().requires_grad_() if bias else None
+    targets = torch.randint(0, vocab, (n, 4) if multi else (n,), device="cuda", generator=gen)
+    upstream = torch.randn(targets.shape, device="cuda", generator=gen)
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+
+    def run(fast: bool):
+        monkeypatch.setattr(chunked_head, "FAST", fast)
+        lp, ent = head_logprobs(hidden, weight, b, targets, 0.7, compute_dtype=torch.bfloat16, chunk=300, entropy=True)
+        return lp.detach(), ent, torch.autograd.grad(lp, inputs, grad_outputs=upstream)
+
+    lp, ent, grads = run(True)
+    lp0, ent0, grads0 = run(False)
+    torch.testing.assert_close(lp, lp0, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ent, ent0, rtol=1e-4, atol=1e-4)
+    for g, g0 in zip(grads, grads0):  # bf16 dz either way; grad_w summed in float32 without a bf16 product
+        assert g.dtype == g0.dtype and g0.abs().max() > 1e-3
+        torch.testing.assert_close(g.float(), g0.float(), rtol=2e-2, atol=2e-2 * g0.abs().max().item())
