@@ -43,8 +43,13 @@ def test_an_actors_gpu_is_its_cuda_0_without_cudnn_attention():
 def test_the_fused_head_s_cuda_fast_path_gives_the_eager_path_s_values(monkeypatch, multi, bias):
     """``scoring/chunked_head.py`` on CUDA, bf16: compiled chunk functions and the float32
     accumulation inside the matmul against ``ASYNCRL_HEAD_FAST=0``'s eager path (ragged chunks)."""
+    import torch._inductor.config as inductor_config
+
     from asyncrl.rl.scoring import chunked_head
     from asyncrl.rl.scoring.chunked_head import head_logprobs
+
+    # compile here, not in Inductor's pool of worker processes, which would outlive the test
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
 
     assert chunked_head._fp32_matmul(torch.device("cuda"), torch.bfloat16) in ("addmm", "mm")  # torch >= 2.8
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -356,3 +356,15 @@ def test_pack_tokens_is_checked_against_the_explicit_budget_or_auto_s_most():
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         TrainerConfig(micro_batch_tokens=-1)
     assert dataclasses.replace(TrainerConfig(), micro_batch_tokens=4096).micro_batch_tokens == 4096
+
+
+def test_trainer_compile_false_keeps_the_fused_head_eager_too(embedded_path, monkeypatch):
+    from asyncrl.rl.scoring import chunked_head
+    from asyncrl.rl.trainer.actor import TrainerActor
+
+    monkeypatch.setattr(chunked_head, "FAST", None)
+    TrainerActor(embedded_path, TrainerConfig())
+    assert chunked_head.FAST is None  # auto: the head follows ASYNCRL_HEAD_FAST (on, CUDA only)
+    TrainerActor(embedded_path, TrainerConfig(compile=False))
+    assert chunked_head.FAST is False
+    assert not chunked_head.fast_path(torch.device("cuda"))

@@ -15,6 +15,7 @@ import os
 import torch
 
 from asyncrl.rl.config.trainer import TrainerConfig
+from asyncrl.rl.scoring import chunked_head
 from asyncrl.rl.trainer.compile import compile_layers, compiled
 from asyncrl.runtime.startup import start_phase
 
@@ -27,6 +28,8 @@ class TrainedPolicy:
         self.path, self.config, self.device = path, config, device
         self.steps = 0
         self.merged = None  # LoRA's merged weights (``--trainer.lora.sync merged``), or None
+        if config.compile is False:  # no torch.compile at all: the fused head's chunks stay eager too
+            chunked_head.FAST = False
         start_phase(f"loading the policy {path}")
         self.model, self.tokenizer, self.fmt = self.load()
         # The KL term's reference: the starting policy. With LoRA that is the frozen base already
