@@ -113,3 +113,15 @@ async def test_the_sink_joins_through_the_parts_seat_and_leaving_releases_both()
         pass
     with pytest.raises(SamplerError, match="^sampler s0: setup_receiver before joining"):
         await weights.setup(5.0)
+
+
+def test_auto_picks_hf_on_the_cpu_even_with_vllm_installed_and_vllm_stays_there_when_asked():
+    import torch
+
+    from asyncrl.rl.sampler.factory import choose_backend
+
+    cpu = torch.device("cpu")
+    assert choose_backend("auto", cpu) == "hf"  # without importing vLLM (CI has its CPU build)
+    assert choose_backend("hf", torch.device("cuda")) == "hf"
+    with pytest.raises(ValueError, match="sampler backend must be one of"):
+        choose_backend("vllm-cpu", cpu)

@@ -390,9 +390,10 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
 async def test_check_weights_is_refused_before_a_run_with_vllm_samplers_on_the_cpu(vllm_required, tiny_path, tmp_path):
     """vLLM on the CPU repacks its weights for its kernels: no digest of the tensors sent, so
     ``--run.check_weights`` is a config error at the start, not a sampler lost after every sync
-    (on a GPU the engine's worker digests them: test_a_grpo_run_with_the_vllm_backend). 'auto' is
-    resolved as the samplers will before anything starts: no actor, no run directory (it took an
-    engine start, ~35-65 s on the 2-core machine, to be refused once a sampler said so)."""
+    (on a GPU the engine's worker digests them: test_a_grpo_run_with_the_vllm_backend). vllm with
+    the device left to the plan is resolved as the samplers will before anything starts: no actor,
+    no run directory (it took an engine start, ~35-65 s on the 2-core machine, to be refused once a
+    sampler said so). Auto picks hf on the CPU, so it runs, digests and all."""
     from asyncrl.rl.config.grpo import GRPOConfig
     from asyncrl.rl.config.parse import ConfigError, parse_overrides
     from asyncrl.rl.driver.run import train
@@ -409,7 +410,7 @@ async def test_check_weights_is_refused_before_a_run_with_vllm_samplers_on_the_c
             "--run.n_heldout",
             "8",
             "--sampler.backend",
-            "auto",
+            "vllm",
             "--run.check_weights",
             "true",
         ],
@@ -417,7 +418,7 @@ async def test_check_weights_is_refused_before_a_run_with_vllm_samplers_on_the_c
     async with Supervisor(start_timeout_s=240) as sup:
         with pytest.raises(
             ConfigError,
-            match=r"--sampler.backend auto picks vLLM here \(cpu\), which repacks them on the CPU; add --sampler",
+            match=r"--sampler.backend vllm picks vLLM here \(cpu\), which repacks them on the CPU; add --sampler",
         ):
             await train(config, sup)
         assert sup.status() == [] and not (tmp_path / "run").exists()

@@ -52,8 +52,8 @@ class SamplerConfig:
     """How new weights enter a sampler: 'in_flight' (between two decoding steps of the batch being
     generated, which finishes on them) or 'pause' (after that batch finishes)."""
     backend: str = "auto"
-    """Inference engine: 'vllm', 'hf' (transformers), or 'auto' (vLLM where it is installed and
-    supports the sampler's device, else hf; each sampler logs which it picked). See docs/vllm.md."""
+    """Inference engine: 'vllm', 'hf' (transformers), or 'auto' (vLLM on a GPU where its CUDA build
+    is installed, else hf, on the CPU too; each sampler logs which it picked). See docs/vllm.md."""
     gpu_memory_utilization: float = 0.0
     """vLLM on a GPU: the share of the GPU's memory each engine reserves (0: vLLM's default alone on
     a GPU; 0.3 split among the samplers when they share the trainer's GPU). See docs/gpu.md."""

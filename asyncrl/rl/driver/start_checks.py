@@ -5,7 +5,8 @@ can tell, before the steps begin:
 
 * ``--run.placement`` against the cluster's nodes and the device plan (`check_placement`, which
   also answers where each actor goes);
-* ``--run.check_weights`` against the samplers' backends: vLLM on the CPU repacks the weights, so
+* ``--run.check_weights`` against the samplers' backends: vLLM on the CPU (asked for: auto is hf
+  there) repacks the weights, so
   their digests cannot match the trainer's (`check_backend_readable` before anything is spawned,
   `check_digestible` once the samplers run, as those on other nodes may have chosen otherwise).
 """
@@ -40,10 +41,11 @@ def check_placement(
 
 
 async def check_backend_readable(backend: str, device: str) -> None:
-    """``--run.check_weights`` with ``--sampler.backend auto`` (an explicit vllm is `GRPOConfig`'s
-    refusal): refused if auto picks vLLM here on the CPU, as the samplers on this host will.
-    Knowing that imports vLLM (seconds), in a thread; `check_digestible` still asks the started
-    samplers, since those on other nodes may pick otherwise."""
+    """``--run.check_weights`` with ``--sampler.backend vllm`` where the plan put the run on the
+    CPU (``--run.device cpu`` with it is `GRPOConfig`'s refusal; auto picks hf on the CPU): refused
+    before an engine starts, as the samplers on this host would run vLLM there. Knowing that
+    imports vLLM (seconds), in a thread; `check_digestible` still asks the started samplers, since
+    those on other nodes may pick otherwise."""
     import torch
 
     from asyncrl.rl.sampler.factory import choose_backend

@@ -118,12 +118,11 @@ def result_text(result: dict[str, Any]) -> str:
 
 def _engine(engine: str, device: Any) -> str:
     """hf or vllm: ``engine`` as asked (vllm where it cannot run is a one-line error naming why);
-    auto is vLLM on a GPU where it is installed, else hf (on the CPU, hf: the trainer's numbers)."""
+    auto is `choose_backend`'s: vLLM on a GPU where it is installed, else hf (on the CPU, hf: the
+    trainer's numbers)."""
     from asyncrl.rl.sampler.errors import SamplerError
     from asyncrl.rl.sampler.factory import choose_backend
 
-    if engine == "hf" or (engine == "auto" and device.type != "cuda"):
-        return "hf"
     try:
         return choose_backend(engine, device)
     except SamplerError as exc:
