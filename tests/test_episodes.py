@@ -673,3 +673,27 @@ def test_more_episodes_a_step_with_their_token_ids_are_kept_and_shown_when_asked
     assert ObserveConfig().episodes == 1 and not ObserveConfig().episode_ids
     with pytest.raises(ValueError, match="episodes must be"):
         ObserveConfig(episodes=-1)
+
+
+def test_the_run_s_decoder_reads_a_policy_s_tokenizer_json_and_decodes_as_its_tokenizer(tmp_path):
+    """episodes.jsonl's decoder (`load_decoder`) is the policy's ``tokenizer.json`` read by the
+    ``tokenizers`` library (the driver imports no transformers for it): every id sequence decodes
+    to the text transformers' tokenizer gives, special tokens and bytes cut mid-character
+    included."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.rl.observe.episodes_log import _decode, load_decoder
+
+    tok = build_tokenizer(tags=("<calc>", "</calc>"))
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    hf = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    decoder = load_decoder(str(tmp_path))
+    assert type(decoder).__module__.startswith("tokenizers")
+    rng = random.Random(0)
+    rows = [ids("<calc>2+3</calc> é ü 中文") + [0, 1, 2], list(range(len(hf)))]
+    rows += [[rng.randrange(len(hf)) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    for row in rows:
+        assert _decode(decoder, row) == _decode(hf, row), row

@@ -18,6 +18,8 @@ import json
 import os
 from typing import Any
 
+from tokenizers import Tokenizer
+
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.view.episodes import EPISODES_FILE
 
@@ -70,12 +72,10 @@ class EpisodeLog:
         self._tokenizer: Any = None
 
     def load(self) -> None:
-        from asyncrl.rl.model.policy import load_prompt_format
-
         if not self.model_path:
             return
         try:
-            self._tokenizer, _ = load_prompt_format(self.model_path)
+            self._tokenizer = load_decoder(self.model_path)
         except Exception as exc:  # noqa: BLE001 - the file is a view: no reason to stop the run
             exc = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self.log(f"{EPISODES_FILE}: not written, the tokenizer of {self.model_path} did not load ({exc})")
@@ -94,5 +94,19 @@ class EpisodeLog:
                 f.write("".join(line + "\n" for line in lines))
 
 
+def load_decoder(model_path: str) -> Any:
+    """What decodes the policy's token ids: its ``tokenizer.json`` read by the ``tokenizers``
+    library where it has one (a fast tokenizer's decode is that library's, and the driver then
+    imports no transformers: seconds of a run's start on a small machine), else its tokenizer."""
+    path = os.path.join(model_path, "tokenizer.json")
+    if os.path.isfile(path):
+        return Tokenizer.from_file(path)
+    from asyncrl.rl.model.policy import load_prompt_format
+
+    return load_prompt_format(model_path)[0]
+
+
 def _decode(tokenizer: Any, ids: list[int]) -> str:
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.decode(ids, skip_special_tokens=False)
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
