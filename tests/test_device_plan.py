@@ -262,3 +262,38 @@ def test_per_gpu_auto_is_one_where_the_placement_names_the_samplers_nodes():
     assert _one_a_gpu_where_placed("spread") == 1
     assert _one_a_gpu_where_placed("trainer=0 sampler=1,2") == 1
     assert _one_a_gpu_where_placed("trainer=1") == 0
+
+
+async def test_a_run_s_starts_side_by_side_end_at_the_first_error_and_only_on_the_cpu():
+    """The trainer, the scorers and the samplers start together on the CPU (driver/build.py), one
+    after another on GPUs (where they are placed first-fit and a colocated engine measures the
+    memory the trainer left). Started together, results come back in order; the first error
+    cancels the other starts (a cancelled start kills its process) and is what the run stops on."""
+    import asyncio
+
+    from asyncrl.rl.driver.build import _start_beside_the_trainer
+    from asyncrl.rl.driver.fleet.sampler_start import all_or_first_error
+
+    assert _start_beside_the_trainer(plan_devices("cpu", "cuda", ["0", "1"], 0))
+    assert not _start_beside_the_trainer(plan_devices("auto", "cuda", ["0", "1"], 0))
+    assert not _start_beside_the_trainer(plan_devices("auto", "cuda", ["0"], 0))  # colocated
+
+    assert await all_or_first_error([]) == []
+    cancelled: list[str] = []
+
+    async def start(name: str, after_s: float, fails: bool = False) -> str:
+        try:
+            await asyncio.sleep(after_s)
+        except asyncio.CancelledError:
+            cancelled.append(name)
+            raise
+        if fails:
+            raise RuntimeError(f"{name} refused to start")
+        return name
+
+    names = ["trainer", "scorer", "sampler0"]
+    assert await all_or_first_error([asyncio.ensure_future(start(n, 0.01 * i)) for i, n in enumerate(names)]) == names
+    starts = [start("trainer", 30.0), start("scorer", 0.0, fails=True), start("sampler0", 30.0)]
+    with pytest.raises(RuntimeError, match="scorer refused to start"):
+        await all_or_first_error([asyncio.ensure_future(s) for s in starts])
+    assert sorted(cancelled) == ["sampler0", "trainer"]

@@ -4,7 +4,8 @@ The checkpoint to resume from is chosen first (before anything is spawned or wri
 resume leaves the run directory as it was), then the policy (a given model, or the cached warm
 start), the trainer's ranks (which load the checkpoint: only then is the run committed), the
 scorers (teacher, reward model), the samplers (a sampler that never comes up is left out:
-`fleet/sampler_start.py`), and last the driver, with the fleet's `Scaler`. What each actor is
+`fleet/sampler_start.py`), and last the driver, with the fleet's `Scaler`. On the CPU the scorers
+and samplers start while the trainer does (`_start_beside_the_trainer`); on GPUs after it. What each actor is
 spawned with, and where, is spawn.py's.
 """
 
@@ -14,13 +15,14 @@ import asyncio
 import dataclasses
 import os
 import threading
+from collections.abc import Awaitable
 from typing import Any
 
-from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, DamagedCheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.driver.devices import DevicePlan
-from asyncrl.rl.driver.fleet.sampler_start import start_samplers
+from asyncrl.rl.driver.fleet.sampler_start import all_or_first_error, start_samplers
 from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks, node_address
 from asyncrl.rl.driver.grpo import GRPODriver
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside
@@ -56,26 +58,43 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
     task, log = load_task(config.task_spec()), scope.log  # loaded (and its data read) by check_run already: cached
     candidates = list_checkpoints(scope.run_dir)
     damaged: list[Checkpoint] = []
-    checkpoint = await _checkpoint_to_resume(config, scope, candidates, damaged) if resume else None
-    if checkpoint is None:
+    chosen = await _checkpoint_to_resume(config, scope, candidates, damaged) if resume else None
+    if chosen is None:
         scope.commit(None)
     model_path = config.model_path or await _warm_start(config, task, log)
     _announce(config, plan.devices, scope, task, model_path)
-    trainer = await spawn_trainer(sup, config, plan, model_path, log)
+    trainer_config, config = config, resolve_samplers(config, plan.devices, log)
+    spawn = SamplerSpawner(sup, config, plan, model_path)
+
+    async def start_trainer() -> tuple[TrainerRanks, Checkpoint | None]:
+        trainer = await spawn_trainer(sup, trainer_config, plan, model_path, log)
+        loaded = chosen
+        if chosen is not None:
+            loaded = await load_checkpoint(trainer, config.run, scope.run_dir, chosen, candidates, damaged, log)
+            scope.commit(loaded)
+            move_damaged_aside(damaged, log)
+        return trainer, loaded
+
+    def start_scorers() -> Awaitable[tuple[Teacher | None, RewardModel | None]]:
+        return _spawn_scorers(sup, config, plan, model_path, log, at_once=beside)
+
+    def start_samplers() -> Awaitable[list[Any]]:
+        # A run scaled by `asyncrl scale` resumes with the size it had (its checkpoint records it).
+        return _start_samplers(spawn, _scaled_target(chosen), scope)
+
+    if beside := _start_beside_the_trainer(plan.devices):
+        starts = [asyncio.ensure_future(start()) for start in (start_trainer, start_scorers, start_samplers)]
+        (trainer, checkpoint), (teacher, reward_model), samplers = await all_or_first_error(starts)
+    else:
+        trainer, checkpoint = await start_trainer()
+        teacher, reward_model = await start_scorers()
+        samplers = await start_samplers()
     # Trainer rank 0 hosts the weight-sync group's store: on its own node's address, which
     # every sampler reaches (the driver's node is another when the trainer was placed elsewhere).
     host = node_address(sup, trainer.handles[0])
-    if checkpoint is not None:
-        checkpoint = await load_checkpoint(trainer, config.run, scope.run_dir, checkpoint, candidates, damaged, log)
-        scope.commit(checkpoint)
-        move_damaged_aside(damaged, log)
-    config = resolve_samplers(config, plan.devices, log)
-    teacher, reward_model = await _spawn_scorers(sup, config, plan, model_path, log)
-    spawn = SamplerSpawner(sup, config, plan, model_path)
-    # A run scaled by `asyncrl scale` resumes with the size it had (its checkpoint records it),
-    # and keeps it as its target.
-    scaled = read_run_state(checkpoint).samplers_target if checkpoint is not None else 0
-    samplers = await _start_samplers(spawn, scaled, scope)
+    # ... and the count it had is the scaler's target (that of the checkpoint loaded: an older
+    # one, where the newest failed to load).
+    scaled = _scaled_target(checkpoint)
     if sup.config.nnodes > 1:
         log(_where_line(trainer.handles, samplers, host))
     if config.run.check_weights:
@@ -98,6 +117,25 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
         scaler=fleet_scaler(sup, spawn, scaled=scaled, log=log),
     )
     return RunParts(config, plan.devices, trainer, samplers, teacher, reward_model, driver)
+
+
+def _start_beside_the_trainer(plan: DevicePlan) -> bool:
+    """Whether the scorers and samplers start while the trainer does: on the CPU, where their
+    process starts and model loads (seconds of imports each) overlap the trainer's. On GPUs they
+    start after it, as the device plan places them: a colocated engine measures the memory the
+    trainer left, and the supervisor hands out GPUs first-fit, in the order they are asked for."""
+    return plan.device == "cpu"
+
+
+def _scaled_target(checkpoint: Checkpoint | None) -> int:
+    """The sampler count ``asyncrl scale`` set before ``checkpoint`` was written (0: none, or no
+    checkpoint, or one whose run state does not read: loading it says so, and falls back)."""
+    if checkpoint is None:
+        return 0
+    try:
+        return read_run_state(checkpoint).samplers_target
+    except DamagedCheckpointError:
+        return 0
 
 
 async def _checkpoint_to_resume(
@@ -188,14 +226,22 @@ def resolve_samplers(config: GRPOConfig, plan: DevicePlan, log) -> GRPOConfig:
 
 
 async def _spawn_scorers(
-    sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str, log
+    sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str, log, *, at_once: bool
 ) -> tuple[Teacher | None, RewardModel | None]:
-    """The run's teacher and reward model (None where it has none), each on its scorer actor."""
+    """The run's teacher and reward model (None where it has none), each on its scorer actor;
+    ``at_once``: both started together (else the teacher first, as the device plan places them)."""
     teacher = reward_model = None
     calls = {"restart_timeout_s": config.run.recovery.restart_timeout_s, "log": log}
+    sections = [(config.teacher, "scorer"), (config.reward_model, "reward_model")]
+    wanted = [(section, name) for section, name in sections if section.model_path]
+    if at_once:
+        starts = [asyncio.ensure_future(spawn_scorer(sup, config, plan, model_path, *w)) for w in wanted]
+        handles = await all_or_first_error(starts)
+    else:
+        handles = [await spawn_scorer(sup, config, plan, model_path, *w) for w in wanted]
     if config.teacher.model_path:
         teacher = Teacher(
-            await spawn_scorer(sup, config, plan, model_path, config.teacher, "scorer"),
+            handles.pop(0),
             top_k=config.teacher.top_k,
             timeout_s=config.teacher.timeout_s,
             **calls,
@@ -203,7 +249,7 @@ async def _spawn_scorers(
     if config.reward_model.model_path:
         rm = config.reward_model
         reward_model = RewardModel(
-            await spawn_scorer(sup, config, plan, model_path, rm, "reward_model"),
+            handles.pop(0),
             weight=rm.weight,
             rule_weight=rm.rule_weight,
             judge=rm.kind == "judge",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from asyncrl.errors import first_line
@@ -50,7 +50,7 @@ async def start_samplers(
     by_index: dict[int, Any] = {}
     for wave in sorted({wave_of(i) for i in range(count)}):
         members = [i for i in range(count) if wave_of(i) == wave]
-        started = await _all_or_first_error([asyncio.ensure_future(spawn(i)) for i in members])
+        started = await all_or_first_error([asyncio.ensure_future(spawn(i)) for i in members])
         by_index.update(zip(members, started))
     handles = [by_index[i] for i in range(count)]
     up = [h for h in handles if not _gone(h)]
@@ -96,9 +96,11 @@ async def start_samplers(
     return handles
 
 
-async def _all_or_first_error(tasks: list[asyncio.Future]) -> list[Any]:
+async def all_or_first_error(tasks: Sequence[asyncio.Future]) -> list[Any]:
     """Every task's result; or, as soon as one raises (or this is cancelled), the others
     cancelled and awaited (bounded by ``CANCEL_S``), and that error raised."""
+    if not tasks:
+        return []
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)  # each bounded by its start deadlines
     finally:
