@@ -353,6 +353,7 @@ def test_a_sharded_checkpoint_restores_two_ranks_exactly(tiny_path, tmp_path):
     assert digest_a == digest_b
 
 
+@pytest.mark.timeout(300)  # two whole runs, the failed one and its resume: 110 s was seen on a loaded CI machine
 def test_two_trainer_ranks_and_a_sampler_run_the_example_stop_naming_a_failed_rank_and_resume(tmp_path, model_cache):
     """The example end to end with ``--trainer.world_size 2``: rank 1 raises mid-backward at step
     3, the run stops naming it and saying how to resume; the resumed run ends well, with a final
