@@ -4,9 +4,9 @@ The checkpoint to resume from is chosen first (before anything is spawned or wri
 resume leaves the run directory as it was), then the policy (a given model, or the cached warm
 start), the trainer's ranks (which load the checkpoint: only then is the run committed), the
 scorers (teacher, reward model), the samplers (a sampler that never comes up is left out:
-`fleet/sampler_start.py`), and last the driver, with the fleet's `Scaler`. On the CPU the scorers
-and samplers start while the trainer does (`_start_beside_the_trainer`); on GPUs after it. What each actor is
-spawned with, and where, is spawn.py's.
+`fleet/sampler_start.py`), and last the driver, with the fleet's `Scaler`. On the CPU a fresh
+run's scorers and samplers start while the trainer does (`_start_beside_the_trainer`). What each
+actor is spawned with, and where, is spawn.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Awaitable
 from typing import Any
 
-from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, DamagedCheckpointError, list_checkpoints
+from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.driver.devices import DevicePlan
@@ -78,23 +78,26 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
     def start_scorers() -> Awaitable[tuple[Teacher | None, RewardModel | None]]:
         return _spawn_scorers(sup, config, plan, model_path, log, at_once=beside)
 
-    def start_samplers() -> Awaitable[list[Any]]:
-        # A run scaled by `asyncrl scale` resumes with the size it had (its checkpoint records it).
-        return _start_samplers(spawn, _scaled_target(chosen), scope)
+    def start_samplers(scaled: int = 0) -> Awaitable[list[Any]]:
+        return _start_samplers(spawn, scaled, scope)
 
-    if beside := _start_beside_the_trainer(plan.devices):
+    # A resume starts them once the trainer has loaded its checkpoint: a sampler's start writes
+    # faults.jsonl, and a resume that fails leaves the run directory as it was.
+    beside = _start_beside_the_trainer(plan.devices) and chosen is None
+    if beside:
         starts = [asyncio.ensure_future(start()) for start in (start_trainer, start_scorers, start_samplers)]
         (trainer, checkpoint), (teacher, reward_model), samplers = await all_or_first_error(starts)
+        scaled = 0
     else:
         trainer, checkpoint = await start_trainer()
         teacher, reward_model = await start_scorers()
-        samplers = await start_samplers()
+        # A run scaled by `asyncrl scale` resumes with the size it had (its checkpoint records it),
+        # and keeps it as its target.
+        scaled = read_run_state(checkpoint).samplers_target if checkpoint is not None else 0
+        samplers = await start_samplers(scaled)
     # Trainer rank 0 hosts the weight-sync group's store: on its own node's address, which
     # every sampler reaches (the driver's node is another when the trainer was placed elsewhere).
     host = node_address(sup, trainer.handles[0])
-    # ... and the count it had is the scaler's target (that of the checkpoint loaded: an older
-    # one, where the newest failed to load).
-    scaled = _scaled_target(checkpoint)
     if sup.config.nnodes > 1:
         log(_where_line(trainer.handles, samplers, host))
     if config.run.check_weights:
@@ -120,22 +123,11 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
 
 
 def _start_beside_the_trainer(plan: DevicePlan) -> bool:
-    """Whether the scorers and samplers start while the trainer does: on the CPU, where their
-    process starts and model loads (seconds of imports each) overlap the trainer's. On GPUs they
-    start after it, as the device plan places them: a colocated engine measures the memory the
-    trainer left, and the supervisor hands out GPUs first-fit, in the order they are asked for."""
+    """Whether a fresh run's scorers and samplers start while the trainer does: on the CPU, where
+    their process starts and model loads (seconds of imports each) overlap the trainer's. On GPUs
+    they start after it, as the device plan places them: a colocated engine measures the memory
+    the trainer left, and the supervisor hands out GPUs first-fit, in the order they are asked for."""
     return plan.device == "cpu"
-
-
-def _scaled_target(checkpoint: Checkpoint | None) -> int:
-    """The sampler count ``asyncrl scale`` set before ``checkpoint`` was written (0: none, or no
-    checkpoint, or one whose run state does not read: loading it says so, and falls back)."""
-    if checkpoint is None:
-        return 0
-    try:
-        return read_run_state(checkpoint).samplers_target
-    except DamagedCheckpointError:
-        return 0
 
 
 async def _checkpoint_to_resume(
