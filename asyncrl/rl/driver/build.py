@@ -66,6 +66,10 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
     trainer_config, config = config, resolve_samplers(config, plan.devices, log)
     spawn = SamplerSpawner(sup, config, plan, model_path)
 
+    # A resume starts the rest once the trainer has loaded its checkpoint: a sampler's start writes
+    # faults.jsonl, and a resume that fails leaves the run directory as it was.
+    beside = _start_beside_the_trainer(plan.devices) and chosen is None
+
     async def start_trainer() -> tuple[TrainerRanks, Checkpoint | None]:
         trainer = await spawn_trainer(sup, trainer_config, plan, model_path, log)
         loaded = chosen
@@ -81,9 +85,6 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
     def start_samplers(scaled: int = 0) -> Awaitable[list[Any]]:
         return _start_samplers(spawn, scaled, scope)
 
-    # A resume starts them once the trainer has loaded its checkpoint: a sampler's start writes
-    # faults.jsonl, and a resume that fails leaves the run directory as it was.
-    beside = _start_beside_the_trainer(plan.devices) and chosen is None
     if beside:
         starts = [asyncio.ensure_future(start()) for start in (start_trainer, start_scorers, start_samplers)]
         (trainer, checkpoint), (teacher, reward_model), samplers = await all_or_first_error(starts)
