@@ -83,6 +83,9 @@ class Solver:
     def with_timeout(self, timeout_s: float) -> Solver:
         return self
 
+    def pinned(self, incarnation: int) -> Solver:
+        return self
+
     async def stats(self) -> SimpleNamespace:
         backend, device = self.engine.split()
         return SimpleNamespace(backend=backend, device=device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 
 import pytest
@@ -98,3 +100,28 @@ async def test_wait_for_state_is_bounded_and_returns_at_once_on_a_final_state():
         assert status.state is ActorState.STOPPED and time.monotonic() - start < 0.1
         with pytest.raises(ValueError):
             await echo.wait_for_state([], timeout_s=1.0)
+
+
+async def test_a_handle_pinned_to_an_incarnation_fails_once_it_is_gone_and_never_reaches_the_replacement():
+    async with Supervisor() as sup:
+        echo = await sup.spawn(Echo, max_restarts=1)
+        first = echo.pinned(1)
+        assert await first.add(1) == 2
+        pid = await first.getpid()
+        os.kill(pid, signal.SIGKILL)
+        restarting = await echo.wait_for_state([ActorState.RESTARTING], timeout_s=10.0)
+        assert restarting.state is ActorState.RESTARTING
+        start = time.monotonic()
+        with pytest.raises(ActorDiedError, match="killed by SIGKILL"):  # no wait for the restart
+            await first.with_timeout(30.0).add(1)
+        assert time.monotonic() - start < 1.0
+        back = await echo.wait_for_incarnation(1, timeout_s=30.0)
+        assert back.incarnation == 2
+        with pytest.raises(ActorDiedError, match="killed by SIGKILL"):
+            await first.add(1)
+        with pytest.raises(ActorDiedError, match="killed by SIGKILL"):
+            async for _ in first.count(3):
+                pass
+        assert await echo.pinned(2).getpid() == back.pid != pid
+        with pytest.raises(ActorDiedError, match="incarnation 3 is not the one running"):
+            await echo.pinned(3).add(1)  # one that never ran

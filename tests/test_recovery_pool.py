@@ -98,6 +98,9 @@ class Scripted:
                 break
         return self.info()
 
+    def pinned(self, incarnation: int) -> Scripted:
+        return self  # its script plays whichever incarnation is called
+
     def with_timeout(self, timeout_s: float) -> SimpleNamespace:
         return SimpleNamespace(**{method: self._method(method, timeout_s) for method in self.script})
 

@@ -1,6 +1,8 @@
 """``ActorHandle``: the caller's view of an actor. ``await h.method(...)`` is an RPC;
 ``async for x in h.stream(...)`` consumes a streaming endpoint. A handle stays valid across
 restarts: calls made while the actor restarts wait (within their timeout) for the new incarnation.
+A handle ``pinned`` to one incarnation sends to that process only: once it is gone, its calls fail
+with ``ActorDiedError`` at once, never reaching a replacement that lacks the state they build on.
 """
 
 from __future__ import annotations
@@ -20,17 +22,18 @@ log = logging.getLogger("asyncrl.supervisor")
 
 
 class RemoteMethod:
-    __slots__ = ("_record", "_spec", "_timeout_s")
+    __slots__ = ("_incarnation", "_record", "_spec", "_timeout_s")
 
-    def __init__(self, record: ActorRecord, spec: EndpointSpec, timeout_s: float):
+    def __init__(self, record: ActorRecord, spec: EndpointSpec, timeout_s: float, incarnation: int | None = None):
         self._record = record
         self._spec = spec
         self._timeout_s = timeout_s
+        self._incarnation = incarnation
 
     def with_timeout(self, timeout_s: float) -> RemoteMethod:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
-        return RemoteMethod(self._record, self._spec, timeout_s)
+        return RemoteMethod(self._record, self._spec, timeout_s, self._incarnation)
 
     def __call__(self, *args: Any, **kwargs: Any):
         if self._spec.is_stream:
@@ -39,6 +42,8 @@ class RemoteMethod:
 
     async def _call(self, args: tuple, kwargs: dict) -> Any:
         record, timeout_s = self._record, self._timeout_s
+        if self._incarnation is not None:  # checked as the call is sent: no await in between
+            return await record.client_of(self._incarnation).call(self._spec, args, kwargs, timeout_s)
         client = record.client
         if record.state is ActorState.RUNNING and client is not None:  # a running one has its client
             return await client.call(self._spec, args, kwargs, timeout_s)
@@ -48,7 +53,10 @@ class RemoteMethod:
         return await client.call(self._spec, args, kwargs, max(deadline - time.monotonic(), 1e-3))
 
     async def _stream(self, args: tuple, kwargs: dict) -> AsyncIterator[Any]:
-        client = await self._record.client_within(self._timeout_s, self._spec.name)
+        if self._incarnation is not None:
+            client = self._record.client_of(self._incarnation)
+        else:
+            client = await self._record.client_within(self._timeout_s, self._spec.name)
         async for item in client.stream(self._spec, args, kwargs, self._timeout_s):
             yield item
 
@@ -59,12 +67,19 @@ class RemoteMethod:
 class ActorHandle:
     """Returned by ``Supervisor.spawn``; valid in the supervisor's process."""
 
-    __slots__ = ("_record", "_specs", "_timeout_s")
+    __slots__ = ("_incarnation", "_record", "_specs", "_timeout_s")
 
-    def __init__(self, record: ActorRecord, specs: dict[str, EndpointSpec], timeout_s: float | None = None):
+    def __init__(
+        self,
+        record: ActorRecord,
+        specs: dict[str, EndpointSpec],
+        timeout_s: float | None = None,
+        incarnation: int | None = None,
+    ):
         self._record = record
         self._specs = specs
         self._timeout_s = timeout_s or record.call_timeout_s
+        self._incarnation = incarnation
 
     @property
     def name(self) -> str:
@@ -111,7 +126,15 @@ class ActorHandle:
         """The same actor, with ``timeout_s`` as the default deadline of its calls."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
-        return ActorHandle(self._record, self._specs, timeout_s)
+        return ActorHandle(self._record, self._specs, timeout_s, self._incarnation)
+
+    def pinned(self, incarnation: int) -> ActorHandle:
+        """The same actor, its calls sent to ``incarnation`` only (``info().incarnation`` when it
+        was judged running). For calls that build on what an earlier call left in that process (a
+        receiver set up, then weights received): once that process is gone, each call fails at
+        once with ``ActorDiedError`` naming how it ended, instead of waiting for a restart and
+        reaching a new process that has none of it."""
+        return ActorHandle(self._record, self._specs, self._timeout_s, incarnation)
 
     def __getattr__(self, attr: str) -> RemoteMethod:
         spec = self._specs.get(attr)
@@ -121,7 +144,7 @@ class ActorHandle:
                 f"actor {self._record.name!r} ({self._record.cls.__qualname__}) has no endpoint "
                 f"{attr!r}; endpoints: {known}"
             )
-        return RemoteMethod(self._record, spec, self._timeout_s)
+        return RemoteMethod(self._record, spec, self._timeout_s, self._incarnation)
 
     def __repr__(self) -> str:
         return f"<ActorHandle {self._record.name} {self._record.state.value}>"

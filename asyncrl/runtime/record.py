@@ -63,6 +63,8 @@ class ActorRecord:
     """While an incarnation starts: its phases, deadline and heartbeats (`Incarnations.start`)."""
     last_heartbeat: float = 0.0
     last_words: str = ""
+    last_death: tuple[int, str] = (0, "")
+    """The incarnation that ended last, and how (`Incarnations._watch`)."""
     kill_reason: str = ""
     error: BaseException | None = None
     stopping: bool = False
@@ -127,6 +129,19 @@ class ActorRecord:
             with contextlib.suppress(TimeoutError):
                 async with timeout(left):  # unlike wait_for on 3.11, never swallows a cancel
                     await changed.wait()
+
+    def client_of(self, incarnation: int) -> ActorClient:
+        """The client of ``incarnation`` while it runs; else `ActorDiedError` naming how it ended."""
+        if self.incarnation == incarnation and self.state is ActorState.RUNNING and self.client is not None:
+            return self.client
+        ended, how = self.last_death
+        if ended == incarnation:
+            reason = how
+        elif self.incarnation == incarnation:  # it never ran, or it is stopping
+            reason = f"incarnation {incarnation} is {self.state.value}"
+        else:
+            reason = f"incarnation {incarnation} is not the one running (incarnation {self.incarnation} is)"
+        raise ActorDiedError(self.name, reason)
 
     async def client_within(self, timeout_s: float, method: str) -> ActorClient:
         """The client of the running incarnation, waiting (bounded) through a start or restart."""

@@ -224,7 +224,7 @@ class Membership:
         made at all (None), and any failure means the group must be formed again. ``lead`` (the
         trainer) is called with the members, first (``member`` None); its answer is judged by
         ``judge_lead`` (which raises to stop the run) before any member's."""
-        replaced = self.lose_replaced(group)  # no await from here to the calls: they go to these incarnations
+        replaced = self.lose_replaced(group)
         if replaced and whole:
             return None
         group = [m for m in group if m not in replaced]
@@ -235,7 +235,9 @@ class Membership:
             if i >= first:
                 self.lose(group[i - first], failure_cause(what, error), kill=False, incarnation=pinned[i - first])
 
-        handles = ([] if lead is None else [lead]) + [m.handle for m in group]
+        # Pinned: a call whose task starts after its incarnation died (a restart may already be
+        # under way) fails as that death, never reaching the replacement, which did not join.
+        handles = ([] if lead is None else [lead]) + [m.handle.pinned(i) for m, i in zip(group, pinned)]
         answers = await call_all(
             handles,
             lambda h, i: call(h, group[i - first] if i >= first else None),
@@ -277,9 +279,8 @@ class Membership:
 
     def lose_replaced(self, group: list[Member]) -> list[Member]:
         """Lose every member of ``group`` that no longer runs the incarnation we know, and return
-        them (none: every call made now goes to the incarnation that joined). Checked right before
-        a call is sent, with no await in between: a handle sends a call to whatever incarnation
-        runs, and one made during a restart waits for the next, which never joined this group."""
+        them: they are not called (the calls themselves are pinned to the incarnations that joined,
+        so one that dies after this check fails as that death)."""
         replaced = []
         for m in group:
             info = m.handle.info()

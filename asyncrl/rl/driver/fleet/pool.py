@@ -29,9 +29,9 @@ Invariants:
   half from a lost sampler; the ones it delivered before it was lost stay (tagged, valid).
 * A sync completes on every member or fails on every member (the votes of `comm/sync_vote.py`), so
   when `sync` returns, every sampler in the group holds the same version as the trainer.
-* Every call to a sampler goes to the incarnation that joined (`Membership.call_all` loses a
-  replaced one right before the calls, no await in between), and its verdict falls on that
-  incarnation only.
+* Every call to a sampler goes to the incarnation that joined (`Membership.call_all` calls
+  through handles pinned to it: one that died meanwhile fails as that death, never reaching its
+  replacement), and its verdict falls on that incarnation only.
 * In async mode a sampler's pump runs ``--sampler.streams`` paced streams at once, and queues
   their groups in the order the pacer granted their credit (pumps.py): the pacer's
   promise that one sampler's groups all train in time holds for any number of streams.

@@ -113,7 +113,8 @@ class Pumps:
         ``credit`` (the pacer's grant), and is queued only once ``turn`` is set (the grant before
         this one ended)."""
         put_s = self._put_timeout_s()
-        async for group in m.handle.with_timeout(self.deadlines.generate_timeout_s).rollouts(max_groups):
+        handle = m.handle.pinned(m.incarnation).with_timeout(self.deadlines.generate_timeout_s)
+        async for group in handle.rollouts(max_groups):
             incarnation = m.handle.info().incarnation
             if incarnation != m.incarnation or group.version < m.min_version:
                 raise ActorDiedError(
