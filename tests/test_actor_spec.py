@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import pytest
 
 from asyncrl import Actor, endpoint
-from asyncrl.runtime.actor import endpoints_of, init_spec
+from asyncrl.runtime.actor import RESERVED_NAMES, endpoints_of, init_spec
 
 
 class Good(Actor):
@@ -77,6 +77,12 @@ def test_bad_declarations_are_refused_with_the_reason(body, match):
     exec(f"class Bad(Actor):\n    {body}\n", namespace)  # test-local source, not from a process boundary
     with pytest.raises(TypeError, match=match):
         endpoints_of(namespace["Bad"])
+
+
+def test_every_attribute_of_a_handle_is_a_reserved_name():
+    from asyncrl.runtime.handle import ActorHandle  # an endpoint named like one would be shadowed
+
+    assert RESERVED_NAMES == {a for a in dir(ActorHandle) if not a.startswith("_")}
 
 
 def test_non_actor_classes_are_refused():

@@ -22,7 +22,7 @@ import msgspec
 from asyncrl.runtime.codec import PayloadDecoder
 
 _ENDPOINT_ATTR = "__asyncrl_endpoint__"
-RESERVED_NAMES = frozenset({"name", "info", "with_timeout"})
+RESERVED_NAMES = frozenset({"info", "kill", "name", "pinned", "wait_for_incarnation", "wait_for_state", "with_timeout"})
 """Attributes of an ``ActorHandle``; an endpoint may not be named like one of them."""
 _STREAM_ORIGINS = (
     collections.abc.AsyncIterator,
