@@ -125,3 +125,26 @@ async def test_a_handle_pinned_to_an_incarnation_fails_once_it_is_gone_and_never
         assert await echo.pinned(2).getpid() == back.pid != pid
         with pytest.raises(ActorDiedError, match="incarnation 3 is not the one running"):
             await echo.pinned(3).add(1)  # one that never ran
+
+
+async def test_a_fleet_call_sent_after_its_incarnation_died_fails_as_that_death_not_on_the_replacement(monkeypatch):
+    # The race CI met: the check before the calls saw the sampler running, it died before its call's
+    # task started, and the call waited for the restart and reached a process that never joined.
+    from asyncrl.rl.config.run import RecoveryConfig
+    from asyncrl.rl.driver.fleet.membership import Membership, MemberState
+
+    async with Supervisor() as sup:
+        echo = await sup.spawn(Echo, name="sampler0", max_restarts=1)
+        members = Membership([echo], [0], recovery=RecoveryConfig(), log=lambda line: None)
+        m = members.members[0]
+        m.state, m.incarnation = MemberState.JOINED, 1
+        os.kill(await echo.getpid(), signal.SIGKILL)
+        await echo.wait_for_state([ActorState.RESTARTING], timeout_s=10.0)
+        monkeypatch.setattr(members, "lose_replaced", lambda group: [])  # the death seen only after the check
+        answers = await members.call_all([m], lambda h, _: h.add(1), timeout_s=30.0, what="a probe")
+        assert isinstance(answers.results[0], ActorDiedError), answers.results  # the replacement would answer 2
+        assert m.state is not MemberState.JOINED and members.faults[0].incarnation == 1
+        assert members.faults[0].cause.startswith("died during a probe (killed by SIGKILL"), members.faults[0].cause
+        back = await echo.wait_for_incarnation(1, timeout_s=30.0)
+        assert back.incarnation == 2 and await echo.add(1) == 2
+        await members.close()
