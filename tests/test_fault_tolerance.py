@@ -84,6 +84,8 @@ def tiny(model_path: str, run_dir, *overrides: str) -> GRPOConfig:
             "60",
             "--sampler.backend",
             "hf",  # weight digests and the sampling RNG live in the actor with HF only
+            "--run.curves",
+            "false",  # no curves.png: matplotlib's seconds at every run's end; test_observe.py draws it
             *overrides,
         ],
     )

@@ -49,6 +49,8 @@ TINY = [
     "1",
     "--sampler.backend",
     "hf",
+    "--run.curves",
+    "false",  # no curves.png: matplotlib's seconds at every run's end; test_observe.py draws it
 ]  # the HF backend end to end everywhere; test_vllm_actor.py runs vLLM's
 
 

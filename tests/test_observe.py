@@ -490,6 +490,8 @@ def test_a_tiny_run_writes_event_files_curves_and_plain_progress_and_drops_nothi
     done = launch(
         tmp_path,
         *TINY,
+        "--run.curves",
+        "true",  # TINY leaves it out
         "--run.steps",
         "4",
         "--run.max_staleness",

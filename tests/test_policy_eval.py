@@ -37,6 +37,8 @@ TINY = [
     "2",
     "--sampler.backend",
     "hf",
+    "--run.curves",
+    "false",  # no curves.png: matplotlib's seconds at every run's end; test_observe.py draws it
 ]
 
 

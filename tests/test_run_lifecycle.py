@@ -329,6 +329,8 @@ TINY = (
     "60",
     "--sampler.backend",
     "hf",
+    "--run.curves",
+    "false",  # no curves.png: matplotlib's seconds at every run's end; test_observe.py draws it
 )
 
 

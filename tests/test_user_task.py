@@ -51,6 +51,8 @@ TINY = [
     "0",
     "--run.checkpoint_every",
     "0",
+    "--run.curves",
+    "false",  # no curves.png: matplotlib's seconds at every run's end; test_observe.py draws it
 ]
 
 
