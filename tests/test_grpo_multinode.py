@@ -93,6 +93,8 @@ def small(run_dir, *overrides: str) -> list[str]:
         "30",
         "--run.restart_timeout_s",
         "20",
+        "--run.curves",
+        "false",  # no curves.png: matplotlib's seconds at every run's end; test_observe.py draws it
         *overrides,
     ]
 
