@@ -214,8 +214,8 @@ class Incarnations:
         if rec.incarnation != incarnation:
             return
         reason = "stopped by the supervisor" if rec.stopping else rec.kill_reason or proc.exit_description()
-        error: BaseException = ActorDiedError(rec.name, reason + _words(rec))
         rec.last_death = (incarnation, reason + _words(rec))
+        error: BaseException = ActorDiedError(rec.name, rec.last_death[1])
         if not rec.stopping:
             # Before anything is awaited: calls made from now on wait for the restart or fail.
             rec.set_state(ActorState.RESTARTING if rec.restarts < rec.max_restarts else ActorState.DEAD)
