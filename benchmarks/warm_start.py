@@ -7,6 +7,7 @@ of ``train_and_heldout(data_seed, ...)``'s held-out split, which the warm start 
 
     python benchmarks/warm_start.py                       # defaults, ~3 minutes on 2 CPU cores
     python benchmarks/warm_start.py --steps 300 --json    # a shorter warm start, one JSON line
+    python benchmarks/warm_start.py --shape 0.5b --device cuda --lr 3e-4   # Qwen2-0.5B's layers, on a GPU
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ import sys
 import tempfile
 import time
 
+SHAPES = {  # ModelConfig fields; "0.5b": Qwen2-0.5B's layers (its 151,936-entry vocabulary is the tokenizer's here)
+    "embedded": {},
+    "0.5b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864},
+}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -30,6 +36,10 @@ def main() -> None:
         type=int,
         help="torch threads of the evaluation after the warm start (training "
         "always uses one, for bit-exact results; default: the usable cores, at most 4)",
+    )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where it trains and evaluates")
+    parser.add_argument(
+        "--shape", default="embedded", choices=sorted(SHAPES), help="the model's layers (vocabulary: the tokenizer's)"
     )
     parser.add_argument("--eval", type=int, default=200, help="held-out problems to evaluate (default 200)")
     parser.add_argument("--samples", type=int, default=4, help="T=1 samples per problem (default 4)")
@@ -46,15 +56,17 @@ def main() -> None:
     from asyncrl.rl.tasks.countdown import Countdown, train_and_heldout
 
     overrides = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("lr", args.lr)) if v}
-    warm = dataclasses.replace(WarmStartConfig(), **overrides)
+    warm = dataclasses.replace(WarmStartConfig(), device=args.device, **overrides)
+    model_cfg = ModelConfig(**SHAPES[args.shape])
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print
     with tempfile.TemporaryDirectory() as scratch:
         start = time.monotonic()
         path = default_model(
-            ModelConfig(), warm, Countdown(), cache_dir=args.cache_dir or scratch, threads=args.threads, log=log
+            model_cfg, warm, Countdown(), cache_dir=args.cache_dir or scratch, threads=args.threads, log=log
         )
         build_s = time.monotonic() - start
         model, tokenizer, fmt = load_policy(path)
+        model.to(args.device)
         with open(f"{path}/asyncrl_model.json") as f:
             marker = json.load(f)
     _, heldout = train_and_heldout(warm.data_seed, 0, args.eval)
@@ -67,6 +79,7 @@ def main() -> None:
         "build_s": round(build_s, 1),
         "warm_start_s": marker["warm_start_wall_s"],
         "final_loss": marker["final_loss"],
+        "trained_on": marker["trained_on"],
         "heldout": len(heldout),
         "greedy_solve_rate": greedy,
         "sampled_t1_solve_rate": sampled,

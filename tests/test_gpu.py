@@ -73,3 +73,32 @@ def test_the_fused_head_s_cuda_fast_path_gives_the_eager_path_s_values(monkeypat
     for g, g0 in zip(grads, grads0):  # bf16 dz either way; grad_w summed in float32 without a bf16 product
         assert g.dtype == g0.dtype and g0.abs().max() > 1e-3
         torch.testing.assert_close(g.float(), g0.float(), rtol=2e-2, atol=2e-2 * g0.abs().max().item())
+
+
+def test_the_warm_start_trains_on_the_gpu_and_is_cached_under_its_model(tmp_path):
+    import json
+    import os
+
+    from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
+    from asyncrl.rl.model.warm_start import cache_key, default_model
+
+    model = ModelConfig(
+        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=64
+    )
+    warm = WarmStartConfig(
+        steps=30, batch_size=64, warmup_steps=2, n_examples=256, heldout_reserve=16, eval_problems=8, device="auto"
+    )
+    lines: list[str] = []
+    path = default_model(model, warm, cache_dir=str(tmp_path), log=lines.append, run_device="cuda")
+    on_cpu = default_model(model, warm, cache_dir=str(tmp_path), log=lambda _: None)  # the same start, in fp32
+    where = f"cuda:{torch.cuda.get_device_name(0)}"
+    assert os.path.basename(path) == cache_key(model, warm, None, where) != cache_key(model, warm)
+    assert os.path.basename(on_cpu) == cache_key(model, warm)
+    markers = []
+    for built in (path, on_cpu):
+        with open(os.path.join(built, "asyncrl_model.json")) as f:
+            markers.append(json.load(f))
+    assert [m["trained_on"] for m in markers] == [where, "cpu"]
+    # 30 steps from ln(vocabulary) = 5.6 to about 3.1 on the CPU: the GPU trains the same model
+    assert abs(markers[0]["final_loss"] - markers[1]["final_loss"]) < 0.05, markers
+    assert any(f"on {where}" in line for line in lines), lines

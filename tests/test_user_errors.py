@@ -83,6 +83,7 @@ CASES = [
         ["--run.check_weights", "true", "--sampler.backend", "vllm", "--run.device", "cpu"],
         "--run.check_weights true needs samplers",
     ),
+    (["--warm_start.device", "cuda"], "--warm_start.device cuda, but this process sees no CUDA device"),
     (["--trainer.temperature", "0.5"], "--trainer.temperature 0.5 differs from --sampler.temperature 0.7: "),
     (["--run.n-train", "0"], "--run.n-train 0: n_train must be >= 1, not 0"),
 ]

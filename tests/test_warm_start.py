@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
@@ -107,6 +108,33 @@ def test_stop_during_the_evaluation(tmp_path, monkeypatch):
     with pytest.raises(StoppedError):
         default_model(SMALL, warm, cache_dir=str(tmp_path), threads=1, log=lambda _: None, stop=stop)
     assert os.listdir(tmp_path / "models") == []
+
+
+# --- on a GPU (--warm_start.device) -----------------------------------------------------------------
+
+
+def test_the_warm_start_device_follows_the_run_and_is_refused_where_cuda_is_missing():
+    from asyncrl.rl.config.parse import ConfigError
+
+    assert not torch.cuda.is_available()  # this suite's machines: tests/test_gpu.py trains one on a GPU
+    assert warm_start.warm_start_device("cpu", "cuda") == "cpu"
+    assert warm_start.warm_start_device("auto", "cpu") == "cpu"
+    assert warm_start.warm_start_device("auto", "cuda") == "cpu"  # a plan on other nodes' GPUs
+    with pytest.raises(ConfigError, match=r"--warm_start.device cuda, but this process sees no CUDA device.*or cpu"):
+        warm_start.warm_start_device("cuda", "cuda")
+    with pytest.raises(ValueError, match="device must be auto, cpu or cuda, not 'gpu'"):
+        WarmStartConfig(device="gpu")
+
+
+def test_a_gpu_warm_start_is_cached_apart_from_the_cpu_ones_and_per_gpu_model():
+    """What was asked is not in the key (auto and cpu that both train on the CPU share one), where it
+    trained is, except for the CPU (whose keys are those of before)."""
+    keys = {
+        where: warm_start.cache_key(ModelConfig(), WarmStartConfig(device=asked), None, where)
+        for asked, where in (("auto", "cpu"), ("cuda", "cuda:NVIDIA H200"), ("auto", "cuda:NVIDIA H100 80GB HBM3"))
+    }
+    assert keys["cpu"] == COUNTDOWN_DEFAULT_KEY == warm_start.cache_key(ModelConfig(), WarmStartConfig(device="cpu"))
+    assert len(set(keys.values())) == 3
 
 
 # --- any task -------------------------------------------------------------------------------------

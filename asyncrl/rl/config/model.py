@@ -85,6 +85,11 @@ class WarmStartConfig:
     """Held-out problems solved greedily after training, recorded in the marker file (not logged: the
     GRPO run reports the held-out solve rate before training itself, on its own held-out set, and
     one number there is enough); 0 skips."""
+    device: str = "auto"
+    """Where the warm start trains: "cpu" (one thread: the same weights on any machine of one CPU
+    kind), "cuda" (the first GPU the run sees: seconds instead of minutes for a larger
+    ``--model.*`` shape; cached per GPU model, as GPUs of two kinds need not give the same bits),
+    or "auto": cuda where the run's device plan is cuda, else cpu."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "n_examples"):
@@ -97,6 +102,8 @@ class WarmStartConfig:
             raise ValueError(f"lr must be a finite number > 0, not {self.lr}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, not {self.weight_decay}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.eval_problems > self.heldout_reserve:
             raise ValueError(
                 f"eval_problems ({self.eval_problems}) must be <= heldout_reserve "

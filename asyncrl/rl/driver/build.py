@@ -61,7 +61,7 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
     chosen = await _checkpoint_to_resume(config, scope, candidates, damaged) if resume else None
     if chosen is None:
         scope.commit(None)
-    model_path = config.model_path or await _warm_start(config, task, log)
+    model_path = config.model_path or await _warm_start(config, task, plan.devices.device, log)
     _announce(config, plan.devices, scope, task, model_path)
     trainer_config, config = config, resolve_samplers(config, plan.devices, log)
     spawn = SamplerSpawner(sup, config, plan, model_path)
@@ -146,8 +146,9 @@ async def _checkpoint_to_resume(
     return await choose_checkpoint(scope.run_dir, candidates, damaged, scope.log)
 
 
-async def _warm_start(config: GRPOConfig, task: Any, log) -> str:
-    """The policy of a run given no ``--model_path``: the cached supervised warm start."""
+async def _warm_start(config: GRPOConfig, task: Any, run_device: str, log) -> str:
+    """The policy of a run given no ``--model_path``: the cached supervised warm start (on the GPU
+    where ``--warm_start.device`` auto and the run's plan, ``run_device``, say so)."""
     from asyncrl.rl.model.warm_start import default_model
 
     spec, run = config.task_spec(), config.run
@@ -162,6 +163,7 @@ async def _warm_start(config: GRPOConfig, task: Any, log) -> str:
             stop=stop_warm_start,
             n_heldout=run.data.n_heldout,
             score_calls=(spec.score_timeout_s, spec.max_failure_rate),
+            run_device=run_device,
         )
     except asyncio.CancelledError:
         stop_warm_start.set()

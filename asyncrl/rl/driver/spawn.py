@@ -52,8 +52,9 @@ def _one_a_gpu_where_placed(placement: str) -> int:
 
 async def plan_run(config: GRPOConfig, sup: Any) -> RunPlan:
     """The device plan over the cluster's devices (the scorers placed after the samplers) and
-    ``--run.placement``'s nodes; with ``--run.check_weights``, the samplers' backend checked, all
-    before the run directory, the trainer and a minute of vLLM engine start."""
+    ``--run.placement``'s nodes; with ``--run.check_weights``, the samplers' backend checked, and
+    a GPU warm start asked for where this process sees none refused, all before the run directory,
+    the trainer and a minute of vLLM engine start."""
     from asyncrl.runtime.devices import detect
 
     run, ranks = config.run, config.trainer.world_size
@@ -69,6 +70,10 @@ async def plan_run(config: GRPOConfig, sup: Any) -> RunPlan:
     trainer_nodes, sampler_nodes = check_placement(run.placement, ranks, plan.samplers, sup.config.nnodes, plan)
     if run.check_weights:
         await check_backend_readable(config.sampler.backend, plan.device)
+    if not config.model_path and config.warm_start.device == "cuda":
+        from asyncrl.rl.model.warm_start import warm_start_device
+
+        warm_start_device("cuda", plan.device)  # refused here, not after the run directory is made
     return RunPlan(plan, trainer_nodes, sampler_nodes)
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
+from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.model.demonstrations import demonstration_rows
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
@@ -62,7 +63,7 @@ _TRAIN_THREADS = 1
 # Bump when the tokenizer, data or training code changes what a cached checkpoint would contain.
 # (A bump changes every key, Countdown's included: its cached default model would be rebuilt.)
 _FORMAT_VERSION = 1
-_KEY_FIELDS = ("version", "model", "warm", "tokenizer", "chat_template", "turn_end", "tags")
+_KEY_FIELDS = ("version", "model", "warm", "tokenizer", "chat_template", "turn_end", "tags", "trained_on")
 """The cache key's own fields; a task's fingerprint may not use these names."""
 
 # --- the cached default ---------------------------------------------------------------------------
@@ -87,11 +88,13 @@ def as_task(task: Task | None) -> Task:
     return task
 
 
-def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = None) -> str:
+def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = None, trained_on: str = "cpu") -> str:
     """Hash of everything that determines the default checkpoint: the model, the warm start, the
     tokenizer and the task's `Task.fingerprint` (for Countdown, its options and a probe problem's
     prompt and reference, so a change to their formats invalidates the cache without a version
-    bump; the key is the one Countdown had before tasks were public, so cached models are reused)."""
+    bump; the key is the one Countdown had before tasks were public, so cached models are reused).
+    ``trained_on``: the device it trains on, as `trained_on` names it; "cpu" adds nothing, so the
+    keys of CPU warm starts are those of before GPUs could train them."""
     task = as_task(task)
     fingerprint = task.fingerprint()
     if not isinstance(fingerprint, dict) or any(not isinstance(k, str) or k in _KEY_FIELDS for k in fingerprint):
@@ -99,13 +102,16 @@ def cache_key(model: ModelConfig, warm: WarmStartConfig, task: Task | None = Non
             f"task {task.task_name()}: fingerprint() must return a dict with string keys other "
             f"than {', '.join(_KEY_FIELDS)}, not {fingerprint!r:.120}"
         )
+    warm_fields = asdict(warm)
+    del warm_fields["device"]  # what was asked ("auto"); where it trained is ``trained_on``
     spec = {
         "version": _FORMAT_VERSION,
         "model": asdict(model),
-        "warm": asdict(warm),
+        "warm": warm_fields,
         "tokenizer": TOKENIZER_SPEC,
         **_task_format(task),
         **fingerprint,
+        **({"trained_on": trained_on} if trained_on != "cpu" else {}),
     }
     try:
         text = json.dumps(spec, sort_keys=True)
@@ -154,6 +160,7 @@ def default_model(
     stop: threading.Event | None = None,
     n_heldout: int | None = None,
     score_calls: tuple[float, float] = (10.0, 0.2),
+    run_device: str = "cpu",
 ) -> str:
     """Path of the embedded policy's checkpoint directory for ``task`` (Countdown if None), built
     and warm-started on the task's demonstrations on first use.
@@ -170,7 +177,9 @@ def default_model(
     first) either finds a whole checkpoint or builds one afresh.
 
     The training itself always runs on one torch thread, so the weights cached under a key are the
-    same on any machine (of one CPU kind) whatever its core count; see ``_build``.
+    same on any machine (of one CPU kind) whatever its core count; see ``_build``. Or on this
+    process's first CUDA device (``warm.device``; "auto" picks it where ``run_device``, the run's
+    device plan, is "cuda"), cached under a key that names the GPU model.
 
     ``threads``: torch intra-op threads of the greedy evaluation after training (it changes no
     weights); None: the cores this process may run on (its CPU affinity), at most 4. Not a load
@@ -196,8 +205,9 @@ def default_model(
     warm, fitted = fitted_warm_start(warm, task, n_heldout)
     if fitted:
         log(f"[model] {fitted}")
+    device = warm_start_device(warm.device, run_device)
     models_dir = os.path.join(cache_root(cache_dir), "models")
-    key = cache_key(model, warm, task)
+    key = cache_key(model, warm, task, trained_on(device))
     final = os.path.join(models_dir, key)
     if _is_complete(final):
         log(f"[model] cached default policy {final}")
@@ -206,11 +216,32 @@ def default_model(
     _remove_orphans(models_dir, key, log)
     tmp = tempfile.mkdtemp(dir=models_dir, prefix=f".tmp-{key}-{os.getpid()}-")
     try:
-        _build(tmp, model, warm, task, threads, log, stop, score_calls)
+        _build(tmp, model, warm, task, threads, log, stop, score_calls, device)
         _publish(tmp, final, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a no-op after a successful rename
     return final
+
+
+def warm_start_device(asked: str, run_device: str) -> str:
+    """Where a warm start trains, "cpu" or "cuda": ``asked`` (`WarmStartConfig.device`) with "auto"
+    resolved against ``run_device`` (the run's device plan) and what this process sees."""
+    if asked == "cpu" or (asked == "auto" and run_device != "cuda"):
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if asked == "auto":  # a plan on GPUs of other nodes: this process has none
+        return "cpu"
+    raise ConfigError(
+        "--warm_start.device cuda, but this process sees no CUDA device (CUDA_VISIBLE_DEVICES or the "
+        "driver may hide them); use --warm_start.device auto or cpu"
+    )
+
+
+def trained_on(device: str) -> str:
+    """What a warm start's cache key names of its device: "cpu", or the GPU's model (two GPU models
+    need not compute the same bits)."""
+    return "cpu" if device == "cpu" else f"cuda:{torch.cuda.get_device_name(0)}"
 
 
 def _is_complete(path: str) -> bool:
@@ -252,6 +283,7 @@ def _build(
     log: Callable[[str], object],
     stop: threading.Event | None = None,
     calls: tuple[float, float] = (10.0, 0.2),
+    device: str = "cpu",
 ) -> None:
     tokenizer = build_tokenizer(AGENT_TAGS if isinstance(task, Agent) else ())
     tokenizer.chat_template = chat_template(task)
@@ -267,13 +299,15 @@ def _build(
     # agree with 1 bit for bit over all 400 steps, 4 over 30: sizes that split evenly). Cost, 2 cores, default
     # config: ~275 ms a step on one thread against ~150 ms on two when idle (400 steps: ~110 s
     # against ~60 s, once per cache key); under load two threads were slower (545 against 930 ms).
+    # On a GPU the weights are initialised on the CPU as above, then moved: the same start on both.
     with _torch_threads(_TRAIN_THREADS):
         torch.manual_seed(warm.seed)
-        model = _new_model(model_cfg, tokenizer)
+        model = _new_model(model_cfg, tokenizer).to(device)
         n_params = sum(p.numel() for p in model.parameters())
+        where = "on one thread (the same weights on any machine)" if device == "cpu" else f"on {trained_on(device)}"
         log(
             f"[model] warm-starting {n_params / 1e6:.2f}M-parameter Qwen2 on {len(ids)} {task.task_name()} "
-            f"problems, {warm.steps} steps of {warm.batch_size}, on one thread (the same weights on any machine)"
+            f"problems, {warm.steps} steps of {warm.batch_size}, {where}"
         )
         start = time.monotonic()
         loss = _train(model, ids, labels, lengths, warm, log, stop)
@@ -312,8 +346,12 @@ def _build(
             "task": task.task_name(),
             "train_examples": len(ids),
             "fingerprint": task.fingerprint(),
+            "trained_on": trained_on(device),
         },
     )
+    if device != "cpu":  # the driver runs on: leave the GPU's memory to the run's actors
+        del model
+        torch.cuda.empty_cache()
 
 
 def _checked_rate(
