@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -44,6 +43,7 @@ from asyncrl.rl.model.demonstrations import demonstration_rows
 from asyncrl.rl.model.evaluation import check_stop, solve_rate
 from asyncrl.rl.model.policy import MARKER_FILE, PromptFormat, stop_token_ids
 from asyncrl.rl.model.reserve import fitted_warm_start
+from asyncrl.rl.model.supervised import train_on_demonstrations
 from asyncrl.rl.model.tokenizer import (
     AGENT_TAGS,
     TOKENIZER_SPEC,
@@ -310,7 +310,7 @@ def _build(
             f"problems, {warm.steps} steps of {warm.batch_size}, {where}"
         )
         start = time.monotonic()
-        loss = _train(model, ids, labels, lengths, warm, log, stop)
+        loss = train_on_demonstrations(model, ids, labels, lengths, warm, log, stop)
         wall_s = time.monotonic() - start
     with _torch_threads(threads or _usable_cores()):  # the evaluation changes no weights
         hint = longest_turn + 8  # slack: a sampled turn may be a little longer than any demonstrated one
@@ -426,61 +426,3 @@ def _usable_cores(most: int = 4) -> int:
     """The cores this process may run on (its CPU affinity, else the machine's), at most ``most``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(most, cores))
-
-
-# --- warm start: the training (its rows: model/demonstrations.py) ---------------------------------
-
-
-def _lr_factor(step: int, warm: WarmStartConfig) -> float:
-    if step < warm.warmup_steps:
-        return (step + 1) / warm.warmup_steps
-    progress = (step - warm.warmup_steps) / max(1, warm.steps - warm.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def _train(
-    model,
-    ids,
-    labels,
-    lengths,
-    warm: WarmStartConfig,
-    log: Callable[[str], object],
-    stop: threading.Event | None = None,
-) -> float:
-    """Next-token cross-entropy on the completions; returns the mean loss of the last 20 steps."""
-    model.train()
-    device = next(model.parameters()).device
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": warm.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=warm.lr,
-        betas=(0.9, 0.98),
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, warm))
-    gen = torch.Generator().manual_seed(warm.seed)
-    order, cursor, recent = torch.randperm(len(ids), generator=gen), 0, []
-    start = time.monotonic()
-    for step in range(warm.steps):
-        check_stop(stop)
-        if cursor + warm.batch_size > len(order):  # a fresh permutation per epoch
-            order, cursor = torch.randperm(len(ids), generator=gen), 0
-        batch = order[cursor : cursor + warm.batch_size]
-        cursor += warm.batch_size
-        width = int(lengths[batch].max())
-        # Right padding needs no attention mask: causal attention never lets a real token see a
-        # later pad, and pads carry no label. Without a mask, SDPA takes its fast causal path.
-        out = model(input_ids=ids[batch, :width].to(device), labels=labels[batch, :width].to(device))
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        recent = (recent + [out.loss.item()])[-20:]
-        if (step + 1) % max(1, warm.steps // 10) == 0 or step + 1 == warm.steps:
-            log(
-                f"[model] step {step + 1}/{warm.steps} loss {sum(recent) / len(recent):.3f} "
-                f"({time.monotonic() - start:.0f} s)"
-            )
-    model.eval()
-    return sum(recent) / len(recent)
