@@ -680,6 +680,8 @@ async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume
     assert stats.pause_s >= 0.2 and stats.reset_s >= 0.1 and stats.resume_s >= 0.05
     assert stats.call_s >= 0.09 and stats.receive.copy_s == 0.04
     assert abs(stats.load_s - (0.04 + stats.reset_s)) < 1e-9
+    in_flight = await EngineSink(backend).receive(3, in_flight=True, timeout_s=5.0)
+    assert in_flight.pause_s == in_flight.call_s >= 0.09  # in flight, the wait is the engine's taking the call
     backend.engine.answer = [0.05, 64.0]  # an older worker's answer: a typed error, not a crash later
     with pytest.raises(EngineWeightSyncError, match="answered"):
         await EngineSink(backend).receive(4, in_flight=False, timeout_s=5.0)

@@ -48,7 +48,8 @@ class SamplerSyncStats(msgspec.Struct, frozen=True):
     """Letting generation go on after the load."""
     call_s: float = 0.0
     """vLLM: the control call to the engine's worker beyond the worker's own receive
-    (``collective_rpc``'s round trip and the engine's scheduling of it)."""
+    (``collective_rpc``'s round trip and the engine's scheduling of it: in in-flight mode that is
+    the wait for the decoding step under way, so ``pause_s`` is this too)."""
 
     @property
     def load_s(self) -> float:

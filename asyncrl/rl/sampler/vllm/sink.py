@@ -150,12 +150,14 @@ class EngineSink(WeightSink):
             resuming = time.perf_counter()
             if not in_flight:
                 await self.backend.resume()
+        call_s = max(called - start - waited - stats.seconds, 0.0)
         return SamplerSyncStats(
-            pause_s=waited,
+            # in flight, the wait for the decoding step under way is the engine's taking the call
+            pause_s=waited if not in_flight else call_s,
             receive=stats,
             reset_s=reset_s,
             resume_s=time.perf_counter() - resuming,
-            call_s=max(called - start - waited - stats.seconds, 0.0),
+            call_s=call_s,
         )
 
     async def leave(self) -> None:
