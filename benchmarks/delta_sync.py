@@ -56,11 +56,11 @@ def make_model(path: str) -> None:
     from asyncrl.rl.config.model import ModelConfig
     from asyncrl.rl.model.policy import MARKER_FILE
     from asyncrl.rl.model.tokenizer import build_tokenizer
-    from asyncrl.rl.model.warm_start import _new_model
+    from asyncrl.rl.model.warm_start import new_model
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    _new_model(ModelConfig(), tok).save_pretrained(path)
+    new_model(ModelConfig(), tok).save_pretrained(path)
     tok.save_pretrained(path)
     with open(f"{path}/{MARKER_FILE}", "w") as f:
         f.write('{"prompt_style": "compact", "max_new_tokens_hint": 20}')

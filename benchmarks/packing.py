@@ -151,12 +151,12 @@ def write_model(path: str, shape: str) -> int:
     from asyncrl.rl.config.model import ModelConfig
     from asyncrl.rl.model.policy import MARKER_FILE
     from asyncrl.rl.model.tokenizer import build_tokenizer
-    from asyncrl.rl.model.warm_start import _new_model
+    from asyncrl.rl.model.warm_start import new_model
 
     tok = build_tokenizer()
     torch.manual_seed(0)
     if shape == "tiny":
-        model = _new_model(ModelConfig(), tok)
+        model = new_model(ModelConfig(), tok)
     else:  # Qwen2-0.5B's shape; the vocabulary is the embedded tokenizer's ids padded to Qwen's size
         model = Qwen2ForCausalLM(
             Qwen2Config(

@@ -290,12 +290,12 @@ def embedded_path(tmp_path_factory) -> str:
     from asyncrl.rl.config.model import ModelConfig
     from asyncrl.rl.model.policy import MARKER_FILE
     from asyncrl.rl.model.tokenizer import build_tokenizer
-    from asyncrl.rl.model.warm_start import _new_model
+    from asyncrl.rl.model.warm_start import new_model
 
     path = tmp_path_factory.mktemp("embedded")
     tok = build_tokenizer()
     torch.manual_seed(0)
-    _new_model(
+    new_model(
         ModelConfig(
             hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=128
         ),

@@ -215,7 +215,7 @@ def other_checkpoint(path, chat_template: bool) -> str:
     Qwen-style chat template (or none)."""
     tok = build_tokenizer()
     tok.chat_template = QWEN_CHAT_TEMPLATE if chat_template else None
-    warm_start._new_model(TINY, tok).save_pretrained(path)
+    warm_start.new_model(TINY, tok).save_pretrained(path)
     tok.save_pretrained(path)
     if os.path.exists(os.path.join(path, "chat_template.jinja")) and not chat_template:
         os.remove(os.path.join(path, "chat_template.jinja"))

@@ -387,12 +387,12 @@ def test_remove_dir_renames_aside_before_deleting(tmp_path, monkeypatch):
 def trainer(tmp_path):
     from asyncrl.rl.config.model import ModelConfig
     from asyncrl.rl.model.tokenizer import build_tokenizer
-    from asyncrl.rl.model.warm_start import _new_model
+    from asyncrl.rl.model.warm_start import new_model
     from asyncrl.rl.trainer.actor import TrainerActor
 
     path = tmp_path / "start"
     tok = build_tokenizer()
-    _new_model(
+    new_model(
         ModelConfig(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=32, max_positions=64),
         tok,
     ).save_pretrained(path)

@@ -86,12 +86,12 @@ def tiny_policy(tmp_path):
     from asyncrl.rl.config.model import ModelConfig
     from asyncrl.rl.model.policy import MARKER_FILE
     from asyncrl.rl.model.tokenizer import build_tokenizer
-    from asyncrl.rl.model.warm_start import _new_model
+    from asyncrl.rl.model.warm_start import new_model
 
     path = tmp_path / "start"
     tok = build_tokenizer()
     shape = ModelConfig(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=32)
-    _new_model(shape, tok).save_pretrained(path)
+    new_model(shape, tok).save_pretrained(path)
     tok.save_pretrained(path)
     (path / MARKER_FILE).write_text(json.dumps({"prompt_style": "compact", "max_new_tokens_hint": 20}))
     return str(path)

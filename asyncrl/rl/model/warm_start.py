@@ -302,7 +302,7 @@ def _build(
     # On a GPU the weights are initialised on the CPU as above, then moved: the same start on both.
     with _torch_threads(_TRAIN_THREADS):
         torch.manual_seed(warm.seed)
-        model = _new_model(model_cfg, tokenizer).to(device)
+        model = new_model(model_cfg, tokenizer).to(device)
         n_params = sum(p.numel() for p in model.parameters())
         where = "on one thread (the same weights on any machine)" if device == "cpu" else f"on {trained_on(device)}"
         log(
@@ -387,7 +387,9 @@ def _save(out: str, model, tokenizer, marker: dict) -> None:
     write_atomic(os.path.join(out, MARKER_FILE), json.dumps(marker, indent=2), fsync=True)
 
 
-def _new_model(cfg: ModelConfig, tokenizer):
+def new_model(cfg: ModelConfig, tokenizer):
+    """A freshly initialised (torch's current seed) Qwen2 of ``cfg``'s shape for ``tokenizer``'s
+    vocabulary: what a warm start trains; benchmarks and tests make untrained checkpoints with it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
