@@ -150,9 +150,11 @@ async def test_close_stops_everything_and_calls_fail():
         await pending
     assert wait_until(lambda: not new_descendants() and not process_alive(grandchild), 1.0)
     assert not os.path.exists(run_dir)
-    with pytest.raises(SupervisorClosedError):
+    with pytest.raises(SupervisorClosedError, match=r"^supervisor is closed; use it inside `async with"):
         await sup.spawn(Echo)
     await sup.close()  # idempotent
+    with pytest.raises(SupervisorClosedError, match="^supervisor already closed$"):
+        await sup.start()
 
 
 async def test_spawn_group_failure_stops_the_started_ones():

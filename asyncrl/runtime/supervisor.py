@@ -46,7 +46,7 @@ from asyncrl.runtime.incarnations import Incarnations
 from asyncrl.runtime.placement import check_name, class_ref, place
 from asyncrl.runtime.record import ActorRecord, ActorStatus
 from asyncrl.runtime.resources import SupervisorResources, cluster_keys
-from asyncrl.runtime.state import ActorState
+from asyncrl.runtime.state import ActorState, SupervisorState
 from asyncrl.runtime.status import StatusServer
 
 log = logging.getLogger("asyncrl.supervisor")
@@ -69,7 +69,7 @@ class Supervisor:
         self._records: dict[str, ActorRecord] = {}
         self._names = itertools.count()
         self._indices = itertools.count()
-        self._state = "new"
+        self._state = SupervisorState.NEW
         self._exit = contextlib.ExitStack()
         self._status_servers: list[StatusServer] = []
         self._resources: SupervisorResources | None = None
@@ -91,7 +91,7 @@ class Supervisor:
             raise SystemExit(128 + signum) from None
 
     async def start(self) -> None:
-        if self._state != "new":
+        if self._state != SupervisorState.NEW:
             raise SupervisorClosedError(f"supervisor already {self._state}")
         cfg = self.config
         # Owns the run directory from here on: a half-built supervisor is torn down by _release.
@@ -113,7 +113,7 @@ class Supervisor:
             self._node_env = _node_env(cfg, self._cluster)
         except BaseException:
             self._release()
-            self._state = "closed"
+            self._state = SupervisorState.CLOSED
             raise
         self._payload = PayloadEncoder()
         self._incarnations = Incarnations(
@@ -121,7 +121,7 @@ class Supervisor:
         )
         if cfg.handle_signals:
             self._exit.enter_context(signals.cancel_on_signals(asyncio.current_task()))
-        self._state = "running"
+        self._state = SupervisorState.RUNNING
         if self._cluster is not None:
             try:
                 await self._cluster.wait_for_nodes(cfg.join_timeout_s)
@@ -143,10 +143,10 @@ class Supervisor:
         """Stop every actor (graceful, then SIGTERM, then SIGKILL to its process group), tell
         every node agent to exit, close sockets, remove the run directory. Idempotent. A second
         cancellation (a second Ctrl-C) while closing skips the graceful steps."""
-        if self._state != "running":
-            self._state = "closed"
+        if self._state != SupervisorState.RUNNING:
+            self._state = SupervisorState.CLOSED
             return
-        self._state = "closing"
+        self._state = SupervisorState.CLOSING
         self._incarnations.closing = True  # no incarnation starts from now on
         try:
             await asyncio.gather(
@@ -159,7 +159,7 @@ class Supervisor:
                 self._resources.kill_groups()
             raise
         finally:
-            self._state = "closed"
+            self._state = SupervisorState.CLOSED
             for server in self._status_servers:  # answered while the actors stopped; not after
                 server.close()
             self._incarnations.close()
@@ -197,7 +197,7 @@ class Supervisor:
         return server
 
     def _require_running(self) -> None:
-        if self._state != "running":
+        if self._state != SupervisorState.RUNNING:
             raise SupervisorClosedError(f"supervisor is {self._state}; use it inside `async with Supervisor()`")
 
     # --- spawning ----------------------------------------------------------------------------
@@ -287,7 +287,7 @@ class Supervisor:
         try:
             await self._incarnations.first_start(rec)
         except ActorStartError as e:
-            lost = self._state == "running" and not rec.stopping and not self._incarnations.refused(rec)
+            lost = self._state == SupervisorState.RUNNING and not rec.stopping and not self._incarnations.refused(rec)
             if not (keep_if_lost and lost):
                 self._forget(rec, e)
                 raise
