@@ -1,20 +1,19 @@
 """Weight syncs over a rate-limited link, full against delta (``weight_sync.py --link 1gbit``).
 
-The receiver runs in a network namespace of its own, joined to this one by a veth pair (as the
-"hosts" of tests/test_multinode_netns.py are), and the sender's side of the pair is limited with
-`tc`'s token bucket filter (``tbf rate RATE``), so every byte of the sync crosses a link of that
-rate. Needs root, iproute2 and the kernel's tbf qdisc; netem (added delay) is not required and
-not used. The sender is this process, the receiver a subprocess (``ip netns exec``); both hold the
-``--shape`` state dict in bf16, and before each sync the sender changes ``--changed`` of every
-tensor's elements. Each mode gets a group of its own; times are the sender's whole sync (first
-vote to commit: the receiver has applied everything), medians over the syncs after the first.
+The receiver runs in a network namespace of its own, joined to this one by a veth pair whose two
+ends are limited with tc's token bucket filter (``tbf rate RATE``; the "hosts" of the multi-node
+tests, `tests/multinode_support.veth_namespaces`), so every byte of the sync crosses a link of
+that rate. Needs root, the kernel's tbf qdisc, and iproute2 or pyroute2 (the GPU machines' image
+has no iproute2); netem (added delay) is not used. The sender is this process, the receiver a
+subprocess in the namespace; both hold the ``--shape`` state dict in bf16, and before each sync
+the sender changes ``--changed`` of every tensor's elements. Each mode gets a group of its own;
+times are the sender's whole sync (first vote to commit: the receiver has applied everything),
+medians over the syncs after the first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -26,50 +25,12 @@ from asyncrl.comm.gloo import GlooCommunicator
 from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
 from asyncrl.comm.weights import WeightReceiver, WeightSender
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import pytest  # noqa: E402  (veth_namespaces says why it cannot make a namespace by pytest's skip)
+
+from multinode_support import netns_argv, rate_bytes, veth_namespaces  # noqa: E402
+
 TIMEOUT_S = 600.0
-
-
-def _run(*argv: str) -> None:
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise RuntimeError(f"`{' '.join(argv)}` failed: {out.stderr.strip()}")
-
-
-def _rate_bytes(rate: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * scale / 8
-    raise ValueError(f"a link rate is a number and kbit, mbit or gbit (e.g. 1gbit), not {rate!r}")
-
-
-@contextlib.contextmanager
-def limited_link(rate: str):
-    """A namespace behind a veth pair whose host side sends at ``rate``; yields (namespace,
-    host-side address, namespace-side address) and removes it all after."""
-    tag = os.getpid() % 10000
-    ns, host_if, ns_if, subnet = f"asyncrl-link-{tag}", f"arl{tag}h", f"arl{tag}n", f"10.249.{tag % 200 + 20}"
-    # the bucket holds a millisecond of the rate: no burst lets a small delta skip the limit
-    burst = max(int(_rate_bytes(rate) / 1000), 16 << 10)
-    try:
-        _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _run("ip", "link", "set", ns_if, "netns", ns)
-        _run("ip", "addr", "add", f"{subnet}.1/24", "dev", host_if)
-        _run("ip", "link", "set", host_if, "up")
-        _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", ns_if)
-        _run("ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up")
-        _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        _run("tc", "qdisc", "add", "dev", host_if, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "400ms")
-        # a TCPStore client looks up its peer's name; out here that lookup would wait 10 s
-        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-        with open(f"/etc/netns/{ns}/resolv.conf", "w") as f:
-            f.write("nameserver 127.0.0.1\n")
-        yield ns, f"{subnet}.1", f"{subnet}.2"
-    finally:
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
 def make_state(shapes: dict[str, tuple[int, ...]], sender: bool) -> dict[str, torch.Tensor]:
@@ -101,7 +62,7 @@ def receive(host: str, port: int, shapes: dict[str, tuple[int, ...]], iters: int
 def send(host: str, shapes, iters: int, bucket_bytes: int, changed: float, delta: bool, ns: str, argv) -> list:
     listener = reserve_listener(host)
     port = listener.getsockname()[1]
-    peer = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, __file__, host, str(port), *argv])
+    peer = subprocess.Popen(netns_argv(ns, [sys.executable, __file__, host, str(port), *argv]))
     try:
         group = StoreGroup.create(host, port, 0, 2, 120, listener=listener)
         comm = GlooCommunicator.create(group, TIMEOUT_S)
@@ -130,15 +91,18 @@ def main(args, shapes: dict[str, tuple[int, ...]]) -> None:
     nbytes = sum(torch.Size(s).numel() * 2 for s in shapes.values())
     argv = [args.shape, str(args.iters)]
     rows = []
-    with limited_link(args.link) as (ns, host, _):
-        for delta in (False, True):
-            start = time.perf_counter()
-            stats = send(host, shapes, args.iters, args.bucket_mib << 20, args.changed, delta, ns, argv)
-            rows.append((delta, stats, time.perf_counter() - start))
+    try:
+        with veth_namespaces(1, rate=args.link) as ((ns, host, _),):
+            for delta in (False, True):
+                start = time.perf_counter()
+                stats = send(host, shapes, args.iters, args.bucket_mib << 20, args.changed, delta, ns, argv)
+                rows.append((delta, stats, time.perf_counter() - start))
+    except pytest.skip.Exception as exc:
+        raise SystemExit(f"weight_sync.py --link: {exc}") from None
     print(
         f"\n{args.shape} state dict: {nbytes / (1 << 30):.2f} GiB bf16, buckets of {args.bucket_mib} MiB; one "
-        f"receiver behind a {args.link} link (tc tbf on a veth pair); {args.changed:.2%} of values changed a sync; "
-        f"{args.iters} syncs after the first"
+        f"receiver behind a {args.link} link each way (tc tbf on a veth pair); {args.changed:.2%} of values "
+        f"changed a sync; {args.iters} syncs after the first"
     )
     print("| mode | bytes on the wire a sync | sync (median) | link rate used |")
     print("| --- | --- | --- | --- |")
@@ -146,7 +110,7 @@ def main(args, shapes: dict[str, tuple[int, ...]]) -> None:
         later = stats[1:]
         sent = statistics.median(s.sent_bytes for s in later)
         seconds = statistics.median(s.seconds for s in later)
-        used = sent / seconds / _rate_bytes(args.link)
+        used = sent / seconds / rate_bytes(args.link)
         print(f"| {'delta' if delta else 'full'} | {sent:,.0f} | {seconds * 1e3:.0f} ms | {used:.0%} |")
     full, delta = (statistics.median(s.seconds for s in r[1][1:]) for r in rows)
     print(f"delta / full sync time: {delta / full:.3f} ({full / delta:.1f}x faster)")

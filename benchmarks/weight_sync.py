@@ -215,7 +215,8 @@ async def main() -> None:
     if args.link:
         import slow_link
 
-        slow_link.main(args, qwen2_state_shapes(*SHAPES[args.shape]))
+        # on a thread: pyroute2's netlink calls (where iproute2 is missing) run an event loop of their own
+        await asyncio.to_thread(slow_link.main, args, qwen2_state_shapes(*SHAPES[args.shape]))
         return
     cuda = args.backend != "gloo" and torch.cuda.is_available()
     device, gpus = ("cuda", 1) if cuda else ("cpu", 0)

@@ -119,6 +119,46 @@ def _veth_by_pyroute2(ns: str, host_if: str, ns_if: str, subnet: str, links: lis
     return ""
 
 
+def rate_bytes(rate: str) -> float:
+    """Bytes a second of a link rate written as tc writes it: a number and kbit, mbit or gbit."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            try:
+                return float(rate[: -len(unit)]) * scale / 8
+            except ValueError:
+                break
+    raise ValueError(f"a link rate is a number and kbit, mbit or gbit (e.g. 1gbit), not {rate!r}")
+
+
+def _limit(tool: str, ns: str, host_if: str, ns_if: str, rate: str) -> str:
+    """Each end of a veth pair sends at ``rate`` at most (tc's token bucket filter, both ways: the
+    weights one way, the rollouts the other); "" or what failed. The bucket holds a millisecond of
+    the rate, and never less than two of the 64 KiB packets the veth hands over whole (its
+    segmentation offload), which a smaller bucket could never let through."""
+    burst = max(int(rate_bytes(rate) / 1000), 128 << 10)
+    if tool == "ip" and shutil.which("tc") is not None:
+        for inside, dev in ((False, host_if), (True, ns_if)):
+            argv = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst)]
+            argv += ["latency", "400ms"]
+            out = subprocess.run(
+                ["ip", "netns", "exec", ns, *argv] if inside else argv, capture_output=True, text=True, timeout=15
+            )
+            if out.returncode != 0:
+                return f"cannot limit the link to {rate} (`{' '.join(argv)}`): {out.stderr.strip()}"
+        return ""
+    try:
+        from pyroute2 import IPRoute, NetNS
+
+        for side, dev in ((IPRoute, host_if), (lambda: NetNS(ns), ns_if)):
+            with side() as link:
+                (index,) = link.link_lookup(ifname=dev)
+                link.tc("add", "tbf", index, 0x10000, rate=rate, burst=burst, latency="400ms")
+    except Exception as exc:  # no tc, no pyroute2, no tbf in this kernel: the caller says so
+        return f"cannot limit the link to {rate} with pyroute2: {exc!r}"
+    return ""
+
+
 def _remove(tool: str, namespaces: list[str], links: list[str]) -> None:
     if tool == "ip":
         for ns in namespaces:
@@ -139,9 +179,10 @@ def _remove(tool: str, namespaces: list[str], links: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def veth_namespaces(count: int = 2) -> Iterator[list[tuple[str, str, str]]]:
+def veth_namespaces(count: int = 2, rate: str = "") -> Iterator[list[tuple[str, str, str]]]:
     """``count`` network namespaces, each linked to this one by a veth pair on its own /24; yields
     ``[(namespace, host-side address, namespace-side address), ...]`` and removes them all after.
+    ``rate`` (tc's notation, e.g. "1gbit"): each pair's two ends send at that rate at most.
     Skips the test (saying why) where that is not permitted: not root, neither `ip` nor pyroute2,
     no CAP_NET_ADMIN."""
     tool = netns_tool()
@@ -157,9 +198,12 @@ def veth_namespaces(count: int = 2) -> Iterator[list[tuple[str, str, str]]]:
     try:
         for i in range(1, count + 1):
             ns = f"asyncrl-{tag}-{i}"
-            error = make(ns, f"ar{tag}h{i}", f"ar{tag}n{i}", f"10.{230 + i}.{octet}", links)
+            host_if, ns_if = f"ar{tag}h{i}", f"ar{tag}n{i}"
+            error = make(ns, host_if, ns_if, f"10.{230 + i}.{octet}", links)
             if os.path.exists(os.path.join(NETNS_RUN, ns)):
                 made.append(ns)
+            if rate and not error:
+                error = _limit(tool, ns, host_if, ns_if, rate)
             if error:
                 pytest.skip(error)
             _fail_fast_dns(ns)

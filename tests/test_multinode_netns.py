@@ -8,6 +8,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +18,17 @@ from actors import Echo
 from asyncrl import ActorDiedError, Supervisor
 from asyncrl.runtime import auth
 from conftest import kill_all, process_alive, wait_until
-from multinode_support import NODE_TIMEOUT_S, agent_log, free_port, ip, make_secret_file, start_agent, veth_namespaces
+from multinode_support import (
+    NODE_TIMEOUT_S,
+    agent_log,
+    free_port,
+    ip,
+    make_secret_file,
+    netns_argv,
+    rate_bytes,
+    start_agent,
+    veth_namespaces,
+)
 
 
 @pytest.fixture
@@ -110,3 +122,40 @@ async def test_a_partitioned_node_is_lost_and_its_agent_stops_by_itself(namespac
     finally:
         kill_all([agent.pid])
         agent.wait()
+
+
+RECEIVE = """
+import socket, sys
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+conn, _ = server.accept()
+received = 0
+while chunk := conn.recv(1 << 16):
+    received += len(chunk)
+print(received, flush=True)
+"""
+
+
+def test_a_rate_limited_link_carries_no_more_than_its_rate():
+    """`veth_namespaces(rate=...)` (what benchmarks/slow_link.py and grpo_slow_link.py stand on):
+    4 MB over a 40 Mbit/s link take at least 0.8 s (5 MB/s), whatever the machine's speed."""
+    with pytest.raises(ValueError, match="kbit, mbit or gbit"):
+        rate_bytes("40mb")
+    with veth_namespaces(1, rate="40mbit") as ((ns, _, inside),):
+        port = free_port("127.0.0.1")
+        receiver = subprocess.Popen(
+            netns_argv(ns, [sys.executable, "-c", RECEIVE, inside, str(port)]), stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert receiver.stdout.readline() == "listening\n"
+            total = 4_000_000
+            start = time.monotonic()
+            with socket.create_connection((inside, port), timeout=30) as conn:
+                conn.sendall(b"x" * total)
+                conn.shutdown(socket.SHUT_WR)
+                assert int(receiver.stdout.readline()) == total
+            seconds = time.monotonic() - start
+        finally:
+            receiver.kill()
+            receiver.wait(10)
+    assert seconds >= 0.8 * total / rate_bytes("40mbit"), seconds
