@@ -75,9 +75,12 @@ def run_mode(delta: str, namespace: str, master: str, out: str, args) -> dict:
         )
         try:
             code = driver.wait(args.timeout_s)
-            agent.wait(60)
         except subprocess.TimeoutExpired:
-            code = None
+            code = None  # the run's limit: said below, with the log's tail
+        try:
+            agent.wait(60)  # node 1's agent ends when the run does
+        except subprocess.TimeoutExpired:
+            pass  # killed below
         finally:
             for p in (driver, agent):
                 if p.poll() is None:
