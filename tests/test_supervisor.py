@@ -219,6 +219,22 @@ async def test_env_and_logs_reach_the_actor_and_back(capfd):
     assert "[talker]: hello from the actor\n[talker]: second line\n" in out
 
 
+async def test_an_actor_s_loop_watch_names_what_holds_its_loop_when_asked_for(capfd):
+    """``ASYNCRL_ACTOR_LOOP_WATCH_S`` (a diagnostic, off unless set): a ready actor whose loop is
+    held past it says so on its stderr, naming the call, and again when the loop runs."""
+    async with Supervisor() as sup:
+        watched = await sup.spawn(Echo, name="watched", env={"ASYNCRL_ACTOR_LOOP_WATCH_S": "0.3"})
+        plain = await sup.spawn(Echo, name="plain")
+        await asyncio.gather(watched.block(1.2), plain.block(1.2))
+        with pytest.raises(ActorStartError, match="ASYNCRL_ACTOR_LOOP_WATCH_S must be a number of seconds > 0"):
+            await sup.spawn(Echo, name="misset", env={"ASYNCRL_ACTOR_LOOP_WATCH_S": "soon"})
+    err = capfd.readouterr().err
+    assert "[watched]: the event loop of actor 'watched' is blocked: no callback has run for" in err, err
+    assert "block (tests/actors.py:121)" in err, err
+    assert "[watched]: the event loop of actor 'watched' ran again after" in err, err
+    assert "actor 'plain'" not in err, err
+
+
 async def test_spawn_validates_its_arguments():
     async with Supervisor() as sup:
         with pytest.raises(ValueError, match="actor name"):

@@ -36,6 +36,7 @@ from asyncrl.runtime import startup, wire
 from asyncrl.runtime.actor import init_spec
 from asyncrl.runtime.auth import ClusterKeys, Gatekeeper, keys_from_env
 from asyncrl.runtime.loop import run
+from asyncrl.runtime.loop_watch import LoopWatch
 from asyncrl.runtime.server import ActorServer
 from asyncrl.runtime.timeouts import timeout
 from asyncrl.runtime.transport import LoopSocket, bind_router, connect_dealer
@@ -46,6 +47,10 @@ ENV_SUPERVISOR = "ASYNCRL_SUPERVISOR_ADDR"
 ENV_PARENT_PID = "ASYNCRL_PARENT_PID"
 ENV_DEATH_FD = "ASYNCRL_DEATH_FD"
 ENV_INIT_TIMEOUT = "ASYNCRL_INIT_TIMEOUT_S"
+ENV_LOOP_WATCH = "ASYNCRL_ACTOR_LOOP_WATCH_S"
+"""A diagnostic, off unless set (inherited from the supervisor's or the node agent's
+environment): seconds after which a ready actor whose event loop ran no callback says so on its
+stderr, naming what holds the loop, as the driver's `LoopWatch` does (docs/observability.md)."""
 SCRIPT_MODULE = "__asyncrl_script__"
 """Module name under which a launched script (or a ``__main__`` file) is loaded."""
 
@@ -129,6 +134,21 @@ class _Heartbeat(threading.Thread):
             ctx.term()
 
 
+def loop_watch_threshold() -> float:
+    """`ENV_LOOP_WATCH`'s seconds; 0 where unset. A value that is not seconds > 0 is a ValueError
+    (the actor's start fails, naming the variable)."""
+    text = os.environ.get(ENV_LOOP_WATCH, "").strip()
+    if not text:
+        return 0.0
+    try:
+        threshold = float(text)
+    except ValueError:
+        threshold = float("nan")
+    if not 0 < threshold < float("inf"):
+        raise ValueError(f"{ENV_LOOP_WATCH} must be a number of seconds > 0 (unset: off), not {text!r}")
+    return threshold
+
+
 def load_class(init: wire.Init) -> type:
     if init.script:
         module = sys.modules.get(SCRIPT_MODULE)
@@ -181,6 +201,7 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
     heartbeat = None
     server = None
     gate = None
+    watch = None
     try:
         control.say(wire.Hello(name, incarnation, os.getpid()))
         try:
@@ -196,6 +217,7 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
         heartbeat.start()
         startup.install(heartbeat.report_phase)
         try:
+            watch_s = loop_watch_threshold()
             cls = load_class(init)
             spec = init_spec(cls)
             args = spec.arg_decoder.decode(init.args, frames)
@@ -214,6 +236,9 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
         finally:
             startup.install(None)  # ready (or failed): a phase reported from now on means nothing
         control.say(wire.Ready(name, incarnation, address))
+        if watch_s:  # from here on: a constructor may hold the loop while it loads a model
+            say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+            watch = LoopWatch(f"actor {name!r}", watch_s, say).start()
         await control.shutdown  # the supervisor's word, or our death by signal, ends this
         await server.close()
         await actor.on_stop()
@@ -224,6 +249,8 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
         print(f"actor {name!r} failed:\n{reason}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if watch is not None:
+            watch.close()
         if heartbeat is not None:
             heartbeat.stop()
         if server is not None:
