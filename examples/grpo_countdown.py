@@ -2,7 +2,7 @@
 
     asyncrl launch examples/grpo_countdown.py                       # embedded model, CPU or GPU
     asyncrl launch examples/grpo_countdown.py --run.mode sync       # the synchronous baseline
-    asyncrl launch examples/grpo_countdown.py --model_path ~/ckpt/Qwen2.5-0.5B-Instruct --trainer.lr 1e-6
+    asyncrl launch examples/grpo_countdown.py --model_path ~/ckpt/Qwen2.5-0.5B-Instruct   # lr auto: 1e-6
     asyncrl launch examples/grpo_countdown.py --help                # every key, its default and meaning
     asyncrl launch examples/grpo_countdown.py --resume runs/grpo-X  # continue a stopped run from its checkpoint
     asyncrl launch examples/grpo_countdown.py --config examples/grpo_countdown.toml   # keys from a file; flags win

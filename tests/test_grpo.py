@@ -196,7 +196,7 @@ def test_a_tiny_run_writes_metrics_and_a_loadable_checkpoint(tmp_path, mode, mod
 def test_help_lists_every_key_and_a_bad_key_is_a_clear_error(tmp_path):
     done = launch(tmp_path, "--help")
     assert done.returncode == 0
-    assert "--trainer.lr 0.0001" in done.stdout and "AdamW learning rate" in done.stdout
+    assert "--trainer.lr 0.0" in done.stdout and "AdamW's peak learning rate. 0 (auto)" in done.stdout
     assert "--run.max_staleness 1" in done.stdout and "--trainer.loss.eps_high 0.28" in done.stdout
     assert "--sampler.temperature 0.7" in done.stdout  # the example's own default (DEFAULTS), not the config's 1.0
     done = launch(tmp_path, "--trainer.lrr", "1")

@@ -56,6 +56,7 @@ def test_eval_of_a_saved_policy_gives_the_numbers_the_run_s_own_evaluation_logge
     countdown = os.path.join(ROOT, "examples", "grpo_countdown.py")
     done = asyncrl(tmp_path, "launch", countdown, "--model_path", model_path, *TINY, "--run.run_dir", str(run_dir))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "learning rate 1e-06 (--trainer.lr auto: a checkpoint's; docs/grpo.md)" in done.stdout
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 2 and "heldout_solve_rate" in last
 

@@ -463,6 +463,25 @@ def test_a_decaying_schedule_ends_at_the_run_s_last_step_unless_it_names_its_own
     assert own.trainer_config().lr_decay_steps == 200
 
 
+def test_the_learning_rate_auto_is_the_embedded_model_s_or_a_checkpoint_s_and_10x_with_lora():
+    from asyncrl.rl.config import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+    from asyncrl.rl.config.trainer import TrainerConfig
+
+    def lr(*flags: str) -> float:
+        return parse_overrides(GRPOConfig(), list(flags)).trainer_config().lr
+
+    assert GRPOConfig().trainer.lr == 0.0  # auto, kept as 'auto' in config.json
+    assert lr() == 1e-4 and lr("--trainer.lora.rank", "8") == pytest.approx(1e-3)
+    assert lr("--model_path", "/ckpt") == 1e-6
+    assert lr("--model_path", "/ckpt", "--trainer.lora.rank", "8") == pytest.approx(1e-5)
+    assert lr("--model_path", "/ckpt", "--trainer.lr", "3e-5") == 3e-5  # a rate given is the rate used
+    assert TrainerConfig().peak_lr() == 1e-4 and TrainerConfig(lr=2e-3).peak_lr(checkpoint=True) == 2e-3
+    for bad in (-1e-4, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="lr must be > 0, or 0 for auto"):
+            TrainerConfig(lr=bad)
+
+
 def test_each_optimiser_step_takes_the_scheduled_rate_and_reports_it(trainer):
     import dataclasses
 

@@ -44,7 +44,8 @@ def a_run(path):
 
 CASES = [
     (["--trainer.lrr", "1e-4"], "unknown config key --trainer.lrr; did you mean --trainer.lr or --trainer.lora.rank?"),
-    (["--trainer.lr", "abc"], "--trainer.lr abc: expected a number, e.g. --trainer.lr 0.0001"),
+    (["--trainer.lr", "abc"], "--trainer.lr abc: expected a number, e.g. --trainer.lr 0.0"),
+    (["--trainer.lr", "-1e-4"], "--trainer.lr -1e-4: lr must be > 0, or 0 for auto, not -0.0001"),
     (["--run.steps", "-5"], "--run.steps -5: steps must be >= 1, not -5"),
     (["--run.mode", "foo"], "--run.mode foo: mode must be 'async' or 'sync', not 'foo'"),
     (["steps=3"], "unexpected argument 'steps=3'; did you mean --run.steps 3 or --warm_start.steps 3?"),
@@ -109,7 +110,7 @@ def test_a_bad_input_is_one_line_and_exit_2_with_nothing_left_on_disk(tmp_path, 
 
 def test_help_lists_the_keys_and_exits_0(tmp_path):
     done = launch(tmp_path, "--help")
-    assert done.returncode == 0 and "--trainer.lr 0.0001" in done.stdout and "Exit status" in done.stdout
+    assert done.returncode == 0 and "--trainer.lr 0.0" in done.stdout and "Exit status" in done.stdout
     assert tree(tmp_path) == set()
 
 

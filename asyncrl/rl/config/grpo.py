@@ -88,8 +88,9 @@ class GRPOConfig:
         )
 
     def trainer_config(self) -> TrainerConfig:
-        """The trainer's section with the samplers' temperature, and the run's length as the end of
-        a decaying learning rate unless it names its own: the one the actor is given."""
+        """The trainer's section with the samplers' temperature, its learning rate resolved for the
+        model trained (``--trainer.lr`` auto), and the run's length as the end of a decaying
+        learning rate unless it names its own: the one the actor is given."""
         loss, most = self.trainer.loss, self.sampler.max_new_tokens
         loss = dataclasses.replace(
             loss, token_budget=loss.token_budget or most, overlong_max_tokens=loss.overlong_max_tokens or most
@@ -97,6 +98,7 @@ class GRPOConfig:
         return dataclasses.replace(
             self.trainer,
             temperature=self.sampler.temperature,
+            lr=self.trainer.peak_lr(checkpoint=bool(self.model_path)),
             lr_decay_steps=self.trainer.lr_decay_steps or self.run.steps,
             loss=loss,
         )

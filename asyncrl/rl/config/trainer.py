@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
 AGGREGATIONS = ("token_mean", "seq_mean", "fixed_tokens")
+EMBEDDED_LR = 1e-4
+"""``--trainer.lr`` auto on the embedded model, and a `TrainerConfig`'s own: the best rate tried on the
+1M-parameter default (docs/grpo.md: 2e-4 no better, 3e-4 worse, 1e-3 collapsed it within 25 steps)."""
+CHECKPOINT_LR = 1e-6
+"""``--trainer.lr`` auto for a checkpoint (``--model_path``): TRL's GRPOTrainer default (1.16) and
+what verl's GRPO example scripts pass for pretrained LLMs. The embedded model's 1e-4 is far too high for one:
+on a 358M model warm-started here 6e-5 already fell from 0.37 to 0.10 held-out greedy (docs/gpu.md)."""
+LORA_LR_SCALE = 10.0
+"""LoRA's adapters want a larger rate than full fine-tuning: auto with ``--trainer.lora.rank`` is 10x
+(1e-3 on the embedded model, as docs/lora.md measured; 1e-5 for a checkpoint)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,9 +162,10 @@ class TrainerConfig:
     """The trainer actor: its AdamW optimiser, micro-batches, the temperature it scores at and the
     GRPO loss."""
 
-    lr: float = 1e-4
-    """AdamW learning rate (the default suits the small embedded model; use ~1e-6 for real LLMs;
-    on the embedded model 1e-3 collapsed the policy within 25 steps)."""
+    lr: float = 0.0
+    """AdamW's peak learning rate. 0 (auto): 1e-4 on the embedded model, 1e-6 for a checkpoint
+    (``--model_path``), 10x either with LoRA; a run's log says which it took. A larger embedded
+    model (``--model.*``) wants less than 1e-4: 3e-5 at 358M parameters (docs/gpu.md)."""
     lr_schedule: str = "constant"
     """'constant', 'cosine' or 'linear': after the warm-up, keep ``lr``, or decay it to
     ``lr * lr_min_ratio`` by step ``lr_decay_steps`` along half a cosine or a line."""
@@ -220,8 +232,8 @@ class TrainerConfig:
     varlen path (sequence boundaries from the position ids) under flash_attention_*."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, not {self.lr!r}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"lr must be > 0, or 0 for auto, not {self.lr!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, not {self.lr_schedule!r}")
         for name in ("lr_warmup_steps", "lr_decay_steps"):
@@ -245,3 +257,10 @@ class TrainerConfig:
                 f"{' (auto: its most)' if not self.micro_batch_tokens else ''}] "
                 f"(a packed row is one forward at most), not {self.pack_tokens!r}"
             )
+
+    def peak_lr(self, *, checkpoint: bool = False) -> float:
+        """``lr``, or where it is 0 (auto) the rate for the model trained: `CHECKPOINT_LR` for a
+        ``checkpoint`` (``--model_path``), else `EMBEDDED_LR`; times `LORA_LR_SCALE` with LoRA."""
+        if self.lr:
+            return self.lr
+        return (CHECKPOINT_LR if checkpoint else EMBEDDED_LR) * (LORA_LR_SCALE if self.lora.rank else 1.0)

@@ -184,6 +184,11 @@ def _announce(config: GRPOConfig, plan: DevicePlan, scope: RunScope, task: Any, 
         f"run dir {scope.run_dir}; task {task.task_name()}; model {model_path}; mode {run.mode}"
         + "".join(f"; {key.replace('_', ' ')} {section.model_path}" for key, section in scorers)
     )
+    if not config.trainer.lr:
+        model = ("a checkpoint's" if config.model_path else "the embedded model's") + (
+            " LoRA adapters" if config.trainer.lora.rank else ""
+        )
+        scope.log(f"learning rate {config.trainer_config().lr:g} (--trainer.lr auto: {model}; docs/grpo.md)")
     if isinstance(task, Agent):
         scope.log(
             "agent: each sampler serves the OpenAI API on 127.0.0.1; code outside the episodes gets "

@@ -105,7 +105,7 @@ class TrainedPolicy:
         # fused: one kernel for every parameter's update on a GPU (torch's own); elsewhere its default
         return torch.optim.AdamW(
             trainable,
-            lr=self.config.lr,
+            lr=self.config.peak_lr(),
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
             fused=self.device.type == "cuda" or None,
