@@ -144,6 +144,11 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
     else:
         assert [len(c) for c in model.calls] == [2, 2]  # one reload per sync, pulling every tensor
     assert worker.asyncrl_created().get("gloo", 0) >= 2
+    from asyncrl.rl.sampler.vllm.worker import WorkerSyncError
+
+    why = "model.embed_tokens.weight: no parameter of the model holds it" if in_place else "vLLM on the CPU repacks"
+    with pytest.raises(WorkerSyncError, match=why):  # --run.check_weights: the refusal names the reason
+        worker.asyncrl_digest()
     worker.asyncrl_leave()
     worker.asyncrl_leave()  # idempotent
     with pytest.raises(Exception, match="before joining"):
@@ -174,7 +179,7 @@ class _FusedModel(torch.nn.Module):
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
-    def __init__(self, hidden: int, q: int, kv: int, ffn: int, vocab: int, norm_offset: bool = False):
+    def __init__(self, hidden: int, q: int, kv: int, ffn: int, vocab: int, norm_offset: bool = False, pad: int = 0):
         super().__init__()
         self.sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": ffn, "up_proj": ffn}
         p = torch.nn.Parameter
@@ -190,7 +195,7 @@ class _FusedModel(torch.nn.Module):
         self.model.norm = torch.nn.Module()
         self.model.norm.weight = p(torch.zeros(hidden), requires_grad=False)
         self.model.embed_tokens = torch.nn.Module()
-        self.model.embed_tokens.weight = p(torch.zeros(vocab, hidden), requires_grad=False)
+        self.model.embed_tokens.weight = p(torch.zeros(vocab + pad, hidden), requires_grad=False)  # vLLM pads to 64
         self.norm_offset = norm_offset
         self.calls = 0
 
@@ -204,8 +209,9 @@ class _FusedModel(torch.nn.Module):
                     at = sum(self.sizes[m] for m in members[: members.index(member)])
                     params[name.replace(member, fused)].data.narrow(0, at, self.sizes[member]).copy_(tensor)
                     break
-            else:
-                params[name].data.copy_(tensor - 1 if self.norm_offset and name == "model.norm.weight" else tensor)
+            else:  # as vLLM's vocabulary loader: the checkpoint's rows first, the padding left
+                value = tensor - 1 if self.norm_offset and name == "model.norm.weight" else tensor
+                params[name].data.narrow(0, 0, len(tensor)).copy_(value)
 
 
 def _fused_state(g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -226,14 +232,14 @@ def _fused_state(g: torch.Generator) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
 
 
-def _fused_worker(state, path: str, norm_offset: bool = False):
+def _fused_worker(state, path: str, norm_offset: bool = False, pad: int = 0):
     worker = _worker({}, path, True)
-    worker.model_runner.model = _FusedModel(16, 16, 8, 32, 40, norm_offset)
+    worker.model_runner.model = _FusedModel(16, 16, 8, 32, 40, norm_offset, pad)
     return worker
 
 
-def _unfused(model: _FusedModel, names) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors read back out of the fused parameters."""
+def _unfused(model: _FusedModel, names: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors read back out of the fused (and padded) parameters."""
     params = dict(model.named_parameters())
     out = {}
     for name in names:
@@ -244,15 +250,18 @@ def _unfused(model: _FusedModel, names) -> dict[str, torch.Tensor]:
                 out[name] = params[name.replace(member, fused)].narrow(0, at, model.sizes[member])
                 break
         else:
-            out[name] = params[name]
+            out[name] = params[name][: len(names[name])]
     return out
 
 
-def test_later_syncs_go_straight_into_the_places_the_first_one_checked(tmp_path):
+@pytest.mark.parametrize("pad", [0, 24], ids=["vocabulary as sent", "vocabulary padded by vLLM"])
+def test_later_syncs_go_straight_into_the_places_the_first_one_checked(tmp_path, pad):
+    """``pad``: vLLM pads a vocabulary to a multiple of 64 rows (the embedded model's byte-level one
+    of a few hundred tokens on the GPU, 2026-11-29); the sent rows are the place."""
     g = torch.Generator().manual_seed(1)
     state = _fused_state(g)
     _checkpoint(tmp_path / "ckpt", state)
-    worker = _fused_worker(state, str(tmp_path / "ckpt"))
+    worker = _fused_worker(state, str(tmp_path / "ckpt"), pad=pad)
     sent = {k: v.clone() for k, v in state.items()}
     results, stats = _sync(worker, sent, 3)
     model = worker.model_runner.model
@@ -263,6 +272,7 @@ def test_later_syncs_go_straight_into_the_places_the_first_one_checked(tmp_path)
     assert model.calls == calls_in_first_sync  # versions 2 and 3 called no loader
     assert [s.version for s in stats] == [1, 2, 3] and all(s.copy_s > 0 for s in stats)
     assert worker.asyncrl_digest() == results["digest"]  # --run.check_weights reads the places
+    assert not model.model.embed_tokens.weight[len(sent["model.embed_tokens.weight"]) :].any()  # padding untouched
 
 
 def test_a_loader_that_transforms_a_tensor_keeps_the_loader_and_gives_no_digest(tmp_path):
@@ -280,8 +290,10 @@ def test_a_loader_that_transforms_a_tensor_keeps_the_loader_and_gives_no_digest(
     assert per_sync >= 1 and model.calls == 3 * per_sync  # the loader took every sync
     norm = results["sent"]["model.norm.weight"]
     assert torch.equal(model.model.norm.weight, norm - 1)  # the loader's own transform, kept
-    with pytest.raises(WorkerSyncError, match="not held as the sent tensors"):
-        worker.asyncrl_digest()
+    with pytest.raises(
+        WorkerSyncError, match=r"not held as the sent tensors \(load_weights put other values .* model\.norm\.weight"
+    ):
+        worker.asyncrl_digest()  # the refusal says why, as the worker's log does
 
 
 def test_places_are_refused_for_what_cannot_be_received_into_directly():
@@ -302,6 +314,9 @@ def test_places_are_refused_for_what_cannot_be_received_into_directly():
     cases = {
         "model.extra.weight: no parameter of the model holds it": layout(**{"model.extra.weight": torch.zeros(2)}),
         "model.norm.weight: the model's parameter is [16]": layout(**{"model.norm.weight": torch.zeros(17)}),
+        "model.norm.weight: the model's parameter is [16], the sender's tensor [15]": layout(
+            **{"model.norm.weight": torch.zeros(15)}  # only a vocabulary's rows are padded
+        ),
         "not its members": layout(**{"model.layers.0.self_attn.k_proj.weight": torch.zeros(9, 16)}),
         "the model holds torch.float32, the sender sends torch.bfloat16": layout(
             **{"model.norm.weight": torch.zeros(16, dtype=torch.bfloat16)}
@@ -310,6 +325,11 @@ def test_places_are_refused_for_what_cannot_be_received_into_directly():
     for message, sent in cases.items():
         views, why = param_views(model, sent)
         assert views is None and message in why, (message, why)
+    # a vocabulary vLLM padded: the sent rows are the first ones of the parameter
+    views, why = param_views(model, layout(**{"model.embed_tokens.weight": torch.zeros(33, 16)}))
+    embed = model.model.embed_tokens.weight
+    assert why == "" and views["model.embed_tokens.weight"].shape == (33, 16)
+    assert views["model.embed_tokens.weight"].data_ptr() == embed.data_ptr()
     # a fused member whose siblings are not all sent cannot be placed (their sizes are unknown)
     views, why = param_views(model, layout(**{"model.layers.0.self_attn.v_proj.weight": None}))
     assert views is None and "model.layers.0.self_attn.q_proj.weight: no parameter" in why

@@ -6,7 +6,8 @@ works out the place of every tensor by name on every call: 8-14 ms of a 0.5B mod
 its largest part (benchmarks/README.md, issue 29). Without tensor parallelism a fused parameter is
 its members' tensors stacked along dim 0 in the mapping's order, so each place is a contiguous
 slice that can be computed once per layout (`param_views`) and then received into like any other
-tensor: the receiver's own copy plan, and the biggest tensors straight off the wire.
+tensor: the receiver's own copy plan, and the biggest tensors straight off the wire. A vocabulary
+vLLM padded to a multiple of 64 rows is held in the parameter's first rows.
 
 A computed place is trusted only once a sync through ``load_weights`` has put exactly the received
 values there (`LoadAndCheck`). A loader that transforms a tensor (a scale, an offset, a different
@@ -53,9 +54,14 @@ def _place(
 ) -> torch.Tensor | str:
     param = params.get(name)
     if param is not None:
-        if tuple(param.shape) != shape:
-            return f"{name}: the model's parameter is {list(param.shape)}, the sender's tensor {list(shape)}"
-        return param.data
+        if tuple(param.shape) == shape:
+            return param.data
+        if len(shape) == 2 == param.dim() and param.shape[0] > shape[0] and param.shape[1] == shape[1]:
+            # vLLM pads a vocabulary to a multiple of 64 rows (VocabParallelEmbedding, ParallelLMHead)
+            # and its loader writes the checkpoint's rows first: those rows are the place (checked
+            # like any other by LoadAndCheck). A byte-level vocabulary of a few hundred is padded.
+            return param.data.narrow(0, 0, shape[0])
+        return f"{name}: the model's parameter is {list(param.shape)}, the sender's tensor {list(shape)}"
     parts = name.split(".")
     for i, part in enumerate(parts):
         for fused, members in packed.items():

@@ -107,11 +107,13 @@ class WeightSyncExtension:
             quiet_reload_warnings(compat.live_model(self.model_runner), sent)
         member.receiver, member.timeout_s = receiver, timeout_s
         member.views, member.candidates = None, None
+        member.no_views = "vLLM on the CPU repacks the weights it loads"
         if self._asyncrl_loads_in_place():
             sent = [(spec.name, tuple(spec.shape), spec.torch_dtype) for spec in receiver.layout.tensors]
             member.candidates, why = param_views(compat.live_model(self.model_runner), sent)
+            member.no_views = "no sync has checked their places yet" if member.candidates is not None else why
             if member.candidates is None:
-                log.info("weight sync: every sync goes through vLLM's load_weights (%s)", why)
+                log.warning("weight sync: every sync goes through vLLM's load_weights (%s)", why)
         return len(receiver.layout.buckets)
 
     def asyncrl_receive_weights(self, version: int, timeout_s: float | None = None) -> dict[str, Any]:
@@ -154,9 +156,7 @@ class WeightSyncExtension:
         member = self._asyncrl_member("digest")
         if member.views is None:
             raise WorkerSyncError(
-                "no digest of the vLLM model's weights: they are not held as the sent tensors (vLLM on the CPU "
-                "repacks them; or the model's loader transforms them: see the worker's log) or no sync has "
-                "checked their places yet"
+                f"no digest of the vLLM model's weights: they are not held as the sent tensors ({member.no_views})"
             )
         return tensor_digest(member.views)
 
@@ -206,12 +206,14 @@ class _Membership:
         self.timeout_s = 60.0
         self.candidates: dict[str, torch.Tensor] | None = None  # computed places (param_views)
         self.views: dict[str, torch.Tensor] | None = None  # the same, once a sync checked them
+        self.no_views = "no receiver is set up yet"  # why ``views`` is None: the digest's refusal says it
 
     def take_views(self, check: LoadAndCheck, version: int) -> None:
         """After a sync through the loader: receive straight into the checked places from now on,
         or never try them again for this layout."""
         why = check.verdict()
         if why:
+            self.no_views = why
             log.warning("weight sync: every sync goes through vLLM's load_weights (%s)", why)
         else:
             log.info(
