@@ -251,11 +251,32 @@ def model_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("model-cache"))
 
 
+def _workers_dir(tmp_path_factory, name: str):
+    """A directory for this test session: under pytest-xdist one that its workers share (in the
+    controller's base directory, the parent of each worker's own), else one of this process's."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.mktemp(name)
+    path = tmp_path_factory.getbasetemp().parent / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory) -> str:
     """A 64-wide one-layer Qwen2 warm-started for 400 steps (about 10 s, once per test session): it
     writes well-formed answers often enough that rewards differ within groups, so gradients and the
-    optimiser state are not zero. For the GRPO runs of test_fault_tolerance and test_run_lifecycle."""
+    optimiser state are not zero. For the GRPO runs of test_fault_tolerance and test_run_lifecycle.
+    Under pytest-xdist its workers share it: the first to need it builds it (the others wait on
+    the lock) into a cache they all read (`default_model`'s, a key renamed into place whole)."""
+    import fcntl
+
+    cache = _workers_dir(tmp_path_factory, "model-path-cache")
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _warm_started(str(cache))
+
+
+def _warm_started(cache_dir: str) -> str:
     import torch
 
     from asyncrl.rl.config.model import ModelConfig, WarmStartConfig
@@ -271,7 +292,7 @@ def model_path(tmp_path_factory) -> str:
                 steps=400, batch_size=32, lr=3e-3, warmup_steps=10, n_examples=2000, eval_problems=0, heldout_reserve=20
             ),
             Countdown(),
-            cache_dir=str(tmp_path_factory.mktemp("cache")),
+            cache_dir=cache_dir,
             threads=1,
             log=lambda *a: None,
         )
