@@ -242,15 +242,6 @@ def no_leftover_processes():
     assert not left, f"processes left behind: {sorted(left)}"
 
 
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> str:
-    """One ``ASYNCRL_CACHE_DIR`` for the runs a test session launches: a run warm-starts its embedded
-    model once per cache key (its model, warm start and task), so the runs of one tiny config
-    (test_grpo's ``TINY``, in five files) build it once, not once a test. The cache is safe to
-    share: a key is built in a directory of its own and renamed into place whole."""
-    return str(tmp_path_factory.mktemp("model-cache"))
-
-
 def _workers_dir(tmp_path_factory, name: str):
     """A directory for this test session: under pytest-xdist one that its workers share (in the
     controller's base directory, the parent of each worker's own), else one of this process's."""
@@ -259,6 +250,16 @@ def _workers_dir(tmp_path_factory, name: str):
     path = tmp_path_factory.getbasetemp().parent / name
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> str:
+    """One ``ASYNCRL_CACHE_DIR`` for the runs a test session launches: a run warm-starts its embedded
+    model once per cache key (its model, warm start and task), so the runs of one tiny config
+    (test_grpo's ``TINY``, in five files) build it once, not once a test. The cache is safe to
+    share: a key is built in a directory of its own and renamed into place whole. Under pytest-xdist
+    its workers share it too (a key both build at once is built twice, used whole either way)."""
+    return str(_workers_dir(tmp_path_factory, "model-cache"))
 
 
 @pytest.fixture(scope="session")
