@@ -28,7 +28,7 @@ from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError
 from asyncrl.comm.weights import SyncStats
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, remote_error_class, type_path
 from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
-from asyncrl.rl.driver.faults import NoSamplersError, TaskFailedError
+from asyncrl.rl.driver.faults import NoSamplersError, TaskFailedError, WeightsDivergedError, WeightsUncheckableError
 from asyncrl.rl.driver.fleet import sync_group
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.membership import MemberState
@@ -37,7 +37,7 @@ from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import SamplerSyncStats
-from asyncrl.rl.sampler.errors import SamplerTimeoutError
+from asyncrl.rl.sampler.errors import SamplerTimeoutError, WeightsUnreadableError
 from asyncrl.rl.sampler.stats import SamplerStats
 from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.timeouts import timeout
@@ -696,5 +696,32 @@ async def test_a_failed_stream_cancels_its_siblings_and_every_grant_is_given_bac
         assert pacer.streams == 0 and pacer.in_flight == 0 and len(pool.queue) == 1  # nothing held back
         pool._reap_pumps()  # the failure judged as a single stream's was: the sampler is lost
         assert not m.in_group and "died (killed by SIGKILL)" in pool.faults[0].cause
+    finally:
+        await pool.close()
+
+
+async def test_a_sampler_whose_weights_cannot_be_read_stops_the_weight_check_and_is_not_restarted():
+    """``--run.check_weights`` with a sampler that has no digest of its weights (a vLLM engine whose
+    loader keeps them in another form): a restart would be refused the same way, so the run stops
+    at the first check with one line naming the fix, and the sampler is not killed."""
+    refused = "sampler sampler0: no digest of the vLLM model's weights: they are not held as the sent tensors (why)"
+    sampler = Scripted(
+        "sampler0", weights_digest=[(0.0, remote("sampler0", "weights_digest", WeightsUnreadableError, refused))]
+    )
+    other = Scripted("sampler1", weights_digest=[(0.0, "abc")])
+    logs: list[str] = []
+    pool = make_pool(Scripted("trainer", weights_digest=[(0.0, "abc")]), [sampler, other], logs)
+    try:
+        with pytest.raises(WeightsUncheckableError) as stopped:
+            await pool.verify_weights()
+        assert str(stopped.value).startswith("--run.check_weights: ") and "\n" not in str(stopped.value)
+        assert "sampler0: no digest" in str(stopped.value) and "(why)" in str(stopped.value)
+        assert str(stopped.value).endswith(
+            "drop --run.check_weights (every sync's own checks still run) or use --sampler.backend hf"
+        )
+        assert sampler.kills == [] and pool.members[0].state is MemberState.JOINED, logs
+        sampler.script["weights_digest"] = [(0.0, "abd")]  # a digest that differs is still the divergence it was
+        with pytest.raises(WeightsDivergedError, match="sampler sampler0 holds weights abd"):
+            await pool.verify_weights()
     finally:
         await pool.close()

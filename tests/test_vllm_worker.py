@@ -144,11 +144,13 @@ def test_the_worker_extension_receives_over_gloo(tmp_path, in_place):
     else:
         assert [len(c) for c in model.calls] == [2, 2]  # one reload per sync, pulling every tensor
     assert worker.asyncrl_created().get("gloo", 0) >= 2
-    from asyncrl.rl.sampler.vllm.worker import WorkerSyncError
+    from asyncrl.rl.sampler.errors import WeightsUnreadableError
 
     why = "model.embed_tokens.weight: no parameter of the model holds it" if in_place else "vLLM on the CPU repacks"
-    with pytest.raises(WorkerSyncError, match=why):  # --run.check_weights: the refusal names the reason
+    with pytest.raises(WeightsUnreadableError, match=why):  # --run.check_weights: the refusal names the reason
         worker.asyncrl_digest()
+    answer = worker.asyncrl_call("digest")  # typed through vLLM, so the driver stops the run rather than restart
+    assert answer["error"] == "asyncrl.rl.sampler.errors.WeightsUnreadableError" and why in answer["message"]
     worker.asyncrl_leave()
     worker.asyncrl_leave()  # idempotent
     with pytest.raises(Exception, match="before joining"):
@@ -276,7 +278,7 @@ def test_later_syncs_go_straight_into_the_places_the_first_one_checked(tmp_path,
 
 
 def test_a_loader_that_transforms_a_tensor_keeps_the_loader_and_gives_no_digest(tmp_path):
-    from asyncrl.rl.sampler.vllm.worker import WorkerSyncError
+    from asyncrl.rl.sampler.errors import WeightsUnreadableError
 
     g = torch.Generator().manual_seed(2)
     state = _fused_state(g)
@@ -291,7 +293,8 @@ def test_a_loader_that_transforms_a_tensor_keeps_the_loader_and_gives_no_digest(
     norm = results["sent"]["model.norm.weight"]
     assert torch.equal(model.model.norm.weight, norm - 1)  # the loader's own transform, kept
     with pytest.raises(
-        WorkerSyncError, match=r"not held as the sent tensors \(load_weights put other values .* model\.norm\.weight"
+        WeightsUnreadableError,
+        match=r"not held as the sent tensors \(load_weights put other values .* model\.norm\.weight",
     ):
         worker.asyncrl_digest()  # the refusal says why, as the worker's log does
 
@@ -625,16 +628,20 @@ def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
 
 def test_the_workers_data_plane_errors_come_back_under_their_own_type():
     from asyncrl.comm.errors import CollectiveError, LayoutMismatchError, RendezvousError
-    from asyncrl.rl.sampler.vllm.sink import EngineWeightSyncError, comm_error
+    from asyncrl.rl.sampler.errors import WeightsUnreadableError
+    from asyncrl.rl.sampler.vllm.sink import EngineWeightSyncError, worker_error
 
-    assert comm_error("asyncrl.comm.errors.CollectiveError") is CollectiveError
-    assert comm_error("asyncrl.comm.errors.LayoutMismatchError") is LayoutMismatchError
+    assert worker_error("asyncrl.comm.errors.CollectiveError") is CollectiveError
+    assert worker_error("asyncrl.comm.errors.LayoutMismatchError") is LayoutMismatchError
     # Its constructor takes (group, what, missing, timeout_s), not a message: its base class does.
-    assert comm_error("asyncrl.comm.errors.RendezvousTimeoutError") is RendezvousError
-    assert comm_error("asyncrl.comm.errors.NoSuchError") is EngineWeightSyncError
+    assert worker_error("asyncrl.comm.errors.RendezvousTimeoutError") is RendezvousError
+    assert worker_error("asyncrl.comm.errors.NoSuchError") is EngineWeightSyncError
     # By path, not by name: another module's class of the same name is not ours.
-    assert comm_error("CollectiveError") is EngineWeightSyncError
-    assert comm_error("elsewhere.CollectiveError") is EngineWeightSyncError
+    assert worker_error("CollectiveError") is EngineWeightSyncError
+    assert worker_error("elsewhere.CollectiveError") is EngineWeightSyncError
+    assert (
+        worker_error("asyncrl.rl.sampler.errors.WeightsUnreadableError") is WeightsUnreadableError
+    )  # a refused digest
 
 
 async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():

@@ -34,6 +34,11 @@ class WeightsDivergedError(RunStoppedError):
     """``--run.check_weights``: a member's weights differ from the trainer's after a sync."""
 
 
+class WeightsUncheckableError(RunStoppedError):
+    """``--run.check_weights`` with a sampler whose weights cannot be read as sent (a
+    `WeightsUnreadableError`): stopped at the first check, the sampler kept, the fix named."""
+
+
 class TaskFailedError(RunStoppedError):
     """The task's own code failed too often in a sampler or in the held-out evaluation (its score
     or step raised, hung, or returned no number for more than ``--task.max_failure_rate`` of the

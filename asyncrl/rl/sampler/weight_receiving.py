@@ -19,7 +19,7 @@ import msgspec
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.member import SyncSeat
 from asyncrl.rl.sampler.backend import SamplerSyncStats, WeightSink
-from asyncrl.rl.sampler.errors import SamplerError, SamplerTimeoutError
+from asyncrl.rl.sampler.errors import SamplerError, SamplerTimeoutError, WeightsUnreadableError
 from asyncrl.runtime.timeouts import timeout
 
 
@@ -128,8 +128,9 @@ class WeightReceiving:
         """SHA-256 of the weights this sampler generates with (`asyncrl.rl.digest.tensor_digest`)."""
         try:
             return await self.sink.digest()
-        except SamplerError as exc:
-            raise SamplerError(f"sampler {self.name}: {exc}") from None
+        except SamplerError as exc:  # a refused digest keeps its type: the driver stops the run for it
+            kind = WeightsUnreadableError if isinstance(exc, WeightsUnreadableError) else SamplerError
+            raise kind(f"sampler {self.name}: {exc}") from None
 
     async def wait_ready(self) -> None:
         """Return once no sync is under way and the last one succeeded; `SamplerTimeoutError`

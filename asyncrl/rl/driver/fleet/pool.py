@@ -58,6 +58,7 @@ from asyncrl.rl.driver.faults import (
     RunStoppedError,
     TaskFailedError,
     WeightsDivergedError,
+    WeightsUncheckableError,
     trainer_phase,
 )
 from asyncrl.rl.driver.fleet.calls import call_all
@@ -70,7 +71,7 @@ from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.observe.sync_metrics import SyncPhases, sync_record
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.sampler.errors import SamplerTimeoutError
+from asyncrl.rl.sampler.errors import SamplerTimeoutError, WeightsUnreadableError
 from asyncrl.rl.tasks.scoring import TaskFailureError
 from asyncrl.runtime.timeouts import timeout
 
@@ -276,9 +277,15 @@ class SamplerPool:
             lambda h, _: h.weights_digest(),
             timeout_s=t,
             what="the weight check",
+            spare=lambda exc: isinstance(exc, WeightsUnreadableError),  # no fault of the sampler's
         )
         digests = {"trainer": trainer}
         for m, result in answers.of_members():
+            if isinstance(result, WeightsUnreadableError):  # a restart would be refused the same way
+                raise WeightsUncheckableError(
+                    f"--run.check_weights: {first_line(result)}; drop --run.check_weights (every sync's "
+                    "own checks still run) or use --sampler.backend hf"
+                )
             if isinstance(result, BaseException):
                 continue  # lost: the next sync re-forms the group without it
             if result != trainer:

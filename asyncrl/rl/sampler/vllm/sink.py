@@ -18,8 +18,9 @@ import torch
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.errors import COMM_ERRORS_BY_PATH, CommError, RendezvousError, RendezvousTimeoutError
 from asyncrl.comm.weights import SyncStats
+from asyncrl.errors import type_path
 from asyncrl.rl.sampler.backend import SamplerSyncStats, WeightSink
-from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerError
+from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerError, WeightsUnreadableError
 from asyncrl.runtime.timeouts import timeout
 
 ANSWER_GRACE_S = 10.0
@@ -46,11 +47,14 @@ class EngineWeightSyncError(SamplerError):
     sampler rather than counting it a victim of a peer (`driver/sync_group.suffered_from_peer`)."""
 
 
-def comm_error(path: str) -> type[Exception]:
-    """The class to raise again for a data-plane error the worker reported by its type ``path``
-    (``module.QualName``): the `asyncrl.comm.errors` class at that path, built from one message. A
-    `RendezvousTimeoutError` (whose constructor takes group, what, missing, timeout) comes back as
-    its base class, `RendezvousError`; an unknown path as `EngineWeightSyncError`."""
+def worker_error(path: str) -> type[Exception]:
+    """The class to raise again for an error the worker reported by its type ``path``
+    (``module.QualName``): the `asyncrl.comm.errors` class at that path, built from one message, or
+    `WeightsUnreadableError`. A `RendezvousTimeoutError` (whose constructor takes group, what,
+    missing, timeout) comes back as its base class, `RendezvousError`; an unknown path as
+    `EngineWeightSyncError`."""
+    if path == type_path(WeightsUnreadableError):
+        return WeightsUnreadableError
     cls: type[CommError] | None = COMM_ERRORS_BY_PATH.get(path)
     if cls is None:
         return EngineWeightSyncError
@@ -83,7 +87,7 @@ async def engine_call(backend: EngineBackend, call: str, timeout_s: float, *args
     if "error" in answer:
         path = answer["error"]
         name = str(path).rpartition(".")[2]
-        raise comm_error(path)(f"the vLLM worker failed {call}: {name}: {answer.get('message', '')}")
+        raise worker_error(path)(f"the vLLM worker failed {call}: {name}: {answer.get('message', '')}")
     return answer["ok"]
 
 
@@ -171,5 +175,5 @@ class EngineSink(WeightSink):
     async def digest(self) -> str:
         """Read in the engine's process, through the places a sync checked (the worker's digest)."""
         if self.backend.device.type != "cuda":
-            raise SamplerError("vLLM on the CPU repacks its weights for its kernels: no digest of them")
+            raise WeightsUnreadableError("vLLM on the CPU repacks its weights for its kernels: no digest of them")
         return await engine_call(self.backend, "digest", DIGEST_TIMEOUT_S)

@@ -43,6 +43,7 @@ import torch
 
 from asyncrl.comm.address import SyncAddress, check_timeout
 from asyncrl.comm.errors import LayoutMismatchError
+from asyncrl.rl.sampler.errors import WeightsUnreadableError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.param_views import LoadAndCheck, param_views
 from asyncrl.rl.sampler.vllm.reload_warnings import quiet_reload_warnings
@@ -67,10 +68,11 @@ class WeightSyncExtension:
     def asyncrl_call(self, call: str, *args: Any) -> dict[str, Any]:
         """The one entry point `VLLMBackend` calls through ``collective_rpc``: run ``asyncrl_<call>``
         and answer ``{"ok": result}``, or ``{"error": type path, "message": text}`` when the data
-        plane raised (an `asyncrl.comm.errors.CommError`). vLLM passes an exception raised here on
-        as text only; the type must survive, because it tells a member that suffered a peer's
-        failure (it stays in the run) from one that failed by itself (it is replaced). Anything
-        else raises as it is."""
+        plane raised (an `asyncrl.comm.errors.CommError`) or a digest was refused
+        (`WeightsUnreadableError`). vLLM passes an exception raised here on as text only; the type
+        must survive, because it tells a member that suffered a peer's failure (it stays in the
+        run) from one that failed by itself (it is replaced), and a digest that cannot exist (the
+        run stops) from either. Anything else raises as it is."""
         from asyncrl.comm.errors import CommError
         from asyncrl.errors import type_path
 
@@ -78,7 +80,7 @@ class WeightSyncExtension:
             raise WorkerSyncError(f"no weight-sync call {call!r} (known: {', '.join(CALLS)})")
         try:
             return {"ok": getattr(self, f"asyncrl_{call}")(*args)}
-        except CommError as exc:
+        except (CommError, WeightsUnreadableError) as exc:
             return {"error": type_path(type(exc)), "message": str(exc)}
 
     def asyncrl_join(self, address: Any, rank: Any) -> str:
@@ -155,7 +157,7 @@ class WeightSyncExtension:
 
         member = self._asyncrl_member("digest")
         if member.views is None:
-            raise WorkerSyncError(
+            raise WeightsUnreadableError(
                 f"no digest of the vLLM model's weights: they are not held as the sent tensors ({member.no_views})"
             )
         return tensor_digest(member.views)
