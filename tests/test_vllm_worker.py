@@ -299,6 +299,22 @@ def test_a_loader_that_transforms_a_tensor_keeps_the_loader_and_gives_no_digest(
         worker.asyncrl_digest()  # the refusal says why, as the worker's log does
 
 
+def test_a_digest_before_a_sync_checked_the_places_is_refused_for_now_not_for_good():
+    """Between the set-up and the first sync the places are not checked yet: the digest is refused
+    as any failed call is (the sampler is judged), not as weights that can never be read (the run
+    stops)."""
+    from types import SimpleNamespace
+
+    from asyncrl.rl.sampler.errors import WeightsUnreadableError
+    from asyncrl.rl.sampler.vllm.worker import WorkerSyncError, _Membership
+
+    worker = _worker({}, "/nonexistent", True)
+    worker._asyncrl = _Membership(SimpleNamespace(group=None, comm=None))
+    with pytest.raises(WorkerSyncError, match="no sync has checked their places") as refused:
+        worker.asyncrl_digest()
+    assert not isinstance(refused.value, WeightsUnreadableError)
+
+
 def test_places_are_refused_for_what_cannot_be_received_into_directly():
     from asyncrl.rl.sampler.vllm.param_views import param_views
 

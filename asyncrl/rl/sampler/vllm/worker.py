@@ -113,7 +113,7 @@ class WeightSyncExtension:
         if self._asyncrl_loads_in_place():
             sent = [(spec.name, tuple(spec.shape), spec.torch_dtype) for spec in receiver.layout.tensors]
             member.candidates, why = param_views(compat.live_model(self.model_runner), sent)
-            member.no_views = "no sync has checked their places yet" if member.candidates is not None else why
+            member.no_views = "" if member.candidates is not None else why
             if member.candidates is None:
                 log.warning("weight sync: every sync goes through vLLM's load_weights (%s)", why)
         return len(receiver.layout.buckets)
@@ -156,7 +156,9 @@ class WeightSyncExtension:
         from asyncrl.rl.digest import tensor_digest
 
         member = self._asyncrl_member("digest")
-        if member.views is None:
+        if member.views is None and not member.no_views:  # for now: the sampler is not judged for it
+            raise WorkerSyncError("no digest of the vLLM model's weights yet: no sync has checked their places")
+        if member.views is None:  # for good: the driver stops the run rather than restart the sampler
             raise WeightsUnreadableError(
                 f"no digest of the vLLM model's weights: they are not held as the sent tensors ({member.no_views})"
             )
@@ -208,7 +210,7 @@ class _Membership:
         self.timeout_s = 60.0
         self.candidates: dict[str, torch.Tensor] | None = None  # computed places (param_views)
         self.views: dict[str, torch.Tensor] | None = None  # the same, once a sync checked them
-        self.no_views = "no receiver is set up yet"  # why ``views`` is None: the digest's refusal says it
+        self.no_views = ""  # why ``views`` is None for good, "" while a sync may still check them
 
     def take_views(self, check: LoadAndCheck, version: int) -> None:
         """After a sync through the loader: receive straight into the checked places from now on,
