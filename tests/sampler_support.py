@@ -91,12 +91,19 @@ def recomputed(model, prompt: list[int], tokens: list[int], temperature: float) 
     return torch.log_softmax(scored, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
-async def until_generating(sampler, timeout_s: float = 60.0) -> None:
+async def until_generating(sampler, call: asyncio.Future | None = None, timeout_s: float = 60.0) -> None:
     """Wait until the sampler actor has a generate call in flight (its ``stats().generating``),
-    so that what the test does next lands during a batch however fast or loaded the machine is."""
+    so that what the test does next lands during a batch however fast or loaded the machine is.
+    ``call``: the test's own call that generates; if it ends before a poll saw it in flight, the
+    overlap the test needs is gone, and that is said at once (not after ``timeout_s`` of polls)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not (await sampler.stats()).generating:
+        if call is not None and call.done():
+            outcome = call.exception() or "it returned"
+            raise AssertionError(
+                f"sampler {sampler.name}: the generate ended before a poll saw it in flight ({outcome})"
+            )
         assert loop.time() < deadline, f"sampler {sampler.name}: no generate in flight within {timeout_s:g} s"
         await asyncio.sleep(0.005)
 

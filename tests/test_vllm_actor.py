@@ -166,12 +166,13 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(shared_sampler, vll
         groups = [g async for g in sampler.rollouts(2)]
         assert [g.version for g in groups] == [0, 0] and all(len(g.completion_ids) == 3 for g in groups)
 
-        # Long enough for the sync's call to surely arrive during it: on this engine, warmed by
-        # the held-out evaluation, 8 x 300 tokens ended in 1.2 s, once before that call did.
+        # Long enough for the sync's call to surely arrive during it, by its width: the model's 128
+        # positions cut its length to a few dozen tokens whatever max_new_tokens asks. With 64
+        # completions, once under load (CI, 2026-11-29) no poll of the sampler's stats saw it in flight.
         inflight = asyncio.ensure_future(
-            sampler.generate(probe * 8, 4, msgspec.structs.replace(greedy, max_new_tokens=400))
+            sampler.generate(probe * 32, 8, msgspec.structs.replace(greedy, max_new_tokens=400))
         )
-        await until_generating(sampler)
+        await until_generating(sampler, inflight)
         _, synced = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
         assert inflight.done() and synced.pause_s > 0  # pause mode: the sync waited for the generate in flight
         assert 0 < synced.receive.copy_s <= synced.receive.seconds <= synced.seconds  # the worker's load, in it
