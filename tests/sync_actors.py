@@ -163,3 +163,33 @@ class NcclProbe(SyncMember):
 def mapped_allocations(member: SyncMember) -> int:
     """Allocations a CUDA IPC communicator has mapped (-1 for another backend)."""
     return getattr(member.sync_comm, "mapped", -1)
+
+
+class Bf16Holder(SyncMember):
+    """A sampler's weights as a GPU vLLM engine holds them: a checkpoint's parameters cast to
+    bf16, taken in place by a receiver of a bf16 sync (`weights_digest` as the samplers give it)."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        self.state = {n: p.detach() for n, p in model.named_parameters()}
+        self.receiver: WeightReceiver | None = None
+
+    @endpoint
+    async def setup_receiver(self, timeout_s: float) -> int:
+        self.receiver = await asyncio.to_thread(
+            WeightReceiver.create, self.sync_comm, self.sync_group, expect=self.state, timeout_s=timeout_s
+        )
+        return len(self.receiver.layout.buckets)
+
+    @endpoint
+    async def receive_weights(self, version: int) -> bool:
+        """Whether the sync came as a delta."""
+        return (await asyncio.to_thread(self.receiver.receive, version, self.state)).delta
+
+    @endpoint
+    async def weights_digest(self) -> str:
+        from asyncrl.rl.digest import tensor_digest
+
+        return tensor_digest(self.state)

@@ -177,7 +177,8 @@ class RunConfig:
     check_weights: bool = False
     """After every sync, compare a digest of the weights on the trainer and on every sampler; a
     mismatch stops the run (tests and debugging: one pass over the weights per member and sync).
-    HF samplers only: a run with a vLLM sampler is refused at the start."""
+    vLLM samplers on a GPU are digested in their engine; on the CPU, where vLLM repacks the
+    weights, a run with them is refused at the start."""
     data: DataConfig = flat_section(DataConfig)
     """The train and held-out splits."""
     checkpoints: CheckpointConfig = flat_section(CheckpointConfig)

@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.communicator import Communicator
-from asyncrl.comm.layout import DTYPES
+from asyncrl.comm.layout import DTYPES, WeightLayout
 from asyncrl.comm.member import SyncSeat
 from asyncrl.comm.weights import SyncStats, WeightSender
 from asyncrl.rl.trainer.rank_member import RankMember
@@ -30,6 +30,7 @@ class WeightSending:
         self.ranks, self.tensors = ranks, tensors
         self.seat = SyncSeat()
         self.sender: WeightSender | None = None
+        self._layout: WeightLayout | None = None
 
     def listen(self, host: str, port: int = 0) -> int:
         """Bind the group's store socket now (`SyncSeat.listen`). Returns the port."""
@@ -123,13 +124,17 @@ class WeightSending:
         return stats
 
     async def digest(self, deadline_s: float) -> str:
-        """SHA-256 of the policy's parameters as the samplers hold them (``rl/digest.py``); on a
-        rank group rank 0's ("" on the others)."""
+        """SHA-256 of the policy's parameters as the samplers hold them (``rl/digest.py``): in the
+        dtypes the layout sends them in (a bf16 engine holds the bf16 cast of the fp32 master
+        copy); on a rank group rank 0's ("" on the others)."""
         from asyncrl.rl.digest import tensor_digest
+
+        layout = self._layout
+        sent_as = {spec.name: spec.torch_dtype for spec in layout.tensors} if layout is not None else None
 
         def digest() -> str:
             parallel = self.ranks.parallel
             whole = parallel.gathered(self.tensors())
-            return tensor_digest(whole) if parallel.rank == 0 else ""
+            return tensor_digest(whole, sent_as) if parallel.rank == 0 else ""
 
         return await self.ranks.run("the weight digest", deadline_s, digest)
