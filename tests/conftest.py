@@ -269,12 +269,37 @@ def model_path(tmp_path_factory) -> str:
     optimiser state are not zero. For the GRPO runs of test_fault_tolerance and test_run_lifecycle.
     Under pytest-xdist its workers share it: the first to need it builds it (the others wait on
     the lock) into a cache they all read (`default_model`'s, a key renamed into place whole)."""
+    cache = _workers_dir(tmp_path_factory, "model-path-cache")
+    with open(cache / ".lock", "a+") as lock:  # "a+": opening it must not erase the holder's name
+        _hold(lock, MODEL_PATH_WAIT_S, "the warm-started test model (tests/conftest.py, model_path)")
+        return _warm_started(str(cache))
+
+
+MODEL_PATH_WAIT_S = 100.0
+"""How long one xdist worker waits for the other to build `model_path` (about 18 s on two busy
+cores), inside pytest-timeout's 120 s so that the error names who held the lock."""
+
+
+def _hold(lock, wait_s: float, what: str) -> None:
+    """Take an exclusive ``flock`` on the open file ``lock`` (released when it closes) within
+    ``wait_s``, then write this worker's name into it; a wait that runs out fails the test naming
+    the holder the file names and what it was building."""
     import fcntl
 
-    cache = _workers_dir(tmp_path_factory, "model-path-cache")
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return _warm_started(str(cache))
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > end:
+                lock.seek(0)
+                holder = lock.read().strip() or "a process that wrote no name"
+                pytest.fail(f"waited {wait_s:g} s for {holder} to finish building {what}", pytrace=False)
+            time.sleep(0.2)  # a poll: flock has no timeout of its own
+    lock.truncate(0)
+    lock.write(f"xdist worker {os.environ.get('PYTEST_XDIST_WORKER', 'main')} (pid {os.getpid()})")
+    lock.flush()
 
 
 def _warm_started(cache_dir: str) -> str:

@@ -17,3 +17,20 @@ def test_every_test_file_has_exactly_one_tier():
     assert not twice, f"in two tiers: {twice}"
     assert not files - set(tiered), f"no tier in tests/conftest.py TIERS: {sorted(files - set(tiered))}"
     assert not set(tiered) - files, f"TIERS names files that do not exist: {sorted(set(tiered) - files)}"
+
+
+def test_a_worker_waiting_for_a_shared_fixture_names_the_worker_that_holds_it(tmp_path):
+    """`model_path`'s lock between xdist workers: a wait has its own deadline, and its error names
+    the holder (written into the lock file) and what it builds, not a bare pytest-timeout."""
+    import pytest
+
+    from conftest import _hold
+
+    with open(tmp_path / ".lock", "a+") as first:
+        _hold(first, 1.0, "a model")
+        with open(tmp_path / ".lock", "a+") as second, pytest.raises(pytest.fail.Exception) as failed:
+            _hold(second, 0.3, "the shared model")
+    assert "waited 0.3 s for xdist worker" in str(failed.value)
+    assert f"(pid {os.getpid()}) to finish building the shared model" in str(failed.value)
+    with open(tmp_path / ".lock", "a+") as third:  # the holder closed it: free again
+        _hold(third, 0.3, "a model")
