@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from asyncrl.comm.address import SyncAddress
-from asyncrl.comm.errors import COMM_ERRORS_BY_PATH, CommError, RendezvousError, RendezvousTimeoutError
+from asyncrl.comm.errors import COMM_ERRORS_BY_PATH, RendezvousError, RendezvousTimeoutError
 from asyncrl.comm.weights import SyncStats
 from asyncrl.errors import type_path
 from asyncrl.rl.sampler.backend import SamplerSyncStats, WeightSink
@@ -47,18 +47,22 @@ class EngineWeightSyncError(SamplerError):
     sampler rather than counting it a victim of a peer (`driver/sync_group.suffered_from_peer`)."""
 
 
+WORKER_ERRORS: dict[str, type[Exception]] = {
+    **{
+        path: RendezvousError if issubclass(cls, RendezvousTimeoutError) else cls
+        for path, cls in COMM_ERRORS_BY_PATH.items()
+    },
+    type_path(WeightsUnreadableError): WeightsUnreadableError,
+}
+"""The classes an error the worker reported by its type path (``module.QualName``) is raised
+again as, each from one message: the `asyncrl.comm.errors` class at that path (a
+`RendezvousTimeoutError`, whose constructor takes group, what, missing and timeout, as its base
+class `RendezvousError`), and `WeightsUnreadableError`."""
+
+
 def worker_error(path: str) -> type[Exception]:
-    """The class to raise again for an error the worker reported by its type ``path``
-    (``module.QualName``): the `asyncrl.comm.errors` class at that path, built from one message, or
-    `WeightsUnreadableError`. A `RendezvousTimeoutError` (whose constructor takes group, what,
-    missing, timeout) comes back as its base class, `RendezvousError`; an unknown path as
-    `EngineWeightSyncError`."""
-    if path == type_path(WeightsUnreadableError):
-        return WeightsUnreadableError
-    cls: type[CommError] | None = COMM_ERRORS_BY_PATH.get(path)
-    if cls is None:
-        return EngineWeightSyncError
-    return RendezvousError if issubclass(cls, RendezvousTimeoutError) else cls
+    """`WORKER_ERRORS`' class for ``path``; an unknown path's is `EngineWeightSyncError`."""
+    return WORKER_ERRORS.get(path, EngineWeightSyncError)
 
 
 DIGEST_TIMEOUT_S = 120.0
