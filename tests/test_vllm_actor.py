@@ -31,7 +31,16 @@ from asyncrl.rl.generation import SamplingParams
 from asyncrl.rl.sampler.actor import SamplerActor
 from conftest import descendants, kill_all, orphaned_shm, process_alive, shm_names, wait_until
 from sampler_support import HOST, N_HELDOUT, N_TRAIN, until_generating
-from vllm_support import SYNC_BACKEND, VLLM_ENV, StatePusher, engine_options, needs_two_devices, repeat_abs, state_files
+from vllm_support import (
+    MULTIPROCESS_EXECUTOR,
+    SYNC_BACKEND,
+    VLLM_ENV,
+    StatePusher,
+    engine_options,
+    needs_two_devices,
+    repeat_abs,
+    state_files,
+)
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy; vllm_required
 
@@ -298,7 +307,7 @@ def test_sigkill_of_the_supervisor_takes_vllms_engine_down(vllm_required, tiny_p
                 sys.executable,
                 str(script),
                 tiny_path,
-                json.dumps(VLLM_ENV),
+                json.dumps({**VLLM_ENV, **MULTIPROCESS_EXECUTOR}),  # its worker's process must go too
                 json.dumps(engine_options(vllm_required)),
                 vllm_required.type,
             ],

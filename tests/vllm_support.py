@@ -25,13 +25,21 @@ from asyncrl.comm.member import SyncMember
 from asyncrl.comm.weights import WeightSender
 
 # One OpenMP thread per process on the shared 2-core machine; a small KV cache; vLLM's CPU
-# threads not pinned to cores (other processes share them). Harmless on a GPU.
+# threads not pinned to cores (other processes share them); the model's worker inside the engine
+# core's process (vLLM's one-process executor, as on a GPU at tensor parallel 1), where the CPU
+# build would start a process of its own for it: one vLLM import less an engine (about 11 s of a
+# 40-s start on two cores), and a shutdown that does not wait on a second process (one took 4 s
+# under the suite's load and the engine core outlived vLLM's 5-s grace). The CPU build's own
+# multi-process executor keeps one test: the supervisor's SIGKILL in test_vllm_actor.py.
 VLLM_ENV = {
     "OMP_NUM_THREADS": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "TQDM_DISABLE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+MULTIPROCESS_EXECUTOR = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+"""vLLM's CPU build's default: its model worker in a process of its own (shared-memory queues to it)."""
 SYNC_BACKEND = "gloo"
 """The weight-sync backend of these tests: the trainer stand-in holds its weights on the CPU, and
 a one-GPU machine cannot give NCCL two ranks on one GPU."""
