@@ -170,10 +170,11 @@ class Bf16Holder(SyncMember):
     bf16, taken in place by a receiver of a bf16 sync (`weights_digest` as the samplers give it)."""
 
     def __init__(self, path: str):
-        from transformers import AutoModelForCausalLM
+        import os
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        self.state = {n: p.detach() for n, p in model.named_parameters()}
+        from safetensors.torch import load_file  # the checkpoint's tensors, without transformers' import
+
+        self.state = {n: t.bfloat16() for n, t in load_file(os.path.join(path, "model.safetensors")).items()}
         self.receiver: WeightReceiver | None = None
 
     @endpoint
