@@ -231,22 +231,21 @@ class NodeAgent:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.say(f"dropped an undecodable message from the supervisor ({e})")
             return
-        kind = type(msg)
-        if kind is wire.NodeWelcome:
+        if isinstance(msg, wire.NodeWelcome):
             if not self._welcome.done():
                 self._welcome.set_result(msg)
-        elif kind is wire.NodeRejected:
+        elif isinstance(msg, wire.NodeRejected):
             self._finish(1, f"the supervisor refused this node: {msg.reason}")
-        elif kind is wire.NodeShutdown:
+        elif isinstance(msg, wire.NodeShutdown):
             self._finish(0, f"the supervisor asked: {msg.reason}")
-        elif kind is wire.SpawnActor:
+        elif isinstance(msg, wire.SpawnActor):
             self._spawn(msg)
         else:
             proc = self._children.get((msg.actor, msg.incarnation))
             if proc is None:
                 self._stop_starting(msg.actor, msg.incarnation)
                 return
-            if kind is wire.KillActor:
+            if isinstance(msg, wire.KillActor):
                 proc.kill_now()
             else:  # StopActor
                 self._spawn_task(proc.terminate(msg.term_timeout_s, kill_timeout_s=5.0))

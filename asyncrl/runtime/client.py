@@ -146,18 +146,17 @@ class ActorClient:
             return
         pending = self._pending.get(msg.id)
         if pending is None:
-            if type(msg) is wire.Failure and msg.id == 0:
+            if isinstance(msg, wire.Failure) and msg.id == 0:
                 log.warning("actor %s refused a request: %s", self.actor, msg.message)
             return  # an answer to a call we already gave up on
-        kind = type(msg)
         # A call has its future, a stream its queue: a reply of the other kind is not ours to take.
-        if kind is wire.Reply:
+        if isinstance(msg, wire.Reply):
             if pending.future is not None and not pending.future.done():
                 pending.future.set_result((msg.value, frames))
-        elif kind is wire.StreamItem:
+        elif isinstance(msg, wire.StreamItem):
             if pending.queue is not None:
                 pending.queue.put_nowait((msg.value, frames))
-        elif kind is wire.StreamEnd:
+        elif isinstance(msg, wire.StreamEnd):
             if pending.queue is not None:
                 pending.queue.put_nowait(_END)
         else:  # Failure

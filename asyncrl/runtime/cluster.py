@@ -278,30 +278,29 @@ class Cluster:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return self._bad(str(e))
         route = frames[0].bytes
-        kind = type(msg)
-        if kind in _WORKER_MESSAGES:
+        if isinstance(msg, _WORKER_MESSAGES):
             return self._on_worker(msg, route, self.sock)
-        if kind is wire.NodeHello:
+        if isinstance(msg, wire.NodeHello):
             return self._hello(msg, route)
         node = self._by_route.get(route)
         if node is None or node.lost is not None:
-            if kind is not wire.NodeLeaving:  # a lost node's agent came back: it must not serve
+            if not isinstance(msg, wire.NodeLeaving):  # a lost node's agent came back: it must not serve
                 self.send(route, wire.NodeShutdown("this node is not (or no longer) part of the cluster"))
             return
         node.last_seen = time.monotonic()
-        if kind is wire.ActorStarted:
+        if isinstance(msg, wire.ActorStarted):
             proc = node.procs.get((msg.actor, msg.incarnation))
             if proc is not None:
                 proc.pid = msg.pid
-        elif kind is wire.ActorExited:
+        elif isinstance(msg, wire.ActorExited):
             proc = node.procs.pop((msg.actor, msg.incarnation), None)
             if proc is not None:
                 proc.set_exited(f"{msg.reason} on node {node.rank}")
-        elif kind is wire.ActorLog:
+        elif isinstance(msg, wire.ActorLog):
             self._on_log(msg)
-        elif kind is wire.NodeLeaving:
+        elif isinstance(msg, wire.NodeLeaving):
             self._lose(node, f"its agent left ({msg.reason})")
-        elif kind is wire.NodeDraining:
+        elif isinstance(msg, wire.NodeDraining):
             node.draining = msg.reason
             log.warning(
                 "node %d (%s) is leaving (%s): it takes no new actor; its %d actor process(es) have %g s to be stopped",

@@ -81,17 +81,16 @@ class ControlChannel:
             return  # from a previous incarnation, already handled
         if (channel is self.local) != (rec.node == 0):
             return  # a worker speaks to us through its own node's socket only
-        kind = type(msg)
-        if kind is wire.Heartbeat:
+        if isinstance(msg, wire.Heartbeat):
             rec.last_heartbeat = time.monotonic()
             if rec.starting is not None:
                 rec.starting.on_beat()
-        elif kind is wire.StartPhase:
+        elif isinstance(msg, wire.StartPhase):
             if rec.starting is not None:  # a report that crossed its Ready is of no more use
                 rec.starting.on_phase(msg)
                 budget = f" (budget {msg.budget_s:g} s)" if msg.budget_s else ""
                 log.info("actor %s: starting: %s%s", rec.name, msg.phase, budget)
-        elif kind is wire.Hello:
+        elif isinstance(msg, wire.Hello):
             if rec.routing_id is not None:
                 return  # the first hello of an incarnation wins; a repeat must not redirect it
             rec.routing_id = route
@@ -99,10 +98,10 @@ class ControlChannel:
             if rec.starting is not None:  # its heartbeats begin with the Init we send now
                 rec.starting.on_beat()
             self._send_init(rec, route, channel)
-        elif kind is wire.Ready:
+        elif isinstance(msg, wire.Ready):
             if rec.ready is not None and not rec.ready.done():
                 rec.ready.set_result(msg.address)
-        elif kind is wire.StartFailed:
+        elif isinstance(msg, wire.StartFailed):
             if rec.ready is not None and not rec.ready.done():
                 rec.ready.set_exception(_start_failure(rec.name, msg))
         else:  # Dead

@@ -83,10 +83,9 @@ class ActorServer:
                 MessageTooLargeError,
                 f"request of {size} bytes exceeds max_message_bytes={self.max_message_bytes}",
             )
-        kind = type(msg)
-        if kind is wire.Call:
+        if isinstance(msg, wire.Call):
             self._start_call(ident, msg, parts)
-        elif kind is wire.Cancel:
+        elif isinstance(msg, wire.Cancel):
             task = self._tasks.get((ident, msg.id))
             if task is not None:
                 task.cancel()
