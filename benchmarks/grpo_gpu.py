@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -103,6 +104,9 @@ def watch_steps(path: str, stamps: dict[int, float], done: threading.Event) -> N
 
 def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dict:
     steps = args.steps
+    # The run directory is this benchmark's own (named by shape and mode under --out): an earlier
+    # invocation with the same --out left its run there, which the launch would refuse to reuse.
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [
         sys.executable,
         "-m",
