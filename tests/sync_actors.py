@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 
 import torch
@@ -90,12 +91,21 @@ class Receiver(SyncMember):
         slow_s: float = 0.0,
         shape_of_w: tuple[int, int] = (33, 7),
         device: str = "cpu",
+        bf16_checkpoint: str = "",
     ):
-        # different values, same layout
-        self.state = {k: v.to(device) for k, v in make_state(seed, shape_of_w=shape_of_w).items()}
+        """``bf16_checkpoint``: hold that checkpoint's parameters cast to bf16 instead (a sampler's
+        weights as a GPU vLLM engine holds them)."""
+        if bf16_checkpoint:
+            from safetensors.torch import load_file  # the checkpoint's tensors, without transformers' import
+
+            held = {n: t.bfloat16() for n, t in load_file(os.path.join(bf16_checkpoint, "model.safetensors")).items()}
+        else:  # different values from the sender's, same layout
+            held = make_state(seed, shape_of_w=shape_of_w)
+        self.state = {k: v.to(device) for k, v in held.items()}
         self.whole = whole  # hand whole tensors to a callable instead of copying in place
         self.slow_s = slow_s  # per-tensor delay in the consumer, so a test can kill us mid-sync
         self.receiver: WeightReceiver | None = None
+        self.delta_syncs = 0
 
     @endpoint
     async def setup(self, timeout_s: float = 20.0) -> tuple[int, int]:
@@ -107,8 +117,21 @@ class Receiver(SyncMember):
     @endpoint
     async def receive(self, version: int) -> str:
         into = self._consume if (self.whole or self.slow_s) else self.state
-        await asyncio.to_thread(self.receiver.receive, version, into)
+        stats = await asyncio.to_thread(self.receiver.receive, version, into)
+        self.delta_syncs += stats.delta
         return digest(self.state)
+
+    @endpoint
+    async def deltas(self) -> int:
+        """How many of this receiver's syncs came as deltas."""
+        return self.delta_syncs
+
+    @endpoint
+    async def weights_digest(self) -> str:
+        """The digest the samplers give of their weights (`--run.check_weights`)."""
+        from asyncrl.rl.digest import tensor_digest
+
+        return tensor_digest(self.state)
 
     @endpoint
     async def mapped(self) -> int:
@@ -163,34 +186,3 @@ class NcclProbe(SyncMember):
 def mapped_allocations(member: SyncMember) -> int:
     """Allocations a CUDA IPC communicator has mapped (-1 for another backend)."""
     return getattr(member.sync_comm, "mapped", -1)
-
-
-class Bf16Holder(SyncMember):
-    """A sampler's weights as a GPU vLLM engine holds them: a checkpoint's parameters cast to
-    bf16, taken in place by a receiver of a bf16 sync (`weights_digest` as the samplers give it)."""
-
-    def __init__(self, path: str):
-        import os
-
-        from safetensors.torch import load_file  # the checkpoint's tensors, without transformers' import
-
-        self.state = {n: t.bfloat16() for n, t in load_file(os.path.join(path, "model.safetensors")).items()}
-        self.receiver: WeightReceiver | None = None
-
-    @endpoint
-    async def setup_receiver(self, timeout_s: float) -> int:
-        self.receiver = await asyncio.to_thread(
-            WeightReceiver.create, self.sync_comm, self.sync_group, expect=self.state, timeout_s=timeout_s
-        )
-        return len(self.receiver.layout.buckets)
-
-    @endpoint
-    async def receive_weights(self, version: int) -> bool:
-        """Whether the sync came as a delta."""
-        return (await asyncio.to_thread(self.receiver.receive, version, self.state)).delta
-
-    @endpoint
-    async def weights_digest(self) -> str:
-        from asyncrl.rl.digest import tensor_digest
-
-        return tensor_digest(self.state)

@@ -253,21 +253,21 @@ async def test_the_trainers_digest_is_of_the_weights_as_a_bf16_sampler_holds_the
     from asyncrl.comm.member import form_group
     from asyncrl.rl.config.trainer import TrainerConfig
     from asyncrl.rl.trainer.actor import TrainerActor
-    from sync_actors import Bf16Holder
+    from sync_actors import Receiver
     from test_packing import random_groups
 
     one_thread = {"OMP_NUM_THREADS": "1"}
     async with Supervisor(call_timeout_s=120) as sup:
         t, s = await asyncio.gather(
             sup.spawn(TrainerActor, embedded_path, TrainerConfig(), name="trainer", env=one_thread),
-            sup.spawn(Bf16Holder, embedded_path, name="bf16", env=one_thread),
+            sup.spawn(Receiver, kwargs={"bf16_checkpoint": embedded_path}, name="bf16", env=one_thread),
         )
         fp32 = await t.weights_digest()  # before a layout: the weights as the trainer holds them
         await form_group([t, s], HOST, timeout_s=60)
-        await asyncio.gather(t.setup_sender(30, 64 << 10, "bfloat16", delta=True), s.setup_receiver(30))
+        await asyncio.gather(t.setup_sender(30, 64 << 10, "bfloat16", delta=True), s.setup(30))
         for version in (1, 2):
             if version > 1:
                 await t.train_step(random_groups(seed=version))
-            sent, delta = await asyncio.gather(t.send_weights(version), s.receive_weights(version))
-            assert sent.delta == delta == (version > 1)
+            sent, _ = await asyncio.gather(t.send_weights(version), s.receive(version))
+            assert sent.delta == (version > 1) and await s.deltas() == version - 1
             assert await t.weights_digest() == await s.weights_digest() != fp32
