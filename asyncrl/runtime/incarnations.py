@@ -34,6 +34,7 @@ from asyncrl.runtime.resources import SupervisorResources
 from asyncrl.runtime.start_watch import StartWatch
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.watchdog import SilenceWatchdog
+from asyncrl.runtime.zygote import Zygote, ZygoteUnavailable
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -59,6 +60,8 @@ class Incarnations:
         self._devices, self._node_env, self._records = devices, node_env, records
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
+        self.zygote: Zygote | None = None
+        """Where local actors are forked from while it works (zygote.py); None: ``Popen``."""
         self._watchdog = SilenceWatchdog(
             "supervisor", config.heartbeat_interval_s, config.heartbeat_timeout_s, self._running, self._on_silent
         ).start()
@@ -200,12 +203,20 @@ class Incarnations:
         }
         if res.keys is not None:  # the only way the secret leaves us: to our own children
             env[auth.ENV_SECRET] = res.keys.secret
-        proc = await ChildProcess.start(  # Popen on a thread: the loop runs on meanwhile
-            [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"],
-            env,
-            f"[{rec.name}]: ",
-            pass_fds=[res.death_r],
-        )
+        argv = [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"]
+        prefix = f"[{rec.name}]: "
+        zygote = self.zygote
+        if zygote is not None and zygote.alive:
+            try:  # its child's parent is the zygote: that is whose death it watches
+                proc = await zygote.spawn(
+                    argv, {**env, worker_env.ENV_PARENT_PID: str(zygote.pid)}, prefix, pass_fds=[res.death_r]
+                )
+                res.groups.add(proc.pid)
+                return proc
+            except ZygoteUnavailable as e:
+                self.zygote = None  # from now on by Popen; the supervisor still closes it
+                log.warning("actor %s starts by Popen, as will every later one: %s", rec.name, e)
+        proc = await ChildProcess.start(argv, env, prefix, pass_fds=[res.death_r])  # Popen on a thread
         res.groups.add(proc.pid)
         return proc
 

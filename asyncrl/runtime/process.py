@@ -119,13 +119,17 @@ class ChildProcess(ActorProcess):
         *,
         popen: subprocess.Popen | None = None,
     ):
-        self.log_prefix = log_prefix
         self.proc = popen if popen is not None else _popen(argv, env, pass_fds)
-        self.pid = self.proc.pid
+        self._init(self.proc.pid, self.proc.stdout, self.proc.stderr, log_prefix, sink)
+
+    def _init(self, pid: int, stdout, stderr, log_prefix: str, sink: LogSink | None) -> None:
+        """What every child of ours has, however it was started (`Popen`, or a zygote's fork):
+        ``exited``, its exit watched (`_watch_exit`), its pipes pumped."""
+        self.log_prefix = log_prefix
+        self.pid = pid
         loop = asyncio.get_running_loop()
         self.exited: asyncio.Future[int] = loop.create_future()
-        self._pidfd = os.pidfd_open(self.pid)
-        loop.add_reader(self._pidfd, self._on_exit)
+        self._watch_exit()
         if sink is None:
             emit = [
                 functools.partial(write_lines, sys.stdout, log_prefix),
@@ -134,9 +138,13 @@ class ChildProcess(ActorProcess):
         else:
             emit = [functools.partial(sink, 1), functools.partial(sink, 2)]
         self._pumps = [
-            asyncio.ensure_future(_pump(loop, self.proc.stdout, emit[0])),
-            asyncio.ensure_future(_pump(loop, self.proc.stderr, emit[1])),
+            asyncio.ensure_future(_pump(loop, stdout, emit[0])),
+            asyncio.ensure_future(_pump(loop, stderr, emit[1])),
         ]
+
+    def _watch_exit(self) -> None:
+        self._pidfd = os.pidfd_open(self.pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
 
     @classmethod
     async def start(

@@ -48,6 +48,7 @@ from asyncrl.runtime.record import ActorRecord, ActorStatus
 from asyncrl.runtime.resources import SupervisorResources, cluster_keys
 from asyncrl.runtime.state import ActorState, SupervisorState
 from asyncrl.runtime.status import StatusServer
+from asyncrl.runtime.zygote import Zygote, usable
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -75,6 +76,7 @@ class Supervisor:
         self._resources: SupervisorResources | None = None
         self._control: ControlChannel | None = None
         self._cluster: Cluster | None = None
+        self._zygote: Zygote | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -119,6 +121,12 @@ class Supervisor:
         self._incarnations = Incarnations(
             cfg, self._resources, self._control, self._cluster, self._devices, self._node_env, self._records
         )
+        if usable(self._devices.total):
+            try:  # imports in the background from now on, while the driver does its own start
+                self._zygote = self._incarnations.zygote = await Zygote.start(dict(os.environ), self._resources.death_r)
+                self._resources.groups.add(self._zygote.pid)
+            except OSError as e:
+                log.warning("no zygote (%s): actors start by Popen", e)
         if cfg.handle_signals:
             self._exit.enter_context(signals.cancel_on_signals(asyncio.current_task()))
         self._state = SupervisorState.RUNNING
@@ -132,6 +140,8 @@ class Supervisor:
     def _release(self) -> None:
         """Close the sockets, then the resources (which SIGKILL every group still tracked and
         remove the run directory). Synchronous, idempotent."""
+        if self._zygote is not None:
+            self._zygote.kill_now()
         if self._cluster is not None:
             self._cluster.close_now()
         if self._control is not None:
@@ -154,6 +164,8 @@ class Supervisor:
             )
             if self._cluster is not None:
                 await self._cluster.close("the supervisor is shutting down", self.config.term_timeout_s + 5.0)
+            if self._zygote is not None:  # after the actors: it is the parent of some
+                await self._zygote.close()
         except asyncio.CancelledError:
             if self._resources is not None:  # made by start, which a running supervisor went through
                 self._resources.kill_groups()

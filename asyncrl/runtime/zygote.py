@@ -1,0 +1,500 @@
+"""A zygote: one process that imports the actors' heavy modules once, then forks each actor.
+
+An actor started by ``Popen`` is a fresh interpreter that imports torch and transformers again:
+seconds of CPU each (4.5-8 s on a 2-core host), most of a tiny run's time. The zygote pays that
+once, when the supervisor starts, and forks a child per request, so a start costs a fork.
+
+Protocol (one ``SOCK_SEQPACKET`` socketpair, msgpack, no pickle): the supervisor sends `Spawn`
+(argv, env, cwd, the fd numbers the child is to have) with the file descriptors attached by
+``socket.send_fds`` (the write ends of the child's stdout and stderr pipes, then ``pass_fds``);
+the zygote answers `Started` with the child's pid, and later `Exited` with its return code
+(negative: killed by that signal, as ``subprocess``), since the zygote is the child's parent and
+reaps it. `Ready` says the preloading is done.
+
+The child: its own session (``setsid``, as ``Popen(start_new_session=True)``), the sent fds on
+1, 2 and their numbers, stdin on /dev/null, the zygote's socket and pipes closed, ``os.environ``
+replaced by the request's, what was read from the environment at import set again
+(`_reset_child`); then it returns out of the serve loop and runs the request's ``-c`` code
+(``worker.main()``), ending through a normal interpreter shutdown, so buffered files get flushed.
+
+Parent death, as ``worker.py``: the zygote dies with its supervisor (``PR_SET_PDEATHSIG``, the
+parent-pid check, and the supervisor's death pipe, polled in the serve loop rather than on a
+thread: the zygote forks, and a fork of a threaded process is unsafe); a child's
+``ASYNCRL_PARENT_PID`` is the zygote, so a child dies with the zygote, and with the supervisor by
+the death pipe it inherits. If the zygote dies, the supervisor's end of the socket sees EOF: its
+live children are lost (`ZygoteProcess.lost`), and later starts go through ``Popen``.
+
+Only where no accelerator is visible (`usable`): CUDA reads ``CUDA_VISIBLE_DEVICES`` at
+``cuInit``, and a process forked after ``cuInit`` cannot use CUDA; the zygote never touches a
+device, but whether every import leaves CUDA alone (and every child's visibility is applied
+before its first CUDA call) is unproven, so GPU hosts keep ``Popen``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import gc
+import importlib
+import logging
+import os
+import random
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from asyncrl.runtime.process import ChildProcess, LogSink, describe_exit
+
+log = logging.getLogger("asyncrl.supervisor")
+
+ENV_ZYGOTE = "ASYNCRL_ZYGOTE"
+"""``0`` turns the zygote off (every actor by ``Popen``); anything else, or unset: on where `usable`."""
+ENV_PRELOAD = "ASYNCRL_ZYGOTE_PRELOAD"
+"""Comma-separated modules the zygote imports before it forks; unset: `PRELOAD`."""
+ENV_SOCKET_FD = "ASYNCRL_ZYGOTE_FD"
+PRELOAD = (
+    "torch",
+    "transformers.models.qwen2.modeling_qwen2",
+    "asyncrl.runtime.worker",
+    "asyncrl.rl.trainer.actor",
+    "asyncrl.rl.sampler.actor",
+    "asyncrl.rl.scorer.actor",
+)
+"""What the actors of a GRPO run import (rl/driver/spawn.py spawns these classes)."""
+READY_TIMEOUT_S = 60.0
+"""How long a spawn waits for the zygote to finish preloading before it uses ``Popen``."""
+ANSWER_TIMEOUT_S = 10.0
+"""How long a spawn waits for the zygote's `Started`."""
+MAX_MESSAGE = 1 << 20
+MAX_FDS = 16
+
+
+class Spawn(msgspec.Struct, tag=True):
+    id: int
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    fds: list[int]
+    """The numbers the attached fds get in the child, in order: 1, 2, then the ``pass_fds``."""
+
+
+class Ready(msgspec.Struct, tag=True):
+    pid: int
+    preloaded: list[str]
+    failed: list[str]
+
+
+class Started(msgspec.Struct, tag=True):
+    id: int
+    pid: int = 0
+    error: str = ""
+
+
+class Exited(msgspec.Struct, tag=True):
+    pid: int
+    returncode: int
+
+
+ToZygote = Spawn
+FromZygote = Ready | Started | Exited
+
+
+class ZygoteUnavailable(Exception):
+    """The zygote cannot start this actor (not ready in time, gone, or it failed the fork): the
+    caller starts it by ``Popen``."""
+
+
+def usable(device_total: int) -> bool:
+    """Whether a supervisor on a host with ``device_total`` accelerator devices uses a zygote."""
+    return os.environ.get(ENV_ZYGOTE, "1") != "0" and device_total == 0
+
+
+# --- the zygote process ---------------------------------------------------------------------
+
+
+def _returncode(status: int) -> int:
+    return os.waitstatus_to_exitcode(status)
+
+
+def _arm_parent_death(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _serve(sock: socket.socket, death_fd: int) -> tuple[Spawn, list[int]] | None:
+    """Answer requests until a fork: in the child, the request and its received fds; in the
+    zygote, None once the supervisor is gone (EOF on the socket or the death pipe)."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    decoder = msgspec.msgpack.Decoder(ToZygote)
+    encode = msgspec.msgpack.encode
+    poller = select.poll()
+    for fd in (sock.fileno(), death_fd, wake_r):
+        poller.register(fd, select.POLLIN)
+    warned_threads = False
+    try:
+        while True:
+            for fd, _ in poller.poll():
+                if fd == wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake_r, 4096)
+                    while True:
+                        try:
+                            pid, status = os.waitpid(-1, os.WNOHANG)
+                        except ChildProcessError:
+                            break
+                        if pid == 0:
+                            break
+                        sock.send(encode(Exited(pid, _returncode(status))))
+                elif fd == death_fd:
+                    if not os.read(death_fd, 1):
+                        return None
+                else:
+                    try:
+                        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+                    except ConnectionResetError:
+                        return None
+                    if not data:
+                        return None
+                    req = decoder.decode(data)
+                    threads = len(os.listdir("/proc/self/task"))
+                    if threads > 1 and not warned_threads:  # BLAS pools (OpenBLAS) shut down at fork
+                        warned_threads = True
+                        print(f"asyncrl zygote: {threads} threads at fork", file=sys.stderr, flush=True)
+                    try:
+                        pid = os.fork()
+                    except OSError as e:
+                        for f in fds:
+                            os.close(f)
+                        sock.send(encode(Started(req.id, error=f"fork failed: {e}")))
+                        continue
+                    if pid == 0:
+                        signal.set_wakeup_fd(-1)
+                        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                        os.close(wake_r)
+                        os.close(wake_w)
+                        return req, fds
+                    for f in fds:
+                        os.close(f)
+                    sock.send(encode(Started(req.id, pid)))
+    except (BrokenPipeError, ConnectionResetError):
+        return None
+
+
+def _place_fds(received: list[int], targets: list[int]) -> None:
+    """Give the child's fds their numbers: received[i] becomes targets[i] (inheritable)."""
+    above = max([*targets, *received]) + 1
+    moved = [fcntl.fcntl(f, fcntl.F_DUPFD, above) for f in received]  # clear of every target number
+    for f in received:
+        os.close(f)
+    for f, target in zip(moved, targets):
+        if f != target:
+            os.dup2(f, target, inheritable=True)
+            os.close(f)
+        else:
+            os.set_inheritable(f, True)
+
+
+def _reset_child(env: dict[str, str]) -> None:
+    """What a fresh interpreter reads from its environment at start or import, set again from
+    the request's: the environment itself, torch's intra-op threads, the random seeds."""
+    os.environ.clear()
+    os.environ.update(env)
+    random.seed()  # os.fork reseeds it too; explicit, as numpy's below is not
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        threads = env.get("OMP_NUM_THREADS", "")
+        with contextlib.suppress(ValueError, RuntimeError):
+            torch.set_num_threads(int(threads) if threads else max(1, os.cpu_count() or 1))
+
+
+def main() -> None:
+    """The zygote's entry point (``python -c "from asyncrl.runtime.zygote import main; main()"``)."""
+    from asyncrl.runtime import worker as worker_env
+
+    parent_pid = int(os.environ[worker_env.ENV_PARENT_PID])
+    death_fd = int(os.environ[worker_env.ENV_DEATH_FD])
+    _arm_parent_death(parent_pid)
+    sock = socket.socket(fileno=int(os.environ.pop(ENV_SOCKET_FD)))
+    names = os.environ.get(ENV_PRELOAD)
+    modules = [m.strip() for m in names.split(",") if m.strip()] if names is not None else list(PRELOAD)
+    done, failed = [], []
+    for m in modules:
+        try:
+            importlib.import_module(m)
+            done.append(m)
+        except Exception as e:  # the actor that needs it will say so, in its own start
+            failed.append(f"{m}: {type(e).__name__}: {e}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # What the imports made lives as long as every child: out of the collector's reach, so no
+    # collection touches (and copies) the shared pages, and a child's exit does not walk them
+    # (2.0 s down to 0.5 s for an interpreter with torch and transformers on a 2-core host).
+    gc.freeze()
+    try:
+        sock.send(msgspec.msgpack.encode(Ready(os.getpid(), done, failed)))
+    except OSError:
+        os._exit(0)
+    child = _serve(sock, death_fd)
+    if child is None:
+        # The supervisor is gone or closed us; our children die by their parent-death signal.
+        # Nothing of ours to flush, and a finalization with torch loaded takes seconds.
+        os._exit(0)
+    req, fds = child
+    sock.close()
+    os.setsid()
+    targets = list(req.fds)
+    _place_fds(fds, targets)
+    if death_fd not in targets:
+        os.close(death_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    _reset_child(req.env)
+    with contextlib.suppress(OSError):
+        os.chdir(req.cwd)
+    if req.argv[1:2] != ["-c"] or len(req.argv) < 3:
+        print(f"asyncrl zygote: can only run 'python -c CODE', not {req.argv!r}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.argv = ["-c", *req.argv[3:]]
+    exec(compile(req.argv[2], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+
+
+# --- the supervisor's side ------------------------------------------------------------------
+
+
+class ZygoteProcess(ChildProcess):
+    """An actor forked by the zygote: a `ChildProcess` whose exit comes from the zygote's
+    `Exited` (it is the zygote's child, not ours: no pidfd, which would race the zygote's
+    reaping), or from the zygote's loss."""
+
+    def __init__(self, pid: int, stdout, stderr, log_prefix: str, sink: LogSink | None):
+        self._lost = ""
+        self._init(pid, stdout, stderr, log_prefix, sink)
+
+    def _watch_exit(self) -> None:
+        pass  # `Zygote` sets ``exited``
+
+    def lost(self, reason: str) -> None:
+        """The zygote died: this process dies by its parent-death signal; made sure of here."""
+        if not self.exited.done():
+            self._lost = reason
+            self.signal_group(signal.SIGKILL)
+            self.exited.set_result(-signal.SIGKILL)
+
+    def exit_description(self) -> str:
+        return self._lost or describe_exit(self.exited.result())
+
+
+class Zygote:
+    """The supervisor's handle on its zygote: `start` it, `spawn` through it, `close` it."""
+
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket):
+        self.proc = proc
+        self.pid = proc.pid
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[Ready] = self._loop.create_future()
+        self.error = ""
+        self._ids = 0
+        self._answers: dict[int, asyncio.Future[Started]] = {}
+        self._children: dict[int, ZygoteProcess] = {}
+        self._early: dict[int, int] = {}  # exits seen before their process was made
+        self._decoder = msgspec.msgpack.Decoder(FromZygote)
+        sock.setblocking(False)
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+        self._started_at = time.monotonic()
+
+    @classmethod
+    async def start(cls, env: dict[str, str], death_r: int) -> Zygote:
+        """Popen the zygote on the spawner thread (its parent-death signal follows that thread,
+        see process.py). Raises ``OSError``."""
+        from asyncrl.runtime import worker as worker_env
+        from asyncrl.runtime.process import _SPAWNER
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {
+            **env,
+            "PYTHONUNBUFFERED": "1",
+            ENV_SOCKET_FD: str(theirs.fileno()),
+            worker_env.ENV_PARENT_PID: str(os.getpid()),
+            worker_env.ENV_DEATH_FD: str(death_r),
+        }
+
+        def popen() -> subprocess.Popen:
+            return subprocess.Popen(
+                [sys.executable, "-c", "from asyncrl.runtime.zygote import main; main()"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(theirs.fileno(), death_r),
+            )
+
+        try:
+            proc = await asyncio.get_running_loop().run_in_executor(_SPAWNER, popen)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return cls(proc, ours)
+
+    @property
+    def alive(self) -> bool:
+        return not self.error
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(MAX_MESSAGE)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._lose(f"its socket failed: {e}")
+                return
+            if not data:
+                code = self.proc.poll()
+                how = describe_exit(code) if code is not None else "closed its socket"
+                self._lose(f"the zygote (pid {self.pid}) {how}")
+                return
+            msg = self._decoder.decode(data)
+            if isinstance(msg, Ready):
+                if not self.ready.done():
+                    self.ready.set_result(msg)
+                    took = time.monotonic() - self._started_at
+                    extra = f"; could not import {msg.failed}" if msg.failed else ""
+                    log.debug("zygote pid %d ready in %.1f s%s", self.pid, took, extra)
+            elif isinstance(msg, Started):
+                answer = self._answers.pop(msg.id, None)
+                if answer is not None and not answer.done():
+                    answer.set_result(msg)
+                elif msg.pid:  # its spawn gave up waiting: the child is nobody's
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(msg.pid, signal.SIGKILL)
+            else:
+                child = self._children.pop(msg.pid, None)
+                if child is None:
+                    self._early[msg.pid] = msg.returncode
+                elif not child.exited.done():
+                    child.exited.set_result(msg.returncode)
+
+    def _lose(self, reason: str) -> None:
+        if self.error:
+            return
+        self.error = reason
+        self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        lost = f"lost: {reason} (actors forked by the zygote die with it)"
+        for answer in self._answers.values():
+            if not answer.done():
+                answer.set_exception(ZygoteUnavailable(reason))
+        self._answers.clear()
+        if not self.ready.done():
+            self.ready.set_exception(ZygoteUnavailable(reason))
+            self.ready.exception()  # retrieved: nobody may be waiting
+        for child in self._children.values():
+            child.lost(lost)
+        if self._children:
+            log.error("zygote pid %d is gone (%s): %d actor process(es) lost", self.pid, reason, len(self._children))
+        self._children.clear()
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        log_prefix: str,
+        pass_fds: Sequence[int] = (),
+        sink: LogSink | None = None,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+    ) -> ZygoteProcess:
+        """Fork a child running ``argv`` (``python -c CODE``) with ``env``; raises
+        `ZygoteUnavailable` when the zygote is not ready within ``ready_timeout_s``, is gone,
+        or does not answer within `ANSWER_TIMEOUT_S`."""
+        if self.error:
+            raise ZygoteUnavailable(self.error)
+        if not self.ready.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self.ready), ready_timeout_s)
+            except asyncio.TimeoutError:
+                raise ZygoteUnavailable(
+                    f"the zygote (pid {self.pid}) was not ready within {ready_timeout_s:g} s"
+                ) from None
+        if self.error:
+            raise ZygoteUnavailable(self.error)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self._ids += 1
+        req_id = self._ids
+        answer = self._answers[req_id] = self._loop.create_future()
+        try:
+            msg = msgspec.msgpack.encode(Spawn(req_id, list(argv), env, os.getcwd(), [1, 2, *pass_fds]))
+            try:
+                socket.send_fds(self._sock, [msg], [out_w, err_w, *pass_fds])
+            except OSError as e:  # a full buffer too: the zygote is not keeping up
+                raise ZygoteUnavailable(f"cannot send to the zygote (pid {self.pid}): {e}") from e
+            finally:
+                os.close(out_w)
+                os.close(err_w)
+            try:
+                started = await asyncio.wait_for(asyncio.shield(answer), ANSWER_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ZygoteUnavailable(
+                    f"no answer from the zygote (pid {self.pid}) to the start of {log_prefix.strip()} "
+                    f"within {ANSWER_TIMEOUT_S:g} s"
+                ) from None
+        except BaseException:
+            self._answers.pop(req_id, None)
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        if started.error:
+            os.close(out_r)
+            os.close(err_r)
+            raise ZygoteUnavailable(f"the zygote (pid {self.pid}): {started.error}")
+        child = ZygoteProcess(started.pid, open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0), log_prefix, sink)
+        code = self._early.pop(started.pid, None)
+        if code is not None:
+            child.exited.set_result(code)
+        elif self.error:
+            child.lost(f"lost: {self.error}")
+        else:
+            self._children[started.pid] = child
+        return child
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Close our end (the zygote exits on EOF), wait up to ``timeout_s``, then SIGKILL it."""
+        self._lose("the supervisor closed it")
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.kill_now()
+
+    def kill_now(self) -> None:
+        """SIGKILL the zygote (and its group) and reap it if it is gone."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(1.0)
+        if not self.error:
+            self.error = "killed"
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
