@@ -214,3 +214,30 @@ class RaisesOurs(Actor):
         if self.kind:
             raise self._error(self.kind)
         return "trained"
+
+
+class Exits(Actor):
+    """Ends its own process on request, through a normal interpreter shutdown (test_zygote.py)."""
+
+    @endpoint
+    async def getpid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def parent(self) -> int:
+        return os.getppid()
+
+    @endpoint
+    async def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    @endpoint
+    async def exit_later(self, code: int, marker: str) -> None:
+        """``sys.exit(code)`` once this reply is out; ``marker`` is written at exit (atexit: the
+        interpreter's shutdown ran, not an ``os._exit``)."""
+        import atexit
+
+        atexit.register(lambda: open(marker, "w").write("atexit"))
+        asyncio.get_running_loop().call_later(0.1, sys.exit, code)

@@ -55,6 +55,7 @@ TIERS = {
         "start_phases",
         "status",
         "supervisor",
+        "zygote",
     ),
     # the weight-sync data plane: rendezvous, communicators, the sync itself
     "comm": ("comm_join", "delta_sync", "pynccl", "pyhccl_tables", "rendezvous", "tiered", "weight_sync"),

@@ -321,6 +321,7 @@ class Zygote:
         sock.setblocking(False)
         self._loop.add_reader(sock.fileno(), self._on_readable)
         self._started_at = time.monotonic()
+        self._eof: asyncio.Future | None = None
 
     @classmethod
     async def start(cls, env: dict[str, str], death_r: int) -> Zygote:
@@ -370,9 +371,8 @@ class Zygote:
                 self._lose(f"its socket failed: {e}")
                 return
             if not data:
-                code = self.proc.poll()
-                how = describe_exit(code) if code is not None else "closed its socket"
-                self._lose(f"the zygote (pid {self.pid}) {how}")
+                self._loop.remove_reader(self._sock.fileno())
+                self._eof = asyncio.ensure_future(self._on_eof())
                 return
             msg = self._decoder.decode(data)
             if isinstance(msg, Ready):
@@ -395,11 +395,21 @@ class Zygote:
                 elif not child.exited.done():
                     child.exited.set_result(msg.returncode)
 
-    def _lose(self, reason: str) -> None:
+    async def _on_eof(self) -> None:
+        """The zygote closed its socket: it is exiting. Its exit status, within a second, says how."""
+        deadline = time.monotonic() + 1.0
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        code = self.proc.poll()
+        how = describe_exit(code) if code is not None else "closed its socket"
+        self._lose(f"the zygote (pid {self.pid}) {how}")
+
+    def _lose(self, reason: str, closed: bool = False) -> None:
         if self.error:
             return
         self.error = reason
-        self._loop.remove_reader(self._sock.fileno())
+        if self._sock.fileno() >= 0:
+            self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
         lost = f"lost: {reason} (actors forked by the zygote die with it)"
         for answer in self._answers.values():
@@ -411,8 +421,13 @@ class Zygote:
             self.ready.exception()  # retrieved: nobody may be waiting
         for child in self._children.values():
             child.lost(lost)
-        if self._children:
-            log.error("zygote pid %d is gone (%s): %d actor process(es) lost", self.pid, reason, len(self._children))
+        if not closed:
+            log.error(
+                "zygote pid %d is gone (%s): %d actor process(es) lost; later actors start by Popen",
+                self.pid,
+                reason,
+                len(self._children),
+            )
         self._children.clear()
 
     async def spawn(
@@ -480,7 +495,7 @@ class Zygote:
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Close our end (the zygote exits on EOF), wait up to ``timeout_s``, then SIGKILL it."""
-        self._lose("the supervisor closed it")
+        self._lose("the supervisor closed it", closed=True)
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -493,8 +508,6 @@ class Zygote:
                 os.killpg(self.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(1.0)
-        if not self.error:
-            self.error = "killed"
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._sock.fileno())
-            self._sock.close()
+        if self._eof is not None:
+            self._eof.cancel()
+        self._lose("the supervisor killed it", closed=True)
