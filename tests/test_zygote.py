@@ -20,6 +20,7 @@ import pytest
 from actors import Echo, Exits
 from asyncrl import ActorDiedError, ActorState, Supervisor
 from asyncrl.runtime import zygote
+from asyncrl.runtime.config import ENV_PREFIX
 from conftest import process_alive, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(autouse=True)
 def light_zygote(monkeypatch):
     """Only the worker preloaded (seconds less per test); the default list has a test of its own."""
-    monkeypatch.setenv(zygote.ENV_PRELOAD, "asyncrl.runtime.worker")
+    monkeypatch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", "asyncrl.runtime.worker")
     monkeypatch.delenv(zygote.ENV_ZYGOTE, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no device visible: where the zygote is used
 
@@ -104,7 +105,7 @@ def test_a_sigkilled_supervisor_leaves_no_process(tmp_path):
         textwrap.dedent(
             f"""
             import asyncio, os, sys
-            sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
+            sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
             from actors import Exits
             from asyncrl import Supervisor
 
@@ -131,13 +132,21 @@ def test_a_sigkilled_supervisor_leaves_no_process(tmp_path):
 
 
 async def test_the_default_preload_forks_actors_with_torch_imported(monkeypatch):
-    monkeypatch.delenv(zygote.ENV_PRELOAD)
+    monkeypatch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", ",".join(zygote.PRELOAD))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     async with Supervisor() as sup:
         actor = await sup.spawn(Exits, env={"OMP_NUM_THREADS": "2"})
         assert await actor.parent() == sup._zygote.pid
         assert await actor.torch_threads() == 2  # set from the child's environment, not the zygote's
         assert sup._zygote.ready.result().failed == []
+
+
+async def test_no_zygote_unless_asked_for(monkeypatch):
+    monkeypatch.delenv(ENV_PREFIX + "ZYGOTE_PRELOAD")
+    async with Supervisor() as sup:
+        assert sup._zygote is None
+        actor = await sup.spawn(Exits)
+        assert await actor.parent() == os.getpid()
 
 
 async def test_off_by_the_environment(monkeypatch):

@@ -91,7 +91,14 @@ async def grpo_main(
 
     config = check_run(config, resume=bool(resume))
     try:
-        async with Supervisor() as sup:
+        from asyncrl.runtime.config import ENV_PREFIX
+        from asyncrl.runtime.zygote import PRELOAD
+
+        # Its actors import torch and transformers: once, in a zygote, where no device is visible.
+        preload = (
+            {} if os.environ.get(ENV_PREFIX + "ZYGOTE_PRELOAD") is not None else {"zygote_preload": ",".join(PRELOAD)}
+        )
+        async with Supervisor(**preload) as sup:
             await train(config, sup, resume=bool(resume))
     except RunStoppedError as exc:  # every actor is gone by now (the supervisor stopped them)
         print(f"{os.path.splitext(script)[0]}: {exc}", file=sys.stderr)

@@ -58,6 +58,11 @@ class SupervisorConfig:
     connection stays down this long stops its actors and exits."""
     nproc_per_node: int = 0
     """Accelerator devices this node offers to placement (the first N found); 0 means all."""
+    zygote_preload: str = ""
+    """Comma-separated modules for a zygote to import once, forking each local actor from it
+    (runtime/zygote.py), on a host with no accelerator; "": no zygote, every actor by ``Popen``.
+    Worth it where actors import heavy modules (a GRPO run sets it); a zygote costs its imports'
+    CPU at every supervisor start, wasted where actors need none of them."""
     handle_signals: bool = True
     """Turn SIGINT and SIGTERM into a clean shutdown while the supervisor is open (main thread
     only): the task that entered it is cancelled, every actor is stopped, then KeyboardInterrupt

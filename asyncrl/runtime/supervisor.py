@@ -48,7 +48,7 @@ from asyncrl.runtime.record import ActorRecord, ActorStatus
 from asyncrl.runtime.resources import SupervisorResources, cluster_keys
 from asyncrl.runtime.state import ActorState, SupervisorState
 from asyncrl.runtime.status import StatusServer
-from asyncrl.runtime.zygote import Zygote, usable
+from asyncrl.runtime.zygote import ENV_PRELOAD, Zygote, usable
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -121,9 +121,11 @@ class Supervisor:
         self._incarnations = Incarnations(
             cfg, self._resources, self._control, self._cluster, self._devices, self._node_env, self._records
         )
-        if usable(self._devices.total):
+        if cfg.zygote_preload and usable(self._devices.total):
             try:  # imports in the background from now on, while the driver does its own start
-                self._zygote = self._incarnations.zygote = await Zygote.start(dict(os.environ), self._resources.death_r)
+                self._zygote = self._incarnations.zygote = await Zygote.start(
+                    {**os.environ, ENV_PRELOAD: cfg.zygote_preload}, self._resources.death_r
+                )
                 self._resources.groups.add(self._zygote.pid)
             except OSError as e:
                 log.warning("no zygote (%s): actors start by Popen", e)

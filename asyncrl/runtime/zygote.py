@@ -58,7 +58,8 @@ log = logging.getLogger("asyncrl.supervisor")
 ENV_ZYGOTE = "ASYNCRL_ZYGOTE"
 """``0`` turns the zygote off (every actor by ``Popen``); anything else, or unset: on where `usable`."""
 ENV_PRELOAD = "ASYNCRL_ZYGOTE_PRELOAD"
-"""Comma-separated modules the zygote imports before it forks; unset: `PRELOAD`."""
+"""Comma-separated modules the zygote imports before it forks (the supervisor's
+``zygote_preload``); unset: `PRELOAD`."""
 ENV_SOCKET_FD = "ASYNCRL_ZYGOTE_FD"
 PRELOAD = (
     "torch",
@@ -68,7 +69,8 @@ PRELOAD = (
     "asyncrl.rl.sampler.actor",
     "asyncrl.rl.scorer.actor",
 )
-"""What the actors of a GRPO run import (rl/driver/spawn.py spawns these classes)."""
+"""What the actors of a GRPO run import (rl/driver/spawn.py spawns these classes): the preload
+of a GRPO run's supervisor (rl/launch.py)."""
 READY_TIMEOUT_S = 60.0
 """How long a spawn waits for the zygote to finish preloading before it uses ``Popen``."""
 ANSWER_TIMEOUT_S = 10.0
@@ -113,7 +115,8 @@ class ZygoteUnavailable(Exception):
 
 
 def usable(device_total: int) -> bool:
-    """Whether a supervisor on a host with ``device_total`` accelerator devices uses a zygote."""
+    """Whether a supervisor on a host with ``device_total`` accelerator devices may use a zygote
+    (where its ``zygote_preload`` asks for one)."""
     return os.environ.get(ENV_ZYGOTE, "1") != "0" and device_total == 0
 
 
@@ -483,7 +486,9 @@ class Zygote:
             os.close(out_r)
             os.close(err_r)
             raise ZygoteUnavailable(f"the zygote (pid {self.pid}): {started.error}")
-        child = ZygoteProcess(started.pid, open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0), log_prefix, sink)
+        child = ZygoteProcess(
+            started.pid, open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0), log_prefix, sink
+        )
         code = self._early.pop(started.pid, None)
         if code is not None:
             child.exited.set_result(code)
