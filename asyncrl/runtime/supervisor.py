@@ -168,6 +168,8 @@ class Supervisor:
                 await self._cluster.close("the supervisor is shutting down", self.config.term_timeout_s + 5.0)
             if self._zygote is not None:  # after the actors: it is the parent of some
                 await self._zygote.close()
+                if self._zygote.proc.poll() is not None and self._resources is not None:
+                    self._resources.groups.discard(self._zygote.pid)
         except asyncio.CancelledError:
             if self._resources is not None:  # made by start, which a running supervisor went through
                 self._resources.kill_groups()

@@ -52,6 +52,7 @@ from collections.abc import Sequence
 import msgspec
 
 from asyncrl.runtime.process import ChildProcess, LogSink, describe_exit
+from asyncrl.runtime.timeouts import timeout
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -178,19 +179,28 @@ def _serve(sock: socket.socket, death_fd: int) -> tuple[Spawn, list[int]] | None
                     if threads > 1 and not warned_threads:  # BLAS pools (OpenBLAS) shut down at fork
                         warned_threads = True
                         print(f"asyncrl zygote: {threads} threads at fork", file=sys.stderr, flush=True)
+                    # The child's session exists before its pid is told: a killpg of it right
+                    # after `Started` (a start cancelled, a stop) must reach it.
+                    session_r, session_w = os.pipe()
                     try:
                         pid = os.fork()
                     except OSError as e:
-                        for f in fds:
+                        for f in (*fds, session_r, session_w):
                             os.close(f)
                         sock.send(encode(Started(req.id, error=f"fork failed: {e}")))
                         continue
                     if pid == 0:
+                        os.setsid()  # its own session and group, as Popen(start_new_session=True)
+                        os.close(session_w)
+                        os.close(session_r)
                         signal.set_wakeup_fd(-1)
                         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                         os.close(wake_r)
                         os.close(wake_w)
                         return req, fds
+                    os.close(session_w)
+                    os.read(session_r, 1)  # EOF once the child has its session (or is gone)
+                    os.close(session_r)
                     for f in fds:
                         os.close(f)
                     sock.send(encode(Started(req.id, pid)))
@@ -262,7 +272,6 @@ def main() -> None:
         os._exit(0)
     req, fds = child
     sock.close()
-    os.setsid()
     targets = list(req.fds)
     _place_fds(fds, targets)
     if death_fd not in targets:
@@ -390,7 +399,7 @@ class Zygote:
                     answer.set_result(msg)
                 elif msg.pid:  # its spawn gave up waiting: the child is nobody's
                     with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(msg.pid, signal.SIGKILL)
+                        os.killpg(msg.pid, signal.SIGKILL)  # its group: it leads one already
             else:
                 child = self._children.pop(msg.pid, None)
                 if child is None:
@@ -449,8 +458,9 @@ class Zygote:
             raise ZygoteUnavailable(self.error)
         if not self.ready.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self.ready), ready_timeout_s)
-            except asyncio.TimeoutError:
+                async with timeout(ready_timeout_s):  # wait_for on 3.11 can swallow a cancel
+                    await asyncio.shield(self.ready)
+            except TimeoutError:
                 raise ZygoteUnavailable(
                     f"the zygote (pid {self.pid}) was not ready within {ready_timeout_s:g} s"
                 ) from None
@@ -471,8 +481,9 @@ class Zygote:
                 os.close(out_w)
                 os.close(err_w)
             try:
-                started = await asyncio.wait_for(asyncio.shield(answer), ANSWER_TIMEOUT_S)
-            except asyncio.TimeoutError:
+                async with timeout(ANSWER_TIMEOUT_S):
+                    started = await asyncio.shield(answer)
+            except TimeoutError:
                 raise ZygoteUnavailable(
                     f"no answer from the zygote (pid {self.pid}) to the start of {log_prefix.strip()} "
                     f"within {ANSWER_TIMEOUT_S:g} s"
