@@ -234,6 +234,15 @@ class Exits(Actor):
         return torch.get_num_threads()
 
     @endpoint
+    async def tqdm_disabled(self) -> bool:
+        from tqdm.std import tqdm
+
+        bar = tqdm(range(1), file=sys.stderr)
+        disabled = bool(bar.disable)
+        bar.close()  # which disables it
+        return disabled
+
+    @endpoint
     async def exit_later(self, code: int, marker: str) -> None:
         """``sys.exit(code)`` once this reply is out; ``marker`` is written at exit (atexit: the
         interpreter's shutdown ran, not an ``os._exit``)."""

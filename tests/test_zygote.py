@@ -141,6 +141,18 @@ async def test_the_default_preload_forks_actors_with_torch_imported(monkeypatch)
         assert sup._zygote.ready.result().failed == []
 
 
+async def test_what_a_preloaded_module_read_from_the_environment_follows_the_actors(monkeypatch):
+    """tqdm reads TQDM_* at import: in the zygote, before any actor's environment was known."""
+    monkeypatch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", "asyncrl.runtime.worker,tqdm.std")
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    async with Supervisor() as sup:
+        quiet = await sup.spawn(Exits, env={"TQDM_DISABLE": "1"})
+        loud = await sup.spawn(Exits, name="loud")
+        assert await quiet.parent() == sup._zygote.pid
+        assert await quiet.tqdm_disabled() is True
+        assert await loud.tqdm_disabled() is False
+
+
 async def test_no_zygote_unless_asked_for(monkeypatch):
     monkeypatch.delenv(ENV_PREFIX + "ZYGOTE_PRELOAD")
     async with Supervisor() as sup:

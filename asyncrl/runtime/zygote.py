@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import functools
 import gc
 import importlib
 import logging
@@ -231,11 +232,25 @@ def _reset_child(env: dict[str, str]) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+    _reset_tqdm()
     torch = sys.modules.get("torch")
     if torch is not None:
         threads = env.get("OMP_NUM_THREADS", "")
         with contextlib.suppress(ValueError, RuntimeError):
             torch.set_num_threads(int(threads) if threads else max(1, os.cpu_count() or 1))
+
+
+def _reset_tqdm() -> None:
+    """tqdm reads its ``TQDM_*`` defaults (``TQDM_DISABLE``, which a GRPO run gives its actors)
+    when ``tqdm.std`` is imported (``envwrap`` on ``tqdm.__init__``): read them again."""
+    std = sys.modules.get("tqdm.std")
+    init = getattr(std, "tqdm", None).__dict__.get("__init__") if std is not None else None
+    if not isinstance(init, functools.partialmethod):
+        return
+    from tqdm.utils import envwrap
+
+    types = {"total": float, "ncols": int, "miniters": float, "position": int, "nrows": int}  # as tqdm.std's
+    std.tqdm.__init__ = envwrap("tqdm", is_method=True, types=types)(init.func)
 
 
 def main() -> None:
