@@ -153,6 +153,17 @@ async def test_what_a_preloaded_module_read_from_the_environment_follows_the_act
         assert await loud.tqdm_disabled() is False
 
 
+async def test_an_actor_whose_environment_differs_in_what_imports_read_starts_by_popen(monkeypatch, caplog):
+    caplog.set_level("INFO", logger="asyncrl.supervisor")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    async with Supervisor() as sup:
+        offline = await sup.spawn(Exits, env={"HF_HUB_OFFLINE": "1"})
+        assert await offline.parent() == os.getpid()
+        assert "differs from the zygote's in HF_HUB_OFFLINE, read at import" in caplog.text
+        same = await sup.spawn(Exits, name="same")
+        assert await same.parent() == sup._zygote.pid
+
+
 async def test_no_zygote_unless_asked_for(monkeypatch):
     monkeypatch.delenv(ENV_PREFIX + "ZYGOTE_PRELOAD")
     async with Supervisor() as sup:

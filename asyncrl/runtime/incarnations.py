@@ -206,7 +206,10 @@ class Incarnations:
         argv = [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"]
         prefix = f"[{rec.name}]: "
         zygote = self.zygote
-        if zygote is not None and zygote.alive:
+        unsuitable = zygote.unsuitable(env) if zygote is not None and zygote.alive else ""
+        if unsuitable:
+            log.info("actor %s starts by Popen: %s", rec.name, unsuitable)
+        elif zygote is not None and zygote.alive:
             try:  # its child's parent is the zygote: that is whose death it watches
                 proc = await zygote.spawn(
                     argv, {**env, worker_env.ENV_PARENT_PID: str(zygote.pid)}, prefix, pass_fds=[res.death_r]

@@ -73,6 +73,11 @@ PRELOAD = (
 )
 """What the actors of a GRPO run import (rl/driver/spawn.py spawns these classes): the preload
 of a GRPO run's supervisor (rl/launch.py)."""
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_")
+"""Prefixes of variables that the preloaded modules may read at import (huggingface_hub's
+``HF_HUB_OFFLINE`` and ``HF_HOME``, torch's ``TORCH_*``, the BLAS and OpenMP runtimes'): an actor
+whose environment differs from the zygote's in one of them starts by ``Popen`` (`unsuitable`).
+What the child sets again itself (`_reset_child`: ``OMP_NUM_THREADS``, tqdm's) is not here."""
 READY_TIMEOUT_S = 60.0
 """How long a spawn waits for the zygote to finish preloading before it uses ``Popen``."""
 ANSWER_TIMEOUT_S = 10.0
@@ -333,8 +338,9 @@ class ZygoteProcess(ChildProcess):
 class Zygote:
     """The supervisor's handle on its zygote: `start` it, `spawn` through it, `close` it."""
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket):
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, env: dict[str, str] | None = None):
         self.proc = proc
+        self.env = env or {}
         self.pid = proc.pid
         self._sock = sock
         self._loop = asyncio.get_running_loop()
@@ -382,11 +388,19 @@ class Zygote:
             raise
         finally:
             theirs.close()
-        return cls(proc, ours)
+        return cls(proc, ours, env)
 
     @property
     def alive(self) -> bool:
         return not self.error
+
+    def unsuitable(self, env: dict[str, str]) -> str:
+        """Why a child with ``env`` would not be what ``Popen`` makes ("" if it would): a variable
+        that a preloaded module read at import differs from the zygote's."""
+        differ = sorted(
+            k for k in env.keys() | self.env.keys() if k.startswith(READ_AT_IMPORT) and env.get(k) != self.env.get(k)
+        )
+        return f"its environment differs from the zygote's in {', '.join(differ)}, read at import" if differ else ""
 
     def _on_readable(self) -> None:
         while True:
