@@ -73,11 +73,18 @@ PRELOAD = (
 )
 """What the actors of a GRPO run import (rl/driver/spawn.py spawns these classes): the preload
 of a GRPO run's supervisor (rl/launch.py)."""
-READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_")
-"""Prefixes of variables that the preloaded modules may read at import (huggingface_hub's
-``HF_HUB_OFFLINE`` and ``HF_HOME``, torch's ``TORCH_*``, the BLAS and OpenMP runtimes'): an actor
-whose environment differs from the zygote's in one of them starts by ``Popen`` (`unsuitable`).
-What the child sets again itself (`_reset_child`: ``OMP_NUM_THREADS``, tqdm's) is not here."""
+READ_AT_START = (
+    *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_"),
+    *("MKL_", "OPENBLAS_", "OMP_", "KMP_", "GOMP_"),
+    *("PYTHON", "LD_"),
+)
+"""Prefixes of variables read before a fork, by the preloaded modules at import (huggingface_hub's
+``HF_HUB_OFFLINE`` and ``HF_HOME``, torch's ``TORCH_*``, the BLAS and OpenMP runtimes' when torch
+loads them), by the interpreter at its start (``PYTHONHASHSEED``, ``PYTHONPATH``) or by the
+dynamic linker (``LD_PRELOAD``): an actor whose environment differs from the zygote's in one of
+them starts by ``Popen`` (`Zygote.unsuitable`). Not those the child sets again itself
+(`_SET_AGAIN`, `_reset_child`)."""
+_SET_AGAIN = frozenset({"OMP_NUM_THREADS"})
 READY_TIMEOUT_S = 60.0
 """How long a spawn waits for the zygote to finish preloading before it uses ``Popen``."""
 ANSWER_TIMEOUT_S = 10.0
@@ -398,9 +405,11 @@ class Zygote:
         """Why a child with ``env`` would not be what ``Popen`` makes ("" if it would): a variable
         that a preloaded module read at import differs from the zygote's."""
         differ = sorted(
-            k for k in env.keys() | self.env.keys() if k.startswith(READ_AT_IMPORT) and env.get(k) != self.env.get(k)
+            k
+            for k in env.keys() | self.env.keys()
+            if k.startswith(READ_AT_START) and k not in _SET_AGAIN and env.get(k) != self.env.get(k)
         )
-        return f"its environment differs from the zygote's in {', '.join(differ)}, read at import" if differ else ""
+        return f"its environment differs from the zygote's in {', '.join(differ)}, read before a fork" if differ else ""
 
     def _on_readable(self) -> None:
         while True:
