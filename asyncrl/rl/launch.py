@@ -95,10 +95,8 @@ async def grpo_main(
         from asyncrl.runtime.zygote import PRELOAD
 
         # Its actors import torch and transformers: once, in a zygote, where no device is visible.
-        preload = (
-            {} if os.environ.get(ENV_PREFIX + "ZYGOTE_PRELOAD") is not None else {"zygote_preload": ",".join(PRELOAD)}
-        )
-        async with Supervisor(**preload) as sup:
+        chosen = os.environ.get(ENV_PREFIX + "ZYGOTE_PRELOAD")  # `asyncrl launch`'s or the caller's
+        async with Supervisor(zygote_preload=",".join(PRELOAD) if chosen is None else chosen) as sup:
             await train(config, sup, resume=bool(resume))
     except RunStoppedError as exc:  # every actor is gone by now (the supervisor stopped them)
         print(f"{os.path.splitext(script)[0]}: {exc}", file=sys.stderr)

@@ -211,11 +211,11 @@ class Incarnations:
             log.info("actor %s starts by Popen: %s", rec.name, unsuitable)
         elif zygote is not None and zygote.alive:
             try:  # its child's parent is the zygote: that is whose death it watches
-                proc = await zygote.spawn(
+                forked = await zygote.spawn(
                     argv, {**env, worker_env.ENV_PARENT_PID: str(zygote.pid)}, prefix, pass_fds=[res.death_r]
                 )
-                res.groups.add(proc.pid)
-                return proc
+                res.groups.add(forked.pid)
+                return forked
             except ZygoteUnavailable as e:
                 self.zygote = None  # from now on by Popen; the supervisor still closes it
                 log.warning("actor %s starts by Popen, as will every later one: %s", rec.name, e)

@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -255,14 +256,15 @@ def _reset_child(env: dict[str, str]) -> None:
 def _reset_tqdm() -> None:
     """tqdm reads its ``TQDM_*`` defaults (``TQDM_DISABLE``, which a GRPO run gives its actors)
     when ``tqdm.std`` is imported (``envwrap`` on ``tqdm.__init__``): read them again."""
-    std = sys.modules.get("tqdm.std")
-    init = getattr(std, "tqdm", None).__dict__.get("__init__") if std is not None else None
+    std: Any = sys.modules.get("tqdm.std")
+    utils: Any = sys.modules.get("tqdm.utils")
+    if std is None or utils is None or not hasattr(utils, "envwrap"):
+        return
+    init = std.tqdm.__dict__.get("__init__")
     if not isinstance(init, functools.partialmethod):
         return
-    from tqdm.utils import envwrap
-
     types = {"total": float, "ncols": int, "miniters": float, "position": int, "nrows": int}  # as tqdm.std's
-    std.tqdm.__init__ = envwrap("tqdm", is_method=True, types=types)(init.func)
+    std.tqdm.__init__ = utils.envwrap("tqdm", is_method=True, types=types)(init.func)
 
 
 def main() -> None:
