@@ -212,7 +212,7 @@ class Incarnations:
         elif zygote is not None and zygote.alive:
             try:  # its child's parent is the zygote: that is whose death it watches
                 forked = await zygote.spawn(
-                    argv, {**env, worker_env.ENV_PARENT_PID: str(zygote.pid)}, prefix, pass_fds=[res.death_r]
+                    {**env, worker_env.ENV_PARENT_PID: str(zygote.pid)}, prefix, pass_fds=[res.death_r]
                 )
                 res.groups.add(forked.pid)
                 return forked

@@ -5,8 +5,9 @@ seconds of CPU each (4.5-8 s on a 2-core host), most of a tiny run's time. The z
 once, when the supervisor starts, and forks a child per request, so a start costs a fork.
 
 Protocol (one ``SOCK_SEQPACKET`` socketpair, msgpack, no pickle): the supervisor sends `Spawn`
-(argv, env, cwd, the fd numbers the child is to have) with the file descriptors attached by
-``socket.send_fds`` (the write ends of the child's stdout and stderr pipes, then ``pass_fds``);
+(env, cwd, the fd numbers the child is to have; no code or argv: a child only ever runs the
+worker's entry point) with the file descriptors attached by ``socket.send_fds`` (the write ends
+of the child's stdout and stderr pipes, then ``pass_fds``);
 the zygote answers `Started` with the child's pid, and later `Exited` with its return code
 (negative: killed by that signal, as ``subprocess``), since the zygote is the child's parent and
 reaps it. `Ready` says the preloading is done.
@@ -14,8 +15,8 @@ reaps it. `Ready` says the preloading is done.
 The child: its own session (``setsid``, as ``Popen(start_new_session=True)``), the sent fds on
 1, 2 and their numbers, stdin on /dev/null, the zygote's socket and pipes closed, ``os.environ``
 replaced by the request's, what was read from the environment at import set again
-(`_reset_child`); then it returns out of the serve loop and runs the request's ``-c`` code
-(``worker.main()``), ending through a normal interpreter shutdown, so buffered files get flushed.
+(`_reset_child`); then it returns out of the serve loop and runs `asyncrl.runtime.worker.main`,
+ending through a normal interpreter shutdown, so buffered files get flushed.
 
 Parent death, as ``worker.py``: the zygote dies with its supervisor (``PR_SET_PDEATHSIG``, the
 parent-pid check, and the supervisor's death pipe, polled in the serve loop rather than on a
@@ -95,8 +96,10 @@ MAX_FDS = 16
 
 
 class Spawn(msgspec.Struct, tag=True):
+    """Fork an actor: its process runs `asyncrl.runtime.worker.main`, nothing named by the
+    request (no code crosses the socket)."""
+
     id: int
-    argv: list[str]
     env: dict[str, str]
     cwd: str
     fds: list[int]
@@ -311,11 +314,10 @@ def main() -> None:
     _reset_child(req.env)
     with contextlib.suppress(OSError):
         os.chdir(req.cwd)
-    if req.argv[1:2] != ["-c"] or len(req.argv) < 3:
-        print(f"asyncrl zygote: can only run 'python -c CODE', not {req.argv!r}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    sys.argv = ["-c", *req.argv[3:]]
-    exec(compile(req.argv[2], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    sys.argv = ["-c"]  # as a Popen'd worker's (``python -c ...``, incarnations.py)
+    from asyncrl.runtime.worker import main as worker_main
+
+    worker_main()  # ends by sys.exit: a normal interpreter shutdown
 
 
 # --- the supervisor's side ------------------------------------------------------------------
@@ -484,14 +486,14 @@ class Zygote:
 
     async def spawn(
         self,
-        argv: Sequence[str],
         env: dict[str, str],
         log_prefix: str,
         pass_fds: Sequence[int] = (),
         sink: LogSink | None = None,
         ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> ZygoteProcess:
-        """Fork a child running ``argv`` (``python -c CODE``) with ``env``; raises
+        """Fork an actor's process (`asyncrl.runtime.worker.main`, as a Popen'd one runs it) with
+        ``env``; raises
         `ZygoteUnavailable` when the zygote is not ready within ``ready_timeout_s``, is gone,
         or does not answer within `ANSWER_TIMEOUT_S`."""
         if self.error:
@@ -512,7 +514,7 @@ class Zygote:
         req_id = self._ids
         answer = self._answers[req_id] = self._loop.create_future()
         try:
-            msg = msgspec.msgpack.encode(Spawn(req_id, list(argv), env, os.getcwd(), [1, 2, *pass_fds]))
+            msg = msgspec.msgpack.encode(Spawn(req_id, env, os.getcwd(), [1, 2, *pass_fds]))
             try:
                 socket.send_fds(self._sock, [msg], [out_w, err_w, *pass_fds])
             except OSError as e:  # a full buffer too: the zygote is not keeping up
