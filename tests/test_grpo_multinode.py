@@ -460,7 +460,13 @@ def test_a_node_joining_an_elastic_run_takes_a_sampler_that_syncs_first_and_drai
     first = with_1[0]["step"]  # the sync that took it in: no group of it was trained before
     assert not any(g.startswith("sampler1/") for r in rs if r["step"] <= first for g in r["group_ids"]), rs
     assert any(g.startswith("sampler1/") for r in rs for g in r["group_ids"]), "sampler1 never delivered"
-    assert rs[-1]["samplers_in_group"] == 1 and sum(r["sampler_losses"] for r in rs) == 0
+    assert sum(r["sampler_losses"] for r in rs) == 0  # drained, not lost
+    # The drain's sync re-formed the group without sampler1; the target of 2 starts a replacement on
+    # node 0 at that sync, which joins at a later one: how soon depends on its start (0.6 s forked by
+    # the zygote, ~10 s by Popen), so the last steps may have one sampler in the group or two.
+    last_with_1 = with_1[-1]["step"]
+    assert any(r["samplers_in_group"] == 1 for r in rs if r["step"] > last_with_1), rs[-5:]
+    assert set(rs[-1]["weights_digests"]) <= {"trainer", "sampler0", "sampler2"}, rs[-1]
     events = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
     (leaving,) = [e for e in events if e["event"] == "node_leaving"]
     assert leaving["node"] == 1 and leaving["samplers"] == 1, events
