@@ -165,7 +165,7 @@ class TrainerConfig:
     lr: float = 0.0
     """AdamW's peak learning rate. 0 (auto): 1e-4 on the embedded model, 1e-6 for a checkpoint
     (``--model_path``), 10x either with LoRA; a run's log says which it took. A larger embedded
-    model (``--model.*``) wants less than 1e-4: 3e-5 at 358M parameters (docs/gpu.md)."""
+    model (``--model.*``) wants less than 1e-4: 1.5e-5 at 358M parameters (docs/gpu.md)."""
     lr_schedule: str = "constant"
     """'constant', 'cosine' or 'linear': after the warm-up, keep ``lr``, or decay it to
     ``lr * lr_min_ratio`` by step ``lr_decay_steps`` along half a cosine or a line."""
