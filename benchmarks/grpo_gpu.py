@@ -102,6 +102,16 @@ def watch_steps(path: str, stamps: dict[int, float], done: threading.Event) -> N
         stamps.setdefault(n, time.time())
 
 
+def run_logged(cmd: list[str], env: dict, log_path: str) -> tuple[int, str]:
+    """Run ``cmd`` to its end with its output in ``log_path`` (not a pipe: a run stopped by the
+    device's time limit or a ^C leaves its log to read); its exit code and output."""
+    print(f"  (its output: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    with open(log_path) as log:
+        return code, log.read()
+
+
 def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dict:
     steps = args.steps
     # The run directory is this benchmark's own (named by shape and mode under --out): an earlier
@@ -156,15 +166,15 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
     watcher.start()
     start = time.monotonic()
     try:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        code, output = run_logged(cmd, env, run_dir + ".log")
     finally:
         finished.set()
         watcher.join()
         busy.close()
     wall = time.monotonic() - start
-    if done.returncode != 0:
-        tail = "\n".join(done.stdout.splitlines()[-15:])
-        return {"error": f"exit {done.returncode}: {tail}", "wall_s": wall}
+    if code != 0:
+        tail = "\n".join(output.splitlines()[-15:])
+        return {"error": f"exit {code}: {tail}", "wall_s": wall}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     window = records[args.skip : -1]  # the last step holds the final evaluation
@@ -246,7 +256,7 @@ def trl_run(args, model: str, out_dir: str, gpus: int = 0) -> dict:
     ]
     start = time.monotonic()
     try:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        code, output = run_logged(cmd, env, os.path.join(out_dir, "trl.log"))
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -256,10 +266,10 @@ def trl_run(args, model: str, out_dir: str, gpus: int = 0) -> dict:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
     wall = time.monotonic() - start
-    result = [line for line in done.stdout.splitlines() if line.startswith("TRL_RESULT ")]
-    if done.returncode != 0 or not result:
-        tail = "\n".join(done.stdout.splitlines()[-25:])
-        return {"error": f"exit {done.returncode}: {tail}", "wall_s": wall}
+    result = [line for line in output.splitlines() if line.startswith("TRL_RESULT ")]
+    if code != 0 or not result:
+        tail = "\n".join(output.splitlines()[-25:])
+        return {"error": f"exit {code}: {tail}", "wall_s": wall}
     return {**json.loads(result[-1][len("TRL_RESULT ") :]), "wall_s": wall}
 
 
