@@ -226,6 +226,19 @@ def test_the_example_config_is_the_readme_s_default_run():
     assert print_config("--config", example) == print_config()
 
 
+def test_the_gpu_example_config_is_the_gpu_learning_command_of_docs_gpu_md():
+    example = os.path.join(ROOT, "examples", "grpo_countdown_gpu.toml")
+    flags = (
+        "--model.hidden_size 896 --model.num_layers 24 --model.num_heads 14 --model.num_kv_heads 2 "
+        "--model.intermediate_size 4864 --warm_start.lr 3e-4 --sampler.backend vllm "
+        "--trainer.lr 1.5e-5 --run.steps 900 --run.eval_every 50"
+    )
+    with open(os.path.join(ROOT, "docs", "gpu.md")) as f:
+        assert " ".join(f.read().replace("\\\n", " ").split()).count(flags) == 1  # the command it stands for
+    assert print_config("--config", example) == print_config(*flags.split())
+    assert print_config("--config", example) != print_config()
+
+
 @pytest.mark.e2e
 def test_config_errors_through_asyncrl_launch_are_one_line_and_exit_2(tmp_path):
     (tmp_path / "run.toml").write_text("[run]\nsteps = 3\nsteps_ = 4\n")
