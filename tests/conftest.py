@@ -372,17 +372,19 @@ def _warm_started(cache_dir: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def actor_zygote():
+def actor_zygote(request):
     """The supervisors of a test file forking their actors from a zygote that has imported what a
     GRPO run's actors import (`asyncrl.runtime.zygote.PRELOAD`), as `asyncrl launch` does, instead
     of starting each by ``Popen`` (4.5-8 s of CPU each for torch and transformers): for the files
-    whose supervisors start trainers, samplers or scorers, by ``pytestmark``. Two 3-actor trainer
-    tests took 0.50x the CPU and 0.78x the wall time so (two runs each, paired, 2-core VM)."""
+    whose supervisors start trainers, samplers or scorers, by ``pytestmark``; a file's own
+    ``ZYGOTE_PRELOAD`` (a tuple of modules) replaces the list. Two 3-actor trainer tests took 0.50x
+    the CPU and 0.78x the wall time so (two runs each, paired, 2-core VM)."""
     from asyncrl.runtime.config import ENV_PREFIX
     from asyncrl.runtime.zygote import PRELOAD
 
+    preload = getattr(request.module, "ZYGOTE_PRELOAD", PRELOAD)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", ",".join(PRELOAD))
+        patch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", ",".join(preload))
         yield
 
 
