@@ -115,6 +115,43 @@ it carries a tier of its own (``@pytest.mark.e2e`` on one slow test of a unit fi
 gets a line here (`test_tiers.py` fails until it has one). CI runs every tier; see the README."""
 _TIER_OF = {f"test_{name}.py": tier for tier, names in TIERS.items() for name in names}
 
+LONGEST_FIRST = (
+    "vllm_actor",
+    "grpo_multinode",
+    "trainer_group",
+    "observe",
+    "policy_eval",
+    "fault_tolerance",
+    "weight_sync",
+    "vllm_backend",
+    "lora_vllm",
+    "run_lifecycle",
+    "lora",
+    "user_task",
+    "multinode",
+    "user_errors",
+    "sampler",
+    "grpo",
+    "start_loss",
+    "rpc_tensors",
+    "supervisor",
+    "agents",
+    "launch_errors",
+    "delta_sync",
+    "elastic",
+    "rpc",
+    "tasks",
+    "heldout_samplers",
+)
+"""The test files that take longest under the README's command (each file's wall seconds in one run,
+222 down to 21, on a 2-core VM, 2026-11-29), longest first. Under pytest-xdist these are handed out
+first and every other file after them in collection order (longest processing time first), so that
+both workers end on short files. xdist's own order for ``--dist loadfile`` (most tests first) left
+the vLLM files of a few tests each for last: one worker idled 35 s at the end while the other ran
+the last (test_lora_vllm.py); 2 s so. A file missing here only runs later; `test_tiers.py` checks
+that each name is a tiered file."""
+_RANK = {f"test_{name}.py": i for i, name in enumerate(LONGEST_FIRST)}
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -134,7 +171,14 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def pytest_configure(config):
+    if getattr(config.option, "loadscopereorder", False):  # pytest-xdist's: hand out files in our order
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `LONGEST_FIRST`; a file's tests keep their order
+        items.sort(key=lambda item: _RANK.get(os.path.basename(str(item.fspath)), len(_RANK)))
     for item in items:
         tier = _TIER_OF.get(os.path.basename(str(item.fspath)))
         if tier is not None and not any(item.get_closest_marker(t) for t in TIERS):
@@ -325,6 +369,23 @@ def _warm_started(cache_dir: str) -> str:
         )
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def actor_zygote(request):
+    """The supervisors of a test file forking their actors from a zygote that has imported what a
+    GRPO run's actors import (`asyncrl.runtime.zygote.PRELOAD`), as `asyncrl launch` does, instead
+    of starting each by ``Popen`` (4.5-8 s of CPU each for torch and transformers): for the files
+    whose supervisors start trainers, samplers or scorers, by ``pytestmark``; a file's own
+    ``ZYGOTE_PRELOAD`` (a tuple of modules) replaces the list. Two 3-actor trainer tests took 0.50x
+    the CPU and 0.78x the wall time so (two runs each, paired, 2-core VM)."""
+    from asyncrl.runtime.config import ENV_PREFIX
+    from asyncrl.runtime.zygote import PRELOAD
+
+    preload = getattr(request.module, "ZYGOTE_PRELOAD", PRELOAD)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", ",".join(preload))
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from asyncrl.comm.delta import WHOLE, apply, encode, padding_index, payload_byte
 from asyncrl.comm.layout import TensorSpec, build_layout
 from sync_actors import digest
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 HOST = "127.0.0.1"
 
 

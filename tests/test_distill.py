@@ -28,6 +28,8 @@ from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
 from asyncrl.rl.trainer.actor import TrainerActor
 from sampler_support import write_tiny
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 PROMPTS = [[52, 53, 46, 54], [55, 56, 57, 46], [58, 52, 59, 60], [53, 53, 54, 61]]
 CANDIDATES = [[60, 61], [62, 63], [64, 65], [66, 67]]  # the same four answers for every prompt
 ANSWER = [0, 1, 2, 3]  # the right one, per prompt

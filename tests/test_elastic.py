@@ -27,7 +27,7 @@ from asyncrl.runtime.status import query_status
 from asyncrl.runtime.status.schema import StatusUnavailableError
 from test_fault_tolerance import check_whole, tiny
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("actor_zygote")]
 
 
 def asyncrl_cli(*args: str) -> subprocess.CompletedProcess:

@@ -39,7 +39,7 @@ from asyncrl.rl.observe.metrics import truncate_metrics
 from asyncrl.rl.trainer.checkpoint import STALL_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("actor_zygote")]
 
 
 def tiny(model_path: str, run_dir, *overrides: str) -> GRPOConfig:

@@ -29,7 +29,7 @@ from asyncrl.rl.sampler.actor import SamplerActor
 from asyncrl.rl.tasks.loading import TaskSpec
 from sampler_support import ONE_THREAD
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("actor_zygote")]
 N = 24
 
 

@@ -14,6 +14,8 @@ import torch
 from asyncrl.rl.scorer.judge import Judge, parse_verdict, render
 from sampler_support import ONE_THREAD, write_tiny
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 # (prompt, completion, verdict word for "{prompt}={completion}?", generated verdict for "...!")
 CASES = [
     ("2+3", "5", "y", "score:1"),

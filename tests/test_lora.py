@@ -22,6 +22,8 @@ from asyncrl.rl.config.trainer import LoRAConfig, TrainerConfig  # noqa: E402
 from asyncrl.rl.model.lora import adapter_tensors  # noqa: E402
 from test_packing import random_groups  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 HOST = "127.0.0.1"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 

@@ -28,6 +28,8 @@ from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.rl.view.sparkline import sparkline
 from test_grpo import ROOT, TINY, launch
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -14,6 +14,8 @@ from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.scorer.reward import load_reward_model, sequence_rewards
 from asyncrl.runtime import Supervisor
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 PROMPTS = [[5, 9, 7, 3], [4, 4]]
 COMPLETIONS = [[8, 12, 6], [7], [9, 9, 9, 9, 9, 0]]  # the last ends with the pad id (0)
 

@@ -24,6 +24,8 @@ from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerTimeoutError
 from conftest import wait_until
 from sampler_support import HOST, N_HELDOUT, N_TRAIN, ONE_THREAD, recomputed, until_generating, write_tiny
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 pytest_plugins = ["sampler_support"]  # its fixtures: tiny_path, policy, prompts
 
 

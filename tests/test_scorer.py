@@ -13,6 +13,8 @@ from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
 from asyncrl.runtime import Supervisor
 from sampler_support import ONE_THREAD, recomputed
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 pytest_plugins = ["sampler_support"]  # its fixtures: tiny_path, policy, prompts
 
 COMPLETIONS = [[5, 9, 7], [4], [8, 8, 8, 8, 8, 6]]

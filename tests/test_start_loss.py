@@ -25,7 +25,7 @@ from asyncrl.rl.driver.faults import NoSamplersError
 from asyncrl.rl.driver.run import train
 from test_fault_tolerance import check_whole, records, tiny
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("actor_zygote")]
 
 
 async def kill_while_starting(sup, name: str, incarnation: int = 1, timeout_s: float = 120.0) -> float:

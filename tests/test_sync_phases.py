@@ -19,6 +19,8 @@ from asyncrl.rl.observe.sync_metrics import DELTA_METRICS, SYNC_METRICS, sync_re
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 from test_packing import random_groups
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 HOST = "127.0.0.1"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 EPS = 1e-6

@@ -34,3 +34,12 @@ def test_a_worker_waiting_for_a_shared_fixture_names_the_worker_that_holds_it(tm
     assert f"(pid {os.getpid()}) to finish building the shared model" in str(failed.value)
     with open(tmp_path / ".lock", "a+") as third:  # the holder closed it: free again
         _hold(third, 0.3, "a model")
+
+
+def test_the_longest_first_order_names_tiered_files_once():
+    """`LONGEST_FIRST` (the order pytest-xdist hands out the slowest files in) names files that exist."""
+    from conftest import LONGEST_FIRST
+
+    tiered = {name for names in TIERS.values() for name in names}
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), "named twice"
+    assert not set(LONGEST_FIRST) - tiered, f"not test files: {sorted(set(LONGEST_FIRST) - tiered)}"

@@ -23,6 +23,8 @@ from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.runtime.supervisor import Supervisor
 from tests.sampler_support import ONE_THREAD, write_tiny
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
+
 HOST = "127.0.0.1"
 
 
