@@ -10,7 +10,19 @@ import threading
 import pytest
 import torch
 
-from asyncrl.comm.delta import WHOLE, apply, encode, padding_index, payload_bytes, word_dtype
+from asyncrl.comm.delta import (
+    BITMAP,
+    INDEX,
+    WHOLE,
+    apply,
+    encode,
+    padding_index,
+    payload_bytes,
+    smallest_form,
+    told,
+    told_bytes,
+    word_dtype,
+)
 from asyncrl.comm.layout import TensorSpec, build_layout
 from sync_actors import digest
 
@@ -34,10 +46,50 @@ def test_a_few_changed_words_travel_as_values_and_indices_and_patch_the_base_bit
     base = kept.clone()
     out = torch.empty_like(current)
     encoded = encode(current, kept, out, torch.int16)
-    assert encoded.changed == encoded.told == 4
+    assert encoded == (4, told(INDEX, 4))
     assert torch.equal(kept, current)  # the sender's base is now what it sent
-    apply(out[: payload_bytes(4, 4096, torch.int16)], 4, base, torch.int16)
+    apply(out[: payload_bytes(4, 4096, torch.int16)], encoded.told, base, torch.int16)
     assert torch.equal(base, current)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.15, 0.5])
+def test_many_changed_words_travel_as_a_bitmap_and_values_and_patch_the_base_bit_exactly(fraction):
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(1 << 14, generator=g).bfloat16()
+    new = old.clone()
+    where = torch.randperm(old.numel(), generator=g)[: int(old.numel() * fraction)]
+    new[where] = torch.randn(where.numel(), generator=g).bfloat16()
+    new[where[:3]] = torch.tensor([float("nan"), -0.0, 1e-40]).bfloat16()
+    current, kept = bits(new).clone(), bits(old).clone()
+    base = kept.clone()
+    changed = int((current.view(torch.int16) != kept.view(torch.int16)).sum())
+    out = current  # as the sender does: the changes overwrite the packed bucket's front
+    expected = current.clone()
+    encoded = encode(current, kept, out, torch.int16)
+    assert encoded == (changed, told(BITMAP, changed))
+    assert torch.equal(kept, expected)
+    size = told_bytes(encoded.told, old.numel(), torch.int16)
+    assert size == old.numel() // 8 + changed * 2 < payload_bytes(changed, old.numel(), torch.int16, INDEX)
+    apply(out[:size].clone(), encoded.told, base, torch.int16)
+    assert torch.equal(base, expected)
+
+
+def test_the_smaller_form_wins_index_below_one_word_in_32_changed_bitmap_above_and_whole_beyond():
+    words, word = 1 << 20, torch.int16  # a 2 MiB bf16 bucket: its bitmap is 128 KiB
+    assert smallest_form(0, words, word) == INDEX
+    assert smallest_form(words // 40, words, word) == INDEX
+    assert smallest_form(words // 25, words, word) == BITMAP
+    assert smallest_form(words // 2, words, word) == BITMAP
+    assert smallest_form(words * 15 // 16, words, word) == WHOLE  # bits + values no smaller than the bucket
+    assert smallest_form(3, 1001, word) == INDEX  # words not a multiple of 8: no bitmap
+
+
+def test_a_bitmap_whose_bits_do_not_number_its_count_is_a_value_error():
+    base = torch.zeros(512, dtype=torch.uint8)  # 256 bf16 words: 32 bytes of bits
+    payload = torch.zeros(64, dtype=torch.uint8)
+    payload[0] = 0b101  # two words marked
+    with pytest.raises(ValueError, match="marks 2 changed words, its count says 3"):
+        apply(payload, told(BITMAP, 3), base, torch.int16)
 
 
 def test_a_bucket_that_changed_too_much_goes_whole_and_nothing_changed_sends_nothing():
@@ -46,7 +98,7 @@ def test_a_bucket_that_changed_too_much_goes_whole_and_nothing_changed_sends_not
     kept, out = old.clone(), torch.zeros_like(old)
     encoded = encode(new, kept, out, torch.int32)
     assert encoded == (1024, WHOLE) and torch.equal(kept, new) and not out.any()
-    assert encode(new, kept, out, torch.int32) == (0, 0)
+    assert encode(new, kept, out, torch.int32) == (0, told(INDEX, 0)) == (0, 0)
     assert payload_bytes(0, 1024, torch.int32) == 0
 
 
@@ -67,7 +119,7 @@ def test_words_are_the_dtype_that_holds_most_bytes_and_indices_fit_the_bucket():
 
 def test_a_payload_that_does_not_fit_its_bucket_is_a_value_error():
     with pytest.raises(ValueError, match="does not fit a bucket of 256 bytes"):
-        apply(torch.zeros(1024, dtype=torch.uint8), 200, torch.zeros(256, dtype=torch.uint8), torch.int16)
+        apply(torch.zeros(1024, dtype=torch.uint8), told(INDEX, 100), torch.zeros(256, dtype=torch.uint8), torch.int16)
 
 
 def make_master(seed: int) -> dict[str, torch.Tensor]:
@@ -120,11 +172,12 @@ def run_members(world: int, member, timeout_s: float = 60.0) -> None:
 
 
 def small_update(master: dict[str, torch.Tensor], g: torch.Generator, step: int) -> None:
-    """An optimiser step's worth: most bf16 values unchanged, a few moved, now and then a NaN or a -0.0."""
+    """An optimiser step's worth: most bf16 values unchanged, a few moved (every fourth step a
+    larger one, that moves a fifth of them), now and then a NaN or a -0.0."""
     with torch.no_grad():
         for name in ("w", "big", "b"):
             t = master[name]
-            t.add_(torch.randn(t.shape, generator=g) * 1e-4)
+            t.add_(torch.randn(t.shape, generator=g) * (1e-3 if step % 4 == 3 else 1e-4))
         master["w"].view(-1)[step % 2100] = float("nan") if step % 7 == 0 else -0.0
         master["steps"] += 1
 
@@ -166,6 +219,10 @@ def test_a_hundred_delta_syncs_are_bit_identical_to_full_ones_in_place_and_throu
     assert sent[0].bytes <= full < sent[0].bytes + 256 * 4  # the buckets' padding: 4 tensors
     for s in sent[1:]:
         assert 0 < s.changed < 0.5 and s.sent_bytes < full, s
+    large = [s for s in sent[1:] if s.changed > 0.1]
+    assert len(large) >= 20
+    for s in large:  # their buckets went as bitmaps: less than the index form's 6 bytes a changed weight
+        assert s.sent_bytes < 6 * s.changed * (full // 2), s
     for rank in (1, 2):
         assert [s.sent_bytes for s in stats[rank]] == [s.sent_bytes for s in sent]  # what one sent, each took
 

@@ -2,9 +2,10 @@
 `WeightReceiver` (``weights.py``) do with each bucket once the first vote has said that the sender
 keeps a base (`SyncMode.keep`) and that every member holds it (`SyncMode.delta`).
 
-Per bucket, the same collectives on every member: one broadcast of the count of changed words
-(`delta.WHOLE`: the bucket follows whole), then one of the changes (none when nothing changed).
-A receiver must read the count before it can receive what follows, so it waits for each transfer
+Per bucket, the same collectives on every member: one broadcast of what the receivers are told
+(`delta.told`: the count of changed words and their form, or `delta.WHOLE`: the bucket follows
+whole), then one of the changes (none when nothing changed).
+A receiver must read what it is told before it can receive what follows, so it waits for each transfer
 in turn instead of receiving bucket k+1 while it applies bucket k: the link, not the copies, is
 what a delta sync is for.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.comm.delta import WHOLE, KeptBuckets, SyncMode, apply, encode, padding_index, payload_bytes
+from asyncrl.comm.delta import WHOLE, KeptBuckets, SyncMode, apply, encode, padding_index, told_bytes
 from asyncrl.comm.errors import WeightSyncError
 from asyncrl.comm.layout import WeightLayout
 from asyncrl.comm.staging import CopyPlan, Staging, bucket_view
@@ -37,7 +38,7 @@ class ChangeSending:
 
     def encode(self, k: int, mode: SyncMode) -> int | None:
         """Within bucket k's copy, once it is packed. Returns what the receivers are told first
-        (the count of changed words, or `WHOLE`), None in a sync without counts."""
+        (`delta.told`, or `WHOLE`), None in a sync without counts."""
         if not mode.keep:
             return None
         wire, kept = self.staging.wire[k], self.kept.bucket(k)
@@ -52,16 +53,16 @@ class ChangeSending:
         self.staging.held.append(torch.tensor([encoded.told], dtype=torch.int64, device=wire.device))
         return encoded.told
 
-    def transfer(self, k: int, count: int | None) -> None:
+    def transfer(self, k: int, told: int | None) -> None:
         staging, size, word = self.staging, self.layout.bucket_sizes[k], self.kept.word
-        if count is not None:
+        if told is not None:
             staging.transfer(k, self.src, staging.held[-1])
             self.count.sent += 8
-        if count is None or count == WHOLE:
+        if told is None or told == WHOLE:
             staging.transfer(k, self.src)
             self.count.sent += size
-        elif count:
-            nbytes = payload_bytes(count, size // word.itemsize, word)
+        elif told:
+            nbytes = told_bytes(told, size // word.itemsize, word)
             staging.transfer(k, self.src, staging.wire[k][:nbytes])
             self.count.sent += nbytes
 
@@ -83,38 +84,38 @@ class ChangeReceiving:
     def receive(self, word: torch.dtype, kept: KeptBuckets | None, unpack) -> None:
         """``unpack(k, views)`` hands bucket k, as ``views``, to the tensors or the consumer."""
         staging = self.staging
-        count_of = torch.empty(1, dtype=torch.int64, device=self.device)
+        told_of = torch.empty(1, dtype=torch.int64, device=self.device)
         for k, size in enumerate(self.layout.bucket_sizes):
-            staging.receive_now(count_of, self.src)
-            count, payload = int(count_of.item()), None
+            staging.receive_now(told_of, self.src)
+            told, payload = int(told_of.item()), None
             self.count.sent += 8
-            if count == WHOLE:
+            if told == WHOLE:
                 staging.receive_now(staging.wire[k], self.src)
                 self.count.sent += size
             else:
-                nbytes = payload_bytes(count, size // word.itemsize, word)
-                if count < 0 or nbytes >= size:  # the sender's own rule: a delta is smaller than its bucket
-                    raise WeightSyncError(f"{self.who}: bucket {k} came as {count} changed words ({nbytes} bytes)")
+                nbytes = told_bytes(told, size // word.itemsize, word) if told >= 0 else -1
+                if not 0 <= nbytes < size:  # the sender's own rule: a delta is smaller than its bucket
+                    raise WeightSyncError(f"{self.who}: bucket {k} came told as {told} ({nbytes} bytes)")
                 payload = staging.buffers[(k + 1) % 2][:nbytes]  # bucket k's own buffer takes its base
                 if nbytes:
                     staging.receive_now(payload, self.src)
                 self.count.sent += nbytes
             with staging.copy(k):
-                self._patch(k, count, payload, word, kept, unpack)
+                self._patch(k, told, payload, word, kept, unpack)
 
-    def _patch(self, k: int, count: int, payload: torch.Tensor | None, word, kept, unpack) -> None:
+    def _patch(self, k: int, told: int, payload: torch.Tensor | None, word, kept, unpack) -> None:
         wire, views = self.staging.wire[k], self.staging.views[k]
         if kept is not None:  # the consumer's copy: patched, then delivered whole from it
             if payload is None:
                 kept.bucket(k).copy_(wire)
             else:
-                apply(payload, count, kept.bucket(k), word)
+                apply(payload, told, kept.bucket(k), word)
                 views = self.views_of(kept)[k]
         elif payload is not None:  # in place
-            if count == 0:
+            if told == 0:  # nothing changed
                 return
             self._back[k].run()
-            apply(payload, count, wire, word)
+            apply(payload, told, wire, word)
         unpack(k, views)
 
     def refill_from(self, plan: list[CopyPlan] | None) -> None:
