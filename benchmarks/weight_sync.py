@@ -5,6 +5,7 @@
     python benchmarks/weight_sync.py --shape 0.5b --backend ipc                  # one GPU, colocated
     python benchmarks/weight_sync.py --shape tiny --backend gloo --delta --changed 0.003   # delta syncs
     python benchmarks/weight_sync.py --shape 0.5b --link 1gbit --changed 0.003 --iters 3  # root: full vs delta
+    python benchmarks/weight_sync.py --shape 0.5b --profile out/ws-trace        # and a trace of 3 more syncs
 
 Each member is an actor on its own GPU (or CPU process). A "sync" is the whole of
 `WeightSender.send` / `WeightReceiver.receive`: vote, pack into buckets, broadcast, unpack into the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 
@@ -110,24 +112,41 @@ class Member(SyncMember):
 
     @endpoint
     async def syncs(self, iters: int, changed: float = 0.0) -> list[float]:
-        def run():
-            times = []
-            for _ in range(iters):
-                self.version += 1
-                if self.is_sender and changed:
-                    self._change(changed)
-                self._synchronize()
-                start = time.perf_counter()
-                if self.is_sender:
-                    stats = self.sync.send(self.version)
-                else:
-                    stats = self.sync.receive(self.version, self.state)
-                self.stats.append(stats)
-                self._synchronize()
-                times.append(time.perf_counter() - start)
-            return times
+        return await asyncio.to_thread(self._syncs, iters, changed)
 
-        return await asyncio.to_thread(run)
+    def _syncs(self, iters: int, changed: float) -> list[float]:
+        times = []
+        for _ in range(iters):
+            self.version += 1
+            if self.is_sender and changed:
+                self._change(changed)
+            self._synchronize()
+            start = time.perf_counter()
+            if self.is_sender:
+                stats = self.sync.send(self.version)
+            else:
+                stats = self.sync.receive(self.version, self.state)
+            self.stats.append(stats)
+            self._synchronize()
+            times.append(time.perf_counter() - start)
+        return times
+
+    @endpoint
+    async def profiled_syncs(self, iters: int, changed: float, path: str) -> None:
+        """``iters`` more syncs under torch's profiler (host and, on CUDA, device activity); its
+        trace, for chrome://tracing or Perfetto, written to ``path``."""
+
+        def run():
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            with profile(activities=activities) as prof:
+                self._syncs(iters, changed)
+            prof.export_chrome_trace(path)
+
+        await asyncio.to_thread(run)
 
     def _change(self, fraction: float) -> None:
         """A fraction of every tensor's elements, at random places, moved by one."""
@@ -211,6 +230,7 @@ async def main() -> None:
     parser.add_argument("--delta", action="store_true", help="send only what changed (--run.sync_delta on)")
     parser.add_argument("--changed", type=float, default=0.0, help="fraction of elements changed before each sync")
     parser.add_argument("--link", default="", help="e.g. 1gbit: over a rate-limited veth link, full and delta")
+    parser.add_argument("--profile", default="", help="a folder: 3 more syncs profiled, a trace per member there")
     args = parser.parse_args()
     if args.link:
         import slow_link
@@ -256,6 +276,12 @@ async def main() -> None:
             else slowest(await asyncio.gather(*(m.raw_broadcasts(args.iters) for m in members)))
         )
         created = await asyncio.gather(*(m.sync_created() for m in members))
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            names = ["sender"] + [f"receiver{i}" for i in range(args.receivers)]
+            traces = [os.path.abspath(os.path.join(args.profile, f"{name}.json")) for name in names]
+            await asyncio.gather(*(m.profiled_syncs(3, args.changed, t) for m, t in zip(members, traces)))
+            print(f"traces of 3 syncs: {', '.join(traces)}")
 
     report(args, device, colocated, nbytes, buckets[0], (first, first_total), ours, raw, phases, extra, created)
 

@@ -18,7 +18,8 @@ from asyncrl.comm.weights import WeightReceiver, WeightSender
 def make_state(
     seed: int, *, big: int = 70_000, tiny: int = 40, shape_of_w: tuple[int, int] = (33, 7)
 ) -> dict[str, torch.Tensor]:
-    """fp32, bf16, fp16 and int64 tensors; one larger than a 64 KiB bucket; many tiny; one empty."""
+    """fp32, bf16, fp16 and int64 tensors; two larger than a 64 KiB bucket (sent whole: the first
+    before the buckets, the last after them); many tiny; one empty."""
     g = torch.Generator().manual_seed(seed)
     state = {
         "embed.weight": torch.randn(big, generator=g),  # 280 kB: chunked across buckets
@@ -30,6 +31,7 @@ def make_state(
     }
     for i in range(tiny):
         state[f"tiny.{i}"] = torch.randn(i % 5 + 1, generator=g)
+    state["head.weight"] = torch.randn(big // 4, generator=g)  # 70 kB
     return state
 
 
@@ -66,12 +68,12 @@ class Sender(SyncMember):
         return len(self.sender.layout.buckets), len(self.sender.layout.direct)
 
     @endpoint
-    async def step_and_send(self, version: int, small: bool = False) -> str:
+    async def step_and_send(self, version: int, small: bool = False, every: int = 1) -> str:
         """Change every tensor (as an optimizer step would, in place), then sync it as ``version``;
-        ``small``: change one element of each (a delta sync's case)."""
+        ``small``: change one element of each (a delta sync's case); ``every``: every k-th element."""
         for t in self.state.values():
             if t.numel():
-                (t.view(-1)[:1] if small else t).add_(1)
+                (t.view(-1)[:1] if small else t.view(-1)[::every]).add_(1)
         stats = await asyncio.to_thread(self.sender.send, version)
         self.delta_syncs += stats.delta
         return digest(self.state)

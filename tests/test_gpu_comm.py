@@ -50,6 +50,26 @@ async def test_weight_sync_over_nccl_is_bit_exact_on_one_communicator():
         assert await sender.sync_created() == {"nccl": 1} and await receiver.sync_created() == {"nccl": 1}
 
 
+async def test_delta_syncs_over_nccl_are_bit_exact_as_indices_as_bitmaps_and_whole():
+    """--run.sync_delta on between two GPUs: one element a tensor changed (indices), every 10th
+    (a bitmap), every one (whole buckets), in place and through a consumer."""
+    async with Supervisor(device_kind="cuda") as sup:
+        sender = await sup.spawn(Sender, 1, kwargs={"device": "cuda"}, name="sender", gpus=1)
+        in_place = await sup.spawn(Receiver, 2, kwargs={"device": "cuda"}, name="in_place", gpus=1)
+        whole = await sup.spawn(
+            Receiver, 3, kwargs={"device": "cuda", "whole": True}, name="whole", share_devices_with="in_place"
+        )
+        members = [sender, in_place, whole]
+        await form_group(members, HOST, backend="nccl", timeout_s=60)
+        await asyncio.gather(sender.setup(delta=True), in_place.setup(), whole.setup())
+        for version, (small, every) in enumerate([(False, 1), (True, 1), (False, 10), (False, 1), (False, 7)]):
+            sent, *got = await asyncio.gather(
+                sender.step_and_send(version, small, every), in_place.receive(version), whole.receive(version)
+            )
+            assert got == [sent, sent], version
+        assert [await m.deltas() for m in members] == [4, 4, 4]  # all but the first, which has no base
+
+
 async def test_two_receivers_sharing_a_gpu_get_bit_exact_weights_over_nccl_then_ipc():
     """--sampler.per_gpu 2: a group of 3 on 2 GPUs is made in tiers (comm/tiered.py), created once."""
     async with Supervisor(device_kind="cuda") as sup:

@@ -123,7 +123,7 @@ def encode(current: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, word: t
     words = now.numel()
     changed = _changed_words(current, kept, word)
     mask = (now != base) if changed is None else None
-    count = int(mask.sum()) if mask is not None else changed.numel()  # exact, for the stats too
+    count = int(mask.count_nonzero()) if mask is not None else changed.numel()  # exact, for the stats too
     form = smallest_form(count, words, word)
     if form == WHOLE:
         kept.copy_(current)
@@ -151,7 +151,7 @@ def encode(current: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, word: t
 def _pack(mask: torch.Tensor) -> torch.Tensor:
     """A bool tensor (its length a multiple of 8) as bits, 8 to a byte, least significant first."""
     bits = torch.tensor(_BITS, dtype=torch.uint8, device=mask.device)
-    return (mask.view(-1, 8).to(torch.uint8) * bits).sum(1, dtype=torch.uint8)
+    return (mask.view(torch.uint8).view(-1, 8) * bits).sum(1, dtype=torch.uint8)
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -168,10 +168,11 @@ def _changed_words(current: torch.Tensor, kept: torch.Tensor, word: torch.dtype)
     ratio = 8 // word.itemsize
     if ratio == 1 or current.numel() % 8:
         return (current.view(word) != kept.view(word)).nonzero().view(-1)
-    blocks = (current.view(torch.int64) != kept.view(torch.int64)).nonzero().view(-1)
+    differs = current.view(torch.int64) != kept.view(torch.int64)
     words = current.numel() // word.itemsize
-    if payload_bytes(blocks.numel(), words, word) >= current.numel():
+    if payload_bytes(int(differs.count_nonzero()), words, word) >= current.numel():  # counting is cheaper than listing
         return None
+    blocks = differs.nonzero().view(-1)
     differ = current.view(word).view(-1, ratio)[blocks] != kept.view(word).view(-1, ratio)[blocks]
     block, offset = differ.nonzero().unbind(1)
     return blocks[block] * ratio + offset
@@ -189,8 +190,9 @@ def apply(payload: torch.Tensor, told_value: int, base: torch.Tensor, word: torc
     if form == BITMAP:
         at = _bitmap_bytes(words.numel())
         mask = _unpack(payload[: words.numel() // 8])
-        if int(mask.sum()) != count:
-            raise ValueError(f"a delta's bitmap marks {int(mask.sum())} changed words, its count says {count}")
+        marked = int(mask.count_nonzero())
+        if marked != count:
+            raise ValueError(f"a delta's bitmap marks {marked} changed words, its count says {count}")
         words.masked_scatter_(mask, payload[at : at + count * word.itemsize].view(word))
         return
     at, kind = _pad8(count * word.itemsize), index_dtype(words.numel())
