@@ -99,8 +99,9 @@ def main(args, shapes: dict[str, tuple[int, ...]]) -> None:
                 rows.append((delta, stats, time.perf_counter() - start))
     except pytest.skip.Exception as exc:
         raise SystemExit(f"weight_sync.py --link: {exc}") from None
+    size = f"{args.bucket_mib} MiB" if args.bucket_mib else "the default size"
     print(
-        f"\n{args.shape} state dict: {nbytes / (1 << 30):.2f} GiB bf16, buckets of {args.bucket_mib} MiB; one "
+        f"\n{args.shape} state dict: {nbytes / (1 << 30):.2f} GiB bf16, buckets of {size}; one "
         f"receiver behind a {args.link} link each way (tc tbf on a veth pair); {args.changed:.2%} of values "
         f"changed a sync; {args.iters} syncs after the first"
     )

@@ -97,7 +97,7 @@ class Member(SyncMember):
             torch.cuda.synchronize()
 
     @endpoint
-    async def setup(self, bucket_bytes: int, delta: bool = False) -> int:
+    async def setup(self, bucket_bytes: int, delta: bool = False) -> tuple[int, int]:
         def build():
             if self.is_sender:
                 return WeightSender.create(
@@ -108,7 +108,7 @@ class Member(SyncMember):
         self.sync = await asyncio.to_thread(build)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        return len(self.sync.layout.buckets)
+        return len(self.sync.layout.buckets), self.sync.layout.bucket_bytes
 
     @endpoint
     async def syncs(self, iters: int, changed: float = 0.0) -> list[float]:
@@ -225,7 +225,7 @@ async def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--receivers", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--bucket-mib", type=int, default=256)
+    parser.add_argument("--bucket-mib", type=int, default=0, help="0: the library's default for the weights' size")
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo", "ipc"], default="auto")
     parser.add_argument("--delta", action="store_true", help="send only what changed (--run.sync_delta on)")
     parser.add_argument("--changed", type=float, default=0.0, help="fraction of elements changed before each sync")
@@ -293,7 +293,7 @@ def report(args, device, colocated, nbytes, buckets, first, ours, raw, phases, e
     gib = nbytes / (1 << 30)
     ours_s, raw_s = statistics.median(ours), statistics.median(raw)
     print(
-        f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets} buckets of {args.bucket_mib} MiB; "
+        f"\n{args.shape} state dict: {gib:.2f} GiB bf16 in {buckets[0]} buckets of {buckets[1] >> 20} MiB; "
         f"1 sender + {args.receivers} receiver(s) on {device}; {args.iters} syncs"
     )
     print("| what | median | effective GiB/s |")

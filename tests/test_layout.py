@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from asyncrl.comm.errors import LayoutMismatchError
-from asyncrl.comm.layout import DTYPES, TensorSpec, WeightLayout, build_layout, dtype_name, spec_of
+from asyncrl.comm.layout import (
+    DTYPES,
+    TensorSpec,
+    WeightLayout,
+    build_layout,
+    default_bucket_bytes,
+    dtype_name,
+    sender_layout,
+    spec_of,
+)
 
 
 def specs(*entries):
@@ -110,3 +119,14 @@ def test_tensors_sent_directly_leave_the_buckets():
         build_layout(specs(("small", (10,), "float32")), 1024, direct=["small"])
     with pytest.raises(ValueError, match="larger than a bucket"):
         build_layout(specs(("small", (10,), "float32")), 1024, direct=["nope"])
+
+
+def test_the_default_bucket_grows_with_the_weights_on_a_gpu_to_512_mib_and_stays_32_mib_on_the_cpu():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # only the device's type is read
+    assert default_bucket_bytes(cpu, 15_231_233_024) == 32 << 20
+    assert default_bucket_bytes(gpu) == default_bucket_bytes(gpu, 1_260_334_848) == 256 << 20  # 0.5B in bf16
+    assert default_bucket_bytes(gpu, 8 << 30) == (8 << 30) // 24 >> 20 << 20  # 341 MiB: whole MiB
+    assert default_bucket_bytes(gpu, 15_231_233_024) == 512 << 20  # 7B in bf16
+    tensors = {"w": torch.zeros(10, 1000), "b": torch.zeros(10, dtype=torch.int64)}
+    layout = sender_layout(tensors, None, torch.bfloat16)
+    assert layout.bucket_bytes == 32 << 20 and [s.dtype for s in layout.tensors] == ["bfloat16", "int64"]

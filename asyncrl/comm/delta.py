@@ -121,9 +121,12 @@ def encode(current: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, word: t
     the told value is `WHOLE` and ``out`` is untouched (the bucket to send is ``current``)."""
     now, base = current.view(word), kept.view(word)
     words = now.numel()
-    changed = _changed_words(current, kept, word)
-    mask = (now != base) if changed is None else None
-    count = int(mask.count_nonzero()) if mask is not None else changed.numel()  # exact, for the stats too
+    changed, mask = _changed_words(current, kept, word), None
+    if changed is None:
+        mask = now != base
+        count = int(mask.count_nonzero())  # exact, for the stats too
+    else:
+        count = changed.numel()
     form = smallest_form(count, words, word)
     if form == WHOLE:
         kept.copy_(current)

@@ -21,6 +21,8 @@ from asyncrl.comm.errors import LayoutMismatchError
 
 DEFAULT_ALIGNMENT = 256
 DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 256 MiB, ~233 at 16 MiB
+LARGEST_GPU_BUCKET_BYTES = 512 << 20
+GPU_BUCKETS_AIMED_AT = 24
 DEFAULT_CPU_BUCKET_BYTES = 32 << 20  # gloo gains nothing past a few MiB; keep the staging small
 
 # dtypes a weight may have; names are what travels, so an unknown name is refused, never looked up.
@@ -188,13 +190,31 @@ def _align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-def default_bucket_bytes(device: torch.device) -> int:
-    return DEFAULT_CPU_BUCKET_BYTES if device.type == "cpu" else DEFAULT_GPU_BUCKET_BYTES
+def default_bucket_bytes(device: torch.device, total_bytes: int = 0) -> int:
+    """The bucket size for ``total_bytes`` on the wire. On a GPU 256 MiB, up to 512 MiB for
+    weights of more than 24 such buckets: each bucket costs ~50 us of fixed work beside its bytes
+    (2 x H200, a 7B shape: 88% of a raw NCCL broadcast's speed in 256 MiB buckets, 94% in 512,
+    95% in 1 GiB), while the staging holds two buckets and the pipeline fills and drains one (a
+    0.5B shape in one 1 GiB bucket: 58%)."""
+    if device.type == "cpu":
+        return DEFAULT_CPU_BUCKET_BYTES
+    aimed = total_bytes // GPU_BUCKETS_AIMED_AT >> 20 << 20  # whole MiB: every alignment divides it
+    return min(max(aimed, DEFAULT_GPU_BUCKET_BYTES), LARGEST_GPU_BUCKET_BYTES)
+
+
+def wire_specs(tensors: Mapping[str, torch.Tensor], wire_dtype: torch.dtype | None = None) -> list[TensorSpec]:
+    """The tensors as they travel: floating-point ones in ``wire_dtype`` where one is given."""
+    return [
+        spec_of(n, t)
+        if wire_dtype is None or not t.is_floating_point()
+        else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype))
+        for n, t in tensors.items()
+    ]
 
 
 def sender_layout(
     tensors: Mapping[str, torch.Tensor],
-    bucket_bytes: int,
+    bucket_bytes: int | None,
     wire_dtype: torch.dtype | None = None,
     allow_direct: bool = True,
     *,
@@ -202,13 +222,12 @@ def sender_layout(
 ) -> WeightLayout:
     """The layout a sender of ``tensors`` proposes: a pure function of the tensors' names, shapes
     and dtypes (and the communicator's ``device``), so every rank of a sharded trainer computes the
-    same one."""
-    specs = [
-        spec_of(n, t)
-        if wire_dtype is None or not t.is_floating_point()
-        else TensorSpec(n, tuple(t.shape), dtype_name(wire_dtype))
-        for n, t in tensors.items()
-    ]
+    same one. ``bucket_bytes`` None: `default_bucket_bytes` for the communicator's device (the
+    tensors' where none is given) and the bytes on the wire."""
+    specs = wire_specs(tensors, wire_dtype)
+    if not bucket_bytes:
+        where = device or next((t.device for t in tensors.values()), torch.device("cpu"))
+        bucket_bytes = default_bucket_bytes(where, sum(spec.nbytes for spec in specs))
     # A tensor larger than a bucket goes straight from the parameter when nothing has to change
     # on the way (contiguous, no cast): no staging copy, and no pipeline fill before it. Not
     # across devices: a CUDA model's weights on a CPU communicator (gloo) are staged.

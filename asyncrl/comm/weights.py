@@ -38,7 +38,7 @@ from asyncrl.comm.delivery import BatchConsumer, ConsumerGuard, Destination, del
 from asyncrl.comm.delta import KeptBuckets, SyncMode, word_dtype
 from asyncrl.comm.delta_wire import ChangeReceiving, ChangeSending, WireCount
 from asyncrl.comm.errors import LayoutMismatchError, WeightSyncError
-from asyncrl.comm.layout import WeightLayout, default_bucket_bytes, sender_layout
+from asyncrl.comm.layout import WeightLayout, sender_layout
 from asyncrl.comm.layout_check import agree_on_setup, mismatch
 from asyncrl.comm.phase_clock import COPY, TRANSFER
 from asyncrl.comm.rendezvous import StoreGroup
@@ -221,7 +221,6 @@ class WeightSender(_WeightSync):
         ``delta``: keep what was sent and send only its changes where every member holds it
         (one copy of the bucketed weights in the wire's dtype; every tensor then goes through
         the buckets, which is where changes are found)."""
-        bucket_bytes = bucket_bytes or default_bucket_bytes(comm.device)
         layout = sender_layout(tensors, bucket_bytes, wire_dtype, allow_direct and not delta, device=comm.device)
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
         group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
@@ -358,16 +357,17 @@ class WeightReceiver(_WeightSync):
         self._in_place = isinstance(into, Mapping)
         consumer: ConsumerGuard | None = None
         plan: list[CopyPlan] | None = None
+        receiving: Mapping[str, torch.Tensor] | ConsumerGuard
         if isinstance(into, Mapping):
             plan = self._plan_for(into, staging_is_dst=False)
-            self._move_direct(into, self._direct_before)
+            receiving = into
         else:
-            consumer = ConsumerGuard(into, batched)
+            receiving = consumer = ConsumerGuard(into, batched)
             for spec in layout.tensors:  # empty tensors carry no bytes but are still delivered
                 if spec.nbytes == 0:
                     consumer(spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.comm.device))
             consumer.flush()
-            self._move_direct(consumer, self._direct_before)
+        self._move_direct(receiving, self._direct_before)
         partial: dict[int, torch.Tensor] = {}  # tensors larger than a bucket, being assembled
         if consumer is not None and mode.keep and self.kept is None:
             self.kept = KeptBuckets(layout, self.comm.device)  # a consumer holds no copy we can patch
@@ -387,7 +387,7 @@ class WeightReceiver(_WeightSync):
                 if kept is not None:
                     kept.bucket(k).copy_(self.staging.wire[k])
                 self._unpack(k, plan, consumer, self.staging.views[k], partial)
-        self._move_direct(into if consumer is None else consumer, self._direct_after)
+        self._move_direct(receiving, self._direct_after)
         return consumer.failure if consumer is not None else ""
 
     def _unpack(

@@ -67,14 +67,17 @@ class WeightSending:
         )
 
     def _setup(self, timeout_s: float, bucket_bytes: int, wire_dtype: torch.dtype | None, delta: bool) -> int:
-        from asyncrl.comm.layout import default_bucket_bytes, sender_layout
+        from asyncrl.comm.layout import default_bucket_bytes, sender_layout, wire_specs
 
         parallel, device = self.ranks.parallel, self.ranks.device
         params = self.tensors()
         # a sharded parameter is gathered into a bucket, never sent from where it lies; a delta
         # is found in the buckets, so with one nothing is sent directly either
         direct = parallel.world_size == 1 and not delta
-        size = bucket_bytes or (None if parallel.world_size == 1 else default_bucket_bytes(device))
+        if bucket_bytes or parallel.world_size == 1:
+            size = bucket_bytes or None  # None: the default for the communicator's device
+        else:  # every rank the same: the default for the trainer's device
+            size = default_bucket_bytes(device, sum(spec.nbytes for spec in wire_specs(params, wire_dtype)))
         if parallel.rank == 0:
             self.sender = WeightSender.create(
                 self.seat.comm,
