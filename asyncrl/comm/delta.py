@@ -132,7 +132,8 @@ def encode(current: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, word: t
         kept.copy_(current)
         return Encoded(count, WHOLE)
     if form == INDEX:
-        assert changed is not None  # `_changed_words` gives up only where the index form is larger than the bucket
+        if changed is None:  # not listed where the index form cannot be the smaller: never so here
+            changed = (now != base).nonzero().view(-1)
         values = now[changed]  # a copy: ``out`` may be ``current``
         base[changed] = values
         at = _pad8(count * word.itemsize)
