@@ -18,8 +18,7 @@ from asyncrl.comm.weights import WeightReceiver, WeightSender
 def make_state(
     seed: int, *, big: int = 70_000, tiny: int = 40, shape_of_w: tuple[int, int] = (33, 7)
 ) -> dict[str, torch.Tensor]:
-    """fp32, bf16, fp16 and int64 tensors; two larger than a 64 KiB bucket (sent whole: the first
-    before the buckets, the last after them); many tiny; one empty."""
+    """fp32, bf16, fp16 and int64 tensors; two larger than a 64 KiB bucket; many tiny; one empty."""
     g = torch.Generator().manual_seed(seed)
     state = {
         "embed.weight": torch.randn(big, generator=g),  # 280 kB: chunked across buckets

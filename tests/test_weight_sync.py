@@ -43,8 +43,8 @@ async def test_ten_syncs_are_bit_exact_on_one_communicator(n_receivers):
         )
         await form_group([sender, *receivers], HOST, timeout_s=30)
         buckets = await asyncio.gather(sender.setup(), *(r.setup() for r in receivers))
-        # the 280 kB and 70 kB tensors are larger than a 64 KiB bucket: they go whole, unstaged, one
-        # before the bucket and one after it; the rest is bucketed
+        # the 280 kB and 70 kB tensors are larger than a 64 KiB bucket: they go whole, unstaged; the
+        # rest is bucketed
         assert len(set(buckets)) == 1 and buckets[0] == (1, 2)
         for version in range(10):
             sent, *got = await sync(sender, receivers, version)

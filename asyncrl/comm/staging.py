@@ -42,9 +42,7 @@ class Staging:
         self.clock = PhaseClock()
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(comm.device)
-            # The wire's kernels first: a bucket's copy kernel fills every SM it can, and a
-            # collective queued behind it would leave the link idle until its blocks drain.
-            self.comm_stream = torch.cuda.Stream(comm.device, priority=-1)
+            self.comm_stream = torch.cuda.Stream(comm.device)
             self.copied = [torch.cuda.Event(), torch.cuda.Event()]
             self.transferred = [torch.cuda.Event(), torch.cuda.Event()]
 

@@ -67,10 +67,6 @@ class _WeightSync:
         self.staging = Staging(comm, layout, self._remaining)
         self._expected = [(spec.name, torch.Size(spec.shape), spec.torch_dtype) for spec in layout.tensors]
         self._chunked = [spec.name for spec in layout.tensors if spec.nbytes > layout.bucket_bytes]
-        # Tensors sent whole go around the buckets: the first while bucket 0 is packed (the
-        # pipeline's fill), the last while the last bucket is unpacked (its drain).
-        cut = len(layout.direct) - (1 if len(layout.direct) > 1 and layout.buckets else 0)
-        self._direct_before, self._direct_after = layout.direct[:cut], layout.direct[cut:]
         self._total_bytes = layout.total_bytes
         self._wire_bytes = sum(layout.bucket_sizes) + sum(layout.tensors[i].nbytes for i in layout.direct)
         self._plan_key: tuple[int, ...] = ()
@@ -265,15 +261,13 @@ class WeightSender(_WeightSync):
         return ""
 
     def _move(self, plan: list[CopyPlan], mode: SyncMode) -> str:
-        for i in self._direct_before:
+        for i in self.layout.direct:  # first: they need no packing, which meanwhile fills bucket 0
             self.staging.transfer_direct(self._plan_tensors[i], self.src)
         for k in range(len(self.layout.buckets)):
             with self.staging.copy(k):
                 plan[k].run()
                 count = self.changes.encode(k, mode) if self.changes else None
             self._send_bucket(k, count)
-        for i in self._direct_after:
-            self.staging.transfer_direct(self._plan_tensors[i], self.src)
         return ""
 
     def _send_bucket(self, k: int, count: int | None) -> None:
@@ -357,17 +351,16 @@ class WeightReceiver(_WeightSync):
         self._in_place = isinstance(into, Mapping)
         consumer: ConsumerGuard | None = None
         plan: list[CopyPlan] | None = None
-        receiving: Mapping[str, torch.Tensor] | ConsumerGuard
         if isinstance(into, Mapping):
             plan = self._plan_for(into, staging_is_dst=False)
-            receiving = into
+            self._move_direct(into)
         else:
-            receiving = consumer = ConsumerGuard(into, batched)
+            consumer = ConsumerGuard(into, batched)
             for spec in layout.tensors:  # empty tensors carry no bytes but are still delivered
                 if spec.nbytes == 0:
                     consumer(spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.comm.device))
             consumer.flush()
-        self._move_direct(receiving, self._direct_before)
+            self._move_direct(consumer)
         partial: dict[int, torch.Tensor] = {}  # tensors larger than a bucket, being assembled
         if consumer is not None and mode.keep and self.kept is None:
             self.kept = KeptBuckets(layout, self.comm.device)  # a consumer holds no copy we can patch
@@ -387,7 +380,6 @@ class WeightReceiver(_WeightSync):
                 if kept is not None:
                     kept.bucket(k).copy_(self.staging.wire[k])
                 self._unpack(k, plan, consumer, self.staging.views[k], partial)
-        self._move_direct(receiving, self._direct_after)
         return consumer.failure if consumer is not None else ""
 
     def _unpack(
@@ -405,11 +397,10 @@ class WeightReceiver(_WeightSync):
             deliver_bucket(consumer, self.layout, k, views, partial)
             consumer.flush()  # while bucket k's views are valid: k+2 reuses its buffer
 
-    def _move_direct(self, into: Mapping[str, torch.Tensor] | ConsumerGuard, direct: list[int]) -> None:
-        """Tensors sent whole (these of the layout's): received in place, or into temporaries
-        handed to the consumer."""
+    def _move_direct(self, into: Mapping[str, torch.Tensor] | ConsumerGuard) -> None:
+        """Tensors sent whole: received in place, or into temporaries handed to the consumer."""
         received = []
-        for i in direct:
+        for i in self.layout.direct:
             spec = self.layout.tensors[i]
             if isinstance(into, Mapping) and into[spec.name].device == self.comm.device:
                 self.staging.transfer_direct(into[spec.name], self.src)
