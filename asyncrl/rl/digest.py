@@ -22,5 +22,5 @@ def tensor_digest(tensors: Mapping[str, Any], dtypes: Mapping[str, Any] | None =
         t = t.contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy of the bytes
     return h.hexdigest()
