@@ -92,6 +92,7 @@ class NodeAgent:
         self._reporters: dict[tuple[str, int], asyncio.Task] = {}
         self._zygote: Zygote | None = None  # closed when the agent ends
         self._forker: Zygote | None = None  # where actors are forked from while it works; None: Popen
+        self._zygote_decided: asyncio.Future | None = None  # pending while `run` joins (and starts it)
         self._tasks: set[asyncio.Task] = set()
         self._body = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(wire.ToAgent)
@@ -107,7 +108,7 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         self._welcome: asyncio.Future = loop.create_future()
         self._done: asyncio.Future = loop.create_future()
-        self._zygote_decided: asyncio.Future = loop.create_future()  # a start waits for it (`_fork`)
+        self._zygote_decided = loop.create_future()  # a start waits for it (`_fork`)
         self._death_r, death_w = os.pipe()  # only we hold the write end: its EOF tells workers we died
         ctx = zmq.Context()
         sock = configure(ctx.socket(zmq.DEALER), linger_ms=2000)  # linger: NodeLeaving must get out
@@ -357,7 +358,8 @@ class NodeAgent:
         """The actor's process forked by the zygote, or None where it is to start by ``Popen``: no
         zygote here, or (said in the agent's output) the zygote failed or the actor's environment
         differs from its own where that matters (`Zygote.unsuitable`)."""
-        await asyncio.shield(self._zygote_decided)  # a start read while the zygote's own start ran
+        if self._zygote_decided is not None:  # a start read while the zygote's own start ran waits
+            await asyncio.shield(self._zygote_decided)
         zygote = self._forker
         if zygote is None or not zygote.alive:
             return None
