@@ -117,39 +117,40 @@ _TIER_OF = {f"test_{name}.py": tier for tier, names in TIERS.items() for name in
 
 LONGEST_FIRST = (
     "vllm_actor",
-    "grpo_multinode",
     "trainer_group",
-    "observe",
+    "grpo_multinode",
     "policy_eval",
     "fault_tolerance",
-    "weight_sync",
+    "observe",
+    "lora",
+    "run_lifecycle",
     "vllm_backend",
     "lora_vllm",
-    "run_lifecycle",
-    "lora",
     "user_task",
     "multinode",
-    "user_errors",
+    "weight_sync",
     "sampler",
+    "user_errors",
     "grpo",
-    "start_loss",
     "rpc_tensors",
+    "start_loss",
+    "launch_errors",
     "supervisor",
     "agents",
-    "launch_errors",
     "delta_sync",
-    "elastic",
     "rpc",
-    "tasks",
     "heldout_samplers",
+    "tasks",
+    "distill",
+    "elastic",
 )
-"""The test files that take longest under the README's command (each file's wall seconds in one run,
-222 down to 21, on a 2-core VM, 2026-11-29), longest first. Under pytest-xdist these are handed out
-first and every other file after them in collection order (longest processing time first), so that
-both workers end on short files. xdist's own order for ``--dist loadfile`` (most tests first) left
-the vLLM files of a few tests each for last: one worker idled 35 s at the end while the other ran
-the last (test_lora_vllm.py); 2 s so. A file missing here only runs later; `test_tiers.py` checks
-that each name is a tiered file."""
+"""The test files that take longest under the README's command (the seconds of each file's tests in
+one run, their JUnit times summed, 324 down to 18, on a 2-core VM, 2026-11-29), longest first. Under
+pytest-xdist these are handed out first and every other file after them in collection order (longest
+processing time first), so that both workers end on short files. xdist's own order for ``--dist
+loadfile`` (most tests first) left the vLLM files of a few tests each for last: one worker idled 35 s
+at the end while the other ran the last (test_lora_vllm.py); 2 s so. A file missing here only runs
+later; `test_tiers.py` checks that each name is a tiered file."""
 _RANK = {f"test_{name}.py": i for i, name in enumerate(LONGEST_FIRST)}
 
 

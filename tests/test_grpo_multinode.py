@@ -34,6 +34,7 @@ from asyncrl.rl.config.run import Placement
 from asyncrl.rl.driver.devices import plan_devices
 from asyncrl.rl.driver.run import train
 from asyncrl.rl.driver.start_checks import check_placement
+from asyncrl.runtime.status import StatusUnavailableError, query_status
 from conftest import descendants, kill_all, process_alive, wait_until
 from multinode_support import (
     NODE_TIMEOUT_S,
@@ -115,6 +116,7 @@ class TwoNodes:
         """``env0``, ``env1``: more environment for node 0 (the driver) and node 1 (the agent)."""
         self.log_dir = tmp_path / name
         self.log_dir.mkdir()
+        self.run_dir = args[args.index("--run.run_dir") + 1] if "--run.run_dir" in args else ""
         self.namespace = namespace
         secret = make_secret_file(str(self.log_dir))
         port = free_port(master)
@@ -135,17 +137,14 @@ class TwoNodes:
         return (self.log_dir / "driver.log").read_text(errors="replace")
 
     def node1_actors(self) -> dict[int, str]:
-        """The actor processes node 1's agent runs: pid -> actor name."""
-        found = {}
-        for pid in descendants(self.agent.pid):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    names = [v for v in f.read().split(b"\0") if v.startswith(b"ASYNCRL_ACTOR=")]
-            except OSError:
-                continue
-            if names:
-                found[pid] = names[0].split(b"=", 1)[1].decode()
-        return found
+        """The actor processes node 1's agent runs (forked by its zygote, so their /proc environ
+        is the zygote's): pid -> actor name, as the run's status names its actors on node 1."""
+        try:
+            actors = query_status(self.run_dir, 10.0).actors
+        except StatusUnavailableError:  # not serving yet
+            return {}
+        below = descendants(self.agent.pid)
+        return {a.pid: a.name for a in actors if a.node == 1 and a.pid in below}
 
     def kill_node1(self) -> list[int]:
         """SIGKILL node 1's agent (its actors die with it); returns their pids, for the check."""
@@ -374,7 +373,6 @@ def test_a_node_joining_an_elastic_run_takes_a_sampler_that_syncs_first_and_drai
     # generates; then node 1's agent is told to stop: the sampler is drained (nothing it
     # delivered lost, not counted a loss), the agent leaves once it is stopped, the run goes on.
     from asyncrl.rl.driver.scaling import scale
-    from asyncrl.runtime.status import query_status
 
     namespace, master, _ = node1
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"

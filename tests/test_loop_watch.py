@@ -35,17 +35,45 @@ def blocks_the_loop(seconds: float) -> None:
 SLEEPS_AT = f"blocks_the_loop (tests/test_loop_watch.py:{blocks_the_loop.__code__.co_firstlineno + 1})"
 
 
+def blocks_the_loop_until(said: threading.Event, after_s: float, took: list[float]) -> None:
+    """Hold the loop (`blocks_the_loop`, a short sleep at a time) until the watch has said it is
+    blocked, then ``after_s`` longer: several of the watch's intervals, in which it must not say it
+    again. Appends how long the loop was held."""
+    start = time.monotonic()
+    while not said.is_set() and time.monotonic() - start < 10.0:
+        blocks_the_loop(0.01)
+    blocks_the_loop(after_s)
+    took.append(time.monotonic() - start)
+
+
 @pytest.mark.parametrize("kind", LOOPS)
 def test_a_blocked_loop_is_named_once_with_the_call_and_its_end_with_its_length(kind):
+    """Each blocking lasts until the watch (threshold 0.3 s, a look every 0.05 s) has said so, and
+    0.15 s more (three looks): no fixed length to wait out, and its line's length is checked against the
+    blocking's own, measured."""
     lines: list[str] = []
+    said = [threading.Event() for _ in range(4)]
+    held: list[float] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if len(lines) <= len(said):  # a fifth line fails the count below
+            said[len(lines) - 1].set()
+
+    async def until(event: threading.Event) -> None:
+        for _ in range(1000):  # the watch's thread sets it; at most 10 s
+            if event.is_set():
+                return
+            await asyncio.sleep(0.01)
 
     async def main() -> LoopWatch:
-        watch = LoopWatch("the test", 0.3, lines.append, interval_s=0.05).start()
-        await asyncio.sleep(0.2)
-        blocks_the_loop(1.2)  # from a task: the coroutine it runs is the callback
-        await asyncio.sleep(0.3)
-        asyncio.get_running_loop().call_soon(blocks_the_loop, 0.8)  # a plain callback
-        await asyncio.sleep(0.5)
+        watch = LoopWatch("the test", 0.3, log, interval_s=0.05).start()
+        await asyncio.sleep(0.1)
+        blocks_the_loop_until(said[0], 0.15, held)  # from a task: the coroutine it runs is the callback
+        await until(said[1])
+        asyncio.get_running_loop().call_soon(blocks_the_loop_until, said[2], 0.15, held)  # a plain callback
+        await asyncio.sleep(0)
+        await until(said[3])
         watch.close()
         return watch
 
@@ -56,12 +84,13 @@ def test_a_blocked_loop_is_named_once_with_the_call_and_its_end_with_its_length(
     # the task's coroutine, then the frames down to the one that blocks
     assert " in test_a_blocked_loop_is_named_once_with_the_call_and_its_end_with_its_length.<locals>.main (" in blocked
     assert blocked.endswith(f" > {SLEEPS_AT}"), blocked
-    assert blocked2.endswith(f" in {SLEEPS_AT}"), blocked2
-    for line, seconds in ((ran, 1.2), (ran2, 0.8)):
+    assert blocked2.endswith(f" > {SLEEPS_AT}") and " in blocks_the_loop_until (" in blocked2, blocked2
+    assert len(held) == 2 and all(0.45 <= s < 5.0 for s in held), held  # the threshold, then 0.15 s more
+    for line, seconds in ((ran, held[0]), (ran2, held[1])):
         assert line.startswith("the event loop of the test ran again after "), line
         took = float(line.split(" after ")[1].split(" s ")[0])
         assert seconds - 0.2 <= took <= seconds + 1.0, line  # from when the watch asked, to when the loop answered
-    assert watch.blocked == 2 and 1.0 <= watch.longest_s
+    assert watch.blocked == 2 and 0.3 <= watch.longest_s
     assert not [t for t in threading.enumerate() if t.name.startswith("asyncrl-loop-watch")]
 
 

@@ -27,7 +27,7 @@ from vllm_support import VLLM_ENV, engine_options  # noqa: E402
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy; vllm_required
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("actor_zygote")]  # tests/conftest.py: forked actors
 
 
 def test_an_fp32_engine_on_a_gpu_is_refused_adapters_before_it_starts():

@@ -178,6 +178,61 @@ async def test_three_nodes_actor_death_agent_death_and_survivors(secret, tmp_pat
             a.wait()
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _zygote_of(agent_pid: int, actor_pid: int) -> int:
+    """The zygote that forked ``actor_pid``: the agent's child, running zygote_serve (asserted)."""
+    zygote = _parent(actor_pid)
+    with open(f"/proc/{zygote}/cmdline", "rb") as f:
+        assert b"asyncrl.runtime.zygote_serve" in f.read(), zygote
+    assert _parent(zygote) == agent_pid, (zygote, agent_pid)
+    return zygote
+
+
+async def test_agents_fork_their_actors_from_a_zygote_when_the_supervisor_has_one(secret, tmp_path, capfd):
+    """The supervisor's ``zygote_preload`` reaches its agents (`NodeWelcome`): each starts a zygote
+    of its own once joined and forks its actors from it, a restart too; their output still comes
+    through the agent. A clean stop ends the zygote with the agent; an agent SIGKILLed takes its
+    zygote and every process its actors started with it."""
+    port = free_port()
+    agents = [start_agent(r, 3, port, secret, str(tmp_path)) for r in (1, 2)]
+    try:
+        async with _cluster_supervisor(3, port, zygote_preload="asyncrl.runtime.worker") as sup:
+            a1, a2 = await asyncio.gather(
+                sup.spawn(Echo, name="a1", node=1, max_restarts=1), sup.spawn(Echo, name="a2", node=2)
+            )
+            pid1, pid2 = await a1.getpid(), await a2.getpid()
+            zygote1, zygote2 = _zygote_of(agents[0].pid, pid1), _zygote_of(agents[1].pid, pid2)
+            assert await a1.add(1) == 2 and await a2.add(2) == 3
+            await a1.say("hello from a forked actor")
+
+            os.kill(pid1, signal.SIGKILL)  # restarted on node 1, by its zygote again
+            back = await a1.wait_for_incarnation(1, timeout_s=30.0)
+            assert (back.state, back.incarnation, back.node) == ("running", 2, 1)
+            pid1 = await a1.getpid()
+            assert _zygote_of(agents[0].pid, pid1) == zygote1
+
+            grandchild = await a2.spawn_grandchild()
+            agents[1].send_signal(signal.SIGKILL)
+            gone = [pid2, grandchild, zygote2]
+            assert await asyncio.to_thread(wait_until, lambda: not any(process_alive(p) for p in gone), 10.0), [
+                p for p in gone if process_alive(p)
+            ]
+            assert await a1.add(5) == 6
+        assert await _wait_exit(agents[0], 15.0) == 0, agent_log(str(tmp_path), 1)
+        assert not process_alive(pid1) and not process_alive(zygote1)
+        for rank in (1, 2):
+            assert "Popen" not in agent_log(str(tmp_path), rank), agent_log(str(tmp_path), rank)
+    finally:
+        kill_all([a.pid for a in agents])
+        for a in agents:
+            a.wait()
+    assert "[a1]: hello from a forked actor" in capfd.readouterr().out  # forwarded by the agent
+
+
 async def test_sigterm_to_an_agent_stops_its_actors_and_reports_them_at_once(secret, tmp_path):
     port = free_port()
     agent = start_agent(1, 2, port, secret, str(tmp_path))
@@ -390,6 +445,24 @@ def test_a_hello_with_or_without_its_cores_is_read_by_either_side():
     newer = msgspec.msgpack.encode(wire.NodeHello(*fields, 16))
     assert msgspec.msgpack.decode(newer, type=wire.FromNode).cores == 16
     assert msgspec.msgpack.decode(newer, type=OlderHello) == OlderHello(*fields)
+
+
+def test_a_welcome_with_or_without_the_zygote_preload_is_read_by_either_side():
+    """``NodeWelcome.zygote_preload`` is a trailing default: an older supervisor's welcome reads as
+    no zygote (the agent starts by Popen), and an older agent reads a newer welcome."""
+    import msgspec
+
+    from asyncrl.runtime import wire
+
+    class OlderWelcome(msgspec.Struct, tag_field="t", tag=40, array_like=True, frozen=True):
+        heartbeat_interval_s: float
+        node_timeout_s: float
+
+    from_older = msgspec.msgpack.decode(msgspec.msgpack.encode(OlderWelcome(1.0, 5.0)), type=wire.ToAgent)
+    assert from_older == wire.NodeWelcome(1.0, 5.0) and from_older.zygote_preload == ""
+    newer = msgspec.msgpack.encode(wire.NodeWelcome(1.0, 5.0, "torch"))
+    assert msgspec.msgpack.decode(newer, type=wire.ToAgent).zygote_preload == "torch"
+    assert msgspec.msgpack.decode(newer, type=OlderWelcome) == OlderWelcome(1.0, 5.0)
 
 
 def test_node_settings_precedence_torchrun_and_slurm():

@@ -4,7 +4,10 @@ It connects to the supervisor's cluster socket (CURVE, with the cluster secret),
 ``NodeHello`` (rank, host, the address peers reach it at, devices), then does what the supervisor
 asks: start a worker process per ``SpawnActor``, off its loop (the worker then talks to the
 supervisor itself), SIGTERM/SIGKILL it on ``StopActor``/``KillActor``, and report
-``ActorStarted``/``ActorExited``.
+``ActorStarted``/``ActorExited``. Where the supervisor has a ``zygote_preload`` (a GRPO run's launch
+sets one) and this node has no accelerator, the agent starts a zygote of its own once it has
+joined and forks each actor from it, as node 0 does (runtime/zygote.py); otherwise, and for an actor
+the zygote cannot start, by ``Popen``.
 The workers' output is forwarded as ``ActorLog`` lines. It beats every ``heartbeat_interval_s``.
 
 It ends, stopping every actor it started first, when:
@@ -17,7 +20,8 @@ It ends, stopping every actor it started first, when:
   owner, starting no new one, so a GRPO run drains its samplers before the node goes; a second
   signal, or no actor left, ends the wait;
 * it could not join within ``join_timeout_s``, or was refused (exit 1).
-If the agent itself dies, its workers follow it (``PR_SET_PDEATHSIG`` and the death pipe).
+If the agent itself dies, its workers follow it (``PR_SET_PDEATHSIG`` and the death pipe), and so
+does its zygote, with the actors it forked.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from asyncrl.runtime.auth import ENV_SECRET, ClusterKeys, keys_from_env
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.devices import VISIBILITY_VARIABLE, detect, offered
 from asyncrl.runtime.loop import run as run_loop
-from asyncrl.runtime.process import ChildProcess
+from asyncrl.runtime.process import ChildProcess, LogSink
 from asyncrl.runtime.transport import LoopSocket, configure
+from asyncrl.runtime.zygote import ENV_PRELOAD, Zygote, ZygoteUnavailable, usable
 
 _LOG_LINES_PER_MESSAGE = 256
 _LOG_BACKLOG_MAX = 64
@@ -83,8 +88,11 @@ class NodeAgent:
         self.node_timeout_s = cfg.node_timeout_s
         self.heartbeat_interval_s = cfg.heartbeat_interval_s
         self._children: dict[tuple[str, int], ChildProcess] = {}
-        self._starting: dict[tuple[str, int], asyncio.Task] = {}  # Popen under way on a thread
+        self._starting: dict[tuple[str, int], asyncio.Task] = {}  # Popen on a thread, or a fork, under way
         self._reporters: dict[tuple[str, int], asyncio.Task] = {}
+        self._zygote: Zygote | None = None  # closed when the agent ends
+        self._forker: Zygote | None = None  # where actors are forked from while it works; None: Popen
+        self._zygote_decided: asyncio.Future | None = None  # pending while `run` joins (and starts it)
         self._tasks: set[asyncio.Task] = set()
         self._body = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(wire.ToAgent)
@@ -100,6 +108,7 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         self._welcome: asyncio.Future = loop.create_future()
         self._done: asyncio.Future = loop.create_future()
+        self._zygote_decided = loop.create_future()  # a start waits for it (`_fork`)
         self._death_r, death_w = os.pipe()  # only we hold the write end: its EOF tells workers we died
         ctx = zmq.Context()
         sock = configure(ctx.socket(zmq.DEALER), linger_ms=2000)  # linger: NodeLeaving must get out
@@ -118,7 +127,8 @@ class NodeAgent:
             loop.add_signal_handler(sig, self._signalled, sig)
         joined = False
         try:
-            joined = await self._join()
+            joined = await self._join()  # with this node's zygote started, where there is to be one
+            self._zygote_decided.set_result(None)
             if joined:
                 self._spawn_task(self._beat())
                 await asyncio.wait([self._done])
@@ -135,6 +145,8 @@ class NodeAgent:
                 t.cancel()
             for proc in self._children.values():
                 proc.kill_now()
+            if self._zygote is not None:  # after the actors: it is the parent of some
+                self._zygote.kill_now()
             sock.disable_monitor()
             self.monitor.close()
             self.sock.close()  # lingers up to 2 s for NodeLeaving
@@ -177,6 +189,16 @@ class NodeAgent:
         welcome = self._welcome.result()
         self.heartbeat_interval_s, self.node_timeout_s = welcome.heartbeat_interval_s, welcome.node_timeout_s
         self.say(f"joined the cluster at {self.endpoint} as {cfg.node_addr} with {len(cfg.devices)} device(s)")
+        if welcome.zygote_preload and usable(len(cfg.devices)):
+            # Started here (Popen on a thread), it imports while the supervisor goes on: a fork
+            # waits for that (READY_TIMEOUT_S), and a SpawnActor read during this start waits for
+            # the start (`_zygote_decided`) rather than go to Popen.
+            try:
+                self._zygote = self._forker = await Zygote.start(
+                    {**os.environ, ENV_PRELOAD: welcome.zygote_preload}, self._death_r
+                )
+            except OSError as e:
+                self.say(f"no zygote ({e}): actors start by Popen")
         return True
 
     async def _beat(self) -> None:
@@ -308,19 +330,22 @@ class NodeAgent:
         }
 
     async def _start(self, key: tuple[str, int], env: dict[str, str]) -> None:
-        """Start an actor's process with ``Popen`` on a thread (`ChildProcess.start`): a burst of
-        starts here (a scale-up placing its samplers on this node) held this loop, and with it
-        the heartbeats whose silence for ``node_timeout_s`` (5 s by default) makes node 0 count
-        this node, and every actor on it, as lost."""
+        """Start an actor's process: forked by the zygote, or with ``Popen`` on a thread
+        (`ChildProcess.start`): a burst of starts here (a scale-up placing its samplers on this
+        node) held this loop, and with it the heartbeats whose silence for ``node_timeout_s`` (5 s
+        by default) makes node 0 count this node, and every actor on it, as lost."""
         actor, incarnation = key
+        prefix, sink = f"[{actor}]: ", functools.partial(self._forward, actor, incarnation)
         try:
-            proc = await ChildProcess.start(
-                [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"],
-                env,
-                f"[{actor}]: ",
-                pass_fds=[self._death_r],
-                sink=functools.partial(self._forward, actor, incarnation),
-            )
+            proc = await self._fork(actor, env, prefix, sink)
+            if proc is None:
+                proc = await ChildProcess.start(
+                    [sys.executable, "-c", "from asyncrl.runtime.worker import main; main()"],
+                    env,
+                    prefix,
+                    pass_fds=[self._death_r],
+                    sink=sink,
+                )
         except OSError as e:
             self.send(wire.ActorExited(actor, incarnation, f"could not be started: {e}"))
             return
@@ -329,10 +354,32 @@ class NodeAgent:
         reporter = self._reporters[key] = asyncio.ensure_future(self._report_exit(key, proc))
         reporter.add_done_callback(lambda _t: self._reporters.pop(key, None))
 
+    async def _fork(self, actor: str, env: dict[str, str], prefix: str, sink: LogSink) -> ChildProcess | None:
+        """The actor's process forked by the zygote, or None where it is to start by ``Popen``: no
+        zygote here, or (said in the agent's output) the zygote failed or the actor's environment
+        differs from its own where that matters (`Zygote.unsuitable`)."""
+        if self._zygote_decided is not None:  # a start read while the zygote's own start ran waits
+            await asyncio.shield(self._zygote_decided)
+        zygote = self._forker
+        if zygote is None or not zygote.alive:
+            return None
+        unsuitable = zygote.unsuitable(env)
+        if unsuitable:
+            self.say(f"actor {actor} starts by Popen: {unsuitable}")
+            return None
+        try:  # its parent is the zygote: that is whose death it watches
+            return await zygote.spawn(
+                {**env, worker_env.ENV_PARENT_PID: str(zygote.pid)}, prefix, pass_fds=[self._death_r], sink=sink
+            )
+        except ZygoteUnavailable as e:
+            self._forker = None  # from now on by Popen; the agent still closes it
+            self.say(f"actor {actor} starts by Popen, as will every later one: {e}")
+            return None
+
     def _stop_starting(self, actor: str, incarnation: int) -> None:
-        """A stop or kill for an actor whose ``Popen`` still runs: the start is cancelled, which
-        kills the process once ``Popen`` returns (`ChildProcess.start`), and the exit is reported
-        now, as the supervisor's stop waits for it."""
+        """A stop or kill for an actor whose start is under way: the start is cancelled, which
+        kills the process once ``Popen`` returns (`ChildProcess.start`) or the zygote answers
+        (`Zygote.spawn`), and the exit is reported now, as the supervisor's stop waits for it."""
         start = self._starting.pop((actor, incarnation), None)
         if start is not None:
             start.cancel()
@@ -369,6 +416,8 @@ class NodeAgent:
             await asyncio.gather(*(p.terminate(self.cfg.term_timeout_s, kill_timeout_s=5.0) for p in procs))
         if self._reporters:  # their ActorExited reports go out before our NodeLeaving
             await asyncio.wait(list(self._reporters.values()), timeout=self.cfg.term_timeout_s + 6.0)
+        if self._zygote is not None:  # after the actors: it is the parent of some
+            await self._zygote.close()
 
     def _spawn_task(self, coro) -> None:
         task = asyncio.ensure_future(coro)

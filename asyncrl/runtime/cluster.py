@@ -346,7 +346,10 @@ class Cluster:
             )
         self._by_route[route] = node
         node.route = route
-        self.send(route, wire.NodeWelcome(self.config.heartbeat_interval_s, self.config.node_timeout_s))
+        self.send(
+            route,
+            wire.NodeWelcome(self.config.heartbeat_interval_s, self.config.node_timeout_s, self.config.zygote_preload),
+        )
         if len(self.nodes) >= self._needed() - 1:
             self._all_joined.set()
 

@@ -238,6 +238,10 @@ class NodeLeaving(_Msg, tag=35):
 class NodeWelcome(_Msg, tag=40):
     heartbeat_interval_s: float
     node_timeout_s: float
+    zygote_preload: str = ""
+    """The supervisor's ``zygote_preload``: the agent forks its actors from a zygote of its own
+    that imports these modules, where it may (no accelerator, ``ASYNCRL_ZYGOTE`` not 0 on its node);
+    "": every actor by ``Popen``. A trailing default: an older agent leaves it, and starts by ``Popen``."""
 
 
 class NodeRejected(_Msg, tag=41):
