@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 import time
 
 import torch
@@ -42,6 +43,37 @@ def digest(state: dict[str, torch.Tensor]) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def run_gloo_members(world: int, member, timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
+    """``member(rank, group, comm)`` on ``world`` threads over one store and gloo; raises what any
+    of them raised, and fails if one is still running after ``timeout_s``."""
+    from asyncrl.comm.gloo import GlooCommunicator
+    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
+
+    listener = reserve_listener(host)
+    port = listener.getsockname()[1]
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            group = StoreGroup.create(host, port, rank, world, 10, listener=listener if rank == 0 else None)
+            comm = GlooCommunicator.create(group, 10)
+            try:
+                member(rank, group, comm)
+            finally:
+                comm.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0.0))
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), f"a member was still running after {timeout_s:g} s"
 
 
 class Sender(SyncMember):
@@ -107,20 +139,50 @@ class Receiver(SyncMember):
         self.slow_s = slow_s  # per-tensor delay in the consumer, so a test can kill us mid-sync
         self.receiver: WeightReceiver | None = None
         self.delta_syncs = 0
+        self.syncs = 0
+        self.stager = None
 
     @endpoint
-    async def setup(self, timeout_s: float = 20.0) -> tuple[int, int]:
+    async def setup(self, timeout_s: float = 20.0, notices: bool = False) -> tuple[int, int]:
         self.receiver = await asyncio.to_thread(
-            WeightReceiver.create, self.sync_comm, self.sync_group, expect=self.state, timeout_s=timeout_s
+            WeightReceiver.create,
+            self.sync_comm,
+            self.sync_group,
+            expect=self.state,
+            timeout_s=timeout_s,
+            notices=notices,
         )
         return len(self.receiver.layout.buckets), len(self.receiver.layout.direct)
 
     @endpoint
     async def receive(self, version: int) -> str:
         into = self._consume if (self.whole or self.slow_s) else self.state
+        self.syncs += 1
         stats = await asyncio.to_thread(self.receiver.receive, version, into)
         self.delta_syncs += stats.delta
         return digest(self.state)
+
+    @endpoint
+    async def stage(self) -> None:
+        """Take every later sync beside the weights (`StagedReceiver`), as a vLLM worker does."""
+        from asyncrl.comm.staged import StagedReceiver
+        from asyncrl.comm.sync_notice import NoticeWatch
+
+        watch = NoticeWatch(self.sync_group, self.receiver.setup_calls)
+        self.stager = StagedReceiver(self.receiver, self.state, watch, first=self.syncs)
+
+    @endpoint
+    async def apply(self, version: int) -> tuple[str, str]:
+        """Apply staged sync ``version``: the weights' digests before and after."""
+        before = digest(self.state)
+        stats = await asyncio.to_thread(self.stager.apply, version, 30.0)
+        self.delta_syncs += stats.delta
+        return before, digest(self.state)
+
+    async def on_stop(self) -> None:
+        if self.stager is not None:
+            self.stager.stop()
+        await super().on_stop()
 
     @endpoint
     async def deltas(self) -> int:

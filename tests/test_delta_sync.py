@@ -24,7 +24,7 @@ from asyncrl.comm.delta import (
     word_dtype,
 )
 from asyncrl.comm.layout import TensorSpec, build_layout
-from sync_actors import digest
+from sync_actors import digest, run_gloo_members
 
 pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
 
@@ -143,34 +143,6 @@ def wire(master: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.bfloat16() if v.is_floating_point() else v.clone() for k, v in master.items()}
 
 
-def run_members(world: int, member, timeout_s: float = 60.0) -> None:
-    """``member(rank, group, comm)`` on ``world`` threads over one store and gloo."""
-    from asyncrl.comm.gloo import GlooCommunicator
-    from asyncrl.comm.rendezvous import StoreGroup, reserve_listener
-
-    listener = reserve_listener(HOST)
-    port = listener.getsockname()[1]
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            group = StoreGroup.create(HOST, port, rank, world, 10, listener=listener if rank == 0 else None)
-            comm = GlooCommunicator.create(group, 10)
-            try:
-                member(rank, group, comm)
-            finally:
-                comm.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    assert not errors, errors
-
-
 def small_update(master: dict[str, torch.Tensor], g: torch.Generator, step: int) -> None:
     """An optimiser step's worth: most bf16 values unchanged, a few moved (every fourth step a
     larger one, that moves a fifth of them), now and then a NaN or a -0.0."""
@@ -211,7 +183,7 @@ def test_a_hundred_delta_syncs_are_bit_identical_to_full_ones_in_place_and_throu
                 digests.append((digest(wire(master)), digest(in_place), digest(consumed)))
             barrier.wait(30)
 
-    run_members(3, member, timeout_s=120)
+    run_gloo_members(3, member, timeout_s=120)
     assert all(a == b == c for a, b, c in digests), "a receiver differs from the sender"
     sent = stats[0]
     assert not sent[0].delta and all(s.delta for s in sent[1:])  # the first sync has no base: full
@@ -256,7 +228,7 @@ def test_a_member_without_the_base_gets_a_full_sync_and_a_diverged_copy_shows_in
                 modes[rank].append(receiver.receive(version, into[rank]).delta)
             barrier.wait(30)
 
-    run_members(3, member)
+    run_gloo_members(3, member)
     assert modes[0] == modes[1] == modes[2] == [False, True, False, True, True]
     assert digest(into[2]) == digest(wire(master))
     assert digest(into[1]) != digest(wire(master))

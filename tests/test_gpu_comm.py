@@ -70,6 +70,27 @@ async def test_delta_syncs_over_nccl_are_bit_exact_as_indices_as_bitmaps_and_who
         assert [await m.deltas() for m in members] == [4, 4, 4]  # all but the first, which has no base
 
 
+async def test_staged_receivers_over_nccl_and_ipc_let_the_sender_finish_alone_and_apply_bit_exactly():
+    """--sampler.stage_weights: two receivers on one GPU (NCCL to it, CUDA IPC within it) join
+    each sync on the sender's notice. The sender's syncs complete with no call to either; their
+    weights hold the previous version until `apply`, then the new one, as deltas after the first."""
+    async with Supervisor(device_kind="cuda") as sup:
+        sender = await sup.spawn(Sender, 1, kwargs={"device": "cuda"}, name="sender", gpus=1)
+        first = await sup.spawn(Receiver, 2, kwargs={"device": "cuda"}, name="first", gpus=1)
+        second = await sup.spawn(Receiver, 3, kwargs={"device": "cuda"}, name="second", share_devices_with="first")
+        members = [sender, first, second]
+        await form_group(members, HOST, backend="nccl", timeout_s=60)
+        await asyncio.gather(sender.setup(delta=True), first.setup(notices=True), second.setup(notices=True))
+        sent, *got = await asyncio.gather(sender.step_and_send(0), first.receive(0), second.receive(0))
+        assert got == [sent, sent]
+        await asyncio.gather(first.stage(), second.stage())
+        for version in range(1, 6):
+            previous, sent = sent, await asyncio.wait_for(sender.step_and_send(version, version % 2 == 1), 30)
+            for receiver in (first, second):
+                assert await receiver.apply(version) == (previous, sent), version
+        assert [await m.deltas() for m in members] == [4, 4, 4]  # v1 is full: the staging copy had no base yet
+
+
 async def test_two_receivers_sharing_a_gpu_get_bit_exact_weights_over_nccl_then_ipc():
     """--sampler.per_gpu 2: a group of 3 on 2 GPUs is made in tiers (comm/tiered.py), created once."""
     async with Supervisor(device_kind="cuda") as sup:

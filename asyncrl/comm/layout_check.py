@@ -16,6 +16,7 @@ from asyncrl.comm.rendezvous import StoreGroup
 class _SetupResult(msgspec.Struct, array_like=True, frozen=True):
     rank: int
     error: str  # empty when this member accepts the layout
+    notices: bool = False  # this member wants each sync announced on the store (`sync_notice.py`)
 
 
 def mismatch(expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mapping[str, torch.Tensor], who: str) -> str:
@@ -33,9 +34,11 @@ def mismatch(expected: list[tuple[str, torch.Size, torch.dtype]], tensors: Mappi
     return f"{who} disagrees with the weight layout: {shown}"
 
 
-def agree_on_setup(group: StoreGroup, error: str, deadline: float) -> None:
+def agree_on_setup(group: StoreGroup, error: str, deadline: float, *, notices: bool = False) -> bool:
+    """Every member's verdict on the layout; a refusal anywhere fails set-up everywhere. Returns
+    whether any member asked for notices of each sync (``notices``)."""
     results = group.all_gather_obj(
-        _SetupResult(group.rank, error),
+        _SetupResult(group.rank, error, notices),
         type=_SetupResult,
         timeout_s=max(deadline - time.monotonic(), 1e-3),
         what="layout check",
@@ -43,3 +46,4 @@ def agree_on_setup(group: StoreGroup, error: str, deadline: float) -> None:
     refusals = [r for r in results if r.error]
     if refusals:
         raise LayoutMismatchError("weight layout refused: " + " | ".join(f"rank {r.rank}: {r.error}" for r in refusals))
+    return any(r.notices for r in results)

@@ -115,6 +115,7 @@ class StoreGroup:
         self.port = port
         self.timeout_s = timeout_s
         self.member_hosts = hosts  # member r's own reachable address, as announced on joining
+        self.key_prefix = ""  # where ``store``'s keys live in the raw store (`second_connection`)
         self._seq = 0
         self._closed = False
 
@@ -148,7 +149,8 @@ class StoreGroup:
         check_name(name)
         deadline = time.monotonic() + timeout_s  # one deadline for connecting and for meeting
         raw, port = _open_store(host, port, rank, timeout_s, listener)
-        store = dist.PrefixStore(f"asyncrl/{name}/g{generation}/", raw)
+        prefix = f"asyncrl/{name}/g{generation}/"
+        store = dist.PrefixStore(prefix, raw)
         my_host = local_address_towards(host)
         label = f"{name}/g{generation}"
         claims = store.add(f"claim/{rank}", 1)
@@ -164,7 +166,7 @@ class StoreGroup:
                     f"group {label!r}: rank {peer.rank} (pid {peer.pid} on {peer.host}) joined with "
                     f"world size {peer.world_size}, rank {rank} with {world_size}"
                 )
-        return cls(
+        group = cls(
             store=store,
             name=name,
             generation=generation,
@@ -175,6 +177,8 @@ class StoreGroup:
             timeout_s=timeout_s,
             hosts=[h.host for h in hellos],
         )
+        group.key_prefix = prefix
+        return group
 
     # -- collective helpers on the store -----------------------------------------------------
     def barrier(self, timeout_s: float | None = None, what: str = "barrier") -> None:
@@ -230,7 +234,7 @@ class StoreGroup:
         meeting: every member of the subset calls this with the same arguments."""
         if self.rank not in ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"group {self.label!r}: rank {self.rank} is not once in the subgroup {ranks}")
-        return StoreGroup(
+        sub = StoreGroup(
             store=dist.PrefixStore(f"sub/{tag}/", self.store),
             name=f"{self.name}-{tag}",
             generation=self.generation,
@@ -241,6 +245,27 @@ class StoreGroup:
             timeout_s=self.timeout_s,
             hosts=[self.member_hosts[r] for r in ranks],
         )
+        sub.key_prefix = f"{self.key_prefix}sub/{tag}/"
+        return sub
+
+    @property
+    def calls(self) -> int:
+        """Store-side calls this member made in the group so far: the same on every member
+        between two of them (every member makes the same calls, in the same order)."""
+        return self._seq
+
+    def second_connection(self, timeout_s: float | None = None) -> dist.Store:
+        """Another connection to this group's store, under the same keys: for a thread that
+        waits on it while this member's other calls use the first (a connection serves one call
+        at a time)."""
+        if self._closed:
+            raise RendezvousError(f"group {self.label!r}: rank {self.rank} already closed its store")
+        timeout = datetime.timedelta(seconds=self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            raw = dist.TCPStore(self.host, self.port, None, False, timeout)
+        except dist.DistError as exc:
+            raise RendezvousError(f"group {self.label!r}: could not connect to the store again: {exc}") from exc
+        return dist.PrefixStore(self.key_prefix, raw)
 
     def close(self) -> None:
         """Drop this member's store handle (rank 0's also stops the store server). Idempotent."""

@@ -18,6 +18,9 @@ carries each member's *base*: the version it holds whole (-1: none, a failed syn
 Where every member names the same base, each bucket goes as its changed words (``delta.py``),
 preceded by their count; anywhere else the sync is a full one, which also renews the base.
 
+A receiver that stages its syncs (``staged.py``) asks at set-up for each sync to be announced on
+the group's store before its first vote (``sync_notice.py``), and joins it from a thread of its own.
+
 Extra memory on either side is the two staging buffers (at most two buckets), whatever the model
 size. A receiver whose consumer wants whole tensors (not in-place copies) also needs one
 temporary per tensor that is larger than a bucket, while it is assembled (``delivery.py``: what
@@ -43,6 +46,7 @@ from asyncrl.comm.layout_check import agree_on_setup, mismatch
 from asyncrl.comm.phase_clock import COPY, TRANSFER
 from asyncrl.comm.rendezvous import StoreGroup
 from asyncrl.comm.staging import CopyPlan, Staging, tensor_part
+from asyncrl.comm.sync_notice import SyncNotices
 from asyncrl.comm.sync_stats import SyncStats
 from asyncrl.comm.sync_vote import agree, commit
 from asyncrl.comm.transfer_hook import at_transfer_start
@@ -74,6 +78,8 @@ class _WeightSync:
         self.kept: KeptBuckets | None = None  # a delta sender's base; a consumer receiver's copy
         self._word = word_dtype(layout)
         self.changes: ChangeSending | ChangeReceiving | None = None  # with a base: ``delta_wire.py``
+        self.notices: SyncNotices | None = None  # a sender whose receivers asked: ``sync_notice.py``
+        self.setup_calls = -1  # the group's store calls at the end of set-up: names its notices
 
     def _remaining(self) -> float:
         remaining = self._deadline - time.monotonic()
@@ -111,6 +117,8 @@ class _WeightSync:
             self.changes.count = WireCount()
         mode = SyncMode(keep=False, delta=False)
         try:
+            if self.notices is not None:
+                self.notices.post(version)
             mode = agree(self.staging, self._who, version, self.layout_hash, refusal, base, keep)
             voted = time.perf_counter()
             at_transfer_start(self.comm.rank, version)  # test-only; inert unless its variable is set
@@ -220,8 +228,11 @@ class WeightSender(_WeightSync):
         layout = sender_layout(tensors, bucket_bytes, wire_dtype, allow_direct and not delta, device=comm.device)
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
         group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
-        agree_on_setup(group, "", deadline)
+        notices = agree_on_setup(group, "", deadline)
         sender = cls(comm, layout, tensors, timeout_s)
+        sender.setup_calls = group.calls
+        if notices:
+            sender.notices = SyncNotices(group, sender.setup_calls, sender._who)
         sender._expected = [(n, t.shape, t.dtype) for n, t in tensors.items()]  # local dtypes, not the wire's
         if delta:
             sender.kept = KeptBuckets(layout, comm.device)
@@ -293,9 +304,11 @@ class WeightReceiver(_WeightSync):
         src: int = 0,
         expect: Mapping[str, torch.Tensor] | None = None,
         timeout_s: float = 60.0,
+        notices: bool = False,
     ) -> WeightReceiver:
         """Receive the sender's layout; if ``expect`` is given, check it holds exactly those names,
-        shapes and dtypes. A mismatch on any member fails set-up on every member."""
+        shapes and dtypes. A mismatch on any member fails set-up on every member. ``notices``: have
+        the sender announce each sync on the group's store (a `StagedReceiver` waits for them)."""
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
         layout = group.broadcast_obj(None, src=src, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
         error = ""
@@ -304,8 +317,10 @@ class WeightReceiver(_WeightSync):
                 layout.check(expect, f"receiver rank {comm.rank}")
             except LayoutMismatchError as exc:
                 error = str(exc)
-        agree_on_setup(group, error, deadline)
-        return cls(comm, layout, src, timeout_s)
+        agree_on_setup(group, error, deadline, notices=notices)
+        receiver = cls(comm, layout, src, timeout_s)
+        receiver.setup_calls = group.calls
+        return receiver
 
     def __init__(self, comm: Communicator, layout: WeightLayout, src: int, timeout_s: float):
         super().__init__(comm, layout, src, timeout_s)

@@ -10,6 +10,8 @@ CPU_PROMPTS_PER_BATCH = 8
 """What ``prompts_per_batch`` 0 means on the CPU (and the least it means on a GPU)."""
 MAX_AUTO_STREAMS = 8
 """The most paced streams ``streams`` 0 gives a sampler on a GPU."""
+STAGE_MODES = ("auto", "on", "off")
+"""``stage_weights``' values."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +53,11 @@ class SamplerConfig:
     weight_update: str = "in_flight"
     """How new weights enter a sampler: 'in_flight' (between two decoding steps of the batch being
     generated, which finishes on them) or 'pause' (after that batch finishes)."""
+    stage_weights: str = "auto"
+    """vLLM on a GPU: receive each sync into a copy of the weights beside the engine while it keeps
+    decoding, and copy it in at the engine's next step, so the trainer's side of a sync waits for
+    no decoding step (docs/vllm.md, "A sync"). 'on', 'off', or 'auto': where the copy takes at most
+    1/16 of the GPU's memory (0.5B and 1.5B models on an 80 GB GPU; not 7B)."""
     backend: str = "auto"
     """Inference engine: 'vllm', 'hf' (transformers), or 'auto' (vLLM on a GPU where its CUDA build
     is installed, else hf, on the CPU too; each sampler logs which it picked). See docs/vllm.md."""
@@ -72,6 +79,8 @@ class SamplerConfig:
             raise ValueError(f"engine_start_timeout_s must be a finite number > 0, not {self.engine_start_timeout_s!r}")
         if self.weight_update not in ("in_flight", "pause"):
             raise ValueError(f"weight_update must be 'in_flight' or 'pause', not {self.weight_update!r}")
+        if self.stage_weights not in STAGE_MODES:
+            raise ValueError(f"stage_weights must be one of {', '.join(STAGE_MODES)}, not {self.stage_weights!r}")
         if self.backend not in ("auto", "vllm", "hf"):
             raise ValueError(f"backend must be 'auto', 'vllm' or 'hf', not {self.backend!r}")
         if self.max_new_tokens < 0:

@@ -125,7 +125,9 @@ class SamplerActor(Actor):
             seed=seed,
             in_flight=self.in_flight,
             resume_timeout_s=3 * sync_timeout_s,
-            vllm=(vllm or {}) | ({"engine": config.engine_args()} if config.vllm_args else {}),
+            vllm={"stage_weights": config.stage_weights}
+            | (vllm or {})
+            | ({"engine": config.engine_args()} if config.vllm_args else {}),
             adapter=adapter,
         )
         self.weights = WeightReceiving(

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncrl.rl.config.sampler import STAGE_MODES
 from asyncrl.rl.generation import Completion, SamplingParams, row_seed
 from asyncrl.rl.sampler.backend import PausableBackend, Progress, WeightSink
 from asyncrl.rl.sampler.errors import SamplerError
@@ -123,7 +124,10 @@ class VLLMBackend(PausableBackend):
     an fp32 trainer; "auto": the checkpoint's). ``prefix_caching``: off for in-flight weight
     updates (see the module docstring). ``kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU
     where it is not set; ``gpu_memory_utilization`` is vLLM's on GPU. ``engine`` holds any other
-    ``AsyncEngineArgs`` fields. Must be constructed with the actor's event loop running.
+    ``AsyncEngineArgs`` fields. ``stage_weights`` ("auto", "on", "off"): on a GPU, receive syncs
+    into a copy of the weights beside the engine while it decodes (`asyncrl.comm.staged`; "auto":
+    where the copy is at most 1/16 of the GPU's memory). Must be constructed with the actor's
+    event loop running.
 
     The weights live in the engine's process, which receives them itself (`weight_sink`). With
     ``adapter`` (a `LoRAConfig`), syncs bring LoRA adapters only: this process receives them and the
@@ -148,9 +152,13 @@ class VLLMBackend(PausableBackend):
         resume_timeout_s: float = 600.0,
         engine: dict | None = None,
         adapter: Any = None,
+        stage_weights: str = "auto",
     ):
         super().__init__(resume_timeout_s=resume_timeout_s)
         self.device = torch.device(device)
+        if stage_weights not in STAGE_MODES:
+            raise ValueError(f"stage_weights must be one of {', '.join(STAGE_MODES)}, not {stage_weights!r}")
+        self.stage_weights = stage_weights
         if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 0:
             raise ValueError(
                 f"kv_cache_gib must be a whole number of GiB >= 0 (0: {DEFAULT_CPU_KV_CACHE_GIB}), not {kv_cache_gib!r}"

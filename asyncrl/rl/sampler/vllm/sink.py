@@ -34,6 +34,7 @@ class EngineBackend(Protocol):
     engine: Any  # vLLM's AsyncLLM; None once closed
     prefix_caching: bool
     device: torch.device
+    stage_weights: str  # the worker's `STAGE_MODES`
 
     async def pause(self, timeout_s: float = 600.0) -> None: ...
 
@@ -110,7 +111,8 @@ class EngineSink(WeightSink):
         return await engine_call(self.backend, "join", address.timeout_s, msgspec.to_builtins(address), rank)
 
     async def setup(self, timeout_s: float) -> int:
-        buckets = await engine_call(self.backend, "setup_receiver", timeout_s, float(timeout_s))
+        stage = self.backend.stage_weights
+        buckets = await engine_call(self.backend, "setup_receiver", timeout_s, float(timeout_s), stage)
         self._ready = True
         return buckets
 

@@ -43,6 +43,7 @@ import torch
 
 from asyncrl.comm.address import SyncAddress, check_timeout
 from asyncrl.comm.errors import LayoutMismatchError
+from asyncrl.rl.config.sampler import STAGE_MODES
 from asyncrl.rl.sampler.errors import WeightsUnreadableError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.param_views import LoadAndCheck, param_views
@@ -56,6 +57,9 @@ MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is not a c
 class WorkerSyncError(RuntimeError):
     """A weight-sync control call reached the worker in a state or with values it cannot take."""
 
+
+AUTO_STAGE_SHARE = 1 / 16
+"""0.5B and 1.5B models' bf16 weights on an 80-141 GiB GPU (1-3 GiB); not 7B's 15 GiB."""
 
 CALLS = ("join", "setup_receiver", "receive_weights", "digest", "leave", "created")
 """The control calls `asyncrl_call` dispatches (each is the ``asyncrl_<name>`` method)."""
@@ -95,19 +99,24 @@ class WeightSyncExtension:
         self._asyncrl = _Membership(membership)
         return membership.backend
 
-    def asyncrl_setup_receiver(self, timeout_s: float) -> int:
+    def asyncrl_setup_receiver(self, timeout_s: float, stage: str = "off") -> int:
         """Receive the sender's layout; refuse one whose names or shapes are not the checkpoint's.
-        Returns the bucket count."""
+        ``stage`` (`STAGE_MODES`): whether later syncs are staged beside the engine once their
+        places checked (`_Membership.start_staging`). Returns the bucket count."""
         from asyncrl.comm.weights import WeightReceiver
 
         check_timeout(timeout_s)
+        if stage not in STAGE_MODES:
+            raise ValueError(f"stage must be one of {', '.join(STAGE_MODES)}, not {stage!r}")
         member = self._asyncrl_member("setup_receiver")
-        receiver = WeightReceiver.create(member.comm, member.group, src=0, timeout_s=timeout_s)
+        member.stop_staging()
+        stage = stage if self._asyncrl_loads_in_place() else "off"  # staging needs the places (CUDA)
+        receiver = WeightReceiver.create(member.comm, member.group, src=0, timeout_s=timeout_s, notices=stage != "off")
         _check_against_checkpoint(receiver.layout, self._asyncrl_model_path())
         if not self._asyncrl_loads_in_place():
             sent = {spec.name for spec in receiver.layout.tensors}
             quiet_reload_warnings(compat.live_model(self.model_runner), sent)
-        member.receiver, member.timeout_s = receiver, timeout_s
+        member.receiver, member.timeout_s, member.stage, member.syncs = receiver, timeout_s, stage, 0
         member.views, member.candidates = None, None
         member.no_views = "vLLM on the CPU repacks the weights it loads"
         if self._asyncrl_loads_in_place():
@@ -131,7 +140,10 @@ class WeightSyncExtension:
         if member.receiver is None:
             raise WorkerSyncError("receive_weights before setup_receiver")
         limit = member.timeout_s if timeout_s is None else timeout_s
-        if member.views is not None:
+        member.syncs += 1  # a sync that fails here still took part: the sender counted it too
+        if member.stager is not None:
+            stats = member.stager.apply(version, limit)
+        elif member.views is not None:
             stats = member.receiver.receive(version, member.views, timeout_s=limit)
         elif self._asyncrl_loads_in_place():
             load = compat.live_model(self.model_runner).load_weights
@@ -208,6 +220,9 @@ class _Membership:
         self.group, self.comm = membership.group, membership.comm
         self.receiver = None
         self.timeout_s = 60.0
+        self.stage = "off"  # `STAGE_MODES`
+        self.syncs = 0  # syncs taken part in since set-up (the sender numbers its notices so)
+        self.stager: Any = None  # a `StagedReceiver` once staging began
         self.candidates: dict[str, torch.Tensor] | None = None  # computed places (param_views)
         self.views: dict[str, torch.Tensor] | None = None  # the same, once a sync checked them
         self.no_views = ""  # why ``views`` is None for good, "" while a sync may still check them
@@ -226,9 +241,48 @@ class _Membership:
                 len(check.views),
             )
             self.views = self.candidates
+            self.start_staging()
         self.candidates = None
 
+    def start_staging(self) -> None:
+        """With the places checked: receive every later sync beside the engine (`StagedReceiver`)
+        where ``stage`` allows it and the copy fits, else log why not and go on without."""
+        from asyncrl.comm.staged import StagedReceiver
+        from asyncrl.comm.sync_notice import NoticeWatch
+
+        if self.stage == "off" or self.views is None:
+            return
+        need = sum(t.numel() * t.element_size() for t in self.views.values())
+        device = next(iter(self.views.values())).device
+        total = torch.cuda.get_device_properties(device).total_memory
+        if self.stage == "auto" and need > total * AUTO_STAGE_SHARE:
+            log.info(
+                "weight sync: not staged (a copy of the weights, %.2f GiB, is more than %.0f%% of the GPU's "
+                "%.0f GiB; --sampler.stage_weights on stages it anyway)",
+                need / 2**30, 100 * AUTO_STAGE_SHARE, total / 2**30,
+            )  # fmt: skip
+            return
+        try:
+            watch = NoticeWatch(self.group, self.receiver.setup_calls)
+            self.stager = StagedReceiver(self.receiver, self.views, watch, first=self.syncs)
+        except torch.OutOfMemoryError:
+            log.warning(
+                "weight sync: not staged: no room on the GPU for a copy of the weights (%.2f GiB)", need / 2**30
+            )
+            return
+        log.info(
+            "weight sync: from sync %d on, received into a copy of the weights (%.2f GiB) while the engine "
+            "decodes, and copied in at its next step",
+            self.syncs + 1, need / 2**30,
+        )  # fmt: skip
+
+    def stop_staging(self) -> None:
+        stager, self.stager = self.stager, None
+        if stager is not None:
+            stager.stop()
+
     def close(self) -> None:
+        self.stop_staging()
         self.receiver = None
         self.membership.close()
 
