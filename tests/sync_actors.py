@@ -246,6 +246,22 @@ class NcclProbe(SyncMember):
             )
 
 
+async def staged_rounds(sender, receivers, versions: int = 6) -> None:
+    """A delta sender and staging receivers already in one group: the first sync taken in the
+    receivers' calls, then each later one completes with no call to them (`wait_for`), their
+    weights unchanged until `apply` and bit-exactly the sender's after it."""
+    await asyncio.gather(sender.setup(delta=True), *(r.setup(notices=True) for r in receivers))
+    sent, *got = await asyncio.gather(sender.step_and_send(0), *(r.receive(0) for r in receivers))
+    assert got == [sent] * len(receivers)
+    await asyncio.gather(*(r.stage() for r in receivers))
+    for version in range(1, versions):
+        previous, sent = sent, await asyncio.wait_for(sender.step_and_send(version, version % 2 == 1), 30)
+        for receiver in receivers:
+            assert await receiver.apply(version) == (previous, sent), version
+    deltas = [await m.deltas() for m in [sender, *receivers]]
+    assert deltas == [versions - 2] * (1 + len(receivers)), deltas  # v0 and v1 full: the copy had no base yet
+
+
 def mapped_allocations(member: SyncMember) -> int:
     """Allocations a CUDA IPC communicator has mapped (-1 for another backend)."""
     return getattr(member.sync_comm, "mapped", -1)

@@ -102,3 +102,17 @@ def test_the_warm_start_trains_on_the_gpu_and_is_cached_under_its_model(tmp_path
     # 30 steps from ln(vocabulary) = 5.6 to about 3.1 on the CPU: the GPU trains the same model
     assert abs(markers[0]["final_loss"] - markers[1]["final_loss"]) < 0.05, markers
     assert any(f"on {where}" in line for line in lines), lines
+
+
+async def test_staged_receivers_on_the_senders_gpu_take_syncs_over_cuda_ipc_alone_and_apply_bit_exactly():
+    """--sampler.stage_weights with the samplers colocated: two receivers share the sender's GPU
+    (CUDA IPC) and take every sync after the first on the sender's notice (`staged_rounds`)."""
+    from asyncrl.comm.member import form_group
+    from sync_actors import Receiver, Sender, staged_rounds
+
+    async with Supervisor(device_kind="cuda") as sup:
+        sender = await sup.spawn(Sender, 1, kwargs={"device": "cuda"}, name="sender", gpus=1)
+        first = await sup.spawn(Receiver, 2, kwargs={"device": "cuda"}, name="first", share_devices_with="sender")
+        second = await sup.spawn(Receiver, 3, kwargs={"device": "cuda"}, name="second", share_devices_with="sender")
+        await form_group([sender, first, second], "127.0.0.1", backend="ipc", timeout_s=60)
+        await staged_rounds(sender, [first, second])

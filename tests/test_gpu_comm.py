@@ -12,7 +12,7 @@ import pytest
 from asyncrl import RemoteError, Supervisor
 from asyncrl.comm.member import form_group
 from asyncrl.runtime.devices import detect
-from sync_actors import NcclProbe, Receiver, Sender
+from sync_actors import NcclProbe, Receiver, Sender, staged_rounds
 
 kind, ids = detect("auto")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(kind != "cuda" or len(ids) < 2, reason="needs two CUDA devices")]
@@ -78,17 +78,8 @@ async def test_staged_receivers_over_nccl_and_ipc_let_the_sender_finish_alone_an
         sender = await sup.spawn(Sender, 1, kwargs={"device": "cuda"}, name="sender", gpus=1)
         first = await sup.spawn(Receiver, 2, kwargs={"device": "cuda"}, name="first", gpus=1)
         second = await sup.spawn(Receiver, 3, kwargs={"device": "cuda"}, name="second", share_devices_with="first")
-        members = [sender, first, second]
-        await form_group(members, HOST, backend="nccl", timeout_s=60)
-        await asyncio.gather(sender.setup(delta=True), first.setup(notices=True), second.setup(notices=True))
-        sent, *got = await asyncio.gather(sender.step_and_send(0), first.receive(0), second.receive(0))
-        assert got == [sent, sent]
-        await asyncio.gather(first.stage(), second.stage())
-        for version in range(1, 6):
-            previous, sent = sent, await asyncio.wait_for(sender.step_and_send(version, version % 2 == 1), 30)
-            for receiver in (first, second):
-                assert await receiver.apply(version) == (previous, sent), version
-        assert [await m.deltas() for m in members] == [4, 4, 4]  # v1 is full: the staging copy had no base yet
+        await form_group([sender, first, second], HOST, backend="nccl", timeout_s=60)
+        await staged_rounds(sender, [first, second])
 
 
 async def test_two_receivers_sharing_a_gpu_get_bit_exact_weights_over_nccl_then_ipc():

@@ -256,11 +256,12 @@ class _Membership:
         device = next(iter(self.views.values())).device
         total = torch.cuda.get_device_properties(device).total_memory
         if self.stage == "auto" and need > total * AUTO_STAGE_SHARE:
-            log.info(
-                "weight sync: not staged (a copy of the weights, %.2f GiB, is more than %.0f%% of the GPU's "
-                "%.0f GiB; --sampler.stage_weights on stages it anyway)",
-                need / 2**30, 100 * AUTO_STAGE_SHARE, total / 2**30,
-            )  # fmt: skip
+            print(
+                f"weight sync: not staged (a copy of the weights, {need / 2**30:.2f} GiB, is more than "
+                f"{100 * AUTO_STAGE_SHARE:.0f}% of the GPU's {total / 2**30:.0f} GiB; --sampler.stage_weights on "
+                "stages it anyway)",
+                flush=True,
+            )
             return
         try:
             watch = NoticeWatch(self.group, self.receiver.setup_calls)
@@ -270,10 +271,10 @@ class _Membership:
                 "weight sync: not staged: no room on the GPU for a copy of the weights (%.2f GiB)", need / 2**30
             )
             return
-        log.info(
-            "weight sync: from sync %d on, received into a copy of the weights (%.2f GiB) while the engine "
-            "decodes, and copied in at its next step",
-            self.syncs + 1, need / 2**30,
+        print(
+            f"weight sync: from sync {self.syncs + 1} on, received into a copy of the weights "
+            f"({need / 2**30:.2f} GiB) while the engine decodes, and copied in at its next step",
+            flush=True,
         )  # fmt: skip
 
     def stop_staging(self) -> None:
