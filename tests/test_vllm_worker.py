@@ -576,6 +576,33 @@ def test_the_janitor_leaves_a_semaphore_another_living_process_holds(tmp_path):
             os.unlink(path)
 
 
+def test_the_engines_processes_keep_torch_compiles_cache_and_the_janitor_leaves_it(tmp_path):
+    """An engine's processes run with ``TMPDIR`` at its scratch directory; torch.compile's cache
+    (its C++ header precompiled on CPU among it: ~12 s of each engine's first generate when it was
+    rebuilt) is found through the link `keep_compile_cache` leaves there, by torch's own lookup in a
+    process started as vLLM starts its engine core, and survives the janitor."""
+    from asyncrl.rl.sampler.vllm.janitor import Janitor, keep_compile_cache
+
+    shared, scratch = tmp_path / "cache", tmp_path / "scratch"
+    scratch.mkdir()
+    keep_compile_cache(str(scratch), str(shared))
+    (shared / "precompiled_headers").mkdir()
+    lookup = "from torch._inductor.runtime.cache_dir_utils import default_cache_dir; print(default_cache_dir())"
+    seen = subprocess.run(
+        [sys.executable, "-c", lookup],
+        env={**os.environ, "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
+    assert os.path.dirname(seen) == str(scratch)
+    assert os.path.isdir(os.path.join(seen, "precompiled_headers"))
+    janitor = Janitor(str(scratch))
+    janitor.finish()
+    assert not scratch.exists() and (shared / "precompiled_headers").is_dir()
+
+
 def test_only_the_reload_warnings_of_layers_no_checkpoint_loads_are_silenced():
     """vLLM's in-place reload warns "<layer>: Failed to load weights" on every sync for a rotary
     embedding (a computed, non-persistent buffer) and a head tied to the embedding (never sent):

@@ -41,7 +41,7 @@ from asyncrl.rl.sampler.errors import SamplerError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options, lora_dtype_refusal
 from asyncrl.rl.sampler.vllm.engine_exit import STARTER
-from asyncrl.rl.sampler.vllm.janitor import Janitor, shm_names
+from asyncrl.rl.sampler.vllm.janitor import Janitor, keep_compile_cache, shm_names
 from asyncrl.rl.sampler.vllm.sink import EngineSink
 
 if TYPE_CHECKING:
@@ -196,7 +196,9 @@ class VLLMBackend(PausableBackend):
         # vLLM leaves its ZeroMQ socket files (and, for a multi-process executor, a file store)
         # in the temporary directory, and its shared-memory queues when it is killed: give it a
         # directory of its own, and a janitor that removes both whenever this process ends.
+        # torch.compile's cache stays where it was (`keep_compile_cache`).
         self._scratch = tempfile.mkdtemp(prefix=f"asyncrl-vllm-{os.getpid()}-")
+        keep_compile_cache(self._scratch)
         os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = self._scratch
         os.environ[STARTER] = str(os.getpid())  # its processes exit without a last full GC (engine_exit.py)
         self._janitor = Janitor(self._scratch)
