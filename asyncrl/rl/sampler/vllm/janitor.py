@@ -138,8 +138,10 @@ def keep_compile_cache(scratch: str, shared: str = "") -> None:
     C++ prefix header (a 150-MB ``.gch``) into that directory. In a fresh directory each engine
     rebuilt it: ~12 s of every engine's first generate on two cores, then removed with the
     scratch directory. Now the first engine on a machine builds it, and later ones load it (~2 s)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
+    try:  # a private module of torch's (2.5 on): without it, the engine compiles as it did before
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return
     shared = shared or default_cache_dir()
     os.makedirs(shared, exist_ok=True)
     os.symlink(shared, os.path.join(scratch, os.path.basename(default_cache_dir())))
