@@ -58,7 +58,16 @@ TIERS = {
         "zygote",
     ),
     # the weight-sync data plane: rendezvous, communicators, the sync itself
-    "comm": ("comm_join", "delta_sync", "pynccl", "pyhccl_tables", "rendezvous", "tiered", "weight_sync"),
+    "comm": (
+        "comm_join",
+        "delta_sync",
+        "pynccl",
+        "pyhccl_tables",
+        "rendezvous",
+        "staged_sync",
+        "tiered",
+        "weight_sync",
+    ),
     # the RL components on real models and actors: sampler, trainer, tasks, the driver's pool
     "rl": (
         "agents",
