@@ -193,10 +193,24 @@ class VLLMBackend(PausableBackend):
         refusal = lora_dtype_refusal(args["dtype"], self.device.type) if adapter is not None else ""
         if refusal:
             raise SamplerError(refusal)
-        # vLLM leaves its ZeroMQ socket files (and, for a multi-process executor, a file store)
-        # in the temporary directory, and its shared-memory queues when it is killed: give it a
-        # directory of its own, and a janitor that removes both whenever this process ends.
-        # torch.compile's cache stays where it was (`keep_compile_cache`).
+        self._start_engine(args)
+        self.adapters = EngineAdapters(self.engine, model_path, adapter, self._scratch) if adapter is not None else None
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        self.dtype = compat.engine_dtype(self.engine)
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self.tokens_generated = 0
+        self.generate_s = 0.0
+        self.engine_exit_codes: list[int | None] = []
+        """After `close`: how vLLM's engine-core processes ended: 0 when by themselves; where
+        vLLM's shutdown grace (5 s) ran out and it killed one, -9, or None while the killed
+        process is not yet reaped (`engine_exit.py` keeps that from happening)."""
+
+    def _start_engine(self, args: dict[str, Any]) -> None:
+        """``self.engine``, started from ``args``. vLLM leaves its ZeroMQ socket files (and, for a
+        multi-process executor, a file store) in the temporary directory, and its shared-memory
+        queues when it is killed: it gets a directory of its own, and a janitor that removes both
+        whenever this process ends. torch.compile's cache stays where it was (`keep_compile_cache`)."""
         self._scratch = tempfile.mkdtemp(prefix=f"asyncrl-vllm-{os.getpid()}-")
         keep_compile_cache(self._scratch)
         os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = self._scratch
@@ -210,17 +224,6 @@ class VLLMBackend(PausableBackend):
             self._janitor.finish()
             raise
         followed()
-        self.adapters = EngineAdapters(self.engine, model_path, adapter, self._scratch) if adapter is not None else None
-        self.vocab_size = self.engine.model_config.get_vocab_size()
-        self.dtype = compat.engine_dtype(self.engine)
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
-        self.tokens_generated = 0
-        self.generate_s = 0.0
-        self.engine_exit_codes: list[int | None] = []
-        """After `close`: how vLLM's engine-core processes ended: 0 when by themselves; where
-        vLLM's shutdown grace (5 s) ran out and it killed one, -9, or None while the killed
-        process is not yet reaped (`engine_exit.py` keeps that from happening)."""
 
     # --- SamplerBackend -------------------------------------------------------------------------
 
