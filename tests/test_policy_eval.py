@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-pytest_plugins = ["vllm_support"]  # the vllm_required fixture
+from vllm_support import VLLM_ENV
+
+pytest_plugins = ["vllm_support"]  # the vllm_required fixture; VLLM_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -42,8 +44,14 @@ TINY = [
 ]
 
 
-def asyncrl(cwd, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", ASYNCRL_CACHE_DIR=str(cwd / "cache"))
+def asyncrl(cwd, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "OMP_NUM_THREADS": "1",
+        "ASYNCRL_CACHE_DIR": str(cwd / "cache"),
+        **(env or {}),
+    }
     return subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -149,7 +157,9 @@ def test_an_engine_from_the_samplers_factory_evaluates_on_a_loop_of_its_own(mode
 def test_eval_on_a_vllm_engine(model_path, tmp_path, vllm_required):
     # a policy outside any run directory: the task and settings are the flags' (and the defaults)
     args = ["eval", model_path, "--run.n_heldout", "8", "--run.eval_samples", "2", "--device", vllm_required.type]
-    done = asyncrl(tmp_path, *args, "--engine", "vllm", "--out", "vllm.json", timeout=360)
+    # the vLLM tests' engine settings: its model worker in the engine core's process (one vLLM
+    # import less than the CPU build's own executor: ~15 s of CPU), one OpenMP thread
+    done = asyncrl(tmp_path, *args, "--engine", "vllm", "--out", "vllm.json", timeout=360, env=VLLM_ENV)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "vllm.json").read_text())
     assert (result["engine"], result["run_dir"], result["heldout_problems"], result["temperature"]) == (

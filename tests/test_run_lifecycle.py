@@ -48,7 +48,7 @@ from asyncrl.runtime import files
 from asyncrl.runtime.files import write_json_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("actor_zygote")]  # tests/conftest.py: forked actors
 
 
 # --- without processes ----------------------------------------------------------------------------
@@ -394,7 +394,7 @@ async def test_a_damaged_checkpoint_is_skipped_and_group_ids_stay_unique_across_
     good_state = state.read_bytes()
     state.write_bytes(b"{" + good_state[1:-1].replace(b'"', b"'") + b"}")  # garbled JSON, same size
     before = snapshot(run_dir)
-    async with Supervisor() as sup:
+    async with Supervisor(zygote_preload="") as sup:  # refused before any actor: a zygote's imports would go unused
         with pytest.raises(CheckpointError) as info:
             await train(tiny(model_path, run_dir, "--run.steps", "6"), sup, resume=True, log=lambda *a: None)
         assert sup.status() == []

@@ -46,7 +46,7 @@ pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, pol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("actor_zygote")]  # tests/conftest.py: forked actors
 
 
 # --- the sampler actor: weights received by vLLM's worker process ---------------------------------
@@ -425,7 +425,7 @@ async def test_check_weights_is_refused_before_a_run_with_vllm_samplers_on_the_c
             "true",
         ],
     )
-    async with Supervisor(start_timeout_s=240) as sup:
+    async with Supervisor(start_timeout_s=240, zygote_preload="") as sup:  # refused before any actor starts
         with pytest.raises(
             ConfigError,
             match=r"--sampler.backend vllm picks vLLM here \(cpu\), which repacks them on the CPU; add --sampler",
