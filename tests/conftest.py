@@ -284,15 +284,15 @@ def new_descendants() -> set[int]:
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes():
-    """Every test must leave no process of ours behind."""
+def no_leftover_processes(zygote_pool):
+    """Every test must leave no process of ours behind (but the zygotes the session's pool keeps)."""
     global _at_test_start
     before = _at_test_start = descendants(os.getpid())
     yield
-    left = descendants(os.getpid()) - before
+    left = descendants(os.getpid()) - before - zygote_pool.pids
     if left:  # a process that is ending may take a moment (each look reads all of /proc: not when none is left)
-        wait_until(lambda: not descendants(os.getpid()) - before, 5.0)
-        left = descendants(os.getpid()) - before
+        wait_until(lambda: not descendants(os.getpid()) - before - zygote_pool.pids, 5.0)
+        left = descendants(os.getpid()) - before - zygote_pool.pids
     kill_all(left)
     assert not left, f"processes left behind: {sorted(left)}"
 
@@ -381,19 +381,32 @@ def _warm_started(cache_dir: str) -> str:
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def zygote_pool():
+    """The zygotes this test process keeps between its supervisors (runtime/zygote_pool.py), while
+    a file with `actor_zygote` runs: one zygote's imports (~11 s of CPU) per preload and session,
+    not one per supervisor."""
+    from asyncrl.runtime.zygote_pool import ZygotePool
+
+    pool = ZygotePool()
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="module")
-def actor_zygote(request):
+def actor_zygote(request, zygote_pool):
     """The supervisors of a test file forking their actors from a zygote that has imported what a
     GRPO run's actors import (`asyncrl.runtime.zygote.PRELOAD`), as `asyncrl launch` does, instead
     of starting each by ``Popen`` (4.5-8 s of CPU each for torch and transformers): for the files
     whose supervisors start trainers, samplers or scorers, by ``pytestmark``; a file's own
     ``ZYGOTE_PRELOAD`` (a tuple of modules) replaces the list. Two 3-actor trainer tests took 0.50x
-    the CPU and 0.78x the wall time so (two runs each, paired, 2-core VM)."""
+    the CPU and 0.78x the wall time so (two runs each, paired, 2-core VM). The zygotes come from the
+    session's `zygote_pool`, kept from one supervisor, and one file, to the next."""
     from asyncrl.runtime.config import ENV_PREFIX
     from asyncrl.runtime.zygote import PRELOAD
 
     preload = getattr(request.module, "ZYGOTE_PRELOAD", PRELOAD)
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, zygote_pool.serving():
         patch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", ",".join(preload))
         yield
 

@@ -3,7 +3,7 @@
 Real processes: an actor forked by it serves calls, its exit code (a clean stop, ``sys.exit(3)``,
 a SIGKILL) reaches the supervisor through the zygote's reports, a SIGKILLed supervisor leaves no
 process (zygote, actors) behind, and a zygote that dies fails its actors with a clear error while
-the next start goes through ``Popen``.
+the next start goes through ``Popen``. A pool keeps zygotes between supervisors, one at a time each.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from actors import Echo, Exits
 from asyncrl import ActorDiedError, ActorState, Supervisor
 from asyncrl.runtime import zygote
 from asyncrl.runtime.config import ENV_PREFIX
+from asyncrl.runtime.zygote_pool import ZygotePool, active_pool
 from conftest import process_alive, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,3 +179,64 @@ async def test_off_by_the_environment(monkeypatch):
         assert sup._zygote is None
         actor = await sup.spawn(Exits)
         assert await actor.parent() == os.getpid()
+
+
+# --- a pool: zygotes kept between supervisors (runtime/zygote_pool.py) -----------------------------
+
+
+async def _one_supervisor(code: int = 0) -> tuple[int, int]:
+    """A supervisor whose actor is forked, serves, and exits with ``code`` (the zygote reports it):
+    (the zygote's pid, the actor's)."""
+    async with Supervisor() as sup:
+        actor = await sup.spawn(Exits)
+        zpid, pid = sup._zygote.pid, await actor.getpid()
+        assert await actor.parent() == zpid
+        await actor.exit_later(code, "/nonexistent")
+        dead = await actor.wait_for_state({ActorState.DEAD}, timeout_s=10.0)
+        assert f"exited with code {code}" in dead.error
+    return zpid, pid
+
+
+def test_supervisors_one_after_another_on_their_own_loops_fork_from_one_pooled_zygote():
+    """Three supervisors, each on an event loop of its own (``asyncio.run``), fork their actors
+    from the same zygote: each sees its own actor's exit code and none of the earlier ones'; their
+    actors are gone when they close, the zygote is not; closing the pool ends it."""
+    with ZygotePool() as pool:
+        runs = [asyncio.run(_one_supervisor(code)) for code in (0, 3, 5)]
+        [zpid] = {zpid for zpid, _ in runs}
+        assert pool.pids == {zpid} and process_alive(zpid)
+        assert not any(process_alive(pid) for _, pid in runs)
+    assert wait_until(lambda: not process_alive(zpid), 5.0)
+    assert active_pool() is None
+
+
+async def test_a_pooled_zygote_is_not_shared_by_two_supervisors_at_once_nor_across_what_imports_read(monkeypatch):
+    with ZygotePool() as pool:
+        async with Supervisor() as a, Supervisor() as b:
+            assert a._zygote.pid != b._zygote.pid
+            pids = {a._zygote.pid, b._zygote.pid}
+        async with Supervisor() as c:  # on the loop a and b were on
+            assert c._zygote.pid in pids  # an idle one
+            assert await (await c.spawn(Exits)).parent() == c._zygote.pid
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import: a zygote of its own
+        async with Supervisor() as d:
+            assert d._zygote.pid not in pids
+            actor = await d.spawn(Exits)
+            assert await actor.parent() == d._zygote.pid
+            pids.add(d._zygote.pid)
+        assert len(pool.pids) == pool.max_idle == 2 and pool.pids < pids  # the oldest idle one ended
+    assert wait_until(lambda: not any(process_alive(p) for p in pids), 5.0)
+
+
+async def test_a_pooled_zygote_that_died_is_not_given_back(caplog):
+    with ZygotePool() as pool:
+        async with Supervisor() as sup:
+            actor = await sup.spawn(Exits)
+            zpid = sup._zygote.pid
+            os.kill(zpid, signal.SIGKILL)
+            dead = await actor.wait_for_state({ActorState.DEAD}, timeout_s=10.0)
+            assert f"lost: the zygote (pid {zpid}) killed by SIGKILL" in dead.error, dead.error
+        assert pool.pids == set()
+        async with Supervisor() as sup:
+            assert sup._zygote.pid != zpid
+            assert await (await sup.spawn(Exits)).parent() == sup._zygote.pid

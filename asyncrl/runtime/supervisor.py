@@ -49,6 +49,7 @@ from asyncrl.runtime.resources import SupervisorResources, cluster_keys
 from asyncrl.runtime.state import ActorState, SupervisorState
 from asyncrl.runtime.status import StatusServer
 from asyncrl.runtime.zygote import ENV_PRELOAD, Zygote, usable
+from asyncrl.runtime.zygote_pool import ZygotePool, active_pool
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -77,6 +78,7 @@ class Supervisor:
         self._control: ControlChannel | None = None
         self._cluster: Cluster | None = None
         self._zygote: Zygote | None = None
+        self._pool: ZygotePool | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -122,11 +124,15 @@ class Supervisor:
             cfg, self._resources, self._control, self._cluster, self._devices, self._node_env, self._records
         )
         if cfg.zygote_preload and usable(self._devices.total):
+            env = {**os.environ, ENV_PRELOAD: cfg.zygote_preload}
+            self._pool = active_pool()
             try:  # imports in the background from now on, while the driver does its own start
-                self._zygote = self._incarnations.zygote = await Zygote.start(
-                    {**os.environ, ENV_PRELOAD: cfg.zygote_preload}, self._resources.death_r
-                )
-                self._resources.groups.add(self._zygote.pid)
+                if self._pool is not None:  # the pool's, not ours: not among our groups
+                    self._zygote = await self._pool.acquire(env)
+                else:
+                    self._zygote = await Zygote.start(env, self._resources.death_r)
+                    self._resources.groups.add(self._zygote.pid)
+                self._incarnations.zygote = self._zygote
             except OSError as e:
                 log.warning("no zygote (%s): actors start by Popen", e)
         if cfg.handle_signals:
@@ -143,7 +149,11 @@ class Supervisor:
         """Close the sockets, then the resources (which SIGKILL every group still tracked and
         remove the run directory). Synchronous, idempotent."""
         if self._zygote is not None:
-            self._zygote.kill_now()
+            if self._pool is not None:  # its actors are killed by their groups below
+                self._pool.release(self._zygote, reusable=False)
+            else:
+                self._zygote.kill_now()
+            self._zygote = None
         if self._cluster is not None:
             self._cluster.close_now()
         if self._control is not None:
@@ -166,7 +176,10 @@ class Supervisor:
             )
             if self._cluster is not None:
                 await self._cluster.close("the supervisor is shutting down", self.config.term_timeout_s + 5.0)
-            if self._zygote is not None:  # after the actors: it is the parent of some
+            if self._zygote is not None and self._pool is not None:  # after the actors: back, for the next supervisor
+                self._pool.release(self._zygote, reusable=self._incarnations.zygote is self._zygote)
+                self._zygote = None
+            elif self._zygote is not None:  # after the actors: it is the parent of some
                 await self._zygote.close()
                 if self._zygote.proc.poll() is not None and self._resources is not None:
                     self._resources.groups.discard(self._zygote.pid)

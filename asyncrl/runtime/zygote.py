@@ -43,7 +43,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -120,6 +120,11 @@ ToZygote = Spawn
 FromZygote = Ready | Started | Exited
 
 
+def read_at_start(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that a zygote and the actors it forks must agree in (`READ_AT_START`)."""
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_START) and k not in _SET_AGAIN}
+
+
 class ZygoteUnavailable(Exception):
     """The zygote cannot start this actor (not ready in time, gone, or it failed the fork): the
     caller starts it by ``Popen``."""
@@ -171,7 +176,8 @@ class Zygote:
         self._ids = 0
         self._answers: dict[int, asyncio.Future[Started]] = {}
         self._children: dict[int, ZygoteProcess] = {}
-        self._early: dict[int, int] = {}  # exits seen before their process was made
+        self._starting: set[int] = set()  # pids told in a `Started` whose process is not made yet
+        self._early: dict[int, int] = {}  # exits of those, seen before their process was made
         self._decoder = msgspec.msgpack.Decoder(FromZygote)
         sock.setblocking(False)
         self._loop.add_reader(sock.fileno(), self._on_readable)
@@ -219,12 +225,35 @@ class Zygote:
     def unsuitable(self, env: dict[str, str]) -> str:
         """Why a child with ``env`` would not be what ``Popen`` makes ("" if it would): a variable
         that a preloaded module read at import differs from the zygote's."""
-        differ = sorted(
-            k
-            for k in env.keys() | self.env.keys()
-            if k.startswith(READ_AT_START) and k not in _SET_AGAIN and env.get(k) != self.env.get(k)
-        )
+        theirs, ours = read_at_start(env), read_at_start(self.env)
+        differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
         return f"its environment differs from the zygote's in {', '.join(differ)}, read before a fork" if differ else ""
+
+    def attach(self) -> None:
+        """Serve the running loop from now on: a pooled zygote (zygote_pool.py) goes from one
+        supervisor, and its loop, to the next. What arrived meanwhile waits in the socket."""
+        if self.error:
+            return
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            ready = loop.create_future()
+            if self.ready.done():  # with its `Ready`: an exception comes with an error, returned on above
+                ready.set_result(self.ready.result())
+            self._loop, self.ready = loop, ready
+        loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    def detach(self) -> None:
+        """Stop serving its supervisor, whose actors are stopped (or killed by their groups): their
+        exits, when they come, are nobody's."""
+        self._stop_reading()
+        self._children.clear()
+        self._starting.clear()
+        self._early.clear()
+
+    def _stop_reading(self) -> None:
+        if self._sock.fileno() >= 0:
+            with contextlib.suppress(RuntimeError, AttributeError, ValueError):  # its loop closed
+                self._loop.remove_reader(self._sock.fileno())
 
     def _on_readable(self) -> None:
         while True:
@@ -236,7 +265,7 @@ class Zygote:
                 self._lose(f"its socket failed: {e}")
                 return
             if not data:
-                self._loop.remove_reader(self._sock.fileno())
+                self._stop_reading()
                 self._eof = asyncio.ensure_future(self._on_eof())
                 return
             msg = self._decoder.decode(data)
@@ -249,6 +278,8 @@ class Zygote:
             elif isinstance(msg, Started):
                 answer = self._answers.pop(msg.id, None)
                 if answer is not None and not answer.done():
+                    if msg.pid:
+                        self._starting.add(msg.pid)
                     answer.set_result(msg)
                 elif msg.pid:  # its spawn gave up waiting: the child is nobody's
                     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -256,7 +287,8 @@ class Zygote:
             else:
                 child = self._children.pop(msg.pid, None)
                 if child is None:
-                    self._early[msg.pid] = msg.returncode
+                    if msg.pid in self._starting:  # else nobody's: its start gave up, or an earlier supervisor's
+                        self._early[msg.pid] = msg.returncode
                 elif not child.exited.done():
                     child.exited.set_result(msg.returncode)
 
@@ -273,8 +305,7 @@ class Zygote:
         if self.error:
             return
         self.error = reason
-        if self._sock.fileno() >= 0:
-            self._loop.remove_reader(self._sock.fileno())
+        self._stop_reading()
         self._sock.close()
         lost = f"lost: {reason} (actors forked by the zygote die with it)"
         for answer in self._answers.values():
@@ -353,6 +384,7 @@ class Zygote:
         child = ZygoteProcess(
             started.pid, open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0), log_prefix, sink
         )
+        self._starting.discard(started.pid)
         code = self._early.pop(started.pid, None)
         if code is not None:
             child.exited.set_result(code)
