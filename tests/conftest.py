@@ -394,20 +394,20 @@ def zygote_pool():
 
 
 @pytest.fixture(scope="module")
-def actor_zygote(request, zygote_pool):
+def actor_zygote(zygote_pool):
     """The supervisors of a test file forking their actors from a zygote that has imported what a
     GRPO run's actors import (`asyncrl.runtime.zygote.PRELOAD`), as `asyncrl launch` does, instead
     of starting each by ``Popen`` (4.5-8 s of CPU each for torch and transformers): for the files
-    whose supervisors start trainers, samplers or scorers, by ``pytestmark``; a file's own
-    ``ZYGOTE_PRELOAD`` (a tuple of modules) replaces the list. Two 3-actor trainer tests took 0.50x
-    the CPU and 0.78x the wall time so (two runs each, paired, 2-core VM). The zygotes come from the
-    session's `zygote_pool`, kept from one supervisor, and one file, to the next."""
+    whose supervisors start trainers, samplers, scorers or actors that import torch, by
+    ``pytestmark``. Two 3-actor trainer tests took 0.50x the CPU and 0.78x the wall time so (two
+    runs each, paired, 2-core VM). The zygotes come from the session's `zygote_pool`, kept from one
+    supervisor, and one file, to the next: one preload for every file, so one zygote serves them
+    all (a lighter list of its own for a file would cost a second zygote, not save one)."""
     from asyncrl.runtime.config import ENV_PREFIX
     from asyncrl.runtime.zygote import PRELOAD
 
-    preload = getattr(request.module, "ZYGOTE_PRELOAD", PRELOAD)
     with pytest.MonkeyPatch.context() as patch, zygote_pool.serving():
-        patch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", ",".join(preload))
+        patch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", ",".join(PRELOAD))
         yield
 
 

@@ -28,6 +28,8 @@ from asyncrl.rl.tasks.loading import TaskLoadError, task_class
 from asyncrl.rl.tasks.scoring import UserCalls
 from sampler_support import recomputed
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its sampler forked from a zygote
+
 MAX_NEW = 12
 
 

@@ -22,6 +22,8 @@ from asyncrl import (
 )
 from asyncrl.runtime import wire
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its actors forked from a zygote
+
 
 @pytest.fixture
 async def echo():

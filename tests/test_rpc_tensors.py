@@ -9,6 +9,8 @@ import torch
 from asyncrl import InvalidArgumentsError, Supervisor
 from tensor_actors import Tensors
 
+pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its actors (torch imported) forked
+
 
 @pytest.fixture(params=["ipc", "tcp"])
 async def actor(request):

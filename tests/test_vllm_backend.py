@@ -37,7 +37,7 @@ from vllm_support import (
 
 pytest_plugins = ["sampler_support", "vllm_support"]  # fixtures: tiny_path, policy, prompts; vllm_required, engine
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("actor_zygote")]  # tests/conftest.py: forked actors
 
 
 # --- the backend in this process ------------------------------------------------------------------

@@ -20,9 +20,6 @@ from asyncrl.comm.rendezvous import RendezvousError, join_all
 from sync_actors import Receiver, Sender
 
 pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
-ZYGOTE_PRELOAD = ("torch", "asyncrl.runtime.worker", "asyncrl.comm.weights", "asyncrl.comm.member")
-"""What sync_actors' senders and receivers import (no transformers): the file in 0.43x the CPU and
-0.69x the wall time of starting each by ``Popen`` (two runs each, paired, 2-core VM)."""
 
 HOST = "127.0.0.1"
 

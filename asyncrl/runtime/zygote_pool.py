@@ -105,7 +105,8 @@ class ZygotePool:
             return
         self._closed = True
         for zygote in [*self._busy, *(z for _, z in self._idle)]:
-            zygote.kill_now()
+            with contextlib.suppress(RuntimeError):  # killed first; its actors' futures may be of a closed loop
+                zygote.kill_now()
         self._busy.clear()
         self._idle.clear()
         for fd in (self._death_r, self._death_w):
