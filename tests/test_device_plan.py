@@ -3,11 +3,15 @@ falls back to the CPU silently; and the ipc communicator refuses anything but CU
 
 from __future__ import annotations
 
+import asyncio
+import types
+
 import pytest
 
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.driver.devices import cluster_devices, plan_devices
 from asyncrl.runtime.cluster import NodeStatus
+from virtual_time import run_virtual
 
 
 def test_enough_gpus_give_each_actor_its_own():
@@ -230,29 +234,30 @@ def test_per_gpu_auto_is_two_and_a_negative_count_is_refused():
         parse_overrides(GRPOConfig(), ["--sampler.per_gpu", "-1"])
 
 
-async def test_samplers_that_share_a_gpu_start_in_different_waves():
+def test_samplers_that_share_a_gpu_start_in_different_waves():
     """--sampler.per_gpu 2 over 3 GPUs: samplers 0, 2, 4 (one a GPU) start together, then 1, 3, 5,
     each beside a running engine (vLLM measures the free memory as it starts)."""
-    import asyncio
-    import types
-
     from asyncrl.rl.driver.fleet.sampler_start import start_samplers
 
-    running: set[int] = set()
-    seen: list[tuple[int, frozenset[int]]] = []
+    async def main() -> None:
 
-    async def spawn(i: int):
-        seen.append((i, frozenset(running)))
-        await asyncio.sleep(0.01)
-        running.add(i)
-        state = types.SimpleNamespace(final=False)
-        info = types.SimpleNamespace(state=state, restarts=0, max_restarts=1, error=None)
-        return types.SimpleNamespace(name=f"sampler{i}", info=lambda: info)
+        running: set[int] = set()
+        seen: list[tuple[int, frozenset[int]]] = []
 
-    plan = plan_devices("auto", "cuda", ["0", "1", "2", "3"], 6, per_gpu=2)
-    handles = await start_samplers(spawn, 6, wave_of=plan.start_wave, log=print)
-    assert [h.name for h in handles] == [f"sampler{i}" for i in range(6)]
-    assert dict(seen) == {0: set(), 2: set(), 4: set(), 1: {0, 2, 4}, 3: {0, 2, 4}, 5: {0, 2, 4}}
+        async def spawn(i: int):
+            seen.append((i, frozenset(running)))
+            await asyncio.sleep(0.01)
+            running.add(i)
+            state = types.SimpleNamespace(final=False)
+            info = types.SimpleNamespace(state=state, restarts=0, max_restarts=1, error=None)
+            return types.SimpleNamespace(name=f"sampler{i}", info=lambda: info)
+
+        plan = plan_devices("auto", "cuda", ["0", "1", "2", "3"], 6, per_gpu=2)
+        handles = await start_samplers(spawn, 6, wave_of=plan.start_wave, log=print)
+        assert [h.name for h in handles] == [f"sampler{i}" for i in range(6)]
+        assert dict(seen) == {0: set(), 2: set(), 4: set(), 1: {0, 2, 4}, 3: {0, 2, 4}, 5: {0, 2, 4}}
+
+    run_virtual(main())
 
 
 def test_per_gpu_auto_is_one_where_the_placement_names_the_samplers_nodes():
@@ -264,13 +269,11 @@ def test_per_gpu_auto_is_one_where_the_placement_names_the_samplers_nodes():
     assert _one_a_gpu_where_placed("trainer=1") == 0
 
 
-async def test_a_run_s_starts_side_by_side_end_at_the_first_error_and_only_on_the_cpu():
+def test_a_run_s_starts_side_by_side_end_at_the_first_error_and_only_on_the_cpu():
     """The trainer, the scorers and the samplers start together on the CPU (driver/build.py), one
     after another on GPUs (where they are placed first-fit and a colocated engine measures the
     memory the trainer left). Started together, results come back in order; the first error
     cancels the other starts (a cancelled start kills its process) and is what the run stops on."""
-    import asyncio
-
     from asyncrl.rl.driver.build import _start_beside_the_trainer
     from asyncrl.rl.driver.fleet.sampler_start import all_or_first_error
 
@@ -278,22 +281,26 @@ async def test_a_run_s_starts_side_by_side_end_at_the_first_error_and_only_on_th
     assert not _start_beside_the_trainer(plan_devices("auto", "cuda", ["0", "1"], 0))
     assert not _start_beside_the_trainer(plan_devices("auto", "cuda", ["0"], 0))  # colocated
 
-    assert await all_or_first_error([]) == []
-    cancelled: list[str] = []
+    async def main() -> None:
+        assert await all_or_first_error([]) == []
+        cancelled: list[str] = []
 
-    async def start(name: str, after_s: float, fails: bool = False) -> str:
-        try:
-            await asyncio.sleep(after_s)
-        except asyncio.CancelledError:
-            cancelled.append(name)
-            raise
-        if fails:
-            raise RuntimeError(f"{name} refused to start")
-        return name
+        async def start(name: str, after_s: float, fails: bool = False) -> str:
+            try:
+                await asyncio.sleep(after_s)
+            except asyncio.CancelledError:
+                cancelled.append(name)
+                raise
+            if fails:
+                raise RuntimeError(f"{name} refused to start")
+            return name
 
-    names = ["trainer", "scorer", "sampler0"]
-    assert await all_or_first_error([asyncio.ensure_future(start(n, 0.01 * i)) for i, n in enumerate(names)]) == names
-    starts = [start("trainer", 30.0), start("scorer", 0.0, fails=True), start("sampler0", 30.0)]
-    with pytest.raises(RuntimeError, match="scorer refused to start"):
-        await all_or_first_error([asyncio.ensure_future(s) for s in starts])
-    assert sorted(cancelled) == ["sampler0", "trainer"]
+        names = ["trainer", "scorer", "sampler0"]
+        started = [asyncio.ensure_future(start(n, 10.0 * i)) for i, n in enumerate(names)][::-1]
+        assert await all_or_first_error(started) == names[::-1]  # in the order given, not the order they ended
+        starts = [start("trainer", 30.0), start("scorer", 0.0, fails=True), start("sampler0", 30.0)]
+        with pytest.raises(RuntimeError, match="scorer refused to start"):
+            await all_or_first_error([asyncio.ensure_future(s) for s in starts])
+        assert sorted(cancelled) == ["sampler0", "trainer"]
+
+    run_virtual(main())

@@ -1,6 +1,8 @@
 """Pacing (rl/driver/pacing.py) with the real RolloutQueue: producers that ask the `Pacer` for
 credit before each batch never make a group the trainer drops, and the queue stays bounded; the
-same producers unpaced lose groups to staleness (so the test can tell the difference)."""
+same producers unpaced lose groups to staleness (so the test can tell the difference). What takes
+time (making, training, a timeout) runs on a virtual clock (virtual_time.py): no wall time waited,
+and no late timer of a loaded machine changes the order of events."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.rollout import RolloutGroup
+from virtual_time import run_virtual
 
 
 def group(version: int, i: int) -> RolloutGroup:
@@ -73,22 +76,20 @@ async def simulate(
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
-async def test_paced_producers_make_nothing_that_is_dropped_and_the_queue_stays_bounded(max_staleness):
-    queue, deepest = await simulate(paced=True, max_staleness=max_staleness)
+def test_paced_producers_make_nothing_that_is_dropped_and_the_queue_stays_bounded(max_staleness):
+    queue, deepest = run_virtual(simulate(paced=True, max_staleness=max_staleness))
     stats = queue.stats()
     assert stats.dropped_stale == 0 and stats.batches == 30
     assert deepest <= 8 * (max_staleness + 1)  # never more than the steps that can still train them
 
 
-async def test_unpaced_producers_lose_groups_to_staleness():
-    # Producers that take no time at all: with make_s 0.002 a loaded machine's late timers made
-    # them no faster than the trainer, and nothing expired (8 or 24 drops, not > 30, on main).
-    queue, _ = await simulate(paced=False, max_staleness=1, make_s=0.0)
+def test_unpaced_producers_lose_groups_to_staleness():
+    queue, _ = run_virtual(simulate(paced=False, max_staleness=1))
     assert queue.stats().dropped_stale > 30  # the waste pacing removes
 
 
-async def test_two_paced_producers_drop_almost_nothing():
-    queue, _ = await simulate(paced=True, max_staleness=1, producers=2)
+def test_two_paced_producers_drop_almost_nothing():
+    queue, _ = run_virtual(simulate(paced=True, max_staleness=1, producers=2))
     stats = queue.stats()
     assert stats.dropped_stale <= stats.gets // 20, stats  # under 5% of what was trained
 
@@ -116,11 +117,11 @@ async def test_the_pacer_counts_grants_in_flight_and_their_peaks_since_the_last_
     assert pacer.take_peaks() == (1, 8)  # the next step's start from what is in flight now
 
 
-async def test_a_pump_without_credit_times_out_naming_who_waited():
+def test_a_pump_without_credit_times_out_naming_who_waited():
     queue = RolloutQueue(4, 0)
     pacer = Pacer(queue, 4, 0, version=0, next_step=2)  # the batch of step 1 is taken, no sync yet
-    with pytest.raises(PacingTimeoutError, match="sampler3: no credit for 4 groups within 0.05 s"):
-        await pacer.acquire(8, 0.05, "sampler3")
+    with pytest.raises(PacingTimeoutError, match="sampler3: no credit for 4 groups within 60 s"):
+        run_virtual(pacer.acquire(8, 60.0, "sampler3"))
     assert pacer.in_flight == 0
 
 
@@ -137,22 +138,26 @@ async def test_a_queue_short_of_a_whole_batch_is_given_the_groups_it_lacks():
     assert pacer.grant(8) == 0  # the batch is whole once those arrive: the next pump waits for room
 
 
-async def test_a_pump_waiting_for_credit_wakes_when_stale_groups_are_dropped():
+def test_a_pump_waiting_for_credit_wakes_when_stale_groups_are_dropped():
     # get_batch drops stale groups without a word to the pacer: the room they leave must still
     # wake a pump that waits for credit.
     queue = RolloutQueue(8, 0)
     pacer = Pacer(queue, 4, 0, version=1, next_step=2)
-    for i in range(4):
-        await queue.put(group(0, i), timeout_s=1.0)  # made at v0: too stale for step 2 (trains at v1)
-    pump = asyncio.ensure_future(pacer.acquire(4, 5.0, "sampler0"))
-    await asyncio.sleep(0.05)
-    assert not pump.done()  # no room: the queue looks full
-    batch = asyncio.ensure_future(queue.get_batch(4, current_version=1, timeout_s=5.0))  # drops all 4
-    try:
-        assert await asyncio.wait_for(pump, 2.0) == 4
-    finally:
-        batch.cancel()
-        await asyncio.gather(batch, return_exceptions=True)
+
+    async def main() -> None:
+        for i in range(4):
+            await queue.put(group(0, i), timeout_s=1.0)  # made at v0: too stale for step 2 (trains at v1)
+        pump = asyncio.ensure_future(pacer.acquire(4, 60.0, "sampler0"))
+        await asyncio.sleep(30.0)
+        assert not pump.done()  # no room: the queue looks full
+        batch = asyncio.ensure_future(queue.get_batch(4, current_version=1, timeout_s=60.0))  # drops all 4
+        try:
+            assert await asyncio.wait_for(pump, 1.0) == 4
+        finally:
+            batch.cancel()
+            await asyncio.gather(batch, return_exceptions=True)
+
+    run_virtual(main())
     assert queue.stats().dropped_stale == 4
 
 
