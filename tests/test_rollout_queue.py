@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from asyncrl.rl.driver.queue import FutureGroupError, QueueClosedError, QueueTimeoutError, RolloutQueue
-from asyncrl.rl.rollout import InvalidGroupError, RolloutGroup, validate_group
+from asyncrl.rl.rollout import InvalidGroupError, RolloutGroup, VersionSpan, validate_group
 
 LONG_S = 10.0  # a deadline no passing test gets near: waits here end by events, not by time
 
@@ -58,6 +58,7 @@ def test_group_roundtrips_msgpack_as_array():
         0,
         [],
         [],
+        [],
     ]
     assert msgspec.msgpack.decode(data, type=RolloutGroup) == g
     short = msgspec.msgpack.encode([7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4])
@@ -85,12 +86,24 @@ def _with(**changes) -> RolloutGroup:
         (_with(action_mask=[[1, 0], [1]]), "completion 1 has 2 token ids but an action mask of 1"),
         (_with(action_mask=[[1, 0], [2, 1]]), "values other than 0 and 1"),
         (_with(correct=[True]), "1 correct flags for 2 completions"),
+        (_with(version_spans=[[VersionSpan(0, 0)]]), "1 version_spans lists for 2 completions"),
+        (_with(version_spans=[[VersionSpan(1, 0)], []]), "first version span starts at 1"),
+        (_with(version=1, version_spans=[[VersionSpan(0, 0)], []]), "tokens of version 0, older than the group's 1"),
+        (_with(version_spans=[[VersionSpan(0, 1), VersionSpan(1, 0)], []]), "out of order"),
+        (_with(version_spans=[[VersionSpan(0, 0), VersionSpan(2, 1)], []]), "out of order"),
     ],
 )
 def test_validate_group_refuses_each_bad_shape(bad, words):
     with pytest.raises(InvalidGroupError, match=words) as info:
         validate_group(bad)
     assert isinstance(info.value, ValueError) and info.value.prompt_id == 1
+
+
+async def test_token_versions_expand_the_spans():
+    g = _with(version_spans=[[VersionSpan(0, 0), VersionSpan(1, 2)], []])
+    validate_group(g)
+    assert g.token_versions(0) == [0, 2] and g.token_versions(1) == [0, 0] and g.newest_version == 2
+    assert group(1, 3).token_versions(0) == [3, 3] and group(1, 3).newest_version == 3
 
 
 async def test_put_refuses_an_invalid_group():

@@ -17,13 +17,21 @@ import msgspec
 from asyncrl.errors import AsyncrlError
 
 
+class VersionSpan(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """From token ``start`` of a completion on (until the next span), its tokens were sampled
+    under weight ``version``."""
+
+    start: int
+    version: int
+
+
 class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     """One prompt and its ``group_size`` completions, as sampled.
 
-    ``version`` is the weight version the group was generated under. If a generation spanned a
-    weight update (a sampler that swaps weights mid-request), it is the OLDEST version any of its
-    tokens was sampled under: staleness is then over-counted, never under-counted, so a group that
-    passes the ``max_staleness`` filter truly is at most that stale.
+    ``version`` is the weight version the group's generation began under: the OLDEST version any
+    of its tokens was sampled under. A completion that spans weight updates (a sampler that swaps
+    weights between decoding steps keeps generating it) says which tokens each version sampled in
+    ``version_spans``; `token_versions` gives one version per token either way.
 
     On the wire the fields are positional (``array_like``): append new fields, with defaults, at
     the end only; a shorter array from an older sender then decodes with those defaults. (msgspec
@@ -73,10 +81,32 @@ class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     * teacher_top_k`` ids. Empty: none."""
     teacher_topk_logprobs: list[list[float]] = []
     """The teacher's log-probs of ``teacher_topk_ids``, at the samplers' temperature; same layout."""
+    version_spans: list[list[VersionSpan]] = []
+    """Per completion, the weight versions its tokens were sampled under, as spans in token order:
+    the first starts at token 0, starts increase, versions never decrease and none is older than
+    ``version``. Empty (or a completion's empty list): every token of it at ``version``."""
 
     @property
     def group_size(self) -> int:
         return len(self.completion_ids)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version any token of the group was sampled under (``version`` without spans)."""
+        return max((spans[-1].version for spans in self.version_spans if spans), default=self.version)
+
+    def token_versions(self, i: int) -> list[int]:
+        """The weight version of each token of completion ``i`` (environment tokens included:
+        the version of the turn they follow)."""
+        n = len(self.completion_ids[i])
+        spans = self.version_spans[i] if self.version_spans else []
+        if not spans:
+            return [self.version] * n
+        out: list[int] = []
+        for span, nxt in zip(spans, [*spans[1:], None]):
+            end = n if nxt is None else nxt.start
+            out.extend([span.version] * (end - span.start))
+        return out
 
 
 class TeacherTopK(msgspec.Struct, array_like=True, frozen=True):
@@ -142,11 +172,37 @@ def validate_group(group: RolloutGroup) -> None:
                 )
     if group.teacher_top_k or group.teacher_topk_ids or group.teacher_topk_logprobs:
         _validate_topk(group, n)
+    if group.version_spans:
+        _validate_spans(group, n)
     if group.correct and len(group.correct) != n:
         raise InvalidGroupError(group.prompt_id, f"{len(group.correct)} correct flags for {n} completions")
     for i, r in enumerate(group.rewards):
         if not math.isfinite(r):  # NaN/inf would poison the whole group's advantages
             raise InvalidGroupError(group.prompt_id, f"reward {i} is {r!r}, not finite")
+
+
+def _validate_spans(group: RolloutGroup, n: int) -> None:
+    if len(group.version_spans) != n:
+        raise InvalidGroupError(group.prompt_id, f"{len(group.version_spans)} version_spans lists for {n} completions")
+    for i, (ids, spans) in enumerate(zip(group.completion_ids, group.version_spans)):
+        if not spans:
+            continue
+        if spans[0].start != 0:
+            raise InvalidGroupError(
+                group.prompt_id, f"completion {i}'s first version span starts at {spans[0].start}, not 0"
+            )
+        if spans[0].version < group.version:
+            raise InvalidGroupError(
+                group.prompt_id,
+                f"completion {i} has tokens of version {spans[0].version}, older than the group's {group.version}",
+            )
+        for a, b in zip(spans, spans[1:]):
+            if not a.start < b.start < max(len(ids), 1) or b.version < a.version:
+                raise InvalidGroupError(
+                    group.prompt_id,
+                    f"completion {i}'s version spans are out of order ({a.start}:{a.version} then "
+                    f"{b.start}:{b.version}, {len(ids)} tokens)",
+                )
 
 
 def _validate_topk(group: RolloutGroup, n: int) -> None:
