@@ -31,7 +31,7 @@ MAY_IMPORT = {
     "asyncrl.rl.config": {"asyncrl.errors"},
     "asyncrl.rl.generation": set(),
     "asyncrl.rl.tasks": {"asyncrl.errors", "asyncrl.rl.config", "asyncrl.rl.generation"},
-    "asyncrl.rl.rollout": {"asyncrl.errors"},
+    "asyncrl.rl.rollout": {"asyncrl.errors", "asyncrl.rl.generation"},
     # the OpenAI endpoint agents talk to, over any generation function (a sampler's, the evaluation's)
     "asyncrl.rl.agents": {"asyncrl.errors", "asyncrl.runtime", "asyncrl.rl.generation", "asyncrl.rl.tasks"},
     "asyncrl.rl.digest": set(),

@@ -19,7 +19,9 @@ import pytest
 from actors import Echo
 from asyncrl import Supervisor
 from asyncrl.rl.driver.step_record import RunTotals, SamplersAfter, StepBatch, StepResults, StepTimes, step_record
+from asyncrl.rl.generation import VersionSpan
 from asyncrl.rl.observe.endpoint import MetricsEndpoint, metric_name
+from asyncrl.rl.observe.lengths import batch_lengths, length_bucket
 from asyncrl.rl.observe.progress import Progress, ProgressBar, make_progress
 from asyncrl.rl.observe.record import FleetEvents, StepRecord, TrainMetrics
 from asyncrl.rl.observe.sync_metrics import SyncPhases
@@ -237,6 +239,15 @@ def test_a_step_record_is_the_one_the_18_parameter_step_record_made():
         "fleet": fleet,
         "group_ids": ["s/0/1", "s/0/2"],
         "weights_digests": {"trainer": "ab"},
+        "lengths": {  # trained at version 3: the first group's tokens are of it, the second's one older
+            "length_mean": 2.5,
+            "length_max": 3,
+            "length_hist": {"32": 4},
+            "token_lag_mean": 0.5,
+            "token_lag_max": 1,
+            "token_lag_hist": {"0": 5, "1": 5},
+            "spanning_groups": 0,
+        },
     }
     assert keys == {"task/old", "task/len", "task_errors/x"}
     # No pacer, no digests, no step with groups left out: those fields stay out of the record.
@@ -255,6 +266,16 @@ def test_a_step_record_is_the_one_the_18_parameter_step_record_made():
     assert got["samples_per_s"] == 1999999999.9999998 and got["tokens_per_s"] == 5000000000.0
     assert (got["reward_mean"], got["train_solve_rate"], got["staleness_hist"]) == (0.5, 0.5, {"0": 1})
     assert (got["wait_s"], got["train_s"], got["generate_s"], got["task"]) == (1.0, 2.0, 0.5, {"task/len": 2.0})
+
+
+def test_batch_lengths_count_each_token_at_its_own_version():
+    spanned = sampled("s/0/1", [1.0, 0.0], 2, 0.5, version_spans=[[VersionSpan(0, 2), VersionSpan(1, 4)], []])
+    long = RolloutGroup(0, [1], [[5] * 300, [5] * 33], [[0.0] * 300, [0.0] * 33], [1.0, 0.0], 4)
+    got = batch_lengths([spanned, long], trained_at=5)
+    # spanned: 1 token of version 2 (lag 3), 1 of 4 (lag 1); 3 tokens of version 2; long: 333 of 4
+    assert got.token_lag_hist == {"1": 334, "3": 4} and got.token_lag_max == 3 and got.spanning_groups == 1
+    assert got.length_hist == {"32": 2, "64": 1, "512": 1} and got.length_max == 300
+    assert length_bucket(1) == 32 and length_bucket(256) == 256 and length_bucket(257) == 512
 
 
 def test_every_number_of_a_record_is_a_scalar_and_nothing_else_is():
@@ -432,6 +453,13 @@ TASK = {"task/has_answer", "task/hits_target", "task/uses_numbers", "task/well_f
 STEP_KEYS = {
     "step",
     "version",
+    "length_mean",
+    "length_max",
+    "length_hist",
+    "token_lag_mean",
+    "token_lag_max",
+    "token_lag_hist",
+    "spanning_groups",
     "reward_mean",
     "train_solve_rate",
     "staleness_mean",

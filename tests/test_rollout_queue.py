@@ -59,6 +59,7 @@ def test_group_roundtrips_msgpack_as_array():
         [],
         [],
         [],
+        -1,
     ]
     assert msgspec.msgpack.decode(data, type=RolloutGroup) == g
     short = msgspec.msgpack.encode([7, [1], [[2, 3]], [[-0.1, -0.2]], [1.0], 4])
@@ -91,6 +92,7 @@ def _with(**changes) -> RolloutGroup:
         (_with(version=1, version_spans=[[VersionSpan(0, 0)], []]), "tokens of version 0, older than the group's 1"),
         (_with(version_spans=[[VersionSpan(0, 1), VersionSpan(1, 0)], []]), "out of order"),
         (_with(version_spans=[[VersionSpan(0, 0), VersionSpan(2, 1)], []]), "out of order"),
+        (_with(delivered_version=0, version_spans=[[VersionSpan(0, 0), VersionSpan(1, 1)], []]), "delivered under"),
     ],
 )
 def test_validate_group_refuses_each_bad_shape(bad, words):
@@ -126,6 +128,22 @@ async def test_stale_groups_are_dropped_counted_and_never_delivered():
     s = q.stats()
     assert (s.dropped_stale, s.puts, s.gets, s.batches, s.depth) == (2, 6, 3, 1, 1)
     assert s.staleness_hist == {1: 1, 0: 2}
+
+
+async def test_a_group_that_spanned_versions_is_as_stale_as_its_newest_token():
+    """A long completion begun at version 0 and finished under version 3 sat finished for no
+    version at all: it is fresh at version 3, however old its first tokens are."""
+    q = RolloutQueue(capacity=4, max_staleness=1)
+    long = _with(version_spans=[[VersionSpan(0, 0), VersionSpan(1, 3)], [VersionSpan(0, 0)]])
+    assert await q.put(long, timeout_s=LONG_S) and await q.put(group(2, 0), timeout_s=LONG_S)
+    [taken] = await q.get_batch(1, current_version=3, timeout_s=LONG_S)
+    assert taken is long and q.stats().dropped_stale == 1 and q.stats().staleness_hist == {0: 1}
+    late = _with(prompt_id=3, delivered_version=3)  # done early in a batch that ran on until version 3
+    assert late.finished_version == 3 and await q.put(late, timeout_s=LONG_S)
+    assert [g.prompt_id for g in await q.get_batch(1, current_version=4, timeout_s=LONG_S)] == [3]
+    with pytest.raises(FutureGroupError):  # a token of a version the trainer has not made: a bug upstream
+        await q.put(_with(version=3, version_spans=[[VersionSpan(0, 3), VersionSpan(1, 5)], []]), timeout_s=LONG_S)
+        await q.get_batch(1, current_version=4, timeout_s=LONG_S)
 
 
 async def test_get_batch_waits_for_enough_fresh_groups():

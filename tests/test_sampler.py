@@ -17,7 +17,7 @@ from asyncrl.comm.member import SyncMember, form_group
 from asyncrl.comm.weights import WeightSender
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
-from asyncrl.rl.generation import SamplingParams
+from asyncrl.rl.generation import SamplingParams, VersionSpan
 from asyncrl.rl.rollout import validate_group
 from asyncrl.rl.sampler.actor import SamplerActor
 from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerTimeoutError
@@ -367,7 +367,10 @@ async def test_in_flight_load_goes_in_between_decoding_steps(backend, policy, pr
         try:
             call = asyncio.ensure_future(backend.generate(prompts, 1, greedy))
             assert await asyncio.to_thread(reached.wait, 30), "the batch never reached its fifth decoding step"
-            load = asyncio.ensure_future(backend.load_weights(put(changed), in_flight=True, timeout_s=10))
+            before = backend.weights_version
+            load = asyncio.ensure_future(
+                backend.load_weights(put(changed), version=before + 3, in_flight=True, timeout_s=10)
+            )
             assert await asyncio.to_thread(wait_until, lambda: backend._loads == 1, 10.0)
             assert not call.done()
             release.set()
@@ -380,14 +383,19 @@ async def test_in_flight_load_goes_in_between_decoding_steps(backend, policy, pr
         for o, n, m in zip(old, new, mixed):
             o, n, m = o[0].token_ids, n[0].token_ids, m[0].token_ids
             assert m[0] == o[0] and m != o and m != n  # began on the old weights, went on with the new
+        # Tokens 0-4 came of the five forward passes before the load, the rest of the new weights.
+        assert all(c[0].version_spans == [VersionSpan(0, before), VersionSpan(5, before + 3)] for c in mixed)
+        assert backend.weights_version == before + 3 and not any(c[0].version_spans for c in old + new)
 
         put(original)(params)
         seen.clear()
         call = asyncio.ensure_future(backend.generate(prompts, 1, greedy))
         await asyncio.sleep(0.1)
-        await backend.load_weights(put(changed), in_flight=False, timeout_s=30)
+        await backend.load_weights(put(changed), version=before + 4, in_flight=False, timeout_s=30)
         assert seen == [0]  # pause mode: loaded once the batch had finished
-        assert [c[0].token_ids for c in await asyncio.wait_for(call, 5)] == [c[0].token_ids for c in old]
+        paused = await asyncio.wait_for(call, 5)
+        assert [c[0].token_ids for c in paused] == [c[0].token_ids for c in old]
+        assert not any(c[0].version_spans for c in paused) and backend.weights_version == before + 4
     finally:
         put(original)(params)  # the model is shared by the module's tests
 
@@ -396,7 +404,7 @@ async def test_in_flight_load_times_out_without_touching_the_weights(backend, pr
     backend._stepping = True  # a decoding step that never ends
     touched = []
     with pytest.raises(SamplerTimeoutError, match="decoding step did not end within 0.2 s"):
-        await backend.load_weights(touched.append, in_flight=True, timeout_s=0.2)
+        await backend.load_weights(touched.append, version=1, in_flight=True, timeout_s=0.2)
     assert not touched and backend._loads == 0
     backend._stepping = False
     assert len(await backend.generate(prompts, 1, SamplingParams(max_new_tokens=2))) == 3  # not left blocked

@@ -19,7 +19,7 @@ import torch
 from asyncrl import Supervisor
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.rendezvous import join_all
-from asyncrl.rl.generation import SamplingParams
+from asyncrl.rl.generation import SamplingParams, VersionSpan
 from asyncrl.rl.tasks.base import as_prompt
 from asyncrl.rl.tasks.episodes import EpisodeRunner
 from asyncrl.rl.tasks.scoring import UserCalls
@@ -321,8 +321,12 @@ async def test_weights_go_into_the_engine_between_its_steps(engine, policy, prom
             assert synced.pause_s == synced.call_s < whole_s / 2, (synced, whole_s)
             mixed = await asyncio.wait_for(call, 60)
             for o, n, m in zip(old, new, mixed):
+                [first, switch] = m[0].version_spans  # where the engine stood when the weights went in
+                assert first == VersionSpan(0, 2) and switch.version == 3 and 0 < switch.start < len(m[0].token_ids)
                 o, n, m = o[0].token_ids, n[0].token_ids, m[0].token_ids
                 assert m[0] == o[0] and m != o and m != n  # began on the old weights, went on with the new
+                assert m[: switch.start] == o[: switch.start]  # every token before the switch is the old weights'
+            assert engine.weights_version == 3
             assert await sink.created() == {"gloo": 1}
         finally:
             await asyncio.gather(pusher.send(4, "original"), sink.receive(4, in_flight=False, timeout_s=30.0))

@@ -116,7 +116,9 @@ def _sync(worker, sent: dict[str, torch.Tensor], versions: int, delta: bool = Fa
     assert worker.asyncrl_setup_receiver(30.0) >= 1
     stats = []
     for version in range(1, versions + 1):
-        stats.append(msgspec.convert(worker.asyncrl_receive_weights(version), SyncStats))  # plain values cross vLLM
+        answer = worker.asyncrl_receive_weights(version)
+        stats.append(msgspec.convert(answer["stats"], SyncStats))  # plain values cross vLLM
+        assert answer["positions"] is None  # this stand-in runner keeps no requests table
     thread.join(30)
     return results, stats
 
@@ -698,10 +700,10 @@ async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():
     class Engine:  # stands in for vLLM's AsyncLLM
         async def collective_rpc(self, method, timeout, args):
             calls.append(args)
-            return [{"ok": {"version": 7, "bytes": 100, "buckets": 1, "seconds": 0.01}}]
+            return [{"ok": {"stats": {"version": 7, "bytes": 100, "buckets": 1, "seconds": 0.01}, "positions": {}}}]
 
     class Backend:
-        engine, prefix_caching, paused = Engine(), False, []
+        engine, prefix_caching, paused, changed = Engine(), False, [], []
 
         async def pause(self, timeout_s):
             self.paused.append(timeout_s)
@@ -710,12 +712,16 @@ async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():
         async def resume(self):
             self.paused.append("resumed")
 
+        def weights_changed(self, version, positions):
+            self.changed.append((version, positions))
+
     backend = Backend()
     stats = await EngineSink(backend).receive(7, in_flight=False, timeout_s=1.0)
     [(call, version, timeout_s)] = calls
     assert (call, version) == ("receive_weights", 7) and backend.paused == [1.0, "resumed"]
     assert stats.pause_s >= 0.3 and 0 < timeout_s <= 0.7 + 1e-3
     assert stats.receive.seconds == 0.01 and stats.receive.bytes == 100 and stats.reset_s == 0.0
+    assert backend.changed == [(7, {})]  # paused: no request ran across the load
 
 
 async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume():
@@ -726,7 +732,10 @@ async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume
     from asyncrl.rl.sampler.vllm.sink import EngineSink, EngineWeightSyncError
 
     class Engine:
-        answer: object = {"version": 3, "bytes": 64, "buckets": 1, "seconds": 0.05, "copy_s": 0.04}
+        answer: object = {
+            "stats": {"version": 3, "bytes": 64, "buckets": 1, "seconds": 0.05, "copy_s": 0.04},
+            "positions": {"0_asyncrl-0123abcd-5-x": 2},
+        }
 
         async def collective_rpc(self, method, timeout, args):
             await asyncio.sleep(0.15)  # the worker's 0.05 s, and a slow round trip
@@ -737,13 +746,16 @@ async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume
             return True
 
     class Backend:
-        engine, prefix_caching = Engine(), True
+        engine, prefix_caching, changed = Engine(), True, []
 
         async def pause(self, timeout_s):
             await asyncio.sleep(0.2)
 
         async def resume(self):
             await asyncio.sleep(0.05)
+
+        def weights_changed(self, version, positions):
+            self.changed.append((version, positions))
 
     backend = Backend()
     stats = await EngineSink(backend).receive(3, in_flight=False, timeout_s=5.0)
@@ -752,6 +764,7 @@ async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume
     assert abs(stats.load_s - (0.04 + stats.reset_s)) < 1e-9
     in_flight = await EngineSink(backend).receive(3, in_flight=True, timeout_s=5.0)
     assert in_flight.pause_s == in_flight.call_s >= 0.09  # in flight, the wait is the engine's taking the call
+    assert backend.changed == [(3, {}), (3, {"0_asyncrl-0123abcd-5-x": 2})]  # where requests stood: in flight only
     backend.engine.answer = [0.05, 64.0]  # an older worker's answer: a typed error, not a crash later
     with pytest.raises(EngineWeightSyncError, match="answered"):
         await EngineSink(backend).receive(4, in_flight=False, timeout_s=5.0)

@@ -30,6 +30,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_logprobs: int = 0
     """Also return, for each generated token, the ``top_logprobs`` most likely tokens of the
     distribution it was drawn from (`Completion.top_logprobs`); 0: none. At most `MAX_TOP_LOGPROBS`."""
+    exact_lengths: list[int] = []
+    """Synthetic workloads (``--sampler.lengths``): per row of the call (sample j of prompt i is row
+    ``i * n + j``), exactly how many tokens it generates, each at most ``max_new_tokens``; stop
+    tokens and strings do not end it, and its ``finish_reason`` is "length". Empty: off."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -44,8 +48,18 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(f"seed must be >= 0 or None, not {self.seed!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(not 1 <= n <= self.max_new_tokens for n in self.exact_lengths):
+            raise ValueError(f"exact_lengths must each be in [1, max_new_tokens={self.max_new_tokens}]")
         if isinstance(self.top_logprobs, bool) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.top_logprobs!r}")
+
+
+class VersionSpan(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """From token ``start`` of a completion on (until the next span), its tokens were sampled
+    under weight ``version``."""
+
+    start: int
+    version: int
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -70,6 +84,19 @@ class Completion(msgspec.Struct, frozen=True):
     """With `SamplingParams.top_logprobs` k > 0: per generated token, the k most likely tokens of
     the distribution it was drawn from (the one ``logprobs`` are of) as ``(token id, log-prob)``,
     most likely first; tokens outside the top-p nucleus have -inf. Empty otherwise."""
+    version_spans: list[VersionSpan] = []
+    """Where the weights changed under this completion while it was generated (a sampler that
+    takes weights between decoding steps): the versions its tokens were sampled under, in token
+    order, the first span at token 0. Empty: every token was sampled under the weights the call
+    began with."""
+
+
+def changed_spans(spans: list[VersionSpan], length: int) -> list[VersionSpan]:
+    """``spans`` (a generation's versions, the first at token 0) as `Completion.version_spans` of
+    a completion of ``length`` tokens: those that start within it, and none at all when that
+    leaves one (no change under it)."""
+    kept = [s for s in spans if s.start < length]
+    return kept if len(kept) > 1 else []
 
 
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd constants: distinct (seed, prompt, sample) -> distinct streams

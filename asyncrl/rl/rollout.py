@@ -15,14 +15,7 @@ import math
 import msgspec
 
 from asyncrl.errors import AsyncrlError
-
-
-class VersionSpan(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """From token ``start`` of a completion on (until the next span), its tokens were sampled
-    under weight ``version``."""
-
-    start: int
-    version: int
+from asyncrl.rl.generation import VersionSpan
 
 
 class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -85,6 +78,10 @@ class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Per completion, the weight versions its tokens were sampled under, as spans in token order:
     the first starts at token 0, starts increase, versions never decrease and none is older than
     ``version``. Empty (or a completion's empty list): every token of it at ``version``."""
+    delivered_version: int = -1
+    """The weight version its sampler held when the group was done and sent (-1: not said): a
+    group finished early in a batch that ran on may be delivered under newer weights than its
+    last token's."""
 
     @property
     def group_size(self) -> int:
@@ -94,6 +91,12 @@ class RolloutGroup(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     def newest_version(self) -> int:
         """The newest version any token of the group was sampled under (``version`` without spans)."""
         return max((spans[-1].version for spans in self.version_spans if spans), default=self.version)
+
+    @property
+    def finished_version(self) -> int:
+        """The version the group was finished under: when it was delivered, or where that is not
+        said, its newest token's. The queue counts staleness from it (driver/queue.py)."""
+        return max(self.delivered_version, self.newest_version)
 
     def token_versions(self, i: int) -> list[int]:
         """The weight version of each token of completion ``i`` (environment tokens included:
@@ -174,6 +177,11 @@ def validate_group(group: RolloutGroup) -> None:
         _validate_topk(group, n)
     if group.version_spans:
         _validate_spans(group, n)
+    if group.delivered_version != -1 and group.delivered_version < group.newest_version:
+        raise InvalidGroupError(
+            group.prompt_id,
+            f"delivered under version {group.delivered_version}, older than its newest token's {group.newest_version}",
+        )
     if group.correct and len(group.correct) != n:
         raise InvalidGroupError(group.prompt_id, f"{len(group.correct)} correct flags for {n} completions")
     for i, r in enumerate(group.rewards):

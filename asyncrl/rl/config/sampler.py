@@ -6,6 +6,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from asyncrl.rl.config.lengths import LengthProfile
+
 CPU_PROMPTS_PER_BATCH = 8
 """What ``prompts_per_batch`` 0 means on the CPU (and the least it means on a GPU)."""
 MAX_AUTO_STREAMS = 8
@@ -68,6 +70,11 @@ class SamplerConfig:
     """vLLM: more engine arguments, a JSON object of ``AsyncEngineArgs`` fields (``'{"max_num_seqs":
     512}'``); they override asyncrl's own, but for tensor and pipeline parallelism (one worker a
     sampler: each needs its own rank in the weight-sync group)."""
+    lengths: str = ""
+    """Synthetic long generations (benchmarks with random-weight models, which never stop): every
+    completion runs exactly a length drawn from this profile, 'uniform:N' or 'lognormal:N'
+    (median N/4, capped at N; asyncrl/rl/config/lengths.py), its stop tokens ignored. Empty:
+    lengths are the model's own."""
     engine_start_timeout_s: float = 900.0
     """vLLM: how long a sampler's start may spend loading the model and building its engine before
     it counts as hung. A first start on a fresh GPU machine compiles the model (torch.compile) and
@@ -90,6 +97,12 @@ class SamplerConfig:
                 f"gpu_memory_utilization must be in [0, 1) (0: the default), not {self.gpu_memory_utilization!r}"
             )
         self.engine_args()  # a bad JSON object is refused with the config
+        profile = LengthProfile.parse(self.lengths)
+        if profile is not None and self.max_new_tokens and profile.cap > self.max_new_tokens:
+            raise ValueError(
+                f"lengths {self.lengths!r} reaches past max_new_tokens {self.max_new_tokens}: raise "
+                "--sampler.max_new_tokens or lower the profile's N"
+            )
         if self.per_gpu < 0:
             raise ValueError(f"per_gpu must be >= 0 (0: auto), not {self.per_gpu!r}")
         if self.streams < 0:

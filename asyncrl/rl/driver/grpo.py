@@ -185,6 +185,10 @@ class GRPODriver:
     def dropped_stale(self) -> int:
         return self.state.dropped_stale + self.queue.stats().dropped_stale
 
+    def length_hists(self) -> dict[str, dict[str, int]]:
+        stats = self.queue.stats()
+        return {"generated": stats.offered_lengths, "trained": stats.trained_lengths, "dropped": stats.dropped_lengths}
+
     def uniform_skipped(self) -> int:
         return self.state.uniform_skipped + self.pool.uniform.total
 
@@ -213,6 +217,7 @@ class GRPODriver:
             pool=msgspec.structs.replace(self.pool.progress(), faults=self.fault_counts()),
             scaling=self.scaler.progress() if self.scaler is not None else None,
             pacing=self.pacer.stats() if self.pacer is not None else None,
+            lengths=self.length_hists(),
             evaluating=self.heldout.under_way.progress() if self.heldout.under_way is not None else None,
             updated_at=time.time(),
         )
@@ -404,7 +409,7 @@ class GRPODriver:
             StepTimes(began=t0, batch_ready=t1, trained=t2),
             StepResults(train=trained, sync=synced, digests=digests),
             RunTotals(self.samples, self.tokens, self.elapsed_s(), self.dropped_stale(), self.task_keys),
-            SamplersAfter(len(self.queue), self.pacer, self.pool.take_events()),
+            SamplersAfter(len(self.queue), self.pacer, self.pool.take_events(), self.queue.stats().dropped_lengths),
             correct_reward=self.correct_reward,
         )
 

@@ -142,6 +142,12 @@ class Pacer:
         self.version = max(self.version, version)
         self._changed.notify_all()
 
+    @property
+    def changed(self) -> _Wakeup:
+        """Notified whenever credit may have freed: a group delivered, a grant ended, a batch
+        taken, a sync. A pump waiting for room in its own window waits on it."""
+        return self._changed
+
     def take_peaks(self) -> tuple[int, int]:
         """The most streams and the most groups in flight at once since the last call (a step's)."""
         peaks = self._peak_streams, self._peak_in_flight

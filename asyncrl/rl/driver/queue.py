@@ -1,4 +1,16 @@
-"""The driver's bounded rollout queue with its staleness filter (`RolloutQueue`)."""
+"""The driver's bounded rollout queue with its staleness filter (`RolloutQueue`).
+
+Groups leave in the order they arrived, which is the order they were finished: a group waits
+behind no group that is still being generated, however long that one runs. Staleness, for the
+filter, is counted from when a group was finished (`RolloutGroup.finished_version`: the version
+its sampler held when it sent the group, at least its newest token's): how long a group sat
+finished, not how long it took to make. A completion that spans several weight updates
+(each token's version is in `RolloutGroup.version_spans`) is therefore never dropped for being
+long; its oldest tokens are as old as its generation was long, and the trainer's off-policy
+correction weighs each token by the policy that sampled it. What bounds how old a token can get
+is admission: the `Pacer` begins only the groups that the steps to come will take
+(docs/grpo.md, "Long generations").
+"""
 
 from __future__ import annotations
 
@@ -9,6 +21,7 @@ from collections import deque
 import msgspec
 
 from asyncrl.errors import AsyncrlError
+from asyncrl.rl.observe.lengths import LengthTally
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 
 
@@ -27,7 +40,7 @@ class FutureGroupError(AsyncrlError, ValueError):
     def __init__(self, group: RolloutGroup, current_version: int):
         super().__init__(
             f"rollout group for prompt {group.prompt_id} from sampler {group.sampler or '?'!r} has "
-            f"version {group.version}, newer than the current version {current_version}"
+            f"version {group.finished_version}, newer than the current version {current_version}"
         )
         self.group = group
         self.current_version = current_version
@@ -36,8 +49,9 @@ class FutureGroupError(AsyncrlError, ValueError):
 class RolloutQueueStats(msgspec.Struct, frozen=True):
     """A snapshot of the queue's counters (``RolloutQueue.stats()``). ``puts``: groups accepted;
     ``gets``: groups delivered, in ``batches``; ``dropped_stale``: groups discarded (queued or on
-    arrival) for staleness > ``max_staleness``; ``staleness_hist``: delivered groups by staleness;
-    ``blocked_put_s``: seconds producers waited for a slot, summed over producers (finished waits)."""
+    arrival) for staleness > ``max_staleness``; ``staleness_hist``: delivered groups by staleness
+    (versions since they were finished); ``blocked_put_s``: seconds producers waited for a slot,
+    summed over producers (finished waits)."""
 
     capacity: int
     max_staleness: int
@@ -50,6 +64,13 @@ class RolloutQueueStats(msgspec.Struct, frozen=True):
     blocked_put_s: float
     put_timeouts: int
     get_timeouts: int
+    offered_lengths: dict[str, int] = {}
+    """Completions of every valid group offered to ``put``, by length bucket (observe/lengths.py)."""
+    trained_lengths: dict[str, int] = {}
+    """Completions delivered in batches, by length bucket."""
+    dropped_lengths: dict[str, int] = {}
+    """Completions of the groups dropped as stale, by length bucket: nothing should be dropped
+    for being long."""
 
 
 class _Wakeup:
@@ -92,9 +113,10 @@ class RolloutQueue:
 
     * ``len(self) <= capacity`` always: the only append is in ``put``, directly after a
       ``len < capacity`` check with no ``await`` in between (asyncio cannot interleave there).
-    * A batch never holds a group staler than ``max_staleness``: ``get_batch`` purges every stale
-      group against the ``current_version`` it was given, and pops the batch right after that
-      purge, again with no ``await`` in between.
+    * A batch never holds a group staler than ``max_staleness`` (counted from its finish):
+      ``get_batch`` purges every stale group against the ``current_version`` it was given, and
+      pops the batch right after that purge, again with no ``await`` in between.
+    * Batches are taken in arrival order: no group waits behind one that arrived after it.
     * Nothing accepted is lost: a group leaves only in a delivered batch, as a counted stale drop
       (``dropped_stale``), or attached to a ``FutureGroupError``. A ``get_batch`` that times out
       or is cancelled has taken nothing (it pops all ``n_groups`` at once or none), and a put that
@@ -120,6 +142,7 @@ class RolloutQueue:
         self._put_timeouts = self._get_timeouts = 0
         self._blocked_put_s = 0.0
         self._hist: dict[int, int] = {}
+        self._offered, self._trained, self._dropped = LengthTally(), LengthTally(), LengthTally()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -146,6 +169,9 @@ class RolloutQueue:
             self._blocked_put_s,
             self._put_timeouts,
             self._get_timeouts,
+            offered_lengths=self._offered.hist(),
+            trained_lengths=self._trained.hist(),
+            dropped_lengths=self._dropped.hist(),
         )
 
     def close(self) -> None:
@@ -162,14 +188,16 @@ class RolloutQueue:
         """
         _check_timeout(timeout_s)
         validate_group(group)  # refuse at the door, so nothing malformed ever reaches the trainer
+        self._offered.add(group)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         blocked_since: float | None = None
         try:
             while True:
                 self._raise_if_closed("put")
-                if self._version is not None and self._version - group.version > self.max_staleness:
+                if self._version is not None and self._version - group.finished_version > self.max_staleness:
                     self._dropped_stale += 1
+                    self._dropped.add(group)
                     return False
                 if len(self._items) < self.capacity:
                     self._items.append(group)
@@ -190,8 +218,8 @@ class RolloutQueue:
                 self._blocked_put_s += loop.time() - blocked_since
 
     async def get_batch(self, n_groups: int, current_version: int, timeout_s: float) -> list[RolloutGroup]:
-        """Exactly ``n_groups`` groups, oldest first, each with
-        ``0 <= current_version - group.version <= max_staleness``.
+        """Exactly ``n_groups`` groups, in arrival order, each with
+        ``0 <= current_version - group.finished_version <= max_staleness``.
 
         Stale groups met on the way are dropped and counted; waits (up to ``timeout_s`` in all)
         for enough fresh groups. Raises ``QueueTimeoutError`` (having taken nothing),
@@ -212,7 +240,8 @@ class RolloutQueue:
             if len(self._items) >= n_groups:
                 batch = [self._items.popleft() for _ in range(n_groups)]
                 for g in batch:
-                    s = current_version - g.version
+                    self._trained.add(g)
+                    s = current_version - g.finished_version
                     self._hist[s] = self._hist.get(s, 0) + 1
                 self._gets += n_groups
                 self._batches += 1
@@ -232,10 +261,11 @@ class RolloutQueue:
         kept: deque[RolloutGroup] = deque()
         future: RolloutGroup | None = None
         for g in self._items:
-            if g.version > current_version and future is None:
+            if g.finished_version > current_version and future is None:
                 future = g
-            elif current_version - g.version > self.max_staleness:
+            elif current_version - g.finished_version > self.max_staleness:
                 self._dropped_stale += 1
+                self._dropped.add(g)
             else:
                 kept.append(g)
         if len(kept) != len(self._items):

@@ -72,6 +72,9 @@ class DriverProgress(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     """The pacer now (async mode)."""
     evaluating: EvalSoFar | None = None
     """How far the held-out evaluation under way has got."""
+    lengths: dict[str, dict[str, int]] = {}
+    """Completions by length bucket (observe/lengths.py) in this run segment: ``generated`` (offered
+    to the queue), ``trained`` and ``dropped`` (as stale)."""
     updated_at: float
     """When this was read (unix time)."""
 

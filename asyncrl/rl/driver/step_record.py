@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.rl.driver.pacing import Pacer
+from asyncrl.rl.observe.lengths import batch_lengths
 from asyncrl.rl.observe.record import FleetEvents, StepRecord
 from asyncrl.rl.observe.sync_metrics import SyncPhases
 from asyncrl.rl.rollout import RolloutGroup
@@ -79,11 +80,14 @@ class RunTotals:
 @dataclass(frozen=True)
 class SamplersAfter:
     """The samplers' side after the step: the rollout queue's depth, the pacer (async mode; None:
-    none) and what happened to the fleet since the last step (`SamplerPool.take_events`)."""
+    none), what happened to the fleet since the last step (`SamplerPool.take_events`) and what
+    the queue dropped, by length."""
 
     queue_depth: int
     pacer: Pacer | None
     fleet: dict[str, Any]
+    dropped_lengths: dict[str, int] | None = None
+    """The queue's stale drops so far, by completion length bucket (`RolloutQueueStats`)."""
 
 
 def step_record(
@@ -133,6 +137,8 @@ def step_record(
         fleet=FleetEvents(**samplers.fleet),
         group_ids=[g.uid for g in groups],
         weights_digests=results.digests or None,
+        lengths=batch_lengths(groups, version - 1),
+        dropped_lengths=samplers.dropped_lengths or None,
     )
 
 

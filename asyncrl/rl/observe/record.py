@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.rl.observe.lengths import BatchLengths
 from asyncrl.rl.observe.sync_metrics import SyncPhases
 from asyncrl.rl.trainer.metrics import TrainMetrics
 
@@ -55,7 +56,8 @@ class StepRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     train_solve_rate: float
     """Share of those completions that solved their problem."""
     staleness_mean: float
-    """Mean versions between a trained group's weights and the ones it was trained into."""
+    """Mean versions between the weights a trained group began under (its oldest token's) and the
+    ones it was trained into."""
     staleness_hist: dict[str, int]
     """Trained groups per staleness (keys are the staleness, as text)."""
     dropped_stale: int
@@ -108,8 +110,13 @@ class StepRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     eval_s: float | None = None
     """Wall seconds of the held-out evaluation after the step (steps with an evaluation only), on
     the trainer or the samplers (``--run.eval_on``); the next step's ``time_s`` includes them."""
+    lengths: BatchLengths | None = None
+    """The batch by completion length and by token version lag (``length_*``, ``token_lag_*``,
+    ``spanning_groups``; observe/lengths.py)."""
+    dropped_lengths: dict[str, int] | None = None
+    """Completions of the groups dropped as stale so far (this run segment), by length bucket."""
 
-    FLAT = frozenset({"sync", "train", "task", "fleet", "heldout_task"})
+    FLAT = frozenset({"sync", "train", "task", "fleet", "heldout_task", "lengths"})
 
     def to_dict(self) -> dict[str, Any]:
         """The record as the JSON object of its metrics.jsonl line (see the module docstring)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -38,6 +39,7 @@ from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.agents.runner import AgentRunner
 from asyncrl.rl.agents.server import OpenAIServer
 from asyncrl.rl.checkpoint import SamplerDataState
+from asyncrl.rl.config.lengths import LengthProfile
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import CPU_PROMPTS_PER_BATCH, SamplerConfig
 from asyncrl.rl.config.trainer import LoRAConfig
@@ -138,8 +140,11 @@ class SamplerActor(Actor):
             generating=lambda: self.generation.calls,  # made next: it waits behind this gate
         )
         self.generation = GatedGeneration(self.backend, self.weights)
+        self.lengths = LengthProfile.parse(config.lengths)  # synthetic lengths (benchmarks), or None
+        self._length_draws = random.Random(seed)
         self.sampling = SamplingParams(
-            max_new_tokens=config.max_new_tokens or int(self.fmt.max_new_tokens_hint),
+            max_new_tokens=config.max_new_tokens
+            or (self.lengths.cap if self.lengths else int(self.fmt.max_new_tokens_hint)),
             temperature=config.temperature,
             top_p=config.top_p,
             stop_token_ids=list(self.fmt.stop_token_ids),
@@ -199,44 +204,95 @@ class SamplerActor(Actor):
     async def rollouts(self, max_groups: int = 0) -> AsyncIterator[RolloutGroup]:
         """One scored group per problem, ``max_groups`` of them (0: until the caller stops). A
         consumer that stops reading pauses generation (the stream's credit window). Problems are
-        run ``prompts_per_batch`` at a time; ``generate_s`` is the wall time of the group's batch
-        (every turn of it), ``version`` the oldest weight version any of its turns began under."""
+        run ``prompts_per_batch`` at a time; where the backend decodes concurrent calls together
+        (`SamplerBackend.batches_calls`), each problem is a call of its own and its group is
+        yielded as soon as it ends, so no group waits for a longer one of its batch. A group's
+        ``generate_s`` is the wall time of its call(s), ``version`` the oldest weight version any
+        of its tokens was sampled under (``version_spans``: which tokens each version sampled)."""
         produced = 0
         while max_groups <= 0 or produced < max_groups:
             count = self.prompts_per_batch if max_groups <= 0 else min(self.prompts_per_batch, max_groups - produced)
             indices = [next(self._order) for _ in range(count)]
             if self.agent is not None:
-                async for group in self._agent_rollouts(indices):
-                    yield group
-                    self._groups += 1
-                    produced += 1
-                continue
-            prompts = [self._prompt(i) for i in indices]
-            versions: list[int] = []
-            spent = [0.0]
-
-            # versions and spent bound as defaults: each batch's function keeps the lists of its batch
-            async def generate(
-                prompt_ids: list[list[int]],
-                n: int,
-                params: SamplingParams,
-                versions: list[int] = versions,
-                spent: list[float] = spent,
-            ) -> list[list[Completion]]:
-                version, groups, seconds = await self.generation(prompt_ids, n, params)
-                versions.append(version)
-                spent[0] += seconds
-                return groups
-
-            groups = await self.runner.run(
-                [self.problems[i] for i in indices], self.group_size, self.sampling, generate, prompt_ids=prompts
-            )
-            self.calls.check()  # too many failed score/step calls: TaskFailureError ends the stream
-            finished = time.time()
-            for index, prompt, samples in zip(indices, prompts, groups):
-                yield rollout_group(self.name, index, prompt, samples, min(versions), spent[0], finished)
+                batches = self._agent_rollouts(indices)
+            elif self.backend.batches_calls:
+                batches = self._each_as_it_ends(indices)
+            else:
+                batches = self._problems(indices)
+            async for group in batches:
+                # under these weights it is done: a group that ended early in a batch that ran
+                # on under newer ones is as fresh as the batch (the queue counts from here)
+                yield msgspec.structs.replace(group, delivered_version=self.weights.version)
                 self._groups += 1
                 produced += 1
+
+    async def _problems(self, indices: list[int]) -> AsyncIterator[RolloutGroup]:
+        """The groups of ``indices``' problems, generated in one batch, yielded once all have ended."""
+        prompts = [self._prompt(i) for i in indices]
+        versions: list[int] = []
+        spent = [0.0]
+
+        async def generate(prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+            version, groups, seconds = await self.generation(prompt_ids, n, self._forced(params, len(prompt_ids) * n))
+            versions.append(version)
+            spent[0] += seconds
+            return groups
+
+        groups = await self.runner.run(
+            [self.problems[i] for i in indices], self.group_size, self.sampling, generate, prompt_ids=prompts
+        )
+        self.calls.check()  # too many failed score/step calls: TaskFailureError ends the stream
+        finished = time.time()
+        for index, prompt, samples in zip(indices, prompts, groups):
+            yield rollout_group(self.name, index, prompt, samples, min(versions), spent[0], finished)
+
+    async def _each_as_it_ends(self, indices: list[int]) -> AsyncIterator[RolloutGroup]:
+        """The groups of ``indices``' problems, each generated by calls of its own, yielded in the
+        order they end. The first to fail cancels the rest and raises."""
+        ended: asyncio.Queue[RolloutGroup] = asyncio.Queue()  # bounded by len(indices)
+        runs = [asyncio.ensure_future(self._one_problem(i, ended)) for i in indices]
+        try:
+            for _ in indices:
+                getting = asyncio.ensure_future(ended.get())
+                while not getting.done():  # each run that succeeds puts one group: it comes, or a run fails
+                    await asyncio.wait(
+                        [getting, *(r for r in runs if not r.done())], return_when=asyncio.FIRST_COMPLETED
+                    )
+                    error = next(
+                        (r.exception() for r in runs if r.done() and not r.cancelled() and r.exception()), None
+                    )
+                    if error is not None and not getting.done():
+                        getting.cancel()
+                        raise error
+                yield getting.result()
+        finally:
+            for r in runs:
+                r.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+
+    def _forced(self, params: SamplingParams, rows: int) -> SamplingParams:
+        """``params`` with each row's exact length drawn from ``--sampler.lengths`` (within the
+        call's ``max_new_tokens``), or as they are without a profile."""
+        if self.lengths is None:
+            return params
+        cap = params.max_new_tokens
+        lengths = [min(cap, self.lengths.draw(self._length_draws)) for _ in range(rows)]
+        return msgspec.structs.replace(params, exact_lengths=lengths)
+
+    async def _one_problem(self, index: int, ended: asyncio.Queue[RolloutGroup]) -> None:
+        prompt = self._prompt(index)
+        versions: list[int] = []
+        spent = [0.0]
+
+        async def generate(prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+            version, groups, seconds = await self.generation(prompt_ids, n, self._forced(params, len(prompt_ids) * n))
+            versions.append(version)
+            spent[0] += seconds
+            return groups
+
+        [samples] = await self.runner.run([self.problems[index]], self.group_size, self.sampling, generate, [prompt])
+        self.calls.check()  # too many failed score/step calls: TaskFailureError ends the stream
+        ended.put_nowait(rollout_group(self.name, index, prompt, samples, min(versions), spent[0], time.time()))
 
     @endpoint
     async def openai_endpoint(self) -> dict[str, str]:

@@ -118,6 +118,10 @@ class SamplerBackend(abc.ABC):
 
     name: str = ""
     """The backend's kind as `choose_backend` names it (``"hf"``, ``"vllm"``)."""
+    batches_calls: bool = False
+    """Concurrent `generate` calls are decoded together (an engine's continuous batching): a
+    caller may make one call per problem and take each back as it ends, at no cost in
+    throughput. False: one call runs at a time, so a caller batches its problems itself."""
 
     @abc.abstractmethod
     async def generate(
@@ -172,6 +176,10 @@ class PausableBackend(SamplerBackend):
 
     def __init__(self, *, resume_timeout_s: float):
         self.resume_timeout_s = resume_timeout_s
+        self.weights_version = 0
+        """The version of the weights generation reads now, as the sink last set it: a
+        generation's first tokens are of this version, and a completion's `version_spans` say
+        where it changed under it."""
         self._closed = False
         self._paused = False
         self._inflight = 0
@@ -205,7 +213,7 @@ class PausableBackend(SamplerBackend):
 
     def _check(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
         """Refuse a bad request before it is counted; `check_request` against ``vocab_size``."""
-        check_request(prompts, n, self.vocab_size)
+        check_request(prompts, n, self.vocab_size, params)
 
     @abc.abstractmethod
     def _submit(self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None) -> Work:
@@ -276,10 +284,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> Non
         pass
 
 
-def check_request(prompts: list[list[int]], n: int, vocab_size: int) -> None:
+def check_request(prompts: list[list[int]], n: int, vocab_size: int, params: SamplingParams | None = None) -> None:
     """Refuse what would otherwise fail deep inside the model, or on the worker thread."""
     if n < 1:
         raise ValueError(f"n must be >= 1, not {n}")
+    if params is not None and params.exact_lengths and len(params.exact_lengths) != len(prompts) * n:
+        raise ValueError(f"{len(params.exact_lengths)} exact_lengths for {len(prompts)} prompts of {n} rows each")
     if not prompts:
         raise ValueError("prompts is empty")
     for i, p in enumerate(prompts):

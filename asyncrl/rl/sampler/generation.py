@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 
-from asyncrl.rl.generation import Completion, SamplingParams
+import msgspec
+
+from asyncrl.rl.generation import Completion, SamplingParams, VersionSpan
 from asyncrl.rl.sampler.backend import Progress, SamplerBackend
 from asyncrl.rl.sampler.weight_receiving import WeightReceiving
 
@@ -42,7 +44,8 @@ class GatedGeneration:
         counted: bool = True,
     ) -> tuple[int, list[list[Completion]], float]:
         """Generate for ``prompts`` and return the weight version it began under (the oldest of
-        its tokens). The version is read right before calling the backend, with no ``await`` in
+        its tokens), each completion with its `version_spans` (given, even where the weights did
+        not change under it). The version is read right before calling the backend, with no ``await`` in
         between: a `receive_weights` that begins later either waits for this batch (the backend
         registers it before its first await) or loads between its steps, and one under way has
         shut the gate, so we wait for it first. A batch in flight during a failed sync may
@@ -62,7 +65,7 @@ class GatedGeneration:
             if counted:
                 self._count(groups, seconds, discarded)
             if not discarded:
-                return version, groups, seconds
+                return version, [[_spanned(c, version) for c in g] for g in groups], seconds
 
     def _count(self, groups: list[list[Completion]], seconds: float, discarded: bool) -> None:
         """A rollout batch in the stats."""
@@ -73,3 +76,8 @@ class GatedGeneration:
             return
         self.counts["completions"] += sum(len(g) for g in groups)
         self.counts["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
+
+
+def _spanned(c: Completion, version: int) -> Completion:
+    """``c`` with its version spans said: one span of ``version`` where none changed under it."""
+    return c if c.version_spans else msgspec.structs.replace(c, version_spans=[VersionSpan(0, version)])

@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
-from asyncrl.rl.generation import Completion, SamplingParams, row_seed
+from asyncrl.rl.generation import Completion, SamplingParams, VersionSpan, changed_spans, row_seed
 from asyncrl.rl.model.sampling import sampling_logprobs
 from asyncrl.rl.sampler.backend import PausableBackend, Progress, WeightSink
 from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerTimeoutError
@@ -127,21 +128,29 @@ class HFBackend(PausableBackend):
         return dict(self.model.named_parameters())
 
     async def load_weights(
-        self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False, timeout_s: float = 600.0
+        self,
+        load: Callable[[Mapping[str, torch.Tensor]], object],
+        *,
+        version: int,
+        in_flight: bool = False,
+        timeout_s: float = 600.0,
     ) -> None:
         """Run ``load(self.weight_tensors())`` on a worker thread at a moment no decoding step
-        reads the weights. ``in_flight=False``: pause, wait for the generates in flight to finish,
-        load, resume. ``in_flight=True``: load between two decoding steps of the generates in
+        reads the weights, and make ``version`` theirs (`weights_version`) in that same moment, so
+        each completion's `version_spans` cut exactly where its tokens' weights changed.
+        ``in_flight=False``: pause, wait for the generates in flight to finish, load, resume.
+        ``in_flight=True``: load between two decoding steps of the generates in
         flight, which then go on with the new weights (their KV cache and their first tokens are
         from the old ones; the log-probs returned are still those each token was drawn with).
         Raises `SamplerTimeoutError` if that moment does not come within ``timeout_s``; the
         weights are untouched then. What ``load`` raises propagates (weights may be half-written)."""
         if in_flight:
-            await asyncio.to_thread(self._load_between_steps, load, timeout_s)
+            await asyncio.to_thread(self._load_between_steps, load, version, timeout_s)
             return
         await self.pause(timeout_s)
         try:
             await asyncio.to_thread(load, self.weight_tensors())
+            self.weights_version = version
         finally:
             await self.resume()
 
@@ -151,17 +160,23 @@ class HFBackend(PausableBackend):
 
     # --- waiting --------------------------------------------------------------------------------
 
-    def _load_between_steps(self, load: Callable[[Mapping[str, torch.Tensor]], object], timeout_s: float) -> None:
+    def _load_between_steps(
+        self, load: Callable[[Mapping[str, torch.Tensor]], object], version: int, timeout_s: float
+    ) -> None:
         with self._gate:
             self._loads += 1  # from here on no decoding step starts
             if not self._gate.wait_for(lambda: not self._stepping, timeout_s):
                 self._loads -= 1
                 self._gate.notify_all()
                 raise SamplerTimeoutError(f"load_weights: a decoding step did not end within {timeout_s:g} s")
+        loaded = False
         try:
             load(self.weight_tensors())
+            loaded = True
         finally:
             with self._gate:
+                if loaded:  # before any decoding step can start again: the step reads it under the gate
+                    self.weights_version = version
                 self._loads -= 1
                 self._gate.notify_all()
 
@@ -195,9 +210,12 @@ class HFBackend(PausableBackend):
                 for i in range(len(prompts))
                 for j in range(n)
             ]
+        exact = params.exact_lengths
+        if exact:  # rows decode in step anyway: run the longest, nothing stops them, then cut each
+            params = msgspec.structs.replace(params, max_new_tokens=max(exact), stop_token_ids=[], stop=[])
         strings = StopStrings(self.tokenizer, params.stop, len(rows)) if params.stop else None
-        tokens, logprobs, stops_at, top = self._decode(rows, params, generators, strings, report)
-        completions = self._completions(tokens, logprobs, stops_at, params, strings, top)
+        tokens, logprobs, stops_at, top, spans = self._decode(rows, params, generators, strings, report)
+        completions = self._completions(tokens, logprobs, stops_at, params, strings, top, spans)
         self.tokens_generated += sum(len(c.token_ids) for c in completions)
         self.generate_s += time.perf_counter() - start
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -210,10 +228,11 @@ class HFBackend(PausableBackend):
         generators: list[torch.Generator] | None,
         strings: StopStrings | None,
         report: Progress | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None, list[VersionSpan]]:
         """Token ids and log-probs ``[B, T]``, per row the step of its first stop token or of the
-        token that completed a stop string (``T`` if none), and with ``params.top_logprobs`` k the
-        k most likely tokens and their log-probs ``[B, T, k]`` (else None). Rows that stopped keep
+        token that completed a stop string (``T`` if none), with ``params.top_logprobs`` k the
+        k most likely tokens and their log-probs ``[B, T, k]`` (else None), and the weight
+        versions the steps ran under (every row decodes in step, so one list serves all). Rows that stopped keep
         decoding (their tokens are cut off later) until every row stopped: a row's result never
         depends on the others."""
         ids, mask = (t.to(self.device) for t in pad_left(rows, self.pad_token_id))
@@ -224,9 +243,12 @@ class HFBackend(PausableBackend):
         stops_at = torch.full((len(rows),), never, dtype=torch.long, device=self.device)
         tokens, logprobs, top_ids, top_lps = [], [], [], []
         so_far: list[list[int]] = [[] for _ in rows]  # for report: each open row's tokens
+        spans: list[VersionSpan] = []
         out = token = None
         for step in range(params.max_new_tokens):
             with self._decoding_step():
+                if not spans or spans[-1].version != self.weights_version:  # read under the gate: loads change it
+                    spans.append(VersionSpan(step, self.weights_version))
                 if out is None:
                     out = self.model(
                         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
@@ -264,7 +286,7 @@ class HFBackend(PausableBackend):
             if all_stopped:
                 break
         top = (torch.stack(top_ids, 1).cpu(), torch.stack(top_lps, 1).cpu()) if top_ids else None
-        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), stops_at.cpu(), top
+        return torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), stops_at.cpu(), top, spans
 
     def _choose(
         self, logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator] | None
@@ -288,10 +310,13 @@ class HFBackend(PausableBackend):
         params: SamplingParams,
         strings: StopStrings | None,
         top: tuple | None = None,
+        spans: list[VersionSpan] | None = None,
     ) -> list[Completion]:
         ids_rows, lp_rows, reasons, by_string = [], [], [], []
         for i, (row, lps, stop) in enumerate(zip(tokens.tolist(), logprobs.tolist(), stops_at.tolist())):
             end = stop + 1 if stop < params.max_new_tokens else len(row)  # the stop token is kept, with its log-prob
+            if params.exact_lengths:  # nothing stopped it: its length did
+                end, stop = params.exact_lengths[i], params.max_new_tokens
             ids_rows.append(row[:end])
             lp_rows.append(lps[:end])
             reasons.append("stop" if stop < params.max_new_tokens else "length")
@@ -307,7 +332,7 @@ class HFBackend(PausableBackend):
             for i, (row_ids, row_lps) in enumerate(zip(top[0].tolist(), top[1].tolist())):
                 tops[i] = [list(zip(a, b)) for a, b in zip(row_ids[: len(ids_rows[i])], row_lps[: len(ids_rows[i])])]
         return [
-            Completion(ids, lps, text, reason, top_logprobs=t)
+            Completion(ids, lps, text, reason, top_logprobs=t, version_spans=changed_spans(spans or [], len(ids)))
             for ids, lps, text, reason, t in zip(ids_rows, lp_rows, texts, reasons, tops)
         ]
 

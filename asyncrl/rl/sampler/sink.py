@@ -31,7 +31,12 @@ class InPlaceBackend(Protocol):
     def weight_tensors(self) -> Mapping[str, torch.Tensor]: ...
 
     async def load_weights(
-        self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False, timeout_s: float = 600.0
+        self,
+        load: Callable[[Mapping[str, torch.Tensor]], object],
+        *,
+        version: int,
+        in_flight: bool = False,
+        timeout_s: float = 600.0,
     ) -> None: ...
 
 
@@ -78,7 +83,7 @@ class ActorSink(WeightSink):
             stats.append(receiver.receive(version, tensors, timeout_s=max(deadline - time.monotonic(), 1e-3)))
             marks["loaded"] = time.perf_counter()
 
-        await self.backend.load_weights(load, in_flight=in_flight, timeout_s=timeout_s)
+        await self.backend.load_weights(load, version=version, in_flight=in_flight, timeout_s=timeout_s)
         # The resume: from the load's end to the backend's return (its thread's hop back included).
         return SamplerSyncStats(
             pause_s=marks["loading"] - start, receive=stats[0], resume_s=time.perf_counter() - marks["loaded"]

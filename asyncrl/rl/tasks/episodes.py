@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from asyncrl.rl.generation import Completion, SamplingParams, row_seed
+from asyncrl.rl.generation import Completion, SamplingParams, VersionSpan, row_seed
 from asyncrl.rl.tasks.base import (
     Environment,
     Episode,
@@ -86,6 +86,9 @@ class Sample(msgspec.Struct):
     """The task's metrics; an episode's also count its model ``turns`` and ``episodes_truncated`` (0/1)."""
     error: str = ""
     """The error kind of a failed score or step ("raised", "timeout", "bad_value"), else ""."""
+    version_spans: list[VersionSpan] = []
+    """The weight versions its tokens were sampled under (`Completion.version_spans`; an
+    environment's tokens take the version of the turn before them); [] where not known."""
 
 
 class EpisodeRunner:
@@ -200,6 +203,7 @@ class EpisodeRunner:
 
     async def _step(self, r: _Run, c: Completion, params: SamplingParams) -> Outcome:
         text = self._turn_text(c, params)
+        r.spans = join_spans(r.spans, c.version_spans, len(r.ids))
         r.ids += c.token_ids
         r.logprobs += c.logprobs
         r.mask += [1] * len(c.token_ids)
@@ -257,6 +261,7 @@ class _Run:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.mask: list[int] = []
+        self.spans: list[VersionSpan] = []
         self.texts: list[str] = []
         self.turns: list[Message] = []  # ours: step() may change episode.turns, the context may not
         self.model_turns = 0
@@ -284,6 +289,7 @@ class _Run:
             action_mask=self.mask,
             metrics=self.metrics,
             error=error,
+            version_spans=self.spans,
         )
 
 
@@ -311,7 +317,9 @@ def as_reply(value: Any, task: Task) -> Reply:
 
 def _scored(c: Completion, o: Outcome) -> Sample:
     if o.error:
-        return Sample(c.token_ids, c.logprobs, c.text, 0.0, False, c.finish_reason, error=o.error)
+        return Sample(
+            c.token_ids, c.logprobs, c.text, 0.0, False, c.finish_reason, error=o.error, version_spans=c.version_spans
+        )
     return Sample(
         c.token_ids,
         c.logprobs,
@@ -320,7 +328,18 @@ def _scored(c: Completion, o: Outcome) -> Sample:
         bool(o.value.correct),
         c.finish_reason,
         metrics=dict(o.value.metrics),
+        version_spans=c.version_spans,
     )
+
+
+def join_spans(spans: list[VersionSpan], turn: list[VersionSpan], offset: int) -> list[VersionSpan]:
+    """An episode's version spans with a turn's (``turn``, its tokens from ``offset`` on) after
+    them; a span of the version already running is not repeated."""
+    out = list(spans)
+    for span in turn:
+        if not out or out[-1].version != span.version:
+            out.append(VersionSpan(span.start + offset, span.version))
+    return out
 
 
 def _checked(groups: list[list[Completion]], prompts: int, n: int) -> list[list[Completion]]:

@@ -7,27 +7,30 @@ the version it took; it gets its ``uid`` (``sampler/incarnation/sequence``, afte
 segment's prefix); the teacher and the reward model score it (driver/teacher.py); a group of
 equal rewards is left out (uniform.py); the rest is queued, a put waiting while the queue is full.
 
-In async mode with a pacer, a pump runs ``--sampler.streams`` paced streams at once, each asking
-the pacer for credit for one batch of ``batch_groups`` prompts, again and again, and they queue
-their groups in the order the pacer granted their credit (`_turn`): the pacer's promise that one
-sampler's groups all train in time holds for any number of streams (pacing.py). Without a pacer,
-one endless stream; in sync mode, ``max_groups`` groups.
+In async mode with a pacer, a pump keeps up to ``--sampler.streams`` batches' worth of its
+sampler's groups in flight: it asks the pacer for credit for one batch of ``batch_groups`` prompts
+and streams that batch, and begins the next whenever a whole batch fits in that window again. The
+groups of a batch end at their own time (a sampler whose engine batches concurrent calls yields
+each problem's group as it ends), so a batch held by its longest group holds only the credit of
+what it has not delivered, and the sampler's engine stays as full as before. Groups are queued in
+the order they arrive: none waits behind a longer one. Without a pacer, one endless stream; in
+sync mode, ``max_groups`` groups.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import msgspec
 
 from asyncrl.errors import ActorDiedError
 from asyncrl.rl.config.run import DeadlineConfig
 from asyncrl.rl.driver.fleet.membership import Member, Membership
-from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
-from asyncrl.rl.driver.queue import RolloutQueue
+from asyncrl.rl.driver.pacing import Pacer
+from asyncrl.rl.driver.queue import RolloutQueue, _Wakeup
 from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
-from asyncrl.runtime.timeouts import timeout
 
 
 class Pumps:
@@ -69,49 +72,78 @@ class Pumps:
             await self._paced_streams(m, self.pacer)
 
     async def _paced_streams(self, m: Member, pacer: Pacer) -> None:
-        """``self.streams`` paced streams of ``m`` at once, so its engine holds that many batches
-        (a GPU engine makes more sequences at once at little extra cost a step). Each loops: credit
-        for a batch, the batch's stream, the unused credit back. They queue their groups in grant
-        order (`_turn`), so one sampler's groups all train in time (pacing.py). The first to fail
-        ends the pump with its error, its siblings cancelled (their credit given back)."""
-        turn = [_ended()]  # the latest grant's end: the next grant queues after it
-        streams = [
-            self.membership.spawn(self._paced_stream(m, pacer, turn), f"paced stream of {m.name}")
-            for _ in range(self.streams)
-        ]
-        try:
-            done, _ = await asyncio.wait(streams, return_when=asyncio.FIRST_COMPLETED)  # each ends only by an error
-        finally:
-            for stream in streams:
-                stream.cancel()
-            await asyncio.wait(streams)  # their finally blocks give the credit back at once
-        error = next(iter(done)).exception()  # a sibling's own failure is retrieved by `Membership.spawn`
-        if error is None:
-            raise RuntimeError("a paced stream returned: it ends only by an error")
-        raise error
+        """Paced streams of ``m``, one batch each, begun while the groups they have not
+        delivered leave room for a whole batch in the window (``streams * batch_groups``). The
+        first stream to fail ends the pump with its error, the others cancelled (their credit
+        given back)."""
+        window = self.streams * self.batch_groups
+        open_credit: list[list[int]] = []  # each live stream's credit not yet used
+        failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        streams: set[asyncio.Task] = set()
+        a_stream_ended = _Wakeup()
 
-    async def _paced_stream(self, m: Member, pacer: Pacer, turn: list[asyncio.Event]) -> None:
-        while True:
-            credit = [await pacer.acquire(self.batch_groups, self._put_timeout_s(), m.name)]
-            before, turn[0] = turn[0], asyncio.Event()  # no await since the grant: grant order
-            mine = turn[0]
-            try:
-                await self._stream(m, credit[0], None, credit, before)
-            finally:
-                mine.set()
-                pacer.give_back(credit[0])  # what the stream did not deliver (it failed, or was cut)
+        def ended(task: asyncio.Task) -> None:
+            streams.discard(task)
+            if not task.cancelled() and task.exception() is not None and not failed.done():
+                failed.set_result(task.exception())
+            a_stream_ended.notify_all()
+
+        try:
+            while not failed.done():
+                if sum(c[0] for c in open_credit) + self.batch_groups > window:
+                    # No await between the check and the wait's registering: a delivery (the
+                    # pacer's change) or a stream's end in between would otherwise go unseen.
+                    await pacer.changed.wait(self._put_timeout_s(), a_stream_ended)
+                    continue
+                credit = await self._credit(m, pacer, failed)
+                if credit is None:
+                    break
+                open_credit.append(credit)
+                task = self.membership.spawn(self._paced_stream(m, pacer, credit, open_credit), f"stream of {m.name}")
+                streams.add(task)
+                task.add_done_callback(ended)
+        finally:
+            for stream in list(streams):
+                stream.cancel()
+            if streams:
+                await asyncio.wait(streams)  # their finally blocks give the credit back at once
+        raise failed.result()
+
+    async def _credit(self, m: Member, pacer: Pacer, failed: asyncio.Future) -> list[int] | None:
+        """The pacer's credit for one more batch of ``m``, as a one-item list its stream counts
+        down; None when a stream failed first (nothing taken then)."""
+        asking = asyncio.ensure_future(pacer.acquire(self.batch_groups, self._put_timeout_s(), m.name))
+        try:
+            await self._either(asking, failed)
+        except BaseException:  # cancelled: nothing granted may stay counted in flight
+            await _withdraw(asking, pacer)
+            raise
+        if failed.done():
+            await _withdraw(asking, pacer)  # a sibling failed first: the pump ends
+            return None
+        return [asking.result()]  # PacingTimeoutError: no credit in time, the pump ends with it
+
+    @staticmethod
+    async def _either(wait: Awaitable[object], failed: asyncio.Future) -> None:
+        """Until ``wait`` ends or ``failed`` is set (``wait`` is not cancelled for the latter)."""
+        task = asyncio.ensure_future(wait)
+        await asyncio.wait((task, failed), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _paced_stream(self, m: Member, pacer: Pacer, credit: list[int], open_credit: list[list[int]]) -> None:
+        try:
+            await self._stream(m, credit[0], None, credit)
+        finally:
+            open_credit.remove(credit)
+            pacer.give_back(credit[0])  # what the stream did not deliver (it failed, or was cut)
 
     async def _stream(
-        self,
-        m: Member,
-        max_groups: int,
-        accepted: list[int] | None,
-        credit: list[int] | None = None,
-        turn: asyncio.Event | None = None,
+        self, m: Member, max_groups: int, accepted: list[int] | None, credit: list[int] | None = None
     ) -> None:
         """One ``rollouts(max_groups)`` stream into the queue; each group delivered uses one of
-        ``credit`` (the pacer's grant), and is queued only once ``turn`` is set (the grant before
-        this one ended)."""
+        ``credit`` (the pacer's grant)."""
         put_s = self._put_timeout_s()
         handle = m.handle.pinned(m.incarnation).with_timeout(self.deadlines.generate_timeout_s)
         async for group in handle.rollouts(max_groups):
@@ -127,8 +159,6 @@ class Pumps:
                     group = await self.teacher.annotate(group)
                 if self.reward_model is not None:
                     group = await self.reward_model.annotate(group)
-                if turn is not None and not turn.is_set():
-                    await self._turn(m, turn, put_s)
                 if self.uniform.leave_out(group):
                     pass  # no learning signal: the sampler makes another in its place
                 elif await self.queue.put(group, timeout_s=put_s) and accepted is not None:
@@ -139,19 +169,6 @@ class Pumps:
                     if self.pacer is not None:  # where the credit came from
                         self.pacer.delivered()
 
-    async def _turn(self, m: Member, before: asyncio.Event, timeout_s: float) -> None:
-        """Wait for ``m``'s earlier paced stream to end. A group queued ahead of an earlier grant's
-        would push that grant's groups past the steps the pacer counted them in, and they could
-        expire. The earlier stream's own deadlines (a group within generate_timeout_s, a put
-        within ``timeout_s``) end it first; this one is the backstop."""
-        try:
-            async with timeout(timeout_s):
-                await before.wait()
-        except TimeoutError:
-            raise PacingTimeoutError(
-                f"{m.name}: a paced stream waited {timeout_s:g} s for the one begun before it to deliver"
-            ) from None
-
     def _put_timeout_s(self) -> float:
         """The longest a live driver leaves the queue full, or its pumps without credit: a train
         step, a sync, a checkpoint, an evaluation."""
@@ -159,7 +176,10 @@ class Pumps:
         return d.queue_timeout_s + d.train_timeout_s + d.sync_timeout_s + d.checkpoint_timeout_s + d.eval_timeout_s
 
 
-def _ended() -> asyncio.Event:
-    done = asyncio.Event()
-    done.set()
-    return done
+async def _withdraw(asking: asyncio.Future[int], pacer: Pacer) -> None:
+    """Stop asking for credit, and give back what was granted meanwhile."""
+    if not asking.done():
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
+    elif not asking.cancelled() and asking.exception() is None:
+        pacer.give_back(asking.result())

@@ -66,8 +66,9 @@ class EngineAdapters:
     """The adapter tensors a sync writes into, and the engine's adapters made from them.
     `weight_tensors` and `load_weights` are what `ActorSink` needs of a backend."""
 
-    def __init__(self, engine: Any, model_path: str, lora: LoRAConfig, root: str):
+    def __init__(self, engine: Any, model_path: str, lora: LoRAConfig, root: str, on_loaded: Callable[[int], None]):
         self.engine = engine
+        self.on_loaded = on_loaded  # told each version made current: the one new batches begin with
         self.lora = lora
         self.root = root
         self.tensors = adapter_skeleton(model_path, lora)
@@ -80,7 +81,12 @@ class EngineAdapters:
         return self.tensors
 
     async def load_weights(
-        self, load: Callable[[Mapping[str, torch.Tensor]], object], *, in_flight: bool = False, timeout_s: float = 600.0
+        self,
+        load: Callable[[Mapping[str, torch.Tensor]], object],
+        *,
+        version: int,
+        in_flight: bool = False,
+        timeout_s: float = 600.0,
     ) -> None:
         """Receive into the tensors (``load``), then make them the engine's next adapter. Running
         batches are not disturbed whatever ``in_flight`` says: they end on the adapter they began
@@ -96,6 +102,7 @@ class EngineAdapters:
         await asyncio.wait_for(self.engine.add_lora(request), timeout_s)  # loaded now, not by the next batch
         previous, self.current = self.current, request
         self.loaded[request.lora_int_id] = path
+        self.on_loaded(version)  # running batches keep their adapter, and with it their version
         if previous is not None:
             await self._drop_if_unused(previous.lora_int_id)
 

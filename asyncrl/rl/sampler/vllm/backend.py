@@ -26,16 +26,18 @@ import asyncio
 import functools
 import itertools
 import os
+import re
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from asyncrl.rl.config.sampler import STAGE_MODES
-from asyncrl.rl.generation import Completion, SamplingParams, row_seed
+from asyncrl.rl.generation import Completion, SamplingParams, VersionSpan, changed_spans, row_seed
 from asyncrl.rl.sampler.backend import PausableBackend, Progress, WeightSink
 from asyncrl.rl.sampler.errors import SamplerError
 from asyncrl.rl.sampler.vllm import compat
@@ -135,6 +137,7 @@ class VLLMBackend(PausableBackend):
     """
 
     name = "vllm"
+    batches_calls = True
 
     def __init__(
         self,
@@ -194,11 +197,17 @@ class VLLMBackend(PausableBackend):
         if refusal:
             raise SamplerError(refusal)
         self._start_engine(args)
-        self.adapters = EngineAdapters(self.engine, model_path, adapter, self._scratch) if adapter is not None else None
+        self.adapters = (
+            EngineAdapters(self.engine, model_path, adapter, self._scratch, on_loaded=self._adapter_loaded)
+            if adapter is not None
+            else None
+        )
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.dtype = compat.engine_dtype(self.engine)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self._spans: dict[str, list[list[VersionSpan]]] = {}  # request id -> per sample, while it runs
+        self._unplaced = False  # warned once: the worker could not say where requests stood at a sync
         self.tokens_generated = 0
         self.generate_s = 0.0
         self.engine_exit_codes: list[int | None] = []
@@ -263,21 +272,26 @@ class VLLMBackend(PausableBackend):
         self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
     ) -> list[list[Completion]]:
         start = time.perf_counter()
-        # vLLM refuses n > 1 when greedy; the n greedy samples are one sample n times anyway.
-        per_request = 1 if params.temperature == 0 else n
-        request_ids = [f"asyncrl-{self._prefix}-{next(self._ids)}" for _ in prompts]
+        if params.exact_lengths:  # a request per row, each as long as it was told
+            per_request, repeat = 1, 1
+            calls = [
+                (prompt, self._params(_exactly(params, params.exact_lengths[i * n + j]), 1, i, sample=j), None)
+                for i, prompt in enumerate(prompts)
+                for j in range(n)
+            ]
+        else:
+            # vLLM refuses n > 1 when greedy; the n greedy samples are one sample n times anyway.
+            per_request = 1 if params.temperature == 0 else n
+            repeat = n // per_request
+            calls = [
+                (prompt, self._params(params, per_request, i, progress), _rows(progress, i, n, per_request))
+                for i, prompt in enumerate(prompts)
+            ]
+        request_ids = [f"asyncrl-{self._prefix}-{next(self._ids)}" for _ in calls]
         lora = self.adapters.acquire() if self.adapters is not None else None  # one adapter for the batch
         requests = [
-            asyncio.ensure_future(
-                self._request(
-                    rid,
-                    prompt,
-                    self._params(params, per_request, i, progress),
-                    lora,
-                    _rows(progress, i, n, per_request),
-                )
-            )
-            for i, (rid, prompt) in enumerate(zip(request_ids, prompts))
+            asyncio.ensure_future(self._request(rid, prompt, request_params, lora, report))
+            for rid, (prompt, request_params, report) in zip(request_ids, calls)
         ]
         try:
             outputs = await asyncio.gather(*requests)
@@ -291,7 +305,8 @@ class VLLMBackend(PausableBackend):
         finally:
             if lora is not None:
                 await asyncio.shield(self.adapters.release(lora))
-        groups = [self._completions(out, params, per_request) * (n // per_request) for out in outputs]
+        rows = [c for out, spans in outputs for c in self._completions(out, spans, params, per_request) * repeat]
+        groups = [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
         self.tokens_generated += sum(len(c.token_ids) for g in groups for c in g)
         self.generate_s += time.perf_counter() - start
         return groups
@@ -303,19 +318,55 @@ class VLLMBackend(PausableBackend):
         params: Any,
         lora: Any = None,
         report: Callable[[int, list[int]], None] | None = None,
-    ) -> Any:
+    ) -> tuple[Any, list[list[VersionSpan]]]:
+        """The request's final output, and per sample the weight versions its tokens were
+        sampled under (`weights_changed` keeps them while it runs)."""
         final = None
         latest: dict[int, Any] = {}  # streamed (cumulative), an output holds only the samples that moved
-        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id, lora_request=lora):
-            final = out
-            for sample in out.outputs:
-                latest[sample.index] = sample
-                if report is not None:
-                    report(sample.index, list(sample.token_ids))
+        spans = self._spans[request_id] = [[VersionSpan(0, self.weights_version)] for _ in range(params.n)]
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id, lora_request=lora):
+                final = out
+                for sample in out.outputs:
+                    latest[sample.index] = sample
+                    if report is not None:
+                        report(sample.index, list(sample.token_ids))
+        finally:
+            del self._spans[request_id]
         if final is None or not final.finished:
             raise SamplerError(f"vLLM request {request_id} ended without a final output")
         final.outputs = [latest[i] for i in sorted(latest)]
-        return final
+        return final, spans
+
+    def weights_changed(self, version: int, positions: dict[str, int] | None) -> None:
+        """New weights (``version``) are in the engine; ``positions``: where each request stood
+        then, by vLLM's internal id (`compat.request_positions`; {} when none ran across the load,
+        None when the worker could not tell: those requests keep the old version for the rest of
+        their tokens, which over-counts their staleness rather than hide it). A request the
+        engine had not begun yet begins with these weights. A request that ended between the
+        load and this call keeps the old version for its last tokens, likewise over-counted."""
+        self.weights_version = version
+        if positions is None:
+            if self._spans and not self._unplaced:
+                self._unplaced = True
+                print(
+                    "VLLMBackend: the engine did not say where its requests stood at a weight update: their "
+                    "later tokens are counted as of the older version",
+                    flush=True,
+                )
+            return
+        stood = _positions_by_sample(positions)
+        for request_id, samples in self._spans.items():
+            for index, spans in enumerate(samples):
+                at = stood.get((request_id, index), 0)  # not in the runner: not begun yet
+                if at <= spans[-1].start:
+                    spans[-1] = VersionSpan(spans[-1].start, version)  # no token of the old span yet
+                else:
+                    spans.append(VersionSpan(at, version))
+
+    def _adapter_loaded(self, version: int) -> None:
+        """A LoRA sync made ``version``'s adapter the engine's: batches running keep theirs."""
+        self.weights_version = version
 
     async def _abort(self, request_ids: list[str]) -> None:
         try:
@@ -323,7 +374,9 @@ class VLLMBackend(PausableBackend):
         except Exception as exc:  # a dead engine has nothing left to abort
             print(f"VLLMBackend: aborting {len(request_ids)} requests failed: {exc!r}", flush=True)
 
-    def _params(self, params: SamplingParams, n: int, prompt_index: int, progress: Progress | None = None) -> Any:
+    def _params(
+        self, params: SamplingParams, n: int, prompt_index: int, progress: Progress | None = None, sample: int = 0
+    ) -> Any:
         return compat.sampling_params(
             cumulative=progress is not None,  # each output so far, not the final one only
             n=n,
@@ -334,13 +387,15 @@ class VLLMBackend(PausableBackend):
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,
             stop=list(params.stop) or None,
-            seed=None if params.seed is None else row_seed(params.seed, prompt_index, 0),
+            seed=None if params.seed is None else row_seed(params.seed, prompt_index, sample),
             logprobs=params.top_logprobs,
             detokenize=bool(params.stop),
             skip_special_tokens=True,
         )
 
-    def _completions(self, out: Any, params: SamplingParams, n: int) -> list[Completion]:
+    def _completions(
+        self, out: Any, spans: list[list[VersionSpan]], params: SamplingParams, n: int
+    ) -> list[Completion]:
         samples = sorted(out.outputs, key=lambda c: c.index)
         if len(samples) != n:
             raise SamplerError(f"vLLM request {out.request_id} returned {len(samples)} samples, not {n}")
@@ -359,9 +414,9 @@ class VLLMBackend(PausableBackend):
                 stopped = c.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids
                 text = self._decode_text(ids[:-1] if stopped else ids)
             top = compat.top_logprobs(c.logprobs, params.top_logprobs) if params.top_logprobs else []
-            completions.append(
-                Completion(ids, logprobs, text, "stop" if c.finish_reason == "stop" else "length", top_logprobs=top)
-            )
+            reason = "stop" if c.finish_reason == "stop" else "length"
+            versions = changed_spans(spans[c.index], len(ids))
+            completions.append(Completion(ids, logprobs, text, reason, top_logprobs=top, version_spans=versions))
         return completions
 
     def _decode_text(self, ids: list[int]) -> str:
@@ -382,3 +437,24 @@ def _rows(progress: Progress | None, prompt: int, n: int, per_request: int) -> C
             progress(prompt * n + j, ids)
 
     return report
+
+
+def _exactly(params: SamplingParams, length: int) -> SamplingParams:
+    """``params`` for one row that must run ``length`` tokens: nothing stops it before."""
+    return msgspec.structs.replace(params, max_new_tokens=length, stop_token_ids=[], stop=[], exact_lengths=[])
+
+
+_INTERNAL_ID = re.compile(r"^(?:(\d+)_)?(asyncrl-[0-9a-f]{8}-\d+)(?:-.*)?$")
+"""vLLM's internal id of one of our requests: ours (`VLLMBackend._generate`'s), a sample's
+``"{index}_"`` before it where the request has several (vLLM's parallel sampling), and a random
+suffix after it in the vLLM releases that make external ids unique."""
+
+
+def _positions_by_sample(positions: dict[str, int]) -> dict[tuple[str, int], int]:
+    """`compat.request_positions`' table by (our request id, sample index); ids not ours are left out."""
+    out = {}
+    for internal, count in positions.items():
+        match = _INTERNAL_ID.match(internal)
+        if match is not None:
+            out[(match.group(2), int(match.group(1) or 0))] = count
+    return out

@@ -213,3 +213,17 @@ def environ_defaults(env: dict[str, str]) -> None:
     """Set each of ``env`` in this process's environment where it is unset (vLLM's processes inherit it)."""
     for key, value in env.items():
         os.environ.setdefault(key, value)
+
+
+def request_positions(model_runner: Any) -> dict[str, int] | None:
+    """Per request the model runner holds (running, or preempted and waiting to resume), how many
+    tokens it has sampled: the steps run so far, the one in flight under asynchronous scheduling
+    included (its placeholder is counted: it ran with the weights it began with). By vLLM's
+    internal request id. None where the runner keeps no such table (a vLLM we do not know)."""
+    requests = getattr(model_runner, "requests", None)
+    if not isinstance(requests, dict):
+        return None
+    try:
+        return {str(rid): len(state.output_token_ids) for rid, state in requests.items()}
+    except (AttributeError, TypeError):
+        return None

@@ -40,6 +40,8 @@ class EngineBackend(Protocol):
 
     async def resume(self) -> None: ...
 
+    def weights_changed(self, version: int, positions: dict[str, int] | None) -> None: ...
+
 
 class EngineWeightSyncError(SamplerError):
     """The vLLM worker failed a weight-sync control call (join, set-up, receive) by itself (no
@@ -96,6 +98,15 @@ async def engine_call(backend: EngineBackend, call: str, timeout_s: float, *args
     return answer["ok"]
 
 
+class ReceivedWeights(msgspec.Struct, frozen=True):
+    """The worker's answer to ``receive_weights`` (`WeightSyncExtension.asyncrl_receive_weights`)."""
+
+    stats: SyncStats
+    positions: dict[str, int] | None
+    """Per request (vLLM's internal id), its tokens sampled before the new weights went in;
+    None: the worker could not tell."""
+
+
 class EngineSink(WeightSink):
     """``backend``'s weight sync, in its engine's worker. Pause mode: no new request, wait for
     those running, load, reset the prefix cache, resume. In-flight mode: the engine loads between
@@ -141,11 +152,15 @@ class EngineSink(WeightSink):
             answer = await engine_call(self.backend, "receive_weights", left(), version, left())
             called = time.perf_counter()
             try:
-                stats = msgspec.convert(answer, SyncStats)
+                received = msgspec.convert(answer, ReceivedWeights)
             except msgspec.ValidationError as exc:
                 raise EngineWeightSyncError(
                     f"receive_weights: the vLLM worker answered {answer!r:.200}: {exc}"
                 ) from None
+            stats = received.stats
+            # Paused, no request ran across the load; in flight, where each one stood tells which
+            # of its tokens the new weights sampled.
+            self.backend.weights_changed(version, received.positions if in_flight else {})
             reset_s = 0.0
             if self.backend.prefix_caching:  # cached prefixes were computed with the old weights
                 try:

@@ -129,9 +129,11 @@ class WeightSyncExtension:
 
     def asyncrl_receive_weights(self, version: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Take sync ``version`` into the model, bucket by bucket, within ``timeout_s`` (None: the
-        set-up's; the sampler passes what its own deadline has left after a pause). Returns the
-        receiver's `SyncStats` as plain values (``msgspec.to_builtins``): its ``copy_s`` is the
-        model's load (``load_weights``, or the CPU reload)."""
+        set-up's; the sampler passes what its own deadline has left after a pause). Returns
+        ``{"stats": the receiver's SyncStats as plain values (its copy_s is the model's load:
+        load_weights, or the CPU reload), "positions": each request's sampled tokens when the new
+        weights went in (`compat.request_positions`; None where unknown)}``: every token before a
+        request's position was sampled with the old weights, every later one with these."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, not {version!r}")
         if timeout_s is not None:
@@ -159,7 +161,8 @@ class WeightSyncExtension:
                 stats = member.receiver.receive(version, load, timeout_s=limit)
             finally:
                 load.close()
-        return msgspec.to_builtins(stats)
+        # Between two engine steps still (this call is one): no token is sampled until we return.
+        return {"stats": msgspec.to_builtins(stats), "positions": compat.request_positions(self.model_runner)}
 
     def asyncrl_digest(self) -> str:
         """`asyncrl.rl.digest.tensor_digest` of the model's weights under the sender's names and in
