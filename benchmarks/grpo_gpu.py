@@ -7,6 +7,7 @@ GRPOTrainer on the same model, step and machine when TRL is installed.
     python benchmarks/grpo_gpu.py --shape 0.5b -- --trainer.micro_batch_tokens 4096   # our flags after --
     python benchmarks/grpo_gpu.py --shape 0.5b --runs async@1,async@2,sync@2   # on the first 1 and 2 GPUs
     python benchmarks/grpo_gpu.py --shape 0.5b --runs trl@2,async@2   # TRL's server mode on 2 GPUs beside ours
+    python benchmarks/grpo_gpu.py --shape 1.5b --lengths lognormal:8192 --runs sync,async   # long tails
 
 The model is a random Qwen2 of the shape in bf16 with the embedded byte-level tokenizer
 (`sampler_backends.make_model`): random weights never emit the stop token, so every completion has
@@ -24,6 +25,15 @@ phases per step (from metrics.jsonl): generate = the wait for the step's groups,
 idle = the rest of the step's wall time (evaluation and checkpoints are outside the window).
 ``ideal_share`` in the JSON: max(the sampler's time to generate a batch, train + sync) / step time,
 the share of a perfect overlap reached.
+
+Long generations (``--lengths PROFILE``, asyncrl's ``--sampler.lengths``): each completion runs
+exactly a length drawn from the profile (``uniform:N``, or ``lognormal:N``: median N/4, capped
+at N; asyncrl/rl/config/lengths.py), since random weights never stop; the model gets room for N
+new tokens. Its rows add the mean completion length trained, the mean version lag of the tokens
+trained, groups whose tokens span versions, the run's stale drops and the engines' preemptions
+(the samplers keep vLLM's statistics: ``--sampler.engine_stats``); the JSON has the lengths
+trained and dropped by bucket. TRL runs ``uniform:N`` only (its completions are as long as
+``max_completion_length``).
 ``RUN@N`` runs asyncrl on the host's first N GPUs (``CUDA_VISIBLE_DEVICES``), so the device plan
 decides as it would on such a host: one GPU colocated, 1 + samplers GPUs each its own. Each GPU's
 busy share over the same steady window is ``nvidia-smi``'s utilization (the share of time a kernel
@@ -154,6 +164,8 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
     ]
     if args.lora_rank:
         cmd += ["--trainer.lora.rank", str(args.lora_rank), "--trainer.lora.bf16_base", "true"]
+    if args.lengths:
+        cmd += ["--sampler.lengths", args.lengths, "--sampler.engine_stats", "true"]
     cmd += args.extra
     env = dict(os.environ)
     if gpus:
@@ -183,7 +195,24 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
     step_s = span / len(window)
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in window)  # noqa: E731
     gen, train, sync = mean("wait_s"), mean("train_s"), mean("sync_s")
+    trained_by_length: dict[str, int] = {}
+    for r in window:
+        for bucket, n in r.get("length_hist", {}).items():
+            trained_by_length[bucket] = trained_by_length.get(bucket, 0) + n
+    preemptions = [
+        int(line.split("engine preemptions ")[1].split(",")[0])
+        for line in output.splitlines()
+        if "engine preemptions " in line
+    ]
     return {
+        "length_mean": mean("length_mean"),
+        "token_lag_mean": mean("token_lag_mean"),
+        "token_lag_max": max(r.get("token_lag_max", 0) for r in window),
+        "spanning_groups": sum(r.get("spanning_groups", 0) for r in window),
+        "dropped_stale": records[-1].get("dropped_stale", 0),
+        "dropped_by_length": records[-1].get("dropped_lengths") or {},
+        "trained_by_length": trained_by_length,
+        "preemptions": sum(preemptions) if preemptions else None,
         "samples_per_s": sum(r["sequences"] for r in window) / span,
         "tokens_per_s": sum(r["completion_tokens"] for r in window) / span,
         "step_s": step_s,
@@ -356,18 +385,19 @@ def trl_child(args) -> None:
     )
 
 
-def make_shape(shape: str, path: str) -> None:
+def make_shape(shape: str, path: str, positions: int = 1024) -> None:
     if not os.path.exists(os.path.join(path, "config.json")):
         t = time.monotonic()
-        make_model(path, SHAPES[shape], "bfloat16")
+        make_model(path, SHAPES[shape], "bfloat16", positions)
         print(f"made a random {shape} Qwen2 in {path} ({time.monotonic() - t:.0f} s)", flush=True)
 
 
-def table(shape: str, results: dict[str, dict]) -> str:
+def table(shape: str, results: dict[str, dict], long: bool = False) -> str:
     rows = [
         "| run | samples/s | tokens/s | step s | generate s | train s | sync s | idle s | trainer MFU | "
-        "trainer peak GiB | GPUs busy | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "trainer peak GiB | GPUs busy | wall s |"
+        + (" mean length | token lag | spanning groups | dropped | preemptions |" if long else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|" if long else ""),
     ]
     for name, r in results.items():
         if "error" in r:
@@ -382,6 +412,12 @@ def table(shape: str, results: dict[str, dict]) -> str:
             f"| {name} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {cell('step_s')} | "
             f"{cell('generate_s')} | {cell('train_s')} | {cell('sync_s')} | {cell('idle_s')} | {mfu} | "
             f"{cell('peak_gib')} | {busy} | {r['wall_s']:.0f} |"
+            + (
+                f" {r.get('length_mean', 0):.0f} | {r.get('token_lag_mean', 0):.2f} | {r.get('spanning_groups', '')} | "
+                f"{r.get('dropped_stale', '')} | {r.get('preemptions') if r.get('preemptions') is not None else ''} |"
+                if long
+                else ""
+            )
         )
     for peer, p in results.items():
         if peer.startswith("trl") and p.get("samples_per_s"):
@@ -408,6 +444,11 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA on a bf16 base (both systems)")
+    parser.add_argument(
+        "--lengths",
+        default="",
+        help="each completion's length from this profile: uniform:N or lognormal:N (sets N new tokens)",
+    )
     parser.add_argument("--out", default="", help="model and run directories (default: a temporary one)")
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--trl-child", default="", help=argparse.SUPPRESS)
@@ -418,12 +459,22 @@ def main() -> None:
         return trl_child(args)
     if args.skip < 1 or args.steps < args.skip + 3:
         parser.error("need --skip >= 1 and --steps >= --skip + 3")
+    positions = 1024
+    if args.lengths:
+        kind, _, cap = args.lengths.partition(":")
+        if kind not in ("uniform", "lognormal") or not cap.isdigit():
+            parser.error("--lengths is uniform:N or lognormal:N")
+        args.max_new_tokens = int(cap)
+        positions = max(1024, 1 << (int(cap) + 512 - 1).bit_length())  # room for the prompt too
     out = args.out or tempfile.mkdtemp(prefix="grpo-gpu-")
-    model = os.path.join(out, f"model-{args.shape}")
-    make_shape(args.shape, model)
+    model = os.path.join(out, f"model-{args.shape}" + (f"-{positions}" if positions != 1024 else ""))
+    make_shape(args.shape, model, positions)
     results: dict[str, dict] = {}
     for name in args.runs.split(","):
         if name.partition("@")[0] == "trl":
+            if args.lengths and not args.lengths.startswith("uniform:"):
+                print("TRL's completions run to max_completion_length: its row needs --lengths uniform:N", flush=True)
+                continue
             try:
                 import trl  # noqa: F401
             except ImportError:
@@ -441,8 +492,9 @@ def main() -> None:
     print(
         table(
             f"{args.shape}{f' LoRA r{args.lora_rank}' if args.lora_rank else ''}, {args.prompts} x "
-            f"{args.group_size} x {args.max_new_tokens} a step",
+            f"{args.group_size} x {args.lengths or args.max_new_tokens} a step",
             results,
+            long=bool(args.lengths),
         )
     )
     if args.json:

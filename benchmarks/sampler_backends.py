@@ -83,9 +83,9 @@ class Sender(SyncMember):
         return (await asyncio.to_thread(self.sender.send, version)).seconds
 
 
-def make_model(path: str, shape: tuple[int, ...], dtype: str) -> None:
-    """A random Qwen2 of ``shape`` (`SHAPES`) in ``dtype``, with the embedded model's byte-level
-    tokenizer (a larger vocabulary only has ids that no prompt uses)."""
+def make_model(path: str, shape: tuple[int, ...], dtype: str, positions: int = 1024) -> None:
+    """A random Qwen2 of ``shape`` (`SHAPES`) in ``dtype`` with ``positions`` positions, with the
+    embedded model's byte-level tokenizer (a larger vocabulary only has ids that no prompt uses)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -102,7 +102,7 @@ def make_model(path: str, shape: tuple[int, ...], dtype: str) -> None:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         intermediate_size=intermediate,
-        max_position_embeddings=1024,
+        max_position_embeddings=positions,
         tie_word_embeddings=shape not in UNTIED,
         bos_token_id=None,
         eos_token_id=tok.eos_token_id,

@@ -228,3 +228,23 @@ def test_long_completions_are_trained_as_often_as_they_are_made(samplers):
         for i, spans in enumerate(g.version_spans):
             tokens = g.token_versions(i)
             assert tokens[0] == spans[0].version >= g.version and tokens == sorted(tokens)
+
+
+def test_length_profiles_parse_and_draw_their_shape():
+    assert LengthProfile.parse("") is None and LengthProfile.parse("uniform:4096") == LengthProfile("uniform", 4096)
+    for bad in ("lognormal", "lognormal:0", "gamma:10", "uniform:-3", "uniform:1k"):
+        with pytest.raises(ValueError, match="'uniform:N' or 'lognormal:N'"):
+            LengthProfile.parse(bad)
+    rng = random.Random(0)
+    draws = sorted(LengthProfile("lognormal", 8192).draw(rng) for _ in range(20000))
+    median, capped = draws[len(draws) // 2], sum(d == 8192 for d in draws) / len(draws)
+    assert 1900 <= median <= 2200 and 0.025 <= capped <= 0.06 and draws[0] >= 1
+    assert {LengthProfile("uniform", 300).draw(rng) for _ in range(10)} == {300}
+
+
+def test_a_profile_longer_than_the_limit_is_refused_in_one_line():
+    from asyncrl.rl.config.sampler import SamplerConfig
+
+    with pytest.raises(ValueError, match="reaches past max_new_tokens 1024: raise --sampler.max_new_tokens"):
+        SamplerConfig(lengths="lognormal:2048", max_new_tokens=1024)
+    assert SamplerConfig(lengths="lognormal:2048").length_limit == 2048

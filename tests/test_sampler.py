@@ -137,6 +137,19 @@ async def test_stop_tokens_and_max_new_tokens(backend, prompts):
     assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
 
 
+async def test_exact_lengths_cut_each_row_at_its_own_length(backend, prompts):
+    """``exact_lengths`` (``--sampler.lengths``): the batch decodes to the longest, no stop token
+    ends a row, and each row is its first ``L`` tokens, as decoded without the others."""
+    free = SamplingParams(max_new_tokens=12, temperature=0.0)
+    [[whole]] = await backend.generate(prompts[:1], 1, free)
+    stops = msgspec.structs.replace(free, stop_token_ids=[whole.token_ids[0]], exact_lengths=[5, 12])
+    [[a, b]] = await backend.generate(prompts[:1], 2, stops)
+    assert (a.token_ids, b.token_ids) == (whole.token_ids[:5], whole.token_ids)
+    assert a.finish_reason == b.finish_reason == "length" and a.logprobs == pytest.approx(whole.logprobs[:5], abs=1e-5)
+    with pytest.raises(ValueError, match="exact_lengths must each be in"):
+        msgspec.structs.replace(free, exact_lengths=[13])
+
+
 async def test_decoding_passes_transformers_nothing_it_deprecates(backend, prompts):
     """The decoding loop's forward arguments (the KV cache, ``logits_to_keep``...) are current on
     the transformers installed: a deprecation of any of them fails here, by its warning, before it

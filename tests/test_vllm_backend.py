@@ -243,6 +243,22 @@ async def test_the_openai_endpoint_records_what_the_engine_generated(engine, pol
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_exact_lengths_run_each_row_as_long_as_told_and_the_engine_counts_its_cache(engine, prompts):
+    """``exact_lengths`` (``--sampler.lengths``): a request per row, each stopped by its length
+    alone; the engine's statistics say how large its KV cache is and that nothing was preempted."""
+    lengths = [3, 17, 1, 40, 9, 25]
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=[0, 1], exact_lengths=lengths)
+    groups = await engine.generate(prompts[:3], 2, params)
+    got = [c for g in groups for c in g]
+    assert [len(c.token_ids) for c in got] == lengths and {c.finish_reason for c in got} == {"length"}
+    assert all(len(c.logprobs) == len(c.token_ids) for c in got)
+    stats = engine.engine_stats()
+    assert stats["kv_cache_tokens"] > 0 and stats["preemptions"] == 0 and 0 < stats["kv_cache_peak"] <= 1
+    with pytest.raises(ValueError, match="exact_lengths"):
+        await engine.generate(prompts[:3], 1, params)  # 6 lengths for 3 rows
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_bad_requests_are_refused(engine, prompts):
     with pytest.raises(ValueError):
         await engine.generate(prompts, 0, SamplingParams())

@@ -64,7 +64,14 @@ async def engine(tiny_path, policy, vllm_required):
     ``sampler_support`` plugin for tiny_path and policy), shared by a module's tests."""
     from asyncrl.rl.sampler.vllm.backend import VLLMBackend
 
-    b = VLLMBackend(tiny_path, tokenizer=policy[1], seed=0, device=vllm_required, engine=engine_options(vllm_required))
+    b = VLLMBackend(
+        tiny_path,
+        tokenizer=policy[1],
+        seed=0,
+        device=vllm_required,
+        engine=engine_options(vllm_required),
+        engine_stats=True,  # the module's tests run with the engine's statistics kept and counted
+    )
     yield b
     b.close()
     # Its processes ended within vLLM's 5 s grace, not by its SIGKILL after (engine_exit.py).

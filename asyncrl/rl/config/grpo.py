@@ -91,7 +91,7 @@ class GRPOConfig:
         """The trainer's section with the samplers' temperature, its learning rate resolved for the
         model trained (``--trainer.lr`` auto), and the run's length as the end of a decaying
         learning rate unless it names its own: the one the actor is given."""
-        loss, most = self.trainer.loss, self.sampler.max_new_tokens
+        loss, most = self.trainer.loss, self.sampler.length_limit
         loss = dataclasses.replace(
             loss, token_budget=loss.token_budget or most, overlong_max_tokens=loss.overlong_max_tokens or most
         )
@@ -179,7 +179,7 @@ def check_teacher(config: GRPOConfig) -> None:
 def check_length_budgets(config: GRPOConfig) -> None:
     """Dr. GRPO's constant normaliser and DAPO's overlong shaping need a length in tokens: their
     own key, else the samplers' ``max_new_tokens`` (whose 0, the model's own limit, is not one)."""
-    loss, most = config.trainer.loss, config.sampler.max_new_tokens
+    loss, most = config.trainer.loss, config.sampler.length_limit
     if loss.aggregation == "fixed_tokens" and not (loss.token_budget or most):
         raise ConfigError(
             "--trainer.loss.aggregation fixed_tokens divides by a token budget: set "
@@ -240,7 +240,7 @@ def check_heldout_unseen(config: GRPOConfig) -> None:
 def check_completion_fits(config: GRPOConfig) -> None:
     """A completion must fit in the embedded model's positions, after its prompt (a checkpoint's
     positions are read from its config.json by `asyncrl.rl.driver.preflight.check_run`)."""
-    tokens, positions = config.sampler.max_new_tokens, config.model.max_positions
+    tokens, positions = config.sampler.length_limit, config.model.max_positions
     if tokens >= positions:
         raise ConfigError(
             f"--sampler.max_new_tokens {tokens}: the embedded model (--model.max_positions) has "

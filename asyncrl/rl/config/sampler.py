@@ -75,6 +75,10 @@ class SamplerConfig:
     completion runs exactly a length drawn from this profile, 'uniform:N' or 'lognormal:N'
     (median N/4, capped at N; asyncrl/rl/config/lengths.py), its stop tokens ignored. Empty:
     lengths are the model's own."""
+    engine_stats: bool = False
+    """vLLM: keep the engine's statistics and count its preemptions (requests taken off the GPU
+    for want of KV cache, computed again later) and its peak KV cache use, in the sampler's stats
+    and its last log line. Off by default: a little of the sampler's CPU each engine step."""
     engine_start_timeout_s: float = 900.0
     """vLLM: how long a sampler's start may spend loading the model and building its engine before
     it counts as hung. A first start on a fresh GPU machine compiles the model (torch.compile) and
@@ -112,6 +116,13 @@ class SamplerConfig:
                 "need count >= 0 (0: auto), group_size >= 2 (GRPO compares within a group), "
                 "prompts_per_batch >= 0 (0: auto)"
             )
+
+    @property
+    def length_limit(self) -> int:
+        """The longest completion: ``max_new_tokens``, else the ``lengths`` profile's N (0: the
+        model's own limit, not known here)."""
+        profile = LengthProfile.parse(self.lengths)
+        return self.max_new_tokens or (profile.cap if profile is not None else 0)
 
     def engine_args(self) -> dict:
         """``vllm_args`` as a dict ({} when empty); ValueError for anything but a JSON object."""

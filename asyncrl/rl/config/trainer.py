@@ -208,10 +208,12 @@ class TrainerConfig:
     sharded over them (FSDP2), each takes a share of the batch balanced by tokens, and the loss is
     normalised by the whole batch's count, so they compute what one process would (docs/trainer.md).
     1: a single trainer process, unsharded."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in the backward pass: less memory for long
     micro-batches (what a large ``micro_batch_tokens`` on one GPU needs), about a third more
-    compute."""
+    compute. None (auto): off, unless a single trainer process on a GPU with ``micro_batch_tokens``
+    auto meets a sequence longer than a micro-batch holds without it (long generations): then on
+    from that first step, and logged."""
     pack_tokens: int = 0
     """Pack several prompt + completion sequences into rows of up to this many tokens, attention
     kept within each (``trainer/packing.py``); at most ``micro_batch_tokens`` (with auto, at most

@@ -50,7 +50,7 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
     model_path = os.path.abspath(os.path.expanduser(config.model_path)) if config.model_path else ""
     if model_path:  # the embedded model's limits are GRPOConfig's own rules
         _check_max_new_tokens(
-            config.sampler.max_new_tokens, _checkpoint_positions(model_path, config.model_path), config.model_path
+            config.sampler.length_limit, _checkpoint_positions(model_path, config.model_path), config.model_path
         )
     _check_run_dir(run_dir, config.run.run_dir, resume)
     # tokenizers are compared with the student's once it exists (build.py)

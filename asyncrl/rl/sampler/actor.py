@@ -127,7 +127,7 @@ class SamplerActor(Actor):
             seed=seed,
             in_flight=self.in_flight,
             resume_timeout_s=3 * sync_timeout_s,
-            vllm={"stage_weights": config.stage_weights}
+            vllm={"stage_weights": config.stage_weights, "engine_stats": config.engine_stats}
             | (vllm or {})
             | ({"engine": config.engine_args()} if config.vllm_args else {}),
             adapter=adapter,
@@ -361,10 +361,7 @@ class SamplerActor(Actor):
     @endpoint
     async def stats(self) -> SamplerStats:
         """Counters since start and what the sampler runs on (`SamplerStats`)."""
-        s = {"groups": self._groups} | self.generation.counts | self.weights.counts
-        adapters = getattr(self.backend, "adapters", None)  # vLLM serving LoRA adapters: how many it holds
-        if adapters is not None:
-            s["loaded_adapters"] = len(adapters.loaded)
+        s = {"groups": self._groups} | self.generation.counts | self.weights.counts | self.backend.engine_stats()
         return SamplerStats(
             **s,
             version=self.weights.version,
@@ -420,6 +417,13 @@ class SamplerActor(Actor):
                 await self.backend.generate(prompts, n, params)
 
     async def on_stop(self) -> None:
+        engine = self.backend.engine_stats()
+        if "preemptions" in engine:  # --sampler.engine_stats: what the run asked of the KV cache
+            print(
+                f"sampler {self.name}: engine preemptions {engine['preemptions']}, KV cache peak "
+                f"{100 * engine['kv_cache_peak']:.0f}% of {engine.get('kv_cache_tokens', 0)} tokens",
+                flush=True,
+            )
         try:  # an engine that receives weights drops its communicator while it still can
             async with timeout(10.0):
                 await self.weights.leave()

@@ -152,6 +152,11 @@ class SamplerBackend(abc.ABC):
         """The RNG of unseeded requests, saved in checkpoints; None where the engine keeps its own."""
         return None
 
+    def engine_stats(self) -> dict[str, int | float]:
+        """What the engine says of itself for the sampler's stats (`SamplerStats`' engine fields:
+        ``kv_cache_tokens``, ``preemptions``, ``kv_cache_peak``, ``loaded_adapters``); {}: nothing."""
+        return {}
+
 
 Progress = Callable[[int, list[int]], None]
 """``progress(row, token_ids)``: the tokens row ``row`` (sample j of prompt i is row ``i * n + j``)

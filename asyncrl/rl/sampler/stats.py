@@ -31,6 +31,13 @@ class SamplerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     syncs_waited_for_generate: int
     loaded_adapters: int | None = None
     """LoRA adapters the vLLM engine holds (adapter-only LoRA syncs; None: no adapters served)."""
+    kv_cache_tokens: int | None = None
+    """vLLM: tokens its KV cache holds (None: not known)."""
+    preemptions: int | None = None
+    """vLLM with ``--sampler.engine_stats``: requests the engine took off to free KV cache (each is
+    computed again later: a sign of more sequences in flight than the cache holds)."""
+    kv_cache_peak: float | None = None
+    """vLLM with ``--sampler.engine_stats``: the most of its KV cache in use at once, 0..1."""
     version: int
     """The weight version held now."""
     generating: int

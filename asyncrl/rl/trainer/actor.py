@@ -41,7 +41,7 @@ from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
 from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError, does_not_fit, micro_batch_error
 from asyncrl.rl.trainer.packing import packed_micro_batches
-from asyncrl.rl.trainer.policy import TrainedPolicy
+from asyncrl.rl.trainer.policy import TrainedPolicy, checkpoint_layers
 from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.rl.trainer.split import batch_counts
@@ -186,7 +186,9 @@ class TrainerActor(Actor):
         n_tokens, n_seqs = (float(n) for n in batch_counts(groups))
         normalizer = loss_normalizer(cfg.loss, n_tokens, n_seqs)
         share, share_advantages = self.ranks.parallel.share(groups, advantages)
-        budget = self.micro_batch_tokens()
+        budget = self.micro_batch_tokens(
+            max((len(s.prompt_ids) + len(c) for s in share for c in s.completion_ids), default=0)
+        )
         if not share:
             batches = []
         elif cfg.pack_tokens:
@@ -251,30 +253,53 @@ class TrainerActor(Actor):
             out["mfu"] = flops / max(seconds, 1e-9) / peak / self.ranks.parallel.world_size
         return out
 
-    def micro_batch_tokens(self) -> int:
+    def micro_batch_tokens(self, longest: int = 0) -> int:
         """``--trainer.micro_batch_tokens``, or auto's choice (``trainer/memory_budget.py``), made
         at the first step that needs it: the policy is on its device then, a colocated vLLM
-        engine has taken its share, and the optimiser state yet to come is counted."""
+        engine has taken its share, and the optimiser state yet to come is counted. ``longest``:
+        the step's longest sequence, prompt included; where it is longer than auto's budget
+        without activation checkpointing (and that is auto), checkpointing goes on, and where it
+        is longer than the budget even so, the run stops here in one line rather than run out of
+        memory in the middle of the step."""
         if self.config.micro_batch_tokens:
             return self.config.micro_batch_tokens
         if not self._auto_tokens:
-            from asyncrl.rl.trainer.memory_budget import resolve_micro_batch_tokens
-
             cfg = self.config
-            self._auto_tokens, free = resolve_micro_batch_tokens(
-                0,
-                self.model,
-                self.optimizer,
-                self.device,
-                checkpointing=cfg.activation_checkpointing,
-                full_logits=bool(self.fallback_reason()),
-                pack_tokens=cfg.pack_tokens,
-            )
+            checkpointing = bool(cfg.activation_checkpointing)
+            self._auto_tokens, free = self._resolve_budget(checkpointing)
+            alone = self.device.type == "cuda" and self.ranks.parallel.world_size == 1
+            if longest > self._auto_tokens and cfg.activation_checkpointing is None and alone:
+                without = self._auto_tokens
+                checkpoint_layers(self.model)
+                self._auto_tokens, free = self._resolve_budget(checkpointing=True)
+                print(
+                    f"trainer: activation checkpointing on (auto): a sequence of {longest} tokens is more than "
+                    f"the {without} a micro-batch holds without it",
+                    flush=True,
+                )
             if self.device.type == "cuda" and not free:  # the gradients and AdamW's state alone overflow it
                 raise self._does_not_fit("the policy with its gradients and AdamW's state")
             where = f"{free / 2**30:.1f} GiB free" if free else f"{self.device.type}: the fixed default"
             print(f"trainer: micro_batch_tokens auto -> {self._auto_tokens} ({where})", flush=True)
+        if longest > self._auto_tokens and self.device.type == "cuda":
+            raise self._does_not_fit(
+                f"a sequence of {longest} tokens (prompt and completion) in the {self._auto_tokens}-token "
+                "micro-batch the memory left allows"
+            )
         return self._auto_tokens
+
+    def _resolve_budget(self, checkpointing: bool) -> tuple[int, int]:
+        from asyncrl.rl.trainer.memory_budget import resolve_micro_batch_tokens
+
+        return resolve_micro_batch_tokens(
+            0,
+            self.model,
+            self.optimizer,
+            self.device,
+            checkpointing=checkpointing,
+            full_logits=bool(self.fallback_reason()),
+            pack_tokens=self.config.pack_tokens,
+        )
 
     def fallback_reason(self) -> str:
         """Why this trainer scores through full logits ("" when it does not: ``scoring/logprobs.py``)."""

@@ -79,11 +79,7 @@ class TrainedPolicy:
         5.23 renamed ``gradient_checkpointing_enable`` (deprecated since) to
         ``activation_checkpointing_enable``: the new name where the model has it."""
         if self.config.activation_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:  # transformers 5.0 to 5.22
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            checkpoint_layers(model)
         return model
 
     def shard(self) -> None:
@@ -137,3 +133,13 @@ class TrainedPolicy:
 
         marker = os.path.join(self.path, MARKER_FILE)
         return [marker] if os.path.exists(marker) else []
+
+
+def checkpoint_layers(model) -> None:
+    """Each decoder layer of ``model`` recomputes its activations in the backward, from its next
+    forward on (`PolicyHolder._checkpointed`; also once a long sequence asks for it, actor.py)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers 5.0 to 5.22
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -128,8 +128,9 @@ class VLLMBackend(PausableBackend):
     where it is not set; ``gpu_memory_utilization`` is vLLM's on GPU. ``engine`` holds any other
     ``AsyncEngineArgs`` fields. ``stage_weights`` ("auto", "on", "off"): on a GPU, receive syncs
     into a copy of the weights beside the engine while it decodes (`asyncrl.comm.staged`; "auto":
-    where the copy is at most 1/16 of the GPU's memory). Must be constructed with the actor's
-    event loop running.
+    where the copy is at most 1/16 of the GPU's memory). ``engine_stats``: keep the engine's
+    statistics, and count its preemptions and peak KV cache use (`engine_counts`). Must be
+    constructed with the actor's event loop running.
 
     The weights live in the engine's process, which receives them itself (`weight_sink`). With
     ``adapter`` (a `LoRAConfig`), syncs bring LoRA adapters only: this process receives them and the
@@ -156,6 +157,7 @@ class VLLMBackend(PausableBackend):
         engine: dict | None = None,
         adapter: Any = None,
         stage_weights: str = "auto",
+        engine_stats: bool = False,
     ):
         super().__init__(resume_timeout_s=resume_timeout_s)
         self.device = torch.device(device)
@@ -196,7 +198,10 @@ class VLLMBackend(PausableBackend):
         refusal = lora_dtype_refusal(args["dtype"], self.device.type) if adapter is not None else ""
         if refusal:
             raise SamplerError(refusal)
+        self.engine_counts: dict[str, float] | None = {} if engine_stats else None
+        """With ``engine_stats``: the engine's preemptions and peak KV cache use (`compat.engine_counter`)."""
         self._start_engine(args)
+        self.kv_cache_tokens = compat.kv_cache_tokens(self.engine)
         self.adapters = (
             EngineAdapters(self.engine, model_path, adapter, self._scratch, on_loaded=self._adapter_loaded)
             if adapter is not None
@@ -227,7 +232,7 @@ class VLLMBackend(PausableBackend):
         self._janitor = Janitor(self._scratch)
         followed = self._janitor.follow(shm_names())
         try:
-            self.engine = compat.make_engine(args)
+            self.engine = compat.make_engine(args, self.engine_counts)
         except BaseException:
             followed()
             self._janitor.finish()
@@ -337,6 +342,14 @@ class VLLMBackend(PausableBackend):
             raise SamplerError(f"vLLM request {request_id} ended without a final output")
         final.outputs = [latest[i] for i in sorted(latest)]
         return final, spans
+
+    def engine_stats(self) -> dict[str, int | float]:
+        stats: dict[str, int | float] = dict(self.engine_counts or {})
+        if self.kv_cache_tokens:
+            stats["kv_cache_tokens"] = self.kv_cache_tokens
+        if self.adapters is not None:  # serving LoRA adapters: how many it holds
+            stats["loaded_adapters"] = len(self.adapters.loaded)
+        return stats
 
     def weights_changed(self, version: int, positions: dict[str, int] | None) -> None:
         """New weights (``version``) are in the engine; ``positions``: where each request stood

@@ -124,14 +124,52 @@ def engine_environment(device_type: str) -> dict[str, str]:
     return env
 
 
-def make_engine(args: dict[str, Any]) -> Any:
+def make_engine(args: dict[str, Any], counts: dict[str, float] | None = None) -> Any:
     """vLLM's ``AsyncLLM`` from ``AsyncEngineArgs(**args)``, sized for batch generation (the usage
-    context of vLLM's ``LLM`` class: see the module docstring)."""
+    context of vLLM's ``LLM`` class: see the module docstring). With ``counts``, the engine keeps
+    its statistics and `engine_counter` adds them up there (vLLM then logs none of its own)."""
     from vllm import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.LLM_CLASS)
+    loggers = [engine_counter(counts)] if counts is not None else None
+    return AsyncLLM.from_engine_args(
+        AsyncEngineArgs(**args), usage_context=UsageContext.LLM_CLASS, stat_loggers=loggers
+    )
+
+
+def engine_counter(counts: dict[str, float]) -> Any:
+    """A vLLM stat logger class that keeps, in ``counts``: ``preemptions`` (requests the scheduler
+    took off the GPU to free KV cache, to be computed again) and ``kv_cache_peak`` (the most of
+    the KV cache in use, 0..1). Its ``record`` runs in the client's process, on each engine step's
+    statistics; the stats' fields are read by name where the release has them."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class EngineCounter(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            counts.setdefault("preemptions", 0)
+            counts.setdefault("kv_cache_peak", 0.0)
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+            if iteration_stats is not None:
+                counts["preemptions"] += getattr(iteration_stats, "num_preempted_reqs", 0)
+            if scheduler_stats is not None:
+                usage = getattr(scheduler_stats, "kv_cache_usage", None)
+                if usage is None:
+                    usage = getattr(scheduler_stats, "gpu_cache_usage", 0.0)
+                counts["kv_cache_peak"] = max(counts["kv_cache_peak"], float(usage))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return EngineCounter
+
+
+def kv_cache_tokens(engine: Any) -> int:
+    """Tokens the engine's KV cache holds (its blocks times their size; 0 where unknown)."""
+    cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
+    blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    return int(blocks) * int(size) if isinstance(blocks, int) and isinstance(size, int) else 0
 
 
 def sampling_params(cumulative: bool = False, **fields: Any) -> Any:
