@@ -195,6 +195,8 @@ class VLLMBackend(PausableBackend):
             enforce_eager=enforce_eager,
             engine=engine,
         )
+        if engine_stats:  # the releases that keep no statistics for a custom logger alone
+            args["disable_log_stats"] = False
         refusal = lora_dtype_refusal(args["dtype"], self.device.type) if adapter is not None else ""
         if refusal:
             raise SamplerError(refusal)
