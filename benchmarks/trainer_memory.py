@@ -5,6 +5,8 @@
     python benchmarks/trainer_memory.py --shape 1.5b --micro-batch-tokens 0,16384
     python benchmarks/trainer_memory.py --shape 7b --lora-rank 16 --paths fused
     python benchmarks/trainer_memory.py --shape 0.5b --micro-batch-tokens 0 --paths fused --compile both --profile
+    python benchmarks/trainer_memory.py --shape 1.5b --completion 16384 --prompts 2 --group-size 8 \
+        --micro-batch-tokens 0 --paths fused --compile auto --reserve-share 0.3   # long sequences, a run's defaults
 
 A step is the trainer's whole ``train_share`` (micro-batching, forward, backward, AdamW) on
 ``--prompts`` groups of ``--group-size`` completions of ``--completion`` tokens after a Countdown
@@ -13,7 +15,11 @@ prompt (~60 tokens): GRPO's default step on a real model. The model is a random 
 LoRA: a bf16 base). ``full`` forces the full-logits path the trainer keeps as its fallback. The
 first ``--warmup`` steps are left out; the table shows the median of the rest, and the peak memory
 torch allocated over every step, AdamW's state included. The trainer is alone on its GPU here (a
-colocated vLLM takes 30% of it in a GRPO run, and auto then picks smaller micro-batches).
+colocated vLLM takes 30% of it in a GRPO run, and auto then picks smaller micro-batches), unless
+``--reserve-share`` holds that share of the GPU's memory for the whole run, as such an engine
+would. The model has room for the prompt and ``--completion`` tokens; ``--compile auto`` is a
+GRPO run's default (on for one trainer process on a GPU), as activation checkpointing's auto is:
+on where a sequence is longer than a micro-batch holds without it.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ def run(
     lora_rank: int,
     steps: int,
     warmup: int,
-    compile_layers: bool = False,
+    compile_layers: bool | None = False,
     pack_tokens: int = 0,
     profile: bool = False,
 ) -> dict:
@@ -138,16 +144,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--model-dir", default="", help="where the random model is (made if missing)")
-    parser.add_argument("--compile", default="off", help="--trainer.compile: off, on or both")
+    parser.add_argument("--compile", default="off", help="--trainer.compile: off, on, both or auto")
+    parser.add_argument(
+        "--reserve-share",
+        type=float,
+        default=0.0,
+        help="hold this share of the GPU's memory, as a colocated vLLM would",
+    )
     parser.add_argument("--pack-tokens", type=int, default=0, help="--trainer.pack_tokens")
     parser.add_argument("--profile", action="store_true", help="one more step under torch's profiler, per row")
     args = parser.parse_args()
 
     path = args.model_dir or tempfile.mkdtemp(prefix=f"asyncrl-{args.shape}-")
+    positions = max(1024, 1 << (args.completion + 128 - 1).bit_length())  # the prompt's ~60 tokens too
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_model(path, SHAPES[args.shape], "bfloat16")
+        make_model(path, SHAPES[args.shape], "bfloat16", positions)
     batch = make_batch(args.prompts, args.group_size, args.completion, SHAPES[args.shape][5] or 100)
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    compiles = {"off": [False], "on": [True], "both": [False, True], "auto": [None]}[args.compile]
+    held = None
+    if args.reserve_share and args.device == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        held = torch.empty(int(total * args.reserve_share), dtype=torch.uint8, device="cuda")  # noqa: F841
     rows = [
         dict(
             run(
@@ -171,11 +190,12 @@ def main() -> None:
     ]
     trained = f"LoRA r{args.lora_rank}, bf16 base" if args.lora_rank else "every parameter (fp32 + AdamW)"
     print(f"# {args.shape}, {trained}; {args.prompts} x {args.group_size} x {args.completion} a step")
-    print(f"# pack_tokens {args.pack_tokens}")
+    print(f"# pack_tokens {args.pack_tokens}; {args.reserve_share:.0%} of the GPU held aside")
     print("| path | compile | micro_batch_tokens | micro-batches | step s | MFU | peak GiB | loss |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        head = f"| {r['path']} | {'on' if r['compile'] else 'off'} | {r['micro_batch_tokens']} |"
+        compiled = "auto" if r["compile"] is None else "on" if r["compile"] else "off"
+        head = f"| {r['path']} | {compiled} | {r['micro_batch_tokens']} |"
         if "step_s" not in r:
             print(f"{head} failed: {r['error']} | | | {r['peak_gib']:.1f} | |")
             continue
