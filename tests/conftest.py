@@ -21,6 +21,7 @@ TIERS = {
     "unit": (
         "actor_spec",
         "arith",
+        "code_text",
         "codec",
         "config",
         "config_files",

@@ -2,7 +2,7 @@
 the supervisor's side here; the zygote process's own code in ``zygote_serve.py``).
 
 An actor started by ``Popen`` is a fresh interpreter that imports torch and transformers again:
-seconds of CPU each (4.5-8 s on a 2-core host), most of a tiny run's time. The zygote pays that
+seconds of CPU each (docs/runtime.md has the figures), most of a tiny run's time. The zygote pays that
 once, when the supervisor starts, and forks a child per request, so a start costs a fork.
 
 Protocol (one ``SOCK_SEQPACKET`` socketpair, msgpack, no pickle): the supervisor sends `Spawn`
