@@ -6,6 +6,8 @@ the page.
 Checked: every docstring, comment and ``help=`` string under asyncrl/, and the help a user reads
 (``asyncrl --help`` and each subcommand's, a GRPO script's ``--help``), for the marks of a
 measurement: a GPU kind, a date, a rate in samples or tokens a second, a ratio against TRL, an MFU.
+And README.md's opening: what asyncrl is and the two commands on its first screen, no figure before
+its table of results, the test command the one .ci/run runs.
 """
 
 from __future__ import annotations
@@ -108,3 +110,25 @@ def test_a_measurement_in_the_code_would_be_found(tmp_path, kind):
     text = '"""Fast: 77.7 samples/s on one H100."""\n' if kind == "docstring" else "x = 1  # 2026-11-28: 9 ms\n"
     path.write_text(text)
     assert [line for _, line in _texts(str(path)) if MEASUREMENT.search(line)]
+
+
+# --- the front door: README.md ----------------------------------------------------------------------
+
+REPO = os.path.dirname(ROOT)
+MAIN_JOB = "pip install -e '.[observe]' && asyncrl launch examples/grpo_countdown.py"
+TESTS = "pip install -e '.[test,lora,observe,agents]' && python -m pytest -q -n 2 --dist loadfile"
+FIGURE = re.compile(r"\d(?:[.,]\d+)?\s*(?:s|ms|us|min|minutes|hours|%|x|GiB|GB|MB|samples/s|tokens/s)\b")
+
+
+def test_the_readme_opens_with_what_it_is_and_the_two_commands_and_no_figure():
+    with open(os.path.join(REPO, "README.md")) as f:
+        lines = f.read().splitlines()
+    first_screen = lines[:40]
+    cpu_torch = next(i for i, line in enumerate(first_screen) if "download.pytorch.org/whl/cpu" in line)
+    assert cpu_torch < first_screen.index(MAIN_JOB) and cpu_torch < first_screen.index(TESTS)
+    opening = lines[: lines.index("## Results")]  # what it is, how to run it: figures come after
+    assert [line for line in opening if FIGURE.search(line)] == []
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci = f.read()
+    assert "pip install -q -e '.[test,lora,observe,agents]'" in ci  # the README's test command, as CI runs it
+    assert "python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile" in ci
