@@ -42,12 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a bad flag or variable is a usage error, reported before anything starts
         print(f"asyncrl launch: {e}", file=sys.stderr)
         return EXIT_USAGE
+    from asyncrl.runtime.titles import set_title
+
     if node.node_rank > 0:
         from asyncrl.runtime.agent import run_agent
 
+        set_title(f"node{node.node_rank} agent")
         return run_agent(node.node_rank, args.node_addr, config)
     from asyncrl.launch import run_script
 
+    set_title(f"launch {os.path.basename(args.script)}")  # the driver: a run names itself later (rl/launch.py)
     return run_script(args.script, args.script_args)
 
 

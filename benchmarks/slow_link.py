@@ -119,7 +119,7 @@ def main(args, shapes: dict[str, tuple[int, ...]]) -> None:
 
 if __name__ == "__main__":  # the receiver, in its namespace
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from weight_sync import SHAPES, qwen2_state_shapes
+    from state_shapes import SHAPES, qwen2_state_shapes
 
     host, port, shape, iters = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     receive(host, port, qwen2_state_shapes(*SHAPES[shape]), iters)

@@ -228,6 +228,16 @@ class Exits(Actor):
         return os.getppid()
 
     @endpoint
+    async def environ(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    @endpoint
+    async def spawned_environ(self) -> dict[str, str]:
+        """The environment a process this one starts gets (the C library's ``environ``)."""
+        out = subprocess.run(["env", "-0"], capture_output=True, check=True, timeout=30).stdout
+        return dict(entry.split("=", 1) for entry in out.decode().split("\0") if entry)
+
+    @endpoint
     async def torch_threads(self) -> int:
         import torch
 

@@ -21,6 +21,7 @@ TIERS = {
     "unit": (
         "actor_spec",
         "arith",
+        "code_text",
         "codec",
         "config",
         "config_files",
@@ -55,6 +56,7 @@ TIERS = {
         "start_phases",
         "status",
         "supervisor",
+        "titles",
         "zygote",
     ),
     # the weight-sync data plane: rendezvous, communicators, the sync itself
@@ -234,6 +236,12 @@ def orphaned_shm(before: set[str]) -> set[str]:
         except OSError:  # removed meanwhile
             continue
     return left
+
+
+def command_line(pid: int) -> str:
+    """What ``ps -o args`` shows of ``pid``: its command line (or title), arguments joined by spaces."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return " ".join(arg.decode() for arg in f.read().split(b"\0") if arg)
 
 
 def descendants(pid: int) -> set[int]:

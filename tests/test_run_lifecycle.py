@@ -46,6 +46,7 @@ from asyncrl.rl.observe import report, runlog
 from asyncrl.rl.trainer.checkpoint import FAIL_ENV, write_checkpoint
 from asyncrl.runtime import files
 from asyncrl.runtime.files import write_json_atomic
+from conftest import command_line, descendants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("actor_zygote")]  # tests/conftest.py: forked actors
@@ -479,6 +480,10 @@ def test_sigint_says_how_to_resume_and_records_the_stop(model_path, tmp_path):
         while not (run_dir / "checkpoints" / "step-00000002").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
+        # ps tells its processes apart: each titled by its role and the run (runtime/titles.py)
+        shown = {command_line(pid) for pid in {proc.pid, *descendants(proc.pid)}}
+        expected = {f"asyncrl: {role} [run]" for role in ("launch grpo_countdown.py", "zygote", "trainer", "sampler0")}
+        assert expected <= shown, shown
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:

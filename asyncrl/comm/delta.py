@@ -13,9 +13,9 @@ front of a buffer of the bucket's size:
 - `BITMAP`: one bit a word (set where it changed; its bytes padded to a multiple of 8), then the
   ``count`` new words in order: a sixteenth of a bf16 bucket, plus 2 bytes a changed weight.
 
-The index form is the smaller below one word in 32 changed (3% for bf16), the bitmap above (a
-step at a learning rate of 1e-5 changes 5-15% of a bf16 copy: the index form would send 30-90%
-of the bucket, the bitmap 10-25%). Where neither is smaller than the bucket, the whole bucket goes.
+The index form is the smaller below one word in 32 changed (for bf16), the bitmap above, which is
+where a training step's changes to a bf16 copy usually fall (docs/weight_sync.md has the fractions
+measured). Where neither is smaller than the bucket, the whole bucket goes.
 What the receivers are told first is one int64 (`told`): `WHOLE`, or the count and the form.
 
 Everything here is torch ops over whole buckets; no loop visits an element.

@@ -20,7 +20,7 @@ import torch
 from asyncrl.comm.errors import LayoutMismatchError
 
 DEFAULT_ALIGNMENT = 256
-DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcast on H200: ~335 GiB/s at 256 MiB, ~233 at 16 MiB
+DEFAULT_GPU_BUCKET_BYTES = 256 << 20  # NCCL broadcasts near its peak from here, not at 16 MiB (docs/weight_sync.md)
 LARGEST_GPU_BUCKET_BYTES = 512 << 20
 GPU_BUCKETS_AIMED_AT = 24
 DEFAULT_CPU_BUCKET_BYTES = 32 << 20  # gloo gains nothing past a few MiB; keep the staging small
@@ -192,10 +192,10 @@ def _align(value: int, alignment: int) -> int:
 
 def default_bucket_bytes(device: torch.device, total_bytes: int = 0) -> int:
     """The bucket size for ``total_bytes`` on the wire. On a GPU 256 MiB, up to 512 MiB for
-    weights of more than 24 such buckets: each bucket costs ~50 us of fixed work beside its bytes
-    (2 x H200, a 7B shape: 88% of a raw NCCL broadcast's speed in 256 MiB buckets, 94% in 512,
-    95% in 1 GiB), while the staging holds two buckets and the pipeline fills and drains one (a
-    0.5B shape in one 1 GiB bucket: 58%)."""
+    weights of more than 24 such buckets: each bucket costs a fixed amount of work beside its bytes,
+    so larger buckets come nearer a raw NCCL broadcast's speed, while the staging holds two buckets
+    and the pipeline fills and drains one, so a bucket as large as the whole model loses the overlap
+    (docs/weight_sync.md and benchmarks/README.md, "the data plane's bucket size", have the figures)."""
     if device.type == "cpu":
         return DEFAULT_CPU_BUCKET_BYTES
     aimed = total_bytes // GPU_BUCKETS_AIMED_AT >> 20 << 20  # whole MiB: every alignment divides it

@@ -2,8 +2,8 @@
 thread, while whoever reads the weights goes on reading them; `apply` then copies the copy in.
 
 Why: a vLLM engine takes a call only between two of its steps, and a sync whose receiver waits for
-that call keeps the sender waiting in its first vote for the engine's step boundary (a colocated
-trainer waited 45 of a 56 ms sync for it; issue 46 item 3). A staged receiver instead waits for
+that call keeps the sender waiting in its first vote for the engine's step boundary (most of a
+colocated trainer's sync went to that wait: docs/weight_sync.md; issue 46 item 3). A staged receiver instead waits for
 the sender's notice on the group's store (`sync_notice.py`) and takes part in the sync at once; the
 engine copies the result into its weights at its next step boundary, one device copy
 (``apply``), so the sender waits for nobody's decoding. The same holds for a trainer's wait on a

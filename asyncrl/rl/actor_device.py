@@ -11,10 +11,10 @@ def actor_device(device: str) -> torch.device:
 
     Why cuDNN's attention is off: PyTorch's SDPA prefers it on Hopper, and it builds an execution
     plan for every new (batch, length) shape. A run's batches change shape at nearly every step
-    (completion lengths vary), so each new shape paid the build: on an H200 with the 0.5B shape,
-    a scorer pass of new shapes took 69 ms against 20 ms once seen, and a training forward and
-    backward 212 ms (up to 1.9 s) against 89 ms. Flash and memory-efficient attention need no
-    plan: 19-22 ms and 102 ms on new shapes (benchmarks/README.md, "Attention on new shapes").
+    (completion lengths vary), so each new shape paid the build: a scorer pass and a training
+    step on new shapes took several times as long as on shapes seen before. Flash and
+    memory-efficient attention need no plan and run new shapes about as fast as seen ones
+    (benchmarks/README.md, "Attention on new shapes", has the figures).
     """
     dev = torch.device(device)
     if dev.type == "cuda":

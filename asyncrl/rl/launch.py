@@ -24,6 +24,7 @@ from asyncrl.rl.config import GRPOConfig, TaskConfig, grpo_config_type, help_tex
 from asyncrl.rl.config.files import ConfigFile, config_file_text, read_config_file
 from asyncrl.rl.config.task import DEFAULT_TASK, split_ref
 from asyncrl.rl.tasks.loading import reward_function, task_class
+from asyncrl.runtime.titles import name_run
 
 OPTIONS = [
     ("--help", "Show this help and exit."),
@@ -90,6 +91,7 @@ async def grpo_main(
     from asyncrl.rl.driver import RunStoppedError, check_run, train
 
     config = check_run(config, resume=bool(resume))
+    name_run(os.path.basename(config.run.run_dir))  # in this process's title, its zygote's and its actors'
     try:
         from asyncrl.runtime.config import ENV_PREFIX
         from asyncrl.runtime.zygote import PRELOAD

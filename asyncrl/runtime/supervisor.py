@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError, first_line
-from asyncrl.runtime import net, signals
+from asyncrl.runtime import net, signals, titles
 from asyncrl.runtime.actor import endpoints_of, init_spec
 from asyncrl.runtime.cluster import Cluster, NodeStatus
 from asyncrl.runtime.codec import PayloadEncoder
@@ -285,7 +285,7 @@ class Supervisor:
             class_ref=ref,
             init_payload=init_payload,
             devices=devices,
-            env={k: str(v) for k, v in (env or {}).items()},
+            env={**titles.run_env(), **{k: str(v) for k, v in (env or {}).items()}},  # the run's name, on any node
             max_restarts=max_restarts,
             call_timeout_s=call_timeout_s or self.config.call_timeout_s,
             node=rank,

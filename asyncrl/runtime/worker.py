@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from asyncrl.errors import type_path
-from asyncrl.runtime import startup, wire
+from asyncrl.runtime import startup, titles, wire
 from asyncrl.runtime.actor import init_spec
 from asyncrl.runtime.auth import ClusterKeys, Gatekeeper, keys_from_env
 from asyncrl.runtime.loop import run
@@ -264,6 +264,7 @@ async def _serve(name: str, incarnation: int, sup_address: str, init_timeout_s: 
 def main() -> None:
     env = os.environ
     name = env[ENV_NAME]
+    titles.set_title(name)
     _arm_parent_death(int(env[ENV_PARENT_PID]), int(env[ENV_DEATH_FD]))
     code = run(_serve(name, int(env[ENV_INCARNATION]), env[ENV_SUPERVISOR], float(env[ENV_INIT_TIMEOUT])))
     sys.exit(code)

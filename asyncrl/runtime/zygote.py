@@ -2,7 +2,7 @@
 the supervisor's side here; the zygote process's own code in ``zygote_serve.py``).
 
 An actor started by ``Popen`` is a fresh interpreter that imports torch and transformers again:
-seconds of CPU each (4.5-8 s on a 2-core host), most of a tiny run's time. The zygote pays that
+seconds of CPU each (docs/runtime.md has the figures), most of a tiny run's time. The zygote pays that
 once, when the supervisor starts, and forks a child per request, so a start costs a fork.
 
 Protocol (one ``SOCK_SEQPACKET`` socketpair, msgpack, no pickle): the supervisor sends `Spawn`
@@ -15,9 +15,10 @@ reaps it. `Ready` says the preloading is done.
 
 The child: its own session (``setsid``, as ``Popen(start_new_session=True)``), the sent fds on
 1, 2 and their numbers, stdin on /dev/null, the zygote's socket and pipes closed, ``os.environ``
-replaced by the request's, what was read from the environment at import set again
-(`_reset_child`); then it returns out of the serve loop and runs `asyncrl.runtime.worker.main`,
-ending through a normal interpreter shutdown, so buffered files get flushed.
+replaced by the request's (and shown as its ``/proc/PID/environ``: titles.py), what was read from
+the environment at import set again (`_reset_child`); then it returns out of the serve loop and
+runs `asyncrl.runtime.worker.main` (which titles it, as a Popen'd actor), ending through a normal
+interpreter shutdown, so buffered files get flushed.
 
 Parent death, as ``worker.py``: the zygote dies with its supervisor (``PR_SET_PDEATHSIG``, the
 parent-pid check, and the supervisor's death pipe, polled in the serve loop rather than on a
@@ -188,6 +189,7 @@ class Zygote:
     async def start(cls, env: dict[str, str], death_r: int) -> Zygote:
         """Popen the zygote on the spawner thread (its parent-death signal follows that thread,
         see process.py). Raises ``OSError``."""
+        from asyncrl.runtime import titles
         from asyncrl.runtime import worker as worker_env
         from asyncrl.runtime.process import _SPAWNER
 
@@ -198,6 +200,7 @@ class Zygote:
             ENV_SOCKET_FD: str(theirs.fileno()),
             worker_env.ENV_PARENT_PID: str(os.getpid()),
             worker_env.ENV_DEATH_FD: str(death_r),
+            titles.ENV_ROOM: "." * titles.ROOM_BYTES,  # where a forked actor's own environment is shown
         }
 
         def popen() -> subprocess.Popen:

@@ -1,7 +1,7 @@
 """Zygotes kept between the supervisors of one process.
 
 A supervisor with a ``zygote_preload`` starts a zygote (zygote.py) and ends it when it closes: a
-zygote's imports, ~11 s of CPU for a GRPO run's on a 2-core host, are paid once per supervisor.
+zygote's imports, seconds of CPU for a GRPO run's (docs/runtime.md), are paid once per supervisor.
 A process that starts one supervisor after another (a test suite, a notebook, a sweep) can pay
 them once instead: while a `ZygotePool` serves (``with ZygotePool(): ...``), a supervisor takes
 an idle zygote of the pool that preloaded what it asks for, in an environment that agrees in what

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.runtime import titles
 from asyncrl.runtime.zygote import (
     ENV_PRELOAD,
     ENV_SOCKET_FD,
@@ -173,6 +174,9 @@ def main() -> None:
     parent_pid = int(os.environ[worker_env.ENV_PARENT_PID])
     death_fd = int(os.environ[worker_env.ENV_DEATH_FD])
     _arm_parent_death(parent_pid)
+    titles.set_title("zygote")  # first: setproctitle finds the command line through the environment block
+    os.environ.pop(titles.ENV_ROOM, None)
+    titles.own_environ()  # before the preload: no module keeps a pointer into what children overwrite
     sock = socket.socket(fileno=int(os.environ.pop(ENV_SOCKET_FD)))
     names = os.environ.get(ENV_PRELOAD)
     modules = [m.strip() for m in names.split(",") if m.strip()] if names is not None else list(PRELOAD)
@@ -208,6 +212,7 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     _reset_child(req.env)
+    titles.show_environ(req.env)  # /proc/PID/environ: the actor's, as Popen would have made it
     with contextlib.suppress(OSError):
         os.chdir(req.cwd)
     sys.argv = ["-c"]  # as a Popen'd worker's (``python -c ...``, incarnations.py)

@@ -145,7 +145,8 @@ class OpenAIServer:
         """An ``openai.AsyncOpenAI`` for a session (or the root), with this endpoint's token and no
         retries (a failed call is the agent's to handle). Its own HTTP client, made without loading
         the system's CA certificates (``verify=False``): the endpoint is plain HTTP on a local
-        address, so there is nothing to verify, and loading them costs ~60 ms a client."""
+        address, so there is nothing to verify, and loading them costs time at every client
+        (benchmarks/README.md, "Figures that were in the code")."""
         import openai
 
         return openai.AsyncOpenAI(

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape of the embedded Qwen2 model. The defaults (1.02M parameters) warm-start in about two
-    minutes on one CPU core (122 s measured, 400 steps) and sample fast enough for GRPO there."""
+    """Shape of the embedded Qwen2 model. The defaults (1.02M parameters) warm-start in minutes on
+    one CPU core and sample fast enough for GRPO there
+    (benchmarks/README.md, "Figures that were in the code")."""
 
     hidden_size: int = 128
     """Width of the residual stream."""
@@ -52,8 +53,8 @@ class WarmStartConfig:
     """Supervised warm start of the embedded model on the task's demonstrations (`Task.demonstration`
     of its train split: Countdown's reference solutions, a data file's ``demonstration`` column, an
     environment's solver traces). The defaults aim at a held-out solve rate well inside (0, 1) so
-    that GRPO has room to improve it: Countdown 0.26, the word-problem example 0.46 and the
-    calculator example 0.28 (greedy, 2-core VM, about 150 s each)."""
+    that GRPO has room to improve it (each task's warm-start solve rate: benchmarks/README.md,
+    "Figures that were in the code")."""
 
     steps: int = 400
     """Optimizer steps."""

@@ -16,7 +16,7 @@ Why our own parser. Tried (scratch venv, this tree, 2026): tyro 1.0.17, jsonargp
 pydantic-settings 2.16 and draccus 0.11. Only tyro does most of it: both ``--run.steps 7`` and
 ``=7``, both spellings (``use_underscores=True``), docstrings, ``default=`` an instance (a resumed
 config.json), close-key suggestions, a flat sub-section as ``Annotated[DataConfig,
-tyro.conf.arg(name="run", prefix_name=False)]`` (so ``--run.n_train``), import 0.06 s. But every
+tyro.conf.arg(name="run", prefix_name=False)]`` (so ``--run.n_train``), a fast import. But every
 error is a 5-13 line box ("Unrecognized options: --trainer.lrr, 5 / Perhaps you meant: /
 --trainer.lr FLOAT / <docstring> / For full helptext..."); a section's check names the section, not
 the flag ("Error parsing run.deadlines: generate_timeout_s (5000) must be shorter..."), a rule
@@ -28,7 +28,7 @@ dash spelling, no suggestion, a ``__post_init__`` error escapes ``instantiate_cl
 traceback, each error after a full usage block. pydantic-settings: sections must become pydantic
 models (stdlib dataclasses are one JSON-valued ``--run RunConfig`` flag), no flat sub-section, one
 spelling only (``cli_kebab_case=True`` refuses ``--run.generate_timeout_s``), no suggestion, a
-``ValidationError`` traceback for a bad value, 0.28 s to import. draccus: no flat sub-section, no
+``ValidationError`` traceback for a bad value, a slow import. draccus: no flat sub-section, no
 dash spelling, no suggestion, tracebacks (``DecodingError: `trainer.lr`: Couldn't parse 'abc' into
 a float``; ``ParsingError: Couldn't instantiate class GRPOConfig``). Ours does all of it, in one
 line each, in about 250 lines and no dependency.

@@ -134,8 +134,8 @@ class RunConfig:
     max_staleness: int | None = None
     """Async mode: train on groups at most this many weight versions old; older ones are dropped.
     None (auto): 2 where the samplers have GPUs of their own, so their next step's rollouts begin
-    before the trainer's step ends (1.5B on two H200s: 1.98x the one-GPU run's samples/s, against
-    1.26x with 1; docs/gpu.md), else 1; at least ``sync_every - 1`` either way. The run's log says
+    before the trainer's step ends (at 1.5B on two GPUs, 2 beat 1 clearly: docs/gpu.md), else 1;
+    at least ``sync_every - 1`` either way. The run's log says
     what it resolved to."""
     queue_capacity: int = 0
     """Rollout queue bound in groups (0: two batches). Samplers wait when it is full."""

@@ -29,8 +29,8 @@ class SamplerConfig:
     GPU. 0: auto, 2 with ``count`` auto, else as few as the GPUs left allow for ``count``
     (driver/devices.py); 1 where ``--run.placement`` names the samplers' nodes or spreads them.
     An engine's client is one CPU core decoding each step's outputs, which leaves its GPU mostly
-    idle; two engines on a GPU overlap their steps (1.49x the samples/s of one, the GPU 81% busy
-    instead of 29%; four contend: docs/gpu.md). Their weights come in tiers: NCCL between GPUs,
+    idle; two engines on a GPU overlap their steps and keep it busier, four contend (docs/gpu.md
+    has the figures). Their weights come in tiers: NCCL between GPUs,
     CUDA IPC within one (comm/tiered.py)."""
     group_size: int = 8
     """Completions per prompt."""

@@ -222,10 +222,10 @@ class TrainerConfig:
     compile: bool | None = None
     """torch.compile each decoder layer for training (``trainer/compile.py``): the norms, rotary
     embedding, activation, casts and residual adds between the matmuls fused into a few kernels.
-    The first step compiles (15-30 s on a GPU; once for dynamic shapes). None (auto): on with one
-    CUDA trainer process (0.5B on an H100: step 0.842 -> 0.649 s, peak 54.6 -> 38.8 GiB; 1.5B:
-    1.634 -> 1.237 s, docs/trainer.md), off on the CPU (a minute or more of compiling for a model
-    this small) and with world_size > 1 (not measured there). False also keeps the fused head's
+    The first step compiles (tens of seconds on a GPU; once for dynamic shapes). None (auto): on
+    with one CUDA trainer process (shorter steps and a lower peak: docs/trainer.md), off on the CPU
+    (compiling takes longer than a model this small saves) and with world_size > 1 (not measured
+    there). False also keeps the fused head's
     per-chunk functions eager on a GPU (``scoring/chunked_head.py``: compiled by default there)."""
     attn_implementation: str = ""
     """The trainer model's attention implementation as transformers names it ("sdpa", "eager",

@@ -21,7 +21,7 @@ OWN_GPU_VLLM_SHARE = 0.85
 one engine alone), split among the ``--sampler.per_gpu`` engines that share it."""
 AUTO_PER_GPU = 2
 """What ``--sampler.per_gpu`` 0 means with ``--sampler.count`` 0: two samplers share each sampler GPU
-(1.49x the samples/s of one on it, its GPU 81% busy instead of 29%; four contend: docs/gpu.md)."""
+(more samples/s than one alone, its GPU kept busier; four contend: docs/gpu.md)."""
 COLOCATED_VLLM_SHARE = 0.3
 """The share of a colocated GPU's memory the vLLM samplers get together, by default: vLLM reserves
 its share up front, and the rest must hold the trainer (a 0.5B model with AdamW in fp32: ~8 GB plus

@@ -2,10 +2,10 @@
 
 In async mode a group is trained at most ``max_staleness`` versions after the weights it was begun
 under. Unpaced, a sampler faster than the trainer fills the queue, waits on a full queue with a
-finished batch in hand, and much of what it made expires there (47% of all groups in the default
-CPU run before this). The driver knows everything needed to avoid that: the version every
-sampler holds, which step takes the next batch, and how many groups are queued or being made.
-So a sampler's pump asks for credit before each batch of prompts, and gets it only for groups
+finished batch in hand, and much of what it made expires there (nearly half of all groups in the
+default CPU run before this: docs/grpo.md, "Pacing"). The driver knows everything needed to avoid
+that: the version every sampler holds, which step takes the next batch, and how many groups are
+queued or being made. So a sampler's pump asks for credit before each batch of prompts, and gets it only for groups
 whose turn comes while they are still fresh. (Credit-based flow control, as in prime-rl's
 orchestrator, which bounds in-flight rollouts by an off-policy limit; the accounting is ours.)
 

@@ -164,7 +164,7 @@ def check_task(config: Any) -> None:
     demonstrations to be warm-started on. Anything wrong is a one-line `ConfigError`.
 
     A task that makes its own splits (Countdown's generator) is asked for one train problem only:
-    the 50000 of Countdown's default take about 2 s to draw, which every sampler does anyway."""
+    the 50000 of Countdown's default take seconds to draw, which every sampler does anyway."""
     from asyncrl.rl.tasks.loading import describe_error, load_task
 
     spec = config.task_spec()

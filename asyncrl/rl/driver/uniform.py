@@ -4,8 +4,8 @@ A group whose completions all scored the same has every advantage zero (mean-cen
 by a zero std), so its clipped-surrogate gradient is exactly zero: training on it costs a share of
 the step and moves nothing but a KL term. Leaving such groups out and letting the samplers make
 others in their place is DAPO's "dynamic sampling" (Yu et al., 2025); on the embedded Countdown
-model about 40% of the groups are uniform, and the batch of the same size then holds 16 groups
-with a signal instead of ~10.
+model a large share of the groups are uniform (benchmarks/README.md, "Figures that were in the
+code"), and a batch of the same size then holds only groups with a signal.
 
 A task may give no signal at all for a while (a fresh model that solves nothing), so at most
 ``per_batch`` groups are left out between two batches taken: past that, uniform groups are

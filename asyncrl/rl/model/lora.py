@@ -58,7 +58,7 @@ def load_adapter(model: Any, adapter_dir: str, trainable: bool) -> Any:
 
 @contextlib.contextmanager
 def _peft_reads_is_gradient_checkpointing() -> Iterator[None]:
-    """peft (0.21.2, its newest release on 2026-11-28) reads ``model.is_gradient_checkpointing``
+    """peft (0.21.2, the newest release tested) reads ``model.is_gradient_checkpointing``
     each time it wraps a model, a property transformers 5.23 deprecated for
     ``is_activation_checkpointing``: that FutureWarning is about peft's call, not ours, and
     nothing here can act on it. Only it is silenced, and only around peft's wrapping."""

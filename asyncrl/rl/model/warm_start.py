@@ -185,7 +185,8 @@ def default_model(
     weights); None: the cores this process may run on (its CPU affinity), at most 4. Not a load
     reading: one taken just after a burst (pip) picked 1 thread on an idle machine. On cores that
     other busy processes share, pass 1: OpenMP threads waiting at each barrier for a descheduled
-    sibling cost more than they bring (2 threads ran 1.7x to 6x slower than 1 on 2 loaded cores).
+    sibling cost more than they bring (2 threads ran several times slower than 1 on 2 loaded cores:
+    benchmarks/README.md, "Figures that were in the code").
 
     ``stop``: once set, the build stops within a training step (or a data / evaluation chunk) and
     raises `StoppedError`, leaving nothing in the cache. For a caller that runs this in a worker

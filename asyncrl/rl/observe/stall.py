@@ -2,7 +2,7 @@
 
 Every wait of the driver has a deadline, but the one for a batch (``--run.queue_timeout_s``, 30
 minutes by default) is long enough to hide a run that stopped moving: issue 30's run made no step
-for 12 minutes while every process looked healthy. So the driver times its steps, and a step
+for many minutes while every process looked healthy (docs/fault_tolerance.md). So the driver times its steps, and a step
 that runs past ``max(stall_factor x the median of the recent steps, stall_floor_s)`` is a stall:
 one line says what the step waits for and from whom, `asyncrl status` shows it (``stalled`` in
 the progress), and ``/healthz`` answers 503. It is said again each time the wait doubles, and

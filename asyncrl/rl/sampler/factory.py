@@ -23,8 +23,8 @@ BACKENDS = ("auto", "vllm", "hf")
 
 def choose_backend(name: str, device: torch.device) -> str:
     """``"vllm"`` or ``"hf"``. ``"auto"`` is vLLM on a GPU where a CUDA build imports, else Hugging
-    Face: on the CPU too, where vLLM's CPU build samples the embedded model at 0.5-0.9x HF's tokens/s,
-    starts in ~26 s against ~4, and made the README's run 1.49x slower (docs/vllm.md); it is there
+    Face: on the CPU too, where vLLM's CPU build samples the embedded model slower than HF, starts
+    slower, and made the README's run slower (docs/vllm.md has the figures); it is there
     when asked for (``"vllm"``). An explicit ``"vllm"`` that is not usable raises
     `SamplerError` saying why."""
     if name not in BACKENDS:

@@ -95,8 +95,9 @@ class UserCalls:
         self.stop_early = stop_early
         """`check` after every call: `call` raises `TaskFailureError` as soon as the budget is spent.
         For a caller that scores a fixed set (the held-out evaluation): what is left of it would
-        only add failures, at a deadline per hung worker (a reward that sleeps 60 s held 500
-        problems for over 14 minutes). A sampler checks between its groups instead."""
+        only add failures, at a deadline per hung worker (a reward that hangs held a held-out set
+        for many minutes: benchmarks/README.md, "Figures that were in the code"). A sampler
+        checks between its groups instead."""
         self.calls = 0
         """Calls made (finished, failed or timed out) since construction."""
         self.failures = 0

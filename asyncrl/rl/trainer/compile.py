@@ -11,9 +11,9 @@ and ``scoring/forward.py``'s `layout_inputs` keep the layers' calls alike (docs/
 Only the training forward runs compiled: generation in the trainer's process (the held-out
 evaluation) runs the same layers eagerly (`eager`). With a KV cache each layer's call differs in
 the cache's state, so dynamo recompiled layer after layer until its recompile limit, and past the
-limit it runs that code eagerly for good, training included: a GRPO run on an H100 whose first
+limit it runs that code eagerly for good, training included: a GRPO run on a GPU whose first
 evaluation came before its first step trained as if never compiled (same step time and peak
-memory as without, 2026-11-25).
+memory as without: docs/trainer.md, benchmarks/README.md issue 29).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ def layer_bytes_per_token(hidden_size: int, intermediate_size: int, num_heads: i
     - sdpa's logsumexp: 4 B a head.
 
     That is 36H + 8I + 4 x heads, rounded up to 40H + 10I for what the list leaves out (rotary's
-    cos/sin, masks, casts autocast keeps). Checked against one H100 measurement (docs/trainer.md:
-    a 0.5B-shaped step's activations, ~2 MB a token over 24 layers; this gives 2.0 MB).
+    cos/sin, masks, casts autocast keeps). Checked against a measured 0.5B-shaped step's
+    activations on a GPU (benchmarks/README.md, "Figures that were in the code").
     """
     return 40 * hidden_size + 10 * intermediate_size + 4 * num_heads
 
@@ -57,8 +57,8 @@ def auto_micro_batch_tokens(
     for the embeddings' output, the final norm and the gathered hidden states; and with
     ``full_logits`` (the fallback path, ``scoring/logprobs.py``) 12 B a vocabulary entry: the fp32
     logits kept for the backward and their bf16 original, then in the backward their fp32 and bf16
-    gradients (on an H100 the 0.5B shape's full-logits step took 10.5 B a vocabulary entry a token
-    more than the fused one, and 6 B, the first estimate, ran out of memory). Fixed: the chunked head's
+    gradients (the first estimate, half of that, ran out of memory on a GPU at the 0.5B shape; the
+    measured figure is in benchmarks/README.md, issue 28). Fixed: the chunked head's
     temporaries (4 chunks) and its bf16 weight copy and fp32 gradient sum (6 B x V x H)."""
     layer = layer_bytes_per_token(hidden_size, intermediate_size, num_heads)
     per_token = (num_layers * 4 * hidden_size + layer) if checkpointing else num_layers * layer

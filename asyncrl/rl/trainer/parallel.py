@@ -14,8 +14,8 @@ lives here, in two strategies:
   summed over the ranks; weights are gathered a bucket at a time for a sync
   (``trainer/sharded_sync.py``); every rank writes its part of a checkpoint (DCP).
 
-World size 1 does not go through FSDP: at one rank it measured 1.11x the step time for the same
-loss (docs/trainer.md), and its checkpoints would change format.
+World size 1 does not go through FSDP: at one rank it measured a longer step for the same loss
+(docs/trainer.md), and its checkpoints would change format.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ release or the build, in one place. The backend (``backend.py``), the worker ext
 (``worker.py``) and the tests reach vLLM through these functions only.
 
 Supported: vLLM ``MIN_VERSION`` (0.24) through ``NEWEST_CHECKED`` (0.33), CUDA and CPU builds.
-Run: 0.24.0 (CUDA build, H100) and 0.32.0 (CPU build); 0.33.0 was checked by reading its source
+Run: 0.24.0 (CUDA build, on a GPU) and 0.32.0 (CPU build); 0.33.0 was checked by reading its source
 for each call below, not run. A release older than ``MIN_VERSION`` is refused with the reason
 (`version_problem`); a newer one than ``NEWEST_CHECKED`` is used, with one warning.
 
@@ -177,7 +177,7 @@ def sampling_params(cumulative: bool = False, **fields: Any) -> Any:
     (``cumulative``: each output so far, as the engine makes them, for a stream), and log-probs kept
     flat (``flat_logprobs``): a few lists per sample instead of a dict and an object per token,
     which vLLM's output processing builds in Python for every token of every sequence (at 512
-    sequences that took bare vLLM from 27.5k to 19.3k tokens/s on an H100)."""
+    sequences a large part of bare vLLM's tokens/s: benchmarks/README.md, "Figures that were in the code")."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 

@@ -4,9 +4,9 @@ Once vLLM has torn an engine down explicitly (its worker processes told to stop 
 model runner and process groups released; then the engine-core's scheduler and process groups),
 each of its processes exits as any Python process does, and the interpreter's finalisation then
 runs full cyclic garbage collections over the whole heap: vLLM, torch and transformers, several
-hundred thousand objects. On the shared 2-core CPU machine that took more than vLLM's 5 s grace
-for each process (the worker 5.5 s, the engine core 6 s after it; 2026-11-26, load average 5-6),
-so every ``VLLMBackend.close`` waited those 5 s and then had vLLM SIGKILL both.
+hundred thousand objects. On a loaded 2-core CPU machine that took longer than vLLM's 5 s grace
+for each process (benchmarks/README.md, "Figures that were in the code"), so every ``VLLMBackend.close``
+waited out the grace and then had vLLM SIGKILL both.
 
 `plugin` makes those collections find nothing to scan: an ``atexit`` handler (atexit runs before
 finalisation) freezes the heap (``gc.freeze``). Nothing is lost that must be released: vLLM's own

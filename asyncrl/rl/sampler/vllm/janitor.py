@@ -136,8 +136,9 @@ def keep_compile_cache(scratch: str, shared: str = "") -> None:
     generate (``batched_count_greater_than``: the rank of each sampled token, computed whenever
     log-probs are asked for, as the backend always does), and on CPU inductor first precompiles its
     C++ prefix header (a 150-MB ``.gch``) into that directory. In a fresh directory each engine
-    rebuilt it: ~12 s of every engine's first generate on two cores, then removed with the
-    scratch directory. Now the first engine on a machine builds it, and later ones load it (~2 s)."""
+    rebuilt it, most of every engine's first generate on two cores, then removed with the scratch
+    directory. Now the first engine on a machine builds it, and later ones load it (benchmarks/README.md,
+    "A vLLM engine's first generate", has the figures)."""
     try:  # a private module of torch's (2.5 on): without it, the engine compiles as it did before
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:

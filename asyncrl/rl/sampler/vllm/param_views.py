@@ -2,12 +2,13 @@
 
 vLLM fuses some checkpoint tensors into one parameter (q, k and v into ``qkv_proj``, gate and up
 into ``gate_up_proj``: the model class's ``packed_modules_mapping``), and its ``load_weights``
-works out the place of every tensor by name on every call: 8-14 ms of a 0.5B model's in-run sync,
-its largest part (benchmarks/README.md, issue 29). Without tensor parallelism a fused parameter is
-its members' tensors stacked along dim 0 in the mapping's order, so each place is a contiguous
-slice that can be computed once per layout (`param_views`) and then received into like any other
-tensor: the receiver's own copy plan, and the biggest tensors straight off the wire. A vocabulary
-vLLM padded to a multiple of 64 rows is held in the parameter's first rows.
+works out the place of every tensor by name on every call: the largest part of a 0.5B model's
+in-run sync (docs/vllm.md and benchmarks/README.md, issue 29, have the figures). Without tensor
+parallelism a fused parameter is its members' tensors stacked along dim 0 in the mapping's
+order, so each place is a contiguous slice that can be computed once per layout (`param_views`)
+and then received into like any other tensor: the receiver's own copy plan, and the biggest
+tensors straight off the wire. A vocabulary vLLM padded to a multiple of 64 rows is held in the
+parameter's first rows.
 
 A computed place is trusted only once a sync through ``load_weights`` has put exactly the received
 values there (`LoadAndCheck`). A loader that transforms a tensor (a scale, an offset, a different

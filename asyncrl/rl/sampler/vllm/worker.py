@@ -13,12 +13,12 @@ How a received tensor gets into the model:
 * CUDA, the first sync of a layout: ``model.load_weights(tensors)`` once a bucket, with every tensor
   the bucket completed, on the receiver's copy stream: the model's own loaders fuse q/k/v and
   gate/up as they would from a checkpoint. Once a bucket, not once a tensor: each call walks the
-  model's parameters first (``dict(named_parameters())``), which a tensor at a time made 173 of the
-  197 ms of a 0.5B model's sync on an H100 (2026-11-25, benchmarks/README.md). The same sync checks
+  model's parameters first (``dict(named_parameters())``), which a tensor at a time made most of a
+  0.5B model's sync (docs/weight_sync.md, benchmarks/README.md). The same sync checks
   the place `param_views` computed for each tensor inside the model's parameters.
 * CUDA, every later sync once those places checked out: received straight into them, as into any
   mapping of tensors (no loader call, no name lookup: the loader was still the largest part of the
-  sync, 8-14 ms for 0.5B). A model whose places cannot be computed or did not check keeps the loader.
+  sync, docs/vllm.md). A model whose places cannot be computed or did not check keeps the loader.
 * CPU: vLLM repacks linear weights for its CPU kernels after loading, so ``load_weights`` on the
   live model fails; the model runner's ``reload_weights(weights_iterator=...)`` restores the
   checkpoint layout, loads, and repacks. It pulls from an iterator while the receiver pushes, so
