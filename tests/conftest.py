@@ -25,6 +25,7 @@ TIERS = {
         "codec",
         "config",
         "config_files",
+        "corrections",
         "countdown",
         "ctypes_table",
         "device_plan",

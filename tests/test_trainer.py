@@ -302,6 +302,103 @@ def test_a_trainer_step_takes_the_loss_variants_normaliser_and_shaping(trainer):
     assert trainer.train_share(even).grad_norm > 0  # the 6-token completion is the worse one now
 
 
+def spanned(groups: list[RolloutGroup]) -> list[RolloutGroup]:
+    """``groups`` begun at version 1, each completion of two tokens or more switching to version
+    2 at its second token and to 4 at its fourth: a completion that straddled weight updates."""
+    import msgspec
+
+    from asyncrl.rl.rollout import VersionSpan
+
+    def spans(n: int) -> list[VersionSpan]:
+        edges = [(0, 1), (1, 2), (3, 4)]
+        return [VersionSpan(start, v) for start, v in edges if start < max(n, 1)]
+
+    return [
+        msgspec.structs.replace(g, version=1, version_spans=[spans(len(c)) for c in g.completion_ids]) for g in groups
+    ]
+
+
+def test_token_versions_travel_with_their_tokens_padded_packed_and_split():
+    from asyncrl.rl.trainer.packing import packed_micro_batches
+    from asyncrl.rl.trainer.split import rank_share
+
+    groups = spanned(GROUPS)
+    adv = group_advantages([list(g.rewards) for g in groups])
+    by_ids = {tuple(c): g.token_versions(i) for g in groups for i, c in enumerate(g.completion_ids)}
+    assert by_ids[(4, 4, 4, 4)] == [1, 2, 2, 4] and by_ids[(3,)] == [1]
+    cpu = torch.device("cpu")
+    for batches in (micro_batches(groups, adv, 8, cpu), packed_micro_batches(groups, adv, 16, cpu, 16)):
+        seen = 0
+        for b in batches:
+            ids = b.input_ids[b.row.unsqueeze(1), b.score_index + 1]
+            n = b.mask.sum(1)
+            for s in range(b.mask.shape[0]):
+                assert b.versions[s, : n[s]].tolist() == by_ids[tuple(ids[s, : n[s]].tolist())]
+                seen += 1
+        assert seen == 5
+    for rank in (0, 1):  # a rank's share keeps each completion's spans
+        share, _ = rank_share(groups, adv, rank, 2)
+        for g in share:
+            assert [g.token_versions(i) for i in range(g.group_size)] == [by_ids[tuple(c)] for c in g.completion_ids]
+
+
+def test_a_trainer_step_with_a_correction_reports_it_by_the_tokens_version_lag(trainer):
+    """The trainer holds version 4 (four steps taken): the tokens of versions 1, 2, 4 are at lags
+    3, 2, 0. A band no ratio leaves masks nothing and changes no gradient; the step record says
+    how many tokens each lag had, and each completion counts at its oldest token (lag 3)."""
+    import dataclasses
+
+    from asyncrl.rl.config.trainer import GRPOLossConfig
+
+    groups = spanned(GROUPS)
+    trainer.policy.steps = 4
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+
+    def step(loss: GRPOLossConfig) -> tuple[TrainStepMetrics, list[torch.Tensor]]:
+        trainer.config = dataclasses.replace(trainer.config, loss=loss)
+        metrics = trainer.train_share(groups)
+        grads = [p.grad.detach().clone() for p in trainer.model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            for p, b in zip(trainer.model.parameters(), before):
+                p.copy_(b)
+        trainer.policy.steps = 4
+        return metrics, grads
+
+    plain, plain_grads = step(GRPOLossConfig())
+    assert plain.correction_by_lag is None and plain.masked_token_frac is None  # nothing new without one
+    wide, wide_grads = step(GRPOLossConfig(token_mask=(0.0, math.inf)))
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, wide_grads))
+    # tokens by lag: [1, 2] -> 3, 2; [3] -> 3; [4, 4, 4, 4] -> 3, 2, 2, 0; [2, 2, 2] -> 3, 2, 2; [8] -> 3
+    by_lag = wide.correction_by_lag
+    assert {k: v["tokens"] for k, v in by_lag.items()} == {"3": 5.0, "2": 5.0, "0": 1.0}
+    assert by_lag["3"]["sequences"] == 5.0 and by_lag["2"]["sequences"] == 0.0
+    assert wide.masked_token_frac == 0.0 and wide.all_masked == 0.0
+    assert wide.correction_by_length == {"1-16": {**wide.correction_by_length["1-16"], "tokens": 11.0}}
+    assert 0 < wide.behaviour_ratio_min <= wide.behaviour_ratio_mean <= wide.behaviour_ratio_max
+    # every token out: no gradient, the step counted as all masked, nothing NaN
+    shut, shut_grads = step(GRPOLossConfig(decoupled="recompute", token_mask=(1e6, 1e7)))
+    assert shut.all_masked == 1.0 and shut.masked_seq_frac == 1.0 and shut.loss == 0.0
+    assert all(g.abs().max() == 0 for g in shut_grads)
+    loglinear, _ = step(GRPOLossConfig(decoupled="loglinear", seq_mask=(0.0, math.inf)))
+    assert math.isfinite(loglinear.loss) and loglinear.grad_norm > 0
+
+
+def test_pi_prox_recomputed_is_the_step_s_own_forward(trainer):
+    """decoupled 'recompute' takes pi_prox, the policy before the step, from the step's own
+    forward (detached) instead of a second pass: one optimiser step a batch means that forward
+    runs with those weights. A separate no-grad forward gives the same log-probs."""
+    from asyncrl.rl.scoring.logprobs import scored_logprobs
+
+    adv = group_advantages([list(g.rewards) for g in GROUPS])
+    (batch,) = micro_batches(GROUPS, adv, budget=10_000, device=torch.device("cpu"))
+    fused = not trainer.fallback_reason()
+    with_grad, _ = scored_logprobs(trainer.model, batch, 1.0, fused=fused)
+    assert with_grad.requires_grad
+    with torch.no_grad():
+        separate, _ = scored_logprobs(trainer.model, batch, 1.0, fused=fused)
+    assert torch.equal(torch.where(batch.mask, separate, 0.0), torch.where(batch.mask, with_grad.detach(), 0.0))
+
+
 # --- writing a directory whole (checkpoints, the final and best policies) -------------------------
 
 

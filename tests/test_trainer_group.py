@@ -93,9 +93,11 @@ def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny
     # numbers of micro-batches, padded to match, and the counts must still be the global ones.
     # Packing (several sequences a row) takes the same path at any world size; LoRA: the next
     # test. The plain token_mean case also distils: the teacher's log-probs split with their rows
-    # (docs/algorithms.md).
+    # (docs/algorithms.md). The packed case also masks tokens (decoupled PPO with a token band):
+    # the tally of what was masked, counts and extremes, is reduced over the ranks.
     distill = aggregation == "token_mean" and not features
-    loss = GRPOLossConfig(aggregation=aggregation, distill_coef=0.5 if distill else 0.0)
+    corrections = {} if distill or not features else {"decoupled": "recompute", "token_mask": (0.02, 1e9)}
+    loss = GRPOLossConfig(aggregation=aggregation, distill_coef=0.5 if distill else 0.0, **corrections)
     config = TrainerConfig(micro_batch_tokens=40, grad_clip=0.0, loss=loss, **features)
     data = batch(1)
     if distill:
@@ -115,7 +117,15 @@ def test_two_ranks_compute_the_gradient_one_rank_computes_on_the_same_batch(tiny
             two = await ranks.with_timeout(120).train_step(data)
             return one, two, await plain.gradients(), await ranks.with_timeout(60).gradients()
 
-    assert_same_step(*asyncio.run(main()))
+    one, two, g1, g2 = asyncio.run(main())
+    assert_same_step(one, two, g1, g2)
+    if corrections:
+        assert 0 < one.masked_token_frac < 1, one
+        for key in ("masked_token_frac", "masked_seq_frac", "behaviour_ratio_min", "behaviour_ratio_max"):
+            assert getattr(two, key) == pytest.approx(getattr(one, key), rel=1e-5), key
+        assert two.correction_by_length.keys() == one.correction_by_length.keys()
+        for bucket, stats in one.correction_by_length.items():
+            assert two.correction_by_length[bucket] == pytest.approx(stats, rel=1e-5), bucket
 
 
 def assert_same_step(one: TrainStepMetrics, two: TrainStepMetrics, g1: dict, g2: dict) -> None:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+DECOUPLED = ("off", "recompute", "loglinear")
 AGGREGATIONS = ("token_mean", "seq_mean", "fixed_tokens")
 EMBEDDED_LR = 1e-4
 """``--trainer.lr`` auto on the embedded model, and a `TrainerConfig`'s own: the best rate tried on the
@@ -22,8 +23,9 @@ LORA_LR_SCALE = 10.0
 @dataclass(frozen=True, kw_only=True)
 class GRPOLossConfig:
     """The GRPO loss: a policy-gradient term (PPO's clipped surrogate, GSPO or CISPO), with
-    optional truncated importance weights, KL penalty and DAPO's overlong reward shaping,
-    aggregated over tokens, sequences or a fixed token budget (docs/algorithms.md)."""
+    optional off-policy corrections (truncated importance weights, decoupled PPO, token and
+    sequence masks), KL penalty and DAPO's overlong reward shaping, aggregated over tokens,
+    sequences or a fixed token budget (docs/algorithms.md)."""
 
     policy_loss: str = "ppo_clip"
     """'ppo_clip': the token-level clipped surrogate (``eps_low``, ``eps_high``). 'gspo': GSPO's
@@ -41,7 +43,35 @@ class GRPOLossConfig:
     """Truncated importance sampling: when set, each token's clipped-surrogate term is multiplied
     by the detached factor ``min(1, tis_cap / ratio)``, so an unclipped token's gradient is
     ``min(ratio, tis_cap) * A * grad(log pi)`` instead of ``ratio * A * grad(log pi)``. This bounds
-    the one case the PPO clip leaves open: a negative advantage with a huge ratio. ``None``: off."""
+    the one case the PPO clip leaves open: a negative advantage with a huge ratio. With
+    ``decoupled``, the behaviour weight ``k = pi_prox / mu`` is truncated instead: ``min(k,
+    tis_cap)``. ``None``: off."""
+    decoupled: str = "off"
+    """Decoupled PPO (AReaL, Fu et al. 2025, eq. 5). 'off': the clip is on ``pi / mu``, mu the
+    sampler's policy. 'recompute' or 'loglinear': the clip is on ``pi / pi_prox``, pi_prox the
+    policy before this step, and each token is weighted by the detached behaviour ratio ``k =
+    pi_prox / mu`` (``tis_cap``, ``seq_tis_cap`` truncate it). 'recompute': pi_prox exact, taken
+    from the step's own forward pass (the trainer takes one optimiser step a batch, so that pass
+    runs with the weights before the step: no second pass). 'loglinear': AReaL's approximation
+    ``log pi_prox = log mu + lag / (lag + 1) * (log pi - log mu)``, by each token's version lag.
+    ppo_clip only. docs/algorithms.md."""
+    token_mask: tuple[float, float] | None = None
+    """A band ``lo,hi`` on each token's behaviour ratio ``k = pi_prox / mu`` (``pi / mu`` without
+    ``decoupled``): a token outside it leaves the policy term (still counted by the normaliser).
+    IcePop (Ring-1T): 0.5,5. Token-level MIS (masked, not truncated, importance sampling) at cap
+    C: 0,C. None: off."""
+    seq_mask: tuple[float, float] | None = None
+    """A band ``lo,hi`` on each completion's geometric-mean ratio ``exp(mean over its tokens of
+    log k)``: a completion outside it leaves the policy term whole (verl 0.999,1.001; SkyRL
+    0.99,1.01). None: off."""
+    seq_tis_cap: float | None = None
+    """Sequence-level truncated importance sampling (needs ``decoupled``): every token of a
+    completion is weighted by ``min(g, seq_tis_cap)``, g its geometric-mean ratio, instead of its
+    own ``k``. None: off."""
+    opsm_delta: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: a token of negative advantage leaves the policy
+    term when its completion's mean ``log(mu / pi_prox)`` exceeds ``opsm_delta`` (the policy has
+    moved away from what the sampler drew). None: off."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference policy (needs ``ref_logprobs``); 0: no KL."""
     aggregation: str = "token_mean"
@@ -82,6 +112,7 @@ class GRPOLossConfig:
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"policy_loss must be one of {', '.join(POLICY_LOSSES)}, not {self.policy_loss!r}")
+        self._check_corrections()
         if self.tis_cap is not None and self.policy_loss != "ppo_clip":
             raise ValueError(
                 f"tis_cap applies to policy_loss ppo_clip only ({self.policy_loss} bounds its own "
@@ -114,6 +145,46 @@ class GRPOLossConfig:
             raise ValueError(f"kl_coef must be >= 0, not {self.kl_coef!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, not {self.aggregation!r}")
+
+    def _check_corrections(self) -> None:
+        if self.decoupled not in DECOUPLED:
+            raise ValueError(f"decoupled must be one of {', '.join(DECOUPLED)}, not {self.decoupled!r}")
+        if self.decoupled != "off" and self.policy_loss != "ppo_clip":
+            raise ValueError(
+                f"decoupled {self.decoupled} is PPO's clip against the policy before the step: it needs "
+                f"policy_loss ppo_clip, not {self.policy_loss} (or set --trainer.loss.decoupled off)"
+            )
+        for name in ("token_mask", "seq_mask"):
+            band = getattr(self, name)
+            if band is not None and not (len(band) == 2 and 0 <= band[0] <= band[1]):  # NaN fails too
+                raise ValueError(
+                    f"{name} must be a band lo,hi with 0 <= lo <= hi (e.g. 0.5,5), not {','.join(map(str, band))}"
+                )
+        if self.seq_tis_cap is not None:
+            if self.decoupled == "off":
+                raise ValueError(
+                    "seq_tis_cap weights each token by its completion's ratio instead of its own: it needs "
+                    "--trainer.loss.decoupled recompute (or loglinear)"
+                )
+            if self.tis_cap is not None:
+                raise ValueError("tis_cap and seq_tis_cap are two truncations of one weight: set one of them to none")
+            if not self.seq_tis_cap >= 1:
+                raise ValueError(f"seq_tis_cap must be >= 1 or None, not {self.seq_tis_cap!r}")
+        if self.opsm_delta is not None and not self.opsm_delta >= 0:
+            raise ValueError(f"opsm_delta must be >= 0 or None, not {self.opsm_delta!r}")
+
+    @property
+    def corrected(self) -> bool:
+        """Whether an off-policy correction is on (besides the policy term's own clip): the loss
+        then reports what it masked and the behaviour ratio's statistics."""
+        return (
+            self.decoupled != "off"
+            or self.tis_cap is not None
+            or self.seq_tis_cap is not None
+            or self.opsm_delta is not None
+            or self.token_mask is not None
+            or self.seq_mask is not None
+        )
 
 
 LORA_SYNC_MODES = ("merged", "adapter")

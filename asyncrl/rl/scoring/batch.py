@@ -33,6 +33,7 @@ class MicroBatch:
     teacher: torch.Tensor | None = None  # [S, C] a teacher's log-probs (distillation); None: no teacher
     teacher_ids: torch.Tensor | None = None  # [S, C, K] a teacher's top-K ids (--teacher.top_k); None: none
     teacher_topk: torch.Tensor | None = None  # [S, C, K] the teacher's log-probs of teacher_ids
+    versions: torch.Tensor | None = None  # [S, C] the weight version that sampled each token; None: not known
 
     def scored(self, per_position: torch.Tensor) -> torch.Tensor:
         """``[S, C, ...]``: the entries of a ``[R, L-1, ...]`` tensor (log-probs, logits) at each
@@ -51,6 +52,7 @@ class Sequence(NamedTuple):
     action_mask: list[int] | None = None  # None: every completion token is the policy's
     teacher: list[float] | None = None  # a teacher's log-probs of the completion
     teacher_topk: tuple[int, list[int], list[float]] | None = None  # (K, top-K ids, their log-probs), flat
+    versions: list[int] | None = None  # the weight version of each completion token (off-policy corrections)
 
 
 class ScoreRequest(NamedTuple):
@@ -129,6 +131,7 @@ def padded_batch(rows: list[Sequence], device: torch.device) -> MicroBatch:
         *(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages, row)),
         teacher=teacher_matrix(rows, width, device),
         **teacher_topk_tensors(rows, width, device),
+        versions=version_matrix(rows, width, device),
     )
 
 
@@ -143,6 +146,20 @@ def teacher_matrix(seqs: list[Sequence], width: int, device: torch.device) -> to
     out = torch.zeros(len(seqs), width)
     for i, s in enumerate(seqs):
         out[i, : len(s.teacher)] = torch.tensor(s.teacher)
+    return out.to(device)
+
+
+def version_matrix(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor | None:
+    """``[S, width]`` int64 weight versions of ``seqs``' completion tokens (0 past each
+    completion), or None when no sequence has them; a batch with some and not others is refused."""
+    present = [s.versions is not None for s in seqs]
+    if not any(present):
+        return None
+    if not all(present):
+        raise ValueError(f"{present.count(False)} of {len(seqs)} sequences have no token versions")
+    out = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
     return out.to(device)
 
 

@@ -36,6 +36,7 @@ from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.batching import micro_batches
 from asyncrl.rl.trainer.checkpointing import Checkpointing
 from asyncrl.rl.trainer.compile import compiled
+from asyncrl.rl.trainer.corrections import SUM_COLUMNS, empty_tally, merge, tally_metrics
 from asyncrl.rl.trainer.heldout import HeldoutEvaluation
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
 from asyncrl.rl.trainer.metrics import TrainStepMetrics
@@ -197,7 +198,7 @@ class TrainerActor(Actor):
             batches = micro_batches(share, share_advantages, budget, self.device)
         batches = self.ranks.parallel.align(batches, self.model, self.steps + 1)
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self._accumulate_all(batches, normalizer, n_tokens)
+        sums, tally = self._accumulate_all(batches, normalizer, n_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = self.ranks.parallel.clip_grad_norm(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         lr = learning_rate(cfg, self.steps)
@@ -213,6 +214,10 @@ class TrainerActor(Actor):
         sums.pop("tokens", None)
         sums.pop("ratio_max", None)
         sums = self.ranks.parallel.sum_metrics(sums)
+        corrections = {}
+        if cfg.loss.corrected:  # every rank has the same config: all reduce their tallies, or none
+            mine = tally if tally is not None else empty_tally(self.device)
+            corrections = tally_metrics(self.ranks.parallel.reduce_tally(mine, SUM_COLUMNS))
         sums.update(
             grad_norm=float(grad_norm),
             lr=lr,
@@ -223,7 +228,7 @@ class TrainerActor(Actor):
             train_s=time.perf_counter() - start,
         )
         sums.update(self._utilisation(groups, sums["train_s"]))  # this rank's memory, the group's MFU
-        return TrainStepMetrics.of(sums)
+        return TrainStepMetrics.of({**sums, **corrections})
 
     @endpoint
     async def gradients(self, deadline_s: float = 0.0) -> dict[str, torch.Tensor]:
@@ -306,10 +311,14 @@ class TrainerActor(Actor):
         # the strategy, not the config: a rank joins a group whatever its config's world_size says
         return self.ranks.parallel.head_fallback(self.model)
 
-    def _accumulate_all(self, batches: list[MicroBatch], normalizer: float, n_tokens: float) -> dict[str, float]:
+    def _accumulate_all(
+        self, batches: list[MicroBatch], normalizer: float, n_tokens: float
+    ) -> tuple[dict[str, float], torch.Tensor | None]:
         """Gradients of every micro-batch into the parameters; the step's metrics: loss terms
-        summed (each is already a share of the whole batch's), the others weighted by tokens."""
+        summed (each is already a share of the whole batch's), the others weighted by tokens; and
+        with an off-policy correction, the micro-batches' tallies as one (`corrections.merge`)."""
         sums: dict[str, float] = {}
+        tally = None
         for batch in batches:
             try:
                 metrics = self._accumulate(batch, normalizer)
@@ -323,10 +332,12 @@ class TrainerActor(Actor):
                     micro_batch_tokens=self.config.micro_batch_tokens,
                     auto_tokens=self._auto_tokens,
                 ) from None
+            if "correction" in metrics:
+                tally = merge(tally, metrics.pop("correction"))
             weight = float(batch.mask.sum()) / max(n_tokens, 1.0)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + (float(v) if k in ("loss", "pg_loss") else float(v) * weight)
-        return sums
+        return sums, tally
 
     def _does_not_fit(self, what: str, exc: torch.OutOfMemoryError | None = None) -> TrainerMemoryError:
         return does_not_fit(what, self.model_path, self.device, exc)
@@ -359,6 +370,9 @@ class TrainerActor(Actor):
             teacher_logprobs=batch.teacher,
             student_topk=student_topk,
             teacher_topk=batch.teacher_topk if student_topk is not None else None,
+            # the weights this forward runs with are version self.steps (one step a batch)
+            token_lag=None if batch.versions is None else self.steps - batch.versions,
+            with_tally=True,
         )
         loss.backward()
         return metrics

@@ -1,6 +1,7 @@
 """A batch of rollout groups as the trainer's micro-batches within a token budget: each completion
-one `Sequence` (``scoring/batch.py``) with its behaviour log-probs, advantage and teacher's answers,
-in padded rows of one sequence each here, or rows packing several (``trainer/packing.py``).
+one `Sequence` (``scoring/batch.py``) with its behaviour log-probs, advantage, teacher's answers
+and each token's weight version, in padded rows of one sequence each here, or rows packing several
+(``trainer/packing.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ def sequences(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sequ
             if g.teacher_top_k
             else [None] * len(g.completion_ids)
         )
-        for ids, lps, actions, teacher, top in zip(g.completion_ids, g.behaviour_logprobs, masks, teachers, tops):
-            out.append(Sequence(g.prompt_ids, ids, lps, float(advantages[a]), actions, teacher, top))
+        for i, (ids, lps, actions, teacher, top) in enumerate(
+            zip(g.completion_ids, g.behaviour_logprobs, masks, teachers, tops)
+        ):
+            out.append(
+                Sequence(g.prompt_ids, ids, lps, float(advantages[a]), actions, teacher, top, g.token_versions(i))
+            )
             a += 1
     return out
 

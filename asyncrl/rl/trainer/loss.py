@@ -13,6 +13,7 @@ import torch
 
 from asyncrl.rl.config.trainer import GRPOLossConfig
 from asyncrl.rl.scoring.tokens import LossInputError
+from asyncrl.rl.trainer.corrections import off_policy, tally
 from asyncrl.rl.trainer.distill import distill_advantages, topk_reverse_kl
 from asyncrl.rl.trainer.policy_terms import POLICY_TERMS, safe_exp
 
@@ -125,6 +126,8 @@ def grpo_loss(
     teacher_logprobs: torch.Tensor | None = None,
     student_topk: torch.Tensor | None = None,
     teacher_topk: torch.Tensor | None = None,
+    token_lag: torch.Tensor | None = None,
+    with_tally: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's policy-gradient loss (to minimise) and detached 0-dim metric tensors.
 
@@ -147,6 +150,14 @@ def grpo_loss(
     aggregated like the policy term (GKD's form: the divergence back-propagated, not sampled).
     ``distill_kl`` is the token-mean of whichever per-token KL the form uses.
 
+    Off-policy corrections (``decoupled``, ``token_mask``, ``seq_mask``, ``seq_tis_cap``,
+    ``opsm_delta``; ``corrections.py``, docs/algorithms.md): with decoupling, the policy term's
+    ratio is ``pi / pi_prox`` and each token's term is multiplied by its detached behaviour weight;
+    a masked token's term is 0, and it stays in the normaliser. They act on the policy term only:
+    the KL and the teacher's top-K term keep every valid token. ``token_lag`` (``[B, L]``, each
+    token's version lag: the trainer's version minus the one that sampled it) is needed by
+    'loglinear' and gives the metrics their lag buckets.
+
     ``normalizer`` replaces the divisor of the aggregation (valid tokens for 'token_mean',
     non-empty sequences for 'seq_mean', those times ``token_budget`` for 'fixed_tokens'): pass the
     whole batch's (`loss_normalizer`) when a batch is split into micro-batches whose gradients are
@@ -157,7 +168,11 @@ def grpo_loss(
     clipped, no gradient; CISPO: r < 1 - eps_low, the weight truncated, whatever A),
     ``clip_frac_high`` (A > 0 and r > 1 + eps_high; CISPO: r > 1 + eps_high), ``tokens``; ``kl`` with ``ref_logprobs``;
     ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
-    so that logging them costs no device sync until the caller asks.
+    so that logging them costs no device sync until the caller asks. With ``with_tally`` and a
+    correction on (``config.corrected``), one more entry, ``correction``, is not a metric but the
+    micro-batch's `corrections.tally` (what was masked and the behaviour ratio, by version lag and
+    completion length), which the caller adds up over the step (`corrections.merge`,
+    `corrections.tally_metrics`).
     """
     _check_loss_inputs(
         new_logprobs,
@@ -171,6 +186,7 @@ def grpo_loss(
         teacher_logprobs=teacher_logprobs,
         student_topk=student_topk,
         teacher_topk=teacher_topk,
+        token_lag=token_lag,
     )
     valid = mask.bool()
     log_ratio, adv = _masked_ratio_and_advantages(new_logprobs, behaviour_logprobs, advantages, valid)
@@ -181,7 +197,22 @@ def grpo_loss(
         adv, distill, metrics["distill_kl"] = _distillation(
             adv, valid, n_tokens, behaviour_logprobs, config, normalizer, teacher_logprobs, student_topk, teacher_topk
         )
-    term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
+    truncated = None  # the ratio tis_cap truncates: the policy term's, or decoupled's behaviour ratio
+    if config.corrected:
+        corrections = off_policy(new_logprobs, behaviour_logprobs, adv, valid, config, token_lag)
+        if corrections.weight is not None:  # decoupled: the clip is against pi_prox
+            # a token pi_prox gives probability 0 has weight 0: its ratio (-inf - -inf) is not read
+            finite = valid & torch.isfinite(corrections.prox)
+            log_ratio = torch.where(finite, new_logprobs - corrections.prox, 0.0)
+            truncated = torch.exp(corrections.log_k)
+        term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
+        if corrections.weight is not None:
+            term = term * corrections.weight
+        term = torch.where(corrections.keep, term, 0.0)
+        if with_tally:
+            metrics["correction"] = tally(corrections, valid, token_lag)
+    else:
+        term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
     pg_loss = -_aggregate(term, valid, config, normalizer)
     loss = pg_loss if distill is None else pg_loss + distill
     if ref_logprobs is not None:
@@ -189,7 +220,8 @@ def grpo_loss(
         if config.kl_coef > 0:
             loss = loss + config.kl_coef * _aggregate(k3, valid, config, normalizer)
         metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
-    metrics.update(_step_metrics(loss, pg_loss, ratio, low, high, entropy, valid, n_tokens, config))
+    truncated = ratio if truncated is None else truncated
+    metrics.update(_step_metrics(loss, pg_loss, ratio, low, high, entropy, valid, n_tokens, config, truncated))
     return loss, metrics
 
 
@@ -206,6 +238,7 @@ def _check_loss_inputs(
     teacher_logprobs: torch.Tensor | None,
     student_topk: torch.Tensor | None,
     teacher_topk: torch.Tensor | None,
+    token_lag: torch.Tensor | None,
 ) -> None:
     """Refuse, before any arithmetic, inputs `grpo_loss` cannot read: shapes that disagree, and a
     config that asks for an input not given."""
@@ -216,6 +249,7 @@ def _check_loss_inputs(
         ref_logprobs=ref_logprobs,
         entropy=entropy,
         teacher_logprobs=teacher_logprobs,
+        token_lag=token_lag,
     )
     if new_logprobs.dim() != 2 or advantages.shape not in (new_logprobs.shape[:1], new_logprobs.shape):
         raise LossInputError(
@@ -302,10 +336,11 @@ def _step_metrics(
     valid: torch.Tensor,
     n_tokens: torch.Tensor,
     config: GRPOLossConfig,
+    truncated: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """The loss and its policy term, what the importance ratios did over the valid tokens (their
-    mean and max, the share clipped below and above, with ``tis_cap`` the share the TIS weight
-    truncated) and, given, the entropy."""
+    mean and max, the share clipped below and above, with ``tis_cap`` the share of ``truncated``
+    the TIS weight truncated) and, given, the entropy."""
     metrics = {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),
@@ -315,7 +350,7 @@ def _step_metrics(
         "clip_frac_high": _token_mean(high.to(ratio.dtype), valid, n_tokens),
     }
     if config.tis_cap is not None:
-        metrics["tis_frac"] = _token_mean((ratio > config.tis_cap).to(ratio.dtype), valid, n_tokens)
+        metrics["tis_frac"] = _token_mean((truncated > config.tis_cap).to(ratio.dtype), valid, n_tokens)
     if entropy is not None:
         metrics["entropy"] = _token_mean(entropy.detach().to(ratio.dtype), valid, n_tokens)
     return metrics

@@ -5,7 +5,7 @@ driver loads no torch for it."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -52,9 +52,33 @@ class TrainMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Peak device memory of the trainer's rank 0 (GPU only)."""
     mfu: float | None = None
     """Model FLOPs utilisation of the trainer's group (GPU whose peak is known only)."""
+    masked_token_frac: float | None = None
+    """With an off-policy correction (``--trainer.loss.decoupled``, ``tis_cap``, ``token_mask``,
+    ``seq_mask``, ``seq_tis_cap``, ``opsm_delta``; docs/algorithms.md): the share of the step's
+    policy tokens its masks took out of the policy term."""
+    masked_seq_frac: float | None = None
+    """With a correction: the share of completions none of whose tokens stayed in the policy term."""
+    all_masked: float | None = None
+    """With a correction: 1 when the masks took out every policy token of the step (its policy
+    term was 0 and moved nothing), else 0; summed over a run, the steps lost so."""
+    behaviour_ratio_mean: float | None = None
+    """With a correction: the mean over the step's policy tokens of the behaviour ratio ``k =
+    pi_prox / mu`` (the trainer's policy before the step against the sampler's), masked or not."""
+    behaviour_ratio_min: float | None = None
+    """With a correction: the smallest behaviour ratio of the step."""
+    behaviour_ratio_max: float | None = None
+    """With a correction: the largest behaviour ratio of the step."""
+    correction_by_lag: dict[str, dict[str, float]] | None = None
+    """With a correction: per version lag ("0" ... "7", "8+": the trainer's version minus the
+    token's), the policy tokens, the share masked, the completions (by their oldest token's lag),
+    the share wholly masked, and the behaviour ratio's mean, min and max. Buckets without a token
+    are left out."""
+    correction_by_length: dict[str, dict[str, float]] | None = None
+    """With a correction: the same per completion length ("1-16", "17-32", ... "32769+": its policy
+    tokens)."""
 
     @classmethod
-    def of(cls: type[M], answer: dict[str, float]) -> M:
+    def of(cls: type[M], answer: dict[str, Any]) -> M:
         """The trainer's metrics, typed: a metric without a field here is a bug of this file."""
         try:
             return cls(**answer)

@@ -24,6 +24,7 @@ from asyncrl.rl.scoring.batch import (
     sequence_length,
     teacher_matrix,
     teacher_topk_tensors,
+    version_matrix,
 )
 from asyncrl.rl.trainer.batching import sequences
 
@@ -88,4 +89,5 @@ def _build(rows: list[list[Sequence]], device: torch.device) -> MicroBatch:
         *(t.to(device) for t in tensors),
         teacher=teacher_matrix(seqs, width, device),
         **teacher_topk_tensors(seqs, width, device),
+        versions=version_matrix(seqs, width, device),
     )

@@ -73,6 +73,11 @@ class Local:
         """The whole batch's metric sums: this process's."""
         return sums
 
+    def reduce_tally(self, tally: torch.Tensor, sum_columns: int) -> torch.Tensor:
+        """The whole batch's tally of the off-policy corrections (``corrections.tally``): this
+        process's."""
+        return tally
+
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
@@ -172,6 +177,16 @@ class Sharded:
         total = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return dict(zip(keys, total.tolist()))
+
+    def reduce_tally(self, tally: torch.Tensor, sum_columns: int) -> torch.Tensor:
+        """Every rank's tally (``corrections.tally``) as one: its first ``sum_columns`` summed, the
+        others (maxima) the largest."""
+        import torch.distributed as dist
+
+        counts, extremes = tally[:, :sum_columns].contiguous(), tally[:, sum_columns:].contiguous()
+        dist.all_reduce(counts)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        return torch.cat([counts, extremes], dim=1)
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         from asyncrl.rl.trainer.fsdp import clip_grad_norm

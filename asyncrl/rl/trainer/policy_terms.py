@@ -92,7 +92,8 @@ def cispo(log_ratio: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, confi
 
 def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, config: GRPOLossConfig) -> torch.Tensor:
     """Per token ``min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``, times ``w = min(1,
-    tis_cap / r)`` (detached) when ``tis_cap`` is set, computed without forming a huge ``r``.
+    tis_cap / r)`` (detached) when ``tis_cap`` is set and ``decoupled`` off (decoupled PPO
+    truncates its behaviour weight instead: ``corrections.py``), computed without forming a huge ``r``.
 
     The clipped branch clips in log space, so ``exp()`` never sees more than ``log(1 + eps_high)``.
     With the TIS weight the unclipped branch is ``r * w * A = e**(lr - sg(lr)) * min(sg(r), cap) * A``
@@ -101,7 +102,7 @@ def _clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, config: GRPOL
     both branches by it before ``minimum`` picks the same branch as the formula.
     """
     clipped_r = torch.exp(log_ratio.clamp(math.log1p(-config.eps_low), math.log1p(config.eps_high)))
-    if config.tis_cap is None:
+    if config.tis_cap is None or config.decoupled != "off":
         return torch.minimum(safe_exp(log_ratio) * adv, clipped_r * adv)
     sg = log_ratio.detach()
     log_cap = math.log(config.tis_cap)

@@ -79,4 +79,4 @@ def _subset(g: RolloutGroup, rows: list[int]) -> RolloutGroup:
     )
 
 
-_PER_COMPLETION_EXTRA = ("correct", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
+_PER_COMPLETION_EXTRA = ("correct", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs", "version_spans")
