@@ -84,8 +84,9 @@ class Pumps:
 
         def ended(task: asyncio.Task) -> None:
             streams.discard(task)
-            if not task.cancelled() and task.exception() is not None and not failed.done():
-                failed.set_result(task.exception())
+            error = None if task.cancelled() else task.exception()
+            if error is not None and not failed.done():
+                failed.set_result(error)
             a_stream_ended.notify_all()
 
         try:
