@@ -55,6 +55,7 @@ TIERS = {
         "start_phases",
         "status",
         "supervisor",
+        "typed_handles",
         "zygote",
     ),
     # the weight-sync data plane: rendezvous, communicators, the sync itself

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import GenericAlias
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -24,6 +24,7 @@ from asyncrl.runtime.codec import PayloadDecoder
 _ENDPOINT_ATTR = "__asyncrl_endpoint__"
 RESERVED_NAMES = frozenset({"info", "kill", "name", "pinned", "wait_for_incarnation", "wait_for_state", "with_timeout"})
 """Attributes of an ``ActorHandle``; an endpoint may not be named like one of them."""
+F = TypeVar("F", bound=Callable[..., Any])
 _STREAM_ORIGINS = (
     collections.abc.AsyncIterator,
     collections.abc.AsyncGenerator,
@@ -31,8 +32,9 @@ _STREAM_ORIGINS = (
 )
 
 
-def endpoint(fn: Callable) -> Callable:
-    """Mark a method of an ``Actor`` subclass as callable through an ``ActorHandle``.
+def endpoint(fn: F) -> F:
+    """Mark a method of an ``Actor`` subclass as callable through an ``ActorHandle``; the method
+    itself is returned unchanged (its type too: the typing plugin reads it for the handle's).
 
     ``async def`` endpoints run as tasks on the actor's event loop, so several can be in flight
     at once; a plain ``def`` runs on the loop and blocks it until it returns; an ``async def``

@@ -29,13 +29,13 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError, first_line
 from asyncrl.runtime import net, signals
-from asyncrl.runtime.actor import endpoints_of, init_spec
+from asyncrl.runtime.actor import Actor, endpoints_of, init_spec
 from asyncrl.runtime.cluster import Cluster, NodeStatus
 from asyncrl.runtime.codec import PayloadEncoder
 from asyncrl.runtime.config import SupervisorConfig
@@ -54,6 +54,8 @@ from asyncrl.runtime.zygote_pool import ZygotePool, active_pool
 log = logging.getLogger("asyncrl.supervisor")
 
 __all__ = ["Supervisor"]
+
+A = TypeVar("A", bound=Actor)
 
 
 class Supervisor:
@@ -233,7 +235,7 @@ class Supervisor:
 
     async def spawn(
         self,
-        cls: type,
+        cls: type[A],
         *args: Any,
         name: str | None = None,
         gpus: int = 0,
@@ -244,7 +246,7 @@ class Supervisor:
         node: int | None = None,
         share_devices_with: str | None = None,
         keep_if_lost: bool = False,
-    ) -> ActorHandle:
+    ) -> ActorHandle[A]:
         """Start ``cls(*args, **kwargs)`` in a new process and return its handle once ``__init__``
         and ``on_start`` have returned there. Raises ``ActorStartError`` (with the remote
         traceback) if they raise, ``NoFreeDevicesError`` if ``gpus`` cannot be met.
@@ -349,8 +351,8 @@ class Supervisor:
         return record.node, list(record.devices)
 
     async def spawn_group(
-        self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any
-    ) -> list[ActorHandle]:
+        self, cls: type[A], n: int, *args: Any, name: str | None = None, **options: Any
+    ) -> list[ActorHandle[A]]:
         """Start ``n`` alike actors concurrently, named ``<name>-0 .. <name>-(n-1)``. If any fails
         to start, the others are stopped and the first error is raised."""
         if n < 1:
@@ -365,7 +367,7 @@ class Supervisor:
             raise errors[0]
         return [h for h in results if isinstance(h, ActorHandle)]  # all of them: no errors
 
-    async def stop(self, handle: ActorHandle) -> None:
+    async def stop(self, handle: ActorHandle[Actor]) -> None:
         """Stop one actor for good (no restart); its pending calls fail with ``ActorDiedError``."""
         rec = self._records.get(handle.name)
         if rec is not None and rec is handle._record:
