@@ -25,13 +25,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from mypy.nodes import Decorator, RefExpr
+from mypy.nodes import Decorator, Var
 from mypy.plugin import AttributeContext, Plugin
-from mypy.typeops import bind_self
-from mypy.types import AnyType, CallableType, Instance, Parameters, Type, TypeOfAny, get_proper_type
+from mypy.types import AnyType, Instance, Parameters, Type, TypeOfAny, get_proper_type
 
 HANDLE = "asyncrl.runtime.handle.ActorHandle"
-ENDPOINT = "asyncrl.runtime.actor.endpoint"
+ENDPOINT = "asyncrl.runtime.actor.Endpoint"
+"""The type `@endpoint` gives a method: ``Endpoint[S, P, R]``, kept in mypy's cache (a decorator's
+own expression is not, so the mark is read from the type)."""
+AWAITED_AS_IS = frozenset({"typing.Coroutine", "typing.AsyncIterator", "typing.AsyncGenerator", "typing.AsyncIterable"})
+"""What a method returns when its caller takes the result as it is: an ``async def``'s coroutine,
+a stream's async iterator. Anything else comes from a plain ``def``, whose call is awaited too."""
 
 
 class ActorHandlePlugin(Plugin):
@@ -50,24 +54,30 @@ def remote_method_type(name: str, ctx: AttributeContext) -> Type:
     remote = get_proper_type(ctx.default_attr_type)  # RemoteMethod[..., Any], from __getattr__
     if not isinstance(actor, Instance) or not isinstance(remote, Instance):
         return ctx.default_attr_type  # a handle of unknown class
-    node = actor.type.get_method(name)
-    if not (isinstance(node, Decorator) and any(_is_endpoint(d) for d in node.decorators)):
+    marked = _endpoint_type(actor, name)
+    if marked is None:
         ctx.api.fail(f'Actor "{actor.type.name}" has no endpoint "{name}"', ctx.context)
         return AnyType(TypeOfAny.from_error)
-    signature = get_proper_type(node.func.type)
-    if not isinstance(signature, CallableType):
-        return ctx.default_attr_type  # an unannotated endpoint: as loose as its definition
-    bound = bind_self(signature, actor)
-    result = bound.ret_type  # async def: already Coroutine[Any, Any, T]; a stream: its iterator
-    if not node.func.is_coroutine and not node.func.is_async_generator:
+    _, parameters, result = marked.args
+    returned = get_proper_type(result)
+    if not (isinstance(returned, Instance) and returned.type.fullname in AWAITED_AS_IS):
         anything = AnyType(TypeOfAny.special_form)
         result = ctx.api.named_generic_type("typing.Coroutine", [anything, anything, result])
-    parameters = Parameters(bound.arg_types, bound.arg_kinds, bound.arg_names)
+    if not isinstance(get_proper_type(parameters), Parameters):
+        return ctx.default_attr_type
     return Instance(remote.type, [parameters, result])
 
 
-def _is_endpoint(decorator: object) -> bool:
-    return isinstance(decorator, RefExpr) and decorator.fullname == ENDPOINT
+def _endpoint_type(actor: Instance, name: str) -> Instance | None:
+    """``Endpoint[S, P, R]`` of the actor class's method ``name`` (its own or inherited), or None
+    where ``name`` is no endpoint of it."""
+    symbol = actor.type.get(name)
+    node = symbol.node if symbol is not None else None
+    var = node.var if isinstance(node, Decorator) else node
+    typ = get_proper_type(var.type) if isinstance(var, Var) else None
+    if isinstance(typ, Instance) and typ.type.fullname == ENDPOINT and len(typ.args) == 3:
+        return typ
+    return None
 
 
 def plugin(version: str) -> type[Plugin]:

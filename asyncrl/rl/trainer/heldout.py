@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.model.heldout import HeldoutSet
 from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.compile import eager
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from asyncrl.rl.model.policy import PromptFormat
 
 
 class HeldoutEvaluation:
@@ -36,9 +41,9 @@ class HeldoutEvaluation:
 
     def __call__(
         self,
-        model: Any,
-        tokenizer: Any,
-        fmt: Any,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        fmt: PromptFormat,
         *,
         samples: int,
         max_new_tokens: int,
