@@ -32,20 +32,23 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from asyncrl.rl.config.sampler import STAGE_MODES
 from asyncrl.rl.generation import Completion, SamplingParams, row_seed
-from asyncrl.rl.sampler.backend import PausableBackend, Progress, WeightSink
+from asyncrl.rl.sampler.backend import BackendOptions, PausableBackend, Progress, WeightSink
 from asyncrl.rl.sampler.errors import SamplerError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options, lora_dtype_refusal
 from asyncrl.rl.sampler.vllm.engine_exit import STARTER
 from asyncrl.rl.sampler.vllm.janitor import Janitor, keep_compile_cache, shm_names
 from asyncrl.rl.sampler.vllm.sink import EngineSink
+from asyncrl.runtime.startup import start_phase
 
 if TYPE_CHECKING:
     from asyncrl.comm.member import SyncSeat
+    from asyncrl.rl.model.policy import PromptFormat
 
 EXTENSION = "asyncrl.rl.sampler.vllm.worker.WeightSyncExtension"
 DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
@@ -135,6 +138,38 @@ class VLLMBackend(PausableBackend):
     """
 
     name = "vllm"
+    batches_requests = True
+
+    @classmethod
+    def load(cls, model_path: str, options: BackendOptions) -> tuple[VLLMBackend, PromptFormat]:
+        """An engine on the checkpoint at ``model_path`` (the engine loads the weights itself, and
+        on a fresh GPU machine compiles it: its start phase has ``options.start_timeout_s``), and
+        the checkpoint's prompt format; ``options.vllm``: this class's other keyword arguments."""
+        from asyncrl.rl.model.policy import load_prompt_format
+
+        start_phase(
+            f"loading {model_path} and building the vLLM engine (compile, CUDA graphs)",
+            budget_s=options.start_timeout_s,
+            knob="--sampler.engine_start_timeout_s",
+        )
+        tokenizer, fmt = load_prompt_format(model_path)
+        # An adapter sync changes no weight under a running batch: the prefix cache stays valid.
+        extra = {"prefix_caching": not options.in_flight or options.adapter is not None} | dict(options.vllm)
+        backend = cls(
+            model_path,
+            tokenizer=tokenizer,
+            seed=options.seed,
+            device=options.device,
+            resume_timeout_s=options.resume_timeout_s,
+            adapter=options.adapter,
+            start_timeout_s=options.start_timeout_s,
+            **extra,
+        )
+        return backend, fmt
+
+    @classmethod
+    def digestible_on(cls, device: torch.device) -> bool:
+        return device.type == "cuda"  # elsewhere (the CPU) the engine repacks them for its kernels
 
     def __init__(
         self,
@@ -153,9 +188,11 @@ class VLLMBackend(PausableBackend):
         engine: dict | None = None,
         adapter: Any = None,
         stage_weights: str = "auto",
+        start_timeout_s: float = 0.0,
     ):
         super().__init__(resume_timeout_s=resume_timeout_s)
         self.device = torch.device(device)
+        self.start_timeout_s = start_timeout_s  # the warm-up's budget, as the start's (`warm_up`)
         if stage_weights not in STAGE_MODES:
             raise ValueError(f"stage_weights must be one of {', '.join(STAGE_MODES)}, not {stage_weights!r}")
         self.stage_weights = stage_weights
@@ -234,6 +271,22 @@ class VLLMBackend(PausableBackend):
         With ``progress``, the engine reports each request's tokens as it generates them."""
         return asyncio.ensure_future(self._generate(prompts, n, params, progress))
 
+    def loaded_adapters(self) -> int | None:
+        return len(self.adapters.loaded) if self.adapters is not None else None
+
+    async def warm_up(self, prompt: list[int], params: SamplingParams) -> None:
+        """vLLM compiles its sampling ops (torch.compile: log-prob ranks, random sampling) in the
+        engine's process on their first use: seconds of a C++ compiler on a CPU host, and again,
+        shorter, once a second batch size makes a dimension dynamic. Two short generates do it."""
+        start_phase(
+            "compiling vLLM's sampling ops (two short generates)",
+            budget_s=self.start_timeout_s,
+            knob="--sampler.engine_start_timeout_s",
+        )
+        params = msgspec.structs.replace(params, max_new_tokens=2)
+        for prompts, n in (([prompt], 3), ([prompt, prompt], 1)):  # batches of 3, then 2 sequences
+            await self.generate(prompts, n, params)
+
     def weight_sink(self, seat: SyncSeat) -> WeightSink:
         if self.adapters is not None:  # adapters only: received here, in the actor
             from asyncrl.rl.sampler.sink import ActorSink
@@ -289,7 +342,7 @@ class VLLMBackend(PausableBackend):
             await asyncio.shield(self._abort(request_ids))
             raise
         finally:
-            if lora is not None:
+            if lora is not None and self.adapters is not None:
                 await asyncio.shield(self.adapters.release(lora))
         groups = [self._completions(out, params, per_request) * (n // per_request) for out in outputs]
         self.tokens_generated += sum(len(c.token_ids) for g in groups for c in g)
