@@ -88,7 +88,9 @@ class Solver:
 
     async def stats(self) -> SimpleNamespace:
         backend, device = self.engine.split()
-        return SimpleNamespace(backend=backend, device=device)
+        # as a sampler says it: an engine that batches requests itself (vLLM's), on a GPU
+        serves = backend == "vllm" and device.startswith("cuda")
+        return SimpleNamespace(backend=backend, device=device, serves_evaluations=serves)
 
     async def evaluate_heldout(self, greedy, sampled, samples, max_new_tokens, rows):
         self.asked.append((list(greedy), list(sampled)))

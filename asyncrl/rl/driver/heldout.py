@@ -27,6 +27,7 @@ from asyncrl.rl.driver.faults import PhaseTimeoutError, TaskFailedError, trainer
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.evaluation import Unsolved, solve_on_samplers
 from asyncrl.rl.driver.fleet.membership import Membership, MemberState
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
 from asyncrl.rl.driver.run_state import RunState
 from asyncrl.rl.driver.saving import save_policy
 from asyncrl.rl.model.tally import HeldoutPart, heldout_answer
@@ -65,16 +66,16 @@ async def eval_place(members: Membership, run: RunConfig, log: Callable[[str], N
         )
         kinds = [a for a in answers.results if not isinstance(a, BaseException)]
         engines = sorted({f"{a.backend} on {a.device}" for a in kinds}) or ["none answering"]
-        gpu_vllm = any(a.backend == "vllm" and a.device.startswith("cuda") for a in kinds)
-        where = "the samplers" if gpu_vllm else "the trainer"
+        on_samplers = any(a.serves_evaluations for a in kinds)
+        where = "the samplers" if on_samplers else "the trainer"
         log(f"held-out evaluations on {where} (--run.eval_on auto; samplers: {', '.join(engines)})")
-        return gpu_vllm
+        return on_samplers
     log(f"held-out evaluations on the {run.eval_on} (--run.eval_on {run.eval_on})")
     return run.eval_on == "samplers"
 
 
 async def evaluate(
-    trainer: Any,
+    trainer: TrainerRanks,
     run: RunConfig,
     log: Callable[[str], None],
     *,
@@ -152,7 +153,7 @@ async def evaluate(
 
 
 async def save_best(
-    trainer: Any,
+    trainer: TrainerRanks,
     run: RunConfig,
     run_dir: str,
     step: int,
@@ -204,7 +205,7 @@ class HeldoutRecord:
 
     def __init__(
         self,
-        trainer: Any,
+        trainer: TrainerRanks,
         run: RunConfig,
         run_dir: str,
         log: Callable[[str], None],
