@@ -30,7 +30,7 @@ from asyncrl.rl.driver.fleet.membership import Membership, MemberState
 from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
 from asyncrl.rl.driver.run_state import RunState
 from asyncrl.rl.driver.saving import save_policy
-from asyncrl.rl.model.tally import HeldoutPart, heldout_answer
+from asyncrl.rl.model.tally import HeldoutAsk, HeldoutPart, heldout_answer
 from asyncrl.rl.observe.eval_progress import EvalProgress
 from asyncrl.rl.observe.record import StepRecord
 from asyncrl.rl.observe.report import heldout_extra_text, heldout_failures_lines, rates_text, shown_path
@@ -130,7 +130,9 @@ async def evaluate(
                 "the held-out evaluation",
                 "eval_timeout_s",
                 t,
-                trainer.with_timeout(left).evaluate_heldout(greedy, sampled, samples, 0, EVAL_ROWS),
+                trainer.with_timeout(left).evaluate_heldout(
+                    HeldoutAsk(greedy=greedy, sampled=sampled, samples=samples, rows=EVAL_ROWS)
+                ),
             )
             progress.trainer_done(got)
             parts += got

@@ -5,6 +5,7 @@ makes its sequences from rollout groups (``trainer/batching.py``); a scorer from
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
@@ -33,6 +34,23 @@ class MicroBatch:
     teacher: torch.Tensor | None = None  # [S, C] a teacher's log-probs (distillation); None: no teacher
     teacher_ids: torch.Tensor | None = None  # [S, C, K] a teacher's top-K ids (--teacher.top_k); None: none
     teacher_topk: torch.Tensor | None = None  # [S, C, K] the teacher's log-probs of teacher_ids
+
+    def to(self, device: torch.device, seqs: list[Sequence], width: int) -> MicroBatch:
+        """This batch on ``device``, with the teacher's answers of its ``seqs`` (``width``
+        completion positions each: `teacher_matrix`, `teacher_topk_tensors`)."""
+        teacher_ids, teacher_topk = teacher_topk_tensors(seqs, width, device)
+        moved = {
+            f.name: t.to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(t := getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(
+            self,
+            **moved,
+            teacher=teacher_matrix(seqs, width, device),
+            teacher_ids=teacher_ids,
+            teacher_topk=teacher_topk,
+        )
 
     def scored(self, per_position: torch.Tensor) -> torch.Tensor:
         """``[S, C, ...]``: the entries of a ``[R, L-1, ...]`` tensor (log-probs, logits) at each
@@ -126,20 +144,8 @@ def padded_batch(rows: list[Sequence], device: torch.device) -> MicroBatch:
         if seq.behaviour is not None:
             behaviour[i, :c] = torch.tensor(seq.behaviour)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    row = torch.arange(len(rows))
-    teacher_ids, teacher_topk = teacher_topk_tensors(rows, width, device)
-    return MicroBatch(
-        ids.to(device),
-        attention.to(device),
-        score_index.to(device),
-        mask.to(device),
-        behaviour.to(device),
-        advantages.to(device),
-        row.to(device),
-        teacher=teacher_matrix(rows, width, device),
-        teacher_ids=teacher_ids,
-        teacher_topk=teacher_topk,
-    )
+    batch = MicroBatch(ids, attention, score_index, mask, behaviour, advantages, torch.arange(len(rows)))
+    return batch.to(device, rows, width)
 
 
 def teacher_matrix(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
-from asyncrl.rl.model.tally import HeldoutPart
+from asyncrl.rl.model.tally import HeldoutAsk, HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.scoring.batch import MicroBatch
 from asyncrl.rl.scoring.logprobs import scored_logprobs, scored_logprobs_at
@@ -342,25 +342,15 @@ class TrainerActor(SyncEndpoints):
         gathers from every rank), sampling from the same seed."""
         from asyncrl.rl.model.tally import heldout_answer
 
-        parts = await self.evaluate_heldout(None, None, samples, max_new_tokens, batch_size, deadline_s)
-        return heldout_answer(parts, samples)
+        ask = HeldoutAsk(samples=samples, max_new_tokens=max_new_tokens, rows=batch_size)
+        return heldout_answer(await self.evaluate_heldout(ask, deadline_s), samples)
 
     @endpoint
-    async def evaluate_heldout(
-        self,
-        greedy: list[int] | None = None,
-        sampled: list[int] | None = None,
-        samples: int = 4,
-        max_new_tokens: int = 0,
-        batch_size: int = 64,
-        deadline_s: float = 0.0,
-    ) -> list[HeldoutPart]:
+    async def evaluate_heldout(self, ask: HeldoutAsk, deadline_s: float = 0.0) -> list[HeldoutPart]:
         """`evaluate`'s episodes as they add up, in parts (`HeldoutPart`: sums, tagged with the
-        version this trainer holds): the held-out problems ``greedy`` greedily, ``sampled`` with
-        ``samples`` completions each (indices into the split; None: all of them, and none sampled
-        with ``samples`` 0). The driver's: it adds them to what samplers solved
-        (``rl/driver/heldout.py``). How far it has got: `heldout_progress`."""
-        limit = max_new_tokens or self.policy.fmt.max_new_tokens_hint
+        version this trainer holds): the held-out problems ``ask`` names (`HeldoutAsk`). The
+        driver's: it adds them to what samplers solved (``rl/driver/heldout.py``). How far it has
+        got: `heldout_progress`."""
         fast, version = compiled(self.config, self.device), self.steps
 
         def run() -> list[HeldoutPart]:
@@ -368,13 +358,9 @@ class TrainerActor(SyncEndpoints):
                 self.model,
                 self.policy.tokenizer,
                 self.policy.fmt,
-                samples=samples,
-                max_new_tokens=limit,
-                batch_size=batch_size,
+                ask,
                 temperature=self.temperature,
                 compiled=fast,
-                greedy=greedy,
-                sampled=sampled,
                 version=version,
             )
 

@@ -22,8 +22,6 @@ from asyncrl.rl.scoring.batch import (
     Sequence,
     cut_by_budget,
     sequence_length,
-    teacher_matrix,
-    teacher_topk_tensors,
 )
 from asyncrl.rl.trainer.batching import sequences
 
@@ -83,17 +81,5 @@ def _build(rows: list[list[Sequence]], device: torch.device) -> MicroBatch:
             s += 1
         positions[r, offset:] = torch.arange(length - offset)  # the padding: a sequence of its own
     advantages = torch.tensor([seq.advantage for seq in seqs], dtype=torch.float32)
-    teacher_ids, teacher_topk = teacher_topk_tensors(seqs, width, device)
-    return MicroBatch(
-        ids.to(device),
-        attention.to(device),
-        score_index.to(device),
-        mask.to(device),
-        behaviour.to(device),
-        advantages.to(device),
-        row_of.to(device),
-        positions.to(device),
-        teacher=teacher_matrix(seqs, width, device),
-        teacher_ids=teacher_ids,
-        teacher_topk=teacher_topk,
-    )
+    batch = MicroBatch(ids, attention, score_index, mask, behaviour, advantages, row_of, positions)
+    return batch.to(device, seqs, width)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from asyncrl.comm.sync_stats import SyncStats
-    from asyncrl.rl.model.tally import HeldoutPart
+    from asyncrl.rl.model.tally import HeldoutAsk, HeldoutPart
     from asyncrl.rl.rollout import RolloutGroup
     from asyncrl.rl.trainer.actor import TrainerActor
     from asyncrl.rl.trainer.metrics import TrainStepMetrics
@@ -94,19 +94,8 @@ class TrainerRanks:
             "evaluate", lambda h, d: h.evaluate(samples, max_new_tokens, batch_size, d), stops_the_run=True
         )
 
-    def evaluate_heldout(
-        self,
-        greedy: list[int] | None = None,
-        sampled: list[int] | None = None,
-        samples: int = 4,
-        max_new_tokens: int = 0,
-        batch_size: int = 64,
-    ) -> Awaitable[list[HeldoutPart]]:
-        return self._every_rank(
-            "evaluate_heldout",
-            lambda h, d: h.evaluate_heldout(greedy, sampled, samples, max_new_tokens, batch_size, d),
-            stops_the_run=True,
-        )
+    def evaluate_heldout(self, ask: HeldoutAsk) -> Awaitable[list[HeldoutPart]]:
+        return self._every_rank("evaluate_heldout", lambda h, d: h.evaluate_heldout(ask, d), stops_the_run=True)
 
     def setup_sender(
         self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "", delta: bool = False
