@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl launch: {e}", file=sys.stderr)
         return EXIT_USAGE
     if node.node_rank > 0:
-        from asyncrl.runtime.agent import run_agent
+        from asyncrl.runtime.cluster.agent import run_agent
 
         return run_agent(node.node_rank, args.node_addr, config)
     from asyncrl.launch import run_script
@@ -59,7 +59,8 @@ def _configure(args):
     node = resolve(os.environ, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.nproc_per_node)
     if not os.path.isfile(args.script):
         raise ValueError(f"no such script: {args.script}")
-    from asyncrl.runtime import auth, net
+    from asyncrl.runtime import net
+    from asyncrl.runtime.cluster import auth
     from asyncrl.runtime.config import ENV_PREFIX, SupervisorConfig
 
     for flag in (
@@ -107,7 +108,7 @@ def _eval(argv: list[str]) -> int:
 
 
 def _write_secret(path: str) -> int:
-    from asyncrl.runtime.auth import write_secret
+    from asyncrl.runtime.cluster.auth import write_secret
 
     try:
         write_secret(path)

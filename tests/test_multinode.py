@@ -16,7 +16,7 @@ import pytest
 
 from actors import Echo, PhasedStart
 from asyncrl import ActorDiedError, ActorStartError, ClusterStartError, NoFreeDevicesError, Supervisor
-from asyncrl.runtime import auth
+from asyncrl.runtime.cluster import auth
 from asyncrl.runtime.net import reachable_address
 from conftest import kill_all, process_alive, wait_until
 from multinode_support import NODE_TIMEOUT_S, agent_log, env, free_port, launch_argv, make_secret_file, start_agent
@@ -184,10 +184,10 @@ def _parent(pid: int) -> int:
 
 
 def _zygote_of(agent_pid: int, actor_pid: int) -> int:
-    """The zygote that forked ``actor_pid``: the agent's child, running zygote_serve (asserted)."""
+    """The zygote that forked ``actor_pid``: the agent's child, running zygotes.serve (asserted)."""
     zygote = _parent(actor_pid)
     with open(f"/proc/{zygote}/cmdline", "rb") as f:
-        assert b"asyncrl.runtime.zygote_serve" in f.read(), zygote
+        assert b"asyncrl.runtime.zygotes.serve" in f.read(), zygote
     assert _parent(zygote) == agent_pid, (zygote, agent_pid)
     return zygote
 

@@ -23,7 +23,7 @@ from asyncrl.rl.driver.fleet.membership import MemberState
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, check_target
 from asyncrl.rl.driver.fleet.sync_group import SyncPlace
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.runtime.cluster import NodeStatus
+from asyncrl.runtime.cluster.nodes import NodeStatus
 from test_recovery_pool import GOT, SENT, Scripted, answering, make_pool
 
 pytestmark = pytest.mark.timeout(60)

@@ -92,7 +92,7 @@ async def grpo_main(
     config = check_run(config, resume=bool(resume))
     try:
         from asyncrl.runtime.config import ENV_PREFIX
-        from asyncrl.runtime.zygote import PRELOAD
+        from asyncrl.runtime.zygotes.zygote import PRELOAD
 
         # Its actors import torch and transformers: once, in a zygote, where no device is visible.
         chosen = os.environ.get(ENV_PREFIX + "ZYGOTE_PRELOAD")  # `asyncrl launch`'s or the caller's

@@ -13,9 +13,9 @@ removes the run directory however this process ends, bar a SIGKILL of it (then t
 notice on their own, see ``worker.py``). The conversation with workers lives in ``control.py``;
 placement in ``placement.py``.
 
-With ``nnodes > 1`` this supervisor is node 0 of a cluster (see ``cluster.py``): actors placed on
+With ``nnodes > 1`` this supervisor is node 0 of a cluster (see ``cluster/nodes.py``): actors placed on
 another node are started by that node's agent and appear here as ``RemoteProcess``es, which the
-code below treats like local processes. Over TCP every socket is CURVE-authenticated (``auth.py``).
+code below treats like local processes. Over TCP every socket is CURVE-authenticated (``cluster/auth.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import msgspec
 from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError, first_line
 from asyncrl.runtime import net, signals
 from asyncrl.runtime.actor import Actor, endpoints_of, init_spec
-from asyncrl.runtime.cluster import Cluster, NodeStatus
+from asyncrl.runtime.cluster.nodes import Cluster, NodeStatus
 from asyncrl.runtime.codec import PayloadEncoder
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.control import ControlChannel
@@ -48,8 +48,8 @@ from asyncrl.runtime.record import ActorRecord, ActorStatus
 from asyncrl.runtime.resources import SupervisorResources, cluster_keys
 from asyncrl.runtime.state import ActorState, SupervisorState
 from asyncrl.runtime.status import StatusServer
-from asyncrl.runtime.zygote import ENV_PRELOAD, Zygote, usable
-from asyncrl.runtime.zygote_pool import ZygotePool, active_pool
+from asyncrl.runtime.zygotes.pool import ZygotePool, active_pool
+from asyncrl.runtime.zygotes.zygote import ENV_PRELOAD, Zygote, usable
 
 log = logging.getLogger("asyncrl.supervisor")
 

@@ -23,7 +23,7 @@ from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks, spawn_trainer_ra
 from asyncrl.rl.driver.start_checks import check_backend_readable, check_placement
 from asyncrl.rl.scorer.specs import scorer_spec
 from asyncrl.rl.tasks.loading import TaskSpec
-from asyncrl.runtime.cluster import NodeStatus
+from asyncrl.runtime.cluster.nodes import NodeStatus
 from asyncrl.runtime.supervisor import Supervisor
 
 

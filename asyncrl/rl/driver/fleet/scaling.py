@@ -44,7 +44,7 @@ from asyncrl.rl.view.fleet import fleet_text
 from asyncrl.runtime.state import ActorState
 
 if TYPE_CHECKING:
-    from asyncrl.runtime.cluster import NodeStatus
+    from asyncrl.runtime.cluster.nodes import NodeStatus
     from asyncrl.runtime.record import ActorStatus
 
 STOP_S = 60.0
