@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.runtime.titles import set_title
 
     if node.node_rank > 0:
-        from asyncrl.runtime.agent import run_agent
+        from asyncrl.runtime.cluster.agent import run_agent
 
         set_title(f"node{node.node_rank} agent")
         return run_agent(node.node_rank, args.node_addr, config)
@@ -63,7 +63,8 @@ def _configure(args):
     node = resolve(os.environ, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.nproc_per_node)
     if not os.path.isfile(args.script):
         raise ValueError(f"no such script: {args.script}")
-    from asyncrl.runtime import auth, net
+    from asyncrl.runtime import net
+    from asyncrl.runtime.cluster import auth
     from asyncrl.runtime.config import ENV_PREFIX, SupervisorConfig
 
     for flag in (
@@ -111,7 +112,7 @@ def _eval(argv: list[str]) -> int:
 
 
 def _write_secret(path: str) -> int:
-    from asyncrl.runtime.auth import write_secret
+    from asyncrl.runtime.cluster.auth import write_secret
 
     try:
         write_secret(path)

@@ -33,8 +33,8 @@ class _Parser(argparse.ArgumentParser):
     """An argparse parser laid out by `FlagHelp`, whose errors are one line naming the flag in
     the spelling help shows, as a script's flag errors are."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, formatter_class=FlagHelp, add_help=False, **kwargs)
+    def __init__(self, prog: str | None = None, description: str | None = None, epilog: str | None = None) -> None:
+        super().__init__(prog, description=description, epilog=epilog, formatter_class=FlagHelp, add_help=False)
         self.add_argument("-h", "--help", action="help", help="Show this help and exit.")
 
     def error(self, message: str):

@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import traceback
+import types
 
 from asyncrl.errors import ActionableError, UsageError, one_line
 from asyncrl.runtime import signals
@@ -39,8 +40,10 @@ def _defines_main(path: str) -> bool:
     return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "main" for node in tree.body)
 
 
-def _load(path: str):
+def _load(path: str) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(SCRIPT_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not a Python file that can be loaded as a module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[SCRIPT_MODULE] = module  # actor classes defined in the script resolve to this file
     spec.loader.exec_module(module)

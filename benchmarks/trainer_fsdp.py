@@ -93,6 +93,7 @@ def run_mode(args) -> dict:
     """One mode in this process: build the trainer, take ``--steps`` steps, measure."""
     import torch
 
+    from asyncrl.comm.address import SyncAddress
     from asyncrl.comm.layout import sender_layout
     from asyncrl.rl.config.trainer import TrainerConfig
     from asyncrl.rl.trainer.actor import TrainerActor
@@ -106,13 +107,17 @@ def run_mode(args) -> dict:
         from asyncrl.rl.trainer.group import RankGroup
 
         listener = reserve_listener("127.0.0.1")
-        group = RankGroup.create(
-            "127.0.0.1", listener.getsockname()[1], 0, 1, device=trainer.device, timeout_s=120, listener=listener
+        address = SyncAddress(
+            host="127.0.0.1", port=listener.getsockname()[1], world_size=1, timeout_s=120, name="trainer"
         )
+        group = RankGroup.create(address, 0, device=trainer.device, listener=listener)
         from asyncrl.rl.trainer.parallel import Sharded
 
+        # What `rank_join` does on a rank of N, here at one rank (a trainer of world size 1 is built
+        # whole, its optimiser with it): the same step, sharded.
+        trainer.policy._optimizer = None
         trainer.policy.shard()
-        trainer.ranks.parallel = Sharded(group, trainer.device)  # what `rank_join` does: the same step, sharded
+        trainer.ranks._parallel = Sharded(group, trainer.device)
     step = trainer.train_share
     batch = make_batch(SHAPES[args.shape]["vocab_size"], args.groups, args.group_size, args.prompt, args.completion)
     times, peaks = [], []

@@ -50,15 +50,7 @@ async def measure(path: str, world_size: int, args) -> dict:
             trainer = await sup.spawn(TrainerActor, path, config, name="trainer", gpus=gpus, kwargs=kwargs)
         else:
             trainer = await spawn_trainer_ranks(
-                sup,
-                TrainerActor,
-                (path, config),
-                world_size=world_size,
-                host="127.0.0.1",
-                timeout_s=300.0,
-                gpus=gpus,
-                env={},
-                kwargs=kwargs,
+                sup, path, config, timeout_s=300.0, gpus=gpus, env={}, options=kwargs, host="127.0.0.1"
             )
         times, peaks, metrics = [], [], None
         for i in range(args.warmup + args.steps):

@@ -210,7 +210,7 @@ class RaisesOurs(Actor):
         raise self._error(kind)
 
     @endpoint
-    async def train_step(self, deadline_s: float = 0.0) -> str:
+    async def train_step(self, groups: list[int], deadline_s: float = 0.0) -> str:
         if self.kind:
             raise self._error(self.kind)
         return "trained"

@@ -58,6 +58,7 @@ TIERS = {
         "status",
         "supervisor",
         "titles",
+        "typed_handles",
         "zygote",
     ),
     # the weight-sync data plane: rendezvous, communicators, the sync itself
@@ -392,10 +393,10 @@ def _warm_started(cache_dir: str) -> str:
 
 @pytest.fixture(scope="session")
 def zygote_pool():
-    """The zygotes this test process keeps between its supervisors (runtime/zygote_pool.py), while
+    """The zygotes this test process keeps between its supervisors (runtime/zygotes/pool.py), while
     a file with `actor_zygote` runs: one zygote's imports (~11 s of CPU) per preload and session,
     not one per supervisor."""
-    from asyncrl.runtime.zygote_pool import ZygotePool
+    from asyncrl.runtime.zygotes.pool import ZygotePool
 
     pool = ZygotePool()
     yield pool
@@ -405,7 +406,7 @@ def zygote_pool():
 @pytest.fixture(scope="module")
 def actor_zygote(zygote_pool):
     """The supervisors of a test file forking their actors from a zygote that has imported what a
-    GRPO run's actors import (`asyncrl.runtime.zygote.PRELOAD`), as `asyncrl launch` does, instead
+    GRPO run's actors import (`asyncrl.runtime.zygotes.zygote.PRELOAD`), as `asyncrl launch` does, instead
     of starting each by ``Popen`` (4.5-8 s of CPU each for torch and transformers): for the files
     whose supervisors start trainers, samplers, scorers or actors that import torch, by
     ``pytestmark``. Two 3-actor trainer tests took 0.50x the CPU and 0.78x the wall time so (two
@@ -413,7 +414,7 @@ def actor_zygote(zygote_pool):
     supervisor, and one file, to the next: one preload for every file, so one zygote serves them
     all (a lighter list of its own for a file would cost a second zygote, not save one)."""
     from asyncrl.runtime.config import ENV_PREFIX
-    from asyncrl.runtime.zygote import PRELOAD
+    from asyncrl.runtime.zygotes.zygote import PRELOAD
 
     with pytest.MonkeyPatch.context() as patch, zygote_pool.serving():
         patch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", ",".join(PRELOAD))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from asyncrl import Actor, endpoint
-from asyncrl.runtime import auth
+from asyncrl.runtime.cluster import auth
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")

@@ -17,8 +17,9 @@ import threading
 
 import msgspec
 
-from asyncrl.runtime import auth, process, wire
-from asyncrl.runtime.agent import AgentConfig, NodeAgent
+from asyncrl.runtime import process, wire
+from asyncrl.runtime.cluster import auth
+from asyncrl.runtime.cluster.agent import AgentConfig, NodeAgent
 from conftest import process_alive
 
 HELD_S = 15.0

@@ -12,7 +12,8 @@ import pytest
 import zmq
 
 from asyncrl import Supervisor
-from asyncrl.runtime import auth, wire
+from asyncrl.runtime import wire
+from asyncrl.runtime.cluster import auth
 from conftest import kill_all
 from multinode_support import NODE_TIMEOUT_S, Counter, free_port, intruder, make_secret_file, start_agent
 

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.driver.devices import cluster_devices, plan_devices
-from asyncrl.runtime.cluster import NodeStatus
+from asyncrl.runtime.cluster.nodes import NodeStatus
 from virtual_time import run_virtual
 
 

@@ -25,6 +25,7 @@ from asyncrl.rl.driver.teacher import check_tokenizers
 from asyncrl.rl.model.policy import load_policy
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
+from asyncrl.rl.scorer.specs import TeacherSpec, scorer_spec
 from asyncrl.rl.trainer.actor import TrainerActor
 from sampler_support import write_tiny
 
@@ -126,7 +127,7 @@ async def with_topk(scorer: ScorerActor, group: RolloutGroup) -> RolloutGroup:
 async def distilled(student_path: str, teacher_path: str, top_k: int, steps: int, lr: float, seed: int = 0):
     """The student after ``steps`` on-policy steps toward the teacher at ``lr`` (every reward 0),
     and each step's metrics."""
-    scorer = ScorerActor(teacher_path, top_k=top_k)
+    scorer = ScorerActor(teacher_path, TeacherSpec(top_k=top_k))
     await scorer.on_start()
     try:
         trainer = TrainerActor(student_path, TrainerConfig(lr=lr, loss=GRPOLossConfig(distill_coef=0.3)))
@@ -205,7 +206,7 @@ def check_topk(model, prompt: list[int], completions: list[list[int]], k: int, i
 
 async def test_the_scorer_answers_the_teacher_s_top_k_of_a_direct_forward(checkpoints):
     teacher_path = checkpoints.teacher
-    scorer = ScorerActor(teacher_path, temperature=0.7, top_k=5)
+    scorer = ScorerActor(teacher_path, TeacherSpec(temperature=0.7, top_k=5))
     await scorer.on_start()
     try:
         completions = [[60, 61], [64], [66, 67, 62]]
@@ -224,17 +225,18 @@ async def test_the_driver_s_teacher_gets_the_whole_distribution_from_a_scorer_pr
     """--teacher.top_k 1000 on a vocabulary of 261: clamped, every id once a position, over the
     wire (`TeacherTopK`) into the group the trainer takes."""
     from asyncrl.rl.config.teacher import TeacherConfig
-    from asyncrl.rl.driver.teacher import Teacher, scorer_kwargs
+    from asyncrl.rl.driver.teacher import Teacher
     from asyncrl.rl.rollout import validate_group
     from asyncrl.runtime import Supervisor
 
     student_path, teacher_path = checkpoints.student, checkpoints.teacher
-    kwargs = scorer_kwargs(TeacherConfig(model_path=teacher_path, top_k=1000), student_path)
+    section = TeacherConfig(model_path=teacher_path, top_k=1000, timeout_s=60)
+    spec = scorer_spec(section, student_path, temperature=1.0)
     completions = [[60, 61], [64, 65]]
     group = RolloutGroup(1, PROMPTS[1], completions, [[-1.0] * len(c) for c in completions], [0.0, 0.0], version=0)
     async with Supervisor(call_timeout_s=60) as sup:
-        handle = await sup.spawn(ScorerActor, teacher_path, name="scorer", env={"OMP_NUM_THREADS": "1"}, kwargs=kwargs)
-        scored = await Teacher(handle, top_k=1000, timeout_s=60, restart_timeout_s=60).annotate(group)
+        handle = await sup.spawn(ScorerActor, teacher_path, spec, name="scorer", env={"OMP_NUM_THREADS": "1"})
+        scored = await Teacher(handle, section, restart_timeout_s=60).annotate(group)
     validate_group(scored)
     assert scored.teacher_top_k == 261 and not scored.teacher_logprobs
     model, _, _ = load_policy(teacher_path)

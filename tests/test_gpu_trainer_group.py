@@ -11,6 +11,7 @@ as tests/test_trainer_group.py checks them with gloo on the CPU:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -38,18 +39,10 @@ def tiny_path(tmp_path_factory) -> str:
 
 async def spawn_ranks(sup, path, config, env=None):
     from asyncrl.rl.driver.fleet.trainer_ranks import spawn_trainer_ranks
-    from asyncrl.rl.trainer.actor import TrainerActor
 
+    config = dataclasses.replace(config, world_size=2)
     return await spawn_trainer_ranks(
-        sup,
-        TrainerActor,
-        (path, config),
-        world_size=2,
-        host=HOST,
-        timeout_s=120.0,
-        gpus=1,
-        env=env or {},
-        kwargs=ON_GPU,
+        sup, path, config, timeout_s=120.0, gpus=1, env=env or {}, options=ON_GPU, host=HOST
     )
 
 

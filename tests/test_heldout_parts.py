@@ -88,7 +88,9 @@ class Solver:
 
     async def stats(self) -> SimpleNamespace:
         backend, device = self.engine.split()
-        return SimpleNamespace(backend=backend, device=device)
+        # as a sampler says it: an engine that batches requests itself (vLLM's), on a GPU
+        serves = backend == "vllm" and device.startswith("cuda")
+        return SimpleNamespace(backend=backend, device=device, serves_evaluations=serves)
 
     async def evaluate_heldout(self, greedy, sampled, samples, max_new_tokens, rows):
         self.asked.append((list(greedy), list(sampled)))
@@ -113,7 +115,8 @@ class Trainer:
     def with_timeout(self, timeout_s: float) -> Trainer:
         return self
 
-    async def evaluate_heldout(self, greedy, sampled, samples, max_new_tokens, rows):
+    async def evaluate_heldout(self, ask):  # a `HeldoutAsk`, as the trainer's ranks are asked
+        greedy, sampled = ask.greedy, ask.sampled
         self.asked.append((list(greedy), list(sampled)))
         return [p for p in (part_of(greedy, False, VERSION), part_of(sampled, True, VERSION)) if p.problems]
 

@@ -24,7 +24,7 @@ from asyncrl.rl.config.run import DataConfig, RecoveryConfig, RunConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.driver import heldout
 from asyncrl.rl.driver.fleet.membership import Membership, MemberState
-from asyncrl.rl.model.tally import heldout_answer
+from asyncrl.rl.model.tally import HeldoutAsk, heldout_answer
 from asyncrl.rl.sampler.actor import SamplerActor
 from asyncrl.rl.tasks.loading import TaskSpec
 from sampler_support import ONE_THREAD
@@ -66,14 +66,7 @@ async def test_hf_samplers_give_the_trainer_s_greedy_evaluation_exactly(model_pa
     try:
         parts = await asyncio.to_thread(  # blocking, as the trainer runs it: on a thread
             lambda: trainer(
-                model,
-                tok,
-                fmt,
-                samples=2,
-                max_new_tokens=0,
-                batch_size=heldout.EVAL_ROWS,
-                temperature=1.0,
-                compiled=False,
+                model, tok, fmt, HeldoutAsk(samples=2, rows=heldout.EVAL_ROWS), temperature=1.0, compiled=False
             )
         )
     finally:

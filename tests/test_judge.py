@@ -11,7 +11,9 @@ import re
 import pytest
 import torch
 
+from asyncrl.rl.config.teacher import RewardModelConfig
 from asyncrl.rl.scorer.judge import Judge, parse_verdict, render
+from asyncrl.rl.scorer.specs import JudgeSpec
 from sampler_support import ONE_THREAD, write_tiny
 
 pytestmark = pytest.mark.usefixtures("actor_zygote")  # tests/conftest.py: its supervisors fork actors from a zygote
@@ -102,7 +104,7 @@ def test_verdict_words_must_each_be_one_token_of_the_judge(judge_path):
     from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
 
     with pytest.raises(ScorerError, match=r"--reward_model\.verdict_tokens yes,no: two words, each one token"):
-        ScorerActor(judge_path, kind="judge", judge={"student_path": judge_path, "template": ASK})
+        ScorerActor(judge_path, JudgeSpec(student_path=judge_path, template=ASK))
 
 
 async def test_a_token_id_outside_the_students_tokenizer_is_refused_naming_what_the_judge_reads_it_with(judge_path):
@@ -113,9 +115,7 @@ async def test_a_token_id_outside_the_students_tokenizer_is_refused_naming_what_
     from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
 
     vocab = len(AutoTokenizer.from_pretrained(judge_path))
-    scorer = ScorerActor(
-        judge_path, kind="judge", judge={"student_path": judge_path, "template": ASK, "verdict_tokens": ["y", "n"]}
-    )
+    scorer = ScorerActor(judge_path, JudgeSpec(student_path=judge_path, template=ASK, verdict_tokens=("y", "n")))
     with pytest.raises(ScorerError) as err:
         await scorer.rewards([1, 2], [[vocab]])
     assert str(err.value) == (
@@ -129,9 +129,8 @@ async def test_generated_verdicts_are_parsed_and_an_unparsed_one_is_counted_not_
 
     scorer = ScorerActor(
         judge_path,
-        kind="judge",
+        JudgeSpec(student_path=judge_path, template=GRADE, read="generate", max_new_tokens=7),
         batch_tokens=10_000,
-        judge={"student_path": judge_path, "template": GRADE, "read": "generate", "max_new_tokens": 7},
     )
     await scorer.on_start()
     try:
@@ -153,26 +152,11 @@ async def test_the_driver_sums_a_judge_s_verdicts_counts_the_unparsed_and_stops_
     right = requests(judge_path)[0]  # "2+3": 5 (right) and 6
     lines = []
     async with Supervisor(call_timeout_s=60) as sup:
-        handle = await sup.spawn(
-            ScorerActor,
-            judge_path,
-            name="reward_model",
-            env=ONE_THREAD,
-            kwargs={
-                "kind": "judge",
-                "judge": {"student_path": judge_path, "template": GRADE, "read": "generate", "max_new_tokens": 7},
-            },
-        )
+        spec = JudgeSpec(student_path=judge_path, template=GRADE, read="generate", max_new_tokens=7)
+        handle = await sup.spawn(ScorerActor, judge_path, spec, name="reward_model", env=ONE_THREAD)
+        config = RewardModelConfig(timeout_s=60, weight=2.0, rule_weight=0.5, max_unparsed_rate=0.4)
         rm = RewardModel(
-            handle,
-            weight=2.0,
-            rule_weight=0.5,
-            judge=True,
-            max_unparsed_rate=0.4,
-            min_verdicts=3,
-            timeout_s=60,
-            restart_timeout_s=60,
-            log=lines.append,
+            handle, config, judge=spec.parses_verdicts, min_verdicts=3, restart_timeout_s=60, log=lines.append
         )
         group = RolloutGroup(1, right[0], right[1], [[0.0] * len(c) for c in right[1]], [1.0, 0.0], version=0)
         assert (await rm.annotate(group)).rewards == [0.5 * 1.0 + 2.0 * 1.0, 0.0]
@@ -192,7 +176,7 @@ def test_a_judge_s_flags_and_template_are_checked_before_anything_is_spawned(jud
     from asyncrl.rl.config.grpo import GRPOConfig
     from asyncrl.rl.config.parse import ConfigError, parse_overrides
     from asyncrl.rl.driver.preflight import check_run
-    from asyncrl.rl.driver.teacher import scorer_kwargs
+    from asyncrl.rl.scorer.specs import scorer_spec
 
     monkeypatch.chdir(tmp_path)
     judge = ["--reward_model.model_path", judge_path, "--reward_model.kind", "judge"]
@@ -218,11 +202,11 @@ def test_a_judge_s_flags_and_template_are_checked_before_anything_is_spawned(jud
         with pytest.raises(ConfigError, match=rf"^{flags[0]} nowhere"):
             check_run(parse_overrides(GRPOConfig(), [*flags, "--run.run_dir", "run"]))
     assert section.template == str(tmp_path / "t.txt") and not section.shares_tokenizer
-    assert scorer_kwargs(section, "/student")["judge"] == {
-        "student_path": "/student",
-        "template": "{prompt}={completion}?",
-        "read": "logprob",
-        "verdict_tokens": ("yes", "no"),
-        "verdict": section.verdict,
-        "max_new_tokens": 16,
-    }
+    assert scorer_spec(section, "/student", temperature=1.0) == JudgeSpec(
+        student_path="/student",
+        template="{prompt}={completion}?",
+        read="logprob",
+        verdict_tokens=("yes", "no"),
+        verdict=section.verdict,
+        max_new_tokens=16,
+    )

@@ -16,7 +16,7 @@ import pytest
 
 from actors import Echo, PhasedStart
 from asyncrl import ActorDiedError, ActorStartError, ClusterStartError, NoFreeDevicesError, Supervisor
-from asyncrl.runtime import auth
+from asyncrl.runtime.cluster import auth
 from asyncrl.runtime.net import reachable_address
 from conftest import command_line, kill_all, process_alive, wait_until
 from multinode_support import NODE_TIMEOUT_S, agent_log, env, free_port, launch_argv, make_secret_file, start_agent

@@ -16,7 +16,7 @@ import pytest
 
 from actors import Echo
 from asyncrl import ActorDiedError, Supervisor
-from asyncrl.runtime import auth
+from asyncrl.runtime.cluster import auth
 from conftest import kill_all, process_alive, wait_until
 from multinode_support import (
     NODE_TIMEOUT_S,

@@ -32,8 +32,9 @@ from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig, RunConfig
 from asyncrl.rl.driver.faults import NoSamplersError, TaskFailedError, WeightsDivergedError, WeightsUncheckableError
 from asyncrl.rl.driver.fleet import sync_group
 from asyncrl.rl.driver.fleet.calls import call_all
-from asyncrl.rl.driver.fleet.membership import MemberState
-from asyncrl.rl.driver.fleet.pool import SamplerPool
+from asyncrl.rl.driver.fleet.membership import Membership, MemberState
+from asyncrl.rl.driver.fleet.pool import RolloutFlow, SamplerPool
+from asyncrl.rl.driver.fleet.sync_group import SyncPlace
 from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.rollout import RolloutGroup
@@ -51,7 +52,8 @@ GOT = SamplerSyncStats(seconds=0.01, receive=SENT)
 def answering(**fields) -> SamplerStats:
     """A sampler's answer to ``stats``: nothing counted yet, no weight dtype told; ``fields`` replace those."""
     nothing = dict.fromkeys(SamplerStats.__struct_fields__, 0) | dict(name="sampler", backend="hf", device="cpu")
-    return SamplerStats(**{**nothing, "loaded_adapters": None, "weight_dtype": "", **fields})
+    told = {"loaded_adapters": None, "weight_dtype": "", "serves_evaluations": False, "digestible": True}
+    return SamplerStats(**{**nothing, **told, **fields})
 
 
 class Scripted:
@@ -168,17 +170,16 @@ def run_config(restart_timeout_s: float = 30.0) -> RunConfig:
     )
 
 
-def make_pool(trainer, samplers, logs: list[str], **run) -> SamplerPool:
-    pool = SamplerPool(
-        trainer,
-        samplers,
-        RolloutQueue(8, 4),
-        run=run_config(**run),
-        seeds=[0] * len(samplers),
-        host="127.0.0.1",
-        backend="gloo",
-        log=logs.append,
+def pool_of(trainer, samplers, queue: RolloutQueue, run: RunConfig, *, seeds=None, log=print, **flow) -> SamplerPool:
+    """The pool of a run on this host over gloo, built from its parts as the driver builds it."""
+    membership = Membership(samplers, seeds or [0] * len(samplers), recovery=run.recovery, log=log)
+    return SamplerPool(
+        trainer, membership, RolloutFlow(queue, **flow), run=run, place=SyncPlace("127.0.0.1", "gloo"), log=log
     )
+
+
+def make_pool(trainer, samplers, logs: list[str], **run) -> SamplerPool:
+    pool = pool_of(trainer, samplers, RolloutQueue(8, 4), run_config(**run), log=logs.append)
     for m in pool.members:  # as after a successful start: in the group, incarnation 1
         m.state, m.incarnation = MemberState.JOINED, 1
     pool.sync_group.generation, pool.membership.dirty = 0, False
@@ -424,15 +425,8 @@ async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_be
     died = Scripted("sampler1", restore_data_state=[(0.0, ActorDiedError("sampler1", "killed by SIGKILL"))], **ok)
     up = Scripted("sampler2", restore_data_state=[(0.0, None)], **ok)
     logs: list[str] = []
-    pool = SamplerPool(
-        trainer_script(SENT),
-        [never, died, up],
-        RolloutQueue(8, 4),
-        run=run_config(),
-        seeds=[0, 1, 2],
-        host="127.0.0.1",
-        backend="gloo",
-        log=logs.append,
+    pool = pool_of(
+        trainer_script(SENT), [never, died, up], RolloutQueue(8, 4), run_config(), seeds=[0, 1, 2], log=logs.append
     )
     try:
         await pool.start(0, [])
@@ -448,9 +442,7 @@ async def test_the_start_goes_on_without_a_sampler_that_never_came_up_or_died_be
 async def test_the_start_stops_when_every_sampler_is_gone():
     never = Scripted("sampler0")
     never.set_state("dead")
-    pool = SamplerPool(
-        trainer_script(SENT), [never], RolloutQueue(8, 4), run=run_config(), seeds=[0], host="127.0.0.1", backend="gloo"
-    )
+    pool = pool_of(trainer_script(SENT), [never], RolloutQueue(8, 4), run_config())
     try:
         with pytest.raises(NoSamplersError, match="no sampler could join the weight-sync group at the start"):
             await pool.start(0, [])
@@ -490,18 +482,7 @@ async def test_a_sampler_back_after_a_sync_without_it_is_given_credit_for_the_ne
     queue = RolloutQueue(32, 1)
     pacer = Pacer(queue, 16, 1, version=38, next_step=40)  # step 39 took its batch (trained at v38)
     logs: list[str] = []
-    pool = SamplerPool(
-        trainer_script(SENT),
-        [sampler],
-        queue,
-        run=config,
-        seeds=[0],
-        host="127.0.0.1",
-        backend="gloo",
-        log=logs.append,
-        pacer=pacer,
-        batch_groups=8,
-    )
+    pool = pool_of(trainer_script(SENT), [sampler], queue, config, log=logs.append, pacer=pacer, batch_groups=8)
     m = pool.members[0]
     m.state, m.incarnation, m.min_version = MemberState.JOINED, 1, 38
     pool.sync_group.generation, pool.membership.dirty = 0, False
@@ -618,19 +599,7 @@ def paced_pool(sampler, *, n: int, max_staleness: int, batch: int, streams: int)
     config = dataclasses.replace(run_config(), groups_per_step=n, max_staleness=max_staleness)
     queue = RolloutQueue(n * (max_staleness + 1), max_staleness)
     pacer = Pacer(queue, n, max_staleness, version=0, next_step=1)
-    pool = SamplerPool(
-        Scripted("trainer"),
-        [sampler],
-        queue,
-        run=config,
-        seeds=[0],
-        host="127.0.0.1",
-        backend="gloo",
-        log=print,
-        pacer=pacer,
-        batch_groups=batch,
-        streams=streams,
-    )
+    pool = pool_of(Scripted("trainer"), [sampler], queue, config, pacer=pacer, batch_groups=batch, streams=streams)
     m = pool.members[0]
     m.state, m.incarnation = MemberState.JOINED, 1
     pool.sync_group.generation, pool.membership.dirty = 0, False

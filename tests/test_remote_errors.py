@@ -100,21 +100,26 @@ def test_a_rank_that_left_for_a_peer_is_not_the_cause():
     ranks = TrainerRanks([SimpleNamespace(name="trainer"), SimpleNamespace(name="trainer-1")])
     left = remote(PeerRankFailedError, "trainer rank 0 left train step 3: trainer rank 1 failed", "trainer")
     cause = remote_error_class("ValueError")("trainer-1", "train_step", "ValueError", "bad batch")
-    verdict = ranks._verdict("train_step", [left, cause])
+    verdict = ranks._verdict("train_step", [left, cause], stops_the_run=True)
     assert isinstance(verdict, TrainerRankFailedError), verdict
     assert "trainer rank 1 (trainer-1) failed during train_step: ValueError: bad batch; rank(s) 0 left" in str(verdict)
     # only victims: the verdict names one, as the failure, for want of a cause
-    verdict = ranks._verdict("train_step", [left, remote(StepDeadlineError, "deadline", "trainer-1")])
+    verdict = ranks._verdict(
+        "train_step", [left, remote(StepDeadlineError, "deadline", "trainer-1")], stops_the_run=True
+    )
     assert "trainer rank 0 failed during train_step: PeerRankFailedError" in str(verdict), verdict
     # a user's error that only shares the name is a cause, not a victim
     named = RemoteError("trainer", "train_step", "PeerRankFailedError", "not ours")
-    verdict = ranks._verdict("train_step", [named, remote(StepDeadlineError, "deadline", "trainer-1")])
+    verdict = ranks._verdict(
+        "train_step", [named, remote(StepDeadlineError, "deadline", "trainer-1")], stops_the_run=True
+    )
     assert "trainer rank 0 (trainer) failed" in str(verdict) and "rank(s) 1 left" in str(verdict), verdict
 
 
 def test_a_trainer_of_one_rank_is_its_handle_as_it_is():
-    # No group, no verdict, no deadline_s added: every call is the one handle's own, so a run of
-    # one rank sees the errors (and the messages) its trainer's handle gives.
+    # No group, no verdict, no deadline of the group's (deadline_s 0.0, the endpoint's own default):
+    # every call is the one handle's own, so a run of one rank sees the errors (and the messages)
+    # its trainer's handle gives.
     calls = []
 
     class Handle(SimpleNamespace):
@@ -126,9 +131,9 @@ def test_a_trainer_of_one_rank_is_its_handle_as_it_is():
 
     ranks = TrainerRanks([Handle(name="trainer", timeout_s=None)])
     assert ranks.name == "trainer" and ranks.world_size == 1
-    ranks.with_timeout(7.0).train_step("batch")
+    ranks.with_timeout(7.0).train_step(["batch"])
     ranks.sync_listen("host")
-    assert calls == [(7.0, "train_step", ("batch",), {}), (None, "sync_listen", ("host",), {})]
+    assert calls == [(7.0, "train_step", (["batch"], 0.0), {}), (None, "sync_listen", ("host", 0), {})]
 
 
 async def test_errors_raised_in_an_actor_are_caught_by_their_type():
@@ -158,4 +163,4 @@ async def test_a_trainer_group_verdict_from_real_ranks():
             match=r"trainer rank 1 \(trainer-1\) failed during train_step: "
             r"RuntimeError: a bug of this rank; rank\(s\) 0 left",
         ):
-            await TrainerRanks([left, failed]).with_timeout(30.0).train_step()
+            await TrainerRanks([left, failed]).with_timeout(30.0).train_step([])

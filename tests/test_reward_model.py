@@ -76,8 +76,9 @@ def test_scores_are_read_at_the_last_real_token_whatever_the_padding(reward_path
 
 async def test_a_token_id_outside_the_reward_models_vocabulary_is_refused_naming_the_reward_model(reward_path):
     from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
+    from asyncrl.rl.scorer.specs import RewardSpec
 
-    scorer = ScorerActor(reward_path, kind="reward")
+    scorer = ScorerActor(reward_path, RewardSpec())
     vocab = scorer.scorer.vocab
     with pytest.raises(ScorerError) as err:
         await scorer.rewards([1, 2], [[3], [vocab]])
@@ -88,18 +89,19 @@ async def test_a_token_id_outside_the_reward_models_vocabulary_is_refused_naming
 
 
 async def test_the_driver_adds_the_reward_model_s_score_to_the_task_s_by_its_weights(reward_path):
+    from asyncrl.rl.config.teacher import RewardModelConfig
     from asyncrl.rl.driver.teacher import RewardModel
     from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
+    from asyncrl.rl.scorer.specs import RewardSpec
 
     model = load_reward_model(reward_path, torch.device("cpu"))
     group = RolloutGroup(3, PROMPTS[1], COMPLETIONS, [[0.0] * len(c) for c in COMPLETIONS], [1.0, 0.0, 0.1], version=0)
     async with Supervisor(call_timeout_s=60) as sup:
         handle = await sup.spawn(
-            ScorerActor, reward_path, name="reward_model", env={"OMP_NUM_THREADS": "1"}, kwargs={"kind": "reward"}
+            ScorerActor, reward_path, RewardSpec(), name="reward_model", env={"OMP_NUM_THREADS": "1"}
         )
-        scored = await RewardModel(handle, weight=0.5, rule_weight=2.0, timeout_s=60, restart_timeout_s=60).annotate(
-            group
-        )
+        config = RewardModelConfig(timeout_s=60, weight=0.5, rule_weight=2.0)
+        scored = await RewardModel(handle, config, restart_timeout_s=60).annotate(group)
         expected = [2.0 * r + 0.5 * alone(model, PROMPTS[1] + c) for r, c in zip(group.rewards, COMPLETIONS)]
         assert scored.rewards == pytest.approx(expected, abs=1e-5)
         with pytest.raises(ScorerError, match="serves a reward, not a teacher"):

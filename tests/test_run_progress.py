@@ -14,12 +14,13 @@ import pytest
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import parse_overrides
 from asyncrl.rl.driver import grpo
+from asyncrl.rl.driver.build import Spawned, build_driver
 from asyncrl.rl.driver.fleet.membership import MemberState
 from asyncrl.rl.driver.run_progress import StartingProgress
 from asyncrl.rl.driver.run_state import RunState
 from asyncrl.rl.observe.eval_progress import EvalProgress
 from test_recovery_pool import Scripted, rollout
-from test_scaling_pool import sampler, scaler_of
+from test_scaling_pool import PLACE, sampler, scaler_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,16 +60,8 @@ EVERY_PART = {
 
 def driver_of(tmp_path, monkeypatch, *args: str) -> grpo.GRPODriver:
     config = parse_overrides(GRPOConfig(), ["--run.groups_per_step", "16", "--run.run_dir", str(tmp_path), *args])
-    driver = grpo.GRPODriver(
-        config,
-        Scripted("trainer"),
-        [sampler("sampler0"), sampler("sampler1")],
-        str(tmp_path),
-        lambda line: None,
-        host="127.0.0.1",
-        backend="gloo",
-        seeds=[0, 1],
-    )
+    spawned = Spawned(Scripted("trainer"), [sampler("sampler0"), sampler("sampler1")], [0, 1], PLACE)
+    driver = build_driver(config, spawned, grpo.RunFiles(str(tmp_path)), lambda line: None)
     monkeypatch.setattr(grpo, "time", SimpleNamespace(time=lambda: NOW, monotonic=lambda: MONOTONIC))
     driver.segment_start = MONOTONIC - 100.0
     return driver
@@ -97,7 +90,7 @@ async def test_the_progress_with_every_part_has_the_keys_values_and_order_it_alw
         m = driver.pool.members[0]
         m.state, m.incarnation = MemberState.JOINED, 2
         driver.step_done = driver.version = 39
-        driver.samples, driver.phase = 1234, "training"
+        driver.samples, driver.phase = 1234, grpo.Phase.TRAINING
         driver.heldout.before = {"greedy": 0.25, "sampled": 0.125}
         driver.last_step_s, driver.last_step_at = 1.23456, 1699999999.5
         driver.checkpoint_path = "/x/checkpoints/step-00000038"

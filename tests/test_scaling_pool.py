@@ -21,11 +21,13 @@ import pytest
 
 from asyncrl.rl.driver.fleet.membership import MemberState
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError, check_target
+from asyncrl.rl.driver.fleet.sync_group import SyncPlace
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.runtime.cluster import NodeStatus
+from asyncrl.runtime.cluster.nodes import NodeStatus
 from test_recovery_pool import GOT, SENT, Scripted, answering, make_pool
 
 pytestmark = pytest.mark.timeout(60)
+PLACE = SyncPlace("127.0.0.1", "gloo")
 JOINS = dict(
     stats=[(0.0, answering())], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)], restore_data_state=[(0.0, None)]
 )
@@ -45,18 +47,38 @@ def sampler(name: str) -> Scripted:
     return Scripted(name, receive_weights=[(0.0, GOT)], **JOINS)
 
 
-def scaler_of(pool, logs: list[str], stopped: list[str], spawned: dict[int, Scripted] | None = None) -> Scaler:
-    async def spawn(index: int) -> Scripted:
-        await asyncio.sleep(0.2)  # a start takes a while
-        return spawned[index]
+class Source:
+    """Stands in for the run's `SamplerSpawner` (a `SamplerSource`) on the CPU: ``spawned[i]`` is
+    what spawning sampler ``i`` gives, after a while; each stop is recorded in ``stopped``."""
 
-    async def stop(handle) -> None:
-        stopped.append(handle.name)
+    device, colocated, per_gpu = "cpu", False, 1
+
+    def __init__(self, stopped: list[str], spawned: dict[int, Scripted] | None = None, nodes=None, cores: int = 0):
+        self.stopped, self.spawned, self._nodes, self._cores = stopped, spawned or {}, nodes or [], cores
+
+    async def __call__(self, index: int) -> Scripted:
+        await asyncio.sleep(0.2)  # a start takes a while
+        return self.spawned[index]
+
+    def seed_of(self, index: int) -> int:
+        return index
+
+    async def stop(self, handle) -> None:
+        self.stopped.append(handle.name)
         handle.set_state("stopped")
 
-    return Scaler(
-        pool, spawn, stop, seed_of=lambda i: i, device="cpu", colocated=False, free_gpus=lambda: 0, log=logs.append
-    )
+    def free_gpus(self) -> int:
+        return 0
+
+    def nodes(self) -> list:
+        return list(self._nodes)
+
+    def cores(self) -> int:
+        return self._cores
+
+
+def scaler_of(pool, logs: list[str], stopped: list[str], spawned: dict[int, Scripted] | None = None) -> Scaler:
+    return Scaler(pool, Source(stopped, spawned), log=logs.append)
 
 
 async def test_a_drain_asked_during_a_sync_is_applied_at_the_next_one_with_one_reformation():
@@ -227,7 +249,8 @@ async def test_a_checkpoint_records_the_scaled_size_and_a_resumed_scaler_keeps_i
 
     from asyncrl.rl.config.grpo import GRPOConfig
     from asyncrl.rl.config.parse import parse_overrides
-    from asyncrl.rl.driver.grpo import GRPODriver
+    from asyncrl.rl.driver.build import Spawned, build_driver
+    from asyncrl.rl.driver.grpo import RunFiles
     from asyncrl.rl.driver.run_state import RunState
 
     class Trainer(Scripted):  # keeps the run state each checkpoint is given
@@ -244,10 +267,10 @@ async def test_a_checkpoint_records_the_scaled_size_and_a_resumed_scaler_keeps_i
 
     config = parse_overrides(GRPOConfig(), ["--run.run_dir", str(tmp_path)])
     logs, stopped, saver = [], [], Trainer()
-    driver = GRPODriver(
-        config, saver, [sampler("sampler0")], str(tmp_path), logs.append, host="127.0.0.1", backend="gloo", seeds=[0]
+    source = Source(stopped, {1: sampler("sampler1"), 2: sampler("sampler2")})
+    driver = build_driver(
+        config, Spawned(saver, [sampler("sampler0")], [0], PLACE), RunFiles(str(tmp_path)), logs.append, source=source
     )
-    driver.scaler = scaler_of(driver.pool, logs, stopped, {1: sampler("sampler1"), 2: sampler("sampler2")})
     try:
         await driver.checkpoint(1)
         driver.scaler.request({"samplers": 3})
@@ -261,18 +284,8 @@ async def test_a_checkpoint_records_the_scaled_size_and_a_resumed_scaler_keeps_i
     # the resume is replaced, as it would have been before the checkpoint.
     samplers = [sampler(f"sampler{i}") for i in range(3)]
     pool = make_pool(trainer(), samplers, logs)
-    resumed = Scaler(
-        pool,
-        lambda i: asyncio.sleep(0.1, result=sampler(f"sampler{i}")),
-        stopped.append,
-        seed_of=lambda i: i,
-        device="cpu",
-        colocated=False,
-        free_gpus=lambda: 0,
-        log=logs.append,
-        started=1,
-        target=3,
-    )
+    replacements = {i: sampler(f"sampler{i}") for i in range(3, 6)}
+    resumed = Scaler(pool, Source(stopped, replacements), log=logs.append, started=1, target=3)
     try:
         samplers[2].restarts = samplers[2].max_restarts
         samplers[2].set_state("dead")
@@ -294,8 +307,7 @@ async def test_the_samplers_of_a_node_leaving_are_drained_at_one_reformation():
     nodes = [NodeStatus(r, f"host{r}", f"10.0.0.{r}", 0, 0, "joined") for r in (0, 1)]
     logs, stopped = [], []
     pool = make_pool(trainer(), samplers, logs)
-    scaler = scaler_of(pool, logs, stopped)
-    scaler.nodes = lambda: nodes
+    scaler = Scaler(pool, Source(stopped, nodes=nodes), log=logs.append)
     try:
         await scaler.at_sync()
         await pool.sync(1)

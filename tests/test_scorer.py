@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
+from asyncrl.rl.scorer.specs import TeacherSpec
 from asyncrl.runtime import Supervisor
 from sampler_support import ONE_THREAD, recomputed
 
@@ -22,7 +23,7 @@ COMPLETIONS = [[5, 9, 7], [4], [8, 8, 8, 8, 8, 6]]
 
 async def test_waiting_requests_share_one_pass_and_match_a_plain_forward(tiny_path, policy, prompts):
     model = policy[0]
-    scorer = ScorerActor(tiny_path, temperature=0.7)
+    scorer = ScorerActor(tiny_path, TeacherSpec(temperature=0.7))
     # six callers (six samplers' groups) queue before the worker runs: one pass takes them all
     calls = [asyncio.ensure_future(scorer.teacher_logprobs(prompts[i % 3], COMPLETIONS)) for i in range(6)]
     await asyncio.sleep(0)
@@ -51,6 +52,7 @@ async def test_waiting_requests_share_one_pass_and_match_a_plain_forward(tiny_pa
 async def test_the_actor_refuses_bad_requests_and_the_driver_retries_it_on_its_restart_until_gone(
     tiny_path, policy, prompts
 ):
+    from asyncrl.rl.config.teacher import TeacherConfig
     from asyncrl.rl.driver.faults import RunStoppedError
     from asyncrl.rl.driver.teacher import ScorerLostError, Teacher
     from asyncrl.rl.rollout import RolloutGroup
@@ -72,7 +74,7 @@ async def test_the_actor_refuses_bad_requests_and_the_driver_retries_it_on_its_r
         stats = await handle.stats()
         assert stats["requests"] == 1 and stats["tokens"] == len(prompts[1]) + 6 and stats["score_s"] > 0
 
-        teacher = Teacher(handle, timeout_s=60, restart_timeout_s=120, log=lines.append)
+        teacher = Teacher(handle, TeacherConfig(timeout_s=60), restart_timeout_s=120, log=lines.append)
         assert handle.kill("test: lost mid-run")
         scored = await teacher.annotate(group)  # waits for the restart, then scores
         assert handle.info().incarnation == 2 and lines and "scorer (incarnation 1) lost" in lines[0]

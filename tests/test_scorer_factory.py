@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from asyncrl.rl.scorer.actor import ScorerActor, ScorerError
 from asyncrl.rl.scorer.base import Scored
 from asyncrl.rl.scorer.factory import make_scorer
 from asyncrl.rl.scorer.reward import RewardModelError
+from asyncrl.rl.scorer.specs import JudgeSpec, RewardSpec, ScorerSpec, TeacherSpec, scorer_spec
 from asyncrl.rl.scorer.teacher import TeacherScorer
 from asyncrl.rl.scoring.batch import ScoreRequest, request_batches
 
@@ -48,21 +50,24 @@ def test_request_batches_say_where_each_row_answer_goes():
 
 
 @pytest.mark.parametrize(
-    "kind, options, match",
+    "given, match",
     [
-        ("critic", {}, "kind must be 'teacher', 'reward' or 'judge', not 'critic'"),
-        ("reward", {"top_k": 4}, r"top_k must be >= 0, and 0 for a reward \(a teacher's option\)"),
-        ("teacher", {"top_k": -1}, "top_k must be >= 0"),
-        ("teacher", {"temperature": 0.0}, "temperature must be > 0"),
+        ({"type": "critic"}, r"Invalid value 'critic' - at `\$.type`"),
+        ({"type": "reward", "top_k": 4}, r"Object contains unknown field `top_k`"),  # a teacher's option
+        ({"type": "teacher", "top_k": -1}, "top_k must be an integer >= 0"),
+        ({"type": "teacher", "temperature": 0.0}, "temperature must be > 0"),
     ],
 )
-def test_the_factory_refuses_a_bad_kind_before_loading_anything(kind, options, match):
-    with pytest.raises(ValueError, match=match):
-        make_scorer(kind, "/no/such/checkpoint", CPU, **options)
+def test_a_bad_spec_is_refused_where_it_arrives_before_anything_is_loaded(given, match):
+    # as the actor's process decodes its spawn arguments (`ScorerSpec`: a tagged union)
+    with pytest.raises(msgspec.ValidationError, match=match):
+        msgspec.convert(given, ScorerSpec)
+    with pytest.raises(ValueError, match=r"top_k must be an integer >= 0"):
+        TeacherSpec(top_k=-1)
 
 
-def test_the_factory_makes_the_scorer_of_each_kind(tiny_path):
-    teacher = make_scorer("teacher", tiny_path, CPU, temperature=0.7)
+def test_each_spec_makes_its_scorer(tiny_path):
+    teacher = make_scorer(TeacherSpec(temperature=0.7), tiny_path, CPU)
     assert isinstance(teacher, TeacherScorer)
     assert (teacher.kind, teacher.endpoint, teacher.top_k, teacher.temperature) == (
         "teacher",
@@ -70,11 +75,22 @@ def test_the_factory_makes_the_scorer_of_each_kind(tiny_path):
         0,
         0.7,
     )
-    top = make_scorer("teacher", tiny_path, CPU, top_k=10**9)
+    top = make_scorer(TeacherSpec(top_k=10**9), tiny_path, CPU)
     assert top.endpoint == "teacher_topk" and top.top_k == top.vocab  # K past the vocabulary: all of it
     # a causal LM is not a reward model: the reward kind's own loader is the one that refuses it
     with pytest.raises(RewardModelError, match="one output"):
-        make_scorer("reward", tiny_path, CPU)
+        make_scorer(RewardSpec(), tiny_path, CPU)
+
+
+def test_the_config_s_section_picks_the_spec(tmp_path):
+    from asyncrl.rl.config.teacher import RewardModelConfig, TeacherConfig
+
+    assert scorer_spec(TeacherConfig(top_k=3), "/student", 0.5) == TeacherSpec(temperature=0.5, top_k=3)
+    assert scorer_spec(RewardModelConfig(), "/student", 0.5) == RewardSpec()
+    template = tmp_path / "t.txt"
+    template.write_text("{prompt} {completion}")
+    judge = scorer_spec(RewardModelConfig(kind="judge", template=str(template)), "/student", 0.5)
+    assert isinstance(judge, JudgeSpec) and judge.template == "{prompt} {completion}" and judge.parses_verdicts
 
 
 class _Lengths:

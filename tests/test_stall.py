@@ -14,8 +14,10 @@ import pytest
 
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import ConfigError, parse_overrides
+from asyncrl.rl.driver.build import Spawned, build_driver
 from asyncrl.rl.driver.fleet.membership import MemberState
-from asyncrl.rl.driver.grpo import GRPODriver
+from asyncrl.rl.driver.fleet.sync_group import SyncPlace
+from asyncrl.rl.driver.grpo import RunFiles, Wait
 from asyncrl.rl.observe.endpoint import MetricsEndpoint
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.runtime.status import StatusServer
@@ -149,8 +151,11 @@ async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_5
     )
     sampler = Scripted("sampler0", stats=[(0.0, answering(groups=8))])
     logs: list[str] = []
-    driver = GRPODriver(
-        config, Scripted("trainer"), [sampler], str(tmp_path), logs.append, host="127.0.0.1", backend="gloo", seeds=[0]
+    driver = build_driver(
+        config,
+        Spawned(Scripted("trainer"), [sampler], [0], SyncPlace("127.0.0.1", "gloo")),
+        RunFiles(str(tmp_path)),
+        logs.append,
     )
     m = driver.pool.members[0]
     m.state, m.incarnation = MemberState.JOINED, 2
@@ -178,7 +183,7 @@ async def test_the_driver_names_the_wait_in_its_log_in_asyncrl_status_and_as_a_5
         code, _, body = await asyncio.to_thread(get, base + "/healthz")
         assert code == 200 and "stalled" not in json.loads(body)  # steps come
         driver.stall.step_began()
-        driver.waiting = "batch"
+        driver.waiting = Wait.BATCH
         await until(lambda: driver.stall.reason, what="the stall")
         reason = driver.stall.reason
         line = (

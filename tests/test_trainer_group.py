@@ -6,6 +6,7 @@ sharded checkpoint restores a 2-rank trainer exactly."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -62,18 +63,16 @@ async def spawn_plain(sup, path, config):
 
 async def spawn_ranks(sup, path, config, world_size=2, env=None):
     from asyncrl.rl.driver.fleet.trainer_ranks import spawn_trainer_ranks
-    from asyncrl.rl.trainer.actor import TrainerActor
 
     return await spawn_trainer_ranks(
         sup,
-        TrainerActor,
-        (path, config),
-        world_size=world_size,
-        host=HOST,
+        path,
+        dataclasses.replace(config, world_size=world_size),
         timeout_s=60.0,
         gpus=0,
         env={**ONE_THREAD, **(env or {})},
-        kwargs={},
+        options={},
+        host=HOST,
     )
 
 

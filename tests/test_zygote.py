@@ -1,4 +1,4 @@
-"""The zygote (runtime/zygote.py): actors forked from a process that imported their modules once.
+"""The zygote (runtime/zygotes/zygote.py): actors forked from a process that imported their modules once.
 
 Real processes: an actor forked by it serves calls, its exit code (a clean stop, ``sys.exit(3)``,
 a SIGKILL) reaches the supervisor through the zygote's reports, a SIGKILLed supervisor leaves no
@@ -19,9 +19,9 @@ import pytest
 
 from actors import Echo, Exits
 from asyncrl import ActorDiedError, ActorState, Supervisor
-from asyncrl.runtime import zygote
 from asyncrl.runtime.config import ENV_PREFIX
-from asyncrl.runtime.zygote_pool import ZygotePool, active_pool
+from asyncrl.runtime.zygotes import zygote
+from asyncrl.runtime.zygotes.pool import ZygotePool, active_pool
 from conftest import process_alive, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,7 +181,7 @@ async def test_off_by_the_environment(monkeypatch):
         assert await actor.parent() == os.getpid()
 
 
-# --- a pool: zygotes kept between supervisors (runtime/zygote_pool.py) -----------------------------
+# --- a pool: zygotes kept between supervisors (runtime/zygotes/pool.py) -----------------------------
 
 
 async def _one_supervisor(code: int = 0) -> tuple[int, int]:

@@ -11,8 +11,6 @@ take their checks from here.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 BACKENDS = ("auto", "nccl", "hccl", "gloo", "ipc")
@@ -59,7 +57,7 @@ class SyncAddress(msgspec.Struct, frozen=True, kw_only=True):
         """``name/g<generation>``, as the group and its communicator are named."""
         return f"{self.name}/g{self.generation}"
 
-    def check_rank(self, rank: Any) -> None:
+    def check_rank(self, rank: object) -> None:
         """Refuse a ``rank`` that is not a member's of this group, or that is told port 0 (only
         rank 0 may pick the store's port; the others must be told it)."""
         if isinstance(rank, bool) or not isinstance(rank, int):
@@ -69,12 +67,12 @@ class SyncAddress(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"rank {rank} cannot join a store at port 0: only rank 0 picks the port")
 
 
-def check_count(what: str, value: Any) -> None:
+def check_count(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be a non-negative int, not {value!r}")
 
 
-def check_str(what: str, value: Any) -> None:
+def check_str(what: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{what} must be a non-empty string, not {value!r}")
 
@@ -84,16 +82,16 @@ def check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
 
 
-def check_timeout(timeout_s: Any) -> None:
+def check_timeout(timeout_s: object) -> None:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number, not {timeout_s!r}")
 
 
-def check_name(name: Any) -> None:
+def check_name(name: object) -> None:
     if not isinstance(name, str) or "/" in name or not name:
         raise ValueError(f"group name must be non-empty and contain no '/': {name!r}")
 
 
-def check_backend(backend: Any) -> None:
+def check_backend(backend: object) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown communicator backend {backend!r} ({', '.join(BACKENDS)})")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import collections
 import enum
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +31,16 @@ class ReduceOp(enum.IntEnum):
     PROD = 1
     MAX = 2
     MIN = 3
+
+
+def cuda_stream(stream: torch.Stream | None, device: torch.device) -> torch.cuda.Stream:
+    """``stream`` as the CUDA stream an operation on ``device`` goes on (None: the device's current
+    one); a stream of another kind is refused (`TypeError`)."""
+    if stream is None:
+        return torch.cuda.current_stream(device)
+    if not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"an operation on {device} goes on a torch.cuda.Stream, not a {type(stream).__name__}")
+    return stream
 
 
 class Work(abc.ABC):
@@ -75,20 +85,31 @@ class Communicator(abc.ABC):
 
     # -- operations -------------------------------------------------------------------------
     @abc.abstractmethod
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         """Copy ``tensor`` of rank ``src`` into ``tensor`` of every other rank. ``tensor`` must be
         contiguous and on ``device``; same shape and dtype on every rank."""
 
     @abc.abstractmethod
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        stream: torch.Stream | None = None,
+        timeout_s: float | None = None,
     ) -> Work:
         """Reduce ``tensor`` across ranks in place."""
 
-    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def send(
+        self, tensor: torch.Tensor, dst: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         raise NotImplementedError(f"{self.backend} communicator has no point-to-point send")
 
-    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def recv(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         raise NotImplementedError(f"{self.backend} communicator has no point-to-point recv")
 
     # -- lifetime ---------------------------------------------------------------------------

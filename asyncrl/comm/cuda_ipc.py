@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncrl.comm.communicator import Communicator, CompletedWork, ReduceOp, Work
+from asyncrl.comm.communicator import Communicator, CompletedWork, ReduceOp, Work, cuda_stream
 from asyncrl.comm.errors import CollectiveError
 from asyncrl.comm.gloo import GlooCommunicator, all_reduce_on_host
 from asyncrl.comm.rendezvous import StoreGroup
@@ -86,23 +86,25 @@ class CudaIpcCommunicator(Communicator):
         """Allocations of other processes this member has mapped (each once per membership)."""
         return len(self._mapped)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         self._check_open("broadcast")
         self._check_tensor(tensor, "broadcast")
         timeout_s = 60.0 if timeout_s is None else timeout_s
-        stream = stream or torch.cuda.current_stream(self.device)
+        on = cuda_stream(stream, self.device)
         message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)  # all zeros: the source failed to export
         failure: Exception | None = None
         if self.rank == src:
             try:
-                stream.synchronize()  # the bytes a receiver will read are written
+                on.synchronize()  # the bytes a receiver will read are written
                 message = _encode(_export(tensor))
             except Exception as exc:  # still takes part below: the receivers learn it at once
                 failure = exc
         self._signal(lambda: self._control.broadcast(message, src, timeout_s=timeout_s), timeout_s)
         if self.rank != src:
             try:
-                self._copy_in(tensor, _decode(message, src), stream)
+                self._copy_in(tensor, _decode(message, src), on)
             except Exception as exc:
                 failure = exc
         # Every member's verdict: the source may overwrite its tensor once every receiver copied.
@@ -121,7 +123,12 @@ class CudaIpcCommunicator(Communicator):
         return CompletedWork()
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        stream: torch.Stream | None = None,
+        timeout_s: float | None = None,
     ) -> Work:
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
@@ -141,7 +148,7 @@ class CudaIpcCommunicator(Communicator):
             self.abort(f"its gloo signalling failed: {exc}")
             raise
 
-    def _copy_in(self, tensor: torch.Tensor, source: _Handle, stream: Any) -> None:
+    def _copy_in(self, tensor: torch.Tensor, source: _Handle, stream: torch.cuda.Stream) -> None:
         if source.nbytes != tensor.nbytes:
             raise ValueError(f"the source's tensor has {source.nbytes} bytes, this one {tensor.nbytes}")
         storage = self._storage(source)

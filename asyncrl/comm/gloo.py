@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
-from asyncrl.comm.communicator import Communicator, ReduceOp, Work
+from asyncrl.comm.communicator import Communicator, ReduceOp, Work, cuda_stream
 from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError
 from asyncrl.comm.rendezvous import StoreGroup, local_address_towards
 from asyncrl.errors import first_line
@@ -98,7 +98,9 @@ class GlooCommunicator(Communicator):
             store.set_timeout(previous)
         return cls(pg, group, timeout_s)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         self._check_op(tensor, "broadcast")
         options = dist.BroadcastOptions()
         options.rootRank = src
@@ -107,7 +109,12 @@ class GlooCommunicator(Communicator):
         return GlooWork(self, self._pg.broadcast([tensor], options), f"broadcast from rank {src}")
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        stream: torch.Stream | None = None,
+        timeout_s: float | None = None,
     ) -> Work:
         self._check_op(tensor, "all_reduce")
         options = dist.AllreduceOptions()
@@ -115,11 +122,15 @@ class GlooCommunicator(Communicator):
         self._set_timeout(options, timeout_s)
         return GlooWork(self, self._pg.allreduce([tensor], options), f"all_reduce({ReduceOp(op).name})")
 
-    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def send(
+        self, tensor: torch.Tensor, dst: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         self._check_op(tensor, "send")
         return GlooWork(self, self._pg.send([tensor], dst, 0), f"send to rank {dst}")
 
-    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def recv(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         self._check_op(tensor, "recv")
         return GlooWork(self, self._pg.recv([tensor], src, 0), f"recv from rank {src}")
 
@@ -153,12 +164,12 @@ class GlooCommunicator(Communicator):
 
 
 def all_reduce_on_host(
-    control: GlooCommunicator, tensor: torch.Tensor, op: ReduceOp, *, stream: Any, timeout_s: float
+    control: GlooCommunicator, tensor: torch.Tensor, op: ReduceOp, *, stream: torch.Stream | None, timeout_s: float
 ) -> None:
     """Reduce ``tensor`` (on a device) over ``control`` through host memory, to completion: the few
     integers of a sync's votes, for the communicators whose bytes go another way (cuda_ipc.py,
     tiered.py). ``stream``: the one whose work on ``tensor`` must come first (None: the current)."""
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with torch.cuda.stream(cuda_stream(stream, tensor.device)) if stream is not None else contextlib.nullcontext():
         host = tensor.cpu()  # waits for the stream's work on the tensor
         control.all_reduce(host, op, timeout_s=timeout_s).wait(timeout_s)
         tensor.copy_(host)

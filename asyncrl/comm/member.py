@@ -2,11 +2,13 @@
 
 `SyncSeat` is one process's place in a group across its generations (the listener rank 0 reserved,
 the current `SyncMembership`), owned by whatever joins for the process (the trainer's and the
-sampler's weight-sync parts, which hand it to a sampler's sink); `SyncMember` is a mixin of the
-same endpoints over a seat of its own, for a small `Actor` that takes part in a group (tests,
-benchmarks). `form_group` is the driver's side: it asks rank 0 for a store port, then starts
-every member's join at once and waits for all under one deadline, which is the rendezvous
-contract (see `rendezvous.py`).
+sampler's weight-sync parts, which hand it to a sampler's sink). `SyncEndpoints` is the group's
+four endpoints (``sync_listen``, ``sync_join``, ``sync_leave``, ``sync_created``), written once for
+every actor that takes part: each forwards to the actor's `SyncSide` (the trainer's seat, the
+sampler's `WeightReceiving`); `SyncMember` is the same over a seat of its own, for a small `Actor`
+that takes part in a group (tests, benchmarks). `form_group` is the driver's side: it asks rank 0
+for a store port, then starts every member's join at once and waits for all under one deadline,
+which is the rendezvous contract (see `rendezvous.py`).
 Rebuilding after a member was lost is the same call with the next generation: each member drops
 its old communicator and joins the new group. A member's own join is
 `asyncrl.comm.join.join_sync_group`, the same call vLLM's worker makes.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.communicator import Communicator
@@ -29,7 +31,30 @@ from asyncrl.comm.rendezvous import StoreGroup, join_all, reserve_listener
 from asyncrl.runtime.actor import Actor, endpoint
 
 # make_communicator lives in `asyncrl.comm.join`; re-exported for callers that import it from here.
-__all__ = ["SyncMember", "SyncSeat", "form_group", "make_communicator"]
+__all__ = ["SyncEndpoints", "SyncMember", "SyncSeat", "SyncSide", "form_group", "make_communicator"]
+
+
+class SyncSide(Protocol):
+    """An actor's side of the weight-sync group, as its four endpoints reach it (`SyncEndpoints`):
+    a `SyncSeat` where the actor's own process sends or receives, or a part that joins elsewhere
+    (a vLLM sampler's engine process)."""
+
+    def listen(self, host: str, port: int = 0) -> int:
+        """Rank 0 only: bind the store's listening socket now (`SyncSeat.listen`). Returns the port."""
+        ...
+
+    async def join(self, address: SyncAddress, rank: int) -> str:
+        """Leave any previous group, join the one at ``address`` as ``rank`` and create its
+        communicator. Returns the communicator's backend."""
+        ...
+
+    async def leave(self) -> None:
+        """Drop the communicator, the store handle and a reserved listener. Idempotent."""
+        ...
+
+    async def created(self) -> dict[str, int]:
+        """Communicators created for weight sync, per backend (proves reuse across syncs)."""
+        ...
 
 
 class SyncSeat:
@@ -63,15 +88,22 @@ class SyncSeat:
         listener = None
         if rank == 0:
             listener, self._listener = self._listener, None
-        self.leave()  # the previous membership, not the listener just taken for this one
+        self._leave()  # the previous membership, not the listener just taken for this one
         # One deadline for rendezvous and communicator (see join_sync_group): the driver waits
         # for this call only a margin beyond address.timeout_s.
         self.membership = await asyncio.to_thread(join_sync_group, address, rank, listener=listener)
         return self.membership.backend
 
-    def leave(self) -> None:
+    async def leave(self) -> None:
         """Drop the communicator, the store handle (an aborted one included) and a listening
         socket reserved for a join that never came. Idempotent."""
+        self._leave()
+
+    async def created(self) -> dict[str, int]:
+        """Communicators this process has created, per backend."""
+        return dict(Communicator.created)
+
+    def _leave(self) -> None:
         membership, listener = self.membership, self._listener
         self.membership = self._listener = None
         if listener is not None:
@@ -80,9 +112,41 @@ class SyncSeat:
             membership.close()
 
 
-class SyncMember(Actor):
-    """Endpoints that let the driver put this actor in a weight-sync group, held by its
-    `sync_seat` (``sync_comm`` and ``sync_group`` are the seat's, None outside a group)."""
+class SyncEndpoints(Actor):
+    """The weight-sync group's endpoints of an actor that takes part in it, each forwarded to its
+    ``sync_side``: the driver's calls that put the actor in a group (`form_group`, the fleet's
+    `SyncGroup`), written once for every such actor."""
+
+    @property
+    def sync_side(self) -> SyncSide:
+        """The actor's side of the group (each subclass names its part)."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not name its side of the weight-sync group")
+
+    @endpoint
+    async def sync_listen(self, host: str, port: int = 0) -> int:
+        """Rank 0 only: bind the store's listening socket now. Returns the port."""
+        return self.sync_side.listen(host, port)
+
+    @endpoint
+    async def sync_join(self, address: SyncAddress, rank: int) -> str:
+        """Leave any previous group, join the one at ``address`` as ``rank`` and create its
+        communicator. Returns the communicator's backend."""
+        return await self.sync_side.join(address, rank)
+
+    @endpoint
+    async def sync_leave(self) -> None:
+        """Drop the communicator, the store handle and a reserved listener. Idempotent."""
+        await self.sync_side.leave()
+
+    @endpoint
+    async def sync_created(self) -> dict[str, int]:
+        """Communicators created for weight sync, per backend (proves reuse across syncs)."""
+        return await self.sync_side.created()
+
+
+class SyncMember(SyncEndpoints):
+    """`SyncEndpoints` over a `SyncSeat` of the actor's own (``sync_comm`` and ``sync_group`` are
+    the seat's, None outside a group): a small actor that sends or receives itself."""
 
     _sync_seat: SyncSeat | None = None
 
@@ -94,6 +158,10 @@ class SyncMember(Actor):
         return self._sync_seat
 
     @property
+    def sync_side(self) -> SyncSide:
+        return self.sync_seat
+
+    @property
     def sync_comm(self) -> Communicator | None:
         return self.sync_seat.comm
 
@@ -101,29 +169,8 @@ class SyncMember(Actor):
     def sync_group(self) -> StoreGroup | None:
         return self.sync_seat.group
 
-    @endpoint
-    async def sync_listen(self, host: str, port: int = 0) -> int:
-        """Rank 0 only: bind the store's listening socket now (`SyncSeat.listen`). Returns the port."""
-        return self.sync_seat.listen(host, port)
-
-    @endpoint
-    async def sync_join(self, address: SyncAddress, rank: int) -> str:
-        """Leave any previous group, join the one at ``address`` as ``rank`` and create its
-        communicator. Returns the communicator's backend."""
-        return await self.sync_seat.join(address, rank)
-
-    @endpoint
-    async def sync_leave(self) -> None:
-        """Drop the communicator, the store handle and a reserved listener. Idempotent."""
-        self.sync_seat.leave()
-
-    @endpoint
-    async def sync_created(self) -> dict[str, int]:
-        """Communicators this process has created, per backend (proves reuse across syncs)."""
-        return dict(Communicator.created)
-
     async def on_stop(self) -> None:
-        await self.sync_leave()
+        await self.sync_seat.leave()
 
 
 async def form_group(

@@ -43,7 +43,7 @@ class PhaseClock:
         self._events = []
 
     @contextlib.contextmanager
-    def span(self, phase: str, stream: Any = None) -> Iterator[None]:
+    def span(self, phase: str, stream: torch.Stream | None = None) -> Iterator[None]:
         """Time the block as ``phase``: on ``stream`` (a CUDA stream) with events, else on the host."""
         if stream is None:
             start = time.perf_counter()

@@ -184,7 +184,9 @@ class HcclCommunicator(Communicator):
 
     # -- operations ------------------------------------------------------------------------------
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         what = f"broadcast(src={src}, {tensor.numel()} x {tensor.dtype})"
         self._check_args(tensor, what, src)
         dtype, ptr = hccl_dtype(tensor.dtype), tensor.data_ptr()
@@ -193,7 +195,12 @@ class HcclCommunicator(Communicator):
         )
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        stream: torch.Stream | None = None,
+        timeout_s: float | None = None,
     ) -> Work:
         what = f"all_reduce({getattr(op, 'name', op)}, {tensor.numel()} x {tensor.dtype})"
         self._check_args(tensor, what)
@@ -206,7 +213,9 @@ class HcclCommunicator(Communicator):
             lambda comm, s: self._lib.HcclAllReduce(ptr, ptr, tensor.numel(), dtype, code, comm, s),
         )
 
-    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def send(
+        self, tensor: torch.Tensor, dst: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         what = f"send(dst={dst}, {tensor.numel()} x {tensor.dtype})"
         self._check_p2p(tensor, what, dst, "HcclSend")
         dtype, ptr = hccl_dtype(tensor.dtype), tensor.data_ptr()
@@ -214,7 +223,9 @@ class HcclCommunicator(Communicator):
             what, (tensor,), stream, lambda comm, s: self._lib.HcclSend(ptr, tensor.numel(), dtype, dst, comm, s)
         )
 
-    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def recv(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         what = f"recv(src={src}, {tensor.numel()} x {tensor.dtype})"
         self._check_p2p(tensor, what, src, "HcclRecv")
         dtype, ptr = hccl_dtype(tensor.dtype), tensor.data_ptr()
@@ -238,7 +249,7 @@ class HcclCommunicator(Communicator):
         if not self._lib.has(symbol):
             raise CommLibraryError(f"{self._lib.path} has no {symbol} (CANN older than 6.0.1?)")
 
-    def _launch(self, what: str, keep_alive: tuple[torch.Tensor, ...], stream: Any, call: Any) -> Work:
+    def _launch(self, what: str, keep_alive: tuple[torch.Tensor, ...], stream: torch.Stream | None, call: Any) -> Work:
         """Enqueue ``call(comm_handle, stream_handle)`` and return its Work. A library error aborts
         the communicator: the peers have enqueued their half and will wait on us forever."""
         if keep_alive[0].numel() == 0:

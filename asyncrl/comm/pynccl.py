@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from asyncrl.comm.communicator import Communicator, ReduceOp, Work
+from asyncrl.comm.communicator import Communicator, ReduceOp, Work, cuda_stream
 from asyncrl.comm.errors import CollectiveError, CollectiveTimeoutError, RendezvousError
 from asyncrl.comm.nccl_library import (
     DTYPES,
@@ -119,7 +119,9 @@ class NcclCommunicator(Communicator):
         return comm
 
     # -- operations ---------------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         stream = self._prepare(tensor, "broadcast", stream)
         ptr = tensor.data_ptr()
         return self._enqueue(
@@ -135,7 +137,12 @@ class NcclCommunicator(Communicator):
         )
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        stream: torch.Stream | None = None,
+        timeout_s: float | None = None,
     ) -> Work:
         stream = self._prepare(tensor, "all_reduce", stream)
         if tensor.dtype == torch.bool:
@@ -153,7 +160,9 @@ class NcclCommunicator(Communicator):
             REDUCE_OPS[ReduceOp(op)],
         )
 
-    def send(self, tensor: torch.Tensor, dst: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def send(
+        self, tensor: torch.Tensor, dst: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         stream = self._prepare(tensor, "send", stream)
         return self._enqueue(
             f"send to rank {dst}",
@@ -166,7 +175,9 @@ class NcclCommunicator(Communicator):
             dst,
         )
 
-    def recv(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def recv(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         stream = self._prepare(tensor, "recv", stream)
         return self._enqueue(
             f"recv from rank {src}",
@@ -180,10 +191,10 @@ class NcclCommunicator(Communicator):
         )
 
     # -- internals ----------------------------------------------------------------------------
-    def _prepare(self, tensor: torch.Tensor, what: str, stream: Any) -> torch.cuda.Stream:
+    def _prepare(self, tensor: torch.Tensor, what: str, stream: torch.Stream | None) -> torch.cuda.Stream:
         self._check_open(what)
         self._check_tensor(tensor, what)
-        return torch.cuda.current_stream(self.device) if stream is None else stream
+        return cuda_stream(stream, self.device)
 
     def _enqueue(self, what: str, stream: torch.cuda.Stream, timeout_s: float | None, fn, *args: Any) -> NcclWork:
         result = fn(*args, self._handle, stream.cuda_stream)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -143,7 +142,9 @@ class TieredCommunicator(Communicator):
         """The tiers this member takes part in (``across`` between GPUs, ``within`` its own)."""
         return tuple(name for name, comm in (("across", self._across), ("within", self._within)) if comm is not None)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, stream: Any = None, timeout_s: float | None = None) -> Work:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, stream: torch.Stream | None = None, timeout_s: float | None = None
+    ) -> Work:
         self._check_open("broadcast")
         self._check_tensor(tensor, "broadcast")
         deadline = time.monotonic() + (60.0 if timeout_s is None else timeout_s)
@@ -168,7 +169,12 @@ class TieredCommunicator(Communicator):
             raise
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, stream: Any = None, timeout_s: float | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        stream: torch.Stream | None = None,
+        timeout_s: float | None = None,
     ) -> Work:
         self._check_open("all_reduce")
         self._check_tensor(tensor, "all_reduce")
@@ -192,7 +198,9 @@ class TieredCommunicator(Communicator):
             comm.close()
 
 
-def _pass_on(within: Communicator, tensor: torch.Tensor, local_src: int, stream: Any, deadline: float) -> None:
+def _pass_on(
+    within: Communicator, tensor: torch.Tensor, local_src: int, stream: torch.Stream | None, deadline: float
+) -> None:
     """The within tier's broadcast from its rank ``local_src``, to completion."""
     within.broadcast(tensor, local_src, stream=stream, timeout_s=_left(deadline)).wait(_left(deadline))
 

@@ -60,7 +60,7 @@ sync), it returns the parts of bucket k's segments, in order, each shaped as its
 class _WeightSync:
     """What sender and receiver share: the layout, the staging buffers and the two votes."""
 
-    def __init__(self, comm: Communicator, layout: WeightLayout, src: int, timeout_s: float):
+    def __init__(self, comm: Communicator, layout: WeightLayout, src: int, timeout_s: float, setup_calls: int):
         self.comm = comm
         self.layout = layout
         self.layout_hash = layout.digest()
@@ -79,7 +79,7 @@ class _WeightSync:
         self._word = word_dtype(layout)
         self.changes: ChangeSending | ChangeReceiving | None = None  # with a base: ``delta_wire.py``
         self.notices: SyncNotices | None = None  # a sender whose receivers asked: ``sync_notice.py``
-        self.setup_calls = -1  # the group's store calls at the end of set-up: names its notices
+        self.setup_calls = setup_calls  # the group's store calls at the end of set-up: names its notices
 
     def _remaining(self) -> float:
         remaining = self._deadline - time.monotonic()
@@ -89,7 +89,7 @@ class _WeightSync:
 
     @property
     def _who(self) -> str:
-        return f"group {self.comm.group!r} rank {self.comm.rank}"
+        return _who(self.comm)
 
     def _run(
         self,
@@ -200,9 +200,25 @@ class WeightSender(_WeightSync):
     """The trainer's side. Holds references to the tensors (normally a model's parameters, updated
     in place by the optimizer), never a copy of them."""
 
-    def __init__(self, comm: Communicator, layout: WeightLayout, tensors: Mapping[str, torch.Tensor], timeout_s: float):
-        super().__init__(comm, layout, comm.rank, timeout_s)
+    def __init__(
+        self,
+        comm: Communicator,
+        layout: WeightLayout,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        *,
+        setup_calls: int = -1,
+        notices: SyncNotices | None = None,
+        kept: KeptBuckets | None = None,
+    ):
+        """What `create` agreed on: ``setup_calls``, the group's store calls at the end of set-up;
+        ``notices``, where each sync is announced (receivers that stage asked for it); ``kept``,
+        a delta sender's copy of what it sent (its changes go on the wire from then on)."""
+        super().__init__(comm, layout, comm.rank, timeout_s, setup_calls)
         self.tensors = dict(tensors)
+        self._expected = [(n, t.shape, t.dtype) for n, t in self.tensors.items()]  # local dtypes, not the wire's
+        self.notices, self.kept = notices, kept
+        self.changes = ChangeSending(self.staging, layout, kept, comm.rank) if kept is not None else None
 
     @classmethod
     def create(
@@ -228,16 +244,16 @@ class WeightSender(_WeightSync):
         layout = sender_layout(tensors, bucket_bytes, wire_dtype, allow_direct and not delta, device=comm.device)
         deadline = time.monotonic() + timeout_s  # the driver allows this call only a margin beyond it
         group.broadcast_obj(layout, src=comm.rank, type=WeightLayout, timeout_s=timeout_s, what="the weight layout")
-        notices = agree_on_setup(group, "", deadline)
-        sender = cls(comm, layout, tensors, timeout_s)
-        sender.setup_calls = group.calls
-        if notices:
-            sender.notices = SyncNotices(group, sender.setup_calls, sender._who)
-        sender._expected = [(n, t.shape, t.dtype) for n, t in tensors.items()]  # local dtypes, not the wire's
-        if delta:
-            sender.kept = KeptBuckets(layout, comm.device)
-            sender.changes = ChangeSending(sender.staging, layout, sender.kept, comm.rank)
-        return sender
+        announce = agree_on_setup(group, "", deadline)
+        return cls(
+            comm,
+            layout,
+            tensors,
+            timeout_s,
+            setup_calls=group.calls,
+            notices=SyncNotices(group, group.calls, _who(comm)) if announce else None,
+            kept=KeptBuckets(layout, comm.device) if delta else None,
+        )
 
     def send(
         self, version: int, tensors: Mapping[str, torch.Tensor] | None = None, *, source: BucketSource | None = None
@@ -318,12 +334,10 @@ class WeightReceiver(_WeightSync):
             except LayoutMismatchError as exc:
                 error = str(exc)
         agree_on_setup(group, error, deadline, notices=notices)
-        receiver = cls(comm, layout, src, timeout_s)
-        receiver.setup_calls = group.calls
-        return receiver
+        return cls(comm, layout, src, timeout_s, group.calls)
 
-    def __init__(self, comm: Communicator, layout: WeightLayout, src: int, timeout_s: float):
-        super().__init__(comm, layout, src, timeout_s)
+    def __init__(self, comm: Communicator, layout: WeightLayout, src: int, timeout_s: float, setup_calls: int = -1):
+        super().__init__(comm, layout, src, timeout_s, setup_calls)
         self.changes = ChangeReceiving(self.staging, layout, src, comm.device, self._who)
         self._held: tuple[int, tuple[int, ...]] = (-1, ())  # the version in the tensors written in place
         self._in_place = False
@@ -440,3 +454,8 @@ class WeightReceiver(_WeightSync):
                         into(name, whole)
                 if isinstance(into, ConsumerGuard):
                     into.flush()
+
+
+def _who(comm: Communicator) -> str:
+    """A member as its errors and notices name it."""
+    return f"group {comm.group!r} rank {comm.rank}"

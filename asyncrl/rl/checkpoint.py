@@ -188,12 +188,12 @@ def verify_checkpoint(checkpoint: Checkpoint) -> bool:
             raise DamagedCheckpointError(checkpoint, f"{name}: size {actual}, expected {size}")
     digests = _sha256_all([os.path.join(path, name) for name in sorted(files)])
     for name, (_, digest) in sorted(files.items()):
-        actual = digests[os.path.join(path, name)]
-        if isinstance(actual, OSError):
-            raise DamagedCheckpointError(checkpoint, f"{name}: unreadable ({actual.strerror or actual})")
-        if actual != digest:
+        got = digests[os.path.join(path, name)]
+        if isinstance(got, OSError):
+            raise DamagedCheckpointError(checkpoint, f"{name}: unreadable ({got.strerror or got})")
+        if got != digest:
             raise DamagedCheckpointError(
-                checkpoint, f"{name}: contents differ from the manifest (SHA-256 {actual[:12]}, expected {digest[:12]})"
+                checkpoint, f"{name}: contents differ from the manifest (SHA-256 {got[:12]}, expected {digest[:12]})"
             )
     return True
 
@@ -233,11 +233,12 @@ def write_manifest(folder: str) -> None:
             if rel != MANIFEST:
                 paths[rel] = full
     digests = _sha256_all(list(paths.values()))
-    files = {}
+    files: dict[str, dict[str, int | str]] = {}
     for rel, full in paths.items():
-        if isinstance(digests[full], OSError):
-            raise digests[full]
-        files[rel] = {"size": os.path.getsize(full), "sha256": digests[full]}
+        digest = digests[full]
+        if isinstance(digest, OSError):
+            raise digest
+        files[rel] = {"size": os.path.getsize(full), "sha256": digest}
     write_bytes(
         os.path.join(folder, MANIFEST), json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1).encode()
     )

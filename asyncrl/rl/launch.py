@@ -94,7 +94,7 @@ async def grpo_main(
     name_run(os.path.basename(config.run.run_dir))  # in this process's title, its zygote's and its actors'
     try:
         from asyncrl.runtime.config import ENV_PREFIX
-        from asyncrl.runtime.zygote import PRELOAD
+        from asyncrl.runtime.zygotes.zygote import PRELOAD
 
         # Its actors import torch and transformers: once, in a zygote, where no device is visible.
         chosen = os.environ.get(ENV_PREFIX + "ZYGOTE_PRELOAD")  # `asyncrl launch`'s or the caller's
@@ -108,7 +108,7 @@ async def grpo_main(
 
 def take_config_files(argv: list[str]) -> tuple[list[ConfigFile], list[str]]:
     """Every ``--config FILE`` of ``argv``, read in order (`read_config_file`), and the rest."""
-    files = []
+    files: list[ConfigFile] = []
     while True:
         path, argv = take_option(argv, "--config", "FILE")
         if not path:
@@ -132,7 +132,7 @@ def default_config(
     layers = [_saved_task(resume) if resume else {}]
     layers += [_file_task(file) for file in files]
     layers.append({"name": _flag_value(argv, "--task.name"), "reward": _flag_value(argv, "--task.reward")})
-    chosen = next((layer for layer in reversed(layers) if layer.get("name") or layer.get("reward")), {})
+    chosen: dict[str, str] = next((layer for layer in reversed(layers) if layer.get("name") or layer.get("reward")), {})
     name, reward = chosen.get("name") or None, chosen.get("reward") or None
     if reward:
         reward_function(reward)  # its mistakes named as typed, before the rest is parsed

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import GenericAlias
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast, overload
 
 import msgspec
 
@@ -24,6 +24,9 @@ from asyncrl.runtime.codec import PayloadDecoder
 _ENDPOINT_ATTR = "__asyncrl_endpoint__"
 RESERVED_NAMES = frozenset({"info", "kill", "name", "pinned", "wait_for_incarnation", "wait_for_state", "with_timeout"})
 """Attributes of an ``ActorHandle``; an endpoint may not be named like one of them."""
+S = TypeVar("S")
+P = ParamSpec("P")
+R = TypeVar("R")
 _STREAM_ORIGINS = (
     collections.abc.AsyncIterator,
     collections.abc.AsyncGenerator,
@@ -31,8 +34,24 @@ _STREAM_ORIGINS = (
 )
 
 
-def endpoint(fn: Callable) -> Callable:
-    """Mark a method of an ``Actor`` subclass as callable through an ``ActorHandle``.
+class Endpoint(Generic[S, P, R]):
+    """A method marked `endpoint`, as the type checker sees it: on an instance, the method itself
+    (``Callable[P, R]``, ``self`` bound); on the class, this. At run time it is the plain function:
+    nothing here runs. ``S`` is the actor class, ``P`` the parameters after ``self``, ``R`` what
+    the method returns; the typing plugin reads ``P`` and ``R`` for the caller's view through an
+    ``ActorHandle`` (``typing_plugin.py``)."""
+
+    @overload
+    def __get__(self, obj: None, owner: type[S]) -> Endpoint[S, P, R]: ...
+    @overload
+    def __get__(self, obj: S, owner: type[S] | None = None) -> Callable[P, R]: ...
+    def __get__(self, obj: S | None, owner: type[S] | None = None) -> Endpoint[S, P, R] | Callable[P, R]:
+        raise NotImplementedError("a type-checking view only: an endpoint is its function")
+
+
+def endpoint(fn: Callable[Concatenate[S, P], R]) -> Endpoint[S, P, R]:
+    """Mark a method of an ``Actor`` subclass as callable through an ``ActorHandle``; the method
+    itself is returned, typed as an `Endpoint` of its signature (what the typing plugin reads).
 
     ``async def`` endpoints run as tasks on the actor's event loop, so several can be in flight
     at once; a plain ``def`` runs on the loop and blocks it until it returns; an ``async def``
@@ -40,7 +59,7 @@ def endpoint(fn: Callable) -> Callable:
     if not callable(fn):
         raise TypeError("@endpoint decorates a method")
     setattr(fn, _ENDPOINT_ATTR, True)
-    return fn
+    return cast(Endpoint[S, P, R], fn)  # the function is its own descriptor; Endpoint is its type
 
 
 class Actor:

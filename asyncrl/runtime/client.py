@@ -19,7 +19,7 @@ import zmq
 from asyncrl.errors import CallTimeoutError, MessageTooLargeError, ProtocolError, remote_error_class
 from asyncrl.runtime import wire
 from asyncrl.runtime.actor import EndpointSpec
-from asyncrl.runtime.auth import ClusterKeys
+from asyncrl.runtime.cluster.auth import ClusterKeys
 from asyncrl.runtime.codec import PayloadEncoder, frames_nbytes
 from asyncrl.runtime.server import STREAM_WINDOW
 from asyncrl.runtime.timeouts import timeout

@@ -60,7 +60,7 @@ class SupervisorConfig:
     """Accelerator devices this node offers to placement (the first N found); 0 means all."""
     zygote_preload: str = ""
     """Comma-separated modules for a zygote to import once, forking each local actor from it
-    (runtime/zygote.py), on a host with no accelerator; "": no zygote, every actor by ``Popen``.
+    (runtime/zygotes/zygote.py), on a host with no accelerator; "": no zygote, every actor by ``Popen``.
     Worth it where actors import heavy modules (a GRPO run sets it); a zygote costs its imports'
     CPU at every supervisor start, wasted where actors need none of them."""
     handle_signals: bool = True

@@ -7,7 +7,7 @@ on it sends ``Heartbeat``s, and ``Dead`` with its last words if it can. ``Shutdo
 stop.
 
 Workers on node 0 speak through the local control socket; workers on other nodes through the
-cluster socket (``cluster.py``), which hands their messages to ``on_worker`` with itself as the
+cluster socket (``cluster/nodes.py``), which hands their messages to ``on_worker`` with itself as the
 channel. Every answer goes back the way the worker's ``Hello`` came.
 
 Invariant: a message counts only if it names the current incarnation of its actor and came through
@@ -33,7 +33,7 @@ from asyncrl.runtime.throttled_log import ThrottledLog
 from asyncrl.runtime.transport import LoopSocket, bind_router
 
 if TYPE_CHECKING:
-    from asyncrl.runtime.cluster import Cluster
+    from asyncrl.runtime.cluster.nodes import Cluster
 
 log = logging.getLogger("asyncrl.supervisor")
 

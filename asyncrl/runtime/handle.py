@@ -3,6 +3,12 @@
 restarts: calls made while the actor restarts wait (within their timeout) for the new incarnation.
 A handle ``pinned`` to one incarnation sends to that process only: once it is gone, its calls fail
 with ``ActorDiedError`` at once, never reaching a replacement that lacks the state they build on.
+
+Typed calls. ``Supervisor.spawn(Squarer, ...)`` returns an ``ActorHandle[Squarer]``, and under mypy
+with this package's plugin (``asyncrl.runtime.typing_plugin``) ``h.square`` is a
+``RemoteMethod[[x: int], Coroutine[..., float]]``: the endpoint's own parameters, an awaitable of
+its return (a stream: its async iterator), checked at every call. At run time the handle is the
+same dynamic proxy either way; the type parameter is for the checker only.
 """
 
 from __future__ import annotations
@@ -10,9 +16,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast
 
-from asyncrl.runtime.actor import EndpointSpec
+from asyncrl.runtime.actor import Actor, EndpointSpec
 from asyncrl.runtime.state import ActorState
 
 if TYPE_CHECKING:
@@ -20,8 +26,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncrl.supervisor")
 
+P = ParamSpec("P")
+R = TypeVar("R", covariant=True)
+A = TypeVar("A", bound=Actor, covariant=True)
 
-class RemoteMethod:
+
+class RemoteMethod(Generic[P, R]):
+    """One endpoint of one actor, as its caller sees it: calling it sends the call. ``P`` are the
+    endpoint's parameters, ``R`` what a call returns here: an awaitable of the endpoint's result,
+    or for a stream its async iterator (the typing plugin fills both in from the actor class)."""
+
     __slots__ = ("_incarnation", "_record", "_spec", "_timeout_s")
 
     def __init__(self, record: ActorRecord, spec: EndpointSpec, timeout_s: float, incarnation: int | None = None):
@@ -30,15 +44,17 @@ class RemoteMethod:
         self._timeout_s = timeout_s
         self._incarnation = incarnation
 
-    def with_timeout(self, timeout_s: float) -> RemoteMethod:
+    def with_timeout(self, timeout_s: float) -> RemoteMethod[P, R]:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
         return RemoteMethod(self._record, self._spec, timeout_s, self._incarnation)
 
-    def __call__(self, *args: Any, **kwargs: Any):
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        # The one place the dynamic call meets its static type: the spec was built from the very
+        # method whose signature R was read from (a stream's iterator, else the call's coroutine).
         if self._spec.is_stream:
-            return self._stream(args, kwargs)
-        return self._call(args, kwargs)
+            return cast(R, self._stream(args, kwargs))
+        return cast(R, self._call(args, kwargs))
 
     async def _call(self, args: tuple, kwargs: dict) -> Any:
         record, timeout_s = self._record, self._timeout_s
@@ -64,8 +80,9 @@ class RemoteMethod:
         return f"<remote {self._record.name}.{self._spec.name}>"
 
 
-class ActorHandle:
-    """Returned by ``Supervisor.spawn``; valid in the supervisor's process."""
+class ActorHandle(Generic[A]):
+    """Returned by ``Supervisor.spawn``; valid in the supervisor's process. ``A`` is the actor's
+    class: each endpoint of it is an attribute of the handle (`RemoteMethod`)."""
 
     __slots__ = ("_incarnation", "_record", "_specs", "_timeout_s")
 
@@ -122,13 +139,13 @@ class ActorHandle:
             raise ValueError("states must name at least one ActorState")
         return await self._record.wait_until(lambda r: r.state in wanted, timeout_s)
 
-    def with_timeout(self, timeout_s: float) -> ActorHandle:
+    def with_timeout(self, timeout_s: float) -> ActorHandle[A]:
         """The same actor, with ``timeout_s`` as the default deadline of its calls."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
         return ActorHandle(self._record, self._specs, timeout_s, self._incarnation)
 
-    def pinned(self, incarnation: int) -> ActorHandle:
+    def pinned(self, incarnation: int) -> ActorHandle[A]:
         """The same actor, its calls sent to ``incarnation`` only (``info().incarnation`` when it
         was judged running). For calls that build on what an earlier call left in that process (a
         receiver set up, then weights received): once that process is gone, each call fails at
@@ -136,7 +153,7 @@ class ActorHandle:
         reaching a new process that has none of it."""
         return ActorHandle(self._record, self._specs, self._timeout_s, incarnation)
 
-    def __getattr__(self, attr: str) -> RemoteMethod:
+    def __getattr__(self, attr: str) -> RemoteMethod[..., Any]:
         spec = self._specs.get(attr)
         if spec is None:
             known = ", ".join(sorted(self._specs)) or "none"

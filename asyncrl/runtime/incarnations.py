@@ -21,10 +21,11 @@ import sys
 import time
 
 from asyncrl.errors import ActorDiedError, ActorNotReadyError, ActorStartError, first_line
-from asyncrl.runtime import auth, wire
+from asyncrl.runtime import wire
 from asyncrl.runtime import worker as worker_env
 from asyncrl.runtime.client import ActorClient
-from asyncrl.runtime.cluster import Cluster
+from asyncrl.runtime.cluster import auth
+from asyncrl.runtime.cluster.nodes import Cluster
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.control import ControlChannel
 from asyncrl.runtime.devices import DevicePool
@@ -34,7 +35,7 @@ from asyncrl.runtime.resources import SupervisorResources
 from asyncrl.runtime.start_watch import StartWatch
 from asyncrl.runtime.state import ActorState
 from asyncrl.runtime.watchdog import SilenceWatchdog
-from asyncrl.runtime.zygote import Zygote, ZygoteUnavailable
+from asyncrl.runtime.zygotes.zygote import Zygote, ZygoteUnavailable
 
 log = logging.getLogger("asyncrl.supervisor")
 
@@ -61,7 +62,7 @@ class Incarnations:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
         self.zygote: Zygote | None = None
-        """Where local actors are forked from while it works (zygote.py); None: ``Popen``."""
+        """Where local actors are forked from while it works (``zygotes/zygote.py``); None: ``Popen``."""
         self._watchdog = SilenceWatchdog(
             "supervisor", config.heartbeat_interval_s, config.heartbeat_timeout_s, self._running, self._on_silent
         ).start()

@@ -17,7 +17,7 @@ from asyncrl.runtime import worker as worker_env
 from asyncrl.runtime.devices import DevicePool
 
 if TYPE_CHECKING:
-    from asyncrl.runtime.cluster import Cluster
+    from asyncrl.runtime.cluster.nodes import Cluster
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 

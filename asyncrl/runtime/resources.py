@@ -21,7 +21,8 @@ import weakref
 
 import zmq
 
-from asyncrl.runtime import auth, signals
+from asyncrl.runtime import signals
+from asyncrl.runtime.cluster import auth
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.transport import make_run_dir, remove_run_dir
 

@@ -13,9 +13,9 @@ removes the run directory however this process ends, bar a SIGKILL of it (then t
 notice on their own, see ``worker.py``). The conversation with workers lives in ``control.py``;
 placement in ``placement.py``.
 
-With ``nnodes > 1`` this supervisor is node 0 of a cluster (see ``cluster.py``): actors placed on
+With ``nnodes > 1`` this supervisor is node 0 of a cluster (see ``cluster/nodes.py``): actors placed on
 another node are started by that node's agent and appear here as ``RemoteProcess``es, which the
-code below treats like local processes. Over TCP every socket is CURVE-authenticated (``auth.py``).
+code below treats like local processes. Over TCP every socket is CURVE-authenticated (``cluster/auth.py``).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from asyncrl.errors import ActorDiedError, ActorStartError, InvalidArgumentsError, SupervisorClosedError, first_line
 from asyncrl.runtime import net, signals, titles
-from asyncrl.runtime.actor import endpoints_of, init_spec
-from asyncrl.runtime.cluster import Cluster, NodeStatus
+from asyncrl.runtime.actor import Actor, endpoints_of, init_spec
+from asyncrl.runtime.cluster.nodes import Cluster, NodeStatus
 from asyncrl.runtime.codec import PayloadEncoder
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.control import ControlChannel
@@ -48,12 +48,14 @@ from asyncrl.runtime.record import ActorRecord, ActorStatus
 from asyncrl.runtime.resources import SupervisorResources, cluster_keys
 from asyncrl.runtime.state import ActorState, SupervisorState
 from asyncrl.runtime.status import StatusServer
-from asyncrl.runtime.zygote import ENV_PRELOAD, Zygote, usable
-from asyncrl.runtime.zygote_pool import ZygotePool, active_pool
+from asyncrl.runtime.zygotes.pool import ZygotePool, active_pool
+from asyncrl.runtime.zygotes.zygote import ENV_PRELOAD, Zygote, usable
 
 log = logging.getLogger("asyncrl.supervisor")
 
 __all__ = ["Supervisor"]
+
+A = TypeVar("A", bound=Actor)
 
 
 class Supervisor:
@@ -233,7 +235,7 @@ class Supervisor:
 
     async def spawn(
         self,
-        cls: type,
+        cls: type[A],
         *args: Any,
         name: str | None = None,
         gpus: int = 0,
@@ -244,7 +246,7 @@ class Supervisor:
         node: int | None = None,
         share_devices_with: str | None = None,
         keep_if_lost: bool = False,
-    ) -> ActorHandle:
+    ) -> ActorHandle[A]:
         """Start ``cls(*args, **kwargs)`` in a new process and return its handle once ``__init__``
         and ``on_start`` have returned there. Raises ``ActorStartError`` (with the remote
         traceback) if they raise, ``NoFreeDevicesError`` if ``gpus`` cannot be met.
@@ -349,8 +351,8 @@ class Supervisor:
         return record.node, list(record.devices)
 
     async def spawn_group(
-        self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any
-    ) -> list[ActorHandle]:
+        self, cls: type[A], n: int, *args: Any, name: str | None = None, **options: Any
+    ) -> list[ActorHandle[A]]:
         """Start ``n`` alike actors concurrently, named ``<name>-0 .. <name>-(n-1)``. If any fails
         to start, the others are stopped and the first error is raised."""
         if n < 1:
@@ -365,7 +367,7 @@ class Supervisor:
             raise errors[0]
         return [h for h in results if isinstance(h, ActorHandle)]  # all of them: no errors
 
-    async def stop(self, handle: ActorHandle) -> None:
+    async def stop(self, handle: ActorHandle[Actor]) -> None:
         """Stop one actor for good (no restart); its pending calls fail with ``ActorDiedError``."""
         rec = self._records.get(handle.name)
         if rec is not None and rec is handle._record:

@@ -17,7 +17,7 @@ and scripts read. So a title has the room of the command line asyncrl started th
 cut at its end, where the run's name is.
 
 An actor forked from the zygote has the environment it asked for in ``os.environ`` and in the C
-library's ``environ`` (what it and its children read: zygote_serve.py sets it), but the kernel
+library's ``environ`` (what it and its children read: zygotes/serve.py sets it), but the kernel
 shows the block the zygote was started with. `show_environ` writes the actor's own into that
 block, which the zygote keeps free of references (`own_environ`) and starts with `ROOM_BYTES`
 to spare (`ENV_ROOM`).

@@ -1,7 +1,7 @@
 """ZeroMQ sockets as the runtime uses them: bounded, explicit addresses, no lingering, one loop.
 
 Addresses: ``ipc://`` inside a host (files in a private 0700 run directory), ``tcp://host:port``
-across hosts, always authenticated (CURVE, see ``auth.py``): the helpers below refuse a ``tcp://``
+across hosts, always authenticated (CURVE, see ``cluster/auth.py``): the helpers below refuse a ``tcp://``
 endpoint without keys. Every socket has bounded high-water marks and every send queue is bounded.
 """
 
@@ -21,7 +21,7 @@ import zmq
 from asyncrl.runtime.throttled_log import ThrottledLog
 
 if TYPE_CHECKING:
-    from asyncrl.runtime.auth import ClusterKeys, Gatekeeper
+    from asyncrl.runtime.cluster.auth import ClusterKeys, Gatekeeper
 
 DEFAULT_HWM = 1000
 MAX_QUEUED_SENDS = 100_000

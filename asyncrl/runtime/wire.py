@@ -13,7 +13,7 @@ Three conversations use these messages:
   ``ToWorker`` down;
 * node agent <-> supervisor (the agent's DEALER -> the supervisor's cluster ROUTER, which also
   carries the ``ToSupervisor`` messages of workers on other nodes): ``FromNode`` up, ``ToAgent``
-  down. See ``cluster.py`` and ``agent.py``.
+  down. See ``cluster/nodes.py`` and ``cluster/agent.py``.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import zmq
 from asyncrl.errors import type_path
 from asyncrl.runtime import startup, titles, wire
 from asyncrl.runtime.actor import init_spec
-from asyncrl.runtime.auth import ClusterKeys, Gatekeeper, keys_from_env
+from asyncrl.runtime.cluster.auth import ClusterKeys, Gatekeeper, keys_from_env
 from asyncrl.runtime.loop import run
 from asyncrl.runtime.loop_watch import LoopWatch
 from asyncrl.runtime.server import ActorServer

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any
+from typing import Any, cast
 
 from asyncrl.errors import AsyncrlError
 
@@ -35,6 +35,13 @@ def compact_calls(tokenizer: Any) -> bool:
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _SPACE = re.compile(r"\s*")
+
+
+def _skip_space(text: str, at: int) -> int:
+    """``at`` past the whitespace there (``\\s*`` matches at any place, the empty match included)."""
+    return cast(re.Match[str], _SPACE.match(text, at)).end()
+
+
 _JSON = json.JSONDecoder()
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a function name as OpenAI allows it (and dotted ones)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -126,7 +133,7 @@ def parse_tool_calls(text: str, *, compact: bool = False) -> tuple[str, list[dic
     last = at = 0
     read = _compact_call if compact else _tool_call
     while (at := text.find(_OPEN, at)) >= 0:
-        found = read(text, _SPACE.match(text, at + len(_OPEN)).end())
+        found = read(text, _skip_space(text, at + len(_OPEN)))
         if found is None:  # not a call we understand: it stays in the content as written
             at += len(_OPEN)
             continue
@@ -140,7 +147,7 @@ def parse_tool_calls(text: str, *, compact: bool = False) -> tuple[str, list[dic
 
 def _closed(text: str, at: int) -> int | None:
     """The end of the ``</tool_call>`` at ``at`` (after whitespace), or None where none is."""
-    at = _SPACE.match(text, at).end()
+    at = _skip_space(text, at)
     return at + len(_CLOSE) if text.startswith(_CLOSE, at) else None
 
 
@@ -180,7 +187,7 @@ def _compact_call(text: str, at: int) -> tuple[dict[str, Any], int] | None:
             return None
         value = text[equals + 1 : close].rstrip()
         return _call(name.group(), json.dumps({text[rest:equals]: value}, ensure_ascii=False)), close + len(_CLOSE)
-    found = _json_at(text, _SPACE.match(text, rest).end())
+    found = _json_at(text, _skip_space(text, rest))
     if found is None or (end := _closed(text, found[1])) is None:
         return None
     arguments = found[0]

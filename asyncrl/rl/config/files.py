@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.rl.config.parse import ConfigError
-from asyncrl.rl.config.tree import docstrings, is_flat, plain, toml_value
+from asyncrl.rl.config.tree import Section, docstrings, is_flat, is_section, plain, toml_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -171,7 +171,7 @@ WIDTH = 100
 """Where a written file's comments wrap."""
 
 
-def config_file_text(config: Any, header: str = "") -> str:
+def config_file_text(config: Section, header: str = "") -> str:
     """Every key of ``config`` as a TOML file, defaults included, under ``header`` (comment lines)
     and each key under its docstring's first sentence; `read_config_file` and `parse_overrides`
     read it back to ``config``."""
@@ -180,14 +180,14 @@ def config_file_text(config: Any, header: str = "") -> str:
     return "\n".join(out).strip("\n") + "\n"
 
 
-def _section(section: Any, key: str, doc: str, out: list[str]) -> None:
+def _section(section: Section, key: str, doc: str, out: list[str]) -> None:
     """A section's table: its own keys (a flat sub-section's among them), then its sub-sections'
     tables (TOML puts every key of a table before the next header)."""
-    below = []
+    below: list[tuple[str, Section, str]] = []
     if key:
         out += ["", *([_comment(doc)] if doc else []), f"[{key}]"]
     for name, value, field_doc in _keys(section):
-        if dataclasses.is_dataclass(value):
+        if is_section(value):
             below.append((f"{key}.{name}" if key else name, value, field_doc))
         else:
             out += [*([_comment(field_doc)] if field_doc else []), f"{name} = {toml_value(value)}"]
@@ -195,7 +195,7 @@ def _section(section: Any, key: str, doc: str, out: list[str]) -> None:
         _section(value, name, field_doc, out)
 
 
-def _keys(section: Any) -> Iterator[tuple[str, Any, str]]:
+def _keys(section: Section) -> Iterator[tuple[str, object, str]]:
     """(name, value, docstring) of a section's keys and sub-sections, a flat sub-section's keys in
     its place (its class holds their docstrings)."""
     docs = docstrings(type(section))

@@ -16,7 +16,7 @@ import dataclasses
 import keyword
 import threading
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
@@ -104,11 +104,19 @@ class GRPOConfig:
         )
 
 
-_TYPES: dict[type, type] = {}
+class TaskClass(Protocol):
+    """What a run's config reads of a task class (`asyncrl.rl.tasks.base.Task`): its name, which
+    names its options' section."""
+
+    @classmethod
+    def task_name(cls) -> str: ...
+
+
+_TYPES: dict[type, type[GRPOConfig]] = {}
 _TYPES_LOCK = threading.Lock()
 
 
-def grpo_config_type(task_cls: type) -> type[GRPOConfig]:
+def grpo_config_type(task_cls: type[TaskClass]) -> type[GRPOConfig]:
     """The config type of a run on the task class ``task_cls``: `GRPOConfig` with one more section,
     the task's ``Config`` under its name (``--countdown.*``: on the command line, in ``--help``, in
     config.json); GRPOConfig itself for a task without options. One type per class (cached), so
@@ -123,7 +131,7 @@ def grpo_config_type(task_cls: type) -> type[GRPOConfig]:
         return _TYPES[task_cls]
 
 
-def _with_section(task_cls: type, options: type) -> type[GRPOConfig]:
+def _with_section(task_cls: type[TaskClass], options: type) -> type[GRPOConfig]:
     name = task_cls.task_name()
     where = f"task {task_cls.__module__}.{task_cls.__qualname__}"
     if not name.isidentifier() or keyword.iskeyword(name):
@@ -141,7 +149,7 @@ def _with_section(task_cls: type, options: type) -> type[GRPOConfig]:
         raise ConfigError(
             f"{where}: its Config must be a frozen dataclass (@dataclass(frozen=True, kw_only=True)), not {options!r}"
         )
-    doc = f"{GRPOConfig.__doc__.strip()}\n\nThis type: a run on task {name}, whose options are ``--{name}.*``."
+    doc = f"{(GRPOConfig.__doc__ or '').strip()}\n\nThis type: a run on task {name}, whose options are ``--{name}.*``."
     return dataclasses.make_dataclass(
         "GRPOConfig",
         [(name, options, field(default_factory=options))],

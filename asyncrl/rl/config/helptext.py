@@ -16,9 +16,8 @@ import dataclasses
 import shutil
 import textwrap
 from collections.abc import Iterable
-from typing import Any
 
-from asyncrl.rl.config.tree import docstrings, is_flat, plain, typed
+from asyncrl.rl.config.tree import Section, docstrings, is_flat, is_section, plain, typed
 
 ENTRY_INDENT = 2
 """Where a flag starts (argparse's section indent)."""
@@ -31,7 +30,7 @@ GRAMMAR = (
 """The description of the first group: how any key below is given."""
 
 
-def help_text(config: Any, options: Iterable[tuple[str, str]] = ()) -> str:
+def help_text(config: Section, options: Iterable[tuple[str, str]] = ()) -> str:
     """Every overridable key of ``config`` with its default and docstring, a group per section.
     ``options``: (flag as shown, description) of the flags the script takes besides its keys
     (``("--resume RUN_DIR", "...")``), listed first."""
@@ -46,25 +45,26 @@ def options_text(options: Iterable[tuple[str, str]], title: str = "options") -> 
     return _group(title, "", [_entry(flag, text, width) for flag, text in options], width)
 
 
-def _groups(section: Any, key: str, doc: str, width: int, first: Iterable[str] = ()) -> list[str]:
+def _groups(section: Section, key: str, doc: str, width: int, first: Iterable[str] = ()) -> list[str]:
     """The group of ``section`` (at ``key``; "" for the root, titled "options") followed by the
     groups of its sub-sections, each after its parent's."""
-    entries, below = list(first), []
+    entries: list[str] = list(first)
+    below: list[str] = []
     for f, value, owner in _fields(section):
         name = f"{key}.{f.name}" if key else f.name
         field_doc = plain(docstrings(owner).get(f.name, ""))
-        if dataclasses.is_dataclass(value):
+        if is_section(value):
             below += _groups(value, name, field_doc or _class_doc(type(value)), width)
         else:
             entries.append(_entry(f"--{name} {typed(value)}", field_doc, width))
     return [_group(key or "options", doc, entries, width), *below]
 
 
-def _fields(section: Any) -> list[tuple[dataclasses.Field, Any, type]]:
+def _fields(section: Section) -> list[tuple[dataclasses.Field, object, type]]:
     """(field, value, the class that declares it) of a section's keys and sub-sections, a flat
     sub-section's in its place: the declaring class's source holds the field's docstring (a base
     class's, for a field a subclass inherits: `grpo_config_type` adds a section to GRPOConfig)."""
-    out = []
+    out: list[tuple[dataclasses.Field, object, type]] = []
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         out += _fields(value) if is_flat(f) else [(f, value, _declaring(type(section), f.name))]

@@ -43,17 +43,20 @@ import shlex
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Protocol
 
 from asyncrl.errors import UsageError
 from asyncrl.rl.config.helptext import help_text
 from asyncrl.rl.config.tree import (
+    S,
+    Section,
     config_to_dict,
     docstrings,
     field_path,
     fields_of,
     flat_section,
     is_flat,
+    is_section,
     sentence,
     toml_value,
     typed,
@@ -77,13 +80,26 @@ class ConfigError(UsageError, ValueError):
     flag; ``asyncrl launch`` prints it and exits with status 2."""
 
 
-def parse_overrides(config: Any, argv: list[str], files: Sequence[Any] = ()) -> Any:
+class ConfigValues(Protocol):
+    """A config file's tables as read (`asyncrl.rl.config.files.ConfigFile`), and where each key is."""
+
+    @property
+    def values(self) -> Mapping[str, object]: ...
+
+    def where(self, dotted: str) -> str: ...
+
+
+Override = dict[str, "Override | _Setting"]
+"""The settings of one section, by field name: a value's, or a sub-section's (its own)."""
+
+
+def parse_overrides(config: S, argv: list[str], files: Sequence[ConfigValues] = ()) -> S:
     """Apply ``--a.b.c value`` / ``--a.b.c=value`` pairs to the dataclass tree ``config``, over
     the keys of ``files`` (`asyncrl.rl.config.files.ConfigFile`s, in order: a later one, and any
     flag, wins). Each section is rebuilt once with all of its overrides, so fields that are
     validated together (say, a hidden size and a head count) can change together, one from a
     file and one from a flag included. Dashes in keys count as underscores (``--run.max-staleness``)."""
-    tree: dict[str, Any] = {}
+    tree: Override = {}
     settings = [s for file in files for s in _file_settings(config, file)]
     for dotted, raw in _pairs(config, argv):
         path, current = _resolve(config, dotted, raw)
@@ -93,7 +109,10 @@ def parse_overrides(config: Any, argv: list[str], files: Sequence[Any] = ()) -> 
     for path, setting in settings:
         node = tree
         for name in path[:-1]:
-            node = node.setdefault(name, {})
+            inner = node.setdefault(name, {})
+            if not isinstance(inner, dict):  # a path is a field's: none runs through another's value
+                raise ConfigError(f"{setting.shown()}: {'.'.join(path[:-1])} is a value, not a section")
+            node = inner
         node[path[-1]] = setting
     return _apply(config, tree)
 
@@ -117,14 +136,16 @@ def take_option(argv: list[str], flag: str, metavar: str = "VALUE") -> tuple[str
 # --- parsing --------------------------------------------------------------------------------------
 
 
-def _pairs(config: Any, argv: list[str]) -> list[tuple[str, str | None]]:
+def _pairs(config: Section, argv: list[str]) -> list[tuple[str, str | None]]:
     """(key, raw value) per override; the value is None when the flag has none (reported once
     the key is known to exist, so a misspelt flag is named as such first)."""
-    pairs, i = [], 0
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) < 3 or arg[2] == "-":
             raise ConfigError(_stray(config, arg))
+        raw: str | None
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
             i += 1
@@ -138,27 +159,31 @@ def _pairs(config: Any, argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def _resolve(config: Any, dotted: str, raw: str | None) -> tuple[list[str], Any]:
+def _resolve(config: Section, dotted: str, raw: str | None) -> tuple[list[str], object]:
     """The field names along ``dotted`` and the current value there; an unknown key, or a
     section given a value, is a `ConfigError`."""
-    node, path, shown = config, [], []
+    node: object = config
+    parent: Section = config
+    path: list[str] = []
+    shown: list[str] = []
     for part in dotted.split("."):
-        if not dataclasses.is_dataclass(node):
+        if not is_section(node):
             raise ConfigError(f"unknown config key --{dotted}: --{'.'.join(shown)} is a value, not a section")
         name = part.replace("-", "_")
         steps = field_path(node, name)
         if steps is None:
             raise ConfigError(_unknown(config, dotted, node))
         for step in steps:
-            parent, node = node, getattr(node, step)
+            if is_section(node):
+                parent, node = node, getattr(node, step)
         path += steps
         shown.append(name)
-    if dataclasses.is_dataclass(node):
+    if is_section(node):
         raise ConfigError(_section_given_a_value(parent, path, raw, shown))
     return path, node
 
 
-def _unknown(config: Any, dotted: str, parent: Any) -> str:
+def _unknown(config: Section, dotted: str, parent: Section) -> str:
     guesses = _guesses(config, dotted.replace("-", "_"))
     if guesses:
         return f"unknown config key --{dotted}; did you mean {' or '.join('--' + g for g in guesses)}?"
@@ -166,7 +191,7 @@ def _unknown(config: Any, dotted: str, parent: Any) -> str:
     return f"unknown config key --{dotted}; {type(parent).__name__} has: {names}"
 
 
-def _guesses(config: Any, key: str) -> list[str]:
+def _guesses(config: Section, key: str) -> list[str]:
     """Keys that exist and look like ``key``: the same last name in any section (``--lr`` ->
     ``--trainer.lr``), else the closest spellings (``--trainer.lrr`` -> ``--trainer.lr``)."""
     keys = _leaf_keys(config)
@@ -175,17 +200,17 @@ def _guesses(config: Any, key: str) -> list[str]:
     return same_leaf[:3] or difflib.get_close_matches(key, keys, n=2, cutoff=0.75)
 
 
-def _leaf_keys(config: Any, prefix: str = "") -> list[str]:
-    keys = []
+def _leaf_keys(config: Section, prefix: str = "") -> list[str]:
+    keys: list[str] = []
     for f, value in fields_of(config):
-        if dataclasses.is_dataclass(value):
+        if is_section(value):
             keys += _leaf_keys(value, f"{prefix}{f.name}.")
         else:
             keys.append(prefix + f.name)
     return keys
 
 
-def _section_given_a_value(parent: Any, path: list[str], raw: str | None, shown: list[str]) -> str:
+def _section_given_a_value(parent: Section, path: list[str], raw: str | None, shown: list[str]) -> str:
     """``--model /some/dir``: say what the section is, how its keys are set and, where the parent
     has a ``<name>_path`` field, that the value probably belongs there."""
     name, section = path[-1], getattr(parent, path[-1])
@@ -203,7 +228,7 @@ def _section_given_a_value(parent: Any, path: list[str], raw: str | None, shown:
     return message
 
 
-def _stray(config: Any, arg: str) -> str:
+def _stray(config: Section, arg: str) -> str:
     """A word where a ``--section.key`` flag belongs (``steps=3``, ``-lr``)."""
     key, sep, value = arg.lstrip("-").partition("=")
     key = key.replace("-", "_")
@@ -222,7 +247,8 @@ class _Setting:
     """One key's value as given: a flag's text, or a config file's value (``where`` names the
     file and the key's line, ``run.toml:12``; "" for a flag)."""
 
-    value: Any
+    value: object
+    """A flag's text (a str), or a file's value as its format read it."""
     dotted: str
     where: str = ""
 
@@ -230,25 +256,25 @@ class _Setting:
         """The setting as an error names it: ``--run.steps 0``, or ``run.toml:3: run.steps = 0``."""
         if self.where:
             return f"{self.where}: {self.dotted} = {toml_value(self.value)}"
-        return f"--{self.dotted} {shlex.quote(self.value)}"
+        return f"--{self.dotted} {shlex.quote(str(self.value))}"
 
 
-def _file_settings(config: Any, file: Any) -> list[tuple[list[str], _Setting]]:
+def _file_settings(config: Section, file: ConfigValues) -> list[tuple[list[str], _Setting]]:
     """(attribute path, setting) for every key of a config file's tables, checked against the
     tree as flags are: a key no section has, a section given a value, a value given a table."""
     out: list[tuple[list[str], _Setting]] = []
 
-    def walk(node: Any, values: Mapping[str, Any], path: list[str], prefix: str) -> None:
+    def walk(node: Section, values: Mapping[str, object], path: list[str], prefix: str) -> None:
         for key, value in values.items():
             dotted = f"{prefix}{key}"
             where = file.where(dotted)
             steps = field_path(node, str(key).replace("-", "_"))
             if steps is None:
                 raise ConfigError(f"{where}: {_unknown_in_file(config, dotted, node, isinstance(value, Mapping))}")
-            target = node
+            target: object = node
             for step in steps:
                 target = getattr(target, step)
-            if dataclasses.is_dataclass(target):
+            if is_section(target):
                 if not isinstance(value, Mapping):
                     raise ConfigError(
                         f"{where}: {dotted} is a section, not a value: give its keys in a table "
@@ -262,7 +288,7 @@ def _file_settings(config: Any, file: Any) -> list[tuple[list[str], _Setting]]:
     return out
 
 
-def _unknown_in_file(config: Any, dotted: str, parent: Any, table: bool) -> str:
+def _unknown_in_file(config: Section, dotted: str, parent: Section, table: bool) -> str:
     """A file's key that no section has, with the keys (the sections, for a ``table``) that exist
     and look like it (a key of another section, ``steps`` outside ``[run]``; a close spelling),
     or its section's keys."""
@@ -277,20 +303,20 @@ def _unknown_in_file(config: Any, dotted: str, parent: Any, table: bool) -> str:
     return f"unknown key {dotted}; {type(parent).__name__} has: {names}"
 
 
-def _section_keys(config: Any, prefix: str = "") -> list[str]:
-    keys = []
+def _section_keys(config: Section, prefix: str = "") -> list[str]:
+    keys: list[str] = []
     for f, value in fields_of(config):
-        if dataclasses.is_dataclass(value):
+        if is_section(value):
             keys += [prefix + f.name, *_section_keys(value, f"{prefix}{f.name}.")]
     return keys
 
 
-def _file_example(section: Any, dotted: str) -> str:
+def _file_example(section: Section, dotted: str) -> str:
     first, value = fields_of(section)[0]
     return f"{dotted}.{first.name} = {toml_value(value)}"
 
 
-def _cast_file_value(setting: _Setting, annotation: Any, current: Any) -> Any:
+def _cast_file_value(setting: _Setting, annotation: object, current: object) -> object:
     """A file's value as the field's type: a string is read as the flag's text would be
     (``"none"``, ``"1e-5"`` as YAML leaves it), any other value must be of the type already."""
     try:
@@ -303,7 +329,7 @@ def _cast_file_value(setting: _Setting, annotation: Any, current: Any) -> Any:
         ) from None
 
 
-def _typed(value: Any, annotation: Any) -> Any:
+def _typed(value: object, annotation: object) -> object:
     if isinstance(value, str):
         return _cast(value, annotation)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -334,9 +360,9 @@ def _typed(value: Any, annotation: Any) -> Any:
 # --- building -------------------------------------------------------------------------------------
 
 
-def _apply(node: Any, overrides: dict[str, Any]) -> Any:
+def _apply(node: S, overrides: Override) -> S:
     hints = typing.get_type_hints(type(node))
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     flags: dict[str, str] = {}  # field -> "--section.key value", to name the one a validation refuses
     for name, override in overrides.items():
         current = getattr(node, name)
@@ -346,7 +372,7 @@ def _apply(node: Any, overrides: dict[str, Any]) -> Any:
             values[name] = _cast_file_value(override, hints[name], current)
             flags[name] = override.shown()
         else:
-            values[name] = _cast_flag(override.value, hints[name], override.dotted, current)
+            values[name] = _cast_flag(str(override.value), hints[name], override.dotted, current)
             flags[name] = override.shown()
     try:
         return dataclasses.replace(node, **values)
@@ -356,7 +382,7 @@ def _apply(node: Any, overrides: dict[str, Any]) -> Any:
         raise ConfigError(f"{_culprits(str(exc), flags, node)}: {exc}") from None
 
 
-def _culprits(message: str, flags: dict[str, str], section: Any) -> str:
+def _culprits(message: str, flags: dict[str, str], section: Section) -> str:
     """The overrides a section's validation message is about: those whose field it names (the
     section validates all its fields at once, so the last override is not necessarily the bad
     one). When it names only fields that were not overridden (values from a resumed config.json),
@@ -377,7 +403,7 @@ class _Mismatch(Exception):
     """A raw value that does not fit the annotation being tried."""
 
 
-def _cast_flag(raw: str, annotation: Any, dotted: str, current: Any) -> Any:
+def _cast_flag(raw: str, annotation: object, dotted: str, current: object) -> object:
     try:
         return _cast(raw, annotation)
     except _Mismatch:
@@ -386,7 +412,7 @@ def _cast_flag(raw: str, annotation: Any, dotted: str, current: Any) -> Any:
         ) from None
 
 
-def _cast(raw: str, annotation: Any) -> Any:
+def _cast(raw: str, annotation: object) -> object:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -411,7 +437,7 @@ def _cast(raw: str, annotation: Any) -> Any:
         if not parts or (fixed and len(parts) != len(args)):
             raise _Mismatch
         return tuple(_cast(p, args[i] if fixed else args[0]) for i, p in enumerate(parts))
-    if annotation in (int, float, str):
+    if annotation is int or annotation is float or annotation is str:
         try:
             return annotation(raw)
         except ValueError:
@@ -419,7 +445,7 @@ def _cast(raw: str, annotation: Any) -> Any:
     raise ConfigError(f"a field of type {annotation} cannot be set from the command line")
 
 
-def _describe(annotation: Any) -> str:
+def _describe(annotation: object) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) if a is not type(None) else "none" for a in args)
@@ -427,10 +453,10 @@ def _describe(annotation: Any) -> str:
         if len(args) == 2 and args[1] is Ellipsis:
             return f"comma-separated values, each {_describe(args[0])}"
         return f"{len(args)} comma-separated values, each {_describe(args[0])}"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    names: dict[object, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return names.get(annotation, str(annotation))
 
 
-def _example(dotted: str, current: Any, lead: str) -> str:
+def _example(dotted: str, current: object, lead: str) -> str:
     """``lead`` + ``--dotted <current value as typed on a command line>``; "" for an empty string."""
     return f"{lead}--{dotted} {typed(current)}" if current != "" else ""

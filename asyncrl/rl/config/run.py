@@ -261,7 +261,7 @@ class Placement:
             lists[role] = tuple(int(n) for n in ranks)
         if not lists:
             raise ValueError(f"placement must be 'node0', 'spread' or node ranks per role, not {text!r}")
-        return cls(**lists)
+        return cls(trainer=lists.get("trainer", ()), sampler=lists.get("sampler", ()))
 
     def nodes(self, role: str, count: int, nnodes: int) -> list[int | None]:
         """The node of each of ``count`` actors of ``role`` in a cluster of ``nnodes``; a ValueError

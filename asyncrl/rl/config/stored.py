@@ -15,18 +15,18 @@ from typing import Any
 import msgspec
 
 from asyncrl.rl.config.parse import ConfigError
-from asyncrl.rl.config.tree import config_to_dict, field_path, is_flat
+from asyncrl.rl.config.tree import S, Section, config_to_dict, field_path, is_flat, is_section
 
 CONFIG_JSON = "config.json"
 
 
-def write_run_config(config: Any, run_dir: str) -> None:
+def write_run_config(config: Section, run_dir: str) -> None:
     """``config`` as ``RUN_DIR/config.json`` (what `load_run_config` reads back)."""
     with open(os.path.join(run_dir, CONFIG_JSON), "w") as f:
         json.dump(config_to_dict(config), f, indent=2, default=str)
 
 
-def config_from_dict(default: Any, values: Mapping[str, Any], where: str = "config") -> Any:
+def config_from_dict(default: S, values: Mapping[str, object], where: str = "config") -> S:
     """The config tree ``default`` with the values of ``values`` (as `config_to_dict` wrote them
     into config.json: a flat section's keys in its parent's dict). A key the tree does not have
     is a `ConfigError` naming it."""
@@ -42,8 +42,8 @@ def config_from_dict(default: Any, values: Mapping[str, Any], where: str = "conf
     return _rebuilt(default, grouped, where)
 
 
-def _rebuilt(default: Any, grouped: Mapping[str, Any], where: str) -> Any:
-    changes = {}
+def _rebuilt(default: S, grouped: Mapping[str, object], where: str) -> S:
+    changes: dict[str, object] = {}
     fields = {f.name: f for f in dataclasses.fields(default)}
     try:
         hints = typing.get_type_hints(type(default))
@@ -51,7 +51,7 @@ def _rebuilt(default: Any, grouped: Mapping[str, Any], where: str) -> Any:
         hints = {}
     for key, value in grouped.items():
         current = getattr(default, key)
-        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+        if is_section(current) and isinstance(value, Mapping):
             changes[key] = (
                 _rebuilt(current, value, where)
                 if is_flat(fields[key])
@@ -65,7 +65,7 @@ def _rebuilt(default: Any, grouped: Mapping[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _typed(value: Any, hint: Any, where: str) -> Any:
+def _typed(value: object, hint: object, where: str) -> object:
     """``value`` as JSON gave it, as the field's type (a list as a tuple, an int as a float); a
     value of another type is a `ConfigError` naming the key, as the command line's would be."""
     try:
@@ -76,7 +76,7 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
         return value
 
 
-def load_run_config(default: Any, run_dir: str) -> Any:
+def load_run_config(default: S, run_dir: str) -> S:
     path = os.path.join(run_dir, CONFIG_JSON)
     try:
         with open(path) as f:

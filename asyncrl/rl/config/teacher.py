@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+
+from asyncrl.rl.config.tree import Section
 
 DEFAULT_VERDICT = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
 """``--reward_model.verdict``'s default: finds "Score: 7", "score=0.5"."""
@@ -126,6 +127,6 @@ class RewardModelConfig(ScorerConfig):
         return self.kind != "judge"  # a judge decodes the student's ids and reads the text
 
 
-def scorer_sections(config: Any) -> list[tuple[str, ScorerConfig]]:
+def scorer_sections(config: Section) -> list[tuple[str, ScorerConfig]]:
     """(key, section) of each scorer ``config`` (a `GRPOConfig`) has, in `SCORERS` order."""
     return [(key, getattr(config, key)) for key in SCORERS if getattr(config, key).model_path]

@@ -16,15 +16,32 @@ import json
 import math
 import re
 import shlex
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, TypeGuard, TypeVar
 
 _FLAT = "asyncrl_flat"  # field metadata: see flat_section
 
 
-def flat_section(factory: Any) -> Any:
+class Section(Protocol):
+    """A node of a config tree: an instance of a (frozen) dataclass, whose fields are values or
+    sections."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+S = TypeVar("S", bound=Section)
+
+
+def is_section(value: object) -> TypeGuard[Section]:
+    """Whether ``value`` is a section (a dataclass instance), not a value."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def flat_section(factory: Callable[[], S]) -> S:
     """A sub-section field whose keys read as its parent's (``--run.n_train``, not
     ``--run.data.n_train``), on the command line, in ``--help`` and in config.json."""
-    return dataclasses.field(default_factory=factory, metadata={_FLAT: True})
+    flat: S = dataclasses.field(default_factory=factory, metadata={_FLAT: True})
+    return flat
 
 
 def is_flat(f: dataclasses.Field) -> bool:
@@ -32,7 +49,7 @@ def is_flat(f: dataclasses.Field) -> bool:
     return bool(f.metadata.get(_FLAT))
 
 
-def field_path(config: Any, name: str) -> list[str] | None:
+def field_path(config: Section, name: str) -> list[str] | None:
     """The attribute path to key ``name`` of section ``config``, through flat sub-sections
     (``n_train`` of the run section -> ``["data", "n_train"]``); None if it has no such key."""
     for f in dataclasses.fields(config):
@@ -46,9 +63,9 @@ def field_path(config: Any, name: str) -> list[str] | None:
     return None
 
 
-def fields_of(config: Any, flatten: bool = True) -> list[tuple[dataclasses.Field, Any]]:
+def fields_of(config: Section, flatten: bool = True) -> list[tuple[dataclasses.Field, object]]:
     """(field, value) of a section; ``flatten``: a flat sub-section's fields in its place."""
-    out = []
+    out: list[tuple[dataclasses.Field, object]] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if flatten and is_flat(f):
@@ -58,12 +75,12 @@ def fields_of(config: Any, flatten: bool = True) -> list[tuple[dataclasses.Field
     return out
 
 
-def config_to_dict(config: Any) -> dict[str, Any]:
+def config_to_dict(config: Section) -> dict[str, Any]:
     """The plain tree written into config.json: a flat section's keys sit in its parent's dict,
     as on the command line."""
     out: dict[str, Any] = {}
     for f, value in fields_of(config, flatten=False):
-        if dataclasses.is_dataclass(value):
+        if is_section(value):
             if is_flat(f):
                 out.update(config_to_dict(value))
             else:
@@ -73,7 +90,7 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return out
 
 
-def typed(value: Any) -> str:
+def typed(value: object) -> str:
     """``value`` as it is typed after its flag, shell-quoted: ``true``, ``none``, ``0.9,0.99``,
     ``''``; the parser reads each back to the same value."""
     if isinstance(value, bool):
@@ -87,7 +104,7 @@ def typed(value: Any) -> str:
     return shlex.quote(shown)
 
 
-def toml_value(value: Any) -> str:
+def toml_value(value: object) -> str:
     """``value`` as a TOML value: ``true``, ``1e-05``, ``"async"``, ``[0.9, 0.99]``; None (which
     TOML cannot write) as ``"none"``, which a config file reads back as None where a key may be
     None, as a flag does."""
@@ -137,7 +154,9 @@ def _own_docstrings(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
         return {}
-    docs, body = {}, tree.body[0].body if tree.body else []
+    first = tree.body[0] if tree.body else None
+    docs: dict[str, str] = {}
+    body = first.body if isinstance(first, ast.ClassDef) else []
     for prev, node in zip(body, body[1:]):
         if (
             isinstance(prev, ast.AnnAssign)

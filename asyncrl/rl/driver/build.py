@@ -1,12 +1,13 @@
-"""`build_run`: a run's parts, built in the order a start needs them, as `RunParts`.
+"""`build_run`: a run's parts, built in the order a start needs them, and its driver.
 
 The checkpoint to resume from is chosen first (before anything is spawned or written: a refused
 resume leaves the run directory as it was), then the policy (a given model, or the cached warm
 start), the trainer's ranks (which load the checkpoint: only then is the run committed), the
 scorers (teacher, reward model), the samplers (a sampler that never comes up is left out:
-`fleet/sampler_start.py`), and last the driver, with the fleet's `Scaler`. On the CPU a fresh
-run's scorers and samplers start while the trainer does (`_start_beside_the_trainer`). What each
-actor is spawned with, and where, is spawn.py's.
+`fleet/sampler_start.py`), and last the driver, with the fleet's `Scaler`, from what was spawned
+(`build_driver`: each part built once, from the run's config, and handed down whole). On the CPU a
+fresh run's scorers and samplers start while the trainer does (`_start_beside_the_trainer`). What
+each actor is spawned with, and where, is spawn.py's.
 """
 
 from __future__ import annotations
@@ -22,46 +23,61 @@ from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.driver.devices import DevicePlan
+from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle
+from asyncrl.rl.driver.fleet.membership import Membership
+from asyncrl.rl.driver.fleet.pool import RolloutFlow, SamplerPool
 from asyncrl.rl.driver.fleet.sampler_start import all_or_first_error, start_samplers
+from asyncrl.rl.driver.fleet.scaling import SamplerSource, Scaler
+from asyncrl.rl.driver.fleet.sync_group import SyncPlace
 from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks, node_address
-from asyncrl.rl.driver.grpo import GRPODriver
+from asyncrl.rl.driver.grpo import Console, DriverParts, GRPODriver, RunFiles, Segment
+from asyncrl.rl.driver.heldout import HeldoutRecord
+from asyncrl.rl.driver.pacing import rollout_flow
 from asyncrl.rl.driver.resume import choose_checkpoint, load_checkpoint, move_damaged_aside
 from asyncrl.rl.driver.run_scope import RunScope
-from asyncrl.rl.driver.run_state import read_run_state
-from asyncrl.rl.driver.spawn import RunPlan, SamplerSpawner, fleet_scaler, spawn_scorer, spawn_trainer
+from asyncrl.rl.driver.spawn import RunPlan, SamplerSpawner, spawn_scorer, spawn_trainer
 from asyncrl.rl.driver.start_checks import check_digestible
 from asyncrl.rl.driver.teacher import RewardModel, Teacher, check_tokenizers
+from asyncrl.rl.observe.episodes_log import EpisodeLog
+from asyncrl.rl.scorer.specs import scorer_spec
+from asyncrl.rl.tasks.base import Task
+from asyncrl.runtime.supervisor import Supervisor
 
 
-@dataclasses.dataclass
-class RunParts:
-    """A built run: its actors and the driver that runs its steps."""
+@dataclasses.dataclass(frozen=True)
+class Scorers:
+    """The run's models that score its groups before they are queued (None where it has none)."""
 
-    config: GRPOConfig
-    """The run's config with the samplers' section resolved for this host (config.json keeps 'auto')."""
-    plan: DevicePlan
+    teacher: Teacher | None = None
+    reward_model: RewardModel | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Spawned:
+    """A run's actors, as spawned, and where their weight-sync group meets."""
+
     trainer: TrainerRanks
-    samplers: list[Any]
+    samplers: list[SamplerHandle]
     """Every sampler's handle, those that never came up (DEAD) included."""
-    teacher: Teacher | None
-    reward_model: RewardModel | None
-    driver: GRPODriver
-    """The steps, with the fleet's `Scaler` (``driver.scaler``)."""
+    seeds: list[int]
+    """Each sampler's data walk's seed."""
+    place: SyncPlace
+    scorers: Scorers = Scorers()
 
 
-async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope, *, resume: bool) -> RunParts:
+async def build_run(config: GRPOConfig, sup: Supervisor, plan: RunPlan, scope: RunScope, *, resume: bool) -> GRPODriver:
     """Spawn a run's actors on ``sup`` where ``plan`` puts them and build its driver; commits the
     run directory (``scope.commit``) once the run is known to start. ``resume``: from the newest
     good checkpoint in the run directory (see `train`)."""
     from asyncrl.rl.tasks.loading import load_task
 
-    task, log = load_task(config.task_spec()), scope.log  # loaded (and its data read) by check_run already: cached
+    task, log = load_task(plan.task), scope.log  # loaded (and its data read) by check_run already: cached
     candidates = list_checkpoints(scope.run_dir)
     damaged: list[Checkpoint] = []
     chosen = await _checkpoint_to_resume(config, scope, candidates, damaged) if resume else None
     if chosen is None:
         scope.commit(None)
-    model_path = config.model_path or await _warm_start(config, task, plan.devices.device, log)
+    model_path = config.model_path or await _warm_start(config, plan, task, log)
     _announce(config, plan.devices, scope, task, model_path)
     trainer_config, config = config, resolve_samplers(config, plan.devices, log)
     spawn = SamplerSpawner(sup, config, plan, model_path)
@@ -79,48 +95,101 @@ async def build_run(config: GRPOConfig, sup: Any, plan: RunPlan, scope: RunScope
             move_damaged_aside(damaged, log)
         return trainer, loaded
 
-    def start_scorers() -> Awaitable[tuple[Teacher | None, RewardModel | None]]:
+    def start_scorers() -> Awaitable[Scorers]:
         return _spawn_scorers(sup, config, plan, model_path, log, at_once=beside)
 
-    def start_samplers(scaled: int = 0) -> Awaitable[list[Any]]:
+    def start_samplers(scaled: int = 0) -> Awaitable[list[SamplerHandle]]:
         return _start_samplers(spawn, scaled, scope)
 
     if beside:
-        starts = [asyncio.ensure_future(start()) for start in (start_trainer, start_scorers, start_samplers)]
-        (trainer, checkpoint), (teacher, reward_model), samplers = await all_or_first_error(starts)
-        scaled = 0
+        starts: list[asyncio.Future[Any]] = [
+            asyncio.ensure_future(start_trainer()),
+            asyncio.ensure_future(start_scorers()),
+        ]
+        starts.append(asyncio.ensure_future(start_samplers()))
+        started = await all_or_first_error(starts)
+        (trainer, checkpoint), scorers, samplers = started
+        segment = Segment.of(checkpoint)
     else:
         trainer, checkpoint = await start_trainer()
-        teacher, reward_model = await start_scorers()
+        scorers = await start_scorers()
         # A run scaled by `asyncrl scale` resumes with the size it had (its checkpoint records it),
-        # and keeps it as its target.
-        scaled = read_run_state(checkpoint).samplers_target if checkpoint is not None else 0
-        samplers = await start_samplers(scaled)
+        # and keeps it as its target (`build_driver`'s `Scaler`).
+        segment = Segment.of(checkpoint)
+        samplers = await start_samplers(segment.state.samplers_target)
     # Trainer rank 0 hosts the weight-sync group's store: on its own node's address, which
     # every sampler reaches (the driver's node is another when the trainer was placed elsewhere).
     host = node_address(sup, trainer.handles[0])
     if sup.config.nnodes > 1:
-        log(_where_line(trainer.handles, samplers, host))
+        log(_where_line(trainer, samplers, host))
     if config.run.check_weights:
         await check_digestible([s for s in samplers if not s.info().state.final])
-    driver = GRPODriver(
-        config,
+    spawned = Spawned(
         trainer,
         samplers,
-        scope.run_dir,
-        log,
-        host=host,
-        correct_reward=task.correct_reward,
-        backend=plan.devices.sync_backend,
-        seeds=[spawn.seed_of(i) for i in range(len(samplers))],
-        resume=checkpoint,
-        model_path=model_path,
-        log_path=scope.console.path,
-        teacher=teacher,
-        reward_model=reward_model,
-        scaler=fleet_scaler(sup, spawn, scaled=scaled, log=log),
+        [spawn.seed_of(i) for i in range(len(samplers))],
+        SyncPlace(host, plan.devices.sync_backend),
+        scorers,
     )
-    return RunParts(config, plan.devices, trainer, samplers, teacher, reward_model, driver)
+    files = RunFiles(scope.run_dir, model_path, scope.console.path)
+    return build_driver(
+        config, spawned, files, scope.log, segment=segment, correct_reward=task.correct_reward, source=spawn
+    )
+
+
+def build_driver(
+    config: GRPOConfig,
+    spawned: Spawned,
+    files: RunFiles,
+    write: Log,
+    *,
+    segment: Segment | None = None,
+    correct_reward: float = 1.0,
+    source: SamplerSource | None = None,
+) -> GRPODriver:
+    """The driver over ``spawned`` actors, its parts built once from ``config`` in the order they
+    need each other: the console (``write``: the run's, which the progress bar shares), the queue
+    and its pacer, the samplers' membership and pool, the fleet's `Scaler` (where the samplers
+    have a ``source``; a resumed run's keeps the size it was scaled to), the held-out record, the
+    episode log. ``segment``: where this run segment begins (None: a fresh run)."""
+    run, segment = config.run, segment or Segment.of(None)
+    state = segment.state
+    console = Console(write)
+    # Async mode: samplers begin only groups that will be trained in time (pacing.py).
+    queue, pacer = rollout_flow(run, version=state.version, next_step=state.step + 1)
+    membership = Membership(
+        spawned.samplers,
+        spawned.seeds,
+        recovery=run.recovery,
+        log=console.log,
+        events_path=os.path.join(files.run_dir, "faults.jsonl"),
+    )
+    scorers = spawned.scorers
+    flow = RolloutFlow(
+        queue,
+        pacer,
+        batch_groups=config.sampler.prompts_per_batch,
+        streams=config.sampler.streams,
+        uid_prefix=segment.uid_prefix,
+        teacher=scorers.teacher,
+        reward_model=scorers.reward_model,
+    )
+    pool = SamplerPool(spawned.trainer, membership, flow, run=run, place=spawned.place, log=console.log)
+    scaler = None
+    if source is not None:  # asyncrl scale: fleet/scaling.py
+        target = state.samplers_target or None
+        scaler = Scaler(pool, source, log=console.log, started=config.sampler.count, target=target)
+    observe = run.observe
+    parts = DriverParts(
+        spawned.trainer,
+        pool,
+        # The held-out rates before GRPO and at the last evaluation, the best policy (heldout.py).
+        HeldoutRecord(spawned.trainer, run, files.run_dir, console.log, state, resumed=segment.resume is not None),
+        EpisodeLog(files.run_dir, files.model_path, console.log, episodes=observe.episodes, ids=observe.episode_ids),
+        console,
+        scaler,
+    )
+    return GRPODriver(config, parts, segment, files, correct_reward=correct_reward)
 
 
 def _start_beside_the_trainer(plan: DevicePlan) -> bool:
@@ -146,12 +215,12 @@ async def _checkpoint_to_resume(
     return await choose_checkpoint(scope.run_dir, candidates, damaged, scope.log)
 
 
-async def _warm_start(config: GRPOConfig, task: Any, run_device: str, log) -> str:
+async def _warm_start(config: GRPOConfig, plan: RunPlan, task: Task, log: Log) -> str:
     """The policy of a run given no ``--model_path``: the cached supervised warm start (on the GPU
-    where ``--warm_start.device`` auto and the run's plan, ``run_device``, say so)."""
+    where ``--warm_start.device`` auto and the run's plan say so)."""
     from asyncrl.rl.model.warm_start import default_model
 
-    spec, run = config.task_spec(), config.run
+    spec, run = plan.task, config.run
     stop_warm_start = threading.Event()  # a cancel (Ctrl-C) must stop the warm start's thread too:
     try:  # asyncio's shutdown waits for the thread, which would otherwise finish the warm start first
         return await asyncio.to_thread(
@@ -163,14 +232,14 @@ async def _warm_start(config: GRPOConfig, task: Any, run_device: str, log) -> st
             stop=stop_warm_start,
             n_heldout=run.data.n_heldout,
             score_calls=(spec.score_timeout_s, spec.max_failure_rate),
-            run_device=run_device,
+            run_device=plan.devices.device,
         )
     except asyncio.CancelledError:
         stop_warm_start.set()
         raise
 
 
-def _announce(config: GRPOConfig, plan: DevicePlan, scope: RunScope, task: Any, model_path: str) -> None:
+def _announce(config: GRPOConfig, plan: DevicePlan, scope: RunScope, task: Task, model_path: str) -> None:
     """The scorers' tokenizers checked, before anything is spawned (one that reads ids otherwise is
     refused in one line), then the plan and the run in the log."""
     from asyncrl.rl.tasks.agent import Agent
@@ -196,7 +265,7 @@ def _announce(config: GRPOConfig, plan: DevicePlan, scope: RunScope, task: Any, 
         )
 
 
-def resolve_samplers(config: GRPOConfig, plan: DevicePlan, log) -> GRPOConfig:
+def resolve_samplers(config: GRPOConfig, plan: DevicePlan, log: Log) -> GRPOConfig:
     """``config`` with the samplers' section resolved for this host's devices: their count and how
     many share a GPU, the prompts of a batch, the paced batches in flight, and with them the
     staleness bound (``--run.max_staleness`` auto); said in one line. Resolved after config.json
@@ -226,41 +295,33 @@ def resolve_samplers(config: GRPOConfig, plan: DevicePlan, log) -> GRPOConfig:
 
 
 async def _spawn_scorers(
-    sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str, log, *, at_once: bool
-) -> tuple[Teacher | None, RewardModel | None]:
+    sup: Supervisor, config: GRPOConfig, plan: RunPlan, model_path: str, log: Log, *, at_once: bool
+) -> Scorers:
     """The run's teacher and reward model (None where it has none), each on its scorer actor;
     ``at_once``: both started together (else the teacher first, as the device plan places them)."""
-    teacher = reward_model = None
-    calls = {"restart_timeout_s": config.run.recovery.restart_timeout_s, "log": log}
-    sections = [(config.teacher, "scorer"), (config.reward_model, "reward_model")]
-    wanted = [(section, name) for section, name in sections if section.model_path]
+    restart_s = config.run.recovery.restart_timeout_s
+    teacher, rm = config.teacher, config.reward_model
+    sections = [(section, name) for section, name in ((teacher, "scorer"), (rm, "reward_model")) if section.model_path]
     if at_once:
-        starts = [asyncio.ensure_future(spawn_scorer(sup, config, plan, model_path, *w)) for w in wanted]
+        starts = [asyncio.ensure_future(spawn_scorer(sup, config, plan, model_path, *w)) for w in sections]
         handles = await all_or_first_error(starts)
     else:
-        handles = [await spawn_scorer(sup, config, plan, model_path, *w) for w in wanted]
-    if config.teacher.model_path:
-        teacher = Teacher(
+        handles = [await spawn_scorer(sup, config, plan, model_path, *w) for w in sections]
+    return Scorers(
+        Teacher(handles.pop(0), teacher, restart_timeout_s=restart_s, log=log) if teacher.model_path else None,
+        RewardModel(
             handles.pop(0),
-            top_k=config.teacher.top_k,
-            timeout_s=config.teacher.timeout_s,
-            **calls,
+            rm,
+            judge=scorer_spec(rm, model_path, config.sampler.temperature).parses_verdicts,
+            restart_timeout_s=restart_s,
+            log=log,
         )
-    if config.reward_model.model_path:
-        rm = config.reward_model
-        reward_model = RewardModel(
-            handles.pop(0),
-            weight=rm.weight,
-            rule_weight=rm.rule_weight,
-            judge=rm.kind == "judge",
-            max_unparsed_rate=rm.max_unparsed_rate,
-            timeout_s=rm.timeout_s,
-            **calls,
-        )
-    return teacher, reward_model
+        if rm.model_path
+        else None,
+    )
 
 
-async def _start_samplers(spawn: SamplerSpawner, scaled: int, scope: RunScope) -> list[Any]:
+async def _start_samplers(spawn: SamplerSpawner, scaled: int, scope: RunScope) -> list[SamplerHandle]:
     """The run's samplers, ``--sampler.count`` of them or the ``scaled`` count a resumed run had."""
     count, first = scaled or spawn.config.sampler.count, spawn.config.sampler.count
     if scaled:
@@ -277,9 +338,9 @@ async def _start_samplers(spawn: SamplerSpawner, scaled: int, scope: RunScope) -
     )
 
 
-def _where_line(trainer_ranks: list[Any], samplers: list[Any], host: str) -> str:
+def _where_line(trainer: TrainerRanks, samplers: list[SamplerHandle], host: str) -> str:
     """Which node each actor runs on, and where the weight-sync group meets (runs over several nodes)."""
-    ranks = ",".join(str(h.info().node) for h in trainer_ranks)
+    ranks = ",".join(str(h.info().node) for h in trainer.handles)
     where = ", ".join(f"{s.name} on node {s.info().node}" for s in samplers)
     return (
         f"placement: trainer rank(s) on node(s) {ranks}, {where}; "

@@ -16,8 +16,9 @@ a sync never waits for a batch to finish; a group is tagged with the version it 
 ``sync`` mode each step's groups are generated after the previous sync and nothing is generated
 during training: the synchronous baseline, same code, staleness always 0.
 
-`build_run()` (build.py) spawns the actors and builds the driver; the samplers, their faults and the
-weight-sync group are the `SamplerPool`'s (fleet/pool.py). A step's record is assembled in
+`build_run()` (build.py) spawns the actors and builds the driver's parts, each once, from the run's
+config (`DriverParts`; `build_driver`); the samplers, their faults and the weight-sync group are
+the `SamplerPool`'s (fleet/pool.py). A step's record is assembled in
 step_record.py, the progress (progress.json, ``asyncrl status``) is typed in run_progress.py, the
 held-out evaluation and the best policy are heldout.py's, and what the trainer writes into the run
 directory (a policy, a checkpoint) saving.py's.
@@ -26,9 +27,12 @@ directory (a policy, a checkpoint) saving.py's.
 from __future__ import annotations
 
 import asyncio
+import enum
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -37,10 +41,11 @@ from asyncrl.rl.checkpoint import Checkpoint
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.parse import config_to_dict
 from asyncrl.rl.driver.faults import trainer_phase
+from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle
 from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.driver.fleet.scaling import Scaler
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
 from asyncrl.rl.driver.heldout import BEST_DIR, HeldoutRecord
-from asyncrl.rl.driver.pacing import rollout_flow
 from asyncrl.rl.driver.resume import resume_records
 from asyncrl.rl.driver.run_progress import DriverProgress
 from asyncrl.rl.driver.run_state import RunState, read_run_state
@@ -63,82 +68,125 @@ from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.rl.observe.sync_metrics import sync_record
 from asyncrl.rl.observe.writers import MetricWriters
 from asyncrl.rl.rollout import RolloutGroup
+from asyncrl.rl.sampler.stats import SamplerStats
 from asyncrl.runtime.files import write_json_atomic
+
+
+class Phase(enum.Enum):
+    """Where the run is, as progress.json and ``asyncrl status`` say it (``phase``)."""
+
+    STARTING = "starting"
+    EVALUATING = "evaluating"
+    """The held-out rates before GRPO (a fresh run): it may take a while."""
+    TRAINING = "training"
+    STOPPED = "stopped"
+    FINISHED = "finished"
+
+
+class Wait(enum.Enum):
+    """What the step under way waits for (a stall's line names it)."""
+
+    NOTHING = ""
+    BATCH = "batch"
+    TRAIN = "train"
+    SYNC = "sync"
+    CHECK = "check"
+
+
+class Console:
+    """The run's console (``write``: RUN_DIR/log.txt and the terminal) as the driver's parts write
+    to it: above the progress bar (``display``) while there is one."""
+
+    def __init__(self, write: Log):
+        self.write = write
+        self.display: Progress | None = None  # while steps run: the bar (or lines) the console shares
+
+    def log(self, line: str) -> None:
+        (self.display.guard(self.write) if self.display is not None else self.write)(line)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where this segment of the run begins: its run state (a fresh run's zeros, or the one the
+    checkpoint resumed from carries) and that checkpoint."""
+
+    state: RunState
+    resume: Checkpoint | None = None
+
+    @classmethod
+    def of(cls, resume: Checkpoint | None) -> Segment:
+        return cls(read_run_state(resume) if resume is not None else RunState(step=0, version=0), resume)
+
+    @property
+    def number(self) -> int:
+        """Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
+        them unique along the run's history (the one metrics.jsonl records)."""
+        return self.state.segment + 1 if self.resume is not None else 0
+
+    @property
+    def uid_prefix(self) -> str:
+        return f"resume{self.number}/" if self.number else ""
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What the run reads and writes beside its records: its directory, the policy it starts from
+    (episodes decode with its tokenizer; the summary names it), RUN_DIR/log.txt."""
+
+    run_dir: str
+    model_path: str = ""
+    log_path: str = ""
+
+
+@dataclass(frozen=True)
+class DriverParts:
+    """What the steps run on, each built once by `build_driver` and handed down whole."""
+
+    trainer: TrainerRanks
+    pool: SamplerPool
+    """The samplers, with the queue and the pacer their groups go through."""
+    heldout: HeldoutRecord
+    episodes: EpisodeLog
+    console: Console
+    scaler: Scaler | None = None
+    """``asyncrl scale`` (fleet/scaling.py), where the run has one."""
 
 
 class GRPODriver:
     """The driver's steps. Sampler faults are the `SamplerPool`'s to recover from; a fault on the
-    trainer's side stops the run with a `RunStoppedError` (resume it from the last checkpoint)."""
+    trainer's side stops the run with a `RunStoppedError` (resume it from the last checkpoint).
+    ``correct_reward``: the task's, for groups from a sampler that sends no verdicts."""
 
     def __init__(
         self,
         config: GRPOConfig,
-        trainer,
-        samplers,
-        run_dir: str,
-        log,
+        parts: DriverParts,
+        segment: Segment,
+        files: RunFiles,
         *,
-        host: str,
-        backend: str,
-        seeds: list[int],
-        resume: Checkpoint | None = None,
-        model_path: str = "",
-        log_path: str = "",
         correct_reward: float = 1.0,
-        teacher=None,
-        reward_model=None,
-        scaler: Callable[[SamplerPool], Scaler] | None = None,
     ):
         """The driver's state, one assignment per part with what it is."""
         self.config, self.run = config, config.run
-        self.trainer = trainer
-        self.correct_reward = correct_reward  # for groups from a sampler that sends no verdicts
-        self.run_dir, self.console = run_dir, log
-        self.display: Progress | None = None  # while steps run: the bar (or lines) the console shares
+        self.trainer, self.pool, self.scaler = parts.trainer, parts.pool, parts.scaler
+        self.queue, self.pacer = parts.pool.queue, parts.pool.pacer
+        self.heldout, self.episodes, self.console = parts.heldout, parts.episodes, parts.console
+        self.correct_reward = correct_reward
+        self.run_dir, self.model_path, self.log_path = files.run_dir, files.model_path, files.log_path
         self.latest: StepRecord | None = None  # the last step's record, for the metrics endpoint
-        self.events_path = os.path.join(run_dir, "faults.jsonl")
-        self.resume = resume
-        self.state = read_run_state(resume) if resume is not None else RunState(step=0, version=0)
-        # Async mode: samplers begin only groups that will be trained in time (pacing.py).
-        self.queue, self.pacer = rollout_flow(self.run, version=self.state.version, next_step=self.state.step + 1)
-        # Group ids restart in a new process tree (incarnation 1, sequence 1): the segment keeps
-        # them unique along the run's history (the one metrics.jsonl records).
-        self.segment = self.state.segment + 1 if resume is not None else 0
-        self.pool = SamplerPool(
-            trainer,
-            samplers,
-            self.queue,
-            run=self.run,
-            seeds=seeds,
-            host=host,
-            backend=backend,
-            log=self.log,
-            events_path=self.events_path,
-            pacer=self.pacer,
-            batch_groups=config.sampler.prompts_per_batch,
-            streams=config.sampler.streams,
-            teacher=teacher,
-            reward_model=reward_model,
-            uid_prefix=f"resume{self.segment}/" if self.segment else "",
-        )
-        self.scaler: Scaler | None = scaler(self.pool) if scaler else None  # asyncrl scale: fleet/scaling.py
+        self.resume, self.state, self.segment = segment.resume, segment.state, segment.number
         self.step_done = self.state.step  # the last step whose record is written
         self.version = self.state.version  # of the trainer's weights: the steps trained (== step_done between steps)
         self.samples, self.tokens = self.state.samples, self.state.tokens  # completion tokens trained on
-        # The held-out rates before GRPO and at the last evaluation, the best policy (heldout.py).
-        self.heldout = HeldoutRecord(trainer, self.run, run_dir, self.log, self.state, resumed=resume is not None)
-        self.phase = "starting"
-        observe = self.run.observe
-        self.episodes = EpisodeLog(run_dir, model_path, log, episodes=observe.episodes, ids=observe.episode_ids)
+        self.phase = Phase.STARTING
         self.trained_head: list[RolloutGroup] = []
         self.task_keys: set[str] = set()  # task/* and task_errors/* keys of the steps so far (task_metrics)
         self.last_step_s, self.last_step_at = 0.0, 0.0
-        self.checkpoint_path = resume.path if resume is not None else ""
+        self.checkpoint_path = self.resume.path if self.resume is not None else ""
         self.segment_start = time.monotonic()
-        self.model_path, self.log_path = model_path, log_path
         self.began = False  # training began (the held-out rates before it are known)
         self.after_step = ""  # what the driver does after a step's training, while it does it
-        self.waiting = ""  # what the step under way waits for: "batch", "train", "sync" or "check"
+        self.waiting = Wait.NOTHING  # what the step under way waits for
         self.stall = StallWatch(
             self.run.observe.stall_factor,
             self.run.observe.stall_floor_s,
@@ -149,14 +197,16 @@ class GRPODriver:
 
     def log(self, line: str) -> None:
         """A line on the console (above the progress bar while there is one) and in log.txt."""
-        (self.display.guard(self.console) if self.display is not None else self.console)(line)
+        self.console.log(line)
 
-    def probes(self, timeout_s: float) -> dict[str, Any]:
+    def probes(self, timeout_s: float) -> dict[str, Callable[[], Awaitable[object]]]:
         """A trivial call per actor, for the deep /healthz: the trainer's communicator count and
         each sampler's counters, both answered from the actor's own memory."""
-        probes = {self.trainer.name: lambda: self.trainer.with_timeout(timeout_s).sync_created()}
+        probes: dict[str, Callable[[], Awaitable[object]]] = {
+            self.trainer.name: lambda: self.trainer.with_timeout(timeout_s).sync_created()
+        }
         for m in self.pool.members:
-            probes[m.name] = (lambda h: lambda: h.with_timeout(timeout_s).stats())(m.handle)
+            probes[m.name] = partial(_stats, m.handle, timeout_s)
         return probes
 
     def snapshot(self) -> dict[str, float]:
@@ -200,7 +250,7 @@ class GRPODriver:
         """The run's progress (run_progress.py): its JSON is written to RUN_DIR/progress.json after
         every step (atomically) and served live by `asyncrl status` (see docs/grpo.md)."""
         return DriverProgress(
-            phase=self.phase,
+            phase=self.phase.value,
             step=self.step_done,
             steps=self.run.steps,
             version=self.version,
@@ -227,10 +277,10 @@ class GRPODriver:
         n, queued = self.run.groups_per_step, len(self.queue)
         t = self.run.deadlines
         what = {
-            "batch": f"waits for {max(n - queued, 0)} of {n} groups ({queued} queued)",
-            "train": f"waits for the trainer's train step (--run.train_timeout_s {t.train_timeout_s:g})",
-            "sync": f"waits for the weight sync of v{self.version} (--run.sync_timeout_s {t.sync_timeout_s:g})",
-            "check": "waits for the weight check",
+            Wait.BATCH: f"waits for {max(n - queued, 0)} of {n} groups ({queued} queued)",
+            Wait.TRAIN: f"waits for the trainer's train step (--run.train_timeout_s {t.train_timeout_s:g})",
+            Wait.SYNC: f"waits for the weight sync of v{self.version} (--run.sync_timeout_s {t.sync_timeout_s:g})",
+            Wait.CHECK: "waits for the weight check",
         }.get(self.waiting, "has not begun")
         samplers = await self.pool.describe(self.run.observe.health_timeout_s)
         paced = f"; paced in flight {self.pacer.in_flight}" if self.pacer is not None else ""
@@ -249,12 +299,12 @@ class GRPODriver:
         run, observe = self.run, self.run.observe
         if self.resume is not None:
             resume_records(self.run_dir, self.resume, self.step_done, self.version, self.segment, self.log)
-        self.display = make_progress(run.steps, self.step_done + 1, observe.progress_bar)
+        self.console.display = make_progress(run.steps, self.step_done + 1, observe.progress_bar)
         writers = MetricWriters.open(
             self.run_dir, observe, config_to_dict(self.config), first_step=self.step_done + 1, log=self.log
         )
         tensorboard = self.run_dir if writers.tensorboard else ""  # for the summary (writers close before it)
-        metrics = Metrics(self.run_dir, self.display, writers)
+        metrics = Metrics(self.run_dir, self.console.display, writers)
         painter = CurvesPainter(self.run_dir, self.log, enabled=observe.curves)
         completed = False
         watcher: asyncio.Future | None = None  # the stall watch, while the steps run
@@ -279,9 +329,9 @@ class GRPODriver:
         await self.heldout.place(self.pool.membership)
         await asyncio.to_thread(self.episodes.load)
         if self.resume is None:
-            self.phase = "evaluating"  # `asyncrl status` says so: it may take a while
+            self.phase = Phase.EVALUATING  # `asyncrl status` says so: it may take a while
             await self.heldout.before_grpo(self.version)
-        self.phase, self.began = "training", True
+        self.phase, self.began = Phase.TRAINING, True
         self.write_progress()
 
     async def after_step_trained(
@@ -312,7 +362,7 @@ class GRPODriver:
         """The steps ended (``completed``, or stopped): the stall watch, the scaler, the pool and
         the queue closed, the metrics and the progress written as far as they go."""
         if not completed:
-            self.phase = "stopped"
+            self.phase = Phase.STOPPED
         if watcher is not None:
             watcher.cancel()
             await asyncio.wait({watcher})
@@ -322,7 +372,7 @@ class GRPODriver:
         self.queue.close()
         # Best effort: on a full disk these fail too, and must not bury the error that stops the run.
         quietly(metrics.close)
-        self.display = None
+        self.console.display = None
         quietly(self.write_progress)
 
     async def finish(self, painter: CurvesPainter, tensorboard: str) -> dict[str, Any]:
@@ -340,7 +390,7 @@ class GRPODriver:
         finally:
             drawing.cancel()  # a failed save does not wait for a picture
         self.after_step = ""
-        self.phase = "finished"
+        self.phase = Phase.FINISHED
         self.write_progress()
         wall = self.elapsed_s()
         summary = RunSummary(
@@ -375,13 +425,13 @@ class GRPODriver:
         run, n = self.run, self.run.groups_per_step
         self.pool.begin_step(step)
         t0 = time.monotonic()
-        self.waiting = "batch"
+        self.waiting = Wait.BATCH
         if run.mode == "sync":  # generate exactly this step's groups, with the current weights
             await self.pool.generate(n, self.version)
         batch: list[RolloutGroup] = await self.pool.next_batch(n, self.version)
         self.trained_head = batch  # its first episodes go to episodes.jsonl with the record (--run.episodes)
         t1 = time.monotonic()
-        self.waiting = "train"
+        self.waiting = Wait.TRAIN
         trained = await trainer_phase(
             f"train step {step}",
             "train_timeout_s",
@@ -393,14 +443,14 @@ class GRPODriver:
         synced, digests = sync_record(0.0, None, []), {}
         # An evaluation on the samplers evaluates the weights they hold: the step's, whatever sync_every.
         if self.version % run.sync_every == 0 or (self.heldout.on_samplers and self.heldout.due(step)):
-            self.waiting = "sync"
+            self.waiting = Wait.SYNC
             if self.scaler is not None:  # a scale request changes the group here, with the sync
                 await self.scaler.at_sync()
             synced = await self.pool.sync(self.version)
             if run.check_weights:
-                self.waiting = "check"
+                self.waiting = Wait.CHECK
                 digests = await self.pool.verify_weights()
-        self.waiting = ""
+        self.waiting = Wait.NOTHING
         done = StepBatch(step, self.version, batch, skipped=self.pool.uniform.take())
         self.samples += done.samples
         self.tokens += done.completion_tokens
@@ -437,3 +487,7 @@ class GRPODriver:
     def written_at_stop(self, path: str) -> None:
         """A stop came during a checkpoint's write, which finished: the stop's line names it."""
         self.checkpoint_path, self.after_step = path, "its checkpoint written"
+
+
+async def _stats(handle: SamplerHandle, timeout_s: float) -> SamplerStats:
+    return await handle.with_timeout(timeout_s).stats()

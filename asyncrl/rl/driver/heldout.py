@@ -27,9 +27,10 @@ from asyncrl.rl.driver.faults import PhaseTimeoutError, TaskFailedError, trainer
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.evaluation import Unsolved, solve_on_samplers
 from asyncrl.rl.driver.fleet.membership import Membership, MemberState
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
 from asyncrl.rl.driver.run_state import RunState
 from asyncrl.rl.driver.saving import save_policy
-from asyncrl.rl.model.tally import HeldoutPart, heldout_answer
+from asyncrl.rl.model.tally import HeldoutAsk, HeldoutPart, heldout_answer
 from asyncrl.rl.observe.eval_progress import EvalProgress
 from asyncrl.rl.observe.record import StepRecord
 from asyncrl.rl.observe.report import heldout_extra_text, heldout_failures_lines, rates_text, shown_path
@@ -65,16 +66,16 @@ async def eval_place(members: Membership, run: RunConfig, log: Callable[[str], N
         )
         kinds = [a for a in answers.results if not isinstance(a, BaseException)]
         engines = sorted({f"{a.backend} on {a.device}" for a in kinds}) or ["none answering"]
-        gpu_vllm = any(a.backend == "vllm" and a.device.startswith("cuda") for a in kinds)
-        where = "the samplers" if gpu_vllm else "the trainer"
+        on_samplers = any(a.serves_evaluations for a in kinds)
+        where = "the samplers" if on_samplers else "the trainer"
         log(f"held-out evaluations on {where} (--run.eval_on auto; samplers: {', '.join(engines)})")
-        return gpu_vllm
+        return on_samplers
     log(f"held-out evaluations on the {run.eval_on} (--run.eval_on {run.eval_on})")
     return run.eval_on == "samplers"
 
 
 async def evaluate(
-    trainer: Any,
+    trainer: TrainerRanks,
     run: RunConfig,
     log: Callable[[str], None],
     *,
@@ -129,7 +130,9 @@ async def evaluate(
                 "the held-out evaluation",
                 "eval_timeout_s",
                 t,
-                trainer.with_timeout(left).evaluate_heldout(greedy, sampled, samples, 0, EVAL_ROWS),
+                trainer.with_timeout(left).evaluate_heldout(
+                    HeldoutAsk(greedy=greedy, sampled=sampled, samples=samples, rows=EVAL_ROWS)
+                ),
             )
             progress.trainer_done(got)
             parts += got
@@ -152,7 +155,7 @@ async def evaluate(
 
 
 async def save_best(
-    trainer: Any,
+    trainer: TrainerRanks,
     run: RunConfig,
     run_dir: str,
     step: int,
@@ -204,7 +207,7 @@ class HeldoutRecord:
 
     def __init__(
         self,
-        trainer: Any,
+        trainer: TrainerRanks,
         run: RunConfig,
         run_dir: str,
         log: Callable[[str], None],

@@ -24,12 +24,17 @@ import os
 import shlex
 import tempfile
 import time
-from typing import Any
+from typing import Any, TypeVar
 
+from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.config.observe import ObserveConfig
 from asyncrl.rl.config.parse import ConfigError
-from asyncrl.rl.config.teacher import scorer_sections
+from asyncrl.rl.config.teacher import RewardModelConfig, ScorerConfig
 from asyncrl.rl.tasks.agent import Agent
 from asyncrl.rl.tasks.base import Task, TaskError
+
+C = TypeVar("C", bound=GRPOConfig)
+SC = TypeVar("SC", bound=ScorerConfig)
 
 RUN_MARKERS = ("config.json", "metrics.jsonl", "progress.json", "summary.json", "checkpoints")
 """What a run writes into its directory: any of them there means the directory holds a run."""
@@ -42,7 +47,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_run(config: Any, *, resume: bool = False) -> Any:
+def check_run(config: C, *, resume: bool = False) -> C:
     """``config`` (a `GRPOConfig`) with its paths made absolute and its default run directory
     named, once the model, the run directory and the limits are found usable. ``resume``: the
     run directory must hold the run to continue; otherwise it must not hold one."""
@@ -54,12 +59,13 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
         )
     _check_run_dir(run_dir, config.run.run_dir, resume)
     # tokenizers are compared with the student's once it exists (build.py)
-    scorers = {key: _checked_scorer(key, section) for key, section in scorer_sections(config)}
+    teacher, reward_model = config.teacher, config.reward_model
     config = dataclasses.replace(
         config,
         model_path=model_path,
         task=config.task.resolved(),
-        **scorers,
+        teacher=_checked_scorer("teacher", teacher) if teacher.model_path else teacher,
+        reward_model=_checked_scorer("reward_model", reward_model) if reward_model.model_path else reward_model,
         run=dataclasses.replace(config.run, run_dir=run_dir),
     )
     check_task(config)
@@ -67,12 +73,12 @@ def check_run(config: Any, *, resume: bool = False) -> Any:
     return config
 
 
-def _checked_scorer(key: str, section: Any) -> Any:
+def _checked_scorer(key: str, section: SC) -> SC:
     """A scorer's section (``--key.*``) with its paths made absolute, once its checkpoint looks
     loadable and, for a judge, its template is a readable text file that shows the completion."""
     path = os.path.abspath(os.path.expanduser(section.model_path))
     _checkpoint_positions(path, section.model_path, f"--{key}.model_path")
-    if not getattr(section, "template", ""):
+    if not isinstance(section, RewardModelConfig) or not section.template:
         return dataclasses.replace(section, model_path=path)
     template = os.path.abspath(os.path.expanduser(section.template))
     flag = f"--{key}.template {shlex.quote(section.template)}"
@@ -90,7 +96,7 @@ def _checked_scorer(key: str, section: Any) -> Any:
     return dataclasses.replace(section, model_path=path, template=template)
 
 
-def _check_viewers(observe: Any) -> None:
+def _check_viewers(observe: ObserveConfig) -> None:
     """A viewer the user asked for by name must be installed (the default ones are optional)."""
     import importlib.util
 
@@ -106,7 +112,7 @@ def _check_viewers(observe: Any) -> None:
         )
 
 
-def resumed_config(default: Any, run_dir: str) -> Any:
+def resumed_config(default: C, run_dir: str) -> C:
     """The config of the run in ``run_dir`` (its config.json over ``default``'s tree), once
     ``run_dir`` is found to be a run's directory."""
     from asyncrl.rl.config.stored import load_run_config
@@ -158,7 +164,7 @@ def _check_max_new_tokens(max_new_tokens: int, positions: int | None, model_path
 # --- the task -------------------------------------------------------------------------------------
 
 
-def check_task(config: Any) -> None:
+def check_task(config: GRPOConfig) -> None:
     """Build the run's task (cached: the driver reuses it) and its held-out split, and for a task
     whose problems are a list its train split too; the embedded model also needs the task's
     demonstrations to be warm-started on. Anything wrong is a one-line `ConfigError`.

@@ -9,7 +9,6 @@ import shlex
 import shutil
 import sys
 import time
-from typing import Any
 
 from asyncrl.errors import RemoteError, first_line
 from asyncrl.rl.checkpoint import (
@@ -19,7 +18,10 @@ from asyncrl.rl.checkpoint import (
     list_checkpoints,
     verify_checkpoint,
 )
+from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.driver.faults import append_event, trainer_phase
+from asyncrl.rl.driver.fleet.handles import Log
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
 from asyncrl.rl.driver.run_state import read_run_state
 from asyncrl.rl.observe.episodes_log import EPISODES_FILE
 from asyncrl.rl.observe.metrics import truncate_metrics
@@ -30,7 +32,7 @@ DEFAULT_SCRIPT = "examples/grpo_countdown.py"
 
 
 async def choose_checkpoint(
-    run_dir: str, candidates: list[Checkpoint], damaged: list[Checkpoint], log, problems: list[str] | None = None
+    run_dir: str, candidates: list[Checkpoint], damaged: list[Checkpoint], log: Log, problems: list[str] | None = None
 ) -> Checkpoint:
     """The newest of ``candidates`` that passes `verify_checkpoint` (taken off the list with every
     newer one; the damaged ones go into ``damaged``); says in one line what was skipped (with
@@ -58,13 +60,13 @@ async def choose_checkpoint(
 
 
 async def load_checkpoint(
-    trainer,
-    run: Any,
+    trainer: TrainerRanks,
+    run: RunConfig,
     run_dir: str,
     checkpoint: Checkpoint,
     candidates: list[Checkpoint],
     damaged: list[Checkpoint],
-    log,
+    log: Log,
 ) -> Checkpoint:
     """Load ``checkpoint`` into the trainer; one it cannot load (an unverified one, most likely)
     counts as damaged, and the next good one is tried. Returns the one loaded."""
@@ -87,7 +89,7 @@ async def load_checkpoint(
             checkpoint = await choose_checkpoint(run_dir, candidates, damaged, log, [problem])
 
 
-def move_damaged_aside(damaged: list[Checkpoint], log) -> None:
+def move_damaged_aside(damaged: list[Checkpoint], log: Log) -> None:
     """After a resume that skipped damaged checkpoints: they are newer than the one resumed from,
     so they would be listed first by the next resume and counted by pruning. Renamed (not
     deleted: what damaged them may be worth a look) to ``checkpoints/damaged-step-N``."""
@@ -115,7 +117,7 @@ def resume_command(run_dir: str) -> str:
     return f"asyncrl launch {shlex.quote(shown_path(script))} --resume {shlex.quote(shown_path(run_dir))}"
 
 
-def resume_records(run_dir: str, checkpoint: Checkpoint, step: int, version: int, segment: int, log) -> None:
+def resume_records(run_dir: str, checkpoint: Checkpoint, step: int, version: int, segment: int, log: Log) -> None:
     """A resumed run's records cut back to its checkpoint's ``step`` (metrics.jsonl and
     episodes.jsonl: the steps after it are trained again), said in a line and recorded as a
     ``resumed`` event (faults.jsonl) of run segment ``segment``."""

@@ -16,11 +16,13 @@ from typing import Any
 
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.driver.build import build_run
+from asyncrl.rl.driver.fleet.handles import Log
 from asyncrl.rl.driver.run_scope import RunScope
 from asyncrl.rl.driver.spawn import plan_run
+from asyncrl.runtime.supervisor import Supervisor
 
 
-async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> dict[str, Any]:
+async def train(config: GRPOConfig, sup: Supervisor, *, log: Log = print, resume: bool = False) -> dict[str, Any]:
     """Run GRPO with ``config`` on the actors of ``sup``; returns the summary (also in the run dir).
     ``resume``: continue the run in ``config.run.run_dir`` from its newest good checkpoint (checked
     against its manifest; a damaged one is skipped, and said so). Raises a `RunStoppedError` (its
@@ -35,6 +37,5 @@ async def train(config: GRPOConfig, sup, *, log=print, resume: bool = False) -> 
     async with RunScope(config, sup, log) as scope:  # the run directory, log.txt, `asyncrl status`
         with scope.reporting_stops():  # faults.jsonl's ``stopped`` and the line that says how to resume
             scope.open_endpoint()
-            parts = await build_run(config, sup, plan, scope, resume=resume)
-            scope.driver = parts.driver
-            return await parts.driver.execute()
+            scope.driver = await build_run(config, sup, plan, scope, resume=resume)
+            return await scope.driver.execute()

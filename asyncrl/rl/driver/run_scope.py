@@ -18,7 +18,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from asyncrl.errors import ActionableError, first_line, one_line
@@ -28,15 +28,18 @@ from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.stored import write_run_config
 from asyncrl.rl.driver.faults import RunStoppedError, append_event
 from asyncrl.rl.driver.fleet.endpoints import sampler_endpoints
+from asyncrl.rl.driver.fleet.handles import Log
 from asyncrl.rl.driver.fleet.scaling import Scaler, ScaleRefusedError
-from asyncrl.rl.driver.grpo import GRPODriver
+from asyncrl.rl.driver.grpo import GRPODriver, Phase
 from asyncrl.rl.driver.resume import resume_hint
 from asyncrl.rl.driver.run_progress import StartingProgress
 from asyncrl.rl.driver.saving import run_dir_error
-from asyncrl.rl.observe.endpoint import open_endpoint
+from asyncrl.rl.observe.endpoint import MetricsEndpoint, open_endpoint
 from asyncrl.rl.observe.runlog import LOG_FILE, RunLog
 from asyncrl.runtime import signals
 from asyncrl.runtime.loop_watch import LoopWatch
+from asyncrl.runtime.status import StatusServer
+from asyncrl.runtime.supervisor import Supervisor
 
 
 class RunScope:
@@ -44,7 +47,7 @@ class RunScope:
     status server, the console's tee into log.txt, the loop watch; the metrics endpoint, opened
     by `open_endpoint` where a failure to open it is a stop, is closed with them)."""
 
-    def __init__(self, config: GRPOConfig, sup: Any, log):
+    def __init__(self, config: GRPOConfig, sup: Supervisor, log: Log):
         self.config, self.run, self.sup = config, config.run, sup
         run = config.run
         os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars would bury the progress line
@@ -54,28 +57,29 @@ class RunScope:
         self.log = self.console.log
         self.driver: GRPODriver | None = None  # set by the builder once the driver is built
         self.committed = False  # config.json written: from here on a stop is recorded in the run directory
-        self._status: Any = None
+        self._status: StatusServer | None = None
         self._watch: LoopWatch | None = None
-        self._endpoint: Any = None
+        self._endpoint: MetricsEndpoint | None = None
 
     async def __aenter__(self) -> RunScope:
-        self._status = await self.sup.serve_status(self.run_dir, progress=self.progress)
-        self._status.add_command("scale", self.scale)  # asyncrl scale (fleet/scaling.py)
+        status = self._status = await self.sup.serve_status(self.run_dir, progress=self.progress)
+        status.add_command("scale", self.scale)  # asyncrl scale (fleet/scaling.py)
         # asyncrl status RUN_DIR --endpoint: each sampler's OpenAI endpoint and token (fleet/endpoints.py)
-        self._status.add_command("endpoint", self.endpoints)
+        status.add_command("endpoint", self.endpoints)
         self.console.__enter__()
         # A synchronous call on this loop would freeze every deadline and the status socket, silently.
         watch_s = self.run.observe.loop_watch_s
         self._watch = LoopWatch("the driver", watch_s, self.log).start() if watch_s else None
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         if self._endpoint is not None:
             self._endpoint.close()
         if self._watch is not None:
             self._watch.close()
         self.console.__exit__()
-        self._status.close()
+        if self._status is not None:
+            self._status.close()
 
     def open_endpoint(self) -> None:
         """--run.metrics_port: /metrics, /healthz."""
@@ -87,10 +91,10 @@ class RunScope:
             return StartingProgress(steps=self.run.steps).to_dict()
         return self.driver.progress().to_dict()
 
-    def scale(self, args: Any) -> Any:
+    def scale(self, args: dict[str, object]) -> dict[str, int]:
         return _scaler_of(self.driver).request(args)
 
-    def endpoints(self, args: Any) -> Any:
+    def endpoints(self, args: dict[str, object]) -> Awaitable[dict[str, object]]:
         return sampler_endpoints(self.driver.pool.membership if self.driver is not None else None, args)
 
     def commit(self, checkpoint: Checkpoint | None) -> None:
@@ -157,10 +161,10 @@ class RunScope:
 
 def _scaler_of(driver: GRPODriver | None) -> Scaler:
     """The run's `Scaler`, or a refusal while the run is not training yet."""
-    phase = driver.phase if driver is not None else "starting"
-    if driver is None or driver.scaler is None or phase != "training":
+    phase = driver.phase if driver is not None else Phase.STARTING
+    if driver is None or driver.scaler is None or phase is not Phase.TRAINING:
         raise ScaleRefusedError(
-            f"the run is {phase}, not training: its samplers can be scaled while it trains "
+            f"the run is {phase.value}, not training: its samplers can be scaled while it trains "
             "(asyncrl status shows the phase)"
         )
     return driver.scaler

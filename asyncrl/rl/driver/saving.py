@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import errno
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -19,6 +18,7 @@ from asyncrl.errors import RemoteError
 from asyncrl.rl.checkpoint import CheckpointWriteError, write_reason
 from asyncrl.rl.config.run import RunConfig
 from asyncrl.rl.driver.faults import RunStoppedError, trainer_phase
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
 from asyncrl.rl.driver.run_state import RunState
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
@@ -46,7 +46,7 @@ def run_dir_error(exc: BaseException, run_dir: str) -> RunDirError | None:
 
 
 async def save_policy(
-    trainer: Any, run: RunConfig, path: str, phase: str, extra_files: dict[str, str] | None = None
+    trainer: TrainerRanks, run: RunConfig, path: str, phase: str, extra_files: dict[str, str] | None = None
 ) -> str:
     """The trainer's policy written whole at ``path``, with ``extra_files`` (name -> text) inside;
     returns the directory. ``phase`` names the write in the error of a trainer that dies or overruns."""
@@ -60,7 +60,7 @@ async def save_policy(
 
 
 async def save_checkpoint(
-    trainer: Any,
+    trainer: TrainerRanks,
     run: RunConfig,
     run_dir: str,
     step: int,
@@ -97,7 +97,7 @@ async def save_checkpoint(
         raise
 
 
-def quietly(fn: Callable[[], Any]) -> None:
+def quietly(fn: Callable[[], object]) -> None:
     """Clean-up writes while the run stops: a full disk fails them too, and the error that stopped
     the run (raised on) already says so; a second one would only bury it."""
     try:

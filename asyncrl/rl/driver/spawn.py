@@ -1,27 +1,30 @@
-"""Where a run's actors go and what each is spawned with: the device plan and each actor's node
-(`plan_run`), the trainer's ranks (`spawn_trainer`: a `TrainerRanks`, one rank included), the
-samplers, at the start and by a scale-up (`SamplerSpawner`), the scorers (`spawn_scorer`), and the
-fleet's `Scaler` (`fleet_scaler`). The actor classes are imported lazily: the driver itself never
-loads torch.
+"""Where a run's actors go and what each is spawned with: the device plan, each actor's node and
+the task every process builds (`plan_run`: a `RunPlan`), the trainer's ranks (`spawn_trainer`: a
+`TrainerRanks`, one rank included), the samplers, at the start and by a scale-up
+(`SamplerSpawner`, which is also where the fleet's `Scaler` gets and gives back samplers), and the
+scorers (`spawn_scorer`). The actor classes are imported lazily: the driver itself never loads
+torch.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
 
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.run import Placement
 from asyncrl.rl.config.teacher import ScorerConfig, scorer_sections
 from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.driver.devices import DevicePlan, cluster_devices, plan_devices
-from asyncrl.rl.driver.fleet.pool import SamplerPool
-from asyncrl.rl.driver.fleet.scaling import Scaler, least_loaded_node
+from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle, ScorerHandle
+from asyncrl.rl.driver.fleet.scaling import least_loaded_node
 from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks, spawn_trainer_ranks
 from asyncrl.rl.driver.start_checks import check_backend_readable, check_placement
-from asyncrl.rl.driver.teacher import scorer_kwargs
+from asyncrl.rl.scorer.specs import scorer_spec
+from asyncrl.rl.tasks.loading import TaskSpec
+from asyncrl.runtime.cluster.nodes import NodeStatus
+from asyncrl.runtime.supervisor import Supervisor
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class RunPlan:
     """The node of each trainer rank (None: the supervisor's default)."""
     sampler_nodes: list[int | None]
     """The node of each of the samplers the run starts with (None: the supervisor's default)."""
+    task: TaskSpec
+    """What every process builds the task from (`GRPOConfig.task_spec`), derived once, here."""
 
     def env(self) -> dict[str, str]:
         """The environment of every actor. On CPU, one thread per actor: torch's default (a thread
@@ -50,7 +55,7 @@ def _one_a_gpu_where_placed(placement: str) -> int:
     return 1 if placed.sampler or placed.spread else 0
 
 
-async def plan_run(config: GRPOConfig, sup: Any) -> RunPlan:
+async def plan_run(config: GRPOConfig, sup: Supervisor) -> RunPlan:
     """The device plan over the cluster's devices (the scorers placed after the samplers) and
     ``--run.placement``'s nodes; with ``--run.check_weights``, the samplers' backend checked, and
     a GPU warm start asked for where this process sees none refused, all before the run directory,
@@ -74,26 +79,22 @@ async def plan_run(config: GRPOConfig, sup: Any) -> RunPlan:
         from asyncrl.rl.model.warm_start import warm_start_device
 
         warm_start_device("cuda", plan.device)  # refused here, not after the run directory is made
-    return RunPlan(plan, trainer_nodes, sampler_nodes)
+    return RunPlan(plan, trainer_nodes, sampler_nodes, config.task_spec())
 
 
-async def spawn_trainer(sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str, log) -> TrainerRanks:
+async def spawn_trainer(sup: Supervisor, config: GRPOConfig, plan: RunPlan, model_path: str, log: Log) -> TrainerRanks:
     """The trainer's ranks as one trainer: N ranks, one group (docs/trainer.md), or one rank. No
     restarts: a new one would start from the initial weights. Losing it stops the run, which
     resumes from its last checkpoint instead."""
-    from asyncrl.rl.trainer.actor import TrainerActor
-
     run, ranks = config.run, config.trainer.world_size
     trainer = await spawn_trainer_ranks(
         sup,
-        TrainerActor,
-        (model_path, config.trainer_config()),
-        world_size=ranks,
-        host=None,
+        model_path,
+        config.trainer_config(),
         timeout_s=run.deadlines.rendezvous_timeout_s,
         gpus=plan.devices.trainer_gpus,
         env=plan.env(),
-        kwargs={"device": plan.devices.device, "seed": run.seed, "task": config.task_spec(), "data": run.data},
+        options={"device": plan.devices.device, "seed": run.seed, "task": plan.task, "data": run.data},
         nodes=plan.trainer_nodes,
     )
     if ranks > 1:
@@ -103,19 +104,21 @@ async def spawn_trainer(sup: Any, config: GRPOConfig, plan: RunPlan, model_path:
 
 class SamplerSpawner:
     """``spawner(i)`` spawns sampler ``i`` (`Supervisor.spawn`'s awaitable), at the run's start
-    (`start_samplers`) and by a scale-up (`Scaler`): ``config`` is the run's with its sampler
+    (`start_samplers`) and by a scale-up (`Scaler`, whose `SamplerSource` this is: it also stops a
+    drained one and says what room the cluster has): ``config`` is the run's with its sampler
     section resolved for this host. One lost while it starts is started again, then left out
     (fleet/sampler_start.py)."""
 
-    def __init__(self, sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str):
+    def __init__(self, sup: Supervisor, config: GRPOConfig, plan: RunPlan, model_path: str):
         self.sup, self.config, self.plan, self.model_path = sup, config, plan, model_path
-        self.spec = config.task_spec()
         self.vllm = plan.devices.vllm_options(config.sampler.gpu_memory_utilization, plan.devices.samplers)
+        devices = plan.devices
+        self.device, self.colocated, self.per_gpu = devices.device, devices.colocated, devices.per_gpu
 
     def seed_of(self, i: int) -> int:
         return self.config.run.seed * 1000 + i
 
-    def __call__(self, i: int) -> Awaitable[Any]:
+    def __call__(self, i: int) -> Awaitable[SamplerHandle]:
         from asyncrl.rl.sampler.actor import SamplerActor
 
         sup, plan, run = self.sup, self.plan.devices, self.config.run
@@ -136,7 +139,7 @@ class SamplerSpawner:
             keep_if_lost=True,
             max_restarts=run.recovery.sampler_max_restarts,
             kwargs={
-                "task": self.spec,
+                "task": self.plan.task,
                 "data": run.data,
                 "seed": self.seed_of(i),
                 "device": plan.device,
@@ -146,60 +149,48 @@ class SamplerSpawner:
             },
         )
 
+    async def stop(self, handle: SamplerHandle) -> None:
+        await self.sup.stop(handle)
+
+    def free_gpus(self) -> int:
+        """GPUs free over every node (0 on the CPU)."""
+        return sum(n.devices_free for n in self.sup.nodes()) if self.device == "cuda" else 0
+
+    def nodes(self) -> list[NodeStatus]:
+        return self.sup.nodes()
+
+    def cores(self) -> int:
+        """The cores CPU samplers may use (0 on GPUs: the devices are the limit)."""
+        return 0 if self.device == "cuda" else _cpu_cores(self.sup)
+
 
 def spawn_scorer(
-    sup: Any, config: GRPOConfig, plan: RunPlan, model_path: str, section: ScorerConfig, name: str
-) -> Awaitable[Any]:
-    """A scorer (teacher, reward model), placed by `plan_devices`, restarted as a sampler is
-    (driver/teacher.py)."""
+    sup: Supervisor, config: GRPOConfig, plan: RunPlan, model_path: str, section: ScorerConfig, name: str
+) -> Awaitable[ScorerHandle]:
+    """A scorer (teacher, reward model) serving its section's `ScorerSpec`, placed by
+    `plan_devices`, restarted as a sampler is (driver/teacher.py)."""
     from asyncrl.rl.scorer.actor import ScorerActor
 
     devices = plan.devices
     return sup.spawn(
         ScorerActor,
         section.model_path,
+        scorer_spec(section, model_path, config.sampler.temperature),
         name=name,
         gpus=devices.scorer_gpus,
         share_devices_with="trainer" if devices.scorers_colocated else None,
         env=plan.env(),
         node=None if devices.scorers_colocated else plan.sampler_nodes[0],
         max_restarts=config.run.recovery.sampler_max_restarts,
-        kwargs={
-            "device": devices.device,
-            "temperature": config.sampler.temperature,
-            **scorer_kwargs(section, model_path),
-        },
+        kwargs={"device": devices.device, "batch_tokens": section.batch_tokens},
     )
 
 
-def fleet_scaler(sup: Any, spawn: SamplerSpawner, *, scaled: int, log) -> Callable[[SamplerPool], Scaler]:
-    """The `Scaler` of ``asyncrl scale`` (fleet/scaling.py), made by the driver over its pool:
-    it spawns as the run's first samplers were; ``scaled``: the target a resumed run was scaled to
-    (0: none)."""
-    plan, config = spawn.plan.devices, spawn.config
-    cuda = plan.device == "cuda"
-    return lambda pool: Scaler(
-        pool,
-        spawn,
-        sup.stop,
-        seed_of=spawn.seed_of,
-        device=plan.device,
-        colocated=plan.colocated,
-        log=log,
-        free_gpus=lambda: sum(n.devices_free for n in sup.nodes()) if cuda else 0,
-        started=config.sampler.count,
-        target=scaled or None,
-        nodes=sup.nodes,
-        cores=lambda: 0 if cuda else _cpu_cores(sup),
-        per_gpu=plan.per_gpu,
-    )
-
-
-def _running(sup: Any, name: str) -> bool:
+def _running(sup: Supervisor, name: str) -> bool:
     return any(a.name == name and not a.state.final for a in sup.status())
 
 
-def _scaled_node(sup: Any, cuda: bool) -> int | None:
+def _scaled_node(sup: Supervisor, cuda: bool) -> int | None:
     """Where a sampler started by a scale-up goes: on GPUs, where the supervisor finds a free one
     (None); on the CPU, the node with the fewest samplers, so a node that joined an elastic
     cluster (--nnodes MIN:MAX) mid-run takes new ones."""
@@ -208,7 +199,7 @@ def _scaled_node(sup: Any, cuda: bool) -> int | None:
     return least_loaded_node(sup.nodes(), sup.status())
 
 
-def _cpu_cores(sup: Any) -> int:
+def _cpu_cores(sup: Supervisor) -> int:
     """The cores CPU samplers may use: those of every node joined, as each reported them (the
     ones this process may run on, here); a node whose agent reported none (an older agent)
     counts as many as this one."""

@@ -14,15 +14,16 @@ can tell, before the steps begin:
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.config.run import Placement
+from asyncrl.rl.driver.devices import DevicePlan
 from asyncrl.rl.driver.fleet.calls import call_all
+from asyncrl.rl.driver.fleet.handles import SamplerHandle
 
 
 def check_placement(
-    text: str, ranks: int, samplers: int, nnodes: int, plan
+    text: str, ranks: int, samplers: int, nnodes: int, plan: DevicePlan
 ) -> tuple[list[int | None], list[int | None]]:
     """The node of each trainer rank and each sampler (None: the supervisor's default), from
     ``--run.placement``; a `ConfigError` for a node the cluster lacks, or for colocated samplers
@@ -48,10 +49,10 @@ async def check_backend_readable(backend: str, device: str) -> None:
     those on other nodes may pick otherwise."""
     import torch
 
-    from asyncrl.rl.sampler.factory import choose_backend
+    from asyncrl.rl.sampler.factory import backend_class
 
     where = torch.device(device)
-    if where.type == "cpu" and await asyncio.to_thread(choose_backend, backend, where) == "vllm":
+    if where.type == "cpu" and not (await asyncio.to_thread(backend_class, backend, where)).digestible_on(where):
         raise ConfigError(
             f"--run.check_weights needs samplers whose weights can be read as sent, but --sampler.backend "
             f"{backend} picks vLLM here ({device}), which repacks them on the CPU; add --sampler.backend hf, "
@@ -59,16 +60,17 @@ async def check_backend_readable(backend: str, device: str) -> None:
         )
 
 
-async def check_digestible(samplers: list[Any]) -> None:
+async def check_digestible(samplers: list[SamplerHandle]) -> None:
     """``--run.check_weights`` digests each sampler's weights where they are held; vLLM on the CPU
     repacks them for its kernels, so refuse it before the run (a sampler on another node than the
     driver's may have picked vLLM, or the CPU, where this one did not)."""
     answers = await call_all(samplers, lambda h, _: h.stats(), timeout_s=None, what="the check of its backend")
-    if not answers.ok:  # a sampler that cannot answer this cannot take part in the run: as it is
-        raise answers.results[answers.failed()[0]]
-    for stats in answers.results:
-        if stats.backend == "vllm" and not stats.device.startswith("cuda"):
+    for stats in answers.results:  # a sampler that cannot answer this cannot take part in the run: as it is
+        if isinstance(stats, BaseException):
+            raise stats
+        if not stats.digestible:
             raise ConfigError(
                 f"--run.check_weights needs samplers whose weights can be read as sent, but {stats.name} "
-                f"runs vLLM on the CPU, which repacks them; add --sampler.backend hf, or drop check_weights"
+                f"runs {stats.backend} on {stats.device}, which repacks them; add --sampler.backend hf, or "
+                "drop check_weights"
             )

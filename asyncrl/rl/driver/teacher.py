@@ -1,7 +1,7 @@
-"""The driver's side of the scorer actors: the tokenizer check before one is spawned and what it
-is spawned with (`scorer_kwargs`); `Teacher`, which has each delivered group scored by a teacher
-before it is queued (on-policy distillation), and `RewardModel`, which adds a reward model's (or
-a judge's) score to the task's reward.
+"""The driver's side of the scorer actors: the tokenizer check before one is spawned (what it is
+spawned with is its `ScorerSpec`, ``rl/scorer/specs.py``); `Teacher`, which has each delivered
+group scored by a teacher before it is queued (on-policy distillation), and `RewardModel`, which
+adds a reward model's (or a judge's) score to the task's reward.
 
 Each sampler's pump calls `Teacher.annotate` on its groups, so the scorer sees requests from
 every sampler at once and batches them (``scorer/actor.py``). A scorer that dies or overruns
@@ -13,15 +13,23 @@ restarts the supervisor gives it; past them the run stops, naming the scorer.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
 from asyncrl.rl.config.parse import ConfigError
+from asyncrl.rl.config.teacher import RewardModelConfig, TeacherConfig
 from asyncrl.rl.driver.faults import RunStoppedError
+from asyncrl.rl.driver.fleet.handles import Log, ScorerHandle
 from asyncrl.rl.rollout import InvalidGroupError, RolloutGroup, validate_group
 from asyncrl.runtime.state import ActorState
+
+if TYPE_CHECKING:
+    from asyncrl.rl.rollout import TeacherTopK
+
+T = TypeVar("T")
 
 
 class ScorerLostError(RunStoppedError):
@@ -52,11 +60,11 @@ class ScorerCalls:
 
     def __init__(
         self,
-        handle,
+        handle: ScorerHandle,
         *,
         timeout_s: float,
         restart_timeout_s: float,
-        log=print,
+        log: Log = print,
         name: str = "scorer",
         timeout_flag: str = "--teacher.timeout_s",
     ):
@@ -64,12 +72,12 @@ class ScorerCalls:
         self.name, self.timeout_flag = name, timeout_flag
         self._reported = -1  # the last incarnation whose loss was logged (several pumps see the same one)
 
-    async def call(self, method: str, group: RolloutGroup):
-        """``method(prompt_ids, completion_ids)`` of the scorer for ``group``."""
+    async def call(self, request: Callable[[ScorerHandle], Awaitable[T]], group: RolloutGroup) -> T:
+        """``request`` made of the scorer (its handle, with this deadline) for ``group``."""
         while True:
             info = self.handle.info()
             if info.state != ActorState.RUNNING:  # starting or restarting: its next incarnation is awaited by state
-                info = await self.handle.wait_for_state(["running"], self.restart_timeout_s)
+                info = await self.handle.wait_for_state([ActorState.RUNNING], self.restart_timeout_s)
                 if info.state != ActorState.RUNNING:
                     raise ScorerLostError(
                         f"the {self.name} is not running ({info.state}, restarts {info.restarts}/"
@@ -78,9 +86,7 @@ class ScorerCalls:
                     )
             incarnation = info.incarnation
             try:
-                return await getattr(self.handle.with_timeout(self.timeout_s), method)(
-                    group.prompt_ids, group.completion_ids
-                )
+                return await request(self.handle.with_timeout(self.timeout_s))
             except (ActorDiedError, CallTimeoutError) as exc:
                 await self._await_return(incarnation, exc)
             except RemoteError as exc:  # the scorer's own refusal (ScorerError) or a bug: it would repeat
@@ -105,19 +111,22 @@ class ScorerCalls:
 
 
 class Teacher(ScorerCalls):
-    """On-policy distillation's teacher: each group gets its log-probs of the sampled tokens
-    (``teacher_logprobs``), or with ``top_k`` > 0 its K most likely tokens and their log-probs at
-    every completion position (``teacher_topk_*``)."""
+    """On-policy distillation's teacher (``--teacher.*``): each group gets its log-probs of the
+    sampled tokens (``teacher_logprobs``), or with ``top_k`` > 0 its K most likely tokens and their
+    log-probs at every completion position (``teacher_topk_*``)."""
 
-    def __init__(self, handle, *, top_k: int = 0, **calls):
-        super().__init__(handle, **calls)
-        self.top_k = top_k
+    def __init__(self, handle: ScorerHandle, config: TeacherConfig, *, restart_timeout_s: float, log: Log = print):
+        super().__init__(handle, timeout_s=config.timeout_s, restart_timeout_s=restart_timeout_s, log=log)
+        self.top_k = config.top_k
 
     async def annotate(self, group: RolloutGroup) -> RolloutGroup:
         """``group`` with the teacher's log-probs of its completion tokens (or top-K)."""
+        ids, completions = group.prompt_ids, group.completion_ids
         if not self.top_k:
-            return _fitted(group, teacher_logprobs=await self.call("teacher_logprobs", group))
-        topk = await self.call("teacher_topk", group)
+            return _fitted(
+                group, teacher_logprobs=await self.call(lambda h: h.teacher_logprobs(ids, completions), group)
+            )
+        topk: TeacherTopK = await self.call(lambda h: h.teacher_topk(ids, completions), group)
         return _fitted(group, teacher_top_k=topk.k, teacher_topk_ids=topk.ids, teacher_topk_logprobs=topk.logprobs)
 
 
@@ -126,22 +135,30 @@ class UnparsedVerdictsError(RunStoppedError):
 
 
 class RewardModel(ScorerCalls):
-    """A reward model's scores combined with the task's: ``reward = rule_weight * rule +
-    weight * model`` per completion. A judge's (``judge``) unparsed verdict (None) adds 0 and is counted;
-    more than ``max_unparsed_rate`` of them, after ``min_verdicts``, stop the run."""
+    """A reward model's scores (``--reward_model.*``) combined with the task's: ``reward =
+    rule_weight * rule + weight * model`` per completion. A judge's (``judge``: its verdicts may not
+    parse) unparsed verdict (None) adds 0 and is counted; more than ``max_unparsed_rate`` of them,
+    after ``min_verdicts``, stop the run."""
 
     def __init__(
         self,
-        handle,
+        handle: ScorerHandle,
+        config: RewardModelConfig,
         *,
-        weight: float,
-        rule_weight: float,
         judge: bool = False,
-        max_unparsed_rate: float = 0.0,
+        restart_timeout_s: float,
+        log: Log = print,
         min_verdicts: int = 50,
-        **calls,
     ):
-        super().__init__(handle, name="reward model", timeout_flag="--reward_model.timeout_s", **calls)
+        super().__init__(
+            handle,
+            timeout_s=config.timeout_s,
+            restart_timeout_s=restart_timeout_s,
+            log=log,
+            name="reward model",
+            timeout_flag="--reward_model.timeout_s",
+        )
+        weight, rule_weight, max_unparsed_rate = config.weight, config.rule_weight, config.max_unparsed_rate
         self.weight, self.rule_weight, self.judge = weight, rule_weight, judge
         self.max_unparsed_rate, self.min_verdicts = max_unparsed_rate, min_verdicts
         self.verdicts = self.unparsed = 0  # over the run
@@ -149,7 +166,7 @@ class RewardModel(ScorerCalls):
 
     async def annotate(self, group: RolloutGroup) -> RolloutGroup:
         """``group`` with its rewards the weighted sum of the task's and the reward model's."""
-        scores = await self.call("rewards", group)
+        scores = await self.call(lambda h: h.rewards(group.prompt_ids, group.completion_ids), group)
         if len(scores) != len(group.rewards) or not all(s is None or math.isfinite(s) for s in scores):
             raise RunStoppedError(
                 f"the reward model gave {scores!r} for the {len(group.rewards)} completions of "
@@ -182,28 +199,7 @@ class RewardModel(ScorerCalls):
         return counts if self.judge else {}
 
 
-def scorer_kwargs(section: Any, student_path: str) -> dict[str, Any]:
-    """The `ScorerActor` keyword arguments that say what a scorer's section (``--teacher.*``,
-    ``--reward_model.*``) serves, besides its device: its kind, batch and, for a judge, the
-    template's text (read here: the actor may run on another node) and how its verdict is read."""
-    kind = "teacher" if not hasattr(section, "kind") else "judge" if section.kind == "judge" else "reward"
-    kwargs: dict[str, Any] = {"kind": kind, "batch_tokens": section.batch_tokens}
-    if kind == "teacher" and section.top_k:
-        kwargs["top_k"] = section.top_k
-    if kind == "judge":
-        with open(section.template, encoding="utf-8") as f:
-            kwargs["judge"] = {
-                "student_path": student_path,
-                "template": f.read(),
-                "read": section.judge_read,
-                "verdict_tokens": tuple(section.verdict_tokens),
-                "verdict": section.verdict,
-                "max_new_tokens": section.max_new_tokens,
-            }
-    return kwargs
-
-
-def _fitted(group: RolloutGroup, **fields) -> RolloutGroup:
+def _fitted(group: RolloutGroup, **fields: object) -> RolloutGroup:
     try:
         scored = msgspec.structs.replace(group, **fields)
         validate_group(scored)

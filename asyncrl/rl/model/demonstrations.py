@@ -77,14 +77,14 @@ def demonstration_rows(
             f"max_positions={max_positions}; raise --model.max_positions or shorten the prompts "
             "and demonstrations"
         )
-    ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    batch_ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
+    batch_labels = torch.full((len(rows), longest), -100, dtype=torch.long)
     lengths = torch.empty(len(rows), dtype=torch.long)
     for i, (row_ids, row_labels) in enumerate(rows):
-        ids[i, : len(row_ids)] = torch.tensor(row_ids)
-        labels[i, : len(row_labels)] = torch.tensor(row_labels)
+        batch_ids[i, : len(row_ids)] = torch.tensor(row_ids)
+        batch_labels[i, : len(row_labels)] = torch.tensor(row_labels)
         lengths[i] = len(row_ids)
-    return ids, labels, lengths, longest_turn
+    return batch_ids, batch_labels, lengths, longest_turn
 
 
 def agent_demonstration_row(tokenizer, task: Agent, conversation: Any) -> tuple[list[int], list[int], int]:

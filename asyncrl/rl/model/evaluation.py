@@ -159,7 +159,7 @@ async def evaluate_with(
         stop_token_ids=list(fmt.stop_token_ids),
     )
     own = calls is None
-    if own:  # failures score 0 here, as in training; an agent's whole episode is one call
+    if calls is None:  # failures score 0 here, as in training; an agent's whole episode is one call
         calls = UserCalls(task.task_name(), score_timeout_s, max_failure_rate=1.0, workers=max(16, len(problems) * n))
     server = None
     try:
@@ -315,7 +315,9 @@ def _generate_rows(
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
     greedy = params.temperature == 0
-    sampling = {} if greedy else {"temperature": params.temperature, "top_k": 0, "top_p": params.top_p}
+    sampling: dict[str, object] = {}
+    if not greedy:
+        sampling.update(temperature=params.temperature, top_k=0, top_p=params.top_p)
     if params.stop:  # transformers' own stop strings: a row that wrote one stops there
         sampling.update(stop_strings=list(params.stop), tokenizer=tokenizer)
     from transformers import LogitsProcessorList

@@ -54,8 +54,8 @@ class PromptFormat:
 
     style: str
     """One of PROMPT_STYLES."""
-    tokenizer: object
-    """The policy's ``PreTrainedTokenizerBase``."""
+    tokenizer: PreTrainedTokenizerBase
+    """The policy's tokenizer."""
     stop_token_ids: list[int]
     """Generation ends at any of these (eos, end-of-turn); they are part of the completion."""
     max_new_tokens_hint: int

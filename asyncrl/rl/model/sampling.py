@@ -49,6 +49,8 @@ class StepLogprobs:
 
     def _take(self, tokens: torch.Tensor) -> None:
         held, self._held = self._held, None
+        if held is None:
+            raise ValueError("a sampled token taken before the scores it was drawn from")
         self._logprobs.append(held.gather(1, tokens[:, None].to(held.device)).squeeze(1).cpu())
         if self.top:
             top = held.topk(self.top, dim=-1)

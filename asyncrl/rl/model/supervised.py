@@ -45,7 +45,8 @@ def train_on_demonstrations(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warm))
     gen = torch.Generator().manual_seed(warm.seed)
-    order, cursor, recent = torch.randperm(len(ids), generator=gen), 0, []
+    order, cursor = torch.randperm(len(ids), generator=gen), 0
+    recent: list[float] = []
     start = time.monotonic()
     for step in range(warm.steps):
         check_stop(stop)

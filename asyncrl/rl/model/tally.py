@@ -48,6 +48,19 @@ class Tally(msgspec.Struct, omit_defaults=True):
         return {k: v / self.episodes for k, v in sorted(self.metrics.items())} if self.episodes else {}
 
 
+class HeldoutAsk(msgspec.Struct, frozen=True, kw_only=True):
+    """Which held-out problems an evaluation solves, and how: ``greedy`` greedily, ``sampled``
+    with ``samples`` completions each (indices into the split; None: every problem, and none
+    sampled with ``samples`` 0), each completion up to ``max_new_tokens`` (0: the prompt format's
+    hint), ``rows`` sequences a part (the trainer's generate batch)."""
+
+    greedy: list[int] | None = None
+    sampled: list[int] | None = None
+    samples: int = 4
+    max_new_tokens: int = 0
+    rows: int = 64
+
+
 class HeldoutPart(msgspec.Struct, omit_defaults=True):
     """Some held-out problems of one pass, solved: a sampler's stream item, a trainer's answer."""
 

@@ -131,7 +131,7 @@ def chat_template(task: Task) -> str:
     ``final/`` and ``best/``, which copy its tokenizer): Countdown's own; for any other task one
     that renders the task's prompt and turns as they were trained (`compact_chat_template`)."""
     if _is_countdown(task):
-        return TOKENIZER_SPEC["chat_template"]
+        return str(TOKENIZER_SPEC["chat_template"])  # a str: the dict holds lists beside it
     if isinstance(task, Agent):
         return agent_chat_template()
     return compact_chat_template(list(task.stop) if isinstance(task, Environment) else [])

@@ -25,17 +25,21 @@ import asyncio
 import json
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from asyncrl.errors import ActorDiedError, first_line
+from asyncrl.rl.config.observe import ObserveConfig
 from asyncrl.rl.config.parse import ConfigError
 from asyncrl.rl.observe.stall import StallWatch
 from asyncrl.runtime.state import ActorState
+from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.timeouts import timeout
 
-Probe = Callable[[], Awaitable[Any]]
+T = TypeVar("T")
+
+Probe = Callable[[], Awaitable[object]]
 
 
 class ObservedRun(Protocol):
@@ -80,8 +84,9 @@ class MetricsEndpoint:
             raise ConfigError(f"--run.metrics_port {port}: cannot listen on {host}:{port}: {exc.strerror}") from None
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="asyncrl-metrics-http", daemon=True)
-        self.thread.start()
+        thread = threading.Thread(target=self.server.serve_forever, name="asyncrl-metrics-http", daemon=True)
+        self.thread: threading.Thread | None = thread
+        thread.start()
 
     def close(self) -> None:
         """Stop serving and free the port. Idempotent."""
@@ -124,7 +129,7 @@ class MetricsEndpoint:
         async with timeout(self.timeout_s):
             return await probe()
 
-    def on_loop(self, coro: Awaitable[Any]) -> Any:
+    def on_loop(self, coro: Coroutine[object, object, T]) -> T:
         """Run ``coro`` on the driver's loop and wait for it from an HTTP thread (bounded)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
@@ -220,7 +225,10 @@ def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
 
 
 def open_endpoint(
-    observe: Any, sup: Any, driver: Callable[[], ObservedRun | None], log=print
+    observe: ObserveConfig,
+    sup: Supervisor,
+    driver: Callable[[], ObservedRun | None],
+    log: Callable[[str], None] = print,
 ) -> MetricsEndpoint | None:
     """The endpoint ``observe`` (the run's `ObserveConfig`) asks for, serving what ``driver()``
     (the `GRPODriver`, or None while the run starts) knows; None with ``metrics_port`` 0."""

@@ -77,8 +77,8 @@ class EpisodeLog:
         try:
             self._tokenizer = load_decoder(self.model_path)
         except Exception as exc:  # noqa: BLE001 - the file is a view: no reason to stop the run
-            exc = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            self.log(f"{EPISODES_FILE}: not written, the tokenizer of {self.model_path} did not load ({exc})")
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.log(f"{EPISODES_FILE}: not written, the tokenizer of {self.model_path} did not load ({why})")
 
     def write(self, step: int, batch: list[RolloutGroup]) -> None:
         """The records of ``step``: the first `episodes` completions of ``batch``, in order."""

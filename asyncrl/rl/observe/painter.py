@@ -85,9 +85,14 @@ class CurvesPainter:
                     self.log(f"curves: drawing {self.path} failed: {type(exc).__name__}: {first_line(exc)}")
 
 
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def _wake(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
     """Settle ``future`` on its loop, from the drawing thread; a loop already closed has no one waiting."""
     try:
-        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+        loop.call_soon_threadsafe(_settle, future)
     except RuntimeError:
         pass

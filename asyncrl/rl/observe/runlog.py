@@ -6,7 +6,8 @@ import builtins
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 LOG_FILE = "log.txt"
 
@@ -24,14 +25,14 @@ class RunLog:
 
     MAX_HELD = 10000
 
-    def __init__(self, path: str, log):
+    def __init__(self, path: str, log: Callable[[str], None]):
         self.path, self._log = path, log
-        self.file = None
+        self.file: TextIO | None = None
         self.held: list[str] = []
         self.partial = {1: "", 2: ""}
         self.lock = threading.Lock()
         self.active = False
-        self.saved: tuple[Any, Any] | None = None
+        self.saved: tuple[TextIO, TextIO] = (sys.stdout, sys.stderr)  # set again as it starts
 
     def log(self, line: str) -> None:
         """The driver's ``log``: the caller's function, and the file (a ``print`` reaches it
@@ -71,8 +72,8 @@ class RunLog:
         """The run directory is ours: write what was held back, and from now on as it comes."""
         with self.lock:
             try:
-                self.file = open(self.path, "a", buffering=1)
-                self.file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {what} ---\n")
+                self.file = file = open(self.path, "a", buffering=1)
+                file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {what} ---\n")
             except OSError:
                 self._stop_file()
                 return
@@ -94,7 +95,7 @@ class RunLog:
         sys.stdout, sys.stderr = _Tee(sys.stdout, self, 1), _Tee(sys.stderr, self, 2)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         out, err = self.saved
         if isinstance(sys.stdout, _Tee) and sys.stdout.log is self:
             sys.stdout = out
@@ -111,7 +112,7 @@ class RunLog:
 class _Tee:
     """A text stream that passes everything on to ``stream`` and records it in a `RunLog`."""
 
-    def __init__(self, stream: Any, log: RunLog, number: int):
+    def __init__(self, stream: TextIO, log: RunLog, number: int):
         self.stream, self.log, self.number = stream, log, number
 
     def write(self, text: str) -> int:

@@ -124,7 +124,7 @@ class StallWatch:
 
     async def _judge(self) -> None:
         judged, limit = self.judged_s(), self.limit_s()
-        if judged is None or judged < max(self._report_at, limit):
+        if judged is None or limit is None or judged < max(self._report_at, limit):
             return
         since = self._since
         reason = await self.describe(self.waited_s(), limit)

@@ -11,9 +11,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.rl.config import ConfigError
+from asyncrl.rl.generation import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from asyncrl.rl.model.policy import PromptFormat
+    from asyncrl.rl.sampler.backend import SamplerBackend
 
 BATCH_SIZE = 64
 """Sequences per ``generate`` call: the trainer's evaluation's (`TrainerActor.evaluate`)."""
@@ -57,10 +65,19 @@ def evaluate_policy(
     with open_generator(kind, policy, where, seed) as generator:
         fmt = generator.fmt
         calls = UserCalls(task.task_name(), spec.score_timeout_s, spec.max_failure_rate, stop_early=True)
-        common = dict(task=task, max_new_tokens=fmt.max_new_tokens_hint, calls=calls, max_context=_positions(policy))
+        limit, positions = fmt.max_new_tokens_hint, _positions(policy)
         try:
             greedy = asyncio.run(
-                evaluate_with(generator.generate("greedy", 1, log), fmt, problems, greedy=True, **common)
+                evaluate_with(
+                    generator.generate("greedy", 1, log),
+                    fmt,
+                    problems,
+                    greedy=True,
+                    task=task,
+                    max_new_tokens=limit,
+                    calls=calls,
+                    max_context=positions,
+                )
             )
             heldout = {"greedy": greedy.solve_rate}
             errors, failures = dict(greedy.errors), {f"greedy: {k}": v for k, v in greedy.failures.items()}
@@ -74,7 +91,10 @@ def evaluate_policy(
                         greedy=False,
                         n=run.eval_samples,
                         temperature=temperature,
-                        **common,
+                        task=task,
+                        max_new_tokens=limit,
+                        calls=calls,
+                        max_context=positions,
                     )
                 )
                 heldout["sampled"] = sampled.solve_rate
@@ -146,9 +166,19 @@ class PolicyGenerator:
     thread (each `evaluate` runs its episodes on a loop of its own, and an engine such as vLLM's
     keeps one loop for its requests)."""
 
-    def __init__(self, *, model: Any = None, fmt: Any = None, make_engine: Callable[[], Any] | None = None):
-        self.model, self.fmt, self.backend = model, fmt, None
+    def __init__(
+        self,
+        *,
+        model: PreTrainedModel | None = None,
+        fmt: PromptFormat | None = None,
+        make_engine: Callable[[], tuple[SamplerBackend, PromptFormat]] | None = None,
+    ):
+        self.model = model
+        self.backend: SamplerBackend | None = None
         if make_engine is None:
+            if model is None or fmt is None:
+                raise ValueError("PolicyGenerator: give a model and its format, or make_engine")
+            self.fmt = fmt
             return
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="asyncrl-eval-engine", daemon=True)
@@ -160,7 +190,7 @@ class PolicyGenerator:
             raise
 
     @classmethod
-    def open(cls, kind: str, policy: str, device: Any, seed: int) -> PolicyGenerator:
+    def open(cls, kind: str, policy: str, device: torch.device, seed: int) -> PolicyGenerator:
         """hf: the model, loaded here; vllm: an engine from the samplers' factory."""
         if kind == "hf":
             import torch
@@ -193,14 +223,16 @@ class PolicyGenerator:
 
         return generate
 
-    async def _on_engine_loop(self, prompts, n, params):
+    async def _on_engine_loop(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        if self.backend is None:
+            raise RuntimeError("PolicyGenerator: no engine (made with a model: it generates in this thread)")
         call = asyncio.run_coroutine_threadsafe(self.backend.generate(prompts, n, params), self.loop)
         return await asyncio.wrap_future(call)
 
     def __enter__(self) -> PolicyGenerator:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.backend is not None:
             try:
                 asyncio.run_coroutine_threadsafe(_call(self.backend.close), self.loop).result()

@@ -13,8 +13,9 @@ runs through an `AgentRunner` instead: the actor serves an `OpenAIServer` (``rl/
 its own generation, each episode in a session of its own, and its groups are assembled from the
 token ids the sessions recorded. `openai_endpoint` serves the same endpoint to anyone with its token.
 
-It generates with a `SamplerBackend` (``backend.py``) that `make_backend` (``factory.py``) picks
-and builds: `HFBackend` (``hf.py``) or `VLLMBackend` (``vllm/backend.py``). The trainer's weights
+It generates with a `SamplerBackend` (``backend.py``) whose class `backend_class` (``factory.py``)
+picks, once, and which loads itself: `HFBackend` (``hf.py``) or `VLLMBackend` (``vllm/backend.py``);
+what differs between them the backend says (`batches_requests`, `warm_up`, ...). The trainer's weights
 reach the backend through its `WeightSink`, held by the actor's ``weights`` (`WeightReceiving`,
 ``weight_receiving.py``: the seat in the group, the version, the gate), to which the weight-sync
 endpoints forward in one line each, wherever the weights live (here, or in vLLM's engine
@@ -30,11 +31,12 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import msgspec
 import torch
 
-from asyncrl.comm.address import SyncAddress
+from asyncrl.comm.member import SyncEndpoints, SyncSide
 from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.agents.runner import AgentRunner
 from asyncrl.rl.agents.server import OpenAIServer
@@ -47,8 +49,8 @@ from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.model.heldout import HeldoutSet
 from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup
-from asyncrl.rl.sampler.backend import SamplerSyncStats
-from asyncrl.rl.sampler.factory import choose_backend, make_backend
+from asyncrl.rl.sampler.backend import BackendOptions, SamplerSyncStats
+from asyncrl.rl.sampler.factory import backend_class
 from asyncrl.rl.sampler.generation import GatedGeneration
 from asyncrl.rl.sampler.groups import rollout_group
 from asyncrl.rl.sampler.stats import SamplerStats
@@ -59,7 +61,7 @@ from asyncrl.rl.tasks.base import as_prompt
 from asyncrl.rl.tasks.episodes import EpisodeRunner
 from asyncrl.rl.tasks.loading import TaskSpec, load_task
 from asyncrl.rl.tasks.scoring import TaskFailureError, UserCalls
-from asyncrl.runtime.actor import Actor, endpoint
+from asyncrl.runtime.actor import endpoint
 from asyncrl.runtime.startup import start_phase
 from asyncrl.runtime.timeouts import timeout
 
@@ -68,7 +70,7 @@ EVAL_PARTS_AT_ONCE = 64
 them with the rollouts): every part of a default evaluation's shard."""
 
 
-class SamplerActor(Actor):
+class SamplerActor(SyncEndpoints):
     """Generates a task's rollouts continuously and takes weights from the trainer (rank 0).
 
     ``config`` is the run's sampler section whole: group size, prompts per batch, sampling
@@ -81,7 +83,7 @@ class SamplerActor(Actor):
     intra-op threads (0: torch's default); on CPU, give each process no more threads than cores
     it has to itself: oversubscribed OpenMP threads spin and slow a small model tenfold or more.
     ``vllm`` holds extra keyword arguments of `VLLMBackend` (e.g. ``gpu_memory_utilization``).
-    ``adapter``: the trainer trains these LoRA adapters and syncs only them (`make_backend`).
+    ``adapter``: the trainer trains these LoRA adapters and syncs only them (`BackendOptions`).
     """
 
     def __init__(
@@ -109,28 +111,22 @@ class SamplerActor(Actor):
         self.device = actor_device(device)
         if cpu_threads > 0:
             torch.set_num_threads(cpu_threads)
-        self.backend_name = choose_backend(config.backend, self.device)  # said before the (long) load
-        print(f"sampler {self.name}: {self.backend_name} backend (asked for {config.backend!r})", flush=True)
-        if self.backend_name == "vllm":  # the engine loads the model itself, and on a fresh GPU machine compiles it
-            start_phase(
-                f"loading {model_path} and building the vLLM engine (compile, CUDA graphs)",
-                budget_s=config.engine_start_timeout_s,
-                knob="--sampler.engine_start_timeout_s",
-            )
-        else:
-            start_phase(f"loading {model_path}")
+        backend = backend_class(config.backend, self.device)  # said before the (long) load
+        print(f"sampler {self.name}: {backend.name} backend (asked for {config.backend!r})", flush=True)
         # A pause for a sync lasts at most sync_timeout_s: a generate held by one gives up only well after.
-        self.backend, self.fmt = make_backend(
-            self.backend_name,
+        self.backend, self.fmt = backend.load(
             model_path,
-            device=self.device,
-            seed=seed,
-            in_flight=self.in_flight,
-            resume_timeout_s=3 * sync_timeout_s,
-            vllm={"stage_weights": config.stage_weights, "engine_stats": config.engine_stats}
-            | (vllm or {})
-            | ({"engine": config.engine_args()} if config.vllm_args else {}),
-            adapter=adapter,
+            BackendOptions(
+                self.device,
+                seed,
+                self.in_flight,
+                resume_timeout_s=3 * sync_timeout_s,
+                vllm={"stage_weights": config.stage_weights, "engine_stats": config.engine_stats}
+                | (vllm or {})
+                | ({"engine": config.engine_args()} if config.vllm_args else {}),
+                adapter=adapter,
+                start_timeout_s=config.engine_start_timeout_s,
+            ),
         )
         self.weights = WeightReceiving(
             self.backend.weight_sink,
@@ -168,23 +164,12 @@ class SamplerActor(Actor):
         self._prompt_ids: dict[int, list[int]] = {}
         self._groups = 0  # yielded (the batches' counters are `generation`'s, the syncs' `weights`')
 
-    # --- weight sync: `WeightReceiving`'s (each documented on the method it forwards to) ----------
+    # --- weight sync: `WeightReceiving`'s (each documented on the method it forwards to; the
+    # group's own endpoints, sync_listen/join/leave/created, are `SyncEndpoints`' over it) ---------
 
-    @endpoint
-    async def sync_listen(self, host: str, port: int = 0) -> int:
-        return self.weights.listen(host, port)
-
-    @endpoint
-    async def sync_join(self, address: SyncAddress, rank: int) -> str:
-        return await self.weights.join(address, rank)
-
-    @endpoint
-    async def sync_leave(self) -> None:
-        await self.weights.leave()
-
-    @endpoint
-    async def sync_created(self) -> dict[str, int]:
-        return await self.weights.created()
+    @property
+    def sync_side(self) -> SyncSide:
+        return self.weights
 
     @endpoint
     async def setup_receiver(self, timeout_s: float = 60.0) -> int:
@@ -205,7 +190,7 @@ class SamplerActor(Actor):
         """One scored group per problem, ``max_groups`` of them (0: until the caller stops). A
         consumer that stops reading pauses generation (the stream's credit window). Problems are
         run ``prompts_per_batch`` at a time; where the backend decodes concurrent calls together
-        (`SamplerBackend.batches_calls`), each problem is a call of its own and its group is
+        (`SamplerBackend.batches_requests`), each problem is a call of its own and its group is
         yielded as soon as it ends, so no group waits for a longer one of its batch. A group's
         ``generate_s`` is the wall time of its call(s), ``version`` the oldest weight version any
         of its tokens was sampled under (``version_spans``: which tokens each version sampled)."""
@@ -215,7 +200,7 @@ class SamplerActor(Actor):
             indices = [next(self._order) for _ in range(count)]
             if self.agent is not None:
                 batches = self._agent_rollouts(indices)
-            elif self.backend.batches_calls:
+            elif self.backend.batches_requests:
                 batches = self._each_as_it_ends(indices)
             else:
                 batches = self._problems(indices)
@@ -341,7 +326,7 @@ class SamplerActor(Actor):
                 temperature=self.sampling.temperature,
                 max_context=self.max_context,
                 rows=rows,
-                at_once=EVAL_PARTS_AT_ONCE if self.backend_name == "vllm" else 1,
+                at_once=EVAL_PARTS_AT_ONCE if self.backend.batches_requests else 1,
                 versions=lambda: sorted(seen),
                 on_part=parts.put_nowait,
             )
@@ -362,16 +347,20 @@ class SamplerActor(Actor):
     async def stats(self) -> SamplerStats:
         """Counters since start and what the sampler runs on (`SamplerStats`)."""
         s = {"groups": self._groups} | self.generation.counts | self.weights.counts | self.backend.engine_stats()
-        return SamplerStats(
-            **s,
-            version=self.weights.version,
-            generating=self.generation.calls,
-            name=self.name,
-            backend=self.backend_name,
-            device=str(self.device),
-            weight_dtype=self.weights.sink.weight_dtype,
-            tokens_per_s=s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0,
-        )
+        backend = self.backend
+        now = {
+            "loaded_adapters": backend.loaded_adapters(),
+            "version": self.weights.version,
+            "generating": self.generation.calls,
+            "name": self.name,
+            "backend": backend.name,
+            "device": str(self.device),
+            "weight_dtype": self.weights.sink.weight_dtype,
+            "tokens_per_s": s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0,
+            "serves_evaluations": backend.batches_requests and self.device.type == "cuda",
+            "digestible": type(backend).digestible_on(self.device),
+        }
+        return msgspec.convert(s | now, SamplerStats)  # each counter checked against its field's type
 
     # --- resume and fault-tolerance hooks (asyncrl/rl/checkpoint.py, driver/fleet/pool.py) ------------
 
@@ -399,22 +388,11 @@ class SamplerActor(Actor):
             generator.manual_seed(state.generator_seed)
 
     async def on_start(self) -> None:
-        # vLLM compiles its sampling ops (torch.compile: log-prob ranks, random sampling) in the
-        # engine's process on their first use: seconds of a C++ compiler on a CPU host (30 s with
-        # a cold compile cache on the shared 2-core VM), and again, shorter, once a second batch
-        # size makes a dimension dynamic. Done here, before this sampler is up, so no weight sync
-        # it joins waits for it: a sync takes the weights between engine steps, and the whole
-        # group waited out those first steps (6-16 s for the first syncs after a scale-up).
-        if self.backend_name == "vllm":
-            start_phase(
-                "compiling vLLM's sampling ops (two short generates)",
-                budget_s=self.config.engine_start_timeout_s,
-                knob="--sampler.engine_start_timeout_s",
-            )
-            prompt = list(self.fmt.render_ids(as_prompt("warm up")))
-            params = msgspec.structs.replace(self.sampling, max_new_tokens=2)
-            for prompts, n in (([prompt], 3), ([prompt, prompt], 1)):  # batches of 3, then 2 sequences
-                await self.backend.generate(prompts, n, params)
+        # What the engine compiles on its first generates (`SamplerBackend.warm_up`: vLLM's
+        # sampling ops), done here, before this sampler is up, so no weight sync it joins waits
+        # for it: a sync takes the weights between engine steps, and the whole group waited out
+        # those first steps (6-16 s for the first syncs after a scale-up).
+        await self.backend.warm_up(list(self.fmt.render_ids(as_prompt("warm up"))), self.sampling)
 
     async def on_stop(self) -> None:
         engine = self.backend.engine_stats()
@@ -469,7 +447,7 @@ class SamplerActor(Actor):
                 self.fmt.tokenizer,
                 self.sampling,
                 max_context=self.max_context,
-                batch=self.backend_name != "vllm",
+                batch=not self.backend.batches_requests,
                 max_calls=self.agent.max_calls if self.agent is not None else 32,
             )
             await server.start()
@@ -483,7 +461,7 @@ class SamplerActor(Actor):
 
     async def _agent_rollouts(self, indices: list[int]) -> AsyncIterator[RolloutGroup]:
         """One batch of an agent's problems: ``group_size`` episodes each, all at once."""
-        runner = AgentRunner(self.agent, await self._endpoint(), self.calls)
+        runner = AgentRunner(cast(Agent, self.agent), await self._endpoint(), self.calls)  # an agent's task only
         start = time.perf_counter()
         groups = await runner.run([self.problems[i] for i in indices], self.group_size)
         self.calls.check()  # too many failed episodes: TaskFailureError ends the stream

@@ -2,9 +2,11 @@
 
 A `SamplerBackend` turns token-id prompts into completions with per-token log-probs and can be
 paused; its `WeightSink` takes the trainer's weights in place, wherever the backend keeps them.
+What differs between engines is said by the backend itself (`load`, `batches_requests`,
+`warm_up`, `digestible_on`, `loaded_adapters`): the sampler actor asks, never compares a name.
 `PausableBackend` is the pause/resume bookkeeping both implementations share (``hf.py``,
-``vllm/backend.py``); `asyncrl.rl.sampler.factory.make_backend` picks and builds one. Nothing here
-imports an implementation.
+``vllm/backend.py``); `asyncrl.rl.sampler.factory.backend_class` picks the class, once. Nothing
+here imports an implementation.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -26,6 +29,29 @@ from asyncrl.runtime.timeouts import timeout
 if TYPE_CHECKING:
     from asyncrl.comm.address import SyncAddress
     from asyncrl.comm.member import SyncSeat
+    from asyncrl.rl.config.trainer import LoRAConfig
+    from asyncrl.rl.model.policy import PromptFormat
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How a backend is built (`SamplerBackend.load`), whichever it is."""
+
+    device: torch.device
+    seed: int = 0
+    """The RNG of requests that name no seed."""
+    in_flight: bool = False
+    """Weights will be taken between decoding steps (vLLM then keeps no prefix cache, unless
+    ``vllm`` says otherwise)."""
+    resume_timeout_s: float = 600.0
+    """How long a generate waits out a pause."""
+    vllm: Mapping[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of `VLLMBackend` (read by vLLM only), passed on as they are."""
+    adapter: LoRAConfig | None = None
+    """The policy carries these LoRA adapters, and weight syncs bring only them."""
+    start_timeout_s: float = 0.0
+    """What an engine that compiles as it starts may take (``--sampler.engine_start_timeout_s``;
+    0: the supervisor's start deadline)."""
 
 
 class SamplerSyncStats(msgspec.Struct, frozen=True):
@@ -117,11 +143,32 @@ class SamplerBackend(abc.ABC):
     `WeightSink` that takes the trainer's weights in place."""
 
     name: str = ""
-    """The backend's kind as `choose_backend` names it (``"hf"``, ``"vllm"``)."""
-    batches_calls: bool = False
-    """Concurrent `generate` calls are decoded together (an engine's continuous batching): a
-    caller may make one call per problem and take each back as it ends, at no cost in
-    throughput. False: one call runs at a time, so a caller batches its problems itself."""
+    """The backend's kind as `choose_backend` names it (``"hf"``, ``"vllm"``), for people to read."""
+    batches_requests: bool = False
+    """Whether the engine batches concurrent requests itself (vLLM's scheduler): then requests are
+    sent as they come (an evaluation's parts all at once, the OpenAI endpoint's calls one by one,
+    each rollout problem a call of its own, taken back as it ends, at no cost in throughput);
+    else they are batched, a batch at a time, by the caller."""
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, model_path: str, options: BackendOptions) -> tuple[SamplerBackend, PromptFormat]:
+        """This backend on the checkpoint at ``model_path`` (its start phase told the supervisor
+        first: `start_phase`), and the checkpoint's prompt format."""
+
+    @classmethod
+    def digestible_on(cls, device: torch.device) -> bool:
+        """Whether this backend's weights on ``device`` can be read as they were sent (a digest
+        of them is the trainer's: ``--run.check_weights``)."""
+        return True
+
+    def loaded_adapters(self) -> int | None:
+        """LoRA adapters the engine holds now (None: it serves none), for the sampler's stats."""
+        return None
+
+    async def warm_up(self, prompt: list[int], params: SamplingParams) -> None:  # noqa: B027  # a hook, not abstract
+        """Anything the engine compiles on its first generates, done before the sampler is up (a
+        weight sync would otherwise wait for it). Nothing by default."""
 
     @abc.abstractmethod
     async def generate(
@@ -153,8 +200,8 @@ class SamplerBackend(abc.ABC):
         return None
 
     def engine_stats(self) -> dict[str, int | float]:
-        """What the engine says of itself for the sampler's stats (`SamplerStats`' engine fields:
-        ``kv_cache_tokens``, ``preemptions``, ``kv_cache_peak``, ``loaded_adapters``); {}: nothing."""
+        """What the engine says of its cache for the sampler's stats (`SamplerStats`' fields
+        ``kv_cache_tokens``, ``preemptions``, ``kv_cache_peak``); {}: nothing."""
         return {}
 
 
@@ -188,14 +235,15 @@ class PausableBackend(SamplerBackend):
         self._closed = False
         self._paused = False
         self._inflight = 0
-        self._resumed: asyncio.Event | None = None  # made on first use, on the actor's loop
-        self._idle: asyncio.Event | None = None
+        # Made here: an asyncio.Event binds to the loop that first waits on it (Python >= 3.10).
+        self._resumed, self._idle = asyncio.Event(), asyncio.Event()
+        self._resumed.set()
+        self._idle.set()
 
     async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
     ) -> list[list[Completion]]:
         self._check(prompts, n, params)
-        self._events()
         if self._closed:
             raise SamplerClosedError(f"{type(self).__name__} is closed")
         if self._paused:  # no await before this point when not paused: see the class docstring
@@ -229,7 +277,6 @@ class PausableBackend(SamplerBackend):
     async def pause(self, timeout_s: float = 600.0) -> None:
         """Stop new generates from starting and wait for those in flight. On timeout the pause is
         undone (it either holds with nothing in flight, or has no effect) and this raises."""
-        self._events()
         self._paused = True
         self._resumed.clear()
         try:
@@ -243,7 +290,6 @@ class PausableBackend(SamplerBackend):
             raise
 
     async def resume(self) -> None:
-        self._events()
         self._paused = False
         self._resumed.set()
 
@@ -255,14 +301,7 @@ class PausableBackend(SamplerBackend):
         """For ``close``: refuse new generates, and wake those held by a pause (they raise
         `SamplerClosedError`)."""
         self._closed = True
-        if self._resumed is not None:
-            self._resumed.set()
-
-    def _events(self) -> None:
-        if self._resumed is None:  # made on first use, on the actor's loop
-            self._resumed, self._idle = asyncio.Event(), asyncio.Event()
-            self._resumed.set()
-            self._idle.set()
+        self._resumed.set()
 
     async def _wait_resumed(self) -> None:
         loop = asyncio.get_running_loop()

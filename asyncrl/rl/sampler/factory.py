@@ -1,7 +1,8 @@
-"""The one factory above the sampler backends: `choose_backend` resolves ``auto``, `make_backend`
-builds the one chosen (and loads what it needs of the checkpoint). The implementations never
-import each other; only this module knows them all, and imports each lazily (transformers and
-vLLM are heavy).
+"""The one factory above the sampler backends: `choose_backend` resolves ``auto``, `backend_class`
+picks the class of the one chosen, once, and `make_backend` builds it (`SamplerBackend.load`: it
+loads what it needs of the checkpoint). The implementations never import each other; only this
+module knows them all, and imports each lazily (transformers and vLLM are heavy): no other module
+compares a backend's name.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrl.rl.sampler.backend import SamplerBackend
+from asyncrl.rl.sampler.backend import BackendOptions, SamplerBackend
 from asyncrl.rl.sampler.errors import SamplerError
 
 if TYPE_CHECKING:
@@ -41,6 +42,17 @@ def choose_backend(name: str, device: torch.device) -> str:
     return "hf"
 
 
+def backend_class(name: str, device: torch.device) -> type[SamplerBackend]:
+    """The class of the backend ``name`` stands for on ``device`` (`choose_backend`)."""
+    if choose_backend(name, device) == "vllm":
+        from asyncrl.rl.sampler.vllm.backend import VLLMBackend
+
+        return VLLMBackend
+    from asyncrl.rl.sampler.hf import HFBackend
+
+    return HFBackend
+
+
 def make_backend(
     name: str,
     model_path: str,
@@ -49,40 +61,11 @@ def make_backend(
     seed: int = 0,
     in_flight: bool = False,
     resume_timeout_s: float = 600.0,
-    vllm: Mapping[str, Any] = {},
+    vllm: Mapping[str, Any] | None = None,
     adapter: LoRAConfig | None = None,
 ) -> tuple[SamplerBackend, PromptFormat]:
     """The backend ``name`` stands for (`choose_backend`) on the checkpoint at ``model_path``, and
-    the checkpoint's prompt format. ``in_flight``: weights will be taken between decoding steps
-    (vLLM then keeps no prefix cache, unless ``vllm`` says otherwise). ``resume_timeout_s``: how
-    long a generate waits out a pause. ``vllm``: extra keyword arguments of `VLLMBackend`.
-    ``adapter``: the policy carries these LoRA adapters (peft; vLLM: its own LoRA path), and weight
-    syncs bring only them."""
-    kind = choose_backend(name, device)
-    if kind == "vllm":  # the engine loads the model itself: only the tokenizer here
-        from asyncrl.rl.model.policy import load_prompt_format
-        from asyncrl.rl.sampler.vllm.backend import VLLMBackend
-
-        tokenizer, fmt = load_prompt_format(model_path)
-        # An adapter sync changes no weight under a running batch: the prefix cache stays valid.
-        options = {"prefix_caching": not in_flight or adapter is not None} | dict(vllm)
-        return VLLMBackend(
-            model_path,
-            tokenizer=tokenizer,
-            seed=seed,
-            device=device,
-            resume_timeout_s=resume_timeout_s,
-            adapter=adapter,
-            **options,
-        ), fmt
-    from asyncrl.rl.model.policy import load_policy
-    from asyncrl.rl.sampler.hf import HFBackend
-
-    model, tokenizer, fmt = load_policy(model_path, device, torch.float32)
-    if adapter is not None:
-        from asyncrl.rl.model.lora import attach_adapter
-
-        model = attach_adapter(model, adapter)
-    return HFBackend(
-        model, tokenizer=tokenizer, seed=seed, resume_timeout_s=resume_timeout_s, adapter_only=adapter is not None
-    ), fmt
+    the checkpoint's prompt format: `backend_class`'s `SamplerBackend.load` with these
+    `BackendOptions`."""
+    options = BackendOptions(device, seed, in_flight, resume_timeout_s, dict(vllm or {}), adapter)
+    return backend_class(name, device).load(model_path, options)

@@ -30,12 +30,14 @@ import torch
 
 from asyncrl.rl.generation import Completion, SamplingParams, VersionSpan, changed_spans, row_seed
 from asyncrl.rl.model.sampling import sampling_logprobs
-from asyncrl.rl.sampler.backend import PausableBackend, Progress, WeightSink
+from asyncrl.rl.sampler.backend import BackendOptions, PausableBackend, Progress, WeightSink
 from asyncrl.rl.sampler.errors import SamplerClosedError, SamplerTimeoutError
 from asyncrl.rl.sampler.sink import ActorSink
+from asyncrl.runtime.startup import start_phase
 
 if TYPE_CHECKING:
     from asyncrl.comm.member import SyncSeat
+    from asyncrl.rl.model.policy import PromptFormat
 
 
 def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +58,27 @@ class HFBackend(PausableBackend):
     (`ActorSink`); `load_weights` picks the moment."""
 
     name = "hf"
+
+    @classmethod
+    def load(cls, model_path: str, options: BackendOptions) -> tuple[HFBackend, PromptFormat]:
+        """The checkpoint's policy in fp32 on ``options.device`` (with ``options.adapter``, its
+        LoRA adapters attached: syncs bring only them), and its prompt format."""
+        from asyncrl.rl.model.policy import load_policy
+
+        start_phase(f"loading {model_path}")
+        model, tokenizer, fmt = load_policy(model_path, options.device, torch.float32)
+        if options.adapter is not None:
+            from asyncrl.rl.model.lora import attach_adapter
+
+            model = attach_adapter(model, options.adapter)
+        backend = cls(
+            model,
+            tokenizer=tokenizer,
+            seed=options.seed,
+            resume_timeout_s=options.resume_timeout_s,
+            adapter_only=options.adapter is not None,
+        )
+        return backend, fmt
 
     def __init__(
         self,
@@ -244,7 +267,8 @@ class HFBackend(PausableBackend):
         tokens, logprobs, top_ids, top_lps = [], [], [], []
         so_far: list[list[int]] = [[] for _ in rows]  # for report: each open row's tokens
         spans: list[VersionSpan] = []
-        out = token = None
+        out = None
+        token = ids[:, -1]  # replaced by each step's sampled tokens before it is read
         for step in range(params.max_new_tokens):
             with self._decoding_step():
                 if not spans or spans[-1].version != self.weights_version:  # read under the gate: loads change it

@@ -57,12 +57,13 @@ class ActorSink(WeightSink):
         from asyncrl.comm.weights import WeightReceiver
 
         comm, group = self.seat.comm, self.seat.group
-        if comm is None:
+        if comm is None or group is None:
             raise SamplerError("setup_receiver before joining a weight-sync group")
-        self.receiver = await asyncio.to_thread(
+        receiver = await asyncio.to_thread(
             WeightReceiver.create, comm, group, src=0, expect=self.backend.weight_tensors(), timeout_s=timeout_s
         )
-        return len(self.receiver.layout.buckets)
+        self.receiver = receiver
+        return len(receiver.layout.buckets)
 
     @property
     def ready(self) -> bool:
@@ -75,6 +76,8 @@ class ActorSink(WeightSink):
     async def receive(self, version: int, *, in_flight: bool, timeout_s: float) -> SamplerSyncStats:
         deadline = time.monotonic() + timeout_s
         receiver, start = self.receiver, time.perf_counter()
+        if receiver is None:
+            raise SamplerError(f"receive_weights of v{version} before setup_receiver")
         marks: dict[str, float] = {}
         stats: list[SyncStats] = []
 
@@ -91,7 +94,7 @@ class ActorSink(WeightSink):
 
     async def leave(self) -> None:
         self.receiver = None
-        self.seat.leave()
+        await self.seat.leave()
 
     async def created(self) -> dict[str, int]:
         return dict(Communicator.created)

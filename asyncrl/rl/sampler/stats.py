@@ -51,3 +51,9 @@ class SamplerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What its weights are held in: the dtype a sync is sent in (`WeightSink.weight_dtype`)."""
     tokens_per_s: float
     """``tokens`` over ``generate_s`` (0 before any generation)."""
+    serves_evaluations: bool = False
+    """An engine that batches requests itself, on a GPU: held-out evaluations run beside its
+    rollouts (``--run.eval_on auto`` puts them there)."""
+    digestible: bool = True
+    """Its weights can be read as they were sent (``--run.check_weights``; an engine that repacks
+    them for its kernels cannot)."""

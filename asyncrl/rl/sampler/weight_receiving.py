@@ -68,7 +68,7 @@ class WeightReceiving:
         """Leave the weight-sync group, in the process that receives and in this one (a reserved
         listener). Idempotent."""
         await self.sink.leave()
-        self.seat.leave()
+        await self.seat.leave()
 
     async def created(self) -> dict[str, int]:
         """Communicators created for weight sync, per backend (in the process that receives)."""

@@ -1,7 +1,7 @@
 """`ScorerActor`: a local Hugging Face checkpoint that scores completions, through the one
-`Scorer` its kind makes (``factory.py``): a teacher's per-token log-probs (kind "teacher",
-``teacher.py``), a reward model's scalar per completion (kind "reward", ``reward.py``) or a
-generative judge's verdict per completion (kind "judge", ``judge.py``). Prefill only, but for a
+`Scorer` its spec builds (``specs.py``): a teacher's per-token log-probs (`TeacherSpec`,
+``teacher.py``), a reward model's scalar per completion (`RewardSpec`, ``reward.py``) or a
+generative judge's verdict per completion (`JudgeSpec`, ``judge.py``). Prefill only, but for a
 judge that reads its verdict from what it generates.
 
 Each request (one group: a prompt and its completions) waits in a queue; one worker task takes
@@ -28,6 +28,7 @@ from asyncrl.rl.scorer.base import Scored, Scorer
 from asyncrl.rl.scorer.factory import make_scorer
 from asyncrl.rl.scorer.judge import JudgeError
 from asyncrl.rl.scorer.reward import RewardModelError
+from asyncrl.rl.scorer.specs import ScorerSpec, TeacherSpec
 from asyncrl.rl.scorer.teacher import TeacherScorer
 from asyncrl.rl.scoring.batch import ScoreRequest
 from asyncrl.runtime.actor import Actor, endpoint
@@ -39,26 +40,18 @@ class ScorerError(ActionableError):
 
 
 class ScorerActor(Actor):
-    """Serves ``model_path``'s log-probs of completion tokens at ``temperature`` (``kind``
-    "teacher"), its scalar reward per completion (``kind`` "reward") or its verdict per
-    completion (``kind`` "judge": ``judge`` holds `Judge`'s keyword arguments, the student's
-    tokenizer path and the template's text among them) on ``device``, batching waiting requests
-    up to ``batch_tokens`` tokens a pass (see the module docstring). ``cpu_threads`` > 0 sets
-    torch's intra-op threads. ``top_k`` > 0 (a teacher): it answers `teacher_topk`, the teacher's
-    ``top_k`` most likely tokens at each position (clamped to its vocabulary), instead of
-    `teacher_logprobs`."""
+    """Serves what ``spec`` describes (a `ScorerSpec`; default: a teacher at temperature 1) from
+    ``model_path`` on ``device``, batching waiting requests up to ``batch_tokens`` tokens a pass
+    (see the module docstring). ``cpu_threads`` > 0 sets torch's intra-op threads."""
 
     def __init__(
         self,
         model_path: str,
+        spec: ScorerSpec | None = None,
         *,
         device: str = "cpu",
-        temperature: float = 1.0,
         batch_tokens: int = 16384,
         cpu_threads: int = 0,
-        kind: str = "teacher",
-        judge: dict | None = None,
-        top_k: int = 0,
     ):
         if batch_tokens < 1:
             raise ValueError(f"batch_tokens must be >= 1, not {batch_tokens!r}")
@@ -67,9 +60,7 @@ class ScorerActor(Actor):
         self.name = os.environ.get("ASYNCRL_ACTOR", "") or "scorer"
         self.batch_tokens = batch_tokens
         try:
-            self.scorer: Scorer = make_scorer(
-                kind, model_path, actor_device(device), temperature=temperature, top_k=top_k, judge=judge
-            )
+            self.scorer: Scorer = make_scorer(spec or TeacherSpec(), model_path, actor_device(device))
         except (RewardModelError, JudgeError) as exc:
             raise ScorerError(str(exc)) from None
         self._pending: list[tuple[ScoreRequest, asyncio.Future]] = []
@@ -151,7 +142,8 @@ class ScorerActor(Actor):
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                take, tokens = [], 0
+                take: list[tuple[ScoreRequest, asyncio.Future]] = []
+                tokens = 0
                 while self._pending and (not take or tokens + _tokens(self._pending[0][0]) <= self.batch_tokens):
                     tokens += _tokens(self._pending[0][0])
                     take.append(self._pending.pop(0))

@@ -4,13 +4,14 @@ actor owns the queue, the passes and the deadlines; a scorer only computes a pas
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from asyncrl.rl.rollout import TeacherTopK
 from asyncrl.rl.scoring.batch import ScoreRequest
 
-Answer: TypeAlias = list[list[float]] | TeacherTopK | list[float | None]
+Answer: TypeAlias = Sequence[Sequence[float]] | TeacherTopK | Sequence[float | None]
 """One request's answer, as its endpoint returns it: a teacher's log-probs per completion, a
 teacher's top-K, or a reward per completion (None: a judge's verdict that did not parse)."""
 
@@ -21,7 +22,7 @@ class Scored:
     endpoint returns), ``forwards`` the model calls it took, ``unparsed`` a judge's verdicts that
     did not parse (a score of None)."""
 
-    answers: list[Answer]
+    answers: Sequence[Answer]
     forwards: int
     unparsed: int = 0
 

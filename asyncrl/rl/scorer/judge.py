@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 
 import torch
 
@@ -173,17 +172,15 @@ class Judge:
 
 
 class JudgeScorer:
-    """A `Judge` (``options``: its keyword arguments, the student's tokenizer path and the
-    template's text among them) as a scorer: one verdict per completion, None where it did not
-    parse, counted."""
+    """A `Judge` as a scorer: one verdict per completion, None where it did not parse, counted."""
 
     kind = "judge"
     endpoint = "rewards"
     # a judge reads the student's ids with the student's tokenizer (the driver passes its path)
     vocabulary = "the vocabulary of {n} of the student's tokenizer, which the judge decodes completions with"
 
-    def __init__(self, model_path: str, device: torch.device, options: dict[str, Any]):
-        self.judge = Judge(model_path, device=device, **options)
+    def __init__(self, judge: Judge):
+        self.judge = judge
         self.vocab = len(self.judge.student)  # requests carry the student's token ids
 
     def score(self, requests: list[ScoreRequest], budget: int) -> Scored:

@@ -5,6 +5,7 @@ makes its sequences from rollout groups (``trainer/batching.py``); a scorer from
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
@@ -34,6 +35,25 @@ class MicroBatch:
     teacher_ids: torch.Tensor | None = None  # [S, C, K] a teacher's top-K ids (--teacher.top_k); None: none
     teacher_topk: torch.Tensor | None = None  # [S, C, K] the teacher's log-probs of teacher_ids
     versions: torch.Tensor | None = None  # [S, C] the weight version that sampled each token; None: not known
+
+    def to(self, device: torch.device, seqs: list[Sequence], width: int) -> MicroBatch:
+        """This batch on ``device``, with the teacher's answers and the token versions of its
+        ``seqs`` (``width`` completion positions each: `teacher_matrix`, `teacher_topk_tensors`,
+        `version_matrix`)."""
+        teacher_ids, teacher_topk = teacher_topk_tensors(seqs, width, device)
+        moved = {
+            f.name: t.to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(t := getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(
+            self,
+            **moved,
+            teacher=teacher_matrix(seqs, width, device),
+            teacher_ids=teacher_ids,
+            teacher_topk=teacher_topk,
+            versions=version_matrix(seqs, width, device),
+        )
 
     def scored(self, per_position: torch.Tensor) -> torch.Tensor:
         """``[S, C, ...]``: the entries of a ``[R, L-1, ...]`` tensor (log-probs, logits) at each
@@ -69,7 +89,9 @@ def sequence_length(seq: Sequence) -> int:
 def cut_by_budget(items: list[T], length: Callable[[T], int], budget: int) -> list[list[T]]:
     """Consecutive chunks of ``items`` of at most ``budget`` padded tokens (longest x count); an
     item longer than the budget goes alone. Sort ``items`` by length first: less padding."""
-    out, chunk, longest = [], [], 0
+    out: list[list[T]] = []
+    chunk: list[T] = []
+    longest = 0
     for item in items:
         n = length(item)
         if chunk and max(longest, n) * (len(chunk) + 1) > budget:
@@ -126,26 +148,21 @@ def padded_batch(rows: list[Sequence], device: torch.device) -> MicroBatch:
         if seq.behaviour is not None:
             behaviour[i, :c] = torch.tensor(seq.behaviour)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    row = torch.arange(len(rows))
-    return MicroBatch(
-        *(t.to(device) for t in (ids, attention, score_index, mask, behaviour, advantages, row)),
-        teacher=teacher_matrix(rows, width, device),
-        **teacher_topk_tensors(rows, width, device),
-        versions=version_matrix(rows, width, device),
-    )
+    batch = MicroBatch(ids, attention, score_index, mask, behaviour, advantages, torch.arange(len(rows)))
+    return batch.to(device, rows, width)
 
 
 def teacher_matrix(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor | None:
     """``[S, width]`` teacher log-probs of ``seqs`` (0 past each completion), or None when no
     sequence has them; a batch with some and not others is refused (a scorer left one out)."""
-    present = [s.teacher is not None for s in seqs]
-    if not any(present):
+    teachers = [s.teacher for s in seqs if s.teacher is not None]
+    if not teachers:
         return None
-    if not all(present):
-        raise ValueError(f"{present.count(False)} of {len(seqs)} sequences have no teacher log-probs")
+    if len(teachers) < len(seqs):
+        raise ValueError(f"{len(seqs) - len(teachers)} of {len(seqs)} sequences have no teacher log-probs")
     out = torch.zeros(len(seqs), width)
-    for i, s in enumerate(seqs):
-        out[i, : len(s.teacher)] = torch.tensor(s.teacher)
+    for i, teacher in enumerate(teachers):
+        out[i, : len(teacher)] = torch.tensor(teacher)
     return out.to(device)
 
 
@@ -159,25 +176,29 @@ def version_matrix(seqs: list[Sequence], width: int, device: torch.device) -> to
         raise ValueError(f"{present.count(False)} of {len(seqs)} sequences have no token versions")
     out = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
-        out[i, : len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
+        versions = s.versions or []
+        out[i, : len(versions)] = torch.tensor(versions, dtype=torch.long)
     return out.to(device)
 
 
-def teacher_topk_tensors(seqs: list[Sequence], width: int, device: torch.device) -> dict[str, torch.Tensor]:
+def teacher_topk_tensors(
+    seqs: list[Sequence], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """``teacher_ids`` and ``teacher_topk`` (``[S, width, K]``; id 0 and log-prob 0 past each
-    completion) of ``seqs``' teacher top-K, or {} when no sequence has one; a batch with some and
-    not others, or two K, is refused (a scorer left one out)."""
+    completion) of ``seqs``' teacher top-K, or two None when no sequence has one; a batch with some
+    and not others, or two K, is refused (a scorer left one out)."""
     tops = [s.teacher_topk for s in seqs]
     if all(t is None for t in tops):
-        return {}
+        return None, None
     ks = {t[0] if t is not None else None for t in tops}
-    if len(ks) != 1:
+    given = [t for t in tops if t is not None]
+    if len(ks) != 1 or len(given) < len(tops):
         raise ValueError(f"the sequences' teacher top-K differ: K of {sorted(ks, key=str)} (None: no top-K)")
-    k = ks.pop()
+    k = given[0][0]
     ids = torch.zeros(len(seqs), width, k, dtype=torch.long)
     values = torch.zeros(len(seqs), width, k)
-    for i, (s, (_, top_ids, top_lps)) in enumerate(zip(seqs, tops)):
+    for i, (s, (_, top_ids, top_lps)) in enumerate(zip(seqs, given)):
         n = len(s.completion_ids)
         ids[i, :n] = torch.tensor(top_ids, dtype=torch.long).view(n, k)
         values[i, :n] = torch.tensor(top_lps).view(n, k)
-    return {"teacher_ids": ids.to(device), "teacher_topk": values.to(device)}
+    return ids.to(device), values.to(device)

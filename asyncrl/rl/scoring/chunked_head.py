@@ -161,7 +161,8 @@ def _chunk_fns(device: torch.device) -> tuple[Callable, Callable]:
 def _compiled() -> tuple[Callable, Callable]:
     # dynamic: the last, shorter chunk of every micro-batch (and each new micro-batch length) reuses
     # the one graph instead of compiling a new size; fullgraph: a break would split the fusion
-    return tuple(torch.compile(f, dynamic=True, fullgraph=True) for f in (chunk_stats, chunk_grad_logits))
+    compile = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    return compile(chunk_stats), compile(chunk_grad_logits)
 
 
 @functools.cache

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from asyncrl.rl.scoring.batch import MicroBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 T = TypeVar("T")
 
@@ -44,7 +47,7 @@ ROUTED_FORWARD = "_asyncrl_routed_forward"
 hooks (set by ``trainer/fsdp.py``, read by `in_root_forward`)."""
 
 
-def in_root_forward(model: torch.nn.Module, fn: Callable[[], T]) -> T:
+def in_root_forward(model: PreTrainedModel, fn: Callable[[], T]) -> T:
     """``fn()``, inside the sharded root's forward when ``model`` is sharded (``trainer/fsdp.py``):
     a computation that reads the head's weight itself would see shards outside it."""
     root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
@@ -117,7 +120,7 @@ def _with_rows(batch: MicroBatch, rows: int) -> MicroBatch:
 
 def masked_inputs(model, batch: MicroBatch) -> dict:
     """Packed rows through an explicit 4-D block-diagonal causal mask (sdpa, eager)."""
-    blocks = _for_implementation(model, block_causal_mask(batch.position_ids))
+    blocks = _for_implementation(model, block_causal_mask(_packed_positions(batch)))
     return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=blocks, use_cache=False)
 
 
@@ -133,8 +136,14 @@ def flat_inputs(batch: MicroBatch) -> dict:
     the restarts (flash attention's varlen path on GPU; a mask it builds itself for sdpa/eager)."""
     # use_cache=False: with a KV cache transformers skips looking for packed sequences
     return dict(
-        input_ids=batch.input_ids.reshape(1, -1), position_ids=batch.position_ids.reshape(1, -1), use_cache=False
+        input_ids=batch.input_ids.reshape(1, -1), position_ids=_packed_positions(batch).reshape(1, -1), use_cache=False
     )
+
+
+def _packed_positions(batch: MicroBatch) -> torch.Tensor:
+    if batch.position_ids is None:
+        raise ValueError("a packed micro-batch's inputs need its position_ids (packing.py makes them)")
+    return batch.position_ids
 
 
 def masked_logits(model, batch: MicroBatch) -> torch.Tensor:

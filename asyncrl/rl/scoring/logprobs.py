@@ -104,7 +104,7 @@ def scored_logprobs_at(
         _check_ids(at_ids, vocab)
         targets = torch.cat([targets[:, None], at_ids[batch.mask]], dim=1)
 
-    def fused() -> tuple[torch.Tensor, torch.Tensor | None]:
+    def on_the_head() -> tuple[torch.Tensor, torch.Tensor | None]:
         with autocast:
             hidden = policy_hidden(model, batch)
         head = model.get_output_embeddings()
@@ -118,7 +118,7 @@ def scored_logprobs_at(
             entropy=entropy,
         )
 
-    lp, ent = in_root_forward(model, fused)
+    lp, ent = in_root_forward(model, on_the_head)
     ent = None if ent is None else _spread(ent, batch.mask)
     if at_ids is None:
         return _spread(lp, batch.mask), ent, None

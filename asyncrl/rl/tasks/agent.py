@@ -33,7 +33,7 @@ class Agent(Task[Any]):
     """A task run by an agent: override `run` (and `problems` or `splits` where the problems are
     not the rows of ``--task.data``)."""
 
-    max_calls: ClassVar[int] = 16
+    max_calls: int = 16  # a class default an instance may override (`load_task`: --task.max_turns)
     """Model calls an episode may make; past them its session answers 429 (an agent in a loop)."""
 
     async def run(self, problem: Any, client: Any) -> float | Score:
@@ -41,7 +41,9 @@ class Agent(Task[Any]):
         return the reward."""
         raise NotImplementedError(f"agent {self.task_name()} must define async run(problem, client)")
 
-    def demonstration(self, problem: Any) -> list[dict[str, Any]] | None:
+    # An agent's demonstration is a conversation (OpenAI messages), not a task's completion or turns:
+    # its own warm start reads it (`agent_demonstration_row`), never the single-turn path.
+    def demonstration(self, problem: Any) -> list[dict[str, Any]] | None:  # type: ignore[override]
         """What a perfect agent's episode says for ``problem``, for the embedded model's warm start:
         the conversation as OpenAI messages (``user``, ``assistant`` with ``content`` and/or
         ``tool_calls``, ``tool``, ...), rendered through the embedded model's chat template as the

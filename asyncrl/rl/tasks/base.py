@@ -208,7 +208,7 @@ class Environment(Task[ProblemT]):
     with reward ``truncated_reward`` (counted in metrics as ``episodes_truncated``). ``stop``:
     strings that end a model turn besides its stop token (a tool call's closing tag)."""
 
-    max_turns: ClassVar[int] = 4
+    max_turns: int = 4  # a class default an instance may override (`load_task`: --task.max_turns)
     stop: ClassVar[Sequence[str]] = ()
     truncated_reward: ClassVar[float] = 0.0
 

@@ -31,7 +31,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgspec
 
@@ -49,6 +49,9 @@ from asyncrl.rl.tasks.base import (
 )
 from asyncrl.rl.tasks.scoring import Outcome, UserCalls
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 Generate = Callable[[list[list[int]], int, SamplingParams], Awaitable[list[list[Completion]]]]
 """``generate(prompts, n, params)``: ``n`` completions per token-id prompt, in prompt order (a
 `SamplerBackend.generate`, or a closure over one)."""
@@ -57,7 +60,8 @@ Generate = Callable[[list[list[int]], int, SamplingParams], Awaitable[list[list[
 class PromptRenderer(Protocol):
     """What the runner needs of a policy's prompt format (`asyncrl.rl.model.policy.PromptFormat`)."""
 
-    tokenizer: Any
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
     def render_ids(self, prompt: Prompt) -> list[int]: ...
 
@@ -102,9 +106,10 @@ class EpisodeRunner:
                 raise ValueError(f"{name} must be a whole number >= 0 (0: the default), not {value!r}")
         self.task, self.fmt, self.calls = task, fmt, calls
         self.max_context = max_context
-        self.environment = isinstance(task, Environment)
-        self.max_turns = max_turns or (int(task.max_turns) if self.environment else 1)
-        self.stop = [s for s in task.stop] if self.environment else []
+        env = task if isinstance(task, Environment) else None
+        self.environment = env is not None
+        self.max_turns = max_turns or (int(env.max_turns) if env is not None else 1)
+        self.stop = list(env.stop) if env is not None else []
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise TaskInputError(f"environment {task.task_name()}: stop must be non-empty strings, not {self.stop!r}")
 
@@ -199,7 +204,7 @@ class EpisodeRunner:
         for indices, groups in zip(by_room.values(), results):
             for i, group in zip(indices, _checked(groups, len(indices), n)):
                 out[i * n : (i + 1) * n] = group
-        return out
+        return cast(list[Completion], out)  # every run's place was filled above
 
     async def _step(self, r: _Run, c: Completion, params: SamplingParams) -> Outcome:
         text = self._turn_text(c, params)
@@ -212,7 +217,7 @@ class EpisodeRunner:
         r.stopped_on_token = _on_stop_token(c, params)
         r.add_turn(Message("assistant", text))
         convert = partial(as_reply, task=self.task)
-        return await self.calls.call(self.task.step, r.episode, text, what="step", convert=convert)
+        return await self.calls.call(self._env.step, r.episode, text, what="step", convert=convert)
 
     def _answer(self, r: _Run, outcome: Outcome) -> bool:
         """Apply the environment's answer; True while the episode goes on."""
@@ -240,7 +245,13 @@ class EpisodeRunner:
         return True
 
     def _truncate(self, r: _Run) -> None:
-        r.finish(float(self.task.truncated_reward), False, {"episodes_truncated": 1.0})
+        r.finish(float(self._env.truncated_reward), False, {"episodes_truncated": 1.0})
+
+    @property
+    def _env(self) -> Environment:
+        """The task as the environment it is: only an environment's episodes take a step or run
+        out of turns (a single-turn task's end with its one completion)."""
+        return cast(Environment, self.task)
 
     def _turn_text(self, c: Completion, params: SamplingParams) -> str:
         """The turn's text as step() gets it: the completion's, and where a stop string ended the

@@ -173,7 +173,7 @@ def _resolve(ref: str, flag: str, builtins: dict[str, str]) -> Any:
     if not target or not attr:
         raise TaskLoadError(f"{flag} {ref}: give FILE.py:NAME or MODULE:NAME, both parts")
     module = _import_file(target, ref, flag) if is_file else _import_module(target, ref, flag)
-    obj = module
+    obj: object = module
     for part in attr.split("."):
         obj = getattr(obj, part, _MISSING)
         if obj is _MISSING:

@@ -13,8 +13,10 @@ evaluation is ``trainer/heldout.py``'s, and an out-of-memory error is worded by
 
 The actor holds its parts and forwards their endpoints in one line each: the policy, optimiser
 and step count (``policy``, `TrainedPolicy`), its place in a rank group (``ranks``, `RankMember`),
-its side of the weight sync as rank 0 of the weight-sync group (``weights``, `WeightSending`) and
-its checkpoints and saved policy (``checkpoints``, `Checkpointing`).
+its side of the weight sync as rank 0 of the weight-sync group (``weights``, `WeightSending`, whose
+seat the ``sync_*`` endpoints of `SyncEndpoints` reach) and its checkpoints and saved policy
+(``checkpoints``, `Checkpointing`). It is built for ``config.world_size``: whole, its optimiser with
+it, at 1; a rank of N takes its strategy, its shards and its optimiser at `rank_join`.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import time
 import torch
 
 from asyncrl.comm.address import SyncAddress
+from asyncrl.comm.member import SyncEndpoints, SyncSide
 from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.actor_device import actor_device
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.trainer import TrainerConfig
-from asyncrl.rl.model.tally import HeldoutPart
+from asyncrl.rl.model.tally import HeldoutAsk, HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup, validate_group
 from asyncrl.rl.scoring.batch import MicroBatch
 from asyncrl.rl.scoring.logprobs import scored_logprobs, scored_logprobs_at
@@ -47,10 +50,10 @@ from asyncrl.rl.trainer.rank_member import RankMember
 from asyncrl.rl.trainer.schedule import learning_rate, set_learning_rate
 from asyncrl.rl.trainer.split import batch_counts
 from asyncrl.rl.trainer.weight_sending import WeightSending
-from asyncrl.runtime.actor import Actor, endpoint
+from asyncrl.runtime.actor import endpoint
 
 
-class TrainerActor(Actor):
+class TrainerActor(SyncEndpoints):
     """Holds the policy and its optimiser; rank 0 of the weight-sync group. ``task`` and ``data``
     give the held-out problems `evaluate` solves (the task is built here, from its spec)."""
 
@@ -80,7 +83,7 @@ class TrainerActor(Actor):
             raise self._does_not_fit(
                 "the policy" + (" and its KL reference" if config.loss.kl_coef else ""), exc
             ) from None
-        self.ranks = RankMember(self.device, self.policy.shard)
+        self.ranks = RankMember(self.device, config.world_size, self.policy.shard)
         self.weights = WeightSending(self.ranks, self.policy.weight_tensors)
         self.checkpoints = Checkpointing(self.ranks, self.policy, loaded=self.weights.forget)
         self._auto_tokens = 0  # --trainer.micro_batch_tokens 0 once resolved (`micro_batch_tokens`)
@@ -88,10 +91,14 @@ class TrainerActor(Actor):
 
     async def on_stop(self) -> None:
         try:
-            self.weights.leave()
+            await self.weights.seat.leave()
             await self.ranks.close()
         finally:
             self.heldout.close()
+
+    @property
+    def sync_side(self) -> SyncSide:
+        return self.weights.seat
 
     # The policy's, read here often enough (and by tests) to be named on the actor.
     @property
@@ -113,28 +120,12 @@ class TrainerActor(Actor):
         return self.ranks.listen(host, port)
 
     @endpoint
-    async def rank_join(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0) -> str:
-        return await self.ranks.join(host, port, rank, world_size, timeout_s)
+    async def rank_join(self, address: SyncAddress, rank: int) -> str:
+        return await self.ranks.join(address, rank)
 
     @endpoint
     async def abort_call(self, failed_rank: int, reason: str) -> None:
         self.ranks.abort_call(failed_rank, reason)
-
-    @endpoint
-    async def sync_listen(self, host: str, port: int = 0) -> int:
-        return self.weights.listen(host, port)
-
-    @endpoint
-    async def sync_join(self, address: SyncAddress, rank: int) -> str:
-        return await self.weights.join(address, rank)
-
-    @endpoint
-    async def sync_leave(self) -> None:
-        self.weights.leave()
-
-    @endpoint
-    async def sync_created(self) -> dict[str, int]:
-        return self.weights.created()
 
     @endpoint
     async def setup_sender(
@@ -308,7 +299,6 @@ class TrainerActor(Actor):
 
     def fallback_reason(self) -> str:
         """Why this trainer scores through full logits ("" when it does not: ``scoring/logprobs.py``)."""
-        # the strategy, not the config: a rank joins a group whatever its config's world_size says
         return self.ranks.parallel.head_fallback(self.model)
 
     def _accumulate_all(
@@ -346,18 +336,16 @@ class TrainerActor(Actor):
         """One micro-batch's loss, its gradient added to the parameters; its metrics. Log-probs by
         the fused head where it applies, else through full logits (``scoring/logprobs.py``)."""
         cfg = self.config
-        score = dict(
-            fused=not self.fallback_reason(),
-            autocast_dtype=(torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else None),
-        )
+        fused = not self.fallback_reason()
+        autocast = torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else None
         # the entropy: of the policy where it is scored (a metric)
         new, entropy, student_topk = scored_logprobs_at(
-            self.model, batch, self.temperature, batch.teacher_ids, entropy=True, **score
+            self.model, batch, self.temperature, batch.teacher_ids, entropy=True, fused=fused, autocast_dtype=autocast
         )
         ref = None
         if cfg.loss.kl_coef > 0:
             with torch.no_grad(), self.policy.reference() as reference:
-                ref, _ = scored_logprobs(reference, batch, self.temperature, **score)
+                ref, _ = scored_logprobs(reference, batch, self.temperature, fused=fused, autocast_dtype=autocast)
         loss, metrics = grpo_loss(
             new,
             batch.behaviour,
@@ -393,38 +381,27 @@ class TrainerActor(Actor):
         gathers from every rank), sampling from the same seed."""
         from asyncrl.rl.model.tally import heldout_answer
 
-        parts = await self.evaluate_heldout(None, None, samples, max_new_tokens, batch_size, deadline_s)
-        return heldout_answer(parts, samples)
+        ask = HeldoutAsk(samples=samples, max_new_tokens=max_new_tokens, rows=batch_size)
+        return heldout_answer(await self.evaluate_heldout(ask, deadline_s), samples)
 
     @endpoint
-    async def evaluate_heldout(
-        self,
-        greedy: list[int] | None = None,
-        sampled: list[int] | None = None,
-        samples: int = 4,
-        max_new_tokens: int = 0,
-        batch_size: int = 64,
-        deadline_s: float = 0.0,
-    ) -> list[HeldoutPart]:
+    async def evaluate_heldout(self, ask: HeldoutAsk, deadline_s: float = 0.0) -> list[HeldoutPart]:
         """`evaluate`'s episodes as they add up, in parts (`HeldoutPart`: sums, tagged with the
-        version this trainer holds): the held-out problems ``greedy`` greedily, ``sampled`` with
-        ``samples`` completions each (indices into the split; None: all of them, and none sampled
-        with ``samples`` 0). The driver's: it adds them to what samplers solved
-        (``rl/driver/heldout.py``). How far it has got: `heldout_progress`."""
-        limit = max_new_tokens or self.policy.fmt.max_new_tokens_hint
-        options = dict(
-            samples=samples,
-            max_new_tokens=limit,
-            batch_size=batch_size,
-            temperature=self.temperature,
-            compiled=compiled(self.config, self.device),
-            greedy=greedy,
-            sampled=sampled,
-            version=self.steps,
-        )
+        version this trainer holds): the held-out problems ``ask`` names (`HeldoutAsk`). The
+        driver's: it adds them to what samplers solved (``rl/driver/heldout.py``). How far it has
+        got: `heldout_progress`."""
+        fast, version = compiled(self.config, self.device), self.steps
 
         def run() -> list[HeldoutPart]:
-            return self.heldout(self.model, self.policy.tokenizer, self.policy.fmt, **options)
+            return self.heldout(
+                self.model,
+                self.policy.tokenizer,
+                self.policy.fmt,
+                ask,
+                temperature=self.temperature,
+                compiled=fast,
+                version=version,
+            )
 
         return await self.ranks.run(
             "the held-out evaluation", deadline_s, self.ranks.parallel.in_step, run, self.seed * 1_000_003 + self.steps

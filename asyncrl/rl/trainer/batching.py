@@ -6,6 +6,8 @@ and each token's weight version, in padded rows of one sequence each here, or ro
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from asyncrl.rl.rollout import RolloutGroup
@@ -17,8 +19,8 @@ def sequences(groups: list[RolloutGroup], advantages: torch.Tensor) -> list[Sequ
     out = []
     a = 0
     for g in groups:
-        masks = g.action_mask or [None] * len(g.completion_ids)
-        teachers = g.teacher_logprobs or [None] * len(g.completion_ids)
+        masks: Iterable[list[int] | None] = g.action_mask or [None] * len(g.completion_ids)
+        teachers: Iterable[list[float] | None] = g.teacher_logprobs or [None] * len(g.completion_ids)
         tops = (
             [(g.teacher_top_k, i, v) for i, v in zip(g.teacher_topk_ids, g.teacher_topk_logprobs)]
             if g.teacher_top_k

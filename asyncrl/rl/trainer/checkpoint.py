@@ -33,8 +33,8 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.checkpoint import (
@@ -61,6 +61,10 @@ from asyncrl.runtime.files import (  # the same flush and rename for either layo
     write_bytes,
 )
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 STALL_ENV = "ASYNCRL_TEST_STALL_CHECKPOINT_STEP"
 """Test-only: the trainer stalls (60 s) while writing the checkpoint of this step, after the model
 files and before the rest, so a test can kill it mid-write. Never set it in a real run."""
@@ -79,12 +83,12 @@ def write_checkpoint(
     run_dir: str,
     step: int,
     keep: int,
-    model: Any,
-    tokenizer: Any,
-    optimizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
     trainer_steps: int,
     run_state: bytes,
-    extra_files: list[str] = (),
+    extra_files: Sequence[str] = (),
 ) -> str:
     """Write the checkpoint of ``step`` whole (`staged_dir`, flushed to disk; the same step written
     again, by a resumed run, is replaced whole) and prune to the newest ``keep``; returns its path.
@@ -120,10 +124,10 @@ def write_checkpoint(
 
 def write_policy(
     final: str,
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     *,
-    whole: dict[str, Any] | None,
+    whole: dict[str, torch.Tensor] | None,
     lora: bool,
     markers: list[str],
     files: dict[str, str],
@@ -188,7 +192,7 @@ def prune(run_dir: str, keep: int) -> None:
         remove_dir(old.path)
 
 
-def load_trainer_state(checkpoint: Checkpoint, optimizer: Any) -> int:
+def load_trainer_state(checkpoint: Checkpoint, optimizer: torch.optim.Optimizer) -> int:
     """Restore the optimiser and the RNGs saved with ``checkpoint``; returns the trainer's steps."""
     import torch
 
@@ -253,7 +257,7 @@ def refuse_sharded(path: str) -> None:
         )
 
 
-def _state(model: Any, optimizer: Any) -> dict[str, Any]:
+def _state(model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:  # DCP's format
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -266,8 +270,8 @@ def write_sharded_checkpoint(
     run_dir: str,
     step: int,
     keep: int,
-    model: Any,
-    optimizer: Any,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
     trainer_steps: int,
     run_state: bytes,
 ) -> str:
@@ -320,7 +324,9 @@ def write_sharded_checkpoint(
     return final
 
 
-def load_sharded_checkpoint(rank: int, checkpoint: Checkpoint, model: Any, optimizer: Any) -> int:
+def load_sharded_checkpoint(
+    rank: int, checkpoint: Checkpoint, model: PreTrainedModel, optimizer: torch.optim.Optimizer
+) -> int:
     """Every rank calls this together: the model's and the optimiser's shards (resharded to this
     world size by DCP), this rank's RNG states and the Python RNG. Returns the trainer's steps."""
     import torch

@@ -21,18 +21,22 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx.experimental._config
 
 from asyncrl.rl.scoring.forward import MIN_ROWS
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 class CompileError(ValueError):
     """The model has no decoder layers this can find."""
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     """The model's decoder layers (a transformers causal LM, LoRA-wrapped or not)."""
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
     layers = getattr(decoder, "layers", None)
@@ -44,7 +48,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def compile_layers(model: torch.nn.Module, backend: str | Callable = "inductor") -> int:
+def compile_layers(model: PreTrainedModel, backend: str | Callable = "inductor") -> int:
     """Compile each decoder layer in place; returns how many. ``backend``: torch.compile's (tests
     count graphs with a cheaper one). The model's forward then gives the layers at least two rows
     (`MIN_ROWS`): dynamo specialises a dimension of size 1 even for dynamic shapes, so a micro-batch
@@ -52,7 +56,10 @@ def compile_layers(model: torch.nn.Module, backend: str | Callable = "inductor")
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
-        layer._compiled_call_impl = _distinct_sizes(layer._compiled_call_impl)
+        compiled = layer._compiled_call_impl
+        if compiled is None:  # torch's Module.compile sets it
+            raise CompileError(f"--trainer.compile: {type(layer).__name__}.compile() left no compiled call")
+        layer._compiled_call_impl = _distinct_sizes(compiled)
     setattr(model, MIN_ROWS, 2)
     return len(layers)
 
@@ -67,7 +74,8 @@ def _distinct_sizes(call: Callable) -> Callable:
 
     @functools.wraps(call)
     def run(*args, **kwargs):
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # `patch` is installed on the module at import (torch's config modules): not in its stubs
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
             return call(*args, **kwargs)
 
     return run

@@ -12,9 +12,14 @@ scored (completion) tokens (``scoring/logprobs.py``): ``6VH`` each, ``4VH`` when
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from asyncrl.rl.rollout import RolloutGroup
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
 """Dense bf16 tensor-core peaks (the vendors' datasheets, SXM parts), by a word in the device's name."""
@@ -43,7 +48,7 @@ def step_flops(config, body: int, groups: list[RolloutGroup], *, weights_train: 
     return flops
 
 
-def decoder_parameters(model: torch.nn.Module) -> int:
+def decoder_parameters(model: PreTrainedModel) -> int:
     """Parameters of the decoder's layers: not the embedding table (a lookup) nor the output layer
     (counted per scored token). LoRA adapters are counted in: a rounding error."""
     embed = model.get_input_embeddings().weight

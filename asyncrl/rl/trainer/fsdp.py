@@ -11,13 +11,17 @@ ranks, not averaged: each rank's loss is already divided by the global token (or
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.rl.scoring.forward import ROUTED_FORWARD
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class ShardingError(AsyncrlError):
@@ -37,14 +41,17 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, *, bf16: bool = True) -> torch.nn.Module:
+def shard_model(model: PreTrainedModel, device: torch.device, *, bf16: bool = True) -> PreTrainedModel:
     """Shard ``model`` in place over the default process group (`RankGroup`) and return it. A
     LoRA policy (a peft model) is sharded the same way through its base model: each decoder layer
     (its frozen weights and its adapters, one unit), then the base model as the root."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    world = dist.group.WORLD
+    if world is None:
+        raise ShardingError("no default process group: a policy is sharded after its rank group is formed")
+    mesh = DeviceMesh.from_group(world, device.type)
     mixed = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if device.type == "cuda" and bf16
@@ -65,7 +72,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, *, bf16: bool = Tr
     return model
 
 
-def _route_forward(root: torch.nn.Module) -> None:
+def _route_forward(root: PreTrainedModel) -> None:
     """Let the root run any computation inside its own forward: ``root(asyncrl_call=fn)`` runs
     ``fn()`` between FSDP2's root hooks, which gather the root's own parameters (embeddings, final
     norm, head) and reduce-scatter their gradients after the backward. The fused head
@@ -74,7 +81,7 @@ def _route_forward(root: torch.nn.Module) -> None:
     own forward (generation)."""
     original = root.forward
 
-    def forward(*args: Any, asyncrl_call: Any = None, **kwargs: Any) -> Any:
+    def forward(*args: object, asyncrl_call: Callable[[], object] | None = None, **kwargs: object) -> object:
         return original(*args, **kwargs) if asyncrl_call is None else asyncrl_call()
 
     root.forward = forward
@@ -89,7 +96,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm of sharded parameters to ``max_norm``; returns the norm
     before clipping (torchtitan's approach: the norm of DTensor gradients is reduced across
     ranks, then made a plain tensor)."""
@@ -108,7 +115,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Gathered one tensor at a time, so device memory never holds more than one whole tensor."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: t for name, t in whole.items() if isinstance(t, torch.Tensor)}  # a model's: every value is one
 
 
 def original_class(model: torch.nn.Module) -> type:
@@ -121,7 +129,7 @@ def original_class(model: torch.nn.Module) -> type:
     return cls
 
 
-def save_pretrained(model: Any, folder: str, state_dict: dict[str, torch.Tensor]) -> None:
+def save_pretrained(model: PreTrainedModel, folder: str, state_dict: dict[str, torch.Tensor]) -> None:
     """Rank 0: write ``state_dict`` (from `full_state_dict`) as a Hugging Face model directory
     that names the model's own architecture, so transformers and vLLM load it as any checkpoint."""
     architecture = original_class(model).__name__

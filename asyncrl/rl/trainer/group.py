@@ -1,8 +1,8 @@
 """The trainer's rank group: N trainer processes as one torch.distributed world, and the guard that
 makes a failure on one rank end every rank's collective within the step's deadline.
 
-Formation. The ranks meet on our own rendezvous (`StoreGroup`, name ``trainer``; rank 0 hosts the
-store on an address the driver gives it), and torch's default process group is made from that
+Formation. The ranks meet on our own rendezvous (`StoreGroup`, at the `SyncAddress` the driver
+gives them all, named ``trainer``; rank 0 hosts the store), and torch's default process group is made from that
 store (`init_process_group(store=...)`): no MASTER_ADDR / RANK / WORLD_SIZE for anyone to set.
 FSDP2, DTensor and DCP need a registered group; it lives in the trainer's own process, which
 holds nothing else. On CPU the group is gloo bound to the address that reaches the store host
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -44,6 +45,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.rendezvous import StoreGroup, local_address_towards
 from asyncrl.errors import first_line
 from asyncrl.rl.trainer.errors import (
@@ -55,7 +57,6 @@ from asyncrl.rl.trainer.errors import (
 )
 
 T = TypeVar("T")
-GROUP_NAME = "trainer"
 GLOO_BACKEND = "asyncrl_gloo"
 _DONE = b"\x01done"
 WATCH_MARGIN_S = 2.0
@@ -73,7 +74,7 @@ class RankFailure(msgspec.Struct, array_like=True, frozen=True):
 
 def _gloo_backend(options, _backend_options=None):
     """torch's gloo, with its device bound to the address that reaches the group's store host."""
-    pg_options = dist.ProcessGroupGloo._Options()
+    pg_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: not in torch's stubs
     pg_options._timeout = options.timeout
     pg_options._devices = [dist.ProcessGroupGloo.create_device(hostname=_GLOO_ADDRESS[0])]
     return dist.ProcessGroupGloo(options.store, options.group_rank, options.group_size, pg_options)
@@ -88,7 +89,7 @@ class RankGroup:
     def __init__(self, group: StoreGroup, watch_store: dist.Store, backend: str, timeout_s: float):
         self.group, self.backend = group, backend
         self.rank, self.world_size = group.rank, group.world_size
-        self._watch_store = watch_store
+        self._watch_store: dist.Store | None = watch_store
         self._guard_store = dist.PrefixStore("guard/", group.store)  # the same keys as watch_store's
         self._timeout_s = timeout_s
         self._calls = 0
@@ -98,22 +99,27 @@ class RankGroup:
 
     @classmethod
     def create(
-        cls,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        *,
-        device: torch.device,
-        timeout_s: float = 60.0,
-        listener=None,
+        cls, address: SyncAddress, rank: int, *, device: torch.device, listener: socket.socket | None = None
     ) -> RankGroup:
-        """Join the group whose store rank 0 hosts at ``host:port`` (all ranks call this together;
-        one deadline for the rendezvous and the process group) and make torch's default process
-        group from it. Raises `RendezvousTimeoutError` naming ranks that never came."""
+        """Join the group at ``address`` as ``rank`` (all ranks call this together; one deadline,
+        ``address.timeout_s``, for the rendezvous and the process group) and make torch's default
+        process group from it: NCCL on CUDA, gloo elsewhere (``address.backend`` is not read).
+        Rank 0 hosts the store, on ``listener`` if given. Raises `RendezvousTimeoutError` naming
+        ranks that never came."""
         if dist.is_initialized():
             raise RankGroupError("this process already has a default process group; a trainer rank joins one group")
-        group = StoreGroup.create(host, port, rank, world_size, timeout_s, name=GROUP_NAME, listener=listener)
+        address.check_rank(rank)
+        host, world_size, timeout_s = address.host, address.world_size, address.timeout_s
+        group = StoreGroup.create(
+            host,
+            address.port,
+            rank,
+            world_size,
+            timeout_s,
+            name=address.name,
+            generation=address.generation,
+            listener=listener,
+        )
         try:
             if device.type == "cuda":
                 backend = "nccl"
@@ -132,9 +138,7 @@ class RankGroup:
             )
             # A second connection for the watchers: a TCPStore client serialises its calls, and a
             # watcher blocked in wait() must not hold up this rank's own writes.
-            raw = dist.TCPStore(group.host, group.port, None, False, datetime.timedelta(seconds=timeout_s))
-            # The same nesting of prefixes as the group's own store (PrefixStore joins with "/").
-            watch = dist.PrefixStore("guard/", dist.PrefixStore(f"asyncrl/{GROUP_NAME}/g{group.generation}/", raw))
+            watch = dist.PrefixStore("guard/", group.second_connection())
         except BaseException:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -147,7 +151,7 @@ class RankGroup:
         """Why the group can no longer run collectives ("" while it can)."""
         return self._closed
 
-    def run(self, what: str, timeout_s: float, fn: Callable[..., T], *args: Any) -> Future:
+    def run(self, what: str, timeout_s: float, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn(*args)`` as call ``k`` of the group on a thread of its own, inside the guard
         (see the module docstring), and return a future of its result. The future is settled by
         ``fn``'s end or, sooner, by the guard's verdict: a peer's failure, the driver's word that
@@ -159,7 +163,7 @@ class RankGroup:
             raise RankGroupClosedError(f"trainer rank {self.rank}: cannot run {what}: the rank group {self._closed}")
         self._calls += 1
         key = f"{self._calls}/"
-        future: Future = Future()
+        future: Future[T] = Future()
         self._current = (what, timeout_s, future)
         done = threading.Event()
         watcher = threading.Thread(
@@ -217,13 +221,15 @@ class RankGroup:
                 else:
                     dist.destroy_process_group()
             self._closed = "closed"
-            self._watch_store = None
+            self._watch_store = None  # its connection closes with the last reference
             self.group.close()
 
     # -- internals ----------------------------------------------------------------------------
     def _watch(self, key: str, what: str, timeout_s: float, done: threading.Event) -> None:
         own = key + str(self.rank)
         store = self._watch_store
+        if store is None:  # closed: no call is watched any more
+            return
         try:
             store.wait([own], datetime.timedelta(seconds=timeout_s))
             value = store.get(own)
@@ -261,14 +267,14 @@ class RankGroup:
         try:
             for r in range(self.world_size):
                 if r != self.rank:
-                    self._guard_store.compare_set(key + str(r), "", value)
+                    self._guard_store.compare_set(key + str(r), "", value)  # type: ignore[arg-type]  # bytes: stubs say str
         except dist.DistError:
             pass  # the store (rank 0) is gone: the peers lose it too and abort by themselves
 
     def _release(self, key: str, done: threading.Event) -> None:
         done.set()
         with contextlib.suppress(dist.DistError, AttributeError):
-            self._guard_store.compare_set(key + str(self.rank), "", _DONE)
+            self._guard_store.compare_set(key + str(self.rank), "", _DONE)  # type: ignore[arg-type]  # bytes: stubs say str
 
     def _abort(self, reason: str) -> None:
         if not self._closed:
@@ -284,7 +290,7 @@ class RankGroup:
                 dist.distributed_c10d._get_default_group().abort()
 
 
-def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
+def _settle(future: Future[Any], value: object = None, error: BaseException | None = None) -> None:
     """The first of the call's end and the guard's verdict answers; the other is dropped."""
     with contextlib.suppress(InvalidStateError):
         if error is not None:

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.model.heldout import HeldoutSet
-from asyncrl.rl.model.tally import HeldoutPart
+from asyncrl.rl.model.tally import HeldoutAsk, HeldoutPart
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.rl.trainer.compile import eager
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from asyncrl.rl.model.policy import PromptFormat
 
 
 class HeldoutEvaluation:
@@ -36,30 +41,26 @@ class HeldoutEvaluation:
 
     def __call__(
         self,
-        model: Any,
-        tokenizer: Any,
-        fmt: Any,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        fmt: PromptFormat,
+        ask: HeldoutAsk,
         *,
-        samples: int,
-        max_new_tokens: int,
-        batch_size: int,
         temperature: float,
         compiled: bool,
-        greedy: Sequence[int] | None = None,
-        sampled: Sequence[int] | None = None,
         version: int = 0,
     ) -> list[HeldoutPart]:
-        """The held-out problems ``greedy`` greedily and ``sampled`` with ``samples`` completions
-        each at ``temperature`` (indices into the split; None: every problem, and for ``sampled``
-        none when ``samples`` is 0), in parts of ``batch_size`` sequences, tagged ``version``
-        (`HeldoutSet.solve`; `heldout_answer` makes the rates of them). ``compiled``: the policy's
-        layers are compiled, and run eagerly while generating (a KV cache: ``trainer/compile.py``).
-        The model is left in train mode. Blocking: the trainer runs it on a thread."""
+        """The held-out problems ``ask`` names (`HeldoutAsk`), sampled at ``temperature``, tagged
+        ``version`` (`HeldoutSet.solve`; `heldout_answer` makes the rates of them). ``compiled``:
+        the policy's layers are compiled, and run eagerly while generating (a KV cache:
+        ``trainer/compile.py``). The model is left in train mode. Blocking: the trainer runs it on
+        a thread."""
         from asyncrl.rl.model.evaluation import hf_generate_for
 
         every = range(len(self.heldout.problems))
-        greedy = every if greedy is None else greedy
-        sampled = (every if samples else []) if sampled is None else sampled
+        samples, rows = ask.samples, ask.rows
+        greedy: Sequence[int] = every if ask.greedy is None else ask.greedy
+        sampled: Sequence[int] = (every if samples else []) if ask.sampled is None else ask.sampled
         self.progress = [0, 0]
 
         def told(part: HeldoutPart) -> None:
@@ -70,15 +71,15 @@ class HeldoutEvaluation:
             with eager(compiled):
                 return asyncio.run(
                     self.heldout.solve(
-                        hf_generate_for(self.heldout.task, model, tokenizer, fmt, batch_size),
+                        hf_generate_for(self.heldout.task, model, tokenizer, fmt, rows),
                         fmt,
                         greedy=greedy,
                         sampled=sampled,
                         samples=samples,
-                        max_new_tokens=max_new_tokens,
+                        max_new_tokens=ask.max_new_tokens or fmt.max_new_tokens_hint,
                         temperature=temperature,
                         max_context=getattr(model.config, "max_position_embeddings", 0) or 0,
-                        rows=batch_size,
+                        rows=rows,
                         versions=lambda: [version],
                         on_part=told,
                     )

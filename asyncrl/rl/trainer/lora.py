@@ -11,11 +11,17 @@ the price of syncing to a sampler that knows nothing of LoRA. Adapter-only sync 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from asyncrl.rl.config.trainer import LoRAConfig
 from asyncrl.rl.model.lora import ADAPTER, adapter_tensors
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from transformers import PreTrainedModel
 
 
 class MergedWeights:
@@ -23,10 +29,10 @@ class MergedWeights:
     refreshes the merged buffers and returns the same tensor objects every time (so the weight
     sender's copy plan is reused)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: PeftModel):
         from peft.tuners.lora import LoraLayer
 
-        self.layers: list[tuple[Any, torch.Tensor]] = []
+        self.layers: list[tuple[LoraLayer, torch.Tensor]] = []
         self._tensors: dict[str, torch.Tensor] = {}
         adapted = {
             f"{name}.base_layer.weight": module
@@ -51,18 +57,22 @@ class MergedWeights:
         return self._tensors
 
 
-def sync_tensors(model: Any, mode: str, merged: MergedWeights | None) -> dict[str, torch.Tensor]:
+def sync_tensors(model: PeftModel, mode: str, merged: MergedWeights | None) -> dict[str, torch.Tensor]:
     """What a sync sends: the adapters (``adapter``) or the merged weights (``merged``)."""
-    return adapter_tensors(model) if mode == "adapter" else merged.tensors()
+    if mode == "adapter":
+        return adapter_tensors(model)
+    if merged is None:
+        raise ValueError("--trainer.lora.sync merged: the merged weights were not built")
+    return merged.tensors()
 
 
-def merged_copy(model: Any) -> Any:
+def merged_copy(model: PeftModel) -> PreTrainedModel:
     """A plain transformers model with the adapters merged in (the trained model itself is left
     as it is): what a final export writes for transformers and vLLM."""
     return copy.deepcopy(model).merge_and_unload()
 
 
-def save_merged(model: Any, folder: str, whole: dict[str, torch.Tensor] | None) -> None:
+def save_merged(model: PeftModel, folder: str, whole: dict[str, torch.Tensor] | None) -> None:
     """Write the policy with its adapters merged in as a Hugging Face directory (for transformers
     and vLLM). ``whole``: the PeftModel's state dict gathered from the shards (a rank group's
     rank 0; ``W + B·A·scaling`` is taken here, over whole tensors: our adapters are plain LoRA,
@@ -92,7 +102,9 @@ def save_merged(model: Any, folder: str, whole: dict[str, torch.Tensor] | None) 
     save_pretrained(model.get_base_model(), folder, out)
 
 
-def lora_policy(model: Any, lora: Any, device: torch.device, adapter_dir: str | None = None) -> Any:
+def lora_policy(
+    model: PreTrainedModel, lora: LoRAConfig, device: torch.device, adapter_dir: str | None = None
+) -> PeftModel:
     """The policy to train: ``model`` as a frozen base (bf16 on GPU with ``lora.bf16_base``) with
     fresh adapters, or with those saved in ``adapter_dir`` (a checkpoint's, to resume)."""
     from asyncrl.rl.model.lora import attach_adapter, load_adapter

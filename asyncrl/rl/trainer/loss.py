@@ -260,7 +260,11 @@ def _check_loss_inputs(
         raise LossInputError("kl_coef > 0 needs ref_logprobs")
     if (student_topk is None) != (teacher_topk is None):
         raise LossInputError("student_topk and teacher_topk come together (the teacher's top-K ids, scored by both)")
-    if teacher_topk is not None and (teacher_topk.shape != student_topk.shape or teacher_topk.shape[:2] != mask.shape):
+    if (
+        teacher_topk is not None
+        and student_topk is not None
+        and (teacher_topk.shape != student_topk.shape or teacher_topk.shape[:2] != mask.shape)
+    ):
         raise LossInputError(
             f"teacher_topk {list(teacher_topk.shape)} and student_topk {list(student_topk.shape)} must both be "
             f"[B, L, K] with [B, L] = {list(mask.shape)}"
@@ -303,7 +307,7 @@ def _distillation(
     With the teacher's top-K the advantages stay the task's and the term is the aggregated
     `topk_reverse_kl`; with its log-probs of the sampled tokens alone, every advantage becomes
     `distill_advantages`' and there is no term."""
-    if teacher_topk is not None:
+    if teacher_topk is not None and student_topk is not None:  # together (`_check_loss_inputs`)
         # masked before the KL: padding may hold anything, and where() routes it no gradient
         kl = topk_reverse_kl(
             torch.where(valid[..., None], student_topk, 0.0), torch.where(valid[..., None], teacher_topk, 0.0)
@@ -311,6 +315,8 @@ def _distillation(
         kl = torch.where(valid, kl, 0.0)
         distill = config.distill_coef * _aggregate(kl, valid, config, normalizer)
         return adv, distill, _token_mean(kl.detach(), valid, n_tokens)
+    if teacher_logprobs is None:
+        raise LossInputError("distill_coef > 0 needs teacher_logprobs or teacher_topk")
     adv = torch.where(valid, distill_advantages(adv, behaviour_logprobs, teacher_logprobs, config.distill_coef), 0.0)
     distill_kl = _token_mean((behaviour_logprobs - teacher_logprobs).detach().to(adv.dtype), valid, n_tokens)
     return adv, None, distill_kl

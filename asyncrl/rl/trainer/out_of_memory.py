@@ -22,7 +22,7 @@ def micro_batch_error(
     exc: torch.OutOfMemoryError,
     *,
     step: int,
-    shape: tuple[int, int],
+    shape: tuple[int, ...],
     optimizer: torch.optim.Optimizer,
     device: torch.device,
     micro_batch_tokens: int,

@@ -22,9 +22,6 @@ from asyncrl.rl.scoring.batch import (
     Sequence,
     cut_by_budget,
     sequence_length,
-    teacher_matrix,
-    teacher_topk_tensors,
-    version_matrix,
 )
 from asyncrl.rl.trainer.batching import sequences
 
@@ -84,10 +81,5 @@ def _build(rows: list[list[Sequence]], device: torch.device) -> MicroBatch:
             s += 1
         positions[r, offset:] = torch.arange(length - offset)  # the padding: a sequence of its own
     advantages = torch.tensor([seq.advantage for seq in seqs], dtype=torch.float32)
-    tensors = (ids, attention, score_index, mask, behaviour, advantages, row_of, positions)
-    return MicroBatch(
-        *(t.to(device) for t in tensors),
-        teacher=teacher_matrix(seqs, width, device),
-        **teacher_topk_tensors(seqs, width, device),
-        versions=version_matrix(seqs, width, device),
-    )
+    batch = MicroBatch(ids, attention, score_index, mask, behaviour, advantages, row_of, positions)
+    return batch.to(device, seqs, width)

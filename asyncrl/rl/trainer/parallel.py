@@ -24,14 +24,20 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.scoring.batch import MicroBatch
 from asyncrl.rl.scoring.logprobs import fused_head_fallback
+
+if TYPE_CHECKING:
+    from asyncrl.comm.layout import WeightLayout
+    from asyncrl.rl.trainer.group import RankGroup
+    from asyncrl.rl.trainer.policy import TrainedPolicy
+    from asyncrl.rl.trainer.sharded_sync import GatheredBuckets
 
 T = TypeVar("T")
 FAULT_ENV = "ASYNCRL_TEST_TRAINER_FAULT"
@@ -53,7 +59,7 @@ class Local:
     world_size = 1
     backend = ""
 
-    async def run(self, what: str, deadline_s: float, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, what: str, deadline_s: float, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn`` off the event loop (``what`` and the deadline name a rank group's call)."""
         return await asyncio.to_thread(fn, *args)
 
@@ -78,14 +84,14 @@ class Local:
         process's."""
         return tally
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def gathered(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` whole, as this process holds them."""
         return dict(tensors)
 
-    def bucket_source(self, layout: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    def bucket_source(self, layout: WeightLayout, tensors: Mapping[str, torch.Tensor]) -> GatheredBuckets | None:
         """None: the weight sender reads the parameters in place (its direct path included)."""
         return None
 
@@ -100,8 +106,8 @@ class Local:
         """None: the model in this process is whole, and saves itself."""
         return None
 
-    def write_checkpoint(self, policy: Any, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
-        """``policy``'s (a `TrainedPolicy`) checkpoint in the Hugging Face layout
+    def write_checkpoint(self, policy: TrainedPolicy, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
+        """``policy``'s checkpoint in the Hugging Face layout
         (``trainer/checkpoint.py``)."""
         from asyncrl.rl.trainer.checkpoint import write_checkpoint
 
@@ -117,8 +123,8 @@ class Local:
             policy.marker_files(),
         )
 
-    def load_checkpoint(self, policy: Any, path: str) -> int:
-        """``policy`` (a `TrainedPolicy`) loaded anew from the checkpoint (with LoRA, the start's
+    def load_checkpoint(self, policy: TrainedPolicy, path: str) -> int:
+        """``policy`` loaded anew from the checkpoint (with LoRA, the start's
         base and the saved adapters), a new optimiser with the saved state; returns its steps."""
         from asyncrl.rl.checkpoint import Checkpoint
         from asyncrl.rl.trainer.checkpoint import load_trainer_state, refuse_sharded
@@ -138,11 +144,11 @@ class Local:
 class Sharded:
     """One rank of an N-rank trainer: ``group`` is its `RankGroup`; the policy is sharded already."""
 
-    def __init__(self, group: Any, device: torch.device):
+    def __init__(self, group: RankGroup, device: torch.device):
         self.group, self.device = group, device
         self.rank, self.world_size, self.backend = group.rank, group.world_size, group.backend
 
-    async def run(self, what: str, deadline_s: float, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, what: str, deadline_s: float, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn`` as one guarded call of the rank group (`RankGroup.run`): a failure on any
         rank, or ``deadline_s``, ends it on every rank."""
         return await asyncio.wrap_future(self.group.run(what, deadline_s, fn, *args))
@@ -188,7 +194,7 @@ class Sharded:
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         return torch.cat([counts, extremes], dim=1)
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         from asyncrl.rl.trainer.fsdp import clip_grad_norm
 
         return clip_grad_norm(params, max_norm)
@@ -205,7 +211,7 @@ class Sharded:
                 out[name] = whole.cpu()
         return out
 
-    def bucket_source(self, layout: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    def bucket_source(self, layout: WeightLayout, tensors: Mapping[str, torch.Tensor]) -> GatheredBuckets:
         """The sync's buckets gathered one at a time (``trainer/sharded_sync.py``)."""
         from asyncrl.rl.trainer.sharded_sync import GatheredBuckets
 
@@ -234,8 +240,8 @@ class Sharded:
 
         return full_state_dict(model)
 
-    def write_checkpoint(self, policy: Any, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
-        """Every rank writes its shards of ``policy`` (a `TrainedPolicy`; DCP,
+    def write_checkpoint(self, policy: TrainedPolicy, run_dir: str, step: int, keep: int, run_state: bytes) -> str:
+        """Every rank writes its shards of ``policy`` (DCP,
         ``trainer/checkpoint.py``); rank 0 returns the path, the others ""."""
         from asyncrl.rl.trainer.checkpoint import write_sharded_checkpoint
 
@@ -243,8 +249,8 @@ class Sharded:
             self.rank, self.world_size, run_dir, step, keep, policy.model, policy.optimizer, policy.steps, run_state
         )
 
-    def load_checkpoint(self, policy: Any, path: str) -> int:
-        """The shards loaded into ``policy``'s (a `TrainedPolicy`) sharded model and optimiser in
+    def load_checkpoint(self, policy: TrainedPolicy, path: str) -> int:
+        """The shards loaded into ``policy``'s sharded model and optimiser in
         place (resharded by DCP to this world size); returns its steps."""
         from asyncrl.rl.checkpoint import Checkpoint
         from asyncrl.rl.trainer.checkpoint import load_sharded_checkpoint
@@ -286,7 +292,7 @@ def _arm_fault(model: torch.nn.Module, rank: int, step: int) -> bool:
     if int(r) != rank or int(s) != step:
         return False
     layers = decoder_layers(model)
-    handles = []
+    handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def fire(grad: torch.Tensor) -> torch.Tensor:
         if kind == "hang":

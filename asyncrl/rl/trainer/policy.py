@@ -1,33 +1,43 @@
 """`TrainedPolicy`: the policy a trainer trains, its optimiser, its KL reference and its step count.
 
 The train step, the weight sync (``trainer/weight_sending.py``) and the checkpoints
-(``trainer/checkpointing.py``) all read these, and a checkpoint's load or a rank group's sharding
-replaces the model or the optimiser under them: one object holds them, so every part sees the
-current ones. How a policy is loaded (the whole checkpoint, or with LoRA the start's frozen base
-with adapters), compiled, checkpointed and sharded is here too.
+(``trainer/checkpointing.py``) all read these, and a checkpoint's load replaces the model and the
+optimiser under them: one object holds them, so every part sees the current ones. How a policy is
+loaded (the whole checkpoint, or with LoRA the start's frozen base with adapters), compiled,
+checkpointed and sharded is here too.
+
+The optimiser (and LoRA's merged weights) are built once, over the model as it is trained: whole,
+in the constructor, at world size 1; over its shards, at the rank join (`shard`), on a rank of N.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.scoring import chunked_head
 from asyncrl.rl.trainer.compile import compile_layers, compiled
+from asyncrl.rl.trainer.errors import RankGroupError
 from asyncrl.runtime.startup import start_phase
+
+if TYPE_CHECKING:
+    from asyncrl.rl.trainer.lora import MergedWeights
 
 
 class TrainedPolicy:
     """The policy at ``path`` loaded on ``device`` in train mode, its AdamW optimiser and, with a
-    KL term and no LoRA, a frozen second copy as the reference. ``steps``: optimiser steps taken."""
+    KL term and no LoRA, a frozen second copy as the reference. ``steps``: optimiser steps taken.
+    At ``config.world_size`` > 1 the optimiser comes with `shard` (see the module docstring)."""
 
     def __init__(self, path: str, config: TrainerConfig, device: torch.device):
         self.path, self.config, self.device = path, config, device
         self.steps = 0
-        self.merged = None  # LoRA's merged weights (``--trainer.lora.sync merged``), or None
+        self.merged: MergedWeights | None = None  # LoRA's merged weights (``--trainer.lora.sync merged``)
+        self._optimizer: torch.optim.Optimizer | None = None
         if config.compile is False:  # no torch.compile at all: the fused head's chunks stay eager too
             chunked_head.FAST = False
         start_phase(f"loading the policy {path}")
@@ -39,7 +49,26 @@ class TrainedPolicy:
             start_phase("loading the KL reference (a second copy of the policy)")
             self.ref, _, _ = self._load(path)
             self.ref.eval().requires_grad_(False)
-        self.optimizer = self.new_optimizer()
+        if config.world_size == 1:
+            self._built()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            raise RankGroupError(
+                "the policy is one rank's of a sharded trainer: its optimiser comes with the rank join"
+            )
+        return self._optimizer
+
+    def _built(self) -> None:
+        """What is built over the model as it is trained (whole, or sharded): LoRA's merged
+        weights (``--trainer.lora.sync merged``) and the optimiser."""
+        lora = self.config.lora
+        if lora.rank and lora.sync == "merged":
+            from asyncrl.rl.trainer.lora import MergedWeights
+
+            self.merged = MergedWeights(self.model)
+        self._optimizer = self.new_optimizer()
 
     def _load(self, path: str):
         from asyncrl.rl.model.policy import load_policy
@@ -57,20 +86,19 @@ class TrainedPolicy:
         lora = self.config.lora
         if not lora.rank:
             model, tokenizer, fmt = self._load(checkpoint_dir or self.path)
-            self.merged = None
             return self._checkpointed(model).train(), tokenizer, fmt
-        from asyncrl.rl.trainer.lora import MergedWeights, lora_policy
+        from asyncrl.rl.trainer.lora import lora_policy
 
         base, tokenizer, fmt = self._load(self.path)
         model = lora_policy(self._checkpointed(base), lora, self.device, checkpoint_dir)
-        self.merged = MergedWeights(model) if lora.sync == "merged" else None
         return model.train(), tokenizer, fmt
 
     def reload(self, checkpoint_dir: str) -> None:
         """Take the checkpoint's policy (with LoRA, the start's base and the saved adapters) and a
-        fresh optimiser over it, for its saved state to be loaded into."""
+        fresh optimiser over it, for its saved state to be loaded into (world size 1: a rank of N
+        loads its shards in place)."""
         self.model, _, _ = self.load(checkpoint_dir)
-        self.optimizer = self.new_optimizer()
+        self._built()
 
     def _checkpointed(self, model):
         """``--trainer.activation_checkpointing``: each decoder layer recomputes its activations in
@@ -83,18 +111,16 @@ class TrainedPolicy:
         return model
 
     def shard(self) -> None:
-        """Shard the policy (and the KL reference) over the rank group just formed and rebuild the
-        optimiser over the shards (`RankMember.join`)."""
+        """Shard the policy (and the KL reference) over the rank group just formed and build the
+        optimiser over the shards (`RankMember.join`): once, on a rank of N."""
         from asyncrl.rl.trainer.fsdp import shard_model
 
+        if self._optimizer is not None:
+            raise RankGroupError("the policy was built whole (world size 1): it cannot be sharded now")
         shard_model(self.model, self.device, bf16=self.config.bf16)
         if self.ref is not None:
             shard_model(self.ref, self.device, bf16=self.config.bf16)
-        if self.merged is not None:  # its buffers were made like the unsharded weights
-            from asyncrl.rl.trainer.lora import MergedWeights
-
-            self.merged = MergedWeights(self.model)
-        self.optimizer = self.new_optimizer()
+        self._built()
 
     def new_optimizer(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only

@@ -12,6 +12,7 @@ rank's tokens by 1 / (its own count): the classic data-parallel GRPO bug.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 
 import torch
 
@@ -24,7 +25,7 @@ def batch_counts(groups: list[RolloutGroup]) -> tuple[int, int]:
     (``action_mask`` 0) are not scored."""
     tokens = sequences = 0
     for g in groups:
-        masks = g.action_mask or [None] * len(g.completion_ids)
+        masks: Iterable[list[int] | None] = g.action_mask or [None] * len(g.completion_ids)
         for ids, actions in zip(g.completion_ids, masks):
             n = len(ids) if actions is None else sum(1 for a in actions if a)
             tokens += n

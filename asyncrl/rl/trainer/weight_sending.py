@@ -1,7 +1,8 @@
 """`WeightSending`: the trainer's side of a weight sync, as rank 0 of the weight-sync group.
 
 What a sync sends is the policy's parameters, or with LoRA what ``--trainer.lora.sync`` names
-(`TrainedPolicy.weight_tensors`). The trainer joins the group through its `SyncSeat`; `setup`
+(`TrainedPolicy.weight_tensors`). The trainer joins the group through its `SyncSeat` (``seat``:
+the actor's side of the group, which its ``sync_*`` endpoints reach); `setup`
 agrees on their layout with every sampler and `send` broadcasts them through a `WeightSender`
 (``comm/weights.py``); on a rank group rank 0 sends and every rank gathers each bucket in turn
 (``trainer/sharded_sync.py``). `digest` hashes what the samplers hold after a sync
@@ -14,8 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from asyncrl.comm.address import SyncAddress
-from asyncrl.comm.communicator import Communicator
+from asyncrl.comm.errors import WeightSyncError
 from asyncrl.comm.layout import DTYPES, WeightLayout
 from asyncrl.comm.member import SyncSeat
 from asyncrl.comm.weights import SyncStats, WeightSender
@@ -31,23 +31,7 @@ class WeightSending:
         self.seat = SyncSeat()
         self.sender: WeightSender | None = None
         self._layout: WeightLayout | None = None
-
-    def listen(self, host: str, port: int = 0) -> int:
-        """Bind the group's store socket now (`SyncSeat.listen`). Returns the port."""
-        return self.seat.listen(host, port)
-
-    async def join(self, address: SyncAddress, rank: int) -> str:
-        """Leave any previous group, join the one at ``address`` as ``rank`` and create its
-        communicator. Returns the communicator's backend."""
-        return await self.seat.join(address, rank)
-
-    def leave(self) -> None:
-        """Drop the communicator, the store handle and a reserved listener. Idempotent."""
-        self.seat.leave()
-
-    def created(self) -> dict[str, int]:
-        """Communicators this process has created, per backend (proves reuse across syncs)."""
-        return dict(Communicator.created)
+        self._sync_timeout_s = 0.0  # set up with the layout
 
     def forget(self) -> None:
         """Drop the sender: it holds parameters that a checkpoint's load replaced (set up again
@@ -79,9 +63,12 @@ class WeightSending:
         else:  # every rank the same: the default for the trainer's device
             size = default_bucket_bytes(device, sum(spec.nbytes for spec in wire_specs(params, wire_dtype)))
         if parallel.rank == 0:
+            comm, group = self.seat.comm, self.seat.group
+            if comm is None or group is None:
+                raise WeightSyncError("trainer: agreeing on the weight layout before joining the weight-sync group")
             self.sender = WeightSender.create(
-                self.seat.comm,
-                self.seat.group,
+                comm,
+                group,
                 params,
                 bucket_bytes=size,
                 timeout_s=timeout_s,
@@ -103,15 +90,19 @@ class WeightSending:
         group's collectives, all matched: the trainer group survives it."""
         from asyncrl.comm.errors import CommError
 
-        params = self.tensors()
+        params, sender, layout = self.tensors(), self.sender, self._layout
+        if layout is None:
+            raise WeightSyncError(f"trainer: the weight sync of v{version} before its set-up")
 
         def send() -> tuple[SyncStats, BaseException | None]:
             parallel = self.ranks.parallel
-            source = parallel.bucket_source(self._layout, params)
+            source = parallel.bucket_source(layout, params)
             none = SyncStats(version, 0, 0, 0.0)  # the ranks > 0 gather only; the driver reads rank 0's
             try:
                 if parallel.rank == 0:
-                    return self.sender.send(version, params if source is None else None, source=source), None
+                    if sender is None:
+                        raise WeightSyncError(f"trainer: the weight sync of v{version} before its set-up")
+                    return sender.send(version, params if source is None else None, source=source), None
                 return none, None
             except CommError as exc:  # the weight-sync group's, not the trainer's
                 if source is None:

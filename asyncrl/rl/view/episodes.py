@@ -48,7 +48,8 @@ def episode_text(run_dir: str, step: int | None = None, episode: int = 0, ids: b
             f"{run_dir}: the run kept no token ids (--run.episode_ids true keeps them); "
             f"asyncrl show without --ids prints the text"
         )
-    verdict = {True: ", correct", False: ", not correct"}.get(record.get("correct"), "")
+    correct = record.get("correct")
+    verdict = {True: ", correct", False: ", not correct"}.get(correct, "") if isinstance(correct, bool) else ""
     which = f" episode {episode} of {len(kept)}" if len(kept) > 1 else ""
     lines = [
         f"step {record['step']}{which}: group {record.get('group', '?')} from {record.get('sampler', '?')} "

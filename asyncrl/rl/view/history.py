@@ -8,7 +8,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 from asyncrl.errors import AsyncrlError
 
@@ -93,5 +93,5 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

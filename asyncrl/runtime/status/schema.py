@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.errors import AsyncrlError
-from asyncrl.runtime.cluster import NodeStatus
+from asyncrl.runtime.cluster.nodes import NodeStatus
 from asyncrl.runtime.record import ActorStatus
 
 PROTOCOL = 1

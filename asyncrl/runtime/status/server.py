@@ -32,7 +32,7 @@ import zmq
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.runtime import signals
-from asyncrl.runtime.cluster import NodeStatus
+from asyncrl.runtime.cluster.nodes import NodeStatus
 from asyncrl.runtime.files import write_atomic
 from asyncrl.runtime.record import ActorStatus
 from asyncrl.runtime.status.schema import (

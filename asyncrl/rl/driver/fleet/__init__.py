@@ -14,8 +14,11 @@
     endpoints.py      sampler_endpoints: each sampler's OpenAI endpoint and token, for code
                       outside the episodes (``asyncrl status RUN_DIR --endpoint``)
     sampler_start.py  the samplers' start, which survives one that never comes up
-    trainer_ranks.py  the trainer's ranks spawned and driven as one (one rank included)
+    trainer_ranks.py  the trainer's ranks spawned and driven as one (one rank included), each call
+                      with the trainer endpoint's own signature
+    handles.py        the handles the fleet holds, by actor class (SamplerHandle, ...): typed calls
 
-The loop (grpo.py, build.py) builds these and passes in what they need (the trainer's handle, the
-queue, the pacer, a spawn function); nothing here imports the loop (tests/test_layering.py).
+The loop (grpo.py, build.py) builds these once and hands each what it needs, whole (the trainer's
+ranks, the `Membership`, the `RolloutFlow`, a `SamplerSource` for the `Scaler`); nothing here
+imports the loop (tests/test_layering.py).
 """

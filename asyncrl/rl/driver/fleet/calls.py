@@ -12,28 +12,33 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from asyncrl.errors import ActorDiedError, CallTimeoutError, first_line
 
+T = TypeVar("T")
+C = TypeVar("C", bound="Callee")
+
+
+class Callee(Protocol):
+    """What `call_all` calls: an actor's handle (or the trainer's ranks, as one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def with_timeout(self: C, timeout_s: float) -> C: ...
+
 
 @dataclass
-class Answers:
+class Answers(Generic[T]):
     """The outcome of one call to ``names`` (in order): each one's answer, or the error its call
     raised (`ActorDiedError`, `CallTimeoutError`, a `RemoteError`, ...)."""
 
     what: str
     """The call, as a cause names it ("the weight sync of v3")."""
     names: list[str]
-    results: list[Any]
-    members: list[Any] = field(default_factory=list)
-    """The fleet's members called (`Membership.call_all`), in the order of their answers, which
-    come last: after the trainer's when it was called with them."""
-
-    def of_members(self) -> list[tuple[Any, Any]]:
-        """Each member called, with its answer or error."""
-        return list(zip(self.members, self.results[len(self.results) - len(self.members) :]))
+    results: list[T | BaseException]
 
     @property
     def ok(self) -> bool:
@@ -43,13 +48,22 @@ class Answers:
         """The positions whose call raised."""
         return [i for i, r in enumerate(self.results) if isinstance(r, BaseException)]
 
+    def values(self) -> list[T]:
+        """Every answer, when none failed (`ok`); a `ValueError` naming the failures otherwise."""
+        values = [r for r in self.results if not isinstance(r, BaseException)]
+        if len(values) != len(self.results):
+            raise ValueError(f"{self.what}: {self.summary()}")
+        return values
+
     def cause(self, i: int) -> str:
         """Why the call at ``i`` failed, naming the call: a loss's cause in faults.jsonl."""
-        return failure_cause(self.what, self.results[i])
+        error = self.results[i]
+        return failure_cause(self.what, error) if isinstance(error, BaseException) else ""
 
     def summary(self) -> str:
         """Every failure in one line, each named (the log line of a failed group-wide call)."""
-        return "; ".join(f"{self.names[i]}: {first_line(self.results[i])}" for i in self.failed())
+        failed = [(name, r) for name, r in zip(self.names, self.results) if isinstance(r, BaseException)]
+        return "; ".join(f"{name}: {first_line(error)}" for name, error in failed)
 
 
 def failure_cause(what: str, error: BaseException) -> str:
@@ -63,13 +77,13 @@ def failure_cause(what: str, error: BaseException) -> str:
 
 
 async def call_all(
-    handles: Sequence[Any],
-    call: Callable[[Any, int], Awaitable[Any]],
+    handles: Sequence[C],
+    call: Callable[[C, int], Awaitable[T]],
     *,
     timeout_s: float | None,
     what: str,
     died: Callable[[int, ActorDiedError], None] | None = None,
-) -> Answers:
+) -> Answers[T]:
     """``call(handle.with_timeout(timeout_s), i)`` for every handle at once; every answer awaited
     (each bounded by its own deadline, ``timeout_s`` or with None the handle's: the actor's call
     fails with `CallTimeoutError` naming it and the method). ``died(i, error)``: told the moment
@@ -82,11 +96,11 @@ async def call_all(
     if died is not None:
         for i, future in enumerate(calls):
 
-            def done(future: asyncio.Future, i: int = i) -> None:
+            def done(future: asyncio.Future[T], i: int = i) -> None:
                 error = None if future.cancelled() else future.exception()
                 if isinstance(error, ActorDiedError):
                     died(i, error)
 
             future.add_done_callback(done)
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    return Answers(what, [h.name for h in handles], list(results))
+    results: list[T | BaseException] = list(await asyncio.gather(*calls, return_exceptions=True))
+    return Answers(what, [h.name for h in handles], results)

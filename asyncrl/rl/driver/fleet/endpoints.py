@@ -11,8 +11,6 @@ to no file.
 
 from __future__ import annotations
 
-from typing import Any
-
 from asyncrl.errors import ActionableError, first_line
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.membership import Membership, MemberState
@@ -25,7 +23,7 @@ class EndpointUnavailableError(ActionableError):
     """No sampler can be asked for its endpoint yet; the message says when to ask."""
 
 
-async def sampler_endpoints(membership: Membership | None, args: dict[str, Any]) -> dict[str, Any]:
+async def sampler_endpoints(membership: Membership | None, args: dict[str, object]) -> dict[str, object]:
     """The status socket's ``endpoint`` command: ``{"endpoints": [{"sampler", "base_url",
     "token"} or {"sampler", "error"}, ...]}``, one per sampler in or coming to the group."""
     if args:

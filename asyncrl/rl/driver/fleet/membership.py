@@ -21,15 +21,19 @@ import asyncio
 import enum
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Literal, overload
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from asyncrl.errors import ActorDiedError
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import RecoveryConfig
 from asyncrl.rl.driver.faults import Fault, append_event
 from asyncrl.rl.driver.fleet.calls import Answers, call_all, failure_cause
+from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle
 from asyncrl.runtime.state import ActorState
+
+T = TypeVar("T")
+L = TypeVar("L")
 
 CLOSE_S = 10.0
 """How long `Membership.close` waits for its cancelled tasks to end (they end at once)."""
@@ -59,11 +63,43 @@ class MemberState(enum.Enum):
         return MemberState.LOST.value if self is MemberState.CANDIDATE else self.value
 
 
+@dataclass
+class MemberAnswers(Answers[T]):
+    """`Answers` of a call to members (`Membership.call_all`), with the members called, in order."""
+
+    members: list[Member] = field(default_factory=list)
+
+    def of_members(self) -> list[tuple[Member, T | BaseException]]:
+        """Each member called, with its answer or error."""
+        return list(zip(self.members, self.results))
+
+
+class LeadCall(Generic[L]):
+    """The trainer's part of a group-wide call (`Membership.call_all`, ``lead``): ``start`` makes
+    it, with the members' calls; ``judge`` is given its answer (or error) before any member is
+    judged, and raises to stop the run. Its ``answer`` is kept here for the caller."""
+
+    def __init__(self, name: str, start: Callable[[], Awaitable[L]], judge: Callable[[L | BaseException], None]):
+        self.name, self.start, self.judge = name, start, judge
+        self.answer: L | BaseException | None = None
+
+    def value(self) -> L:
+        """The answer, once it came and was not an error (a `ValueError` otherwise)."""
+        answer = self.answer
+        if answer is None or isinstance(answer, BaseException):
+            raise ValueError(f"{self.name} did not answer: {answer!r}")
+        return answer
+
+    @property
+    def ok(self) -> bool:
+        return self.answer is not None and not isinstance(self.answer, BaseException)
+
+
 @dataclass(eq=False)
 class Member:
     """One sampler of the pool, across its incarnations. Written by `Membership` alone."""
 
-    handle: Any
+    handle: SamplerHandle
     index: int
     seed: int
     state: MemberState = MemberState.CANDIDATE
@@ -90,7 +126,13 @@ class Membership:
     """The samplers' states, losses and returns (see the module docstring)."""
 
     def __init__(
-        self, samplers: list[Any], seeds: list[int], *, recovery: RecoveryConfig, log=print, events_path: str = ""
+        self,
+        samplers: list[SamplerHandle],
+        seeds: list[int],
+        *,
+        recovery: RecoveryConfig,
+        log: Log = print,
+        events_path: str = "",
     ):
         # A sampler already dead or stopped never came up (its start was lost, its restarts with
         # it: sampler_start.py): GONE from the start, as if lost for good later. It keeps its
@@ -118,7 +160,7 @@ class Membership:
         """No sampler is in the group or can come back to it."""
         return all(m.state in (MemberState.GONE, MemberState.DRAINED) for m in self.members)
 
-    def add(self, handle: Any, seed: int) -> Member:
+    def add(self, handle: SamplerHandle, seed: int) -> Member:
         """A sampler started by a scale-up: a candidate, which joins at the next rebuild."""
         m = Member(handle, len(self.members), seed, incarnation=handle.info().incarnation)
         self.members.append(m)
@@ -149,7 +191,7 @@ class Membership:
         m.pump_failures = 0
         return m.seq
 
-    def start_pump(self, m: Member, pump: Awaitable[Any]) -> None:
+    def start_pump(self, m: Member, pump: Awaitable[None]) -> None:
         """Run ``pump``, ``m``'s rollout stream; its end wakes the driver's waits."""
         m.pump = self.spawn(pump, f"pump of {m.name}")
         m.pump.add_done_callback(lambda _: self.changed.set())
@@ -174,90 +216,80 @@ class Membership:
         """No sampler can join the group: the trainer stays alone until a replacement is up."""
         self.dirty = False
 
-    # Without ``whole`` the call is always made (answers, never None); without ``lead`` every
-    # call goes to a member (never None).
+    # Without ``whole`` the call is always made (answers, never None).
     @overload
     async def call_all(
         self,
         group: list[Member],
-        call: Callable[[Any, Member], Awaitable[Any]],
+        call: Callable[[SamplerHandle, Member], Awaitable[T]],
         *,
         timeout_s: float,
         what: str,
         whole: Literal[False] = False,
-        lead: None = None,
-        judge_lead: None = None,
         spare: Callable[[BaseException], bool] | None = None,
-    ) -> Answers: ...
+    ) -> MemberAnswers[T]: ...
     @overload
     async def call_all(
         self,
         group: list[Member],
-        call: Callable[[Any, Member | None], Awaitable[Any]],
+        call: Callable[[SamplerHandle, Member], Awaitable[T]],
         *,
         timeout_s: float,
         what: str,
         whole: bool = False,
-        lead: Any = None,
-        judge_lead: Callable[[Any], None] | None = None,
+        lead: LeadCall[Any] | None = None,
         spare: Callable[[BaseException], bool] | None = None,
-    ) -> Answers | None: ...
+    ) -> MemberAnswers[T] | None: ...
     async def call_all(
         self,
         group: list[Member],
-        call: Callable[[Any, Any], Awaitable[Any]],
+        call: Callable[[SamplerHandle, Member], Awaitable[T]],
         *,
         timeout_s: float,
         what: str,
         whole: bool = False,
-        lead: Any = None,
-        judge_lead: Callable[[Any], None] | None = None,
+        lead: LeadCall[Any] | None = None,
         spare: Callable[[BaseException], bool] | None = None,
-    ) -> Answers | None:
+    ) -> MemberAnswers[T] | None:
         """Make ``call(handle, member)`` to every member of ``group`` at once (`calls.call_all`:
         each within ``timeout_s``), to the incarnation that joined, and lose each that failed
         (killed unless it died; the cause names ``what``), except the ones ``spare`` says suffered
-        a peer's failure. The answers are handed back, the members' last (`Answers.of_members`).
+        a peer's failure. The members' answers are handed back (`MemberAnswers`).
 
         A member no longer running the incarnation that joined is lost first, and not called.
         ``whole``: the call is meant for the group as formed: with a member replaced it is not
-        made at all (None), and any failure means the group must be formed again. ``lead`` (the
-        trainer) is called with the members, first (``member`` None); its answer is judged by
-        ``judge_lead`` (which raises to stop the run) before any member's."""
+        made at all (None), and any failure (the lead's too) means the group must be formed again.
+        ``lead`` (the trainer's part) is started with the members' calls; its answer is judged
+        (`LeadCall.judge`, which raises to stop the run) before any member's."""
         replaced = self.lose_replaced(group)
         if replaced and whole:
             return None
         group = [m for m in group if m not in replaced]
         pinned = [m.incarnation for m in group]
-        first = 0 if lead is None else 1
 
         def died(i: int, error: ActorDiedError) -> None:  # at once: the others may wait out their deadline for it
-            if i >= first:
-                self.lose(group[i - first], failure_cause(what, error), kill=False, incarnation=pinned[i - first])
+            self.lose(group[i], failure_cause(what, error), kill=False, incarnation=pinned[i])
 
         # Pinned: a call whose task starts after its incarnation died (a restart may already be
         # under way) fails as that death, never reaching the replacement, which did not join.
-        handles = ([] if lead is None else [lead]) + [m.handle.pinned(i) for m, i in zip(group, pinned)]
-        answers = await call_all(
-            handles,
-            lambda h, i: call(h, group[i - first] if i >= first else None),
-            timeout_s=timeout_s,
-            what=what,
-            died=died,
-        )
-        answers.members = group
-        if lead is not None and judge_lead is not None:
-            judge_lead(answers.results[0])
+        handles = [m.handle.pinned(i) for m, i in zip(group, pinned)]
+        started = asyncio.ensure_future(lead.start()) if lead is not None else None
+        got = await call_all(handles, lambda h, i: call(h, group[i]), timeout_s=timeout_s, what=what, died=died)
+        answers = MemberAnswers(got.what, got.names, got.results, members=group)
+        if lead is not None and started is not None:
+            (lead.answer,) = await asyncio.gather(started, return_exceptions=True)
+            lead.judge(lead.answer)
         for i in answers.failed():
-            if i < first or (spare is not None and spare(answers.results[i])):
+            error = answers.results[i]
+            if spare is not None and isinstance(error, BaseException) and spare(error):
                 continue
             self.lose(
-                group[i - first],
+                group[i],
                 answers.cause(i),
-                kill=not isinstance(answers.results[i], ActorDiedError),
-                incarnation=pinned[i - first],
+                kill=not isinstance(error, ActorDiedError),
+                incarnation=pinned[i],
             )
-        if whole and not answers.ok:
+        if whole and not (answers.ok and (lead is None or lead.ok)):
             self.dirty = True
         return answers
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -62,9 +63,11 @@ from asyncrl.rl.driver.faults import (
     trainer_phase,
 )
 from asyncrl.rl.driver.fleet.calls import call_all
+from asyncrl.rl.driver.fleet.handles import Log
 from asyncrl.rl.driver.fleet.membership import Member, Membership, MemberState
 from asyncrl.rl.driver.fleet.pumps import Pumps
-from asyncrl.rl.driver.fleet.sync_group import SyncGroup
+from asyncrl.rl.driver.fleet.sync_group import SyncGroup, SyncPlace
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
 from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
 from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
 from asyncrl.rl.driver.teacher import RewardModel, Teacher
@@ -95,39 +98,52 @@ class PoolProgress(msgspec.Struct, kw_only=True, frozen=True):
         return {"generation": self.generation, **self.faults, "samplers": dict(self.samplers)}
 
 
+@dataclass(frozen=True)
+class RolloutFlow:
+    """How the samplers' groups reach the queue (the pumps', pumps.py): paced or not, in batches of
+    how many prompts over how many streams, their ids after which prefix, scored by which models."""
+
+    queue: RolloutQueue
+    pacer: Pacer | None = None
+    """Async mode: the credit each batch of a stream asks for (pacing.py); None: unpaced."""
+    batch_groups: int = 0
+    """The prompts of one paced batch (the samplers' ``prompts_per_batch``)."""
+    streams: int = 1
+    """Paced batches in flight per sampler (``--sampler.streams``)."""
+    uid_prefix: str = ""
+    """Put before every group id: the run segment's (``resume1/``, ...)."""
+    teacher: Teacher | None = None
+    """Scores every group before it is queued (driver/teacher.py)."""
+    reward_model: RewardModel | None = None
+    """Adds its score to every group's rewards before it is queued."""
+
+
 class SamplerPool:
-    """The samplers of a run: membership, pumps and recovery (see the module docstring)."""
+    """The samplers of a run: membership, pumps and recovery (see the module docstring). Built
+    from its parts: the trainer, the `Membership` of the samplers, where their groups go
+    (``flow``) and where the weight-sync group meets (``place``)."""
 
     def __init__(
         self,
-        trainer: Any,
-        samplers: list[Any],
-        queue: RolloutQueue,
+        trainer: TrainerRanks,
+        membership: Membership,
+        flow: RolloutFlow,
         *,
         run: RunConfig,
-        seeds: list[int],
-        host: str,
-        backend: str,
-        log=print,
-        events_path: str = "",
-        pacer: Pacer | None = None,
-        batch_groups: int = 0,
-        streams: int = 1,
-        teacher: Teacher | None = None,
-        reward_model: RewardModel | None = None,
-        uid_prefix: str = "",
+        place: SyncPlace,
+        log: Log = print,
     ):
-        self.trainer, self.queue, self.run, self.log = trainer, queue, run, log
-        self.pacer = pacer
-        self.membership = Membership(samplers, seeds, recovery=run.recovery, log=log, events_path=events_path)
-        self.sync_group = SyncGroup(
-            trainer, self.membership, run.deadlines, host=host, backend=backend, log=log, delta=run.sync_delta
-        )
+        self.trainer, self.queue, self.run, self.log = trainer, flow.queue, run, log
+        self.pacer = flow.pacer
+        self.membership = membership
+        self.sync_group = SyncGroup(trainer, self.membership, run.deadlines, place, log=log, delta=run.sync_delta)
         self.async_mode = run.mode == "async"
-        self.reward_model = reward_model  # its counts go in the step's record (take_events)
+        self.reward_model = flow.reward_model  # its counts go in the step's record (take_events)
         # A teacher scores every group before it is queued (driver/teacher.py); a group of equal
         # rewards still teaches then (the teacher's per-token term), so none is left out.
-        self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups and teacher is None else 0)
+        self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups and flow.teacher is None else 0)
+        queue, pacer, teacher, reward_model = flow.queue, flow.pacer, flow.teacher, flow.reward_model
+        batch_groups, streams, uid_prefix = flow.batch_groups, flow.streams, flow.uid_prefix
         self.pumps = Pumps(
             self.membership,
             queue,

@@ -19,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
 from asyncrl.errors import first_line
 from asyncrl.rl.driver.faults import NoSamplersError, append_event
+from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle
+
+T = TypeVar("T")
 
 CANCEL_S = 30.0
 """How long the other starts may take to end once cancelled (a cancelled start kills its process
@@ -30,13 +33,13 @@ at once; this bounds the wait for it)."""
 
 
 async def start_samplers(
-    spawn: Callable[[int], Awaitable[Any]],
+    spawn: Callable[[int], Awaitable[SamplerHandle]],
     count: int,
     *,
     wave_of: Callable[[int], int] = lambda i: 0,
-    log,
+    log: Log,
     events_path: str = "",
-) -> list[Any]:
+) -> list[SamplerHandle]:
     """Spawn samplers ``0 .. count-1`` with ``spawn(i)`` (a `Supervisor.spawn` with
     ``keep_if_lost=True``) in waves, those of a wave concurrently, in the order of ``wave_of(i)``.
     Samplers that share one GPU go in different waves (vLLM measures the free memory as it starts,
@@ -47,7 +50,7 @@ async def start_samplers(
     and a ``start_failed`` event in faults.jsonl (``events_path``); one that came up after lost
     starts, a line and a ``start_retried`` event. Raises `NoSamplersError` if none came up, and the error
     of a start that was refused (the others are cancelled first)."""
-    by_index: dict[int, Any] = {}
+    by_index: dict[int, SamplerHandle] = {}
     for wave in sorted({wave_of(i) for i in range(count)}):
         members = [i for i in range(count) if wave_of(i) == wave]
         started = await all_or_first_error([asyncio.ensure_future(spawn(i)) for i in members])
@@ -96,7 +99,7 @@ async def start_samplers(
     return handles
 
 
-async def all_or_first_error(tasks: Sequence[asyncio.Future]) -> list[Any]:
+async def all_or_first_error(tasks: Sequence[asyncio.Future[T]]) -> list[T]:
     """Every task's result; or, as soon as one raises (or this is cancelled), the others
     cancelled and awaited (bounded by ``CANCEL_S``), and that error raised."""
     if not tasks:
@@ -116,11 +119,11 @@ async def all_or_first_error(tasks: Sequence[asyncio.Future]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
-def _gone(handle: Any) -> bool:
+def _gone(handle: SamplerHandle) -> bool:
     return handle.info().state.final
 
 
-def _reason(name: str, error: str) -> str:
+def _reason(name: str, error: BaseException | str) -> str:
     """An actor's error in one line, without the ``actor 'NAME': `` its message begins with."""
     line = first_line(error)
     prefix = f"actor {name!r}: "

@@ -31,19 +31,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from asyncrl.errors import ActionableError, first_line
+from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle
 from asyncrl.rl.driver.fleet.membership import Member, MemberState
 from asyncrl.rl.driver.fleet.pool import SamplerPool
 from asyncrl.rl.view.fleet import fleet_text
 from asyncrl.runtime.state import ActorState
 
 if TYPE_CHECKING:
-    from asyncrl.runtime.cluster import NodeStatus
+    from asyncrl.runtime.cluster.nodes import NodeStatus
+    from asyncrl.runtime.record import ActorStatus
 
 STOP_S = 60.0
 """How long `Scaler.close` waits for the stops of drained samplers and the starts it cancelled."""
@@ -70,7 +72,7 @@ class ScalingProgress(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def check_target(
-    n: Any,
+    n: object,
     *,
     active: int,
     device: str,
@@ -112,7 +114,7 @@ def check_target(
     return n
 
 
-def least_loaded_node(nodes: list[NodeStatus], actors: list[Any], prefix: str = "sampler") -> int:
+def least_loaded_node(nodes: list[NodeStatus], actors: list[ActorStatus], prefix: str = "sampler") -> int:
     """The joined node (a `NodeStatus`) running the fewest live actors named ``prefix...``, the
     lowest rank on a tie: where a CPU sampler started by a scale-up goes, so that a node that
     joined an elastic cluster mid-run takes the new samplers."""
@@ -123,32 +125,53 @@ def least_loaded_node(nodes: list[NodeStatus], actors: list[Any], prefix: str = 
     return min(load, key=lambda rank: (load[rank], rank)) if load else 0
 
 
+class SamplerSource(Protocol):
+    """Where a scale-up's samplers come from, and a scale-down's go: the run's `SamplerSpawner`
+    (driver/spawn.py), which places and spawns them as it did the run's first ones."""
+
+    device: str
+    """The samplers' device type ("cuda", "cpu")."""
+    colocated: bool
+    """They share the trainer's GPU."""
+    per_gpu: int
+    """Samplers sharing one GPU (``--sampler.per_gpu``)."""
+
+    def __call__(self, index: int, /) -> Awaitable[SamplerHandle]:
+        """Spawn sampler ``index`` (``sampler<index>``)."""
+        ...
+
+    def seed_of(self, index: int, /) -> int: ...
+
+    async def stop(self, handle: SamplerHandle, /) -> None: ...
+
+    def free_gpus(self) -> int:
+        """GPUs free over every node (0 on the CPU)."""
+        ...
+
+    def nodes(self) -> list[NodeStatus]:
+        """The cluster's nodes: a node leaving an elastic cluster is drained."""
+        ...
+
+    def cores(self) -> int:
+        """The CPU cores CPU samplers may use (0: unknown): more is refused unless forced."""
+        ...
+
+
 class Scaler:
-    """The fleet's target and the changes that reach it (see the module docstring)."""
+    """The fleet's target and the changes that reach it (see the module docstring): ``pool``'s
+    samplers, grown from and given back to ``source``."""
 
     def __init__(
         self,
         pool: SamplerPool,
-        spawn: Callable[[int], Awaitable[Any]],
-        stop: Callable[[Any], Awaitable[None]],
+        source: SamplerSource,
         *,
-        seed_of: Callable[[int], int],
-        device: str,
-        colocated: bool,
-        free_gpus: Callable[[], int],
-        log=print,
+        log: Log = print,
         started: int | None = None,
         target: int | None = None,
-        nodes: Callable[[], list[Any]] = list,
-        cores: Callable[[], int] = lambda: 0,
-        per_gpu: int = 1,
     ):
-        self.pool, self.membership = pool, pool.membership
-        self._spawn, self._stop, self.seed_of = spawn, stop, seed_of
-        self.device, self.colocated, self.free_gpus, self.log = device, colocated, free_gpus, log
-        self.nodes = nodes  # the cluster's `NodeStatus`es: a node leaving an elastic cluster is drained
-        self.cores = cores  # the CPU cores CPU samplers may use (0: unknown): more is refused unless forced
-        self.per_gpu = per_gpu  # samplers sharing one GPU (--sampler.per_gpu)
+        self.pool, self.membership, self.source = pool, pool.membership, source
+        self.device, self.colocated, self.per_gpu, self.log = source.device, source.colocated, source.per_gpu, log
         self.leaving: set[int] = set()  # the ranks of the nodes whose samplers were drained
         # How many samplers the run's first segment started (a colocated GPU's memory was split
         # among them); a resumed segment may start another count (``target``).
@@ -162,7 +185,7 @@ class Scaler:
         self._tasks: set[asyncio.Task] = set()
         # Samplers that share a GPU start one at a time, as at the run's start (sampler_start.py):
         # vLLM measures the GPU's free memory as it starts, and two at once would count each other's.
-        self._one_at_a_time = asyncio.Lock() if colocated or per_gpu > 1 else None
+        self._one_at_a_time = asyncio.Lock() if self.colocated or self.per_gpu > 1 else None
 
     def active(self) -> int:
         """Samplers in the group, coming to it (candidates, restarts awaited) or starting."""
@@ -173,7 +196,7 @@ class Scaler:
         """The fleet's target: the last one asked, else the count this run segment started."""
         return self.target if self.target is not None else len(self.pool.members)
 
-    def request(self, args: dict[str, Any]) -> dict[str, Any]:
+    def request(self, args: dict[str, object]) -> dict[str, int]:
         """The status socket's ``scale`` command: ``{"samplers": N}`` (and ``"force": true`` past
         the CPU cores). Called on the driver's loop; sets the target (applied at the next sync)
         and answers at once: the samplers running, restarting and starting, and the target before."""
@@ -193,8 +216,8 @@ class Scaler:
             device=self.device,
             colocated=self.colocated,
             started=self.started,
-            free_gpus=self.free_gpus(),
-            cores=self.cores(),
+            free_gpus=self.source.free_gpus(),
+            cores=self.source.cores(),
             force=args.get("force") is True,
             per_gpu=self.per_gpu,
         )
@@ -283,7 +306,7 @@ class Scaler:
             error = None if task.cancelled() else task.exception()
             handle = None if task.cancelled() or error is not None else task.result()
             if handle is not None and not handle.info().state.final:
-                self.pool.membership.add(handle, self.seed_of(index))
+                self.pool.membership.add(handle, self.source.seed_of(index))
                 continue
             why = (
                 first_line(error)
@@ -313,7 +336,7 @@ class Scaler:
         the cluster's view) leaves the group now, as a scale-down's do: its stream is cut, what it
         was making is handed back, the sync that follows re-forms the group once without all of
         them, and its process is stopped, which lets the node's agent go."""
-        for node in self.nodes():
+        for node in self.source.nodes():
             if not node.draining or node.rank in self.leaving:
                 continue
             self.leaving.add(node.rank)
@@ -325,17 +348,17 @@ class Scaler:
                 self.membership.drain(m, why)
                 self._track(self._stop_drained(m))
 
-    async def _spawn_one(self, index: int) -> Any:
+    async def _spawn_one(self, index: int) -> SamplerHandle:
         if self._one_at_a_time is None:
-            return await self._spawn(index)
+            return await self.source(index)
         async with self._one_at_a_time:
-            return await self._spawn(index)
+            return await self.source(index)
 
     async def _stop_drained(self, m: Member) -> None:
-        await self._stop(m.handle)
+        await self.source.stop(m.handle)
         self.log(f"scale: {m.name} stopped")
 
-    def _track(self, coro: Awaitable[Any]) -> asyncio.Task:
+    def _track(self, coro: Awaitable[object]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._ended)

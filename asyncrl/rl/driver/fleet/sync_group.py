@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from asyncrl.comm.address import SyncAddress
 from asyncrl.comm.errors import PEER_FAILURE_ERRORS
@@ -26,8 +27,16 @@ from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_
 from asyncrl.rl.checkpoint import SamplerDataState
 from asyncrl.rl.config.run import DeadlineConfig
 from asyncrl.rl.driver.faults import PhaseTimeoutError, RunStoppedError, TrainerLostError, trainer_phase
-from asyncrl.rl.driver.fleet.calls import Answers
-from asyncrl.rl.driver.fleet.membership import Member, Membership, MemberState
+from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle
+from asyncrl.rl.driver.fleet.membership import LeadCall, Member, Membership, MemberState
+from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
+
+if TYPE_CHECKING:
+    from asyncrl.comm.sync_stats import SyncStats
+    from asyncrl.rl.sampler.backend import SamplerSyncStats
+
+T = TypeVar("T")
+L = TypeVar("L")
 
 SYNC_GRACE_S = 5.0
 """How long past its own deadline a member's answer to a group-wide call may come (a loaded
@@ -68,28 +77,37 @@ def wire_dtype(sampler_dtypes: list[str]) -> str:
     return kinds.pop() if len(kinds) == 1 and kinds <= WIRE_DTYPES else ""
 
 
+@dataclass(frozen=True)
+class SyncPlace:
+    """Where the weight-sync group meets and over what: the same for every generation."""
+
+    host: str
+    """Where trainer rank 0 hosts the group's store: its node's address, which every sampler reaches."""
+    backend: str
+    """The communicator every member makes (`SyncAddress.backend`)."""
+
+
 class SyncGroup:
     """The group-wide calls of the weight-sync group (see the module docstring)."""
 
     def __init__(
         self,
-        trainer: Any,
+        trainer: TrainerRanks,
         membership: Membership,
         deadlines: DeadlineConfig,
+        place: SyncPlace,
         *,
-        host: str,
-        backend: str,
-        log=print,
+        log: Log = print,
         delta: str = "off",
     ):
-        self.trainer, self.membership, self.deadlines = trainer, membership, deadlines
-        self.host, self.backend, self.log = host, backend, log
+        self.trainer, self.membership, self.deadlines, self.place = trainer, membership, deadlines, place
+        self.log = log
         self.delta = delta
         """``--run.sync_delta``; each membership's choice is `delta_wanted`'s."""
         self.generation = -1
         self.wire_dtype = ""
         """What the trainer sends in: the samplers' weight dtype when they agree (`wire_dtype`)."""
-        self.last: tuple[Any, list[Any]] | None = None
+        self.last: tuple[SyncStats, list[SamplerSyncStats]] | None = None
         """The last successful sync's answers: the trainer's `SyncStats` and each member's
         `SamplerSyncStats` (``rl/observe/sync_metrics.py`` puts them in the step's record)."""
 
@@ -124,18 +142,18 @@ class SyncGroup:
         ``SYNC_GRACE_S``: one that has not answered by that time (frozen) is lost; one that answers
         late with a collective error, after a peer died (the trainer may have failed at once),
         is a survivor, not a suspect."""
-        t = self.deadlines.sync_timeout_s
         answers = await self._group_call(
             group,
-            lambda h, m: h.send_weights(version) if m is None else h.receive_weights(version),
+            lambda trainer: trainer.send_weights(version),
+            lambda h, _: h.receive_weights(version),
             f"the weight sync of v{version}",
             "sync_timeout_s",
-            t,
+            self.deadlines.sync_timeout_s,
             SYNC_GRACE_S,
         )
-        if answers is not None and answers.ok:
-            self.last = (answers.results[0], list(answers.results[1:]))
-        return answers is not None and answers.ok
+        if answers is not None:
+            self.last = answers
+        return answers is not None
 
     async def _prepare_replacement(self, m: Member) -> None:
         """A restarted sampler continues its predecessor's data walk, with a fresh sampling RNG."""
@@ -168,26 +186,30 @@ class SyncGroup:
         """Every join at once under one deadline (the rendezvous contract); True if all joined."""
         t = self.deadlines.rendezvous_timeout_s
         port = await trainer_phase(
-            "the weight-sync rendezvous", "rendezvous_timeout_s", t, self.trainer.with_timeout(t).sync_listen(self.host)
+            "the weight-sync rendezvous",
+            "rendezvous_timeout_s",
+            t,
+            self.trainer.with_timeout(t).sync_listen(self.place.host),
         )
         address = SyncAddress(
-            host=self.host,
+            host=self.place.host,
             port=port,
             world_size=1 + len(group),
             generation=self.generation,
-            backend=self.backend,
+            backend=self.place.backend,
             timeout_s=t,
         )
-        rank: dict[Member | None, int] = {m: r for r, m in enumerate(group, start=1)}  # the trainer (None): 0
+        rank = {m: r for r, m in enumerate(group, start=1)}  # the trainer's is 0
         answers = await self._group_call(
             group,
-            lambda h, m: h.sync_join(address, rank.get(m, 0)),
+            lambda trainer: trainer.sync_join(address, 0),
+            lambda h, m: h.sync_join(address, rank[m]),
             "joining the weight-sync group",
             "rendezvous_timeout_s",
             t,
             JOIN_GRACE_S,
         )
-        return answers is not None and answers.ok
+        return answers is not None
 
     async def _setup(self, group: list[Member]) -> bool:
         """Agree on the weight layout (each side bounded by ``sync_timeout_s``); True if all did."""
@@ -195,45 +217,50 @@ class SyncGroup:
         delta = delta_wanted(self.delta, _node(self.trainer), [_node(m.handle) for m in group])
         answers = await self._group_call(
             group,
-            lambda h, m: (
-                h.setup_sender(t, wire_dtype=self.wire_dtype, delta=delta) if m is None else h.setup_receiver(t)
-            ),
+            lambda trainer: trainer.setup_sender(t, wire_dtype=self.wire_dtype, delta=delta),
+            lambda h, _: h.setup_receiver(t),
             "agreeing on the weight layout",
             "sync_timeout_s",
             t,
             JOIN_GRACE_S,
         )
-        return answers is not None and answers.ok
+        return answers is not None
 
     async def _group_call(
         self,
         group: list[Member],
-        call: Callable[[Any, Member | None], Awaitable[Any]],
+        trainer_call: Callable[[TrainerRanks], Awaitable[L]],
+        member_call: Callable[[SamplerHandle, Member], Awaitable[T]],
         what: str,
         knob: str,
         timeout_s: float,
         grace_s: float,
-    ) -> Answers | None:
-        """``call`` made to the trainer (``member`` None) and every member at once, each waited for
-        until ``timeout_s`` (its own deadline, ``--run.<knob>``) plus ``grace_s``: one that has not
+    ) -> tuple[L, list[T]] | None:
+        """``trainer_call`` made to the trainer and ``member_call`` to every member at once, each
+        waited for until its own deadline (``--run.<knob>``) plus ``grace_s``: one that has not
         answered by then (frozen) is lost; one that answers late with a collective error, after a
         peer died (the trainer may have failed at once), is a survivor, not a suspect. The
-        `Answers`, or None if a member was replaced before it (the group must be formed again)."""
-        answers = await self.membership.call_all(
-            group,
-            call,
-            timeout_s=timeout_s + grace_s,
-            what=what,
-            whole=True,
-            lead=self.trainer,
-            judge_lead=lambda result: self._judge_trainer(result, what, knob, timeout_s),
-            spare=suffered_from_peer,
+        trainer's answer and the members', or None if any failed or a member was replaced before
+        the call (the group must be formed again)."""
+        wait_s = timeout_s + grace_s
+        lead = LeadCall(
+            self.trainer.name,
+            lambda: trainer_call(self.trainer.with_timeout(wait_s)),
+            lambda result: self._judge_trainer(result, what, knob, timeout_s),
         )
-        if answers is not None and not answers.ok:
-            self.log(f"{what} failed (generation {self.generation}): {answers.summary()}")
-        return answers
+        answers = await self.membership.call_all(
+            group, member_call, timeout_s=wait_s, what=what, whole=True, lead=lead, spare=suffered_from_peer
+        )
+        if answers is None:
+            return None
+        if not answers.ok or isinstance(lead.answer, BaseException):
+            failed = [f"{lead.name}: {first_line(lead.answer)}"] if isinstance(lead.answer, BaseException) else []
+            failed += [answers.summary()] if not answers.ok else []
+            self.log(f"{what} failed (generation {self.generation}): {'; '.join(failed)}")
+            return None
+        return lead.value(), answers.values()
 
-    def _judge_trainer(self, result: Any, what: str, knob: str, timeout_s: float) -> None:
+    def _judge_trainer(self, result: object, what: str, knob: str, timeout_s: float) -> None:
         """The trainer's outcome of a group-wide call: its death, its silence or its own failure
         stops the run; an error it suffered from a peer only means that the group must be rebuilt."""
         if isinstance(result, ActorDiedError):
@@ -244,7 +271,7 @@ class SyncGroup:
             raise RunStoppedError(f"the trainer failed during {what}: {first_line(result)}") from result
 
 
-def _node(handle: Any) -> int:
+def _node(handle: SamplerHandle | TrainerRanks) -> int:
     """The node an actor runs on (0 for a handle that cannot say: a test's stand-in)."""
     info = getattr(handle, "info", None)
     return getattr(info(), "node", 0) if callable(info) else 0

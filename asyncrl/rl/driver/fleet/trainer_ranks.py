@@ -2,10 +2,11 @@
 forming their group, and `TrainerRanks`, the handle the driver uses for the trainer, one rank
 included (then every call goes to that rank's handle as it is: no group, no verdict).
 
-`TrainerRanks` makes the same calls as a trainer handle. A call that runs collectives on the
-trainer group (each one of its methods) goes to every rank at once with the call's deadline, and the answer is
-rank 0's; anything else (joining the weight-sync group, of which rank 0 alone is a member) goes to
-rank 0. One verdict per call, naming the rank that caused a failure:
+`TrainerRanks` makes the trainer's calls, each with its endpoint's own signature (mypy checks them
+as it checks a handle's). A call that runs collectives on the trainer group goes to every rank at
+once with the call's deadline (each rank is told it, as ``deadline_s``), and the answer is rank
+0's; the others (joining the weight-sync group, of which rank 0 alone is a member; the progress of
+an evaluation) go to rank 0. One verdict per call, naming the rank that caused a failure:
 
 * a rank that died: its death (`ActorDiedError`, naming the rank), at once; the survivors are told
   (`abort_call`), so they leave their collectives even where the backend (NCCL) would not notice;
@@ -19,30 +20,34 @@ rank 0. One verdict per call, naming the rank that caused a failure:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
+from asyncrl.comm.address import SyncAddress
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError, first_line
+from asyncrl.rl.config.trainer import TrainerConfig
 from asyncrl.rl.driver.faults import RunStoppedError
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.trainer.errors import LEFT_FOR_A_PEER
+from asyncrl.runtime.handle import ActorHandle
+from asyncrl.runtime.record import ActorStatus
+from asyncrl.runtime.supervisor import Supervisor
 
-_DEADLINE_ARG = frozenset(
-    {
-        "train_step",
-        "evaluate",
-        "evaluate_heldout",
-        "save",
-        "save_checkpoint",
-        "load_checkpoint",
-        "weights_digest",
-        "gradients",
-    }
-)
-"""Of the calls made on every rank (`TrainerRanks`' methods), the ones whose deadline the ranks are
-told (``deadline_s``); the weight sync's calls carry their own (``sync_timeout_s``)."""
-_STOPS_THE_RUN = frozenset({"train_step", "evaluate", "evaluate_heldout"})
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.comm.sync_stats import SyncStats
+    from asyncrl.rl.model.tally import HeldoutAsk, HeldoutPart
+    from asyncrl.rl.rollout import RolloutGroup
+    from asyncrl.rl.trainer.actor import TrainerActor
+    from asyncrl.rl.trainer.metrics import TrainStepMetrics
+
+T = TypeVar("T")
+RankCall = Callable[["ActorHandle[TrainerActor]", float], Awaitable[T]]
+"""One call of a rank, given the deadline its side of it is told (``deadline_s``; 0: none)."""
 ABORT_CALL_S = 10.0
+GROUP_NAME = "trainer"
+"""The trainer group's name on its rendezvous (its store keys live under ``asyncrl/trainer/``)."""
 
 
 class TrainerRankFailedError(RunStoppedError):
@@ -51,9 +56,11 @@ class TrainerRankFailedError(RunStoppedError):
 
 
 class TrainerRanks:
-    """The trainer's N ranks as one trainer (see the module docstring)."""
+    """The trainer's N ranks as one trainer (see the module docstring). Each method is the
+    trainer's endpoint of the same name, without the ``deadline_s`` its ranks are told: the
+    deadline of `with_timeout` is theirs too."""
 
-    def __init__(self, handles: list[Any], timeout_s: float | None = None):
+    def __init__(self, handles: list[ActorHandle[TrainerActor]], timeout_s: float | None = None):
         self.handles = list(handles)
         self._timeout_s = timeout_s
         self._aborts: set[asyncio.Task] = set()
@@ -66,6 +73,10 @@ class TrainerRanks:
     def world_size(self) -> int:
         return len(self.handles)
 
+    def info(self) -> ActorStatus:
+        """Rank 0's status, as the supervisor sees it now (its node: where the weight-sync group meets)."""
+        return self.handles[0].info()
+
     def with_timeout(self, timeout_s: float) -> TrainerRanks:
         ranks = TrainerRanks(self.handles, timeout_s)
         ranks._aborts = self._aborts
@@ -73,65 +84,75 @@ class TrainerRanks:
 
     # --- the calls that run collectives on the trainer group: made on every rank together -------
 
-    def train_step(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("train_step", args, kwargs)
+    def train_step(self, groups: list[RolloutGroup]) -> Awaitable[TrainStepMetrics]:
+        return self._every_rank("train_step", lambda h, d: h.train_step(groups, d), stops_the_run=True)
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("evaluate", args, kwargs)
+    def evaluate(
+        self, samples: int = 4, max_new_tokens: int = 0, batch_size: int = 64
+    ) -> Awaitable[dict[str, float | dict[str, int]]]:
+        return self._every_rank(
+            "evaluate", lambda h, d: h.evaluate(samples, max_new_tokens, batch_size, d), stops_the_run=True
+        )
 
-    def evaluate_heldout(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("evaluate_heldout", args, kwargs)
+    def evaluate_heldout(self, ask: HeldoutAsk) -> Awaitable[list[HeldoutPart]]:
+        return self._every_rank("evaluate_heldout", lambda h, d: h.evaluate_heldout(ask, d), stops_the_run=True)
 
-    def setup_sender(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("setup_sender", args, kwargs)
+    def setup_sender(
+        self, timeout_s: float = 60.0, bucket_bytes: int = 0, wire_dtype: str = "", delta: bool = False
+    ) -> Awaitable[int]:
+        # bounded by its own timeout_s (the weight sync's), not by a deadline of the group's
+        return self._every_rank("setup_sender", lambda h, _: h.setup_sender(timeout_s, bucket_bytes, wire_dtype, delta))
 
-    def send_weights(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("send_weights", args, kwargs)
+    def send_weights(self, version: int) -> Awaitable[SyncStats]:
+        return self._every_rank("send_weights", lambda h, _: h.send_weights(version))
 
-    def save(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("save", args, kwargs)
+    def save(self, path: str, extra_files: dict[str, str] | None = None) -> Awaitable[str]:
+        return self._every_rank("save", lambda h, d: h.save(path, extra_files, d))
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("save_checkpoint", args, kwargs)
+    def save_checkpoint(self, run_dir: str, step: int, keep: int, run_state: bytes) -> Awaitable[str]:
+        return self._every_rank("save_checkpoint", lambda h, d: h.save_checkpoint(run_dir, step, keep, run_state, d))
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("load_checkpoint", args, kwargs)
+    def load_checkpoint(self, path: str) -> Awaitable[int]:
+        return self._every_rank("load_checkpoint", lambda h, d: h.load_checkpoint(path, d))
 
-    def weights_digest(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("weights_digest", args, kwargs)
+    def weights_digest(self) -> Awaitable[str]:
+        return self._every_rank("weights_digest", lambda h, d: h.weights_digest(d))
 
-    def gradients(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self._every_rank("gradients", args, kwargs)
+    def gradients(self) -> Awaitable[dict[str, torch.Tensor]]:
+        return self._every_rank("gradients", lambda h, d: h.gradients(d))
 
-    def __getattr__(self, method: str) -> Any:
-        """Any other call (joining the weight-sync group, stats): rank 0's alone."""
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return getattr(self._rank(0), method)
+    # --- rank 0's alone: the weight-sync group (of which rank 0 alone is a member), the progress --
 
-    def _every_rank(self, method: str, args: tuple, kwargs: dict) -> Awaitable[Any]:
-        """One rank: its handle's call as it is (no group, no verdict, no deadline added)."""
+    def sync_listen(self, host: str, port: int = 0) -> Awaitable[int]:
+        return self._rank(0).sync_listen(host, port)
+
+    def sync_join(self, address: SyncAddress, rank: int) -> Awaitable[str]:
+        return self._rank(0).sync_join(address, rank)
+
+    def sync_created(self) -> Awaitable[dict[str, int]]:
+        return self._rank(0).sync_created()
+
+    def heldout_progress(self) -> Awaitable[list[int]]:
+        return self._rank(0).heldout_progress()
+
+    def _every_rank(self, what: str, call: RankCall[T], *, stops_the_run: bool = False) -> Awaitable[T]:
+        """One rank: its handle's call as it is (no group, no verdict, no deadline of the group's)."""
         if len(self.handles) == 1:
-            return getattr(self._rank(0), method)(*args, **kwargs)
-        return self._all(method, args, kwargs)
+            return call(self._rank(0), 0.0)
+        return self._all(what, call, stops_the_run)
 
-    def _rank(self, r: int) -> Any:
+    def _rank(self, r: int) -> ActorHandle[TrainerActor]:
         handle = self.handles[r]
         return handle.with_timeout(self._timeout_s) if self._timeout_s is not None else handle
 
-    async def _all(self, method: str, args: tuple, kwargs: dict) -> Any:
-        if self._timeout_s is not None and method in _DEADLINE_ARG:
-            kwargs = {**kwargs, "deadline_s": self._timeout_s}
+    async def _all(self, what: str, call: RankCall[T], stops_the_run: bool) -> T:
+        deadline_s = self._timeout_s or 0.0  # each rank's side of the call ends within the group's deadline
         answers = await call_all(
-            self.handles,
-            lambda h, _: getattr(h, method)(*args, **kwargs),
-            timeout_s=self._timeout_s,
-            what=method,
-            died=self._died,
+            self.handles, lambda h, _: call(h, deadline_s), timeout_s=self._timeout_s, what=what, died=self._died
         )
         if answers.ok:
-            return answers.results[0]
-        raise self._verdict(method, answers.results)
+            return answers.values()[0]
+        raise self._verdict(what, answers.results, stops_the_run=stops_the_run)
 
     def _died(self, rank: int, error: ActorDiedError) -> None:
         """A rank that died leaves no record for its peers: tell them, so they leave at once."""
@@ -142,7 +163,10 @@ class TrainerRanks:
                 self._aborts.add(task)
                 task.add_done_callback(_forget(self._aborts))
 
-    def _verdict(self, method: str, results: list[Any]) -> BaseException:
+    def _verdict(self, method: str, results: Sequence[object], *, stops_the_run: bool) -> BaseException:
+        """The one error of a failed call (see the module docstring). ``stops_the_run``: the call is
+        a train step or an evaluation, whose every failure is a rank's (else a rank's own
+        `RemoteError` is passed on as it is: its caller reads it, a full disk say)."""
         errors = {r: x for r, x in enumerate(results) if isinstance(x, BaseException)}
         victims = {r: x for r, x in errors.items() if isinstance(x, RemoteError) and isinstance(x, LEFT_FOR_A_PEER)}
         left = sorted(victims)
@@ -153,7 +177,7 @@ class TrainerRanks:
         for r, x in errors.items():
             if r in victims or isinstance(x, CallTimeoutError):
                 continue
-            if isinstance(x, RemoteError) and method not in _STOPS_THE_RUN:
+            if isinstance(x, RemoteError) and not stops_the_run:
                 return x
             what = (
                 f"{x.remote_type}: {first_line(x.remote_message)}"
@@ -174,7 +198,7 @@ class TrainerRanks:
         )
 
 
-def _forget(tasks: set) -> Any:
+def _forget(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
     def done(task: asyncio.Task) -> None:
         tasks.discard(task)
         if not task.cancelled():
@@ -183,7 +207,7 @@ def _forget(tasks: set) -> Any:
     return done
 
 
-def node_address(sup: Any, handle: Any) -> str:
+def node_address(sup: Supervisor, handle: ActorHandle) -> str:
     """The address at which actors on other nodes reach the node that ``handle``'s actor runs on:
     where a store hosted by that actor must listen (the driver's own ``ASYNCRL_NODE_ADDR`` names
     node 0, which is wrong for an actor placed on another node)."""
@@ -193,31 +217,33 @@ def node_address(sup: Any, handle: Any) -> str:
 
 
 async def spawn_trainer_ranks(
-    sup: Any,
-    cls: type,
-    args: tuple,
+    sup: Supervisor,
+    model_path: str,
+    config: TrainerConfig,
     *,
-    world_size: int,
-    host: str | None,
     timeout_s: float,
     gpus: int,
     env: dict[str, str],
-    kwargs: dict[str, Any],
+    options: dict[str, object],
     nodes: list[int | None] | None = None,
+    host: str | None = None,
 ) -> TrainerRanks:
-    """Spawn ``world_size`` trainer ranks (rank 0 named ``trainer``, the others ``trainer-<r>``),
-    concurrently, on ``nodes`` (one per rank; None: where the supervisor puts them), and form
-    their group: every join at once, under one deadline (the rendezvous contract); a rank that
-    fails to start or to join fails the whole call, naming it. The group's store is hosted by rank
-    0 on ``host``, by default the address of rank 0's node (`node_address`). One rank forms no
-    group."""
+    """Spawn ``config.world_size`` trainer ranks (rank 0 named ``trainer``, the others
+    ``trainer-<r>``; ``options``: `TrainerActor`'s keyword arguments), concurrently, on ``nodes``
+    (one per rank; None: where the supervisor puts them), and form their group: every join at once,
+    under one deadline, ``timeout_s`` (the rendezvous contract); a rank that fails to start or to
+    join fails the whole call, naming it. The group's store is hosted by rank 0 on ``host``, by
+    default the address of rank 0's node (`node_address`). One rank forms no group: it is built
+    whole."""
     from asyncrl.comm.rendezvous import join_all
+    from asyncrl.rl.trainer.actor import TrainerActor
 
-    names = ["trainer"] + [f"trainer-{r}" for r in range(1, world_size)]
+    world_size = config.world_size
+    names = [GROUP_NAME] + [f"{GROUP_NAME}-{r}" for r in range(1, world_size)]
     nodes = nodes or [None] * world_size
     spawned = await asyncio.gather(
         *(
-            sup.spawn(cls, *args, name=name, gpus=gpus, env=env, kwargs=kwargs, node=node)
+            sup.spawn(TrainerActor, model_path, config, name=name, gpus=gpus, env=env, kwargs=options, node=node)
             for name, node in zip(names, nodes)
         ),
         return_exceptions=True,
@@ -233,8 +259,7 @@ async def spawn_trainer_ranks(
         return TrainerRanks(ranks)
     host = host or node_address(sup, ranks[0])
     port = await ranks[0].with_timeout(timeout_s).rank_listen(host)
-    joins = [
-        h.with_timeout(timeout_s + 10).rank_join(host, port, r, world_size, timeout_s) for r, h in enumerate(ranks)
-    ]
+    address = SyncAddress(host=host, port=port, world_size=world_size, timeout_s=timeout_s, name=GROUP_NAME)
+    joins = [h.with_timeout(timeout_s + 10).rank_join(address, r) for r, h in enumerate(ranks)]
     await join_all(joins, timeout_s + 15, what="form the trainer group")
     return TrainerRanks(ranks)

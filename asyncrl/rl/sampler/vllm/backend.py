@@ -38,16 +38,18 @@ import torch
 
 from asyncrl.rl.config.sampler import STAGE_MODES
 from asyncrl.rl.generation import Completion, SamplingParams, VersionSpan, changed_spans, row_seed
-from asyncrl.rl.sampler.backend import PausableBackend, Progress, WeightSink
+from asyncrl.rl.sampler.backend import BackendOptions, PausableBackend, Progress, WeightSink
 from asyncrl.rl.sampler.errors import SamplerError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options, lora_dtype_refusal
 from asyncrl.rl.sampler.vllm.engine_exit import STARTER
 from asyncrl.rl.sampler.vllm.janitor import Janitor, keep_compile_cache, shm_names
 from asyncrl.rl.sampler.vllm.sink import EngineSink
+from asyncrl.runtime.startup import start_phase
 
 if TYPE_CHECKING:
     from asyncrl.comm.member import SyncSeat
+    from asyncrl.rl.model.policy import PromptFormat
 
 EXTENSION = "asyncrl.rl.sampler.vllm.worker.WeightSyncExtension"
 DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
@@ -138,7 +140,38 @@ class VLLMBackend(PausableBackend):
     """
 
     name = "vllm"
-    batches_calls = True
+    batches_requests = True
+
+    @classmethod
+    def load(cls, model_path: str, options: BackendOptions) -> tuple[VLLMBackend, PromptFormat]:
+        """An engine on the checkpoint at ``model_path`` (the engine loads the weights itself, and
+        on a fresh GPU machine compiles it: its start phase has ``options.start_timeout_s``), and
+        the checkpoint's prompt format; ``options.vllm``: this class's other keyword arguments."""
+        from asyncrl.rl.model.policy import load_prompt_format
+
+        start_phase(
+            f"loading {model_path} and building the vLLM engine (compile, CUDA graphs)",
+            budget_s=options.start_timeout_s,
+            knob="--sampler.engine_start_timeout_s",
+        )
+        tokenizer, fmt = load_prompt_format(model_path)
+        # An adapter sync changes no weight under a running batch: the prefix cache stays valid.
+        extra = {"prefix_caching": not options.in_flight or options.adapter is not None} | dict(options.vllm)
+        backend = cls(
+            model_path,
+            tokenizer=tokenizer,
+            seed=options.seed,
+            device=options.device,
+            resume_timeout_s=options.resume_timeout_s,
+            adapter=options.adapter,
+            start_timeout_s=options.start_timeout_s,
+            **extra,
+        )
+        return backend, fmt
+
+    @classmethod
+    def digestible_on(cls, device: torch.device) -> bool:
+        return device.type == "cuda"  # elsewhere (the CPU) the engine repacks them for its kernels
 
     def __init__(
         self,
@@ -158,9 +191,11 @@ class VLLMBackend(PausableBackend):
         adapter: Any = None,
         stage_weights: str = "auto",
         engine_stats: bool = False,
+        start_timeout_s: float = 0.0,
     ):
         super().__init__(resume_timeout_s=resume_timeout_s)
         self.device = torch.device(device)
+        self.start_timeout_s = start_timeout_s  # the warm-up's budget, as the start's (`warm_up`)
         if stage_weights not in STAGE_MODES:
             raise ValueError(f"stage_weights must be one of {', '.join(STAGE_MODES)}, not {stage_weights!r}")
         self.stage_weights = stage_weights
@@ -250,6 +285,22 @@ class VLLMBackend(PausableBackend):
         With ``progress``, the engine reports each request's tokens as it generates them."""
         return asyncio.ensure_future(self._generate(prompts, n, params, progress))
 
+    def loaded_adapters(self) -> int | None:
+        return len(self.adapters.loaded) if self.adapters is not None else None
+
+    async def warm_up(self, prompt: list[int], params: SamplingParams) -> None:
+        """vLLM compiles its sampling ops (torch.compile: log-prob ranks, random sampling) in the
+        engine's process on their first use: seconds of a C++ compiler on a CPU host, and again,
+        shorter, once a second batch size makes a dimension dynamic. Two short generates do it."""
+        start_phase(
+            "compiling vLLM's sampling ops (two short generates)",
+            budget_s=self.start_timeout_s,
+            knob="--sampler.engine_start_timeout_s",
+        )
+        params = msgspec.structs.replace(params, max_new_tokens=2)
+        for prompts, n in (([prompt], 3), ([prompt, prompt], 1)):  # batches of 3, then 2 sequences
+            await self.generate(prompts, n, params)
+
     def weight_sink(self, seat: SyncSeat) -> WeightSink:
         if self.adapters is not None:  # adapters only: received here, in the actor
             from asyncrl.rl.sampler.sink import ActorSink
@@ -279,6 +330,7 @@ class VLLMBackend(PausableBackend):
         self, prompts: list[list[int]], n: int, params: SamplingParams, progress: Progress | None = None
     ) -> list[list[Completion]]:
         start = time.perf_counter()
+        calls: list[tuple[list[int], Any, Callable[[int, list[int]], None] | None]]
         if params.exact_lengths:  # a request per row, each as long as it was told
             per_request, repeat = 1, 1
             calls = [
@@ -310,7 +362,7 @@ class VLLMBackend(PausableBackend):
             await asyncio.shield(self._abort(request_ids))
             raise
         finally:
-            if lora is not None:
+            if lora is not None and self.adapters is not None:
                 await asyncio.shield(self.adapters.release(lora))
         rows = [c for out, spans in outputs for c in self._completions(out, spans, params, per_request) * repeat]
         groups = [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -349,8 +401,6 @@ class VLLMBackend(PausableBackend):
         stats: dict[str, int | float] = dict(self.engine_counts or {})
         if self.kv_cache_tokens:
             stats["kv_cache_tokens"] = self.kv_cache_tokens
-        if self.adapters is not None:  # serving LoRA adapters: how many it holds
-            stats["loaded_adapters"] = len(self.adapters.loaded)
         return stats
 
     def weights_changed(self, version: int, positions: dict[str, int] | None) -> None:

@@ -156,8 +156,8 @@ def engine_counter(counts: dict[str, float]) -> Any:
             if scheduler_stats is not None:
                 usage = getattr(scheduler_stats, "kv_cache_usage", None)
                 if usage is None:
-                    usage = getattr(scheduler_stats, "gpu_cache_usage", 0.0)
-                counts["kv_cache_peak"] = max(counts["kv_cache_peak"], float(usage))
+                    usage = getattr(scheduler_stats, "gpu_cache_usage", None)
+                counts["kv_cache_peak"] = max(counts["kv_cache_peak"], float(usage or 0.0))
 
         def log_engine_initialized(self) -> None:
             pass

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from typing import IO, cast
 
 _JANITOR = """
 import os, shutil, sys
@@ -70,13 +71,14 @@ class Janitor:
             start_new_session=True,
             text=True,
         )
+        self.pipe = cast(IO[str], self.proc.stdin)  # stdin=PIPE, text=True: Popen made it
 
     def watch(self, shm_names: list[str]) -> None:
         """Add segments to remove, or ``pid:N`` for a process whose loky semaphores to remove (any
         number of calls; the janitor keeps them all)."""
         try:
-            self.proc.stdin.write(" ".join(shm_names) + "\n")
-            self.proc.stdin.flush()
+            self.pipe.write(" ".join(shm_names) + "\n")
+            self.pipe.flush()
         except (OSError, ValueError):  # finished already: too late to add any
             pass
 
@@ -86,7 +88,7 @@ class Janitor:
         made), every ``poll_s`` until the returned function is called (which watches once more),
         so that an actor killed while its engine starts (a start deadline, a fault) leaves none
         behind."""
-        stop, sent = threading.Event(), set()
+        stop, sent = threading.Event(), set[str]()
 
         def scan() -> None:
             new = set(engine_segments(before)) | {f"pid:{pid}" for pid in _descendants(os.getpid())}
@@ -111,10 +113,10 @@ class Janitor:
 
     def finish(self) -> None:
         """Clean up now (after the engine shut down); waits for the janitor, briefly."""
-        if self.proc.stdin.closed:
+        if self.pipe.closed:
             return
         try:
-            self.proc.stdin.close()
+            self.pipe.close()
         except OSError:
             pass
         try:
@@ -157,7 +159,8 @@ def _descendants(pid: int) -> list[int]:
                     parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-    found, frontier = [], {pid}
+    found: list[int] = []
+    frontier = {pid}
     while frontier:
         frontier = {p for p, pp in parents.items() if pp in frontier} - set(found)
         found += sorted(frontier)

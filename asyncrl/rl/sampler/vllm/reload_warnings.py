@@ -22,7 +22,8 @@ class _ExpectedReloadWarnings(logging.Filter):
         self.quiet: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == RELOAD_WARNING and bool(record.args) and record.args[0] in self.quiet)
+        args = record.args
+        return not (record.msg == RELOAD_WARNING and isinstance(args, tuple) and bool(args) and args[0] in self.quiet)
 
 
 class _ReloadTiming(logging.Filter):

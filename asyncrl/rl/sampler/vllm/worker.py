@@ -36,18 +36,24 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import torch
 
 from asyncrl.comm.address import SyncAddress, check_timeout
+from asyncrl.comm.delivery import BatchConsumer
 from asyncrl.comm.errors import LayoutMismatchError
 from asyncrl.rl.config.sampler import STAGE_MODES
 from asyncrl.rl.sampler.errors import WeightsUnreadableError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.param_views import LoadAndCheck, param_views
 from asyncrl.rl.sampler.vllm.reload_warnings import quiet_reload_warnings
+
+if TYPE_CHECKING:
+    from asyncrl.comm.join import SyncMembership
+    from asyncrl.comm.staged import StagedReceiver
+    from asyncrl.comm.weights import WeightReceiver
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -68,6 +74,9 @@ CALLS = ("join", "setup_receiver", "receive_weights", "digest", "leave", "create
 class WeightSyncExtension:
     """Mixed into vLLM's worker (``self.model_runner``, ``self.device`` come from it). One
     membership at a time; `asyncrl_join` leaves the previous one first."""
+
+    model_runner: Any  # vLLM's model runner (its internals, read through `compat`): the worker's
+    _asyncrl: _Membership | None = None
 
     def asyncrl_call(self, call: str, *args: Any) -> dict[str, Any]:
         """The one entry point `VLLMBackend` calls through ``collective_rpc``: run ``asyncrl_<call>``
@@ -114,8 +123,8 @@ class WeightSyncExtension:
         receiver = WeightReceiver.create(member.comm, member.group, src=0, timeout_s=timeout_s, notices=stage != "off")
         _check_against_checkpoint(receiver.layout, self._asyncrl_model_path())
         if not self._asyncrl_loads_in_place():
-            sent = {spec.name for spec in receiver.layout.tensors}
-            quiet_reload_warnings(compat.live_model(self.model_runner), sent)
+            names = {spec.name for spec in receiver.layout.tensors}
+            quiet_reload_warnings(compat.live_model(self.model_runner), names)
         member.receiver, member.timeout_s, member.stage, member.syncs = receiver, timeout_s, stage, 0
         member.views, member.candidates = None, None
         member.no_views = "vLLM on the CPU repacks the weights it loads"
@@ -148,7 +157,8 @@ class WeightSyncExtension:
         elif member.views is not None:
             stats = member.receiver.receive(version, member.views, timeout_s=limit)
         elif self._asyncrl_loads_in_place():
-            load = compat.live_model(self.model_runner).load_weights
+            # vLLM's model's load_weights takes a batch of (name, tensor) pairs: a `BatchConsumer`
+            load = cast(BatchConsumer, compat.live_model(self.model_runner).load_weights)
             if member.candidates is None:
                 stats = member.receiver.receive(version, load, timeout_s=limit, batched=True)
             else:
@@ -156,11 +166,11 @@ class WeightSyncExtension:
                 stats = member.receiver.receive(version, check, timeout_s=limit, batched=True)
                 member.take_views(check, version)
         else:
-            load = _PulledLoad(self._asyncrl_reload, total=len(member.receiver.layout.tensors), timeout_s=limit)
+            pulled = _PulledLoad(self._asyncrl_reload, total=len(member.receiver.layout.tensors), timeout_s=limit)
             try:
-                stats = member.receiver.receive(version, load, timeout_s=limit)
+                stats = member.receiver.receive(version, pulled, timeout_s=limit)
             finally:
-                load.close()
+                pulled.close()
         # Between two engine steps still (this call is one): no token is sampled until we return.
         return {"stats": msgspec.to_builtins(stats), "positions": compat.request_positions(self.model_runner)}
 
@@ -218,14 +228,14 @@ class WeightSyncExtension:
 class _Membership:
     """The worker's place in one group (a `SyncMembership`) and the receiver set up in it."""
 
-    def __init__(self, membership: Any):
+    def __init__(self, membership: SyncMembership):
         self.membership = membership
         self.group, self.comm = membership.group, membership.comm
-        self.receiver = None
+        self.receiver: WeightReceiver | None = None
         self.timeout_s = 60.0
         self.stage = "off"  # `STAGE_MODES`
         self.syncs = 0  # syncs taken part in since set-up (the sender numbers its notices so)
-        self.stager: Any = None  # a `StagedReceiver` once staging began
+        self.stager: StagedReceiver | None = None  # once staging began
         self.candidates: dict[str, torch.Tensor] | None = None  # computed places (param_views)
         self.views: dict[str, torch.Tensor] | None = None  # the same, once a sync checked them
         self.no_views = ""  # why ``views`` is None for good, "" while a sync may still check them
@@ -253,10 +263,11 @@ class _Membership:
         from asyncrl.comm.staged import StagedReceiver
         from asyncrl.comm.sync_notice import NoticeWatch
 
-        if self.stage == "off" or self.views is None:
+        views, receiver = self.views, self.receiver
+        if self.stage == "off" or views is None:
             return
-        need = sum(t.numel() * t.element_size() for t in self.views.values())
-        device = next(iter(self.views.values())).device
+        need = sum(t.numel() * t.element_size() for t in views.values())
+        device = next(iter(views.values())).device
         total = torch.cuda.get_device_properties(device).total_memory
         if self.stage == "auto" and need > total * AUTO_STAGE_SHARE:
             print(
@@ -266,9 +277,11 @@ class _Membership:
                 flush=True,
             )
             return
+        if receiver is None:  # the places are checked by a sync, which needs the receiver
+            raise WorkerSyncError("staging before the weight layout was set up")
         try:
-            watch = NoticeWatch(self.group, self.receiver.setup_calls)
-            self.stager = StagedReceiver(self.receiver, self.views, watch, first=self.syncs)
+            watch = NoticeWatch(self.group, receiver.setup_calls)
+            self.stager = StagedReceiver(receiver, views, watch, first=self.syncs)
         except torch.OutOfMemoryError:
             log.warning(
                 "weight sync: not staged: no room on the GPU for a copy of the weights (%.2f GiB)", need / 2**30
@@ -345,8 +358,11 @@ class _PulledLoad:
 
     def _finish(self) -> None:
         self._put(_DONE)
-        self.thread.join(self.timeout_s)
-        if self.thread.is_alive():
+        thread = self.thread
+        if thread is None:  # __call__ starts it with the first tensor, before this
+            raise WorkerSyncError("the vLLM weight loader was never started")
+        thread.join(self.timeout_s)
+        if thread.is_alive():
             self.stop.set()
             raise TimeoutError(f"the vLLM weight loader did not finish within {self.timeout_s:g} s of the last tensor")
         if self.error is not None:

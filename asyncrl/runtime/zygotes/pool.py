@@ -1,6 +1,6 @@
 """Zygotes kept between the supervisors of one process.
 
-A supervisor with a ``zygote_preload`` starts a zygote (zygote.py) and ends it when it closes: a
+A supervisor with a ``zygote_preload`` starts a zygote (``zygote.py``) and ends it when it closes: a
 zygote's imports, seconds of CPU for a GRPO run's (docs/runtime.md), are paid once per supervisor.
 A process that starts one supervisor after another (a test suite, a notebook, a sweep) can pay
 them once instead: while a `ZygotePool` serves (``with ZygotePool(): ...``), a supervisor takes
@@ -21,7 +21,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 
-from asyncrl.runtime.zygote import ENV_PRELOAD, Zygote, read_at_start
+from asyncrl.runtime.zygotes.zygote import ENV_PRELOAD, Zygote, read_at_start
 
 _active: ZygotePool | None = None
 

@@ -1,8 +1,8 @@
-"""The zygote process itself (`asyncrl.runtime.zygote` has the protocol and the supervisor's side):
+"""The zygote process itself (`asyncrl.runtime.zygotes.zygote` has the protocol and the supervisor's side):
 preload, serve `Spawn` requests, fork, and in the child set up what ``Popen`` would have given
 before running the worker's entry point.
 
-Started as ``python -c "from asyncrl.runtime.zygote_serve import main; main()"``.
+Started as ``python -c "from asyncrl.runtime.zygotes.serve import main; main()"``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.runtime import titles
-from asyncrl.runtime.zygote import (
+from asyncrl.runtime.zygotes.zygote import (
     ENV_PRELOAD,
     ENV_SOCKET_FD,
     MAX_FDS,
@@ -168,7 +168,7 @@ def _reset_tqdm() -> None:
 
 
 def main() -> None:
-    """The zygote's entry point (``python -c "from asyncrl.runtime.zygote import main; main()"``)."""
+    """The zygote's entry point (``python -c "from asyncrl.runtime.zygotes.zygote import main; main()"``)."""
     from asyncrl.runtime import worker as worker_env
 
     parent_pid = int(os.environ[worker_env.ENV_PARENT_PID])
@@ -215,7 +215,7 @@ def main() -> None:
     titles.show_environ(req.env)  # /proc/PID/environ: the actor's, as Popen would have made it
     with contextlib.suppress(OSError):
         os.chdir(req.cwd)
-    sys.argv = ["-c"]  # as a Popen'd worker's (``python -c ...``, incarnations.py)
+    sys.argv = ["-c"]  # as a Popen'd worker's (``python -c ...``, runtime/incarnations.py)
     from asyncrl.runtime.worker import main as worker_main
 
     worker_main()  # ends by sys.exit: a normal interpreter shutdown

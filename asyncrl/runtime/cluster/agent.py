@@ -6,8 +6,8 @@ asks: start a worker process per ``SpawnActor``, off its loop (the worker then t
 supervisor itself), SIGTERM/SIGKILL it on ``StopActor``/``KillActor``, and report
 ``ActorStarted``/``ActorExited``. Where the supervisor has a ``zygote_preload`` (a GRPO run's launch
 sets one) and this node has no accelerator, the agent starts a zygote of its own once it has
-joined and forks each actor from it, as node 0 does (runtime/zygote.py); otherwise, and for an actor
-the zygote cannot start, by ``Popen``.
+joined and forks each actor from it, as node 0 does (``runtime/zygotes/zygote.py``); otherwise,
+and for an actor the zygote cannot start, by ``Popen``.
 The workers' output is forwarded as ``ActorLog`` lines. It beats every ``heartbeat_interval_s``.
 
 It ends, stopping every actor it started first, when:
@@ -42,13 +42,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 from asyncrl.runtime import net, wire
 from asyncrl.runtime import worker as worker_env
-from asyncrl.runtime.auth import ENV_SECRET, ClusterKeys, keys_from_env
+from asyncrl.runtime.cluster.auth import ENV_SECRET, ClusterKeys, keys_from_env
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.devices import VISIBILITY_VARIABLE, detect, offered
 from asyncrl.runtime.loop import run as run_loop
 from asyncrl.runtime.process import ChildProcess, LogSink
 from asyncrl.runtime.transport import LoopSocket, configure
-from asyncrl.runtime.zygote import ENV_PRELOAD, Zygote, ZygoteUnavailable, usable
+from asyncrl.runtime.zygotes.zygote import ENV_PRELOAD, Zygote, ZygoteUnavailable, usable
 
 _LOG_LINES_PER_MESSAGE = 256
 _LOG_BACKLOG_MAX = 64

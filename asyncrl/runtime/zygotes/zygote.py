@@ -1,5 +1,5 @@
 """A zygote: one process that imports the actors' heavy modules once, then forks each actor (the protocol and
-the supervisor's side here; the zygote process's own code in ``zygote_serve.py``).
+the supervisor's side here; the zygote process's own code in ``serve.py``).
 
 An actor started by ``Popen`` is a fresh interpreter that imports torch and transformers again:
 seconds of CPU each (docs/runtime.md has the figures), most of a tiny run's time. The zygote pays that
@@ -20,7 +20,7 @@ the environment at import set again (`_reset_child`); then it returns out of the
 runs `asyncrl.runtime.worker.main` (which titles it, as a Popen'd actor), ending through a normal
 interpreter shutdown, so buffered files get flushed.
 
-Parent death, as ``worker.py``: the zygote dies with its supervisor (``PR_SET_PDEATHSIG``, the
+Parent death, as ``runtime/worker.py``: the zygote dies with its supervisor (``PR_SET_PDEATHSIG``, the
 parent-pid check, and the supervisor's death pipe, polled in the serve loop rather than on a
 thread: the zygote forks, and a fork of a threaded process is unsafe); a child's
 ``ASYNCRL_PARENT_PID`` is the zygote, so a child dies with the zygote, and with the supervisor by
@@ -188,7 +188,7 @@ class Zygote:
     @classmethod
     async def start(cls, env: dict[str, str], death_r: int) -> Zygote:
         """Popen the zygote on the spawner thread (its parent-death signal follows that thread,
-        see process.py). Raises ``OSError``."""
+        see ``runtime/process.py``). Raises ``OSError``."""
         from asyncrl.runtime import titles
         from asyncrl.runtime import worker as worker_env
         from asyncrl.runtime.process import _SPAWNER
@@ -205,7 +205,7 @@ class Zygote:
 
         def popen() -> subprocess.Popen:
             return subprocess.Popen(
-                [sys.executable, "-c", "from asyncrl.runtime.zygote_serve import main; main()"],
+                [sys.executable, "-c", "from asyncrl.runtime.zygotes.serve import main; main()"],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
@@ -233,7 +233,7 @@ class Zygote:
         return f"its environment differs from the zygote's in {', '.join(differ)}, read before a fork" if differ else ""
 
     def attach(self) -> None:
-        """Serve the running loop from now on: a pooled zygote (zygote_pool.py) goes from one
+        """Serve the running loop from now on: a pooled zygote (``pool.py``) goes from one
         supervisor, and its loop, to the next. What arrived meanwhile waits in the socket."""
         if self.error:
             return

@@ -31,7 +31,7 @@ import zmq
 
 from asyncrl.errors import ClusterStartError
 from asyncrl.runtime import wire
-from asyncrl.runtime.auth import Gatekeeper
+from asyncrl.runtime.cluster.auth import Gatekeeper
 from asyncrl.runtime.config import SupervisorConfig
 from asyncrl.runtime.devices import DevicePool
 from asyncrl.runtime.net import is_wildcard, resolve, tcp_endpoint
