@@ -33,6 +33,7 @@ TIERS = {
         "layering",
         "layout",
         "loop_watch",
+        "long_tails",
         "loss",
         "pacing",
         "pyhccl_communicator",

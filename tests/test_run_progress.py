@@ -54,6 +54,7 @@ EVERY_PART = {
     "paced_streams": 1,
     "paced_wait_s": 2.346,
     "evaluating": {"version": 39, "on": "sampler0", "greedy": [0, 500], "sampled": [0, 500], "seconds": 7.5},
+    "lengths": {"generated": {"32": 6}, "trained": {}, "dropped": {}},  # the 3 groups queued: 2 short completions each
     "updated_at": NOW,
 }
 

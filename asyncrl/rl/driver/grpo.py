@@ -237,6 +237,8 @@ class GRPODriver:
 
     def length_hists(self) -> dict[str, dict[str, int]]:
         stats = self.queue.stats()
+        if not stats.offered_lengths:  # nothing made yet: left out of the progress
+            return {}
         return {"generated": stats.offered_lengths, "trained": stats.trained_lengths, "dropped": stats.dropped_lengths}
 
     def uniform_skipped(self) -> int:

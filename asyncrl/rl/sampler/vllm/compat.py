@@ -132,10 +132,8 @@ def make_engine(args: dict[str, Any], counts: dict[str, float] | None = None) ->
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    loggers = [engine_counter(counts)] if counts is not None else None
-    return AsyncLLM.from_engine_args(
-        AsyncEngineArgs(**args), usage_context=UsageContext.LLM_CLASS, stat_loggers=loggers
-    )
+    extra = {"stat_loggers": [engine_counter(counts)]} if counts is not None else {}
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.LLM_CLASS, **extra)
 
 
 def engine_counter(counts: dict[str, float]) -> Any:
