@@ -32,7 +32,7 @@ import pytest
 from asyncrl.rl.config.lengths import LengthProfile
 from asyncrl.rl.config.run import DeadlineConfig, RecoveryConfig
 from asyncrl.rl.driver.fleet.membership import Membership
-from asyncrl.rl.driver.fleet.pumps import Pumps
+from asyncrl.rl.driver.fleet.pumps import Pumps, RolloutFlow
 from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.queue import RolloutQueue
 from asyncrl.rl.driver.uniform import UniformGroups
@@ -148,18 +148,8 @@ async def run_long_tails(
     membership = Membership(handles, list(range(samplers)), recovery=RecoveryConfig(), log=lambda *_: None)
     queue = RecordingQueue(2 * n * (max_staleness + 1), max_staleness)
     pacer = Pacer(queue, n, max_staleness, version=0, next_step=1)
-    pumps = Pumps(
-        membership,
-        queue,
-        DeadlineConfig(),
-        UniformGroups(0),
-        pacer=pacer,
-        batch_groups=batch,
-        streams=streams,
-        teacher=None,
-        reward_model=None,
-        uid_prefix="",
-    )
+    flow = RolloutFlow(queue, pacer=pacer, batch_groups=batch, streams=streams)
+    pumps = Pumps(membership, flow, DeadlineConfig(), UniformGroups(0))
     tasks = [membership.spawn(pumps.run(m, 0), m.name) for m in membership.members]
     trained: list[RolloutGroup] = []
     taken_at: list[tuple[int, RolloutGroup]] = []

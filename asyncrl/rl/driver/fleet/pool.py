@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -65,12 +64,11 @@ from asyncrl.rl.driver.faults import (
 from asyncrl.rl.driver.fleet.calls import call_all
 from asyncrl.rl.driver.fleet.handles import Log
 from asyncrl.rl.driver.fleet.membership import Member, Membership, MemberState
-from asyncrl.rl.driver.fleet.pumps import Pumps
+from asyncrl.rl.driver.fleet.pumps import Pumps, RolloutFlow
 from asyncrl.rl.driver.fleet.sync_group import SyncGroup, SyncPlace
 from asyncrl.rl.driver.fleet.trainer_ranks import TrainerRanks
-from asyncrl.rl.driver.pacing import Pacer, PacingTimeoutError
-from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError, RolloutQueue
-from asyncrl.rl.driver.teacher import RewardModel, Teacher
+from asyncrl.rl.driver.pacing import PacingTimeoutError
+from asyncrl.rl.driver.queue import QueueClosedError, QueueTimeoutError
 from asyncrl.rl.driver.uniform import UniformGroups
 from asyncrl.rl.observe.sync_metrics import SyncPhases, sync_record
 from asyncrl.rl.rollout import RolloutGroup
@@ -98,26 +96,6 @@ class PoolProgress(msgspec.Struct, kw_only=True, frozen=True):
         return {"generation": self.generation, **self.faults, "samplers": dict(self.samplers)}
 
 
-@dataclass(frozen=True)
-class RolloutFlow:
-    """How the samplers' groups reach the queue (the pumps', pumps.py): paced or not, in batches of
-    how many prompts over how many streams, their ids after which prefix, scored by which models."""
-
-    queue: RolloutQueue
-    pacer: Pacer | None = None
-    """Async mode: the credit each batch of a stream asks for (pacing.py); None: unpaced."""
-    batch_groups: int = 0
-    """The prompts of one paced batch (the samplers' ``prompts_per_batch``)."""
-    streams: int = 1
-    """Paced batches in flight per sampler (``--sampler.streams``)."""
-    uid_prefix: str = ""
-    """Put before every group id: the run segment's (``resume1/``, ...)."""
-    teacher: Teacher | None = None
-    """Scores every group before it is queued (driver/teacher.py)."""
-    reward_model: RewardModel | None = None
-    """Adds its score to every group's rewards before it is queued."""
-
-
 class SamplerPool:
     """The samplers of a run: membership, pumps and recovery (see the module docstring). Built
     from its parts: the trainer, the `Membership` of the samplers, where their groups go
@@ -142,20 +120,7 @@ class SamplerPool:
         # A teacher scores every group before it is queued (driver/teacher.py); a group of equal
         # rewards still teaches then (the teacher's per-token term), so none is left out.
         self.uniform = UniformGroups(run.groups_per_step if run.skip_uniform_groups and flow.teacher is None else 0)
-        queue, pacer, teacher, reward_model = flow.queue, flow.pacer, flow.teacher, flow.reward_model
-        batch_groups, streams, uid_prefix = flow.batch_groups, flow.streams, flow.uid_prefix
-        self.pumps = Pumps(
-            self.membership,
-            queue,
-            run.deadlines,
-            self.uniform,
-            pacer=pacer,
-            batch_groups=batch_groups,
-            streams=streams,
-            teacher=teacher,
-            reward_model=reward_model,
-            uid_prefix=uid_prefix,
-        )
+        self.pumps = Pumps(self.membership, flow, run.deadlines, self.uniform)
 
     @property
     def members(self) -> list[Member]:

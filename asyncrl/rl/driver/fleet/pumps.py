@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -33,32 +34,41 @@ from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
 
 
-class Pumps:
-    """The rollout pumps of a run's samplers (see the module docstring); `run` is one pump."""
+@dataclass(frozen=True)
+class RolloutFlow:
+    """How the samplers' groups reach the queue (the pumps', pumps.py): paced or not, in batches of
+    how many prompts over how many streams, their ids after which prefix, scored by which models."""
 
-    def __init__(
-        self,
-        membership: Membership,
-        queue: RolloutQueue,
-        deadlines: DeadlineConfig,
-        uniform: UniformGroups,
-        *,
-        pacer: Pacer | None,
-        batch_groups: int,
-        streams: int,
-        teacher: Teacher | None,
-        reward_model: RewardModel | None,
-        uid_prefix: str,
-    ):
-        self.membership, self.queue, self.deadlines, self.uniform = membership, queue, deadlines, uniform
+    queue: RolloutQueue
+    pacer: Pacer | None = None
+    """Async mode: the credit each batch of a stream asks for (pacing.py); None: unpaced."""
+    batch_groups: int = 0
+    """The prompts of one paced batch (the samplers' ``prompts_per_batch``)."""
+    streams: int = 1
+    """Paced batches in flight per sampler (``--sampler.streams``)."""
+    uid_prefix: str = ""
+    """Put before every group id: the run segment's (``resume1/``, ...)."""
+    teacher: Teacher | None = None
+    """Scores every group before it is queued (driver/teacher.py)."""
+    reward_model: RewardModel | None = None
+    """Adds its score to every group's rewards before it is queued."""
+
+
+class Pumps:
+    """The rollout pumps of a run's samplers (see the module docstring); `run` is one pump. Its
+    groups go where ``flow`` says, each put waiting at most what ``deadlines`` allow; groups of one
+    reward are left out by ``uniform``."""
+
+    def __init__(self, membership: Membership, flow: RolloutFlow, deadlines: DeadlineConfig, uniform: UniformGroups):
+        self.membership, self.queue, self.deadlines, self.uniform = membership, flow.queue, deadlines, uniform
         # Put before every group id: the run segment ("resume1/", ...), since a resumed run's
         # samplers number their groups from incarnation 1, sequence 1 again.
-        self.uid_prefix = uid_prefix
-        # Async mode with a pacer: each pump runs ``streams`` paced streams at once, each asking
-        # it for credit, then streaming one batch of ``batch_groups`` prompts (the sampler's
-        # prompts_per_batch), again and again; without: one endless stream.
-        self.pacer, self.batch_groups, self.streams = pacer, batch_groups, max(1, streams)
-        self.teacher, self.reward_model = teacher, reward_model  # the reward model's score is in the reward
+        self.uid_prefix = flow.uid_prefix
+        # Async mode with a pacer: each pump keeps up to ``streams`` batches of ``batch_groups``
+        # prompts (the sampler's prompts_per_batch) in flight, each begun with the pacer's credit;
+        # without: one endless stream.
+        self.pacer, self.batch_groups, self.streams = flow.pacer, flow.batch_groups, max(1, flow.streams)
+        self.teacher, self.reward_model = flow.teacher, flow.reward_model  # the reward model's score is in the reward
 
     async def run(self, m: Member, max_groups: int, accepted: list[int] | None = None) -> None:
         """Stream one sampler's groups into the queue (a put waits while the queue is full):

@@ -132,8 +132,10 @@ def make_engine(args: dict[str, Any], counts: dict[str, float] | None = None) ->
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    extra = {"stat_loggers": [engine_counter(counts)]} if counts is not None else {}
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.LLM_CLASS, **extra)
+    engine_args, usage = AsyncEngineArgs(**args), UsageContext.LLM_CLASS
+    if counts is None:
+        return AsyncLLM.from_engine_args(engine_args, usage_context=usage)
+    return AsyncLLM.from_engine_args(engine_args, usage_context=usage, stat_loggers=[engine_counter(counts)])
 
 
 def engine_counter(counts: dict[str, float]) -> Any:
