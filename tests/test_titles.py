@@ -17,8 +17,9 @@ import pytest
 
 from actors import Exits
 from asyncrl import Supervisor
-from asyncrl.runtime import titles, zygote
+from asyncrl.runtime import titles
 from asyncrl.runtime.config import ENV_PREFIX
+from asyncrl.runtime.zygotes import zygote
 from conftest import command_line
 
 RUN = "titles-run"
