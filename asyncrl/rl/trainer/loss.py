@@ -197,22 +197,9 @@ def grpo_loss(
         adv, distill, metrics["distill_kl"] = _distillation(
             adv, valid, n_tokens, behaviour_logprobs, config, normalizer, teacher_logprobs, student_topk, teacher_topk
         )
-    truncated = None  # the ratio tis_cap truncates: the policy term's, or decoupled's behaviour ratio
-    if config.corrected:
-        corrections = off_policy(new_logprobs, behaviour_logprobs, adv, valid, config, token_lag)
-        if corrections.weight is not None:  # decoupled: the clip is against pi_prox
-            # a token pi_prox gives probability 0 has weight 0: its ratio (-inf - -inf) is not read
-            finite = valid & torch.isfinite(corrections.prox)
-            log_ratio = torch.where(finite, new_logprobs - corrections.prox, 0.0)
-            truncated = torch.exp(corrections.log_k)
-        term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
-        if corrections.weight is not None:
-            term = term * corrections.weight
-        term = torch.where(corrections.keep, term, 0.0)
-        if with_tally:
-            metrics["correction"] = tally(corrections, valid, token_lag)
-    else:
-        term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
+    term, ratio, low, high, truncated = _policy_term(
+        new_logprobs, behaviour_logprobs, log_ratio, adv, valid, config, token_lag, metrics if with_tally else None
+    )
     pg_loss = -_aggregate(term, valid, config, normalizer)
     loss = pg_loss if distill is None else pg_loss + distill
     if ref_logprobs is not None:
@@ -220,9 +207,41 @@ def grpo_loss(
         if config.kl_coef > 0:
             loss = loss + config.kl_coef * _aggregate(k3, valid, config, normalizer)
         metrics["kl"] = _token_mean(k3.detach(), valid, n_tokens)
-    truncated = ratio if truncated is None else truncated
     metrics.update(_step_metrics(loss, pg_loss, ratio, low, high, entropy, valid, n_tokens, config, truncated))
     return loss, metrics
+
+
+def _policy_term(
+    new_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    config: GRPOLossConfig,
+    token_lag: torch.Tensor | None,
+    tally_into: dict[str, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's policy term (``config.policy_loss``) with the off-policy corrections applied,
+    its ratio, its low and high clip masks, and the ratio ``tis_cap`` truncates: the policy
+    term's, or with decoupling the behaviour ratio. With ``tally_into`` and a correction on, the
+    micro-batch's `corrections.tally` goes there as ``correction``."""
+    if not config.corrected:
+        term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
+        return term, ratio, low, high, ratio
+    corrections = off_policy(new_logprobs, behaviour_logprobs, adv, valid, config, token_lag)
+    truncated = None
+    if corrections.weight is not None:  # decoupled: the clip is against pi_prox
+        # a token pi_prox gives probability 0 has weight 0: its ratio (-inf - -inf) is not read
+        finite = valid & torch.isfinite(corrections.prox)
+        log_ratio = torch.where(finite, new_logprobs - corrections.prox, 0.0)
+        truncated = torch.exp(corrections.log_k)
+    term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
+    if corrections.weight is not None:
+        term = term * corrections.weight
+    term = torch.where(corrections.keep, term, 0.0)
+    if tally_into is not None:
+        tally_into["correction"] = tally(corrections, valid, token_lag)
+    return term, ratio, low, high, ratio if truncated is None else truncated
 
 
 def _check_loss_inputs(

@@ -92,6 +92,7 @@ def engine_args(
     gpu_memory_utilization: float = 0.85,
     enforce_eager: bool | None = None,
     engine: dict | None = None,
+    stats: bool = False,
 ) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` fields `VLLMBackend` starts its engine with (see its docstring for
     each argument; `benchmarks/sampler_backends.py` starts bare vLLM with the same, less the worker
@@ -107,7 +108,7 @@ def engine_args(
         logprobs_mode="processed_logprobs",
         enforce_eager=cpu if enforce_eager is None else enforce_eager,
         tensor_parallel_size=1,
-        disable_log_stats=True,
+        disable_log_stats=not stats,  # kept only where counted: the releases that keep none for a custom logger alone
     )
     if max_model_len:
         args["max_model_len"] = max_model_len
@@ -199,21 +200,7 @@ class VLLMBackend(PausableBackend):
         if stage_weights not in STAGE_MODES:
             raise ValueError(f"stage_weights must be one of {', '.join(STAGE_MODES)}, not {stage_weights!r}")
         self.stage_weights = stage_weights
-        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 0:
-            raise ValueError(
-                f"kv_cache_gib must be a whole number of GiB >= 0 (0: {DEFAULT_CPU_KV_CACHE_GIB}), not {kv_cache_gib!r}"
-            )
-        why = vllm_unusable(self.device)
-        if why:
-            raise SamplerError(f"VLLMBackend on {self.device.type}: {why}")
-        cpu = self.device.type == "cpu"
-        if cpu:
-            # The engine's processes inherit our environment; vLLM reads these there. Unpinned
-            # threads (OMP_NUM_THREADS of them): vLLM's default pins its threads to cores and
-            # keeps one for itself, which on a host shared with a trainer takes cores from it.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib or DEFAULT_CPU_KV_CACHE_GIB))
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        compat.environ_defaults(compat.engine_environment(self.device.type))
+        self._prepare_device(kv_cache_gib)
         self.tokenizer = tokenizer
         self.seed = seed
         self.prefix_caching = prefix_caching
@@ -229,9 +216,8 @@ class VLLMBackend(PausableBackend):
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             engine=engine,
+            stats=engine_stats,
         )
-        if engine_stats:  # the releases that keep no statistics for a custom logger alone
-            args["disable_log_stats"] = False
         refusal = lora_dtype_refusal(args["dtype"], self.device.type) if adapter is not None else ""
         if refusal:
             raise SamplerError(refusal)
@@ -256,6 +242,23 @@ class VLLMBackend(PausableBackend):
         """After `close`: how vLLM's engine-core processes ended: 0 when by themselves; where
         vLLM's shutdown grace (5 s) ran out and it killed one, -9, or None while the killed
         process is not yet reaped (`engine_exit.py` keeps that from happening)."""
+
+    def _prepare_device(self, kv_cache_gib: int) -> None:
+        """Refuse a device vLLM cannot run on here; set the environment its engine reads there."""
+        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 0:
+            raise ValueError(
+                f"kv_cache_gib must be a whole number of GiB >= 0 (0: {DEFAULT_CPU_KV_CACHE_GIB}), not {kv_cache_gib!r}"
+            )
+        why = vllm_unusable(self.device)
+        if why:
+            raise SamplerError(f"VLLMBackend on {self.device.type}: {why}")
+        if self.device.type == "cpu":
+            # The engine's processes inherit our environment; vLLM reads these there. Unpinned
+            # threads (OMP_NUM_THREADS of them): vLLM's default pins its threads to cores and
+            # keeps one for itself, which on a host shared with a trainer takes cores from it.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib or DEFAULT_CPU_KV_CACHE_GIB))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        compat.environ_defaults(compat.engine_environment(self.device.type))
 
     def _start_engine(self, args: dict[str, Any]) -> None:
         """``self.engine``, started from ``args``. vLLM leaves its ZeroMQ socket files (and, for a
