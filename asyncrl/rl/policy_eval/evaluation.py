@@ -66,37 +66,22 @@ def evaluate_policy(
         fmt = generator.fmt
         calls = UserCalls(task.task_name(), spec.score_timeout_s, spec.max_failure_rate, stop_early=True)
         limit, positions = fmt.max_new_tokens_hint, _positions(policy)
-        try:
-            greedy = asyncio.run(
+
+        def solve(what: str, rows: int, **how: Any) -> Any:
+            generate = generator.generate(what, rows, log)
+            return asyncio.run(
                 evaluate_with(
-                    generator.generate("greedy", 1, log),
-                    fmt,
-                    problems,
-                    greedy=True,
-                    task=task,
-                    max_new_tokens=limit,
-                    calls=calls,
-                    max_context=positions,
+                    generate, fmt, problems, task=task, max_new_tokens=limit, calls=calls, max_context=positions, **how
                 )
             )
+
+        try:
+            greedy = solve("greedy", 1, greedy=True)
             heldout = {"greedy": greedy.solve_rate}
             errors, failures = dict(greedy.errors), {f"greedy: {k}": v for k, v in greedy.failures.items()}
             temperature = config.sampler.temperature
             if run.eval_samples:
-                sampled = asyncio.run(
-                    evaluate_with(
-                        generator.generate("sampled", run.eval_samples, log),
-                        fmt,
-                        problems,
-                        greedy=False,
-                        n=run.eval_samples,
-                        temperature=temperature,
-                        task=task,
-                        max_new_tokens=limit,
-                        calls=calls,
-                        max_context=positions,
-                    )
-                )
+                sampled = solve("sampled", run.eval_samples, greedy=False, n=run.eval_samples, temperature=temperature)
                 heldout["sampled"] = sampled.solve_rate
                 errors = {k: errors.get(k, 0) + sampled.errors.get(k, 0) for k in {*errors, *sampled.errors}}
                 failures |= {f"sampled: {k}": v for k, v in sampled.failures.items()}

@@ -142,37 +142,20 @@ def grpo_loss(
     float32) for any log-ratio up to 50 nats either way, and finite with the right sign beyond
     (see `safe_exp`).
 
-    With ``distill_coef`` > 0, ``teacher_logprobs`` are a teacher's log-probs of the same tokens,
-    and every token's advantage becomes `distill_advantages`' (on-policy distillation). With
-    ``teacher_topk`` (``[B, L, K]``, a teacher's log-probs of its top-K tokens at each position)
-    and ``student_topk`` (the policy's log-probs of the same ids, with gradient) instead, the
-    advantages stay the task's and the loss gets ``distill_coef * aggregate(topk_reverse_kl)``,
-    aggregated like the policy term (GKD's form: the divergence back-propagated, not sampled).
-    ``distill_kl`` is the token-mean of whichever per-token KL the form uses.
+    With ``distill_coef`` > 0 (`_distillation`), ``teacher_logprobs`` (a teacher's log-probs of the
+    same tokens) make every advantage `distill_advantages`'; ``teacher_topk`` (``[B, L, K]``, its
+    top-K log-probs) with ``student_topk`` (the policy's, with gradient) add instead
+    ``distill_coef * aggregate(topk_reverse_kl)`` (GKD's form: the divergence back-propagated).
 
-    Off-policy corrections (``decoupled``, ``token_mask``, ``seq_mask``, ``seq_tis_cap``,
-    ``opsm_delta``; ``corrections.py``, docs/algorithms.md): with decoupling, the policy term's
-    ratio is ``pi / pi_prox`` and each token's term is multiplied by its detached behaviour weight;
-    a masked token's term is 0, and it stays in the normaliser. They act on the policy term only:
-    the KL and the teacher's top-K term keep every valid token. ``token_lag`` (``[B, L]``, each
-    token's version lag: the trainer's version minus the one that sampled it) is needed by
-    'loglinear' and gives the metrics their lag buckets.
+    Off-policy corrections act on the policy term only (`_policy_term`); ``token_lag`` is each
+    token's version lag, for them.
 
     ``normalizer`` replaces the divisor of the aggregation (valid tokens for 'token_mean',
     non-empty sequences for 'seq_mean', those times ``token_budget`` for 'fixed_tokens'): pass the
     whole batch's (`loss_normalizer`) when a batch is split into micro-batches whose gradients are
     accumulated, so the sum equals the loss of the whole batch.
 
-    Metrics (over valid tokens, whatever the aggregation): ``loss``, ``pg_loss``, ``ratio_mean``,
-    ``ratio_max`` (GSPO: of the sequence ratio), ``clip_frac_low`` (A < 0 and r < 1 - eps_low:
-    clipped, no gradient; CISPO: r < 1 - eps_low, the weight truncated, whatever A),
-    ``clip_frac_high`` (A > 0 and r > 1 + eps_high; CISPO: r > 1 + eps_high), ``tokens``; ``kl`` with ``ref_logprobs``;
-    ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
-    so that logging them costs no device sync until the caller asks. With ``with_tally`` and a
-    correction on (``config.corrected``), one more entry, ``correction``, is not a metric but the
-    micro-batch's `corrections.tally` (what was masked and the behaviour ratio, by version lag and
-    completion length), which the caller adds up over the step (`corrections.merge`,
-    `corrections.tally_metrics`).
+    Metrics: `_step_metrics`' (and ``kl``, ``distill_kl``, ``correction`` where they apply).
     """
     _check_loss_inputs(
         new_logprobs,
@@ -224,7 +207,15 @@ def _policy_term(
     """Each token's policy term (``config.policy_loss``) with the off-policy corrections applied,
     its ratio, its low and high clip masks, and the ratio ``tis_cap`` truncates: the policy
     term's, or with decoupling the behaviour ratio. With ``tally_into`` and a correction on, the
-    micro-batch's `corrections.tally` goes there as ``correction``."""
+    micro-batch's `corrections.tally` goes there as ``correction``.
+
+    The corrections (``decoupled``, ``token_mask``, ``seq_mask``, ``seq_tis_cap``, ``opsm_delta``;
+    ``corrections.py``, docs/algorithms.md): with decoupling, the policy term's ratio is
+    ``pi / pi_prox`` and each token's term is multiplied by its detached behaviour weight; a
+    masked token's term is 0, and it stays in the normaliser. The KL and the teacher's top-K term
+    keep every valid token. ``token_lag`` (``[B, L]``, each token's version lag: the trainer's
+    version minus the one that sampled it) is needed by 'loglinear' and gives the metrics their
+    lag buckets."""
     if not config.corrected:
         term, ratio, low, high = POLICY_TERMS[config.policy_loss](log_ratio, adv, valid, config)
         return term, ratio, low, high, ratio
@@ -365,7 +356,19 @@ def _step_metrics(
 ) -> dict[str, torch.Tensor]:
     """The loss and its policy term, what the importance ratios did over the valid tokens (their
     mean and max, the share clipped below and above, with ``tis_cap`` the share of ``truncated``
-    the TIS weight truncated) and, given, the entropy."""
+    the TIS weight truncated) and, given, the entropy. `grpo_loss`' metrics in all:
+
+    Metrics (over valid tokens, whatever the aggregation): ``loss``, ``pg_loss``, ``ratio_mean``,
+    ``ratio_max`` (GSPO: of the sequence ratio), ``clip_frac_low`` (A < 0 and r < 1 - eps_low:
+    clipped, no gradient; CISPO: r < 1 - eps_low, the weight truncated, whatever A),
+    ``clip_frac_high`` (A > 0 and r > 1 + eps_high; CISPO: r > 1 + eps_high), ``tokens``; ``kl`` with ``ref_logprobs``;
+    ``tis_frac`` (r > tis_cap) with ``tis_cap``; ``entropy`` with ``entropy``. They stay tensors
+    so that logging them costs no device sync until the caller asks. With ``with_tally`` and a
+    correction on (``config.corrected``), one more entry, ``correction``, is not a metric but the
+    micro-batch's `corrections.tally` (what was masked and the behaviour ratio, by version lag and
+    completion length), which the caller adds up over the step (`corrections.merge`,
+    `corrections.tally_metrics`).
+    """
     metrics = {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),
