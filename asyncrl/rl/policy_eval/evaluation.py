@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
+    from asyncrl.rl.model.evaluation import Evaluation
     from asyncrl.rl.model.policy import PromptFormat
     from asyncrl.rl.sampler.backend import SamplerBackend
 
@@ -67,7 +68,7 @@ def evaluate_policy(
         calls = UserCalls(task.task_name(), spec.score_timeout_s, spec.max_failure_rate, stop_early=True)
         limit, positions = fmt.max_new_tokens_hint, _positions(policy)
 
-        def solve(what: str, rows: int, **how: Any) -> Any:
+        def solve(what: str, rows: int, **how: Any) -> Evaluation:
             generate = generator.generate(what, rows, log)
             return asyncio.run(
                 evaluate_with(
