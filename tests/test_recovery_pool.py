@@ -651,6 +651,52 @@ async def test_one_sampler_s_streams_lose_no_group_to_staleness(streams):
     assert pool.queue.stats().dropped_stale == 0, pool.queue.stats()
 
 
+class Lingering(Scripted):
+    """A sampler whose rollouts streams end only once ``close_streams`` is set, after their last
+    group: a real stream's end is a message of its own, which may come well after that group."""
+
+    def __init__(self, name: str):
+        super().__init__(name, rollouts=[])
+        self.close_streams = asyncio.Event()
+
+    def _method(self, method: str, timeout_s: float):
+        groups = super()._method(method, timeout_s)
+        if method != "rollouts":
+            return groups
+
+        async def stream(max_groups: int = 0):
+            async for group in groups(max_groups):
+                yield group
+            await self.close_streams.wait()
+
+        return stream
+
+
+async def test_a_batch_whose_groups_all_came_is_not_in_flight_while_its_stream_closes():
+    """The window counts the groups not yet delivered, so the next batch begins as the last group
+    of one comes; the batch that delivered it no longer counts as in flight (the CI once saw three
+    paced batches of two streams, when a stream's end came late)."""
+    sampler = Lingering("sampler0")
+    pool, pacer = paced_pool(sampler, n=4, max_staleness=2, batch=1, streams=2)
+    try:
+        await pool._reconcile(0)
+        for _ in range(100):  # the pump asks for each batch's credit in turn: a few steps of the loop each
+            await asyncio.sleep(0)
+        assert sampler.streams == [1, 1] and pacer.streams == 2 and pacer.in_flight == 2
+        sampler.items.put_nowait(rollout(0, 1))  # the first batch's only group; its stream stays open
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert sampler.streams == [1, 1, 1] and len(pool.queue) == 1  # the next batch began at once
+        assert pacer.streams == 2 and pacer.in_flight == 2 and pacer.take_peaks() == (2, 2)
+        sampler.close_streams.set()
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert pacer.streams == 2 and pacer.in_flight == 2  # the closed stream had nothing left to give back
+    finally:
+        await pool.close()
+    assert pacer.in_flight == 0 and pacer.streams == 0  # the close gave every grant back
+
+
 async def test_a_failed_stream_cancels_its_siblings_and_every_grant_is_given_back():
     sampler = Scripted("sampler0", rollouts=[])
     pool, pacer = paced_pool(sampler, n=8, max_staleness=2, batch=4, streams=3)

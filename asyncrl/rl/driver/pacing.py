@@ -69,7 +69,7 @@ class Pacer:
         self.version = version  # every sampler in the group holds at least this one
         self.next_step = next_step  # the first step whose batch is not taken yet
         self.in_flight = 0
-        self.streams = 0  # grants not yet ended (`give_back`): the paced streams in flight
+        self.streams = 0  # grants with credit not yet used or given back: the paced batches in flight
         self._peak_streams = self._peak_in_flight = 0  # since the last `take_peaks`
         self.waited_s = 0.0  # pumps' time waiting for credit, summed (a paced sampler idles)
         self._changed = _Wakeup()
@@ -119,16 +119,20 @@ class Pacer:
         finally:
             self.waited_s += loop.time() - start
 
-    def delivered(self) -> None:
-        """One granted group left the pump (queued, or dropped on arrival: counted by the queue)."""
+    def delivered(self, last: bool = False) -> None:
+        """One granted group left the pump (queued, or dropped on arrival: counted by the queue).
+        ``last``: its grant's final group; the grant's batch is no longer in flight, though its
+        stream may not have closed yet (its pump may begin the next batch meanwhile)."""
         self.in_flight -= 1
+        if last:
+            self.streams -= 1
         self._changed.notify_all()
 
     def give_back(self, groups: int) -> None:
-        """A grant ended: ``groups`` of its credit were not used (its stream ended early, its
-        sampler was lost). Called once per `acquire`, 0 included."""
-        self.streams -= 1
+        """A grant ended with ``groups`` of its credit unused (its stream ended early, its sampler
+        was lost); with 0 it ended already, at its last delivery. Called once per `acquire`."""
         if groups:
+            self.streams -= 1
             self.in_flight -= groups
             self._changed.notify_all()
 

@@ -178,7 +178,7 @@ class Pumps:
                 if credit is not None:
                     credit[0] -= 1
                     if self.pacer is not None:  # where the credit came from
-                        self.pacer.delivered()
+                        self.pacer.delivered(last=credit[0] == 0)
 
     def _put_timeout_s(self) -> float:
         """The longest a live driver leaves the queue full, or its pumps without credit: a train
