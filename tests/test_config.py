@@ -300,10 +300,6 @@ def test_the_trainer_takes_the_samplers_temperature():
             r"\(--model\.max_positions\) has 128 positions",
         ),
         (
-            ["--run.check_weights", "true", "--sampler.backend", "vllm", "--run.device", "cpu"],
-            r"^--run\.check_weights true needs samplers whose weights can be read as sent, and vLLM on the CPU",
-        ),
-        (
             ["--trainer.loss.aggregation", "fixed_tokens"],
             r"^--trainer\.loss\.aggregation fixed_tokens divides by a token "
             r"budget: set --trainer\.loss\.token_budget N or --sampler\.max_new_tokens N$",

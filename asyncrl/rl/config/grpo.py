@@ -55,7 +55,6 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         check_temperature(self)
-        check_weights_readable(self)
         check_adapter_sync(self)
         check_length_budgets(self)
         check_teacher(self)
@@ -205,18 +204,6 @@ def check_length_budgets(config: GRPOConfig) -> None:
                 f"--trainer.loss.overlong_buffer {loss.overlong_buffer} is more than the length limit "
                 f"{limit} (--trainer.loss.overlong_max_tokens, else --sampler.max_new_tokens)"
             )
-
-
-def check_weights_readable(config: GRPOConfig) -> None:
-    """``--run.check_weights`` digests every sampler's weights where they are held; vLLM on the CPU
-    repacks them for its kernels, so they are not the tensors sent (on a GPU the engine's worker
-    reads them through the places a sync checked). Whether 'auto' picks vLLM on the CPU is known
-    on importing it: the driver asks before anything starts (``driver/spawn.py``)."""
-    if config.run.check_weights and config.sampler.backend == "vllm" and config.run.device == "cpu":
-        raise ConfigError(
-            "--run.check_weights true needs samplers whose weights can be read as sent, and vLLM on the "
-            "CPU repacks them: use --sampler.backend hf, or drop check_weights"
-        )
 
 
 def check_adapter_sync(config: GRPOConfig) -> None:

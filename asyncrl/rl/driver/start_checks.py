@@ -42,11 +42,11 @@ def check_placement(
 
 
 async def check_backend_readable(backend: str, device: str) -> None:
-    """``--run.check_weights`` with ``--sampler.backend vllm`` where the plan put the run on the
-    CPU (``--run.device cpu`` with it is `GRPOConfig`'s refusal; auto picks hf on the CPU): refused
-    before an engine starts, as the samplers on this host would run vLLM there. Knowing that
-    imports vLLM (seconds), in a thread; `check_digestible` still asks the started samplers, since
-    those on other nodes may pick otherwise."""
+    """``--run.check_weights`` with a backend that would hold its weights in another form than
+    the sent tensors on the device the plan gave the run (vLLM on the CPU): refused before anything
+    is spawned. The backend's class says so (no name is compared here); knowing it imports vLLM
+    (seconds), in a thread. `check_digestible` still asks the started samplers, since those on
+    other nodes may pick otherwise."""
     import torch
 
     from asyncrl.rl.sampler.factory import backend_class
