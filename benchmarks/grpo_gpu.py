@@ -199,11 +199,8 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
     for r in window:
         for bucket, n in r.get("length_hist", {}).items():
             trained_by_length[bucket] = trained_by_length.get(bucket, 0) + n
-    preemptions = [
-        int(line.split("engine preemptions ")[1].split(",")[0])
-        for line in output.splitlines()
-        if "engine preemptions " in line
-    ]
+    # Each step's record counts its own (a run cut short still tells), from the measured window.
+    counted = [r["engine_preemptions"] for r in window if "engine_preemptions" in r]
     return {
         "length_mean": mean("length_mean"),
         "token_lag_mean": mean("token_lag_mean"),
@@ -212,7 +209,8 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
         "dropped_stale": records[-1].get("dropped_stale", 0),
         "dropped_by_length": records[-1].get("dropped_lengths") or {},
         "trained_by_length": trained_by_length,
-        "preemptions": sum(preemptions) if preemptions else None,
+        "preemptions": sum(counted) if counted else None,
+        "kv_cache_peak": max((r["engine_kv_cache_peak"] for r in window if "engine_kv_cache_peak" in r), default=None),
         "samples_per_s": sum(r["sequences"] for r in window) / span,
         "tokens_per_s": sum(r["completion_tokens"] for r in window) / span,
         "step_s": step_s,
@@ -392,12 +390,16 @@ def make_shape(shape: str, path: str, positions: int = 1024) -> None:
         print(f"made a random {shape} Qwen2 in {path} ({time.monotonic() - t:.0f} s)", flush=True)
 
 
+def _percent(fraction: float | None) -> str:
+    return "" if fraction is None else f"{100 * fraction:.0f}%"
+
+
 def table(shape: str, results: dict[str, dict], long: bool = False) -> str:
     rows = [
         "| run | samples/s | tokens/s | step s | generate s | train s | sync s | idle s | trainer MFU | "
         "trainer peak GiB | GPUs busy | wall s |"
-        + (" mean length | token lag | spanning groups | dropped | preemptions |" if long else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|" if long else ""),
+        + (" mean length | token lag | spanning groups | dropped | preemptions | KV cache peak |" if long else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|" if long else ""),
     ]
     for name, r in results.items():
         if "error" in r:
@@ -414,7 +416,8 @@ def table(shape: str, results: dict[str, dict], long: bool = False) -> str:
             f"{cell('peak_gib')} | {busy} | {r['wall_s']:.0f} |"
             + (
                 f" {r.get('length_mean', 0):.0f} | {r.get('token_lag_mean', 0):.2f} | {r.get('spanning_groups', '')} | "
-                f"{r.get('dropped_stale', '')} | {r.get('preemptions') if r.get('preemptions') is not None else ''} |"
+                f"{r.get('dropped_stale', '')} | {r.get('preemptions') if r.get('preemptions') is not None else ''} | "
+                f"{_percent(r.get('kv_cache_peak'))} |"
                 if long
                 else ""
             )

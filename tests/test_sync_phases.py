@@ -15,7 +15,7 @@ from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.trainer import TrainerConfig
-from asyncrl.rl.observe.sync_metrics import DELTA_METRICS, SYNC_METRICS, sync_record
+from asyncrl.rl.observe.sync_metrics import DELTA_METRICS, ENGINE_METRICS, SYNC_METRICS, sync_record
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 from test_packing import random_groups
 
@@ -93,7 +93,7 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
         call_s=0.03,
     )
     record = msgspec.structs.asdict(sync_record(0.9, sent, [fast, slow]))
-    assert set(record) == {"sync_s", *SYNC_METRICS, *DELTA_METRICS}
+    assert set(record) == {"sync_s", *SYNC_METRICS, *DELTA_METRICS, *ENGINE_METRICS}
     assert record == pytest.approx(
         {
             "sync_s": 0.9,
@@ -110,13 +110,21 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
             "sync_bytes": 1000.0,
             "sync_sent_bytes": None,  # a full sync: the line leaves them out
             "sync_changed": None,
+            "engine_preemptions": None,  # samplers that count no engine statistics: left out too
+            "engine_kv_cache_peak": None,
         }
     )
+    # Samplers that count them (--sampler.engine_stats): preemptions summed, the fullest cache.
+    counting = [msgspec.structs.replace(fast, preemptions=3, kv_cache_peak=0.5), slow]
+    counting.append(msgspec.structs.replace(slow, preemptions=0, kv_cache_peak=0.75))
+    engines = msgspec.structs.asdict(sync_record(0.9, sent, counting))
+    assert {k: engines[k] for k in ENGINE_METRICS} == {"engine_preemptions": 3, "engine_kv_cache_peak": 0.75}
     # No sync this step (sync_every > 1, or the trainer alone): every phase is there, at 0.
     assert msgspec.structs.asdict(sync_record(0.0, None, [])) == {
         "sync_s": 0.0,
         **dict.fromkeys(SYNC_METRICS, 0.0),
         **dict.fromkeys(DELTA_METRICS),  # a delta sync's only: left out of the line
+        **dict.fromkeys(ENGINE_METRICS),
     }
 
 

@@ -376,6 +376,8 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
             *device,
             "--sampler.backend",
             "vllm",
+            "--sampler.engine_stats",
+            "true",
             "--run.run_dir",
             str(run_dir),
         ],
@@ -389,6 +391,9 @@ def test_a_grpo_run_with_the_vllm_backend(vllm_required, tmp_path, model_cache):
     assert "vllm backend" in done.stdout + done.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["sync_s"] > 0 for r in records)
+    # Each step's record has the engine's own since the last (--sampler.engine_stats): it generated.
+    assert all(r["engine_preemptions"] >= 0 and 0 <= r["engine_kv_cache_peak"] <= 1 for r in records), records
+    assert any(r["engine_kv_cache_peak"] > 0 for r in records), records
     if device:
         for r in records:
             digests = r["weights_digests"]

@@ -14,6 +14,7 @@ import time
 
 import msgspec
 import pytest
+import pytest_asyncio
 import torch
 
 from asyncrl import Supervisor
@@ -256,6 +257,32 @@ async def test_exact_lengths_run_each_row_as_long_as_told_and_the_engine_counts_
     assert stats["kv_cache_tokens"] > 0 and stats["preemptions"] == 0 and 0 < stats["kv_cache_peak"] <= 1
     with pytest.raises(ValueError, match="exact_lengths"):
         await engine.generate(prompts[:3], 1, params)  # 6 lengths for 3 rows
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cramped(tiny_path, policy, vllm_required):
+    """A `VLLMBackend` whose KV cache holds 512 tokens (16 blocks of 32), its statistics counted."""
+    from asyncrl.rl.sampler.vllm.backend import VLLMBackend
+
+    options = engine_options(vllm_required) | {"max_model_len": 128, "num_gpu_blocks_override": 16, "block_size": 32}
+    b = VLLMBackend(tiny_path, tokenizer=policy[1], device=vllm_required, engine=options, engine_stats=True)
+    yield b
+    b.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_kv_cache_too_small_for_the_sequences_in_flight_is_seen_as_preemptions_once(cramped, prompts):
+    """16 sequences of 4 prompt and 100 new tokens at once in a cache of 512 tokens: the engine's
+    scheduler takes some off to free cache, and `take_engine_window` gives each step's record what
+    happened since the last one (each preemption once, the peak of that window)."""
+    assert cramped.kv_cache_tokens == 512 and cramped.take_engine_window() == (0, 0.0)  # nothing ran yet
+    params = SamplingParams(max_new_tokens=100, temperature=1.0, exact_lengths=[100] * 16)
+    groups = await cramped.generate([p[:4] for p in prompts[:2]], 8, params)
+    assert [len(c.token_ids) for g in groups for c in g] == [100] * 16  # preempted, computed again, whole
+    preempted, peak = cramped.take_engine_window()
+    assert preempted > 0 and peak == 1.0, (preempted, peak)
+    assert cramped.engine_stats()["preemptions"] == preempted
+    assert cramped.take_engine_window() == (0, 0.0)  # nothing ran since
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -77,8 +77,10 @@ class SamplerConfig:
     lengths are the model's own."""
     engine_stats: bool = False
     """vLLM: keep the engine's statistics and count its preemptions (requests taken off the GPU
-    for want of KV cache, computed again later) and its peak KV cache use, in the sampler's stats
-    and its last log line. Off by default: a little of the sampler's CPU each engine step."""
+    for want of KV cache, computed again later) and its peak KV cache use: each step's record has
+    them since the step before (``engine_preemptions``, ``engine_kv_cache_peak``), the sampler's
+    stats and last log line the run's. Off by default: a little of the sampler's CPU each engine
+    step."""
     engine_start_timeout_s: float = 900.0
     """vLLM: how long a sampler's start may spend loading the model and building its engine before
     it counts as hung. A first start on a fresh GPU machine compiles the model (torch.compile) and

@@ -18,7 +18,11 @@ the driver saw into the step's ``sync_*`` metrics (docs/observability.md has the
   trips and scheduling; a rebuild of the group, when the sync needed one, lands here too);
 * ``sync_bytes``: what one sync moves to each sampler (in the wire's dtype);
 * a delta sync's only (``--run.sync_delta``; left out of a step without one): ``sync_sent_bytes``,
-  what it put on the wire, and ``sync_changed``, the fraction of the wire's values that changed.
+  what it put on the wire, and ``sync_changed``, the fraction of the wire's values that changed;
+* not of the sync, but carried by the samplers' answers to it, the one call each answers every
+  step (``--sampler.engine_stats`` on vLLM; left out otherwise): ``engine_preemptions``, requests
+  their engines preempted to free KV cache since their previous answer, and
+  ``engine_kv_cache_peak``, the fullest KV cache meanwhile (0..1).
 
 This module reads the answers' fields only; it imports neither torch nor the actors' packages.
 """
@@ -67,11 +71,19 @@ class SyncPhases(msgspec.Struct, kw_only=True):
     """What a delta sync put on the wire (None, left out of the line: the sync was a full one)."""
     sync_changed: float | None = None
     """The fraction of the wire's values that changed since the last sync, in a delta sync."""
+    engine_preemptions: int | None = None
+    """Not a phase: what the samplers' answers to the sync carried of their engines since their
+    previous one (vLLM with ``--sampler.engine_stats``; None, left out of the line, otherwise):
+    requests preempted to free KV cache, all samplers together..."""
+    engine_kv_cache_peak: float | None = None
+    """...and the fullest KV cache of them at any moment, 0..1."""
 
 
 DELTA_METRICS = ("sync_sent_bytes", "sync_changed")
 """The keys only a delta sync writes."""
-SYNC_METRICS = tuple(k for k in SyncPhases.__struct_fields__[1:] if k not in DELTA_METRICS)
+ENGINE_METRICS = ("engine_preemptions", "engine_kv_cache_peak")
+"""The keys only samplers that count their engine's statistics write."""
+SYNC_METRICS = tuple(k for k in SyncPhases.__struct_fields__[1:] if k not in DELTA_METRICS + ENGINE_METRICS)
 """Every key `sync_record` always writes besides ``sync_s`` (a step without a sync has them all 0)."""
 
 
@@ -85,6 +97,7 @@ def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[Sam
         return max(values, default=0.0)
 
     received = [s.receive for s in samplers if s.receive is not None]
+    counted = [s for s in samplers if s.preemptions is not None]
     slowest = max(trainer.seconds, most([s.seconds for s in samplers]))
     return SyncPhases(
         sync_s=wall_s,
@@ -101,4 +114,6 @@ def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[Sam
         sync_bytes=float(trainer.bytes),
         sync_sent_bytes=float(trainer.sent_bytes) if trainer.delta else None,
         sync_changed=trainer.changed if trainer.delta else None,
+        engine_preemptions=sum(s.preemptions or 0 for s in counted) if counted else None,
+        engine_kv_cache_peak=max(s.kv_cache_peak or 0.0 for s in counted) if counted else None,
     )

@@ -177,7 +177,11 @@ class SamplerActor(SyncEndpoints):
 
     @endpoint
     async def receive_weights(self, version: int) -> SamplerSyncStats:
-        return await self.weights.receive(version)
+        stats = await self.weights.receive(version)
+        window = self.backend.take_engine_window()
+        if window is None:
+            return stats
+        return msgspec.structs.replace(stats, preemptions=window[0], kv_cache_peak=window[1])
 
     @endpoint
     async def weights_digest(self) -> str:

@@ -76,6 +76,12 @@ class SamplerSyncStats(msgspec.Struct, frozen=True):
     """vLLM: the control call to the engine's worker beyond the worker's own receive
     (``collective_rpc``'s round trip and the engine's scheduling of it: in in-flight mode that is
     the wait for the decoding step under way, so ``pause_s`` is this too)."""
+    preemptions: int | None = None
+    """Not of the sync: what the sampler's engine did since its previous answer, carried on the
+    one call it answers every step (`SamplerBackend.take_engine_window`; vLLM with
+    ``--sampler.engine_stats``, else None): requests it preempted to free KV cache..."""
+    kv_cache_peak: float | None = None
+    """...and the most of its KV cache in use at once, 0..1."""
 
     @property
     def load_s(self) -> float:
@@ -203,6 +209,12 @@ class SamplerBackend(abc.ABC):
         """What the engine says of its cache for the sampler's stats (`SamplerStats`' fields
         ``kv_cache_tokens``, ``preemptions``, ``kv_cache_peak``); {}: nothing."""
         return {}
+
+    def take_engine_window(self) -> tuple[int, float] | None:
+        """The engine's preemptions and its peak KV cache use (0..1) since the previous call: the
+        sampler answers each weight sync with them, so every step's record has its own. None:
+        not counted (no engine statistics)."""
+        return None
 
 
 Progress = Callable[[int, list[int]], None]

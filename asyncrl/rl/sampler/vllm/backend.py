@@ -223,6 +223,7 @@ class VLLMBackend(PausableBackend):
             raise SamplerError(refusal)
         self.engine_counts: dict[str, float] | None = {} if engine_stats else None
         """With ``engine_stats``: the engine's preemptions and peak KV cache use (`compat.engine_counter`)."""
+        self._preemptions_taken = 0  # of those, what `take_engine_window` has given out
         self._start_engine(args)
         self.kv_cache_tokens = compat.kv_cache_tokens(self.engine)
         self.adapters = (
@@ -402,9 +403,19 @@ class VLLMBackend(PausableBackend):
 
     def engine_stats(self) -> dict[str, int | float]:
         stats: dict[str, int | float] = dict(self.engine_counts or {})
+        stats.pop("kv_cache_window_peak", None)
         if self.kv_cache_tokens:
             stats["kv_cache_tokens"] = self.kv_cache_tokens
         return stats
+
+    def take_engine_window(self) -> tuple[int, float] | None:
+        counts = self.engine_counts
+        if counts is None:
+            return None
+        preemptions = int(counts.get("preemptions", 0)) - self._preemptions_taken
+        self._preemptions_taken += preemptions
+        peak, counts["kv_cache_window_peak"] = counts.get("kv_cache_window_peak", 0.0), 0.0
+        return preemptions, peak
 
     def weights_changed(self, version: int, positions: dict[str, int] | None) -> None:
         """New weights (``version``) are in the engine; ``positions``: where each request stood

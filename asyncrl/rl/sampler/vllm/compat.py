@@ -141,14 +141,16 @@ def make_engine(args: dict[str, Any], counts: dict[str, float] | None = None) ->
 def engine_counter(counts: dict[str, float]) -> Any:
     """A vLLM stat logger class that keeps, in ``counts``: ``preemptions`` (requests the scheduler
     took off the GPU to free KV cache, to be computed again) and ``kv_cache_peak`` (the most of
-    the KV cache in use, 0..1). Its ``record`` runs in the client's process, on each engine step's
-    statistics; the stats' fields are read by name where the release has them."""
+    the KV cache in use, 0..1; ``kv_cache_window_peak`` the same since its reader last reset it).
+    Its ``record`` runs in the client's process, on each engine step's statistics; the stats'
+    fields are read by name where the release has them."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class EngineCounter(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0):
             counts.setdefault("preemptions", 0)
             counts.setdefault("kv_cache_peak", 0.0)
+            counts.setdefault("kv_cache_window_peak", 0.0)
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
             if iteration_stats is not None:
@@ -158,6 +160,7 @@ def engine_counter(counts: dict[str, float]) -> Any:
                 if usage is None:
                     usage = getattr(scheduler_stats, "gpu_cache_usage", None)
                 counts["kv_cache_peak"] = max(counts["kv_cache_peak"], float(usage or 0.0))
+                counts["kv_cache_window_peak"] = max(counts["kv_cache_window_peak"], float(usage or 0.0))
 
         def log_engine_initialized(self) -> None:
             pass
