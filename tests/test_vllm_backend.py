@@ -280,7 +280,7 @@ async def test_a_kv_cache_too_small_for_the_sequences_in_flight_is_seen_as_preem
     groups = await cramped.generate([p[:4] for p in prompts[:2]], 8, params)
     assert [len(c.token_ids) for g in groups for c in g] == [100] * 16  # preempted, computed again, whole
     preempted, peak = cramped.take_engine_window()
-    assert preempted > 0 and peak == 1.0, (preempted, peak)
+    assert preempted > 0 and peak > 0.9, (preempted, peak)  # full, less a block vLLM may keep aside
     assert cramped.engine_stats()["preemptions"] == preempted
     assert cramped.take_engine_window() == (0, 0.0)  # nothing ran since
 
