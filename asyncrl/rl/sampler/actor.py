@@ -128,10 +128,7 @@ class SamplerActor(SyncEndpoints):
                 seed,
                 self.in_flight,
                 resume_timeout_s=3 * sync_timeout_s,
-                vllm={"stage_weights": config.stage_weights, "engine_stats": config.engine_stats}
-                | (vllm or {})
-                | ({"engine": config.engine_args()} if config.vllm_args else {})
-                | ({"share": engine_share} if engine_share is not None else {}),
+                vllm=_vllm_options(config, vllm, engine_share),
                 adapter=adapter,
                 start_timeout_s=config.engine_start_timeout_s,
             ),
@@ -474,6 +471,17 @@ class SamplerActor(SyncEndpoints):
         for index, group in zip(indices, groups):
             if group is not None:  # no episode of it called the model: nothing to train on
                 yield rollout_group(self.name, index, group.prompt_ids, group.samples, group.version, seconds, finished)
+
+
+def _vllm_options(config: SamplerConfig, extra: dict | None, share: EngineShare | None) -> dict:
+    """`VLLMBackend`'s keyword arguments: the sampler section's, the spawner's ``extra`` ones
+    (``SamplerActor``'s ``vllm``), ``--sampler.vllm_args``' engine fields, and its engine ``share``."""
+    return (
+        {"stage_weights": config.stage_weights, "engine_stats": config.engine_stats}
+        | (extra or {})
+        | ({"engine": config.engine_args()} if config.vllm_args else {})
+        | ({"share": share} if share is not None else {})
+    )
 
 
 def _positions(model_path: str) -> int:

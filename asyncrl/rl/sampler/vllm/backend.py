@@ -317,11 +317,10 @@ class VLLMBackend(PausableBackend):
             why = f"{share.host}'s vLLM engine did not answer this client within {wait_s:g} s ({knob})"
             raise SamplerError(why) from None
 
-    def _engine_ended(self, pid: int) -> None:
-        """The shared engine's process ended (its host is gone): shut this client, so that its
-        generates fail at once (vLLM's `EngineDeadError`, raised as a `SamplerError`)."""
-        assert self.share is not None  # only a client of a shared engine watches one
-        self.engine_gone = f"{self.share.host}'s vLLM engine ended (its process {pid} exited)"
+    def _engine_ended(self, host: str, pid: int) -> None:
+        """``host``'s engine's process ended: shut this client, so that its generates fail at once
+        (vLLM's `EngineDeadError`, raised as a `SamplerError`)."""
+        self.engine_gone = f"{host}'s vLLM engine ended (its process {pid} exited)"
         print(f"VLLMBackend: {self.engine_gone}: this sampler cannot generate any more", flush=True)
         if self.engine is not None:
             compat.engine_lost(self.engine)
@@ -352,7 +351,7 @@ class VLLMBackend(PausableBackend):
             await self.generate(prompts, n, params)
         if self.share is not None and not self.share.is_host and self._watch is None:
             pid = await engine_call(self, "pid", 30.0)
-            self._watch = EngineWatch(pid, self._engine_ended)
+            self._watch = EngineWatch(pid, functools.partial(self._engine_ended, self.share.host))
 
     def weight_sink(self, seat: SyncSeat) -> WeightSink:
         if self.adapters is not None:  # adapters only: received here, in the actor
