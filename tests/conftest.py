@@ -90,6 +90,7 @@ TIERS = {
         "scaling_pool",
         "scorer",
         "scorer_factory",
+        "shared_engine",
         "stall",
         "sync_phases",
         "tasks",

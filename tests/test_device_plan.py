@@ -234,6 +234,44 @@ def test_per_gpu_auto_is_two_and_a_negative_count_is_refused():
         parse_overrides(GRPOConfig(), ["--sampler.per_gpu", "-1"])
 
 
+def test_clients_per_engine_makes_whole_engines_each_of_one_host_and_its_clients():
+    """--sampler.clients_per_engine 2 with two samplers a GPU: one engine a GPU, started by the
+    first sampler of the two (its host) and fed by the second; the GPU's memory is the one engine's
+    (0.85, not split); the client starts with its host (it waits for the engine, starts none). A
+    count or a per_gpu that makes no whole engines is refused in one line, and so are a share
+    below 1, one on the HF backend, which has no engine to share, and LoRA adapter syncs, which
+    each sampler takes for itself."""
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.parse import parse_overrides
+
+    plan = plan_devices("auto", "cuda", ["0", "1", "2"], 0, per_gpu=2, clients_per_engine=2)
+    assert (plan.samplers, plan.per_gpu, plan.clients_per_engine) == (4, 2, 2)
+    assert "2 samplers a vLLM engine (--sampler.clients_per_engine)" in plan.line
+    assert [plan.engine_host(i) for i in range(4)] == [None, 0, None, 2]
+    assert [plan.gpu_owner(i) for i in range(4)] == [None, 0, None, 2]  # each client on its host's GPU
+    assert [plan.start_wave(i) for i in range(4)] == [0, 0, 0, 0]
+    assert plan.vllm_options(0.0, 4) == {}
+    four = plan_devices("auto", "cuda", ["0", "1"], 4, per_gpu=4, clients_per_engine=2)  # two engines a GPU
+    assert four.vllm_options(0.0, 4) == {"gpu_memory_utilization": 0.425}
+    assert [four.start_wave(i) for i in range(4)] == [0, 0, 1, 1]  # the second engine beside the first
+    colocated = plan_devices("auto", "cuda", ["0"], 2, clients_per_engine=2)
+    assert colocated.colocated and colocated.vllm_options(0.0, 2) == {"gpu_memory_utilization": 0.3}
+    cpu = plan_devices("cpu", None, [], 4, clients_per_engine=2)
+    assert [cpu.engine_host(i) for i in range(4)] == [None, 0, None, 2] and cpu.vllm_options(0.0, 4) == {}
+    assert plan_devices("cpu", None, [], 3).engine_host(1) is None  # 1: an engine each
+    with pytest.raises(ConfigError, match=r"^--sampler.clients_per_engine 2: the 3 sampler\(s\) do not make"):
+        plan_devices("cpu", None, [], 3, clients_per_engine=2)
+    with pytest.raises(ConfigError, match=r"the 3 sampler\(s\) of a GPU do not make whole engines"):
+        plan_devices("auto", "cuda", ["0", "1", "2"], 6, per_gpu=3, clients_per_engine=2)
+    with pytest.raises(ConfigError, match=r"clients_per_engine must be >= 1 \(1: an engine each"):
+        parse_overrides(GRPOConfig(), ["--sampler.clients_per_engine", "0"])
+    with pytest.raises(ConfigError, match=r"shares a vLLM engine: use --sampler.backend vllm"):
+        parse_overrides(GRPOConfig(), ["--sampler.clients_per_engine", "2", "--sampler.backend", "hf"])
+    with pytest.raises(ConfigError, match=r"adapters reach each sampler, not a shared engine"):
+        shared = ["--sampler.clients_per_engine", "2", "--trainer.lora.rank", "8", "--trainer.lora.sync", "adapter"]
+        parse_overrides(GRPOConfig(), shared)
+
+
 def test_samplers_that_share_a_gpu_start_in_different_waves():
     """--sampler.per_gpu 2 over 3 GPUs: samplers 0, 2, 4 (one a GPU) start together, then 1, 3, 5,
     each beside a running engine (vLLM measures the free memory as it starts)."""

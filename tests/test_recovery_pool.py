@@ -170,16 +170,19 @@ def run_config(restart_timeout_s: float = 30.0) -> RunConfig:
     )
 
 
-def pool_of(trainer, samplers, queue: RolloutQueue, run: RunConfig, *, seeds=None, log=print, **flow) -> SamplerPool:
-    """The pool of a run on this host over gloo, built from its parts as the driver builds it."""
-    membership = Membership(samplers, seeds or [0] * len(samplers), recovery=run.recovery, log=log)
+def pool_of(
+    trainer, samplers, queue: RolloutQueue, run: RunConfig, *, seeds=None, log=print, hosts=None, **flow
+) -> SamplerPool:
+    """The pool of a run on this host over gloo, built from its parts as the driver builds it
+    (``hosts``: the samplers' engine hosts, `Membership`'s)."""
+    membership = Membership(samplers, seeds or [0] * len(samplers), recovery=run.recovery, log=log, hosts=hosts)
     return SamplerPool(
         trainer, membership, RolloutFlow(queue, **flow), run=run, place=SyncPlace("127.0.0.1", "gloo"), log=log
     )
 
 
-def make_pool(trainer, samplers, logs: list[str], **run) -> SamplerPool:
-    pool = pool_of(trainer, samplers, RolloutQueue(8, 4), run_config(**run), log=logs.append)
+def make_pool(trainer, samplers, logs: list[str], hosts=None, **run) -> SamplerPool:
+    pool = pool_of(trainer, samplers, RolloutQueue(8, 4), run_config(**run), log=logs.append, hosts=hosts)
     for m in pool.members:  # as after a successful start: in the group, incarnation 1
         m.state, m.incarnation = MemberState.JOINED, 1
     pool.sync_group.generation, pool.membership.dirty = 0, False
@@ -565,6 +568,93 @@ async def test_membership_call_all_pins_the_incarnations_and_loses_the_failed_in
     (frozen_fault,) = [f for f in pool.faults if f.sampler == "sampler1"]
     assert frozen_fault.cause == "no answer during the weight sync of v1 within 0.5 s", pool.faults
     assert frozen.kills == [(frozen_fault.cause, 1)] and victim.kills == [] and replaced.kills == [], logs
+
+
+# --- samplers that share a vLLM engine (--sampler.clients_per_engine) ----------------------------
+
+
+class Told(Scripted):
+    """A `Scripted` stand-in that writes each call it takes, and its end, in a log shared with others."""
+
+    def __init__(self, name: str, told: list, **script):
+        super().__init__(name, **script)
+        self.told = told
+
+    def _method(self, method: str, timeout_s: float):
+        inner = super()._method(method, timeout_s)
+
+        async def call(*args, **kwargs):
+            self.told.append((self.name, method, "called", args))
+            result = await inner(*args, **kwargs)
+            self.told.append((self.name, method, "answered", args))
+            return result
+
+        return call
+
+
+async def test_only_an_engine_s_host_is_a_rank_and_its_client_is_told_once_the_sync_is_done():
+    """sampler1 is a client of sampler0's engine: the group is the trainer and sampler0 (world size
+    2, sampler0 rank 1), sampler1 neither joins nor sets up a receiver (its stand-in has neither:
+    a call would fail it), and it is asked for the version only once the trainer and its host
+    have answered the sync."""
+    told: list = []
+    trainer = Told(
+        "trainer", told, sync_listen=[(0.0, 1234)], sync_join=[(0.0, "gloo")], setup_sender=[(0.0, 1)],
+        send_weights=[(0.2, SENT)],
+    )  # fmt: skip
+    host = Told(
+        "sampler0", told, stats=[(0.0, answering())], sync_join=[(0.0, "gloo")], setup_receiver=[(0.0, 1)],
+        receive_weights=[(0.2, GOT)],
+    )  # fmt: skip
+    client = Told("sampler1", told, stats=[(0.0, answering())], receive_weights=[(0.0, SamplerSyncStats())])
+    logs: list[str] = []
+    pool = pool_of(trainer, [host, client], RolloutQueue(8, 4), run_config(), log=logs.append, hosts=[None, 0])
+    for m in pool.members:  # up, as after their start: candidates of the first rebuild
+        m.incarnation = 1
+    try:
+        await pool.sync_group.rebuild(0)
+        await pool.sync(1)
+    finally:
+        await pool.close()
+    assert [m.state for m in pool.members] == [MemberState.JOINED, MemberState.JOINED] and not pool.faults, logs
+    (address, rank), (host_address, host_rank) = [a for n, m, e, a in told if m == "sync_join" and e == "called"]
+    assert address.world_size == host_address.world_size == 2 and (rank, host_rank) == (0, 1)
+    assert client.calls == ["stats", "receive_weights", "receive_weights"], client.calls  # v0, v1: no join
+    for version in (0, 1):
+        order = [(n, e) for n, m, e, a in told if m in ("send_weights", "receive_weights") and a == (version,)]
+        assert order.index(("sampler1", "called")) > order.index(("sampler0", "answered")), order
+        assert order.index(("sampler1", "called")) > order.index(("trainer", "answered")), order
+    assert len(pool.sync_group.last[1]) == 2  # the step's sync metrics count the client's answer too
+
+
+async def test_a_lost_host_loses_its_clients_and_one_gone_for_good_takes_them_along():
+    """Sampler0 hosts the engine of sampler1 and sampler2: its loss loses both (each a loss of its
+    own, killed, the host named), and while it is away a client back from its restart is not
+    formed into the group; once sampler0 will not come back, neither will they. Sampler3, an
+    engine of its own, is untouched throughout."""
+    samplers = [Scripted(f"sampler{i}", stats=[(0.0, answering())]) for i in range(4)]
+    logs: list[str] = []
+    pool = make_pool(Scripted("trainer"), samplers, logs, hosts=[None, 0, 0, None], restart_timeout_s=5.0)
+    members = pool.membership
+    try:
+        samplers[0].set_state("restarting")
+        members.lose(members.members[0], "died (killed by SIGKILL)", kill=False)
+        assert [m.state for m in members.members] == [MemberState.LOST] * 3 + [MemberState.JOINED], logs
+        assert [f.sampler for f in pool.faults] == ["sampler0", "sampler1", "sampler2"]
+        assert pool.faults[1].cause == "its vLLM engine went with sampler0, its host (died (killed by SIGKILL))"
+        assert samplers[1].kills == [(pool.faults[1].cause, 1)] and samplers[0].kills == []
+        samplers[1].set_state("running", incarnation=2)  # back, and waiting for an engine
+        await asyncio.wait_for(members.members[1].waiter, 5)
+        assert members.members[1].state is MemberState.CANDIDATE
+        assert [m.name for m in members.formable()] == ["sampler3"]  # not without its host
+        samplers[0].restarts = samplers[0].max_restarts
+        samplers[0].set_state("dead")
+        await asyncio.wait_for(members.members[0].waiter, 5)
+    finally:
+        await pool.close()
+    assert [m.state for m in members.members] == [MemberState.GONE] * 3 + [MemberState.JOINED], logs
+    assert "sampler1 will not come back either: its vLLM engine was sampler0's" in logs, logs
+    assert "sampler2 will not come back either: its vLLM engine was sampler0's" in logs, logs
 
 
 # --- several paced streams of one sampler (--sampler.streams) ------------------------------------

@@ -51,7 +51,7 @@ class Source:
     """Stands in for the run's `SamplerSpawner` (a `SamplerSource`) on the CPU: ``spawned[i]`` is
     what spawning sampler ``i`` gives, after a while; each stop is recorded in ``stopped``."""
 
-    device, colocated, per_gpu = "cpu", False, 1
+    device, colocated, per_gpu, clients_per_engine = "cpu", False, 1, 1
 
     def __init__(self, stopped: list[str], spawned: dict[int, Scripted] | None = None, nodes=None, cores: int = 0):
         self.stopped, self.spawned, self._nodes, self._cores = stopped, spawned or {}, nodes or [], cores
@@ -156,6 +156,23 @@ async def test_a_scale_during_a_restart_counts_it_and_joins_everyone_at_one_refo
     assert [m.state for m in pool.members] == [MemberState.DRAINED, MemberState.JOINED, MemberState.JOINED], logs
     assert pool.generation == 2 and pool.counters["rebuilds"] == 2 and stopped == ["sampler0"], logs
     assert samplers[0].calls.count("sync_join") == 1  # joined generation 1 only
+
+
+async def test_samplers_that_share_engines_are_not_scaled():
+    """A scale-up or -down would start or drain one client of an engine without the others (or
+    its host without its clients): refused in one line, the fleet as it was."""
+    logs, stopped = [], []
+    pool = make_pool(trainer(), [sampler("sampler0"), sampler("sampler1")], logs)
+    source = Source(stopped)
+    source.clients_per_engine = 2
+    scaler = Scaler(pool, source, log=logs.append)
+    try:
+        with pytest.raises(ScaleRefusedError, match=r"share vLLM engines \(--sampler.clients_per_engine 2\)"):
+            scaler.request({"samplers": 4})
+        assert scaler.target is None and not scaler.starting
+    finally:
+        await scaler.close()
+        await pool.close()
 
 
 async def test_with_every_sampler_lost_a_new_one_joins_without_waiting_for_a_sync():

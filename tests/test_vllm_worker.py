@@ -80,10 +80,13 @@ def _checkpoint(path, state) -> None:
         json.dump({"tie_word_embeddings": True}, f)
 
 
-def _sync(worker, sent: dict[str, torch.Tensor], versions: int, delta: bool = False) -> tuple[dict, list[SyncStats]]:
+def _sync(
+    worker, sent: dict[str, torch.Tensor], versions: int, delta: bool = False, positions: dict | None = None
+) -> tuple[dict, list[SyncStats]]:
     """Send ``versions`` syncs (every tensor + 1.0 each time; with ``delta``, one element of each,
     as delta syncs) over gloo from a thread to ``worker``; returns what was sent last (and its
-    digest) and the worker's stats of each sync."""
+    digest) and the worker's stats of each sync; ``positions``: what the worker must say of its
+    runner's requests (None: a runner that keeps no table)."""
     import threading
 
     from asyncrl.comm.member import make_communicator
@@ -118,7 +121,7 @@ def _sync(worker, sent: dict[str, torch.Tensor], versions: int, delta: bool = Fa
     for version in range(1, versions + 1):
         answer = worker.asyncrl_receive_weights(version)
         stats.append(msgspec.convert(answer["stats"], SyncStats))  # plain values cross vLLM
-        assert answer["positions"] is None  # this stand-in runner keeps no requests table
+        assert answer["positions"] == positions
     thread.join(30)
     return results, stats
 
@@ -299,6 +302,26 @@ def test_a_loader_that_transforms_a_tensor_keeps_the_loader_and_gives_no_digest(
         match=r"not held as the sent tensors \(load_weights put other values .* model\.norm\.weight",
     ):
         worker.asyncrl_digest()  # the refusal says why, as the worker's log does
+
+
+def test_the_worker_keeps_the_last_loads_positions_for_each_client_of_a_shared_engine(tmp_path):
+    """A client of a shared engine asks, after its host's sync, for the version loaded and where
+    its own requests stood then (by the marker in their ids): never another client's, and before
+    any load a refusal, not a made-up version."""
+    from types import SimpleNamespace
+
+    state = {"model.norm.weight": torch.ones(64)}
+    _checkpoint(tmp_path / "ckpt", state)
+    worker = _worker(dict(state), str(tmp_path / "ckpt"), in_place=True)
+    with pytest.raises(Exception, match="no weights were loaded into this engine yet"):
+        worker.asyncrl_loaded("asyncrl-0123abcd-")
+    running = {"asyncrl-0123abcd-4-x": 3, "1_asyncrl-0123abcd-5-y": 2, "asyncrl-ffffffff-4-z": 9}
+    worker.model_runner.requests = {rid: SimpleNamespace(output_token_ids=[0] * n) for rid, n in running.items()}
+    _sync(worker, dict(state), 2, positions=running)
+    assert worker.asyncrl_call("loaded", "asyncrl-0123abcd-") == {
+        "ok": {"version": 2, "positions": {"asyncrl-0123abcd-4-x": 3, "1_asyncrl-0123abcd-5-y": 2}}
+    }
+    assert worker.asyncrl_call("pid") == {"ok": os.getpid()}
 
 
 def test_a_digest_before_a_sync_checked_the_places_is_refused_for_now_not_for_good():
@@ -712,8 +735,11 @@ async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():
         async def resume(self):
             self.paused.append("resumed")
 
-        def weights_changed(self, version, positions):
-            self.changed.append((version, positions))
+        def request_mark(self):
+            return 5  # the number of the next request it would send
+
+        def weights_changed(self, version, positions, since):
+            self.changed.append((version, positions, since))
 
     backend = Backend()
     stats = await EngineSink(backend).receive(7, in_flight=False, timeout_s=1.0)
@@ -721,7 +747,7 @@ async def test_the_engine_sinks_pause_and_transfer_share_one_deadline():
     assert (call, version) == ("receive_weights", 7) and backend.paused == [1.0, "resumed"]
     assert stats.pause_s >= 0.3 and 0 < timeout_s <= 0.7 + 1e-3
     assert stats.receive.seconds == 0.01 and stats.receive.bytes == 100 and stats.reset_s == 0.0
-    assert backend.changed == [(7, {})]  # paused: no request ran across the load
+    assert backend.changed == [(7, {}, 5)]  # paused: no request ran across the load
 
 
 async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume():
@@ -754,8 +780,11 @@ async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume
         async def resume(self):
             await asyncio.sleep(0.05)
 
-        def weights_changed(self, version, positions):
-            self.changed.append((version, positions))
+        def request_mark(self):
+            return 6
+
+        def weights_changed(self, version, positions, since):
+            self.changed.append((version, positions, since))
 
     backend = Backend()
     stats = await EngineSink(backend).receive(3, in_flight=False, timeout_s=5.0)
@@ -764,7 +793,8 @@ async def test_the_engine_sink_times_the_pause_the_load_the_reset_and_the_resume
     assert abs(stats.load_s - (0.04 + stats.reset_s)) < 1e-9
     in_flight = await EngineSink(backend).receive(3, in_flight=True, timeout_s=5.0)
     assert in_flight.pause_s == in_flight.call_s >= 0.09  # in flight, the wait is the engine's taking the call
-    assert backend.changed == [(3, {}), (3, {"0_asyncrl-0123abcd-5-x": 2})]  # where requests stood: in flight only
+    # where requests stood: in flight only; and the mark of the requests sent after the load was asked
+    assert backend.changed == [(3, {}, 6), (3, {"0_asyncrl-0123abcd-5-x": 2}, 6)]
     backend.engine.answer = [0.05, 64.0]  # an older worker's answer: a typed error, not a crash later
     with pytest.raises(EngineWeightSyncError, match="answered"):
         await EngineSink(backend).receive(4, in_flight=False, timeout_s=5.0)

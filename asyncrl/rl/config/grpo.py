@@ -208,8 +208,14 @@ def check_length_budgets(config: GRPOConfig) -> None:
 
 def check_adapter_sync(config: GRPOConfig) -> None:
     """Adapter-only LoRA sync into vLLM goes through vLLM's LoRA path, which serves ranks up to 512
-    ('auto' picks vLLM where it is installed)."""
+    ('auto' picks vLLM where it is installed), and is taken by each sampler, never for the clients
+    of a shared engine."""
     lora = config.trainer.lora
+    if lora.rank and lora.sync == "adapter" and config.sampler.clients_per_engine > 1:
+        raise ConfigError(
+            "--trainer.lora.sync adapter with --sampler.clients_per_engine > 1: adapters reach each sampler, "
+            "not a shared engine; use --trainer.lora.sync merged"
+        )
     if lora.rank > 512 and lora.sync == "adapter" and config.sampler.backend != "hf":
         raise ConfigError(
             f"--trainer.lora.rank {lora.rank} with --trainer.lora.sync adapter: vLLM serves LoRA ranks "

@@ -32,6 +32,12 @@ class SamplerConfig:
     idle; two engines on a GPU overlap their steps and keep it busier, four contend (docs/gpu.md
     has the figures). Their weights come in tiers: NCCL between GPUs,
     CUDA IPC within one (comm/tiered.py)."""
+    clients_per_engine: int = 1
+    """vLLM: samplers that share one engine (its weights and KV cache), each a client process of
+    it; 1: an engine each. Samplers ``i - i % N`` .. share the engine of the first, which starts it
+    and alone takes the weights; on GPUs N must divide ``per_gpu``. Where an engine's one client
+    process is what bounds it, more clients feed it without a second copy of the weights
+    (docs/vllm.md, "Clients of one engine"). Not with ``asyncrl scale``."""
     group_size: int = 8
     """Completions per prompt."""
     prompts_per_batch: int = 0
@@ -111,6 +117,10 @@ class SamplerConfig:
             )
         if self.per_gpu < 0:
             raise ValueError(f"per_gpu must be >= 0 (0: auto), not {self.per_gpu!r}")
+        if self.clients_per_engine < 1:
+            raise ValueError(f"clients_per_engine must be >= 1 (1: an engine each), not {self.clients_per_engine!r}")
+        if self.clients_per_engine > 1 and self.backend == "hf":
+            raise ValueError("clients_per_engine > 1 shares a vLLM engine: use --sampler.backend vllm (or auto)")
         if self.streams < 0:
             raise ValueError(f"streams must be >= 0 (0: auto), not {self.streams!r}")
         if self.count < 0 or self.group_size < 2 or self.prompts_per_batch < 0:

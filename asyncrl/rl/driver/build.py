@@ -63,6 +63,8 @@ class Spawned:
     """Each sampler's data walk's seed."""
     place: SyncPlace
     scorers: Scorers = Scorers()
+    hosts: list[int | None] = dataclasses.field(default_factory=list)
+    """Per sampler, the one whose vLLM engine it is a client of (None: its own; empty: all)."""
 
 
 async def build_run(config: GRPOConfig, sup: Supervisor, plan: RunPlan, scope: RunScope, *, resume: bool) -> GRPODriver:
@@ -130,6 +132,7 @@ async def build_run(config: GRPOConfig, sup: Supervisor, plan: RunPlan, scope: R
         [spawn.seed_of(i) for i in range(len(samplers))],
         SyncPlace(host, plan.devices.sync_backend),
         scorers,
+        [plan.devices.engine_host(i) for i in range(len(samplers))],
     )
     files = RunFiles(scope.run_dir, model_path, scope.console.path)
     return build_driver(
@@ -163,6 +166,7 @@ def build_driver(
         recovery=run.recovery,
         log=console.log,
         events_path=os.path.join(files.run_dir, "faults.jsonl"),
+        hosts=spawned.hosts,
     )
     scorers = spawned.scorers
     flow = RolloutFlow(

@@ -12,6 +12,7 @@ reaches them all (fleet/sync_group.py; in tiers where engines share a GPU, comm/
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from asyncrl.rl.config.parse import ConfigError
@@ -46,6 +47,9 @@ class DevicePlan:
     per_gpu: int = 1
     """Samplers that share each sampler GPU (``--sampler.per_gpu``; 1 where they share the trainer's
     or run on the CPU). Sampler ``i`` is on the GPU of sampler ``i - i % per_gpu``."""
+    clients_per_engine: int = 1
+    """Samplers that share one vLLM engine (``--sampler.clients_per_engine``): sampler ``i`` is a
+    client of sampler ``i - i % clients_per_engine``'s (`engine_host`), on its GPU."""
 
     @property
     def trainer_gpus(self) -> int:
@@ -70,8 +74,14 @@ class DevicePlan:
         if share:
             return {"gpu_memory_utilization": share}
         if self.colocated:
-            return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / samplers, 4)}
-        return {"gpu_memory_utilization": round(OWN_GPU_VLLM_SHARE / self.per_gpu, 4)} if self.per_gpu > 1 else {}
+            return {"gpu_memory_utilization": round(COLOCATED_VLLM_SHARE / -(-samplers // self.clients_per_engine), 4)}
+        engines = self.per_gpu // self.clients_per_engine  # on each sampler GPU
+        return {"gpu_memory_utilization": round(OWN_GPU_VLLM_SHARE / engines, 4)} if engines > 1 else {}
+
+    def engine_host(self, sampler: int) -> int | None:
+        """The sampler whose vLLM engine sampler ``sampler`` is a client of (None: its own)."""
+        host = sampler - sampler % self.clients_per_engine
+        return host if host != sampler else None
 
     def gpu_owner(self, sampler: int) -> int | None:
         """The sampler whose GPU sampler ``sampler`` shares (None: it takes a GPU, or the trainer's)."""
@@ -81,8 +91,10 @@ class DevicePlan:
     def start_wave(self, sampler: int) -> int:
         """The wave sampler ``sampler`` starts in (`fleet.sampler_start.start_samplers`): the
         engines of one GPU each in a wave of their own (vLLM measures the free memory as it starts,
-        and two starting at once on one GPU would each count the other's)."""
-        return sampler if self.colocated else sampler % self.per_gpu
+        and two starting at once on one GPU would each count the other's); a client of a shared
+        engine with its host, whose engine it waits for."""
+        engine = sampler if self.colocated else sampler % self.per_gpu
+        return engine // self.clients_per_engine
 
 
 def auto_samplers(gpus: int, trainer_ranks: int, scorers: int, per_gpu: int = 1) -> int:
@@ -105,6 +117,7 @@ def plan_devices(
     trainer_ranks: int = 1,
     scorers: int = 0,
     per_gpu: int = 0,
+    clients_per_engine: int = 1,
 ) -> DevicePlan:
     """``asked``: --run.device ("auto", "cpu", "cuda"); ``kind``/``ids``: the host's accelerators
     (`asyncrl.runtime.devices.detect`); ``samplers``: how many sampler actors the run has (0: auto,
@@ -112,7 +125,29 @@ def plan_devices(
     CUDA; ``scorers``: its scorer actors (a teacher, a reward model), planned after the samplers: a
     GPU each when every one gets one, else on the trainer's GPU (a scorer never takes a sampler's);
     ``per_gpu``: samplers sharing each sampler GPU (0: auto, `AUTO_PER_GPU` with ``samplers`` auto,
-    else as few as spread ``samplers`` over the GPUs left)."""
+    else as few as spread ``samplers`` over the GPUs left); ``clients_per_engine``: samplers
+    sharing each vLLM engine (it divides ``samplers`` and, on GPUs of their own, ``per_gpu``)."""
+    plan = _plan(asked, kind, ids, samplers, trainer_ranks=trainer_ranks, scorers=scorers, per_gpu=per_gpu)
+    c = clients_per_engine
+    if c == 1:
+        return plan
+    if plan.samplers % c:
+        raise ConfigError(
+            f"--sampler.clients_per_engine {c}: the {plan.samplers} sampler(s) do not make whole engines; "
+            f"ask for a multiple of {c} (--sampler.count)"
+        )
+    if plan.device == "cuda" and not plan.colocated and plan.per_gpu % c:
+        raise ConfigError(
+            f"--sampler.clients_per_engine {c}: the {plan.per_gpu} sampler(s) of a GPU do not make whole "
+            f"engines; make --sampler.per_gpu a multiple of {c}"
+        )
+    line = f"{plan.line}; {c} samplers a vLLM engine (--sampler.clients_per_engine)"
+    return dataclasses.replace(plan, line=line, clients_per_engine=c)
+
+
+def _plan(
+    asked: str, kind: str | None, ids: list[str], samplers: int, *, trainer_ranks: int, scorers: int, per_gpu: int
+) -> DevicePlan:
     gpus = len(ids) if kind == "cuda" else 0
     auto = samplers == 0
     if asked == "cpu" or gpus == 0:

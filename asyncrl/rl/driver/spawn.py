@@ -9,8 +9,10 @@ torch.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from asyncrl.rl.config.grpo import GRPOConfig
 from asyncrl.rl.config.run import Placement
@@ -25,6 +27,9 @@ from asyncrl.rl.scorer.specs import scorer_spec
 from asyncrl.rl.tasks.loading import TaskSpec
 from asyncrl.runtime.cluster.nodes import NodeStatus
 from asyncrl.runtime.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from asyncrl.rl.sampler.vllm.shared import EngineShare
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ async def plan_run(config: GRPOConfig, sup: Supervisor) -> RunPlan:
         trainer_ranks=ranks,
         scorers=len(scorer_sections(config)),
         per_gpu=config.sampler.per_gpu or _one_a_gpu_where_placed(run.placement),
+        clients_per_engine=config.sampler.clients_per_engine,
     )
     trainer_nodes, sampler_nodes = check_placement(run.placement, ranks, plan.samplers, sup.config.nnodes, plan)
     if run.check_weights:
@@ -114,6 +120,8 @@ class SamplerSpawner:
         self.vllm = plan.devices.vllm_options(config.sampler.gpu_memory_utilization, plan.devices.samplers)
         devices = plan.devices
         self.device, self.colocated, self.per_gpu = devices.device, devices.colocated, devices.per_gpu
+        self.clients_per_engine = devices.clients_per_engine
+        self._tokens: dict[int, str] = {}  # a shared engine's host -> the token naming its sockets
 
     def seed_of(self, i: int) -> int:
         return self.config.run.seed * 1000 + i
@@ -126,6 +134,8 @@ class SamplerSpawner:
         if owner is not None and not _running(sup, f"sampler{owner}"):
             owner = None  # its GPU went with it (given back): this one takes a GPU of its own
         shares = "trainer" if plan.colocated else None if owner is None else f"sampler{owner}"
+        host = plan.engine_host(i)
+        placed = i if host is None else host  # a client of a shared engine goes where the engine is
         nodes = self.plan.sampler_nodes
         return sup.spawn(
             SamplerActor,
@@ -135,7 +145,7 @@ class SamplerSpawner:
             gpus=0 if shares else plan.sampler_gpus,
             share_devices_with=shares,
             env=self.plan.env(),
-            node=None if shares else nodes[i] if i < len(nodes) else _scaled_node(sup, plan.device == "cuda"),
+            node=None if shares else nodes[placed] if placed < len(nodes) else _scaled_node(sup, plan.device == "cuda"),
             keep_if_lost=True,
             max_restarts=run.recovery.sampler_max_restarts,
             kwargs={
@@ -146,7 +156,24 @@ class SamplerSpawner:
                 "sync_timeout_s": run.deadlines.sync_timeout_s,
                 "vllm": self.vllm,
                 "adapter": _synced_adapter(self.config),
+                "engine_share": self._share(i),
             },
+        )
+
+    def _share(self, i: int) -> EngineShare | None:
+        """Sampler ``i``'s place among the clients of its vLLM engine (None: an engine of its own)."""
+        from asyncrl.rl.sampler.vllm.shared import EngineShare
+
+        clients = self.clients_per_engine
+        if clients == 1:
+            return None
+        host = i - i % clients
+        return EngineShare(
+            token=self._tokens.setdefault(host, secrets.token_hex(8)),
+            host=f"sampler{host}",
+            client=i - host,
+            clients=clients,
+            incarnations=self.config.run.recovery.sampler_max_restarts + 1,
         )
 
     async def stop(self, handle: SamplerHandle) -> None:

@@ -50,10 +50,12 @@ from asyncrl.rl.model.heldout import HeldoutSet
 from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.backend import BackendOptions, SamplerSyncStats
+from asyncrl.rl.sampler.errors import SamplerError
 from asyncrl.rl.sampler.factory import backend_class
 from asyncrl.rl.sampler.generation import GatedGeneration
 from asyncrl.rl.sampler.groups import rollout_group
 from asyncrl.rl.sampler.stats import SamplerStats
+from asyncrl.rl.sampler.vllm.shared import EngineShare
 from asyncrl.rl.sampler.walk import CountedWalk, shuffled_walk
 from asyncrl.rl.sampler.weight_receiving import WeightReceiving
 from asyncrl.rl.tasks.agent import Agent
@@ -84,6 +86,8 @@ class SamplerActor(SyncEndpoints):
     it has to itself: oversubscribed OpenMP threads spin and slow a small model tenfold or more.
     ``vllm`` holds extra keyword arguments of `VLLMBackend` (e.g. ``gpu_memory_utilization``).
     ``adapter``: the trainer trains these LoRA adapters and syncs only them (`BackendOptions`).
+    ``engine_share``: this sampler's place among the clients of a shared vLLM engine
+    (``--sampler.clients_per_engine``, ``vllm/shared.py``); None: an engine of its own.
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class SamplerActor(SyncEndpoints):
         name: str = "",
         vllm: dict | None = None,
         adapter: LoRAConfig | None = None,
+        engine_share: EngineShare | None = None,
     ):
         task = TaskSpec("countdown") if task is None else task  # built per call: its options are a dict
         if not sync_timeout_s > 0:
@@ -113,6 +118,8 @@ class SamplerActor(SyncEndpoints):
             torch.set_num_threads(cpu_threads)
         backend = backend_class(config.backend, self.device)  # said before the (long) load
         print(f"sampler {self.name}: {backend.name} backend (asked for {config.backend!r})", flush=True)
+        if engine_share is not None and not backend.shares_engines:
+            raise SamplerError(f"--sampler.clients_per_engine: the {backend.name} backend has no engine to share")
         # A pause for a sync lasts at most sync_timeout_s: a generate held by one gives up only well after.
         self.backend, self.fmt = backend.load(
             model_path,
@@ -121,9 +128,7 @@ class SamplerActor(SyncEndpoints):
                 seed,
                 self.in_flight,
                 resume_timeout_s=3 * sync_timeout_s,
-                vllm={"stage_weights": config.stage_weights, "engine_stats": config.engine_stats}
-                | (vllm or {})
-                | ({"engine": config.engine_args()} if config.vllm_args else {}),
+                vllm=_vllm_options(config, vllm, engine_share),
                 adapter=adapter,
                 start_timeout_s=config.engine_start_timeout_s,
             ),
@@ -470,6 +475,17 @@ class SamplerActor(SyncEndpoints):
         for index, group in zip(indices, groups):
             if group is not None:  # no episode of it called the model: nothing to train on
                 yield rollout_group(self.name, index, group.prompt_ids, group.samples, group.version, seconds, finished)
+
+
+def _vllm_options(config: SamplerConfig, extra: dict | None, share: EngineShare | None) -> dict:
+    """`VLLMBackend`'s keyword arguments: the sampler section's, the spawner's ``extra`` ones
+    (``SamplerActor``'s ``vllm``), ``--sampler.vllm_args``' engine fields, and its engine ``share``."""
+    return (
+        {"stage_weights": config.stage_weights, "engine_stats": config.engine_stats}
+        | (extra or {})
+        | ({"engine": config.engine_args()} if config.vllm_args else {})
+        | ({"share": share} if share is not None else {})
+    )
 
 
 def _positions(model_path: str) -> int:

@@ -155,6 +155,9 @@ class SamplerBackend(abc.ABC):
     sent as they come (an evaluation's parts all at once, the OpenAI endpoint's calls one by one,
     each rollout problem a call of its own, taken back as it ends, at no cost in throughput);
     else they are batched, a batch at a time, by the caller."""
+    shares_engines: bool = False
+    """Whether several samplers can share one engine of this backend (``--sampler.clients_per_engine``:
+    `BackendOptions.vllm`'s ``share``)."""
 
     @classmethod
     @abc.abstractmethod

@@ -13,6 +13,11 @@ one that is already replaced is not judged by what its predecessor did. A lost s
 still alive is killed (`ActorHandle.kill`, that incarnation only), so it never comes back
 half-alive; the supervisor restarts it within its ``max_restarts``, and its return is judged by
 the actor's state alone (`ActorHandle.wait_for_incarnation`), never by a call.
+
+Samplers that share a vLLM engine (``--sampler.clients_per_engine``) stand and fall with its host,
+whose process the engine is a child of: a lost host loses every client of it (each a loss of its
+own), a host gone for good takes its clients along, and a client is formed into the group only
+with its host (`formable`).
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class Member:
     walk_base: int = 0  # prompts drawn from its walk before this run segment began
     fault: Fault | None = None  # open until a replacement rejoins
     waiter: asyncio.Task | None = None  # the wait for its replacement
+    host: Member | None = None  # the sampler whose vLLM engine this one is a client of; None: its own
 
     @property
     def name(self) -> str:
@@ -133,7 +139,10 @@ class Membership:
         recovery: RecoveryConfig,
         log: Log = print,
         events_path: str = "",
+        hosts: list[int | None] | None = None,
     ):
+        """``hosts``: per sampler, the index of the sampler whose vLLM engine it is a client of
+        (None: an engine of its own; the default for all)."""
         # A sampler already dead or stopped never came up (its start was lost, its restarts with
         # it: sampler_start.py): GONE from the start, as if lost for good later. It keeps its
         # place (its index, its seed, its data position), which checkpoints and resumes rely on.
@@ -141,6 +150,10 @@ class Membership:
             Member(h, i, seed, state=MemberState.GONE if h.info().state.final else MemberState.CANDIDATE)
             for i, (h, seed) in enumerate(zip(samplers, seeds))
         ]
+        for m, host in zip(self.members, hosts or []):
+            m.host = self.members[host] if host is not None else None
+            if m.host is not None and m.host.state is MemberState.GONE:
+                m.state = MemberState.GONE  # its engine never came up
         self.recovery, self.log = recovery, log
         self.events_path = events_path  # faults.jsonl: append-only, kept whole across resumes
         self.changed = asyncio.Event()  # set by every loss, return and ended pump: the driver's waits wake
@@ -155,6 +168,15 @@ class Membership:
 
     def with_state(self, *states: MemberState) -> list[Member]:
         return [m for m in self.members if m.state in states]
+
+    def formable(self) -> list[Member]:
+        """The members a rebuild forms the group of: in it or up to join it, each client of a
+        shared engine only with its host."""
+        up = self.with_state(MemberState.JOINED, MemberState.CANDIDATE)
+        return [m for m in up if m.host is None or m.host in up]
+
+    def clients_of(self, host: Member) -> list[Member]:
+        return [m for m in self.members if m.host is host]
 
     def none_left(self) -> bool:
         """No sampler is in the group or can come back to it."""
@@ -354,6 +376,9 @@ class Membership:
             m.waiter.cancel()
         m.waiter = self.spawn(self._await_return(m, incarnation), f"return of {m.name}")
         self.changed.set()
+        for client in self.clients_of(m):
+            if client.state in (MemberState.JOINED, MemberState.CANDIDATE):
+                self.lose(client, f"its vLLM engine went with {m.name}, its host ({cause})", kill=True)
 
     async def _await_return(self, m: Member, lost: int) -> None:
         """Wait (bounded by ``restart_timeout_s``) for the supervisor to run an incarnation of
@@ -368,8 +393,7 @@ class Membership:
             m.state, m.incarnation = MemberState.CANDIDATE, info.incarnation
             self.changed.set()
             return
-        m.state = MemberState.GONE
-        self.settled_at = time.monotonic()
+        self._gone(m)
         why = {
             ActorState.DEAD: "its restarts are used up or its restart failed",
             ActorState.STOPPED: "it was stopped",
@@ -378,7 +402,20 @@ class Membership:
             f"{m.name} will not come back: {why} ({info.state}, incarnation {info.incarnation}, "
             f"restarts {info.restarts}/{info.max_restarts})"
         )
+        for client in self.clients_of(m):
+            if client.state not in (MemberState.GONE, MemberState.DRAINED):
+                self._gone(client)
+                self.log(f"{client.name} will not come back either: its vLLM engine was {m.name}'s")
         self.changed.set()
+
+    def _gone(self, m: Member) -> None:
+        """``m`` is lost for good: nothing of it is awaited any more."""
+        for task in (m.pump, m.waiter):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        m.pump = m.waiter = None
+        m.state = MemberState.GONE
+        self.settled_at = time.monotonic()
 
     def joined(self, group: list[Member], version: int, seconds: float, generation: int) -> None:
         """``group`` formed ``generation`` and took ``version``: its candidates are members now,

@@ -135,6 +135,8 @@ class SamplerSource(Protocol):
     """They share the trainer's GPU."""
     per_gpu: int
     """Samplers sharing one GPU (``--sampler.per_gpu``)."""
+    clients_per_engine: int
+    """Samplers sharing one vLLM engine (``--sampler.clients_per_engine``)."""
 
     def __call__(self, index: int, /) -> Awaitable[SamplerHandle]:
         """Spawn sampler ``index`` (``sampler<index>``)."""
@@ -206,6 +208,11 @@ class Scaler:
         if unknown or "samplers" not in args:
             raise ScaleRefusedError(
                 f"scale takes samplers=N and force only (got {', '.join(sorted(args)) or 'nothing'})"
+            )
+        if self.source.clients_per_engine > 1:
+            raise ScaleRefusedError(
+                f"the samplers share vLLM engines (--sampler.clients_per_engine {self.source.clients_per_engine}), "
+                "which asyncrl scale does not start or drain yet"
             )
         active, before = self.active(), self.current_target()
         running = len(self.membership.with_state(MemberState.JOINED, MemberState.CANDIDATE))

@@ -6,6 +6,11 @@ it weights. Each member's `sync_join` closes each survivor's old (perhaps aborte
 creates one for the new membership; nothing else about the survivors is touched, and their
 rollouts keep flowing.
 
+Samplers that share a vLLM engine (``--sampler.clients_per_engine``): only the engine's host is a
+rank of the group, receiving into the one copy of the weights for all; once a sync is done on every
+rank, each other client is told (its own ``receive_weights``: where its requests stood at the
+load, read from the engine). A client failing that is lost, and the group formed again.
+
 Every group-wide call is one `Membership.call_all` with the trainer as its lead, and each
 member's outcome is judged: the trainer's death or silence stops the run
 (`SyncGroup._judge_trainer`); a sampler that died, fell silent, or failed by itself is lost; one
@@ -122,7 +127,7 @@ class SyncGroup:
             for m in members.members:  # each looked at when its turn comes: a state may change meanwhile
                 if m.state is MemberState.CANDIDATE and m.fault is not None:
                     await self._prepare_replacement(m)
-            group = members.with_state(MemberState.JOINED, MemberState.CANDIDATE)
+            group = members.formable()
             if not group:
                 members.nobody_to_form()
                 return  # the trainer alone: nobody to sync until a replacement is up
@@ -141,19 +146,32 @@ class SyncGroup:
         pause included), with success or a typed error, so each is waited for until then plus
         ``SYNC_GRACE_S``: one that has not answered by that time (frozen) is lost; one that answers
         late with a collective error, after a peer died (the trainer may have failed at once),
-        is a survivor, not a suspect."""
+        is a survivor, not a suspect. The clients of shared engines are told after their hosts."""
+        what = f"the weight sync of v{version}"
+        wait_s = self.deadlines.sync_timeout_s + SYNC_GRACE_S
         answers = await self._group_call(
-            group,
+            _ranks(group),
             lambda trainer: trainer.send_weights(version),
             lambda h, _: h.receive_weights(version),
-            f"the weight sync of v{version}",
+            what,
             "sync_timeout_s",
             self.deadlines.sync_timeout_s,
             SYNC_GRACE_S,
         )
-        if answers is not None:
+        clients = [m for m in group if m.host is not None]
+        if answers is None or not clients:
             self.last = answers
-        return answers is not None
+            return answers is not None
+        after = f"{what}, told after its engine's host"
+        told = await self.membership.call_all(
+            clients, lambda h, _: h.receive_weights(version), timeout_s=wait_s, what=after, whole=True
+        )
+        if told is None or not told.ok:
+            why = told.summary() if told is not None else "a client was replaced"
+            self.log(f"{after} failed (generation {self.generation}): {why}")
+            return False
+        self.last = (answers[0], answers[1] + told.values())
+        return True
 
     async def _prepare_replacement(self, m: Member) -> None:
         """A restarted sampler continues its predecessor's data walk, with a fresh sampling RNG."""
@@ -191,17 +209,18 @@ class SyncGroup:
             t,
             self.trainer.with_timeout(t).sync_listen(self.place.host),
         )
+        ranks = _ranks(group)
         address = SyncAddress(
             host=self.place.host,
             port=port,
-            world_size=1 + len(group),
+            world_size=1 + len(ranks),
             generation=self.generation,
             backend=self.place.backend,
             timeout_s=t,
         )
-        rank = {m: r for r, m in enumerate(group, start=1)}  # the trainer's is 0
+        rank = {m: r for r, m in enumerate(ranks, start=1)}  # the trainer's is 0
         answers = await self._group_call(
-            group,
+            ranks,
             lambda trainer: trainer.sync_join(address, 0),
             lambda h, m: h.sync_join(address, rank[m]),
             "joining the weight-sync group",
@@ -216,7 +235,7 @@ class SyncGroup:
         t = self.deadlines.sync_timeout_s
         delta = delta_wanted(self.delta, _node(self.trainer), [_node(m.handle) for m in group])
         answers = await self._group_call(
-            group,
+            _ranks(group),
             lambda trainer: trainer.setup_sender(t, wire_dtype=self.wire_dtype, delta=delta),
             lambda h, _: h.setup_receiver(t),
             "agreeing on the weight layout",
@@ -269,6 +288,12 @@ class SyncGroup:
             raise PhaseTimeoutError(f"{what}: the trainer did not answer within --run.{knob} {timeout_s:g} s")
         if isinstance(result, BaseException) and not suffered_from_peer(result):
             raise RunStoppedError(f"the trainer failed during {what}: {first_line(result)}") from result
+
+
+def _ranks(group: list[Member]) -> list[Member]:
+    """The members of ``group`` that are ranks of the weight-sync group: all but the clients of
+    shared engines, whose hosts receive for them."""
+    return [m for m in group if m.host is None]
 
 
 def _node(handle: SamplerHandle | TrainerRanks) -> int:

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import os
-import re
 import tempfile
 import time
 import uuid
@@ -39,13 +37,16 @@ import torch
 from asyncrl.rl.config.sampler import STAGE_MODES
 from asyncrl.rl.generation import Completion, SamplingParams, VersionSpan, changed_spans, row_seed
 from asyncrl.rl.sampler.backend import BackendOptions, PausableBackend, Progress, WeightSink
-from asyncrl.rl.sampler.errors import SamplerError
+from asyncrl.rl.sampler.errors import SamplerError, SamplerTimeoutError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options, lora_dtype_refusal
 from asyncrl.rl.sampler.vllm.engine_exit import STARTER
 from asyncrl.rl.sampler.vllm.janitor import Janitor, keep_compile_cache, shm_names
-from asyncrl.rl.sampler.vllm.sink import EngineSink
+from asyncrl.rl.sampler.vllm.request_versions import RequestVersions
+from asyncrl.rl.sampler.vllm.shared import ClientSink, EngineShare, EngineWatch, incarnation
+from asyncrl.rl.sampler.vllm.sink import EngineSink, engine_call
 from asyncrl.runtime.startup import start_phase
+from asyncrl.runtime.timeouts import timeout
 
 if TYPE_CHECKING:
     from asyncrl.comm.member import SyncSeat
@@ -137,11 +138,14 @@ class VLLMBackend(PausableBackend):
 
     The weights live in the engine's process, which receives them itself (`weight_sink`). With
     ``adapter`` (a `LoRAConfig`), syncs bring LoRA adapters only: this process receives them and the
-    engine serves them through vLLM's LoRA path (`adapter.py`).
+    engine serves them through vLLM's LoRA path (`adapter.py`). With ``share`` (an `EngineShare`),
+    the engine is one of several samplers (``shared.py``): its host starts it and takes the
+    weights, the others attach to it and are told of each sync (`ClientSink`).
     """
 
     name = "vllm"
     batches_requests = True
+    shares_engines = True
 
     @classmethod
     def load(cls, model_path: str, options: BackendOptions) -> tuple[VLLMBackend, PromptFormat]:
@@ -193,8 +197,11 @@ class VLLMBackend(PausableBackend):
         stage_weights: str = "auto",
         engine_stats: bool = False,
         start_timeout_s: float = 0.0,
+        share: EngineShare | None = None,
     ):
         super().__init__(resume_timeout_s=resume_timeout_s)
+        self.share = share
+        """Where this sampler sits among the clients of a shared engine (`shared.py`); None: an engine of its own."""
         self.device = torch.device(device)
         self.start_timeout_s = start_timeout_s  # the warm-up's budget, as the start's (`warm_up`)
         if stage_weights not in STAGE_MODES:
@@ -219,12 +226,20 @@ class VLLMBackend(PausableBackend):
             stats=engine_stats,
         )
         refusal = lora_dtype_refusal(args["dtype"], self.device.type) if adapter is not None else ""
+        if adapter is not None and share is not None:
+            refusal = "a shared vLLM engine takes no LoRA adapter syncs (--trainer.lora.sync merged)"
         if refusal:
             raise SamplerError(refusal)
         self.engine_counts: dict[str, float] | None = {} if engine_stats else None
         """With ``engine_stats``: the engine's preemptions and peak KV cache use (`compat.engine_counter`)."""
         self._preemptions_taken = 0  # of those, what `take_engine_window` has given out
-        self._start_engine(args)
+        self.engine_gone = ""  # a client of a shared engine: why the engine is gone, once it is
+        self._watch: EngineWatch | None = None
+        self._engine_paused = False
+        if share is not None and not share.is_host:
+            self._attach(args, share)
+        else:
+            self._start_engine(args)
         self.kv_cache_tokens = compat.kv_cache_tokens(self.engine)
         self.adapters = (
             EngineAdapters(self.engine, model_path, adapter, self._scratch, on_loaded=self._adapter_loaded)
@@ -233,10 +248,11 @@ class VLLMBackend(PausableBackend):
         )
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.dtype = compat.engine_dtype(self.engine)
-        self._ids = itertools.count()
+        self._next_id = 0
         self._prefix = uuid.uuid4().hex[:8]
-        self._spans: dict[str, list[list[VersionSpan]]] = {}  # request id -> per sample, while it runs
-        self._unplaced = False  # warned once: the worker could not say where requests stood at a sync
+        self.marker = f"asyncrl-{self._prefix}-"
+        """In vLLM's id of every request of this backend, and of no other's (shared engines' clients)."""
+        self._versions = RequestVersions()  # the version spans of the requests running
         self.tokens_generated = 0
         self.generate_s = 0.0
         self.engine_exit_codes: list[int | None] = []
@@ -270,15 +286,45 @@ class VLLMBackend(PausableBackend):
         keep_compile_cache(self._scratch)
         os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = self._scratch
         os.environ[STARTER] = str(os.getpid())  # its processes exit without a last full GC (engine_exit.py)
-        self._janitor = Janitor(self._scratch)
+        self._janitor: Janitor | None = Janitor(self._scratch)
         followed = self._janitor.follow(shm_names())
         try:
-            self.engine = compat.make_engine(args, self.engine_counts)
+            if self.share is None:
+                self.engine = compat.make_engine(args, self.engine_counts)
+            else:  # the host of a shared engine: the core, for every client's slots, and its own client
+                slot = self.share.slot(incarnation())
+                self.engine = compat.start_shared_engine(args, self.share.addresses(), slot, self.engine_counts)
         except BaseException:
             followed()
             self._janitor.finish()
             raise
         followed()
+
+    def _attach(self, args: dict[str, Any], share: EngineShare) -> None:
+        """``self.engine``: a client of ``share.host``'s engine, which may still be starting (its
+        own budget, ``start_timeout_s``, bounds the wait). Owns no process, so no scratch directory
+        or janitor: the engine and what it leaves are the host's."""
+        wait_s = self.start_timeout_s or 900.0
+        knob = "--sampler.engine_start_timeout_s"
+        start_phase(f"attaching to {share.host}'s vLLM engine", budget_s=wait_s, knob=knob)
+        refusal = compat.shared_engine_refusal()
+        if refusal:
+            raise SamplerError(f"--sampler.clients_per_engine: {refusal}")
+        self._janitor = None
+        slot = share.slot(incarnation())
+        try:
+            self.engine = compat.attach_to_engine(args, share.addresses(), slot, wait_s, self.engine_counts)
+        except TimeoutError:
+            why = f"{share.host}'s vLLM engine did not answer this client within {wait_s:g} s ({knob})"
+            raise SamplerError(why) from None
+
+    def _engine_ended(self, host: str, pid: int) -> None:
+        """``host``'s engine's process ended: shut this client, so that its generates fail at once
+        (vLLM's `EngineDeadError`, raised as a `SamplerError`)."""
+        self.engine_gone = f"{host}'s vLLM engine ended (its process {pid} exited)"
+        print(f"VLLMBackend: {self.engine_gone}: this sampler cannot generate any more", flush=True)
+        if self.engine is not None:
+            compat.engine_lost(self.engine)
 
     # --- SamplerBackend -------------------------------------------------------------------------
 
@@ -304,13 +350,51 @@ class VLLMBackend(PausableBackend):
         params = msgspec.structs.replace(params, max_new_tokens=2)
         for prompts, n in (([prompt], 3), ([prompt, prompt], 1)):  # batches of 3, then 2 sequences
             await self.generate(prompts, n, params)
+        if self.share is not None and not self.share.is_host and self._watch is None:
+            pid = await engine_call(self, "pid", 30.0)
+            self._watch = EngineWatch(pid, functools.partial(self._engine_ended, self.share.host))
 
     def weight_sink(self, seat: SyncSeat) -> WeightSink:
         if self.adapters is not None:  # adapters only: received here, in the actor
             from asyncrl.rl.sampler.sink import ActorSink
 
             return ActorSink(seat, self.adapters)
+        if self.share is not None and not self.share.is_host:
+            return ClientSink(self, self.share.host)
         return EngineSink(self)
+
+    async def pause(self, timeout_s: float = 600.0) -> None:
+        """As every backend's; the host of a shared engine then also waits for the other clients'
+        requests in it, and holds their new ones in the engine (vLLM's pause in its "wait" mode),
+        all within ``timeout_s``: a load in pause mode then runs under no request of any client."""
+        deadline = time.monotonic() + timeout_s
+        await super().pause(timeout_s)
+        if self.share is None or not self.share.is_host:
+            return
+        self._engine_paused = True
+        try:
+            async with timeout(max(deadline - time.monotonic(), 1e-3)):
+                await compat.pause_engine(self.engine)
+        except TimeoutError:
+            await self.resume()
+            raise SamplerTimeoutError(
+                f"pause: the requests of the engine's other clients did not finish within {timeout_s:g} s"
+            ) from None
+        except BaseException:
+            await self.resume()
+            raise
+
+    async def resume(self) -> None:
+        try:
+            if self._engine_paused:
+                self._engine_paused = False
+                await compat.resume_engine(self.engine)
+        finally:
+            await super().resume()
+
+    def request_mark(self) -> int:
+        """The number the next request will take: every request from it on is sent after now."""
+        return self._next_id
 
     def close(self) -> None:
         """Shut the engine down (its process ends with it). Idempotent."""
@@ -318,6 +402,8 @@ class VLLMBackend(PausableBackend):
             return
         self._mark_closed()
         engine, self.engine = self.engine, None
+        if self._watch is not None:
+            self._watch.close()
         processes = compat.engine_processes(engine)
         # Shut down now and drop the engine, so its __del__ (which shuts down again) runs here and
         # not at interpreter exit, when the modules it needs are gone.
@@ -325,7 +411,8 @@ class VLLMBackend(PausableBackend):
             engine.shutdown()
             del engine
         finally:
-            self._janitor.finish()
+            if self._janitor is not None:
+                self._janitor.finish()
         self.engine_exit_codes = [p.exitcode for p in processes]
 
     # --- generation -------------------------------------------------------------------------------
@@ -350,20 +437,23 @@ class VLLMBackend(PausableBackend):
                 (prompt, self._params(params, per_request, i, progress), _rows(progress, i, n, per_request))
                 for i, prompt in enumerate(prompts)
             ]
-        request_ids = [f"asyncrl-{self._prefix}-{next(self._ids)}" for _ in calls]
+        first, self._next_id = self._next_id, self._next_id + len(calls)
+        request_ids = [f"{self.marker}{first + i}" for i in range(len(calls))]
         lora = self.adapters.acquire() if self.adapters is not None else None  # one adapter for the batch
         requests = [
-            asyncio.ensure_future(self._request(rid, prompt, request_params, lora, report))
-            for rid, (prompt, request_params, report) in zip(request_ids, calls)
+            asyncio.ensure_future(self._request(rid, first + i, prompt, request_params, lora, report))
+            for i, (rid, (prompt, request_params, report)) in enumerate(zip(request_ids, calls))
         ]
         try:
             outputs = await asyncio.gather(*requests)
-        except BaseException:
+        except BaseException as exc:
             # Unwanted now (cancelled caller, a failed sibling): free the engine of all of them.
             for r in requests:
                 r.cancel()
             await asyncio.gather(*requests, return_exceptions=True)
             await asyncio.shield(self._abort(request_ids))
+            if self.engine_gone and not isinstance(exc, asyncio.CancelledError):
+                raise SamplerError(self.engine_gone) from exc
             raise
         finally:
             if lora is not None and self.adapters is not None:
@@ -377,6 +467,7 @@ class VLLMBackend(PausableBackend):
     async def _request(
         self,
         request_id: str,
+        number: int,
         prompt: list[int],
         params: Any,
         lora: Any = None,
@@ -386,7 +477,7 @@ class VLLMBackend(PausableBackend):
         sampled under (`weights_changed` keeps them while it runs)."""
         final = None
         latest: dict[int, Any] = {}  # streamed (cumulative), an output holds only the samples that moved
-        spans = self._spans[request_id] = [[VersionSpan(0, self.weights_version)] for _ in range(params.n)]
+        spans = self._versions.begin(request_id, number, params.n, self.weights_version)
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id, lora_request=lora):
                 final = out
@@ -395,7 +486,7 @@ class VLLMBackend(PausableBackend):
                     if report is not None:
                         report(sample.index, list(sample.token_ids))
         finally:
-            del self._spans[request_id]
+            self._versions.end(request_id)
         if final is None or not final.finished:
             raise SamplerError(f"vLLM request {request_id} ended without a final output")
         final.outputs = [latest[i] for i in sorted(latest)]
@@ -417,31 +508,15 @@ class VLLMBackend(PausableBackend):
         peak, counts["kv_cache_window_peak"] = counts.get("kv_cache_window_peak", 0.0), 0.0
         return preemptions, peak
 
-    def weights_changed(self, version: int, positions: dict[str, int] | None) -> None:
+    def weights_changed(self, version: int, positions: dict[str, int] | None, since: int) -> None:
         """New weights (``version``) are in the engine; ``positions``: where each request stood
         then, by vLLM's internal id (`compat.request_positions`; {} when none ran across the load,
-        None when the worker could not tell: those requests keep the old version for the rest of
-        their tokens, which over-counts their staleness rather than hide it). A request the
-        engine had not begun yet begins with these weights. A request that ended between the
-        load and this call keeps the old version for its last tokens, likewise over-counted."""
+        None when the worker could not tell); ``since``: the `request_mark` taken before the load
+        was asked for. Each running request's spans follow `RequestVersions`' rule: exact where the
+        table lists it, else over-counted, never hidden. A request that ended between the load and
+        this call keeps the old version for its last tokens, likewise over-counted."""
         self.weights_version = version
-        if positions is None:
-            if self._spans and not self._unplaced:
-                self._unplaced = True
-                print(
-                    "VLLMBackend: the engine did not say where its requests stood at a weight update: their "
-                    "later tokens are counted as of the older version",
-                    flush=True,
-                )
-            return
-        stood = _positions_by_sample(positions)
-        for request_id, samples in self._spans.items():
-            for index, spans in enumerate(samples):
-                at = stood.get((request_id, index), 0)  # not in the runner: not begun yet
-                if at <= spans[-1].start:
-                    spans[-1] = VersionSpan(spans[-1].start, version)  # no token of the old span yet
-                else:
-                    spans.append(VersionSpan(at, version))
+        self._versions.changed(version, positions, since)
 
     def _adapter_loaded(self, version: int) -> None:
         """A LoRA sync made ``version``'s adapter the engine's: batches running keep theirs."""
@@ -521,19 +596,3 @@ def _rows(progress: Progress | None, prompt: int, n: int, per_request: int) -> C
 def _exactly(params: SamplingParams, length: int) -> SamplingParams:
     """``params`` for one row that must run ``length`` tokens: nothing stops it before."""
     return msgspec.structs.replace(params, max_new_tokens=length, stop_token_ids=[], stop=[], exact_lengths=[])
-
-
-_INTERNAL_ID = re.compile(r"^(?:(\d+)_)?(asyncrl-[0-9a-f]{8}-\d+)(?:-.*)?$")
-"""vLLM's internal id of one of our requests: ours (`VLLMBackend._generate`'s), a sample's
-``"{index}_"`` before it where the request has several (vLLM's parallel sampling), and a random
-suffix after it in the vLLM releases that make external ids unique."""
-
-
-def _positions_by_sample(positions: dict[str, int]) -> dict[tuple[str, int], int]:
-    """`compat.request_positions`' table by (our request id, sample index); ids not ours are left out."""
-    out = {}
-    for internal, count in positions.items():
-        match = _INTERNAL_ID.match(internal)
-        if match is not None:
-            out[(match.group(2), int(match.group(1) or 0))] = count
-    return out

