@@ -244,6 +244,12 @@ class Exits(Actor):
         return torch.get_num_threads()
 
     @endpoint
+    async def temp_dir(self) -> str:
+        import tempfile
+
+        return tempfile.gettempdir()
+
+    @endpoint
     async def tqdm_disabled(self) -> bool:
         from tqdm.std import tqdm
 

@@ -154,6 +154,22 @@ async def test_what_a_preloaded_module_read_from_the_environment_follows_the_act
         assert await loud.tqdm_disabled() is False
 
 
+async def test_an_actor_s_temporary_directory_is_its_own_not_the_one_the_zygote_found(monkeypatch, tmp_path):
+    """A preloaded import found the zygote's TMPDIR (a directory that may be gone by the time an
+    actor is forked: an in-process vLLM engine's scratch, once); the actor gets its own."""
+    for name in ("zygote", "actor"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv(ENV_PREFIX + "ZYGOTE_PRELOAD", "asyncrl.runtime.worker,tmpdir_at_import")
+    tests = os.path.dirname(os.path.abspath(__file__))  # where the zygote finds that module
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "zygote"))
+    async with Supervisor() as sup:
+        actor = await sup.spawn(Exits, env={"TMPDIR": str(tmp_path / "actor")})
+        assert await actor.parent() == sup._zygote.pid
+        assert sup._zygote.ready.result().failed == []  # the zygote did import it
+        assert await actor.temp_dir() == str(tmp_path / "actor")
+
+
 async def test_an_actor_whose_environment_differs_in_what_imports_read_starts_by_popen(monkeypatch, caplog):
     caplog.set_level("INFO", logger="asyncrl.supervisor")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

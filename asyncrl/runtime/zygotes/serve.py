@@ -19,6 +19,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 from typing import Any
 
 import msgspec
@@ -138,9 +139,11 @@ def _place_fds(received: list[int], targets: list[int]) -> None:
 
 def _reset_child(env: dict[str, str]) -> None:
     """What a fresh interpreter reads from its environment at start or import, set again from
-    the request's: the environment itself, torch's intra-op threads, the random seeds."""
+    the request's: the environment itself, the temporary directory, torch's intra-op threads, the
+    random seeds."""
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # the zygote's, cached from its own TMPDIR: read from the request's again
     random.seed()  # os.fork reseeds it too; explicit, as numpy's below is not
     numpy = sys.modules.get("numpy")
     if numpy is not None:
