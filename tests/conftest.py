@@ -140,6 +140,7 @@ LONGEST_FIRST = (
     "lora",
     "run_lifecycle",
     "vllm_backend",
+    "shared_engine",
     "lora_vllm",
     "user_task",
     "multinode",

@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from asyncrl.rl.model.policy import PromptFormat
 
 EXTENSION = "asyncrl.rl.sampler.vllm.worker.WeightSyncExtension"
+_SCRATCH_ENVIRON = ("VLLM_RPC_BASE_PATH", "TMPDIR")
+"""What `VLLMBackend._start_engine` points at the engine's own scratch directory while it runs."""
 DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
 
 
@@ -284,6 +286,9 @@ class VLLMBackend(PausableBackend):
         whenever this process ends. torch.compile's cache stays where it was (`keep_compile_cache`)."""
         self._scratch = tempfile.mkdtemp(prefix=f"asyncrl-vllm-{os.getpid()}-")
         keep_compile_cache(self._scratch)
+        # Put back by `close`, which removes the directory: a process that outlives its engine (an
+        # evaluation's, a test's) must not go on making temporary files, or children, under it.
+        self._environ_before = {key: os.environ.get(key) for key in _SCRATCH_ENVIRON}, tempfile.tempdir
         os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = self._scratch
         os.environ[STARTER] = str(os.getpid())  # its processes exit without a last full GC (engine_exit.py)
         self._janitor: Janitor | None = Janitor(self._scratch)
@@ -297,6 +302,7 @@ class VLLMBackend(PausableBackend):
         except BaseException:
             followed()
             self._janitor.finish()
+            self._restore_environ()
             raise
         followed()
 
@@ -413,7 +419,17 @@ class VLLMBackend(PausableBackend):
         finally:
             if self._janitor is not None:
                 self._janitor.finish()
+                self._restore_environ()
         self.engine_exit_codes = [p.exitcode for p in processes]
+
+    def _restore_environ(self) -> None:
+        """The temporary directory as it was before `_start_engine` pointed it at the scratch one."""
+        values, tempfile.tempdir = self._environ_before
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
     # --- generation -------------------------------------------------------------------------------
 
