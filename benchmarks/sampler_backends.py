@@ -317,7 +317,7 @@ def child(backend: str, model_path: str, args: argparse.Namespace) -> None:
     import torch
 
     from asyncrl.rl.sampler.vllm import compat
-    from asyncrl.rl.sampler.vllm.backend import engine_args
+    from asyncrl.rl.sampler.vllm.engine_setup import engine_args
 
     compat.environ_defaults(compat.engine_environment(args.device))  # as VLLMBackend does
     options = vllm_options(args)

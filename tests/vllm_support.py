@@ -48,7 +48,7 @@ a one-GPU machine cannot give NCCL two ranks on one GPU."""
 @functools.cache
 def vllm_device() -> tuple[torch.device | None, str]:
     """(the device the installed vLLM build samples on, "") or (None, why none)."""
-    from asyncrl.rl.sampler.vllm.backend import vllm_unusable
+    from asyncrl.rl.sampler.vllm.engine_setup import vllm_unusable
 
     why_cpu = vllm_unusable(torch.device("cpu"))
     if not why_cpu:

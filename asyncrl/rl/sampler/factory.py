@@ -32,7 +32,7 @@ def choose_backend(name: str, device: torch.device) -> str:
         raise ValueError(f"sampler backend must be one of {BACKENDS}, not {name!r}")
     if name == "hf" or (name == "auto" and torch.device(device).type == "cpu"):
         return "hf"
-    from asyncrl.rl.sampler.vllm.backend import vllm_unusable
+    from asyncrl.rl.sampler.vllm.engine_setup import vllm_unusable
 
     why = vllm_unusable(device)
     if not why:

