@@ -156,6 +156,27 @@ def test_a_sequence_longer_than_a_row_gets_a_row_of_its_own():
     long = RolloutGroup(0, [5, 6, 7], [[1] * 40, [2, 3]], [[-1.0] * 40, [-1.0, -1.0]], [1.0, 0.0], version=0)
     (batch,) = packed_micro_batches([long], group_advantages([[1.0, 0.0]]), budget=10_000, device=CPU, pack_tokens=16)
     assert batch.input_ids.shape == (2, 43) and batch.attention.sum(1).tolist() == [5, 43]
+    assert batch.position_ids is None  # rows of one sequence each: the padded layout, no block mask
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_padded_rows_without_a_mask_score_what_each_sequence_scores_alone(embedded_path, attention):
+    """Padded rows go in without a mask (the causal one keeps every token from its row's trailing
+    padding: `layout_inputs`); each sequence's logits are those of its forward alone, unpadded."""
+    from asyncrl.rl.model.policy import load_policy
+
+    torch.set_num_threads(1)
+    model, _, _ = load_policy(embedded_path)
+    model.set_attn_implementation(attention)
+    groups = random_groups(seed=4, n_groups=3)
+    (batch,) = micro_batches(groups, group_advantages([list(g.rewards) for g in groups]), 10_000, CPU)
+    lengths = batch.attention.sum(1).tolist()
+    assert min(lengths) < batch.input_ids.shape[1]  # some rows are padded
+    with torch.no_grad():
+        rows = policy_logits(model, batch)
+        for r, n in enumerate(lengths):
+            alone = model(input_ids=batch.input_ids[r : r + 1, :n], use_cache=False).logits[0]
+            torch.testing.assert_close(rows[r, :n], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_the_block_mask_never_crosses_a_sequence_boundary():

@@ -116,7 +116,10 @@ def grpo_batch(prompt_lengths: list[int], completion_lengths: list[list[int]]) -
 def test_the_layers_compile_once_whatever_the_micro_batches_of_a_grpo_run(tmp_path, monkeypatch, pack_tokens):
     """What made the layers recompile mid-run on a GPU (``scoring/forward.py``'s `layout_inputs`):
     a micro-batch without padding (transformers then gave the layers no mask) and one of one row
-    (a size of 1 is specialised); here in steps after a first step of ordinary micro-batches."""
+    (a size of 1 is specialised); here in steps after a first step of ordinary micro-batches. The
+    layers compile once for each layout they meet (padded rows, no mask; packed rows, a 4-D mask):
+    packed, the first step holds a sequence too long to share a row, which makes a padded
+    micro-batch (`packed_micro_batches`), so both are met there."""
     from asyncrl.rl.trainer import actor, policy
 
     graphs = []
@@ -133,7 +136,8 @@ def test_the_layers_compile_once_whatever_the_micro_batches_of_a_grpo_run(tmp_pa
         )
         steps = [
             # rows of varied lengths, several micro-batches, the last one smaller
-            grpo_batch([5, 9, 7], [[3, 12, 8, 20], [6, 6, 15, 2], [20, 1, 5, 3]]),
+            grpo_batch([5, 9, 7], [[3, 12, 8, 20], [6, 6, 15, 2], [20, 1, 5, 3]])
+            + (grpo_batch([8], [[50, 3]]) if pack_tokens else []),
             # every row the same length: a micro-batch without padding
             grpo_batch([6, 6], [[10, 10, 10], [10, 10, 10]]),
             # a sequence longer than half the budget: a micro-batch of one row

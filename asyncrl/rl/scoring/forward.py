@@ -14,9 +14,12 @@ implementation:
   the position ids alone; transformers derives the sequences' boundaries from them (flash's varlen
   path, ``modeling_flash_attention_utils._is_packed_sequence``, takes one row only).
 
-A model whose decoder layers are compiled (`MIN_ROWS`) gets an explicit 4-D mask for padded rows
-under sdpa / eager as well (`padded_causal_mask`) and no micro-batch of one row: what the compiled
-layers are called with stays the same from one micro-batch to the next (`layout_inputs`).
+Padded rows go in without a mask under sdpa / eager: a row's padding lies after every token of its
+sequence, so the causal mask alone keeps each token from it, exactly. sdpa then runs a causal
+kernel, which skips the masked half of the scores; given an explicit mask it ran one that
+computes every score and reads the mask (the difference at long sequences: docs/trainer.md). A
+model whose decoder layers are compiled (`MIN_ROWS`) gets no micro-batch of one row
+(`layout_inputs`).
 """
 
 from __future__ import annotations
@@ -75,28 +78,25 @@ def layout_inputs(model, batch: MicroBatch) -> tuple[dict, bool]:
     into ``batch``'s rows (the output may hold more rows than ``batch``: cut it to them). Written
     once for every forward that scores a batch.
 
-    What the decoder layers are called with stays the same from one micro-batch to the next, so
-    that layers compiled for dynamic shapes (``trainer/compile.py``) compile once, not again
-    mid-run (each recompile cost seconds of a step on a GPU, and past dynamo's recompile limit a
-    layer runs eagerly for good):
+    What the decoder layers are called with stays alike from one micro-batch to the next, so that
+    layers compiled for dynamic shapes (``trainer/compile.py``) compile once for each layout
+    (padded: no mask; packed: a 4-D one), not again mid-run (each recompile cost seconds of a step
+    on a GPU, and past dynamo's recompile limit a layer runs eagerly for good):
 
-    - a compiled model's padded rows get our 4-D mask: given a 2-D one, transformers drops it for
-      sdpa when the rows have no padding (``is_causal`` instead), and dynamo recompiled on the
-      layers' ``attention_mask`` turning None (``expected type of 'attention_mask' to be a tensor
-      type``). An eager model keeps the 2-D mask, and sdpa's causal kernel where nothing is padded;
+    - padded rows under sdpa / eager get no mask, whether or not they hold padding (given a 2-D
+      mask, transformers turned it into a 4-D one only where a row had padding, and dynamo
+      recompiled on the layers' mask turning None); other implementations keep the 2-D mask
+      (flash attention's own path drops the padding's tokens);
     - a compiled model (`MIN_ROWS`) gets no micro-batch of one row: dynamo specialises a size of 1
       even for dynamic shapes and recompiled on the first one (``2 <= hidden_states.size()[0]``).
       The flat layout is always one row, never another number, so it needs neither."""
     masked = model.config._attn_implementation in MASKED_IMPLEMENTATIONS
     if batch.position_ids is not None and not masked:
         return flat_inputs(batch), True
-    min_rows = getattr(model, MIN_ROWS, 1)
-    batch = _with_rows(batch, min_rows)
+    batch = _with_rows(batch, getattr(model, MIN_ROWS, 1))
     if batch.position_ids is not None:
         return masked_inputs(model, batch), False
-    compiled = min_rows > 1
-    mask = _for_implementation(model, padded_causal_mask(batch.attention)) if masked and compiled else batch.attention
-    return dict(input_ids=batch.input_ids, attention_mask=mask, use_cache=False), False
+    return dict(input_ids=batch.input_ids, attention_mask=None if masked else batch.attention, use_cache=False), False
 
 
 def _with_rows(batch: MicroBatch, rows: int) -> MicroBatch:
@@ -158,15 +158,6 @@ def flat_logits(model, batch: MicroBatch) -> torch.Tensor:
 
 def _unflatten(out: torch.Tensor, batch: MicroBatch, flat: bool) -> torch.Tensor:
     return out.view(*batch.input_ids.shape, -1) if flat else out
-
-
-def padded_causal_mask(attention: torch.Tensor) -> torch.Tensor:
-    """``[R, 1, L, L]`` boolean, True where query ``q`` may attend key ``k``: ``k <= q`` and ``k``
-    a token of the row (``attention`` 1), what transformers builds for right-padded rows (every
-    query sees the row's first token: none attends nothing)."""
-    length = attention.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=attention.device).tril()
-    return (causal & attention.bool()[:, None, :]).unsqueeze(1)
 
 
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:

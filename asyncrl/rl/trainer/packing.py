@@ -81,5 +81,9 @@ def _build(rows: list[list[Sequence]], device: torch.device) -> MicroBatch:
             s += 1
         positions[r, offset:] = torch.arange(length - offset)  # the padding: a sequence of its own
     advantages = torch.tensor([seq.advantage for seq in seqs], dtype=torch.float32)
-    batch = MicroBatch(ids, attention, score_index, mask, behaviour, advantages, row_of, positions)
+    # Rows of one sequence each are the padded layout: no position ids, so the forward needs no
+    # block mask and attention runs its causal kernels (scoring/forward.py). Long sequences, a row
+    # each, land here.
+    single = all(len(row) == 1 for row in rows)
+    batch = MicroBatch(ids, attention, score_index, mask, behaviour, advantages, row_of, None if single else positions)
     return batch.to(device, seqs, width)
