@@ -29,8 +29,9 @@ And what does not depend on the release but on how vLLM is used, the same in all
 * log-probs kept flat (`sampling_params`, `sampled_logprobs`);
 * FlashInfer, optional in vLLM's CUDA build (`engine_environment`);
 * one engine core fed by several client processes (``--sampler.clients_per_engine``, ``shared.py``:
-  `start_shared_engine`, `attach_to_engine`, `pause_engine`, `engine_lost`): vLLM 0.32's API, run
-  on its CPU build; a release without it is refused by its signatures (`shared_engine_refusal`).
+  `start_shared_engine`, `attach_to_engine`, `pause_engine`, `engine_lost`): run on 0.32's CPU
+  build and 0.24's CUDA build (whose ``launch_core_engines`` yields a tuple, not 0.32's
+  ``CoreEngineLaunch``); a release without it is refused by its signatures (`shared_engine_refusal`).
 """
 
 from __future__ import annotations
