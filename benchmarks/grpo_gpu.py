@@ -37,7 +37,9 @@ trained and dropped by bucket. TRL runs ``uniform:N`` only (its completions are 
 ``RUN@N`` runs asyncrl on the host's first N GPUs (``CUDA_VISIBLE_DEVICES``), so the device plan
 decides as it would on such a host: one GPU colocated, 1 + samplers GPUs each its own. Each GPU's
 busy share over the same steady window is ``nvidia-smi``'s utilization (the share of time a kernel
-ran), sampled every 200 ms.
+ran), sampled every 200 ms. Below the table, the CPU each process of an asyncrl run used over the
+same window, in cores, by its role (``process_cpu.py``: ``sampler0``, its vLLM engine core
+``sampler0 engine``, ``trainer``, the driver ``launch ...``): where a sampler's CPU bound lies.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from process_cpu import ProcessCpu  # noqa: E402
 from sampler_backends import SHAPES, make_model, prompt_ids  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +174,7 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
     print("$", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if gpus else "", " ".join(cmd[2:]), flush=True)
-    busy, stamps, finished = GpuBusy(), {}, threading.Event()
+    busy, cpu, stamps, finished = GpuBusy(), ProcessCpu(), {}, threading.Event()
     watcher = threading.Thread(
         target=watch_steps, args=(os.path.join(run_dir, "metrics.jsonl"), stamps, finished), daemon=True
     )
@@ -183,6 +186,7 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
         finished.set()
         watcher.join()
         busy.close()
+        cpu.close()
     wall = time.monotonic() - start
     if code != 0:
         tail = "\n".join(output.splitlines()[-15:])
@@ -201,6 +205,7 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
             trained_by_length[bucket] = trained_by_length.get(bucket, 0) + n
     # Each step's record counts its own (a run cut short still tells), from the measured window.
     counted = [r["engine_preemptions"] for r in window if "engine_preemptions" in r]
+    steady = (stamps.get(args.skip, 0.0), stamps.get(len(records) - 1, time.time()))
     return {
         "length_mean": mean("length_mean"),
         "token_lag_mean": mean("token_lag_mean"),
@@ -230,7 +235,8 @@ def asyncrl_run(mode: str, args, model: str, run_dir: str, gpus: int = 0) -> dic
         },
         "micro_batch_tokens": window[0].get("micro_batch_tokens"),
         "first_step_s": records[0]["time_s"],
-        "gpu_busy": busy.share(stamps.get(args.skip, 0.0), stamps.get(len(records) - 1, time.time())),
+        "gpu_busy": busy.share(*steady),
+        "cpu_cores": cpu.cores(*steady),
         "sampler_generate_s": mean("generate_s"),
         # the best a step can do: the sampler's generation of a batch, or the trainer's step and sync
         "ideal_share": max(mean("generate_s"), train + sync) / step_s,
@@ -422,6 +428,9 @@ def table(shape: str, results: dict[str, dict], long: bool = False) -> str:
                 else ""
             )
         )
+    for name, r in results.items():
+        if r.get("cpu_cores"):
+            rows.append(f"CPU cores, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items()))
     for peer, p in results.items():
         if peer.startswith("trl") and p.get("samples_per_s"):
             rows += [
