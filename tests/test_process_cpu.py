@@ -14,12 +14,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from process_cpu import ProcessCpu, role  # noqa: E402
 
-# A process titled "asyncrl: spinner [test]" that busy-loops, with a sleeping child titled as
-# vLLM's engine core is; both end when their stdin closes.
-SPINNER = """
-import os, subprocess, sys, threading, setproctitle
+
+def waiter(title: str) -> str:
+    """A process titled ``title`` that says it is up, then waits for its stdin to close."""
+    return f"import sys, setproctitle; setproctitle.setproctitle({title!r}); print('up', flush=True); sys.stdin.read()"
+
+
+# A process titled "asyncrl: spinner [test]" that busy-loops, with a waiting child titled as vLLM's
+# engine core is; both end when their stdin closes.
+SPINNER = f"""
+import subprocess, sys, threading, setproctitle
 setproctitle.setproctitle("asyncrl: spinner [test]")
-engine = subprocess.Popen([sys.executable, "-c", "import sys, setproctitle; setproctitle.setproctitle('VLLM::EngineCore'); print('up', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+pipe = subprocess.PIPE
+engine = subprocess.Popen([sys.executable, "-c", {waiter("VLLM::EngineCore")!r}], stdin=pipe, stdout=pipe)
 engine.stdout.readline()
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
@@ -28,7 +35,7 @@ while not done.is_set():
     sum(range(1000))
 engine.stdin.close(); engine.wait()
 """
-SLEEPER = "import sys, setproctitle; setproctitle.setproctitle('asyncrl: sleeper [test]'); print('up', flush=True); sys.stdin.read()"
+SLEEPER = waiter("asyncrl: sleeper [test]")
 
 
 def test_roles_come_from_titles_and_an_engine_core_is_named_after_its_owner():
