@@ -2,10 +2,11 @@
 (`policy_logits`) or the final hidden states the output layer reads (`policy_hidden`), each
 sequence attending only to its own tokens.
 
-Padded rows (one sequence a row) go in with their attention mask. Packed rows (``trainer/packing.py``:
-``position_ids`` restarting at 0 at every sequence, the row's trailing padding one more "sequence"
-of its own) keep attention within a sequence by one of two means, chosen by the model's attention
-implementation:
+Padded rows (one sequence a row, its padding after it) go in without a mask under ``sdpa`` /
+``eager`` and with their attention mask under any other implementation (below). Packed rows
+(``trainer/packing.py``: ``position_ids`` restarting at 0 at every sequence, the row's trailing
+padding one more "sequence" of its own) keep attention within a sequence by one of two means,
+chosen by the model's attention implementation:
 
 - ``sdpa`` / ``eager``: an explicit 4-D block-diagonal causal mask ``[R, 1, L, L]`` (boolean for
   sdpa, additive for eager: the conventions transformers 5 passes through unchanged when a mask is
@@ -14,12 +15,11 @@ implementation:
   the position ids alone; transformers derives the sequences' boundaries from them (flash's varlen
   path, ``modeling_flash_attention_utils._is_packed_sequence``, takes one row only).
 
-Padded rows go in without a mask under sdpa / eager: a row's padding lies after every token of its
+Why padded rows need no mask under sdpa / eager: a row's padding lies after every token of its
 sequence, so the causal mask alone keeps each token from it, exactly. sdpa then runs a causal
-kernel, which skips the masked half of the scores; given an explicit mask it ran one that
-computes every score and reads the mask (the difference at long sequences: docs/trainer.md). A
-model whose decoder layers are compiled (`MIN_ROWS`) gets no micro-batch of one row
-(`layout_inputs`).
+kernel, which skips the masked half of the scores; given an explicit mask it cannot (the
+difference at long sequences: docs/trainer.md). A model whose decoder layers are compiled
+(`MIN_ROWS`) gets no micro-batch of one row (`layout_inputs`).
 """
 
 from __future__ import annotations
