@@ -52,6 +52,7 @@ TIERS = {
         "kill",
         "lifecycle",
         "multinode",
+        "process_cpu",
         "remote_errors",
         "rpc",
         "rpc_tensors",
