@@ -82,6 +82,15 @@ class LongTailSampler:
         self.rng = random.Random(seed)
         self.generated = generated  # every completion length this sampler delivered
         self.problems = 0
+        self.running = 0  # problems decoding now: the engine's batch, in groups
+        self._since = 0.0
+        self.group_seconds = 0.0  # the integral of ``running`` over time
+
+    def count_running(self, change: int) -> None:
+        now = asyncio.get_running_loop().time()
+        self.group_seconds += self.running * (now - self._since)
+        self.running += change
+        self._since = now
 
     def info(self) -> SimpleNamespace:
         return SimpleNamespace(state=ActorState.RUNNING, incarnation=0)
@@ -110,7 +119,11 @@ class LongTailSampler:
         prompt_id = self.problems
         began, version = loop.time(), self.weights.version
         lengths = [self.profile.draw(self.rng) for _ in range(4)]
-        await asyncio.sleep(max(lengths) / TOKENS_PER_S)
+        self.count_running(+1)
+        try:
+            await asyncio.sleep(max(lengths) / TOKENS_PER_S)
+        finally:
+            self.count_running(-1)
         ended.put_nowait(
             RolloutGroup(
                 prompt_id=prompt_id,
@@ -140,12 +153,22 @@ class RecordingQueue(RolloutQueue):
 
 
 async def run_long_tails(
-    *, steps: int, n: int, max_staleness: int, samplers: int, batch: int, streams: int, train_s: float
+    *,
+    steps: int,
+    n: int,
+    max_staleness: int,
+    samplers: int,
+    batch: int,
+    streams: int,
+    train_s: float,
+    batching: bool = True,
 ) -> dict:
     profile = LengthProfile("lognormal", 8192)
     weights, generated = Weights(), []
     handles = [LongTailSampler(f"sampler{i}", weights, profile, seed=i, generated=generated) for i in range(samplers)]
     membership = Membership(handles, list(range(samplers)), recovery=RecoveryConfig(), log=lambda *_: None)
+    for m in membership.members:  # what each sampler's stats tell the driver before it joins
+        membership.engine_seen(m, batches_requests=batching)
     queue = RecordingQueue(2 * n * (max_staleness + 1), max_staleness)
     pacer = Pacer(queue, n, max_staleness, version=0, next_step=1)
     flow = RolloutFlow(queue, pacer=pacer, batch_groups=batch, streams=streams)
@@ -153,6 +176,7 @@ async def run_long_tails(
     tasks = [membership.spawn(pumps.run(m, 0), m.name) for m in membership.members]
     trained: list[RolloutGroup] = []
     taken_at: list[tuple[int, RolloutGroup]] = []
+    start = asyncio.get_running_loop().time()
     try:
         for step in range(1, steps + 1):
             got = await queue.get_batch(n, current_version=step - 1, timeout_s=600.0)
@@ -165,10 +189,15 @@ async def run_long_tails(
             await asyncio.sleep(train_s)
             weights.update(step)  # the sync: every sampler takes it between two decoding steps
             pacer.synced(step)
+        for h in handles:
+            h.count_running(0)  # the integral up to now
+        elapsed = asyncio.get_running_loop().time() - start
     finally:
         await membership.close()
     finished = {g.uid: g.finished_at for g in trained}
     return {
+        "elapsed": elapsed,
+        "engine_groups": [h.group_seconds / elapsed for h in handles],  # the mean batch, in groups
         "queue": queue,
         "trained": trained,
         "taken_at": taken_at,
@@ -192,10 +221,13 @@ def ks_statistic(a: list[int], b: list[int]) -> float:
     return gap
 
 
+@pytest.mark.parametrize("batching", [True, False], ids=["batching-engine", "batch-per-call"])
 @pytest.mark.parametrize("samplers", [1, 2])
-def test_long_completions_are_trained_as_often_as_they_are_made(samplers):
+def test_long_completions_are_trained_as_often_as_they_are_made(samplers, batching):
     out = run_virtual(
-        run_long_tails(steps=60, n=8, max_staleness=1, samplers=samplers, batch=4, streams=2, train_s=0.5)
+        run_long_tails(
+            steps=60, n=8, max_staleness=1, samplers=samplers, batch=4, streams=2, train_s=0.5, batching=batching
+        )
     )
     queue, trained, generated = out["queue"], out["trained"], out["generated"]
     stats = queue.stats()
@@ -218,6 +250,27 @@ def test_long_completions_are_trained_as_often_as_they_are_made(samplers):
         for i, spans in enumerate(g.version_spans):
             tokens = g.token_versions(i)
             assert tokens[0] == spans[0].version >= g.version and tokens == sorted(tokens)
+
+
+def test_a_batching_engine_stays_full_while_its_long_groups_decode():
+    """One GPU's defaults (a step's groups a batch, one stream, ``max_staleness`` 1) with a
+    trainer faster than generation. An engine that batches concurrent calls gets a new group
+    each time one ends, so its batch stays at the window's 8 groups; batch by batch (the pumps'
+    only way before, kept for engines that generate a batch per call) it thins out behind each
+    batch's longest group, as a synchronous step's does."""
+    runs = {
+        batching: run_virtual(
+            run_long_tails(
+                steps=40, n=8, max_staleness=1, samplers=1, batch=8, streams=1, train_s=0.5, batching=batching
+            )
+        )
+        for batching in (True, False)
+    }
+    full, thinned = runs[True], runs[False]
+    assert full["queue"].stats().dropped_stale == 0 and max(full["waits"]) == 0.0
+    assert full["engine_groups"][0] > 0.9 * 8, full["engine_groups"]
+    assert thinned["engine_groups"][0] < 0.7 * 8, thinned["engine_groups"]
+    assert full["elapsed"] < 0.75 * thinned["elapsed"], (full["elapsed"], thinned["elapsed"])
 
 
 def test_length_profiles_parse_and_draw_their_shape():

@@ -138,6 +138,18 @@ async def test_a_queue_short_of_a_whole_batch_is_given_the_groups_it_lacks():
     assert pacer.grant(8) == 0  # the batch is whole once those arrive: the next pump waits for room
 
 
+async def test_a_pump_content_with_fewer_groups_gets_what_the_room_holds():
+    # A vLLM sampler's pump asks for its window's room but takes what the pacer has (least=1):
+    # held out for all of it, the groups that ended would stay unreplaced until the room grew.
+    pacer = Pacer(RolloutQueue(32, 1), 16, 1, version=1, next_step=2)  # the driver waits for step 2's batch
+    assert await pacer.acquire(16, 1.0, "s") == 16 and await pacer.acquire(13, 1.0, "s") == 13
+    assert pacer.room() == 3 and pacer.short() < 0
+    assert pacer.grant(8) == 0  # a whole batch of 8 waits for room (the next batch is not short)
+    assert pacer.grant(8, least=1) == 3 and pacer.grant(2, least=1) == 2
+    assert await pacer.acquire(8, 1.0, "s", least=1) == 3 and pacer.room() == 0
+    assert pacer.grant(1, least=1) == 0
+
+
 def test_a_pump_waiting_for_credit_wakes_when_stale_groups_are_dropped():
     # get_batch drops stale groups without a word to the pacer: the room they leave must still
     # wake a pump that waits for credit.

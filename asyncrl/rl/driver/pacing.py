@@ -83,27 +83,29 @@ class Pacer:
         """Groups the next batch lacks even once every group being made has arrived."""
         return self.n - len(self.queue) - self.in_flight
 
-    def grant(self, want: int) -> int:
-        """The credit a pump asking for ``want`` groups gets now (0: none yet). Less than
-        ``want`` only when the next batch cannot fill otherwise: nobody makes its missing groups,
-        so no batch would be taken and the room would never grow (a lost sampler's half-made
-        batch, groups left out as uniform or dropped on arrival leave the queue short of a
-        whole number of batches)."""
+    def grant(self, want: int, least: int | None = None) -> int:
+        """The credit a pump asking for ``want`` groups, and content with ``least`` (default:
+        all of them), gets now (0: none yet): up to ``want`` where the room holds ``least``.
+        Less than ``least`` only when the next batch cannot fill otherwise: nobody makes its
+        missing groups, so no batch would be taken and the room would never grow (a lost
+        sampler's half-made batch, groups left out as uniform or dropped on arrival leave the
+        queue short of a whole number of batches)."""
         room = self.room()
-        if room >= want:
-            return want
+        if room >= (want if least is None else least):
+            return min(want, room)
         return max(0, min(room, self.short()))
 
-    async def acquire(self, most: int, timeout_s: float, who: str) -> int:
-        """Wait until ``min(most, n)`` groups may begin (or fewer, when that is all the next batch
-        lacks: `grant`), take that credit and return it. Raises `PacingTimeoutError` (naming
-        ``who``) after ``timeout_s``."""
+    async def acquire(self, most: int, timeout_s: float, who: str, least: int | None = None) -> int:
+        """Wait until ``min(most, n)`` groups may begin, or ``least`` of them where given (or
+        fewer, when that is all the next batch lacks: `grant`), take that credit and return it.
+        Raises `PacingTimeoutError` (naming ``who``) after ``timeout_s``."""
         want = max(1, min(most, self.n))
+        least = None if least is None else max(1, min(least, want))
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + timeout_s
         try:
-            while not (granted := self.grant(want)):
+            while not (granted := self.grant(want, least)):
                 remaining = deadline - loop.time()
                 # The queue shrinks without a call here when get_batch drops stale groups.
                 if remaining <= 0 or not await self._changed.wait(remaining, self.queue.shrank):

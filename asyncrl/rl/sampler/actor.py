@@ -364,6 +364,7 @@ class SamplerActor(SyncEndpoints):
             "weight_dtype": self.weights.sink.weight_dtype,
             "tokens_per_s": s["tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0,
             "serves_evaluations": backend.batches_requests and self.device.type == "cuda",
+            "batches_requests": backend.batches_requests,
             "digestible": type(backend).digestible_on(self.device),
         }
         return msgspec.convert(s | now, SamplerStats)  # each counter checked against its field's type

@@ -54,6 +54,9 @@ class SamplerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     serves_evaluations: bool = False
     """An engine that batches requests itself, on a GPU: held-out evaluations run beside its
     rollouts (``--run.eval_on auto`` puts them there)."""
+    batches_requests: bool = False
+    """Its engine batches concurrent requests itself (`SamplerBackend.batches_requests`): its pump
+    begins each group as soon as there is credit for it, not a whole batch at a time."""
     digestible: bool = True
     """Its weights can be read as they were sent (``--run.check_weights``; an engine that repacks
     them for its kernels cannot)."""

@@ -118,6 +118,7 @@ class Member:
     fault: Fault | None = None  # open until a replacement rejoins
     waiter: asyncio.Task | None = None  # the wait for its replacement
     host: Member | None = None  # the sampler whose vLLM engine this one is a client of; None: its own
+    batches_requests: bool = False  # its engine batches concurrent calls (from its stats before it joins)
 
     @property
     def name(self) -> str:
@@ -416,6 +417,11 @@ class Membership:
         m.pump = m.waiter = None
         m.state = MemberState.GONE
         self.settled_at = time.monotonic()
+
+    def engine_seen(self, m: Member, *, batches_requests: bool) -> None:
+        """What ``m``'s stats said of its engine before it joined: whether it batches concurrent
+        calls, which its pump's refills follow (fleet/pumps.py)."""
+        m.batches_requests = batches_requests
 
     def joined(self, group: list[Member], version: int, seconds: float, generation: int) -> None:
         """``group`` formed ``generation`` and took ``version``: its candidates are members now,

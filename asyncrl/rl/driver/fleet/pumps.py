@@ -8,13 +8,23 @@ segment's prefix); the teacher and the reward model score it (driver/teacher.py)
 equal rewards is left out (uniform.py); the rest is queued, a put waiting while the queue is full.
 
 In async mode with a pacer, a pump keeps up to ``--sampler.streams`` batches' worth of its
-sampler's groups in flight: it asks the pacer for credit for one batch of ``batch_groups`` prompts
-and streams that batch, and begins the next whenever a whole batch fits in that window again. The
-groups of a batch end at their own time (a sampler whose engine batches concurrent calls yields
-each problem's group as it ends), so a batch held by its longest group holds only the credit of
-what it has not delivered, and the sampler's engine stays as full as before. Groups are queued in
-the order they arrive: none waits behind a longer one. Without a pacer, one endless stream; in
-sync mode, ``max_groups`` groups.
+sampler's groups in flight (its window): it asks the pacer for credit for a batch of at most
+``batch_groups`` prompts and streams that batch. The groups of a batch end at their own time (a
+sampler whose engine batches concurrent calls yields each problem's group as it ends), so a batch
+held by its longest group holds only the credit of what it has not delivered. When the next batch
+begins depends on the engine:
+
+* one that batches concurrent calls (vLLM; `Member.batches_requests`, from the sampler's stats)
+  gets a batch of whatever the window has room for, as soon as it has room for one group: each
+  group that ends is replaced at once, so the engine's batch stays full while a long group
+  decodes, as continuous batching keeps it within one call;
+* any other gets whole batches, each once the window has room for all of it (it generates a batch
+  per call: a batch of one would run alone).
+
+Waiting for a whole batch's room, a vLLM sampler's batch thinned out behind its longest group
+every batch, as a synchronous step's does, and at long tails async gained little over sync on one
+GPU (benchmarks/README.md, "Long generations"). Groups are queued in the order they arrive: none
+waits behind a longer one. Without a pacer, one endless stream; in sync mode, ``max_groups`` groups.
 """
 
 from __future__ import annotations
@@ -83,10 +93,12 @@ class Pumps:
 
     async def _paced_streams(self, m: Member, pacer: Pacer) -> None:
         """Paced streams of ``m``, one batch each, begun while the groups they have not
-        delivered leave room for a whole batch in the window (``streams * batch_groups``). The
-        first stream to fail ends the pump with its error, the others cancelled (their credit
-        given back)."""
+        delivered leave room in the window (``streams * batch_groups``): room for one group
+        where ``m``'s engine batches concurrent calls (the batch then takes that room, up to
+        ``batch_groups``), for a whole batch otherwise. The first stream to fail ends the pump
+        with its error, the others cancelled (their credit given back)."""
         window = self.streams * self.batch_groups
+        least = 1 if m.batches_requests else self.batch_groups  # the room a batch begins with
         open_credit: list[list[int]] = []  # each live stream's credit not yet used
         failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         streams: set[asyncio.Task] = set()
@@ -101,12 +113,13 @@ class Pumps:
 
         try:
             while not failed.done():
-                if sum(c[0] for c in open_credit) + self.batch_groups > window:
+                room = window - sum(c[0] for c in open_credit)
+                if room < least:
                     # No await between the check and the wait's registering: a delivery (the
                     # pacer's change) or a stream's end in between would otherwise go unseen.
                     await pacer.changed.wait(self._put_timeout_s(), a_stream_ended)
                     continue
-                credit = await self._credit(m, pacer, failed)
+                credit = await self._credit(m, pacer, failed, min(room, self.batch_groups), least)
                 if credit is None:
                     break
                 open_credit.append(credit)
@@ -120,10 +133,13 @@ class Pumps:
                 await asyncio.wait(streams)  # their finally blocks give the credit back at once
         raise failed.result()
 
-    async def _credit(self, m: Member, pacer: Pacer, failed: asyncio.Future) -> list[int] | None:
-        """The pacer's credit for one more batch of ``m``, as a one-item list its stream counts
-        down; None when a stream failed first (nothing taken then)."""
-        asking = asyncio.ensure_future(pacer.acquire(self.batch_groups, self._put_timeout_s(), m.name))
+    async def _credit(
+        self, m: Member, pacer: Pacer, failed: asyncio.Future, groups: int, least: int
+    ) -> list[int] | None:
+        """The pacer's credit for one more batch of ``m``: at most ``groups``, at least ``least``
+        where the pacer has it (`Pacer.grant`), as a one-item list its stream counts down; None
+        when a stream failed first (nothing taken then)."""
+        asking = asyncio.ensure_future(pacer.acquire(groups, self._put_timeout_s(), m.name, least=least))
         try:
             await self._either(asking, failed)
         except BaseException:  # cancelled: nothing granted may stay counted in flight

@@ -198,6 +198,9 @@ class SyncGroup:
         self.wire_dtype = wire_dtype(
             [r.weight_dtype if not isinstance(r, BaseException) else "" for r in answers.results]
         )
+        for m, stats in answers.of_members():
+            if not isinstance(stats, BaseException):
+                self.membership.engine_seen(m, batches_requests=stats.batches_requests)
         return True
 
     async def _form(self, group: list[Member]) -> bool:
