@@ -89,13 +89,14 @@ class StallWatch:
         """Seconds since the step under way began (0 between steps)."""
         return self.clock() - self._since if self._since is not None else 0.0
 
-    def judged_s(self) -> float | None:
-        """Seconds of the step's wait that count: since it began or since the group was last
-        settled, the later; None while a restart is awaited (or between steps)."""
+    def judged_s(self, now: float | None = None) -> float | None:
+        """Seconds of the step's wait that count, at ``now`` (default: the clock's now): since it
+        began or since the group was last settled, the later; None while a restart is awaited (or
+        between steps)."""
         settled = self.settled_at()
         if self._since is None or settled is None:
             return None
-        return self.clock() - max(self._since, settled)
+        return (self.clock() if now is None else now) - max(self._since, settled)
 
     async def run(self) -> None:
         """Judge each step as it runs, until cancelled (by the driver, when the steps end)."""
@@ -123,11 +124,13 @@ class StallWatch:
         return max(self._report_at, limit) - judged
 
     async def _judge(self) -> None:
-        judged, limit = self.judged_s(), self.limit_s()
-        if judged is None or limit is None or judged < max(self._report_at, limit):
+        # One reading of the clock: the wait told is the one judged, from which the next report's
+        # wait is doubled (two readings made the told wait a little longer than the judged one).
+        now, since = self.clock(), self._since
+        judged, limit = self.judged_s(now), self.limit_s()
+        if judged is None or since is None or limit is None or judged < max(self._report_at, limit):
             return
-        since = self._since
-        reason = await self.describe(self.waited_s(), limit)
+        reason = await self.describe(now - since, limit)
         if self._since != since:
             return  # the step ended (or another began) while it was described: no stall to tell
         self.reason = reason
