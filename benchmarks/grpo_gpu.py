@@ -7,7 +7,7 @@ GRPOTrainer on the same model, step and machine when TRL is installed.
     python benchmarks/grpo_gpu.py --shape 0.5b -- --trainer.micro_batch_tokens 4096   # our flags after --
     python benchmarks/grpo_gpu.py --shape 0.5b --runs async@1,async@2,sync@2   # on the first 1 and 2 GPUs
     python benchmarks/grpo_gpu.py --shape 0.5b --runs trl@2,async@2   # TRL's server mode on 2 GPUs beside ours
-    python benchmarks/grpo_gpu.py --shape 1.5b --lengths lognormal:8192 --runs sync,async   # long tails
+    python benchmarks/grpo_gpu.py --shape 1.5b --lengths lognormal:8192 --runs sync,async --steps 6 --skip 2   # long tails
 
 The model is a random Qwen2 of the shape in bf16 with the embedded byte-level tokenizer
 (`sampler_backends.make_model`): random weights never emit the stop token, so every completion has
@@ -19,7 +19,10 @@ step's shape, with the device plan's defaults (one GPU: the vLLM sampler colocat
 TRL: ``use_vllm=True, vllm_mode="colocate"``, fp32 weights with bf16 autocast, micro-batches of
 ``--prompts`` sequences, the same vLLM memory share (0.3).
 
-Figures are steady state: the first ``--skip`` steps (start-up, compilation) are left out.
+Figures are steady state: the first ``--skip`` steps (start-up, compilation) are left out. In
+async, the step after them can train from what the engine made during the slow first step, which
+flatters async where a step is long (long generations): there take ``--skip 2`` and three or more
+steps after it.
 samples/s = completions trained / wall time; tokens/s = completion tokens / wall time. asyncrl's
 phases per step (from metrics.jsonl): generate = the wait for the step's groups, train, sync, and
 idle = the rest of the step's wall time (evaluation and checkpoints are outside the window).

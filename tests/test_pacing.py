@@ -204,6 +204,39 @@ def test_max_staleness_auto_is_two_where_the_samplers_have_gpus_of_their_own():
     assert resolve_samplers(GRPOConfig(), plan_devices("auto", None, [], 0), print).run.max_staleness == 1
 
 
+def test_max_staleness_auto_is_two_on_a_shared_gpu_at_long_completions():
+    """Colocated on one GPU, completions that may run to LONG_COMPLETIONS tokens or more (the
+    limit, or the lengths profile's cap where no limit is set) resolve auto to 2, and with it two
+    paced batches; shorter ones, the CPU and an explicit bound stay as they were."""
+    import dataclasses
+
+    from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.model import ModelConfig
+    from asyncrl.rl.config.run import LONG_COMPLETIONS, RunConfig
+    from asyncrl.rl.config.sampler import SamplerConfig
+    from asyncrl.rl.driver.build import resolve_samplers
+    from asyncrl.rl.driver.devices import plan_devices
+
+    def resolved(device, ids, run=None, **sampler):
+        model, run = ModelConfig(max_positions=16384), run or RunConfig()
+        config = dataclasses.replace(GRPOConfig(), model=model, sampler=SamplerConfig(**sampler), run=run)
+        lines: list[str] = []
+        return resolve_samplers(config, plan_devices("auto", device, ids, 0), lines.append), lines[0]
+
+    one_gpu = ("cuda", ["0"])
+    config, line = resolved(*one_gpu, max_new_tokens=8192)
+    assert (config.run.max_staleness, config.sampler.streams) == (2, 2)
+    assert "up to 2 version(s) after their weights (--run.max_staleness auto: completions up to 8192 tokens)" in line
+    assert resolved(*one_gpu, lengths=f"lognormal:{LONG_COMPLETIONS}")[0].run.max_staleness == 2
+    config, line = resolved(*one_gpu, max_new_tokens=LONG_COMPLETIONS - 1)
+    assert (config.run.max_staleness, config.sampler.streams) == (1, 1) and "completions up to" not in line
+    assert resolved(*one_gpu, max_new_tokens=0)[0].run.max_staleness == 1  # the model's own limit: unknown here
+    assert resolved(None, [], max_new_tokens=8192)[0].run.max_staleness == 1
+    assert resolved(*one_gpu, run=RunConfig(max_staleness=1), max_new_tokens=8192)[0].run.max_staleness == 1
+    config, line = resolved("cuda", ["0", "1"], max_new_tokens=8192)
+    assert config.run.max_staleness == 2 and "completions up to" not in line  # 2 for the samplers' own GPUs
+
+
 def scored(*rewards: float) -> RolloutGroup:
     n = len(rewards)
     return RolloutGroup(

@@ -134,9 +134,10 @@ class RunConfig:
     max_staleness: int | None = None
     """Async mode: train on groups at most this many weight versions old; older ones are dropped.
     None (auto): 2 where the samplers have GPUs of their own, so their next step's rollouts begin
-    before the trainer's step ends (at 1.5B on two GPUs, 2 beat 1 clearly: docs/gpu.md), else 1;
-    at least ``sync_every - 1`` either way. The run's log says
-    what it resolved to."""
+    before the trainer's step ends (at 1.5B on two GPUs, 2 beat 1 clearly: docs/gpu.md), and on a
+    GPU shared with the trainer when completions may run to ``LONG_COMPLETIONS`` tokens or more,
+    so the engine decodes two steps' groups at once (docs/grpo.md, "Long generations"); else 1;
+    at least ``sync_every - 1`` either way. The run's log says what it resolved to."""
     queue_capacity: int = 0
     """Rollout queue bound in groups (0: two batches). Samplers wait when it is full."""
     skip_uniform_groups: bool = True
@@ -216,17 +217,25 @@ class RunConfig:
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         Placement.parse(self.placement)
 
-    def staleness_bound(self, samplers_apart: bool = False) -> int:
+    def staleness_bound(self, samplers_apart: bool = False, long_on_gpu: bool = False) -> int:
         """``max_staleness``, its None (auto) resolved: 2 where the samplers have GPUs of their own
-        (``samplers_apart``), else 1, and at least ``sync_every - 1``."""
+        (``samplers_apart``) or share one with the trainer at long completions (``long_on_gpu``),
+        else 1, and at least ``sync_every - 1``."""
         if self.max_staleness is not None:
             return self.max_staleness
-        return max(AUTO_STALENESS_APART if samplers_apart else 1, self.sync_every - 1)
+        return max(AUTO_STALENESS_ROOMY if samplers_apart or long_on_gpu else 1, self.sync_every - 1)
 
 
-AUTO_STALENESS_APART = 2
-"""``--run.max_staleness`` auto where the samplers have GPUs of their own: at 1 a step's rollouts
-cannot begin before the last step's weights, so the samplers' decoding bounds the step."""
+AUTO_STALENESS_ROOMY = 2
+"""``--run.max_staleness`` auto where generation bounds the step at 1. Samplers with GPUs of their
+own: a step's rollouts cannot begin before the last step's weights. A GPU shared with the trainer
+at long completions: the pacer's room (a sampler's streams follow it) holds one step's groups in
+the engine, too few sequences to decode a step's long tail in the time of a train step."""
+
+LONG_COMPLETIONS = 4096
+"""Completion tokens (``--sampler.max_new_tokens``, or the ``--sampler.lengths`` cap) from which a
+colocated GPU's auto staleness is 2: the bottom of the long-reasoning range, where a step's long
+tail outlasts a train step (docs/grpo.md, "Long generations", has the runs)."""
 
 PLACEMENT_ROLES = ("trainer", "sampler")
 

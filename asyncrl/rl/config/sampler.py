@@ -51,8 +51,9 @@ class SamplerConfig:
     groups that ended are replaced at once, by a smaller batch. 0: auto, 1 on the CPU (one model on
     a few cores: a second batch would only slow the first) and on a GPU the sampler's share of the
     room the pacer allows, ``ceil(groups_per_step * max_staleness / (count * prompts_per_batch))``
-    in [1, 8]: 1 with ``--run.max_staleness`` 1 (its auto on one GPU), 2 with 2 (its auto where the
-    samplers have GPUs of their own). Sync mode runs one batch at a time."""
+    in [1, 8]: 1 with ``--run.max_staleness`` 1 (its auto on one GPU at short completions), 2 with 2
+    (its auto where the samplers have GPUs of their own, or at long completions). Sync mode runs one
+    batch at a time."""
     max_new_tokens: int = 0
     """Completion length limit (0: what the model suggests)."""
     temperature: float = 1.0

@@ -21,6 +21,7 @@ from typing import Any
 
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
+from asyncrl.rl.config.run import AUTO_STALENESS_ROOMY, LONG_COMPLETIONS
 from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.driver.devices import DevicePlan
 from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle
@@ -274,11 +275,14 @@ def resolve_samplers(config: GRPOConfig, plan: DevicePlan, log: Log) -> GRPOConf
     many share a GPU, the prompts of a batch, the paced batches in flight, and with them the
     staleness bound (``--run.max_staleness`` auto); said in one line. Resolved after config.json
     is written: it keeps 'auto', so a run resumed on another host resolves it for that host's."""
-    run, stale_auto = config.run, config.run.max_staleness is None
+    run, stale_auto, why = config.run, config.run.max_staleness is None, ""
     if stale_auto:
         apart = plan.device == "cuda" and not plan.colocated
-        run = dataclasses.replace(run, max_staleness=run.staleness_bound(samplers_apart=apart))
+        long_on_gpu = plan.device == "cuda" and config.sampler.length_limit >= LONG_COMPLETIONS
+        run = dataclasses.replace(run, max_staleness=run.staleness_bound(apart, long_on_gpu))
         config = dataclasses.replace(config, run=run)
+        if long_on_gpu and not apart and run.max_staleness == AUTO_STALENESS_ROOMY:
+            why = f": completions up to {config.sampler.length_limit} tokens"
     sampler = dataclasses.replace(config.sampler, count=plan.samplers, per_gpu=plan.per_gpu)
     prompts, auto = sampler.batch_prompts(plan.device, run.groups_per_step), not sampler.prompts_per_batch
     sampler = dataclasses.replace(sampler, prompts_per_batch=prompts)
@@ -293,7 +297,7 @@ def resolve_samplers(config: GRPOConfig, plan: DevicePlan, log: Log) -> GRPOConf
         + (" (--sampler.prompts_per_batch auto)" if auto else "")
         + paced
         + stale
-        + (" (--run.max_staleness auto)" if stale and stale_auto else "")
+        + (f" (--run.max_staleness auto{why})" if stale and stale_auto else "")
     )
     return config
 
