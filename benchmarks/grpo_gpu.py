@@ -7,7 +7,7 @@ GRPOTrainer on the same model, step and machine when TRL is installed.
     python benchmarks/grpo_gpu.py --shape 0.5b -- --trainer.micro_batch_tokens 4096   # our flags after --
     python benchmarks/grpo_gpu.py --shape 0.5b --runs async@1,async@2,sync@2   # on the first 1 and 2 GPUs
     python benchmarks/grpo_gpu.py --shape 0.5b --runs trl@2,async@2   # TRL's server mode on 2 GPUs beside ours
-    python benchmarks/grpo_gpu.py --shape 1.5b --lengths lognormal:8192 --runs sync,async --steps 6 --skip 2   # long tails
+    python benchmarks/grpo_gpu.py --shape 1.5b --lengths lognormal:8192 --runs sync,async --steps 6 --skip 2  # long
 
 The model is a random Qwen2 of the shape in bf16 with the embedded byte-level tokenizer
 (`sampler_backends.make_model`): random weights never emit the stop token, so every completion has
