@@ -330,6 +330,43 @@ def test_auto_micro_batch_tokens_clamps_and_rounds_down_to_1024():
     assert auto_micro_batch_tokens(20 * gib, **QWEN_05B, checkpointing=False) == 7168
 
 
+def test_auto_turns_checkpointing_on_at_the_first_step_that_needs_it_not_only_the_first_step():
+    """Completions grow as a run learns: a first step of short ones chose the budget without
+    checkpointing, and a later step's longer sequence must turn it on then (it stopped the run
+    before, naming a setting auto would have chosen). The estimate is the real one, for the 0.5B
+    shape in 20 GiB free: 7,168 tokens without checkpointing, more with it."""
+    from asyncrl.rl.trainer.memory_budget import AutoBudget
+
+    gib, measured = 1 << 30, []
+
+    def measure(checkpointing: bool) -> tuple[int, int]:
+        measured.append(checkpointing)
+        return auto_micro_batch_tokens(20 * gib, **QWEN_05B, checkpointing=checkpointing), 20 * gib
+
+    without = auto_micro_batch_tokens(20 * gib, **QWEN_05B, checkpointing=False)
+    budget = AutoBudget(measure, checkpointing=False, may_turn_on=True)
+    assert not budget.fit(3000) and budget.tokens == without and measured == [False]
+    assert budget.said == [f"micro_batch_tokens auto -> {without} (20.0 GiB free)"]
+    assert not budget.fit(without) and budget.said == []  # a step that fits says nothing
+    assert budget.fit(without + 1) and budget.checkpointing and budget.tokens > without + 1
+    assert budget.said[0].startswith(f"activation checkpointing on (auto): a sequence of {without + 1} tokens")
+    assert measured == [False, True]
+    assert not budget.fit(without + 1) and budget.said == [] and measured == [False, True]  # once
+    # asked for, or not one process on a GPU: never turned on; the caller stops on what cannot fit
+    apart = AutoBudget(measure, checkpointing=False, may_turn_on=False)
+    assert not apart.fit(without + 1) and (apart.tokens, apart.checkpointing) == (without, False)
+    asked = AutoBudget(measure, checkpointing=True, may_turn_on=False)
+    assert not asked.fit(70_000) and asked.tokens == 65536 < 70_000  # beyond even checkpointing's cap
+    # what the run's start checks the completion limit against: the most, checkpointing where it
+    # may go on, measured afresh and choosing nothing
+    fresh = AutoBudget(measure, checkpointing=False, may_turn_on=True)
+    assert fresh.most() == budget.tokens and fresh.tokens == 0 and not fresh.checkpointing
+    assert AutoBudget(measure, checkpointing=False, may_turn_on=False).most() == without
+    # the first step's own longest turns it on as before, choosing twice
+    first = AutoBudget(measure, checkpointing=False, may_turn_on=True)
+    assert first.fit(without + 1) and len(first.said) == 3 and first.tokens > without
+
+
 def test_auto_on_cpu_is_the_old_default_and_an_explicit_value_is_kept(embedded_path):
     from asyncrl.rl.trainer.actor import TrainerActor
 

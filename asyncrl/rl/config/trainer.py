@@ -284,7 +284,7 @@ class TrainerConfig:
     micro-batches (what a large ``micro_batch_tokens`` on one GPU needs), about a third more
     compute. None (auto): off, unless a single trainer process on a GPU with ``micro_batch_tokens``
     auto meets a sequence longer than a micro-batch holds without it (long generations): then on
-    from that first step, and logged."""
+    from the first step that does, whichever it is (completions grow as a run learns), and logged."""
     pack_tokens: int = 0
     """Pack several prompt + completion sequences into rows of up to this many tokens, attention
     kept within each (``trainer/packing.py``); at most ``micro_batch_tokens`` (with auto, at most

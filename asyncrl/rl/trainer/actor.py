@@ -42,6 +42,7 @@ from asyncrl.rl.trainer.compile import compiled
 from asyncrl.rl.trainer.corrections import SUM_COLUMNS, empty_tally, merge, tally_metrics
 from asyncrl.rl.trainer.heldout import HeldoutEvaluation
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
+from asyncrl.rl.trainer.memory_budget import AutoBudget
 from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError, does_not_fit, micro_batch_error
 from asyncrl.rl.trainer.packing import packed_micro_batches
@@ -86,7 +87,13 @@ class TrainerActor(SyncEndpoints):
         self.ranks = RankMember(self.device, config.world_size, self.policy.shard)
         self.weights = WeightSending(self.ranks, self.policy.weight_tensors)
         self.checkpoints = Checkpointing(self.ranks, self.policy, loaded=self.weights.forget)
-        self._auto_tokens = 0  # --trainer.micro_batch_tokens 0 once resolved (`micro_batch_tokens`)
+        self._budget = AutoBudget(
+            self._resolve_budget,
+            checkpointing=bool(config.activation_checkpointing),
+            may_turn_on=config.activation_checkpointing is None
+            and self.device.type == "cuda"
+            and self.ranks.parallel.world_size == 1,
+        )  # --trainer.micro_batch_tokens 0 (`micro_batch_tokens`)
         self._flops: tuple[int, float] | None = None  # decoder parameters and the device's peak (`_utilisation`)
 
     async def on_stop(self) -> None:
@@ -156,6 +163,21 @@ class TrainerActor(SyncEndpoints):
         return await self.checkpoints.save(path, extra_files, deadline_s)
 
     # --- what the trainer itself does ------------------------------------------------------------
+
+    @endpoint
+    async def check_fits(self, longest: int) -> None:
+        """Stop the run before its first step, in one line, where a sequence of ``longest`` tokens
+        could not fit a micro-batch even with activation checkpointing (where auto may turn it on).
+        The driver asks once the samplers run (a colocated engine has taken its share, so memory is
+        as at the first step), with the completion limit. Chooses nothing: the first step does."""
+        if self.config.micro_batch_tokens or self.device.type != "cuda":
+            return
+        most = self._budget.most()
+        if longest > most:
+            raise self._does_not_fit(
+                f"a completion of up to {longest} tokens (--sampler.max_new_tokens, --sampler.lengths) in "
+                f"the {most}-token micro-batch the memory left allows"
+            )
 
     @endpoint
     async def train_step(self, groups: list[RolloutGroup], deadline_s: float = 0.0) -> TrainStepMetrics:
@@ -250,39 +272,26 @@ class TrainerActor(SyncEndpoints):
         return out
 
     def micro_batch_tokens(self, longest: int = 0) -> int:
-        """``--trainer.micro_batch_tokens``, or auto's choice (``trainer/memory_budget.py``), made
-        at the first step that needs it: the policy is on its device then, a colocated vLLM
-        engine has taken its share, and the optimiser state yet to come is counted. ``longest``:
-        the step's longest sequence, prompt included; where it is longer than auto's budget
-        without activation checkpointing (and that is auto), checkpointing goes on, and where it
-        is longer than the budget even so, the run stops here in one line rather than run out of
-        memory in the middle of the step."""
+        """``--trainer.micro_batch_tokens``, or auto's choice (`AutoBudget`). ``longest``: the
+        step's longest sequence, prompt included; where it is longer than auto's budget without
+        activation checkpointing (and that is auto), checkpointing goes on, at whichever step it
+        first comes, and where it is longer than the budget even so, the run stops here in one line
+        rather than run out of memory in the middle of the step."""
         if self.config.micro_batch_tokens:
             return self.config.micro_batch_tokens
-        if not self._auto_tokens:
-            cfg = self.config
-            checkpointing = bool(cfg.activation_checkpointing)
-            self._auto_tokens, free = self._resolve_budget(checkpointing)
-            alone = self.device.type == "cuda" and self.ranks.parallel.world_size == 1
-            if longest > self._auto_tokens and cfg.activation_checkpointing is None and alone:
-                without = self._auto_tokens
-                checkpoint_layers(self.model)
-                self._auto_tokens, free = self._resolve_budget(checkpointing=True)
-                print(
-                    f"trainer: activation checkpointing on (auto): a sequence of {longest} tokens is more than "
-                    f"the {without} a micro-batch holds without it",
-                    flush=True,
-                )
-            if self.device.type == "cuda" and not free:  # the gradients and AdamW's state alone overflow it
-                raise self._does_not_fit("the policy with its gradients and AdamW's state")
-            where = f"{free / 2**30:.1f} GiB free" if free else f"{self.device.type}: the fixed default"
-            print(f"trainer: micro_batch_tokens auto -> {self._auto_tokens} ({where})", flush=True)
-        if longest > self._auto_tokens and self.device.type == "cuda":
+        budget, first = self._budget, not self._budget.tokens
+        if budget.fit(longest):
+            checkpoint_layers(self.model)
+        for line in budget.said:
+            print(f"trainer: {line}", flush=True)
+        if first and self.device.type == "cuda" and not budget.free:  # gradients and AdamW's state alone overflow it
+            raise self._does_not_fit("the policy with its gradients and AdamW's state")
+        if longest > budget.tokens and self.device.type == "cuda":
             raise self._does_not_fit(
-                f"a sequence of {longest} tokens (prompt and completion) in the {self._auto_tokens}-token "
+                f"a sequence of {longest} tokens (prompt and completion) in the {budget.tokens}-token "
                 "micro-batch the memory left allows"
             )
-        return self._auto_tokens
+        return budget.tokens
 
     def _resolve_budget(self, checkpointing: bool) -> tuple[int, int]:
         from asyncrl.rl.trainer.memory_budget import resolve_micro_batch_tokens
@@ -320,7 +329,7 @@ class TrainerActor(SyncEndpoints):
                     optimizer=self.optimizer,
                     device=self.device,
                     micro_batch_tokens=self.config.micro_batch_tokens,
-                    auto_tokens=self._auto_tokens,
+                    auto_tokens=self._budget.tokens,
                 ) from None
             if "correction" in metrics:
                 tally = merge(tally, metrics.pop("correction"))

@@ -7,6 +7,9 @@ without a GPU; `free_training_bytes` measures its input on the trainer's device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
 from asyncrl.rl.config.trainer import AUTO_CPU_MICRO_BATCH_TOKENS, AUTO_MICRO_BATCH_TOKENS_MAX
@@ -123,3 +126,49 @@ def resolve_micro_batch_tokens(
         free, **model_shape(model.config), checkpointing=checkpointing, full_logits=full_logits
     )
     return max(tokens, pack_tokens), free
+
+
+@dataclass
+class AutoBudget:
+    """Auto's budget through a run. Chosen at the first step that asks (the policy is on its device
+    then, a colocated vLLM engine has taken its share, the optimiser state yet to come is counted),
+    and chosen again with activation checkpointing on at the first step, whichever it is, whose
+    longest sequence is more than the budget without it: completions grow as a run learns, so the
+    first step's longest says little about a later one's."""
+
+    measure: Callable[[bool], tuple[int, int]]
+    """Checkpointing on or not -> (tokens, free bytes it was chosen from; 0: none measured)."""
+    checkpointing: bool
+    """On now (``--trainer.activation_checkpointing true``, or turned on here)."""
+    may_turn_on: bool
+    """``--trainer.activation_checkpointing`` auto, one trainer process on a GPU."""
+    tokens: int = 0
+    free: int = 0
+    said: list[str] = field(default_factory=list)
+    """What changed at the last `fit`, as log lines."""
+
+    def fit(self, longest: int) -> bool:
+        """The budget for a step whose longest sequence (prompt and completion) is ``longest``, in
+        `tokens`; True where checkpointing must go on now (the caller turns it on in the model)."""
+        self.said = []
+        if not self.tokens:
+            self._choose()
+        if longest <= self.tokens or not self.may_turn_on or self.checkpointing:
+            return False
+        without, self.checkpointing = self.tokens, True
+        self.said.append(
+            f"activation checkpointing on (auto): a sequence of {longest} tokens is more than the {without} "
+            "a micro-batch holds without it"
+        )
+        self._choose()
+        return True
+
+    def most(self) -> int:
+        """The most tokens a micro-batch could hold now, with checkpointing where it is on or may go
+        on: what every sequence must fit in. Measured afresh; chooses nothing."""
+        return self.measure(self.checkpointing or self.may_turn_on)[0]
+
+    def _choose(self) -> None:
+        self.tokens, self.free = self.measure(self.checkpointing)
+        where = f"{self.free / 2**30:.1f} GiB free" if self.free else "the fixed default"
+        self.said.append(f"micro_batch_tokens auto -> {self.tokens} ({where})")

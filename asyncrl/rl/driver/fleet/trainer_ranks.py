@@ -115,6 +115,9 @@ class TrainerRanks:
     def load_checkpoint(self, path: str) -> Awaitable[int]:
         return self._every_rank("load_checkpoint", lambda h, d: h.load_checkpoint(path, d))
 
+    def check_fits(self, longest: int) -> Awaitable[None]:
+        return self._every_rank("check_fits", lambda h, _: h.check_fits(longest))
+
     def weights_digest(self) -> Awaitable[str]:
         return self._every_rank("weights_digest", lambda h, d: h.weights_digest(d))
 
