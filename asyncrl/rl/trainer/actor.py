@@ -172,7 +172,9 @@ class TrainerActor(SyncEndpoints):
         as at the first step), with the completion limit. Chooses nothing: the first step does."""
         if self.config.micro_batch_tokens or self.device.type != "cuda":
             return
-        most = self._budget.most()
+        most, free = self._budget.most()
+        if not free:  # as at the first step: the gradients and AdamW's state alone overflow it
+            raise self._does_not_fit("the policy with its gradients and AdamW's state")
         if longest > most:
             raise self._does_not_fit(
                 f"a completion of up to {longest} tokens (--sampler.max_new_tokens, --sampler.lengths) in "

@@ -163,10 +163,10 @@ class AutoBudget:
         self._choose()
         return True
 
-    def most(self) -> int:
+    def most(self) -> tuple[int, int]:
         """The most tokens a micro-batch could hold now, with checkpointing where it is on or may go
-        on: what every sequence must fit in. Measured afresh; chooses nothing."""
-        return self.measure(self.checkpointing or self.may_turn_on)[0]
+        on (what every sequence must fit in), and the free bytes measured. Chooses nothing."""
+        return self.measure(self.checkpointing or self.may_turn_on)
 
     def _choose(self) -> None:
         self.tokens, self.free = self.measure(self.checkpointing)
