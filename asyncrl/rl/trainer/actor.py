@@ -42,7 +42,7 @@ from asyncrl.rl.trainer.compile import compiled
 from asyncrl.rl.trainer.corrections import SUM_COLUMNS, empty_tally, merge, tally_metrics
 from asyncrl.rl.trainer.heldout import HeldoutEvaluation
 from asyncrl.rl.trainer.loss import grpo_loss, loss_normalizer, step_advantages
-from asyncrl.rl.trainer.memory_budget import AutoBudget
+from asyncrl.rl.trainer.memory_budget import AutoBudget, resolve_micro_batch_tokens
 from asyncrl.rl.trainer.metrics import TrainStepMetrics
 from asyncrl.rl.trainer.out_of_memory import TrainerMemoryError, does_not_fit, micro_batch_error
 from asyncrl.rl.trainer.packing import packed_micro_batches
@@ -296,8 +296,6 @@ class TrainerActor(SyncEndpoints):
         return budget.tokens
 
     def _resolve_budget(self, checkpointing: bool) -> tuple[int, int]:
-        from asyncrl.rl.trainer.memory_budget import resolve_micro_batch_tokens
-
         return resolve_micro_batch_tokens(
             0,
             self.model,
