@@ -126,7 +126,7 @@ async def build_run(config: GRPOConfig, sup: Supervisor, plan: RunPlan, scope: R
     if sup.config.nnodes > 1:
         log(_where_line(trainer, samplers, host))
     if config.sampler.length_limit:  # samplers run, a colocated engine with its share: memory as at the first step
-        await trainer.check_fits(config.sampler.length_limit)
+        await trainer.with_timeout(config.run.deadlines.train_timeout_s).check_fits(config.sampler.length_limit)
     if config.run.check_weights:
         await check_digestible([s for s in samplers if not s.info().state.final])
     spawned = Spawned(
