@@ -27,6 +27,7 @@ TIERS = {
         "config_files",
         "corrections",
         "countdown",
+        "decoding_watch",
         "ctypes_table",
         "device_plan",
         "heldout_parts",

@@ -216,6 +216,44 @@ async def test_a_frozen_sampler_fails_the_sync_within_its_deadline_and_is_replac
     assert step["sync_s"] < 3 + 5 + 15, step["sync_s"]  # deadline + grace + the rebuild
 
 
+async def test_a_sampler_frozen_while_it_generates_is_lost_by_its_generate_deadline(model_path, tmp_path):
+    """SIGSTOP a sampler as step 1's generation begins (sync mode: it follows the held-out rate
+    before GRPO, and no sync comes before the groups): it sends no group and decodes no token
+    (its stats go unanswered) for --run.generate_timeout_s, 3 s here, under the supervisor's 15 s
+    heartbeat check. That deadline counts from its last token, not its last group
+    (driver/fleet/decoding.py), and still finds it: lost, killed, restarted, rejoined; the other
+    makes up its groups and every step runs once."""
+    run_dir = tmp_path / "run"
+    config = tiny(
+        model_path,
+        run_dir,
+        *("--run.steps", "3", "--run.mode", "sync", "--sampler.count", "2", "--run.generate_timeout_s", "3"),
+    )
+    logs: list[str] = []
+    frozen: list[float] = []
+
+    async with Supervisor() as sup:
+
+        def log(line: str) -> None:
+            logs.append(f"{time.monotonic():.1f} {line}")
+            if line.startswith("held-out solve rate before GRPO") and not frozen:
+                os.kill(pid_of(sup, "sampler1"), signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        summary = await train(config, sup, log=log)
+        restarts = {s.name: s.restarts for s in sup.status()}
+    assert frozen, "the run never logged its held-out rate before GRPO: sampler1 was not frozen"
+    print("\n".join(logs))
+    check_whole(run_dir, 3, 4, digests=False)
+    (fault,) = summary["fault_log"]
+    assert fault == {
+        **fault,
+        "sampler": "sampler1",
+        "cause": "no rollout group and no token decoded within --run.generate_timeout_s 3 s",
+    }, fault
+    assert restarts == {"trainer": 0, "sampler0": 0, "sampler1": 1}  # killed by the driver, restarted
+
+
 async def test_trainer_sigkill_then_resume_matches_an_uninterrupted_run(model_path, tmp_path):
     args = (
         "--run.steps",

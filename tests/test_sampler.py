@@ -150,6 +150,24 @@ async def test_exact_lengths_cut_each_row_at_its_own_length(backend, prompts):
         msgspec.structs.replace(free, exact_lengths=[13])
 
 
+async def test_tokens_decoded_moves_with_each_decoding_step(backend, prompts):
+    """`tokens_decoded` (the sampler's ``decoded``, by which the driver waits out a long group
+    rather than losing the sampler: driver/fleet/decoding.py) counts every row at every step, while
+    the call runs: told after a row's k-th token, it has counted at least k steps of every row."""
+    rows, steps = 4, 10
+    before = backend.tokens_decoded()
+    seen: list[tuple[int, int]] = []
+
+    def progress(row: int, ids: list[int]) -> None:
+        seen.append((len(ids), backend.tokens_decoded() - before))
+
+    params = SamplingParams(max_new_tokens=steps, temperature=1.0, exact_lengths=[steps] * rows)
+    await backend.generate(prompts[:2], 2, params, progress)
+    assert {k for k, _ in seen} == set(range(1, steps + 1)), seen
+    assert all(counted >= k * rows for k, counted in seen), seen
+    assert backend.tokens_decoded() - before == rows * steps
+
+
 async def test_decoding_passes_transformers_nothing_it_deprecates(backend, prompts):
     """The decoding loop's forward arguments (the KV cache, ``logits_to_keep``...) are current on
     the transformers installed: a deprecation of any of them fails here, by its warning, before it

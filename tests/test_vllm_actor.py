@@ -178,10 +178,16 @@ async def test_weights_update_over_gloo_into_the_vllm_worker(shared_sampler, vll
         # Long enough for the sync's call to surely arrive during it, by its width: the model's 128
         # positions cut its length to a few dozen tokens whatever max_new_tokens asks. With 64
         # completions, once under load (CI, 2026-11-29) no poll of the sampler's stats saw it in flight.
+        decoded = (await sampler.stats()).decoded
         inflight = asyncio.ensure_future(
             sampler.generate(probe * 32, 8, msgspec.structs.replace(greedy, max_new_tokens=400))
         )
         await until_generating(sampler, inflight)
+        # Its tokens are counted as the engine decodes them, not when the call returns: the
+        # driver's sign that a long group is not a stuck sampler (driver/fleet/decoding.py).
+        while not ((now := await sampler.stats()).generating and now.decoded > decoded):
+            assert not inflight.done(), "no answer to stats saw the generate's tokens while it ran"
+            await asyncio.sleep(0.005)
         _, synced = await asyncio.gather(pusher.send(1, "changed"), sampler.receive_weights(1))
         assert inflight.done() and synced.pause_s > 0  # pause mode: the sync waited for the generate in flight
         assert 0 < synced.receive.copy_s <= synced.receive.seconds <= synced.seconds  # the worker's load, in it

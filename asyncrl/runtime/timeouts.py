@@ -10,10 +10,24 @@ raises ``asyncio.TimeoutError``, which callers here catch as such)."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout
 else:  # pragma: no cover - exercised on 3.10 only
     from async_timeout import timeout
 
-__all__ = ["timeout"]
+__all__ = ["expired", "move_deadline", "timeout"]
+
+
+def expired(cm: Any) -> bool:
+    """Whether ``cm`` (a ``timeout(...)``) ran out: a method in asyncio's, a property in the backport's."""
+    value = cm.expired
+    return bool(value() if callable(value) else value)
+
+
+def move_deadline(cm: Any, when: float) -> None:
+    """Move the deadline of ``cm`` (an entered ``timeout(...)`` that has not run out) to ``when``,
+    in the loop's time: ``reschedule`` in asyncio's, ``update`` in the 4.x backport's."""
+    move = getattr(cm, "reschedule", None) or cm.update
+    move(when)

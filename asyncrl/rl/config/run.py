@@ -58,8 +58,10 @@ class DeadlineConfig:
     """How long the driver waits for each kind of work, and who is blamed when it overruns."""
 
     generate_timeout_s: float = 600.0
-    """Deadline of a sampler's next rollout group while the driver waits for it; a sampler that
-    overruns it is lost (killed, restarted, rejoined) and the run goes on."""
+    """Deadline of a sampler's next rollout group (or held-out part) while the driver waits for
+    it, counted from its last group or its last token decoded, whichever came later: a long
+    completion is waited out while its engine decodes. A sampler that overruns it is lost (killed,
+    restarted, rejoined) and the run goes on."""
     queue_timeout_s: float = 1800.0
     """Deadline of a step's batch from all samplers together (longer than generate_timeout_s, so a
     stuck sampler is replaced first); overrun: the run stops, naming each sampler's state."""

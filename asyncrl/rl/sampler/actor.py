@@ -358,6 +358,7 @@ class SamplerActor(SyncEndpoints):
             "loaded_adapters": backend.loaded_adapters(),
             "version": self.weights.version,
             "generating": self.generation.calls,
+            "decoded": backend.tokens_decoded(),
             "name": self.name,
             "backend": backend.name,
             "device": str(self.device),

@@ -208,6 +208,13 @@ class SamplerBackend(abc.ABC):
         """The RNG of unseeded requests, saved in checkpoints; None where the engine keeps its own."""
         return None
 
+    def tokens_decoded(self) -> int:
+        """Tokens decoded since the start, those of calls still running included: a count that
+        moves while the engine decodes, however long its completions (`SamplerStats.decoded`, by
+        which the driver tells a long generation from a stuck one). 0: the backend cannot tell,
+        and its rollouts are judged by their groups alone."""
+        return 0
+
     def engine_stats(self) -> dict[str, int | float]:
         """What the engine says of its cache for the sampler's stats (`SamplerStats`' fields
         ``kv_cache_tokens``, ``preemptions``, ``kv_cache_peak``); {}: nothing."""

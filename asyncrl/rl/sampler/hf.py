@@ -104,6 +104,7 @@ class HFBackend(PausableBackend):
         self._stepping = False  # the worker thread is inside a decoding step
         self._loads = 0  # in-flight weight loads waiting for, or holding, the gate
         self.tokens_generated = 0  # over every call; written by the worker thread only
+        self.positions_decoded = 0  # rows x steps decoded, calls still running included; likewise
         self.generate_s = 0.0
 
     # --- SamplerBackend -------------------------------------------------------------------------
@@ -131,6 +132,11 @@ class HFBackend(PausableBackend):
             return self._pool.submit(self._generate_blocking, prompts, n, params, report)
         except RuntimeError as exc:  # the pool was shut down by close()
             raise SamplerClosedError("HFBackend is closed") from exc
+
+    def tokens_decoded(self) -> int:
+        """Every row of every decoding step, a row that already stopped included (it decodes in
+        step with the others): it moves with each step."""
+        return self.positions_decoded
 
     def weight_sink(self, seat: SyncSeat) -> WeightSink:
         return ActorSink(seat, self)
@@ -295,6 +301,7 @@ class HFBackend(PausableBackend):
                 stops_at = torch.where(hit, step, stops_at)
                 # bool() waits for the device: this step's kernels are done before the gate opens
                 all_stopped = bool((stops_at < never).all())
+                self.positions_decoded += len(rows)
             if strings is not None and not all_stopped:  # a stop token wins over a string in the same step
                 open_rows = (stops_at == never).tolist()
                 for row in strings.completed(token.tolist(), open_rows):

@@ -42,6 +42,10 @@ class SamplerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The weight version held now."""
     generating: int
     """Generate calls in flight now."""
+    decoded: int = 0
+    """Tokens decoded since start, those of calls in flight included (`SamplerBackend.tokens_decoded`):
+    it moves while the engine decodes, so the driver waits out a long group, not a stuck sampler
+    (``driver/fleet/decoding.py``). 0 where the backend cannot tell."""
     name: str
     backend: str
     """``"hf"`` or ``"vllm"``."""

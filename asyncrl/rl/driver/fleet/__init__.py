@@ -9,7 +9,10 @@
     sync_group.py     SyncGroup: the weight-sync group's group-wide calls, the trainer's verdict
     pool.py           SamplerPool: the loop's view of the samplers (batches, syncs, checks,
                       data positions), their pumps started and judged, recovery
-    pumps.py          Pumps: a sampler's rollout streams into the queue (paced, in grant order)
+    pumps.py          Pumps: a sampler's rollout streams into the queue (paced, in the order
+                      the groups end)
+    decoding.py       while_decoding: a sampler's stream waited on for as long as it decodes
+                      (--run.generate_timeout_s bounds the time with no item and no token)
     scaling.py        Scaler: samplers added and drained mid-run (``asyncrl scale``)
     endpoints.py      sampler_endpoints: each sampler's OpenAI endpoint and token, for code
                       outside the episodes (``asyncrl status RUN_DIR --endpoint``)

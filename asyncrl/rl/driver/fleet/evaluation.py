@@ -23,10 +23,12 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import aclosing
 from typing import TypeGuard
 
 from asyncrl.errors import AsyncrlError, RemoteError
 from asyncrl.rl.driver.faults import TaskFailedError
+from asyncrl.rl.driver.fleet.decoding import UNWATCHED_S, while_decoding
 from asyncrl.rl.driver.fleet.membership import Member, Membership, MemberState
 from asyncrl.rl.model.tally import HeldoutPart
 from asyncrl.rl.tasks.scoring import TaskFailureError
@@ -74,7 +76,8 @@ async def solve_on_samplers(
     """Have the samplers in the group solve what ``unsolved`` holds, in rounds (see the module
     docstring); each part, as it comes, is taken off ``unsolved`` and told to ``on_part``. Returns
     the parts; what no sampler could solve is left in ``unsolved``. ``item_timeout_s``: the
-    longest a sampler may go without a part before it counts as lost."""
+    longest a sampler may go with no part and no token decoded before it counts as lost
+    (`while_decoding`)."""
     parts: list[HeldoutPart] = []
     what = f"the held-out evaluation of v{version}"
     while unsolved:
@@ -87,18 +90,21 @@ async def solve_on_samplers(
             greedy, sampled = shards[m]
             if not greedy and not sampled:
                 return
-            async for part in handle.evaluate_heldout(greedy, sampled, samples, 0, rows):
-                mine = set(sampled if part.sampled else greedy)
-                if part.versions != [version]:
-                    raise EvaluationPartError(
-                        f"{m.name} evaluated held-out problems under weight version(s) "
-                        f"{', '.join(f'v{v}' for v in part.versions) or 'unknown'}, not v{version}: "
-                        f"its part is not counted, and its weights are not the run's"
-                    )
-                if not mine.issuperset(part.problems) or not unsolved.take(part):
-                    raise EvaluationPartError(f"{m.name} sent a held-out part of problems it was not given")
-                parts.append(part)
-                on_part(part)
+            stream = handle.with_timeout(UNWATCHED_S).evaluate_heldout(greedy, sampled, samples, 0, rows)
+            watched = while_decoding(handle, stream, timeout_s=item_timeout_s, what="evaluate_heldout")
+            async with aclosing(watched):
+                async for part in watched:
+                    mine = set(sampled if part.sampled else greedy)
+                    if part.versions != [version]:
+                        raise EvaluationPartError(
+                            f"{m.name} evaluated held-out problems under weight version(s) "
+                            f"{', '.join(f'v{v}' for v in part.versions) or 'unknown'}, not v{version}: "
+                            f"its part is not counted, and its weights are not the run's"
+                        )
+                    if not mine.issuperset(part.problems) or not unsolved.take(part):
+                        raise EvaluationPartError(f"{m.name} sent a held-out part of problems it was not given")
+                    parts.append(part)
+                    on_part(part)
             short = unsolved.left[False].intersection(greedy) | unsolved.left[True].intersection(sampled)
             if short:
                 raise EvaluationPartError(f"{m.name} ended its held-out stream with {len(short)} problem(s) unsolved")

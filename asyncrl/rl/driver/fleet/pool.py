@@ -371,7 +371,8 @@ class SamplerPool:
         elif isinstance(exc, CallTimeoutError):
             lose(
                 m,
-                f"no rollout group within --run.generate_timeout_s {self.run.deadlines.generate_timeout_s:g} s",
+                f"no rollout group and no token decoded within --run.generate_timeout_s "
+                f"{self.run.deadlines.generate_timeout_s:g} s",
                 kill=True,
             )
         elif (

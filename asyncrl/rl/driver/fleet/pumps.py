@@ -31,17 +31,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import msgspec
 
 from asyncrl.errors import ActorDiedError
 from asyncrl.rl.config.run import DeadlineConfig
+from asyncrl.rl.driver.fleet.decoding import UNWATCHED_S, while_decoding
 from asyncrl.rl.driver.fleet.membership import Member, Membership
 from asyncrl.rl.driver.pacing import Pacer
 from asyncrl.rl.driver.queue import RolloutQueue, _Wakeup
 from asyncrl.rl.driver.teacher import RewardModel, Teacher
 from asyncrl.rl.driver.uniform import UniformGroups
+from asyncrl.rl.rollout import RolloutGroup
 
 
 @dataclass(frozen=True)
@@ -171,30 +174,36 @@ class Pumps:
     ) -> None:
         """One ``rollouts(max_groups)`` stream into the queue; each group delivered uses one of
         ``credit`` (the pacer's grant)."""
-        put_s = self._put_timeout_s()
-        handle = m.handle.pinned(m.incarnation).with_timeout(self.deadlines.generate_timeout_s)
-        async for group in handle.rollouts(max_groups):
-            incarnation = m.handle.info().incarnation
-            if incarnation != m.incarnation or group.version < m.min_version:
-                raise ActorDiedError(
-                    m.name, f"incarnation {m.incarnation} was replaced by {incarnation} outside the group"
-                )  # its groups were never synced: drop them
-            seq = self.membership.delivered(m)
-            group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{seq}")
-            try:
-                if self.teacher is not None:
-                    group = await self.teacher.annotate(group)
-                if self.reward_model is not None:
-                    group = await self.reward_model.annotate(group)
-                if self.uniform.leave_out(group):
-                    pass  # no learning signal: the sampler makes another in its place
-                elif await self.queue.put(group, timeout_s=put_s) and accepted is not None:
-                    accepted[0] += 1
-            finally:
-                if credit is not None:
-                    credit[0] -= 1
-                    if self.pacer is not None:  # where the credit came from
-                        self.pacer.delivered(last=credit[0] == 0)
+        handle = m.handle.pinned(m.incarnation)
+        stream = handle.with_timeout(UNWATCHED_S).rollouts(max_groups)
+        groups = while_decoding(handle, stream, timeout_s=self.deadlines.generate_timeout_s, what="rollouts")
+        async with aclosing(groups):  # whatever ends the pump's reading ends the stream on the sampler
+            async for group in groups:
+                try:
+                    await self._deliver(m, group, accepted)
+                finally:
+                    if credit is not None:
+                        credit[0] -= 1
+                        if self.pacer is not None:  # where the credit came from
+                            self.pacer.delivered(last=credit[0] == 0)
+
+    async def _deliver(self, m: Member, group: RolloutGroup, accepted: list[int] | None) -> None:
+        """One group of ``m``'s stream: named, scored, and queued (or left out: one reward)."""
+        incarnation = m.handle.info().incarnation
+        if incarnation != m.incarnation or group.version < m.min_version:
+            raise ActorDiedError(
+                m.name, f"incarnation {m.incarnation} was replaced by {incarnation} outside the group"
+            )  # its groups were never synced: drop them
+        seq = self.membership.delivered(m)
+        group = msgspec.structs.replace(group, uid=f"{self.uid_prefix}{m.name}/{m.incarnation}/{seq}")
+        if self.teacher is not None:
+            group = await self.teacher.annotate(group)
+        if self.reward_model is not None:
+            group = await self.reward_model.annotate(group)
+        if self.uniform.leave_out(group):
+            pass  # no learning signal: the sampler makes another in its place
+        elif await self.queue.put(group, timeout_s=self._put_timeout_s()) and accepted is not None:
+            accepted[0] += 1
 
     def _put_timeout_s(self) -> float:
         """The longest a live driver leaves the queue full, or its pumps without credit: a train

@@ -184,6 +184,7 @@ class VLLMBackend(PausableBackend):
         """In vLLM's id of every request of this backend, and of no other's (shared engines' clients)."""
         self._versions = RequestVersions()  # the version spans of the requests running
         self.tokens_generated = 0
+        self.tokens_finished = 0  # of requests that ended (`tokens_decoded` adds the running ones')
         self.generate_s = 0.0
         self.engine_exit_codes: list[int | None] = []
         """After `close`: how vLLM's engine-core processes ended: 0 when by themselves; where
@@ -433,8 +434,13 @@ class VLLMBackend(PausableBackend):
             self._versions.end(request_id)
         if final is None or not final.finished:
             raise SamplerError(f"vLLM request {request_id} ended without a final output")
+        self.tokens_finished += sum(len(sample.token_ids) for sample in latest.values())
         final.outputs = [latest[i] for i in sorted(latest)]
         return final, spans
+
+    def tokens_decoded(self) -> int:
+        engine = self.engine
+        return self.tokens_finished + (compat.tokens_in_flight(engine) if engine is not None else 0)
 
     def engine_stats(self) -> dict[str, int | float]:
         stats: dict[str, int | float] = dict(self.engine_counts or {})

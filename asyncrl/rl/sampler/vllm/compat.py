@@ -347,6 +347,21 @@ def unfinished_requests(engine: Any) -> int:
     return count() if count is not None else engine.output_processor.get_num_unfinished_requests()
 
 
+def tokens_in_flight(engine: Any) -> int:
+    """Tokens of the requests ``engine`` (an ``AsyncLLM``) has not finished, as far as its client
+    has received them: each engine step sends every running request's new tokens to the client,
+    whatever output kind was asked, and its output processor keeps them per request (0.24 through
+    0.33). 0 where it keeps no such table (a vLLM we do not know)."""
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    if not isinstance(states, dict):
+        return 0
+    total = 0
+    for state in states.values():  # on the loop the output handler runs on: never mid-update
+        count = getattr(getattr(state, "detokenizer", None), "num_output_tokens", None)
+        total += count() if callable(count) else 0
+    return total
+
+
 def engine_processes(engine: Any) -> list[Any]:
     """The engine-core processes (``multiprocessing`` ones) of ``engine`` (an ``AsyncLLM``); []
     where this version keeps them elsewhere or they are not local."""
