@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.rl.generation import Completion, SamplingParams
 from asyncrl.rl.sampler.backend import SamplerSyncStats, WeightSink
-from asyncrl.rl.sampler.errors import SamplerError
+from asyncrl.rl.sampler.errors import SamplerError, SamplerTimeoutError
 from asyncrl.rl.sampler.generation import GatedGeneration
 from asyncrl.rl.sampler.weight_receiving import WeightReceiving
 from asyncrl.runtime.timeouts import timeout
@@ -100,6 +100,16 @@ async def test_a_batch_in_flight_during_a_failed_sync_is_generated_again_after_t
     assert generation.counts["discarded_batches"] == 1 and generation.counts["batches"] == 2
     assert generation.counts["completions"] == 1 and generation.counts["tokens"] == 2 and generation.calls == 0
     assert weights.counts["syncs"] == 1 and weights.counts["failed_syncs"] == 1
+
+
+async def test_a_pause_that_outlasts_the_sync_names_what_long_completions_need():
+    """Pause mode waits for the batch in flight, which long completions can make longer than the
+    sync's deadline: the error names both ways out, and the weights, untouched, still serve."""
+    weights, _, _, _ = parts([SamplerTimeoutError("the batch in flight did not end")], sync_timeout_s=1.0)
+    names = "within 1 s .*--sampler.weight_update in_flight.*--run.sync_timeout_s"
+    with pytest.raises(SamplerTimeoutError, match=names):
+        await weights.receive(1)
+    assert weights.failures == 0 and weights.counts["failed_syncs"] == 1
 
 
 async def test_the_sink_joins_through_the_parts_seat_and_leaving_releases_both():

@@ -107,10 +107,15 @@ class WeightReceiving:
             except SamplerTimeoutError:  # the weights were not touched: sampling may go on
                 self._ready.set()
                 self.counts["failed_syncs"] += 1
+                why = (
+                    "a decoding step did not end"
+                    if self.in_flight
+                    else "the batch in flight did not finish: long completions take their weights between "
+                    "decoding steps with --sampler.weight_update in_flight, or need a longer --run.sync_timeout_s"
+                )
                 raise SamplerTimeoutError(
                     f"sampler {self.name}: no moment free of generation came within {self.sync_timeout_s:g} s "
-                    f"({'a decoding step did not end' if self.in_flight else 'the batch in flight did not finish'}), "
-                    "so the weights could not be taken"
+                    f"({why}), so the weights could not be taken"
                 ) from None
             except BaseException:
                 self.counts["failed_syncs"] += 1
