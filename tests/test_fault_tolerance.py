@@ -117,6 +117,27 @@ def pid_of(sup, name: str) -> int:
     return status.pid
 
 
+async def run_freezing_sampler1(config: GRPOConfig) -> tuple[dict, dict[str, int], list[str]]:
+    """Train with ``config``, SIGSTOPping sampler1 once the run logs its held-out rate before
+    GRPO (the supervisor's heartbeat check would need 15 s to find it). The run's summary, each
+    actor's restarts, and the log lines, each after its time."""
+    logs: list[str] = []
+    frozen: list[float] = []
+    async with Supervisor() as sup:
+
+        def log(line: str) -> None:
+            logs.append(f"{time.monotonic():.1f} {line}")
+            if line.startswith("held-out solve rate before GRPO") and not frozen:
+                os.kill(pid_of(sup, "sampler1"), signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        summary = await train(config, sup, log=log)
+        restarts = {s.name: s.restarts for s in sup.status()}
+    print("\n".join(logs))
+    assert frozen, "the run never logged its held-out rate before GRPO: sampler1 was not frozen"
+    return summary, restarts, logs
+
+
 def check_whole(run_dir, steps: int, groups: int, digests: bool = True) -> list[dict]:
     """Every step exactly once; every group trained at most once; after each sync every member of
     the group held the trainer's weights bit for bit (with ``digests``: `--run.check_weights`)."""
@@ -185,26 +206,12 @@ async def test_sampler_sigkills_at_random_moments(model_path, tmp_path):
 async def test_a_frozen_sampler_fails_the_sync_within_its_deadline_and_is_replaced(model_path, tmp_path):
     run_dir = tmp_path / "run"
     config = tiny(model_path, run_dir, "--run.steps", "10", "--sampler.count", "2", "--run.sync_timeout_s", "3")
-    logs: list[str] = []
-    frozen: list[float] = []
-
-    async with Supervisor() as sup:
-
-        def log(line: str) -> None:
-            logs.append(f"{time.monotonic():.1f} {line}")
-            # Frozen from inside the driver, after the start's sync and before the first step's,
-            # so outside any sync: the next sync is the one that finds it. (Frozen from outside,
-            # at some step, it could stop in a sync after its collectives had ended and before it
-            # answered: that sync succeeded on the trainer and the survivor, and there was no
-            # collective error to see. Nor could a weight check come first here.)
-            if line.startswith("held-out solve rate before GRPO") and not frozen:
-                os.kill(pid_of(sup, "sampler1"), signal.SIGSTOP)  # the supervisor's heartbeat check needs 15 s
-                frozen.append(time.monotonic())
-
-        summary = await train(config, sup, log=log)
-        restarts = {s.name: s.restarts for s in sup.status()}
-    assert frozen, "the run never logged its held-out rate before GRPO: sampler1 was not frozen"
-    print("\n".join(logs))
+    # Frozen from inside the driver, after the start's sync and before the first step's, so
+    # outside any sync: the next sync is the one that finds it. (Frozen from outside, at some
+    # step, it could stop in a sync after its collectives had ended and before it answered: that
+    # sync succeeded on the trainer and the survivor, and there was no collective error to see.
+    # Nor could a weight check come first here.)
+    summary, restarts, logs = await run_freezing_sampler1(config)
     recs = check_whole(run_dir, 10, 4, digests=False)
     (fault,) = summary["fault_log"]
     assert fault["sampler"] == "sampler1" and "no answer during the weight sync" in fault["cause"], fault
@@ -229,21 +236,7 @@ async def test_a_sampler_frozen_while_it_generates_is_lost_by_its_generate_deadl
         run_dir,
         *("--run.steps", "3", "--run.mode", "sync", "--sampler.count", "2", "--run.generate_timeout_s", "3"),
     )
-    logs: list[str] = []
-    frozen: list[float] = []
-
-    async with Supervisor() as sup:
-
-        def log(line: str) -> None:
-            logs.append(f"{time.monotonic():.1f} {line}")
-            if line.startswith("held-out solve rate before GRPO") and not frozen:
-                os.kill(pid_of(sup, "sampler1"), signal.SIGSTOP)
-                frozen.append(time.monotonic())
-
-        summary = await train(config, sup, log=log)
-        restarts = {s.name: s.restarts for s in sup.status()}
-    assert frozen, "the run never logged its held-out rate before GRPO: sampler1 was not frozen"
-    print("\n".join(logs))
+    summary, restarts, _ = await run_freezing_sampler1(config)
     check_whole(run_dir, 3, 4, digests=False)
     (fault,) = summary["fault_log"]
     assert fault == {
