@@ -211,8 +211,9 @@ def test_max_staleness_auto_is_two_on_a_shared_gpu_at_long_completions():
     import dataclasses
 
     from asyncrl.rl.config.grpo import GRPOConfig
+    from asyncrl.rl.config.lengths import LONG_COMPLETIONS
     from asyncrl.rl.config.model import ModelConfig
-    from asyncrl.rl.config.run import LONG_COMPLETIONS, RunConfig
+    from asyncrl.rl.config.run import RunConfig
     from asyncrl.rl.config.sampler import SamplerConfig
     from asyncrl.rl.driver.build import resolve_samplers
     from asyncrl.rl.driver.devices import plan_devices
@@ -235,6 +236,20 @@ def test_max_staleness_auto_is_two_on_a_shared_gpu_at_long_completions():
     assert resolved(*one_gpu, run=RunConfig(max_staleness=1), max_new_tokens=8192)[0].run.max_staleness == 1
     config, line = resolved("cuda", ["0", "1"], max_new_tokens=8192)
     assert config.run.max_staleness == 2 and "completions up to" not in line  # 2 for the samplers' own GPUs
+
+
+def test_engine_stats_auto_counts_preemptions_at_long_completions_only():
+    """Where the KV cache fills (completions that may run to LONG_COMPLETIONS tokens), vLLM samplers
+    count their engines' preemptions by default; shorter ones keep the sampler's CPU for decoding."""
+    from asyncrl.rl.config.lengths import LONG_COMPLETIONS
+    from asyncrl.rl.config.sampler import SamplerConfig
+
+    assert SamplerConfig(max_new_tokens=LONG_COMPLETIONS).keeps_engine_stats
+    assert SamplerConfig(lengths="lognormal:8192").keeps_engine_stats
+    assert not SamplerConfig(max_new_tokens=LONG_COMPLETIONS - 1).keeps_engine_stats
+    assert not SamplerConfig(max_new_tokens=0).keeps_engine_stats  # the model's own limit: unknown here
+    assert not SamplerConfig(max_new_tokens=8192, engine_stats=False).keeps_engine_stats
+    assert SamplerConfig(max_new_tokens=256, engine_stats=True).keeps_engine_stats
 
 
 def scored(*rewards: float) -> RolloutGroup:

@@ -15,7 +15,7 @@ from asyncrl.comm.weights import SyncStats
 from asyncrl.rl.config.run import DataConfig
 from asyncrl.rl.config.sampler import SamplerConfig
 from asyncrl.rl.config.trainer import TrainerConfig
-from asyncrl.rl.observe.sync_metrics import DELTA_METRICS, ENGINE_METRICS, SYNC_METRICS, sync_record
+from asyncrl.rl.observe.sync_metrics import DELTA_METRICS, ENGINE_METRICS, SYNC_METRICS, preemption_line, sync_record
 from asyncrl.rl.sampler.backend import SamplerSyncStats
 from test_packing import random_groups
 
@@ -126,6 +126,21 @@ def test_the_step_record_takes_the_slowest_sampler_per_phase_and_the_rest_as_rou
         **dict.fromkeys(DELTA_METRICS),  # a delta sync's only: left out of the line
         **dict.fromkeys(ENGINE_METRICS),
     }
+
+
+def test_the_first_step_with_preemptions_says_what_keeps_fewer_sequences_in_flight():
+    from asyncrl.rl.observe.sync_metrics import SyncPhases
+
+    assert preemption_line(3, SyncPhases(sync_s=1.0, engine_preemptions=None), 2) == ""  # not counted
+    assert preemption_line(3, SyncPhases(sync_s=1.0, engine_preemptions=0, engine_kv_cache_peak=0.4), 2) == ""
+    full = SyncPhases(sync_s=1.0, engine_preemptions=12, engine_kv_cache_peak=0.995)
+    line = preemption_line(3, full, 2)
+    assert line.startswith("step 3: the samplers' engines preempted 12 request(s) since the sync before (KV cache")
+    assert "at most 100% full" in line, line
+    assert line.endswith("--sampler.streams 1 keeps one step's groups in each engine instead of 2"), line
+    assert preemption_line(3, full, 1).endswith(
+        "a smaller --sampler.prompts_per_batch, or more of the GPU for it (--sampler.gpu_memory_utilization)"
+    )
 
 
 def test_the_wire_dtype_is_the_samplers_own_when_they_agree():

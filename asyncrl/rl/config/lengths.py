@@ -21,6 +21,12 @@ import random
 
 import msgspec
 
+LONG_COMPLETIONS = 4096
+"""Completion tokens (``--sampler.max_new_tokens``, or the ``--sampler.lengths`` cap) from which
+completions count as long, and the defaults follow: a colocated GPU's auto staleness is 2, and
+vLLM samplers count their engines' preemptions. The bottom of the long-reasoning range, where a
+step's long tail outlasts a train step (docs/grpo.md, "Long generations", has the runs)."""
+
 KINDS = ("uniform", "lognormal")
 LOG_SIGMA = 0.8
 """The lognormal profile's spread: P(length >= cap) = P(Z >= ln 4 / 0.8) ~ 4%."""

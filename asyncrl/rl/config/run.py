@@ -137,7 +137,7 @@ class RunConfig:
     """Async mode: train on groups at most this many weight versions old; older ones are dropped.
     None (auto): 2 where the samplers have GPUs of their own, so their next step's rollouts begin
     before the trainer's step ends (at 1.5B on two GPUs, 2 beat 1 clearly: docs/gpu.md), and on a
-    GPU shared with the trainer when completions may run to ``LONG_COMPLETIONS`` tokens or more,
+    GPU shared with the trainer when completions may run to 4,096 tokens or more (``LONG_COMPLETIONS``),
     so the engine decodes two steps' groups at once (docs/grpo.md, "Long generations"); else 1;
     at least ``sync_every - 1`` either way. The run's log says what it resolved to."""
     queue_capacity: int = 0
@@ -233,11 +233,6 @@ AUTO_STALENESS_ROOMY = 2
 own: a step's rollouts cannot begin before the last step's weights. A GPU shared with the trainer
 at long completions: the pacer's room (a sampler's streams follow it) holds one step's groups in
 the engine, too few sequences to decode a step's long tail in the time of a train step."""
-
-LONG_COMPLETIONS = 4096
-"""Completion tokens (``--sampler.max_new_tokens``, or the ``--sampler.lengths`` cap) from which a
-colocated GPU's auto staleness is 2: the bottom of the long-reasoning range, where a step's long
-tail outlasts a train step (docs/grpo.md, "Long generations", has the runs)."""
 
 PLACEMENT_ROLES = ("trainer", "sampler")
 

@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from asyncrl.rl.config.lengths import LengthProfile
+from asyncrl.rl.config.lengths import LONG_COMPLETIONS, LengthProfile
 
 CPU_PROMPTS_PER_BATCH = 8
 """What ``prompts_per_batch`` 0 means on the CPU (and the least it means on a GPU)."""
@@ -83,12 +83,14 @@ class SamplerConfig:
     completion runs exactly a length drawn from this profile, 'uniform:N' or 'lognormal:N'
     (median N/4, capped at N; asyncrl/rl/config/lengths.py), its stop tokens ignored. Empty:
     lengths are the model's own."""
-    engine_stats: bool = False
+    engine_stats: bool | None = None
     """vLLM: keep the engine's statistics and count its preemptions (requests taken off the GPU
     for want of KV cache, computed again later) and its peak KV cache use: each step's record has
     them since the step before (``engine_preemptions``, ``engine_kv_cache_peak``), the sampler's
-    stats and last log line the run's. Off by default: a little of the sampler's CPU each engine
-    step."""
+    stats and last log line the run's, and the first step with preemptions says so in a line.
+    None (auto): on where completions may run to 4,096 tokens or more (``max_new_tokens``, or
+    the ``lengths`` cap), where the cache fills and the GPU, not the sampler's CPU, bounds an
+    engine step; off otherwise, as the counting costs a little of the sampler's CPU each step."""
     engine_start_timeout_s: float = 900.0
     """vLLM: how long a sampler's start may spend loading the model and building its engine before
     it counts as hung. A first start on a fresh GPU machine compiles the model (torch.compile) and
@@ -137,6 +139,13 @@ class SamplerConfig:
         model's own limit, not known here)."""
         profile = LengthProfile.parse(self.lengths)
         return self.max_new_tokens or (profile.cap if profile is not None else 0)
+
+    @property
+    def keeps_engine_stats(self) -> bool:
+        """``engine_stats``, resolved: auto is on at long completions (`LONG_COMPLETIONS`)."""
+        if self.engine_stats is not None:
+            return self.engine_stats
+        return self.length_limit >= LONG_COMPLETIONS
 
     def engine_args(self) -> dict:
         """``vllm_args`` as a dict ({} when empty); ValueError for anything but a JSON object."""

@@ -21,7 +21,8 @@ from typing import Any
 
 from asyncrl.rl.checkpoint import Checkpoint, CheckpointError, list_checkpoints
 from asyncrl.rl.config.grpo import GRPOConfig
-from asyncrl.rl.config.run import AUTO_STALENESS_ROOMY, LONG_COMPLETIONS
+from asyncrl.rl.config.lengths import LONG_COMPLETIONS
+from asyncrl.rl.config.run import AUTO_STALENESS_ROOMY
 from asyncrl.rl.config.teacher import scorer_sections
 from asyncrl.rl.driver.devices import DevicePlan
 from asyncrl.rl.driver.fleet.handles import Log, SamplerHandle

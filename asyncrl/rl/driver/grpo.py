@@ -65,7 +65,7 @@ from asyncrl.rl.observe.progress import Progress, make_progress
 from asyncrl.rl.observe.record import StepRecord, scalars_of
 from asyncrl.rl.observe.report import RunSummary, summary_text
 from asyncrl.rl.observe.stall import StallWatch
-from asyncrl.rl.observe.sync_metrics import sync_record
+from asyncrl.rl.observe.sync_metrics import preemption_line, sync_record
 from asyncrl.rl.observe.writers import MetricWriters
 from asyncrl.rl.rollout import RolloutGroup
 from asyncrl.rl.sampler.stats import SamplerStats
@@ -187,6 +187,7 @@ class GRPODriver:
         self.began = False  # training began (the held-out rates before it are known)
         self.after_step = ""  # what the driver does after a step's training, while it does it
         self.waiting = Wait.NOTHING  # what the step under way waits for
+        self.said_preemptions = False  # the first step whose engines preempted requests said so
         self.stall = StallWatch(
             self.run.observe.stall_factor,
             self.run.observe.stall_floor_s,
@@ -449,6 +450,10 @@ class GRPODriver:
             if self.scaler is not None:  # a scale request changes the group here, with the sync
                 await self.scaler.at_sync()
             synced = await self.pool.sync(self.version)
+            streams = self.config.sampler.streams if self.pacer is not None else 1
+            if not self.said_preemptions and (line := preemption_line(step, synced, streams)):
+                self.log(line)  # once: the step records have every step's
+                self.said_preemptions = True
             if run.check_weights:
                 self.waiting = Wait.CHECK
                 digests = await self.pool.verify_weights()

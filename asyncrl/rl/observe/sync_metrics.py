@@ -117,3 +117,20 @@ def sync_record(wall_s: float, trainer: SyncStats | None, samplers: Sequence[Sam
         engine_preemptions=sum(s.preemptions or 0 for s in counted) if counted else None,
         engine_kv_cache_peak=max(s.kv_cache_peak or 0.0 for s in counted) if counted else None,
     )
+
+
+def preemption_line(step: int, phases: SyncPhases, streams: int) -> str:
+    """What a step whose samplers' engines preempted requests says ("" where none did, or none
+    counted): the KV cache holds fewer sequences than are in flight, each one preempted is computed
+    again, and what keeps fewer in flight (``streams``: the paced batches each sampler keeps)."""
+    if not phases.engine_preemptions:
+        return ""
+    if streams > 1:
+        fix = f"--sampler.streams 1 keeps one step's groups in each engine instead of {streams}"
+    else:
+        fix = "a smaller --sampler.prompts_per_batch, or more of the GPU for it (--sampler.gpu_memory_utilization)"
+    return (
+        f"step {step}: the samplers' engines preempted {phases.engine_preemptions} request(s) since the sync "
+        f"before (KV cache at most {phases.engine_kv_cache_peak or 0.0:.0%} full): more sequences in flight "
+        f"than it holds, and each one preempted is computed again; {fix}"
+    )

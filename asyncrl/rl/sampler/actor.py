@@ -483,7 +483,7 @@ def _vllm_options(config: SamplerConfig, extra: dict | None, share: EngineShare 
     """`VLLMBackend`'s keyword arguments: the sampler section's, the spawner's ``extra`` ones
     (``SamplerActor``'s ``vllm``), ``--sampler.vllm_args``' engine fields, and its engine ``share``."""
     return (
-        {"stage_weights": config.stage_weights, "engine_stats": config.engine_stats}
+        {"stage_weights": config.stage_weights, "engine_stats": config.keeps_engine_stats}
         | (extra or {})
         | ({"engine": config.engine_args()} if config.vllm_args else {})
         | ({"share": share} if share is not None else {})
