@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from asyncrl.errors import ActorDiedError, CallTimeoutError, RemoteError
 from asyncrl.rl.driver.fleet.handles import SamplerHandle
-from asyncrl.runtime.timeouts import expired, move_deadline, timeout
+from asyncrl.runtime.timeouts import Deadline, expired, move_deadline, timeout
 
 T = TypeVar("T")
 
@@ -84,7 +84,7 @@ class _Watch:
 
     def __init__(self, sampler: SamplerHandle, timeout_s: float, poll_s: float):
         self.sampler, self.timeout_s, self.poll_s = sampler, timeout_s, poll_s
-        self.deadline: Any = None  # the entered `timeout` of the wait under way; None between items
+        self.deadline: Deadline | None = None  # the entered `timeout` of the wait under way; None between items
         self.count: int | None = None  # the sampler's decoded tokens at the last reading
 
     async def run(self) -> None:
